@@ -1,0 +1,32 @@
+# plait — set-up, demo, tests and benchmarks. `make demo` and `make test` work on a fresh clone.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# A CPU build of PyTorch lies on this machine's disk; any other request downloads a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install demo test bench lint clean
+
+$(BIN)/plait: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $(BIN)/plait
+
+install: $(BIN)/plait
+
+demo: install
+	$(BIN)/plait demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/run_all.py
+
+lint: install
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,36 @@
+"""Entry point of the ``plait`` command: builds the Typer app from one module per sub-command."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="plait",
+    help="Plan, simulate, run and verify tensor, sequence, pipeline, data and expert parallelism.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module defines ``register(app)``; heavy imports (torch) happen inside the commands.
+_COMMAND_MODULES = [
+    "plait.cli.simulate",
+    "plait.cli.demo",
+]
+
+for _name in _COMMAND_MODULES:
+    try:
+        importlib.import_module(_name).register(app)
+    except ModuleNotFoundError as exc:  # a sub-command not built yet must not break the others
+        if exc.name != _name:
+            raise
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

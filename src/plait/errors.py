@@ -1,0 +1,12 @@
+"""plait's exception types (importable without torch)."""
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, raised before any collective runs.
+
+    The message names the offending parameter and says what would be valid.
+    """
+
+
+class CommTimeoutError(RuntimeError):
+    """A rank waited longer than its timeout on a collective or point-to-point operation."""
