@@ -17,6 +17,9 @@ app = typer.Typer(
 # Each module defines ``register(app)``; heavy imports (torch) happen inside the commands.
 _COMMAND_MODULES = [
     "plait.cli.simulate",
+    "plait.cli.plan",
+    "plait.cli.verify",
+    "plait.cli.train",
     "plait.cli.demo",
 ]
 
