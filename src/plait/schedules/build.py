@@ -1,0 +1,83 @@
+"""``build_schedule``: parameter checks and dispatch to the schedule generators."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plait.errors import ConfigError
+from plait.schedules import generators as gen
+from plait.schedules import zero_bubble as zb
+from plait.schedules.schedule import Schedule, loop_placement, v_placement
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
+
+#: schedule -> (allowed virtual values or None for "any >= 1", default virtual)
+_VIRTUAL: dict[str, tuple[tuple[int, ...] | None, int]] = {
+    "gpipe": ((1,), 1),
+    "1f1b": ((1,), 1),
+    "zb-h1": ((1,), 1),
+    "interleaved-1f1b": (None, 2),
+    "looped-bfs": (None, 2),
+    "zbv": ((1, 2), 2),  # the V shape is exactly two chunks per rank; 1 means "the default"
+    "dualpipev": ((1, 2), 2),
+}
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+    return value
+
+
+def _resolve_virtual(name: str, virtual: int | None) -> int:
+    allowed, default = _VIRTUAL[name]
+    if virtual is None:
+        return default
+    v = _positive_int("virtual", virtual)
+    if allowed is not None and v not in allowed:
+        if default == 1:
+            hint = "use virtual=1, or interleaved-1f1b / looped-bfs for several chunks per rank"
+        else:
+            hint = "use virtual=2 (or leave it unset)"
+        raise ConfigError(f"virtual={virtual}: {name} places exactly {default} chunk(s) per rank; {hint}")
+    return default if allowed is not None else v
+
+
+def build_schedule(
+    name: str,
+    stages: int,
+    microbatches: int,
+    virtual: int | None = None,
+    validate: bool = False,
+) -> Schedule:
+    """Build the named schedule for ``stages`` pipeline ranks and ``microbatches`` micro-batches.
+
+    ``virtual`` is the number of chunks per rank (``None``: 1, or 2 for interleaved-1f1b, looped-bfs,
+    zbv and dualpipev). Placement: round-robin (chunk ``c`` on rank ``c % stages``) for all but zbv and
+    dualpipev, which use the V shape (chunk ``c`` on rank ``c`` if ``c < stages`` else
+    ``2·stages-1-c``). Raises ``plait.ConfigError`` naming the bad parameter. ``validate=True`` also
+    dry-runs the result (every generator is tested to validate, so this is off by default).
+    """
+    key = str(name).strip().lower()
+    if key not in SCHEDULE_NAMES:
+        raise ConfigError(f"schedule={name!r}: unknown; valid names are {', '.join(SCHEDULE_NAMES)}")
+    p = _positive_int("stages", stages)
+    m = _positive_int("microbatches", microbatches)
+    v = _resolve_virtual(key, virtual)
+    if key == "dualpipev" and m < 2 * p:
+        raise ConfigError(
+            f"microbatches={m}: dualpipev needs at least 2*stages={2 * p} micro-batches "
+            "(DualPipe's num_chunks >= 2*num_ranks); use more micro-batches or zbv"
+        )
+    actions = {
+        "gpipe": lambda: gen.gpipe(p, m),
+        "1f1b": lambda: gen.one_f_one_b(p, m),
+        "interleaved-1f1b": lambda: gen.interleaved_1f1b(p, m, v),
+        "looped-bfs": lambda: gen.looped_bfs(p, m, v),
+        "zb-h1": lambda: zb.zb_h1(p, m),
+        "zbv": lambda: zb.zbv(p, m),
+        "dualpipev": lambda: zb.dualpipev(p, m),
+    }[key]()
+    placement = v_placement(p) if key in ("zbv", "dualpipev") else loop_placement(p, v)
+    sched = Schedule(name=key, num_ranks=p, virtual=v, microbatches=m, placement=placement, actions=actions)
+    return sched.validate() if validate else sched

@@ -1,0 +1,76 @@
+"""``Costs``: how long each kind of pipeline step takes, per micro-batch, for the simulator."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.schedules import Schedule
+
+Cost = float | Sequence[float]
+
+
+@dataclass
+class Costs:
+    """Times of one micro-batch through one whole pipeline stage (a rank's share of the model).
+
+    A chunk of a rank holding ``V`` chunks costs ``1/V`` of it. A split backward costs
+    ``I = backward - weight`` and ``W = weight``; ``weight=None`` means ``backward / 2``. ``p2p`` is
+    added when a dependency was produced on another rank (the send/receive latency).
+
+    Each of ``forward``, ``backward`` and ``weight`` may be a number or a list for unbalanced stages:
+    length ``num_ranks`` gives the time of each rank's whole share (its chunks cost ``1/V`` of it);
+    length ``num_ranks * virtual`` gives the time of each chunk directly. Units are arbitrary
+    (traces read them as milliseconds). Costs measured from real runs will plug in through a
+    constructor (a later ``Costs.measure(...)``) returning this same dataclass.
+    """
+
+    forward: Cost = 1.0
+    backward: Cost = 2.0
+    weight: Cost | None = None
+    p2p: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, Sequence) else v) for k, v in asdict(self).items()}
+
+    def durations(self, schedule: Schedule) -> dict[str, list[float]]:
+        """Per-kind, per-chunk durations for ``schedule``: ``{"F": [...], "B": ..., "I": ..., "W": ...}``."""
+        if not _ok(self.p2p):
+            raise ConfigError(f"p2p={self.p2p!r}: must be a finite number >= 0")
+        f = _per_chunk("forward", self.forward, schedule)
+        b = _per_chunk("backward", self.backward, schedule)
+        w = [x / 2 for x in b] if self.weight is None else _per_chunk("weight", self.weight, schedule)
+        for c, (bc, wc) in enumerate(zip(b, w, strict=True)):
+            if wc > bc * (1 + 1e-12):
+                raise ConfigError(
+                    f"weight={self.weight!r}: the weight-gradient part ({wc:g} on chunk {c}) cannot exceed "
+                    f"the whole backward ({bc:g}); give weight <= backward"
+                )
+        return {"F": f, "B": b, "I": [max(bc - wc, 0.0) for bc, wc in zip(b, w, strict=True)], "W": w}
+
+
+def _ok(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _per_chunk(name: str, value: Cost, schedule: Schedule) -> list[float]:
+    p, v, n = schedule.num_ranks, schedule.virtual, schedule.num_stages
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, int, float)):
+        raise ConfigError(f"{name}={value!r}: must be a number or a list of numbers")
+    values = list(value) if isinstance(value, Sequence) else [value]
+    if not all(_ok(x) for x in values):
+        raise ConfigError(f"{name}={value!r}: times must be finite numbers >= 0")
+    if len(values) == 1 and not isinstance(value, Sequence):
+        return [float(values[0]) / v] * n
+    if len(values) == p:
+        return [float(values[schedule.placement[c]]) / v for c in range(n)]
+    if len(values) == n:
+        return [float(x) for x in values]
+    raise ConfigError(
+        f"{name}: a list of {len(values)} times; give one per rank ({p}) or one per chunk ({n})"
+    )
