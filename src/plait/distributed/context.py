@@ -1,0 +1,197 @@
+"""ParallelContext: the device mesh, process groups and rank coordinates of one layout."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from plait.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of each parallel dimension; world = tp * pp * dp (ep groups live inside dp * tp)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+
+def resolve_layout(world: int, tp: int, pp: int, dp: int, ep: int = 1) -> Layout:
+    """Validate a layout against the world size (no collective); ``dp=-1`` infers dp."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: must be a positive integer")
+    if not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"ep={ep!r}: must be a positive integer")
+    if dp == -1:
+        if world % (tp * pp):
+            raise ConfigError(
+                f"tp*pp={tp}*{pp}={tp * pp} does not divide the world size {world}; valid tp*pp "
+                f"products: {_divisors(world)}"
+            )
+        dp = world // (tp * pp)
+    if not isinstance(dp, int) or dp < 1:
+        raise ConfigError(f"dp={dp!r}: must be a positive integer or -1 (inferred from the world size)")
+    if tp * pp * dp != world:
+        raise ConfigError(
+            f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}; choose tp, pp, dp "
+            f"whose product is {world} (tp and pp from {_divisors(world)}, or pass dp=-1)"
+        )
+    if (dp * tp) % ep:
+        raise ConfigError(f"ep={ep} must divide dp*tp={dp * tp}; valid ep: {_divisors(dp * tp)}")
+    return Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelContext:
+    """Everything a parallel module needs to know about where it runs. Passed explicitly, never global."""
+
+    layout: Layout
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    # global rank = (pp_rank * dp + dp_rank) * tp + tp_rank  (TP innermost)
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.dp_size)
+
+    def global_rank(self, tp_rank: int | None = None, dp_rank: int | None = None,
+                    pp_rank: int | None = None) -> int:
+        """Global rank of the given coordinates (defaults: this rank's own)."""
+        t = self.tp_rank if tp_rank is None else tp_rank
+        d = self.dp_rank if dp_rank is None else dp_rank
+        p = self.pp_rank if pp_rank is None else pp_rank
+        return (p * self.dp_size + d) * self.tp_size + t
+
+    @property
+    def tp_group(self):
+        return self._groups.get("tp")
+
+    @property
+    def pp_group(self):
+        return self._groups.get("pp")
+
+    @property
+    def dp_group(self):
+        return self._groups.get("dp")
+
+    @property
+    def world_group(self):
+        return self._groups.get("world")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/dp coordinates."""
+        return self.global_rank(pp_rank=pp_rank)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp_size}, "
+                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})")
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"environment variable {name} is not set; launch with torchrun or plait's launcher")
+        return default
+    return int(value)
+
+
+def _ensure_default_group(timeout_s: float) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+    dist.init_process_group(
+        backend=backend,
+        rank=_env_int("RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _pick_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, timeout_s: float | None = None,
+         ) -> ParallelContext:
+    """Create a ParallelContext for the layout ``tp x pp x dp`` (TP innermost, then DP, then PP).
+
+    Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the
+    default process group if needed (NCCL with CUDA, otherwise Gloo). The layout is validated before
+    any collective. Calling it again with another layout returns a new context with new groups.
+    """
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+    layout = resolve_layout(world, tp, pp, dp, ep)
+    if world == 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    _ensure_default_group(timeout)
+    device = _pick_device()
+    mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    groups["world"] = dist.group.WORLD
+    return ParallelContext(layout=layout, rank=dist.get_rank(), world_size=world, device=device,
+                           mesh=mesh, timeout_s=timeout, _groups=groups)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

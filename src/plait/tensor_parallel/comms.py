@@ -1,0 +1,174 @@
+"""The conjugate tensor-parallel collectives as autograd functions (Shoeybi et al. 2019, Korthikanti et al. 2022).
+
+f  = copy_to_tp:        identity forward, all-reduce backward (enters a TP region)
+g  = reduce_from_tp:    all-reduce forward, identity backward (leaves a TP region)
+gather_last / scatter_last: all-gather / split along the last (hidden) dimension
+Sequence parallelism replaces g by reduce-scatter and f by all-gather along the sequence dimension:
+gather_seq:             all-gather forward, reduce-scatter backward
+reduce_scatter_seq:     reduce-scatter forward, all-gather backward
+scatter_seq:            split forward, all-gather backward (replicated input -> sequence shards)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the tensor collectives; keep the older names working for the open version range.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` into a new tensor."""
+    out = x.contiguous().clone()
+    if _size(group) > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate the ranks' ``x`` along ``dim`` (rank order)."""
+    t = _size(group)
+    if t == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()  # gather along the leading dim: one contiguous buffer
+    out = x.new_empty((t * x.shape[0], *x.shape[1:]))
+    _all_gather_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's slice of ``dim``."""
+    t = _size(group)
+    if t == 1:
+        return x
+    if x.shape[dim] % t:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // t, *x.shape[1:]))
+    _reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim)
+
+
+def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice of ``dim`` (no communication)."""
+    t = _size(group)
+    if t == 1:
+        return x
+    if x.shape[dim] % t:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
+    return x.chunk(t, dim=dim)[_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """f: identity forward, all-reduce backward."""
+    return _CopyToTP.apply(x, group) if _size(group) > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return _ReduceFromTP.apply(x, group) if _size(group) > 1 else x
+
+
+def gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along the last dim forward, split backward: [.., H/t] -> [.., H]."""
+    return _GatherAlong.apply(x, x.dim() - 1, group) if _size(group) > 1 else x
+
+
+def scatter_last(x: torch.Tensor, group) -> torch.Tensor:
+    """Split along the last dim forward, all-gather backward: [.., H] -> [.., H/t]."""
+    return _ScatterAlong.apply(x, x.dim() - 1, group) if _size(group) > 1 else x
+
+
+def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """SP's f: all-gather along the sequence forward, reduce-scatter backward: [B, S/t, H] -> [B, S, H]."""
+    return _GatherReduceScatter.apply(x, dim, group) if _size(group) > 1 else x
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """SP's g: reduce-scatter along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
+    return _ReduceScatterGather.apply(x, dim, group) if _size(group) > 1 else x
+
+
+def scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Split a replicated tensor along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
+    return _ScatterAlong.apply(x, dim, group) if _size(group) > 1 else x
+
+
+def gather_seq_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """All-gather along the sequence forward, split backward (leave an SP region for a replicated one)."""
+    return _GatherAlong.apply(x, dim, group) if _size(group) > 1 else x

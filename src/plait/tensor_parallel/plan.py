@@ -1,0 +1,113 @@
+"""Module-path tensor-parallel plans: which submodule becomes which parallel layer, applied from outside.
+
+A plan maps glob patterns of module paths to styles:
+  region         forward pre-hook that enters the TP region once (f, or the SP all-gather) for all
+                 the column-parallel projections inside the module (Q, K, V or gate, up)
+  colwise        column-parallel linear whose input comes from an enclosing region
+  colwise_kv     like colwise for K/V; KV heads replicated when there are fewer than tp
+  rowwise        row-parallel linear (all-reduce, or reduce-scatter with SP)
+  vocab_embed    vocabulary-parallel embedding
+  vocab_head     column-parallel output head over the (padded) vocabulary; logits stay sharded
+  sp_norm        replicated norm; under SP it runs on sequence shards and its gradient is TP-partial
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from plait.distributed.context import ParallelContext
+from plait.errors import ConfigError
+from plait.tensor_parallel import comms
+from plait.tensor_parallel.heads import ReplicatedHeadsLinear
+from plait.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mark_tp_partial,
+)
+
+LLAMA_TP_PLAN: dict[str, str] = {
+    "embed_tokens": "vocab_embed",
+    "layers.*.input_layernorm": "sp_norm",
+    "layers.*.self_attn": "region",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise_kv",
+    "layers.*.self_attn.v_proj": "colwise_kv",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.post_attention_layernorm": "sp_norm",
+    "layers.*.mlp": "region",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "norm": "sp_norm",
+    "lm_head": "vocab_head",
+}
+
+
+def check_llama_tp(cfg, tp: int) -> None:
+    """Raise ConfigError (before any collective) if a Llama config cannot be split over ``tp`` ranks."""
+    def divisors(n: int) -> list[int]:
+        return [d for d in range(1, n + 1) if n % d == 0]
+
+    if cfg.n_heads % tp:
+        raise ConfigError(f"tp={tp} must divide n_heads={cfg.n_heads}; valid tp: {divisors(cfg.n_heads)}")
+    kv = cfg.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"tp={tp} and n_kv_heads={kv}: tp must divide n_kv_heads or be a multiple of it "
+                          f"(KV heads are then replicated); valid tp: "
+                          f"{sorted(set(divisors(kv)) | {m for m in divisors(cfg.n_heads) if m % kv == 0})}")
+    if cfg.ffn_dim % tp:
+        raise ConfigError(f"tp={tp} must divide ffn_dim={cfg.ffn_dim}; valid tp: {divisors(cfg.ffn_dim)[:12]}")
+
+
+def _region_hook(ctx: ParallelContext, sequence_parallel: bool):
+    group = ctx.tp_group
+
+    def hook(module, args):
+        x = args[0]
+        x = comms.gather_seq(x, group) if sequence_parallel else comms.copy_to_tp(x, group)
+        return (x, *args[1:])
+
+    return hook
+
+
+def _convert(style: str, module: nn.Module, ctx: ParallelContext, sp: bool, n_kv_heads: int | None):
+    if style == "colwise":
+        return ColumnParallelLinear.from_dense(module, ctx, input_comm=False)
+    if style == "colwise_kv":
+        if n_kv_heads is not None and n_kv_heads < ctx.tp_size:
+            return ReplicatedHeadsLinear(module, n_kv_heads, ctx)
+        return ColumnParallelLinear.from_dense(module, ctx, input_comm=False)
+    if style == "rowwise":
+        return RowParallelLinear.from_dense(module, ctx, sequence_parallel=sp)
+    if style == "vocab_embed":
+        return VocabParallelEmbedding.from_dense(module, ctx, sequence_parallel=sp)
+    if style == "vocab_head":
+        return ColumnParallelLinear.from_dense(module, ctx, sequence_parallel=sp, pad_output=True)
+    raise ConfigError(f"unknown tensor-parallel style {style!r}")
+
+
+def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ParallelContext, *, sequence_parallel: bool,
+                  n_kv_heads: int | None = None) -> nn.Module:
+    """Replace the submodules of ``model`` matched by ``plan`` with their parallel versions (in place)."""
+    paths = [name for name, _ in model.named_modules() if name]
+    for path in paths:
+        styles = [s for pattern, s in plan.items() if fnmatch.fnmatchcase(path, pattern)]
+        if not styles:
+            continue
+        style = styles[0]
+        module = model.get_submodule(path)
+        if style == "region":
+            if ctx.tp_size > 1:
+                module.register_forward_pre_hook(_region_hook(ctx, sequence_parallel))
+        elif style == "sp_norm":
+            if sequence_parallel and ctx.tp_size > 1:
+                for p in module.parameters():
+                    mark_tp_partial(p)
+        else:
+            parent_path, _, child = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            setattr(parent, child, _convert(style, module, ctx, sequence_parallel, n_kv_heads))
+    return model
