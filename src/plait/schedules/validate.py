@@ -90,27 +90,26 @@ def deadlock_error(schedule: Schedule, run: Execution) -> ConfigError:
     lines = []
     for r, (i, dep) in sorted(run.stuck.items()):
         act = schedule.actions[r][i]
-        owner = schedule.placement[dep.stage]
         need = "the output of" if dep.kind == "F" else "the input-gradient from"
         if act.kind == "W" or (dep.kind != "F" and dep.stage == act.stage):
             need = "its own"
-        where = _where(schedule, owner, dep, run)
+        where = _where(schedule, r, dep, run)
         lines.append(f"  rank {r} step {i}: [{act}] waits for {need} {dep}, {where}")
     what = "deadlock in the dry run (ranks run their lists in order; receives block):\n" + "\n".join(lines)
     return _fail(schedule, what, {r: i for r, (i, _) in run.stuck.items()})
 
 
-def _where(schedule: Schedule, owner: int, dep: Action, run: Execution) -> str:
+def _where(schedule: Schedule, rank: int, dep: Action, run: Execution) -> str:
+    owner = schedule.placement[dep.stage]
     row = schedule.actions[owner]
     try:
         pos = row.index(dep)
     except ValueError:
         return f"which rank {owner} never runs"
-    if owner in run.stuck:
-        at = run.stuck[owner][0]
-        if pos > at:
-            who = "this rank" if dep.stage in schedule.stages_of_rank(owner) else f"rank {owner}"
-            return f"which {who} only runs later, at step {pos} (rank {owner} is blocked at step {at})"
+    if owner == rank:
+        return f"which this rank only runs later, at step {pos}"
+    if owner in run.stuck and run.stuck[owner][0] <= pos:
+        return f"which rank {owner} runs at step {pos}, but it is blocked at step {run.stuck[owner][0]}"
     return f"which rank {owner} runs at step {pos}"
 
 
