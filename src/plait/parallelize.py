@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -164,8 +165,8 @@ class ParallelModel:
             loss = self._loss(self._forward(x), y) / norm
             loss.backward()
             total += loss.detach().double()
+        self.reducer.finish()  # DP sum first: its buckets hold copies taken during backward
         sync_tp_partial_grads(self.parameters(), self.ctx)
-        self.reducer.finish()
         if self.ctx.dp_size > 1:
             dist.all_reduce(total, group=self.ctx.dp_group)
         return float(total)
@@ -215,3 +216,14 @@ class ParallelModel:
                 module.load_full(name, state_dict[key].to(tensor.device))
             else:
                 tensor.copy_(state_dict[key])
+
+
+class _CallableModule(sys.modules[__name__].__class__):
+    """Importing ``plait.parallelize`` (the module) rebinds the package attribute to it; making the module
+    callable keeps ``plait.parallelize(model, ctx, ...)`` working whichever import ran first."""
+
+    def __call__(self, *args, **kwargs) -> ParallelModel:
+        return parallelize(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
