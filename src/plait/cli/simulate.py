@@ -1,0 +1,193 @@
+"""``plait simulate``: draw and time a pipeline schedule, or compare several side by side."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+HELP = """Simulate a pipeline-parallel schedule and draw it as a Gantt chart.
+
+A batch is cut into MICROBATCHES micro-batches that flow through STAGES pipeline ranks. Each rank runs
+its list of steps in order: F (forward), B (backward), or a backward split into I (input gradient,
+needed by the previous stage) and W (weight gradient, which can wait). A step starts when its rank is
+free and its input has arrived (+P2P from another rank). Idle time is the "bubble".
+
+\b
+Schedules (--schedule):
+  gpipe             all forwards then all backwards; holds all M micro-batches (naive when M=1)
+  1f1b              warm-up, then one-forward-one-backward; holds at most P micro-batches
+  interleaved-1f1b  V chunks per rank (chunk c on rank c % P); bubble shrinks ~V times
+  looped-bfs        V chunks per rank, each chunk runs every micro-batch before the next
+  zb-h1             1F1B with split backward; W fills the bubble (~1/3 of 1F1B's when F=I=W)
+  zbv               zero-bubble V: 2 chunks per rank (chunk c on rank c, or 2P-1-c)
+  dualpipev         DeepSeek's DualPipeV, V-shaped; forward/backward pairs (needs M >= 2P)
+
+\b
+Costs are per micro-batch through one whole stage (a chunk costs 1/V of it); a split backward
+costs I = backward - weight and W = weight (default: backward/2).
+Peak activations: micro-batches held at once (a chunk counts 1/V), from the start of F until
+the end of B, or of W for a split backward.
+
+\b
+Examples:
+  plait simulate --schedule 1f1b --stages 4 --microbatches 8
+  plait simulate -s interleaved-1f1b -p 4 -m 8 --virtual 2 --p2p 0.1
+  plait simulate -p 8 -m 32 --compare gpipe,1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev
+  plait simulate -s zbv -p 4 -m 8 --png zbv.png --trace zbv.json --csv zbv.csv
+  plait simulate --from-csv my_schedule.csv      # a torch.distributed.pipelining CSV
+"""
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _build(name: str, stages: int, microbatches: int, virtual: int | None, from_csv: Path | None):
+    from plait.schedules import Schedule, build_schedule
+
+    if from_csv is not None:
+        return Schedule.from_csv(from_csv, name=from_csv.stem)
+    return build_schedule(name, stages=stages, microbatches=microbatches, virtual=virtual).validate()
+
+
+def _figures_table(result) -> object:
+    from rich.table import Table
+
+    table = Table(title="per rank", title_justify="left")
+    for col in ("rank", "chunks", "busy", "idle", "idle %", "peak activations"):
+        table.add_column(col, justify="right")
+    s = result.schedule
+    for r in range(s.num_ranks):
+        idle = result.idle[r]
+        table.add_row(str(r), ",".join(map(str, s.stages_of_rank(r))), f"{result.busy[r]:g}", f"{idle:g}",
+                      f"{idle / result.makespan:.1%}" if result.makespan else "-",
+                      f"{result.peak_activations[r]:g}")
+    return table
+
+
+def _compare(names: str, stages: int, microbatches: int, virtual: int | None, costs) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.errors import ConfigError
+    from plait.schedules import build_schedule
+    from plait.sim import simulate
+
+    table = Table(title=f"P={stages} stages, M={microbatches} micro-batches, costs F={costs.forward} "
+                        f"B={costs.backward} W={costs.weight if costs.weight is not None else 'B/2'} "
+                        f"p2p={costs.p2p}")
+    for col in ("schedule", "V", "makespan", "bubble", "idle/rank", "peak act. rank 0", "peak act. max"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        multi = name in ("interleaved-1f1b", "looped-bfs")
+        try:
+            sched = build_schedule(name, stages=stages, microbatches=microbatches,
+                                   virtual=virtual if multi else None)
+            r = simulate(sched, costs)
+        except ConfigError as exc:
+            if name not in _names():
+                raise
+            table.add_row(name, "-", "-", "-", "-", "-", f"n/a: {str(exc).splitlines()[0]}")
+            continue
+        table.add_row(name, str(sched.virtual), f"{r.makespan:g}", f"{r.bubble_fraction:.1%}",
+                      f"{sum(r.idle) / len(r.idle):.3g}", f"{r.peak_activations[0]:g}",
+                      f"{max(r.peak_activations):g}")
+    Console().print(table)
+
+
+def _names() -> tuple[str, ...]:
+    from plait.schedules import SCHEDULE_NAMES
+
+    return SCHEDULE_NAMES
+
+
+def _outputs(result, png: Path | None, trace: Path | None, csv_out: Path | None) -> list[str]:
+    notes = []
+    if csv_out is not None:
+        result.schedule.to_csv(csv_out)
+        notes.append(f"wrote PyTorch pipelining CSV {csv_out}")
+    if trace is not None:
+        trace.write_text(json.dumps(result.to_chrome_trace()))
+        notes.append(f"wrote Chrome/Perfetto trace {trace} (open in ui.perfetto.dev)")
+    if png is not None:
+        result.to_png(png)
+        notes.append(f"wrote {png}")
+    return notes
+
+
+def simulate_command(
+    schedule: Annotated[str, typer.Option("--schedule", "-s", help="One of: " + ", ".join(
+        ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")))] = "1f1b",
+    stages: Annotated[int, typer.Option("--stages", "-p", help="Pipeline ranks P.")] = 4,
+    microbatches: Annotated[int, typer.Option("--microbatches", "-m", help="Micro-batches M per batch.")] = 8,
+    virtual: Annotated[int | None, typer.Option("--virtual", "-v", help="Chunks per rank V "
+                       "(default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev).")] = None,
+    forward: Annotated[float, typer.Option(help="Forward time of one micro-batch through a whole stage.")] = 1.0,
+    backward: Annotated[float, typer.Option(help="Full backward time (I + W) per micro-batch and stage.")] = 2.0,
+    weight: Annotated[float | None, typer.Option(help="Weight-gradient part W of the backward "
+                      "(default backward/2).")] = None,
+    p2p: Annotated[float, typer.Option(help="Latency added to a dependency from another rank.")] = 0.0,
+    compare: Annotated[str | None, typer.Option(help="Comma-separated schedules to compare in one "
+                       "table, e.g. gpipe,1f1b,zb-h1,zbv.")] = None,
+    png: Annotated[Path | None, typer.Option(help="Save the timeline as a PNG (matplotlib).")] = None,
+    trace: Annotated[Path | None, typer.Option(help="Save a Chrome/Perfetto trace JSON.")] = None,
+    csv: Annotated[Path | None, typer.Option("--csv", help="Export the schedule as PyTorch "
+                   "pipelining's compute-only CSV.")] = None,
+    from_csv: Annotated[Path | None, typer.Option("--from-csv", help="Simulate a schedule read from "
+                        "a PyTorch pipelining CSV instead of --schedule/--stages/--microbatches.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON only.")] = False,
+    actions: Annotated[bool, typer.Option("--actions", help="Also print each rank's action list.")] = False,
+    width: Annotated[int | None, typer.Option(help="Columns for the chart's time axis "
+                     "(default: the terminal's width).")] = None,
+) -> None:
+    from rich.console import Console
+
+    from plait.errors import ConfigError
+    from plait.sim import Costs, simulate
+
+    costs = Costs(forward=forward, backward=backward, weight=weight, p2p=p2p)
+    try:
+        if compare is not None:
+            return _compare(compare, stages, microbatches, virtual, costs)
+        result = simulate(_build(schedule, stages, microbatches, virtual, from_csv), costs)
+        notes = _outputs(result, png, trace, csv)
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return None
+    console = Console(highlight=False)
+    cols = width or max(40, min(200, shutil.get_terminal_size((120, 24)).columns - 12))
+    console.print(result.to_rich(cols))
+    if actions:
+        console.print(result.schedule.grid(window=10**9), markup=False)
+    console.print(_figures_table(result))
+    console.print(f"makespan {result.makespan:g}   bubble {result.bubble_fraction:.1%} "
+                  f"(mean idle share of device time)   peak activations max "
+                  f"{max(result.peak_activations):g} micro-batches")
+    for note in notes:
+        console.print(note)
+    return None
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``simulate`` command to the ``plait`` app."""
+    app.command("simulate", help=HELP, no_args_is_help=False)(simulate_command)
+    if app.registered_callback is None:
+        # Typer runs a one-command app as that command; a no-op callback keeps ``plait simulate``
+        # a sub-command even while it is the only one registered (a later callback replaces it).
+        app.callback()(_group)
+
+
+def _group() -> None:
+    pass
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(typer.run(simulate_command))
