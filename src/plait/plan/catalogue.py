@@ -1,0 +1,109 @@
+"""Hardware catalogue: GPUs, their links inside a node, and inter-node interconnects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+
+GiB = 1024**3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class: bandwidth per GPU per direction (bytes/s) and per-hop latency (s)."""
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator type.
+
+    ``peak_flops`` is the dense bf16/fp16 tensor-core peak (no sparsity); ``matmul_efficiency`` the
+    best share of it large GEMMs reach in practice (see ``docs/planner.md``, calibration).
+    """
+
+    name: str
+    peak_flops: float
+    memory: float
+    memory_bandwidth: float
+    intra: Link
+    inter: Link
+    matmul_efficiency: float
+    description: str = ""
+
+
+# Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
+# (nccl-tests bus bandwidth: ~360-400 GB/s of 450 on H100 NVLink4, ~22 of 25 GB/s on HDR IB).
+LINK_EFFICIENCY = 0.8
+
+NVLINK3 = Link("NVLink3 (NVSwitch)", 300 * GB, 3e-6)
+NVLINK4 = Link("NVLink4 (NVSwitch)", 450 * GB, 3e-6)
+NVLINK5 = Link("NVLink5 (NVSwitch)", 900 * GB, 3e-6)
+PCIE4 = Link("PCIe gen4 x16", 32 * GB, 8e-6)
+PCIE5 = Link("PCIe gen5 x16", 64 * GB, 8e-6)
+SHM = Link("shared memory", 20 * GB, 2e-6)
+
+INTERCONNECTS: dict[str, Link] = {
+    "ib-hdr": Link("InfiniBand HDR 200 Gb/s per GPU", 25 * GB, 5e-6),
+    "ib-ndr": Link("InfiniBand NDR 400 Gb/s per GPU", 50 * GB, 5e-6),
+    "ib-xdr": Link("InfiniBand XDR 800 Gb/s per GPU", 100 * GB, 5e-6),
+    "roce-400": Link("RoCE 400 Gb/s per GPU", 50 * GB, 8e-6),
+    "eth-100": Link("Ethernet 100 Gb/s per node", 12.5 * GB / 8, 20e-6),
+    "eth-10": Link("Ethernet 10 Gb/s per node", 1.25 * GB / 8, 30e-6),
+}
+
+# matmul_efficiency: A100 0.68 fitted on Narayanan et al. 2021 (Tables 1-2), H100 0.68 on Llama 3
+# (Dubey et al. 2024, Table 4); H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU
+# are guesses not calibrated on any published run (docs/planner.md).
+# Peak dense bf16 FLOP/s, memory and bandwidth from the vendors' datasheets (A100: 312 TF, 1.6/2.0
+# TB/s; H100 SXM: 989 TF, 3.35 TB/s; H100 PCIe: 756 TF, 2.0 TB/s; H200: 989 TF, 141 GB, 4.8 TB/s;
+# B200 (HGX): 2.25 PF, 180 GB, 8 TB/s; L40S: 362 TF, 48 GB, 864 GB/s).
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.68,
+            "NVIDIA A100 SXM 40GB"),
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.68,
+            "NVIDIA A100 SXM 80GB"),
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.68,
+            "NVIDIA H100 SXM5 80GB"),
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.68,
+            "NVIDIA H100 PCIe 80GB (no NVLink bridge)"),
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.68,
+            "NVIDIA H200 SXM 141GB"),
+        GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
+            "NVIDIA B200 (HGX) 180GB"),
+        GPU("l40s", 362e12, 48 * GiB, 0.864e12, PCIE4, INTERCONNECTS["eth-100"], 0.60,
+            "NVIDIA L40S 48GB (PCIe, no NVLink)"),
+        GPU("cpu", 1e12, 64 * GiB, 100 * GB, SHM, INTERCONNECTS["eth-10"], 0.5,
+            "generic CPU host (Gloo), for local runs"),
+    )
+}
+
+
+def get_gpu(name: str | GPU) -> GPU:
+    """The catalogue entry for ``name`` (case-insensitive); raises ConfigError listing valid names."""
+    if isinstance(name, GPU):
+        return name
+    key = str(name).lower().replace("_", "-")
+    aliases = {"h100": "h100-sxm", "a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb"}
+    key = aliases.get(key, key)
+    if key not in GPUS:
+        raise ConfigError(f"gpu: unknown GPU {name!r}; valid: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+def get_interconnect(name: str | Link | None, gpu: GPU) -> Link:
+    """The inter-node link: ``None`` means the GPU's usual fabric; a name from INTERCONNECTS."""
+    if name is None:
+        return gpu.inter
+    if isinstance(name, Link):
+        return name
+    if name not in INTERCONNECTS:
+        raise ConfigError(f"interconnect: unknown {name!r}; valid: {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name]

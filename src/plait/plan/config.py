@@ -1,0 +1,156 @@
+"""The planner's inputs: a cluster, a parallel layout and a training workload, with their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.errors import ConfigError
+from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
+from plait.plan.model import Model
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
+VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs"}  # any V >= 1
+TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``n_gpus`` accelerators of one type, ``gpus_per_node`` to a node.
+
+    ``interconnect`` names the inter-node fabric (``catalogue.INTERCONNECTS``); None = the GPU's usual.
+    """
+
+    gpu: GPU | str
+    n_gpus: int
+    gpus_per_node: int = 8
+    interconnect: str | Link | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu", get_gpu(self.gpu))
+        if int(self.n_gpus) < 1:
+            raise ConfigError(f"n_gpus: must be >= 1, got {self.n_gpus}")
+        if int(self.gpus_per_node) < 1:
+            raise ConfigError(f"gpus_per_node: must be >= 1, got {self.gpus_per_node}")
+        object.__setattr__(self, "interconnect", get_interconnect(self.interconnect, self.gpu))
+
+    @property
+    def inter(self) -> Link:
+        assert isinstance(self.interconnect, Link)
+        return self.interconnect
+
+    @property
+    def n_nodes(self) -> int:
+        return -(-self.n_gpus // self.gpus_per_node)
+
+    def link(self, group_span: int) -> Link:
+        """The link a ring over ``group_span`` consecutive ranks uses: NVLink/PCIe inside a node."""
+        return self.gpu.intra if group_span <= self.gpus_per_node else self.inter
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: world = tp·cp·dp·pp; ranks ordered tp (innermost), cp, dp, pp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    virtual: int = 1
+    microbatch_size: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    zero: int = 0
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "ep", "virtual", "microbatch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero: must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.schedule in TWO_CHUNK_SCHEDULES and self.virtual != 2:
+            raise ConfigError(f"virtual: schedule {self.schedule} needs virtual=2, got {self.virtual}")
+        if self.virtual > 1 and self.schedule not in VIRTUAL_SCHEDULES | TWO_CHUNK_SCHEDULES:
+            raise ConfigError(f"virtual: {self.virtual} needs one of "
+                              f"{', '.join(sorted(VIRTUAL_SCHEDULES | TWO_CHUNK_SCHEDULES))}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def short(self) -> str:
+        """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b``."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"v{self.virtual}"] if self.virtual > 1 else []
+        parts += [f"mb{self.microbatch_size}"] + (["sp"] if self.sequence_parallel else [])
+        parts += [{"none": "norc", "selective": "sel", "full": "full"}[self.recompute], f"z{self.zero}"]
+        return " ".join(parts + [self.schedule])
+
+
+@dataclass(frozen=True)
+class Training:
+    """A training workload: ``global_batch`` sequences per optimizer step.
+
+    ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward.
+    """
+
+    global_batch: int
+    overlap_grad_reduce: bool = True
+
+    def __post_init__(self) -> None:
+        if int(self.global_batch) < 1:
+            raise ConfigError(f"global_batch: must be >= 1 sequence, got {self.global_batch}")
+
+
+def microbatches(layout: Layout, training: Training) -> int:
+    """M, the micro-batches each pipeline replica runs per step."""
+    return training.global_batch // (layout.dp * layout.microbatch_size)
+
+
+def check(model: Model, cluster: Cluster, layout: Layout, training: Training) -> tuple[str, str] | None:
+    """The first rule the layout breaks as (reason key, message naming the parameter), else None."""
+    l, tp = layout, layout.tp
+    if l.world != cluster.n_gpus:
+        return "world", (f"layout: tp·cp·dp·pp = {l.world} must equal n_gpus = {cluster.n_gpus}")
+    if tp > cluster.gpus_per_node:
+        return "tp>node", f"tp: {tp} exceeds gpus_per_node = {cluster.gpus_per_node} (TP stays in a node)"
+    if model.n_heads % tp:
+        return "heads%tp", f"tp: {tp} must divide n_heads = {model.n_heads}"
+    if model.kv_heads % tp and tp % model.kv_heads:
+        return "kv%tp", f"tp: {tp} must divide n_kv_heads = {model.kv_heads} (or be a multiple of it)"
+    if model.n_layers < l.pp * l.virtual:
+        return "layers<stages", f"pp·virtual: {l.pp * l.virtual} exceeds n_layers = {model.n_layers}"
+    if model.seq_len % (2 * l.cp) and l.cp > 1:
+        return "seq%cp", f"cp: 2·cp = {2 * l.cp} must divide seq_len = {model.seq_len}"
+    if training.global_batch % (l.dp * l.microbatch_size):
+        return "batch%dp", (f"global_batch: {training.global_batch} must be a multiple of "
+                            f"dp·microbatch_size = {l.dp * l.microbatch_size}")
+    m = microbatches(layout, training)
+    if l.pp > 1 and l.schedule == "interleaved-1f1b" and m % l.pp:  # Megatron's rule
+        return "microbatches%pp", f"microbatches: {m} must be a multiple of pp = {l.pp} for {l.schedule}"
+    if l.schedule == "dualpipev" and m < 2 * l.pp:
+        return "microbatches%pp", f"microbatches: dualpipev needs >= 2·pp = {2 * l.pp}, got {m}"
+    if l.ep > 1 and (model.n_experts % l.ep or (l.dp * l.cp) % l.ep):
+        return "ep", f"ep: {l.ep} must divide n_experts = {model.n_experts} and dp·cp = {l.dp * l.cp}"
+    if l.ep > 1 and not model.is_moe:
+        return "ep", "ep: expert parallelism needs a mixture-of-experts model (n_experts > 1)"
+    if l.sequence_parallel and tp == 1:
+        return "sp", "sequence_parallel: needs tp > 1"
+    if l.pp == 1 and (l.virtual > 1 or l.schedule != "1f1b"):
+        return "schedule", "schedule: with pp = 1 use schedule='1f1b', virtual=1 (no pipeline)"
+    return None
+
+
+def validate(model: Model, cluster: Cluster, layout: Layout, training: Training) -> None:
+    """Raise ConfigError for the first broken rule (memory is checked by ``estimate``)."""
+    bad = check(model, cluster, layout, training)
+    if bad:
+        raise ConfigError(bad[1])

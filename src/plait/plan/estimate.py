@@ -1,0 +1,111 @@
+"""``estimate``: memory, step time and utilisation of one layout, with the pipeline from plait.sim."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from plait.errors import ConfigError
+from plait.plan import memory as mem
+from plait.plan import timing
+from plait.plan.config import Cluster, Layout, Training, check, microbatches
+from plait.plan.model import Model
+from plait.plan.pipeline import PipelineProfile, profile
+
+SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one layout costs.
+
+    ``time`` splits ``step_time_s`` into compute, tp_comm, recompute, pp_bubble (idle time of the
+    busiest rank, point-to-point waits included), dp_comm (exposed part), zero3_comm and optimizer;
+    ``p2p_s`` is one stage-to-stage transfer. ``memory`` is the most loaded GPU.
+    """
+
+    model: Model
+    cluster: Cluster
+    layout: Layout
+    training: Training
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    memory: mem.Memory
+    time: dict[str, float]
+    microbatches: int
+    bubble_fraction: float
+    peak_in_flight: float
+    p2p_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.training.global_batch * self.model.seq_len / self.step_time_s
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": asdict(self.layout), "step_time_s": self.step_time_s,
+            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "fits": self.fits,
+            "memory": asdict(self.memory), "time": dict(self.time), "microbatches": self.microbatches,
+            "bubble_fraction": self.bubble_fraction, "peak_in_flight": self.peak_in_flight,
+            "tokens_per_s": self.tokens_per_s, "notes": list(self.notes),
+        }
+
+
+def _pipeline(layout: Layout, m: int, costs: timing.StageCosts, exact: bool) -> PipelineProfile:
+    weight = costs.weight if layout.schedule in SPLIT_BACKWARD else None
+    return profile(layout.schedule, layout.pp, m, layout.virtual, costs.forward, costs.backward,
+                   weight, costs.p2p, exact=exact)
+
+
+def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
+             exact: bool = False) -> Estimate:
+    """Estimate one layout. Raises ConfigError if the layout is invalid for this model and cluster
+    (an over-full memory is not an error: see ``Estimate.fits``). ``exact`` simulates every
+    micro-batch instead of extrapolating (see ``plait.plan.pipeline``)."""
+    bad = check(model, cluster, layout, training)
+    if bad:
+        raise ConfigError(bad[1])
+    return _estimate(model, cluster, layout, training, exact)
+
+
+def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
+              exact: bool = False) -> Estimate:
+    m = microbatches(layout, training)
+    costs = timing.stage_costs(model, cluster, layout)
+    pipe = _pipeline(layout, m, costs, exact)
+    memory = mem.memory(model, cluster, layout, list(pipe.peak))
+    dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
+    params = dense + expert
+    # ZeRO-3 reduce-scatters gradients every micro-batch (zero3_comm): no separate step-end sync.
+    dp = 0.0 if layout.zero == 3 else timing.dp_sync_time(model, cluster, layout, params)
+    overlap = costs.backward if training.overlap_grad_reduce else 0.0
+    dp_exposed = max(0.0, dp - overlap)
+    z3 = 0.0
+    if layout.zero == 3:
+        z3 = m * max(0.0, timing.zero3_per_microbatch(cluster, layout, params)
+                     - costs.forward - costs.backward)
+    opt = timing.optimizer_time(cluster, layout, params)
+    busy = m * (costs.forward + costs.backward)
+    step = pipe.makespan + dp_exposed + z3 + opt
+    time = {
+        "compute": m * 3 * costs.f_compute,
+        "tp_comm": m * 2 * costs.f_tp,
+        "recompute": m * costs.recompute,
+        "pp_bubble": max(0.0, pipe.makespan - busy),
+        "dp_comm": dp_exposed,
+        "zero3_comm": z3,
+        "optimizer": opt,
+    }
+    flops = timing.model_flops_per_step(model, training.global_batch)
+    tflops = flops / step / cluster.n_gpus / 1e12
+    return Estimate(
+        model=model, cluster=cluster, layout=layout, training=training, step_time_s=step,
+        tflops_per_gpu=tflops, mfu=tflops * 1e12 / cluster.gpu.peak_flops, memory=memory, time=time,
+        microbatches=m, bubble_fraction=pipe.bubble_fraction, peak_in_flight=max(pipe.peak),
+        p2p_s=costs.p2p,
+    )

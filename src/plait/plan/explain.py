@@ -1,0 +1,71 @@
+"""Plain-language reasons why the best layout of a search beats the others."""
+
+from __future__ import annotations
+
+from plait.plan.estimate import Estimate
+from plait.plan.memory import USABLE_FRACTION
+from plait.plan.model import Model
+from plait.plan.search import SearchResult
+
+GB = 1e9
+_WHAT = {
+    "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
+    "pp_bubble": "pipeline bubble", "dp_comm": "exposed gradient reduction",
+    "zero3_comm": "ZeRO-3 weight gathering", "optimizer": "optimizer step",
+}
+
+
+def _shape(e: Estimate) -> tuple[int, int, int, int]:
+    return e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp
+
+
+def _versus(best: Estimate, other: Estimate) -> str:
+    """One sentence: how much faster ``best`` is than ``other`` and which time buckets explain it."""
+    gain = other.step_time_s / best.step_time_s - 1
+    diffs = sorted(((other.time[k] - best.time[k], k) for k in best.time), reverse=True)
+    parts = [f"{_WHAT[k]} {other.time[k]:.2f}→{best.time[k]:.2f} s" for d, k in diffs[:2] if d > 1e-3]
+    because = f" ({'; '.join(parts)})" if parts else ""
+    return f"{gain:+.1%} faster than {other.layout.short()}{because}"
+
+
+def explain(result: SearchResult) -> list[str]:
+    """Why ``result.best[0]`` wins: against the runner-up, the best of another tp/pp/dp shape, and
+    what the rejected layouts lacked."""
+    if not result.best:
+        return [nothing_fits(result)]
+    best = result.best[0]
+    lines = [f"best: {best.layout.short()} — {best.step_time_s:.2f} s/step, MFU {best.mfu:.1%}, "
+             f"{best.memory.total / GB:.1f} of {best.memory.usable / GB:.1f} GB"]
+    if len(result.best) > 1:
+        lines.append("vs runner-up: " + _versus(best, result.best[1]))
+    other = next((e for e in result.best[1:] if _shape(e) != _shape(best)), None)
+    if other is not None:
+        lines.append("vs another shape: " + _versus(best, other))
+    t = best.time
+    worst = max((k for k in t if k != "compute"), key=lambda k: t[k])
+    lines.append(f"its largest overhead is {_WHAT[worst]}: {t[worst]:.2f} s "
+                 f"({t[worst] / best.step_time_s:.0%} of the step); bubble {best.bubble_fraction:.1%} "
+                 f"with {best.microbatches} micro-batches")
+    if result.rejected:
+        top = ", ".join(f"{k}: {v}" for k, v in result.rejected.most_common(4))
+        lines.append(f"rejected {sum(result.rejected.values())} of {result.considered} layouts ({top}); "
+                     f"{result.pruned} valid ones pruned as slower")
+    return lines
+
+
+def min_gpus_hint(model: Model, memory_per_gpu: float) -> int:
+    """GPUs needed just for the bf16 weights, fp32 grads and Adam states, spread perfectly."""
+    return int(-(-18 * model.n_params() // (USABLE_FRACTION * memory_per_gpu)))
+
+
+def nothing_fits(result: SearchResult, model: Model | None = None, memory_per_gpu: float = 0.0) -> str:
+    """One line: why no layout fits and what would."""
+    if result.smallest_memory == float("inf") or not result.smallest_memory:
+        keys = ", ".join(f"{k} ({v})" for k, v in result.rejected.most_common(3))
+        return f"no valid layout: every one breaks a rule: {keys}"
+    msg = f"no layout fits: the leanest needs {result.smallest_memory / GB:.1f} GB per GPU"
+    if model is not None and memory_per_gpu:
+        msg += (f" of {USABLE_FRACTION * memory_per_gpu / GB:.1f} usable; model states alone need "
+                f"≥ {min_gpus_hint(model, memory_per_gpu)} such GPUs (or a larger GPU, a shorter "
+                f"sequence, or a smaller global batch)")
+    return msg

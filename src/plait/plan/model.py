@@ -1,0 +1,171 @@
+"""Model shapes and exact parameter counts (dense, GQA, GLU and mixture-of-experts transformers)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer, described by its shapes only.
+
+    ``bias``/``layernorm``/``learned_positions`` describe GPT-style models (biases in every linear,
+    LayerNorm with a bias, a learned position table); Llama-style models leave them False.
+    """
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    vocab: int
+    seq_len: int
+    ffn_hidden: int | None = None
+    n_kv_heads: int | None = None
+    glu: bool = False
+    tied_embeddings: bool = False
+    n_experts: int = 1
+    top_k: int = 1
+    bias: bool = False
+    layernorm: bool = False
+    learned_positions: bool = False
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k"):
+            if int(getattr(self, field)) < 1:
+                raise ConfigError(f"{field}: must be a positive integer, got {getattr(self, field)!r}")
+        if self.hidden % self.n_heads:
+            raise ConfigError(f"n_heads: must divide hidden={self.hidden}, got {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"n_kv_heads: must divide n_heads={self.n_heads}, got {self.kv_heads}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"top_k: must be <= n_experts={self.n_experts}, got {self.top_k}")
+
+    # ---- shapes -------------------------------------------------------------------------------
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 1
+
+    # ---- parameter counts ---------------------------------------------------------------------
+    def attention_params(self) -> int:
+        """Q and O are h×h; K and V are h×(kv·d) with grouped-query attention (Ainslie et al. 2023)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        weights = 2 * h * h + 2 * h * kv
+        return weights + ((h + 2 * kv + h) if self.bias else 0)
+
+    def mlp_params(self) -> int:
+        """One expert's MLP: up (and gate with a GLU, Shazeer 2020) h×f, down f×h."""
+        h, f = self.hidden, self.ffn
+        n_in = 2 if self.glu else 1
+        return (n_in + 1) * h * f + ((n_in * f + h) if self.bias else 0)
+
+    def norm_params(self) -> int:
+        return 2 * self.hidden if self.layernorm else self.hidden
+
+    def router_params(self) -> int:
+        return self.hidden * self.n_experts if self.is_moe else 0
+
+    def layer_params(self, active: bool = False) -> int:
+        """Parameters of one transformer layer (``active``: only the top-k experts a token uses)."""
+        experts = self.top_k if active else self.n_experts
+        return (self.attention_params() + experts * self.mlp_params() + self.router_params()
+                + 2 * self.norm_params())
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)
+
+    def head_params(self) -> int:
+        """The output projection (zero when tied to the embedding) plus the final norm."""
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.norm_params()
+
+    def n_params(self, active: bool = False) -> int:
+        """Exact parameter count of the whole model."""
+        return (self.n_layers * self.layer_params(active) + self.embedding_params()
+                + self.head_params())
+
+    # ---- constructors -------------------------------------------------------------------------
+    def with_seq_len(self, seq_len: int | None) -> Model:
+        return self if seq_len is None else replace(self, seq_len=int(seq_len))
+
+    @classmethod
+    def preset(cls, name: str, seq_len: int | None = None) -> Model:
+        """A published model by name (see ``PRESETS``); ``seq_len`` overrides its training length."""
+        key = name.lower()
+        if key not in PRESETS:
+            raise ConfigError(f"model: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+        return PRESETS[key].with_seq_len(seq_len)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:
+        """Read a Hugging Face ``config.json`` (Llama, Mistral, Mixtral, Qwen2, GPT-2/NeoX style)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            cfg: dict[str, Any] = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model: cannot read a Hugging Face config from {str(path)!r}: {exc}") from exc
+        return _from_hf_dict(cfg, seq_len, name=p.parent.name or p.stem)
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str) -> Model:
+    kind = str(cfg.get("model_type", "")).lower()
+    gpt_style = kind in {"gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode"}
+    try:
+        hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
+        n_heads = int(_first(cfg, "num_attention_heads", "n_head"))
+        layers = int(_first(cfg, "num_hidden_layers", "n_layer"))
+        vocab = int(_first(cfg, "vocab_size"))
+    except TypeError as exc:
+        raise ConfigError("model: config.json lacks hidden_size/num_attention_heads/"
+                          "num_hidden_layers/vocab_size") from exc
+    max_pos = int(_first(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=4096))
+    return Model(
+        n_layers=layers, hidden=hidden, n_heads=n_heads, vocab=vocab,
+        seq_len=int(seq_len) if seq_len else min(max_pos, 8192),
+        ffn_hidden=_first(cfg, "intermediate_size", "n_inner", "ffn_dim"),
+        n_kv_heads=_first(cfg, "num_key_value_heads", default=n_heads),
+        glu=not gpt_style,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
+        n_experts=int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=1)),
+        top_k=int(_first(cfg, "num_experts_per_tok", "moe_top_k", default=1)),
+        bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
+        name=name,
+    )
+
+
+PRESETS: dict[str, Model] = {
+    # Llama 3 (Dubey et al. 2024, Table 3) and the Hugging Face configs of Meta-Llama-3(.1).
+    "llama3-8b": Model(32, 4096, 32, 128256, 8192, 14336, 8, glu=True, name="llama3-8b"),
+    "llama3-70b": Model(80, 8192, 64, 128256, 8192, 28672, 8, glu=True, name="llama3-70b"),
+    "llama3-405b": Model(126, 16384, 128, 128256, 8192, 53248, 8, glu=True, name="llama3-405b"),
+    # GPT-3 175B (Brown et al. 2020, Table 2.1) with Megatron's padded vocabulary 51,200.
+    "gpt3-175b": Model(96, 12288, 96, 51200, 2048, tied_embeddings=True, bias=True, layernorm=True,
+                       learned_positions=True, name="gpt3-175b"),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2; 46.7B total, 12.9B active.
+    "mixtral-8x7b": Model(32, 4096, 32, 32000, 4096, 14336, 8, glu=True, n_experts=8, top_k=2,
+                          name="mixtral-8x7b"),
+}

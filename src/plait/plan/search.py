@@ -1,0 +1,135 @@
+"""``search``: enumerate layouts, reject the invalid and the over-full, rank the rest by step time."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from plait.plan import memory as mem
+from plait.plan import timing
+from plait.plan.config import Cluster, Layout, Training, check, microbatches
+from plait.plan.estimate import Estimate, _estimate
+from plait.plan.model import Model
+
+MICROBATCH_SIZES = (1, 2, 4)
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclass
+class SearchResult:
+    """``best``: fitting layouts, fastest first. ``rejected``: how many layouts failed, by reason
+    (``check`` keys such as ``tp>node``, ``heads%tp``, ``layers<stages``, ``batch%dp``, plus
+    ``memory``). ``pruned``: valid layouts never simulated because even with no pipeline bubble
+    they would be slower than the ``top``-th best (branch and bound). ``considered``: all layouts."""
+
+    best: list[Estimate]
+    rejected: Counter = field(default_factory=Counter)
+    pruned: int = 0
+    considered: int = 0
+    smallest_memory: float = 0.0  # the least GB any valid layout needs, when nothing fits
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.best)
+
+
+def _pow2_divisors(n: int, limit: int) -> list[int]:
+    return [d for d in (2**i for i in range(0, 20)) if d <= limit and n % d == 0]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def candidates(model: Model, cluster: Cluster, training: Training) -> Iterator[Layout]:
+    """Every layout the search considers (see docs/planner.md, "Search space").
+
+    SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022);
+    ZeRO-1 is always on with DP (less memory, and reduce-scatter + all-gather move less than an
+    all-reduce of fp32 gradients), ZeRO-3 is tried too; GPipe is left out (1F1B has its bubble with
+    less memory). Context parallelism is tried only for sequences of 32k tokens or more.
+    """
+    n = cluster.n_gpus
+    cps = _pow2_divisors(n, 16) if model.seq_len >= 32768 else [1]
+    for tp in _pow2_divisors(n, cluster.gpus_per_node * 2):
+        for cp in cps:
+            rest = n // tp
+            if rest % cp:
+                continue
+            for pp in _divisors(rest // cp, model.n_layers + 1):
+                dp = rest // cp // pp
+                eps = _divisors(model.n_experts, dp * cp) if model.is_moe else [1]
+                yield from _variants(model, training, tp, pp, dp, cp, eps)
+
+
+def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: int,
+              eps: list[int]) -> Iterator[Layout]:
+    scheds: list[tuple[str, int]] = [("1f1b", 1)]
+    if pp > 1:
+        scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
+    zeros = (0,) if dp * cp == 1 else (1, 3)
+    for ep in eps:
+        for mbs in MICROBATCH_SIZES:
+            if training.global_batch % (dp * mbs):
+                continue
+            for sched, v in scheds:
+                for rc in RECOMPUTES:
+                    for z in zeros:
+                        yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=v, microbatch_size=mbs,
+                                     sequence_parallel=tp > 1, recompute=rc, zero=z, schedule=sched)
+
+
+def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
+                  training: Training) -> tuple[float, float]:
+    """(seconds, bytes) no simulation can beat: busy time with no bubble; the model states plus
+    min(pp, M) micro-batches in flight on rank 0 (every schedule here runs that many forwards first)."""
+    m = microbatches(layout, training)
+    costs = timing.stage_costs(model, cluster, layout)
+    dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
+    dp = timing.dp_sync_time(model, cluster, layout, dense + expert)
+    overlap = costs.backward if training.overlap_grad_reduce else 0.0
+    seconds = m * (costs.forward + costs.backward) + max(0.0, dp - overlap)
+    seconds += timing.optimizer_time(cluster, layout, dense + expert)
+    layers0 = mem.stage_layers(model, layout.pp)[0]
+    states = sum(mem.state_bytes(model, layout, layers0, True, layout.pp == 1))
+    act = min(layout.pp, m) * layers0 * mem.activation_bytes_per_layer(model, layout)
+    return seconds, states + act
+
+
+def search(model: Model, cluster: Cluster, training: Training, top: int = 5) -> SearchResult:
+    """The ``top`` fastest layouts that fit, with the counts of the rest by reason."""
+    result = SearchResult(best=[])
+    usable = mem.USABLE_FRACTION * cluster.gpu.memory
+    queue: list[tuple[float, int, Layout]] = []
+    smallest = float("inf")
+    for i, layout in enumerate(candidates(model, cluster, training)):
+        result.considered += 1
+        bad = check(model, cluster, layout, training)
+        if bad:
+            result.rejected[bad[0]] += 1
+            continue
+        seconds, need = _lower_bounds(model, cluster, layout, training)
+        smallest = min(smallest, need)
+        if need > usable:
+            result.rejected["memory"] += 1
+            continue
+        queue.append((seconds, i, layout))
+    queue.sort()
+    kept: list[tuple[float, int, Estimate]] = []  # max-heap on step time via negation
+    for j, (seconds, i, layout) in enumerate(queue):
+        if len(kept) >= top and seconds > -kept[0][0]:
+            result.pruned += len(queue) - j
+            break
+        est = _estimate(model, cluster, layout, training)
+        smallest = min(smallest, est.memory.total)
+        if not est.fits:
+            result.rejected["memory"] += 1
+            continue
+        heapq.heappush(kept, (-est.step_time_s, i, est))
+        if len(kept) > top:
+            heapq.heappop(kept)
+    result.best = [e for _, _, e in sorted(kept, key=lambda k: (-k[0], k[1]))]
+    result.smallest_memory = smallest
+    return result
