@@ -82,8 +82,9 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
     table = Table(title=f"P={stages} stages, M={microbatches} micro-batches, costs F={costs.forward} "
                         f"B={costs.backward} W={costs.weight if costs.weight is not None else 'B/2'} "
                         f"p2p={costs.p2p}")
-    for col in ("schedule", "V", "makespan", "bubble", "idle/rank", "peak act. rank 0", "peak act. max"):
-        table.add_column(col, justify="left" if col == "schedule" else "right")
+    table.add_column("schedule", no_wrap=True)
+    for col in ("V", "makespan", "bubble", "idle/rank", "peak act. rank 0", "peak act. max"):
+        table.add_column(col, justify="right")
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         multi = name in ("interleaved-1f1b", "looped-bfs")
         try:

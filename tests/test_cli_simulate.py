@@ -1,0 +1,94 @@
+"""``plait simulate`` through Typer's CliRunner (and one real subprocess for the exit code)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from plait.cli.main import app
+
+runner = CliRunner()
+
+
+def _run(*args: str):
+    return runner.invoke(app, ["simulate", *args])
+
+
+def test_default_run_prints_chart_and_figures():
+    res = _run("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--width", "80")
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "1f1b: 4 ranks x 1 chunk(s), 8 micro-batches; makespan 33, bubble 27.3%" in out
+    assert "rank 3 |......0=0###1=1###" in out
+    assert "peak activations" in out and "makespan 33" in out
+
+
+def test_json_output():
+    res = _run("-s", "zb-h1", "-p", "4", "-m", "8", "--weight", "1", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["schedule"] == "zb-h1" and data["peak_activations"] == [4, 4, 4, 4]
+    assert data["makespan"] == 27.0 and data["costs"]["weight"] == 1.0
+
+
+def test_compare_table():
+    res = _run("-p", "4", "-m", "8", "--weight", "1", "--compare", "gpipe,1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev")
+    assert res.exit_code == 0, res.output
+    lines = {line.split()[1]: line for line in res.output.splitlines() if line.startswith("│")}
+    assert "27.3%" in lines["gpipe"] and "27.3%" in lines["1f1b"]
+    assert "11.1%" in lines["zb-h1"] and "5.9%" in lines["zbv"]
+
+
+def test_compare_marks_inapplicable_schedules():
+    res = _run("-p", "4", "-m", "4", "--compare", "1f1b,dualpipev")
+    assert res.exit_code == 0, res.output
+    assert "n/a" in res.output
+
+
+def test_exports_and_csv_import(tmp_path):
+    csv_path, trace, png = tmp_path / "s.csv", tmp_path / "t.json", tmp_path / "g.png"
+    res = _run("-s", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2", "--csv", str(csv_path),
+               "--trace", str(trace), "--png", str(png))
+    assert res.exit_code == 0, res.output
+    assert csv_path.read_text().startswith("0F0,0F1,2F0")
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    back = _run("--from-csv", str(csv_path), "--json")
+    assert back.exit_code == 0, back.output
+    assert json.loads(back.output)["num_stages"] == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--microbatches", "0"], "error: microbatches=0: must be an integer >= 1"),
+        (["--schedule", "nope"], "error: schedule='nope': unknown; valid names are gpipe"),
+        (["-s", "zbv", "--virtual", "3"], "error: virtual=3: zbv places exactly 2"),
+        (["--weight", "5"], "error: weight=5.0"),
+        (["--from-csv", "/nonexistent/x.csv"], "error:"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, needle):
+    res = _run(*args)
+    assert res.exit_code == 2
+    assert needle in res.stderr
+    assert "Traceback" not in res.output + res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_help_teaches():
+    res = _run("--help")
+    assert res.exit_code == 0
+    for word in ("interleaved-1f1b", "zb-h1", "dualpipev", "bubble", "Peak activations", "--compare"):
+        assert word in res.output
+
+
+def test_real_process_exit_code():
+    proc = subprocess.run([sys.executable, "-m", "plait.cli.main", "simulate", "-m", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: microbatches=0: must be an integer >= 1"
