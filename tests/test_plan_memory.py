@@ -1,0 +1,93 @@
+"""Memory model against worked examples derived by hand (Korthikanti et al. 2022; mixed-precision Adam)."""
+
+import pytest
+
+from plait.plan import Cluster, Layout, Model, Training, estimate
+from plait.plan.memory import activation_bytes_per_layer, stage_layers, state_bytes
+
+# A GPT-shaped model (MHA, 4h GELU MLP) so the paper's formulas apply verbatim: s=2048, h=1024, a=16.
+GPT = Model(8, 1024, 16, 50304, 2048, bias=True, layernorm=True)
+S, B, H, A = 2048, 1, 1024, 16
+SBH = S * B * H  # 2,097,152
+SCORE = 5 * A * S / H  # 5as/h = 160
+
+
+def test_activations_no_parallelism():
+    # sbh(34 + 5as/h) = 2,097,152 × 194 = 406,847,488 bytes
+    assert activation_bytes_per_layer(GPT, Layout()) == SBH * (34 + SCORE) == 406_847_488
+
+
+def test_activations_tensor_parallel():
+    # t = 4: sbh(10 + 24/t + 5as/(ht)) = 2,097,152 × (10 + 6 + 40) = 117,440,512
+    assert activation_bytes_per_layer(GPT, Layout(tp=4)) == SBH * (10 + 24 / 4 + SCORE / 4) == 117_440_512
+
+
+def test_activations_tensor_and_sequence_parallel():
+    # sbh(34/t + 5as/(ht)) = 2,097,152 × (8.5 + 40) = 101,711,872
+    lay = Layout(tp=4, sequence_parallel=True)
+    assert activation_bytes_per_layer(GPT, lay) == SBH * (34 / 4 + SCORE / 4) == 101_711_872
+
+
+def test_selective_drops_score_term_and_full_keeps_input():
+    sel = Layout(tp=4, sequence_parallel=True, recompute="selective")
+    assert activation_bytes_per_layer(GPT, sel) == SBH * 34 / 4 == 17_825_792
+    assert activation_bytes_per_layer(GPT, Layout(recompute="full")) == 2 * SBH
+    assert activation_bytes_per_layer(GPT, Layout(tp=4, sequence_parallel=True, recompute="full")) == 2 * SBH / 4
+
+
+def test_activations_gqa_glu_generalisation():
+    # Llama 3 8B, t=1, selective: replicated 10 + attention 4 + 4g (g = 8/32) + MLP 2·(f/h)·3 (GLU)
+    m = Model.preset("llama3-8b")
+    per_sbh = 10 + 4 + 4 * 0.25 + 2 * (14336 / 4096) * 3  # = 36
+    assert activation_bytes_per_layer(m, Layout(recompute="selective")) == 8192 * 4096 * per_sbh
+
+
+def test_states_mixed_precision_adam_and_zero():
+    # Llama 3 8B, tp=2, pp=1, dp=4: each GPU holds N/2 = 4,015,130,624 parameters (norms split too:
+    # the planner divides every tensor by t, a 0.001% approximation).
+    m = Model.preset("llama3-8b")
+    n = m.n_params() / 2
+    w, g, o = state_bytes(m, Layout(tp=2, dp=4, zero=0), 32, True, True)
+    assert (w, g, o) == (2 * n, 4 * n, 12 * n)  # 18 bytes/parameter
+    w, g, o = state_bytes(m, Layout(tp=2, dp=4, zero=1), 32, True, True)
+    assert (w, g, o) == (2 * n, 4 * n, 12 * n / 4)
+    w, g, o = state_bytes(m, Layout(tp=2, dp=4, zero=2), 32, True, True)
+    assert (w, g, o) == (2 * n, 4 * n / 4, 12 * n / 4)
+    w, g, o = state_bytes(m, Layout(tp=2, dp=4, zero=3), 32, True, True)
+    assert (w, g, o) == (2 * n / 4, 4 * n / 4, 12 * n / 4)
+
+
+def test_stage_partition_balances_the_head():
+    # Llama 3 8B: the head (2hV) costs ~2.4 layers, so the last of 4 ranks gets fewer layers.
+    layers = stage_layers(Model.preset("llama3-8b"), 4)
+    assert sum(layers) == 32 and layers[-1] < layers[1]
+    assert stage_layers(Model.preset("llama3-405b"), 16)[0] < 8  # 126 layers: first rank lightened
+    assert stage_layers(GPT, 1) == (8,)
+
+
+def test_estimate_memory_uses_simulated_in_flight():
+    # 1F1B with pp=4, M=8: the simulator says rank 0 holds 4 micro-batches, rank 3 one. Both end ranks
+    # carry a 51.5M-parameter vocabulary matrix (embedding / untied head) at 18 B each; the last also
+    # holds the logits and loss of one micro-batch, 4sbh(1 + V/h) = 419 MB (Korthikanti §4.3), which
+    # makes it the most loaded GPU here although rank 0 holds 4× the layer activations.
+    lay = Layout(tp=1, pp=4, dp=1, recompute="selective")
+    e = estimate(GPT, Cluster("a100-80gb", 4), lay, Training(global_batch=8))
+    assert e.peak_in_flight == 4
+    layers = stage_layers(GPT, 4)
+    per_layer = SBH * 34  # selective, no TP: 71.3 MB
+    rank0_act = 4 * layers[0] * per_layer + 4 * SBH  # + embedding dropout mask per micro-batch in flight
+    rank3_act = 1 * layers[3] * per_layer + 4 * SBH * (1 + GPT.vocab / H)
+    assert e.memory.rank == 3
+    assert e.memory.activations == pytest.approx(rank3_act)
+    layer_p = GPT.layer_params()
+    rank0 = 18 * (layers[0] * layer_p + GPT.embedding_params()) + rank0_act
+    assert e.memory.total == pytest.approx(18 * (layers[3] * layer_p + GPT.head_params()) + rank3_act)
+    assert e.memory.total > rank0
+    assert e.memory.total == pytest.approx(
+        e.memory.weights + e.memory.grads + e.memory.optimizer + e.memory.activations)
+
+
+def test_gpipe_holds_every_microbatch():
+    lay = Layout(pp=4, schedule="gpipe", recompute="selective")
+    e = estimate(GPT, Cluster("a100-80gb", 4), lay, Training(global_batch=12))
+    assert e.peak_in_flight == 12

@@ -1,0 +1,78 @@
+"""Planner model catalogue: exact parameter counts against published sizes, and HF config import."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from plait import ConfigError
+from plait.plan import Model
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("llama3-8b", 8.03e9, None),  # Meta: 8.03B
+        ("llama3-70b", 70.55e9, None),  # 70.6B
+        ("llama3-405b", 405.85e9, None),  # 405.9B
+        ("gpt3-175b", 174.6e9, None),  # 175B; 174.6B with Megatron's padded vocabulary (Narayanan Table 2)
+        ("mixtral-8x7b", 46.70e9, 12.88e9),  # Mistral: 46.7B total, 12.9B active
+    ],
+)
+def test_preset_parameter_counts(name, total, active):
+    m = Model.preset(name)
+    assert m.n_params() == pytest.approx(total, rel=2e-3)
+    if active:
+        assert m.n_params(active=True) == pytest.approx(active, rel=2e-3)
+
+
+def test_llama3_8b_count_by_hand():
+    m = Model.preset("llama3-8b")
+    attn = 2 * 4096 * 4096 + 2 * 4096 * 1024  # Q, O; K, V with 8 of 32 heads (GQA)
+    mlp = 3 * 4096 * 14336  # gate, up, down
+    layer = attn + mlp + 2 * 4096  # two RMSNorm weights
+    total = 32 * layer + 2 * 128256 * 4096 + 4096  # untied embedding and head, final norm
+    assert m.n_params() == total == 8_030_261_248
+
+
+def test_gpt3_matches_narayanan_formula():
+    # P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)) (Narayanan et al. 2021, §5.1)
+    m = Model.preset("gpt3-175b")
+    l, h, v, s = 96, 12288, 51200, 2048
+    formula = 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+    assert m.n_params() == pytest.approx(formula, rel=1e-6)
+
+
+def test_seq_len_override_and_unknown_preset():
+    assert Model.preset("llama3-8b", seq_len=2048).seq_len == 2048
+    with pytest.raises(ConfigError, match="llama3-8b"):
+        Model.preset("llama-9000")
+
+
+def test_invalid_shapes_name_the_parameter():
+    with pytest.raises(ConfigError, match="n_heads"):
+        Model(2, 100, 3, 10, 16)
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        Model(2, 128, 8, 10, 16, n_kv_heads=3)
+
+
+def test_from_hf_config(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "num_hidden_layers": 32, "intermediate_size": 14336, "vocab_size": 128256,
+           "max_position_embeddings": 131072, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = Model.from_hf_config(tmp_path / "config.json")
+    assert m.n_params() == Model.preset("llama3-8b").n_params()
+    assert m.seq_len == 8192  # capped default; override with seq_len=
+    assert Model.from_hf_config(tmp_path, seq_len=4096).seq_len == 4096
+    moe = dict(cfg, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    assert Model.from_hf_config(tmp_path / "moe.json").n_params() == Model.preset("mixtral-8x7b").n_params()
+    with pytest.raises(ConfigError, match="config"):
+        Model.from_hf_config(tmp_path / "missing.json")
+
+
+def test_plan_imports_no_torch():
+    code = "import sys, plait.plan, plait.plan.calibration; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

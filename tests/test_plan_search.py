@@ -1,0 +1,76 @@
+"""Layout search: constraints honoured, sensible answers, and the calibration on published runs."""
+
+import pytest
+
+from plait import ConfigError
+from plait.plan import Cluster, Layout, Model, Training, estimate, explain, search
+from plait.plan.calibration import cases, report
+
+
+def test_search_honours_node_size_heads_layers_and_memory():
+    # 12 heads and 12 layers on 16 GPUs of 4 per node: tp=8/16 break the node, tp=8 also the heads,
+    # pp=16 the layers.
+    m = Model(12, 1536, 12, 32000, 2048, glu=True, ffn_hidden=4096)
+    r = search(m, Cluster("a100-40gb", 16, gpus_per_node=4), Training(64), top=50)
+    assert r.best
+    for e in r.best:
+        lay = e.layout
+        assert lay.tp <= 4 and m.n_heads % lay.tp == 0 and lay.pp <= m.n_layers
+        assert lay.tp * lay.pp * lay.dp * lay.cp == 16 and 64 % (lay.dp * lay.microbatch_size) == 0
+        assert e.fits and e.memory.total <= e.memory.usable
+    assert r.rejected["tp>node"] > 0 and r.rejected["layers<stages"] > 0
+    steps = [e.step_time_s for e in r.best]
+    assert steps == sorted(steps)
+
+
+def test_search_rejects_for_memory():
+    r = search(Model.preset("llama3-8b"), Cluster("a100-40gb", 2, gpus_per_node=2), Training(16))
+    assert r.rejected["memory"] > 0
+    assert all(e.fits for e in r.best)
+
+
+def test_70b_on_64_h100():
+    r = search(Model.preset("llama3-70b"), Cluster("h100-sxm", 64, gpus_per_node=8), Training(512))
+    best = r.best[0]
+    lay = best.layout
+    assert best.fits
+    assert lay.tp in (2, 4, 8) and lay.tp * lay.pp >= 8  # 70B must be cut at least 8 ways...
+    assert lay.pp >= 2 or lay.zero == 3  # ...by a pipeline or by sharding the weights
+    assert 0.30 < best.mfu < 0.60
+    lines = explain(r)
+    assert lines[0].startswith("best: ") and any("faster than" in ln for ln in lines)
+
+
+def test_nothing_fits_reports_the_smallest_need():
+    r = search(Model.preset("llama3-405b"), Cluster("a100-80gb", 8), Training(64))
+    assert not r.best and r.smallest_memory > 80e9
+
+
+def test_estimate_rejects_invalid_layouts_naming_the_parameter():
+    m, c, t = Model.preset("llama3-70b"), Cluster("h100-sxm", 64), Training(512)
+    with pytest.raises(ConfigError, match="tp"):
+        estimate(m, c, Layout(tp=16, pp=4, dp=1), t)
+    with pytest.raises(ConfigError, match="n_gpus"):
+        estimate(m, c, Layout(tp=8, pp=4, dp=1), t)
+    with pytest.raises(ConfigError, match="global_batch"):
+        estimate(m, c, Layout(tp=8, pp=2, dp=4, microbatch_size=3), t)
+    with pytest.raises(ConfigError, match="recompute"):
+        Layout(recompute="some")
+    with pytest.raises(ConfigError, match="h100-sxm"):
+        Cluster("h1000", 8)
+
+
+def test_breakdown_adds_up():
+    lay = Layout(tp=8, pp=4, dp=2, sequence_parallel=True, recompute="selective", zero=1)
+    e = estimate(Model.preset("llama3-70b"), Cluster("h100-sxm", 64), lay, Training(512))
+    assert sum(e.time.values()) == pytest.approx(e.step_time_s)
+    assert e.time["pp_bubble"] > 0 and e.time["tp_comm"] > 0 and e.time["recompute"] > 0
+
+
+def test_calibration_on_published_runs():
+    # docs/planner.md: 20 cases from Narayanan et al. 2021 (Tables 1-2), Korthikanti et al. 2022 and
+    # Llama 3 (Table 4). Goal: mean absolute error of the step time under 10%.
+    rows, mape = report()
+    assert len(rows) == len(cases()) == 20
+    assert mape < 10.0
+    assert max(abs(err) for _, _, err in rows) < 0.20
