@@ -165,7 +165,10 @@ def simulate_command(
         return None
     console = Console(highlight=False)
     cols = width or max(40, min(200, shutil.get_terminal_size((120, 24)).columns - 12))
-    console.print(result.to_rich(cols))
+    if console.is_terminal and console.color_system:
+        console.print(result.to_rich(cols))  # colours tell the kinds apart even in 1-column blocks
+    else:
+        console.print(result.to_ascii(cols), markup=False)
     if actions:
         console.print(result.schedule.grid(window=10**9), markup=False)
     console.print(_figures_table(result))
