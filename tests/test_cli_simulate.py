@@ -92,3 +92,12 @@ def test_real_process_exit_code():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: microbatches=0: must be an integer >= 1"
+
+
+def test_compare_json():
+    res = _run("-p", "4", "-m", "4", "--compare", "1f1b,zbv,dualpipev", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert [r["schedule"] for r in rows] == ["1f1b", "zbv", "dualpipev"]
+    assert rows[0]["bubble_fraction"] == pytest.approx(3 / 7)
+    assert "needs at least 2*stages=8" in rows[2]["error"]

@@ -71,7 +71,7 @@ def _figures_table(result) -> object:
     return table
 
 
-def _compare(names: str, stages: int, microbatches: int, virtual: int | None, costs) -> None:
+def _compare(names: str, stages: int, microbatches: int, virtual: int | None, costs, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -85,6 +85,7 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
     table.add_column("schedule", no_wrap=True)
     for col in ("V", "makespan", "bubble", "idle/rank", "peak act. rank 0", "peak act. max"):
         table.add_column(col, justify="right")
+    rows: list[dict] = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         multi = name in ("interleaved-1f1b", "looped-bfs")
         try:
@@ -95,11 +96,16 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
             if name not in _names():
                 raise
             table.add_row(name, "-", "-", "-", "-", "-", f"n/a: {str(exc).splitlines()[0]}")
+            rows.append({"schedule": name, "error": str(exc).splitlines()[0]})
             continue
+        rows.append(r.to_dict())
         table.add_row(name, str(sched.virtual), f"{r.makespan:g}", f"{r.bubble_fraction:.1%}",
                       f"{sum(r.idle) / len(r.idle):.3g}", f"{r.peak_activations[0]:g}",
                       f"{max(r.peak_activations):g}")
-    Console().print(table)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+    else:
+        Console().print(table)
 
 
 def _names() -> tuple[str, ...]:
@@ -142,7 +148,8 @@ def simulate_command(
                    "pipelining's compute-only CSV.")] = None,
     from_csv: Annotated[Path | None, typer.Option("--from-csv", help="Simulate a schedule read from "
                         "a PyTorch pipelining CSV instead of --schedule/--stages/--microbatches.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON only.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON only "
+                       "(a list with --compare).")] = False,
     actions: Annotated[bool, typer.Option("--actions", help="Also print each rank's action list.")] = False,
     width: Annotated[int | None, typer.Option(help="Columns for the chart's time axis "
                      "(default: the terminal's width).")] = None,
@@ -155,7 +162,7 @@ def simulate_command(
     costs = Costs(forward=forward, backward=backward, weight=weight, p2p=p2p)
     try:
         if compare is not None:
-            return _compare(compare, stages, microbatches, virtual, costs)
+            return _compare(compare, stages, microbatches, virtual, costs, as_json)
         result = simulate(_build(schedule, stages, microbatches, virtual, from_csv), costs)
         notes = _outputs(result, png, trace, csv)
     except (ConfigError, OSError) as exc:
