@@ -75,3 +75,8 @@ def test_csv_errors():
         Schedule.from_csv("0F0,2F0,2B0,0B0\n1F0,1B0\n")
     with pytest.raises(ConfigError, match="deadlock"):  # imported schedules are validated
         Schedule.from_csv("0B0,0F0\n1F0,1B0\n")
+
+
+def test_single_row_csv_text():
+    s = Schedule.from_csv("0F0,0F1,0B0,0B1")
+    assert s.num_ranks == 1 and s.microbatches == 2 and s.placement == (0,)

@@ -59,7 +59,7 @@ def _infer_placement(rows: list[list[Action]]) -> dict[int, int]:
 
 
 def from_csv(text_or_path: str | Path, name: str = "csv") -> Schedule:
-    """Build a Schedule from torch's compute-only CSV (a path, or CSV text containing a newline).
+    """Build a Schedule from torch's compute-only CSV (a path, or the CSV text itself).
 
     The chunk -> rank placement, chunk count and micro-batch count are inferred from the cells, like
     torch's ``_validate_and_set_stage_mapping``; the result is validated.
@@ -67,7 +67,8 @@ def from_csv(text_or_path: str | Path, name: str = "csv") -> Schedule:
     from plait.schedules.schedule import Schedule
 
     text = str(text_or_path)
-    if "\n" not in text:
+    is_text = isinstance(text_or_path, str) and ("\n" in text or ("," in text and not Path(text).exists()))
+    if not is_text:
         with open(text_or_path, newline="") as fh:
             text = fh.read()
     rows = [[a for col, cell in enumerate(line) for a in _parse_cell(cell, r, col)]

@@ -139,7 +139,7 @@ class Schedule:
 
     @classmethod
     def from_csv(cls, text_or_path: str | Path, name: str = "csv") -> Schedule:
-        """Read PyTorch's compute-only CSV (a path, or the CSV text itself if it contains a newline)."""
+        """Read PyTorch's compute-only CSV (a path, or the CSV text itself)."""
         from plait.schedules.io import from_csv
 
         return from_csv(text_or_path, name=name)
