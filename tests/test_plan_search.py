@@ -74,3 +74,18 @@ def test_calibration_on_published_runs():
     assert len(rows) == len(cases()) == 20
     assert mape < 10.0
     assert max(abs(err) for _, _, err in rows) < 0.20
+
+
+def test_pruning_keeps_the_exhaustive_top():
+    # Branch and bound skips simulations whose lower bound is already slower than the top-k; the
+    # answer must equal evaluating every valid layout.
+    from plait.plan.config import check
+    from plait.plan.estimate import _estimate
+    from plait.plan.search import candidates
+
+    m, c, t = Model.preset("llama3-8b", seq_len=4096), Cluster("a100-80gb", 16), Training(128)
+    r = search(m, c, t, top=4)
+    every = [_estimate(m, c, lay, t) for lay in candidates(m, c, t) if check(m, c, lay, t) is None]
+    exhaustive = sorted((e for e in every if e.fits), key=lambda e: e.step_time_s)[:4]
+    assert [e.step_time_s for e in r.best] == [e.step_time_s for e in exhaustive]
+    assert r.pruned > 0

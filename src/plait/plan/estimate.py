@@ -19,7 +19,8 @@ class Estimate:
     """What one layout costs.
 
     ``time`` splits ``step_time_s`` into compute, tp_comm, recompute, pp_bubble (idle time of the
-    busiest rank, point-to-point waits included), dp_comm (exposed part), zero3_comm and optimizer;
+    busiest rank, point-to-point waits included), dp_comm (exposed part), zero_comm (ZeRO-2/3 per-micro-batch traffic
+    beyond the compute it overlaps) and optimizer;
     ``p2p_s`` is one stage-to-stage transfer. ``memory`` is the most loaded GPU.
     """
 
@@ -81,24 +82,21 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
     memory = mem.memory(model, cluster, layout, list(pipe.peak))
     dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
     params = dense + expert
-    # ZeRO-3 reduce-scatters gradients every micro-batch (zero3_comm): no separate step-end sync.
-    dp = 0.0 if layout.zero == 3 else timing.dp_sync_time(model, cluster, layout, params)
+    dp = timing.dp_sync_time(model, cluster, layout, params)
     overlap = costs.backward if training.overlap_grad_reduce else 0.0
     dp_exposed = max(0.0, dp - overlap)
-    z3 = 0.0
-    if layout.zero == 3:
-        z3 = m * max(0.0, timing.zero3_per_microbatch(cluster, layout, params)
-                     - costs.forward - costs.backward)
+    per_mb = timing.zero_per_microbatch(cluster, layout, params)
+    zero_comm = m * max(0.0, per_mb - costs.forward - costs.backward)
     opt = timing.optimizer_time(cluster, layout, params)
     busy = m * (costs.forward + costs.backward)
-    step = pipe.makespan + dp_exposed + z3 + opt
+    step = pipe.makespan + dp_exposed + zero_comm + opt
     time = {
         "compute": m * 3 * costs.f_compute,
         "tp_comm": m * 2 * costs.f_tp,
         "recompute": m * costs.recompute,
         "pp_bubble": max(0.0, pipe.makespan - busy),
         "dp_comm": dp_exposed,
-        "zero3_comm": z3,
+        "zero_comm": zero_comm,
         "optimizer": opt,
     }
     flops = timing.model_flops_per_step(model, training.global_batch)

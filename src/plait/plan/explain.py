@@ -11,7 +11,7 @@ GB = 1e9
 _WHAT = {
     "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
     "pp_bubble": "pipeline bubble", "dp_comm": "exposed gradient reduction",
-    "zero3_comm": "ZeRO-3 weight gathering", "optimizer": "optimizer step",
+    "zero_comm": "ZeRO-2/3 per-micro-batch communication", "optimizer": "optimizer step",
 }
 
 

@@ -47,8 +47,8 @@ def candidates(model: Model, cluster: Cluster, training: Training) -> Iterator[L
     """Every layout the search considers (see docs/planner.md, "Search space").
 
     SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022);
-    ZeRO-1 is always on with DP (less memory, and reduce-scatter + all-gather move less than an
-    all-reduce of fp32 gradients), ZeRO-3 is tried too; GPipe is left out (1F1B has its bubble with
+    with DP, ZeRO 1-3 are tried (ZeRO-0 is left out: ZeRO-1's reduce-scatter + all-gather move less
+    than an all-reduce of fp32 gradients, with less memory); GPipe is left out (1F1B has its bubble with
     less memory). Context parallelism is tried only for sequences of 32k tokens or more.
     """
     n = cluster.n_gpus
@@ -69,7 +69,7 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
-    zeros = (0,) if dp * cp == 1 else (1, 3)
+    zeros = (0,) if dp * cp == 1 else (1, 2, 3)
     for ep in eps:
         for mbs in MICROBATCH_SIZES:
             if training.global_batch % (dp * mbs):
@@ -90,12 +90,25 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
     dp = timing.dp_sync_time(model, cluster, layout, dense + expert)
     overlap = costs.backward if training.overlap_grad_reduce else 0.0
-    seconds = m * (costs.forward + costs.backward) + max(0.0, dp - overlap)
+    seconds = m * (costs.forward + costs.backward) + max(0.0, dp - overlap) + _bubble_floor(layout, costs)
     seconds += timing.optimizer_time(cluster, layout, dense + expert)
     layers0 = mem.stage_layers(model, layout.pp)[0]
     states = sum(mem.state_bytes(model, layout, layers0, True, layout.pp == 1))
     act = min(layout.pp, m) * layers0 * mem.activation_bytes_per_layer(model, layout)
     return seconds, states + act
+
+
+def _bubble_floor(layout: Layout, costs: timing.StageCosts) -> float:
+    """Idle time no schedule of this kind avoids with free communication, less a 10% margin:
+    (p-1)(F+B)/v for GPipe/1F1B/interleaved/looped (Narayanan et al. 2021, §2.2), (p-1)(F+I-W) for
+    ZB-H1 (Qi et al. 2024, §3); zero for ZB-V. Only used to skip simulations, never as a result."""
+    p, v = layout.pp, layout.virtual
+    if p == 1 or layout.schedule == "zbv":
+        return 0.0
+    f, b, w = costs.forward, costs.backward, costs.weight
+    if layout.schedule == "zb-h1":
+        return 0.9 * (p - 1) * max(0.0, f + (b - w) - w)
+    return 0.9 * (p - 1) * (f + b) / v
 
 
 def search(model: Model, cluster: Cluster, training: Training, top: int = 5) -> SearchResult:

@@ -127,22 +127,28 @@ def stage_costs(model: Model, cluster: Cluster, layout: Layout) -> StageCosts:
 
 
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Gradient synchronisation over dp·cp: an all-reduce of fp32 gradients, or with ZeRO a
-    reduce-scatter of them plus an all-gather of the bf16 weights (Rajbhandari et al. 2020)."""
+    """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): an
+    all-reduce of fp32 gradients (no ZeRO); a reduce-scatter of them plus an all-gather of the
+    updated bf16 weights (ZeRO-1); the all-gather only (ZeRO-2: gradients were reduce-scattered per
+    micro-batch); nothing (ZeRO-3: weights are gathered when used)."""
     n = layout.dp * layout.cp
     link = cluster.link(layout.tp * n)
     if layout.zero == 0:
         return ring_allreduce(4 * params_on_gpu, n, link)
-    return ring_allgather(4 * params_on_gpu, n, link) + ring_allgather(2 * params_on_gpu, n, link)
+    gather = ring_allgather(2 * params_on_gpu, n, link)
+    return {1: ring_allgather(4 * params_on_gpu, n, link) + gather, 2: gather}.get(layout.zero, 0.0)
 
 
-def zero3_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """ZeRO-3 gathers the bf16 weights in forward and again in backward of every micro-batch and
-    reduce-scatters its fp32 gradients (Rajbhandari et al. 2020, §5.3): 1.5× DP's volume per
-    micro-batch instead of per step. It overlaps compute (see ``estimate``)."""
+def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
+    """Communication ZeRO-2/3 repeat every micro-batch: ZeRO-2 reduce-scatters the fp32 gradients
+    (they are kept sharded); ZeRO-3 also gathers the bf16 weights in forward and again in backward.
+    It overlaps compute (see ``estimate``)."""
+    if layout.zero < 2:
+        return 0.0
     n = layout.dp * layout.cp
     link = cluster.link(layout.tp * n)
-    return 2 * ring_allgather(2 * params_on_gpu, n, link) + ring_allgather(4 * params_on_gpu, n, link)
+    out = ring_allgather(4 * params_on_gpu, n, link)
+    return out + (2 * ring_allgather(2 * params_on_gpu, n, link) if layout.zero == 3 else 0.0)
 
 
 def optimizer_time(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:

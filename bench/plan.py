@@ -1,0 +1,77 @@
+"""Benchmark: layout search time (cold and warm simulator cache) and the calibration error.
+
+Target (issue 6): ``search`` over every layout for 16,384 GPUs and a 405B model in under 2 s.
+Each search runs in a fresh process so the simulator cache starts cold; "warm" repeats it in the
+same process. Also reports how many simulations the exact (non-extrapolated) pipeline would need.
+Prints a table and JSON. Timings never go into tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+CASES = [
+    ("llama3-405b", "h100-sxm", 16384, 2048),
+    ("llama3-405b", "h100-sxm", 8192, 2048),
+    ("llama3-70b", "h100-sxm", 64, 512),
+    ("gpt3-175b", "a100-80gb", 1024, 1536),
+    ("mixtral-8x7b", "h100-sxm", 64, 1024),
+    ("llama3-8b", "a100-80gb", 8, 512),
+]
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from plait.plan import Cluster, Model, Training, search
+from plait.plan.pipeline import _simulate
+t1 = time.perf_counter()
+name, gpu, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+m = Model.preset(name)
+args = (m, Cluster(gpu, n), Training(batch))
+t2 = time.perf_counter(); r = search(*args); t3 = time.perf_counter()
+sims = _simulate.cache_info().currsize
+t4 = time.perf_counter(); search(*args); t5 = time.perf_counter()
+b = r.best[0] if r.best else None
+print(json.dumps({"model": name, "gpu": gpu, "gpus": n, "global_batch": batch, "import_s": t1 - t0,
+    "search_cold_s": t3 - t2, "search_warm_s": t5 - t4, "layouts": r.considered, "simulations": sims,
+    "pruned": r.pruned, "rejected": dict(r.rejected), "best": b.layout.short() if b else None,
+    "step_s": b.step_time_s if b else None, "mfu": b.mfu if b else None}))
+"""
+
+
+def run_case(name: str, gpu: str, n: int, batch: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, name, gpu, str(n), str(batch)], capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout)
+
+
+def calibration() -> dict:
+    from plait.plan.calibration import report
+
+    t0 = time.perf_counter()
+    rows, mape = report()
+    return {"cases": len(rows), "mape_pct": mape, "max_abs_pct": 100 * max(abs(e) for *_, e in rows),
+            "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    rows = [run_case(*c) for c in CASES]
+    print(f"{'model':14} {'gpu':10} {'GPUs':>6} {'layouts':>7} {'sims':>5} {'cold s':>7} {'warm s':>7}  best")
+    for r in rows:
+        print(f"{r['model']:14} {r['gpu']:10} {r['gpus']:>6} {r['layouts']:>7} {r['simulations']:>5} "
+              f"{r['search_cold_s']:>7.3f} {r['search_warm_s']:>7.3f}  {r['best']} "
+              f"({r['step_s']:.2f} s, MFU {r['mfu']:.1%})")
+    cal = calibration()
+    print(f"calibration: {cal['cases']} published runs, mean |error| {cal['mape_pct']:.1f}%, "
+          f"max {cal['max_abs_pct']:.1f}%")
+    target = next(r for r in rows if r["gpus"] == 16384)
+    verdict = "PASS" if target["search_cold_s"] < 2.0 else "FAIL"
+    print(f"target: 405B on 16,384 GPUs in < 2 s (cold): {target['search_cold_s']:.2f} s {verdict}")
+    print(json.dumps({"search": rows, "calibration": cal}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
