@@ -116,7 +116,8 @@ def _option(model: Model, cluster: Cluster, w: Workload, tp: int, pp: int) -> In
     p2p = (pp - 1) * (batch * model.hidden * 2 / (link.bandwidth * LINK_EFFICIENCY) + link.latency)
     latency = sum(s["step"] for s in stages) + p2p
     prefill_flops = 2 * model.n_params(active=True) * batch * w.prompt_len
-    prefill = prefill_flops / (tp * pp * cluster.gpu.peak_flops * 0.6) + sum(
+    # one batch crosses the stages one after another: prefill uses tp GPUs at a time, not tp·pp
+    prefill = prefill_flops / (tp * cluster.gpu.peak_flops * 0.6) + sum(
         n * 2 * ring_allreduce(batch * w.prompt_len * model.hidden * 2, tp, cluster.link(tp)) for n in layers)
     warnings = []
     if tp > cluster.gpus_per_node:
