@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.data_parallel.reducer import GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.models.llama import Llama
-from plait.tensor_parallel import comms
-from plait.tensor_parallel.layers import TPShardedModule, sync_tp_partial_grads
+from plait.parallel_model import ParallelModel
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.plan import LLAMA_TP_PLAN, apply_tp_plan, check_llama_tp
 
@@ -70,16 +69,31 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
     """
     microbatches = max(1, ctx.pp_size) if microbatches is None else microbatches
     _check_args(model, ctx, microbatches, virtual_stages, loss_fn, tp_plan)
-    if ctx.pp_size > 1 or virtual_stages > 1:
-        from plait.pipeline.model import build_pipeline_model
-
-        return build_pipeline_model(model, ctx, schedule=schedule, microbatches=microbatches,
-                                    virtual_stages=virtual_stages, sequence_parallel=sequence_parallel,
-                                    partition=partition, activation_checkpointing=activation_checkpointing,
-                                    loss_fn=loss_fn, tp_plan=tp_plan)
+    token_loss = TokenLoss(ctx, model.config.vocab_size) if isinstance(model, Llama) else None
     _shard(model, ctx, sequence_parallel, tp_plan)
-    return ParallelModel(model, ctx, microbatches=microbatches, sequence_parallel=sequence_parallel,
-                         loss_fn=loss_fn, activation_checkpointing=activation_checkpointing)
+    if token_loss is not None:
+        loss, normaliser, vocab = token_loss, partial(_token_normaliser, token_loss, ctx), token_loss.vocab_size
+    else:
+        loss, normaliser, vocab = loss_fn, lambda inputs, targets: float(microbatches * ctx.dp_size), None
+    return ParallelModel(model, ctx, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                         sequence_parallel=sequence_parallel, partition=partition,
+                         activation_checkpointing=activation_checkpointing, loss=loss, normaliser=normaliser,
+                         vocab_size=vocab)
+
+
+def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> float:
+    """Global count of non-ignored targets (the mean's divisor); raises if any id is outside the vocabulary."""
+    bad = token_loss.bad_ids(inputs, targets)
+    if ctx.dp_size == 1:
+        if bad:
+            raise ConfigError(bad)
+        return float(max(token_loss.count(targets), 1))
+    stats = torch.tensor([float(token_loss.count(targets)), 1.0 if bad else 0.0], device=ctx.device)
+    dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global count + any bad ids
+    if stats[1] > 0:
+        raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
+    return float(max(stats[0].item(), 1.0))
 
 
 def _shard(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool, tp_plan: dict | None) -> None:
@@ -91,131 +105,6 @@ def _shard(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool, tp_p
     elif tp_plan is not None:
         apply_tp_plan(model, tp_plan, ctx, sequence_parallel=sequence_parallel)
     model.to(ctx.device)
-
-
-class ParallelModel:
-    """A model sharded over a layout: ``train_step``, ``eval_step`` and full-tensor state dicts."""
-
-    def __init__(self, module: nn.Module, ctx: ParallelContext, *, microbatches: int = 1,
-                 sequence_parallel: bool = False, loss_fn: Callable | None = None,
-                 activation_checkpointing: bool = False):
-        self.module, self.ctx, self.microbatches = module, ctx, microbatches
-        self.sequence_parallel = sequence_parallel
-        self.token_loss = TokenLoss(ctx, module.config.vocab_size) if isinstance(module, Llama) else None
-        self.loss_fn = loss_fn
-        self.activation_checkpointing = activation_checkpointing
-        self.reducer = GradReducer(list(self.parameters()), ctx, op="sum")
-
-    # ----------------------------------------------------------------------------------------- params
-    def parameters(self):
-        """This rank's parameter shards (unique), for any torch optimizer."""
-        return self.module.parameters()
-
-    def named_parameters(self):
-        return self.module.named_parameters()
-
-    def zero_grad(self) -> None:
-        for p in self.parameters():
-            p.grad = None
-
-    # ------------------------------------------------------------------------------------- training
-    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
-        if inputs.shape[0] % self.microbatches:
-            raise ConfigError(f"the local batch size {inputs.shape[0]} is not divisible by microbatches="
-                              f"{self.microbatches}; use a batch that is a multiple of it")
-        if targets is not None and targets.shape[0] != inputs.shape[0]:
-            raise ConfigError(f"targets have batch size {targets.shape[0]}, inputs {inputs.shape[0]}")
-        if self.sequence_parallel and inputs.dim() > 1 and inputs.shape[1] % self.ctx.tp_size:
-            raise ConfigError(f"sequence length {inputs.shape[1]} must be divisible by tp={self.ctx.tp_size} "
-                              "with sequence_parallel=True")
-
-    def _normaliser(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """The divisor that turns this rank's summed losses into its share of the global mean loss."""
-        if self.token_loss is None:
-            return float(self.microbatches * self.ctx.dp_size)
-        bad = self.token_loss.bad_ids(inputs, targets)
-        if self.ctx.dp_size == 1:
-            if bad:
-                raise ConfigError(bad)
-            return float(max(self.token_loss.count(targets), 1))
-        stats = torch.tensor([float(self.token_loss.count(targets)), 1.0 if bad else 0.0])
-        dist.all_reduce(stats, group=self.ctx.dp_group)  # one tiny collective: global count + any bad ids
-        if stats[1] > 0:
-            raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
-        return float(max(stats[0].item(), 1.0))
-
-    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.token_loss is not None:
-            return self.token_loss(output, target)
-        return self.loss_fn(output, target)
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward and backward over the local batch in micro-batches; returns the global mean loss.
-
-        Replaces ``.grad`` of every local shard with the gradient of that global mean loss.
-        """
-        self._check_batch(inputs, targets)
-        inputs, targets = inputs.to(self.ctx.device), targets.to(self.ctx.device)
-        norm = self._normaliser(inputs, targets)
-        self.zero_grad()
-        total = torch.zeros((), dtype=torch.float64)
-        for i, (x, y) in enumerate(zip(inputs.chunk(self.microbatches), targets.chunk(self.microbatches), strict=True)):
-            if i == self.microbatches - 1:
-                self.reducer.arm()
-            loss = self._loss(self._forward(x), y) / norm
-            loss.backward()
-            total += loss.detach().double()
-        self.reducer.finish()  # DP sum first: its buckets hold copies taken during backward
-        sync_tp_partial_grads(self.parameters(), self.ctx)
-        if self.ctx.dp_size > 1:
-            dist.all_reduce(total, group=self.ctx.dp_group)
-        return float(total)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.activation_checkpointing:
-            return self.module(x)
-        return torch.utils.checkpoint.checkpoint(self.module, x, use_reentrant=False)
-
-    @torch.no_grad()
-    def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The full model output (e.g. logits [B, S, V]) on every rank."""
-        out = self.module(inputs.to(self.ctx.device))
-        if self.token_loss is not None and self.ctx.tp_size > 1:
-            out = comms.all_gather(out, out.dim() - 1, self.ctx.tp_group)[..., : self.token_loss.vocab_size]
-        return out
-
-    # ----------------------------------------------------------------------------------- state dicts
-    def _owner(self, key: str) -> tuple[nn.Module, str]:
-        path, _, name = key.rpartition(".")
-        return (self.module.get_submodule(path) if path else self.module), name
-
-    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Full tensors (or their gradients) with the plain model's keys, on every rank (collective)."""
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in self.module.state_dict(keep_vars=True).items():
-            local = tensor.grad if grads else tensor
-            if local is None:
-                local = torch.zeros_like(tensor)
-            module, name = self._owner(key)
-            if isinstance(module, TPShardedModule):
-                out[key] = module.full_tensor(name, local).cpu()
-            else:
-                out[key] = local.detach().clone().cpu()
-        return out
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (keys of the plain model); each rank keeps its own shard. No collective."""
-        own = self.module.state_dict(keep_vars=True)
-        missing = sorted(set(own) - set(state_dict))
-        if missing:
-            raise ConfigError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:3]}")
-        for key, tensor in own.items():
-            module, name = self._owner(key)
-            if isinstance(module, TPShardedModule):
-                module.load_full(name, state_dict[key].to(tensor.device))
-            else:
-                tensor.copy_(state_dict[key])
 
 
 class _CallableModule(sys.modules[__name__].__class__):

@@ -77,13 +77,20 @@ class GradReducer:
             bucket.buffer.div_(self.ctx.dp_size)
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
-    def finish(self) -> None:
-        """Launch the buckets not yet started (a parameter without gradient counts as zeros), wait, unpack."""
+    def launch_pending(self) -> None:
+        """Start the reduction of every bucket not yet started (a missing gradient counts as zeros)."""
         if not self.enabled:
             return
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)
+        self.armed = False
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket and write the reduced gradients back."""
+        if not self.enabled:
+            return
+        self.launch_pending()
         for b in self.buckets:
             b.work.wait()
             offset = 0

@@ -14,6 +14,7 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
+from plait.pipeline.weight_grad import linear
 from plait.tensor_parallel import comms
 
 
@@ -44,6 +45,8 @@ class TPShardedModule(nn.Module):
 
     #: parameter name -> (dimension it is sharded on or None if replicated, full size on that dimension)
     shard_dims: dict[str, tuple[int | None, int]]
+    #: set by the pipeline runtime for zero-bubble schedules (weight gradients deferred to W passes)
+    wgrad_store = None
 
     def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """All-gather ``local`` (this parameter or its gradient) over TP into the full tensor."""
@@ -121,7 +124,7 @@ class ColumnParallelLinear(TPShardedModule):
         group = self.ctx.tp_group
         if self.input_comm:
             x = comms.gather_seq(x, group) if self.sequence_parallel else comms.copy_to_tp(x, group)
-        y = F.linear(x, self.weight, self.bias)  # [B, S, out/t]
+        y = linear(x, self.weight, self.bias, self.wgrad_store)  # [B, S, out/t]
         return comms.gather_last(y, group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -160,7 +163,7 @@ class RowParallelLinear(TPShardedModule):
         group = self.ctx.tp_group
         if not self.input_is_parallel:
             x = comms.scatter_last(x, group)
-        y = F.linear(x, self.weight)  # [B, S, out] partial sums
+        y = linear(x, self.weight, None, self.wgrad_store)  # [B, S, out] partial sums
         y = comms.reduce_scatter_seq(y, group) if self.sequence_parallel else comms.reduce_from_tp(y, group)
         return y + self.bias if self.bias is not None else y  # [B, S/t or S, out]
 

@@ -1,0 +1,207 @@
+"""``ParallelModel``: a model sharded over TP x PP x DP that trains with a pipeline schedule.
+
+Without pipeline parallelism it is the same machinery with one chunk (the schedule then only orders
+the micro-batches of gradient accumulation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.data_parallel.reducer import GradReducer
+from plait.distributed.context import ParallelContext
+from plait.errors import ConfigError
+from plait.pipeline import weight_grad
+from plait.pipeline.executor import Executor, StepIO, StepStats
+from plait.pipeline.p2p import Transport
+from plait.pipeline.partition import PipelineChunk, build_chunks
+from plait.pipeline.ties import TiedWeights
+from plait.schedules import Schedule, build_schedule
+from plait.tensor_parallel import comms
+from plait.tensor_parallel.layers import TPShardedModule, sync_tp_partial_grads
+
+
+class ParallelModel:
+    """Train and evaluate a sharded model: ``train_step``, ``eval_step``, full-tensor state dicts."""
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str, microbatches: int,
+                 virtual_stages: int, sequence_parallel: bool, partition, activation_checkpointing: bool,
+                 loss: Callable, normaliser: Callable, vocab_size: int | None):
+        self.ctx, self.microbatches, self.sequence_parallel = ctx, microbatches, sequence_parallel
+        self._loss, self._normaliser, self.vocab_size = loss, normaliser, vocab_size
+        virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
+        self.schedule: Schedule = build_schedule(schedule, stages=ctx.pp_size, microbatches=microbatches,
+                                                 virtual=virtual)
+        self.plain_keys = list(model.state_dict().keys())
+        all_chunks = build_chunks(model, self.schedule.num_stages, partition, activation_checkpointing)
+        self.partition = [sum(n.startswith("layers.") or n.isdigit() for n in c.names) for c in all_chunks]
+        mine = self.schedule.stages_of_rank(ctx.pp_rank)
+        self.chunks: dict[int, PipelineChunk] = {c: all_chunks[c] for c in mine}
+        self.ties = TiedWeights(all_chunks, self.schedule, ctx)
+        del all_chunks
+        for chunk in self.chunks.values():
+            chunk.to(ctx.device)
+        needs_split = any(a.kind == "I" for row in self.schedule.actions for a in row)
+        self.store = weight_grad.WeightGradStore() if needs_split else None
+        if self.store is not None:
+            for chunk in self.chunks.values():
+                weight_grad.install(chunk, self.store)
+        self.reducers = self._build_reducers()
+        self.transport = Transport(self.schedule.num_stages, microbatches, ctx.device, ctx.timeout_s)
+        self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
+                                 self.store, self.reducers)
+        self._input_shape: tuple | None = None
+        self.last_stats: StepStats | None = None
+
+    def _build_reducers(self) -> dict[int, GradReducer]:
+        """One DP reducer per chunk; a parameter shared by two chunks goes with the later-finishing one."""
+        order = self.executor_final_order()
+        owner: dict[int, int] = {}
+        params: dict[int, nn.Parameter] = {}
+        for c in order:  # later-finishing chunks overwrite earlier ones
+            for p in self.chunks[c].parameters():
+                owner[id(p)], params[id(p)] = c, p
+        return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, op="sum")
+                for c in self.chunks}
+
+    def executor_final_order(self) -> list[int]:
+        """This rank's chunks in the order their last backward-type action runs."""
+        last = {}
+        for i, a in enumerate(self.schedule.actions[self.ctx.pp_rank]):
+            if a.kind in ("B", "W"):
+                last[a.stage] = i
+        return sorted(self.chunks, key=lambda c: last.get(c, -1))
+
+    # ------------------------------------------------------------------------------------ parameters
+    def parameters(self):
+        """This rank's parameter shards (each once), for any torch optimizer."""
+        seen: set[int] = set()
+        for chunk in self.chunks.values():
+            for p in chunk.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self):
+        seen: set[int] = set()
+        for chunk in self.chunks.values():
+            for key, p in chunk.named_state().items():
+                if isinstance(p, nn.Parameter) and id(p) not in seen:
+                    seen.add(id(p))
+                    yield key, p
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    # -------------------------------------------------------------------------------------- training
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+        if inputs.shape[0] % self.microbatches:
+            raise ConfigError(f"the local batch size {inputs.shape[0]} is not divisible by microbatches="
+                              f"{self.microbatches}; use a batch that is a multiple of it")
+        if targets is not None and targets.shape[0] != inputs.shape[0]:
+            raise ConfigError(f"targets have batch size {targets.shape[0]}, inputs {inputs.shape[0]}")
+        if self.sequence_parallel and inputs.dim() > 1 and inputs.shape[1] % self.ctx.tp_size:
+            raise ConfigError(f"sequence length {inputs.shape[1]} must be divisible by tp={self.ctx.tp_size} "
+                              "with sequence_parallel=True")
+
+    def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        if tuple(inputs.shape) != self._input_shape:  # new sequence length: shapes are negotiated again
+            self.transport.reset_shapes()
+            self._input_shape = tuple(inputs.shape)
+        return list(inputs.to(self.ctx.device).chunk(self.microbatches))
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False) -> float:
+        """One forward and backward over the local batch; returns the global mean loss on every rank.
+
+        Replaces ``.grad`` of every local shard with the gradient of that loss. ``trace=True`` records
+        the measured start/end of every action (``last_stats.timeline``).
+        """
+        self._check_batch(inputs, targets)
+        norm = self._normaliser(inputs, targets)
+        self.zero_grad()
+        mb_inputs = self._split(inputs)
+        mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
+        io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
+        stats = self.executor.run(io, trace=trace)
+        for reducer in self.reducers.values():
+            reducer.finish()
+        sync_tp_partial_grads(self.parameters(), self.ctx)
+        self.ties.sync_grads()
+        self.last_stats = stats
+        return self._global_loss(stats.loss_sum)
+
+    def _global_loss(self, local: torch.Tensor) -> float:
+        ctx = self.ctx
+        if ctx.pp_size == 1 and ctx.dp_size == 1:
+            return float(local)
+        holds_loss = self.schedule.stage_to_rank(self.schedule.num_stages - 1) == ctx.pp_rank
+        total = local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local)
+        total = total.to(ctx.device)
+        dist.all_reduce(total)  # one scalar over the world: last-stage, tp-rank-0 contributions
+        return float(total)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The full model output (e.g. logits [B, S, V]) on every rank (forward-only pipeline)."""
+        self._check_batch(inputs, None)
+        stats = self.executor.run(StepIO(self._split(inputs), None, None), forward_only=True)
+        out = torch.cat(stats.outputs) if stats.outputs else None
+        if out is not None and self.vocab_size is not None and self.ctx.tp_size > 1:
+            out = comms.all_gather(out, out.dim() - 1, self.ctx.tp_group)
+        if out is not None and self.vocab_size is not None:
+            out = out[..., : self.vocab_size].contiguous()  # collectives need contiguous memory
+        return self._broadcast_from_last(out)
+
+    def _broadcast_from_last(self, out: torch.Tensor | None) -> torch.Tensor:
+        if self.ctx.pp_size == 1:
+            return out
+        src = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
+        box = [None if out is None else (tuple(out.shape), out.dtype)]
+        dist.broadcast_object_list(box, src=src, group=self.ctx.pp_group)
+        shape, dtype = box[0]
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+        dist.broadcast(out, src=src, group=self.ctx.pp_group)
+        return out
+
+    # ---------------------------------------------------------------------------------- state dicts
+    def _local_full(self, grads: bool) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks.values():
+            for key, tensor in chunk.named_state().items():
+                local = tensor.grad if grads else tensor
+                local = torch.zeros_like(tensor) if local is None else local
+                module, name = chunk.owner(key)
+                full = module.full_tensor(name, local) if isinstance(module, TPShardedModule) else local.detach()
+                out[key] = full.detach().clone().cpu()
+        return out
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors (or gradients) under the plain model's keys, on every rank (collective)."""
+        local = self._local_full(grads)
+        if self.ctx.pp_size > 1:
+            parts: list = [None] * self.ctx.pp_size
+            dist.all_gather_object(parts, local, group=self.ctx.pp_group)
+            for part in parts:
+                for k, v in part.items():
+                    local.setdefault(k, v)
+        return {k: local[k] for k in self.plain_keys}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (plain-model keys); each rank keeps its own shards. No collective."""
+        missing = sorted(set(self.plain_keys) - set(state_dict))
+        if missing:
+            raise ConfigError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:3]}")
+        for chunk in self.chunks.values():
+            for key, tensor in chunk.named_state().items():
+                module, name = chunk.owner(key)
+                if isinstance(module, TPShardedModule):
+                    module.load_full(name, state_dict[key].to(tensor.device))
+                else:
+                    tensor.copy_(state_dict[key])

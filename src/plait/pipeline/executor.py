@@ -1,0 +1,173 @@
+"""The pipeline executor: runs one rank's actions of a ``Schedule`` in order — the same object the simulator
+times. There is no per-schedule loop: F, B, I and W are the only things it knows.
+
+F(c, mb)  receive the input (previous chunk's output, or the micro-batch), run chunk c, send the output
+          (or compute the loss on the last chunk)
+B(c, mb)  receive the output gradient, backward through chunk c, send the input gradient
+I(c, mb)  as B, with linear weight gradients deferred (pipeline.weight_grad)
+W(c, mb)  run the deferred weight-gradient work of (c, mb)
+A micro-batch's saved state lives from its F to its B (or W), so the number held is what the simulator
+counts as ``peak_activations``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from plait.errors import CommTimeoutError
+from plait.pipeline.p2p import ACT, GRAD, Transport
+from plait.pipeline.weight_grad import WeightGradStore
+from plait.schedules import Action, Schedule
+
+LOOKAHEAD = 3  # receives posted ahead of the action that needs them
+
+
+@dataclass
+class StepStats:
+    """What one executed step measured on this rank."""
+
+    loss_sum: torch.Tensor
+    peak_stored: float  # micro-batches of a whole stage (a chunk counts 1/V)
+    timeline: list[tuple[Action, float, float]] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class StepIO:
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor] | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+
+class Executor:
+    """Executes ``schedule.actions[pp_rank]`` over ``chunks`` (this rank's chunks by global index)."""
+
+    def __init__(self, schedule: Schedule, pp_rank: int, peer_of_rank: Callable[[int], int], chunks: dict,
+                 transport: Transport, store: WeightGradStore | None, reducers: dict):
+        self.s, self.me, self.chunks = schedule, pp_rank, chunks
+        self.peer_of_rank, self.transport, self.store = peer_of_rank, transport, store
+        self.reducers = reducers  # chunk -> GradReducer (data parallel), started when the chunk is done
+        self.last_chunk = schedule.num_stages - 1
+        self.actions = schedule.actions[pp_rank]
+        self.final_index = _final_backward_index(self.actions)
+        self.recv_plan = [self._remote_input(a) for a in self.actions]
+
+    def _remote_input(self, a: Action) -> tuple[int, int, int] | None:
+        """(kind, source global rank, source chunk) of the message action ``a`` waits for, if remote."""
+        if a.kind == "F" and a.stage > 0:
+            src = self.s.stage_to_rank(a.stage - 1)
+            return (ACT, self.peer_of_rank(src), a.stage - 1) if src != self.me else None
+        if a.kind in ("B", "I") and a.stage < self.last_chunk:
+            src = self.s.stage_to_rank(a.stage + 1)
+            return (GRAD, self.peer_of_rank(src), a.stage + 1) if src != self.me else None
+        return None
+
+    def _prepost(self, i: int, actions: list[Action], plan: list) -> None:
+        for j in range(i, min(i + LOOKAHEAD, len(actions))):
+            if plan[j] is not None:
+                kind, src, _ = plan[j]
+                self.transport.post(src, kind, actions[j].stage, actions[j].microbatch)
+
+    def run(self, io: StepIO, forward_only: bool = False, trace: bool = False) -> StepStats:
+        actions, plan = self.actions, self.recv_plan
+        if forward_only:
+            keep = [i for i, a in enumerate(actions) if a.kind == "F"]
+            actions, plan = [actions[i] for i in keep], [plan[i] for i in keep]
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.local: dict[tuple[int, int, int], torch.Tensor] = {}
+        stats = StepStats(loss_sum=torch.zeros((), dtype=torch.float64), peak_stored=0.0)
+        t0 = time.perf_counter()
+        for i, a in enumerate(actions):
+            self._prepost(i, actions, plan)
+            try:
+                data = self._receive(a, plan[i], io)
+            except CommTimeoutError as exc:
+                raise CommTimeoutError(self._explain(a, i, plan[i], exc)) from exc
+            start = time.perf_counter() - t0
+            final = not forward_only and self.final_index.get(a.stage) == i
+            if final and a.kind == "B":
+                self.reducers[a.stage].arm()  # buckets start as their gradients complete
+            if a.kind == "F":
+                self._forward(a, data, io, stats, forward_only)
+                # measured: micro-batches whose autograd state this rank holds right now
+                stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
+            elif a.kind == "W":
+                self.store.flush((a.stage, a.microbatch))
+                del self.saved[(a.stage, a.microbatch)]
+            else:
+                self._backward(a, data)
+            if final:
+                self.reducers[a.stage].launch_pending()
+            if trace:
+                stats.timeline.append((a, start, time.perf_counter() - t0))
+        self.transport.wait_sends()
+        return stats
+
+    def _receive(self, a: Action, remote, io: StepIO) -> torch.Tensor | None:
+        if a.kind == "W":
+            return None
+        if remote is not None:
+            kind, src, _ = remote
+            return self.transport.recv(src, kind, a.stage, a.microbatch)
+        if a.kind == "F":
+            return io.inputs[a.microbatch] if a.stage == 0 else self.local.pop((ACT, a.stage, a.microbatch))
+        if a.stage == self.last_chunk:
+            return None  # the backward of the last chunk starts from the loss
+        return self.local.pop((GRAD, a.stage, a.microbatch))
+
+    def _forward(self, a: Action, x: torch.Tensor, io: StepIO, stats: StepStats, forward_only: bool) -> None:
+        c, mb = a.stage, a.microbatch
+        if c > 0 and not forward_only:
+            x = x.detach().requires_grad_(x.is_floating_point())
+        with torch.set_grad_enabled(not forward_only):
+            out = self.chunks[c](x)
+            if c == self.last_chunk:
+                if forward_only:
+                    stats.outputs.append(out)
+                    return
+                out = io.loss_fn(out, io.targets[mb])
+                stats.loss_sum += out.detach().double()
+        if c < self.last_chunk:
+            self.transport.set_shape(GRAD, c, out.shape, out.dtype)
+            self._send(ACT, c + 1, mb, out)
+        if not forward_only:
+            self.saved[(c, mb)] = (x, out)
+
+    def _backward(self, a: Action, grad_out: torch.Tensor | None) -> None:
+        """Run B (releases the saved state) or I (keeps it for the W pass)."""
+        c, mb = a.stage, a.microbatch
+        x, out = self.saved[(c, mb)]
+        if a.kind == "I":
+            with self.store.deferring((c, mb)):
+                torch.autograd.backward(out, grad_out)
+        else:
+            torch.autograd.backward(out, grad_out)
+            del self.saved[(c, mb)]
+        if c > 0:
+            self._send(GRAD, c - 1, mb, x.grad)
+
+    def _send(self, kind: int, chunk: int, mb: int, tensor: torch.Tensor) -> None:
+        rank = self.s.stage_to_rank(chunk)
+        if rank == self.me:
+            self.local[(kind, chunk, mb)] = tensor.detach()
+        else:
+            self.transport.send(tensor, self.peer_of_rank(rank), kind, chunk, mb)
+
+    def _explain(self, a: Action, i: int, remote, exc: Exception) -> str:
+        what = "activation" if remote and remote[0] == ACT else "gradient"
+        peer = f"global rank {remote[1]} (chunk {remote[2]})" if remote else "a local chunk"
+        return (f"pipeline rank {self.me} stuck in action {a} (#{i}): waited for the {what} from {peer}.\n"
+                f"{exc}\nSchedule around it:\n{self.s.grid(marks={self.me: i}, window=12)}")
+
+
+def _final_backward_index(actions: list[Action]) -> dict[int, int]:
+    """Chunk -> index of its last backward-type action (B or W) in this rank's list."""
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        if a.kind in ("B", "W"):
+            last[a.stage] = i
+    return last

@@ -1,0 +1,116 @@
+"""Point-to-point transport between pipeline ranks: tagged async isend/irecv, shape negotiation, timeouts.
+
+Every message has a tag unique within a step (kind, chunk, micro-batch), so receives can be posted
+early and in any order: nothing depends on matching order, and no ``batch_isend_irecv`` is used (it can
+hang on Gloo). Shapes and dtypes cross once per activation boundary and input shape in a small header
+message; they are sent again when the sequence length (or any input shape) changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import CommTimeoutError
+
+ACT, GRAD, HEADER = 0, 1, 2
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
+_HEADER_LEN = 10
+
+
+@dataclass
+class PendingRecv:
+    work: object
+    buffer: torch.Tensor
+    src: int
+    what: str
+
+
+class Transport:
+    """Sends and receives of one rank for one pipeline schedule (chunk count and micro-batches fixed)."""
+
+    def __init__(self, num_chunks: int, microbatches: int, device: torch.device, timeout_s: float):
+        self.num_chunks, self.microbatches = num_chunks, microbatches
+        self.device, self.timeout_s = device, timeout_s
+        self.sends: list[tuple[object, torch.Tensor]] = []
+        self.pending: dict[tuple[int, int, int], PendingRecv] = {}
+        self.shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # (kind, chunk)
+        self.sent_headers: set[tuple[int, int]] = set()
+
+    def reset_shapes(self) -> None:
+        """Forget negotiated shapes (called when the input shape changes)."""
+        self.shapes.clear()
+        self.sent_headers.clear()
+
+    def tag(self, kind: int, chunk: int, mb: int) -> int:
+        return (kind * self.num_chunks + chunk) * self.microbatches + mb + 1
+
+    # ----------------------------------------------------------------------------------------- send
+    def send(self, tensor: torch.Tensor, dst: int, kind: int, chunk: int, mb: int) -> None:
+        """Asynchronously send ``tensor`` for (kind, chunk, mb) to global rank ``dst``."""
+        tensor = tensor.detach().contiguous()
+        if kind == ACT and (kind, chunk) not in self.sent_headers:
+            header = _encode_header(tensor).to(self.device)
+            self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header))
+            self.sent_headers.add((kind, chunk))
+        self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor))
+
+    def wait_sends(self) -> None:
+        for work, _ in self.sends:
+            self._wait(work, "send", -1)
+        self.sends.clear()
+
+    # -------------------------------------------------------------------------------------- receive
+    def known_shape(self, kind: int, chunk: int) -> bool:
+        return (kind, chunk) in self.shapes
+
+    def set_shape(self, kind: int, chunk: int, shape, dtype) -> None:
+        self.shapes[(kind, chunk)] = (tuple(shape), dtype)
+
+    def post(self, src: int, kind: int, chunk: int, mb: int) -> bool:
+        """Post the receive for (kind, chunk, mb) if its shape is known; returns whether it is posted."""
+        key = (kind, chunk, mb)
+        if key in self.pending:
+            return True
+        if (kind, chunk) not in self.shapes:
+            return False
+        shape, dtype = self.shapes[(kind, chunk)]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, src, tag=self.tag(kind, chunk, mb))
+        what = f"{'activation' if kind == ACT else 'gradient'} of chunk {chunk}, micro-batch {mb}"
+        self.pending[key] = PendingRecv(work, buf, src, what)
+        return True
+
+    def recv(self, src: int, kind: int, chunk: int, mb: int) -> torch.Tensor:
+        """Block until (kind, chunk, mb) from global rank ``src`` has arrived and return it."""
+        if (kind, chunk) not in self.shapes:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            work = dist.irecv(header, src, tag=self.tag(HEADER, chunk, 0))
+            self._wait(work, f"the shape header of chunk {chunk}", src)
+            self.shapes[(kind, chunk)] = _decode_header(header)
+        self.post(src, kind, chunk, mb)
+        pending = self.pending.pop((kind, chunk, mb))
+        self._wait(pending.work, pending.what, src)
+        return pending.buffer
+
+    def _wait(self, work, what: str, peer: int) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            who = f" from rank {peer}" if peer >= 0 else ""
+            raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc
+
+
+def _encode_header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _HEADER_LEN - 2:
+        raise ValueError(f"pipeline activations may have at most {_HEADER_LEN - 2} dimensions")
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(values + [0] * (_HEADER_LEN - len(values)), dtype=torch.int64)
+
+
+def _decode_header(h: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    values = h.tolist()
+    return tuple(values[2:2 + values[1]]), _DTYPES[values[0]]

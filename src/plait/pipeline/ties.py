@@ -1,0 +1,41 @@
+"""Parameters shared by chunks on different pipeline ranks (tied embeddings): one copy per rank, gradients
+summed over the ranks that hold a copy (Megatron's embedding group), so the copies stay equal."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.distributed.context import ParallelContext
+from plait.schedules import Schedule
+
+
+class TiedWeights:
+    """Finds parameters used by several chunks and builds the groups that keep their copies in sync."""
+
+    def __init__(self, chunks: list[nn.Module], schedule: Schedule, ctx: ParallelContext):
+        self.ctx = ctx
+        self.pairs: list[tuple[nn.Parameter, object]] = []  # (this rank's copy, its tie group)
+        holders: dict[int, set[int]] = {}
+        objects: dict[int, nn.Parameter] = {}
+        for chunk in chunks:
+            for p in chunk.parameters():
+                holders.setdefault(id(p), set()).add(schedule.stage_to_rank(chunk.index))
+                objects[id(p)] = p
+        shared = [(objects[i], sorted(r)) for i, r in holders.items() if len(r) > 1]
+        # every rank creates every group, in the same order (new_group is collective over the world)
+        for p, pp_ranks in shared:
+            for dp in range(ctx.dp_size):
+                for tp in range(ctx.tp_size):
+                    members = [ctx.global_rank(tp_rank=tp, dp_rank=dp, pp_rank=r) for r in pp_ranks]
+                    group = dist.new_group(members)
+                    if ctx.rank in members:
+                        self.pairs.append((p, group))
+
+    def sync_grads(self) -> None:
+        """Sum the gradients of the tied copies over the ranks that hold them."""
+        for p, group in self.pairs:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)

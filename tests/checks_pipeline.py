@@ -1,0 +1,162 @@
+"""Rank-side checks: every schedule over TP x PP x DP equals one device; peaks match the simulator."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import plait
+from checks_llama import expect_config_error
+from harness import rel_err, run_checks
+from plait.models import Llama, LlamaConfig
+from plait.schedules import SCHEDULE_NAMES
+from plait.sim import Costs, simulate
+
+BATCH, SEQ = 8, 8
+
+
+def cfg_for(**kw) -> LlamaConfig:
+    base = dict(vocab_size=61, dim=32, n_layers=8, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def data(vocab: int, batch: int = BATCH, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    targets[1, :2] = -100
+    return inputs, targets
+
+
+def single_device(cfg: LlamaConfig, inputs, targets):
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    loss = model.loss(inputs, targets)
+    loss.backward()
+    return float(loss), {k: p.grad.clone() for k, p in model.named_parameters()}, model
+
+
+def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: bool = False,
+            partition="balanced", checkpointing: bool = False, **cfg_kw) -> dict:
+    cfg = cfg_for(**cfg_kw)
+    inputs, targets = data(cfg.vocab_size)
+    ref_loss, ref_grads, ref_model = single_device(cfg, inputs, targets)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
+                           virtual_stages=virtual, sequence_parallel=sp, partition=partition,
+                           activation_checkpointing=checkpointing)
+    per = BATCH // ctx.dp_size
+    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+    loss = pm.train_step(inputs[local], targets[local])
+    grads = pm.full_state_dict(grads=True)
+    errs = {k: rel_err(grads[k], g) for k, g in ref_grads.items()}
+    sim = simulate(pm.schedule, Costs())
+    logits = pm.eval_step(inputs[local])
+    return {
+        "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+        "grad_rel_max": max(errs.values()),
+        "worst": max(errs, key=errs.get),
+        "peak_measured": pm.last_stats.peak_stored,
+        "peak_sim": sim.peak_activations[ctx.pp_rank],
+        "logits_rel": rel_err(logits, ref_model(inputs[local]).detach()),
+        "partition": pm.partition,
+    }
+
+
+class Residual(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def sequential_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), *[Residual(16) for _ in range(6)], nn.Linear(16, 3))
+
+
+def compare_sequential(ctx, schedule: str) -> dict:
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+    ref = sequential_model()
+    F.mse_loss(ref(x), y).backward()
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+    pm = plait.parallelize(sequential_model(), ctx, schedule=schedule, microbatches=4, loss_fn=F.mse_loss)
+    per = BATCH // ctx.dp_size
+    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+    loss = pm.train_step(x[local], y[local])
+    grads = pm.full_state_dict(grads=True)
+    return {"loss_rel": abs(loss - float(F.mse_loss(ref(x), y))) / float(F.mse_loss(ref(x), y)),
+            "grad_rel_max": max(rel_err(grads[k], g) for k, g in ref_grads.items()),
+            "worst": "", "peak_measured": pm.last_stats.peak_stored,
+            "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
+
+
+def world4_checks() -> list:
+    checks = []
+    pp4 = plait.init(tp=1, pp=4, dp=1)
+    for name in SCHEDULE_NAMES:
+        virtual = 2 if name in ("interleaved-1f1b", "looped-bfs") else 1
+        checks.append((f"pp4/{name}", lambda c=pp4, n=name, v=virtual: compare(c, n, virtual=v)))
+    checks.append(("pp4/1f1b/tied", lambda: compare(pp4, "1f1b", tie_embeddings=True)))
+    checks.append(("pp4/zbv/tied", lambda: compare(pp4, "zbv", tie_embeddings=True)))
+    checks.append(("pp4/1f1b/uneven", lambda: compare(pp4, "1f1b", partition=[1, 3, 2, 2])))
+    checks.append(("pp4/zb-h1/checkpointing", lambda: compare(pp4, "zb-h1", checkpointing=True)))
+    checks.append(("pp4/gpipe/m4", lambda: compare(pp4, "gpipe", microbatches=4)))
+    checks.append(("pp4/sequential/1f1b", lambda: compare_sequential(pp4, "1f1b")))
+    checks.append(("pp4/sequential/zbv", lambda: compare_sequential(pp4, "zbv")))
+    tp2pp2 = plait.init(tp=2, pp=2, dp=1)
+    for name in ("1f1b", "interleaved-1f1b", "zbv"):
+        v = 2 if name == "interleaved-1f1b" else 1
+        checks.append((f"tp2pp2sp/{name}", lambda n=name, v=v: compare(tp2pp2, n, virtual=v, sp=True)))
+    checks.append(("tp2pp2/zb-h1/tied", lambda: compare(tp2pp2, "zb-h1", tie_embeddings=True)))
+    pp2dp2 = plait.init(tp=1, pp=2, dp=2)
+    checks.append(("pp2dp2/interleaved-1f1b", lambda: compare(pp2dp2, "interleaved-1f1b", microbatches=4,
+                                                             virtual=2)))
+    checks.append(("pp2dp2/dualpipev", lambda: compare(pp2dp2, "dualpipev", microbatches=4)))
+    checks.append(("pp2dp2/sequential/gpipe", lambda: compare_sequential(pp2dp2, "gpipe")))
+    return checks
+
+
+def world8_checks() -> list:
+    ctx = plait.init(tp=2, pp=2, dp=2)
+    checks = []
+    for name in ("zbv", "1f1b", "interleaved-1f1b", "dualpipev"):
+        v = 2 if name == "interleaved-1f1b" else 1
+        checks.append((f"tp2pp2dp2/{name}", lambda n=name, v=v: compare(ctx, n, microbatches=4, virtual=v,
+                                                                       sp=n == "zbv", tie_embeddings=True)))
+    return checks
+
+
+def bad_checks(world: int) -> list:
+    def run(schedule="1f1b", microbatches=8, batch=BATCH, n_layers=8, virtual=1):
+        ctx = plait.init(tp=1, pp=4, dp=world // 4)
+        cfg = cfg_for(n_layers=n_layers)
+        pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
+                               virtual_stages=virtual)
+        inputs, targets = data(cfg.vocab_size, batch=batch)
+        pm.train_step(inputs, targets)
+
+    return [
+        ("bad/batch_not_divisible", lambda: expect_config_error(lambda: run(batch=6))),
+        ("bad/too_few_layers", lambda: expect_config_error(lambda: run(n_layers=6, schedule="zbv"))),
+        ("bad/unknown_schedule", lambda: expect_config_error(lambda: run(schedule="2f2b"))),
+        ("bad/microbatches_zero", lambda: expect_config_error(lambda: run(microbatches=0))),
+    ]
+
+
+def rank_main() -> dict:
+    world = int(os.environ["WORLD_SIZE"])
+    checks = world4_checks() if world == 4 else world8_checks()
+    results = {}
+    for name, fn in checks:
+        results.update(run_checks([(name, fn)]))
+    if world == 4:
+        results.update(run_checks(bad_checks(world)))
+    return results

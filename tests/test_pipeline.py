@@ -1,0 +1,64 @@
+"""Every schedule over TP x PP x DP (world 4 and 8) equals a single device; peaks equal the simulator's."""
+
+import pytest
+
+import checks_pipeline
+from harness import launch, result
+from plait.schedules import SCHEDULE_NAMES
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch(checks_pipeline.rank_main, 4)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return launch(checks_pipeline.rank_main, 8, timeout_s=600)
+
+
+WORLD4_CASES = [f"pp4/{n}" for n in SCHEDULE_NAMES] + [
+    "pp4/1f1b/tied", "pp4/zbv/tied", "pp4/1f1b/uneven", "pp4/zb-h1/checkpointing", "pp4/gpipe/m4",
+    "pp4/sequential/1f1b", "pp4/sequential/zbv", "tp2pp2sp/1f1b", "tp2pp2sp/interleaved-1f1b", "tp2pp2sp/zbv",
+    "tp2pp2/zb-h1/tied", "pp2dp2/interleaved-1f1b", "pp2dp2/dualpipev", "pp2dp2/sequential/gpipe",
+]
+WORLD8_CASES = [f"tp2pp2dp2/{n}" for n in ("zbv", "1f1b", "interleaved-1f1b", "dualpipev")]
+
+
+def _assert_equal(world, case):
+    for rank, r in enumerate(result(world, case)):
+        assert r["loss_rel"] <= LOSS_TOL, f"rank {rank} {case}: loss rel err {r['loss_rel']:.2e}"
+        assert r["grad_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: grad err {r['grad_rel_max']:.2e} {r['worst']}"
+        assert r["peak_measured"] == pytest.approx(r["peak_sim"]), (
+            f"rank {rank} {case}: held {r['peak_measured']} micro-batches, simulator says {r['peak_sim']}")
+        if "logits_rel" in r:
+            assert r["logits_rel"] <= 1e-5, f"rank {rank} {case}: eval_step logits differ"
+
+
+@pytest.mark.parametrize("case", WORLD4_CASES)
+def test_world4_equals_single_device(world4, case):
+    _assert_equal(world4, case)
+
+
+@pytest.mark.parametrize("case", WORLD8_CASES)
+def test_world8_tp2_pp2_dp2(world8, case):
+    _assert_equal(world8, case)
+
+
+def test_uneven_partition_is_used(world4):
+    assert result(world4, "pp4/1f1b/uneven")[0]["partition"] == [1, 3, 2, 2]
+    assert sum(result(world4, "pp4/1f1b")[0]["partition"]) == 8
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("bad/batch_not_divisible", "microbatches"),
+    ("bad/too_few_layers", "layers"),
+    ("bad/unknown_schedule", "schedule"),
+    ("bad/microbatches_zero", "microbatches"),
+])
+def test_bad_pipeline_input_is_config_error_everywhere(world4, case, needle):
+    for rank, r in enumerate(result(world4, case)):
+        assert r["raised"] == "ConfigError", f"rank {rank}: {r}"
+        assert needle in r["message"], r["message"]
