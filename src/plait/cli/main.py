@@ -14,12 +14,29 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        from plait import __version__
+
+        typer.echo(f"plait {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Plan, simulate, run and verify tensor, sequence, pipeline, data and expert parallelism."""
+
+
 # Each module defines ``register(app)``; heavy imports (torch) happen inside the commands.
 _COMMAND_MODULES = [
     "plait.cli.simulate",
     "plait.cli.plan",
     "plait.cli.verify",
     "plait.cli.train",
+    "plait.cli.generate",
+    "plait.cli.serve",
     "plait.cli.demo",
 ]
 

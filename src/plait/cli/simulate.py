@@ -190,14 +190,6 @@ def simulate_command(
 def register(app: typer.Typer) -> None:
     """Add the ``simulate`` command to the ``plait`` app."""
     app.command("simulate", help=HELP, no_args_is_help=False)(simulate_command)
-    if app.registered_callback is None:
-        # Typer runs a one-command app as that command; a no-op callback keeps ``plait simulate``
-        # a sub-command even while it is the only one registered (a later callback replaces it).
-        app.callback()(_group)
-
-
-def _group() -> None:
-    pass
 
 
 if __name__ == "__main__":  # pragma: no cover
