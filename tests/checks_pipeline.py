@@ -98,6 +98,25 @@ def compare_sequential(ctx, schedule: str) -> dict:
             "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
 
 
+def check_trace(ctx, schedule: str) -> dict:
+    """The measured timeline holds exactly the schedule's actions, in the schedule's order, per rank."""
+    cfg = cfg_for()
+    inputs, targets = data(cfg.vocab_size)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=8)
+    pm.train_step(inputs, targets, trace=True)
+    report = pm.trace_report()
+    order_ok = all(
+        [a for r, a, _, _ in report.measured.timeline if r == rank] == pm.schedule.actions[rank]
+        for rank in range(pm.schedule.num_ranks))
+    starts_ok = all(e >= s >= 0 for _, _, s, e in report.measured.timeline)
+    events = [e for e in report.measured.to_chrome_trace()["traceEvents"] if e.get("ph") == "X"]
+    costs = report.measured.costs
+    return {"order_ok": order_ok, "times_ok": starts_ok, "n_events": len(events),
+            "n_actions": pm.schedule.num_actions, "costs_positive": min(costs.forward) > 0,
+            "text": report.to_text(80)}
+
+
 def world4_checks() -> list:
     checks = []
     pp4 = plait.init(tp=1, pp=4, dp=1)
@@ -111,6 +130,8 @@ def world4_checks() -> list:
     checks.append(("pp4/gpipe/m4", lambda: compare(pp4, "gpipe", microbatches=4)))
     checks.append(("pp4/sequential/1f1b", lambda: compare_sequential(pp4, "1f1b")))
     checks.append(("pp4/sequential/zbv", lambda: compare_sequential(pp4, "zbv")))
+    checks.append(("trace/1f1b", lambda: check_trace(pp4, "1f1b")))
+    checks.append(("trace/zbv", lambda: check_trace(pp4, "zbv")))
     tp2pp2 = plait.init(tp=2, pp=2, dp=1)
     for name in ("1f1b", "interleaved-1f1b", "zbv"):
         v = 2 if name == "interleaved-1f1b" else 1

@@ -31,9 +31,9 @@ def run_checks(checks: list[tuple[str, Callable[[], object]]]) -> dict[str, obje
     return results
 
 
-def launch(entry: Callable[[], dict], nprocs: int, timeout_s: float = 420.0) -> list[dict]:
-    """Run ``entry()`` on ``nprocs`` Gloo ranks; returns each rank's dict of check results."""
-    return run_world(entry, nprocs, timeout_s=timeout_s)
+def launch(entry: Callable[..., dict], nprocs: int, *args, timeout_s: float = 420.0) -> list[dict]:
+    """Run ``entry(*args)`` on ``nprocs`` Gloo ranks; returns each rank's dict of check results."""
+    return run_world(entry, nprocs, *args, timeout_s=timeout_s)
 
 
 def result(world: list[dict], name: str) -> list[object]:

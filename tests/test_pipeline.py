@@ -62,3 +62,13 @@ def test_bad_pipeline_input_is_config_error_everywhere(world4, case, needle):
     for rank, r in enumerate(result(world4, case)):
         assert r["raised"] == "ConfigError", f"rank {rank}: {r}"
         assert needle in r["message"], r["message"]
+
+
+@pytest.mark.parametrize("case", ["trace/1f1b", "trace/zbv"])
+def test_measured_timeline_is_the_schedule(world4, case):
+    for rank, r in enumerate(result(world4, case)):
+        assert r["order_ok"], f"rank {rank}: the runtime did not run the schedule's actions in order"
+        assert r["times_ok"]
+        assert r["n_events"] == r["n_actions"], "the Chrome trace lacks actions"
+        assert r["costs_positive"]
+        assert "simulated with measured costs" in r["text"] and "bubble: measured" in r["text"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from plait.errors import CommTimeoutError, ConfigError
+from plait.errors import CommError, CommTimeoutError, ConfigError
 
 __version__ = "0.1.0"
 
@@ -25,7 +25,7 @@ _SUBMODULES = {
     "data_parallel", "experts", "train", "generate", "optim",
 }
 
-__all__ = ["ConfigError", "CommTimeoutError", "__version__", *_LAZY, *sorted(_SUBMODULES)]
+__all__ = ["ConfigError", "CommError", "CommTimeoutError", "__version__", *_LAZY, *sorted(_SUBMODULES)]
 
 
 def __getattr__(name: str) -> Any:

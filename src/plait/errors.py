@@ -8,5 +8,9 @@ class ConfigError(ValueError):
     """
 
 
-class CommTimeoutError(RuntimeError):
+class CommError(RuntimeError):
+    """A point-to-point or collective operation failed: a peer died, closed its connection, or hung."""
+
+
+class CommTimeoutError(CommError):
     """A rank waited longer than its timeout on a collective or point-to-point operation."""

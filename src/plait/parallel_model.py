@@ -15,6 +15,7 @@ from torch import nn
 from plait.data_parallel.reducer import GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
+from plait.optim.precision import StepCast
 from plait.pipeline import weight_grad
 from plait.pipeline.executor import Executor, StepIO, StepStats
 from plait.pipeline.p2p import Transport
@@ -30,7 +31,7 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str, microbatches: int,
                  virtual_stages: int, sequence_parallel: bool, partition, activation_checkpointing: bool,
-                 loss: Callable, normaliser: Callable, vocab_size: int | None):
+                 loss: Callable, normaliser: Callable, vocab_size: int | None, precision: str = "fp32"):
         self.ctx, self.microbatches, self.sequence_parallel = ctx, microbatches, sequence_parallel
         self._loss, self._normaliser, self.vocab_size = loss, normaliser, vocab_size
         virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
@@ -51,6 +52,7 @@ class ParallelModel:
             for chunk in self.chunks.values():
                 weight_grad.install(chunk, self.store)
         self.reducers = self._build_reducers()
+        self.cast = StepCast(self.chunks, precision)  # bf16 copies of the fp32 masters per step
         self.transport = Transport(self.schedule.num_stages, microbatches, ctx.device, ctx.timeout_s)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
                                  self.store, self.reducers)
@@ -94,6 +96,14 @@ class ParallelModel:
                     seen.add(id(p))
                     yield key, p
 
+    @property
+    def precision(self) -> str:
+        """Either "fp32" or "bf16" (bf16 weights/activations per step over fp32 masters: plait.optim.precision)."""
+        return self.cast.precision
+
+    def set_precision(self, precision: str) -> None:
+        self.cast.set(precision)
+
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
@@ -127,13 +137,21 @@ class ParallelModel:
         mb_inputs = self._split(inputs)
         mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
-        stats = self.executor.run(io, trace=trace)
+        if trace and self.ctx.pp_size > 1:
+            dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
+        stats = self.cast.run(lambda: self.executor.run(io, trace=trace))
         for reducer in self.reducers.values():
             reducer.finish()
         sync_tp_partial_grads(self.parameters(), self.ctx)
         self.ties.sync_grads()
         self.last_stats = stats
         return self._global_loss(stats.loss_sum)
+
+    def trace_report(self, p2p_ms: float = 0.0):
+        """Measured vs simulated timeline of the last ``train_step(..., trace=True)`` (collective over PP)."""
+        from plait.pipeline.trace import trace_report
+
+        return trace_report(self, p2p_ms)
 
     def _global_loss(self, local: torch.Tensor) -> float:
         ctx = self.ctx
@@ -149,7 +167,8 @@ class ParallelModel:
     def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:
         """The full model output (e.g. logits [B, S, V]) on every rank (forward-only pipeline)."""
         self._check_batch(inputs, None)
-        stats = self.executor.run(StepIO(self._split(inputs), None, None), forward_only=True)
+        io = StepIO(self._split(inputs), None, None)
+        stats = self.cast.run(lambda: self.executor.run(io, forward_only=True))
         out = torch.cat(stats.outputs) if stats.outputs else None
         if out is not None and self.vocab_size is not None and self.ctx.tp_size > 1:
             out = comms.all_gather(out, out.dim() - 1, self.ctx.tp_group)

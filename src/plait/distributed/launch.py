@@ -56,12 +56,13 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
 
 
 def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, threads: int = 1,
-              return_failures: bool = False) -> list[Any]:
+              return_failures: bool = False, allow_dead: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` fresh processes forming one torch.distributed world.
 
     Returns the per-rank return values (index = rank). If a rank raises, the world is torn down and a
     LaunchError carries that rank's traceback (or, with ``return_failures``, the RankFailure is returned
     in its slot). If ranks are silent past ``timeout_s``, all are killed and the error names them.
+    ``allow_dead`` puts None in the slot of a rank that exits without reporting instead of raising.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -71,7 +72,7 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
     for p in procs:
         p.start()
     try:
-        values = _collect(procs, results, nprocs, timeout_s, return_failures)
+        values = _collect(procs, results, nprocs, timeout_s, return_failures, allow_dead)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -81,7 +82,8 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
     return values
 
 
-def _collect(procs: list, results: Any, nprocs: int, timeout_s: float, return_failures: bool) -> list[Any]:
+def _collect(procs: list, results: Any, nprocs: int, timeout_s: float, return_failures: bool,
+             allow_dead: bool) -> list[Any]:
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     while len(values) < nprocs:
@@ -99,7 +101,9 @@ def _collect(procs: list, results: Any, nprocs: int, timeout_s: float, return_fa
                 time.sleep(0.5)  # let a final report that was in flight arrive
                 _drain(results, values)
                 dead = [r for r in dead if r not in values]
-                if dead:
+                if dead and allow_dead:
+                    values.update({r: None for r in dead})
+                elif dead:
                     raise LaunchError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]}) "
                                       "without reporting") from None
             continue

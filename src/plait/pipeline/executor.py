@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plait.errors import CommTimeoutError
+from plait.errors import CommError, CommTimeoutError
 from plait.pipeline.p2p import ACT, GRAD, Transport
 from plait.pipeline.weight_grad import WeightGradStore
 from plait.schedules import Action, Schedule
@@ -82,30 +82,37 @@ class Executor:
         stats = StepStats(loss_sum=torch.zeros((), dtype=torch.float64), peak_stored=0.0)
         t0 = time.perf_counter()
         for i, a in enumerate(actions):
-            self._prepost(i, actions, plan)
             try:
-                data = self._receive(a, plan[i], io)
-            except CommTimeoutError as exc:
-                raise CommTimeoutError(self._explain(a, i, plan[i], exc)) from exc
-            start = time.perf_counter() - t0
-            final = not forward_only and self.final_index.get(a.stage) == i
-            if final and a.kind == "B":
-                self.reducers[a.stage].arm()  # buckets start as their gradients complete
-            if a.kind == "F":
-                self._forward(a, data, io, stats, forward_only)
-                # measured: micro-batches whose autograd state this rank holds right now
-                stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
-            elif a.kind == "W":
-                self.store.flush((a.stage, a.microbatch))
-                del self.saved[(a.stage, a.microbatch)]
-            else:
-                self._backward(a, data)
-            if final:
-                self.reducers[a.stage].launch_pending()
-            if trace:
-                stats.timeline.append((a, start, time.perf_counter() - t0))
-        self.transport.wait_sends()
+                self._step(i, a, actions, plan, io, stats, forward_only, trace, t0)
+            except CommError as exc:
+                raise type(exc)(self._explain(a, i, plan[i], exc)) from exc
+        try:
+            self.transport.wait_sends()
+        except CommError as exc:
+            raise type(exc)(f"pipeline rank {self.me}, end of step: {exc}") from exc
         return stats
+
+    def _step(self, i: int, a: Action, actions: list[Action], plan: list, io: StepIO, stats: StepStats,
+              forward_only: bool, trace: bool, t0: float) -> None:
+        self._prepost(i, actions, plan)
+        data = self._receive(a, plan[i], io)
+        start = time.perf_counter() - t0
+        final = not forward_only and self.final_index.get(a.stage) == i
+        if final and a.kind == "B":
+            self.reducers[a.stage].arm()  # buckets start as their gradients complete
+        if a.kind == "F":
+            self._forward(a, data, io, stats, forward_only)
+            # measured: micro-batches whose autograd state this rank holds right now
+            stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
+        elif a.kind == "W":
+            self.store.flush((a.stage, a.microbatch))
+            del self.saved[(a.stage, a.microbatch)]
+        else:
+            self._backward(a, data)
+        if final:
+            self.reducers[a.stage].launch_pending()
+        if trace:
+            stats.timeline.append((a, start, time.perf_counter() - t0))
 
     def _receive(self, a: Action, remote, io: StepIO) -> torch.Tensor | None:
         if a.kind == "W":
@@ -158,10 +165,14 @@ class Executor:
             self.transport.send(tensor, self.peer_of_rank(rank), kind, chunk, mb)
 
     def _explain(self, a: Action, i: int, remote, exc: Exception) -> str:
-        what = "activation" if remote and remote[0] == ACT else "gradient"
-        peer = f"global rank {remote[1]} (chunk {remote[2]})" if remote else "a local chunk"
-        return (f"pipeline rank {self.me} stuck in action {a} (#{i}): waited for the {what} from {peer}.\n"
-                f"{exc}\nSchedule around it:\n{self.s.grid(marks={self.me: i}, window=12)}")
+        state = "stuck" if isinstance(exc, CommTimeoutError) else "failed"
+        if remote:
+            what = "activation" if remote[0] == ACT else "gradient"
+            needs = f"it needs the {what} from global rank {remote[1]} (chunk {remote[2]})"
+        else:
+            needs = "its input is local"
+        return (f"pipeline rank {self.me} {state} in action {a} (#{i}); {needs}.\n{exc}\n"
+                f"Schedule around it:\n{self.s.grid(marks={self.me: i}, window=12)}")
 
 
 def _final_backward_index(actions: list[Action]) -> dict[int, int]:

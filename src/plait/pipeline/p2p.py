@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plait.errors import CommTimeoutError
+from plait.errors import CommError, CommTimeoutError
 
 ACT, GRAD, HEADER = 0, 1, 2
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -52,11 +52,14 @@ class Transport:
     def send(self, tensor: torch.Tensor, dst: int, kind: int, chunk: int, mb: int) -> None:
         """Asynchronously send ``tensor`` for (kind, chunk, mb) to global rank ``dst``."""
         tensor = tensor.detach().contiguous()
-        if kind == ACT and (kind, chunk) not in self.sent_headers:
-            header = _encode_header(tensor).to(self.device)
-            self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header))
-            self.sent_headers.add((kind, chunk))
-        self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor))
+        try:
+            if kind == ACT and (kind, chunk) not in self.sent_headers:
+                header = _encode_header(tensor).to(self.device)
+                self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header))
+                self.sent_headers.add((kind, chunk))
+            self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor))
+        except RuntimeError as exc:
+            raise CommError(f"sending to rank {dst} failed (is it still running?): {exc}") from exc
 
     def wait_sends(self) -> None:
         for work, _ in self.sends:
@@ -97,11 +100,13 @@ class Transport:
         return pending.buffer
 
     def _wait(self, work, what: str, peer: int) -> None:
+        who = f" from rank {peer}" if peer >= 0 else ""
         try:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            who = f" from rank {peer}" if peer >= 0 else ""
-            raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc
+            raise CommError(f"{what}{who} failed (did that rank die?): {exc}") from exc
 
 
 def _encode_header(t: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,12 @@ class Costs:
     weight: Cost | None = None
     p2p: float = 0.0
 
+    @classmethod
+    def measure(cls, schedule: Schedule, timeline: Sequence[tuple[int, Any, float, float]],
+                p2p: float = 0.0) -> Costs:
+        """Costs measured from a real run's timeline (see ``measure_costs``)."""
+        return measure_costs(schedule, timeline, p2p)
+
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, Sequence) else v) for k, v in asdict(self).items()}
 
@@ -74,3 +80,28 @@ def _per_chunk(name: str, value: Cost, schedule: Schedule) -> list[float]:
     raise ConfigError(
         f"{name}: a list of {len(values)} times; give one per rank ({p}) or one per chunk ({n})"
     )
+
+
+def measure_costs(schedule: Schedule, timeline: Sequence[tuple[int, Any, float, float]], p2p: float = 0.0) -> Costs:
+    """Per-chunk ``Costs`` from a measured timeline of ``(rank, action, start, end)`` (median per step kind).
+
+    Closes the loop between the runtime and the simulator: simulate the schedule with these costs and
+    compare the predicted bubble with the measured one. A split backward gives ``backward = I + W``.
+    """
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _rank, action, start, end in timeline:
+        samples.setdefault((action.kind, action.stage), []).append(end - start)
+
+    def med(kind: str, chunk: int) -> float | None:
+        values = sorted(samples.get((kind, chunk), []))
+        return values[len(values) // 2] if values else None
+
+    n = schedule.num_stages
+    forward = [med("F", c) or 0.0 for c in range(n)]
+    split = any(kind in ("I", "W") for kind, _ in samples)
+    if split:
+        weight = [med("W", c) or 0.0 for c in range(n)]
+        backward = [(med("I", c) or med("B", c) or 0.0) + w for c, w in enumerate(weight)]
+        return Costs(forward=forward, backward=backward, weight=weight, p2p=p2p)
+    return Costs(forward=forward, backward=[med("B", c) or 0.0 for c in range(n)], p2p=p2p)
+
