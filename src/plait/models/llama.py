@@ -70,6 +70,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class KVCache:
+    """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings (Su et al. 2021)."""
 
@@ -90,20 +107,27 @@ class Attention(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, H]
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:  # x: [B, S, H]
         b, s, _ = x.shape
+        offset = 0 if cache is None else cache.length
         hd = self.head_dim
         q = self.q_proj(x).view(b, s, -1, hd).transpose(1, 2)  # [B, h, S, hd]
         k = self.k_proj(x).view(b, s, -1, hd).transpose(1, 2)  # [B, h_kv, S, hd]
         v = self.v_proj(x).view(b, s, -1, hd).transpose(1, 2)
-        cos, sin = self.rope(s, 0, q.dtype)
+        cos, sin = self.rope(s, offset, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, S, hd]
+        if offset == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, S, hd]
+        else:  # query i sits at position offset + i and sees keys 0..offset + i
+            mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -130,8 +154,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cache=cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -157,10 +181,11 @@ class Llama(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: [B, S] -> logits [B, S, V]
+    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, V]; with ``caches`` (one per layer) tokens follow the cached ones."""
         h = self.embed_tokens(tokens)
-        for layer in self.layers:
-            h = layer(h)
+        for i, layer in enumerate(self.layers):
+            h = layer(h) if caches is None else layer(h, cache=caches[i])
         return self.lm_head(self.norm(h))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -170,3 +195,16 @@ class Llama(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> Llama:
+        """Load a Hugging Face Llama folder (config.json + *.safetensors); see ``plait.models.hf``."""
+        from plait.models.hf import load_pretrained
+
+        return load_pretrained(path, dtype=dtype)
+
+    def save_pretrained(self, path) -> None:
+        """Write a Hugging Face Llama folder (config.json + model.safetensors) that ``transformers`` loads."""
+        from plait.models.hf import save_pretrained
+
+        save_pretrained(self, path)
