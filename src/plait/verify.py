@@ -1,0 +1,156 @@
+"""``plait verify``: run a small Llama under a layout and on one device, and compare every tensor."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from plait.errors import ConfigError
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # SPEC invariant 4
+
+
+@dataclass
+class VerifyConfig:
+    tp: int = 2
+    pp: int = 2
+    dp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 8
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    tie_embeddings: bool = False
+    n_layers: int = 8
+    dim: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 256
+    seq_len: int = 16
+    batch_size: int = 8
+    seed: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class TensorError:
+    name: str
+    shape: tuple[int, ...]
+    max_abs: float
+    rel: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel <= GRAD_TOL
+
+
+@dataclass
+class VerifyResult:
+    config: VerifyConfig
+    loss_parallel: float
+    loss_single: float
+    grads: list[TensorError]
+    logits_rel: float
+    peak_measured: list[float]
+    peak_simulated: list[float]
+    trace_text: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def loss_rel(self) -> float:
+        return abs(self.loss_parallel - self.loss_single) / max(abs(self.loss_single), 1e-30)
+
+    @property
+    def ok(self) -> bool:
+        peaks_ok = all(abs(a - b) < 1e-9 for a, b in zip(self.peak_measured, self.peak_simulated, strict=True))
+        return (self.loss_rel <= LOSS_TOL and all(g.ok for g in self.grads) and self.logits_rel <= LOSS_TOL
+                and peaks_ok)
+
+    def to_dict(self) -> dict:
+        return {"config": asdict(self.config), "ok": self.ok, "loss_parallel": self.loss_parallel,
+                "loss_single": self.loss_single, "loss_rel": self.loss_rel, "logits_rel": self.logits_rel,
+                "peak_measured": self.peak_measured, "peak_simulated": self.peak_simulated,
+                "grads": [{**asdict(g), "ok": g.ok} for g in self.grads]}
+
+
+def _rel(a, b) -> tuple[float, float]:
+    diff = (a.double() - b.double()).abs().max().item()
+    scale = b.double().abs().max().item()
+    return diff, diff / scale if scale > 0 else diff
+
+
+def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
+    """Runs on every rank of the launched world; rank 0 returns the comparison."""
+    import torch
+    import torch.distributed as dist
+
+    import plait
+    from plait.models import Llama, LlamaConfig
+    from plait.sim import Costs, simulate
+
+    ctx = plait.init(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    mcfg = LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                       n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    torch.manual_seed(cfg.seed)
+    reference = Llama(mcfg)
+    ref_loss = reference.loss(inputs, targets)
+    ref_loss.backward()
+    torch.manual_seed(cfg.seed)
+    pm = plait.parallelize(Llama(mcfg), ctx, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                           virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel)
+    per = cfg.batch_size // cfg.dp
+    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+    pm.train_step(inputs[local], targets[local])  # warm-up: the first step pays one-time set-up costs
+    loss = pm.train_step(inputs[local], targets[local], trace=True)
+    grads = pm.full_state_dict(grads=True)
+    report = pm.trace_report()
+    logits = pm.eval_step(inputs[local])
+    if ctx.rank != 0:
+        dist.barrier()
+        return None
+    errors = []
+    for name, p in reference.named_parameters():
+        max_abs, rel = _rel(grads[name], p.grad)
+        errors.append(TensorError(name, tuple(p.shape), max_abs, rel))
+    _, logits_rel = _rel(logits, reference(inputs[local]).detach())
+    sim = simulate(pm.schedule, Costs())
+    dist.barrier()
+    return VerifyResult(cfg, loss, float(ref_loss), errors, logits_rel, report.measured.peak_activations,
+                        sim.peak_activations, report.to_text(68))
+
+
+def check(cfg: VerifyConfig) -> None:
+    """Raise ConfigError for a layout that cannot work, before launching anything."""
+    from plait.schedules import build_schedule
+
+    for name in ("tp", "pp", "dp", "microbatches", "batch_size", "n_layers"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.batch_size % cfg.dp or (cfg.batch_size // cfg.dp) % cfg.microbatches:
+        raise ConfigError(f"batch_size={cfg.batch_size} must split into dp={cfg.dp} replicas of "
+                          f"microbatches={cfg.microbatches} micro-batches each")
+    virtual = None if cfg.schedule in ("zbv", "dualpipev") and cfg.virtual_stages == 1 else cfg.virtual_stages
+    schedule = build_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, virtual=virtual)
+    if cfg.n_layers < schedule.num_stages:
+        raise ConfigError(f"n_layers={cfg.n_layers} is fewer than the {schedule.num_stages} pipeline chunks")
+    from plait.models import LlamaConfig
+    from plait.tensor_parallel.plan import check_llama_tp
+
+    check_llama_tp(LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                               n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len), cfg.tp)
+    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+        raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={cfg.tp} with sequence parallelism")
+    if cfg.world > 16:
+        raise ConfigError(f"tp*pp*dp={cfg.world} processes is too many for a local CPU check (max 16)")
+
+
+def verify(cfg: VerifyConfig, timeout_s: float = 600.0) -> VerifyResult:
+    """Launch ``cfg.world`` CPU processes (Gloo), run the check, return rank 0's comparison."""
+    from plait.distributed.launch import run_world
+
+    check(cfg)
+    return run_world(_rank_main, cfg.world, cfg, timeout_s=timeout_s)[0]

@@ -1,0 +1,33 @@
+"""`plait verify` launches its own CPU world, prints a verdict, and rejects bad layouts in one line."""
+
+import json
+import subprocess
+import sys
+
+
+def _plait(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_verify_json_passes_for_pp2_zb_h1():
+    proc = _plait("verify", "--tp", "1", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4",
+                  "--layers", "4", "--batch-size", "4", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] is True
+    assert out["loss_rel"] <= 1e-5
+    assert len(out["grads"]) == 4 * 9 + 3 and all(g["ok"] for g in out["grads"])
+    assert out["peak_measured"] == out["peak_simulated"]
+
+
+def test_verify_bad_layout_is_one_line():
+    proc = _plait("verify", "--tp", "3", "--pp", "1")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "n_heads" in lines[0], proc.stderr
+
+
+def test_verify_unknown_schedule():
+    proc = _plait("verify", "--schedule", "2f2b")
+    assert proc.returncode == 2 and "schedule" in proc.stderr and "Traceback" not in proc.stderr
