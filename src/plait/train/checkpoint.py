@@ -1,0 +1,233 @@
+"""Sharded, atomic, layout-independent checkpoints: per-rank safetensors files plus one ``meta.json``.
+
+``<dir>/step_00000100/`` holds ``pp{p}-tp{t}.safetensors`` (the valid part of each local tensor and of its
+optimizer state, under plain-model keys) and ``meta.json`` (for every tensor: global shape, dtype and the
+(file, dim, start, stop) of each shard; layout, step, optimizer hyper-parameters and scalars, data
+position, RNG). A save writes into ``.step_*.tmp``, fsyncs, then renames it and rewrites ``latest``
+atomically: a kill at any moment leaves the previous checkpoint loadable. Loading reads only the slices
+the new layout needs, so tp2·pp2 loads as tp1·pp4 or as one plain model. Needs a filesystem shared by
+all ranks (rank 0 renames).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait.errors import ConfigError
+from plait.train.shards import load_local, local_tensors, param_keys
+
+FORMAT = "plait-checkpoint/1"
+META = "meta.json"
+LATEST = "latest"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _local_tensors(pm, optimizer) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+    """This rank's tensors to write, their shard records, and optimizer scalars per key."""
+    ctx = pm.ctx
+    tensors, records, scalars = {}, [], {}
+    keys = param_keys(pm)
+    for lt in local_tensors(pm):
+        if (lt.dim is None and ctx.tp_size > 1 and ctx.tp_rank != 0) or (lt.dim is not None and lt.stop <= lt.start):
+            continue  # replicated: tp rank 0 writes it; or an all-padding shard
+        pairs = [(lt.key, lt.valid)]
+        state = optimizer.state.get(lt.tensor, {}) if optimizer is not None and keys.get(id(lt.tensor)) == lt.key \
+            else {}
+        for name, value in state.items():
+            if torch.is_tensor(value) and value.shape == lt.tensor.shape:
+                pairs.append((f"optim/{name}/{lt.key}", value if lt.dim is None else value.narrow(
+                    lt.dim, 0, lt.stop - lt.start)))
+            else:
+                scalars.setdefault(lt.key, {})[name] = float(value)
+        for name, t in pairs:
+            tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+            records.append({"name": name, "dim": lt.dim, "start": lt.start, "stop": lt.stop,
+                            "shape": lt.full_shape, "dtype": str(t.dtype).removeprefix("torch.")})
+    return tensors, records, scalars
+
+
+def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict | None = None,
+                    keep: int = 3) -> Path:
+    """Collective: every rank writes its shards; returns the final checkpoint folder."""
+    from safetensors.torch import save_file
+
+    ctx = pm.ctx
+    root = Path(directory)
+    final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
+    if ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}.safetensors"
+    records, scalars = [], {}
+    if ctx.dp_rank == 0:  # replicas hold the same tensors
+        tensors, records, scalars = _local_tensors(pm, optimizer)
+        save_file(tensors, str(tmp / fname), metadata={"format": FORMAT})
+        _fsync_path(tmp / fname)
+    parts: list = [None] * ctx.world_size
+    rng = torch.get_rng_state().tolist() if ctx.rank == 0 else None
+    dist.all_gather_object(parts, (fname, records, scalars))
+    if ctx.rank == 0:
+        meta = _meta(pm, optimizer, step, parts, extra or {}, rng)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _fsync_path(tmp / META)
+        _fsync_path(tmp)
+        _commit(root, tmp, final, keep)
+    dist.barrier()
+    return final
+
+
+def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:
+    tensors: dict[str, dict] = {}
+    optim_scalars: dict[str, dict] = {}
+    for fname, records, scalars in parts:
+        optim_scalars.update(scalars)
+        for r in records:
+            entry = tensors.setdefault(r["name"], {"shape": r["shape"], "dtype": r["dtype"], "shards": []})
+            shard = {"file": fname, "dim": r["dim"], "start": r["start"], "stop": r["stop"]}
+            if shard not in entry["shards"]:
+                entry["shards"].append(shard)
+    groups = None
+    if optimizer is not None:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    ctx = pm.ctx
+    return {"format": FORMAT, "step": step, "tensors": tensors, "optimizer": {
+        "type": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
+        "scalars": optim_scalars}, "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+        "schedule": pm.schedule.name if hasattr(pm.schedule, "name") else None}, "rng_rank0": rng, **extra}
+
+
+def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:
+    """Rename the finished temp folder into place, point ``latest`` at it, prune old checkpoints."""
+    old = None
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_path(root)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(final.name + "\n")
+    _fsync_path(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync_path(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and p.suffix != ".old")
+    for stale in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def find_checkpoint(path: str | Path) -> Path | None:
+    """A checkpoint folder: ``path`` itself, the one ``latest`` names, or the newest complete ``step_*``."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    pointer = p / LATEST
+    if pointer.is_file():
+        named = p / pointer.read_text().strip()
+        if (named / META).is_file():
+            return named
+    done = sorted(q for q in p.glob("step_*") if (q / META).is_file())
+    return done[-1] if done else None
+
+
+class CheckpointReader:
+    """Reads full tensors or slices of one checkpoint (only the shard files that overlap)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        meta_file = self.path / META
+        if not meta_file.is_file():
+            raise ConfigError(f"{self.path}: not a plait checkpoint (no {META})")
+        self.meta = json.loads(meta_file.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise ConfigError(f"{self.path}: unknown checkpoint format {self.meta.get('format')!r}")
+        self._handles: dict[str, object] = {}
+
+    def _slice(self, file: str, name: str):
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file].get_slice(name)
+
+    def has(self, key: str) -> bool:
+        return key in self.meta["tensors"]
+
+    def read(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        entry = self.meta["tensors"].get(key)
+        if entry is None:
+            raise ConfigError(f"{self.path}: checkpoint has no tensor {key!r}")
+        shards = sorted(entry["shards"], key=lambda s: s["start"])
+        if any(s["dim"] is None for s in shards):
+            full = self._slice(shards[0]["file"], key)[:]
+            return full if dim is None else full.narrow(dim, start, (stop or full.shape[dim]) - start)
+        sdim = shards[0]["dim"]
+        if dim is None or dim != sdim:
+            full = torch.cat([self._slice(s["file"], key)[:] for s in shards], dim=sdim)
+            return full if dim is None else full.narrow(dim, start, (stop or full.shape[dim]) - start)
+        stop = entry["shape"][dim] if stop is None else stop
+        pieces = []
+        for s in shards:
+            lo, hi = max(start, s["start"]), min(stop, s["stop"])
+            if lo < hi:
+                index = tuple([slice(None)] * dim + [slice(lo - s["start"], hi - s["start"])])
+                pieces.append(self._slice(s["file"], key)[index])
+        return torch.cat(pieces, dim=dim)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every model tensor in full (optimizer state left out): for one device or a Hugging Face export."""
+        return {k: self.read(k) for k in self.meta["tensors"] if not k.startswith("optim/")}
+
+
+def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
+    """Load a checkpoint saved under any layout into ``pm`` (and ``optimizer``); returns its metadata."""
+    reader = CheckpointReader(path)
+    load_local(pm, reader.read)
+    if optimizer is not None and reader.meta["optimizer"]["param_groups"] is not None:
+        _load_optimizer(pm, optimizer, reader)
+    layout = reader.meta["layout"]
+    same = (layout["tp"], layout["pp"], layout["dp"]) == (pm.ctx.tp_size, pm.ctx.pp_size, pm.ctx.dp_size)
+    if same and reader.meta.get("rng_rank0") is not None and pm.ctx.rank == 0:
+        torch.set_rng_state(torch.tensor(reader.meta["rng_rank0"], dtype=torch.uint8))
+    return reader.meta
+
+
+@torch.no_grad()
+def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
+    meta = reader.meta["optimizer"]
+    for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=False):
+        group.update({k: v for k, v in saved.items() if k in group})
+    names = sorted({k.split("/")[1] for k in reader.meta["tensors"] if k.startswith("optim/")})
+    keys = param_keys(pm)
+    for lt in local_tensors(pm):
+        if keys.get(id(lt.tensor)) != lt.key:
+            continue
+        state = {}
+        for name in names:
+            full = f"optim/{name}/{lt.key}"
+            if reader.has(full):
+                data = reader.read(full, lt.dim, lt.start, lt.stop) if lt.dim is not None else reader.read(full)
+                buf = torch.zeros_like(lt.tensor)
+                (buf if lt.dim is None else buf.narrow(lt.dim, 0, data.shape[lt.dim])).copy_(data)
+                state[name] = buf
+        for name, value in meta["scalars"].get(lt.key, {}).items():
+            state[name] = torch.tensor(value, dtype=torch.float32)
+        if state:
+            optimizer.state[lt.tensor] = state

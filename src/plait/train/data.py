@@ -1,0 +1,127 @@
+"""Training text: the Python standard library's sources (on every machine) or given files, as token ids.
+
+Files are read in sorted order; every tenth file is held out for evaluation. Batch ``step`` is drawn
+from a generator seeded with (seed, step), so the data position of a run is just its step number and a
+resumed run sees exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from plait.errors import ConfigError
+
+HOLDOUT_EVERY = 10  # file i goes to the held-out split when i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", errors="replace"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A Hugging Face ``tokenizer.json`` (via the ``tokenizers`` package)."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+def tokenizer_for(model: str):
+    """Bytes for presets; a folder's own tokenizer.json when it has one and ``tokenizers`` is installed."""
+    path = Path(model) / "tokenizer.json"
+    if path.is_file():
+        try:
+            return FileTokenizer(path)
+        except ImportError:
+            pass
+    return ByteTokenizer()
+
+
+@dataclass
+class Corpus:
+    """Token ids of the training and held-out text, and where they came from."""
+
+    train: torch.Tensor  # [N] int64
+    held_out: torch.Tensor  # [M] int64
+    files: int
+    source: str
+
+
+def default_paths() -> list[Path]:
+    """The standard library's ``.py`` files (site-packages excluded), sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def expand(paths: list[str]) -> list[Path]:
+    """Files named directly, and every file under named folders (sorted); missing paths raise ConfigError."""
+    out: list[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            out += sorted((f for f in p.rglob("*") if f.is_file()), key=lambda f: f.relative_to(p).as_posix())
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise ConfigError(f"--data {raw}: no such file or directory")
+    return out
+
+
+def load_corpus(paths: list[str], tokenizer, max_mb: float = 4.0) -> Corpus:
+    """Read files in order until ``max_mb`` of text; split train / held-out by file index."""
+    files = expand(paths) if paths else default_paths()
+    source = ", ".join(paths) if paths else f"Python {sysconfig.get_python_version()} standard library"
+    budget = int(max_mb * 1e6)
+    train: list[int] = []
+    held: list[int] = []
+    used = 0
+    for i, f in enumerate(files):
+        raw = f.read_bytes()
+        if b"\0" in raw[:1024]:
+            continue  # binary
+        ids = tokenizer.encode(raw.decode("utf-8", errors="replace"))
+        (held if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else train).extend(ids)
+        used += 1
+        if len(train) + len(held) >= budget:
+            break
+    if len(train) < 2 or not held:
+        held = held or train[-len(train) // 10:]
+        if len(train) < 2:
+            raise ConfigError(f"--data {source}: not enough text to train on ({len(train)} tokens)")
+    return Corpus(torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long), used, source)
+
+
+def batch(ids: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int,
+          part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``part = (index, count)`` of global batch ``step``: inputs and next-token targets [B/count, S]."""
+    if ids.numel() <= seq_len + 1:
+        raise ConfigError(f"--seq-len {seq_len}: the text has only {ids.numel()} tokens")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, ids.numel() - seq_len - 1, (batch_size,), generator=g)
+    index, count = part
+    rows = batch_size // count
+    starts = starts[index * rows:(index + 1) * rows]
+    window = starts[:, None] + torch.arange(seq_len + 1)[None, :]  # [B, S+1]
+    tokens = ids[window]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

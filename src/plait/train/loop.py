@@ -1,0 +1,218 @@
+"""The training loop one rank runs: model, layout, optimizer, data, resume, steps, checkpoints, sample."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from plait.errors import ConfigError
+from plait.train.config import TrainConfig, model_config
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite (the run stops unless ``--on-nonfinite skip``)."""
+
+
+@dataclass
+class TrainResult:
+    """What a run reports (the same on every rank)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # step -> global mean loss
+    held_out: float | None = None
+    checkpoint: str | None = None
+    sample: str | None = None
+    skipped: list[int] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    step_time_s: float = 0.0
+    measured_bubble: float | None = None
+    predicted_bubble: float | None = None
+    startup_s: float = 0.0
+    params: int = 0
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once."""
+
+    cfg: TrainConfig
+    ctx: object
+    pm: object
+    opt: object
+    corpus: object
+    tokenizer: object
+    params: int
+    start: int = 0
+
+
+def build(cfg: TrainConfig, ctx=None) -> Run:
+    """Layout, model (preset or Hugging Face folder, each rank reading its slices), optimizer and data."""
+    import plait
+    from plait.models import Llama
+    from plait.train.data import load_corpus, tokenizer_for
+
+    ctx = ctx or plait.init(cfg.tp, cfg.pp, cfg.dp)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and in every layout
+    mcfg = model_config(cfg)
+    model = Llama(mcfg)
+    params = model.num_parameters()
+    pm = plait.parallelize(model, ctx, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                           virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel)
+    if cfg.model not in ("tiny", "small"):
+        from plait.models.hf import HFWeights
+        from plait.train.shards import load_local
+
+        load_local(pm, HFWeights(cfg.model).read)
+    opt = make_optimizer(pm, cfg)
+    tok = tokenizer_for(cfg.model)
+    corpus = load_corpus(cfg.data, tok, cfg.max_data_mb)
+    run = Run(cfg, ctx, pm, opt, corpus, tok, params)
+    if cfg.resume:
+        resume(run)
+    return run
+
+
+def make_optimizer(pm, cfg: TrainConfig):
+    """plait.optim's ParallelOptimizer (AdamW, warm-up + cosine LR, global-norm clip, ZeRO-1, bf16)."""
+    from plait.optim import build_optimizer
+
+    precision = None if cfg.precision == "fp32" else cfg.precision
+    if precision is not None and not hasattr(pm, "set_precision"):
+        raise ConfigError(f"--precision {cfg.precision}: this build's ParallelModel has no mixed precision yet")
+    return build_optimizer(pm, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero, precision=precision,
+                           clip=cfg.clip if cfg.clip > 0 else None, warmup=cfg.warmup, total_steps=cfg.steps)
+
+
+def torch_optimizer(opt):
+    """The per-parameter torch optimizer inside (its state is what checkpoints reshard)."""
+    return getattr(opt, "optimizer", opt)
+
+
+def resume(run: Run) -> None:
+    from plait.train.checkpoint import find_checkpoint, load_checkpoint
+
+    path = find_checkpoint(run.cfg.checkpoint_dir)
+    if path is None:
+        raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {run.cfg.checkpoint_dir}")
+    meta = load_checkpoint(run.pm, torch_optimizer(run.opt), path)
+    run.start = int(meta["step"])
+    if hasattr(run.opt, "steps"):
+        run.opt.steps = run.start  # the LR schedule continues where it stopped
+
+
+def save(run: Run, step: int) -> str:
+    from plait.train.checkpoint import save_checkpoint
+
+    extra = {"model": model_config(run.cfg).to_dict(), "train": run.cfg.to_dict(),
+             "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}
+    return str(save_checkpoint(run.pm, torch_optimizer(run.opt), run.cfg.checkpoint_dir, step, extra))
+
+
+def train_one(run: Run, step: int, trace: bool) -> tuple[float, float | None]:
+    """One optimizer step on global batch ``step``; returns (loss, grad norm). Non-finite losses per policy."""
+    from plait.train.data import batch
+
+    ctx, cfg = run.ctx, run.cfg
+    x, y = batch(run.corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, (ctx.dp_rank, ctx.dp_size))
+    loss = run.pm.train_step(x, y, trace=trace)
+    if not math.isfinite(loss):
+        if cfg.on_nonfinite == "stop":
+            raise NonFiniteLoss(f"non-finite loss ({loss}) at step {step + 1}: stopping (lower --lr, or pass "
+                                "--on-nonfinite skip to skip such steps)")
+        run.pm.zero_grad()
+        return loss, None
+    norm = run.opt.step()
+    return loss, norm
+
+
+def bubble(run: Run) -> tuple[float, float]:
+    """(measured, simulated-with-measured-costs) bubble of the last traced step (collective over PP)."""
+    report = run.pm.trace_report()
+    s = report.summary()
+    return s["measured_bubble"], s["predicted_bubble"]
+
+
+@torch.no_grad()
+def held_out_loss(run: Run, batches: int = 2) -> float:
+    """Mean next-token loss on held-out text (eval_step gives full logits on every rank)."""
+    from plait.train.data import batch
+
+    cfg, total = run.cfg, 0.0
+    for i in range(batches):
+        x, y = batch(run.corpus.held_out, i, cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed + 1)
+        logits = run.pm.eval_step(x)  # [B, S, V]
+        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
+    return total / batches
+
+
+def sample_text(run: Run, prompt: str = "def ") -> str | None:
+    from plait.generate import Sampling, generate_ids
+
+    if run.cfg.sequence_parallel or run.cfg.sample_tokens <= 0:
+        return None  # decoding one token at a time cannot shard the sequence; use plait generate
+    ids = generate_ids(run.pm, [run.tokenizer.encode(prompt)],
+                       Sampling(run.cfg.sample_tokens, temperature=0.8, top_k=20, seed=run.cfg.seed))
+    return prompt + run.tokenizer.decode(ids[0])
+
+
+def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
+    """Run the whole loop on this rank (every rank of the world calls it)."""
+    t_start = time.perf_counter()
+    run = build(cfg, ctx)
+    res = TrainResult(params=run.params)
+    if reporter is not None:
+        reporter.begin(run)
+    times: list[float] = []
+    for step in range(run.start, cfg.steps):
+        trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
+        t0 = time.perf_counter()
+        loss, norm = train_one(run, step, trace)
+        dt = time.perf_counter() - t0
+        if step == run.start:
+            res.startup_s = time.perf_counter() - t_start
+        times.append(dt)
+        res.losses[step + 1] = loss
+        if norm is None and not math.isfinite(loss):
+            res.skipped.append(step + 1)
+        row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
+               "step_time_s": dt, "lr": getattr(run.opt, "lr", cfg.lr), "grad_norm": norm}
+        if trace:
+            res.measured_bubble, res.predicted_bubble = bubble(run)
+            row.update(measured_bubble=res.measured_bubble, predicted_bubble=res.predicted_bubble)
+        if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
+            row["held_out_loss"] = held_out_loss(run)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            res.checkpoint = save(run, step + 1)
+        if reporter is not None:
+            reporter.step(row)
+    _finish(run, res, times)
+    if reporter is not None:
+        reporter.end(run, res)
+    return res
+
+
+def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
+    cfg = run.cfg
+    steady = sorted(times[1:] or times)
+    if steady:
+        res.step_time_s = steady[len(steady) // 2]
+        res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
+    if cfg.steps > run.start or not cfg.resume:
+        res.checkpoint = save(run, cfg.steps)
+    res.held_out = held_out_loss(run)
+    res.sample = sample_text(run)
+
+
+def worker_threads(local_world: int) -> int:
+    """Intra-op threads per process: the cores shared fairly among the local processes."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def checkpoint_exists(path: str | Path) -> bool:
+    from plait.train.checkpoint import find_checkpoint
+
+    return find_checkpoint(path) is not None

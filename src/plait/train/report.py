@@ -1,0 +1,109 @@
+"""What rank 0 shows and writes during training: rich progress bar, JSON-lines metrics, summary table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plait.train.config import TrainConfig
+
+
+class Reporter:
+    """Progress and metrics of a run; silent on every rank but 0."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, console=None):
+        self.cfg, self.active = cfg, rank == 0
+        self.metrics = None
+        self.progress = self.task = None
+        self.console = console
+        self.last: dict = {}
+        self.bubbles: tuple[float | None, float | None] = (None, None)
+
+    def begin(self, run) -> None:
+        if not self.active:
+            return
+        from rich.console import Console
+
+        self.console = self.console or Console(highlight=False)
+        cfg = self.cfg
+        if cfg.metrics:
+            Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(cfg.metrics, "a" if cfg.resume else "w")  # noqa: SIM115 (closed in end())
+        c = run.corpus
+        self.console.print(
+            f"[bold]plait train[/]: {cfg.model} Llama, {run.params / 1e6:.2f}M parameters | tp {cfg.tp} x pp "
+            f"{cfg.pp} x dp {cfg.dp} ({cfg.world} processes), {cfg.schedule}, {cfg.microbatches} micro-batches"
+            f"{', sequence parallel' if cfg.sequence_parallel else ''}\n"
+            f"data: {c.source} ({c.files} files, {c.train.numel() / 1e6:.2f}M training tokens, "
+            f"{c.held_out.numel() / 1e6:.2f}M held out) | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
+            f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
+        self._start_bar(run.start)
+
+    def _start_bar(self, start: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if not self.console.is_terminal:
+            return
+        self.progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console,
+                                 transient=False)
+        self.task = self.progress.add_task("train", total=self.cfg.steps, completed=start, info="starting")
+        self.progress.start()
+
+    def _info(self, row: dict) -> str:
+        m, p = self.bubbles
+        bub = f" | bubble {m:.0%} (sim {p:.0%})" if m is not None else ""
+        return f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s{bub}"
+
+    def step(self, row: dict) -> None:
+        if not self.active:
+            return
+        if "measured_bubble" in row:
+            self.bubbles = (row["measured_bubble"], row["predicted_bubble"])
+        self.last = row
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+        if self.progress is not None:
+            self.progress.update(self.task, completed=row["step"], info=self._info(row))
+        elif row["step"] % max(1, self.cfg.steps // 10) == 0 or row["step"] == self.cfg.steps:
+            self.console.print(f"step {row['step']:>5}/{self.cfg.steps} | {self._info(row)}")
+
+    def end(self, run, res) -> None:
+        if not self.active:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        self.console.print(summary_table(self.cfg, run, res))
+        if res.sample is not None:
+            from rich.panel import Panel
+            from rich.text import Text
+
+            self.console.print(Panel(Text(res.sample), title="sample (temperature 0.8, top-k 20)", expand=False))
+
+
+def summary_table(cfg: TrainConfig, run, res):
+    from rich.table import Table
+
+    t = Table(title="plait train: summary", title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    steps = sorted(res.losses)
+    first, last = (res.losses[steps[0]], res.losses[steps[-1]]) if steps else (float("nan"),) * 2
+    rows = [
+        ("layout", f"tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp}, {cfg.schedule}, {cfg.microbatches} micro-batches"),
+        ("steps", f"{steps[0] if steps else run.start}..{cfg.steps}" + (f" (skipped {res.skipped})"
+                                                                       if res.skipped else "")),
+        ("loss", f"{first:.3f} -> {last:.3f}"),
+        ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
+        ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
+        ("bubble", f"measured {res.measured_bubble:.1%}, simulated {res.predicted_bubble:.1%}"
+         if res.measured_bubble is not None else "- (no pipeline)"),
+        ("start-up", f"{res.startup_s:.1f} s to the end of the first step (this process)"),
+        ("checkpoint", res.checkpoint or "-"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
