@@ -83,8 +83,9 @@ def _plait_runner(name: str, t: float, ctx):
 
 
 def _torch_runner(name: str, t: float, rank: int):
-    from plait.pipeline.weight_grad import WeightGradStore
     from torch.distributed import pipelining
+
+    from plait.pipeline.weight_grad import WeightGradStore
 
     cls_name = PAIRS[name]
     if cls_name is None:
@@ -191,7 +192,8 @@ def main() -> None:
     for col in ("schedule", "simulated ms", "plait ms", "torch ms", "plait/sim", "plait/torch", "torch/sim"):
         table.add_column(col, justify="right")
     for r in rows:
-        fmt = (lambda v, f: "n/a" if v is None else format(v, f))
+        def fmt(v, f):
+            return ("n/a" if v is None else format(v, f))
         table.add_row(r["schedule"], f"{r['sim_ms']:.1f}", f"{r['plait_ms']:.1f}", fmt(r["torch_ms"], ".1f"),
                       f"{r['plait_vs_sim']:.3f}", fmt(r["plait_vs_torch"], ".3f"), fmt(r["torch_vs_sim"], ".3f"))
     console = Console()
