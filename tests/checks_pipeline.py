@@ -117,6 +117,29 @@ def check_trace(ctx, schedule: str) -> dict:
             "text": report.to_text(80)}
 
 
+def check_sequence_length_change(ctx) -> dict:
+    """Shapes are negotiated again when the sequence length changes between steps."""
+    cfg = cfg_for(max_seq_len=16)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(cfg), ctx, schedule="1f1b", microbatches=4)
+    errs, grad_errs = [], {}
+    for seq in (8, 16, 12):
+        g = torch.Generator().manual_seed(seq)
+        tokens = torch.randint(0, cfg.vocab_size, (4, seq + 1), generator=g)
+        torch.manual_seed(0)
+        ref_model = Llama(cfg)
+        ref = ref_model.loss(tokens[:, :-1], tokens[:, 1:])
+        ref.backward()
+        loss = pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        errs.append(abs(loss - float(ref)) / float(ref))
+        grads = pm.full_state_dict(grads=True)
+        for k, p in ref_model.named_parameters():
+            grad_errs[k] = max(grad_errs.get(k, 0.0), rel_err(grads[k], p.grad))
+    return {"loss_rel": max(errs), "grad_rel_max": max(grad_errs.values()), "worst": max(grad_errs, key=grad_errs.get),
+            "peak_measured": pm.last_stats.peak_stored,
+            "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
+
+
 def world4_checks() -> list:
     checks = []
     pp4 = plait.init(tp=1, pp=4, dp=1)
@@ -130,6 +153,7 @@ def world4_checks() -> list:
     checks.append(("pp4/gpipe/m4", lambda: compare(pp4, "gpipe", microbatches=4)))
     checks.append(("pp4/sequential/1f1b", lambda: compare_sequential(pp4, "1f1b")))
     checks.append(("pp4/sequential/zbv", lambda: compare_sequential(pp4, "zbv")))
+    checks.append(("pp4/seq_change", lambda: check_sequence_length_change(pp4)))
     checks.append(("trace/1f1b", lambda: check_trace(pp4, "1f1b")))
     checks.append(("trace/zbv", lambda: check_trace(pp4, "zbv")))
     tp2pp2 = plait.init(tp=2, pp=2, dp=1)
