@@ -161,6 +161,7 @@ def world4_checks() -> list:
         v = 2 if name == "interleaved-1f1b" else 1
         checks.append((f"tp2pp2sp/{name}", lambda n=name, v=v: compare(tp2pp2, n, virtual=v, sp=True)))
     checks.append(("tp2pp2/zb-h1/tied", lambda: compare(tp2pp2, "zb-h1", tie_embeddings=True)))
+    checks.append(("tp2pp2sp/zbv/checkpointing", lambda: compare(tp2pp2, "zbv", sp=True, checkpointing=True)))
     pp2dp2 = plait.init(tp=1, pp=2, dp=2)
     checks.append(("pp2dp2/interleaved-1f1b", lambda: compare(pp2dp2, "interleaved-1f1b", microbatches=4,
                                                              virtual=2)))

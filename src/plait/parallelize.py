@@ -12,6 +12,7 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
+from plait.experts.layer import apply_expert_parallel, check_model_experts
 from plait.models.llama import Llama
 from plait.parallel_model import ParallelModel
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
@@ -47,6 +48,7 @@ def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtu
         raise ConfigError(f"microbatches={microbatches!r} must be a positive integer")
     if not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ConfigError(f"virtual_stages={virtual_stages!r} must be a positive integer")
+    check_model_experts(model, ctx.ep_size)
     if isinstance(model, Llama):
         check_llama_tp(model.config, ctx.tp_size)
     elif loss_fn is None:
@@ -104,6 +106,7 @@ def _shard(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool, tp_p
             model.lm_head.weight = model.embed_tokens.weight  # the same vocabulary shard
     elif tp_plan is not None:
         apply_tp_plan(model, tp_plan, ctx, sequence_parallel=sequence_parallel)
+    apply_expert_parallel(model, ctx, sequence_parallel)  # MoE layers (after TP: they enter TP themselves)
     model.to(ctx.device)
 
 
