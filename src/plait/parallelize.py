@@ -14,6 +14,7 @@ from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import apply_expert_parallel, check_model_experts
 from plait.models.llama import Llama
+from plait.optim.precision import check_precision
 from plait.parallel_model import ParallelModel
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.plan import LLAMA_TP_PLAN, apply_tp_plan, check_llama_tp
@@ -62,13 +63,16 @@ def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtu
 def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", microbatches: int | None = None,
                 virtual_stages: int = 1, sequence_parallel: bool = False, partition="balanced",
                 activation_checkpointing: bool = False, loss_fn: Callable | None = None,
-                tp_plan: dict[str, str] | None = None) -> ParallelModel:
+                tp_plan: dict[str, str] | None = None, precision: str = "fp32") -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
 
     ``microbatches`` defaults to 1 without pipeline parallelism. ``loss_fn(output, target)`` must return
     the mean loss of one micro-batch; for ``plait.models.Llama`` the default is next-token cross-entropy
-    on vocabulary-sharded logits (mean over non-ignored tokens of the global batch).
+    on vocabulary-sharded logits (mean over non-ignored tokens of the global batch). ``precision``:
+    "fp32", or "bf16" weights and activations over fp32 master weights and gradients
+    (plait.optim.precision).
     """
+    check_precision(precision)
     microbatches = max(1, ctx.pp_size) if microbatches is None else microbatches
     _check_args(model, ctx, microbatches, virtual_stages, loss_fn, tp_plan)
     token_loss = TokenLoss(ctx, model.config.vocab_size) if isinstance(model, Llama) else None
@@ -80,7 +84,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
     return ParallelModel(model, ctx, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, partition=partition,
                          activation_checkpointing=activation_checkpointing, loss=loss, normaliser=normaliser,
-                         vocab_size=vocab)
+                         vocab_size=vocab, precision=precision)
 
 
 def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch.Tensor,

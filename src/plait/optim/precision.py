@@ -1,0 +1,77 @@
+"""Mixed precision for a ParallelModel: bf16 weights and activations per step over fp32 master parameters.
+
+The chunks keep their parameters in float32: they are the master weights (Micikevicius et al. 2018,
+"Mixed Precision Training", §3.1). While a step runs, every floating-point parameter is replaced by
+one bf16 copy (``p.to(bf16)``, made once per step and shared by all micro-batches), so matmuls,
+activations and pipeline messages are bf16. The copy is a differentiable cast: its backward turns the
+bf16 weight gradient back into float32 and autograd accumulates it into the fp32 ``.grad`` of the
+master, so micro-batch accumulation, the data-parallel reduction, the TP-partial sync and the tied
+embedding sync all run in float32 without any change to that code.
+
+Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter, i.e.
+the 2 + 4 + 4 of the planner's 18-byte Adam budget with the master never sharded (see docs/optim.md).
+Zero-bubble schedules stay correct but compute weight gradients in the I pass (the bf16 copy is not a
+leaf, so ``pipeline.weight_grad.linear`` does not defer it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from plait.errors import ConfigError
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: use one of {sorted(PRECISIONS)}")
+    return precision
+
+
+class _Holder(nn.Module):
+    """All of a rank's chunks under one root, so one ``functional_call`` swaps every parameter."""
+
+    def __init__(self, chunks: dict[int, nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleDict({str(c): m for c, m in chunks.items()})
+
+    def forward(self, fn: Callable[[], object]) -> object:
+        return fn()
+
+
+class StepCast:
+    """Runs a function with the chunks' fp32 parameters swapped for per-step low-precision copies."""
+
+    def __init__(self, chunks: dict[int, nn.Module], precision: str = "fp32"):
+        self.holder = _Holder(chunks)
+        self.precision = check_precision(precision)
+
+    def set(self, precision: str) -> None:
+        self.precision = check_precision(precision)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return PRECISIONS[self.precision]
+
+    def _copies(self) -> dict[str, torch.Tensor]:
+        """Full parameter names -> one cast copy per distinct parameter (tied names share it)."""
+        casts: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.holder.named_parameters(remove_duplicate=False):
+            if not p.is_floating_point():
+                continue
+            if id(p) not in casts:
+                casts[id(p)] = p.to(self.dtype)  # differentiable: grads flow back in fp32
+            out[name] = casts[id(p)]
+        return out
+
+    def run(self, fn: Callable[[], object]) -> object:
+        """``fn()`` with low-precision parameters (or directly in fp32)."""
+        if self.dtype is None:
+            return fn()
+        return functional_call(self.holder, self._copies(), (fn,), strict=False, tie_weights=True)

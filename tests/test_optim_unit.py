@@ -1,0 +1,48 @@
+"""plait.optim without processes: LR schedule, weight-decay groups, configuration errors."""
+
+import math
+
+import pytest
+import torch
+
+from plait import ConfigError
+from plait.models import Llama, LlamaConfig
+from plait.optim import ParallelOptimizer, check_precision, lr_at, param_groups
+
+
+def test_lr_warmup_then_cosine():
+    assert lr_at(0, 1.0, warmup=4, total_steps=10) == pytest.approx(0.25)
+    assert lr_at(3, 1.0, warmup=4, total_steps=10) == pytest.approx(1.0)
+    assert lr_at(4, 1.0, warmup=4, total_steps=10) == pytest.approx(1.0)  # cosine starts at the peak
+    mid = 4 + 3  # half-way through the decay: (1 + min) / 2
+    assert lr_at(mid, 1.0, warmup=4, total_steps=10, min_ratio=0.1) == pytest.approx(0.55)
+    assert lr_at(10, 1.0, warmup=4, total_steps=10, min_ratio=0.1) == pytest.approx(0.1)
+    assert lr_at(50, 1.0, warmup=4, total_steps=10, min_ratio=0.1) == pytest.approx(0.1)  # clamped
+    assert lr_at(7, 2.0) == 2.0  # no warm-up, no decay
+    values = [lr_at(k, 1.0, 2, 20) for k in range(2, 21)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert not any(math.isnan(v) for v in values)
+
+
+def test_no_decay_on_norms_and_biases():
+    model = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8))
+    model.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.zeros(model.config.ffn_dim))
+    named = dict(model.named_parameters())
+    decay, plain = param_groups(model.named_parameters(), 0.1)
+    assert decay["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    plain_names = {k for k, p in named.items() if any(p is q for q in plain["params"])}
+    assert plain_names == {k for k in named if "norm" in k or k.endswith(".bias")}
+    assert len(decay["params"]) + len(plain["params"]) == len(named)
+
+
+@pytest.mark.parametrize("kw,needle", [({"zero": 2}, "zero"), ({"clip": 0.0}, "clip"),
+                                       ({"warmup": -1}, "warmup")])
+def test_bad_optimizer_arguments(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ParallelOptimizer(None, **kw)  # checked before the model is touched
+
+
+def test_bad_precision():
+    assert check_precision("bf16") == "bf16"
+    with pytest.raises(ConfigError, match="precision"):
+        check_precision("fp8")
