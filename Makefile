@@ -9,7 +9,6 @@ TORCH_PIN ?= torch==2.13.0
 
 $(BIN)/plait: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
 	$(BIN)/pip install -q -e ".[dev]"
 	@touch $(BIN)/plait
