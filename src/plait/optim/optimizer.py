@@ -219,6 +219,61 @@ class ParallelOptimizer:
             self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
 
+    @torch.no_grad()
+    def gathered_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Optimizer state keyed by the model's local parameters, each tensor shaped like its parameter.
+
+        What a layout-independent checkpointer saves (like ``torch.optim.Optimizer.state``). Under ZeRO-1
+        the slices are all-gathered over DP (collective: call on every rank); scalars (``step``) are kept.
+        """
+        if self.optimizer is None and not self.zero:
+            return {}
+        if not self.zero:
+            return dict(self.optimizer.state)
+        out = {s.param: dict(self.optimizer.state.get(s.param, {})) for s in self.layout.own}
+        names = sorted({k for _, pc in self.pieces for k, v in self.optimizer.state.get(pc, {}).items()
+                        if torch.is_tensor(v) and v.dim() == 1})
+        box = [names]
+        dist.broadcast_object_list(box, src=self.ctx.global_rank(dp_rank=0), group=self.ctx.dp_group)
+        for name in box[0]:  # e.g. exp_avg, exp_avg_sq: [padded] over DP, then cut per parameter
+            full = self._gather_pieces(lambda pc, n=name: self.optimizer.state[pc][n])
+            for s in self.layout.slots:
+                out.setdefault(s.param, {})[name] = full[s.offset:s.offset + s.numel].view_as(s.param).clone()
+        scalars = {k: v for pc in self.pieces[:1] for k, v in self.optimizer.state.get(pc[1], {}).items()
+                   if not (torch.is_tensor(v) and v.dim() == 1)}
+        for s in self.layout.slots:
+            out[s.param].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+        return out
+
+    @torch.no_grad()
+    def load_gathered_state(self, state: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Inverse of ``gathered_state`` (no collective): each rank keeps its slices."""
+        if self.optimizer is None:
+            return
+        if not self.zero:
+            for p, st in state.items():
+                self.optimizer.state[p] = dict(st)
+            return
+        for s in self.layout.own:
+            if s.param in state:
+                self.optimizer.state[s.param] = dict(state[s.param])
+        for s, piece in self.pieces:
+            st = state.get(s.param, {})
+            self.optimizer.state[piece] = {
+                k: (v.reshape(-1)[s.lo:s.hi].clone() if torch.is_tensor(v) and v.shape == s.param.shape else v)
+                for k, v in st.items()}
+
+    def _gather_pieces(self, value_of) -> torch.Tensor:
+        """All-gather a per-piece tensor (same layout as the parameters' slices) into [dp * shard]."""
+        lay = self.layout
+        parts = [value_of(pc).reshape(-1) for _, pc in self.pieces]
+        used = sum(p.numel() for p in parts)
+        dtype = parts[0].dtype if parts else torch.float32
+        parts.append(torch.zeros(lay.shard - used, dtype=dtype, device=self.ctx.device))
+        full = torch.empty(lay.padded, dtype=dtype, device=self.ctx.device)
+        _all_gather(full, torch.cat(parts), group=self.ctx.dp_group)
+        return full
+
     def state_bytes(self) -> int:
         """Bytes of the wrapped optimizer's state tensors on this rank (Adam: the two moments)."""
         if self.optimizer is None:
