@@ -15,6 +15,8 @@ from torch import nn
 from plait.data_parallel.reducer import GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
+from plait.experts.layer import plain_state_keys
+from plait.models.moe import has_aux_losses, pop_aux_losses
 from plait.optim.precision import StepCast
 from plait.pipeline import weight_grad
 from plait.pipeline.executor import Executor, StepIO, StepStats
@@ -37,7 +39,9 @@ class ParallelModel:
         virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
         self.schedule: Schedule = build_schedule(schedule, stages=ctx.pp_size, microbatches=microbatches,
                                                  virtual=virtual)
-        self.plain_keys = list(model.state_dict().keys())
+        self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
+        self.has_aux = has_aux_losses(model)  # MoE layers: load-balancing losses produced inside chunks
+        self.last_aux_loss = 0.0
         all_chunks = build_chunks(model, self.schedule.num_stages, partition, activation_checkpointing)
         self.partition = [sum(n.startswith("layers.") or n.isdigit() for n in c.names) for c in all_chunks]
         mine = self.schedule.stages_of_rank(ctx.pp_rank)
@@ -137,6 +141,9 @@ class ParallelModel:
         mb_inputs = self._split(inputs)
         mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
+        if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
+            sequences = inputs.shape[0] * self.ctx.dp_size
+            io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / sequences)
         if trace and self.ctx.pp_size > 1:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
         stats = self.cast.run(lambda: self.executor.run(io, trace=trace))
@@ -145,7 +152,7 @@ class ParallelModel:
         sync_tp_partial_grads(self.parameters(), self.ctx)
         self.ties.sync_grads()
         self.last_stats = stats
-        return self._global_loss(stats.loss_sum)
+        return self._global_loss(stats.loss_sum, stats.aux_sum)
 
     def trace_report(self, p2p_ms: float = 0.0):
         """Measured vs simulated timeline of the last ``train_step(..., trace=True)`` (collective over PP)."""
@@ -153,15 +160,18 @@ class ParallelModel:
 
         return trace_report(self, p2p_ms)
 
-    def _global_loss(self, local: torch.Tensor) -> float:
+    def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
+        """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
         ctx = self.ctx
-        if ctx.pp_size == 1 and ctx.dp_size == 1:
-            return float(local)
+        if ctx.pp_size == 1 and ctx.dp_size == 1 and (not self.has_aux or ctx.world_size == 1):
+            self.last_aux_loss = float(aux)
+            return float(local + aux)
         holds_loss = self.schedule.stage_to_rank(self.schedule.num_stages - 1) == ctx.pp_rank
-        total = local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local)
-        total = total.to(ctx.device)
-        dist.all_reduce(total)  # one scalar over the world: last-stage, tp-rank-0 contributions
-        return float(total)
+        total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
+                             aux.to(local.dtype)]).to(ctx.device)
+        dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank
+        self.last_aux_loss = float(total[1])
+        return float(total.sum())
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -203,12 +213,13 @@ class ParallelModel:
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors (or gradients) under the plain model's keys, on every rank (collective)."""
         local = self._local_full(grads)
-        if self.ctx.pp_size > 1:
-            parts: list = [None] * self.ctx.pp_size
-            dist.all_gather_object(parts, local, group=self.ctx.pp_group)
-            for part in parts:
-                for k, v in part.items():
-                    local.setdefault(k, v)
+        for size, group in ((self.ctx.ep_size, self.ctx.ep_group), (self.ctx.pp_size, self.ctx.pp_group)):
+            if size > 1:  # EP ranks hold different experts, PP ranks different layers
+                parts: list = [None] * size
+                dist.all_gather_object(parts, local, group=group)
+                for part in parts:
+                    for k, v in part.items():
+                        local.setdefault(k, v)
         return {k: local[k] for k in self.plain_keys}
 
     @torch.no_grad()
@@ -224,3 +235,7 @@ class ParallelModel:
                     module.load_full(name, state_dict[key].to(tensor.device))
                 else:
                     tensor.copy_(state_dict[key])
+
+
+def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    return None if aux is None else aux * scale

@@ -14,9 +14,14 @@ from torch import nn
 from plait.distributed.context import ParallelContext
 
 
+def set_grad_group(param: nn.Parameter, group, size: int) -> None:
+    """Reduce ``param``'s gradient over ``group`` (of ``size`` ranks) instead of the DP group (e.g. experts)."""
+    param._plait_grad_group = (group, size)  # read by GradReducer
+
+
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group, size: int):
+        self.params, self.group, self.size = params, group, size
         self.ready: set[int] = set()
         self.work = None
         self.buffer: torch.Tensor | None = None
@@ -32,28 +37,33 @@ class GradReducer:
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, bucket_mb: float = 25.0,
                  op: str = "sum"):
         self.ctx, self.op = ctx, op
-        self.group = ctx.dp_group
-        self.enabled = ctx.dp_size > 1
         self.armed = False
         self.buckets: list[_Bucket] = []
         self._where: dict[int, _Bucket] = {}
-        if not self.enabled:
-            return
-        cap = int(bucket_mb * 2**20)
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed([p for p in params if p.requires_grad]):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        by_group: dict[int, tuple[object, int, list[nn.Parameter]]] = {}
+        for p in params:  # most go over DP; set_grad_group redirects some (experts: expert-DP group)
+            group, size = getattr(p, "_plait_grad_group", (ctx.dp_group, ctx.dp_size))
+            if p.requires_grad and size > 1:
+                by_group.setdefault(id(group), (group, size, []))[2].append(p)
+        for group, size, members in by_group.values():
+            self._fill(members, group, size, int(bucket_mb * 2**20))
+        self.enabled = bool(self.buckets)
         for b in self.buckets:
             for p in b.params:
                 self._where[id(p)] = b
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _fill(self, params: list[nn.Parameter], group, group_size: int, cap: int) -> None:
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(_Bucket(current, group, group_size))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current, group, group_size))
 
     def arm(self) -> None:
         """Reduce buckets as soon as they are complete during the next backward passes."""
@@ -74,8 +84,8 @@ class GradReducer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
         if self.op == "avg":
-            bucket.buffer.div_(self.ctx.dp_size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+            bucket.buffer.div_(bucket.size)
+        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
 
     def launch_pending(self) -> None:
         """Start the reduction of every bucket not yet started (a missing gradient counts as zeros)."""

@@ -96,6 +96,17 @@ class ParallelContext:
     def pp_rank(self) -> int:
         return self.rank // (self.tp_size * self.dp_size)
 
+    # Expert parallelism lives in the dp x tp plane of a pipeline stage: plane index q = dp_rank*tp + tp_rank,
+    # EP groups are runs of ep consecutive q; ranks with the same ep_rank (q mod ep) form the expert-data-
+    # parallel group (dp*tp/ep ranks holding the same experts).
+    @property
+    def ep_rank(self) -> int:
+        return (self.dp_rank * self.tp_size + self.tp_rank) % self.ep_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_size * self.tp_size // self.ep_size
+
     def global_rank(self, tp_rank: int | None = None, dp_rank: int | None = None,
                     pp_rank: int | None = None) -> int:
         """Global rank of the given coordinates (defaults: this rank's own)."""
@@ -117,6 +128,16 @@ class ParallelContext:
         return self._groups.get("dp")
 
     @property
+    def ep_group(self):
+        """The expert-parallel group (None when ep=1)."""
+        return self._groups.get("ep")
+
+    @property
+    def expert_dp_group(self):
+        """Ranks of this stage holding the same experts (expert gradients are summed over it)."""
+        return self._groups.get("edp", self._groups.get("dp"))
+
+    @property
     def world_group(self):
         return self._groups.get("world")
 
@@ -133,8 +154,9 @@ class ParallelContext:
         return self.global_rank(pp_rank=pp_rank)
 
     def describe(self) -> str:
+        ep = f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
         return (f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp_size}, "
-                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size})")
+                f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}{ep})")
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -185,6 +207,13 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, timeout_s: floa
     mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
     groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
     groups["world"] = dist.group.WORLD
+    if layout.ep > 1 or layout.tp > 1:  # expert groups (every rank creates them, in the same order)
+        plane = layout.dp * layout.tp
+        emesh = init_device_mesh(device.type, (layout.pp, plane // layout.ep, layout.ep),
+                                 mesh_dim_names=("pp", "edp", "ep"))
+        groups["edp"] = emesh.get_group("edp")
+        if layout.ep > 1:
+            groups["ep"] = emesh.get_group("ep")
     return ParallelContext(layout=layout, rank=dist.get_rank(), world_size=world, device=device,
                            mesh=mesh, timeout_s=timeout, _groups=groups)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
 
 @dataclass
@@ -29,6 +30,12 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # mixture of experts (plait.models.moe): layer i is MoE when n_experts > 1 and i % moe_every == moe_every - 1
+    n_experts: int = 1
+    top_k: int = 1
+    moe_every: int = 1
+    capacity_factor: float | None = None  # None: dropless; c: each expert takes <= ceil(c*S*k/E) per sequence
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (Fedus et al. 2021 use 0.01)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -42,10 +49,14 @@ class LlamaConfig:
             raise ConfigError(f"LlamaConfig.n_heads={self.n_heads} must divide dim={self.dim}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"LlamaConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        check_moe_config(self)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.n_experts > 1 and index % self.moe_every == self.moe_every - 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -147,12 +158,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not cfg.is_moe_layer(index) else MoE(
+            cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cache=cache)
@@ -166,7 +178,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -189,9 +201,12 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(h))
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean next-token cross-entropy over non-ignored targets."""
+        """Mean next-token cross-entropy over non-ignored targets, plus the MoE load-balancing loss (mean over
+        sequences, summed over layers; plait.models.moe)."""
         logits = self(tokens)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+        aux = pop_aux_losses(self)
+        return loss if aux is None else loss + aux / tokens.shape[0]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

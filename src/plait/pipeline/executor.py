@@ -34,6 +34,7 @@ class StepStats:
     peak_stored: float  # micro-batches of a whole stage (a chunk counts 1/V)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
+    aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
 
 @dataclass
@@ -41,6 +42,9 @@ class StepIO:
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor] | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    # auxiliary loss a chunk's last forward produced (e.g. MoE load balancing), already scaled; it is
+    # added to the loss on the last chunk and backpropagated together with the output on the others
+    aux_fn: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
 
 
 class Executor:
@@ -77,7 +81,7 @@ class Executor:
         if forward_only:
             keep = [i for i, a in enumerate(actions) if a.kind == "F"]
             actions, plan = [actions[i] for i in keep], [plan[i] for i in keep]
-        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple[int, int, int], torch.Tensor] = {}
         stats = StepStats(loss_sum=torch.zeros((), dtype=torch.float64), peak_stored=0.0)
         t0 = time.perf_counter()
@@ -132,27 +136,33 @@ class Executor:
             x = x.detach().requires_grad_(x.is_floating_point())
         with torch.set_grad_enabled(not forward_only):
             out = self.chunks[c](x)
+            aux = io.aux_fn(self.chunks[c]) if io.aux_fn is not None else None
+            if aux is not None:
+                stats.aux_sum += aux.detach().double()
             if c == self.last_chunk:
                 if forward_only:
                     stats.outputs.append(out)
                     return
                 out = io.loss_fn(out, io.targets[mb])
                 stats.loss_sum += out.detach().double()
+                if aux is not None:
+                    out, aux = out + aux, None
         if c < self.last_chunk:
             self.transport.set_shape(GRAD, c, out.shape, out.dtype)
             self._send(ACT, c + 1, mb, out)
         if not forward_only:
-            self.saved[(c, mb)] = (x, out)
+            self.saved[(c, mb)] = (x, out, aux if aux is not None and aux.requires_grad else None)
 
     def _backward(self, a: Action, grad_out: torch.Tensor | None) -> None:
         """Run B (releases the saved state) or I (keeps it for the W pass)."""
         c, mb = a.stage, a.microbatch
-        x, out = self.saved[(c, mb)]
+        x, out, aux = self.saved[(c, mb)]
+        outs, grads = ([out], [grad_out]) if aux is None else ([out, aux], [grad_out, torch.ones_like(aux)])
         if a.kind == "I":
             with self.store.deferring((c, mb)):
-                torch.autograd.backward(out, grad_out)
+                torch.autograd.backward(outs, grads)
         else:
-            torch.autograd.backward(out, grad_out)
+            torch.autograd.backward(outs, grads)
             del self.saved[(c, mb)]
         if c > 0:
             self._send(GRAD, c - 1, mb, x.grad)

@@ -1,0 +1,149 @@
+"""Rank-side checks: mixture-of-experts Llama under EP x TP x PP x DP equals the single-device MoE model."""
+
+from __future__ import annotations
+
+import torch
+
+import plait
+from checks_llama import expect_config_error
+from harness import rel_err, run_checks
+from plait.models import Llama, LlamaConfig
+from plait.models.moe import MoE, pop_aux_losses, route
+
+BATCH, SEQ = 8, 8
+
+
+def moe_cfg(**kw) -> LlamaConfig:
+    base = dict(vocab_size=61, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=SEQ,
+                n_experts=4, top_k=2, aux_loss_coef=0.1)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def data(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    targets[1, :2] = -100
+    return inputs, targets
+
+
+def build(cfg: LlamaConfig, zero_router: bool) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    if zero_router:  # all router logits equal: every token picks experts 0..k-1, the rest stay empty
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, MoE):
+                    m.gate.weight.zero_()
+    return model
+
+
+def expert_load(model: Llama, inputs: torch.Tensor) -> list[int]:
+    """Assignments per expert summed over the MoE layers of the single-device model."""
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
+             for m in model.modules() if isinstance(m, MoE)]
+    with torch.no_grad():
+        model(inputs)
+    for h in hooks:
+        h.remove()
+    pop_aux_losses(model)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    load = torch.zeros(moes[0].n_experts, dtype=torch.long)
+    for m, x in zip(moes, seen, strict=True):
+        r = route(m.gate(x), m.top_k, m.capacity_factor, 0.0)
+        load += torch.bincount(r.expert[r.keep], minlength=m.n_experts)
+    return load.tolist()
+
+
+def single_device(cfg: LlamaConfig, inputs, targets, zero_router: bool):
+    model = build(cfg, zero_router)
+    logits = model(inputs)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    aux = pop_aux_losses(model) / inputs.shape[0]
+    loss = ce + aux
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    return loss.item(), aux.item(), grads, model
+
+
+def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1, sp: bool = False,
+            zero_router: bool = False, **cfg_kw) -> dict:
+    cfg = moe_cfg(**cfg_kw)
+    inputs, targets = data(cfg.vocab_size)
+    ref_loss, ref_aux, ref_grads, ref_model = single_device(cfg, inputs, targets, zero_router)
+    pm = plait.parallelize(build(cfg, zero_router), ctx, schedule=schedule, microbatches=microbatches,
+                           virtual_stages=virtual, sequence_parallel=sp)
+    per = BATCH // ctx.dp_size
+    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+    loss = pm.train_step(inputs[local], targets[local])
+    grads = pm.full_state_dict(grads=True)
+    errs = {k: rel_err(grads[k], g) for k, g in ref_grads.items()}
+    weights = pm.full_state_dict()
+    return {
+        "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+        "aux_rel": abs(pm.last_aux_loss - ref_aux) / abs(ref_aux),
+        "aux": pm.last_aux_loss,
+        "grad_rel_max": max(errs.values()),
+        "worst": max(errs, key=errs.get),
+        "keys_match": sorted(grads) == sorted(ref_grads),
+        "weights_rel": max(rel_err(weights[k], v) for k, v in ref_model.state_dict().items()),
+        "expert_grad_norm": float(sum(g.norm() for k, g in ref_grads.items() if ".experts." in k)),
+        "load": expert_load(ref_model, inputs),
+        "local_experts": sorted({int(n.split(".experts.")[1].split(".")[0])
+                                 for n, _ in pm.named_parameters() if ".experts." in n}),
+        "n_experts": cfg.n_experts,
+        "ep_rank": ctx.ep_rank,
+        "ep": ctx.ep_size,
+    }
+
+
+def equality_checks() -> list:
+    checks = []
+    dp4ep2 = plait.init(tp=1, pp=1, dp=4, ep=2)
+    checks.append(("dp4ep2/1f1b", lambda: compare(dp4ep2)))
+    dp4ep4 = plait.init(tp=1, pp=1, dp=4, ep=4)
+    checks.append(("dp4ep4/1f1b", lambda: compare(dp4ep4)))
+    checks.append(("dp4ep4/top1_all_to_one", lambda: compare(dp4ep4, top_k=1, zero_router=True)))
+    checks.append(("dp4ep4/empty_experts", lambda: compare(dp4ep4, n_experts=8, zero_router=True)))
+    checks.append(("dp4ep4/capacity", lambda: compare(dp4ep4, capacity_factor=0.5)))
+    tp2dp2ep4 = plait.init(tp=2, pp=1, dp=2, ep=4)
+    checks.append(("tp2dp2ep4/1f1b", lambda: compare(tp2dp2ep4)))
+    checks.append(("tp2dp2ep4/sp", lambda: compare(tp2dp2ep4, sp=True)))
+    tp2dp2ep2 = plait.init(tp=2, pp=1, dp=2, ep=2)
+    checks.append(("tp2dp2ep2/sp/moe_every2", lambda: compare(tp2dp2ep2, sp=True, moe_every=2)))
+    tp2dp2 = plait.init(tp=2, pp=1, dp=2, ep=1)
+    checks.append(("tp2dp2ep1/1f1b", lambda: compare(tp2dp2)))
+    tp2pp2ep2 = plait.init(tp=2, pp=2, dp=1, ep=2)
+    checks.append(("tp2pp2ep2/1f1b", lambda: compare(tp2pp2ep2, microbatches=4)))
+    checks.append(("tp2pp2ep2/zbv/sp", lambda: compare(tp2pp2ep2, "zbv", microbatches=4, sp=True)))
+    checks.append(("tp2pp2ep2/interleaved", lambda: compare(tp2pp2ep2, "interleaved-1f1b", microbatches=4,
+                                                            virtual=2)))
+    pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
+    for name in ("gpipe", "zb-h1", "dualpipev", "looped-bfs"):
+        v = 2 if name == "looped-bfs" else 1
+        checks.append((f"pp2dp2ep2/{name}", lambda n=name, v=v: compare(pp2dp2ep2, n, microbatches=4,
+                                                                       virtual=v)))
+    checks.append(("pp2dp2ep2/all_to_one", lambda: compare(pp2dp2ep2, "1f1b", top_k=1, zero_router=True)))
+    return checks
+
+
+def bad_checks() -> list:
+    def run(ep: int, **kw):
+        ctx = plait.init(tp=1, pp=1, dp=4, ep=ep)
+        plait.parallelize(Llama(moe_cfg(**kw)), ctx)
+
+    return [
+        ("bad/experts_not_divisible", lambda: expect_config_error(lambda: run(4, n_experts=6))),
+        ("bad/ep_dense_model", lambda: expect_config_error(lambda: run(2, n_experts=1, top_k=1))),
+        ("bad/ep_not_dividing_plane", lambda: expect_config_error(lambda: plait.init(tp=2, pp=2, dp=1, ep=4))),
+        ("bad/top_k", lambda: expect_config_error(lambda: moe_cfg(top_k=5))),
+        ("after_bad/still_works", lambda: compare(plait.init(tp=1, pp=1, dp=4, ep=2))),
+    ]
+
+
+def rank_main() -> dict:
+    results = run_checks(equality_checks())
+    results.update(run_checks(bad_checks()))
+    return results

@@ -1,0 +1,62 @@
+"""Mixture-of-experts under EP x TP x PP x DP (world 4, one launch) equals the single-device MoE model."""
+
+import pytest
+
+import checks_experts
+from harness import launch, result
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+CASES = [
+    "dp4ep2/1f1b", "dp4ep4/1f1b", "dp4ep4/top1_all_to_one", "dp4ep4/empty_experts", "dp4ep4/capacity",
+    "tp2dp2ep4/1f1b", "tp2dp2ep4/sp", "tp2dp2ep2/sp/moe_every2", "tp2dp2ep1/1f1b", "tp2pp2ep2/1f1b",
+    "tp2pp2ep2/zbv/sp", "tp2pp2ep2/interleaved", "pp2dp2ep2/gpipe", "pp2dp2ep2/zb-h1", "pp2dp2ep2/dualpipev",
+    "pp2dp2ep2/looped-bfs", "pp2dp2ep2/all_to_one", "after_bad/still_works",
+]
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch(checks_experts.rank_main, 4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_single_device(world4, case):
+    for rank, r in enumerate(result(world4, case)):
+        assert r["keys_match"], f"rank {rank} {case}: full_state_dict keys differ from the plain model's"
+        assert r["loss_rel"] <= LOSS_TOL, f"rank {rank} {case}: loss rel err {r['loss_rel']:.2e}"
+        assert r["aux_rel"] <= LOSS_TOL, f"rank {rank} {case}: aux loss {r['aux']} rel err {r['aux_rel']:.2e}"
+        assert r["grad_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: grad err {r['grad_rel_max']:.2e} {r['worst']}"
+        assert r["weights_rel"] == 0.0, f"rank {rank} {case}: gathered weights differ"
+        assert r["expert_grad_norm"] > 0
+        per = r["n_experts"] // r["ep"]
+        assert len(r["local_experts"]) == per, f"rank {rank} {case}: holds experts {r['local_experts']}"
+        assert r["local_experts"][0] == r["ep_rank"] * per
+
+
+def test_routing_extremes_really_happen(world4):
+    assignments = 8 * 8 * 4  # batch x sequence x MoE layers, per choice
+    one = result(world4, "dp4ep4/top1_all_to_one")[0]["load"]
+    assert sorted(one) == [0, 0, 0, assignments], one  # every token to one expert: three EP ranks idle
+    empty = result(world4, "dp4ep4/empty_experts")[0]["load"]  # top-2 of 8: six experts get nothing
+    assert sorted(empty) == [0] * 6 + [assignments] * 2, empty
+    pp = result(world4, "pp2dp2ep2/all_to_one")[0]["load"]
+    assert sorted(pp) == [0, 0, 0, assignments], pp
+
+
+def test_capacity_really_drops(world4):
+    dropless = sum(result(world4, "dp4ep4/1f1b")[0]["load"])
+    capped = sum(result(world4, "dp4ep4/capacity")[0]["load"])
+    assert capped < dropless, (capped, dropless)
+
+
+@pytest.mark.parametrize("case,needles", [
+    ("bad/experts_not_divisible", ("n_experts=6", "ep=4")),
+    ("bad/ep_dense_model", ("ep=2", "n_experts")),
+    ("bad/ep_not_dividing_plane", ("ep=4",)),
+    ("bad/top_k", ("top_k=5",)),
+])
+def test_bad_input_is_config_error_everywhere(world4, case, needles):
+    for rank, r in enumerate(result(world4, case)):
+        assert r["raised"] == "ConfigError", f"rank {rank}: {r}"
+        for needle in needles:
+            assert needle in r["message"], r["message"]
