@@ -231,3 +231,17 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
             state[name] = torch.tensor(value, dtype=torch.float32)
         if state:
             optimizer.state[lt.tensor] = state
+
+
+def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write a Hugging Face Llama folder from a checkpoint of any layout (one process, no collective)."""
+    from plait.models import LlamaConfig
+    from plait.models.hf import save_state_dict_pretrained
+
+    path = find_checkpoint(checkpoint)
+    if path is None:
+        raise ConfigError(f"{checkpoint}: no plait checkpoint there")
+    reader = CheckpointReader(path)
+    cfg = LlamaConfig(**reader.meta["model"])
+    save_state_dict_pretrained(cfg, reader.full_state_dict(), out)
+    return Path(out)

