@@ -72,7 +72,7 @@ def launch(target: str, payload: dict, nproc: int) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # our own one-line report replaces its tables
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
@@ -89,14 +89,13 @@ def launch(target: str, payload: dict, nproc: int) -> list:
 def _explain(exc, failures: Path) -> tuple[str, int]:
     """One line naming the rank that failed first, and the exit code to use."""
     reports = {}
-    for rank, failure in exc.failures.items():
-        f = failures / f"rank{failure.rank}"
+    for rank, failure in exc.failures.items():  # keyed by global rank
+        f = failures / f"rank{rank}"
         if f.is_file():
             kind, _, msg = f.read_text().partition("\n")
-            reports[failure.rank] = (kind, msg or kind, failure)
+            reports[rank] = (kind, msg or kind, failure)
         else:
-            reports[failure.rank] = (None, None, failure)
-        del rank
+            reports[rank] = (None, None, failure)
     died = [r for r, (kind, _, _) in reports.items() if kind is None]
     if died:  # a process that vanished without a report is the root cause (others then lost their peer)
         r = min(died, key=lambda k: reports[k][2].timestamp)

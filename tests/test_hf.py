@@ -1,0 +1,70 @@
+"""Hugging Face import/export against ``transformers.LlamaForCausalLM`` (GQA, tied/untied, rope theta, norm eps)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plait.errors import ConfigError
+from plait.models import Llama, LlamaConfig
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[dev])")
+
+CASES = {
+    "gqa-untied": dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=5000.0, rms_norm_eps=1e-6),
+    "mha-tied": dict(num_key_value_heads=4, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5),
+    "mqa-untied": dict(num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5),
+}
+
+
+def _hf_model(**kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=96, max_position_embeddings=64, **kw)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_from_pretrained_and_save_pretrained_match_transformers(tmp_path, case):
+    hf = _hf_model(**CASES[case])
+    hf.save_pretrained(tmp_path / "hf")
+    model = Llama.from_pretrained(tmp_path / "hf").eval()
+    kw = CASES[case]
+    assert model.config.n_kv_heads == kw["num_key_value_heads"] and model.config.rope_theta == kw["rope_theta"]
+    assert model.config.norm_eps == kw["rms_norm_eps"] and model.config.tie_embeddings == kw["tie_word_embeddings"]
+    x = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        ref = hf(x).logits
+        ours = model(x)
+    assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
+    model.save_pretrained(tmp_path / "out")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        again = back(x).logits
+    assert (again - ours).abs().max() <= 1e-5 * ours.abs().max()
+    if kw["tie_word_embeddings"]:
+        assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+
+
+def test_plait_model_round_trip_and_kv_cache_greedy_matches_transformers(tmp_path):
+    import plait
+
+    torch.manual_seed(1)
+    model = Llama(LlamaConfig(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)).eval()
+    model.save_pretrained(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = [5, 17, 3, 88]
+    ours = plait.generate(model, prompt, max_new_tokens=10)
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_unsupported_hf_config_is_config_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 10,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                      "intermediate_size": 8, "attention_bias": True}))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        Llama.from_pretrained(tmp_path)

@@ -1,0 +1,160 @@
+"""plait train/generate/export as a user runs them: bad flags, a short real run, a killed worker, a killed save."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from plait.cli.main import app
+
+PLAIT = [sys.executable, "-m", "plait.cli.main"]
+FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--max-data-mb", "0.3",
+        "--trace-every", "2"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "gigantic"], "--model 'gigantic'"),
+    (["--data", "/no/such/path"], "--data /no/such/path: no such file"),
+    (["--tp", "3", "--pp", "2", "--nproc", "4"], "the world has 4"),
+    (["--tp", "3", "--pp", "1"], "--tp 3 does not fit"),
+    (["--schedule", "zigzag"], "--schedule 'zigzag'"),
+    (["--batch-size", "6"], "--batch-size 6"),
+])
+def test_bad_flags_fail_with_one_line(args, needle):
+    res = CliRunner().invoke(app, ["train", *args])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert needle in lines[0] and "Traceback" not in res.output
+
+
+def test_config_file_keys_match_flags(tmp_path):
+    from plait.train.config import read_toml
+
+    f = tmp_path / "run.toml"
+    f.write_text('tp = 1\npp = 4\nseq-len = 64\ndata = ["a.txt"]\n')
+    assert read_toml(f) == {"tp": 1, "pp": 4, "seq_len": 64, "data": ["a.txt"]}
+    f.write_text("warp = 9\n")
+    res = CliRunner().invoke(app, ["train", "--config", str(f)])
+    assert res.exit_code == 2 and "unknown key 'warp'" in res.output
+
+
+def _run(args, cwd, timeout=240):
+    return subprocess.run(PLAIT + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_short_run_metrics_checkpoint_sample_generate_export(tmp_path):
+    res = _run(["train", "--steps", "4", *FAST, "--sample-tokens", "8", "--metrics", "m.jsonl"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows)
+    assert "measured_bubble" in rows[1] and 0 <= rows[1]["predicted_bubble"] < 1
+    assert "summary" in res.stdout and "sample" in res.stdout and "step_00000004" in res.stdout
+    assert (tmp_path / "plait-checkpoints" / "step_00000004" / "pp1-tp1.safetensors").is_file()
+    gen = _run(["generate", "--prompt", "def ", "--max-new-tokens", "5"], tmp_path)
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
+    exp = _run(["export", "plait-checkpoints", "hf"], tmp_path)
+    assert exp.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), exp.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
+                out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_worker_ends_the_job_promptly(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(PLAIT + ["train", "--steps", "100000", *FAST, "--metrics", str(metrics)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.3)
+        workers = _children(proc.pid)
+        assert len(workers) == 4, f"expected 4 workers, found {workers}"
+        victim = sorted(workers)[2]
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.time()
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 30, f"the job took {elapsed:.0f}s to end"
+    assert f"(pid {victim}) died (signal SIGKILL)" in err and "Traceback" not in err, err
+    time.sleep(1)
+    assert not [p for p in workers if _alive(p)], "orphan workers left behind"
+
+
+SAVE_THEN_HANG = textwrap.dedent("""
+    import sys, time, torch
+    import plait
+    from plait.models import Llama, LlamaConfig
+    from plait.train import checkpoint as ck
+    ctx = plait.init(1, 1, 1)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)), ctx)
+    ck.save_checkpoint(pm, None, sys.argv[1], 1)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.add_(1.0)
+    real = ck._fsync_path
+    def slow(path):
+        real(path)
+        print("saving", flush=True)
+        time.sleep(60)
+    ck._fsync_path = slow
+    ck.save_checkpoint(pm, None, sys.argv[1], 2)
+""")
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    from plait.train.checkpoint import CheckpointReader, find_checkpoint
+
+    proc = subprocess.Popen([sys.executable, "-c", SAVE_THEN_HANG, str(tmp_path / "ck")], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "saving"  # inside the second save, after its first write
+        assert (tmp_path / "ck" / ".step_00000002.tmp").is_dir()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    found = find_checkpoint(tmp_path / "ck")
+    assert found is not None and found.name == "step_00000001"
+    state = CheckpointReader(found).full_state_dict()
+    import torch
+
+    from plait.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    ref = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)).state_dict()
+    assert set(state) == set(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
