@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -10,21 +12,26 @@ import typer
 
 HELP = """Train a Llama with tensor, pipeline and data parallelism.
 
-With no arguments: a tiny byte-level Llama on the Python standard library's own source files, tp 2 x pp 2
-(1F1B) on 4 CPU processes launched here with PyTorch's elastic launcher; under torchrun (also many
-nodes) each process runs as one worker instead. Settings may also come from --config FILE.toml whose keys
-are the flag names (seq-len = 128); flags given on the command line win.
+{defaults}
+
+{config}
 
 \b
 Examples:
   plait train
-  plait train --tp 1 --pp 4 --schedule interleaved-1f1b --virtual-stages 1 --steps 100
-  plait train --data my_texts/ --model small --metrics run.jsonl --checkpoint-every 50
-  plait train --resume                              # continue the latest checkpoint exactly
+  plait train --tp 1 --pp 4 --steps 100
+  plait train --data my_texts/ --model small --metrics run.jsonl
+  plait train --resume          # continue the latest checkpoint exactly
   torchrun --nproc-per-node 4 -m plait.cli.main train --tp 2 --pp 2
-"""
+""".format(
+    defaults="With no arguments: a tiny byte-level Llama on the Python standard library's own source files, "
+             "tp 2 x pp 2 (1F1B) on 4 CPU processes launched here with PyTorch's elastic launcher. Under torchrun "
+             "(also many nodes) each process runs as one worker instead.",
+    config="Settings may also come from --config FILE.toml whose keys are the flag names (seq-len = 128); flags "
+           "given on the command line win.")
 
 Opt = typer.Option
+_STARTED = time.time()  # when the CLI module was imported: the start of the command
 
 
 def register(app: typer.Typer) -> None:
@@ -75,7 +82,8 @@ def train_command(
         cfg = _resolve(ctx, config)
         _run(cfg)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails the same way: say it once
+            typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -101,6 +109,7 @@ def _run(cfg) -> None:
         train_job(cfg.to_dict())
         return
     validate(cfg)
+    os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
         launch("plait.train:train_job", cfg.to_dict(), cfg.nproc or cfg.world)
     except JobError as exc:

@@ -171,17 +171,19 @@ def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
     times: list[float] = []
     for step in range(run.start, cfg.steps):
         trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
+        lr = getattr(run.opt, "lr", cfg.lr)  # the rate this step's update uses
         t0 = time.perf_counter()
         loss, norm = train_one(run, step, trace)
         dt = time.perf_counter() - t0
-        if step == run.start:
-            res.startup_s = time.perf_counter() - t_start
+        if step == run.start:  # from the command's start when launched by plait train, else this process's
+            began = os.environ.get("PLAIT_LAUNCHED_AT")
+            res.startup_s = time.time() - float(began) if began else time.perf_counter() - t_start
         times.append(dt)
         res.losses[step + 1] = loss
         if norm is None and not math.isfinite(loss):
             res.skipped.append(step + 1)
         row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-               "step_time_s": dt, "lr": getattr(run.opt, "lr", cfg.lr), "grad_norm": norm}
+               "step_time_s": dt, "lr": lr, "grad_norm": norm}
         if trace:
             res.measured_bubble, res.predicted_bubble = bubble(run)
             row.update(measured_bubble=res.measured_bubble, predicted_bubble=res.predicted_bubble)

@@ -101,7 +101,7 @@ def summary_table(cfg: TrainConfig, run, res):
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
         ("bubble", f"measured {res.measured_bubble:.1%}, simulated {res.predicted_bubble:.1%}"
          if res.measured_bubble is not None else "- (no pipeline)"),
-        ("start-up", f"{res.startup_s:.1f} s to the end of the first step (this process)"),
+        ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", res.checkpoint or "-"),
     ]
     for k, v in rows:
