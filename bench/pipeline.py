@@ -155,8 +155,8 @@ def _sleep_rank(names: list[str], t: float, trials: int) -> list[dict]:
         plait_ms = statistics.median(a)
         torch_ms = statistics.median(b) if b else None
         rows.append({"schedule": name, "sim_ms": sim_ms, "plait_ms": plait_ms, "torch_ms": torch_ms,
-                     "plait_vs_sim": plait_ms / sim_ms, "plait_vs_torch": plait_ms / torch_ms if torch_ms else None,
-                     "torch_vs_sim": torch_ms / sim_ms if torch_ms else None, "torch_note": theirs_error})
+                     "plait_vs_sim": plait_ms / sim_ms if sim_ms else None, "plait_vs_torch": plait_ms / torch_ms if torch_ms else None,
+                     "torch_vs_sim": torch_ms / sim_ms if torch_ms and sim_ms else None, "torch_note": theirs_error})
     return rows
 
 
@@ -195,7 +195,7 @@ def main() -> None:
         def fmt(v, f):
             return ("n/a" if v is None else format(v, f))
         table.add_row(r["schedule"], f"{r['sim_ms']:.1f}", f"{r['plait_ms']:.1f}", fmt(r["torch_ms"], ".1f"),
-                      f"{r['plait_vs_sim']:.3f}", fmt(r["plait_vs_torch"], ".3f"), fmt(r["torch_vs_sim"], ".3f"))
+                      fmt(r["plait_vs_sim"], ".3f"), fmt(r["plait_vs_torch"], ".3f"), fmt(r["torch_vs_sim"], ".3f"))
     console = Console()
     console.print(table)
     llama = {s: run_world(_llama_rank, 2, s, timeout_s=600)[0] for s in ("1f1b", "zb-h1")}
