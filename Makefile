@@ -16,7 +16,7 @@ $(BIN)/plait: pyproject.toml
 install: $(BIN)/plait
 
 demo: install
-	$(BIN)/plait demo
+	$(BIN)/plait train
 
 test: install
 	$(BIN)/python -m pytest -q

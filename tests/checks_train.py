@@ -16,7 +16,7 @@ from plait.optim import lr_at
 from plait.train import TrainConfig
 from plait.train.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
 from plait.train.data import ByteTokenizer, batch, load_corpus
-from plait.train.loop import NonFiniteLoss, build, torch_optimizer, train, train_one
+from plait.train.loop import NonFiniteLoss, build, train, train_one
 from plait.train.shards import load_local
 
 STEPS = 4
@@ -61,13 +61,13 @@ def check_equals_single(root: Path) -> dict:
             "checkpoint": res.checkpoint}
 
 
-def check_resume(root: Path) -> dict:
-    full = train(small_cfg(root, "full", steps=6, checkpoint_every=3))
+def check_resume(root: Path, tag: str = "", **kw) -> dict:
+    full = train(small_cfg(root, f"full{tag}", steps=6, checkpoint_every=3, **kw))
     if dist.get_rank() == 0:  # as if the run had been killed after its step-3 checkpoint
-        (root / "part").mkdir()
-        shutil.copytree(root / "full" / "step_00000003", root / "part" / "step_00000003")
+        (root / f"part{tag}").mkdir()
+        shutil.copytree(root / f"full{tag}" / "step_00000003", root / f"part{tag}" / "step_00000003")
     dist.barrier()
-    resumed = train(small_cfg(root, "part", steps=6, resume=True))
+    resumed = train(small_cfg(root, f"part{tag}", steps=6, resume=True, **kw))
     return {"full": [full.losses[s] for s in (4, 5, 6)], "resumed": [resumed.losses[s] for s in (4, 5, 6)],
             "started": min(resumed.losses)}
 
@@ -75,7 +75,7 @@ def check_resume(root: Path) -> dict:
 def _continue(cfg: TrainConfig, ckpt: Path, ctx) -> tuple[list[float], dict]:
     """Load ``ckpt`` under ``ctx``'s layout, check weights, then train two more steps."""
     run = build(cfg, ctx)
-    load_checkpoint(run.pm, torch_optimizer(run.opt), ckpt)
+    load_checkpoint(run.pm, run.opt, ckpt)
     run.opt.steps = STEPS
     full = run.pm.full_state_dict()
     losses = [train_one(run, step, False)[0] for step in (STEPS, STEPS + 1)]
@@ -164,6 +164,7 @@ def rank_main(root: str) -> dict:
         ("train/equals_single", lambda: check_equals_single(root)),
         ("ckpt/reshard", lambda: check_reshard(root)),
         ("ckpt/resume", lambda: check_resume(root)),
+        ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
         ("hf/slices", lambda: check_hf_slices(root)),
         ("generate/layouts", lambda: check_generate(root)),
         ("train/nonfinite", lambda: check_nonfinite(root)),

@@ -29,8 +29,9 @@ def test_checkpoint_reshards_to_other_layouts_and_one_device(world4):
         assert r["one_device_logits_rel"] <= 1e-5
 
 
-def test_resume_is_exact(world4):
-    for rank, r in enumerate(result(world4, "ckpt/resume")):
+@pytest.mark.parametrize("case", ["ckpt/resume", "ckpt/resume_zero1"])
+def test_resume_is_exact(world4, case):
+    for rank, r in enumerate(result(world4, case)):
         assert r["started"] == 4, f"rank {rank}: resumed at {r['started']}"
         assert r["resumed"] == r["full"], f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['full']}"
 

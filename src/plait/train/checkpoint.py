@@ -35,7 +35,21 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _local_tensors(pm, optimizer) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+def _torch_optimizer(optimizer):
+    """The per-parameter torch optimizer (a plait.optim.ParallelOptimizer wraps one)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _optimizer_states(optimizer) -> dict:
+    """Optimizer state keyed by local parameter; under ZeRO-1 gathered over DP (collective on every rank)."""
+    if optimizer is None:
+        return {}
+    if hasattr(optimizer, "gathered_state"):
+        return optimizer.gathered_state()
+    return dict(optimizer.state)
+
+
+def _local_tensors(pm, states: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
     """This rank's tensors to write, their shard records, and optimizer scalars per key."""
     ctx = pm.ctx
     tensors, records, scalars = {}, [], {}
@@ -44,8 +58,7 @@ def _local_tensors(pm, optimizer) -> tuple[dict[str, torch.Tensor], list[dict], 
         if (lt.dim is None and ctx.tp_size > 1 and ctx.tp_rank != 0) or (lt.dim is not None and lt.stop <= lt.start):
             continue  # replicated: tp rank 0 writes it; or an all-padding shard
         pairs = [(lt.key, lt.valid)]
-        state = optimizer.state.get(lt.tensor, {}) if optimizer is not None and keys.get(id(lt.tensor)) == lt.key \
-            else {}
+        state = states.get(lt.tensor, {}) if keys.get(id(lt.tensor)) == lt.key else {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.shape == lt.tensor.shape:
                 pairs.append((f"optim/{name}/{lt.key}", value if lt.dim is None else value.narrow(
@@ -75,8 +88,9 @@ def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict
     dist.barrier()
     fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}.safetensors"
     records, scalars = [], {}
+    states = _optimizer_states(optimizer)  # before the dp_rank test: gathering ZeRO-1 slices is collective
     if ctx.dp_rank == 0:  # replicas hold the same tensors
-        tensors, records, scalars = _local_tensors(pm, optimizer)
+        tensors, records, scalars = _local_tensors(pm, states)
         save_file(tensors, str(tmp / fname), metadata={"format": FORMAT})
         _fsync_path(tmp / fname)
     parts: list = [None] * ctx.world_size
@@ -104,7 +118,8 @@ def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:
                 entry["shards"].append(shard)
     groups = None
     if optimizer is not None:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in _torch_optimizer(optimizer).state_dict()["param_groups"]]
     ctx = pm.ctx
     return {"format": FORMAT, "step": step, "tensors": tensors, "optimizer": {
         "type": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
@@ -212,10 +227,11 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
 @torch.no_grad()
 def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
     meta = reader.meta["optimizer"]
-    for group, saved in zip(optimizer.param_groups, meta["param_groups"], strict=False):
+    for group, saved in zip(_torch_optimizer(optimizer).param_groups, meta["param_groups"], strict=False):
         group.update({k: v for k, v in saved.items() if k in group})
     names = sorted({k.split("/")[1] for k in reader.meta["tensors"] if k.startswith("optim/")})
     keys = param_keys(pm)
+    loaded: dict = {}
     for lt in local_tensors(pm):
         if keys.get(id(lt.tensor)) != lt.key:
             continue
@@ -230,7 +246,12 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
         for name, value in meta["scalars"].get(lt.key, {}).items():
             state[name] = torch.tensor(value, dtype=torch.float32)
         if state:
-            optimizer.state[lt.tensor] = state
+            loaded[lt.tensor] = state
+    if hasattr(optimizer, "load_gathered_state"):
+        optimizer.load_gathered_state(loaded)  # ZeRO-1: each rank keeps its slices
+    else:
+        for param, state in loaded.items():
+            optimizer.state[param] = state
 
 
 def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:

@@ -123,9 +123,6 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
     if cfg.zero not in (0, 1):
         raise ConfigError(f"--zero {cfg.zero}: choose 0 (replicated optimizer state) or 1 (ZeRO-1, sharded over dp)")
-    if cfg.zero and cfg.resume:
-        raise ConfigError("--resume with --zero 1: optimizer state sharded by ZeRO-1 is not checkpointed yet; "
-                          "use --zero 0 for exact resume")
     if cfg.precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision {cfg.precision!r}: choose fp32 or bf16")
     if not cfg.lr > 0:

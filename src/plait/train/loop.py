@@ -89,18 +89,13 @@ def make_optimizer(pm, cfg: TrainConfig):
                            clip=cfg.clip if cfg.clip > 0 else None, warmup=cfg.warmup, total_steps=cfg.steps)
 
 
-def torch_optimizer(opt):
-    """The per-parameter torch optimizer inside (its state is what checkpoints reshard)."""
-    return getattr(opt, "optimizer", opt)
-
-
 def resume(run: Run) -> None:
     from plait.train.checkpoint import find_checkpoint, load_checkpoint
 
     path = find_checkpoint(run.cfg.checkpoint_dir)
     if path is None:
         raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {run.cfg.checkpoint_dir}")
-    meta = load_checkpoint(run.pm, torch_optimizer(run.opt), path)
+    meta = load_checkpoint(run.pm, run.opt, path)
     run.start = int(meta["step"])
     if hasattr(run.opt, "steps"):
         run.opt.steps = run.start  # the LR schedule continues where it stopped
@@ -111,7 +106,7 @@ def save(run: Run, step: int) -> str:
 
     extra = {"model": model_config(run.cfg).to_dict(), "train": run.cfg.to_dict(),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}
-    return str(save_checkpoint(run.pm, torch_optimizer(run.opt), run.cfg.checkpoint_dir, step, extra))
+    return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra))
 
 
 def train_one(run: Run, step: int, trace: bool) -> tuple[float, float | None]:
