@@ -31,3 +31,17 @@ def test_verify_bad_layout_is_one_line():
 def test_verify_unknown_schedule():
     proc = _plait("verify", "--schedule", "2f2b")
     assert proc.returncode == 2 and "schedule" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_verify_mixture_of_experts_with_expert_parallelism():
+    proc = _plait("verify", "--tp", "2", "--pp", "1", "--experts", "4", "--top-k", "2", "--ep", "2",
+                  "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] is True and out["config"]["ep"] == 2
+    assert any(".mlp.experts.3." in g["name"] for g in out["grads"]), "expert gradients were not compared"
+
+
+def test_verify_experts_not_divisible_by_ep():
+    proc = _plait("verify", "--experts", "3", "--ep", "2")
+    assert proc.returncode == 2 and "ep=2 must divide n_experts=3" in proc.stderr

@@ -27,6 +27,9 @@ class VerifyConfig:
     seq_len: int = 16
     batch_size: int = 8
     seed: int = 0
+    n_experts: int = 1  # > 1: mixture-of-experts feed-forward layers (plait.models.moe)
+    top_k: int = 1
+    ep: int = 1  # expert-parallel group size (experts spread over ep ranks of the dp x tp plane)
 
     @property
     def world(self) -> int:
@@ -80,18 +83,25 @@ def _rel(a, b) -> tuple[float, float]:
     return diff, diff / scale if scale > 0 else diff
 
 
+def _model_config(cfg: VerifyConfig):
+    from plait.models import LlamaConfig
+
+    return LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                       n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings,
+                       n_experts=cfg.n_experts, top_k=cfg.top_k)
+
+
 def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
     """Runs on every rank of the launched world; rank 0 returns the comparison."""
     import torch
     import torch.distributed as dist
 
     import plait
-    from plait.models import Llama, LlamaConfig
+    from plait.models import Llama
     from plait.sim import Costs, simulate
 
-    ctx = plait.init(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
-    mcfg = LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                       n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings)
+    ctx = plait.init(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep)
+    mcfg = _model_config(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -137,11 +147,18 @@ def check(cfg: VerifyConfig) -> None:
     schedule = build_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, virtual=virtual)
     if cfg.n_layers < schedule.num_stages:
         raise ConfigError(f"n_layers={cfg.n_layers} is fewer than the {schedule.num_stages} pipeline chunks")
-    from plait.models import LlamaConfig
+    from plait.distributed.context import resolve_layout
     from plait.tensor_parallel.plan import check_llama_tp
 
-    check_llama_tp(LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                               n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len), cfg.tp)
+    resolve_layout(cfg.world, cfg.tp, cfg.pp, cfg.dp, cfg.ep)
+    mcfg = _model_config(cfg)
+    check_llama_tp(mcfg, cfg.tp)
+    if cfg.ep > 1:
+        from plait.experts import check_experts
+
+        if cfg.n_experts < 2:
+            raise ConfigError(f"ep={cfg.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
+        check_experts(cfg.n_experts, cfg.ep)
     if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
         raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={cfg.tp} with sequence parallelism")
     if cfg.world > 16:

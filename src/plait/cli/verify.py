@@ -43,18 +43,23 @@ def verify_command(
     layers: int = typer.Option(8, help="Decoder layers of the test model."),
     batch_size: int = typer.Option(16, help="Global batch (sequences)."),
     seq_len: int = typer.Option(16, help="Sequence length."),
+    experts: int = typer.Option(1, "--experts", help="Experts per MoE layer (1: dense feed-forward layers)."),
+    top_k: int = typer.Option(1, "--top-k", help="Experts each token is routed to."),
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel size: experts spread over ep ranks of dp x tp."),
     show_trace: bool = typer.Option(False, "--trace", help="Also print the measured vs simulated timeline."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     from plait.distributed.launch import LaunchError
     from plait.errors import ConfigError
-    from plait.verify import VerifyConfig, verify
+    from plait.verify import VerifyConfig, check, verify
 
     cfg = VerifyConfig(tp=tp, pp=pp, dp=dp, schedule=schedule, microbatches=microbatches,
                        virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, tie_embeddings=tied,
-                       n_layers=layers, batch_size=batch_size, seq_len=seq_len)
+                       n_layers=layers, batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k,
+                       ep=ep)
     console = Console()
     try:
+        check(cfg)
         if not as_json:
             console.print(f"launching {cfg.world} CPU processes: tp={tp} pp={pp} dp={dp}, {schedule}, "
                           f"{microbatches} micro-batches ...")
@@ -69,6 +74,8 @@ def verify_command(
         typer.echo(json.dumps(result.to_dict(), indent=2))
         raise typer.Exit(0 if result.ok else 1)
     console.print(_table(result))
+    if experts > 1:
+        console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={ep} (loss includes the aux loss)")
     console.print(f"loss: parallel {result.loss_parallel:.7f}, single device {result.loss_single:.7f} "
                   f"(rel {result.loss_rel:.1e});  eval logits rel {result.logits_rel:.1e}")
     console.print(f"peak stored activations per pipeline rank: measured {result.peak_measured}, "
