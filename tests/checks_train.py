@@ -61,6 +61,22 @@ def check_equals_single(root: Path) -> dict:
             "checkpoint": res.checkpoint}
 
 
+def check_moe(root: Path) -> dict:
+    """MoE with expert parallelism (pp2 x dp2, ep2) trains like one device; its checkpoint holds every expert."""
+    cfg = small_cfg(root, "moe", tp=1, pp=2, dp=2, experts=4, top_k=2, ep=2)
+    res = train(cfg)
+    ref = reference_losses(cfg, STEPS)
+    got = [res.losses[s] for s in range(1, STEPS + 1)]
+    reader = CheckpointReader(find_checkpoint(root / "moe"))
+    plain = Llama(plait.train.config.model_config(cfg))
+    plain.load_state_dict(reader.full_state_dict())  # strict: all 4 experts of every layer present
+    x, _ = batch(load_corpus([], ByteTokenizer(), 0.3).train, 0, 4, 32, 0)
+    pm = build(cfg, plait.init(1, 2, 2, ep=2)).pm
+    load_checkpoint(pm, None, find_checkpoint(root / "moe"))
+    return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
+            "logits_rel": rel_err(pm.eval_step(x), plain(x).detach())}
+
+
 def check_resume(root: Path, tag: str = "", **kw) -> dict:
     full = train(small_cfg(root, f"full{tag}", steps=6, checkpoint_every=3, **kw))
     if dist.get_rank() == 0:  # as if the run had been killed after its step-3 checkpoint
@@ -164,6 +180,7 @@ def rank_main(root: str) -> dict:
         ("train/equals_single", lambda: check_equals_single(root)),
         ("ckpt/reshard", lambda: check_reshard(root)),
         ("ckpt/resume", lambda: check_resume(root)),
+        ("train/moe_ep2", lambda: check_moe(root)),
         ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
         ("hf/slices", lambda: check_hf_slices(root)),
         ("generate/layouts", lambda: check_generate(root)),

@@ -58,3 +58,9 @@ def test_nonfinite_loss_stops_or_skips(world4):
     for r in result(world4, "train/nonfinite"):
         assert r["stop"]["raised"] and "non-finite loss" in r["stop"]["raised"] and "step 1" in r["stop"]["raised"]
         assert r["skip"]["raised"] is None and r["skip"]["loss_finite"] is False and r["skip"]["norm"] is None
+
+
+def test_moe_expert_parallel_training_and_checkpoint(world4):
+    for rank, r in enumerate(result(world4, "train/moe_ep2")):
+        assert r["rel"] < 1e-5, f"rank {rank}: MoE losses differ from one device by {r['rel']:.2e}"
+        assert r["logits_rel"] < 1e-5, f"rank {rank}: reloaded experts give different logits"

@@ -61,6 +61,9 @@ def train_command(
     weight_decay: Annotated[float, Opt(help="AdamW weight decay of matrices.")] = 0.0,
     precision: Annotated[str, Opt(help="fp32 or bf16 (bf16 compute over fp32 master weights).")] = "fp32",
     zero: Annotated[int, Opt(help="1: shard optimizer state over data-parallel ranks (ZeRO-1).")] = 0,
+    experts: Annotated[int, Opt(help="Experts per feed-forward layer (1: dense; > 1: mixture of experts).")] = 1,
+    top_k: Annotated[int, Opt(help="Experts each token is routed to (mixture of experts).")] = 1,
+    ep: Annotated[int, Opt(help="Expert-parallel size: experts spread over ep ranks of the dp x tp plane.")] = 1,
     seed: Annotated[int, Opt(help="Seed of weights, data order and sampling.")] = 0,
     checkpoint_dir: Annotated[str, Opt(help="Where checkpoints go (one folder per step, 'latest' "
                                             "points at the newest).")] = "plait-checkpoints",

@@ -1,6 +1,6 @@
 """Sharded, atomic, layout-independent checkpoints: per-rank safetensors files plus one ``meta.json``.
 
-``<dir>/step_00000100/`` holds ``pp{p}-tp{t}.safetensors`` (the valid part of each local tensor and of its
+``<dir>/step_00000100/`` holds ``pp{p}-tp{t}-dp{d}.safetensors`` (the valid part of each local tensor and of its
 optimizer state, under plain-model keys) and ``meta.json`` (for every tensor: global shape, dtype and the
 (file, dim, start, stop) of each shard; layout, step, optimizer hyper-parameters and scalars, data
 position, RNG). A save writes into ``.step_*.tmp``, fsyncs, then renames it and rewrites ``latest``
@@ -49,14 +49,26 @@ def _optimizer_states(optimizer) -> dict:
     return dict(optimizer.state)
 
 
+def _writes(ctx, lt) -> bool:
+    """Whether this rank writes ``lt``: each tensor region is written by exactly one rank."""
+    group = getattr(lt.tensor, "_plait_grad_group", None)
+    if group is not None:  # an expert under expert parallelism: the lowest rank holding it writes it
+        return ctx.rank == min(dist.get_process_group_ranks(group[0]))
+    if ctx.dp_rank != 0:
+        return False  # data-parallel replicas hold the same tensors
+    if lt.dim is None:
+        return ctx.tp_size == 1 or ctx.tp_rank == 0  # replicated over TP
+    return lt.stop > lt.start  # not an all-padding shard
+
+
 def _local_tensors(pm, states: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
     """This rank's tensors to write, their shard records, and optimizer scalars per key."""
     ctx = pm.ctx
     tensors, records, scalars = {}, [], {}
     keys = param_keys(pm)
     for lt in local_tensors(pm):
-        if (lt.dim is None and ctx.tp_size > 1 and ctx.tp_rank != 0) or (lt.dim is not None and lt.stop <= lt.start):
-            continue  # replicated: tp rank 0 writes it; or an all-padding shard
+        if not _writes(ctx, lt):
+            continue
         pairs = [(lt.key, lt.valid)]
         state = states.get(lt.tensor, {}) if keys.get(id(lt.tensor)) == lt.key else {}
         for name, value in state.items():
@@ -86,11 +98,10 @@ def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}.safetensors"
-    records, scalars = [], {}
-    states = _optimizer_states(optimizer)  # before the dp_rank test: gathering ZeRO-1 slices is collective
-    if ctx.dp_rank == 0:  # replicas hold the same tensors
-        tensors, records, scalars = _local_tensors(pm, states)
+    fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}-dp{ctx.dp_rank}.safetensors"
+    states = _optimizer_states(optimizer)  # collective under ZeRO-1: every rank takes part
+    tensors, records, scalars = _local_tensors(pm, states)
+    if tensors:  # data-parallel replicas write nothing (experts under EP excepted)
         save_file(tensors, str(tmp / fname), metadata={"format": FORMAT})
         _fsync_path(tmp / fname)
     parts: list = [None] * ctx.world_size

@@ -38,6 +38,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     precision: str = "fp32"
     zero: int = 0
+    experts: int = 1
+    top_k: int = 1
+    ep: int = 1
     seed: int = 0
     checkpoint_dir: str = "plait-checkpoints"
     checkpoint_every: int = 0
@@ -68,7 +71,10 @@ def field_names() -> list[str]:
 
 def read_toml(path: str | Path) -> dict:
     """Keys of a TOML config file (``seq-len`` or ``seq_len``, optionally under a ``[train]`` table)."""
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
 
     p = Path(path)
     if not p.is_file():
@@ -96,7 +102,11 @@ def model_config(cfg: TrainConfig):
     from plait.models import LlamaConfig
 
     if cfg.model in PRESETS:
-        return LlamaConfig(**PRESETS[cfg.model])
+        moe = {"n_experts": cfg.experts, "top_k": cfg.top_k} if cfg.experts > 1 else {}
+        return LlamaConfig(**PRESETS[cfg.model], **moe)
+    if cfg.experts > 1:
+        raise ConfigError(f"--experts {cfg.experts}: mixture-of-experts layers are built for the presets "
+                          f"({', '.join(PRESETS)}), not for a Hugging Face folder")
     path = Path(cfg.model)
     if path.is_dir() and (path / "config.json").is_file():
         import json
@@ -115,6 +125,17 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     for name in ("tp", "pp", "dp", "microbatches", "virtual_stages", "seq_len", "batch_size"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r}: must be a positive integer")
+    if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
+        raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
+    if cfg.ep > 1:
+        from plait.experts import check_experts
+
+        if cfg.experts < 2:
+            raise ConfigError(f"--ep {cfg.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
+        if (cfg.dp * cfg.tp) % cfg.ep:
+            raise ConfigError(f"--ep {cfg.ep} must divide dp*tp={cfg.dp * cfg.tp} (experts are spread over the "
+                              "dp x tp ranks of a stage)")
+        check_experts(cfg.experts, cfg.ep)
     if cfg.steps < 0 or cfg.checkpoint_every < 0:
         raise ConfigError("--steps and --checkpoint-every must be >= 0")
     if cfg.schedule not in SCHEDULE_NAMES:
