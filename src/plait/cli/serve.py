@@ -1,0 +1,88 @@
+"""``plait serve``: an OpenAI-compatible HTTP server (completions, chat, streaming) over a TP x PP model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+HELP = """Serve a plait checkpoint or a Hugging Face Llama folder over an OpenAI-compatible HTTP API.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streaming with "stream": true), GET /v1/models,
+/health and /metrics (Prometheus). Requests join and leave the running batch between decode steps
+(continuous batching); each holds a KV cache slot and prompt + max_tokens positions of the --kv-budget
+until it finishes. With --tp/--pp > 1 the model is split over that many local processes; rank 0 also
+runs the HTTP server. Greedy by default (temperature 0): the tokens equal `plait generate`'s.
+
+\b
+Chat messages become one prompt: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+
+\b
+Examples:
+  plait serve --model plait-checkpoints --tp 2 --pp 2
+  plait serve --model path/to/hf-llama --port 8001 --max-batch 32
+"""
+
+Opt = typer.Option
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", help=HELP)(serve_command)
+
+
+def serve_command(
+    model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face Llama "
+                                   "folder.")] = "plait-checkpoints",
+    tp: Annotated[int, Opt(help="Tensor-parallel processes.")] = 1,
+    pp: Annotated[int, Opt(help="Pipeline stages (processes).")] = 1,
+    host: Annotated[str, Opt(help="Address to listen on (0.0.0.0 exposes the server to the network).")]
+    = "127.0.0.1",
+    port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
+    name: Annotated[str | None, Opt(help="Model name clients must send (default: the folder's name).")] = None,
+    max_batch: Annotated[int, Opt(help="KV cache slots: sequences decoded together.")] = 16,
+    max_tokens: Annotated[int | None, Opt(help="Largest max_tokens a request may ask for (default: the "
+                                               "context length - 1).")] = None,
+    kv_budget: Annotated[int | None, Opt(help="KV cache positions the running requests may reserve in total "
+                                              "(default: max-batch x context).")] = None,
+    max_queue: Annotated[int, Opt(help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
+) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from plait.errors import ConfigError
+    from plait.generate.job import source_config
+    from plait.train.launch import JobError, launch, under_torchrun
+
+    try:
+        if tp < 1 or pp < 1:
+            raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
+        if max_batch < 1 or max_queue < 0:
+            raise ConfigError(f"--max-batch {max_batch} must be >= 1 and --max-queue {max_queue} >= 0")
+        cfg, _, _ = source_config(model)  # fail on a bad --model before launching anything
+        context = cfg.max_seq_len
+        max_tokens = context - 1 if max_tokens is None else max_tokens
+        kv_budget = max_batch * context if kv_budget is None else kv_budget
+        if not 1 <= max_tokens < context:
+            raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
+        if kv_budget < 2:
+            raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions")
+        from plait.serve.server import bind
+
+        bind(host, port).close()  # a busy port fails here, before any worker starts
+        payload = {"model": model, "tp": tp, "pp": pp, "host": host, "port": port, "max_batch": max_batch,
+                   "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue,
+                   "name": name or Path(model).resolve().name}
+        if under_torchrun() or tp * pp == 1:
+            from plait.serve.server import serve_job
+
+            serve_job(payload)
+        else:
+            launch("plait.serve.server:serve_job", payload, tp * pp)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except SignalException as exc:  # SIGTERM/SIGINT to the launcher: the workers were stopped with it
+        typer.echo(f"plait serve: stopped ({exc.sigval.name})", err=True)
+    except JobError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        raise typer.Exit(exc.exit_code) from None

@@ -1,0 +1,1 @@
+"""``plait serve``: an OpenAI-compatible HTTP server with continuous batching over a TP x PP model."""
