@@ -60,7 +60,7 @@ class Metrics:
         tps = self.tokens_per_s()
         with self.lock:
             lines = ["# HELP plait_requests_total Requests by outcome.", "# TYPE plait_requests_total counter"]
-            for status in sorted(set(self.requests) | {"ok"}):
+            for status in sorted(set(self.requests) | {"ok", "cancelled", "rejected"}):
                 lines.append(f'plait_requests_total{{status="{status}"}} {self.requests.get(status, 0)}')
             lines += [
                 "# TYPE plait_prompt_tokens_total counter", f"plait_prompt_tokens_total {self.prompt_tokens}",

@@ -1,0 +1,97 @@
+"""Helpers of the ``plait serve`` tests: a tiny Hugging Face folder, a server subprocess on a free local port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PLAIT = [sys.executable, "-m", "plait.cli.main"]
+
+
+def tiny_model(path: Path) -> Path:
+    """A random 4-layer byte-level Llama (GQA, context 128) saved as a Hugging Face folder."""
+    import torch
+
+    from plait.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128, init_std=0.1)
+    Llama(cfg).save_pretrained(path)
+    return path
+
+
+def expected_ids(model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 seed: int = 0) -> list[int]:
+    """What ``plait generate`` gives for this prompt alone (its library path, on one device)."""
+    from plait.generate.decode import Sampling, generate_ids
+
+    return generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed))[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``plait serve`` as a subprocess (its own session, so the whole tree can be killed)."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"serve-{self.port}.log"
+        self.proc = subprocess.Popen(PLAIT + ["serve", "--model", str(model_dir), "--port", str(self.port), *args],
+                                     stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"plait serve exited with {self.proc.returncode}:\n{self.output()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.3)
+        raise AssertionError(f"plait serve not healthy after {timeout}s:\n{self.output()}")
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        raise KeyError(name)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of the worker process whose environment has RANK=rank (a descendant of the launcher)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == launcher_pid:
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        session = int(stat.rsplit(")", 1)[1].split()[3])
+        if session == launcher_pid and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return int(entry.name)
+    return None

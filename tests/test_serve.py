@@ -1,0 +1,141 @@
+"""plait serve (pp 2) with the openai client on 127.0.0.1: chat, streaming, 32 concurrent, bad input, disconnect."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from plait.generate.job import load_model
+from plait.serve.protocol import chat_prompt
+from plait.train.data import ByteTokenizer
+from serve_util import Server, expected_ids, tiny_model
+
+pytestmark = pytest.mark.timeout(240)
+TOK = ByteTokenizer()
+KV_BUDGET = 120  # < the context (128): a request may fit the context yet not the budget
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    model_dir = tiny_model(tmp / "tiny")
+    server = Server(model_dir, tmp, "--pp", "2", "--max-batch", "8", "--kv-budget", str(KV_BUDGET),
+                    "--max-tokens", "100")
+    try:
+        server.wait_healthy()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield server, client, load_model(str(model_dir))[0]
+    finally:
+        server.kill()
+
+
+def test_models_completion_and_chat(served):
+    server, client, ref = served
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt="def main():", max_tokens=8)
+    want = expected_ids(ref, TOK.encode("def main():"), 8)
+    assert out.choices[0].token_ids == want
+    assert out.choices[0].text == TOK.decode(want) and out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == 11 and out.usage.completion_tokens == 8
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=5).choices[0].token_ids
+    assert ids == expected_ids(ref, [5, 6, 7, 8], 5)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+    want = expected_ids(ref, TOK.encode(chat_prompt(messages)), 6)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == TOK.decode(want)
+    assert chat.choices[0].token_ids == want
+
+
+def test_streaming_completion_and_chat(served):
+    server, client, ref = served
+    chunks = list(client.completions.create(model="tiny", prompt="import os", max_tokens=10, stream=True))
+    ids = [t for c in chunks for t in c.choices[0].token_ids]
+    assert ids == expected_ids(ref, TOK.encode("import os"), 10)
+    assert len(chunks) == 11 and chunks[-1].choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "Hello"}]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=7, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == TOK.decode(expected_ids(ref, TOK.encode(chat_prompt(messages)), 7))
+
+
+def test_32_concurrent_requests_equal_generate_alone(served):
+    server, client, ref = served
+    steps0 = server.metric("plait_engine_steps_total")
+    jobs = [(f"request {i}: " + "x" * (i % 7), 4 + i % 9, 0.0 if i % 2 else 0.8, 20 if i % 4 == 0 else 0, i)
+            for i in range(32)]
+
+    def ask(job):
+        prompt, n, temperature, top_k, seed = job
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=temperature,
+                                        seed=seed, extra_body={"top_k": top_k}, timeout=120)
+        return out.choices[0].token_ids
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(ask, jobs))
+    for (prompt, n, temperature, top_k, seed), ids in zip(jobs, got, strict=True):
+        assert ids == expected_ids(ref, TOK.encode(prompt), n, temperature, top_k, seed), prompt
+    steps = server.metric("plait_engine_steps_total") - steps0
+    assert steps < sum(job[1] for job in jobs) / 2, "requests were not batched together"
+    assert server.metric("plait_kv_tokens_used") == 0 and server.metric("plait_batch_size") == 0
+    assert server.metric("plait_time_to_first_token_seconds_count") >= 32
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    ('{"model": "tiny", "prompt": ', 400, None, "invalid_json"),
+    ('["not", "an", "object"]', 400, None, None),
+    ('{"model": "gpt-17", "prompt": "hi"}', 404, "model", "model_not_found"),
+    (json.dumps({"model": "tiny", "prompt": "x" * 200}), 400, "prompt", "context_length_exceeded"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "max_tokens", None),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": 1000000000}', 400, "max_tokens", None),
+    (json.dumps({"model": "tiny", "prompt": "x" * 50, "max_tokens": 75}), 400, "max_tokens", "kv_budget_exceeded"),
+    ('{"model": "tiny", "prompt": [1, 2, 999]}', 400, "prompt", None),
+    ('{"model": "tiny", "prompt": ""}', 400, "prompt", None),
+    ('{"model": "tiny", "prompt": "hi", "n": 3}', 400, "n", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
+])
+def test_bad_input_gets_an_openai_error_body(served, body, status, param, code):
+    server, client, _ = served
+    res = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert res.status_code == status, res.text
+    err = res.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["code"] == code
+    assert err["type"] == "invalid_request_error"
+
+
+def test_errors_through_the_client_and_still_serving(served):
+    server, client, ref = served
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="tiny", prompt="y" * 120, max_tokens=20)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    res = httpx.get(f"{server.url}/v1/nothing-here")
+    assert res.status_code == 404 and "error" in res.json()
+    out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3)
+    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("still there?"), 3)
+    assert server.metric('plait_requests_total{status="rejected"}') >= 11
+
+
+def test_client_leaving_mid_stream_cancels_and_frees_the_slot(served):
+    server, client, ref = served
+    cancelled0 = server.metric('plait_requests_total{status="cancelled"}')
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as res:
+        lines = res.iter_lines()
+        seen = [ln for ln, _ in zip(lines, range(6), strict=False) if ln.startswith("data: ")]
+    assert len(seen) >= 2
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and server.metric('plait_requests_total{status="cancelled"}') == cancelled0:
+        time.sleep(0.2)
+    assert server.metric('plait_requests_total{status="cancelled"}') == cancelled0 + 1
+    assert server.metric("plait_kv_tokens_used") == 0 and server.metric("plait_batch_size") == 0
+    out = client.completions.create(model="tiny", prompt="after", max_tokens=4)
+    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("after"), 4)
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
