@@ -81,17 +81,17 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def worker_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of the worker process whose environment has RANK=rank (a descendant of the launcher)."""
+def workers(launcher_pid: int) -> list[int]:
+    """The worker processes the launcher spawned (children running multiprocessing's spawn_main), by pid."""
+    out = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == launcher_pid:
+        if not entry.name.isdigit():
             continue
         try:
-            env = (entry / "environ").read_bytes().split(b"\0")
             stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        session = int(stat.rsplit(")", 1)[1].split()[3])
-        if session == launcher_pid and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
-            return int(entry.name)
-    return None
+        if int(stat.rsplit(")", 1)[1].split()[1]) == launcher_pid and b"spawn_main" in cmd:
+            out.append(int(entry.name))
+    return sorted(out)

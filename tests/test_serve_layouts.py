@@ -1,0 +1,66 @@
+"""plait serve over tp 2 x pp 2: requests equal plait generate; a killed worker fails /health and the exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from plait.generate.job import load_model
+from plait.train.data import ByteTokenizer
+from serve_util import Server, expected_ids, tiny_model, workers
+
+pytestmark = pytest.mark.timeout(240)
+TOK = ByteTokenizer()
+
+
+def _health(url: str) -> int | None:
+    """/health's status code, or None when nothing answers."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_tp2_pp2_serves_generate_tokens_then_a_killed_worker_stops_it(tmp_path):
+    model_dir = tiny_model(tmp_path / "tiny")
+    ref = load_model(str(model_dir))[0]
+    server = Server(model_dir, tmp_path, "--tp", "2", "--pp", "2", "--max-batch", "6")
+    try:
+        server.wait_healthy(timeout=120)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        jobs = [(f"{i} + {i} = ", 3 + i % 6, 0.0 if i % 3 else 0.7, i) for i in range(12)]
+
+        def ask(job):
+            prompt, n, temperature, seed = job
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=temperature,
+                                            seed=seed)
+            return out.choices[0].token_ids
+
+        with ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(ask, jobs))
+        for (prompt, n, temperature, seed), ids in zip(jobs, got, strict=True):
+            assert ids == expected_ids(ref, TOK.encode(prompt), n, temperature, 0, seed), prompt
+        stream = client.completions.create(model="tiny", prompt="tp x pp", max_tokens=5, stream=True)
+        assert [t for c in stream for t in c.choices[0].token_ids] == expected_ids(ref, TOK.encode("tp x pp"), 5)
+
+        procs = workers(server.proc.pid)
+        assert len(procs) == 4, procs
+        victim = procs[-1]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _health(server.url) == 200:
+            time.sleep(0.1)
+        assert _health(server.url) != 200, "/health still ok after a worker died"
+        server.proc.wait(timeout=60)
+        assert server.proc.returncode not in (0, None), server.output()
+        assert f"(pid {victim}) died (signal SIGKILL)" in server.output(), server.output()
+    finally:
+        with contextlib.suppress(Exception):
+            server.kill()
