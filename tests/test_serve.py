@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,3 +140,20 @@ def test_client_leaving_mid_stream_cancels_and_frees_the_slot(served):
     out = client.completions.create(model="tiny", prompt="after", max_tokens=4)
     assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("after"), 4)
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_bad_flags_fail_before_launching(tmp_path):
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    model_dir = tiny_model(tmp_path / "m")
+    res = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and res.output.startswith("error: --model") and "no such folder" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--max-tokens", "500"])
+    assert res.exit_code == 2 and "--max-tokens 500 must be within [1, 127]" in res.output
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--port", str(busy.getsockname()[1])])
+    assert res.exit_code == 2 and "cannot listen there" in res.output, res.output
