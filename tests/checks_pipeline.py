@@ -140,6 +140,34 @@ def check_sequence_length_change(ctx) -> dict:
             "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
 
 
+def compare_unequal_dp(ctx, kind: str) -> dict:
+    """DP replicas holding different numbers of rows (6 and 2) still give the global-batch mean."""
+    rows = [6, 2]
+    lo = sum(rows[:ctx.dp_rank])
+    local = slice(lo, lo + rows[ctx.dp_rank])
+    if kind == "sequential":
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)
+        ref = sequential_model()
+        ref_loss = F.mse_loss(ref(x), y)
+        pm = plait.parallelize(sequential_model(), ctx, schedule="1f1b", microbatches=2, loss_fn=F.mse_loss)
+    else:
+        cfg = cfg_for(n_experts=4, top_k=2) if kind == "moe" else cfg_for()
+        x, y = data(cfg.vocab_size)
+        torch.manual_seed(0)
+        ref = Llama(cfg)
+        ref_loss = ref.loss(x, y)
+        torch.manual_seed(0)
+        pm = plait.parallelize(Llama(cfg), ctx, schedule="1f1b", microbatches=2)
+    ref_loss.backward()
+    loss = pm.train_step(x[local], y[local])
+    grads = pm.full_state_dict(grads=True)
+    errs = {k: rel_err(grads[k], p.grad) for k, p in ref.named_parameters()}
+    return {"loss_rel": abs(loss - float(ref_loss)) / float(ref_loss), "grad_rel_max": max(errs.values()),
+            "worst": max(errs, key=errs.get), "peak_measured": pm.last_stats.peak_stored,
+            "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
+
+
 def world4_checks() -> list:
     checks = []
     pp4 = plait.init(tp=1, pp=4, dp=1)
@@ -167,6 +195,10 @@ def world4_checks() -> list:
                                                              virtual=2)))
     checks.append(("pp2dp2/dualpipev", lambda: compare(pp2dp2, "dualpipev", microbatches=4)))
     checks.append(("pp2dp2/sequential/gpipe", lambda: compare_sequential(pp2dp2, "gpipe")))
+    for kind in ("sequential", "llama"):
+        checks.append((f"pp2dp2/unequal/{kind}", lambda k=kind: compare_unequal_dp(pp2dp2, k)))
+    pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
+    checks.append(("pp2dp2ep2/unequal/moe", lambda: compare_unequal_dp(pp2dp2ep2, "moe")))
     return checks
 
 

@@ -22,7 +22,8 @@ def world8():
 WORLD4_CASES = [f"pp4/{n}" for n in SCHEDULE_NAMES] + [
     "pp4/1f1b/tied", "pp4/zbv/tied", "pp4/seq_change", "pp4/1f1b/uneven", "pp4/zb-h1/checkpointing", "pp4/gpipe/m4",
     "pp4/sequential/1f1b", "pp4/sequential/zbv", "tp2pp2sp/1f1b", "tp2pp2sp/interleaved-1f1b", "tp2pp2sp/zbv",
-    "tp2pp2/zb-h1/tied", "tp2pp2sp/zbv/checkpointing", "pp2dp2/interleaved-1f1b", "pp2dp2/dualpipev", "pp2dp2/sequential/gpipe",
+    "tp2pp2/zb-h1/tied", "tp2pp2sp/zbv/checkpointing", "pp2dp2/interleaved-1f1b", "pp2dp2/dualpipev",
+    "pp2dp2/sequential/gpipe", "pp2dp2/unequal/sequential", "pp2dp2/unequal/llama", "pp2dp2ep2/unequal/moe",
 ]
 WORLD8_CASES = [f"tp2pp2dp2/{n}" for n in ("zbv", "1f1b", "interleaved-1f1b", "dualpipev")]
 

@@ -136,14 +136,13 @@ class ParallelModel:
         the measured start/end of every action (``last_stats.timeline``).
         """
         self._check_batch(inputs, targets)
-        norm = self._normaliser(inputs, targets)
+        norm, global_rows = self._normaliser(inputs, targets)
         self.zero_grad()
         mb_inputs = self._split(inputs)
         mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
         if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
-            sequences = inputs.shape[0] * self.ctx.dp_size
-            io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / sequences)
+            io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / global_rows)
         if trace and self.ctx.pp_size > 1:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
         stats = self.cast.run(lambda: self.executor.run(io, trace=trace))

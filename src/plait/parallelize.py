@@ -80,7 +80,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
     if token_loss is not None:
         loss, normaliser, vocab = token_loss, partial(_token_normaliser, token_loss, ctx), token_loss.vocab_size
     else:
-        loss, normaliser, vocab = loss_fn, lambda inputs, targets: float(microbatches * ctx.dp_size), None
+        loss, normaliser, vocab = loss_fn, partial(_rows_normaliser, microbatches, ctx), None
     return ParallelModel(model, ctx, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, partition=partition,
                          activation_checkpointing=activation_checkpointing, loss=loss, normaliser=normaliser,
@@ -88,18 +88,36 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
 
 
 def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch.Tensor,
-                      targets: torch.Tensor) -> float:
-    """Global count of non-ignored targets (the mean's divisor); raises if any id is outside the vocabulary."""
+                      targets: torch.Tensor) -> tuple[float, float]:
+    """(global count of non-ignored targets — the mean's divisor, global number of sequences).
+
+    Raises ConfigError on every rank if any id is outside the vocabulary.
+    """
     bad = token_loss.bad_ids(inputs, targets)
     if ctx.dp_size == 1:
         if bad:
             raise ConfigError(bad)
-        return float(max(token_loss.count(targets), 1))
-    stats = torch.tensor([float(token_loss.count(targets)), 1.0 if bad else 0.0], device=ctx.device)
-    dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global count + any bad ids
+        return float(max(token_loss.count(targets), 1)), float(inputs.shape[0])
+    stats = torch.tensor([float(token_loss.count(targets)), 1.0 if bad else 0.0, float(inputs.shape[0])],
+                         device=ctx.device)
+    dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global counts + any bad ids
     if stats[1] > 0:
         raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
-    return float(max(stats[0].item(), 1.0))
+    return float(max(stats[0].item(), 1.0)), float(stats[2].item())
+
+
+def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tensor,
+                     targets: torch.Tensor) -> tuple[float, float]:
+    """For a ``loss_fn`` that averages one micro-batch: (divisor, global rows) making the sum of the scaled
+    micro-batch losses over every DP replica the mean over the global batch, even if replicas hold
+    different numbers of rows (one tiny all-reduce when dp > 1)."""
+    local = float(inputs.shape[0])
+    if ctx.dp_size == 1:
+        return float(microbatches), local
+    rows = torch.tensor([local], device=ctx.device)
+    dist.all_reduce(rows, group=ctx.dp_group)
+    total = float(rows.item())
+    return total * microbatches / local, total  # each micro-batch holds local/M of the total rows
 
 
 def _shard(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool, tp_plan: dict | None) -> None:
