@@ -68,3 +68,15 @@ def test_unsupported_hf_config_is_config_error(tmp_path):
                                                       "intermediate_size": 8, "attention_bias": True}))
     with pytest.raises(ConfigError, match="attention_bias"):
         Llama.from_pretrained(tmp_path)
+
+
+def test_rope_frequencies_stay_float32_in_bf16():
+    import torch
+
+    from plait.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, max_seq_len=64, rope_theta=5e5))
+    attn = model.to(torch.bfloat16).layers[0].self_attn
+    expected = 1.0 / (5e5 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    assert attn.inv_freq().dtype == torch.float32
+    assert torch.allclose(attn.inv_freq().double(), expected, rtol=1e-6)

@@ -89,3 +89,13 @@ def test_pruning_keeps_the_exhaustive_top():
     exhaustive = sorted((e for e in every if e.fits), key=lambda e: e.step_time_s)[:4]
     assert [e.step_time_s for e in r.best] == [e.step_time_s for e in exhaustive]
     assert r.pruned > 0
+
+
+def test_search_result_reads_as_the_ranked_list():
+    from plait.plan import Cluster, Model, Training, search
+
+    res = search(Model.preset("llama3-8b"), Cluster("h100-sxm", 8), Training(global_batch=64), top=3)
+    ranked = list(res)
+    assert len(res) == len(ranked) == len(res.best) > 0
+    assert res[0] is res.best[0] and ranked == res.best
+    assert [e.step_time_s for e in ranked] == sorted(e.step_time_s for e in ranked)

@@ -153,18 +153,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_theta = cfg.rope_theta
+        # a device anchor for the RoPE frequencies, which are computed in float32 whatever the model's dtype
+        self.register_buffer("_rope_device", torch.zeros(0), persistent=False)
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE frequencies theta^(-2i/hd), always float32 (a bf16 copy would blur long positions)."""
+        hd = self.head_dim
+        exponents = torch.arange(0, hd, 2, dtype=torch.float32, device=self._rope_device.device) / hd
+        return 1.0 / (self.rope_theta ** exponents)  # [hd/2]
 
     def rope(self, seq_len: int, offset: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(offset, offset + seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)  # [S, hd/2]
+        inv_freq = self.inv_freq()
+        pos = torch.arange(offset, offset + seq_len, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [S, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def rope_at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, S, hd] at per-row positions ``pos`` [B, S]."""
-        freqs = pos.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # [B, S, hd/2]
+        inv_freq = self.inv_freq()
+        freqs = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # [B, S, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -34,6 +34,16 @@ class SearchResult:
     def ok(self) -> bool:
         return bool(self.best)
 
+    # a SearchResult also reads as the ranked list of Estimates (``search(...)[0].layout``)
+    def __iter__(self):
+        return iter(self.best)
+
+    def __len__(self) -> int:
+        return len(self.best)
+
+    def __getitem__(self, index):
+        return self.best[index]
+
 
 def _pow2_divisors(n: int, limit: int) -> list[int]:
     return [d for d in (2**i for i in range(0, 20)) if d <= limit and n % d == 0]
