@@ -60,7 +60,7 @@ def test_short_run_metrics_checkpoint_sample_generate_export(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows)
     assert "measured_bubble" in rows[1] and 0 <= rows[1]["predicted_bubble"] < 1
     assert "summary" in res.stdout and "sample" in res.stdout and "step_00000004" in res.stdout
-    assert (tmp_path / "plait-checkpoints" / "step_00000004" / "pp1-tp1.safetensors").is_file()
+    assert (tmp_path / "plait-checkpoints" / "step_00000004" / "pp1-tp1-dp0.safetensors").is_file()
     gen = _run(["generate", "--prompt", "def ", "--max-new-tokens", "5"], tmp_path)
     assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
     exp = _run(["export", "plait-checkpoints", "hf"], tmp_path)
