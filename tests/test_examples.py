@@ -23,7 +23,7 @@ def _single_device_losses() -> list[float]:
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
