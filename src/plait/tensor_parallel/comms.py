@@ -90,48 +90,17 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
+class _AlongDim(torch.autograd.Function):
+    """A collective along ``dim`` whose backward is its conjugate: ``fwd`` forward, ``bwd`` backward."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterAlong(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
+    def forward(ctx, x, dim, group, fwd, bwd):
+        ctx.dim, ctx.group, ctx.bwd = dim, group, bwd
+        return fwd(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+        return ctx.bwd(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -146,29 +115,29 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_last(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the last dim forward, split backward: [.., H/t] -> [.., H]."""
-    return _GatherAlong.apply(x, x.dim() - 1, group) if _size(group) > 1 else x
+    return _AlongDim.apply(x, x.dim() - 1, group, all_gather, split) if _size(group) > 1 else x
 
 
 def scatter_last(x: torch.Tensor, group) -> torch.Tensor:
     """Split along the last dim forward, all-gather backward: [.., H] -> [.., H/t]."""
-    return _ScatterAlong.apply(x, x.dim() - 1, group) if _size(group) > 1 else x
+    return _AlongDim.apply(x, x.dim() - 1, group, split, all_gather) if _size(group) > 1 else x
 
 
 def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """SP's f: all-gather along the sequence forward, reduce-scatter backward: [B, S/t, H] -> [B, S, H]."""
-    return _GatherReduceScatter.apply(x, dim, group) if _size(group) > 1 else x
+    return _AlongDim.apply(x, dim, group, all_gather, reduce_scatter) if _size(group) > 1 else x
 
 
 def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """SP's g: reduce-scatter along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
-    return _ReduceScatterGather.apply(x, dim, group) if _size(group) > 1 else x
+    return _AlongDim.apply(x, dim, group, reduce_scatter, all_gather) if _size(group) > 1 else x
 
 
 def scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Split a replicated tensor along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
-    return _ScatterAlong.apply(x, dim, group) if _size(group) > 1 else x
+    return _AlongDim.apply(x, dim, group, split, all_gather) if _size(group) > 1 else x
 
 
 def gather_seq_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """All-gather along the sequence forward, split backward (leave an SP region for a replicated one)."""
-    return _GatherAlong.apply(x, dim, group) if _size(group) > 1 else x
+    return _AlongDim.apply(x, dim, group, all_gather, split) if _size(group) > 1 else x
