@@ -12,6 +12,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"max_content_width": 110},
+    rich_markup_mode=None,  # click formatting: paragraphs re-flow to the terminal, \b blocks stay as written
 )
 
 
