@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import torch
+import torch.distributed as dist
 
 import plait
 from checks_llama import expect_config_error
@@ -68,8 +72,33 @@ def single_device(cfg: LlamaConfig, inputs, targets, zero_router: bool):
     return loss.item(), aux.item(), grads, model
 
 
+def norm_and_checkpoint(pm, ref_grads: dict, ref_model: Llama) -> dict:
+    """The optimizer's global gradient norm, and a checkpoint written and read back, against one device."""
+    from plait.optim import ParallelOptimizer
+    from plait.train.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
+
+    ref_norm = float(sum(g.double().pow(2).sum() for g in ref_grads.values()).sqrt())
+    norm = ParallelOptimizer(pm, lr=1e-3).grad_norm()
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    path = save_checkpoint(pm, None, box[0], 1)
+    saved = CheckpointReader(path).full_state_dict()  # a shard written twice would change a shape
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.zero_()
+    load_checkpoint(pm, None, path)
+    reloaded = pm.full_state_dict()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    ref = ref_model.state_dict()
+    return {"norm_rel": abs(norm - ref_norm) / ref_norm,
+            "ckpt_rel": max(rel_err(saved[k], v) if k in saved else float("inf") for k, v in ref.items()),
+            "reload_rel": max(rel_err(reloaded[k], v) for k, v in ref.items())}
+
+
 def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1, sp: bool = False,
-            zero_router: bool = False, **cfg_kw) -> dict:
+            zero_router: bool = False, extras: bool = False, **cfg_kw) -> dict:
     cfg = moe_cfg(**cfg_kw)
     inputs, targets = data(cfg.vocab_size)
     ref_loss, ref_aux, ref_grads, ref_model = single_device(cfg, inputs, targets, zero_router)
@@ -81,7 +110,8 @@ def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1
     grads = pm.full_state_dict(grads=True)
     errs = {k: rel_err(grads[k], g) for k, g in ref_grads.items()}
     weights = pm.full_state_dict()
-    return {
+    more = norm_and_checkpoint(pm, ref_grads, ref_model) if extras else {}
+    return more | {
         "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
         "aux_rel": abs(pm.last_aux_loss - ref_aux) / abs(ref_aux),
         "aux": pm.last_aux_loss,
@@ -94,6 +124,8 @@ def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1
         "local_experts": sorted({int(n.split(".experts.")[1].split(".")[0])
                                  for n, _ in pm.named_parameters() if ".experts." in n}),
         "n_experts": cfg.n_experts,
+        "expert_rows": {int(p.shape[0]) for n, p in pm.named_parameters()
+                        if ".experts." in n and n.endswith("gate_proj.weight")},
         "ep_rank": ctx.ep_rank,
         "ep": ctx.ep_size,
     }
@@ -126,6 +158,22 @@ def equality_checks() -> list:
         checks.append((f"pp2dp2ep2/{name}", lambda n=name, v=v: compare(pp2dp2ep2, n, microbatches=4,
                                                                        virtual=v)))
     checks.append(("pp2dp2ep2/all_to_one", lambda: compare(pp2dp2ep2, "1f1b", top_k=1, zero_router=True)))
+    return checks + expert_tp_checks()
+
+
+def expert_tp_checks() -> list:
+    """Experts tensor-parallel inside (plait.init(..., expert_tp=True)) composed with EP, PP, DP and SP."""
+    checks = []
+    ep2 = plait.init(tp=2, pp=1, dp=2, ep=2, expert_tp=True)  # EP across DP, expert-DP groups of one
+    checks.append(("etp/tp2dp2ep2/1f1b", lambda: compare(ep2, extras=True)))
+    checks.append(("etp/tp2dp2ep2/sp/top1", lambda: compare(ep2, sp=True, top_k=1)))
+    ep1 = plait.init(tp=2, pp=1, dp=2, ep=1, expert_tp=True)  # every expert on every rank, reduced over DP
+    checks.append(("etp/tp2dp2ep1/sp", lambda: compare(ep1, sp=True, extras=True)))
+    pp2 = plait.init(tp=2, pp=2, dp=1, ep=1, expert_tp=True)
+    checks.append(("etp/tp2pp2/1f1b", lambda: compare(pp2, microbatches=4, extras=True)))
+    checks.append(("etp/tp2pp2/zbv/sp", lambda: compare(pp2, "zbv", microbatches=4, sp=True)))
+    checks.append(("etp/tp2pp2/zb-h1/capacity", lambda: compare(pp2, "zb-h1", microbatches=4,
+                                                                capacity_factor=0.5)))
     return checks
 
 
@@ -139,6 +187,8 @@ def bad_checks() -> list:
         ("bad/ep_dense_model", lambda: expect_config_error(lambda: run(2, n_experts=1, top_k=1))),
         ("bad/ep_not_dividing_plane", lambda: expect_config_error(lambda: plait.init(tp=2, pp=2, dp=1, ep=4))),
         ("bad/top_k", lambda: expect_config_error(lambda: moe_cfg(top_k=5))),
+        ("bad/expert_tp_ep_not_dividing_dp", lambda: expect_config_error(
+            lambda: plait.init(tp=2, pp=1, dp=2, ep=4, expert_tp=True))),
         ("after_bad/still_works", lambda: compare(plait.init(tp=1, pp=1, dp=4, ep=2))),
     ]
 

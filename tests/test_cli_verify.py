@@ -45,3 +45,16 @@ def test_verify_mixture_of_experts_with_expert_parallelism():
 def test_verify_experts_not_divisible_by_ep():
     proc = _plait("verify", "--experts", "3", "--ep", "2")
     assert proc.returncode == 2 and "ep=2 must divide n_experts=3" in proc.stderr
+
+
+def test_verify_experts_tensor_parallel_inside():
+    proc = _plait("verify", "--tp", "2", "--pp", "1", "--dp", "2", "--experts", "4", "--top-k", "2", "--ep", "2",
+                  "--expert-tp", "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["ok"] is True and out["config"]["expert_tp"] is True
+
+
+def test_verify_expert_tp_needs_ep_dividing_dp():
+    proc = _plait("verify", "--tp", "2", "--pp", "1", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp")
+    assert proc.returncode == 2 and "ep=2 must divide dp=1 with expert_tp=True" in proc.stderr, proc.stderr

@@ -11,7 +11,10 @@ CASES = [
     "tp2dp2ep4/1f1b", "tp2dp2ep4/sp", "tp2dp2ep2/sp/moe_every2", "tp2dp2ep1/1f1b", "tp2pp2ep2/1f1b",
     "tp2pp2ep2/zbv/sp", "tp2pp2ep2/interleaved", "pp2dp2ep2/gpipe", "pp2dp2ep2/zb-h1", "pp2dp2ep2/dualpipev",
     "pp2dp2ep2/looped-bfs", "pp2dp2ep2/all_to_one", "after_bad/still_works",
+    "etp/tp2dp2ep2/1f1b", "etp/tp2dp2ep2/sp/top1", "etp/tp2dp2ep1/sp", "etp/tp2pp2/1f1b", "etp/tp2pp2/zbv/sp",
+    "etp/tp2pp2/zb-h1/capacity",
 ]
+EXTRAS = ["etp/tp2dp2ep2/1f1b", "etp/tp2dp2ep1/sp", "etp/tp2pp2/1f1b"]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,16 @@ def test_equals_single_device(world4, case):
         per = r["n_experts"] // r["ep"]
         assert len(r["local_experts"]) == per, f"rank {rank} {case}: holds experts {r['local_experts']}"
         assert r["local_experts"][0] == r["ep_rank"] * per
+        assert r["expert_rows"] == ({24} if case.startswith("etp/") else {48}), r["expert_rows"]  # ffn_dim/tp
+
+
+@pytest.mark.parametrize("case", EXTRAS)
+def test_expert_tp_norm_and_checkpoint(world4, case):
+    """Expert shards: the optimizer counts every element once; the checkpoint writes each region once."""
+    for rank, r in enumerate(result(world4, case)):
+        assert r["norm_rel"] <= GRAD_TOL, f"rank {rank} {case}: grad norm rel err {r['norm_rel']:.2e}"
+        assert r["ckpt_rel"] == 0.0, f"rank {rank} {case}: checkpointed weights differ"
+        assert r["reload_rel"] == 0.0, f"rank {rank} {case}: reloaded weights differ"
 
 
 def test_routing_extremes_really_happen(world4):
@@ -54,6 +67,7 @@ def test_capacity_really_drops(world4):
     ("bad/ep_dense_model", ("ep=2", "n_experts")),
     ("bad/ep_not_dividing_plane", ("ep=4",)),
     ("bad/top_k", ("top_k=5",)),
+    ("bad/expert_tp_ep_not_dividing_dp", ("ep=4", "dp=2", "expert_tp")),
 ])
 def test_bad_input_is_config_error_everywhere(world4, case, needles):
     for rank, r in enumerate(result(world4, case)):

@@ -30,6 +30,7 @@ class VerifyConfig:
     n_experts: int = 1  # > 1: mixture-of-experts feed-forward layers (plait.models.moe)
     top_k: int = 1
     ep: int = 1  # expert-parallel group size (experts spread over ep ranks of the dp x tp plane)
+    expert_tp: bool = False  # each expert split over the TP group (then ep must divide dp)
 
     @property
     def world(self) -> int:
@@ -100,7 +101,7 @@ def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
     from plait.models import Llama
     from plait.sim import Costs, simulate
 
-    ctx = plait.init(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep)
+    ctx = plait.init(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, expert_tp=cfg.expert_tp)
     mcfg = _model_config(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
@@ -150,7 +151,9 @@ def check(cfg: VerifyConfig) -> None:
     from plait.distributed.context import resolve_layout
     from plait.tensor_parallel.plan import check_llama_tp
 
-    resolve_layout(cfg.world, cfg.tp, cfg.pp, cfg.dp, cfg.ep)
+    resolve_layout(cfg.world, cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.expert_tp)
+    if cfg.expert_tp and cfg.n_experts < 2:
+        raise ConfigError("expert_tp=True needs a mixture-of-experts model: pass --experts E (E >= 2)")
     mcfg = _model_config(cfg)
     check_llama_tp(mcfg, cfg.tp)
     if cfg.ep > 1:

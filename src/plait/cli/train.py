@@ -64,6 +64,7 @@ def train_command(
     experts: Annotated[int, Opt(help="Experts per feed-forward layer (1: dense; > 1: mixture of experts).")] = 1,
     top_k: Annotated[int, Opt(help="Experts each token is routed to (mixture of experts).")] = 1,
     ep: Annotated[int, Opt(help="Expert-parallel size: experts spread over ep ranks of the dp x tp plane.")] = 1,
+    expert_tp: Annotated[bool, Opt(help="Split each expert over the TP group (ep must then divide dp).")] = False,
     seed: Annotated[int, Opt(help="Seed of weights, data order and sampling.")] = 0,
     checkpoint_dir: Annotated[str, Opt(help="Where checkpoints go (one folder per step, 'latest' "
                                             "points at the newest).")] = "plait-checkpoints",

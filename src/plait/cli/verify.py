@@ -46,6 +46,8 @@ def verify_command(
     experts: int = typer.Option(1, "--experts", help="Experts per MoE layer (1: dense feed-forward layers)."),
     top_k: int = typer.Option(1, "--top-k", help="Experts each token is routed to."),
     ep: int = typer.Option(1, "--ep", help="Expert-parallel size: experts spread over ep ranks of dp x tp."),
+    expert_tp: bool = typer.Option(False, "--expert-tp", help="Split each expert over the TP group (Megatron "
+                                   "expert tensor parallelism); EP then spans DP ranks, so ep must divide dp."),
     show_trace: bool = typer.Option(False, "--trace", help="Also print the measured vs simulated timeline."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
@@ -56,7 +58,7 @@ def verify_command(
     cfg = VerifyConfig(tp=tp, pp=pp, dp=dp, schedule=schedule, microbatches=microbatches,
                        virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, tie_embeddings=tied,
                        n_layers=layers, batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k,
-                       ep=ep)
+                       ep=ep, expert_tp=expert_tp)
     console = Console()
     try:
         check(cfg)
@@ -75,7 +77,9 @@ def verify_command(
         raise typer.Exit(0 if result.ok else 1)
     console.print(_table(result))
     if experts > 1:
-        console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={ep} (loss includes the aux loss)")
+        split = ", each split over tp" if expert_tp and tp > 1 else ""
+        console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={ep}{split} (loss includes the aux "
+                      "loss)")
     console.print(f"loss: parallel {result.loss_parallel:.7f}, single device {result.loss_single:.7f} "
                   f"(rel {result.loss_rel:.1e});  eval logits rel {result.logits_rel:.1e}")
     console.print(f"peak stored activations per pipeline rank: measured {result.peak_measured}, "

@@ -23,9 +23,10 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    expert_tp: bool = False  # experts tensor-parallel inside; EP groups then span DP only (ep | dp)
 
 
-def resolve_layout(world: int, tp: int, pp: int, dp: int, ep: int = 1) -> Layout:
+def resolve_layout(world: int, tp: int, pp: int, dp: int, ep: int = 1, expert_tp: bool = False) -> Layout:
     """Validate a layout against the world size (no collective); ``dp=-1`` infers dp."""
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or value < 1:
@@ -46,9 +47,12 @@ def resolve_layout(world: int, tp: int, pp: int, dp: int, ep: int = 1) -> Layout
             f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}; choose tp, pp, dp "
             f"whose product is {world} (tp and pp from {_divisors(world)}, or pass dp=-1)"
         )
+    if expert_tp and dp % ep:
+        raise ConfigError(f"ep={ep} must divide dp={dp} with expert_tp=True (every TP rank holds a shard of the "
+                          f"same experts, so EP spans data-parallel replicas); valid ep: {_divisors(dp)}")
     if (dp * tp) % ep:
         raise ConfigError(f"ep={ep} must divide dp*tp={dp * tp}; valid ep: {_divisors(dp * tp)}")
-    return Layout(tp=tp, pp=pp, dp=dp, ep=ep)
+    return Layout(tp=tp, pp=pp, dp=dp, ep=ep, expert_tp=bool(expert_tp) and tp > 1)
 
 
 def _divisors(n: int) -> list[int]:
@@ -98,14 +102,23 @@ class ParallelContext:
 
     # Expert parallelism lives in the dp x tp plane of a pipeline stage: plane index q = dp_rank*tp + tp_rank,
     # EP groups are runs of ep consecutive q; ranks with the same ep_rank (q mod ep) form the expert-data-
-    # parallel group (dp*tp/ep ranks holding the same experts).
+    # parallel group (dp*tp/ep ranks holding the same experts). With expert_tp (Megatron-LM's expert tensor
+    # parallelism) EP groups are runs of ep consecutive dp_rank with the same tp_rank: ep_rank = dp_rank mod ep,
+    # and the expert-data-parallel group (dp/ep ranks) holds the same shards of the same experts.
+    @property
+    def expert_tp(self) -> bool:
+        """Whether each expert is split over the TP group (``plait.init(..., expert_tp=True)``, tp > 1)."""
+        return self.layout.expert_tp
+
     @property
     def ep_rank(self) -> int:
+        if self.expert_tp:
+            return self.dp_rank % self.ep_size
         return (self.dp_rank * self.tp_size + self.tp_rank) % self.ep_size
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size * self.tp_size // self.ep_size
+        return self.dp_size * (1 if self.expert_tp else self.tp_size) // self.ep_size
 
     def global_rank(self, tp_rank: int | None = None, dp_rank: int | None = None,
                     pp_rank: int | None = None) -> int:
@@ -155,6 +168,7 @@ class ParallelContext:
 
     def describe(self) -> str:
         ep = f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
+        ep += ", experts split over tp" if self.expert_tp else ""
         return (f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp_size}, "
                 f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}{ep})")
 
@@ -188,17 +202,18 @@ def _pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, timeout_s: float | None = None,
-         ) -> ParallelContext:
+def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, expert_tp: bool = False,
+         timeout_s: float | None = None) -> ParallelContext:
     """Create a ParallelContext for the layout ``tp x pp x dp`` (TP innermost, then DP, then PP).
 
     Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the
     default process group if needed (NCCL with CUDA, otherwise Gloo). The layout is validated before
     any collective. Calling it again with another layout returns a new context with new groups.
+    ``expert_tp=True`` splits every expert over the TP group (plait.experts.layer); then ep must divide dp.
     """
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
-    layout = resolve_layout(world, tp, pp, dp, ep)
+    layout = resolve_layout(world, tp, pp, dp, ep, expert_tp)
     if world == 1 and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -207,15 +222,26 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, timeout_s: floa
     mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
     groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
     groups["world"] = dist.group.WORLD
-    if layout.ep > 1 or layout.tp > 1:  # expert groups (every rank creates them, in the same order)
+    groups.update(_expert_groups(layout, device))
+    return ParallelContext(layout=layout, rank=dist.get_rank(), world_size=world, device=device,
+                           mesh=mesh, timeout_s=timeout, _groups=groups)
+
+
+def _expert_groups(layout: Layout, device: torch.device) -> dict:
+    """The EP and expert-DP groups (every rank creates them, in the same order); none for tp = ep = 1."""
+    if layout.ep == 1 and layout.tp == 1:
+        return {}
+    if layout.expert_tp:  # rank = ((pp·dp/ep + edp)·ep + ep_rank)·tp + tp_rank
+        emesh = init_device_mesh(device.type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+                                 mesh_dim_names=("pp", "edp", "ep", "etp"))
+    else:
         plane = layout.dp * layout.tp
         emesh = init_device_mesh(device.type, (layout.pp, plane // layout.ep, layout.ep),
                                  mesh_dim_names=("pp", "edp", "ep"))
-        groups["edp"] = emesh.get_group("edp")
-        if layout.ep > 1:
-            groups["ep"] = emesh.get_group("ep")
-    return ParallelContext(layout=layout, rank=dist.get_rank(), world_size=world, device=device,
-                           mesh=mesh, timeout_s=timeout, _groups=groups)
+    groups = {"edp": emesh.get_group("edp")}
+    if layout.ep > 1:
+        groups["ep"] = emesh.get_group("ep")
+    return groups
 
 
 def _free_port() -> int:

@@ -13,6 +13,15 @@ the TP region like the dense MLP (f, or the sequence all-gather with SP), routes
 slice: the sequence shard with SP, else a contiguous 1/tp of the flattened tokens, all-gathered after
 combine. The router weight's gradient is then a TP partial sum, and the auxiliary loss is stored as
 aux/tp on each TP rank (its sum over all ranks is the true value).
+
+Experts tensor-parallel inside (``plait.init(..., expert_tp=True)``; Megatron-LM's "expert tensor
+parallelism", ``--expert-tensor-parallel-size``): EP groups are runs of ``ep`` consecutive DP ranks with
+the same tp_rank (so ep | dp), and every TP rank of an EP rank holds the same experts, each split like
+the dense MLP: gate/up by output columns, down by input rows (``tensor_parallel.layers``, so state dicts,
+optimizer norms and checkpoints see ordinary TP shards). Every TP rank dispatches all the tokens over
+its EP group; each expert returns TP partial sums, combined per token and then summed over TP once
+(all-reduce, or reduce-scatter to the sequence shard with SP). Expert shards are reduced over the
+expert-DP group (same tp_rank and ep_rank, dp/ep ranks).
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from plait.experts.comms import gather_rows
 from plait.experts.dispatch import dispatch_combine
 from plait.models.moe import MoE, route
 from plait.tensor_parallel import comms
-from plait.tensor_parallel.layers import mark_tp_partial
+from plait.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_tp_partial
 
 
 class ExpertParallelMoE(nn.Module):
@@ -46,6 +55,9 @@ class ExpertParallelMoE(nn.Module):
         self.first_expert = ctx.ep_rank * per
         own = range(self.first_expert, self.first_expert + per)
         self.experts = nn.ModuleDict({str(i): moe.experts[i] for i in own})  # keys = global expert ids
+        if ctx.expert_tp:
+            for expert in self.experts.values():
+                _shard_expert(expert, ctx)
         for p in self.experts.parameters():
             set_grad_group(p, ctx.expert_dp_group, ctx.expert_dp_size)
         self.aux_loss: torch.Tensor | None = None
@@ -71,6 +83,11 @@ class ExpertParallelMoE(nn.Module):
         self.aux_loss = r.aux / ctx.tp_size
         flat = x.reshape(b * s, h)
         expert, gate, keep = (t.reshape(b * s, -1) for t in (r.expert, r.gate, r.keep))
+        if ctx.expert_tp:  # every TP rank dispatches every token; experts return TP partial sums
+            y = dispatch_combine(flat, expert, gate, keep, list(self.experts.values()), self.n_experts,
+                                 ctx.ep_size, ctx.ep_group).view(b, s, h)
+            return (comms.reduce_scatter_seq(y, ctx.tp_group) if self.sequence_parallel
+                    else comms.reduce_from_tp(y, ctx.tp_group))
         if ctx.tp_size > 1:
             mine, sizes = self._my_tokens(b, s, x.device)
             flat, expert, gate, keep = flat[mine], expert[mine], gate[mine], keep[mine]
@@ -84,8 +101,20 @@ class ExpertParallelMoE(nn.Module):
 
     def extra_repr(self) -> str:
         per = len(self.experts)
+        tp = f", split over tp={self.ctx.tp_size}" if self.ctx.expert_tp else ""
         return (f"experts {self.first_expert}..{self.first_expert + per - 1} of {self.n_experts} "
-                f"(ep={self.ctx.ep_size}), top_k={self.top_k}, capacity_factor={self.capacity_factor}")
+                f"(ep={self.ctx.ep_size}{tp}), top_k={self.top_k}, capacity_factor={self.capacity_factor}")
+
+
+def _shard_expert(expert: nn.Module, ctx: ParallelContext) -> None:
+    """Split one SwiGLU expert over TP in place: gate/up column-parallel, down row-parallel without reduce."""
+    ffn = expert.gate_proj.out_features
+    if ffn % ctx.tp_size:
+        raise ConfigError(f"expert_tp=True needs tp={ctx.tp_size} to divide each expert's ffn_dim={ffn}; use "
+                          "another tp or expert_tp=False")
+    expert.gate_proj = ColumnParallelLinear.from_dense(expert.gate_proj, ctx, input_comm=False)
+    expert.up_proj = ColumnParallelLinear.from_dense(expert.up_proj, ctx, input_comm=False)
+    expert.down_proj = RowParallelLinear.from_dense(expert.down_proj, ctx, reduce_output=False)
 
 
 def plain_state_keys(model: nn.Module) -> list[str]:

@@ -141,10 +141,11 @@ class RowParallelLinear(TPShardedModule):
         dense = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
         self._setup(dense, ctx, input_is_parallel, sequence_parallel)
 
-    def _setup(self, dense: nn.Linear, ctx: ParallelContext, input_is_parallel: bool, sp: bool) -> None:
+    def _setup(self, dense: nn.Linear, ctx: ParallelContext, input_is_parallel: bool, sp: bool,
+               reduce_output: bool = True) -> None:
         _check_divisible(dense.in_features, "in_features", ctx, "the input size")
         self.ctx, self.in_features, self.out_features = ctx, dense.in_features, dense.out_features
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sp
+        self.input_is_parallel, self.sequence_parallel, self.reduce_output = input_is_parallel, sp, reduce_output
         self.shard_dims = {"weight": (1, dense.in_features), "bias": (None, dense.out_features)}
         self.weight = nn.Parameter(self.shard_of("weight", dense.weight.detach()).clone())  # [out, in/t]
         self.bias = nn.Parameter(dense.bias.detach().clone()) if dense.bias is not None else None
@@ -153,10 +154,13 @@ class RowParallelLinear(TPShardedModule):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, ctx: ParallelContext, *, input_is_parallel: bool = True,
-                   sequence_parallel: bool = False) -> RowParallelLinear:
+                   sequence_parallel: bool = False, reduce_output: bool = True) -> RowParallelLinear:
+        """``reduce_output=False`` returns the TP partial sums (the caller reduces once, e.g. MoE experts)."""
+        if not reduce_output and linear.bias is not None:
+            raise ConfigError("reduce_output=False needs a linear layer without bias")
         layer = cls.__new__(cls)
         TPShardedModule.__init__(layer)
-        layer._setup(linear, ctx, input_is_parallel, sequence_parallel)
+        layer._setup(linear, ctx, input_is_parallel, sequence_parallel, reduce_output)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, in/t]
@@ -164,6 +168,8 @@ class RowParallelLinear(TPShardedModule):
         if not self.input_is_parallel:
             x = comms.scatter_last(x, group)
         y = linear(x, self.weight, None, self.wgrad_store)  # [B, S, out] partial sums
+        if not self.reduce_output:
+            return y
         y = comms.reduce_scatter_seq(y, group) if self.sequence_parallel else comms.reduce_from_tp(y, group)
         return y + self.bias if self.bias is not None else y  # [B, S/t or S, out]
 

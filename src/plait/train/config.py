@@ -41,6 +41,7 @@ class TrainConfig:
     experts: int = 1
     top_k: int = 1
     ep: int = 1
+    expert_tp: bool = False
     seed: int = 0
     checkpoint_dir: str = "plait-checkpoints"
     checkpoint_every: int = 0
@@ -136,6 +137,9 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
             raise ConfigError(f"--ep {cfg.ep} must divide dp*tp={cfg.dp * cfg.tp} (experts are spread over the "
                               "dp x tp ranks of a stage)")
         check_experts(cfg.experts, cfg.ep)
+    if cfg.expert_tp and (cfg.experts < 2 or cfg.dp % cfg.ep):
+        raise ConfigError(f"--expert-tp needs --experts E (E >= 2) and --ep {cfg.ep} dividing dp={cfg.dp} (each "
+                          "expert is split over TP, so EP spans data-parallel replicas)")
     if cfg.steps < 0 or cfg.checkpoint_every < 0:
         raise ConfigError("--steps and --checkpoint-every must be >= 0")
     if cfg.schedule not in SCHEDULE_NAMES:

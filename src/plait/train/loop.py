@@ -55,7 +55,7 @@ def build(cfg: TrainConfig, ctx=None) -> Run:
     from plait.models import Llama
     from plait.train.data import load_corpus, tokenizer_for
 
-    ctx = ctx or plait.init(cfg.tp, cfg.pp, cfg.dp, ep=cfg.ep)
+    ctx = ctx or plait.init(cfg.tp, cfg.pp, cfg.dp, ep=cfg.ep, expert_tp=cfg.expert_tp)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and in every layout
     mcfg = model_config(cfg)
     model = Llama(mcfg)
