@@ -1,14 +1,8 @@
-"""Autoregressive decoding with KV caches kept by the rank that owns each layer, under any TP x PP layout.
-
-Stages run one after the other for each step (prefill, then one token at a time): the rank holding
-chunk ``c`` receives the hidden states of chunk ``c - 1``, runs its blocks (each decoder layer with its
-own ``KVCache``), and sends on; the last stage gathers the vocabulary-sharded logits of the last position
-over TP, samples, and broadcasts the tokens to its pipeline peers. Sampling uses one seeded generator in
-the same order in every layout, so any layout gives the tokens one device gives.
-"""
+"""Autoregressive decoding with per-rank KV caches under any TP x PP layout, pipelined over groups of prompts."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -109,14 +103,6 @@ class Decoder:
             last = comms.all_gather(last.contiguous(), 1, self.ctx.tp_group)
         return last[:, : self.vocab]
 
-    def share(self, tokens: torch.Tensor | None, batch: int) -> torch.Tensor:
-        """Broadcast sampled tokens [B] from the last stage to every pipeline rank."""
-        if self.ctx is None or self.ctx.pp_size == 1:
-            return tokens
-        buf = tokens if tokens is not None else torch.empty(batch, dtype=torch.long, device=self.device)
-        dist.broadcast(buf, src=self._peer(self.num_chunks - 1), group=self.ctx.pp_group)
-        return buf
-
 
 def _hidden_dim(dec: Decoder) -> int:
     """The model width, from a norm this rank holds (every rank holds at least one decoder layer)."""
@@ -128,13 +114,16 @@ def _hidden_dim(dec: Decoder) -> int:
     raise ConfigError("this rank holds no decoder layer")
 
 
-def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int | None = None) -> list[list[int]]:
-    """New token ids for each prompt (the same on every rank). Prompts may differ in length."""
+def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int | None = None,
+                 trace: list | None = None) -> list[list[int]]:
+    """New token ids for each prompt (the same on every rank). Prompts may differ in length.
+
+    ``trace``, if given, receives ``(chunk, group, position, start, end)`` for every work item this rank ran,
+    in order: ``time.monotonic`` once its inputs have arrived and after its output was handed on.
+    """
     s.check()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
-    dec = Decoder(model)
-    dim = _hidden_dim(dec)
     lengths = [len(p) for p in prompts]
     total = max(lengths) + s.max_new_tokens
     if max_seq_len is not None and total > max_seq_len:
@@ -144,16 +133,94 @@ def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int 
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         is_prompt[i, : len(p)] = True
-    gen = torch.Generator().manual_seed(s.seed)
-    dec.reset()
-    pos = min(lengths)
-    logits = dec.step(buf[:, :pos], dim)  # prefill the common prefix
-    while pos < total:
-        nxt = sample(logits, s, gen).cpu() if logits is not None else None
-        nxt = dec.share(nxt.to(dec.device) if nxt is not None else None, len(prompts)).cpu()
-        buf[:, pos] = torch.where(is_prompt[:, pos], buf[:, pos], nxt)  # rows still in their prompt keep it
-        pos += 1
-        if pos < total:
-            logits = dec.step(buf[:, pos - 1:pos], dim)
+    if total > min(lengths):
+        _Pipelined(Decoder(model), buf, is_prompt, s, min(lengths), trace).run()
     return [buf[i, n: n + s.max_new_tokens].tolist() for i, n in enumerate(lengths)]
 
+
+class _Pipelined:
+    """The decode loop as work items (chunk, group, position) in wavefront order over up to ``pp`` row groups.
+
+    Position 0 prefills the common prefix of the prompts, position ``p`` > 0 feeds column ``start + p - 1``;
+    each produces column ``start + p`` on the last stage, which sends a group's new tokens back to the first
+    stage. Greedy tokens of a group depend only on its rows, so group ``g`` starts its next position as soon
+    as its token is known (stride ``max(groups, chunks)`` ticks per position: every stage busy). Sampled
+    tokens are drawn for all rows at once, in row order, from the one seeded generator, as on one device,
+    so a position waits for the last group of the previous one (stride ``groups + chunks - 1``).
+    """
+
+    def __init__(self, dec: Decoder, buf: torch.Tensor, is_prompt: torch.Tensor, s: Sampling, start: int,
+                 trace: list | None) -> None:
+        from plait.generate.wavefront import Links
+
+        self.dec, self.buf, self.is_prompt, self.s, self.start, self.trace = dec, buf, is_prompt, s, start, trace
+        pp = dec.ctx.pp_size if dec.ctx is not None else 1
+        self.rows = list(torch.arange(buf.shape[0]).tensor_split(min(pp, buf.shape[0])))
+        self.positions = buf.shape[1] - start
+        self.last = dec.num_chunks - 1
+        groups, chunks = len(self.rows), dec.num_chunks
+        self.stride = max(groups, chunks) if s.temperature == 0 else groups + chunks - 1
+        self.caches = [{name: KVCache() for blocks in dec.chunks.values() for name, _ in blocks
+                        if name.startswith("layers.")} for _ in self.rows]
+        self.gen = torch.Generator().manual_seed(s.seed)
+        self.logits: dict[int, torch.Tensor] = {}
+        self.links = Links(dec, _hidden_dim(dec))
+
+    @torch.no_grad()
+    def run(self) -> None:
+        from plait.generate.wavefront import wavefront_order
+
+        dec = self.dec
+        for c, g, p in wavefront_order(sorted(dec.chunks), len(self.rows), self.positions, self.stride):
+            x = self._input(c, g, p)
+            t0 = time.monotonic()
+            dec.caches = self.caches[g]
+            x = dec._run(c, x)
+            if c == self.last:
+                self._done(g, p, x)
+            else:
+                self.links.give(c, (g, p), x)
+            if self.trace is not None:
+                self.trace.append((c, g, p, t0, time.monotonic()))
+        self.links.wait()
+        if dec.ctx is not None and dec.ctx.pp_size > 1:
+            out = self.buf.to(dec.device)
+            dist.broadcast(out, src=dec._peer(self.last), group=dec.ctx.pp_group)
+            self.buf.copy_(out.cpu())
+
+    def _input(self, c: int, g: int, p: int) -> torch.Tensor:
+        """Token ids (chunk 0) or hidden states of group ``g`` at position ``p``."""
+        rows, dec = self.rows[g], self.dec
+        if c > 0:
+            return self.links.take(c, (g, p), len(rows), self.start if p == 0 else 1)
+        if p == 0:
+            return self.buf[rows, : self.start].to(dec.device)
+        col = self.start + p - 1
+        if dec.rank_of(self.last) != dec.me:
+            got = torch.empty(len(rows), dtype=torch.long, device=dec.device)
+            dist.recv(got, src=dec._peer(self.last), tag=dec.num_chunks)
+            self.buf[rows, col] = got.cpu()
+        return self.buf[rows, col: col + 1].to(dec.device)
+
+    def _done(self, g: int, p: int, x: torch.Tensor) -> None:
+        """Last stage: sample column ``start + p`` of group ``g`` (of every group when sampling, after the last)."""
+        last = x[:, -1]  # [b, V/t] (vocabulary-sharded under TP)
+        ctx = self.dec.ctx
+        if ctx is not None and ctx.tp_size > 1:
+            last = comms.all_gather(last.contiguous(), 1, ctx.tp_group)
+        last = last[:, : self.dec.vocab]
+        if self.s.temperature == 0:
+            self._put(g, p, sample(last, self.s, self.gen).cpu())
+            return
+        self.logits[g] = last
+        if g == len(self.rows) - 1:
+            nxt = sample(torch.cat([self.logits.pop(i) for i in range(len(self.rows))]), self.s, self.gen).cpu()
+            for i, rows in enumerate(self.rows):
+                self._put(i, p, nxt[rows])
+
+    def _put(self, g: int, p: int, nxt: torch.Tensor) -> None:
+        """Store group ``g``'s tokens (rows still in their prompt keep it); send them to the first stage."""
+        rows, col, dec = self.rows[g], self.start + p, self.dec
+        self.buf[rows, col] = torch.where(self.is_prompt[rows, col], self.buf[rows, col], nxt)
+        if p + 1 < self.positions and dec.rank_of(0) != dec.me:
+            self.links.send(self.buf[rows, col].to(dec.device), dec._peer(0), tag=dec.num_chunks)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from plait.generate.decode import Decoder, Sampling, _hidden_dim, sample
+from plait.generate.wavefront import Links, wavefront_order
 from plait.models.llama import BatchKVCache
 from plait.tensor_parallel import comms
 
@@ -71,28 +72,20 @@ class Runner:
 
     def _pipeline(self, groups: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor | None:
         """Groups through this rank's chunks in wavefront order (tick = group + chunk); tokens on the last stage."""
-        kept: dict[tuple[int, int], torch.Tensor] = {}
+        links = Links(self.dec, self.dim)
         sampled: dict[int, torch.Tensor] = {}
-        order = sorted((g + c, c, g) for c in self.mine for g in range(len(groups)))
-        for _tick, c, g in order:
+        for c, g, _p in wavefront_order(self.mine, len(groups)):
             slots, toks = groups[g]
-            if c == 0:
-                x = toks.to(self.dec.device)
-            elif (g, c - 1) in kept:
-                x = kept.pop((g, c - 1))
-            else:
-                x = torch.empty(toks.shape[0], toks.shape[1], self.dim, dtype=self.dec.dtype, device=self.dec.device)
-                dist.recv(x, src=self.dec._peer(c - 1))
+            x = toks.to(self.dec.device) if c == 0 else links.take(c, (g,), toks.shape[0], toks.shape[1])
             rows = torch.tensor(slots, dtype=torch.long)
             for cache in self.chunk_caches[c]:
                 cache.rows = rows
             x = self.dec._run(c, x)
             if c == self.last:
                 sampled[g] = self._sample(x, slots)
-            elif self.dec.rank_of(c + 1) == self.dec.me:
-                kept[(g, c)] = x
             else:
-                dist.send(x.contiguous(), dst=self.dec._peer(c + 1))
+                links.give(c, (g,), x)
+        links.wait()
         if self.last not in self.mine:
             return None
         return torch.cat([sampled[g] for g in range(len(groups))])

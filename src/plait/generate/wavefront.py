@@ -1,0 +1,57 @@
+"""Work items flowing through the pipeline chunks as a wavefront: tick order and deadlock-free activation hand-off."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def wavefront_order(chunks: list[int], groups: int, positions: int = 1,
+                    stride: int | None = None) -> list[tuple[int, int, int]]:
+    """(chunk, group, position) items of this rank's ``chunks``, sorted by tick = position * stride + group + chunk.
+
+    Every rank sorts the same way, so an item only ever waits for items of strictly earlier ticks (the
+    previous chunk at tick - 1; the tokens of the previous position at least one tick before when
+    ``stride`` is large enough) and the stages work on different groups at the same time.
+    """
+    stride = stride if stride is not None else 0
+    items = [(p * stride + g + c, c, g, p) for p in range(positions) for c in chunks for g in range(groups)]
+    return [(c, g, p) for _tick, c, g, p in sorted(items)]
+
+
+class Links:
+    """Activations between consecutive chunks: kept when one rank holds both, else a tagged isend / blocking recv.
+
+    Sends never block (so two ranks sending to each other cannot deadlock); ``wait`` finishes them. The
+    tag is the receiving chunk, and every rank visits its items in the same tick order, so messages of the
+    same pair and tag are received in the order they were sent.
+    """
+
+    def __init__(self, dec, dim: int) -> None:
+        self.dec, self.dim = dec, dim
+        self.kept: dict[tuple, torch.Tensor] = {}
+        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def take(self, c: int, key: tuple, b: int, s: int) -> torch.Tensor:
+        """Input hidden states [b, s, dim] of chunk ``c`` > 0 for work item ``key``."""
+        if (c - 1, key) in self.kept:
+            return self.kept.pop((c - 1, key))
+        x = torch.empty(b, s, self.dim, dtype=self.dec.dtype, device=self.dec.device)
+        dist.recv(x, src=self.dec._peer(c - 1), tag=c)
+        return x
+
+    def give(self, c: int, key: tuple, x: torch.Tensor) -> None:
+        """Hand chunk ``c``'s output for ``key`` to chunk ``c + 1``."""
+        if self.dec.rank_of(c + 1) == self.dec.me:
+            self.kept[(c, key)] = x
+        else:
+            self.send(x, self.dec._peer(c + 1), tag=c + 1)
+
+    def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+        x = x.contiguous()
+        self.pending.append((dist.isend(x, dst=dst, tag=tag), x))
+
+    def wait(self) -> None:
+        for work, _x in self.pending:
+            work.wait()
+        self.pending.clear()
