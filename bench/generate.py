@@ -4,7 +4,7 @@ A random byte-level Llama saved to a temporary Hugging Face folder, loaded the w
 loads it; the same batch of prompts is decoded once to warm up, then timed (decode only, not loading).
 Run it on a checkout from before pipelined decoding (``PYTHONPATH=<old>/src``) to compare. Not a test.
 
-    python bench/generate.py --pp 2 --prompts 8 --max-new-tokens 64
+    python bench/generate.py --pp 2 --prompts 32 --max-new-tokens 64
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ORDER = ["sim.py", "plan.py", "tp.py", "pipeline.py", "optim.py", "experts.py", "train.py", "serve.py"]
+ORDER = ["sim.py", "plan.py", "tp.py", "pipeline.py", "optim.py", "experts.py", "train.py", "generate.py", "serve.py"]
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ class Links:
 
     def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
         x = x.contiguous()
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]  # keep only unfinished buffers
         self.pending.append((dist.isend(x, dst=dst, tag=tag), x))
 
     def wait(self) -> None:
