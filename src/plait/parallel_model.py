@@ -19,7 +19,7 @@ from plait.experts.layer import plain_state_keys
 from plait.models.moe import has_aux_losses, pop_aux_losses
 from plait.optim.precision import StepCast
 from plait.pipeline import weight_grad
-from plait.pipeline.executor import Executor, StepIO, StepStats
+from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
 from plait.pipeline.partition import PipelineChunk, build_chunks
 from plait.pipeline.ties import TiedWeights
@@ -65,7 +65,8 @@ class ParallelModel:
 
     def _build_reducers(self) -> dict[int, GradReducer]:
         """One DP reducer per chunk; a parameter shared by two chunks goes with the later-finishing one."""
-        order = self.executor_final_order()
+        last = final_backward_index(self.schedule.actions[self.ctx.pp_rank])
+        order = sorted(self.chunks, key=lambda c: last.get(c, -1))  # by when their last backward runs
         owner: dict[int, int] = {}
         params: dict[int, nn.Parameter] = {}
         for c in order:  # later-finishing chunks overwrite earlier ones
@@ -73,14 +74,6 @@ class ParallelModel:
                 owner[id(p)], params[id(p)] = c, p
         return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, op="sum")
                 for c in self.chunks}
-
-    def executor_final_order(self) -> list[int]:
-        """This rank's chunks in the order their last backward-type action runs."""
-        last = {}
-        for i, a in enumerate(self.schedule.actions[self.ctx.pp_rank]):
-            if a.kind in ("B", "W"):
-                last[a.stage] = i
-        return sorted(self.chunks, key=lambda c: last.get(c, -1))
 
     # ------------------------------------------------------------------------------------ parameters
     def parameters(self):

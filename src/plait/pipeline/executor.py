@@ -57,7 +57,7 @@ class Executor:
         self.reducers = reducers  # chunk -> GradReducer (data parallel), started when the chunk is done
         self.last_chunk = schedule.num_stages - 1
         self.actions = schedule.actions[pp_rank]
-        self.final_index = _final_backward_index(self.actions)
+        self.final_index = final_backward_index(self.actions)
         self.recv_plan = [self._remote_input(a) for a in self.actions]
 
     def _remote_input(self, a: Action) -> tuple[int, int, int] | None:
@@ -185,7 +185,7 @@ class Executor:
                 f"Schedule around it:\n{self.s.grid(marks={self.me: i}, window=12)}")
 
 
-def _final_backward_index(actions: list[Action]) -> dict[int, int]:
+def final_backward_index(actions: list[Action]) -> dict[int, int]:
     """Chunk -> index of its last backward-type action (B or W) in this rank's list."""
     last: dict[int, int] = {}
     for i, a in enumerate(actions):
