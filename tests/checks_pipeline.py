@@ -62,6 +62,8 @@ def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: boo
         "worst": max(errs, key=errs.get),
         "peak_measured": pm.last_stats.peak_stored,
         "peak_sim": sim.peak_activations[ctx.pp_rank],
+        "peak_sends": pm.last_stats.peak_sends,
+        "virtual": pm.schedule.virtual,
         "logits_rel": rel_err(logits, ref_model(inputs[local]).detach()),
         "partition": pm.partition,
     }

@@ -34,6 +34,9 @@ def _assert_equal(world, case):
         assert r["grad_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: grad err {r['grad_rel_max']:.2e} {r['worst']}"
         assert r["peak_measured"] == pytest.approx(r["peak_sim"]), (
             f"rank {rank} {case}: held {r['peak_measured']} micro-batches, simulator says {r['peak_sim']}")
+        if "peak_sends" in r:  # send buffers are freed as soon as the peer has them, not at the end of the step
+            bound = 2 * r["peak_sim"] * r["virtual"] + 2  # one activation and one gradient per held chunk, + header
+            assert r["peak_sends"] <= bound, f"rank {rank} {case}: {r['peak_sends']} send buffers alive (> {bound})"
         if "logits_rel" in r:
             assert r["logits_rel"] <= 1e-5, f"rank {rank} {case}: eval_step logits differ"
 

@@ -32,6 +32,7 @@ class StepStats:
 
     loss_sum: torch.Tensor
     peak_stored: float  # micro-batches of a whole stage (a chunk counts 1/V)
+    peak_sends: int = 0  # send buffers alive at once (released as soon as the peer is known to have them)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
@@ -59,6 +60,9 @@ class Executor:
         self.actions = schedule.actions[pp_rank]
         self.final_index = final_backward_index(self.actions)
         self.recv_plan = [self._remote_input(a) for a in self.actions]
+        # per rank: (F | B, chunk, micro-batch) -> position in its list (I counts as B: it takes the gradient)
+        self.position = [{("F" if a.kind == "F" else "B", a.stage, a.microbatch): i
+                          for i, a in enumerate(row) if a.kind != "W"} for row in schedule.actions]
 
     def _remote_input(self, a: Action) -> tuple[int, int, int] | None:
         """(kind, source global rank, source chunk) of the message action ``a`` waits for, if remote."""
@@ -115,6 +119,7 @@ class Executor:
             self._backward(a, data)
         if final:
             self.reducers[a.stage].launch_pending()
+        stats.peak_sends = max(stats.peak_sends, len(self.transport.sends))
         if trace:
             stats.timeline.append((a, start, time.perf_counter() - t0))
 
@@ -122,8 +127,12 @@ class Executor:
         if a.kind == "W":
             return None
         if remote is not None:
-            kind, src, _ = remote
-            return self.transport.recv(src, kind, a.stage, a.microbatch)
+            kind, src, src_chunk = remote
+            data = self.transport.recv(src, kind, a.stage, a.microbatch)
+            producer = self.position[self.s.stage_to_rank(src_chunk)][("F" if kind == ACT else "B", src_chunk,
+                                                                         a.microbatch)]
+            self.transport.release(src, producer)  # what src consumed before producing this has arrived
+            return data
         if a.kind == "F":
             return io.inputs[a.microbatch] if a.stage == 0 else self.local.pop((ACT, a.stage, a.microbatch))
         if a.stage == self.last_chunk:
@@ -172,7 +181,8 @@ class Executor:
         if rank == self.me:
             self.local[(kind, chunk, mb)] = tensor.detach()
         else:
-            self.transport.send(tensor, self.peer_of_rank(rank), kind, chunk, mb)
+            consumer = self.position[rank][("F" if kind == ACT else "B", chunk, mb)]
+            self.transport.send(tensor, self.peer_of_rank(rank), kind, chunk, mb, consumer)
 
     def _explain(self, a: Action, i: int, remote, exc: Exception) -> str:
         state = "stuck" if isinstance(exc, CommTimeoutError) else "failed"

@@ -35,7 +35,8 @@ class Transport:
     def __init__(self, num_chunks: int, microbatches: int, device: torch.device, timeout_s: float):
         self.num_chunks, self.microbatches = num_chunks, microbatches
         self.device, self.timeout_s = device, timeout_s
-        self.sends: list[tuple[object, torch.Tensor]] = []
+        # in-flight sends: (work, buffer, destination, index of the destination's action that consumes it)
+        self.sends: list[tuple[object, torch.Tensor, int, int]] = []
         self.pending: dict[tuple[int, int, int], PendingRecv] = {}
         self.shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # (kind, chunk)
         self.sent_headers: set[tuple[int, int]] = set()
@@ -49,20 +50,38 @@ class Transport:
         return (kind * self.num_chunks + chunk) * self.microbatches + mb + 1
 
     # ----------------------------------------------------------------------------------------- send
-    def send(self, tensor: torch.Tensor, dst: int, kind: int, chunk: int, mb: int) -> None:
-        """Asynchronously send ``tensor`` for (kind, chunk, mb) to global rank ``dst``."""
+    def send(self, tensor: torch.Tensor, dst: int, kind: int, chunk: int, mb: int, consumer: int = -1) -> None:
+        """Asynchronously send ``tensor`` for (kind, chunk, mb) to global rank ``dst``, where the action at
+        index ``consumer`` of ``dst``'s list will use it (see ``release``)."""
         tensor = tensor.detach().contiguous()
         try:
             if kind == ACT and (kind, chunk) not in self.sent_headers:
                 header = _encode_header(tensor).to(self.device)
-                self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header))
+                self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header, dst, consumer))
                 self.sent_headers.add((kind, chunk))
-            self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor))
+            self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor, dst, consumer))
         except RuntimeError as exc:
             raise CommError(f"sending to rank {dst} failed (is it still running?): {exc}") from exc
 
+    def release(self, peer: int, done_before: int) -> None:
+        """Free the buffers of sends to ``peer`` consumed by its actions before index ``done_before``.
+
+        A message from ``peer`` produced by its action ``done_before`` proves (ranks run their lists in
+        order) that every earlier action of ``peer`` finished, so those sends were received and ``wait``
+        returns at once. Gloo reports a send as complete only once ``wait`` is called, so without this
+        every buffer sent in a step (one activation or gradient per micro-batch) would live to its end.
+        """
+        keep = []
+        for entry in self.sends:
+            work, _, dst, consumer = entry
+            if dst == peer and 0 <= consumer < done_before:
+                self._wait(work, "a send already received", peer)
+            else:
+                keep.append(entry)
+        self.sends = keep
+
     def wait_sends(self) -> None:
-        for work, _ in self.sends:
+        for work, *_ in self.sends:
             self._wait(work, "send", -1)
         self.sends.clear()
 
