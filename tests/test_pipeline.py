@@ -76,3 +76,11 @@ def test_measured_timeline_is_the_schedule(world4, case):
         assert r["n_events"] == r["n_actions"], "the Chrome trace lacks actions"
         assert r["costs_positive"]
         assert "simulated with measured costs" in r["text"] and "bubble: measured" in r["text"]
+
+
+@pytest.mark.parametrize("case", ["tp2pp2sp/zbv/meta", "pp4/1f1b/meta"])
+def test_model_built_on_meta_device(world4, case):
+    _assert_equal(world4, case)
+    for rank, r in enumerate(result(world4, case)):
+        assert not r["any_meta"], f"rank {rank}: a parameter was left on the meta device"
+        assert r["local_fraction"] < 0.5, f"rank {rank} holds {r['local_fraction']:.0%} of the model"

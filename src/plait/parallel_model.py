@@ -48,8 +48,9 @@ class ParallelModel:
         self.chunks: dict[int, PipelineChunk] = {c: all_chunks[c] for c in mine}
         self.ties = TiedWeights(all_chunks, self.schedule, ctx)
         del all_chunks
-        for chunk in self.chunks.values():
-            chunk.to(ctx.device)
+        self.from_meta = any(t.is_meta for c in self.chunks.values() for t in [*c.parameters(), *c.buffers()])
+        for chunk in self.chunks.values():  # only this rank's chunks ever reach its device
+            _materialize(chunk, ctx.device) if self.from_meta else chunk.to(ctx.device)
         needs_split = any(a.kind == "I" for row in self.schedule.actions for a in row)
         self.store = weight_grad.WeightGradStore() if needs_split else None
         if self.store is not None:
@@ -227,6 +228,20 @@ class ParallelModel:
                     module.load_full(name, state_dict[key].to(tensor.device))
                 else:
                     tensor.copy_(state_dict[key])
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) every meta tensor of ``module`` on ``device``, keeping each Parameter object:
+    ties, TP-partial marks and gradient groups refer to those objects (``to_empty`` would replace them)."""
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None and p.is_meta:
+                real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                real.__dict__.update(p.__dict__)  # swap_tensors exchanges __dict__ too: keep our marks
+                torch.utils.swap_tensors(p, real)
+        for name, b in sub._buffers.items():
+            if b is not None and b.is_meta:
+                sub._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:

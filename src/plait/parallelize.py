@@ -66,11 +66,15 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
                 tp_plan: dict[str, str] | None = None, precision: str = "fp32") -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
 
-    ``microbatches`` defaults to 1 without pipeline parallelism. ``loss_fn(output, target)`` must return
+    ``loss_fn(output, target)`` must return
     the mean loss of one micro-batch; for ``plait.models.Llama`` the default is next-token cross-entropy
     on vocabulary-sharded logits (mean over non-ignored tokens of the global batch). ``precision``:
     "fp32", or "bf16" weights and activations over fp32 master weights and gradients
-    (plait.optim.precision).
+    (plait.optim.precision). ``microbatches`` defaults to ``pp`` (1 without pipeline parallelism).
+
+    A model too large for one device can be built on the meta device (``with torch.device("meta"):
+    model = Llama(cfg)``): only this rank's shards are then allocated, uninitialised, and must be filled
+    with ``pm.load_full_state_dict(...)`` or read slice by slice (``plait.train.shards.load_local``).
     """
     check_precision(precision)
     microbatches = max(1, ctx.pp_size) if microbatches is None else microbatches
@@ -129,7 +133,7 @@ def _shard(model: nn.Module, ctx: ParallelContext, sequence_parallel: bool, tp_p
     elif tp_plan is not None:
         apply_tp_plan(model, tp_plan, ctx, sequence_parallel=sequence_parallel)
     apply_expert_parallel(model, ctx, sequence_parallel)  # MoE layers (after TP: they enter TP themselves)
-    model.to(ctx.device)
+    # no .to(device) here: ParallelModel moves (or, from the meta device, materialises) only this rank's chunks
 
 
 class _CallableModule(sys.modules[__name__].__class__):

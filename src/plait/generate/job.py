@@ -40,11 +40,13 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
 
     cfg, reader, tok = source_config(source)
     torch.manual_seed(0)
-    model = Llama(cfg)
     if tp * pp == 1 and ctx is None:
+        model = Llama(cfg)
         r = reader()
         model.load_state_dict({k: r.read(k) for k in model.state_dict()})
         return model.eval(), tok, cfg
+    with torch.device("meta"):  # every weight is read below: each rank allocates only its own shards
+        model = Llama(cfg)
     ctx = ctx or plait.init(tp, pp, 1)
     pm = plait.parallelize(model, ctx, microbatches=1)
     load_local(pm, reader().read)

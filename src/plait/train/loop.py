@@ -58,11 +58,13 @@ def build(cfg: TrainConfig, ctx=None) -> Run:
     ctx = ctx or plait.init(cfg.tp, cfg.pp, cfg.dp, ep=cfg.ep, expert_tp=cfg.expert_tp)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and in every layout
     mcfg = model_config(cfg)
-    model = Llama(mcfg)
+    from_hf = cfg.model not in ("tiny", "small")
+    with torch.device("meta" if from_hf else "cpu"):  # HF weights are read below, slice by slice
+        model = Llama(mcfg)
     params = model.num_parameters()
     pm = plait.parallelize(model, ctx, schedule=cfg.schedule, microbatches=cfg.microbatches,
                            virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel)
-    if cfg.model not in ("tiny", "small"):
+    if from_hf:
         from plait.models.hf import HFWeights
         from plait.train.shards import load_local
 
