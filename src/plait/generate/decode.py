@@ -80,28 +80,6 @@ class Decoder:
     def _peer(self, c: int) -> int:
         return self.ctx.pp_peer(self.rank_of(c))
 
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor, hidden_dim: int) -> torch.Tensor | None:
-        """Run ``tokens`` [B, S] through every stage; the last-position logits [B, V] on the last stage."""
-        x: torch.Tensor | None = tokens.to(self.device)
-        b, s = tokens.shape
-        for c in range(self.num_chunks):
-            owner = self.rank_of(c)
-            if owner != self.me:
-                x = None
-                continue
-            if c > 0 and self.rank_of(c - 1) != self.me:
-                x = torch.empty(b, s, hidden_dim, dtype=self.dtype, device=self.device)
-                dist.recv(x, src=self._peer(c - 1))
-            x = self._run(c, x)
-            if c < self.num_chunks - 1 and self.rank_of(c + 1) != self.me:
-                dist.send(x.contiguous(), dst=self._peer(c + 1))
-        if self.rank_of(self.num_chunks - 1) != self.me:
-            return None
-        last = x[:, -1]  # [B, V/t] (vocabulary-sharded under TP)
-        if self.ctx is not None and self.ctx.tp_size > 1:
-            last = comms.all_gather(last.contiguous(), 1, self.ctx.tp_group)
-        return last[:, : self.vocab]
 
 
 def _hidden_dim(dec: Decoder) -> int:
