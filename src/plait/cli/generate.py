@@ -40,8 +40,8 @@ def generate_command(
     pp: Annotated[int, Opt(help="Pipeline stages (processes).")] = 1,
 ) -> None:
     from plait.errors import ConfigError
-    from plait.generate.job import generate_job, source_config
-    from plait.train.launch import JobError, launch, under_torchrun
+    from plait.generate.job import source_config
+    from plait.train.launch import JobError, run_or_launch
 
     payload = {"model": model, "prompts": prompt or ["def "], "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_k": top_k, "seed": seed, "tp": tp, "pp": pp}
@@ -49,10 +49,7 @@ def generate_command(
         if tp < 1 or pp < 1:
             raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
         source_config(model)  # fail on a bad --model before launching anything
-        if under_torchrun() or tp * pp == 1:
-            generate_job(payload)
-        else:
-            launch("plait.generate.job:generate_job", payload, tp * pp)
+        run_or_launch("plait.generate.job:generate_job", payload, tp * pp)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -51,7 +51,7 @@ def serve_command(
 
     from plait.errors import ConfigError
     from plait.generate.job import source_config
-    from plait.train.launch import JobError, launch, under_torchrun
+    from plait.train.launch import JobError, run_or_launch
 
     try:
         if tp < 1 or pp < 1:
@@ -72,12 +72,7 @@ def serve_command(
         payload = {"model": model, "tp": tp, "pp": pp, "host": host, "port": port, "max_batch": max_batch,
                    "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue,
                    "name": name or Path(model).resolve().name}
-        if under_torchrun() or tp * pp == 1:
-            from plait.serve.server import serve_job
-
-            serve_job(payload)
-        else:
-            launch("plait.serve.server:serve_job", payload, tp * pp)
+        run_or_launch("plait.serve.server:serve_job", payload, tp * pp)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -37,6 +37,17 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def run_or_launch(target: str, payload: dict, nproc: int):
+    """Run ``module:function(payload)`` here when this process is already a worker or one process is
+    enough; otherwise launch ``nproc`` local workers (``launch``)."""
+    if under_torchrun() or nproc == 1:
+        import importlib
+
+        module, _, function = target.partition(":")
+        return getattr(importlib.import_module(module), function)(payload)
+    return launch(target, payload, nproc)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
