@@ -1,4 +1,5 @@
-"""The planner's pipeline figures come from plait.sim; its large-M extrapolation matches exact runs."""
+"""The planner's pipeline figures come from plait.sim with exact per-chunk costs; its large-M extrapolation
+matches exact runs."""
 
 import pytest
 
@@ -6,30 +7,43 @@ from plait.plan.pipeline import profile
 from plait.schedules import build_schedule
 from plait.sim import Costs, simulate
 
+CASES = [("1f1b", 8, 45, 1), ("1f1b", 4, 30, 1), ("interleaved-1f1b", 4, 40, 2), ("interleaved-1f1b", 4, 36, 4),
+         ("zb-h1", 8, 37, 1), ("zbv", 4, 29, 2), ("gpipe", 4, 22, 1), ("looped-bfs", 4, 20, 2)]
 
-@pytest.mark.parametrize(
-    "name, pp, m, v",
-    [("1f1b", 8, 45, 1), ("1f1b", 4, 30, 1), ("interleaved-1f1b", 4, 40, 2), ("interleaved-1f1b", 4, 36, 4),
-     ("zb-h1", 8, 37, 1), ("zbv", 4, 29, 2), ("gpipe", 4, 22, 1), ("looped-bfs", 4, 20, 2)],
-)
-def test_extrapolation_equals_exact_simulation(name, pp, m, v):
-    f, b, w, p2p = 0.5, 1.2, 0.45, 0.025  # ratios 2.4, 0.9, 0.05: unchanged by the 2-digit rounding
-    approx = profile(name, pp, m, v, f, b, w if name in ("zb-h1", "zbv") else None, p2p)
-    exact = profile(name, pp, m, v, f, b, w if name in ("zb-h1", "zbv") else None, p2p, exact=True)
+
+def _costs(name, pp, v, uneven):
+    k = pp * v
+    f = [0.5 + (0.13 * (c % 3) if uneven else 0.0) + (0.2 if uneven and c == k - 1 else 0.0) for c in range(k)]
+    b = [1.9628 * x for x in f]  # an exact ratio: nothing is rounded before simulating
+    w = [0.45 * x for x in f] if name in ("zb-h1", "zbv") else None
+    return f, b, w
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("name, pp, m, v", CASES)
+def test_extrapolation_equals_exact_simulation(name, pp, m, v, uneven):
+    f, b, w = _costs(name, pp, v, uneven)
+    nbytes = [1.0 + c for c in range(pp * v)]
+    approx = profile(name, pp, m, v, f, b, w, 0.025, nbytes)
+    exact = profile(name, pp, m, v, f, b, w, 0.025, nbytes, exact=True)
     assert approx.simulated_m != (m,)  # the extrapolation was used
     assert approx.makespan == pytest.approx(exact.makespan, rel=1e-9)
-    assert approx.bubble_fraction == pytest.approx(exact.bubble_fraction, rel=1e-9, abs=1e-12)
-    assert approx.peak == pytest.approx(exact.peak)
+    assert approx.peak == pytest.approx(exact.peak) and approx.peak_bytes == pytest.approx(exact.peak_bytes)
+    assert approx.busy == pytest.approx(exact.busy)
 
 
 def test_profile_is_the_simulator():
-    p = profile("1f1b", 4, 8, 1, 1.0, 2.0, None, 0.0, exact=True)
-    r = simulate(build_schedule("1f1b", stages=4, microbatches=8), Costs(1.0, 2.0, None, 0.0))
+    f, b = [1.0, 1.3, 0.9, 1.2], [2.0, 2.6, 1.7, 2.5]
+    p = profile("1f1b", 4, 8, 1, f, b, None, 0.1, exact=True)
+    r = simulate(build_schedule("1f1b", stages=4, microbatches=8), Costs(f, b, None, 0.1))
     assert p.makespan == r.makespan and p.peak == tuple(r.peak_activations)
-    # and, with free communication, the textbook bubble (p-1)/(m+p-1) (Narayanan et al. 2021)
-    assert p.bubble_fraction == pytest.approx(3 / 11)
+    assert p.busy == pytest.approx(tuple(r.busy))
+    assert p.idle / p.makespan == pytest.approx(r.bubble_fraction)
+    # and, with uniform stages and free communication, the textbook bubble (p-1)/(m+p-1)
+    u = profile("1f1b", 4, 8, 1, [1.0] * 4, [2.0] * 4, None, 0.0, exact=True)
+    assert u.idle / u.makespan == pytest.approx(3 / 11)
 
 
 def test_no_pipeline():
-    p = profile("1f1b", 1, 10, 1, 1.0, 2.0, None, 0.0)
-    assert p.makespan == 30.0 and p.bubble_fraction == 0.0 and p.peak == (1.0,)
+    p = profile("1f1b", 1, 10, 1, [1.0], [2.0], None, 0.0, [5.0])
+    assert p.makespan == 30.0 and p.idle == 0.0 and p.peak == (1.0,) and p.peak_bytes == (5.0,)

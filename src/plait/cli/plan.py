@@ -22,6 +22,11 @@ Examples:
   plait plan --model llama3-405b --gpus 16384 --gpu h100-sxm --global-batch 2048 --show-schedule
   plait plan --model path/to/config.json --gpus 8 --gpu a100-80gb --seq-len 4096
   plait plan --model llama3-70b --gpus 4 --gpu a100-80gb --inference --batch 8 --prompt-len 2048
+  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 --seq-len 128
+
+The bubble is the idle share of the step (the average pipeline rank's idle time over the step time);
+the parts of the time breakdown add up to the step. Without --global-batch the batch is searched: the
+smallest of 4, 8, 16, 32, 64M tokens whose best layout keeps the bubble under 10% (said in the output).
 """
 
 
@@ -55,17 +60,24 @@ def _training_table(result, title: str):
 def _breakdown_table(best):
     from rich.table import Table
 
-    t = Table(title="time of the best layout's step", header_style="bold")
+    from plait.plan.estimate import PARTS
+
+    t = Table(title=f"time of the best layout's step ({best.layout.short()})", header_style="bold")
     t.add_column("part")
     t.add_column("seconds", justify="right")
     t.add_column("share", justify="right")
+    t.add_column("what")
     for k, v in best.time.items():
-        t.add_row(k, f"{v:.3f}", f"{v / best.step_time_s:.1%}")
+        if v > 0 or k in ("compute", "pp_bubble"):
+            t.add_row(k, f"{v:.3f}", f"{v / best.step_time_s:.1%}", PARTS[k])
+    t.add_row("step", f"{best.step_time_s:.3f}", "100.0%", "the parts add up to the step", style="bold")
     return t
 
 
 def _show_schedule(console, best) -> None:
-    from plait.plan.timing import stage_costs
+    """The best layout's schedule simulated with its per-chunk costs; the bubble quoted is the estimate's."""
+    from plait.plan.estimate import SPLIT_BACKWARD
+    from plait.plan.timing import chunk_costs
     from plait.schedules import build_schedule
     from plait.sim import Costs, simulate
 
@@ -74,14 +86,16 @@ def _show_schedule(console, best) -> None:
         console.print("(no pipeline: pp = 1, micro-batches run one after another)")
         return
     m = min(best.microbatches, 4 * lay.pp)
-    c = stage_costs(best.model, best.cluster, lay)
-    weight = c.weight if lay.schedule in ("zb-h1", "zbv", "dualpipev") else None
+    ch = chunk_costs(best.model, best.cluster, lay, best.training.precision)
+    weight = [c.weight for c in ch] if lay.schedule in SPLIT_BACKWARD else None
     r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual),
-                 Costs(forward=c.forward, backward=c.backward, weight=weight, p2p=c.p2p))
-    shown = f"first {m} of {best.microbatches}" if m < best.microbatches else f"all {m}"
-    console.print(f"[bold]{lay.schedule}[/], pp={lay.pp}, v={lay.virtual}, {shown} micro-batches "
-                  f"(times in s; bubble {r.bubble_fraction:.1%}):")
-    console.print(r.to_ascii(width=100))
+                 Costs(forward=[c.forward for c in ch], backward=[c.backward for c in ch], weight=weight,
+                       p2p=ch[0].p2p))
+    shown = f"the first {m} of {best.microbatches}" if m < best.microbatches else f"all {m}"
+    console.print(f"[bold]{lay.schedule}[/], pp={lay.pp}, v={lay.virtual}: {shown} micro-batches (times in s); "
+                  f"bubble of the whole step {best.bubble_fraction:.1%} (idle share of the step, "
+                  f"{best.time['pp_bubble']:.3f} of {best.step_time_s:.3f} s)")
+    console.print("\n".join(r.to_ascii(width=100).splitlines()[1:]))  # its own header quotes this part alone
 
 
 def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_json: bool) -> None:
@@ -121,7 +135,8 @@ def plan(
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (TP stays inside)")] = 8,
     interconnect: Annotated[str | None, typer.Option(help="inter-node fabric, e.g. ib-ndr")] = None,
     seq_len: Annotated[int | None, typer.Option(help="sequence length (default: the model's)")] = None,
-    global_batch: Annotated[int | None, typer.Option(help="sequences per step (default ~4M tokens)")] = None,
+    global_batch: Annotated[int | None, typer.Option(help="sequences per step (default: searched, 4-64M "
+                                                          "tokens)")] = None,
     top: Annotated[int, typer.Option(help="how many layouts to show")] = 5,
     inference: Annotated[bool, typer.Option("--inference", help="plan serving instead")] = False,
     batch: Annotated[int, typer.Option(help="inference: concurrent sequences")] = 1,
@@ -129,34 +144,51 @@ def plan(
     gen_len: Annotated[int, typer.Option(help="inference: generated tokens")] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
     show_schedule: Annotated[bool, typer.Option("--show-schedule", help="Gantt of the best")] = False,
+    cluster_file: Annotated[Path | None, typer.Option("--cluster", help="a host profile from `plait calibrate`: "
+                                                      "plan plait's own runs on that host (--gpus processes)")] = None,
+    precision: Annotated[str | None, typer.Option(help="bf16 or fp32 (default: fp32 with --cluster, as plait "
+                                                       "train; bf16 otherwise)")] = None,
 ) -> None:
     from rich.console import Console
 
     from plait.errors import ConfigError
     from plait.plan import Cluster, Training, explain, search
     from plait.plan.explain import nothing_fits
+    from plait.plan.search import search_batch
 
     console = Console(width=None if sys.stdout.isatty() else 140)
+    batch_note = ""
     try:
         m = _model(model, seq_len)
-        cluster = Cluster(gpu, gpus, gpus_per_node, interconnect)
+        if cluster_file is not None:
+            cluster = Cluster.from_profile(cluster_file, gpus)
+        else:
+            cluster = Cluster(gpu, gpus, gpus_per_node, interconnect)
         if inference:
             _inference(console, m, cluster, batch, prompt_len, gen_len, as_json)
             return
-        training = Training(global_batch or max(1, 4_194_304 // m.seq_len))
-        result = search(m, cluster, training, top=top)
+        precision = precision or ("fp32" if cluster_file is not None else "bf16")
+        if global_batch:
+            training = Training(global_batch, precision=precision)
+            result = search(m, cluster, training, top=top)
+        else:
+            choice = search_batch(m, cluster, top=top, precision=precision)
+            training, result = Training(choice.global_batch, precision=precision), choice.result
+            batch_note = f"global batch (not given, searched): {choice.reason}"
     except ConfigError as exc:
         _fail(str(exc))
     if not result.best:
         _fail(f"{m.name} on {gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.gpu.memory), 1)
     if as_json:
-        out: dict[str, Any] = {"best": [e.to_dict() for e in result.best],
-                               "rejected": dict(result.rejected), "pruned": result.pruned,
-                               "considered": result.considered, "why": explain(result)}
+        out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
+                               "global_batch_note": batch_note, "rejected": dict(result.rejected),
+                               "pruned": result.pruned, "considered": result.considered, "why": explain(result)}
         typer.echo(json.dumps(out, indent=1))
         return
     title = (f"{m.name} ({m.n_params() / 1e9:.1f}B, seq {m.seq_len}) on {gpus} × {cluster.gpu.name}, "
-             f"{cluster.gpus_per_node}/node; global batch {training.global_batch}")
+             f"{cluster.gpus_per_node}/node; global batch {training.global_batch}, {precision}")
+    if batch_note:
+        console.print(batch_note)
     console.print(_training_table(result, title))
     console.print(_breakdown_table(result.best[0]))
     for line in explain(result):

@@ -3,7 +3,8 @@
 A model is seen as a sequence of named blocks applied one after the other. For ``Llama`` these are the
 embedding, each decoder layer, the final norm and the head; only decoder layers count as *layers*: the
 embedding always joins the first chunk and the norm + head (+ loss) the last, and ``balanced``
-partitioning charges those chunks for them. Any ``nn.Sequential`` works too (every child is a layer).
+partitioning (``pipeline.balance``, shared with the planner) charges those chunks for them. Any
+``nn.Sequential`` works too (every child is a layer).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.errors import ConfigError
 from plait.models.llama import Llama
+from plait.pipeline.balance import embedding_macs, head_macs, layer_macs, partition_layers
 
 
 def model_blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, int]:
@@ -29,67 +31,21 @@ def model_blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, in
     raise ConfigError(f"cannot pipeline {type(model).__name__}: pass a plait.models.Llama or an nn.Sequential")
 
 
-def _layer_costs(model: nn.Module) -> tuple[list[float], float, float]:
-    """Relative forward cost of each layer and the extra cost of the first and last chunk.
-
-    Units: multiply-accumulates per token. A decoder layer costs its linear parameters plus attention
-    scores and weighted sum, 2·S·dim (Narayanan et al. 2021, eq. 3, per token); the head costs V·dim
-    plus the softmax; the embedding lookup is nearly free.
-    """
-    if isinstance(model, Llama):
+def layer_costs(model: nn.Module) -> tuple[list[float], float, float]:
+    """Relative forward cost of each layer and the extra cost of the first and last chunk, per token
+    (``pipeline.balance``: the planner costs a model the same way). A mixture-of-experts layer counts
+    the experts a token uses (top-k of them) and its router."""
+    if isinstance(model, Llama):  # from the config: the same whether or not the model is already sharded
         cfg = model.config
-        linear = sum(p.numel() for n, p in model.layers[0].named_parameters() if n.endswith("proj.weight"))
-        layer = float(linear + 2 * cfg.max_seq_len * cfg.dim)
-        head = float(cfg.vocab_size * cfg.dim + 4 * cfg.vocab_size)
-        return [layer] * cfg.n_layers, float(cfg.dim), head
+        hd = cfg.head_dim
+        attention = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.n_kv_heads * hd
+        mlp = 3 * cfg.dim * cfg.ffn_dim
+        moe = cfg.top_k * mlp + cfg.dim * cfg.n_experts  # the experts a token uses, and the router
+        costs = [layer_macs(attention + (moe if cfg.is_moe_layer(i) else mlp), cfg.max_seq_len, cfg.dim)
+                 for i in range(cfg.n_layers)]
+        return costs, embedding_macs(cfg.dim), head_macs(cfg.vocab_size, cfg.dim)
     costs = [float(sum(p.numel() for p in child.parameters()) + 1) for child in model.children()]
     return costs, 0.0, 0.0
-
-
-def partition_layers(n_layers: int, n_chunks: int, partition, costs: list[float] | None = None,
-                     first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
-    """Layer counts per chunk for ``partition`` = "uniform", "balanced" or an explicit list."""
-    if n_layers < n_chunks:
-        raise ConfigError(f"the model has {n_layers} layers but pp*virtual_stages={n_chunks} chunks need at "
-                          f"least one each; use pp*virtual_stages <= {n_layers}")
-    if isinstance(partition, (list, tuple)):
-        counts = [int(c) for c in partition]
-        if len(counts) != n_chunks or sum(counts) != n_layers or min(counts) < 1:
-            raise ConfigError(f"partition={list(partition)}: give {n_chunks} positive layer counts (one per "
-                              f"chunk, pp*virtual_stages) summing to {n_layers}")
-        return counts
-    if partition == "uniform":
-        base, extra = divmod(n_layers, n_chunks)
-        return [base + (1 if i >= n_chunks - extra else 0) for i in range(n_chunks)]
-    if partition == "balanced":
-        return _balanced(costs or [1.0] * n_layers, n_chunks, first_extra, last_extra)
-    raise ConfigError(f"partition={partition!r}: use 'balanced', 'uniform' or a list of layer counts")
-
-
-def _balanced(costs: list[float], k: int, first: float, last: float) -> list[int]:
-    """Contiguous split minimising the most expensive chunk (exact dynamic programme, O(k·n²))."""
-    n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[j][i]: minimal max cost splitting the first i layers into j chunks
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n - (k - j) + 1):
-            for s in range(j - 1, i):
-                cost = prefix[i] - prefix[s] + (first if j == 1 else 0.0) + (last if j == k else 0.0)
-                value = max(best[j - 1][s], cost)
-                if value < best[j][i] - 1e-12:
-                    best[j][i], cut[j][i] = value, s
-    counts, i = [], n
-    for j in range(k, 0, -1):
-        s = cut[j][i]
-        counts.append(i - s)
-        i = s
-    return counts[::-1]
 
 
 class PipelineChunk(nn.Module):
@@ -127,7 +83,7 @@ class PipelineChunk(nn.Module):
 def build_chunks(model: nn.Module, n_chunks: int, partition, checkpointing: bool) -> list[PipelineChunk]:
     """All ``n_chunks`` chunks of ``model`` (the caller keeps only its own)."""
     blocks, first_layer, n_layers = model_blocks(model)
-    costs, first_extra, last_extra = _layer_costs(model)
+    costs, first_extra, last_extra = layer_costs(model)
     counts = partition_layers(n_layers, n_chunks, partition, costs, first_extra, last_extra)
     layers = blocks[first_layer:first_layer + n_layers]
     chunks, start = [], 0

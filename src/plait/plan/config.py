@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.model import Model
+from plait.plan.profile import HostProfile, Section
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs"}  # any V >= 1
 TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
 RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -19,20 +21,39 @@ class Cluster:
     """``n_gpus`` accelerators of one type, ``gpus_per_node`` to a node.
 
     ``interconnect`` names the inter-node fabric (``catalogue.INTERCONNECTS``); None = the GPU's usual.
+    ``profile``: a calibrated host (``plait calibrate``); then ``n_gpus`` is the number of plait processes
+    on that one host, ``gpu`` is derived from the profile, and step times and memory are those of plait's
+    own eager runtime measured there (catalogue GPUs are costed as published Megatron-LM runs).
     """
 
     gpu: GPU | str
     n_gpus: int
     gpus_per_node: int = 8
     interconnect: str | Link | None = None
+    profile: HostProfile | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "gpu", get_gpu(self.gpu))
         if int(self.n_gpus) < 1:
             raise ConfigError(f"n_gpus: must be >= 1, got {self.n_gpus}")
+        if self.profile is not None:
+            object.__setattr__(self, "gpu", host_gpu(self.profile, int(self.n_gpus)))
+            object.__setattr__(self, "gpus_per_node", int(self.n_gpus))
+        object.__setattr__(self, "gpu", get_gpu(self.gpu))
         if int(self.gpus_per_node) < 1:
             raise ConfigError(f"gpus_per_node: must be >= 1, got {self.gpus_per_node}")
         object.__setattr__(self, "interconnect", get_interconnect(self.interconnect, self.gpu))
+
+    @classmethod
+    def from_profile(cls, profile: HostProfile | str, processes: int) -> Cluster:
+        """``processes`` plait processes on the calibrated host of ``profile`` (a HostProfile or a path)."""
+        prof = profile if isinstance(profile, HostProfile) else HostProfile.load(profile)
+        return cls("cpu", processes, profile=prof)
+
+    @property
+    def section(self) -> Section:
+        """The calibrated host's measurements for this many processes (only with a profile)."""
+        assert self.profile is not None
+        return self.profile.section(self.n_gpus)
 
     @property
     def inter(self) -> Link:
@@ -46,6 +67,19 @@ class Cluster:
     def link(self, group_span: int) -> Link:
         """The link a ring over ``group_span`` consecutive ranks uses: NVLink/PCIe inside a node."""
         return self.gpu.intra if group_span <= self.gpus_per_node else self.inter
+
+
+def host_gpu(profile: HostProfile, processes: int) -> GPU:
+    """A catalogue-style entry for one process of a calibrated host: its measured matmul speed with every
+    process computing, its share of the host's memory, the all-reduce of the largest group as its link."""
+    sec = profile.section(processes)
+    flops = sec.rates["matmul"].at(float("inf"), shared=True)
+    mem = float(profile.host.get("memory_bytes", 0)) / processes
+    curves = sorted((g, c) for (op, g), c in sec.collectives.items() if op == "all_reduce")
+    link = Link("measured all-reduce", curves[-1][1].bandwidth, curves[-1][1].latency) if curves else \
+        Link("shared memory", 1e9, 1e-4)
+    return GPU(f"{profile.name}:{processes}p", flops, mem, sec.memory_bandwidth, link, link, 1.0,
+               f"{profile.host.get('cpu', 'host')}, {processes} processes x {sec.threads} threads (calibrated)")
 
 
 @dataclass(frozen=True)
@@ -100,14 +134,19 @@ class Training:
     """A training workload: ``global_batch`` sequences per optimizer step.
 
     ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward.
+    ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32 gradients, master weights
+    and moments) or "fp32" (everything fp32, ``plait train``'s default).
     """
 
     global_batch: int
     overlap_grad_reduce: bool = True
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise ConfigError(f"global_batch: must be >= 1 sequence, got {self.global_batch}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
 def microbatches(layout: Layout, training: Training) -> int:

@@ -12,16 +12,26 @@ from plait.plan.model import Model
 from plait.plan.pipeline import PipelineProfile, profile
 
 SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
+# What the parts of ``Estimate.time`` are (they add up to the step).
+PARTS = {
+    "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
+    "cpu_sharing": "waiting for a CPU core (processes outnumber cores)", "pp_bubble": "pipeline bubble",
+    "dp_comm": "exposed gradient reduction", "zero_comm": "ZeRO-2/3 per-micro-batch communication",
+    "optimizer": "optimizer step", "sync": "per-step loss and gradient-norm collectives",
+}
 
 
 @dataclass(frozen=True)
 class Estimate:
     """What one layout costs.
 
-    ``time`` splits ``step_time_s`` into compute, tp_comm, recompute, pp_bubble (idle time of the
-    busiest rank, point-to-point waits included), dp_comm (exposed part), zero_comm (ZeRO-2/3 per-micro-batch traffic
-    beyond the compute it overlaps) and optimizer;
-    ``p2p_s`` is one stage-to-stage transfer. ``memory`` is the most loaded GPU.
+    ``time`` splits ``step_time_s`` into parts that add up to it: compute, tp_comm, recompute and
+    cpu_sharing (the average pipeline rank's busy time), pp_bubble (its idle time: the makespan of the
+    forward/backward schedule less its busy time, point-to-point waits included), dp_comm (exposed
+    part), zero_comm (ZeRO-2/3 per-micro-batch traffic beyond the compute it overlaps), optimizer and
+    sync. ``bubble_fraction`` is the idle share of the step, ``pp_bubble / step_time_s``: the one
+    definition of the bubble everywhere in plait. ``memory`` is the most loaded GPU, ``rank_memory``
+    every pipeline rank; ``p2p_s`` is one stage-to-stage transfer.
     """
 
     model: Model
@@ -38,6 +48,7 @@ class Estimate:
     peak_in_flight: float
     p2p_s: float
     notes: list[str] = field(default_factory=list)
+    rank_memory: list[mem.Memory] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -53,14 +64,9 @@ class Estimate:
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "fits": self.fits,
             "memory": asdict(self.memory), "time": dict(self.time), "microbatches": self.microbatches,
             "bubble_fraction": self.bubble_fraction, "peak_in_flight": self.peak_in_flight,
-            "tokens_per_s": self.tokens_per_s, "notes": list(self.notes),
+            "tokens_per_s": self.tokens_per_s, "global_batch": self.training.global_batch,
+            "rank_memory": [asdict(m) for m in self.rank_memory], "notes": list(self.notes),
         }
-
-
-def _pipeline(layout: Layout, m: int, costs: timing.StageCosts, exact: bool) -> PipelineProfile:
-    weight = costs.weight if layout.schedule in SPLIT_BACKWARD else None
-    return profile(layout.schedule, layout.pp, m, layout.virtual, costs.forward, costs.backward,
-                   weight, costs.p2p, exact=exact)
 
 
 def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
@@ -74,36 +80,92 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     return _estimate(model, cluster, layout, training, exact)
 
 
+def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
+             exact: bool = False) -> tuple[list[timing.StageCosts], PipelineProfile]:
+    """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
+    from ``plan.memory``)."""
+    m = microbatches(layout, training)
+    chunks = timing.chunk_costs(model, cluster, layout, training.precision)
+    acts = mem.activation_model(model, cluster, layout, training.precision)
+    layers = mem.layout_stages(model, layout).chunk_layers
+    nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
+    weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None
+    pipe = profile(layout.schedule, layout.pp, m, layout.virtual, [c.forward for c in chunks],
+                   [c.backward for c in chunks], weight, chunks[0].p2p, nbytes, exact=exact)
+    return chunks, pipe
+
+
 def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
               exact: bool = False) -> Estimate:
     m = microbatches(layout, training)
-    costs = timing.stage_costs(model, cluster, layout)
-    pipe = _pipeline(layout, m, costs, exact)
-    memory = mem.memory(model, cluster, layout, list(pipe.peak))
-    dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
-    params = dense + expert
+    chunks, pipe = pipeline(model, cluster, layout, training, exact)
+    ranks = timing.rank_costs(model, cluster, layout, training.precision)
+    pp = layout.pp
+    busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
+            "tp_comm": m * sum(c.f_tp + c.b_tp for c in ranks) / pp,
+            "recompute": m * sum(c.recompute for c in ranks) / pp, "cpu_sharing": 0.0}
+    makespan, stretch = pipe.makespan, 1.0
+    if cluster.profile is not None:  # processes of one host share its cores
+        makespan, wall, stretch = _shared_host(model, cluster, layout, training, chunks, m)
+        busy["cpu_sharing"] = max(0.0, wall - sum(busy.values()))
+    params = mem.max_rank_params(model, layout)
     dp = timing.dp_sync_time(model, cluster, layout, params)
-    overlap = costs.backward if training.overlap_grad_reduce else 0.0
-    dp_exposed = max(0.0, dp - overlap)
+    overlap = max(c.backward for c in ranks) if training.overlap_grad_reduce else 0.0
     per_mb = timing.zero_per_microbatch(cluster, layout, params)
-    zero_comm = m * max(0.0, per_mb - costs.forward - costs.backward)
-    opt = timing.optimizer_time(cluster, layout, params)
-    busy = m * (costs.forward + costs.backward)
-    step = pipe.makespan + dp_exposed + zero_comm + opt
-    time = {
-        "compute": m * 3 * costs.f_compute,
-        "tp_comm": m * 2 * costs.f_tp,
-        "recompute": m * costs.recompute,
-        "pp_bubble": max(0.0, pipe.makespan - busy),
-        "dp_comm": dp_exposed,
-        "zero_comm": zero_comm,
-        "optimizer": opt,
-    }
+    busiest = max(ranks, key=lambda c: c.forward + c.backward)
+    time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
+            "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
+            "optimizer": stretch * timing.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks)),
+            "sync": _sync_time(cluster, layout)}
+    step = sum(time.values())
+    memory = mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision)
     flops = timing.model_flops_per_step(model, training.global_batch)
     tflops = flops / step / cluster.n_gpus / 1e12
     return Estimate(
         model=model, cluster=cluster, layout=layout, training=training, step_time_s=step,
-        tflops_per_gpu=tflops, mfu=tflops * 1e12 / cluster.gpu.peak_flops, memory=memory, time=time,
-        microbatches=m, bubble_fraction=pipe.bubble_fraction, peak_in_flight=max(pipe.peak),
-        p2p_s=costs.p2p,
+        tflops_per_gpu=tflops, mfu=tflops * 1e12 / cluster.gpu.peak_flops,
+        memory=max(memory, key=lambda x: x.total), time=time, microbatches=m,
+        bubble_fraction=time["pp_bubble"] / step if step > 0 else 0.0, peak_in_flight=max(pipe.peak),
+        p2p_s=chunks[0].p2p, rank_memory=memory,
     )
+
+
+def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Training,
+                 chunks: list[timing.StageCosts], m: int) -> tuple[float, float, float]:
+    """(makespan, mean busy wall time, slow-down of work every process does at once) of the forward/
+    backward part on a calibrated host whose processes time-slice its cores (``plait.sim.shared``).
+    The host's effective cores come from its measured speeds: ``P`` processes computing at once each get
+    ``shared/alone`` of their speed alone, so together they run like ``P·shared/alone`` processes alone."""
+    from plait.schedules import build_schedule
+    from plait.sim.shared import simulate_shared
+
+    shared = timing.chunk_costs(model, cluster, layout, training.precision, shared=True)
+    alone_work = sum(c.f_compute + c.b_compute + c.recompute for c in chunks)
+    shared_work = sum(c.f_compute + c.b_compute + c.recompute for c in shared)
+    p = cluster.n_gpus
+    cores = min(float(p), p * alone_work / shared_work) if shared_work > 0 else float(p)
+    stretch = max(1.0, p / cores)
+    per_stage = layout.tp * layout.dp * layout.cp  # the processes of one pipeline rank compute together
+    if layout.pp == 1:  # every process computes all the time: shared speeds throughout
+        c = shared[0]
+        wall = m * (c.forward + c.backward)
+        return wall, wall, stretch
+    split = layout.schedule in SPLIT_BACKWARD
+    sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual)
+    cpu = {"F": [c.f_compute for c in chunks], "B": [c.b_compute + c.recompute for c in chunks],
+           "I": [c.b_compute - c.w_compute + c.recompute if split else 0.0 for c in chunks],
+           "W": [c.w_compute for c in chunks]}
+    comm = {"F": [c.f_tp for c in chunks], "B": [c.b_tp for c in chunks], "I": [c.b_tp for c in chunks],
+            "W": [0.0] * len(chunks)}
+    r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage)
+    return r.makespan, sum(r.busy) / len(r.busy), stretch
+
+
+def _sync_time(cluster: Cluster, layout: Layout) -> float:
+    """plait's small per-step collectives on a calibrated host: the global loss and the gradient norm over
+    every rank, the token count over DP. (Negligible on catalogue GPUs: not counted.)"""
+    if cluster.profile is None:
+        return 0.0
+    world = layout.world
+    out = 2 * timing.collective(cluster, "all_reduce", 16, world) if world > 1 else 0.0
+    return out + timing.collective(cluster, "all_reduce", 24, layout.dp)

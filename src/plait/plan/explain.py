@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from plait.plan.estimate import Estimate
+from plait.plan.estimate import PARTS, Estimate
 from plait.plan.memory import USABLE_FRACTION
 from plait.plan.model import Model
 from plait.plan.search import SearchResult
 
 GB = 1e9
-_WHAT = {
-    "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
-    "pp_bubble": "pipeline bubble", "dp_comm": "exposed gradient reduction",
-    "zero_comm": "ZeRO-2/3 per-micro-batch communication", "optimizer": "optimizer step",
-}
+_WHAT = PARTS
 
 
 def _shape(e: Estimate) -> tuple[int, int, int, int]:

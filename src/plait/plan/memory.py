@@ -1,18 +1,22 @@
-"""Memory model: stage partition, mixed-precision Adam states with ZeRO, and activations (Korthikanti 2022)."""
+"""Memory model: model states by precision and ZeRO stage, and activations (Korthikanti 2022 or plait's own)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+from plait.plan import eager
 from plait.plan.config import Cluster, Layout
 from plait.plan.model import Model
+from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_layers: re-exported)
 
-# Mixed-precision Adam (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1):
-# bf16 weights (2 B), fp32 gradient accumulators (4 B, Megatron's main_grad), fp32 master weights
-# and two fp32 moments (12 B): 18 bytes per parameter. ZeRO-1 shards the 12, ZeRO-2 also the 4,
-# ZeRO-3 also the 2, over the data-parallel (× context-parallel) group.
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
+# Bytes per parameter of (weights, gradients, optimizer state). "bf16": mixed-precision Adam as Megatron-LM
+# runs it (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1): bf16 weights (2 B), fp32
+# gradient accumulators (4 B, main_grad), fp32 master weights and two fp32 moments (12 B). "fp32": plait
+# train's default, fp32 weights and gradients and AdamW's two moments. ZeRO-1 shards the optimizer state,
+# ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel (× context-parallel) group.
+STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = STATE_BYTES["bf16"]
+ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
 # Share of a GPU's memory the planner lets a layout use: the rest is the CUDA context, NCCL buffers,
 # the allocator's fragmentation and temporary buffers (workspace of GEMMs, gathered ZeRO-3 layers).
 USABLE_FRACTION = 0.9
@@ -20,7 +24,8 @@ USABLE_FRACTION = 0.9
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes on the most loaded GPU (pipeline rank ``rank``), and what the planner lets it use."""
+    """Bytes on one GPU (pipeline rank ``rank``; the most loaded unless said), and what the planner lets it
+    use."""
 
     weights: float
     grads: float
@@ -35,37 +40,14 @@ class Memory:
         return self.total <= self.usable
 
 
-def head_layers(model: Model) -> float:
-    """The output head's forward FLOPs in units of one layer's (2hV vs the layer's, per token)."""
-    return model.vocab * model.hidden / (model.layer_params(active=True) + 2 * model.seq_len * model.hidden)
+def stage_layers(model: Model, pp: int, virtual: int = 1, schedule: str = "1f1b") -> tuple[int, ...]:
+    """Decoder layers per pipeline rank: the runtime's balanced cut (``pipeline.balance``), the head
+    charged to the last chunk; surplus layers come off the first chunks (see ``plan.stages``)."""
+    return stages(model, pp, virtual, schedule).rank_layers
 
 
-@lru_cache(maxsize=4096)
-def _partition(n_layers: int, pp: int, head: float) -> tuple[int, ...]:
-    extra = [0.0] * (pp - 1) + [head]
-    if pp == 1:
-        return (n_layers,)
-    candidates = sorted({k + e for k in range(1, n_layers + 1) for e in (0.0, head)})
-    for target in candidates:  # smallest feasible max(stage layers + head share)
-        caps = [int(target - e + 1e-9) for e in extra]
-        if min(caps) >= 1 and sum(caps) >= n_layers:
-            break
-    over = sum(caps) - n_layers
-    for i in range(pp):  # take surplus layers off the first stages: they hold the most activations
-        cut = min(over, caps[i] - 1)
-        caps[i] -= cut
-        over -= cut
-    return tuple(caps)
-
-
-def stage_layers(model: Model, pp: int) -> tuple[int, ...]:
-    """Layers per pipeline rank, balancing compute with the head on the last rank.
-
-    Balancing by layer count alone is wrong (SPEC §1): the head of a 128k-vocabulary model costs
-    more than two layers of Llama 3 8B. Surplus layers are removed from the first ranks, which hold
-    the embedding and the most activations (what Llama 3 405B did: Dubey et al. 2024, §3.3.2).
-    """
-    return _partition(model.n_layers, pp, round(head_layers(model), 2))
+def layout_stages(model: Model, layout: Layout) -> Stages:
+    return stages(model, layout.pp, layout.virtual, layout.schedule)
 
 
 def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None = None) -> float:
@@ -95,6 +77,57 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     return sbh * body
 
 
+def extra_activation_bytes(model: Model, layout: Layout, first: bool, last: bool, in_flight: float) -> float:
+    """First stage: the embedding's dropout mask sbh per micro-batch in flight; last stage: the
+    output layer and loss, 4sbh/t·(1 + V/h) for one micro-batch (Korthikanti et al. 2022, §4.3)."""
+    s, b, h, t = model.seq_len / layout.cp, layout.microbatch_size, model.hidden, layout.tp
+    out = 0.0
+    if first:
+        out += s * b * h * in_flight / (t if layout.sequence_parallel else 1)
+    if last:
+        out += 4 * s * b * h / t * (1 + model.vocab / h)
+    return out
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes per micro-batch of one layer, of the first chunk's embedding and of the last chunk's head,
+    plus a working set held once (a recomputed layer, gathered ZeRO-3 weights)."""
+
+    layer: float
+    first: float
+    last: float
+    working: float
+
+    def chunk(self, layers: int, first: bool, last: bool) -> float:
+        """Bytes one micro-batch leaves on a chunk of ``layers`` layers until its backward."""
+        return layers * self.layer + (self.first if first else 0.0) + (self.last if last else 0.0)
+
+
+def activation_model(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16") -> ActivationModel:
+    """Catalogue GPUs: Korthikanti et al.'s count (Megatron-LM's kernels, 16-bit); a calibrated host:
+    plait's eager runtime tensor by tensor (``plan.eager``) at ``precision``."""
+    working = 0.0
+    if layout.zero == 3:  # two gathered layers in flight (the current one and the prefetched next)
+        working += 2 * WEIGHT_BYTES * model.layer_params() / (layout.tp * layout.ep)
+    if cluster.profile is None:
+        if layout.recompute == "full":  # the layer being recomputed holds its full (selective) set once
+            working += activation_bytes_per_layer(model, _with(layout, recompute="selective"))
+        last = 4 * model.seq_len / layout.cp * layout.microbatch_size * model.hidden / layout.tp * (
+            1 + model.vocab / model.hidden)
+        first = model.seq_len / layout.cp * layout.microbatch_size * model.hidden / (
+            layout.tp if layout.sequence_parallel else 1)
+        return ActivationModel(activation_bytes_per_layer(model, layout), first, last, working)
+    sh = eager.local(model, layout)
+    d = ACTIVATION_BYTES[precision]
+    if layout.recompute == "full":
+        working += eager.layer_saved(sh) * d
+        return ActivationModel(eager.checkpoint_saved(sh) * d, 2.0 * sh.tokens,
+                               (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
+    return ActivationModel(eager.layer_saved(sh) * d, eager.embedding_saved(sh) * 4, eager.head_saved(sh) * d,
+                           working)
+
+
 def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
     """(dense, expert) parameters held by one GPU of a pipeline rank with ``layers`` layers."""
     t = layout.tp
@@ -109,52 +142,55 @@ def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: b
     return dense, layers * expert_layer / (t * layout.ep)
 
 
-def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, ...]:
+def rank_params(model: Model, layout: Layout, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters on one GPU of pipeline rank ``rank``."""
+    st = layout_stages(model, layout)
+    return _rank_params(model, layout, st.rank_layers[rank], rank == st.first_rank, rank == st.last_rank)
+
+
+def max_rank_params(model: Model, layout: Layout) -> float:
+    """The most parameters (dense + expert) any GPU holds."""
+    st = layout_stages(model, layout)
+    layers = st.rank_layers
+    kinds = {(layers[r], r == st.first_rank, r == st.last_rank)
+             for r in {st.first_rank, st.last_rank, max(range(layout.pp), key=layers.__getitem__)}}
+    return max(sum(_rank_params(model, layout, *k)) for k in kinds)
+
+
+def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
+                precision: str = "bf16") -> tuple[float, ...]:
     """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp."""
     dense, expert = _rank_params(model, layout, layers, first, last)
     group = layout.dp * layout.cp
     eg = group // layout.ep if model.is_moe else 1
+    w, g, o = STATE_BYTES[precision]
 
     def shard(stage: int) -> float:
         return dense / group + expert / eg if layout.zero >= stage else dense + expert
 
-    return WEIGHT_BYTES * shard(3), GRAD_BYTES * shard(2), OPTIMIZER_BYTES * shard(1)
+    return w * shard(3), g * shard(2), o * shard(1)
 
 
-def extra_activation_bytes(model: Model, layout: Layout, first: bool, last: bool, in_flight: float) -> float:
-    """First stage: the embedding's dropout mask sbh per micro-batch in flight; last stage: the
-    output layer and loss, 4sbh/t·(1 + V/h) for one micro-batch (Korthikanti et al. 2022, §4.3)."""
-    s, b, h, t = model.seq_len / layout.cp, layout.microbatch_size, model.hidden, layout.tp
-    out = 0.0
-    if first:
-        out += s * b * h * in_flight / (t if layout.sequence_parallel else 1)
-    if last:
-        out += 4 * s * b * h / t * (1 + model.vocab / h)
+def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float],
+                precision: str = "bf16") -> list[Memory]:
+    """Memory of every pipeline rank; ``peak[r]`` is the most activation bytes rank r holds at once (from
+    the simulated schedule, ``plan.pipeline``), the working set added once."""
+    st = layout_stages(model, layout)
+    acts = activation_model(model, cluster, layout, precision)
+    usable = USABLE_FRACTION * cluster.gpu.memory
+    out = []
+    for r, layers in enumerate(st.rank_layers):
+        w, g, o = state_bytes(model, layout, layers, r == st.first_rank, r == st.last_rank, precision)
+        act = peak[r] + acts.working
+        out.append(Memory(w, g, o, act, w + g + o + act, r, usable))
     return out
 
 
-def memory(model: Model, cluster: Cluster, layout: Layout, in_flight: list[float]) -> Memory:
-    """Memory of the most loaded GPU; ``in_flight[r]`` is the simulator's peak micro-batches of rank r."""
-    layers = stage_layers(model, layout.pp)
-    per_layer = activation_bytes_per_layer(model, layout)
-    working = 0.0
-    if layout.zero == 3:  # two gathered layers in flight (the current one and the prefetched next)
-        working += 2 * WEIGHT_BYTES * model.layer_params() / (layout.tp * layout.ep)
-    if layout.recompute == "full":  # the layer being recomputed holds its full (selective) set once
-        working += activation_bytes_per_layer(model, Layout(**{**_fields(layout), "recompute": "selective"}))
-    last = layout.pp - 1
-    ranks = {0, last, min(1, last), max(range(layout.pp), key=lambda r: in_flight[r])}
-    best: Memory | None = None
-    for r in sorted(ranks):
-        w, g, o = state_bytes(model, layout, layers[r], r == 0, r == last)
-        act = in_flight[r] * layers[r] * per_layer + working
-        act += extra_activation_bytes(model, layout, r == 0, r == last, in_flight[r])
-        total = w + g + o + act
-        if best is None or total > best.total:
-            best = Memory(w, g, o, act, total, r, USABLE_FRACTION * cluster.gpu.memory)
-    assert best is not None
-    return best
+def memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float], precision: str = "bf16") -> Memory:
+    """Memory of the most loaded GPU (see ``rank_memory``)."""
+    return max(rank_memory(model, cluster, layout, peak, precision), key=lambda m: m.total)
 
 
-def _fields(layout: Layout) -> dict:
-    return {k: getattr(layout, k) for k in layout.__dataclass_fields__}
+def _with(layout: Layout, **changes: object) -> Layout:
+    fields = {k: getattr(layout, k) for k in layout.__dataclass_fields__}
+    return Layout(**{**fields, **changes})

@@ -16,6 +16,8 @@ class Model:
 
     ``bias``/``layernorm``/``learned_positions`` describe GPT-style models (biases in every linear,
     LayerNorm with a bias, a learned position table); Llama-style models leave them False.
+    ``balance_seq_len``: plait cuts a model into pipeline chunks before it sees data, balancing for the
+    model's ``max_seq_len``; give it when that differs from the ``seq_len`` trained (None: the same).
     """
 
     n_layers: int
@@ -33,6 +35,7 @@ class Model:
     layernorm: bool = False
     learned_positions: bool = False
     name: str = "custom"
+    balance_seq_len: int | None = None  # the length the runtime's balanced partition assumes (default seq_len)
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k"):
@@ -105,11 +108,32 @@ class Model:
 
     @classmethod
     def preset(cls, name: str, seq_len: int | None = None) -> Model:
-        """A published model by name (see ``PRESETS``); ``seq_len`` overrides its training length."""
+        """A published model by name (see ``PRESETS``), or one of ``plait train``'s own presets (``tiny``,
+        ``small``: see ``from_llama_config``); ``seq_len`` overrides its training length."""
+        from plait.train.config import PRESETS as TRAIN_PRESETS  # plain dicts, no torch
+
         key = name.lower()
+        if key in TRAIN_PRESETS:
+            return cls.from_llama_config(TRAIN_PRESETS[key], seq_len, name=key)
         if key not in PRESETS:
-            raise ConfigError(f"model: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+            raise ConfigError(f"model: unknown preset {name!r}; valid: {', '.join([*PRESETS, *TRAIN_PRESETS])}")
         return PRESETS[key].with_seq_len(seq_len)
+
+    @classmethod
+    def from_llama_config(cls, cfg: Any, seq_len: int | None = None, name: str = "llama") -> Model:
+        """The shapes of a ``plait.models.LlamaConfig`` (or its ``to_dict()``), trained at ``seq_len``
+        tokens (default its ``max_seq_len``). Missing keys take LlamaConfig's defaults (``ffn_dim``:
+        2/3 of 4·dim rounded up to a multiple of 8). Every layer is a mixture-of-experts layer when
+        ``n_experts > 1`` (``moe_every`` is not modelled)."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        dim, heads = int(get("dim", 64)), int(get("n_heads", 4))
+        ffn = get("ffn_dim") or 8 * ((int(2 * 4 * dim / 3) + 7) // 8)
+        max_len = int(get("max_seq_len", 256))
+        return cls(n_layers=int(get("n_layers", 4)), hidden=dim, n_heads=heads, vocab=int(get("vocab_size", 256)),
+                   seq_len=int(seq_len or max_len), ffn_hidden=int(ffn), n_kv_heads=get("n_kv_heads") or heads,
+                   glu=True, tied_embeddings=bool(get("tie_embeddings", False)),
+                   n_experts=int(get("n_experts", 1)), top_k=int(get("top_k", 1)), name=name,
+                   balance_seq_len=max_len)
 
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:

@@ -1,74 +1,128 @@
-"""The planner's view of a pipeline: bubble and activations in flight, from plait.sim, cached."""
+"""The planner's view of a pipeline: makespan, idle time and activations in flight, from plait.sim, cached."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-# Micro-batch counts above SIM_CAP·pp are not simulated: with uniform stages every schedule here
-# reaches a periodic steady state once M >= pp (one F and one B per rank per period; Narayanan et
-# al. 2021 §2.2), so makespan and peak in-flight micro-batches are affine in M. We simulate two
-# counts M1 ≡ M (mod pp) in [SIM_CAP·pp, (SIM_CAP+1)·pp) and M2 = M1 + pp and extrapolate linearly;
-# tests/test_plan_pipeline.py checks this against the exact simulation.
-SIM_CAP = 2
-# Cost ratios are rounded to this many significant digits before they key the cache.
-RATIO_DIGITS = 2
+# Micro-batch counts above a few pp are not simulated one by one: once M >= pp every schedule here
+# reaches a periodic steady state (one F and one B per rank per period; Narayanan et al. 2021 §2.2), so
+# makespan and peak activations are affine in M. We simulate three counts M1, M1 + pp, M1 + 2·pp with
+# M1 ≡ M (mod pp) in [SIM_CAP·pp, (SIM_CAP+1)·pp), check that every figure is affine in them (else slide
+# the window up by 1, 2, 4, ... pp, then simulate M itself) and extrapolate. Costs are the exact per-chunk
+# seconds, never rounded; tests/test_plan_pipeline.py checks the extrapolation against exact simulations.
+SIM_CAP = 1
+_AFFINE_TOL = 1e-9
 
 
 @dataclass(frozen=True)
 class PipelineProfile:
-    """One pipeline replica's step: ``makespan`` (s), ``bubble_fraction`` and per-rank ``peak`` in
-    micro-batches of a whole stage (as ``plait.sim`` reports them), and ``simulated_m``."""
+    """One pipeline replica's forward/backward part of a step: ``makespan`` (s), per-rank ``busy`` (s),
+    per-rank ``peak`` activations in micro-batches of a whole stage (as ``plait.sim`` counts them),
+    per-rank ``peak_bytes`` (with each chunk's bytes per micro-batch), and the ``simulated_m``."""
 
     makespan: float
-    bubble_fraction: float
+    busy: tuple[float, ...]
     peak: tuple[float, ...]
+    peak_bytes: tuple[float, ...]
     simulated_m: tuple[int, ...]
 
-
-def _round(x: float) -> float:
-    return float(f"{x:.{RATIO_DIGITS}g}") if x else 0.0
+    @property
+    def idle(self) -> float:
+        """Idle time of the average rank: makespan less its busy time."""
+        return self.makespan - sum(self.busy) / len(self.busy)
 
 
 @lru_cache(maxsize=8192)
-def _simulate(name: str, pp: int, m: int, v: int, bwd: float, weight: float | None,
-              p2p: float) -> tuple[float, float, tuple[float, ...]]:
-    """Run the simulator once with forward = 1 (costs are ratios to the forward)."""
+def _simulate(name: str, pp: int, m: int, v: int, fwd: tuple[float, ...], bwd: tuple[float, ...],
+              weight: tuple[float, ...] | None, p2p: float,
+              nbytes: tuple[float, ...]) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """(makespan, peak micro-batches per rank, peak bytes per rank) of one exact simulation: the timing
+    core of ``plait.sim.simulate`` (``schedules.execute``) on a schedule the generators built, so the
+    structural checks ``simulate`` repeats for schedules from elsewhere are skipped."""
+    from plait.schedules.execute import execute
+    from plait.sim import Costs
+
+    sched = schedule(name, pp, m, v)
+    costs = Costs(forward=list(fwd), backward=list(bwd), weight=None if weight is None else list(weight), p2p=p2p)
+    run = execute(sched, costs.durations(sched), p2p)
+    if not run.finished:  # never for a generated schedule; simulate() raises the explanatory error
+        from plait.sim import simulate
+
+        simulate(sched, costs)
+    makespan = max((e[-1] for e in run.ends if e), default=0.0)
+    ones = tuple(1.0 / v for _ in range(pp * v))
+    return float(makespan), _peak_bytes(sched, ones), _peak_bytes(sched, nbytes)
+
+
+@lru_cache(maxsize=1024)
+def schedule(name: str, pp: int, m: int, v: int):
+    """``build_schedule`` cached (the planner never changes a schedule it builds)."""
     from plait.schedules import build_schedule
-    from plait.sim import Costs, simulate
 
-    sched = build_schedule(name, stages=pp, microbatches=m, virtual=v)
-    r = simulate(sched, Costs(forward=1.0, backward=bwd, weight=weight, p2p=p2p))
-    return float(r.makespan), float(r.bubble_fraction), tuple(float(x) for x in r.peak_activations)
+    return build_schedule(name, stages=pp, microbatches=m, virtual=v)
 
 
-def profile(name: str, pp: int, m: int, v: int, forward: float, backward: float,
-            weight: float | None, p2p: float, exact: bool = False) -> PipelineProfile:
-    """Simulate schedule ``name`` with uniform stages costing ``forward``/``backward`` seconds per
-    micro-batch (``weight`` the W part of a split backward, ``p2p`` one transfer).
+def _peak_bytes(sched, nbytes: tuple[float, ...]) -> tuple[float, ...]:
+    """Most bytes each rank holds at once: a chunk's bytes from an F's start to its B's (or W's) end, as
+    ``plait.sim`` counts micro-batches (list order is time order on a rank)."""
+    out = []
+    for row in sched.actions:
+        live = peak = 0.0
+        for kind, chunk, _ in row:
+            if kind == "F":
+                live += nbytes[chunk]
+                peak = max(peak, live)
+            elif kind in ("B", "W"):
+                live -= nbytes[chunk]
+        out.append(peak)
+    return tuple(out)
 
-    ``exact`` simulates the true M (no extrapolation, no rounding of the ratios).
-    """
+
+def profile(name: str, pp: int, m: int, v: int, forward: Sequence[float], backward: Sequence[float],
+            weight: Sequence[float] | None, p2p: float, nbytes: Sequence[float] | None = None,
+            exact: bool = False) -> PipelineProfile:
+    """Simulate schedule ``name`` with per-chunk costs (``forward[c]``, ``backward[c]`` seconds per
+    micro-batch; ``weight[c]`` the W part of a split backward; ``p2p`` one transfer) and ``nbytes[c]``
+    activation bytes one micro-batch leaves on chunk ``c``. ``exact`` simulates the true M."""
+    k = pp * v
+    fwd, bwd = tuple(map(float, forward)), tuple(map(float, backward))
+    w = None if weight is None else tuple(map(float, weight))
+    nb = tuple(map(float, nbytes)) if nbytes is not None else (0.0,) * k
+    placement = _placement(name, pp, v)
+    busy = [0.0] * pp
+    for c in range(k):
+        busy[placement[c]] += m * (fwd[c] + bwd[c])
     if pp == 1:  # no pipeline: micro-batches run one after the other (gradient accumulation)
-        return PipelineProfile(m * (forward + backward), 0.0, (1.0,), ())
-    rnd = (lambda x: x) if exact else _round
-    bwd, p2 = rnd(backward / forward), rnd(p2p / forward)
-    w = None if weight is None else rnd(weight / forward)
+        return PipelineProfile(busy[0], tuple(busy), (1.0,), (sum(nb),), ())
     cap = SIM_CAP * pp
-    if exact or m < cap + pp:
-        span, bubble, peak = _simulate(name, pp, m, v, bwd, w, p2)
-        return PipelineProfile(span * forward, bubble, peak, (m,))
-    m1 = cap + (m - cap) % pp
-    m2 = m1 + pp
-    s1, _, k1 = _simulate(name, pp, m1, v, bwd, w, p2)
-    s2, _, k2 = _simulate(name, pp, m2, v, bwd, w, p2)
-    frac = (m - m1) / pp
-    span = s1 + (s2 - s1) * frac
-    peak = tuple(a + (b - a) * frac for a, b in zip(k1, k2, strict=True))
-    busy = m * (1.0 + bwd)  # per rank, in forward units (a split backward B = I + W)
-    bubble = 1.0 - busy / span if span > 0 else 0.0
-    return PipelineProfile(span * forward, bubble, peak, (m1, m2))
+    if not exact:
+        for slide in (0, 1, 2, 4, 8, 16):  # later windows when the first have not reached steady state
+            m1 = cap + (m - cap) % pp + slide * pp
+            if m < m1 + 2 * pp:
+                break
+            runs = [_simulate(name, pp, mi, v, fwd, bwd, w, p2p, nb) for mi in (m1, m1 + pp, m1 + 2 * pp)]
+            series = [[r[0] for r in runs]] + [[r[j][i] for r in runs] for j in (1, 2) for i in range(pp)]
+            if all(_affine(s) for s in series):
+                frac = (m - m1) / pp
+                ext = [s[0] + (s[1] - s[0]) * frac for s in series]
+                return PipelineProfile(ext[0], tuple(busy), tuple(ext[1:1 + pp]), tuple(ext[1 + pp:]),
+                                       (m1, m1 + pp, m1 + 2 * pp))
+    span, peak, pbytes = _simulate(name, pp, m, v, fwd, bwd, w, p2p, nb)
+    return PipelineProfile(span, tuple(busy), peak, pbytes, (m,))
+
+
+def _affine(s: list[float]) -> bool:
+    return abs((s[2] - s[1]) - (s[1] - s[0])) <= _AFFINE_TOL * max(abs(s[2]), 1e-30)
+
+
+def _placement(name: str, pp: int, v: int) -> tuple[int, ...]:
+    from plait.schedules import loop_placement, v_placement
+
+    return v_placement(pp) if name in ("zbv", "dualpipev") else loop_placement(pp, v)
 
 
 def cache_clear() -> None:
     _simulate.cache_clear()
+    schedule.cache_clear()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from plait.plan import memory as mem
 from plait.plan import timing
 from plait.plan.config import Cluster, Layout, Training, check, microbatches
-from plait.plan.estimate import Estimate, _estimate
+from plait.plan.estimate import SPLIT_BACKWARD, Estimate, _estimate
 from plait.plan.model import Model
 
 MICROBATCH_SIZES = (1, 2, 4)
@@ -93,32 +93,36 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
 
 def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
                   training: Training) -> tuple[float, float]:
-    """(seconds, bytes) no simulation can beat: busy time with no bubble; the model states plus
-    min(pp, M) micro-batches in flight on rank 0 (every schedule here runs that many forwards first)."""
+    """(seconds, bytes) no simulation can beat: the pipeline floor, exposed DP and the optimizer; the
+    first chunk's rank holding its states plus min(pp, M) micro-batches of chunk 0 (every schedule here
+    runs that many forwards of its first chunk before a backward)."""
     m = microbatches(layout, training)
-    costs = timing.stage_costs(model, cluster, layout)
-    dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
-    dp = timing.dp_sync_time(model, cluster, layout, dense + expert)
-    overlap = costs.backward if training.overlap_grad_reduce else 0.0
-    seconds = m * (costs.forward + costs.backward) + max(0.0, dp - overlap) + _bubble_floor(layout, costs)
-    seconds += timing.optimizer_time(cluster, layout, dense + expert)
-    layers0 = mem.stage_layers(model, layout.pp)[0]
-    states = sum(mem.state_bytes(model, layout, layers0, True, layout.pp == 1))
-    act = min(layout.pp, m) * layers0 * mem.activation_bytes_per_layer(model, layout)
-    return seconds, states + act
+    chunks = timing.chunk_costs(model, cluster, layout, training.precision)
+    st = mem.layout_stages(model, layout)
+    params = mem.max_rank_params(model, layout)
+    dp = timing.dp_sync_time(model, cluster, layout, params)
+    overlap = max(c.backward for c in chunks) if training.overlap_grad_reduce else 0.0
+    seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
+    seconds += timing.optimizer_time(model, cluster, layout, params, max(st.rank_layers))
+    r0 = st.first_rank
+    states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision))
+    acts = mem.activation_model(model, cluster, layout, training.precision)
+    first = acts.chunk(st.chunk_layers[0], True, len(st.chunk_layers) == 1)
+    return seconds, states + min(layout.pp, m) * first
 
 
-def _bubble_floor(layout: Layout, costs: timing.StageCosts) -> float:
-    """Idle time no schedule of this kind avoids with free communication, less a 10% margin:
-    (p-1)(F+B)/v for GPipe/1F1B/interleaved/looped (Narayanan et al. 2021, §2.2), (p-1)(F+I-W) for
-    ZB-H1 (Qi et al. 2024, §3); zero for ZB-V. Only used to skip simulations, never as a result."""
-    p, v = layout.pp, layout.virtual
-    if p == 1 or layout.schedule == "zbv":
-        return 0.0
-    f, b, w = costs.forward, costs.backward, costs.weight
-    if layout.schedule == "zb-h1":
-        return 0.9 * (p - 1) * max(0.0, f + (b - w) - w)
-    return 0.9 * (p - 1) * (f + b) / v
+def _pipeline_floor(layout: Layout, st, chunks: list[timing.StageCosts], m: int) -> float:
+    """A makespan no schedule of this kind beats: a rank's busy time, plus the forwards of the chunks
+    before its first (it waits for them on the first micro-batch) and, unless the backward is split
+    (zero-bubble schedules fill that tail with W), their backwards after its last (Narayanan et al. 2021,
+    §2.2: (p-1)(F+B)/v with uniform stages). Only used to skip simulations."""
+    split = layout.schedule in SPLIT_BACKWARD
+    busy = [0.0] * layout.pp
+    before = [0.0]  # before[c]: what the chunks below c cost one micro-batch
+    for c, cost in enumerate(chunks):
+        busy[st.placement[c]] += cost.forward + cost.backward
+        before.append(before[-1] + cost.forward + (0.0 if split else cost.backward))
+    return max(m * busy[r] + before[st.first_chunk[r]] for r in range(layout.pp))
 
 
 def search(model: Model, cluster: Cluster, training: Training, top: int = 5) -> SearchResult:
@@ -156,3 +160,43 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5) -> 
     result.best = [e for _, _, e in sorted(kept, key=lambda k: (-k[0], k[1]))]
     result.smallest_memory = smallest
     return result
+
+
+# Global batches tried when none is given, in tokens: published runs use 4M (GPT-3 175B, Llama 2) to 16M
+# (Llama 3 405B on 16k GPUs) and up to ~60M (DeepSeek-V3's last phase, 15,360 sequences of 4k).
+DEFAULT_BATCH_TOKENS = (4 * 2**20, 8 * 2**20, 16 * 2**20, 32 * 2**20, 64 * 2**20)
+DEFAULT_BATCH_BUBBLE = 0.10
+
+
+@dataclass(frozen=True)
+class BatchChoice:
+    """The global batch ``search_batch`` chose and why (``reason``: one sentence for the user)."""
+
+    global_batch: int
+    reason: str
+    result: SearchResult
+
+
+def search_batch(model: Model, cluster: Cluster, top: int = 5, precision: str = "bf16",
+                 max_bubble: float = DEFAULT_BATCH_BUBBLE) -> BatchChoice:
+    """Search the global batch too: the smallest of ``DEFAULT_BATCH_TOKENS`` (rounded to whole
+    sequences) whose fastest layout keeps the pipeline bubble under ``max_bubble``; a larger batch only
+    buys throughput at some cost in convergence. If none does, the largest that fits."""
+    last: BatchChoice | None = None
+    for tokens in DEFAULT_BATCH_TOKENS:
+        batch = max(1, tokens // model.seq_len)
+        result = search(model, cluster, Training(batch, precision=precision), top=1)  # probe: the best only
+        if result.best and result.best[0].bubble_fraction < max_bubble or tokens == DEFAULT_BATCH_TOKENS[-1]:
+            result = search(model, cluster, Training(batch, precision=precision), top=top)
+        if not result.best:
+            last = last or BatchChoice(batch, f"{batch} sequences ({tokens / 2**20:.0f}M tokens): nothing fits", result)
+            continue
+        bubble = result.best[0].bubble_fraction
+        what = f"{batch} sequences ({batch * model.seq_len / 2**20:.0f}M tokens)"
+        if bubble < max_bubble:
+            return BatchChoice(batch, f"{what}: the smallest published-practice batch (4-64M tokens) whose "
+                                      f"best layout has a bubble under {max_bubble:.0%}", result)
+        last = BatchChoice(batch, f"{what}: the largest published-practice batch (4-64M tokens); none keeps "
+                                  f"the bubble under {max_bubble:.0%}", result)
+    assert last is not None
+    return last

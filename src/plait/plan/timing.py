@@ -1,12 +1,17 @@
-"""Time model: FLOPs, matmul efficiency, ring collectives and the per-micro-batch stage costs."""
+"""Time model: FLOPs, matmul efficiency, collectives and the per-micro-batch costs of every pipeline chunk.
+
+Catalogue GPUs are costed from datasheet peaks with efficiencies fitted on published runs; a calibrated
+host (``Cluster(profile=...)``) from its measured kernel speeds and collective times (``plan.eager``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.plan import eager
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import Cluster, Layout
-from plait.plan.memory import activation_bytes_per_layer, head_layers, stage_layers
+from plait.plan.memory import ACTIVATION_BYTES, activation_bytes_per_layer, layout_stages
 from plait.plan.model import Model
 
 # Matmul efficiency falls for narrow GEMMs: eff = gpu.matmul_efficiency · n/(n + GEMM_HALF), n the
@@ -18,6 +23,10 @@ GEMM_HALF = 40.0
 ELEMENTWISE_TRAFFIC = 0.75
 # Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
 OPTIMIZER_TRAFFIC = 30.0
+# plait's AdamW step in fp32 (torch's single-tensor loop) plus global-norm clipping, per parameter:
+# read p, g, m, v; write p, m, v; a temporary denominator; the norm's read and the clip's scale.
+EAGER_OPTIMIZER_TRAFFIC = 64.0
+EAGER_OPTIMIZER_OPS = 14  # kernels per parameter tensor (weight decay, two moments, bias corrections, ...)
 
 
 def ring_allreduce(nbytes: float, n: int, link: Link) -> float:
@@ -33,6 +42,24 @@ def ring_allgather(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes / (link.bandwidth * LINK_EFFICIENCY) + (n - 1) * link.latency
+
+
+def collective(cluster: Cluster, op: str, nbytes: float, n: int, span: int | None = None) -> float:
+    """Seconds of ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) over ``n`` ranks on a
+    tensor of ``nbytes`` in full; ``span``: how many consecutive ranks the group stretches over (picks
+    NVLink or the network). Measured on a calibrated host, ring formulas on catalogue GPUs."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if cluster.profile is not None:
+        return cluster.section.collective(op, n, nbytes)
+    link = cluster.link(span or n)
+    if op == "all_reduce":
+        return ring_allreduce(nbytes, n, link)
+    if op in ("all_gather", "reduce_scatter"):
+        return ring_allgather(nbytes, n, link)
+    if op == "all_to_all":
+        return nbytes * (n - 1) / n / (link.bandwidth * LINK_EFFICIENCY) + (n - 1) * link.latency
+    return nbytes / (link.bandwidth * LINK_EFFICIENCY) + link.latency  # p2p
 
 
 def matmul_efficiency(gpu: GPU, model: Model, layout: Layout) -> float:
@@ -63,25 +90,40 @@ def model_flops_per_step(model: Model, global_batch: int) -> float:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Seconds per micro-batch on the busiest pipeline rank."""
+    """Seconds per micro-batch of a chunk (or of a rank: the sum of its chunks). ``w_compute`` is the
+    weight-gradient part of ``b_compute`` (the W of zero-bubble schedules)."""
 
-    f_compute: float
-    f_tp: float
-    recompute: float
-    p2p: float
-    layers: int
+    f_compute: float = 0.0
+    b_compute: float = 0.0
+    w_compute: float = 0.0
+    f_tp: float = 0.0
+    b_tp: float = 0.0
+    recompute: float = 0.0
+    p2p: float = 0.0
+    layers: int = 0
 
     @property
     def forward(self) -> float:
         return self.f_compute + self.f_tp
 
     @property
-    def backward(self) -> float:  # 2× forward compute, the same collectives, plus recomputation
-        return 2 * self.f_compute + self.f_tp + self.recompute
+    def backward(self) -> float:
+        return self.b_compute + self.b_tp + self.recompute
 
     @property
-    def weight(self) -> float:  # the W half of a split backward (zero-bubble schedules): no comm
-        return self.f_compute
+    def weight(self) -> float:
+        return self.w_compute
+
+    def __add__(self, other: StageCosts) -> StageCosts:
+        a, b = self, other
+        return StageCosts(a.f_compute + b.f_compute, a.b_compute + b.b_compute, a.w_compute + b.w_compute,
+                          a.f_tp + b.f_tp, a.b_tp + b.b_tp, a.recompute + b.recompute, max(a.p2p, b.p2p),
+                          a.layers + b.layers)
+
+    def times(self, k: float) -> StageCosts:
+        """``k`` of these (``k`` layers), the same point-to-point transfer."""
+        return StageCosts(self.f_compute * k, self.b_compute * k, self.w_compute * k, self.f_tp * k,
+                          self.b_tp * k, self.recompute * k, self.p2p, int(self.layers * k))
 
 
 def _tp_comm_per_layer(model: Model, cluster: Cluster, layout: Layout, tokens: float) -> float:
@@ -98,45 +140,150 @@ def _tp_comm_per_layer(model: Model, cluster: Cluster, layout: Layout, tokens: f
     return out
 
 
-def stage_costs(model: Model, cluster: Cluster, layout: Layout) -> StageCosts:
-    """Forward/backward/recompute/p2p seconds of one micro-batch on the busiest pipeline rank."""
+def _gpu_layer(model: Model, cluster: Cluster, layout: Layout) -> StageCosts:
+    """One layer on a catalogue GPU: FLOPs at the fitted efficiency plus element-wise HBM traffic."""
     gpu, t = cluster.gpu, layout.tp
     tokens = layout.microbatch_size * model.seq_len / layout.cp
-    layers = stage_layers(model, layout.pp)
-    head = head_layers(model)
-    busiest = max(range(layout.pp), key=lambda r: layers[r] + (head if r == layout.pp - 1 else 0))
-    n_layers = layers[busiest]
     speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
-    flops = n_layers * layer_forward_flops(model, tokens, model.seq_len) / t
-    if busiest == layout.pp - 1:
-        flops += head_forward_flops(model, tokens) / t
-    traffic = ELEMENTWISE_TRAFFIC * n_layers * activation_bytes_per_layer(
-        model, _with(layout, recompute="none"))
-    f_compute = flops / speed + traffic / gpu.memory_bandwidth
-    f_tp = n_layers * _tp_comm_per_layer(model, cluster, layout, tokens)
+    traffic = ELEMENTWISE_TRAFFIC * activation_bytes_per_layer(model, _with(layout, recompute="none"))
+    f = layer_forward_flops(model, tokens, model.seq_len) / t / speed + traffic / gpu.memory_bandwidth
+    tp = _tp_comm_per_layer(model, cluster, layout, tokens)
     if layout.recompute == "full":
-        recompute = f_compute + f_tp
+        recompute = f + tp
     elif layout.recompute == "selective":  # QK^T, softmax and AV again (Korthikanti et al. 2022, §5)
-        recompute = n_layers * 4 * tokens * model.seq_len * model.hidden / t / speed
+        recompute = 4 * tokens * model.seq_len * model.hidden / t / speed
     else:
         recompute = 0.0
+    return StageCosts(f, 2 * f, f, tp, tp, recompute, 0.0, 1)
+
+
+def _gpu_head(model: Model, cluster: Cluster, layout: Layout) -> StageCosts:
+    tokens = layout.microbatch_size * model.seq_len / layout.cp
+    speed = cluster.gpu.peak_flops * matmul_efficiency(cluster.gpu, model, layout)
+    f = head_forward_flops(model, tokens) / layout.tp / speed
+    return StageCosts(f, 2 * f, f, recompute=f if layout.recompute == "full" else 0.0)
+
+
+def _work_costs(work: eager.Work, cluster: Cluster, shared: bool) -> StageCosts:
+    """Seconds of an eager block's forward and backward from the host's measured speeds."""
+    sec = cluster.section
+    mm, attn, elem = sec.rates["matmul"], sec.rates["attention"], sec.rates["elementwise"]
+    gemm = sum(flops / mm.at(dim, shared) for flops, dim in work.gemms)
+    att = work.attention / attn.at(work.attention_size, shared) if work.attention else 0.0
+    per_op = work.elem_bytes / work.ops if work.ops else 0.0
+    el = (work.elem_bytes / elem.at(per_op, shared) if work.elem_bytes else 0.0) + work.ops * sec.op_overhead_s
+    nograd = work.nograd_ops * sec.op_overhead_s * elem.forward_share
+    f = gemm + att * attn.forward_share + el * elem.forward_share + nograd
+    b = 2 * gemm + att * (1 - attn.forward_share) + el * (1 - elem.forward_share)
+    return StageCosts(f, b, gemm)
+
+
+def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, precision: str,
+                 shared: bool) -> StageCosts:
+    """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives."""
+    sh = eager.local(model, layout)
+    d = ACTIVATION_BYTES[precision]
+    t, n_bytes = layout.tp, sh.n * d
+    work = {"layer": eager.layer_work, "head": eager.head_work, "embedding": eager.embedding_work}[kind](sh, d)
+    c = _work_costs(work, cluster, shared)
+    if kind == "layer":  # 2 regions: all-reduce out (g) and, in backward, in (f); SP: gather / scatter
+        if sh.sp:
+            f_tp = 2 * (collective(cluster, "all_gather", n_bytes, t) + collective(cluster, "reduce_scatter",
+                                                                                    n_bytes, t))
+            b_tp = f_tp
+        else:
+            f_tp = b_tp = 2 * collective(cluster, "all_reduce", n_bytes, t)
+    elif kind == "head":  # the loss's max and sums ([T] and [2, T]); in backward the input's gradient
+        f_tp = collective(cluster, "all_reduce", 4 * sh.tokens, t) + collective(cluster, "all_reduce",
+                                                                               8 * sh.tokens, t)
+        f_tp += collective(cluster, "all_gather", n_bytes, t) if sh.sp else 0.0
+        b_tp = collective(cluster, "reduce_scatter" if sh.sp else "all_reduce", n_bytes, t)
+    else:  # the embedding's partial rows summed (reduce-scattered under SP)
+        f_tp, b_tp = collective(cluster, "reduce_scatter" if sh.sp else "all_reduce", n_bytes, t), 0.0
+    recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
+    return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
+                      1 if kind == "layer" else 0)
+
+
+def block_costs(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16",
+                shared: bool = False) -> tuple[StageCosts, StageCosts, StageCosts]:
+    """(one layer, the embedding, the head + loss), per micro-batch. ``shared``: on a calibrated host,
+    at the speeds one process gets while every process computes (else while the others wait)."""
+    if cluster.profile is None:
+        return _gpu_layer(model, cluster, layout), StageCosts(), _gpu_head(model, cluster, layout)
+    return tuple(_eager_block(k, model, cluster, layout, precision, shared)  # type: ignore[return-value]
+                 for k in ("layer", "embedding", "head"))
+
+
+def p2p_time(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16") -> float:
+    """One activation (or gradient) sent between pipeline stages: ``[b, s, h]`` scattered over the TP ranks
+    (Narayanan et al. 2021, §4.1); on a calibrated host as measured, the whole tensor (plait sends it)."""
+    if layout.pp == 1:
+        return 0.0
+    tokens = layout.microbatch_size * model.seq_len / layout.cp
+    if cluster.profile is not None:
+        return collective(cluster, "p2p", tokens * model.hidden * ACTIVATION_BYTES[precision], 2)
     link = cluster.link(layout.world)
-    send = tokens * model.hidden * 2 / t  # scatter/gather over the TP ranks (Narayanan et al. §4.1)
-    p2p = send / (link.bandwidth * LINK_EFFICIENCY) + link.latency if layout.pp > 1 else 0.0
-    return StageCosts(f_compute, f_tp, recompute, p2p, n_layers)
+    send = tokens * model.hidden * 2 / layout.tp
+    return send / (link.bandwidth * LINK_EFFICIENCY) + link.latency
+
+
+def chunk_costs(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16",
+                shared: bool = False) -> list[StageCosts]:
+    """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
+    the last), in the runtime's cut."""
+    layer, embed, head = block_costs(model, cluster, layout, precision, shared)
+    st = layout_stages(model, layout)
+    p2p = p2p_time(model, cluster, layout, precision)
+    last = len(st.chunk_layers) - 1
+    made: dict[tuple[int, bool, bool], StageCosts] = {}  # chunks come in a few sizes: cost each once
+    out = []
+    for c, n in enumerate(st.chunk_layers):
+        key = (n, c == 0, c == last)
+        if key not in made:
+            cost = layer.times(n)
+            if c == 0:
+                cost = cost + embed
+            if c == last:
+                cost = cost + head
+            made[key] = StageCosts(cost.f_compute, cost.b_compute, cost.w_compute, cost.f_tp, cost.b_tp,
+                                   cost.recompute, p2p, n)
+        out.append(made[key])
+    return out
+
+
+def rank_costs(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16",
+               shared: bool = False) -> list[StageCosts]:
+    """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
+    chunks = chunk_costs(model, cluster, layout, precision, shared)
+    placement = layout_stages(model, layout).placement
+    out = [StageCosts() for _ in range(layout.pp)]
+    for c, cost in enumerate(chunks):
+        out[placement[c]] = out[placement[c]] + cost
+    return out
+
+
+def stage_costs(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16") -> StageCosts:
+    """Costs of the busiest pipeline rank (most forward + backward time per micro-batch)."""
+    return max(rank_costs(model, cluster, layout, precision), key=lambda c: c.forward + c.backward)
 
 
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
     """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): an
     all-reduce of fp32 gradients (no ZeRO); a reduce-scatter of them plus an all-gather of the
     updated bf16 weights (ZeRO-1); the all-gather only (ZeRO-2: gradients were reduce-scattered per
-    micro-batch); nothing (ZeRO-3: weights are gathered when used)."""
+    micro-batch); nothing (ZeRO-3: weights are gathered when used). On a calibrated host plait's
+    ZeRO-1 all-reduces the fp32 gradients and all-gathers the updated fp32 weights."""
     n = layout.dp * layout.cp
-    link = cluster.link(layout.tp * n)
+    span = layout.tp * n
+    grads = collective(cluster, "all_reduce", 4 * params_on_gpu, n, span)
     if layout.zero == 0:
-        return ring_allreduce(4 * params_on_gpu, n, link)
-    gather = ring_allgather(2 * params_on_gpu, n, link)
-    return {1: ring_allgather(4 * params_on_gpu, n, link) + gather, 2: gather}.get(layout.zero, 0.0)
+        return grads
+    if cluster.profile is not None:
+        return grads + collective(cluster, "all_gather", 4 * params_on_gpu, n, span)
+    gather = collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
+    rs = collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
+    return {1: rs + gather, 2: gather}.get(layout.zero, 0.0)
 
 
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
@@ -146,16 +293,24 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) 
     if layout.zero < 2:
         return 0.0
     n = layout.dp * layout.cp
-    link = cluster.link(layout.tp * n)
-    out = ring_allgather(4 * params_on_gpu, n, link)
-    return out + (2 * ring_allgather(2 * params_on_gpu, n, link) if layout.zero == 3 else 0.0)
+    span = layout.tp * n
+    out = collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
+    return out + (2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span) if layout.zero == 3 else 0.0)
 
 
-def optimizer_time(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
+def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
+                   layers: int = 0) -> float:
+    """The optimizer step over this GPU's (sharded) parameters: Adam streams its state through memory;
+    plait's eager AdamW also pays a few kernels per parameter tensor."""
     shard = layout.dp * layout.cp if layout.zero >= 1 else 1
-    return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
+    if cluster.profile is None:
+        return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
+    sec = cluster.section
+    tensors = layers * eager.param_tensors_per_layer() + 3
+    return (EAGER_OPTIMIZER_TRAFFIC * params_on_gpu / shard / sec.memory_bandwidth
+            + EAGER_OPTIMIZER_OPS * tensors * sec.op_overhead_s * sec.rates["elementwise"].forward_share)
 
 
 def _with(layout: Layout, **changes: object) -> Layout:
-    fields = {k: getattr(layout, k) for k in layout.__dataclass_fields__}
-    return Layout(**{**fields, **changes})
+    fields_ = {k: getattr(layout, k) for k in layout.__dataclass_fields__}
+    return Layout(**{**fields_, **changes})

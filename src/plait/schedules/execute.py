@@ -44,7 +44,7 @@ class Execution:
         return not self.stuck
 
 
-def _deps(kind: str, c: int, mb: int, last: int, m: int) -> list[tuple[int, int, int]]:
+def dependencies(kind: str, c: int, mb: int, last: int, m: int) -> list[tuple[int, int, int]]:
     """(table, key, producing chunk) of each dependency; table 0 = forward ends, 1 = backward ends."""
     if kind == "F":
         return [(0, (c - 1) * m + mb, c - 1)] if c > 0 else []
@@ -87,7 +87,7 @@ def execute(
             kind, c, mb = lst[i]
             begin = t
             miss = None
-            for dep in _deps(kind, c, mb, last, m):
+            for dep in dependencies(kind, c, mb, last, m):
                 done = tables[dep[0]][dep[1]]
                 if done < 0.0:
                     miss = dep

@@ -1,0 +1,171 @@
+"""plait's own eager runtime, tensor by tensor: what autograd saves and which kernels a Llama block runs.
+
+The planner's model of ``plait train`` on a calibrated host (``Cluster(profile=...)``), counted from
+``plait.models.Llama`` under plait's TP plan, per rank and per micro-batch of ``T`` tokens. Sizes in
+elements: ``N = T·h`` (hidden state; ``N/t`` where sequence parallelism shards it), ``Q = T·q`` (this
+rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when tp > n_kv_heads), ``R``
+the keys/values after GQA's repeat (``Q`` when heads repeat, else ``K``), ``F = T·f/t`` (MLP width).
+
+Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
+* RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N, or 2 N/t and
+  the gathered N under SP) plus the ``T`` rsqrt values; twice per layer (the second input is the
+  attention residual);
+* attention: Q after RoPE, K and V as SDPA receives them (``R`` each), its output ``Q`` (which is also
+  the output projection's input), its log-sum-exp ``T·heads``, RoPE's cos and sin ``2·s·d``;
+* SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
+* head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (fp32);
+* full recomputation (a checkpoint per block) keeps each block's input instead.
+
+Kernels: the seven GEMMs of a layer and the head's, SDPA, and the element-wise kernels with the bytes
+they move (a norm reads and writes its ``N`` elements about 7 times, RoPE 10 per rotated element, SwiGLU
+5 per ``F``, a residual add 3); ``plait calibrate`` times the same mix, so its bytes/s apply here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.plan.config import Layout
+from plait.plan.model import Model
+
+# Element traffic (reads + writes, in elements) and kernels of the forward of each element-wise group;
+# plait.calibrate times exactly these groups, so its bytes/s are measured per byte counted here.
+NORM_TRAFFIC, NORM_OPS = 7, 6  # pow, mean, +eps, rsqrt, ·rsqrt, ·weight
+ROPE_TRAFFIC, ROPE_OPS = 10, 5  # ·cos, neg, cat, ·sin, +
+GLU_TRAFFIC, GLU_OPS = 5, 2  # silu, ·up
+RESIDUAL_TRAFFIC, RESIDUAL_OPS = 3, 1
+LINEAR_OPS = 2  # the matmul and its reshapes
+VIEW_OPS = 0.5  # a view or transpose costs about half a kernel's dispatch
+ROPE_TABLE_OPS = 10  # inverse frequencies, positions, outer product, cat, cos, sin: no backward
+
+
+@dataclass(frozen=True)
+class Local:
+    """Sizes on one rank for one micro-batch (elements; see the module docstring)."""
+
+    tokens: float  # T
+    seq: float  # s (local: /cp)
+    hidden: int
+    head_dim: int
+    heads: float  # query heads on this rank
+    kv_heads: float  # KV heads on this rank (replicated when tp > n_kv_heads)
+    ffn: float  # f/t
+    vocab: float  # padded vocabulary / t
+    tp: int
+    sp: bool
+
+    @property
+    def n(self) -> float:
+        return self.tokens * self.hidden
+
+    @property
+    def n_local(self) -> float:  # the hidden state where SP shards it
+        return self.n / self.tp if self.sp else self.n
+
+    @property
+    def q(self) -> float:
+        return self.tokens * self.heads * self.head_dim
+
+    @property
+    def k(self) -> float:
+        return self.tokens * self.kv_heads * self.head_dim
+
+    @property
+    def r(self) -> float:  # K and V as attention receives them
+        return self.q if self.heads > self.kv_heads else self.k
+
+    @property
+    def f(self) -> float:
+        return self.tokens * self.ffn
+
+
+def local(model: Model, layout: Layout) -> Local:
+    t = layout.tp
+    tokens = layout.microbatch_size * model.seq_len / layout.cp
+    vocab = -(-model.vocab // t) * t / t  # padded to a multiple of tp
+    return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
+                 max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
+                 layout.sequence_parallel and t > 1)
+
+
+# ------------------------------------------------------------------------------------------ memory
+def _norm_saved(sh: Local) -> float:
+    return 2 * sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1)
+
+
+def layer_saved(sh: Local) -> float:
+    """Elements one decoder layer saves for backward per micro-batch (no recomputation)."""
+    attention = sh.q + 2 * sh.r + sh.q + sh.tokens * sh.heads + 2 * sh.seq * sh.head_dim
+    return 2 * _norm_saved(sh) + attention + 4 * sh.f
+
+
+def head_saved(sh: Local) -> float:
+    """Final norm and the loss's softmax (plus int64 targets and two masks: ~2.5 elements per token)."""
+    return _norm_saved(sh) + sh.tokens * sh.vocab + 2.5 * sh.tokens
+
+
+def embedding_saved(sh: Local) -> float:
+    """The int64 ids (2 elements' worth each), and the out-of-shard mask with TP."""
+    return sh.tokens * (2.0 + (0.25 if sh.tp > 1 else 0.0))
+
+
+def checkpoint_saved(sh: Local) -> float:
+    """Full recomputation: a checkpointed block keeps only its input."""
+    return sh.n_local
+
+
+# -------------------------------------------------------------------------------------------- time
+@dataclass(frozen=True)
+class Work:
+    """Forward work of one block for one micro-batch: GEMMs as (FLOPs, smallest dimension), attention
+    FLOPs (4·s²·d per head, non-causal count) at size s·d, element-wise bytes and kernels (with backward)
+    and forward-only kernels."""
+
+    gemms: tuple[tuple[float, float], ...] = ()
+    attention: float = 0.0
+    attention_size: float = 1.0
+    elem_bytes: float = 0.0
+    ops: float = 0.0
+    nograd_ops: float = 0.0
+
+
+def _gemm(m: float, n: float, k: float) -> tuple[float, float]:
+    return 2 * m * n * k, min(m, n, k)
+
+
+def layer_work(sh: Local, dtype_bytes: int) -> Work:
+    t, h = sh.tokens, sh.hidden
+    q, kv, f = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim, sh.ffn
+    gemms = (_gemm(t, q, h), _gemm(t, kv, h), _gemm(t, kv, h), _gemm(t, h, q), _gemm(t, f, h), _gemm(t, f, h),
+             _gemm(t, h, f))
+    traffic = 2 * NORM_TRAFFIC * sh.n_local + 2 * RESIDUAL_TRAFFIC * sh.n_local + ROPE_TRAFFIC * (sh.q + sh.k)
+    traffic += GLU_TRAFFIC * sh.f
+    ops = 2 * NORM_OPS + 2 * RESIDUAL_OPS + 2 * ROPE_OPS + GLU_OPS + 7 * LINEAR_OPS + 1  # + SDPA
+    ops += 12 * VIEW_OPS  # q/k/v view + transpose, rotate_half's chunks, output transpose + reshape
+    if sh.heads > sh.kv_heads:  # GQA: K and V repeated to every query head
+        traffic += 2 * (sh.k + sh.r)
+        ops += 2
+    if sh.tp > 1:  # the all-reduce's copy (or SP's gather / reduce-scatter buffers), in and out of 2 regions
+        traffic += 4 * sh.n_local if sh.sp else 4 * sh.n
+        ops += 4
+    attention = 4 * t * sh.seq * q
+    return Work(gemms, attention, sh.seq * sh.head_dim, traffic * dtype_bytes, ops, ROPE_TABLE_OPS)
+
+
+def head_work(sh: Local, dtype_bytes: int) -> Work:
+    """Final norm, the vocabulary-sharded head and the loss (max, shift, exp, sums, log, gather: ~8
+    passes over the local logits, in fp32)."""
+    gemm = _gemm(sh.tokens, sh.vocab, sh.hidden)
+    traffic = NORM_TRAFFIC * sh.n_local * dtype_bytes + 8 * sh.tokens * sh.vocab * 4
+    return Work((gemm,), elem_bytes=traffic, ops=NORM_OPS + LINEAR_OPS + 12, nograd_ops=2)
+
+
+def embedding_work(sh: Local, dtype_bytes: int) -> Work:
+    """The lookup (and with TP the shard mask and the all-reduce's copy)."""
+    extra = 3 if sh.tp > 1 else 0
+    return Work(elem_bytes=(2 + extra) * sh.n * dtype_bytes, ops=2 + extra)
+
+
+def param_tensors_per_layer() -> int:
+    """Parameter tensors of a Llama layer: seven projections and two norms."""
+    return 9

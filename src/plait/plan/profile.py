@@ -1,0 +1,212 @@
+"""A calibrated host (``plait calibrate``): measured kernel speeds and collective times, read and written as TOML.
+
+A profile has one section per process count ``P``: what *one* process gets when ``P`` processes of plait
+run on this host at once, each with the thread count ``plait train`` gives it. Speeds are measured twice:
+``alone`` (the other processes wait) and ``shared`` (all ``P`` compute at once), because processes that
+outnumber the cores share them. Collectives are measured with every group of a size busy at once (as the
+TP groups of a run are), as (bytes, seconds) points. Pure Python: ``plait.calibrate`` measures (torch).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plait.errors import ConfigError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+KERNELS = ("matmul", "attention", "elementwise")
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds of a collective vs bytes (per rank), measured points; linear between, α + β·bytes beyond."""
+
+    bytes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.bytes) != len(self.seconds) or len(self.bytes) < 2:
+            raise ConfigError("profile: a collective needs >= 2 (bytes, seconds) points of equal count")
+        if list(self.bytes) != sorted(self.bytes):
+            raise ConfigError("profile: collective sizes must be increasing")
+
+    @property
+    def latency(self) -> float:
+        """α: the fitted time of an empty message (the smallest size measured, less its bytes' share)."""
+        return max(self.seconds[0] - self.bytes[0] / self.bandwidth, 0.0)
+
+    @property
+    def bandwidth(self) -> float:
+        """1/β: bytes per second between the two largest sizes measured."""
+        db, dt = self.bytes[-1] - self.bytes[-2], self.seconds[-1] - self.seconds[-2]
+        return db / dt if dt > 0 else math.inf
+
+    def __call__(self, nbytes: float) -> float:
+        b, s = self.bytes, self.seconds
+        if nbytes <= b[0]:
+            return s[0] if nbytes > 0 else 0.0
+        if nbytes >= b[-1]:
+            return s[-1] + (nbytes - b[-1]) / self.bandwidth
+        i = bisect.bisect_right(b, nbytes)
+        w = (nbytes - b[i - 1]) / (b[i] - b[i - 1])
+        return s[i - 1] + w * (s[i] - s[i - 1])
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A kernel's speed for one process: ``alone`` and ``shared`` (all P processes at it), per unit of work
+    (FLOP/s for matmul and attention, bytes/s for element-wise kernels), at each measured ``size``."""
+
+    sizes: tuple[float, ...]
+    alone: tuple[float, ...]
+    shared: tuple[float, ...]
+    forward_share: float = 1 / 3  # the forward's part of forward + backward time
+
+    def at(self, size: float, shared: bool) -> float:
+        """Interpolated in log(size); flat beyond the measured sizes."""
+        values = self.shared if shared else self.alone
+        if len(values) == 1 or size <= self.sizes[0]:
+            return values[0]
+        if size >= self.sizes[-1]:
+            return values[-1]
+        i = bisect.bisect_right(self.sizes, size)
+        w = math.log(size / self.sizes[i - 1]) / math.log(self.sizes[i] / self.sizes[i - 1])
+        return values[i - 1] + w * (values[i] - values[i - 1])
+
+
+@dataclass(frozen=True)
+class Section:
+    """What one of ``processes`` processes (``threads`` threads each) gets on this host.
+
+    ``rates``: matmul (FLOP/s; size = the GEMM's smallest dimension), attention (causal, FLOP/s counted
+    as 4·s²·d per head and sequence, non-causal, forward and backward together; size = s·d) and
+    elementwise (forward + backward time per forward byte moved, as ``plan.eager`` counts bytes; size =
+    bytes per kernel). ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward
+    (dispatch, autograd).
+    """
+
+    processes: int
+    threads: int
+    rates: dict[str, Rate]
+    op_overhead_s: float
+    memory_bandwidth: float  # bytes/s of one process streaming large arrays, all processes at once
+    collectives: dict[tuple[str, int], Curve] = field(default_factory=dict)
+
+    def collective(self, op: str, group: int, nbytes: float) -> float:
+        """Seconds of ``op`` over ``group`` ranks moving ``nbytes`` per rank (the input tensor's size)."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        sizes = sorted(g for o, g in self.collectives if o == op)
+        if not sizes:
+            raise ConfigError(f"profile: {op} was not measured; run `plait calibrate` again")
+        g = next((s for s in sizes if s >= group), sizes[-1])  # the nearest measured group at least as big
+        return self.collectives[(op, g)](nbytes)
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """Facts about the host (``host``: hostname, cpu, cores, memory_bytes, torch, backend, device) and the
+    measured ``sections`` by process count."""
+
+    host: dict[str, Any]
+    sections: dict[int, Section]
+
+    @property
+    def name(self) -> str:
+        return str(self.host.get("hostname", "host"))
+
+    @property
+    def cores(self) -> int:
+        return int(self.host.get("cores", 1))
+
+    def section(self, processes: int) -> Section:
+        if processes not in self.sections:
+            have = ", ".join(str(p) for p in sorted(self.sections)) or "none"
+            raise ConfigError(f"processes: the profile of {self.name} measured {have} processes, not "
+                              f"{processes}; run `plait calibrate --processes {processes}`")
+        return self.sections[processes]
+
+    def merged(self, other: HostProfile) -> HostProfile:
+        """This profile with ``other``'s sections added (``other`` wins where both measured)."""
+        return HostProfile({**self.host, **other.host}, {**self.sections, **other.sections})
+
+    # ------------------------------------------------------------------------------------------ TOML
+    def to_toml(self) -> str:
+        lines = [f"# plait calibrate: measured speeds of {self.name}", f"format = {FORMAT}", "", "[host]"]
+        lines += [f"{k} = {_value(v)}" for k, v in sorted(self.host.items())]
+        for p in sorted(self.sections):
+            s = self.sections[p]
+            lines += ["", "[[section]]", f"processes = {s.processes}", f"threads = {s.threads}",
+                      f"op_overhead_s = {_value(s.op_overhead_s)}",
+                      f"memory_bandwidth = {_value(s.memory_bandwidth)}"]
+            for kind in sorted(s.rates):
+                r = s.rates[kind]
+                lines += ["", "[[section.rate]]", f'kind = "{kind}"', f"sizes = {_value(list(r.sizes))}",
+                          f"alone = {_value(list(r.alone))}", f"shared = {_value(list(r.shared))}",
+                          f"forward_share = {_value(r.forward_share)}"]
+            for (op, group), c in sorted(s.collectives.items()):
+                lines += ["", "[[section.collective]]", f'op = "{op}"', f"group = {group}",
+                          f"bytes = {_value(list(c.bytes))}", f"seconds = {_value(list(c.seconds))}"]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "profile") -> HostProfile:
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--cluster {source}: not valid TOML ({exc})") from None
+        if raw.get("format") != FORMAT or "host" not in raw:
+            raise ConfigError(f"--cluster {source}: not a `plait calibrate` profile (format {FORMAT})")
+        try:
+            sections = {int(s["processes"]): _section(s) for s in raw.get("section", [])}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"--cluster {source}: malformed section ({exc})") from None
+        return cls(dict(raw["host"]), sections)
+
+    @classmethod
+    def load(cls, path: str | Path) -> HostProfile:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--cluster {p}: no such file (make one with `plait calibrate --out {p}`)")
+        return cls.from_toml(p.read_text(), str(p))
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(self.to_toml())
+        tmp.replace(p)  # atomic: a reader never sees half a profile
+        return p
+
+
+def _section(s: dict) -> Section:
+    rates = {r["kind"]: Rate(tuple(map(float, r["sizes"])), tuple(map(float, r["alone"])),
+                             tuple(map(float, r["shared"])), float(r["forward_share"])) for r in s.get("rate", [])}
+    missing = set(KERNELS) - set(rates)
+    if missing:
+        raise KeyError(f"rates {sorted(missing)}")
+    curves = {(c["op"], int(c["group"])): Curve(tuple(map(float, c["bytes"])), tuple(map(float, c["seconds"])))
+              for c in s.get("collective", [])}
+    return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
+                   float(s["memory_bandwidth"]), curves)
+
+
+def _value(v: Any) -> str:
+    """A TOML literal for the simple values a profile holds."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v) if isinstance(v, int) or math.isfinite(v) else "nan"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    text = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
