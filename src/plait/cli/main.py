@@ -35,6 +35,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 _COMMAND_MODULES = [
     "plait.cli.simulate",
     "plait.cli.plan",
+    "plait.cli.calibrate",
     "plait.cli.verify",
     "plait.cli.train",
     "plait.cli.generate",

@@ -78,6 +78,9 @@ def train_command(
     sample_tokens: Annotated[int, Opt(help="Length of the sample generated at the end (0: none).")] = 160,
     max_data_mb: Annotated[float, Opt(help="Read at most this many MB of text.")] = 4.0,
     trace_every: Annotated[int, Opt(help="Trace every N-th step to measure the bubble (0: never).")] = 10,
+    cluster: Annotated[str | None, Opt(help="Host profile from `plait calibrate` for the predicted step time, "
+                                            "bubble and memory (default: this host's cached profile, measured "
+                                            "on first use; 'none': no prediction).")] = None,
     config: Annotated[Path | None, Opt(help="TOML file whose keys are these flags' names.")] = None,
 ) -> None:
     from plait.errors import ConfigError

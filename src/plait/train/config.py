@@ -53,6 +53,7 @@ class TrainConfig:
     sample_tokens: int = 160
     max_data_mb: float = 4.0
     trace_every: int = 10
+    cluster: str | None = None  # host profile (plait calibrate) for the prediction; None: cached; "none": off
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -175,6 +176,9 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         check_llama_tp(mcfg, cfg.tp)
     except ConfigError as exc:
         raise ConfigError(f"--tp {cfg.tp} does not fit --model {cfg.model}: {exc}") from None
+    from plait.train.predict import check_cluster
+
+    check_cluster(cfg, world)
     for path in cfg.data:
         if not os.path.exists(path):
             raise ConfigError(f"--data {path}: no such file or directory")

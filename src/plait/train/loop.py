@@ -29,8 +29,12 @@ class TrainResult:
     skipped: list[int] = field(default_factory=list)
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0
-    measured_bubble: float | None = None
-    predicted_bubble: float | None = None
+    measured_bubble: float | None = None  # idle share of the step, measured on the last traced step
+    simulated_bubble: float | None = None  # the same step simulated with its measured action costs
+    predicted_bubble: float | None = None  # the planner's, from the host profile (plait.plan)
+    predicted_step_time_s: float | None = None
+    predicted_memory: list[dict] = field(default_factory=list)  # bytes by kind per pipeline rank
+    measured_memory: list[dict] = field(default_factory=list)  # pm.memory_report() of every rank
     startup_s: float = 0.0
     params: int = 0
 
@@ -47,6 +51,7 @@ class Run:
     tokenizer: object
     params: int
     start: int = 0
+    prediction: object = None  # the planner's Estimate of this run (plait.train.predict), rank 0
 
 
 def build(cfg: TrainConfig, ctx=None) -> Run:
@@ -128,11 +133,15 @@ def train_one(run: Run, step: int, trace: bool) -> tuple[float, float | None]:
     return loss, norm
 
 
-def bubble(run: Run) -> tuple[float, float]:
-    """(measured, simulated-with-measured-costs) bubble of the last traced step (collective over PP)."""
+def bubble(run: Run, step_s: float) -> tuple[float, float]:
+    """(measured, simulated-with-measured-costs) bubble of the last traced step, each the idle share of
+    the step: the average pipeline rank's idle time over the step's ``step_s`` (collective over PP)."""
     report = run.pm.trace_report()
-    s = report.summary()
-    return s["measured_bubble"], s["predicted_bubble"]
+    measured, simulated = report.measured, report.simulated
+    idle = sum(measured.idle) / len(measured.idle) / 1e3  # the trace is in milliseconds
+    sim_idle = sum(simulated.idle) / len(simulated.idle) / 1e3
+    sim_step = step_s - measured.makespan / 1e3 + simulated.makespan / 1e3  # its own pipeline part instead
+    return idle / step_s, sim_idle / sim_step if sim_step > 0 else 0.0
 
 
 @torch.no_grad()
@@ -163,6 +172,7 @@ def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
     t_start = time.perf_counter()
     run = build(cfg, ctx)
     res = TrainResult(params=run.params)
+    _predict(run, res)
     if reporter is not None:
         reporter.begin(run)
     times: list[float] = []
@@ -180,20 +190,58 @@ def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
         if norm is None and not math.isfinite(loss):
             res.skipped.append(step + 1)
         row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-               "step_time_s": dt, "lr": lr, "grad_norm": norm}
+               "step_time_s": dt, "predicted_step_time_s": res.predicted_step_time_s, "lr": lr, "grad_norm": norm,
+               "predicted_bubble": res.predicted_bubble}
         if trace:
-            res.measured_bubble, res.predicted_bubble = bubble(run)
-            row.update(measured_bubble=res.measured_bubble, predicted_bubble=res.predicted_bubble)
+            res.measured_bubble, res.simulated_bubble = bubble(run, dt)
+            row.update(measured_bubble=res.measured_bubble, simulated_bubble=res.simulated_bubble)
         if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
             row["held_out_loss"] = held_out_loss(run)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             res.checkpoint = save(run, step + 1)
+        if step == cfg.steps - 1:
+            _memory(run, res)
+            row["memory"] = {"predicted": res.predicted_memory, "measured": res.measured_memory}
         if reporter is not None:
             reporter.step(row)
     _finish(run, res, times)
     if reporter is not None:
         reporter.end(run, res)
     return res
+
+
+def _predict(run: Run, res: TrainResult) -> None:
+    """The planner's prediction of this run (plait.train.predict), the same on every rank."""
+    import torch.distributed as dist
+
+    from plait.train.predict import host_profile, memory_rows, predict
+
+    profile = host_profile(run.cfg, run.ctx)
+    if run.ctx.rank == 0 and profile is not None:
+        run.prediction = predict(run.cfg, profile)
+    est = run.prediction
+    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est))]
+    if run.ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory = box[0]
+
+
+def _memory(run: Run, res: TrainResult) -> None:
+    """Every rank's measured bytes by kind, when the model reports them (``pm.memory_report()``)."""
+    import torch.distributed as dist
+
+    report = getattr(run.pm, "memory_report", None)
+    if report is None:
+        return
+    ctx = run.ctx
+    mine = {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, **report()}
+    rows: list = [None] * ctx.world_size
+    if ctx.world_size > 1:
+        dist.all_gather_object(rows, mine)
+    else:
+        rows = [mine]
+    res.measured_memory = rows
 
 
 def _finish(run: Run, res: TrainResult, times: list[float]) -> None:

@@ -37,6 +37,11 @@ class Reporter:
             f"data: {c.source} ({c.files} files, {c.train.numel() / 1e6:.2f}M training tokens, "
             f"{c.held_out.numel() / 1e6:.2f}M held out) | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
+        if run.prediction is not None:
+            e = run.prediction
+            self.console.print(f"predicted on {e.cluster.gpu.name} (plait plan, host profile): step "
+                               f"{e.step_time_s * 1e3:,.0f} ms, bubble {e.bubble_fraction:.1%} (idle share of the "
+                               f"step), most loaded rank {e.memory.total / 2**20:,.1f} MiB")
         self._start_bar(run.start)
 
     def _start_bar(self, start: int) -> None:
@@ -52,14 +57,16 @@ class Reporter:
 
     def _info(self, row: dict) -> str:
         m, p = self.bubbles
-        bub = f" | bubble {m:.0%} (sim {p:.0%})" if m is not None else ""
-        return f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s{bub}"
+        bub = f" | bubble {m:.0%}" + (f" (predicted {p:.0%})" if p is not None else "") if m is not None else ""
+        pred = row.get("predicted_step_time_s")
+        ms = f" | {row['step_time_s'] * 1e3:,.0f} ms" + (f" (predicted {pred * 1e3:,.0f})" if pred else "")
+        return f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s{ms}{bub}"
 
     def step(self, row: dict) -> None:
         if not self.active:
             return
         if "measured_bubble" in row:
-            self.bubbles = (row["measured_bubble"], row["predicted_bubble"])
+            self.bubbles = (row["measured_bubble"], row.get("predicted_bubble"))
         self.last = row
         if self.metrics is not None:
             self.metrics.write(json.dumps(row) + "\n")
@@ -77,6 +84,8 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.close()
         self.console.print(summary_table(self.cfg, run, res))
+        if res.predicted_memory:
+            self.console.print(memory_table(res))
         if res.sample is not None:
             from rich.panel import Panel
             from rich.text import Text
@@ -99,11 +108,50 @@ def summary_table(cfg: TrainConfig, run, res):
         ("loss", f"{first:.3f} -> {last:.3f}"),
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
-        ("bubble", f"measured {res.measured_bubble:.1%}, simulated {res.predicted_bubble:.1%}"
-         if res.measured_bubble is not None else "- (no pipeline)"),
+        ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms")),
+        ("bubble", _bubbles(res)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", res.checkpoint or "-"),
     ]
     for k, v in rows:
         t.add_row(k, v)
+    return t
+
+
+def _vs(measured: float, predicted: float | None, scale: float, unit: str) -> str:
+    if predicted is None:
+        return f"measured {measured:,.0f} {unit} (no prediction: --cluster none)"
+    pred = predicted * scale
+    return f"measured {measured:,.0f} {unit}, predicted {pred:,.0f} {unit} (measured/predicted {measured / pred:.2f})"
+
+
+def _bubbles(res) -> str:
+    """Idle share of the step: measured on the last traced step, the same step simulated with its measured
+    costs, and the planner's prediction."""
+    parts = []
+    if res.measured_bubble is not None:
+        parts.append(f"measured {res.measured_bubble:.1%}, simulated from its costs {res.simulated_bubble:.1%}")
+    if res.predicted_bubble is not None:
+        parts.append(f"predicted {res.predicted_bubble:.1%}")
+    return ", ".join(parts) + " (idle share of the step)" if parts else "- (no pipeline traced)"
+
+
+def memory_table(res):
+    """Bytes by kind per pipeline rank: predicted, and measured (the most loaded rank of each stage)."""
+    from rich.table import Table
+
+    mib = 2**20
+    t = Table(title="memory per rank, MiB (predicted / measured)", title_justify="left", header_style="bold")
+    kinds = ("params", "grads", "optimizer", "activations_peak")
+    for col in ("pp rank", *kinds, "total"):
+        t.add_column(col, justify="right")
+    for p in res.predicted_memory:
+        ranks = [m for m in res.measured_memory if m.get("pp_rank") == p["pp_rank"]]
+        cells = []
+        for k in (*kinds, "total"):
+            pred = sum(p[x] for x in kinds) if k == "total" else p[k]
+            meas = max((sum(m.get(x, 0) for x in kinds) if k == "total" else m.get(k, 0)) for m in ranks) \
+                if ranks else None
+            cells.append(f"{pred / mib:,.2f}" + (f" / {meas / mib:,.2f}" if meas is not None else ""))
+        t.add_row(str(p["pp_rank"]), *cells)
     return t

@@ -1,0 +1,142 @@
+"""Kernel timings of one process: GEMMs, causal attention, the element-wise mix of a Llama block, streaming.
+
+Each function returns the rate one call of this process reaches, in the units ``plait.plan.profile``
+documents. They are called either with the other processes waiting (``alone``) or with every process
+running the same function at once (``shared``). Work sizes are kept small so that every figure takes
+tens of milliseconds: the whole calibration stays under a minute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from plait.plan import eager
+
+GEMM_DIMS = (32, 64, 128, 256, 512, 1024)  # the GEMM's smallest dimension
+GEMM_TOKENS = 1024
+ATTENTION_SHAPES = ((64, 32), (128, 32), (256, 32), (256, 64), (512, 64))  # (sequence, head size)
+ATTENTION_TOKENS = 1024  # batch · sequence per call
+ELEMENT_SIZES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)  # elements of the hidden state [T, h]
+TINY = (2, 4, 8)  # [B, S, h] for the fixed cost of a kernel
+BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET_S) -> float:
+    """Median seconds of ``fn`` over about ``budget`` seconds of repeats (two warm-up calls first)."""
+    fn()
+    fn()
+    _sync(device)
+    times: list[float] = []
+    spent = 0.0
+    while spent < budget or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+    times.sort()
+    return times[len(times) // 2]
+
+
+def gemm_rate(dim: int, device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a linear layer's forward and backward, [T, d] × [d, d]ᵀ (3 · 2·T·d² FLOPs)."""
+    x = torch.randn(GEMM_TOKENS, dim, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(dim, dim, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(GEMM_TOKENS, dim, device=device, dtype=dtype)
+
+    def step() -> None:
+        F.linear(x, w).backward(g)
+
+    return 3 * 2 * GEMM_TOKENS * dim * dim / timed(step, device)
+
+
+def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(FLOP/s, forward share) of causal SDPA forward + backward, FLOPs counted as 4·s²·d per head and
+    sequence (non-causal, the planner's count)."""
+    batch = max(1, ATTENTION_TOKENS // seq)
+    heads = 4
+    q, k, v = (torch.randn(batch, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn(batch, heads, seq, head, device=device, dtype=dtype)
+
+    def fwd() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    both = timed(lambda: fwd().backward(g), device)
+    with torch.no_grad():
+        forward = timed(fwd, device)
+    flops = 4 * batch * heads * seq * seq * head
+    return flops / both, min(forward / both, 1.0)
+
+
+class _Mix:
+    """The element-wise kernels of a Llama block on a [B, S, h] hidden state, as ``plan.eager`` counts them:
+    an RMSNorm, RoPE on a head-major view, SwiGLU's silu·up, a residual add, the heads' transpose copy."""
+
+    def __init__(self, b: int, s: int, h: int, device: torch.device, dtype: torch.dtype):
+        heads = max(1, h // 32)
+        self.shape = (b, s, heads, h // heads)
+        self.x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)
+        self.w = torch.ones(h, device=device, dtype=dtype, requires_grad=True)
+        self.cos = torch.randn(s, h // heads, device=device, dtype=dtype)
+        self.sin = torch.randn(s, h // heads, device=device, dtype=dtype)
+        self.n = b * s * h
+
+    def forward(self) -> torch.Tensor:
+        x = self.x
+        y = self.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # RMSNorm
+        q = y.view(self.shape).transpose(1, 2)  # [B, H, S, d], a strided view as in attention
+        x1, x2 = q.chunk(2, dim=-1)
+        r = q * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin  # RoPE
+        r = r.transpose(1, 2).reshape(x.shape)  # the heads' transpose copy
+        return x + F.silu(r) * y  # SwiGLU's silu(gate) · up, the residual add
+
+    @property
+    def traffic(self) -> float:
+        """Elements moved by one forward, counted as ``plan.eager`` counts a layer's."""
+        return (eager.NORM_TRAFFIC + eager.ROPE_TRAFFIC + eager.GLU_TRAFFIC + eager.RESIDUAL_TRAFFIC + 2) * self.n
+
+    @property
+    def ops(self) -> float:
+        return (eager.NORM_OPS + eager.ROPE_OPS + eager.GLU_OPS + eager.RESIDUAL_OPS + 1
+                + 4 * eager.VIEW_OPS)
+
+
+def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds of one small kernel forward plus its backward (dispatch, autograd), from the mix on a tiny
+    tensor."""
+    mix = _Mix(*TINY, device, dtype)
+    return timed(lambda: mix.forward().sum().backward(), device) / mix.ops
+
+
+def elementwise_rate(elements: int, overhead: float, device: torch.device,
+                     dtype: torch.dtype) -> tuple[float, float, float]:
+    """(bytes per kernel, forward + backward bytes/s per forward byte counted, forward share) of the mix
+    on a hidden state of ``elements``, its fixed kernel costs taken off."""
+    h = 256 if elements >= 1 << 15 else 64
+    s = 64
+    mix = _Mix(max(1, elements // (s * h)), s, h, device, dtype)
+    g = torch.ones_like(mix.x)
+    both = timed(lambda: mix.forward().backward(g), device)
+    with torch.no_grad():
+        forward = timed(mix.forward, device)
+    nbytes = mix.traffic * mix.x.element_size()
+    work = max(both - mix.ops * overhead, 0.1 * both)
+    return nbytes / mix.ops, nbytes / work, min(forward / both, 1.0)
+
+
+def stream_bandwidth(device: torch.device) -> float:
+    """Bytes/s of copying a 32 MB fp32 array (read + write), larger than a CPU's caches."""
+    src = torch.randn(8 << 20, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device)

@@ -1,0 +1,133 @@
+"""The rank side of a calibration: every section's kernels (alone, then shared) and collectives."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plait.calibrate import collectives as coll
+from plait.calibrate import kernels as k
+from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section
+
+TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _kernel_steps() -> int:
+    return len(k.GEMM_DIMS) + len(k.ATTENTION_SHAPES) + len(k.ELEMENT_SIZES) + 2
+
+
+def total_steps(counts: list[int]) -> int:
+    """Progress ticks of a calibration of ``counts`` (for the progress bar)."""
+    total = 0
+    for p in counts:
+        total += _kernel_steps() * (2 if p > 1 else 1)
+        total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
+    return total
+
+
+def _threads(processes: int) -> int:
+    from plait.train.loop import worker_threads
+
+    return worker_threads(processes)
+
+
+def _kernels(device: torch.device, tick) -> dict:
+    """This process's kernel figures (see ``plan.profile.Section``)."""
+    dtype = torch.float32
+    out: dict = {"matmul": [], "attention": [], "elementwise": []}
+    for d in k.GEMM_DIMS:
+        out["matmul"].append((float(d), k.gemm_rate(d, device, dtype), 1 / 3))
+        tick(f"matmul {k.GEMM_TOKENS}x{d}x{d}")
+    for s, h in k.ATTENTION_SHAPES:
+        rate, share = k.attention_rate(s, h, device, dtype)
+        out["attention"].append((float(s * h), rate, share))
+        tick(f"attention s={s} d={h}")
+    overhead = k.op_overhead(device, dtype)
+    out["overhead"] = overhead
+    tick("kernel overhead")
+    for n in k.ELEMENT_SIZES:
+        size, rate, share = k.elementwise_rate(n, overhead, device, dtype)
+        out["elementwise"].append((size, rate, share))
+        tick(f"element-wise mix, {n} elements")
+    out["stream"] = k.stream_bandwidth(device)
+    tick("memory bandwidth")
+    return out
+
+
+def _mean_figures(parts: list[dict]) -> dict:
+    """The figures of several processes measured at once, averaged."""
+    out: dict = {}
+    for key in ("matmul", "attention", "elementwise"):
+        rows = zip(*(p[key] for p in parts), strict=True)
+        out[key] = [(r[0][0], sum(x[1] for x in r) / len(r), sum(x[2] for x in r) / len(r)) for r in rows]
+    for key in ("overhead", "stream"):
+        out[key] = sum(p[key] for p in parts) / len(parts)
+    return out
+
+
+def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
+    rates = {}
+    for key in ("matmul", "attention", "elementwise"):
+        pts = sorted(zip(alone[key], shared[key], strict=True), key=lambda ab: ab[0][0])
+        rates[key] = Rate(tuple(a[0] for a, _ in pts), tuple(a[1] for a, _ in pts), tuple(b[1] for _, b in pts),
+                          sum(a[2] for a, _ in pts) / len(pts))
+    return rates
+
+
+def measure_section(p: int, groups: dict, world_group, device: torch.device, tick) -> Section | None:
+    """The section of ``p`` processes (collective over the world); the Section on rank 0, else None."""
+    rank = dist.get_rank()
+    torch.set_num_threads(_threads(p))
+    alone = _kernels(device, tick) if rank == 0 else None
+    dist.barrier(group=world_group)
+    shared = alone
+    if p > 1:
+        mine = _kernels(device, tick if rank == 0 else (lambda what: None)) if rank < p else None
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine, group=world_group)
+        shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
+    curves = coll.curves(p, groups, world_group, device, tick if rank == 0 else (lambda what: None))
+    if rank != 0:
+        return None
+    return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
+                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()})
+
+
+def measure_world(counts: list[int], ticks: str | None = None) -> HostProfile | None:
+    """Entry of each rank of a calibration launch (``plait.distributed.launch.run_world``): initialises
+    the default group if needed, measures every section, returns the profile on rank 0."""
+    from plait.calibrate import host_facts
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    return measure_in_world(counts, ticks, host_facts())
+
+
+def measure_in_world(counts: list[int], ticks: str | None, facts: dict) -> HostProfile | None:
+    """Measure ``counts`` in the current world (every rank calls it; ranks beyond a section wait)."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    world_group = dist.group.WORLD
+    counts = [p for p in counts if p <= dist.get_world_size()]
+    groups = coll.make_groups(counts)
+    rank = dist.get_rank()
+    log = Path(ticks) if ticks and rank == 0 else None
+
+    def tick(what: str) -> None:
+        if log is not None:
+            with log.open("a") as f:
+                f.write(what + "\n")
+
+    threads = torch.get_num_threads()
+    try:
+        sections = {p: measure_section(p, groups, world_group, device, tick) for p in counts}
+    finally:
+        torch.set_num_threads(threads)
+    if rank != 0:
+        return None
+    return HostProfile(dict(facts), {p: s for p, s in sections.items() if s is not None})

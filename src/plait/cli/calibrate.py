@@ -1,0 +1,73 @@
+"""``plait calibrate``: measure this host's kernels and collectives, write the profile plan and train read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+HELP = """Measure this host with plait's own processes and write a cluster profile (TOML).
+
+For each process count (default 1, 2 and 4) it measures what one process gets with the thread count
+`plait train` gives it, alone and with every process busy: matmul, causal attention and element-wise
+FLOP/s or bytes/s, the fixed cost of a kernel, memory bandwidth, and the time of all-reduce, all-gather,
+reduce-scatter, all-to-all and point-to-point over every group size, from 1 KB to 4 MB. Takes under a
+minute. `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by
+default from this host's cached profile, made on first use).
+
+\b
+Examples:
+  plait calibrate --out host.toml
+  plait calibrate --processes 1 --processes 2 --processes 4 --processes 8
+  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 --seq-len 128
+"""
+
+
+def calibrate_command(
+    out: Annotated[Path | None, typer.Option(help="Where to write the profile (default: this host's cache, "
+                                                  "which plait train reads).")] = None,
+    processes: Annotated[list[int] | None, typer.Option(help="Process counts to measure (repeatable; "
+                                                             "default 1, 2, 4).")] = None,
+) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from plait.calibrate import DEFAULT_PROCESSES, calibrate
+
+    counts = tuple(processes or DEFAULT_PROCESSES)
+    if min(counts) < 1:
+        typer.echo("error: --processes: give counts >= 1", err=True)
+        raise typer.Exit(2)
+    console = Console()
+    with Progress(TextColumn("[bold]calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+        task = bar.add_task("launching processes", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        profile, path = calibrate(counts, out, progress)
+    _summary(console, profile, path)
+
+
+def _summary(console, profile, path: Path) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {profile.cores} cores ({path})",
+              header_style="bold")
+    for col in ("processes", "threads", "GEMM GFLOP/s alone", "shared", "attention GFLOP/s", "element-wise GB/s",
+                "kernel µs", "all-reduce 1 MB ms"):
+        t.add_column(col, justify="right")
+    for p in sorted(profile.sections):
+        s = profile.sections[p]
+        mm, att, el = s.rates["matmul"], s.rates["attention"], s.rates["elementwise"]
+        ar = s.collective("all_reduce", p, 1 << 20) * 1e3 if p > 1 else 0.0
+        t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.shared[-1] / 1e9:.1f}",
+                  f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
+                  f"{ar:.2f}" if p > 1 else "-")
+    console.print(t)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate", help=HELP)(calibrate_command)

@@ -1,0 +1,73 @@
+"""What the planner predicts for this run on this host (``plait.plan``), and the host profile it needs.
+
+``--cluster FILE`` names a profile from ``plait calibrate``; by default this host's cached profile is
+used, and when it lacks the run's process count that section is measured first, by the run's own
+processes (a few seconds; cached for the next run). ``--cluster none`` predicts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from plait.train.config import TrainConfig, model_config
+
+OFF = "none"
+
+
+def check_cluster(cfg: TrainConfig, world: int) -> None:
+    """ConfigError naming --cluster if the given profile cannot predict a run of ``world`` processes."""
+    if cfg.cluster in (None, OFF):
+        return
+    from plait.plan.profile import HostProfile
+
+    HostProfile.load(cfg.cluster).section(world)
+
+
+def host_profile(cfg: TrainConfig, ctx):
+    """The HostProfile for this run (collective over the world when it has to be measured), or None."""
+    if cfg.cluster == OFF or os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1"):
+        return None  # turned off, or several hosts: a profile describes one
+    from plait.plan.profile import HostProfile
+
+    if cfg.cluster is not None:
+        return HostProfile.load(cfg.cluster)
+    import torch.distributed as dist
+
+    from plait.calibrate import cache_path, host_facts
+    from plait.calibrate.run import measure_in_world
+
+    facts = host_facts()
+    path = cache_path(facts)
+    world = ctx.world_size
+    cached = HostProfile.load(path) if path.is_file() else None
+    need = [cached is None or world not in cached.sections]
+    if world > 1:
+        dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
+    if not need[0]:
+        return cached
+    measured = measure_in_world([world], None, facts)
+    if ctx.rank == 0 and measured is not None:
+        (cached.merged(measured) if cached else measured).save(path)
+        return measured if cached is None else cached.merged(measured)
+    return None
+
+
+def predict(cfg: TrainConfig, profile):
+    """The planner's Estimate of this run on ``profile`` (step time, bubble, memory of every rank)."""
+    from plait.plan import Model
+    from plait.plan.runs import predict_train, train_layout
+
+    mcfg = model_config(cfg)
+    model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
+    layout, training = train_layout(
+        tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
+        sequence_parallel=cfg.sequence_parallel, recompute=getattr(cfg, "recompute", "none"), zero=cfg.zero,
+        microbatches=cfg.microbatches, batch_size=cfg.batch_size)
+    return predict_train(model, profile, layout, training, precision=cfg.precision)
+
+
+def memory_rows(estimate) -> list[dict]:
+    """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same)."""
+    return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads, "optimizer": m.optimizer,
+             "activations_peak": m.activations} for m in estimate.rank_memory]
