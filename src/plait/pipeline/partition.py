@@ -15,6 +15,9 @@ from torch.utils.checkpoint import checkpoint
 from plait.errors import ConfigError
 from plait.models.llama import Llama
 
+#: activation recomputation the runtime offers: none, or whole layers recomputed in the backward
+RECOMPUTE_MODES = ("none", "full")
+
 
 def model_blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, int]:
     """(named blocks in execution order, index of the first layer, number of layers)."""
