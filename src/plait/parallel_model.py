@@ -32,13 +32,13 @@ class ParallelModel:
     """Train and evaluate a sharded model: ``train_step``, ``eval_step``, full-tensor state dicts."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str, microbatches: int,
-                 virtual_stages: int, sequence_parallel: bool, partition, activation_checkpointing: bool,
+                 virtual_stages: int | None, sequence_parallel: bool, partition, activation_checkpointing: bool,
                  loss: Callable, normaliser: Callable, vocab_size: int | None, precision: str = "fp32"):
         self.ctx, self.microbatches, self.sequence_parallel = ctx, microbatches, sequence_parallel
         self._loss, self._normaliser, self.vocab_size = loss, normaliser, vocab_size
-        virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
+        self.model_config = getattr(model, "config", None)  # the plain model's (e.g. max_seq_len for generate)
         self.schedule: Schedule = build_schedule(schedule, stages=ctx.pp_size, microbatches=microbatches,
-                                                 virtual=virtual)
+                                                 virtual=virtual_stages)
         self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
         self.has_aux = has_aux_losses(model)  # MoE layers: load-balancing losses produced inside chunks
         self.last_aux_loss = 0.0

@@ -43,12 +43,13 @@ class TokenLoss:
         return None
 
 
-def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtual_stages: int,
+def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtual_stages: int | None,
                 loss_fn: Callable | None, tp_plan: dict | None) -> None:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches={microbatches!r} must be a positive integer")
-    if not isinstance(virtual_stages, int) or virtual_stages < 1:
-        raise ConfigError(f"virtual_stages={virtual_stages!r} must be a positive integer")
+    if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
+        raise ConfigError(f"virtual_stages={virtual_stages!r} must be a positive integer, or None for the "
+                          "schedule's default (2 for interleaved-1f1b, looped-bfs, zbv, dualpipev; else 1)")
     check_model_experts(model, ctx.ep_size)
     if isinstance(model, Llama):
         check_llama_tp(model.config, ctx.tp_size)
@@ -61,7 +62,7 @@ def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtu
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", microbatches: int | None = None,
-                virtual_stages: int = 1, sequence_parallel: bool = False, partition="balanced",
+                virtual_stages: int | None = None, sequence_parallel: bool = False, partition="balanced",
                 activation_checkpointing: bool = False, loss_fn: Callable | None = None,
                 tp_plan: dict[str, str] | None = None, precision: str = "fp32") -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
@@ -70,7 +71,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
     the mean loss of one micro-batch; for ``plait.models.Llama`` the default is next-token cross-entropy
     on vocabulary-sharded logits (mean over non-ignored tokens of the global batch). ``precision``:
     "fp32", or "bf16" weights and activations over fp32 master weights and gradients
-    (plait.optim.precision). ``microbatches`` defaults to ``pp`` (1 without pipeline parallelism).
+    (plait.optim.precision). ``microbatches`` defaults to ``pp`` (1 without pipeline parallelism);
+    ``virtual_stages`` (chunks per pipeline rank) to the schedule's own default: 2 for interleaved-1f1b,
+    looped-bfs, zbv and dualpipev, 1 for the others.
 
     A model too large for one device can be built on the meta device (``with torch.device("meta"):
     model = Llama(cfg)``): only this rank's shards are then allocated, uninitialised, and must be filled

@@ -49,11 +49,12 @@ def serve_command(
 ) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, require_extra
     from plait.generate.job import source_config
     from plait.train.launch import JobError, run_or_launch
 
     try:
+        require_extra("serve", ("fastapi", "starlette", "uvicorn"), "plait serve")  # before any other work
         if tp < 1 or pp < 1:
             raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
         if max_batch < 1 or max_queue < 0:

@@ -24,9 +24,7 @@ def generate(model, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
     texts = bool(batch) and isinstance(batch[0], str)
     tok = tokenizer or ByteTokenizer()
     ids = [tok.encode(p) for p in batch] if texts else [list(map(int, p)) for p in batch]
-    config = getattr(model, "config", None) or getattr(model, "model_config", None)
-    limit = config.max_seq_len if config is not None else None
-    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed), max_seq_len=limit)
+    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed))
     result = [tok.decode(o) for o in out] if texts else out
     return result[0] if single else result
 

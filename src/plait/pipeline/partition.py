@@ -17,6 +17,9 @@ from plait.errors import ConfigError
 from plait.models.llama import Llama
 from plait.pipeline.balance import embedding_macs, head_macs, layer_macs, partition_layers
 
+#: activation recomputation the runtime offers: none, or whole layers recomputed in the backward
+RECOMPUTE_MODES = ("none", "full")
+
 
 def model_blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, int]:
     """(named blocks in execution order, index of the first layer, number of layers)."""

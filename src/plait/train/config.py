@@ -25,8 +25,9 @@ class TrainConfig:
     dp: int = 1
     schedule: str = "1f1b"
     microbatches: int = 4
-    virtual_stages: int = 1
+    virtual_stages: int | None = None
     sequence_parallel: bool = False
+    recompute: str = "none"
     model: str = "tiny"
     data: list[str] = field(default_factory=list)
     seq_len: int = 128
@@ -125,8 +126,9 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     from plait.schedules import SCHEDULE_NAMES
 
     for name in ("tp", "pp", "dp", "microbatches", "virtual_stages", "seq_len", "batch_size"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r}: must be a positive integer")
+        value = getattr(cfg, name)
+        if (value is not None or name != "virtual_stages") and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"--{name.replace('_', '-')}={value!r}: must be a positive integer")
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
     if cfg.ep > 1:
@@ -145,6 +147,10 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError("--steps and --checkpoint-every must be >= 0")
     if cfg.schedule not in SCHEDULE_NAMES:
         raise ConfigError(f"--schedule {cfg.schedule!r}: unknown; choose one of {', '.join(SCHEDULE_NAMES)}")
+    from plait.pipeline.partition import RECOMPUTE_MODES
+
+    if cfg.recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"--recompute {cfg.recompute!r}: choose one of {', '.join(RECOMPUTE_MODES)}")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
     if cfg.zero not in (0, 1):
@@ -166,7 +172,13 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     mcfg = model_config(cfg)
     if cfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-    chunks = cfg.pp * cfg.virtual_stages * (2 if cfg.schedule in ("zbv", "dualpipev") else 1)
+    from plait.schedules import build_schedule
+
+    try:
+        chunks = build_schedule(cfg.schedule, cfg.pp, cfg.microbatches, virtual=cfg.virtual_stages).num_stages
+    except ConfigError as exc:
+        raise ConfigError(f"--schedule {cfg.schedule} --pp {cfg.pp} --microbatches {cfg.microbatches} "
+                          f"--virtual-stages {cfg.virtual_stages}: {exc}") from None
     if mcfg.n_layers < chunks:
         raise ConfigError(f"--pp {cfg.pp} (x {chunks // cfg.pp} chunks per rank) needs at least {chunks} layers; "
                           f"--model {cfg.model} has {mcfg.n_layers}")
@@ -182,10 +194,15 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     for path in cfg.data:
         if not os.path.exists(path):
             raise ConfigError(f"--data {path}: no such file or directory")
-    if mcfg.vocab_size < 256 and not _has_tokenizer(cfg.model):
-        raise ConfigError(f"--model {cfg.model}: vocabulary {mcfg.vocab_size} < 256 cannot hold bytes and the "
-                          "folder has no tokenizer.json")
+    _check_tokenizer(cfg.model, mcfg.vocab_size)
 
 
-def _has_tokenizer(model: str) -> bool:
-    return (Path(model) / "tokenizer.json").is_file()
+def _check_tokenizer(model: str, vocab_size: int) -> None:
+    """The text encoding must fit the model's vocabulary (bytes need 256 ids; a tokenizer.json its own)."""
+    from plait.train.data import tokenizer_for
+
+    tok = tokenizer_for(model)
+    if tok.vocab_size > vocab_size:
+        source = "its tokenizer.json" if (Path(model) / "tokenizer.json").is_file() else "bytes (no tokenizer.json)"
+        raise ConfigError(f"--model {model}: vocabulary {vocab_size} cannot hold the {tok.vocab_size} ids of "
+                          f"{source}")

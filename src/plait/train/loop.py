@@ -68,7 +68,8 @@ def build(cfg: TrainConfig, ctx=None) -> Run:
         model = Llama(mcfg)
     params = model.num_parameters()
     pm = plait.parallelize(model, ctx, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                           virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel)
+                           virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel,
+                           activation_checkpointing=cfg.recompute == "full")
     if from_hf:
         from plait.models.hf import HFWeights
         from plait.train.shards import load_local
