@@ -86,15 +86,17 @@ def measure(op: str, nbytes: int, groups: list, processes: int, world_group, dev
     return float(worst[0])
 
 
-def curves(processes: int, groups: dict, world_group, device: torch.device,
-           tick=lambda what: None) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
-    """(op, group size) -> (bytes, seconds) for a section of ``processes`` ranks (collective)."""
+def curves(processes: int, groups: dict, world_group, device: torch.device, tick=lambda what: None,
+           quick: bool = False) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
+    """(op, group size) -> (bytes, seconds) for a section of ``processes`` ranks (collective); ``quick``:
+    every other size."""
+    sizes = SIZES[::2] if quick else SIZES
     out = {}
     for g in group_sizes(processes):
         for op in COLLECTIVES:
             if op == "p2p" and g != 2:
                 continue  # a message between two ranks: pairs only
-            secs = [measure(op, b, groups[(processes, g)], processes, world_group, device) for b in SIZES]
-            out[(op, g)] = ([float(b) for b in SIZES], secs)
+            secs = [measure(op, b, groups[(processes, g)], processes, world_group, device) for b in sizes]
+            out[(op, g)] = ([float(b) for b in sizes], secs)
             tick(f"{op} over {g} of {processes} processes")
     return out

@@ -35,21 +35,22 @@ def _threads(processes: int) -> int:
     return worker_threads(processes)
 
 
-def _kernels(device: torch.device, tick) -> dict:
-    """This process's kernel figures (see ``plan.profile.Section``)."""
+def _kernels(device: torch.device, tick, quick: bool = False) -> dict:
+    """This process's kernel figures (see ``plan.profile.Section``); ``quick``: every other size."""
     dtype = torch.float32
     out: dict = {"matmul": [], "attention": [], "elementwise": []}
-    for d in k.GEMM_DIMS:
+    pick = (lambda sizes: sizes[::2]) if quick else (lambda sizes: sizes)
+    for d in pick(k.GEMM_DIMS):
         out["matmul"].append((float(d), k.gemm_rate(d, device, dtype), 1 / 3))
         tick(f"matmul {k.GEMM_TOKENS}x{d}x{d}")
-    for s, h in k.ATTENTION_SHAPES:
+    for s, h in pick(k.ATTENTION_SHAPES):
         rate, share = k.attention_rate(s, h, device, dtype)
         out["attention"].append((float(s * h), rate, share))
         tick(f"attention s={s} d={h}")
     overhead = k.op_overhead(device, dtype)
     out["overhead"] = overhead
     tick("kernel overhead")
-    for n in k.ELEMENT_SIZES:
+    for n in pick(k.ELEMENT_SIZES):
         size, rate, share = k.elementwise_rate(n, overhead, device, dtype)
         out["elementwise"].append((size, rate, share))
         tick(f"element-wise mix, {n} elements")
@@ -78,19 +79,20 @@ def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
     return rates
 
 
-def measure_section(p: int, groups: dict, world_group, device: torch.device, tick) -> Section | None:
+def measure_section(p: int, groups: dict, world_group, device: torch.device, tick,
+                    quick: bool = False) -> Section | None:
     """The section of ``p`` processes (collective over the world); the Section on rank 0, else None."""
     rank = dist.get_rank()
     torch.set_num_threads(_threads(p))
-    alone = _kernels(device, tick) if rank == 0 else None
+    alone = _kernels(device, tick, quick) if rank == 0 else None
     dist.barrier(group=world_group)
     shared = alone
     if p > 1:
-        mine = _kernels(device, tick if rank == 0 else (lambda what: None)) if rank < p else None
+        mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick) if rank < p else None
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine, group=world_group)
         shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
-    curves = coll.curves(p, groups, world_group, device, tick if rank == 0 else (lambda what: None))
+    curves = coll.curves(p, groups, world_group, device, tick if rank == 0 else (lambda what: None), quick)
     if rank != 0:
         return None
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
@@ -108,8 +110,9 @@ def measure_world(counts: list[int], ticks: str | None = None) -> HostProfile | 
     return measure_in_world(counts, ticks, host_facts())
 
 
-def measure_in_world(counts: list[int], ticks: str | None, facts: dict) -> HostProfile | None:
-    """Measure ``counts`` in the current world (every rank calls it; ranks beyond a section wait)."""
+def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: bool = False) -> HostProfile | None:
+    """Measure ``counts`` in the current world (every rank calls it; ranks beyond a section wait).
+    ``quick`` measures every other size (for tests: a few seconds instead of about ten)."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
         else torch.device("cpu")
     world_group = dist.group.WORLD
@@ -125,7 +128,7 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict) -> HostP
 
     threads = torch.get_num_threads()
     try:
-        sections = {p: measure_section(p, groups, world_group, device, tick) for p in counts}
+        sections = {p: measure_section(p, groups, world_group, device, tick, quick) for p in counts}
     finally:
         torch.set_num_threads(threads)
     if rank != 0:

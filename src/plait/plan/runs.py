@@ -7,17 +7,18 @@ from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
 from plait.plan.profile import HostProfile
 
-TWO_CHUNKS = ("zbv", "dualpipev")
 
-
-def train_layout(*, tp: int, pp: int, dp: int, schedule: str = "1f1b", virtual_stages: int = 1,
+def train_layout(*, tp: int, pp: int, dp: int, schedule: str = "1f1b", virtual_stages: int | None = None,
                  sequence_parallel: bool = False, recompute: str = "none", zero: int = 0, microbatches: int = 1,
                  batch_size: int = 1) -> tuple[Layout, Training]:
     """The planner's Layout and Training of ``plait train``'s options (``batch_size`` sequences over ``dp``
-    replicas, each cut into ``microbatches``). Without a pipeline the schedule only orders gradient
-    accumulation: it is costed as 1F1B; sequence parallelism needs tp > 1 to change anything."""
+    replicas, each cut into ``microbatches``; ``virtual_stages`` None: the schedule's own default).
+    Without a pipeline the schedule only orders gradient accumulation: it is costed as 1F1B; sequence
+    parallelism needs tp > 1 to change anything."""
+    from plait.schedules import build_schedule
+
     mb = max(1, batch_size // (dp * microbatches))
-    virtual = 2 if schedule in TWO_CHUNKS else virtual_stages
+    virtual = build_schedule(schedule, stages=pp, microbatches=microbatches, virtual=virtual_stages).virtual
     if pp == 1:
         schedule, virtual = "1f1b", 1
     layout = Layout(tp=tp, pp=pp, dp=dp, virtual=virtual, microbatch_size=mb,

@@ -2,7 +2,8 @@
 
 ``--cluster FILE`` names a profile from ``plait calibrate``; by default this host's cached profile is
 used, and when it lacks the run's process count that section is measured first, by the run's own
-processes (a few seconds; cached for the next run). ``--cluster none`` predicts nothing.
+processes (every other size of ``plait calibrate``'s, a few seconds; cached for the next run; a later
+``plait calibrate`` replaces it). ``--cluster none`` predicts nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def host_profile(cfg: TrainConfig, ctx):
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
     if not need[0]:
         return cached
-    measured = measure_in_world([world], None, facts)
+    measured = measure_in_world([world], None, facts, quick=True)  # seconds; `plait calibrate` measures more
     if ctx.rank == 0 and measured is not None:
         (cached.merged(measured) if cached else measured).save(path)
         return measured if cached is None else cached.merged(measured)
@@ -62,7 +63,7 @@ def predict(cfg: TrainConfig, profile):
     model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
     layout, training = train_layout(
         tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
-        sequence_parallel=cfg.sequence_parallel, recompute=getattr(cfg, "recompute", "none"), zero=cfg.zero,
+        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, zero=cfg.zero,
         microbatches=cfg.microbatches, batch_size=cfg.batch_size)
     return predict_train(model, profile, layout, training, precision=cfg.precision)
 

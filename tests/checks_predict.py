@@ -1,0 +1,69 @@
+"""Rank side of the prediction test: calibrate this host inside the launch, then time plait's own training
+steps under several layouts beside what the planner predicts for them (world of 4)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+import plait
+from harness import run_checks
+from plait.train import TrainConfig
+from plait.train.loop import build, train_one
+
+# tp/pp/dp, SP, four schedules, recomputation: every one on the 4 processes of the launch
+LAYOUTS = [
+    dict(tp=2, pp=2, dp=1, schedule="1f1b"),
+    dict(tp=1, pp=4, dp=1, schedule="gpipe"),
+    dict(tp=4, pp=1, dp=1, sequence_parallel=True),
+    dict(tp=1, pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2),
+    dict(tp=1, pp=2, dp=2, schedule="zbv"),
+    dict(tp=2, pp=1, dp=2, recompute="full"),
+    dict(tp=1, pp=1, dp=4, zero=1),
+]
+STEPS = 3
+
+
+def _cfg(root: Path, **kw) -> TrainConfig:
+    base = dict(model="tiny", microbatches=4, seq_len=128, batch_size=16, steps=STEPS + 1, eval_every=0,
+                sample_tokens=0, trace_every=0, max_data_mb=0.3, checkpoint_dir=str(root / "ck"), cluster="none")
+    return TrainConfig(**{**base, **kw})
+
+
+def _measure(cfg: TrainConfig) -> float:
+    """Median seconds of a training step (the first, which sets up buffers, is not counted)."""
+    run = build(cfg, plait.init(cfg.tp, cfg.pp, cfg.dp))
+    train_one(run, 0, False)
+    times = []
+    for step in range(1, STEPS + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_one(run, step, False)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def check_predicted_vs_measured(root: Path) -> list[dict]:
+    from plait.calibrate import host_facts
+    from plait.calibrate.run import measure_in_world
+    from plait.train.predict import predict
+
+    plait.init(1, 1, 4)  # the default process group the calibration measures in
+    profile = measure_in_world([4], None, host_facts(), quick=True)
+    out = []
+    for kw in LAYOUTS:
+        cfg = _cfg(root, **kw)
+        measured = _measure(cfg)
+        if dist.get_rank() == 0:
+            est = predict(cfg, profile)
+            out.append({"layout": kw, "measured_s": measured, "predicted_s": est.step_time_s,
+                        "predicted_bubble": est.bubble_fraction})
+    return out
+
+
+def rank_main(root: str) -> dict:
+    root = Path(root)
+    return run_checks([("predict/vs_measured", lambda: check_predicted_vs_measured(root))])

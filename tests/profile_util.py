@@ -1,0 +1,24 @@
+"""A synthetic host profile (plait.plan.profile) for tests that need one but do not test its figures."""
+
+from __future__ import annotations
+
+from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section
+
+
+def synthetic_section(p: int, cores: int = 2) -> Section:
+    """Speeds shaped like a small CPU host: 50 GFLOP/s per core shared among ``p`` processes."""
+    share = min(1.0, cores / p)
+    rates = {
+        "matmul": Rate((32.0, 1024.0), (2e10, 5e10), (2e10 * share, 5e10 * share)),
+        "attention": Rate((2048.0, 32768.0), (1e10, 2e10), (1e10 * share, 2e10 * share), 0.3),
+        "elementwise": Rate((1e4, 4e6), (4e9, 6e9), (4e9 * share, 6e9 * share), 0.35),
+    }
+    curves = {(op, g): Curve((1024.0, 4e6), (5e-5 * g, 5e-5 * g + 4e6 / 2e9))
+              for g in range(2, p + 1) if p % g == 0 for op in COLLECTIVES if op != "p2p" or g == 2}
+    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves)
+
+
+def synthetic_profile(facts: dict | None = None, counts=(1, 2, 4, 8)) -> HostProfile:
+    facts = facts or {"hostname": "testhost", "cpu": "test cpu", "cores": 2, "memory_bytes": 24 * 2**30,
+                      "torch": "2.13.0", "backend": "gloo", "device": "cpu"}
+    return HostProfile(dict(facts), {p: synthetic_section(p, int(facts["cores"])) for p in counts})
