@@ -98,33 +98,57 @@ def _show_schedule(console, best) -> None:
     console.print("\n".join(r.to_ascii(width=100).splitlines()[1:]))  # its own header quotes this part alone
 
 
-def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_json: bool) -> None:
-    from rich.table import Table
-
+def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_json: bool, weights: str) -> None:
     from plait.plan import Workload, plan_inference
 
-    res = plan_inference(model, cluster, Workload(batch, prompt, gen))
+    res = plan_inference(model, cluster, Workload(batch, prompt, gen), weights=weights)
     if as_json:
         typer.echo(json.dumps({"best": res.best.to_dict() if res.best else None,
                                "options": [o.to_dict() for o in res.options]}, indent=1))
         return
-    t = Table(title=f"{model.name} inference on {cluster.n_gpus} × {cluster.gpu.name}: batch {batch}, "
-                    f"prompt {prompt}, {gen} new tokens", header_style="bold")
-    for col in ("layout", "fits", "weights GB", "KV GB", "total GB", "max batch", "max ctx", "ms/token",
-                "TTFT ms", "tok/s", "warning"):
-        t.add_column(col, justify="left" if col in ("layout", "warning") else "right")
-    for o in res.options:
-        t.add_row(o.label, "yes" if o.fits else "no", f"{o.weights_gb:.1f}", f"{o.kv_cache_gb:.1f}",
-                  f"{o.total_gb:.1f}", str(o.max_batch), f"{o.max_context:,}", f"{o.token_latency_ms:.1f}",
-                  f"{o.ttft_ms:.0f}", f"{o.throughput_tok_s:,.0f}", "; ".join(o.warnings))
-    console.print(t)
+    title = (f"{model.name} inference on {cluster.n_gpus} × {cluster.gpu.name}, {weights} weights: batch {batch}, "
+             f"prompt {prompt}, {gen} new tokens")
+    console.print(inference_table(res, title))
     if res.best is None:
         _fail(f"{model.name} fits no serving layout on {cluster.n_gpus} × {cluster.gpu.name}; "
-              f"it needs {2 * model.n_params() / GB:.0f} GB for bf16 weights alone", 1)
+              f"it needs {model.n_params() * WEIGHT_GB[weights]:.0f} GB for {weights} weights alone", 1)
+    for line in inference_verdict(res):
+        console.print(line)
+
+
+WEIGHT_GB = {"bf16": 2e-9, "fp16": 2e-9, "fp8": 1e-9, "int8": 1e-9, "int4": 0.5e-9}
+
+
+def inference_table(res, title: str):
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold")
+    for col in ("layout", "fits", "weights GB", "KV GB", "total GB", "max batch", "max ctx", "ms/token", "TTFT ms",
+                "request s", "tok/s", "TP all-reduce"):
+        t.add_column(col, justify="left" if col in ("layout", "TP all-reduce") else "right")
+    for o in res.options:
+        ar = (f"{o.tp_allreduce_bytes / 1024:,.0f} KiB: {o.tp_allreduce_ms:.1f} ms/token "
+              f"({o.tp_latency_ms:.1f} latency)") if o.tp > 1 else "-"
+        t.add_row(o.label, "yes" if o.fits else "no", f"{o.weights_gb:.1f}", f"{o.kv_cache_gb:.1f}",
+                  f"{o.total_gb:.1f}", str(o.max_batch), f"{o.max_context:,}", f"{o.token_latency_ms:.1f}",
+                  f"{o.ttft_ms:.0f}", f"{o.request_ms / 1e3:.2f}", f"{o.throughput_tok_s:,.0f}", ar)
+    return t
+
+
+def inference_verdict(res) -> list[str]:
+    """The best serving layout and why, in the words ``plait plan`` and ``plait topo`` share."""
     b = res.best
-    console.print(f"best: {b.label} — {b.token_latency_ms:.1f} ms/token "
-                  f"(memory {b.breakdown_ms['memory']:.1f}, TP all-reduce {b.breakdown_ms['tp_comm']:.1f}, "
-                  f"p2p {b.breakdown_ms['p2p']:.1f} ms), {b.throughput_tok_s:,.0f} tok/s")
+    if b is None:
+        return ["nothing fits"]
+    lines = [f"best: {b.label} — {b.request_ms / 1e3:.2f} s per request (TTFT {b.ttft_ms:.0f} ms + "
+             f"{res.workload.gen_len - 1} × {b.token_latency_ms:.1f} ms/token; memory {b.breakdown_ms['memory']:.1f}, "
+             f"p2p {b.breakdown_ms['p2p']:.1f} ms), {b.throughput_tok_s:,.0f} tok/s"]
+    if b.tp > 1:
+        lines.append(f"  its TP all-reduces: 2 per layer of {b.tp_allreduce_bytes / 1024:,.0f} KiB, "
+                     f"{b.tp_allreduce_ms:.1f} ms per token, of which {b.tp_latency_ms:.1f} ms is the latency term "
+                     f"(2(t-1) hops × {res.cluster.link(b.tp).latency * 1e6:.0f} µs on {res.cluster.link(b.tp).name})")
+    lines += [f"  note: {w}" for w in b.warnings]
+    return lines
 
 
 def plan(
@@ -142,6 +166,7 @@ def plan(
     batch: Annotated[int, typer.Option(help="inference: concurrent sequences")] = 1,
     prompt_len: Annotated[int, typer.Option(help="inference: prompt tokens")] = 1024,
     gen_len: Annotated[int, typer.Option(help="inference: generated tokens")] = 256,
+    weights: Annotated[str, typer.Option(help="inference: weights stored as bf16, fp16, fp8, int8 or int4")] = "bf16",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
     show_schedule: Annotated[bool, typer.Option("--show-schedule", help="Gantt of the best")] = False,
     cluster_file: Annotated[Path | None, typer.Option("--cluster", help="a host profile from `plait calibrate`: "
@@ -165,7 +190,7 @@ def plan(
         else:
             cluster = Cluster(gpu, gpus, gpus_per_node, interconnect)
         if inference:
-            _inference(console, m, cluster, batch, prompt_len, gen_len, as_json)
+            _inference(console, m, cluster, batch, prompt_len, gen_len, as_json, weights)
             return
         precision = precision or ("fp32" if cluster_file is not None else "bf16")
         if global_batch:
@@ -199,9 +224,18 @@ def plan(
 
 def topo(
     file: Annotated[Path | None, typer.Option(help="a saved `nvidia-smi topo -m` output to read")] = None,
+    model: Annotated[str, typer.Option(help="the model to serve, for the advice")] = "llama3-8b",
+    gpu: Annotated[str | None, typer.Option(help="GPU type (default: h100-sxm with NVLink, else h100-pcie)")] = None,
+    batch: Annotated[int, typer.Option(help="concurrent sequences")] = 1,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens")] = 1024,
+    gen_len: Annotated[int, typer.Option(help="generated tokens")] = 256,
+    weights: Annotated[str, typer.Option(help="bf16, fp16, fp8, int8 or int4")] = "bf16",
 ) -> None:
-    """Read `nvidia-smi topo -m` (or --file) and say which GPUs suit tensor parallelism."""
-    from plait.plan.topo import advice, parse_topo, read_topo
+    """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
+    `plait plan --inference` recommends on these links (each TP size costed on the link its group uses)."""
+    from plait.errors import ConfigError
+    from plait.plan import Workload
+    from plait.plan.topo import advice, parse_topo, read_topo, serving_advice, tp_groups
 
     text = file.read_text() if file is not None else read_topo()
     if text is None:
@@ -210,11 +244,17 @@ def topo(
         raise typer.Exit(0)
     try:
         t = parse_topo(text)
-    except ValueError as exc:
+        gpu = gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
+        res = serving_advice(t, _model(model, None), gpu, Workload(batch, prompt_len, gen_len), weights)
+    except (ValueError, ConfigError) as exc:
         _fail(str(exc))
     typer.echo(f"{len(t.gpus)} GPUs")
     for line in advice(t):
         typer.echo("• " + line)
+    typer.echo(f"serving {model} on them ({gpu}, batch {batch}, prompt {prompt_len}, {gen_len} new tokens, "
+               f"{weights} weights), as `plait plan --inference` ranks it:")
+    for line in inference_verdict(res):
+        typer.echo("• " + line.strip())
 
 
 def register(app: typer.Typer) -> None:

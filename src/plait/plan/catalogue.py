@@ -35,6 +35,7 @@ class GPU:
     inter: Link
     matmul_efficiency: float
     description: str = ""
+    fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
 
 
 # Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
@@ -71,15 +72,15 @@ GPUS: dict[str, GPU] = {
         GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.68,
             "NVIDIA A100 SXM 80GB"),
         GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.68,
-            "NVIDIA H100 SXM5 80GB"),
+            "NVIDIA H100 SXM5 80GB", fp8=True),
         GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.68,
-            "NVIDIA H100 PCIe 80GB (no NVLink bridge)"),
+            "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True),
         GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.68,
-            "NVIDIA H200 SXM 141GB"),
+            "NVIDIA H200 SXM 141GB", fp8=True),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
-            "NVIDIA B200 (HGX) 180GB"),
+            "NVIDIA B200 (HGX) 180GB", fp8=True),
         GPU("l40s", 362e12, 48 * GiB, 0.864e12, PCIE4, INTERCONNECTS["eth-100"], 0.60,
-            "NVIDIA L40S 48GB (PCIe, no NVLink)"),
+            "NVIDIA L40S 48GB (PCIe, no NVLink)", fp8=True),
         GPU("cpu", 1e12, 64 * GiB, 100 * GB, SHM, INTERCONNECTS["eth-10"], 0.5,
             "generic CPU host (Gloo), for local runs"),
     )

@@ -5,16 +5,21 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from plait.plan.catalogue import GPU, NVLINK4, PCIE5, Link, get_gpu
+from plait.plan.config import Cluster
+from plait.plan.inference import Workload
+from plait.plan.model import Model
 
 # How good each connection type of ``nvidia-smi topo -m`` is for TP's per-layer all-reduces.
 GRADES = {
     "NV": ("good", "NVLink: suits TP"),
     "PIX": ("fair", "one PCIe switch: TP works, slower than NVLink"),
     "PXB": ("fair", "several PCIe switches: TP works, slower than NVLink"),
-    "PHB": ("poor", "through the CPU's PCIe host bridge: avoid TP"),
-    "NODE": ("poor", "across PCIe host bridges in one NUMA node: avoid TP"),
-    "SYS": ("bad", "across NUMA nodes (QPI/UPI): no TP; use PP or DP"),
+    "PHB": ("poor", "through the CPU's PCIe host bridge: TP pays a slow hop"),
+    "NODE": ("poor", "across PCIe host bridges in one NUMA node: TP pays a slow hop"),
+    "SYS": ("bad", "across NUMA nodes (QPI/UPI): the slowest path for TP"),
     "X": ("self", "self"),
 }
 
@@ -85,7 +90,7 @@ def advice(topo: Topology) -> list[str]:
         tp = 1 << (len(big).bit_length() - 1)
         out.append(f"NVLink joins GPUs {big}: tensor parallelism up to tp={tp} inside that group")
     else:
-        out.append("no NVLink between GPUs: prefer pipeline or data parallelism; TP only over PCIe")
+        out.append("no NVLink between GPUs: any tensor parallelism runs over PCIe (whether it pays: see below)")
     worst: dict[str, list[tuple[int, int]]] = {}
     for (i, j), code in sorted(topo.links.items()):
         if i < j and topo.grade(i, j) in ("poor", "bad", "fair"):
@@ -106,3 +111,35 @@ def read_topo() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout if done.returncode == 0 else None
+
+
+# The link a TP group gets, by the worst connection between its GPUs. NVLink and one-switch PCIe are the
+# GPU's own (catalogue); host-bridge and cross-socket hops are rough guesses: half and a quarter of
+# PCIe gen5's bandwidth, with more latency per hop.
+_SLOW = {"poor": Link("PCIe through the host bridge", 32e9, 12e-6),
+         "bad": Link("PCIe across NUMA nodes (QPI/UPI)", 16e9, 20e-6)}
+
+
+def _link(topo: Topology, gpu: GPU, tp: int) -> Link:
+    """The link of a TP group of the first ``tp`` GPUs: its worst pairwise connection."""
+    grades = {topo.grade(i, j) for i in range(tp) for j in range(tp) if i != j}
+    for worst in ("bad", "poor"):
+        if worst in grades:
+            return _SLOW[worst]
+    if "fair" in grades:
+        return gpu.intra if "PCIe" in gpu.intra.name else PCIE5
+    return gpu.intra if "NVLink" in gpu.intra.name else NVLINK4
+
+
+def serving_advice(topo: Topology, model: Model, gpu: str | GPU, workload: Workload, weights: str = "bf16"):
+    """``plan_inference`` on these GPUs, each TP size costed on the link its group would use: the same
+    model and ranking as ``plait plan --inference``."""
+    from plait.plan.inference import InferenceResult, plan_inference, rank
+
+    base = get_gpu(gpu)
+    n = len(topo.gpus)
+    options = []
+    for tp in (d for d in (1, 2, 4, 8, 16) if d <= n and n % d == 0):
+        g = replace(base, intra=_link(topo, base, tp))
+        options += plan_inference(model, Cluster(g, n, gpus_per_node=n), workload, weights, tps=[tp]).options
+    return InferenceResult(rank(options), model, Cluster(base, n, gpus_per_node=n), workload)
