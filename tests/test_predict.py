@@ -12,7 +12,7 @@ import checks_predict
 from harness import result
 from plait.cli.main import app
 from plait.distributed.launch import run_world
-from plait.plan import Cluster, Model
+from plait.plan import Model
 from plait.plan.profile import HostProfile
 from plait.plan.runs import predict_train, train_layout
 from profile_util import synthetic_profile
@@ -80,14 +80,14 @@ def test_predicted_step_time_on_this_machine(world4):
     assert len(rows) == len(checks_predict.LAYOUTS)
     for r in rows:
         ratio = r["measured_s"] / r["predicted_s"]
-        assert 0.5 <= ratio <= 2.0, f"{r['layout']}: measured {r['measured_s']:.3f} s, predicted {r['predicted_s']:.3f} s"
+        assert 0.5 <= ratio <= 2.0, f"{r['layout']}: measured {r['measured_s']:.3f} s, predicted {r['predicted_s']:.3f}"
 
 
 def test_train_calibrates_on_first_use_and_caches(tmp_path):
     env = {**os.environ, "PLAIT_CACHE_DIR": str(tmp_path / "cache")}
-    args = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "2", "--steps", "2", "--seq-len", "32",
-            "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--max-data-mb", "0.3", "--sample-tokens",
-            "0", "--trace-every", "2", "--metrics", "m.jsonl"]
+    args = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "2", "--steps", "2", "--seq-len",
+            "32", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--max-data-mb", "0.3",
+            "--sample-tokens", "0", "--trace-every", "2", "--metrics", "m.jsonl"]
     first = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     cached = list((tmp_path / "cache").glob("host-*.toml"))
