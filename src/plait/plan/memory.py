@@ -12,8 +12,10 @@ from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_l
 # Bytes per parameter of (weights, gradients, optimizer state). "bf16": mixed-precision Adam as Megatron-LM
 # runs it (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1): bf16 weights (2 B), fp32
 # gradient accumulators (4 B, main_grad), fp32 master weights and two fp32 moments (12 B). "fp32": plait
-# train's default, fp32 weights and gradients and AdamW's two moments. ZeRO-1 shards the optimizer state,
-# ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel (× context-parallel) group.
+# train's default, fp32 weights and gradients and AdamW's two moments (8 B). ZeRO-1 shards the optimizer
+# state, which then holds its own fp32 master shard (12 B ÷ d in both precisions, as Megatron's distributed
+# optimizer and plait.optim), ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel
+# (× context-parallel) group.
 STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = STATE_BYTES["bf16"]
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
@@ -34,6 +36,7 @@ class Memory:
     total: float
     rank: int
     usable: float
+    working: float = 0.0  # of ``activations``: held once (a recomputed layer, gathered ZeRO-3 weights)
 
     @property
     def fits(self) -> bool:
@@ -164,6 +167,8 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
     group = layout.dp * layout.cp
     eg = group // layout.ep if model.is_moe else 1
     w, g, o = STATE_BYTES[precision]
+    if layout.zero >= 1:  # sharded, the optimizer keeps its own fp32 master shard (Megatron's, and plait's)
+        o = OPTIMIZER_BYTES
 
     def shard(stage: int) -> float:
         return dense / group + expert / eg if layout.zero >= stage else dense + expert
@@ -182,7 +187,7 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     for r, layers in enumerate(st.rank_layers):
         w, g, o = state_bytes(model, layout, layers, r == st.first_rank, r == st.last_rank, precision)
         act = peak[r] + acts.working
-        out.append(Memory(w, g, o, act, w + g + o + act, r, usable))
+        out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working))
     return out
 
 

@@ -69,6 +69,9 @@ def predict(cfg: TrainConfig, profile):
 
 
 def memory_rows(estimate) -> list[dict]:
-    """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same)."""
+    """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same).
+    ``activations_peak`` counts what autograd saves (as ``pm.memory_report()`` measures it); a layer
+    recomputed under full recomputation briefly holds ``recompute_working`` more."""
     return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads, "optimizer": m.optimizer,
-             "activations_peak": m.activations} for m in estimate.rank_memory]
+             "activations_peak": m.activations - m.working, "recompute_working": m.working}
+            for m in estimate.rank_memory]

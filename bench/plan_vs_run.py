@@ -1,0 +1,128 @@
+"""Benchmark: the planner's predictions against plait's own training runs on this machine.
+
+``plait calibrate`` measures the host, then ``plait train`` runs each layout (tp, pp, dp, SP; gpipe, 1f1b,
+interleaved, zbv; recompute none/full) with ``--cluster`` set to that profile: every step's metrics row
+carries the measured and predicted step time and bubble, and the last row the predicted and measured
+bytes per rank. The rounds alternate (every layout once, then again) so that a change of the machine's
+load touches every layout alike; the median of the steady steps of both rounds is compared.
+Goal: every step time within 15% and every memory figure within 10% of the prediction.
+Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PLAIT = [sys.executable, "-m", "plait.cli.main"]
+COMMON = ["--model", "small", "--seq-len", "128", "--batch-size", "16", "--microbatches", "4", "--eval-every", "0",
+          "--sample-tokens", "0", "--max-data-mb", "0.5", "--trace-every", "3"]
+LAYOUTS = {
+    "single": ["--tp", "1", "--pp", "1"],
+    "tp2": ["--tp", "2", "--pp", "1"],
+    "dp2": ["--tp", "1", "--pp", "1", "--dp", "2"],
+    "pp2 1f1b": ["--tp", "1", "--pp", "2"],
+    "tp2 pp2 1f1b": ["--tp", "2", "--pp", "2"],
+    "tp2 dp2 sp": ["--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel"],
+    "pp4 gpipe": ["--tp", "1", "--pp", "4", "--schedule", "gpipe"],
+    "pp2 dp2 interleaved v2": ["--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "interleaved-1f1b",
+                               "--virtual-stages", "2"],
+    "pp2 dp2 zbv": ["--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "zbv"],
+    "tp2 pp2 recompute": ["--tp", "2", "--pp", "2", "--recompute", "full"],
+    "tp4 sp": ["--tp", "4", "--pp", "1", "--sequence-parallel"],
+}
+QUICK = ("single", "tp2 pp2 1f1b", "pp2 dp2 zbv")
+STEPS = 12
+GOAL_TIME, GOAL_MEMORY = 0.15, 0.10
+KINDS = ("params", "grads", "optimizer", "activations_peak")
+
+
+def load() -> str:
+    return Path("/proc/loadavg").read_text().split(" ")[0] if Path("/proc/loadavg").exists() else "?"
+
+
+def calibrate(out: Path) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(PLAIT + ["calibrate", "--out", str(out)], check=True, capture_output=True, text=True,
+                   timeout=600)
+    return time.perf_counter() - t0
+
+
+def run(name: str, profile: Path, work: Path) -> list[dict]:
+    """The metrics rows of one ``plait train`` of layout ``name``."""
+    metrics = work / f"{name.replace(' ', '_')}.jsonl"
+    args = PLAIT + ["train", *COMMON, *LAYOUTS[name], "--steps", str(STEPS), "--cluster", str(profile),
+                    "--metrics", str(metrics), "--checkpoint-dir", str(work / "ck" / name.replace(" ", "_"))]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=work)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: plait train failed:\n{done.stderr[-2000:]}")
+    return [json.loads(ln) for ln in metrics.read_text().splitlines()]
+
+
+def memory_errors(last: dict) -> list[tuple[str, float, float]]:
+    """(what, predicted, measured) for each kind on each pipeline rank (its most loaded process)."""
+    mem = last.get("memory", {})
+    out = []
+    for pred in mem.get("predicted", []):
+        ranks = [m for m in mem.get("measured", []) if m.get("pp_rank") == pred["pp_rank"]]
+        for k in KINDS:
+            if ranks and k in ranks[0]:
+                out.append((f"pp{pred['pp_rank']} {k}", pred[k], max(m[k] for m in ranks)))
+    return out
+
+
+def summarise(name: str, rounds: list[list[dict]]) -> dict:
+    steady = [r for rows in rounds for r in rows if r["step"] > 2]
+    measured = statistics.median(r["step_time_s"] for r in steady)
+    predicted = steady[0]["predicted_step_time_s"]
+    bubbles = [r["measured_bubble"] for r in steady if r.get("measured_bubble") is not None]
+    mem = memory_errors(rounds[-1][-1])
+    return {"layout": name, "measured_s": measured, "predicted_s": predicted, "ratio": measured / predicted,
+            "measured_bubble": statistics.median(bubbles) if bubbles else None,
+            "predicted_bubble": steady[0].get("predicted_bubble"),
+            "memory": [{"what": w, "predicted": p, "measured": m} for w, p, m in mem]}
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    names = list(QUICK if quick else LAYOUTS)
+    with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
+        work = Path(tmp)
+        env_load = [load()]
+        profile = work / "host.toml"
+        cal_s = calibrate(profile)
+        rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
+        for _ in range(1 if quick else 2):
+            for n in names:
+                rounds[n].append(run(n, profile, work))
+                env_load.append(load())
+    rows = [summarise(n, rounds[n]) for n in names]
+    print(f"calibration {cal_s:.0f} s; load average during the runs: {', '.join(env_load)} (2 cores)")
+    print(f"{'layout':26} {'measured ms':>11} {'predicted':>9} {'ratio':>6} {'bubble meas':>11} {'pred':>6}  memory "
+          f"(worst |error|)")
+    for r in rows:
+        worst = max(r["memory"], key=lambda x: abs(x["measured"] / x["predicted"] - 1) if x["predicted"] else 0,
+                    default=None)
+        mem = (f"{worst['what']}: {worst['measured'] / worst['predicted'] - 1:+.1%}" if worst and worst["predicted"]
+               else "not measured")
+        mb = f"{r['measured_bubble']:.1%}" if r["measured_bubble"] is not None else "-"
+        pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else "-"
+        print(f"{r['layout']:26} {r['measured_s'] * 1e3:>11.0f} {r['predicted_s'] * 1e3:>9.0f} {r['ratio']:>6.2f} "
+              f"{mb:>11} {pb:>6}  {mem}")
+    time_ok = all(abs(r["ratio"] - 1) <= GOAL_TIME for r in rows)
+    mems = [x for r in rows for x in r["memory"] if x["predicted"]]
+    mem_ok = bool(mems) and all(abs(x["measured"] / x["predicted"] - 1) <= GOAL_MEMORY for x in mems)
+    print(f"goal: step time within {GOAL_TIME:.0%}: {'PASS' if time_ok else 'FAIL'}; memory within "
+          f"{GOAL_MEMORY:.0%}: {'PASS' if mem_ok else ('FAIL' if mems else 'not measured')}")
+    print(json.dumps({"load": env_load, "calibration_s": cal_s, "layouts": rows, "time_goal_met": time_ok,
+                      "memory_goal_met": mem_ok, "cores": os.cpu_count()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
