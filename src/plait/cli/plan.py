@@ -47,13 +47,15 @@ def _training_table(result, title: str):
     from rich.table import Table
 
     t = Table(title=title, header_style="bold")
-    for col in ("#", "layout", "step s", "MFU", "TF/s/GPU", "bubble", "memory GB: weights+grads+optim+activ"):
+    small = max(e.memory.total for e in result.best) < GB  # plait's own small runs: MB
+    unit, scale = ("MB", 1e6) if small else ("GB", GB)
+    for col in ("#", "layout", "step s", "MFU", "TF/s/GPU", "bubble", f"memory {unit}: weights+grads+optim+activ"):
         t.add_column(col, justify="left" if col in ("layout", "#") else "right", no_wrap=True)
     for i, e in enumerate(result.best, 1):
         m = e.memory
-        parts = "+".join(f"{x / GB:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations))
-        t.add_row(str(i), e.layout.short(), f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.0f}",
-                  f"{e.bubble_fraction:.1%}", f"{parts} = {m.total / GB:.1f} of {m.usable / GB:.0f}")
+        parts = "+".join(f"{x / scale:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations))
+        t.add_row(str(i), e.layout.short(), f"{e.step_time_s:.3g}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.3g}",
+                  f"{e.bubble_fraction:.1%}", f"{parts} = {m.total / scale:.1f} of {m.usable / scale:,.0f}")
     return t
 
 
@@ -210,7 +212,8 @@ def plan(
                                "pruned": result.pruned, "considered": result.considered, "why": explain(result)}
         typer.echo(json.dumps(out, indent=1))
         return
-    title = (f"{m.name} ({m.n_params() / 1e9:.1f}B, seq {m.seq_len}) on {gpus} × {cluster.gpu.name}, "
+    size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
+    title = (f"{m.name} ({size}, seq {m.seq_len}) on {gpus} × {cluster.gpu.name}, "
              f"{cluster.gpus_per_node}/node; global batch {training.global_batch}, {precision}")
     if batch_note:
         console.print(batch_note)
