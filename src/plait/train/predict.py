@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from plait.errors import ConfigError
 from plait.train.config import TrainConfig, model_config
 
 OFF = "none"
@@ -41,7 +42,10 @@ def host_profile(cfg: TrainConfig, ctx):
     facts = host_facts()
     path = cache_path(facts)
     world = ctx.world_size
-    cached = HostProfile.load(path) if path.is_file() else None
+    try:
+        cached = HostProfile.load(path) if path.is_file() else None
+    except ConfigError:  # an unreadable cache (older format, a torn write): measure again
+        cached = None
     need = [cached is None or world not in cached.sections]
     if world > 1:
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
@@ -49,8 +53,12 @@ def host_profile(cfg: TrainConfig, ctx):
         return cached
     measured = measure_in_world([world], None, facts, quick=True)  # seconds; `plait calibrate` measures more
     if ctx.rank == 0 and measured is not None:
-        (cached.merged(measured) if cached else measured).save(path)
-        return measured if cached is None else cached.merged(measured)
+        profile = measured if cached is None else cached.merged(measured)
+        try:
+            profile.save(path)
+        except OSError:  # an unwritable cache costs the next run a measurement, not this run its prediction
+            pass
+        return profile
     return None
 
 
