@@ -37,7 +37,8 @@ sims = _simulate.cache_info().currsize
 t4 = time.perf_counter(); search(*args); t5 = time.perf_counter()
 b = r.best[0] if r.best else None
 print(json.dumps({"model": name, "gpu": gpu, "gpus": n, "global_batch": batch, "import_s": t1 - t0,
-    "search_cold_s": t3 - t2, "search_cold_cpu_s": c3 - c2, "search_warm_s": t5 - t4, "layouts": r.considered, "simulations": sims,
+    "search_cold_s": t3 - t2, "search_cold_cpu_s": c3 - c2, "search_warm_s": t5 - t4, "layouts": r.considered,
+    "simulations": sims,
     "pruned": r.pruned, "rejected": dict(r.rejected), "best": b.layout.short() if b else None,
     "step_s": b.step_time_s if b else None, "mfu": b.mfu if b else None}))
 """
@@ -62,7 +63,8 @@ def main() -> None:
     rows = [run_case(*c) for c in CASES]
     load = open("/proc/loadavg").read().split()[0] if sys.platform == "linux" else "?"
     print(f"load average {load}; cold = a fresh process (wall and CPU seconds), warm = again in it")
-    print(f"{'model':14} {'gpu':10} {'GPUs':>6} {'layouts':>7} {'sims':>5} {'cold s':>7} {'cpu s':>6} {'warm s':>7}  best")
+    print(f"{'model':14} {'gpu':10} {'GPUs':>6} {'layouts':>7} {'sims':>5} {'cold s':>7} {'cpu s':>6} "
+          f"{'warm s':>7}  best")
     for r in rows:
         print(f"{r['model']:14} {r['gpu']:10} {r['gpus']:>6} {r['layouts']:>7} {r['simulations']:>5} "
               f"{r['search_cold_s']:>7.3f} {r['search_cold_cpu_s']:>6.3f} {r['search_warm_s']:>7.3f}  {r['best']} "

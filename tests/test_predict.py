@@ -46,8 +46,9 @@ def test_plan_reads_a_profile(tmp_path):
 
 
 def test_memory_prediction_counts_plaits_tensors():
-    """fp32 AdamW: 4 + 4 + 8 bytes per parameter; ZeRO-1 keeps 12 (moments and an fp32 master shard) ÷ dp; activations as autograd
-    saves them (plan.eager): one layer of the tiny preset at 4 x 128 tokens holds 20.9 hidden states."""
+    """fp32 AdamW: 4 + 4 + 8 bytes per parameter; ZeRO-1 keeps 12 (moments and an fp32 master shard) ÷ dp;
+    activations as autograd saves them (plan.eager): one layer of the tiny preset at 4 x 128 tokens holds
+    20.9 hidden states."""
     prof = synthetic_profile()
     tiny = Model.preset("tiny", seq_len=128)
     n = tiny.n_params()
