@@ -145,7 +145,7 @@ def check_hf_slices(root: Path) -> dict:
 
 def check_generate(root: Path) -> dict:
     """Greedy and top-k sampled tokens under three layouts and on one device, from a checkpoint and an HF folder."""
-    from plait.generate.job import load_model
+    from plait.generation.job import load_model
 
     prompts = ["def ", "import sys\nclass "]
     out = {}

@@ -31,7 +31,7 @@ def tiny_model(path: Path) -> Path:
 def expected_ids(model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0) -> list[int]:
     """What ``plait generate`` gives for this prompt alone (its library path, on one device)."""
-    from plait.generate.decode import Sampling, generate_ids
+    from plait.generation.decode import Sampling, generate_ids
 
     return generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed))[0]
 

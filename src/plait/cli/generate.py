@@ -39,9 +39,9 @@ def generate_command(
     tp: Annotated[int, Opt(help="Tensor-parallel processes.")] = 1,
     pp: Annotated[int, Opt(help="Pipeline stages (processes).")] = 1,
 ) -> None:
+    from plait.distributed.launch import JobError, run_or_launch
     from plait.errors import ConfigError
-    from plait.generate.job import source_config
-    from plait.train.launch import JobError, run_or_launch
+    from plait.generation.job import source_config
 
     payload = {"model": model, "prompts": prompt or ["def "], "max_new_tokens": max_new_tokens,
                "temperature": temperature, "top_k": top_k, "seed": seed, "tp": tp, "pp": pp}
@@ -49,7 +49,7 @@ def generate_command(
         if tp < 1 or pp < 1:
             raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
         source_config(model)  # fail on a bad --model before launching anything
-        run_or_launch("plait.generate.job:generate_job", payload, tp * pp)
+        run_or_launch("plait.generation.job:generate_job", payload, tp * pp)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

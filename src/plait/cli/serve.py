@@ -49,9 +49,9 @@ def serve_command(
 ) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from plait.distributed.launch import JobError, run_or_launch
     from plait.errors import ConfigError
-    from plait.generate.job import source_config
-    from plait.train.launch import JobError, run_or_launch
+    from plait.generation.job import source_config
 
     try:
         if tp < 1 or pp < 1:

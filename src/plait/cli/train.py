@@ -106,8 +106,8 @@ def _resolve(ctx: typer.Context, config: Path | None):
 
 
 def _run(cfg) -> None:
+    from plait.distributed.launch import JobError, launch, under_torchrun
     from plait.train import train_job, validate
-    from plait.train.launch import JobError, launch, under_torchrun
 
     if under_torchrun():
         train_job(cfg.to_dict())
