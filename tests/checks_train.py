@@ -156,7 +156,19 @@ def check_generate(root: Path) -> dict:
             out[f"{Path(source).name}/{name}"] = [
                 plait.generate(model, prompts, max_new_tokens=12, tokenizer=tok),
                 plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5, tokenizer=tok)]
+            out[f"{Path(source).name}/{name}/too_long"] = _too_long(model, tok)
     return out
+
+
+def _too_long(model, tok) -> str | None:
+    """The error of a prompt + max_new_tokens one past the context (None if nothing was raised)."""
+    from plait.generation.decode import context_length
+
+    try:
+        plait.generate(model, "def ", max_new_tokens=context_length(model) - 3, tokenizer=tok)
+    except plait.ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def check_nonfinite(root: Path) -> dict:

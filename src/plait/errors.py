@@ -31,3 +31,17 @@ class FieldError(ConfigError):
 def flag_message(exc: ConfigError) -> str:
     """A ConfigError's message as the command line should say it (flags instead of field names)."""
     return exc.as_flag() if isinstance(exc, FieldError) else str(exc)
+
+
+class MissingExtraError(ConfigError):
+    """An optional feature is used without its extra installed; the message says which extra to install."""
+
+
+def require_extra(extra: str, modules: tuple[str, ...], feature: str) -> None:
+    """Raise MissingExtraError naming ``pip install 'plait[extra]'`` if any of ``modules`` cannot be imported."""
+    from importlib.util import find_spec
+
+    missing = [m for m in modules if find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                                f"not installed: pip install 'plait[{extra}]'")

@@ -50,10 +50,11 @@ def serve_command(
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from plait.distributed.launch import JobError, run_or_launch
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, require_extra
     from plait.generation.job import source_config
 
     try:
+        require_extra("serve", ("fastapi", "starlette", "uvicorn"), "plait serve")  # before any other work
         if tp < 1 or pp < 1:
             raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
         if max_batch < 1 or max_queue < 0:

@@ -46,9 +46,12 @@ def train_command(
     schedule: Annotated[str, Opt(help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, "
                                       "dualpipev.")] = "1f1b",
     microbatches: Annotated[int, Opt(help="Micro-batches per step (pipeline depth).")] = 4,
-    virtual_stages: Annotated[int, Opt(help="Chunks per pipeline rank (interleaved schedules).")] = 1,
+    virtual_stages: Annotated[int | None, Opt(help="Chunks per pipeline rank V (default 1; 2 for interleaved-1f1b, "
+                                                   "looped-bfs, zbv, dualpipev).")] = None,
     sequence_parallel: Annotated[bool, Opt(help="Shard norms/residuals along the sequence between TP "
                                                 "regions.")] = False,
+    recompute: Annotated[str, Opt(help="Activation recomputation: none, or full (each layer's activations "
+                                       "recomputed in the backward; less memory, more time).")] = "none",
     model: Annotated[str, Opt(help="tiny, small, or a Hugging Face Llama folder.")] = "tiny",
     data: Annotated[list[str] | None, Opt(help="Text files or folders (repeatable); default: the Python "
                                                "standard library's sources.")] = None,
@@ -93,16 +96,20 @@ def train_command(
 
 def _resolve(ctx: typer.Context, config: Path | None):
     """Defaults < TOML file < flags given on the command line."""
-    from click.core import ParameterSource
-
     from plait.train.config import TrainConfig, field_names, read_toml
 
     values = read_toml(config) if config is not None else {}
     for name in field_names():
-        if name in ctx.params and (ctx.get_parameter_source(name) != ParameterSource.DEFAULT or name not in values):
+        if name in ctx.params and (_given(ctx, name) or name not in values):
             values[name] = ctx.params[name]
     values["data"] = list(values.get("data") or [])
     return TrainConfig.from_dict(values)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` came from the command line (or the environment), not its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _run(cfg) -> None:

@@ -36,7 +36,10 @@ def verify_command(
     schedule: str = typer.Option("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, "
                                  "zb-h1, zbv, dualpipev."),
     microbatches: int = typer.Option(8, help="Micro-batches per step (per data-parallel replica)."),
-    virtual_stages: int = typer.Option(1, "--virtual-stages", help="Chunks per pipeline rank (interleaved)."),
+    virtual_stages: int | None = typer.Option(None, "--virtual-stages", help="Chunks per pipeline rank V "
+                                              "(default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev)."),
+    recompute: str = typer.Option("none", "--recompute", help="Activation recomputation: none, or full (each "
+                                  "layer's activations recomputed in the backward; less memory, more time)."),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Shard norms/residuals along "
                                            "the sequence between TP regions."),
     tied: bool = typer.Option(False, "--tied", help="Tie the input embedding and the output head."),
@@ -56,7 +59,8 @@ def verify_command(
     from plait.verify import VerifyConfig, check, verify
 
     cfg = VerifyConfig(tp=tp, pp=pp, dp=dp, schedule=schedule, microbatches=microbatches,
-                       virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, tie_embeddings=tied,
+                       virtual_stages=virtual_stages, recompute=recompute, sequence_parallel=sequence_parallel,
+                       tie_embeddings=tied,
                        n_layers=layers, batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k,
                        ep=ep, expert_tp=expert_tp)
     console = Console()

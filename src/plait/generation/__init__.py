@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
-
 from plait.generation.decode import Decoder, Sampling, generate_ids, sample
 
 __all__ = ["Decoder", "Sampling", "generate", "generate_ids", "sample"]
@@ -30,8 +28,6 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
     texts = bool(batch) and isinstance(batch[0], str)
     tok = tokenizer or ByteTokenizer()
     ids = [tok.encode(p) for p in batch] if texts else [list(map(int, p)) for p in batch]
-    config = model.config if isinstance(model, nn.Module) else getattr(model, "model_config", None)
-    limit = getattr(config, "max_seq_len", None)
-    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed), max_seq_len=limit)
+    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed))  # checks the context
     result = [tok.decode(o) for o in out] if texts else out
     return result[0] if single else result

@@ -104,6 +104,12 @@ class Decoder:
         return full_logits(x[:, -1], self.ctx, self.vocab)
 
 
+def context_length(model) -> int | None:
+    """The longest sequence ``model`` (a plain model or a ParallelModel) was built for, if it says."""
+    config = getattr(model, "model_config", None) or getattr(model, "config", None)  # ParallelModel, plain model
+    return getattr(config, "max_seq_len", None)
+
+
 def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int | None = None,
                  trace: list | None = None) -> list[list[int]]:
     """New token ids for each prompt (the same on every rank). Prompts may differ in length.
@@ -116,7 +122,8 @@ def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int 
         raise ConfigError("every prompt needs at least one token")
     lengths = [len(p) for p in prompts]
     total = max(lengths) + s.max_new_tokens
-    if max_seq_len is not None and total > max_seq_len:
+    max_seq_len = context_length(model) if max_seq_len is None else max_seq_len
+    if max_seq_len is not None and total > max_seq_len:  # checked on every rank, before any collective
         raise ConfigError(f"prompt + max_new_tokens = {total} exceeds the model's max_seq_len {max_seq_len}")
     buf = torch.zeros(len(prompts), total, dtype=torch.long)
     is_prompt = torch.zeros_like(buf, dtype=torch.bool)

@@ -216,10 +216,15 @@ def _validate_model(cfg: TrainConfig) -> None:
             raise ConfigError(f"--ep {par.ep}{' --expert-tp' if par.expert_tp else ''} needs a mixture-of-experts "
                               "model: pass --experts E (E >= 2) or a Mixtral folder")
         check_experts(mcfg.n_experts, par.ep)
-    if mcfg.vocab_size < 256 and not _has_tokenizer(cfg.model):
-        raise ConfigError(f"--model {cfg.model}: vocabulary {mcfg.vocab_size} < 256 cannot hold bytes and the "
-                          "folder has no tokenizer.json")
+    _check_tokenizer(cfg.model, mcfg.vocab_size)
 
 
-def _has_tokenizer(model: str) -> bool:
-    return (Path(model) / "tokenizer.json").is_file()
+def _check_tokenizer(model: str, vocab_size: int) -> None:
+    """The text encoding must fit the model's vocabulary (bytes need 256 ids; a tokenizer.json its own)."""
+    from plait.train.data import tokenizer_for
+
+    tok = tokenizer_for(model)
+    if tok.vocab_size > vocab_size:
+        source = "its tokenizer.json" if (Path(model) / "tokenizer.json").is_file() else "bytes (no tokenizer.json)"
+        raise ConfigError(f"--model {model}: vocabulary {vocab_size} cannot hold the {tok.vocab_size} ids of "
+                          f"{source}")
