@@ -47,9 +47,9 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, dualpipev."""
     microbatches: int | None = None
-    """Micro-batches per step and data-parallel replica (default: pp)."""
+    """Micro-batches per step and data-parallel replica (unset: pp)."""
     virtual_stages: int | None = None
-    """Model chunks per pipeline rank (default: 2 for interleaved-1f1b, looped-bfs, zbv and dualpipev, else 1)."""
+    """Model chunks per pipeline rank (unset: 2 for interleaved-1f1b, looped-bfs, zbv and dualpipev, else 1)."""
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence between TP regions (their activations / tp)."""
     recompute: str = "none"
