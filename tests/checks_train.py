@@ -27,7 +27,7 @@ def small_cfg(root: Path, name: str, **kw) -> TrainConfig:
                 clip=1.0, max_data_mb=0.3, eval_every=0, sample_tokens=0, trace_every=0,
                 checkpoint_dir=str(root / name))
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_dict(base)
 
 
 def reference_losses(cfg: TrainConfig, steps: int) -> list[float]:
@@ -104,7 +104,8 @@ def check_reshard(root: Path) -> dict:
     ref_losses, ref_full = _continue(base, ckpt, plait.init(2, 2, 1))
     out = {"ref_losses": ref_losses}
     for name, (tp, pp) in {"tp1pp4": (1, 4), "tp4pp1": (4, 1)}.items():
-        losses, full = _continue(TrainConfig(**{**base.to_dict(), "tp": tp, "pp": pp}), ckpt, plait.init(tp, pp, 1))
+        losses, full = _continue(TrainConfig.from_dict({**base.to_dict(), "tp": tp, "pp": pp}), ckpt,
+                                 plait.init(tp, pp, 1))
         out[name] = {"losses": losses, "weights_rel": max(rel_err(full[k], v) for k, v in ref_full.items())}
     plain = Llama(plait.train.config.model_config(base))
     plain.load_state_dict(CheckpointReader(ckpt).full_state_dict())  # strict: every key present

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from plait.distributed.launch import free_port
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -34,12 +35,6 @@ def expected_ids(model, prompt: list[int], max_tokens: int, temperature: float =
     from plait.generation.decode import Sampling, generate_ids
 
     return generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed))[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -6,7 +6,6 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,9 +206,3 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
         res.checkpoint = save(run, cfg.steps)
     res.held_out = held_out_loss(run)
     res.sample = sample_text(run)
-
-
-def checkpoint_exists(path: str | Path) -> bool:
-    from plait.train.checkpoint import find_checkpoint
-
-    return find_checkpoint(path) is not None
