@@ -30,12 +30,12 @@ def small_cfg(root: Path, name: str, **kw) -> TrainConfig:
     return TrainConfig.from_dict(base)
 
 
-def reference_losses(cfg: TrainConfig, steps: int) -> list[float]:
+def reference_losses(cfg: TrainConfig, steps: int, model: torch.nn.Module | None = None) -> list[float]:
     """The same run on one device in plain torch: AdamW, warm-up + cosine LR, global-norm clip."""
     torch.manual_seed(cfg.seed)
     from plait.train.config import model_config
 
-    model = Llama(model_config(cfg))
+    model = model if model is not None else Llama(model_config(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     corpus = load_corpus(cfg.data, ByteTokenizer(), cfg.max_data_mb)
     out = []
@@ -75,6 +75,38 @@ def check_moe(root: Path) -> dict:
     load_checkpoint(pm, None, find_checkpoint(root / "moe"))
     return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
             "logits_rel": rel_err(pm.eval_step(x), plain(x).detach())}
+
+
+def check_family(root: Path) -> dict:
+    """plait train from a Qwen2 folder (q/k/v biases) under tp2·pp2 with SP equals one device; the checkpoint
+    exports as a qwen2 folder holding the trained weights."""
+    import json
+
+    from plait.models import Qwen2, Qwen2Config
+    from plait.train.checkpoint import export_pretrained
+
+    folder, exported = root / "qwen2", root / "qwen2-export"
+    if dist.get_rank() == 0:
+        torch.manual_seed(4)
+        model = Qwen2(Qwen2Config(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+        model.save_pretrained(folder)
+    dist.barrier()
+    cfg = small_cfg(root, "qwen2-run", model=str(folder), steps=2, sequence_parallel=True)
+    res = train(cfg)
+    ref = reference_losses(cfg, 2, plait.models.from_pretrained(folder))
+    got = [res.losses[s] for s in (1, 2)]
+    if dist.get_rank() == 0:
+        export_pretrained(res.checkpoint, exported)
+    dist.barrier()
+    trained = CheckpointReader(find_checkpoint(root / "qwen2-run")).full_state_dict()
+    back = plait.models.from_pretrained(exported).state_dict()
+    return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
+            "model_type": json.loads((exported / "config.json").read_text())["model_type"],
+            "exported_rel": max(rel_err(back[k], v) for k, v in trained.items()), "family": type(back).__name__}
 
 
 def check_resume(root: Path, tag: str = "", **kw) -> dict:
@@ -198,4 +230,5 @@ def rank_main(root: str) -> dict:
         ("hf/slices", lambda: check_hf_slices(root)),
         ("generate/layouts", lambda: check_generate(root)),
         ("train/nonfinite", lambda: check_nonfinite(root)),
+        ("train/family_qwen2", lambda: check_family(root)),
     ])
