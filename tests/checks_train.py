@@ -103,10 +103,11 @@ def check_family(root: Path) -> dict:
         export_pretrained(res.checkpoint, exported)
     dist.barrier()
     trained = CheckpointReader(find_checkpoint(root / "qwen2-run")).full_state_dict()
-    back = plait.models.from_pretrained(exported).state_dict()
+    back = plait.models.from_pretrained(exported)
+    state = back.state_dict()
     return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
             "model_type": json.loads((exported / "config.json").read_text())["model_type"],
-            "exported_rel": max(rel_err(back[k], v) for k, v in trained.items()), "family": type(back).__name__}
+            "exported_rel": max(rel_err(state[k], v) for k, v in trained.items()), "family": type(back).__name__}
 
 
 def check_resume(root: Path, tag: str = "", **kw) -> dict:
