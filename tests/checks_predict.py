@@ -29,13 +29,14 @@ STEPS = 3
 def _cfg(root: Path, **kw) -> TrainConfig:
     base = dict(model="tiny", microbatches=4, seq_len=128, batch_size=16, steps=STEPS + 1, eval_every=0,
                 sample_tokens=0, trace_every=0, max_data_mb=0.3, checkpoint_dir=str(root / "ck"), cluster="none")
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_dict({**base, **kw})
 
 
 def _measure(cfg: TrainConfig) -> float:
     """The fastest of a few training steps (the first, which sets up buffers, is not counted): another
     job's burst on the shared cores slows a step, nothing makes one faster than the machine allows."""
-    run = build(cfg, plait.init(cfg.tp, cfg.pp, cfg.dp))
+    par = cfg.parallel
+    run = build(cfg, plait.init(par.tp, par.pp, par.dp))
     train_one(run, 0, False)
     times = []
     for step in range(1, STEPS + 1):
@@ -59,7 +60,7 @@ def check_predicted_vs_measured(root: Path) -> list[dict]:
         cfg = _cfg(root, **kw)
         measured = _measure(cfg)
         if dist.get_rank() == 0:
-            est = predict(cfg, profile)
+            est = predict(cfg, profile, 4)
             out.append({"layout": kw, "measured_s": measured, "predicted_s": est.step_time_s,
                         "predicted_bubble": est.bubble_fraction})
     return out

@@ -114,7 +114,7 @@ def test_one_default_virtual_for_interleaved():
     from plait.train.config import TrainConfig
     from plait.verify import VerifyConfig
 
-    assert TrainConfig().virtual_stages is None and VerifyConfig().virtual_stages is None
+    assert TrainConfig().parallel.virtual_stages is None and VerifyConfig().parallel.virtual_stages is None
     assert build_schedule("interleaved-1f1b", 4, 8, virtual=None).virtual == 2
     sim = _cli("simulate", "-s", "interleaved-1f1b", "-p", "4", "-m", "8", "--json")
     assert sim.exit_code == 0 and '"virtual": 2' in sim.output

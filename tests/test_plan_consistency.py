@@ -52,8 +52,9 @@ def test_parts_add_up_to_the_step_and_bubble_is_idle_share(layout):
 
 
 def _runtime_counts(model: Llama, chunks: int) -> list[int]:
-    """What the pipeline runtime cuts: its own cost function and partition call."""
-    return partition_layers(model.config.n_layers, chunks, "balanced", *layer_costs(model))
+    """What the pipeline runtime cuts: the model family's costs and the partition call of build_chunks."""
+    costs = family_of(model).layer_costs(model)
+    return partition_layers(model.config.n_layers, chunks, "balanced", costs.layers, costs.first, costs.last)
 
 
 def test_planner_and_runtime_cut_the_same_layers():
@@ -70,7 +71,8 @@ def test_planner_and_runtime_cut_the_same_layers():
         model = Llama(LlamaConfig(**preset))
         small = Model.preset(name, seq_len=64)
         for k in (1, 2, 3, 4):
-            built = build_chunks(model, k, "balanced", False)
+            family = family_of(model)
+            built = build_chunks(family.blocks(model), family.layer_costs(model), k, "balanced")
             counts = [sum(n.startswith("layers.") for n in c.names) for c in built]
             assert list(stages(small, k).chunk_layers) == counts, (name, k)
 

@@ -52,10 +52,10 @@ def test_memory_prediction_counts_plaits_tensors():
     prof = synthetic_profile()
     tiny = Model.preset("tiny", seq_len=128)
     n = tiny.n_params()
-    lay, tr = train_layout(tp=1, pp=1, dp=4, zero=1, microbatches=1, batch_size=16)
+    lay, tr = train_layout(ParallelConfig(tp=1, pp=1, dp=4, zero=1, microbatches=1), 16)
     m = predict_train(tiny, prof, lay, tr).memory
     assert m.weights == 4 * n and m.grads == 4 * n and m.optimizer == pytest.approx(12 * n / 4)  # + fp32 masters
-    lay, tr = train_layout(tp=1, pp=1, dp=1, microbatches=4, batch_size=16)  # micro-batches of 4 x 128
+    lay, tr = train_layout(ParallelConfig(tp=1, pp=1, dp=1, microbatches=4), 16)  # micro-batches of 4 x 128
     m = predict_train(tiny, prof, lay, tr).memory
     assert m.optimizer == 8 * n
     layer = 4 * 128 * 128 * 4  # one [4, 128, 128] fp32 hidden state

@@ -67,3 +67,10 @@ def test_moe_expert_parallel_training_and_checkpoint(world4):
     for rank, r in enumerate(result(world4, "train/moe_ep2")):
         assert r["rel"] < 1e-5, f"rank {rank}: MoE losses differ from one device by {r['rel']:.2e}"
         assert r["logits_rel"] < 1e-5, f"rank {rank}: reloaded experts give different logits"
+
+
+def test_training_from_a_qwen2_folder_equals_one_device_and_exports_qwen2(world4):
+    for rank, r in enumerate(result(world4, "train/family_qwen2")):
+        assert r["rel"] <= 1e-5, f"rank {rank}: losses {r['got']} vs one device {r['ref']}"
+        assert r["model_type"] == "qwen2" and r["family"] == "Qwen2"
+        assert r["exported_rel"] == 0.0, f"rank {rank}: the exported folder does not hold the trained weights"

@@ -62,18 +62,16 @@ def host_profile(cfg: TrainConfig, ctx):
     return None
 
 
-def predict(cfg: TrainConfig, profile):
-    """The planner's Estimate of this run on ``profile`` (step time, bubble, memory of every rank)."""
+def predict(cfg: TrainConfig, profile, world: int):
+    """The planner's Estimate of this run of ``world`` processes on ``profile`` (step time, bubble,
+    memory of every rank)."""
     from plait.plan import Model
     from plait.plan.runs import predict_train, train_layout
 
     mcfg = model_config(cfg)
     model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
-    layout, training = train_layout(
-        tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
-        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute, zero=cfg.zero,
-        microbatches=cfg.microbatches, batch_size=cfg.batch_size)
-    return predict_train(model, profile, layout, training, precision=cfg.precision)
+    layout, training = train_layout(cfg.parallel.resolve(world), cfg.batch_size)
+    return predict_train(model, profile, layout, training)
 
 
 def memory_rows(estimate) -> list[dict]:
