@@ -8,8 +8,9 @@ from typer.testing import CliRunner
 
 from plait.cli.main import app
 from plait.models import Llama, LlamaConfig
+from plait.models.family import family_of
 from plait.pipeline.balance import partition_layers
-from plait.pipeline.partition import build_chunks, layer_costs
+from plait.pipeline.partition import build_chunks
 from plait.plan import Cluster, Layout, Model, Training, estimate
 from plait.plan.estimate import pipeline
 from plait.plan.memory import stage_layers

@@ -12,6 +12,7 @@ import checks_predict
 from harness import result
 from plait.cli.main import app
 from plait.distributed.launch import run_world
+from plait.parallel_config import ParallelConfig
 from plait.plan import Model
 from plait.plan.profile import HostProfile
 from plait.plan.runs import predict_train, train_layout
