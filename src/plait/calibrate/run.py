@@ -30,7 +30,7 @@ def total_steps(counts: list[int]) -> int:
 
 
 def _threads(processes: int) -> int:
-    from plait.train.loop import worker_threads
+    from plait.distributed.launch import worker_threads
 
     return worker_threads(processes)
 
