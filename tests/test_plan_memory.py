@@ -43,10 +43,12 @@ def test_activations_gqa_glu_generalisation():
 
 
 def test_states_mixed_precision_adam_and_zero():
-    # Llama 3 8B, tp=2, pp=1, dp=4: each GPU holds N/2 = 4,015,130,624 parameters (norms split too:
-    # the planner divides every tensor by t, a 0.001% approximation).
+    # Llama 3 8B, tp=2, pp=1, dp=4: each GPU holds half of every matrix and every norm whole (norms are
+    # replicated over TP): (N - norms)/2 + norms = 4,015,263,744 parameters.
     m = Model.preset("llama3-8b")
-    n = m.n_params() / 2
+    norms = (2 * 32 + 1) * 4096
+    n = (m.n_params() - norms) / 2 + norms
+    assert n == 4_015_263_744
     w, g, o = state_bytes(m, Layout(tp=2, dp=4, zero=0), 32, True, True)
     assert (w, g, o) == (2 * n, 4 * n, 12 * n)  # 18 bytes/parameter
     w, g, o = state_bytes(m, Layout(tp=2, dp=4, zero=1), 32, True, True)

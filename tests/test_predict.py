@@ -47,7 +47,7 @@ def test_plan_reads_a_profile(tmp_path):
 
 
 def test_memory_prediction_counts_plaits_tensors():
-    """fp32 AdamW: 4 + 4 + 8 bytes per parameter; ZeRO-1 keeps 12 (moments and an fp32 master shard) ÷ dp;
+    """fp32 AdamW: 4 + 4 + 8 bytes per parameter; ZeRO-1 divides the 8 by dp (fp32 weights are the masters);
     activations as autograd saves them (plan.eager): one layer of the tiny preset at 4 x 128 tokens holds
     20.9 hidden states."""
     prof = synthetic_profile()
@@ -55,7 +55,7 @@ def test_memory_prediction_counts_plaits_tensors():
     n = tiny.n_params()
     lay, tr = train_layout(ParallelConfig(tp=1, pp=1, dp=4, zero=1, microbatches=1), 16)
     m = predict_train(tiny, prof, lay, tr).memory
-    assert m.weights == 4 * n and m.grads == 4 * n and m.optimizer == pytest.approx(12 * n / 4)  # + fp32 masters
+    assert m.weights == 4 * n and m.grads == 4 * n and m.optimizer == pytest.approx(8 * n / 4)
     lay, tr = train_layout(ParallelConfig(tp=1, pp=1, dp=1, microbatches=4), 16)  # micro-batches of 4 x 128
     m = predict_train(tiny, prof, lay, tr).memory
     assert m.optimizer == 8 * n

@@ -7,9 +7,9 @@ rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when t
 the keys/values after GQA's repeat (``Q`` when heads repeat, else ``K``), ``F = T·f/t`` (MLP width).
 
 Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
-* RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N, or 2 N/t and
-  the gathered N under SP) plus the ``T`` rsqrt values; twice per layer (the second input is the
-  attention residual);
+* RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 2 N/t,
+  and each projection of the region keeps its own copy of the gathered N: 3 in attention, 2 in the MLP)
+  plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual);
 * attention: Q after RoPE, K and V as SDPA receives them (``R`` each), its output ``Q`` (which is also
   the output projection's input), its log-sum-exp ``T·heads``, RoPE's cos and sin ``2·s·d``;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
@@ -89,6 +89,12 @@ def local(model: Model, layout: Layout) -> Local:
 
 
 # ------------------------------------------------------------------------------------------ memory
+# Under SP the all-gathered input of a TP region is a strided view (gathered along the sequence): each
+# column-parallel projection copies it before its matmul and saves its own copy — Q, K, V in attention,
+# gate and up in the MLP.
+SP_GATHER_COPIES = 5
+
+
 def _norm_saved(sh: Local) -> float:
     return 2 * sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1)
 
@@ -96,7 +102,10 @@ def _norm_saved(sh: Local) -> float:
 def layer_saved(sh: Local) -> float:
     """Elements one decoder layer saves for backward per micro-batch (no recomputation)."""
     attention = sh.q + 2 * sh.r + sh.q + sh.tokens * sh.heads + 2 * sh.seq * sh.head_dim
-    return 2 * _norm_saved(sh) + attention + 4 * sh.f
+    norms = 2 * _norm_saved(sh)
+    if sh.sp:  # each norm's scaled output is not kept; the projections keep their gathered copies
+        norms += (SP_GATHER_COPIES - 2) * sh.n
+    return norms + attention + 4 * sh.f
 
 
 def head_saved(sh: Local) -> float:
@@ -148,6 +157,9 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
     if sh.tp > 1:  # the all-reduce's copy (or SP's gather / reduce-scatter buffers), in and out of 2 regions
         traffic += 4 * sh.n_local if sh.sp else 4 * sh.n
         ops += 4
+    if sh.sp:  # the projections' copies of the strided gathered input (read + write each)
+        traffic += 2 * SP_GATHER_COPIES * sh.n
+        ops += SP_GATHER_COPIES
     attention = 4 * t * sh.seq * q
     return Work(gemms, attention, sh.seq * sh.head_dim, traffic * dtype_bytes, ops, ROPE_TABLE_OPS)
 

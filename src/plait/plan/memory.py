@@ -12,10 +12,9 @@ from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_l
 # Bytes per parameter of (weights, gradients, optimizer state). "bf16": mixed-precision Adam as Megatron-LM
 # runs it (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1): bf16 weights (2 B), fp32
 # gradient accumulators (4 B, main_grad), fp32 master weights and two fp32 moments (12 B). "fp32": plait
-# train's default, fp32 weights and gradients and AdamW's two moments (8 B). ZeRO-1 shards the optimizer
-# state, which then holds its own fp32 master shard (12 B ÷ d in both precisions, as Megatron's distributed
-# optimizer and plait.optim), ZeRO-2 also the gradients, ZeRO-3 also the weights, over the data-parallel
-# (× context-parallel) group.
+# train's default, fp32 weights (the masters themselves) and gradients and AdamW's two moments (8 B).
+# ZeRO-1 shards the optimizer state (12 B ÷ d with bf16, masters included; 8 B ÷ d with fp32), ZeRO-2 also
+# the gradients, ZeRO-3 also the weights, over the data-parallel (× context-parallel) group.
 STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = STATE_BYTES["bf16"]
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
@@ -135,11 +134,13 @@ def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: b
     """(dense, expert) parameters held by one GPU of a pipeline rank with ``layers`` layers."""
     t = layout.tp
     expert_layer = model.n_experts * model.mlp_params() if model.is_moe else 0
-    dense = layers * (model.layer_params() - expert_layer) / t
+    norms = 2 * model.norm_params()  # replicated on every TP rank (under SP their gradients are summed)
+    kv = 2 * model.hidden * model.head_dim * (max(model.kv_heads, t) - model.kv_heads)  # heads replicated
+    dense = layers * ((model.layer_params() - expert_layer - norms + kv) / t + norms)
     if first:
         dense += model.embedding_params() / t
     if last:
-        dense += model.head_params() / t
+        dense += (model.head_params() - model.norm_params()) / t + model.norm_params()
         if model.tied_embeddings and layout.pp > 1:
             dense += model.vocab * model.hidden / t  # the last stage keeps its own copy for the head
     return dense, layers * expert_layer / (t * layout.ep)
@@ -167,8 +168,6 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
     group = layout.dp * layout.cp
     eg = group // layout.ep if model.is_moe else 1
     w, g, o = STATE_BYTES[precision]
-    if layout.zero >= 1:  # sharded, the optimizer keeps its own fp32 master shard (Megatron's, and plait's)
-        o = OPTIMIZER_BYTES
 
     def shard(stage: int) -> float:
         return dense / group + expert / eg if layout.zero >= stage else dense + expert
