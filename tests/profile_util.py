@@ -9,7 +9,7 @@ def synthetic_section(p: int, cores: int = 2) -> Section:
     """Speeds shaped like a small CPU host: 50 GFLOP/s per core shared among ``p`` processes."""
     share = min(1.0, cores / p)
     rates = {
-        "matmul": Rate((32.0, 1024.0), (2e10, 5e10), (2e10 * share, 5e10 * share)),
+        "matmul": Rate((1e6, 1e9), (2e10, 5e10), (2e10 * share, 5e10 * share)),
         "attention": Rate((2048.0, 32768.0), (1e10, 2e10), (1e10 * share, 2e10 * share), 0.3),
         "elementwise": Rate((1e4, 4e6), (4e9, 6e9), (4e9 * share, 6e9 * share), 0.35),
     }

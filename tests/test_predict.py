@@ -27,7 +27,7 @@ def test_profile_round_trip(tmp_path):
     s = q.section(4)
     assert s.collective("all_reduce", 2, 1024) == pytest.approx(1e-4)
     assert s.collective("all_reduce", 4, 0) == 0.0 and s.collective("all_reduce", 1, 1e6) == 0.0
-    assert s.rates["matmul"].at(1024.0, shared=True) == pytest.approx(2.5e10)
+    assert s.rates["matmul"].at(1e9, shared=True) == pytest.approx(2.5e10)
     with pytest.raises(ValueError, match="measured 1, 2, 4, 8 processes, not 3"):
         q.section(3)
     (tmp_path / "bad.toml").write_text("format = 1\n[host]\nhostname = 'x'\n[[section]]\nprocesses = 2\n")

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 
 from plait.plan import eager
 
-GEMM_DIMS = (32, 64, 128, 256, 512, 1024)  # the GEMM's smallest dimension
-GEMM_TOKENS = 1024
+# (tokens, out, in) of linear layers from 1 MFLOP to 1.2 GFLOP a call: small calls pay dispatch and
+# autograd, large ones run at the cores' speed
+GEMM_SHAPES = ((128, 64, 64), (256, 128, 128), (512, 128, 256), (512, 256, 512), (512, 688, 256),
+               (1024, 512, 512), (1024, 768, 768))
 ATTENTION_SHAPES = ((64, 32), (128, 32), (256, 32), (256, 64), (512, 64))  # (sequence, head size)
 ATTENTION_TOKENS = 1024  # batch · sequence per call
 ELEMENT_SIZES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)  # elements of the hidden state [T, h]
@@ -48,16 +50,23 @@ def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET
     return times[len(times) // 2]
 
 
-def gemm_rate(dim: int, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a linear layer's forward and backward, [T, d] × [d, d]ᵀ (3 · 2·T·d² FLOPs)."""
-    x = torch.randn(GEMM_TOKENS, dim, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(dim, dim, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn(GEMM_TOKENS, dim, device=device, dtype=dtype)
+def gemm_flops(shape: tuple[int, int, int]) -> float:
+    """Forward FLOPs of a linear layer of (tokens, out, in): what the rate is keyed by."""
+    t, n, k = shape
+    return 2.0 * t * n * k
+
+
+def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a linear layer's forward and backward, x [T, in] · w [out, in]ᵀ (3 · 2·T·out·in FLOPs)."""
+    t, n, k = shape
+    x = torch.randn(t, k, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(t, n, device=device, dtype=dtype)
 
     def step() -> None:
         F.linear(x, w).backward(g)
 
-    return 3 * 2 * GEMM_TOKENS * dim * dim / timed(step, device)
+    return 3 * gemm_flops(shape) / timed(step, device)
 
 
 def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:

@@ -17,7 +17,7 @@ TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _kernel_steps() -> int:
-    return len(k.GEMM_DIMS) + len(k.ATTENTION_SHAPES) + len(k.ELEMENT_SIZES) + 2
+    return len(k.GEMM_SHAPES) + len(k.ATTENTION_SHAPES) + len(k.ELEMENT_SIZES) + 2
 
 
 def total_steps(counts: list[int]) -> int:
@@ -40,9 +40,9 @@ def _kernels(device: torch.device, tick, quick: bool = False) -> dict:
     dtype = torch.float32
     out: dict = {"matmul": [], "attention": [], "elementwise": []}
     pick = (lambda sizes: sizes[::2]) if quick else (lambda sizes: sizes)
-    for d in pick(k.GEMM_DIMS):
-        out["matmul"].append((float(d), k.gemm_rate(d, device, dtype), 1 / 3))
-        tick(f"matmul {k.GEMM_TOKENS}x{d}x{d}")
+    for shape in pick(k.GEMM_SHAPES):
+        out["matmul"].append((k.gemm_flops(shape), k.gemm_rate(shape, device, dtype), 1 / 3))
+        tick(f"matmul {shape[0]}x{shape[1]}x{shape[2]}")
     for s, h in pick(k.ATTENTION_SHAPES):
         rate, share = k.attention_rate(s, h, device, dtype)
         out["attention"].append((float(s * h), rate, share))

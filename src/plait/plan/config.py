@@ -74,7 +74,7 @@ def host_gpu(profile: HostProfile, processes: int) -> GPU:
     """A catalogue-style entry for one process of a calibrated host: its measured matmul speed with every
     process computing, its share of the host's memory, the all-reduce of the largest group as its link."""
     sec = profile.section(processes)
-    flops = sec.rates["matmul"].at(float("inf"), shared=True)
+    flops = sec.rates["matmul"].at(float("inf"), shared=True)  # the largest GEMM measured
     mem = float(profile.host.get("memory_bytes", 0)) / processes
     curves = sorted((g, c) for (op, g), c in sec.collectives.items() if op == "all_reduce")
     link = Link("measured all-reduce", curves[-1][1].bandwidth, curves[-1][1].latency) if curves else \

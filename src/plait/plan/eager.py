@@ -126,7 +126,7 @@ def checkpoint_saved(sh: Local) -> float:
 # -------------------------------------------------------------------------------------------- time
 @dataclass(frozen=True)
 class Work:
-    """Forward work of one block for one micro-batch: GEMMs as (FLOPs, smallest dimension), attention
+    """Forward work of one block for one micro-batch: GEMMs as (FLOPs, size the rate is keyed by: FLOPs), attention
     FLOPs (4·s²·d per head, non-causal count) at size s·d, element-wise bytes and kernels (with backward)
     and forward-only kernels."""
 
@@ -139,7 +139,8 @@ class Work:
 
 
 def _gemm(m: float, n: float, k: float) -> tuple[float, float]:
-    return 2 * m * n * k, min(m, n, k)
+    flops = 2 * m * n * k
+    return flops, flops
 
 
 def layer_work(sh: Local, dtype_bytes: int) -> Work:

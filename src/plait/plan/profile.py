@@ -83,7 +83,7 @@ class Rate:
 class Section:
     """What one of ``processes`` processes (``threads`` threads each) gets on this host.
 
-    ``rates``: matmul (FLOP/s; size = the GEMM's smallest dimension), attention (causal, FLOP/s counted
+    ``rates``: matmul (FLOP/s; size = a linear layer's forward FLOPs), attention (causal, FLOP/s counted
     as 4·s²·d per head and sequence, non-causal, forward and backward together; size = s·d) and
     elementwise (forward + backward time per forward byte moved, as ``plan.eager`` counts bytes; size =
     bytes per kernel). ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward

@@ -168,7 +168,7 @@ def _work_costs(work: eager.Work, cluster: Cluster, shared: bool) -> StageCosts:
     """Seconds of an eager block's forward and backward from the host's measured speeds."""
     sec = cluster.section
     mm, attn, elem = sec.rates["matmul"], sec.rates["attention"], sec.rates["elementwise"]
-    gemm = sum(flops / mm.at(dim, shared) for flops, dim in work.gemms)
+    gemm = sum(flops / mm.at(size, shared) for flops, size in work.gemms)
     att = work.attention / attn.at(work.attention_size, shared) if work.attention else 0.0
     per_op = work.elem_bytes / work.ops if work.ops else 0.0
     el = (work.elem_bytes / elem.at(per_op, shared) if work.elem_bytes else 0.0) + work.ops * sec.op_overhead_s
