@@ -42,10 +42,7 @@ def host_profile(cfg: TrainConfig, ctx):
     facts = host_facts()
     path = cache_path(facts)
     world = ctx.world_size
-    try:
-        cached = HostProfile.load(path) if path.is_file() else None
-    except ConfigError:  # an unreadable cache (older format, a torn write): measure again
-        cached = None
+    cached = cached_profile(path)
     need = [cached is None or world not in cached.sections]
     if world > 1:
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
@@ -60,6 +57,17 @@ def host_profile(cfg: TrainConfig, ctx):
             pass
         return profile
     return None
+
+
+def cached_profile(path: Path):
+    """The profile cached at ``path``, or None when there is none or it cannot be read (an older format,
+    a torn write): then it is measured again."""
+    from plait.plan.profile import HostProfile
+
+    try:
+        return HostProfile.load(path) if path.is_file() else None
+    except ConfigError:
+        return None
 
 
 def predict(cfg: TrainConfig, profile, world: int):
