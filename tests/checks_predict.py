@@ -23,45 +23,51 @@ LAYOUTS = [
     dict(tp=2, pp=1, dp=2, recompute="full"),
     dict(tp=1, pp=1, dp=4, zero=1),
 ]
-STEPS = 3
+ROUNDS, STEPS = 2, 2  # timed steps per layout per round; the rounds alternate over the layouts
 
 
 def _cfg(root: Path, **kw) -> TrainConfig:
-    base = dict(model="tiny", microbatches=4, seq_len=128, batch_size=16, steps=STEPS + 1, eval_every=0,
+    base = dict(model="tiny", microbatches=4, seq_len=128, batch_size=16, steps=1 + ROUNDS * STEPS, eval_every=0,
                 sample_tokens=0, trace_every=0, max_data_mb=0.3, checkpoint_dir=str(root / "ck"), cluster="none")
     return TrainConfig.from_dict({**base, **kw})
 
 
-def _measure(cfg: TrainConfig) -> float:
-    """The fastest of a few training steps (the first, which sets up buffers, is not counted): another
-    job's burst on the shared cores slows a step, nothing makes one faster than the machine allows."""
-    par = cfg.parallel
-    run = build(cfg, plait.init(par.tp, par.pp, par.dp))
-    train_one(run, 0, False)
+def _time(run, first: int) -> list[float]:
     times = []
-    for step in range(1, STEPS + 1):
+    for step in range(first, first + STEPS):
         dist.barrier()
         t0 = time.perf_counter()
         train_one(run, step, False)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
 
 
 def check_predicted_vs_measured(root: Path) -> list[dict]:
+    """Every layout built once (one warm-up step each), then timed in rounds that alternate over them: a
+    burst of another job's load lands on one round of a layout, rarely on both; the fastest step counts
+    (nothing makes a step faster than the machine allows)."""
     from plait.calibrate import host_facts
     from plait.calibrate.run import measure_in_world
     from plait.train.predict import predict
 
     plait.init(1, 1, 4)  # the default process group the calibration measures in
     profile = measure_in_world([4], None, host_facts(), quick=True)
-    out = []
+    runs = []
     for kw in LAYOUTS:
         cfg = _cfg(root, **kw)
-        measured = _measure(cfg)
+        par = cfg.parallel
+        run = build(cfg, plait.init(par.tp, par.pp, par.dp))
+        train_one(run, 0, False)
+        runs.append((kw, cfg, run, []))
+    for r in range(ROUNDS):
+        for _kw, _c, run, times in runs:
+            times += _time(run, 1 + r * STEPS)
+    out = []
+    for kw, cfg, _run, times in runs:
         if dist.get_rank() == 0:
             est = predict(cfg, profile, 4)
-            out.append({"layout": kw, "measured_s": measured, "predicted_s": est.step_time_s,
+            out.append({"layout": kw, "measured_s": min(times), "steps_s": times, "predicted_s": est.step_time_s,
                         "predicted_bubble": est.bubble_fraction})
     return out
 

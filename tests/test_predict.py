@@ -74,7 +74,8 @@ def world4(tmp_path_factory):
 
 def test_predicted_step_time_on_this_machine(world4):
     """Seven layouts (tp, pp, dp, SP, 1F1B/GPipe/interleaved/ZB-V, full recomputation, ZeRO-1), predicted from
-    a calibration made in the same launch, against the fastest of a few steps. Bound: within 2x either way.
+    a calibration made in the same launch, against the fastest of four steps timed in two alternating rounds.
+    Bound: within 2x either way.
     Other jobs share these cores and their load swings within seconds (load averages of 4 to 38 were seen
     while this was written): a step's median moved by up to 3x, its fastest by up to 1.6x. 2x still fails
     a model that forgets a kernel class, the cores' sharing, a collective or a schedule's bubble (each
