@@ -6,7 +6,7 @@ carries the measured and predicted step time and bubble, and the last row the pr
 bytes per rank. The rounds alternate (every layout once, then again) so that a change of the machine's
 load touches every layout alike; the median of the steady steps of both rounds is compared.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
-Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run).
+Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``.
 """
 
 from __future__ import annotations
@@ -89,16 +89,22 @@ def summarise(name: str, rounds: list[list[dict]]) -> dict:
             "memory": [{"what": w, "predicted": p, "measured": m} for w, p, m in mem]}
 
 
+def _arg(name: str, default: int) -> int:
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
 def main() -> None:
+    global STEPS
     quick = "--quick" in sys.argv
     names = list(QUICK if quick else LAYOUTS)
+    STEPS = _arg("--steps", STEPS)
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
         work = Path(tmp)
         env_load = [load()]
         profile = work / "host.toml"
         cal_s = calibrate(profile)
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
-        for _ in range(1 if quick else 2):
+        for _ in range(_arg("--rounds", 1 if quick else 2)):
             for n in names:
                 rounds[n].append(run(n, profile, work))
                 env_load.append(load())
