@@ -54,10 +54,10 @@ def calibrate(out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def run(name: str, profile: Path, work: Path) -> list[dict]:
+def run(name: str, profile: Path, work: Path, steps: int) -> list[dict]:
     """The metrics rows of one ``plait train`` of layout ``name``."""
     metrics = work / f"{name.replace(' ', '_')}.jsonl"
-    args = PLAIT + ["train", *COMMON, *LAYOUTS[name], "--steps", str(STEPS), "--cluster", str(profile),
+    args = PLAIT + ["train", *COMMON, *LAYOUTS[name], "--steps", str(steps), "--cluster", str(profile),
                     "--metrics", str(metrics), "--checkpoint-dir", str(work / "ck" / name.replace(" ", "_"))]
     done = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=work)
     if done.returncode != 0:
@@ -94,10 +94,9 @@ def _arg(name: str, default: int) -> int:
 
 
 def main() -> None:
-    global STEPS
     quick = "--quick" in sys.argv
     names = list(QUICK if quick else LAYOUTS)
-    STEPS = _arg("--steps", STEPS)
+    steps = _arg("--steps", STEPS)
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
         work = Path(tmp)
         env_load = [load()]
@@ -106,7 +105,7 @@ def main() -> None:
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
         for _ in range(_arg("--rounds", 1 if quick else 2)):
             for n in names:
-                rounds[n].append(run(n, profile, work))
+                rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
     rows = [summarise(n, rounds[n]) for n in names]
     print(f"calibration {cal_s:.0f} s; load average during the runs: {', '.join(env_load)} (2 cores)")
