@@ -92,12 +92,12 @@ def padding_rows_zero(pm) -> bool | None:
 def miscounted_norm_rel(opt) -> float:
     """Relative change of the norm if every local element were counted (replicas and tied copies too)."""
     right = opt.grad_norm()
-    saved = [s.counted for s in opt.layout.slots]
-    for s in opt.layout.slots:
-        s.counted = True
+    saved = [pc.counted for pc in opt.layout.pieces]
+    for pc in opt.layout.pieces:
+        pc.counted = True
     wrong = opt.grad_norm()
-    for s, c in zip(opt.layout.slots, saved, strict=True):
-        s.counted = c
+    for pc, c in zip(opt.layout.pieces, saved, strict=True):
+        pc.counted = c
     return abs(wrong - right) / right
 
 
@@ -116,7 +116,7 @@ def compare(ctx, precision: str = "fp32", **kw) -> dict:
         "ref_norms": ref_norms, "ref_losses": ref_losses, "losses": losses,
         "pad_zero": padding_rows_zero(pm), "state_bytes": opt.state_bytes(),
         "local_params": sum(p.numel() for p in pm.parameters()), "miscount_rel": miscount,
-        "n_own": len(opt.layout.own),
+        "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if hasattr(p, "_plait_grad_group")}),
     }
 
 
