@@ -60,9 +60,20 @@ def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtu
                           "tp_plan={'module.path.*': 'colwise'|'rowwise'|...} or use tp=1")
 
 
+RECOMPUTE = (False, True, "none", "full")  # values of activation_checkpointing: False == "none", True == "full"
+
+
+def check_recompute(value) -> bool:
+    """Whether ``activation_checkpointing=value`` recomputes whole layers; ConfigError on an unknown value."""
+    if not any(value is v or (isinstance(value, str) and value == v) for v in RECOMPUTE):
+        raise ConfigError(f"activation_checkpointing={value!r}: use False or 'none' (store activations), True or "
+                          "'full' (recompute every layer in backward)")
+    return value is True or value == "full"
+
+
 def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", microbatches: int | None = None,
                 virtual_stages: int = 1, sequence_parallel: bool = False, partition="balanced",
-                activation_checkpointing: bool = False, loss_fn: Callable | None = None,
+                activation_checkpointing: bool | str = False, loss_fn: Callable | None = None,
                 tp_plan: dict[str, str] | None = None, precision: str = "fp32") -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
 
@@ -71,12 +82,14 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
     on vocabulary-sharded logits (mean over non-ignored tokens of the global batch). ``precision``:
     "fp32", or "bf16" weights and activations over fp32 master weights and gradients
     (plait.optim.precision). ``microbatches`` defaults to ``pp`` (1 without pipeline parallelism).
+    ``activation_checkpointing``: False / "none", or True / "full" (every layer recomputed in backward).
 
     A model too large for one device can be built on the meta device (``with torch.device("meta"):
     model = Llama(cfg)``): only this rank's shards are then allocated, uninitialised, and must be filled
     with ``pm.load_full_state_dict(...)`` or read slice by slice (``plait.train.shards.load_local``).
     """
     check_precision(precision)
+    recompute = check_recompute(activation_checkpointing)
     microbatches = max(1, ctx.pp_size) if microbatches is None else microbatches
     _check_args(model, ctx, microbatches, virtual_stages, loss_fn, tp_plan)
     token_loss = TokenLoss(ctx, model.config.vocab_size) if isinstance(model, Llama) else None
@@ -87,7 +100,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
         loss, normaliser, vocab = loss_fn, partial(_rows_normaliser, microbatches, ctx), None
     return ParallelModel(model, ctx, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, partition=partition,
-                         activation_checkpointing=activation_checkpointing, loss=loss, normaliser=normaliser,
+                         activation_checkpointing=recompute, loss=loss, normaliser=normaliser,
                          vocab_size=vocab, precision=precision)
 
 

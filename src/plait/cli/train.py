@@ -60,7 +60,8 @@ def train_command(
     clip: Annotated[float, Opt(help="Max global gradient norm (0: no clipping).")] = 1.0,
     weight_decay: Annotated[float, Opt(help="AdamW weight decay of matrices.")] = 0.0,
     precision: Annotated[str, Opt(help="fp32 or bf16 (bf16 compute over fp32 master weights).")] = "fp32",
-    zero: Annotated[int, Opt(help="1: shard optimizer state over data-parallel ranks (ZeRO-1).")] = 0,
+    zero: Annotated[int, Opt(help="1: shard fp32 masters and optimizer state over data-parallel ranks (ZeRO-1); "
+                                  "2: gradients too (ZeRO-2).")] = 0,
     experts: Annotated[int, Opt(help="Experts per feed-forward layer (1: dense; > 1: mixture of experts).")] = 1,
     top_k: Annotated[int, Opt(help="Experts each token is routed to (mixture of experts).")] = 1,
     ep: Annotated[int, Opt(help="Expert-parallel size: experts spread over ep ranks of the dp x tp plane.")] = 1,

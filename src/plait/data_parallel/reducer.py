@@ -118,6 +118,7 @@ class GradReducer:
         self.mode = mode
 
     # ------------------------------------------------------------------------------ accumulation
+    @torch.no_grad()
     def _absorb(self, p: nn.Parameter) -> None:
         """Move ``p.grad`` into the bucket buffer unless it already is the buffer's view."""
         b, i = self._where[id(p)]
@@ -129,6 +130,7 @@ class GradReducer:
             view.add_(g)
             p.grad = view if p.dtype == view.dtype else None
 
+    @torch.no_grad()
     def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Add ``grad`` to ``p``'s gradient (the weight-gradient pass of zero-bubble schedules)."""
         self._absorb(p)

@@ -146,8 +146,9 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError(f"--schedule {cfg.schedule!r}: unknown; choose one of {', '.join(SCHEDULE_NAMES)}")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
-    if cfg.zero not in (0, 1):
-        raise ConfigError(f"--zero {cfg.zero}: choose 0 (replicated optimizer state) or 1 (ZeRO-1, sharded over dp)")
+    if cfg.zero not in (0, 1, 2):
+        raise ConfigError(f"--zero {cfg.zero}: choose 0 (replicated optimizer state), 1 (ZeRO-1: masters and "
+                          "optimizer state sharded over dp) or 2 (ZeRO-2: gradients sharded too)")
     if cfg.precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision {cfg.precision!r}: choose fp32 or bf16")
     if not cfg.lr > 0:
