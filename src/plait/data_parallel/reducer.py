@@ -148,6 +148,10 @@ class GradReducer:
         b.ready.add(id(p))
         if len(b.ready) == len(b.params) and not b.launched:
             self._launch(b)
+        if self.mode == "reduce-scatter-free":  # free the full buffers of finished reductions early
+            for done in self.buckets:
+                if done.work is not None and done.work.is_completed():
+                    self._settle(done)
 
     # --------------------------------------------------------------------------------- reduction
     def arm(self) -> None:
@@ -172,6 +176,22 @@ class GradReducer:
         else:
             b.out = b.buffer
 
+    def _settle(self, b: Bucket) -> None:
+        """Wait for ``b``'s reduction and put the result in place (see the modes)."""
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        if self.mode == "all-reduce" or b.out is None:
+            return
+        out, b.out = b.out, None
+        if self.mode == "reduce-scatter":
+            if out is not b.buffer:
+                b.buffer[b.lo:b.hi].copy_(out)
+            return
+        b.reduced, b.buffer = out, None
+        for p in b.params:  # they viewed the freed buffer
+            p.grad = None
+
     def launch_pending(self) -> None:
         """Start the reduction of every bucket not yet started (a missing gradient counts as zeros)."""
         for b in self.buckets:
@@ -180,23 +200,11 @@ class GradReducer:
         self.armed = False
 
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket and put the results in place (see the modes)."""
+        """Launch what is left, wait for every bucket and put the results in place."""
         self.launch_pending()
         for b in self.buckets:
+            self._settle(b)
             b.launched = False
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
-            if self.mode == "all-reduce":
-                continue
-            out, b.out = b.out, None
-            if self.mode == "reduce-scatter":
-                if out is not b.buffer:
-                    b.buffer[b.lo:b.hi].copy_(out)
-                continue
-            b.reduced, b.buffer = out, None
-            for p in b.params:  # they viewed the freed buffer
-                p.grad = None
         self.armed = False
 
     def zero_grad(self) -> None:
