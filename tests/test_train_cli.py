@@ -194,7 +194,8 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert res.returncode == 0, res.stderr
     second = [json.loads(ln) for ln in (tmp_path / "m2.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first + second] == list(range(1, steps + 1))
-    cfg = TrainConfig(tp=1, pp=2, steps=steps, seq_len=32, batch_size=4, microbatches=2, max_data_mb=0.3)
+    cfg = TrainConfig.from_dict(dict(tp=1, pp=2, steps=steps, seq_len=32, batch_size=4, microbatches=2,
+                                     max_data_mb=0.3))
     ref = reference_losses(cfg, steps)
     for r in first + second:
         assert abs(r["loss"] - ref[r["step"] - 1]) <= 1e-5 * ref[r["step"] - 1], (r, ref)

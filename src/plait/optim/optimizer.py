@@ -14,6 +14,7 @@ from plait.memory import storage_bytes
 from plait.optim.masters import Masters, gather_bucket
 from plait.optim.schedule import decays, lr_at
 from plait.optim.shards import ShardLayout
+from plait.parallel_config import ZERO_LEVELS
 
 STATE_FORMAT = "plait.optim/2"
 ZERO_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-free"}
@@ -41,9 +42,9 @@ class ParallelOptimizer:
                  zero: int = 0, precision: str | None = None, clip: float | None = None, warmup: int = 0,
                  total_steps: int | None = None, min_lr_ratio: float = 0.1, reduce_scatter: bool = True,
                  **optim_kwargs):
-        if zero not in ZERO_MODES:
-            raise ConfigError(f"zero={zero!r}: plait.optim supports 0 (replicated state), 1 (ZeRO-1: sharded "
-                              "masters and optimizer state) or 2 (ZeRO-2: gradients sharded too)")
+        if zero not in ZERO_LEVELS:
+            raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
+                              "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too)")
         if zero == 2 and not reduce_scatter:
             raise ConfigError("zero=2 keeps only a shard of each gradient: it needs reduce_scatter=True")
         if clip is not None and clip <= 0:

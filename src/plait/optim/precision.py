@@ -10,7 +10,7 @@ embedding sync all run in float32 without any change to that code.
 
 Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter.
 Zero-bubble schedules stay correct but compute weight gradients in the I pass (the bf16 copy is not a
-leaf, so ``pipeline.weight_grad.linear`` does not defer it).
+leaf, so ``plait.weight_grad.linear`` does not defer it).
 
 Under a ZeRO optimizer (``ParallelOptimizer(zero=1|2)``) the fp32 masters move into the optimizer, sharded
 over data parallelism, and the parameters themselves are stored in bf16 (``set_storage``): no per-step copy,
