@@ -168,9 +168,10 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
 
     steps = 12
     flags = ["--tp", "1", "--pp", "2", "--steps", str(steps), "--seq-len", "32", "--batch-size", "4",
-             "--microbatches", "2", "--eval-every", "0", "--max-data-mb", "0.3", "--sample-tokens", "0"]
+             "--microbatches", "2", "--max-data-mb", "0.3", "--sample-tokens", "0"]
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(PLAIT + ["train", *flags, "--metrics", str(metrics)], cwd=tmp_path,
+    slow = ["--eval-every", "1", "--trace-every", "1"]  # longer steps, same losses: the signal lands mid-run
+    proc = subprocess.Popen(PLAIT + ["train", *flags, *slow, "--metrics", str(metrics)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 150
@@ -190,7 +191,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert 2 <= stopped < steps, f"stopped at {stopped}: the signal did not arrive mid-run"
     assert f"stopped by SIGTERM after step {stopped}" in " ".join(out.split()), out
     assert (tmp_path / "plait-checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
-    res = _run(["train", *flags, "--resume", "--metrics", str(tmp_path / "m2.jsonl")], tmp_path)
+    res = _run(["train", *flags, "--eval-every", "0", "--resume", "--metrics", str(tmp_path / "m2.jsonl")], tmp_path)
     assert res.returncode == 0, res.stderr
     second = [json.loads(ln) for ln in (tmp_path / "m2.jsonl").read_text().splitlines()]
     assert [r["step"] for r in first + second] == list(range(1, steps + 1))

@@ -7,18 +7,14 @@ with pp1 and pp2 with dp2."""
 
 import pytest
 
-import checks_zero
-from harness import launch, result
+from harness import result
 from test_optim import BF16_LOSS_TOL, BF16_NORM_TOL, BF16_PARAM_TOL, NORM_TOL, PARAM_TOL
 
 FP32 = ["dp2tp2pp2/zero2/tied/sp", "dp4tp2/zero2/sp", "dp4tp2ep2/moe/zero2"]
 BF16 = ["dp2tp2pp2/zero1/bf16/zbv", "dp4tp2/zero1/bf16"]
 
 
-@pytest.fixture(scope="module")
-def world8(tmp_path_factory):
-    return launch(checks_zero.rank_main, 8, str(tmp_path_factory.mktemp("zero")))
-
+# world8: tests/conftest.py (the launch of 8 ranks shared with tests/test_pipeline.py runs checks_zero.checks)
 
 @pytest.mark.parametrize("case", FP32)
 def test_zero_equals_single_device(world8, case):
