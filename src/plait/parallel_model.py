@@ -194,6 +194,8 @@ class ParallelModel:
         self._check_batch(inputs, targets)
         norm, global_rows = self._normaliser(inputs, targets)
         self.zero_grad()
+        for reducer in self.reducers.values():
+            reducer.point_grads()
         mb_inputs = self._split(inputs)
         mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)

@@ -219,6 +219,15 @@ class GradReducer:
                 p.grad = None
         self.armed = False
 
+    def point_grads(self) -> None:
+        """Before a step: float32 parameters of buckets that kept their (zeroed) buffer get its views as
+        ``.grad``, so autograd accumulates in place from the first micro-batch on."""
+        for b in self.buckets:
+            if b.buffer is not None:
+                for i, p in enumerate(b.params):
+                    if p.dtype == b.buffer.dtype:
+                        p.grad = b.view(i)
+
     # ----------------------------------------------------------------------------------- reading
     def shard(self, b: Bucket) -> torch.Tensor:
         """This member's reduced shard of ``b``: [shard] (after ``finish``)."""
