@@ -2,9 +2,10 @@
 
 ``plait calibrate`` measures the host, then ``plait train`` runs each layout (tp, pp, dp, SP; gpipe, 1f1b,
 interleaved, zbv; recompute none/full) with ``--cluster`` set to that profile: every step's metrics row
-carries the measured and predicted step time and bubble, and the last row the predicted and measured
-bytes per rank. The rounds alternate (every layout once, then again) so that a change of the machine's
-load touches every layout alike; the median of the steady steps of both rounds is compared.
+carries the measured and predicted step time and bubble, and the first row the predicted and measured
+bytes per rank (measured on the first step). The rounds alternate (every layout once, then again) so that a
+change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
+compared.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
 Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``.
 """
@@ -65,15 +66,16 @@ def run(name: str, profile: Path, work: Path, steps: int) -> list[dict]:
     return [json.loads(ln) for ln in metrics.read_text().splitlines()]
 
 
-def memory_errors(last: dict) -> list[tuple[str, float, float]]:
-    """(what, predicted, measured) for each kind on each pipeline rank (its most loaded process)."""
-    mem = last.get("memory", {})
+def memory_errors(rows: list[dict]) -> list[tuple[str, float, float]]:
+    """(what, predicted, measured) for each kind on each pipeline rank (its most loaded process), from the
+    metrics row that carries them (the first step's)."""
+    mem = next((r["memory"] for r in rows if "memory" in r), {})
     out = []
     for pred in mem.get("predicted", []):
-        ranks = [m for m in mem.get("measured", []) if m.get("pp_rank") == pred["pp_rank"]]
+        ranks = [m for m in mem.get("measured", []) if m.get("pp") == pred["pp_rank"]]
         for k in KINDS:
             if ranks and k in ranks[0]:
-                out.append((f"pp{pred['pp_rank']} {k}", pred[k], max(m[k] for m in ranks)))
+                out.append((f"pp{pred['pp_rank']} {k}", pred[k], max(m[k] or 0 for m in ranks)))
     return out
 
 
@@ -82,7 +84,7 @@ def summarise(name: str, rounds: list[list[dict]]) -> dict:
     measured = statistics.median(r["step_time_s"] for r in steady)
     predicted = steady[0]["predicted_step_time_s"]
     bubbles = [r["measured_bubble"] for r in steady if r.get("measured_bubble") is not None]
-    mem = memory_errors(rounds[-1][-1])
+    mem = memory_errors(rounds[-1])
     return {"layout": name, "measured_s": measured, "predicted_s": predicted, "ratio": measured / predicted,
             "measured_bubble": statistics.median(bubbles) if bubbles else None,
             "predicted_bubble": steady[0].get("predicted_bubble"),

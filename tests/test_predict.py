@@ -99,7 +99,13 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(r["predicted_step_time_s"] > 0 and "step_time_s" in r for r in rows)
     assert 0 <= rows[-1]["measured_bubble"] < 1 and 0 <= rows[-1]["predicted_bubble"] < 1
-    assert rows[-1]["memory"]["predicted"][0]["params"] > 0
+    first = rows[0]["memory"]  # measured on the first step, beside the prediction, on every rank
+    assert len(first["measured"]) == 2 and first["predicted"][0]["params"] > 0
+    for m in first["measured"]:
+        p = next(p for p in first["predicted"] if p["pp_rank"] == m["pp"])
+        assert m["params"] == pytest.approx(p["params"], rel=0.01) and m["optimizer"] == pytest.approx(p["optimizer"],
+                                                                                                     rel=0.01)
+        assert m["activations_peak"] == pytest.approx(p["activations_peak"], rel=0.01)
     assert "predicted" in run.stdout and "step time" in run.stdout
 
 

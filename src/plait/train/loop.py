@@ -40,9 +40,11 @@ class TrainResult:
     predicted_bubble: float | None = None  # the planner's, from the host profile (plait.plan)
     predicted_step_time_s: float | None = None
     predicted_memory: list[dict] = field(default_factory=list)  # bytes by kind per pipeline rank
-    measured_memory: list[dict] = field(default_factory=list)  # pm.memory_report() of every rank
     startup_s: float = 0.0
     params: int = 0
+    stopped_at: int | None = None  # the step a stop signal (SIGTERM) ended the run at, with a checkpoint
+    stop_signal: str | None = None
+    memory: list[dict] = field(default_factory=list)  # per rank: memory_rows()
 
 
 @dataclass
@@ -167,8 +169,12 @@ def sample_text(run: Run, prompt: str = "def ") -> str | None:
     return prompt + run.tokenizer.decode(ids[0])
 
 
-def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
-    """Run the whole loop on this rank (every rank of the world calls it)."""
+def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None) -> TrainResult:
+    """Run the whole loop on this rank (every rank of the world calls it).
+
+    ``stop`` (a ``plait.train.preempt.StopRequest``): checked at every step boundary (all ranks agree); once
+    a stop signal arrived, the run saves a checkpoint at that step and returns (no held-out loss, no sample).
+    """
     t_start = time.perf_counter()
     run = build(cfg, ctx)
     res = TrainResult(params=run.params)
@@ -177,37 +183,50 @@ def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
         reporter.begin(run)
     times: list[float] = []
     for step in range(run.start, cfg.steps):
-        trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
-        lr = getattr(run.opt, "lr", cfg.lr)  # the rate this step's update uses
-        t0 = time.perf_counter()
-        loss, norm = train_one(run, step, trace)
-        dt = time.perf_counter() - t0
-        if step == run.start:  # from the command's start when launched by plait train, else this process's
-            began = os.environ.get("PLAIT_LAUNCHED_AT")
-            res.startup_s = time.time() - float(began) if began else time.perf_counter() - t_start
-        times.append(dt)
-        res.losses[step + 1] = loss
-        if norm is None and not math.isfinite(loss):
-            res.skipped.append(step + 1)
-        row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-               "step_time_s": dt, "predicted_step_time_s": res.predicted_step_time_s, "lr": lr, "grad_norm": norm,
-               "predicted_bubble": res.predicted_bubble}
-        if trace:
-            res.measured_bubble, res.simulated_bubble = bubble(run, dt)
-            row.update(measured_bubble=res.measured_bubble, simulated_bubble=res.simulated_bubble)
-        if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
-            row["held_out_loss"] = held_out_loss(run)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            res.checkpoint = save(run, step + 1)
-        if step == cfg.steps - 1:
-            _memory(run, res)
-            row["memory"] = {"predicted": res.predicted_memory, "measured": res.measured_memory}
+        row = _step(run, res, step, times, t_start)
         if reporter is not None:
             reporter.step(row)
+        if stop is not None and stop.agreed(run.ctx):
+            res.stopped_at, res.stop_signal = step + 1, stop.name
+            if res.checkpoint is None or not res.checkpoint.endswith(f"step_{step + 1:08d}"):
+                res.checkpoint = save(run, step + 1)
+            break
+    res.memory = memory_rows(run.pm)
     _finish(run, res, times)
     if reporter is not None:
         reporter.end(run, res)
     return res
+
+
+def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: float) -> dict:
+    """Train global batch ``step``, with its trace, held-out loss and checkpoint when due; the metrics row."""
+    cfg = run.cfg
+    trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
+    lr = getattr(run.opt, "lr", cfg.lr)  # the rate this step's update uses
+    t0 = time.perf_counter()
+    loss, norm = train_one(run, step, trace)
+    dt = time.perf_counter() - t0
+    if step == run.start:  # from the command's start when launched by plait train, else this process's
+        began = os.environ.get("PLAIT_LAUNCHED_AT")
+        res.startup_s = time.time() - float(began) if began else time.perf_counter() - t_start
+    times.append(dt)
+    res.losses[step + 1] = loss
+    if norm is None and not math.isfinite(loss):
+        res.skipped.append(step + 1)
+    row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
+           "step_time_s": dt, "predicted_step_time_s": res.predicted_step_time_s, "lr": lr, "grad_norm": norm,
+           "predicted_bubble": res.predicted_bubble}
+    if trace:
+        res.measured_bubble, res.simulated_bubble = bubble(run, dt)
+        row.update(measured_bubble=res.measured_bubble, simulated_bubble=res.simulated_bubble)
+    if step == run.start:  # the first step measured the memory (activations' peak included): both, per rank
+        res.memory = memory_rows(run.pm)
+        row["memory"] = {"predicted": res.predicted_memory, "measured": res.memory}
+    if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
+        row["held_out_loss"] = held_out_loss(run)
+    if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+        res.checkpoint = save(run, step + 1)
+    return row
 
 
 def _predict(run: Run, res: TrainResult) -> None:
@@ -227,21 +246,17 @@ def _predict(run: Run, res: TrainResult) -> None:
         res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory = box[0]
 
 
-def _memory(run: Run, res: TrainResult) -> None:
-    """Every rank's measured bytes by kind, when the model reports them (``pm.memory_report()``)."""
+def memory_rows(pm) -> list[dict]:
+    """Every rank's ``pm.memory_report()`` with its coordinates, in rank order (collective over the world)."""
     import torch.distributed as dist
 
-    report = getattr(run.pm, "memory_report", None)
-    if report is None:
-        return
-    ctx = run.ctx
-    mine = {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, **report()}
+    ctx = pm.ctx
+    mine = {"rank": ctx.rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank, **pm.memory_report()}
+    if ctx.world_size == 1:
+        return [mine]
     rows: list = [None] * ctx.world_size
-    if ctx.world_size > 1:
-        dist.all_gather_object(rows, mine)
-    else:
-        rows = [mine]
-    res.measured_memory = rows
+    dist.all_gather_object(rows, mine)
+    return rows
 
 
 def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
@@ -250,6 +265,8 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
     if steady:
         res.step_time_s = steady[len(steady) // 2]
         res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
+    if res.stopped_at is not None:
+        return  # stopped by a signal: the checkpoint is written, leave promptly
     if cfg.steps > run.start or not cfg.resume:
         res.checkpoint = save(run, cfg.steps)
     res.held_out = held_out_loss(run)

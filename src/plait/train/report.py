@@ -84,8 +84,11 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.close()
         self.console.print(summary_table(self.cfg, run, res))
-        if res.predicted_memory:
-            self.console.print(memory_table(res))
+        if res.memory:
+            self.console.print(memory_table(res.memory, res.predicted_memory))
+        if res.stopped_at is not None:
+            self.console.print(f"[bold]stopped by {res.stop_signal}[/] after step {res.stopped_at}: checkpoint "
+                               f"{res.checkpoint}; continue with --resume")
         if res.sample is not None:
             from rich.panel import Panel
             from rich.text import Text
@@ -145,22 +148,22 @@ def _bubbles(res) -> str:
     return ", ".join(parts) + " (idle share of the step)" if parts else "- (no pipeline traced)"
 
 
-def memory_table(res):
-    """Bytes by kind per pipeline rank: predicted, and measured (the most loaded rank of each stage)."""
+def memory_table(rows: list[dict], predicted: list[dict] | None = None):
+    """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB, each
+    beside the planner's prediction for its pipeline rank when there is one."""
     from rich.table import Table
 
-    mib = 2**20
-    t = Table(title="memory per rank, MiB (predicted / measured)", title_justify="left", header_style="bold")
+    pred = {p["pp_rank"]: p for p in predicted or []}
+    title = "memory per rank (measured / predicted, MB)" if pred else "memory per rank (measured, MB)"
+    t = Table(title=title, title_justify="left")
+    for name in ("rank", "pp/dp/tp", "params", "grads", "optimizer", "activations peak", "total"):
+        t.add_column(name, justify="right")
     kinds = ("params", "grads", "optimizer", "activations_peak")
-    for col in ("pp rank", *kinds, "total"):
-        t.add_column(col, justify="right")
-    for p in res.predicted_memory:
-        ranks = [m for m in res.measured_memory if m.get("pp_rank") == p["pp_rank"]]
-        cells = []
-        for k in (*kinds, "total"):
-            pred = sum(p[x] for x in kinds) if k == "total" else p[k]
-            meas = max((sum(m.get(x, 0) for x in kinds) if k == "total" else m.get(k, 0)) for m in ranks) \
-                if ranks else None
-            cells.append(f"{pred / mib:,.2f}" + (f" / {meas / mib:,.2f}" if meas is not None else ""))
-        t.add_row(str(p["pp_rank"]), *cells)
+    for r in rows:
+        parts = [r[k] or 0 for k in kinds]
+        cells = [f"{b / 2**20:.2f}" for b in (*parts, sum(parts))]
+        if r["pp"] in pred:
+            p = [pred[r["pp"]][k] for k in kinds]
+            cells = [f"{c} / {b / 2**20:.2f}" for c, b in zip(cells, (*p, sum(p)), strict=True)]
+        t.add_row(str(r["rank"]), f"{r['pp']}/{r['dp']}/{r['tp']}", *cells)
     return t
