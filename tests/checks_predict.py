@@ -13,14 +13,14 @@ from harness import run_checks
 from plait.train import TrainConfig
 from plait.train.loop import build, train_one
 
-# tp/pp/dp, SP, four schedules, recomputation: every one on the 4 processes of the launch
+# tp/pp/dp, SP, four schedules, recomputation, ZeRO-1/2: every one on the 4 processes of the launch
 LAYOUTS = [
     dict(tp=2, pp=2, dp=1, schedule="1f1b"),
     dict(tp=1, pp=4, dp=1, schedule="gpipe"),
     dict(tp=4, pp=1, dp=1, sequence_parallel=True),
     dict(tp=1, pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2),
     dict(tp=1, pp=2, dp=2, schedule="zbv"),
-    dict(tp=2, pp=1, dp=2, recompute="full"),
+    dict(tp=2, pp=1, dp=2, recompute="full", zero=2),
     dict(tp=1, pp=1, dp=4, zero=1),
 ]
 ROUNDS, STEPS = 2, 2  # timed steps per layout per round; the rounds alternate over the layouts
@@ -49,7 +49,7 @@ def check_predicted_vs_measured(root: Path) -> list[dict]:
     (nothing makes a step faster than the machine allows)."""
     from plait.calibrate import host_facts
     from plait.calibrate.run import measure_in_world
-    from plait.train.predict import predict
+    from plait.train.predict import memory_rows, predict
 
     plait.init(1, 1, 4)  # the default process group the calibration measures in
     profile = measure_in_world([4], None, host_facts(), quick=True)
@@ -58,17 +58,20 @@ def check_predicted_vs_measured(root: Path) -> list[dict]:
         cfg = _cfg(root, **kw)
         par = cfg.parallel
         run = build(cfg, plait.init(par.tp, par.pp, par.dp))
-        train_one(run, 0, False)
-        runs.append((kw, cfg, run, []))
+        train_one(run, 0, False)  # the first step also measures the bytes per rank
+        memory = [None] * dist.get_world_size()
+        dist.all_gather_object(memory, {"pp": run.ctx.pp_rank, **run.pm.memory_report()})
+        runs.append((kw, cfg, run, [], memory))
     for r in range(ROUNDS):
-        for _kw, _c, run, times in runs:
+        for _kw, _c, run, times, _m in runs:
             times += _time(run, 1 + r * STEPS)
     out = []
-    for kw, cfg, _run, times in runs:
+    for kw, cfg, _run, times, memory in runs:
         if dist.get_rank() == 0:
             est = predict(cfg, profile, 4)
             out.append({"layout": kw, "measured_s": min(times), "steps_s": times, "predicted_s": est.step_time_s,
-                        "predicted_bubble": est.bubble_fraction})
+                        "predicted_bubble": est.bubble_fraction, "memory": memory,
+                        "predicted_memory": memory_rows(est)})
     return out
 
 

@@ -87,6 +87,17 @@ def test_predicted_step_time_on_this_machine(world4):
         assert 0.5 <= ratio <= 2.0, f"{r['layout']}: measured {r['measured_s']:.3f} s, predicted {r['predicted_s']:.3f}"
 
 
+def test_predicted_memory_on_this_machine(world4):
+    """Bytes per rank of the same seven runs, measured (pm.memory_report(): parameters, gradients, optimizer
+    state, the peak of what autograd saved on the first step) against the prediction for the rank's
+    pipeline stage: memory does not depend on the load, so the bound is 1%."""
+    for r in result(world4, "predict/vs_measured")[0]:
+        pred = {p["pp_rank"]: p for p in r["predicted_memory"]}
+        for m in r["memory"]:
+            for kind in ("params", "grads", "optimizer", "activations_peak"):
+                assert m[kind] == pytest.approx(pred[m["pp"]][kind], rel=0.01), (r["layout"], m["pp"], kind)
+
+
 def test_train_calibrates_on_first_use_and_caches(tmp_path):
     env = {**os.environ, "PLAIT_CACHE_DIR": str(tmp_path / "cache")}
     args = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "2", "--steps", "2", "--seq-len",
