@@ -96,7 +96,9 @@ def test_32_concurrent_requests_equal_generate_alone(served):
     (json.dumps({"model": "tiny", "prompt": "x" * 50, "max_tokens": 75}), 400, "max_tokens", "kv_budget_exceeded"),
     ('{"model": "tiny", "prompt": [1, 2, 999]}', 400, "prompt", None),
     ('{"model": "tiny", "prompt": ""}', 400, "prompt", None),
-    ('{"model": "tiny", "prompt": "hi", "n": 3}', 400, "n", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "best_of": 3}', 400, "best_of", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "n": 0}', 400, "n", None),
     ('{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
 ])
 def test_bad_input_gets_an_openai_error_body(served, body, status, param, code):

@@ -1,99 +1,153 @@
-"""Every rank's part of a serving step: slot KV caches, prefill/decode groups flowing through the stages, sampling."""
+"""Every rank's part of a serving step: paged KV caches, row groups through the stages, the last stage's outputs."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from plait.generate.decode import Decoder, Sampling, _hidden_dim, sample
+from plait.generate.decode import Decoder, _hidden_dim
 from plait.generate.wavefront import Links, wavefront_order
-from plait.models.llama import BatchKVCache
+from plait.serve.kv import PagedBatch, PagedKVCache
+from plait.serve.sampling import Params, SeqState, logprobs
 from plait.tensor_parallel import comms
 
 
-class Runner:
-    """This rank's blocks with slot-based KV caches; ``execute(plan)`` runs one step and returns its tokens.
+class Row(NamedTuple):
+    """One sequence's work in a step: feed ``tokens`` at positions ``start``... through its block ``table``.
 
-    A plan (the same object on every rank, broadcast by rank 0) frees slots, prefills newly admitted
-    requests (one group each) and decodes one token for every running slot (the running slots split into
-    up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1 works on group 0,
-    stage 0 already works on group 1, so the stages are busy at the same time. The last stage samples each
-    row with that request's own generator (seeded from its seed), so a request's tokens do not depend on
-    what else shares its batch; the tokens are then broadcast to every rank.
+    ``sample``: the chunk reaches the end of the known tokens, so its last position gives the next token.
+    ``targets``: the prompt tokens that follow the first ``len(targets)`` positions, whose log-probabilities
+    are wanted (echo).
     """
 
-    def __init__(self, model, max_batch: int, max_len: int):
+    rid: int
+    tokens: list[int]
+    start: int
+    table: list[int]
+    sample: bool
+    targets: list[int]
+
+
+class Runner:
+    """This rank's blocks with paged KV caches; ``execute(plan)`` runs one step, rank 0 gets each row's outputs.
+
+    A plan (the same object on every rank, broadcast by rank 0) forgets finished sequences, registers new
+    ones (their sampling ``Params``) and lists the step's rows: prompt chunks (one group each) and one-token
+    rows (split into up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1
+    works on group 0, stage 0 already works on group 1. The last stage samples each row with that
+    sequence's own generator (seeded from its seed), so a sequence's tokens do not depend on what else
+    shares its batch, and computes the requested log-probabilities on the vocabulary-sharded logits.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int):
         self.dec = Decoder(model)
         self.ctx = self.dec.ctx
         self.dim = _hidden_dim(self.dec)
-        self.dec.caches = {name: BatchKVCache(max_batch, max_len) for blocks in self.dec.chunks.values()
-                           for name, _ in blocks if name.startswith("layers.")}
-        self.chunk_caches = {c: [self.dec.caches[n] for n, _ in blocks if n in self.dec.caches]
-                             for c, blocks in self.dec.chunks.items()}
+        self.batch = PagedBatch()
+        self.dec.caches = {name: PagedKVCache(num_blocks, block_size, self.batch)
+                           for blocks in self.dec.chunks.values() for name, _ in blocks if name.startswith("layers.")}
         self.mine = sorted(self.dec.chunks)
         self.last = self.dec.num_chunks - 1
         self.pp = self.ctx.pp_size if self.ctx is not None else 1
-        self.gens: dict[int, torch.Generator] = {}
-        self.sampling: dict[int, Sampling] = {}
+        self.tp_group = self.ctx.tp_group if self.ctx is not None and self.ctx.tp_size > 1 else None
+        self.seqs: dict[int, SeqState] = {}
         self.src = 0 if self.ctx is None else self.ctx.global_rank(tp_rank=0, dp_rank=0,
                                                                     pp_rank=self.dec.rank_of(self.last))
 
-    def groups(self, plan: dict) -> list[tuple[list[int], torch.Tensor]]:
-        """(slots, input tokens [b, s]) of each group: one per prefill, then the decode rows in <= pp groups."""
-        out = [([slot], torch.tensor([ids], dtype=torch.long)) for slot, ids, _ in plan["prefill"]]
-        decode = plan["decode"]
-        n = min(self.pp, len(decode))
-        for g in range(n):
-            part = decode[g::n]
-            out.append(([s for s, _ in part], torch.tensor([[t] for _, t in part], dtype=torch.long)))
-        return out
+    def groups(self, rows: list[Row]) -> list[list[int]]:
+        """Row indices of each group: one per multi-token row, then the one-token rows in <= pp groups."""
+        out = [[i] for i, r in enumerate(rows) if len(r.tokens) > 1]
+        single = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
+        n = min(self.pp, len(single))
+        return out + [single[g::n] for g in range(n)]
 
     @torch.no_grad()
-    def execute(self, plan: dict) -> list[int]:
-        """Run one step of ``plan``; the sampled token of every row (prefill rows first), on every rank."""
-        for slot in plan["free"]:
-            for cache in self.dec.caches.values():
-                cache.free(slot)
-            self.gens.pop(slot, None)
-            self.sampling.pop(slot, None)
-        for slot, _ids, s in plan["prefill"]:
-            self.sampling[slot] = Sampling(*s)
-            self.gens[slot] = torch.Generator().manual_seed(self.sampling[slot].seed)
-        groups = self.groups(plan)
-        if not groups:
-            return []
-        tokens = self._pipeline(groups)
-        rows = sum(len(slots) for slots, _ in groups)
-        if self.ctx is None:
-            return tokens.tolist()
-        buf = tokens if tokens is not None else torch.empty(rows, dtype=torch.long)
-        dist.broadcast(buf, src=self.src)
-        return buf.tolist()
+    def execute(self, plan: dict) -> list | None:
+        """Run one step of ``plan``; on rank 0 the outputs of each row (token, its logprobs, prompt logprobs)."""
+        for rid in plan["free"]:
+            self.seqs.pop(rid, None)
+        if self.last in self.mine:
+            for rid, params in plan["new"]:
+                self.seqs[rid] = SeqState(params, self.dec.vocab)
+        rows = [Row(*r) for r in plan["rows"]]
+        if not rows:
+            return None
+        outputs = self._pipeline(rows, self.groups(rows))
+        if self.ctx is None or self.src == 0:
+            return outputs if self.ctx is None or self.ctx.rank == 0 else None
+        box = [outputs]
+        if self.ctx.rank == self.src:
+            dist.send_object_list(box, dst=0)
+        elif self.ctx.rank == 0:
+            dist.recv_object_list(box, src=self.src)
+            return box[0]
+        return None
 
-    def _pipeline(self, groups: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor | None:
-        """Groups through this rank's chunks in wavefront order (tick = group + chunk); tokens on the last stage."""
+    def _pipeline(self, rows: list[Row], groups: list[list[int]]) -> list | None:
+        """Groups through this rank's chunks in wavefront order (tick = group + chunk); outputs on the last stage."""
         links = Links(self.dec, self.dim)
-        sampled: dict[int, torch.Tensor] = {}
+        outputs: list = [None] * len(rows)
         for c, g, _p in wavefront_order(self.mine, len(groups)):
-            slots, toks = groups[g]
-            x = toks.to(self.dec.device) if c == 0 else links.take(c, (g,), toks.shape[0], toks.shape[1])
-            rows = torch.tensor(slots, dtype=torch.long)
-            for cache in self.chunk_caches[c]:
-                cache.rows = rows
+            part = [rows[i] for i in groups[g]]
+            s = len(part[0].tokens)
+            if c == 0:
+                x = torch.tensor([r.tokens for r in part], dtype=torch.long, device=self.dec.device)
+            else:
+                x = links.take(c, (g,), len(part), s)
+            self.batch.set([r.table for r in part], [r.start for r in part])
             x = self.dec._run(c, x)
             if c == self.last:
-                sampled[g] = self._sample(x, slots)
+                for i, out in zip(groups[g], self._outputs(x, part), strict=True):
+                    outputs[i] = out
             else:
                 links.give(c, (g,), x)
         links.wait()
-        if self.last not in self.mine:
-            return None
-        return torch.cat([sampled[g] for g in range(len(groups))])
+        return outputs if self.last in self.mine else None
 
-    def _sample(self, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Next token [b] of each row from the last-position logits (gathered over TP), each with its own generator."""
-        last = x[:, -1]  # [b, V/t]
-        if self.ctx is not None and self.ctx.tp_size > 1:
-            last = comms.all_gather(last.contiguous(), 1, self.ctx.tp_group)
-        last = last[:, : self.dec.vocab]
-        return torch.cat([sample(last[i: i + 1], self.sampling[s], self.gens[s]).cpu() for i, s in enumerate(slots)])
+    def _outputs(self, x: torch.Tensor, rows: list[Row]) -> list[tuple]:
+        """(token or None, (logprob, top) or None, prompt [(logprob, top)] or None) of each row from logits x."""
+        states = [self.seqs[r.rid] for r in rows]
+        for r, st in zip(rows, states, strict=True):
+            st.see_prompt(r.tokens)
+        tokens: list[int | None] = [None] * len(rows)
+        pick = [i for i, r in enumerate(rows) if r.sample]
+        if pick:
+            last = x[pick, -1]  # [n, V/t] (vocabulary-sharded under TP): the one gather sampling needs
+            if self.tp_group is not None:
+                last = comms.all_gather(last.contiguous(), 1, self.tp_group)
+            last = last[:, : self.dec.vocab]
+            for j, i in enumerate(pick):
+                tokens[i] = states[i].next_token(last[j])
+        return self._logprobs(x, rows, states, tokens)
+
+    def _logprobs(self, x: torch.Tensor, rows: list[Row], states: list[SeqState], tokens: list) -> list[tuple]:
+        """The requested log-probabilities, one ``logprobs`` call (one set of TP collectives) for the whole group."""
+        zs, targets, spans = [], [], []  # spans: (row, kind, count, k)
+        for i, (r, st) in enumerate(zip(rows, states, strict=True)):
+            p: Params = st.params
+            if r.targets:
+                zs.append(x[i, : len(r.targets)])
+                targets += r.targets
+                spans.append((i, "prompt", len(r.targets), p.prompt_logprobs or 0))
+            if tokens[i] is not None and p.logprobs is not None:
+                zs.append(x[i, -1:])
+                targets.append(tokens[i])
+                spans.append((i, "token", 1, p.logprobs))
+        out = [[tok, None, None] for tok in tokens]
+        if not zs:
+            return [tuple(o) for o in out]
+        k = max(s[3] for s in spans)
+        lp, top_ids, top_lp = logprobs(torch.cat(zs), torch.tensor(targets, dtype=torch.long, device=x.device), k,
+                                       self.tp_group, self.dec.vocab)
+        lp, top_ids, top_lp = lp.tolist(), top_ids.tolist(), top_lp.tolist()
+        at = 0
+        for i, kind, n, kk in spans:
+            vals = [(lp[j], list(zip(top_ids[j][:kk], top_lp[j][:kk], strict=True))) for j in range(at, at + n)]
+            at += n
+            if kind == "prompt":
+                out[i][2] = vals
+            else:
+                out[i][1] = vals[0]
+        return [tuple(o) for o in out]
