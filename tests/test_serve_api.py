@@ -107,16 +107,19 @@ def test_logprobs_equal_log_softmax_of_one_device(served):
     client, ref = served.client, served.ref
     prompt = TOK.encode("log probabilities")
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, logprobs=3,
-                                    extra_body={"ignore_eos": True}).choices[0]
+                                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0]
     lsm = log_softmax(ref, prompt + out.token_ids)
     for j, t in enumerate(out.token_ids):
         row = lsm[len(prompt) + j - 1]
         assert abs(out.logprobs.token_logprobs[j] - row[t].item()) < 1e-5
-        best = row.topk(3).values.tolist()
+        best = row.topk(3)
+        want = {f"token_id:{i}": v for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)}
         top = out.logprobs.top_logprobs[j]
-        assert abs(max(top.values()) - best[0]) < 1e-5
-        assert all(min(abs(v - b) for b in best) < 1e-5 for v in top.values())
-    assert out.logprobs.tokens == [TOK.decode([t]) for t in out.token_ids]
+        assert top.keys() == want.keys() and max(abs(top[k] - want[k]) for k in top) < 1e-5  # greedy: t is top 1
+    assert out.logprobs.tokens == [f"token_id:{t}" for t in out.token_ids]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logprobs=0,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.logprobs.tokens == [TOK.decode([t]) for t in plain.token_ids]
     messages = [{"role": "user", "content": "chat logprobs"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, logprobs=True,
                                           top_logprobs=2, extra_body={"ignore_eos": True}).choices[0]

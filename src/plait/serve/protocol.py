@@ -14,7 +14,7 @@ MAX_LOGPROBS = 20
 FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "n", "seed", "stream", "stream_options", "stop", "stop_token_ids", "ignore_eos",
           "include_stop_str_in_output", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "logit_bias", "logprobs", "top_logprobs", "echo", "user"}
+          "logit_bias", "logprobs", "top_logprobs", "echo", "user", "return_tokens_as_token_ids"}
 # accepted only at these values (the features they would switch on are not implemented)
 NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
            "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
@@ -70,6 +70,7 @@ class Parsed:
     stop_ids: frozenset[int] = frozenset()
     include_stop: bool = False
     include_usage: bool = False
+    ids_as_tokens: bool = False  # log-probability tokens as "token_id:<id>" (distinct where texts collide)
 
     def choices(self) -> list[tuple[list[int], Params]]:
         """(prompt, params) of every choice, in the order of their indexes: prompt by prompt, n each."""
@@ -247,7 +248,8 @@ def parse(body, chat: bool, tok, limits: Limits) -> Parsed:
     stream = _flag(body, "stream")
     return Parsed(prompts, params, stream, chat, n=n, echo=echo, stop=_stop(body), stop_ids=stop_ids | set(eos),
                   include_stop=_flag(body, "include_stop_str_in_output"),
-                  include_usage=_stream_options(body, stream))
+                  include_usage=_stream_options(body, stream),
+                  ids_as_tokens=_flag(body, "return_tokens_as_token_ids"))
 
 
 def _check_length(ids: list[int], max_tokens: int, limits: Limits) -> None:

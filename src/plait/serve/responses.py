@@ -76,7 +76,7 @@ class Choice:
         start = self.sent if delta else 0
         logprobs = self._logprobs(ids, lps, start) if self.want and (ids or not delta) else None
         if delta:
-            self.sent += sum(len(self.tok.decode([t])) for t in ids) if self.want else 0
+            self.sent += sum(len(self._word(t)) for t in ids) if self.want else 0
         if not self.p.chat:
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                     "token_ids": ids}
@@ -84,17 +84,20 @@ class Choice:
         msg = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": self.index, key: msg, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
 
+    def _word(self, t: int) -> str:
+        return f"token_id:{t}" if self.p.ids_as_tokens else self.tok.decode([t])
+
     def _logprobs(self, ids: list[int], lps: list, start: int) -> dict:
-        words = [self.tok.decode([t]) for t in ids]
+        words = [self._word(t) for t in ids]
         if self.p.chat:
-            return {"content": [{**self._entry(w, lp[0]), "top_logprobs": [self._entry(self.tok.decode([t]), v)
+            return {"content": [{**self._entry(w, lp[0]), "top_logprobs": [self._entry(self._word(t), v)
                                                                            for t, v in lp[1]]}
                                 for w, lp in zip(words, lps, strict=True)]}
         offsets = []
         for w in words:
             offsets.append(start)
             start += len(w)
-        tops = [None if lp is None else {**{self.tok.decode([t]): v for t, v in lp[1]}, w: lp[0]}
+        tops = [None if lp is None else {**{self._word(t): v for t, v in lp[1]}, w: lp[0]}
                 for w, lp in zip(words, lps, strict=True)]
         return {"tokens": words, "token_logprobs": [None if lp is None else lp[0] for lp in lps],
                 "top_logprobs": tops, "text_offset": offsets}
