@@ -70,6 +70,7 @@ class Parsed:
     stop_ids: frozenset[int] = frozenset()
     include_stop: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     ids_as_tokens: bool = False  # log-probability tokens as "token_id:<id>" (distinct where texts collide)
 
     def choices(self) -> list[tuple[list[int], Params]]:
@@ -185,17 +186,17 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return _number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
-    """Whether a streamed response ends with a usage chunk (stream_options.include_usage)."""
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(a final usage chunk, usage so far in every chunk): stream_options include_usage, continuous_usage_stats."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not stream:
         raise ApiError(400, "stream_options needs stream: true", "stream_options")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise ApiError(400, f"stream_options={opts!r}: only include_usage is supported", "stream_options",
-                       "unsupported")
-    return _flag(opts, "include_usage")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(400, f"stream_options={opts!r}: only include_usage and continuous_usage_stats are supported",
+                       "stream_options", "unsupported")
+    return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
 
 
 def _sampling(body: dict, chat: bool, limits: Limits) -> Sampling:
@@ -246,9 +247,10 @@ def parse(body, chat: bool, tok, limits: Limits) -> Parsed:
     for ids in prompts:
         _check_length(ids, sampling.max_new_tokens, limits)
     stream = _flag(body, "stream")
+    include_usage, continuous_usage = _stream_options(body, stream)
     return Parsed(prompts, params, stream, chat, n=n, echo=echo, stop=_stop(body), stop_ids=stop_ids | set(eos),
                   include_stop=_flag(body, "include_stop_str_in_output"),
-                  include_usage=_stream_options(body, stream),
+                  include_usage=include_usage, continuous_usage=continuous_usage,
                   ids_as_tokens=_flag(body, "return_tokens_as_token_ids"))
 
 

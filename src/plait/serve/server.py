@@ -232,12 +232,16 @@ class Api:
     async def _stream(self, request, p: Parsed, rid: str, rids, state: list[Choice], q, deadline):
         model = self.limits.model
         extra = {"usage": None} if p.include_usage else {}
+
+        def so_far() -> dict:  # the usage field of a chunk: null, or the counts so far (continuous_usage_stats)
+            return {"usage": usage(p, sum(len(c.ids) for c in state))} if p.continuous_usage else extra
+
         try:
             if p.chat:
                 for c in state:
                     first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
-                    yield _sse({**envelope(p, rid, model, [first], chunk=True), **extra})
+                    yield _sse({**envelope(p, rid, model, [first], chunk=True), **so_far()})
             while any(c.finish is None for c in state):
                 item = await self._next(request, q, deadline)
                 if item is None:
@@ -249,7 +253,7 @@ class Api:
                 i, ev = item
                 part = state[i].feed(ev)
                 if part is not None:
-                    yield _sse({**envelope(p, rid, model, [part], chunk=True), **extra})
+                    yield _sse({**envelope(p, rid, model, [part], chunk=True), **so_far()})
             if p.include_usage:
                 total = usage(p, sum(len(c.ids) for c in state))
                 yield _sse({**envelope(p, rid, model, [], chunk=True), "usage": total})
