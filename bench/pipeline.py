@@ -92,7 +92,7 @@ def _plait_runner(name: str, t: float, ctx):
 def _torch_runner(name: str, t: float, rank: int):
     from torch.distributed import pipelining
 
-    from plait.pipeline.weight_grad import WeightGradStore
+    from plait.weight_grad import WeightGradStore
 
     cls_name = PAIRS[name]
     if cls_name is None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import plait
+from checks_families import family_checks
 from checks_llama import expect_config_error
 from harness import rel_err, run_checks
 from plait.models import Llama, LlamaConfig
@@ -252,9 +254,12 @@ def bad_checks(world: int) -> list:
     ]
 
 
-def rank_main() -> dict:
+def rank_main(families: str | None = None) -> dict:
+    """``families``: a folder of Hugging Face models (checks_families.make_folders) checked in the world of 4."""
     world = int(os.environ["WORLD_SIZE"])
     checks = world4_checks() if world == 4 else world8_checks()
+    if world == 4 and families is not None:
+        checks += family_checks(Path(families))
     results = {}
     for name, fn in checks:
         results.update(run_checks([(name, fn)]))

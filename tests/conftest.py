@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     """The server, shared by every test that asks for it (starting one costs ~10 s)."""
     import openai
 
-    from plait.generate.job import load_model
+    from plait.generation.job import load_model
     from plait.train.data import ByteTokenizer
     from serve_util import Server, expected_ids, tiny_model
 

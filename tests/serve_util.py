@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from plait.distributed.launch import free_port
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -26,7 +27,7 @@ def tiny_model(path: Path, newlines: bool = False) -> Path:
 
     import torch
 
-    from plait.generate.decode import Sampling, generate_ids
+    from plait.generation.decode import Sampling, generate_ids
     from plait.models import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -44,7 +45,7 @@ def tiny_model(path: Path, newlines: bool = False) -> Path:
 def expected_ids(model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0, eos: int | None = None, **sampling) -> list[int]:
     """What ``plait generate`` gives for this prompt alone (its library path, on one device), up to ``eos``."""
-    from plait.generate.decode import Sampling, generate_ids
+    from plait.generation.decode import Sampling, generate_ids
 
     out = generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed, **sampling))[0]
     return out[: out.index(eos) + 1] if eos in out else out
@@ -71,12 +72,6 @@ def _logits(model, ids: list[int]):
 
     with torch.no_grad():
         return model(torch.tensor([ids]))[0, -1].double()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

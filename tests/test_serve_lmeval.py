@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from plait.generate.decode import Sampling, generate_ids
+from plait.generation.decode import Sampling, generate_ids
 from plait.train.data import ByteTokenizer
 from serve_util import log_softmax
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from plait.generate.decode import Sampling, generate_ids
+from plait.generation.decode import Sampling, generate_ids
 from plait.models import Llama, LlamaConfig
 from plait.serve.engine import Engine, Request
 from plait.serve.kv import BlockAllocator

@@ -86,9 +86,6 @@ class Transport:
         self.sends.clear()
 
     # -------------------------------------------------------------------------------------- receive
-    def known_shape(self, kind: int, chunk: int) -> bool:
-        return (kind, chunk) in self.shapes
-
     def set_shape(self, kind: int, chunk: int, shape, dtype) -> None:
         self.shapes[(kind, chunk)] = (tuple(shape), dtype)
 

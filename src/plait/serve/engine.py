@@ -1,8 +1,8 @@
-"""Rank 0's engine loop: schedules sequences, broadcasts each step's plan, turns the outputs into events.
+"""Rank 0's engine loop: schedules sequences, broadcasts each ``Step``, turns the outputs into events.
 
 The HTTP thread only calls ``submit`` and ``cancel`` (a thread-safe queue). Between steps the loop takes
 new and cancelled requests, asks the ``Scheduler`` which sequences run and with how many tokens, then
-broadcasts the plan to every rank with ``broadcast_object_list``; all ranks run it (``Runner.execute``) and
+broadcasts the step to every rank with ``broadcast_object_list``; all ranks run it (``Runner.execute``) and
 rank 0 turns each row's outputs into events for the request's sink: prompt log-probabilities, tokens with
 their text (stop strings cut exactly), and the end with its reason.
 """
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from plait.serve.metrics import Metrics
-from plait.serve.runner import Runner
+from plait.serve.runner import Row, Runner, Step
 from plait.serve.sampling import Params
 from plait.serve.scheduler import Scheduler, Seq
 from plait.serve.text import TextTracker
 
-HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty plan) this often: workers stay in step
+HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often: workers stay in step
 
 
 @dataclass(eq=False)
@@ -89,18 +89,18 @@ class Engine:
     def run(self) -> None:
         """Plan, broadcast and run steps until ``stopping`` is set; every other rank runs ``follow``."""
         try:
-            empty = {"free": [], "new": [], "rows": [], "stop": False}
+            empty = Step()
             self._broadcast(empty)  # every rank has loaded its part once this returns
             self.runner.execute(empty)
             self.ready.set()
             while True:
                 self._drain(block=not self.live)
                 stop = self.stopping.is_set()
-                plan, pairs = self._plan(stop)
-                if not (plan["rows"] or plan["free"] or stop) and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
+                step, pairs = self._plan(stop)
+                if not step.busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
                     continue
-                self._broadcast(plan)
-                outputs = self.runner.execute(plan)
+                self._broadcast(step)
+                outputs = self.runner.execute(step)
                 self._deliver(pairs, outputs or [])
                 if stop:
                     return
@@ -109,10 +109,10 @@ class Engine:
             self._fail_all(self.failed)
             raise
 
-    def _broadcast(self, plan: dict) -> None:
+    def _broadcast(self, step: Step) -> None:
         self.last_broadcast = time.monotonic()
         if self.distributed:
-            dist.broadcast_object_list([plan], src=0)
+            dist.broadcast_object_list([step], src=0)
 
     def _drain(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0
@@ -146,10 +146,10 @@ class Engine:
         if live.seq.known:
             self.to_free.append(rid)
 
-    def _plan(self, stop: bool) -> tuple[dict, list[tuple[Seq, int]]]:
+    def _plan(self, stop: bool) -> tuple[Step, list[tuple[Seq, int]]]:
         free, self.to_free = self.to_free, []
         if stop:
-            return {"free": free, "new": [], "rows": [], "stop": True}, []
+            return Step(free=free, stop=True), []
         pairs = self.sched.schedule()
         new, rows = [], []
         for seq, n in pairs:
@@ -158,9 +158,9 @@ class Engine:
                 seq.known = True
             end = seq.computed + n
             sample = end == seq.length and len(seq.out) < seq.max_tokens
-            rows.append((seq.rid, seq.tokens(seq.computed, n), seq.computed, list(seq.table), sample,
-                         self._targets(seq, n)))
-        return {"free": free, "new": new, "rows": rows, "stop": False}, pairs
+            rows.append(Row(seq.rid, seq.tokens(seq.computed, n), seq.computed, list(seq.table), sample,
+                            self._targets(seq, n)))
+        return Step(free=free, new=new, rows=rows), pairs
 
     @staticmethod
     def _targets(seq: Seq, n: int) -> list[int]:
@@ -226,11 +226,11 @@ class Engine:
 
 
 def follow(runner: Runner) -> None:
-    """Every rank but 0: receive each step's plan from rank 0 and run it, until a plan says stop."""
+    """Every rank but 0: receive each step from rank 0 and run it, until a step says stop."""
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0)
-        plan = box[0]
-        runner.execute(plan)
-        if plan["stop"]:
+        step: Step = box[0]
+        runner.execute(step)
+        if step.stop:
             return

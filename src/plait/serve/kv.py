@@ -74,7 +74,7 @@ class PagedKVCache:
         return self.batch.starts[:, None] + torch.arange(s)
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, h_kv, S, hd] in the rows' blocks; (keys, values [B, h_kv, L, hd], key positions or None)."""
+        """Store k, v [B, h_kv, S, hd] in the rows' blocks; (keys, values of positions 0..L-1, causal mask or None)."""
         b, h, s, hd = k.shape
         if self.k is None:  # zeros: a block's unused tail is read (then masked) and must hold finite numbers
             self.k = k.new_zeros(self.num_blocks, h, self.block_size, hd)
@@ -91,7 +91,8 @@ class PagedKVCache:
         n = math.ceil(total / self.block_size)
         keys = self._gather(self.k, tables[:, :n], total)
         values = self._gather(self.v, tables[:, :n], total)
-        return keys, values, torch.arange(total)[None]  # keys past a row's length sit after all its queries
+        mask = torch.arange(total, device=k.device) <= pos[:, :, None]  # [B, S, L]: keys past a row's end are later
+        return keys, values, mask[:, None]
 
     def _gather(self, pool: torch.Tensor, tables: torch.Tensor, total: int) -> torch.Tensor:
         b, n = tables.shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from plait.generate.decode import Sampling
+from plait.generation.decode import Sampling
 from plait.serve.sampling import Params
 
 DEFAULT_MAX_TOKENS = 16

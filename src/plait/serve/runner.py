@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from plait.generate.decode import Decoder, _hidden_dim
-from plait.generate.wavefront import Links, wavefront_order
+from plait.generation.decode import Decoder
+from plait.generation.wavefront import Links, wavefront_order
+from plait.parallel_model import ParallelModel
 from plait.serve.kv import PagedBatch, PagedKVCache
 from plait.serve.sampling import Params, SeqState, logprobs
-from plait.tensor_parallel import comms
+from plait.tensor_parallel.loss import full_logits
 
 
-class Row(NamedTuple):
+@dataclass
+class Row:
     """One sequence's work in a step: feed ``tokens`` at positions ``start``... through its block ``table``.
 
     ``sample``: the chunk reaches the end of the known tokens, so its last position gives the next token.
@@ -27,13 +30,27 @@ class Row(NamedTuple):
     start: int
     table: list[int]
     sample: bool
-    targets: list[int]
+    targets: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Step:
+    """One engine step, the same object on every rank: sequences to forget, new sequences' sampling, rows to run."""
+
+    free: list[int] = field(default_factory=list)
+    new: list[tuple[int, Params]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    stop: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.free or self.rows)
 
 
 class Runner:
-    """This rank's blocks with paged KV caches; ``execute(plan)`` runs one step, rank 0 gets each row's outputs.
+    """This rank's blocks with paged KV caches; ``execute(step)`` runs one step, rank 0 gets each row's outputs.
 
-    A plan (the same object on every rank, broadcast by rank 0) forgets finished sequences, registers new
+    A step (the same object on every rank, broadcast by rank 0) forgets finished sequences, registers new
     ones (their sampling ``Params``) and lists the step's rows: prompt chunks (one group each) and one-token
     rows (split into up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1
     works on group 0, stage 0 already works on group 1. The last stage samples each row with that
@@ -41,13 +58,11 @@ class Runner:
     shares its batch, and computes the requested log-probabilities on the vocabulary-sharded logits.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int):
+    def __init__(self, model: nn.Module | ParallelModel, num_blocks: int, block_size: int):
         self.dec = Decoder(model)
         self.ctx = self.dec.ctx
-        self.dim = _hidden_dim(self.dec)
         self.batch = PagedBatch()
-        self.dec.caches = {name: PagedKVCache(num_blocks, block_size, self.batch)
-                           for blocks in self.dec.chunks.values() for name, _ in blocks if name.startswith("layers.")}
+        self.caches = self.dec.new_caches(lambda: PagedKVCache(num_blocks, block_size, self.batch))
         self.mine = sorted(self.dec.chunks)
         self.last = self.dec.num_chunks - 1
         self.pp = self.ctx.pp_size if self.ctx is not None else 1
@@ -64,14 +79,14 @@ class Runner:
         return out + [single[g::n] for g in range(n)]
 
     @torch.no_grad()
-    def execute(self, plan: dict) -> list | None:
-        """Run one step of ``plan``; on rank 0 the outputs of each row (token, its logprobs, prompt logprobs)."""
-        for rid in plan["free"]:
+    def execute(self, step: Step) -> list | None:
+        """Run one ``step``; on rank 0 the outputs of each row (token, its logprobs, prompt logprobs)."""
+        for rid in step.free:
             self.seqs.pop(rid, None)
         if self.last in self.mine:
-            for rid, params in plan["new"]:
+            for rid, params in step.new:
                 self.seqs[rid] = SeqState(params, self.dec.vocab)
-        rows = [Row(*r) for r in plan["rows"]]
+        rows = step.rows
         if not rows:
             return None
         outputs = self._pipeline(rows, self.groups(rows))
@@ -87,7 +102,7 @@ class Runner:
 
     def _pipeline(self, rows: list[Row], groups: list[list[int]]) -> list | None:
         """Groups through this rank's chunks in wavefront order (tick = group + chunk); outputs on the last stage."""
-        links = Links(self.dec, self.dim)
+        links = Links(self.dec)
         outputs: list = [None] * len(rows)
         for c, g, _p in wavefront_order(self.mine, len(groups)):
             part = [rows[i] for i in groups[g]]
@@ -97,7 +112,7 @@ class Runner:
             else:
                 x = links.take(c, (g,), len(part), s)
             self.batch.set([r.table for r in part], [r.start for r in part])
-            x = self.dec._run(c, x)
+            x = self.dec.run(c, x, self.caches)
             if c == self.last:
                 for i, out in zip(groups[g], self._outputs(x, part), strict=True):
                     outputs[i] = out
@@ -114,10 +129,7 @@ class Runner:
         tokens: list[int | None] = [None] * len(rows)
         pick = [i for i, r in enumerate(rows) if r.sample]
         if pick:
-            last = x[pick, -1]  # [n, V/t] (vocabulary-sharded under TP): the one gather sampling needs
-            if self.tp_group is not None:
-                last = comms.all_gather(last.contiguous(), 1, self.tp_group)
-            last = last[:, : self.dec.vocab]
+            last = full_logits(x[pick, -1], self.ctx, self.dec.vocab)  # [n, V]: the one gather sampling needs
             for j, i in enumerate(pick):
                 tokens[i] = states[i].next_token(last[j])
         return self._logprobs(x, rows, states, tokens)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from plait.generate.decode import Sampling, sample
+from plait.generation.decode import Sampling, sample
 from plait.tensor_parallel import comms
 
 
