@@ -69,8 +69,8 @@ def test_32_concurrent_requests_equal_generate_alone(served):
         got = list(pool.map(ask, jobs))
     for (prompt, n, temperature, top_k, seed), ids in zip(jobs, got, strict=True):
         assert ids == expected_ids(ref, TOK.encode(prompt), n, temperature, top_k, seed, eos=served.eos), prompt
-    steps = server.metric("plait_engine_steps_total") - steps0
-    assert steps < sum(job[1] for job in jobs) / 2, "requests were not batched together"
+    steps = server.metric("plait_engine_steps_total") - steps0  # one at a time: >= sum(n) steps, more with chunks
+    assert steps < 0.75 * sum(job[1] for job in jobs), "requests were not batched together"
     assert server.metric("plait_kv_tokens_used") == 0 and server.metric("plait_batch_size") == 0
     assert server.metric("plait_time_to_first_token_seconds_count") >= 32
 
