@@ -157,6 +157,10 @@ def test_stream_include_usage_ends_with_a_usage_chunk(served):
                                                stream=True, stream_options={"include_usage": True}, n=2,
                                                extra_body={"ignore_eos": True}))
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 6
+    chunks = list(client.completions.create(model="tiny", prompt="usage", max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    assert [c.usage.completion_tokens for c in chunks] == [1, 2, 3, 4, 4, 4]  # 4 tokens, the finish, the total
 
 
 def test_neutral_values_accepted_and_the_rest_refused(served):
