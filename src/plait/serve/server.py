@@ -189,18 +189,24 @@ class Api:
             return StreamingResponse(self._stream(*args), media_type="text/event-stream")
         return await self._complete(*args)
 
-    async def _next(self, request: Request, q: asyncio.Queue, deadline: float):
-        """The next (index, event); None when the client has gone; "timeout" past the deadline."""
+    async def _next(self, request: Request, q: asyncio.Queue, deadline: float, watch: list[float]):
+        """The next (index, event); None when the client has gone; "timeout" past the deadline.
+
+        The connection is checked at least every POLL_S (``watch``: when it was last), also while events flow.
+        """
         while True:
-            if await request.is_disconnected():  # checked between events too: a busy stream still notices
-                return None
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if now - watch[0] >= POLL_S:
+                watch[0] = now
+                if await request.is_disconnected():
+                    return None
+            left = deadline - now
             if left <= 0:
                 return "timeout"
             try:
                 return await asyncio.wait_for(q.get(), min(POLL_S, left))
             except asyncio.TimeoutError:
-                pass
+                watch[0] = 0.0  # nothing came: look at the connection right away
 
     def _cancel(self, rids: list[int], state: list[Choice]) -> None:
         for r, c in zip(rids, state, strict=True):
@@ -213,9 +219,10 @@ class Api:
                           code="request_timeout")
 
     async def _complete(self, request, p: Parsed, rid: str, rids, state: list[Choice], q, deadline) -> Response:
+        watch = [0.0]
         try:
             while any(c.finish is None for c in state):
-                item = await self._next(request, q, deadline)
+                item = await self._next(request, q, deadline, watch)
                 if item is None:
                     return Response(status_code=499)  # nobody is listening; the finally cancels
                 if item == "timeout":
@@ -242,8 +249,9 @@ class Api:
                     first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
                     yield _sse({**envelope(p, rid, model, [first], chunk=True), **so_far()})
+            watch = [0.0]
             while any(c.finish is None for c in state):
-                item = await self._next(request, q, deadline)
+                item = await self._next(request, q, deadline, watch)
                 if item is None:
                     return
                 if item == "timeout" or item[1]["type"] == "error":
