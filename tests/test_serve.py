@@ -143,6 +143,10 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: --model") and "no such folder" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--max-tokens", "500"])
     assert res.exit_code == 2 and "--max-tokens 500 must be within [1, 127]" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--step-tokens", "-1"])
+    assert res.exit_code == 2 and "--step-tokens -1" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])
+    assert res.exit_code == 2 and "--kv-block 0" in res.output
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

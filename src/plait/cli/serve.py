@@ -45,7 +45,7 @@ def serve_command(
     = "127.0.0.1",
     port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
     name: Annotated[str | None, Opt(help="Model name clients must send (default: the folder's name).")] = None,
-    max_batch: Annotated[int, Opt(help="KV cache slots: sequences decoded together.")] = 16,
+    max_batch: Annotated[int, Opt(help="Sequences that run at once (continuous batching).")] = 16,
     max_tokens: Annotated[int | None, Opt(help="Largest max_tokens a request may ask for (default: the "
                                                "context length - 1).")] = None,
     kv_budget: Annotated[int | None, Opt(help="KV cache positions of the block pool (default: max-batch x "
