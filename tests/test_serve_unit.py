@@ -60,10 +60,10 @@ def test_scheduler_budget_decodes_first_and_preempts_the_latest():
         for s, n in pairs:
             s.computed += n
     assert sched.preemptions == 1 and sched.waiting[0] is b and b.computed == 0 and not b.table
-    sched = Scheduler(BlockAllocator(6, 4), max_batch=4, step_tokens=4)
+    sched = Scheduler(BlockAllocator(6, 4), max_batch=4, step_tokens=12)
     sched.add(_seq(1, 9))
-    sched.add(_seq(2, 13))  # 4 blocks: free are 5, but the first prompt still needs 2 of them
-    assert [(s.rid, n) for s, n in sched.schedule()] == [(1, 4)] and sched.alloc.used == 1
+    sched.add(_seq(2, 16))  # its first chunk (3 tokens) would fit the 3 free blocks, its prompt (4 blocks) not
+    assert [(s.rid, n) for s, n in sched.schedule()] == [(1, 9)] and sched.alloc.used == 3
     reserve = Scheduler(BlockAllocator(6, 4), max_batch=4, reserve=True)
     reserve.add(_seq(1, 9, 8))
     reserve.add(_seq(2, 9, 8))

@@ -4,8 +4,9 @@ Chunked prefill (as in Sarathi, Agrawal et al. 2023, and vLLM): a step processes
 tokens; every running sequence that decodes gets its one token first, then prompts are prefilled in chunks
 with what is left, so a long prompt no longer stalls the decodes of everyone else, and a burst of arrivals
 is spread over several steps. KV blocks are taken as the tokens arrive; a sequence is admitted only when
-the blocks its whole prompt will need are free beside those the running sequences still need for theirs
-(less a 1% watermark kept for decodes), so admitted prompts do not push each other out. When decoding
+the blocks its whole prompt will need are free (beside a 1% watermark kept for decodes), so admitted
+prompts do not push each other out. (A prompt cut by the budget takes the whole budget, so no admission
+happens before its next chunk, which comes first in the next step.) When decoding
 sequences find no free block, the sequence admitted last is preempted: its blocks are freed and it waits
 at the head of the queue, to be recomputed (its prompt and the tokens it already generated prefilled again).
 """
@@ -111,13 +112,12 @@ class Scheduler:
         return plan
 
     def _fits(self, seq: Seq) -> bool:
-        """Whether ``seq`` may be admitted: its blocks (prompt + max_tokens when reserving, else its known tokens)
-        are free beside what the running sequences still need for their known tokens and the watermark."""
+        """Whether ``seq`` may be admitted: the blocks of prompt + max_tokens (reserving), else of its known
+        tokens and the watermark, are free."""
         alloc = self.alloc
         if self.reserve:
             return alloc.blocks_for(seq.length + seq.max_tokens - len(seq.out)) <= len(alloc.free)
-        owed = sum(max(alloc.blocks_for(s.length) - len(s.table), 0) for s in self.running)
-        return alloc.blocks_for(seq.length) + owed + alloc.num_blocks // 100 <= len(alloc.free)
+        return alloc.blocks_for(seq.length) + alloc.num_blocks // 100 <= len(alloc.free)
 
     def _preempt(self, seq: Seq) -> None:
         self.alloc.release(seq.table)
