@@ -117,7 +117,8 @@ class Scheduler:
         alloc = self.alloc
         if self.reserve:
             return alloc.blocks_for(seq.length + seq.max_tokens - len(seq.out)) <= len(alloc.free)
-        return alloc.blocks_for(seq.length) + alloc.num_blocks // 100 <= len(alloc.free)
+        watermark = alloc.num_blocks // 100 if self.running else 0  # alone, a sequence may take every block
+        return alloc.blocks_for(seq.length) + watermark <= len(alloc.free)
 
     def _preempt(self, seq: Seq) -> None:
         self.alloc.release(seq.table)
