@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--long-prompt", type=int, default=160, help="prompt bytes of every fourth request")
     ap.add_argument("--kv-budget", type=int, default=3072, help="KV positions of every server")
-    ap.add_argument("--step-tokens", type=int, default=64, help="chunked prefill budget (chunked, after)")
+    ap.add_argument("--step-tokens", type=int, default=256, help="chunked prefill budget (chunked, after)")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--trials", type=int, default=2)
