@@ -16,7 +16,7 @@ from plait.generation.job import load_model
 from plait.train.data import ByteTokenizer
 from serve_util import Server, expected_ids, log_softmax, tiny_model, workers
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
 TOK = ByteTokenizer()
 
 
@@ -52,7 +52,7 @@ def test_tp2_pp2_serves_generate_tokens_then_a_killed_worker_stops_it(tmp_path):
     server = Server(model_dir, tmp_path, "--tp", "2", "--pp", "2", "--max-batch", "6", "--kv-block", "4",
                     "--step-tokens", "8")
     try:
-        server.wait_healthy(timeout=120)
+        server.wait_healthy(timeout=240)  # four processes loading on a busy machine
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         jobs = [(f"{i} + {i} = ", 3 + i % 6, 0.0 if i % 3 else 0.7, i) for i in range(12)]
 
