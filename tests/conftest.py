@@ -1,4 +1,4 @@
-"""Shared fixtures: one ``plait serve`` (pp 2, paged KV, chunked prefill, an API key) for the serving tests."""
+"""Fixtures shared by several test modules: one 8-rank world, one ``plait serve`` for the serving tests."""
 
 from __future__ import annotations
 
@@ -7,8 +7,18 @@ from dataclasses import dataclass
 
 import pytest
 
+import checks_pipeline
+from harness import launch
+
 KEY = "sk-plait-test"
 KV_BUDGET = 120  # < the context (128): a request may fit the context yet not the pool
+
+
+@pytest.fixture(scope="session")
+def world8(tmp_path_factory):
+    """One launch of 8 Gloo ranks: every schedule over tp2·pp2·dp2 (tests/test_pipeline.py) and ZeRO-1/2 over
+    dp2·tp2·pp2 and dp4·tp2 (tests/test_zero.py); each rank returns its dict of check results."""
+    return launch(checks_pipeline.rank_main, 8, None, str(tmp_path_factory.mktemp("zero")), timeout_s=600)
 
 
 @dataclass
