@@ -23,16 +23,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class Sampling:
-    """Greedy when ``temperature == 0``; otherwise softmax(logits / T), restricted to the ``top_k`` best if > 0."""
+    """Greedy when ``temperature == 0``; otherwise softmax(logits / T) restricted to the ``top_k`` best if > 0,
+    then to the smallest set whose probability reaches ``top_p`` (nucleus; Holtzman et al. 2020) if < 1,
+    then to tokens at least ``min_p`` times as likely as the best one if > 0."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def check(self) -> None:
         if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
             raise ConfigError("max_new_tokens, temperature and top_k must be >= 0")
+        if not (0 < self.top_p <= 1 and 0 <= self.min_p <= 1):
+            raise ConfigError(f"top_p={self.top_p} must be within (0, 1] and min_p={self.min_p} within [0, 1]")
 
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
@@ -45,6 +51,12 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Ten
         kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        drop = ordered.cumsum(-1) - ordered >= s.top_p  # the mass before a token already reaches top_p
+        probs = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+    if s.min_p > 0:
+        probs = probs.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
 
 

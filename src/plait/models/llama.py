@@ -92,7 +92,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer."""
+    """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer.
+
+    Any other cache object passed to ``Attention`` is a per-row cache, whose rows may sit at different
+    positions (serving keeps such caches outside the model): ``positions(s)`` gives the positions [B, S] of
+    the next ``s`` tokens of each row; ``append(k, v)`` stores their keys and values [B, h_kv, S, hd] and
+    returns the keys and values of positions 0..L-1 to attend to [B, h_kv, L, hd] with the causal mask
+    [B, 1, S, L], or None for the mask when the keys are exactly the new ones, every row starting at 0.
+    """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
@@ -106,50 +113,6 @@ class KVCache:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
-
-
-class BatchKVCache:
-    """Slot-based cache of one attention layer for continuous batching: [slots, h_kv, max_len, hd] buffers.
-
-    Each slot (a sequence) has its own length, so rows of one batch sit at different positions. Before a
-    forward, whoever drives the batch sets ``rows`` (the slot of each batch row, [B]); ``append`` writes the
-    new keys at each row's own positions and returns the keys/values to attend to plus a mask.
-    """
-
-    def __init__(self, slots: int, max_len: int) -> None:
-        self.slots, self.max_len = slots, max_len
-        self.lengths = torch.zeros(slots, dtype=torch.long)  # [slots] tokens cached per slot
-        self.rows = torch.zeros(1, dtype=torch.long)  # [B] slot of each row of the next forward
-        self.k: torch.Tensor | None = None  # [slots, h_kv, max_len, hd], allocated at the first write
-        self.v: torch.Tensor | None = None
-
-    def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
-
-    def positions(self, s: int) -> torch.Tensor:
-        """Positions [B, S] of the next ``s`` tokens of each row."""
-        return self.lengths[self.rows][:, None] + torch.arange(s)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, h_kv, S, hd]; (keys, values, mask or None for plain causal) to attend with."""
-        b, h, s, hd = k.shape
-        if self.k is None:
-            self.k = k.new_zeros(self.slots, h, self.max_len, hd)
-            self.v = v.new_zeros(self.slots, h, self.max_len, hd)
-        start = self.lengths[self.rows]  # [B]
-        if int(start.max()) + s > self.max_len:
-            raise ConfigError(f"BatchKVCache: {int(start.max()) + s} positions exceed max_len {self.max_len}")
-        pos = (start[:, None] + torch.arange(s)).to(k.device)  # [B, S]
-        rows = self.rows.to(k.device)[:, None]  # [B, 1]
-        self.k[rows, :, pos] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each row's own positions
-        self.v[rows, :, pos] = v.transpose(1, 2)
-        self.lengths[self.rows] += s
-        if int(start.max()) == 0:  # every row starts fresh: plain causal attention over the new keys
-            return k, v, None
-        total = int(start.max()) + s
-        keys = torch.arange(total, device=k.device)  # key j is visible to query i of row b iff j <= pos[b, i]
-        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, total]
-        return self.k[self.rows, :, :total], self.v[self.rows, :, :total], mask
 
 
 class Attention(nn.Module):
@@ -197,9 +160,9 @@ class Attention(nn.Module):
         y = proj(x).view(b, s, -1, self.head_dim)  # [B, S, heads, hd]
         return (y if norm is None else norm(y)).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:  # x: [B, S, H]
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:  # x: [B, S, H]
         b, s, _ = x.shape
-        batched = isinstance(cache, BatchKVCache)
+        batched = cache is not None and not isinstance(cache, KVCache)  # a per-row cache (see KVCache)
         offset = 0 if cache is None or batched else cache.length
         q = self.heads(x, self.q_proj, getattr(self, "q_norm", None))  # [B, h, S, hd]
         k = self.heads(x, self.k_proj, getattr(self, "k_norm", None))  # [B, h_kv, S, hd]
@@ -266,7 +229,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg) if not cfg.is_moe_layer(index) else MoE(
             cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cache=cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
