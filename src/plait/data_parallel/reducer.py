@@ -16,7 +16,7 @@ from plait.distributed.context import ParallelContext
 
 def set_grad_group(param: nn.Parameter, group, size: int) -> None:
     """Reduce ``param``'s gradient over ``group`` (of ``size`` ranks) instead of the DP group (e.g. experts)."""
-    param._plait_grad_group = (group, size)  # read by GradReducer
+    setattr(param, "_plait_grad_group", (group, size))  # noqa: B010 (read by GradReducer)
 
 
 class _Bucket:
@@ -102,6 +102,7 @@ class GradReducer:
             return
         self.launch_pending()
         for b in self.buckets:
+            assert b.work is not None and b.buffer is not None, "launch_pending started every bucket"
             b.work.wait()
             offset = 0
             for p in b.params:

@@ -210,12 +210,12 @@ def launch(target: str, payload: dict, nproc: int) -> list:
 
 def _explain(exc, failures: Path) -> tuple[str, int]:
     """One line naming the rank that failed first, and the exit code to use."""
-    reports = {}
+    reports: dict[int, tuple[str | None, str | None, Any]] = {}
     for rank, failure in exc.failures.items():  # keyed by global rank
         f = failures / f"rank{rank}"
         if f.is_file():
-            kind, _, msg = f.read_text().partition("\n")
-            reports[rank] = (kind, msg or kind, failure)
+            name, _, text = f.read_text().partition("\n")
+            reports[rank] = (name, text or name, failure)
         else:
             reports[rank] = (None, None, failure)
     died = [r for r, (kind, _, _) in reports.items() if kind is None]
@@ -230,4 +230,4 @@ def _explain(exc, failures: Path) -> tuple[str, int]:
     r = min(real or reports, key=lambda k: (reports[k][2].timestamp, k))
     kind, msg, _ = reports[r]
     prefix = "" if kind in ("ConfigError", "NonFiniteLoss") else f"{kind}: "
-    return f"rank {r}: {prefix}{msg}", EXIT_CODES.get(kind, 1)
+    return f"rank {r}: {prefix}{msg}", EXIT_CODES.get(kind or "", 1)

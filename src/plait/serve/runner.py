@@ -97,6 +97,7 @@ class Runner:
         tokens = self._pipeline(groups)
         rows = sum(len(slots) for slots, _ in groups)
         if self.ctx is None:
+            assert tokens is not None, "one process holds the last stage"
             return tokens.tolist()
         buf = tokens if tokens is not None else torch.empty(rows, dtype=torch.long)
         dist.broadcast(buf, src=self.src)

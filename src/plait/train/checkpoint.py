@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,9 @@ def _writes(ctx, lt) -> bool:
 def _local_tensors(pm, states: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
     """This rank's tensors to write, their shard records, and optimizer scalars per key."""
     ctx = pm.ctx
-    tensors, records, scalars = {}, [], {}
+    tensors: dict[str, torch.Tensor] = {}
+    records: list[dict] = []
+    scalars: dict[str, dict[str, float]] = {}
     keys = param_keys(pm)
     for lt in local_tensors(pm):
         if not _writes(ctx, lt):
@@ -184,7 +187,7 @@ class CheckpointReader:
         self.meta = json.loads(meta_file.read_text())
         if self.meta.get("format") != FORMAT:
             raise ConfigError(f"{self.path}: unknown checkpoint format {self.meta.get('format')!r}")
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # file -> an open safetensors handle
 
     def _slice(self, file: str, name: str):
         from safetensors import safe_open
