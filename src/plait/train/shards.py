@@ -64,10 +64,10 @@ def load_local(pm, read: Reader, keys_ok: Callable[[str], bool] | None = None) -
         if keys_ok is not None and not keys_ok(lt.key):
             continue
         data = read(lt.key, lt.dim, lt.start, lt.stop) if lt.dim is not None else read(lt.key, None, 0, None)
-        _copy_padded(lt.tensor, data, lt.dim)
+        copy_padded(lt.tensor, data, lt.dim)
 
 
-def _copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:
+def copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:
     src = src.to(dtype=dst.dtype, device=dst.device)
     if dim is None or src.shape[dim] == dst.shape[dim]:
         dst.copy_(src.view_as(dst))
