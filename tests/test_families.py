@@ -111,3 +111,25 @@ def test_a_family_refuses_to_save_what_its_format_cannot_hold(tmp_path):
     with pytest.raises(ConfigError, match="qk_norm.*qwen3"):
         model.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_cli_generate_and_serve_take_any_family_folder(tmp_path):
+    """`plait generate --model DIR` on a Qwen3 folder (one process, in this one); an unknown model_type stops
+    `plait train`, `generate` and `serve` before anything launches, listing the supported types."""
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+    from plait.models import Qwen3Config
+
+    torch.manual_seed(0)
+    Qwen3(Qwen3Config(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)).save_pretrained(
+        tmp_path / "qwen3")
+    res = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "qwen3"), "--prompt", "def ",
+                                   "--max-new-tokens", "4"])
+    assert res.exit_code == 0 and res.output.startswith("def "), res.output
+    (tmp_path / "gpt2").mkdir()
+    bad = _folder(tmp_path / "gpt2", model_type="gpt2")
+    for command in (["train", "--nproc", "4"], ["generate"], ["serve"]):
+        out = CliRunner().invoke(app, [*command, "--model", str(bad)])
+        assert out.exit_code == 2 and "supported model types: llama, mistral, mixtral, qwen2, qwen3" in out.output, (
+            command, out.output)

@@ -18,8 +18,12 @@ HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    families = checks_families.make_folders(tmp_path_factory.mktemp("families")) if HAS_TRANSFORMERS else None
+def families(tmp_path_factory):
+    return checks_families.make_folders(tmp_path_factory.mktemp("families")) if HAS_TRANSFORMERS else None
+
+
+@pytest.fixture(scope="module")
+def world4(families):
     return launch(checks_pipeline.rank_main, 4, None if families is None else str(families))
 
 
@@ -105,6 +109,19 @@ def test_family_tp2_pp2_sp_equals_transformers_and_one_device(world4, case):
         assert r["logits_max_abs"] <= 1e-5, f"rank {rank} {case}: tp2·pp2 logits differ from transformers"
         assert r["loss_rel"] <= LOSS_TOL, f"rank {rank} {case}: loss rel err {r['loss_rel']:.2e}"
         assert r["grad_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: grad err {r['grad_rel_max']:.2e} {r['worst']}"
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral"])
+def test_family_export_from_tp2_pp2_shards_loads_in_transformers(world4, families, family):
+    import torch
+    import transformers
+
+    result(world4, f"family/{family}")  # the export ran without error
+    hf = getattr(transformers, checks_families.FAMILIES[family][1]).from_pretrained(families / f"{family}-export")
+    with torch.no_grad():
+        logits = hf.eval()(checks_families.tokens()[0]).logits
+    assert (logits - torch.load(families / family / "ref.pt")).abs().max() <= 1e-5
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")

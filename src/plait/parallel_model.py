@@ -6,8 +6,9 @@ the micro-batches of gradient accumulation).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from plait.pipeline.ties import TiedWeights
 from plait.schedules import Schedule
 from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_over_tp
 from plait.tensor_parallel.loss import full_logits
+
+if TYPE_CHECKING:
+    from plait.pipeline.trace import TraceReport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: (inputs, targets) of a step -> (divisor of the summed micro-batch losses, global number of rows)
@@ -129,11 +133,11 @@ class ParallelModel:
         tensors saved for backward at once during the last step that measured it: the first ``train_step``
         and any with ``measure_memory=True``; None before). Each storage counts once."""
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
-        grads += [p.grad for p in self.parameters()]
+        grads += [p.grad for p in self.parameters() if p.grad is not None]
         return memory.report(self.parameters(), grads, self._optimizer, self.activations_peak)
 
     # ------------------------------------------------------------------------------------ parameters
-    def parameters(self):
+    def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameter shards (each once), for any torch optimizer."""
         seen: set[int] = set()
         for chunk in self.chunks.values():
@@ -142,7 +146,7 @@ class ParallelModel:
                     seen.add(id(p))
                     yield p
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         for chunk in self.chunks.values():
             for key, p in chunk.named_state().items():
@@ -224,7 +228,7 @@ class ParallelModel:
         self.activations_peak = meter.peak
         return stats
 
-    def trace_report(self, p2p_ms: float = 0.0):
+    def trace_report(self, p2p_ms: float = 0.0) -> TraceReport:
         """Measured vs simulated timeline of the last ``train_step(..., trace=True)`` (collective over PP)."""
         from plait.pipeline.trace import trace_report
 
@@ -256,10 +260,12 @@ class ParallelModel:
 
     def _broadcast_from_last(self, out: torch.Tensor | None) -> torch.Tensor:
         if self.ctx.pp_size == 1:
+            assert out is not None, "the only pipeline rank holds the last chunk"
             return out
         src = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
-        box = [None if out is None else (tuple(out.shape), out.dtype)]
+        box: list[tuple[tuple[int, ...], torch.dtype] | None] = [None if out is None else (tuple(out.shape), out.dtype)]
         dist.broadcast_object_list(box, src=src, group=self.ctx.pp_group)
+        assert box[0] is not None
         shape, dtype = box[0]
         if out is None:
             out = torch.empty(shape, dtype=dtype, device=self.ctx.device)

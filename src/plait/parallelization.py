@@ -71,15 +71,15 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
                          precision=precision)
     family = family_of(model)
     _check_args(model, family, ctx, loss_fn, tp_plan)
-    config_of_model = getattr(model, "config", None)
-    token_loss = TokenLoss(ctx, family.vocab_size(config_of_model)) if loss_fn is None else None
+    vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)
-    if token_loss is not None:
-        loss, normaliser, vocab = token_loss, partial(_token_normaliser, token_loss, ctx), token_loss.vocab_size
-    else:
-        loss, normaliser, vocab = loss_fn, partial(_rows_normaliser, cfg.num_microbatches, ctx), None
-    return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss, normaliser=normaliser,
-                         vocab_size=vocab)
+    if loss_fn is not None:
+        return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss_fn, vocab_size=None,
+                             normaliser=partial(_rows_normaliser, cfg.num_microbatches, ctx))
+    assert vocab is not None, f"{family.name}: a next-token loss needs a vocabulary size"
+    token_loss = TokenLoss(ctx, vocab)
+    return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=token_loss, vocab_size=vocab,
+                         normaliser=partial(_token_normaliser, token_loss, ctx))
 
 
 def _recompute(activation_checkpointing: bool | str | None) -> str | None:

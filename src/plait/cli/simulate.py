@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -196,4 +195,4 @@ def register(app: typer.Typer) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(typer.run(simulate_command))
+    typer.run(simulate_command)

@@ -72,7 +72,7 @@ class Decoder:
 
         if isinstance(model, ParallelModel):
             self.ctx: ParallelContext | None = model.ctx
-            family, config, self.vocab = model.family, model.model_config, model.vocab_size
+            family, config, vocab = model.family, model.model_config, model.vocab_size
             self.chunks = {c: list(zip(ch.names, ch.blocks, strict=True)) for c, ch in model.chunks.items()}
             self.num_chunks = model.schedule.num_stages
             self.rank_of: Callable[[int], int] = model.schedule.stage_to_rank
@@ -80,14 +80,15 @@ class Decoder:
             self.dtype = next(model.parameters()).dtype
         else:
             family, config = family_of(model), getattr(model, "config", None)
-            self.ctx, self.vocab = None, family.vocab_size(config)
+            self.ctx, vocab = None, family.vocab_size(config)
             self.chunks = {0: family.blocks(model).named}
             self.num_chunks, self.rank_of = 1, lambda c: 0
             p = next(model.parameters())
             self.device, self.dtype = p.device, p.dtype
-        if family.loss != "next_token" or self.vocab is None:
+        if family.loss != "next_token" or vocab is None:
             raise ConfigError(f"generate needs a language model (a next-token family such as Llama), not "
                               f"{family.name} models")
+        self.vocab: int = vocab
         self.hidden_size = family.hidden_size(config)
         self.kv_names = [name for blocks in self.chunks.values() for name, _ in blocks if family.kv_layer(name)]
 

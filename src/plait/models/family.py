@@ -21,11 +21,14 @@ import importlib
 import pkgutil
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
 from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.models.llama import Llama
 
 
 @dataclass
@@ -150,7 +153,8 @@ class DecoderFamily(Family):
 
     # ------------------------------------------------------------------------------ runtime seam
     def blocks(self, model: nn.Module) -> Blocks:
-        named = [("embed_tokens", model.embed_tokens)]
+        model = _decoder(model)
+        named: list[tuple[str, nn.Module]] = [("embed_tokens", model.embed_tokens)]
         named += [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
         named += [("norm", model.norm), ("lm_head", model.lm_head)]
         return Blocks(named, 1, len(model.layers))
@@ -159,6 +163,7 @@ class DecoderFamily(Family):
         """Multiply-accumulates per token: a layer's linear weights plus attention scores and weighted sum,
         2·S·dim (Narayanan et al. 2021, eq. 3, per token); the head V·dim plus the softmax; the embedding
         lookup is nearly free."""
+        model = _decoder(model)
         cfg = model.config
         linear = sum(p.numel() for n, p in model.layers[0].named_parameters() if n.endswith("proj.weight"))
         layer = float(linear + 2 * cfg.max_seq_len * cfg.dim)
@@ -192,9 +197,11 @@ class DecoderFamily(Family):
         return name.startswith("layers.")
 
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
-        return {f"layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.layers)}
+        layers = _decoder(model).layers
+        return {f"layers.{i}.self_attn": layer.get_submodule("self_attn") for i, layer in enumerate(layers)}
 
     def tie_weights(self, model: nn.Module) -> None:
+        model = _decoder(model)
         if model.config.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # the same (vocabulary-sharded) parameter
 
@@ -222,6 +229,11 @@ class DecoderFamily(Family):
         for pattern, repl in self.HF_RENAMES:
             key = re.sub(pattern, repl, key)
         return key if key.startswith("lm_head.") else f"model.{key}"
+
+
+def _decoder(model: nn.Module) -> Llama:
+    """``model`` as what a DecoderFamily handles (a Llama or one of its subclasses), for the type checker."""
+    return cast("Llama", model)
 
 
 def families() -> list[Family]:

@@ -11,6 +11,8 @@ mixture-of-experts feed-forward layers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +25,21 @@ from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
 @dataclass
 class LlamaConfig:
+    """The shapes and features of a Llama-like model. ``n_kv_heads``, ``ffn_dim`` and ``head_dim`` may be given as
+    None: ``__post_init__`` derives them, so they are always ints afterwards (hence their annotations)."""
+
     vocab_size: int = 256
     dim: int = 64
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
+    n_kv_heads: int = None  # type: ignore[assignment]  # None: n_heads
+    ffn_dim: int = None  # type: ignore[assignment]  # None: Llama's rule from dim
     max_seq_len: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    head_dim: int | None = None  # None: dim // n_heads
+    head_dim: int = None  # type: ignore[assignment]  # None: dim // n_heads
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
@@ -115,9 +120,19 @@ class KVCache:
         return self.k, self.v
 
 
+class RowCache(Protocol):
+    """A per-row cache (see ``KVCache``): rows of one batch may sit at different positions."""
+
+    def positions(self, s: int) -> torch.Tensor: ...
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings (Su et al. 2021); optional q/k/v
     biases, per-head q/k RMSNorm and a sliding window (query at position i sees keys j with i - W < j <= i)."""
+
+    _rope_device: torch.Tensor  # a registered buffer
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -160,22 +175,24 @@ class Attention(nn.Module):
         y = proj(x).view(b, s, -1, self.head_dim)  # [B, S, heads, hd]
         return (y if norm is None else norm(y)).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:  # x: [B, S, H]
+    def forward(self, x: torch.Tensor, cache: KVCache | RowCache | None = None) -> torch.Tensor:  # x: [B, S, H]
         b, s, _ = x.shape
-        batched = cache is not None and not isinstance(cache, KVCache)  # a per-row cache (see KVCache)
-        offset = 0 if cache is None or batched else cache.length
+        offset = cache.length if isinstance(cache, KVCache) else 0
         q = self.heads(x, self.q_proj, getattr(self, "q_norm", None))  # [B, h, S, hd]
         k = self.heads(x, self.k_proj, getattr(self, "k_norm", None))  # [B, h_kv, S, hd]
         v = self.heads(x, self.v_proj)
-        pos = cache.positions(s) if batched else None  # [B, S] positions of each row's new tokens
-        cos, sin = self.rope_at(pos, q.dtype) if batched else self.rope(s, offset, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        mask = None
-        if batched:
+        mask: torch.Tensor | None = None
+        pos: torch.Tensor | None = None
+        if cache is None or isinstance(cache, KVCache):
+            cos, sin = self.rope(s, offset, q.dtype)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if cache is not None:
+                k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
+        else:  # a per-row cache: each row's new tokens sit at its own positions
+            pos = cache.positions(s)  # [B, S]
+            cos, sin = self.rope_at(pos, q.dtype)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             k, v, mask = cache.append(k, v)  # [B, h_kv, L, hd], mask [B, 1, S, L] (None: causal from 0)
-        elif cache is not None:
-            k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
         if self.sliding_window is not None:
             pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]
             mask = window_mask(pos.to(q.device), k.shape[2], self.sliding_window)
@@ -229,7 +246,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg) if not cfg.is_moe_layer(index) else MoE(
             cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | RowCache | None = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cache=cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -253,8 +270,9 @@ class Llama(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=self.config.init_std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
 
     def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, V]; with ``caches`` (one per layer) tokens follow the cached ones."""
@@ -275,19 +293,28 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> Llama:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> Llama:
         """Load a Hugging Face folder of this class's family (config.json + *.safetensors); ``plait.models.hf``."""
-        from plait.models.family import family_of_class
         from plait.models.hf import load_pretrained
 
-        return load_pretrained(path, family_of_class(cls), dtype=dtype)
+        model = load_pretrained(path, _decoder_family(cls), dtype=dtype)
+        assert isinstance(model, cls)
+        return model
 
-    def save_pretrained(self, path) -> None:
+    def save_pretrained(self, path: str | Path) -> None:
         """Write a Hugging Face folder (config.json + model.safetensors) that ``transformers`` loads."""
-        from plait.models.family import family_of
         from plait.models.hf import save_state_dict_pretrained
 
-        save_state_dict_pretrained(family_of(self), self.config, self.state_dict(), path)
+        save_state_dict_pretrained(_decoder_family(type(self)), self.config, self.state_dict(), path)
+
+
+def _decoder_family(cls: type) -> DecoderFamily:
+    from plait.models.family import family_of_class
+
+    family = family_of_class(cls)
+    if not isinstance(family, DecoderFamily):  # a subclass registered as something else
+        raise ConfigError(f"{cls.__name__}: its family {family.name!r} has no Hugging Face format")
+    return family
 
 
 class LlamaFamily(DecoderFamily):

@@ -13,15 +13,20 @@ counts as ``peak_activations``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from plait.errors import CommError, CommTimeoutError
 from plait.pipeline.p2p import ACT, GRAD, Transport
 from plait.schedules import Action, Schedule
 from plait.weight_grad import WeightGradStore
+
+if TYPE_CHECKING:
+    from plait.data_parallel.reducer import GradReducer
 
 LOOKAHEAD = 3  # receives posted ahead of the action that needs them
 
@@ -51,8 +56,9 @@ class StepIO:
 class Executor:
     """Executes ``schedule.actions[pp_rank]`` over ``chunks`` (this rank's chunks by global index)."""
 
-    def __init__(self, schedule: Schedule, pp_rank: int, peer_of_rank: Callable[[int], int], chunks: dict,
-                 transport: Transport, store: WeightGradStore | None, reducers: dict):
+    def __init__(self, schedule: Schedule, pp_rank: int, peer_of_rank: Callable[[int], int],
+                 chunks: Mapping[int, nn.Module], transport: Transport, store: WeightGradStore | None,
+                 reducers: Mapping[int, GradReducer]):
         self.s, self.me, self.chunks = schedule, pp_rank, chunks
         self.peer_of_rank, self.transport, self.store = peer_of_rank, transport, store
         self.reducers = reducers  # chunk -> GradReducer (data parallel), started when the chunk is done
@@ -109,10 +115,12 @@ class Executor:
         if final and a.kind == "B":
             self.reducers[a.stage].arm()  # buckets start as their gradients complete
         if a.kind == "F":
+            assert data is not None, "a forward always has an input"
             self._forward(a, data, io, stats, forward_only)
             # measured: micro-batches whose autograd state this rank holds right now
             stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
         elif a.kind == "W":
+            assert self.store is not None, "W actions need a weight-gradient store"
             self.store.flush((a.stage, a.microbatch))
             del self.saved[(a.stage, a.microbatch)]
         else:
@@ -152,6 +160,7 @@ class Executor:
                 if forward_only:
                     stats.outputs.append(out)
                     return
+                assert io.loss_fn is not None and io.targets is not None, "training needs a loss and targets"
                 out = io.loss_fn(out, io.targets[mb])
                 stats.loss_sum += out.detach().double()
                 if aux is not None:
@@ -168,12 +177,14 @@ class Executor:
         x, out, aux = self.saved[(c, mb)]
         outs, grads = ([out], [grad_out]) if aux is None else ([out, aux], [grad_out, torch.ones_like(aux)])
         if a.kind == "I":
+            assert self.store is not None, "I actions need a weight-gradient store"
             with self.store.deferring((c, mb)):
                 torch.autograd.backward(outs, grads)
         else:
             torch.autograd.backward(outs, grads)
             del self.saved[(c, mb)]
         if c > 0:
+            assert x.grad is not None, "the input of a later chunk requires its gradient"
             self._send(GRAD, c - 1, mb, x.grad)
 
     def _send(self, kind: int, chunk: int, mb: int, tensor: torch.Tensor) -> None:

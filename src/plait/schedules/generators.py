@@ -36,7 +36,7 @@ def interleaved_order(p: int, m: int, v: int, reverse: bool) -> list[tuple[int, 
     Micro-batches go in groups of ``P`` (of ``M`` when ``M < P``): for each group, chunk 0 runs the
     whole group, then chunk 1, ... (backwards: chunk ``V-1`` first).
     """
-    order = []
+    order: list[tuple[int, int]] = []
     for g0 in range(0, m, p):
         group = range(g0, min(g0 + p, m))
         for j in range(v):

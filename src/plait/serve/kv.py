@@ -73,24 +73,25 @@ class PagedKVCache:
         """Positions [B, S] of the next ``s`` tokens of each row."""
         return self.batch.starts[:, None] + torch.arange(s)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor):
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store k, v [B, h_kv, S, hd] in the rows' blocks; (keys, values of positions 0..L-1, causal mask or None)."""
         b, h, s, hd = k.shape
-        if self.k is None:  # zeros: a block's unused tail is read (then masked) and must hold finite numbers
+        if self.k is None or self.v is None:  # zeros: a block's unused tail is read (then masked), must be finite
             self.k = k.new_zeros(self.num_blocks, h, self.block_size, hd)
             self.v = v.new_zeros(self.num_blocks, h, self.block_size, hd)
+        pool_k, pool_v = self.k, self.v
         tables, starts = self.batch.tables.to(k.device), self.batch.starts
         pos = self.positions(s).to(k.device)  # [B, S]
         blocks = tables.gather(1, pos // self.block_size)  # [B, S]
         offsets = pos % self.block_size
-        self.k[blocks, :, offsets] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each token's block and offset
-        self.v[blocks, :, offsets] = v.transpose(1, 2)
+        pool_k[blocks, :, offsets] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each token's block and offset
+        pool_v[blocks, :, offsets] = v.transpose(1, 2)
         if int(starts.max()) == 0:  # every row starts fresh: plain causal attention over the new keys
             return k, v, None
         total = int((starts + s).max())
         n = math.ceil(total / self.block_size)
-        keys = self._gather(self.k, tables[:, :n], total)
-        values = self._gather(self.v, tables[:, :n], total)
+        keys = self._gather(pool_k, tables[:, :n], total)
+        values = self._gather(pool_v, tables[:, :n], total)
         mask = torch.arange(total, device=k.device) <= pos[:, :, None]  # [B, S, L]: keys past a row's end are later
         return keys, values, mask[:, None]
 

@@ -18,9 +18,9 @@ from plait.tensor_parallel import comms
 from plait.weight_grad import linear
 
 
-def mark_tp_partial(param: nn.Parameter) -> None:
+def mark_tp_partial(param: torch.Tensor) -> None:
     """Flag a replicated parameter whose gradient on each TP rank is only a partial sum (summed later)."""
-    param._plait_tp_partial = True  # read by sync_tp_partial_grads
+    setattr(param, "_plait_tp_partial", True)  # noqa: B010 (read by sync_tp_partial_grads)
 
 
 def is_tp_partial(param: torch.Tensor) -> bool:
@@ -47,6 +47,7 @@ def sum_over_tp(grads: list[torch.Tensor], ctx: ParallelContext) -> None:
 class TPShardedModule(nn.Module):
     """Base for layers whose parameters are slices of a full tensor along one dimension."""
 
+    ctx: ParallelContext
     #: parameter name -> (dimension it is sharded on or None if replicated, full size on that dimension)
     shard_dims: dict[str, tuple[int | None, int]]
     #: set by the pipeline runtime for zero-bubble schedules (weight gradients deferred to W passes)

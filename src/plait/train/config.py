@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from plait.errors import ConfigError
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
 
 # byte-level presets (vocabulary 256); max_seq_len bounds --seq-len
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 512},
     "small": {"vocab_size": 256, "dim": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "max_seq_len": 1024},
 }
@@ -138,8 +139,10 @@ def model_config(cfg: TrainConfig):
     from plait.models import LlamaConfig
 
     if cfg.model in PRESETS:
-        moe = {"n_experts": cfg.experts, "top_k": cfg.top_k} if cfg.experts > 1 else {}
-        return LlamaConfig(**PRESETS[cfg.model], **moe)
+        preset = PRESETS[cfg.model]
+        if cfg.experts > 1:
+            return LlamaConfig(**preset, n_experts=cfg.experts, top_k=cfg.top_k)
+        return LlamaConfig(**preset)
     if cfg.experts > 1:
         raise ConfigError(f"--experts {cfg.experts}: mixture-of-experts layers are built for the presets "
                           f"({', '.join(PRESETS)}), not for a Hugging Face folder (a Mixtral folder has its own)")
