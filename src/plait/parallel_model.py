@@ -31,14 +31,12 @@ from plait.tensor_parallel.layers import TPShardedModule, sync_tp_partial_grads
 class ParallelModel:
     """Train and evaluate a sharded model: ``train_step``, ``eval_step``, full-tensor state dicts."""
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str, microbatches: int,
+    def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str | Schedule, microbatches: int,
                  virtual_stages: int, sequence_parallel: bool, partition, activation_checkpointing: bool,
                  loss: Callable, normaliser: Callable, vocab_size: int | None, precision: str = "fp32"):
         self.ctx, self.microbatches, self.sequence_parallel = ctx, microbatches, sequence_parallel
         self._loss, self._normaliser, self.vocab_size = loss, normaliser, vocab_size
-        virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
-        self.schedule: Schedule = build_schedule(schedule, stages=ctx.pp_size, microbatches=microbatches,
-                                                 virtual=virtual)
+        self.schedule: Schedule = _schedule(schedule, ctx.pp_size, microbatches, virtual_stages)
         self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
         self.has_aux = has_aux_losses(model)  # MoE layers: load-balancing losses produced inside chunks
         self.last_aux_loss = 0.0
@@ -228,6 +226,22 @@ class ParallelModel:
                     module.load_full(name, state_dict[key].to(tensor.device))
                 else:
                     tensor.copy_(state_dict[key])
+
+
+def _schedule(schedule: str | Schedule, pp: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """A schedule by name, or a given ``Schedule`` (e.g. ``build_schedule(..., rounds="padded")`` or one read
+    from a CSV) checked against the layout."""
+    if not isinstance(schedule, Schedule):
+        virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
+        return build_schedule(schedule, stages=pp, microbatches=microbatches, virtual=virtual)
+    if schedule.num_ranks != pp or schedule.microbatches != microbatches:
+        raise ConfigError(f"schedule: {schedule.name!r} is for {schedule.num_ranks} pipeline ranks and "
+                          f"{schedule.microbatches} micro-batches; this layout has pp={pp}, "
+                          f"microbatches={microbatches}")
+    if virtual_stages not in (1, schedule.virtual):
+        raise ConfigError(f"virtual_stages={virtual_stages}: the given schedule places {schedule.virtual} "
+                          "chunks per rank; leave virtual_stages unset")
+    return schedule.validate()
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:

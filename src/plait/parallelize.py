@@ -16,6 +16,7 @@ from plait.experts.layer import apply_expert_parallel, check_model_experts
 from plait.models.llama import Llama
 from plait.optim.precision import check_precision
 from plait.parallel_model import ParallelModel
+from plait.schedules import Schedule
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.plan import LLAMA_TP_PLAN, apply_tp_plan, check_llama_tp
 
@@ -60,9 +61,9 @@ def _check_args(model: nn.Module, ctx: ParallelContext, microbatches: int, virtu
                           "tp_plan={'module.path.*': 'colwise'|'rowwise'|...} or use tp=1")
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", microbatches: int | None = None,
-                virtual_stages: int = 1, sequence_parallel: bool = False, partition="balanced",
-                activation_checkpointing: bool = False, loss_fn: Callable | None = None,
+def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | Schedule = "1f1b",
+                microbatches: int | None = None, virtual_stages: int = 1, sequence_parallel: bool = False,
+                partition="balanced", activation_checkpointing: bool = False, loss_fn: Callable | None = None,
                 tp_plan: dict[str, str] | None = None, precision: str = "fp32") -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
 
@@ -71,13 +72,16 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str = "1f1b", 
     on vocabulary-sharded logits (mean over non-ignored tokens of the global batch). ``precision``:
     "fp32", or "bf16" weights and activations over fp32 master weights and gradients
     (plait.optim.precision). ``microbatches`` defaults to ``pp`` (1 without pipeline parallelism).
+    ``schedule`` is a name (``plait.schedules.SCHEDULE_NAMES``) or a ``Schedule`` for ``pp`` ranks, e.g.
+    ``build_schedule("interleaved-1f1b", pp, M, 2, rounds="padded")`` or one read from a CSV.
 
     A model too large for one device can be built on the meta device (``with torch.device("meta"):
     model = Llama(cfg)``): only this rank's shards are then allocated, uninitialised, and must be filled
     with ``pm.load_full_state_dict(...)`` or read slice by slice (``plait.train.shards.load_local``).
     """
     check_precision(precision)
-    microbatches = max(1, ctx.pp_size) if microbatches is None else microbatches
+    if microbatches is None:  # a given Schedule fixes M
+        microbatches = getattr(schedule, "microbatches", max(1, ctx.pp_size))
     _check_args(model, ctx, microbatches, virtual_stages, loss_fn, tp_plan)
     token_loss = TokenLoss(ctx, model.config.vocab_size) if isinstance(model, Llama) else None
     _shard(model, ctx, sequence_parallel, tp_plan)

@@ -9,7 +9,7 @@ from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.model import Model
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
-VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs"}  # any V >= 1
+VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs", "zb-h1"}  # any V >= 1 (zb-h1 with V > 1: ZB1P)
 TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
 RECOMPUTE = ("none", "selective", "full")
 
@@ -134,8 +134,6 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "batch%dp", (f"global_batch: {training.global_batch} must be a multiple of "
                             f"dp·microbatch_size = {l.dp * l.microbatch_size}")
     m = microbatches(layout, training)
-    if l.pp > 1 and l.schedule == "interleaved-1f1b" and m % l.pp:  # Megatron's rule
-        return "microbatches%pp", f"microbatches: {m} must be a multiple of pp = {l.pp} for {l.schedule}"
     if l.schedule == "dualpipev" and m < 2 * l.pp:
         return "microbatches%pp", f"microbatches: dualpipev needs >= 2·pp = {2 * l.pp}, got {m}"
     if l.ep > 1 and (model.n_experts % l.ep or (l.dp * l.cp) % l.ep):
