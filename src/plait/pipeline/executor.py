@@ -141,7 +141,8 @@ class Executor:
                 if aux is not None:
                     out, aux = out + aux, None
         if send is not None:
-            self.transport.set_shape(GRAD, c, out.shape, out.dtype)
+            if not self.transport.known_shape(GRAD, c):  # the gradient coming back has the output's shape
+                self.transport.set_shape(GRAD, c, out.shape, out.dtype)
             self._send(send, mb, out)
         if not forward_only:
             self.saved[(c, mb)] = (x, out, aux if aux is not None and aux.requires_grad else None)

@@ -35,6 +35,10 @@ class Transport:
     def __init__(self, num_chunks: int, microbatches: int, device: torch.device, timeout_s: float):
         self.num_chunks, self.microbatches = num_chunks, microbatches
         self.device, self.timeout_s = device, timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        # the default group's own send/recv (global ranks are its ranks): torch.distributed's isend/irecv
+        # re-check the group and the tensor on every call, a measurable share of a small message's cost
+        self.world = dist.group.WORLD
         # in-flight sends: (work, buffer, destination, index of the destination's action that consumes it)
         self.sends: list[tuple[object, torch.Tensor, int, int]] = []
         self.pending: dict[tuple[int, int, int], PendingRecv] = {}
@@ -57,9 +61,9 @@ class Transport:
         try:
             if kind == ACT and (kind, chunk) not in self.sent_headers:
                 header = _encode_header(tensor).to(self.device)
-                self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header, dst, consumer))
+                self.sends.append((self.world.send([header], dst, self.tag(HEADER, chunk, 0)), header, dst, consumer))
                 self.sent_headers.add((kind, chunk))
-            self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor, dst, consumer))
+            self.sends.append((self.world.send([tensor], dst, self.tag(kind, chunk, mb)), tensor, dst, consumer))
         except RuntimeError as exc:
             raise CommError(f"sending to rank {dst} failed (is it still running?): {exc}") from exc
 
@@ -101,7 +105,7 @@ class Transport:
             return False
         shape, dtype = self.shapes[(kind, chunk)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, src, tag=self.tag(kind, chunk, mb))
+        work = self.world.recv([buf], src, self.tag(kind, chunk, mb))
         what = f"{'activation' if kind == ACT else 'gradient'} of chunk {chunk}, micro-batch {mb}"
         self.pending[key] = PendingRecv(work, buf, src, what)
         return True
@@ -110,7 +114,7 @@ class Transport:
         """Block until (kind, chunk, mb) from global rank ``src`` has arrived and return it."""
         if (kind, chunk) not in self.shapes:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, src, tag=self.tag(HEADER, chunk, 0))
+            work = self.world.recv([header], src, self.tag(HEADER, chunk, 0))
             self._wait(work, f"the shape header of chunk {chunk}", src)
             self.shapes[(kind, chunk)] = _decode_header(header)
         self.post(src, kind, chunk, mb)
@@ -121,7 +125,7 @@ class Transport:
     def _wait(self, work, what: str, peer: int) -> None:
         who = f" from rank {peer}" if peer >= 0 else ""
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            work.wait(self.timeout)
         except RuntimeError as exc:
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc
