@@ -137,6 +137,12 @@ class ParallelModel:
             io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / global_rows)
         if trace and self.ctx.pp_size > 1:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
+        if self._loss_by_p2p():  # the last stage sends the loss once known: no collective ends the step
+            if self._holds_loss():
+                peers = [self.ctx.pp_peer(r) for r in range(self.ctx.pp_size) if r != self.ctx.pp_rank]
+                io.on_loss = lambda loss: self.transport.send_loss(loss, peers)
+            else:
+                self.transport.post_loss(self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1)))
         stats = self.cast.run(lambda: self.executor.run(io, trace=trace))
         for reducer in self.reducers.values():
             reducer.finish()
@@ -151,13 +157,24 @@ class ParallelModel:
 
         return trace_report(self, p2p_ms)
 
+    def _holds_loss(self) -> bool:
+        return self.schedule.stage_to_rank(self.schedule.num_stages - 1) == self.ctx.pp_rank
+
+    def _loss_by_p2p(self) -> bool:
+        """One pipeline and no auxiliary loss: the last stage's loss is the global loss (every TP rank of it
+        holds the same value), sent to the other stages point to point."""
+        return self.ctx.pp_size > 1 and self.ctx.dp_size == 1 and not self.has_aux
+
     def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
         """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
         ctx = self.ctx
         if ctx.pp_size == 1 and ctx.dp_size == 1 and (not self.has_aux or ctx.world_size == 1):
             self.last_aux_loss = float(aux)
             return float(local + aux)
-        holds_loss = self.schedule.stage_to_rank(self.schedule.num_stages - 1) == ctx.pp_rank
+        holds_loss = self._holds_loss()
+        if self._loss_by_p2p():
+            self.last_aux_loss = 0.0
+            return float(local) if holds_loss else float(self.transport.wait_loss())
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
         dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank

@@ -45,6 +45,8 @@ class StepIO:
     # auxiliary loss a chunk's last forward produced (e.g. MoE load balancing), already scaled; it is
     # added to the loss on the last chunk and backpropagated together with the output on the others
     aux_fn: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    # called with the loss sum once the last chunk's last forward on this rank is done (to share it early)
+    on_loss: Callable[[torch.Tensor], None] | None = None
 
 
 class Executor:
@@ -57,6 +59,9 @@ class Executor:
         self.reducers = reducers  # chunk -> GradReducer (data parallel), started when the chunk is done
         self.last_chunk = schedule.num_stages - 1
         self.final_index = final_backward_index(schedule.actions[pp_rank])
+        last_forwards = [i for i, a in enumerate(schedule.actions[pp_rank])
+                         if a.kind == "F" and a.stage == self.last_chunk]
+        self.loss_index = last_forwards[-1] if last_forwards else -1
         self.plans = {mode: build_step_plan(schedule, pp_rank, peer_of_rank, forward_only=mode)
                       for mode in (False, True)}
 
@@ -95,6 +100,8 @@ class Executor:
             self.reducers[a.stage].arm()  # buckets start as their gradients complete
         if a.kind == "F":
             self._forward(a, data, io, stats, forward_only, plan.send[i])
+            if i == self.loss_index and io.on_loss is not None and not forward_only:
+                io.on_loss(stats.loss_sum)
             # measured: micro-batches whose autograd state this rank holds right now
             stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
         elif a.kind == "W":

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from plait.errors import CommError, CommTimeoutError
 
-ACT, GRAD, HEADER = 0, 1, 2
+ACT, GRAD, HEADER, LOSS = 0, 1, 2, 3
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _HEADER_LEN = 10
 
@@ -41,6 +41,7 @@ class Transport:
         self.world = dist.group.WORLD
         # in-flight sends: (work, buffer, destination, index of the destination's action that consumes it)
         self.sends: list[tuple[object, torch.Tensor, int, int]] = []
+        self.loss_sends: list[tuple[object, torch.Tensor]] = []  # 8 bytes each, waited at the step's end
         self.pending: dict[tuple[int, int, int], PendingRecv] = {}
         self.shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # (kind, chunk)
         self.sent_headers: set[tuple[int, int]] = set()
@@ -85,9 +86,27 @@ class Transport:
         self.sends = keep
 
     def wait_sends(self) -> None:
-        for work, *_ in self.sends:
+        for work, *_ in self.sends + self.loss_sends:
             self._wait(work, "send", -1)
         self.sends.clear()
+        self.loss_sends.clear()
+
+    # ------------------------------------------------------------------------------------- the loss
+    def send_loss(self, loss: torch.Tensor, dsts: list[int]) -> None:
+        """Send the step's loss (a float64 scalar) to ``dsts`` as soon as it is known; waited at the step's end."""
+        value = loss.detach().to(self.device, torch.float64).reshape(1)
+        for dst in dsts:
+            self.loss_sends.append((self.world.send([value], dst, self.tag(LOSS, 0, 0)), value))
+
+    def post_loss(self, src: int) -> None:
+        buf = torch.empty(1, dtype=torch.float64, device=self.device)
+        self.pending[(LOSS, 0, 0)] = PendingRecv(self.world.recv([buf], src, self.tag(LOSS, 0, 0)), buf, src,
+                                                 "the step's loss")
+
+    def wait_loss(self) -> torch.Tensor:
+        pending = self.pending.pop((LOSS, 0, 0))
+        self._wait(pending.work, pending.what, pending.src)
+        return pending.buffer[0]
 
     # -------------------------------------------------------------------------------------- receive
     def known_shape(self, kind: int, chunk: int) -> bool:
