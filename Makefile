@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of PyTorch lies on this machine's disk; any other request downloads a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test check-install bench lint clean
 
 $(BIN)/plait: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# `pip install .` with no extras into a fresh virtualenv (only the pinned torch), then every command once
+check-install:
+	PY=$(PY) TORCH_PIN="$(TORCH_PIN)" bash .ci/check-install
 
 bench: install
 	$(BIN)/python bench/run_all.py

@@ -35,8 +35,8 @@ def _time(model_dir: str, pp: int, n: int, new: int, temperature: float) -> dict
     import torch
 
     import plait
-    from plait.generate.decode import Sampling, generate_ids
-    from plait.generate.job import load_model
+    from plait.generation.decode import Sampling, generate_ids
+    from plait.generation.job import load_model
 
     torch.set_num_threads(1)
     model = load_model(model_dir, ctx=plait.init(1, pp, 1) if pp > 1 else None)[0]

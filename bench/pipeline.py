@@ -52,8 +52,8 @@ def _cost_sampler(schedule, t: float, rank: int):
     costs see the same machine load as the runs. ``nominal()`` simulates the schedule with the medians."""
     import torch.distributed as dist
 
-    from plait.pipeline.weight_grad import WeightGradStore
     from plait.sim import Costs, simulate
+    from plait.weight_grad import WeightGradStore
 
     split = any(a.kind == "I" for row in schedule.actions for a in row)
     n = schedule.num_stages
@@ -104,7 +104,7 @@ def _floor_runner(schedule, t: float, rank: int):
 def _torch_runner(case: str, t: float, rank: int):
     from torch.distributed import pipelining
 
-    from plait.pipeline.weight_grad import WeightGradStore
+    from plait.weight_grad import WeightGradStore
 
     name, v, m, cls_name = CASES[case]
     if cls_name is None:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import plait
+from checks_families import family_checks
 from checks_llama import expect_config_error
 from harness import rel_err, run_checks
 from plait.models import Llama, LlamaConfig
-from plait.schedules import SCHEDULE_NAMES, build_schedule
+from plait.schedules import SCHEDULE_NAMES
 from plait.sim import Costs, simulate
 
 BATCH, SEQ = 8, 8
@@ -47,11 +50,13 @@ def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: boo
     inputs, targets = data(cfg.vocab_size, batch=batch)
     ref_loss, ref_grads, ref_model = single_device(cfg, inputs, targets)
     torch.manual_seed(0)
-    if rounds is not None:  # a Schedule object instead of a name
-        schedule = build_schedule(schedule, ctx.pp_size, microbatches, virtual, rounds=rounds)
+    config = None
+    if rounds is not None:  # set through ParallelConfig (plait.parallelize's keywords do not name it)
+        config = replace(ctx.config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual,
+                         rounds=rounds)
     pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
                            virtual_stages=virtual, sequence_parallel=sp, partition=partition,
-                           activation_checkpointing=checkpointing)
+                           activation_checkpointing=checkpointing, config=config)
     per = batch // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     loss = pm.train_step(inputs[local], targets[local])
@@ -263,9 +268,12 @@ def bad_checks(world: int) -> list:
     ]
 
 
-def rank_main() -> dict:
+def rank_main(families: str | None = None) -> dict:
+    """``families``: a folder of Hugging Face models (checks_families.make_folders) checked in the world of 4."""
     world = int(os.environ["WORLD_SIZE"])
     checks = world4_checks() if world == 4 else world8_checks()
+    if world == 4 and families is not None:
+        checks += family_checks(Path(families))
     results = {}
     for name, fn in checks:
         results.update(run_checks([(name, fn)]))

@@ -27,15 +27,15 @@ def small_cfg(root: Path, name: str, **kw) -> TrainConfig:
                 clip=1.0, max_data_mb=0.3, eval_every=0, sample_tokens=0, trace_every=0,
                 checkpoint_dir=str(root / name))
     base.update(kw)
-    return TrainConfig(**base)
+    return TrainConfig.from_dict(base)
 
 
-def reference_losses(cfg: TrainConfig, steps: int) -> list[float]:
+def reference_losses(cfg: TrainConfig, steps: int, model: torch.nn.Module | None = None) -> list[float]:
     """The same run on one device in plain torch: AdamW, warm-up + cosine LR, global-norm clip."""
     torch.manual_seed(cfg.seed)
     from plait.train.config import model_config
 
-    model = Llama(model_config(cfg))
+    model = model if model is not None else Llama(model_config(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     corpus = load_corpus(cfg.data, ByteTokenizer(), cfg.max_data_mb)
     out = []
@@ -77,6 +77,39 @@ def check_moe(root: Path) -> dict:
             "logits_rel": rel_err(pm.eval_step(x), plain(x).detach())}
 
 
+def check_family(root: Path) -> dict:
+    """plait train from a Qwen2 folder (q/k/v biases) under tp2·pp2 with SP equals one device; the checkpoint
+    exports as a qwen2 folder holding the trained weights."""
+    import json
+
+    from plait.models import Qwen2, Qwen2Config
+    from plait.train.checkpoint import export_pretrained
+
+    folder, exported = root / "qwen2", root / "qwen2-export"
+    if dist.get_rank() == 0:
+        torch.manual_seed(4)
+        model = Qwen2(Qwen2Config(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.1)
+        model.save_pretrained(folder)
+    dist.barrier()
+    cfg = small_cfg(root, "qwen2-run", model=str(folder), steps=2, sequence_parallel=True)
+    res = train(cfg)
+    ref = reference_losses(cfg, 2, plait.models.from_pretrained(folder))
+    got = [res.losses[s] for s in (1, 2)]
+    if dist.get_rank() == 0:
+        export_pretrained(res.checkpoint, exported)
+    dist.barrier()
+    trained = CheckpointReader(find_checkpoint(root / "qwen2-run")).full_state_dict()
+    back = plait.models.from_pretrained(exported)
+    state = back.state_dict()
+    return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
+            "model_type": json.loads((exported / "config.json").read_text())["model_type"],
+            "exported_rel": max(rel_err(state[k], v) for k, v in trained.items()), "family": type(back).__name__}
+
+
 def check_resume(root: Path, tag: str = "", **kw) -> dict:
     full = train(small_cfg(root, f"full{tag}", steps=6, checkpoint_every=3, **kw))
     if dist.get_rank() == 0:  # as if the run had been killed after its step-3 checkpoint
@@ -104,7 +137,8 @@ def check_reshard(root: Path) -> dict:
     ref_losses, ref_full = _continue(base, ckpt, plait.init(2, 2, 1))
     out = {"ref_losses": ref_losses}
     for name, (tp, pp) in {"tp1pp4": (1, 4), "tp4pp1": (4, 1)}.items():
-        losses, full = _continue(TrainConfig(**{**base.to_dict(), "tp": tp, "pp": pp}), ckpt, plait.init(tp, pp, 1))
+        losses, full = _continue(TrainConfig.from_dict({**base.to_dict(), "tp": tp, "pp": pp}), ckpt,
+                                 plait.init(tp, pp, 1))
         out[name] = {"losses": losses, "weights_rel": max(rel_err(full[k], v) for k, v in ref_full.items())}
     plain = Llama(plait.train.config.model_config(base))
     plain.load_state_dict(CheckpointReader(ckpt).full_state_dict())  # strict: every key present
@@ -145,7 +179,7 @@ def check_hf_slices(root: Path) -> dict:
 
 def check_generate(root: Path) -> dict:
     """Greedy and top-k sampled tokens under three layouts and on one device, from a checkpoint and an HF folder."""
-    from plait.generate.job import load_model
+    from plait.generation.job import load_model
 
     prompts = ["def ", "import sys\nclass "]
     out = {}
@@ -156,7 +190,19 @@ def check_generate(root: Path) -> dict:
             out[f"{Path(source).name}/{name}"] = [
                 plait.generate(model, prompts, max_new_tokens=12, tokenizer=tok),
                 plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5, tokenizer=tok)]
+            out[f"{Path(source).name}/{name}/too_long"] = _too_long(model, tok)
     return out
+
+
+def _too_long(model, tok) -> str | None:
+    """The error of a prompt + max_new_tokens one past the context (None if nothing was raised)."""
+    from plait.generation.decode import context_length
+
+    try:
+        plait.generate(model, "def ", max_new_tokens=context_length(model) - 3, tokenizer=tok)
+    except plait.ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def check_nonfinite(root: Path) -> dict:
@@ -185,4 +231,5 @@ def rank_main(root: str) -> dict:
         ("hf/slices", lambda: check_hf_slices(root)),
         ("generate/layouts", lambda: check_generate(root)),
         ("train/nonfinite", lambda: check_nonfinite(root)),
+        ("train/family_qwen2", lambda: check_family(root)),
     ])

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from plait.distributed.launch import free_port
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -31,15 +32,9 @@ def tiny_model(path: Path) -> Path:
 def expected_ids(model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  seed: int = 0) -> list[int]:
     """What ``plait generate`` gives for this prompt alone (its library path, on one device)."""
-    from plait.generate.decode import Sampling, generate_ids
+    from plait.generation.decode import Sampling, generate_ids
 
     return generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed))[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -16,7 +16,7 @@ CASES = {"greedy": (0.0, 0, 0), "sampled": (0.9, 8, 5)}
 
 
 def _decode(model, prompts, case: str, trace: list | None = None) -> list[list[int]]:
-    from plait.generate.decode import Sampling, generate_ids
+    from plait.generation.decode import Sampling, generate_ids
 
     temperature, top_k, seed = CASES[case]
     return generate_ids(model, prompts, Sampling(10, temperature, top_k, seed), trace=trace)
@@ -24,7 +24,7 @@ def _decode(model, prompts, case: str, trace: list | None = None) -> list[list[i
 
 def _rank(model_dir: str) -> dict:
     import plait
-    from plait.generate.job import load_model
+    from plait.generation.job import load_model
     from plait.models.llama import DecoderLayer
 
     model = load_model(model_dir, ctx=plait.init(1, 2, 1))[0]
@@ -47,7 +47,7 @@ def world(tmp_path_factory) -> tuple[list[dict], Path]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pp2_tokens_equal_one_device(world, case):
-    from plait.generate.job import load_model
+    from plait.generation.job import load_model
 
     ranks, model_dir = world
     ref = load_model(str(model_dir))[0]

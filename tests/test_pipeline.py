@@ -1,17 +1,26 @@
-"""Every schedule over TP x PP x DP (world 4 and 8) equals a single device; peaks equal the simulator's."""
+"""Every schedule over TP x PP x DP (world 4 and 8) equals a single device; peaks equal the simulator's.
+
+The world of 4 also runs the model families (Mistral, Qwen2, Qwen3, Mixtral) from Hugging Face folders under
+tp2·pp2: logits equal transformers', training equals one device, generation equals one device.
+"""
+
+import importlib.util
 
 import pytest
 
+import checks_families
 import checks_pipeline
 from harness import launch, result
 from plait.schedules import SCHEDULE_NAMES
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return launch(checks_pipeline.rank_main, 4)
+def world4(tmp_path_factory):
+    families = checks_families.make_folders(tmp_path_factory.mktemp("families")) if HAS_TRANSFORMERS else None
+    return launch(checks_pipeline.rank_main, 4, None if families is None else str(families))
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +102,26 @@ def test_model_built_on_meta_device(world4, case):
     for rank, r in enumerate(result(world4, case)):
         assert not r["any_meta"], f"rank {rank}: a parameter was left on the meta device"
         assert r["local_fraction"] < 0.5, f"rank {rank} holds {r['local_fraction']:.0%} of the model"
+
+
+FAMILY_CASES = ["mistral", "qwen2", "qwen3", "mixtral", "mixtral/ep2", "mixtral/expert_tp"]
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
+@pytest.mark.parametrize("case", FAMILY_CASES)
+def test_family_tp2_pp2_sp_equals_transformers_and_one_device(world4, case):
+    for rank, r in enumerate(result(world4, f"family/{case}")):
+        assert r["family"] == case.split("/")[0]
+        assert r["n_grads"] > 30
+        assert r["plain_max_abs"] <= 1e-5, f"rank {rank} {case}: one-device logits differ from transformers"
+        assert r["logits_max_abs"] <= 1e-5, f"rank {rank} {case}: tp2·pp2 logits differ from transformers"
+        assert r["loss_rel"] <= LOSS_TOL, f"rank {rank} {case}: loss rel err {r['loss_rel']:.2e}"
+        assert r["grad_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: grad err {r['grad_rel_max']:.2e} {r['worst']}"
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral"])
+def test_family_generate_tp2_pp2_equals_one_device(world4, family):
+    for rank, r in enumerate(result(world4, f"family/{family}/generate")):
+        assert r["parallel"] == r["single"], f"rank {rank} {family}: {r['parallel']} vs one device {r['single']}"
+        assert len(r["single"][0][0]) == 7

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from plait.generate.job import load_model
+from plait.generation.job import load_model
 from plait.train.data import ByteTokenizer
 from serve_util import Server, expected_ids, tiny_model, workers
 

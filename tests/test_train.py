@@ -51,6 +51,9 @@ def test_generation_equal_across_layouts(world4):
             for name in ("tp2pp2", "tp1pp4", "tp4pp1"):
                 got = r[f"{source}/{name}"]
                 assert got == [greedy, sampled], f"rank {rank} {source} {name}: {got} vs one device"
+            for name in ("tp2pp2", "tp1pp4", "tp4pp1", "single"):  # parallel models check the context too
+                error = r[f"{source}/{name}/too_long"]
+                assert error is not None and "exceeds the model's max_seq_len" in error, (rank, source, name, error)
         assert len(set("".join(r["hf/single"][0]))) > 3, "random weights should give varied greedy text"
 
 
@@ -64,3 +67,10 @@ def test_moe_expert_parallel_training_and_checkpoint(world4):
     for rank, r in enumerate(result(world4, "train/moe_ep2")):
         assert r["rel"] < 1e-5, f"rank {rank}: MoE losses differ from one device by {r['rel']:.2e}"
         assert r["logits_rel"] < 1e-5, f"rank {rank}: reloaded experts give different logits"
+
+
+def test_training_from_a_qwen2_folder_equals_one_device_and_exports_qwen2(world4):
+    for rank, r in enumerate(result(world4, "train/family_qwen2")):
+        assert r["rel"] <= 1e-5, f"rank {rank}: losses {r['got']} vs one device {r['ref']}"
+        assert r["model_type"] == "qwen2" and r["family"] == "Qwen2"
+        assert r["exported_rel"] == 0.0, f"rank {rank}: the exported folder does not hold the trained weights"

@@ -14,3 +14,34 @@ class CommError(RuntimeError):
 
 class CommTimeoutError(CommError):
     """A rank waited longer than its timeout on a collective or point-to-point operation."""
+
+
+class FieldError(ConfigError):
+    """A ConfigError about one named setting: reads ``name=value: detail``, or as a command-line flag."""
+
+    def __init__(self, name: str, value: object, detail: str):
+        super().__init__(f"{name}={value!r}: {detail}")
+        self.name, self.value, self.detail = name, value, detail
+
+    def as_flag(self) -> str:
+        """The same message naming the flag: ``--virtual-stages 3: ...``."""
+        return f"--{self.name.replace('_', '-')} {self.value!r}: {self.detail}"
+
+
+def flag_message(exc: ConfigError) -> str:
+    """A ConfigError's message as the command line should say it (flags instead of field names)."""
+    return exc.as_flag() if isinstance(exc, FieldError) else str(exc)
+
+
+class MissingExtraError(ConfigError):
+    """An optional feature is used without its extra installed; the message says which extra to install."""
+
+
+def require_extra(extra: str, modules: tuple[str, ...], feature: str) -> None:
+    """Raise MissingExtraError naming ``pip install 'plait[extra]'`` if any of ``modules`` cannot be imported."""
+    from importlib.util import find_spec
+
+    missing = [m for m in modules if find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                                f"not installed: pip install 'plait[{extra}]'")

@@ -7,41 +7,50 @@ the micro-batches of gradient accumulation).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait import weight_grad
 from plait.data_parallel.reducer import GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import plain_state_keys
+from plait.models.family import Family
 from plait.models.moe import has_aux_losses, pop_aux_losses
 from plait.optim.precision import StepCast
-from plait.pipeline import weight_grad
+from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
-from plait.pipeline.partition import PipelineChunk, build_chunks
+from plait.pipeline.partition import Partition, PipelineChunk, build_chunks
 from plait.pipeline.ties import TiedWeights
-from plait.schedules import Schedule, build_schedule
-from plait.tensor_parallel import comms
+from plait.schedules import Schedule
 from plait.tensor_parallel.layers import TPShardedModule, sync_tp_partial_grads
+from plait.tensor_parallel.loss import full_logits
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: (inputs, targets) of a step -> (divisor of the summed micro-batch losses, global number of rows)
+Normaliser = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
 
 
 class ParallelModel:
     """Train and evaluate a sharded model: ``train_step``, ``eval_step``, full-tensor state dicts."""
 
-    def __init__(self, model: nn.Module, ctx: ParallelContext, *, schedule: str | Schedule, microbatches: int,
-                 virtual_stages: int, sequence_parallel: bool, partition, activation_checkpointing: bool,
-                 loss: Callable, normaliser: Callable, vocab_size: int | None, precision: str = "fp32"):
-        self.ctx, self.microbatches, self.sequence_parallel = ctx, microbatches, sequence_parallel
-        self._loss, self._normaliser, self.vocab_size = loss, normaliser, vocab_size
-        self.schedule: Schedule = _schedule(schedule, ctx.pp_size, microbatches, virtual_stages)
+    def __init__(self, model: nn.Module, ctx: ParallelContext, config: ParallelConfig, *, family: Family,
+                 partition: Partition, loss: LossFn, normaliser: Normaliser, vocab_size: int | None):
+        self.ctx, self.config, self.family = ctx, config, family
+        self.model_config = getattr(model, "config", None)  # the plain model's own config (e.g. LlamaConfig)
+        self._loss, self._normaliser = loss, normaliser
+        self.vocab_size = vocab_size  # set: outputs are vocabulary-sharded logits (gathered by eval_step)
+        self.schedule: Schedule = config.pipeline_schedule()
         self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
         self.has_aux = has_aux_losses(model)  # MoE layers: load-balancing losses produced inside chunks
         self.last_aux_loss = 0.0
-        all_chunks = build_chunks(model, self.schedule.num_stages, partition, activation_checkpointing)
-        self.partition = [sum(n.startswith("layers.") or n.isdigit() for n in c.names) for c in all_chunks]
+        all_chunks = build_chunks(family.blocks(model), family.layer_costs(model), self.schedule.num_stages,
+                                  partition, config.recompute)
+        self.partition = [c.n_layers for c in all_chunks]
         mine = self.schedule.stages_of_rank(ctx.pp_rank)
         self.chunks: dict[int, PipelineChunk] = {c: all_chunks[c] for c in mine}
         self.ties = TiedWeights(all_chunks, self.schedule, ctx)
@@ -55,12 +64,20 @@ class ParallelModel:
             for chunk in self.chunks.values():
                 weight_grad.install(chunk, self.store)
         self.reducers = self._build_reducers()
-        self.cast = StepCast(self.chunks, precision)  # bf16 copies of the fp32 masters per step
-        self.transport = Transport(self.schedule.num_stages, microbatches, ctx.device, ctx.timeout_s)
+        self.cast = StepCast(self.chunks, config.precision)  # bf16 copies of the fp32 masters per step
+        self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
                                  self.store, self.reducers)
         self._input_shape: tuple | None = None
         self.last_stats: StepStats | None = None
+
+    @property
+    def microbatches(self) -> int:
+        return self.config.num_microbatches
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.config.sequence_parallel
 
     def _build_reducers(self) -> dict[int, GradReducer]:
         """One DP reducer per chunk; a parameter shared by two chunks goes with the later-finishing one."""
@@ -98,7 +115,14 @@ class ParallelModel:
         return self.cast.precision
 
     def set_precision(self, precision: str) -> None:
+        self.config = replace(self.config, precision=precision)  # checks the name
         self.cast.set(precision)
+
+    def set_dp_grad_reduce(self, enabled: bool) -> None:
+        """Switch the model's own data-parallel gradient reduction on or off (an optimizer that reduce-scatters
+        the gradients itself, as ZeRO does, switches it off)."""
+        for reducer in self.reducers.values():
+            reducer.enabled = enabled and bool(reducer.buckets)
 
     def zero_grad(self) -> None:
         for p in self.parameters():
@@ -188,10 +212,8 @@ class ParallelModel:
         io = StepIO(self._split(inputs), None, None)
         stats = self.cast.run(lambda: self.executor.run(io, forward_only=True))
         out = torch.cat(stats.outputs) if stats.outputs else None
-        if out is not None and self.vocab_size is not None and self.ctx.tp_size > 1:
-            out = comms.all_gather(out, out.dim() - 1, self.ctx.tp_group)
         if out is not None and self.vocab_size is not None:
-            out = out[..., : self.vocab_size].contiguous()  # collectives need contiguous memory
+            out = full_logits(out, self.ctx, self.vocab_size)
         return self._broadcast_from_last(out)
 
     def _broadcast_from_last(self, out: torch.Tensor | None) -> torch.Tensor:
@@ -243,22 +265,6 @@ class ParallelModel:
                     module.load_full(name, state_dict[key].to(tensor.device))
                 else:
                     tensor.copy_(state_dict[key])
-
-
-def _schedule(schedule: str | Schedule, pp: int, microbatches: int, virtual_stages: int) -> Schedule:
-    """A schedule by name, or a given ``Schedule`` (e.g. ``build_schedule(..., rounds="padded")`` or one read
-    from a CSV) checked against the layout."""
-    if not isinstance(schedule, Schedule):
-        virtual = None if schedule in ("zbv", "dualpipev") and virtual_stages == 1 else virtual_stages
-        return build_schedule(schedule, stages=pp, microbatches=microbatches, virtual=virtual)
-    if schedule.num_ranks != pp or schedule.microbatches != microbatches:
-        raise ConfigError(f"schedule: {schedule.name!r} is for {schedule.num_ranks} pipeline ranks and "
-                          f"{schedule.microbatches} micro-batches; this layout has pp={pp}, "
-                          f"microbatches={microbatches}")
-    if virtual_stages not in (1, schedule.virtual):
-        raise ConfigError(f"virtual_stages={virtual_stages}: the given schedule places {schedule.virtual} "
-                          "chunks per rank; leave virtual_stages unset")
-    return schedule.validate()
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from plait.errors import ConfigError
+from plait.parallel_config import ParallelConfig
 
-LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # SPEC invariant 4
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device: float32 rounding on losses and gradients
+#: the layout ``plait verify`` checks when no flag says otherwise (4 local processes, 1F1B)
+VERIFY_PARALLEL = ParallelConfig(tp=2, pp=2, dp=1, microbatches=8)
 
 
 @dataclass
 class VerifyConfig:
-    tp: int = 2
-    pp: int = 2
-    dp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 8
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
+    """A layout (``parallel``) and the small random Llama it is checked on."""
+
+    parallel: ParallelConfig = VERIFY_PARALLEL
     tie_embeddings: bool = False
     n_layers: int = 8
     dim: int = 64
@@ -29,12 +28,15 @@ class VerifyConfig:
     seed: int = 0
     n_experts: int = 1  # > 1: mixture-of-experts feed-forward layers (plait.models.moe)
     top_k: int = 1
-    ep: int = 1  # expert-parallel group size (experts spread over ep ranks of the dp x tp plane)
-    expert_tp: bool = False  # each expert split over the TP group (then ep must divide dp)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.parallel.world
+
+    def to_dict(self) -> dict:
+        """Flat: the layout's fields, then the model's."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "parallel"}
+        return {**self.parallel.to_dict(), **own}
 
 
 @dataclass
@@ -72,7 +74,7 @@ class VerifyResult:
                 and peaks_ok)
 
     def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "ok": self.ok, "loss_parallel": self.loss_parallel,
+        return {"config": self.config.to_dict(), "ok": self.ok, "loss_parallel": self.loss_parallel,
                 "loss_single": self.loss_single, "loss_rel": self.loss_rel, "logits_rel": self.logits_rel,
                 "peak_measured": self.peak_measured, "peak_simulated": self.peak_simulated,
                 "grads": [{**asdict(g), "ok": g.ok} for g in self.grads]}
@@ -101,7 +103,7 @@ def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
     from plait.models import Llama
     from plait.sim import Costs, simulate
 
-    ctx = plait.init(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, ep=cfg.ep, expert_tp=cfg.expert_tp)
+    ctx = plait.init(config=cfg.parallel)
     mcfg = _model_config(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
@@ -111,9 +113,8 @@ def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
     ref_loss = reference.loss(inputs, targets)
     ref_loss.backward()
     torch.manual_seed(cfg.seed)
-    pm = plait.parallelize(Llama(mcfg), ctx, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                           virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel)
-    per = cfg.batch_size // cfg.dp
+    pm = plait.parallelize(Llama(mcfg), ctx)  # the settings of cfg.parallel, which ctx was made from
+    per = cfg.batch_size // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     pm.train_step(inputs[local], targets[local])  # warm-up: the first step pays one-time set-up costs
     loss = pm.train_step(inputs[local], targets[local], trace=True)
@@ -135,35 +136,36 @@ def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
 
 
 def check(cfg: VerifyConfig) -> None:
-    """Raise ConfigError for a layout that cannot work, before launching anything."""
-    from plait.schedules import build_schedule
+    """Raise ConfigError for a layout that cannot work, before launching anything.
 
-    for name in ("tp", "pp", "dp", "microbatches", "batch_size", "n_layers"):
+    The layout's own rules were checked when ``cfg.parallel`` was built (plait.parallel_config).
+    """
+    from plait.models.llama import FAMILY
+
+    par = cfg.parallel
+    if par.dp == -1:
+        raise ConfigError("dp=-1: plait verify launches tp*pp*dp processes itself; give dp")
+    for name in ("batch_size", "n_layers"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.batch_size % cfg.dp or (cfg.batch_size // cfg.dp) % cfg.microbatches:
-        raise ConfigError(f"batch_size={cfg.batch_size} must split into dp={cfg.dp} replicas of "
-                          f"microbatches={cfg.microbatches} micro-batches each")
-    virtual = None if cfg.schedule in ("zbv", "dualpipev") and cfg.virtual_stages == 1 else cfg.virtual_stages
-    schedule = build_schedule(cfg.schedule, stages=cfg.pp, microbatches=cfg.microbatches, virtual=virtual)
-    if cfg.n_layers < schedule.num_stages:
-        raise ConfigError(f"n_layers={cfg.n_layers} is fewer than the {schedule.num_stages} pipeline chunks")
-    from plait.distributed.context import resolve_layout
-    from plait.tensor_parallel.plan import check_llama_tp
-
-    resolve_layout(cfg.world, cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.expert_tp)
-    if cfg.expert_tp and cfg.n_experts < 2:
+    if cfg.batch_size % par.dp or (cfg.batch_size // par.dp) % par.num_microbatches:
+        raise ConfigError(f"batch_size={cfg.batch_size} must split into dp={par.dp} replicas of "
+                          f"microbatches={par.num_microbatches} micro-batches each")
+    chunks = par.pipeline_schedule().num_stages
+    if cfg.n_layers < chunks:
+        raise ConfigError(f"n_layers={cfg.n_layers} is fewer than the {chunks} pipeline chunks")
+    if par.expert_tp and cfg.n_experts < 2:
         raise ConfigError("expert_tp=True needs a mixture-of-experts model: pass --experts E (E >= 2)")
     mcfg = _model_config(cfg)
-    check_llama_tp(mcfg, cfg.tp)
-    if cfg.ep > 1:
+    FAMILY.check_tp(mcfg, par.tp)
+    if par.ep > 1:
         from plait.experts import check_experts
 
         if cfg.n_experts < 2:
-            raise ConfigError(f"ep={cfg.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
-        check_experts(cfg.n_experts, cfg.ep)
-    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-        raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={cfg.tp} with sequence parallelism")
+            raise ConfigError(f"ep={par.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
+        check_experts(cfg.n_experts, par.ep)
+    if par.sequence_parallel and cfg.seq_len % par.tp:
+        raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={par.tp} with sequence parallelism")
     if cfg.world > 16:
         raise ConfigError(f"tp*pp*dp={cfg.world} processes is too many for a local CPU check (max 16)")
 

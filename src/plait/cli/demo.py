@@ -12,6 +12,7 @@ against a single-device run. `plait train` is the real training command."""
 
 def demo_command() -> None:
     from plait.cli.verify import _table
+    from plait.parallel_config import ParallelConfig
     from plait.schedules import build_schedule
     from plait.sim import Costs, simulate
     from plait.verify import VerifyConfig, verify
@@ -24,7 +25,7 @@ def demo_command() -> None:
         console.print(f"bubble {result.bubble_fraction:.1%}, peak activations {result.peak_activations}\n")
     for schedule in ("1f1b", "zbv"):
         console.rule(f"2. tp=2 x pp=2 on 4 CPU processes, {schedule}: parallel vs one device")
-        cfg = VerifyConfig(tp=2, pp=2, dp=1, schedule=schedule, microbatches=8, sequence_parallel=True)
+        cfg = VerifyConfig(ParallelConfig(tp=2, pp=2, dp=1, schedule=schedule, microbatches=8, sequence_parallel=True))
         result = verify(cfg)
         table = _table(result)
         console.print(table)

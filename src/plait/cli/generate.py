@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-HELP = """Generate text from a plait checkpoint or a Hugging Face Llama folder with a KV cache.
+HELP = """Generate text from a plait checkpoint or a Hugging Face model folder with a KV cache.
 
 Greedy by default (--temperature 0); --temperature T samples, --top-k K keeps the K best tokens. With
 --tp/--pp > 1 the model is split over that many local processes (elastic launcher): each rank reads only
@@ -23,35 +23,39 @@ Opt = typer.Option
 
 
 def register(app: typer.Typer) -> None:
-    app.command("generate", help=HELP)(generate_command)
-    app.command("export", help="Write a Hugging Face Llama folder (config.json + model.safetensors) from a "
-                                "plait checkpoint saved under any layout.")(export_command)
+    from plait.cli.options import dataclass_options, with_options
+    from plait.parallel_config import ParallelConfig
+
+    layout = with_options(dataclass_options(ParallelConfig, only=("tp", "pp")), into="layout")
+    app.command("generate", help=HELP)(layout(generate_command))
+    app.command("export", help="Write a Hugging Face folder (config.json + model.safetensors) of the model's "
+                                "family from a plait checkpoint saved under any layout.")(export_command)
 
 
 def generate_command(
-    model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face Llama "
-                                   "folder.")] = "plait-checkpoints",
+    model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
+                                   "mistral, qwen2, qwen3, mixtral).")] = "plait-checkpoints",
     prompt: Annotated[list[str] | None, Opt(help="A prompt (repeatable: one batch).")] = None,
     max_new_tokens: Annotated[int, Opt(help="Tokens to add to each prompt.")] = 120,
     temperature: Annotated[float, Opt(help="0: greedy; otherwise sample from softmax(logits / T).")] = 0.0,
     top_k: Annotated[int, Opt(help="Sample only among the K most likely tokens (0: all).")] = 0,
     seed: Annotated[int, Opt(help="Seed of the sampler.")] = 0,
-    tp: Annotated[int, Opt(help="Tensor-parallel processes.")] = 1,
-    pp: Annotated[int, Opt(help="Pipeline stages (processes).")] = 1,
+    layout: dict | None = None,
 ) -> None:
-    from plait.errors import ConfigError
-    from plait.generate.job import source_config
-    from plait.train.launch import JobError, run_or_launch
+    """``layout``: the generated --tp and --pp options (plait.cli.options)."""
+    from plait.distributed.launch import JobError, run_or_launch
+    from plait.errors import ConfigError, flag_message
+    from plait.generation.job import source_config
+    from plait.parallel_config import ParallelConfig
 
-    payload = {"model": model, "prompts": prompt or ["def "], "max_new_tokens": max_new_tokens,
-               "temperature": temperature, "top_k": top_k, "seed": seed, "tp": tp, "pp": pp}
     try:
-        if tp < 1 or pp < 1:
-            raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
+        par = ParallelConfig(**(layout or {}))
+        payload = {"model": model, "prompts": prompt or ["def "], "max_new_tokens": max_new_tokens,
+                   "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
         source_config(model)  # fail on a bad --model before launching anything
-        run_or_launch("plait.generate.job:generate_job", payload, tp * pp)
+        run_or_launch("plait.generation.job:generate_job", payload, par.tp * par.pp)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {flag_message(exc)}", err=True)
         raise typer.Exit(2) from None
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-HELP = """Serve a plait checkpoint or a Hugging Face Llama folder over an OpenAI-compatible HTTP API.
+HELP = """Serve a plait checkpoint or a Hugging Face model folder over an OpenAI-compatible HTTP API.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming with "stream": true), GET /v1/models,
 /health and /metrics (Prometheus). Requests join and leave the running batch between decode steps
@@ -28,14 +28,16 @@ Opt = typer.Option
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve", help=HELP)(serve_command)
+    from plait.cli.options import dataclass_options, with_options
+    from plait.parallel_config import ParallelConfig
+
+    layout = with_options(dataclass_options(ParallelConfig, only=("tp", "pp")), into="layout")
+    app.command("serve", help=HELP)(layout(serve_command))
 
 
 def serve_command(
-    model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face Llama "
-                                   "folder.")] = "plait-checkpoints",
-    tp: Annotated[int, Opt(help="Tensor-parallel processes.")] = 1,
-    pp: Annotated[int, Opt(help="Pipeline stages (processes).")] = 1,
+    model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
+                                   "mistral, qwen2, qwen3, mixtral).")] = "plait-checkpoints",
     host: Annotated[str, Opt(help="Address to listen on (0.0.0.0 exposes the server to the network).")]
     = "127.0.0.1",
     port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
@@ -46,16 +48,20 @@ def serve_command(
     kv_budget: Annotated[int | None, Opt(help="KV cache positions the running requests may reserve in total "
                                               "(default: max-batch x context).")] = None,
     max_queue: Annotated[int, Opt(help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
+    layout: dict | None = None,
 ) -> None:
+    """``layout``: the generated --tp and --pp options (plait.cli.options)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from plait.errors import ConfigError
-    from plait.generate.job import source_config
-    from plait.train.launch import JobError, run_or_launch
+    from plait.distributed.launch import JobError, run_or_launch
+    from plait.errors import ConfigError, flag_message, require_extra
+    from plait.generation.job import source_config
+    from plait.parallel_config import ParallelConfig
 
     try:
-        if tp < 1 or pp < 1:
-            raise ConfigError(f"--tp {tp} --pp {pp}: must be positive")
+        require_extra("serve", ("fastapi", "starlette", "uvicorn"), "plait serve")  # before any other work
+        par = ParallelConfig(**(layout or {}))
+        tp, pp = par.tp, par.pp
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"--max-batch {max_batch} must be >= 1 and --max-queue {max_queue} >= 0")
         cfg, _, _ = source_config(model)  # fail on a bad --model before launching anything
@@ -74,7 +80,7 @@ def serve_command(
                    "name": name or Path(model).resolve().name}
         run_or_launch("plait.serve.server:serve_job", payload, tp * pp)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {flag_message(exc)}", err=True)
         raise typer.Exit(2) from None
     except SignalException as exc:  # SIGTERM/SIGINT to the launcher: the workers were stopped with it
         typer.echo(f"plait serve: stopped ({exc.sigval.name})", err=True)

@@ -37,7 +37,7 @@ the end of B, or of W for a split backward.
 \b
 Examples:
   plait simulate --schedule 1f1b --stages 4 --microbatches 8
-  plait simulate -s interleaved-1f1b -p 4 -m 8 --virtual 2 --p2p 0.1
+  plait simulate -s interleaved-1f1b -p 4 -m 8 --virtual-stages 3 --p2p 0.1
   plait simulate -s interleaved-1f1b -p 4 -m 10 --rounds padded   # M % P != 0: fewer held
   plait simulate -p 8 -m 32 --compare gpipe,1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev
   plait simulate -s zbv -p 4 -m 8 --png zbv.png --trace zbv.json --csv zbv.csv
@@ -140,8 +140,8 @@ def simulate_command(
         ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")))] = "1f1b",
     stages: Annotated[int, typer.Option("--stages", "-p", help="Pipeline ranks P.")] = 4,
     microbatches: Annotated[int, typer.Option("--microbatches", "-m", help="Micro-batches M per batch.")] = 8,
-    virtual: Annotated[int | None, typer.Option("--virtual", "-v", help="Chunks per rank V "
-                       "(default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev).")] = None,
+    virtual_stages: Annotated[int | None, typer.Option("--virtual-stages", "-v", help="Chunks per pipeline rank V "
+                              "(default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev).")] = None,
     forward: Annotated[float, typer.Option(help="Forward time of one micro-batch through a whole stage.")] = 1.0,
     backward: Annotated[float, typer.Option(help="Full backward time (I + W) per micro-batch and stage.")] = 2.0,
     weight: Annotated[float | None, typer.Option(help="Weight-gradient part W of the backward "
@@ -163,6 +163,8 @@ def simulate_command(
     actions: Annotated[bool, typer.Option("--actions", help="Also print each rank's action list.")] = False,
     width: Annotated[int | None, typer.Option(help="Columns for the chart's time axis "
                      "(default: the terminal's width).")] = None,
+    virtual_alias: Annotated[int | None, typer.Option("--virtual", hidden=True,
+                                                      help="Old name of --virtual-stages.")] = None,
 ) -> None:
     from rich.console import Console
 
@@ -170,6 +172,7 @@ def simulate_command(
     from plait.sim import Costs, simulate
 
     costs = Costs(forward=forward, backward=backward, weight=weight, p2p=p2p)
+    virtual = virtual_stages if virtual_alias is None else virtual_alias
     try:
         if compare is not None:
             return _compare(compare, stages, microbatches, virtual, costs, as_json, rounds)

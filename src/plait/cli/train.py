@@ -1,4 +1,4 @@
-"""``plait train``: train a Llama under a TP x PP x DP layout on self-launched CPU processes or under torchrun."""
+"""``plait train``: train a model under a TP x PP x DP layout on self-launched CPU processes or under torchrun."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-HELP = """Train a Llama with tensor, pipeline and data parallelism.
+HELP = """Train a language model (Llama, Mistral, Qwen2, Qwen3, Mixtral) with tensor, pipeline and data parallelism.
 
 {defaults}
 
@@ -35,79 +35,52 @@ _STARTED = time.time()  # when the CLI module was imported: the start of the com
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train", help=HELP, no_args_is_help=False)(train_command)
+    from plait.cli.options import dataclass_options, with_options
+    from plait.parallel_config import ParallelConfig
+    from plait.train.config import TRAIN_PARALLEL, TrainConfig
+
+    options = dataclass_options(ParallelConfig, TRAIN_PARALLEL) + dataclass_options(TrainConfig, TrainConfig())
+    app.command("train", help=HELP, no_args_is_help=False)(with_options(options, into="options")(train_command))
 
 
 def train_command(
     ctx: typer.Context,
-    tp: Annotated[int, Opt(help="Tensor-parallel size (ranks that split each layer).")] = 2,
-    pp: Annotated[int, Opt(help="Pipeline-parallel size (stages).")] = 2,
-    dp: Annotated[int, Opt(help="Data-parallel size (model replicas).")] = 1,
-    schedule: Annotated[str, Opt(help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, "
-                                      "dualpipev.")] = "1f1b",
-    microbatches: Annotated[int, Opt(help="Micro-batches per step (pipeline depth).")] = 4,
-    virtual_stages: Annotated[int, Opt(help="Chunks per pipeline rank (interleaved schedules).")] = 1,
-    sequence_parallel: Annotated[bool, Opt(help="Shard norms/residuals along the sequence between TP "
-                                                "regions.")] = False,
-    model: Annotated[str, Opt(help="tiny, small, or a Hugging Face Llama folder.")] = "tiny",
-    data: Annotated[list[str] | None, Opt(help="Text files or folders (repeatable); default: the Python "
-                                               "standard library's sources.")] = None,
-    seq_len: Annotated[int, Opt(help="Tokens per sequence.")] = 128,
-    batch_size: Annotated[int, Opt(help="Global batch size in sequences.")] = 16,
-    steps: Annotated[int, Opt(help="Optimizer steps in total (a resumed run continues up to it).")] = 300,
-    lr: Annotated[float, Opt(help="Peak learning rate (AdamW).")] = 3e-3,
-    warmup: Annotated[int, Opt(help="Linear warm-up steps before cosine decay.")] = 20,
-    clip: Annotated[float, Opt(help="Max global gradient norm (0: no clipping).")] = 1.0,
-    weight_decay: Annotated[float, Opt(help="AdamW weight decay of matrices.")] = 0.0,
-    precision: Annotated[str, Opt(help="fp32 or bf16 (bf16 compute over fp32 master weights).")] = "fp32",
-    zero: Annotated[int, Opt(help="1: shard optimizer state over data-parallel ranks (ZeRO-1).")] = 0,
-    experts: Annotated[int, Opt(help="Experts per feed-forward layer (1: dense; > 1: mixture of experts).")] = 1,
-    top_k: Annotated[int, Opt(help="Experts each token is routed to (mixture of experts).")] = 1,
-    ep: Annotated[int, Opt(help="Expert-parallel size: experts spread over ep ranks of the dp x tp plane.")] = 1,
-    expert_tp: Annotated[bool, Opt(help="Split each expert over the TP group (ep must then divide dp).")] = False,
-    seed: Annotated[int, Opt(help="Seed of weights, data order and sampling.")] = 0,
-    checkpoint_dir: Annotated[str, Opt(help="Where checkpoints go (one folder per step, 'latest' "
-                                            "points at the newest).")] = "plait-checkpoints",
-    checkpoint_every: Annotated[int, Opt(help="Save every N steps (0: only at the end).")] = 0,
-    resume: Annotated[bool, Opt(help="Continue from the latest checkpoint in --checkpoint-dir.")] = False,
-    metrics: Annotated[str | None, Opt(help="Append one JSON line per step (step, loss, tokens_per_s, ...) "
-                                            "to this file.")] = None,
-    nproc: Annotated[int | None, Opt(help="Processes to launch here (default tp x pp x dp).")] = None,
-    on_nonfinite: Annotated[str, Opt(help="On a NaN/inf loss: stop (default) or skip the step.")] = "stop",
-    eval_every: Annotated[int, Opt(help="Held-out loss every N steps (0: only at the end).")] = 50,
-    sample_tokens: Annotated[int, Opt(help="Length of the sample generated at the end (0: none).")] = 160,
-    max_data_mb: Annotated[float, Opt(help="Read at most this many MB of text.")] = 4.0,
-    trace_every: Annotated[int, Opt(help="Trace every N-th step to measure the bubble (0: never).")] = 10,
     config: Annotated[Path | None, Opt(help="TOML file whose keys are these flags' names.")] = None,
+    options: dict | None = None,
 ) -> None:
-    from plait.errors import ConfigError
+    """The ``options`` are every ParallelConfig and TrainConfig field, generated (plait.cli.options)."""
+    from plait.errors import ConfigError, flag_message
 
     try:
-        cfg = _resolve(ctx, config)
+        cfg = _resolve(ctx, config, options or {})
         _run(cfg)
     except ConfigError as exc:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails the same way: say it once
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"error: {flag_message(exc)}", err=True)
         raise typer.Exit(2) from None
 
 
-def _resolve(ctx: typer.Context, config: Path | None):
+def _resolve(ctx: typer.Context, config: Path | None, options: dict):
     """Defaults < TOML file < flags given on the command line."""
-    from click.core import ParameterSource
-
-    from plait.train.config import TrainConfig, field_names, read_toml
+    from plait.train.config import TrainConfig, read_toml
 
     values = read_toml(config) if config is not None else {}
-    for name in field_names():
-        if name in ctx.params and (ctx.get_parameter_source(name) != ParameterSource.DEFAULT or name not in values):
-            values[name] = ctx.params[name]
+    for name, value in options.items():
+        if _given(ctx, name) or name not in values:
+            values[name] = value
     values["data"] = list(values.get("data") or [])
     return TrainConfig.from_dict(values)
 
 
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` came from the command line (or the environment), not its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def _run(cfg) -> None:
+    from plait.distributed.launch import JobError, launch, under_torchrun
     from plait.train import train_job, validate
-    from plait.train.launch import JobError, launch, under_torchrun
 
     if under_torchrun():
         train_job(cfg.to_dict())

@@ -30,44 +30,34 @@ def _table(result) -> Table:
 
 
 def verify_command(
-    tp: int = typer.Option(2, help="Tensor-parallel size (ranks that split each layer)."),
-    pp: int = typer.Option(2, help="Pipeline-parallel size (ranks that hold consecutive layers)."),
-    dp: int = typer.Option(1, help="Data-parallel size (replicas that see different data)."),
-    schedule: str = typer.Option("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, "
-                                 "zb-h1, zbv, dualpipev."),
-    microbatches: int = typer.Option(8, help="Micro-batches per step (per data-parallel replica)."),
-    virtual_stages: int = typer.Option(1, "--virtual-stages", help="Chunks per pipeline rank (interleaved)."),
-    sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Shard norms/residuals along "
-                                           "the sequence between TP regions."),
     tied: bool = typer.Option(False, "--tied", help="Tie the input embedding and the output head."),
     layers: int = typer.Option(8, help="Decoder layers of the test model."),
     batch_size: int = typer.Option(16, help="Global batch (sequences)."),
     seq_len: int = typer.Option(16, help="Sequence length."),
     experts: int = typer.Option(1, "--experts", help="Experts per MoE layer (1: dense feed-forward layers)."),
     top_k: int = typer.Option(1, "--top-k", help="Experts each token is routed to."),
-    ep: int = typer.Option(1, "--ep", help="Expert-parallel size: experts spread over ep ranks of dp x tp."),
-    expert_tp: bool = typer.Option(False, "--expert-tp", help="Split each expert over the TP group (Megatron "
-                                   "expert tensor parallelism); EP then spans DP ranks, so ep must divide dp."),
     show_trace: bool = typer.Option(False, "--trace", help="Also print the measured vs simulated timeline."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    parallel: dict | None = None,
 ) -> None:
+    """The ``parallel`` options are ParallelConfig's fields, generated (plait.cli.options)."""
     from plait.distributed.launch import LaunchError
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, flag_message
+    from plait.parallel_config import ParallelConfig
     from plait.verify import VerifyConfig, check, verify
 
-    cfg = VerifyConfig(tp=tp, pp=pp, dp=dp, schedule=schedule, microbatches=microbatches,
-                       virtual_stages=virtual_stages, sequence_parallel=sequence_parallel, tie_embeddings=tied,
-                       n_layers=layers, batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k,
-                       ep=ep, expert_tp=expert_tp)
     console = Console()
     try:
+        cfg = VerifyConfig(parallel=ParallelConfig(**(parallel or {})), tie_embeddings=tied, n_layers=layers,
+                           batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k)
         check(cfg)
+        par = cfg.parallel
         if not as_json:
-            console.print(f"launching {cfg.world} CPU processes: tp={tp} pp={pp} dp={dp}, {schedule}, "
-                          f"{microbatches} micro-batches ...")
+            console.print(f"launching {cfg.world} CPU processes: tp={par.tp} pp={par.pp} dp={par.dp}, "
+                          f"{par.schedule}, {par.num_microbatches} micro-batches ...")
         result = verify(cfg)
     except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {flag_message(exc)}", err=True)
         raise typer.Exit(2) from None
     except LaunchError as exc:
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
@@ -77,9 +67,9 @@ def verify_command(
         raise typer.Exit(0 if result.ok else 1)
     console.print(_table(result))
     if experts > 1:
-        split = ", each split over tp" if expert_tp and tp > 1 else ""
-        console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={ep}{split} (loss includes the aux "
-                      "loss)")
+        split = ", each split over tp" if par.expert_tp and par.tp > 1 else ""
+        console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={par.ep}{split} (loss includes the "
+                      "aux loss)")
     console.print(f"loss: parallel {result.loss_parallel:.7f}, single device {result.loss_single:.7f} "
                   f"(rel {result.loss_rel:.1e});  eval logits rel {result.logits_rel:.1e}")
     console.print(f"peak stored activations per pipeline rank: measured {result.peak_measured}, "
@@ -92,4 +82,9 @@ def verify_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify", help=HELP)(verify_command)
+    from plait.cli.options import dataclass_options, with_options
+    from plait.parallel_config import ParallelConfig
+    from plait.verify import VERIFY_PARALLEL
+
+    options = dataclass_options(ParallelConfig, VERIFY_PARALLEL, exclude=("zero", "precision"))  # no optimizer
+    app.command("verify", help=HELP)(with_options(options, into="parallel")(verify_command))

@@ -1,5 +1,5 @@
 """ParallelContext (mesh, process groups, rank coordinates) and local launch helpers."""
 
-from plait.distributed.context import Layout, ParallelContext, init, resolve_layout
+from plait.distributed.context import ParallelContext, init
 
-__all__ = ["Layout", "ParallelContext", "init", "resolve_layout"]
+__all__ = ["ParallelContext", "init"]

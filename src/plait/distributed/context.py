@@ -8,85 +8,43 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.errors import ConfigError
+from plait.parallel_config import ParallelConfig
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of each parallel dimension; world = tp * pp * dp (ep groups live inside dp * tp)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    expert_tp: bool = False  # experts tensor-parallel inside; EP groups then span DP only (ep | dp)
-
-
-def resolve_layout(world: int, tp: int, pp: int, dp: int, ep: int = 1, expert_tp: bool = False) -> Layout:
-    """Validate a layout against the world size (no collective); ``dp=-1`` infers dp."""
-    for name, value in (("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: must be a positive integer")
-    if not isinstance(ep, int) or ep < 1:
-        raise ConfigError(f"ep={ep!r}: must be a positive integer")
-    if dp == -1:
-        if world % (tp * pp):
-            raise ConfigError(
-                f"tp*pp={tp}*{pp}={tp * pp} does not divide the world size {world}; valid tp*pp "
-                f"products: {_divisors(world)}"
-            )
-        dp = world // (tp * pp)
-    if not isinstance(dp, int) or dp < 1:
-        raise ConfigError(f"dp={dp!r}: must be a positive integer or -1 (inferred from the world size)")
-    if tp * pp * dp != world:
-        raise ConfigError(
-            f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}; choose tp, pp, dp "
-            f"whose product is {world} (tp and pp from {_divisors(world)}, or pass dp=-1)"
-        )
-    if expert_tp and dp % ep:
-        raise ConfigError(f"ep={ep} must divide dp={dp} with expert_tp=True (every TP rank holds a shard of the "
-                          f"same experts, so EP spans data-parallel replicas); valid ep: {_divisors(dp)}")
-    if (dp * tp) % ep:
-        raise ConfigError(f"ep={ep} must divide dp*tp={dp * tp}; valid ep: {_divisors(dp * tp)}")
-    return Layout(tp=tp, pp=pp, dp=dp, ep=ep, expert_tp=bool(expert_tp) and tp > 1)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass
 class ParallelContext:
     """Everything a parallel module needs to know about where it runs. Passed explicitly, never global."""
 
-    layout: Layout
+    config: ParallelConfig  # resolved: dp known, tp*pp*dp == world_size
     rank: int
     world_size: int
     device: torch.device
     mesh: DeviceMesh | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
-    _groups: dict = field(default_factory=dict, repr=False)
+    _groups: dict[str, ProcessGroup] = field(default_factory=dict, repr=False)
 
     # global rank = (pp_rank * dp + dp_rank) * tp + tp_rank  (TP innermost)
     @property
     def tp_size(self) -> int:
-        return self.layout.tp
+        return self.config.tp
 
     @property
     def pp_size(self) -> int:
-        return self.layout.pp
+        return self.config.pp
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp
+        return self.config.dp
 
     @property
     def ep_size(self) -> int:
-        return self.layout.ep
+        return self.config.ep
 
     @property
     def tp_rank(self) -> int:
@@ -108,7 +66,7 @@ class ParallelContext:
     @property
     def expert_tp(self) -> bool:
         """Whether each expert is split over the TP group (``plait.init(..., expert_tp=True)``, tp > 1)."""
-        return self.layout.expert_tp
+        return self.config.expert_tp
 
     @property
     def ep_rank(self) -> int:
@@ -129,38 +87,30 @@ class ParallelContext:
         return (p * self.dp_size + d) * self.tp_size + t
 
     @property
-    def tp_group(self):
+    def tp_group(self) -> ProcessGroup | None:
         return self._groups.get("tp")
 
     @property
-    def pp_group(self):
+    def pp_group(self) -> ProcessGroup | None:
         return self._groups.get("pp")
 
     @property
-    def dp_group(self):
+    def dp_group(self) -> ProcessGroup | None:
         return self._groups.get("dp")
 
     @property
-    def ep_group(self):
+    def ep_group(self) -> ProcessGroup | None:
         """The expert-parallel group (None when ep=1)."""
         return self._groups.get("ep")
 
     @property
-    def expert_dp_group(self):
+    def expert_dp_group(self) -> ProcessGroup | None:
         """Ranks of this stage holding the same experts (expert gradients are summed over it)."""
         return self._groups.get("edp", self._groups.get("dp"))
 
     @property
-    def world_group(self):
+    def world_group(self) -> ProcessGroup | None:
         return self._groups.get("world")
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/dp coordinates."""
@@ -203,31 +153,40 @@ def _pick_device() -> torch.device:
 
 
 def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, expert_tp: bool = False,
-         timeout_s: float | None = None) -> ParallelContext:
+         timeout_s: float | None = None, config: ParallelConfig | None = None) -> ParallelContext:
     """Create a ParallelContext for the layout ``tp x pp x dp`` (TP innermost, then DP, then PP).
 
-    Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the
-    default process group if needed (NCCL with CUDA, otherwise Gloo). The layout is validated before
-    any collective. Calling it again with another layout returns a new context with new groups.
-    ``expert_tp=True`` splits every expert over the TP group (plait.experts.layer); then ep must divide dp.
+    ``config`` (a ParallelConfig) replaces the size keywords; its other fields (schedule, micro-batches, ...)
+    then become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with
+    CUDA, otherwise Gloo). The layout is validated before any collective. Calling it again with another
+    layout returns a new context with new groups. ``expert_tp=True`` splits every expert over the TP group
+    (plait.experts.layer); then ep must divide dp.
     """
+    if config is None:
+        config = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, expert_tp=expert_tp)
+    elif (tp, pp, dp, ep, expert_tp) != (1, 1, -1, 1, False):
+        raise ConfigError("plait.init: pass the layout either as config=ParallelConfig(...) or as tp/pp/dp/ep/"
+                          "expert_tp keywords, not both")
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
-    layout = resolve_layout(world, tp, pp, dp, ep, expert_tp)
+    config = config.resolve(world)
     if world == 1 and not dist.is_initialized():
+        from plait.distributed.launch import free_port
+
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     _ensure_default_group(timeout)
     device = _pick_device()
-    mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
-    groups = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"))
+    groups: dict[str, ProcessGroup] = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
     groups["world"] = dist.group.WORLD
-    groups.update(_expert_groups(layout, device))
-    return ParallelContext(layout=layout, rank=dist.get_rank(), world_size=world, device=device,
+    groups.update(_expert_groups(config, device))
+    return ParallelContext(config=config, rank=dist.get_rank(), world_size=world, device=device,
                            mesh=mesh, timeout_s=timeout, _groups=groups)
 
 
-def _expert_groups(layout: Layout, device: torch.device) -> dict:
+def _expert_groups(layout: ParallelConfig, device: torch.device) -> dict[str, ProcessGroup]:
     """The EP and expert-DP groups (every rank creates them, in the same order); none for tp = ep = 1."""
     if layout.ep == 1 and layout.tp == 1:
         return {}
@@ -242,11 +201,3 @@ def _expert_groups(layout: Layout, device: torch.device) -> dict:
     if layout.ep > 1:
         groups["ep"] = emesh.get_group("ep")
     return groups
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

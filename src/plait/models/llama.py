@@ -2,7 +2,10 @@
 
 Parameter names follow Hugging Face's ``LlamaForCausalLM`` without the ``model.`` prefix, so weights
 map one to one. Layers read their head counts from their projections' actual sizes, which lets a
-layout shard them from outside without touching ``forward``.
+layout shard them from outside without touching ``forward``. The same modules build the Llama-like
+families (plait.models.mistral, qwen2, qwen3, mixtral) through the optional features of ``LlamaConfig``:
+an explicit head size, biases on q/k/v, per-head RMSNorm on q and k, sliding-window attention, and
+mixture-of-experts feed-forward layers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.models.family import DecoderFamily
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
 
@@ -30,6 +34,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
+    head_dim: int | None = None  # None: dim // n_heads
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
     # mixture of experts (plait.models.moe): layer i is MoE when n_experts > 1 and i % moe_every == moe_every - 1
     n_experts: int = 1
     top_k: int = 1
@@ -42,18 +50,20 @@ class LlamaConfig:
             self.n_kv_heads = self.n_heads
         if self.ffn_dim is None:  # Llama's rule: 2/3 of 4*dim, rounded up to a multiple of 8
             self.ffn_dim = 8 * ((int(2 * 4 * self.dim / 3) + 7) // 8)
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ConfigError(f"LlamaConfig.n_heads={self.n_heads} must divide dim={self.dim} (or set head_dim)")
+            self.head_dim = self.dim // self.n_heads
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "head_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"LlamaConfig.{name}={getattr(self, name)} must be positive")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"LlamaConfig.n_heads={self.n_heads} must divide dim={self.dim}")
+        if self.head_dim % 2:
+            raise ConfigError(f"LlamaConfig.head_dim={self.head_dim} must be even (rotary embeddings)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"LlamaConfig.sliding_window={self.sliding_window} must be positive (or None)")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"LlamaConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_moe_config(self)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     def is_moe_layer(self, index: int) -> bool:
         return self.n_experts > 1 and index % self.moe_every == self.moe_every - 1
@@ -143,16 +153,20 @@ class BatchKVCache:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary position embeddings (Su et al. 2021)."""
+    """Causal grouped-query self-attention with rotary position embeddings (Su et al. 2021); optional q/k/v
+    biases, per-head q/k RMSNorm and a sliding window (query at position i sees keys j with i - W < j <= i)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         hd = cfg.head_dim
-        self.head_dim = hd
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.head_dim, self.sliding_window = hd, cfg.sliding_window
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
         self.rope_theta = cfg.rope_theta
         # a device anchor for the RoPE frequencies, which are computed in float32 whatever the model's dtype
         self.register_buffer("_rope_device", torch.zeros(0), persistent=False)
@@ -177,15 +191,21 @@ class Attention(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def heads(self, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
+        """[B, S, H] -> [B, heads, S, hd] (the heads this projection holds), then per-head RMSNorm if any."""
+        b, s, _ = x.shape
+        y = proj(x).view(b, s, -1, self.head_dim)  # [B, S, heads, hd]
+        return (y if norm is None else norm(y)).transpose(1, 2)
+
     def forward(self, x: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:  # x: [B, S, H]
         b, s, _ = x.shape
         batched = isinstance(cache, BatchKVCache)
         offset = 0 if cache is None or batched else cache.length
-        hd = self.head_dim
-        q = self.q_proj(x).view(b, s, -1, hd).transpose(1, 2)  # [B, h, S, hd]
-        k = self.k_proj(x).view(b, s, -1, hd).transpose(1, 2)  # [B, h_kv, S, hd]
-        v = self.v_proj(x).view(b, s, -1, hd).transpose(1, 2)
-        cos, sin = self.rope_at(cache.positions(s), q.dtype) if batched else self.rope(s, offset, q.dtype)
+        q = self.heads(x, self.q_proj, getattr(self, "q_norm", None))  # [B, h, S, hd]
+        k = self.heads(x, self.k_proj, getattr(self, "k_norm", None))  # [B, h_kv, S, hd]
+        v = self.heads(x, self.v_proj)
+        pos = cache.positions(s) if batched else None  # [B, S] positions of each row's new tokens
+        cos, sin = self.rope_at(pos, q.dtype) if batched else self.rope(s, offset, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         mask = None
@@ -193,18 +213,33 @@ class Attention(nn.Module):
             k, v, mask = cache.append(k, v)  # [B, h_kv, L, hd], mask [B, 1, S, L] (None: causal from 0)
         elif cache is not None:
             k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
+        if self.sliding_window is not None:
+            pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]
+            mask = window_mask(pos.to(q.device), k.shape[2], self.sliding_window)
+        elif mask is None and offset > 0:  # query i sits at position offset + i and sees keys 0..offset + i
+            mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+        out = self.core(q, k, v, mask)  # [B, h, S, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v with the KV heads shared by groups of query heads; causal when mask is None."""
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif offset == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, h, S, hd]
-        else:  # query i sits at position offset + i and sees keys 0..offset + i
-            mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def window_mask(pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
+    """Causal sliding-window mask: query at position ``pos`` sees key j iff pos - window < j <= pos.
+
+    ``pos`` [S] -> [S, L]; per-row ``pos`` [B, S] -> [B, 1, S, L] (keys are positions 0..L-1).
+    """
+    keys = torch.arange(length, device=pos.device)
+    mask = (keys <= pos[..., None]) & (keys > pos[..., None] - window)
+    return mask if pos.dim() == 1 else mask[:, None]
 
 
 class MLP(nn.Module):
@@ -278,13 +313,35 @@ class Llama(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> Llama:
-        """Load a Hugging Face Llama folder (config.json + *.safetensors); see ``plait.models.hf``."""
+        """Load a Hugging Face folder of this class's family (config.json + *.safetensors); ``plait.models.hf``."""
+        from plait.models.family import family_of_class
         from plait.models.hf import load_pretrained
 
-        return load_pretrained(path, dtype=dtype)
+        return load_pretrained(path, family_of_class(cls), dtype=dtype)
 
     def save_pretrained(self, path) -> None:
-        """Write a Hugging Face Llama folder (config.json + model.safetensors) that ``transformers`` loads."""
-        from plait.models.hf import save_pretrained
+        """Write a Hugging Face folder (config.json + model.safetensors) that ``transformers`` loads."""
+        from plait.models.family import family_of
+        from plait.models.hf import save_state_dict_pretrained
 
-        save_pretrained(self, path)
+        save_state_dict_pretrained(family_of(self), self.config, self.state_dict(), path)
+
+
+class LlamaFamily(DecoderFamily):
+    """Hugging Face ``llama`` folders (``LlamaForCausalLM``): bias-free projections, dense SwiGLU."""
+
+    name = model_type = "llama"
+    architecture = "LlamaForCausalLM"
+    model_class, config_class = Llama, LlamaConfig
+
+    def hf_fields(self, hf: dict) -> dict:
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ConfigError(f"{flag}=true is not supported by plait.models.Llama (bias-free projections only)")
+        return {}
+
+    def hf_extra(self, config: LlamaConfig) -> dict:
+        return {"attention_bias": False, "mlp_bias": False}
+
+
+FAMILY = LlamaFamily()

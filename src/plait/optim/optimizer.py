@@ -12,6 +12,7 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.optim.schedule import decays, lr_at
 from plait.optim.shards import FlatLayout, Slot
+from plait.parallel_config import ZERO_LEVELS
 
 # torch >= 2.13 renames the flat collectives; older releases only have the *_tensor names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,8 +37,9 @@ class ParallelOptimizer:
                  zero: int = 0, precision: str | None = None, clip: float | None = None, warmup: int = 0,
                  total_steps: int | None = None, min_lr_ratio: float = 0.1, reduce_scatter: bool = True,
                  **optim_kwargs):
-        if zero not in (0, 1):
-            raise ConfigError(f"zero={zero!r}: plait.optim supports 0 (replicated state) or 1 (ZeRO-1)")
+        if zero not in ZERO_LEVELS:
+            raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
+                              "state, 1: ZeRO-1)")
         if clip is not None and clip <= 0:
             raise ConfigError(f"clip={clip!r}: the max gradient norm must be positive (or None: no clipping)")
         if warmup < 0 or (total_steps is not None and total_steps < 1):
@@ -50,8 +52,7 @@ class ParallelOptimizer:
         self.reduce_scatter = zero == 1 and reduce_scatter and self.ctx.dp_size > 1
         self.pieces: list[tuple[Slot, nn.Parameter]] = self._make_pieces() if zero else []
         if self.reduce_scatter:
-            for reducer in pm.reducers.values():
-                reducer.enabled = False  # this optimizer sums gradients over DP (reduce-scatter) instead
+            pm.set_dp_grad_reduce(False)  # this optimizer sums gradients over DP (reduce-scatter) instead
         targets = self.pieces if zero else [(s, s.param) for s in self.layout.slots]
         targets = targets + [(s, s.param) for s in self.layout.own]  # experts: never sharded here
         groups = [{"params": [t for s, t in targets if decays(s.name, s.param) == d], "weight_decay": w}

@@ -11,7 +11,7 @@ embedding sync all run in float32 without any change to that code.
 Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter, i.e.
 the 2 + 4 + 4 of the planner's 18-byte Adam budget with the master never sharded (see docs/optim.md).
 Zero-bubble schedules stay correct but compute weight gradients in the I pass (the bf16 copy is not a
-leaf, so ``pipeline.weight_grad.linear`` does not defer it).
+leaf, so ``plait.weight_grad.linear`` does not defer it).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ times. There is no per-schedule loop: F, B, I and W are the only things it knows
 F(c, mb)  receive the input (previous chunk's output, or the micro-batch), run chunk c, send the output
           (or compute the loss on the last chunk)
 B(c, mb)  receive the output gradient, backward through chunk c, send the input gradient
-I(c, mb)  as B, with linear weight gradients deferred (pipeline.weight_grad)
+I(c, mb)  as B, with linear weight gradients deferred (plait.weight_grad)
 W(c, mb)  run the deferred weight-gradient work of (c, mb)
 A micro-batch's saved state lives from its F to its B (or W), so the number held is what the simulator
 counts as ``peak_activations``.
@@ -21,8 +21,8 @@ import torch
 from plait.errors import CommError, CommTimeoutError
 from plait.pipeline.p2p import ACT, GRAD, Transport
 from plait.pipeline.step_plan import StepPlan, build_step_plan
-from plait.pipeline.weight_grad import WeightGradStore
 from plait.schedules import Action, Schedule
+from plait.weight_grad import WeightGradStore
 
 
 @dataclass

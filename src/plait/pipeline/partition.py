@@ -1,9 +1,9 @@
 """Cut a plain model into contiguous pipeline chunks (uniform, balanced by cost, or explicit counts).
 
-A model is seen as a sequence of named blocks applied one after the other. For ``Llama`` these are the
-embedding, each decoder layer, the final norm and the head; only decoder layers count as *layers*: the
-embedding always joins the first chunk and the norm + head (+ loss) the last, and ``balanced``
-partitioning charges those chunks for them. Any ``nn.Sequential`` works too (every child is a layer).
+A model is seen as a sequence of named blocks applied one after the other, as its family adapter gives
+them (``plait.models.family.Blocks``): for a decoder the embedding, each layer, the final norm and the
+head. Only the layers are counted: blocks before them join the first chunk and blocks after them (+ the
+loss) the last, and ``balanced`` partitioning charges those chunks for them (``LayerCosts``).
 """
 
 from __future__ import annotations
@@ -13,40 +13,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from plait.errors import ConfigError
-from plait.models.llama import Llama
+from plait.models.family import Blocks, LayerCosts
+
+Partition = str | list[int] | tuple[int, ...]  # "balanced", "uniform", or layer counts per chunk
 
 
-def model_blocks(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], int, int]:
-    """(named blocks in execution order, index of the first layer, number of layers)."""
-    if isinstance(model, Llama):
-        blocks = [("embed_tokens", model.embed_tokens)]
-        blocks += [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
-        blocks += [("norm", model.norm), ("lm_head", model.lm_head)]
-        return blocks, 1, len(model.layers)
-    if isinstance(model, nn.Sequential):
-        blocks = [(name, child) for name, child in model.named_children()]
-        return blocks, 0, len(blocks)
-    raise ConfigError(f"cannot pipeline {type(model).__name__}: pass a plait.models.Llama or an nn.Sequential")
-
-
-def _layer_costs(model: nn.Module) -> tuple[list[float], float, float]:
-    """Relative forward cost of each layer and the extra cost of the first and last chunk.
-
-    Units: multiply-accumulates per token. A decoder layer costs its linear parameters plus attention
-    scores and weighted sum, 2·S·dim (Narayanan et al. 2021, eq. 3, per token); the head costs V·dim
-    plus the softmax; the embedding lookup is nearly free.
-    """
-    if isinstance(model, Llama):
-        cfg = model.config
-        linear = sum(p.numel() for n, p in model.layers[0].named_parameters() if n.endswith("proj.weight"))
-        layer = float(linear + 2 * cfg.max_seq_len * cfg.dim)
-        head = float(cfg.vocab_size * cfg.dim + 4 * cfg.vocab_size)
-        return [layer] * cfg.n_layers, float(cfg.dim), head
-    costs = [float(sum(p.numel() for p in child.parameters()) + 1) for child in model.children()]
-    return costs, 0.0, 0.0
-
-
-def partition_layers(n_layers: int, n_chunks: int, partition, costs: list[float] | None = None,
+def partition_layers(n_layers: int, n_chunks: int, partition: Partition, costs: list[float] | None = None,
                      first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
     """Layer counts per chunk for ``partition`` = "uniform", "balanced" or an explicit list."""
     if n_layers < n_chunks:
@@ -93,18 +65,22 @@ def _balanced(costs: list[float], k: int, first: float, last: float) -> list[int
 
 
 class PipelineChunk(nn.Module):
-    """A contiguous run of a model's blocks; keeps their original names for state dicts."""
+    """A contiguous run of a model's blocks; keeps their original names for state dicts.
 
-    def __init__(self, index: int, named_blocks: list[tuple[str, nn.Module]], checkpointing: bool = False):
+    ``recompute="full"`` recomputes each block's forward during backward instead of storing its activations.
+    """
+
+    def __init__(self, index: int, named_blocks: list[tuple[str, nn.Module]], recompute: str = "none",
+                 n_layers: int = 0):
         super().__init__()
-        self.index = index
+        self.index, self.n_layers = index, n_layers
         self.names = [n for n, _ in named_blocks]
         self.blocks = nn.ModuleList(b for _, b in named_blocks)
-        self.checkpointing = checkpointing
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute == "full" else block(x)
         return x
 
     def named_state(self) -> dict[str, torch.Tensor]:
@@ -124,19 +100,18 @@ class PipelineChunk(nn.Module):
         raise KeyError(key)
 
 
-def build_chunks(model: nn.Module, n_chunks: int, partition, checkpointing: bool) -> list[PipelineChunk]:
-    """All ``n_chunks`` chunks of ``model`` (the caller keeps only its own)."""
-    blocks, first_layer, n_layers = model_blocks(model)
-    costs, first_extra, last_extra = _layer_costs(model)
-    counts = partition_layers(n_layers, n_chunks, partition, costs, first_extra, last_extra)
-    layers = blocks[first_layer:first_layer + n_layers]
+def build_chunks(blocks: Blocks, costs: LayerCosts, n_chunks: int, partition: Partition,
+                 recompute: str = "none") -> list[PipelineChunk]:
+    """All ``n_chunks`` chunks of a model's ``blocks`` (the caller keeps only its own)."""
+    counts = partition_layers(blocks.n_layers, n_chunks, partition, costs.layers, costs.first, costs.last)
+    first, layers = blocks.first_layer, blocks.layers
     chunks, start = [], 0
     for c, count in enumerate(counts):
         named = list(layers[start:start + count])
         if c == 0:
-            named = blocks[:first_layer] + named
+            named = blocks.named[:first] + named
         if c == n_chunks - 1:
-            named = named + blocks[first_layer + n_layers:]
-        chunks.append(PipelineChunk(c, named, checkpointing))
+            named = named + blocks.named[first + blocks.n_layers:]
+        chunks.append(PipelineChunk(c, named, recompute, count))
         start += count
     return chunks

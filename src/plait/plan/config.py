@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.errors import ConfigError
+from plait.parallel_config import RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.model import Model
 
@@ -83,6 +84,27 @@ class Layout:
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    def to_parallel_config(self, training: Training | None = None, precision: str = "bf16",
+                           rounds: str | None = None) -> ParallelConfig:
+        """The runtime's configuration of this layout (``plait.parallelize(..., config=...)``, ``plait train``).
+
+        ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
+        rounds the estimate chose (``Estimate.rounds``). ConfigError for what the
+        runtime does not run (context parallelism, a recompute mode or ZeRO stage it lacks).
+        """
+        if self.cp > 1:
+            raise ConfigError(f"cp: {self.cp} — the runtime has no context parallelism; use layouts with cp = 1")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute: {self.recompute!r} is planned but the runtime runs "
+                              f"{', '.join(RECOMPUTE_MODES)}")
+        if self.zero not in ZERO_LEVELS:
+            raise ConfigError(f"zero: stage {self.zero} is planned but the runtime runs stages "
+                              f"{', '.join(map(str, ZERO_LEVELS))}")
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, schedule=self.schedule,
+                              microbatches=microbatches(self, training) if training is not None else None,
+                              virtual_stages=self.virtual, sequence_parallel=self.sequence_parallel,
+                              recompute=self.recompute, zero=self.zero, precision=precision, rounds=rounds)
 
     def short(self) -> str:
         """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b``."""

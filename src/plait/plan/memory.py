@@ -61,7 +61,7 @@ def _partition(n_layers: int, pp: int, head: float) -> tuple[int, ...]:
 def stage_layers(model: Model, pp: int) -> tuple[int, ...]:
     """Layers per pipeline rank, balancing compute with the head on the last rank.
 
-    Balancing by layer count alone is wrong (SPEC §1): the head of a 128k-vocabulary model costs
+    Balancing by layer count alone is wrong: the head of a 128k-vocabulary model costs
     more than two layers of Llama 3 8B. Surplus layers are removed from the first ranks, which hold
     the embedding and the most activations (what Llama 3 405B did: Dubey et al. 2024, §3.3.2).
     """

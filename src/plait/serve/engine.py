@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from plait.generate.decode import Sampling
+from plait.generation.decode import Sampling
 from plait.serve.metrics import Metrics
-from plait.serve.runner import Runner
+from plait.serve.runner import Decode, Prefill, Runner, Step
 
 HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty plan) this often: workers stay in step
 
@@ -78,20 +78,19 @@ class Engine:
     def run(self) -> None:
         """Plan, broadcast and run steps until ``stopping`` is set; every other rank runs ``follow``."""
         try:
-            empty = {"free": [], "prefill": [], "decode": [], "stop": False}
+            empty = Step()
             self._broadcast(empty)  # every rank has loaded its part once this returns
             self.runner.execute(empty)
             self.ready.set()
             while True:
                 self._drain(block=not (self.running or self.waiting))
                 stop = self.stopping.is_set()
-                plan = self._plan(stop)
-                busy = plan["prefill"] or plan["decode"] or plan["free"]
-                if not busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
+                step = self._plan(stop)
+                if not step.busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
                     continue
-                self._broadcast(plan)
-                tokens = self.runner.execute(plan)
-                self._deliver(plan, tokens)
+                self._broadcast(step)
+                tokens = self.runner.execute(step)
+                self._deliver(step, tokens)
                 if stop:
                     return
         except BaseException as exc:
@@ -99,10 +98,10 @@ class Engine:
             self._fail_all(self.failed)
             raise
 
-    def _broadcast(self, plan: dict) -> None:
+    def _broadcast(self, step: Step) -> None:
         self.last_broadcast = time.monotonic()
         if self.distributed:
-            dist.broadcast_object_list([plan], src=0)
+            dist.broadcast_object_list([step], src=0)
 
     def _drain(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0
@@ -137,7 +136,7 @@ class Engine:
         self.kv_used -= req.need
         self.to_free.append(slot)
 
-    def _plan(self, stop: bool) -> dict:
+    def _plan(self, stop: bool) -> Step:
         free, self.to_free = self.to_free, []
         self.free_slots.extend(free)
         prefill = []
@@ -146,14 +145,13 @@ class Engine:
             req.slot = self.free_slots.pop(0)
             self.running[req.slot] = req
             self.kv_used += req.need
-            s = req.sampling
-            prefill.append((req.slot, req.prompt, (s.max_new_tokens, s.temperature, s.top_k, s.seed)))
-        fresh = {slot for slot, _, _ in prefill}
-        decode = [] if stop else [(slot, r.out[-1]) for slot, r in self.running.items() if slot not in fresh]
-        return {"free": free, "prefill": prefill, "decode": decode, "stop": stop}
+            prefill.append(Prefill(req.slot, req.prompt, req.sampling))
+        fresh = {p.slot for p in prefill}
+        decode = [] if stop else [Decode(slot, r.out[-1]) for slot, r in self.running.items() if slot not in fresh]
+        return Step(free=free, prefill=prefill, decode=decode, stop=stop)
 
-    def _deliver(self, plan: dict, tokens: list[int]) -> None:
-        slots = [slot for group, _ in self.runner.groups(plan) for slot in group]  # the rows in group order
+    def _deliver(self, step: Step, tokens: list[int]) -> None:
+        slots = [slot for group, _ in self.runner.groups(step) for slot in group]  # the rows in group order
         now = time.monotonic()
         for slot, tok in zip(slots, tokens, strict=True):
             req = self.running[slot]
@@ -164,7 +162,7 @@ class Engine:
             if len(req.out) >= req.sampling.max_new_tokens:
                 self._release(slot)
                 self._finish(req)
-        prompt_tokens = sum(len(ids) for _, ids, _ in plan["prefill"])
+        prompt_tokens = sum(len(p.prompt) for p in step.prefill)
         self.metrics.step(len(tokens), len(self.running), len(self.waiting), self.kv_used, prompt_tokens)
 
     def _finish(self, req: Request) -> None:
@@ -183,7 +181,7 @@ def follow(runner: Runner) -> None:
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0)
-        plan = box[0]
-        runner.execute(plan)
-        if plan["stop"]:
+        step: Step = box[0]
+        runner.execute(step)
+        if step.stop:
             return

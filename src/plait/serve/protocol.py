@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from plait.generate.decode import Sampling
+from plait.generation.decode import Sampling
 
 DEFAULT_MAX_TOKENS = 16
 UNSUPPORTED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "echo": False, "logprobs": None,

@@ -2,19 +2,53 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from plait.generate.decode import Decoder, Sampling, _hidden_dim, sample
-from plait.generate.wavefront import Links, wavefront_order
+from plait.generation.decode import Decoder, Sampling, sample
+from plait.generation.wavefront import Links, wavefront_order
 from plait.models.llama import BatchKVCache
-from plait.tensor_parallel import comms
+from plait.parallel_model import ParallelModel
+
+
+@dataclass
+class Prefill:
+    """A newly admitted request: its KV slot, prompt ids and sampling settings."""
+
+    slot: int
+    prompt: list[int]
+    sampling: Sampling
+
+
+@dataclass
+class Decode:
+    """A running request: its KV slot and the last token it produced (the next input)."""
+
+    slot: int
+    token: int
+
+
+@dataclass
+class Step:
+    """One engine step, the same object on every rank: slots to free, requests to prefill, rows to decode."""
+
+    free: list[int] = field(default_factory=list)
+    prefill: list[Prefill] = field(default_factory=list)
+    decode: list[Decode] = field(default_factory=list)
+    stop: bool = False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.free or self.prefill or self.decode)
 
 
 class Runner:
-    """This rank's blocks with slot-based KV caches; ``execute(plan)`` runs one step and returns its tokens.
+    """This rank's blocks with slot-based KV caches; ``execute(step)`` runs one step and returns its tokens.
 
-    A plan (the same object on every rank, broadcast by rank 0) frees slots, prefills newly admitted
+    A step (the same object on every rank, broadcast by rank 0) frees slots, prefills newly admitted
     requests (one group each) and decodes one token for every running slot (the running slots split into
     up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1 works on group 0,
     stage 0 already works on group 1, so the stages are busy at the same time. The last stage samples each
@@ -22,13 +56,11 @@ class Runner:
     what else shares its batch; the tokens are then broadcast to every rank.
     """
 
-    def __init__(self, model, max_batch: int, max_len: int):
+    def __init__(self, model: nn.Module | ParallelModel, max_batch: int, max_len: int):
         self.dec = Decoder(model)
         self.ctx = self.dec.ctx
-        self.dim = _hidden_dim(self.dec)
-        self.dec.caches = {name: BatchKVCache(max_batch, max_len) for blocks in self.dec.chunks.values()
-                           for name, _ in blocks if name.startswith("layers.")}
-        self.chunk_caches = {c: [self.dec.caches[n] for n, _ in blocks if n in self.dec.caches]
+        self.caches: dict[str, BatchKVCache] = self.dec.new_caches(lambda: BatchKVCache(max_batch, max_len))
+        self.chunk_caches = {c: [self.caches[n] for n, _ in blocks if n in self.caches]
                              for c, blocks in self.dec.chunks.items()}
         self.mine = sorted(self.dec.chunks)
         self.last = self.dec.num_chunks - 1
@@ -38,28 +70,28 @@ class Runner:
         self.src = 0 if self.ctx is None else self.ctx.global_rank(tp_rank=0, dp_rank=0,
                                                                     pp_rank=self.dec.rank_of(self.last))
 
-    def groups(self, plan: dict) -> list[tuple[list[int], torch.Tensor]]:
+    def groups(self, step: Step) -> list[tuple[list[int], torch.Tensor]]:
         """(slots, input tokens [b, s]) of each group: one per prefill, then the decode rows in <= pp groups."""
-        out = [([slot], torch.tensor([ids], dtype=torch.long)) for slot, ids, _ in plan["prefill"]]
-        decode = plan["decode"]
+        out = [([p.slot], torch.tensor([p.prompt], dtype=torch.long)) for p in step.prefill]
+        decode = step.decode
         n = min(self.pp, len(decode))
         for g in range(n):
             part = decode[g::n]
-            out.append(([s for s, _ in part], torch.tensor([[t] for _, t in part], dtype=torch.long)))
+            out.append(([d.slot for d in part], torch.tensor([[d.token] for d in part], dtype=torch.long)))
         return out
 
     @torch.no_grad()
-    def execute(self, plan: dict) -> list[int]:
-        """Run one step of ``plan``; the sampled token of every row (prefill rows first), on every rank."""
-        for slot in plan["free"]:
-            for cache in self.dec.caches.values():
+    def execute(self, step: Step) -> list[int]:
+        """Run one ``step``; the sampled token of every row (prefill rows first), on every rank."""
+        for slot in step.free:
+            for cache in self.caches.values():
                 cache.free(slot)
             self.gens.pop(slot, None)
             self.sampling.pop(slot, None)
-        for slot, _ids, s in plan["prefill"]:
-            self.sampling[slot] = Sampling(*s)
-            self.gens[slot] = torch.Generator().manual_seed(self.sampling[slot].seed)
-        groups = self.groups(plan)
+        for p in step.prefill:
+            self.sampling[p.slot] = p.sampling
+            self.gens[p.slot] = torch.Generator().manual_seed(p.sampling.seed)
+        groups = self.groups(step)
         if not groups:
             return []
         tokens = self._pipeline(groups)
@@ -72,7 +104,7 @@ class Runner:
 
     def _pipeline(self, groups: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor | None:
         """Groups through this rank's chunks in wavefront order (tick = group + chunk); tokens on the last stage."""
-        links = Links(self.dec, self.dim)
+        links = Links(self.dec)
         sampled: dict[int, torch.Tensor] = {}
         for c, g, _p in wavefront_order(self.mine, len(groups)):
             slots, toks = groups[g]
@@ -80,7 +112,7 @@ class Runner:
             rows = torch.tensor(slots, dtype=torch.long)
             for cache in self.chunk_caches[c]:
                 cache.rows = rows
-            x = self.dec._run(c, x)
+            x = self.dec.run(c, x, self.caches)
             if c == self.last:
                 sampled[g] = self._sample(x, slots)
             else:
@@ -92,8 +124,5 @@ class Runner:
 
     def _sample(self, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Next token [b] of each row from the last-position logits (gathered over TP), each with its own generator."""
-        last = x[:, -1]  # [b, V/t]
-        if self.ctx is not None and self.ctx.tp_size > 1:
-            last = comms.all_gather(last.contiguous(), 1, self.ctx.tp_group)
-        last = last[:, : self.dec.vocab]
+        last = self.dec.full_logits(x)  # [b, V]
         return torch.cat([sample(last[i: i + 1], self.sampling[s], self.gens[s]).cpu() for i, s in enumerate(slots)])

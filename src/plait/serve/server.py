@@ -196,7 +196,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
-    from plait.generate.job import load_model
+    from plait.generation.job import load_model
     from plait.serve.engine import follow
     from plait.serve.runner import Runner
 

@@ -136,8 +136,3 @@ def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 def scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Split a replicated tensor along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
     return _AlongDim.apply(x, dim, group, split, all_gather) if _size(group) > 1 else x
-
-
-def gather_seq_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """All-gather along the sequence forward, split backward (leave an SP region for a replicated one)."""
-    return _AlongDim.apply(x, dim, group, all_gather, split) if _size(group) > 1 else x

@@ -14,8 +14,8 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
-from plait.pipeline.weight_grad import linear
 from plait.tensor_parallel import comms
+from plait.weight_grad import linear
 
 
 def mark_tp_partial(param: nn.Parameter) -> None:

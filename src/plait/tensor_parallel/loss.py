@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from plait.distributed.context import ParallelContext
+from plait.tensor_parallel import comms
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -73,3 +74,10 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     if reduction == "sum":
         return total
     return total / (targets != ignore_index).sum().clamp(min=1)
+
+
+def full_logits(logits: torch.Tensor, ctx: ParallelContext | None, vocab_size: int) -> torch.Tensor:
+    """Vocabulary-sharded logits [..., V_pad/t] -> the full [..., V]: gathered over TP, padding columns dropped."""
+    if ctx is not None and ctx.tp_size > 1:
+        logits = comms.all_gather(logits.contiguous(), logits.dim() - 1, ctx.tp_group)
+    return logits[..., :vocab_size].contiguous()  # collectives need contiguous memory

@@ -9,6 +9,9 @@ A plan maps glob patterns of module paths to styles:
   vocab_embed    vocabulary-parallel embedding
   vocab_head     column-parallel output head over the (padded) vocabulary; logits stay sharded
   sp_norm        replicated norm; under SP it runs on sequence shards and its gradient is TP-partial
+  tp_partial     replicated parameters used on a different part of the work on each TP rank (e.g. a
+                 per-head norm shared by heads split over ranks): gradients summed over TP
+A model family's plan lives with its adapter (plait.models.family).
 """
 
 from __future__ import annotations
@@ -27,39 +30,6 @@ from plait.tensor_parallel.layers import (
     VocabParallelEmbedding,
     mark_tp_partial,
 )
-
-LLAMA_TP_PLAN: dict[str, str] = {
-    "embed_tokens": "vocab_embed",
-    "layers.*.input_layernorm": "sp_norm",
-    "layers.*.self_attn": "region",
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise_kv",
-    "layers.*.self_attn.v_proj": "colwise_kv",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.post_attention_layernorm": "sp_norm",
-    "layers.*.mlp": "region",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-    "norm": "sp_norm",
-    "lm_head": "vocab_head",
-}
-
-
-def check_llama_tp(cfg, tp: int) -> None:
-    """Raise ConfigError (before any collective) if a Llama config cannot be split over ``tp`` ranks."""
-    def divisors(n: int) -> list[int]:
-        return [d for d in range(1, n + 1) if n % d == 0]
-
-    if cfg.n_heads % tp:
-        raise ConfigError(f"tp={tp} must divide n_heads={cfg.n_heads}; valid tp: {divisors(cfg.n_heads)}")
-    kv = cfg.n_kv_heads
-    if kv % tp and tp % kv:
-        raise ConfigError(f"tp={tp} and n_kv_heads={kv}: tp must divide n_kv_heads or be a multiple of it "
-                          f"(KV heads are then replicated); valid tp: "
-                          f"{sorted(set(divisors(kv)) | {m for m in divisors(cfg.n_heads) if m % kv == 0})}")
-    if cfg.ffn_dim % tp:
-        raise ConfigError(f"tp={tp} must divide ffn_dim={cfg.ffn_dim}; valid tp: {divisors(cfg.ffn_dim)[:12]}")
 
 
 def _region_hook(ctx: ParallelContext, sequence_parallel: bool):
@@ -102,8 +72,8 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ParallelContext, 
         if style == "region":
             if ctx.tp_size > 1:
                 module.register_forward_pre_hook(_region_hook(ctx, sequence_parallel))
-        elif style == "sp_norm":
-            if sequence_parallel and ctx.tp_size > 1:
+        elif style in ("sp_norm", "tp_partial"):
+            if ctx.tp_size > 1 and (sequence_parallel or style == "tp_partial"):
                 for p in module.parameters():
                     mark_tp_partial(p)
         else:

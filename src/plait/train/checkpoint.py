@@ -265,15 +265,22 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
             optimizer.state[param] = state
 
 
+def model_config(meta: dict):
+    """The plain-model config a checkpoint was saved with (its family's config class; llama if unnamed)."""
+    from plait.models.family import family_for_type
+
+    return family_for_type(meta.get("family", "llama")).config_class(**meta["model"])
+
+
 def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a Hugging Face Llama folder from a checkpoint of any layout (one process, no collective)."""
-    from plait.models import LlamaConfig
+    """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process)."""
+    from plait.models.family import family_of_config
     from plait.models.hf import save_state_dict_pretrained
 
     path = find_checkpoint(checkpoint)
     if path is None:
         raise ConfigError(f"{checkpoint}: no plait checkpoint there")
     reader = CheckpointReader(path)
-    cfg = LlamaConfig(**reader.meta["model"])
-    save_state_dict_pretrained(cfg, reader.full_state_dict(), out)
+    cfg = model_config(reader.meta)
+    save_state_dict_pretrained(family_of_config(cfg), cfg, reader.full_state_dict(), out)
     return Path(out)

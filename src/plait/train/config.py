@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from plait.errors import ConfigError
+from plait.parallel_config import ParallelConfig
+from plait.parallel_config import field_names as parallel_field_names
 
 # byte-level presets (vocabulary 256); max_seq_len bounds --seq-len
 PRESETS: dict[str, dict] = {
@@ -16,58 +18,91 @@ PRESETS: dict[str, dict] = {
 NONFINITE_POLICIES = ("stop", "skip")
 
 
+#: the layout ``plait train`` uses when no flag says otherwise (4 local processes, 1F1B)
+TRAIN_PARALLEL = ParallelConfig(tp=2, pp=2, dp=1, microbatches=4)
+
+
 @dataclass
 class TrainConfig:
-    """Settings of one training run; field names are the CLI flags with ``-`` replaced by ``_``."""
+    """Settings of one training run: the layout (``parallel``) and the run's own settings.
 
-    tp: int = 2
-    pp: int = 2
-    dp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
+    Flat names are the CLI flags with ``-`` replaced by ``_`` and the TOML keys: ParallelConfig's fields
+    (``tp``, ``schedule``, ...) and the fields below. ``from_dict``/``to_dict`` use that flat form.
+    """
+
+    parallel: ParallelConfig = TRAIN_PARALLEL
     model: str = "tiny"
+    """tiny, small, or a Hugging Face folder (llama, mistral, qwen2, qwen3, mixtral)."""
     data: list[str] = field(default_factory=list)
+    """Text files or folders (repeatable); default: the Python standard library's sources."""
     seq_len: int = 128
+    """Tokens per sequence."""
     batch_size: int = 16
+    """Global batch size in sequences."""
     steps: int = 300
+    """Optimizer steps in total (a resumed run continues up to it)."""
     lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
     warmup: int = 20
+    """Linear warm-up steps before cosine decay."""
     clip: float = 1.0
+    """Max global gradient norm (0: no clipping)."""
     weight_decay: float = 0.0
-    precision: str = "fp32"
-    zero: int = 0
+    """AdamW weight decay of matrices."""
     experts: int = 1
+    """Experts per feed-forward layer of a preset (1: dense; > 1: mixture of experts)."""
     top_k: int = 1
-    ep: int = 1
-    expert_tp: bool = False
+    """Experts each token is routed to (mixture of experts)."""
     seed: int = 0
+    """Seed of weights, data order and sampling."""
     checkpoint_dir: str = "plait-checkpoints"
+    """Where checkpoints go (one folder per step, 'latest' points at the newest)."""
     checkpoint_every: int = 0
+    """Save every N steps (0: only at the end)."""
     resume: bool = False
+    """Continue from the latest checkpoint in --checkpoint-dir."""
     metrics: str | None = None
+    """Append one JSON line per step (step, loss, tokens_per_s, ...) to this file."""
     nproc: int | None = None
+    """Processes to launch here (default tp x pp x dp)."""
     on_nonfinite: str = "stop"
+    """On a NaN/inf loss: stop (default) or skip the step."""
     eval_every: int = 50
+    """Held-out loss every N steps (0: only at the end)."""
     sample_tokens: int = 160
+    """Length of the sample generated at the end (0: none)."""
     max_data_mb: float = 4.0
+    """Read at most this many MB of text."""
     trace_every: int = 10
+    """Trace every N-th step to measure the bubble (0: never)."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The flat form: ParallelConfig's fields, then the run's."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "parallel"}
+        return {**self.parallel.to_dict(), **own}
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
-        return cls(**values)
+        """From the flat form (missing keys take the defaults; ``TRAIN_PARALLEL`` for the layout)."""
+        layout = {k: v for k, v in values.items() if k in parallel_field_names()}
+        own = {k: v for k, v in values.items() if k not in layout}
+        if "parallel" in own:
+            raise ConfigError("TrainConfig.from_dict takes the flat form (tp=..., seq_len=...), not 'parallel'")
+        return cls(parallel=replace(TRAIN_PARALLEL, **layout), **own)
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.parallel.world
+
+
+def run_field_names() -> list[str]:
+    """The run's own settings (everything but the layout)."""
+    return [f.name for f in fields(TrainConfig) if f.name != "parallel"]
 
 
 def field_names() -> list[str]:
-    return [f.name for f in fields(TrainConfig)]
+    """Every flat setting name: the layout's and the run's."""
+    return parallel_field_names() + run_field_names()
 
 
 def read_toml(path: str | Path) -> dict:
@@ -99,7 +134,7 @@ def read_toml(path: str | Path) -> dict:
 
 
 def model_config(cfg: TrainConfig):
-    """The LlamaConfig of ``cfg.model`` (a preset name or a Hugging Face folder)."""
+    """The plain-model config of ``cfg.model`` (a preset name: a LlamaConfig; a Hugging Face folder: its family's)."""
     from plait.models import LlamaConfig
 
     if cfg.model in PRESETS:
@@ -107,81 +142,89 @@ def model_config(cfg: TrainConfig):
         return LlamaConfig(**PRESETS[cfg.model], **moe)
     if cfg.experts > 1:
         raise ConfigError(f"--experts {cfg.experts}: mixture-of-experts layers are built for the presets "
-                          f"({', '.join(PRESETS)}), not for a Hugging Face folder")
+                          f"({', '.join(PRESETS)}), not for a Hugging Face folder (a Mixtral folder has its own)")
     path = Path(cfg.model)
     if path.is_dir() and (path / "config.json").is_file():
-        import json
+        from plait.models.hf import config_from_hf, read_config
 
-        from plait.models.hf import config_from_hf
+        return config_from_hf(read_config(path))
+    raise ConfigError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) nor a Hugging Face folder "
+                      "with a config.json")
 
-        return config_from_hf(json.loads((path / "config.json").read_text()))
-    raise ConfigError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) nor a Hugging Face Llama "
-                      "folder with a config.json")
+
+def model_family(cfg: TrainConfig):
+    """The family adapter of ``cfg.model`` (llama for the presets)."""
+    from plait.models.family import family_for_type
+    from plait.models.hf import folder_family, read_config
+
+    return family_for_type("llama") if cfg.model in PRESETS else folder_family(read_config(cfg.model))
 
 
 def validate(cfg: TrainConfig, world: int | None = None) -> None:
-    """Raise ConfigError naming the flag if ``cfg`` cannot run (no torch collective, no launch)."""
-    from plait.schedules import SCHEDULE_NAMES
+    """Raise ConfigError naming the flag if ``cfg`` cannot run (no torch collective, no launch).
 
-    for name in ("tp", "pp", "dp", "microbatches", "virtual_stages", "seq_len", "batch_size"):
+    The layout's own rules were checked when ``cfg.parallel`` was built (plait.parallel_config).
+    """
+    par = cfg.parallel
+    for name in ("seq_len", "batch_size"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r}: must be a positive integer")
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
-    if cfg.ep > 1:
-        from plait.experts import check_experts
-
-        if cfg.experts < 2:
-            raise ConfigError(f"--ep {cfg.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
-        if (cfg.dp * cfg.tp) % cfg.ep:
-            raise ConfigError(f"--ep {cfg.ep} must divide dp*tp={cfg.dp * cfg.tp} (experts are spread over the "
-                              "dp x tp ranks of a stage)")
-        check_experts(cfg.experts, cfg.ep)
-    if cfg.expert_tp and (cfg.experts < 2 or cfg.dp % cfg.ep):
-        raise ConfigError(f"--expert-tp needs --experts E (E >= 2) and --ep {cfg.ep} dividing dp={cfg.dp} (each "
-                          "expert is split over TP, so EP spans data-parallel replicas)")
     if cfg.steps < 0 or cfg.checkpoint_every < 0:
         raise ConfigError("--steps and --checkpoint-every must be >= 0")
-    if cfg.schedule not in SCHEDULE_NAMES:
-        raise ConfigError(f"--schedule {cfg.schedule!r}: unknown; choose one of {', '.join(SCHEDULE_NAMES)}")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
-    if cfg.zero not in (0, 1):
-        raise ConfigError(f"--zero {cfg.zero}: choose 0 (replicated optimizer state) or 1 (ZeRO-1, sharded over dp)")
-    if cfg.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--precision {cfg.precision!r}: choose fp32 or bf16")
     if not cfg.lr > 0:
         raise ConfigError(f"--lr {cfg.lr}: must be > 0")
-    world = world if world is not None else (cfg.nproc or cfg.world)
-    if cfg.world != world:
-        raise ConfigError(f"--tp {cfg.tp} x --pp {cfg.pp} x --dp {cfg.dp} = {cfg.world} processes, but the world "
+    if world is None and par.dp == -1 and not cfg.nproc:
+        raise ConfigError("--dp -1 infers dp from the world size: give --nproc (or run under torchrun)")
+    world = world if world is not None else (cfg.nproc or par.world)
+    par = par.resolve(world) if par.dp == -1 else par
+    if par.world != world:
+        raise ConfigError(f"--tp {par.tp} x --pp {par.pp} x --dp {par.dp} = {par.world} processes, but the world "
                           f"has {world} (--nproc or torchrun); make the product equal {world}")
-    per_replica = cfg.batch_size // cfg.dp if cfg.batch_size % cfg.dp == 0 else 0
-    if not per_replica or per_replica % cfg.microbatches:
+    per_replica = cfg.batch_size // par.dp if cfg.batch_size % par.dp == 0 else 0
+    if not per_replica or per_replica % par.num_microbatches:
         raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of --dp x --microbatches = "
-                          f"{cfg.dp * cfg.microbatches}")
-    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-        raise ConfigError(f"--seq-len {cfg.seq_len} must be a multiple of --tp {cfg.tp} with --sequence-parallel")
-    mcfg = model_config(cfg)
-    if cfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
-    chunks = cfg.pp * cfg.virtual_stages * (2 if cfg.schedule in ("zbv", "dualpipev") else 1)
-    if mcfg.n_layers < chunks:
-        raise ConfigError(f"--pp {cfg.pp} (x {chunks // cfg.pp} chunks per rank) needs at least {chunks} layers; "
-                          f"--model {cfg.model} has {mcfg.n_layers}")
-    from plait.tensor_parallel.plan import check_llama_tp
-
-    try:
-        check_llama_tp(mcfg, cfg.tp)
-    except ConfigError as exc:
-        raise ConfigError(f"--tp {cfg.tp} does not fit --model {cfg.model}: {exc}") from None
+                          f"{par.dp * par.num_microbatches}")
+    if par.sequence_parallel and cfg.seq_len % par.tp:
+        raise ConfigError(f"--seq-len {cfg.seq_len} must be a multiple of --tp {par.tp} with --sequence-parallel")
+    _validate_model(cfg)
     for path in cfg.data:
         if not os.path.exists(path):
             raise ConfigError(f"--data {path}: no such file or directory")
-    if mcfg.vocab_size < 256 and not _has_tokenizer(cfg.model):
-        raise ConfigError(f"--model {cfg.model}: vocabulary {mcfg.vocab_size} < 256 cannot hold bytes and the "
-                          "folder has no tokenizer.json")
 
 
-def _has_tokenizer(model: str) -> bool:
-    return (Path(model) / "tokenizer.json").is_file()
+def _validate_model(cfg: TrainConfig) -> None:
+    """The model against the layout: context, layers per chunk, TP shapes, experts, vocabulary."""
+    par, mcfg = cfg.parallel, model_config(cfg)
+    if cfg.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+    chunks = par.pipeline_schedule().num_stages
+    if mcfg.n_layers < chunks:
+        raise ConfigError(f"--pp {par.pp} (x {chunks // par.pp} chunks per rank) needs at least {chunks} layers; "
+                          f"--model {cfg.model} has {mcfg.n_layers}")
+    try:
+        model_family(cfg).check_tp(mcfg, par.tp)
+    except ConfigError as exc:
+        raise ConfigError(f"--tp {par.tp} does not fit --model {cfg.model}: {exc}") from None
+    if par.ep > 1 or par.expert_tp:
+        from plait.experts import check_experts
+
+        if mcfg.n_experts < 2:
+            raise ConfigError(f"--ep {par.ep}{' --expert-tp' if par.expert_tp else ''} needs a mixture-of-experts "
+                              "model: pass --experts E (E >= 2) or a Mixtral folder")
+        check_experts(mcfg.n_experts, par.ep)
+    _check_tokenizer(cfg.model, mcfg.vocab_size)
+
+
+def _check_tokenizer(model: str, vocab_size: int) -> None:
+    """The text encoding must fit the model's vocabulary (bytes need 256 ids; a tokenizer.json its own)."""
+    from plait.train.data import tokenizer_for
+
+    tok = tokenizer_for(model)
+    if tok.vocab_size > vocab_size:
+        source = "its tokenizer.json" if (Path(model) / "tokenizer.json").is_file() else "bytes (no tokenizer.json)"
+        raise ConfigError(f"--model {model}: vocabulary {vocab_size} cannot hold the {tok.vocab_size} ids of "
+                          f"{source}")

@@ -32,12 +32,18 @@ class ByteTokenizer:
 
 
 class FileTokenizer:
-    """A Hugging Face ``tokenizer.json`` (via the ``tokenizers`` package)."""
+    """A Hugging Face ``tokenizer.json`` (read with the ``tokenizers`` package)."""
 
     def __init__(self, path: Path):
-        from tokenizers import Tokenizer
-
-        self.tok = Tokenizer.from_file(str(path))
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # a base dependency: only a broken install gets here
+            raise ConfigError(f"{path} needs the 'tokenizers' package, which is missing: "
+                              "pip install tokenizers (or reinstall plait)") from None
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises its own exception type
+            raise ConfigError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from None
         self.vocab_size = self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -47,15 +53,13 @@ class FileTokenizer:
         return self.tok.decode([int(i) for i in ids])
 
 
-def tokenizer_for(model: str):
-    """Bytes for presets; a folder's own tokenizer.json when it has one and ``tokenizers`` is installed."""
+def tokenizer_for(model: str) -> ByteTokenizer | FileTokenizer:
+    """A folder's own ``tokenizer.json`` when it has one, else UTF-8 bytes (the presets are byte-level).
+
+    Never falls back to bytes for a folder that has a tokenizer: that would feed a real model garbage.
+    """
     path = Path(model) / "tokenizer.json"
-    if path.is_file():
-        try:
-            return FileTokenizer(path)
-        except ImportError:
-            pass
-    return ByteTokenizer()
+    return FileTokenizer(path) if path.is_file() else ByteTokenizer()
 
 
 @dataclass

@@ -6,12 +6,18 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from plait.errors import ConfigError
-from plait.train.config import TrainConfig, model_config
+from plait.train.config import TrainConfig, model_config, model_family
+
+if TYPE_CHECKING:
+    from plait.distributed.context import ParallelContext
+    from plait.optim import ParallelOptimizer
+    from plait.parallel_model import ParallelModel
+    from plait.train.data import ByteTokenizer, Corpus, FileTokenizer
 
 
 class NonFiniteLoss(RuntimeError):
@@ -40,30 +46,28 @@ class Run:
     """Everything the loop needs, built once."""
 
     cfg: TrainConfig
-    ctx: object
-    pm: object
-    opt: object
-    corpus: object
-    tokenizer: object
+    ctx: ParallelContext
+    pm: ParallelModel
+    opt: ParallelOptimizer | torch.optim.Optimizer
+    corpus: Corpus
+    tokenizer: ByteTokenizer | FileTokenizer
     params: int
     start: int = 0
 
 
-def build(cfg: TrainConfig, ctx=None) -> Run:
+def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
     """Layout, model (preset or Hugging Face folder, each rank reading its slices), optimizer and data."""
     import plait
-    from plait.models import Llama
     from plait.train.data import load_corpus, tokenizer_for
 
-    ctx = ctx or plait.init(cfg.tp, cfg.pp, cfg.dp, ep=cfg.ep, expert_tp=cfg.expert_tp)
+    ctx = ctx or plait.init(config=cfg.parallel)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank and in every layout
     mcfg = model_config(cfg)
     from_hf = cfg.model not in ("tiny", "small")
     with torch.device("meta" if from_hf else "cpu"):  # HF weights are read below, slice by slice
-        model = Llama(mcfg)
+        model = model_family(cfg).model_class(mcfg)
     params = model.num_parameters()
-    pm = plait.parallelize(model, ctx, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                           virtual_stages=cfg.virtual_stages, sequence_parallel=cfg.sequence_parallel)
+    pm = plait.parallelize(model, ctx, config=cfg.parallel)
     if from_hf:
         from plait.models.hf import HFWeights
         from plait.train.shards import load_local
@@ -78,16 +82,12 @@ def build(cfg: TrainConfig, ctx=None) -> Run:
     return run
 
 
-def make_optimizer(pm, cfg: TrainConfig):
+def make_optimizer(pm: ParallelModel, cfg: TrainConfig) -> ParallelOptimizer:
     """plait.optim's ParallelOptimizer (AdamW, warm-up + cosine LR, global-norm clip, ZeRO-1, bf16)."""
-    try:
-        from plait.optim import build_optimizer
-    except ImportError:  # plait.optim not installed in this build: plain AdamW, no clip/schedule
-        return torch.optim.AdamW(pm.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    precision = None if cfg.precision == "fp32" else cfg.precision
-    if precision is not None and not hasattr(pm, "set_precision"):
-        raise ConfigError(f"--precision {cfg.precision}: this build's ParallelModel has no mixed precision yet")
-    return build_optimizer(pm, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero, precision=precision,
+    from plait.optim import build_optimizer
+
+    precision = None if cfg.parallel.precision == "fp32" else cfg.parallel.precision
+    return build_optimizer(pm, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.parallel.zero, precision=precision,
                            clip=cfg.clip if cfg.clip > 0 else None, warmup=cfg.warmup, total_steps=cfg.steps)
 
 
@@ -106,7 +106,7 @@ def resume(run: Run) -> None:
 def save(run: Run, step: int) -> str:
     from plait.train.checkpoint import save_checkpoint
 
-    extra = {"model": model_config(run.cfg).to_dict(), "train": run.cfg.to_dict(),
+    extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}
     return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra))
 
@@ -142,16 +142,16 @@ def held_out_loss(run: Run, batches: int = 2) -> float:
 
     cfg, total = run.cfg, 0.0
     for i in range(batches):
-        x, y = batch(run.corpus.held_out, i, cfg.batch_size // cfg.dp, cfg.seq_len, cfg.seed + 1)
+        x, y = batch(run.corpus.held_out, i, cfg.batch_size // run.ctx.dp_size, cfg.seq_len, cfg.seed + 1)
         logits = run.pm.eval_step(x)  # [B, S, V]
         total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
     return total / batches
 
 
 def sample_text(run: Run, prompt: str = "def ") -> str | None:
-    from plait.generate import Sampling, generate_ids
+    from plait.generation import Sampling, generate_ids
 
-    if run.cfg.sequence_parallel or run.cfg.sample_tokens <= 0:
+    if run.cfg.parallel.sequence_parallel or run.cfg.sample_tokens <= 0:
         return None  # decoding one token at a time cannot shard the sequence; use plait generate
     ids = generate_ids(run.pm, [run.tokenizer.encode(prompt)],
                        Sampling(run.cfg.sample_tokens, temperature=0.8, top_k=20, seed=run.cfg.seed))
@@ -206,14 +206,3 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
         res.checkpoint = save(run, cfg.steps)
     res.held_out = held_out_loss(run)
     res.sample = sample_text(run)
-
-
-def worker_threads(local_world: int) -> int:
-    """Intra-op threads per process: the cores shared fairly among the local processes."""
-    return max(1, (os.cpu_count() or 1) // max(1, local_world))
-
-
-def checkpoint_exists(path: str | Path) -> bool:
-    from plait.train.checkpoint import find_checkpoint
-
-    return find_checkpoint(path) is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
 
 
@@ -31,9 +32,8 @@ class Reporter:
             self.metrics = open(cfg.metrics, "a" if cfg.resume else "w")  # noqa: SIM115 (closed in end())
         c = run.corpus
         self.console.print(
-            f"[bold]plait train[/]: {cfg.model} Llama, {run.params / 1e6:.2f}M parameters | tp {cfg.tp} x pp "
-            f"{cfg.pp} x dp {cfg.dp} ({cfg.world} processes), {cfg.schedule}, {cfg.microbatches} micro-batches"
-            f"{', sequence parallel' if cfg.sequence_parallel else ''}\n"
+            f"[bold]plait train[/]: {cfg.model} ({run.pm.family.name}), "
+            f"{run.params / 1e6:.2f}M parameters | {layout_text(run.ctx.config)}\n"
             f"data: {c.source} ({c.files} files, {c.train.numel() / 1e6:.2f}M training tokens, "
             f"{c.held_out.numel() / 1e6:.2f}M held out) | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
@@ -84,6 +84,15 @@ class Reporter:
             self.console.print(Panel(Text(res.sample), title="sample (temperature 0.8, top-k 20)", expand=False))
 
 
+def layout_text(p: ParallelConfig) -> str:
+    """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``."""
+    virtual = p.pipeline_schedule().virtual
+    return (f"tp {p.tp} x pp {p.pp} x dp {p.dp} ({p.world} processes), {p.schedule}"
+            f"{f' V={virtual}' if virtual > 1 else ''}, {p.num_microbatches} micro-batches"
+            f"{', sequence parallel' if p.sequence_parallel else ''}"
+            f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}")
+
+
 def summary_table(cfg: TrainConfig, run, res):
     from rich.table import Table
 
@@ -93,7 +102,7 @@ def summary_table(cfg: TrainConfig, run, res):
     steps = sorted(res.losses)
     first, last = (res.losses[steps[0]], res.losses[steps[-1]]) if steps else (float("nan"),) * 2
     rows = [
-        ("layout", f"tp {cfg.tp} x pp {cfg.pp} x dp {cfg.dp}, {cfg.schedule}, {cfg.microbatches} micro-batches"),
+        ("layout", layout_text(run.ctx.config)),
         ("steps", f"{steps[0] if steps else run.start}..{cfg.steps}" + (f" (skipped {res.skipped})"
                                                                        if res.skipped else "")),
         ("loss", f"{first:.3f} -> {last:.3f}"),

@@ -11,10 +11,9 @@ from plait.errors import ConfigError
 
 
 def source_config(source: str):
-    """(LlamaConfig, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
-    from plait.models import LlamaConfig
+    """(model config of its family, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
     from plait.models.hf import HFWeights
-    from plait.train.checkpoint import CheckpointReader, find_checkpoint
+    from plait.train.checkpoint import CheckpointReader, find_checkpoint, model_config
     from plait.train.data import ByteTokenizer, tokenizer_for
 
     path = Path(source)
@@ -29,24 +28,25 @@ def source_config(source: str):
     reader = CheckpointReader(ckpt)
     trained_on = reader.meta.get("train", {}).get("model", "tiny")
     tok = tokenizer_for(trained_on) if Path(trained_on).is_dir() else ByteTokenizer()
-    return LlamaConfig(**reader.meta["model"]), lambda: CheckpointReader(ckpt), tok
+    return model_config(reader.meta), lambda: CheckpointReader(ckpt), tok
 
 
 def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
-    """A plain Llama (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
+    """A plain model (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
     import plait
-    from plait.models import Llama
+    from plait.models.family import family_of_config
     from plait.train.shards import load_local
 
     cfg, reader, tok = source_config(source)
+    build = family_of_config(cfg).model_class
     torch.manual_seed(0)
     if tp * pp == 1 and ctx is None:
-        model = Llama(cfg)
+        model = build(cfg)
         r = reader()
         model.load_state_dict({k: r.read(k) for k in model.state_dict()})
         return model.eval(), tok, cfg
     with torch.device("meta"):  # every weight is read below: each rank allocates only its own shards
-        model = Llama(cfg)
+        model = build(cfg)
     ctx = ctx or plait.init(tp, pp, 1)
     pm = plait.parallelize(model, ctx, microbatches=1)
     load_local(pm, reader().read)
@@ -55,7 +55,7 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
 
 def generate_job(payload: dict) -> list[str]:
     """Worker entry of ``plait generate``: every rank decodes; rank 0 prints."""
-    from plait.generate import generate
+    from plait.generation import generate
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if payload["tp"] * payload["pp"] != world:

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
-from plait.models.llama import KVCache, Llama
-from plait.tensor_parallel import comms
+from plait.models.family import family_of
+from plait.models.llama import KVCache
+from plait.tensor_parallel.loss import full_logits
+
+if TYPE_CHECKING:
+    from plait.parallel_model import ParallelModel
 
 
 @dataclass
@@ -41,55 +49,65 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Ten
 
 
 class Decoder:
-    """This rank's blocks of a (possibly parallel) Llama, run step by step with KV caches."""
+    """This rank's blocks of a (possibly parallel) language model, run chunk by chunk with KV caches.
 
-    def __init__(self, model):
+    Which blocks keep a cache, and the width of what flows between stages, come from the model's family
+    adapter (plait.models.family); the caches themselves belong to the caller (one dict per sequence group).
+    """
+
+    def __init__(self, model: nn.Module | ParallelModel):
         from plait.parallel_model import ParallelModel
-        from plait.pipeline.partition import model_blocks
 
         if isinstance(model, ParallelModel):
-            self.ctx, self.vocab = model.ctx, model.vocab_size
+            self.ctx: ParallelContext | None = model.ctx
+            family, config, self.vocab = model.family, model.model_config, model.vocab_size
             self.chunks = {c: list(zip(ch.names, ch.blocks, strict=True)) for c, ch in model.chunks.items()}
             self.num_chunks = model.schedule.num_stages
-            self.rank_of = model.schedule.stage_to_rank
+            self.rank_of: Callable[[int], int] = model.schedule.stage_to_rank
             self.device = model.ctx.device
             self.dtype = next(model.parameters()).dtype
-        elif isinstance(model, Llama):
-            self.ctx, self.vocab = None, model.config.vocab_size
-            self.chunks = {0: model_blocks(model)[0]}
+        else:
+            family, config = family_of(model), getattr(model, "config", None)
+            self.ctx, self.vocab = None, family.vocab_size(config)
+            self.chunks = {0: family.blocks(model).named}
             self.num_chunks, self.rank_of = 1, lambda c: 0
             p = next(model.parameters())
             self.device, self.dtype = p.device, p.dtype
-        else:
-            raise ConfigError(f"generate needs a plait.models.Llama or a ParallelModel, not {type(model).__name__}")
-        self.caches: dict[str, KVCache] = {}
+        if family.loss != "next_token" or self.vocab is None:
+            raise ConfigError(f"generate needs a language model (a next-token family such as Llama), not "
+                              f"{family.name} models")
+        self.hidden_size = family.hidden_size(config)
+        self.kv_names = [name for blocks in self.chunks.values() for name, _ in blocks if family.kv_layer(name)]
 
     @property
     def me(self) -> int:
+        """This rank's pipeline rank (0 without pipeline parallelism)."""
         return self.ctx.pp_rank if self.ctx is not None else 0
 
-    def reset(self) -> None:
-        self.caches = {name: KVCache() for blocks in self.chunks.values() for name, _ in blocks
-                       if name.startswith("layers.")}
+    def new_caches(self, make: Callable[[], Any] = KVCache) -> dict[str, Any]:
+        """One fresh cache per KV layer this rank holds (``make()`` builds one)."""
+        return {name: make() for name in self.kv_names}
 
-    def _run(self, c: int, x: torch.Tensor) -> torch.Tensor:
+    def run(self, c: int, x: torch.Tensor, caches: dict[str, Any]) -> torch.Tensor:
+        """Chunk ``c``'s blocks on ``x`` (token ids into chunk 0, hidden states [B, S, H] after), with ``caches``."""
         for name, block in self.chunks[c]:
-            x = block(x, cache=self.caches[name]) if name in self.caches else block(x)
+            x = block(x, cache=caches[name]) if name in caches else block(x)
         return x
 
-    def _peer(self, c: int) -> int:
+    def peer(self, c: int) -> int:
+        """Global rank holding chunk ``c`` with this rank's tp/dp coordinates."""
+        assert self.ctx is not None, "a plain model has no peers"
         return self.ctx.pp_peer(self.rank_of(c))
 
+    def full_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the last position of the last chunk's output: [B, V] (gathered over TP)."""
+        return full_logits(x[:, -1], self.ctx, self.vocab)
 
 
-def _hidden_dim(dec: Decoder) -> int:
-    """The model width, from a norm this rank holds (every rank holds at least one decoder layer)."""
-    for blocks in dec.chunks.values():
-        for _name, block in blocks:
-            norm = getattr(block, "input_layernorm", None)
-            if norm is not None:
-                return norm.weight.shape[0]
-    raise ConfigError("this rank holds no decoder layer")
+def context_length(model) -> int | None:
+    """The longest sequence ``model`` (a plain model or a ParallelModel) was built for, if it says."""
+    config = getattr(model, "model_config", None) or getattr(model, "config", None)  # ParallelModel, plain model
+    return getattr(config, "max_seq_len", None)
 
 
 def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int | None = None,
@@ -104,7 +122,8 @@ def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int 
         raise ConfigError("every prompt needs at least one token")
     lengths = [len(p) for p in prompts]
     total = max(lengths) + s.max_new_tokens
-    if max_seq_len is not None and total > max_seq_len:
+    max_seq_len = context_length(model) if max_seq_len is None else max_seq_len
+    if max_seq_len is not None and total > max_seq_len:  # checked on every rank, before any collective
         raise ConfigError(f"prompt + max_new_tokens = {total} exceeds the model's max_seq_len {max_seq_len}")
     buf = torch.zeros(len(prompts), total, dtype=torch.long)
     is_prompt = torch.zeros_like(buf, dtype=torch.bool)
@@ -129,7 +148,7 @@ class _Pipelined:
 
     def __init__(self, dec: Decoder, buf: torch.Tensor, is_prompt: torch.Tensor, s: Sampling, start: int,
                  trace: list | None) -> None:
-        from plait.generate.wavefront import Links
+        from plait.generation.wavefront import Links
 
         self.dec, self.buf, self.is_prompt, self.s, self.start, self.trace = dec, buf, is_prompt, s, start, trace
         pp = dec.ctx.pp_size if dec.ctx is not None else 1
@@ -138,22 +157,20 @@ class _Pipelined:
         self.last = dec.num_chunks - 1
         groups, chunks = len(self.rows), dec.num_chunks
         self.stride = max(groups, chunks) if s.temperature == 0 else groups + chunks - 1
-        self.caches = [{name: KVCache() for blocks in dec.chunks.values() for name, _ in blocks
-                        if name.startswith("layers.")} for _ in self.rows]
+        self.caches = [dec.new_caches() for _ in self.rows]
         self.gen = torch.Generator().manual_seed(s.seed)
         self.logits: dict[int, torch.Tensor] = {}
-        self.links = Links(dec, _hidden_dim(dec))
+        self.links = Links(dec)
 
     @torch.no_grad()
     def run(self) -> None:
-        from plait.generate.wavefront import wavefront_order
+        from plait.generation.wavefront import wavefront_order
 
         dec = self.dec
         for c, g, p in wavefront_order(sorted(dec.chunks), len(self.rows), self.positions, self.stride):
             x = self._input(c, g, p)
             t0 = time.monotonic()
-            dec.caches = self.caches[g]
-            x = dec._run(c, x)
+            x = dec.run(c, x, self.caches[g])
             if c == self.last:
                 self._done(g, p, x)
             else:
@@ -163,7 +180,7 @@ class _Pipelined:
         self.links.wait()
         if dec.ctx is not None and dec.ctx.pp_size > 1:
             out = self.buf.to(dec.device)
-            dist.broadcast(out, src=dec._peer(self.last), group=dec.ctx.pp_group)
+            dist.broadcast(out, src=dec.peer(self.last), group=dec.ctx.pp_group)
             self.buf.copy_(out.cpu())
 
     def _input(self, c: int, g: int, p: int) -> torch.Tensor:
@@ -176,17 +193,13 @@ class _Pipelined:
         col = self.start + p - 1
         if dec.rank_of(self.last) != dec.me:
             got = torch.empty(len(rows), dtype=torch.long, device=dec.device)
-            dist.recv(got, src=dec._peer(self.last), tag=dec.num_chunks)
+            dist.recv(got, src=dec.peer(self.last), tag=dec.num_chunks)
             self.buf[rows, col] = got.cpu()
         return self.buf[rows, col: col + 1].to(dec.device)
 
     def _done(self, g: int, p: int, x: torch.Tensor) -> None:
         """Last stage: sample column ``start + p`` of group ``g`` (of every group when sampling, after the last)."""
-        last = x[:, -1]  # [b, V/t] (vocabulary-sharded under TP)
-        ctx = self.dec.ctx
-        if ctx is not None and ctx.tp_size > 1:
-            last = comms.all_gather(last.contiguous(), 1, ctx.tp_group)
-        last = last[:, : self.dec.vocab]
+        last = self.dec.full_logits(x)  # [b, V]
         if self.s.temperature == 0:
             self._put(g, p, sample(last, self.s, self.gen).cpu())
             return
@@ -201,4 +214,4 @@ class _Pipelined:
         rows, col, dec = self.rows[g], self.start + p, self.dec
         self.buf[rows, col] = torch.where(self.is_prompt[rows, col], self.buf[rows, col], nxt)
         if p + 1 < self.positions and dec.rank_of(0) != dec.me:
-            self.links.send(self.buf[rows, col].to(dec.device), dec._peer(0), tag=dec.num_chunks)
+            self.links.send(self.buf[rows, col].to(dec.device), dec.peer(0), tag=dec.num_chunks)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from plait.generation.decode import Decoder
 
 
 def wavefront_order(chunks: list[int], groups: int, positions: int = 1,
@@ -27,8 +32,8 @@ class Links:
     same pair and tag are received in the order they were sent.
     """
 
-    def __init__(self, dec, dim: int) -> None:
-        self.dec, self.dim = dec, dim
+    def __init__(self, dec: Decoder) -> None:
+        self.dec, self.dim = dec, dec.hidden_size
         self.kept: dict[tuple, torch.Tensor] = {}
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
@@ -37,7 +42,7 @@ class Links:
         if (c - 1, key) in self.kept:
             return self.kept.pop((c - 1, key))
         x = torch.empty(b, s, self.dim, dtype=self.dec.dtype, device=self.dec.device)
-        dist.recv(x, src=self.dec._peer(c - 1), tag=c)
+        dist.recv(x, src=self.dec.peer(c - 1), tag=c)
         return x
 
     def give(self, c: int, key: tuple, x: torch.Tensor) -> None:
@@ -45,7 +50,7 @@ class Links:
         if self.dec.rank_of(c + 1) == self.dec.me:
             self.kept[(c, key)] = x
         else:
-            self.send(x, self.dec._peer(c + 1), tag=c + 1)
+            self.send(x, self.dec.peer(c + 1), tag=c + 1)
 
     def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
         x = x.contiguous()

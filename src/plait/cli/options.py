@@ -1,0 +1,71 @@
+"""Command-line options generated from dataclass fields: one ``--flag`` per field, its help the field's docstring.
+
+``plait train``, ``verify``, ``generate`` and ``serve`` take their layout options from ``ParallelConfig`` this
+way (and ``train`` its other options from ``TrainConfig``), so a new field is a new option everywhere, with
+its documentation, and no command restates a default. Only typer's public API is used: a command is a
+function whose signature (``__signature__``) lists ``typer.Option`` defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, fields
+from typing import Any
+
+import typer
+
+from plait.parallel_config import field_docs
+
+
+def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | None = None,
+                      exclude: Iterable[str] = (), flags: dict[str, str] | None = None) -> list[inspect.Parameter]:
+    """Keyword-only parameters, one ``typer.Option`` per field of ``cls`` (a dataclass).
+
+    ``defaults`` (an instance) gives the default values (else the fields' own); ``flags`` renames options
+    (field name -> ``--flag``). Fields with a dataclass type (nested configs) are skipped.
+    """
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    keep = set(only) if only is not None else None
+    params = []
+    for f in fields(cls):
+        nested = hasattr(hints[f.name], "__dataclass_fields__")
+        if (keep is not None and f.name not in keep) or f.name in exclude or nested:
+            continue
+        annotation = hints[f.name]
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        else:
+            default = f.default if f.default is not MISSING else None  # a factory (a list): None = empty
+        if default is None or isinstance(default, list):
+            default, annotation = None, annotation | None
+        flag = (flags or {}).get(f.name, "--" + f.name.replace("_", "-"))
+        option = typer.Option(default, flag, help=docs.get(f.name, ""))
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+    return params
+
+
+def with_options(options: list[inspect.Parameter], into: str) -> Callable[[Callable], Callable]:
+    """Decorate a command so that it also takes ``options``; their values reach it as one dict, argument ``into``."""
+    names = [p.name for p in options]
+
+    def decorate(fn: Callable) -> Callable:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != into]
+        clash = {p.name for p in own} & set(names)
+        if clash:
+            raise TypeError(f"{fn.__name__}: parameters {sorted(clash)} are also generated options")
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in names}
+            return fn(**kwargs, **{into: values})
+
+        params = options + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]  # layout options first
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        del command.__wrapped__  # typer must read the generated signature, not fn's
+        return command
+
+    return decorate

@@ -1,0 +1,33 @@
+"""Text generation with a KV cache (greedy, temperature, top-k) from a plain or parallel model: ``plait.generate``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from plait.generation.decode import Decoder, Sampling, generate_ids, sample
+
+__all__ = ["Decoder", "Sampling", "generate", "generate_ids", "sample"]
+
+Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+
+
+def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             seed: int = 0, tokenizer: Any = None) -> str | list[int] | list[str] | list[list[int]]:
+    """Continue each prompt (a string, or a list of token ids) with ``max_new_tokens`` tokens.
+
+    ``model`` is a plain language model (``plait.models.Llama``, ``Mistral``, ``Qwen2``, ...) or a
+    ``ParallelModel`` (then every rank calls this and gets the same result). Strings are encoded with
+    ``tokenizer`` (UTF-8 bytes by default) and the continuations are returned decoded; id lists give id
+    lists. Greedy when ``temperature == 0``.
+    """
+    from plait.train.data import ByteTokenizer
+
+    single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+    batch = [prompts] if single else list(prompts)
+    texts = bool(batch) and isinstance(batch[0], str)
+    tok = tokenizer or ByteTokenizer()
+    ids = [tok.encode(p) for p in batch] if texts else [list(map(int, p)) for p in batch]
+    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed))  # checks the context
+    result = [tok.decode(o) for o in out] if texts else out
+    return result[0] if single else result

@@ -1,0 +1,169 @@
+"""``ParallelConfig``: the one description of a parallel layout and how it steps (no torch import).
+
+Every entry point takes it: ``plait.init`` and ``plait.parallelize`` (whose keyword forms build one),
+``TrainConfig`` and ``VerifyConfig`` (each holds one), the CLI (one option per field, its help the field's
+docstring) and the planner (``plan.Layout.to_parallel_config``). It is checked once, when it is built:
+a bad value raises ``plait.ConfigError`` naming the field and the valid choices, before any collective.
+``resolve(world)`` adds the checks that need the world size and infers ``dp=-1``.
+
+Adding an allowed value (say a recompute mode) is one edit of the tuple constant below; adding a field is
+one annotated attribute with its docstring plus its check in ``_check``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, fields, replace
+from functools import cache
+
+from plait.errors import ConfigError, FieldError
+from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
+
+#: activation recomputation modes the runtime runs
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "full")
+#: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1)
+ZERO_LEVELS: tuple[int, ...] = (0, 1)
+#: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a model is spread over ranks and how one training step runs: world = tp·pp·dp, TP innermost,
+    then DP, then PP; expert parallelism lives inside the dp·tp plane of each pipeline stage."""
+
+    tp: int = 1
+    """Tensor-parallel size: ranks that split each layer (Megatron column/row-parallel linears)."""
+    pp: int = 1
+    """Pipeline-parallel size: stages, each holding consecutive layers."""
+    dp: int = -1
+    """Data-parallel size: model replicas that see different data (-1: the world size over tp·pp)."""
+    ep: int = 1
+    """Expert-parallel size: the experts of each MoE layer are spread over ep ranks of the dp x tp plane."""
+    expert_tp: bool = False
+    """Split each expert over the TP group (Megatron expert tensor parallelism); ep must then divide dp."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, dualpipev."""
+    microbatches: int | None = None
+    """Micro-batches per step and data-parallel replica (unset: pp)."""
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank (unset: 2 for interleaved-1f1b, looped-bfs, zbv and dualpipev, else 1)."""
+    rounds: str | None = None
+    """interleaved-1f1b / zb-h1 with microbatches % pp != 0: equal rounds (unset; the smaller bubble) or padded
+    (rounds of pp: fewer micro-batches held)."""
+    sequence_parallel: bool = False
+    """Shard norms and residuals along the sequence between TP regions (their activations / tp)."""
+    recompute: str = "none"
+    """Activation recomputation: none, or full (every block recomputes its forward during backward)."""
+    zero: int = 0
+    """ZeRO stage of plait.optim: 0 replicated optimizer state, 1 state sharded over data-parallel ranks."""
+    precision: str = "fp32"
+    """fp32, or bf16 (bf16 weights and activations over fp32 master weights and gradients)."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    # ------------------------------------------------------------------------------------------ derived
+    @property
+    def world(self) -> int:
+        """tp·pp·dp (only meaningful once dp is known, see ``resolve``)."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.pp
+
+    def pipeline_schedule(self) -> Schedule:
+        """The pipeline schedule this configuration runs (pure Python: plait.schedules)."""
+        return build_schedule(self.schedule, stages=self.pp, microbatches=self.num_microbatches,
+                              virtual=self.virtual_stages, rounds=self.rounds)
+
+    def resolve(self, world: int) -> ParallelConfig:
+        """This configuration checked against ``world`` processes, with dp inferred when it is -1."""
+        tp, pp, dp = self.tp, self.pp, self.dp
+        if dp == -1:
+            if world % (tp * pp):
+                raise ConfigError(f"tp*pp={tp}*{pp}={tp * pp} does not divide the world size {world}; valid tp*pp "
+                                  f"products: {divisors(world)}")
+            dp = world // (tp * pp)
+        if tp * pp * dp != world:
+            raise ConfigError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}; choose "
+                              f"tp, pp, dp whose product is {world} (tp and pp from {divisors(world)}, or pass dp=-1)")
+        return replace(self, dp=dp, expert_tp=self.expert_tp and tp > 1)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ParallelConfig:
+        """The configuration of the ParallelConfig keys of ``values`` (other keys are ignored)."""
+        names = field_names()
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _positive(name: str, value, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FieldError(name, value, "must be a positive integer" + (" (or None: the default)" if optional else ""))
+
+
+def _choice(name: str, value, allowed: tuple) -> None:
+    if isinstance(value, bool) or value not in allowed:
+        raise FieldError(name, value, f"choose one of {', '.join(map(str, allowed))}")
+
+
+def _check(c: ParallelConfig) -> None:
+    """Every rule that needs no world size; ConfigError names the field."""
+    for name in ("tp", "pp", "ep"):
+        _positive(name, getattr(c, name))
+    if c.dp != -1 and (isinstance(c.dp, bool) or not isinstance(c.dp, int) or c.dp < 1):
+        raise FieldError("dp", c.dp, "must be a positive integer or -1 (inferred from the world size)")
+    _positive("microbatches", c.microbatches, optional=True)
+    _positive("virtual_stages", c.virtual_stages, optional=True)
+    for name in ("expert_tp", "sequence_parallel"):
+        if not isinstance(getattr(c, name), bool):
+            raise FieldError(name, getattr(c, name), "must be True or False")
+    if c.schedule not in SCHEDULE_NAMES:
+        raise FieldError("schedule", c.schedule, f"unknown; valid names are {', '.join(SCHEDULE_NAMES)}")
+    _choice("recompute", c.recompute, RECOMPUTE_MODES)
+    _choice("zero", c.zero, ZERO_LEVELS)
+    _choice("precision", c.precision, PRECISIONS)
+    try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
+        c.pipeline_schedule()
+    except ConfigError as exc:
+        name, _, detail = str(exc).partition(": ")
+        if name.startswith(("virtual=", "microbatches=", "rounds=")):  # say it with this class's field names
+            field = {"v": "virtual_stages", "m": "microbatches", "r": "rounds"}[name[0]]
+            raise FieldError(field, getattr(c, field), detail) from None
+        raise
+    if c.dp == -1:
+        return
+    if c.expert_tp and c.tp > 1 and c.dp % c.ep:
+        raise ConfigError(f"ep={c.ep} must divide dp={c.dp} with expert_tp=True (every TP rank holds a shard of "
+                          f"the same experts, so EP spans data-parallel replicas); valid ep: {divisors(c.dp)}")
+    if (c.dp * c.tp) % c.ep:
+        raise ConfigError(f"ep={c.ep} must divide dp*tp={c.dp * c.tp}; valid ep: {divisors(c.dp * c.tp)}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(ParallelConfig)]
+
+
+@cache
+def field_docs(cls: type = ParallelConfig) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal under it), read from the class source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

@@ -1,0 +1,161 @@
+"""``plait.parallelize``: apply a ParallelConfig (TP, SP, EP; PP and DP via ParallelModel) to a plain model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.distributed.context import ParallelContext
+from plait.errors import ConfigError
+from plait.experts.layer import apply_expert_parallel, check_model_experts
+from plait.models.family import Family, family_of
+from plait.parallel_config import RECOMPUTE_MODES, ParallelConfig
+from plait.parallel_model import LossFn, ParallelModel
+from plait.pipeline.partition import Partition
+from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
+from plait.tensor_parallel.plan import apply_tp_plan
+
+
+class TokenLoss:
+    """Next-token cross-entropy summed over tokens, on vocabulary-sharded logits; ids checked."""
+
+    def __init__(self, ctx: ParallelContext, vocab_size: int, ignore_index: int = -100):
+        self.ctx, self.vocab_size, self.ignore_index = ctx, vocab_size, ignore_index
+
+    def __call__(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_shard, targets, self.ctx, ignore_index=self.ignore_index,
+                                            vocab_size=self.vocab_size, reduction="sum")
+
+    def count(self, targets: torch.Tensor) -> int:
+        return int((targets != self.ignore_index).sum())
+
+    def bad_ids(self, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
+        """A message if token ids fall outside the vocabulary, else None (local check, no collective)."""
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            valid = t if name == "inputs" else t[t != self.ignore_index]
+            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size):
+                return (f"{name} contain token ids outside the vocabulary [0, {self.vocab_size}) "
+                        f"(min {int(valid.min())}, max {int(valid.max())})")
+        return None
+
+
+def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = None, microbatches: int | None = None,
+                virtual_stages: int | None = None, sequence_parallel: bool | None = None,
+                partition: Partition = "balanced", activation_checkpointing: bool | str | None = None,
+                loss_fn: LossFn | None = None, tp_plan: dict[str, str] | None = None, precision: str | None = None,
+                *, config: ParallelConfig | None = None) -> ParallelModel:
+    """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
+
+    The settings come from ``config`` (a ParallelConfig; default: the one ``plait.init`` made ``ctx`` from),
+    overridden by any keyword given: ``schedule``, ``microbatches`` (default ``pp``), ``virtual_stages``
+    (default: the schedule's), ``sequence_parallel``, ``activation_checkpointing`` (True/False or a recompute
+    mode: "none", "full") and ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
+    weights and gradients, plait.optim.precision). ``config``'s sizes must be ctx's.
+
+    The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
+    parallel plan and its default loss. Language models (Llama, Mistral, Qwen2, Qwen3, Mixtral) train on
+    next-token cross-entropy over vocabulary-sharded logits (mean over the non-ignored tokens of the global
+    batch); any ``nn.Sequential`` works too, given ``loss_fn(output, target)`` returning the mean loss of one
+    micro-batch (and ``tp_plan`` for tp > 1). ``partition``: "balanced", "uniform" or layer counts per chunk.
+
+    A model too large for one device can be built on the meta device (``with torch.device("meta"):
+    model = Llama(cfg)``): only this rank's shards are then allocated, uninitialised, and must be filled
+    with ``pm.load_full_state_dict(...)`` or read slice by slice (``plait.train.shards.load_local``).
+    """
+    cfg = _merged_config(ctx, config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                         sequence_parallel=sequence_parallel, recompute=_recompute(activation_checkpointing),
+                         precision=precision)
+    family = family_of(model)
+    _check_args(model, family, ctx, loss_fn, tp_plan)
+    config_of_model = getattr(model, "config", None)
+    token_loss = TokenLoss(ctx, family.vocab_size(config_of_model)) if loss_fn is None else None
+    _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)
+    if token_loss is not None:
+        loss, normaliser, vocab = token_loss, partial(_token_normaliser, token_loss, ctx), token_loss.vocab_size
+    else:
+        loss, normaliser, vocab = loss_fn, partial(_rows_normaliser, cfg.num_microbatches, ctx), None
+    return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss, normaliser=normaliser,
+                         vocab_size=vocab)
+
+
+def _recompute(activation_checkpointing: bool | str | None) -> str | None:
+    if activation_checkpointing is None or isinstance(activation_checkpointing, str):
+        return activation_checkpointing  # a recompute mode, checked by ParallelConfig
+    if isinstance(activation_checkpointing, bool):
+        return "full" if activation_checkpointing else "none"
+    raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: use True, False or a recompute mode "
+                      f"({', '.join(RECOMPUTE_MODES)})")
+
+
+def _merged_config(ctx: ParallelContext, config: ParallelConfig | None, **overrides) -> ParallelConfig:
+    """``config`` (or ctx's) with the keywords given; its sizes must be the context's."""
+    base = ctx.config if config is None else config.resolve(ctx.world_size)
+    sizes = ("tp", "pp", "dp", "ep", "expert_tp")
+    for name in sizes:
+        if getattr(base, name) != getattr(ctx.config, name):
+            raise ConfigError(f"config.{name}={getattr(base, name)} but the context was initialised with "
+                              f"{name}={getattr(ctx.config, name)}; pass the same layout to plait.init")
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _check_args(model: nn.Module, family: Family, ctx: ParallelContext, loss_fn: LossFn | None,
+                tp_plan: dict | None) -> None:
+    check_model_experts(model, ctx.ep_size)
+    family.check_tp(getattr(model, "config", None), ctx.tp_size)
+    if family.loss is None and loss_fn is None:
+        raise ConfigError(f"loss_fn is required for {type(model).__name__} ({family.name} models have no default "
+                          "loss): pass loss_fn(output, target) -> mean loss of one micro-batch")
+    if family.loss == "next_token" and loss_fn is not None and ctx.tp_size > 1:
+        raise ConfigError(f"loss_fn with tp={ctx.tp_size}: {type(model).__name__} produces vocabulary-sharded "
+                          "logits; leave loss_fn=None for next-token cross-entropy on the shards")
+    if ctx.tp_size > 1 and tp_plan is None and family.tp_plan(model) is None:
+        raise ConfigError(f"tp={ctx.tp_size} needs a tensor-parallel plan for {type(model).__name__}: pass "
+                          "tp_plan={'module.path.*': 'colwise'|'rowwise'|...} or use tp=1")
+
+
+def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch.Tensor,
+                      targets: torch.Tensor) -> tuple[float, float]:
+    """(global count of non-ignored targets — the mean's divisor, global number of sequences).
+
+    Raises ConfigError on every rank if any id is outside the vocabulary.
+    """
+    bad = token_loss.bad_ids(inputs, targets)
+    if ctx.dp_size == 1:
+        if bad:
+            raise ConfigError(bad)
+        return float(max(token_loss.count(targets), 1)), float(inputs.shape[0])
+    stats = torch.tensor([float(token_loss.count(targets)), 1.0 if bad else 0.0, float(inputs.shape[0])],
+                         device=ctx.device)
+    dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global counts + any bad ids
+    if stats[1] > 0:
+        raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
+    return float(max(stats[0].item(), 1.0)), float(stats[2].item())
+
+
+def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tensor,
+                     targets: torch.Tensor) -> tuple[float, float]:
+    """For a ``loss_fn`` that averages one micro-batch: (divisor, global rows) making the sum of the scaled
+    micro-batch losses over every DP replica the mean over the global batch, even if replicas hold
+    different numbers of rows (one tiny all-reduce when dp > 1)."""
+    local = float(inputs.shape[0])
+    if ctx.dp_size == 1:
+        return float(microbatches), local
+    rows = torch.tensor([local], device=ctx.device)
+    dist.all_reduce(rows, group=ctx.dp_group)
+    total = float(rows.item())
+    return total * microbatches / local, total  # each micro-batch holds local/M of the total rows
+
+
+def _shard(model: nn.Module, family: Family, ctx: ParallelContext, sequence_parallel: bool,
+           tp_plan: dict | None) -> None:
+    plan = tp_plan if tp_plan is not None else family.tp_plan(model)
+    if plan is not None:
+        apply_tp_plan(model, plan, ctx, sequence_parallel=sequence_parallel,
+                      n_kv_heads=family.kv_heads(getattr(model, "config", None)))
+        family.tie_weights(model)  # a tied head keeps the same vocabulary shard as the embedding
+    apply_expert_parallel(model, ctx, sequence_parallel)  # MoE layers (after TP: they enter TP themselves)
+    # no .to(device) here: ParallelModel moves (or, from the meta device, materialises) only this rank's chunks

@@ -1,0 +1,64 @@
+"""Every `plait ...` command line shown in the README and docs/ parses with today's CLI (names, types, choices)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import typer
+
+from plait.cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# a command at the start of a code line: `plait ...`, `$ plait ...`, `.venv/bin/plait ...`, or torchrun's worker form
+COMMAND = re.compile(r"^\s*(?:\$\s+)?(?:\.venv/bin/)?(?:plait|torchrun .*-m plait\.cli\.main)"
+                     r"\s+(?P<args>[a-z][a-z-]*(?=\s|$).*)$")
+
+
+def _command_lines() -> list[tuple[str, str]]:
+    found = []
+    for doc in DOCS:
+        in_code = False
+        for line in doc.read_text().splitlines():
+            if line.lstrip().startswith("```"):
+                in_code = not in_code
+                continue
+            match = COMMAND.match(line) if in_code else None
+            if match:
+                args = match["args"].split(" #")[0].split(";")[0].split("|")[0].strip()
+                found.append((f"{doc.name}: {line.strip()}", args))
+    return found
+
+
+def _parse(args: list[str]) -> None:
+    """Parse like the real command line but invoke nothing: unknown options or bad values raise."""
+    group = typer.main.get_command(app)
+    name, *rest = args
+    with group.make_context("plait", [], resilient_parsing=True) as parent:
+        command = group.get_command(parent, name)
+        assert command is not None, f"unknown command {name}"
+        command.make_context(name, rest, parent=parent).close()
+
+
+LINES = _command_lines()
+
+
+def test_docs_show_commands():
+    assert len(LINES) >= 20, LINES  # the README and docs do show many: the pattern must keep finding them
+
+
+@pytest.mark.parametrize(("where", "args"), LINES, ids=[w for w, _ in LINES])
+def test_command_line_parses(where, args):
+    if "--help" in args.split():
+        return  # --help exits early by design; its text is tested elsewhere
+    _parse(shlex.split(args))
+
+
+def test_parser_rejects_what_the_cli_rejects():  # the check can fail
+    with pytest.raises(Exception, match="No such option"):
+        _parse(["simulate", "--no-such-option", "1"])
+    with pytest.raises(Exception, match="valid integer"):
+        _parse(["train", "--tp", "two"])

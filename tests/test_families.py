@@ -1,0 +1,111 @@
+"""Model families on one device: Hugging Face import/export against transformers, the sliding window in training
+and in both KV caches, the adapter seam, and what a folder plait cannot run says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import plait
+from checks_families import FAMILIES, hf_model, tokens
+from plait.errors import ConfigError
+from plait.models import Mistral, MistralConfig, Mixtral, Qwen2, Qwen3
+from plait.models.family import families, family_of
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[dev])")
+CLASSES = {"mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3, "mixtral": Mixtral}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_import_export_and_kv_cache_decoding_match_transformers(tmp_path, family):
+    hf = hf_model(family)
+    hf.save_pretrained(tmp_path / "hf")
+    model = plait.models.from_pretrained(tmp_path / "hf").eval()
+    assert type(model) is CLASSES[family] and family_of(model).name == family
+    x = tokens()[0]
+    with torch.no_grad():
+        ref = hf(x).logits
+        ours = model(x)
+    assert (ours - ref).abs().max() <= 1e-5
+    model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == family
+    back = type(hf).from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert (back(x).logits - ours).abs().max() <= 1e-5
+    prompt = [5, 17, 3, 40, 22]  # longer than Mistral's window of 3: decoding must drop the oldest keys
+    greedy = plait.generate(model, prompt, max_new_tokens=8)
+    hf.generation_config.eos_token_id = None  # plait generates exactly max_new_tokens
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert greedy == theirs[0, len(prompt):].tolist()
+
+
+def _mistral(window: int | None) -> Mistral:
+    torch.manual_seed(0)
+    return Mistral(MistralConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32,
+                                 sliding_window=window)).eval()
+
+
+def test_sliding_window_changes_attention_only_beyond_the_window():
+    x = tokens()[0]  # 8 positions
+    with torch.no_grad():
+        full, windowed = _mistral(None)(x), _mistral(3)(x)
+    assert torch.equal(full[:, :3], windowed[:, :3])  # the first 3 positions see no more than 3 keys anyway
+    assert (full[:, 3:] - windowed[:, 3:]).abs().max() > 1e-3
+
+
+def test_sliding_window_in_the_slot_cache_of_serving():
+    """plait serve's slot-based cache (rows at different positions) honours the window like plait generate."""
+    from plait.generation import Sampling
+    from plait.serve.runner import Decode, Prefill, Runner, Step
+
+    model = _mistral(3)
+    prompts = {0: [5, 17, 3, 40, 22], 1: [9, 2]}
+    runner = Runner(model, max_batch=2, max_len=32)
+    got = dict(zip(prompts, runner.execute(Step(prefill=[Prefill(s, p, Sampling(6)) for s, p in prompts.items()])),
+                   strict=True))
+    out = {s: [t] for s, t in got.items()}
+    for _ in range(5):
+        toks = runner.execute(Step(decode=[Decode(s, out[s][-1]) for s in prompts]))
+        for s, t in zip(prompts, toks, strict=True):
+            out[s].append(t)
+    for slot, prompt in prompts.items():
+        assert out[slot] == plait.generate(model, prompt, max_new_tokens=6), slot
+
+
+def test_every_family_has_an_adapter_and_the_registry_finds_it():
+    names = {f.name for f in families()}
+    assert {"sequential", "llama", "mistral", "qwen2", "qwen3", "mixtral"} <= names
+    assert family_of(torch.nn.Sequential(torch.nn.Linear(2, 2))).name == "sequential"
+    with pytest.raises(ConfigError, match="not a model plait can parallelize"):
+        family_of(torch.nn.Linear(2, 2))
+
+
+def _folder(tmp_path, **hf):
+    base = {"model_type": "llama", "hidden_size": 32, "vocab_size": 61, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "intermediate_size": 48}
+    (tmp_path / "config.json").write_text(json.dumps({**base, **hf}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("hf,needle", [
+    ({"model_type": "gpt2"}, "supported model types: llama, mistral, mixtral, qwen2, qwen3"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+    ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ({"model_type": "mixtral", "num_experts_per_tok": 1}, "top_k"),
+    ({"model_type": "mistral", "hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_folder_is_config_error(tmp_path, hf, needle):
+    with pytest.raises(ConfigError, match=needle):
+        plait.models.from_pretrained(_folder(tmp_path, **hf))
+
+
+def test_a_family_refuses_to_save_what_its_format_cannot_hold(tmp_path):
+    model = plait.models.Llama(plait.models.LlamaConfig(vocab_size=61, dim=32, n_layers=1, n_heads=4,
+                                                        qk_norm=True))
+    with pytest.raises(ConfigError, match="qk_norm.*qwen3"):
+        model.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
