@@ -1,5 +1,7 @@
 """The planner's pipeline figures come from plait.sim; its large-M extrapolation matches exact runs."""
 
+from dataclasses import replace
+
 import pytest
 
 from plait.plan.pipeline import profile
@@ -61,4 +63,7 @@ def test_planner_memory_budget_chooses_the_rounds():
     # equal rounds hold 15 micro-batches; only the padded ones (11.5) fit, with a larger bubble
     assert tight.fits and tight.rounds == "padded" and tight.peak_in_flight == 11.5
     assert tight.bubble_fraction > roomy.bubble_fraction
+    runnable = replace(tight.layout, recompute="none")  # the runtime has no selective recomputation
+    config = runnable.to_parallel_config(batch, rounds=tight.rounds)  # what the runtime then runs
+    assert config.pipeline_schedule().meta["round_widths"] == [8, 7]
     assert estimate(Model.preset("llama3-8b", seq_len=3072), cluster, Layout(pp=8), batch).rounds is None
