@@ -109,6 +109,9 @@ class Transport:
         return pending.buffer[0]
 
     # -------------------------------------------------------------------------------------- receive
+    def known_shape(self, kind: int, chunk: int) -> bool:
+        return (kind, chunk) in self.shapes
+
     def set_shape(self, kind: int, chunk: int, shape, dtype) -> None:
         self.shapes[(kind, chunk)] = (tuple(shape), dtype)
 
