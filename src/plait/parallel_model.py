@@ -163,17 +163,16 @@ class ParallelModel:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
         if self._loss_by_p2p():  # the last stage sends the loss once known: no collective ends the step
             if self._holds_loss():
-                peers = [self.ctx.pp_peer(r) for r in range(self.ctx.pp_size) if r != self.ctx.pp_rank]
-                io.on_loss = lambda loss: self.transport.send_loss(loss, peers)
+                io.loss_to = [self.ctx.pp_peer(r) for r in range(self.ctx.pp_size) if r != self.ctx.pp_rank]
             else:
-                self.transport.post_loss(self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1)))
+                io.loss_from = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
         stats = self.cast.run(lambda: self.executor.run(io, trace=trace))
         for reducer in self.reducers.values():
             reducer.finish()
         sync_tp_partial_grads(self.parameters(), self.ctx)
         self.ties.sync_grads()
         self.last_stats = stats
-        return self._global_loss(stats.loss_sum, stats.aux_sum)
+        return self._global_loss(stats.loss_sum if stats.shared_loss is None else stats.shared_loss, stats.aux_sum)
 
     def trace_report(self, p2p_ms: float = 0.0):
         """Measured vs simulated timeline of the last ``train_step(..., trace=True)`` (collective over PP)."""
@@ -196,9 +195,9 @@ class ParallelModel:
             self.last_aux_loss = float(aux)
             return float(local + aux)
         holds_loss = self._holds_loss()
-        if self._loss_by_p2p():
+        if self._loss_by_p2p():  # ``local`` is the loss the last stage sent
             self.last_aux_loss = 0.0
-            return float(local) if holds_loss else float(self.transport.wait_loss())
+            return float(local)
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
         dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank

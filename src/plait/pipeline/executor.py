@@ -35,6 +35,7 @@ class StepStats:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    shared_loss: torch.Tensor | None = None  # the loss another stage sent (StepIO.loss_from)
 
 
 @dataclass
@@ -45,8 +46,10 @@ class StepIO:
     # auxiliary loss a chunk's last forward produced (e.g. MoE load balancing), already scaled; it is
     # added to the loss on the last chunk and backpropagated together with the output on the others
     aux_fn: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
-    # called with the loss sum once the last chunk's last forward on this rank is done (to share it early)
-    on_loss: Callable[[torch.Tensor], None] | None = None
+    # sharing the step's loss point to point: the holder sends its loss sum to these global ranks as soon as
+    # its last forward of the last chunk is done; a rank with ``loss_from`` set receives it from that rank
+    loss_to: list[int] = field(default_factory=list)
+    loss_from: int | None = None
 
 
 class Executor:
@@ -76,6 +79,11 @@ class Executor:
         self.local: dict[tuple[int, int, int], torch.Tensor] = {}
         self.unposted: list[int] = []  # receives whose shape was not known yet when their turn came
         stats = StepStats(loss_sum=torch.zeros((), dtype=torch.float64), peak_stored=0.0)
+        try:
+            if io.loss_from is not None and not forward_only:
+                self.transport.post_loss(io.loss_from)
+        except CommError as exc:
+            raise type(exc)(f"pipeline rank {self.me}, start of step: {exc}") from exc
         t0 = time.perf_counter()
         for i, a in enumerate(plan.actions):
             try:
@@ -84,6 +92,8 @@ class Executor:
                 raise type(exc)(self._explain(a, i, plan.recv[i], exc)) from exc
         try:
             self.transport.wait_sends()
+            if io.loss_from is not None and not forward_only:
+                stats.shared_loss = self.transport.wait_loss()
         except CommError as exc:
             raise type(exc)(f"pipeline rank {self.me}, end of step: {exc}") from exc
         return stats
@@ -100,8 +110,8 @@ class Executor:
             self.reducers[a.stage].arm()  # buckets start as their gradients complete
         if a.kind == "F":
             self._forward(a, data, io, stats, forward_only, plan.send[i])
-            if i == self.loss_index and io.on_loss is not None and not forward_only:
-                io.on_loss(stats.loss_sum)
+            if i == self.loss_index and io.loss_to and not forward_only:
+                self.transport.send_loss(stats.loss_sum, io.loss_to)
             # measured: micro-batches whose autograd state this rank holds right now
             stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
         elif a.kind == "W":

@@ -94,14 +94,20 @@ class Transport:
     # ------------------------------------------------------------------------------------- the loss
     def send_loss(self, loss: torch.Tensor, dsts: list[int]) -> None:
         """Send the step's loss (a float64 scalar) to ``dsts`` as soon as it is known; waited at the step's end."""
-        value = loss.detach().to(self.device, torch.float64).reshape(1)
+        value = loss.detach().to(self.device, torch.float64).reshape(1).clone()  # never aliases the running sum
         for dst in dsts:
-            self.loss_sends.append((self.world.send([value], dst, self.tag(LOSS, 0, 0)), value))
+            try:
+                self.loss_sends.append((self.world.send([value], dst, self.tag(LOSS, 0, 0)), value))
+            except RuntimeError as exc:
+                raise CommError(f"sending the step's loss to rank {dst} failed (is it still running?): {exc}") from exc
 
     def post_loss(self, src: int) -> None:
         buf = torch.empty(1, dtype=torch.float64, device=self.device)
-        self.pending[(LOSS, 0, 0)] = PendingRecv(self.world.recv([buf], src, self.tag(LOSS, 0, 0)), buf, src,
-                                                 "the step's loss")
+        try:
+            work = self.world.recv([buf], src, self.tag(LOSS, 0, 0))
+        except RuntimeError as exc:
+            raise CommError(f"receiving the step's loss from rank {src} failed (is it still running?): {exc}") from exc
+        self.pending[(LOSS, 0, 0)] = PendingRecv(work, buf, src, "the step's loss")
 
     def wait_loss(self) -> torch.Tensor:
         pending = self.pending.pop((LOSS, 0, 0))
@@ -124,8 +130,11 @@ class Transport:
             return False
         shape, dtype = self.shapes[(kind, chunk)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = self.world.recv([buf], src, self.tag(kind, chunk, mb))
         what = f"{'activation' if kind == ACT else 'gradient'} of chunk {chunk}, micro-batch {mb}"
+        try:
+            work = self.world.recv([buf], src, self.tag(kind, chunk, mb))
+        except RuntimeError as exc:
+            raise CommError(f"posting the receive of the {what} from rank {src} failed (did it die?): {exc}") from exc
         self.pending[key] = PendingRecv(work, buf, src, what)
         return True
 
