@@ -102,9 +102,11 @@ class Executor:
               forward_only: bool, trace: bool, t0: float) -> None:
         if self.unposted:  # only in a step that negotiates shapes (the first, or a new input shape)
             self.unposted = [j for j in self.unposted if j > i and not self._post(plan, j)]
-        self.unposted += [j for j in plan.posts[i] if not self._post(plan, j)]
+        for j in plan.posts[i]:
+            if not self._post(plan, j):
+                self.unposted.append(j)
         data = self._receive(a, plan.recv[i], io)
-        start = time.perf_counter() - t0
+        start = time.perf_counter() - t0 if trace else 0.0
         final = not forward_only and self.final_index.get(a.stage) == i
         if final and a.kind == "B":
             self.reducers[a.stage].arm()  # buckets start as their gradients complete
