@@ -18,7 +18,7 @@ from plait.pipeline.p2p import ACT, GRAD
 from plait.schedules import Action, Schedule
 from plait.schedules.execute import execute
 
-POST_SLACK = 2  # post a receive this many of the receiver's actions before its message is expected
+POST_SLACK = 4  # post a receive this many of the receiver's actions before its message is expected
 
 
 @dataclass(frozen=True)
