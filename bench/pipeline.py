@@ -38,6 +38,9 @@ CASES = {
     "dualpipev": ("dualpipev", 2, 8, "ScheduleDualPipeV"),
 }
 DEFAULT = "gpipe,1f1b,interleaved-1f1b,interleaved-1f1b/m10,zb-h1/v2,zbv"
+#: how trials (and cost samples) are summarised: the median, or the minimum (the least disturbed trial, for
+#: a machine other jobs load)
+STATS = {"median": statistics.median, "min": min}
 
 
 def _layers(n: int, t: float, store=None) -> nn.Sequential:
@@ -47,7 +50,7 @@ def _layers(n: int, t: float, store=None) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def _cost_sampler(schedule, t: float, rank: int):
+def _cost_sampler(schedule, t: float, rank: int, stat):
     """Times each of this rank's chunks alone, outside any runtime; called between trials so that the
     costs see the same machine load as the runs. ``nominal()`` simulates the schedule with the medians."""
     import torch.distributed as dist
@@ -64,8 +67,8 @@ def _cost_sampler(schedule, t: float, rank: int):
         for c, (chunk, store) in chunks.items():
             samples[c].append(measure_chunk(chunk, store, repeats=3))
 
-    def nominal() -> tuple[float, dict]:
-        mine = {c: tuple(statistics.median(s[k] for s in v) for k in range(3)) for c, v in samples.items()}
+    def nominal() -> tuple[float, dict]:  # the costs' ``stat`` over the samples, as for the runs
+        mine = {c: tuple(stat([s[k] for s in v]) for k in range(3)) for c, v in samples.items()}
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         costs = {c: v for part in parts for c, v in part.items()}
@@ -146,9 +149,10 @@ def _timed(fn) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
-def _row(case: str, t: float, trials: int, ctx) -> dict:
+def _row(case: str, t: float, trials: int, ctx, stat_name: str) -> dict:
+    stat = STATS[stat_name]
     ours, schedule = _plait_runner(case, t, ctx)
-    sample, nominal = _cost_sampler(schedule, t, ctx.rank)
+    sample, nominal = _cost_sampler(schedule, t, ctx.rank, stat)
     floor = _floor_runner(schedule, t, ctx.rank)
     try:
         theirs, note = _torch_runner(case, t, ctx.rank), None
@@ -163,7 +167,7 @@ def _row(case: str, t: float, trials: int, ctx) -> dict:
         for k in times:
             times[k].append(_timed(runners[k]))
     sim_ms, costs = nominal()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: stat(v) for k, v in times.items()}
     row = {"case": case, "schedule": schedule.name, "virtual": schedule.virtual, "M": schedule.microbatches,
            "sim_ms": sim_ms, "costs": costs, "torch_note": note, **{f"{k}_ms": med.get(k) for k in runners}}
     for k in ("floor", "plait", "torch"):
@@ -173,11 +177,11 @@ def _row(case: str, t: float, trials: int, ctx) -> dict:
     return row
 
 
-def _sleep_rank(cases: list[str], t: float, trials: int) -> list[dict]:
+def _sleep_rank(cases: list[str], t: float, trials: int, stat_name: str) -> list[dict]:
     import plait
 
     ctx = plait.init(tp=1, pp=RANKS, dp=1)
-    return [_row(case, t, trials, ctx) for case in cases]
+    return [_row(case, t, trials, ctx, stat_name) for case in cases]
 
 
 def _llama_rank(schedule: str) -> dict:
@@ -210,6 +214,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--schedules", default=DEFAULT, help=f"comma-separated, from {', '.join(CASES)}")
     parser.add_argument("--no-llama", action="store_true", help="skip the real-compute run")
+    parser.add_argument("--stat", choices=list(STATS), default="median",
+                        help="summary of the trials and cost samples (min: the least disturbed, on a loaded machine)")
     args = parser.parse_args()
     cases = args.schedules.split(",")
     unknown = [c for c in cases if c not in CASES]
@@ -217,9 +223,9 @@ def main() -> None:
         parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
     load = os.getloadavg()
     t_layer = args.stage_ms / (LAYERS // RANKS) / 1000.0
-    rows = run_world(_sleep_rank, RANKS, cases, t_layer, args.trials, timeout_s=3600)[0]
+    rows = run_world(_sleep_rank, RANKS, cases, t_layer, args.trials, args.stat, timeout_s=3600)[0]
     title = (f"sleep workload: {LAYERS} layers on {RANKS} ranks, forward {args.stage_ms:g} ms per stage, backward "
-             f"2x; load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; medians of {args.trials}")
+             f"2x; load {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after; {args.stat} of {args.trials} trials")
     table = Table(title=title)
     for col in ("case", "M", "sim ms", "floor ms", "plait ms", "torch ms", "floor/sim", "plait/sim", "torch/sim",
                 "plait/floor", "plait/torch"):
@@ -244,8 +250,8 @@ def main() -> None:
             t2.add_row(s, f"{r['measured_makespan_ms']:.1f}", f"{r['simulated_makespan_ms']:.1f}",
                        f"{r['measured_bubble']:.1%}", f"{r['predicted_bubble']:.1%}")
         console.print(t2)
-    print(json.dumps({"benchmark": "pipeline", "stage_ms": args.stage_ms, "load": load, "sleep": rows,
-                      "llama_pp2": llama}, indent=1))
+    print(json.dumps({"benchmark": "pipeline", "stage_ms": args.stage_ms, "stat": args.stat, "load": load,
+                      "sleep": rows, "llama_pp2": llama}, indent=1))
 
 
 if __name__ == "__main__":
