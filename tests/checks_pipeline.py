@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,15 +44,20 @@ def single_device(cfg: LlamaConfig, inputs, targets):
 
 
 def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: bool = False,
-            partition="balanced", checkpointing: bool = False, **cfg_kw) -> dict:
+            partition="balanced", checkpointing: bool = False, batch: int = BATCH, rounds: str | None = None,
+            **cfg_kw) -> dict:
     cfg = cfg_for(**cfg_kw)
-    inputs, targets = data(cfg.vocab_size)
+    inputs, targets = data(cfg.vocab_size, batch=batch)
     ref_loss, ref_grads, ref_model = single_device(cfg, inputs, targets)
     torch.manual_seed(0)
+    config = None
+    if rounds is not None:  # set through ParallelConfig (plait.parallelize's keywords do not name it)
+        config = replace(ctx.config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual,
+                         rounds=rounds)
     pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
                            virtual_stages=virtual, sequence_parallel=sp, partition=partition,
-                           activation_checkpointing=checkpointing)
-    per = BATCH // ctx.dp_size
+                           activation_checkpointing=checkpointing, config=config)
+    per = batch // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     loss = pm.train_step(inputs[local], targets[local])
     grads = pm.full_state_dict(grads=True)
@@ -68,6 +74,7 @@ def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: boo
         "virtual": pm.schedule.virtual,
         "logits_rel": rel_err(logits, ref_model(inputs[local]).detach()),
         "partition": pm.partition,
+        "round_widths": pm.schedule.meta.get("round_widths"),
     }
 
 
@@ -102,12 +109,12 @@ def compare_sequential(ctx, schedule: str) -> dict:
             "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
 
 
-def check_trace(ctx, schedule: str) -> dict:
+def check_trace(ctx, schedule: str, virtual: int = 1) -> dict:
     """The measured timeline holds exactly the schedule's actions, in the schedule's order, per rank."""
     cfg = cfg_for()
     inputs, targets = data(cfg.vocab_size)
     torch.manual_seed(0)
-    pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=8)
+    pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=8, virtual_stages=virtual)
     pm.train_step(inputs, targets, trace=True)
     report = pm.trace_report()
     order_ok = all(
@@ -207,6 +214,13 @@ def world4_checks() -> list:
     checks.append(("pp4/seq_change", lambda: check_sequence_length_change(pp4)))
     checks.append(("trace/1f1b", lambda: check_trace(pp4, "1f1b")))
     checks.append(("trace/zbv", lambda: check_trace(pp4, "zbv")))
+    checks.append(("trace/zb-h1/v2", lambda: check_trace(pp4, "zb-h1", virtual=2)))
+    # ZB1P, and depth-first rounds when M % P != 0: equal rounds (5, 5) and (5, 4), padded (4, 4, 2)
+    checks.append(("pp4/zb-h1/v2", lambda: compare(pp4, "zb-h1", virtual=2)))
+    checks.append(("pp4/interleaved-1f1b/m10", lambda: compare(pp4, "interleaved-1f1b", 10, 2, batch=10)))
+    checks.append(("pp4/interleaved-1f1b/m10/padded", lambda: compare(pp4, "interleaved-1f1b", 10, 2, batch=10,
+                                                                      rounds="padded")))
+    checks.append(("pp4/zb-h1/v2/m9", lambda: compare(pp4, "zb-h1", 9, 2, batch=9)))
     tp2pp2 = plait.init(tp=2, pp=2, dp=1)
     for name in ("1f1b", "interleaved-1f1b", "zbv"):
         v = 2 if name == "interleaved-1f1b" else 1

@@ -34,6 +34,7 @@ WORLD4_CASES = [f"pp4/{n}" for n in SCHEDULE_NAMES] + [
     "pp4/sequential/1f1b", "pp4/sequential/zbv", "tp2pp2sp/1f1b", "tp2pp2sp/interleaved-1f1b", "tp2pp2sp/zbv",
     "tp2pp2/zb-h1/tied", "tp2pp2sp/zbv/checkpointing", "pp2dp2/interleaved-1f1b", "pp2dp2/dualpipev",
     "pp2dp2/sequential/gpipe", "pp2dp2/unequal/sequential", "pp2dp2/unequal/llama", "pp2dp2ep2/unequal/moe",
+    "pp4/zb-h1/v2", "pp4/interleaved-1f1b/m10", "pp4/interleaved-1f1b/m10/padded", "pp4/zb-h1/v2/m9",
 ]
 WORLD8_CASES = [f"tp2pp2dp2/{n}" for n in ("zbv", "1f1b", "interleaved-1f1b", "dualpipev")]
 
@@ -61,6 +62,14 @@ def test_world8_tp2_pp2_dp2(world8, case):
     _assert_equal(world8, case)
 
 
+def test_rounds_of_interleaved_schedules_ran(world4):
+    # the runtime ran the rounds it was given: equal (PyTorch's), padded (Megatron's), unequal equal-ish
+    assert result(world4, "pp4/interleaved-1f1b/m10")[0]["round_widths"] == [5, 5]
+    assert result(world4, "pp4/interleaved-1f1b/m10/padded")[0]["round_widths"] == [4, 4, 2]
+    assert result(world4, "pp4/zb-h1/v2/m9")[0]["round_widths"] == [5, 4]
+    assert result(world4, "pp4/zb-h1/v2")[0]["virtual"] == 2
+
+
 def test_uneven_partition_is_used(world4):
     assert result(world4, "pp4/1f1b/uneven")[0]["partition"] == [1, 3, 2, 2]
     assert sum(result(world4, "pp4/1f1b")[0]["partition"]) == 8
@@ -78,7 +87,7 @@ def test_bad_pipeline_input_is_config_error_everywhere(world4, case, needle):
         assert needle in r["message"], r["message"]
 
 
-@pytest.mark.parametrize("case", ["trace/1f1b", "trace/zbv"])
+@pytest.mark.parametrize("case", ["trace/1f1b", "trace/zbv", "trace/zb-h1/v2"])
 def test_measured_timeline_is_the_schedule(world4, case):
     for rank, r in enumerate(result(world4, case)):
         assert r["order_ok"], f"rank {rank}: the runtime did not run the schedule's actions in order"

@@ -50,6 +50,9 @@ class ParallelConfig:
     """Micro-batches per step and data-parallel replica (unset: pp)."""
     virtual_stages: int | None = None
     """Model chunks per pipeline rank (unset: 2 for interleaved-1f1b, looped-bfs, zbv and dualpipev, else 1)."""
+    rounds: str | None = None
+    """interleaved-1f1b / zb-h1 with microbatches % pp != 0: equal rounds (unset; the smaller bubble) or padded
+    (rounds of pp: fewer micro-batches held)."""
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence between TP regions (their activations / tp)."""
     recompute: str = "none"
@@ -76,7 +79,7 @@ class ParallelConfig:
     def pipeline_schedule(self) -> Schedule:
         """The pipeline schedule this configuration runs (pure Python: plait.schedules)."""
         return build_schedule(self.schedule, stages=self.pp, microbatches=self.num_microbatches,
-                              virtual=self.virtual_stages)
+                              virtual=self.virtual_stages, rounds=self.rounds)
 
     def resolve(self, world: int) -> ParallelConfig:
         """This configuration checked against ``world`` processes, with dp inferred when it is -1."""
@@ -133,8 +136,8 @@ def _check(c: ParallelConfig) -> None:
         c.pipeline_schedule()
     except ConfigError as exc:
         name, _, detail = str(exc).partition(": ")
-        if name.startswith(("virtual=", "microbatches=")):  # say it with this class's field names
-            field = "virtual_stages" if name.startswith("virtual=") else "microbatches"
+        if name.startswith(("virtual=", "microbatches=", "rounds=")):  # say it with this class's field names
+            field = {"v": "virtual_stages", "m": "microbatches", "r": "rounds"}[name[0]]
             raise FieldError(field, getattr(c, field), detail) from None
         raise
     if c.dp == -1:

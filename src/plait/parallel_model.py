@@ -208,13 +208,18 @@ class ParallelModel:
         if trace and self.ctx.pp_size > 1:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
         measure = self.activations_peak is None if measure_memory is None else measure_memory
+        if self._loss_by_p2p():  # the last stage sends the loss once known: no collective ends the step
+            if self._holds_loss():
+                io.loss_to = [self.ctx.pp_peer(r) for r in range(self.ctx.pp_size) if r != self.ctx.pp_rank]
+            else:
+                io.loss_from = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
         stats = self.cast.run(lambda: self._run(io, trace, measure))
         for reducer in self.reducers.values():
             reducer.finish()
         sum_over_tp(self._grad_pieces(is_tp_partial), self.ctx)  # on the reduced elements (shards under ZeRO)
         self.ties.sync_grads(lambda p: self._grad_pieces(lambda q: q is p))
         self.last_stats = stats
-        return self._global_loss(stats.loss_sum, stats.aux_sum)
+        return self._global_loss(stats.loss_sum if stats.shared_loss is None else stats.shared_loss, stats.aux_sum)
 
     def _run(self, io: StepIO, trace: bool, measure: bool) -> StepStats:
         """The executor's step, under the saved-tensor meter if ``measure``."""
@@ -234,13 +239,24 @@ class ParallelModel:
 
         return trace_report(self, p2p_ms)
 
+    def _holds_loss(self) -> bool:
+        return self.schedule.stage_to_rank(self.schedule.num_stages - 1) == self.ctx.pp_rank
+
+    def _loss_by_p2p(self) -> bool:
+        """One pipeline and no auxiliary loss: the last stage's loss is the global loss (every TP rank of it
+        holds the same value), sent to the other stages point to point."""
+        return self.ctx.pp_size > 1 and self.ctx.dp_size == 1 and not self.has_aux
+
     def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
         """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
         ctx = self.ctx
         if ctx.pp_size == 1 and ctx.dp_size == 1 and (not self.has_aux or ctx.world_size == 1):
             self.last_aux_loss = float(aux)
             return float(local + aux)
-        holds_loss = self.schedule.stage_to_rank(self.schedule.num_stages - 1) == ctx.pp_rank
+        holds_loss = self._holds_loss()
+        if self._loss_by_p2p():  # ``local`` is the loss the last stage sent
+            self.last_aux_loss = 0.0
+            return float(local)
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
         dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank

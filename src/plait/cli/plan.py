@@ -47,7 +47,8 @@ def _training_table(result, title: str):
     for i, e in enumerate(result.best, 1):
         m = e.memory
         parts = "+".join(f"{x / GB:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations))
-        t.add_row(str(i), e.layout.short(), f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.0f}",
+        label = e.layout.short() + (" padded-rounds" if e.rounds == "padded" else "")
+        t.add_row(str(i), label, f"{e.step_time_s:.2f}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.0f}",
                   f"{e.bubble_fraction:.1%}", f"{parts} = {m.total / GB:.1f} of {m.usable / GB:.0f}")
     return t
 
@@ -76,7 +77,8 @@ def _show_schedule(console, best) -> None:
     m = min(best.microbatches, 4 * lay.pp)
     c = stage_costs(best.model, best.cluster, lay)
     weight = c.weight if lay.schedule in ("zb-h1", "zbv", "dualpipev") else None
-    r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual),
+    r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual,
+                                rounds=best.rounds),
                  Costs(forward=c.forward, backward=c.backward, weight=weight, p2p=c.p2p))
     shown = f"first {m} of {best.microbatches}" if m < best.microbatches else f"all {m}"
     console.print(f"[bold]{lay.schedule}[/], pp={lay.pp}, v={lay.virtual}, {shown} micro-batches "

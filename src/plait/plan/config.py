@@ -10,7 +10,7 @@ from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.model import Model
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
-VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs"}  # any V >= 1
+VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs", "zb-h1"}  # any V >= 1 (zb-h1 with V > 1: ZB1P)
 TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
 RECOMPUTE = ("none", "selective", "full")
 
@@ -85,10 +85,12 @@ class Layout:
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
-    def to_parallel_config(self, training: Training | None = None, precision: str = "bf16") -> ParallelConfig:
+    def to_parallel_config(self, training: Training | None = None, precision: str = "bf16",
+                           rounds: str | None = None) -> ParallelConfig:
         """The runtime's configuration of this layout (``plait.parallelize(..., config=...)``, ``plait train``).
 
-        ``training`` sets the micro-batches (``microbatches(layout, training)``). ConfigError for what the
+        ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
+        rounds the estimate chose (``Estimate.rounds``). ConfigError for what the
         runtime does not run (context parallelism, a recompute mode or ZeRO stage it lacks).
         """
         if self.cp > 1:
@@ -102,7 +104,7 @@ class Layout:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
                               virtual_stages=self.virtual, sequence_parallel=self.sequence_parallel,
-                              recompute=self.recompute, zero=self.zero, precision=precision)
+                              recompute=self.recompute, zero=self.zero, precision=precision, rounds=rounds)
 
     def short(self) -> str:
         """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b``."""
@@ -154,8 +156,6 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "batch%dp", (f"global_batch: {training.global_batch} must be a multiple of "
                             f"dp·microbatch_size = {l.dp * l.microbatch_size}")
     m = microbatches(layout, training)
-    if l.pp > 1 and l.schedule == "interleaved-1f1b" and m % l.pp:  # Megatron's rule
-        return "microbatches%pp", f"microbatches: {m} must be a multiple of pp = {l.pp} for {l.schedule}"
     if l.schedule == "dualpipev" and m < 2 * l.pp:
         return "microbatches%pp", f"microbatches: dualpipev needs >= 2·pp = {2 * l.pp}, got {m}"
     if l.ep > 1 and (model.n_experts % l.ep or (l.dp * l.cp) % l.ep):

@@ -9,7 +9,7 @@ from plait.plan import memory as mem
 from plait.plan import timing
 from plait.plan.config import Cluster, Layout, Training, check, microbatches
 from plait.plan.model import Model
-from plait.plan.pipeline import PipelineProfile, profile
+from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
 
 SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
 
@@ -38,6 +38,9 @@ class Estimate:
     peak_in_flight: float
     p2p_s: float
     notes: list[str] = field(default_factory=list)
+    #: how interleaved-1f1b / ZB1P group micro-batches when M % pp != 0 ("equal" or "padded"; see
+    #: ``plait.schedules.build_schedule``), None for the other schedules
+    rounds: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -53,14 +56,30 @@ class Estimate:
             "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "fits": self.fits,
             "memory": asdict(self.memory), "time": dict(self.time), "microbatches": self.microbatches,
             "bubble_fraction": self.bubble_fraction, "peak_in_flight": self.peak_in_flight,
-            "tokens_per_s": self.tokens_per_s, "notes": list(self.notes),
+            "tokens_per_s": self.tokens_per_s, "notes": list(self.notes), "rounds": self.rounds,
         }
 
 
-def _pipeline(layout: Layout, m: int, costs: timing.StageCosts, exact: bool) -> PipelineProfile:
+def _pipeline(layout: Layout, m: int, costs: timing.StageCosts, exact: bool,
+              rounds: str | None = None) -> PipelineProfile:
     weight = costs.weight if layout.schedule in SPLIT_BACKWARD else None
     return profile(layout.schedule, layout.pp, m, layout.virtual, costs.forward, costs.backward,
-                   weight, costs.p2p, exact=exact)
+                   weight, costs.p2p, exact=exact, rounds=rounds)
+
+
+def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, m: int, costs: timing.StageCosts,
+                         exact: bool) -> tuple[PipelineProfile, mem.Memory, str | None]:
+    """The pipeline profile and memory; for interleaved-1f1b / ZB1P with M % pp != 0 the rounds too:
+    equal rounds (the closed-form bubble) unless only padded ones (fewer micro-batches held) fit."""
+    pipe = _pipeline(layout, m, costs, exact)
+    memory = mem.memory(model, cluster, layout, list(pipe.peak))
+    if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual == 1:
+        return pipe, memory, None
+    if memory.fits or m % layout.pp == 0 or m < layout.pp:
+        return pipe, memory, "equal"
+    padded = _pipeline(layout, m, costs, exact, rounds="padded")
+    memory_padded = mem.memory(model, cluster, layout, list(padded.peak))
+    return (padded, memory_padded, "padded") if memory_padded.fits else (pipe, memory, "equal")
 
 
 def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
@@ -78,8 +97,7 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
               exact: bool = False) -> Estimate:
     m = microbatches(layout, training)
     costs = timing.stage_costs(model, cluster, layout)
-    pipe = _pipeline(layout, m, costs, exact)
-    memory = mem.memory(model, cluster, layout, list(pipe.peak))
+    pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, m, costs, exact)
     dense, expert = mem._rank_params(model, layout, costs.layers, layout.pp == 1, layout.pp == 1)
     params = dense + expert
     dp = timing.dp_sync_time(model, cluster, layout, params)
@@ -105,5 +123,5 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
         model=model, cluster=cluster, layout=layout, training=training, step_time_s=step,
         tflops_per_gpu=tflops, mfu=tflops * 1e12 / cluster.gpu.peak_flops, memory=memory, time=time,
         microbatches=m, bubble_fraction=pipe.bubble_fraction, peak_in_flight=max(pipe.peak),
-        p2p_s=costs.p2p,
+        p2p_s=costs.p2p, rounds=rounds,
     )
