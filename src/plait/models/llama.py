@@ -18,6 +18,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.models.family import DecoderFamily
+from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
 
@@ -287,11 +288,27 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Draw from the global generator, module by module (``plait.models.init.init_weights(model, seed)``
+        draws each tensor from its own seeded generator instead, with the rule of ``initial_tensor``)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=self.config.init_std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+
+    @staticmethod
+    def initial_tensor(cfg: LlamaConfig, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The seeded initial value of state tensor ``key`` (float32, full shape): norm weights 1, biases 0,
+        every other weight N(0, init_std²) from the generator of (seed, key) — a tied head the embedding's."""
+        if key.endswith("norm.weight"):
+            return torch.ones(shape)
+        if key.endswith(".bias"):
+            return torch.zeros(shape)
+        if not key.endswith(".weight"):
+            raise ConfigError(f"{key}: no initial value is defined for it (weights and biases only)")
+        if cfg.tie_embeddings and key == "lm_head.weight":
+            key = "embed_tokens.weight"
+        return torch.empty(shape).normal_(0.0, cfg.init_std, generator=tensor_generator(seed, key))
 
     def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, V]; with ``caches`` (one per layer) tokens follow the cached ones."""
