@@ -12,6 +12,7 @@ from torch import nn
 import plait
 from checks_families import family_checks
 from checks_llama import expect_config_error
+from checks_plan import plan_checks
 from harness import rel_err, run_checks
 from memory_util import LiveBytes, layer_bytes, saved_bytes
 from plait.models import Llama, LlamaConfig
@@ -283,7 +284,7 @@ def world4_checks() -> list:
         checks.append((f"pp2dp2/unequal/{kind}", lambda k=kind: compare_unequal_dp(pp2dp2, k)))
     pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
     checks.append(("pp2dp2ep2/unequal/moe", lambda: compare_unequal_dp(pp2dp2ep2, "moe")))
-    return checks
+    return checks + plan_checks()  # every value the planner emits at this world size runs
 
 
 def world8_checks() -> list:

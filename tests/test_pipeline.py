@@ -10,6 +10,7 @@ import pytest
 
 import checks_families
 import checks_pipeline
+import checks_plan
 from harness import launch, result
 from plait.schedules import SCHEDULE_NAMES
 
@@ -82,6 +83,19 @@ def test_seeded_init_is_the_same_model_in_every_layout_and_bounded(world4, case)
             f"{r['local']} + one full tensor {r['largest']}"
         if case.startswith("tp2pp2"):
             assert r["local"] < r["model"] / 3, f"rank {rank} {case}: holds {r['local']} of {r['model']} bytes"
+
+
+def test_every_value_the_planner_emits_runs(world4):
+    """The layouts of a search on 4 CPU processes (every tp, pp, dp, ep, virtual, micro-batch size, SP,
+    recompute, ZeRO and schedule value it can emit, covered by a few layouts) each run one optimizer step."""
+    layouts = checks_plan.covering(checks_plan.emitted(checks_plan.small_moe()))
+    assert checks_plan.values(layouts) == checks_plan.values(checks_plan.emitted(checks_plan.small_moe()))
+    assert len(layouts) >= 5
+    for i, lay in enumerate(layouts):
+        for rank, r in enumerate(result(world4, f"plan/{i}")):
+            assert r["layout"] == lay.short()
+            assert r["loss_rel"] <= LOSS_TOL, f"rank {rank} {lay.short()}: loss rel err {r['loss_rel']:.2e}"
+            assert r["moved"], f"rank {rank} {lay.short()}: the optimizer step changed nothing"
 
 
 def test_uneven_partition_is_used(world4):
