@@ -278,7 +278,9 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # built from an uninitialised tensor: reset_parameters draws it (nn.Embedding's own init would run
+        # normal_, which on the meta device imports PyTorch's compiler stack, seconds of start-up)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.dim), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -291,7 +293,7 @@ class Llama(nn.Module):
         """Draw from the global generator, module by module (``plait.models.init.init_weights(model, seed)``
         draws each tensor from its own seeded generator instead, with the rule of ``initial_tensor``)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:  # meta: nothing to draw
                 nn.init.normal_(module.weight, std=self.config.init_std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
