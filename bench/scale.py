@@ -1,6 +1,6 @@
 """Benchmark: train a Llama whose full training state is >= 3x one process's share of this machine, under tp2·pp2.
 
-The model (~1.2B parameters, fp32) needs params + grads + AdamW's two moments = 16 B/parameter ≈ 19.8 GB of
+The model (1.19B parameters, fp32) needs params + grads + AdamW's two moments = 16 B/parameter ≈ 19.1 GB of
 training state; the 24 GiB of this machine split evenly over the 4 processes gives each 6 GiB, and the state
 is > 3x that: no process could hold it, four hold a quarter each. The model is built on the meta device and
 initialised one tensor at a time from a seed (plait.train.shards.init_local), then trains 3 steps (AdamW).
@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-CFG = dict(vocab_size=32000, dim=2048, n_layers=24, n_heads=16, n_kv_heads=8, max_seq_len=128)
+CFG = dict(vocab_size=32000, dim=2048, n_layers=23, n_heads=16, n_kv_heads=8, max_seq_len=128)
 SMALL = dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32)  # --small: a dry run
 LAYOUT = dict(tp=2, pp=2, dp=1, microbatches=4, schedule="1f1b")
 BATCH, STEPS, SEED = 4, 3, 0

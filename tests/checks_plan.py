@@ -37,11 +37,13 @@ def values(layouts: list[Layout]) -> dict[str, set]:
 
 
 def covering(layouts: list[Layout]) -> list[Layout]:
-    """A few layouts that between them hold every field value of ``layouts`` (greedy set cover)."""
+    """A few layouts that between them hold every field value of ``layouts`` (greedy set cover; among equals
+    the one with the fewest micro-batches per replica, the least work)."""
     need = {(name, getattr(lay, name)) for lay in layouts for name in FIELDS}
     chosen = []
     while need:
-        best = max(layouts, key=lambda lay: len({(n, getattr(lay, n)) for n in FIELDS} & need))
+        best = max(layouts, key=lambda lay: (len({(n, getattr(lay, n)) for n in FIELDS} & need),
+                                             lay.dp * lay.microbatch_size))
         chosen.append(best)
         need -= {(n, getattr(best, n)) for n in FIELDS}
     return chosen

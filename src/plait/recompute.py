@@ -35,7 +35,8 @@ class RecomputedCore:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # decoding or evaluation: nothing is saved anyway
             return self.core(q, k, v, mask)
-        return checkpoint(self.core, q, k, v, mask, use_reentrant=False)  # [B, h, S, hd]
+        # no dropout in the core: no random state to stash and restore for the recomputation
+        return checkpoint(self.core, q, k, v, mask, use_reentrant=False, preserve_rng_state=False)  # [B, h, S, hd]
 
 
 def recompute_attention(modules: dict[str, nn.Module], model_name: str = "model") -> int:
