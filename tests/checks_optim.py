@@ -56,10 +56,10 @@ def reference(**cfg_kw) -> tuple[dict, list[float], list[float]]:
 
 
 def build(ctx, cfg_kw: dict, zero: int = 0, precision: str = "fp32", microbatches: int = 2, sp: bool = False,
-          reduce_scatter: bool = True, own_group: tuple[str, ...] = ()):
+          reduce_scatter: bool = True, own_group: tuple[str, ...] = (), schedule: str = "1f1b"):
     torch.manual_seed(0)
-    pm = plait.parallelize(Llama(cfg_for(**cfg_kw)), ctx, microbatches=microbatches, sequence_parallel=sp,
-                           precision=precision)
+    pm = plait.parallelize(Llama(cfg_for(**cfg_kw)), ctx, schedule=schedule, microbatches=microbatches,
+                           sequence_parallel=sp, precision=precision)
     for name, p in pm.named_parameters():  # reduced over "their own" group, as experts are (here: DP)
         if name in own_group:
             p._plait_grad_group = (ctx.dp_group, ctx.dp_size)
@@ -92,12 +92,12 @@ def padding_rows_zero(pm) -> bool | None:
 def miscounted_norm_rel(opt) -> float:
     """Relative change of the norm if every local element were counted (replicas and tied copies too)."""
     right = opt.grad_norm()
-    saved = [s.counted for s in opt.layout.slots]
-    for s in opt.layout.slots:
-        s.counted = True
+    saved = [pc.counted for pc in opt.layout.pieces]
+    for pc in opt.layout.pieces:
+        pc.counted = True
     wrong = opt.grad_norm()
-    for s, c in zip(opt.layout.slots, saved, strict=True):
-        s.counted = c
+    for pc, c in zip(opt.layout.pieces, saved, strict=True):
+        pc.counted = c
     return abs(wrong - right) / right
 
 
@@ -116,8 +116,34 @@ def compare(ctx, precision: str = "fp32", **kw) -> dict:
         "ref_norms": ref_norms, "ref_losses": ref_losses, "losses": losses,
         "pad_zero": padding_rows_zero(pm), "state_bytes": opt.state_bytes(),
         "local_params": sum(p.numel() for p in pm.parameters()), "miscount_rel": miscount,
-        "n_own": len(opt.layout.own),
+        "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if hasattr(p, "_plait_grad_group")}),
+        "memory": pm.memory_report(), "formula": formula_bytes(pm, opt), "n_buckets": len(pm.grad_buckets()),
     }
+
+
+def formula_bytes(pm, opt) -> dict:
+    """The per-rank bytes docs/optim.md states, from the bucket geometry alone (d = the bucket's group size):
+    params 4 B/elt (2 with bf16 parameters); grads 4·padded per bucket (ZeRO-2: 4·padded/d); optimizer
+    (AdamW) zero 0: 8 B/elt + 4 B per tensor (step), zero 1/2: (8, +4 with bf16 masters) B per owned element
+    + 4 B per owned piece."""
+    bf16_params = opt.zero > 0 and pm.precision == "bf16"
+    params = list(pm.parameters())
+    out = {"params": sum(p.numel() for p in params) * (2 if bf16_params else 4)}
+    buckets = [b for _, b in pm.grad_buckets()]
+    out["grads"] = 4 * sum(b.padded // b.size if opt.zero == 2 else b.padded for b in buckets)
+    if opt.zero == 0:
+        out["optimizer"] = 8 * sum(p.numel() for p in params) + 4 * len(params)
+        return out
+    owned = pieces = 0
+    for b in buckets:  # this rank's shard [index·padded/d, (index+1)·padded/d) without the padding
+        lo, hi = b.index * b.padded // b.size, min((b.index + 1) * b.padded // b.size, b.numel)
+        for p, off in zip(b.params, b.offsets, strict=True):
+            n = min(off + p.numel(), hi) - max(off, lo)
+            if n > 0:
+                owned, pieces = owned + n, pieces + 1
+    out["optimizer"] = (12 if bf16_params else 8) * owned + 4 * pieces
+    out["owned"] = owned
+    return out
 
 
 def resume(ctx, **kw) -> dict:
@@ -161,6 +187,34 @@ def gathered(ctx) -> dict:
             "param_rel_max": max(rel_err(final[k], v) for k, v in ref_state.items())}
 
 
+class Square(torch.nn.Module):
+    """Squares the first quarter of its input's features: ``a * a`` saves the view ``a`` twice."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # [B, F] -> [B, F/4]
+        a = h[:, : h.shape[1] // 4]
+        return a * a
+
+
+def activations(ctx) -> dict:
+    """The measured peak of saved activations of a small known model against the tensors it must save.
+
+    Linear(H, F) saves its input x [B, H] (and its weight: a parameter, not counted); Square saves a view of
+    the Linear's output twice: the whole [B, F] storage counts once; Linear(F/4, O) saves its input [B, F/4];
+    MSE saves the output and the target [B, O] each. Counted per saved tensor instead, Square would give
+    2·B·F/4 and the total would differ.
+    """
+    b, h, f, o = 4, 16, 32, 8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(h, f), Square(), torch.nn.Linear(f // 4, o))
+    pm = plait.parallelize(model, ctx, microbatches=1, loss_fn=torch.nn.functional.mse_loss)
+    x, y = torch.randn(b, h), torch.randn(b, o)
+    pm.train_step(x, y)
+    first = pm.memory_report()
+    pm.train_step(x, y, measure_memory=False)
+    return {"report": first, "expected": 4 * b * (h + f + f // 4 + 2 * o), "keys": sorted(first),
+            "after_unmeasured": pm.memory_report()["activations_peak"]}
+
+
 OWN = ("layers.1.mlp.up_proj.weight", "layers.2.self_attn.q_proj.weight")
 
 
@@ -169,6 +223,7 @@ def rank_main() -> dict:
     tp2dp2 = plait.init(tp=2, pp=1, dp=2)
     pp2dp2 = plait.init(tp=1, pp=2, dp=2)
     tp4 = plait.init(tp=4, pp=1, dp=1)
+    dp4 = plait.init(tp=1, pp=1, dp=4)
     tied = {"tie_embeddings": True}
     checks = [
         ("tp2pp2/sp", lambda: compare(tp2pp2, microbatches=4, sp=True)),
@@ -184,5 +239,6 @@ def rank_main() -> dict:
         ("tp2dp2/bf16/zero1", lambda: compare(tp2dp2, precision="bf16", zero=1)),
         ("tp2dp2/zero1/resume", lambda: resume(tp2dp2, zero=1)),
         ("tp2dp2/zero1/gathered", lambda: gathered(tp2dp2)),
+        ("memory/activations", lambda: activations(dp4)),
     ]
     return run_checks(checks)

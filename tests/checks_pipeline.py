@@ -314,12 +314,17 @@ def bad_checks(world: int) -> list:
     ]
 
 
-def rank_main(families: str | None = None) -> dict:
-    """``families``: a folder of Hugging Face models (checks_families.make_folders) checked in the world of 4."""
+def rank_main(families: str | None = None, zero: str | None = None) -> dict:
+    """``families``: a folder of Hugging Face models (checks_families.make_folders) checked in the world of 4;
+    ``zero``: a scratch folder for the ZeRO checks (checks_zero) run in the world of 8."""
     world = int(os.environ["WORLD_SIZE"])
     checks = world4_checks() if world == 4 else world8_checks()
     if world == 4 and families is not None:
         checks += family_checks(Path(families))
+    if world == 8 and zero is not None:
+        import checks_zero
+
+        checks += checks_zero.checks(Path(zero))
     results = {}
     for name, fn in checks:
         results.update(run_checks([(name, fn)]))

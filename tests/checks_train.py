@@ -228,6 +228,7 @@ def rank_main(root: str) -> dict:
         ("ckpt/resume", lambda: check_resume(root)),
         ("train/moe_ep2", lambda: check_moe(root)),
         ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
+        ("ckpt/resume_zero2_bf16", lambda: check_resume(root, "_zero2", tp=1, pp=2, dp=2, zero=2, precision="bf16")),
         ("hf/slices", lambda: check_hf_slices(root)),
         ("generate/layouts", lambda: check_generate(root)),
         ("train/nonfinite", lambda: check_nonfinite(root)),

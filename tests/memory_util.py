@@ -9,26 +9,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from plait.memory import SavedTensorMeter
 from plait.models import LlamaConfig
 
 
 def saved_bytes(fn, x: torch.Tensor, exclude) -> tuple[int, torch.Tensor]:
-    """Bytes of the distinct storages autograd saves while ``fn(x)`` runs (``exclude``: parameters), and its output.
+    """Bytes autograd saves while ``fn(x)`` runs, each storage once, ``exclude`` (parameters) left out — the
+    runtime's own meter (plait.memory.SavedTensorMeter) — and the output.
 
     A checkpointed region's own saved tensors go through its hooks (not counted: they are recomputed); the
     region's inputs are saved outside it (counted)."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    meter = SavedTensorMeter(exclude)
+    with meter.hooks():
         out = fn(x)
-    return sum(seen.values()), out
+    return meter.live, out
 
 
 def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "fused", t: int = 1,

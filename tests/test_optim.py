@@ -84,3 +84,20 @@ def test_zero1_gathered_state_equals_unsharded(world4):
         assert r["moments_rel"] <= 1e-5, f"rank {rank}: moments differ by {r['moments_rel']:.2e}"
         assert r["steps_equal"], f"rank {rank}: step counters not carried"
         assert r["param_rel_max"] <= PARAM_TOL, f"rank {rank}: resumed from gathered state: {r['param_rel_max']:.2e}"
+
+
+@pytest.mark.parametrize("case", ["tp2dp2/zero0", "tp2dp2/zero1", "tp2dp2/bf16/zero1", "pp2dp2/tied/zero1",
+                                  "pp2dp2/tied/zero1-allreduce", "tp2pp2/bf16"])
+def test_measured_bytes_equal_the_formula(world4, case):
+    """memory_report's params, grads and optimizer bytes equal docs/optim.md's formula (tests/test_zero.py: ZeRO-2)."""
+    for rank, r in enumerate(result(world4, case)):
+        for key in ("params", "grads", "optimizer"):
+            assert r["memory"][key] == r["formula"][key], f"rank {rank} {case} {key}: {r['memory']} vs {r['formula']}"
+
+
+def test_activation_peak_counts_each_saved_storage_once(world4):
+    for r in result(world4, "memory/activations"):
+        assert r["keys"] == ["activations_peak", "grads", "optimizer", "params"]
+        assert r["report"]["activations_peak"] == r["expected"], r
+        assert r["report"]["optimizer"] == 0 and r["report"]["params"] > 0 and r["report"]["grads"] > 0
+        assert r["after_unmeasured"] == r["expected"]  # kept from the measured step

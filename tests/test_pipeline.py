@@ -24,10 +24,7 @@ def world4(tmp_path_factory):
     return launch(checks_pipeline.rank_main, 4, None if families is None else str(families))
 
 
-@pytest.fixture(scope="module")
-def world8():
-    return launch(checks_pipeline.rank_main, 8, timeout_s=600)
-
+# world8: tests/conftest.py (one launch of 8 ranks for these schedules and tests/test_zero.py)
 
 WORLD4_CASES = [f"pp4/{n}" for n in SCHEDULE_NAMES] + [
     "pp4/1f1b/tied", "pp4/zbv/tied", "pp4/seq_change", "pp4/1f1b/uneven", "pp4/zb-h1/checkpointing", "pp4/gpipe/m4",

@@ -29,7 +29,7 @@ def test_checkpoint_reshards_to_other_layouts_and_one_device(world4):
         assert r["one_device_logits_rel"] <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["ckpt/resume", "ckpt/resume_zero1"])
+@pytest.mark.parametrize("case", ["ckpt/resume", "ckpt/resume_zero1", "ckpt/resume_zero2_bf16"])
 def test_resume_is_exact(world4, case):
     for rank, r in enumerate(result(world4, case)):
         assert r["started"] == 4, f"rank {rank}: resumed at {r['started']}"

@@ -158,3 +158,45 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     torch.manual_seed(0)
     ref = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)).state_dict()
     assert set(state) == set(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
+    """SIGTERM to plait train (as SLURM or Kubernetes send it): every worker stops after the same step with a
+    checkpoint, exit code 0 within a bounded time; --resume then continues to the same losses as one device."""
+    from checks_train import reference_losses
+    from plait.train import TrainConfig
+
+    steps = 12
+    flags = ["--tp", "1", "--pp", "2", "--steps", str(steps), "--seq-len", "32", "--batch-size", "4",
+             "--microbatches", "2", "--max-data-mb", "0.3", "--sample-tokens", "0"]
+    metrics = tmp_path / "m.jsonl"
+    slow = ["--eval-every", "1", "--trace-every", "1"]  # longer steps, same losses: the signal lands mid-run
+    proc = subprocess.Popen(PLAIT + ["train", *flags, *slow, "--metrics", str(metrics)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 150
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=120)
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert elapsed < 60, f"the run took {elapsed:.0f}s to stop"  # one step, one checkpoint, teardown
+    first = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    stopped = first[-1]["step"]
+    assert 2 <= stopped < steps, f"stopped at {stopped}: the signal did not arrive mid-run"
+    assert f"stopped by SIGTERM after step {stopped}" in " ".join(out.split()), out
+    assert (tmp_path / "plait-checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+    res = _run(["train", *flags, "--eval-every", "0", "--resume", "--metrics", str(tmp_path / "m2.jsonl")], tmp_path)
+    assert res.returncode == 0, res.stderr
+    second = [json.loads(ln) for ln in (tmp_path / "m2.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in first + second] == list(range(1, steps + 1))
+    cfg = TrainConfig.from_dict(dict(tp=1, pp=2, steps=steps, seq_len=32, batch_size=4, microbatches=2,
+                                     max_data_mb=0.3))
+    ref = reference_losses(cfg, steps)
+    for r in first + second:
+        assert abs(r["loss"] - ref[r["step"] - 1]) <= 1e-5 * ref[r["step"] - 1], (r, ref)

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import weight_grad
-from plait.data_parallel.reducer import GradReducer
+from plait import memory, weight_grad
+from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import plain_state_keys
@@ -27,7 +27,7 @@ from plait.pipeline.p2p import Transport
 from plait.pipeline.partition import Partition, PipelineChunk, build_chunks
 from plait.pipeline.ties import TiedWeights
 from plait.schedules import Schedule
-from plait.tensor_parallel.layers import TPShardedModule, sync_tp_partial_grads
+from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_over_tp
 from plait.tensor_parallel.loss import full_logits
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,6 +70,8 @@ class ParallelModel:
                                  self.store, self.reducers)
         self._input_shape: tuple | None = None
         self.last_stats: StepStats | None = None
+        self._optimizer = None  # attach_optimizer: whose state memory_report counts
+        self.activations_peak: int | None = None  # bytes, of the last step that measured it
 
     @property
     def microbatches(self) -> int:
@@ -88,8 +90,47 @@ class ParallelModel:
         for c in order:  # later-finishing chunks overwrite earlier ones
             for p in self.chunks[c].parameters():
                 owner[id(p)], params[id(p)] = c, p
-        return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, op="sum")
+        alone = frozenset(id(p) for p, _ in self.ties.pairs)  # tied copies: a bucket each (shards line up)
+        return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, alone=alone)
                 for c in self.chunks}
+
+    # ------------------------------------------------------------------------------------- gradients
+    def set_grad_reduction(self, mode: str) -> None:
+        """How ``train_step`` reduces gradients over data parallelism (``data_parallel.reducer.MODES``):
+        "all-reduce" (the default: ``.grad`` holds the sum), "reduce-scatter" (ZeRO-1) or
+        "reduce-scatter-free" (ZeRO-2): each DP rank then holds only the sum of its shard of every bucket
+        (``grad_buckets``). A sharded optimizer (plait.optim.ParallelOptimizer) sets it."""
+        for reducer in self.reducers.values():
+            reducer.set_mode(mode)
+
+    def grad_buckets(self) -> list[tuple[GradReducer, Bucket]]:
+        """Every gradient bucket of this rank, with the reducer that reads it (``shard``, ``region``)."""
+        return [(r, b) for r in self.reducers.values() for b in r.buckets]
+
+    def _grad_pieces(self, wanted) -> list[torch.Tensor]:
+        return [t for r in self.reducers.values() for t in r.pieces(wanted)]
+
+    @torch.no_grad()
+    def store_params(self, dtype: torch.dtype) -> None:
+        """Keep the floating-point parameters in ``dtype`` (bf16 when a ZeRO optimizer holds the fp32
+        masters; plait.optim.precision)."""
+        for p in self.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+        self.cast.set_storage(dtype)
+
+    def attach_optimizer(self, optimizer) -> None:
+        """The optimizer whose state ``memory_report`` counts (``memory_bytes()``, or its state tensors)."""
+        self._optimizer = optimizer
+
+    def memory_report(self) -> dict[str, int | None]:
+        """Bytes on this rank: ``params`` (local shards), ``grads`` (gradient buffers and shards held now),
+        ``optimizer`` (the attached optimizer's state; 0 without one) and ``activations_peak`` (most bytes of
+        tensors saved for backward at once during the last step that measured it: the first ``train_step``
+        and any with ``measure_memory=True``; None before). Each storage counts once."""
+        grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
+        grads += [p.grad for p in self.parameters()]
+        return memory.report(self.parameters(), grads, self._optimizer, self.activations_peak)
 
     # ------------------------------------------------------------------------------------ parameters
     def parameters(self):
@@ -115,16 +156,12 @@ class ParallelModel:
         return self.cast.precision
 
     def set_precision(self, precision: str) -> None:
-        self.config = replace(self.config, precision=precision)  # checks the name
-        self.cast.set(precision)
-
-    def set_dp_grad_reduce(self, enabled: bool) -> None:
-        """Switch the model's own data-parallel gradient reduction on or off (an optimizer that reduce-scatters
-        the gradients itself, as ZeRO does, switches it off)."""
-        for reducer in self.reducers.values():
-            reducer.enabled = enabled and bool(reducer.buckets)
+        self.cast.set(precision)  # refuses a change once ZeRO keeps the parameters in bf16
+        self.config = replace(self.config, precision=precision)
 
     def zero_grad(self) -> None:
+        for reducer in self.reducers.values():
+            reducer.zero_grad()
         for p in self.parameters():
             p.grad = None
 
@@ -145,15 +182,20 @@ class ParallelModel:
             self._input_shape = tuple(inputs.shape)
         return list(inputs.to(self.ctx.device).chunk(self.microbatches))
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, trace: bool = False,
+                   measure_memory: bool | None = None) -> float:
         """One forward and backward over the local batch; returns the global mean loss on every rank.
 
-        Replaces ``.grad`` of every local shard with the gradient of that loss. ``trace=True`` records
-        the measured start/end of every action (``last_stats.timeline``).
+        Replaces ``.grad`` of every local shard with the gradient of that loss (under a ZeRO optimizer the
+        reduced gradient is sharded instead: ``set_grad_reduction``). ``trace=True`` records the measured
+        start/end of every action (``last_stats.timeline``). ``measure_memory`` measures the peak of saved
+        activations (``memory_report``); None: on the first step only (the hooks cost a little per tensor).
         """
         self._check_batch(inputs, targets)
         norm, global_rows = self._normaliser(inputs, targets)
         self.zero_grad()
+        for reducer in self.reducers.values():
+            reducer.point_grads()
         mb_inputs = self._split(inputs)
         mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
@@ -161,13 +203,26 @@ class ParallelModel:
             io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / global_rows)
         if trace and self.ctx.pp_size > 1:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
-        stats = self.cast.run(lambda: self.executor.run(io, trace=trace))
+        measure = self.activations_peak is None if measure_memory is None else measure_memory
+        stats = self.cast.run(lambda: self._run(io, trace, measure))
         for reducer in self.reducers.values():
             reducer.finish()
-        sync_tp_partial_grads(self.parameters(), self.ctx)
-        self.ties.sync_grads()
+        sum_over_tp(self._grad_pieces(is_tp_partial), self.ctx)  # on the reduced elements (shards under ZeRO)
+        self.ties.sync_grads(lambda p: self._grad_pieces(lambda q: q is p))
         self.last_stats = stats
         return self._global_loss(stats.loss_sum, stats.aux_sum)
+
+    def _run(self, io: StepIO, trace: bool, measure: bool) -> StepStats:
+        """The executor's step, under the saved-tensor meter if ``measure``."""
+        if not measure:
+            return self.executor.run(io, trace=trace)
+        weights = [*self.parameters(), *self.cast.copies.values()]
+        weights += [b for c in self.chunks.values() for b in c.buffers()]
+        meter = memory.SavedTensorMeter(exclude=weights)
+        with meter.hooks():
+            stats = self.executor.run(io, trace=trace)
+        self.activations_peak = meter.peak
+        return stats
 
     def trace_report(self, p2p_ms: float = 0.0):
         """Measured vs simulated timeline of the last ``train_step(..., trace=True)`` (collective over PP)."""
@@ -241,13 +296,17 @@ class ParallelModel:
         missing = sorted(set(self.plain_keys) - set(state_dict))
         if missing:
             raise ConfigError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:3]}")
+        exact: dict[nn.Parameter, torch.Tensor] = {}  # full-precision local values, for fp32 masters
         for chunk in self.chunks.values():
             for key, tensor in chunk.named_state().items():
                 module, name = chunk.owner(key)
-                if isinstance(module, TPShardedModule):
-                    module.load_full(name, state_dict[key].to(tensor.device))
-                else:
-                    tensor.copy_(state_dict[key])
+                full = state_dict[key].to(tensor.device)
+                local = module.shard_of(name, full) if isinstance(module, TPShardedModule) else full
+                tensor.copy_(local)
+                if isinstance(tensor, nn.Parameter):
+                    exact[tensor] = local
+        if self._optimizer is not None and hasattr(self._optimizer, "load_master_weights"):
+            self._optimizer.load_master_weights(exact)  # a ZeRO optimizer's fp32 masters follow
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:

@@ -53,7 +53,10 @@ class WeightGradStore:
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if param.grad is None:
+    sink = getattr(param, "_plait_grad_sink", None)  # data_parallel.reducer: the bucket's float32 buffer
+    if sink is not None:
+        sink(param, grad)
+    elif param.grad is None:
         param.grad = grad
     else:
         param.grad += grad

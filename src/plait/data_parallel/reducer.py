@@ -1,17 +1,35 @@
-"""Bucketed gradient reduction over the data-parallel group, overlapped with the remaining backward work.
+"""Gradient reduction over data parallelism: contiguous fp32 bucket buffers, reduced while the backward runs.
 
-Buckets are filled in reverse parameter order (roughly the order backward produces gradients). While
-armed, a bucket whose every gradient has been accumulated launches an asynchronous all-reduce at once;
-``finish()`` launches what is left, waits, and writes the reduced gradients back.
+A chunk's parameters are laid end to end in buckets (reverse parameter order, roughly the order backward
+produces gradients; about ``bucket_mb`` each). Each bucket owns one float32 buffer ``[padded]`` that the
+gradients accumulate into over the micro-batches: a float32 parameter's ``.grad`` is a view of it (autograd
+accumulates in place), a lower-precision parameter's gradient is added into it and dropped (Megatron-LM's
+``main_grad``). The buffer is padded to a multiple of its group's size ``g`` and cut into ``g`` equal shards;
+member i of the group owns shard i (the layout of Megatron-LM's distributed optimizer; Rajbhandari et al.
+2020, "ZeRO", §5.1-5.2).
+
+At a chunk's last backward a bucket whose gradients are complete is reduced asynchronously, by mode:
+- ``"all-reduce"`` (ZeRO-0): every member gets the whole sum;
+- ``"reduce-scatter"`` (ZeRO-1): member i gets the sum of shard i, written into its shard of the buffer
+  (the rest of the buffer then holds stale local values);
+- ``"reduce-scatter-free"`` (ZeRO-2): the same, kept in a ``[shard]`` tensor, and the full buffer is freed:
+  after the backward no rank holds a full gradient of a bucket.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait.distributed.context import ParallelContext
+from plait.errors import ConfigError
+
+MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-free")
+# torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def set_grad_group(param: nn.Parameter, group, size: int) -> None:
@@ -19,98 +37,228 @@ def set_grad_group(param: nn.Parameter, group, size: int) -> None:
     param._plait_grad_group = (group, size)  # read by GradReducer
 
 
-class _Bucket:
-    def __init__(self, params: list[nn.Parameter], group, size: int):
-        self.params, self.group, self.size = params, group, size
-        self.ready: set[int] = set()
-        self.work = None
-        self.buffer: torch.Tensor | None = None
+class Bucket:
+    """Parameters laid end to end in one float32 gradient buffer, sharded over their reduction group."""
 
-    def reset(self) -> None:
-        self.ready.clear()
-        self.work, self.buffer = None, None
+    def __init__(self, params: list[nn.Parameter], group, size: int, index: int):
+        self.params, self.group, self.size, self.index = params, group, size, index
+        self.offsets: list[int] = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.shard = math.ceil(n / size) if n else 0  # elements per member
+        self.padded = self.shard * size
+        self.lo, self.hi = index * self.shard, (index + 1) * self.shard  # this member's shard
+        self.buffer: torch.Tensor | None = None   # [padded] float32, while gradients accumulate
+        self.reduced: torch.Tensor | None = None  # [shard] after a reduce-scatter-free
+        self.out: torch.Tensor | None = None      # [shard] reduce-scatter output in flight
+        self.work = None
+        self.launched = False
+        self.ready: set[int] = set()
+
+    def view(self, i: int) -> torch.Tensor:
+        """The buffer's slice of parameter i, shaped like it (allocates the zeroed buffer if needed)."""
+        p = self.params[i]
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.padded, dtype=torch.float32, device=p.device)
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
 
 
 class GradReducer:
-    """Sums (``op="sum"``) or averages gradients of ``params`` over ``ctx``'s DP group in buckets."""
+    """Accumulates and reduces the gradients of ``params`` (one pipeline chunk) in buckets.
+
+    ``alone``: ids of parameters that get a bucket of their own (tied copies on several pipeline ranks:
+    their shards then line up across the tie group). Parameters marked by ``set_grad_group`` go over their
+    own group; the others over ``ctx``'s DP group. Groups of one rank reduce nothing.
+    """
 
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, bucket_mb: float = 25.0,
-                 op: str = "sum"):
-        self.ctx, self.op = ctx, op
-        self.armed = False
-        self.buckets: list[_Bucket] = []
-        self._where: dict[int, _Bucket] = {}
+                 alone: frozenset[int] = frozenset()):
+        self.ctx, self.mode, self.armed = ctx, "all-reduce", False
+        self.buckets: list[Bucket] = []
+        self._where: dict[int, tuple[Bucket, int]] = {}
         by_group: dict[int, tuple[object, int, list[nn.Parameter]]] = {}
         for p in params:  # most go over DP; set_grad_group redirects some (experts: expert-DP group)
+            if not p.requires_grad:
+                continue
             group, size = getattr(p, "_plait_grad_group", (ctx.dp_group, ctx.dp_size))
-            if p.requires_grad and size > 1:
+            if id(p) in alone:
+                self._add([p], group, size)
+            else:
                 by_group.setdefault(id(group), (group, size, []))[2].append(p)
         for group, size, members in by_group.values():
             self._fill(members, group, size, int(bucket_mb * 2**20))
-        self.enabled = bool(self.buckets)
         for b in self.buckets:
-            for p in b.params:
-                self._where[id(p)] = b
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
+                p._plait_grad_sink = self.accumulate  # deferred weight gradients (pipeline.weight_grad)
 
-    def _fill(self, params: list[nn.Parameter], group, group_size: int, cap: int) -> None:
+    def _add(self, params: list[nn.Parameter], group, size: int) -> None:
+        index = dist.get_group_rank(group, self.ctx.rank) if size > 1 else 0
+        self.buckets.append(Bucket(params, group, max(size, 1), index))
+
+    def _fill(self, params: list[nn.Parameter], group, size: int, cap: int) -> None:
         current: list[nn.Parameter] = []
-        size = 0
+        nbytes = 0
         for p in reversed(params):
             current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap:
-                self.buckets.append(_Bucket(current, group, group_size))
-                current, size = [], 0
+            nbytes += p.numel() * 4
+            if nbytes >= cap:
+                self._add(current, group, size)
+                current, nbytes = [], 0
         if current:
-            self.buckets.append(_Bucket(current, group, group_size))
+            self._add(current, group, size)
 
-    def arm(self) -> None:
-        """Reduce buckets as soon as they are complete during the next backward passes."""
-        if self.enabled:
-            self.armed = True
-            for b in self.buckets:
-                b.reset()
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"gradient reduction mode {mode!r}: use one of {', '.join(MODES)}")
+        self.mode = mode
+
+    # ------------------------------------------------------------------------------ accumulation
+    @torch.no_grad()
+    def _absorb(self, p: nn.Parameter) -> None:
+        """Move ``p.grad`` into the bucket buffer unless it already is the buffer's view."""
+        b, i = self._where[id(p)]
+        g = p.grad
+        if g is None:
+            return
+        view = b.view(i)
+        if g.data_ptr() != view.data_ptr():
+            view.add_(g)
+            p.grad = view if p.dtype == view.dtype else None
+
+    @torch.no_grad()
+    def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Add ``grad`` to ``p``'s gradient (the weight-gradient pass of zero-bubble schedules)."""
+        self._absorb(p)
+        b, i = self._where[id(p)]
+        view = b.view(i)
+        view.add_(grad)
+        if p.dtype == view.dtype:
+            p.grad = view
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._absorb(p)
         if not self.armed:
             return
-        bucket = self._where[id(p)]
-        bucket.ready.add(id(p))
-        if len(bucket.ready) == len(bucket.params) and bucket.work is None:
-            self._launch(bucket)
+        b, _ = self._where[id(p)]
+        b.ready.add(id(p))
+        if len(b.ready) == len(b.params) and not b.launched:
+            self._launch(b)
+        if self.mode == "reduce-scatter-free":  # free the full buffers of finished reductions early
+            for done in self.buckets:
+                if done.work is not None and done.work.is_completed():
+                    self._settle(done)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
-        if self.op == "avg":
-            bucket.buffer.div_(bucket.size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+    # --------------------------------------------------------------------------------- reduction
+    def arm(self) -> None:
+        """Reduce buckets as soon as they are complete during the next backward passes."""
+        self.armed = True
+        for b in self.buckets:
+            b.ready.clear()
+
+    def _launch(self, b: Bucket) -> None:
+        b.launched = True
+        for p in b.params:  # gradients written past the hooks (none missing: zeros)
+            self._absorb(p)
+        if b.buffer is None:
+            b.view(0)
+        if self.mode == "all-reduce":
+            if b.size > 1:
+                b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+            return
+        if b.size > 1:
+            b.out = torch.empty(b.shard, dtype=b.buffer.dtype, device=b.buffer.device)
+            b.work = _reduce_scatter(b.out, b.buffer, group=b.group, async_op=True)
+        else:
+            b.out = b.buffer
+
+    def _settle(self, b: Bucket) -> None:
+        """Wait for ``b``'s reduction and put the result in place (see the modes)."""
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        if self.mode == "all-reduce" or b.out is None:
+            return
+        out, b.out = b.out, None
+        if self.mode == "reduce-scatter":
+            if out is not b.buffer:
+                b.buffer[b.lo:b.hi].copy_(out)
+            return
+        b.reduced, b.buffer = out, None
+        for p in b.params:  # they viewed the freed buffer
+            p.grad = None
 
     def launch_pending(self) -> None:
         """Start the reduction of every bucket not yet started (a missing gradient counts as zeros)."""
-        if not self.enabled:
-            return
         for b in self.buckets:
-            if b.work is None:
+            if not b.launched:
                 self._launch(b)
         self.armed = False
 
     def finish(self) -> None:
-        """Launch what is left, wait for every bucket and write the reduced gradients back."""
-        if not self.enabled:
-            return
+        """Launch what is left, wait for every bucket and put the results in place."""
         self.launch_pending()
         for b in self.buckets:
-            b.work.wait()
-            offset = 0
-            for p in b.params:
-                n = p.numel()
-                chunk = b.buffer[offset:offset + n].view_as(p)
-                if p.grad is None:
-                    p.grad = chunk.clone()
-                else:
-                    p.grad.copy_(chunk)
-                offset += n
-            b.reset()
+            self._settle(b)
+            b.launched = False
         self.armed = False
+
+    def zero_grad(self) -> None:
+        """Forget this step's gradients (buffers are zeroed, kept under all-reduce / reduce-scatter)."""
+        for b in self.buckets:
+            if b.buffer is not None:
+                b.buffer.zero_()
+            b.reduced = b.out = b.work = None
+            b.launched = False
+            b.ready.clear()
+            for p in b.params:
+                p.grad = None
+        self.armed = False
+
+    def point_grads(self) -> None:
+        """Before a step: float32 parameters of buckets that kept their (zeroed) buffer get its views as
+        ``.grad``, so autograd accumulates in place from the first micro-batch on."""
+        for b in self.buckets:
+            if b.buffer is not None:
+                for i, p in enumerate(b.params):
+                    if p.dtype == b.buffer.dtype:
+                        p.grad = b.view(i)
+
+    # ----------------------------------------------------------------------------------- reading
+    def shard(self, b: Bucket) -> torch.Tensor:
+        """This member's reduced shard of ``b``: [shard] (after ``finish``)."""
+        if b.reduced is not None:
+            return b.reduced
+        b.view(0)
+        return b.buffer[b.lo:b.hi]
+
+    def region(self, b: Bucket) -> tuple[int, torch.Tensor]:
+        """(start, tensor): the part of ``b``'s flat gradient that holds reduced values on this rank."""
+        if self.mode == "all-reduce":
+            b.view(0)
+            return 0, b.buffer
+        return b.lo, self.shard(b)
+
+    def pieces(self, wanted) -> list[torch.Tensor]:
+        """The valid, reduced gradient elements of every parameter ``p`` with ``wanted(p)``, as flat views
+        (in bucket order: the same list on every rank with the same bucket layout, e.g. the TP group)."""
+        out = []
+        for b in self.buckets:
+            chosen = [i for i, p in enumerate(b.params) if wanted(p)]
+            if not chosen:
+                continue
+            start, t = self.region(b)
+            for i in chosen:
+                lo = max(b.offsets[i], start)
+                hi = min(b.offsets[i] + b.params[i].numel(), start + t.numel())
+                if hi > lo:
+                    out.append(t[lo - start:hi - start])
+        return out
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor this reducer holds right now (buffers and reduced shards)."""
+        return [t for b in self.buckets for t in (b.buffer, b.reduced, b.out) if t is not None]

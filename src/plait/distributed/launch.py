@@ -6,6 +6,11 @@ torchrun: ``plait train``, ``plait generate``, ``plait serve``).
 The elastic agent (``max_restarts=0``) watches a job's workers: when one dies it stops the others and the
 launch fails; we then name the rank that failed first, with its own one-line message (each worker writes
 its exception to a small file instead of printing a traceback; ``PLAIT_DEBUG=1`` prints them).
+
+SIGTERM (a preempted SLURM job or Kubernetes pod) is not the agent's to handle in ``launch``: the launcher
+forwards it to every worker and keeps watching them, so workers that stop cleanly on it (``plait train``
+saves a checkpoint at the next step boundary) end the launch normally, exit code 0. Workers still alive
+``STOP_TIMEOUT_S`` after the signal are killed (the launch then fails, naming them).
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -27,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
+STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step boundary, save and exit
+AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the elastic agent's own handling: stop the workers at once
 
 
 def free_port() -> int:
@@ -197,15 +206,50 @@ def launch(target: str, payload: dict, nproc: int) -> list:
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # our own one-line report replaces its tables
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS  # SIGTERM is forwarded by us (below)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
                           monitor_interval=0.2, start_method="spawn")
-    with tempfile.TemporaryDirectory(prefix="plait-job-") as failures:
+    if hasattr(config, "signals_to_handle"):
+        config.signals_to_handle = AGENT_SIGNALS
+    with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, _ForwardSignal(signal.SIGTERM):
         try:
             results = elastic_launch(config, worker)(target, payload, failures)
         except ChildFailedError as exc:
             raise JobError(*_explain(exc, Path(failures))) from None
     return [results[r] for r in sorted(results)]
+
+
+class _ForwardSignal:
+    """While active (main thread only), ``sig`` to this process goes to its worker processes instead; those
+    still alive ``STOP_TIMEOUT_S`` later are killed."""
+
+    def __init__(self, sig: int):
+        self.sig, self.previous, self.timer = sig, None, None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(self.sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(self.sig, self.previous)
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _forward(self, signum, frame) -> None:
+        for child in mp.active_children():
+            os.kill(child.pid, signum)
+        if self.timer is None:
+            self.timer = threading.Timer(STOP_TIMEOUT_S, _kill_children)
+            self.timer.daemon = True
+            self.timer.start()
+
+
+def _kill_children() -> None:
+    for child in mp.active_children():
+        child.kill()
 
 
 def _explain(exc, failures: Path) -> tuple[str, int]:

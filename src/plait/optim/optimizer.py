@@ -1,5 +1,5 @@
 """ParallelOptimizer: a torch optimizer for a ParallelModel with exact global-norm clipping, an LR schedule,
-weight-decay groups, bf16 mixed precision and a ZeRO-1 sharded optimizer state."""
+weight-decay groups, bf16 mixed precision and a sharded optimizer state (ZeRO-1 and ZeRO-2)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,30 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.memory import storage_bytes
+from plait.optim.masters import Masters, gather_bucket
 from plait.optim.schedule import decays, lr_at
-from plait.optim.shards import FlatLayout, Slot
+from plait.optim.shards import ShardLayout
 from plait.parallel_config import ZERO_LEVELS
 
-# torch >= 2.13 renames the flat collectives; older releases only have the *_tensor names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-STATE_FORMAT = "plait.optim/1"
+STATE_FORMAT = "plait.optim/2"
+ZERO_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-free"}
 
 
 class ParallelOptimizer:
     """Wraps ``optimizer_cls`` (AdamW by default) over a ParallelModel's local shards.
 
-    ``zero=0``: every DP replica updates all of its local parameters (state on every replica).
-    ``zero=1``: DP rank r keeps optimizer state for slice r of the flattened local parameters only
-    (Rajbhandari et al. 2020, "ZeRO", P_os): gradients are reduce-scattered over DP (the model's own
-    DP all-reduce is switched off; ``reduce_scatter=False`` keeps it and just reads the slice), each
-    rank updates its slice in place, and an all-gather over DP brings every replica the new values.
-    ``precision`` sets the model's precision ("fp32"/"bf16", see plait.optim.precision); None keeps it.
+    ``zero=0``: gradients are all-reduced over DP (overlapped with the backward) and every replica updates
+    all of its local parameters (optimizer state on every replica).
+    ``zero=1`` (Megatron-LM's distributed optimizer; Rajbhandari et al. 2020, "ZeRO", P_os): the gradient
+    buckets are reduce-scattered instead, DP rank r keeps the fp32 master weights and the optimizer state of
+    its shard of every bucket only, updates them, and an all-gather per bucket brings every replica the new
+    parameters. With ``precision="bf16"`` the model's parameters are then stored in bf16 (the masters live
+    here): 2 B/param of weights, 4 B/param of fp32 gradients, 12 B/param ÷ d of masters and moments.
+    ``zero=2`` (P_os+g): as ZeRO-1, and each rank keeps only its shard of the reduced gradient: the full
+    gradient buffer of a bucket is freed once it is reduce-scattered (4 B/param ÷ d after the backward).
+    ``reduce_scatter=False`` (zero=1 only) keeps the all-reduce and reads the owned shard (``.grad`` then
+    stays the DP sum). ``precision`` sets the model's precision ("fp32"/"bf16"); None keeps it.
     ``clip``: max global gradient norm applied by ``step()`` (if ``clip_grad_norm_`` was not called).
     The learning rate of update k is ``lr_at(k, lr, warmup, total_steps, min_lr_ratio)``.
     """
@@ -39,7 +44,9 @@ class ParallelOptimizer:
                  **optim_kwargs):
         if zero not in ZERO_LEVELS:
             raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
-                              "state, 1: ZeRO-1)")
+                              "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too)")
+        if zero == 2 and not reduce_scatter:
+            raise ConfigError("zero=2 keeps only a shard of each gradient: it needs reduce_scatter=True")
         if clip is not None and clip <= 0:
             raise ConfigError(f"clip={clip!r}: the max gradient norm must be positive (or None: no clipping)")
         if warmup < 0 or (total_steps is not None and total_steps < 1):
@@ -48,85 +55,37 @@ class ParallelOptimizer:
             pm.set_precision(precision)
         self.pm, self.ctx, self.zero, self.clip = pm, pm.ctx, zero, clip
         self.base_lr, self.warmup, self.total_steps, self.min_lr_ratio = lr, warmup, total_steps, min_lr_ratio
-        self.layout = FlatLayout(pm)
-        self.reduce_scatter = zero == 1 and reduce_scatter and self.ctx.dp_size > 1
-        self.pieces: list[tuple[Slot, nn.Parameter]] = self._make_pieces() if zero else []
-        if self.reduce_scatter:
-            pm.set_dp_grad_reduce(False)  # this optimizer sums gradients over DP (reduce-scatter) instead
-        targets = self.pieces if zero else [(s, s.param) for s in self.layout.slots]
-        targets = targets + [(s, s.param) for s in self.layout.own]  # experts: never sharded here
-        groups = [{"params": [t for s, t in targets if decays(s.name, s.param) == d], "weight_decay": w}
+        pm.set_grad_reduction(ZERO_MODES[zero] if reduce_scatter else "all-reduce")
+        self.layout = ShardLayout(pm)
+        self.masters = Masters(self.layout, pm) if zero else None
+        if zero:
+            targets = [(pc.name, pc.param, m) for pc, m in zip(self.layout.pieces, self.masters.params, strict=True)]
+        else:
+            targets = [(name, p, p) for name, p in pm.named_parameters() if p.requires_grad]
+        groups = [{"params": [t for name, p, t in targets if decays(name, p) == d], "weight_decay": w}
                   for d, w in ((True, weight_decay), (False, 0.0))]
         groups = [g for g in groups if g["params"]]
         self.optimizer = optimizer_cls(groups, lr=lr, **optim_kwargs) if groups else None
         self.steps = 0
         self.last_norm: float | None = None
         self._prepared = self._clipped = False
-
-    def _make_pieces(self) -> list[tuple[Slot, nn.Parameter]]:
-        """Flat views of the owned slice of each parameter: updating them in place updates the model."""
-        dtypes = {s.param.dtype for s in self.layout.slots}
-        if len(dtypes) > 1:
-            raise ConfigError(f"zero=1 needs one parameter dtype, found {sorted(map(str, dtypes))}")
-        pieces = []
-        for s in self.layout.owned():
-            if not s.param.is_contiguous():
-                raise ConfigError(f"zero=1 needs contiguous parameters; {s.name} is not")
-            pieces.append((s, nn.Parameter(s.param.detach().view(-1)[s.lo:s.hi])))  # [hi-lo], shares storage
-        return pieces
+        pm.attach_optimizer(self)
 
     # ------------------------------------------------------------------------------------- gradients
     def _prepare(self) -> None:
-        """Once per step: under ZeRO-1, give every owned piece its DP-summed gradient."""
+        """Once per step: under ZeRO, point every master piece at its reduced gradient (a view)."""
         if self._prepared:
             return
         self._prepared = True
-        if not self.zero:
-            return
-        lay = self.layout
-        if self.reduce_scatter:
-            mine = torch.empty(lay.shard, dtype=torch.float32, device=self.ctx.device)  # [padded/dp]
-            _reduce_scatter(mine, lay.flat_grads().to(self.ctx.device), group=self.ctx.dp_group)
-            start = lay.dp_rank * lay.shard
-            for s, piece in self.pieces:
-                at = s.offset + s.lo - start
-                piece.grad = mine[at:at + s.hi - s.lo].to(piece.dtype)
-            self._reduce_own()
-        else:
-            for s, piece in self.pieces:
-                g = s.param.grad
-                piece.grad = piece.new_zeros(piece.shape) if g is None else g.reshape(-1)[s.lo:s.hi]
-
-    def _reduce_own(self) -> None:
-        """With the model's reducer off: sum gradients of own-group parameters (experts) over their group."""
-        by_group: dict[int, list[Slot]] = {}
-        for s in self.layout.own:
-            if s.group_size > 1:
-                by_group.setdefault(id(s.group), []).append(s)
-        for slots in by_group.values():
-            grads = [s.param.grad if s.param.grad is not None else torch.zeros_like(s.param) for s in slots]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=slots[0].group)
-            offset = 0
-            for s in slots:
-                s.param.grad = flat[offset:offset + s.numel].view_as(s.param).clone()
-                offset += s.numel
-
-    def _owned_grads(self) -> list[tuple[Slot, torch.Tensor]]:
-        """(slot, gradient of this DP rank's slice of it), reduced; own-group parameters whole."""
-        own = [(s, s.param.grad.reshape(-1)) for s in self.layout.own if s.param.grad is not None]
         if self.zero:
-            return [(s, piece.grad) for s, piece in self.pieces] + own
-        sliced = [(s, s.param.grad.reshape(-1)[s.lo:s.hi]) for s in self.layout.owned()
-                  if s.param.grad is not None]
-        return sliced + own
+            for pc, m in zip(self.layout.pieces, self.masters.params, strict=True):
+                m.grad = pc.grad()
 
     def _update_grads(self) -> list[torch.Tensor]:
         """The gradients the wrapped optimizer will read (what clipping scales)."""
-        own = [s.param.grad for s in self.layout.own if s.param.grad is not None]
         if self.zero:
-            return [piece.grad for _, piece in self.pieces] + own
-        return [s.param.grad for s in self.layout.slots if s.param.grad is not None] + own
+            return [m.grad for m in self.masters.params if m.grad is not None]
+        return [p.grad for p in self.pm.parameters() if p.grad is not None]
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradient of the whole model, every element counted once (see shards.py).
@@ -134,10 +93,9 @@ class ParallelOptimizer:
         One float64 all-reduce over the world; the same value on every rank.
         """
         self._prepare()
-        sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for s, g in self._owned_grads():
-            if s.counted:
-                sq += g.detach().double().pow(2).sum()
+        parts = [pc.grad().double().pow(2).sum() for pc in self.layout.pieces if pc.counted]
+        sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+        sq = sq.to(self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(sq, group=self.ctx.world_group)
         return math.sqrt(float(sq))
@@ -172,30 +130,29 @@ class ParallelOptimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-        if self.zero and self.ctx.dp_size > 1 and self.layout.slots:
-            self._all_gather()
+        if self.zero:
+            self.masters.publish()
         self.steps += 1
         norm = self.last_norm if self._clipped else None
         self._prepared = self._clipped = False
         return norm
 
-    def _all_gather(self) -> None:
-        """ZeRO-1: every DP rank sends its updated slice; every replica gets all of them."""
-        lay = self.layout
-        dtype = lay.slots[0].param.dtype
-        parts = [piece.detach() for _, piece in self.pieces]
-        used = sum(p.numel() for p in parts)
-        parts.append(torch.zeros(lay.shard - used, dtype=dtype, device=self.ctx.device))
-        full = torch.empty(lay.padded, dtype=dtype, device=self.ctx.device)  # [dp * shard]
-        _all_gather(full, torch.cat(parts), group=self.ctx.dp_group)
-        for s in lay.slots:
-            s.param.view(-1).copy_(full[s.offset:s.offset + s.numel])
-
     def zero_grad(self) -> None:
         self.pm.zero_grad()
-        for _, piece in self.pieces:
-            piece.grad = None
+        for m in self.masters.params if self.zero else []:
+            m.grad = None
         self._prepared = self._clipped = False
+
+    # ---------------------------------------------------------------------------------------- memory
+    def state_bytes(self) -> int:
+        """Bytes of the wrapped optimizer's state tensors on this rank (AdamW: the two moments and steps)."""
+        if self.optimizer is None:
+            return 0
+        return storage_bytes(t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))
+
+    def memory_bytes(self) -> int:
+        """Optimizer state plus the fp32 masters it holds apart from the model (``ParallelModel.memory_report``)."""
+        return self.state_bytes() + (self.masters.nbytes() if self.zero else 0)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -205,82 +162,89 @@ class ParallelOptimizer:
             "format": STATE_FORMAT, "zero": self.zero, "steps": self.steps, "precision": self.pm.precision,
             "coords": {"tp": (ctx.tp_rank, ctx.tp_size), "pp": (ctx.pp_rank, ctx.pp_size),
                        "dp": (ctx.dp_rank, ctx.dp_size)},
-            "slots": self.layout.describe(),
+            "layout": self.layout.describe(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "masters": self.masters.state() if self.zero else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Load a state saved by the same rank of the same layout (no resharding)."""
+        """Load a state saved by the same rank of the same layout (no resharding; collective under ZeRO
+        with bf16 masters: the parameters are refreshed from them)."""
         mine = self.state_dict()
-        for key in ("format", "zero", "coords", "slots"):
+        for key in ("format", "zero", "coords", "layout", "precision"):
             if _plain(state.get(key)) != _plain(mine[key]):
                 raise ConfigError(f"optimizer state does not match this rank: {key}={state.get(key)!r} "
-                                  f"saved, {mine[key]!r} here; load it with the same layout and zero")
+                                  f"saved, {mine[key]!r} here; load it with the same layout, zero and precision")
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.zero:
+            self.masters.load_state(state["masters"])
         self.steps = int(state["steps"])
 
     @torch.no_grad()
     def gathered_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Optimizer state keyed by the model's local parameters, each tensor shaped like its parameter.
 
-        What a layout-independent checkpointer saves (like ``torch.optim.Optimizer.state``). Under ZeRO-1
-        the slices are all-gathered over DP (collective: call on every rank); scalars (``step``) are kept.
+        What a layout-independent checkpointer saves (like ``torch.optim.Optimizer.state``). Under ZeRO the
+        shards are all-gathered over each bucket's group (collective: call on every rank); scalars
+        (``step``) are kept.
         """
-        if self.optimizer is None and not self.zero:
-            return {}
         if not self.zero:
-            return dict(self.optimizer.state)
-        out = {s.param: dict(self.optimizer.state.get(s.param, {})) for s in self.layout.own}
-        names = sorted({k for _, pc in self.pieces for k, v in self.optimizer.state.get(pc, {}).items()
-                        if torch.is_tensor(v) and v.dim() == 1})
-        box = [names]
-        dist.broadcast_object_list(box, src=self.ctx.global_rank(dp_rank=0), group=self.ctx.dp_group)
-        for name in box[0]:  # e.g. exp_avg, exp_avg_sq: [padded] over DP, then cut per parameter
-            full = self._gather_pieces(lambda pc, n=name: self.optimizer.state[pc][n])
-            for s in self.layout.slots:
-                out.setdefault(s.param, {})[name] = full[s.offset:s.offset + s.numel].view_as(s.param).clone()
-        scalars = {k: v for pc in self.pieces[:1] for k, v in self.optimizer.state.get(pc[1], {}).items()
-                   if not (torch.is_tensor(v) and v.dim() == 1)}
-        for s in self.layout.slots:
-            out[s.param].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+            return dict(self.optimizer.state) if self.optimizer is not None else {}
+        state = self.optimizer.state if self.optimizer is not None else {}
+        local = {k for m in self.masters.params for k, v in state.get(m, {}).items() if torch.is_tensor(v)
+                 and v.dim() == 1}
+        everyone: list = [None] * self.ctx.world_size
+        dist.all_gather_object(everyone, sorted(local))  # a rank may own no piece
+        names = sorted(set().union(*map(set, everyone)))
+        scalars = next(({k: v for k, v in state[m].items() if not (torch.is_tensor(v) and v.dim() == 1)}
+                        for m in self.masters.params if m in state), {"step": torch.tensor(float(self.steps))})
+        out: dict[nn.Parameter, dict] = {}
+        for name in names:  # e.g. exp_avg, exp_avg_sq: [padded] per bucket, then cut per parameter
+            it = iter(self.masters.params)
+            for (_, b), pieces in zip(self.layout.buckets, self.layout.by_bucket, strict=True):
+                local_shard = torch.zeros(b.shard, dtype=torch.float32, device=self.ctx.device)
+                for pc in pieces:
+                    m = next(it)
+                    if m in state:
+                        local_shard[pc.at:pc.at + pc.numel].copy_(state[m][name])
+                full = gather_bucket(b, local_shard)
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    out.setdefault(p, {})[name] = full[off:off + p.numel()].view(p.shape).clone()
+        for st in out.values():
+            st.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
         return out
 
     @torch.no_grad()
     def load_gathered_state(self, state: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-        """Inverse of ``gathered_state`` (no collective): each rank keeps its slices."""
+        """Inverse of ``gathered_state`` (no collective): each rank keeps its shards."""
         if self.optimizer is None:
             return
         if not self.zero:
             for p, st in state.items():
                 self.optimizer.state[p] = dict(st)
             return
-        for s in self.layout.own:
-            if s.param in state:
-                self.optimizer.state[s.param] = dict(state[s.param])
-        for s, piece in self.pieces:
-            st = state.get(s.param, {})
-            self.optimizer.state[piece] = {
-                k: (v.reshape(-1)[s.lo:s.hi].clone() if torch.is_tensor(v) and v.shape == s.param.shape else v)
+        for pc, m in zip(self.layout.pieces, self.masters.params, strict=True):
+            st = state.get(pc.param, {})
+            self.optimizer.state[m] = {
+                k: (v.reshape(-1)[pc.lo:pc.hi].clone() if torch.is_tensor(v) and v.shape == pc.param.shape else v)
                 for k, v in st.items()}
 
-    def _gather_pieces(self, value_of) -> torch.Tensor:
-        """All-gather a per-piece tensor (same layout as the parameters' slices) into [dp * shard]."""
-        lay = self.layout
-        parts = [value_of(pc).reshape(-1) for _, pc in self.pieces]
-        used = sum(p.numel() for p in parts)
-        dtype = parts[0].dtype if parts else torch.float32
-        parts.append(torch.zeros(lay.shard - used, dtype=dtype, device=self.ctx.device))
-        full = torch.empty(lay.padded, dtype=dtype, device=self.ctx.device)
-        _all_gather(full, torch.cat(parts), group=self.ctx.dp_group)
-        return full
+    @property
+    def keeps_masters(self) -> bool:
+        """True when fp32 master weights live here, apart from the model's (bf16) parameters."""
+        return bool(self.zero) and self.masters.separate
 
-    def state_bytes(self) -> int:
-        """Bytes of the wrapped optimizer's state tensors on this rank (Adam: the two moments)."""
-        if self.optimizer is None:
-            return 0
-        return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                   for t in st.values() if torch.is_tensor(t))
+    def gathered_masters(self) -> dict[nn.Parameter, torch.Tensor]:
+        """fp32 value of every local parameter when the masters live apart from the bf16 parameters (collective;
+        what a checkpoint saves as the model's weights); empty otherwise."""
+        return self.masters.gathered() if self.zero else {}
+
+    def load_master_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Set the fp32 masters from full-precision local parameter values (after loading the model's bf16
+        parameters from the same values; no collective). Nothing to do when the parameters are the masters."""
+        if self.zero:
+            self.masters.load(values)
 
 
 def _plain(value):

@@ -8,10 +8,13 @@ bf16 weight gradient back into float32 and autograd accumulates it into the fp32
 master, so micro-batch accumulation, the data-parallel reduction, the TP-partial sync and the tied
 embedding sync all run in float32 without any change to that code.
 
-Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter, i.e.
-the 2 + 4 + 4 of the planner's 18-byte Adam budget with the master never sharded (see docs/optim.md).
+Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter.
 Zero-bubble schedules stay correct but compute weight gradients in the I pass (the bf16 copy is not a
 leaf, so ``plait.weight_grad.linear`` does not defer it).
+
+Under a ZeRO optimizer (``ParallelOptimizer(zero=1|2)``) the fp32 masters move into the optimizer, sharded
+over data parallelism, and the parameters themselves are stored in bf16 (``set_storage``): no per-step copy,
+2 B per parameter, and the weight gradients are deferred again (the parameters are leaves).
 """
 
 from __future__ import annotations
@@ -50,9 +53,19 @@ class StepCast:
     def __init__(self, chunks: dict[int, nn.Module], precision: str = "fp32"):
         self.holder = _Holder(chunks)
         self.precision = check_precision(precision)
+        self.stored: torch.dtype = torch.float32  # dtype the parameters are kept in
+        self.copies: dict[str, torch.Tensor] = {}  # the low-precision copies while ``run`` runs
 
     def set(self, precision: str) -> None:
-        self.precision = check_precision(precision)
+        check_precision(precision)
+        if self.stored != torch.float32 and PRECISIONS[precision] != self.stored:
+            raise ConfigError(f"precision={precision!r}: the parameters are stored in {self.stored} (a ZeRO "
+                              "optimizer keeps the fp32 master weights); build a new model to change it")
+        self.precision = precision
+
+    def set_storage(self, dtype: torch.dtype) -> None:
+        """The parameters are now kept in ``dtype``: no per-step copy is needed when it is the compute dtype."""
+        self.stored = dtype
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -72,6 +85,10 @@ class StepCast:
 
     def run(self, fn: Callable[[], object]) -> object:
         """``fn()`` with low-precision parameters (or directly in fp32)."""
-        if self.dtype is None:
+        if self.dtype is None or self.dtype == self.stored:
             return fn()
-        return functional_call(self.holder, self._copies(), (fn,), strict=False, tie_weights=True)
+        self.copies = self._copies()
+        try:
+            return functional_call(self.holder, self.copies, (fn,), strict=False, tie_weights=True)
+        finally:
+            self.copies = {}

@@ -1,4 +1,4 @@
-"""Which gradient elements a rank counts in the global norm and which slice it owns under ZeRO-1.
+"""Which gradient elements a rank counts in the global norm and which it owns under ZeRO.
 
 Every element of the full model's gradient must be counted exactly once over the world:
 - TP: a sharded parameter (``shard_dims`` dim not None) is counted on every TP rank (disjoint shards);
@@ -6,43 +6,47 @@ Every element of the full model's gradient must be counted exactly once over the
   after ``train_step``, so only ``tp_rank 0`` counts it.
 - PP: a parameter lives on one pipeline rank, except tied embeddings (one copy per holding rank, equal
   gradients after the tie sync): only the lowest global rank of the tie group counts it.
-- DP: the gradients are equal on every DP rank after the reduction, so the local parameters are laid
-  end to end (``pm.named_parameters()`` order, identical on every replica) and cut into ``dp`` equal
-  slices; DP rank r counts — and under ZeRO-1 owns — slice r (Rajbhandari et al. 2020, "ZeRO", §5.1).
+- DP: the gradients are laid end to end in buckets (``data_parallel.reducer``), each cut into ``d`` equal
+  shards; DP rank r counts — and under ZeRO owns — shard r of every bucket (Rajbhandari et al. 2020,
+  "ZeRO", §5.1). After the reduction rank r holds (at least) the sum of its shards.
 Parameters whose gradient is reduced over another group (``data_parallel.reducer.set_grad_group``, e.g.
-experts over the expert-data-parallel group) are identical only within that group: each is counted whole
-by the lowest global rank of its group, and is neither sliced over DP nor sharded by ZeRO-1.
+experts over the expert-data-parallel group, which holds every copy of them) are sharded over that group
+instead, and each member counts its own shard.
 Vocabulary padding rows are zero with zero gradient: counted, they add nothing.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.tensor_parallel.layers import TPShardedModule
 
 
 @dataclass
-class Slot:
-    """One local parameter in the rank's flat layout, and the part of it this DP rank owns."""
+class Piece:
+    """The part of one parameter inside this rank's shard of a gradient bucket."""
 
     name: str
     param: nn.Parameter
-    offset: int    # start of the parameter in the flat concatenation of this rank's parameters
-    counted: bool  # counted in the global norm by this (tp, pp) coordinate
-    lo: int        # owned elements: param.view(-1)[lo:hi] (lo == hi: none)
+    reducer: GradReducer
+    bucket: Bucket
+    lo: int        # param.view(-1)[lo:hi] is in the shard
     hi: int
-    group: object = None  # own gradient-reduction group (experts); None: the DP group
-    group_size: int = 0
+    at: int        # where element lo sits in the bucket's [shard] tensor
+    counted: bool  # counted in the global norm by this rank
 
     @property
     def numel(self) -> int:
-        return self.param.numel()
+        return self.hi - self.lo
+
+    def grad(self) -> torch.Tensor:
+        """The reduced gradient of the piece: a flat view of the bucket's shard ([hi - lo])."""
+        return self.reducer.shard(self.bucket)[self.at:self.at + self.numel]
 
 
 def _tp_sharded(pm) -> dict[int, bool]:
@@ -63,47 +67,34 @@ def _tie_counted(pm) -> dict[int, bool]:
     return {id(p): pm.ctx.rank == min(dist.get_process_group_ranks(group)) for p, group in pm.ties.pairs}
 
 
-class FlatLayout:
-    """The slots of a ParallelModel's local parameters; DP slice ``dp_rank`` of ``shard`` elements each."""
+class ShardLayout:
+    """The pieces of a ParallelModel's parameters in this rank's shards of its gradient buckets."""
 
     def __init__(self, pm):
         ctx = pm.ctx
+        names = {id(p): name for name, p in pm.named_parameters()}
         sharded, ties = _tp_sharded(pm), _tie_counted(pm)
-        self.slots: list[Slot] = []  # replicated over DP: laid end to end, sliced over DP
-        self.own: list[Slot] = []    # reduced over their own group: whole, never sliced
-        offset = 0
-        for name, p in pm.named_parameters():
-            if not p.requires_grad:
-                continue
-            group, size = getattr(p, "_plait_grad_group", (None, 0))
-            if size:
-                leader = size == 1 or group is None or ctx.rank == min(dist.get_process_group_ranks(group))
-                self.own.append(Slot(name, p, -1, leader, 0, p.numel(), group, size))
-                continue
-            counted = (sharded.get(id(p), False) or ctx.tp_rank == 0) and ties.get(id(p), True)
-            self.slots.append(Slot(name, p, offset, counted, 0, 0))
-            offset += p.numel()
-        self.numel = offset
-        self.dp_size, self.dp_rank = ctx.dp_size, ctx.dp_rank
-        self.shard = math.ceil(offset / ctx.dp_size) if offset else 0  # elements per DP rank
-        self.padded = self.shard * ctx.dp_size
-        start, end = self.dp_rank * self.shard, (self.dp_rank + 1) * self.shard
-        for s in self.slots:
-            s.lo = min(max(start - s.offset, 0), s.numel)
-            s.hi = max(min(end - s.offset, s.numel), s.lo)
+        self.buckets: list[tuple[GradReducer, Bucket]] = pm.grad_buckets()
+        self.by_bucket: list[list[Piece]] = []
+        for reducer, b in self.buckets:
+            stop = min(b.hi, b.numel)  # the shard without the bucket's padding
+            mine = []
+            for p, off in zip(b.params, b.offsets, strict=True):
+                lo, hi = max(off, b.lo), min(off + p.numel(), stop)
+                if lo >= hi:
+                    continue
+                own_group = hasattr(p, "_plait_grad_group")  # the group holds every copy: count the shard
+                counted = own_group or ((sharded.get(id(p), False) or ctx.tp_rank == 0) and ties.get(id(p), True))
+                mine.append(Piece(names[id(p)], p, reducer, b, lo - off, hi - off, lo - b.lo, counted))
+            self.by_bucket.append(mine)
+        self.pieces: list[Piece] = [pc for mine in self.by_bucket for pc in mine]
 
-    def owned(self) -> list[Slot]:
-        return [s for s in self.slots if s.hi > s.lo]
+    @property
+    def owned(self) -> int:
+        """Parameter elements in this rank's shards (padding excluded)."""
+        return sum(pc.numel for pc in self.pieces)
 
-    def describe(self) -> list[tuple[str, int, int, int]]:
-        """(name, numel, lo, hi) per slot: identifies the layout in a saved optimizer state."""
-        return [(s.name, s.numel, s.lo, s.hi) for s in self.slots + self.own]
-
-    def flat_grads(self) -> torch.Tensor:
-        """All local gradients end to end in float32, zero-padded to ``dp·shard``: [padded]."""
-        parts = [s.param.grad.reshape(-1) if s.param.grad is not None else s.param.new_zeros(s.numel)
-                 for s in self.slots]
-        pad = self.padded - self.numel
-        if pad:
-            parts.append(parts[0].new_zeros(pad) if parts else torch.zeros(pad))
-        return torch.cat(parts).float() if parts else torch.zeros(0)
+    def describe(self) -> list:
+        """Bucket geometry and pieces: identifies the layout of a saved per-rank optimizer state."""
+        buckets = [(b.numel, b.size, b.index) for _, b in self.buckets]
+        return [buckets, [(pc.name, pc.param.numel(), pc.lo, pc.hi) for pc in self.pieces]]

@@ -3,6 +3,8 @@ summed over the ranks that hold a copy (Megatron's embedding group), so the copi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,9 +35,12 @@ class TiedWeights:
                     if ctx.rank in members:
                         self.pairs.append((p, group))
 
-    def sync_grads(self) -> None:
-        """Sum the gradients of the tied copies over the ranks that hold them."""
+    def sync_grads(self, grad_of: Callable[[nn.Parameter], list[torch.Tensor]]) -> None:
+        """Sum the gradients of the tied copies over the ranks that hold them.
+
+        ``grad_of(p)``: the tensors holding ``p``'s reduced gradient on this rank (the same elements on every
+        rank of its tie group: a tied copy has a gradient bucket of its own, see data_parallel.reducer).
+        """
         for p, group in self.pairs:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            for g in grad_of(p):
+                dist.all_reduce(g, group=group)

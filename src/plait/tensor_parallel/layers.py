@@ -38,7 +38,11 @@ def is_tp_partial(param: torch.Tensor) -> bool:
 
 def sync_tp_partial_grads(params, ctx: ParallelContext) -> None:
     """Sum the partial gradients of TP-replicated parameters (SP norms and biases, replicated KV) over TP."""
-    grads = [p.grad for p in params if is_tp_partial(p) and p.grad is not None]
+    sum_over_tp([p.grad for p in params if is_tp_partial(p) and p.grad is not None], ctx)
+
+
+def sum_over_tp(grads: list[torch.Tensor], ctx: ParallelContext) -> None:
+    """All-reduce (sum) ``grads`` in place over TP, as one flat message (the same list on every TP rank)."""
     if ctx.tp_size == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from plait.errors import ConfigError
-from plait.train.shards import load_local, local_tensors, param_keys
+from plait.train.shards import copy_padded, load_local, local_tensors, param_keys
 
 FORMAT = "plait-checkpoint/1"
 META = "meta.json"
@@ -61,15 +61,19 @@ def _writes(ctx, lt) -> bool:
     return lt.stop > lt.start  # not an all-padding shard
 
 
-def _local_tensors(pm, states: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
-    """This rank's tensors to write, their shard records, and optimizer scalars per key."""
+def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+    """This rank's tensors to write, their shard records, and optimizer scalars per key. A parameter with an
+    fp32 master (ZeRO with bf16 parameters) is written as its master: checkpoints hold the exact weights."""
     ctx = pm.ctx
     tensors, records, scalars = {}, [], {}
     keys = param_keys(pm)
     for lt in local_tensors(pm):
         if not _writes(ctx, lt):
             continue
-        pairs = [(lt.key, lt.valid)]
+        master = masters.get(lt.tensor)
+        value = lt.valid if master is None else (master if lt.dim is None else master.narrow(
+            lt.dim, 0, lt.stop - lt.start))
+        pairs = [(lt.key, value)]
         state = states.get(lt.tensor, {}) if keys.get(id(lt.tensor)) == lt.key else {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.shape == lt.tensor.shape:
@@ -99,8 +103,9 @@ def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict
         tmp.mkdir()
     dist.barrier()
     fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}-dp{ctx.dp_rank}.safetensors"
-    states = _optimizer_states(optimizer)  # collective under ZeRO-1: every rank takes part
-    tensors, records, scalars = _local_tensors(pm, states)
+    states = _optimizer_states(optimizer)  # collective under ZeRO: every rank takes part
+    masters = optimizer.gathered_masters() if hasattr(optimizer, "gathered_masters") else {}  # collective
+    tensors, records, scalars = _local_tensors(pm, states, masters)
     if tensors:  # data-parallel replicas write nothing (experts under EP excepted)
         save_file(tensors, str(tmp / fname), metadata={"format": FORMAT})
         _fsync_path(tmp / fname)
@@ -226,6 +231,8 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
     """Load a checkpoint saved under any layout into ``pm`` (and ``optimizer``); returns its metadata."""
     reader = CheckpointReader(path)
     load_local(pm, reader.read)
+    if getattr(optimizer, "keeps_masters", False):
+        _load_masters(pm, optimizer, reader)
     if optimizer is not None and reader.meta["optimizer"]["param_groups"] is not None:
         _load_optimizer(pm, optimizer, reader)
     layout = reader.meta["layout"]
@@ -233,6 +240,19 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
     if same and reader.meta.get("rng_rank0") is not None and pm.ctx.rank == 0:
         torch.set_rng_state(torch.tensor(reader.meta["rng_rank0"], dtype=torch.uint8))
     return reader.meta
+
+
+@torch.no_grad()
+def _load_masters(pm, optimizer, reader: CheckpointReader) -> None:
+    """The fp32 weights of the checkpoint into a ZeRO optimizer's masters (the bf16 parameters got them cast)."""
+    keys = param_keys(pm)
+    values = {}
+    for lt in local_tensors(pm):
+        if keys.get(id(lt.tensor)) == lt.key:
+            data = reader.read(lt.key, lt.dim, lt.start, lt.stop) if lt.dim is not None else reader.read(lt.key)
+            values[lt.tensor] = torch.zeros(lt.tensor.shape, dtype=torch.float32, device=lt.tensor.device)
+            copy_padded(values[lt.tensor], data, lt.dim)
+    optimizer.load_master_weights(values)
 
 
 @torch.no_grad()
@@ -251,9 +271,8 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
             full = f"optim/{name}/{lt.key}"
             if reader.has(full):
                 data = reader.read(full, lt.dim, lt.start, lt.stop) if lt.dim is not None else reader.read(full)
-                buf = torch.zeros_like(lt.tensor)
-                (buf if lt.dim is None else buf.narrow(lt.dim, 0, data.shape[lt.dim])).copy_(data)
-                state[name] = buf
+                state[name] = torch.zeros(lt.tensor.shape, dtype=data.dtype, device=lt.tensor.device)
+                copy_padded(state[name], data, lt.dim)
         for name, value in meta["scalars"].get(lt.key, {}).items():
             state[name] = torch.tensor(value, dtype=torch.float32)
         if state:

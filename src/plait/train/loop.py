@@ -40,6 +40,9 @@ class TrainResult:
     predicted_bubble: float | None = None
     startup_s: float = 0.0
     params: int = 0
+    stopped_at: int | None = None  # the step a stop signal (SIGTERM) ended the run at, with a checkpoint
+    stop_signal: str | None = None
+    memory: list[dict] = field(default_factory=list)  # per rank: memory_rows()
 
 
 @dataclass
@@ -159,8 +162,12 @@ def sample_text(run: Run, prompt: str = "def ") -> str | None:
     return prompt + run.tokenizer.decode(ids[0])
 
 
-def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
-    """Run the whole loop on this rank (every rank of the world calls it)."""
+def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None) -> TrainResult:
+    """Run the whole loop on this rank (every rank of the world calls it).
+
+    ``stop`` (a ``plait.train.preempt.StopRequest``): checked at every step boundary (all ranks agree); once
+    a stop signal arrived, the run saves a checkpoint at that step and returns (no held-out loss, no sample).
+    """
     t_start = time.perf_counter()
     run = build(cfg, ctx)
     res = TrainResult(params=run.params)
@@ -168,33 +175,59 @@ def train(cfg: TrainConfig, ctx=None, reporter=None) -> TrainResult:
         reporter.begin(run)
     times: list[float] = []
     for step in range(run.start, cfg.steps):
-        trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
-        lr = getattr(run.opt, "lr", cfg.lr)  # the rate this step's update uses
-        t0 = time.perf_counter()
-        loss, norm = train_one(run, step, trace)
-        dt = time.perf_counter() - t0
-        if step == run.start:  # from the command's start when launched by plait train, else this process's
-            began = os.environ.get("PLAIT_LAUNCHED_AT")
-            res.startup_s = time.time() - float(began) if began else time.perf_counter() - t_start
-        times.append(dt)
-        res.losses[step + 1] = loss
-        if norm is None and not math.isfinite(loss):
-            res.skipped.append(step + 1)
-        row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-               "step_time_s": dt, "lr": lr, "grad_norm": norm}
-        if trace:
-            res.measured_bubble, res.predicted_bubble = bubble(run)
-            row.update(measured_bubble=res.measured_bubble, predicted_bubble=res.predicted_bubble)
-        if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
-            row["held_out_loss"] = held_out_loss(run)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            res.checkpoint = save(run, step + 1)
+        row = _step(run, res, step, times, t_start)
         if reporter is not None:
             reporter.step(row)
+        if stop is not None and stop.agreed(run.ctx):
+            res.stopped_at, res.stop_signal = step + 1, stop.name
+            if res.checkpoint is None or not res.checkpoint.endswith(f"step_{step + 1:08d}"):
+                res.checkpoint = save(run, step + 1)
+            break
+    res.memory = memory_rows(run.pm)
     _finish(run, res, times)
     if reporter is not None:
         reporter.end(run, res)
     return res
+
+
+def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: float) -> dict:
+    """Train global batch ``step``, with its trace, held-out loss and checkpoint when due; the metrics row."""
+    cfg = run.cfg
+    trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
+    lr = getattr(run.opt, "lr", cfg.lr)  # the rate this step's update uses
+    t0 = time.perf_counter()
+    loss, norm = train_one(run, step, trace)
+    dt = time.perf_counter() - t0
+    if step == run.start:  # from the command's start when launched by plait train, else this process's
+        began = os.environ.get("PLAIT_LAUNCHED_AT")
+        res.startup_s = time.time() - float(began) if began else time.perf_counter() - t_start
+    times.append(dt)
+    res.losses[step + 1] = loss
+    if norm is None and not math.isfinite(loss):
+        res.skipped.append(step + 1)
+    row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
+           "step_time_s": dt, "lr": lr, "grad_norm": norm}
+    if trace:
+        res.measured_bubble, res.predicted_bubble = bubble(run)
+        row.update(measured_bubble=res.measured_bubble, predicted_bubble=res.predicted_bubble)
+    if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
+        row["held_out_loss"] = held_out_loss(run)
+    if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+        res.checkpoint = save(run, step + 1)
+    return row
+
+
+def memory_rows(pm) -> list[dict]:
+    """Every rank's ``pm.memory_report()`` with its coordinates, in rank order (collective over the world)."""
+    import torch.distributed as dist
+
+    ctx = pm.ctx
+    mine = {"rank": ctx.rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank, **pm.memory_report()}
+    if ctx.world_size == 1:
+        return [mine]
+    rows: list = [None] * ctx.world_size
+    dist.all_gather_object(rows, mine)
+    return rows
 
 
 def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
@@ -203,6 +236,8 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
     if steady:
         res.step_time_s = steady[len(steady) // 2]
         res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
+    if res.stopped_at is not None:
+        return  # stopped by a signal: the checkpoint is written, leave promptly
     if cfg.steps > run.start or not cfg.resume:
         res.checkpoint = save(run, cfg.steps)
     res.held_out = held_out_loss(run)

@@ -77,6 +77,11 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.close()
         self.console.print(summary_table(self.cfg, run, res))
+        if res.memory:
+            self.console.print(memory_table(res.memory))
+        if res.stopped_at is not None:
+            self.console.print(f"[bold]stopped by {res.stop_signal}[/] after step {res.stopped_at}: checkpoint "
+                               f"{res.checkpoint}; continue with --resume")
         if res.sample is not None:
             from rich.panel import Panel
             from rich.text import Text
@@ -115,4 +120,18 @@ def summary_table(cfg: TrainConfig, run, res):
     ]
     for k, v in rows:
         t.add_row(k, v)
+    return t
+
+
+def memory_table(rows: list[dict]):
+    """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB."""
+    from rich.table import Table
+
+    t = Table(title="memory per rank (measured, MB)", title_justify="left")
+    for name in ("rank", "pp/dp/tp", "params", "grads", "optimizer", "activations peak", "total"):
+        t.add_column(name, justify="right")
+    for r in rows:
+        parts = [r["params"], r["grads"], r["optimizer"], r["activations_peak"] or 0]
+        t.add_row(str(r["rank"]), f"{r['pp']}/{r['dp']}/{r['tp']}", *(f"{b / 2**20:.2f}" for b in parts),
+                  f"{sum(parts) / 2**20:.2f}")
     return t

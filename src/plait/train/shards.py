@@ -65,7 +65,7 @@ def load_local(pm, read: Reader, keys_ok: Callable[[str], bool] | None = None) -
         if keys_ok is not None and not keys_ok(lt.key):
             continue
         data = read(lt.key, lt.dim, lt.start, lt.stop) if lt.dim is not None else read(lt.key, None, 0, None)
-        _copy_padded(lt.tensor, data, lt.dim)
+        copy_padded(lt.tensor, data, lt.dim)
 
 
 @torch.no_grad()
@@ -76,11 +76,11 @@ def init_local(pm, seed: int) -> None:
     family, config = pm.family, pm.model_config
     for lt in local_tensors(pm):
         full = family.init_tensor(config, lt.key, tuple(lt.full_shape), seed)
-        _copy_padded(lt.tensor, full if lt.dim is None else full.narrow(lt.dim, lt.start, lt.stop - lt.start), lt.dim)
+        copy_padded(lt.tensor, full if lt.dim is None else full.narrow(lt.dim, lt.start, lt.stop - lt.start), lt.dim)
         del full  # before the next one is drawn
 
 
-def _copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:
+def copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:
     src = src.to(dtype=dst.dtype, device=dst.device)
     if dim is None or src.shape[dim] == dst.shape[dim]:
         dst.copy_(src.view_as(dst))
