@@ -38,11 +38,6 @@ def _status(field: str) -> int:
     return 0
 
 
-def _bytes(tensors) -> int:
-    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
-    return sum(seen.values())
-
-
 def rank_main(config: dict) -> dict:
     import torch
 
@@ -71,14 +66,9 @@ def rank_main(config: dict) -> dict:
         losses.append(pm.train_step(tokens[:, :-1], tokens[:, 1:]))
         opt.step()
         times.append(time.perf_counter() - t1)
-    params = list(pm.parameters())
-    measured = {"params": _bytes(params), "grads": _bytes(p.grad for p in params),
-                "optimizer": _bytes(t for st in opt.optimizer.state.values() for t in st.values()
-                                    if torch.is_tensor(t) and t.dim() > 0)}
-    if hasattr(pm, "memory_report"):
-        measured = {k: v for k, v in pm.memory_report().items() if v is not None}
+    measured = pm.memory_report()  # bytes on this rank: params, grads, optimizer, activations_peak (first step)
     return {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "tp_rank": ctx.tp_rank, "layers": pm.partition,
-            "local_params": sum(p.numel() for p in params), "init_s": init_s, "rss_start": rss0,
+            "local_params": sum(p.numel() for p in pm.parameters()), "init_s": init_s, "rss_start": rss0,
             "rss_after_init": rss_init, "hwm_after_init": hwm_init, "peak_rss": _status("VmHWM"),
             "step_s": times, "losses": losses, "measured": measured}
 

@@ -121,7 +121,7 @@ def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched):
     assert res.exit_code == 0, res.output
     cfg = TrainConfig.from_dict(launched["payload"])
     want = TrainConfig.from_dict({"seq_len": 32, "batch_size": 8, "max_data_mb": 0.1, "nproc": 4})
-    best = search(plan_model(want), host_cluster(4), Training(8), top=1)[0].layout
+    best = search(plan_model(want), host_cluster(4), Training(8), top=20)[0].layout  # as auto_layout asks
     assert cfg.parallel == best.to_parallel_config(Training(8), precision="fp32")
     assert f"--layout auto: {best.short()}" in res.output and cfg.layout == "flags" and launched["n"] == 4
     assert auto_layout(want, 4)[0].parallel == cfg.parallel
