@@ -181,15 +181,16 @@ def check_generate(root: Path) -> dict:
     """Greedy and top-k sampled tokens under three layouts and on one device, from a checkpoint and an HF folder."""
     from plait.generation.job import load_model
 
-    prompts = ["def ", "import sys\nclass "]
+    texts = ["def ", "import sys\nclass "]
     out = {}
     for source in (str(find_checkpoint(root / "a")), str(root / "hf")):
         for name, (tp, pp) in {"tp2pp2": (2, 2), "tp1pp4": (1, 4), "tp4pp1": (4, 1), "single": (1, 1)}.items():
             ctx = plait.init(tp, pp, 1) if tp * pp > 1 else None
             model, tok, _ = load_model(source, ctx=ctx)  # single: a plain Llama, no process group
+            prompts = [tok.encode(t) for t in texts]  # ids in, ids out: 12 new tokens whatever bytes they are
             out[f"{Path(source).name}/{name}"] = [
-                plait.generate(model, prompts, max_new_tokens=12, tokenizer=tok),
-                plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5, tokenizer=tok)]
+                plait.generate(model, prompts, max_new_tokens=12),
+                plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5)]
             out[f"{Path(source).name}/{name}/too_long"] = _too_long(model, tok)
     return out
 
