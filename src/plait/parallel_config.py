@@ -22,7 +22,7 @@ from plait.errors import ConfigError, FieldError
 from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
 #: activation recomputation modes the runtime runs
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "full")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 #: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1)
 ZERO_LEVELS: tuple[int, ...] = (0, 1, 2)
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
@@ -56,7 +56,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence between TP regions (their activations / tp)."""
     recompute: str = "none"
-    """Activation recomputation: none, or full (every block recomputes its forward during backward)."""
+    """Activation recomputation: none; selective (each attention core - QK^T, softmax, weighted sum - is
+    recomputed during backward from its saved q, k, v); or full (every block recomputes its forward)."""
     zero: int = 0
     """ZeRO stage of plait.optim: 0 replicated optimizer state, 1 fp32 masters and optimizer state sharded over
     data-parallel ranks, 2 gradients sharded too (no ZeRO-3: docs/optim.md says why)."""

@@ -337,12 +337,18 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for p in sub._parameters.values():
             if p is not None and p.is_meta:
-                real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                real = nn.Parameter(_empty(p, device), requires_grad=p.requires_grad)
                 real.__dict__.update(p.__dict__)  # swap_tensors exchanges __dict__ too: keep our marks
                 torch.utils.swap_tensors(p, real)
         for name, b in sub._buffers.items():
             if b is not None and b.is_meta:
-                sub._buffers[name] = torch.empty_like(b, device=device)
+                sub._buffers[name] = _empty(b, device)
+
+
+def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape and dtype on ``device`` (``empty_like`` of a meta tensor would
+    import PyTorch's symbolic-shape machinery: seconds of start-up)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:

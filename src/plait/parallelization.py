@@ -16,6 +16,7 @@ from plait.models.family import Family, family_of
 from plait.parallel_config import RECOMPUTE_MODES, ParallelConfig
 from plait.parallel_model import LossFn, ParallelModel
 from plait.pipeline.partition import Partition
+from plait.recompute import recompute_attention
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.plan import apply_tp_plan
 
@@ -53,7 +54,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     The settings come from ``config`` (a ParallelConfig; default: the one ``plait.init`` made ``ctx`` from),
     overridden by any keyword given: ``schedule``, ``microbatches`` (default ``pp``), ``virtual_stages``
     (default: the schedule's), ``sequence_parallel``, ``activation_checkpointing`` (True/False or a recompute
-    mode: "none", "full") and ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
+    mode: "none"; "selective", only the attention cores, plait.recompute; "full", whole blocks) and
+    ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
     weights and gradients, plait.optim.precision). ``config``'s sizes must be ctx's.
 
     The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
@@ -72,6 +74,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     family = family_of(model)
     _check_args(model, family, ctx, loss_fn, tp_plan)
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
+    if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
+        recompute_attention(family.attention_modules(model), type(model).__name__)
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)
     if loss_fn is not None:
         return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss_fn, vocab_size=None,

@@ -115,6 +115,25 @@ def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_js
                   f"p2p {b.breakdown_ms['p2p']:.1f} ms), {b.throughput_tok_s:,.0f} tok/s")
 
 
+def _write_config(path: Path, best, model_arg: str) -> None:
+    """Write ``best``'s layout (and batch, sequence length, model when plait train can build it) as TOML."""
+    from plait.errors import ConfigError
+    from plait.train.config import PRESETS, toml_text
+
+    if not best.layout.runnable:
+        raise ConfigError(f"--write-config: the best layout {best.layout.short()} is plan-only; drop --plan-only")
+    folder = Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)
+    trainable = model_arg in PRESETS or (folder / "config.json").is_file()
+    values = {"model": (model_arg if model_arg in PRESETS else str(folder)) if trainable else None,
+              **best.layout.to_parallel_config(best.training).to_dict(),
+              "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
+    header = (f"plait plan's best layout for {best.model.name}: {best.layout.short()} "
+              f"({best.step_time_s:.3g} s/step predicted on {best.cluster.n_gpus} x {best.cluster.gpu.name})")
+    if not trainable:
+        header += f"\n{model_arg} is a planner preset: give plait train --model a Hugging Face folder of it"
+    path.write_text(toml_text(values, header))
+
+
 def plan(
     model: Annotated[str, typer.Option(help="preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, "
                                              "mixtral-8x7b) or a Hugging Face config.json")],
@@ -131,6 +150,11 @@ def plan(
     gen_len: Annotated[int, typer.Option(help="inference: generated tokens")] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
     show_schedule: Annotated[bool, typer.Option("--show-schedule", help="Gantt of the best")] = False,
+    max_memory_fraction: Annotated[float, typer.Option(help="share of each device's memory a layout may use")] = 0.9,
+    plan_only: Annotated[bool, typer.Option("--plan-only", help="also consider what only the planner models "
+                                            "(context parallelism, ZeRO-3), marked plan-only")] = False,
+    write_config: Annotated[Path | None, typer.Option(help="write the best layout as a `plait train --config` "
+                                                      "TOML file")] = None,
 ) -> None:
     from rich.console import Console
 
@@ -141,20 +165,23 @@ def plan(
     console = Console(width=None if sys.stdout.isatty() else 140)
     try:
         m = _model(model, seq_len)
-        cluster = Cluster(gpu, gpus, gpus_per_node, interconnect)
+        cluster = Cluster(gpu, gpus, gpus_per_node, interconnect, max_memory_fraction=max_memory_fraction)
         if inference:
             _inference(console, m, cluster, batch, prompt_len, gen_len, as_json)
             return
         training = Training(global_batch or max(1, 4_194_304 // m.seq_len))
-        result = search(m, cluster, training, top=top)
+        result = search(m, cluster, training, top=top, plan_only=plan_only)
+        if result.best and write_config is not None:
+            _write_config(write_config, result.best[0], model)
     except ConfigError as exc:
         _fail(str(exc))
     if not result.best:
-        _fail(f"{m.name} on {gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.gpu.memory), 1)
+        _fail(f"{m.name} on {gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
     if as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best],
                                "rejected": dict(result.rejected), "pruned": result.pruned,
-                               "considered": result.considered, "why": explain(result)}
+                               "considered": result.considered, "why": explain(result),
+                               "max_memory_fraction": max_memory_fraction}
         typer.echo(json.dumps(out, indent=1))
         return
     title = (f"{m.name} ({m.n_params() / 1e9:.1f}B, seq {m.seq_len}) on {gpus} × {cluster.gpu.name}, "

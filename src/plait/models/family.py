@@ -10,6 +10,8 @@ A family adapter answers, for the models of one class, without the runtime ever 
   kv_layer           which blocks keep a KV cache when decoding; hidden_size: what flows between stages
   attention_modules  the attention module of every layer (whose core may be recomputed alone)
   tie_weights        re-tie shared parameters after sharding replaced modules
+  init_tensor        the seeded initial value of one full state tensor (plait.models.init), so any layout
+                     can initialise its shards one tensor at a time
 Hugging Face families (``DecoderFamily`` subclasses) also translate ``config.json`` and tensor names
 (``plait.models.hf``). Families are found by scanning ``plait.models`` for a module-level ``FAMILY``, so
 adding one is one file: a config and model class (usually Llama's with some features on) and its FAMILY.
@@ -23,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 
 from plait.errors import ConfigError
@@ -93,6 +96,11 @@ class Family:
 
     def tie_weights(self, model: nn.Module) -> None:
         """Re-tie shared parameters after their modules were replaced (sharded)."""
+
+    def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The initial value (float32, full ``shape``) of state tensor ``key`` for ``seed``."""
+        raise ConfigError(f"{self.name} models have no seeded initialisation: load their weights instead "
+                          "(load_full_state_dict, a checkpoint or a Hugging Face folder)")
 
 
 class SequentialFamily(Family):
@@ -204,6 +212,13 @@ class DecoderFamily(Family):
         model = _decoder(model)
         if model.config.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # the same (vocabulary-sharded) parameter
+
+    def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        rule = getattr(self.model_class, "initial_tensor", None)
+        if rule is None:
+            raise ConfigError(f"{self.name}: {self.model_class.__name__} has no initial_tensor(config, key, shape, "
+                              "seed) rule for seeded initialisation")
+        return rule(config, key, shape, seed)
 
     # ------------------------------------------------------------------------------ Hugging Face
     def hf_fields(self, hf: dict) -> dict:

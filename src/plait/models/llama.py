@@ -20,6 +20,7 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.models.family import DecoderFamily
+from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
 
@@ -257,7 +258,9 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # built from an uninitialised tensor: reset_parameters draws it (nn.Embedding's own init would run
+        # normal_, which on the meta device imports PyTorch's compiler stack, seconds of start-up)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.dim), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -267,12 +270,28 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Draw from the global generator, module by module (``plait.models.init.init_weights(model, seed)``
+        draws each tensor from its own seeded generator instead, with the rule of ``initial_tensor``)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:  # meta: nothing to draw
                 nn.init.normal_(module.weight, std=self.config.init_std)
                 bias = getattr(module, "bias", None)
                 if isinstance(bias, torch.Tensor):
                     nn.init.zeros_(bias)
+
+    @staticmethod
+    def initial_tensor(cfg: LlamaConfig, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The seeded initial value of state tensor ``key`` (float32, full shape): norm weights 1, biases 0,
+        every other weight N(0, init_std²) from the generator of (seed, key) — a tied head the embedding's."""
+        if key.endswith("norm.weight"):
+            return torch.ones(shape)
+        if key.endswith(".bias"):
+            return torch.zeros(shape)
+        if not key.endswith(".weight"):
+            raise ConfigError(f"{key}: no initial value is defined for it (weights and biases only)")
+        if cfg.tie_embeddings and key == "lm_head.weight":
+            key = "embed_tokens.weight"
+        return torch.empty(shape).normal_(0.0, cfg.init_std, generator=tensor_generator(seed, key))
 
     def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, V]; with ``caches`` (one per layer) tokens follow the cached ones."""

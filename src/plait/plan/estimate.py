@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from plait.errors import ConfigError
 from plait.plan import memory as mem
 from plait.plan import timing
-from plait.plan.config import Cluster, Layout, Training, check, microbatches
+from plait.plan.config import Cluster, Layout, Training, check, microbatches, runtime_gap
 from plait.plan.model import Model
 from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
 
@@ -57,6 +57,7 @@ class Estimate:
             "memory": asdict(self.memory), "time": dict(self.time), "microbatches": self.microbatches,
             "bubble_fraction": self.bubble_fraction, "peak_in_flight": self.peak_in_flight,
             "tokens_per_s": self.tokens_per_s, "notes": list(self.notes), "rounds": self.rounds,
+            "runnable": self.layout.runnable, "plan_only_reason": runtime_gap(self.layout),
         }
 
 

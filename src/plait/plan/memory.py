@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plait.plan.config import Cluster, Layout
+from plait.plan.config import MAX_MEMORY_FRACTION, Cluster, Layout
 from plait.plan.model import Model
 
 # Mixed-precision Adam (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1):
@@ -13,9 +13,10 @@ from plait.plan.model import Model
 # and two fp32 moments (12 B): 18 bytes per parameter. ZeRO-1 shards the 12, ZeRO-2 also the 4,
 # ZeRO-3 also the 2, over the data-parallel (× context-parallel) group.
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
-# Share of a GPU's memory the planner lets a layout use: the rest is the CUDA context, NCCL buffers,
-# the allocator's fragmentation and temporary buffers (workspace of GEMMs, gathered ZeRO-3 layers).
-USABLE_FRACTION = 0.9
+# Share of a GPU's memory the planner lets a layout use by default (``Cluster.max_memory_fraction``): the rest
+# is the CUDA context, NCCL buffers, the allocator's fragmentation and temporary buffers (workspace of GEMMs,
+# gathered ZeRO-3 layers).
+USABLE_FRACTION = MAX_MEMORY_FRACTION
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def memory(model: Model, cluster: Cluster, layout: Layout, in_flight: list[float
         act += extra_activation_bytes(model, layout, r == 0, r == last, in_flight[r])
         total = w + g + o + act
         if best is None or total > best.total:
-            best = Memory(w, g, o, act, total, r, USABLE_FRACTION * cluster.gpu.memory)
+            best = Memory(w, g, o, act, total, r, cluster.usable_memory)
     assert best is not None
     return best
 

@@ -76,6 +76,9 @@ class TrainConfig:
     """Read at most this many MB of text."""
     trace_every: int = 10
     """Trace every N-th step to measure the bubble (0: never)."""
+    layout: str = "flags"
+    """flags: the layout options (or their defaults); auto: the planner's fastest layout that fits this many
+    processes (--nproc, or torchrun's world), replacing the layout options but --precision."""
 
     def to_dict(self) -> dict:
         """The flat form: ParallelConfig's fields, then the run's."""
@@ -134,6 +137,24 @@ def read_toml(path: str | Path) -> dict:
     return out
 
 
+def toml_text(values: dict, header: str = "") -> str:
+    """A ``plait train --config`` file of flat ``values`` (flag names as keys; None values left out)."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            raise ConfigError(f"{key}={value!r}: only booleans, numbers and strings are written")
+        lines.append(f"{key.replace('_', '-')} = {text}")
+    return "\n".join(lines) + "\n"
+
+
 def model_config(cfg: TrainConfig):
     """The plain-model config of ``cfg.model`` (a preset name: a LlamaConfig; a Hugging Face folder: its family's)."""
     from plait.models import LlamaConfig
@@ -176,6 +197,8 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
     if cfg.steps < 0 or cfg.checkpoint_every < 0:
         raise ConfigError("--steps and --checkpoint-every must be >= 0")
+    if cfg.layout not in ("flags", "auto"):
+        raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
     if not cfg.lr > 0:
