@@ -30,6 +30,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

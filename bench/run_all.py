@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ORDER = ["sim.py", "plan.py", "tp.py", "pipeline.py", "optim.py", "experts.py", "train.py", "generate.py", "serve.py"]
+ORDER = ["sim.py", "plan.py", "tp.py", "pipeline.py", "optim.py", "experts.py", "train.py", "generate.py", "serve.py",
+         "serve_policy.py"]
 
 
 def main() -> int:

@@ -98,12 +98,12 @@ def norm_and_checkpoint(pm, ref_grads: dict, ref_model: Llama) -> dict:
 
 
 def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1, sp: bool = False,
-            zero_router: bool = False, extras: bool = False, **cfg_kw) -> dict:
+            zero_router: bool = False, extras: bool = False, recompute: str = "none", **cfg_kw) -> dict:
     cfg = moe_cfg(**cfg_kw)
     inputs, targets = data(cfg.vocab_size)
     ref_loss, ref_aux, ref_grads, ref_model = single_device(cfg, inputs, targets, zero_router)
     pm = plait.parallelize(build(cfg, zero_router), ctx, schedule=schedule, microbatches=microbatches,
-                           virtual_stages=virtual, sequence_parallel=sp)
+                           virtual_stages=virtual, sequence_parallel=sp, activation_checkpointing=recompute)
     per = BATCH // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     loss = pm.train_step(inputs[local], targets[local])
@@ -152,11 +152,16 @@ def equality_checks() -> list:
     checks.append(("tp2pp2ep2/zbv/sp", lambda: compare(tp2pp2ep2, "zbv", microbatches=4, sp=True)))
     checks.append(("tp2pp2ep2/interleaved", lambda: compare(tp2pp2ep2, "interleaved-1f1b", microbatches=4,
                                                             virtual=2)))
+    for mode in ("selective", "full"):  # recomputation with experts (EP all-to-alls run again when full)
+        checks.append((f"tp2pp2ep2/zbv/sp/{mode}", lambda m=mode: compare(tp2pp2ep2, "zbv", microbatches=4, sp=True,
+                                                                          recompute=m)))
     pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
     for name in ("gpipe", "zb-h1", "dualpipev", "looped-bfs"):
         v = 2 if name == "looped-bfs" else 1
         checks.append((f"pp2dp2ep2/{name}", lambda n=name, v=v: compare(pp2dp2ep2, n, microbatches=4,
                                                                        virtual=v)))
+    checks.append(("pp2dp2ep2/zb-h1/selective", lambda: compare(pp2dp2ep2, "zb-h1", microbatches=4,
+                                                                recompute="selective")))
     checks.append(("pp2dp2ep2/all_to_one", lambda: compare(pp2dp2ep2, "1f1b", top_k=1, zero_router=True)))
     return checks + expert_tp_checks()
 

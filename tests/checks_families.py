@@ -72,12 +72,20 @@ def _parallel(folder: Path, ctx, **kw):
     return pm, load_pretrained(folder)
 
 
-def compare_family(folder: Path, ctx, schedule: str) -> dict:
-    """tp2·pp2 + SP: logits vs transformers; loss and gradients vs the plain model on one device."""
+def compare_family(folder: Path, ctx, schedule: str, export: Path | None = None) -> dict:
+    """tp2·pp2 + SP: logits vs transformers; loss and gradients vs the plain model on one device. ``export``:
+    rank 0 writes the full tensors gathered from the shards as a Hugging Face folder (the parent loads it)."""
+    import torch.distributed as dist
+
+    from plait.models.hf import save_state_dict_pretrained
+
     x, y = tokens()
     pm, plain = _parallel(folder, ctx, schedule=schedule, microbatches=4, sequence_parallel=True)
     hf_logits = torch.load(folder / "ref.pt")
     logits = pm.eval_step(x)
+    full = pm.full_state_dict()  # collective
+    if export is not None and dist.get_rank() == 0:
+        save_state_dict_pretrained(pm.family, pm.model_config, full, export)
     loss = pm.train_step(x, y)
     ref = plain.loss(x, y)
     ref.backward()
@@ -109,7 +117,8 @@ def family_checks(root: Path) -> list:
     checks = []
     for family, schedule in (("mistral", "1f1b"), ("qwen2", "zbv"), ("qwen3", "interleaved-1f1b"),
                              ("mixtral", "1f1b")):
-        checks.append((f"family/{family}", lambda f=family, s=schedule: compare_family(root / f, tp2pp2, s)))
+        checks.append((f"family/{family}", lambda f=family, s=schedule: compare_family(root / f, tp2pp2, s,
+                                                                                       root / f"{f}-export")))
         checks.append((f"family/{family}/generate", lambda f=family: generate_family(root / f, tp2pp2)))
     ep2 = plait.init(tp=2, pp=2, dp=1, ep=2)
     checks.append(("family/mixtral/ep2", lambda: compare_family(root / "mixtral", ep2, "zbv")))

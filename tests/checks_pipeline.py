@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,12 +13,17 @@ from torch import nn
 import plait
 from checks_families import family_checks
 from checks_llama import expect_config_error
+from checks_plan import plan_checks
 from harness import rel_err, run_checks
+from memory_util import LiveBytes, layer_bytes, saved_bytes
 from plait.models import Llama, LlamaConfig
 from plait.schedules import SCHEDULE_NAMES
 from plait.sim import Costs, simulate
 
 BATCH, SEQ = 8, 8
+#: (schedule, recompute mode) run under tp2·pp2 with SP; zbv with "full" is tp2pp2sp/zbv/checkpointing
+RECOMPUTE_CASES = [("1f1b", "selective"), ("interleaved-1f1b", "selective"), ("zbv", "selective"),
+                   ("1f1b", "full"), ("interleaved-1f1b", "full")]
 
 
 def cfg_for(**kw) -> LlamaConfig:
@@ -43,15 +49,20 @@ def single_device(cfg: LlamaConfig, inputs, targets):
 
 
 def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: bool = False,
-            partition="balanced", checkpointing: bool = False, **cfg_kw) -> dict:
+            partition="balanced", checkpointing: bool | str = False, batch: int = BATCH, rounds: str | None = None,
+            **cfg_kw) -> dict:
     cfg = cfg_for(**cfg_kw)
-    inputs, targets = data(cfg.vocab_size)
+    inputs, targets = data(cfg.vocab_size, batch=batch)
     ref_loss, ref_grads, ref_model = single_device(cfg, inputs, targets)
     torch.manual_seed(0)
+    config = None
+    if rounds is not None:  # set through ParallelConfig (plait.parallelize's keywords do not name it)
+        config = replace(ctx.config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual,
+                         rounds=rounds)
     pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
                            virtual_stages=virtual, sequence_parallel=sp, partition=partition,
-                           activation_checkpointing=checkpointing)
-    per = BATCH // ctx.dp_size
+                           activation_checkpointing=checkpointing, config=config)
+    per = batch // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     loss = pm.train_step(inputs[local], targets[local])
     grads = pm.full_state_dict(grads=True)
@@ -68,6 +79,7 @@ def compare(ctx, schedule: str, microbatches: int = 8, virtual: int = 1, sp: boo
         "virtual": pm.schedule.virtual,
         "logits_rel": rel_err(logits, ref_model(inputs[local]).detach()),
         "partition": pm.partition,
+        "round_widths": pm.schedule.meta.get("round_widths"),
     }
 
 
@@ -102,12 +114,12 @@ def compare_sequential(ctx, schedule: str) -> dict:
             "peak_sim": simulate(pm.schedule, Costs()).peak_activations[ctx.pp_rank]}
 
 
-def check_trace(ctx, schedule: str) -> dict:
+def check_trace(ctx, schedule: str, virtual: int = 1) -> dict:
     """The measured timeline holds exactly the schedule's actions, in the schedule's order, per rank."""
     cfg = cfg_for()
     inputs, targets = data(cfg.vocab_size)
     torch.manual_seed(0)
-    pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=8)
+    pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=8, virtual_stages=virtual)
     pm.train_step(inputs, targets, trace=True)
     report = pm.trace_report()
     order_ok = all(
@@ -191,6 +203,52 @@ def compare_from_meta(ctx, schedule: str) -> dict:
             "any_meta": any(p.is_meta for p in pm.parameters())}
 
 
+def check_layer_activations(ctx) -> dict:
+    """Bytes one decoder layer saves on a TP rank (tp2, with and without SP, MHA and GQA, none/selective)
+    equal the count of docs/runtime.md; parallelize installs the recomputed core on every attention module."""
+    from plait.recompute import RecomputedCore
+
+    b, s = 2, 16
+    out = {}
+    for kv in (4, 2):
+        cfg = cfg_for(n_layers=2, dim=64, n_kv_heads=kv, max_seq_len=s)
+        for sp in (False, True):
+            for mode in ("none", "selective"):
+                torch.manual_seed(0)
+                pm = plait.parallelize(Llama(cfg), ctx, schedule="1f1b", microbatches=2, sequence_parallel=sp,
+                                       activation_checkpointing=mode)
+                chunk = next(iter(pm.chunks.values()))
+                layer = next(blk for name, blk in zip(chunk.names, chunk.blocks, strict=True) if "layers." in name)
+                x = torch.randn(b, s // ctx.tp_size if sp else s, cfg.dim, requires_grad=True)
+                got, _ = saved_bytes(layer, x, pm.parameters())
+                want = layer_bytes(cfg, b, s, mode, t=ctx.tp_size, sp=sp)
+                cores = [type(m.__dict__.get("core")) is RecomputedCore for m in layer.modules()
+                         if hasattr(m, "core")]
+                out[f"kv{kv}/sp{int(sp)}/{mode}"] = (got, want, cores)
+    return out
+
+
+def check_seeded_init(ctx, moe: bool = False) -> dict:
+    """A model built on the meta device and initialised from a seed (plait train's way) holds, gathered, the
+    weights a plain model initialised with that seed has on one device; the most bytes alive at once while
+    building, sharding and initialising stay within this rank's shards plus one full tensor."""
+    from plait.models import init_weights
+    from plait.train.shards import init_local
+
+    cfg = cfg_for(dim=64, n_experts=4, top_k=2) if moe else cfg_for(dim=64, tie_embeddings=True)
+    with LiveBytes() as meter:
+        with torch.device("meta"):
+            model = Llama(cfg)
+        pm = plait.parallelize(model, ctx, schedule="1f1b", microbatches=2)
+        init_local(pm, seed=7)
+    full = pm.full_state_dict()
+    ref = init_weights(Llama(cfg), 7).state_dict()
+    local = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pm.parameters()}
+    return {"keys": sorted(full) == sorted(ref), "equal": all(torch.equal(full[k], ref[k]) for k in ref),
+            "peak": meter.peak, "local": sum(local.values()), "largest": max(4 * v.numel() for v in ref.values()),
+            "model": sum(4 * v.numel() for v in Llama(cfg).parameters())}
+
+
 def world4_checks() -> list:
     checks = []
     pp4 = plait.init(tp=1, pp=4, dp=1)
@@ -207,6 +265,13 @@ def world4_checks() -> list:
     checks.append(("pp4/seq_change", lambda: check_sequence_length_change(pp4)))
     checks.append(("trace/1f1b", lambda: check_trace(pp4, "1f1b")))
     checks.append(("trace/zbv", lambda: check_trace(pp4, "zbv")))
+    checks.append(("trace/zb-h1/v2", lambda: check_trace(pp4, "zb-h1", virtual=2)))
+    # ZB1P, and depth-first rounds when M % P != 0: equal rounds (5, 5) and (5, 4), padded (4, 4, 2)
+    checks.append(("pp4/zb-h1/v2", lambda: compare(pp4, "zb-h1", virtual=2)))
+    checks.append(("pp4/interleaved-1f1b/m10", lambda: compare(pp4, "interleaved-1f1b", 10, 2, batch=10)))
+    checks.append(("pp4/interleaved-1f1b/m10/padded", lambda: compare(pp4, "interleaved-1f1b", 10, 2, batch=10,
+                                                                      rounds="padded")))
+    checks.append(("pp4/zb-h1/v2/m9", lambda: compare(pp4, "zb-h1", 9, 2, batch=9)))
     tp2pp2 = plait.init(tp=2, pp=2, dp=1)
     for name in ("1f1b", "interleaved-1f1b", "zbv"):
         v = 2 if name == "interleaved-1f1b" else 1
@@ -215,6 +280,15 @@ def world4_checks() -> list:
     checks.append(("tp2pp2sp/zbv/meta", lambda: compare_from_meta(tp2pp2, "zbv")))
     checks.append(("pp4/1f1b/meta", lambda: compare_from_meta(pp4, "1f1b")))
     checks.append(("tp2pp2sp/zbv/checkpointing", lambda: compare(tp2pp2, "zbv", sp=True, checkpointing=True)))
+    checks.append(("activations/tp2", lambda: check_layer_activations(tp2pp2)))
+    checks.append(("init/tp2pp2", lambda: check_seeded_init(tp2pp2)))
+    checks.append(("init/tp1pp1dp4", lambda: check_seeded_init(plait.init(tp=1, pp=1, dp=4))))
+    checks.append(("init/tp2pp2ep2/moe", lambda: check_seeded_init(plait.init(tp=2, pp=2, dp=1, ep=2), moe=True)))
+    checks.append(("init/tp1pp1dp4ep4/moe", lambda: check_seeded_init(plait.init(tp=1, pp=1, dp=4, ep=4), moe=True)))
+    for name, mode in RECOMPUTE_CASES:  # recomputation under TP+SP equals one device without it
+        v = 2 if name == "interleaved-1f1b" else 1
+        checks.append((f"tp2pp2sp/{name}/{mode}", lambda n=name, v=v, m=mode: compare(
+            tp2pp2, n, microbatches=4, virtual=v, sp=True, checkpointing=m)))
     pp2dp2 = plait.init(tp=1, pp=2, dp=2)
     checks.append(("pp2dp2/interleaved-1f1b", lambda: compare(pp2dp2, "interleaved-1f1b", microbatches=4,
                                                              virtual=2)))
@@ -224,7 +298,7 @@ def world4_checks() -> list:
         checks.append((f"pp2dp2/unequal/{kind}", lambda k=kind: compare_unequal_dp(pp2dp2, k)))
     pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
     checks.append(("pp2dp2ep2/unequal/moe", lambda: compare_unequal_dp(pp2dp2ep2, "moe")))
-    return checks
+    return checks + plan_checks()  # every value the planner emits at this world size runs
 
 
 def world8_checks() -> list:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import plait
 from harness import rel_err, run_checks
-from plait.models import Llama
+from plait.models import Llama, init_weights
 from plait.optim import lr_at
 from plait.train import TrainConfig
 from plait.train.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
@@ -35,7 +35,7 @@ def reference_losses(cfg: TrainConfig, steps: int, model: torch.nn.Module | None
     torch.manual_seed(cfg.seed)
     from plait.train.config import model_config
 
-    model = model if model is not None else Llama(model_config(cfg))
+    model = model if model is not None else init_weights(Llama(model_config(cfg)), cfg.seed)  # plait train's init
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     corpus = load_corpus(cfg.data, ByteTokenizer(), cfg.max_data_mb)
     out = []
@@ -95,7 +95,7 @@ def check_family(root: Path) -> dict:
                     p.normal_(0.0, 0.1)
         model.save_pretrained(folder)
     dist.barrier()
-    cfg = small_cfg(root, "qwen2-run", model=str(folder), steps=2, sequence_parallel=True)
+    cfg = small_cfg(root, "qwen2-run", model=str(folder), steps=2, sequence_parallel=True, recompute="selective")
     res = train(cfg)
     ref = reference_losses(cfg, 2, plait.models.from_pretrained(folder))
     got = [res.losses[s] for s in (1, 2)]
@@ -181,15 +181,16 @@ def check_generate(root: Path) -> dict:
     """Greedy and top-k sampled tokens under three layouts and on one device, from a checkpoint and an HF folder."""
     from plait.generation.job import load_model
 
-    prompts = ["def ", "import sys\nclass "]
+    texts = ["def ", "import sys\nclass "]
     out = {}
     for source in (str(find_checkpoint(root / "a")), str(root / "hf")):
         for name, (tp, pp) in {"tp2pp2": (2, 2), "tp1pp4": (1, 4), "tp4pp1": (4, 1), "single": (1, 1)}.items():
             ctx = plait.init(tp, pp, 1) if tp * pp > 1 else None
             model, tok, _ = load_model(source, ctx=ctx)  # single: a plain Llama, no process group
+            prompts = [tok.encode(t) for t in texts]  # ids in, ids out: 12 new tokens whatever bytes they are
             out[f"{Path(source).name}/{name}"] = [
-                plait.generate(model, prompts, max_new_tokens=12, tokenizer=tok),
-                plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5, tokenizer=tok)]
+                plait.generate(model, prompts, max_new_tokens=12),
+                plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5)]
             out[f"{Path(source).name}/{name}/too_long"] = _too_long(model, tok)
     return out
 

@@ -17,24 +17,61 @@ from plait.distributed.launch import free_port
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
 
-def tiny_model(path: Path) -> Path:
-    """A random 4-layer byte-level Llama (GQA, context 128) saved as a Hugging Face folder."""
+def tiny_model(path: Path, newlines: bool = False) -> Path:
+    """A random 4-layer byte-level Llama (GQA, context 128) saved as a Hugging Face folder.
+
+    ``newlines``: the output row of "\n" becomes 1.05 x that of the token greedy decoding picks most, so
+    that continuations hold newlines (a random model almost never writes one).
+    """
+    import collections
+
     import torch
 
+    from plait.generation.decode import Sampling, generate_ids
     from plait.models import Llama, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128, init_std=0.1)
-    Llama(cfg).save_pretrained(path)
+    model = Llama(cfg)
+    if newlines:
+        outs = generate_ids(model, [list(f"prompt {i}".encode()) for i in range(16)], Sampling(8))
+        common = collections.Counter(t for o in outs for t in o).most_common(1)[0][0]
+        with torch.no_grad():
+            model.lm_head.weight[10] = 1.05 * model.lm_head.weight[common]
+    model.save_pretrained(path)
     return path
 
 
 def expected_ids(model, prompt: list[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0) -> list[int]:
-    """What ``plait generate`` gives for this prompt alone (its library path, on one device)."""
+                 seed: int = 0, eos: int | None = None, **sampling) -> list[int]:
+    """What ``plait generate`` gives for this prompt alone (its library path, on one device), up to ``eos``."""
     from plait.generation.decode import Sampling, generate_ids
 
-    return generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed))[0]
+    out = generate_ids(model, [prompt], Sampling(max_tokens, temperature, top_k, seed, **sampling))[0]
+    return out[: out.index(eos) + 1] if eos in out else out
+
+
+def log_softmax(model, ids: list[int]):
+    """Log-probabilities [len(ids), V] of the next token after each prefix, one forward on one device (float64)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].double(), dim=-1)
+
+
+def greedy_with(model, prompt: list[int], n: int, process) -> list[int]:
+    """Greedy decoding by full forwards, ``process(logits [V] float64, generated ids)`` applied before argmax."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(process(_logits(model, ids), ids[len(prompt):]).argmax()))
+    return ids[len(prompt):]
+
+
+def _logits(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0, -1].double()
 
 
 class Server:

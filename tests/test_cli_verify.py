@@ -10,12 +10,13 @@ def _plait(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_verify_json_passes_for_pp2_zb_h1():
+def test_verify_json_passes_for_pp2_zb_h1_with_selective_recompute():
     proc = _plait("verify", "--tp", "1", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4",
-                  "--layers", "4", "--batch-size", "4", "--json")
+                  "--layers", "4", "--batch-size", "4", "--recompute", "selective", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["ok"] is True
+    assert out["config"]["recompute"] == "selective"
     assert out["loss_rel"] <= 1e-5
     assert len(out["grads"]) == 4 * 9 + 3 and all(g["ok"] for g in out["grads"])
     assert out["peak_measured"] == out["peak_simulated"]

@@ -9,7 +9,8 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 CASES = [
     "dp4ep2/1f1b", "dp4ep4/1f1b", "dp4ep4/top1_all_to_one", "dp4ep4/empty_experts", "dp4ep4/capacity",
     "tp2dp2ep4/1f1b", "tp2dp2ep4/sp", "tp2dp2ep2/sp/moe_every2", "tp2dp2ep1/1f1b", "tp2pp2ep2/1f1b",
-    "tp2pp2ep2/zbv/sp", "tp2pp2ep2/interleaved", "pp2dp2ep2/gpipe", "pp2dp2ep2/zb-h1", "pp2dp2ep2/dualpipev",
+    "tp2pp2ep2/zbv/sp", "tp2pp2ep2/interleaved", "tp2pp2ep2/zbv/sp/selective", "tp2pp2ep2/zbv/sp/full",
+    "pp2dp2ep2/zb-h1/selective", "pp2dp2ep2/gpipe", "pp2dp2ep2/zb-h1", "pp2dp2ep2/dualpipev",
     "pp2dp2ep2/looped-bfs", "pp2dp2ep2/all_to_one", "after_bad/still_works",
     "etp/tp2dp2ep2/1f1b", "etp/tp2dp2ep2/sp/top1", "etp/tp2dp2ep1/sp", "etp/tp2pp2/1f1b", "etp/tp2pp2/zbv/sp",
     "etp/tp2pp2/zb-h1/capacity",

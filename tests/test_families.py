@@ -56,23 +56,25 @@ def test_sliding_window_changes_attention_only_beyond_the_window():
     assert (full[:, 3:] - windowed[:, 3:]).abs().max() > 1e-3
 
 
-def test_sliding_window_in_the_slot_cache_of_serving():
-    """plait serve's slot-based cache (rows at different positions) honours the window like plait generate."""
+def test_sliding_window_in_the_paged_cache_of_serving():
+    """plait serve's paged cache (rows at different positions, blocks of 4) honours the window like plait generate."""
     from plait.generation import Sampling
-    from plait.serve.runner import Decode, Prefill, Runner, Step
+    from plait.serve.runner import Row, Runner, Step
+    from plait.serve.sampling import Params
 
     model = _mistral(3)
     prompts = {0: [5, 17, 3, 40, 22], 1: [9, 2]}
-    runner = Runner(model, max_batch=2, max_len=32)
-    got = dict(zip(prompts, runner.execute(Step(prefill=[Prefill(s, p, Sampling(6)) for s, p in prompts.items()])),
-                   strict=True))
-    out = {s: [t] for s, t in got.items()}
+    tables = {0: [0, 1, 2], 1: [5, 4, 3]}  # 12 positions each
+    runner = Runner(model, num_blocks=6, block_size=4)
+    first = runner.execute(Step(new=[(r, Params(Sampling(6))) for r in prompts],
+                                rows=[Row(r, p, 0, tables[r], True) for r, p in prompts.items()]))
+    out = {r: [o[0]] for r, o in zip(prompts, first, strict=True)}
     for _ in range(5):
-        toks = runner.execute(Step(decode=[Decode(s, out[s][-1]) for s in prompts]))
-        for s, t in zip(prompts, toks, strict=True):
-            out[s].append(t)
-    for slot, prompt in prompts.items():
-        assert out[slot] == plait.generate(model, prompt, max_new_tokens=6), slot
+        rows = [Row(r, [out[r][-1]], len(prompts[r]) + len(out[r]) - 1, tables[r], True) for r in prompts]
+        for r, o in zip(prompts, runner.execute(Step(rows=rows)), strict=True):
+            out[r].append(o[0])
+    for r, prompt in prompts.items():
+        assert out[r] == plait.generate(model, prompt, max_new_tokens=6), r
 
 
 def test_every_family_has_an_adapter_and_the_registry_finds_it():
@@ -109,3 +111,25 @@ def test_a_family_refuses_to_save_what_its_format_cannot_hold(tmp_path):
     with pytest.raises(ConfigError, match="qk_norm.*qwen3"):
         model.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_cli_generate_and_serve_take_any_family_folder(tmp_path):
+    """`plait generate --model DIR` on a Qwen3 folder (one process, in this one); an unknown model_type stops
+    `plait train`, `generate` and `serve` before anything launches, listing the supported types."""
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+    from plait.models import Qwen3Config
+
+    torch.manual_seed(0)
+    Qwen3(Qwen3Config(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)).save_pretrained(
+        tmp_path / "qwen3")
+    res = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "qwen3"), "--prompt", "def ",
+                                   "--max-new-tokens", "4"])
+    assert res.exit_code == 0 and res.output.startswith("def "), res.output
+    (tmp_path / "gpt2").mkdir()
+    bad = _folder(tmp_path / "gpt2", model_type="gpt2")
+    for command in (["train", "--nproc", "4"], ["generate"], ["serve"]):
+        out = CliRunner().invoke(app, [*command, "--model", str(bad)])
+        assert out.exit_code == 2 and "supported model types: llama, mistral, mixtral, qwen2, qwen3" in out.output, (
+            command, out.output)

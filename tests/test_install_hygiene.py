@@ -125,4 +125,4 @@ def test_recompute_flag(command):
     assert "--recompute" in _cli(command, "--help").output
     bad = _cli(command, "--recompute", "sometimes", *(["--nproc", "4"] if command == "train" else []))
     assert bad.exit_code == 2
-    assert "recompute" in bad.output and "none, full" in bad.output
+    assert "recompute" in bad.output and "none, selective, full" in bad.output

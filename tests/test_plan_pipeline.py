@@ -1,6 +1,7 @@
 """The planner's pipeline figures come from plait.sim with exact per-chunk costs; its large-M extrapolation
 matches exact runs."""
 
+
 import pytest
 
 from plait.plan.pipeline import profile
@@ -47,3 +48,37 @@ def test_profile_is_the_simulator():
 def test_no_pipeline():
     p = profile("1f1b", 1, 10, 1, [1.0], [2.0], None, 0.0, [5.0])
     assert p.makespan == 30.0 and p.idle == 0.0 and p.peak == (1.0,) and p.peak_bytes == (5.0,)
+
+
+@pytest.mark.parametrize("name, pp, m, v", [("interleaved-1f1b", 4, 38, 2), ("interleaved-1f1b", 8, 70, 3),
+                                            ("zb-h1", 4, 39, 4), ("zb-h1", 8, 45, 2)])
+def test_equal_rounds_extrapolation(name, pp, m, v):
+    """M % pp != 0 with equal rounds: the round width changes with M, so peaks are counted at the true M;
+    the makespan is exact with free communication and within 1% with a p2p latency."""
+    k = pp * v
+    w = [0.45] * k if name == "zb-h1" else None
+    for p2p, tol in ((0.0, 1e-9), (0.025, 0.01)):
+        approx = profile(name, pp, m, v, [0.5] * k, [1.2] * k, w, p2p, [1.0] * k)
+        exact = profile(name, pp, m, v, [0.5] * k, [1.2] * k, w, p2p, [1.0] * k, exact=True)
+        assert approx.simulated_m != (m,)
+        assert approx.makespan == pytest.approx(exact.makespan, rel=tol)
+        assert approx.peak == pytest.approx(exact.peak) and approx.peak_bytes == pytest.approx(exact.peak_bytes)
+
+
+def test_planner_memory_budget_chooses_the_rounds():
+    from plait.plan import Cluster, Layout, Model, Training, estimate
+    from plait.plan.estimate import pipeline
+
+    layout = Layout(pp=8, virtual=2, schedule="interleaved-1f1b", recompute="selective")
+    cluster, batch = Cluster("a100-40gb", 8), Training(global_batch=15)  # M = 15, no longer refused
+    roomy = estimate(Model.preset("llama3-8b", seq_len=1024), cluster, layout, batch)
+    tight = estimate(Model.preset("llama3-8b", seq_len=2048), cluster, layout, batch)
+    assert roomy.fits and roomy.rounds == "equal" and roomy.peak_in_flight == 15.0
+    # equal rounds hold 15 micro-batches; only the padded ones (11.5) fit, with a larger bubble
+    assert tight.fits and tight.rounds == "padded" and tight.peak_in_flight == 11.5
+    _, equal = pipeline(tight.model, cluster, layout, batch)
+    _, padded = pipeline(tight.model, cluster, layout, batch, rounds="padded")
+    assert padded.idle > equal.idle and max(equal.peak) == 15.0
+    config = tight.layout.to_parallel_config(batch, rounds=tight.rounds)  # what the runtime then runs
+    assert config.pipeline_schedule().meta["round_widths"] == [8, 7]
+    assert estimate(Model.preset("llama3-8b", seq_len=2048), cluster, Layout(pp=8), batch).rounds is None

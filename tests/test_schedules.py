@@ -7,7 +7,7 @@ import pytest
 from plait.errors import ConfigError
 from plait.schedules import SCHEDULE_NAMES, Action, Schedule, build_schedule, parse_actions
 
-MULTI = ("interleaved-1f1b", "looped-bfs")
+MULTI = ("interleaved-1f1b", "looped-bfs", "zb-h1")
 
 
 def grid_cases():
@@ -83,7 +83,9 @@ def test_known_orders():
         ({"name": "1f1b", "stages": 4, "microbatches": 0}, "microbatches=0"),
         ({"name": "1f1b", "stages": 4, "microbatches": 2.5}, "microbatches=2.5"),
         ({"name": "gpipe", "stages": 4, "microbatches": 8, "virtual": 2}, "virtual=2: gpipe"),
-        ({"name": "zb-h1", "stages": 4, "microbatches": 8, "virtual": 3}, "interleaved-1f1b"),
+        ({"name": "1f1b", "stages": 4, "microbatches": 8, "virtual": 3}, "zb-h1 for several chunks"),
+        ({"name": "1f1b", "stages": 4, "microbatches": 6, "rounds": "padded"}, "leave rounds unset for 1f1b"),
+        ({"name": "zb-h1", "stages": 4, "microbatches": 6, "rounds": "torch"}, "use one of equal, padded"),
         ({"name": "zbv", "stages": 4, "microbatches": 8, "virtual": 3}, "virtual=3: zbv places exactly 2"),
         ({"name": "dualpipev", "stages": 4, "microbatches": 4, "virtual": 4}, "virtual=4"),
         ({"name": "dualpipev", "stages": 4, "microbatches": 7}, "microbatches=7: dualpipev needs at least"),
@@ -106,10 +108,12 @@ def test_v_schedules_accept_default_virtual():
 
 
 def test_interleaved_generalised_to_any_microbatch_count():
-    # Megatron needs M % P == 0; plait generates for the next multiple and drops the surplus
+    # Megatron needs M % P == 0; plait's rounds take any M, both ways
     for m in (5, 6, 7, 9, 13):
-        s = build_schedule("interleaved-1f1b", 4, m, 2).validate()
-        assert max(a.microbatch for row in s.actions for a in row) == m - 1
+        for rounds in ("equal", "padded"):
+            s = build_schedule("interleaved-1f1b", 4, m, 2, rounds=rounds).validate()
+            assert max(a.microbatch for row in s.actions for a in row) == m - 1
+            assert sum(s.meta["round_widths"]) == m and s.meta["rounds"] == rounds
 
 
 def test_json_round_trip(tmp_path):

@@ -11,61 +11,50 @@ import httpx
 import openai
 import pytest
 
-from plait.generation.job import load_model
 from plait.serve.protocol import chat_prompt
 from plait.train.data import ByteTokenizer
-from serve_util import Server, expected_ids, tiny_model
+from serve_util import expected_ids, tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 TOK = ByteTokenizer()
-KV_BUDGET = 120  # < the context (128): a request may fit the context yet not the budget
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    model_dir = tiny_model(tmp / "tiny")
-    server = Server(model_dir, tmp, "--pp", "2", "--max-batch", "8", "--kv-budget", str(KV_BUDGET),
-                    "--max-tokens", "100")
-    try:
-        server.wait_healthy()
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        yield server, client, load_model(str(model_dir))[0]
-    finally:
-        server.kill()
 
 
 def test_models_completion_and_chat(served):
-    server, client, ref = served
+    client, ref, eos = served.client, served.ref, served.eos
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    out = client.completions.create(model="tiny", prompt="def main():", max_tokens=8)
-    want = expected_ids(ref, TOK.encode("def main():"), 8)
-    assert out.choices[0].token_ids == want
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    out = client.completions.create(model="tiny", prompt="def main(): pass", max_tokens=8)
+    want = expected_ids(ref, TOK.encode("def main(): pass"), 8, eos=eos)
+    assert out.choices[0].token_ids == want and len(want) == 8 and eos not in want
     assert out.choices[0].text == TOK.decode(want) and out.choices[0].finish_reason == "length"
-    assert out.usage.prompt_tokens == 11 and out.usage.completion_tokens == 8
+    assert out.usage.prompt_tokens == 16 and out.usage.completion_tokens == 8
     ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=5).choices[0].token_ids
-    assert ids == expected_ids(ref, [5, 6, 7, 8], 5)
+    assert ids == expected_ids(ref, [5, 6, 7, 8], 5, eos=eos)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
-    want = expected_ids(ref, TOK.encode(chat_prompt(messages)), 6)
+    want = expected_ids(ref, TOK.encode(chat_prompt(messages)), 6, eos=eos)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == TOK.decode(want)
     assert chat.choices[0].token_ids == want
 
 
 def test_streaming_completion_and_chat(served):
-    server, client, ref = served
+    client, ref, eos = served.client, served.ref, served.eos
     chunks = list(client.completions.create(model="tiny", prompt="import os", max_tokens=10, stream=True))
     ids = [t for c in chunks for t in c.choices[0].token_ids]
-    assert ids == expected_ids(ref, TOK.encode("import os"), 10)
+    want = expected_ids(ref, TOK.encode("import os"), 10, eos=eos)
+    assert ids == want and len(want) == 10
     assert len(chunks) == 11 and chunks[-1].choices[0].finish_reason == "length"
     messages = [{"role": "user", "content": "Hello"}]
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=7, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream)
-    assert text == TOK.decode(expected_ids(ref, TOK.encode(chat_prompt(messages)), 7))
+    want = expected_ids(ref, TOK.encode(chat_prompt(messages)), 7, eos=eos)
+    assert text == TOK.decode(want[:-1] if want[-1] == eos else want)
 
 
 def test_32_concurrent_requests_equal_generate_alone(served):
-    server, client, ref = served
+    server, client, ref = served.server, served.client, served.ref
     steps0 = server.metric("plait_engine_steps_total")
     jobs = [(f"request {i}: " + "x" * (i % 7), 4 + i % 9, 0.0 if i % 2 else 0.8, 20 if i % 4 == 0 else 0, i)
             for i in range(32)]
@@ -79,9 +68,9 @@ def test_32_concurrent_requests_equal_generate_alone(served):
     with ThreadPoolExecutor(32) as pool:
         got = list(pool.map(ask, jobs))
     for (prompt, n, temperature, top_k, seed), ids in zip(jobs, got, strict=True):
-        assert ids == expected_ids(ref, TOK.encode(prompt), n, temperature, top_k, seed), prompt
-    steps = server.metric("plait_engine_steps_total") - steps0
-    assert steps < sum(job[1] for job in jobs) / 2, "requests were not batched together"
+        assert ids == expected_ids(ref, TOK.encode(prompt), n, temperature, top_k, seed, eos=served.eos), prompt
+    steps = server.metric("plait_engine_steps_total") - steps0  # one at a time: >= sum(n) steps, more with chunks
+    assert steps < 0.75 * sum(job[1] for job in jobs), "requests were not batched together"
     assert server.metric("plait_kv_tokens_used") == 0 and server.metric("plait_batch_size") == 0
     assert server.metric("plait_time_to_first_token_seconds_count") >= 32
 
@@ -96,12 +85,14 @@ def test_32_concurrent_requests_equal_generate_alone(served):
     (json.dumps({"model": "tiny", "prompt": "x" * 50, "max_tokens": 75}), 400, "max_tokens", "kv_budget_exceeded"),
     ('{"model": "tiny", "prompt": [1, 2, 999]}', 400, "prompt", None),
     ('{"model": "tiny", "prompt": ""}', 400, "prompt", None),
-    ('{"model": "tiny", "prompt": "hi", "n": 3}', 400, "n", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "best_of": 3}', 400, "best_of", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate", "unsupported"),
+    ('{"model": "tiny", "prompt": "hi", "n": 0}', 400, "n", None),
     ('{"model": "tiny", "prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
 ])
 def test_bad_input_gets_an_openai_error_body(served, body, status, param, code):
-    server, client, _ = served
-    res = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    res = httpx.post(f"{served.server.url}/v1/completions", content=body,
+                     headers={"content-type": "application/json", **served.headers})
     assert res.status_code == status, res.text
     err = res.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -110,25 +101,25 @@ def test_bad_input_gets_an_openai_error_body(served, body, status, param, code):
 
 
 def test_errors_through_the_client_and_still_serving(served):
-    server, client, ref = served
+    server, client, ref = served.server, served.client, served.ref
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model="tiny", prompt="y" * 120, max_tokens=20)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
-    res = httpx.get(f"{server.url}/v1/nothing-here")
+    res = httpx.get(f"{server.url}/v1/nothing-here", headers=served.headers)
     assert res.status_code == 404 and "error" in res.json()
     out = client.completions.create(model="tiny", prompt="still there?", max_tokens=3)
-    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("still there?"), 3)
+    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("still there?"), 3, eos=served.eos)
     assert server.metric('plait_requests_total{status="rejected"}') >= 11
 
 
 def test_client_leaving_mid_stream_cancels_and_frees_the_slot(served):
-    server, client, ref = served
+    server, client, ref = served.server, served.client, served.ref
     cancelled0 = server.metric('plait_requests_total{status="cancelled"}')
-    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 100, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as res:
+    body = {"model": "tiny", "prompt": "a long one", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30, headers=served.headers) as res:
         lines = res.iter_lines()
         seen = [ln for ln, _ in zip(lines, range(6), strict=False) if ln.startswith("data: ")]
     assert len(seen) >= 2
@@ -138,7 +129,7 @@ def test_client_leaving_mid_stream_cancels_and_frees_the_slot(served):
     assert server.metric('plait_requests_total{status="cancelled"}') == cancelled0 + 1
     assert server.metric("plait_kv_tokens_used") == 0 and server.metric("plait_batch_size") == 0
     out = client.completions.create(model="tiny", prompt="after", max_tokens=4)
-    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("after"), 4)
+    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode("after"), 4, eos=served.eos)
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
@@ -152,8 +143,54 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: --model") and "no such folder" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--max-tokens", "500"])
     assert res.exit_code == 2 and "--max-tokens 500 must be within [1, 127]" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--step-tokens", "-1"])
+    assert res.exit_code == 2 and "--step-tokens -1" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])
+    assert res.exit_code == 2 and "--kv-block 0" in res.output
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--port", str(busy.getsockname()[1])])
     assert res.exit_code == 2 and "cannot listen there" in res.output, res.output
+
+
+def test_non_streaming_client_leaving_frees_its_sequence(served):
+    server = served.server
+    cancelled0 = server.metric('plait_requests_total{status="cancelled"}')
+    body = {"model": "tiny", "prompt": "no one waits", "max_tokens": 100, "ignore_eos": True, "n": 4}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=served.headers, timeout=0.3)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and server.metric('plait_requests_total{status="cancelled"}') < cancelled0 + 4:
+        time.sleep(0.1)
+    assert server.metric('plait_requests_total{status="cancelled"}') == cancelled0 + 4
+    assert server.metric("plait_kv_tokens_used") == 0 and server.metric("plait_batch_size") == 0
+
+
+def test_paged_kv_runs_more_than_a_reservation_admits_preempts_and_still_equals_generate(served):
+    """4 x (prompt + 100 tokens) need 4 x ~110 positions; the pool holds 120: a reservation runs one at a time."""
+    server, client, ref = served.server, served.client, served.ref
+    steps0, preempted0 = server.metric("plait_engine_steps_total"), server.metric("plait_preemptions_total")
+    jobs = [(f"paged {i}", 0.0 if i % 2 else 0.9, i) for i in range(4)]
+
+    def ask(job):
+        prompt, temperature, seed = job
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=100, temperature=temperature,
+                                         seed=seed, extra_body={"ignore_eos": True}, timeout=120).choices[0].token_ids
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, jobs))
+    for (prompt, temperature, seed), ids in zip(jobs, got, strict=True):
+        assert ids == expected_ids(ref, TOK.encode(prompt), 100, temperature, 0, seed), prompt
+    assert server.metric("plait_preemptions_total") > preempted0
+    assert server.metric("plait_engine_steps_total") - steps0 < 4 * 100, "the sequences never ran together"
+    assert server.metric("plait_kv_tokens_used") == 0
+
+
+def test_chunked_prefill_splits_a_long_prompt_with_equal_tokens(served):
+    server, client, ref = served.server, served.client, served.ref
+    prompt = "a prompt of forty bytes, in three chunks"
+    chunks0 = server.metric("plait_prefill_chunks_total")
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+    assert out.choices[0].token_ids == expected_ids(ref, TOK.encode(prompt), 5)
+    assert server.metric("plait_prefill_chunks_total") - chunks0 == 3  # 16 + 16 + 8 tokens (--step-tokens 16)

@@ -1,4 +1,4 @@
-"""plait serve over tp 2 x pp 2: requests equal plait generate; a killed worker fails /health and the exit code."""
+"""plait serve over tp 2 x pp 2: tokens equal plait generate, logprobs one device's; a killed worker stops it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from plait.generation.job import load_model
 from plait.train.data import ByteTokenizer
-from serve_util import Server, expected_ids, tiny_model, workers
+from serve_util import Server, expected_ids, log_softmax, tiny_model, workers
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
 TOK = ByteTokenizer()
 
 
@@ -28,12 +28,31 @@ def _health(url: str) -> int | None:
         return None
 
 
+def _check_logprobs(client, ref) -> None:
+    """Echoed prompt and sampled logprobs from vocabulary-sharded logits equal log_softmax on one device."""
+    prompt = TOK.encode("sharded vocabulary, chunked prompt")
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, logprobs=2, echo=True,
+                                    temperature=0.9, seed=4, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    ids = prompt + out.token_ids
+    assert out.token_ids == expected_ids(ref, prompt, 3, 0.9, 0, 4)
+    lsm = log_softmax(ref, ids)
+    lps = out.logprobs.token_logprobs
+    assert lps[0] is None and max(abs(lps[j] - lsm[j - 1, ids[j]].item()) for j in range(1, len(ids))) < 1e-5
+    for j in range(1, len(ids)):
+        best = lsm[j - 1].topk(2)
+        want = {f"token_id:{t}": v for t, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)}
+        want[f"token_id:{ids[j]}"] = lsm[j - 1, ids[j]].item()
+        top = out.logprobs.top_logprobs[j]
+        assert top.keys() == want.keys() and max(abs(top[k] - want[k]) for k in top) < 1e-5
+
+
 def test_tp2_pp2_serves_generate_tokens_then_a_killed_worker_stops_it(tmp_path):
     model_dir = tiny_model(tmp_path / "tiny")
     ref = load_model(str(model_dir))[0]
-    server = Server(model_dir, tmp_path, "--tp", "2", "--pp", "2", "--max-batch", "6")
+    server = Server(model_dir, tmp_path, "--tp", "2", "--pp", "2", "--max-batch", "6", "--kv-block", "4",
+                    "--step-tokens", "8")
     try:
-        server.wait_healthy(timeout=120)
+        server.wait_healthy(timeout=240)  # four processes loading on a busy machine
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         jobs = [(f"{i} + {i} = ", 3 + i % 6, 0.0 if i % 3 else 0.7, i) for i in range(12)]
 
@@ -49,6 +68,7 @@ def test_tp2_pp2_serves_generate_tokens_then_a_killed_worker_stops_it(tmp_path):
             assert ids == expected_ids(ref, TOK.encode(prompt), n, temperature, 0, seed), prompt
         stream = client.completions.create(model="tiny", prompt="tp x pp", max_tokens=5, stream=True)
         assert [t for c in stream for t in c.choices[0].token_ids] == expected_ids(ref, TOK.encode("tp x pp"), 5)
+        _check_logprobs(client, ref)
 
         procs = workers(server.proc.pid)
         assert len(procs) == 4, procs

@@ -54,7 +54,7 @@ def test_generation_equal_across_layouts(world4):
             for name in ("tp2pp2", "tp1pp4", "tp4pp1", "single"):  # parallel models check the context too
                 error = r[f"{source}/{name}/too_long"]
                 assert error is not None and "exceeds the model's max_seq_len" in error, (rank, source, name, error)
-        assert len(set("".join(r["hf/single"][0]))) > 3, "random weights should give varied greedy text"
+        assert len(set(sum(r["hf/single"][0], []))) > 3, "random weights should give varied greedy tokens"
 
 
 def test_nonfinite_loss_stops_or_skips(world4):

@@ -22,7 +22,7 @@ from plait.errors import ConfigError, FieldError
 from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
 #: activation recomputation modes the runtime runs
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "full")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 #: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1)
 ZERO_LEVELS: tuple[int, ...] = (0, 1, 2)
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
@@ -50,10 +50,14 @@ class ParallelConfig:
     """Micro-batches per step and data-parallel replica (unset: pp)."""
     virtual_stages: int | None = None
     """Model chunks per pipeline rank (unset: 2 for interleaved-1f1b, looped-bfs, zbv and dualpipev, else 1)."""
+    rounds: str | None = None
+    """interleaved-1f1b / zb-h1 with microbatches % pp != 0: equal rounds (unset; the smaller bubble) or padded
+    (rounds of pp: fewer micro-batches held)."""
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence between TP regions (their activations / tp)."""
     recompute: str = "none"
-    """Activation recomputation: none, or full (every block recomputes its forward during backward)."""
+    """Activation recomputation: none; selective (each attention core - QK^T, softmax, weighted sum - is
+    recomputed during backward from its saved q, k, v); or full (every block recomputes its forward)."""
     zero: int = 0
     """ZeRO stage of plait.optim: 0 replicated optimizer state, 1 fp32 masters and optimizer state sharded over
     data-parallel ranks, 2 gradients sharded too (no ZeRO-3: docs/optim.md says why)."""
@@ -76,7 +80,7 @@ class ParallelConfig:
     def pipeline_schedule(self) -> Schedule:
         """The pipeline schedule this configuration runs (pure Python: plait.schedules)."""
         return build_schedule(self.schedule, stages=self.pp, microbatches=self.num_microbatches,
-                              virtual=self.virtual_stages)
+                              virtual=self.virtual_stages, rounds=self.rounds)
 
     def resolve(self, world: int) -> ParallelConfig:
         """This configuration checked against ``world`` processes, with dp inferred when it is -1."""
@@ -133,8 +137,8 @@ def _check(c: ParallelConfig) -> None:
         c.pipeline_schedule()
     except ConfigError as exc:
         name, _, detail = str(exc).partition(": ")
-        if name.startswith(("virtual=", "microbatches=")):  # say it with this class's field names
-            field = "virtual_stages" if name.startswith("virtual=") else "microbatches"
+        if name.startswith(("virtual=", "microbatches=", "rounds=")):  # say it with this class's field names
+            field = {"v": "virtual_stages", "m": "microbatches", "r": "rounds"}[name[0]]
             raise FieldError(field, getattr(c, field), detail) from None
         raise
     if c.dp == -1:

@@ -6,8 +6,9 @@ the micro-batches of gradient accumulation).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from plait.pipeline.ties import TiedWeights
 from plait.schedules import Schedule
 from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_over_tp
 from plait.tensor_parallel.loss import full_logits
+
+if TYPE_CHECKING:
+    from plait.pipeline.trace import TraceReport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: (inputs, targets) of a step -> (divisor of the summed micro-batch losses, global number of rows)
@@ -129,11 +133,11 @@ class ParallelModel:
         tensors saved for backward at once during the last step that measured it: the first ``train_step``
         and any with ``measure_memory=True``; None before). Each storage counts once."""
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
-        grads += [p.grad for p in self.parameters()]
+        grads += [p.grad for p in self.parameters() if p.grad is not None]
         return memory.report(self.parameters(), grads, self._optimizer, self.activations_peak)
 
     # ------------------------------------------------------------------------------------ parameters
-    def parameters(self):
+    def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameter shards (each once), for any torch optimizer."""
         seen: set[int] = set()
         for chunk in self.chunks.values():
@@ -142,7 +146,7 @@ class ParallelModel:
                     seen.add(id(p))
                     yield p
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         for chunk in self.chunks.values():
             for key, p in chunk.named_state().items():
@@ -204,13 +208,18 @@ class ParallelModel:
         if trace and self.ctx.pp_size > 1:
             dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
         measure = self.activations_peak is None if measure_memory is None else measure_memory
+        if self._loss_by_p2p():  # the last stage sends the loss once known: no collective ends the step
+            if self._holds_loss():
+                io.loss_to = [self.ctx.pp_peer(r) for r in range(self.ctx.pp_size) if r != self.ctx.pp_rank]
+            else:
+                io.loss_from = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
         stats = self.cast.run(lambda: self._run(io, trace, measure))
         for reducer in self.reducers.values():
             reducer.finish()
         sum_over_tp(self._grad_pieces(is_tp_partial), self.ctx)  # on the reduced elements (shards under ZeRO)
         self.ties.sync_grads(lambda p: self._grad_pieces(lambda q: q is p))
         self.last_stats = stats
-        return self._global_loss(stats.loss_sum, stats.aux_sum)
+        return self._global_loss(stats.loss_sum if stats.shared_loss is None else stats.shared_loss, stats.aux_sum)
 
     def _run(self, io: StepIO, trace: bool, measure: bool) -> StepStats:
         """The executor's step, under the saved-tensor meter if ``measure``."""
@@ -224,11 +233,19 @@ class ParallelModel:
         self.activations_peak = meter.peak
         return stats
 
-    def trace_report(self, p2p_ms: float = 0.0):
+    def trace_report(self, p2p_ms: float = 0.0) -> TraceReport:
         """Measured vs simulated timeline of the last ``train_step(..., trace=True)`` (collective over PP)."""
         from plait.pipeline.trace import trace_report
 
         return trace_report(self, p2p_ms)
+
+    def _holds_loss(self) -> bool:
+        return self.schedule.stage_to_rank(self.schedule.num_stages - 1) == self.ctx.pp_rank
+
+    def _loss_by_p2p(self) -> bool:
+        """One pipeline and no auxiliary loss: the last stage's loss is the global loss (every TP rank of it
+        holds the same value), sent to the other stages point to point."""
+        return self.ctx.pp_size > 1 and self.ctx.dp_size == 1 and not self.has_aux
 
     def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
         """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
@@ -236,7 +253,10 @@ class ParallelModel:
         if ctx.pp_size == 1 and ctx.dp_size == 1 and (not self.has_aux or ctx.world_size == 1):
             self.last_aux_loss = float(aux)
             return float(local + aux)
-        holds_loss = self.schedule.stage_to_rank(self.schedule.num_stages - 1) == ctx.pp_rank
+        holds_loss = self._holds_loss()
+        if self._loss_by_p2p():  # ``local`` is the loss the last stage sent
+            self.last_aux_loss = 0.0
+            return float(local)
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
         dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank
@@ -256,10 +276,12 @@ class ParallelModel:
 
     def _broadcast_from_last(self, out: torch.Tensor | None) -> torch.Tensor:
         if self.ctx.pp_size == 1:
+            assert out is not None, "the only pipeline rank holds the last chunk"
             return out
         src = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
-        box = [None if out is None else (tuple(out.shape), out.dtype)]
+        box: list[tuple[tuple[int, ...], torch.dtype] | None] = [None if out is None else (tuple(out.shape), out.dtype)]
         dist.broadcast_object_list(box, src=src, group=self.ctx.pp_group)
+        assert box[0] is not None
         shape, dtype = box[0]
         if out is None:
             out = torch.empty(shape, dtype=dtype, device=self.ctx.device)
@@ -315,12 +337,18 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for p in sub._parameters.values():
             if p is not None and p.is_meta:
-                real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                real = nn.Parameter(_empty(p, device), requires_grad=p.requires_grad)
                 real.__dict__.update(p.__dict__)  # swap_tensors exchanges __dict__ too: keep our marks
                 torch.utils.swap_tensors(p, real)
         for name, b in sub._buffers.items():
             if b is not None and b.is_meta:
-                sub._buffers[name] = torch.empty_like(b, device=device)
+                sub._buffers[name] = _empty(b, device)
+
+
+def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape and dtype on ``device`` (``empty_like`` of a meta tensor would
+    import PyTorch's symbolic-shape machinery: seconds of start-up)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from plait.models.family import Family, family_of
 from plait.parallel_config import RECOMPUTE_MODES, ParallelConfig
 from plait.parallel_model import LossFn, ParallelModel
 from plait.pipeline.partition import Partition
+from plait.recompute import recompute_attention
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.plan import apply_tp_plan
 
@@ -53,7 +54,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     The settings come from ``config`` (a ParallelConfig; default: the one ``plait.init`` made ``ctx`` from),
     overridden by any keyword given: ``schedule``, ``microbatches`` (default ``pp``), ``virtual_stages``
     (default: the schedule's), ``sequence_parallel``, ``activation_checkpointing`` (True/False or a recompute
-    mode: "none", "full") and ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
+    mode: "none"; "selective", only the attention cores, plait.recompute; "full", whole blocks) and
+    ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
     weights and gradients, plait.optim.precision). ``config``'s sizes must be ctx's.
 
     The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
@@ -71,15 +73,17 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
                          precision=precision)
     family = family_of(model)
     _check_args(model, family, ctx, loss_fn, tp_plan)
-    config_of_model = getattr(model, "config", None)
-    token_loss = TokenLoss(ctx, family.vocab_size(config_of_model)) if loss_fn is None else None
+    vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
+    if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
+        recompute_attention(family.attention_modules(model), type(model).__name__)
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)
-    if token_loss is not None:
-        loss, normaliser, vocab = token_loss, partial(_token_normaliser, token_loss, ctx), token_loss.vocab_size
-    else:
-        loss, normaliser, vocab = loss_fn, partial(_rows_normaliser, cfg.num_microbatches, ctx), None
-    return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss, normaliser=normaliser,
-                         vocab_size=vocab)
+    if loss_fn is not None:
+        return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss_fn, vocab_size=None,
+                             normaliser=partial(_rows_normaliser, cfg.num_microbatches, ctx))
+    assert vocab is not None, f"{family.name}: a next-token loss needs a vocabulary size"
+    token_loss = TokenLoss(ctx, vocab)
+    return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=token_loss, vocab_size=vocab,
+                         normaliser=partial(_token_normaliser, token_loss, ctx))
 
 
 def _recompute(activation_checkpointing: bool | str | None) -> str | None:

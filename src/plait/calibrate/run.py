@@ -95,6 +95,7 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     curves = coll.curves(p, groups, world_group, device, tick if rank == 0 else (lambda what: None), quick)
     if rank != 0:
         return None
+    assert alone is not None and shared is not None  # measured on rank 0
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
                    {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()})
 

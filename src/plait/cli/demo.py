@@ -20,12 +20,13 @@ def demo_command() -> None:
     console = Console()
     console.rule("1. Schedules as data: 4 stages, 8 micro-batches, F=1 B=2 (I=W=1)")
     for name in ("1f1b", "zbv"):
-        result = simulate(build_schedule(name, stages=4, microbatches=8), Costs(1.0, 2.0, 1.0))
-        console.print(result.to_ascii(min(96, console.width - 12)), markup=False, highlight=False)
-        console.print(f"bubble {result.bubble_fraction:.1%}, peak activations {result.peak_activations}\n")
+        sim = simulate(build_schedule(name, stages=4, microbatches=8), Costs(1.0, 2.0, 1.0))
+        console.print(sim.to_ascii(min(96, console.width - 12)), markup=False, highlight=False)
+        console.print(f"bubble {sim.bubble_fraction:.1%}, peak activations {sim.peak_activations}\n")
     for schedule in ("1f1b", "zbv"):
         console.rule(f"2. tp=2 x pp=2 on 4 CPU processes, {schedule}: parallel vs one device")
-        cfg = VerifyConfig(ParallelConfig(tp=2, pp=2, dp=1, schedule=schedule, microbatches=8, sequence_parallel=True))
+        layout = ParallelConfig(tp=2, pp=2, dp=1, schedule=schedule, microbatches=8, sequence_parallel=True)
+        cfg = VerifyConfig(layout)
         result = verify(cfg)
         table = _table(result)
         console.print(table)

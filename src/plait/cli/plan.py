@@ -54,7 +54,8 @@ def _training_table(result, title: str):
     for i, e in enumerate(result.best, 1):
         m = e.memory
         parts = "+".join(f"{x / scale:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations))
-        t.add_row(str(i), e.layout.short(), f"{e.step_time_s:.3g}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.3g}",
+        label = e.layout.short() + (" padded-rounds" if e.rounds == "padded" else "")
+        t.add_row(str(i), label, f"{e.step_time_s:.3g}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.3g}",
                   f"{e.bubble_fraction:.1%}", f"{parts} = {m.total / scale:.1f} of {m.usable / scale:,.0f}")
     return t
 
@@ -90,7 +91,8 @@ def _show_schedule(console, best) -> None:
     m = min(best.microbatches, 4 * lay.pp)
     ch = chunk_costs(best.model, best.cluster, lay, best.training.precision)
     weight = [c.weight for c in ch] if lay.schedule in SPLIT_BACKWARD else None
-    r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual),
+    r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual,
+                                rounds=best.rounds),
                  Costs(forward=[c.forward for c in ch], backward=[c.backward for c in ch], weight=weight,
                        p2p=ch[0].p2p))
     shown = f"the first {m} of {best.microbatches}" if m < best.microbatches else f"all {m}"
@@ -153,6 +155,25 @@ def inference_verdict(res) -> list[str]:
     return lines
 
 
+def _write_config(path: Path, best, model_arg: str) -> None:
+    """Write ``best``'s layout (and batch, sequence length, model when plait train can build it) as TOML."""
+    from plait.errors import ConfigError
+    from plait.train.config import PRESETS, toml_text
+
+    if not best.layout.runnable:
+        raise ConfigError(f"--write-config: the best layout {best.layout.short()} is plan-only; drop --plan-only")
+    folder = Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)
+    trainable = model_arg in PRESETS or (folder / "config.json").is_file()
+    values = {"model": (model_arg if model_arg in PRESETS else str(folder)) if trainable else None,
+              **best.layout.to_parallel_config(best.training, best.training.precision, best.rounds).to_dict(),
+              "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
+    header = (f"plait plan's best layout for {best.model.name}: {best.layout.short()} "
+              f"({best.step_time_s:.3g} s/step predicted on {best.cluster.n_gpus} x {best.cluster.gpu.name})")
+    if not trainable:
+        header += f"\n{model_arg} is a planner preset: give plait train --model a Hugging Face folder of it"
+    path.write_text(toml_text(values, header))
+
+
 def plan(
     model: Annotated[str, typer.Option(help="preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, "
                                              "mixtral-8x7b) or a Hugging Face config.json")],
@@ -175,6 +196,11 @@ def plan(
                                                       "plan plait's own runs on that host (--gpus processes)")] = None,
     precision: Annotated[str | None, typer.Option(help="bf16 or fp32 (default: fp32 with --cluster, as plait "
                                                        "train; bf16 otherwise)")] = None,
+    max_memory_fraction: Annotated[float, typer.Option(help="share of each device's memory a layout may use")] = 0.9,
+    plan_only: Annotated[bool, typer.Option("--plan-only", help="also consider what only the planner models "
+                                            "(context parallelism, ZeRO-3), marked plan-only")] = False,
+    write_config: Annotated[Path | None, typer.Option(help="write the best layout as a `plait train --config` "
+                                                      "TOML file")] = None,
 ) -> None:
     from rich.console import Console
 
@@ -188,28 +214,31 @@ def plan(
     try:
         m = _model(model, seq_len)
         if cluster_file is not None:
-            cluster = Cluster.from_profile(cluster_file, gpus)
+            cluster = Cluster.from_profile(cluster_file, gpus, max_memory_fraction=max_memory_fraction)
         else:
-            cluster = Cluster(gpu, gpus, gpus_per_node, interconnect)
+            cluster = Cluster(gpu, gpus, gpus_per_node, interconnect, max_memory_fraction=max_memory_fraction)
         if inference:
             _inference(console, m, cluster, batch, prompt_len, gen_len, as_json, weights)
             return
         precision = precision or ("fp32" if cluster_file is not None else "bf16")
         if global_batch:
             training = Training(global_batch, precision=precision)
-            result = search(m, cluster, training, top=top)
+            result = search(m, cluster, training, top=top, plan_only=plan_only)
         else:
-            choice = search_batch(m, cluster, top=top, precision=precision)
+            choice = search_batch(m, cluster, top=top, precision=precision, plan_only=plan_only)
             training, result = Training(choice.global_batch, precision=precision), choice.result
             batch_note = f"global batch (not given, searched): {choice.reason}"
+        if result.best and write_config is not None:
+            _write_config(write_config, result.best[0], model)
     except ConfigError as exc:
         _fail(str(exc))
     if not result.best:
-        _fail(f"{m.name} on {gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.gpu.memory), 1)
+        _fail(f"{m.name} on {gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
     if as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
                                "global_batch_note": batch_note, "rejected": dict(result.rejected),
-                               "pruned": result.pruned, "considered": result.considered, "why": explain(result)}
+                               "pruned": result.pruned, "considered": result.considered, "why": explain(result),
+                               "max_memory_fraction": max_memory_fraction}
         typer.echo(json.dumps(out, indent=1))
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"

@@ -10,10 +10,13 @@ import typer
 HELP = """Serve a plait checkpoint or a Hugging Face model folder over an OpenAI-compatible HTTP API.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming with "stream": true), GET /v1/models,
-/health and /metrics (Prometheus). Requests join and leave the running batch between decode steps
-(continuous batching); each holds a KV cache slot and prompt + max_tokens positions of the --kv-budget
-until it finishes. With --tp/--pp > 1 the model is split over that many local processes; rank 0 also
-runs the HTTP server. Greedy by default (temperature 0): the tokens equal `plait generate`'s.
+/v1/models/{id}, /health, /metrics (Prometheus), /version, POST /tokenize, /detokenize, GET /tokenizer_info.
+Requests join and leave the running batch between steps (continuous batching). The KV cache is paged:
+blocks of --kv-block positions out of a pool of --kv-budget positions are taken as a sequence grows; when
+none is free the sequence admitted last is preempted and recomputed later. A step feeds at most
+--step-tokens tokens: every decoding sequence its next one, then prompts in chunks (chunked prefill).
+With --tp/--pp > 1 the model is split over that many local processes; rank 0 also runs the HTTP server.
+Greedy by default (temperature 0): the tokens equal `plait generate`'s.
 
 \b
 Chat messages become one prompt: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
@@ -42,12 +45,22 @@ def serve_command(
     = "127.0.0.1",
     port: Annotated[int, Opt(help="Port to listen on.")] = 8000,
     name: Annotated[str | None, Opt(help="Model name clients must send (default: the folder's name).")] = None,
-    max_batch: Annotated[int, Opt(help="KV cache slots: sequences decoded together.")] = 16,
+    max_batch: Annotated[int, Opt(help="Sequences that run at once (continuous batching).")] = 16,
     max_tokens: Annotated[int | None, Opt(help="Largest max_tokens a request may ask for (default: the "
                                                "context length - 1).")] = None,
-    kv_budget: Annotated[int | None, Opt(help="KV cache positions the running requests may reserve in total "
-                                              "(default: max-batch x context).")] = None,
+    kv_budget: Annotated[int | None, Opt(help="KV cache positions of the block pool (default: max-batch x "
+                                              "context).")] = None,
+    kv_block: Annotated[int, Opt(help="Positions per KV cache block.")] = 16,
+    kv_reserve: Annotated[bool, Opt(help="Reserve prompt + max_tokens positions at admission (no paging, no "
+                                         "preemption: the policy before paged KV, for comparison).")] = False,
+    step_tokens: Annotated[int, Opt(help="Tokens one step may feed (chunked prefill); 0: every admitted prompt "
+                                         "whole in one step.")] = 256,
     max_queue: Annotated[int, Opt(help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
+    api_key: Annotated[str | None, Opt(help="Require \"Authorization: Bearer KEY\" on /v1 routes (else 401).",
+                                       envvar="PLAIT_API_KEY")] = None,
+    max_body_bytes: Annotated[int, Opt(help="Largest request body; larger ones get HTTP 413.")] = 16 << 20,
+    request_timeout: Annotated[float, Opt(help="Seconds a request may run before it is cancelled (HTTP 504); "
+                                               "0: no limit.")] = 600.0,
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
@@ -70,13 +83,18 @@ def serve_command(
         kv_budget = max_batch * context if kv_budget is None else kv_budget
         if not 1 <= max_tokens < context:
             raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
-        if kv_budget < 2:
-            raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions")
+        if kv_budget < 2 or kv_block < 1:
+            raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions and --kv-block {kv_block} >= 1")
+        if step_tokens < 0 or max_body_bytes < 1 or request_timeout < 0:
+            raise ConfigError(f"--step-tokens {step_tokens} and --request-timeout {request_timeout} must be >= 0, "
+                              f"--max-body-bytes {max_body_bytes} >= 1")
         from plait.serve.server import bind
 
         bind(host, port).close()  # a busy port fails here, before any worker starts
         payload = {"model": model, "tp": tp, "pp": pp, "host": host, "port": port, "max_batch": max_batch,
-                   "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue,
+                   "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue, "kv_block": kv_block,
+                   "kv_reserve": kv_reserve, "step_tokens": step_tokens, "api_key": api_key,
+                   "max_body": max_body_bytes, "request_timeout": request_timeout,
                    "name": name or Path(model).resolve().name}
         run_or_launch("plait.serve.server:serve_job", payload, tp * pp)
     except ConfigError as exc:

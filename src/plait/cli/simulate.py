@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +22,8 @@ Schedules (--schedule):
   1f1b              warm-up, then one-forward-one-backward; holds at most P micro-batches
   interleaved-1f1b  V chunks per rank (chunk c on rank c % P); bubble shrinks ~V times
   looped-bfs        V chunks per rank, each chunk runs every micro-batch before the next
-  zb-h1             1F1B with split backward; W fills the bubble (~1/3 of 1F1B's when F=I=W)
+  zb-h1             1F1B with split backward; W fills the bubble (~1/3 of 1F1B's when F=I=W);
+                    with V > 1 chunks per rank: ZB1P, interleaved like interleaved-1f1b
   zbv               zero-bubble V: 2 chunks per rank (chunk c on rank c, or 2P-1-c)
   dualpipev         DeepSeek's DualPipeV, V-shaped; forward/backward pairs (needs M >= 2P)
 
@@ -37,6 +37,7 @@ the end of B, or of W for a split backward.
 Examples:
   plait simulate --schedule 1f1b --stages 4 --microbatches 8
   plait simulate -s interleaved-1f1b -p 4 -m 8 --virtual-stages 3 --p2p 0.1
+  plait simulate -s interleaved-1f1b -p 4 -m 10 --rounds padded   # M % P != 0: fewer held
   plait simulate -p 8 -m 32 --compare gpipe,1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev
   plait simulate -s zbv -p 4 -m 8 --png zbv.png --trace zbv.json --csv zbv.csv
   plait simulate --from-csv my_schedule.csv      # a torch.distributed.pipelining CSV
@@ -48,12 +49,14 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def _build(name: str, stages: int, microbatches: int, virtual: int | None, from_csv: Path | None):
+def _build(name: str, stages: int, microbatches: int, virtual: int | None, from_csv: Path | None,
+           rounds: str | None = None):
     from plait.schedules import Schedule, build_schedule
 
     if from_csv is not None:
         return Schedule.from_csv(from_csv, name=from_csv.stem)
-    return build_schedule(name, stages=stages, microbatches=microbatches, virtual=virtual).validate()
+    return build_schedule(name, stages=stages, microbatches=microbatches, virtual=virtual,
+                          rounds=rounds).validate()
 
 
 def _figures_table(result) -> object:
@@ -71,12 +74,14 @@ def _figures_table(result) -> object:
     return table
 
 
-def _compare(names: str, stages: int, microbatches: int, virtual: int | None, costs, as_json: bool) -> None:
+def _compare(names: str, stages: int, microbatches: int, virtual: int | None, costs, as_json: bool,
+             rounds: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     from plait.errors import ConfigError
     from plait.schedules import build_schedule
+    from plait.schedules.build import ROUND_SCHEDULES
     from plait.sim import simulate
 
     table = Table(title=f"P={stages} stages, M={microbatches} micro-batches, costs F={costs.forward} "
@@ -87,10 +92,11 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
         table.add_column(col, justify="right")
     rows: list[dict] = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
-        multi = name in ("interleaved-1f1b", "looped-bfs")
+        multi = name in ("interleaved-1f1b", "looped-bfs", "zb-h1")
         try:
             sched = build_schedule(name, stages=stages, microbatches=microbatches,
-                                   virtual=virtual if multi else None)
+                                   virtual=virtual if multi else None,
+                                   rounds=rounds if name in ROUND_SCHEDULES else None)
             r = simulate(sched, costs)
         except ConfigError as exc:
             if name not in _names():
@@ -140,6 +146,9 @@ def simulate_command(
     weight: Annotated[float | None, typer.Option(help="Weight-gradient part W of the backward "
                       "(default backward/2).")] = None,
     p2p: Annotated[float, typer.Option(help="Latency added to a dependency from another rank.")] = 0.0,
+    rounds: Annotated[str | None, typer.Option(help="interleaved-1f1b / zb-h1 with M % P != 0: 'equal' "
+                      "rounds (default; bubble (P-1)/(VM+P-1)) or 'padded' rounds of P (fewer "
+                      "micro-batches held).")] = None,
     compare: Annotated[str | None, typer.Option(help="Comma-separated schedules to compare in one "
                        "table, e.g. gpipe,1f1b,zb-h1,zbv.")] = None,
     png: Annotated[Path | None, typer.Option(help="Save the timeline as a PNG (matplotlib).")] = None,
@@ -165,8 +174,8 @@ def simulate_command(
     virtual = virtual_stages if virtual_alias is None else virtual_alias
     try:
         if compare is not None:
-            return _compare(compare, stages, microbatches, virtual, costs, as_json)
-        result = simulate(_build(schedule, stages, microbatches, virtual, from_csv), costs)
+            return _compare(compare, stages, microbatches, virtual, costs, as_json, rounds)
+        result = simulate(_build(schedule, stages, microbatches, virtual, from_csv, rounds), costs)
         notes = _outputs(result, png, trace, csv)
     except (ConfigError, OSError) as exc:
         _fail(str(exc))
@@ -196,4 +205,4 @@ def register(app: typer.Typer) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(typer.run(simulate_command))
+    typer.run(simulate_command)

@@ -22,6 +22,7 @@ Examples:
   plait train --tp 1 --pp 4 --steps 100
   plait train --data my_texts/ --model small --metrics run.jsonl
   plait train --resume          # continue the latest checkpoint exactly
+  plait train --layout auto --nproc 4   # the planner's fastest layout for 4 processes
   torchrun --nproc-per-node 4 -m plait.cli.main train --tp 2 --pp 2
 """.format(
     defaults="With no arguments: a tiny byte-level Llama on the Python standard library's own source files, "
@@ -85,6 +86,11 @@ def _run(cfg) -> None:
     if under_torchrun():
         train_job(cfg.to_dict())
         return
+    if cfg.layout == "auto":
+        from plait.train.auto import auto_layout
+
+        cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
+        typer.echo(line)
     validate(cfg)
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:

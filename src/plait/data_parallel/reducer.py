@@ -34,7 +34,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def set_grad_group(param: nn.Parameter, group, size: int) -> None:
     """Reduce ``param``'s gradient over ``group`` (of ``size`` ranks) instead of the DP group (e.g. experts)."""
-    param._plait_grad_group = (group, size)  # read by GradReducer
+    setattr(param, "_plait_grad_group", (group, size))  # noqa: B010 (read by GradReducer)
 
 
 class Bucket:
@@ -94,7 +94,7 @@ class GradReducer:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
-                p._plait_grad_sink = self.accumulate  # deferred weight gradients (pipeline.weight_grad)
+                setattr(p, "_plait_grad_sink", self.accumulate)  # noqa: B010 (deferred weight gradients, weight_grad)
 
     def _add(self, params: list[nn.Parameter], group, size: int) -> None:
         index = dist.get_group_rank(group, self.ctx.rank) if size > 1 else 0
@@ -140,7 +140,7 @@ class GradReducer:
         if p.dtype == view.dtype:
             p.grad = view
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def _on_grad(self, p: nn.Parameter) -> None:
         self._absorb(p)
         if not self.armed:
             return
@@ -170,6 +170,7 @@ class GradReducer:
             if b.size > 1:
                 b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
             return
+        assert b.buffer is not None  # b.view(0) allocated it
         if b.size > 1:
             b.out = torch.empty(b.shard, dtype=b.buffer.dtype, device=b.buffer.device)
             b.work = _reduce_scatter(b.out, b.buffer, group=b.group, async_op=True)
@@ -186,6 +187,7 @@ class GradReducer:
         out, b.out = b.out, None
         if self.mode == "reduce-scatter":
             if out is not b.buffer:
+                assert b.buffer is not None
                 b.buffer[b.lo:b.hi].copy_(out)
             return
         b.reduced, b.buffer = out, None
@@ -234,12 +236,14 @@ class GradReducer:
         if b.reduced is not None:
             return b.reduced
         b.view(0)
+        assert b.buffer is not None  # b.view(0) allocated it
         return b.buffer[b.lo:b.hi]
 
     def region(self, b: Bucket) -> tuple[int, torch.Tensor]:
         """(start, tensor): the part of ``b``'s flat gradient that holds reduced values on this rank."""
         if self.mode == "all-reduce":
             b.view(0)
+            assert b.buffer is not None  # b.view(0) allocated it
             return 0, b.buffer
         return b.lo, self.shard(b)
 

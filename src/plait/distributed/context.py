@@ -180,6 +180,7 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, expert_tp: bool
     device = _pick_device()
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"))
     groups: dict[str, ProcessGroup] = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    assert dist.group.WORLD is not None  # the default group exists from here on
     groups["world"] = dist.group.WORLD
     groups.update(_expert_groups(config, device))
     return ParallelContext(config=config, rank=dist.get_rank(), world_size=world, device=device,

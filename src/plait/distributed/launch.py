@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
@@ -225,7 +226,9 @@ class _ForwardSignal:
     still alive ``STOP_TIMEOUT_S`` later are killed."""
 
     def __init__(self, sig: int):
-        self.sig, self.previous, self.timer = sig, None, None
+        self.sig = sig
+        self.previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self.timer: threading.Timer | None = None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -240,11 +243,13 @@ class _ForwardSignal:
 
     def _forward(self, signum, frame) -> None:
         for child in mp.active_children():
-            os.kill(child.pid, signum)
+            if child.pid is not None:
+                os.kill(child.pid, signum)
         if self.timer is None:
-            self.timer = threading.Timer(STOP_TIMEOUT_S, _kill_children)
-            self.timer.daemon = True
-            self.timer.start()
+            timer = threading.Timer(STOP_TIMEOUT_S, _kill_children)
+            timer.daemon = True
+            timer.start()
+            self.timer = timer
 
 
 def _kill_children() -> None:
@@ -254,12 +259,12 @@ def _kill_children() -> None:
 
 def _explain(exc, failures: Path) -> tuple[str, int]:
     """One line naming the rank that failed first, and the exit code to use."""
-    reports = {}
+    reports: dict[int, tuple[str | None, str | None, Any]] = {}
     for rank, failure in exc.failures.items():  # keyed by global rank
         f = failures / f"rank{rank}"
         if f.is_file():
-            kind, _, msg = f.read_text().partition("\n")
-            reports[rank] = (kind, msg or kind, failure)
+            name, _, text = f.read_text().partition("\n")
+            reports[rank] = (name, text or name, failure)
         else:
             reports[rank] = (None, None, failure)
     died = [r for r, (kind, _, _) in reports.items() if kind is None]
@@ -274,4 +279,4 @@ def _explain(exc, failures: Path) -> tuple[str, int]:
     r = min(real or reports, key=lambda k: (reports[k][2].timestamp, k))
     kind, msg, _ = reports[r]
     prefix = "" if kind in ("ConfigError", "NonFiniteLoss") else f"{kind}: "
-    return f"rank {r}: {prefix}{msg}", EXIT_CODES.get(kind, 1)
+    return f"rank {r}: {prefix}{msg}", EXIT_CODES.get(kind or "", 1)

@@ -34,7 +34,7 @@ from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.comms import gather_rows
 from plait.experts.dispatch import dispatch_combine
-from plait.models.moe import MoE, route
+from plait.models.moe import Expert, MoE, route
 from plait.tensor_parallel import comms
 from plait.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_tp_partial
 
@@ -108,13 +108,16 @@ class ExpertParallelMoE(nn.Module):
 
 def _shard_expert(expert: nn.Module, ctx: ParallelContext) -> None:
     """Split one SwiGLU expert over TP in place: gate/up column-parallel, down row-parallel without reduce."""
+    assert isinstance(expert, Expert), f"an MoE layer holds Expert modules, not {type(expert).__name__}"
     ffn = expert.gate_proj.out_features
     if ffn % ctx.tp_size:
         raise ConfigError(f"expert_tp=True needs tp={ctx.tp_size} to divide each expert's ffn_dim={ffn}; use "
                           "another tp or expert_tp=False")
-    expert.gate_proj = ColumnParallelLinear.from_dense(expert.gate_proj, ctx, input_comm=False)
-    expert.up_proj = ColumnParallelLinear.from_dense(expert.up_proj, ctx, input_comm=False)
-    expert.down_proj = RowParallelLinear.from_dense(expert.down_proj, ctx, reduce_output=False)
+    sharded = {"gate_proj": ColumnParallelLinear.from_dense(expert.gate_proj, ctx, input_comm=False),
+               "up_proj": ColumnParallelLinear.from_dense(expert.up_proj, ctx, input_comm=False),
+               "down_proj": RowParallelLinear.from_dense(expert.down_proj, ctx, reduce_output=False)}
+    for name, layer in sharded.items():
+        setattr(expert, name, layer)
 
 
 def plain_state_keys(model: nn.Module) -> list[str]:
@@ -155,9 +158,9 @@ def apply_expert_parallel(model: nn.Module, ctx: ParallelContext, sequence_paral
     Apply after the tensor-parallel plan (the layer enters the TP region itself).
     """
     check_model_experts(model, ctx.ep_size)
-    paths = [name for name, m in model.named_modules() if isinstance(m, MoE)]
-    for path in paths:
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    for path, moe in layers:
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        setattr(parent, child, ExpertParallelMoE(model.get_submodule(path), ctx, sequence_parallel))
-    return len(paths)
+        setattr(parent, child, ExpertParallelMoE(moe, ctx, sequence_parallel))
+    return len(layers)

@@ -24,7 +24,7 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
     from plait.train.data import ByteTokenizer
 
     single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
-    batch = [prompts] if single else list(prompts)
+    batch: list[Any] = [prompts] if single else list(prompts)
     texts = bool(batch) and isinstance(batch[0], str)
     tok = tokenizer or ByteTokenizer()
     ids = [tok.encode(p) for p in batch] if texts else [list(map(int, p)) for p in batch]

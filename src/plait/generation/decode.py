@@ -23,16 +23,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class Sampling:
-    """Greedy when ``temperature == 0``; otherwise softmax(logits / T), restricted to the ``top_k`` best if > 0."""
+    """Greedy when ``temperature == 0``; otherwise softmax(logits / T) restricted to the ``top_k`` best if > 0,
+    then to the smallest set whose probability reaches ``top_p`` (nucleus; Holtzman et al. 2020) if < 1,
+    then to tokens at least ``min_p`` times as likely as the best one if > 0."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def check(self) -> None:
         if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
             raise ConfigError("max_new_tokens, temperature and top_k must be >= 0")
+        if not (0 < self.top_p <= 1 and 0 <= self.min_p <= 1):
+            raise ConfigError(f"top_p={self.top_p} must be within (0, 1] and min_p={self.min_p} within [0, 1]")
 
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
@@ -45,6 +51,12 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Ten
         kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        drop = ordered.cumsum(-1) - ordered >= s.top_p  # the mass before a token already reaches top_p
+        probs = probs.scatter(-1, order, ordered.masked_fill(drop, 0.0))
+    if s.min_p > 0:
+        probs = probs.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
 
 
@@ -60,7 +72,7 @@ class Decoder:
 
         if isinstance(model, ParallelModel):
             self.ctx: ParallelContext | None = model.ctx
-            family, config, self.vocab = model.family, model.model_config, model.vocab_size
+            family, config, vocab = model.family, model.model_config, model.vocab_size
             self.chunks = {c: list(zip(ch.names, ch.blocks, strict=True)) for c, ch in model.chunks.items()}
             self.num_chunks = model.schedule.num_stages
             self.rank_of: Callable[[int], int] = model.schedule.stage_to_rank
@@ -68,14 +80,15 @@ class Decoder:
             self.dtype = next(model.parameters()).dtype
         else:
             family, config = family_of(model), getattr(model, "config", None)
-            self.ctx, self.vocab = None, family.vocab_size(config)
+            self.ctx, vocab = None, family.vocab_size(config)
             self.chunks = {0: family.blocks(model).named}
             self.num_chunks, self.rank_of = 1, lambda c: 0
             p = next(model.parameters())
             self.device, self.dtype = p.device, p.dtype
-        if family.loss != "next_token" or self.vocab is None:
+        if family.loss != "next_token" or vocab is None:
             raise ConfigError(f"generate needs a language model (a next-token family such as Llama), not "
                               f"{family.name} models")
+        self.vocab: int = vocab
         self.hidden_size = family.hidden_size(config)
         self.kv_names = [name for blocks in self.chunks.values() for name, _ in blocks if family.kv_layer(name)]
 

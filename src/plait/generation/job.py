@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -61,8 +62,9 @@ def generate_job(payload: dict) -> list[str]:
     if payload["tp"] * payload["pp"] != world:
         raise ConfigError(f"--tp {payload['tp']} x --pp {payload['pp']} must equal the world size {world}")
     model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"])
-    out = generate(model, payload["prompts"], max_new_tokens=payload["max_new_tokens"],
-                   temperature=payload["temperature"], top_k=payload["top_k"], seed=payload["seed"], tokenizer=tok)
+    out = cast(list[str], generate(model, payload["prompts"], max_new_tokens=payload["max_new_tokens"],
+                                   temperature=payload["temperature"], top_k=payload["top_k"], seed=payload["seed"],
+                                   tokenizer=tok))  # text prompts give texts
     if int(os.environ.get("RANK", "0")) == 0:
         show(payload["prompts"], out)
     return out

@@ -55,7 +55,9 @@ class Links:
     def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
         x = x.contiguous()
         self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]  # keep only unfinished buffers
-        self.pending.append((dist.isend(x, dst=dst, tag=tag), x))
+        work = dist.isend(x, dst=dst, tag=tag)
+        assert work is not None, "isend on the default group returns a Work"
+        self.pending.append((work, x))
 
     def wait(self) -> None:
         for work, _x in self.pending:

@@ -5,6 +5,7 @@
 """
 
 from plait.models.hf import load_pretrained as from_pretrained
+from plait.models.init import init_weights
 from plait.models.llama import Llama, LlamaConfig
 from plait.models.mistral import Mistral, MistralConfig
 from plait.models.mixtral import Mixtral, MixtralConfig
@@ -12,4 +13,4 @@ from plait.models.qwen2 import Qwen2, Qwen2Config
 from plait.models.qwen3 import Qwen3, Qwen3Config
 
 __all__ = ["Llama", "LlamaConfig", "Mistral", "MistralConfig", "Mixtral", "MixtralConfig", "Qwen2", "Qwen2Config",
-           "Qwen3", "Qwen3Config", "from_pretrained"]
+           "Qwen3", "Qwen3Config", "from_pretrained", "init_weights"]

@@ -10,6 +10,8 @@ A family adapter answers, for the models of one class, without the runtime ever 
   kv_layer           which blocks keep a KV cache when decoding; hidden_size: what flows between stages
   attention_modules  the attention module of every layer (whose core may be recomputed alone)
   tie_weights        re-tie shared parameters after sharding replaced modules
+  init_tensor        the seeded initial value of one full state tensor (plait.models.init), so any layout
+                     can initialise its shards one tensor at a time
 Hugging Face families (``DecoderFamily`` subclasses) also translate ``config.json`` and tensor names
 (``plait.models.hf``). Families are found by scanning ``plait.models`` for a module-level ``FAMILY``, so
 adding one is one file: a config and model class (usually Llama's with some features on) and its FAMILY.
@@ -21,11 +23,15 @@ import importlib
 import pkgutil
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 
 from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.models.llama import Llama
 
 
 @dataclass
@@ -91,6 +97,11 @@ class Family:
     def tie_weights(self, model: nn.Module) -> None:
         """Re-tie shared parameters after their modules were replaced (sharded)."""
 
+    def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The initial value (float32, full ``shape``) of state tensor ``key`` for ``seed``."""
+        raise ConfigError(f"{self.name} models have no seeded initialisation: load their weights instead "
+                          "(load_full_state_dict, a checkpoint or a Hugging Face folder)")
+
 
 class SequentialFamily(Family):
     """Any ``nn.Sequential``: every child is a layer; the caller gives ``loss_fn`` (and ``tp_plan`` for tp > 1)."""
@@ -150,7 +161,8 @@ class DecoderFamily(Family):
 
     # ------------------------------------------------------------------------------ runtime seam
     def blocks(self, model: nn.Module) -> Blocks:
-        named = [("embed_tokens", model.embed_tokens)]
+        model = _decoder(model)
+        named: list[tuple[str, nn.Module]] = [("embed_tokens", model.embed_tokens)]
         named += [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
         named += [("norm", model.norm), ("lm_head", model.lm_head)]
         return Blocks(named, 1, len(model.layers))
@@ -162,6 +174,7 @@ class DecoderFamily(Family):
         plus the softmax; the embedding lookup. From the config: the same before and after sharding."""
         from plait.pipeline.balance import embedding_macs, head_macs, layer_macs
 
+        model = _decoder(model)
         cfg = model.config
         attention = 2 * cfg.dim * cfg.n_heads * cfg.head_dim + 2 * cfg.dim * cfg.n_kv_heads * cfg.head_dim
         mlp = 3 * cfg.dim * cfg.ffn_dim
@@ -198,11 +211,20 @@ class DecoderFamily(Family):
         return name.startswith("layers.")
 
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
-        return {f"layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.layers)}
+        layers = _decoder(model).layers
+        return {f"layers.{i}.self_attn": layer.get_submodule("self_attn") for i, layer in enumerate(layers)}
 
     def tie_weights(self, model: nn.Module) -> None:
+        model = _decoder(model)
         if model.config.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # the same (vocabulary-sharded) parameter
+
+    def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        rule = getattr(self.model_class, "initial_tensor", None)
+        if rule is None:
+            raise ConfigError(f"{self.name}: {self.model_class.__name__} has no initial_tensor(config, key, shape, "
+                              "seed) rule for seeded initialisation")
+        return rule(config, key, shape, seed)
 
     # ------------------------------------------------------------------------------ Hugging Face
     def hf_fields(self, hf: dict) -> dict:
@@ -228,6 +250,11 @@ class DecoderFamily(Family):
         for pattern, repl in self.HF_RENAMES:
             key = re.sub(pattern, repl, key)
         return key if key.startswith("lm_head.") else f"model.{key}"
+
+
+def _decoder(model: nn.Module) -> Llama:
+    """``model`` as what a DecoderFamily handles (a Llama or one of its subclasses), for the type checker."""
+    return cast("Llama", model)
 
 
 def families() -> list[Family]:

@@ -11,6 +11,8 @@ mixture-of-experts feed-forward layers.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,23 +20,27 @@ from torch import nn
 
 from plait.errors import ConfigError
 from plait.models.family import DecoderFamily
+from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
 
 @dataclass
 class LlamaConfig:
+    """The shapes and features of a Llama-like model. ``n_kv_heads``, ``ffn_dim`` and ``head_dim`` may be given as
+    None: ``__post_init__`` derives them, so they are always ints afterwards (hence their annotations)."""
+
     vocab_size: int = 256
     dim: int = 64
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
+    n_kv_heads: int = None  # type: ignore[assignment]  # None: n_heads
+    ffn_dim: int = None  # type: ignore[assignment]  # None: Llama's rule from dim
     max_seq_len: int = 256
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     init_std: float = 0.02
-    head_dim: int | None = None  # None: dim // n_heads
+    head_dim: int = None  # type: ignore[assignment]  # None: dim // n_heads
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
@@ -92,7 +98,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer."""
+    """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer.
+
+    Any other cache object passed to ``Attention`` is a per-row cache, whose rows may sit at different
+    positions (serving keeps such caches outside the model): ``positions(s)`` gives the positions [B, S] of
+    the next ``s`` tokens of each row; ``append(k, v)`` stores their keys and values [B, h_kv, S, hd] and
+    returns the keys and values of positions 0..L-1 to attend to [B, h_kv, L, hd] with the causal mask
+    [B, 1, S, L], or None for the mask when the keys are exactly the new ones, every row starting at 0.
+    """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
@@ -108,53 +121,19 @@ class KVCache:
         return self.k, self.v
 
 
-class BatchKVCache:
-    """Slot-based cache of one attention layer for continuous batching: [slots, h_kv, max_len, hd] buffers.
+class RowCache(Protocol):
+    """A per-row cache (see ``KVCache``): rows of one batch may sit at different positions."""
 
-    Each slot (a sequence) has its own length, so rows of one batch sit at different positions. Before a
-    forward, whoever drives the batch sets ``rows`` (the slot of each batch row, [B]); ``append`` writes the
-    new keys at each row's own positions and returns the keys/values to attend to plus a mask.
-    """
+    def positions(self, s: int) -> torch.Tensor: ...
 
-    def __init__(self, slots: int, max_len: int) -> None:
-        self.slots, self.max_len = slots, max_len
-        self.lengths = torch.zeros(slots, dtype=torch.long)  # [slots] tokens cached per slot
-        self.rows = torch.zeros(1, dtype=torch.long)  # [B] slot of each row of the next forward
-        self.k: torch.Tensor | None = None  # [slots, h_kv, max_len, hd], allocated at the first write
-        self.v: torch.Tensor | None = None
-
-    def free(self, slot: int) -> None:
-        self.lengths[slot] = 0
-
-    def positions(self, s: int) -> torch.Tensor:
-        """Positions [B, S] of the next ``s`` tokens of each row."""
-        return self.lengths[self.rows][:, None] + torch.arange(s)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, h_kv, S, hd]; (keys, values, mask or None for plain causal) to attend with."""
-        b, h, s, hd = k.shape
-        if self.k is None:
-            self.k = k.new_zeros(self.slots, h, self.max_len, hd)
-            self.v = v.new_zeros(self.slots, h, self.max_len, hd)
-        start = self.lengths[self.rows]  # [B]
-        if int(start.max()) + s > self.max_len:
-            raise ConfigError(f"BatchKVCache: {int(start.max()) + s} positions exceed max_len {self.max_len}")
-        pos = (start[:, None] + torch.arange(s)).to(k.device)  # [B, S]
-        rows = self.rows.to(k.device)[:, None]  # [B, 1]
-        self.k[rows, :, pos] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each row's own positions
-        self.v[rows, :, pos] = v.transpose(1, 2)
-        self.lengths[self.rows] += s
-        if int(start.max()) == 0:  # every row starts fresh: plain causal attention over the new keys
-            return k, v, None
-        total = int(start.max()) + s
-        keys = torch.arange(total, device=k.device)  # key j is visible to query i of row b iff j <= pos[b, i]
-        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, S, total]
-        return self.k[self.rows, :, :total], self.v[self.rows, :, :total], mask
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings (Su et al. 2021); optional q/k/v
     biases, per-head q/k RMSNorm and a sliding window (query at position i sees keys j with i - W < j <= i)."""
+
+    _rope_device: torch.Tensor  # a registered buffer
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -197,22 +176,24 @@ class Attention(nn.Module):
         y = proj(x).view(b, s, -1, self.head_dim)  # [B, S, heads, hd]
         return (y if norm is None else norm(y)).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:  # x: [B, S, H]
+    def forward(self, x: torch.Tensor, cache: KVCache | RowCache | None = None) -> torch.Tensor:  # x: [B, S, H]
         b, s, _ = x.shape
-        batched = isinstance(cache, BatchKVCache)
-        offset = 0 if cache is None or batched else cache.length
+        offset = cache.length if isinstance(cache, KVCache) else 0
         q = self.heads(x, self.q_proj, getattr(self, "q_norm", None))  # [B, h, S, hd]
         k = self.heads(x, self.k_proj, getattr(self, "k_norm", None))  # [B, h_kv, S, hd]
         v = self.heads(x, self.v_proj)
-        pos = cache.positions(s) if batched else None  # [B, S] positions of each row's new tokens
-        cos, sin = self.rope_at(pos, q.dtype) if batched else self.rope(s, offset, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        mask = None
-        if batched:
+        mask: torch.Tensor | None = None
+        pos: torch.Tensor | None = None
+        if cache is None or isinstance(cache, KVCache):
+            cos, sin = self.rope(s, offset, q.dtype)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if cache is not None:
+                k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
+        else:  # a per-row cache: each row's new tokens sit at its own positions
+            pos = cache.positions(s)  # [B, S]
+            cos, sin = self.rope_at(pos, q.dtype)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             k, v, mask = cache.append(k, v)  # [B, h_kv, L, hd], mask [B, 1, S, L] (None: causal from 0)
-        elif cache is not None:
-            k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
         if self.sliding_window is not None:
             pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]
             mask = window_mask(pos.to(q.device), k.shape[2], self.sliding_window)
@@ -266,7 +247,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg) if not cfg.is_moe_layer(index) else MoE(
             cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | BatchKVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | RowCache | None = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cache=cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -277,7 +258,9 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # built from an uninitialised tensor: reset_parameters draws it (nn.Embedding's own init would run
+        # normal_, which on the meta device imports PyTorch's compiler stack, seconds of start-up)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.dim), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -287,11 +270,28 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        """Draw from the global generator, module by module (``plait.models.init.init_weights(model, seed)``
+        draws each tensor from its own seeded generator instead, with the rule of ``initial_tensor``)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:  # meta: nothing to draw
                 nn.init.normal_(module.weight, std=self.config.init_std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
+
+    @staticmethod
+    def initial_tensor(cfg: LlamaConfig, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The seeded initial value of state tensor ``key`` (float32, full shape): norm weights 1, biases 0,
+        every other weight N(0, init_std²) from the generator of (seed, key) — a tied head the embedding's."""
+        if key.endswith("norm.weight"):
+            return torch.ones(shape)
+        if key.endswith(".bias"):
+            return torch.zeros(shape)
+        if not key.endswith(".weight"):
+            raise ConfigError(f"{key}: no initial value is defined for it (weights and biases only)")
+        if cfg.tie_embeddings and key == "lm_head.weight":
+            key = "embed_tokens.weight"
+        return torch.empty(shape).normal_(0.0, cfg.init_std, generator=tensor_generator(seed, key))
 
     def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """tokens [B, S] -> logits [B, S, V]; with ``caches`` (one per layer) tokens follow the cached ones."""
@@ -312,19 +312,28 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | None = None) -> Llama:
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> Llama:
         """Load a Hugging Face folder of this class's family (config.json + *.safetensors); ``plait.models.hf``."""
-        from plait.models.family import family_of_class
         from plait.models.hf import load_pretrained
 
-        return load_pretrained(path, family_of_class(cls), dtype=dtype)
+        model = load_pretrained(path, _decoder_family(cls), dtype=dtype)
+        assert isinstance(model, cls)
+        return model
 
-    def save_pretrained(self, path) -> None:
+    def save_pretrained(self, path: str | Path) -> None:
         """Write a Hugging Face folder (config.json + model.safetensors) that ``transformers`` loads."""
-        from plait.models.family import family_of
         from plait.models.hf import save_state_dict_pretrained
 
-        save_state_dict_pretrained(family_of(self), self.config, self.state_dict(), path)
+        save_state_dict_pretrained(_decoder_family(type(self)), self.config, self.state_dict(), path)
+
+
+def _decoder_family(cls: type) -> DecoderFamily:
+    from plait.models.family import family_of_class
+
+    family = family_of_class(cls)
+    if not isinstance(family, DecoderFamily):  # a subclass registered as something else
+        raise ConfigError(f"{cls.__name__}: its family {family.name!r} has no Hugging Face format")
+    return family
 
 
 class LlamaFamily(DecoderFamily):

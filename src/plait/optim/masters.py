@@ -82,6 +82,7 @@ class Masters:
             return {}
         out = {}
         for (_, b), flat in zip(self.layout.buckets, self.flats, strict=True):
+            assert flat is not None, "separate masters hold every bucket's elements"
             local = torch.zeros(b.shard, dtype=torch.float32, device=flat.device)
             local[:flat.numel()].copy_(flat)
             full = gather_bucket(b, local)
@@ -105,6 +106,7 @@ class Masters:
     def load_state(self, flats: list[torch.Tensor | None]) -> None:
         for mine, saved in zip(self.flats, flats, strict=True):
             if mine is not None:
+                assert saved is not None, "the saved masters come from the same layout"
                 mine.copy_(saved)
         if self.separate:
             self.publish()

@@ -19,7 +19,8 @@ over data parallelism, and the parameters themselves are stored in bf16 (``set_s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from torch.func import functional_call
 
 from plait.errors import ConfigError
 
+T = TypeVar("T")
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -39,7 +41,7 @@ def check_precision(precision: str) -> str:
 class _Holder(nn.Module):
     """All of a rank's chunks under one root, so one ``functional_call`` swaps every parameter."""
 
-    def __init__(self, chunks: dict[int, nn.Module]):
+    def __init__(self, chunks: Mapping[int, nn.Module]):
         super().__init__()
         self.chunks = nn.ModuleDict({str(c): m for c, m in chunks.items()})
 
@@ -50,7 +52,7 @@ class _Holder(nn.Module):
 class StepCast:
     """Runs a function with the chunks' fp32 parameters swapped for per-step low-precision copies."""
 
-    def __init__(self, chunks: dict[int, nn.Module], precision: str = "fp32"):
+    def __init__(self, chunks: Mapping[int, nn.Module], precision: str = "fp32"):
         self.holder = _Holder(chunks)
         self.precision = check_precision(precision)
         self.stored: torch.dtype = torch.float32  # dtype the parameters are kept in
@@ -83,12 +85,12 @@ class StepCast:
             out[name] = casts[id(p)]
         return out
 
-    def run(self, fn: Callable[[], object]) -> object:
+    def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` with low-precision parameters (or directly in fp32)."""
         if self.dtype is None or self.dtype == self.stored:
             return fn()
         self.copies = self._copies()
         try:
-            return functional_call(self.holder, self.copies, (fn,), strict=False, tie_weights=True)
+            return cast(T, functional_call(self.holder, self.copies, (fn,), strict=False, tie_weights=True))
         finally:
             self.copies = {}

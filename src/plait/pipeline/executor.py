@@ -13,17 +13,21 @@ counts as ``peak_activations``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from plait.errors import CommError, CommTimeoutError
 from plait.pipeline.p2p import ACT, GRAD, Transport
+from plait.pipeline.step_plan import StepPlan, build_step_plan
 from plait.schedules import Action, Schedule
 from plait.weight_grad import WeightGradStore
 
-LOOKAHEAD = 3  # receives posted ahead of the action that needs them
+if TYPE_CHECKING:
+    from plait.data_parallel.reducer import GradReducer
 
 
 @dataclass
@@ -36,6 +40,7 @@ class StepStats:
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    shared_loss: torch.Tensor | None = None  # the loss another stage sent (StepIO.loss_from)
 
 
 @dataclass
@@ -46,77 +51,86 @@ class StepIO:
     # auxiliary loss a chunk's last forward produced (e.g. MoE load balancing), already scaled; it is
     # added to the loss on the last chunk and backpropagated together with the output on the others
     aux_fn: Callable[[torch.nn.Module], torch.Tensor | None] | None = None
+    # sharing the step's loss point to point: the holder sends its loss sum to these global ranks as soon as
+    # its last forward of the last chunk is done; a rank with ``loss_from`` set receives it from that rank
+    loss_to: list[int] = field(default_factory=list)
+    loss_from: int | None = None
 
 
 class Executor:
     """Executes ``schedule.actions[pp_rank]`` over ``chunks`` (this rank's chunks by global index)."""
 
-    def __init__(self, schedule: Schedule, pp_rank: int, peer_of_rank: Callable[[int], int], chunks: dict,
-                 transport: Transport, store: WeightGradStore | None, reducers: dict):
+    def __init__(self, schedule: Schedule, pp_rank: int, peer_of_rank: Callable[[int], int],
+                 chunks: Mapping[int, nn.Module], transport: Transport, store: WeightGradStore | None,
+                 reducers: Mapping[int, GradReducer]):
         self.s, self.me, self.chunks = schedule, pp_rank, chunks
-        self.peer_of_rank, self.transport, self.store = peer_of_rank, transport, store
+        self.transport, self.store = transport, store
         self.reducers = reducers  # chunk -> GradReducer (data parallel), started when the chunk is done
         self.last_chunk = schedule.num_stages - 1
-        self.actions = schedule.actions[pp_rank]
-        self.final_index = final_backward_index(self.actions)
-        self.recv_plan = [self._remote_input(a) for a in self.actions]
-        # per rank: (F | B, chunk, micro-batch) -> position in its list (I counts as B: it takes the gradient)
-        self.position = [{("F" if a.kind == "F" else "B", a.stage, a.microbatch): i
-                          for i, a in enumerate(row) if a.kind != "W"} for row in schedule.actions]
+        self.final_index = final_backward_index(schedule.actions[pp_rank])
+        last_forwards = [i for i, a in enumerate(schedule.actions[pp_rank])
+                         if a.kind == "F" and a.stage == self.last_chunk]
+        self.loss_index = last_forwards[-1] if last_forwards else -1
+        self.plans = {mode: build_step_plan(schedule, pp_rank, peer_of_rank, forward_only=mode)
+                      for mode in (False, True)}
 
-    def _remote_input(self, a: Action) -> tuple[int, int, int] | None:
-        """(kind, source global rank, source chunk) of the message action ``a`` waits for, if remote."""
-        if a.kind == "F" and a.stage > 0:
-            src = self.s.stage_to_rank(a.stage - 1)
-            return (ACT, self.peer_of_rank(src), a.stage - 1) if src != self.me else None
-        if a.kind in ("B", "I") and a.stage < self.last_chunk:
-            src = self.s.stage_to_rank(a.stage + 1)
-            return (GRAD, self.peer_of_rank(src), a.stage + 1) if src != self.me else None
-        return None
-
-    def _prepost(self, i: int, actions: list[Action], plan: list) -> None:
-        for j in range(i, min(i + LOOKAHEAD, len(actions))):
-            if plan[j] is not None:
-                kind, src, _ = plan[j]
-                self.transport.post(src, kind, actions[j].stage, actions[j].microbatch)
+    def _post(self, plan: StepPlan, j: int) -> bool:
+        recv = plan.recv[j]
+        assert recv is not None, "only remote inputs are posted"
+        kind, src, _, _ = recv
+        a = plan.actions[j]
+        return self.transport.post(src, kind, a.stage, a.microbatch)
 
     def run(self, io: StepIO, forward_only: bool = False, trace: bool = False) -> StepStats:
-        actions, plan = self.actions, self.recv_plan
-        if forward_only:
-            keep = [i for i, a in enumerate(actions) if a.kind == "F"]
-            actions, plan = [actions[i] for i in keep], [plan[i] for i in keep]
+        plan = self.plans[forward_only]
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.unposted: list[int] = []  # receives whose shape was not known yet when their turn came
         stats = StepStats(loss_sum=torch.zeros((), dtype=torch.float64), peak_stored=0.0)
+        try:
+            if io.loss_from is not None and not forward_only:
+                self.transport.post_loss(io.loss_from)
+        except CommError as exc:
+            raise type(exc)(f"pipeline rank {self.me}, start of step: {exc}") from exc
         t0 = time.perf_counter()
-        for i, a in enumerate(actions):
+        for i, a in enumerate(plan.actions):
             try:
-                self._step(i, a, actions, plan, io, stats, forward_only, trace, t0)
+                self._step(i, a, plan, io, stats, forward_only, trace, t0)
             except CommError as exc:
-                raise type(exc)(self._explain(a, i, plan[i], exc)) from exc
+                raise type(exc)(self._explain(a, i, plan.recv[i], exc)) from exc
         try:
             self.transport.wait_sends()
+            if io.loss_from is not None and not forward_only:
+                stats.shared_loss = self.transport.wait_loss()
         except CommError as exc:
             raise type(exc)(f"pipeline rank {self.me}, end of step: {exc}") from exc
         return stats
 
-    def _step(self, i: int, a: Action, actions: list[Action], plan: list, io: StepIO, stats: StepStats,
+    def _step(self, i: int, a: Action, plan: StepPlan, io: StepIO, stats: StepStats,
               forward_only: bool, trace: bool, t0: float) -> None:
-        self._prepost(i, actions, plan)
-        data = self._receive(a, plan[i], io)
-        start = time.perf_counter() - t0
+        if self.unposted:  # only in a step that negotiates shapes (the first, or a new input shape)
+            self.unposted = [j for j in self.unposted if j > i and not self._post(plan, j)]
+        for j in plan.posts[i]:
+            if not self._post(plan, j):
+                self.unposted.append(j)
+        data = self._receive(a, plan.recv[i], io)
+        start = time.perf_counter() - t0 if trace else 0.0
         final = not forward_only and self.final_index.get(a.stage) == i
         if final and a.kind == "B":
             self.reducers[a.stage].arm()  # buckets start as their gradients complete
         if a.kind == "F":
-            self._forward(a, data, io, stats, forward_only)
+            assert data is not None, "a forward always has an input"
+            self._forward(a, data, io, stats, forward_only, plan.send[i])
+            if i == self.loss_index and io.loss_to and not forward_only:
+                self.transport.send_loss(stats.loss_sum, io.loss_to)
             # measured: micro-batches whose autograd state this rank holds right now
             stats.peak_stored = max(stats.peak_stored, len(self.saved) / self.s.virtual)
         elif a.kind == "W":
+            assert self.store is not None, "W actions need a weight-gradient store"
             self.store.flush((a.stage, a.microbatch))
             del self.saved[(a.stage, a.microbatch)]
         else:
-            self._backward(a, data)
+            self._backward(a, data, plan.send[i])
         if final:
             self.reducers[a.stage].launch_pending()
         stats.peak_sends = max(stats.peak_sends, len(self.transport.sends))
@@ -127,10 +141,8 @@ class Executor:
         if a.kind == "W":
             return None
         if remote is not None:
-            kind, src, src_chunk = remote
+            kind, src, _, producer = remote
             data = self.transport.recv(src, kind, a.stage, a.microbatch)
-            producer = self.position[self.s.stage_to_rank(src_chunk)][("F" if kind == ACT else "B", src_chunk,
-                                                                         a.microbatch)]
             self.transport.release(src, producer)  # what src consumed before producing this has arrived
             return data
         if a.kind == "F":
@@ -139,7 +151,8 @@ class Executor:
             return None  # the backward of the last chunk starts from the loss
         return self.local.pop((GRAD, a.stage, a.microbatch))
 
-    def _forward(self, a: Action, x: torch.Tensor, io: StepIO, stats: StepStats, forward_only: bool) -> None:
+    def _forward(self, a: Action, x: torch.Tensor, io: StepIO, stats: StepStats, forward_only: bool,
+                 send) -> None:
         c, mb = a.stage, a.microbatch
         if c > 0 and not forward_only:
             x = x.detach().requires_grad_(x.is_floating_point())
@@ -152,37 +165,40 @@ class Executor:
                 if forward_only:
                     stats.outputs.append(out)
                     return
+                assert io.loss_fn is not None and io.targets is not None, "training needs a loss and targets"
                 out = io.loss_fn(out, io.targets[mb])
                 stats.loss_sum += out.detach().double()
                 if aux is not None:
                     out, aux = out + aux, None
-        if c < self.last_chunk:
-            self.transport.set_shape(GRAD, c, out.shape, out.dtype)
-            self._send(ACT, c + 1, mb, out)
+        if send is not None:
+            if not self.transport.known_shape(GRAD, c):  # the gradient coming back has the output's shape
+                self.transport.set_shape(GRAD, c, out.shape, out.dtype)
+            self._send(send, mb, out)
         if not forward_only:
             self.saved[(c, mb)] = (x, out, aux if aux is not None and aux.requires_grad else None)
 
-    def _backward(self, a: Action, grad_out: torch.Tensor | None) -> None:
+    def _backward(self, a: Action, grad_out: torch.Tensor | None, send) -> None:
         """Run B (releases the saved state) or I (keeps it for the W pass)."""
         c, mb = a.stage, a.microbatch
         x, out, aux = self.saved[(c, mb)]
         outs, grads = ([out], [grad_out]) if aux is None else ([out, aux], [grad_out, torch.ones_like(aux)])
         if a.kind == "I":
+            assert self.store is not None, "I actions need a weight-gradient store"
             with self.store.deferring((c, mb)):
                 torch.autograd.backward(outs, grads)
         else:
             torch.autograd.backward(outs, grads)
             del self.saved[(c, mb)]
-        if c > 0:
-            self._send(GRAD, c - 1, mb, x.grad)
+        if send is not None:
+            assert x.grad is not None, "the input of a later chunk requires its gradient"
+            self._send(send, mb, x.grad)
 
-    def _send(self, kind: int, chunk: int, mb: int, tensor: torch.Tensor) -> None:
-        rank = self.s.stage_to_rank(chunk)
-        if rank == self.me:
+    def _send(self, send: tuple[int, int, int, int], mb: int, tensor: torch.Tensor) -> None:
+        kind, chunk, dst, consumer = send
+        if dst < 0:
             self.local[(kind, chunk, mb)] = tensor.detach()
         else:
-            consumer = self.position[rank][("F" if kind == ACT else "B", chunk, mb)]
-            self.transport.send(tensor, self.peer_of_rank(rank), kind, chunk, mb, consumer)
+            self.transport.send(tensor, dst, kind, chunk, mb, consumer)
 
     def _explain(self, a: Action, i: int, remote, exc: Exception) -> str:
         state = "stuck" if isinstance(exc, CommTimeoutError) else "failed"

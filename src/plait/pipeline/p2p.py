@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from plait.errors import CommError, CommTimeoutError
 
-ACT, GRAD, HEADER = 0, 1, 2
+ACT, GRAD, HEADER, LOSS = 0, 1, 2, 3
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
 _HEADER_LEN = 10
 
@@ -35,8 +35,15 @@ class Transport:
     def __init__(self, num_chunks: int, microbatches: int, device: torch.device, timeout_s: float):
         self.num_chunks, self.microbatches = num_chunks, microbatches
         self.device, self.timeout_s = device, timeout_s
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        # the default group's own send/recv (global ranks are its ranks): torch.distributed's isend/irecv
+        # re-check the group and the tensor on every call, a measurable share of a small message's cost
+        world = dist.group.WORLD
+        assert world is not None, "torch.distributed is initialised before a Transport"
+        self.world = world
         # in-flight sends: (work, buffer, destination, index of the destination's action that consumes it)
         self.sends: list[tuple[object, torch.Tensor, int, int]] = []
+        self.loss_sends: list[tuple[object, torch.Tensor]] = []  # 8 bytes each, waited at the step's end
         self.pending: dict[tuple[int, int, int], PendingRecv] = {}
         self.shapes: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}  # (kind, chunk)
         self.sent_headers: set[tuple[int, int]] = set()
@@ -57,9 +64,9 @@ class Transport:
         try:
             if kind == ACT and (kind, chunk) not in self.sent_headers:
                 header = _encode_header(tensor).to(self.device)
-                self.sends.append((dist.isend(header, dst, tag=self.tag(HEADER, chunk, 0)), header, dst, consumer))
+                self.sends.append((self.world.send([header], dst, self.tag(HEADER, chunk, 0)), header, dst, consumer))
                 self.sent_headers.add((kind, chunk))
-            self.sends.append((dist.isend(tensor, dst, tag=self.tag(kind, chunk, mb)), tensor, dst, consumer))
+            self.sends.append((self.world.send([tensor], dst, self.tag(kind, chunk, mb)), tensor, dst, consumer))
         except RuntimeError as exc:
             raise CommError(f"sending to rank {dst} failed (is it still running?): {exc}") from exc
 
@@ -81,11 +88,38 @@ class Transport:
         self.sends = keep
 
     def wait_sends(self) -> None:
-        for work, *_ in self.sends:
+        for work, *_ in self.sends + self.loss_sends:
             self._wait(work, "send", -1)
         self.sends.clear()
+        self.loss_sends.clear()
+
+    # ------------------------------------------------------------------------------------- the loss
+    def send_loss(self, loss: torch.Tensor, dsts: list[int]) -> None:
+        """Send the step's loss (a float64 scalar) to ``dsts`` as soon as it is known; waited at the step's end."""
+        value = loss.detach().to(self.device, torch.float64).reshape(1).clone()  # never aliases the running sum
+        for dst in dsts:
+            try:
+                self.loss_sends.append((self.world.send([value], dst, self.tag(LOSS, 0, 0)), value))
+            except RuntimeError as exc:
+                raise CommError(f"sending the step's loss to rank {dst} failed (is it still running?): {exc}") from exc
+
+    def post_loss(self, src: int) -> None:
+        buf = torch.empty(1, dtype=torch.float64, device=self.device)
+        try:
+            work = self.world.recv([buf], src, self.tag(LOSS, 0, 0))
+        except RuntimeError as exc:
+            raise CommError(f"receiving the step's loss from rank {src} failed (is it still running?): {exc}") from exc
+        self.pending[(LOSS, 0, 0)] = PendingRecv(work, buf, src, "the step's loss")
+
+    def wait_loss(self) -> torch.Tensor:
+        pending = self.pending.pop((LOSS, 0, 0))
+        self._wait(pending.work, pending.what, pending.src)
+        return pending.buffer[0]
 
     # -------------------------------------------------------------------------------------- receive
+    def known_shape(self, kind: int, chunk: int) -> bool:
+        return (kind, chunk) in self.shapes
+
     def set_shape(self, kind: int, chunk: int, shape, dtype) -> None:
         self.shapes[(kind, chunk)] = (tuple(shape), dtype)
 
@@ -98,8 +132,11 @@ class Transport:
             return False
         shape, dtype = self.shapes[(kind, chunk)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, src, tag=self.tag(kind, chunk, mb))
         what = f"{'activation' if kind == ACT else 'gradient'} of chunk {chunk}, micro-batch {mb}"
+        try:
+            work = self.world.recv([buf], src, self.tag(kind, chunk, mb))
+        except RuntimeError as exc:
+            raise CommError(f"posting the receive of the {what} from rank {src} failed (did it die?): {exc}") from exc
         self.pending[key] = PendingRecv(work, buf, src, what)
         return True
 
@@ -107,7 +144,7 @@ class Transport:
         """Block until (kind, chunk, mb) from global rank ``src`` has arrived and return it."""
         if (kind, chunk) not in self.shapes:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = dist.irecv(header, src, tag=self.tag(HEADER, chunk, 0))
+            work = self.world.recv([header], src, self.tag(HEADER, chunk, 0))
             self._wait(work, f"the shape header of chunk {chunk}", src)
             self.shapes[(kind, chunk)] = _decode_header(header)
         self.post(src, kind, chunk, mb)
@@ -118,7 +155,7 @@ class Transport:
     def _wait(self, work, what: str, peer: int) -> None:
         who = f" from rank {peer}" if peer >= 0 else ""
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
+            work.wait(self.timeout)
         except RuntimeError as exc:
             if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
                 raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc

@@ -3,20 +3,21 @@ summed over the ranks that hold a copy (Megatron's embedding group), so the copi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait.distributed.context import ParallelContext
+from plait.pipeline.partition import PipelineChunk
 from plait.schedules import Schedule
 
 
 class TiedWeights:
     """Finds parameters used by several chunks and builds the groups that keep their copies in sync."""
 
-    def __init__(self, chunks: list[nn.Module], schedule: Schedule, ctx: ParallelContext):
+    def __init__(self, chunks: Sequence[PipelineChunk], schedule: Schedule, ctx: ParallelContext):
         self.ctx = ctx
         self.pairs: list[tuple[nn.Parameter, object]] = []  # (this rank's copy, its tie group)
         holders: dict[int, set[int]] = {}

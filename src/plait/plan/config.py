@@ -9,12 +9,28 @@ from plait.parallel_config import RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.model import Model
 from plait.plan.profile import HostProfile, Section
+from plait.schedules import SCHEDULE_NAMES
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
-VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs"}  # any V >= 1
+VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs", "zb-h1"}  # any V >= 1 (zb-h1 with V > 1: ZB1P)
 TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32")
+#: share of each device's memory a layout may use by default (the rest: the runtime's context, communication
+#: buffers, the allocator's fragmentation, temporary buffers); ``Cluster(max_memory_fraction=...)`` changes it
+MAX_MEMORY_FRACTION = 0.9
+
+#: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
+#: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
+#: ``Layout.to_parallel_config`` refuses the others. The planner also models context parallelism and ZeRO-3,
+#: which the runtime does not have (plan-only). The other fields (tp, pp, dp, ep, virtual, micro-batch size,
+#: sequence parallelism) run at every value ``check`` accepts.
+RUNTIME: dict[str, tuple] = {
+    "cp": (1,),
+    "recompute": RECOMPUTE_MODES,
+    "zero": ZERO_LEVELS,
+    "schedule": SCHEDULE_NAMES,
+}
 
 
 @dataclass(frozen=True)
@@ -32,6 +48,7 @@ class Cluster:
     gpus_per_node: int = 8
     interconnect: str | Link | None = None
     profile: HostProfile | None = None
+    max_memory_fraction: float = MAX_MEMORY_FRACTION
 
     def __post_init__(self) -> None:
         if int(self.n_gpus) < 1:
@@ -42,19 +59,27 @@ class Cluster:
         object.__setattr__(self, "gpu", get_gpu(self.gpu))
         if int(self.gpus_per_node) < 1:
             raise ConfigError(f"gpus_per_node: must be >= 1, got {self.gpus_per_node}")
+        if not 0 < self.max_memory_fraction <= 1:
+            raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {self.max_memory_fraction}")
         object.__setattr__(self, "interconnect", get_interconnect(self.interconnect, self.gpu))
 
     @classmethod
-    def from_profile(cls, profile: HostProfile | str, processes: int) -> Cluster:
+    def from_profile(cls, profile: HostProfile | str, processes: int,
+                     max_memory_fraction: float = MAX_MEMORY_FRACTION) -> Cluster:
         """``processes`` plait processes on the calibrated host of ``profile`` (a HostProfile or a path)."""
         prof = profile if isinstance(profile, HostProfile) else HostProfile.load(profile)
-        return cls("cpu", processes, profile=prof)
+        return cls("cpu", processes, profile=prof, max_memory_fraction=max_memory_fraction)
 
     @property
     def section(self) -> Section:
         """The calibrated host's measurements for this many processes (only with a profile)."""
         assert self.profile is not None
         return self.profile.section(self.n_gpus)
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes of one device a layout may use: ``max_memory_fraction`` of its memory."""
+        return self.max_memory_fraction * self.gpu.memory
 
     @property
     def inter(self) -> Link:
@@ -119,24 +144,21 @@ class Layout:
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
-    def to_parallel_config(self, training: Training | None = None, precision: str = "bf16") -> ParallelConfig:
+    def to_parallel_config(self, training: Training | None = None, precision: str = "bf16",
+                           rounds: str | None = None) -> ParallelConfig:
         """The runtime's configuration of this layout (``plait.parallelize(..., config=...)``, ``plait train``).
 
-        ``training`` sets the micro-batches (``microbatches(layout, training)``). ConfigError for what the
-        runtime does not run (context parallelism, a recompute mode or ZeRO stage it lacks).
+        ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
+        rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
+        (``runtime_gap``: context parallelism, ZeRO-3).
         """
-        if self.cp > 1:
-            raise ConfigError(f"cp: {self.cp} — the runtime has no context parallelism; use layouts with cp = 1")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"recompute: {self.recompute!r} is planned but the runtime runs "
-                              f"{', '.join(RECOMPUTE_MODES)}")
-        if self.zero not in ZERO_LEVELS:
-            raise ConfigError(f"zero: stage {self.zero} is planned but the runtime runs stages "
-                              f"{', '.join(map(str, ZERO_LEVELS))}")
+        gap = runtime_gap(self)
+        if gap:
+            raise ConfigError(gap)
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
                               virtual_stages=self.virtual, sequence_parallel=self.sequence_parallel,
-                              recompute=self.recompute, zero=self.zero, precision=precision)
+                              recompute=self.recompute, zero=self.zero, precision=precision, rounds=rounds)
 
     def short(self) -> str:
         """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b``."""
@@ -146,7 +168,23 @@ class Layout:
         parts += [f"v{self.virtual}"] if self.virtual > 1 else []
         parts += [f"mb{self.microbatch_size}"] + (["sp"] if self.sequence_parallel else [])
         parts += [{"none": "norc", "selective": "sel", "full": "full"}[self.recompute], f"z{self.zero}"]
-        return " ".join(parts + [self.schedule])
+        return " ".join(parts + [self.schedule] + ([] if self.runnable else ["(plan-only)"]))
+
+    @property
+    def runnable(self) -> bool:
+        """Whether plait's runtime runs this layout (else it is plan-only: ``runtime_gap`` says why)."""
+        return runtime_gap(self) is None
+
+
+def runtime_gap(layout: Layout) -> str | None:
+    """Why plait's runtime cannot run ``layout`` (its first field outside ``RUNTIME``), or None."""
+    for name, allowed in RUNTIME.items():
+        value = getattr(layout, name)
+        if value not in allowed:
+            what = {"cp": "context parallelism is plan-only (the runtime has cp = 1 only)"}.get(name, "")
+            return (f"{name}: {value!r} is planned but the runtime runs {', '.join(map(str, allowed))}"
+                    + (f"; {what}" if what else ""))
+    return None
 
 
 @dataclass(frozen=True)
@@ -185,6 +223,10 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "heads%tp", f"tp: {tp} must divide n_heads = {model.n_heads}"
     if model.kv_heads % tp and tp % model.kv_heads:
         return "kv%tp", f"tp: {tp} must divide n_kv_heads = {model.kv_heads} (or be a multiple of it)"
+    if model.ffn % tp:
+        return "ffn%tp", f"tp: {tp} must divide ffn_hidden = {model.ffn}"
+    if l.sequence_parallel and model.seq_len % tp:
+        return "seq%tp", f"sequence_parallel: tp = {tp} must divide seq_len = {model.seq_len}"
     if model.n_layers < l.pp * l.virtual:
         return "layers<stages", f"pp·virtual: {l.pp * l.virtual} exceeds n_layers = {model.n_layers}"
     if model.seq_len % (2 * l.cp) and l.cp > 1:
@@ -193,8 +235,6 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "batch%dp", (f"global_batch: {training.global_batch} must be a multiple of "
                             f"dp·microbatch_size = {l.dp * l.microbatch_size}")
     m = microbatches(layout, training)
-    if l.pp > 1 and l.schedule == "interleaved-1f1b" and m % l.pp:  # Megatron's rule
-        return "microbatches%pp", f"microbatches: {m} must be a multiple of pp = {l.pp} for {l.schedule}"
     if l.schedule == "dualpipev" and m < 2 * l.pp:
         return "microbatches%pp", f"microbatches: dualpipev needs >= 2·pp = {2 * l.pp}, got {m}"
     if l.ep > 1 and (model.n_experts % l.ep or (l.dp * l.cp) % l.ep):

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 from plait.errors import ConfigError
 from plait.plan import memory as mem
 from plait.plan import timing
-from plait.plan.config import Cluster, Layout, Training, check, microbatches
+from plait.plan.config import Cluster, Layout, Training, check, microbatches, runtime_gap
 from plait.plan.model import Model
-from plait.plan.pipeline import PipelineProfile, profile
+from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
 
 SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
 # What the parts of ``Estimate.time`` are (they add up to the step).
@@ -49,6 +49,9 @@ class Estimate:
     p2p_s: float
     notes: list[str] = field(default_factory=list)
     rank_memory: list[mem.Memory] = field(default_factory=list)
+    #: how interleaved-1f1b / ZB1P group micro-batches when M % pp != 0 ("equal" or "padded"; see
+    #: ``plait.schedules.build_schedule``), None for the other schedules
+    rounds: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -65,8 +68,31 @@ class Estimate:
             "memory": asdict(self.memory), "time": dict(self.time), "microbatches": self.microbatches,
             "bubble_fraction": self.bubble_fraction, "peak_in_flight": self.peak_in_flight,
             "tokens_per_s": self.tokens_per_s, "global_batch": self.training.global_batch,
-            "rank_memory": [asdict(m) for m in self.rank_memory], "notes": list(self.notes),
+            "rank_memory": [asdict(m) for m in self.rank_memory], "notes": list(self.notes), "rounds": self.rounds,
+            "runnable": self.layout.runnable, "plan_only_reason": runtime_gap(self.layout),
         }
+
+
+def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, training: Training, exact: bool
+                         ) -> tuple[list[timing.StageCosts], PipelineProfile, list[mem.Memory], str | None]:
+    """Chunk costs, the pipeline profile and every rank's memory; for interleaved-1f1b / ZB1P with
+    M % pp != 0 the rounds too: equal rounds (the smaller bubble) unless only padded ones (fewer
+    micro-batches held) fit."""
+
+    def run(rounds: str | None) -> tuple[list[timing.StageCosts], PipelineProfile, list[mem.Memory]]:
+        chunks, pipe = pipeline(model, cluster, layout, training, exact, rounds)
+        return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision)
+
+    chunks, pipe, memory = run(None)
+    if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual == 1:
+        return chunks, pipe, memory, None
+    m = microbatches(layout, training)
+    if all(x.fits for x in memory) or m % layout.pp == 0 or m < layout.pp:
+        return chunks, pipe, memory, "equal"
+    chunks_p, pipe_p, memory_p = run("padded")
+    if all(x.fits for x in memory_p):
+        return chunks_p, pipe_p, memory_p, "padded"
+    return chunks, pipe, memory, "equal"
 
 
 def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
@@ -81,9 +107,9 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
 
 
 def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
-             exact: bool = False) -> tuple[list[timing.StageCosts], PipelineProfile]:
+             exact: bool = False, rounds: str | None = None) -> tuple[list[timing.StageCosts], PipelineProfile]:
     """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
-    from ``plan.memory``)."""
+    from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(model, cluster, layout, training.precision)
     acts = mem.activation_model(model, cluster, layout, training.precision)
@@ -91,14 +117,14 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
     weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None
     pipe = profile(layout.schedule, layout.pp, m, layout.virtual, [c.forward for c in chunks],
-                   [c.backward for c in chunks], weight, chunks[0].p2p, nbytes, exact=exact)
+                   [c.backward for c in chunks], weight, chunks[0].p2p, nbytes, exact=exact, rounds=rounds)
     return chunks, pipe
 
 
 def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
               exact: bool = False) -> Estimate:
     m = microbatches(layout, training)
-    chunks, pipe = pipeline(model, cluster, layout, training, exact)
+    chunks, pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, training, exact)
     ranks = timing.rank_costs(model, cluster, layout, training.precision)
     pp = layout.pp
     busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
@@ -106,7 +132,7 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
             "recompute": m * sum(c.recompute for c in ranks) / pp, "cpu_sharing": 0.0}
     makespan, stretch = pipe.makespan, 1.0
     if cluster.profile is not None:  # processes of one host share its cores
-        makespan, wall, stretch = _shared_host(model, cluster, layout, training, chunks, m)
+        makespan, wall, stretch = _shared_host(model, cluster, layout, training, chunks, m, rounds)
         busy["cpu_sharing"] = max(0.0, wall - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
     dp = timing.dp_sync_time(model, cluster, layout, params)
@@ -118,7 +144,6 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
             "optimizer": stretch * timing.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks)),
             "sync": _sync_time(cluster, layout)}
     step = sum(time.values())
-    memory = mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision)
     flops = timing.model_flops_per_step(model, training.global_batch)
     tflops = flops / step / cluster.n_gpus / 1e12
     return Estimate(
@@ -126,12 +151,12 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
         tflops_per_gpu=tflops, mfu=tflops * 1e12 / cluster.gpu.peak_flops,
         memory=max(memory, key=lambda x: x.total), time=time, microbatches=m,
         bubble_fraction=time["pp_bubble"] / step if step > 0 else 0.0, peak_in_flight=max(pipe.peak),
-        p2p_s=chunks[0].p2p, rank_memory=memory,
+        p2p_s=chunks[0].p2p, rank_memory=memory, rounds=rounds,
     )
 
 
 def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Training,
-                 chunks: list[timing.StageCosts], m: int) -> tuple[float, float, float]:
+                 chunks: list[timing.StageCosts], m: int, rounds: str | None) -> tuple[float, float, float]:
     """(makespan, mean busy wall time, slow-down of work every process does at once) of the forward/
     backward part on a calibrated host whose processes time-slice its cores (``plait.sim.shared``).
     The host's effective cores come from its measured speeds: ``P`` processes computing at once each get
@@ -151,7 +176,8 @@ def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Train
         wall = m * (c.forward + c.backward)
         return wall, wall, stretch
     split = layout.schedule in SPLIT_BACKWARD
-    sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual)
+    sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual,
+                           rounds=rounds)
     cpu = {"F": [c.f_compute for c in chunks], "B": [c.b_compute + c.recompute for c in chunks],
            "I": [c.b_compute - c.w_compute + c.recompute if split else 0.0 for c in chunks],
            "W": [c.w_compute for c in chunks]}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from plait.plan.estimate import PARTS, Estimate
-from plait.plan.memory import USABLE_FRACTION
 from plait.plan.model import Model
 from plait.plan.search import SearchResult
 
@@ -49,19 +48,19 @@ def explain(result: SearchResult) -> list[str]:
     return lines
 
 
-def min_gpus_hint(model: Model, memory_per_gpu: float) -> int:
+def min_gpus_hint(model: Model, usable_per_gpu: float) -> int:
     """GPUs needed just for the bf16 weights, fp32 grads and Adam states, spread perfectly."""
-    return int(-(-18 * model.n_params() // (USABLE_FRACTION * memory_per_gpu)))
+    return int(-(-18 * model.n_params() // usable_per_gpu))
 
 
-def nothing_fits(result: SearchResult, model: Model | None = None, memory_per_gpu: float = 0.0) -> str:
+def nothing_fits(result: SearchResult, model: Model | None = None, usable_per_gpu: float = 0.0) -> str:
     """One line: why no layout fits and what would."""
     if result.smallest_memory == float("inf") or not result.smallest_memory:
         keys = ", ".join(f"{k} ({v})" for k, v in result.rejected.most_common(3))
         return f"no valid layout: every one breaks a rule: {keys}"
     msg = f"no layout fits: the leanest needs {result.smallest_memory / GB:.1f} GB per GPU"
-    if model is not None and memory_per_gpu:
-        msg += (f" of {USABLE_FRACTION * memory_per_gpu / GB:.1f} usable; model states alone need "
-                f"≥ {min_gpus_hint(model, memory_per_gpu)} such GPUs (or a larger GPU, a shorter "
+    if model is not None and usable_per_gpu:
+        msg += (f" of {usable_per_gpu / GB:.1f} usable; model states alone need "
+                f"≥ {min_gpus_hint(model, usable_per_gpu)} such GPUs (or a larger GPU, a shorter "
                 f"sequence, or a smaller global batch)")
     return msg

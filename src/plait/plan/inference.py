@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from plait.errors import ConfigError
 from plait.plan.catalogue import LINK_EFFICIENCY
 from plait.plan.config import Cluster, Layout
-from plait.plan.memory import USABLE_FRACTION, _rank_params, stage_layers
+from plait.plan.memory import _rank_params, stage_layers
 from plait.plan.model import Model
 
 # Decode GEMMs are skinny (batch × h): their compute is cheap; efficiency of what compute there is.
@@ -145,7 +145,7 @@ def _option(model: Model, cluster: Cluster, w: Workload, tp: int, pp: int, weigh
     replicas = cluster.n_gpus // (tp * pp)
     batch = -(-w.batch // replicas)
     layers = stage_layers(model, pp)
-    usable = USABLE_FRACTION * cluster.gpu.memory
+    usable = cluster.usable_memory
     worst_w = max(WEIGHT_BYTES[weights] * sum(_rank_params(model, Layout(tp=tp, pp=pp), n, r == 0, r == pp - 1))
                   for r, n in enumerate(layers))
     kv_tok = kv_bytes_per_token(model, max(layers), tp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.plan import eager
-from plait.plan.config import Cluster, Layout
+from plait.plan.config import MAX_MEMORY_FRACTION, Cluster, Layout
 from plait.plan.model import Model
 from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_layers: re-exported)
 
@@ -18,9 +18,10 @@ from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_l
 STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = STATE_BYTES["bf16"]
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
-# Share of a GPU's memory the planner lets a layout use: the rest is the CUDA context, NCCL buffers,
-# the allocator's fragmentation and temporary buffers (workspace of GEMMs, gathered ZeRO-3 layers).
-USABLE_FRACTION = 0.9
+# Share of a GPU's memory the planner lets a layout use by default (``Cluster.max_memory_fraction``): the rest
+# is the CUDA context, NCCL buffers, the allocator's fragmentation and temporary buffers (workspace of GEMMs,
+# gathered ZeRO-3 layers).
+USABLE_FRACTION = MAX_MEMORY_FRACTION
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     the simulated schedule, ``plan.pipeline``), the working set added once."""
     st = layout_stages(model, layout)
     acts = activation_model(model, cluster, layout, precision)
-    usable = USABLE_FRACTION * cluster.gpu.memory
+    usable = cluster.usable_memory
     out = []
     for r, layers in enumerate(st.rank_layers):
         w, g, o = state_bytes(model, layout, layers, r == st.first_rank, r == st.last_rank, precision)

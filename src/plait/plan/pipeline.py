@@ -14,6 +14,14 @@ from functools import lru_cache
 # seconds, never rounded; tests/test_plan_pipeline.py checks the extrapolation against exact simulations.
 SIM_CAP = 1
 _AFFINE_TOL = 1e-9
+#
+# Interleaved 1F1B and ZB1P with equal rounds and M % pp != 0 (``build_schedule(rounds="equal")``) are
+# not periodic in M: round widths ceil(M/floor(M/pp)) change with M. Their makespan is still affine
+# with free communication (the bubble is (pp-1)/(V·M+pp-1) at every M >= pp; with a p2p latency the
+# extrapolation is off by up to ~1%), so it is extrapolated; their peaks are counted on the schedule's
+# order at the true M (``_peak_bytes``, no timing).
+#: schedules whose micro-batches go in depth-first rounds (``build_schedule(rounds=...)``)
+ROUND_SCHEDULES = ("interleaved-1f1b", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -36,15 +44,15 @@ class PipelineProfile:
 
 @lru_cache(maxsize=8192)
 def _simulate(name: str, pp: int, m: int, v: int, fwd: tuple[float, ...], bwd: tuple[float, ...],
-              weight: tuple[float, ...] | None, p2p: float,
-              nbytes: tuple[float, ...]) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+              weight: tuple[float, ...] | None, p2p: float, nbytes: tuple[float, ...],
+              rounds: str | None = None) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
     """(makespan, peak micro-batches per rank, peak bytes per rank) of one exact simulation: the timing
     core of ``plait.sim.simulate`` (``schedules.execute``) on a schedule the generators built, so the
     structural checks ``simulate`` repeats for schedules from elsewhere are skipped."""
     from plait.schedules.execute import execute
     from plait.sim import Costs
 
-    sched = schedule(name, pp, m, v)
+    sched = schedule(name, pp, m, v, rounds)
     costs = Costs(forward=list(fwd), backward=list(bwd), weight=None if weight is None else list(weight), p2p=p2p)
     run = execute(sched, costs.durations(sched), p2p)
     if not run.finished:  # never for a generated schedule; simulate() raises the explanatory error
@@ -57,11 +65,11 @@ def _simulate(name: str, pp: int, m: int, v: int, fwd: tuple[float, ...], bwd: t
 
 
 @lru_cache(maxsize=1024)
-def schedule(name: str, pp: int, m: int, v: int):
+def schedule(name: str, pp: int, m: int, v: int, rounds: str | None = None):
     """``build_schedule`` cached (the planner never changes a schedule it builds)."""
     from plait.schedules import build_schedule
 
-    return build_schedule(name, stages=pp, microbatches=m, virtual=v)
+    return build_schedule(name, stages=pp, microbatches=m, virtual=v, rounds=rounds)
 
 
 def _peak_bytes(sched, nbytes: tuple[float, ...]) -> tuple[float, ...]:
@@ -82,10 +90,11 @@ def _peak_bytes(sched, nbytes: tuple[float, ...]) -> tuple[float, ...]:
 
 def profile(name: str, pp: int, m: int, v: int, forward: Sequence[float], backward: Sequence[float],
             weight: Sequence[float] | None, p2p: float, nbytes: Sequence[float] | None = None,
-            exact: bool = False) -> PipelineProfile:
+            exact: bool = False, rounds: str | None = None) -> PipelineProfile:
     """Simulate schedule ``name`` with per-chunk costs (``forward[c]``, ``backward[c]`` seconds per
     micro-batch; ``weight[c]`` the W part of a split backward; ``p2p`` one transfer) and ``nbytes[c]``
-    activation bytes one micro-batch leaves on chunk ``c``. ``exact`` simulates the true M."""
+    activation bytes one micro-batch leaves on chunk ``c``. ``exact`` simulates the true M. ``rounds``: see
+    ``build_schedule`` (interleaved-1f1b and zb-h1 only)."""
     k = pp * v
     fwd, bwd = tuple(map(float, forward)), tuple(map(float, backward))
     w = None if weight is None else tuple(map(float, weight))
@@ -97,19 +106,25 @@ def profile(name: str, pp: int, m: int, v: int, forward: Sequence[float], backwa
     if pp == 1:  # no pipeline: micro-batches run one after the other (gradient accumulation)
         return PipelineProfile(busy[0], tuple(busy), (1.0,), (sum(nb),), ())
     cap = SIM_CAP * pp
+    uneven = name in ROUND_SCHEDULES and v > 1 and m % pp and rounds != "padded"  # equal rounds, M % P != 0
     if not exact:
         for slide in (0, 1, 2, 4, 8, 16):  # later windows when the first have not reached steady state
             m1 = cap + (m - cap) % pp + slide * pp
             if m < m1 + 2 * pp:
                 break
-            runs = [_simulate(name, pp, mi, v, fwd, bwd, w, p2p, nb) for mi in (m1, m1 + pp, m1 + 2 * pp)]
+            runs = [_simulate(name, pp, mi, v, fwd, bwd, w, p2p, nb, rounds) for mi in (m1, m1 + pp, m1 + 2 * pp)]
             series = [[r[0] for r in runs]] + [[r[j][i] for r in runs] for j in (1, 2) for i in range(pp)]
+            frac = (m - m1) / pp
+            if uneven:  # the makespan extrapolated, the peaks counted on the order at the true M
+                sched = schedule(name, pp, m, v, rounds)
+                ones = tuple(1.0 / v for _ in range(k))
+                return PipelineProfile(series[0][0] + (series[0][1] - series[0][0]) * frac, tuple(busy),
+                                       _peak_bytes(sched, ones), _peak_bytes(sched, nb), (m1, m1 + pp, m1 + 2 * pp))
             if all(_affine(s) for s in series):
-                frac = (m - m1) / pp
                 ext = [s[0] + (s[1] - s[0]) * frac for s in series]
                 return PipelineProfile(ext[0], tuple(busy), tuple(ext[1:1 + pp]), tuple(ext[1 + pp:]),
                                        (m1, m1 + pp, m1 + 2 * pp))
-    span, peak, pbytes = _simulate(name, pp, m, v, fwd, bwd, w, p2p, nb)
+    span, peak, pbytes = _simulate(name, pp, m, v, fwd, bwd, w, p2p, nb, rounds)
     return PipelineProfile(span, tuple(busy), peak, pbytes, (m,))
 
 

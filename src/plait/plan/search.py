@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 
 from plait.plan import memory as mem
 from plait.plan import timing
-from plait.plan.config import Cluster, Layout, Training, check, microbatches
+from plait.plan.config import RECOMPUTE, RUNTIME, Cluster, Layout, Training, check, microbatches
 from plait.plan.estimate import SPLIT_BACKWARD, Estimate, _estimate
 from plait.plan.model import Model
 
 MICROBATCH_SIZES = (1, 2, 4)
-RECOMPUTES = ("none", "selective", "full")
 
 
 @dataclass
@@ -53,16 +52,18 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def candidates(model: Model, cluster: Cluster, training: Training) -> Iterator[Layout]:
+def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> Iterator[Layout]:
     """Every layout the search considers (see docs/planner.md, "Search space").
 
-    SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022);
-    with DP, ZeRO 1-3 are tried (ZeRO-0 is left out: ZeRO-1's reduce-scatter + all-gather move less
-    than an all-reduce of fp32 gradients, with less memory); GPipe is left out (1F1B has its bubble with
-    less memory). Context parallelism is tried only for sequences of 32k tokens or more.
+    Only what plait's runtime runs (``config.RUNTIME``: its recompute modes, ZeRO stages and schedules;
+    no context parallelism), unless ``plan_only``: then also what only the planner models — context
+    parallelism for sequences of 32k tokens or more, ZeRO-3 — marked plan-only (``Layout.runnable``).
+    SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022); with DP,
+    ZeRO-0 is left out (a sharded optimizer moves no more than an all-reduce of the gradients, with less
+    memory); GPipe is left out (1F1B has its bubble with less memory).
     """
     n = cluster.n_gpus
-    cps = _pow2_divisors(n, 16) if model.seq_len >= 32768 else [1]
+    cps = _pow2_divisors(n, 16) if plan_only and model.seq_len >= 32768 else [1]
     for tp in _pow2_divisors(n, cluster.gpus_per_node * 2):
         for cp in cps:
             rest = n // tp
@@ -71,21 +72,25 @@ def candidates(model: Model, cluster: Cluster, training: Training) -> Iterator[L
             for pp in _divisors(rest // cp, model.n_layers + 1):
                 dp = rest // cp // pp
                 eps = _divisors(model.n_experts, dp * cp) if model.is_moe else [1]
-                yield from _variants(model, training, tp, pp, dp, cp, eps)
+                yield from _variants(model, training, tp, pp, dp, cp, eps, plan_only)
 
 
 def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: int,
-              eps: list[int]) -> Iterator[Layout]:
+              eps: list[int], plan_only: bool) -> Iterator[Layout]:
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
-    zeros = (0,) if dp * cp == 1 else (1, 2, 3)
+    recomputes = RECOMPUTE if plan_only else RUNTIME["recompute"]
+    sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0)
+    zeros = sharded if dp * cp > 1 and sharded else (0,)
     for ep in eps:
         for mbs in MICROBATCH_SIZES:
             if training.global_batch % (dp * mbs):
                 continue
             for sched, v in scheds:
-                for rc in RECOMPUTES:
+                if not plan_only and sched not in RUNTIME["schedule"]:
+                    continue
+                for rc in recomputes:
                     for z in zeros:
                         yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=v, microbatch_size=mbs,
                                      sequence_parallel=tp > 1, recompute=rc, zero=z, schedule=sched)
@@ -125,13 +130,14 @@ def _pipeline_floor(layout: Layout, st, chunks: list[timing.StageCosts], m: int)
     return max(m * busy[r] + before[st.first_chunk[r]] for r in range(layout.pp))
 
 
-def search(model: Model, cluster: Cluster, training: Training, top: int = 5) -> SearchResult:
-    """The ``top`` fastest layouts that fit, with the counts of the rest by reason."""
+def search(model: Model, cluster: Cluster, training: Training, top: int = 5, plan_only: bool = False) -> SearchResult:
+    """The ``top`` fastest layouts that fit (at most ``cluster.max_memory_fraction`` of each device), with the
+    counts of the rest by reason. Only layouts plait's runtime runs, unless ``plan_only`` (see ``candidates``)."""
     result = SearchResult(best=[])
-    usable = mem.USABLE_FRACTION * cluster.gpu.memory
+    usable = cluster.usable_memory
     queue: list[tuple[float, int, Layout]] = []
     smallest = float("inf")
-    for i, layout in enumerate(candidates(model, cluster, training)):
+    for i, layout in enumerate(candidates(model, cluster, training, plan_only)):
         result.considered += 1
         bad = check(model, cluster, layout, training)
         if bad:
@@ -178,16 +184,17 @@ class BatchChoice:
 
 
 def search_batch(model: Model, cluster: Cluster, top: int = 5, precision: str = "bf16",
-                 max_bubble: float = DEFAULT_BATCH_BUBBLE) -> BatchChoice:
+                 max_bubble: float = DEFAULT_BATCH_BUBBLE, plan_only: bool = False) -> BatchChoice:
     """Search the global batch too: the smallest of ``DEFAULT_BATCH_TOKENS`` (rounded to whole
     sequences) whose fastest layout keeps the pipeline bubble under ``max_bubble``; a larger batch only
     buys throughput at some cost in convergence. If none does, the largest that fits."""
     last: BatchChoice | None = None
     for tokens in DEFAULT_BATCH_TOKENS:
         batch = max(1, tokens // model.seq_len)
-        result = search(model, cluster, Training(batch, precision=precision), top=1)  # probe: the best only
+        training = Training(batch, precision=precision)
+        result = search(model, cluster, training, top=1, plan_only=plan_only)  # probe: the best only
         if result.best and result.best[0].bubble_fraction < max_bubble or tokens == DEFAULT_BATCH_TOKENS[-1]:
-            result = search(model, cluster, Training(batch, precision=precision), top=top)
+            result = search(model, cluster, training, top=top, plan_only=plan_only)
         if not result.best:
             last = last or BatchChoice(batch, f"{batch} sequences ({tokens / 2**20:.0f}M tokens): nothing fits", result)
             continue

@@ -15,12 +15,27 @@ SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "z
 _VIRTUAL: dict[str, tuple[tuple[int, ...] | None, int]] = {
     "gpipe": ((1,), 1),
     "1f1b": ((1,), 1),
-    "zb-h1": ((1,), 1),
+    "zb-h1": (None, 1),  # V > 1: ZB1P, the interleaved zero-bubble schedule
     "interleaved-1f1b": (None, 2),
     "looped-bfs": (None, 2),
     "zbv": ((1, 2), 2),  # the V shape is exactly two chunks per rank; 1 means "the default"
     "dualpipev": ((1, 2), 2),
 }
+
+
+#: schedules whose depth-first micro-batch rounds ``build_schedule(rounds=...)`` chooses
+ROUND_SCHEDULES = ("interleaved-1f1b", "zb-h1")
+
+
+def _resolve_rounds(name: str, rounds: str | None) -> str:
+    if rounds is None:
+        return "equal"
+    if name not in ROUND_SCHEDULES:
+        raise ConfigError(f"rounds={rounds!r}: only {' and '.join(ROUND_SCHEDULES)} group micro-batches into "
+                          f"rounds; leave rounds unset for {name}")
+    if rounds not in gen.ROUNDS:
+        raise ConfigError(f"rounds={rounds!r}: use one of {', '.join(gen.ROUNDS)}")
+    return rounds
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -36,7 +51,7 @@ def _resolve_virtual(name: str, virtual: int | None) -> int:
     v = _positive_int("virtual", virtual)
     if allowed is not None and v not in allowed:
         if default == 1:
-            hint = "use virtual=1, or interleaved-1f1b / looped-bfs for several chunks per rank"
+            hint = "use virtual=1, or interleaved-1f1b / looped-bfs / zb-h1 for several chunks per rank"
         else:
             hint = "use virtual=2 (or leave it unset)"
         raise ConfigError(f"virtual={virtual}: {name} places exactly {default} chunk(s) per rank; {hint}")
@@ -49,6 +64,7 @@ def build_schedule(
     microbatches: int,
     virtual: int | None = None,
     validate: bool = False,
+    rounds: str | None = None,
 ) -> Schedule:
     """Build the named schedule for ``stages`` pipeline ranks and ``microbatches`` micro-batches.
 
@@ -57,6 +73,11 @@ def build_schedule(
     dualpipev, which use the V shape (chunk ``c`` on rank ``c`` if ``c < stages`` else
     ``2·stages-1-c``). Raises ``plait.ConfigError`` naming the bad parameter. ``validate=True`` also
     dry-runs the result (every generator is tested to validate, so this is off by default).
+
+    ``rounds`` (interleaved-1f1b and zb-h1 only; ``None`` means ``"equal"``) groups the micro-batches of
+    the depth-first order when ``M % stages != 0``: ``"equal"`` rounds reach the bubble
+    ``(P-1)/(V·M+P-1)`` (PyTorch's order), ``"padded"`` rounds of ``stages`` hold fewer micro-batches
+    (Megatron's order); see ``generators.round_widths``.
     """
     key = str(name).strip().lower()
     if key not in SCHEDULE_NAMES:
@@ -64,6 +85,7 @@ def build_schedule(
     p = _positive_int("stages", stages)
     m = _positive_int("microbatches", microbatches)
     v = _resolve_virtual(key, virtual)
+    rnd = _resolve_rounds(key, rounds)
     if key == "dualpipev" and m < 2 * p:
         raise ConfigError(
             f"microbatches={m}: dualpipev needs at least 2*stages={2 * p} micro-batches "
@@ -72,12 +94,14 @@ def build_schedule(
     actions = {
         "gpipe": lambda: gen.gpipe(p, m),
         "1f1b": lambda: gen.one_f_one_b(p, m),
-        "interleaved-1f1b": lambda: gen.interleaved_1f1b(p, m, v),
+        "interleaved-1f1b": lambda: gen.interleaved_1f1b(p, m, v, rnd),
         "looped-bfs": lambda: gen.looped_bfs(p, m, v),
-        "zb-h1": lambda: zb.zb_h1(p, m),
+        "zb-h1": lambda: zb.zb_h1(p, m, v, rnd),
         "zbv": lambda: zb.zbv(p, m),
         "dualpipev": lambda: zb.dualpipev(p, m),
     }[key]()
     placement = v_placement(p) if key in ("zbv", "dualpipev") else loop_placement(p, v)
-    sched = Schedule(name=key, num_ranks=p, virtual=v, microbatches=m, placement=placement, actions=actions)
+    meta = {"rounds": rnd, "round_widths": gen.round_widths(p, m, rnd)} if key in ROUND_SCHEDULES else {}
+    sched = Schedule(name=key, num_ranks=p, virtual=v, microbatches=m, placement=placement, actions=actions,
+                     meta=meta)
     return sched.validate() if validate else sched

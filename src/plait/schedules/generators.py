@@ -30,39 +30,96 @@ def one_f_one_b(p: int, m: int) -> list[list[Action]]:
     return out
 
 
-def interleaved_order(p: int, m: int, v: int, reverse: bool) -> list[tuple[int, int]]:
-    """Megatron's depth-first order of (local chunk, micro-batch) on every rank.
+#: How interleaved schedules group micro-batches into rounds when ``M % P != 0`` (see ``round_widths``).
+ROUNDS = ("equal", "padded")
 
-    Micro-batches go in groups of ``P`` (of ``M`` when ``M < P``): for each group, chunk 0 runs the
-    whole group, then chunk 1, ... (backwards: chunk ``V-1`` first).
+
+def round_widths(p: int, m: int, rounds: str = "equal") -> list[int]:
+    """Micro-batches per round of a depth-first (interleaved) schedule, in order.
+
+    A round is a group of consecutive micro-batches that goes through a rank's chunk 0, then its chunk
+    1, ... before the next round starts. ``M <= P``: one round of ``M``. Otherwise:
+
+    * ``"equal"``: ``n = floor(M/P)`` rounds whose widths differ by at most one, wider ones first
+      (``M = 10, P = 4``: 5, 5; ``M = 9``: 5, 4). Every round is at least ``P`` wide, so a rank's next
+      chunk never waits for data and the bubble is ``(P-1)/(V·M+P-1)``. This is PyTorch's
+      ``ScheduleInterleaved1F1B`` whenever ``M % n == 0``, which it requires; wider-first keeps the
+      warm-up sized by the first round, which covers every later one.
+    * ``"padded"``: rounds of ``P`` and a last partial one (``M = 10, P = 4``: 4, 4, 2), Megatron's
+      grouping. The short round stalls the pipeline, but a rank holds fewer micro-batches, because
+      the warm-up is sized by a round of ``P`` instead of one up to ``2P-1`` wide.
     """
-    order = []
-    for g0 in range(0, m, p):
-        group = range(g0, min(g0 + p, m))
+    if m <= p:
+        return [m]
+    if rounds == "padded":
+        return [p] * (m // p) + ([m % p] if m % p else [])
+    n = m // p
+    q, rem = divmod(m, n)
+    return [q + 1] * rem + [q] * (n - rem)
+
+
+def depth_first_order(widths: list[int], v: int, reverse: bool) -> list[tuple[int, int]]:
+    """(local chunk, micro-batch) in Megatron's depth-first order: each round through chunk 0, 1, ...
+
+    Backwards (``reverse``) take the chunks from ``V-1`` down to 0.
+    """
+    order: list[tuple[int, int]] = []
+    g0 = 0
+    for width in widths:
+        group = range(g0, g0 + width)
         for j in range(v):
             chunk = v - 1 - j if reverse else j
             order.extend((chunk, mb) for mb in group)
+        g0 += width
     return order
 
 
-def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
+def drop_surplus(rows: list[list[Action]], m: int) -> list[list[Action]]:
+    """Delete the steps of micro-batches ``>= m``. An in-order schedule that never deadlocks stays so
+    without them: the dependency graph of what remains is a subgraph of the original one."""
+    return [[a for a in row if a.microbatch < m] for row in rows]
+
+
+def warmup_forwards(p: int, r: int, m: int, v: int, first_round: int, hops: int) -> int:
+    """Chunk-forwards rank ``r`` runs before its first backward in a depth-first schedule:
+    ``(V-1)·w + hops·(P-r-1)``, capped at ``V·M`` (``hops`` 2 for interleaved 1F1B, 1 for ZB1P)."""
+    return min((v - 1) * first_round + hops * (p - r - 1), v * m)
+
+
+def depth_first_peaks(p: int, m: int, v: int, rounds: str, deferred_weights: bool) -> list[float]:
+    """Per rank, the most micro-batches held at once (a chunk counts ``1/V``) by ``interleaved_1f1b``
+    (``deferred_weights=False``) or ``zero_bubble.zb_h1``, counted from the order alone, without building it.
+
+    A rank holds a micro-batch from its F to its B (or W). After the warm-up each F is followed by one
+    release (B; in ZB1P a W, from the ``r``-th step on), so the count peaks at ``warm + 1`` (``+ r``
+    deferred weight passes in ZB1P), or at ``V·M`` if every forward runs first. Exact for ``"equal"``
+    rounds and for any ``M`` that is a multiple of ``P`` or at most ``P``.
+    """
+    w0 = round_widths(p, m, rounds)[0]
+    out = []
+    for r in range(p):
+        warm = warmup_forwards(p, r, m, v, w0, 1 if deferred_weights else 2)
+        out.append(min(warm + 1 + (r if deferred_weights else 0), v * m) / v)
+    return out
+
+
+def interleaved_1f1b(p: int, m: int, v: int, rounds: str = "equal") -> list[list[Action]]:
     """Interleaved 1F1B (Narayanan et al. 2021, §2.2): ``V`` chunks per rank, chunk ``c`` on rank ``c % P``.
 
-    Warm-up on rank ``r`` is ``2(P-r-1) + (V-1)·min(P, M)`` chunk-forwards (capped at ``V·M``), then one
-    forward and one backward alternate. Bubble ``(P-1)/(V·M+P-1)`` when ``M % P == 0``.
-
-    Megatron requires ``M % P == 0`` (or ``M <= P``). Otherwise plait generates the schedule for ``M``
-    rounded up to a multiple of ``P`` and drops the surplus micro-batches: a subsequence of a
-    deadlock-free in-order schedule stays deadlock-free (its dependencies are a subset).
+    Micro-batches run depth first in rounds (``round_widths``). Warm-up on rank ``r`` is
+    ``2(P-r-1) + (V-1)·w`` chunk-forwards, ``w`` the first round's width (capped at ``V·M``); then one
+    forward and one backward alternate. Bubble ``(P-1)/(V·M+P-1)`` for every ``M >= P`` with equal
+    rounds. ``rounds="padded"`` generates the schedule for ``M`` rounded up to a multiple of ``P`` and
+    drops the surplus micro-batches (see ``drop_surplus``): Megatron's order, fewer micro-batches held.
     """
-    if m > p and m % p:
-        full = interleaved_1f1b(p, -(-m // p) * p, v)
-        return [[a for a in row if a.microbatch < m] for row in full]
-    fwd, bwd = interleaved_order(p, m, v, False), interleaved_order(p, m, v, True)
+    if rounds == "padded" and m > p and m % p:
+        return drop_surplus(interleaved_1f1b(p, -(-m // p) * p, v), m)
+    widths = round_widths(p, m, rounds)
+    fwd, bwd = depth_first_order(widths, v, False), depth_first_order(widths, v, True)
     total = m * v
     out = []
     for r in range(p):
-        warm = min(2 * (p - r - 1) + (v - 1) * min(p, m), total)
+        warm = warmup_forwards(p, r, m, v, widths[0], hops=2)
 
         def f(k: int, r: int = r) -> Action:
             return Action("F", fwd[k][0] * p + r, fwd[k][1])

@@ -1,4 +1,4 @@
-"""Zero-bubble schedules: ZB-H1 and ZB-V (Qi et al.), and DeepSeek's DualPipeV.
+"""Zero-bubble schedules: ZB-H1 and its interleaved form ZB1P, ZB-V (Qi et al.), and DeepSeek's DualPipeV.
 
 The backward pass is split into ``I`` (gradient w.r.t. the chunk's input, on the critical path) and
 ``W`` (gradient w.r.t. its weights, free to move); deferred ``W`` passes fill the pipeline bubbles.
@@ -9,28 +9,41 @@ from __future__ import annotations
 from collections import deque
 
 from plait.schedules.actions import Action
+from plait.schedules.generators import depth_first_order, drop_surplus, round_widths, warmup_forwards
 
 
-def zb_h1(p: int, m: int) -> list[list[Action]]:
+def zb_h1(p: int, m: int, v: int = 1, rounds: str = "equal") -> list[list[Action]]:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", §3): 1F1B with each B split into I and W.
 
     Rank ``r`` defers its first ``r`` weight passes to the cool-down, where 1F1B idles, so it holds
-    at most ``P`` micro-batches in flight (1F1B's peak on rank 0). With ``T_F = T_I = T_W`` the bubble
-    shrinks from ``(P-1)(T_F+T_B)`` to ``(P-1)(T_F+T_I-T_W)``, about a third.
+    at most ``P`` micro-batches in flight (1F1B's peak, on rank 0). With ``T_F = T_I = T_W`` the
+    bubble shrinks from ``(P-1)(T_F+T_B)`` to ``(P-1)(T_F+T_I-T_W)``, about a third.
+
+    With ``V > 1`` chunks per rank (round-robin, chunk ``c`` on rank ``c % P``) this is ZB1P, the
+    interleaved variant of the same paper (PyTorch's ``ScheduleInterleavedZeroBubble``): micro-batches
+    run depth first in rounds (``generators.round_widths``) as in interleaved 1F1B, with a warm-up of
+    ``(V-1)·w + P-r-1`` chunk-forwards (``w`` the first round's width, capped at ``V·M``).
     """
+    if rounds == "padded" and m > p and m % p:
+        return drop_surplus(zb_h1(p, -(-m // p) * p, v), m)
+    widths = round_widths(p, m, rounds)
+    fwd, bwd = depth_first_order(widths, v, False), depth_first_order(widths, v, True)
+    total = m * v
     out = []
     for r in range(p):
-        warm = min(p - r - 1, m)
-        row = [Action("F", r, mb) for mb in range(warm)]
-        pending: deque[int] = deque()
-        for k in range(m):
-            if warm + k < m:
-                row.append(Action("F", r, warm + k))
-            row.append(Action("I", r, k))
-            pending.append(k)
+        warm = warmup_forwards(p, r, m, v, widths[0], hops=1)
+        row = [Action("F", fwd[k][0] * p + r, fwd[k][1]) for k in range(warm)]
+        pending: deque[Action] = deque()
+        for k in range(total):
+            if warm + k < total:
+                chunk, mb = fwd[warm + k]
+                row.append(Action("F", chunk * p + r, mb))
+            chunk, mb = bwd[k]
+            row.append(Action("I", chunk * p + r, mb))
+            pending.append(Action("W", chunk * p + r, mb))
             if k >= r:
-                row.append(Action("W", r, pending.popleft()))
-        row += [Action("W", r, mb) for mb in pending]
+                row.append(pending.popleft())
+        row += pending
         out.append(row)
     return out
 

@@ -1,9 +1,10 @@
-"""Rank 0's engine loop: admits queued requests into KV slots, plans each step, broadcasts it, streams tokens.
+"""Rank 0's engine loop: schedules sequences, broadcasts each ``Step``, turns the outputs into events.
 
-The HTTP thread only calls ``submit`` and ``cancel`` (a thread-safe queue). Between decode steps the loop
-frees the slots of finished or cancelled requests, admits waiting requests while a slot and enough KV
-budget (prompt + max_tokens positions) are free, then broadcasts the plan to every rank with
-``broadcast_object_list``; all ranks run it (``Runner.execute``) and rank 0 hands each request its token.
+The HTTP thread only calls ``submit`` and ``cancel`` (a thread-safe queue). Between steps the loop takes
+new and cancelled requests, asks the ``Scheduler`` which sequences run and with how many tokens, then
+broadcasts the step to every rank with ``broadcast_object_list``; all ranks run it (``Runner.execute``) and
+rank 0 turns each row's outputs into events for the request's sink: prompt log-probabilities, tokens with
+their text (stop strings cut exactly), and the end with its reason.
 """
 
 from __future__ import annotations
@@ -12,51 +13,61 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from plait.generation.decode import Sampling
 from plait.serve.metrics import Metrics
-from plait.serve.runner import Decode, Prefill, Runner, Step
+from plait.serve.runner import Row, Runner, Step
+from plait.serve.sampling import Params
+from plait.serve.scheduler import Scheduler, Seq
+from plait.serve.text import TextTracker
 
-HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty plan) this often: workers stay in step
+HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often: workers stay in step
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One sequence to generate; ``sink(event)`` is called from the engine thread with token/done/error events."""
+    """One sequence to generate; ``sink(event)`` is called from the engine thread with the events of ``Engine``.
+
+    ``stop_ids``: tokens that end the sequence (the end-of-sequence token unless ignored, and stop_token_ids),
+    not part of its text; ``stop``: strings that end it, cut from the text unless ``include_stop``.
+    """
 
     prompt: list[int]
-    sampling: Sampling
+    params: Params
     sink: Callable[[dict], None]
+    stop: list[str] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
     rid: int = 0
-    slot: int = -1
-    out: list[int] = field(default_factory=list)
     arrived: float = field(default_factory=time.monotonic)
 
-    @property
-    def need(self) -> int:
-        """KV positions this request may use: its prompt plus every token it may generate."""
-        return len(self.prompt) + self.sampling.max_new_tokens
+
+@dataclass(eq=False)
+class Live:
+    req: Request
+    seq: Seq
+    text: TextTracker
 
 
 class Engine:
-    """Continuous batching over ``max_batch`` KV slots and a budget of ``kv_budget`` cached positions."""
+    """Continuous batching: the ``Scheduler`` decides each step, the ``Runner`` of every rank runs it.
 
-    def __init__(self, runner: Runner, max_batch: int, kv_budget: int, metrics: Metrics, distributed: bool):
-        self.runner, self.max_batch, self.kv_budget = runner, max_batch, kv_budget
-        self.metrics, self.distributed = metrics, distributed
-        metrics.kv_budget = kv_budget
+    Events: {"type": "prompt", "logprobs": [(logprob, top)]} (echo, prompt positions 1, 2, ... in order),
+    {"type": "token", "id", "text", "logprob": (logprob, [(id, logprob)]) or None},
+    {"type": "done", "finish_reason": "stop" | "length", "text"}, {"type": "error", "message"}.
+    """
+
+    def __init__(self, runner: Runner, scheduler: Scheduler, tok, metrics: Metrics, distributed: bool):
+        self.runner, self.sched, self.tok, self.metrics, self.distributed = runner, scheduler, tok, metrics, distributed
+        self.block = scheduler.alloc.block_size
+        metrics.kv_budget = scheduler.alloc.num_blocks * self.block
         self.commands: queue.Queue = queue.Queue()
         self.ids = itertools.count(1)
-        self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request
-        self.free_slots = list(range(max_batch))
+        self.live: dict[int, Live] = {}
         self.to_free: list[int] = []
-        self.kv_used = 0
         self.ready = threading.Event()
         self.failed: str | None = None
         self.stopping = threading.Event()
@@ -72,7 +83,7 @@ class Engine:
         self.commands.put(("cancel", rid))
 
     def queue_depth(self) -> int:
-        return len(self.waiting) + self.commands.qsize()
+        return len(self.sched.waiting) + self.commands.qsize()
 
     # --- the loop (rank 0's main thread) ---------------------------------------------------------------
     def run(self) -> None:
@@ -83,14 +94,14 @@ class Engine:
             self.runner.execute(empty)
             self.ready.set()
             while True:
-                self._drain(block=not (self.running or self.waiting))
+                self._drain(block=not self.live)
                 stop = self.stopping.is_set()
-                step = self._plan(stop)
+                step, pairs = self._plan(stop)
                 if not step.busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
                     continue
                 self._broadcast(step)
-                tokens = self.runner.execute(step)
-                self._deliver(step, tokens)
+                outputs = self.runner.execute(step)
+                self._deliver(pairs, outputs or [])
                 if stop:
                     return
         except BaseException as exc:
@@ -112,72 +123,110 @@ class Engine:
                 return
             timeout = 0.0
             if kind == "submit":
-                if arg.sampling.max_new_tokens == 0:
-                    self._finish(arg)
-                else:
-                    self.waiting.append(arg)
+                self._admit(arg)
             else:
                 self._cancel(arg)
 
+    def _admit(self, req: Request) -> None:
+        seq = Seq(req.rid, req.prompt, req.params)
+        self.live[req.rid] = Live(req, seq, TextTracker(self.tok, req.stop, req.include_stop))
+        if seq.max_tokens == 0 and req.params.prompt_logprobs is None:
+            self._finish(req.rid, "length")
+        else:
+            self.sched.add(seq)
+
     def _cancel(self, rid: int) -> None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self.metrics.request("cancelled")
-                return
-        for slot, req in list(self.running.items()):
-            if req.rid == rid:
-                self._release(slot)
-                self.metrics.request("cancelled")
-                return
+        if rid in self.live:
+            self._drop(rid)
+            self.metrics.request("cancelled")
 
-    def _release(self, slot: int) -> None:
-        req = self.running.pop(slot)
-        self.kv_used -= req.need
-        self.to_free.append(slot)
+    def _drop(self, rid: int) -> None:
+        live = self.live.pop(rid)
+        self.sched.remove(live.seq)
+        if live.seq.known:
+            self.to_free.append(rid)
 
-    def _plan(self, stop: bool) -> Step:
+    def _plan(self, stop: bool) -> tuple[Step, list[tuple[Seq, int]]]:
         free, self.to_free = self.to_free, []
-        self.free_slots.extend(free)
-        prefill = []
-        while not stop and self.waiting and self.free_slots and self.kv_used + self.waiting[0].need <= self.kv_budget:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop(0)
-            self.running[req.slot] = req
-            self.kv_used += req.need
-            prefill.append(Prefill(req.slot, req.prompt, req.sampling))
-        fresh = {p.slot for p in prefill}
-        decode = [] if stop else [Decode(slot, r.out[-1]) for slot, r in self.running.items() if slot not in fresh]
-        return Step(free=free, prefill=prefill, decode=decode, stop=stop)
+        if stop:
+            return Step(free=free, stop=True), []
+        pairs = self.sched.schedule()
+        new, rows = [], []
+        for seq, n in pairs:
+            if not seq.known:
+                new.append((seq.rid, seq.params))
+                seq.known = True
+            end = seq.computed + n
+            sample = end == seq.length and len(seq.out) < seq.max_tokens
+            rows.append(Row(seq.rid, seq.tokens(seq.computed, n), seq.computed, list(seq.table), sample,
+                            self._targets(seq, n)))
+        return Step(free=free, new=new, rows=rows), pairs
 
-    def _deliver(self, step: Step, tokens: list[int]) -> None:
-        slots = [slot for group, _ in self.runner.groups(step) for slot in group]  # the rows in group order
+    @staticmethod
+    def _targets(seq: Seq, n: int) -> list[int]:
+        """Prompt tokens after the chunk's first positions whose log-probabilities are still owed (echo)."""
+        if seq.params.prompt_logprobs is None:
+            return []
+        upto = min(n, len(seq.prompt) - 1 - seq.computed)  # chunk positions whose next token is a prompt token
+        if upto <= 0 or seq.computed + upto < seq.reported:
+            return []
+        return seq.prompt[seq.computed + 1: seq.computed + 1 + upto]
+
+    def _deliver(self, pairs: list[tuple[Seq, int]], outputs: list) -> None:
         now = time.monotonic()
-        for slot, tok in zip(slots, tokens, strict=True):
-            req = self.running[slot]
-            req.out.append(tok)
-            if len(req.out) == 1:
-                self.metrics.first_token(now - req.arrived)
-            req.sink({"type": "token", "id": tok})
-            if len(req.out) >= req.sampling.max_new_tokens:
-                self._release(slot)
-                self._finish(req)
-        prompt_tokens = sum(len(p.prompt) for p in step.prefill)
-        self.metrics.step(len(tokens), len(self.running), len(self.waiting), self.kv_used, prompt_tokens)
+        tokens = chunks = 0
+        for (seq, n), (tok, lp, prompt_lp) in zip(pairs, outputs, strict=True):
+            chunks += seq.computed < len(seq.prompt)
+            live = self.live.get(seq.rid)
+            if live is None:
+                continue
+            if prompt_lp:
+                fresh = prompt_lp[seq.reported - seq.computed - 1:]
+                seq.reported += len(fresh)
+                live.req.sink({"type": "prompt", "logprobs": fresh})
+            seq.computed += n
+            if tok is None:
+                if seq.computed == seq.length and seq.max_tokens == 0:
+                    self._finish(seq.rid, "length")
+                continue
+            tokens += 1
+            seq.out.append(tok)
+            if len(seq.out) == 1:
+                self.metrics.first_token(now - live.req.arrived)
+            self._token(live, tok, lp)
+        alloc = self.sched.alloc
+        self.metrics.step(tokens, len(self.sched.running), len(self.sched.waiting), alloc.used * self.block,
+                          sum(n for seq, n in pairs if n > 1), chunks, self.sched.preemptions)
 
-    def _finish(self, req: Request) -> None:
+    def _token(self, live: Live, tok: int, lp) -> None:
+        """Hand one new token to its request; end the sequence on a stop token, a stop string or max_tokens."""
+        seq, req = live.seq, live.req
+        check = len(seq.out) >= seq.params.min_tokens
+        if tok in req.stop_ids and check:
+            req.sink({"type": "token", "id": tok, "text": "", "logprob": lp})
+            self._finish(seq.rid, "stop")
+            return
+        req.sink({"type": "token", "id": tok, "text": live.text.push(tok, check), "logprob": lp})
+        if live.text.stopped is not None:
+            self._finish(seq.rid, "stop")
+        elif len(seq.out) >= seq.max_tokens:
+            self._finish(seq.rid, "length")
+
+    def _finish(self, rid: int, reason: str) -> None:
+        live = self.live[rid]
+        tail = live.text.flush()
+        self._drop(rid)
         self.metrics.request("ok")
-        req.sink({"type": "done", "finish_reason": "length"})
+        live.req.sink({"type": "done", "finish_reason": reason, "text": tail})
 
     def _fail_all(self, message: str) -> None:
-        for req in [*self.waiting, *self.running.values()]:
-            req.sink({"type": "error", "message": f"the engine stopped: {message}"})
-        self.waiting.clear()
-        self.running.clear()
+        for live in self.live.values():
+            live.req.sink({"type": "error", "message": f"the engine stopped: {message}"})
+        self.live.clear()
 
 
 def follow(runner: Runner) -> None:
-    """Every rank but 0: receive each step's plan from rank 0 and run it, until a plan says stop."""
+    """Every rank but 0: receive each step from rank 0 and run it, until a step says stop."""
     while True:
         box: list = [None]
         dist.broadcast_object_list(box, src=0)

@@ -24,6 +24,8 @@ class Metrics:
         self.kv_used = 0
         self.kv_budget = 0
         self.steps = 0
+        self.prefill_chunks = 0
+        self.preemptions = 0
         self.ttft = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -32,10 +34,13 @@ class Metrics:
         with self.lock:
             self.requests[status] = self.requests.get(status, 0) + n
 
-    def step(self, tokens: int, batch: int, queue: int, kv_used: int, prompt_tokens: int) -> None:
+    def step(self, tokens: int, batch: int, queue: int, kv_used: int, prompt_tokens: int, chunks: int = 0,
+             preemptions: int = 0) -> None:
         now = time.monotonic()
         with self.lock:
             self.steps += 1
+            self.prefill_chunks += chunks
+            self.preemptions = preemptions
             self.generated_tokens += tokens
             self.prompt_tokens += prompt_tokens
             self.batch_size, self.queue_depth, self.kv_used = batch, queue, kv_used
@@ -72,6 +77,10 @@ class Metrics:
                 "# TYPE plait_kv_tokens_used gauge", f"plait_kv_tokens_used {self.kv_used}",
                 "# TYPE plait_kv_tokens_budget gauge", f"plait_kv_tokens_budget {self.kv_budget}",
                 "# TYPE plait_engine_steps_total counter", f"plait_engine_steps_total {self.steps}",
+                "# HELP plait_prefill_chunks_total Prompt chunks prefilled (a prompt may take several steps).",
+                "# TYPE plait_prefill_chunks_total counter", f"plait_prefill_chunks_total {self.prefill_chunks}",
+                "# HELP plait_preemptions_total Sequences preempted for want of KV blocks (recomputed later).",
+                "# TYPE plait_preemptions_total counter", f"plait_preemptions_total {self.preemptions}",
                 "# HELP plait_time_to_first_token_seconds From arrival to the first generated token.",
                 "# TYPE plait_time_to_first_token_seconds histogram",
             ]

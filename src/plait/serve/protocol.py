@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 
 from plait.generation.decode import Sampling
+from plait.serve.sampling import Params
 
 DEFAULT_MAX_TOKENS = 16
-UNSUPPORTED = {"n": 1, "best_of": 1, "top_p": 1, "stop": None, "echo": False, "logprobs": None,
-               "suffix": None, "tools": None, "functions": None}
+MAX_LOGPROBS = 20
+# fields a request may carry, beside the ones parse reads; any other field gets a 400 (never silently ignored)
+FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "min_p", "n", "seed", "stream", "stream_options", "stop", "stop_token_ids", "ignore_eos",
+          "include_stop_str_in_output", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias", "logprobs", "top_logprobs", "echo", "user", "return_tokens_as_token_ids"}
+# accepted only at these values (the features they would switch on are not implemented)
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+           "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+           "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+           "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+           "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "prompt_logprobs": (None,),
+           "store": (None, False), "metadata": (None,), "service_tier": (None, "auto"), "modalities": (None, ["text"]),
+           "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+           "function_call": (None, "none")}
 
 
 class ApiError(Exception):
@@ -32,21 +45,43 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 @dataclass
 class Limits:
-    """What the server accepts: the model's name, context and vocabulary, the max_tokens cap, the KV budget."""
+    """What the server accepts: the model's name, context and vocabulary, the max_tokens cap, the KV pool size,
+    and the end-of-sequence token ids of the model (none for a byte-level model)."""
 
     model: str
     context: int
     vocab: int
     max_tokens: int
     kv_budget: int
+    eos: tuple[int, ...] = ()
 
 
 @dataclass
 class Parsed:
+    """A validated request: its prompts, the sampling of its first choice (choice i uses seed + i), what to send."""
+
     prompts: list[list[int]]
-    sampling: Sampling
+    params: Params
     stream: bool
     chat: bool
+    n: int = 1
+    echo: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    ids_as_tokens: bool = False  # log-probability tokens as "token_id:<id>" (distinct where texts collide)
+
+    def choices(self) -> list[tuple[list[int], Params]]:
+        """(prompt, params) of every choice, in the order of their indexes: prompt by prompt, n each."""
+        out = []
+        for ids in self.prompts:
+            for i in range(self.n):
+                s = self.params.sampling
+                sampling = Sampling(s.max_new_tokens, s.temperature, s.top_k, s.seed + i, s.top_p, s.min_p)
+                out.append((ids, Params(**{**self.params.__dict__, "sampling": sampling})))
+        return out
 
 
 def chat_prompt(messages: list[dict]) -> str:
@@ -71,6 +106,21 @@ def _number(body: dict, name: str, default, kind, lo=None, hi=None):
     return kind(value)
 
 
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", name)
+    return value
+
+
+def _ids(value, name: str, vocab: int) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value):
+        raise ApiError(400, f"{name}: token ids must be integers in [0, {vocab})", name)
+    return list(value)
+
+
 def _prompts(value, tok, vocab: int) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of such lists."""
     if isinstance(value, str):
@@ -81,13 +131,84 @@ def _prompts(value, tok, vocab: int) -> list[list[int]]:
         batch = value
     else:
         raise ApiError(400, "prompt must be a string, a list of strings or a list of token ids", "prompt")
-    out = []
-    for p in batch:
-        ids = tok.encode(p) if isinstance(p, str) else p
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise ApiError(400, f"token ids must be integers in [0, {vocab})", "prompt")
-        out.append(list(ids))
+    return [tok.encode(p) if isinstance(p, str) else _ids(p, "prompt", vocab) for p in batch]
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    for name, value in body.items():
+        if name in NEUTRAL:
+            if value not in NEUTRAL[name]:
+                raise ApiError(400, f"{name}={value!r} is not supported by plait serve", name, "unsupported")
+        elif name not in FIELDS or (chat and name in ("prompt", "echo")) or (not chat and name in
+                                                                          ("messages", "top_logprobs")):
+            if value is not None and not (name == "echo" and value is False):
+                raise ApiError(400, f"{name}={value!r} is not supported by plait serve", name, "unsupported")
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "stop must be a string or a list of strings", "stop")
+    return [s for s in stop if s]
+
+
+def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise ApiError(400, "logit_bias must map token ids to numbers in [-100, 100]", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < vocab or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias: {key!r}: {value!r} must be a token id in [0, {vocab}) with a bias "
+                                f"in [-100, 100]", "logit_bias")
+        out[tok] = float(value)
     return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top tokens to report beside each token's own log-probability (None: no log-probabilities)."""
+    if not chat:
+        value = body.get("logprobs")
+        if value is False:  # a neutral value some clients send
+            return None
+        return None if value is None else _number(body, "logprobs", 0, int, 0, MAX_LOGPROBS)
+    top = body.get("top_logprobs")
+    if not _flag(body, "logprobs"):
+        if top:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return _number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(a final usage chunk, usage so far in every chunk): stream_options include_usage, continuous_usage_stats."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, False
+    if not stream:
+        raise ApiError(400, "stream_options needs stream: true", "stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(400, f"stream_options={opts!r}: only include_usage and continuous_usage_stats are supported",
+                       "stream_options", "unsupported")
+    return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
+
+
+def _sampling(body: dict, chat: bool, limits: Limits) -> Sampling:
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    top_k = _number(body, "top_k", 0, int, -1, limits.vocab)
+    seed = body.get("seed")
+    return Sampling(max_new_tokens=_number(body, name, min(DEFAULT_MAX_TOKENS, limits.max_tokens), int, 0,
+                                           limits.max_tokens),
+                    temperature=_number(body, "temperature", 0.0, float, 0, 100),
+                    top_k=max(top_k, 0),  # -1 (vLLM's "off") as 0
+                    seed=secrets.randbits(62) if seed is None else _number(body, "seed", 0, int, 0, 2**63 - 1),
+                    top_p=_number(body, "top_p", 1.0, float, 1e-9, 1), min_p=_number(body, "min_p", 0.0, float, 0, 1))
 
 
 def parse(body, chat: bool, tok, limits: Limits) -> Parsed:
@@ -98,9 +219,7 @@ def parse(body, chat: bool, tok, limits: Limits) -> Parsed:
     if model != limits.model:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{limits.model}'", "model",
                        "model_not_found")
-    for name, neutral in UNSUPPORTED.items():
-        if body.get(name, neutral) not in (neutral, None) and not (name == "stop" and body.get(name) == []):
-            raise ApiError(400, f"{name}={body.get(name)!r} is not supported by plait serve", name, "unsupported")
+    _check_fields(body, chat)
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -110,46 +229,37 @@ def parse(body, chat: bool, tok, limits: Limits) -> Parsed:
         if "prompt" not in body:
             raise ApiError(400, "prompt is required", "prompt")
         prompts = _prompts(body["prompt"], tok, limits.vocab)
-    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, min(DEFAULT_MAX_TOKENS, limits.max_tokens), int, 0, limits.max_tokens)
-    sampling = Sampling(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, float, 0, 100),
-                        top_k=_number(body, "top_k", 0, int, 0, limits.vocab),
-                        seed=_number(body, "seed", 0, int, 0, 2**63 - 1))
+    sampling = _sampling(body, chat, limits)
+    n = _number(body, "n", 1, int, 1, 128)
+    echo = not chat and _flag(body, "echo")
+    top = _logprobs(body, chat)
+    stop_ids = frozenset(_ids(body.get("stop_token_ids") or [], "stop_token_ids", limits.vocab))
+    eos = () if _flag(body, "ignore_eos") else limits.eos
+    params = Params(sampling, presence_penalty=_number(body, "presence_penalty", 0.0, float, -2, 2),
+                    frequency_penalty=_number(body, "frequency_penalty", 0.0, float, -2, 2),
+                    repetition_penalty=_number(body, "repetition_penalty", 1.0, float, 1e-3, 100),
+                    logit_bias=_logit_bias(body, limits.vocab), min_tokens=_number(body, "min_tokens", 0, int, 0),
+                    banned=tuple(sorted(stop_ids | set(eos))), logprobs=top,
+                    prompt_logprobs=top if echo and top is not None else None)
+    if params.min_tokens > sampling.max_new_tokens:
+        raise ApiError(400, f"min_tokens={params.min_tokens} exceeds max_tokens={sampling.max_new_tokens}",
+                       "min_tokens")
     for ids in prompts:
-        if not ids:
-            raise ApiError(400, "the prompt is empty (at least one token is needed)", "prompt")
-        if len(ids) + max_tokens > limits.context:
-            raise ApiError(400, f"This model's maximum context length is {limits.context} tokens; the prompt has "
-                                f"{len(ids)} tokens and max_tokens is {max_tokens}", "prompt",
-                           "context_length_exceeded")
-        if len(ids) + max_tokens > limits.kv_budget:
-            raise ApiError(400, f"the request needs {len(ids) + max_tokens} KV cache positions; the server's budget "
-                                f"is {limits.kv_budget}", "max_tokens", "kv_budget_exceeded")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", "stream")
-    return Parsed(prompts, sampling, stream, chat)
+        _check_length(ids, sampling.max_new_tokens, limits)
+    stream = _flag(body, "stream")
+    include_usage, continuous_usage = _stream_options(body, stream)
+    return Parsed(prompts, params, stream, chat, n=n, echo=echo, stop=_stop(body), stop_ids=stop_ids | set(eos),
+                  include_stop=_flag(body, "include_stop_str_in_output"),
+                  include_usage=include_usage, continuous_usage=continuous_usage,
+                  ids_as_tokens=_flag(body, "return_tokens_as_token_ids"))
 
 
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def choice(p: Parsed, index: int, text: str, ids: list[int], finish: str | None, delta: bool) -> dict:
-    """One choice of a response (or of a streamed chunk when ``delta``); ``token_ids`` is a plait extra."""
-    if not p.chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids}
-    key = "delta" if delta else "message"
-    msg = {"content": text} if delta else {"role": "assistant", "content": text}
-    return {"index": index, key: msg, "logprobs": None, "finish_reason": finish, "token_ids": ids}
-
-
-def envelope(p: Parsed, rid: str, model: str, choices: list[dict], chunk: bool) -> dict:
-    kind = ("chat.completion" if p.chat else "text_completion") + (".chunk" if chunk and p.chat else "")
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
-
-
-def usage(p: Parsed, outputs: list[list[int]]) -> dict:
-    n_prompt = sum(len(x) for x in p.prompts)
-    n_out = sum(len(x) for x in outputs)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+def _check_length(ids: list[int], max_tokens: int, limits: Limits) -> None:
+    if not ids:
+        raise ApiError(400, "the prompt is empty (at least one token is needed)", "prompt")
+    if len(ids) + max_tokens > limits.context:
+        raise ApiError(400, f"This model's maximum context length is {limits.context} tokens; the prompt has "
+                            f"{len(ids)} tokens and max_tokens is {max_tokens}", "prompt", "context_length_exceeded")
+    if len(ids) + max_tokens > limits.kv_budget:
+        raise ApiError(400, f"the request needs {len(ids) + max_tokens} KV cache positions; the server holds "
+                            f"{limits.kv_budget}", "max_tokens", "kv_budget_exceeded")

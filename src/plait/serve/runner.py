@@ -1,4 +1,4 @@
-"""Every rank's part of a serving step: slot KV caches, prefill/decode groups flowing through the stages, sampling."""
+"""Every rank's part of a serving step: paged KV caches, row groups through the stages, the last stage's outputs."""
 
 from __future__ import annotations
 
@@ -8,121 +8,158 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.generation.decode import Decoder, Sampling, sample
+from plait.generation.decode import Decoder
 from plait.generation.wavefront import Links, wavefront_order
-from plait.models.llama import BatchKVCache
 from plait.parallel_model import ParallelModel
+from plait.serve.kv import PagedBatch, PagedKVCache
+from plait.serve.sampling import Params, SeqState, logprobs
+from plait.tensor_parallel.loss import full_logits
 
 
 @dataclass
-class Prefill:
-    """A newly admitted request: its KV slot, prompt ids and sampling settings."""
+class Row:
+    """One sequence's work in a step: feed ``tokens`` at positions ``start``... through its block ``table``.
 
-    slot: int
-    prompt: list[int]
-    sampling: Sampling
+    ``sample``: the chunk reaches the end of the known tokens, so its last position gives the next token.
+    ``targets``: the prompt tokens that follow the first ``len(targets)`` positions, whose log-probabilities
+    are wanted (echo).
+    """
 
-
-@dataclass
-class Decode:
-    """A running request: its KV slot and the last token it produced (the next input)."""
-
-    slot: int
-    token: int
+    rid: int
+    tokens: list[int]
+    start: int
+    table: list[int]
+    sample: bool
+    targets: list[int] = field(default_factory=list)
 
 
 @dataclass
 class Step:
-    """One engine step, the same object on every rank: slots to free, requests to prefill, rows to decode."""
+    """One engine step, the same object on every rank: sequences to forget, new sequences' sampling, rows to run."""
 
     free: list[int] = field(default_factory=list)
-    prefill: list[Prefill] = field(default_factory=list)
-    decode: list[Decode] = field(default_factory=list)
+    new: list[tuple[int, Params]] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     stop: bool = False
 
     @property
     def busy(self) -> bool:
-        return bool(self.free or self.prefill or self.decode)
+        return bool(self.free or self.rows)
 
 
 class Runner:
-    """This rank's blocks with slot-based KV caches; ``execute(step)`` runs one step and returns its tokens.
+    """This rank's blocks with paged KV caches; ``execute(step)`` runs one step, rank 0 gets each row's outputs.
 
-    A step (the same object on every rank, broadcast by rank 0) frees slots, prefills newly admitted
-    requests (one group each) and decodes one token for every running slot (the running slots split into
-    up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1 works on group 0,
-    stage 0 already works on group 1, so the stages are busy at the same time. The last stage samples each
-    row with that request's own generator (seeded from its seed), so a request's tokens do not depend on
-    what else shares its batch; the tokens are then broadcast to every rank.
+    A step (the same object on every rank, broadcast by rank 0) forgets finished sequences, registers new
+    ones (their sampling ``Params``) and lists the step's rows: prompt chunks (one group each) and one-token
+    rows (split into up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1
+    works on group 0, stage 0 already works on group 1. The last stage samples each row with that
+    sequence's own generator (seeded from its seed), so a sequence's tokens do not depend on what else
+    shares its batch, and computes the requested log-probabilities on the vocabulary-sharded logits.
     """
 
-    def __init__(self, model: nn.Module | ParallelModel, max_batch: int, max_len: int):
+    def __init__(self, model: nn.Module | ParallelModel, num_blocks: int, block_size: int):
         self.dec = Decoder(model)
         self.ctx = self.dec.ctx
-        self.caches: dict[str, BatchKVCache] = self.dec.new_caches(lambda: BatchKVCache(max_batch, max_len))
-        self.chunk_caches = {c: [self.caches[n] for n, _ in blocks if n in self.caches]
-                             for c, blocks in self.dec.chunks.items()}
+        self.batch = PagedBatch()
+        self.caches = self.dec.new_caches(lambda: PagedKVCache(num_blocks, block_size, self.batch))
         self.mine = sorted(self.dec.chunks)
         self.last = self.dec.num_chunks - 1
         self.pp = self.ctx.pp_size if self.ctx is not None else 1
-        self.gens: dict[int, torch.Generator] = {}
-        self.sampling: dict[int, Sampling] = {}
+        self.tp_group = self.ctx.tp_group if self.ctx is not None and self.ctx.tp_size > 1 else None
+        self.seqs: dict[int, SeqState] = {}
         self.src = 0 if self.ctx is None else self.ctx.global_rank(tp_rank=0, dp_rank=0,
                                                                     pp_rank=self.dec.rank_of(self.last))
 
-    def groups(self, step: Step) -> list[tuple[list[int], torch.Tensor]]:
-        """(slots, input tokens [b, s]) of each group: one per prefill, then the decode rows in <= pp groups."""
-        out = [([p.slot], torch.tensor([p.prompt], dtype=torch.long)) for p in step.prefill]
-        decode = step.decode
-        n = min(self.pp, len(decode))
-        for g in range(n):
-            part = decode[g::n]
-            out.append(([d.slot for d in part], torch.tensor([[d.token] for d in part], dtype=torch.long)))
-        return out
+    def groups(self, rows: list[Row]) -> list[list[int]]:
+        """Row indices of each group: one per multi-token row, then the one-token rows in <= pp groups."""
+        out = [[i] for i, r in enumerate(rows) if len(r.tokens) > 1]
+        single = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
+        n = min(self.pp, len(single))
+        return out + [single[g::n] for g in range(n)]
 
     @torch.no_grad()
-    def execute(self, step: Step) -> list[int]:
-        """Run one ``step``; the sampled token of every row (prefill rows first), on every rank."""
-        for slot in step.free:
-            for cache in self.caches.values():
-                cache.free(slot)
-            self.gens.pop(slot, None)
-            self.sampling.pop(slot, None)
-        for p in step.prefill:
-            self.sampling[p.slot] = p.sampling
-            self.gens[p.slot] = torch.Generator().manual_seed(p.sampling.seed)
-        groups = self.groups(step)
-        if not groups:
-            return []
-        tokens = self._pipeline(groups)
-        rows = sum(len(slots) for slots, _ in groups)
-        if self.ctx is None:
-            return tokens.tolist()
-        buf = tokens if tokens is not None else torch.empty(rows, dtype=torch.long)
-        dist.broadcast(buf, src=self.src)
-        return buf.tolist()
+    def execute(self, step: Step) -> list | None:
+        """Run one ``step``; on rank 0 the outputs of each row (token, its logprobs, prompt logprobs)."""
+        for rid in step.free:
+            self.seqs.pop(rid, None)
+        if self.last in self.mine:
+            for rid, params in step.new:
+                self.seqs[rid] = SeqState(params, self.dec.vocab)
+        rows = step.rows
+        if not rows:
+            return None
+        outputs = self._pipeline(rows, self.groups(rows))
+        if self.ctx is None or self.src == 0:
+            return outputs if self.ctx is None or self.ctx.rank == 0 else None
+        box = [outputs]
+        if self.ctx.rank == self.src:
+            dist.send_object_list(box, dst=0)
+        elif self.ctx.rank == 0:
+            dist.recv_object_list(box, src=self.src)
+            return box[0]
+        return None
 
-    def _pipeline(self, groups: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor | None:
-        """Groups through this rank's chunks in wavefront order (tick = group + chunk); tokens on the last stage."""
+    def _pipeline(self, rows: list[Row], groups: list[list[int]]) -> list | None:
+        """Groups through this rank's chunks in wavefront order (tick = group + chunk); outputs on the last stage."""
         links = Links(self.dec)
-        sampled: dict[int, torch.Tensor] = {}
+        outputs: list = [None] * len(rows)
         for c, g, _p in wavefront_order(self.mine, len(groups)):
-            slots, toks = groups[g]
-            x = toks.to(self.dec.device) if c == 0 else links.take(c, (g,), toks.shape[0], toks.shape[1])
-            rows = torch.tensor(slots, dtype=torch.long)
-            for cache in self.chunk_caches[c]:
-                cache.rows = rows
+            part = [rows[i] for i in groups[g]]
+            s = len(part[0].tokens)
+            if c == 0:
+                x = torch.tensor([r.tokens for r in part], dtype=torch.long, device=self.dec.device)
+            else:
+                x = links.take(c, (g,), len(part), s)
+            self.batch.set([r.table for r in part], [r.start for r in part])
             x = self.dec.run(c, x, self.caches)
             if c == self.last:
-                sampled[g] = self._sample(x, slots)
+                for i, out in zip(groups[g], self._outputs(x, part), strict=True):
+                    outputs[i] = out
             else:
                 links.give(c, (g,), x)
         links.wait()
-        if self.last not in self.mine:
-            return None
-        return torch.cat([sampled[g] for g in range(len(groups))])
+        return outputs if self.last in self.mine else None
 
-    def _sample(self, x: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Next token [b] of each row from the last-position logits (gathered over TP), each with its own generator."""
-        last = self.dec.full_logits(x)  # [b, V]
-        return torch.cat([sample(last[i: i + 1], self.sampling[s], self.gens[s]).cpu() for i, s in enumerate(slots)])
+    def _outputs(self, x: torch.Tensor, rows: list[Row]) -> list[tuple]:
+        """(token or None, (logprob, top) or None, prompt [(logprob, top)] or None) of each row from logits x."""
+        states = [self.seqs[r.rid] for r in rows]
+        for r, st in zip(rows, states, strict=True):
+            st.see_prompt(r.tokens)
+        tokens: list[int | None] = [None] * len(rows)
+        pick = [i for i, r in enumerate(rows) if r.sample]
+        if pick:
+            last = full_logits(x[pick, -1], self.ctx, self.dec.vocab)  # [n, V]: the one gather sampling needs
+            for j, i in enumerate(pick):
+                tokens[i] = states[i].next_token(last[j])
+        return self._logprobs(x, rows, states, tokens)
+
+    def _logprobs(self, x: torch.Tensor, rows: list[Row], states: list[SeqState], tokens: list) -> list[tuple]:
+        """The requested log-probabilities, one ``logprobs`` call (one set of TP collectives) for the whole group."""
+        zs, targets, spans = [], [], []  # spans: (row, kind, count, k)
+        for i, (r, st) in enumerate(zip(rows, states, strict=True)):
+            p: Params = st.params
+            if r.targets:
+                zs.append(x[i, : len(r.targets)])
+                targets += r.targets
+                spans.append((i, "prompt", len(r.targets), p.prompt_logprobs or 0))
+            if tokens[i] is not None and p.logprobs is not None:
+                zs.append(x[i, -1:])
+                targets.append(tokens[i])
+                spans.append((i, "token", 1, p.logprobs))
+        out = [[tok, None, None] for tok in tokens]
+        if not zs:
+            return [tuple(o) for o in out]
+        k = max(s[3] for s in spans)
+        lp, top_ids, top_lp = logprobs(torch.cat(zs), torch.tensor(targets, dtype=torch.long, device=x.device), k,
+                                       self.tp_group, self.dec.vocab)
+        lp, top_ids, top_lp = lp.tolist(), top_ids.tolist(), top_lp.tolist()
+        at = 0
+        for i, kind, n, kk in spans:
+            vals = [(lp[j], list(zip(top_ids[j][:kk], top_lp[j][:kk], strict=True))) for j in range(at, at + n)]
+            at += n
+            if kind == "prompt":
+                out[i][2] = vals
+            else:
+                out[i][1] = vals[0]
+        return [tuple(o) for o in out]

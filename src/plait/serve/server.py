@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import socket
 import threading
 import time
-from dataclasses import replace
 from functools import partial
 
 from fastapi import FastAPI, Request
@@ -18,25 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
 from plait.serve.metrics import Metrics
-from plait.serve.protocol import ApiError, Limits, Parsed, choice, envelope, error_body, new_id, parse, usage
+from plait.serve.protocol import ApiError, Limits, Parsed, chat_prompt, error_body, parse
+from plait.serve.responses import Choice, envelope, new_id, usage
+from plait.serve.tokens import TokenizerInfo
 
-POLL_S = 0.5  # how often a waiting handler checks whether its client went away
-
-
-class TextStream:
-    """Incremental detokenisation: the new text of each token, holding back an incomplete UTF-8 sequence."""
-
-    def __init__(self, tok):
-        self.tok, self.ids, self.sent = tok, [], 0
-
-    def push(self, tok_id: int | None, final: bool = False) -> str:
-        if tok_id is not None:
-            self.ids.append(tok_id)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        delta, self.sent = text[self.sent:], len(text)
-        return delta
+POLL_S = 0.1  # how often a handler checks whether its client went away, even while tokens flow
 
 
 def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int, event: dict) -> None:
@@ -51,30 +37,77 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+class ApiKey:
+    """ASGI middleware: every /v1 route needs "Authorization: Bearer <key>" (as vLLM's --api-key), else 401."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.key}".encode()):
+                body = error_body("Incorrect API key provided (Authorization: Bearer <key>)", "invalid_request_error",
+                                  code="invalid_api_key")
+                await JSONResponse(body, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class Api:
     """The routes, over an ``Engine`` (rank 0) that runs the requests."""
 
-    def __init__(self, engine: Engine, limits: Limits, tok, metrics: Metrics, max_queue: int):
-        self.engine, self.limits, self.tok, self.metrics, self.max_queue = engine, limits, tok, metrics, max_queue
+    def __init__(self, engine: Engine, limits: Limits, tokens: TokenizerInfo, metrics: Metrics, max_queue: int,
+                 max_body: int = 16 << 20, timeout: float = 0.0):
+        self.engine, self.limits, self.tokens, self.metrics = engine, limits, tokens, metrics
+        self.tok = tokens.tok
+        self.max_queue, self.max_body, self.timeout = max_queue, max_body, timeout
         self.created = int(time.time())
 
-    def app(self) -> FastAPI:
+    def app(self, api_key: str | None = None) -> FastAPI:
         app = FastAPI(title="plait serve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
+        app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(Exception, self._server_error)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
+        app.get("/version")(self.version)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        app.get("/tokenizer_info")(self.tokenizer_info)
         app.post("/v1/completions")(partial(self.generate, chat=False))
         app.post("/v1/chat/completions")(partial(self.generate, chat=True))
+        if api_key:
+            app.add_middleware(ApiKey, key=api_key)
         return app
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind), exc.status_code)
 
+    async def _api_error(self, request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status)
+
     async def _server_error(self, request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+
+    async def _json(self, request: Request):
+        """The request body as JSON, at most ``max_body`` bytes (else 413)."""
+        declared = request.headers.get("content-length")
+        too_big = ApiError(413, f"the request body exceeds {self.max_body} bytes", code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > self.max_body:
+                raise too_big
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
     async def health(self) -> JSONResponse:
         if self.engine.failed:
@@ -87,21 +120,58 @@ class Api:
         self.metrics.queue_depth = self.engine.queue_depth()
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def version(self) -> JSONResponse:
+        from plait import __version__
+
+        return JSONResponse({"version": __version__})
+
+    def _card(self) -> dict:
+        return {"id": self.limits.model, "object": "model", "created": self.created, "owned_by": "plait",
+                "root": self.limits.model, "parent": None, "max_model_len": self.limits.context}
+
     async def models(self) -> JSONResponse:
-        card = {"id": self.limits.model, "object": "model", "created": self.created, "owned_by": "plait",
-                "max_model_len": self.limits.context}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id != self.limits.model:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{self.limits.model}'",
+                           "model", "model_not_found")
+        return JSONResponse(self._card())
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: {"prompt"} or {"messages"}, add_special_tokens, return_token_strs."""
+        body = await self._json(request)
+        if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str) or
+                                              isinstance(body.get("messages"), list)):
+            raise ApiError(400, "tokenize needs a prompt (a string) or messages (a list)", "prompt")
+        if body.get("model") not in (None, self.limits.model):
+            raise ApiError(404, f"The model '{body['model']}' does not exist", "model", "model_not_found")
+        chat = "messages" in body
+        text = chat_prompt(body["messages"]) if chat else body["prompt"]
+        ids = self.tokens.encode(text, bool(body.get("add_special_tokens", not chat)))
+        out = {"count": len(ids), "max_model_len": self.limits.context, "tokens": ids, "token_strs": None}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [self.tok.decode([t]) for t in ids]
+        return JSONResponse(out)
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        body = await self._json(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
+                                                0 <= t < self.limits.vocab for t in ids):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {self.limits.vocab})", "tokens")
+        return JSONResponse({"prompt": self.tok.decode(ids)})
+
+    async def tokenizer_info(self) -> JSONResponse:
+        return JSONResponse(self.tokens.info())
 
     async def generate(self, request: Request, chat: bool):
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-            p = parse(body, chat, self.tok, self.limits)
+            p = parse(await self._json(request), chat, self.tok, self.limits)
+            choices = p.choices()
             if self.engine.failed or not self.engine.ready.is_set():
                 raise ApiError(503, "the engine is not running", code="engine_unavailable")
-            if self.engine.queue_depth() + len(p.prompts) > self.max_queue:
+            if self.engine.queue_depth() + len(choices) > self.max_queue:
                 raise ApiError(503, f"the server is overloaded ({self.max_queue} requests queued); retry later",
                                code="queue_full")
         except ApiError as exc:
@@ -109,74 +179,95 @@ class Api:
             return JSONResponse(exc.body(), exc.status)
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        rids = [self.engine.submit(GenRequest(ids, replace(p.sampling), partial(_post, loop, q, i)))
-                for i, ids in enumerate(p.prompts)]
-        rid = new_id(chat)
+        rids = [self.engine.submit(GenRequest(ids, params, partial(_post, loop, q, i), stop=p.stop,
+                                              stop_ids=p.stop_ids, include_stop=p.include_stop))
+                for i, (ids, params) in enumerate(choices)]
+        state = [Choice(p, i, ids, self.tok) for i, (ids, _) in enumerate(choices)]
+        deadline = time.monotonic() + self.timeout if self.timeout > 0 else float("inf")
+        args = (request, p, new_id(chat), rids, state, q, deadline)
         if p.stream:
-            return StreamingResponse(self._stream(request, p, rid, rids, q), media_type="text/event-stream")
-        return await self._complete(request, p, rid, rids, q)
+            return StreamingResponse(self._stream(*args), media_type="text/event-stream")
+        return await self._complete(*args)
 
-    async def _next(self, request: Request, q: asyncio.Queue):
-        """The next (index, event), or None when the client has disconnected."""
+    async def _next(self, request: Request, q: asyncio.Queue, deadline: float, watch: list[float]):
+        """The next (index, event); None when the client has gone; "timeout" past the deadline.
+
+        The connection is checked at least every POLL_S (``watch``: when it was last), also while events flow.
+        """
         while True:
-            try:
-                return await asyncio.wait_for(q.get(), POLL_S)
-            except asyncio.TimeoutError:
+            now = time.monotonic()
+            if now - watch[0] >= POLL_S:
+                watch[0] = now
                 if await request.is_disconnected():
                     return None
+            left = deadline - now
+            if left <= 0:
+                return "timeout"
+            try:
+                return await asyncio.wait_for(q.get(), min(POLL_S, left))
+            except asyncio.TimeoutError:
+                watch[0] = 0.0  # nothing came: look at the connection right away
 
-    def _cancel(self, rids: list[int], done: set[int]) -> None:
-        for i, r in enumerate(rids):
-            if i not in done:
+    def _cancel(self, rids: list[int], state: list[Choice]) -> None:
+        for r, c in zip(rids, state, strict=True):
+            if c.finish is None:
                 self.engine.cancel(r)
 
-    async def _complete(self, request: Request, p: Parsed, rid: str, rids: list[int], q: asyncio.Queue) -> Response:
-        outs: list[list[int]] = [[] for _ in rids]
-        done: set[int] = set()
+    def _timed_out(self) -> dict:
+        self.metrics.request("timeout")
+        return error_body(f"the request took longer than {self.timeout:g} s (--request-timeout)", "server_error",
+                          code="request_timeout")
+
+    async def _complete(self, request, p: Parsed, rid: str, rids, state: list[Choice], q, deadline) -> Response:
+        watch = [0.0]
         try:
-            while len(done) < len(rids):
-                item = await self._next(request, q)
+            while any(c.finish is None for c in state):
+                item = await self._next(request, q, deadline, watch)
                 if item is None:
                     return Response(status_code=499)  # nobody is listening; the finally cancels
+                if item == "timeout":
+                    return JSONResponse(self._timed_out(), 504)
                 i, ev = item
-                if ev["type"] == "token":
-                    outs[i].append(ev["id"])
-                elif ev["type"] == "done":
-                    done.add(i)
-                else:
-                    done.update(range(len(rids)))
+                if ev["type"] == "error":
                     return JSONResponse(error_body(ev["message"], "server_error"), 500)
+                state[i].feed(ev)
         finally:
-            self._cancel(rids, done)
-        choices = [choice(p, i, self.tok.decode(o), o, "length", delta=False) for i, o in enumerate(outs)]
-        return JSONResponse({**envelope(p, rid, self.limits.model, choices, chunk=False), "usage": usage(p, outs)})
+            self._cancel(rids, state)
+        body = envelope(p, rid, self.limits.model, [c.final() for c in state], chunk=False)
+        return JSONResponse({**body, "usage": usage(p, sum(len(c.ids) for c in state))})
 
-    async def _stream(self, request: Request, p: Parsed, rid: str, rids: list[int], q: asyncio.Queue):
-        done: set[int] = set()
-        texts = [TextStream(self.tok) for _ in rids]
+    async def _stream(self, request, p: Parsed, rid: str, rids, state: list[Choice], q, deadline):
         model = self.limits.model
+        extra = {"usage": None} if p.include_usage else {}
+
+        def so_far() -> dict:  # the usage field of a chunk: null, or the counts so far (continuous_usage_stats)
+            return {"usage": usage(p, sum(len(c.ids) for c in state))} if p.continuous_usage else extra
+
         try:
             if p.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield _sse(envelope(p, rid, model, [first], chunk=True))
-            while len(done) < len(rids):
-                item = await self._next(request, q)
+                for c in state:
+                    first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}
+                    yield _sse({**envelope(p, rid, model, [first], chunk=True), **so_far()})
+            watch = [0.0]
+            while any(c.finish is None for c in state):
+                item = await self._next(request, q, deadline, watch)
                 if item is None:
                     return
-                i, ev = item
-                if ev["type"] == "token":
-                    part = choice(p, i, texts[i].push(ev["id"]), [ev["id"]], None, delta=True)
-                elif ev["type"] == "done":
-                    done.add(i)
-                    part = choice(p, i, texts[i].push(None, final=True), [], ev["finish_reason"], delta=True)
-                else:
-                    done.update(range(len(rids)))
-                    yield _sse(error_body(ev["message"], "server_error"))
+                if item == "timeout" or item[1]["type"] == "error":
+                    yield _sse(self._timed_out() if item == "timeout" else error_body(item[1]["message"],
+                                                                                      "server_error"))
                     return
-                yield _sse(envelope(p, rid, model, [part], chunk=True))
+                i, ev = item
+                part = state[i].feed(ev)
+                if part is not None:
+                    yield _sse({**envelope(p, rid, model, [part], chunk=True), **so_far()})
+            if p.include_usage:
+                total = usage(p, sum(len(c.ids) for c in state))
+                yield _sse({**envelope(p, rid, model, [], chunk=True), "usage": total})
             yield "data: [DONE]\n\n"
         finally:
-            self._cancel(rids, done)
+            self._cancel(rids, state)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -198,22 +289,30 @@ def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
     from plait.generation.job import load_model
     from plait.serve.engine import follow
+    from plait.serve.kv import BlockAllocator
     from plait.serve.runner import Runner
+    from plait.serve.scheduler import Scheduler
 
-    tp, pp = payload["tp"], payload["pp"]
+    tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
     model, tok, cfg = load_model(payload["model"], tp, pp)
-    runner = Runner(model, payload["max_batch"], cfg.max_seq_len)
+    blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
+    runner = Runner(model, blocks, block)
     if int(os.environ.get("RANK", "0")) != 0:
         follow(runner)
         return
     import uvicorn
 
     metrics = Metrics()
-    engine = Engine(runner, payload["max_batch"], payload["kv_budget"], metrics, distributed=tp * pp > 1)
-    limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"])
-    app = Api(engine, limits, tok, metrics, payload["max_queue"]).app()
+    sched = Scheduler(BlockAllocator(blocks, block), payload["max_batch"], payload["step_tokens"],
+                      payload["kv_reserve"])
+    engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
+    tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len)
+    limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
+                    tokens.eos)
+    api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
     sock = bind(payload["host"], payload["port"])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(uvicorn.Config(api.app(payload["api_key"]), log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=1))
 
     def http() -> None:
         try:
@@ -223,6 +322,7 @@ def serve_job(payload: dict) -> None:
 
     threading.Thread(target=http, name="plait-http", daemon=True).start()
     print(f"plait serve: {payload['name']} on http://{payload['host']}:{payload['port']}/v1 "
-          f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV budget {payload['kv_budget']} positions)",
-          flush=True)
+          f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
+          f"{' reserved up front' if payload['kv_reserve'] else ''}, "
+          f"{payload['step_tokens'] or 'unlimited'} tokens per step)", flush=True)
     engine.run()

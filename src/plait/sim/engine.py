@@ -93,7 +93,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> SimResult:
     run = execute(schedule, durations, costs.p2p)
     if not run.finished:
         raise deadlock_error(schedule, run)
-    timeline = []
+    timeline: list[tuple[int, Action, float, float]] = []
     busy, peaks = [], []
     for r, row in enumerate(schedule.actions):
         starts, ends = run.starts[r], run.ends[r]

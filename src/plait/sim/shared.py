@@ -51,7 +51,7 @@ def simulate_shared(schedule: Schedule, cpu: dict[str, list[float]], comm: dict[
     if cores <= 0:
         raise ConfigError(f"cores={cores}: must be > 0")
     n, m = schedule.num_stages, schedule.microbatches
-    done = ({}, {})  # (table, key) -> end time, for forward (0) and backward (1) results
+    done: tuple[dict, dict] = ({}, {})  # (table, key) -> end time, for forward (0) and backward (1) results
     ranks = [_Rank() for _ in schedule.actions]
     timeline: list[tuple[int, object, float, float]] = []
     now = 0.0

@@ -36,14 +36,18 @@ def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate the ranks' ``x`` along ``dim`` (rank order)."""
+    """Concatenate the ranks' ``x`` along ``dim`` (rank order), contiguous.
+
+    Contiguous because the consumers (the projections after SP's all-gather) flatten it: a strided result
+    would be copied by each of them, and autograd would keep every copy (three for Q, K, V).
+    """
     t = _size(group)
     if t == 1:
         return x
     x = x.movedim(dim, 0).contiguous()  # gather along the leading dim: one contiguous buffer
     out = x.new_empty((t * x.shape[0], *x.shape[1:]))
     _all_gather_tensor(out, x, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
-from plait.tensor_parallel.layers import TPShardedModule, mark_tp_partial
+from plait.tensor_parallel.layers import TPShardedModule, mark_tp_partial, new_param
 
 
 class ReplicatedHeadsLinear(TPShardedModule):
@@ -31,8 +31,8 @@ class ReplicatedHeadsLinear(TPShardedModule):
         self.head_dim = linear.out_features // n_kv_heads
         self.group_index = ctx.tp_rank // (t // n_kv_heads)
         self.shard_dims = {"weight": (None, linear.out_features), "bias": (None, linear.out_features)}
-        self.weight = nn.Parameter(linear.weight.detach().clone())  # [n_kv*hd, H], replicated
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.weight = new_param(linear.weight)  # [n_kv*hd, H], replicated
+        self.bias = new_param(linear.bias) if linear.bias is not None else None
         for p in self.parameters():
             mark_tp_partial(p)
 

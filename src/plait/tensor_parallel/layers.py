@@ -18,9 +18,18 @@ from plait.tensor_parallel import comms
 from plait.weight_grad import linear
 
 
-def mark_tp_partial(param: nn.Parameter) -> None:
+def mark_tp_partial(param: torch.Tensor) -> None:
     """Flag a replicated parameter whose gradient on each TP rank is only a partial sum (summed later)."""
-    param._plait_tp_partial = True  # read by sync_tp_partial_grads
+    setattr(param, "_plait_tp_partial", True)  # noqa: B010 (read by sync_tp_partial_grads)
+
+
+def new_param(t: torch.Tensor) -> nn.Parameter:
+    """A parameter holding a copy of ``t`` (a slice of a dense layer's tensor). On the meta device only the
+    shape is kept: copying a meta tensor (like concatenating one) imports PyTorch's symbolic-shape machinery,
+    seconds of start-up per process for nothing."""
+    if t.is_meta:
+        return nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    return nn.Parameter(t.detach().clone())
 
 
 def is_tp_partial(param: torch.Tensor) -> bool:
@@ -47,6 +56,7 @@ def sum_over_tp(grads: list[torch.Tensor], ctx: ParallelContext) -> None:
 class TPShardedModule(nn.Module):
     """Base for layers whose parameters are slices of a full tensor along one dimension."""
 
+    ctx: ParallelContext
     #: parameter name -> (dimension it is sharded on or None if replicated, full size on that dimension)
     shard_dims: dict[str, tuple[int | None, int]]
     #: set by the pipeline runtime for zero-bubble schedules (weight gradients deferred to W passes)
@@ -69,6 +79,10 @@ class TPShardedModule(nn.Module):
             raise ConfigError(f"{name}: expected size {size} on dim {dim}, got shape {tuple(full.shape)}")
         t, r = self.ctx.tp_size, self.ctx.tp_rank
         padded = math.ceil(size / t) * t
+        if full.is_meta:  # the shard's shape only (see new_param)
+            shape = list(full.shape)
+            shape[dim] = padded // t
+            return torch.empty(shape, dtype=full.dtype, device="meta")
         if padded != size:
             pad_shape = list(full.shape)
             pad_shape[dim] = padded - size
@@ -102,8 +116,8 @@ class ColumnParallelLinear(TPShardedModule):
         self.gather_output, self.sequence_parallel, self.input_comm = gather_output, sequence_parallel, input_comm
         dense = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)  # same RNG use as the dense layer
         self.shard_dims = {"weight": (0, out_features), "bias": (0, out_features)}
-        self.weight = nn.Parameter(self.shard_of("weight", dense.weight.detach()).clone())   # [out/t, in]
-        self.bias = nn.Parameter(self.shard_of("bias", dense.bias.detach()).clone()) if bias else None
+        self.weight = new_param(self.shard_of("weight", dense.weight.detach()))  # [out/t, in]
+        self.bias = new_param(self.shard_of("bias", dense.bias.detach())) if bias else None
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, ctx: ParallelContext, **kw) -> ColumnParallelLinear:
@@ -119,9 +133,9 @@ class ColumnParallelLinear(TPShardedModule):
         if not pad_output:
             _check_divisible(linear.out_features, "out_features", ctx, "the output size")
         layer.shard_dims = {"weight": (0, linear.out_features), "bias": (0, linear.out_features)}
-        layer.weight = nn.Parameter(layer.shard_of("weight", linear.weight.detach()).clone())
+        layer.weight = new_param(layer.shard_of("weight", linear.weight.detach()))
         has_bias = linear.bias is not None
-        layer.bias = nn.Parameter(layer.shard_of("bias", linear.bias.detach()).clone()) if has_bias else None
+        layer.bias = new_param(layer.shard_of("bias", linear.bias.detach())) if has_bias else None
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, in] (or [B, S/t, in] with SP)
@@ -151,8 +165,8 @@ class RowParallelLinear(TPShardedModule):
         self.ctx, self.in_features, self.out_features = ctx, dense.in_features, dense.out_features
         self.input_is_parallel, self.sequence_parallel, self.reduce_output = input_is_parallel, sp, reduce_output
         self.shard_dims = {"weight": (1, dense.in_features), "bias": (None, dense.out_features)}
-        self.weight = nn.Parameter(self.shard_of("weight", dense.weight.detach()).clone())  # [out, in/t]
-        self.bias = nn.Parameter(dense.bias.detach().clone()) if dense.bias is not None else None
+        self.weight = new_param(self.shard_of("weight", dense.weight.detach()))  # [out, in/t]
+        self.bias = new_param(dense.bias) if dense.bias is not None else None
         if self.bias is not None and sp:
             mark_tp_partial(self.bias)  # added on a sequence shard: each rank sees part of the tokens
 
@@ -194,7 +208,7 @@ class VocabParallelEmbedding(TPShardedModule):
         self.ctx, self.num_embeddings, self.embedding_dim = ctx, dense.num_embeddings, dense.embedding_dim
         self.sequence_parallel = sp
         self.shard_dims = {"weight": (0, dense.num_embeddings)}
-        self.weight = nn.Parameter(self.shard_of("weight", dense.weight.detach()).clone())  # [Vp/t, H]
+        self.weight = new_param(self.shard_of("weight", dense.weight.detach()))  # [Vp/t, H]
         self.per_rank = self.weight.shape[0]
         self.vocab_start = ctx.tp_rank * self.per_rank
 

@@ -63,7 +63,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, targets: torch.Tens
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}: expected 'mean', 'sum' or 'none'")
     tp = 1 if ctx is None else ctx.tp_size
-    group = ctx.tp_group if tp > 1 else None
+    group = ctx.tp_group if ctx is not None and tp > 1 else None
     local_v = logits_shard.shape[-1]
     start = 0 if ctx is None else ctx.tp_rank * local_v
     flat = _VocabParallelCE.apply(logits_shard.reshape(-1, local_v), targets.reshape(-1), group, start,

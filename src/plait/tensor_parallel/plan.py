@@ -43,7 +43,16 @@ def _region_hook(ctx: ParallelContext, sequence_parallel: bool):
     return hook
 
 
-def _convert(style: str, module: nn.Module, ctx: ParallelContext, sp: bool, n_kv_heads: int | None):
+def _convert(style: str, module: nn.Module, ctx: ParallelContext, sp: bool, n_kv_heads: int | None,
+             path: str) -> nn.Module:
+    if style == "vocab_embed":
+        if not isinstance(module, nn.Embedding):
+            raise ConfigError(f"tp_plan: {path!r} is a {type(module).__name__}; style 'vocab_embed' needs nn.Embedding")
+        return VocabParallelEmbedding.from_dense(module, ctx, sequence_parallel=sp)
+    if style not in ("colwise", "colwise_kv", "rowwise", "vocab_head"):
+        raise ConfigError(f"unknown tensor-parallel style {style!r}")
+    if not isinstance(module, nn.Linear):
+        raise ConfigError(f"tp_plan: {path!r} is a {type(module).__name__}; style {style!r} needs nn.Linear")
     if style == "colwise":
         return ColumnParallelLinear.from_dense(module, ctx, input_comm=False)
     if style == "colwise_kv":
@@ -52,11 +61,7 @@ def _convert(style: str, module: nn.Module, ctx: ParallelContext, sp: bool, n_kv
         return ColumnParallelLinear.from_dense(module, ctx, input_comm=False)
     if style == "rowwise":
         return RowParallelLinear.from_dense(module, ctx, sequence_parallel=sp)
-    if style == "vocab_embed":
-        return VocabParallelEmbedding.from_dense(module, ctx, sequence_parallel=sp)
-    if style == "vocab_head":
-        return ColumnParallelLinear.from_dense(module, ctx, sequence_parallel=sp, pad_output=True)
-    raise ConfigError(f"unknown tensor-parallel style {style!r}")
+    return ColumnParallelLinear.from_dense(module, ctx, sequence_parallel=sp, pad_output=True)  # vocab_head
 
 
 def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ParallelContext, *, sequence_parallel: bool,
@@ -79,5 +84,5 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ParallelContext, 
         else:
             parent_path, _, child = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
-            setattr(parent, child, _convert(style, module, ctx, sequence_parallel, n_kv_heads))
+            setattr(parent, child, _convert(style, module, ctx, sequence_parallel, n_kv_heads, path))
     return model

@@ -25,6 +25,13 @@ def train_job(payload: dict) -> dict:
 
     stop = StopRequest().install()
     cfg = TrainConfig.from_dict(payload)
-    validate(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
-    reporter = Reporter(cfg, int(os.environ.get("RANK", "0")))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if cfg.layout == "auto":  # under torchrun: every worker asks the planner (same answer everywhere)
+        from plait.train.auto import auto_layout
+
+        cfg, line = auto_layout(cfg, world)
+        if rank == 0:
+            print(line, flush=True)
+    validate(cfg, world=world)
+    reporter = Reporter(cfg, rank)
     return asdict(train(cfg, reporter=reporter, stop=stop))

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,9 @@ def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Ten
     """This rank's tensors to write, their shard records, and optimizer scalars per key. A parameter with an
     fp32 master (ZeRO with bf16 parameters) is written as its master: checkpoints hold the exact weights."""
     ctx = pm.ctx
-    tensors, records, scalars = {}, [], {}
+    tensors: dict[str, torch.Tensor] = {}
+    records: list[dict] = []
+    scalars: dict[str, dict[str, float]] = {}
     keys = param_keys(pm)
     for lt in local_tensors(pm):
         if not _writes(ctx, lt):
@@ -189,7 +192,7 @@ class CheckpointReader:
         self.meta = json.loads(meta_file.read_text())
         if self.meta.get("format") != FORMAT:
             raise ConfigError(f"{self.path}: unknown checkpoint format {self.meta.get('format')!r}")
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, Any] = {}  # file -> an open safetensors handle
 
     def _slice(self, file: str, name: str):
         from safetensors import safe_open

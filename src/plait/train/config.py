@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from plait.errors import ConfigError
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
 
 # byte-level presets (vocabulary 256); max_seq_len bounds --seq-len
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 512},
     "small": {"vocab_size": 256, "dim": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "max_seq_len": 1024},
 }
@@ -78,6 +79,9 @@ class TrainConfig:
     cluster: str | None = None
     """Host profile from `plait calibrate` for the predicted step time, bubble and memory (default: this
     host's cached profile, measured on first use; 'none': no prediction)."""
+    layout: str = "flags"
+    """flags: the layout options (or their defaults); auto: the planner's fastest layout that fits this many
+    processes (--nproc, or torchrun's world), replacing the layout options but --precision."""
 
     def to_dict(self) -> dict:
         """The flat form: ParallelConfig's fields, then the run's."""
@@ -136,13 +140,33 @@ def read_toml(path: str | Path) -> dict:
     return out
 
 
+def toml_text(values: dict, header: str = "") -> str:
+    """A ``plait train --config`` file of flat ``values`` (flag names as keys; None values left out)."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            raise ConfigError(f"{key}={value!r}: only booleans, numbers and strings are written")
+        lines.append(f"{key.replace('_', '-')} = {text}")
+    return "\n".join(lines) + "\n"
+
+
 def model_config(cfg: TrainConfig):
     """The plain-model config of ``cfg.model`` (a preset name: a LlamaConfig; a Hugging Face folder: its family's)."""
     from plait.models import LlamaConfig
 
     if cfg.model in PRESETS:
-        moe = {"n_experts": cfg.experts, "top_k": cfg.top_k} if cfg.experts > 1 else {}
-        return LlamaConfig(**PRESETS[cfg.model], **moe)
+        preset = PRESETS[cfg.model]
+        if cfg.experts > 1:
+            return LlamaConfig(**preset, n_experts=cfg.experts, top_k=cfg.top_k)
+        return LlamaConfig(**preset)
     if cfg.experts > 1:
         raise ConfigError(f"--experts {cfg.experts}: mixture-of-experts layers are built for the presets "
                           f"({', '.join(PRESETS)}), not for a Hugging Face folder (a Mixtral folder has its own)")
@@ -176,6 +200,8 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
     if cfg.steps < 0 or cfg.checkpoint_every < 0:
         raise ConfigError("--steps and --checkpoint-every must be >= 0")
+    if cfg.layout not in ("flags", "auto"):
+        raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
     if not cfg.lr > 0:

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.errors import ConfigError
-from plait.train.config import TrainConfig, model_config, model_family
+from plait.train.config import PRESETS, TrainConfig, model_config, model_family
+from plait.train.shards import init_local, load_local
 
 if TYPE_CHECKING:
     from plait.distributed.context import ParallelContext
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
+    from plait.plan import Estimate
     from plait.train.data import ByteTokenizer, Corpus, FileTokenizer
 
 
@@ -59,7 +61,7 @@ class Run:
     tokenizer: ByteTokenizer | FileTokenizer
     params: int
     start: int = 0
-    prediction: object = None  # the planner's Estimate of this run (plait.train.predict), rank 0
+    prediction: Estimate | None = None  # the planner's Estimate of this run (plait.train.predict), rank 0
 
 
 def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
@@ -68,16 +70,16 @@ def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
     from plait.train.data import load_corpus, tokenizer_for
 
     ctx = ctx or plait.init(config=cfg.parallel)
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank and in every layout
+    torch.manual_seed(cfg.seed)
     mcfg = model_config(cfg)
-    from_hf = cfg.model not in ("tiny", "small")
-    with torch.device("meta" if from_hf else "cpu"):  # HF weights are read below, slice by slice
+    with torch.device("meta"):  # each rank allocates only its own shards, filled below one tensor at a time
         model = model_family(cfg).model_class(mcfg)
     params = model.num_parameters()
     pm = plait.parallelize(model, ctx, config=cfg.parallel)
-    if from_hf:
+    if cfg.model in PRESETS:  # seeded per tensor: the same weights in every layout (plait.models.init)
+        init_local(pm, cfg.seed)
+    else:  # a Hugging Face folder: each rank reads its slices
         from plait.models.hf import HFWeights
-        from plait.train.shards import load_local
 
         load_local(pm, HFWeights(cfg.model).read)
     opt = make_optimizer(pm, cfg)

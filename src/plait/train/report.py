@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 class Reporter:
@@ -14,8 +18,9 @@ class Reporter:
 
     def __init__(self, cfg: TrainConfig, rank: int, console=None):
         self.cfg, self.active = cfg, rank == 0
-        self.metrics = None
-        self.progress = self.task = None
+        self.metrics: TextIO | None = None
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
         self.console = console
         self.last: dict = {}
         self.bubbles: tuple[float | None, float | None] = (None, None)
@@ -49,11 +54,12 @@ class Reporter:
 
         if not self.console.is_terminal:
             return
-        self.progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console,
-                                 transient=False)
-        self.task = self.progress.add_task("train", total=self.cfg.steps, completed=start, info="starting")
-        self.progress.start()
+        progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                            TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console,
+                            transient=False)
+        self.task = progress.add_task("train", total=self.cfg.steps, completed=start, info="starting")
+        progress.start()
+        self.progress = progress
 
     def _info(self, row: dict) -> str:
         m, p = self.bubbles
@@ -71,7 +77,7 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
-        if self.progress is not None:
+        if self.progress is not None and self.task is not None:
             self.progress.update(self.task, completed=row["step"], info=self._info(row))
         elif row["step"] % max(1, self.cfg.steps // 10) == 0 or row["step"] == self.cfg.steps:
             self.console.print(f"step {row['step']:>5}/{self.cfg.steps} | {self._info(row)}")

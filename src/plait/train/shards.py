@@ -3,7 +3,8 @@
 A *region* is ``(dim, start, stop)``: this rank holds ``full.narrow(dim, start, stop - start)``
 (zero-padded up to the local size for a vocabulary padded to a multiple of tp), or the whole tensor when
 ``dim`` is None. A *reader* is ``read(key, dim, start, stop) -> tensor``: a Hugging Face folder or a
-plait checkpoint, each reading only the requested slice from its safetensors files.
+plait checkpoint, each reading only the requested slice from its safetensors files. ``init_local`` fills
+the slices with the model's seeded initial values instead.
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ def load_local(pm, read: Reader, keys_ok: Callable[[str], bool] | None = None) -
             continue
         data = read(lt.key, lt.dim, lt.start, lt.stop) if lt.dim is not None else read(lt.key, None, 0, None)
         copy_padded(lt.tensor, data, lt.dim)
+
+
+@torch.no_grad()
+def init_local(pm, seed: int) -> None:
+    """Fill this rank's tensors with the model's seeded initial values (plait.models.init), one full tensor
+    at a time: draw it, keep this rank's slice, drop it. Every layout gets the weights that
+    ``plait.models.init.init_weights(plain_model, seed)`` gives on one device. No collective."""
+    family, config = pm.family, pm.model_config
+    for lt in local_tensors(pm):
+        full = family.init_tensor(config, lt.key, tuple(lt.full_shape), seed)
+        copy_padded(lt.tensor, full if lt.dim is None else full.narrow(lt.dim, lt.start, lt.stop - lt.start), lt.dim)
+        del full  # before the next one is drawn
 
 
 def copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:

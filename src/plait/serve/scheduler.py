@@ -1,0 +1,128 @@
+"""Rank 0's scheduling policy: which sequences run in a step, how many tokens each, their KV blocks, preemption.
+
+Chunked prefill (as in Sarathi, Agrawal et al. 2023, and vLLM): a step processes at most ``step_tokens``
+tokens; every running sequence that decodes gets its one token first, then prompts are prefilled in chunks
+with what is left, so a long prompt no longer stalls the decodes of everyone else, and a burst of arrivals
+is spread over several steps. KV blocks are taken as the tokens arrive; a sequence is admitted only when
+the blocks its whole prompt will need are free (beside a 1% watermark kept for decodes), so admitted
+prompts do not push each other out. (A prompt cut by the budget takes the whole budget, so no admission
+happens before its next chunk, which comes first in the next step.) When decoding
+sequences find no free block, the sequence admitted last is preempted: its blocks are freed and it waits
+at the head of the queue, to be recomputed (its prompt and the tokens it already generated prefilled again).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from plait.serve.kv import BlockAllocator
+from plait.serve.sampling import Params
+
+
+@dataclass(eq=False)
+class Seq:
+    """One sequence (a request's choice) on rank 0: its tokens, how many are in the KV cache, its block table."""
+
+    rid: int
+    prompt: list[int]
+    params: Params
+    out: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose keys and values are cached
+    table: list[int] = field(default_factory=list)
+    reported: int = 1  # prompt positions whose log-probability was delivered (position 0 has none)
+    known: bool = False  # the runners hold its Params
+    order: int = 0  # admission order: the sequence admitted last is preempted first
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.sampling.max_new_tokens
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """Tokens [start, start + n) of prompt + output."""
+        p = len(self.prompt)
+        return (self.prompt[start: start + n] if start + n <= p else
+                self.prompt[start:] + self.out[max(start - p, 0): start + n - p])
+
+
+class Scheduler:
+    """Continuous batching over at most ``max_batch`` sequences, a token budget per step and a pool of KV blocks.
+
+    ``step_tokens`` 0: no budget (every admitted prompt is prefilled whole in one step). ``reserve``: the
+    policy without paging, each sequence holding blocks for prompt + max_tokens from its admission, which
+    never preempts but admits fewer sequences.
+    """
+
+    def __init__(self, alloc: BlockAllocator, max_batch: int, step_tokens: int = 0, reserve: bool = False):
+        self.alloc, self.max_batch, self.step_tokens, self.reserve = alloc, max_batch, step_tokens, reserve
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.orders = itertools.count()
+        self.preemptions = 0
+
+    def add(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Seq) -> None:
+        """Forget a finished or cancelled sequence, freeing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.alloc.release(seq.table)
+
+    def schedule(self) -> list[tuple[Seq, int]]:
+        """The step's (sequence, tokens to feed) pairs, in order: decodes first, then prompt chunks, then admissions."""
+        budget = self.step_tokens if self.step_tokens > 0 else float("inf")
+        plan: list[tuple[Seq, int]] = []
+        preempted = False
+        for seq in sorted(self.running, key=lambda s: (s.length - s.computed > 1, s.order)):
+            if seq not in self.running:  # preempted by an earlier one this step
+                continue
+            n = int(min(seq.length - seq.computed, budget))
+            if n <= 0:
+                continue
+            while not self.alloc.grow(seq.table, seq.computed + n):
+                victim = max(self.running, key=lambda s: s.order)
+                self._preempt(victim)
+                preempted = True
+                budget += sum(m for s, m in plan if s is victim)
+                plan = [(s, m) for s, m in plan if s is not victim]
+                if victim is seq:
+                    break
+            else:
+                plan.append((seq, n))
+                budget -= n
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            n = int(min(seq.length, budget))
+            if not self._fits(seq):
+                break
+            self.alloc.grow(seq.table, seq.length + seq.max_tokens - len(seq.out) if self.reserve else n)
+            self.waiting.popleft()
+            seq.order = next(self.orders)
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _fits(self, seq: Seq) -> bool:
+        """Whether ``seq`` may be admitted: the blocks of prompt + max_tokens (reserving), else of its known
+        tokens and the watermark, are free."""
+        alloc = self.alloc
+        if self.reserve:
+            return alloc.blocks_for(seq.length + seq.max_tokens - len(seq.out)) <= len(alloc.free)
+        watermark = alloc.num_blocks // 100 if self.running else 0  # alone, a sequence may take every block
+        return alloc.blocks_for(seq.length) + watermark <= len(alloc.free)
+
+    def _preempt(self, seq: Seq) -> None:
+        self.alloc.release(seq.table)
+        seq.computed = 0
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1

@@ -1,0 +1,68 @@
+"""``plait train --layout auto``: ask the planner for the fastest layout that fits the processes at hand.
+
+The planner (plait.plan) searches only what the runtime runs, so its best layout converts to a
+ParallelConfig (``Layout.to_parallel_config``). The cluster is this host: the planner's ``cpu`` catalogue
+entry (a generic CPU running Gloo) with this host's memory shared evenly by the processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from plait.errors import ConfigError
+from plait.train.config import PRESETS, TrainConfig, model_config, validate
+
+LAYOUT_MODES = ("flags", "auto")
+
+
+def plan_model(cfg: TrainConfig):
+    """The planner's description (``plan.Model``) of the model ``cfg`` trains, at ``cfg.seq_len`` tokens."""
+    from plait.plan import Model
+
+    if cfg.model not in PRESETS:
+        return Model.from_hf_config(Path(cfg.model), seq_len=cfg.seq_len)
+    return model_of(model_config(cfg), cfg.seq_len, cfg.model)
+
+
+def model_of(m, seq_len: int, name: str = "llama"):
+    """The planner's ``plan.Model`` of a ``LlamaConfig`` trained at ``seq_len`` tokens."""
+    from plait.plan import Model
+
+    return Model(n_layers=m.n_layers, hidden=m.dim, n_heads=m.n_heads, vocab=m.vocab_size, seq_len=seq_len,
+                 ffn_hidden=m.ffn_dim, n_kv_heads=m.n_kv_heads, glu=True, tied_embeddings=m.tie_embeddings,
+                 n_experts=m.n_experts, top_k=m.top_k, name=name)
+
+
+def host_cluster(processes: int):
+    """This host as the planner sees it: ``processes`` CPU 'devices' sharing its memory evenly."""
+    from plait.plan import Cluster, get_gpu
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = replace(get_gpu("cpu"), memory=total / processes)
+    return Cluster(cpu, processes, gpus_per_node=processes)
+
+
+def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
+    """``cfg`` with the layout of the fastest planned layout for ``world`` processes that fits and that
+    ``validate`` accepts, and one line saying what was chosen. ConfigError if none does."""
+    from plait.plan import Training, search
+
+    model, cluster, training = plan_model(cfg), host_cluster(world), Training(cfg.batch_size)
+    result = search(model, cluster, training, top=20)
+    reasons = []
+    for est in result.best:
+        parallel = est.layout.to_parallel_config(training, precision=cfg.parallel.precision)
+        candidate = replace(cfg, parallel=parallel, layout="flags", nproc=world)
+        try:
+            validate(candidate, world)
+        except ConfigError as exc:
+            reasons.append(f"{est.layout.short()}: {exc}")
+            continue
+        line = (f"--layout auto: {est.layout.short()} (the planner's fastest of {result.considered} layouts on "
+                f"{world} processes: {est.step_time_s:.3g} s/step, {est.memory.total / 1e9:.2f} of "
+                f"{est.memory.usable / 1e9:.2f} GB per process predicted)")
+        return candidate, line
+    why = "; ".join(reasons[:3]) or f"nothing fits ({dict(result.rejected)})"
+    raise ConfigError(f"--layout auto: no planned layout for {world} processes runs here: {why}")

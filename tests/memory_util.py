@@ -1,0 +1,88 @@
+"""Memory measured in tests: what a decoder layer keeps for backward (saved-tensor hooks) against the count of
+docs/runtime.md, and the most bytes of tensors alive at once while some code runs (``LiveBytes``)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from plait.memory import SavedTensorMeter
+from plait.models import LlamaConfig
+
+
+def saved_bytes(fn, x: torch.Tensor, exclude) -> tuple[int, torch.Tensor]:
+    """Bytes autograd saves while ``fn(x)`` runs, each storage once, ``exclude`` (parameters) left out — the
+    runtime's own meter (plait.memory.SavedTensorMeter) — and the output.
+
+    A checkpointed region's own saved tensors go through its hooks (not counted: they are recomputed); the
+    region's inputs are saved outside it (counted)."""
+    meter = SavedTensorMeter(exclude)
+    with meter.hooks():
+        out = fn(x)
+    return meter.live, out
+
+
+def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "fused", t: int = 1,
+                   sp: bool = False) -> int:
+    """Elements plait's decoder layer saves for ``b`` sequences of ``s`` tokens on one of ``t`` TP ranks.
+
+    Per token: each RMSNorm keeps its input, 1/rms and the normalised input (2h + 1; on s/t tokens with
+    SP); the inputs of the Q/K/V and gate/up projections (h each, whole sequence: replicated, or gathered
+    with SP); the attention core keeps q, k, v (KV heads repeated up to the query heads), its output (also
+    the o_proj input) and one log-sum-exp per head (fused kernel) or the a·s softmax probabilities (math
+    kernel, whose output is then copied for o_proj); SwiGLU keeps gate, silu(gate), up and their product
+    (4f). Selective recomputation keeps only q, k, v (unrepeated) of the core, plus the o_proj input. The
+    RoPE cos and sin tables add 2·s·hd per layer. Heads and f are split over t.
+    """
+    h, f, a, hd = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.head_dim
+    kv_local = max(cfg.n_kv_heads // t, 1) * hd  # KV heads on this rank (replicated when fewer than t)
+    norms = (4 * h + 2) // (t if sp else 1)
+    if mode == "selective":
+        core = h // t + 2 * kv_local + h // t
+    else:
+        core = 4 * h // t + (a // t if kernel == "fused" else a * s // t)
+    return b * s * (norms + 2 * h + core + 4 * f // t) + 2 * s * hd
+
+
+def layer_bytes(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "fused", t: int = 1, sp: bool = False,
+                dtype: torch.dtype = torch.float32) -> int:
+    """``layer_elements`` in bytes. In bf16 each element takes 2 bytes, except what stays float32: each
+    RMSNorm's float32 copy of its input and 1/rms (2h + 2 more bytes per token of the norm), and the fused
+    kernel's log-sum-exp (2 more bytes per head)."""
+    n = layer_elements(cfg, b, s, mode, kernel, t, sp)
+    if dtype == torch.float32:
+        return 4 * n
+    extra = 2 * (2 * cfg.dim + 2) // (t if sp else 1)
+    if mode == "none" and kernel == "fused":
+        extra += 2 * cfg.n_heads // t
+    return 2 * n + b * s * extra
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the CPU storages created by the tensor operations run inside ``with LiveBytes() as m:`` that are
+    still alive, and their peak (``m.peak``). Each storage is counted once, from the op that allocated it until
+    it is freed (a finaliser on the storage object, which lives as long as the storage). Storages created
+    before entering are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.alive: dict[int, int] = {}  # id(storage) -> bytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if id(st) not in self.alive and st.nbytes():
+                    self.alive[id(st)] = st.nbytes()
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._freed, id(st))
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.live -= self.alive.pop(key, 0)

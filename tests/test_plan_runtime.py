@@ -1,0 +1,129 @@
+"""What the planner recommends, the runtime runs: the search space is the runtime's (one table), plan-only
+layouts are marked and never converted, memory headroom, ``plait plan --write-config`` and ``plait train
+--layout auto`` (the runs themselves: tests/test_pipeline.py, every emitted value through plait.parallelize)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import checks_plan
+from plait.cli.main import app
+from plait.errors import ConfigError
+from plait.models import Llama, LlamaConfig
+from plait.parallel_config import RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.plan import Cluster, Layout, Model, Training, search
+from plait.plan.config import RUNTIME, check
+from plait.plan.search import candidates
+from plait.schedules import SCHEDULE_NAMES
+
+CASES = [("llama3-70b", 32, None), ("mixtral-8x7b", 16, None), ("llama3-8b", 16, 32768)]
+
+
+def _valid(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> list[Layout]:
+    return [lay for lay in candidates(model, cluster, training, plan_only)
+            if check(model, cluster, lay, training) is None]
+
+
+@pytest.mark.parametrize("name,gpus,seq", CASES)
+def test_search_emits_only_what_the_runtime_runs(name, gpus, seq):
+    model, cluster, training = Model.preset(name, seq), Cluster("h100-sxm", gpus), Training(64)
+    layouts = _valid(model, cluster, training)
+    got = checks_plan.values(layouts)
+    assert got["cp"] == {1}
+    assert got["recompute"] == set(RECOMPUTE_MODES) and got["zero"] <= set(ZERO_LEVELS)
+    assert got["schedule"] <= set(SCHEDULE_NAMES) and RUNTIME["schedule"] == SCHEDULE_NAMES
+    assert all(lay.runnable for lay in layouts)
+    for lay in checks_plan.covering(layouts):  # each value converted at least once (a conversion builds a schedule)
+        assert isinstance(lay.to_parallel_config(training), ParallelConfig)
+    for est in search(model, cluster, training, top=3):
+        assert est.layout.runnable and est.to_dict()["runnable"] is True
+
+
+def test_runtime_table_is_the_runtime_s_own():
+    """The search's recompute and ZeRO values are exactly those ParallelConfig accepts (a value added there
+    appears in the search; ZeRO-3 never does until the runtime has it)."""
+    model, cluster, training = Model.preset("llama3-8b"), Cluster("h100-sxm", 16), Training(64)
+    got = checks_plan.values(_valid(model, cluster, training))
+    assert got["zero"] == set(ZERO_LEVELS)  # 0 without DP, the sharded stages with it
+    assert 3 not in got["zero"]
+
+
+def test_plan_only_layouts_are_marked_and_never_converted():
+    model, cluster, training = Model.preset("llama3-8b", 32768), Cluster("h100-sxm", 16), Training(64)
+    layouts = _valid(model, cluster, training, plan_only=True)
+    plan_only = [lay for lay in layouts if not lay.runnable]
+    assert {lay.cp for lay in plan_only} > {1} and 3 in {lay.zero for lay in plan_only}
+    for lay in plan_only[:20]:
+        assert "(plan-only)" in lay.short()
+        with pytest.raises(ConfigError, match="cp|zero"):
+            lay.to_parallel_config(training)
+    res = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "16", "--seq-len", "32768",
+                                   "--global-batch", "64", "--plan-only", "--top", "40", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["best"]
+    assert any(not r["runnable"] and r["plan_only_reason"] for r in rows)
+    assert all(r["runnable"] == (r["layout"]["cp"] == 1 and r["layout"]["zero"] in ZERO_LEVELS) for r in rows)
+
+
+def test_memory_headroom_is_ninety_percent_unless_asked():
+    model, training = Model.preset("llama3-70b"), Training(128)
+    default = Cluster("h100-sxm", 32)
+    assert default.usable_memory == pytest.approx(0.9 * default.gpu.memory)
+    for fraction in (0.9, 0.6):
+        cluster = Cluster("h100-sxm", 32, max_memory_fraction=fraction)
+        best = search(model, cluster, training, top=5)
+        assert best.best and all(e.memory.total <= fraction * cluster.gpu.memory for e in best)
+    tight = search(model, Cluster("h100-sxm", 32, max_memory_fraction=0.6), training, top=5)
+    assert max(e.memory.total for e in tight) < max(e.memory.total for e in search(model, default, training, top=5))
+    with pytest.raises(ConfigError, match="max_memory_fraction"):
+        Cluster("h100-sxm", 8, max_memory_fraction=1.5)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """``plait train`` parses and validates as usual, then hands its payload here instead of launching."""
+    import plait.distributed.launch as launch_module
+
+    got: dict = {}
+    monkeypatch.setattr(launch_module, "launch", lambda target, payload, n: got.update(payload=payload, n=n))
+    return got
+
+
+def test_write_config_loads_in_plait_train_as_that_layout(tmp_path, launched):
+    folder = tmp_path / "model"
+    Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)).save_pretrained(
+        folder)
+    run = tmp_path / "run.toml"
+    args = ["plan", "--model", str(folder), "--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4", "--seq-len", "32",
+            "--global-batch", "8", "--write-config", str(run), "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    best = json.loads(res.output)["best"][0]
+    planned = Layout(**best["layout"]).to_parallel_config(Training(8))
+    res = CliRunner().invoke(app, ["train", "--config", str(run), "--max-data-mb", "0.1"])
+    assert res.exit_code == 0, res.output
+    from plait.train import TrainConfig
+
+    cfg = TrainConfig.from_dict(launched["payload"])
+    assert cfg.parallel == planned and launched["n"] == 4
+    assert (cfg.model, cfg.batch_size, cfg.seq_len) == (str(folder), 8, 32)
+
+
+def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched):
+    from plait.train import TrainConfig
+    from plait.train.auto import auto_layout, host_cluster, plan_model
+
+    res = CliRunner().invoke(app, ["train", "--layout", "auto", "--nproc", "4", "--seq-len", "32", "--batch-size",
+                                   "8", "--max-data-mb", "0.1"])
+    assert res.exit_code == 0, res.output
+    cfg = TrainConfig.from_dict(launched["payload"])
+    want = TrainConfig.from_dict({"seq_len": 32, "batch_size": 8, "max_data_mb": 0.1, "nproc": 4})
+    best = search(plan_model(want), host_cluster(4), Training(8), top=20)[0].layout  # as auto_layout asks
+    assert cfg.parallel == best.to_parallel_config(Training(8), precision="fp32")
+    assert f"--layout auto: {best.short()}" in res.output and cfg.layout == "flags" and launched["n"] == 4
+    assert auto_layout(want, 4)[0].parallel == cfg.parallel
+    bad = CliRunner().invoke(app, ["train", "--layout", "guess"])
+    assert bad.exit_code == 2 and "--layout 'guess'" in bad.output

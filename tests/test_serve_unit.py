@@ -1,0 +1,159 @@
+"""plait serve's parts in one process: stop strings, the scheduler, paged KV with preemption, logprobs, timeouts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from plait.generation.decode import Sampling, generate_ids
+from plait.models import Llama, LlamaConfig
+from plait.serve.engine import Engine, Request
+from plait.serve.kv import BlockAllocator
+from plait.serve.metrics import Metrics
+from plait.serve.runner import Runner
+from plait.serve.sampling import Params, logprobs
+from plait.serve.scheduler import Scheduler, Seq
+from plait.serve.text import TextTracker
+from plait.train.data import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def _push_all(tracker: TextTracker, text: str) -> str:
+    return "".join(tracker.push(b) for b in text.encode()) + tracker.flush()
+
+
+def test_text_tracker_cuts_stops_across_tokens_and_keeps_utf8_whole():
+    t = TextTracker(TOK, ["END", "zz"])
+    deltas = [t.push(b) for b in "café END more".encode()]
+    assert "".join(deltas) == "café " and t.stopped == "END" and t.flush() == ""
+    assert "\ufffd" not in "".join(deltas)  # é is two bytes: held back until whole
+    t = TextTracker(TOK, ["END"], include_stop=True)
+    assert _push_all(t, "a ENDb") == "a END"
+    t = TextTracker(TOK, ["xyz"])
+    assert _push_all(t, "abcxy") == "abcxy" and t.stopped is None  # a held-back prefix released at the end
+    t = TextTracker(TOK, ["b"])
+    assert t.push(ord("b"), check=False) == "b" and t.stopped is None  # min_tokens: stops not yet looked for
+
+
+def _seq(rid: int, prompt: int, max_tokens: int = 8) -> Seq:
+    return Seq(rid, list(range(prompt)), Params(Sampling(max_tokens)))
+
+
+def test_scheduler_budget_decodes_first_and_preempts_the_latest():
+    sched = Scheduler(BlockAllocator(6, 4), max_batch=4, step_tokens=10)
+    a, b = _seq(1, 9), _seq(2, 9)
+    sched.add(a)
+    sched.add(b)
+    assert [(s.rid, n) for s, n in sched.schedule()] == [(1, 9), (2, 1)]  # b's first chunk: what the budget leaves
+    a.computed, b.computed = 9, 1
+    a.out.append(0)
+    assert [(s.rid, n) for s, n in sched.schedule()] == [(1, 1), (2, 8)]  # a decodes first
+    a.computed, b.computed = 10, 9
+    b.out.append(0)
+    for _ in range(3):  # a and b grow until 6 blocks of 4 no longer hold both
+        a.out.append(0)
+        b.out.append(0)
+        pairs = sched.schedule()
+        for s, n in pairs:
+            s.computed += n
+    assert sched.preemptions == 1 and sched.waiting[0] is b and b.computed == 0 and not b.table
+    sched = Scheduler(BlockAllocator(6, 4), max_batch=4, step_tokens=12)
+    sched.add(_seq(1, 9))
+    sched.add(_seq(2, 16))  # its first chunk (3 tokens) would fit the 3 free blocks, its prompt (4 blocks) not
+    assert [(s.rid, n) for s, n in sched.schedule()] == [(1, 9)] and sched.alloc.used == 3
+    reserve = Scheduler(BlockAllocator(6, 4), max_batch=4, reserve=True)
+    reserve.add(_seq(1, 9, 8))
+    reserve.add(_seq(2, 9, 8))
+    assert [s.rid for s, _ in reserve.schedule()] == [1] and reserve.alloc.used == 5  # 17 positions up front
+
+
+@pytest.fixture
+def one_thread():
+    """The engine thread and the test's own forwards share the cores: one intra-op thread each (as the workers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_engine_with_a_small_pool_and_budget_equals_generate(one_thread):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96)).eval()
+    runner = Runner(model, num_blocks=40, block_size=4)
+    sched = Scheduler(BlockAllocator(40, 4), max_batch=8, step_tokens=8)
+    engine = Engine(runner, sched, TOK, Metrics(), distributed=False)
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    jobs = [(list(range(3 + i, 10 + 5 * i)), 30 + 3 * i, 0.0 if i % 2 else 0.9, i) for i in range(6)]
+    outs, done = [[] for _ in jobs], threading.Semaphore(0)
+    for (prompt, n, temperature, seed), out in zip(jobs, outs, strict=True):
+        def sink(ev, out=out):
+            out.append(ev)
+            if ev["type"] in ("done", "error"):
+                done.release()
+        engine.submit(Request(prompt, Params(Sampling(n, temperature, 0, seed)), sink))
+    try:
+        for _ in jobs:
+            assert done.acquire(timeout=60)
+    finally:
+        engine.stopping.set()
+        thread.join(10)
+    for (prompt, n, temperature, seed), events in zip(jobs, outs, strict=True):
+        assert [e["id"] for e in events if e["type"] == "token"] == generate_ids(
+            model, [prompt], Sampling(n, temperature, 0, seed))[0]
+    assert sched.preemptions > 0 and engine.metrics.prefill_chunks > len(jobs) and sched.alloc.used == 0
+
+
+def test_logprobs_ignore_padded_vocabulary_columns():
+    z = torch.randn(5, 12)  # a head padded from 10 to 12 columns
+    targets = torch.tensor([0, 3, 9, 2, 5])
+    lp, ids, top = logprobs(z, targets, 3, None, vocab=10)
+    want = torch.log_softmax(z[:, :10].double(), -1)
+    assert torch.allclose(lp, want[torch.arange(5), targets])
+    assert torch.allclose(top, want.topk(3).values) and torch.equal(ids, want.topk(3).indices)
+
+
+class _StuckEngine:
+    """An engine that accepts requests and never answers."""
+
+    failed = None
+    ready = threading.Event()
+
+    def __init__(self):
+        self.ready.set()
+        self.cancelled: list[int] = []
+
+    def submit(self, req) -> int:
+        return 7
+
+    def cancel(self, rid: int) -> None:
+        self.cancelled.append(rid)
+
+    def queue_depth(self) -> int:
+        return 0
+
+
+def test_request_timeout_gives_504_and_cancels():
+    from fastapi.testclient import TestClient
+
+    from plait.serve.protocol import Limits
+    from plait.serve.server import Api
+    from plait.serve.tokens import TokenizerInfo
+
+    engine = _StuckEngine()
+    limits = Limits("m", 64, 256, 16, 64)
+    api = Api(engine, limits, TokenizerInfo(TOK, "/nonexistent", 64), Metrics(), max_queue=4, timeout=0.3)
+    res = TestClient(api.app()).post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    assert res.status_code == 504 and res.json()["error"]["code"] == "request_timeout"
+    assert engine.cancelled == [7]
+
+
+@pytest.mark.parametrize("body", [{"top_logprobs": 2}, {"logprobs": True}, {"stream_options": {"include_usage": 1}}])
+def test_protocol_refuses_malformed_fields(body):
+    from plait.serve.protocol import ApiError, Limits, parse
+
+    with pytest.raises(ApiError):
+        parse({"model": "m", "prompt": "hi", **body}, False, TOK, Limits("m", 64, 256, 16, 64))
