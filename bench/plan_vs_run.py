@@ -1,7 +1,7 @@
 """Benchmark: the planner's predictions against plait's own training runs on this machine.
 
 ``plait calibrate`` measures the host, then ``plait train`` runs each layout (tp, pp, dp, SP; gpipe, 1f1b,
-interleaved, zbv; recompute none/full) with ``--cluster`` set to that profile: every step's metrics row
+interleaved, zbv; recompute none/selective/full; ZeRO-1/2) with ``--cluster`` set to that profile: every step's metrics row
 carries the measured and predicted step time and bubble, and the first row the predicted and measured
 bytes per rank (measured on the first step). The rounds alternate (every layout once, then again) so that a
 change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
@@ -37,6 +37,8 @@ LAYOUTS = {
     "pp2 dp2 zbv": ["--tp", "1", "--pp", "2", "--dp", "2", "--schedule", "zbv"],
     "tp2 pp2 recompute": ["--tp", "2", "--pp", "2", "--recompute", "full"],
     "tp4 sp": ["--tp", "4", "--pp", "1", "--sequence-parallel"],
+    "pp2 dp2 zero2": ["--tp", "1", "--pp", "2", "--dp", "2", "--zero", "2"],
+    "tp2 dp2 selective zero1": ["--tp", "2", "--pp", "1", "--dp", "2", "--recompute", "selective", "--zero", "1"],
 }
 QUICK = ("single", "tp2 pp2 1f1b", "pp2 dp2 zbv")
 STEPS = 12

@@ -93,3 +93,22 @@ def test_gpipe_holds_every_microbatch():
     lay = Layout(pp=4, schedule="gpipe", recompute="selective")
     e = estimate(GPT, Cluster("a100-80gb", 4), lay, Training(global_batch=12))
     assert e.peak_in_flight == 12
+
+
+def test_zero2_keeps_the_full_gradient_buffer_at_the_peak():
+    """ZeRO-2 as the runtime runs it (one reduce-scatter per step, at each chunk's last backward): with more
+    than one micro-batch the whole fp32 gradient buffer sits beside the activation peak, as under ZeRO-1;
+    what is left after the step (pm.memory_report()'s grads) is the shards. With one micro-batch the peak
+    comes before any gradient: the shards. Its traffic is ZeRO-1's, once per step."""
+    m, cluster = Model.preset("llama3-8b", seq_len=2048), Cluster("h100-sxm", 16)
+
+    def layout(zero: int) -> Layout:
+        return Layout(tp=2, pp=2, dp=4, zero=zero, sequence_parallel=True)
+
+    for batch, full in ((32, True), (4, False)):  # M = 8, then M = 1
+        one, two = (estimate(m, cluster, layout(z), Training(batch)) for z in (1, 2))
+        for r1, r2 in zip(one.rank_memory, two.rank_memory, strict=True):
+            assert r2.grads_held == pytest.approx(r1.grads / 4)
+            assert r2.grads == pytest.approx(r1.grads if full else r1.grads / 4)
+            assert r2.total == pytest.approx(r1.total - (0 if full else r1.grads * 3 / 4))
+        assert two.time["dp_comm"] == pytest.approx(one.time["dp_comm"]) and two.time["zero_comm"] == 0.0

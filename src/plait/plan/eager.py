@@ -14,6 +14,8 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
   the output projection's input), its log-sum-exp ``T·heads``, RoPE's cos and sin ``2·s·d``;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
 * head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (fp32);
+* selective recomputation (the attention core under a checkpoint) drops the log-sum-exp and keeps the
+  unrepeated K and V;
 * full recomputation (a checkpoint per block) keeps each block's input instead.
 
 Kernels: the seven GEMMs of a layer and the head's, SDPA, and the element-wise kernels with the bytes
@@ -99,9 +101,12 @@ def _norm_saved(sh: Local) -> float:
     return 2 * sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1)
 
 
-def layer_saved(sh: Local) -> float:
-    """Elements one decoder layer saves for backward per micro-batch (no recomputation)."""
-    attention = sh.q + 2 * sh.r + sh.q + sh.tokens * sh.heads + 2 * sh.seq * sh.head_dim
+def layer_saved(sh: Local, selective: bool = False) -> float:
+    """Elements one decoder layer saves for backward per micro-batch (no recomputation, or ``selective``:
+    the attention core under a checkpoint keeps its inputs q and the unrepeated k, v, not the log-sum-exp
+    or GQA's repeated K and V)."""
+    kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads)
+    attention = sh.q + 2 * kv + sh.q + lse + 2 * sh.seq * sh.head_dim
     norms = 2 * _norm_saved(sh)
     if sh.sp:  # each norm's scaled output is not kept; the projections keep their gathered copies
         norms += (SP_GATHER_COPIES - 2) * sh.n

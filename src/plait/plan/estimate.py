@@ -16,7 +16,7 @@ SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
 PARTS = {
     "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
     "cpu_sharing": "waiting for a CPU core (processes outnumber cores)", "pp_bubble": "pipeline bubble",
-    "dp_comm": "exposed gradient reduction", "zero_comm": "ZeRO-2/3 per-micro-batch communication",
+    "dp_comm": "exposed gradient reduction", "zero_comm": "ZeRO-3 per-micro-batch communication",
     "optimizer": "optimizer step", "sync": "per-step loss and gradient-norm collectives",
 }
 
@@ -28,7 +28,7 @@ class Estimate:
     ``time`` splits ``step_time_s`` into parts that add up to it: compute, tp_comm, recompute and
     cpu_sharing (the average pipeline rank's busy time), pp_bubble (its idle time: the makespan of the
     forward/backward schedule less its busy time, point-to-point waits included), dp_comm (exposed
-    part), zero_comm (ZeRO-2/3 per-micro-batch traffic beyond the compute it overlaps), optimizer and
+    part), zero_comm (ZeRO-3 per-micro-batch traffic beyond the compute it overlaps), optimizer and
     sync. ``bubble_fraction`` is the idle share of the step, ``pp_bubble / step_time_s``: the one
     definition of the bubble everywhere in plait. ``memory`` is the most loaded GPU, ``rank_memory``
     every pipeline rank; ``p2p_s`` is one stage-to-stage transfer.
@@ -81,7 +81,8 @@ def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, trainin
 
     def run(rounds: str | None) -> tuple[list[timing.StageCosts], PipelineProfile, list[mem.Memory]]:
         chunks, pipe = pipeline(model, cluster, layout, training, exact, rounds)
-        return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision)
+        return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision,
+                                             microbatches(layout, training))
 
     chunks, pipe, memory = run(None)
     if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual == 1:
@@ -188,8 +189,9 @@ def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Train
 
 
 def _sync_time(cluster: Cluster, layout: Layout) -> float:
-    """plait's small per-step collectives on a calibrated host: the global loss and the gradient norm over
-    every rank, the token count over DP. (Negligible on catalogue GPUs: not counted.)"""
+    """plait's small per-step collectives on a calibrated host: the stop-signal flag and the gradient norm over
+    every rank, the loss over DP (with a pipeline the last stage sends it point to point: about as cheap).
+    (Negligible on catalogue GPUs: not counted.)"""
     if cluster.profile is None:
         return 0.0
     world = layout.world

@@ -14,7 +14,9 @@ from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_l
 # gradient accumulators (4 B, main_grad), fp32 master weights and two fp32 moments (12 B). "fp32": plait
 # train's default, fp32 weights (the masters themselves) and gradients and AdamW's two moments (8 B).
 # ZeRO-1 shards the optimizer state (12 B ÷ d with bf16, masters included; 8 B ÷ d with fp32), ZeRO-2 also
-# the gradients, ZeRO-3 also the weights, over the data-parallel (× context-parallel) group.
+# the gradients left after the step, ZeRO-3 also the weights, over the data-parallel (× context-parallel)
+# group. ZeRO-2 reduce-scatters once per step, at each chunk's last backward (plait's runtime; see
+# ``rank_memory``): while the backward runs the full fp32 gradient buffer is there, beside the activations.
 STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = STATE_BYTES["bf16"]
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
@@ -37,6 +39,12 @@ class Memory:
     rank: int
     usable: float
     working: float = 0.0  # of ``activations``: held once (a recomputed layer, gathered ZeRO-3 weights)
+    grads_after_step: float | None = None  # ZeRO-2: the shards left once the step's gradients are reduced
+
+    @property
+    def grads_held(self) -> float:
+        """Gradient bytes after the step (what ``pm.memory_report()`` reports then): ``grads`` unless ZeRO-2."""
+        return self.grads if self.grads_after_step is None else self.grads_after_step
 
     @property
     def fits(self) -> bool:
@@ -127,8 +135,8 @@ def activation_model(model: Model, cluster: Cluster, layout: Layout, precision: 
         working += eager.layer_saved(sh) * d
         return ActivationModel(eager.checkpoint_saved(sh) * d, 2.0 * sh.tokens,
                                (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
-    return ActivationModel(eager.layer_saved(sh) * d, eager.embedding_saved(sh) * 4, eager.head_saved(sh) * d,
-                           working)
+    layer = eager.layer_saved(sh, selective=layout.recompute == "selective") * d
+    return ActivationModel(layer, eager.embedding_saved(sh) * 4, eager.head_saved(sh) * d, working)
 
 
 def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
@@ -136,8 +144,11 @@ def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: b
     t = layout.tp
     expert_layer = model.n_experts * model.mlp_params() if model.is_moe else 0
     norms = 2 * model.norm_params()  # replicated on every TP rank (under SP their gradients are summed)
-    kv = 2 * model.hidden * model.head_dim * (max(model.kv_heads, t) - model.kv_heads)  # heads replicated
-    dense = layers * ((model.layer_params() - expert_layer - norms + kv) / t + norms)
+    kv = 2 * model.hidden * model.head_dim * model.kv_heads  # the K and V weights
+    # fewer KV heads than TP ranks: every rank keeps the whole K and V weights and uses its group's head
+    # (plait's ReplicatedHeadsLinear; their gradients are summed over TP)
+    kv_local = kv if t > model.kv_heads else kv / t
+    dense = layers * ((model.layer_params() - expert_layer - norms - kv) / t + norms + kv_local)
     if first:
         dense += model.embedding_params() / t
     if last:
@@ -177,17 +188,29 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
 
 
 def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float],
-                precision: str = "bf16") -> list[Memory]:
-    """Memory of every pipeline rank; ``peak[r]`` is the most activation bytes rank r holds at once (from
-    the simulated schedule, ``plan.pipeline``), the working set added once."""
+                precision: str = "bf16", microbatches: int = 2) -> list[Memory]:
+    """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
+    holds at once (from the simulated schedule, ``plan.pipeline``), the working set added once.
+
+    ZeRO-2 as plait runs it reduce-scatters each bucket once per step, at the chunk's last backward, and
+    frees the full buffer then: from a chunk's first backward of the step to its last the whole fp32
+    gradient is there, and with more than one micro-batch that spans the activation peak (a forward that
+    follows a backward), so ``grads`` is the full buffer; ``grads_after_step`` the shards. With one
+    micro-batch the peak comes before any gradient and buckets are freed as the backward frees activations:
+    the shards are counted."""
     st = layout_stages(model, layout)
     acts = activation_model(model, cluster, layout, precision)
     usable = cluster.usable_memory
+    full_at_peak = layout.zero == 2 and microbatches > 1
     out = []
     for r, layers in enumerate(st.rank_layers):
-        w, g, o = state_bytes(model, layout, layers, r == st.first_rank, r == st.last_rank, precision)
+        first, last = r == st.first_rank, r == st.last_rank
+        w, g, o = state_bytes(model, layout, layers, first, last, precision)
+        after = g if layout.zero == 2 else None
+        if full_at_peak:
+            g = state_bytes(model, _with(layout, zero=1), layers, first, last, precision)[1]
         act = peak[r] + acts.working
-        out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working))
+        out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working, after))
     return out
 
 

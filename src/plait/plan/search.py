@@ -106,7 +106,10 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     st = mem.layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
     dp = timing.dp_sync_time(model, cluster, layout, params)
-    overlap = max(c.backward for c in chunks) if training.overlap_grad_reduce else 0.0
+    backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``_estimate``)
+    for c, cost in enumerate(chunks):
+        backward[st.placement[c]] += cost.backward
+    overlap = max(backward) if training.overlap_grad_reduce else 0.0
     seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
     seconds += timing.optimizer_time(model, cluster, layout, params, max(st.rank_layers))
     r0 = st.first_rank
@@ -150,7 +153,7 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
             continue
         queue.append((seconds, i, layout))
     queue.sort()
-    kept: list[tuple[float, int, Estimate]] = []  # max-heap on step time via negation
+    kept: list[tuple[float, int, Estimate]] = []  # max-heap on (step time, candidate order) via negation
     for j, (seconds, i, layout) in enumerate(queue):
         if len(kept) >= top and seconds > -kept[0][0]:
             result.pruned += len(queue) - j
@@ -160,10 +163,10 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
         if not est.fits:
             result.rejected["memory"] += 1
             continue
-        heapq.heappush(kept, (-est.step_time_s, i, est))
+        heapq.heappush(kept, (-est.step_time_s, -i, est))  # on a tie the later candidate goes first
         if len(kept) > top:
             heapq.heappop(kept)
-    result.best = [e for _, _, e in sorted(kept, key=lambda k: (-k[0], k[1]))]
+    result.best = [e for _, _, e in sorted(kept, key=lambda k: (-k[0], -k[1]))]
     result.smallest_memory = smallest
     return result
 

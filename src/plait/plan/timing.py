@@ -201,6 +201,9 @@ def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, prec
     else:  # the embedding's partial rows summed (reduce-scattered under SP)
         f_tp, b_tp = collective(cluster, "reduce_scatter" if sh.sp else "all_reduce", n_bytes, t), 0.0
     recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
+    if kind == "layer" and layout.recompute == "selective":  # the attention core's forward again
+        attn = cluster.section.rates["attention"]
+        recompute = work.attention / attn.at(work.attention_size, shared) * attn.forward_share
     return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
                       1 if kind == "layer" else 0)
 
@@ -270,32 +273,32 @@ def stage_costs(model: Model, cluster: Cluster, layout: Layout, precision: str =
 
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
     """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): an
-    all-reduce of fp32 gradients (no ZeRO); a reduce-scatter of them plus an all-gather of the
-    updated bf16 weights (ZeRO-1); the all-gather only (ZeRO-2: gradients were reduce-scattered per
-    micro-batch); nothing (ZeRO-3: weights are gathered when used). On a calibrated host plait's
-    ZeRO-1 all-reduces the fp32 gradients and all-gathers the updated fp32 weights."""
+    all-reduce of fp32 gradients (no ZeRO); a reduce-scatter of them plus an all-gather of the updated
+    weights (ZeRO-1 and ZeRO-2 as plait runs them and as Megatron-LM's distributed optimizer does: once per
+    step, at each chunk's last backward; bf16 weights on catalogue GPUs, fp32 on a calibrated host, plait
+    train's default); nothing (ZeRO-3, plan-only: gradients and weights move every micro-batch,
+    ``zero_per_microbatch``)."""
     n = layout.dp * layout.cp
     span = layout.tp * n
-    grads = collective(cluster, "all_reduce", 4 * params_on_gpu, n, span)
     if layout.zero == 0:
-        return grads
-    if cluster.profile is not None:
-        return grads + collective(cluster, "all_gather", 4 * params_on_gpu, n, span)
-    gather = collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
-    rs = collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
-    return {1: rs + gather, 2: gather}.get(layout.zero, 0.0)
+        return collective(cluster, "all_reduce", 4 * params_on_gpu, n, span)
+    if layout.zero == 3:
+        return 0.0
+    weight = 4 if cluster.profile is not None else 2
+    return (collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
+            + collective(cluster, "all_gather", weight * params_on_gpu, n, span))
 
 
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Communication ZeRO-2/3 repeat every micro-batch: ZeRO-2 reduce-scatters the fp32 gradients
-    (they are kept sharded); ZeRO-3 also gathers the bf16 weights in forward and again in backward.
-    It overlaps compute (see ``estimate``)."""
-    if layout.zero < 2:
+    """Communication ZeRO-3 (plan-only) repeats every micro-batch: it reduce-scatters the fp32 gradients
+    and gathers the bf16 weights in forward and again in backward. It overlaps compute (see ``estimate``).
+    ZeRO-2 reduces once per step, as ZeRO-1 (``dp_sync_time``): nothing per micro-batch."""
+    if layout.zero < 3:
         return 0.0
     n = layout.dp * layout.cp
     span = layout.tp * n
     out = collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
-    return out + (2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span) if layout.zero == 3 else 0.0)
+    return out + 2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
 
 
 def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,

@@ -85,7 +85,10 @@ def predict(cfg: TrainConfig, profile, world: int):
 def memory_rows(estimate) -> list[dict]:
     """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same).
     ``activations_peak`` counts what autograd saves (as ``pm.memory_report()`` measures it); a layer
-    recomputed under full recomputation briefly holds ``recompute_working`` more."""
-    return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads, "optimizer": m.optimizer,
-             "activations_peak": m.activations - m.working, "recompute_working": m.working}
+    recomputed under full recomputation briefly holds ``recompute_working`` more. ``grads`` is what is held
+    after the step (as ``pm.memory_report()`` reports it), ``grads_at_peak`` what is held beside the
+    activations at their peak (under ZeRO-2 the full buffer: see ``plan.memory.rank_memory``)."""
+    return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads_held, "optimizer": m.optimizer,
+             "activations_peak": m.activations - m.working, "recompute_working": m.working,
+             "grads_at_peak": m.grads}
             for m in estimate.rank_memory]
