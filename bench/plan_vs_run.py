@@ -1,8 +1,8 @@
 """Benchmark: the planner's predictions against plait's own training runs on this machine.
 
 ``plait calibrate`` measures the host, then ``plait train`` runs each layout (tp, pp, dp, SP; gpipe, 1f1b,
-interleaved, zbv; recompute none/selective/full; ZeRO-1/2) with ``--cluster`` set to that profile: every step's metrics row
-carries the measured and predicted step time and bubble, and the first row the predicted and measured
+interleaved, zbv; recompute none/selective/full; ZeRO-1/2) with ``--cluster`` set to that profile: every
+step's metrics row carries the measured and predicted step time and bubble, and the first row the predicted and measured
 bytes per rank (measured on the first step). The rounds alternate (every layout once, then again) so that a
 change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
 compared.
