@@ -8,7 +8,7 @@ the keys/values after GQA's repeat (``Q`` when heads repeat, else ``K``), ``F = 
 
 Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
 * RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 2 N/t,
-  and each projection of the region keeps its own copy of the gathered N: 3 in attention, 2 in the MLP)
+  and the projections of the region share one saved copy of the gathered N)
   plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual);
 * attention: Q after RoPE, K and V as SDPA receives them (``R`` each), its output ``Q`` (which is also
   the output projection's input), its log-sum-exp ``T·heads``, RoPE's cos and sin ``2·s·d``;
@@ -91,10 +91,10 @@ def local(model: Model, layout: Layout) -> Local:
 
 
 # ------------------------------------------------------------------------------------------ memory
-# Under SP the all-gathered input of a TP region is a strided view (gathered along the sequence): each
-# column-parallel projection copies it before its matmul and saves its own copy — Q, K, V in attention,
-# gate and up in the MLP.
-SP_GATHER_COPIES = 5
+# Under SP each TP region all-gathers its input along the sequence into one contiguous buffer (a copy out
+# of the gather's rank-major layout) that its column-parallel projections share and save once: one
+# gathered N per region, two per layer.
+SP_GATHER_COPIES = 2
 
 
 def _norm_saved(sh: Local) -> float:
@@ -108,7 +108,7 @@ def layer_saved(sh: Local, selective: bool = False) -> float:
     kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads)
     attention = sh.q + 2 * kv + sh.q + lse + 2 * sh.seq * sh.head_dim
     norms = 2 * _norm_saved(sh)
-    if sh.sp:  # each norm's scaled output is not kept; the projections keep their gathered copies
+    if sh.sp:  # each norm's scaled output is not kept; the projections keep the gathered copies
         norms += (SP_GATHER_COPIES - 2) * sh.n
     return norms + attention + 4 * sh.f
 
@@ -163,7 +163,7 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
     if sh.tp > 1:  # the all-reduce's copy (or SP's gather / reduce-scatter buffers), in and out of 2 regions
         traffic += 4 * sh.n_local if sh.sp else 4 * sh.n
         ops += 4
-    if sh.sp:  # the projections' copies of the strided gathered input (read + write each)
+    if sh.sp:  # each region's contiguous copy of the gathered input (read + write)
         traffic += 2 * SP_GATHER_COPIES * sh.n
         ops += SP_GATHER_COPIES
     attention = 4 * t * sh.seq * q
