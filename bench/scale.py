@@ -15,6 +15,7 @@ to it, and measured bytes as ratios to the prediction. Prints a table and JSON. 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -103,12 +104,16 @@ def main() -> int:
     from plait.distributed.launch import run_world
     from plait.models import LlamaConfig
 
-    config = SMALL if "--small" in sys.argv else CFG
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a dry run on a tiny model (seconds, little memory)")
+    parser.add_argument("--check", action="store_true", help="only print the sizes; launch nothing")
+    args = parser.parse_args()
+    config = SMALL if args.small else CFG
     s = sizes(config)
     print(f"model: {s['params'] / 1e9:.3f}B parameters, fp32 training state {s['state_bytes'] / GiB:.1f} GiB = "
           f"{s['state_over_share']:.2f} x one process's even share ({s['share_bytes'] / GiB:.1f} GiB of "
           f"{s['machine_bytes'] / GiB:.1f} GiB over {s['processes']})", flush=True)
-    if "--check" in sys.argv:
+    if args.check:
         return 0
     cfg = LlamaConfig(**config)
     t0 = time.perf_counter()
