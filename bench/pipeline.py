@@ -60,7 +60,8 @@ def _cost_sampler(schedule, t: float, rank: int, stat):
 
     split = any(a.kind == "I" for row in schedule.actions for a in row)
     n = schedule.num_stages
-    chunks = {c: (_layers(LAYERS // n, t), WeightGradStore() if split else None) for c in schedule.stages_of_rank(rank)}
+    stores = {c: WeightGradStore() if split else None for c in schedule.stages_of_rank(rank)}
+    chunks = {c: (_layers(LAYERS // n, t, store), store) for c, store in stores.items()}  # the layers defer W into it
     samples: dict[int, list[tuple[float, float, float]]] = {c: [] for c in chunks}
 
     def sample() -> None:

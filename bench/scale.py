@@ -10,11 +10,14 @@ optimizer state measured on the rank, beside the planner's prediction for the sa
 (plait.plan.memory.state_bytes; its mixed-precision bytes per parameter are converted to this fp32 run's:
 4 + 4 + 8). The peer measured in the same run is the model's full state: per-rank bytes are shown as ratios
 to it, and measured bytes as ratios to the prediction. Prints a table and JSON. Not part of ``make bench``
-(it needs ~21 GB of free memory: run it alone, ``python bench/scale.py``; ``--check`` only prints the sizes).
+(run it alone, ``python bench/scale.py``; ``--check`` only prints the sizes). Measured on this 23.5 GiB machine: each
+rank peaks 1.0-1.35 GB above its share of the state, so the default 23 layers need ~23 GiB and do not fit;
+``--layers 16`` (2.2x one process's share, ~17 GiB) does. The script refuses to start without the memory it needs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -35,6 +38,18 @@ def _status(field: str) -> int:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
+    return 0
+
+
+def _meminfo(field: str) -> int:
+    """A /proc/meminfo line, in bytes (0 where there is no /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
@@ -103,13 +118,28 @@ def main() -> int:
     from plait.distributed.launch import run_world
     from plait.models import LlamaConfig
 
-    config = SMALL if "--small" in sys.argv else CFG
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a dry run on a tiny model (seconds, little memory)")
+    parser.add_argument("--check", action="store_true", help="only print the sizes; launch nothing")
+    parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {CFG['n_layers']})")
+    parser.add_argument("--force", action="store_true", help="start even if too little memory looks available")
+    args = parser.parse_args()
+    config = SMALL if args.small else CFG
+    if args.layers is not None:
+        config = {**config, "n_layers": args.layers}
     s = sizes(config)
     print(f"model: {s['params'] / 1e9:.3f}B parameters, fp32 training state {s['state_bytes'] / GiB:.1f} GiB = "
           f"{s['state_over_share']:.2f} x one process's even share ({s['share_bytes'] / GiB:.1f} GiB of "
           f"{s['machine_bytes'] / GiB:.1f} GiB over {s['processes']})", flush=True)
-    if "--check" in sys.argv:
+    if args.check:
         return 0
+    # measured here: each rank peaks ~1.0-1.35 GB above its share of the state (activations, temporaries)
+    need = s["state_bytes"] + s["processes"] * 1.4 * GiB
+    available = _meminfo("MemAvailable")
+    if available and need > available and not args.force:
+        print(f"needs ~{need / GiB:.1f} GiB, {available / GiB:.1f} GiB available: not started (fewer --layers, "
+              "or --force)", file=sys.stderr)
+        return 2
     cfg = LlamaConfig(**config)
     t0 = time.perf_counter()
     ranks = sorted(run_world(rank_main, s["processes"], config, timeout_s=3600), key=lambda r: r["rank"])
