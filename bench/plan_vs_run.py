@@ -12,6 +12,7 @@ Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -93,21 +94,21 @@ def summarise(name: str, rounds: list[list[dict]]) -> dict:
             "memory": [{"what": w, "predicted": p, "measured": m} for w, p, m in mem]}
 
 
-def _arg(name: str, default: int) -> int:
-    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
-
-
 def main() -> None:
-    quick = "--quick" in sys.argv
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few layouts, one round (a smoke run)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps of plait train per layout and round")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds over the layouts (default 2)")
+    args = parser.parse_args()
+    quick, steps = args.quick, args.steps
     names = list(QUICK if quick else LAYOUTS)
-    steps = _arg("--steps", STEPS)
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
         work = Path(tmp)
         env_load = [load()]
         profile = work / "host.toml"
         cal_s = calibrate(profile)
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
-        for _ in range(_arg("--rounds", 1 if quick else 2)):
+        for _ in range(args.rounds if args.rounds is not None else (1 if quick else 2)):
             for n in names:
                 rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
