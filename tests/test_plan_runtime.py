@@ -112,18 +112,44 @@ def test_write_config_loads_in_plait_train_as_that_layout(tmp_path, launched):
     assert (cfg.model, cfg.batch_size, cfg.seq_len) == (str(folder), 8, 32)
 
 
-def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched):
+def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched, tmp_path, monkeypatch):
     from plait.train import TrainConfig
     from plait.train.auto import auto_layout, host_cluster, plan_model
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "empty-cache"))  # an uncalibrated host: the catalogue's cpu
 
     res = CliRunner().invoke(app, ["train", "--layout", "auto", "--nproc", "4", "--seq-len", "32", "--batch-size",
                                    "8", "--max-data-mb", "0.1"])
     assert res.exit_code == 0, res.output
     cfg = TrainConfig.from_dict(launched["payload"])
     want = TrainConfig.from_dict({"seq_len": 32, "batch_size": 8, "max_data_mb": 0.1, "nproc": 4})
-    best = search(plan_model(want), host_cluster(4), Training(8), top=20)[0].layout  # as auto_layout asks
-    assert cfg.parallel == best.to_parallel_config(Training(8), precision="fp32")
-    assert f"--layout auto: {best.short()}" in res.output and cfg.layout == "flags" and launched["n"] == 4
+    training = Training(8, precision="fp32")  # plait train's precision
+    best = search(plan_model(want), host_cluster(4), training, top=20)[0].layout  # as auto_layout asks
+    assert cfg.parallel == best.to_parallel_config(training, precision="fp32")
+    assert f"--layout auto: {best.short()}" in res.output and "generic cpu" in res.output
+    assert cfg.layout == "flags" and launched["n"] == 4
     assert auto_layout(want, 4)[0].parallel == cfg.parallel
     bad = CliRunner().invoke(app, ["train", "--layout", "guess"])
     assert bad.exit_code == 2 and "--layout 'guess'" in bad.output
+
+
+def test_layout_auto_plans_on_the_calibrated_host(tmp_path, monkeypatch):
+    """With a profile (--cluster FILE, or this host's cached calibration) --layout auto plans on its measured
+    speeds, not the catalogue's generic cpu."""
+    from plait.calibrate import cache_path
+    from plait.train import TrainConfig
+    from plait.train.auto import auto_layout, plan_model
+    from profile_util import synthetic_profile
+
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
+    want = TrainConfig.from_dict({"seq_len": 32, "batch_size": 8, "max_data_mb": 0.1, "nproc": 4})
+    profile = synthetic_profile()
+    training = Training(8, precision="fp32")
+    best = search(plan_model(want), Cluster.from_profile(profile, 4), training, top=20)[0]
+    profile.save(tmp_path / "host.toml")
+    chosen = TrainConfig.from_dict({**want.to_dict(), "cluster": str(tmp_path / "host.toml")})
+    cfg, line = auto_layout(chosen, 4)
+    assert cfg.parallel == best.layout.to_parallel_config(training, precision="fp32")
+    assert f"on the profile {tmp_path / 'host.toml'}: {best.step_time_s:.3g} s/step" in line
+    profile.save(cache_path())  # the cached calibration of this host is used when no --cluster is given
+    assert "on this host's calibration" in auto_layout(want, 4)[1]

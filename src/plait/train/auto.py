@@ -1,8 +1,10 @@
 """``plait train --layout auto``: ask the planner for the fastest layout that fits the processes at hand.
 
 The planner (plait.plan) searches only what the runtime runs, so its best layout converts to a
-ParallelConfig (``Layout.to_parallel_config``). The cluster is this host: the planner's ``cpu`` catalogue
-entry (a generic CPU running Gloo) with this host's memory shared evenly by the processes.
+ParallelConfig (``Layout.to_parallel_config``). The cluster is this host: the profile ``--cluster FILE``
+names, else this host's cached calibration (``plait calibrate``, or the one ``plait train`` measures on first
+use) when it has a section for that many processes, else the planner's ``cpu`` catalogue entry (a generic CPU
+running Gloo) with this host's memory shared evenly by the processes. The chosen line says which.
 """
 
 from __future__ import annotations
@@ -44,12 +46,29 @@ def host_cluster(processes: int):
     return Cluster(cpu, processes, gpus_per_node=processes)
 
 
+def planning_cluster(cfg: TrainConfig, processes: int):
+    """(the Cluster ``--layout auto`` plans on, what it is): see the module's docstring."""
+    from plait.plan import Cluster
+    from plait.train.predict import OFF, cached_profile
+
+    if cfg.cluster not in (None, OFF):
+        return Cluster.from_profile(cfg.cluster, processes), f"the profile {cfg.cluster}"
+    if cfg.cluster is None:
+        from plait.calibrate import cache_path
+
+        cached = cached_profile(cache_path())
+        if cached is not None and processes in cached.sections:
+            return Cluster.from_profile(cached, processes), "this host's calibration"
+    return host_cluster(processes), "the catalogue's generic cpu (this host is not calibrated: plait calibrate)"
+
+
 def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     """``cfg`` with the layout of the fastest planned layout for ``world`` processes that fits and that
     ``validate`` accepts, and one line saying what was chosen. ConfigError if none does."""
     from plait.plan import Training, search
 
-    model, cluster, training = plan_model(cfg), host_cluster(world), Training(cfg.batch_size)
+    cluster, source = planning_cluster(cfg, world)
+    model, training = plan_model(cfg), Training(cfg.batch_size, precision=cfg.parallel.precision)
     result = search(model, cluster, training, top=20)
     reasons = []
     for est in result.best:
@@ -61,7 +80,7 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
             reasons.append(f"{est.layout.short()}: {exc}")
             continue
         line = (f"--layout auto: {est.layout.short()} (the planner's fastest of {result.considered} layouts on "
-                f"{world} processes: {est.step_time_s:.3g} s/step, {est.memory.total / 1e9:.2f} of "
+                f"{world} processes on {source}: {est.step_time_s:.3g} s/step, {est.memory.total / 1e9:.2f} of "
                 f"{est.memory.usable / 1e9:.2f} GB per process predicted)")
         return candidate, line
     why = "; ".join(reasons[:3]) or f"nothing fits ({dict(result.rejected)})"
