@@ -143,7 +143,7 @@ def _jobs(n: int, max_tokens: int, long_prompt: int) -> list[dict]:
 
 def _guidellm(url: str, model: Path, out: Path, args: argparse.Namespace) -> dict:
     """guidellm's concurrent profile (synthetic prompts, ignore_eos) against one server; its metrics."""
-    cmd = [shutil.which("guidellm") or "guidellm", "run", "--backend", f"kind=openai_http,target={url},model=bench",
+    cmd = [str(_guidellm_command()), "run", "--backend", f"kind=openai_http,target={url},model=bench",
            "--tokenizer", f"kind=hf_auto,model={model}", "--profile", f"kind=concurrent,streams={args.n}",
            "--data", f"kind=synthetic_text,prompt_tokens={args.guidellm_prompt},output_tokens={args.max_tokens}",
            "--constraint", f"kind=max_requests,count={2 * args.n}", "--output", f"kind=json,path={out}",
@@ -182,6 +182,13 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def _guidellm_command() -> Path | None:
+    """guidellm's command: beside this interpreter (a virtualenv not on PATH), else on PATH."""
+    here = Path(sys.executable).with_name("guidellm")
+    found = shutil.which("guidellm")
+    return here if here.exists() else (Path(found) if found else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1)
@@ -199,7 +206,7 @@ def main() -> None:
     ap.add_argument("--guidellm-prompt", type=int, default=128, help="guidellm's synthetic prompt tokens")
     args = ap.parse_args()
     names = args.policies.split(",")
-    if args.guidellm and shutil.which("guidellm") is None:
+    if args.guidellm and _guidellm_command() is None:
         sys.exit("--guidellm needs guidellm: pip install -e '.[bench]'")
     context = 256
     load_before = _uptime()
