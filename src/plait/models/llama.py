@@ -186,13 +186,14 @@ class Attention(nn.Module):
         pos: torch.Tensor | None = None
         if cache is None or isinstance(cache, KVCache):
             cos, sin = self.rope(s, offset, q.dtype)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            if cache is not None:
-                k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
         else:  # a per-row cache: each row's new tokens sit at its own positions
             pos = cache.positions(s)  # [B, S]
             cos, sin = self.rope_at(pos, q.dtype)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if isinstance(cache, KVCache):
+            k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
+        elif cache is not None:
             k, v, mask = cache.append(k, v)  # [B, h_kv, L, hd], mask [B, 1, S, L] (None: causal from 0)
         if self.sliding_window is not None:
             pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]
