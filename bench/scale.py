@@ -32,25 +32,21 @@ FP32_STATE = 4 + 4 + 8  # bytes per parameter: weights, gradients, two AdamW mom
 GiB = 2**30
 
 
-def _status(field: str) -> int:
-    """A VmRSS/VmHWM line of /proc/self/status, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _meminfo(field: str) -> int:
-    """A /proc/meminfo line, in bytes (0 where there is no /proc)."""
+def _proc_bytes(path: str, field: str) -> int:
+    """A ``field: N kB`` line of a /proc file (VmRSS/VmHWM of /proc/self/status, MemAvailable of
+    /proc/meminfo), in bytes; 0 where there is no such file."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _status(field: str) -> int:
+    return _proc_bytes("/proc/self/status", field)
 
 
 def rank_main(config: dict) -> dict:
@@ -135,7 +131,7 @@ def main() -> int:
         return 0
     # measured here: each rank peaks ~1.0-1.35 GB above its share of the state (activations, temporaries)
     need = s["state_bytes"] + s["processes"] * 1.4 * GiB
-    available = _meminfo("MemAvailable")
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
     if available and need > available and not args.force:
         print(f"needs ~{need / GiB:.1f} GiB, {available / GiB:.1f} GiB available: not started (fewer --layers, "
               "or --force)", file=sys.stderr)
