@@ -93,7 +93,7 @@ class ParallelOptimizer:
         One float64 all-reduce over the world; the same value on every rank.
         """
         self._prepare()
-        parts = [pc.grad().double().pow(2).sum() for pc in self.layout.pieces if pc.counted]
+        parts = [_square_sum(pc.grad()) for pc in self.layout.pieces if pc.counted]
         sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
         sq = sq.to(self.ctx.device)
         if self.ctx.world_size > 1:
@@ -247,6 +247,21 @@ class ParallelOptimizer:
             self.masters.load(values)
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # device types with torch's fused AdamW kernel
+NORM_CHUNK = 1 << 22  # elements cast to float64 at a time by the gradient norm (32 MB of temporary)
+
+
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of ``grad`` in float64, cast a chunk at a time: a float64 copy of a whole gradient (the
+    embedding's: 8 B x vocab x hidden) would cost the rank a gigabyte of temporary at a billion parameters."""
+    flat = grad.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=grad.device)
+    for chunk in flat.split(NORM_CHUNK):
+        c = chunk.double()
+        total += torch.dot(c, c)
+    return total
+
+
 def _plain(value):
     """Tuples and lists compare equal after a save/load round trip."""
     if isinstance(value, (list, tuple)):
@@ -261,7 +276,12 @@ def build_optimizer(pm, lr: float, weight_decay: float = 0.0, zero: int = 0, pre
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     min_lr_ratio: float = 0.1) -> ParallelOptimizer:
     """AdamW for the training loop: ``opt.step()`` after each ``pm.train_step`` clips (if ``clip``), sets the
-    scheduled learning rate and updates; ``opt.last_norm`` is the gradient norm for logging."""
+    scheduled learning rate and updates; ``opt.last_norm`` is the gradient norm for logging.
+
+    torch's fused AdamW kernel where the device has one (CPU, CUDA): one pass over p, g, m and v per tensor,
+    no temporaries. The per-tensor loop's temporary denominator costs 2 x the largest tensor (half a gigabyte
+    for a 1B model's embedding) and runs 3-4x slower on CPU; the two agree to an ulp."""
+    fused = {"fused": True} if pm.ctx.device.type in FUSED_ADAMW_DEVICES else {}
     return ParallelOptimizer(pm, torch.optim.AdamW, lr=lr, weight_decay=weight_decay, zero=zero,
                              precision=precision, clip=clip, warmup=warmup, total_steps=total_steps,
-                             min_lr_ratio=min_lr_ratio, betas=betas, eps=eps)
+                             min_lr_ratio=min_lr_ratio, betas=betas, eps=eps, **fused)
