@@ -8,6 +8,7 @@ tens of milliseconds: the whole calibration stays under a minute.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -149,3 +150,84 @@ def stream_bandwidth(device: torch.device) -> float:
     src = torch.randn(8 << 20, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device)
+
+
+def _block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype):
+    """Calibration block ``shape`` (``plan.eager.CALIBRATION_BLOCKS``): plait's Llama decoder layer and an input."""
+    from plait.models.llama import DecoderLayer, LlamaConfig
+
+    b, s, h, heads, kv = shape
+    cfg = LlamaConfig(dim=h, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=eager.llama_ffn(h), max_seq_len=s)
+    layer = DecoderLayer(cfg).to(device=device, dtype=dtype)
+    x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)  # [B, S, h]
+    return layer, x
+
+
+def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    """The GEMMs and attention of calibration block ``shape`` alone, forward and backward: its seven linear
+    layers on [T, in] inputs and causal SDPA on contiguous [B, heads, S, d] (K and V already repeated)."""
+    b, s, h, heads, _ = shape
+    d, f, t = h // heads, eager.llama_ffn(h), b * s
+    kv = h // heads * shape[4]
+    dims = ((h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f))  # (out, in): q, k, v, o, gate, up, down
+    xs = {k: torch.randn(t, k, device=device, dtype=dtype, requires_grad=True) for k in (h, f)}
+    ws = [torch.randn(o, i, device=device, dtype=dtype, requires_grad=True) for o, i in dims]
+    gs = [torch.randn(t, o, device=device, dtype=dtype) for o, _ in dims]
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    go = torch.randn(b, heads, s, d, device=device, dtype=dtype)
+
+    def run() -> None:
+        for w, g in zip(ws, gs, strict=True):
+            F.linear(xs[w.shape[1]], w).backward(g)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+
+    return run
+
+
+def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
+               dtype: torch.dtype) -> tuple[float, float, float]:
+    """(hidden-state elements, seconds, forward share) of a real decoder layer's forward + backward beyond its
+    GEMMs and attention: the layer and its kernel skeleton (``_skeleton``) timed in alternation, so that both
+    see the same machine; the parameters' gradients accumulate as over a step's micro-batches."""
+    layer, x = _block(shape, device, dtype)
+    g = torch.randn_like(x)
+    skeleton = _skeleton(shape, device, dtype)
+    whole: list[float] = []
+    bare: list[float] = []
+    for _ in range(2):  # warm-up
+        layer(x).backward(g)
+        skeleton()
+    spent = 0.0
+    while spent < 2 * BUDGET_S or len(whole) < 3:
+        for fn, out in ((lambda: layer(x).backward(g), whole), (skeleton, bare)):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            out.append(time.perf_counter() - t0)
+            spent += out[-1]
+    both, kernels = statistics.median(whole), statistics.median(bare)
+    with torch.no_grad():
+        forward = timed(lambda: layer(x), device)
+    return float(x.numel()), max(both - kernels, 0.0), min(forward / both, 1.0)
+
+
+def optimizer_time(device: torch.device) -> float:
+    """Seconds per parameter of plait's optimizer step (``plait.optim.build_optimizer``: the global norm in
+    float64 a tensor at a time, the clip's scale, torch's AdamW, fused where the device has it) on the larger
+    calibration block's parameters (fp32, as the planner's eager optimizer is costed)."""
+    from plait.optim.optimizer import FUSED_ADAMW_DEVICES, square_sum
+
+    layer, x = _block(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
+    layer(x).sum().backward()
+    params = [p for p in layer.parameters() if p.grad is not None]
+    fused = {"fused": True} if device.type in FUSED_ADAMW_DEVICES else {}
+    opt = torch.optim.AdamW(params, lr=1e-4, **fused)
+    grads = [p.grad for p in params]
+
+    @torch.no_grad()
+    def step() -> None:
+        norm = torch.stack([square_sum(q) for q in grads]).sum().sqrt()
+        torch._foreach_mul_(grads, float(1.0 / (norm + 1e-6)))
+        opt.step()
+
+    return timed(step, device) / sum(p.numel() for p in params)

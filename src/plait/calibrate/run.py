@@ -11,13 +11,14 @@ import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
 from plait.calibrate import kernels as k
+from plait.plan import eager
 from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section
 
 TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _kernel_steps() -> int:
-    return len(k.GEMM_SHAPES) + len(k.ATTENTION_SHAPES) + len(k.ELEMENT_SIZES) + 2
+    return len(k.GEMM_SHAPES) + len(k.ATTENTION_SHAPES) + len(k.ELEMENT_SIZES) + len(eager.CALIBRATION_BLOCKS) + 3
 
 
 def total_steps(counts: list[int]) -> int:
@@ -35,10 +36,11 @@ def _threads(processes: int) -> int:
     return worker_threads(processes)
 
 
-def _kernels(device: torch.device, tick, quick: bool = False) -> dict:
-    """This process's kernel figures (see ``plan.profile.Section``); ``quick``: every other size."""
+def _kernels(device: torch.device, tick, quick: bool = False, optimizer: bool = True) -> dict:
+    """This process's kernel figures (see ``plan.profile.Section``); ``quick``: every other size (both
+    calibration blocks always); ``optimizer``: time the optimizer step too."""
     dtype = torch.float32
-    out: dict = {"matmul": [], "attention": [], "elementwise": []}
+    out: dict = {"matmul": [], "attention": [], "elementwise": [], "block": []}
     pick = (lambda sizes: sizes[::2]) if quick else (lambda sizes: sizes)
     for shape in pick(k.GEMM_SHAPES):
         out["matmul"].append((k.gemm_flops(shape), k.gemm_rate(shape, device, dtype), 1 / 3))
@@ -56,23 +58,28 @@ def _kernels(device: torch.device, tick, quick: bool = False) -> dict:
         tick(f"element-wise mix, {n} elements")
     out["stream"] = k.stream_bandwidth(device)
     tick("memory bandwidth")
+    for shape in eager.CALIBRATION_BLOCKS:
+        out["block"].append(k.block_time(shape, device, dtype))
+        tick(f"decoder layer {'x'.join(map(str, shape[:3]))}")
+    out["optimizer"] = k.optimizer_time(device) if optimizer else 0.0
+    tick("optimizer step")
     return out
 
 
 def _mean_figures(parts: list[dict]) -> dict:
     """The figures of several processes measured at once, averaged."""
     out: dict = {}
-    for key in ("matmul", "attention", "elementwise"):
+    for key in ("matmul", "attention", "elementwise", "block"):
         rows = zip(*(p[key] for p in parts), strict=True)
         out[key] = [(r[0][0], sum(x[1] for x in r) / len(r), sum(x[2] for x in r) / len(r)) for r in rows]
-    for key in ("overhead", "stream"):
+    for key in ("overhead", "stream", "optimizer"):
         out[key] = sum(p[key] for p in parts) / len(parts)
     return out
 
 
 def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
     rates = {}
-    for key in ("matmul", "attention", "elementwise"):
+    for key in ("matmul", "attention", "elementwise", "block"):
         pts = sorted(zip(alone[key], shared[key], strict=True), key=lambda ab: ab[0][0])
         rates[key] = Rate(tuple(a[0] for a, _ in pts), tuple(a[1] for a, _ in pts), tuple(b[1] for _, b in pts),
                           sum(a[2] for a, _ in pts) / len(pts))
@@ -88,7 +95,8 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     dist.barrier(group=world_group)
     shared = alone
     if p > 1:
-        mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick) if rank < p else None
+        mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False) \
+            if rank < p else None
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine, group=world_group)
         shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
@@ -97,7 +105,7 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         return None
     assert alone is not None and shared is not None  # measured on rank 0
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
-                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()})
+                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"])
 
 
 def measure_world(counts: list[int], ticks: str | None = None) -> HostProfile | None:

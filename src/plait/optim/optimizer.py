@@ -93,7 +93,7 @@ class ParallelOptimizer:
         One float64 all-reduce over the world; the same value on every rank.
         """
         self._prepare()
-        parts = [_square_sum(pc.grad()) for pc in self.layout.pieces if pc.counted]
+        parts = [square_sum(pc.grad()) for pc in self.layout.pieces if pc.counted]
         sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
         sq = sq.to(self.ctx.device)
         if self.ctx.world_size > 1:
@@ -251,7 +251,7 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # device types with torch's fused AdamW k
 NORM_CHUNK = 1 << 22  # elements cast to float64 at a time by the gradient norm (32 MB of temporary)
 
 
-def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+def square_sum(grad: torch.Tensor) -> torch.Tensor:
     """Sum of squares of ``grad`` in float64, cast a chunk at a time: a float64 copy of a whole gradient (the
     embedding's: 8 B x vocab x hidden) would cost the rank a gigabyte of temporary at a billion parameters."""
     flat = grad.reshape(-1)

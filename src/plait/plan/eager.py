@@ -187,3 +187,23 @@ def embedding_work(sh: Local, dtype_bytes: int) -> Work:
 def param_tensors_per_layer() -> int:
     """Parameter tensors of a Llama layer: seven projections and two norms."""
     return 9
+
+
+# ------------------------------------------------------------------------------ calibration blocks
+# Real decoder layers ``plait calibrate`` times forward + backward (plait.models.llama.DecoderLayer, unsharded):
+# (batch, sequence, hidden, heads, kv heads), Llama's FFN rule. A tiny one, where each kernel's fixed cost
+# dominates, and a mid-sized one, where its bytes do. What their time leaves after their GEMMs and attention
+# (at the same section's measured rates) is what the element-wise part of a real block costs: module calls,
+# autograd nodes, views, strided and GQA copies, gradient accumulation, which the kernel mix alone misses.
+CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
+
+
+def llama_ffn(hidden: int) -> int:
+    """Llama's FFN width: 2/3 of 4·hidden, rounded up to a multiple of 8 (``LlamaConfig``'s rule)."""
+    return 8 * ((int(2 * 4 * hidden / 3) + 7) // 8)
+
+
+def block_local(shape: tuple[int, int, int, int, int]) -> Local:
+    """The sizes of calibration block ``shape`` (see ``CALIBRATION_BLOCKS``) as the census counts them."""
+    b, s, h, heads, kv = shape
+    return Local(float(b * s), float(s), h, h // heads, float(heads), float(kv), float(llama_ffn(h)), 0.0, 1, False)

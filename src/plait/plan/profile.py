@@ -19,7 +19,9 @@ from plait.errors import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 KERNELS = ("matmul", "attention", "elementwise")
-FORMAT = 1
+BLOCK = "block"  # optional kind (format 2): decoder layers' seconds beyond GEMMs and attention
+FORMAT = 2
+READABLE_FORMATS = (1, 2)  # format 1: no decoder-layer timings nor optimizer step (the kernel mix only)
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,12 @@ class Section:
     ``rates``: matmul (FLOP/s; size = a linear layer's forward FLOPs), attention (causal, FLOP/s counted
     as 4·s²·d per head and sequence, non-causal, forward and backward together; size = s·d) and
     elementwise (forward + backward time per forward byte moved, as ``plan.eager`` counts bytes; size =
-    bytes per kernel). ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward
-    (dispatch, autograd).
+    bytes per kernel). Optional ``block`` (profiles of format >= 2): seconds of a real decoder layer's forward
+    and backward beyond its GEMMs and attention, one per ``plan.eager.CALIBRATION_BLOCKS`` entry (size = its
+    hidden-state elements; forward share: the whole layer's).
+    ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
+    ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
+    process, the others waiting (0: not measured, format 1).
     """
 
     processes: int
@@ -96,6 +102,7 @@ class Section:
     op_overhead_s: float
     memory_bandwidth: float  # bytes/s of one process streaming large arrays, all processes at once
     collectives: dict[tuple[str, int], Curve] = field(default_factory=dict)
+    optimizer_s_per_param: float = 0.0
 
     def collective(self, op: str, group: int, nbytes: float) -> float:
         """Seconds of ``op`` over ``group`` ranks moving ``nbytes`` per rank (the input tensor's size)."""
@@ -143,7 +150,8 @@ class HostProfile:
             s = self.sections[p]
             lines += ["", "[[section]]", f"processes = {s.processes}", f"threads = {s.threads}",
                       f"op_overhead_s = {_value(s.op_overhead_s)}",
-                      f"memory_bandwidth = {_value(s.memory_bandwidth)}"]
+                      f"memory_bandwidth = {_value(s.memory_bandwidth)}",
+                      f"optimizer_s_per_param = {_value(s.optimizer_s_per_param)}"]
             for kind in sorted(s.rates):
                 r = s.rates[kind]
                 lines += ["", "[[section.rate]]", f'kind = "{kind}"', f"sizes = {_value(list(r.sizes))}",
@@ -164,8 +172,9 @@ class HostProfile:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"--cluster {source}: not valid TOML ({exc})") from None
-        if raw.get("format") != FORMAT or "host" not in raw:
-            raise ConfigError(f"--cluster {source}: not a `plait calibrate` profile (format {FORMAT})")
+        if raw.get("format") not in READABLE_FORMATS or "host" not in raw:
+            raise ConfigError(f"--cluster {source}: not a `plait calibrate` profile (format "
+                              f"{' or '.join(map(str, READABLE_FORMATS))}); make one with `plait calibrate`")
         try:
             sections = {int(s["processes"]): _section(s) for s in raw.get("section", [])}
         except (KeyError, TypeError, ValueError) as exc:
@@ -197,7 +206,7 @@ def _section(s: dict) -> Section:
     curves = {(c["op"], int(c["group"])): Curve(tuple(map(float, c["bytes"])), tuple(map(float, c["seconds"])))
               for c in s.get("collective", [])}
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
-                   float(s["memory_bandwidth"]), curves)
+                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)))
 
 
 def _value(v: Any) -> str:

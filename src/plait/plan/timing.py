@@ -13,6 +13,7 @@ from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import Cluster, Layout
 from plait.plan.memory import ACTIVATION_BYTES, activation_bytes_per_layer, layout_stages
 from plait.plan.model import Model
+from plait.plan.profile import BLOCK, Rate, Section
 
 # Matmul efficiency falls for narrow GEMMs: eff = gpu.matmul_efficiency · n/(n + GEMM_HALF), n the
 # per-GPU shard width h/t (capped by the tokens of a micro-batch). One constant for every GPU,
@@ -23,10 +24,15 @@ GEMM_HALF = 40.0
 ELEMENTWISE_TRAFFIC = 0.75
 # Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
 OPTIMIZER_TRAFFIC = 30.0
-# plait's AdamW step in fp32 (torch's single-tensor loop) plus global-norm clipping, per parameter:
-# read p, g, m, v; write p, m, v; a temporary denominator; the norm's read and the clip's scale.
-EAGER_OPTIMIZER_TRAFFIC = 64.0
-EAGER_OPTIMIZER_OPS = 14  # kernels per parameter tensor (weight decay, two moments, bias corrections, ...)
+# plait's optimizer step in fp32 (plait.optim.build_optimizer), bytes per parameter when a profile did not time
+# it (format 1): the global norm casts each gradient to float64 a chunk at a time (read 4, write 8, the dot
+# reads 8), the clip scales the gradients (read + write 8), torch's fused AdamW reads p, g, m, v and writes
+# p, m, v in one pass (28). Profiles of format 2 time the step itself (Section.optimizer_s_per_param).
+EAGER_OPTIMIZER_TRAFFIC = 56.0
+EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cast, dot and sum; clip; AdamW
+# A calibration block's time beyond its GEMMs and attention is floored at this share of what the kernel mix
+# says its element-wise part costs (timing noise must not make it free).
+BLOCK_REST_FLOOR = 0.1
 
 
 def ring_allreduce(nbytes: float, n: int, link: Link) -> float:
@@ -164,14 +170,48 @@ def _gpu_head(model: Model, cluster: Cluster, layout: Layout) -> StageCosts:
     return StageCosts(f, 2 * f, f, recompute=f if layout.recompute == "full" else 0.0)
 
 
-def _work_costs(work: eager.Work, cluster: Cluster, shared: bool) -> StageCosts:
-    """Seconds of an eager block's forward and backward from the host's measured speeds."""
-    sec = cluster.section
-    mm, attn, elem = sec.rates["matmul"], sec.rates["attention"], sec.rates["elementwise"]
+def _gemm_attention(work: eager.Work, sec: Section, shared: bool) -> tuple[float, float]:
+    """(forward GEMM seconds, forward + backward attention seconds) of ``work`` at the measured rates."""
+    mm, attn = sec.rates["matmul"], sec.rates["attention"]
     gemm = sum(flops / mm.at(size, shared) for flops, size in work.gemms)
-    att = work.attention / attn.at(work.attention_size, shared) if work.attention else 0.0
+    return gemm, work.attention / attn.at(work.attention_size, shared) if work.attention else 0.0
+
+
+def block_elementwise(sec: Section) -> Rate | None:
+    """The element-wise speed of a real decoder layer on this host, or None if the profile did not time the
+    calibration blocks (``plan.eager.CALIBRATION_BLOCKS``): per block, the bytes the census counts over the
+    seconds its forward + backward took beyond its GEMMs and attention (as ``plait calibrate`` measured them,
+    floored at ``BLOCK_REST_FLOOR`` of the element-wise mix's estimate); keyed, as the mix, by bytes per
+    kernel. It stands for the mix and the per-kernel cost."""
+    blk = sec.rates.get(BLOCK)
+    shapes = eager.CALIBRATION_BLOCKS
+    if blk is None or tuple(blk.sizes) != tuple(float(b * s * h) for b, s, h, *_ in shapes):
+        return None
+    works = [eager.layer_work(eager.block_local(shape), 4) for shape in shapes]  # fp32, as calibrated
+    mix = sec.rates["elementwise"]
+    speeds = {}
+    for shared, secs in ((False, blk.alone), (True, blk.shared)):
+        speeds[shared] = []
+        for w, rest in zip(works, secs, strict=True):
+            per_op = w.elem_bytes / w.ops
+            floor = BLOCK_REST_FLOOR * (w.elem_bytes / mix.at(per_op, shared) + w.ops * sec.op_overhead_s)
+            speeds[shared].append(w.elem_bytes / max(rest, floor))
+    return Rate(tuple(w.elem_bytes / w.ops for w in works), tuple(speeds[False]), tuple(speeds[True]),
+                blk.forward_share)
+
+
+def _work_costs(work: eager.Work, cluster: Cluster, shared: bool, layer: bool = False) -> StageCosts:
+    """Seconds of an eager block's forward and backward from the host's measured speeds; a ``layer``'s
+    element-wise part at a real decoder layer's speed where the profile timed one (``block_elementwise``)."""
+    sec = cluster.section
+    attn, elem = sec.rates["attention"], sec.rates["elementwise"]
+    gemm, att = _gemm_attention(work, sec, shared)
     per_op = work.elem_bytes / work.ops if work.ops else 0.0
-    el = (work.elem_bytes / elem.at(per_op, shared) if work.elem_bytes else 0.0) + work.ops * sec.op_overhead_s
+    block = block_elementwise(sec) if layer else None
+    if block is not None:  # its forward share: the kernel mix's (the block's own counts its GEMMs too)
+        el = work.elem_bytes / block.at(per_op, shared) if work.elem_bytes else 0.0
+    else:
+        el = (work.elem_bytes / elem.at(per_op, shared) if work.elem_bytes else 0.0) + work.ops * sec.op_overhead_s
     nograd = work.nograd_ops * sec.op_overhead_s * elem.forward_share
     f = gemm + att * attn.forward_share + el * elem.forward_share + nograd
     b = 2 * gemm + att * (1 - attn.forward_share) + el * (1 - elem.forward_share)
@@ -185,7 +225,7 @@ def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, prec
     d = ACTIVATION_BYTES[precision]
     t, n_bytes = layout.tp, sh.n * d
     work = {"layer": eager.layer_work, "head": eager.head_work, "embedding": eager.embedding_work}[kind](sh, d)
-    c = _work_costs(work, cluster, shared)
+    c = _work_costs(work, cluster, shared, layer=kind == "layer")
     if kind == "layer":  # 2 regions: all-reduce out (g) and, in backward, in (f); SP: gather / scatter
         if sh.sp:
             f_tp = 2 * (collective(cluster, "all_gather", n_bytes, t) + collective(cluster, "reduce_scatter",
@@ -303,12 +343,15 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) 
 
 def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
                    layers: int = 0) -> float:
-    """The optimizer step over this GPU's (sharded) parameters: Adam streams its state through memory;
-    plait's eager AdamW also pays a few kernels per parameter tensor."""
+    """The optimizer step over this GPU's (sharded) parameters: Adam streams its state through memory; on a
+    calibrated host plait's step as ``plait calibrate`` timed it per parameter (profiles of format 1: its
+    bytes at the streaming bandwidth and a few kernels per parameter tensor)."""
     shard = layout.dp * layout.cp if layout.zero >= 1 else 1
     if cluster.profile is None:
         return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
     sec = cluster.section
+    if sec.optimizer_s_per_param > 0:  # timed by plait calibrate
+        return sec.optimizer_s_per_param * params_on_gpu / shard
     tensors = layers * eager.param_tensors_per_layer() + 3
     return (EAGER_OPTIMIZER_TRAFFIC * params_on_gpu / shard / sec.memory_bandwidth
             + EAGER_OPTIMIZER_OPS * tensors * sec.op_overhead_s * sec.rates["elementwise"].forward_share)
