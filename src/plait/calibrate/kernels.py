@@ -220,8 +220,7 @@ def optimizer_time(device: torch.device) -> float:
     layer, x = _block(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
     layer(x).sum().backward()
     params = [p for p in layer.parameters() if p.grad is not None]
-    fused = {"fused": True} if device.type in FUSED_ADAMW_DEVICES else {}
-    opt = torch.optim.AdamW(params, lr=1e-4, **fused)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type in FUSED_ADAMW_DEVICES else None)
     grads = [p.grad for p in params]
 
     @torch.no_grad()

@@ -38,12 +38,14 @@ def host_profile(cfg: TrainConfig, ctx):
 
     from plait.calibrate import cache_path, host_facts
     from plait.calibrate.run import measure_in_world
+    from plait.plan.profile import BLOCK
 
     facts = host_facts()
     path = cache_path(facts)
     world = ctx.world_size
     cached = cached_profile(path)
-    need = [cached is None or world not in cached.sections]
+    # a section of an older calibration (no decoder-layer timings) is measured again
+    need = [cached is None or world not in cached.sections or BLOCK not in cached.sections[world].rates]
     if world > 1:
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
     if not need[0]:

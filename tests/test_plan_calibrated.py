@@ -1,0 +1,94 @@
+"""The calibrated host's model terms: decoder-layer timings, plait's optimizer step, format-1 profiles."""
+
+import pytest
+
+from plait.plan import Model, eager, timing
+from plait.plan.config import Cluster, Layout
+from plait.plan.profile import HostProfile, Rate, Section
+from profile_util import synthetic_profile
+
+MATMUL, ATTENTION, MIX, OVERHEAD = 4e10, 1e10, 5e9, 1e-5  # flat rates: every term computable by hand
+
+
+def _section(block_rest: tuple[float, float] | None, optimizer: float = 0.0) -> Section:
+    rates = {"matmul": Rate((1.0, 1e12), (MATMUL, MATMUL), (MATMUL / 2, MATMUL / 2)),
+             "attention": Rate((1.0, 1e12), (ATTENTION,) * 2, (ATTENTION / 2,) * 2, 0.25),
+             "elementwise": Rate((1.0, 1e12), (MIX,) * 2, (MIX / 2,) * 2, 0.4)}
+    if block_rest is not None:
+        sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
+        rates["block"] = Rate(sizes, block_rest, tuple(2 * r for r in block_rest), 0.3)
+    return Section(1, 2, rates, OVERHEAD, 1e10, {}, optimizer)
+
+
+def _cluster(section: Section) -> Cluster:
+    return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {1: section}), 1)
+
+
+def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
+    """Each block's bytes (as the census counts them) over its seconds beyond GEMMs and attention is the speed;
+    a layer between the blocks' bytes per kernel is interpolated, its GEMMs and attention are unchanged."""
+    works = [eager.layer_work(eager.block_local(s), 4) for s in eager.CALIBRATION_BLOCKS]
+    speed = 2e9  # bytes/s: both blocks' rest chosen to give it
+    rest = tuple(w.elem_bytes / speed for w in works)
+    sec = _section(rest)
+    block = timing.block_elementwise(sec)
+    assert block is not None
+    assert block.sizes == pytest.approx([w.elem_bytes / w.ops for w in works])
+    assert block.alone == pytest.approx([speed, speed]) and block.shared == pytest.approx([speed / 2, speed / 2])
+    model = Model.preset("small", seq_len=128)
+    layout = Layout(microbatch_size=4)
+    with_block, _, _ = timing.block_costs(model, _cluster(sec), layout, "fp32")
+    mix, _, _ = timing.block_costs(model, _cluster(_section(None)), layout, "fp32")
+    w = eager.layer_work(eager.local(model, layout), 4)
+    gemm = sum(f for f, _ in w.gemms) / MATMUL
+    att = w.attention / ATTENTION
+    table = w.nograd_ops * OVERHEAD * 0.4  # RoPE's cos/sin tables: forward-only kernels, in both
+    assert with_block.f_compute + with_block.b_compute == pytest.approx(3 * gemm + att + w.elem_bytes / speed + table)
+    assert mix.f_compute + mix.b_compute == pytest.approx(3 * gemm + att + w.elem_bytes / MIX + w.ops * OVERHEAD
+                                                          + table)
+    assert with_block.w_compute == mix.w_compute == pytest.approx(gemm)
+
+
+def test_block_rest_is_floored_and_other_blocks_ignored():
+    """A rest measured as 0 (noise) costs a tenth of the kernel mix's estimate, not nothing; a profile whose
+    blocks are not plan.eager's current ones is not used (the mix is)."""
+    sec = _section((0.0, 0.0))
+    block = timing.block_elementwise(sec)
+    w = eager.layer_work(eager.block_local(eager.CALIBRATION_BLOCKS[0]), 4)
+    floor = timing.BLOCK_REST_FLOOR * (w.elem_bytes / MIX + w.ops * OVERHEAD)
+    assert block is not None and block.alone[0] == pytest.approx(w.elem_bytes / floor)
+    other = Section(1, 2, {**sec.rates, "block": Rate((10.0, 20.0), (1.0, 1.0), (1.0, 1.0))}, OVERHEAD, 1e10)
+    assert timing.block_elementwise(other) is None
+
+
+def test_optimizer_step_is_the_timed_seconds_per_parameter():
+    """Format 2: seconds per parameter as calibrated, divided among ZeRO's shards; format 1: the counted bytes
+    at the streaming bandwidth plus kernels per tensor."""
+    model = Model.preset("small", seq_len=128)
+    params = 1e6
+    timed = _cluster(_section(None, optimizer=3e-9))
+    assert timing.optimizer_time(model, timed, Layout(), params, 8) == pytest.approx(3e-3)
+    sec2 = _section(None, optimizer=3e-9)
+    two = Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {2: Section(2, 1, sec2.rates, OVERHEAD,
+                                                                                        1e10, {}, 3e-9)}), 2)
+    assert timing.optimizer_time(model, two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
+    counted = timing.optimizer_time(model, _cluster(_section(None)), Layout(), params, 8)
+    tensors = 8 * eager.param_tensors_per_layer() + 3
+    assert counted == pytest.approx(timing.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
+                                    + timing.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
+
+
+def test_format_1_profiles_still_read(tmp_path):
+    """A profile written before decoder layers and the optimizer were timed loads (no block, no optimizer
+    figure) and predicts with the kernel mix; format 2 round-trips both."""
+    new = synthetic_profile(counts=(1, 2), block=True)
+    assert HostProfile.from_toml(new.to_toml()) == new
+    assert new.section(2).optimizer_s_per_param == 4e-9 and "block" in new.section(2).rates
+    old = synthetic_profile(counts=(1, 2))
+    text = old.to_toml().replace("format = 2", "format = 1")
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer_s_per_param"))
+    back = HostProfile.from_toml(text)
+    assert back == old and back.section(1).optimizer_s_per_param == 0.0
+    assert timing.block_elementwise(back.section(1)) is None
+    with pytest.raises(ValueError, match="format 1 or 2"):
+        HostProfile.from_toml(text.replace("format = 1", "format = 3"))
