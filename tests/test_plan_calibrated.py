@@ -92,3 +92,17 @@ def test_format_1_profiles_still_read(tmp_path):
     assert timing.block_elementwise(back.section(1)) is None
     with pytest.raises(ValueError, match="format 1 or 2"):
         HostProfile.from_toml(text.replace("format = 1", "format = 3"))
+
+
+def test_zero_1_and_2_twins_are_ranked_once():
+    """plait's ZeRO-2 reduces once per step like ZeRO-1: the same layout at both stages takes the same time, so
+    only the one with less memory (else ZeRO-1) is ranked, and the result says how many were left out."""
+    from dataclasses import replace
+
+    from plait.plan import Training, search
+
+    cluster = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    result = search(Model.preset("small", seq_len=128), cluster, Training(16, precision="fp32"), top=10)
+    shapes = [replace(e.layout, zero=0) for e in result.best]
+    assert result.twins > 0 and len(shapes) == len(set(shapes))
+    assert any(e.layout.zero == 1 for e in result.best)

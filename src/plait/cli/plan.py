@@ -237,7 +237,8 @@ def plan(
     if as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
                                "global_batch_note": batch_note, "rejected": dict(result.rejected),
-                               "pruned": result.pruned, "considered": result.considered, "why": explain(result),
+                               "pruned": result.pruned, "zero_twins": result.twins, "considered": result.considered,
+                               "why": explain(result),
                                "max_memory_fraction": max_memory_fraction}
         typer.echo(json.dumps(out, indent=1))
         return

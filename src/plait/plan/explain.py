@@ -45,6 +45,9 @@ def explain(result: SearchResult) -> list[str]:
         top = ", ".join(f"{k}: {v}" for k, v in result.rejected.most_common(4))
         lines.append(f"rejected {sum(result.rejected.values())} of {result.considered} layouts ({top}); "
                      f"{result.pruned} valid ones pruned as slower")
+    if result.twins:
+        lines.append(f"{result.twins} ZeRO-1/ZeRO-2 pairs as fast as each other: only the one with less memory "
+                     "is ranked (plait's ZeRO-2 reduces once per step, as ZeRO-1)")
     return lines
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plait.plan import memory as mem
 from plait.plan import timing
@@ -21,13 +21,17 @@ class SearchResult:
     """``best``: fitting layouts, fastest first. ``rejected``: how many layouts failed, by reason
     (``check`` keys such as ``tp>node``, ``heads%tp``, ``layers<stages``, ``batch%dp``, plus
     ``memory``). ``pruned``: valid layouts never simulated because even with no pipeline bubble
-    they would be slower than the ``top``-th best (branch and bound). ``considered``: all layouts."""
+    they would be slower than the ``top``-th best (branch and bound). ``considered``: all layouts.
+    ``twins``: layouts left out because the same layout at the other ZeRO stage (1 or 2) takes exactly
+    the same time with no more memory (ZeRO-2 as plait runs it reduces once per step, as ZeRO-1 does:
+    only the memory can differ); of two such layouts the one with less memory is ranked, else ZeRO-1."""
 
     best: list[Estimate]
     rejected: Counter = field(default_factory=Counter)
     pruned: int = 0
     considered: int = 0
     smallest_memory: float = 0.0  # the least GB any valid layout needs, when nothing fits
+    twins: int = 0
 
     @property
     def ok(self) -> bool:
@@ -154,6 +158,7 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
         queue.append((seconds, i, layout))
     queue.sort()
     kept: list[tuple[float, int, Estimate]] = []  # max-heap on (step time, candidate order) via negation
+    twins: dict[Layout, Estimate] = {}  # a layout at ZeRO 0 -> its ZeRO-1/2 estimate seen so far
     for j, (seconds, i, layout) in enumerate(queue):
         if len(kept) >= top and seconds > -kept[0][0]:
             result.pruned += len(queue) - j
@@ -163,12 +168,34 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
         if not est.fits:
             result.rejected["memory"] += 1
             continue
+        if _twin_kept(kept, twins, est, result):
+            continue
         heapq.heappush(kept, (-est.step_time_s, -i, est))  # on a tie the later candidate goes first
         if len(kept) > top:
             heapq.heappop(kept)
     result.best = [e for _, _, e in sorted(kept, key=lambda k: (-k[0], -k[1]))]
     result.smallest_memory = smallest
     return result
+
+
+def _twin_kept(kept: list[tuple[float, int, Estimate]], twins: dict[Layout, Estimate], est: Estimate,
+               result: SearchResult) -> bool:
+    """True if ``est`` is left out for its ZeRO-1/2 twin (same layout, same step time, no less memory: see
+    ``SearchResult.twins``); when ``est`` is the better of the two, the twin leaves ``kept``. Counts either."""
+    if est.layout.zero not in (1, 2):
+        return False
+    key = replace(est.layout, zero=0)
+    other = twins.get(key)
+    if other is None or other.step_time_s != est.step_time_s:
+        twins[key] = est
+        return False
+    result.twins += 1
+    if (est.memory.total, est.layout.zero) >= (other.memory.total, other.layout.zero):
+        return True
+    twins[key] = est
+    kept[:] = [k for k in kept if k[2] is not other]
+    heapq.heapify(kept)
+    return False
 
 
 # Global batches tried when none is given, in tokens: published runs use 4M (GPT-3 175B, Llama 2) to 16M
