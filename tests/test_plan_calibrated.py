@@ -102,7 +102,7 @@ def test_zero_1_and_2_twins_are_ranked_once():
     from plait.plan import Training, search
 
     cluster = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
-    result = search(Model.preset("small", seq_len=128), cluster, Training(16, precision="fp32"), top=10)
+    result = search(Model.preset("tiny", seq_len=128), cluster, Training(16, precision="fp32"), top=6)
     shapes = [replace(e.layout, zero=0) for e in result.best]
     assert result.twins > 0 and len(shapes) == len(set(shapes))
     assert any(e.layout.zero == 1 for e in result.best)
