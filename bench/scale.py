@@ -27,7 +27,7 @@ import time
 
 CFG = dict(vocab_size=32000, dim=2048, n_layers=23, n_heads=16, n_kv_heads=8, max_seq_len=128)
 SMALL = dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=32)  # --small: a dry run
-LAYOUT = dict(tp=2, pp=2, dp=1, microbatches=4, schedule="1f1b")
+LAYOUT = dict(tp=2, pp=2, dp=1, microbatches=4, schedule="1f1b")  # --dp, --zero change dp and the ZeRO stage
 BATCH, STEPS, SEED = 4, 3, 0
 FP32_STATE = 4 + 4 + 8  # bytes per parameter: weights, gradients, two AdamW moments
 GiB = 2**30
@@ -50,7 +50,7 @@ def _status(field: str) -> int:
     return _proc_bytes("/proc/self/status", field)
 
 
-def rank_main(config: dict) -> dict:
+def rank_main(job: dict) -> dict:
     import torch
 
     import plait
@@ -59,8 +59,9 @@ def rank_main(config: dict) -> dict:
     from plait.parallel_config import ParallelConfig
     from plait.train.shards import init_local
 
-    ctx = plait.init(config=ParallelConfig(**LAYOUT))
-    cfg = LlamaConfig(**config)
+    layout, zero = job["layout"], job["zero"]
+    ctx = plait.init(config=ParallelConfig(**layout))
+    cfg = LlamaConfig(**job["config"])
     rss0 = _status("VmRSS")
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -69,9 +70,10 @@ def rank_main(config: dict) -> dict:
     init_local(pm, SEED)
     init_s = time.perf_counter() - t0
     rss_init, hwm_init = _status("VmRSS"), _status("VmHWM")
-    opt = build_optimizer(pm, lr=1e-4, zero=0, clip=1.0)
+    opt = build_optimizer(pm, lr=1e-4, zero=zero, clip=1.0)
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.max_seq_len + 1), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH * ctx.dp_size, cfg.max_seq_len + 1), generator=g)
+    tokens = tokens[ctx.dp_rank * BATCH:(ctx.dp_rank + 1) * BATCH]  # this replica's share of the global batch
     times, losses = [], []
     for _ in range(STEPS):
         t1 = time.perf_counter()
@@ -85,30 +87,41 @@ def rank_main(config: dict) -> dict:
             "step_s": times, "losses": losses, "measured": measured}
 
 
-def predicted(cfg, rank: dict) -> dict:
-    """The planner's weights, grads and optimizer bytes of this rank's stage, at fp32's 4, 4, 8 B/param."""
+def predicted(cfg, rank: dict, layout: dict, zero: int) -> dict:
+    """The planner's weights, grads and optimizer bytes of this rank's stage, fp32 (4, 4, 8 B/param; ZeRO-1
+    shards the moments over dp, ZeRO-2 the gradients left after the step too)."""
     from plait.plan.config import Layout
-    from plait.plan.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, state_bytes
+    from plait.plan.memory import state_bytes
     from plait.train.auto import model_of
 
     model = model_of(cfg, cfg.max_seq_len, "scale")
-    layout = Layout(tp=LAYOUT["tp"], pp=LAYOUT["pp"], dp=LAYOUT["dp"], microbatch_size=BATCH // LAYOUT["microbatches"])
+    plan = Layout(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], zero=zero,
+                  microbatch_size=BATCH // layout["microbatches"])
     stage = rank["pp_rank"]
-    w, g, o = state_bytes(model, layout, rank["layers"][stage], stage == 0, stage == LAYOUT["pp"] - 1)
-    return {"params": w * 4 / WEIGHT_BYTES, "grads": g * 4 / GRAD_BYTES, "optimizer": o * 8 / OPTIMIZER_BYTES}
+    w, g, o = state_bytes(model, plan, rank["layers"][stage], stage == 0, stage == layout["pp"] - 1, "fp32")
+    return {"params": w, "grads": g, "optimizer": o}
 
 
-def sizes(config: dict) -> dict:
+def sizes(config: dict, layout: dict) -> dict:
     from plait.models import LlamaConfig
     from plait.train.auto import model_of
 
     cfg = LlamaConfig(**config)
     n = model_of(cfg, cfg.max_seq_len).n_params()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    world = LAYOUT["tp"] * LAYOUT["pp"] * LAYOUT["dp"]
+    world = layout["tp"] * layout["pp"] * layout["dp"]
     share = total / world
     return {"params": n, "state_bytes": n * FP32_STATE, "machine_bytes": total, "processes": world,
             "share_bytes": share, "state_over_share": n * FP32_STATE / share}
+
+
+def _need(s: dict, dp: int, zero: int) -> float:
+    """Bytes the run needs at its peak: the replicas' weights and (during the backward, also under ZeRO-2)
+    gradients, the AdamW moments sharded by ZeRO, and 1.15 GiB per process (measured here at 23 layers,
+    tp2·pp2: each rank peaked 0.9-1.2 GB above its share of the state)."""
+    n = s["params"]
+    moments = 8 * n * (1 if zero else dp)
+    return (4 + 4) * n * dp + moments + s["processes"] * 1.15 * GiB
 
 
 def main() -> int:
@@ -120,18 +133,20 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="only print the sizes; launch nothing")
     parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {CFG['n_layers']})")
     parser.add_argument("--force", action="store_true", help="start even if too little memory looks available")
+    parser.add_argument("--dp", type=int, default=LAYOUT["dp"], help="data-parallel replicas (tp2·pp2·dp)")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2), help="ZeRO stage of the optimizer")
     args = parser.parse_args()
     config = SMALL if args.small else CFG
     if args.layers is not None:
         config = {**config, "n_layers": args.layers}
-    s = sizes(config)
+    layout = {**LAYOUT, "dp": args.dp}
+    s = sizes(config, layout)
     print(f"model: {s['params'] / 1e9:.3f}B parameters, fp32 training state {s['state_bytes'] / GiB:.1f} GiB = "
           f"{s['state_over_share']:.2f} x one process's even share ({s['share_bytes'] / GiB:.1f} GiB of "
           f"{s['machine_bytes'] / GiB:.1f} GiB over {s['processes']})", flush=True)
     if args.check:
         return 0
-    # measured here (23 layers): each rank peaks 0.9-1.2 GB above its share of the state
-    need = s["state_bytes"] + s["processes"] * 1.15 * GiB
+    need = _need(s, layout["dp"], args.zero)
     available = _proc_bytes("/proc/meminfo", "MemAvailable")
     if available and need > available and not args.force:
         print(f"needs ~{need / GiB:.1f} GiB, {available / GiB:.1f} GiB available: not started (fewer --layers, "
@@ -139,11 +154,12 @@ def main() -> int:
         return 2
     cfg = LlamaConfig(**config)
     t0 = time.perf_counter()
-    ranks = sorted(run_world(rank_main, s["processes"], config, timeout_s=3600), key=lambda r: r["rank"])
+    job = {"config": config, "layout": layout, "zero": args.zero}
+    ranks = sorted(run_world(rank_main, s["processes"], job, timeout_s=3600), key=lambda r: r["rank"])
     wall = time.perf_counter() - t0
     rows = []
     for r in ranks:
-        pred = predicted(cfg, r)
+        pred = predicted(cfg, r, layout, args.zero)
         row = {"rank": r["rank"], "stage": r["pp_rank"], "tp_rank": r["tp_rank"], "init_s": r["init_s"],
                "step_s_median": statistics.median(r["step_s"]), "peak_rss": r["peak_rss"],
                "rss_after_init": r["rss_after_init"], "measured": r["measured"], "predicted": pred,
@@ -160,7 +176,7 @@ def main() -> int:
               f"{row['peak_rss'] / 1e9:>7.2f}GB {row['peak_rss_over_full_state']:>7.3f} "
               f"{m['params'] / 1e9:>10.2f} {m.get('grads', 0) / 1e9:>9.2f} {m.get('optimizer', 0) / 1e9:>9.2f} "
               f"{q.get('params', 0):>6.3f},{q.get('grads', 0):.3f},{q.get('optimizer', 0):.3f}")
-    print(json.dumps({"config": config, "layout": LAYOUT, "batch": BATCH, "steps": STEPS, "sizes": s,
+    print(json.dumps({"config": config, "layout": layout, "zero": args.zero, "batch": BATCH, "steps": STEPS, "sizes": s,
                       "wall_s": wall, "losses": ranks[0]["losses"], "rows": rows}, indent=1))
     return 0
 

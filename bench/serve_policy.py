@@ -8,7 +8,8 @@ feeds, so the work (tokens fed by all steps) from a request's arrival to its fir
 first token in work units, and the work between two of its tokens its inter-token latency. Reported per
 policy (as bench/serve.py): TTFT and ITL in work tokens (p50/p95), total work (recomputed tokens
 included), steps, preemptions, the largest number of sequences running at once, CPU seconds, and
-whether every policy gave the same tokens.
+whether every policy gave the same tokens. ``--system-prompt N`` starts every prompt with the same N bytes
+(a shared system prompt): the "prefix" policy (paged + chunked + prefix caching) then prefills them once.
 
     python bench/serve_policy.py --n 32 --requests 96 --max-tokens 64 --kv-budget 3072
 """
@@ -31,7 +32,9 @@ from plait.serve.runner import Runner
 from plait.serve.sampling import Params
 from plait.serve.scheduler import Scheduler
 
-POLICIES = {"before": (True, 0), "paged": (False, 0), "chunked": (True, None), "after": (False, None)}
+#: policy -> (reserve KV up front, step tokens (None: --step-tokens), prefix caching)
+POLICIES = {"before": (True, 0, False), "paged": (False, 0, False), "chunked": (True, None, False),
+            "after": (False, None, False), "prefix": (False, None, True)}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -40,9 +43,9 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(model, policy: str, args: argparse.Namespace) -> dict:
-    reserve, step = POLICIES[policy]
+    reserve, step, prefix = POLICIES[policy]
     blocks = -(-args.kv_budget // 16)
-    sched = Scheduler(BlockAllocator(blocks, 16), args.n, args.step_tokens if step is None else step, reserve)
+    sched = Scheduler(BlockAllocator(blocks, 16, prefix), args.n, args.step_tokens if step is None else step, reserve)
     engine = Engine(Runner(model, blocks, 16), sched, _NoText(), Metrics(), distributed=False)
     work, peak, marks = [0], [0], {}  # marks: request -> work at its arrival, then at each of its tokens
     schedule = sched.schedule
@@ -63,7 +66,9 @@ def run(model, policy: str, args: argparse.Namespace) -> dict:
         sent[0] += 1
         marks[i] = [work[0]]
         size = args.long_prompt if i % 4 == 0 else 16 + i % 9
-        prompt = list((f"request {i}: the quick brown fox jumps over the lazy dog " * 20)[:size].encode())
+        system = ("You answer in one short line, without fuss. " * 20)[:args.system_prompt]
+        text = system + f"request {i}: the quick brown fox jumps over the lazy dog " * 20
+        prompt = list(text[:len(system) + size].encode())
 
         def sink(ev):
             if ev["type"] == "token":
@@ -89,7 +94,7 @@ def run(model, policy: str, args: argparse.Namespace) -> dict:
     gaps = [b - a for m in marks.values() for a, b in zip(m[1:], m[2:], strict=False)]
     return {"ttft_p50": _pct(ttft, 0.5), "ttft_p95": _pct(ttft, 0.95),
             "itl_p50": _pct(gaps, 0.5), "itl_p95": _pct(gaps, 0.95), "work": work[0], "steps": engine.metrics.steps,
-            "preemptions": sched.preemptions, "peak_running": peak[0], "cpu_s": cpu,
+            "preemptions": sched.preemptions, "peak_running": peak[0], "cpu_s": cpu, "cached": sched.cached_tokens,
             "ids": [outs.get(i, []) for i in range(args.requests)]}
 
 
@@ -108,6 +113,7 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=160)
     ap.add_argument("--kv-budget", type=int, default=3072)
     ap.add_argument("--step-tokens", type=int, default=256)
+    ap.add_argument("--system-prompt", type=int, default=0, help="bytes of a system prompt every prompt starts with")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -120,10 +126,11 @@ def main() -> None:
           f"prompt {args.long_prompt} bytes, KV {args.kv_budget} positions, step tokens {args.step_tokens}; "
           f"work = tokens fed; same tokens under every policy: {same}")
     print(f"{'policy':<9}{'TTFT p50':>9}{'TTFT p95':>9}{'ITL p50':>8}{'ITL p95':>8}{'work':>7}{'steps':>6}"
-          f"{'preempt':>8}{'peak':>5}{'CPU s':>7}")
+          f"{'preempt':>8}{'peak':>5}{'CPU s':>7}{'cached':>7}")
     for name, r in rows.items():
         print(f"{name:<9}{r['ttft_p50']:>9.0f}{r['ttft_p95']:>9.0f}{r['itl_p50']:>8.0f}{r['itl_p95']:>8.0f}"
-              f"{r['work']:>7}{r['steps']:>6}{r['preemptions']:>8}{r['peak_running']:>5}{r['cpu_s']:>7.2f}")
+              f"{r['work']:>7}{r['steps']:>6}{r['preemptions']:>8}{r['peak_running']:>5}{r['cpu_s']:>7.2f}"
+              f"{r['cached']:>7}")
     print(json.dumps({"args": vars(args), "same_tokens": same, "policies": rows}))
 
 

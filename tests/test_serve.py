@@ -194,3 +194,17 @@ def test_chunked_prefill_splits_a_long_prompt_with_equal_tokens(served):
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
     assert out.choices[0].token_ids == expected_ids(ref, TOK.encode(prompt), 5)
     assert server.metric("plait_prefill_chunks_total") - chunks0 == 3  # 16 + 16 + 8 tokens (--step-tokens 16)
+
+
+def test_prefix_cache_serves_a_shared_prompt_prefix_with_equal_tokens(served):
+    """Two requests that share a 40-byte system prompt (pp 2, 4-position blocks): the second starts from the
+    first one's cached blocks on both stages and gives the same tokens as one device."""
+    server, client, ref = served.server, served.client, served.ref
+    system = "You are a terse assistant. Answer in one "
+    cached0 = server.metric("plait_prefix_cache_tokens_total")
+    for question in ("line.", "word, please."):
+        prompt = system + question
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, extra_body={"ignore_eos": True})
+        assert out.choices[0].token_ids == expected_ids(ref, TOK.encode(prompt), 6), question
+    assert server.metric("plait_prefix_cache_tokens_total") - cached0 >= 40  # the second prefilled only the rest
+    assert server.metric("plait_kv_tokens_used") == 0

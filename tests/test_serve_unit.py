@@ -79,32 +79,106 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_engine_with_a_small_pool_and_budget_equals_generate(one_thread):
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96)).eval()
-    runner = Runner(model, num_blocks=40, block_size=4)
-    sched = Scheduler(BlockAllocator(40, 4), max_batch=8, step_tokens=8)
-    engine = Engine(runner, sched, TOK, Metrics(), distributed=False)
+def _run(engine: Engine, waves: list[list[tuple]]) -> list[list[dict]]:
+    """Submit each wave of (prompt, max_tokens, temperature, seed) jobs once the previous one finished; events."""
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
-    jobs = [(list(range(3 + i, 10 + 5 * i)), 30 + 3 * i, 0.0 if i % 2 else 0.9, i) for i in range(6)]
-    outs, done = [[] for _ in jobs], threading.Semaphore(0)
-    for (prompt, n, temperature, seed), out in zip(jobs, outs, strict=True):
-        def sink(ev, out=out):
-            out.append(ev)
-            if ev["type"] in ("done", "error"):
-                done.release()
-        engine.submit(Request(prompt, Params(Sampling(n, temperature, 0, seed)), sink))
+    outs: list[list[dict]] = []
     try:
-        for _ in jobs:
-            assert done.acquire(timeout=60)
+        for jobs in waves:
+            done = threading.Semaphore(0)
+            for prompt, n, temperature, seed in jobs:
+                out: list[dict] = []
+                outs.append(out)
+
+                def sink(ev, out=out, done=done):
+                    out.append(ev)
+                    if ev["type"] in ("done", "error"):
+                        done.release()
+                engine.submit(Request(prompt, Params(Sampling(n, temperature, 0, seed)), sink))
+            for _ in jobs:
+                assert done.acquire(timeout=60)
     finally:
         engine.stopping.set()
         thread.join(10)
+    return outs
+
+
+def _tiny_model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96)).eval()
+
+
+def _assert_equals_generate(model: Llama, jobs: list[tuple], outs: list[list[dict]]) -> None:
     for (prompt, n, temperature, seed), events in zip(jobs, outs, strict=True):
         assert [e["id"] for e in events if e["type"] == "token"] == generate_ids(
             model, [prompt], Sampling(n, temperature, 0, seed))[0]
+
+
+def test_engine_with_a_small_pool_and_budget_equals_generate(one_thread):
+    model = _tiny_model()
+    runner = Runner(model, num_blocks=40, block_size=4)
+    sched = Scheduler(BlockAllocator(40, 4), max_batch=8, step_tokens=8)
+    engine = Engine(runner, sched, TOK, Metrics(), distributed=False)
+    jobs = [(list(range(3 + i, 10 + 5 * i)), 30 + 3 * i, 0.0 if i % 2 else 0.9, i) for i in range(6)]
+    _assert_equals_generate(model, jobs, _run(engine, [jobs]))
     assert sched.preemptions > 0 and engine.metrics.prefill_chunks > len(jobs) and sched.alloc.used == 0
+
+
+def test_prefix_cache_shares_blocks_evicts_oldest_and_counts_holders():
+    alloc = BlockAllocator(4, 2, prefix_cache=True)
+    a, keys = [], alloc.chain([1, 2, 3, 4, 5], 2, [])
+    assert len(keys) == 2 and alloc.chain([1, 2, 3, 9], 2, [])[0] == keys[0] != alloc.chain([1, 2, 3, 9], 2, [])[1]
+    assert alloc.chain([7, 7, 3, 4], 2, [])[1] != keys[1]  # a key names the whole prefix, not its block alone
+    assert alloc.grow(a, 5) and a == [0, 1, 2] and alloc.match(keys) == []
+    alloc.publish(a, keys)  # blocks 0 and 1 hold tokens 1..4
+    b: list[int] = []
+    assert alloc.match(keys) == [0, 1] and alloc.match(alloc.chain([1, 2, 7, 7], 2, [])) == [0]
+    alloc.share(b, alloc.match(keys))
+    assert alloc.refs == {0: 2, 1: 2, 2: 1} and alloc.used == 3
+    alloc.release(a)
+    assert alloc.used == 2 and alloc.free == [3, 2] and not alloc.evictable  # b still holds 0 and 1
+    alloc.release(b)
+    assert alloc.used == 0 and list(alloc.evictable) == [1, 0] and alloc.available == 4
+    c: list[int] = []
+    assert alloc.grow(c, 8) and c == [2, 3, 1, 0]  # the free blocks first, then the cached ones, oldest first
+    assert alloc.match(keys) == [] and not alloc.key_of and not alloc.grow(c, 9)
+    off = BlockAllocator(4, 2)
+    off.publish([0], keys)
+    assert off.match(keys) == [] and not off.keys  # prefix caching off: nothing published, nothing found
+
+
+def test_scheduler_starts_a_shared_prefix_from_the_cache_but_feeds_the_last_token():
+    sched = Scheduler(BlockAllocator(16, 4, prefix_cache=True), max_batch=4, step_tokens=64)
+    a = Seq(1, list(range(10)), Params(Sampling(4)))
+    sched.add(a)
+    assert [(s.rid, n) for s, n in sched.schedule()] == [(1, 10)]
+    a.computed = 10
+    sched.computed(a)  # blocks of tokens 0..3 and 4..7 are published, the partial third is not
+    same = Seq(2, list(range(10)) + [50, 51], Params(Sampling(4)))
+    exact = Seq(3, list(range(8)), Params(Sampling(4)))  # fully cached: its last block is fed again
+    penalised = Seq(4, list(range(10)), Params(Sampling(4), repetition_penalty=1.2))
+    for s in (same, exact, penalised):
+        sched.add(s)
+    plan = [(s.rid, s.computed, n) for s, n in sched.schedule()]
+    assert plan == [(2, 8, 4), (3, 4, 4), (4, 0, 10)]
+    assert same.table[:2] == a.table[:2] and exact.table[0] == a.table[0] and penalised.table[0] != a.table[0]
+    assert sched.cached_tokens == 12 and sched.alloc.refs[a.table[0]] == 3
+
+
+def test_engine_with_prefix_caching_equals_generate_and_skips_the_shared_prefill(one_thread):
+    """A first request computes a 24-token prefix; the next ones (some preempted by the small pool) start
+    from its blocks and still give generate's tokens."""
+    model = _tiny_model()
+    runner = Runner(model, num_blocks=40, block_size=4)
+    sched = Scheduler(BlockAllocator(40, 4, prefix_cache=True), max_batch=8, step_tokens=8)
+    engine = Engine(runner, sched, TOK, Metrics(), distributed=False)
+    prefix = list(range(40, 64))
+    first = [(prefix + [1], 6, 0.0, 0)]
+    rest = [(prefix + list(range(2, 2 + i)), 20 + 3 * i, 0.0 if i % 2 else 0.9, i) for i in range(1, 6)]
+    outs = _run(engine, [first, rest])
+    _assert_equals_generate(model, first + rest, outs)
+    assert sched.cached_tokens >= 24 * len(rest) and sched.alloc.used == 0
 
 
 def test_logprobs_ignore_padded_vocabulary_columns():

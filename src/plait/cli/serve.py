@@ -53,6 +53,8 @@ def serve_command(
     kv_block: Annotated[int, Opt(help="Positions per KV cache block.")] = 16,
     kv_reserve: Annotated[bool, Opt(help="Reserve prompt + max_tokens positions at admission (no paging, no "
                                          "preemption: the policy before paged KV, for comparison).")] = False,
+    prefix_cache: Annotated[bool, Opt(help="Share the KV blocks of a prompt's prefix that an earlier request "
+                                           "computed (a common system prompt is prefilled once).")] = True,
     step_tokens: Annotated[int, Opt(help="Tokens one step may feed (chunked prefill); 0: every admitted prompt "
                                          "whole in one step.")] = 256,
     max_queue: Annotated[int, Opt(help="Requests that may wait for a slot; more get HTTP 503.")] = 256,
@@ -93,7 +95,8 @@ def serve_command(
         bind(host, port).close()  # a busy port fails here, before any worker starts
         payload = {"model": model, "tp": tp, "pp": pp, "host": host, "port": port, "max_batch": max_batch,
                    "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue, "kv_block": kv_block,
-                   "kv_reserve": kv_reserve, "step_tokens": step_tokens, "api_key": api_key,
+                   "kv_reserve": kv_reserve, "prefix_cache": prefix_cache, "step_tokens": step_tokens,
+                   "api_key": api_key,
                    "max_body": max_body_bytes, "request_timeout": request_timeout,
                    "name": name or Path(model).resolve().name}
         run_or_launch("plait.serve.server:serve_job", payload, tp * pp)

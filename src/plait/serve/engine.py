@@ -185,6 +185,7 @@ class Engine:
                 seq.reported += len(fresh)
                 live.req.sink({"type": "prompt", "logprobs": fresh})
             seq.computed += n
+            self.sched.computed(seq)
             if tok is None:
                 if seq.computed == seq.length and seq.max_tokens == 0:
                     self._finish(seq.rid, "length")
@@ -196,7 +197,7 @@ class Engine:
             self._token(live, tok, lp)
         alloc = self.sched.alloc
         self.metrics.step(tokens, len(self.sched.running), len(self.sched.waiting), alloc.used * self.block,
-                          sum(n for seq, n in pairs if n > 1), chunks, self.sched.preemptions)
+                          sum(n for seq, n in pairs if n > 1), chunks, self.sched.preemptions, self.sched.cached_tokens)
 
     def _token(self, live: Live, tok: int, lp) -> None:
         """Hand one new token to its request; end the sequence on a stop token, a stop string or max_tokens."""

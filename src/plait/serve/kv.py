@@ -9,38 +9,109 @@ the step's plan; every rank's ``PagedKVCache`` layers write and read their own h
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
+from collections import OrderedDict
 
 import torch
 
 
 class BlockAllocator:
-    """The free blocks of a pool of ``num_blocks`` blocks of ``block_size`` positions (bookkeeping only)."""
+    """The blocks of a pool of ``num_blocks`` blocks of ``block_size`` positions (bookkeeping only).
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+    Prefix caching (``prefix_cache=True``; vLLM's automatic prefix caching): a block whose positions are all
+    computed is published under a key that names every token up to its end (a hash chained block by block),
+    so a later sequence whose tokens start the same way shares it instead of computing it again. A block is
+    held by the tables that reference it (a count); when the last lets go, a published block stays cached
+    (``evictable``, least recently used first) until a new block is needed and no free one is left. Keys
+    and values at a position depend only on the tokens up to it (causal attention), so a shared block holds
+    exactly what the sequence would have computed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False) -> None:
+        self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
         self.free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids are handed out first
+        self.refs: dict[int, int] = {}  # block -> tables holding it
+        self.keys: dict[bytes, int] = {}  # published prefix key -> block
+        self.key_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # published, held by no table; oldest first
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self.free)
+        """Blocks held by at least one table (cached blocks nobody holds are not counted)."""
+        return self.num_blocks - len(self.free) - len(self.evictable)
+
+    @property
+    def available(self) -> int:
+        """Blocks a table may still take: the free ones and the cached ones nobody holds."""
+        return len(self.free) + len(self.evictable)
 
     def grow(self, table: list[int], positions: int) -> bool:
-        """Extend ``table`` to cover ``positions``; False (and no change) when too few blocks are free."""
+        """Extend ``table`` to cover ``positions``; False (and no change) when too few blocks are available."""
         need = self.blocks_for(positions) - len(table)
         if need <= 0:
             return True
-        if need > len(self.free):
+        if need > self.available:
             return False
-        table.extend(self.free.pop() for _ in range(need))
+        for _ in range(need):
+            block = self.free.pop() if self.free else self._evict()
+            self.refs[block] = 1
+            table.append(block)
         return True
 
+    def _evict(self) -> int:
+        block, _ = self.evictable.popitem(last=False)
+        del self.keys[self.key_of.pop(block)]
+        return block
+
     def release(self, table: list[int]) -> None:
-        self.free.extend(reversed(table))
+        for block in reversed(table):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                if block in self.key_of:
+                    self.evictable[block] = None
+                else:
+                    self.free.append(block)
         table.clear()
+
+    # ----------------------------------------------------------------------------------- prefix caching
+    def chain(self, tokens: list[int], blocks: int, keys: list[bytes]) -> list[bytes]:
+        """``keys`` extended to the first ``blocks`` full blocks of ``tokens``: key i names tokens [0, (i+1)·block)."""
+        b = self.block_size
+        while len(keys) < blocks:
+            i = len(keys)
+            h = hashlib.sha256(keys[-1] if keys else b"")
+            h.update(array("q", tokens[i * b:(i + 1) * b]).tobytes())
+            keys.append(h.digest())
+        return keys
+
+    def match(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest published prefix among ``keys``."""
+        out = []
+        for key in keys if self.prefix_cache else ():
+            block = self.keys.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def share(self, table: list[int], blocks: list[int]) -> None:
+        """Append cached ``blocks`` to an empty ``table`` (they leave the evictable list while held)."""
+        for block in blocks:
+            self.refs[block] = self.refs.get(block, 0) + 1
+            self.evictable.pop(block, None)
+            table.append(block)
+
+    def publish(self, table: list[int], keys: list[bytes]) -> None:
+        """Publish the full, computed blocks ``table[i]`` under ``keys[i]`` (first come, first published)."""
+        for block, key in zip(table, keys if self.prefix_cache else (), strict=False):
+            if key not in self.keys and block not in self.key_of:
+                self.keys[key], self.key_of[block] = block, key
 
 
 class PagedBatch:

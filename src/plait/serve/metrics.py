@@ -26,6 +26,7 @@ class Metrics:
         self.steps = 0
         self.prefill_chunks = 0
         self.preemptions = 0
+        self.cached_tokens = 0
         self.ttft = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -35,12 +36,13 @@ class Metrics:
             self.requests[status] = self.requests.get(status, 0) + n
 
     def step(self, tokens: int, batch: int, queue: int, kv_used: int, prompt_tokens: int, chunks: int = 0,
-             preemptions: int = 0) -> None:
+             preemptions: int = 0, cached_tokens: int = 0) -> None:
         now = time.monotonic()
         with self.lock:
             self.steps += 1
             self.prefill_chunks += chunks
             self.preemptions = preemptions
+            self.cached_tokens = cached_tokens
             self.generated_tokens += tokens
             self.prompt_tokens += prompt_tokens
             self.batch_size, self.queue_depth, self.kv_used = batch, queue, kv_used
@@ -81,6 +83,9 @@ class Metrics:
                 "# TYPE plait_prefill_chunks_total counter", f"plait_prefill_chunks_total {self.prefill_chunks}",
                 "# HELP plait_preemptions_total Sequences preempted for want of KV blocks (recomputed later).",
                 "# TYPE plait_preemptions_total counter", f"plait_preemptions_total {self.preemptions}",
+                "# HELP plait_prefix_cache_tokens_total Prompt tokens taken from cached KV blocks, not prefilled.",
+                "# TYPE plait_prefix_cache_tokens_total counter",
+                f"plait_prefix_cache_tokens_total {self.cached_tokens}",
                 "# HELP plait_time_to_first_token_seconds From arrival to the first generated token.",
                 "# TYPE plait_time_to_first_token_seconds histogram",
             ]

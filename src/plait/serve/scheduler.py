@@ -9,6 +9,12 @@ prompts do not push each other out. (A prompt cut by the budget takes the whole 
 happens before its next chunk, which comes first in the next step.) When decoding
 sequences find no free block, the sequence admitted last is preempted: its blocks are freed and it waits
 at the head of the queue, to be recomputed (its prompt and the tokens it already generated prefilled again).
+
+With prefix caching (``BlockAllocator(prefix_cache=True)``) a sequence admitted after another that began with
+the same tokens starts from the cached blocks of that prefix: only the rest is prefilled (a preempted
+sequence finds its own blocks again if they were not evicted meanwhile). At least the last prompt token is
+always fed, since its logits give the first new token. Sequences whose sampling reads every prompt position
+on the last stage (prompt log-probabilities, the repetition penalty) publish their blocks but start from 0.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Seq:
     reported: int = 1  # prompt positions whose log-probability was delivered (position 0 has none)
     known: bool = False  # the runners hold its Params
     order: int = 0  # admission order: the sequence admitted last is preempted first
+    keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (BlockAllocator.chain)
 
     @property
     def length(self) -> int:
@@ -42,6 +49,11 @@ class Seq:
     @property
     def max_tokens(self) -> int:
         return self.params.sampling.max_new_tokens
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether it may start from cached blocks: the last stage needs none of its prompt positions."""
+        return self.params.prompt_logprobs is None and self.params.repetition_penalty == 1.0
 
     def tokens(self, start: int, n: int) -> list[int]:
         """Tokens [start, start + n) of prompt + output."""
@@ -64,6 +76,7 @@ class Scheduler:
         self.running: list[Seq] = []
         self.orders = itertools.count()
         self.preemptions = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache instead of being prefilled
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -100,10 +113,14 @@ class Scheduler:
                 budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            n = int(min(seq.length, budget))
-            if not self._fits(seq):
+            hits = self._cached(seq)
+            if not self._fits(seq, hits):
                 break
-            self.alloc.grow(seq.table, seq.length + seq.max_tokens - len(seq.out) if self.reserve else n)
+            self.alloc.share(seq.table, hits)
+            seq.computed = len(hits) * self.alloc.block_size
+            self.cached_tokens += seq.computed
+            n = int(min(seq.length - seq.computed, budget))
+            self.alloc.grow(seq.table, seq.length + seq.max_tokens - len(seq.out) if self.reserve else seq.computed + n)
             self.waiting.popleft()
             seq.order = next(self.orders)
             self.running.append(seq)
@@ -111,14 +128,28 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _fits(self, seq: Seq) -> bool:
+    def computed(self, seq: Seq) -> None:
+        """After a step fed ``seq``: publish its blocks that are now full and computed (prefix caching)."""
+        if self.alloc.prefix_cache:
+            full = seq.computed // self.alloc.block_size
+            self.alloc.publish(seq.table, self.alloc.chain(seq.tokens(0, full * self.alloc.block_size), full, seq.keys))
+
+    def _cached(self, seq: Seq) -> list[int]:
+        """Cached blocks ``seq`` may start from: its longest published prefix, the last known token left out."""
+        if not (self.alloc.prefix_cache and seq.reuses_prefix) or self.reserve:
+            return []
+        full = (seq.length - 1) // self.alloc.block_size
+        return self.alloc.match(self.alloc.chain(seq.tokens(0, full * self.alloc.block_size), full, seq.keys))
+
+    def _fits(self, seq: Seq, hits: list[int]) -> bool:
         """Whether ``seq`` may be admitted: the blocks of prompt + max_tokens (reserving), else of its known
-        tokens and the watermark, are free."""
+        tokens beyond the cached ``hits`` and the watermark, are available."""
         alloc = self.alloc
         if self.reserve:
-            return alloc.blocks_for(seq.length + seq.max_tokens - len(seq.out)) <= len(alloc.free)
+            return alloc.blocks_for(seq.length + seq.max_tokens - len(seq.out)) <= alloc.available
         watermark = alloc.num_blocks // 100 if self.running else 0  # alone, a sequence may take every block
-        return alloc.blocks_for(seq.length) + watermark <= len(alloc.free)
+        idle_hits = sum(1 for b in hits if b in alloc.evictable)  # sharing them takes them off the evictable list
+        return alloc.blocks_for(seq.length) - len(hits) + watermark <= alloc.available - idle_hits
 
     def _preempt(self, seq: Seq) -> None:
         self.alloc.release(seq.table)

@@ -303,8 +303,8 @@ def serve_job(payload: dict) -> None:
     import uvicorn
 
     metrics = Metrics()
-    sched = Scheduler(BlockAllocator(blocks, block), payload["max_batch"], payload["step_tokens"],
-                      payload["kv_reserve"])
+    alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
+    sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
     engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
     tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len)
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
@@ -323,6 +323,7 @@ def serve_job(payload: dict) -> None:
     threading.Thread(target=http, name="plait-http", daemon=True).start()
     print(f"plait serve: {payload['name']} on http://{payload['host']}:{payload['port']}/v1 "
           f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
-          f"{' reserved up front' if payload['kv_reserve'] else ''}, "
+          f"{' reserved up front' if payload['kv_reserve'] else ''}"
+          f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
           f"{payload['step_tokens'] or 'unlimited'} tokens per step)", flush=True)
     engine.run()
