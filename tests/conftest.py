@@ -1,8 +1,9 @@
-"""Fixtures shared by several test modules: one 8-rank world, one ``plait serve`` for the serving tests, and
-the session's cache directory (never the real home)."""
+"""Fixtures shared by several test modules: one 4-rank and one 8-rank world, one ``plait serve`` for the serving
+tests, and the session's cache directory (never the real home)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 import checks_pipeline
-from harness import launch
+from harness import group_result, launch, run_groups
 
 KEY = "sk-plait-test"
 KV_BUDGET = 120  # < the context (128): a request may fit the context yet not the pool
@@ -33,6 +34,46 @@ def plait_cache(tmp_path_factory):
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = old
+
+
+#: test module -> the checks module whose rank_main its tests read, all run in the one launch of 4 ranks
+WORLD4_GROUPS = {"test_pipeline": "checks_pipeline", "test_train": "checks_train", "test_experts": "checks_experts",
+                 "test_optim": "checks_optim", "test_llama_parallel": "checks_llama", "test_tp_layers": "checks_tp"}
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory):
+    """Hugging Face folders of Mistral, Qwen2, Qwen3 and Mixtral (checks_families), or None without transformers."""
+    import checks_families
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    return checks_families.make_folders(tmp_path_factory.mktemp("families"))
+
+
+@pytest.fixture(scope="session")
+def world4_shared(request, tmp_path_factory):
+    """One launch of 4 Gloo ranks for every test module of WORLD4_GROUPS collected in this session (starting a
+    world costs ~5-15 s on 2 cores): each module's checks run in turn, its results under its name."""
+    wanted = {item.module.__name__ for item in request.session.items if "world4" in item.fixturenames}
+    groups: dict[str, tuple[str, tuple]] = {}
+    for name, checks in WORLD4_GROUPS.items():
+        if name not in wanted:
+            continue
+        if name == "test_pipeline":
+            folders = request.getfixturevalue("families")
+            groups[name] = (checks, (None if folders is None else str(folders),))
+        elif name == "test_train":
+            groups[name] = (checks, (str(tmp_path_factory.mktemp("train")),))
+        else:
+            groups[name] = (checks, ())
+    return launch(run_groups, 4, groups, timeout_s=580)
+
+
+@pytest.fixture(scope="module")
+def world4(request, world4_shared):
+    """This module's per-rank check results from the shared launch of 4 ranks."""
+    return group_result(world4_shared, request.module.__name__)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,56 @@ def run_checks(checks: list[tuple[str, Callable[[], object]]]) -> dict[str, obje
     return results
 
 
+def run_groups(groups: dict[str, tuple[str, tuple]]) -> dict[str, dict]:
+    """Rank side of a launch shared by several test modules: ``{group: (checks module, args)}``, each module's
+    ``rank_main(*args)`` in turn, its results under the group's name. A group that raises outside its checks
+    records ``{"error": traceback}`` and the next group still runs. Each group starts as in a launch of its own:
+    the default dtype, and no process group (fresh_world)."""
+    import importlib
+
+    out: dict[str, dict] = {}
+    dtype = torch.get_default_dtype()
+    for group, (module, args) in groups.items():
+        try:
+            out[group] = importlib.import_module(module).rank_main(*args)
+        except Exception:  # asserted on by the group's tests (group_result)
+            out[group] = {"error": traceback.format_exc()}
+        finally:
+            torch.set_default_dtype(dtype)
+        fresh_world()
+    return out
+
+
+def fresh_world() -> None:
+    """Destroy every process group of this rank; the next ``plait.init`` starts the world again on a new port.
+    Gloo keeps two or three threads per group, and the idle ones of hundreds of groups cost a core of two."""
+    import os
+
+    import torch.distributed as dist
+
+    from plait.distributed.launch import free_port
+
+    if not dist.is_initialized():
+        return
+    port = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
+
+
+def group_result(world: list[dict], group: str) -> list[dict]:
+    """One group's per-rank results from a shared launch (run_groups); fails with the traceback if it raised."""
+    rows = []
+    for rank, res in enumerate(world):
+        assert group in res, f"group {group!r} did not run on rank {rank}"
+        value = res[group]
+        if set(value) == {"error"} and isinstance(value["error"], str):
+            raise AssertionError(f"group {group!r} raised on rank {rank}:\n{value['error']}")
+        rows.append(value)
+    return rows
+
+
 def launch(entry: Callable[..., dict], nprocs: int, *args, timeout_s: float = 420.0) -> list[dict]:
     """Run ``entry(*args)`` on ``nprocs`` Gloo ranks; returns each rank's dict of check results."""
     return run_world(entry, nprocs, *args, timeout_s=timeout_s)

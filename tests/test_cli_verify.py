@@ -1,13 +1,25 @@
-"""`plait verify` launches its own CPU world, prints a verdict, and rejects bad layouts in one line."""
+"""`plait verify` launches its own CPU world, prints a verdict, and rejects bad layouts in one line.
+
+A bad layout is refused in the command itself, before anything launches: those cases run the command in this
+process (typer's runner: the same code path, exit code and stderr) instead of paying a fresh interpreter and
+torch import each; the passing runs go through ``python -m plait.cli.main`` as a user runs them."""
 
 import json
 import subprocess
 import sys
 
+from typer.testing import CliRunner, Result
+
+from plait.cli.main import app
+
 
 def _plait(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "plait.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _refused(*args: str) -> Result:
+    return CliRunner().invoke(app, ["verify", *args])
 
 
 def test_verify_json_passes_for_pp2_zb_h1_with_selective_recompute():
@@ -23,15 +35,16 @@ def test_verify_json_passes_for_pp2_zb_h1_with_selective_recompute():
 
 
 def test_verify_bad_layout_is_one_line():
-    proc = _plait("verify", "--tp", "3", "--pp", "1")
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "n_heads" in lines[0], proc.stderr
+    res = _refused("--tp", "3", "--pp", "1")
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "n_heads" in lines[0], res.stderr
+    assert res.stdout == "", res.stdout
 
 
 def test_verify_unknown_schedule():
-    proc = _plait("verify", "--schedule", "2f2b")
-    assert proc.returncode == 2 and "schedule" in proc.stderr and "Traceback" not in proc.stderr
+    res = _refused("--schedule", "2f2b")
+    assert res.exit_code == 2 and "schedule" in res.stderr and "Traceback" not in res.output, res.output
 
 
 def test_verify_mixture_of_experts_with_expert_parallelism():
@@ -44,8 +57,8 @@ def test_verify_mixture_of_experts_with_expert_parallelism():
 
 
 def test_verify_experts_not_divisible_by_ep():
-    proc = _plait("verify", "--experts", "3", "--ep", "2")
-    assert proc.returncode == 2 and "ep=2 must divide n_experts=3" in proc.stderr
+    res = _refused("--experts", "3", "--ep", "2")
+    assert res.exit_code == 2 and "ep=2 must divide n_experts=3" in res.stderr, res.output
 
 
 def test_verify_experts_tensor_parallel_inside():
@@ -57,5 +70,5 @@ def test_verify_experts_tensor_parallel_inside():
 
 
 def test_verify_expert_tp_needs_ep_dividing_dp():
-    proc = _plait("verify", "--tp", "2", "--pp", "1", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp")
-    assert proc.returncode == 2 and "ep=2 must divide dp=1 with expert_tp=True" in proc.stderr, proc.stderr
+    res = _refused("--tp", "2", "--pp", "1", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp")
+    assert res.exit_code == 2 and "ep=2 must divide dp=1 with expert_tp=True" in res.stderr, res.output

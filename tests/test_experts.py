@@ -2,8 +2,7 @@
 
 import pytest
 
-import checks_experts
-from harness import launch, result
+from harness import result
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 CASES = [
@@ -18,9 +17,7 @@ CASES = [
 EXTRAS = ["etp/tp2dp2ep2/1f1b", "etp/tp2dp2ep1/sp", "etp/tp2pp2/1f1b"]
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return launch(checks_experts.rank_main, 4)
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_experts)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -2,15 +2,12 @@
 
 import pytest
 
-import checks_llama
-from harness import launch, result
+from harness import result
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device within float32 rounding
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return launch(checks_llama.rank_main, 4)
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_llama)
 
 
 LLAMA_CASES = [f"{tag}/sp{sp}/tied{tied}" for tag in ("tp4dp1", "tp2dp2") for sp in (0, 1) for tied in (0, 1)]

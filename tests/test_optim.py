@@ -3,7 +3,7 @@
 import pytest
 
 import checks_optim
-from harness import launch, result
+from harness import result
 
 PARAM_TOL, NORM_TOL = 1e-4, 1e-5
 # bf16 weights/activations over fp32 masters and grads vs the fp32 single device, 5 steps (measured on
@@ -12,9 +12,7 @@ PARAM_TOL, NORM_TOL = 1e-4, 1e-5
 BF16_LOSS_TOL, BF16_NORM_TOL, BF16_PARAM_TOL = 1e-3, 2e-2, 0.1
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return launch(checks_optim.rank_main, 4)
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_optim)
 
 
 FP32_CASES = ["tp2pp2/sp", "tp2dp2/zero1", "tp2dp2/zero0", "tp2dp2/zero1/own-group", "pp2dp2/tied", "pp2dp2/tied/zero1",

@@ -11,21 +11,15 @@ import pytest
 import checks_families
 import checks_pipeline
 import checks_plan
-from harness import launch, result
+from harness import result
 from plait.schedules import SCHEDULE_NAMES
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
-@pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    return checks_families.make_folders(tmp_path_factory.mktemp("families")) if HAS_TRANSFORMERS else None
-
-
-@pytest.fixture(scope="module")
-def world4(families):
-    return launch(checks_pipeline.rank_main, 4, None if families is None else str(families))
+# families, world4: tests/conftest.py (the Hugging Face folders; one launch of 4 ranks shared with the other
+# world-4 modules runs checks_pipeline with them)
 
 
 # world8: tests/conftest.py (one launch of 8 ranks for these schedules and tests/test_zero.py)

@@ -7,9 +7,9 @@ from harness import launch
 from plait.distributed.launch import run_world
 
 
-def test_stuck_peer_is_named_not_a_hang():
+def test_stuck_peer_is_named_not_a_hang(tmp_path):
     t0 = time.monotonic()
-    world = launch(checks_faults.silent_peer, 2, "stuck", timeout_s=120)
+    world = launch(checks_faults.silent_peer, 2, "stuck", str(tmp_path / "done"), timeout_s=120)
     elapsed = time.monotonic() - t0
     waiter = world[0]
     assert world[1]["role"] == "silent"

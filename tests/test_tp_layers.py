@@ -2,8 +2,7 @@
 
 import pytest
 
-import checks_tp
-from harness import launch, result
+from harness import result
 
 TOL = 1e-10  # float64 inside these checks: parallel and dense differ only by summation order
 
@@ -11,9 +10,7 @@ LAYER_CHECKS = ["collectives", "column", "column_gather", "column_sp", "row", "r
                 "embedding", "embedding_sp", "cross_entropy"]
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return launch(checks_tp.rank_main, 4)
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -4,13 +4,8 @@ import pytest
 
 import checks_train
 from harness import result
-from plait.distributed.launch import run_world
 
-
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    return run_world(checks_train.rank_main, 4, str(root), timeout_s=420)
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_train)
 
 
 def test_tp2_pp2_training_equals_one_device(world4):
