@@ -41,6 +41,7 @@ class Seq:
     known: bool = False  # the runners hold its Params
     order: int = 0  # admission order: the sequence admitted last is preempted first
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (BlockAllocator.chain)
+    published: int = 0  # leading blocks of its table already published (or taken from the cache)
 
     @property
     def length(self) -> int:
@@ -118,6 +119,7 @@ class Scheduler:
                 break
             self.alloc.share(seq.table, hits)
             seq.computed = len(hits) * self.alloc.block_size
+            seq.published = len(hits)
             self.cached_tokens += seq.computed
             n = int(min(seq.length - seq.computed, budget))
             self.alloc.grow(seq.table, seq.length + seq.max_tokens - len(seq.out) if self.reserve else seq.computed + n)
@@ -130,9 +132,11 @@ class Scheduler:
 
     def computed(self, seq: Seq) -> None:
         """After a step fed ``seq``: publish its blocks that are now full and computed (prefix caching)."""
-        if self.alloc.prefix_cache:
-            full = seq.computed // self.alloc.block_size
-            self.alloc.publish(seq.table, self.alloc.chain(seq.tokens(0, full * self.alloc.block_size), full, seq.keys))
+        full = seq.computed // self.alloc.block_size
+        if self.alloc.prefix_cache and full > seq.published:  # a block was completed: once per block_size tokens
+            keys = self.alloc.chain(seq.tokens(0, full * self.alloc.block_size), full, seq.keys)
+            self.alloc.publish(seq.table[seq.published:full], keys[seq.published:full])
+            seq.published = full
 
     def _cached(self, seq: Seq) -> list[int]:
         """Cached blocks ``seq`` may start from: its longest published prefix, the last known token left out."""
@@ -153,7 +157,7 @@ class Scheduler:
 
     def _preempt(self, seq: Seq) -> None:
         self.alloc.release(seq.table)
-        seq.computed = 0
+        seq.computed = seq.published = 0
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
