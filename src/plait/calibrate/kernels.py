@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.plan import eager
+from plait.plan.model import llama_ffn
 
 # (tokens, out, in) of linear layers from 1 MFLOP to 1.2 GFLOP a call: small calls pay dispatch and
 # autograd, large ones run at the cores' speed
@@ -157,7 +158,7 @@ def _block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: t
     from plait.models.llama import DecoderLayer, LlamaConfig
 
     b, s, h, heads, kv = shape
-    cfg = LlamaConfig(dim=h, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=eager.llama_ffn(h), max_seq_len=s)
+    cfg = LlamaConfig(dim=h, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=llama_ffn(h), max_seq_len=s)
     layer = DecoderLayer(cfg).to(device=device, dtype=dtype)
     x = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)  # [B, S, h]
     return layer, x
@@ -167,7 +168,7 @@ def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device, dtype
     """The GEMMs and attention of calibration block ``shape`` alone, forward and backward: its seven linear
     layers on [T, in] inputs and causal SDPA on contiguous [B, heads, S, d] (K and V already repeated)."""
     b, s, h, heads, _ = shape
-    d, f, t = h // heads, eager.llama_ffn(h), b * s
+    d, f, t = h // heads, llama_ffn(h), b * s
     kv = h // heads * shape[4]
     dims = ((h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f))  # (out, in): q, k, v, o, gate, up, down
     xs = {k: torch.randn(t, k, device=device, dtype=dtype, requires_grad=True) for k in (h, f)}

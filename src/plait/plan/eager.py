@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.plan.config import Layout
-from plait.plan.model import Model
+from plait.plan.model import Model, llama_ffn
 
 # Element traffic (reads + writes, in elements) and kernels of the forward of each element-wise group;
 # plait.calibrate times exactly these groups, so its bytes/s are measured per byte counted here.
@@ -196,11 +196,6 @@ def param_tensors_per_layer() -> int:
 # (at the same section's measured rates) is what the element-wise part of a real block costs: module calls,
 # autograd nodes, views, strided and GQA copies, gradient accumulation, which the kernel mix alone misses.
 CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
-
-
-def llama_ffn(hidden: int) -> int:
-    """Llama's FFN width: 2/3 of 4·hidden, rounded up to a multiple of 8 (``LlamaConfig``'s rule)."""
-    return 8 * ((int(2 * 4 * hidden / 3) + 7) // 8)
 
 
 def block_local(shape: tuple[int, int, int, int, int]) -> Local:

@@ -127,7 +127,7 @@ class Model:
         ``n_experts > 1`` (``moe_every`` is not modelled)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         dim, heads = int(get("dim", 64)), int(get("n_heads", 4))
-        ffn = get("ffn_dim") or 8 * ((int(2 * 4 * dim / 3) + 7) // 8)
+        ffn = get("ffn_dim") or llama_ffn(dim)
         max_len = int(get("max_seq_len", 256))
         return cls(n_layers=int(get("n_layers", 4)), hidden=dim, n_heads=heads, vocab=int(get("vocab_size", 256)),
                    seq_len=int(seq_len or max_len), ffn_hidden=int(ffn), n_kv_heads=get("n_kv_heads") or heads,
@@ -193,3 +193,8 @@ PRESETS: dict[str, Model] = {
     "mixtral-8x7b": Model(32, 4096, 32, 32000, 4096, 14336, 8, glu=True, n_experts=8, top_k=2,
                           name="mixtral-8x7b"),
 }
+
+
+def llama_ffn(hidden: int) -> int:
+    """Llama's FFN width: 2/3 of 4·hidden, rounded up to a multiple of 8 (``LlamaConfig``'s rule)."""
+    return 8 * ((int(2 * 4 * hidden / 3) + 7) // 8)
