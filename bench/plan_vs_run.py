@@ -7,7 +7,8 @@ bytes per rank (measured on the first step). The rounds alternate (every layout 
 change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
 compared.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
-Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``.
+Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``;
+``--profile FILE`` keeps the calibration (or reuses one), ``--layouts a,b`` picks layouts.
 """
 
 from __future__ import annotations
@@ -99,21 +100,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few layouts, one round (a smoke run)")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps of plait train per layout and round")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds over the layouts (default 2)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="calibration to use: read if the file exists, else made there and kept "
+                             "(default: a fresh one, discarded)")
+    parser.add_argument("--layouts", default=None, help="comma-separated layout names (default: all)")
     args = parser.parse_args()
     quick, steps = args.quick, args.steps
-    names = list(QUICK if quick else LAYOUTS)
+    names = list(QUICK if quick else LAYOUTS) if args.layouts is None else args.layouts.split(",")
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
         work = Path(tmp)
         env_load = [load()]
-        profile = work / "host.toml"
-        cal_s = calibrate(profile)
+        profile = (args.profile or work / "host.toml").resolve()
+        cal_s = 0.0 if profile.is_file() else calibrate(profile)
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
         for _ in range(args.rounds if args.rounds is not None else (1 if quick else 2)):
             for n in names:
                 rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
     rows = [summarise(n, rounds[n]) for n in names]
-    print(f"calibration {cal_s:.0f} s; load average during the runs: {', '.join(env_load)} (2 cores)")
+    print(f"calibration {cal_s:.0f} s ({profile}); load average during the runs: {', '.join(env_load)} (2 cores)")
     print(f"{'layout':26} {'measured ms':>11} {'predicted':>9} {'ratio':>6} {'bubble meas':>11} {'pred':>6}  memory "
           f"(worst |error|)")
     for r in rows:

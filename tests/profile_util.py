@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section
+from plait.plan import eager
+from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, TPBlock
 
 
 def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
     """Speeds shaped like a small CPU host: 50 GFLOP/s per core shared among ``p`` processes; ``block``: with
-    the decoder-layer timings and the optimizer step of a format-2 profile."""
+    the decoder-layer timings, the optimizer step and the tensor-parallel layers of a format-2 profile."""
     share = min(1.0, cores / p)
     rates = {
         "matmul": Rate((1e6, 1e9), (2e10, 5e10), (2e10 * share, 5e10 * share)),
@@ -18,7 +19,10 @@ def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
               for g in range(2, p + 1) if p % g == 0 for op in COLLECTIVES if op != "p2p" or g == 2}
     if block:  # seconds beyond GEMMs and attention of plan.eager.CALIBRATION_BLOCKS
         rates["block"] = Rate((4096.0, 98304.0), (1.5e-3, 6e-3), (1.5e-3 / share, 6e-3 / share), 0.3)
-    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0)
+    # a TP layer as plait.calibrate.tp_block times it, over every group size the section measures
+    tp = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, 0.02 * g / share, 1e-4 * g / share)
+               for g in range(2, p + 1) if p % g == 0 for sp in (False, True)) if block else ()
+    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0, tp)
 
 
 def synthetic_profile(facts: dict | None = None, counts=(1, 2, 4, 8), block: bool = False) -> HostProfile:

@@ -106,3 +106,37 @@ def test_zero_1_and_2_twins_are_ranked_once():
     shapes = [replace(e.layout, zero=0) for e in result.best]
     assert result.twins > 0 and len(shapes) == len(set(shapes))
     assert any(e.layout.zero == 1 for e in result.best)
+
+
+def _tp_cluster(waits: dict[tuple[int, bool], float], p: int = 4) -> Cluster:
+    from plait.plan.profile import COLLECTIVES, Curve, TPBlock
+
+    base = _section(None)
+    curves = {(op, g): Curve((1024.0, 4e6), (1e-4 * g, 1e-4 * g + 4e6 / 1e9))
+              for g in (2, 4) for op in COLLECTIVES if op != "p2p" or g == 2}
+    blocks = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, 0.05, w) for (g, sp), w in waits.items())
+    sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves, 0.0, blocks)
+    return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {p: sec}), p)
+
+
+def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
+    """A TP layer whose collectives took 6 ms each beyond their back-to-back time (plait.calibrate.tp_block)
+    adds 6 ms to every TP collective of a run: forward and backward of a layer (4 + 4 under SP, 2 + 2
+    without), the head's and the embedding's; the kernels are unchanged. A negative wait (noise) counts 0, a
+    group size not timed 0, and a quick calibration's one form stands in for the other."""
+    extra = 6e-3
+    probe = _tp_cluster({})
+    cluster = _tp_cluster({(2, False): extra, (4, False): extra, (4, True): extra})
+    assert timing.tp_wait(cluster, 4, True) == timing.tp_wait(cluster, 2, True) == pytest.approx(extra)
+    assert timing.tp_wait(_tp_cluster({(2, False): -1e-3}), 2, False) == 0.0
+    assert timing.tp_wait(_tp_cluster({(2, False): extra}), 4, False) == 0.0
+    assert timing.tp_wait(probe, 2, False) == 0.0
+    model = Model.preset("small", seq_len=128)
+    for sp, (nf, nb) in ((False, (2, 2)), (True, (4, 4))):
+        layout = Layout(tp=4, microbatch_size=4, sequence_parallel=sp)
+        (layer, embed, head), (l0, e0, h0) = (timing.block_costs(model, c, layout, "fp32")
+                                              for c in (cluster, probe))
+        assert (layer.f_tp - l0.f_tp, layer.b_tp - l0.b_tp) == pytest.approx((nf * extra, nb * extra))
+        assert (head.f_tp - h0.f_tp, head.b_tp - h0.b_tp) == pytest.approx(((3 if sp else 2) * extra, extra))
+        assert (embed.f_tp - e0.f_tp, embed.b_tp - e0.b_tp) == pytest.approx((extra, 0.0))
+        assert layer.f_compute == l0.f_compute and layer.b_compute == l0.b_compute

@@ -27,6 +27,7 @@ ATTENTION_TOKENS = 1024  # batch · sequence per call
 ELEMENT_SIZES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)  # elements of the hidden state [T, h]
 TINY = (2, 4, 8)  # [B, S, h] for the fixed cost of a kernel
 BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
+BLOCK_BUDGET_S = 0.6  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
 
 
 def _sync(device: torch.device) -> None:
@@ -34,8 +35,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET_S) -> float:
-    """Median seconds of ``fn`` over about ``budget`` seconds of repeats (two warm-up calls first)."""
+def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET_S, stat: str = "median") -> float:
+    """Seconds of ``fn`` over about ``budget`` seconds of repeats (two warm-up calls first): their ``median``
+    (one process alone: robust to a stray interruption), or their ``mean`` (processes sharing the cores: the
+    time-slicing scheduler runs a short call uninterrupted and stops another for a whole slice, so the
+    median would show the speed of a process running alone, the mean is what a run gets)."""
     fn()
     fn()
     _sync(device)
@@ -48,6 +52,8 @@ def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET
         dt = time.perf_counter() - t0
         times.append(dt)
         spent += dt
+    if stat == "mean":
+        return spent / len(times)
     times.sort()
     return times[len(times) // 2]
 
@@ -58,7 +64,7 @@ def gemm_flops(shape: tuple[int, int, int]) -> float:
     return 2.0 * t * n * k
 
 
-def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> float:
+def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype, stat: str = "median") -> float:
     """FLOP/s of a linear layer's forward and backward, x [T, in] · w [out, in]ᵀ (3 · 2·T·out·in FLOPs)."""
     t, n, k = shape
     x = torch.randn(t, k, device=device, dtype=dtype, requires_grad=True)
@@ -68,10 +74,11 @@ def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dt
     def step() -> None:
         F.linear(x, w).backward(g)
 
-    return 3 * gemm_flops(shape) / timed(step, device)
+    return 3 * gemm_flops(shape) / timed(step, device, stat=stat)
 
 
-def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype,
+                   stat: str = "median") -> tuple[float, float]:
     """(FLOP/s, forward share) of causal SDPA forward + backward, FLOPs counted as 4·s²·d per head and
     sequence (non-causal, the planner's count)."""
     batch = max(1, ATTENTION_TOKENS // seq)
@@ -83,9 +90,9 @@ def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype
     def fwd() -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    both = timed(lambda: fwd().backward(g), device)
+    both = timed(lambda: fwd().backward(g), device, stat=stat)
     with torch.no_grad():
-        forward = timed(fwd, device)
+        forward = timed(fwd, device, stat=stat)
     flops = 4 * batch * heads * seq * seq * head
     return flops / both, min(forward / both, 1.0)
 
@@ -123,34 +130,34 @@ class _Mix:
                 + 4 * eager.VIEW_OPS)
 
 
-def op_overhead(device: torch.device, dtype: torch.dtype) -> float:
+def op_overhead(device: torch.device, dtype: torch.dtype, stat: str = "median") -> float:
     """Seconds of one small kernel forward plus its backward (dispatch, autograd), from the mix on a tiny
     tensor."""
     mix = _Mix(*TINY, device, dtype)
-    return timed(lambda: mix.forward().sum().backward(), device) / mix.ops
+    return timed(lambda: mix.forward().sum().backward(), device, stat=stat) / mix.ops
 
 
 def elementwise_rate(elements: int, overhead: float, device: torch.device,
-                     dtype: torch.dtype) -> tuple[float, float, float]:
+                     dtype: torch.dtype, stat: str = "median") -> tuple[float, float, float]:
     """(bytes per kernel, forward + backward bytes/s per forward byte counted, forward share) of the mix
     on a hidden state of ``elements``, its fixed kernel costs taken off."""
     h = 256 if elements >= 1 << 15 else 64
     s = 64
     mix = _Mix(max(1, elements // (s * h)), s, h, device, dtype)
     g = torch.ones_like(mix.x)
-    both = timed(lambda: mix.forward().backward(g), device)
+    both = timed(lambda: mix.forward().backward(g), device, stat=stat)
     with torch.no_grad():
-        forward = timed(mix.forward, device)
+        forward = timed(mix.forward, device, stat=stat)
     nbytes = mix.traffic * mix.x.element_size()
     work = max(both - mix.ops * overhead, 0.1 * both)
     return nbytes / mix.ops, nbytes / work, min(forward / both, 1.0)
 
 
-def stream_bandwidth(device: torch.device) -> float:
+def stream_bandwidth(device: torch.device, stat: str = "median") -> float:
     """Bytes/s of copying a 32 MB fp32 array (read + write), larger than a CPU's caches."""
     src = torch.randn(8 << 20, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, stat=stat)
 
 
 def _block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype):
@@ -186,7 +193,7 @@ def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device, dtype
 
 
 def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
-               dtype: torch.dtype) -> tuple[float, float, float]:
+               dtype: torch.dtype, stat: str = "median") -> tuple[float, float, float]:
     """(hidden-state elements, seconds, forward share) of a real decoder layer's forward + backward beyond its
     GEMMs and attention: the layer and its kernel skeleton (``_skeleton``) timed in alternation, so that both
     see the same machine; the parameters' gradients accumulate as over a step's micro-batches."""
@@ -199,17 +206,21 @@ def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
         layer(x).backward(g)
         skeleton()
     spent = 0.0
-    while spent < 2 * BUDGET_S or len(whole) < 3:
+    while spent < BLOCK_BUDGET_S or len(whole) < 5:
         for fn, out in ((lambda: layer(x).backward(g), whole), (skeleton, bare)):
             t0 = time.perf_counter()
             fn()
             _sync(device)
             out.append(time.perf_counter() - t0)
             spent += out[-1]
-    both, kernels = statistics.median(whole), statistics.median(bare)
+    # the rest is a difference of two close times: taken pair by pair (each pair sees the same machine), the
+    # median of the pairs alone, their mean when every process is measuring at once (see ``timed``)
+    rests = [a - b for a, b in zip(whole, bare, strict=True)]
+    rest = statistics.mean(rests) if stat == "mean" else statistics.median(rests)
+    both = statistics.mean(whole) if stat == "mean" else statistics.median(whole)
     with torch.no_grad():
-        forward = timed(lambda: layer(x), device)
-    return float(x.numel()), max(both - kernels, 0.0), min(forward / both, 1.0)
+        forward = timed(lambda: layer(x), device, stat=stat)
+    return float(x.numel()), max(rest, 0.0), min(forward / both, 1.0)
 
 
 def optimizer_time(device: torch.device) -> float:

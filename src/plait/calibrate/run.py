@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
 from plait.calibrate import kernels as k
+from plait.calibrate import tp_block
 from plait.plan import eager
-from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section
+from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, TPBlock
 
 TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -27,6 +28,7 @@ def total_steps(counts: list[int]) -> int:
     for p in counts:
         total += _kernel_steps() * (2 if p > 1 else 1)
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
+        total += 2 * len(tp_block.group_sizes(p))
     return total
 
 
@@ -36,30 +38,32 @@ def _threads(processes: int) -> int:
     return worker_threads(processes)
 
 
-def _kernels(device: torch.device, tick, quick: bool = False, optimizer: bool = True) -> dict:
+def _kernels(device: torch.device, tick, quick: bool = False, optimizer: bool = True, shared: bool = False) -> dict:
     """This process's kernel figures (see ``plan.profile.Section``); ``quick``: every other size (both
-    calibration blocks always); ``optimizer``: time the optimizer step too."""
+    calibration blocks always); ``optimizer``: time the optimizer step too; ``shared``: every process is
+    measuring at once, so each figure is the mean of its calls, not their median (``kernels.timed``)."""
+    stat = "mean" if shared else "median"
     dtype = torch.float32
     out: dict = {"matmul": [], "attention": [], "elementwise": [], "block": []}
     pick = (lambda sizes: sizes[::2]) if quick else (lambda sizes: sizes)
     for shape in pick(k.GEMM_SHAPES):
-        out["matmul"].append((k.gemm_flops(shape), k.gemm_rate(shape, device, dtype), 1 / 3))
+        out["matmul"].append((k.gemm_flops(shape), k.gemm_rate(shape, device, dtype, stat), 1 / 3))
         tick(f"matmul {shape[0]}x{shape[1]}x{shape[2]}")
     for s, h in pick(k.ATTENTION_SHAPES):
-        rate, share = k.attention_rate(s, h, device, dtype)
+        rate, share = k.attention_rate(s, h, device, dtype, stat)
         out["attention"].append((float(s * h), rate, share))
         tick(f"attention s={s} d={h}")
-    overhead = k.op_overhead(device, dtype)
+    overhead = k.op_overhead(device, dtype, stat)
     out["overhead"] = overhead
     tick("kernel overhead")
     for n in pick(k.ELEMENT_SIZES):
-        size, rate, share = k.elementwise_rate(n, overhead, device, dtype)
+        size, rate, share = k.elementwise_rate(n, overhead, device, dtype, stat)
         out["elementwise"].append((size, rate, share))
         tick(f"element-wise mix, {n} elements")
-    out["stream"] = k.stream_bandwidth(device)
+    out["stream"] = k.stream_bandwidth(device, stat)
     tick("memory bandwidth")
     for shape in eager.CALIBRATION_BLOCKS:
-        out["block"].append(k.block_time(shape, device, dtype))
+        out["block"].append(k.block_time(shape, device, dtype, stat))
         tick(f"decoder layer {'x'.join(map(str, shape[:3]))}")
     out["optimizer"] = k.optimizer_time(device) if optimizer else 0.0
     tick("optimizer step")
@@ -95,17 +99,21 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     dist.barrier(group=world_group)
     shared = alone
     if p > 1:
-        mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False) \
+        mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
             if rank < p else None
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine, group=world_group)
         shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
-    curves = coll.curves(p, groups, world_group, device, tick if rank == 0 else (lambda what: None), quick)
+    quiet = tick if rank == 0 else (lambda what: None)
+    curves = coll.curves(p, groups, world_group, device, quiet, quick)
+    layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
     if rank != 0:
         return None
     assert alone is not None and shared is not None  # measured on rank 0
+    blocks = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, secs, wait)
+                   for (g, sp), (secs, wait) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
-                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"])
+                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"], blocks)
 
 
 def measure_world(counts: list[int], ticks: str | None = None) -> HostProfile | None:

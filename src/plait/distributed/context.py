@@ -187,6 +187,21 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, expert_tp: bool
                            mesh=mesh, timeout_s=timeout, _groups=groups)
 
 
+def tp_group_context(group: ProcessGroup, device: torch.device, timeout_s: float | None = None) -> ParallelContext:
+    """A context of one tensor-parallel ``group`` of consecutive ranks and nothing else (no pipeline, no
+    data-parallel group): for a tool that times a tensor-parallel block on its own while other groups do
+    the same, as ``plait calibrate`` does. Its ``world_size`` is the group's size."""
+    ranks = dist.get_process_group_ranks(group)
+    tp = len(ranks)
+    if ranks != list(range(ranks[0], ranks[0] + tp)) or ranks[0] % tp:
+        raise ConfigError(f"tp_group_context: ranks {ranks} are not a run of {tp} consecutive ranks starting at a "
+                          f"multiple of {tp} (how plait lays out TP groups)")
+    config = ParallelConfig(tp=tp, pp=1, dp=1).resolve(tp)
+    return ParallelContext(config=config, rank=dist.get_rank(), world_size=tp, device=device,
+                           timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+                           _groups={"tp": group})
+
+
 def _expert_groups(layout: ParallelConfig, device: torch.device) -> dict[str, ProcessGroup]:
     """The EP and expert-DP groups (every rank creates them, in the same order); none for tp = ep = 1."""
     if layout.ep == 1 and layout.tp == 1:

@@ -198,7 +198,16 @@ def param_tensors_per_layer() -> int:
 CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
 
 
-def block_local(shape: tuple[int, int, int, int, int]) -> Local:
-    """The sizes of calibration block ``shape`` (see ``CALIBRATION_BLOCKS``) as the census counts them."""
+# A decoder layer split over a tensor-parallel group, timed with every group of a section computing at once
+# (its heads, KV heads and FFN width divide over 2 and 4 ranks). What it takes beyond its kernels (at the
+# section's shared rates) and its collectives (timed back to back) is what each collective of a run waits
+# for the group's slowest rank (see ``plan.timing.tp_wait``).
+TP_CALIBRATION_BLOCK = (2, 64, 384, 12, 4)
+
+
+def block_local(shape: tuple[int, int, int, int, int], tp: int = 1, sp: bool = False) -> Local:
+    """The sizes of calibration block ``shape`` (``CALIBRATION_BLOCKS``, ``TP_CALIBRATION_BLOCK``) on one of
+    ``tp`` ranks (``sp``: sequence parallel) as the census counts them."""
     b, s, h, heads, kv = shape
-    return Local(float(b * s), float(s), h, h // heads, float(heads), float(kv), float(llama_ffn(h)), 0.0, 1, False)
+    return Local(float(b * s), float(s), h, h // heads, float(heads / tp), max(float(kv / tp), 1.0),
+                 float(llama_ffn(h) / tp), 0.0, tp, sp and tp > 1)

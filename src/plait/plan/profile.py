@@ -4,7 +4,8 @@ A profile has one section per process count ``P``: what *one* process gets when 
 run on this host at once, each with the thread count ``plait train`` gives it. Speeds are measured twice:
 ``alone`` (the other processes wait) and ``shared`` (all ``P`` compute at once), because processes that
 outnumber the cores share them. Collectives are measured with every group of a size busy at once (as the
-TP groups of a run are), as (bytes, seconds) points. Pure Python: ``plait.calibrate`` measures (torch).
+TP groups of a run are), as (bytes, seconds) points, and a tensor-parallel layer shows what each collective
+of a run waits beyond that (``TPBlock``). Pure Python: ``plait.calibrate`` measures (torch).
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ class Rate:
 
 
 @dataclass(frozen=True)
+class TPBlock:
+    """A tensor-parallel decoder layer timed on every ``group``-rank TP group of the section at once
+    (``sequence_parallel`` or not; ``plait.calibrate.tp_block``): ``seconds``, the mean of its forward +
+    backward on one rank, and ``wait_s``, what each of its collectives took beyond the same collectives back
+    to back (the layer less its compute twin and its collectives, per collective; may be < 0 by noise).
+    ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads), ``plan.eager.TP_CALIBRATION_BLOCK``."""
+
+    shape: tuple[int, ...]
+    group: int
+    sequence_parallel: bool
+    seconds: float
+    wait_s: float
+
+
+@dataclass(frozen=True)
 class Section:
     """What one of ``processes`` processes (``threads`` threads each) gets on this host.
 
@@ -94,6 +110,7 @@ class Section:
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
     process, the others waiting (0: not measured, format 1).
+    ``tp_blocks``: a tensor-parallel decoder layer timed over each group size (optional; see ``TPBlock``).
     """
 
     processes: int
@@ -103,6 +120,12 @@ class Section:
     memory_bandwidth: float  # bytes/s of one process streaming large arrays, all processes at once
     collectives: dict[tuple[str, int], Curve] = field(default_factory=dict)
     optimizer_s_per_param: float = 0.0
+    tp_blocks: tuple[TPBlock, ...] = ()
+
+    def tp_block(self, shape: tuple[int, ...], group: int, sequence_parallel: bool) -> TPBlock | None:
+        """The timed layer of ``shape`` over ``group`` ranks (sequence parallel or not), if measured."""
+        return next((b for b in self.tp_blocks if b.shape == tuple(shape) and b.group == group
+                     and b.sequence_parallel == sequence_parallel), None)
 
     def collective(self, op: str, group: int, nbytes: float) -> float:
         """Seconds of ``op`` over ``group`` ranks moving ``nbytes`` per rank (the input tensor's size)."""
@@ -160,6 +183,10 @@ class HostProfile:
             for (op, group), c in sorted(s.collectives.items()):
                 lines += ["", "[[section.collective]]", f'op = "{op}"', f"group = {group}",
                           f"bytes = {_value(list(c.bytes))}", f"seconds = {_value(list(c.seconds))}"]
+            for b in s.tp_blocks:
+                lines += ["", "[[section.tp_block]]", f"shape = {_value(list(b.shape))}", f"group = {b.group}",
+                          f"sequence_parallel = {_value(b.sequence_parallel)}", f"seconds = {_value(b.seconds)}",
+                          f"wait_s = {_value(b.wait_s)}"]
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -205,8 +232,10 @@ def _section(s: dict) -> Section:
         raise KeyError(f"rates {sorted(missing)}")
     curves = {(c["op"], int(c["group"])): Curve(tuple(map(float, c["bytes"])), tuple(map(float, c["seconds"])))
               for c in s.get("collective", [])}
+    blocks = tuple(TPBlock(tuple(map(int, b["shape"])), int(b["group"]), bool(b["sequence_parallel"]),
+                           float(b["seconds"]), float(b["wait_s"])) for b in s.get("tp_block", []))
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
-                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)))
+                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks)
 
 
 def _value(v: Any) -> str:

@@ -218,28 +218,53 @@ def _work_costs(work: eager.Work, cluster: Cluster, shared: bool, layer: bool = 
     return StageCosts(f, b, gemm)
 
 
+def _layer_collectives(cluster: Cluster, sh: eager.Local, n_bytes: float) -> tuple[float, float, int, int]:
+    """(forward seconds, backward seconds, forward count, backward count) of one layer's TP collectives, timed
+    back to back: 2 regions, an all-reduce out (g) and, in backward, in (f); SP: gather in, scatter out."""
+    t = sh.tp
+    if sh.sp:
+        f = 2 * (collective(cluster, "all_gather", n_bytes, t) + collective(cluster, "reduce_scatter", n_bytes, t))
+        return f, f, 4, 4
+    f = 2 * collective(cluster, "all_reduce", n_bytes, t)
+    return f, f, 2, 2
+
+
+def tp_wait(cluster: Cluster, tp: int, sp: bool) -> float:
+    """Seconds each TP collective of a run waits beyond its back-to-back time, on a calibrated host that timed
+    a tensor-parallel layer over ``tp`` ranks (``plait.calibrate.tp_block``; else 0): the layer less its
+    compute twin and its collectives, timed in alternation, per collective, floored at 0. Where processes
+    outnumber cores it is mostly the time a rank waits for a peer the scheduler has not run yet."""
+    if cluster.profile is None or tp <= 1:
+        return 0.0
+    sec = cluster.section
+    shape = eager.TP_CALIBRATION_BLOCK  # the other form stands in where one was not timed (a quick calibration)
+    blk = sec.tp_block(shape, tp, sp) or sec.tp_block(shape, tp, not sp)
+    return max(0.0, blk.wait_s) if blk is not None else 0.0
+
+
 def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, precision: str,
                  shared: bool) -> StageCosts:
-    """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives."""
+    """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives (each with its
+    wait for the slowest rank, ``tp_wait``)."""
     sh = eager.local(model, layout)
     d = ACTIVATION_BYTES[precision]
     t, n_bytes = layout.tp, sh.n * d
     work = {"layer": eager.layer_work, "head": eager.head_work, "embedding": eager.embedding_work}[kind](sh, d)
     c = _work_costs(work, cluster, shared, layer=kind == "layer")
-    if kind == "layer":  # 2 regions: all-reduce out (g) and, in backward, in (f); SP: gather / scatter
-        if sh.sp:
-            f_tp = 2 * (collective(cluster, "all_gather", n_bytes, t) + collective(cluster, "reduce_scatter",
-                                                                                    n_bytes, t))
-            b_tp = f_tp
-        else:
-            f_tp = b_tp = 2 * collective(cluster, "all_reduce", n_bytes, t)
+    wait = tp_wait(cluster, t, sh.sp)
+    if kind == "layer":
+        f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, n_bytes)
     elif kind == "head":  # the loss's max and sums ([T] and [2, T]); in backward the input's gradient
         f_tp = collective(cluster, "all_reduce", 4 * sh.tokens, t) + collective(cluster, "all_reduce",
                                                                                8 * sh.tokens, t)
         f_tp += collective(cluster, "all_gather", n_bytes, t) if sh.sp else 0.0
         b_tp = collective(cluster, "reduce_scatter" if sh.sp else "all_reduce", n_bytes, t)
+        nf, nb = 3 if sh.sp else 2, 1
     else:  # the embedding's partial rows summed (reduce-scattered under SP)
         f_tp, b_tp = collective(cluster, "reduce_scatter" if sh.sp else "all_reduce", n_bytes, t), 0.0
+        nf, nb = 1, 0
+    if t > 1:
+        f_tp, b_tp = f_tp + nf * wait, b_tp + nb * wait
     recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
     if kind == "layer" and layout.recompute == "selective":  # the attention core's forward again
         attn = cluster.section.rates["attention"]

@@ -44,8 +44,9 @@ def host_profile(cfg: TrainConfig, ctx):
     path = cache_path(facts)
     world = ctx.world_size
     cached = cached_profile(path)
-    # a section of an older calibration (no decoder-layer timings) is measured again
-    need = [cached is None or world not in cached.sections or BLOCK not in cached.sections[world].rates]
+    # a section of an older calibration (no decoder-layer timings, or no tensor-parallel one) is measured again
+    sec = None if cached is None else cached.sections.get(world)
+    need = [sec is None or BLOCK not in sec.rates or (world > 1 and not sec.tp_blocks)]
     if world > 1:
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
     if not need[0]:
