@@ -11,10 +11,12 @@ HELP = """Measure this host with plait's own processes and write a cluster profi
 
 For each process count (default 1, 2 and 4) it measures what one process gets with the thread count
 `plait train` gives it, alone and with every process busy: matmul, causal attention and element-wise
-FLOP/s or bytes/s, the fixed cost of a kernel, memory bandwidth, and the time of all-reduce, all-gather,
-reduce-scatter, all-to-all and point-to-point over every group size, from 1 KB to 4 MB. Takes under a
-minute. `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by
-default from this host's cached profile, made on first use).
+FLOP/s or bytes/s, the fixed cost of a kernel, memory bandwidth, two real decoder layers, the optimizer
+step, and the time of all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point over every
+group size, from 1 KB to 4 MB; then a tensor-parallel decoder layer over every group size, beside its
+compute alone and its collectives alone: what it takes beyond them is the wait each tensor-parallel
+collective of a run adds. Takes under a minute. `plait plan --cluster FILE` plans with it; `plait train`
+predicts its own step with it (by default from this host's cached profile, made on first use).
 
 \b
 Examples:
@@ -57,15 +59,16 @@ def _summary(console, profile, path: Path) -> None:
     t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {profile.cores} cores ({path})",
               header_style="bold")
     for col in ("processes", "threads", "GEMM GFLOP/s alone", "shared", "attention GFLOP/s", "element-wise GB/s",
-                "kernel µs", "all-reduce 1 MB ms"):
+                "kernel µs", "all-reduce 1 MB ms", "TP wait ms"):
         t.add_column(col, justify="right")
     for p in sorted(profile.sections):
         s = profile.sections[p]
         mm, att, el = s.rates["matmul"], s.rates["attention"], s.rates["elementwise"]
         ar = s.collective("all_reduce", p, 1 << 20) * 1e3 if p > 1 else 0.0
+        tp = next((b for b in sorted(s.tp_blocks, key=lambda b: -b.group) if not b.sequence_parallel), None)
         t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.shared[-1] / 1e9:.1f}",
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
-                  f"{ar:.2f}" if p > 1 else "-")
+                  f"{ar:.2f}" if p > 1 else "-", f"{tp.wait_s * 1e3:.2f} (tp{tp.group})" if tp else "-")
     console.print(t)
 
 
