@@ -96,11 +96,11 @@ def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
     return run_layer, run_twin, run_calls
 
 
-def measure(processes: int, g: int, sp: bool, groups: list, world_group, device: torch.device
-            ) -> tuple[float, float]:
+def measure(processes: int, g: int, sp: bool, groups: list, world_group, device: torch.device,
+            budget: float = BUDGET_S) -> tuple[float, float]:
     """(mean seconds of the layer's forward + backward, wait per collective) on ranks ``[0, processes)`` in
-    groups of ``g``, every group at once, averaged over the ranks; collective over the whole world (ranks
-    beyond ``processes`` wait)."""
+    groups of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds; collective
+    over the whole world (ranks beyond ``processes`` wait)."""
     rank = dist.get_rank()
     mine = next((gr for gr in groups if rank in dist.get_process_group_ranks(gr)), None) \
         if rank < processes else None
@@ -111,7 +111,7 @@ def measure(processes: int, g: int, sp: bool, groups: list, world_group, device:
         t0 = time.perf_counter()
         for fn in parts:  # warm-up (and the groups' connections)
             fn()
-        reps[0] = max(MIN_REPS, min(MAX_REPS, int(BUDGET_S / max(time.perf_counter() - t0, 1e-6))))
+        reps[0] = max(MIN_REPS, min(MAX_REPS, int(budget / max(time.perf_counter() - t0, 1e-6))))
     dist.broadcast(reps, src=0, group=world_group)  # every member runs each part as often as its peers
     dist.barrier(group=world_group)
     out = torch.zeros(2, device=device)
@@ -134,10 +134,11 @@ def measure(processes: int, g: int, sp: bool, groups: list, world_group, device:
 def measure_all(processes: int, groups: dict, world_group, device: torch.device, tick=lambda what: None,
                 quick: bool = False) -> dict[tuple[int, bool], tuple[float, float]]:
     """(group size, sequence parallel) -> (layer seconds, wait per collective) for every TP group size of the
-    section (collective); ``quick``: without sequence parallelism."""
+    section (collective); ``quick``: without sequence parallelism, a quarter of the time (noisier)."""
     out = {}
     for g in group_sizes(processes):
         for sp in (False,) if quick else (False, True):
-            out[(g, sp)] = measure(processes, g, sp, groups[(processes, g)], world_group, device)
+            out[(g, sp)] = measure(processes, g, sp, groups[(processes, g)], world_group, device,
+                                   BUDGET_S / 4 if quick else BUDGET_S)
             tick(f"tensor-parallel layer over {g} of {processes} processes{' (SP)' if sp else ''}")
     return out
