@@ -109,21 +109,30 @@ def test_zero_1_and_2_twins_are_ranked_once():
 
 
 def _tp_cluster(waits: dict[tuple[int, bool], float], p: int = 4) -> Cluster:
+    """A section whose TP layers (plait.calibrate.tp_block) took their twin's time, their collectives as the
+    curves time them back to back, and ``waits[(group, sp)]`` more per collective."""
     from plait.plan.profile import COLLECTIVES, Curve, TPBlock
 
     base = _section(None)
     curves = {(op, g): Curve((1024.0, 4e6), (1e-4 * g, 1e-4 * g + 4e6 / 1e9))
               for g in (2, 4) for op in COLLECTIVES if op != "p2p" or g == 2}
-    blocks = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, 0.05, w) for (g, sp), w in waits.items())
-    sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves, 0.0, blocks)
+    sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves)
+    blocks = []
+    for (g, sp), w in waits.items():
+        sh = eager.block_local(eager.TP_CALIBRATION_BLOCK, g, sp)
+        ops = (("all_gather", 4), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
+        back_to_back = sum(n * sec.collective(op, g, sh.n * 4) for op, n in ops)
+        blocks.append(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, 0.03 + back_to_back + w * (8 if sp else 4), 0.03))
+    sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves, 0.0, tuple(blocks))
     return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {p: sec}), p)
 
 
 def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
-    """A TP layer whose collectives took 6 ms each beyond their back-to-back time (plait.calibrate.tp_block)
-    adds 6 ms to every TP collective of a run: forward and backward of a layer (4 + 4 under SP, 2 + 2
-    without), the head's and the embedding's; the kernels are unchanged. A negative wait (noise) counts 0, a
-    group size not timed 0, and a quick calibration's one form stands in for the other."""
+    """A TP layer whose collectives took 6 ms each beyond their back-to-back time (plait.calibrate.tp_block:
+    the layer less its compute twin, less the curves' collectives) adds 6 ms to every TP collective of a
+    run: forward and backward of a layer (4 + 4 under SP, 2 + 2 without), the head's and the embedding's;
+    the kernels are unchanged. A negative wait (noise) counts 0, a group size not timed 0, and a quick
+    calibration's one form stands in for the other."""
     extra = 6e-3
     probe = _tp_cluster({})
     cluster = _tp_cluster({(2, False): extra, (4, False): extra, (4, True): extra})
@@ -140,3 +149,21 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
         assert (head.f_tp - h0.f_tp, head.b_tp - h0.b_tp) == pytest.approx(((3 if sp else 2) * extra, extra))
         assert (embed.f_tp - e0.f_tp, embed.b_tp - e0.b_tp) == pytest.approx((extra, 0.0))
         assert layer.f_compute == l0.f_compute and layer.b_compute == l0.b_compute
+
+
+def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
+    """What `plait calibrate` prints after measuring: a row per process count, with the wait of the largest TP
+    group timed (as plan.timing.tp_wait computes it from the profile)."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from plait.cli.calibrate import _summary
+
+    profile = synthetic_profile(counts=(1, 2, 4), block=True)
+    console = Console(width=200, record=True)
+    _summary(console, profile, Path(tmp_path / "host.toml"))
+    text = console.export_text()
+    want = timing.tp_wait(Cluster.from_profile(profile, 4), 4, False)
+    assert want > 0 and f"{want * 1e3:.2f} (tp4)" in text
+    assert "TP wait ms" in text and text.count("(tp") == 2  # sections of 2 and 4 processes; 1 has none

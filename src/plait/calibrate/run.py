@@ -110,8 +110,8 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     if rank != 0:
         return None
     assert alone is not None and shared is not None  # measured on rank 0
-    blocks = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, secs, wait)
-                   for (g, sp), (secs, wait) in sorted(layers.items()))
+    blocks = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, secs, twin)
+                   for (g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
                    {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"], blocks)
 

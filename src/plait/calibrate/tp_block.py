@@ -1,25 +1,24 @@
 """A tensor-parallel decoder layer timed as a run computes it: every TP group of a section at once, each
 rank's kernels and the group's collectives interleaved.
 
-The collectives of ``plait.calibrate.collectives`` run back to back, every rank ready at once. In a run a
-collective starts when the group's slowest rank reaches it, and processes that outnumber the cores reach it
-at times the kernel's scheduler decides: a rank that finished its kernels waits for one still queued for a
-core, and a rank woken by its peers' data waits for a core to run on. To measure that wait, three things
-are timed in alternation, so that a change of the machine's speed touches all three alike:
+The collectives of ``plait.calibrate.collectives`` run back to back in a tight loop, every rank ready and
+running. In a run a collective starts when the group's slowest rank reaches it, and processes that outnumber
+the cores reach it at times the kernel's scheduler decides: a rank that finished its kernels waits for one
+still queued for a core, and a rank woken by its peers' data waits for a core to run on. To measure what a
+collective costs there, two things are timed in alternation, so that a change of the machine's speed touches
+both alike:
 
 * the layer, sharded by plait's TP plan (``plait.tensor_parallel``), forward + backward;
 * its compute twin: an unsharded plait ``DecoderLayer`` with this rank's heads, KV heads and FFN width, the
   same kernels without a collective (under sequence parallelism its norms see the whole sequence, not the
-  rank's slice: a little more work, so the wait comes out a little low);
-* the layer's collectives back to back (``collectives.one_call``), on tensors of the same sizes.
+  rank's slice: a little more work, so the collectives come out a little cheap).
 
-The wait per collective is (layer - twin - collectives) / collectives per layer, the median over the repeats;
-``plan.timing.tp_wait`` adds it to every TP collective of a run.
+The layer less its twin is what its collectives cost inside a run; ``plan.timing.tp_wait`` takes what that
+is beyond the same collectives timed back to back, per collective, as the wait of every TP collective.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -40,14 +39,8 @@ def group_sizes(processes: int) -> list[int]:
     return [g for g in coll.group_sizes(processes) if heads % g == 0 and kv % g == 0 and llama_ffn(h) % g == 0]
 
 
-def collectives_per_layer(sp: bool) -> tuple[tuple[str, int], ...]:
-    """(op, count) of one layer's forward + backward TP collectives: per region an all-reduce out (forward)
-    and in (backward); under SP a gather in and a scatter out, each again in backward."""
-    return (("all_gather", 4), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
-
-
 def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
-    """(layer step, twin step, collectives step) closures of this rank's shard of the calibration layer."""
+    """(layer step, twin step) closures of this rank's shard of the calibration layer."""
     from plait.distributed.context import tp_group_context
     from plait.models.family import family_of
     from plait.models.llama import DecoderLayer, Llama, LlamaConfig
@@ -71,10 +64,6 @@ def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
     twin = DecoderLayer(twin_cfg).to(device=device, dtype=dtype)
     xt = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)  # [B, S, h]
     gt = torch.randn_like(xt)
-    rank_in = dist.get_process_group_ranks(group).index(dist.get_rank())
-    nbytes = b * s * h * torch.finfo(dtype).bits // 8  # the full hidden state each collective moves
-    calls = [coll.one_call(op, nbytes, group, t, rank_in, device) for op, n in collectives_per_layer(sp)
-             for _ in range(n)]
 
     def sync() -> None:
         if device.type == "cuda":
@@ -88,19 +77,14 @@ def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
         twin(xt).backward(gt)
         sync()
 
-    def run_calls() -> None:
-        for call in calls:
-            call()
-        sync()
-
-    return run_layer, run_twin, run_calls
+    return run_layer, run_twin
 
 
 def measure(processes: int, g: int, sp: bool, groups: list, world_group, device: torch.device,
             budget: float = BUDGET_S) -> tuple[float, float]:
-    """(mean seconds of the layer's forward + backward, wait per collective) on ranks ``[0, processes)`` in
-    groups of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds; collective
-    over the whole world (ranks beyond ``processes`` wait)."""
+    """(mean seconds of the layer's forward + backward, of its twin's) on ranks ``[0, processes)`` in groups
+    of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds; collective over the
+    whole world (ranks beyond ``processes`` wait)."""
     rank = dist.get_rank()
     mine = next((gr for gr in groups if rank in dist.get_process_group_ranks(gr)), None) \
         if rank < processes else None
@@ -116,24 +100,20 @@ def measure(processes: int, g: int, sp: bool, groups: list, world_group, device:
     dist.barrier(group=world_group)
     out = torch.zeros(2, device=device)
     if parts is not None:
-        n = sum(k for _, k in collectives_per_layer(sp))
-        layer_s, waits = [], []
+        spent = [0.0, 0.0]
         for _ in range(int(reps[0])):
-            spent = []
-            for fn in parts:
+            for i, fn in enumerate(parts):
                 t0 = time.perf_counter()
                 fn()
-                spent.append(time.perf_counter() - t0)
-            layer_s.append(spent[0])
-            waits.append((spent[0] - spent[1] - spent[2]) / n)
-        out[0], out[1] = statistics.mean(layer_s), statistics.median(waits)
+                spent[i] += time.perf_counter() - t0
+        out[0], out[1] = spent[0] / int(reps[0]), spent[1] / int(reps[0])  # means: see kernels.timed
     dist.all_reduce(out, group=world_group)
     return float(out[0]) / processes, float(out[1]) / processes
 
 
 def measure_all(processes: int, groups: dict, world_group, device: torch.device, tick=lambda what: None,
                 quick: bool = False) -> dict[tuple[int, bool], tuple[float, float]]:
-    """(group size, sequence parallel) -> (layer seconds, wait per collective) for every TP group size of the
+    """(group size, sequence parallel) -> (layer seconds, twin seconds) for every TP group size of the
     section (collective); ``quick``: without sequence parallelism, a quarter of the time (noisier)."""
     out = {}
     for g in group_sizes(processes):

@@ -86,15 +86,14 @@ class Rate:
 class TPBlock:
     """A tensor-parallel decoder layer timed on every ``group``-rank TP group of the section at once
     (``sequence_parallel`` or not; ``plait.calibrate.tp_block``): ``seconds``, the mean of its forward +
-    backward on one rank, and ``wait_s``, what each of its collectives took beyond the same collectives back
-    to back (the layer less its compute twin and its collectives, per collective; may be < 0 by noise).
-    ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads), ``plan.eager.TP_CALIBRATION_BLOCK``."""
+    backward on one rank, and ``twin_s``, of the same kernels without collectives (timed in alternation with
+    it). ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads), ``plan.eager.TP_CALIBRATION_BLOCK``."""
 
     shape: tuple[int, ...]
     group: int
     sequence_parallel: bool
     seconds: float
-    wait_s: float
+    twin_s: float
 
 
 @dataclass(frozen=True)
@@ -186,7 +185,7 @@ class HostProfile:
             for b in s.tp_blocks:
                 lines += ["", "[[section.tp_block]]", f"shape = {_value(list(b.shape))}", f"group = {b.group}",
                           f"sequence_parallel = {_value(b.sequence_parallel)}", f"seconds = {_value(b.seconds)}",
-                          f"wait_s = {_value(b.wait_s)}"]
+                          f"twin_s = {_value(b.twin_s)}"]
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -233,7 +232,7 @@ def _section(s: dict) -> Section:
     curves = {(c["op"], int(c["group"])): Curve(tuple(map(float, c["bytes"])), tuple(map(float, c["seconds"])))
               for c in s.get("collective", [])}
     blocks = tuple(TPBlock(tuple(map(int, b["shape"])), int(b["group"]), bool(b["sequence_parallel"]),
-                           float(b["seconds"]), float(b["wait_s"])) for b in s.get("tp_block", []))
+                           float(b["seconds"]), float(b["twin_s"])) for b in s.get("tp_block", []))
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
                    float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks)
 

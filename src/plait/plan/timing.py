@@ -232,14 +232,20 @@ def _layer_collectives(cluster: Cluster, sh: eager.Local, n_bytes: float) -> tup
 def tp_wait(cluster: Cluster, tp: int, sp: bool) -> float:
     """Seconds each TP collective of a run waits beyond its back-to-back time, on a calibrated host that timed
     a tensor-parallel layer over ``tp`` ranks (``plait.calibrate.tp_block``; else 0): the layer less its
-    compute twin and its collectives, timed in alternation, per collective, floored at 0. Where processes
-    outnumber cores it is mostly the time a rank waits for a peer the scheduler has not run yet."""
+    compute twin (timed in alternation) is what its collectives took inside a run; less the same collectives
+    as the profile's curves time them back to back, per collective, floored at 0. Where processes outnumber
+    cores it is mostly the time a rank waits for a peer the scheduler has not run yet, or for a core once
+    its peers' data arrived."""
     if cluster.profile is None or tp <= 1:
         return 0.0
     sec = cluster.section
     shape = eager.TP_CALIBRATION_BLOCK  # the other form stands in where one was not timed (a quick calibration)
     blk = sec.tp_block(shape, tp, sp) or sec.tp_block(shape, tp, not sp)
-    return max(0.0, blk.wait_s) if blk is not None else 0.0
+    if blk is None:
+        return 0.0
+    sh = eager.block_local(shape, tp, blk.sequence_parallel)
+    f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, sh.n * 4)  # fp32, as timed
+    return max(0.0, blk.seconds - blk.twin_s - f_tp - b_tp) / (nf + nb)
 
 
 def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, precision: str,
