@@ -32,9 +32,8 @@ def make_groups(counts: list[int]) -> dict[tuple[int, int], list]:
     return out
 
 
-def one_call(op: str, nbytes: int, group, size: int, rank_in: int, device: torch.device):
-    """A closure running ``op`` once on a tensor of ``nbytes`` (in full) over ``group`` of ``size`` ranks, this
-    one ``rank_in`` of them."""
+def _one(op: str, nbytes: int, group, size: int, rank_in: int, device: torch.device):
+    """A closure running ``op`` once on a tensor of ``nbytes`` (in full) over ``group``."""
     n = max(size, nbytes // 4 // size * size)  # elements, divisible by the group size
     full = torch.ones(n, device=device)
     part = torch.ones(n // size, device=device)
@@ -67,7 +66,7 @@ def measure(op: str, nbytes: int, groups: list, processes: int, world_group, dev
     reps = torch.zeros(1, device=device)
     if mine is not None:
         members = dist.get_process_group_ranks(mine)
-        fn = one_call(op, nbytes, mine, len(members), members.index(rank), device)
+        fn = _one(op, nbytes, mine, len(members), members.index(rank), device)
         fn()  # warm-up (and connection set-up)
         t0 = time.perf_counter()
         fn()  # every member calls it as often as the others: a collective must match on every rank

@@ -30,7 +30,8 @@ BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
 BLOCK_BUDGET_S = 0.6  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels (a no-op on the CPU, where kernels run as they are called)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -42,13 +43,13 @@ def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET
     median would show the speed of a process running alone, the mean is what a run gets)."""
     fn()
     fn()
-    _sync(device)
+    sync(device)
     times: list[float] = []
     spent = 0.0
     while spent < budget or len(times) < 3:
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         dt = time.perf_counter() - t0
         times.append(dt)
         spent += dt
@@ -210,7 +211,7 @@ def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
         for fn, out in ((lambda: layer(x).backward(g), whole), (skeleton, bare)):
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             out.append(time.perf_counter() - t0)
             spent += out[-1]
     # the rest is a difference of two close times: taken pair by pair (each pair sees the same machine), the

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
+from plait.calibrate.kernels import sync
 from plait.plan import eager
 from plait.plan.model import llama_ffn
 
@@ -65,17 +66,13 @@ def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
     xt = torch.randn(b, s, h, device=device, dtype=dtype, requires_grad=True)  # [B, S, h]
     gt = torch.randn_like(xt)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def run_layer() -> None:
         layer(x).backward(g)
-        sync()
+        sync(device)
 
     def run_twin() -> None:
         twin(xt).backward(gt)
-        sync()
+        sync(device)
 
     return run_layer, run_twin
 
