@@ -5,13 +5,19 @@ The collectives of ``plait.calibrate.collectives`` run back to back in a tight l
 running. In a run a collective starts when the group's slowest rank reaches it, and processes that outnumber
 the cores reach it at times the kernel's scheduler decides: a rank that finished its kernels waits for one
 still queued for a core, and a rank woken by its peers' data waits for a core to run on. To measure what a
-collective costs there, two things are timed in alternation, so that a change of the machine's speed touches
-both alike:
+collective costs there, two things are timed in alternating rounds, so that a change of the machine's speed
+touches both alike:
 
 * the layer, sharded by plait's TP plan (``plait.tensor_parallel``), forward + backward;
 * its compute twin: an unsharded plait ``DecoderLayer`` with this rank's heads, KV heads and FFN width, the
   same kernels without a collective (under sequence parallelism its norms see the whole sequence, not the
   rank's slice: a little more work, so the collectives come out a little cheap).
+
+Every rank of the section starts a round at once (a barrier) and runs the same part a few times, as in a run
+every rank runs the same layers. Alternating call by call instead lets the groups drift into opposite phases
+on a shared core, one group's twin computing while the other waits in its collectives: time then moves from
+the twin to the layer and back from one launch to the next (tp2 on four processes of two cores, the same
+layer: 13-19 ms of layer less twin in three launches, 28-35 ms in two others; in rounds, 11-18 ms in all).
 
 The layer less its twin is what its collectives cost inside a run; ``plan.timing.tp_wait`` takes what that
 is beyond the same collectives timed back to back, per collective, as the wait of every TP collective.
@@ -31,7 +37,8 @@ from plait.plan.model import llama_ffn
 
 BUDGET_S = 2.0  # time each (group size, sequence parallel) figure is measured for, after a warm-up: the wait
 # is a few per cent of the layer, so it needs many repeats to stand out of the machine's noise
-MIN_REPS, MAX_REPS = 8, 100
+ROUND_CALLS = 4  # calls of one part per round, every rank of the section on the same part
+MIN_ROUNDS, MAX_ROUNDS = 2, 25
 
 
 def group_sizes(processes: int) -> list[int]:
@@ -80,30 +87,33 @@ def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
 def measure(processes: int, g: int, sp: bool, groups: list, world_group, device: torch.device,
             budget: float = BUDGET_S) -> tuple[float, float]:
     """(mean seconds of the layer's forward + backward, of its twin's) on ranks ``[0, processes)`` in groups
-    of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds; collective over the
-    whole world (ranks beyond ``processes`` wait)."""
+    of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds of alternating
+    rounds (the layer's, then the twin's); collective over the whole world (ranks beyond ``processes`` only
+    join the rounds' barriers)."""
     rank = dist.get_rank()
     mine = next((gr for gr in groups if rank in dist.get_process_group_ranks(gr)), None) \
         if rank < processes else None
-    reps = torch.zeros(1, device=device)
+    rounds = torch.zeros(1, device=device)
     parts = None
     if mine is not None:
         parts = _parts(mine, sp, device, torch.float32)
         t0 = time.perf_counter()
         for fn in parts:  # warm-up (and the groups' connections)
             fn()
-        reps[0] = max(MIN_REPS, min(MAX_REPS, int(budget / max(time.perf_counter() - t0, 1e-6))))
-    dist.broadcast(reps, src=0, group=world_group)  # every member runs each part as often as its peers
-    dist.barrier(group=world_group)
-    out = torch.zeros(2, device=device)
-    if parts is not None:
-        spent = [0.0, 0.0]
-        for _ in range(int(reps[0])):
-            for i, fn in enumerate(parts):
+        per_round = ROUND_CALLS * max(time.perf_counter() - t0, 1e-6)
+        rounds[0] = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / per_round)))
+    dist.broadcast(rounds, src=0, group=world_group)  # every member runs each part as often as its peers
+    spent = [0.0, 0.0]
+    for _ in range(int(rounds[0])):
+        for i in range(2):
+            dist.barrier(group=world_group)  # the whole section starts the part together
+            if parts is not None:
                 t0 = time.perf_counter()
-                fn()
+                for _ in range(ROUND_CALLS):
+                    parts[i]()
                 spent[i] += time.perf_counter() - t0
-        out[0], out[1] = spent[0] / int(reps[0]), spent[1] / int(reps[0])  # means: see kernels.timed
+    calls = int(rounds[0]) * ROUND_CALLS
+    out = torch.tensor([spent[0] / calls, spent[1] / calls], device=device)  # means: see kernels.timed
     dist.all_reduce(out, group=world_group)
     return float(out[0]) / processes, float(out[1]) / processes
 

@@ -199,8 +199,8 @@ CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
 
 
 # A decoder layer split over a tensor-parallel group, timed with every group of a section computing at once
-# (its heads, KV heads and FFN width divide over 2 and 4 ranks), in alternation with its compute twin (the
-# same kernels, no collective). What it takes beyond the twin and beyond its collectives as timed back to back
+# (its heads, KV heads and FFN width divide over 2 and 4 ranks), in alternating rounds with its compute twin
+# (the same kernels, no collective). What it takes beyond the twin and beyond its collectives as timed back to back
 # is what each collective of a run waits (see ``plait.calibrate.tp_block``, ``plan.timing.tp_wait``).
 TP_CALIBRATION_BLOCK = (2, 64, 384, 12, 4)
 

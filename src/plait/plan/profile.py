@@ -86,8 +86,9 @@ class Rate:
 class TPBlock:
     """A tensor-parallel decoder layer timed on every ``group``-rank TP group of the section at once
     (``sequence_parallel`` or not; ``plait.calibrate.tp_block``): ``seconds``, the mean of its forward +
-    backward on one rank, and ``twin_s``, of the same kernels without collectives (timed in alternation with
-    it). ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads), ``plan.eager.TP_CALIBRATION_BLOCK``."""
+    backward on one rank, and ``twin_s``, of the same kernels without collectives (timed in alternating
+    rounds with it). ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads),
+    ``plan.eager.TP_CALIBRATION_BLOCK``."""
 
     shape: tuple[int, ...]
     group: int

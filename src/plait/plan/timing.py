@@ -232,8 +232,8 @@ def _layer_collectives(cluster: Cluster, sh: eager.Local, n_bytes: float) -> tup
 def tp_wait(cluster: Cluster, tp: int, sp: bool) -> float:
     """Seconds each TP collective of a run waits beyond its back-to-back time, on a calibrated host that timed
     a tensor-parallel layer over ``tp`` ranks (``plait.calibrate.tp_block``; else 0): the layer less its
-    compute twin (timed in alternation) is what its collectives took inside a run; less the same collectives
-    as the profile's curves time them back to back, per collective, floored at 0. Where processes outnumber
+    compute twin (timed in alternating rounds) is what its collectives took inside a run; less the same
+    collectives as the profile's curves time them back to back, per collective, floored at 0. Where processes outnumber
     cores it is mostly the time a rank waits for a peer the scheduler has not run yet, or for a core once
     its peers' data arrived."""
     if cluster.profile is None or tp <= 1:
