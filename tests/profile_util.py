@@ -20,7 +20,8 @@ def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
     if block:  # seconds beyond GEMMs and attention of plan.eager.CALIBRATION_BLOCKS
         rates["block"] = Rate((4096.0, 98304.0), (1.5e-3, 6e-3), (1.5e-3 / share, 6e-3 / share), 0.3)
     # a TP layer as plait.calibrate.tp_block times it, over every group size the section measures
-    tp = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, 0.02 * g / share, 0.015 * g / share)
+    tp = tuple(TPBlock(shape, g, sp, 0.02 * g * i / share, 0.015 * g * i / share)
+               for i, shape in enumerate(eager.TP_CALIBRATION_BLOCKS, 1)
                for g in range(2, p + 1) if p % g == 0 for sp in (False, True)) if block else ()
     return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0, tp)
 

@@ -108,9 +108,11 @@ def test_zero_1_and_2_twins_are_ranked_once():
     assert any(e.layout.zero == 1 for e in result.best)
 
 
-def _tp_cluster(waits: dict[tuple[int, bool], float], p: int = 4) -> Cluster:
+def _tp_cluster(waits: dict[tuple[int, bool], float | tuple[float, ...]], p: int = 4,
+                shapes: tuple = eager.TP_CALIBRATION_BLOCKS) -> Cluster:
     """A section whose TP layers (plait.calibrate.tp_block) took their twin's time, their collectives as the
-    curves time them back to back, and ``waits[(group, sp)]`` more per collective."""
+    curves time them back to back, and ``waits[(group, sp)]`` more per collective (one figure for every
+    shape of ``shapes``, or one per shape)."""
     from plait.plan.profile import COLLECTIVES, Curve, TPBlock
 
     base = _section(None)
@@ -119,10 +121,12 @@ def _tp_cluster(waits: dict[tuple[int, bool], float], p: int = 4) -> Cluster:
     sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves)
     blocks = []
     for (g, sp), w in waits.items():
-        sh = eager.block_local(eager.TP_CALIBRATION_BLOCK, g, sp)
-        ops = (("all_gather", 4), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
-        back_to_back = sum(n * sec.collective(op, g, sh.n * 4) for op, n in ops)
-        blocks.append(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, 0.03 + back_to_back + w * (8 if sp else 4), 0.03))
+        per_shape = w if isinstance(w, tuple) else (w,) * len(shapes)
+        for shape, wait in zip(shapes, per_shape, strict=True):
+            sh = eager.block_local(shape, g, sp)
+            ops = (("all_gather", 4), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
+            back_to_back = sum(n * sec.collective(op, g, sh.n * 4) for op, n in ops)
+            blocks.append(TPBlock(shape, g, sp, 0.03 + back_to_back + wait * (8 if sp else 4), 0.03))
     sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves, 0.0, tuple(blocks))
     return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {p: sec}), p)
 
@@ -136,10 +140,12 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
     extra = 6e-3
     probe = _tp_cluster({})
     cluster = _tp_cluster({(2, False): extra, (4, False): extra, (4, True): extra})
-    assert timing.tp_wait(cluster, 4, True) == timing.tp_wait(cluster, 2, True) == pytest.approx(extra)
-    assert timing.tp_wait(_tp_cluster({(2, False): -1e-3}), 2, False) == 0.0
-    assert timing.tp_wait(_tp_cluster({(2, False): extra}), 4, False) == 0.0
-    assert timing.tp_wait(probe, 2, False) == 0.0
+    for n in (1e3, 5e5, 1e7):  # the same wait at both sizes timed: the same at every size
+        assert timing.tp_wait(cluster, 4, True, n) == pytest.approx(extra)
+        assert timing.tp_wait(cluster, 2, True, n) == pytest.approx(extra)  # the non-SP form stands in
+    assert timing.tp_wait(_tp_cluster({(2, False): -1e-3}), 2, False, 5e5) == 0.0
+    assert timing.tp_wait(_tp_cluster({(2, False): extra}), 4, False, 5e5) == 0.0
+    assert timing.tp_wait(probe, 2, False, 5e5) == 0.0
     model = Model.preset("small", seq_len=128)
     for sp, (nf, nb) in ((False, (2, 2)), (True, (4, 4))):
         layout = Layout(tp=4, microbatch_size=4, sequence_parallel=sp)
@@ -149,6 +155,31 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
         assert (head.f_tp - h0.f_tp, head.b_tp - h0.b_tp) == pytest.approx(((3 if sp else 2) * extra, extra))
         assert (embed.f_tp - e0.f_tp, embed.b_tp - e0.b_tp) == pytest.approx((extra, 0.0))
         assert layer.f_compute == l0.f_compute and layer.b_compute == l0.b_compute
+
+
+def test_tp_wait_is_a_line_in_the_activation_bytes_through_the_sizes_timed():
+    """The TP layer timed at two sizes (plan.eager.TP_CALIBRATION_BLOCKS: 192 KB and 768 KB activations)
+    waited 1 ms and 6 ms per collective: the wait at another size is the line through the two, floored at 0;
+    a run's layer adds it at its own activation's bytes. A profile with one size timed (an older
+    calibration) waits that size's figure at every size."""
+    small, large = (eager.block_local(s).n * 4 for s in eager.TP_CALIBRATION_BLOCKS)
+    assert (small, large) == (2 * 64 * 384 * 4, 4 * 128 * 384 * 4)
+    cluster = _tp_cluster({(2, False): (1e-3, 6e-3)})
+
+    def line(n: float) -> float:
+        return max(0.0, 1e-3 + 5e-3 * (n - small) / (large - small))
+
+    for n in (small, large, (small + large) / 2, 2 * large, small / 4):
+        assert timing.tp_wait(cluster, 2, False, n) == pytest.approx(line(n), abs=1e-12), n
+    assert timing.tp_wait(cluster, 2, False, small / 4) == 0.0  # below the line's zero (77 KB)
+    assert timing.tp_wait(cluster, 2, False, 2 * large) > 6e-3
+    model = Model.preset("small", seq_len=128)  # 4x128 tokens of width 256 in fp32: 512 KB
+    layout = Layout(tp=2, microbatch_size=4)
+    probe = _tp_cluster({(2, False): 0.0})
+    (layer, _, _), (l0, _, _) = (timing.block_costs(model, c, layout, "fp32") for c in (cluster, probe))
+    assert layer.f_tp - l0.f_tp == pytest.approx(2 * line(4 * 128 * 256 * 4))
+    old = _tp_cluster({(2, False): 3e-3}, shapes=eager.TP_CALIBRATION_BLOCKS[:1])
+    assert timing.tp_wait(old, 2, False, small) == timing.tp_wait(old, 2, False, 10 * large) == pytest.approx(3e-3)
 
 
 def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
@@ -164,6 +195,6 @@ def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
     console = Console(width=200, record=True)
     _summary(console, profile, Path(tmp_path / "host.toml"))
     text = console.export_text()
-    want = timing.tp_wait(Cluster.from_profile(profile, 4), 4, False)
+    want = timing.tp_wait(Cluster.from_profile(profile, 4), 4, False, 1 << 20)
     assert want > 0 and f"{want * 1e3:.2f} (tp4)" in text
-    assert "TP wait ms" in text and text.count("(tp") == 2  # sections of 2 and 4 processes; 1 has none
+    assert "TP wait 1 MB ms" in text and text.count("(tp") == 2  # sections of 2 and 4 processes; 1 has none

@@ -116,8 +116,9 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
     assert len(cached) == 1 and 2 in HostProfile.load(cached[0]).sections  # measured by the run, cached
     section = HostProfile.load(cached[0]).section(2)  # with real decoder layers and the optimizer step timed
     assert len(section.rates["block"].sizes) == 2 and section.optimizer_s_per_param > 0
-    tp_layer = section.tp_block(eager.TP_CALIBRATION_BLOCK, 2, False)  # and a layer split over 2 ranks
-    assert tp_layer is not None and tp_layer.seconds > 0
+    for shape in eager.TP_CALIBRATION_BLOCKS:  # and a layer split over 2 ranks, at each size
+        tp_layer = section.tp_block(shape, 2, False)
+        assert tp_layer is not None and tp_layer.seconds > tp_layer.twin_s > 0
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(r["predicted_step_time_s"] > 0 and "step_time_s" in r for r in rows)
     assert 0 <= rows[-1]["measured_bubble"] < 1 and 0 <= rows[-1]["predicted_bubble"] < 1

@@ -28,7 +28,7 @@ def total_steps(counts: list[int]) -> int:
     for p in counts:
         total += _kernel_steps() * (2 if p > 1 else 1)
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
-        total += 2 * len(tp_block.group_sizes(p))
+        total += 2 * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)
     return total
 
 
@@ -110,8 +110,7 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     if rank != 0:
         return None
     assert alone is not None and shared is not None  # measured on rank 0
-    blocks = tuple(TPBlock(eager.TP_CALIBRATION_BLOCK, g, sp, secs, twin)
-                   for (g, sp), (secs, twin) in sorted(layers.items()))
+    blocks = tuple(TPBlock(shape, g, sp, secs, twin) for (shape, g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
                    {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"], blocks)
 

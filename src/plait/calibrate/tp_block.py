@@ -35,26 +35,27 @@ from plait.calibrate.kernels import sync
 from plait.plan import eager
 from plait.plan.model import llama_ffn
 
-BUDGET_S = 2.0  # time each (group size, sequence parallel) figure is measured for, after a warm-up: the wait
-# is a few per cent of the layer, so it needs many repeats to stand out of the machine's noise
+BUDGET_S = 1.2  # time each (shape, group size, sequence parallel) figure is measured for, after a warm-up:
+# the wait is a few per cent of the layer, so it needs repeats to stand out of the machine's noise
 ROUND_CALLS = 4  # calls of one part per round, every rank of the section on the same part
 MIN_ROUNDS, MAX_ROUNDS = 2, 25
 
 
 def group_sizes(processes: int) -> list[int]:
-    """TP group sizes timed in a section of ``processes``: those the block's heads and widths divide over."""
-    _, _, h, heads, kv = eager.TP_CALIBRATION_BLOCK
-    return [g for g in coll.group_sizes(processes) if heads % g == 0 and kv % g == 0 and llama_ffn(h) % g == 0]
+    """TP group sizes timed in a section of ``processes``: those every block's heads and widths divide over."""
+    return [g for g in coll.group_sizes(processes)
+            if all(heads % g == 0 and kv % g == 0 and llama_ffn(h) % g == 0
+                   for _, _, h, heads, kv in eager.TP_CALIBRATION_BLOCKS)]
 
 
-def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
-    """(layer step, twin step) closures of this rank's shard of the calibration layer."""
+def _parts(shape: tuple[int, ...], group, sp: bool, device: torch.device, dtype: torch.dtype):
+    """(layer step, twin step) closures of this rank's shard of the calibration layer of ``shape``."""
     from plait.distributed.context import tp_group_context
     from plait.models.family import family_of
     from plait.models.llama import DecoderLayer, Llama, LlamaConfig
     from plait.tensor_parallel.plan import apply_tp_plan
 
-    b, s, h, heads, kv = eager.TP_CALIBRATION_BLOCK
+    b, s, h, heads, kv = shape
     ctx = tp_group_context(group, device)
     t = ctx.tp_size
     cfg = LlamaConfig(vocab_size=256, dim=h, n_layers=1, n_heads=heads, n_kv_heads=kv, ffn_dim=llama_ffn(h),
@@ -84,9 +85,9 @@ def _parts(group, sp: bool, device: torch.device, dtype: torch.dtype):
     return run_layer, run_twin
 
 
-def measure(processes: int, g: int, sp: bool, groups: list, world_group, device: torch.device,
-            budget: float = BUDGET_S) -> tuple[float, float]:
-    """(mean seconds of the layer's forward + backward, of its twin's) on ranks ``[0, processes)`` in groups
+def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: list, world_group,
+            device: torch.device, budget: float = BUDGET_S) -> tuple[float, float]:
+    """(mean seconds of the ``shape`` layer's forward + backward, of its twin's) on ranks ``[0, processes)`` in groups
     of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds of alternating
     rounds (the layer's, then the twin's); collective over the whole world (ranks beyond ``processes`` only
     join the rounds' barriers)."""
@@ -96,7 +97,7 @@ def measure(processes: int, g: int, sp: bool, groups: list, world_group, device:
     rounds = torch.zeros(1, device=device)
     parts = None
     if mine is not None:
-        parts = _parts(mine, sp, device, torch.float32)
+        parts = _parts(shape, mine, sp, device, torch.float32)
         t0 = time.perf_counter()
         for fn in parts:  # warm-up (and the groups' connections)
             fn()
@@ -119,13 +120,17 @@ def measure(processes: int, g: int, sp: bool, groups: list, world_group, device:
 
 
 def measure_all(processes: int, groups: dict, world_group, device: torch.device, tick=lambda what: None,
-                quick: bool = False) -> dict[tuple[int, bool], tuple[float, float]]:
-    """(group size, sequence parallel) -> (layer seconds, twin seconds) for every TP group size of the
-    section (collective); ``quick``: without sequence parallelism, a quarter of the time (noisier)."""
-    out = {}
-    for g in group_sizes(processes):
-        for sp in (False,) if quick else (False, True):
-            out[(g, sp)] = measure(processes, g, sp, groups[(processes, g)], world_group, device,
-                                   BUDGET_S / 4 if quick else BUDGET_S)
-            tick(f"tensor-parallel layer over {g} of {processes} processes{' (SP)' if sp else ''}")
+                quick: bool = False) -> dict[tuple[tuple[int, ...], int, bool], tuple[float, float]]:
+    """(shape, group size, sequence parallel) -> (layer seconds, twin seconds) for every calibration shape
+    and TP group size of the section (collective); ``quick``: without sequence parallelism, a quarter of
+    the time (noisier)."""
+    out: dict[tuple[tuple[int, ...], int, bool], tuple[float, float]] = {}
+    for shape in eager.TP_CALIBRATION_BLOCKS:
+        tokens = f"{shape[0]}x{shape[1]}"
+        for g in group_sizes(processes):
+            for sp in (False,) if quick else (False, True):
+                out[(shape, g, sp)] = measure(shape, processes, g, sp, groups[(processes, g)], world_group, device,
+                                              BUDGET_S / 4 if quick else BUDGET_S)
+                tick(f"tensor-parallel layer ({tokens} tokens) over {g} of {processes} processes"
+                     f"{' (SP)' if sp else ''}")
     return out

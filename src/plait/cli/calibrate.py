@@ -62,14 +62,14 @@ def _summary(console, profile, path: Path) -> None:
     t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {profile.cores} cores ({path})",
               header_style="bold")
     for col in ("processes", "threads", "GEMM GFLOP/s alone", "shared", "attention GFLOP/s", "element-wise GB/s",
-                "kernel µs", "all-reduce 1 MB ms", "TP wait ms"):
+                "kernel µs", "all-reduce 1 MB ms", "TP wait 1 MB ms"):
         t.add_column(col, justify="right")
     for p in sorted(profile.sections):
         s = profile.sections[p]
         mm, att, el = s.rates["matmul"], s.rates["attention"], s.rates["elementwise"]
         ar = s.collective("all_reduce", p, 1 << 20) * 1e3 if p > 1 else 0.0
         tp = max((b.group for b in s.tp_blocks), default=0)  # the wait of the largest TP group timed
-        wait = tp_wait(Cluster.from_profile(profile, p), tp, False) if tp else 0.0
+        wait = tp_wait(Cluster.from_profile(profile, p), tp, False, 1 << 20) if tp else 0.0
         t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.shared[-1] / 1e9:.1f}",
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
                   f"{ar:.2f}" if p > 1 else "-", f"{wait * 1e3:.2f} (tp{tp})" if tp else "-")

@@ -200,13 +200,15 @@ CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
 
 # A decoder layer split over a tensor-parallel group, timed with every group of a section computing at once
 # (its heads, KV heads and FFN width divide over 2 and 4 ranks), in alternating rounds with its compute twin
-# (the same kernels, no collective). What it takes beyond the twin and beyond its collectives as timed back to back
-# is what each collective of a run waits (see ``plait.calibrate.tp_block``, ``plan.timing.tp_wait``).
-TP_CALIBRATION_BLOCK = (2, 64, 384, 12, 4)
+# (the same kernels, no collective), at two sizes: 2x64 and 4x128 tokens of width 384 (192 KB and 768 KB
+# per fp32 activation). What it takes beyond the twin and beyond its collectives as timed back to back is
+# what each collective of a run waits, a line in the activation's bytes through the two sizes (see
+# ``plait.calibrate.tp_block``, ``plan.timing.tp_wait``).
+TP_CALIBRATION_BLOCKS = ((2, 64, 384, 12, 4), (4, 128, 384, 12, 4))
 
 
 def block_local(shape: tuple[int, int, int, int, int], tp: int = 1, sp: bool = False) -> Local:
-    """The sizes of calibration block ``shape`` (``CALIBRATION_BLOCKS``, ``TP_CALIBRATION_BLOCK``) on one of
+    """The sizes of calibration block ``shape`` (``CALIBRATION_BLOCKS``, ``TP_CALIBRATION_BLOCKS``) on one of
     ``tp`` ranks (``sp``: sequence parallel) as the census counts them."""
     b, s, h, heads, kv = shape
     return Local(float(b * s), float(s), h, h // heads, float(heads / tp), max(float(kv / tp), 1.0),

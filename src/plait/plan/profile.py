@@ -88,7 +88,7 @@ class TPBlock:
     (``sequence_parallel`` or not; ``plait.calibrate.tp_block``): ``seconds``, the mean of its forward +
     backward on one rank, and ``twin_s``, of the same kernels without collectives (timed in alternating
     rounds with it). ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads),
-    ``plan.eager.TP_CALIBRATION_BLOCK``."""
+    one of ``plan.eager.TP_CALIBRATION_BLOCKS``."""
 
     shape: tuple[int, ...]
     group: int

@@ -229,23 +229,33 @@ def _layer_collectives(cluster: Cluster, sh: eager.Local, n_bytes: float) -> tup
     return f, f, 2, 2
 
 
-def tp_wait(cluster: Cluster, tp: int, sp: bool) -> float:
-    """Seconds each TP collective of a run waits beyond its back-to-back time, on a calibrated host that timed
-    a tensor-parallel layer over ``tp`` ranks (``plait.calibrate.tp_block``; else 0): the layer less its
-    compute twin (timed in alternating rounds) is what its collectives took inside a run; less the same
-    collectives as the profile's curves time them back to back, per collective, floored at 0. Where processes outnumber
-    cores it is mostly the time a rank waits for a peer the scheduler has not run yet, or for a core once
-    its peers' data arrived."""
+def tp_wait(cluster: Cluster, tp: int, sp: bool, n_bytes: float) -> float:
+    """Seconds each TP collective of a run waits beyond its back-to-back time, for an activation of
+    ``n_bytes`` (``[b, s, h]`` in full), on a calibrated host that timed a tensor-parallel layer over ``tp``
+    ranks (``plait.calibrate.tp_block``; else 0). At each size timed, the layer less its compute twin (timed
+    in alternating rounds) is what its collectives took inside a run; less the same collectives as the
+    profile's curves time them back to back, per collective, it is that size's wait. Between and beyond the
+    smallest and largest size timed it is the line through those two (one size timed: its wait), floored
+    at 0. Where processes outnumber cores it is mostly the time a rank waits for a peer the scheduler has not
+    run yet, or for a core once its peers' data arrived; it grows with the bytes (in a run the collective's
+    buffers come cold from compute, not hot from the last call of a tight loop)."""
     if cluster.profile is None or tp <= 1:
         return 0.0
     sec = cluster.section
-    shape = eager.TP_CALIBRATION_BLOCK  # the other form stands in where one was not timed (a quick calibration)
-    blk = sec.tp_block(shape, tp, sp) or sec.tp_block(shape, tp, not sp)
-    if blk is None:
+    # the other form stands in where one was not timed (a quick calibration times no SP)
+    blocks = [b for b in sec.tp_blocks if b.group == tp and b.sequence_parallel == sp] or \
+        [b for b in sec.tp_blocks if b.group == tp]
+    points = []
+    for blk in blocks:
+        sh = eager.block_local(tuple(blk.shape), tp, blk.sequence_parallel)  # type: ignore[arg-type]
+        f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, sh.n * 4)  # fp32, as timed
+        points.append((sh.n * 4, (blk.seconds - blk.twin_s - f_tp - b_tp) / (nf + nb)))
+    if not points:
         return 0.0
-    sh = eager.block_local(shape, tp, blk.sequence_parallel)
-    f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, sh.n * 4)  # fp32, as timed
-    return max(0.0, blk.seconds - blk.twin_s - f_tp - b_tp) / (nf + nb)
+    (x0, y0), (x1, y1) = min(points), max(points)
+    if x1 == x0:
+        return max(0.0, y0)
+    return max(0.0, y0 + (y1 - y0) * (n_bytes - x0) / (x1 - x0))
 
 
 def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, precision: str,
@@ -257,7 +267,7 @@ def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, prec
     t, n_bytes = layout.tp, sh.n * d
     work = {"layer": eager.layer_work, "head": eager.head_work, "embedding": eager.embedding_work}[kind](sh, d)
     c = _work_costs(work, cluster, shared, layer=kind == "layer")
-    wait = tp_wait(cluster, t, sh.sp)
+    wait = tp_wait(cluster, t, sh.sp, n_bytes)
     if kind == "layer":
         f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, n_bytes)
     elif kind == "head":  # the loss's max and sums ([T] and [2, T]); in backward the input's gradient
