@@ -54,8 +54,9 @@ def load() -> str:
 
 def calibrate(out: Path) -> float:
     t0 = time.perf_counter()
-    subprocess.run(PLAIT + ["calibrate", "--out", str(out)], check=True, capture_output=True, text=True,
-                   timeout=600)
+    done = subprocess.run(PLAIT + ["calibrate", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"plait calibrate failed:\n{done.stderr[-2000:]}")
     return time.perf_counter() - t0
 
 

@@ -135,15 +135,16 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
     """A TP layer whose collectives took 6 ms each beyond their back-to-back time (plait.calibrate.tp_block:
     the layer less its compute twin, less the curves' collectives) adds 6 ms to every TP collective of a
     run: forward and backward of a layer (4 + 4 under SP, 2 + 2 without), the head's and the embedding's;
-    the kernels are unchanged. A negative wait (noise) counts 0, a group size not timed 0, and a quick
-    calibration's one form stands in for the other."""
+    the kernels are unchanged. A negative wait (a curve above what the layer showed) lowers the collectives
+    to what the layer showed, never below 0; a group size not timed waits 0, and a quick calibration's one
+    form stands in for the other."""
     extra = 6e-3
     probe = _tp_cluster({})
     cluster = _tp_cluster({(2, False): extra, (4, False): extra, (4, True): extra})
     for n in (1e3, 5e5, 1e7):  # the same wait at both sizes timed: the same at every size
         assert timing.tp_wait(cluster, 4, True, n) == pytest.approx(extra)
         assert timing.tp_wait(cluster, 2, True, n) == pytest.approx(extra)  # the non-SP form stands in
-    assert timing.tp_wait(_tp_cluster({(2, False): -1e-3}), 2, False, 5e5) == 0.0
+    assert timing.tp_wait(_tp_cluster({(2, False): -1e-3}), 2, False, 5e5) == pytest.approx(-1e-3)
     assert timing.tp_wait(_tp_cluster({(2, False): extra}), 4, False, 5e5) == 0.0
     assert timing.tp_wait(probe, 2, False, 5e5) == 0.0
     model = Model.preset("small", seq_len=128)
@@ -159,25 +160,31 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
 
 def test_tp_wait_is_a_line_in_the_activation_bytes_through_the_sizes_timed():
     """The TP layer timed at two sizes (plan.eager.TP_CALIBRATION_BLOCKS: 192 KB and 768 KB activations)
-    waited 1 ms and 6 ms per collective: the wait at another size is the line through the two, floored at 0;
-    a run's layer adds it at its own activation's bytes. A profile with one size timed (an older
-    calibration) waits that size's figure at every size."""
+    waited 1 ms and 6 ms per collective: the wait at another size is the line through the two;
+    a run's layer adds it at its own activation's bytes, and a block's collectives cost at least 0. A profile
+    with one size timed (an older calibration) waits that size's figure at every size."""
     small, large = (eager.block_local(s).n * 4 for s in eager.TP_CALIBRATION_BLOCKS)
     assert (small, large) == (2 * 64 * 384 * 4, 4 * 128 * 384 * 4)
     cluster = _tp_cluster({(2, False): (1e-3, 6e-3)})
 
     def line(n: float) -> float:
-        return max(0.0, 1e-3 + 5e-3 * (n - small) / (large - small))
+        return 1e-3 + 5e-3 * (n - small) / (large - small)
 
     for n in (small, large, (small + large) / 2, 2 * large, small / 4):
         assert timing.tp_wait(cluster, 2, False, n) == pytest.approx(line(n), abs=1e-12), n
-    assert timing.tp_wait(cluster, 2, False, small / 4) == 0.0  # below the line's zero (77 KB)
+    assert timing.tp_wait(cluster, 2, False, small / 4) < 0  # below the line's zero (77 KB)
     assert timing.tp_wait(cluster, 2, False, 2 * large) > 6e-3
     model = Model.preset("small", seq_len=128)  # 4x128 tokens of width 256 in fp32: 512 KB
     layout = Layout(tp=2, microbatch_size=4)
     probe = _tp_cluster({(2, False): 0.0})
     (layer, _, _), (l0, _, _) = (timing.block_costs(model, c, layout, "fp32") for c in (cluster, probe))
     assert layer.f_tp - l0.f_tp == pytest.approx(2 * line(4 * 128 * 256 * 4))
+    low = _tp_cluster({(2, False): -2e-4})  # the curves 0.2 ms above what the layer showed, per collective
+    (layer, _, head), (l0, _, h0) = (timing.block_costs(model, c, layout, "fp32") for c in (low, probe))
+    assert l0.f_tp > 4e-4 and h0.b_tp > 2e-4
+    assert layer.f_tp - l0.f_tp == pytest.approx(-4e-4) and head.b_tp - h0.b_tp == pytest.approx(-2e-4)
+    (layer, embed, head) = timing.block_costs(model, _tp_cluster({(2, False): -1.0}), layout, "fp32")
+    assert layer.f_tp == layer.b_tp == head.f_tp == embed.f_tp == 0.0  # never below nothing
     old = _tp_cluster({(2, False): 3e-3}, shapes=eager.TP_CALIBRATION_BLOCKS[:1])
     assert timing.tp_wait(old, 2, False, small) == timing.tp_wait(old, 2, False, 10 * large) == pytest.approx(3e-3)
 

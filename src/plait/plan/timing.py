@@ -235,10 +235,12 @@ def tp_wait(cluster: Cluster, tp: int, sp: bool, n_bytes: float) -> float:
     ranks (``plait.calibrate.tp_block``; else 0). At each size timed, the layer less its compute twin (timed
     in alternating rounds) is what its collectives took inside a run; less the same collectives as the
     profile's curves time them back to back, per collective, it is that size's wait. Between and beyond the
-    smallest and largest size timed it is the line through those two (one size timed: its wait), floored
-    at 0. Where processes outnumber cores it is mostly the time a rank waits for a peer the scheduler has not
-    run yet, or for a core once its peers' data arrived; it grows with the bytes (in a run the collective's
-    buffers come cold from compute, not hot from the last call of a tight loop)."""
+    smallest and largest size timed it is the line through those two (one size timed: its wait). Where
+    processes outnumber cores it is mostly the time a rank waits for a peer the scheduler has not run yet,
+    or for a core once its peers' data arrived; it grows with the bytes (in a run the collective's buffers
+    come cold from compute, not hot from the last call of a tight loop). It is negative where a curve came
+    out above what the layer showed (the curves are short tight loops, the noisier figure): the layer's
+    collectives then cost what the layer showed (``_eager_block`` floors a block's collectives at 0)."""
     if cluster.profile is None or tp <= 1:
         return 0.0
     sec = cluster.section
@@ -254,8 +256,8 @@ def tp_wait(cluster: Cluster, tp: int, sp: bool, n_bytes: float) -> float:
         return 0.0
     (x0, y0), (x1, y1) = min(points), max(points)
     if x1 == x0:
-        return max(0.0, y0)
-    return max(0.0, y0 + (y1 - y0) * (n_bytes - x0) / (x1 - x0))
+        return y0
+    return y0 + (y1 - y0) * (n_bytes - x0) / (x1 - x0)
 
 
 def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, precision: str,
@@ -280,7 +282,7 @@ def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, prec
         f_tp, b_tp = collective(cluster, "reduce_scatter" if sh.sp else "all_reduce", n_bytes, t), 0.0
         nf, nb = 1, 0
     if t > 1:
-        f_tp, b_tp = f_tp + nf * wait, b_tp + nb * wait
+        f_tp, b_tp = max(0.0, f_tp + nf * wait), max(0.0, b_tp + nb * wait)
     recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
     if kind == "layer" and layout.recompute == "selective":  # the attention core's forward again
         attn = cluster.section.rates["attention"]
