@@ -7,6 +7,9 @@ bytes per rank (measured on the first step). The rounds alternate (every layout 
 change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
 compared.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
+Before every run it times the calibration's largest GEMM in this process (as ``plait calibrate`` times it for
+one process): its speed over the calibration's is the ``host speed`` column. This machine's speed moves by
+up to a quarter between minutes, and a prediction can only be as right as the speed it was calibrated at.
 Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``;
 ``--profile FILE`` keeps the calibration (or reuses one), ``--layouts a,b`` picks layouts.
 """
@@ -52,6 +55,23 @@ def load() -> str:
     return Path("/proc/loadavg").read_text().split(" ")[0] if Path("/proc/loadavg").exists() else "?"
 
 
+def host_speed(profile: Path) -> float:
+    """This host's GEMM speed now over the calibration's (its one-process section, largest GEMM, median)."""
+    import torch
+
+    from plait.calibrate.kernels import GEMM_SHAPES, gemm_rate
+    from plait.plan.profile import HostProfile
+
+    one = HostProfile.load(profile).sections[1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(one.threads)
+    try:
+        now = gemm_rate(GEMM_SHAPES[-1], torch.device("cpu"), torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    return now / one.rates["matmul"].alone[-1]
+
+
 def calibrate(out: Path) -> float:
     t0 = time.perf_counter()
     done = subprocess.run(PLAIT + ["calibrate", "--out", str(out)], capture_output=True, text=True, timeout=600)
@@ -84,13 +104,14 @@ def memory_errors(rows: list[dict]) -> list[tuple[str, float, float]]:
     return out
 
 
-def summarise(name: str, rounds: list[list[dict]]) -> dict:
+def summarise(name: str, rounds: list[list[dict]], speeds: list[float]) -> dict:
     steady = [r for rows in rounds for r in rows if r["step"] > 2]
     measured = statistics.median(r["step_time_s"] for r in steady)
     predicted = steady[0]["predicted_step_time_s"]
     bubbles = [r["measured_bubble"] for r in steady if r.get("measured_bubble") is not None]
     mem = memory_errors(rounds[-1])
     return {"layout": name, "measured_s": measured, "predicted_s": predicted, "ratio": measured / predicted,
+            "host_speed": statistics.median(speeds),
             "measured_bubble": statistics.median(bubbles) if bubbles else None,
             "predicted_bubble": steady[0].get("predicted_bubble"),
             "memory": [{"what": w, "predicted": p, "measured": m} for w, p, m in mem]}
@@ -117,14 +138,16 @@ def main() -> None:
         profile = (args.profile or work / "host.toml").resolve()
         cal_s = 0.0 if profile.is_file() else calibrate(profile)
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
+        speeds: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.rounds if args.rounds is not None else (1 if quick else 2)):
             for n in names:
+                speeds[n].append(host_speed(profile))
                 rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
-    rows = [summarise(n, rounds[n]) for n in names]
+    rows = [summarise(n, rounds[n], speeds[n]) for n in names]
     print(f"calibration {cal_s:.0f} s ({profile}); load average during the runs: {', '.join(env_load)} (2 cores)")
-    print(f"{'layout':26} {'measured ms':>11} {'predicted':>9} {'ratio':>6} {'bubble meas':>11} {'pred':>6}  memory "
-          f"(worst |error|)")
+    print(f"{'layout':26} {'measured ms':>11} {'predicted':>9} {'ratio':>6} {'host speed':>10} {'bubble meas':>11} "
+          f"{'pred':>6}  memory (worst |error|)")
     for r in rows:
         worst = max(r["memory"], key=lambda x: abs(x["measured"] / x["predicted"] - 1) if x["predicted"] else 0,
                     default=None)
@@ -133,10 +156,14 @@ def main() -> None:
         mb = f"{r['measured_bubble']:.1%}" if r["measured_bubble"] is not None else "-"
         pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else "-"
         print(f"{r['layout']:26} {r['measured_s'] * 1e3:>11.0f} {r['predicted_s'] * 1e3:>9.0f} {r['ratio']:>6.2f} "
-              f"{mb:>11} {pb:>6}  {mem}")
+              f"{r['host_speed']:>10.2f} {mb:>11} {pb:>6}  {mem}")
     time_ok = all(abs(r["ratio"] - 1) <= GOAL_TIME for r in rows)
     mems = [x for r in rows for x in r["memory"] if x["predicted"]]
     mem_ok = bool(mems) and all(abs(x["measured"] / x["predicted"] - 1) <= GOAL_MEMORY for x in mems)
+    drift = [x for v in speeds.values() for x in v]
+    if drift and (min(drift) < 0.9 or max(drift) > 1.1):
+        print(f"note: the host ran at {min(drift):.2f}-{max(drift):.2f}x the calibration's GEMM speed during the "
+              "runs; the step times are off by about as much (calibrate again when it is steady)")
     print(f"goal: step time within {GOAL_TIME:.0%}: {'PASS' if time_ok else 'FAIL'}; memory within "
           f"{GOAL_MEMORY:.0%}: {'PASS' if mem_ok else ('FAIL' if mems else 'not measured')}")
     print(json.dumps({"load": env_load, "calibration_s": cal_s, "layouts": rows, "time_goal_met": time_ok,
