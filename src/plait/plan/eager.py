@@ -207,7 +207,7 @@ CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
 TP_CALIBRATION_BLOCKS = ((2, 64, 384, 12, 4), (4, 128, 384, 12, 4))
 
 
-def block_local(shape: tuple[int, int, int, int, int], tp: int = 1, sp: bool = False) -> Local:
+def block_local(shape: tuple[int, ...], tp: int = 1, sp: bool = False) -> Local:
     """The sizes of calibration block ``shape`` (``CALIBRATION_BLOCKS``, ``TP_CALIBRATION_BLOCKS``) on one of
     ``tp`` ranks (``sp``: sequence parallel) as the census counts them."""
     b, s, h, heads, kv = shape

@@ -249,7 +249,7 @@ def tp_wait(cluster: Cluster, tp: int, sp: bool, n_bytes: float) -> float:
         [b for b in sec.tp_blocks if b.group == tp]
     points = []
     for blk in blocks:
-        sh = eager.block_local(tuple(blk.shape), tp, blk.sequence_parallel)  # type: ignore[arg-type]
+        sh = eager.block_local(blk.shape, tp, blk.sequence_parallel)
         f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, sh.n * 4)  # fp32, as timed
         points.append((sh.n * 4, (blk.seconds - blk.twin_s - f_tp - b_tp) / (nf + nb)))
     if not points:
