@@ -205,3 +205,23 @@ def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
     want = timing.tp_wait(Cluster.from_profile(profile, 4), 4, False, 1 << 20)
     assert want > 0 and f"{want * 1e3:.2f} (tp4)" in text
     assert "TP wait 1 MB ms" in text and text.count("(tp") == 2  # sections of 2 and 4 processes; 1 has none
+
+
+def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
+    """A calibrated host's processes fill its cores, so the gradient reduction (all-reduce; ZeRO's
+    reduce-scatter and all-gather) adds its curves' time to the step; a catalogue GPU's backward hides it."""
+    from plait.plan import Training, estimate
+    from plait.plan import memory as mem
+
+    model = Model.preset("tiny", seq_len=128)
+    host = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    for zero in (0, 1):
+        layout = Layout(pp=2, dp=2, microbatch_size=1, zero=zero, schedule="1f1b")
+        est = estimate(model, host, layout, Training(8, precision="fp32"))
+        sync = timing.dp_sync_time(model, host, layout, mem.max_rank_params(model, layout))
+        assert sync > 0 and est.time["dp_comm"] == pytest.approx(sync)
+    gpus = Cluster("a100-40gb", 4)
+    assert timing.dp_hidden(gpus, 0.25) == 0.25 and timing.dp_hidden(host, 0.25) == 0.0
+    layout = Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b")
+    sync = timing.dp_sync_time(model, gpus, layout, mem.max_rank_params(model, layout))
+    assert 0.0 <= estimate(model, gpus, layout, Training(64)).time["dp_comm"] < sync  # the backward hides some

@@ -137,7 +137,7 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
         busy["cpu_sharing"] = max(0.0, wall - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
     dp = timing.dp_sync_time(model, cluster, layout, params)
-    overlap = max(c.backward for c in ranks) if training.overlap_grad_reduce else 0.0
+    overlap = timing.dp_hidden(cluster, max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
     per_mb = timing.zero_per_microbatch(cluster, layout, params)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),

@@ -113,7 +113,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``_estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
-    overlap = max(backward) if training.overlap_grad_reduce else 0.0
+    overlap = timing.dp_hidden(cluster, max(backward)) if training.overlap_grad_reduce else 0.0
     seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
     seconds += timing.optimizer_time(model, cluster, layout, params, max(st.rank_layers))
     r0 = st.first_rank
