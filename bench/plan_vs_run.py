@@ -7,9 +7,10 @@ bytes per rank (measured on the first step). The rounds alternate (every layout 
 change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
 compared.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
-Before every run it times the calibration's largest GEMM in this process (as ``plait calibrate`` times it for
-one process): its speed over the calibration's is the ``host speed`` column. This machine's speed moves by
-up to a quarter between minutes, and a prediction can only be as right as the speed it was calibrated at.
+Before every run it takes the calibration's speed probe (one thread, one linear layer) in this process: the
+speed now over the calibration's mean is the ``host speed`` column. This machine's speed moves by up to a
+quarter between minutes (more on a busy day), and a prediction can only be as right as the speed it was
+calibrated at.
 Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``;
 ``--profile FILE`` keeps the calibration (or reuses one), ``--layouts a,b`` picks layouts.
 """
@@ -56,20 +57,15 @@ def load() -> str:
 
 
 def host_speed(profile: Path) -> float:
-    """This host's GEMM speed now over the calibration's (its one-process section, largest GEMM, median)."""
+    """This host's speed now over its mean speed during the calibration (``plait.calibrate.kernels.
+    reference_rate``, the probe the calibration took between its phases); nan for a profile without it."""
     import torch
 
-    from plait.calibrate.kernels import GEMM_SHAPES, gemm_rate
+    from plait.calibrate.kernels import reference_rate
     from plait.plan.profile import HostProfile
 
-    one = HostProfile.load(profile).sections[1]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(one.threads)
-    try:
-        now = gemm_rate(GEMM_SHAPES[-1], torch.device("cpu"), torch.float32)
-    finally:
-        torch.set_num_threads(threads)
-    return now / one.rates["matmul"].alone[-1]
+    then = HostProfile.load(profile).host.get("speed_flops")
+    return reference_rate(torch.device("cpu")) / float(then) if then else float("nan")
 
 
 def calibrate(out: Path) -> float:
@@ -118,6 +114,8 @@ def summarise(name: str, rounds: list[list[dict]], speeds: list[float]) -> dict:
 
 
 def main() -> None:
+    from plait.plan.profile import HostProfile
+
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few layouts, one round (a smoke run)")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps of plait train per layout and round")
@@ -145,7 +143,10 @@ def main() -> None:
                 rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
     rows = [summarise(n, rounds[n], speeds[n]) for n in names]
-    print(f"calibration {cal_s:.0f} s ({profile}); load average during the runs: {', '.join(env_load)} (2 cores)")
+    moved = HostProfile.load(profile).host.get("speed_moved")
+    print(f"calibration {cal_s:.0f} s ({profile}; the host's speed moved "
+          f"{'?' if moved is None else f'{float(moved):.0%}'} during it); load average during the runs: "
+          f"{', '.join(env_load)} ({os.cpu_count()} cores)")
     print(f"{'layout':26} {'measured ms':>11} {'predicted':>9} {'ratio':>6} {'host speed':>10} {'bubble meas':>11} "
           f"{'pred':>6}  memory (worst |error|)")
     for r in rows:
@@ -160,13 +161,14 @@ def main() -> None:
     time_ok = all(abs(r["ratio"] - 1) <= GOAL_TIME for r in rows)
     mems = [x for r in rows for x in r["memory"] if x["predicted"]]
     mem_ok = bool(mems) and all(abs(x["measured"] / x["predicted"] - 1) <= GOAL_MEMORY for x in mems)
-    drift = [x for v in speeds.values() for x in v]
+    drift = [x for v in speeds.values() for x in v if x == x]  # not nan
     if drift and (min(drift) < 0.9 or max(drift) > 1.1):
-        print(f"note: the host ran at {min(drift):.2f}-{max(drift):.2f}x the calibration's GEMM speed during the "
+        print(f"note: the host ran at {min(drift):.2f}-{max(drift):.2f}x the calibration's mean speed during the "
               "runs; the step times are off by about as much (calibrate again when it is steady)")
     print(f"goal: step time within {GOAL_TIME:.0%}: {'PASS' if time_ok else 'FAIL'}; memory within "
           f"{GOAL_MEMORY:.0%}: {'PASS' if mem_ok else ('FAIL' if mems else 'not measured')}")
-    print(json.dumps({"load": env_load, "calibration_s": cal_s, "layouts": rows, "time_goal_met": time_ok,
+    print(json.dumps({"load": env_load, "calibration_s": cal_s, "calibration_speed_moved": moved, "layouts": rows,
+                      "time_goal_met": time_ok,
                       "memory_goal_met": mem_ok, "cores": os.cpu_count()}, indent=1))
 
 

@@ -205,6 +205,14 @@ def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
     want = timing.tp_wait(Cluster.from_profile(profile, 4), 4, False, 1 << 20)
     assert want > 0 and f"{want * 1e3:.2f} (tp4)" in text
     assert "TP wait 1 MB ms" in text and text.count("(tp") == 2  # sections of 2 and 4 processes; 1 has none
+    assert "host speed during calibration" not in text  # an older profile: no speed probes
+    for moved, warned in ((0.08, False), (0.4, True)):
+        probed = HostProfile({**profile.host, "speed_flops": 9e10, "speed_moved": moved}, profile.sections)
+        console = Console(width=200, record=True)
+        _summary(console, probed, Path(tmp_path / "host.toml"))
+        text = console.export_text()
+        assert "90.0 GFLOP/s on average" in text and f"moved {moved:.0%}" in text
+        assert ("warning: the host's speed moved more than 15%" in text) == warned
 
 
 def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
@@ -225,3 +233,30 @@ def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
     layout = Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b")
     sync = timing.dp_sync_time(model, gpus, layout, mem.max_rank_params(model, layout))
     assert 0.0 <= estimate(model, gpus, layout, Training(64)).time["dp_comm"] < sync  # the backward hides some
+
+
+def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
+    """The host's speed probe before, between and after a section's four phases (kernels alone, kernels
+    shared, collective curves, TP layers): each phase's figures scale by the mean probe over the probes
+    either side of it (rates up, seconds down where the phase ran slow), and the profile says how far the
+    speed moved."""
+    from plait.calibrate.run import at_mean_speed
+    from plait.plan.profile import Curve, TPBlock
+
+    base = _section((1e-3, 4e-3), optimizer=2e-9)
+    four = Section(4, 1, base.rates, OVERHEAD, 1e10, {("all_reduce", 2): Curve((1e3, 1e6), (1e-4, 1e-3))}, 2e-9,
+                   (TPBlock(eager.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),))
+    # mean probe 100: alone phase at 50-50 (half speed), shared 50-100, curves 100-200, TP layers 200-100
+    sections, mean, moved = at_mean_speed({1: (base, [100.0] * 5), 4: (four, [50.0, 50.0, 100.0, 200.0, 100.0])})
+    assert mean == pytest.approx(100.0) and moved == pytest.approx(1.5)
+    one, s = sections[1], sections[4]
+    assert one == base  # probed at the mean speed throughout: unchanged
+    mm = s.rates["matmul"]
+    assert mm.alone[0] == pytest.approx(2 * MATMUL) and mm.shared[0] == pytest.approx(MATMUL / 2 * 100 / 75)
+    assert s.rates["block"].alone == pytest.approx((0.5e-3, 2e-3))  # seconds: halved where the phase ran at half
+    assert s.op_overhead_s == pytest.approx(OVERHEAD / 2) and s.optimizer_s_per_param == pytest.approx(1e-9)
+    assert s.memory_bandwidth == pytest.approx(1e10 * 100 / 75)  # measured with every process busy
+    assert s.collectives[("all_reduce", 2)].seconds == pytest.approx((1e-4 * 1.5, 1e-3 * 1.5))
+    assert s.tp_blocks[0].seconds == pytest.approx(0.05 * 1.5) and s.tp_blocks[0].twin_s == pytest.approx(0.045)
+    slow_one, *_ = at_mean_speed({1: (base, [50.0] * 5), 2: (base, [150.0] * 5)})[0].values()
+    assert slow_one.rates["matmul"].shared[0] == pytest.approx(MATMUL / 2 * 2)  # one process: shared = alone

@@ -114,6 +114,8 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
     assert run.returncode == 0, run.stderr
     cached = list((tmp_path / "cache").glob("host-*.toml"))
     assert len(cached) == 1 and 2 in HostProfile.load(cached[0]).sections  # measured by the run, cached
+    host = HostProfile.load(cached[0]).host  # with the host's mean speed and how far it moved
+    assert host["speed_flops"] > 0 and host["speed_moved"] >= 0
     section = HostProfile.load(cached[0]).section(2)  # with real decoder layers and the optimizer step timed
     assert len(section.rates["block"].sizes) == 2 and section.optimizer_s_per_param > 0
     for shape in eager.TP_CALIBRATION_BLOCKS:  # and a layer split over 2 ranks, at each size

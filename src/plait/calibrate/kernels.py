@@ -26,6 +26,7 @@ ATTENTION_SHAPES = ((64, 32), (128, 32), (256, 32), (256, 64), (512, 64))  # (se
 ATTENTION_TOKENS = 1024  # batch · sequence per call
 ELEMENT_SIZES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)  # elements of the hidden state [T, h]
 TINY = (2, 4, 8)  # [B, S, h] for the fixed cost of a kernel
+REFERENCE_SHAPE = GEMM_SHAPES[3]  # the host-speed probe (``reference_rate``)
 BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
 BLOCK_BUDGET_S = 0.6  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
 
@@ -76,6 +77,19 @@ def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dt
         F.linear(x, w).backward(g)
 
     return 3 * gemm_flops(shape) / timed(step, device, stat=stat)
+
+
+def reference_rate(device: torch.device) -> float:
+    """The host's speed now: FLOP/s of the ``REFERENCE_SHAPE`` linear layer's forward and backward on one
+    thread (the median of its calls). Taken the same way every time (one process, one thread, the others
+    idle), it compares the host with itself at another moment: a virtual machine's neighbours move every
+    kernel's speed together, over seconds to minutes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return gemm_rate(REFERENCE_SHAPE, device, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype,

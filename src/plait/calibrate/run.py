@@ -90,13 +90,25 @@ def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
     return rates
 
 
+def _probe(world_group, device: torch.device) -> float:
+    """The host's speed now (``kernels.reference_rate``) on rank 0 while every other rank waits (collective);
+    0.0 on the other ranks."""
+    dist.barrier(group=world_group)
+    rate = k.reference_rate(device) if dist.get_rank() == 0 else 0.0
+    dist.barrier(group=world_group)
+    return rate
+
+
 def measure_section(p: int, groups: dict, world_group, device: torch.device, tick,
-                    quick: bool = False) -> Section | None:
-    """The section of ``p`` processes (collective over the world); the Section on rank 0, else None."""
+                    quick: bool = False) -> tuple[Section | None, list[float]]:
+    """The section of ``p`` processes (collective over the world) and the host's speed before, between and
+    after its four phases (kernels alone, kernels shared, collective curves, TP layers); the Section on
+    rank 0, else None."""
     rank = dist.get_rank()
+    probes = [_probe(world_group, device)]
     torch.set_num_threads(_threads(p))
     alone = _kernels(device, tick, quick) if rank == 0 else None
-    dist.barrier(group=world_group)
+    probes.append(_probe(world_group, device))
     shared = alone
     if p > 1:
         mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
@@ -104,15 +116,36 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine, group=world_group)
         shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
+    probes.append(_probe(world_group, device))
     quiet = tick if rank == 0 else (lambda what: None)
     curves = coll.curves(p, groups, world_group, device, quiet, quick)
+    probes.append(_probe(world_group, device))
     layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
+    probes.append(_probe(world_group, device))
     if rank != 0:
-        return None
+        return None, probes
     assert alone is not None and shared is not None  # measured on rank 0
     blocks = tuple(TPBlock(shape, g, sp, secs, twin) for (shape, g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
-                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"], blocks)
+                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"],
+                   blocks), probes
+
+
+def at_mean_speed(sections: dict[int, tuple[Section, list[float]]]) -> tuple[dict[int, Section], float, float]:
+    """Every section brought to the host's mean speed over the calibration, with that speed (FLOP/s of
+    ``kernels.reference_rate``) and how far it moved ((max - min) / mean of the probes). Each phase of a
+    section is scaled by the mean speed over the speed of the probes either side of it
+    (``Section.at_speed``): the host's speed drifts over seconds to minutes, and a section measured in a
+    slow minute would otherwise cost every layout of that process count slow."""
+    probes = [x for _, readings in sections.values() for x in readings]
+    mean = sum(probes) / len(probes)
+    out = {}
+    for p, (sec, r) in sections.items():
+        phase = [mean / ((a + b) / 2) for a, b in zip(r, r[1:], strict=False)]  # alone, shared, curves, TP
+        if p == 1:  # one process: its shared figures are the ones it measured alone
+            phase[1] = phase[0]
+        out[p] = sec.at_speed(*phase)
+    return out, mean, (max(probes) - min(probes)) / mean
 
 
 def measure_world(counts: list[int], ticks: str | None = None) -> HostProfile | None:
@@ -144,9 +177,11 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: b
 
     threads = torch.get_num_threads()
     try:
-        sections = {p: measure_section(p, groups, world_group, device, tick, quick) for p in counts}
+        measured = {p: measure_section(p, groups, world_group, device, tick, quick) for p in counts}
     finally:
         torch.set_num_threads(threads)
     if rank != 0:
         return None
-    return HostProfile(dict(facts), {p: s for p, s in sections.items() if s is not None})
+    sections, speed, moved = at_mean_speed({p: (s, r) for p, (s, r) in measured.items() if s is not None})
+    probes = [x for _, r in measured.values() for x in r]  # five per section, in the order measured
+    return HostProfile({**facts, "speed_flops": speed, "speed_moved": moved, "speed_probes": probes}, sections)

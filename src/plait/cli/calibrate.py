@@ -53,9 +53,13 @@ def calibrate_command(
     _summary(console, profile, path)
 
 
+STEADY = 0.15  # how far the host's speed may move during a calibration before the summary warns
+
+
 def _summary(console, profile, path: Path) -> None:
     from rich.table import Table
 
+    from plait.calibrate.kernels import REFERENCE_SHAPE
     from plait.plan.config import Cluster
     from plait.plan.timing import tp_wait
 
@@ -74,6 +78,17 @@ def _summary(console, profile, path: Path) -> None:
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
                   f"{ar:.2f}" if p > 1 else "-", f"{wait * 1e3:.2f} (tp{tp})" if tp else "-")
     console.print(t)
+    moved = profile.host.get("speed_moved")
+    if moved is not None:
+        speed = float(profile.host.get("speed_flops", 0.0))
+        console.print(f"host speed during calibration: {speed / 1e9:.1f} GFLOP/s on average (one thread, "
+                      f"{'x'.join(map(str, REFERENCE_SHAPE))} linear layer); it moved {float(moved):.0%} "
+                      "between phases, and every phase's figures are scaled to the average")
+        if float(moved) > STEADY:
+            console.print(f"[yellow]warning: the host's speed moved more than {STEADY:.0%} while it was "
+                          "measured (other jobs, or a virtual machine's neighbours): predictions made with "
+                          "this profile follow the average, runs follow the moment; calibrate again when it "
+                          "is steadier[/yellow]")
 
 
 def register(app: typer.Typer) -> None:

@@ -122,6 +122,25 @@ class Section:
     optimizer_s_per_param: float = 0.0
     tp_blocks: tuple[TPBlock, ...] = ()
 
+    def at_speed(self, alone: float, shared: float, collectives: float, tp: float) -> Section:
+        """This section as if the host had run each phase of its measuring at ``x`` times the speed it had:
+        the kernel figures measured alone by ``alone``, those measured by every process at once (and the
+        memory bandwidth) by ``shared``, the collective curves by ``collectives``, the TP layers by ``tp``
+        (rates times ``x``, seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
+        speed over the whole calibration this way (``plait.calibrate.run``)."""
+        def rate(kind: str, r: Rate) -> Rate:
+            power = -1 if kind == BLOCK else 1  # the block rate holds seconds
+            return Rate(r.sizes, tuple(v * alone ** power for v in r.alone),
+                        tuple(v * shared ** power for v in r.shared), r.forward_share)
+
+        return Section(self.processes, self.threads, {kind: rate(kind, r) for kind, r in self.rates.items()},
+                       self.op_overhead_s / alone, self.memory_bandwidth * shared,
+                       {key: Curve(c.bytes, tuple(t / collectives for t in c.seconds))
+                        for key, c in self.collectives.items()},
+                       self.optimizer_s_per_param / alone,
+                       tuple(TPBlock(b.shape, b.group, b.sequence_parallel, b.seconds / tp, b.twin_s / tp)
+                             for b in self.tp_blocks))
+
     def tp_block(self, shape: tuple[int, ...], group: int, sequence_parallel: bool) -> TPBlock | None:
         """The timed layer of ``shape`` over ``group`` ranks (sequence parallel or not), if measured."""
         return next((b for b in self.tp_blocks if b.shape == tuple(shape) and b.group == group

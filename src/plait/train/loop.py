@@ -42,6 +42,7 @@ class TrainResult:
     predicted_bubble: float | None = None  # the planner's, from the host profile (plait.plan)
     predicted_step_time_s: float | None = None
     predicted_memory: list[dict] = field(default_factory=list)  # bytes by kind per pipeline rank
+    host_speed: float | None = None  # the host's speed at the start over the profile's (plait.train.predict)
     startup_s: float = 0.0
     params: int = 0
     stopped_at: int | None = None  # the step a stop signal (SIGTERM) ended the run at, with a checkpoint
@@ -182,7 +183,7 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None) -> TrainResult:
     res = TrainResult(params=run.params)
     _predict(run, res)
     if reporter is not None:
-        reporter.begin(run)
+        reporter.begin(run, res)
     times: list[float] = []
     for step in range(run.start, cfg.steps):
         row = _step(run, res, step, times, t_start)
@@ -224,6 +225,8 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
     if step == run.start:  # the first step measured the memory (activations' peak included): both, per rank
         res.memory = memory_rows(run.pm)
         row["memory"] = {"predicted": res.predicted_memory, "measured": res.memory}
+        if res.host_speed is not None:
+            row["host_speed"] = res.host_speed
     if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
         row["held_out_loss"] = held_out_loss(run)
     if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
@@ -235,17 +238,19 @@ def _predict(run: Run, res: TrainResult) -> None:
     """The planner's prediction of this run (plait.train.predict), the same on every rank."""
     import torch.distributed as dist
 
-    from plait.train.predict import host_profile, memory_rows, predict
+    from plait.train.predict import host_profile, host_speed, memory_rows, predict
 
     profile = host_profile(run.cfg, run.ctx)
+    speed = None
     if run.ctx.rank == 0 and profile is not None:
         run.prediction = predict(run.cfg, profile, run.ctx.world_size)
+        speed = host_speed(profile, run.ctx.device)  # the other ranks wait in the broadcast meanwhile
     est = run.prediction
-    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est))]
+    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est), speed)]
     if run.ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory = box[0]
+        res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory, res.host_speed = box[0]
 
 
 def memory_rows(pm) -> list[dict]:

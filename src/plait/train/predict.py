@@ -90,6 +90,18 @@ def predict(cfg: TrainConfig, profile, world: int):
     return predict_train(model, profile, layout, training)
 
 
+def host_speed(profile, device) -> float | None:
+    """This host's speed now over its mean speed while ``profile`` was measured (the calibration's probe,
+    ``plait.calibrate.kernels.reference_rate``), or None for a profile without it. The prediction follows
+    the calibration's speed; a run on a host running slower or faster than then follows the host."""
+    then = profile.host.get("speed_flops")
+    if not then:
+        return None
+    from plait.calibrate.kernels import reference_rate
+
+    return reference_rate(device) / float(then)
+
+
 def memory_rows(estimate) -> list[dict]:
     """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same).
     ``activations_peak`` counts what autograd saves (as ``pm.memory_report()`` measures it); a layer

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
 
+SPEED_NOTE = 0.1  # how far the host's speed may be from its calibrated speed before the start says so
+
+
 class Reporter:
     """Progress and metrics of a run; silent on every rank but 0."""
 
@@ -25,7 +28,7 @@ class Reporter:
         self.last: dict = {}
         self.bubbles: tuple[float | None, float | None] = (None, None)
 
-    def begin(self, run) -> None:
+    def begin(self, run, res) -> None:
         if not self.active:
             return
         from rich.console import Console
@@ -47,6 +50,10 @@ class Reporter:
             self.console.print(f"predicted on {e.cluster.gpu.name} (plait plan, host profile): step "
                                f"{e.step_time_s * 1e3:,.0f} ms, bubble {e.bubble_fraction:.1%} (idle share of the "
                                f"step), most loaded rank {e.memory.total / 2**20:,.1f} MiB")
+            if res.host_speed is not None and abs(res.host_speed - 1) > SPEED_NOTE:
+                self.console.print(f"[yellow]note: this host runs at {res.host_speed:.2f}x the speed it had when "
+                                   "it was calibrated (plait calibrate's probe): the step times will differ from "
+                                   "the prediction by about as much[/yellow]")
         self._start_bar(run.start)
 
     def _start_bar(self, start: int) -> None:
@@ -126,7 +133,9 @@ def summary_table(cfg: TrainConfig, run, res):
         ("loss", f"{first:.3f} -> {last:.3f}"),
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
-        ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms")),
+        ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms")
+         + (f"; the host ran at {res.host_speed:.2f}x its calibrated speed at the start"
+            if res.host_speed is not None else "")),
         ("bubble", _bubbles(res)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", res.checkpoint or "-"),
