@@ -3,7 +3,7 @@
 Each function returns the rate one call of this process reaches, in the units ``plait.plan.profile``
 documents. They are called either with the other processes waiting (``alone``) or with every process
 running the same function at once (``shared``). Work sizes are kept small so that every figure takes
-tens of milliseconds: the whole calibration stays under a minute.
+tens of milliseconds: the whole calibration takes about a minute.
 """
 
 from __future__ import annotations

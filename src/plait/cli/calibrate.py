@@ -15,7 +15,9 @@ FLOP/s or bytes/s, the fixed cost of a kernel, memory bandwidth, two real decode
 step, and the time of all-reduce, all-gather, reduce-scatter, all-to-all and point-to-point over every
 group size, from 1 KB to 4 MB; then a tensor-parallel decoder layer over every group size, beside its
 compute alone and its collectives alone: what it takes beyond them is the wait each tensor-parallel
-collective of a run adds. Takes under a minute. `plait plan --cluster FILE` plans with it; `plait train`
+collective of a run adds. Between its phases it probes the host's speed (one linear layer on one thread)
+and scales each phase to the mean speed; it warns when that speed moved more than 15% (a busy host, or a
+virtual machine's neighbours). Takes about a minute. `plait plan --cluster FILE` plans with it; `plait train`
 predicts its own step with it (by default from this host's cached profile, made on first use).
 
 \b
