@@ -133,9 +133,7 @@ def summary_table(cfg: TrainConfig, run, res):
         ("loss", f"{first:.3f} -> {last:.3f}"),
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
-        ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms")
-         + (f"; the host ran at {res.host_speed:.2f}x its calibrated speed at the start"
-            if res.host_speed is not None else "")),
+        ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms") + _at_speed(res)),
         ("bubble", _bubbles(res)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", res.checkpoint or "-"),
@@ -143,6 +141,15 @@ def summary_table(cfg: TrainConfig, run, res):
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _at_speed(res) -> str:
+    """The prediction at the host's speed when the run started (the calibration's probe taken again)."""
+    if res.host_speed is None or not res.predicted_step_time_s:
+        return ""
+    at = res.predicted_step_time_s / res.host_speed * 1e3
+    return (f"; the host ran at {res.host_speed:.2f}x its calibrated speed at the start, where the prediction is "
+            f"{at:,.0f} ms (measured/that {res.step_time_s * 1e3 / at:.2f})")
 
 
 def _vs(measured: float, predicted: float | None, scale: float, unit: str) -> str:
