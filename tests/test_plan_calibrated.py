@@ -2,7 +2,7 @@
 
 import pytest
 
-from plait.plan import Model, eager, timing
+from plait.plan import Model, eager, step_end, timing
 from plait.plan.config import Cluster, Layout
 from plait.plan.profile import HostProfile, Rate, Section
 from profile_util import synthetic_profile
@@ -67,15 +67,15 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter():
     model = Model.preset("small", seq_len=128)
     params = 1e6
     timed = _cluster(_section(None, optimizer=3e-9))
-    assert timing.optimizer_time(model, timed, Layout(), params, 8) == pytest.approx(3e-3)
+    assert step_end.optimizer_time(model, timed, Layout(), params, 8) == pytest.approx(3e-3)
     sec2 = _section(None, optimizer=3e-9)
     two = Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {2: Section(2, 1, sec2.rates, OVERHEAD,
                                                                                         1e10, {}, 3e-9)}), 2)
-    assert timing.optimizer_time(model, two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
-    counted = timing.optimizer_time(model, _cluster(_section(None)), Layout(), params, 8)
+    assert step_end.optimizer_time(model, two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
+    counted = step_end.optimizer_time(model, _cluster(_section(None)), Layout(), params, 8)
     tensors = 8 * eager.param_tensors_per_layer() + 3
-    assert counted == pytest.approx(timing.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
-                                    + timing.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
+    assert counted == pytest.approx(step_end.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
+                                    + step_end.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
 
 
 def test_format_1_profiles_still_read(tmp_path):
@@ -226,12 +226,12 @@ def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
     for zero in (0, 1):
         layout = Layout(pp=2, dp=2, microbatch_size=1, zero=zero, schedule="1f1b")
         est = estimate(model, host, layout, Training(8, precision="fp32"))
-        sync = timing.dp_sync_time(model, host, layout, mem.max_rank_params(model, layout))
+        sync = step_end.dp_sync_time(model, host, layout, mem.max_rank_params(model, layout))
         assert sync > 0 and est.time["dp_comm"] == pytest.approx(sync)
     gpus = Cluster("a100-40gb", 4)
-    assert timing.dp_hidden(gpus, 0.25) == 0.25 and timing.dp_hidden(host, 0.25) == 0.0
+    assert step_end.dp_hidden(gpus, 0.25) == 0.25 and step_end.dp_hidden(host, 0.25) == 0.0
     layout = Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b")
-    sync = timing.dp_sync_time(model, gpus, layout, mem.max_rank_params(model, layout))
+    sync = step_end.dp_sync_time(model, gpus, layout, mem.max_rank_params(model, layout))
     assert 0.0 <= estimate(model, gpus, layout, Training(64)).time["dp_comm"] < sync  # the backward hides some
 
 

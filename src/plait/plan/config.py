@@ -192,7 +192,7 @@ class Training:
     """A training workload: ``global_batch`` sequences per optimizer step.
 
     ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward (on GPUs; a
-    calibrated host's cores are all computing then: ``timing.dp_hidden``).
+    calibrated host's cores are all computing then: ``step_end.dp_hidden``).
     ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32 gradients, master weights
     and moments) or "fp32" (everything fp32, ``plait train``'s default).
     """

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from plait.errors import ConfigError
 from plait.plan import memory as mem
-from plait.plan import timing
+from plait.plan import step_end, timing
 from plait.plan.config import Cluster, Layout, Training, check, microbatches, runtime_gap
 from plait.plan.model import Model
 from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
@@ -136,13 +136,14 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
         makespan, wall, stretch = _shared_host(model, cluster, layout, training, chunks, m, rounds)
         busy["cpu_sharing"] = max(0.0, wall - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
-    dp = timing.dp_sync_time(model, cluster, layout, params)
-    overlap = timing.dp_hidden(cluster, max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
-    per_mb = timing.zero_per_microbatch(cluster, layout, params)
+    dp = step_end.dp_sync_time(model, cluster, layout, params)
+    overlap = step_end.dp_hidden(cluster, max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
+    per_mb = step_end.zero_per_microbatch(cluster, layout, params)
+    optimizer = step_end.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks))
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
-            "optimizer": stretch * timing.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks)),
+            "optimizer": stretch * optimizer,
             "sync": _sync_time(cluster, layout)}
     step = sum(time.values())
     flops = timing.model_flops_per_step(model, training.global_batch)

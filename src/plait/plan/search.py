@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from plait.plan import memory as mem
-from plait.plan import timing
+from plait.plan import step_end, timing
 from plait.plan.config import RECOMPUTE, RUNTIME, Cluster, Layout, Training, check, microbatches
 from plait.plan.estimate import SPLIT_BACKWARD, Estimate, _estimate
 from plait.plan.model import Model
@@ -109,13 +109,13 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     chunks = timing.chunk_costs(model, cluster, layout, training.precision)
     st = mem.layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
-    dp = timing.dp_sync_time(model, cluster, layout, params)
+    dp = step_end.dp_sync_time(model, cluster, layout, params)
     backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``_estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
-    overlap = timing.dp_hidden(cluster, max(backward)) if training.overlap_grad_reduce else 0.0
+    overlap = step_end.dp_hidden(cluster, max(backward)) if training.overlap_grad_reduce else 0.0
     seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
-    seconds += timing.optimizer_time(model, cluster, layout, params, max(st.rank_layers))
+    seconds += step_end.optimizer_time(model, cluster, layout, params, max(st.rank_layers))
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision))
     acts = mem.activation_model(model, cluster, layout, training.precision)

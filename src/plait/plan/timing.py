@@ -1,4 +1,5 @@
-"""Time model: FLOPs, matmul efficiency, collectives and the per-micro-batch costs of every pipeline chunk.
+"""Time model: FLOPs, matmul efficiency, collectives and the per-micro-batch costs of every pipeline chunk
+(the end of a step, DP reduction and optimizer: ``plan.step_end``).
 
 Catalogue GPUs are costed from datasheet peaks with efficiencies fitted on published runs; a calibrated
 host (``Cluster(profile=...)``) from its measured kernel speeds and collective times (``plan.eager``).
@@ -22,14 +23,6 @@ GEMM_HALF = 40.0
 # Element-wise kernels (norms, softmax, dropout, residual adds, activations) move about this many
 # times the layer's stored activation bytes through HBM per forward pass.
 ELEMENTWISE_TRAFFIC = 0.75
-# Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
-OPTIMIZER_TRAFFIC = 30.0
-# plait's optimizer step in fp32 (plait.optim.build_optimizer), bytes per parameter when a profile did not time
-# it (format 1): the global norm casts each gradient to float64 a chunk at a time (read 4, write 8, the dot
-# reads 8), the clip scales the gradients (read + write 8), torch's fused AdamW reads p, g, m, v and writes
-# p, m, v in one pass (28). Profiles of format 2 time the step itself (Section.optimizer_s_per_param).
-EAGER_OPTIMIZER_TRAFFIC = 56.0
-EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cast, dot and sum; clip; AdamW
 # A calibration block's time beyond its GEMMs and attention is floored at this share of what the kernel mix
 # says its element-wise part costs (timing noise must not make it free).
 BLOCK_REST_FLOOR = 0.1
@@ -352,62 +345,6 @@ def rank_costs(model: Model, cluster: Cluster, layout: Layout, precision: str = 
 def stage_costs(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16") -> StageCosts:
     """Costs of the busiest pipeline rank (most forward + backward time per micro-batch)."""
     return max(rank_costs(model, cluster, layout, precision), key=lambda c: c.forward + c.backward)
-
-
-def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): an
-    all-reduce of fp32 gradients (no ZeRO); a reduce-scatter of them plus an all-gather of the updated
-    weights (ZeRO-1 and ZeRO-2 as plait runs them and as Megatron-LM's distributed optimizer does: once per
-    step, at each chunk's last backward; bf16 weights on catalogue GPUs, fp32 on a calibrated host, plait
-    train's default); nothing (ZeRO-3, plan-only: gradients and weights move every micro-batch,
-    ``zero_per_microbatch``)."""
-    n = layout.dp * layout.cp
-    span = layout.tp * n
-    if layout.zero == 0:
-        return collective(cluster, "all_reduce", 4 * params_on_gpu, n, span)
-    if layout.zero == 3:
-        return 0.0
-    weight = 4 if cluster.profile is not None else 2
-    return (collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
-            + collective(cluster, "all_gather", weight * params_on_gpu, n, span))
-
-
-def dp_hidden(cluster: Cluster, backward: float) -> float:
-    """Seconds of the DP gradient reduction that ``backward`` (the busiest rank's, which the reduction runs
-    beside) hides. On catalogue GPUs all of it: the reduction runs on the network engines while the SMs
-    compute. On a calibrated host none: the reduction's copies, sums and socket work run on the same cores
-    the backward fills (plait calibrate gives every process its share of the cores), so the time moves but
-    does not vanish. On the two-core reference host, pp2·dp2 waited 10-55 ms per rank in its last bucket's
-    reduction and its step grew by about the all-reduce's curve (753 vs 695 ms with the reduction hidden)."""
-    return 0.0 if cluster.profile is not None else backward
-
-
-def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Communication ZeRO-3 (plan-only) repeats every micro-batch: it reduce-scatters the fp32 gradients
-    and gathers the bf16 weights in forward and again in backward. It overlaps compute (see ``estimate``).
-    ZeRO-2 reduces once per step, as ZeRO-1 (``dp_sync_time``): nothing per micro-batch."""
-    if layout.zero < 3:
-        return 0.0
-    n = layout.dp * layout.cp
-    span = layout.tp * n
-    out = collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
-    return out + 2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
-
-
-def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
-                   layers: int = 0) -> float:
-    """The optimizer step over this GPU's (sharded) parameters: Adam streams its state through memory; on a
-    calibrated host plait's step as ``plait calibrate`` timed it per parameter (profiles of format 1: its
-    bytes at the streaming bandwidth and a few kernels per parameter tensor)."""
-    shard = layout.dp * layout.cp if layout.zero >= 1 else 1
-    if cluster.profile is None:
-        return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
-    sec = cluster.section
-    if sec.optimizer_s_per_param > 0:  # timed by plait calibrate
-        return sec.optimizer_s_per_param * params_on_gpu / shard
-    tensors = layers * eager.param_tensors_per_layer() + 3
-    return (EAGER_OPTIMIZER_TRAFFIC * params_on_gpu / shard / sec.memory_bandwidth
-            + EAGER_OPTIMIZER_OPS * tensors * sec.op_overhead_s * sec.rates["elementwise"].forward_share)
 
 
 def _with(layout: Layout, **changes: object) -> Layout:
