@@ -60,15 +60,15 @@ def load() -> str:
 
 
 def host_speed(profile: Path) -> float:
-    """This host's speed now over its mean speed during the calibration (``plait.calibrate.kernels.
-    reference_rate``, the probe the calibration took between its phases); nan for a profile without it."""
+    """This host's speed now over its mean speed during the calibration, as ``plait train`` takes it at its
+    start (``plait.train.predict.host_speed``); nan for a profile without the calibration's probes."""
     import torch
 
-    from plait.calibrate.kernels import reference_rate
     from plait.plan.profile import HostProfile
+    from plait.train.predict import host_speed as speed_now
 
-    then = HostProfile.load(profile).host.get("speed_flops")
-    return reference_rate(torch.device("cpu")) / float(then) if then else float("nan")
+    speed = speed_now(HostProfile.load(profile), torch.device("cpu"))
+    return float("nan") if speed is None else speed
 
 
 def calibrate(out: Path) -> float:
