@@ -5,6 +5,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -154,3 +155,97 @@ def test_the_summary_shows_the_prediction_at_the_hosts_speed_at_the_start():
     assert _at_speed(res) == ("; the host ran at 0.80x its calibrated speed at the start, where the prediction "
                               "is 625 ms (measured/that 0.96)")
     assert _at_speed(TrainResult(step_time_s=0.6, predicted_step_time_s=0.5)) == ""
+
+
+def _scaled(profile: HostProfile, x: float, speed: float) -> HostProfile:
+    """``profile`` as a calibration that met the host at ``x`` times its speed (probe mean ``speed``)."""
+    return HostProfile({**profile.host, "speed_flops": speed, "speed_probes": [speed] * 3},
+                       {p: s.at_speed(x, x, x, x) for p, s in profile.sections.items()})
+
+
+def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_path):
+    """The mean of calibrations taken at different moments: every time averaged (rates by their harmonic
+    mean), a profile that is already the mean of n weighing n, and the count kept through TOML; profiles of
+    different hosts or measured at different sizes are refused."""
+    base = synthetic_profile(counts=(1, 4), block=True)
+    fast, slow = _scaled(base, 2.0, 100.0), _scaled(base, 0.5, 25.0)
+    assert HostProfile.average([fast]) == fast
+    mean = HostProfile.average([fast, slow])
+    assert mean.calibrations == 2 and mean.host["speed_flops"] == pytest.approx(40.0)  # 2 / (1/100 + 1/25)
+    s, f, w = mean.section(4), fast.section(4), slow.section(4)
+    time_of = (1 / 2 + 2) / 2  # each figure's time: half and twice the base's, averaged
+    assert s.rates["matmul"].alone[0] == pytest.approx(base.section(4).rates["matmul"].alone[0] / time_of)
+    assert s.rates["block"].shared[1] == pytest.approx((f.rates["block"].shared[1] + w.rates["block"].shared[1]) / 2)
+    key = ("all_reduce", 4)
+    assert s.collectives[key].seconds == pytest.approx(tuple((a + b) / 2 for a, b in zip(
+        f.collectives[key].seconds, w.collectives[key].seconds, strict=True)))
+    assert s.tp_blocks[0].seconds == pytest.approx(base.section(4).tp_blocks[0].seconds * time_of)
+    assert s.op_overhead_s == pytest.approx(base.section(4).op_overhead_s * time_of)
+    assert s.memory_bandwidth == pytest.approx(base.section(4).memory_bandwidth / time_of)
+    # a third calibration weighs one against the two the mean already holds
+    third = HostProfile.average([mean, fast])
+    assert third.calibrations == 3
+    assert third.section(1).op_overhead_s == pytest.approx(base.section(1).op_overhead_s * (0.5 * 2 + 2) / 3)
+    assert HostProfile.load(third.save(tmp_path / "h.toml")) == third
+    other = HostProfile({**fast.host, "cpu": "another cpu"}, fast.sections)
+    with pytest.raises(ValueError, match="different hosts"):
+        HostProfile.average([fast, other])
+    r = base.section(1).rates["matmul"]
+    resized = HostProfile(fast.host, {1: replace(base.section(1), rates={
+        **base.section(1).rates, "matmul": type(r)((1.0, 2.0), r.alone, r.shared)})})
+    with pytest.raises(ValueError, match="matmul was measured at different sizes"):
+        HostProfile.average([fast, resized])
+
+
+def test_calibrate_add_and_repeat_keep_the_mean_of_the_calibrations(tmp_path, monkeypatch):
+    """`plait calibrate --add` averages a new calibration into the file's; `--repeat N` keeps the mean of N
+    taken back to back; without either the file is replaced (the measuring itself is stubbed: a calibration
+    takes a minute, and test_train_calibrates_on_first_use_and_caches runs a real one)."""
+    import plait.calibrate as cal
+
+    base = synthetic_profile(counts=(1, 2), block=True)
+    readings = iter([_scaled(base, x, 100.0 * x) for x in (2.0, 0.5, 1.0, 1.0, 0.5)])
+    monkeypatch.setattr(cal, "_measure_once", lambda counts, progress: next(readings))
+    out = tmp_path / "host.toml"
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--processes", "1", "--processes", "2"])
+    assert r.exit_code == 0, r.output
+    assert HostProfile.load(out).calibrations == 1
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--add", "--processes", "1", "--processes", "2"])
+    assert r.exit_code == 0, r.output
+    two = HostProfile.load(out)
+    assert two.calibrations == 2 and "the mean of 2 calibrations" in r.output
+    assert two.section(2).op_overhead_s == pytest.approx(base.section(2).op_overhead_s * 1.25)  # (1/2 + 2) / 2
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--repeat", "2", "--processes", "1",
+                                 "--processes", "2"])
+    assert r.exit_code == 0, r.output
+    assert HostProfile.load(out).calibrations == 2  # replaced by the mean of two new ones at the base speed
+    again = HostProfile.load(out).section(2)
+    assert again.op_overhead_s == pytest.approx(base.section(2).op_overhead_s)
+    assert again.rates["matmul"].shared == pytest.approx(base.section(2).rates["matmul"].shared)
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--processes", "1", "--processes", "2"])
+    assert HostProfile.load(out).calibrations == 1  # no --add: replaced
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--repeat", "0"])
+    assert r.exit_code == 2 and "--repeat" in r.output
+
+
+def test_train_dry_run_prints_the_prediction_and_launches_nothing(tmp_path):
+    """`plait train --dry-run --cluster FILE` predicts as the run's first metrics row would (the same
+    plait.train.predict.predict) and starts no process; with --cluster none it has nothing to say."""
+    from plait.train.config import TrainConfig
+    from plait.train.predict import predict
+
+    path = synthetic_profile(counts=(4,), block=True).save(tmp_path / "host.toml")
+    metrics = tmp_path / "m.jsonl"
+    flags = ["--model", "small", "--tp", "2", "--pp", "2", "--seq-len", "64", "--batch-size", "8"]
+    r = CliRunner().invoke(app, ["train", *flags, "--dry-run", "--cluster", str(path), "--metrics", str(metrics),
+                                 "--checkpoint-dir", str(tmp_path / "ck")])
+    assert r.exit_code == 0, r.output
+    row = json.loads(metrics.read_text())
+    cfg = TrainConfig.from_dict({"model": "small", "tp": 2, "pp": 2, "seq_len": 64, "batch_size": 8})
+    est = predict(cfg, HostProfile.load(path), 4)
+    assert row["dry_run"] and row["predicted_step_time_s"] == pytest.approx(est.step_time_s)
+    assert row["predicted_bubble"] == pytest.approx(est.bubble_fraction) and len(row["memory"]["predicted"]) == 2
+    assert f"predicted step time {est.step_time_s * 1e3:,.0f} ms" in r.output.replace("\n", " ")
+    assert not (tmp_path / "ck").exists()  # nothing ran
+    r = CliRunner().invoke(app, ["train", *flags, "--dry-run", "--cluster", "none"])
+    assert r.exit_code == 2 and "--cluster none" in r.output

@@ -14,7 +14,8 @@ import platform
 import socket
 from pathlib import Path
 
-from plait.plan.profile import HostProfile
+from plait.errors import ConfigError
+from plait.plan.profile import HOST_KEYS, HostProfile
 
 DEFAULT_PROCESSES = (1, 2, 4)
 CACHE_ENV = "PLAIT_CACHE_DIR"
@@ -48,8 +49,7 @@ def host_facts() -> dict:
 
 def host_key(facts: dict) -> str:
     """A short key of the facts that change speeds (a new torch, CPU or core count: a new profile)."""
-    text = "|".join(str(facts.get(k)) for k in ("hostname", "cpu", "cores", "memory_bytes", "torch", "backend",
-                                                 "device"))
+    text = "|".join(str(facts.get(k)) for k in HOST_KEYS)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -68,43 +68,65 @@ def cache_path(facts: dict | None = None) -> Path:
 
 
 def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | None = None,
-              progress=None) -> tuple[HostProfile, Path]:
-    """Measure ``processes`` (one section each) on local processes; write the profile to ``out`` (default:
-    this host's cache, merged with what it already holds). ``progress(done, total, what)`` is called
-    while it measures. Returns the profile and where it was written."""
+              progress=None, repeat: int = 1, add: bool = False) -> tuple[HostProfile, Path]:
+    """Measure ``processes`` (one section each) on local processes ``repeat`` times and write the mean
+    (``HostProfile.average``) to ``out`` (default: this host's cache, merged with what it already holds).
+    ``add`` averages it with the calibrations ``out`` already holds instead of replacing them: a host whose
+    speed moves over minutes is best predicted by calibrations taken at several moments.
+    ``progress(done, total, what)`` is called while it measures. Returns the profile and where it was
+    written."""
+    from plait.calibrate.run import total_steps
+
+    if repeat < 1:
+        raise ConfigError(f"repeat: give a count >= 1, not {repeat}")
+    counts = sorted({int(p) for p in processes})
+    per = total_steps(counts)
+
+    def report(i: int):
+        if progress is None:
+            return None
+        label = f"calibration {i + 1} of {repeat}: " if repeat > 1 else ""
+        return lambda done, what: progress(per * i + done, per * repeat, label + what)
+
+    runs = [_measure_once(counts, report(i)) for i in range(repeat)]
+    measured = HostProfile.average(runs) if repeat > 1 else runs[0]
+    path = Path(out) if out is not None else cache_path(measured.host)
+    if path.is_file() and add:
+        measured = HostProfile.average([HostProfile.load(path), measured])
+    elif path.is_file() and out is None:
+        measured = HostProfile.load(path).merged(measured)
+    measured.save(path)
+    return measured, path
+
+
+def _measure_once(counts: list[int], progress) -> HostProfile:
+    """One calibration of ``counts`` on ``max(counts)`` local processes; ``progress(done, what)`` while
+    it runs."""
     import tempfile
     import threading
     import time
 
-    from plait.calibrate.run import measure_world, total_steps
+    from plait.calibrate.run import measure_world
     from plait.distributed.launch import run_world
 
-    counts = sorted({int(p) for p in processes})
-    world = max(counts)
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
         ticks = Path(tmp) / "progress"
         box: dict = {}
 
         def work() -> None:
             try:
-                box["result"] = run_world(measure_world, world, counts, str(ticks), timeout_s=600.0)[0]
+                box["result"] = run_world(measure_world, max(counts), counts, str(ticks), timeout_s=600.0)[0]
             except BaseException as exc:  # re-raised in the caller's thread
                 box["error"] = exc
 
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
-        total = total_steps(counts)
         while thread.is_alive():
             thread.join(0.2)
             if progress is not None and ticks.exists():
                 lines = ticks.read_text().splitlines()
-                progress(len(lines), total, lines[-1] if lines else "starting")
+                progress(len(lines), lines[-1] if lines else "starting")
             time.sleep(0.05)
         if "error" in box:
             raise box["error"]
-    measured = box["result"]
-    path = Path(out) if out is not None else cache_path(measured.host)
-    if out is None and path.is_file():
-        measured = HostProfile.load(path).merged(measured)
-    measured.save(path)
-    return measured, path
+    return box["result"]

@@ -17,12 +17,17 @@ group size, from 1 KB to 4 MB; then a tensor-parallel decoder layer over every g
 compute alone and its collectives alone: what it takes beyond them is the wait each tensor-parallel
 collective of a run adds. Between its phases it probes the host's speed (one linear layer on one thread)
 and scales each phase to the mean speed; it warns when that speed moved more than 15% (a busy host, or a
-virtual machine's neighbours). Takes about a minute. `plait plan --cluster FILE` plans with it; `plait train`
-predicts its own step with it (by default from this host's cached profile, made on first use).
+virtual machine's neighbours). Takes about a minute. On such a host, `--repeat N` keeps the mean of N
+calibrations, and `--add` averages a new one into the profile's earlier ones (take them at different
+moments): the profile then predicts the host's average, not one minute of it. `plait plan --cluster FILE`
+plans with it; `plait train` predicts its own step with it (by default from this host's cached profile,
+made on first use).
 
 \b
 Examples:
   plait calibrate --out host.toml
+  plait calibrate --out host.toml --add          # later: averaged with the first
+  plait calibrate --out host.toml --repeat 3     # three back to back, their mean
   plait calibrate --processes 1 --processes 2 --processes 4 --processes 8
   plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 --seq-len 128
 """
@@ -33,6 +38,13 @@ def calibrate_command(
                                                   "which plait train reads).")] = None,
     processes: Annotated[list[int] | None, typer.Option(help="Process counts to measure (repeatable; "
                                                              "default 1, 2, 4).")] = None,
+    repeat: Annotated[int, typer.Option(min=1, help="Calibrate this many times back to back and keep the mean "
+                                                    "(about a minute each): steadier on a host whose speed "
+                                                    "moves.")] = 1,
+    add: Annotated[bool, typer.Option("--add", help="Average with the calibrations the profile already holds "
+                                                    "(weighted by their count) instead of replacing them: "
+                                                    "calibrate at several moments, predict the host's "
+                                                    "average.")] = False,
 ) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -51,7 +63,7 @@ def calibrate_command(
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        profile, path = calibrate(counts, out, progress)
+        profile, path = calibrate(counts, out, progress, repeat=repeat, add=add)
     _summary(console, profile, path)
 
 
@@ -80,6 +92,8 @@ def _summary(console, profile, path: Path) -> None:
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
                   f"{ar:.2f}" if p > 1 else "-", f"{wait * 1e3:.2f} (tp{tp})" if tp else "-")
     console.print(t)
+    if profile.calibrations > 1:
+        console.print(f"the mean of {profile.calibrations} calibrations (every figure's time averaged)")
     moved = profile.host.get("speed_moved")
     if moved is not None:
         speed = float(profile.host.get("speed_flops", 0.0))
@@ -89,7 +103,8 @@ def _summary(console, profile, path: Path) -> None:
         if float(moved) > STEADY:
             console.print(f"[yellow]warning: the host's speed moved more than {STEADY:.0%} while it was "
                           "measured (other jobs, or a virtual machine's neighbours): predictions made with "
-                          "this profile follow the average, runs follow the moment; calibrate again when it "
+                          "this profile follow the average, runs follow the moment; average calibrations taken "
+                          "at several moments (`--add`, `--repeat`), or calibrate again when it "
                           "is steadier[/yellow]")
 
 

@@ -23,6 +23,7 @@ Examples:
   plait train --data my_texts/ --model small --metrics run.jsonl
   plait train --resume          # continue the latest checkpoint exactly
   plait train --layout auto --nproc 4   # the planner's fastest layout for 4 processes
+  plait train --tp 2 --pp 2 --dry-run --cluster host.toml   # what it would cost, nothing launched
   torchrun --nproc-per-node 4 -m plait.cli.main train --tp 2 --pp 2
 """.format(
     defaults="With no arguments: a tiny byte-level Llama on the Python standard library's own source files, "
@@ -92,6 +93,9 @@ def _run(cfg) -> None:
         cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
         typer.echo(line)
     validate(cfg)
+    if cfg.dry_run:
+        _dry_run(cfg)
+        return
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
         launch("plait.train:train_job", cfg.to_dict(), cfg.nproc or cfg.world)
@@ -99,3 +103,33 @@ def _run(cfg) -> None:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
     sys.stdout.flush()
+
+
+def _dry_run(cfg) -> None:
+    """``--dry-run``: the prediction printed (and written as one --metrics line), nothing launched."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from plait.train.predict import dry_run
+    from plait.train.report import layout_text
+
+    world = cfg.nproc or cfg.world
+    row = dry_run(cfg, world)
+    console = Console()
+    t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}, {world} processes",
+              title_justify="left")
+    for name in ("pipeline rank", "params MB", "grads MB", "optimizer MB", "activations peak MB", "total MB"):
+        t.add_column(name, justify="right")
+    kinds = ("params", "grads", "optimizer", "activations_peak")
+    for m in row["memory"]["predicted"]:
+        parts = [m[k] for k in kinds]
+        t.add_row(str(m["pp_rank"]), *(f"{b / 2**20:.2f}" for b in (*parts, sum(parts))))
+    console.print(t)
+    source = cfg.cluster or "this host's cached profile"
+    console.print(f"predicted step time {row['predicted_step_time_s'] * 1e3:,.0f} ms, bubble "
+                  f"{row['predicted_bubble']:.1%} (idle share of the step), on {source}; nothing was launched")
+    if cfg.metrics:
+        with open(cfg.metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -22,6 +22,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 KERNELS = ("matmul", "attention", "elementwise")
 BLOCK = "block"  # optional kind (format 2): decoder layers' seconds beyond GEMMs and attention
 FORMAT = 2
+HOST_KEYS = ("hostname", "cpu", "cores", "memory_bytes", "torch", "backend", "device")  # what changes speeds
 READABLE_FORMATS = (1, 2)  # format 1: no decoder-layer timings nor optimizer step (the kernel mix only)
 
 
@@ -141,6 +142,45 @@ class Section:
                        tuple(TPBlock(b.shape, b.group, b.sequence_parallel, b.seconds / tp, b.twin_s / tp)
                              for b in self.tp_blocks))
 
+    @staticmethod
+    def average(sections: list[tuple[Section, int]]) -> Section:
+        """The weighted mean of one process count's sections (``HostProfile.average``): times averaged,
+        rates by their harmonic mean; collectives and TP layers that only some sections have are averaged
+        over those."""
+        first = sections[0][0]
+        if any((s.processes, s.threads) != (first.processes, first.threads) for s, _ in sections):
+            raise ConfigError(f"profile: sections of {first.processes} processes ran different thread counts")
+        rates = {}
+        for kind in sorted({k for s, _ in sections for k in s.rates}):
+            same = [(s.rates[kind], w) for s, w in sections if kind in s.rates]
+            r = same[0][0]
+            if any(x.sizes != r.sizes for x, _ in same):
+                raise ConfigError(f"profile: {kind} was measured at different sizes; average calibrations "
+                                  "made the same way")
+            mean = _mean if kind == BLOCK else _harmonic  # the block rate holds seconds
+            rates[kind] = Rate(r.sizes, tuple(mean([(x.alone[i], w) for x, w in same]) for i in range(len(r.sizes))),
+                               tuple(mean([(x.shared[i], w) for x, w in same]) for i in range(len(r.sizes))),
+                               _mean([(x.forward_share, w) for x, w in same]))
+        curves = {}
+        for key in sorted({k for s, _ in sections for k in s.collectives}):
+            have = [(s.collectives[key], w) for s, w in sections if key in s.collectives]
+            if any(c.bytes != have[0][0].bytes for c, _ in have):
+                raise ConfigError(f"profile: {key[0]} over {key[1]} was measured at different sizes; average "
+                                  "calibrations made the same way")
+            curves[key] = Curve(have[0][0].bytes, tuple(_mean([(c.seconds[i], w) for c, w in have])
+                                                        for i in range(len(have[0][0].bytes))))
+        blocks = []
+        for b in {(b.shape, b.group, b.sequence_parallel): b for s, _ in sections for b in s.tp_blocks}.values():
+            have = [(x, w) for s, w in sections for x in s.tp_blocks
+                    if (x.shape, x.group, x.sequence_parallel) == (b.shape, b.group, b.sequence_parallel)]
+            blocks.append(TPBlock(b.shape, b.group, b.sequence_parallel, _mean([(x.seconds, w) for x, w in have]),
+                                  _mean([(x.twin_s, w) for x, w in have])))
+        return Section(first.processes, first.threads, rates,
+                       _mean([(s.op_overhead_s, w) for s, w in sections]),
+                       _harmonic([(s.memory_bandwidth, w) for s, w in sections]), curves,
+                       _mean([(s.optimizer_s_per_param, w) for s, w in sections]),
+                       tuple(sorted(blocks, key=lambda b: (b.shape, b.group, b.sequence_parallel))))
+
     def tp_block(self, shape: tuple[int, ...], group: int, sequence_parallel: bool) -> TPBlock | None:
         """The timed layer of ``shape`` over ``group`` ranks (sequence parallel or not), if measured."""
         return next((b for b in self.tp_blocks if b.shape == tuple(shape) and b.group == group
@@ -179,6 +219,47 @@ class HostProfile:
             raise ConfigError(f"processes: the profile of {self.name} measured {have} processes, not "
                               f"{processes}; run `plait calibrate --processes {processes}`")
         return self.sections[processes]
+
+    @property
+    def calibrations(self) -> int:
+        """How many calibrations this profile is the mean of (``average``); 1 for one."""
+        return int(self.host.get("calibrations", 1))
+
+    @classmethod
+    def average(cls, profiles: list[HostProfile]) -> HostProfile:
+        """The mean of calibrations of one host taken at different times, each weighted by how many it
+        already holds: every figure's *time* is averaged (rates by their harmonic mean), so the profile
+        predicts a run that meets the host at any of those moments. A host whose neighbours speed it up
+        and slow it down over minutes is predicted by its average, not by one minute of it.
+
+        Only sections, collectives and TP layers measured the same way (same sizes) are averaged; one that
+        some profiles lack is taken from those that have it."""
+        if not profiles:
+            raise ConfigError("profile: nothing to average")
+        if len(profiles) == 1:
+            return profiles[0]
+        if len({tuple(str(p.host.get(k)) for k in HOST_KEYS) for p in profiles}) > 1:
+            names = ", ".join(sorted({f"{p.name} ({p.host.get('cpu')}, torch {p.host.get('torch')})"
+                                      for p in profiles}))
+            raise ConfigError(f"--cluster: these profiles are of different hosts or software ({names}); "
+                              "average only calibrations of one host")
+        weights = [p.calibrations for p in profiles]
+        sections = {}
+        for n in sorted({n for p in profiles for n in p.sections}):
+            have = [(p.sections[n], w) for p, w in zip(profiles, weights, strict=True) if n in p.sections]
+            sections[n] = Section.average(have)
+        host = {**profiles[-1].host, "calibrations": sum(weights)}
+        speeds = [(float(p.host["speed_flops"]), w) for p, w in zip(profiles, weights, strict=True)
+                  if p.host.get("speed_flops")]
+        if speeds:
+            probes = [float(x) for p in profiles for x in p.host.get("speed_probes", [])]
+            host["speed_flops"] = _harmonic(speeds)
+            host["speed_probes"] = probes
+            host["speed_moved"] = (max(probes) - min(probes)) / host["speed_flops"] if probes else 0.0
+        else:
+            for k in ("speed_flops", "speed_probes", "speed_moved"):
+                host.pop(k, None)
+        return cls(host, sections)
 
     def merged(self, other: HostProfile) -> HostProfile:
         """This profile with ``other``'s sections added (``other`` wins where both measured)."""
@@ -255,6 +336,18 @@ def _section(s: dict) -> Section:
                            float(b["seconds"]), float(b["twin_s"])) for b in s.get("tp_block", []))
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
                    float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks)
+
+
+def _mean(values: list[tuple[float, int]]) -> float:
+    """Weighted arithmetic mean of (value, weight) pairs (times)."""
+    return sum(v * w for v, w in values) / sum(w for _, w in values)
+
+
+def _harmonic(values: list[tuple[float, int]]) -> float:
+    """Weighted harmonic mean of (rate, weight) pairs: the rate of the mean time per unit of work."""
+    if any(v <= 0 for v, _ in values):
+        return _mean(values)
+    return sum(w for _, w in values) / sum(w / v for v, w in values)
 
 
 def _value(v: Any) -> str:

@@ -82,6 +82,9 @@ class TrainConfig:
     layout: str = "flags"
     """flags: the layout options (or their defaults); auto: the planner's fastest layout that fits this many
     processes (--nproc, or torchrun's world), replacing the layout options but --precision."""
+    dry_run: bool = False
+    """Check the settings and print what the run would cost on --cluster (the planner's step time, bubble
+    and bytes per rank; a --metrics line too), then exit without launching."""
 
     def to_dict(self) -> dict:
         """The flat form: ParallelConfig's fields, then the run's."""

@@ -102,6 +102,30 @@ def host_speed(profile, device) -> float | None:
     return reference_rate(device) / float(then)
 
 
+def dry_run(cfg: TrainConfig, world: int) -> dict:
+    """What ``plait train --dry-run`` reports: the planner's prediction of this run of ``world`` processes
+    on ``--cluster`` (default: this host's cached profile; a dry run measures nothing), as the fields of
+    a metrics row (``predicted_step_time_s``, ``predicted_bubble``, ``memory.predicted``)."""
+    from plait.calibrate import cache_path
+    from plait.plan.profile import HostProfile
+
+    if cfg.cluster == OFF:
+        raise ConfigError("--dry-run: it prints the prediction, and --cluster none turns that off; give "
+                          "--cluster FILE or leave it out (this host's cached profile)")
+    if cfg.cluster is not None:
+        profile = HostProfile.load(cfg.cluster)
+    else:
+        path = cache_path()
+        profile = cached_profile(path)
+        if profile is None or world not in profile.sections:
+            raise ConfigError(f"--dry-run: this host's cached profile ({path}) has no section of {world} "
+                              f"processes; run `plait calibrate --processes {world}` or give --cluster FILE")
+    profile.section(world)
+    est = predict(cfg, profile, world)
+    return {"dry_run": True, "world": world, "predicted_step_time_s": est.step_time_s,
+            "predicted_bubble": est.bubble_fraction, "memory": {"predicted": memory_rows(est)}}
+
+
 def memory_rows(estimate) -> list[dict]:
     """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same).
     ``activations_peak`` counts what autograd saves (as ``pm.memory_report()`` measures it); a layer
