@@ -97,9 +97,10 @@ def _summary(console, profile, path: Path) -> None:
     moved = profile.host.get("speed_moved")
     if moved is not None:
         speed = float(profile.host.get("speed_flops", 0.0))
+        over = f" over the {profile.calibrations} calibrations" if profile.calibrations > 1 else ""
         console.print(f"host speed during calibration: {speed / 1e9:.1f} GFLOP/s on average (one thread, "
                       f"{'x'.join(map(str, REFERENCE_SHAPE))} linear layer); it moved {float(moved):.0%} "
-                      "between phases, and every phase's figures are scaled to the average")
+                      f"between phases{over}, and every phase's figures are scaled to the average")
         if float(moved) > STEADY:
             console.print(f"[yellow]warning: the host's speed moved more than {STEADY:.0%} while it was "
                           "measured (other jobs, or a virtual machine's neighbours): predictions made with "
