@@ -79,19 +79,17 @@ def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dt
     return 3 * gemm_flops(shape) / timed(step, device, stat=stat)
 
 
-def reference_rate(device: torch.device, threads: int = 1, stat: str = "median") -> float:
-    """The host's speed now: FLOP/s of the ``REFERENCE_SHAPE`` linear layer's forward and backward on
-    ``threads`` threads (the ``stat`` of its calls, see ``timed``). Taken the same way every time (one
-    process, one thread, the others idle), it compares the host with itself at another moment: a virtual
-    machine's neighbours move every kernel's speed together, over seconds to minutes. Taken by every process
-    of a run at once at their thread count (``stat="mean"``), it sees what the cores give them together,
-    which one thread alone does not (``plait.calibrate.run.shared_probe``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+def reference_rate(device: torch.device) -> float:
+    """The host's speed now: FLOP/s of the ``REFERENCE_SHAPE`` linear layer's forward and backward on one
+    thread (the median of its calls). Taken the same way every time (one process, one thread, the others
+    idle), it compares the host with itself at another moment: a virtual machine's neighbours move every
+    kernel's speed together, over seconds to minutes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        return gemm_rate(REFERENCE_SHAPE, device, torch.float32, stat)
+        return gemm_rate(REFERENCE_SHAPE, device, torch.float32)
     finally:
-        torch.set_num_threads(before)
+        torch.set_num_threads(threads)
 
 
 def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype,

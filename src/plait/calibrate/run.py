@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -100,37 +99,16 @@ def _probe(world_group, device: torch.device) -> float:
     return rate
 
 
-def shared_probe(processes: int, threads: int, world_group, device: torch.device) -> float:
-    """The host's speed for ``processes`` processes at once (collective over ``world_group``): FLOP/s of
-    ``kernels.reference_rate`` run by ranks ``0..processes-1`` together at ``threads`` threads each (the mean
-    of their calls, the mean over the ranks), the other ranks waiting; the same on every rank. Four
-    processes sharing two cores can slow down while one thread alone runs at its usual speed, and this sees
-    it (``_probe`` does not)."""
-    dist.barrier(group=world_group)
-    mine = k.reference_rate(device, threads, "mean") if dist.get_rank() < processes else 0.0
-    rates = torch.zeros(dist.get_world_size(group=world_group), dtype=torch.float64)
-    rates[dist.get_rank(group=world_group)] = mine
-    dist.all_reduce(rates, group=world_group)  # each rank filled its own slot: the sum gathers them
-    return float(rates[:processes].mean())
-
-
 def measure_section(p: int, groups: dict, world_group, device: torch.device, tick,
-                    quick: bool = False) -> tuple[Section | None, list[float], list[float]]:
-    """The section of ``p`` processes (collective over the world), the host's speed on one thread
-    (``_probe``) and for ``p`` processes at once (``shared_probe``) before, between and after its four
-    phases (kernels alone, kernels shared, collective curves, TP layers); the Section on rank 0, else None."""
+                    quick: bool = False) -> tuple[Section | None, list[float]]:
+    """The section of ``p`` processes (collective over the world) and the host's speed before, between and
+    after its four phases (kernels alone, kernels shared, collective curves, TP layers); the Section on
+    rank 0, else None."""
     rank = dist.get_rank()
-    probes: list[float] = []
-    shared_probes: list[float] = []
-
-    def probe() -> None:
-        probes.append(_probe(world_group, device))
-        shared_probes.append(shared_probe(p, _threads(p), world_group, device))
-
-    probe()
+    probes = [_probe(world_group, device)]
     torch.set_num_threads(_threads(p))
     alone = _kernels(device, tick, quick) if rank == 0 else None
-    probe()
+    probes.append(_probe(world_group, device))
     shared = alone
     if p > 1:
         mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
@@ -138,41 +116,35 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         parts: list = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine, group=world_group)
         shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
-    probe()
+    probes.append(_probe(world_group, device))
     quiet = tick if rank == 0 else (lambda what: None)
     curves = coll.curves(p, groups, world_group, device, quiet, quick)
-    probe()
+    probes.append(_probe(world_group, device))
     layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
-    probe()
+    probes.append(_probe(world_group, device))
     if rank != 0:
-        return None, probes, shared_probes
+        return None, probes
     assert alone is not None and shared is not None  # measured on rank 0
     blocks = tuple(TPBlock(shape, g, sp, secs, twin) for (shape, g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
                    {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"],
-                   blocks), probes, shared_probes
+                   blocks), probes
 
 
-Probed = tuple[Section, list[float], list[float]]  # a section, its one-thread and its shared probes
-
-
-def at_mean_speed(sections: dict[int, Probed]) -> tuple[dict[int, Section], float, float]:
+def at_mean_speed(sections: dict[int, tuple[Section, list[float]]]) -> tuple[dict[int, Section], float, float]:
     """Every section brought to the host's mean speed over the calibration, with that speed (FLOP/s of
     ``kernels.reference_rate``) and how far it moved ((max - min) / mean of the probes). Each phase of a
     section is scaled by the mean speed over the speed of the probes either side of it
     (``Section.at_speed``): the host's speed drifts over seconds to minutes, and a section measured in a
-    slow minute would otherwise cost every layout of that process count slow. Each section's
-    ``probe_flops`` is what its processes' probe taken at once (``shared_probe``) reads at that mean speed:
-    each reading scaled like the figures measured beside it, by the mean over the one-thread probe then."""
-    probes = [x for _, readings, _ in sections.values() for x in readings]
+    slow minute would otherwise cost every layout of that process count slow."""
+    probes = [x for _, readings in sections.values() for x in readings]
     mean = sum(probes) / len(probes)
     out = {}
-    for p, (sec, r, shared) in sections.items():
+    for p, (sec, r) in sections.items():
         phase = [mean / ((a + b) / 2) for a, b in zip(r, r[1:], strict=False)]  # alone, shared, curves, TP
         if p == 1:  # one process: its shared figures are the ones it measured alone
             phase[1] = phase[0]
-        at = [s * mean / a for s, a in zip(shared, r, strict=True) if s > 0 and a > 0]
-        out[p] = replace(sec.at_speed(*phase), probe_flops=sum(at) / len(at) if at else 0.0)
+        out[p] = sec.at_speed(*phase)
     return out, mean, (max(probes) - min(probes)) / mean
 
 
@@ -210,6 +182,6 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: b
         torch.set_num_threads(threads)
     if rank != 0:
         return None
-    sections, speed, moved = at_mean_speed({p: (s, r, sh) for p, (s, r, sh) in measured.items() if s is not None})
-    probes = [x for _, r, _ in measured.values() for x in r]  # five per section, in the order measured
+    sections, speed, moved = at_mean_speed({p: (s, r) for p, (s, r) in measured.items() if s is not None})
+    probes = [x for _, r in measured.values() for x in r]  # five per section, in the order measured
     return HostProfile({**facts, "speed_flops": speed, "speed_moved": moved, "speed_probes": probes}, sections)

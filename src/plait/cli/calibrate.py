@@ -80,7 +80,7 @@ def _summary(console, profile, path: Path) -> None:
     t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {profile.cores} cores ({path})",
               header_style="bold")
     for col in ("processes", "threads", "GEMM GFLOP/s alone", "shared", "attention GFLOP/s", "element-wise GB/s",
-                "kernel µs", "all-reduce 1 MB ms", "TP wait 1 MB ms", "probe GFLOP/s"):
+                "kernel µs", "all-reduce 1 MB ms", "TP wait 1 MB ms"):
         t.add_column(col, justify="right")
     for p in sorted(profile.sections):
         s = profile.sections[p]
@@ -90,12 +90,8 @@ def _summary(console, profile, path: Path) -> None:
         wait = tp_wait(Cluster.from_profile(profile, p), tp, False, 1 << 20) if tp else 0.0
         t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.shared[-1] / 1e9:.1f}",
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
-                  f"{ar:.2f}" if p > 1 else "-", f"{wait * 1e3:.2f} (tp{tp})" if tp else "-",
-                  f"{s.probe_flops / 1e9:.1f}" if s.probe_flops else "-")
+                  f"{ar:.2f}" if p > 1 else "-", f"{wait * 1e3:.2f} (tp{tp})" if tp else "-")
     console.print(t)
-    if any(s.probe_flops for s in profile.sections.values()):
-        console.print("probe: the host-speed linear layer run by every process of a section at once, per process; "
-                      "`plait train` takes it again at its start and shows the host's speed then over this")
     if profile.calibrations > 1:
         console.print(f"the mean of {profile.calibrations} calibrations (every figure's time averaged)")
     moved = profile.host.get("speed_moved")

@@ -112,10 +112,6 @@ class Section:
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
     process, the others waiting (0: not measured, format 1).
     ``tp_blocks``: a tensor-parallel decoder layer timed over each group size (optional; see ``TPBlock``).
-    ``probe_flops``: FLOP/s per process of the host-speed probe (``plait.calibrate.kernels.reference_rate``)
-    run by all ``processes`` at once at ``threads`` threads, at the calibration's mean speed; a run of this
-    many processes takes the same probe at its start, and the two compare the host then with the host the
-    figures describe (0: not measured, older profiles).
     """
 
     processes: int
@@ -126,14 +122,13 @@ class Section:
     collectives: dict[tuple[str, int], Curve] = field(default_factory=dict)
     optimizer_s_per_param: float = 0.0
     tp_blocks: tuple[TPBlock, ...] = ()
-    probe_flops: float = 0.0
 
     def at_speed(self, alone: float, shared: float, collectives: float, tp: float) -> Section:
         """This section as if the host had run each phase of its measuring at ``x`` times the speed it had:
         the kernel figures measured alone by ``alone``, those measured by every process at once (and the
         memory bandwidth) by ``shared``, the collective curves by ``collectives``, the TP layers by ``tp``
-        (rates times ``x``, seconds over ``x``; ``probe_flops`` is kept). ``plait calibrate`` brings every
-        phase to the host's mean speed over the whole calibration this way (``plait.calibrate.run``)."""
+        (rates times ``x``, seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
+        speed over the whole calibration this way (``plait.calibrate.run``)."""
         def rate(kind: str, r: Rate) -> Rate:
             power = -1 if kind == BLOCK else 1  # the block rate holds seconds
             return Rate(r.sizes, tuple(v * alone ** power for v in r.alone),
@@ -145,7 +140,7 @@ class Section:
                         for key, c in self.collectives.items()},
                        self.optimizer_s_per_param / alone,
                        tuple(TPBlock(b.shape, b.group, b.sequence_parallel, b.seconds / tp, b.twin_s / tp)
-                             for b in self.tp_blocks), self.probe_flops)
+                             for b in self.tp_blocks))
 
     @staticmethod
     def average(sections: list[tuple[Section, int]]) -> Section:
@@ -180,13 +175,11 @@ class Section:
                     if (x.shape, x.group, x.sequence_parallel) == (b.shape, b.group, b.sequence_parallel)]
             blocks.append(TPBlock(b.shape, b.group, b.sequence_parallel, _mean([(x.seconds, w) for x, w in have]),
                                   _mean([(x.twin_s, w) for x, w in have])))
-        probed = [(s.probe_flops, w) for s, w in sections if s.probe_flops > 0]
         return Section(first.processes, first.threads, rates,
                        _mean([(s.op_overhead_s, w) for s, w in sections]),
                        _harmonic([(s.memory_bandwidth, w) for s, w in sections]), curves,
                        _mean([(s.optimizer_s_per_param, w) for s, w in sections]),
-                       tuple(sorted(blocks, key=lambda b: (b.shape, b.group, b.sequence_parallel))),
-                       _harmonic(probed) if probed else 0.0)
+                       tuple(sorted(blocks, key=lambda b: (b.shape, b.group, b.sequence_parallel))))
 
     def tp_block(self, shape: tuple[int, ...], group: int, sequence_parallel: bool) -> TPBlock | None:
         """The timed layer of ``shape`` over ``group`` ranks (sequence parallel or not), if measured."""
@@ -282,8 +275,6 @@ class HostProfile:
                       f"op_overhead_s = {_value(s.op_overhead_s)}",
                       f"memory_bandwidth = {_value(s.memory_bandwidth)}",
                       f"optimizer_s_per_param = {_value(s.optimizer_s_per_param)}"]
-            if s.probe_flops > 0:
-                lines.append(f"probe_flops = {_value(s.probe_flops)}")
             for kind in sorted(s.rates):
                 r = s.rates[kind]
                 lines += ["", "[[section.rate]]", f'kind = "{kind}"', f"sizes = {_value(list(r.sizes))}",
@@ -344,8 +335,7 @@ def _section(s: dict) -> Section:
     blocks = tuple(TPBlock(tuple(map(int, b["shape"])), int(b["group"]), bool(b["sequence_parallel"]),
                            float(b["seconds"]), float(b["twin_s"])) for b in s.get("tp_block", []))
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
-                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks,
-                   float(s.get("probe_flops", 0.0)))
+                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks)
 
 
 def _mean(values: list[tuple[float, int]]) -> float:

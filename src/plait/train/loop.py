@@ -238,23 +238,19 @@ def _predict(run: Run, res: TrainResult) -> None:
     """The planner's prediction of this run (plait.train.predict), the same on every rank."""
     import torch.distributed as dist
 
-    from plait.train.predict import host_profile, host_speed, memory_rows, predict, speed_reference
+    from plait.train.predict import host_profile, host_speed, memory_rows, predict
 
     profile = host_profile(run.cfg, run.ctx)
+    speed = None
     if run.ctx.rank == 0 and profile is not None:
         run.prediction = predict(run.cfg, profile, run.ctx.world_size)
+        speed = host_speed(profile, run.ctx.device)  # the other ranks wait in the broadcast meanwhile
     est = run.prediction
-    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est),
-                                     speed_reference(profile, run.ctx.world_size))]
+    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est), speed)]
     if run.ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
-    if box[0] is None:
-        return
-    res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory, reference = box[0]
-    speed = [host_speed(reference, run.ctx)]  # every rank takes the probe at once
-    if run.ctx.world_size > 1:
-        dist.broadcast_object_list(speed, src=0)  # the one-thread fallback measures on rank 0 alone
-    res.host_speed = speed[0]
+    if box[0] is not None:
+        res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory, res.host_speed = box[0]
 
 
 def memory_rows(pm) -> list[dict]:

@@ -90,34 +90,16 @@ def predict(cfg: TrainConfig, profile, world: int):
     return predict_train(model, profile, layout, training)
 
 
-def speed_reference(profile, world: int) -> tuple[float, float]:
-    """What ``host_speed`` compares the host now with: the ``world``-process section's ``probe_flops`` (all
-    its processes at once) and the profile's one-thread ``speed_flops``, each 0.0 where the profile lacks
-    it (older profiles)."""
-    sec = profile.sections.get(world)
-    return (0.0 if sec is None else float(sec.probe_flops)), float(profile.host.get("speed_flops") or 0.0)
+def host_speed(profile, device) -> float | None:
+    """This host's speed now over its mean speed while ``profile`` was measured (the calibration's probe,
+    ``plait.calibrate.kernels.reference_rate``), or None for a profile without it. The prediction follows
+    the calibration's speed; a run on a host running slower or faster than then follows the host."""
+    then = profile.host.get("speed_flops")
+    if not then:
+        return None
+    from plait.calibrate.kernels import reference_rate
 
-
-def host_speed(reference: tuple[float, float], ctx) -> float | None:
-    """This host's speed now over its speed in the calibration (collective over the world: every rank
-    passes rank 0's ``speed_reference``). Every process of the run takes the probe at once, at the run's
-    thread count (``plait.calibrate.run.shared_probe``), against the section's ``probe_flops``: that is the
-    speed the run's processes get together, which the calibration's figures describe. A profile without it
-    falls back to the one-thread probe on rank 0 alone (``plait.calibrate.kernels.reference_rate``; None on
-    the other ranks) against ``speed_flops``; None for a profile with neither. The prediction follows the
-    calibration's speed; a run on a host running slower or faster than then follows the host."""
-    import torch
-
-    shared_then, one_then = reference
-    if shared_then > 0:
-        from plait.calibrate.run import shared_probe
-
-        return shared_probe(ctx.world_size, torch.get_num_threads(), ctx.world_group, ctx.device) / shared_then
-    if one_then > 0 and ctx.rank == 0:
-        from plait.calibrate.kernels import reference_rate
-
-        return reference_rate(ctx.device) / one_then
-    return None
+    return reference_rate(device) / float(then)
 
 
 def dry_run(cfg: TrainConfig, world: int) -> dict:
