@@ -147,13 +147,16 @@ def test_cached_profile_is_reused_unless_unreadable(tmp_path):
 
 def test_the_summary_shows_the_prediction_at_the_hosts_speed_at_the_start():
     """`plait train` probes the host's speed again at its start: the summary's step time adds the
-    prediction at that speed (the profile's over the speed ratio), and nothing for a profile without probes."""
+    prediction at that speed (the profile's over the speed ratio) when the probe reads further from its
+    calibrated speed than its own noise (more than 30% off), and nothing for a profile without probes."""
     from plait.train.loop import TrainResult
     from plait.train.report import _at_speed
 
-    res = TrainResult(step_time_s=0.6, predicted_step_time_s=0.5, host_speed=0.8)
-    assert _at_speed(res) == ("; the host ran at 0.80x its calibrated speed at the start, where the prediction "
-                              "is 625 ms (measured/that 0.96)")
+    res = TrainResult(step_time_s=0.6, predicted_step_time_s=0.5, host_speed=0.6)
+    assert _at_speed(res) == ("; the host ran at 0.60x its calibrated speed at the start, where the prediction "
+                              "is 833 ms (measured/that 0.72)")
+    assert _at_speed(replace(res, host_speed=0.8)) == "" and _at_speed(replace(res, host_speed=1.25)) == ""
+    assert _at_speed(replace(res, host_speed=1.4)) != ""
     assert _at_speed(TrainResult(step_time_s=0.6, predicted_step_time_s=0.5)) == ""
 
 
