@@ -37,8 +37,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from plait.train.report import SPEED_NOTE
-
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 COMMON = ["--model", "small", "--seq-len", "128", "--batch-size", "16", "--microbatches", "4", "--eval-every", "0",
           "--sample-tokens", "0", "--max-data-mb", "0.5", "--trace-every", "3"]
@@ -201,10 +199,9 @@ def main() -> None:
     mems = [x for r in rows for x in r["memory"] if x["predicted"]]
     mem_ok = bool(mems) and all(abs(x["measured"] / x["predicted"] - 1) <= GOAL_MEMORY for x in mems)
     drift = [x for v in speeds.values() for x in v if x == x]  # not nan
-    if drift and (min(drift) < 1 - SPEED_NOTE or max(drift) > 1 + SPEED_NOTE):
-        print(f"note: the probe read {min(drift):.2f}-{max(drift):.2f}x the calibration's mean speed before the "
-              f"runs, beyond its own noise (±{SPEED_NOTE:.0%}, bench/host_noise.py): the host likely ran at "
-              "another speed than when it was calibrated")
+    if drift:
+        print(f"the probe before the runs read {statistics.median(drift):.2f}x the calibration's mean speed (median; "
+              f"{min(drift):.2f}-{max(drift):.2f}x; one reading moves 12-17% on its own, bench/host_noise.py)")
     at_speed = sum(abs(r["ratio_at_speed"] - 1) <= GOAL_TIME for r in rows)
     print(f"at the host's speed during each run (ratio x host speed, the prediction the calibration would have "
           f"made at that speed): {at_speed}/{len(rows)} within {GOAL_TIME:.0%} (a diagnostic, not the goal)")
