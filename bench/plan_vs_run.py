@@ -15,8 +15,9 @@ how much (on this VM, readings 12-17% apart from one second to the next, correla
 of the work after them), so a single ``host speed`` says little; many of them over a benchmark say whether
 the host was slower or faster on the whole.
 ``at speed`` is the ratio times the host speed: what it would be had the calibration run at the speed the
-host had before that run (a diagnostic that separates the model's error from the host's drift; the goal is
-judged on the ratio itself).
+host had before that run. It was meant to separate the model's error from the host's drift; with a probe
+this noisy it mostly adds the probe's noise (it came out below the plain ratio in the runs measured), so it
+is a diagnostic, and the goal is judged on the ratio itself.
 ``--interleave`` calibrates again between the rounds and after the last (``plait calibrate --add``) and
 predicts every layout with the mean of those calibrations (``plait train --dry-run``): the calibrations
 then meet the host over the same minutes as the runs, as the rounds meet it alike. The prediction of the

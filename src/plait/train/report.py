@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 SPEED_NOTE = 0.3
 
 
+def off_speed(res) -> bool:
+    """Whether the probe at the run's start read further from its calibrated speed than its own noise."""
+    return res.host_speed is not None and abs(res.host_speed - 1) > SPEED_NOTE
+
+
 class Reporter:
     """Progress and metrics of a run; silent on every rank but 0."""
 
@@ -54,7 +59,7 @@ class Reporter:
             self.console.print(f"predicted on {e.cluster.gpu.name} (plait plan, host profile): step "
                                f"{e.step_time_s * 1e3:,.0f} ms, bubble {e.bubble_fraction:.1%} (idle share of the "
                                f"step), most loaded rank {e.memory.total / 2**20:,.1f} MiB")
-            if res.host_speed is not None and abs(res.host_speed - 1) > SPEED_NOTE:
+            if off_speed(res):
                 self.console.print(f"[yellow]note: plait calibrate's speed probe reads {res.host_speed:.2f}x the "
                                    "speed it had when this host was calibrated, more than the probe's own noise: "
                                    "the host is likely slower or faster now than then, and the step times may "
@@ -151,7 +156,7 @@ def summary_table(cfg: TrainConfig, run, res):
 def _at_speed(res) -> str:
     """The prediction at the host's speed when the run started (the calibration's probe taken again), when
     the probe read further from its calibrated speed than its own noise (``SPEED_NOTE``)."""
-    if res.host_speed is None or not res.predicted_step_time_s or abs(res.host_speed - 1) <= SPEED_NOTE:
+    if not res.predicted_step_time_s or not off_speed(res):
         return ""
     at = res.predicted_step_time_s / res.host_speed * 1e3
     return (f"; the host ran at {res.host_speed:.2f}x its calibrated speed at the start, where the prediction is "
