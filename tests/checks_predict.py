@@ -43,16 +43,34 @@ def _time(run, first: int) -> list[float]:
     return times
 
 
-def check_predicted_vs_measured(root: Path) -> list[dict]:
+def check_calibration(root: Path, box: dict) -> dict:
+    """A quick calibration of 2 and 4 processes in this launch (kept in ``box`` for the prediction check):
+    its progress ticks, and the kernel figures of one process alone, which both sections measure at one
+    thread and so share."""
+    from plait.calibrate import host_facts
+    from plait.calibrate.run import measure_in_world, total_steps
+
+    plait.init(1, 1, 4)  # the default process group the calibration measures in
+    ticks = root / "calibration-ticks"
+    box["profile"] = profile = measure_in_world([2, 4], str(ticks), host_facts(), quick=True)
+    if dist.get_rank() != 0:
+        return {}
+    assert profile is not None
+    two, four = profile.section(2), profile.section(4)
+    return {"ticks": len(ticks.read_text().splitlines()), "total_steps": total_steps([2, 4], quick=True),
+            "threads": [two.threads, four.threads],
+            "alone": {kind: [list(two.rates[kind].alone), list(four.rates[kind].alone)] for kind in two.rates},
+            "overhead": [two.op_overhead_s, four.op_overhead_s],
+            "optimizer": [two.optimizer_s_per_param, four.optimizer_s_per_param],
+            "shared_matmul": [list(two.rates["matmul"].shared), list(four.rates["matmul"].shared)]}
+
+
+def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
     """Every layout built once (one warm-up step each), then timed in rounds that alternate over them: a
     burst of another job's load lands on one round of a layout, rarely on both; the fastest step counts
     (nothing makes a step faster than the machine allows)."""
-    from plait.calibrate import host_facts
-    from plait.calibrate.run import measure_in_world
     from plait.train.predict import memory_rows, predict
 
-    plait.init(1, 1, 4)  # the default process group the calibration measures in
-    profile = measure_in_world([4], None, host_facts(), quick=True)
     runs = []
     for kw in LAYOUTS:
         cfg = _cfg(root, **kw)
@@ -77,4 +95,6 @@ def check_predicted_vs_measured(root: Path) -> list[dict]:
 
 def rank_main(root: str) -> dict:
     root = Path(root)
-    return run_checks([("predict/vs_measured", lambda: check_predicted_vs_measured(root))])
+    box: dict = {}
+    return run_checks([("calibrate/sections", lambda: check_calibration(root, box)),
+                       ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile")))])

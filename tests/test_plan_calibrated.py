@@ -236,18 +236,19 @@ def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
 
 
 def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
-    """The host's speed probe before, between and after a section's four phases (kernels alone, kernels
-    shared, collective curves, TP layers): each phase's figures scale by the mean probe over the probes
-    either side of it (rates up, seconds down where the phase ran slow), and the profile says how far the
-    speed moved."""
+    """The host's speed during a section's four phases (kernels alone, kernels shared, collective curves, TP
+    layers): each phase's figures scale by the mean of all the probes over its own speed (rates up, seconds
+    down where the phase ran slow), and the profile says how far the speed moved."""
     from plait.calibrate.run import at_mean_speed
     from plait.plan.profile import Curve, TPBlock
 
     base = _section((1e-3, 4e-3), optimizer=2e-9)
     four = Section(4, 1, base.rates, OVERHEAD, 1e10, {("all_reduce", 2): Curve((1e3, 1e6), (1e-4, 1e-3))}, 2e-9,
                    (TPBlock(eager.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),))
-    # mean probe 100: alone phase at 50-50 (half speed), shared 50-100, curves 100-200, TP layers 200-100
-    sections, mean, moved = at_mean_speed({1: (base, [100.0] * 5), 4: (four, [50.0, 50.0, 100.0, 200.0, 100.0])})
+    # probes 50, 50, 100, 200, 100 and six at 100: mean 100; alone phase at 50 (half speed), shared at 75,
+    # curves at 150, TP layers at 150
+    probes = [50.0, 50.0, 100.0, 200.0, 100.0] + [100.0] * 6
+    sections, mean, moved = at_mean_speed({1: (base, [100.0] * 4), 4: (four, [50.0, 75.0, 150.0, 150.0])}, probes)
     assert mean == pytest.approx(100.0) and moved == pytest.approx(1.5)
     one, s = sections[1], sections[4]
     assert one == base  # probed at the mean speed throughout: unchanged
@@ -258,5 +259,5 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     assert s.memory_bandwidth == pytest.approx(1e10 * 100 / 75)  # measured with every process busy
     assert s.collectives[("all_reduce", 2)].seconds == pytest.approx((1e-4 * 1.5, 1e-3 * 1.5))
     assert s.tp_blocks[0].seconds == pytest.approx(0.05 * 1.5) and s.tp_blocks[0].twin_s == pytest.approx(0.045)
-    slow_one, *_ = at_mean_speed({1: (base, [50.0] * 5), 2: (base, [150.0] * 5)})[0].values()
-    assert slow_one.rates["matmul"].shared[0] == pytest.approx(MATMUL / 2 * 2)  # one process: shared = alone
+    slow_one, *_ = at_mean_speed({1: (base, [50.0] * 4), 2: (base, [150.0] * 4)}, [50.0, 150.0])[0].values()
+    assert slow_one.rates["matmul"].shared[0] == pytest.approx(MATMUL / 2 * 2)

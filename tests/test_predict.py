@@ -74,6 +74,26 @@ def world4(tmp_path_factory):
     return run_world(checks_predict.rank_main, 4, str(root), timeout_s=420)
 
 
+def test_calibration_measures_one_process_alone_once_per_thread_count(world4):
+    """2 and 4 processes on this host's cores both give one process one thread, so the figures of one process
+    alone (the others waiting) are one measurement, taken for the first section and kept for the second, each
+    scaled to the host's mean speed alike; what all processes measure at once differs. The progress bar's
+    count of steps is what the calibration ticks off."""
+    from plait.distributed.launch import worker_threads
+
+    out = result(world4, "calibrate/sections")[0]
+    assert out["ticks"] == out["total_steps"]
+    if worker_threads(2) != worker_threads(4):
+        pytest.skip(f"{os.cpu_count()} cores: 2 and 4 processes get {worker_threads(2)} and {worker_threads(4)} "
+                    "threads, each section measures its own")
+    assert out["threads"][0] == out["threads"][1]
+    for kind, (two, four) in out["alone"].items():
+        assert two == pytest.approx(four, rel=1e-12), kind
+    assert out["overhead"][0] == pytest.approx(out["overhead"][1], rel=1e-12)
+    assert out["optimizer"][0] == pytest.approx(out["optimizer"][1], rel=1e-12)
+    assert out["shared_matmul"][0] != out["shared_matmul"][1]  # 2 and 4 processes at once: measured apart
+
+
 def test_predicted_step_time_on_this_machine(world4):
     """Seven layouts (tp, pp, dp, SP, 1F1B/GPipe/interleaved/ZB-V, full recomputation, ZeRO-1), predicted from
     a calibration made in the same launch, against the fastest of four steps timed in two alternating rounds.

@@ -18,17 +18,24 @@ from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, T
 TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _kernel_steps() -> int:
-    return len(k.GEMM_SHAPES) + len(k.ATTENTION_SHAPES) + len(k.ELEMENT_SIZES) + len(eager.CALIBRATION_BLOCKS) + 3
+def _pick(sizes: tuple, quick: bool) -> tuple:
+    """The sizes a calibration measures: all, or every other one when ``quick``."""
+    return sizes[::2] if quick else sizes
 
 
-def total_steps(counts: list[int]) -> int:
-    """Progress ticks of a calibration of ``counts`` (for the progress bar)."""
+def total_steps(counts: list[int], quick: bool = False) -> int:
+    """Progress ticks of a calibration of ``counts`` (for the progress bar): one per kernel figure of every
+    kernel phase (alone at a thread count not measured before, shared with more than one process), per
+    collective and group size, per TP layer timed."""
+    kernels = (len(_pick(k.GEMM_SHAPES, quick)) + len(_pick(k.ATTENTION_SHAPES, quick))
+               + len(_pick(k.ELEMENT_SIZES, quick)) + len(eager.CALIBRATION_BLOCKS) + 3)  # overhead, stream, optimizer
     total = 0
-    for p in counts:
-        total += _kernel_steps() * (2 if p > 1 else 1)
+    threads: set[int] = set()
+    for p in sorted(counts):
+        total += kernels * ((_threads(p) not in threads) + (p > 1))
+        threads.add(_threads(p))
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
-        total += 2 * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)
+        total += (1 if quick else 2) * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)
     return total
 
 
@@ -45,18 +52,17 @@ def _kernels(device: torch.device, tick, quick: bool = False, optimizer: bool = 
     stat = "mean" if shared else "median"
     dtype = torch.float32
     out: dict = {"matmul": [], "attention": [], "elementwise": [], "block": []}
-    pick = (lambda sizes: sizes[::2]) if quick else (lambda sizes: sizes)
-    for shape in pick(k.GEMM_SHAPES):
+    for shape in _pick(k.GEMM_SHAPES, quick):
         out["matmul"].append((k.gemm_flops(shape), k.gemm_rate(shape, device, dtype, stat), 1 / 3))
         tick(f"matmul {shape[0]}x{shape[1]}x{shape[2]}")
-    for s, h in pick(k.ATTENTION_SHAPES):
+    for s, h in _pick(k.ATTENTION_SHAPES, quick):
         rate, share = k.attention_rate(s, h, device, dtype, stat)
         out["attention"].append((float(s * h), rate, share))
         tick(f"attention s={s} d={h}")
     overhead = k.op_overhead(device, dtype, stat)
     out["overhead"] = overhead
     tick("kernel overhead")
-    for n in pick(k.ELEMENT_SIZES):
+    for n in _pick(k.ELEMENT_SIZES, quick):
         size, rate, share = k.elementwise_rate(n, overhead, device, dtype, stat)
         out["elementwise"].append((size, rate, share))
         tick(f"element-wise mix, {n} elements")
@@ -99,52 +105,59 @@ def _probe(world_group, device: torch.device) -> float:
     return rate
 
 
-def measure_section(p: int, groups: dict, world_group, device: torch.device, tick,
-                    quick: bool = False) -> tuple[Section | None, list[float]]:
-    """The section of ``p`` processes (collective over the world) and the host's speed before, between and
-    after its four phases (kernels alone, kernels shared, collective curves, TP layers); the Section on
-    rank 0, else None."""
+def measure_section(p: int, groups: dict, world_group, device: torch.device, tick, alone_at: dict,
+                    quick: bool = False) -> tuple[Section | None, list[float], list[float]]:
+    """The section of ``p`` processes (collective over the world): the Section on rank 0 (else None), the
+    host's speed probed before, between and after its phases (kernels alone, kernels shared, collective
+    curves, TP layers), and the speed during each of the four phases (the mean of the probes either side).
+
+    ``alone_at`` maps a thread count to the kernel figures of one process alone at it and the speed they were
+    measured at; a section whose thread count an earlier one measured takes those (the same measurement: one
+    process, the same threads, the others waiting) and measures it once more only where it is new. One
+    process measures nothing shared: its shared figures are those alone."""
     rank = dist.get_rank()
+    threads = _threads(p)
+    torch.set_num_threads(threads)
     probes = [_probe(world_group, device)]
-    torch.set_num_threads(_threads(p))
-    alone = _kernels(device, tick, quick) if rank == 0 else None
-    probes.append(_probe(world_group, device))
-    shared = alone
-    if p > 1:
-        mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
-            if rank < p else None
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine, group=world_group)
-        shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
+    if threads not in alone_at:
+        figures = _kernels(device, tick, quick) if rank == 0 else None
+        probes.append(_probe(world_group, device))
+        alone_at[threads] = (figures, (probes[-2] + probes[-1]) / 2)
+    alone, alone_speed = alone_at[threads]
+    if p == 1:
+        return (_section(p, alone, alone, {}, {}) if rank == 0 else None), probes, [alone_speed] * 4
+    mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
+        if rank < p else None
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine, group=world_group)
+    shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
     probes.append(_probe(world_group, device))
     quiet = tick if rank == 0 else (lambda what: None)
     curves = coll.curves(p, groups, world_group, device, quiet, quick)
     probes.append(_probe(world_group, device))
     layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
     probes.append(_probe(world_group, device))
-    if rank != 0:
-        return None, probes
+    phases = [alone_speed] + [(a + b) / 2 for a, b in zip(probes[-4:], probes[-3:], strict=False)]
+    return (_section(p, alone, shared, curves, layers) if rank == 0 else None), probes, phases
+
+
+def _section(p: int, alone: dict | None, shared: dict | None, curves: dict, layers: dict) -> Section:
     assert alone is not None and shared is not None  # measured on rank 0
     blocks = tuple(TPBlock(shape, g, sp, secs, twin) for (shape, g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
-                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"],
-                   blocks), probes
+                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"], blocks)
 
 
-def at_mean_speed(sections: dict[int, tuple[Section, list[float]]]) -> tuple[dict[int, Section], float, float]:
-    """Every section brought to the host's mean speed over the calibration, with that speed (FLOP/s of
-    ``kernels.reference_rate``) and how far it moved ((max - min) / mean of the probes). Each phase of a
-    section is scaled by the mean speed over the speed of the probes either side of it
-    (``Section.at_speed``): the host's speed drifts over seconds to minutes, and a section measured in a
-    slow minute would otherwise cost every layout of that process count slow."""
-    probes = [x for _, readings in sections.values() for x in readings]
+def at_mean_speed(sections: dict[int, tuple[Section, list[float]]],
+                  probes: list[float]) -> tuple[dict[int, Section], float, float]:
+    """Every section brought to the host's mean speed over the calibration, with that speed (the mean of
+    ``probes``, FLOP/s of ``kernels.reference_rate``) and how far it moved ((max - min) / mean). Each
+    section comes with the speed during its four phases (alone, shared, curves, TP; ``measure_section``),
+    and each phase is scaled by the mean speed over its own (``Section.at_speed``): the host's speed drifts
+    over seconds to minutes, and a section measured in a slow minute would otherwise cost every layout of
+    that process count slow."""
     mean = sum(probes) / len(probes)
-    out = {}
-    for p, (sec, r) in sections.items():
-        phase = [mean / ((a + b) / 2) for a, b in zip(r, r[1:], strict=False)]  # alone, shared, curves, TP
-        if p == 1:  # one process: its shared figures are the ones it measured alone
-            phase[1] = phase[0]
-        out[p] = sec.at_speed(*phase)
+    out = {p: sec.at_speed(*(mean / x for x in phases)) for p, (sec, phases) in sections.items()}
     return out, mean, (max(probes) - min(probes)) / mean
 
 
@@ -176,12 +189,14 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: b
                 f.write(what + "\n")
 
     threads = torch.get_num_threads()
+    alone_at: dict = {}
     try:
-        measured = {p: measure_section(p, groups, world_group, device, tick, quick) for p in counts}
+        measured = {p: measure_section(p, groups, world_group, device, tick, alone_at, quick) for p in sorted(counts)}
     finally:
         torch.set_num_threads(threads)
     if rank != 0:
         return None
-    sections, speed, moved = at_mean_speed({p: (s, r) for p, (s, r) in measured.items() if s is not None})
-    probes = [x for _, r in measured.values() for x in r]  # five per section, in the order measured
+    probes = [x for _, r, _ in measured.values() for x in r]  # in the order measured
+    sections, speed, moved = at_mean_speed({p: (s, phases) for p, (s, _, phases) in measured.items()
+                                            if s is not None}, probes)
     return HostProfile({**facts, "speed_flops": speed, "speed_moved": moved, "speed_probes": probes}, sections)

@@ -7,7 +7,14 @@ from typing import Annotated
 
 import typer
 
-HELP = """Measure this host with plait's own processes and write a cluster profile (TOML).
+# How far the host's speed probes may move during a calibration ((max - min) / mean) before the summary
+# warns. The probe alone reads 12-17% apart (standard deviation over mean) from one second to the next on an
+# idle 2-core VM (bench/host_noise.py), so the dozen or so probes of a calibration span 40-60% with no drift at
+# all; a wider span is the host moving.
+STEADY = 0.6
+
+
+HELP = f"""Measure this host with plait's own processes and write a cluster profile (TOML).
 
 For each process count (default 1, 2 and 4) it measures what one process gets with the thread count
 `plait train` gives it, alone and with every process busy: matmul, causal attention and element-wise
@@ -16,12 +23,13 @@ step, and the time of all-reduce, all-gather, reduce-scatter, all-to-all and poi
 group size, from 1 KB to 4 MB; then a tensor-parallel decoder layer over every group size, beside its
 compute alone and its collectives alone: what it takes beyond them is the wait each tensor-parallel
 collective of a run adds. Between its phases it probes the host's speed (one linear layer on one thread)
-and scales each phase to the mean speed; it warns when that speed moved more than 15% (a busy host, or a
-virtual machine's neighbours). Takes about a minute. On such a host, `--repeat N` keeps the mean of N
-calibrations, and `--add` averages a new one into the profile's earlier ones (take them at different
-moments): the profile then predicts the host's average, not one minute of it. `plait plan --cluster FILE`
-plans with it; `plait train` predicts its own step with it (by default from this host's cached profile,
-made on first use).
+and scales each phase to the mean speed; it warns when the probes spread more than {STEADY:.0%} (beyond
+their own noise: a busy host, or a virtual machine's neighbours). Process counts whose processes get the
+same thread count share one measurement of a process alone. Takes about a minute. On such a host,
+`--repeat N` keeps the mean of N calibrations, and `--add` averages a new one into the profile's earlier
+ones (take them at different moments): the profile then predicts the host's average, not one minute of it.
+`plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by default from
+this host's cached profile, made on first use).
 
 \b
 Examples:
@@ -65,13 +73,6 @@ def calibrate_command(
 
         profile, path = calibrate(counts, out, progress, repeat=repeat, add=add)
     _summary(console, profile, path)
-
-
-# How far the host's speed probes may move during a calibration ((max - min) / mean) before the summary
-# warns. The probe alone reads 12-17% apart (standard deviation over mean) from one second to the next on an
-# idle 2-core VM (bench/host_noise.py), so the fifteen probes of a calibration span 40-60% with no drift at
-# all; a wider span is the host moving.
-STEADY = 0.6
 
 
 def _summary(console, profile, path: Path) -> None:
