@@ -3,9 +3,9 @@
 ``plait calibrate`` measures the host, then ``plait train`` runs each layout (tp, pp, dp, SP; gpipe, 1f1b,
 interleaved, zbv; recompute none/selective/full; ZeRO-1/2) with ``--cluster`` set to that profile: every
 step's metrics row carries the measured and predicted step time and bubble, and the first row the predicted and measured
-bytes per rank (measured on the first step). The rounds alternate (every layout once, then again) so that a
-change of the machine's load touches every layout alike; the median of the steady steps of both rounds is
-compared.
+bytes per rank (measured on the first step). The rounds alternate (every layout once, then again, the second
+round in the reverse order) so that a change of the machine's speed, even one that goes on over the whole
+run, touches every layout alike; the median of the steady steps of both rounds is compared.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
 Before every run it takes the calibration's speed probe (one thread, one linear layer) in this process: the
 speed now over the calibration's mean is the ``host speed`` column. This machine's speed moves by up to a
@@ -170,7 +170,7 @@ def main() -> None:
         for i in range(args.rounds if args.rounds is not None else (1 if quick else 2)):
             if i and args.interleave:
                 cal_s.append(calibrate(profile, add=True))
-            for n in names:
+            for n in names if i % 2 == 0 else names[::-1]:  # a drift over the run touches every layout alike
                 probes[n].append(probe())
                 rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
