@@ -44,21 +44,22 @@ def _time(run, first: int) -> list[float]:
 
 
 def check_calibration(root: Path, box: dict) -> dict:
-    """A quick calibration of 2 and 4 processes in this launch (kept in ``box`` for the prediction check):
-    its progress ticks, and the kernel figures of one process alone, which both sections measure at one
-    thread and so share."""
+    """A quick calibration of 1, 2 and 4 processes in this launch (kept in ``box`` for the prediction check):
+    its progress ticks, the kernel figures of one process alone, which the sections of 2 and 4 measure at one
+    thread and so share, and the one process's figures, alone and shared the same."""
     from plait.calibrate import host_facts
     from plait.calibrate.run import measure_in_world, total_steps
 
     plait.init(1, 1, 4)  # the default process group the calibration measures in
     ticks = root / "calibration-ticks"
-    box["profile"] = profile = measure_in_world([2, 4], str(ticks), host_facts(), quick=True)
+    box["profile"] = profile = measure_in_world([1, 2, 4], str(ticks), host_facts(), quick=True)
     if dist.get_rank() != 0:
         return {}
     assert profile is not None
-    two, four = profile.section(2), profile.section(4)
-    return {"ticks": len(ticks.read_text().splitlines()), "total_steps": total_steps([2, 4], quick=True),
-            "threads": [two.threads, four.threads],
+    one, two, four = profile.section(1), profile.section(2), profile.section(4)
+    return {"ticks": len(ticks.read_text().splitlines()), "total_steps": total_steps([1, 2, 4], quick=True),
+            "threads": [one.threads, two.threads, four.threads],
+            "one": {kind: [list(r.alone), list(r.shared)] for kind, r in one.rates.items()},
             "alone": {kind: [list(two.rates[kind].alone), list(four.rates[kind].alone)] for kind in two.rates},
             "overhead": [two.op_overhead_s, four.op_overhead_s],
             "optimizer": [two.optimizer_s_per_param, four.optimizer_s_per_param],

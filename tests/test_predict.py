@@ -79,13 +79,15 @@ def test_calibration_measures_one_process_alone_once_per_thread_count(world4):
     alone (the others waiting) are one measurement, taken for the first section and kept for the second, each
     scaled to the host's mean speed alike; what all processes measure at once differs (on a host where the
     thread counts differ, each section measures its own). The progress bar's count of steps is what the
-    calibration ticks off."""
+    calibration ticks off. One process measures nothing shared: its shared figures are those alone."""
     from plait.distributed.launch import worker_threads
 
     out = result(world4, "calibrate/sections")[0]
     assert out["ticks"] == out["total_steps"]
-    assert out["threads"] == [worker_threads(2), worker_threads(4)]
-    if out["threads"][0] != out["threads"][1]:  # a host of 4 or more cores: each section measures its own
+    assert out["threads"] == [worker_threads(1), worker_threads(2), worker_threads(4)]
+    for kind, (alone, shared) in out["one"].items():  # one process: nothing measured shared
+        assert alone == shared, kind
+    if worker_threads(2) != worker_threads(4):  # a host of 4 or more cores: each section measures its own
         assert out["alone"]["matmul"][0] != out["alone"]["matmul"][1]
         return
     for kind, (two, four) in out["alone"].items():
@@ -145,6 +147,7 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
         assert tp_layer is not None and tp_layer.seconds > tp_layer.twin_s > 0
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(r["predicted_step_time_s"] > 0 and "step_time_s" in r for r in rows)
+    assert 0.2 < rows[0]["host_speed"] < 5  # the calibration's probe taken again at the start, over its mean
     assert 0 <= rows[-1]["measured_bubble"] < 1 and 0 <= rows[-1]["predicted_bubble"] < 1
     first = rows[0]["memory"]  # measured on the first step, beside the prediction, on every rank
     assert len(first["measured"]) == 2 and first["predicted"][0]["params"] > 0

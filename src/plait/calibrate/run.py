@@ -105,7 +105,10 @@ def _probe(world_group, device: torch.device) -> float:
     return rate
 
 
-def measure_section(p: int, groups: dict, world_group, device: torch.device, tick, alone_at: dict,
+AloneAt = dict[int, tuple[dict | None, float]]  # threads -> (figures of one process alone, the speed then)
+
+
+def measure_section(p: int, groups: dict, world_group, device: torch.device, tick, alone_at: AloneAt,
                     quick: bool = False) -> tuple[Section | None, list[float], list[float]]:
     """The section of ``p`` processes (collective over the world): the Section on rank 0 (else None), the
     host's speed probed before, between and after its phases (kernels alone, kernels shared, collective
@@ -125,7 +128,7 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         alone_at[threads] = (figures, (probes[-2] + probes[-1]) / 2)
     alone, alone_speed = alone_at[threads]
     if p == 1:
-        return (_section(p, alone, alone, {}, {}) if rank == 0 else None), probes, [alone_speed] * 4
+        return (_make_section(p, alone, alone, {}, {}) if rank == 0 else None), probes, [alone_speed] * 4
     mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
         if rank < p else None
     parts: list = [None] * dist.get_world_size()
@@ -138,10 +141,10 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
     probes.append(_probe(world_group, device))
     phases = [alone_speed] + [(a + b) / 2 for a, b in zip(probes[-4:], probes[-3:], strict=False)]
-    return (_section(p, alone, shared, curves, layers) if rank == 0 else None), probes, phases
+    return (_make_section(p, alone, shared, curves, layers) if rank == 0 else None), probes, phases
 
 
-def _section(p: int, alone: dict | None, shared: dict | None, curves: dict, layers: dict) -> Section:
+def _make_section(p: int, alone: dict | None, shared: dict | None, curves: dict, layers: dict) -> Section:
     assert alone is not None and shared is not None  # measured on rank 0
     blocks = tuple(TPBlock(shape, g, sp, secs, twin) for (shape, g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
@@ -189,7 +192,7 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: b
                 f.write(what + "\n")
 
     threads = torch.get_num_threads()
-    alone_at: dict = {}
+    alone_at: AloneAt = {}
     try:
         measured = {p: measure_section(p, groups, world_group, device, tick, alone_at, quick) for p in sorted(counts)}
     finally:
