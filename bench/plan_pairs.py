@@ -104,7 +104,7 @@ def predicted(name: str, profile) -> tuple[float, float]:
     from plait.train.predict import predict
 
     base, variant = PAIRS[name]
-    return (predict(config(base, 1), profile, WORLD).step_time_s, predict(config(variant, 1), profile, WORLD).step_time_s)
+    return tuple(predict(config(fields, 1), profile, WORLD).step_time_s for fields in (base, variant))  # type: ignore[return-value]
 
 
 def load() -> str:

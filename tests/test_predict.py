@@ -224,6 +224,23 @@ def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_pa
         HostProfile.average([fast, resized])
 
 
+def test_calibrate_names_a_dead_measuring_process_in_one_line(tmp_path, monkeypatch):
+    """A measuring process killed mid-calibration ends the command with the launcher's one-line reason
+    (which rank, its exit code), exit code 1, no traceback and no profile written."""
+    import plait.calibrate as cal
+    from plait.distributed.launch import LaunchError
+
+    def died(counts, progress):
+        raise LaunchError("ranks [2] died (exit codes [-9]) without reporting")
+
+    monkeypatch.setattr(cal, "_measure_once", died)
+    out = tmp_path / "host.toml"
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "error: plait calibrate: ranks [2] died (exit codes [-9])" in r.output
+    assert "Traceback" not in r.output and not out.exists()
+
+
 def test_calibrate_add_and_repeat_keep_the_mean_of_the_calibrations(tmp_path, monkeypatch):
     """`plait calibrate --add` averages a new calibration into the file's; `--repeat N` keeps the mean of N
     taken back to back; without either the file is replaced (the measuring itself is stubbed: a calibration

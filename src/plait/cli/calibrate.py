@@ -58,6 +58,8 @@ def calibrate_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from plait.calibrate import DEFAULT_PROCESSES, calibrate
+    from plait.distributed.launch import LaunchError
+    from plait.errors import ConfigError, flag_message
 
     counts = tuple(processes or DEFAULT_PROCESSES)
     if min(counts) < 1:
@@ -71,7 +73,14 @@ def calibrate_command(
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        profile, path = calibrate(counts, out, progress, repeat=repeat, add=add)
+        try:
+            profile, path = calibrate(counts, out, progress, repeat=repeat, add=add)
+        except ConfigError as exc:  # e.g. --add to a profile measured another way
+            typer.echo(f"error: {flag_message(exc)}", err=True)
+            raise typer.Exit(2) from None
+        except LaunchError as exc:  # a measuring process died or stopped answering: which one, in one line
+            typer.echo(f"error: plait calibrate: {str(exc).splitlines()[0]}", err=True)
+            raise typer.Exit(1) from None
     _summary(console, profile, path)
 
 
