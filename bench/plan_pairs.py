@@ -104,7 +104,8 @@ def predicted(name: str, profile) -> tuple[float, float]:
     from plait.train.predict import predict
 
     base, variant = PAIRS[name]
-    return tuple(predict(config(fields, 1), profile, WORLD).step_time_s for fields in (base, variant))  # type: ignore[return-value]
+    pb, pv = (predict(config(fields, 1), profile, WORLD).step_time_s for fields in (base, variant))
+    return pb, pv
 
 
 def load() -> str:
