@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -122,6 +123,23 @@ def memory_errors(rows: list[dict]) -> list[tuple[str, float, float]]:
     return out
 
 
+def processes(name: str) -> int:
+    """How many processes layout ``name`` runs (the product of its --tp, --pp and --dp)."""
+    args = LAYOUTS[name]
+    return math.prod(int(args[args.index(flag) + 1]) if flag in args else 1 for flag in ("--tp", "--pp", "--dp"))
+
+
+def by_processes(rows: list[dict]) -> dict[int, dict]:
+    """The geometric mean of the ratios of the layouts of each process count, and how many there are. Each
+    count is predicted from its own section of the calibration (its processes' own kernel figures), so a
+    count whose mean sits apart from the others points at that section rather than at a layout."""
+    out = {}
+    for p in sorted({processes(r["layout"]) for r in rows}):
+        ratios = [r["ratio"] for r in rows if processes(r["layout"]) == p]
+        out[p] = {"layouts": len(ratios), "geomean_ratio": math.exp(statistics.fmean(map(math.log, ratios)))}
+    return out
+
+
 def summarise(name: str, rounds: list[list[dict]], speeds: list[float], predicted: float | None) -> dict:
     """One layout's row: the median steady step of every round against ``predicted`` (None: the first
     calibration's prediction, which the runs' metrics carry) and the median host speed before its runs."""
@@ -196,6 +214,10 @@ def main() -> None:
         pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else "-"
         print(f"{r['layout']:26} {r['measured_s'] * 1e3:>11.0f} {r['predicted_s'] * 1e3:>9.0f} {r['ratio']:>6.2f} "
               f"{r['first_ratio']:>7.2f} {r['host_speed']:>10.2f} {r['ratio_at_speed']:>8.2f} {mb:>11} {pb:>6}  {mem}")
+    counts = by_processes(rows)
+    print("by process count (geometric mean of the ratios): " + "; ".join(
+        f"{p}: {c['geomean_ratio']:.2f} ({c['layouts']} layout{'s' if c['layouts'] > 1 else ''})"
+        for p, c in counts.items()))
     time_ok = all(abs(r["ratio"] - 1) <= GOAL_TIME for r in rows)
     mems = [x for r in rows for x in r["memory"] if x["predicted"]]
     mem_ok = bool(mems) and all(abs(x["measured"] / x["predicted"] - 1) <= GOAL_MEMORY for x in mems)
@@ -215,7 +237,8 @@ def main() -> None:
     print(f"goal: step time within {GOAL_TIME:.0%}: {'PASS' if time_ok else 'FAIL'}; memory within "
           f"{GOAL_MEMORY:.0%}: {'PASS' if mem_ok else ('FAIL' if mems else 'not measured')}")
     print(json.dumps({"load": env_load, "calibration_s": cal_s, "calibrations": final.calibrations,
-                      "calibration_speed_moved": moved, "layouts": rows, "time_goal_met": time_ok,
+                      "calibration_speed_moved": moved, "layouts": rows, "by_processes": counts,
+                      "time_goal_met": time_ok,
                       "first_calibration_time_goal_met": first_ok,
                       "memory_goal_met": mem_ok, "cores": os.cpu_count()}, indent=1))
 
