@@ -22,6 +22,9 @@ is a diagnostic, and the goal is judged on the ratio itself.
 predicts every layout with the mean of those calibrations (``plait train --dry-run``): the calibrations
 then meet the host over the same minutes as the runs, as the rounds meet it alike. The prediction of the
 first calibration alone (made before any run) is shown beside it, with its own verdict.
+The ratios' geometric mean per process count is printed too: each count is predicted from its own
+section of the calibration, so a count apart from the others points at that section. What one feature
+costs, free of the host's drift, is ``bench/plan_pairs.py``'s.
 Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``;
 ``--profile FILE`` keeps the calibration (or reuses one), ``--layouts a,b`` picks layouts.
 """
