@@ -241,6 +241,25 @@ def test_calibrate_names_a_dead_measuring_process_in_one_line(tmp_path, monkeypa
     assert "Traceback" not in r.output and not out.exists()
 
 
+def test_calibrate_add_to_a_profile_measured_another_way_is_a_one_line_error(tmp_path, monkeypatch):
+    """`--add` averages only calibrations measured the same way: a file whose matmul was timed at other sizes
+    ends the command with exit code 2 and the reason, not a traceback, and the file is left as it was."""
+    import plait.calibrate as cal
+
+    base = synthetic_profile(counts=(1, 2), block=True)
+    r = base.section(1).rates["matmul"]
+    other = HostProfile(base.host, {**base.sections, 1: replace(base.section(1), rates={
+        **base.section(1).rates, "matmul": type(r)((1.0, 2.0), r.alone, r.shared)})})
+    out = tmp_path / "host.toml"
+    other.save(out)
+    before = out.read_text()
+    monkeypatch.setattr(cal, "_measure_once", lambda counts, progress: base)
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--add", "--processes", "1", "--processes", "2"])
+    assert r.exit_code == 2, r.output
+    assert "error:" in r.output and "matmul was measured at different sizes" in r.output
+    assert "Traceback" not in r.output and out.read_text() == before
+
+
 def test_calibrate_add_and_repeat_keep_the_mean_of_the_calibrations(tmp_path, monkeypatch):
     """`plait calibrate --add` averages a new calibration into the file's; `--repeat N` keeps the mean of N
     taken back to back; without either the file is replaced (the measuring itself is stubbed: a calibration
