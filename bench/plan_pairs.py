@@ -108,11 +108,9 @@ def predicted(name: str, profile) -> tuple[float, float]:
     return pb, pv
 
 
-def load() -> str:
-    return Path("/proc/loadavg").read_text().split(" ")[0] if Path("/proc/loadavg").exists() else "?"
-
-
 def main() -> None:
+    from plan_vs_run import load  # this folder: the load average, as plan_vs_run.py reports it
+
     from plait.calibrate import cache_path, calibrate
     from plait.plan.profile import HostProfile
 
