@@ -8,7 +8,7 @@ from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, T
 
 def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
     """Speeds shaped like a small CPU host: 50 GFLOP/s per core shared among ``p`` processes; ``block``: with
-    the decoder-layer timings, the optimizer step and the tensor-parallel layers of a format-2 profile."""
+    the decoder-layer timings, the optimizer step and the tensor-parallel layers of a format-3 profile."""
     share = min(1.0, cores / p)
     rates = {
         "matmul": Rate((1e6, 1e9), (2e10, 5e10), (2e10 * share, 5e10 * share)),

@@ -80,18 +80,68 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter():
 
 def test_format_1_profiles_still_read(tmp_path):
     """A profile written before decoder layers and the optimizer were timed loads (no block, no optimizer
-    figure) and predicts with the kernel mix; format 2 round-trips both."""
+    figure) and predicts with the kernel mix; format 3 round-trips both."""
     new = synthetic_profile(counts=(1, 2), block=True)
     assert HostProfile.from_toml(new.to_toml()) == new
     assert new.section(2).optimizer_s_per_param == 4e-9 and "block" in new.section(2).rates
     old = synthetic_profile(counts=(1, 2))
-    text = old.to_toml().replace("format = 2", "format = 1")
+    text = old.to_toml().replace("format = 3", "format = 1")
     text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer_s_per_param"))
     back = HostProfile.from_toml(text)
     assert back == old and back.section(1).optimizer_s_per_param == 0.0
     assert timing.block_elementwise(back.section(1)) is None
-    with pytest.raises(ValueError, match="format 1 or 2"):
-        HostProfile.from_toml(text.replace("format = 1", "format = 3"))
+    with pytest.raises(ValueError, match="format 1, 2 or 3"):
+        HostProfile.from_toml(text.replace("format = 1", "format = 4"))
+
+
+def test_format_2_decoder_layers_split_as_the_kernel_mix():
+    """Format 2 stored the whole layer's forward share without autograd, not its rest's: read, the layer's
+    element-wise part splits as the kernel mix's (what costed it then); format 3 keeps the measured share."""
+    new = synthetic_profile(counts=(1,), block=True)
+    assert HostProfile.from_toml(new.to_toml()).section(1).rates["block"].forward_share == 0.3
+    old = HostProfile.from_toml(new.to_toml().replace("format = 3", "format = 2")).section(1)
+    assert old.rates["block"].forward_share == old.rates["elementwise"].forward_share == 0.35
+    assert old.rates["block"].alone == new.section(1).rates["block"].alone
+
+
+def test_a_layer_s_elementwise_part_splits_as_the_calibration_blocks_rest():
+    """The layer's element-wise seconds go to the forward by the blocks' measured share (the real layer's
+    rest, autograd recording), not the kernel mix's; GEMMs, attention and the total do not move."""
+    from dataclasses import replace
+
+    works = [eager.layer_work(eager.block_local(s), 4) for s in eager.CALIBRATION_BLOCKS]
+    speed = 2e9
+    sec = _section(tuple(w.elem_bytes / speed for w in works))
+    model = Model.preset("small", seq_len=128)
+    layout = Layout(microbatch_size=4)
+    w = eager.layer_work(eager.local(model, layout), 4)
+    gemm, att, el = sum(f for f, _ in w.gemms) / MATMUL, w.attention / ATTENTION, w.elem_bytes / speed
+    table = w.nograd_ops * OVERHEAD * 0.4
+    costs = {}
+    for share in (0.3, 0.8):
+        blocks = replace(sec.rates["block"], forward_share=share)
+        layer, _, _ = timing.block_costs(model, _cluster(replace(sec, rates={**sec.rates, "block": blocks})),
+                                         layout, "fp32")
+        assert layer.f_compute == pytest.approx(gemm + 0.25 * att + share * el + table)
+        assert layer.b_compute == pytest.approx(2 * gemm + 0.75 * att + (1 - share) * el)
+        costs[share] = layer
+    assert costs[0.8].f_compute + costs[0.8].b_compute == pytest.approx(costs[0.3].f_compute + costs[0.3].b_compute)
+
+
+def test_calibration_takes_the_largest_blocks_forward_share():
+    """The decoder layers' forward share is the largest calibration block's (the smaller's rest is mostly
+    kernels' fixed costs); the other kinds take the plain mean of their sizes'."""
+    from plait.calibrate.run import _rates
+
+    def figures(block):
+        return {"matmul": [(1e6, 1e10, 1 / 3), (1e9, 2e10, 1 / 3)], "attention": [(1e3, 1e9, 0.2), (1e4, 2e9, 0.4)],
+                "elementwise": [(1e3, 1e9, 0.25), (1e5, 2e9, 0.35)], "block": block}
+
+    rates = _rates(figures([(98304.0, 3e-3, 0.4), (4096.0, 1e-3, 0.8)]),
+                   figures([(98304.0, 6e-3, 0.1), (4096.0, 2e-3, 0.9)]))
+    assert rates["block"].forward_share == pytest.approx(0.4)
+    assert rates["attention"].forward_share == pytest.approx(0.3)
+    assert rates["block"].alone == (1e-3, 3e-3) and rates["block"].shared == (2e-3, 6e-3)
 
 
 def test_zero_1_and_2_twins_are_ranked_once():

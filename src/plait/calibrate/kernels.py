@@ -186,9 +186,12 @@ def _block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: t
     return layer, x
 
 
-def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
-    """The GEMMs and attention of calibration block ``shape`` alone, forward and backward: its seven linear
-    layers on [T, in] inputs and causal SDPA on contiguous [B, heads, S, d] (K and V already repeated)."""
+def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device,
+              dtype: torch.dtype) -> tuple[Callable[[], list[torch.Tensor]], Callable[[list[torch.Tensor]], None]]:
+    """The GEMMs and attention of calibration block ``shape`` alone: its seven linear layers on [T, in] inputs
+    and causal SDPA on contiguous [B, heads, S, d] (K and V already repeated). Returns (forward, backward):
+    ``forward()`` runs them with autograd recording and returns their outputs, ``backward(outputs)`` runs
+    each one's backward."""
     b, s, h, heads, _ = shape
     d, f, t = h // heads, llama_ffn(h), b * s
     kv = h // heads * shape[4]
@@ -197,45 +200,60 @@ def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device, dtype
     ws = [torch.randn(o, i, device=device, dtype=dtype, requires_grad=True) for o, i in dims]
     gs = [torch.randn(t, o, device=device, dtype=dtype) for o, _ in dims]
     q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    go = torch.randn(b, heads, s, d, device=device, dtype=dtype)
+    gs.append(torch.randn(b, heads, s, d, device=device, dtype=dtype))
 
-    def run() -> None:
-        for w, g in zip(ws, gs, strict=True):
-            F.linear(xs[w.shape[1]], w).backward(g)
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+    def forward() -> list[torch.Tensor]:
+        return [F.linear(xs[w.shape[1]], w) for w in ws] + [F.scaled_dot_product_attention(q, k, v, is_causal=True)]
 
-    return run
+    def backward(outs: list[torch.Tensor]) -> None:
+        for out, g in zip(outs, gs, strict=True):
+            out.backward(g)
+
+    return forward, backward
 
 
 def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
                dtype: torch.dtype, stat: str = "median") -> tuple[float, float, float]:
     """(hidden-state elements, seconds, forward share) of a real decoder layer's forward + backward beyond its
-    GEMMs and attention: the layer and its kernel skeleton (``_skeleton``) timed in alternation, so that both
-    see the same machine; the parameters' gradients accumulate as over a step's micro-batches."""
+    GEMMs and attention (its "rest": norms, RoPE, activations, residuals, reshapes, autograd's bookkeeping),
+    and the share of that rest spent in the forward: the layer and its kernel skeleton (``_skeleton``) timed
+    in alternation, forward and backward apart, so that both see the same machine; the forward records
+    autograd's graph as a training step's does; the parameters' gradients accumulate as over a step's
+    micro-batches."""
     layer, x = _block(shape, device, dtype)
     g = torch.randn_like(x)
-    skeleton = _skeleton(shape, device, dtype)
-    whole: list[float] = []
-    bare: list[float] = []
+    skeleton, skeleton_backward = _skeleton(shape, device, dtype)
+    whole: list[tuple[float, float]] = []  # (forward, forward + backward) seconds
+    bare: list[tuple[float, float]] = []
+
+    def layer_forward() -> list[torch.Tensor]:
+        return [layer(x)]
+
+    def layer_backward(outs: list[torch.Tensor]) -> None:
+        outs[0].backward(g)
+
     for _ in range(2):  # warm-up
-        layer(x).backward(g)
-        skeleton()
+        layer_backward(layer_forward())
+        skeleton_backward(skeleton())
     spent = 0.0
     while spent < BLOCK_BUDGET_S or len(whole) < 5:
-        for fn, out in ((lambda: layer(x).backward(g), whole), (skeleton, bare)):
+        for forward, backward, out in ((layer_forward, layer_backward, whole), (skeleton, skeleton_backward, bare)):
             t0 = time.perf_counter()
-            fn()
+            outs = forward()
             sync(device)
-            out.append(time.perf_counter() - t0)
-            spent += out[-1]
+            t1 = time.perf_counter()
+            backward(outs)
+            sync(device)
+            t2 = time.perf_counter()
+            out.append((t1 - t0, t2 - t0))
+            spent += t2 - t0
     # the rest is a difference of two close times: taken pair by pair (each pair sees the same machine), the
     # median of the pairs alone, their mean when every process is measuring at once (see ``timed``)
-    rests = [a - b for a, b in zip(whole, bare, strict=True)]
-    rest = statistics.mean(rests) if stat == "mean" else statistics.median(rests)
-    both = statistics.mean(whole) if stat == "mean" else statistics.median(whole)
-    with torch.no_grad():
-        forward = timed(lambda: layer(x), device, stat=stat)
-    return float(x.numel()), max(rest, 0.0), min(forward / both, 1.0)
+    pick = statistics.mean if stat == "mean" else statistics.median
+    rest = pick([a[1] - b[1] for a, b in zip(whole, bare, strict=True)])
+    rest_forward = pick([a[0] - b[0] for a, b in zip(whole, bare, strict=True)])
+    share = min(max(rest_forward / rest, 0.0), 1.0) if rest > 0 else 1 / 3
+    return float(x.numel()), max(rest, 0.0), share
 
 
 def optimizer_time(device: torch.device) -> float:

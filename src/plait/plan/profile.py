@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,12 @@ from plait.errors import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 KERNELS = ("matmul", "attention", "elementwise")
-BLOCK = "block"  # optional kind (format 2): decoder layers' seconds beyond GEMMs and attention
-FORMAT = 2
+BLOCK = "block"  # optional kind (format >= 2): decoder layers' seconds beyond GEMMs and attention
+FORMAT = 3
 HOST_KEYS = ("hostname", "cpu", "cores", "memory_bytes", "torch", "backend", "device")  # what changes speeds
-READABLE_FORMATS = (1, 2)  # format 1: no decoder-layer timings nor optimizer step (the kernel mix only)
+# format 1: no decoder-layer timings nor optimizer step (the kernel mix only); format 2: the decoder layers'
+# forward share is the whole layer's without autograd (read as the kernel mix's, see ``_section``)
+READABLE_FORMATS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class Section:
     elementwise (forward + backward time per forward byte moved, as ``plan.eager`` counts bytes; size =
     bytes per kernel). Optional ``block`` (profiles of format >= 2): seconds of a real decoder layer's forward
     and backward beyond its GEMMs and attention, one per ``plan.eager.CALIBRATION_BLOCKS`` entry (size = its
-    hidden-state elements; forward share: the whole layer's).
+    hidden-state elements; forward share: the share of those seconds spent in the forward, autograd
+    recording, over the blocks together; a format-2 profile's is read as the kernel mix's).
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
     process, the others waiting (0: not measured, format 1).
@@ -300,10 +303,11 @@ class HostProfile:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"--cluster {source}: not valid TOML ({exc})") from None
         if raw.get("format") not in READABLE_FORMATS or "host" not in raw:
-            raise ConfigError(f"--cluster {source}: not a `plait calibrate` profile (format "
-                              f"{' or '.join(map(str, READABLE_FORMATS))}); make one with `plait calibrate`")
+            *older, last = map(str, READABLE_FORMATS)
+            raise ConfigError(f"--cluster {source}: not a `plait calibrate` profile (format {', '.join(older)} or "
+                              f"{last}); make one with `plait calibrate`")
         try:
-            sections = {int(s["processes"]): _section(s) for s in raw.get("section", [])}
+            sections = {int(s["processes"]): _section(s, raw["format"]) for s in raw.get("section", [])}
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"--cluster {source}: malformed section ({exc})") from None
         return cls(dict(raw["host"]), sections)
@@ -324,12 +328,14 @@ class HostProfile:
         return p
 
 
-def _section(s: dict) -> Section:
+def _section(s: dict, fmt: int = FORMAT) -> Section:
     rates = {r["kind"]: Rate(tuple(map(float, r["sizes"])), tuple(map(float, r["alone"])),
                              tuple(map(float, r["shared"])), float(r["forward_share"])) for r in s.get("rate", [])}
     missing = set(KERNELS) - set(rates)
     if missing:
         raise KeyError(f"rates {sorted(missing)}")
+    if fmt < 3 and BLOCK in rates:  # its share was the whole layer's without autograd; the mix's split it then
+        rates[BLOCK] = replace(rates[BLOCK], forward_share=rates["elementwise"].forward_share)
     curves = {(c["op"], int(c["group"])): Curve(tuple(map(float, c["bytes"])), tuple(map(float, c["seconds"])))
               for c in s.get("collective", [])}
     blocks = tuple(TPBlock(tuple(map(int, b["shape"])), int(b["group"]), bool(b["sequence_parallel"]),

@@ -13,7 +13,7 @@ OPTIMIZER_TRAFFIC = 30.0
 # plait's optimizer step in fp32 (plait.optim.build_optimizer), bytes per parameter when a profile did not time
 # it (format 1): the global norm casts each gradient to float64 a chunk at a time (read 4, write 8, the dot
 # reads 8), the clip scales the gradients (read + write 8), torch's fused AdamW reads p, g, m, v and writes
-# p, m, v in one pass (28). Profiles of format 2 time the step itself (Section.optimizer_s_per_param).
+# p, m, v in one pass (28). Profiles of format >= 2 time the step itself (Section.optimizer_s_per_param).
 EAGER_OPTIMIZER_TRAFFIC = 56.0
 EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cast, dot and sum; clip; AdamW
 

@@ -201,13 +201,15 @@ def _work_costs(work: eager.Work, cluster: Cluster, shared: bool, layer: bool = 
     gemm, att = _gemm_attention(work, sec, shared)
     per_op = work.elem_bytes / work.ops if work.ops else 0.0
     block = block_elementwise(sec) if layer else None
-    if block is not None:  # its forward share: the kernel mix's (the block's own counts its GEMMs too)
+    if block is not None:  # split as the real layer's rest splits (``Section``: the block's forward share)
         el = work.elem_bytes / block.at(per_op, shared) if work.elem_bytes else 0.0
+        share = block.forward_share
     else:
         el = (work.elem_bytes / elem.at(per_op, shared) if work.elem_bytes else 0.0) + work.ops * sec.op_overhead_s
+        share = elem.forward_share
     nograd = work.nograd_ops * sec.op_overhead_s * elem.forward_share
-    f = gemm + att * attn.forward_share + el * elem.forward_share + nograd
-    b = 2 * gemm + att * (1 - attn.forward_share) + el * (1 - elem.forward_share)
+    f = gemm + att * attn.forward_share + el * share + nograd
+    b = 2 * gemm + att * (1 - attn.forward_share) + el * (1 - share)
     return StageCosts(f, b, gemm)
 
 
