@@ -109,8 +109,8 @@ class Section:
     elementwise (forward + backward time per forward byte moved, as ``plan.eager`` counts bytes; size =
     bytes per kernel). Optional ``block`` (profiles of format >= 2): seconds of a real decoder layer's forward
     and backward beyond its GEMMs and attention, one per ``plan.eager.CALIBRATION_BLOCKS`` entry (size = its
-    hidden-state elements; forward share: the share of those seconds spent in the forward, autograd
-    recording, over the blocks together; a format-2 profile's is read as the kernel mix's).
+    hidden-state elements; forward share: the share of the larger block's seconds spent in its forward,
+    autograd recording; a format-2 profile's is read as the kernel mix's).
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
     process, the others waiting (0: not measured, format 1).
