@@ -328,7 +328,7 @@ class HostProfile:
         return p
 
 
-def _section(s: dict, fmt: int = FORMAT) -> Section:
+def _section(s: dict, fmt: int) -> Section:
     rates = {r["kind"]: Rate(tuple(map(float, r["sizes"])), tuple(map(float, r["alone"])),
                              tuple(map(float, r["shared"])), float(r["forward_share"])) for r in s.get("rate", [])}
     missing = set(KERNELS) - set(rates)
