@@ -15,6 +15,7 @@ saves a checkpoint at the next step boundary) end the launch normally, exit code
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import multiprocessing as mp
@@ -37,6 +38,11 @@ from typing import Any
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
 STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step boundary, save and exit
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the elastic agent's own handling: stop the workers at once
+# glibc's mallopt(3) parameters (malloc.h) and the values plait's processes set (``keep_freed_memory``)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+MALLOC_SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
+MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+              "GLIBC_TUNABLES")
 
 
 def free_port() -> int:
@@ -49,6 +55,30 @@ def free_port() -> int:
 def worker_threads(local_world: int) -> int:
     """Intra-op threads per process: the cores shared fairly among the local processes."""
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory a step frees for the next step, as PyTorch's caching allocator does
+    on GPUs; True if it now does.
+
+    By default glibc hands a freed block of more than its (adaptive) threshold back to the kernel: blocks
+    above it come from fresh ``mmap`` pages, and free space at the heap's top beyond twice it is trimmed. The
+    next step allocates the same sizes again and pays a page fault per 4 KiB on first touch, most where a
+    schedule keeps many micro-batches' tensors alive: in a two-stage ZB-V step of ``small`` the input-gradient
+    passes took 8% longer than with the memory kept, 1F1B's backward the same either way. Here tensors up to
+    32 MiB (glibc's largest threshold) come from the heap, and up to 1 GiB free at its top stays mapped, so a
+    process's resident memory stays at its peak (larger tensors still come from fresh pages).
+
+    Does nothing (False) where malloc is not glibc's, or where the environment sets glibc's malloc parameters
+    itself (``MALLOC_*_`` variables or ``GLIBC_TUNABLES``: the user's choice wins)."""
+    if any(name in os.environ for name in MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # not a glibc (or not a Unix) process
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(param, value) == 1 for param, value in MALLOC_SETTINGS)
 
 
 # ------------------------------------------------------------------------------ run_world: local test worlds
@@ -72,6 +102,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     import torch
 
     torch.set_num_threads(threads)
+    keep_freed_memory()
     try:
         value = fn(*args)
         results.put((rank, True, value))
@@ -172,6 +203,7 @@ def run_or_launch(target: str, payload: dict, nproc: int):
     """Run ``module:function(payload)`` here when this process is already a worker or one process is
     enough; otherwise launch ``nproc`` local workers (``launch``)."""
     if under_torchrun() or nproc == 1:
+        keep_freed_memory()
         module, _, function = target.partition(":")
         return getattr(importlib.import_module(module), function)(payload)
     return launch(target, payload, nproc)
@@ -183,6 +215,7 @@ def worker(target: str, payload: dict, failure_dir: str):
 
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    keep_freed_memory()
     module, _, name = target.partition(":")
     try:
         return getattr(importlib.import_module(module), name)(payload)
