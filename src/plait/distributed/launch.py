@@ -78,6 +78,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):  # not a glibc (or not a Unix) process
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # in order, stopping at the first refused: a trim threshold without the raised mmap threshold freezes
+    # glibc's at 128 KiB and maps every larger tensor afresh, slower than the defaults
     return all(mallopt(param, value) == 1 for param, value in MALLOC_SETTINGS)
 
 
