@@ -49,6 +49,30 @@ def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
     assert with_block.w_compute == mix.w_compute == pytest.approx(gemm)
 
 
+def test_shared_speed_is_alone_over_the_kinds_median_slowdown():
+    """One size's shared figure is a noisy window: every size's shared speed is its speed alone over the
+    median of the sizes' ratios, not the figure itself (here 2.5 at the middle size, read as 5)."""
+    r = Rate((1.0, 10.0, 100.0), (10.0, 20.0, 40.0), (5.0, 5.0, 20.0))  # ratios 2, 4, 2
+    assert r.slowdown == pytest.approx(2.0)
+    assert [r.at(x, True) for x in (1.0, 10.0, 100.0)] == pytest.approx([5.0, 10.0, 20.0])
+    assert r.at(10.0, False) == pytest.approx(20.0)
+    assert r.at(1000.0, True) == pytest.approx(20.0)  # flat beyond the sizes, as alone
+
+
+def test_a_blocks_shared_rest_slows_as_the_elementwise_kernels():
+    """The rest's own shared figure (here only 1.2 times alone: the difference of two noisy ones) is not
+    used; shared, a block's rest takes its time alone times the element-wise kernels' slow-down (2 here)."""
+    works = [eager.layer_work(eager.block_local(s), 4) for s in eager.CALIBRATION_BLOCKS]
+    speed = 2e9
+    rest = tuple(w.elem_bytes / speed for w in works)
+    sec = _section(rest)
+    sec = Section(1, 2, {**sec.rates, "block": Rate(sec.rates["block"].sizes, rest,
+                                                      tuple(1.2 * r for r in rest), 0.3)}, OVERHEAD, 1e10)
+    block = timing.block_elementwise(sec)
+    assert block is not None
+    assert block.shared == pytest.approx([speed / 2, speed / 2])
+
+
 def test_block_rest_is_floored_and_other_blocks_ignored():
     """A rest measured as 0 (noise) costs a tenth of the kernel mix's estimate, not nothing; a profile whose
     blocks are not plan.eager's current ones is not used (the mix is)."""

@@ -3,15 +3,18 @@
 A profile has one section per process count ``P``: what *one* process gets when ``P`` processes of plait
 run on this host at once, each with the thread count ``plait train`` gives it. Speeds are measured twice:
 ``alone`` (the other processes wait) and ``shared`` (all ``P`` compute at once), because processes that
-outnumber the cores share them. Collectives are measured with every group of a size busy at once (as the
-TP groups of a run are), as (bytes, seconds) points, and a tensor-parallel layer shows what each collective
-of a run waits beyond that (``TPBlock``). Pure Python: ``plait.calibrate`` measures (torch).
+outnumber the cores share them; a shared speed is read as the speed alone over its kind's median slow-down
+(``Rate.slowdown``: one size's shared window is too noisy to stand alone). Collectives are measured with
+every group of a size busy at once (as the TP groups of a run are), as (bytes, seconds) points, and a
+tensor-parallel layer shows what each collective of a run waits beyond that (``TPBlock``). Pure Python:
+``plait.calibrate`` measures (torch).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,9 +76,24 @@ class Rate:
     shared: tuple[float, ...]
     forward_share: float = 1 / 3  # the forward's part of forward + backward time
 
+    @property
+    def slowdown(self) -> float:
+        """How many times slower a call runs with every process at it than alone: the median over the measured
+        sizes of ``alone / shared`` (for a speed; for the ``block`` kind, which holds seconds, its inverse).
+
+        Each shared figure is the mean of one short window (``plait.calibrate.kernels.BUDGET_S``) in which the
+        processes time-slice the cores, and the windows do not line up: on a two-core host with four processes
+        one size's ratio came out anywhere from 1.7 to 3.1 between calibrations, some below the 2 that
+        time-slicing alone makes, while the median of a kind moved by 3-5%. Sharing slows every size of a kind
+        alike (the cores go round the processes), so the median is the figure."""
+        return statistics.median(a / s for a, s in zip(self.alone, self.shared, strict=True))
+
     def at(self, size: float, shared: bool) -> float:
-        """Interpolated in log(size); flat beyond the measured sizes."""
-        values = self.shared if shared else self.alone
+        """Interpolated in log(size); flat beyond the measured sizes. ``shared``: the speed alone over the
+        ``slowdown`` (for a speed)."""
+        if shared:
+            return self.at(size, False) / self.slowdown
+        values = self.alone
         if len(values) == 1 or size <= self.sizes[0]:
             return values[0]
         if size >= self.sizes[-1]:

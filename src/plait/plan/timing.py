@@ -183,7 +183,10 @@ def block_elementwise(sec: Section) -> Rate | None:
     works = [eager.layer_work(eager.block_local(shape), 4) for shape in shapes]  # fp32, as calibrated
     mix = sec.rates["elementwise"]
     speeds = {}
-    for shared, secs in ((False, blk.alone), (True, blk.shared)):
+    # shared: the rest alone times the element-wise kernels' slow-down. The rest is element-wise work, and its
+    # own shared figure is a small difference of two noisy ones (on two cores, four processes' came out 1.2-1.8
+    # times alone, below the 2 that time-slicing makes; ``Rate.slowdown``)
+    for shared, secs in ((False, blk.alone), (True, tuple(a * mix.slowdown for a in blk.alone))):
         speeds[shared] = []
         for w, rest in zip(works, secs, strict=True):
             per_op = w.elem_bytes / w.ops
