@@ -79,7 +79,8 @@ class Rate:
     @property
     def slowdown(self) -> float:
         """How many times slower a call runs with every process at it than alone: the median over the measured
-        sizes of ``alone / shared`` (for a speed; for the ``block`` kind, which holds seconds, its inverse).
+        sizes of ``alone / shared`` (of a speed; of the ``block`` kind, which holds seconds, its inverse, and
+        ``at`` is right for both).
 
         Each shared figure is the mean of one short window (``plait.calibrate.kernels.BUDGET_S``) in which the
         processes time-slice the cores, and the windows do not line up: on a two-core host with four processes
@@ -89,8 +90,8 @@ class Rate:
         return statistics.median(a / s for a, s in zip(self.alone, self.shared, strict=True))
 
     def at(self, size: float, shared: bool) -> float:
-        """Interpolated in log(size); flat beyond the measured sizes. ``shared``: the speed alone over the
-        ``slowdown`` (for a speed)."""
+        """Interpolated in log(size); flat beyond the measured sizes. ``shared``: the figure alone over the
+        ``slowdown``."""
         if shared:
             return self.at(size, False) / self.slowdown
         values = self.alone
