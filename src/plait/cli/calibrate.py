@@ -102,7 +102,8 @@ def _summary(console, profile, path: Path) -> None:
         ar = s.collective("all_reduce", p, 1 << 20) * 1e3 if p > 1 else 0.0
         tp = max((b.group for b in s.tp_blocks), default=0)  # the wait of the largest TP group timed
         wait = tp_wait(Cluster.from_profile(profile, p), tp, False, 1 << 20) if tp else 0.0
-        t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.shared[-1] / 1e9:.1f}",
+        # shared: as the planner reads it (the speed alone over the kind's median slow-down, ``Rate.slowdown``)
+        t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.at(mm.sizes[-1], True) / 1e9:.1f}",
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",
                   f"{ar:.2f}" if p > 1 else "-", f"{wait * 1e3:.2f} (tp{tp})" if tp else "-")
     console.print(t)
