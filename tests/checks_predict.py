@@ -99,3 +99,33 @@ def rank_main(root: str) -> dict:
     box: dict = {}
     return run_checks([("calibrate/sections", lambda: check_calibration(root, box)),
                        ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile")))])
+
+
+def tp_round_calls(calls: int) -> tuple[list[int], float, float]:
+    """Rank side of the round-length test: ``tp_block.measure`` over a 2-rank group with ``calls`` calls of
+    each part per round, its parts replaced by sleeps that count their calls (layer 4 ms, twin 2 ms).
+    Returns (calls of the layer and of the twin, their mean seconds as measured)."""
+    import torch
+
+    from plait.calibrate import tp_block
+
+    dist.init_process_group("gloo")
+    counts = [0, 0]
+
+    def parts(shape, group, sp, device, dtype):
+        def layer() -> None:
+            counts[0] += 1
+            time.sleep(0.004)
+
+        def twin() -> None:
+            counts[1] += 1
+            time.sleep(0.002)
+
+        return layer, twin
+
+    tp_block._parts = parts  # the rank's process is thrown away after the check
+    groups = [dist.new_group([0, 1])]
+    layer_s, twin_s = tp_block.measure((1, 8, 32, 2, 2), 2, 2, False, groups, dist.group.WORLD,
+                                       torch.device("cpu"), budget=0.1, calls=calls)
+    dist.destroy_process_group()
+    return counts, layer_s, twin_s

@@ -224,6 +224,21 @@ def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_pa
         HostProfile.average([fast, resized])
 
 
+def test_tp_block_rounds_run_the_calls_asked_and_average_per_call():
+    """``tp_block.measure(calls=c)`` runs each part c times per round after one warm-up call, every rank the
+    same number of rounds (at least MIN_ROUNDS), and returns the mean seconds of one call: with parts that
+    sleep 4 and 2 ms, about 4 and 2 ms whatever c is (bench/tp_block_rounds.py varies it)."""
+    from plait.calibrate import tp_block
+
+    for calls in (1, 3):
+        out = run_world(checks_predict.tp_round_calls, 2, calls, timeout_s=120)
+        assert out[0][0] == out[1][0], "both ranks run the same rounds"
+        (layer_calls, twin_calls), layer_s, twin_s = out[0]
+        assert layer_calls == twin_calls and (layer_calls - 1) % calls == 0
+        assert tp_block.MIN_ROUNDS <= (layer_calls - 1) // calls <= tp_block.MAX_ROUNDS
+        assert 0.004 <= layer_s < 0.012 and 0.002 <= twin_s < 0.008 and layer_s > twin_s
+
+
 def test_calibrate_names_a_dead_measuring_process_in_one_line(tmp_path, monkeypatch):
     """A measuring process killed mid-calibration ends the command with the launcher's one-line reason
     (which rank, its exit code), exit code 1, no traceback and no profile written."""

@@ -86,11 +86,11 @@ def _parts(shape: tuple[int, ...], group, sp: bool, device: torch.device, dtype:
 
 
 def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: list, world_group,
-            device: torch.device, budget: float = BUDGET_S) -> tuple[float, float]:
+            device: torch.device, budget: float = BUDGET_S, calls: int = ROUND_CALLS) -> tuple[float, float]:
     """(mean seconds of the ``shape`` layer's forward + backward, of its twin's) on ranks ``[0, processes)`` in groups
     of ``g``, every group at once, averaged over the ranks, over about ``budget`` seconds of alternating
-    rounds (the layer's, then the twin's); collective over the whole world (ranks beyond ``processes`` only
-    join the rounds' barriers)."""
+    rounds (the layer's, then the twin's; ``calls`` of each part per round); collective over the whole world
+    (ranks beyond ``processes`` only join the rounds' barriers)."""
     rank = dist.get_rank()
     mine = next((gr for gr in groups if rank in dist.get_process_group_ranks(gr)), None) \
         if rank < processes else None
@@ -101,7 +101,7 @@ def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: li
         t0 = time.perf_counter()
         for fn in parts:  # warm-up (and the groups' connections)
             fn()
-        per_round = ROUND_CALLS * max(time.perf_counter() - t0, 1e-6)
+        per_round = calls * max(time.perf_counter() - t0, 1e-6)
         rounds[0] = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / per_round)))
     dist.broadcast(rounds, src=0, group=world_group)  # every member runs each part as often as its peers
     spent = [0.0, 0.0]
@@ -110,11 +110,11 @@ def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: li
             dist.barrier(group=world_group)  # the whole section starts the part together
             if parts is not None:
                 t0 = time.perf_counter()
-                for _ in range(ROUND_CALLS):
+                for _ in range(calls):
                     parts[i]()
                 spent[i] += time.perf_counter() - t0
-    calls = int(rounds[0]) * ROUND_CALLS
-    out = torch.tensor([spent[0] / calls, spent[1] / calls], device=device)  # means: see kernels.timed
+    total = int(rounds[0]) * calls
+    out = torch.tensor([spent[0] / total, spent[1] / total], device=device)  # means: see kernels.timed
     dist.all_reduce(out, group=world_group)
     return float(out[0]) / processes, float(out[1]) / processes
 
