@@ -23,8 +23,8 @@ import argparse
 import json
 import statistics
 
-# (batch, sequence, hidden, heads, KV heads): the calibration's two shapes and `small`'s layer at plait
-# train's micro-batch of the tp2 dp2 layouts of bench/plan_vs_run.py (2 x 128 tokens)
+# `small`'s layer (batch, sequence, hidden, heads, KV heads) at the micro-batch plait train gives the tp2 dp2
+# layouts of bench/plan_vs_run.py (2 x 128 tokens), timed beside the calibration's two shapes
 SMALL = (2, 128, 256, 8, 4)
 
 
