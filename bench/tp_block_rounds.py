@@ -51,8 +51,7 @@ def work(shapes: list[tuple[int, ...]], calls: list[int], repeats: int, budget: 
                 for c in (calls if r % 2 == 0 else calls[::-1]):
                     layer, twin = tp_block.measure(shape, world, group, sp, groups, dist.group.WORLD, device,
                                                    budget, calls=c)
-                    key = f"{shape[0]}x{shape[1]} h{shape[2]}|{sp}|{c}"
-                    out.setdefault(key, []).append((layer, twin))
+                    out.setdefault((tuple(shape), sp, c), []).append((layer, twin))
     dist.destroy_process_group()
     return out if rank == 0 else {}
 
@@ -85,7 +84,7 @@ def main() -> None:
         for sp in (False, True):
             cells = []
             for c in calls:
-                pairs = raw[f"{shape[0]}x{shape[1]} h{shape[2]}|{sp}|{c}"]
+                pairs = raw[(tuple(shape), sp, c)]
                 per = [(a - b) * 1e3 / collectives_per_layer(sp) for a, b in pairs]
                 sd = statistics.stdev(per) if len(per) > 1 else float("nan")
                 cells.append(f"{statistics.mean(per):.2f} ± {sd:.2f}")
