@@ -335,3 +335,32 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     assert s.tp_blocks[0].seconds == pytest.approx(0.05 * 1.5) and s.tp_blocks[0].twin_s == pytest.approx(0.045)
     slow_one, *_ = at_mean_speed({1: (base, [50.0] * 4), 2: (base, [150.0] * 4)}, [50.0, 150.0])[0].values()
     assert slow_one.rates["matmul"].shared[0] == pytest.approx(MATMUL / 2 * 2)
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b"),
+                                    Layout(pp=2, dp=2, virtual=2, microbatch_size=1, zero=1, schedule="zbv"),
+                                    Layout(tp=2, pp=2, microbatch_size=2, schedule="1f1b"),
+                                    Layout(tp=4, microbatch_size=2, sequence_parallel=True)])
+def test_phases_split_the_step_where_the_runtime_spends_it(layout):
+    """``Estimate.phases`` adds up to the step: the forward/backward part, then the exposed gradient
+    reduction (ZeRO: the reduce-scatter) and the loss's sum over the world (only with DP replicas: a
+    pipeline alone sends it point to point, TP alone holds it), then the optimizer step with the gradient
+    norm's sum and ZeRO's all-gather of the updated weights."""
+    from plait.plan import Training, estimate
+    from plait.plan import memory as mem
+
+    model = Model.preset("tiny", seq_len=128)
+    host = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    est = estimate(model, host, layout, Training(8, precision="fp32"))
+    t, ph = est.time, est.phases
+    assert set(ph) == {"forward_backward", "grad_reduction", "optimizer"} and min(ph.values()) >= 0.0
+    assert sum(ph.values()) == pytest.approx(est.step_time_s, rel=1e-12)
+    one = timing.collective(host, "all_reduce", 16, 4)  # a few bytes over the world
+    assert one > 0
+    reduction, gather = step_end.dp_sync_parts(model, host, layout, mem.max_rank_params(model, layout))
+    loss = one if layout.dp > 1 else 0.0
+    assert t["sync"] == pytest.approx(loss + one)  # no stop-signal check: it is not in the step's time
+    assert ph["forward_backward"] == pytest.approx(est.step_time_s - t["dp_comm"] - t["optimizer"] - t["sync"])
+    assert ph["grad_reduction"] == pytest.approx(reduction + loss)
+    assert ph["optimizer"] == pytest.approx(t["optimizer"] + gather + one)
+    assert (gather > 0) == (layout.zero > 0) and (reduction > 0) == (layout.dp > 1)

@@ -19,6 +19,12 @@ PARTS = {
     "dp_comm": "exposed gradient reduction", "zero_comm": "ZeRO-3 per-micro-batch communication",
     "optimizer": "optimizer step", "sync": "per-step loss and gradient-norm collectives",
 }
+# When in a step the runtime spends each part: ``Estimate.phases`` (plait train measures the same three).
+PHASES = {
+    "forward_backward": "the schedule's forwards and backwards, to this rank's last action",
+    "grad_reduction": "waiting for the DP gradient reduction (ZeRO: its reduce-scatter) and the loss's sum",
+    "optimizer": "the gradient norm's sum, the optimizer step and, under ZeRO-1/2, the weights' all-gather",
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class Estimate:
     #: how interleaved-1f1b / ZB1P group micro-batches when M % pp != 0 ("equal" or "padded"; see
     #: ``plait.schedules.build_schedule``), None for the other schedules
     rounds: str | None = None
+    #: ``step_time_s`` split by when the runtime spends it (keys and meaning: ``PHASES``)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -69,6 +77,7 @@ class Estimate:
             "bubble_fraction": self.bubble_fraction, "peak_in_flight": self.peak_in_flight,
             "tokens_per_s": self.tokens_per_s, "global_batch": self.training.global_batch,
             "rank_memory": [asdict(m) for m in self.rank_memory], "notes": list(self.notes), "rounds": self.rounds,
+            "phases": dict(self.phases),
             "runnable": self.layout.runnable, "plan_only_reason": runtime_gap(self.layout),
         }
 
@@ -136,15 +145,22 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
         makespan, wall, stretch = _shared_host(model, cluster, layout, training, chunks, m, rounds)
         busy["cpu_sharing"] = max(0.0, wall - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
-    dp = step_end.dp_sync_time(model, cluster, layout, params)
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params)
+    dp = reduction + gather
     overlap = step_end.dp_hidden(cluster, max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
     per_mb = step_end.zero_per_microbatch(cluster, layout, params)
     optimizer = step_end.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks))
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
+    loss_sync, norm_sync = _sync_parts(model, cluster, layout)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
             "optimizer": stretch * optimizer,
-            "sync": _sync_time(cluster, layout)}
+            "sync": loss_sync + norm_sync}
+    gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives
+    phases = {"forward_backward": sum(time[k] for k in ("compute", "tp_comm", "recompute", "cpu_sharing",
+                                                        "pp_bubble", "zero_comm")),
+              "grad_reduction": time["dp_comm"] - gathered + loss_sync,
+              "optimizer": time["optimizer"] + gathered + norm_sync}
     step = sum(time.values())
     flops = timing.model_flops_per_step(model, training.global_batch)
     tflops = flops / step / cluster.n_gpus / 1e12
@@ -153,7 +169,7 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
         tflops_per_gpu=tflops, mfu=tflops * 1e12 / cluster.gpu.peak_flops,
         memory=max(memory, key=lambda x: x.total), time=time, microbatches=m,
         bubble_fraction=time["pp_bubble"] / step if step > 0 else 0.0, peak_in_flight=max(pipe.peak),
-        p2p_s=chunks[0].p2p, rank_memory=memory, rounds=rounds,
+        p2p_s=chunks[0].p2p, rank_memory=memory, rounds=rounds, phases=phases,
     )
 
 
@@ -189,12 +205,16 @@ def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Train
     return r.makespan, sum(r.busy) / len(r.busy), stretch
 
 
-def _sync_time(cluster: Cluster, layout: Layout) -> float:
-    """plait's small per-step collectives on a calibrated host: the stop-signal flag and the gradient norm over
-    every rank, the loss over DP (with a pipeline the last stage sends it point to point: about as cheap).
-    (Negligible on catalogue GPUs: not counted.)"""
-    if cluster.profile is None:
-        return 0.0
+def _sync_parts(model: Model, cluster: Cluster, layout: Layout) -> tuple[float, float]:
+    """(loss, gradient norm): plait's small per-step collectives on a calibrated host, both over every rank.
+    The loss is summed over the world when DP replicas (or MoE's auxiliary losses, which every rank holds a
+    part of) contribute to it; otherwise the last stage sends it point to point (about as cheap as nothing)
+    or holds it already. The gradient norm is summed over the world whenever there is more than one rank.
+    (Negligible on catalogue GPUs: not counted.) The stop-signal check after each step is not part of the
+    step time ``plait train`` measures, so it is not counted either."""
     world = layout.world
-    out = 2 * timing.collective(cluster, "all_reduce", 16, world) if world > 1 else 0.0
-    return out + timing.collective(cluster, "all_reduce", 24, layout.dp)
+    if cluster.profile is None or world == 1:
+        return 0.0, 0.0
+    one = timing.collective(cluster, "all_reduce", 16, world)
+    loss = one if layout.dp * layout.cp > 1 or model.n_experts > 1 else 0.0
+    return loss, one

@@ -19,21 +19,27 @@ EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cas
 
 
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): an
-    all-reduce of fp32 gradients (no ZeRO); a reduce-scatter of them plus an all-gather of the updated
-    weights (ZeRO-1 and ZeRO-2 as plait runs them and as Megatron-LM's distributed optimizer does: once per
-    step, at each chunk's last backward; bf16 weights on catalogue GPUs, fp32 on a calibrated host, plait
-    train's default); nothing (ZeRO-3, plan-only: gradients and weights move every micro-batch,
-    ``zero_per_microbatch``)."""
+    """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): the sum of
+    ``dp_sync_parts``."""
+    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu))
+
+
+def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> tuple[float, float]:
+    """(gradient reduction, updated weights' gather) over dp·cp: an all-reduce of fp32 gradients and no
+    gather (no ZeRO); a reduce-scatter of them and an all-gather of the updated weights (ZeRO-1 and ZeRO-2
+    as plait runs them and as Megatron-LM's distributed optimizer does: once per step, the reduction at each
+    chunk's last backward, the gather in the optimizer step; bf16 weights on catalogue GPUs, fp32 on a
+    calibrated host, plait train's default); nothing (ZeRO-3, plan-only: gradients and weights move every
+    micro-batch, ``zero_per_microbatch``)."""
     n = layout.dp * layout.cp
     span = layout.tp * n
     if layout.zero == 0:
-        return collective(cluster, "all_reduce", 4 * params_on_gpu, n, span)
+        return collective(cluster, "all_reduce", 4 * params_on_gpu, n, span), 0.0
     if layout.zero == 3:
-        return 0.0
+        return 0.0, 0.0
     weight = 4 if cluster.profile is not None else 2
-    return (collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
-            + collective(cluster, "all_gather", weight * params_on_gpu, n, span))
+    return (collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span),
+            collective(cluster, "all_gather", weight * params_on_gpu, n, span))
 
 
 def dp_hidden(cluster: Cluster, backward: float) -> float:
