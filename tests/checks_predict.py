@@ -94,11 +94,40 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
     return out
 
 
+LATE_S = 0.3  # how long the last DP replica starts its forward/backward late in the phases check
+
+
+def check_phases(root: Path) -> dict:
+    """Four DP replicas, the last starting its forward/backward ``LATE_S`` late: this rank's seconds per phase
+    of the step (``train_one(..., phases)``) beside the step's own time. The others should wait for it in the
+    gradient reduction, the late one in its forward/backward."""
+    cfg = _cfg(root / "phases", tp=1, pp=1, dp=4)
+    run = build(cfg, plait.init(1, 1, 4))
+    train_one(run, 0, False)  # warm-up
+    if run.ctx.dp_rank == 3:
+        run_schedule = run.pm.executor.run
+
+        def late(*args, **kwargs):
+            time.sleep(LATE_S)
+            return run_schedule(*args, **kwargs)
+
+        run.pm.executor.run = late  # this rank's model is thrown away after the check
+    phases: dict[str, float] = {}
+    dist.barrier()
+    t0 = time.perf_counter()
+    train_one(run, 1, False, phases)
+    step_s = time.perf_counter() - t0
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"dp": run.ctx.dp_rank, "phases": phases, "step_s": step_s})
+    return {"ranks": everyone}
+
+
 def rank_main(root: str) -> dict:
     root = Path(root)
     box: dict = {}
     return run_checks([("calibrate/sections", lambda: check_calibration(root, box)),
-                       ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile")))])
+                       ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile"))),
+                       ("predict/phases", lambda: check_phases(root))])
 
 
 def tp_round_calls(calls: int) -> tuple[list[int], float, float]:

@@ -129,6 +129,23 @@ def test_predicted_memory_on_this_machine(world4):
                 assert m[kind] == pytest.approx(pred[m["pp"]][kind], rel=0.01), (r["layout"], m["pp"], kind)
 
 
+def test_each_rank_times_its_step_by_phase(world4):
+    """``train_one(..., phases)`` splits a rank's step into its forward/backward part, its wait for the
+    gradient reduction and its optimizer step (plait.plan.estimate.PHASES): they add up to the step, and
+    when one DP replica starts its forward/backward late, that rank's delay is in its forward/backward part
+    and every other replica's is in its gradient reduction."""
+    ranks = result(world4, "predict/phases")[0]["ranks"]
+    late = checks_predict.LATE_S
+    for r in ranks:
+        ph = r["phases"]
+        assert set(ph) == {"forward_backward", "grad_reduction", "optimizer"} and min(ph.values()) >= 0.0
+        assert sum(ph.values()) == pytest.approx(r["step_s"], abs=2e-3)
+        if r["dp"] == 3:
+            assert ph["forward_backward"] >= late and ph["grad_reduction"] < late / 2, r
+        else:
+            assert ph["grad_reduction"] >= 0.8 * late and ph["forward_backward"] < ph["grad_reduction"], r
+
+
 def test_train_calibrates_on_first_use_and_caches(tmp_path):
     env = {**os.environ, "PLAIT_CACHE_DIR": str(tmp_path / "cache")}
     args = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "2", "--steps", "2", "--seq-len",
@@ -147,6 +164,11 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
         assert tp_layer is not None and tp_layer.seconds > tp_layer.twin_s > 0
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(r["predicted_step_time_s"] > 0 and "step_time_s" in r for r in rows)
+    for r in rows:  # the step by phase, measured on rank 0 and predicted, each adding up to its step
+        assert sum(r["phase_s"].values()) == pytest.approx(r["step_time_s"], abs=2e-3)
+        assert sum(r["predicted_phase_s"].values()) == pytest.approx(r["predicted_step_time_s"], rel=1e-9)
+        assert set(r["phase_s"]) == set(r["predicted_phase_s"]) == {"forward_backward", "grad_reduction",
+                                                                    "optimizer"}
     assert 0.2 < rows[0]["host_speed"] < 5  # the calibration's probe taken again at the start, over its mean
     assert 0 <= rows[-1]["measured_bubble"] < 1 and 0 <= rows[-1]["predicted_bubble"] < 1
     first = rows[0]["memory"]  # measured on the first step, beside the prediction, on every rank
@@ -156,7 +178,7 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
         assert m["params"] == pytest.approx(p["params"], rel=0.01) and m["optimizer"] == pytest.approx(p["optimizer"],
                                                                                                      rel=0.01)
         assert m["activations_peak"] == pytest.approx(p["activations_peak"], rel=0.01)
-    assert "predicted" in run.stdout and "step time" in run.stdout
+    assert "predicted" in run.stdout and "step time" in run.stdout and "step by phase" in run.stdout
 
 
 def test_cached_profile_is_reused_unless_unreadable(tmp_path):

@@ -41,6 +41,7 @@ class StepStats:
     outputs: list[torch.Tensor] = field(default_factory=list)
     aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     shared_loss: torch.Tensor | None = None  # the loss another stage sent (StepIO.loss_from)
+    ended_at: float = 0.0  # time.perf_counter() when this rank's forward/backward part ended
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Executor:
                 stats.shared_loss = self.transport.wait_loss()
         except CommError as exc:
             raise type(exc)(f"pipeline rank {self.me}, end of step: {exc}") from exc
+        stats.ended_at = time.perf_counter()
         return stats
 
     def _step(self, i: int, a: Action, plan: StepPlan, io: StepIO, stats: StepStats,

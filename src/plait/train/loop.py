@@ -41,6 +41,8 @@ class TrainResult:
     simulated_bubble: float | None = None  # the same step simulated with its measured action costs
     predicted_bubble: float | None = None  # the planner's, from the host profile (plait.plan)
     predicted_step_time_s: float | None = None
+    predicted_phases: dict[str, float] | None = None  # the predicted step by phase (plait.plan.estimate.PHASES)
+    phases: list[dict[str, float]] = field(default_factory=list)  # per step: this rank's seconds by phase
     predicted_memory: list[dict] = field(default_factory=list)  # bytes by kind per pipeline rank
     host_speed: float | None = None  # the host's speed at the start over the profile's (plait.train.predict)
     startup_s: float = 0.0
@@ -121,20 +123,31 @@ def save(run: Run, step: int) -> str:
     return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra))
 
 
-def train_one(run: Run, step: int, trace: bool) -> tuple[float, float | None]:
-    """One optimizer step on global batch ``step``; returns (loss, grad norm). Non-finite losses per policy."""
+def train_one(run: Run, step: int, trace: bool, phases: dict[str, float] | None = None
+              ) -> tuple[float, float | None]:
+    """One optimizer step on global batch ``step``; returns (loss, grad norm). Non-finite losses per policy.
+
+    ``phases``, if given, receives this rank's seconds in each phase of the step (the keys of
+    ``plait.plan.estimate.PHASES``): the batch and the forward/backward schedule, then the wait for the
+    gradient reduction and the loss's sum, then the optimizer step (the gradient norm's sum included)."""
     from plait.train.data import batch
 
     ctx, cfg = run.ctx, run.cfg
+    t0 = time.perf_counter()
     x, y = batch(run.corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, (ctx.dp_rank, ctx.dp_size))
     loss = run.pm.train_step(x, y, trace=trace)
+    t1 = time.perf_counter()
     if not math.isfinite(loss):
         if cfg.on_nonfinite == "stop":
             raise NonFiniteLoss(f"non-finite loss ({loss}) at step {step + 1}: stopping (lower --lr, or pass "
                                 "--on-nonfinite skip to skip such steps)")
         run.pm.zero_grad()
-        return loss, None
-    norm = run.opt.step()
+        norm = None
+    else:
+        norm = run.opt.step()
+    if phases is not None:
+        ended = run.pm.last_stats.ended_at if run.pm.last_stats is not None else t1
+        phases.update(forward_backward=ended - t0, grad_reduction=t1 - ended, optimizer=time.perf_counter() - t1)
     return loss, norm
 
 
@@ -206,8 +219,9 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
     cfg = run.cfg
     trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
     lr = getattr(run.opt, "lr", cfg.lr)  # the rate this step's update uses
+    phases: dict[str, float] = {}
     t0 = time.perf_counter()
-    loss, norm = train_one(run, step, trace)
+    loss, norm = train_one(run, step, trace, phases)
     dt = time.perf_counter() - t0
     if step == run.start:  # from the command's start when launched by plait train, else this process's
         began = os.environ.get("PLAIT_LAUNCHED_AT")
@@ -218,7 +232,9 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
         res.skipped.append(step + 1)
     row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
            "step_time_s": dt, "predicted_step_time_s": res.predicted_step_time_s, "lr": lr, "grad_norm": norm,
-           "predicted_bubble": res.predicted_bubble}
+           "predicted_bubble": res.predicted_bubble, "phase_s": phases,
+           "predicted_phase_s": res.predicted_phases}
+    res.phases.append(phases)
     if trace:
         res.measured_bubble, res.simulated_bubble = bubble(run, dt)
         row.update(measured_bubble=res.measured_bubble, simulated_bubble=res.simulated_bubble)
@@ -246,11 +262,12 @@ def _predict(run: Run, res: TrainResult) -> None:
         run.prediction = predict(run.cfg, profile, run.ctx.world_size)
         speed = host_speed(profile, run.ctx.device)  # the other ranks wait in the broadcast meanwhile
     est = run.prediction
-    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est), speed)]
+    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est), speed, est.phases)]
     if run.ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory, res.host_speed = box[0]
+        (res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory, res.host_speed,
+         res.predicted_phases) = box[0]
 
 
 def memory_rows(pm) -> list[dict]:

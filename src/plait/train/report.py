@@ -144,6 +144,7 @@ def summary_table(cfg: TrainConfig, run, res):
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
         ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms") + _at_speed(res)),
+        ("step by phase", _phases(res)),
         ("bubble", _bubbles(res)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", res.checkpoint or "-"),
@@ -161,6 +162,34 @@ def _at_speed(res) -> str:
     at = res.predicted_step_time_s / res.host_speed * 1e3
     return (f"; the host ran at {res.host_speed:.2f}x its calibrated speed at the start, where the prediction is "
             f"{at:,.0f} ms (measured/that {res.step_time_s * 1e3 / at:.2f})")
+
+
+PHASE_NAMES = {"forward_backward": "forward-backward", "grad_reduction": "gradient reduction",
+               "optimizer": "optimizer"}
+
+
+def steady_phases(res) -> dict[str, float]:
+    """Rank 0's median seconds in each phase of the step over the steps after the first (as the step time)."""
+    steps = res.phases[1:] or res.phases
+    out = {}
+    for k in PHASE_NAMES:
+        vals = sorted(p[k] for p in steps if k in p)
+        if vals:
+            out[k] = vals[len(vals) // 2]
+    return out
+
+
+def _phases(res) -> str:
+    """Median ms per phase of the step (rank 0's), each beside the planner's figure for it."""
+    measured = steady_phases(res)
+    if not measured:
+        return "-"
+    pred = res.predicted_phases or {}
+    parts = []
+    for k, v in measured.items():
+        p = pred.get(k)
+        parts.append(f"{PHASE_NAMES[k]} {v * 1e3:,.0f}" + (f" ({p * 1e3:,.0f})" if p is not None else ""))
+    return " | ".join(parts) + (" ms, measured (predicted)" if pred else " ms")
 
 
 def _vs(measured: float, predicted: float | None, scale: float, unit: str) -> str:
