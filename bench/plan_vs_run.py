@@ -25,6 +25,9 @@ first calibration alone (made before any run) is shown beside it, with its own v
 The ratios' geometric mean per process count is printed too: each count is predicted from its own
 section of the calibration, so a count apart from the others points at that section. What one feature
 costs, free of the host's drift, is ``bench/plan_pairs.py``'s.
+A second table splits each step into the phases ``plait train`` measures on rank 0 (forward-backward,
+gradient reduction, optimizer; ``plait.plan.estimate.PHASES``) beside the first calibration's prediction of
+each, so that a miss shows where in the step it is.
 Prints a table and JSON. ``--quick``: fewer layouts, one round (a smoke run); ``--rounds N``, ``--steps N``;
 ``--profile FILE`` keeps the calibration (or reuses one), ``--layouts a,b`` picks layouts.
 """
@@ -41,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from plait.plan.estimate import PHASES
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 COMMON = ["--model", "small", "--seq-len", "128", "--batch-size", "16", "--microbatches", "4", "--eval-every", "0",
@@ -158,7 +163,35 @@ def summarise(name: str, rounds: list[list[dict]], speeds: list[float], predicte
             "host_speed": speed, "ratio_at_speed": measured / predicted * speed,
             "measured_bubble": statistics.median(bubbles) if bubbles else None,
             "predicted_bubble": steady[0].get("predicted_bubble"),
-            "memory": [{"what": w, "predicted": p, "measured": m} for w, p, m in mem]}
+            "memory": [{"what": w, "predicted": p, "measured": m} for w, p, m in mem],
+            "phases": phases(steady)}
+
+
+def phases(steady: list[dict]) -> dict[str, dict[str, float]]:
+    """Per phase of the step (``plait.plan.estimate.PHASES``): rank 0's median seconds over the steady steps
+    and the first calibration's prediction (what the runs' metrics carry)."""
+    pred = steady[0].get("predicted_phase_s") or {}
+    out = {}
+    for k in PHASES:
+        vals = [r["phase_s"][k] for r in steady if k in (r.get("phase_s") or {})]
+        if vals:
+            out[k] = {"measured": statistics.median(vals), "predicted": pred.get(k)}
+    return out
+
+
+def print_phases(rows: list[dict]) -> None:
+    """Where each layout's step goes, measured beside predicted (the first calibration's), ms per phase."""
+    print(f"by phase, rank 0's median ms measured / predicted (ratio): {', '.join(PHASES)}")
+    for r in rows:
+        cells = []
+        for k in PHASES:
+            x = r["phases"].get(k)
+            if x is None or x["predicted"] is None:
+                cells.append(f"{'-':>22}")
+                continue
+            ratio = f"({x['measured'] / x['predicted']:.2f})" if x["predicted"] > 0 else "(-)"
+            cells.append(f"{x['measured'] * 1e3:>6.0f} / {x['predicted'] * 1e3:<6.0f} {ratio:>7}")
+        print(f"{r['layout']:26} " + "  ".join(cells))
 
 
 def main() -> None:
@@ -217,6 +250,7 @@ def main() -> None:
         pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else "-"
         print(f"{r['layout']:26} {r['measured_s'] * 1e3:>11.0f} {r['predicted_s'] * 1e3:>9.0f} {r['ratio']:>6.2f} "
               f"{r['first_ratio']:>7.2f} {r['host_speed']:>10.2f} {r['ratio_at_speed']:>8.2f} {mb:>11} {pb:>6}  {mem}")
+    print_phases(rows)
     counts = by_processes(rows)
     print("by process count (geometric mean of the ratios): " + "; ".join(
         f"{p}: {c['geomean_ratio']:.2f} ({c['layouts']} layout{'s' if c['layouts'] > 1 else ''})"
