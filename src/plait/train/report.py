@@ -63,7 +63,9 @@ class Reporter:
                 self.console.print(f"[yellow]note: plait calibrate's speed probe reads {res.host_speed:.2f}x the "
                                    "speed it had when this host was calibrated, more than the probe's own noise: "
                                    "the host is likely slower or faster now than then, and the step times may "
-                                   "differ from the prediction (calibrate again when it is steady)[/yellow]")
+                                   "differ from the prediction (when it is steady: `plait calibrate` for this "
+                                   "host's cached profile, `plait calibrate --out FILE` for a --cluster "
+                                   "FILE)[/yellow]")
         self._start_bar(run.start)
 
     def _start_bar(self, start: int) -> None:
