@@ -206,6 +206,21 @@ def test_the_summary_shows_the_prediction_at_the_hosts_speed_at_the_start():
     assert _at_speed(TrainResult(step_time_s=0.6, predicted_step_time_s=0.5)) == ""
 
 
+def test_the_summary_shows_each_phase_beside_its_prediction():
+    """The summary's "step by phase": rank 0's median ms per phase over the steps after the first, each with
+    the prediction's in brackets; without a prediction the measured ones alone."""
+    from plait.train.loop import TrainResult
+    from plait.train.report import _phases
+
+    steps = [{"forward_backward": 0.5, "grad_reduction": 0.5, "optimizer": 0.5}]  # the first: not counted
+    steps += [{"forward_backward": f, "grad_reduction": 0.004, "optimizer": 0.012} for f in (0.70, 0.72, 0.69)]
+    pred = {"forward_backward": 0.65, "grad_reduction": 0.002, "optimizer": 0.010}
+    assert _phases(TrainResult(phases=steps, predicted_phases=pred)) == (
+        "forward-backward 700 (650) | gradient reduction 4 (2) | optimizer 12 (10) ms, measured (predicted)")
+    assert _phases(TrainResult(phases=steps)) == "forward-backward 700 | gradient reduction 4 | optimizer 12 ms"
+    assert _phases(TrainResult()) == "-"
+
+
 def _scaled(profile: HostProfile, x: float, speed: float) -> HostProfile:
     """``profile`` as a calibration that met the host at ``x`` times its speed (probe mean ``speed``)."""
     return HostProfile({**profile.host, "speed_flops": speed, "speed_probes": [speed] * 3},

@@ -166,15 +166,17 @@ def _at_speed(res) -> str:
             f"{at:,.0f} ms (measured/that {res.step_time_s * 1e3 / at:.2f})")
 
 
-PHASE_NAMES = {"forward_backward": "forward-backward", "grad_reduction": "gradient reduction",
-               "optimizer": "optimizer"}
+# how the summary names the phases of ``plait.plan.estimate.PHASES``
+PHASE_NAMES = {"forward_backward": "forward-backward", "grad_reduction": "gradient reduction"}
 
 
 def steady_phases(res) -> dict[str, float]:
     """Rank 0's median seconds in each phase of the step over the steps after the first (as the step time)."""
+    from plait.plan.estimate import PHASES
+
     steps = res.phases[1:] or res.phases
     out = {}
-    for k in PHASE_NAMES:
+    for k in PHASES:
         vals = sorted(p[k] for p in steps if k in p)
         if vals:
             out[k] = vals[len(vals) // 2]
@@ -190,7 +192,7 @@ def _phases(res) -> str:
     parts = []
     for k, v in measured.items():
         p = pred.get(k)
-        parts.append(f"{PHASE_NAMES[k]} {v * 1e3:,.0f}" + (f" ({p * 1e3:,.0f})" if p is not None else ""))
+        parts.append(f"{PHASE_NAMES.get(k, k)} {v * 1e3:,.0f}" + (f" ({p * 1e3:,.0f})" if p is not None else ""))
     return " | ".join(parts) + (" ms, measured (predicted)" if pred else " ms")
 
 
