@@ -94,7 +94,7 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
     return out
 
 
-LATE_S = 0.3  # how long the last DP replica starts its forward/backward late in the phases check
+LATE_S = 0.5  # how long the last DP replica starts its forward/backward late in the phases check
 
 
 def check_phases(root: Path) -> dict:

@@ -136,14 +136,21 @@ def test_each_rank_times_its_step_by_phase(world4):
     and every other replica's is in its gradient reduction."""
     ranks = result(world4, "predict/phases")[0]["ranks"]
     late = checks_predict.LATE_S
+    (slow,) = [r["phases"] for r in ranks if r["dp"] == 3]
+    # The reduction ends on every replica when the late one's forward/backward has ended; how long the
+    # others' own forward/backward took depends on the host's load (3 processes share its cores while the
+    # late one sleeps), so the wait is bounded from that end, not as a fixed share of the delay.
+    reduced_at = slow["forward_backward"] + slow["grad_reduction"]
     for r in ranks:
         ph = r["phases"]
         assert set(ph) == {"forward_backward", "grad_reduction", "optimizer"} and min(ph.values()) >= 0.0
         assert sum(ph.values()) == pytest.approx(r["step_s"], abs=2e-3)
+        assert ph["forward_backward"] + ph["grad_reduction"] == pytest.approx(reduced_at, abs=late / 4), r
         if r["dp"] == 3:
             assert ph["forward_backward"] >= late and ph["grad_reduction"] < late / 2, r
         else:
-            assert ph["grad_reduction"] >= 0.8 * late and ph["forward_backward"] < ph["grad_reduction"], r
+            assert ph["grad_reduction"] >= late / 2, r
+            assert ph["forward_backward"] <= slow["forward_backward"] - late / 2, r
 
 
 def test_train_calibrates_on_first_use_and_caches(tmp_path):
