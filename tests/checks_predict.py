@@ -62,7 +62,7 @@ def check_calibration(root: Path, box: dict) -> dict:
             "one": {kind: [list(r.alone), list(r.shared)] for kind, r in one.rates.items()},
             "alone": {kind: [list(two.rates[kind].alone), list(four.rates[kind].alone)] for kind in two.rates},
             "overhead": [two.op_overhead_s, four.op_overhead_s],
-            "optimizer": [two.optimizer_s_per_param, four.optimizer_s_per_param],
+            "optimizer": [[s.optimizer_s_per_param, s.optimizer_s_per_tensor] for s in (two, four)],
             "shared_matmul": [list(two.rates["matmul"].shared), list(four.rates["matmul"].shared)]}
 
 

@@ -10,14 +10,14 @@ from profile_util import synthetic_profile
 MATMUL, ATTENTION, MIX, OVERHEAD = 4e10, 1e10, 5e9, 1e-5  # flat rates: every term computable by hand
 
 
-def _section(block_rest: tuple[float, float] | None, optimizer: float = 0.0) -> Section:
+def _section(block_rest: tuple[float, float] | None, optimizer: float = 0.0, per_tensor: float = 0.0) -> Section:
     rates = {"matmul": Rate((1.0, 1e12), (MATMUL, MATMUL), (MATMUL / 2, MATMUL / 2)),
              "attention": Rate((1.0, 1e12), (ATTENTION,) * 2, (ATTENTION / 2,) * 2, 0.25),
              "elementwise": Rate((1.0, 1e12), (MIX,) * 2, (MIX / 2,) * 2, 0.4)}
     if block_rest is not None:
         sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
         rates["block"] = Rate(sizes, block_rest, tuple(2 * r for r in block_rest), 0.3)
-    return Section(1, 2, rates, OVERHEAD, 1e10, {}, optimizer)
+    return Section(1, 2, rates, OVERHEAD, 1e10, {}, optimizer, (), per_tensor)
 
 
 def _cluster(section: Section) -> Cluster:
@@ -85,21 +85,46 @@ def test_block_rest_is_floored_and_other_blocks_ignored():
     assert timing.block_elementwise(other) is None
 
 
-def test_optimizer_step_is_the_timed_seconds_per_parameter():
-    """Format 2: seconds per parameter as calibrated, divided among ZeRO's shards; format 1: the counted bytes
-    at the streaming bandwidth plus kernels per tensor."""
+def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
+    """Seconds per parameter and per parameter tensor as calibrated (an older profile: per parameter alone),
+    divided among ZeRO's shards; format 1: the counted bytes at the streaming bandwidth plus kernels per
+    tensor."""
     model = Model.preset("small", seq_len=128)
     params = 1e6
+    tensors = 8 * eager.param_tensors_per_layer() + 3
     timed = _cluster(_section(None, optimizer=3e-9))
     assert step_end.optimizer_time(model, timed, Layout(), params, 8) == pytest.approx(3e-3)
+    per_tensor = _cluster(_section(None, optimizer=3e-9, per_tensor=3e-5))
+    assert step_end.optimizer_time(model, per_tensor, Layout(), params, 8) == pytest.approx(3e-3 + tensors * 3e-5)
+    assert step_end.optimizer_time(model, per_tensor, Layout(dp=2, zero=1), params, 8) == pytest.approx(
+        (3e-3 + tensors * 3e-5) / 2)
     sec2 = _section(None, optimizer=3e-9)
     two = Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {2: Section(2, 1, sec2.rates, OVERHEAD,
                                                                                         1e10, {}, 3e-9)}), 2)
     assert step_end.optimizer_time(model, two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
     counted = step_end.optimizer_time(model, _cluster(_section(None)), Layout(), params, 8)
-    tensors = 8 * eager.param_tensors_per_layer() + 3
     assert counted == pytest.approx(step_end.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
                                     + step_end.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
+
+
+def test_calibration_times_the_optimizer_beyond_the_cache_and_per_tensor(monkeypatch):
+    """``plait calibrate`` times the optimizer step over parameters whose state outgrows the cache and over
+    many small tensors, and solves the two times for the cost per parameter and per tensor."""
+    import torch
+
+    from plait.calibrate import kernels
+
+    seen = []
+
+    def step_time(params, device):  # a step of a known cost per parameter and per tensor
+        p, n = sum(x.numel() for x in params), len(params)
+        seen.append((p, n))
+        return 2e-9 * p + 3e-5 * n, p, n
+
+    monkeypatch.setattr(kernels, "_optimizer_step_time", step_time)
+    assert kernels.optimizer_times(torch.device("cpu")) == pytest.approx((2e-9, 3e-5))
+    (big, _), (_, tensors) = seen
+    assert 16 * big >= kernels.OPTIMIZER_STATE_BYTES and tensors == kernels.OPTIMIZER_SMALL_TENSORS[0]
 
 
 def test_format_1_profiles_still_read(tmp_path):
@@ -108,11 +133,12 @@ def test_format_1_profiles_still_read(tmp_path):
     new = synthetic_profile(counts=(1, 2), block=True)
     assert HostProfile.from_toml(new.to_toml()) == new
     assert new.section(2).optimizer_s_per_param == 4e-9 and "block" in new.section(2).rates
+    assert new.section(2).optimizer_s_per_tensor == 3e-5
     old = synthetic_profile(counts=(1, 2))
     text = old.to_toml().replace("format = 3", "format = 1")
-    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer_s_per_param"))
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer_s_"))
     back = HostProfile.from_toml(text)
-    assert back == old and back.section(1).optimizer_s_per_param == 0.0
+    assert back == old and back.section(1).optimizer_s_per_param == back.section(1).optimizer_s_per_tensor == 0.0
     assert timing.block_elementwise(back.section(1)) is None
     with pytest.raises(ValueError, match="format 1, 2 or 3"):
         HostProfile.from_toml(text.replace("format = 1", "format = 4"))
@@ -316,9 +342,9 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     from plait.calibrate.run import at_mean_speed
     from plait.plan.profile import Curve, TPBlock
 
-    base = _section((1e-3, 4e-3), optimizer=2e-9)
+    base = _section((1e-3, 4e-3), optimizer=2e-9, per_tensor=2e-5)
     four = Section(4, 1, base.rates, OVERHEAD, 1e10, {("all_reduce", 2): Curve((1e3, 1e6), (1e-4, 1e-3))}, 2e-9,
-                   (TPBlock(eager.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),))
+                   (TPBlock(eager.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),), 2e-5)
     # probes 50, 50, 100, 200, 100 and six at 100: mean 100; alone phase at 50 (half speed), shared at 75,
     # curves at 150, TP layers at 150
     probes = [50.0, 50.0, 100.0, 200.0, 100.0] + [100.0] * 6
@@ -330,6 +356,7 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     assert mm.alone[0] == pytest.approx(2 * MATMUL) and mm.shared[0] == pytest.approx(MATMUL / 2 * 100 / 75)
     assert s.rates["block"].alone == pytest.approx((0.5e-3, 2e-3))  # seconds: halved where the phase ran at half
     assert s.op_overhead_s == pytest.approx(OVERHEAD / 2) and s.optimizer_s_per_param == pytest.approx(1e-9)
+    assert s.optimizer_s_per_tensor == pytest.approx(1e-5)
     assert s.memory_bandwidth == pytest.approx(1e10 * 100 / 75)  # measured with every process busy
     assert s.collectives[("all_reduce", 2)].seconds == pytest.approx((1e-4 * 1.5, 1e-3 * 1.5))
     assert s.tp_blocks[0].seconds == pytest.approx(0.05 * 1.5) and s.tp_blocks[0].twin_s == pytest.approx(0.045)
@@ -343,9 +370,10 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
                                     Layout(tp=4, microbatch_size=2, sequence_parallel=True)])
 def test_phases_split_the_step_where_the_runtime_spends_it(layout):
     """``Estimate.phases`` adds up to the step: the forward/backward part, then the exposed gradient
-    reduction (ZeRO: the reduce-scatter) and the loss's sum over the world (only with DP replicas: a
-    pipeline alone sends it point to point, TP alone holds it), then the optimizer step with the gradient
-    norm's sum and ZeRO's all-gather of the updated weights."""
+    reduction (ZeRO: the reduce-scatter), the sum over TP of the gradients each TP rank holds part of, and
+    the loss's sum over the world (only with DP replicas: a pipeline alone sends it point to point, TP alone
+    holds it), then the optimizer step with the gradient norm's sum and ZeRO's all-gather of the updated
+    weights."""
     from plait.plan import Training, estimate
     from plait.plan import memory as mem
 
@@ -359,8 +387,32 @@ def test_phases_split_the_step_where_the_runtime_spends_it(layout):
     assert one > 0
     reduction, gather = step_end.dp_sync_parts(model, host, layout, mem.max_rank_params(model, layout))
     loss = one if layout.dp > 1 else 0.0
-    assert t["sync"] == pytest.approx(loss + one)  # no stop-signal check: it is not in the step's time
+    # tiny (hidden 128, 4 layers, 2 KV heads of 32) over tp 4 with SP: each layer's two norms and its K and V
+    # projections (replicated: 4 ranks, 2 KV heads), and the final norm, summed over TP after the backward
+    tp_sum = timing.collective(host, "all_reduce", 4 * (4 * (2 * 128 + 2 * 128 * 64) + 128), 4) \
+        if layout.sequence_parallel else 0.0
+    assert t["sync"] == pytest.approx(tp_sum + loss + one)  # no stop-signal check: not in the step's time
     assert ph["forward_backward"] == pytest.approx(est.step_time_s - t["dp_comm"] - t["optimizer"] - t["sync"])
-    assert ph["grad_reduction"] == pytest.approx(reduction + loss)
+    assert ph["grad_reduction"] == pytest.approx(reduction + tp_sum + loss)
     assert ph["optimizer"] == pytest.approx(t["optimizer"] + gather + one)
     assert (gather > 0) == (layout.zero > 0) and (reduction > 0) == (layout.dp > 1)
+
+
+def test_tp_partial_gradients_counted_as_the_runtime_marks_them():
+    """The replicated parameters whose gradient is summed over TP after the backward: SP's norms (LayerNorm:
+    weight and bias) and row-parallel biases, the final norm on the last stage, K and V where TP exceeds the
+    KV heads, an MoE router; nothing without TP; under ZeRO each rank sums its shard."""
+    gpt = Model(n_layers=2, hidden=64, n_heads=4, vocab=256, seq_len=32, bias=True, layernorm=True)
+    assert step_end.tp_partial_elements(gpt, Layout(tp=2), 2, True) == 0.0  # no SP; KV heads 4 >= tp
+    sp = Layout(tp=2, sequence_parallel=True)
+    assert step_end.tp_partial_elements(gpt, sp, 2, False) == 2 * (2 * 2 * 64 + 2 * 64)
+    assert step_end.tp_partial_elements(gpt, sp, 2, True) == 2 * (2 * 2 * 64 + 2 * 64) + 2 * 64
+    gqa = Model(n_layers=3, hidden=64, n_heads=4, n_kv_heads=1, vocab=256, seq_len=32, n_experts=4, top_k=1)
+    assert step_end.tp_partial_elements(gqa, Layout(tp=2), 3, True) == 3 * (2 * 64 * 16 + 64 * 4)
+    assert step_end.tp_partial_elements(gqa, Layout(dp=2), 3, True) == 0.0
+    host = _cluster(_section(None))
+    nbytes = 4 * step_end.tp_partial_elements(gqa, Layout(tp=2), 3, True)
+    two = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    assert step_end.tp_partial_time(gqa, two, Layout(tp=2, dp=2, zero=1), 3, True) == pytest.approx(
+        timing.collective(two, "all_reduce", nbytes / 2, 2))
+    assert step_end.tp_partial_time(gqa, host, Layout(), 3, True) == 0.0

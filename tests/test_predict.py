@@ -94,6 +94,7 @@ def test_calibration_measures_one_process_alone_once_per_thread_count(world4):
         assert two == pytest.approx(four, rel=1e-12), kind
     assert out["overhead"][0] == pytest.approx(out["overhead"][1], rel=1e-12)
     assert out["optimizer"][0] == pytest.approx(out["optimizer"][1], rel=1e-12)
+    assert min(min(x) for x in out["optimizer"]) > 0  # per parameter and per tensor
     assert out["shared_matmul"][0] != out["shared_matmul"][1]  # 2 and 4 processes at once: measured apart
 
 
@@ -266,6 +267,9 @@ def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_pa
         **base.section(1).rates, "matmul": type(r)((1.0, 2.0), r.alone, r.shared)})})
     with pytest.raises(ValueError, match="matmul was measured at different sizes"):
         HostProfile.average([fast, resized])
+    older = HostProfile(fast.host, {p: replace(s, optimizer_s_per_tensor=0.0) for p, s in fast.sections.items()})
+    with pytest.raises(ValueError, match="timed per tensor in some calibrations"):
+        HostProfile.average([fast, older])
 
 
 def test_tp_block_rounds_run_the_calls_asked_and_average_per_call():

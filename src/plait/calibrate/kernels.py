@@ -29,6 +29,8 @@ TINY = (2, 4, 8)  # [B, S, h] for the fixed cost of a kernel
 REFERENCE_SHAPE = GEMM_SHAPES[3]  # the host-speed probe (``reference_rate``)
 BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
 BLOCK_BUDGET_S = 0.6  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
+OPTIMIZER_STATE_BYTES = 2**27  # the optimizer step is timed over parameters whose p, grad, m, v outgrow this
+OPTIMIZER_SMALL_TENSORS = (256, 1024)  # (tensors, elements each): the step's fixed cost per tensor is timed on
 
 
 def sync(device: torch.device) -> None:
@@ -256,17 +258,38 @@ def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
     return float(x.numel()), max(rest, 0.0), share
 
 
-def optimizer_time(device: torch.device) -> float:
-    """Seconds per parameter of plait's optimizer step (``plait.optim.build_optimizer``: the global norm in
-    float64 a tensor at a time, the clip's scale, torch's AdamW, fused where the device has it) on the larger
-    calibration block's parameters (fp32, as the planner's eager optimizer is costed)."""
+def optimizer_times(device: torch.device) -> tuple[float, float]:
+    """(seconds per parameter, seconds per parameter tensor) of plait's optimizer step
+    (``plait.optim.build_optimizer``: the global norm in float64 a tensor at a time, the clip's scale,
+    torch's AdamW, fused where the device has it), fp32 as the planner's eager optimizer is costed.
+
+    Timed over two sets and solved for both figures (t = a·parameters + b·tensors): copies of the larger
+    calibration block's parameters until their state outgrows ``OPTIMIZER_STATE_BYTES`` (a model's state
+    does not stay in the cache between steps; one copy's 25 MB did on a 32 MB L3, and ran 1.2-1.7 times as
+    fast per parameter), and ``OPTIMIZER_SMALL_TENSORS`` small tensors, where each tensor's kernels' fixed
+    costs dominate (about 30 µs a tensor on a 2-core CPU: a quarter of ``small``'s optimizer step)."""
+    block = eager.CALIBRATION_BLOCKS[-1]
+    big: list[torch.Tensor] = []
+    while 16 * sum(p.numel() for p in big) < OPTIMIZER_STATE_BYTES:
+        layer, x = _block(block, device, torch.float32)
+        layer(x).sum().backward()
+        big += [p for p in layer.parameters() if p.grad is not None]
+    count, size = OPTIMIZER_SMALL_TENSORS
+    small: list[torch.Tensor] = [torch.nn.Parameter(torch.randn(size, device=device)) for _ in range(count)]
+    for p in small:
+        p.grad = torch.randn(size, device=device)
+    (t_big, p_big, n_big), (t_small, p_small, n_small) = (_optimizer_step_time(ps, device) for ps in (big, small))
+    per_tensor = (t_small * p_big - t_big * p_small) / (n_small * p_big - n_big * p_small)
+    per_tensor = min(max(per_tensor, 0.0), t_big / n_big)  # noise can push the solution past either bound
+    return (t_big - per_tensor * n_big) / p_big, per_tensor
+
+
+def _optimizer_step_time(params: list[torch.Tensor], device: torch.device) -> tuple[float, int, int]:
+    """(seconds, parameters, tensors) of plait's optimizer step over ``params`` (their ``.grad`` set)."""
     from plait.optim.optimizer import FUSED_ADAMW_DEVICES, square_sum
 
-    layer, x = _block(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
-    layer(x).sum().backward()
-    params = [p for p in layer.parameters() if p.grad is not None]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type in FUSED_ADAMW_DEVICES else None)
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if p.grad is not None]
 
     @torch.no_grad()
     def step() -> None:
@@ -274,4 +297,4 @@ def optimizer_time(device: torch.device) -> float:
         torch._foreach_mul_(grads, float(1.0 / (norm + 1e-6)))
         opt.step()
 
-    return timed(step, device) / sum(p.numel() for p in params)
+    return timed(step, device), sum(p.numel() for p in params), len(params)

@@ -71,7 +71,7 @@ def _kernels(device: torch.device, tick, quick: bool = False, optimizer: bool = 
     for shape in eager.CALIBRATION_BLOCKS:
         out["block"].append(k.block_time(shape, device, dtype, stat))
         tick(f"decoder layer {'x'.join(map(str, shape[:3]))}")
-    out["optimizer"] = k.optimizer_time(device) if optimizer else 0.0
+    out["optimizer"] = k.optimizer_times(device) if optimizer else (0.0, 0.0)
     tick("optimizer step")
     return out
 
@@ -82,8 +82,9 @@ def _mean_figures(parts: list[dict]) -> dict:
     for key in ("matmul", "attention", "elementwise", "block"):
         rows = zip(*(p[key] for p in parts), strict=True)
         out[key] = [(r[0][0], sum(x[1] for x in r) / len(r), sum(x[2] for x in r) / len(r)) for r in rows]
-    for key in ("overhead", "stream", "optimizer"):
+    for key in ("overhead", "stream"):
         out[key] = sum(p[key] for p in parts) / len(parts)
+    out["optimizer"] = tuple(sum(x) / len(parts) for x in zip(*(p["optimizer"] for p in parts), strict=True))
     return out
 
 
@@ -152,7 +153,8 @@ def _make_section(p: int, alone: dict | None, shared: dict | None, curves: dict,
     assert alone is not None and shared is not None  # measured on rank 0
     blocks = tuple(TPBlock(shape, g, sp, secs, twin) for (shape, g, sp), (secs, twin) in sorted(layers.items()))
     return Section(p, _threads(p), _rates(alone, shared), alone["overhead"], shared["stream"],
-                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"], blocks)
+                   {key: Curve(tuple(b), tuple(s)) for key, (b, s) in curves.items()}, alone["optimizer"][0], blocks,
+                   alone["optimizer"][1])
 
 
 def at_mean_speed(sections: dict[int, tuple[Section, list[float]]],

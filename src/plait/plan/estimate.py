@@ -17,12 +17,14 @@ PARTS = {
     "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
     "cpu_sharing": "waiting for a CPU core (processes outnumber cores)", "pp_bubble": "pipeline bubble",
     "dp_comm": "exposed gradient reduction", "zero_comm": "ZeRO-3 per-micro-batch communication",
-    "optimizer": "optimizer step", "sync": "per-step loss and gradient-norm collectives",
+    "optimizer": "optimizer step",
+    "sync": "per-step small collectives: the TP-partial gradients', the loss's and the gradient norm's sums",
 }
 # When in a step the runtime spends each part: ``Estimate.phases`` (plait train measures the same three).
 PHASES = {
     "forward_backward": "the schedule's forwards and backwards, to this rank's last action",
-    "grad_reduction": "waiting for the DP gradient reduction (ZeRO: its reduce-scatter) and the loss's sum",
+    "grad_reduction": "waiting for the DP gradient reduction (ZeRO: its reduce-scatter), the sum over TP of the "
+                      "gradients each TP rank holds part of, and the loss's sum",
     "optimizer": "the gradient norm's sum, the optimizer step and, under ZeRO-1/2, the weights' all-gather",
 }
 
@@ -152,14 +154,15 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
     optimizer = step_end.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks))
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     loss_sync, norm_sync = _sync_parts(model, cluster, layout)
+    tp_sum = step_end.tp_partial_time(model, cluster, layout, max(c.layers for c in ranks), True)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
             "optimizer": stretch * optimizer,
-            "sync": loss_sync + norm_sync}
+            "sync": tp_sum + loss_sync + norm_sync}
     gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives
     phases = {"forward_backward": sum(time[k] for k in ("compute", "tp_comm", "recompute", "cpu_sharing",
                                                         "pp_bubble", "zero_comm")),
-              "grad_reduction": time["dp_comm"] - gathered + loss_sync,
+              "grad_reduction": time["dp_comm"] - gathered + tp_sum + loss_sync,
               "optimizer": time["optimizer"] + gathered + norm_sync}
     step = sum(time.values())
     flops = timing.model_flops_per_step(model, training.global_batch)

@@ -132,7 +132,9 @@ class Section:
     autograd recording; a format-2 profile's is read as the kernel mix's).
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
-    process, the others waiting (0: not measured, format 1).
+    process, the others waiting (0: not measured, format 1), and ``optimizer_s_per_tensor`` its fixed cost
+    per parameter tensor (0: not measured; the per-parameter figure then holds both, as timed on a set of
+    parameters that fit the cache).
     ``tp_blocks``: a tensor-parallel decoder layer timed over each group size (optional; see ``TPBlock``).
     """
 
@@ -144,6 +146,7 @@ class Section:
     collectives: dict[tuple[str, int], Curve] = field(default_factory=dict)
     optimizer_s_per_param: float = 0.0
     tp_blocks: tuple[TPBlock, ...] = ()
+    optimizer_s_per_tensor: float = 0.0
 
     def at_speed(self, alone: float, shared: float, collectives: float, tp: float) -> Section:
         """This section as if the host had run each phase of its measuring at ``x`` times the speed it had:
@@ -162,7 +165,8 @@ class Section:
                         for key, c in self.collectives.items()},
                        self.optimizer_s_per_param / alone,
                        tuple(TPBlock(b.shape, b.group, b.sequence_parallel, b.seconds / tp, b.twin_s / tp)
-                             for b in self.tp_blocks))
+                             for b in self.tp_blocks),
+                       self.optimizer_s_per_tensor / alone)
 
     @staticmethod
     def average(sections: list[tuple[Section, int]]) -> Section:
@@ -183,6 +187,9 @@ class Section:
             rates[kind] = Rate(r.sizes, tuple(mean([(x.alone[i], w) for x, w in same]) for i in range(len(r.sizes))),
                                tuple(mean([(x.shared[i], w) for x, w in same]) for i in range(len(r.sizes))),
                                _mean([(x.forward_share, w) for x, w in same]))
+        if len({s.optimizer_s_per_tensor > 0 for s, _ in sections}) > 1:
+            raise ConfigError("profile: the optimizer step was timed per tensor in some calibrations and not in "
+                              "others; average calibrations made the same way")
         curves = {}
         for key in sorted({k for s, _ in sections for k in s.collectives}):
             have = [(s.collectives[key], w) for s, w in sections if key in s.collectives]
@@ -201,7 +208,8 @@ class Section:
                        _mean([(s.op_overhead_s, w) for s, w in sections]),
                        _harmonic([(s.memory_bandwidth, w) for s, w in sections]), curves,
                        _mean([(s.optimizer_s_per_param, w) for s, w in sections]),
-                       tuple(sorted(blocks, key=lambda b: (b.shape, b.group, b.sequence_parallel))))
+                       tuple(sorted(blocks, key=lambda b: (b.shape, b.group, b.sequence_parallel))),
+                       _mean([(s.optimizer_s_per_tensor, w) for s, w in sections]))
 
     def tp_block(self, shape: tuple[int, ...], group: int, sequence_parallel: bool) -> TPBlock | None:
         """The timed layer of ``shape`` over ``group`` ranks (sequence parallel or not), if measured."""
@@ -296,7 +304,8 @@ class HostProfile:
             lines += ["", "[[section]]", f"processes = {s.processes}", f"threads = {s.threads}",
                       f"op_overhead_s = {_value(s.op_overhead_s)}",
                       f"memory_bandwidth = {_value(s.memory_bandwidth)}",
-                      f"optimizer_s_per_param = {_value(s.optimizer_s_per_param)}"]
+                      f"optimizer_s_per_param = {_value(s.optimizer_s_per_param)}",
+                      f"optimizer_s_per_tensor = {_value(s.optimizer_s_per_tensor)}"]
             for kind in sorted(s.rates):
                 r = s.rates[kind]
                 lines += ["", "[[section.rate]]", f'kind = "{kind}"', f"sizes = {_value(list(r.sizes))}",
@@ -360,7 +369,8 @@ def _section(s: dict, fmt: int) -> Section:
     blocks = tuple(TPBlock(tuple(map(int, b["shape"])), int(b["group"]), bool(b["sequence_parallel"]),
                            float(b["seconds"]), float(b["twin_s"])) for b in s.get("tp_block", []))
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
-                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks)
+                   float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks,
+                   float(s.get("optimizer_s_per_tensor", 0.0)))
 
 
 def _mean(values: list[tuple[float, int]]) -> float:

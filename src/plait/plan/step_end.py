@@ -65,17 +65,48 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) 
     return out + 2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
 
 
+def tp_partial_elements(model: Model, layout: Layout, layers: int, last: bool) -> float:
+    """Elements of one rank's replicated parameters whose gradient each TP rank holds only part of, summed
+    over TP once per step after the backward (``plait.tensor_parallel.layers.sum_over_tp``): under sequence
+    parallelism the ``layers`` layers' norms (LayerNorm's biases too) and row-parallel biases, and on the
+    ``last`` stage the final norm; the K and V projections where TP exceeds the KV heads (replicated); an
+    MoE layer's router (each TP rank routes its own tokens)."""
+    if layout.tp == 1:
+        return 0.0
+    h = model.hidden
+    norm = h * (2 if model.layernorm else 1)
+    per_layer = 0
+    if layout.sequence_parallel:
+        per_layer += 2 * norm + (2 * h if model.bias else 0)
+    if layout.tp > model.kv_heads:
+        kv = model.kv_heads * model.head_dim
+        per_layer += 2 * (h * kv + (kv if model.bias else 0))
+    if model.is_moe:
+        per_layer += h * model.n_experts
+    return float(layers * per_layer + (norm if layout.sequence_parallel and last else 0))
+
+
+def tp_partial_time(model: Model, cluster: Cluster, layout: Layout, layers: int, last: bool) -> float:
+    """Seconds of that sum: one all-reduce of the fp32 gradients over TP (under ZeRO of the reduced shard,
+    1/(dp·cp) of them)."""
+    shard = layout.dp * layout.cp if layout.zero >= 1 else 1
+    return collective(cluster, "all_reduce", 4 * tp_partial_elements(model, layout, layers, last) / shard,
+                      layout.tp)
+
+
 def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
                    layers: int = 0) -> float:
-    """The optimizer step over this GPU's (sharded) parameters: Adam streams its state through memory; on a
-    calibrated host plait's step as ``plait calibrate`` timed it per parameter (profiles of format 1: its
-    bytes at the streaming bandwidth and a few kernels per parameter tensor)."""
+    """The optimizer step over this GPU's (sharded) parameters of ``layers`` layers: Adam streams its state
+    through memory; on a calibrated host plait's step as ``plait calibrate`` timed it, per parameter and per
+    tensor it updates (under ZeRO a rank updates its pieces of 1/(dp·cp) of the tensors), or per parameter
+    alone (older profiles); profiles of format 1: its bytes at the streaming bandwidth and a few kernels per
+    parameter tensor."""
     shard = layout.dp * layout.cp if layout.zero >= 1 else 1
     if cluster.profile is None:
         return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
     sec = cluster.section
+    tensors = layers * eager.param_tensors_per_layer() + 3  # and the embedding, the final norm, the head
     if sec.optimizer_s_per_param > 0:  # timed by plait calibrate
-        return sec.optimizer_s_per_param * params_on_gpu / shard
-    tensors = layers * eager.param_tensors_per_layer() + 3
+        return (sec.optimizer_s_per_param * params_on_gpu + sec.optimizer_s_per_tensor * tensors) / shard
     return (EAGER_OPTIMIZER_TRAFFIC * params_on_gpu / shard / sec.memory_bandwidth
             + EAGER_OPTIMIZER_OPS * tensors * sec.op_overhead_s * sec.rates["elementwise"].forward_share)
