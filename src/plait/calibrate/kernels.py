@@ -30,7 +30,7 @@ REFERENCE_SHAPE = GEMM_SHAPES[3]  # the host-speed probe (``reference_rate``)
 BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
 BLOCK_BUDGET_S = 0.6  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
 OPTIMIZER_STATE_BYTES = 2**27  # the optimizer step is timed over parameters whose p, grad, m, v outgrow this
-OPTIMIZER_SMALL_TENSORS = (256, 1024)  # (tensors, elements each): the step's fixed cost per tensor is timed on
+OPTIMIZER_SMALL_TENSORS = (256, 1024)  # (tensors, elements each) of the set that times its fixed cost per tensor
 
 
 def sync(device: torch.device) -> None:
