@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from plait.plan.estimate import PHASES
+from plait.train.report import median_phases
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 COMMON = ["--model", "small", "--seq-len", "128", "--batch-size", "16", "--microbatches", "4", "--eval-every", "0",
@@ -171,12 +172,8 @@ def phases(steady: list[dict]) -> dict[str, dict[str, float]]:
     """Per phase of the step (``plait.plan.estimate.PHASES``): rank 0's median seconds over the steady steps
     and the first calibration's prediction (what the runs' metrics carry)."""
     pred = steady[0].get("predicted_phase_s") or {}
-    out = {}
-    for k in PHASES:
-        vals = [r["phase_s"][k] for r in steady if k in (r.get("phase_s") or {})]
-        if vals:
-            out[k] = {"measured": statistics.median(vals), "predicted": pred.get(k)}
-    return out
+    measured = median_phases([r["phase_s"] for r in steady if r.get("phase_s")])
+    return {k: {"measured": v, "predicted": pred.get(k)} for k, v in measured.items()}
 
 
 def print_phases(rows: list[dict]) -> None:

@@ -151,10 +151,11 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
     dp = reduction + gather
     overlap = step_end.dp_hidden(cluster, max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
     per_mb = step_end.zero_per_microbatch(cluster, layout, params)
-    optimizer = step_end.optimizer_time(model, cluster, layout, params, max(c.layers for c in ranks))
+    layers = max(c.layers for c in ranks)
+    optimizer = step_end.optimizer_time(model, cluster, layout, params, layers)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     loss_sync, norm_sync = _sync_parts(model, cluster, layout)
-    tp_sum = step_end.tp_partial_time(model, cluster, layout, max(c.layers for c in ranks), True)
+    tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
             "optimizer": stretch * optimizer,

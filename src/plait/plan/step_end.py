@@ -65,6 +65,11 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) 
     return out + 2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
 
 
+def optimizer_shards(layout: Layout) -> int:
+    """Ranks that share each parameter's optimizer step: dp·cp under ZeRO (each updates its shard), else 1."""
+    return layout.dp * layout.cp if layout.zero >= 1 else 1
+
+
 def tp_partial_elements(model: Model, layout: Layout, layers: int, last: bool) -> float:
     """Elements of one rank's replicated parameters whose gradient each TP rank holds only part of, summed
     over TP once per step after the backward (``plait.tensor_parallel.layers.sum_over_tp``): under sequence
@@ -89,7 +94,7 @@ def tp_partial_elements(model: Model, layout: Layout, layers: int, last: bool) -
 def tp_partial_time(model: Model, cluster: Cluster, layout: Layout, layers: int, last: bool) -> float:
     """Seconds of that sum: one all-reduce of the fp32 gradients over TP (under ZeRO of the reduced shard,
     1/(dp·cp) of them)."""
-    shard = layout.dp * layout.cp if layout.zero >= 1 else 1
+    shard = optimizer_shards(layout)
     return collective(cluster, "all_reduce", 4 * tp_partial_elements(model, layout, layers, last) / shard,
                       layout.tp)
 
@@ -101,7 +106,7 @@ def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu
     tensor it updates (under ZeRO a rank updates its pieces of 1/(dp·cp) of the tensors), or per parameter
     alone (older profiles); profiles of format 1: its bytes at the streaming bandwidth and a few kernels per
     parameter tensor."""
-    shard = layout.dp * layout.cp if layout.zero >= 1 else 1
+    shard = optimizer_shards(layout)
     if cluster.profile is None:
         return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
     sec = cluster.section

@@ -170,11 +170,11 @@ def _at_speed(res) -> str:
 PHASE_NAMES = {"forward_backward": "forward-backward", "grad_reduction": "gradient reduction"}
 
 
-def steady_phases(res) -> dict[str, float]:
-    """Rank 0's median seconds in each phase of the step over the steps after the first (as the step time)."""
+def median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The median seconds in each phase (``plait.plan.estimate.PHASES``) over ``steps``, each a step's seconds
+    by phase; the upper of the middle two when they are even in number, as the step time's median."""
     from plait.plan.estimate import PHASES
 
-    steps = res.phases[1:] or res.phases
     out = {}
     for k in PHASES:
         vals = sorted(p[k] for p in steps if k in p)
@@ -185,7 +185,7 @@ def steady_phases(res) -> dict[str, float]:
 
 def _phases(res) -> str:
     """Median ms per phase of the step (rank 0's), each beside the planner's figure for it."""
-    measured = steady_phases(res)
+    measured = median_phases(res.phases[1:] or res.phases)  # the steps after the first, as the step time
     if not measured:
         return "-"
     pred = res.predicted_phases or {}
