@@ -287,6 +287,33 @@ def test_tp_block_rounds_run_the_calls_asked_and_average_per_call():
         assert 0.004 <= layer_s < 0.012 and 0.002 <= twin_s < 0.008 and layer_s > twin_s
 
 
+def test_calibrate_measures_each_process_count_in_a_world_of_its_own(monkeypatch):
+    """A run of P processes is a world of P: `plait calibrate` launches each count's section in a world of that
+    many processes (smallest first), hands each launch the figures of one process alone measured so far, and
+    assembles the sections at their probes' mean speed."""
+    import plait.calibrate as cal
+    import plait.distributed.launch as launch
+    from plait.calibrate.run import measure_world
+
+    base = synthetic_profile(counts=(1, 2, 4), block=True)
+    launches = []
+
+    def fake_run_world(fn, nprocs, *args, timeout_s=300.0, **kw):
+        processes, _ticks, alone_at = args
+        launches.append((fn, nprocs, processes, dict(alone_at)))
+        alone_at = {**alone_at, nprocs: ({"figures": nprocs}, 1.0)}
+        return [((base.section(processes), [10.0 * nprocs] * 2, [10.0 * nprocs] * 4), alone_at)] + [None] * (nprocs - 1)
+
+    monkeypatch.setattr(launch, "run_world", fake_run_world)
+    profile = cal._measure_once([1, 2, 4], None)
+    assert [(n, p) for _, n, p, _ in launches] == [(1, 1), (2, 2), (4, 4)]
+    assert all(fn is measure_world for fn, *_ in launches)
+    assert [sorted(a) for *_, a in launches] == [[], [1], [1, 2]]  # each launch gets what the earlier ones measured
+    assert sorted(profile.sections) == [1, 2, 4]
+    assert profile.host["speed_probes"] == [10.0, 10.0, 20.0, 20.0, 40.0, 40.0]
+    assert profile.host["speed_flops"] == pytest.approx(70 / 3)
+
+
 def test_calibrate_names_a_dead_measuring_process_in_one_line(tmp_path, monkeypatch):
     """A measuring process killed mid-calibration ends the command with the launcher's one-line reason
     (which rank, its exit code), exit code 1, no traceback and no profile written."""

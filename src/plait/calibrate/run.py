@@ -170,20 +170,26 @@ def at_mean_speed(sections: dict[int, tuple[Section, list[float]]],
     return out, mean, (max(probes) - min(probes)) / mean
 
 
-def measure_world(counts: list[int], ticks: str | None = None) -> HostProfile | None:
-    """Entry of each rank of a calibration launch (``plait.distributed.launch.run_world``): initialises
-    the default group if needed, measures every section, returns the profile on rank 0."""
-    from plait.calibrate import host_facts
+Measured = tuple[Section, list[float], list[float]]  # a section, the speed probes around its phases, the
+# speed during each of its four phases (``measure_section``)
 
+
+def measure_world(processes: int, ticks: str | None, alone_at: AloneAt) -> tuple[Measured, AloneAt] | None:
+    """Entry of each rank of a launch of ``processes`` processes (``plait.distributed.launch.run_world``):
+    initialises the default group if needed and measures the section of that many processes, as
+    ``plait train`` runs them: in a world of their own. Returns, on rank 0, the section as measured and
+    ``alone_at`` with what this launch added (for the next launch)."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=TIMEOUT)
-    return measure_in_world(counts, ticks, host_facts())
+    measured = _measure_sections([processes], ticks, alone_at)
+    return (measured[processes], alone_at) if measured else None
 
 
-def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: bool = False) -> HostProfile | None:
-    """Measure ``counts`` in the current world (every rank calls it; ranks beyond a section wait).
-    ``quick`` measures every other size (for tests: a few seconds instead of about ten)."""
+def _measure_sections(counts: list[int], ticks: str | None, alone_at: AloneAt,
+                      quick: bool = False) -> dict[int, Measured]:
+    """Every section of ``counts`` measured in the current world (every rank calls it; ranks beyond a
+    section wait); on rank 0 each as ``measure_section`` returns it, else {}."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
         else torch.device("cpu")
     world_group = dist.group.WORLD
@@ -198,14 +204,24 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: b
                 f.write(what + "\n")
 
     threads = torch.get_num_threads()
-    alone_at: AloneAt = {}
     try:
         measured = {p: measure_section(p, groups, world_group, device, tick, alone_at, quick) for p in sorted(counts)}
     finally:
         torch.set_num_threads(threads)
-    if rank != 0:
-        return None
+    return {p: (s, probes, phases) for p, (s, probes, phases) in measured.items() if s is not None}
+
+
+def assemble(measured: dict[int, Measured], facts: dict) -> HostProfile:
+    """The profile of sections measured in that order (process count -> ``Measured``), every section at
+    the mean of all their probes' speeds (``at_mean_speed``)."""
     probes = [x for _, r, _ in measured.values() for x in r]  # in the order measured
-    sections, speed, moved = at_mean_speed({p: (s, phases) for p, (s, _, phases) in measured.items()
-                                            if s is not None}, probes)
+    sections, speed, moved = at_mean_speed({p: (s, phases) for p, (s, _, phases) in measured.items()}, probes)
     return HostProfile({**facts, "speed_flops": speed, "speed_moved": moved, "speed_probes": probes}, sections)
+
+
+def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: bool = False) -> HostProfile | None:
+    """Measure ``counts`` in the current world (every rank calls it; ranks beyond a section wait) and return
+    the profile on rank 0. ``quick`` measures every other size (for tests: a few seconds instead of about
+    ten). ``plait calibrate`` measures each count in a launch of its own instead (``measure_world``)."""
+    measured = _measure_sections(counts, ticks, {}, quick)
+    return assemble(measured, facts) if dist.get_rank() == 0 else None
