@@ -107,6 +107,38 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
                                     + step_end.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
 
 
+def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypatch):
+    """ZeRO's publish beyond its all-gather: the shard zeroed and filled from the masters, the gathered buffer
+    copied into every parameter (fp32 on a calibrated host, bf16 on GPUs), a copy kernel per owned piece and
+    per tensor; nothing without ZeRO. The estimate counts it in the optimizer part and phase."""
+    from plait.plan import memory as mem
+    from plait.plan.config import Training
+    from plait.plan.estimate import estimate
+
+    params, layers = 1e6, 8
+    tensors = 8 * eager.param_tensors_per_layer() + 3
+    host = _cluster(_section(None))
+    assert step_end.publish_time(host, Layout(dp=2), params, layers) == 0.0
+    assert step_end.publish_time(host, Layout(dp=2, zero=1), params, layers) == pytest.approx(
+        (12 * params / 2 + 8 * params) / 1e10 + (tensors / 2 + tensors) * OVERHEAD * 0.4)
+    gpus = Cluster("h100-sxm", 8)
+    assert step_end.publish_time(gpus, Layout(dp=8, zero=2), params, layers) == pytest.approx(
+        (8 * params / 8 + 4 * params) / gpus.gpu.memory_bandwidth)
+
+    model = Model.preset("small", seq_len=128)
+    four = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    layout = Layout(pp=2, dp=2, zero=1, microbatch_size=1)
+    counted = step_end.publish_time(four, layout, mem.max_rank_params(model, layout),
+                                    max(mem.layout_stages(model, layout).rank_layers))
+    assert counted > 0
+    before = estimate(model, four, layout, Training(8, precision="fp32"))
+    monkeypatch.setattr(step_end, "publish_time", lambda *a, **k: counted + 0.125)
+    after = estimate(model, four, layout, Training(8, precision="fp32"))
+    assert after.time["optimizer"] - before.time["optimizer"] == pytest.approx(0.125)
+    assert after.phases["optimizer"] - before.phases["optimizer"] == pytest.approx(0.125)
+    assert after.step_time_s - before.step_time_s == pytest.approx(0.125)
+
+
 def test_calibration_times_the_optimizer_beyond_the_cache_and_per_tensor(monkeypatch):
     """``plait calibrate`` times the optimizer step over parameters whose state outgrows the cache and over
     many small tensors, and solves the two times for the cost per parameter and per tensor."""

@@ -25,7 +25,8 @@ PHASES = {
     "forward_backward": "the schedule's forwards and backwards, to this rank's last action",
     "grad_reduction": "waiting for the DP gradient reduction (ZeRO: its reduce-scatter), the sum over TP of the "
                       "gradients each TP rank holds part of, and the loss's sum",
-    "optimizer": "the gradient norm's sum, the optimizer step and, under ZeRO-1/2, the weights' all-gather",
+    "optimizer": "the gradient norm's sum, the optimizer step and, under ZeRO-1/2, the weights' all-gather and "
+                 "copies into the parameters",
 }
 
 
@@ -158,7 +159,7 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
-            "optimizer": stretch * optimizer,
+            "optimizer": stretch * optimizer + step_end.publish_time(cluster, layout, params, layers),
             "sync": tp_sum + loss_sync + norm_sync}
     gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives
     phases = {"forward_backward": sum(time[k] for k in ("compute", "tp_comm", "recompute", "cpu_sharing",
