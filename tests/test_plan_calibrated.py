@@ -268,7 +268,7 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
     the layer less its compute twin, less the curves' collectives) adds 6 ms to every TP collective of a
     run: forward and backward of a layer (4 + 4 under SP, 2 + 2 without), the head's and the embedding's;
     the kernels are unchanged. A negative wait (a curve above what the layer showed) lowers the collectives
-    to what the layer showed, never below 0; a group size not timed waits 0, and a quick calibration's one
+    to what the layer showed, never below 0; a group size not timed waits 0, and an older quick calibration's one
     form stands in for the other."""
     extra = 6e-3
     probe = _tp_cluster({})

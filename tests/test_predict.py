@@ -167,9 +167,10 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
     assert host["speed_flops"] > 0 and host["speed_moved"] >= 0
     section = HostProfile.load(cached[0]).section(2)  # with real decoder layers and the optimizer step timed
     assert len(section.rates["block"].sizes) == 2 and section.optimizer_s_per_param > 0
-    for shape in eager.TP_CALIBRATION_BLOCKS:  # and a layer split over 2 ranks, at each size
-        tp_layer = section.tp_block(shape, 2, False)
-        assert tp_layer is not None and tp_layer.seconds > tp_layer.twin_s > 0
+    for shape in eager.TP_CALIBRATION_BLOCKS:  # and a layer split over 2 ranks, at each size, with and without SP
+        for sp in (False, True):
+            tp_layer = section.tp_block(shape, 2, sp)
+            assert tp_layer is not None and tp_layer.seconds > tp_layer.twin_s > 0
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert all(r["predicted_step_time_s"] > 0 and "step_time_s" in r for r in rows)
     for r in rows:  # the step by phase, measured on rank 0 and predicted, each adding up to its step

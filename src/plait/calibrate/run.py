@@ -35,7 +35,7 @@ def total_steps(counts: list[int], quick: bool = False) -> int:
         total += kernels * ((_threads(p) not in threads) + (p > 1))
         threads.add(_threads(p))
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
-        total += (1 if quick else 2) * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)
+        total += 2 * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)  # with and without SP
     return total
 
 

@@ -121,14 +121,16 @@ def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: li
 
 def measure_all(processes: int, groups: dict, world_group, device: torch.device, tick=lambda what: None,
                 quick: bool = False) -> dict[tuple[tuple[int, ...], int, bool], tuple[float, float]]:
-    """(shape, group size, sequence parallel) -> (layer seconds, twin seconds) for every calibration shape
-    and TP group size of the section (collective); ``quick``: without sequence parallelism, a quarter of
-    the time (noisier)."""
+    """(shape, group size, sequence parallel) -> (layer seconds, twin seconds) for every calibration shape,
+    TP group size of the section and form (with and without sequence parallelism; collective); ``quick``:
+    each for a quarter of the time (noisier). Both forms are timed even then: one form's wait per collective
+    does not stand for the other's (standing in for SP, the form without it read SP's wait up to twice over
+    on a 2-core host, and the quick check's ``tp4 sp`` came out at half its prediction)."""
     out: dict[tuple[tuple[int, ...], int, bool], tuple[float, float]] = {}
     for shape in eager.TP_CALIBRATION_BLOCKS:
         tokens = f"{shape[0]}x{shape[1]}"
         for g in group_sizes(processes):
-            for sp in (False,) if quick else (False, True):
+            for sp in (False, True):
                 out[(shape, g, sp)] = measure(shape, processes, g, sp, groups[(processes, g)], world_group, device,
                                               BUDGET_S / 4 if quick else BUDGET_S)
                 tick(f"tensor-parallel layer ({tokens} tokens) over {g} of {processes} processes"

@@ -242,7 +242,7 @@ def tp_wait(cluster: Cluster, tp: int, sp: bool, n_bytes: float) -> float:
     if cluster.profile is None or tp <= 1:
         return 0.0
     sec = cluster.section
-    # the other form stands in where one was not timed (a quick calibration times no SP)
+    # the other form stands in where one was not timed (an older quick calibration timed no SP)
     blocks = [b for b in sec.tp_blocks if b.group == tp and b.sequence_parallel == sp] or \
         [b for b in sec.tp_blocks if b.group == tp]
     points = []
