@@ -109,8 +109,9 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
 
 def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypatch):
     """ZeRO's publish beyond its all-gather: the shard zeroed and filled from the masters, the gathered buffer
-    copied into every parameter (fp32 on a calibrated host, bf16 on GPUs), a copy kernel per owned piece and
-    per tensor; nothing without ZeRO. The estimate counts it in the optimizer part and phase."""
+    copied into every parameter (in the weights' dtype: fp32 or bf16, on a host or GPUs alike), a copy kernel
+    per owned piece and per tensor; nothing without ZeRO. The estimate counts it in the optimizer part and
+    phase."""
     from plait.plan import memory as mem
     from plait.plan.config import Training
     from plait.plan.estimate import estimate
@@ -118,18 +119,23 @@ def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypat
     params, layers = 1e6, 8
     tensors = 8 * eager.param_tensors_per_layer() + 3
     host = _cluster(_section(None))
-    assert step_end.publish_time(host, Layout(dp=2), params, layers) == 0.0
-    assert step_end.publish_time(host, Layout(dp=2, zero=1), params, layers) == pytest.approx(
-        (12 * params / 2 + 8 * params) / 1e10 + (tensors / 2 + tensors) * OVERHEAD * 0.4)
+    kernels = (tensors / 2 + tensors) * OVERHEAD * 0.4
+    assert step_end.publish_time(host, Layout(dp=2), params, layers, "fp32") == 0.0
+    assert step_end.publish_time(host, Layout(dp=2, zero=1), params, layers, "fp32") == pytest.approx(
+        (12 * params / 2 + 8 * params) / 1e10 + kernels)
+    assert step_end.publish_time(host, Layout(dp=2, zero=1), params, layers, "bf16") == pytest.approx(
+        (8 * params / 2 + 4 * params) / 1e10 + kernels)
     gpus = Cluster("h100-sxm", 8)
-    assert step_end.publish_time(gpus, Layout(dp=8, zero=2), params, layers) == pytest.approx(
+    assert step_end.publish_time(gpus, Layout(dp=8, zero=2), params, layers, "bf16") == pytest.approx(
         (8 * params / 8 + 4 * params) / gpus.gpu.memory_bandwidth)
+    assert step_end.publish_time(gpus, Layout(dp=8, zero=2), params, layers, "fp32") == pytest.approx(
+        (12 * params / 8 + 8 * params) / gpus.gpu.memory_bandwidth)
 
     model = Model.preset("small", seq_len=128)
     four = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
     layout = Layout(pp=2, dp=2, zero=1, microbatch_size=1)
     counted = step_end.publish_time(four, layout, mem.max_rank_params(model, layout),
-                                    max(mem.layout_stages(model, layout).rank_layers))
+                                    max(mem.layout_stages(model, layout).rank_layers), "fp32")
     assert counted > 0
     before = estimate(model, four, layout, Training(8, precision="fp32"))
     monkeypatch.setattr(step_end, "publish_time", lambda *a, **k: counted + 0.125)

@@ -154,12 +154,13 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
     per_mb = step_end.zero_per_microbatch(cluster, layout, params)
     layers = max(c.layers for c in ranks)
     optimizer = step_end.optimizer_time(model, cluster, layout, params, layers)
+    publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     loss_sync, norm_sync = _sync_parts(model, cluster, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
     time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
-            "optimizer": stretch * optimizer + step_end.publish_time(cluster, layout, params, layers),
+            "optimizer": stretch * optimizer + publish,
             "sync": tp_sum + loss_sync + norm_sync}
     gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives
     phases = {"forward_backward": sum(time[k] for k in ("compute", "tp_comm", "recompute", "cpu_sharing",

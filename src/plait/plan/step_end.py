@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from plait.plan import eager
 from plait.plan.config import Cluster, Layout
+from plait.plan.memory import STATE_BYTES
 from plait.plan.model import Model
 from plait.plan.timing import collective
 
@@ -104,18 +105,20 @@ def param_tensors(layers: int) -> int:
     return layers * eager.param_tensors_per_layer() + 3
 
 
-def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0) -> float:
+def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0,
+                 precision: str = "bf16") -> float:
     """ZeRO's publish of the updated weights beyond its all-gather (``plait.optim.masters.Masters.publish``):
     each rank zeroes a buffer of its shard and copies its masters in (its weight bytes written twice, 4 read
     per owned element), and copies the gathered buffer out into every parameter (its weight bytes read and
     written per parameter), at the memory bandwidth of every process streaming at once (on a calibrated
     host: the replicas publish together); plus a copy kernel per owned piece and per parameter tensor at
-    the fixed cost of a forward-only kernel. 0 without ZeRO. On a 2-core host, ``small`` at pp2·dp2 (3.0M
-    parameters a rank, fp32): 5.5-7.8 ms a step beyond the all-gather, over two layouts and four ranks."""
+    the fixed cost of a forward-only kernel. The buffers hold the weights' dtype (``precision``). 0 without
+    ZeRO. On a 2-core host, ``small`` at pp2·dp2 (3.0M parameters a rank, fp32): 5.5-7.8 ms a step beyond
+    the all-gather, over two layouts and four ranks."""
     if layout.zero == 0:
         return 0.0
     shard = optimizer_shards(layout)
-    weight = 4 if cluster.profile is not None else 2  # fp32 on a calibrated host (plait train's default)
+    weight = STATE_BYTES[precision][0]
     traffic = (2 * weight + 4) * params_on_gpu / shard + 2 * weight * params_on_gpu
     if cluster.profile is None:
         return traffic / cluster.gpu.memory_bandwidth
