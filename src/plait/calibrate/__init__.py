@@ -22,6 +22,7 @@ from plait.plan.profile import HOST_KEYS, HostProfile
 
 DEFAULT_PROCESSES = (1, 2, 4)
 CACHE_ENV = "PLAIT_CACHE_DIR"
+PRELOAD = ("torch", "plait.calibrate.run")  # imported once for the calibration's launches (``run_world``)
 
 
 def host_facts() -> dict:
@@ -122,7 +123,8 @@ def _measure_once(counts: list[int], progress) -> HostProfile:
                 alone_at: AloneAt = {}
                 measured: dict[int, Measured] = {}
                 for p in counts:
-                    measured[p], alone_at = run_world(measure_world, p, p, str(ticks), alone_at, timeout_s=600.0)[0]
+                    measured[p], alone_at = run_world(measure_world, p, p, str(ticks), alone_at, timeout_s=600.0,
+                                                      preload=PRELOAD)[0]
                 box["result"] = assemble(measured, host_facts())
             except BaseException as exc:  # re-raised in the caller's thread
                 box["error"] = exc

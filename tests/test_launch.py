@@ -1,0 +1,33 @@
+"""``run_world``'s two ways of starting a world: fresh interpreters (spawn), or forks of one server that has
+imported the heavy modules once (``preload``), each seeing the caller's environment as at its launch."""
+
+from __future__ import annotations
+
+import os
+
+from plait.distributed.launch import run_world
+
+
+def _rank_facts(name: str) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return {"mark": os.environ.get(name), "world": dist.get_world_size(), "rank": dist.get_rank(),
+            "parent": os.getppid()}
+
+
+def test_preloaded_worlds_fork_from_one_server_with_the_callers_environment(monkeypatch):
+    monkeypatch.setenv("PLAIT_TEST_MARK", "first")
+    first = run_world(_rank_facts, 2, "PLAIT_TEST_MARK", preload=("torch",), timeout_s=120)
+    monkeypatch.setenv("PLAIT_TEST_MARK", "second")  # after the server started: it must still reach the ranks
+    second = run_world(_rank_facts, 2, "PLAIT_TEST_MARK", preload=("torch",), timeout_s=120)
+    assert [f["mark"] for f in first] == ["first"] * 2 and [f["mark"] for f in second] == ["second"] * 2
+    assert [(f["rank"], f["world"]) for f in first + second] == [(0, 2), (1, 2)] * 2
+    parents = {f["parent"] for f in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # every rank forked by the one server
+
+
+def test_spawned_worlds_are_children_of_the_caller(monkeypatch):
+    monkeypatch.setenv("PLAIT_TEST_MARK", "spawned")
+    facts = run_world(_rank_facts, 2, "PLAIT_TEST_MARK", timeout_s=120)
+    assert [(f["mark"], f["rank"], f["parent"]) for f in facts] == [("spawned", r, os.getpid()) for r in (0, 1)]
