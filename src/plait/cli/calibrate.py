@@ -25,9 +25,10 @@ compute alone and its collectives alone: what it takes beyond them is the wait e
 collective of a run adds. Between its phases it probes the host's speed (one linear layer on one thread)
 and scales each phase to the mean speed; it warns when the probes spread more than {STEADY:.0%} (beyond
 their own noise: a busy host, or a virtual machine's neighbours). Process counts whose processes get the
-same thread count share one measurement of a process alone. Takes about a minute. On such a host,
-`--repeat N` keeps the mean of N calibrations, and `--add` averages a new one into the profile's earlier
-ones (take them at different moments): the profile then predicts the host's average, not one minute of it.
+same thread count share one measurement of a process alone. Takes under a minute (about 50 s on 2
+cores). On such a host, `--repeat N` keeps the mean of N calibrations, and `--add` averages a new one into
+the profile's earlier ones (take them at different moments): the profile then predicts the host's average,
+not one minute of it.
 `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by default from
 this host's cached profile, made on first use).
 
