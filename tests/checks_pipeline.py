@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -120,7 +121,13 @@ def check_trace(ctx, schedule: str, virtual: int = 1) -> dict:
     inputs, targets = data(cfg.vocab_size)
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=8, virtual_stages=virtual)
+    before = time.perf_counter()
     pm.train_step(inputs, targets, trace=True)
+    after = time.perf_counter()
+    stats = pm.last_stats
+    # on the host's clock (what bench/pipeline_sharing.py lines ranks up by): every action inside the step
+    clock_ok = before <= stats.started_at and all(
+        before <= stats.started_at + s <= stats.started_at + e <= after for _, s, e in stats.timeline)
     report = pm.trace_report()
     order_ok = all(
         [a for r, a, _, _ in report.measured.timeline if r == rank] == pm.schedule.actions[rank]
@@ -128,7 +135,7 @@ def check_trace(ctx, schedule: str, virtual: int = 1) -> dict:
     starts_ok = all(e >= s >= 0 for _, _, s, e in report.measured.timeline)
     events = [e for e in report.measured.to_chrome_trace()["traceEvents"] if e.get("ph") == "X"]
     costs = report.measured.costs
-    return {"order_ok": order_ok, "times_ok": starts_ok, "n_events": len(events),
+    return {"order_ok": order_ok, "times_ok": starts_ok and clock_ok, "n_events": len(events),
             "n_actions": pm.schedule.num_actions, "costs_positive": min(costs.forward) > 0,
             "text": report.to_text(80)}
 

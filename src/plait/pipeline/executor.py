@@ -41,6 +41,7 @@ class StepStats:
     outputs: list[torch.Tensor] = field(default_factory=list)
     aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     shared_loss: torch.Tensor | None = None  # the loss another stage sent (StepIO.loss_from)
+    started_at: float = 0.0  # time.perf_counter() the timeline's times count from (one clock for a host's ranks)
     ended_at: float = 0.0  # time.perf_counter() when this rank's forward/backward part ended
 
 
@@ -93,7 +94,7 @@ class Executor:
                 self.transport.post_loss(io.loss_from)
         except CommError as exc:
             raise type(exc)(f"pipeline rank {self.me}, start of step: {exc}") from exc
-        t0 = time.perf_counter()
+        t0 = stats.started_at = time.perf_counter()
         for i, a in enumerate(plan.actions):
             try:
                 self._step(i, a, plan, io, stats, forward_only, trace, t0)
