@@ -5,11 +5,10 @@ that time: a layout that came out high may have met a slow minute, or the model 
 separates the two for the part of a step the model costs from kernel figures, the forward and backward
 work of each rank's chunks. One world of as many processes as the largest mode uses (4 by default) rotates
 step by step over the modes below (in order, then in reverse, and again: a drift within a rotation touches
-every mode alike).
-In each mode the processes it uses run at once, each with the threads ``plait train`` gives a world of that
-size, and each does what it does in that layout's step: for each of the step's micro-batches, its chunk's
-forward then its backward (from a random gradient of the output; the last chunk's logits stand in for
-the loss, which is well under a millisecond here); the other processes wait.
+every mode alike). In each mode the processes it uses run at once, each with the threads ``plait train``
+gives a world of that size, and each does what it does in that layout's step: for each of the step's
+micro-batches, its chunk's forward then its backward (from a random gradient of the output; the last
+chunk's logits stand in for the loss, which is well under a millisecond here); the other processes wait.
 
 * ``single``: one process, the whole model, micro-batches of ``BATCH / M`` sequences;
 * ``dpN``: N processes, each the whole model on ``BATCH / (N·M)`` sequences a micro-batch;
@@ -36,14 +35,13 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline_sharing import BATCH, MICROBATCHES
+from plan_vs_run import calibrate
 
 SEQ = 128
 MODEL = "small"
@@ -158,13 +156,6 @@ def summarise(steps: list[tuple[str, list[float | None]]], predictions: dict[str
                      "ratio": seconds / predictions[m], "lean": statistics.median(leans[m]),
                      "lean_quartiles": [q[0], q[2]], "rotations": len(leans[m])})
     return rows
-
-
-def calibrate(out: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "plait.cli.main", "calibrate", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"plait calibrate failed:\n{done.stderr[-2000:]}")
 
 
 def main() -> None:
