@@ -40,10 +40,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline_context import SEQ
 from pipeline_sharing import BATCH, MICROBATCHES
 from plan_vs_run import calibrate
 
-SEQ = 128
 MODEL = "small"
 WARMUP_ROTATIONS = 1
 DEFAULT_MODES = ("single", "dp2", "pp2", "dp4", "pp4", "pp2 dp2")
