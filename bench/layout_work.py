@@ -40,8 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline_context import SEQ
-from pipeline_sharing import BATCH, MICROBATCHES
+from pipeline_sharing import BATCH, MICROBATCHES, SEQ
 from plan_vs_run import calibrate
 
 MODEL = "small"
@@ -119,18 +118,16 @@ def predicted(profile: Any, mode: str) -> float:
     """Seconds of a step's forward + backward compute of ``mode`` as the planner costs it, the mean over the
     pipeline ranks (every data-parallel replica does the same)."""
     from plait.parallel_config import ParallelConfig
-    from plait.plan import Model
     from plait.plan.config import Cluster
-    from plait.plan.runs import train_layout
     from plait.plan.timing import rank_costs
-    from plait.train.config import TrainConfig, model_config
+    from plait.train.config import TrainConfig
+    from plait.train.predict import planner_inputs
 
     pp, dp = parse_mode(mode)
     world = pp * dp
     cfg = TrainConfig(parallel=ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES), model=MODEL,
                       seq_len=SEQ, batch_size=BATCH)
-    model = Model.from_llama_config(model_config(cfg).to_dict(), SEQ, name=MODEL)
-    layout, training = train_layout(cfg.parallel.resolve(world), BATCH)
+    model, layout, training = planner_inputs(cfg, world)
     ranks = rank_costs(model, Cluster.from_profile(profile, world), layout, training.precision, shared=world > 1)
     return MICROBATCHES * statistics.fmean(c.f_compute + c.b_compute + c.recompute for c in ranks)
 

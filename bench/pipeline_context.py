@@ -27,9 +27,7 @@ import statistics
 import time
 from typing import Any
 
-from pipeline_sharing import BATCH, MICROBATCHES, SCHEDULES, WARMUP, parse
-
-SEQ = 128
+from pipeline_sharing import BATCH, MICROBATCHES, SCHEDULES, SEQ, WARMUP, parse
 
 
 def _rank_main(steps: int, pp: int, schedule: str) -> list[tuple[bool, list[tuple[float, float]]]] | None:

@@ -17,6 +17,13 @@ clock) and measures those assumptions directly:
   over ``delivered``: the share of their alone speed the cores deliver once shared. The calibration's
   figure for it is the processes per core over a section's slow-down with every process computing (its
   speed alone over its speed shared).
+* ``replay``: the step's span over the span ``plait.sim.shared`` gives its schedule when every action costs
+  the median, over the step's actions of its kind and chunk, of their work alone (each moment of an action
+  weighted by the speed the sharing gives it then). The model's figures for the work are left out: what is
+  left is whether the step takes as long as its actions, ordered by the schedule and sharing the cores as
+  the model has them, say it should (its bubbles and hand-offs included). ``--profile FILE`` replays on
+  the effective cores and point-to-point time ``plait train --cluster FILE`` predicts this world with; by
+  default the host's cores are shared fairly and hand-offs are free.
 
 Cases are ``pp2 dp2 1f1b``-style names; each world with ``dp > 1`` runs with its one-replica reference
 (``pp2 1f1b`` at half the batch), the two launched alternately ``--rounds`` times each, since the host's
@@ -27,14 +34,17 @@ Prints a table and JSON.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 MICROBATCHES = 4
-BATCH = 16  # sequences of 128 tokens per step, over dp replicas
+SEQ = 128  # tokens a sequence
+BATCH = 16  # sequences per step, over dp replicas
 WARMUP = 2
 SCHEDULES = {"1f1b": {"schedule": "1f1b"}, "gpipe": {"schedule": "gpipe"}, "zbv": {"schedule": "zbv"},
              "interleaved": {"schedule": "interleaved-1f1b", "virtual_stages": 2}}
@@ -60,7 +70,7 @@ def parse(case: str) -> tuple[int, int, str]:
     return pp, dp, schedule
 
 
-def _rank_main(steps: int, pp: int, dp: int, schedule: str, batch_size: int) -> tuple[list[Step], list[int]] | None:
+def _rank_main(steps: int, pp: int, dp: int, schedule: str, batch_size: int) -> tuple[list[Step], Any] | None:
     import torch.distributed as dist
 
     import plait
@@ -71,14 +81,12 @@ def _rank_main(steps: int, pp: int, dp: int, schedule: str, batch_size: int) -> 
 
     pc = ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES, **SCHEDULES[schedule])
     ctx = plait.init(config=pc)
-    run = build(TrainConfig(parallel=pc, model="small", seq_len=128, batch_size=batch_size, max_data_mb=0.5,
+    run = build(TrainConfig(parallel=pc, model="small", seq_len=SEQ, batch_size=batch_size, max_data_mb=0.5,
                             steps=steps + WARMUP), ctx)
-    sched = run.pm.schedule
-    owner = [sched.stage_to_rank(c) for c in range(sched.num_stages)]  # chunk -> pipeline rank
     out: list[Step] = []
     for s in range(steps + WARMUP):
         dist.barrier()
-        x, y = batch(run.corpus.train, s, batch_size, 128, run.cfg.seed, (ctx.dp_rank, ctx.dp_size))
+        x, y = batch(run.corpus.train, s, batch_size, SEQ, run.cfg.seed, (ctx.dp_rank, ctx.dp_size))
         run.pm.train_step(x, y, trace=True)
         run.opt.step()
         stats = run.pm.last_stats
@@ -88,11 +96,11 @@ def _rank_main(steps: int, pp: int, dp: int, schedule: str, batch_size: int) -> 
         dist.all_gather_object(every, ((ctx.dp_rank, ctx.pp_rank), mine))
         if s >= WARMUP:
             out.append([rows for _, rows in sorted(every, key=lambda e: e[0])])
-    return (out, owner) if dist.get_rank() == 0 else None
+    return (out, run.pm.schedule) if dist.get_rank() == 0 else None
 
 
-def measure(case: str, steps: int, batch_size: int = BATCH) -> tuple[list[Step], list[int]]:
-    """Per traced step, every process's actions (``Step``), and the pipeline rank of each chunk."""
+def measure(case: str, steps: int, batch_size: int = BATCH) -> tuple[list[Step], Any]:
+    """Per traced step, every process's actions (``Step``), and the schedule (``plait.schedules.Schedule``)."""
     from plait.distributed.launch import run_world
 
     pp, dp, schedule = parse(case)
@@ -133,11 +141,74 @@ def lags(step: Step, pp: int, owner: list[int], m: int = MICROBATCHES) -> list[f
     return out
 
 
-def summarise(case: str, measured: tuple[list[Step], list[int]], cores: float) -> dict[str, Any]:
+def work_alone(step: Step, cores: float) -> dict[tuple[str, int], list[float]]:
+    """Per kind and chunk, each action's work in seconds alone as ``plait.sim.shared`` counts it: its wall
+    time, every moment weighted by ``min(1, cores / k)``, ``k`` the processes then inside actions."""
+    events = sorted((t, d) for rows in step for *_, s, e in rows for t, d in ((s, 1), (e, -1)))
+    times, speed, k = [], [], 0
+    for t, d in events:
+        k += d
+        times.append(t)
+        speed.append(min(1.0, cores / k) if k else 1.0)  # from this event to the next
+    out: dict[tuple[str, int], list[float]] = {}
+    for rows in step:
+        for kind, c, _, s, e in rows:
+            i = bisect.bisect_right(times, s) - 1
+            w = 0.0
+            while i < len(times) - 1 and times[i] < e:
+                w += (min(e, times[i + 1]) - max(s, times[i])) * speed[i]
+                i += 1
+            out.setdefault((kind, c), []).append(w)
+    return out
+
+
+def replay(step: Step, schedule: Any, dp: int, cores: float, p2p: float) -> float:
+    """The span ``plait.sim.shared`` gives ``schedule`` when every action costs the median work alone of its
+    kind and chunk in this step (``work_alone``) and ``cores`` cores are time-sliced, as the planner has
+    it: the dp processes of one pipeline rank compute together, on ``cores / dp`` each, and a remote input
+    arrives ``p2p`` seconds after it was made."""
+    from plait.sim.shared import simulate_shared
+
+    work = work_alone(step, cores)
+    n = schedule.num_stages
+    cpu = {kind: [statistics.median(work[kind, c]) if (kind, c) in work else 0.0 for c in range(n)]
+           for kind in "FBIW"}
+    return simulate_shared(schedule, cpu, {kind: [0.0] * n for kind in "FBIW"}, p2p, cores / dp).makespan
+
+
+def calibrated(profile: Path, case: str, batch_size: int) -> tuple[float, float]:
+    """(effective cores, point-to-point seconds) of ``case``'s world as ``plait train --cluster profile``
+    predicts it (``plait.plan.estimate.shared_cores``, ``plait.plan.timing``'s chunk costs)."""
+    from plait.parallel_config import ParallelConfig
+    from plait.plan.config import Cluster
+    from plait.plan.estimate import shared_cores
+    from plait.plan.profile import HostProfile
+    from plait.plan.timing import chunk_costs
+    from plait.train.config import TrainConfig
+    from plait.train.predict import planner_inputs
+
+    pp, dp, schedule = parse(case)
+    cfg = TrainConfig(parallel=ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES, **SCHEDULES[schedule]),
+                      model="small", seq_len=SEQ, batch_size=batch_size)
+    model, layout, training = planner_inputs(cfg, pp * dp)
+    cluster = Cluster.from_profile(HostProfile.load(profile), pp * dp)
+    alone = chunk_costs(model, cluster, layout, training.precision)
+    shared = chunk_costs(model, cluster, layout, training.precision, shared=True)
+    return shared_cores(alone, shared, pp * dp), alone[0].p2p
+
+
+def summarise(case: str, measured: tuple[list[Step], Any], cores: float,
+              replay_at: tuple[float, float] | None = None) -> dict[str, Any]:
+    """``replay_at``: (effective cores, point-to-point seconds) the replay uses; default the host's cores
+    shared fairly and hand-offs free."""
     pp, dp, _ = parse(case)
-    steps, owner = measured
+    steps, schedule = measured
+    owner = [schedule.stage_to_rank(c) for c in range(schedule.num_stages)]  # chunk -> pipeline rank
     parts = [sharing(s, cores) for s in steps]
     lag = [x for s in steps for x in lags(s, pp, owner)]
+    at_cores, p2p = replay_at or (cores, 0.0)
+    over = [p["span"] / replay(s, schedule, dp, at_cores, p2p) for s, p in zip(steps, parts, strict=True)]
+    qr = statistics.quantiles(over, n=4) if len(over) > 1 else [over[0]] * 3
     q = statistics.quantiles(lag, n=4) if len(lag) > 1 else [0.0, 0.0, 0.0]
     med = {key: statistics.median(p[key] for p in parts) for key in ("span", "inside", "delivered")}
     kinds: dict[str, list[float]] = {}
@@ -149,7 +220,9 @@ def summarise(case: str, measured: tuple[list[Step], list[int]], cores: float) -
             "at_k_ms": {k: statistics.median(p["at"].get(k, 0.0) for p in parts) * 1e3 for k in range(pp * dp + 1)},
             "lag_ms": {"handoffs": len(lag), "median": statistics.median(lag) * 1e3 if lag else 0.0,
                        "quartiles": [q[0] * 1e3, q[2] * 1e3]},
-            "action_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(kinds.items())}}
+            "action_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(kinds.items())},
+            "replay": {"cores": at_cores, "p2p_ms": p2p * 1e3, "span_over_replay": statistics.median(over),
+                       "quartiles": [qr[0], qr[2]]}}
 
 
 def main() -> None:
@@ -158,6 +231,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="traced steps per launch")
     ap.add_argument("--rounds", type=int, default=2,
                     help="launches of each world; a case and its reference alternate (A B, B A, ...)")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="a calibration (plait calibrate --out FILE): replay on the effective cores and "
+                         "point-to-point time plait train --cluster FILE predicts each world with (default: "
+                         "the host's cores shared fairly, hand-offs free)")
     ap.add_argument("--json", action="store_true", help="JSON only")
     args = ap.parse_args()
     cores = float(os.cpu_count() or 1)
@@ -166,14 +243,15 @@ def main() -> None:
         pp, dp, schedule = parse(case)
         t0 = time.perf_counter()
         worlds = [(case, BATCH)] + ([(f"pp{pp} {schedule}", BATCH // dp)] if dp > 1 else [])
-        got: dict[str, tuple[list[Step], list[int]]] = {}
+        at = {name: calibrated(args.profile, name, b) if args.profile else None for name, b in worlds}
+        got: dict[str, tuple[list[Step], Any]] = {}
         for r in range(args.rounds):  # steps of every launch pooled: the medians are over all of them
             for name, batch_size in worlds if r % 2 == 0 else worlds[::-1]:
-                steps, owner = measure(name, args.steps, batch_size)
-                got[name] = (got[name][0] + steps, owner) if name in got else (steps, owner)
-        row = summarise(case, got[case], cores)
+                steps, schedule = measure(name, args.steps, batch_size)
+                got[name] = (got[name][0] + steps, schedule) if name in got else (steps, schedule)
+        row = summarise(case, got[case], cores, at[case])
         if dp > 1:  # the same schedule on one replica's processes and sequences: its work alone
-            ref = row["reference"] = summarise(worlds[1][0], got[worlds[1][0]], cores)
+            ref = row["reference"] = summarise(worlds[1][0], got[worlds[1][0]], cores, at[worlds[1][0]])
             row["efficiency"] = dp * ref["inside_ms"] / row["delivered_ms"]
         row["seconds"] = time.perf_counter() - t0
         out.append(row)
@@ -190,12 +268,19 @@ def _print(row: dict[str, Any], cores: float) -> None:
                 f"{r['delivered_ms']:6.0f} core-ms  ms at k ({at})  lag median {lag['median']:.2f} ms "
                 f"(quartiles {lag['quartiles'][0]:.2f}, {lag['quartiles'][1]:.2f}; {lag['handoffs']} hand-offs)")
 
+    def replayed(r: dict[str, Any]) -> str:
+        x = r["replay"]
+        return (f"  span over its replay on {x['cores']:.2f} cores, hand-offs {x['p2p_ms']:.2f} ms: "
+                f"{x['span_over_replay']:.3f} (quartiles {x['quartiles'][0]:.3f}-{x['quartiles'][1]:.3f})")
+
     print(line(row))
     print("  actions (median ms): " + " ".join(f"{k} {v:.1f}" for k, v in row["action_ms"].items()))
+    print(replayed(row))
     if "reference" in row:
         ref = row["reference"]
         print("  " + line(ref))
         print("  actions (median ms): " + " ".join(f"{k} {v:.1f}" for k, v in ref["action_ms"].items()))
+        print(replayed(ref))
         print(f"  efficiency (work alone over what {cores:.0f} cores delivered): {row['efficiency']:.3f}")
 
 

@@ -454,3 +454,14 @@ def test_tp_partial_gradients_counted_as_the_runtime_marks_them():
     assert step_end.tp_partial_time(gqa, two, Layout(tp=2, dp=2, zero=1), 3, True) == pytest.approx(
         timing.collective(two, "all_reduce", nbytes / 2, 2))
     assert step_end.tp_partial_time(gqa, host, Layout(), 3, True) == 0.0
+
+
+def test_shared_cores_counts_processes_at_their_speed_alone():
+    from plait.plan.estimate import shared_cores
+
+    alone = [timing.StageCosts(f_compute=1.0, b_compute=2.0), timing.StageCosts(f_compute=1.0, b_compute=2.0)]
+    shared = [timing.StageCosts(f_compute=2.2, b_compute=4.4), timing.StageCosts(f_compute=2.2, b_compute=4.4)]
+    assert shared_cores(alone, shared, 4) == pytest.approx(4 / 2.2)  # each at 1/2.2 of its speed alone
+    assert shared_cores(alone, alone, 2) == 2.0  # no slow-down: every process has a core
+    faster = [timing.StageCosts(f_compute=0.5, b_compute=1.0)] * 2
+    assert shared_cores(alone, faster, 2) == 2.0  # never more cores than processes

@@ -182,17 +182,14 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
 def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Training,
                  chunks: list[timing.StageCosts], m: int, rounds: str | None) -> tuple[float, float, float]:
     """(makespan, mean busy wall time, slow-down of work every process does at once) of the forward/
-    backward part on a calibrated host whose processes time-slice its cores (``plait.sim.shared``).
-    The host's effective cores come from its measured speeds: ``P`` processes computing at once each get
-    ``shared/alone`` of their speed alone, so together they run like ``P·shared/alone`` processes alone."""
+    backward part on a calibrated host whose processes time-slice its effective cores (``shared_cores``;
+    ``plait.sim.shared``)."""
     from plait.schedules import build_schedule
     from plait.sim.shared import simulate_shared
 
     shared = timing.chunk_costs(model, cluster, layout, training.precision, shared=True)
-    alone_work = sum(c.f_compute + c.b_compute + c.recompute for c in chunks)
-    shared_work = sum(c.f_compute + c.b_compute + c.recompute for c in shared)
     p = cluster.n_gpus
-    cores = min(float(p), p * alone_work / shared_work) if shared_work > 0 else float(p)
+    cores = shared_cores(chunks, shared, p)
     stretch = max(1.0, p / cores)
     per_stage = layout.tp * layout.dp * layout.cp  # the processes of one pipeline rank compute together
     if layout.pp == 1:  # every process computes all the time: shared speeds throughout
@@ -209,6 +206,18 @@ def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Train
             "W": [0.0] * len(chunks)}
     r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage)
     return r.makespan, sum(r.busy) / len(r.busy), stretch
+
+
+def shared_cores(alone: list[timing.StageCosts], shared: list[timing.StageCosts], processes: int) -> float:
+    """The cores a calibrated host gives ``processes`` processes computing at once, counted in processes at
+    their speed alone. ``alone`` and ``shared`` are the same chunks costed at the calibration's two speeds
+    (``timing.chunk_costs``): each process computes ``shared/alone`` as fast as alone (speeds; the costs'
+    ratio the other way up), so together they run like ``processes·shared/alone`` processes alone, at
+    most ``processes``. ``plait.sim.shared`` time-slices that many cores."""
+    alone_work = sum(c.f_compute + c.b_compute + c.recompute for c in alone)
+    shared_work = sum(c.f_compute + c.b_compute + c.recompute for c in shared)
+    p = float(processes)
+    return min(p, p * alone_work / shared_work) if shared_work > 0 else p
 
 
 def _sync_parts(model: Model, cluster: Cluster, layout: Layout) -> tuple[float, float]:

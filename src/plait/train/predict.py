@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.train.config import TrainConfig, model_config
+
+if TYPE_CHECKING:
+    from plait.plan.config import Layout, Training
+    from plait.plan.model import Model
 
 OFF = "none"
 
@@ -78,15 +83,22 @@ def cached_profile(path: Path):
         return None
 
 
-def predict(cfg: TrainConfig, profile, world: int):
-    """The planner's Estimate of this run of ``world`` processes on ``profile`` (step time, bubble,
-    memory of every rank)."""
+def planner_inputs(cfg: TrainConfig, world: int) -> tuple[Model, Layout, Training]:
+    """The planner's (Model, Layout, Training) of this run of ``world`` processes."""
     from plait.plan import Model
-    from plait.plan.runs import predict_train, train_layout
+    from plait.plan.runs import train_layout
 
     mcfg = model_config(cfg)
     model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
-    layout, training = train_layout(cfg.parallel.resolve(world), cfg.batch_size)
+    return (model, *train_layout(cfg.parallel.resolve(world), cfg.batch_size))
+
+
+def predict(cfg: TrainConfig, profile, world: int):
+    """The planner's Estimate of this run of ``world`` processes on ``profile`` (step time, bubble,
+    memory of every rank)."""
+    from plait.plan.runs import predict_train
+
+    model, layout, training = planner_inputs(cfg, world)
     return predict_train(model, profile, layout, training)
 
 
