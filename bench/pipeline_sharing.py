@@ -165,8 +165,8 @@ def work_alone(step: Step, cores: float) -> dict[tuple[str, int], list[float]]:
 def replay(step: Step, schedule: Any, dp: int, cores: float, p2p: float) -> float:
     """The span ``plait.sim.shared`` gives ``schedule`` when every action costs the median work alone of its
     kind and chunk in this step (``work_alone``) and ``cores`` cores are time-sliced, as the planner has
-    it: the dp processes of one pipeline rank compute together, on ``cores / dp`` each, and a remote input
-    arrives ``p2p`` seconds after it was made."""
+    it: the dp processes of one pipeline rank compute together, so one replica's pipeline is simulated on
+    ``cores / dp`` cores, and a remote input arrives ``p2p`` seconds after it was made."""
     from plait.sim.shared import simulate_shared
 
     work = work_alone(step, cores)
