@@ -40,10 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline_sharing import BATCH, MICROBATCHES, SEQ
+from pipeline_sharing import BATCH, MICROBATCHES, SEQ, small_config
 from plan_vs_run import calibrate
 
-MODEL = "small"
 WARMUP_ROTATIONS = 1
 DEFAULT_MODES = ("single", "dp2", "pp2", "dp4", "pp4", "pp2 dp2")
 
@@ -71,12 +70,12 @@ def _rank_main(modes: list[str], rotations: int) -> list[tuple[str, list[float |
     from plait.models import Llama
     from plait.models.family import family_of
     from plait.pipeline.partition import build_chunks
-    from plait.train.config import TrainConfig, model_config
+    from plait.train.config import model_config
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = Llama(model_config(TrainConfig(model=MODEL)))
+    model = Llama(model_config(small_config(1, 1)))
     family = family_of(model)
     vocab, width = model.config.vocab_size, model.config.dim
     work: dict[str, Any] = {}  # mode -> (threads, [(chunk index, module)], sequences a micro-batch), None: waits
@@ -117,17 +116,13 @@ def _rank_main(modes: list[str], rotations: int) -> list[tuple[str, list[float |
 def predicted(profile: Any, mode: str) -> float:
     """Seconds of a step's forward + backward compute of ``mode`` as the planner costs it, the mean over the
     pipeline ranks (every data-parallel replica does the same)."""
-    from plait.parallel_config import ParallelConfig
     from plait.plan.config import Cluster
     from plait.plan.timing import rank_costs
-    from plait.train.config import TrainConfig
     from plait.train.predict import planner_inputs
 
     pp, dp = parse_mode(mode)
     world = pp * dp
-    cfg = TrainConfig(parallel=ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES), model=MODEL,
-                      seq_len=SEQ, batch_size=BATCH)
-    model, layout, training = planner_inputs(cfg, world)
+    model, layout, training = planner_inputs(small_config(pp, dp), world)
     ranks = rank_costs(model, Cluster.from_profile(profile, world), layout, training.precision, shared=world > 1)
     return MICROBATCHES * statistics.fmean(c.f_compute + c.b_compute + c.recompute for c in ranks)
 

@@ -27,7 +27,7 @@ import statistics
 import time
 from typing import Any
 
-from pipeline_sharing import BATCH, MICROBATCHES, SCHEDULES, SEQ, WARMUP, parse
+from pipeline_sharing import BATCH, MICROBATCHES, SEQ, WARMUP, parse, small_config
 
 
 def _rank_main(steps: int, pp: int, schedule: str) -> list[tuple[bool, list[tuple[float, float]]]] | None:
@@ -35,15 +35,12 @@ def _rank_main(steps: int, pp: int, schedule: str) -> list[tuple[bool, list[tupl
     import torch.distributed as dist
 
     import plait
-    from plait.parallel_config import ParallelConfig
-    from plait.train.config import TrainConfig
     from plait.train.data import batch
     from plait.train.loop import build
 
-    pc = ParallelConfig(tp=1, pp=pp, dp=1, microbatches=MICROBATCHES, **SCHEDULES[schedule])
-    ctx = plait.init(config=pc)
-    run = build(TrainConfig(parallel=pc, model="small", seq_len=SEQ, batch_size=BATCH, max_data_mb=0.5,
-                            steps=steps + WARMUP), ctx)
+    cfg = small_config(pp, 1, schedule, BATCH, steps + WARMUP)
+    ctx = plait.init(config=cfg.parallel)
+    run = build(cfg, ctx)
     chunks = run.pm.chunks  # chunk index -> this rank's module
     width = int(run.pm.model_config.dim)  # the hidden state's width
     out = []

@@ -70,19 +70,26 @@ def parse(case: str) -> tuple[int, int, str]:
     return pp, dp, schedule
 
 
+def small_config(pp: int, dp: int, schedule: str = "1f1b", batch_size: int = BATCH, steps: int = 1) -> Any:
+    """``plait train``'s TrainConfig of ``small`` in a ``pp`` x ``dp`` world: the model, sequence length and
+    micro-batches every pipeline benchmark here runs (``schedule``: a key of ``SCHEDULES``)."""
+    from plait.parallel_config import ParallelConfig
+    from plait.train.config import TrainConfig
+
+    pc = ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES, **SCHEDULES[schedule])
+    return TrainConfig(parallel=pc, model="small", seq_len=SEQ, batch_size=batch_size, max_data_mb=0.5, steps=steps)
+
+
 def _rank_main(steps: int, pp: int, dp: int, schedule: str, batch_size: int) -> tuple[list[Step], Any] | None:
     import torch.distributed as dist
 
     import plait
-    from plait.parallel_config import ParallelConfig
-    from plait.train.config import TrainConfig
     from plait.train.data import batch
     from plait.train.loop import build
 
-    pc = ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES, **SCHEDULES[schedule])
-    ctx = plait.init(config=pc)
-    run = build(TrainConfig(parallel=pc, model="small", seq_len=SEQ, batch_size=batch_size, max_data_mb=0.5,
-                            steps=steps + WARMUP), ctx)
+    cfg = small_config(pp, dp, schedule, batch_size, steps + WARMUP)
+    ctx = plait.init(config=cfg.parallel)
+    run = build(cfg, ctx)
     out: list[Step] = []
     for s in range(steps + WARMUP):
         dist.barrier()
@@ -179,18 +186,14 @@ def replay(step: Step, schedule: Any, dp: int, cores: float, p2p: float) -> floa
 def calibrated(profile: Path, case: str, batch_size: int) -> tuple[float, float]:
     """(effective cores, point-to-point seconds) of ``case``'s world as ``plait train --cluster profile``
     predicts it (``plait.plan.estimate.shared_cores``, ``plait.plan.timing``'s chunk costs)."""
-    from plait.parallel_config import ParallelConfig
     from plait.plan.config import Cluster
     from plait.plan.estimate import shared_cores
     from plait.plan.profile import HostProfile
     from plait.plan.timing import chunk_costs
-    from plait.train.config import TrainConfig
     from plait.train.predict import planner_inputs
 
     pp, dp, schedule = parse(case)
-    cfg = TrainConfig(parallel=ParallelConfig(tp=1, pp=pp, dp=dp, microbatches=MICROBATCHES, **SCHEDULES[schedule]),
-                      model="small", seq_len=SEQ, batch_size=batch_size)
-    model, layout, training = planner_inputs(cfg, pp * dp)
+    model, layout, training = planner_inputs(small_config(pp, dp, schedule, batch_size), pp * dp)
     cluster = Cluster.from_profile(HostProfile.load(profile), pp * dp)
     alone = chunk_costs(model, cluster, layout, training.precision)
     shared = chunk_costs(model, cluster, layout, training.precision, shared=True)
