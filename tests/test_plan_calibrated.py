@@ -465,3 +465,24 @@ def test_shared_cores_counts_processes_at_their_speed_alone():
     assert shared_cores(alone, alone, 2) == 2.0  # no slow-down: every process has a core
     faster = [timing.StageCosts(f_compute=0.5, b_compute=1.0)] * 2
     assert shared_cores(alone, faster, 2) == 2.0  # never more cores than processes
+    assert shared_cores(alone, faster, 4, most=2.0) == 2.0  # nor than the host's cores
+    assert shared_cores(alone, shared, 4, most=2.0) == pytest.approx(4 / 2.2)  # below them: as measured
+
+
+def test_host_cores_are_the_cores_over_a_processs_threads():
+    from plait.plan.estimate import host_cores
+
+    prof = synthetic_profile(counts=(1, 4))  # two cores: one process of two threads, or four of one
+    assert host_cores(Cluster.from_profile(prof, 4)) == 2.0
+    assert host_cores(Cluster.from_profile(prof, 1)) == 1.0  # its two threads take both cores
+
+
+def test_action_costs_split_the_backward_into_input_and_weight_halves():
+    from plait.plan.estimate import action_costs
+
+    chunks = [timing.StageCosts(f_compute=1.0, b_compute=2.0, w_compute=0.75, f_tp=0.1, b_tp=0.2, recompute=0.5),
+              timing.StageCosts(f_compute=3.0, b_compute=5.0, w_compute=2.0)]
+    cpu, comm = action_costs(chunks, split=True)
+    assert cpu == {"F": [1.0, 3.0], "B": [2.5, 5.0], "I": [1.75, 3.0], "W": [0.75, 2.0]}
+    assert comm == {"F": [0.1, 0.0], "B": [0.2, 0.0], "I": [0.2, 0.0], "W": [0.0, 0.0]}
+    assert action_costs(chunks, split=False)[0]["I"] == [0.0, 0.0]  # a whole backward has no input half

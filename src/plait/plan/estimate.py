@@ -189,35 +189,54 @@ def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Train
 
     shared = timing.chunk_costs(model, cluster, layout, training.precision, shared=True)
     p = cluster.n_gpus
-    cores = shared_cores(chunks, shared, p)
+    cores = shared_cores(chunks, shared, p, host_cores(cluster))
     stretch = max(1.0, p / cores)
     per_stage = layout.tp * layout.dp * layout.cp  # the processes of one pipeline rank compute together
     if layout.pp == 1:  # every process computes all the time: shared speeds throughout
         c = shared[0]
         wall = m * (c.forward + c.backward)
         return wall, wall, stretch
-    split = layout.schedule in SPLIT_BACKWARD
     sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual,
                            rounds=rounds)
+    cpu, comm = action_costs(chunks, layout.schedule in SPLIT_BACKWARD)
+    r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage)
+    return r.makespan, sum(r.busy) / len(r.busy), stretch
+
+
+def action_costs(chunks: list[timing.StageCosts], split: bool) -> tuple[dict[str, list[float]],
+                                                                          dict[str, list[float]]]:
+    """(compute, TP communication): seconds per action kind (F, B, I, W) and chunk, as ``plait.sim.shared``
+    runs a schedule on a calibrated host; ``split``: the schedule splits backwards into I and W (the input
+    half is the backward less the weight gradients)."""
     cpu = {"F": [c.f_compute for c in chunks], "B": [c.b_compute + c.recompute for c in chunks],
            "I": [c.b_compute - c.w_compute + c.recompute if split else 0.0 for c in chunks],
            "W": [c.w_compute for c in chunks]}
     comm = {"F": [c.f_tp for c in chunks], "B": [c.b_tp for c in chunks], "I": [c.b_tp for c in chunks],
             "W": [0.0] * len(chunks)}
-    r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage)
-    return r.makespan, sum(r.busy) / len(r.busy), stretch
+    return cpu, comm
 
 
-def shared_cores(alone: list[timing.StageCosts], shared: list[timing.StageCosts], processes: int) -> float:
+def shared_cores(alone: list[timing.StageCosts], shared: list[timing.StageCosts], processes: int,
+                 most: float | None = None) -> float:
     """The cores a calibrated host gives ``processes`` processes computing at once, counted in processes at
     their speed alone. ``alone`` and ``shared`` are the same chunks costed at the calibration's two speeds
     (``timing.chunk_costs``): each process computes ``shared/alone`` as fast as alone (speeds; the costs'
     ratio the other way up), so together they run like ``processes·shared/alone`` processes alone, at
-    most ``processes``. ``plait.sim.shared`` time-slices that many cores."""
+    most ``processes`` and at most ``most`` (the host's cores over a process's threads: a calibration whose
+    shared phase ran while the host was faster than its mean can read more). ``plait.sim.shared``
+    time-slices that many cores."""
     alone_work = sum(c.f_compute + c.b_compute + c.recompute for c in alone)
     shared_work = sum(c.f_compute + c.b_compute + c.recompute for c in shared)
     p = float(processes)
-    return min(p, p * alone_work / shared_work) if shared_work > 0 else p
+    cap = p if most is None else min(p, most)
+    return min(cap, p * alone_work / shared_work) if shared_work > 0 else cap
+
+
+def host_cores(cluster: Cluster) -> float:
+    """A calibrated host's cores over the threads each of ``cluster``'s processes runs: the most processes
+    that compute at once at their speed alone."""
+    assert cluster.profile is not None, "only a calibrated host has cores to share"
+    return cluster.profile.cores / cluster.section.threads
 
 
 def _sync_parts(model: Model, cluster: Cluster, layout: Layout) -> tuple[float, float]:
