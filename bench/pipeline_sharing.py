@@ -50,6 +50,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -246,7 +247,7 @@ def measured_alone(step: Step, times: Alone) -> dict[tuple[str, int], list[float
     return out
 
 
-def inside_k(step: Step) -> Any:
+def inside_k(step: Step) -> Callable[[float, float], float]:
     """A function (start, end) -> the time-weighted mean number of processes inside actions meanwhile."""
     events = sorted((t, d) for rows in step for *_, s, e in rows for t, d in ((s, 1), (e, -1)))
     times, ks, k = [], [], 0
@@ -344,7 +345,7 @@ def summarise(case: str, measured: tuple[list[Step], Any, list[Alone]], cores: f
     owner = [schedule.stage_to_rank(c) for c in range(schedule.num_stages)]  # chunk -> pipeline rank
     parts = [sharing(s, cores) for s in steps]
     lag = [x for s in steps for x in lags(s, pp, owner)]
-    at_cores, p2p, model = replay_at or (cores, 0.0, None)
+    at_cores, p2p, _ = replay_at or (cores, 0.0, None)
     over = [p["span"] / replay(s, schedule, dp, at_cores, p2p) for s, p in zip(steps, parts, strict=True)]
     q = statistics.quantiles(lag, n=4) if len(lag) > 1 else [0.0, 0.0, 0.0]
     med = {key: statistics.median(p[key] for p in parts) for key in ("span", "inside", "delivered")}
