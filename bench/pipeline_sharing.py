@@ -184,16 +184,37 @@ def measure(case: str, steps: int, batch_size: int = BATCH,
     return next(r for r in results if r is not None)
 
 
+def occupancy(step: Step) -> tuple[list[float], list[int]]:
+    """The step's action starts and ends in time order, and the processes inside actions from each to the
+    next."""
+    events = sorted((t, d) for rows in step for *_, s, e in rows for t, d in ((s, 1), (e, -1)))
+    times, ks, k = [], [], 0
+    for t, d in events:
+        k += d
+        times.append(t)
+        ks.append(k)
+    return times, ks
+
+
+def integral(times: list[float], values: list[float], s: float, e: float) -> float:
+    """The integral over [s, e] of the step function ``values[i]`` from ``times[i]`` to ``times[i + 1]``."""
+    i = max(0, bisect.bisect_right(times, s) - 1)
+    total = 0.0
+    while i < len(times) - 1 and times[i] < e:
+        total += (min(e, times[i + 1]) - max(s, times[i])) * values[i]
+        i += 1
+    return total
+
+
 def sharing(step: Step, cores: float) -> dict[str, Any]:
     """Span, inside, delivered (seconds) and the seconds at each k of one step's actions on every process."""
-    events = sorted((t, d) for rows in step for *_, s, e in rows for t, d in ((s, 1), (e, -1)))
-    k, last, delivered, at = 0, events[0][0], 0.0, {}
-    for t, d in events:
-        delivered += min(k, cores) * (t - last)
-        at[k] = at.get(k, 0.0) + t - last
-        k, last = k + d, t
+    times, ks = occupancy(step)
+    at: dict[int, float] = {0: 0.0}
+    for i in range(len(times) - 1):
+        at[ks[i]] = at.get(ks[i], 0.0) + times[i + 1] - times[i]
     inside = sum(e - s for rows in step for *_, s, e in rows)
-    return {"span": events[-1][0] - events[0][0], "inside": inside, "delivered": delivered, "at": at}
+    return {"span": times[-1] - times[0], "inside": inside,
+            "delivered": integral(times, [min(k, cores) for k in ks], times[0], times[-1]), "at": at}
 
 
 def lags(step: Step, pp: int, owner: list[int], m: int = MICROBATCHES) -> list[float]:
@@ -220,21 +241,12 @@ def lags(step: Step, pp: int, owner: list[int], m: int = MICROBATCHES) -> list[f
 def work_alone(step: Step, cores: float) -> dict[tuple[str, int], list[float]]:
     """Per kind and chunk, each action's work in seconds alone as ``plait.sim.shared`` counts it: its wall
     time, every moment weighted by ``min(1, cores / k)``, ``k`` the processes then inside actions."""
-    events = sorted((t, d) for rows in step for *_, s, e in rows for t, d in ((s, 1), (e, -1)))
-    times, speed, k = [], [], 0
-    for t, d in events:
-        k += d
-        times.append(t)
-        speed.append(min(1.0, cores / k) if k else 1.0)  # from this event to the next
+    times, ks = occupancy(step)
+    speed = [min(1.0, cores / k) if k else 1.0 for k in ks]
     out: dict[tuple[str, int], list[float]] = {}
     for rows in step:
         for kind, c, _, s, e in rows:
-            i = bisect.bisect_right(times, s) - 1
-            w = 0.0
-            while i < len(times) - 1 and times[i] < e:
-                w += (min(e, times[i + 1]) - max(s, times[i])) * speed[i]
-                i += 1
-            out.setdefault((kind, c), []).append(w)
+            out.setdefault((kind, c), []).append(integral(times, speed, s, e))
     return out
 
 
@@ -249,22 +261,9 @@ def measured_alone(step: Step, times: Alone) -> dict[tuple[str, int], list[float
 
 def inside_k(step: Step) -> Callable[[float, float], float]:
     """A function (start, end) -> the time-weighted mean number of processes inside actions meanwhile."""
-    events = sorted((t, d) for rows in step for *_, s, e in rows for t, d in ((s, 1), (e, -1)))
-    times, ks, k = [], [], 0
-    for t, d in events:
-        k += d
-        times.append(t)
-        ks.append(k)  # from this event to the next
-
-    def mean(s: float, e: float) -> float:
-        i = max(0, bisect.bisect_right(times, s) - 1)
-        total = 0.0
-        while i < len(times) - 1 and times[i] < e:
-            total += (min(e, times[i + 1]) - max(s, times[i])) * ks[i]
-            i += 1
-        return total / (e - s) if e > s else float(ks[i])
-
-    return mean
+    times, ks = occupancy(step)
+    counts = [float(k) for k in ks]
+    return lambda s, e: integral(times, counts, s, e) / (e - s)
 
 
 def speed_by_k(steps: list[Step], solo: list[Alone], near: float = 0.1) -> dict[int, tuple[float, int]]:
