@@ -45,8 +45,8 @@ def _time(run, first: int) -> list[float]:
 
 def check_calibration(root: Path, box: dict) -> dict:
     """A quick calibration of 1, 2 and 4 processes in this launch (kept in ``box`` for the prediction check):
-    its progress ticks, the kernel figures of one process alone, which the sections of 2 and 4 measure at one
-    thread and so share, and the one process's figures, alone and shared the same."""
+    its progress ticks, each section's thread count, the one process's figures (alone and shared the same),
+    the matmul figures of 2 and 4 processes alone and shared, and their optimizer figures."""
     from plait.calibrate import host_facts
     from plait.calibrate.run import measure_in_world, total_steps
 
@@ -60,10 +60,8 @@ def check_calibration(root: Path, box: dict) -> dict:
     return {"ticks": len(ticks.read_text().splitlines()), "total_steps": total_steps([1, 2, 4], quick=True),
             "threads": [one.threads, two.threads, four.threads],
             "one": {kind: [list(r.alone), list(r.shared)] for kind, r in one.rates.items()},
-            "alone": {kind: [list(two.rates[kind].alone), list(four.rates[kind].alone)] for kind in two.rates},
-            "overhead": [two.op_overhead_s, four.op_overhead_s],
-            "optimizer": [[s.optimizer_s_per_param, s.optimizer_s_per_tensor] for s in (two, four)],
-            "shared_matmul": [list(two.rates["matmul"].shared), list(four.rates["matmul"].shared)]}
+            "slowdown": [two.rates["matmul"].slowdown, four.rates["matmul"].slowdown],
+            "optimizer": [[s.optimizer_s_per_param, s.optimizer_s_per_tensor] for s in (two, four)]}
 
 
 def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
@@ -128,6 +126,31 @@ def rank_main(root: str) -> dict:
     return run_checks([("calibrate/sections", lambda: check_calibration(root, box)),
                        ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile"))),
                        ("predict/phases", lambda: check_phases(root))])
+
+
+def paired_sleeps() -> tuple[int, tuple, tuple]:
+    """Rank side of the pairing test: one kernel timed by the calibration's alone-and-shared pairs over 2 ranks,
+    its call a sleep of 4 ms on rank 0 and 12 ms on rank 1 that reports a part of 1 ms. Returns (calls
+    made, the figure alone, the figure shared): the figure is (call seconds, part seconds)."""
+    import torch
+
+    from plait.calibrate import kernels as k
+    from plait.calibrate.run import _paired
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    calls = [0]
+
+    def call() -> dict[str, float]:
+        calls[0] += 1
+        time.sleep(0.004 if rank == 0 else 0.012)
+        return {"part": 0.001}
+
+    kernel = k.Kernel("sleep", {"call": call}, lambda r, pick: (pick([x["call"] for x in r]),
+                                                               pick([x["part"] for x in r])), budget=0.05)
+    alone, shared = _paired(torch.device("cpu"), dist.group.WORLD)(kernel)
+    dist.destroy_process_group()
+    return calls[0], alone, shared
 
 
 def tp_round_calls(calls: int) -> tuple[list[int], float, float]:

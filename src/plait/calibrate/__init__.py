@@ -104,14 +104,13 @@ def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | 
 
 
 def _measure_once(counts: list[int], progress) -> HostProfile:
-    """One calibration of ``counts``, each count in a launch of that many local processes (smallest first:
-    a count whose thread count an earlier one measured alone takes those figures); ``progress(done,
-    what)`` while it runs."""
+    """One calibration of ``counts``, each count in a launch of that many local processes (smallest first);
+    ``progress(done, what)`` while it runs."""
     import tempfile
     import threading
     import time
 
-    from plait.calibrate.run import AloneAt, Measured, assemble, measure_world
+    from plait.calibrate.run import Measured, assemble, measure_world
     from plait.distributed.launch import run_world
 
     with tempfile.TemporaryDirectory(prefix="plait-calibrate-") as tmp:
@@ -120,11 +119,9 @@ def _measure_once(counts: list[int], progress) -> HostProfile:
 
         def work() -> None:
             try:
-                alone_at: AloneAt = {}
                 measured: dict[int, Measured] = {}
                 for p in counts:
-                    measured[p], alone_at = run_world(measure_world, p, p, str(ticks), alone_at, timeout_s=600.0,
-                                                      preload=PRELOAD)[0]
+                    measured[p] = run_world(measure_world, p, p, str(ticks), timeout_s=600.0, preload=PRELOAD)[0]
                 box["result"] = assemble(measured, host_facts())
             except BaseException as exc:  # re-raised in the caller's thread
                 box["error"] = exc

@@ -1,9 +1,10 @@
 """Kernel timings of one process: GEMMs, causal attention, the element-wise mix of a Llama block, streaming.
 
-Each function returns the rate one call of this process reaches, in the units ``plait.plan.profile``
-documents. They are called either with the other processes waiting (``alone``) or with every process
-running the same function at once (``shared``). Work sizes are kept small so that every figure takes
-tens of milliseconds: the whole calibration takes about a minute.
+Each figure is a ``Kernel``: the calls to time, and how their seconds make the rate one call of this
+process reaches, in the units ``plait.plan.profile`` documents. ``measure_alone`` times one with the other
+processes waiting; ``plait.calibrate.run`` also times each with every process at it at once, in
+alternation with the same calls alone. Work sizes are kept small so that every figure takes tens of
+milliseconds: the whole calibration takes about a minute.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,27 +41,67 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET_S, stat: str = "median") -> float:
-    """Seconds of ``fn`` over about ``budget`` seconds of repeats (two warm-up calls first): their ``median``
-    (one process alone: robust to a stray interruption), or their ``mean`` (processes sharing the cores: the
-    time-slicing scheduler runs a short call uninterrupted and stops another for a whole slice, so the
-    median would show the speed of a process running alone, the mean is what a run gets)."""
-    fn()
-    fn()
+Rounds = list[dict[str, float]]  # each round: every call of a kernel timed once (seconds), and the parts it reports
+Pick = Callable[[list[float]], float]  # how a figure reduces its rounds: statistics.median or statistics.mean
+Call = Callable[[], "dict[str, float] | None"]  # one call; it may report the seconds of named parts of itself
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One figure to measure: ``calls`` (name -> one call, timed whole; a call may return the seconds of named
+    parts of itself, recorded beside it) and ``figure``, which makes the figure from rounds of their seconds
+    reduced by a ``Pick``. ``budget``: seconds of calls one process alone spends on it."""
+
+    label: str
+    calls: dict[str, Call]
+    figure: Callable[[Rounds, Pick], tuple[float, ...]]
+    budget: float = BUDGET_S
+
+
+def _seconds(rounds: Rounds, name: str) -> list[float]:
+    return [r[name] for r in rounds]
+
+
+def warm_up(kernel: Kernel, device: torch.device) -> None:
+    """Two rounds of ``kernel``'s calls, untimed (first calls allocate and pick their kernels)."""
+    for _ in range(2):
+        for call in kernel.calls.values():
+            call()
     sync(device)
-    times: list[float] = []
+
+
+def time_rounds(kernel: Kernel, device: torch.device, budget: float, least: int) -> Rounds:
+    """Rounds of ``kernel``'s calls, each call timed once per round in turn (so that a difference of two calls
+    is taken within a round, on the same machine), until ``budget`` seconds are spent and at least ``least``
+    rounds are done."""
+    out: Rounds = []
     spent = 0.0
-    while spent < budget or len(times) < 3:
-        t0 = time.perf_counter()
+    while spent < budget or len(out) < least:
+        one: dict[str, float] = {}
+        for name, call in kernel.calls.items():
+            t0 = time.perf_counter()
+            parts = call()
+            sync(device)
+            one[name] = time.perf_counter() - t0
+            one.update(parts or {})
+        out.append(one)
+        spent += sum(one[name] for name in kernel.calls)
+    return out
+
+
+def measure_alone(kernel: Kernel, device: torch.device) -> tuple[float, ...]:
+    """``kernel``'s figure for one process alone: the median of its rounds over its budget (robust to a stray
+    interruption)."""
+    warm_up(kernel, device)
+    return kernel.figure(time_rounds(kernel, device, kernel.budget, 3), statistics.median)
+
+
+def timed(fn: Callable[[], object], device: torch.device, budget: float = BUDGET_S) -> float:
+    """Seconds of ``fn``: the median of its calls over about ``budget`` seconds (after two warm-up calls)."""
+    def call() -> None:
         fn()
-        sync(device)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        spent += dt
-    if stat == "mean":
-        return spent / len(times)
-    times.sort()
-    return times[len(times) // 2]
+
+    return measure_alone(Kernel("", {"call": call}, lambda r, pick: (pick(_seconds(r, "call")),), budget), device)[0]
 
 
 def gemm_flops(shape: tuple[int, int, int]) -> float:
@@ -68,17 +110,20 @@ def gemm_flops(shape: tuple[int, int, int]) -> float:
     return 2.0 * t * n * k
 
 
-def gemm_rate(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype, stat: str = "median") -> float:
-    """FLOP/s of a linear layer's forward and backward, x [T, in] · w [out, in]ᵀ (3 · 2·T·out·in FLOPs)."""
+def gemm(shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> Kernel:
+    """(forward FLOPs, FLOP/s, forward share 1/3) of a linear layer's forward and backward, x [T, in] ·
+    w [out, in]ᵀ (3 · 2·T·out·in FLOPs)."""
     t, n, k = shape
     x = torch.randn(t, k, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(n, k, device=device, dtype=dtype, requires_grad=True)
     g = torch.randn(t, n, device=device, dtype=dtype)
+    flops = gemm_flops(shape)
 
     def step() -> None:
         F.linear(x, w).backward(g)
 
-    return 3 * gemm_flops(shape) / timed(step, device, stat=stat)
+    return Kernel(f"matmul {t}x{n}x{k}", {"step": step},
+                  lambda r, pick: (flops, 3 * flops / pick(_seconds(r, "step")), 1 / 3))
 
 
 def reference_rate(device: torch.device) -> float:
@@ -89,29 +134,33 @@ def reference_rate(device: torch.device) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return gemm_rate(REFERENCE_SHAPE, device, torch.float32)
+        return measure_alone(gemm(REFERENCE_SHAPE, device, torch.float32), device)[1]
     finally:
         torch.set_num_threads(threads)
 
 
-def attention_rate(seq: int, head: int, device: torch.device, dtype: torch.dtype,
-                   stat: str = "median") -> tuple[float, float]:
-    """(FLOP/s, forward share) of causal SDPA forward + backward, FLOPs counted as 4·s²·d per head and
+def attention(seq: int, head: int, device: torch.device, dtype: torch.dtype) -> Kernel:
+    """(s·d, FLOP/s, forward share) of causal SDPA forward + backward, FLOPs counted as 4·s²·d per head and
     sequence (non-causal, the planner's count)."""
     batch = max(1, ATTENTION_TOKENS // seq)
     heads = 4
     q, k, v = (torch.randn(batch, heads, seq, head, device=device, dtype=dtype, requires_grad=True)
                for _ in range(3))
     g = torch.randn(batch, heads, seq, head, device=device, dtype=dtype)
-
-    def fwd() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    both = timed(lambda: fwd().backward(g), device, stat=stat)
-    with torch.no_grad():
-        forward = timed(fwd, device, stat=stat)
     flops = 4 * batch * heads * seq * seq * head
-    return flops / both, min(forward / both, 1.0)
+
+    def both() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+    @torch.no_grad()
+    def forward() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def figure(r: Rounds, pick: Pick) -> tuple[float, ...]:
+        t = pick(_seconds(r, "both"))
+        return float(seq * head), flops / t, min(pick(_seconds(r, "forward")) / t, 1.0)
+
+    return Kernel(f"attention s={seq} d={head}", {"both": both, "forward": forward}, figure, 2 * BUDGET_S)
 
 
 class _Mix:
@@ -136,6 +185,9 @@ class _Mix:
         r = r.transpose(1, 2).reshape(x.shape)  # the heads' transpose copy
         return x + F.silu(r) * y  # SwiGLU's silu(gate) · up, the residual add
 
+    def tiny_step(self) -> None:
+        self.forward().sum().backward()
+
     @property
     def traffic(self) -> float:
         """Elements moved by one forward, counted as ``plan.eager`` counts a layer's."""
@@ -147,34 +199,50 @@ class _Mix:
                 + 4 * eager.VIEW_OPS)
 
 
-def op_overhead(device: torch.device, dtype: torch.dtype, stat: str = "median") -> float:
-    """Seconds of one small kernel forward plus its backward (dispatch, autograd), from the mix on a tiny
+def op_overhead(device: torch.device, dtype: torch.dtype) -> Kernel:
+    """(seconds,) of one small kernel forward plus its backward (dispatch, autograd), from the mix on a tiny
     tensor."""
     mix = _Mix(*TINY, device, dtype)
-    return timed(lambda: mix.forward().sum().backward(), device, stat=stat) / mix.ops
+    return Kernel("kernel overhead", {"tiny": mix.tiny_step}, lambda r, pick: (pick(_seconds(r, "tiny")) / mix.ops,))
 
 
-def elementwise_rate(elements: int, overhead: float, device: torch.device,
-                     dtype: torch.dtype, stat: str = "median") -> tuple[float, float, float]:
-    """(bytes per kernel, forward + backward bytes/s per forward byte counted, forward share) of the mix
-    on a hidden state of ``elements``, its fixed kernel costs taken off."""
+def elementwise(elements: int, device: torch.device, dtype: torch.dtype) -> Kernel:
+    """(bytes per kernel, forward + backward bytes/s per forward byte counted, forward share) of the mix on a
+    hidden state of ``elements``, its fixed kernel costs (the mix on a tiny tensor, timed in the same rounds)
+    taken off."""
     h = 256 if elements >= 1 << 15 else 64
     s = 64
     mix = _Mix(max(1, elements // (s * h)), s, h, device, dtype)
+    tiny = _Mix(*TINY, device, dtype)
     g = torch.ones_like(mix.x)
-    both = timed(lambda: mix.forward().backward(g), device, stat=stat)
-    with torch.no_grad():
-        forward = timed(mix.forward, device, stat=stat)
     nbytes = mix.traffic * mix.x.element_size()
-    work = max(both - mix.ops * overhead, 0.1 * both)
-    return nbytes / mix.ops, nbytes / work, min(forward / both, 1.0)
+
+    def both() -> None:
+        mix.forward().backward(g)
+
+    @torch.no_grad()
+    def forward() -> None:
+        mix.forward()
+
+    def figure(r: Rounds, pick: Pick) -> tuple[float, ...]:
+        t = pick(_seconds(r, "both"))
+        work = max(t - mix.ops * pick(_seconds(r, "tiny")) / tiny.ops, 0.1 * t)
+        return nbytes / mix.ops, nbytes / work, min(pick(_seconds(r, "forward")) / t, 1.0)
+
+    return Kernel(f"element-wise mix, {elements} elements", {"both": both, "forward": forward,
+                                                           "tiny": tiny.tiny_step}, figure, 2 * BUDGET_S)
 
 
-def stream_bandwidth(device: torch.device, stat: str = "median") -> float:
-    """Bytes/s of copying a 32 MB fp32 array (read + write), larger than a CPU's caches."""
+def stream(device: torch.device) -> Kernel:
+    """(bytes/s,) of copying a 32 MB fp32 array (read + write), larger than a CPU's caches."""
     src = torch.randn(8 << 20, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, stat=stat)
+
+    def copy() -> None:
+        dst.copy_(src)
+
+    nbytes = 2 * src.numel() * src.element_size()
+    return Kernel("memory bandwidth", {"copy": copy}, lambda r, pick: (nbytes / pick(_seconds(r, "copy")),))
 
 
 def _block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype):
@@ -214,48 +282,39 @@ def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device,
     return forward, backward
 
 
-def block_time(shape: tuple[int, int, int, int, int], device: torch.device,
-               dtype: torch.dtype, stat: str = "median") -> tuple[float, float, float]:
+def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype) -> Kernel:
     """(hidden-state elements, seconds, forward share) of a real decoder layer's forward + backward beyond its
     GEMMs and attention (its "rest": norms, RoPE, activations, residuals, reshapes, autograd's bookkeeping),
     and the share of that rest spent in the forward: the layer and its kernel skeleton (``_skeleton``) timed
-    in alternation, forward and backward apart, so that both see the same machine; the forward records
+    in alternation, each reporting its forward apart, so that both see the same machine; the forward records
     autograd's graph as a training step's does; the parameters' gradients accumulate as over a step's
-    micro-batches."""
+    micro-batches. The rest is a difference of two close times: it is taken round by round (each round sees
+    the same machine) and then reduced."""
     layer, x = _block(shape, device, dtype)
     g = torch.randn_like(x)
-    skeleton, skeleton_backward = _skeleton(shape, device, dtype)
-    whole: list[tuple[float, float]] = []  # (forward, forward + backward) seconds
-    bare: list[tuple[float, float]] = []
+    skeleton_forward, skeleton_backward = _skeleton(shape, device, dtype)
 
-    def layer_forward() -> list[torch.Tensor]:
-        return [layer(x)]
-
-    def layer_backward(outs: list[torch.Tensor]) -> None:
-        outs[0].backward(g)
-
-    for _ in range(2):  # warm-up
-        layer_backward(layer_forward())
-        skeleton_backward(skeleton())
-    spent = 0.0
-    while spent < BLOCK_BUDGET_S or len(whole) < 5:
-        for forward, backward, out in ((layer_forward, layer_backward, whole), (skeleton, skeleton_backward, bare)):
+    def timed_in_two(forward: Callable[[], list[torch.Tensor]], backward: Callable[[list[torch.Tensor]], None],
+                     name: str) -> Call:
+        def call() -> dict[str, float]:
             t0 = time.perf_counter()
             outs = forward()
             sync(device)
-            t1 = time.perf_counter()
+            seconds = time.perf_counter() - t0
             backward(outs)
-            sync(device)
-            t2 = time.perf_counter()
-            out.append((t1 - t0, t2 - t0))
-            spent += t2 - t0
-    # the rest is a difference of two close times: taken pair by pair (each pair sees the same machine), the
-    # median of the pairs alone, their mean when every process is measuring at once (see ``timed``)
-    pick = statistics.mean if stat == "mean" else statistics.median
-    rest = pick([a[1] - b[1] for a, b in zip(whole, bare, strict=True)])
-    rest_forward = pick([a[0] - b[0] for a, b in zip(whole, bare, strict=True)])
-    share = min(max(rest_forward / rest, 0.0), 1.0) if rest > 0 else 1 / 3
-    return float(x.numel()), max(rest, 0.0), share
+            return {name: seconds}
+        return call
+
+    def figure(r: Rounds, pick: Pick) -> tuple[float, ...]:
+        rest = pick([a - b for a, b in zip(_seconds(r, "layer"), _seconds(r, "skeleton"), strict=True)])
+        rest_forward = pick([a - b for a, b in zip(_seconds(r, "layer forward"), _seconds(r, "skeleton forward"),
+                                                   strict=True)])
+        share = min(max(rest_forward / rest, 0.0), 1.0) if rest > 0 else 1 / 3
+        return float(x.numel()), max(rest, 0.0), share
+
+    calls = {"layer": timed_in_two(lambda: [layer(x)], lambda outs: outs[0].backward(g), "layer forward"),
+             "skeleton": timed_in_two(skeleton_forward, skeleton_backward, "skeleton forward")}
+    return Kernel(f"decoder layer {'x'.join(map(str, shape[:3]))}", calls, figure, BLOCK_BUDGET_S)
 
 
 def optimizer_times(device: torch.device) -> tuple[float, float]:

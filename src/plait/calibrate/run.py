@@ -1,9 +1,12 @@
-"""The rank side of a calibration: every section's kernels (alone, then shared) and collectives."""
+"""The rank side of a calibration: every section's kernels (alone and shared, in pairs) and collectives."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,15 +28,12 @@ def _pick(sizes: tuple, quick: bool) -> tuple:
 
 def total_steps(counts: list[int], quick: bool = False) -> int:
     """Progress ticks of a calibration of ``counts`` (for the progress bar): one per kernel figure of every
-    kernel phase (alone at a thread count not measured before, shared with more than one process), per
-    collective and group size, per TP layer timed."""
+    section (alone, or alone and shared in pairs), per collective and group size, per TP layer timed."""
     kernels = (len(_pick(k.GEMM_SHAPES, quick)) + len(_pick(k.ATTENTION_SHAPES, quick))
                + len(_pick(k.ELEMENT_SIZES, quick)) + len(eager.CALIBRATION_BLOCKS) + 3)  # overhead, stream, optimizer
     total = 0
-    threads: set[int] = set()
     for p in sorted(counts):
-        total += kernels * ((_threads(p) not in threads) + (p > 1))
-        threads.add(_threads(p))
+        total += kernels
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
         total += 2 * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)  # with and without SP
     return total
@@ -45,46 +45,93 @@ def _threads(processes: int) -> int:
     return worker_threads(processes)
 
 
-def _kernels(device: torch.device, tick, quick: bool = False, optimizer: bool = True, shared: bool = False) -> dict:
-    """This process's kernel figures (see ``plan.profile.Section``); ``quick``: every other size (both
-    calibration blocks always); ``optimizer``: time the optimizer step too; ``shared``: every process is
-    measuring at once, so each figure is the mean of its calls, not their median (``kernels.timed``)."""
-    stat = "mean" if shared else "median"
+Figure = tuple[float, ...]
+Measure = Callable[[k.Kernel], tuple[Figure, Figure]]  # a kernel -> its figures (alone, shared)
+PAIRS = 2  # alone-then-shared pairs a kernel is timed in when several processes share the cores
+
+
+def _kernels(device: torch.device, tick, measure: Measure, quick: bool = False) -> tuple[dict, dict]:
+    """This process's kernel figures (see ``plan.profile.Section``), (alone, shared), as ``measure`` takes
+    them; ``quick``: every other size (both calibration blocks always)."""
     dtype = torch.float32
-    out: dict = {"matmul": [], "attention": [], "elementwise": [], "block": []}
+    kinds = ("matmul", "attention", "elementwise", "block", "overhead", "stream")
+    alone: dict = {key: [] for key in kinds}
+    shared: dict = {key: [] for key in kinds}
+
+    def take(key: str, kernel: k.Kernel) -> None:
+        a, s = measure(kernel)
+        alone[key].append(a)
+        shared[key].append(s)
+        tick(kernel.label)
+
     for shape in _pick(k.GEMM_SHAPES, quick):
-        out["matmul"].append((k.gemm_flops(shape), k.gemm_rate(shape, device, dtype, stat), 1 / 3))
-        tick(f"matmul {shape[0]}x{shape[1]}x{shape[2]}")
+        take("matmul", k.gemm(shape, device, dtype))
     for s, h in _pick(k.ATTENTION_SHAPES, quick):
-        rate, share = k.attention_rate(s, h, device, dtype, stat)
-        out["attention"].append((float(s * h), rate, share))
-        tick(f"attention s={s} d={h}")
-    overhead = k.op_overhead(device, dtype, stat)
-    out["overhead"] = overhead
-    tick("kernel overhead")
+        take("attention", k.attention(s, h, device, dtype))
+    take("overhead", k.op_overhead(device, dtype))
     for n in _pick(k.ELEMENT_SIZES, quick):
-        size, rate, share = k.elementwise_rate(n, overhead, device, dtype, stat)
-        out["elementwise"].append((size, rate, share))
-        tick(f"element-wise mix, {n} elements")
-    out["stream"] = k.stream_bandwidth(device, stat)
-    tick("memory bandwidth")
+        take("elementwise", k.elementwise(n, device, dtype))
+    take("stream", k.stream(device))
     for shape in eager.CALIBRATION_BLOCKS:
-        out["block"].append(k.block_time(shape, device, dtype, stat))
-        tick(f"decoder layer {'x'.join(map(str, shape[:3]))}")
-    out["optimizer"] = k.optimizer_times(device) if optimizer else (0.0, 0.0)
-    tick("optimizer step")
-    return out
+        take("block", k.block(shape, device, dtype))
+    for out in (alone, shared):
+        out["overhead"], out["stream"] = out["overhead"][0][0], out["stream"][0][0]  # one figure of one value
+    return alone, shared
 
 
-def _mean_figures(parts: list[dict]) -> dict:
-    """The figures of several processes measured at once, averaged."""
-    out: dict = {}
-    for key in ("matmul", "attention", "elementwise", "block"):
-        rows = zip(*(p[key] for p in parts), strict=True)
-        out[key] = [(r[0][0], sum(x[1] for x in r) / len(r), sum(x[2] for x in r) / len(r)) for r in rows]
-    for key in ("overhead", "stream"):
-        out[key] = sum(p[key] for p in parts) / len(parts)
-    out["optimizer"] = tuple(sum(x) / len(parts) for x in zip(*(p["optimizer"] for p in parts), strict=True))
+def _alone(device: torch.device) -> Measure:
+    """One process alone: each figure alone, and the same as its shared one (nothing shares the cores)."""
+    def measure(kernel: k.Kernel) -> tuple[Figure, Figure]:
+        figure = k.measure_alone(kernel, device)
+        return figure, figure
+    return measure
+
+
+def _paired(device: torch.device, group) -> Measure:
+    """Every process of ``group`` at once (collective over it; the figures are rank 0's). Each kernel is timed
+    in ``PAIRS`` pairs: rank 0 alone for its budget's share (the others waiting), then every process at it
+    at once for half as many rounds (with twice the processes the cores hold, about as long), one call
+    after another, each call's shared seconds the group's span over its rounds (the slowest process's: a
+    process the scheduler favoured finishes early, and the others then run faster; the span is what the
+    work of all of them took). Alone and shared a moment apart see the same machine, so the host's drift
+    between them, over seconds, does not reach their ratio."""
+    rank = dist.get_rank()
+
+    def measure(kernel: k.Kernel) -> tuple[Figure, Figure]:
+        k.warm_up(kernel, device)
+        alone: k.Rounds = []
+        shared: k.Rounds = []
+        for _ in range(PAIRS):
+            count = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.barrier(group=group)
+            if rank == 0:
+                mine = k.time_rounds(kernel, device, kernel.budget / PAIRS, 2)
+                alone += mine
+                count += (len(mine) + 1) // 2
+            dist.broadcast(count, src=0, group=group)
+            shared.append(_together(kernel, device, group, int(count.item())))
+        together = kernel.figure(shared, statistics.mean)
+        return (kernel.figure(alone, statistics.median) if rank == 0 else together), together  # only 0 timed alone
+
+    return measure
+
+
+def _together(kernel: k.Kernel, device: torch.device, group, rounds: int) -> dict[str, float]:
+    """Each of ``kernel``'s calls ``rounds`` times on every process of ``group`` at once, one call after the
+    other: its seconds are the group's span over ``rounds``, the parts it reports this process's mean."""
+    out: dict[str, float] = {}
+    for name, call in kernel.calls.items():
+        parts: dict[str, float] = {}
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for part, seconds in (call() or {}).items():
+                parts[part] = parts.get(part, 0.0) + seconds
+        k.sync(device)
+        span = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
+        out[name] = float(span.item()) / rounds
+        out.update({part: seconds / rounds for part, seconds in parts.items()})
     return out
 
 
@@ -110,43 +157,44 @@ def _probe(world_group, device: torch.device) -> float:
     return rate
 
 
-AloneAt = dict[int, tuple[dict | None, float]]  # threads -> (figures of one process alone, the speed then)
-
-
-def measure_section(p: int, groups: dict, world_group, device: torch.device, tick, alone_at: AloneAt,
+def measure_section(p: int, groups: dict, world_group, device: torch.device, tick,
                     quick: bool = False) -> tuple[Section | None, list[float], list[float]]:
     """The section of ``p`` processes (collective over the world): the Section on rank 0 (else None), the
-    host's speed probed before, between and after its phases (kernels alone, kernels shared, collective
-    curves, TP layers), and the speed during each of the four phases (the mean of the probes either side).
+    host's speed probed before, between and after its phases (kernels, collective curves, TP layers), and
+    the speed during each of the four phases (kernels alone, kernels shared, curves, TP layers: the mean of
+    the probes either side; the kernels alone and shared, timed in pairs, are one phase).
 
-    ``alone_at`` maps a thread count to the kernel figures of one process alone at it and the speed they were
-    measured at; a section whose thread count an earlier one measured takes those (the same measurement: one
-    process, the same threads, the others waiting) and measures it once more only where it is new. One
-    process measures nothing shared: its shared figures are those alone."""
+    One process measures nothing shared: its shared figures are those alone. With more, every kernel is
+    timed alone and shared in pairs (``_paired``), and the optimizer step alone, the others waiting."""
     rank = dist.get_rank()
-    threads = _threads(p)
-    torch.set_num_threads(threads)
-    probes = [_probe(world_group, device)]
-    if threads not in alone_at:
-        figures = _kernels(device, tick, quick) if rank == 0 else None
-        probes.append(_probe(world_group, device))
-        alone_at[threads] = (figures, (probes[-2] + probes[-1]) / 2)
-    alone, alone_speed = alone_at[threads]
-    if p == 1:
-        return (_make_section(p, alone, alone, {}, {}) if rank == 0 else None), probes, [alone_speed] * 4
-    mine = _kernels(device, tick if rank == 0 else (lambda what: None), quick, optimizer=False, shared=True) \
-        if rank < p else None
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine, group=world_group)
-    shared = _mean_figures([x for x in parts[:p]]) if rank == 0 else None
-    probes.append(_probe(world_group, device))
+    torch.set_num_threads(_threads(p))
     quiet = tick if rank == 0 else (lambda what: None)
-    curves = coll.curves(p, groups, world_group, device, quiet, quick)
+    probes = [_probe(world_group, device)]
+    figures: tuple[dict, dict] | None = None
+    if rank < p:
+        measure = _alone(device) if p == 1 else _paired(device, groups[(p, p)][0])
+        figures = _kernels(device, quiet, measure, quick)
+    dist.barrier(group=world_group)
+    optimizer = k.optimizer_times(device) if rank == 0 else (0.0, 0.0)
+    quiet("optimizer step")
     probes.append(_probe(world_group, device))
-    layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
-    probes.append(_probe(world_group, device))
-    phases = [alone_speed] + [(a + b) / 2 for a, b in zip(probes[-4:], probes[-3:], strict=False)]
-    return (_make_section(p, alone, shared, curves, layers) if rank == 0 else None), probes, phases
+    speed = (probes[-2] + probes[-1]) / 2
+    if p == 1:
+        curves: dict = {}
+        layers: dict = {}
+    else:
+        curves = coll.curves(p, groups, world_group, device, quiet, quick)
+        probes.append(_probe(world_group, device))
+        layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
+        probes.append(_probe(world_group, device))
+    phases = [speed] * 4
+    if p > 1:
+        phases[2:] = [(a + b) / 2 for a, b in zip(probes[1:-1], probes[2:], strict=True)]
+    if rank != 0:
+        return None, probes, phases
+    assert figures is not None
+    alone, shared = figures
+    return _make_section(p, {**alone, "optimizer": optimizer}, shared, curves, layers), probes, phases
 
 
 def _make_section(p: int, alone: dict | None, shared: dict | None, curves: dict, layers: dict) -> Section:
@@ -161,7 +209,7 @@ def at_mean_speed(sections: dict[int, tuple[Section, list[float]]],
                   probes: list[float]) -> tuple[dict[int, Section], float, float]:
     """Every section brought to the host's mean speed over the calibration, with that speed (the mean of
     ``probes``, FLOP/s of ``kernels.reference_rate``) and how far it moved ((max - min) / mean). Each
-    section comes with the speed during its four phases (alone, shared, curves, TP; ``measure_section``),
+    section comes with the speed during its four phases (kernels alone, shared, curves, TP; ``measure_section``),
     and each phase is scaled by the mean speed over its own (``Section.at_speed``): the host's speed drifts
     over seconds to minutes, and a section measured in a slow minute would otherwise cost every layout of
     that process count slow."""
@@ -174,20 +222,18 @@ Measured = tuple[Section, list[float], list[float]]  # a section, the speed prob
 # speed during each of its four phases (``measure_section``)
 
 
-def measure_world(processes: int, ticks: str | None, alone_at: AloneAt) -> tuple[Measured, AloneAt] | None:
+def measure_world(processes: int, ticks: str | None) -> Measured | None:
     """Entry of each rank of a launch of ``processes`` processes (``plait.distributed.launch.run_world``):
     initialises the default group if needed and measures the section of that many processes, as
-    ``plait train`` runs them: in a world of their own. Returns, on rank 0, the section as measured and
-    ``alone_at`` with what this launch added (for the next launch)."""
+    ``plait train`` runs them: in a world of their own. Returns the section as measured on rank 0."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=TIMEOUT)
-    measured = _measure_sections([processes], ticks, alone_at)
-    return (measured[processes], alone_at) if measured else None
+    measured = _measure_sections([processes], ticks)
+    return measured[processes] if measured else None
 
 
-def _measure_sections(counts: list[int], ticks: str | None, alone_at: AloneAt,
-                      quick: bool = False) -> dict[int, Measured]:
+def _measure_sections(counts: list[int], ticks: str | None, quick: bool = False) -> dict[int, Measured]:
     """Every section of ``counts`` measured in the current world (every rank calls it; ranks beyond a
     section wait); on rank 0 each as ``measure_section`` returns it, else {}."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
@@ -205,7 +251,7 @@ def _measure_sections(counts: list[int], ticks: str | None, alone_at: AloneAt,
 
     threads = torch.get_num_threads()
     try:
-        measured = {p: measure_section(p, groups, world_group, device, tick, alone_at, quick) for p in sorted(counts)}
+        measured = {p: measure_section(p, groups, world_group, device, tick, quick) for p in sorted(counts)}
     finally:
         torch.set_num_threads(threads)
     return {p: (s, probes, phases) for p, (s, probes, phases) in measured.items() if s is not None}
@@ -223,5 +269,5 @@ def measure_in_world(counts: list[int], ticks: str | None, facts: dict, quick: b
     """Measure ``counts`` in the current world (every rank calls it; ranks beyond a section wait) and return
     the profile on rank 0. ``quick`` measures every other size (for tests: a few seconds instead of about
     ten). ``plait calibrate`` measures each count in a launch of its own instead (``measure_world``)."""
-    measured = _measure_sections(counts, ticks, {}, quick)
+    measured = _measure_sections(counts, ticks, quick)
     return assemble(measured, facts) if dist.get_rank() == 0 else None
