@@ -62,9 +62,9 @@ def _seconds(rounds: Rounds, name: str) -> list[float]:
     return [r[name] for r in rounds]
 
 
-def warm_up(kernel: Kernel, device: torch.device) -> None:
-    """Two rounds of ``kernel``'s calls, untimed (first calls allocate and pick their kernels)."""
-    for _ in range(2):
+def warm_up(kernel: Kernel, device: torch.device, rounds: int = 2) -> None:
+    """``rounds`` rounds of ``kernel``'s calls, untimed (first calls allocate and pick their kernels)."""
+    for _ in range(rounds):
         for call in kernel.calls.values():
             call()
     sync(device)

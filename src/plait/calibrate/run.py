@@ -94,11 +94,14 @@ def _paired(device: torch.device, group) -> Measure:
     after another, each call's shared seconds the group's span over its rounds (the slowest process's: a
     process the scheduler favoured finishes early, and the others then run faster; the span is what the
     work of all of them took). Alone and shared a moment apart see the same machine, so the host's drift
-    between them, over seconds, does not reach their ratio."""
+    between them, over seconds, does not reach their ratio. (Tried instead: sweeps over all the kernels,
+    alone then shared, with no barrier between kernels shared. Each process's own times averaged, four
+    processes on two cores read 1.66-2.04 effective cores over five calibrations, against 1.61-1.72 here;
+    the slowest process's own times, 1.16-1.37: the slowest of four unaligned samples.)"""
     rank = dist.get_rank()
 
     def measure(kernel: k.Kernel) -> tuple[Figure, Figure]:
-        k.warm_up(kernel, device)
+        k.warm_up(kernel, device, rounds=1)  # every process at once; the pairs' rounds are medians and spans
         alone: k.Rounds = []
         shared: k.Rounds = []
         for _ in range(PAIRS):

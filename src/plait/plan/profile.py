@@ -82,11 +82,11 @@ class Rate:
         sizes of ``alone / shared`` (of a speed; of the ``block`` kind, which holds seconds, its inverse, and
         ``at`` is right for both).
 
-        Each shared figure is the mean of one short window (``plait.calibrate.kernels.BUDGET_S``) in which the
-        processes time-slice the cores, and the windows do not line up: on a two-core host with four processes
-        one size's ratio came out anywhere from 1.7 to 3.1 between calibrations, some below the 2 that
-        time-slicing alone makes, while the median of a kind moved by 3-5%. Sharing slows every size of a kind
-        alike (the cores go round the processes), so the median is the figure."""
+        Each size's ratio is a short measurement (``plait.calibrate.kernels.BUDGET_S`` of calls alone, then
+        the processes' span over half as many rounds together): on a two-core host with four processes one
+        size's GEMM ratio came out anywhere from 1.68 to 2.85 between calibrations, while the median of the
+        kind moved 2.23-2.45. Sharing slows every size of a kind alike (the cores go round the processes), so
+        the median is the figure."""
         return statistics.median(a / s for a, s in zip(self.alone, self.shared, strict=True))
 
     def at(self, size: float, shared: bool) -> float:
