@@ -374,8 +374,8 @@ def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
 
 
 def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
-    """The host's speed during a section's four phases (kernels alone, kernels shared, collective curves, TP
-    layers): each phase's figures scale by the mean of all the probes over its own speed (rates up, seconds
+    """The host's speed during a section's three phases (kernels alone and shared, timed in pairs; collective
+    curves; TP layers): each phase's figures scale by the mean of all the probes over its own speed (rates up, seconds
     down where the phase ran slow), and the profile says how far the speed moved."""
     from plait.calibrate.run import at_mean_speed
     from plait.plan.profile import Curve, TPBlock
@@ -383,22 +383,22 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     base = _section((1e-3, 4e-3), optimizer=2e-9, per_tensor=2e-5)
     four = Section(4, 1, base.rates, OVERHEAD, 1e10, {("all_reduce", 2): Curve((1e3, 1e6), (1e-4, 1e-3))}, 2e-9,
                    (TPBlock(eager.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),), 2e-5)
-    # probes 50, 50, 100, 200, 100 and six at 100: mean 100; alone phase at 50 (half speed), shared at 75,
-    # curves at 150, TP layers at 150
+    # probes 50, 50, 100, 200, 100 and six at 100: mean 100; kernels at 50 (half speed), curves at 150, TP
+    # layers at 150
     probes = [50.0, 50.0, 100.0, 200.0, 100.0] + [100.0] * 6
-    sections, mean, moved = at_mean_speed({1: (base, [100.0] * 4), 4: (four, [50.0, 75.0, 150.0, 150.0])}, probes)
+    sections, mean, moved = at_mean_speed({1: (base, [100.0] * 3), 4: (four, [50.0, 150.0, 150.0])}, probes)
     assert mean == pytest.approx(100.0) and moved == pytest.approx(1.5)
     one, s = sections[1], sections[4]
     assert one == base  # probed at the mean speed throughout: unchanged
     mm = s.rates["matmul"]
-    assert mm.alone[0] == pytest.approx(2 * MATMUL) and mm.shared[0] == pytest.approx(MATMUL / 2 * 100 / 75)
+    assert mm.alone[0] == pytest.approx(2 * MATMUL) and mm.shared[0] == pytest.approx(MATMUL / 2 * 2)
     assert s.rates["block"].alone == pytest.approx((0.5e-3, 2e-3))  # seconds: halved where the phase ran at half
     assert s.op_overhead_s == pytest.approx(OVERHEAD / 2) and s.optimizer_s_per_param == pytest.approx(1e-9)
     assert s.optimizer_s_per_tensor == pytest.approx(1e-5)
-    assert s.memory_bandwidth == pytest.approx(1e10 * 100 / 75)  # measured with every process busy
+    assert s.memory_bandwidth == pytest.approx(1e10 * 2)  # measured in the kernels' phase
     assert s.collectives[("all_reduce", 2)].seconds == pytest.approx((1e-4 * 1.5, 1e-3 * 1.5))
     assert s.tp_blocks[0].seconds == pytest.approx(0.05 * 1.5) and s.tp_blocks[0].twin_s == pytest.approx(0.045)
-    slow_one, *_ = at_mean_speed({1: (base, [50.0] * 4), 2: (base, [150.0] * 4)}, [50.0, 150.0])[0].values()
+    slow_one, *_ = at_mean_speed({1: (base, [50.0] * 3), 2: (base, [150.0] * 3)}, [50.0, 150.0])[0].values()
     assert slow_one.rates["matmul"].shared[0] == pytest.approx(MATMUL / 2 * 2)
 
 

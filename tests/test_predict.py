@@ -245,7 +245,7 @@ def test_the_summary_shows_each_phase_beside_its_prediction():
 def _scaled(profile: HostProfile, x: float, speed: float) -> HostProfile:
     """``profile`` as a calibration that met the host at ``x`` times its speed (probe mean ``speed``)."""
     return HostProfile({**profile.host, "speed_flops": speed, "speed_probes": [speed] * 3},
-                       {p: s.at_speed(x, x, x, x) for p, s in profile.sections.items()})
+                       {p: s.at_speed(x, x, x) for p, s in profile.sections.items()})
 
 
 def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_path):
@@ -313,7 +313,7 @@ def test_calibrate_measures_each_process_count_in_a_world_of_its_own(monkeypatch
     def fake_run_world(fn, nprocs, *args, timeout_s=300.0, **kw):
         processes, _ticks = args
         launches.append((fn, nprocs, processes))
-        return [(base.section(processes), [10.0 * nprocs] * 2, [10.0 * nprocs] * 4)] + [None] * (nprocs - 1)
+        return [(base.section(processes), [10.0 * nprocs] * 2, [10.0 * nprocs] * 3)] + [None] * (nprocs - 1)
 
     monkeypatch.setattr(launch, "run_world", fake_run_world)
     profile = cal._measure_once([1, 2, 4], None)

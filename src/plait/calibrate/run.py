@@ -163,9 +163,9 @@ def _probe(world_group, device: torch.device) -> float:
 def measure_section(p: int, groups: dict, world_group, device: torch.device, tick,
                     quick: bool = False) -> tuple[Section | None, list[float], list[float]]:
     """The section of ``p`` processes (collective over the world): the Section on rank 0 (else None), the
-    host's speed probed before, between and after its phases (kernels, collective curves, TP layers), and
-    the speed during each of the four phases (kernels alone, kernels shared, curves, TP layers: the mean of
-    the probes either side; the kernels alone and shared, timed in pairs, are one phase).
+    host's speed probed before, between and after its phases, and the speed during each of its three phases
+    (kernels alone and shared with the optimizer step, collective curves, TP layers: the mean of the probes
+    either side; one process has only the first).
 
     One process measures nothing shared: its shared figures are those alone. With more, every kernel is
     timed alone and shared in pairs (``_paired``), and the optimizer step alone, the others waiting."""
@@ -190,9 +190,9 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         probes.append(_probe(world_group, device))
         layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
         probes.append(_probe(world_group, device))
-    phases = [speed] * 4
+    phases = [speed] * 3
     if p > 1:
-        phases[2:] = [(a + b) / 2 for a, b in zip(probes[1:-1], probes[2:], strict=True)]
+        phases[1:] = [(a + b) / 2 for a, b in zip(probes[1:-1], probes[2:], strict=True)]
     if rank != 0:
         return None, probes, phases
     assert figures is not None
@@ -212,7 +212,7 @@ def at_mean_speed(sections: dict[int, tuple[Section, list[float]]],
                   probes: list[float]) -> tuple[dict[int, Section], float, float]:
     """Every section brought to the host's mean speed over the calibration, with that speed (the mean of
     ``probes``, FLOP/s of ``kernels.reference_rate``) and how far it moved ((max - min) / mean). Each
-    section comes with the speed during its four phases (kernels alone, shared, curves, TP; ``measure_section``),
+    section comes with the speed during its three phases (kernels, curves, TP; ``measure_section``),
     and each phase is scaled by the mean speed over its own (``Section.at_speed``): the host's speed drifts
     over seconds to minutes, and a section measured in a slow minute would otherwise cost every layout of
     that process count slow."""
@@ -222,7 +222,7 @@ def at_mean_speed(sections: dict[int, tuple[Section, list[float]]],
 
 
 Measured = tuple[Section, list[float], list[float]]  # a section, the speed probes around its phases, the
-# speed during each of its four phases (``measure_section``)
+# speed during each of its three phases (``measure_section``)
 
 
 def measure_world(processes: int, ticks: str | None) -> Measured | None:

@@ -148,25 +148,25 @@ class Section:
     tp_blocks: tuple[TPBlock, ...] = ()
     optimizer_s_per_tensor: float = 0.0
 
-    def at_speed(self, alone: float, shared: float, collectives: float, tp: float) -> Section:
+    def at_speed(self, kernels: float, collectives: float, tp: float) -> Section:
         """This section as if the host had run each phase of its measuring at ``x`` times the speed it had:
-        the kernel figures measured alone by ``alone``, those measured by every process at once (and the
-        memory bandwidth) by ``shared``, the collective curves by ``collectives``, the TP layers by ``tp``
-        (rates times ``x``, seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
+        the kernel figures (alone and shared, timed in pairs, the memory bandwidth and the optimizer step) by
+        ``kernels``, the collective curves by ``collectives``, the TP layers by ``tp`` (rates times ``x``,
+        seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
         speed over the whole calibration this way (``plait.calibrate.run``)."""
         def rate(kind: str, r: Rate) -> Rate:
             power = -1 if kind == BLOCK else 1  # the block rate holds seconds
-            return Rate(r.sizes, tuple(v * alone ** power for v in r.alone),
-                        tuple(v * shared ** power for v in r.shared), r.forward_share)
+            return Rate(r.sizes, tuple(v * kernels ** power for v in r.alone),
+                        tuple(v * kernels ** power for v in r.shared), r.forward_share)
 
         return Section(self.processes, self.threads, {kind: rate(kind, r) for kind, r in self.rates.items()},
-                       self.op_overhead_s / alone, self.memory_bandwidth * shared,
+                       self.op_overhead_s / kernels, self.memory_bandwidth * kernels,
                        {key: Curve(c.bytes, tuple(t / collectives for t in c.seconds))
                         for key, c in self.collectives.items()},
-                       self.optimizer_s_per_param / alone,
+                       self.optimizer_s_per_param / kernels,
                        tuple(TPBlock(b.shape, b.group, b.sequence_parallel, b.seconds / tp, b.twin_s / tp)
                              for b in self.tp_blocks),
-                       self.optimizer_s_per_tensor / alone)
+                       self.optimizer_s_per_tensor / kernels)
 
     @staticmethod
     def average(sections: list[tuple[Section, int]]) -> Section:
