@@ -5,7 +5,9 @@ interleaved, zbv; recompute none/selective/full; ZeRO-1/2) with ``--cluster`` se
 step's metrics row carries the measured and predicted step time and bubble, and the first row the predicted and measured
 bytes per rank (measured on the first step). The rounds alternate (every layout once, then again, the second
 round in the reverse order) so that a change of the machine's speed, even one that goes on over the whole
-run, touches every layout alike; the median of the steady steps of both rounds is compared.
+run, touches every layout alike; the median of the steady steps of both rounds is compared. How far apart
+a layout's rounds were (the ``apart`` column, each round the median of its steady steps) is the runs' own
+noise, beside the prediction's error.
 Goal: every step time within 15% and every memory figure within 10% of the prediction.
 Before every run it takes the calibration's speed probe (one thread, one linear layer) in this process: the
 speed now over the calibration's mean is the ``host speed`` column. This machine's speed moves by up to a
@@ -154,12 +156,15 @@ def summarise(name: str, rounds: list[list[dict]], speeds: list[float], predicte
     calibration's prediction, which the runs' metrics carry) and the median host speed before its runs."""
     steady = [r for rows in rounds for r in rows if r["step"] > 2]
     measured = statistics.median(r["step_time_s"] for r in steady)
+    per_round = [statistics.median(r["step_time_s"] for r in rows if r["step"] > 2) for rows in rounds]
     first = steady[0]["predicted_step_time_s"]  # the first round ran on the first calibration alone
     predicted = first if predicted is None else predicted
     bubbles = [r["measured_bubble"] for r in steady if r.get("measured_bubble") is not None]
     mem = memory_errors(rounds[-1])
     speed = statistics.median(speeds)
-    return {"layout": name, "measured_s": measured, "predicted_s": predicted, "ratio": measured / predicted,
+    return {"layout": name, "measured_s": measured, "measured_rounds_s": per_round,
+            "rounds_apart": max(per_round) / min(per_round) - 1, "predicted_s": predicted,
+            "ratio": measured / predicted,
             "first_predicted_s": first, "first_ratio": measured / first,
             "host_speed": speed, "ratio_at_speed": measured / predicted * speed,
             "measured_bubble": statistics.median(bubbles) if bubbles else None,
@@ -236,8 +241,8 @@ def main() -> None:
     print(f"calibration {' + '.join(f'{c:.0f}' for c in cal_s)} s ({profile}: the mean of {final.calibrations}; "
           f"the host's speed moved {'?' if moved is None else f'{float(moved):.0%}'} over them); load average "
           f"during the runs: {', '.join(env_load)} ({os.cpu_count()} cores)")
-    print(f"{'layout':26} {'measured ms':>11} {'predicted':>9} {'ratio':>6} {'1st cal':>7} {'host speed':>10} "
-          f"{'at speed':>8} {'bubble meas':>11} {'pred':>6}  memory (worst |error|)")
+    print(f"{'layout':26} {'measured ms':>11} {'apart':>6} {'predicted':>9} {'ratio':>6} {'1st cal':>7} "
+          f"{'host speed':>10} {'at speed':>8} {'bubble meas':>11} {'pred':>6}  memory (worst |error|)")
     for r in rows:
         worst = max(r["memory"], key=lambda x: abs(x["measured"] / x["predicted"] - 1) if x["predicted"] else 0,
                     default=None)
@@ -245,8 +250,9 @@ def main() -> None:
                else "not measured")
         mb = f"{r['measured_bubble']:.1%}" if r["measured_bubble"] is not None else "-"
         pb = f"{r['predicted_bubble']:.1%}" if r["predicted_bubble"] is not None else "-"
-        print(f"{r['layout']:26} {r['measured_s'] * 1e3:>11.0f} {r['predicted_s'] * 1e3:>9.0f} {r['ratio']:>6.2f} "
-              f"{r['first_ratio']:>7.2f} {r['host_speed']:>10.2f} {r['ratio_at_speed']:>8.2f} {mb:>11} {pb:>6}  {mem}")
+        print(f"{r['layout']:26} {r['measured_s'] * 1e3:>11.0f} {r['rounds_apart']:>6.0%} "
+              f"{r['predicted_s'] * 1e3:>9.0f} {r['ratio']:>6.2f} {r['first_ratio']:>7.2f} {r['host_speed']:>10.2f} "
+              f"{r['ratio_at_speed']:>8.2f} {mb:>11} {pb:>6}  {mem}")
     print_phases(rows)
     counts = by_processes(rows)
     print("by process count (geometric mean of the ratios): " + "; ".join(
@@ -259,6 +265,11 @@ def main() -> None:
     if drift:
         print(f"the probe before the runs read {statistics.median(drift):.2f}x the calibration's mean speed (median; "
               f"{min(drift):.2f}-{max(drift):.2f}x; one reading moves 12-17% on its own, bench/host_noise.py)")
+    if any(len(r["measured_rounds_s"]) > 1 for r in rows):
+        apart = sorted(r["rounds_apart"] for r in rows)
+        print(f"the runs themselves: a layout's rounds (each the median of its steady steps) were "
+              f"{statistics.median(apart):.0%} apart (median over the layouts; {apart[0]:.0%}-{apart[-1]:.0%}); "
+              f"{sum(a > GOAL_TIME for a in apart)} of {len(rows)} more than {GOAL_TIME:.0%} apart")
     at_speed = sum(abs(r["ratio_at_speed"] - 1) <= GOAL_TIME for r in rows)
     print(f"at the host's speed during each run (ratio x host speed, the prediction the calibration would have "
           f"made at that speed): {at_speed}/{len(rows)} within {GOAL_TIME:.0%} (a diagnostic, not the goal)")
