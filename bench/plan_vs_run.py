@@ -20,10 +20,12 @@ the host was slower or faster on the whole.
 host had before that run. It was meant to separate the model's error from the host's drift; with a probe
 this noisy it mostly adds the probe's noise (it came out below the plain ratio in the runs measured), so it
 is a diagnostic, and the goal is judged on the ratio itself.
-``--interleave`` calibrates again between the rounds and after the last (``plait calibrate --add``) and
-predicts every layout with the mean of those calibrations (``plait train --dry-run``): the calibrations
-then meet the host over the same minutes as the runs, as the rounds meet it alike. The prediction of the
-first calibration alone (made before any run) is shown beside it, with its own verdict.
+``--interleave`` calibrates again between the rounds and after the last and predicts every layout with the
+mean of those calibrations (``plait train --dry-run``): the calibrations then meet the host over the same
+minutes as the runs, as the rounds meet it alike. The prediction of the first calibration alone (made
+before any run) is shown beside it, with its own verdict; and, as a diagnostic, each round against the mean
+of the two calibrations either side of it (the host's drift over the whole run then reaches neither).
+Each calibration is kept on its own (beside ``--profile`` as STEM.1.toml, STEM.2.toml, ...).
 The ratios' geometric mean per process count is printed too: each count is predicted from its own
 section of the calibration, so a count apart from the others points at that section. What one feature
 costs, free of the host's drift, is ``bench/plan_pairs.py``'s.
@@ -151,9 +153,11 @@ def by_processes(rows: list[dict]) -> dict[int, dict]:
     return out
 
 
-def summarise(name: str, rounds: list[list[dict]], speeds: list[float], predicted: float | None) -> dict:
+def summarise(name: str, rounds: list[list[dict]], speeds: list[float], predicted: float | None,
+              by_round: list[float] | None = None) -> dict:
     """One layout's row: the median steady step of every round against ``predicted`` (None: the first
-    calibration's prediction, which the runs' metrics carry) and the median host speed before its runs."""
+    calibration's prediction, which the runs' metrics carry) and the median host speed before its runs;
+    ``by_round``: each round's own prediction (from the calibrations either side of it), if made."""
     steady = [r for rows in rounds for r in rows if r["step"] > 2]
     measured = statistics.median(r["step_time_s"] for r in steady)
     per_round = [statistics.median(r["step_time_s"] for r in rows if r["step"] > 2) for rows in rounds]
@@ -163,7 +167,9 @@ def summarise(name: str, rounds: list[list[dict]], speeds: list[float], predicte
     mem = memory_errors(rounds[-1])
     speed = statistics.median(speeds)
     return {"layout": name, "measured_s": measured, "measured_rounds_s": per_round,
-            "rounds_apart": max(per_round) / min(per_round) - 1, "predicted_s": predicted,
+            "rounds_apart": max(per_round) / min(per_round) - 1, "predicted_rounds_s": by_round or [],
+            "round_ratios": [m / p for m, p in zip(per_round, by_round, strict=True)] if by_round else [],
+            "predicted_s": predicted,
             "ratio": measured / predicted,
             "first_predicted_s": first, "first_ratio": measured / first,
             "host_speed": speed, "ratio_at_speed": measured / predicted * speed,
@@ -220,23 +226,45 @@ def main() -> None:
         work = Path(tmp)
         env_load = [load()]
         profile = (args.profile or work / "host.toml").resolve()
-        cal_s = [0.0 if profile.is_file() else calibrate(profile)]
+        kept = profile.parent if args.profile else work  # each calibration on its own: STEM.N.toml
+        cals: list[Path] = []  # in the order taken; ``profile`` is always their mean
+
+        def calibrate_again() -> float:
+            path = kept / f"{profile.stem}.{len(cals) + 1}.toml"
+            seconds = calibrate(path)
+            cals.append(path)
+            HostProfile.average([HostProfile.load(c) for c in cals]).save(profile)
+            return seconds
+
+        if profile.is_file():
+            cal_s = [0.0]
+            cals.append(kept / f"{profile.stem}.1.toml")
+            HostProfile.load(profile).save(cals[0])
+        else:
+            cal_s = [calibrate_again()]
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
         probes: dict[str, list[float]] = {n: [] for n in names}
         for i in range(args.rounds if args.rounds is not None else (1 if quick else 2)):
             if i and args.interleave:
-                cal_s.append(calibrate(profile, add=True))
+                cal_s.append(calibrate_again())
             for n in names if i % 2 == 0 else names[::-1]:  # a drift over the run touches every layout alike
                 probes[n].append(probe())
                 rounds[n].append(run(n, profile, work, steps))
                 env_load.append(load())
         if args.interleave:
-            cal_s.append(calibrate(profile, add=True))
+            cal_s.append(calibrate_again())
         final = HostProfile.load(profile)
         predicted = {n: predict(n, profile, work) if args.interleave else None for n in names}
+        by_round: dict[str, list[float]] = {n: [] for n in names}  # each round from the calibrations either side
+        if args.interleave:
+            for i in range(len(cals) - 1):
+                bracket = work / f"bracket{i}.toml"
+                HostProfile.average([HostProfile.load(c) for c in cals[i:i + 2]]).save(bracket)
+                for n in names:
+                    by_round[n].append(predict(n, bracket, work))
     mean_speed = float(final.host.get("speed_flops") or "nan")
     speeds = {n: [x / mean_speed for x in probes[n]] for n in names}
-    rows = [summarise(n, rounds[n], speeds[n], predicted[n]) for n in names]
+    rows = [summarise(n, rounds[n], speeds[n], predicted[n], by_round[n]) for n in names]
     moved = final.host.get("speed_moved")
     print(f"calibration {' + '.join(f'{c:.0f}' for c in cal_s)} s ({profile}: the mean of {final.calibrations}; "
           f"the host's speed moved {'?' if moved is None else f'{float(moved):.0%}'} over them); load average "
@@ -270,6 +298,11 @@ def main() -> None:
         print(f"the runs themselves: a layout's rounds (each the median of its steady steps) were "
               f"{statistics.median(apart):.0%} apart (median over the layouts; {apart[0]:.0%}-{apart[-1]:.0%}); "
               f"{sum(a > GOAL_TIME for a in apart)} of {len(rows)} more than {GOAL_TIME:.0%} apart")
+    if any(r["round_ratios"] for r in rows):
+        each = [x for r in rows for x in r["round_ratios"]]
+        print(f"each round against the mean of the two calibrations either side of it (a diagnostic, not the goal): "
+              f"{sum(abs(x - 1) <= GOAL_TIME for x in each)}/{len(each)} within {GOAL_TIME:.0%}; by layout, "
+              + "; ".join(f"{r['layout']} " + " ".join(f"{x:.2f}" for x in r["round_ratios"]) for r in rows))
     at_speed = sum(abs(r["ratio_at_speed"] - 1) <= GOAL_TIME for r in rows)
     print(f"at the host's speed during each run (ratio x host speed, the prediction the calibration would have "
           f"made at that speed): {at_speed}/{len(rows)} within {GOAL_TIME:.0%} (a diagnostic, not the goal)")
