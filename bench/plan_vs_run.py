@@ -238,8 +238,9 @@ def main() -> None:
 
         if profile.is_file():
             cal_s = [0.0]
-            cals.append(kept / f"{profile.stem}.1.toml")
-            HostProfile.load(profile).save(cals[0])
+            if args.interleave:  # the profile becomes the mean: its first calibration kept as it was
+                cals.append(kept / f"{profile.stem}.1.toml")
+                HostProfile.load(profile).save(cals[0])
         else:
             cal_s = [calibrate_again()]
         rounds: dict[str, list[list[dict]]] = {n: [] for n in names}
