@@ -74,11 +74,32 @@ def _logits(model, ids: list[int]):
         return model(torch.tensor([ids]))[0, -1].double()
 
 
+def listen_port() -> int:
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range where it can tell (Linux): a server's
+    own workers take ephemeral ports for Gloo and the rendezvous while it starts, and one of them could be
+    a port the kernel had just handed out here."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 class Server:
     """``plait serve`` as a subprocess (its own session, so the whole tree can be killed)."""
 
     def __init__(self, model_dir: Path, log_dir: Path, *args: str):
-        self.port = free_port()
+        self.port = listen_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"serve-{self.port}.log"
         self.proc = subprocess.Popen(PLAIT + ["serve", "--model", str(model_dir), "--port", str(self.port), *args],

@@ -294,10 +294,14 @@ def serve_job(payload: dict) -> None:
     from plait.serve.scheduler import Scheduler
 
     tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
+    rank = int(os.environ.get("RANK", "0"))
+    # rank 0 holds its port before the process group starts: Gloo's and the store's listeners take ports
+    # from the kernel's ephemeral range, and a --port in that range could otherwise go to one of them
+    sock = bind(payload["host"], payload["port"]) if rank == 0 else None
     model, tok, cfg = load_model(payload["model"], tp, pp)
     blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
     runner = Runner(model, blocks, block)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if sock is None:
         follow(runner)
         return
     import uvicorn
@@ -310,7 +314,6 @@ def serve_job(payload: dict) -> None:
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
                     tokens.eos)
     api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
-    sock = bind(payload["host"], payload["port"])
     server = uvicorn.Server(uvicorn.Config(api.app(payload["api_key"]), log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=1))
 
