@@ -85,7 +85,8 @@ def listen_port() -> int:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return free_port()
-    for port in random.sample(range(max(1024, low - 12000), low), 200):
+    below = range(max(1024, low - 12000), low)
+    for port in random.sample(below, min(200, len(below))):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
