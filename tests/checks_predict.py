@@ -135,7 +135,7 @@ def paired_sleeps() -> tuple[int, tuple, tuple]:
     import torch
 
     from plait.calibrate import kernels as k
-    from plait.calibrate.run import _paired
+    from plait.calibrate.run import paired
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -148,7 +148,7 @@ def paired_sleeps() -> tuple[int, tuple, tuple]:
 
     kernel = k.Kernel("sleep", {"call": call}, lambda r, pick: (pick([x["call"] for x in r]),
                                                                pick([x["part"] for x in r])), budget=0.05)
-    alone, shared = _paired(torch.device("cpu"), dist.group.WORLD)(kernel)
+    alone, shared = paired(torch.device("cpu"), dist.group.WORLD)(kernel)
     dist.destroy_process_group()
     return calls[0], alone, shared
 

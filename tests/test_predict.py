@@ -110,6 +110,7 @@ def test_calibration_pairs_time_shared_as_the_slowest_process():
     by_one = calls0 - 1 - together  # rank 0's rounds alone
     assert by_one >= 2 * PAIRS and by_one / 2 <= together <= by_one / 2 + PAIRS
 
+
 def test_predicted_step_time_on_this_machine(world4):
     """Seven layouts (tp, pp, dp, SP, 1F1B/GPipe/interleaved/ZB-V, full recomputation, ZeRO-1), predicted from
     a calibration made in the same launch, against the fastest of four steps timed in two alternating rounds.

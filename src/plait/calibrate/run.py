@@ -87,7 +87,7 @@ def _alone(device: torch.device) -> Measure:
     return measure
 
 
-def _paired(device: torch.device, group) -> Measure:
+def paired(device: torch.device, group) -> Measure:
     """Every process of ``group`` at once (collective over it; the figures are rank 0's). Each kernel is timed
     in ``PAIRS`` pairs: rank 0 alone for its budget's share (the others waiting), then every process at it
     at once for half as many rounds (with twice the processes the cores hold, about as long), one call
@@ -168,14 +168,14 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     either side; one process has only the first).
 
     One process measures nothing shared: its shared figures are those alone. With more, every kernel is
-    timed alone and shared in pairs (``_paired``), and the optimizer step alone, the others waiting."""
+    timed alone and shared in pairs (``paired``), and the optimizer step alone, the others waiting."""
     rank = dist.get_rank()
     torch.set_num_threads(_threads(p))
     quiet = tick if rank == 0 else (lambda what: None)
     probes = [_probe(world_group, device)]
     figures: tuple[dict, dict] | None = None
     if rank < p:
-        measure = _alone(device) if p == 1 else _paired(device, groups[(p, p)][0])
+        measure = _alone(device) if p == 1 else paired(device, groups[(p, p)][0])
         figures = _kernels(device, quiet, measure, quick)
     dist.barrier(group=world_group)
     optimizer = k.optimizer_times(device) if rank == 0 else (0.0, 0.0)
