@@ -41,6 +41,18 @@ def test_70b_on_64_h100():
     assert lines[0].startswith("best: ") and any("faster than" in ln for ln in lines)
 
 
+def test_explain_names_each_layout_it_compares_once():
+    # 405B on 16,384 H100: the runner-up is already of another tp/pp/dp shape than the best, so no second
+    # line sets the same layout beside it again
+    r = search(Model.preset("llama3-405b"), Cluster("h100-sxm", 16384), Training(4096), top=5)
+    best, runner = r.best[0], r.best[1]
+    assert (best.layout.tp, best.layout.pp, best.layout.dp) != (runner.layout.tp, runner.layout.pp, runner.layout.dp)
+    lines = explain(r)
+    compared = [ln for ln in lines if ln.startswith("vs ")]
+    assert compared == [ln for ln in compared if ln.startswith("vs runner-up")]
+    assert len(compared) == 1 and runner.layout.short() in compared[0]
+
+
 def test_nothing_fits_reports_the_smallest_need():
     r = search(Model.preset("llama3-405b"), Cluster("a100-80gb", 8), Training(64))
     assert not r.best and r.smallest_memory > 80e9

@@ -24,8 +24,8 @@ def _versus(best: Estimate, other: Estimate) -> str:
 
 
 def explain(result: SearchResult) -> list[str]:
-    """Why ``result.best[0]`` wins: against the runner-up, the best of another tp/pp/dp shape, and
-    what the rejected layouts lacked."""
+    """Why ``result.best[0]`` wins: against the runner-up, the best of another tp/pp/dp shape (when that is
+    not the runner-up), and what the rejected layouts lacked."""
     if not result.best:
         return [nothing_fits(result)]
     best = result.best[0]
@@ -34,7 +34,7 @@ def explain(result: SearchResult) -> list[str]:
     if len(result.best) > 1:
         lines.append("vs runner-up: " + _versus(best, result.best[1]))
     other = next((e for e in result.best[1:] if _shape(e) != _shape(best)), None)
-    if other is not None:
+    if other is not None and other is not result.best[1]:  # the runner-up was already set beside it
         lines.append("vs another shape: " + _versus(best, other))
     t = best.time
     worst = max((k for k in t if k != "compute"), key=lambda k: t[k])
