@@ -4,7 +4,7 @@ import pytest
 
 from plait.plan import Model, eager, step_end, timing
 from plait.plan.config import Cluster, Layout
-from plait.plan.profile import HostProfile, Rate, Section
+from plait.plan.profile import FORMAT, HostProfile, Rate, Section
 from profile_util import synthetic_profile
 
 MATMUL, ATTENTION, MIX, OVERHEAD = 4e10, 1e10, 5e9, 1e-5  # flat rates: every term computable by hand
@@ -47,6 +47,94 @@ def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
     assert mix.f_compute + mix.b_compute == pytest.approx(3 * gemm + att + w.elem_bytes / MIX + w.ops * OVERHEAD
                                                           + table)
     assert with_block.w_compute == mix.w_compute == pytest.approx(gemm)
+
+
+def _with_layers(sec: Section, alone: tuple[float, float], shared: tuple[float, float]) -> Section:
+    """``sec`` with whole calibration layers measured at ``alone`` / ``shared`` times what its kernel figures
+    give the same layers."""
+    from dataclasses import replace
+
+    from plait.plan.profile import LAYER
+
+    model = {x: [timing._work_costs(eager.layer_work(eager.block_local(b), 4), sec, x, layer=True)
+                 for b in eager.CALIBRATION_BLOCKS] for x in (False, True)}
+    seconds = {x: [c.f_compute + c.b_compute for c in model[x]] for x in (False, True)}
+    sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
+    layer = Rate(sizes, tuple(f * t for f, t in zip(alone, seconds[False], strict=True)),
+                 tuple(f * t for f, t in zip(shared, seconds[True], strict=True)), 0.36)
+    return replace(sec, rates={**sec.rates, LAYER: layer})
+
+
+def test_real_layers_set_the_level_of_their_kernels():
+    """Where a profile timed whole decoder layers, a layer of a calibration block's shape costs what that
+    layer measured (alone, and with every process at once), whatever its kernels' figures say, split between
+    forward and backward as it was; between the blocks the factor is interpolated in the log of the kernel
+    figures' seconds, flat beyond; a profile without whole layers costs the kernels as they are."""
+    from plait.plan.model import llama_ffn
+
+    sec = _section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS))))
+    assert timing.in_step(sec, False, 1e-2) == timing.in_step(sec, True, 1e-2) == 1.0
+    timed = _with_layers(sec, (1.3, 1.1), (0.9, 1.05))
+    alone = [timing._work_costs(eager.layer_work(eager.block_local(b), 4), sec, False, layer=True)
+             for b in eager.CALIBRATION_BLOCKS]
+    small, large = (c.f_compute + c.b_compute for c in alone)
+    assert timing.in_step(timed, False, small) == pytest.approx(1.3)
+    assert timing.in_step(timed, False, large) == pytest.approx(1.1)
+    assert timing.in_step(timed, True, small) == pytest.approx(0.9)
+    assert timing.in_step(timed, True, small / 10) == pytest.approx(0.9)  # flat beyond
+    assert timing.in_step(timed, True, large * 10) == pytest.approx(1.05)
+    mid = (small * large) ** 0.5  # halfway in log
+    assert timing.in_step(timed, False, mid) == pytest.approx(1.2)
+    b, s, h, heads, kv = eager.CALIBRATION_BLOCKS[-1]
+    model = Model(n_layers=2, hidden=h, n_heads=heads, n_kv_heads=kv, ffn_hidden=llama_ffn(h), glu=True,
+                  vocab=256, seq_len=s)
+    layer, _, _ = timing.block_costs(model, _cluster(timed), Layout(microbatch_size=b), "fp32")
+    assert layer.f_compute + layer.b_compute == pytest.approx(timed.rates["layer"].alone[-1])
+    plain, _, _ = timing.block_costs(model, _cluster(sec), Layout(microbatch_size=b), "fp32")
+    assert layer.w_compute == pytest.approx(1.1 * plain.w_compute)
+    # and it splits between forward and backward as that layer did (0.36 in its forward)
+    assert layer.f_compute / (layer.f_compute + layer.b_compute) == pytest.approx(0.36)
+    assert plain.f_compute / (plain.f_compute + plain.b_compute) != pytest.approx(0.36, abs=0.01)
+
+
+def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
+    """A layer sharded over TP ranks, shared, costs what the TP calibration's compute twin of its shape took
+    (the twins set the level of a sharded layer), so that with the waits (the TP layer less its twin) it adds
+    up to the TP layer timed; alone it keeps the whole layers' ratio of alone to shared; the twins of
+    another group size do not move it."""
+    from dataclasses import replace
+
+    from plait.plan.model import llama_ffn
+    from plait.plan.profile import COLLECTIVES, Curve, TPBlock
+
+    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS)))),
+                        (1.3, 1.1), (0.9, 1.05))
+    shapes = eager.TP_CALIBRATION_BLOCKS
+    twins = []
+    for i, shape in enumerate(shapes):  # twins measured at 0.8 and 0.7 times the kernel figures, shared
+        c = timing._work_costs(eager.layer_work(eager.block_local(shape, 2, False), 4), base, True, layer=True)
+        for sp in (False, True):
+            twins.append(TPBlock(shape, 2, sp, 1.0, (0.8 - 0.1 * i) * (c.f_compute + c.b_compute)))
+    curves = {(op, g): Curve((1024.0, 4e6), (5e-5, 5e-5 + 4e6 / 2e9)) for op in COLLECTIVES for g in (2, 4)}
+    sec = replace(base, processes=2, threads=1, collectives=curves,
+                  tp_blocks=(*twins, TPBlock(shapes[0], 4, False, 1.0, 1e-9)))
+    b, s, h, heads, kv = shapes[-1]
+    model = Model(n_layers=2, hidden=h, n_heads=heads, n_kv_heads=kv, ffn_hidden=llama_ffn(h), glu=True,
+                  vocab=256, seq_len=s)
+    cluster = Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {2: sec}), 2)
+    layout = Layout(tp=2, microbatch_size=b)
+    shared, _, _ = timing.block_costs(model, cluster, layout, "fp32", shared=True)
+    alone, _, _ = timing.block_costs(model, cluster, layout, "fp32")
+    assert shared.f_compute + shared.b_compute == pytest.approx(twins[-1].twin_s)
+    work = eager.layer_work(eager.local(model, layout), 4)
+    kernels = {x: timing._work_costs(work, sec, x, layer=True) for x in (False, True)}
+    seconds = kernels[False].f_compute + kernels[False].b_compute
+    ratio = timing.in_step(sec, False, seconds) / timing.in_step(sec, True, seconds)
+    assert (alone.f_compute + alone.b_compute) / (shared.f_compute + shared.b_compute) == pytest.approx(
+        ratio * seconds / (kernels[True].f_compute + kernels[True].b_compute))
+    four = timing._work_costs(eager.layer_work(eager.block_local(shapes[0], 4, False), 4), sec, True, layer=True)
+    assert timing.in_tp_step(sec, 4, seconds) == pytest.approx(1e-9 / (four.f_compute + four.b_compute))
+    assert timing.in_tp_step(sec, 8, seconds) is None
 
 
 def test_shared_speed_is_alone_over_the_kinds_median_slowdown():
@@ -167,19 +255,19 @@ def test_calibration_times_the_optimizer_beyond_the_cache_and_per_tensor(monkeyp
 
 def test_format_1_profiles_still_read(tmp_path):
     """A profile written before decoder layers and the optimizer were timed loads (no block, no optimizer
-    figure) and predicts with the kernel mix; format 3 round-trips both."""
+    figure) and predicts with the kernel mix; the current format round-trips both."""
     new = synthetic_profile(counts=(1, 2), block=True)
     assert HostProfile.from_toml(new.to_toml()) == new
     assert new.section(2).optimizer_s_per_param == 4e-9 and "block" in new.section(2).rates
     assert new.section(2).optimizer_s_per_tensor == 3e-5
     old = synthetic_profile(counts=(1, 2))
-    text = old.to_toml().replace("format = 3", "format = 1")
+    text = old.to_toml().replace(f"format = {FORMAT}", "format = 1")
     text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer_s_"))
     back = HostProfile.from_toml(text)
     assert back == old and back.section(1).optimizer_s_per_param == back.section(1).optimizer_s_per_tensor == 0.0
     assert timing.block_elementwise(back.section(1)) is None
-    with pytest.raises(ValueError, match="format 1, 2 or 3"):
-        HostProfile.from_toml(text.replace("format = 1", "format = 4"))
+    with pytest.raises(ValueError, match="format 1, 2, 3 or 4"):
+        HostProfile.from_toml(text.replace("format = 1", f"format = {FORMAT + 1}"))
 
 
 def test_format_2_decoder_layers_split_as_the_kernel_mix():
@@ -187,7 +275,7 @@ def test_format_2_decoder_layers_split_as_the_kernel_mix():
     element-wise part splits as the kernel mix's (what costed it then); format 3 keeps the measured share."""
     new = synthetic_profile(counts=(1,), block=True)
     assert HostProfile.from_toml(new.to_toml()).section(1).rates["block"].forward_share == 0.3
-    old = HostProfile.from_toml(new.to_toml().replace("format = 3", "format = 2")).section(1)
+    old = HostProfile.from_toml(new.to_toml().replace(f"format = {FORMAT}", "format = 2")).section(1)
     assert old.rates["block"].forward_share == old.rates["elementwise"].forward_share == 0.35
     assert old.rates["block"].alone == new.section(1).rates["block"].alone
 
@@ -218,18 +306,20 @@ def test_a_layer_s_elementwise_part_splits_as_the_calibration_blocks_rest():
 
 def test_calibration_takes_the_largest_blocks_forward_share():
     """The decoder layers' forward share is the largest calibration block's (the smaller's rest is mostly
-    kernels' fixed costs); the other kinds take the plain mean of their sizes'."""
+    kernels' fixed costs); the other kinds take the plain mean of their sizes'. The whole layers' seconds,
+    alone and shared as measured, are the ``layer`` kind, with the larger layer's forward share."""
     from plait.calibrate.run import _rates
 
     def figures(block):
         return {"matmul": [(1e6, 1e10, 1 / 3), (1e9, 2e10, 1 / 3)], "attention": [(1e3, 1e9, 0.2), (1e4, 2e9, 0.4)],
                 "elementwise": [(1e3, 1e9, 0.25), (1e5, 2e9, 0.35)], "block": block}
 
-    rates = _rates(figures([(98304.0, 3e-3, 0.4), (4096.0, 1e-3, 0.8)]),
-                   figures([(98304.0, 6e-3, 0.1), (4096.0, 2e-3, 0.9)]))
+    rates = _rates(figures([(98304.0, 3e-3, 0.4, 2e-2, 0.35), (4096.0, 1e-3, 0.8, 2e-3, 0.5)]),
+                   figures([(98304.0, 6e-3, 0.1, 4e-2, 0.3), (4096.0, 2e-3, 0.9, 4e-3, 0.6)]))
     assert rates["block"].forward_share == pytest.approx(0.4)
     assert rates["attention"].forward_share == pytest.approx(0.3)
     assert rates["block"].alone == (1e-3, 3e-3) and rates["block"].shared == (2e-3, 6e-3)
+    assert rates["layer"] == Rate((4096.0, 98304.0), (2e-3, 2e-2), (4e-3, 4e-2), 0.35)
 
 
 def test_zero_1_and_2_twins_are_ranked_once():

@@ -283,11 +283,12 @@ def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device,
 
 
 def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype) -> Kernel:
-    """(hidden-state elements, seconds, forward share) of a real decoder layer's forward + backward beyond its
-    GEMMs and attention (its "rest": norms, RoPE, activations, residuals, reshapes, autograd's bookkeeping),
-    and the share of that rest spent in the forward: the layer and its kernel skeleton (``_skeleton``) timed
-    in alternation, each reporting its forward apart, so that both see the same machine; the forward records
-    autograd's graph as a training step's does; the parameters' gradients accumulate as over a step's
+    """(hidden-state elements, seconds, forward share, layer seconds, layer forward share) of a real decoder
+    layer: its forward + backward beyond its GEMMs and attention (its "rest": norms, RoPE, activations,
+    residuals, reshapes, autograd's bookkeeping) and the share of that rest spent in the forward; then the
+    whole layer's seconds and its forward's share of them. The layer and its kernel skeleton (``_skeleton``)
+    are timed in alternation, each reporting its forward apart, so that both see the same machine; the forward
+    records autograd's graph as a training step's does; the parameters' gradients accumulate as over a step's
     micro-batches. The rest is a difference of two close times: it is taken round by round (each round sees
     the same machine) and then reduced."""
     layer, x = _block(shape, device, dtype)
@@ -310,7 +311,8 @@ def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: to
         rest_forward = pick([a - b for a, b in zip(_seconds(r, "layer forward"), _seconds(r, "skeleton forward"),
                                                    strict=True)])
         share = min(max(rest_forward / rest, 0.0), 1.0) if rest > 0 else 1 / 3
-        return float(x.numel()), max(rest, 0.0), share
+        whole = pick(_seconds(r, "layer"))
+        return float(x.numel()), max(rest, 0.0), share, whole, min(pick(_seconds(r, "layer forward")) / whole, 1.0)
 
     calls = {"layer": timed_in_two(lambda: [layer(x)], lambda outs: outs[0].backward(g), "layer forward"),
              "skeleton": timed_in_two(skeleton_forward, skeleton_backward, "skeleton forward")}

@@ -16,7 +16,7 @@ from plait.calibrate import collectives as coll
 from plait.calibrate import kernels as k
 from plait.calibrate import tp_block
 from plait.plan import eager
-from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, TPBlock
+from plait.plan.profile import BLOCK, COLLECTIVES, LAYER, Curve, HostProfile, Rate, Section, TPBlock
 
 TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -54,7 +54,7 @@ def _kernels(device: torch.device, tick, measure: Measure, quick: bool = False) 
     """This process's kernel figures (see ``plan.profile.Section``), (alone, shared), as ``measure`` takes
     them; ``quick``: every other size (both calibration blocks always)."""
     dtype = torch.float32
-    kinds = ("matmul", "attention", "elementwise", "block", "overhead", "stream")
+    kinds = ("matmul", "attention", "elementwise", BLOCK, "overhead", "stream")
     alone: dict = {key: [] for key in kinds}
     shared: dict = {key: [] for key in kinds}
 
@@ -73,7 +73,7 @@ def _kernels(device: torch.device, tick, measure: Measure, quick: bool = False) 
         take("elementwise", k.elementwise(n, device, dtype))
     take("stream", k.stream(device))
     for shape in eager.CALIBRATION_BLOCKS:
-        take("block", k.block(shape, device, dtype))
+        take(BLOCK, k.block(shape, device, dtype))
     for out in (alone, shared):
         out["overhead"], out["stream"] = out["overhead"][0][0], out["stream"][0][0]  # one figure of one value
     return alone, shared
@@ -93,8 +93,12 @@ def paired(device: torch.device, group) -> Measure:
     at once for half as many rounds (with twice the processes the cores hold, about as long), one call
     after another, each call's shared seconds the group's span over its rounds (the slowest process's: a
     process the scheduler favoured finishes early, and the others then run faster; the span is what the
-    work of all of them took). Alone and shared a moment apart see the same machine, so the host's drift
-    between them, over seconds, does not reach their ratio. (Tried instead: sweeps over all the kernels,
+    work of all of them took). The figure shared is the pairs' smaller: something else on the host only ever
+    slows a window down, and one slowed pair of two would move a mean by half of it (a decoder layer's
+    shared seconds over alone read 1.33 in one calibration of two processes, where eleven others read
+    0.99-1.04); the figure alone is the median of its calls for the same reason. Alone and shared a moment
+    apart see the same machine, so the host's drift between them, over seconds, does not reach their
+    ratio. (Tried instead: sweeps over all the kernels,
     alone then shared, with no barrier between kernels shared. Each process's own times averaged, four
     processes on two cores read 1.66-2.04 effective cores over five calibrations, against 1.61-1.72 here;
     the slowest process's own times, 1.16-1.37: the slowest of four unaligned samples.)"""
@@ -113,7 +117,7 @@ def paired(device: torch.device, group) -> Measure:
                 count += (len(mine) + 1) // 2
             dist.broadcast(count, src=0, group=group)
             shared.append(_together(kernel, device, group, int(count.item())))
-        together = kernel.figure(shared, statistics.mean)
+        together = kernel.figure(shared, min)
         return (kernel.figure(alone, statistics.median) if rank == 0 else together), together  # only 0 timed alone
 
     return measure
@@ -141,13 +145,17 @@ def _together(kernel: k.Kernel, device: torch.device, group, rounds: int) -> dic
 def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
     """Each kind's Rate; its forward share the mean of the sizes' (alone), the decoder layers' that of the
     largest block (the smaller one's rest is mostly kernels' fixed costs, which the forward dominates: its
-    share came out 0.8 on a 2-core host, the larger's and real layers' 0.36-0.5)."""
+    share came out 0.8 on a 2-core host, the larger's and real layers' 0.36-0.5). The decoder layers' whole
+    seconds, alone and shared as measured, are the ``layer`` kind."""
     rates = {}
-    for key in ("matmul", "attention", "elementwise", "block"):
+    for key in ("matmul", "attention", "elementwise", BLOCK):
         pts = sorted(zip(alone[key], shared[key], strict=True), key=lambda ab: ab[0][0])
-        share = pts[-1][0][2] if key == "block" else sum(a[2] for a, _ in pts) / len(pts)
+        share = pts[-1][0][2] if key == BLOCK else sum(a[2] for a, _ in pts) / len(pts)
         rates[key] = Rate(tuple(a[0] for a, _ in pts), tuple(a[1] for a, _ in pts), tuple(b[1] for _, b in pts),
                           share)
+        if key == BLOCK:
+            rates[LAYER] = Rate(tuple(a[0] for a, _ in pts), tuple(a[3] for a, _ in pts),
+                                tuple(b[3] for _, b in pts), pts[-1][0][4])
     return rates
 
 

@@ -24,11 +24,14 @@ from plait.errors import ConfigError
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 KERNELS = ("matmul", "attention", "elementwise")
 BLOCK = "block"  # optional kind (format >= 2): decoder layers' seconds beyond GEMMs and attention
-FORMAT = 3
+LAYER = "layer"  # optional kind (format >= 4): the same decoder layers' whole seconds, alone and shared
+SECONDS_KINDS = (BLOCK, LAYER)  # kinds whose figures are seconds, not speeds
+FORMAT = 4
 HOST_KEYS = ("hostname", "cpu", "cores", "memory_bytes", "torch", "backend", "device")  # what changes speeds
 # format 1: no decoder-layer timings nor optimizer step (the kernel mix only); format 2: the decoder layers'
-# forward share is the whole layer's without autograd (read as the kernel mix's, see ``_section``)
-READABLE_FORMATS = (1, 2, 3)
+# forward share is the whole layer's without autograd (read as the kernel mix's, see ``_section``); format 3:
+# no whole-layer seconds (``LAYER``: a layer is costed from its kernels' figures alone)
+READABLE_FORMATS = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,8 @@ class Rate:
     @property
     def slowdown(self) -> float:
         """How many times slower a call runs with every process at it than alone: the median over the measured
-        sizes of ``alone / shared`` (of a speed; of the ``block`` kind, which holds seconds, its inverse, and
-        ``at`` is right for both).
+        sizes of ``alone / shared`` (of a speed; of the kinds that hold seconds, ``SECONDS_KINDS``, its
+        inverse, and ``at`` is right for both).
 
         Each size's ratio is a short measurement (``plait.calibrate.kernels.BUDGET_S`` of calls alone, then
         the processes' span over half as many rounds together): on a two-core host with four processes one
@@ -129,7 +132,10 @@ class Section:
     bytes per kernel). Optional ``block`` (profiles of format >= 2): seconds of a real decoder layer's forward
     and backward beyond its GEMMs and attention, one per ``plan.eager.CALIBRATION_BLOCKS`` entry (size = its
     hidden-state elements; forward share: the share of the larger block's seconds spent in its forward,
-    autograd recording; a format-2 profile's is read as the kernel mix's).
+    autograd recording; a format-2 profile's is read as the kernel mix's). Optional ``layer`` (format >= 4):
+    the same layers' whole forward + backward seconds, ``alone`` and ``shared`` each as measured (forward
+    share: the larger layer's); ``plan.timing.in_step`` sets them beside what the kernel figures make of
+    the same layers.
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
     process, the others waiting (0: not measured, format 1), and ``optimizer_s_per_tensor`` its fixed cost
@@ -155,7 +161,7 @@ class Section:
         seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
         speed over the whole calibration this way (``plait.calibrate.run``)."""
         def rate(kind: str, r: Rate) -> Rate:
-            power = -1 if kind == BLOCK else 1  # the block rate holds seconds
+            power = -1 if kind in SECONDS_KINDS else 1
             return Rate(r.sizes, tuple(v * kernels ** power for v in r.alone),
                         tuple(v * kernels ** power for v in r.shared), r.forward_share)
 
@@ -183,7 +189,7 @@ class Section:
             if any(x.sizes != r.sizes for x, _ in same):
                 raise ConfigError(f"profile: {kind} was measured at different sizes; average calibrations "
                                   "made the same way")
-            mean = _mean if kind == BLOCK else _harmonic  # the block rate holds seconds
+            mean = _mean if kind in SECONDS_KINDS else _harmonic
             rates[kind] = Rate(r.sizes, tuple(mean([(x.alone[i], w) for x, w in same]) for i in range(len(r.sizes))),
                                tuple(mean([(x.shared[i], w) for x, w in same]) for i in range(len(r.sizes))),
                                _mean([(x.forward_share, w) for x, w in same]))

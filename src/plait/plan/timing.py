@@ -7,6 +7,7 @@ host (``Cluster(profile=...)``) from its measured kernel speeds and collective t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from plait.plan import eager
@@ -14,7 +15,7 @@ from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import Cluster, Layout
 from plait.plan.memory import ACTIVATION_BYTES, activation_bytes_per_layer, layout_stages
 from plait.plan.model import Model
-from plait.plan.profile import BLOCK, Rate, Section
+from plait.plan.profile import BLOCK, LAYER, Rate, Section
 
 # Matmul efficiency falls for narrow GEMMs: eff = gpu.matmul_efficiency · n/(n + GEMM_HALF), n the
 # per-GPU shard width h/t (capped by the tokens of a micro-batch). One constant for every GPU,
@@ -196,10 +197,9 @@ def block_elementwise(sec: Section) -> Rate | None:
                 blk.forward_share)
 
 
-def _work_costs(work: eager.Work, cluster: Cluster, shared: bool, layer: bool = False) -> StageCosts:
+def _work_costs(work: eager.Work, sec: Section, shared: bool, layer: bool = False) -> StageCosts:
     """Seconds of an eager block's forward and backward from the host's measured speeds; a ``layer``'s
     element-wise part at a real decoder layer's speed where the profile timed one (``block_elementwise``)."""
-    sec = cluster.section
     attn, elem = sec.rates["attention"], sec.rates["elementwise"]
     gemm, att = _gemm_attention(work, sec, shared)
     per_op = work.elem_bytes / work.ops if work.ops else 0.0
@@ -214,6 +214,106 @@ def _work_costs(work: eager.Work, cluster: Cluster, shared: bool, layer: bool = 
     f = gemm + att * attn.forward_share + el * share + nograd
     b = 2 * gemm + att * (1 - attn.forward_share) + el * (1 - share)
     return StageCosts(f, b, gemm)
+
+
+def _whole_layers(sec: Section) -> Rate | None:
+    """The calibration layers' whole seconds (``LAYER``), if the profile timed this version's layers."""
+    whole = sec.rates.get(LAYER)
+    sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
+    return whole if whole is not None and tuple(whole.sizes) == sizes else None
+
+
+def in_step(sec: Section, shared: bool, seconds: float) -> float:
+    """How many times what the kernel figures give (``_work_costs``) eager work takes inside a training step,
+    where its kernels run one after another on working sets the others evicted, not each in a loop of its
+    own; and, with ``shared``, with every process of the section at once, as a real layer shares the cores
+    rather than as the kernels timed in pairs do (on a 2-core host two processes ran real layers at 0.99-1.0
+    of their speed alone, where the kernels' pairs read 1.1-1.6). At each calibration block (``LAYER``) the
+    real decoder layer's measured seconds over the kernel figures' for the same layer; between the blocks
+    interpolated in the log of ``seconds`` (what the kernel figures give the work alone), flat beyond. 1 where
+    the profile did not time whole layers (format < 4)."""
+    whole = _whole_layers(sec)
+    if whole is None:
+        return 1.0
+    points = []
+    for i, shape in enumerate(eager.CALIBRATION_BLOCKS):
+        work = eager.layer_work(eager.block_local(shape), 4)  # fp32, as calibrated
+        alone, model = (_work_costs(work, sec, x, layer=True) for x in (False, shared))
+        measured = whole.shared[i] if shared else whole.alone[i]
+        points.append((alone.f_compute + alone.b_compute, measured / (model.f_compute + model.b_compute)))
+    points.sort()
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    if seconds <= x0 or x1 <= x0:
+        return y0
+    if seconds >= x1:
+        return y1
+    return y0 + (y1 - y0) * math.log(seconds / x0) / math.log(x1 / x0)
+
+
+def forward_share_factor(sec: Section) -> float:
+    """The larger calibration layer's measured forward share (of its whole forward + backward, ``LAYER``)
+    over the share the kernel figures give the same layer: how much of a layer's compute the figures put in
+    the forward that the layer spends in its backward (0.36 measured against 0.39-0.41 on a 2-core host: a
+    pipeline's backwards and a recomputation's forward feel it, a step's total does not). 1 without whole
+    layers (format < 4)."""
+    whole = _whole_layers(sec)
+    if whole is None:
+        return 1.0
+    c = _work_costs(eager.layer_work(eager.block_local(eager.CALIBRATION_BLOCKS[-1]), 4), sec, False, layer=True)
+    share = c.f_compute / (c.f_compute + c.b_compute)
+    return whole.forward_share / share if share > 0 else 1.0
+
+
+def in_tp_step(sec: Section, tp: int, seconds: float) -> float | None:
+    """``in_step``'s shared factor for a layer sharded over ``tp`` ranks, from the tensor-parallel calibration
+    layers' compute twins (``TPBlock.twin_s``: an unsharded layer of one rank's heads, KV heads and FFN
+    width, timed with every group of the section at once) over what the kernel figures give the same layer,
+    interpolated as ``in_step`` is between the twins of this group size (with and without sequence
+    parallelism, which time the same twin); None where the profile timed no twin of ``tp`` ranks. The twins
+    are the layers nearest a tensor-parallel run's in shape, and the waits of ``tp_wait`` are what the TP
+    layer took beyond its twin: costing the compute as the twin makes the two add up to the layer timed."""
+    points = []
+    for blk in sec.tp_blocks:
+        if blk.group != tp or blk.twin_s <= 0:
+            continue
+        work = eager.layer_work(eager.block_local(blk.shape, tp, False), 4)  # the twin: no SP, fp32
+        alone, model = (_work_costs(work, sec, x, layer=True) for x in (False, True))
+        points.append((alone.f_compute + alone.b_compute, blk.twin_s / (model.f_compute + model.b_compute)))
+    return _log_line(sorted(points), seconds) if points else None
+
+
+def _log_line(points: list[tuple[float, float]], x: float) -> float:
+    """The mean of each x's y, interpolated in log(x) between the smallest and largest x, flat beyond."""
+    by_x: dict[float, list[float]] = {}
+    for px, py in points:
+        by_x.setdefault(px, []).append(py)
+    xs = sorted(by_x)
+    (x0, y0), (x1, y1) = (xs[0], sum(by_x[xs[0]]) / len(by_x[xs[0]])), (xs[-1], sum(by_x[xs[-1]]) / len(by_x[xs[-1]]))
+    if x <= x0 or x1 <= x0:
+        return y0
+    if x >= x1:
+        return y1
+    return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+
+
+def _in_step_costs(work: eager.Work, sec: Section, shared: bool, layer: bool, tp: int = 1) -> StageCosts:
+    """``_work_costs`` times ``in_step``'s factor for work of that size; a ``layer`` over ``tp`` > 1 ranks
+    also times what its compute twins say beyond that (``in_tp_step`` over ``in_step``'s shared factor: the
+    twins set the level of a sharded layer, the whole layers how it shares the cores). A ``layer``'s forward
+    and backward split as the calibration layer's measured split corrects the kernel figures'
+    (``forward_share_factor``; the weight gradients' GEMMs stay as they are)."""
+    alone = _work_costs(work, sec, False, layer)
+    c = alone if not shared else _work_costs(work, sec, True, layer)
+    seconds = alone.f_compute + alone.b_compute
+    x = in_step(sec, shared, seconds)
+    twin = in_tp_step(sec, tp, seconds) if layer and tp > 1 and _whole_layers(sec) else None
+    if twin is not None:
+        x *= twin / in_step(sec, True, seconds)
+    f, b = c.f_compute * x, c.b_compute * x
+    if layer:
+        moved = f - min(f * forward_share_factor(sec), f + b - c.w_compute * x)
+        f, b = f - moved, b + moved
+    return StageCosts(f, b, c.w_compute * x)
 
 
 def _layer_collectives(cluster: Cluster, sh: eager.Local, n_bytes: float) -> tuple[float, float, int, int]:
@@ -266,7 +366,7 @@ def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, prec
     d = ACTIVATION_BYTES[precision]
     t, n_bytes = layout.tp, sh.n * d
     work = {"layer": eager.layer_work, "head": eager.head_work, "embedding": eager.embedding_work}[kind](sh, d)
-    c = _work_costs(work, cluster, shared, layer=kind == "layer")
+    c = _in_step_costs(work, cluster.section, shared, layer=kind == "layer", tp=t)
     wait = tp_wait(cluster, t, sh.sp, n_bytes)
     if kind == "layer":
         f_tp, b_tp, nf, nb = _layer_collectives(cluster, sh, n_bytes)
