@@ -46,7 +46,8 @@ def _time(run, first: int) -> list[float]:
 def check_calibration(root: Path, box: dict) -> dict:
     """A quick calibration of 1, 2 and 4 processes in this launch (kept in ``box`` for the prediction check):
     its progress ticks, each section's thread count, the one process's figures (alone and shared the same),
-    the matmul figures of 2 and 4 processes alone and shared, and their optimizer figures."""
+    the matmul figures of 2 and 4 processes alone and shared, their optimizer figures and every section's
+    pipeline and its twin."""
     from plait.calibrate import host_facts
     from plait.calibrate.run import measure_in_world, total_steps
 
@@ -61,7 +62,8 @@ def check_calibration(root: Path, box: dict) -> dict:
             "threads": [one.threads, two.threads, four.threads],
             "one": {kind: [list(r.alone), list(r.shared)] for kind, r in one.rates.items()},
             "slowdown": [two.rates["matmul"].slowdown, four.rates["matmul"].slowdown],
-            "optimizer": [[s.optimizer_s_per_param, s.optimizer_s_per_tensor] for s in (two, four)]}
+            "optimizer": [[s.optimizer_s_per_param, s.optimizer_s_per_tensor] for s in (two, four)],
+            "pipeline": [[s.pipeline_s, s.pipeline_twin_s] for s in (one, two, four)]}
 
 
 def check_predicted_vs_measured(root: Path, profile) -> list[dict]:

@@ -23,7 +23,9 @@ def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
     tp = tuple(TPBlock(shape, g, sp, 0.02 * g * i / share, 0.015 * g * i / share)
                for i, shape in enumerate(eager.TP_CALIBRATION_BLOCKS, 1)
                for g in range(2, p + 1) if p % g == 0 for sp in (False, True)) if block else ()
-    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0, tp, 3e-5 if block else 0.0)
+    piped = block and p % 2 == 0 and p > cores  # a pipeline timed where processes outnumber the cores
+    return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0, tp, 3e-5 if block else 0.0,
+                   0.25 if piped else 0.0, 0.23 if piped else 0.0)
 
 
 def synthetic_profile(facts: dict | None = None, counts=(1, 2, 4, 8), block: bool = False) -> HostProfile:

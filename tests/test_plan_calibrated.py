@@ -256,8 +256,8 @@ def test_calibration_times_the_optimizer_beyond_the_cache_and_per_tensor(monkeyp
 def test_format_1_profiles_still_read(tmp_path):
     """A profile written before decoder layers and the optimizer were timed loads (no block, no optimizer
     figure) and predicts with the kernel mix; the current format round-trips both."""
-    new = synthetic_profile(counts=(1, 2), block=True)
-    assert HostProfile.from_toml(new.to_toml()) == new
+    new = synthetic_profile(counts=(1, 2, 4), block=True)
+    assert HostProfile.from_toml(new.to_toml()) == new and new.section(4).pipeline_s == 0.25
     assert new.section(2).optimizer_s_per_param == 4e-9 and "block" in new.section(2).rates
     assert new.section(2).optimizer_s_per_tensor == 3e-5
     old = synthetic_profile(counts=(1, 2))
@@ -576,3 +576,37 @@ def test_action_costs_split_the_backward_into_input_and_weight_halves():
     assert cpu == {"F": [1.0, 3.0], "B": [2.5, 5.0], "I": [1.75, 3.0], "W": [0.75, 2.0]}
     assert comm == {"F": [0.1, 0.0], "B": [0.2, 0.0], "I": [0.2, 0.0], "W": [0.0, 0.0]}
     assert action_costs(chunks, split=False)[0]["I"] == [0.0, 0.0]  # a whole backward has no input half
+
+
+def test_pipelines_on_a_crowded_host_run_as_slow_as_the_calibrations_pipeline():
+    """Where the calibration timed a pipeline of real layers (processes outnumbering the cores) slower than the
+    same work without hand-offs, the hand-off slow-down is what makes the simulator give that pipeline its
+    measured time: none when it ran as fast as its work, more the slower it ran; a pipelined layout is
+    predicted slower with it, a layout without a pipeline not at all."""
+    from dataclasses import replace
+
+    from plait.plan.config import Training
+    from plait.plan.estimate import estimate, handoff
+    from plait.plan.profile import COLLECTIVES, Curve
+
+    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS)))),
+                        (1.2, 1.1), (2.0, 2.1))
+    curves = {(op, g): Curve((1024.0, 4e6), (5e-5, 5e-5 + 4e6 / 2e9)) for op in COLLECTIVES for g in (2, 4)}
+    four = replace(base, processes=4, threads=1, collectives=curves)
+    twin = eager.PIPELINE_CALIBRATION_MICROBATCHES * four.rates["layer"].shared[-1]
+
+    def cluster(ratio: float) -> Cluster:
+        sec = replace(four, pipeline_s=ratio * twin, pipeline_twin_s=twin) if ratio else four
+        return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {4: sec}), 4)
+
+    assert handoff(cluster(0.0)) == 1.0  # not timed
+    assert handoff(cluster(0.9)) == 1.0  # as fast as its work (or faster): no slow-down
+    slow, slower = handoff(cluster(1.1)), handoff(cluster(1.2))
+    assert 1.0 < slow < slower
+    model = Model.preset("small", seq_len=128)
+    training = Training(global_batch=16)
+    piped, flat = Layout(pp=2, dp=2, microbatch_size=2), Layout(dp=4, microbatch_size=1)
+    assert estimate(model, cluster(1.2), piped, training).step_time_s > \
+        estimate(model, cluster(0.0), piped, training).step_time_s
+    assert estimate(model, cluster(1.2), flat, training).step_time_s == \
+        estimate(model, cluster(0.0), flat, training).step_time_s

@@ -79,7 +79,8 @@ def test_calibration_measures_each_section_alone_and_shared(world4):
     progress bar's count of steps is what the calibration ticks off. One process measures nothing shared: its
     shared figures are those alone. With more processes than the cores have room for at their threads, the
     matmul runs shared about processes·threads/cores times slower than alone (time-slicing; loose bounds for a
-    loaded host); with room for all, about as fast."""
+    loaded host); with room for all, about as fast. Where they outnumber the cores, a pipeline and its twin
+    are timed."""
     import os
 
     from plait.distributed.launch import worker_threads
@@ -94,6 +95,15 @@ def test_calibration_measures_each_section_alone_and_shared(world4):
         crowd = p * worker_threads(p) / cores
         assert 0.7 * max(crowd, 1.0) < slowdown < 1.6 * max(crowd, 1.0), (p, slowdown)
     assert min(min(x) for x in out["optimizer"]) > 0  # per parameter and per tensor
+    # a pipeline is timed where the processes outnumber the cores (and pair up): its step and its twin's
+    from plait.calibrate import usable_cores
+    from plait.calibrate.pipeline_block import oversubscribed
+
+    for p, (step, twin) in zip((1, 2, 4), out["pipeline"], strict=True):
+        if oversubscribed(p, worker_threads(p), usable_cores()):
+            assert step > 0 and twin > 0 and 0.5 < step / twin < 3, (p, step, twin)
+        else:
+            assert step == twin == 0.0, p
 
 
 def test_calibration_pairs_time_shared_as_the_slowest_process():

@@ -137,3 +137,26 @@ def test_deadlocking_schedule_is_rejected_by_simulate():
     row[i], row[j] = row[j], row[i]
     with pytest.raises(ConfigError, match=r"deadlock .*\n.*\[0B0\]"):
         simulate(s, UNIFORM)
+
+
+def test_shared_cores_slow_ranks_by_the_handoff_only_while_they_outnumber_the_cores():
+    """``plait.sim.shared``: k computing ranks run at ``cores / k`` of their speed, and ``handoff`` times slower
+    still, but only while k > cores; with a core each, or one rank at a time, the hand-off costs nothing."""
+    from plait.errors import ConfigError
+    from plait.sim.shared import simulate_shared
+
+    sched = build_schedule("gpipe", 2, 4)
+    cpu = {"F": [1.0, 1.0], "B": [2.0, 2.0], "I": [0.0, 0.0], "W": [0.0, 0.0]}
+    comm = {k: [0.0, 0.0] for k in "FBIW"}
+    free = simulate_shared(sched, cpu, comm, 0.0, 2.0).makespan
+    assert free == simulate(sched, Costs(forward=1.0, backward=2.0, weight=None, p2p=0.0)).makespan
+    assert simulate_shared(sched, cpu, comm, 0.0, 2.0, handoff=1.5).makespan == free  # a core each
+    one = simulate_shared(sched, cpu, comm, 0.0, 1.0).makespan
+    slow = simulate_shared(sched, cpu, comm, 0.0, 1.0, handoff=1.5).makespan
+    # one core does all 24 s of work; with the hand-off, the part of it done two ranks at a time takes 1.5
+    # times as long, the parts done alone (the first forward, the last backward) do not
+    assert one == pytest.approx(24.0) and one + 1.0 < slow < 1.5 * one
+    single = build_schedule("gpipe", 2, 1)  # one micro-batch: never two ranks at once
+    assert simulate_shared(single, cpu, comm, 0.0, 1.0, handoff=3.0).makespan == pytest.approx(6.0)
+    with pytest.raises(ConfigError, match="handoff"):
+        simulate_shared(sched, cpu, comm, 0.0, 1.0, handoff=0.9)

@@ -25,6 +25,14 @@ CACHE_ENV = "PLAIT_CACHE_DIR"
 PRELOAD = ("torch", "plait.calibrate.run")  # imported once for the calibration's launches (``run_world``)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; every core where that is not known)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def host_facts() -> dict:
     """What identifies this host's speed: name, CPU, usable cores, memory, torch, backend and device."""
     import torch
@@ -37,10 +45,7 @@ def host_facts() -> dict:
                 break
     except OSError:
         pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    cores = usable_cores()
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

@@ -7,6 +7,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
 from plait.calibrate import kernels as k
-from plait.calibrate import tp_block
+from plait.calibrate import pipeline_block, tp_block, usable_cores
 from plait.plan import eager
 from plait.plan.profile import BLOCK, COLLECTIVES, LAYER, Curve, HostProfile, Rate, Section, TPBlock
 
@@ -28,7 +29,8 @@ def _pick(sizes: tuple, quick: bool) -> tuple:
 
 def total_steps(counts: list[int], quick: bool = False) -> int:
     """Progress ticks of a calibration of ``counts`` (for the progress bar): one per kernel figure of every
-    section (alone, or alone and shared in pairs), per collective and group size, per TP layer timed."""
+    section (alone, or alone and shared in pairs), per collective and group size, per TP layer timed, per
+    pipeline timed."""
     kernels = (len(_pick(k.GEMM_SHAPES, quick)) + len(_pick(k.ATTENTION_SHAPES, quick))
                + len(_pick(k.ELEMENT_SIZES, quick)) + len(eager.CALIBRATION_BLOCKS) + 3)  # overhead, stream, optimizer
     total = 0
@@ -36,6 +38,7 @@ def total_steps(counts: list[int], quick: bool = False) -> int:
         total += kernels
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
         total += 2 * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)  # with and without SP
+        total += pipeline_block.oversubscribed(p, _threads(p), usable_cores())
     return total
 
 
@@ -190,6 +193,7 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     quiet("optimizer step")
     probes.append(_probe(world_group, device))
     speed = (probes[-2] + probes[-1]) / 2
+    pipeline = (0.0, 0.0)
     if p == 1:
         curves: dict = {}
         layers: dict = {}
@@ -197,6 +201,10 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         curves = coll.curves(p, groups, world_group, device, quiet, quick)
         probes.append(_probe(world_group, device))
         layers = tp_block.measure_all(p, groups, world_group, device, quiet, quick)
+        if pipeline_block.oversubscribed(p, _threads(p), usable_cores()):
+            pipeline = pipeline_block.measure(p, world_group, device,
+                                              pipeline_block.BUDGET_S / 4 if quick else pipeline_block.BUDGET_S)
+            quiet(f"pipeline of {p} processes")
         probes.append(_probe(world_group, device))
     phases = [speed] * 3
     if p > 1:
@@ -205,7 +213,8 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
         return None, probes, phases
     assert figures is not None
     alone, shared = figures
-    return _make_section(p, {**alone, "optimizer": optimizer}, shared, curves, layers), probes, phases
+    section = _make_section(p, {**alone, "optimizer": optimizer}, shared, curves, layers)
+    return replace(section, pipeline_s=pipeline[0], pipeline_twin_s=pipeline[1]), probes, phases
 
 
 def _make_section(p: int, alone: dict | None, shared: dict | None, curves: dict, layers: dict) -> Section:

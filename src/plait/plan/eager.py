@@ -207,6 +207,11 @@ CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
 TP_CALIBRATION_BLOCKS = ((2, 64, 384, 12, 4), (4, 128, 384, 12, 4))
 
 
+# The pipelines ``plait calibrate`` times where processes outnumber the cores (``plait.calibrate.pipeline_block``):
+# two stages of the larger calibration layer, 1F1B over this many micro-batches.
+PIPELINE_CALIBRATION_MICROBATCHES = 4
+
+
 def block_local(shape: tuple[int, ...], tp: int = 1, sp: bool = False) -> Local:
     """The sizes of calibration block ``shape`` (``CALIBRATION_BLOCKS``, ``TP_CALIBRATION_BLOCKS``) on one of
     ``tp`` ranks (``sp``: sequence parallel) as the census counts them."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from plait.errors import ConfigError
+from plait.plan import eager, step_end, timing
 from plait.plan import memory as mem
-from plait.plan import step_end, timing
 from plait.plan.config import Cluster, Layout, Training, check, microbatches, runtime_gap
 from plait.plan.model import Model
 from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
@@ -199,8 +199,47 @@ def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Train
     sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual,
                            rounds=rounds)
     cpu, comm = action_costs(chunks, layout.schedule in SPLIT_BACKWARD)
-    r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage)
+    r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage, handoff(cluster))
     return r.makespan, sum(r.busy) / len(r.busy), stretch
+
+
+def handoff(cluster: Cluster) -> float:
+    """How many times slower than the cores' sharing alone a calibrated host's pipeline ranks run while they
+    outnumber its cores (``plait.sim.shared``'s ``handoff``): the slow-down at which the simulator gives the
+    calibration's pipeline (``plait.calibrate.pipeline_block``: two-stage 1F1B pipelines of the larger
+    calibration layer, the section's processes in pairs) its measured time over its twin's (the same work
+    without hand-offs), the layers costed as measured (``LAYER``: alone, shared and the forward's share).
+    1 where the profile timed no pipeline (the processes did not outnumber the cores, or format < 4)."""
+    from plait.schedules import build_schedule
+    from plait.sim.shared import simulate_shared
+
+    sec = cluster.section
+    whole = timing.whole_layers(sec)
+    if whole is None or sec.pipeline_s <= 0 or sec.pipeline_twin_s <= 0 or sec.processes % 2:
+        return 1.0
+    alone, shared, share = whole.alone[-1], whole.shared[-1], whole.forward_share
+    replicas = sec.processes // 2
+    cores = min(float(sec.processes), host_cores(cluster), sec.processes * alone / shared) / replicas
+    b, s, h, *_ = eager.CALIBRATION_BLOCKS[-1]
+    p2p = sec.collective("p2p", 2, 4.0 * b * s * h)
+    m = eager.PIPELINE_CALIBRATION_MICROBATCHES
+    sched = build_schedule("1f1b", stages=2, microbatches=m)
+    cpu = {"F": [alone * share] * 2, "B": [alone * (1 - share)] * 2, "I": [0.0] * 2, "W": [0.0] * 2}
+    comm = {kind: [0.0] * 2 for kind in "FBIW"}
+    target = sec.pipeline_s / sec.pipeline_twin_s * m * shared  # the twin: m layers, every process at once
+
+    def span(x: float) -> float:
+        return simulate_shared(sched, cpu, comm, p2p, cores, x).makespan
+
+    if span(1.0) >= target:
+        return 1.0
+    lo, hi = 1.0, 2.0
+    while span(hi) < target and hi < 16:
+        lo, hi = hi, 2 * hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def action_costs(chunks: list[timing.StageCosts], split: bool) -> tuple[dict[str, list[float]],

@@ -142,6 +142,9 @@ class Section:
     per parameter tensor (0: not measured; the per-parameter figure then holds both, as timed on a set of
     parameters that fit the cache).
     ``tp_blocks``: a tensor-parallel decoder layer timed over each group size (optional; see ``TPBlock``).
+    ``pipeline_s`` and ``pipeline_twin_s`` (format >= 4, where the processes outnumber the cores; else 0): a
+    step of two-stage pipelines of the larger calibration layer over the section's processes and the same
+    work without hand-offs (``plait.calibrate.pipeline_block``; ``plan.estimate.handoff``).
     """
 
     processes: int
@@ -153,11 +156,14 @@ class Section:
     optimizer_s_per_param: float = 0.0
     tp_blocks: tuple[TPBlock, ...] = ()
     optimizer_s_per_tensor: float = 0.0
+    pipeline_s: float = 0.0
+    pipeline_twin_s: float = 0.0
 
     def at_speed(self, kernels: float, collectives: float, tp: float) -> Section:
         """This section as if the host had run each phase of its measuring at ``x`` times the speed it had:
         the kernel figures (alone and shared, timed in pairs, the memory bandwidth and the optimizer step) by
-        ``kernels``, the collective curves by ``collectives``, the TP layers by ``tp`` (rates times ``x``,
+        ``kernels``, the collective curves by ``collectives``, the TP layers and the pipeline (timed after
+        them) by ``tp`` (rates times ``x``,
         seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
         speed over the whole calibration this way (``plait.calibrate.run``)."""
         def rate(kind: str, r: Rate) -> Rate:
@@ -172,7 +178,7 @@ class Section:
                        self.optimizer_s_per_param / kernels,
                        tuple(TPBlock(b.shape, b.group, b.sequence_parallel, b.seconds / tp, b.twin_s / tp)
                              for b in self.tp_blocks),
-                       self.optimizer_s_per_tensor / kernels)
+                       self.optimizer_s_per_tensor / kernels, self.pipeline_s / tp, self.pipeline_twin_s / tp)
 
     @staticmethod
     def average(sections: list[tuple[Section, int]]) -> Section:
@@ -210,12 +216,15 @@ class Section:
                     if (x.shape, x.group, x.sequence_parallel) == (b.shape, b.group, b.sequence_parallel)]
             blocks.append(TPBlock(b.shape, b.group, b.sequence_parallel, _mean([(x.seconds, w) for x, w in have]),
                                   _mean([(x.twin_s, w) for x, w in have])))
+        piped = [(s, w) for s, w in sections if s.pipeline_s > 0 and s.pipeline_twin_s > 0]
         return Section(first.processes, first.threads, rates,
                        _mean([(s.op_overhead_s, w) for s, w in sections]),
                        _harmonic([(s.memory_bandwidth, w) for s, w in sections]), curves,
                        _mean([(s.optimizer_s_per_param, w) for s, w in sections]),
                        tuple(sorted(blocks, key=lambda b: (b.shape, b.group, b.sequence_parallel))),
-                       _mean([(s.optimizer_s_per_tensor, w) for s, w in sections]))
+                       _mean([(s.optimizer_s_per_tensor, w) for s, w in sections]),
+                       _mean([(s.pipeline_s, w) for s, w in piped]) if piped else 0.0,
+                       _mean([(s.pipeline_twin_s, w) for s, w in piped]) if piped else 0.0)
 
     def tp_block(self, shape: tuple[int, ...], group: int, sequence_parallel: bool) -> TPBlock | None:
         """The timed layer of ``shape`` over ``group`` ranks (sequence parallel or not), if measured."""
@@ -311,7 +320,8 @@ class HostProfile:
                       f"op_overhead_s = {_value(s.op_overhead_s)}",
                       f"memory_bandwidth = {_value(s.memory_bandwidth)}",
                       f"optimizer_s_per_param = {_value(s.optimizer_s_per_param)}",
-                      f"optimizer_s_per_tensor = {_value(s.optimizer_s_per_tensor)}"]
+                      f"optimizer_s_per_tensor = {_value(s.optimizer_s_per_tensor)}",
+                      f"pipeline_s = {_value(s.pipeline_s)}", f"pipeline_twin_s = {_value(s.pipeline_twin_s)}"]
             for kind in sorted(s.rates):
                 r = s.rates[kind]
                 lines += ["", "[[section.rate]]", f'kind = "{kind}"', f"sizes = {_value(list(r.sizes))}",
@@ -376,7 +386,8 @@ def _section(s: dict, fmt: int) -> Section:
                            float(b["seconds"]), float(b["twin_s"])) for b in s.get("tp_block", []))
     return Section(int(s["processes"]), int(s["threads"]), rates, float(s["op_overhead_s"]),
                    float(s["memory_bandwidth"]), curves, float(s.get("optimizer_s_per_param", 0.0)), blocks,
-                   float(s.get("optimizer_s_per_tensor", 0.0)))
+                   float(s.get("optimizer_s_per_tensor", 0.0)), float(s.get("pipeline_s", 0.0)),
+                   float(s.get("pipeline_twin_s", 0.0)))
 
 
 def _mean(values: list[tuple[float, int]]) -> float:

@@ -216,7 +216,7 @@ def _work_costs(work: eager.Work, sec: Section, shared: bool, layer: bool = Fals
     return StageCosts(f, b, gemm)
 
 
-def _whole_layers(sec: Section) -> Rate | None:
+def whole_layers(sec: Section) -> Rate | None:
     """The calibration layers' whole seconds (``LAYER``), if the profile timed this version's layers."""
     whole = sec.rates.get(LAYER)
     sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
@@ -232,7 +232,7 @@ def in_step(sec: Section, shared: bool, seconds: float) -> float:
     real decoder layer's measured seconds over the kernel figures' for the same layer; between the blocks
     interpolated in the log of ``seconds`` (what the kernel figures give the work alone), flat beyond. 1 where
     the profile did not time whole layers (format < 4)."""
-    whole = _whole_layers(sec)
+    whole = whole_layers(sec)
     if whole is None:
         return 1.0
     points = []
@@ -256,7 +256,7 @@ def forward_share_factor(sec: Section) -> float:
     the forward that the layer spends in its backward (0.36 measured against 0.39-0.41 on a 2-core host: a
     pipeline's backwards and a recomputation's forward feel it, a step's total does not). 1 without whole
     layers (format < 4)."""
-    whole = _whole_layers(sec)
+    whole = whole_layers(sec)
     if whole is None:
         return 1.0
     c = _work_costs(eager.layer_work(eager.block_local(eager.CALIBRATION_BLOCKS[-1]), 4), sec, False, layer=True)
@@ -306,7 +306,7 @@ def _in_step_costs(work: eager.Work, sec: Section, shared: bool, layer: bool, tp
     c = alone if not shared else _work_costs(work, sec, True, layer)
     seconds = alone.f_compute + alone.b_compute
     x = in_step(sec, shared, seconds)
-    twin = in_tp_step(sec, tp, seconds) if layer and tp > 1 and _whole_layers(sec) else None
+    twin = in_tp_step(sec, tp, seconds) if layer and tp > 1 and whole_layers(sec) else None
     if twin is not None:
         x *= twin / in_step(sec, True, seconds)
     f, b = c.f_compute * x, c.b_compute * x

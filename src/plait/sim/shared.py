@@ -3,9 +3,10 @@
 ``plait.sim.simulate`` gives every rank its own device. When pipeline ranks are processes of one host
 and outnumber its cores, a rank computes slower while more ranks compute at once: with ``k`` ranks
 computing, each progresses at ``min(1, cores / k)`` of its own speed (processor sharing, as the kernel's
-fair scheduler approximates). Each action is its compute (``cpu`` seconds alone, shared) followed by its
-communication (``comm`` seconds, not sharing a core); the dependencies are those of
-``plait.schedules.execute`` (a remote input arrives ``p2p`` after it was produced). Event-driven: every
+fair scheduler approximates), and ``handoff`` times slower still while ``k > cores`` (ranks that wake each
+other on a full host take cores from running ones). Each action is its compute (``cpu`` seconds alone,
+shared) followed by its communication (``comm`` seconds, not sharing a core); the dependencies are those
+of ``plait.schedules.execute`` (a remote input arrives ``p2p`` after it was produced). Event-driven: every
 event (an action's compute or communication ending, a delayed input arriving) is visited once.
 """
 
@@ -46,10 +47,16 @@ class _Rank:
 
 
 def simulate_shared(schedule: Schedule, cpu: dict[str, list[float]], comm: dict[str, list[float]],
-                    p2p: float, cores: float) -> SharedResult:
-    """``cpu[kind][chunk]`` / ``comm[kind][chunk]``: seconds of each kind of action on each chunk."""
+                    p2p: float, cores: float, handoff: float = 1.0) -> SharedResult:
+    """``cpu[kind][chunk]`` / ``comm[kind][chunk]``: seconds of each kind of action on each chunk.
+    ``handoff``: how many times slower than ``cores / k`` ranks run while they outnumber the cores (``k >
+    cores``): ranks that hand work to each other wake one another, and a woken rank on a full host takes a
+    core from one that was running (``plait calibrate`` times a pipeline of real layers against the same
+    work without hand-offs; 1.08-1.11 for four processes on two cores)."""
     if cores <= 0:
         raise ConfigError(f"cores={cores}: must be > 0")
+    if handoff < 1.0:
+        raise ConfigError(f"handoff={handoff}: must be >= 1 (a slow-down)")
     n, m = schedule.num_stages, schedule.microbatches
     done: tuple[dict, dict] = ({}, {})  # (table, key) -> end time, for forward (0) and backward (1) results
     ranks = [_Rank() for _ in schedule.actions]
@@ -60,7 +67,8 @@ def simulate_shared(schedule: Schedule, cpu: dict[str, list[float]], comm: dict[
         _advance(schedule, r, rk, cpu, comm, done, now, p2p, n, m, timeline)
     while any(rk.state != _DONE for rk in ranks):
         computing = [rk for rk in ranks if rk.state == _CPU]
-        speed = min(1.0, cores / len(computing)) if computing else 1.0
+        k = len(computing)
+        speed = 1.0 if k <= cores else cores / (k * handoff)
         times = [rk.left / speed for rk in computing]
         times += [rk.left - now for rk in ranks if rk.state in (_COMM, _WAIT)]
         if not times:
