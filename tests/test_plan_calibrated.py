@@ -97,6 +97,46 @@ def test_real_layers_set_the_level_of_their_kernels():
     assert plain.f_compute / (plain.f_compute + plain.b_compute) != pytest.approx(0.36, abs=0.01)
 
 
+def test_selective_recomputation_costs_what_the_calibration_layers_recomputing_took():
+    """Where a profile timed what recomputing its calibration layers' attention cores added
+    (``recomputed_core``), a selective layer's recomputation costs the line through the blocks' figures at
+    its query elements (alone, or shared with every process at it), not the core's forward that an older
+    profile costs it at; never below 0; a tensor-parallel layer at its own rank's heads."""
+    from dataclasses import replace
+
+    from plait.plan.profile import SELECTIVE
+
+    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS)))),
+                        (1.2, 1.3), (1.4, 1.5))
+    layer = base.rates["layer"]
+    attn = base.rates["attention"]
+    xs = [eager.block_local(b).q for b in eager.CALIBRATION_BLOCKS]
+    alone, shared = (1e-4, 6e-4), (3e-4, 1e-3)  # seconds the recomputation added at each block
+    sec = replace(base, rates={**base.rates, SELECTIVE: Rate(layer.sizes, alone, shared, 0.36)})
+    model = Model.preset("tiny", seq_len=128)
+    for tp in (1, 2):
+        layout = Layout(tp=tp, pp=1, dp=1, microbatch_size=2, recompute="selective")
+        sh = eager.local(model, layout)
+
+        def line(extra: tuple[float, float]) -> float:
+            return max(0.0, extra[0] + (extra[1] - extra[0]) * (sh.q - xs[0]) / (xs[1] - xs[0]))  # noqa: B023
+
+        for is_shared, extra in ((False, alone), (True, shared)):
+            assert timing.selective_recompute(sec, is_shared, sh) == pytest.approx(line(extra))
+            if tp == 1:  # (this section timed no collectives for a TP layer's)
+                layer_cost, _, _ = timing.block_costs(model, _cluster(sec), layout, "fp32", shared=is_shared)
+                assert layer_cost.recompute == pytest.approx(line(extra))
+    assert sh.q == eager.local(model, Layout(tp=1, pp=1, dp=1, microbatch_size=2)).q / 2  # tp 2: half the heads
+    layout = Layout(tp=1, pp=1, dp=1, microbatch_size=2, recompute="selective")
+    w = eager.layer_work(eager.local(model, layout), 4)
+    old_cost, _, _ = timing.block_costs(model, _cluster(base), layout, "fp32")
+    assert timing.selective_recompute(base, False, eager.local(model, layout)) is None
+    assert old_cost.recompute == pytest.approx(w.attention / attn.at(w.attention_size, False) * attn.forward_share)
+    falling = replace(sec, rates={**sec.rates, SELECTIVE: Rate(layer.sizes, (1e-3, 0.0), shared, 0.36)})
+    far = eager.local(Model.preset("tiny", seq_len=1024), Layout(tp=1, pp=1, dp=1, microbatch_size=8))
+    assert far.q > xs[1] and timing.selective_recompute(falling, False, far) == 0.0
+
+
 def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
     """A layer sharded over TP ranks, shared, costs what the TP calibration's compute twin of its shape took
     (the twins set the level of a sharded layer), so that with the waits (the TP layer less its twin) it adds
@@ -266,7 +306,7 @@ def test_format_1_profiles_still_read(tmp_path):
     back = HostProfile.from_toml(text)
     assert back == old and back.section(1).optimizer_s_per_param == back.section(1).optimizer_s_per_tensor == 0.0
     assert timing.block_elementwise(back.section(1)) is None
-    with pytest.raises(ValueError, match="format 1, 2, 3 or 4"):
+    with pytest.raises(ValueError, match="format 1, 2, 3, 4 or 5"):
         HostProfile.from_toml(text.replace("format = 1", f"format = {FORMAT + 1}"))
 
 
@@ -314,12 +354,14 @@ def test_calibration_takes_the_largest_blocks_forward_share():
         return {"matmul": [(1e6, 1e10, 1 / 3), (1e9, 2e10, 1 / 3)], "attention": [(1e3, 1e9, 0.2), (1e4, 2e9, 0.4)],
                 "elementwise": [(1e3, 1e9, 0.25), (1e5, 2e9, 0.35)], "block": block}
 
-    rates = _rates(figures([(98304.0, 3e-3, 0.4, 2e-2, 0.35), (4096.0, 1e-3, 0.8, 2e-3, 0.5)]),
-                   figures([(98304.0, 6e-3, 0.1, 4e-2, 0.3), (4096.0, 2e-3, 0.9, 4e-3, 0.6)]))
+    rates = _rates(figures([(98304.0, 3e-3, 0.4, 2e-2, 0.35, 3e-3), (4096.0, 1e-3, 0.8, 2e-3, 0.5, 5e-4)]),
+                   figures([(98304.0, 6e-3, 0.1, 4e-2, 0.3, 9e-3), (4096.0, 2e-3, 0.9, 4e-3, 0.6, 1e-4)]))
     assert rates["block"].forward_share == pytest.approx(0.4)
     assert rates["attention"].forward_share == pytest.approx(0.3)
     assert rates["block"].alone == (1e-3, 3e-3) and rates["block"].shared == (2e-3, 6e-3)
     assert rates["layer"] == Rate((4096.0, 98304.0), (2e-3, 2e-2), (4e-3, 4e-2), 0.35)
+    # the recomputation alone as measured; shared as the whole layer shared the cores (not as its pairs read)
+    assert rates["recomputed_core"] == Rate((4096.0, 98304.0), (5e-4, 3e-3), (1e-3, 6e-3), 0.35)
 
 
 def test_zero_1_and_2_twins_are_ranked_once():

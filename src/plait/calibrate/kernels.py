@@ -9,6 +9,7 @@ milliseconds: the whole calibration takes about a minute.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +31,8 @@ ELEMENT_SIZES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)  # elements of the hidden s
 TINY = (2, 4, 8)  # [B, S, h] for the fixed cost of a kernel
 REFERENCE_SHAPE = GEMM_SHAPES[3]  # the host-speed probe (``reference_rate``)
 BUDGET_S = 0.06  # time each figure is measured for (after a warm-up call)
-BLOCK_BUDGET_S = 0.6  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
+BLOCK_BUDGET_S = 0.9  # a decoder layer's rest is a small difference of two larger times: it needs more repeats
+# (the budget covers the layer, its skeleton and the layer recomputing its attention core: 0.3 s each)
 OPTIMIZER_STATE_BYTES = 2**27  # the optimizer step is timed over parameters whose p, grad, m, v outgrow this
 OPTIMIZER_SMALL_TENSORS = (256, 1024)  # (tensors, elements each) of the set that times its fixed cost per tensor
 
@@ -283,16 +285,22 @@ def _skeleton(shape: tuple[int, int, int, int, int], device: torch.device,
 
 
 def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype) -> Kernel:
-    """(hidden-state elements, seconds, forward share, layer seconds, layer forward share) of a real decoder
-    layer: its forward + backward beyond its GEMMs and attention (its "rest": norms, RoPE, activations,
-    residuals, reshapes, autograd's bookkeeping) and the share of that rest spent in the forward; then the
-    whole layer's seconds and its forward's share of them. The layer and its kernel skeleton (``_skeleton``)
-    are timed in alternation, each reporting its forward apart, so that both see the same machine; the forward
-    records autograd's graph as a training step's does; the parameters' gradients accumulate as over a step's
-    micro-batches. The rest is a difference of two close times: it is taken round by round (each round sees
-    the same machine) and then reduced."""
+    """(hidden-state elements, seconds, forward share, layer seconds, layer forward share, recomputed core
+    seconds) of a real decoder layer: its forward + backward beyond its GEMMs and attention (its "rest":
+    norms, RoPE, activations, residuals, reshapes, autograd's bookkeeping) and the share of that rest spent
+    in the forward; then the whole layer's seconds and its forward's share of them; then what recomputing
+    its attention core in the backward, as ``recompute="selective"`` runs it (``plait.recompute``: the core
+    under a checkpoint), adds to the whole layer. The layer, its kernel skeleton (``_skeleton``) and the
+    recomputing layer are timed in alternation, the first two reporting their forward apart, so that all see
+    the same machine; the forward records autograd's graph as a training step's does; the parameters'
+    gradients accumulate as over a step's micro-batches. The rest and the recomputation are differences of
+    close times: each is taken round by round (each round sees the same machine) and then reduced."""
+    from plait.recompute import recompute_attention
+
     layer, x = _block(shape, device, dtype)
     g = torch.randn_like(x)
+    recomputing = copy.deepcopy(layer)
+    recompute_attention({"self_attn": recomputing.self_attn}, "the calibration layer")
     skeleton_forward, skeleton_backward = _skeleton(shape, device, dtype)
 
     def timed_in_two(forward: Callable[[], list[torch.Tensor]], backward: Callable[[list[torch.Tensor]], None],
@@ -312,10 +320,16 @@ def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: to
                                                    strict=True)])
         share = min(max(rest_forward / rest, 0.0), 1.0) if rest > 0 else 1 / 3
         whole = pick(_seconds(r, "layer"))
-        return float(x.numel()), max(rest, 0.0), share, whole, min(pick(_seconds(r, "layer forward")) / whole, 1.0)
+        redone = pick([a - b for a, b in zip(_seconds(r, "selective"), _seconds(r, "layer"), strict=True)])
+        return (float(x.numel()), max(rest, 0.0), share, whole, min(pick(_seconds(r, "layer forward")) / whole, 1.0),
+                max(redone, 0.0))
+
+    def selective() -> None:
+        recomputing(x).backward(g)
 
     calls = {"layer": timed_in_two(lambda: [layer(x)], lambda outs: outs[0].backward(g), "layer forward"),
-             "skeleton": timed_in_two(skeleton_forward, skeleton_backward, "skeleton forward")}
+             "skeleton": timed_in_two(skeleton_forward, skeleton_backward, "skeleton forward"),
+             "selective": selective}
     return Kernel(f"decoder layer {'x'.join(map(str, shape[:3]))}", calls, figure, BLOCK_BUDGET_S)
 
 

@@ -20,14 +20,17 @@ For each process count (default 1, 2 and 4) it measures what one process gets wi
 `plait train` gives it, alone and with every process busy (in pairs a moment apart): matmul, causal
 attention and element-wise FLOP/s or bytes/s, the fixed cost of a kernel, memory bandwidth, two real
 decoder layers (whose seconds, alone and shared, set the level of the kernels' figures: kernels run
-slower in a step than in their own loops), the optimizer step, and the time of all-reduce, all-gather,
+slower in a step than in their own loops; and with their attention cores recomputed, what selective
+recomputation costs), the optimizer step, and the time of all-reduce, all-gather,
 reduce-scatter, all-to-all and point-to-point over every group size, from 1 KB to 4 MB; then a
 tensor-parallel decoder layer over every group size, beside its compute twin (the same kernels without
 collectives, which sets a sharded layer's level) and its collectives alone: what it takes beyond them is
-the wait each tensor-parallel collective of a run adds. Between its phases it probes the host's speed (one
+the wait each tensor-parallel collective of a run adds; and where the processes outnumber the cores, a
+two-stage pipeline of the larger layer beside its twin (how much the stages' hand-offs slow a crowded
+host). Between its phases it probes the host's speed (one
 linear layer on one thread) and scales each phase to the mean speed; it warns when the probes spread
 more than {STEADY:.0%} (beyond their own noise: a busy host, or a virtual machine's neighbours). Takes
-about a minute (44-48 s on a quiet 2-core VM, 52-62 s on a busy one). On such a host, `--repeat N` keeps
+about a minute (50-54 s on a quiet 2-core VM). On such a host, `--repeat N` keeps
 the mean of N calibrations, and `--add` averages a new one into the profile's earlier ones (take them at
 different moments): the profile then predicts the host's average, not one minute of it.
 `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by default from

@@ -25,13 +25,15 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 KERNELS = ("matmul", "attention", "elementwise")
 BLOCK = "block"  # optional kind (format >= 2): decoder layers' seconds beyond GEMMs and attention
 LAYER = "layer"  # optional kind (format >= 4): the same decoder layers' whole seconds, alone and shared
-SECONDS_KINDS = (BLOCK, LAYER)  # kinds whose figures are seconds, not speeds
-FORMAT = 4
+SELECTIVE = "recomputed_core"  # optional kind (format >= 5): what recomputing those layers' attention cores adds
+SECONDS_KINDS = (BLOCK, LAYER, SELECTIVE)  # kinds whose figures are seconds, not speeds
+FORMAT = 5
 HOST_KEYS = ("hostname", "cpu", "cores", "memory_bytes", "torch", "backend", "device")  # what changes speeds
 # format 1: no decoder-layer timings nor optimizer step (the kernel mix only); format 2: the decoder layers'
 # forward share is the whole layer's without autograd (read as the kernel mix's, see ``_section``); format 3:
-# no whole-layer seconds (``LAYER``: a layer is costed from its kernels' figures alone)
-READABLE_FORMATS = (1, 2, 3, 4)
+# no whole-layer seconds (``LAYER``: a layer is costed from its kernels' figures alone); format 4: no layer
+# with its attention core recomputed (``SELECTIVE``: selective recomputation costed as the core's forward)
+READABLE_FORMATS = (1, 2, 3, 4, 5)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import Cluster, Layout
 from plait.plan.memory import ACTIVATION_BYTES, activation_bytes_per_layer, layout_stages
 from plait.plan.model import Model
-from plait.plan.profile import BLOCK, LAYER, Rate, Section
+from plait.plan.profile import BLOCK, LAYER, SELECTIVE, Rate, Section
 
 # Matmul efficiency falls for narrow GEMMs: eff = gpu.matmul_efficiency · n/(n + GEMM_HALF), n the
 # per-GPU shard width h/t (capped by the tokens of a micro-batch). One constant for every GPU,
@@ -296,6 +296,28 @@ def _log_line(points: list[tuple[float, float]], x: float) -> float:
     return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
 
 
+def selective_recompute(sec: Section, shared: bool, sh: eager.Local) -> float | None:
+    """Seconds recomputing its attention core adds to a layer of sizes ``sh`` (plait's
+    ``recompute="selective"``: the core under a non-reentrant checkpoint), on a calibrated host that timed
+    its calibration layers with and without it (``SELECTIVE``; else None): the line through the blocks'
+    measured additions (``shared``: with every process at it) against their query elements (``Local.q``,
+    ``T·heads·d`` on a rank), at this layer's; not below 0. The addition is more than the core's forward:
+    the checkpoint saves and unpacks its inputs through hooks, repeats GQA's keys and values again and runs
+    the forward with autograd recording, on working sets the layer evicted (a layer of 2 sequences of 128,
+    4 heads over 2 KV heads of 32, one thread: 1.35 ms more than without it, the core alone in a loop 0.78
+    ms, its forward 0.46 ms). A fixed part and a part growing with the tensors the checkpoint handles are what
+    a line in the query elements holds; in the attention's FLOPs it put a layer of 4 sequences of 128 at 5.9
+    ms where it took 3.7 (elements: 3.3)."""
+    whole, redone = whole_layers(sec), sec.rates.get(SELECTIVE)
+    if whole is None or redone is None or redone.sizes != whole.sizes:
+        return None
+    points = sorted((eager.block_local(shape).q, redone.shared[i] if shared else redone.alone[i])
+                    for i, shape in enumerate(eager.CALIBRATION_BLOCKS))
+    (x0, y0), (x1, y1) = points[0], points[-1]
+    y = y0 if x1 <= x0 else y0 + (y1 - y0) * (sh.q - x0) / (x1 - x0)
+    return max(0.0, y)
+
+
 def _in_step_costs(work: eager.Work, sec: Section, shared: bool, layer: bool, tp: int = 1) -> StageCosts:
     """``_work_costs`` times ``in_step``'s factor for work of that size; a ``layer`` over ``tp`` > 1 ranks
     also times what its compute twins say beyond that (``in_tp_step`` over ``in_step``'s shared factor: the
@@ -382,9 +404,11 @@ def _eager_block(kind: str, model: Model, cluster: Cluster, layout: Layout, prec
     if t > 1:
         f_tp, b_tp = max(0.0, f_tp + nf * wait), max(0.0, b_tp + nb * wait)
     recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
-    if kind == "layer" and layout.recompute == "selective":  # the attention core's forward again
-        attn = cluster.section.rates["attention"]
-        recompute = work.attention / attn.at(work.attention_size, shared) * attn.forward_share
+    if kind == "layer" and layout.recompute == "selective":  # the attention core again, under its checkpoint
+        measured = selective_recompute(cluster.section, shared, sh)
+        attn = cluster.section.rates["attention"]  # an older profile: the core's forward by the kernel figures
+        recompute = measured if measured is not None else \
+            work.attention / attn.at(work.attention_size, shared) * attn.forward_share
     return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
                       1 if kind == "layer" else 0)
 

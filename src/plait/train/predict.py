@@ -45,17 +45,17 @@ def host_profile(cfg: TrainConfig, ctx):
     from plait.calibrate.run import measure_in_world
     from plait.calibrate.tp_block import group_sizes as tp_group_sizes
     from plait.plan.eager import TP_CALIBRATION_BLOCKS
-    from plait.plan.profile import LAYER
+    from plait.plan.profile import SELECTIVE
 
     facts = host_facts()
     path = cache_path(facts)
     world = ctx.world_size
     cached = cached_profile(path)
-    # a section of an older calibration (no whole decoder-layer timings, or a tensor-parallel layer timed at
-    # fewer sizes than this version times) is measured again
+    # a section of an older calibration (no whole decoder-layer timings, with and without the attention core
+    # recomputed, or a tensor-parallel layer timed at fewer sizes than this version times) is measured again
     sec = None if cached is None else cached.sections.get(world)
     timed = set() if sec is None else {tuple(b.shape) for b in sec.tp_blocks}
-    need = [sec is None or LAYER not in sec.rates
+    need = [sec is None or SELECTIVE not in sec.rates
             or (world > 1 and bool(tp_group_sizes(world)) and not timed >= set(TP_CALIBRATION_BLOCKS))]
     if world > 1:
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
