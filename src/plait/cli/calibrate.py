@@ -30,7 +30,7 @@ two-stage pipeline of the larger layer beside its twin (how much the stages' han
 host). Between its phases it probes the host's speed (one
 linear layer on one thread) and scales each phase to the mean speed; it warns when the probes spread
 more than {STEADY:.0%} (beyond their own noise: a busy host, or a virtual machine's neighbours). Takes
-about a minute (50-54 s on a quiet 2-core VM). On such a host, `--repeat N` keeps
+about a minute (52-56 s on a quiet 2-core VM). On such a host, `--repeat N` keeps
 the mean of N calibrations, and `--add` averages a new one into the profile's earlier ones (take them at
 different moments): the profile then predicts the host's average, not one minute of it.
 `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by default from
