@@ -247,7 +247,7 @@ def stream(device: torch.device) -> Kernel:
     return Kernel("memory bandwidth", {"copy": copy}, lambda r, pick: (nbytes / pick(_seconds(r, "copy")),))
 
 
-def _block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype):
+def decoder_layer(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype):
     """Calibration block ``shape`` (``plan.eager.CALIBRATION_BLOCKS``): plait's Llama decoder layer and an input."""
     from plait.models.llama import DecoderLayer, LlamaConfig
 
@@ -297,7 +297,7 @@ def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: to
     close times: each is taken round by round (each round sees the same machine) and then reduced."""
     from plait.recompute import recompute_attention
 
-    layer, x = _block(shape, device, dtype)
+    layer, x = decoder_layer(shape, device, dtype)
     g = torch.randn_like(x)
     recomputing = copy.deepcopy(layer)
     recompute_attention({"self_attn": recomputing.self_attn}, "the calibration layer")
@@ -346,7 +346,7 @@ def optimizer_times(device: torch.device) -> tuple[float, float]:
     block = eager.CALIBRATION_BLOCKS[-1]
     big: list[torch.Tensor] = []
     while 16 * sum(p.numel() for p in big) < OPTIMIZER_STATE_BYTES:
-        layer, x = _block(block, device, torch.float32)
+        layer, x = decoder_layer(block, device, torch.float32)
         layer(x).sum().backward()
         big += [p for p in layer.parameters() if p.grad is not None]
     count, size = OPTIMIZER_SMALL_TENSORS

@@ -47,10 +47,10 @@ def _posted(work):
 
 def _parts(device: torch.device):
     """(pipeline step, twin step) closures of this rank (stage ``rank % 2`` of replica ``rank // 2``)."""
-    from plait.calibrate.kernels import _block, sync
+    from plait.calibrate.kernels import decoder_layer, sync
     from plait.schedules import build_schedule
 
-    layer, x = _block(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
+    layer, x = decoder_layer(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
     x = x.detach()  # [B, S, h]
     rank = dist.get_rank()
     stage, peer = rank % 2, rank ^ 1

@@ -209,7 +209,7 @@ def handoff(cluster: Cluster) -> float:
     calibration's pipeline (``plait.calibrate.pipeline_block``: two-stage 1F1B pipelines of the larger
     calibration layer, the section's processes in pairs) its measured time over its twin's (the same work
     without hand-offs), the layers costed as measured (``LAYER``: alone, shared and the forward's share).
-    1 where the profile timed no pipeline (the processes did not outnumber the cores, or format < 4)."""
+    1 where the profile timed no pipeline (the processes did not outnumber the cores, or an older profile)."""
     from plait.schedules import build_schedule
     from plait.sim.shared import simulate_shared
 
