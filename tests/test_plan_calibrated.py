@@ -2,8 +2,9 @@
 
 import pytest
 
-from plait.plan import Model, eager, step_end, timing
+from plait.plan import Model, eager, host_compute, step_end, timing
 from plait.plan.config import Cluster, Layout
+from plait.plan.costs import StageCosts
 from plait.plan.profile import FORMAT, HostProfile, Rate, Section
 from profile_util import synthetic_profile
 
@@ -31,7 +32,7 @@ def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
     speed = 2e9  # bytes/s: both blocks' rest chosen to give it
     rest = tuple(w.elem_bytes / speed for w in works)
     sec = _section(rest)
-    block = timing.block_elementwise(sec)
+    block = host_compute.block_elementwise(sec)
     assert block is not None
     assert block.sizes == pytest.approx([w.elem_bytes / w.ops for w in works])
     assert block.alone == pytest.approx([speed, speed]) and block.shared == pytest.approx([speed / 2, speed / 2])
@@ -56,7 +57,7 @@ def _with_layers(sec: Section, alone: tuple[float, float], shared: tuple[float, 
 
     from plait.plan.profile import LAYER
 
-    model = {x: [timing._work_costs(eager.layer_work(eager.block_local(b), 4), sec, x, layer=True)
+    model = {x: [host_compute.work_costs(eager.layer_work(eager.block_local(b), 4), sec, x, layer=True)
                  for b in eager.CALIBRATION_BLOCKS] for x in (False, True)}
     seconds = {x: [c.f_compute + c.b_compute for c in model[x]] for x in (False, True)}
     sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
@@ -73,18 +74,18 @@ def test_real_layers_set_the_level_of_their_kernels():
     from plait.plan.model import llama_ffn
 
     sec = _section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS))))
-    assert timing.in_step(sec, False, 1e-2) == timing.in_step(sec, True, 1e-2) == 1.0
+    assert host_compute.in_step(sec, False, 1e-2) == host_compute.in_step(sec, True, 1e-2) == 1.0
     timed = _with_layers(sec, (1.3, 1.1), (0.9, 1.05))
-    alone = [timing._work_costs(eager.layer_work(eager.block_local(b), 4), sec, False, layer=True)
+    alone = [host_compute.work_costs(eager.layer_work(eager.block_local(b), 4), sec, False, layer=True)
              for b in eager.CALIBRATION_BLOCKS]
     small, large = (c.f_compute + c.b_compute for c in alone)
-    assert timing.in_step(timed, False, small) == pytest.approx(1.3)
-    assert timing.in_step(timed, False, large) == pytest.approx(1.1)
-    assert timing.in_step(timed, True, small) == pytest.approx(0.9)
-    assert timing.in_step(timed, True, small / 10) == pytest.approx(0.9)  # flat beyond
-    assert timing.in_step(timed, True, large * 10) == pytest.approx(1.05)
+    assert host_compute.in_step(timed, False, small) == pytest.approx(1.3)
+    assert host_compute.in_step(timed, False, large) == pytest.approx(1.1)
+    assert host_compute.in_step(timed, True, small) == pytest.approx(0.9)
+    assert host_compute.in_step(timed, True, small / 10) == pytest.approx(0.9)  # flat beyond
+    assert host_compute.in_step(timed, True, large * 10) == pytest.approx(1.05)
     mid = (small * large) ** 0.5  # halfway in log
-    assert timing.in_step(timed, False, mid) == pytest.approx(1.2)
+    assert host_compute.in_step(timed, False, mid) == pytest.approx(1.2)
     b, s, h, heads, kv = eager.CALIBRATION_BLOCKS[-1]
     model = Model(n_layers=2, hidden=h, n_heads=heads, n_kv_heads=kv, ffn_hidden=llama_ffn(h), glu=True,
                   vocab=256, seq_len=s)
@@ -122,7 +123,7 @@ def test_selective_recomputation_costs_what_the_calibration_layers_recomputing_t
             return max(0.0, extra[0] + (extra[1] - extra[0]) * (sh.q - xs[0]) / (xs[1] - xs[0]))  # noqa: B023
 
         for is_shared, extra in ((False, alone), (True, shared)):
-            assert timing.selective_recompute(sec, is_shared, sh) == pytest.approx(line(extra))
+            assert host_compute.selective_recompute(sec, is_shared, sh) == pytest.approx(line(extra))
             if tp == 1:  # (this section timed no collectives for a TP layer's)
                 layer_cost, _, _ = timing.block_costs(model, _cluster(sec), layout, "fp32", shared=is_shared)
                 assert layer_cost.recompute == pytest.approx(line(extra))
@@ -130,11 +131,11 @@ def test_selective_recomputation_costs_what_the_calibration_layers_recomputing_t
     layout = Layout(tp=1, pp=1, dp=1, microbatch_size=2, recompute="selective")
     w = eager.layer_work(eager.local(model, layout), 4)
     old_cost, _, _ = timing.block_costs(model, _cluster(base), layout, "fp32")
-    assert timing.selective_recompute(base, False, eager.local(model, layout)) is None
+    assert host_compute.selective_recompute(base, False, eager.local(model, layout)) is None
     assert old_cost.recompute == pytest.approx(w.attention / attn.at(w.attention_size, False) * attn.forward_share)
     falling = replace(sec, rates={**sec.rates, SELECTIVE: Rate(layer.sizes, (1e-3, 0.0), shared, 0.36)})
     far = eager.local(Model.preset("tiny", seq_len=1024), Layout(tp=1, pp=1, dp=1, microbatch_size=8))
-    assert far.q > xs[1] and timing.selective_recompute(falling, False, far) == 0.0
+    assert far.q > xs[1] and host_compute.selective_recompute(falling, False, far) == 0.0
 
 
 def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
@@ -152,7 +153,7 @@ def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
     shapes = eager.TP_CALIBRATION_BLOCKS
     twins = []
     for i, shape in enumerate(shapes):  # twins measured at 0.8 and 0.7 times the kernel figures, shared
-        c = timing._work_costs(eager.layer_work(eager.block_local(shape, 2, False), 4), base, True, layer=True)
+        c = host_compute.work_costs(eager.layer_work(eager.block_local(shape, 2, False), 4), base, True, layer=True)
         for sp in (False, True):
             twins.append(TPBlock(shape, 2, sp, 1.0, (0.8 - 0.1 * i) * (c.f_compute + c.b_compute)))
     curves = {(op, g): Curve((1024.0, 4e6), (5e-5, 5e-5 + 4e6 / 2e9)) for op in COLLECTIVES for g in (2, 4)}
@@ -167,14 +168,14 @@ def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
     alone, _, _ = timing.block_costs(model, cluster, layout, "fp32")
     assert shared.f_compute + shared.b_compute == pytest.approx(twins[-1].twin_s)
     work = eager.layer_work(eager.local(model, layout), 4)
-    kernels = {x: timing._work_costs(work, sec, x, layer=True) for x in (False, True)}
+    kernels = {x: host_compute.work_costs(work, sec, x, layer=True) for x in (False, True)}
     seconds = kernels[False].f_compute + kernels[False].b_compute
-    ratio = timing.in_step(sec, False, seconds) / timing.in_step(sec, True, seconds)
+    ratio = host_compute.in_step(sec, False, seconds) / host_compute.in_step(sec, True, seconds)
     assert (alone.f_compute + alone.b_compute) / (shared.f_compute + shared.b_compute) == pytest.approx(
         ratio * seconds / (kernels[True].f_compute + kernels[True].b_compute))
-    four = timing._work_costs(eager.layer_work(eager.block_local(shapes[0], 4, False), 4), sec, True, layer=True)
-    assert timing.in_tp_step(sec, 4, seconds) == pytest.approx(1e-9 / (four.f_compute + four.b_compute))
-    assert timing.in_tp_step(sec, 8, seconds) is None
+    four = host_compute.work_costs(eager.layer_work(eager.block_local(shapes[0], 4, False), 4), sec, True, layer=True)
+    assert host_compute.in_tp_step(sec, 4, seconds) == pytest.approx(1e-9 / (four.f_compute + four.b_compute))
+    assert host_compute.in_tp_step(sec, 8, seconds) is None
 
 
 def test_shared_speed_is_alone_over_the_kinds_median_slowdown():
@@ -196,7 +197,7 @@ def test_a_blocks_shared_rest_slows_as_the_elementwise_kernels():
     sec = _section(rest)
     sec = Section(1, 2, {**sec.rates, "block": Rate(sec.rates["block"].sizes, rest,
                                                       tuple(1.2 * r for r in rest), 0.3)}, OVERHEAD, 1e10)
-    block = timing.block_elementwise(sec)
+    block = host_compute.block_elementwise(sec)
     assert block is not None
     assert block.shared == pytest.approx([speed / 2, speed / 2])
 
@@ -205,12 +206,12 @@ def test_block_rest_is_floored_and_other_blocks_ignored():
     """A rest measured as 0 (noise) costs a tenth of the kernel mix's estimate, not nothing; a profile whose
     blocks are not plan.eager's current ones is not used (the mix is)."""
     sec = _section((0.0, 0.0))
-    block = timing.block_elementwise(sec)
+    block = host_compute.block_elementwise(sec)
     w = eager.layer_work(eager.block_local(eager.CALIBRATION_BLOCKS[0]), 4)
-    floor = timing.BLOCK_REST_FLOOR * (w.elem_bytes / MIX + w.ops * OVERHEAD)
+    floor = host_compute.BLOCK_REST_FLOOR * (w.elem_bytes / MIX + w.ops * OVERHEAD)
     assert block is not None and block.alone[0] == pytest.approx(w.elem_bytes / floor)
     other = Section(1, 2, {**sec.rates, "block": Rate((10.0, 20.0), (1.0, 1.0), (1.0, 1.0))}, OVERHEAD, 1e10)
-    assert timing.block_elementwise(other) is None
+    assert host_compute.block_elementwise(other) is None
 
 
 def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
@@ -305,7 +306,7 @@ def test_format_1_profiles_still_read(tmp_path):
     text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("optimizer_s_"))
     back = HostProfile.from_toml(text)
     assert back == old and back.section(1).optimizer_s_per_param == back.section(1).optimizer_s_per_tensor == 0.0
-    assert timing.block_elementwise(back.section(1)) is None
+    assert host_compute.block_elementwise(back.section(1)) is None
     with pytest.raises(ValueError, match="format 1, 2, 3, 4 or 5"):
         HostProfile.from_toml(text.replace("format = 1", f"format = {FORMAT + 1}"))
 
@@ -591,11 +592,11 @@ def test_tp_partial_gradients_counted_as_the_runtime_marks_them():
 def test_shared_cores_counts_processes_at_their_speed_alone():
     from plait.plan.estimate import shared_cores
 
-    alone = [timing.StageCosts(f_compute=1.0, b_compute=2.0), timing.StageCosts(f_compute=1.0, b_compute=2.0)]
-    shared = [timing.StageCosts(f_compute=2.2, b_compute=4.4), timing.StageCosts(f_compute=2.2, b_compute=4.4)]
+    alone = [StageCosts(f_compute=1.0, b_compute=2.0), StageCosts(f_compute=1.0, b_compute=2.0)]
+    shared = [StageCosts(f_compute=2.2, b_compute=4.4), StageCosts(f_compute=2.2, b_compute=4.4)]
     assert shared_cores(alone, shared, 4) == pytest.approx(4 / 2.2)  # each at 1/2.2 of its speed alone
     assert shared_cores(alone, alone, 2) == 2.0  # no slow-down: every process has a core
-    faster = [timing.StageCosts(f_compute=0.5, b_compute=1.0)] * 2
+    faster = [StageCosts(f_compute=0.5, b_compute=1.0)] * 2
     assert shared_cores(alone, faster, 2) == 2.0  # never more cores than processes
     assert shared_cores(alone, faster, 4, most=2.0) == 2.0  # nor than the host's cores
     assert shared_cores(alone, shared, 4, most=2.0) == pytest.approx(4 / 2.2)  # below them: as measured
@@ -612,8 +613,8 @@ def test_host_cores_are_the_cores_over_a_processs_threads():
 def test_action_costs_split_the_backward_into_input_and_weight_halves():
     from plait.plan.estimate import action_costs
 
-    chunks = [timing.StageCosts(f_compute=1.0, b_compute=2.0, w_compute=0.75, f_tp=0.1, b_tp=0.2, recompute=0.5),
-              timing.StageCosts(f_compute=3.0, b_compute=5.0, w_compute=2.0)]
+    chunks = [StageCosts(f_compute=1.0, b_compute=2.0, w_compute=0.75, f_tp=0.1, b_tp=0.2, recompute=0.5),
+              StageCosts(f_compute=3.0, b_compute=5.0, w_compute=2.0)]
     cpu, comm = action_costs(chunks, split=True)
     assert cpu == {"F": [1.0, 3.0], "B": [2.5, 5.0], "I": [1.75, 3.0], "W": [0.75, 2.0]}
     assert comm == {"F": [0.1, 0.0], "B": [0.2, 0.0], "I": [0.2, 0.0], "W": [0.0, 0.0]}

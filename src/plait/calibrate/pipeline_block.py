@@ -1,7 +1,7 @@
 """A pipeline of real decoder layers timed as a run hands work along it, beside the same work without hand-offs.
 
 ``plait.sim.shared`` lets ranks that outnumber the cores share them at the speed real layers share them with
-(``plan.timing.in_step``). A pipeline's ranks also hand work to each other: a rank blocks in its receive,
+(``plan.host_compute.in_step``). A pipeline's ranks also hand work to each other: a rank blocks in its receive,
 and the send that wakes it comes while every core is busy, so the woken rank takes a core from one that was
 running. On four processes of two cores, two-stage 1F1B pipelines of a decoder layer (two replicas) took
 1.08-1.11 times the same layers' work done without hand-offs, every process at once, where the simulator,

@@ -21,7 +21,7 @@ layer: 13-19 ms of layer less twin in three launches, 28-35 ms in two others; in
 
 The layer less its twin is what its collectives cost inside a run; ``plan.timing.tp_wait`` takes what that
 is beyond the same collectives timed back to back, per collective, as the wait of every TP collective, and
-``plan.timing.in_tp_step`` costs a sharded layer's compute at its twin's level, so that the two add up to
+``plan.host_compute.in_tp_step`` costs a sharded layer's compute at its twin's level, so that the two add up to
 the layer timed.
 """
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from plait.errors import ConfigError
-from plait.plan import eager, step_end, timing
+from plait.plan import eager, host_compute, step_end, timing
 from plait.plan import memory as mem
 from plait.plan.config import Cluster, Layout, Training, check, microbatches, runtime_gap
+from plait.plan.costs import StageCosts
 from plait.plan.model import Model
 from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
 
@@ -86,12 +87,12 @@ class Estimate:
 
 
 def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, training: Training, exact: bool
-                         ) -> tuple[list[timing.StageCosts], PipelineProfile, list[mem.Memory], str | None]:
+                         ) -> tuple[list[StageCosts], PipelineProfile, list[mem.Memory], str | None]:
     """Chunk costs, the pipeline profile and every rank's memory; for interleaved-1f1b / ZB1P with
     M % pp != 0 the rounds too: equal rounds (the smaller bubble) unless only padded ones (fewer
     micro-batches held) fit."""
 
-    def run(rounds: str | None) -> tuple[list[timing.StageCosts], PipelineProfile, list[mem.Memory]]:
+    def run(rounds: str | None) -> tuple[list[StageCosts], PipelineProfile, list[mem.Memory]]:
         chunks, pipe = pipeline(model, cluster, layout, training, exact, rounds)
         return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision,
                                              microbatches(layout, training))
@@ -120,7 +121,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
 
 
 def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
-             exact: bool = False, rounds: str | None = None) -> tuple[list[timing.StageCosts], PipelineProfile]:
+             exact: bool = False, rounds: str | None = None) -> tuple[list[StageCosts], PipelineProfile]:
     """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
     from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
@@ -180,7 +181,7 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
 
 
 def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Training,
-                 chunks: list[timing.StageCosts], m: int, rounds: str | None) -> tuple[float, float, float]:
+                 chunks: list[StageCosts], m: int, rounds: str | None) -> tuple[float, float, float]:
     """(makespan, mean busy wall time, slow-down of work every process does at once) of the forward/
     backward part on a calibrated host whose processes time-slice its effective cores (``shared_cores``;
     ``plait.sim.shared``)."""
@@ -214,7 +215,7 @@ def handoff(cluster: Cluster) -> float:
     from plait.sim.shared import simulate_shared
 
     sec = cluster.section
-    whole = timing.whole_layers(sec)
+    whole = host_compute.whole_layers(sec)
     if whole is None or sec.pipeline_s <= 0 or sec.pipeline_twin_s <= 0 or sec.processes % 2:
         return 1.0
     alone, shared, share = whole.alone[-1], whole.shared[-1], whole.forward_share
@@ -242,7 +243,7 @@ def handoff(cluster: Cluster) -> float:
     return (lo + hi) / 2
 
 
-def action_costs(chunks: list[timing.StageCosts], split: bool) -> tuple[dict[str, list[float]],
+def action_costs(chunks: list[StageCosts], split: bool) -> tuple[dict[str, list[float]],
                                                                           dict[str, list[float]]]:
     """(compute, TP communication): seconds per action kind (F, B, I, W) and chunk, as ``plait.sim.shared``
     runs a schedule on a calibrated host; ``split``: the schedule splits backwards into I and W (the input
@@ -255,7 +256,7 @@ def action_costs(chunks: list[timing.StageCosts], split: bool) -> tuple[dict[str
     return cpu, comm
 
 
-def shared_cores(alone: list[timing.StageCosts], shared: list[timing.StageCosts], processes: int,
+def shared_cores(alone: list[StageCosts], shared: list[StageCosts], processes: int,
                  most: float | None = None) -> float:
     """The cores a calibrated host gives ``processes`` processes computing at once, counted in processes at
     their speed alone. ``alone`` and ``shared`` are the same chunks costed at the calibration's two speeds

@@ -136,7 +136,7 @@ class Section:
     hidden-state elements; forward share: the share of the larger block's seconds spent in its forward,
     autograd recording; a format-2 profile's is read as the kernel mix's). Optional ``layer`` (format >= 4):
     the same layers' whole forward + backward seconds, ``alone`` and ``shared`` each as measured (forward
-    share: the larger layer's); ``plan.timing.in_step`` sets them beside what the kernel figures make of
+    share: the larger layer's); ``plan.host_compute.in_step`` sets them beside what the kernel figures make of
     the same layers.
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
 from plait.plan.config import RECOMPUTE, RUNTIME, Cluster, Layout, Training, check, microbatches
+from plait.plan.costs import StageCosts
 from plait.plan.estimate import SPLIT_BACKWARD, Estimate, _estimate
 from plait.plan.model import Model
 
@@ -125,7 +126,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     return seconds, states + min(layout.pp, m) * first
 
 
-def _pipeline_floor(layout: Layout, st, chunks: list[timing.StageCosts], m: int) -> float:
+def _pipeline_floor(layout: Layout, st, chunks: list[StageCosts], m: int) -> float:
     """A makespan no schedule of this kind beats: a rank's busy time, plus the forwards of the chunks
     before its first (it waits for them on the first micro-batch) and, unless the backward is split
     (zero-bubble schedules fill that tail with W), their backwards after its last (Narayanan et al. 2021,
