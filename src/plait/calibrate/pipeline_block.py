@@ -98,16 +98,15 @@ def measure(processes: int, world_group, device: torch.device, budget: float = B
     ``processes`` only join the barriers)."""
     rank = dist.get_rank()
     parts = _parts(device) if rank < processes else None
-    rounds = torch.zeros(1, device=device)
     t0 = time.perf_counter()
     if parts is not None:
         for fn in parts:  # warm-up (and the pairs' connections)
             fn()
     elapsed = torch.tensor([time.perf_counter() - t0], device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world_group)
-    rounds[0] = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / max(float(elapsed[0]), 1e-6))))
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world_group)  # every rank: the same round count
+    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / max(float(elapsed[0]), 1e-6))))
     spent = torch.zeros(2, dtype=torch.float64, device=device)
-    for _ in range(int(rounds[0])):
+    for _ in range(rounds):
         for i in range(2):
             dist.barrier(group=world_group)  # the whole section starts the part together
             t0 = time.perf_counter()
@@ -116,4 +115,4 @@ def measure(processes: int, world_group, device: torch.device, budget: float = B
             span = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(span, op=dist.ReduceOp.MAX, group=world_group)
             spent[i] += span[0]
-    return float(spent[0]) / int(rounds[0]), float(spent[1]) / int(rounds[0])
+    return float(spent[0]) / rounds, float(spent[1]) / rounds

@@ -101,10 +101,10 @@ def paired(device: torch.device, group) -> Measure:
     shared seconds over alone read 1.33 in one calibration of two processes, where eleven others read
     0.99-1.04); the figure alone is the median of its calls for the same reason. Alone and shared a moment
     apart see the same machine, so the host's drift between them, over seconds, does not reach their
-    ratio. (Tried instead: sweeps over all the kernels,
-    alone then shared, with no barrier between kernels shared. Each process's own times averaged, four
-    processes on two cores read 1.66-2.04 effective cores over five calibrations, against 1.61-1.72 here;
-    the slowest process's own times, 1.16-1.37: the slowest of four unaligned samples.)"""
+    ratio. (Tried instead: sweeps over all the kernels, alone then shared, with no barrier between kernels
+    shared. Each process's own times averaged, four processes on two cores read 1.66-2.04 effective cores
+    over five calibrations, against 1.61-1.72 here; the slowest process's own times, 1.16-1.37: the slowest
+    of four unaligned samples.)"""
     rank = dist.get_rank()
 
     def measure(kernel: k.Kernel) -> tuple[Figure, Figure]:

@@ -237,7 +237,7 @@ def handoff(cluster: Cluster) -> float:
     lo, hi = 1.0, 2.0
     while span(hi) < target and hi < 16:
         lo, hi = hi, 2 * hi
-    for _ in range(30):
+    while hi - lo > 1e-4:  # far finer than the pipeline's own measurement (a few percent)
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if span(mid) < target else (lo, mid)
     return (lo + hi) / 2

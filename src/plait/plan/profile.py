@@ -144,9 +144,9 @@ class Section:
     per parameter tensor (0: not measured; the per-parameter figure then holds both, as timed on a set of
     parameters that fit the cache).
     ``tp_blocks``: a tensor-parallel decoder layer timed over each group size (optional; see ``TPBlock``).
-    ``pipeline_s`` and ``pipeline_twin_s`` (format >= 4, where the processes outnumber the cores; else 0): a
-    step of two-stage pipelines of the larger calibration layer over the section's processes and the same
-    work without hand-offs (``plait.calibrate.pipeline_block``; ``plan.estimate.handoff``).
+    ``pipeline_s`` and ``pipeline_twin_s`` (where the processes outnumber the cores; else, or in an older
+    profile, 0): a step of two-stage pipelines of the larger calibration layer over the section's processes
+    and the same work without hand-offs (``plait.calibrate.pipeline_block``; ``plan.estimate.handoff``).
     """
 
     processes: int
@@ -165,9 +165,8 @@ class Section:
         """This section as if the host had run each phase of its measuring at ``x`` times the speed it had:
         the kernel figures (alone and shared, timed in pairs, the memory bandwidth and the optimizer step) by
         ``kernels``, the collective curves by ``collectives``, the TP layers and the pipeline (timed after
-        them) by ``tp`` (rates times ``x``,
-        seconds over ``x``). ``plait calibrate`` brings every phase to the host's mean
-        speed over the whole calibration this way (``plait.calibrate.run``)."""
+        them) by ``tp`` (rates times ``x``, seconds over ``x``). ``plait calibrate`` brings every phase to the
+        host's mean speed over the whole calibration this way (``plait.calibrate.run``)."""
         def rate(kind: str, r: Rate) -> Rate:
             power = -1 if kind in SECONDS_KINDS else 1
             return Rate(r.sizes, tuple(v * kernels ** power for v in r.alone),
