@@ -27,7 +27,8 @@ INVALID = [
     (dict(schedule="zbv", pp=2, virtual_stages=3), None, ["virtual_stages=3"]),
     (dict(schedule="dualpipev", pp=2, microbatches=3), None, ["microbatches=3", "dualpipev"]),
     (dict(recompute="some"), None, ["recompute='some'", "none, selective, full"]),
-    (dict(zero=3), None, ["zero=3", "0, 1"]),
+    (dict(zero=4), None, ["zero=4", "0, 1, 2, 3"]),
+    (dict(pp=2, zero=3), None, ["zero=3", "pp=2", "use pp=1", "zero=1 or zero=2"]),
     (dict(precision="fp16"), None, ["precision='fp16'", "fp32, bf16"]),
     (dict(sequence_parallel="yes"), None, ["sequence_parallel"]),
     (dict(expert_tp=1), None, ["expert_tp"]),
@@ -84,6 +85,11 @@ def test_field_errors_read_as_flags_on_the_command_line():
     assert flag_message(info.value).startswith("--virtual-stages 0: ")
     res = CliRunner().invoke(app, ["verify", "--schedule", "1f1b", "--virtual-stages", "2"])
     assert res.exit_code == 2 and "--virtual-stages 2: 1f1b places exactly 1 chunk" in res.output
+    for command in ("train", "verify"):  # --zero reaches both; ZeRO-3 under a pipeline says what to use instead
+        res = CliRunner().invoke(app, [command, "--pp", "2", "--zero", "3"])
+        assert res.exit_code == 2 and "zero=3 with pp=2" in res.output and "use pp=1" in res.output, res.output
+    res = CliRunner().invoke(app, ["verify", "--pp", "1", "--zero", "1"])
+    assert res.exit_code == 2 and "runs no optimizer step" in res.output, res.output
 
 
 def test_every_field_is_documented_and_is_an_option_with_that_help():

@@ -23,8 +23,9 @@ from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
 #: activation recomputation modes the runtime runs
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
-#: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1)
-ZERO_LEVELS: tuple[int, ...] = (0, 1, 2)
+#: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1, gradients
+#: from 2, parameters at 3; stage 3 runs without a pipeline only)
+ZERO_LEVELS: tuple[int, ...] = (0, 1, 2, 3)
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 
@@ -60,7 +61,8 @@ class ParallelConfig:
     recomputed during backward from its saved q, k, v); or full (every block recomputes its forward)."""
     zero: int = 0
     """ZeRO stage of plait.optim: 0 replicated optimizer state, 1 fp32 masters and optimizer state sharded over
-    data-parallel ranks, 2 gradients sharded too (no ZeRO-3: docs/optim.md says why)."""
+    data-parallel ranks, 2 gradients sharded too, 3 parameters sharded too (gathered per layer for its forward
+    and backward; pp=1 only)."""
     precision: str = "fp32"
     """fp32, or bf16 (bf16 weights and activations over fp32 master weights and gradients)."""
 
@@ -133,6 +135,12 @@ def _check(c: ParallelConfig) -> None:
     _choice("recompute", c.recompute, RECOMPUTE_MODES)
     _choice("zero", c.zero, ZERO_LEVELS)
     _choice("precision", c.precision, PRECISIONS)
+    if c.zero == 3 and c.pp > 1:
+        raise ConfigError(f"zero=3 with pp={c.pp}: a pipeline stage runs its layers' forwards and backwards "
+                          "interleaved over all micro-batches, so it would either keep them gathered the whole "
+                          "step (no memory saved over zero=2) or gather them again for every micro-batch; use "
+                          f"pp=1 with zero=3 (tp and dp for the rest), or keep pp={c.pp} with zero=1 or zero=2 "
+                          "(optimizer state and gradients sharded)")
     try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
         c.pipeline_schedule()
     except ConfigError as exc:

@@ -71,6 +71,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     cfg = _merged_config(ctx, config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, recompute=_recompute(activation_checkpointing),
                          precision=precision)
+    if cfg.zero == 3:
+        raise ConfigError("zero=3: the ZeRO-3 runtime is not built yet; use zero=1 or zero=2")
     family = family_of(model)
     _check_args(model, family, ctx, loss_fn, tp_plan)
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None

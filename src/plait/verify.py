@@ -145,6 +145,9 @@ def check(cfg: VerifyConfig) -> None:
     par = cfg.parallel
     if par.dp == -1:
         raise ConfigError("dp=-1: plait verify launches tp*pp*dp processes itself; give dp")
+    if par.zero in (1, 2):
+        raise ConfigError(f"zero={par.zero} shards only the optimizer's state (and gradients), and plait verify "
+                          "runs no optimizer step; use zero=0, or zero=3 (parameters sharded: checked here)")
     for name in ("batch_size", "n_layers"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")

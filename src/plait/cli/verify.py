@@ -86,5 +86,5 @@ def register(app: typer.Typer) -> None:
     from plait.parallel_config import ParallelConfig
     from plait.verify import VERIFY_PARALLEL
 
-    options = dataclass_options(ParallelConfig, VERIFY_PARALLEL, exclude=("zero", "precision"))  # no optimizer
+    options = dataclass_options(ParallelConfig, VERIFY_PARALLEL, exclude=("precision",))  # no optimizer
     app.command("verify", help=HELP)(with_options(options, into="parallel")(verify_command))

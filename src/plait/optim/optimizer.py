@@ -45,6 +45,8 @@ class ParallelOptimizer:
         if zero not in ZERO_LEVELS:
             raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
                               "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too)")
+        if zero == 3:
+            raise ConfigError("zero=3: the ZeRO-3 runtime is not built yet; use zero=1 or zero=2")
         if zero == 2 and not reduce_scatter:
             raise ConfigError("zero=2 keeps only a shard of each gradient: it needs reduce_scatter=True")
         if clip is not None and clip <= 0:

@@ -28,7 +28,7 @@ MAX_MEMORY_FRACTION = 0.9
 RUNTIME: dict[str, tuple] = {
     "cp": (1,),
     "recompute": RECOMPUTE_MODES,
-    "zero": ZERO_LEVELS,
+    "zero": tuple(z for z in ZERO_LEVELS if z < 3),  # ZeRO-3 (pp = 1) stays plan-only until modelled as it runs
     "schedule": SCHEDULE_NAMES,
 }
 
