@@ -38,7 +38,8 @@ def plait_cache(tmp_path_factory):
 
 #: test module -> the checks module whose rank_main its tests read, all run in the one launch of 4 ranks
 WORLD4_GROUPS = {"test_pipeline": "checks_pipeline", "test_train": "checks_train", "test_experts": "checks_experts",
-                 "test_optim": "checks_optim", "test_llama_parallel": "checks_llama", "test_tp_layers": "checks_tp"}
+                 "test_optim": "checks_optim", "test_llama_parallel": "checks_llama", "test_tp_layers": "checks_tp",
+                 "test_context": "checks_context"}
 
 
 @pytest.fixture(scope="session")

@@ -28,12 +28,16 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 ZERO_LEVELS: tuple[int, ...] = (0, 1, 2, 3)
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+#: how context-parallel ranks exchange keys and values (plait.context_parallel)
+CP_COMMS: tuple[str, ...] = ("allgather", "ring")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How a model is spread over ranks and how one training step runs: world = tp·pp·dp, TP innermost,
-    then DP, then PP; expert parallelism lives inside the dp·tp plane of each pipeline stage."""
+    """How a model is spread over ranks and how one training step runs: world = tp·cp·pp·dp, TP innermost,
+    then CP, then DP, then PP (global rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank; with cp = 1
+    that is (pp_rank·dp + dp_rank)·tp + tp_rank); expert parallelism lives inside the dp·cp·tp plane of each
+    pipeline stage."""
 
     tp: int = 1
     """Tensor-parallel size: ranks that split each layer (Megatron column/row-parallel linears)."""
@@ -41,10 +45,16 @@ class ParallelConfig:
     """Pipeline-parallel size: stages, each holding consecutive layers."""
     dp: int = -1
     """Data-parallel size: model replicas that see different data (-1: the world size over tp·pp)."""
+    cp: int = 1
+    """Context-parallel size: ranks that split every sequence (2·cp chunks, rank r keeps chunks r and
+    2·cp-1-r) and exchange keys and values in attention; every CP rank is handed the same full rows."""
+    cp_comm: str = "allgather"
+    """How context-parallel ranks exchange keys and values: allgather (all-gather of K/V, reduce-scatter of
+    their gradients) or ring (K/V blocks passed point to point, partial attentions merged by log-sum-exp)."""
     ep: int = 1
-    """Expert-parallel size: the experts of each MoE layer are spread over ep ranks of the dp x tp plane."""
+    """Expert-parallel size: the experts of each MoE layer are spread over ep ranks of the dp x cp x tp plane."""
     expert_tp: bool = False
-    """Split each expert over the TP group (Megatron expert tensor parallelism); ep must then divide dp."""
+    """Split each expert over the TP group (Megatron expert tensor parallelism); ep must then divide dp·cp."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, dualpipev."""
     microbatches: int | None = None
@@ -72,8 +82,8 @@ class ParallelConfig:
     # ------------------------------------------------------------------------------------------ derived
     @property
     def world(self) -> int:
-        """tp·pp·dp (only meaningful once dp is known, see ``resolve``)."""
-        return self.tp * self.pp * self.dp
+        """tp·cp·pp·dp (only meaningful once dp is known, see ``resolve``)."""
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def num_microbatches(self) -> int:
@@ -86,15 +96,19 @@ class ParallelConfig:
 
     def resolve(self, world: int) -> ParallelConfig:
         """This configuration checked against ``world`` processes, with dp inferred when it is -1."""
-        tp, pp, dp = self.tp, self.pp, self.dp
+        tp, cp, pp, dp = self.tp, self.cp, self.pp, self.dp
+        names = ("tp", "cp", "pp") if cp > 1 else ("tp", "pp")  # cp named only when it is used
+        inner = tp * cp * pp
+        label, values = "*".join(names), "*".join(str(getattr(self, n)) for n in names)
         if dp == -1:
-            if world % (tp * pp):
-                raise ConfigError(f"tp*pp={tp}*{pp}={tp * pp} does not divide the world size {world}; valid tp*pp "
+            if world % inner:
+                raise ConfigError(f"{label}={values}={inner} does not divide the world size {world}; valid {label} "
                                   f"products: {divisors(world)}")
-            dp = world // (tp * pp)
-        if tp * pp * dp != world:
-            raise ConfigError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}; choose "
-                              f"tp, pp, dp whose product is {world} (tp and pp from {divisors(world)}, or pass dp=-1)")
+            dp = world // inner
+        if inner * dp != world:
+            raise ConfigError(f"{label}*dp = {values}*{dp} = {inner * dp} but the world size is {world}; choose "
+                              f"{', '.join(names)}, dp whose product is {world} ({', '.join(names)} from "
+                              f"{divisors(world)}, or pass dp=-1)")
         return replace(self, dp=dp, expert_tp=self.expert_tp and tp > 1)
 
     def to_dict(self) -> dict:
@@ -121,7 +135,7 @@ def _choice(name: str, value, allowed: tuple) -> None:
 
 def _check(c: ParallelConfig) -> None:
     """Every rule that needs no world size; ConfigError names the field."""
-    for name in ("tp", "pp", "ep"):
+    for name in ("tp", "pp", "cp", "ep"):
         _positive(name, getattr(c, name))
     if c.dp != -1 and (isinstance(c.dp, bool) or not isinstance(c.dp, int) or c.dp < 1):
         raise FieldError("dp", c.dp, "must be a positive integer or -1 (inferred from the world size)")
@@ -141,6 +155,7 @@ def _check(c: ParallelConfig) -> None:
                           "step (no memory saved over zero=2) or gather them again for every micro-batch; use "
                           f"pp=1 with zero=3 (tp and dp for the rest), or keep pp={c.pp} with zero=1 or zero=2 "
                           "(optimizer state and gradients sharded)")
+    _choice("cp_comm", c.cp_comm, CP_COMMS)
     try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
         c.pipeline_schedule()
     except ConfigError as exc:
@@ -151,11 +166,14 @@ def _check(c: ParallelConfig) -> None:
         raise
     if c.dp == -1:
         return
-    if c.expert_tp and c.tp > 1 and c.dp % c.ep:
-        raise ConfigError(f"ep={c.ep} must divide dp={c.dp} with expert_tp=True (every TP rank holds a shard of "
-                          f"the same experts, so EP spans data-parallel replicas); valid ep: {divisors(c.dp)}")
-    if (c.dp * c.tp) % c.ep:
-        raise ConfigError(f"ep={c.ep} must divide dp*tp={c.dp * c.tp}; valid ep: {divisors(c.dp * c.tp)}")
+    data = c.dp * c.cp  # ranks of a stage that see different tokens with the same TP coordinate
+    label = f"dp={c.dp}" if c.cp == 1 else f"dp*cp={data}"
+    if c.expert_tp and c.tp > 1 and data % c.ep:
+        raise ConfigError(f"ep={c.ep} must divide {label} with expert_tp=True (every TP rank holds a shard of the "
+                          f"same experts, so EP spans data- and context-parallel ranks); valid ep: {divisors(data)}")
+    plane = "dp*tp" if c.cp == 1 else "dp*cp*tp"
+    if (data * c.tp) % c.ep:
+        raise ConfigError(f"ep={c.ep} must divide {plane}={data * c.tp}; valid ep: {divisors(data * c.tp)}")
 
 
 def divisors(n: int) -> list[int]:

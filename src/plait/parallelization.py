@@ -100,12 +100,15 @@ def _recompute(activation_checkpointing: bool | str | None) -> str | None:
 def _merged_config(ctx: ParallelContext, config: ParallelConfig | None, **overrides) -> ParallelConfig:
     """``config`` (or ctx's) with the keywords given; its sizes must be the context's."""
     base = ctx.config if config is None else config.resolve(ctx.world_size)
-    sizes = ("tp", "pp", "dp", "ep", "expert_tp")
+    sizes = ("tp", "cp", "pp", "dp", "ep", "expert_tp")
     for name in sizes:
         if getattr(base, name) != getattr(ctx.config, name):
             raise ConfigError(f"config.{name}={getattr(base, name)} but the context was initialised with "
                               f"{name}={getattr(ctx.config, name)}; pass the same layout to plait.init")
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    merged = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    if merged.cp > 1:
+        raise ConfigError(f"cp={merged.cp}: the context-parallel runtime is not built yet; valid cp: 1")
+    return merged
 
 
 def _check_args(model: nn.Module, family: Family, ctx: ParallelContext, loss_fn: LossFn | None,

@@ -144,7 +144,7 @@ def check(cfg: VerifyConfig) -> None:
 
     par = cfg.parallel
     if par.dp == -1:
-        raise ConfigError("dp=-1: plait verify launches tp*pp*dp processes itself; give dp")
+        raise ConfigError("dp=-1: plait verify launches tp*cp*pp*dp processes itself; give dp")
     if par.zero in (1, 2):
         raise ConfigError(f"zero={par.zero} shards only the optimizer's state (and gradients), and plait verify "
                           "runs no optimizer step; use zero=0, or zero=3 (parameters sharded: checked here)")
@@ -170,7 +170,7 @@ def check(cfg: VerifyConfig) -> None:
     if par.sequence_parallel and cfg.seq_len % par.tp:
         raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={par.tp} with sequence parallelism")
     if cfg.world > 16:
-        raise ConfigError(f"tp*pp*dp={cfg.world} processes is too many for a local CPU check (max 16)")
+        raise ConfigError(f"tp*cp*pp*dp={cfg.world} processes is too many for a local CPU check (max 16)")
 
 
 def verify(cfg: VerifyConfig, timeout_s: float = 600.0) -> VerifyResult:

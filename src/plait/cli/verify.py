@@ -10,7 +10,7 @@ from rich.table import Table
 
 HELP = """Run a small Llama under a layout on local CPU processes and on one device, then compare.
 
-Launches tp*pp*dp Gloo processes, trains one step in parallel (with the schedule you name) and on a
+Launches tp*cp*pp*dp Gloo processes, trains one step in parallel (with the schedule you name) and on a
 single device from the same seed, and prints the loss, every gradient's error, the logits of an
 eval pass and the peak stored activations against the simulator. Exit code 0 means every tensor is
 within float32 rounding (loss rel <= 1e-5, gradients rel <= 1e-4), 1 means a mismatch.
@@ -53,7 +53,8 @@ def verify_command(
         check(cfg)
         par = cfg.parallel
         if not as_json:
-            console.print(f"launching {cfg.world} CPU processes: tp={par.tp} pp={par.pp} dp={par.dp}, "
+            cp = f" cp={par.cp} ({par.cp_comm})" if par.cp > 1 else ""
+            console.print(f"launching {cfg.world} CPU processes: tp={par.tp}{cp} pp={par.pp} dp={par.dp}, "
                           f"{par.schedule}, {par.num_microbatches} micro-batches ...")
         result = verify(cfg)
     except ConfigError as exc:

@@ -21,7 +21,7 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
 class ParallelContext:
     """Everything a parallel module needs to know about where it runs. Passed explicitly, never global."""
 
-    config: ParallelConfig  # resolved: dp known, tp*pp*dp == world_size
+    config: ParallelConfig  # resolved: dp known, tp*cp*pp*dp == world_size
     rank: int
     world_size: int
     device: torch.device
@@ -29,10 +29,16 @@ class ParallelContext:
     timeout_s: float = DEFAULT_TIMEOUT_S
     _groups: dict[str, ProcessGroup] = field(default_factory=dict, repr=False)
 
-    # global rank = (pp_rank * dp + dp_rank) * tp + tp_rank  (TP innermost)
+    # global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank  (TP innermost, then CP, DP, PP;
+    # with cp = 1: (pp_rank * dp + dp_rank) * tp + tp_rank). CP sits next to TP, as in Megatron-LM, so that the
+    # attention's K/V exchange stays on near links when TP does not fill a node.
     @property
     def tp_size(self) -> int:
         return self.config.tp
+
+    @property
+    def cp_size(self) -> int:
+        return self.config.cp
 
     @property
     def pp_size(self) -> int:
@@ -51,18 +57,28 @@ class ParallelContext:
         return self.rank % self.tp_size
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.cp_size
+
+    @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp_size) % self.dp_size
+        return (self.rank // (self.tp_size * self.cp_size)) % self.dp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.dp_size)
+        return self.rank // (self.tp_size * self.cp_size * self.dp_size)
 
-    # Expert parallelism lives in the dp x tp plane of a pipeline stage: plane index q = dp_rank*tp + tp_rank,
-    # EP groups are runs of ep consecutive q; ranks with the same ep_rank (q mod ep) form the expert-data-
-    # parallel group (dp*tp/ep ranks holding the same experts). With expert_tp (Megatron-LM's expert tensor
-    # parallelism) EP groups are runs of ep consecutive dp_rank with the same tp_rank: ep_rank = dp_rank mod ep,
-    # and the expert-data-parallel group (dp/ep ranks) holds the same shards of the same experts.
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks of a stage with this TP coordinate that hold the same weights and see different tokens."""
+        return self.dp_size * self.cp_size
+
+    # Expert parallelism lives in the dp x cp x tp plane of a pipeline stage: plane index
+    # q = (dp_rank*cp + cp_rank)*tp + tp_rank (the rank within its stage), EP groups are runs of ep consecutive
+    # q; ranks with the same ep_rank (q mod ep) form the expert-data-parallel group (dp*cp*tp/ep ranks holding
+    # the same experts). With expert_tp (Megatron-LM's expert tensor parallelism) EP groups are runs of ep
+    # consecutive d = dp_rank*cp + cp_rank with the same tp_rank: ep_rank = d mod ep, and the expert-data-
+    # parallel group (dp*cp/ep ranks) holds the same shards of the same experts.
     @property
     def expert_tp(self) -> bool:
         """Whether each expert is split over the TP group (``plait.init(..., expert_tp=True)``, tp > 1)."""
@@ -70,21 +86,23 @@ class ParallelContext:
 
     @property
     def ep_rank(self) -> int:
+        data = self.dp_rank * self.cp_size + self.cp_rank
         if self.expert_tp:
-            return self.dp_rank % self.ep_size
-        return (self.dp_rank * self.tp_size + self.tp_rank) % self.ep_size
+            return data % self.ep_size
+        return (data * self.tp_size + self.tp_rank) % self.ep_size
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size * (1 if self.expert_tp else self.tp_size) // self.ep_size
+        return self.dp_cp_size * (1 if self.expert_tp else self.tp_size) // self.ep_size
 
     def global_rank(self, tp_rank: int | None = None, dp_rank: int | None = None,
-                    pp_rank: int | None = None) -> int:
+                    pp_rank: int | None = None, cp_rank: int | None = None) -> int:
         """Global rank of the given coordinates (defaults: this rank's own)."""
         t = self.tp_rank if tp_rank is None else tp_rank
+        c = self.cp_rank if cp_rank is None else cp_rank
         d = self.dp_rank if dp_rank is None else dp_rank
         p = self.pp_rank if pp_rank is None else pp_rank
-        return (p * self.dp_size + d) * self.tp_size + t
+        return ((p * self.dp_size + d) * self.cp_size + c) * self.tp_size + t
 
     @property
     def tp_group(self) -> ProcessGroup | None:
@@ -99,6 +117,16 @@ class ParallelContext:
         return self._groups.get("dp")
 
     @property
+    def cp_group(self) -> ProcessGroup | None:
+        """The context-parallel group: ranks that split the same sequences (None when cp=1)."""
+        return self._groups.get("cp")
+
+    @property
+    def dp_cp_group(self) -> ProcessGroup | None:
+        """The dp x cp group over which dense gradients are reduced (the DP group when cp=1)."""
+        return self._groups.get("dp_cp", self._groups.get("dp"))
+
+    @property
     def ep_group(self) -> ProcessGroup | None:
         """The expert-parallel group (None when ep=1)."""
         return self._groups.get("ep")
@@ -106,20 +134,21 @@ class ParallelContext:
     @property
     def expert_dp_group(self) -> ProcessGroup | None:
         """Ranks of this stage holding the same experts (expert gradients are summed over it)."""
-        return self._groups.get("edp", self._groups.get("dp"))
+        return self._groups.get("edp", self.dp_cp_group)
 
     @property
     def world_group(self) -> ProcessGroup | None:
         return self._groups.get("world")
 
     def pp_peer(self, pp_rank: int) -> int:
-        """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/dp coordinates."""
+        """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/cp/dp coordinates."""
         return self.global_rank(pp_rank=pp_rank)
 
     def describe(self) -> str:
         ep = f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
         ep += ", experts split over tp" if self.expert_tp else ""
-        return (f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp_size}, "
+        cp = f", cp {self.cp_rank}/{self.cp_size}" if self.cp_size > 1 else ""
+        return (f"rank {self.rank}/{self.world_size} (tp {self.tp_rank}/{self.tp_size}{cp}, "
                 f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}{ep})")
 
 
@@ -152,21 +181,22 @@ def _pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, expert_tp: bool = False,
+def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, expert_tp: bool = False,
          timeout_s: float | None = None, config: ParallelConfig | None = None) -> ParallelContext:
-    """Create a ParallelContext for the layout ``tp x pp x dp`` (TP innermost, then DP, then PP).
+    """Create a ParallelContext for the layout ``tp x cp x pp x dp`` (TP innermost, then CP, DP, PP).
 
     ``config`` (a ParallelConfig) replaces the size keywords; its other fields (schedule, micro-batches, ...)
     then become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with
     CUDA, otherwise Gloo). The layout is validated before any collective. Calling it again with another
     layout returns a new context with new groups. ``expert_tp=True`` splits every expert over the TP group
-    (plait.experts.layer); then ep must divide dp.
+    (plait.experts.layer); then ep must divide dp·cp. ``cp`` ranks split every sequence
+    (plait.context_parallel); each is handed the same full rows.
     """
     if config is None:
-        config = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, expert_tp=expert_tp)
-    elif (tp, pp, dp, ep, expert_tp) != (1, 1, -1, 1, False):
-        raise ConfigError("plait.init: pass the layout either as config=ParallelConfig(...) or as tp/pp/dp/ep/"
+        config = ParallelConfig(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, expert_tp=expert_tp)
+    elif (tp, pp, dp, ep, cp, expert_tp) != (1, 1, -1, 1, 1, False):
+        raise ConfigError("plait.init: pass the layout either as config=ParallelConfig(...) or as tp/pp/dp/ep/cp/"
                           "expert_tp keywords, not both")
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
@@ -178,8 +208,14 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, expert_tp: bool
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     _ensure_default_group(timeout)
     device = _pick_device()
-    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp),
+                            mesh_dim_names=("pp", "dp", "cp", "tp"))
     groups: dict[str, ProcessGroup] = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
+    if config.cp > 1:
+        groups["cp"] = mesh.get_group("cp")
+        flat = init_device_mesh(device.type, (config.pp, config.dp * config.cp, config.tp),
+                                mesh_dim_names=("pp", "dp_cp", "tp"))  # CP next to DP: one dimension of both
+        groups["dp_cp"] = flat.get_group("dp_cp")
     assert dist.group.WORLD is not None  # the default group exists from here on
     groups["world"] = dist.group.WORLD
     groups.update(_expert_groups(config, device))
@@ -206,11 +242,12 @@ def _expert_groups(layout: ParallelConfig, device: torch.device) -> dict[str, Pr
     """The EP and expert-DP groups (every rank creates them, in the same order); none for tp = ep = 1."""
     if layout.ep == 1 and layout.tp == 1:
         return {}
-    if layout.expert_tp:  # rank = ((pp·dp/ep + edp)·ep + ep_rank)·tp + tp_rank
-        emesh = init_device_mesh(device.type, (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp),
+    data = layout.dp * layout.cp
+    if layout.expert_tp:  # rank = ((pp·dp·cp/ep + edp)·ep + ep_rank)·tp + tp_rank
+        emesh = init_device_mesh(device.type, (layout.pp, data // layout.ep, layout.ep, layout.tp),
                                  mesh_dim_names=("pp", "edp", "ep", "etp"))
     else:
-        plane = layout.dp * layout.tp
+        plane = data * layout.tp
         emesh = init_device_mesh(device.type, (layout.pp, plane // layout.ep, layout.ep),
                                  mesh_dim_names=("pp", "edp", "ep"))
     groups = {"edp": emesh.get_group("edp")}

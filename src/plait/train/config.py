@@ -214,7 +214,8 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     world = world if world is not None else (cfg.nproc or par.world)
     par = par.resolve(world) if par.dp == -1 else par
     if par.world != world:
-        raise ConfigError(f"--tp {par.tp} x --pp {par.pp} x --dp {par.dp} = {par.world} processes, but the world "
+        cp = f" x --cp {par.cp}" if par.cp > 1 else ""
+        raise ConfigError(f"--tp {par.tp}{cp} x --pp {par.pp} x --dp {par.dp} = {par.world} processes, but the world "
                           f"has {world} (--nproc or torchrun); make the product equal {world}")
     per_replica = cfg.batch_size // par.dp if cfg.batch_size % par.dp == 0 else 0
     if not per_replica or per_replica % par.num_microbatches:

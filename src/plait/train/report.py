@@ -124,7 +124,8 @@ class Reporter:
 def layout_text(p: ParallelConfig) -> str:
     """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``."""
     virtual = p.pipeline_schedule().virtual
-    return (f"tp {p.tp} x pp {p.pp} x dp {p.dp} ({p.world} processes), {p.schedule}"
+    cp = f" x cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
+    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({p.world} processes), {p.schedule}"
             f"{f' V={virtual}' if virtual > 1 else ''}, {p.num_microbatches} micro-batches"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
             f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}")
