@@ -3,7 +3,7 @@
 The model (1.19B parameters, fp32) needs params + grads + AdamW's two moments = 16 B/parameter ≈ 19.1 GB of
 training state; the 24 GiB of this machine split evenly over the 4 processes gives each 6 GiB, and the state
 is > 3x that: no process could hold it, four hold a quarter each. The model is built on the meta device and
-initialised one tensor at a time from a seed (plait.train.shards.init_local), then trains 3 steps (AdamW).
+initialised one tensor at a time from a seed (plait.checkpoint.shards.init_local), then trains 3 steps (AdamW).
 
 Per rank: peak RSS (VmHWM), RSS after init, init time, step times, and the bytes of parameters, gradients and
 optimizer state measured on the rank, beside the planner's prediction for the same layout
@@ -54,10 +54,10 @@ def rank_main(job: dict) -> dict:
     import torch
 
     import plait
+    from plait.checkpoint.shards import init_local
     from plait.models import Llama, LlamaConfig
     from plait.optim import build_optimizer
     from plait.parallel_config import ParallelConfig
-    from plait.train.shards import init_local
 
     layout, zero = job["layout"], job["zero"]
     ctx = plait.init(config=ParallelConfig(**layout))

@@ -74,8 +74,8 @@ def single_device(cfg: LlamaConfig, inputs, targets, zero_router: bool):
 
 def norm_and_checkpoint(pm, ref_grads: dict, ref_model: Llama) -> dict:
     """The optimizer's global gradient norm, and a checkpoint written and read back, against one device."""
+    from plait.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
     from plait.optim import ParallelOptimizer
-    from plait.train.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 
     ref_norm = float(sum(g.double().pow(2).sum() for g in ref_grads.values()).sqrt())
     norm = ParallelOptimizer(pm, lr=1e-3).grad_norm()

@@ -61,8 +61,8 @@ def make_folders(root: Path) -> Path:
 
 def _parallel(folder: Path, ctx, **kw):
     """The family's model built on the meta device, sharded, and filled slice by slice from the folder."""
+    from plait.checkpoint.shards import load_local
     from plait.models.hf import HFWeights, load_pretrained
-    from plait.train.shards import load_local
 
     weights = HFWeights(folder)
     with torch.device("meta"):

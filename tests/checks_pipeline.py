@@ -239,8 +239,8 @@ def check_seeded_init(ctx, moe: bool = False) -> dict:
     """A model built on the meta device and initialised from a seed (plait train's way) holds, gathered, the
     weights a plain model initialised with that seed has on one device; the most bytes alive at once while
     building, sharding and initialising stay within this rank's shards plus one full tensor."""
+    from plait.checkpoint.shards import init_local
     from plait.models import init_weights
-    from plait.train.shards import init_local
 
     cfg = cfg_for(dim=64, n_experts=4, top_k=2) if moe else cfg_for(dim=64, tie_embeddings=True)
     with LiveBytes() as meter:

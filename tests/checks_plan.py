@@ -51,8 +51,8 @@ def covering(layouts: list[Layout]) -> list[Layout]:
 
 def run_layout(layout: Layout) -> dict:
     """One optimizer step of the small MoE model under ``layout`` (fp32, ZeRO as planned) against one device."""
+    from plait.checkpoint.shards import init_local
     from plait.optim import ParallelOptimizer
-    from plait.train.shards import init_local
 
     cfg, training = small_moe(), Training(BATCH)
     parallel = layout.to_parallel_config(training, precision="fp32")

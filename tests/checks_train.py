@@ -11,13 +11,14 @@ import torch.distributed as dist
 
 import plait
 from harness import rel_err, run_checks
+from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
+from plait.checkpoint.shards import load_local
 from plait.models import Llama, init_weights
 from plait.optim import lr_at
+from plait.tokenizers import ByteTokenizer
 from plait.train import TrainConfig
-from plait.train.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
-from plait.train.data import ByteTokenizer, batch, load_corpus
+from plait.train.data import batch, load_corpus
 from plait.train.loop import NonFiniteLoss, build, train, train_one
-from plait.train.shards import load_local
 
 STEPS = 4
 
@@ -82,8 +83,8 @@ def check_family(root: Path) -> dict:
     exports as a qwen2 folder holding the trained weights."""
     import json
 
+    from plait.checkpoint import export_pretrained
     from plait.models import Qwen2, Qwen2Config
-    from plait.train.checkpoint import export_pretrained
 
     folder, exported = root / "qwen2", root / "qwen2-export"
     if dist.get_rank() == 0:

@@ -11,7 +11,7 @@ import torch
 import plait
 from checks_optim import STEPS, build, cfg_for, compare, reference, train
 from harness import rel_err
-from plait.train.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
+from plait.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 
 
 def reshard(root: Path, a, b) -> dict:

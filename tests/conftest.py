@@ -108,7 +108,7 @@ def served(tmp_path_factory):
     import openai
 
     from plait.generation.job import load_model
-    from plait.train.data import ByteTokenizer
+    from plait.tokenizers import ByteTokenizer
     from serve_util import Server, expected_ids, tiny_model
 
     tmp = tmp_path_factory.mktemp("serve")

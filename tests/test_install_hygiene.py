@@ -66,7 +66,7 @@ def _write_tokenizer(folder: Path) -> Path:
 
 
 def test_folder_tokenizer_is_used_not_bytes(tmp_path):
-    from plait.train.data import FileTokenizer, tokenizer_for
+    from plait.tokenizers import FileTokenizer, tokenizer_for
 
     tok = tokenizer_for(str(_write_tokenizer(tmp_path / "m")))
     assert isinstance(tok, FileTokenizer) and tok.vocab_size == 4
@@ -75,7 +75,7 @@ def test_folder_tokenizer_is_used_not_bytes(tmp_path):
 
 
 def test_tokenizer_without_package_is_an_error_naming_it(tmp_path, monkeypatch):
-    from plait.train.data import tokenizer_for
+    from plait.tokenizers import tokenizer_for
 
     folder = _write_tokenizer(tmp_path / "m")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed: import raises ImportError
@@ -84,7 +84,7 @@ def test_tokenizer_without_package_is_an_error_naming_it(tmp_path, monkeypatch):
 
 
 def test_broken_tokenizer_file_is_an_error(tmp_path):
-    from plait.train.data import tokenizer_for
+    from plait.tokenizers import tokenizer_for
 
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not a Hugging Face tokenizer.json"):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from plait.serve.protocol import chat_prompt
-from plait.train.data import ByteTokenizer
+from plait.tokenizers import ByteTokenizer
 from serve_util import expected_ids, tiny_model
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.serve.protocol import chat_prompt
-from plait.train.data import ByteTokenizer
+from plait.tokenizers import ByteTokenizer
 from serve_util import expected_ids, greedy_with, log_softmax
 
 pytestmark = pytest.mark.timeout(240)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from plait.generation.job import load_model
-from plait.train.data import ByteTokenizer
+from plait.tokenizers import ByteTokenizer
 from serve_util import Server, expected_ids, log_softmax, tiny_model, workers
 
 pytestmark = pytest.mark.timeout(420)

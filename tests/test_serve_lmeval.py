@@ -7,7 +7,7 @@ import json
 import pytest
 
 from plait.generation.decode import Sampling, generate_ids
-from plait.train.data import ByteTokenizer
+from plait.tokenizers import ByteTokenizer
 from serve_util import log_softmax
 
 pytestmark = pytest.mark.timeout(240)

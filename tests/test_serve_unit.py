@@ -16,7 +16,7 @@ from plait.serve.runner import Runner
 from plait.serve.sampling import Params, logprobs
 from plait.serve.scheduler import Scheduler, Seq
 from plait.serve.text import TextTracker
-from plait.train.data import ByteTokenizer
+from plait.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -117,7 +117,7 @@ SAVE_THEN_HANG = textwrap.dedent("""
     import sys, time, torch
     import plait
     from plait.models import Llama, LlamaConfig
-    from plait.train import checkpoint as ck
+    from plait.checkpoint import store as ck
     ctx = plait.init(1, 1, 1)
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)), ctx)
@@ -136,7 +136,7 @@ SAVE_THEN_HANG = textwrap.dedent("""
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
-    from plait.train.checkpoint import CheckpointReader, find_checkpoint
+    from plait.checkpoint import CheckpointReader, find_checkpoint
 
     proc = subprocess.Popen([sys.executable, "-c", SAVE_THEN_HANG, str(tmp_path / "ck")], stdout=subprocess.PIPE,
                             text=True)

@@ -66,7 +66,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
 
     A model too large for one device can be built on the meta device (``with torch.device("meta"):
     model = Llama(cfg)``): only this rank's shards are then allocated, uninitialised, and must be filled
-    with ``pm.load_full_state_dict(...)`` or read slice by slice (``plait.train.shards.load_local``).
+    with ``pm.load_full_state_dict(...)`` or read slice by slice (``plait.checkpoint.shards.load_local``).
     """
     cfg = _merged_config(ctx, config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, recompute=_recompute(activation_checkpointing),

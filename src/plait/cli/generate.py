@@ -66,8 +66,8 @@ def export_command(
     checkpoint: Annotated[str, typer.Argument(help="A plait checkpoint folder (or its parent).")],
     out: Annotated[str, typer.Argument(help="The Hugging Face folder to write.")],
 ) -> None:
+    from plait.checkpoint import export_pretrained
     from plait.errors import ConfigError
-    from plait.train.checkpoint import export_pretrained
 
     try:
         path = export_pretrained(checkpoint, out)

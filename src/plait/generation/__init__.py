@@ -21,7 +21,7 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
     ``tokenizer`` (UTF-8 bytes by default) and the continuations are returned decoded; id lists give id
     lists. Greedy when ``temperature == 0``.
     """
-    from plait.train.data import ByteTokenizer
+    from plait.tokenizers import ByteTokenizer
 
     single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
     batch: list[Any] = [prompts] if single else list(prompts)

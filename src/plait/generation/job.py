@@ -13,9 +13,9 @@ from plait.errors import ConfigError
 
 def source_config(source: str):
     """(model config of its family, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint, model_config
     from plait.models.hf import HFWeights
-    from plait.train.checkpoint import CheckpointReader, find_checkpoint, model_config
-    from plait.train.data import ByteTokenizer, tokenizer_for
+    from plait.tokenizers import ByteTokenizer, tokenizer_for
 
     path = Path(source)
     if not path.exists():
@@ -35,8 +35,8 @@ def source_config(source: str):
 def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
     """A plain model (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
     import plait
+    from plait.checkpoint.shards import load_local
     from plait.models.family import family_of_config
-    from plait.train.shards import load_local
 
     cfg, reader, tok = source_config(source)
     build = family_of_config(cfg).model_class

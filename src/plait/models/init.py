@@ -3,7 +3,7 @@
 The generator of tensor ``key`` is seeded by (seed, key), so a tensor's initial value depends on nothing
 else: not on which tensors were drawn before it, nor on which of them a process holds. A model built on
 the meta device and sharded over any layout can then draw each full tensor it owns a part of, one at a
-time, keep its slice and drop the rest (plait.train.shards.init_local), and every layout — and the plain
+time, keep its slice and drop the rest (plait.checkpoint.shards.init_local), and every layout — and the plain
 model on one device (``init_weights``) — holds the same weights for the same seed. What each tensor's
 initial value is (normal, ones, zeros; its scale) is model knowledge: the family adapter's ``init_tensor``.
 """

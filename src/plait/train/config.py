@@ -257,7 +257,7 @@ def _validate_model(cfg: TrainConfig) -> None:
 
 def _check_tokenizer(model: str, vocab_size: int) -> None:
     """The text encoding must fit the model's vocabulary (bytes need 256 ids; a tokenizer.json its own)."""
-    from plait.train.data import tokenizer_for
+    from plait.tokenizers import tokenizer_for
 
     tok = tokenizer_for(model)
     if tok.vocab_size > vocab_size:

@@ -10,16 +10,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait.checkpoint.shards import init_local, load_local
 from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
-from plait.train.shards import init_local, load_local
 
 if TYPE_CHECKING:
     from plait.distributed.context import ParallelContext
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
     from plait.plan import Estimate
-    from plait.train.data import ByteTokenizer, Corpus, FileTokenizer
+    from plait.tokenizers import ByteTokenizer, FileTokenizer
+    from plait.train.data import Corpus
 
 
 class NonFiniteLoss(RuntimeError):
@@ -70,7 +71,8 @@ class Run:
 def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
     """Layout, model (preset or Hugging Face folder, each rank reading its slices), optimizer and data."""
     import plait
-    from plait.train.data import load_corpus, tokenizer_for
+    from plait.tokenizers import tokenizer_for
+    from plait.train.data import load_corpus
 
     ctx = ctx or plait.init(config=cfg.parallel)
     torch.manual_seed(cfg.seed)
@@ -104,7 +106,7 @@ def make_optimizer(pm: ParallelModel, cfg: TrainConfig) -> ParallelOptimizer:
 
 
 def resume(run: Run) -> None:
-    from plait.train.checkpoint import find_checkpoint, load_checkpoint
+    from plait.checkpoint import find_checkpoint, load_checkpoint
 
     path = find_checkpoint(run.cfg.checkpoint_dir)
     if path is None:
@@ -116,7 +118,7 @@ def resume(run: Run) -> None:
 
 
 def save(run: Run, step: int) -> str:
-    from plait.train.checkpoint import save_checkpoint
+    from plait.checkpoint import save_checkpoint
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}

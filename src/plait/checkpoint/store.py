@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plait.checkpoint.shards import copy_padded, load_local, local_tensors, param_keys
 from plait.errors import ConfigError
-from plait.train.shards import copy_padded, load_local, local_tensors, param_keys
 
 FORMAT = "plait-checkpoint/1"
 META = "meta.json"

@@ -1,0 +1,17 @@
+"""Checkpoint I/O shared by training, generation and serving: sharded, layout-independent checkpoints
+(``store``) and where each local tensor of a ParallelModel sits in the full one (``shards``)."""
+
+from __future__ import annotations
+
+from plait.checkpoint.shards import LocalTensor, init_local, load_local, local_tensors
+from plait.checkpoint.store import (
+    CheckpointReader,
+    export_pretrained,
+    find_checkpoint,
+    load_checkpoint,
+    model_config,
+    save_checkpoint,
+)
+
+__all__ = ["CheckpointReader", "LocalTensor", "export_pretrained", "find_checkpoint", "init_local",
+           "load_checkpoint", "load_local", "local_tensors", "model_config", "save_checkpoint"]
