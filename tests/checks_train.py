@@ -122,6 +122,21 @@ def check_resume(root: Path, tag: str = "", **kw) -> dict:
             "started": min(resumed.losses)}
 
 
+def check_auto_resume(root: Path) -> dict:
+    """--auto-resume on an empty folder starts fresh (and saves); on that populated folder it continues from the
+    latest complete checkpoint, exactly; an unfinished save (a temp folder) beside it is passed over."""
+    fresh = train(small_cfg(root, "auto", steps=6, checkpoint_every=2, keep=2, auto_resume=True))
+    if dist.get_rank() == 0:  # as if killed after step 4's save and while writing step 6's
+        shutil.rmtree(root / "auto" / "step_00000006")
+        (root / "auto" / "latest").write_text("step_00000006\n")  # names a folder that is gone
+        (root / "auto" / ".step_00000006.tmp").mkdir()
+    dist.barrier()
+    kept = sorted(p.name for p in (root / "auto").glob("step_*"))
+    again = train(small_cfg(root, "auto", steps=6, checkpoint_every=2, keep=2, auto_resume=True))
+    return {"fresh_started": min(fresh.losses), "kept": kept, "started": min(again.losses),
+            "fresh": [fresh.losses[s] for s in (5, 6)], "resumed": [again.losses[s] for s in (5, 6)]}
+
+
 def _continue(cfg: TrainConfig, ckpt: Path, ctx) -> tuple[list[float], dict]:
     """Load ``ckpt`` under ``ctx``'s layout, check weights, then train two more steps."""
     run = build(cfg, ctx)
@@ -228,6 +243,7 @@ def rank_main(root: str) -> dict:
         ("train/equals_single", lambda: check_equals_single(root)),
         ("ckpt/reshard", lambda: check_reshard(root)),
         ("ckpt/resume", lambda: check_resume(root)),
+        ("ckpt/auto_resume", lambda: check_auto_resume(root)),
         ("train/moe_ep2", lambda: check_moe(root)),
         ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
         ("ckpt/resume_zero2_bf16", lambda: check_resume(root, "_zero2", tp=1, pp=2, dp=2, zero=2, precision="bf16")),

@@ -60,8 +60,15 @@ class TrainConfig:
     """Where checkpoints go (one folder per step, 'latest' points at the newest)."""
     checkpoint_every: int = 0
     """Save every N steps (0: only at the end)."""
+    checkpoint_every_minutes: float = 0.0
+    """Also save when this many minutes have passed since the last save (0: by step count only)."""
+    keep: int = 3
+    """Keep the latest K checkpoints in --checkpoint-dir, delete older ones (0: keep all)."""
     resume: bool = False
-    """Continue from the latest checkpoint in --checkpoint-dir."""
+    """Continue from the latest checkpoint in --checkpoint-dir (an error if there is none)."""
+    auto_resume: bool = False
+    """Continue from the latest complete checkpoint in --checkpoint-dir if there is one, else start fresh: the
+    one command for the first start and every restart (torchrun --max-restarts, a scheduler's requeue)."""
     metrics: str | None = None
     """Append one JSON line per step (step, loss, tokens_per_s, ...) to this file."""
     nproc: int | None = None
@@ -201,8 +208,8 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r}: must be a positive integer")
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
-    if cfg.steps < 0 or cfg.checkpoint_every < 0:
-        raise ConfigError("--steps and --checkpoint-every must be >= 0")
+    if cfg.steps < 0 or cfg.checkpoint_every < 0 or cfg.keep < 0 or not cfg.checkpoint_every_minutes >= 0:
+        raise ConfigError("--steps, --checkpoint-every, --checkpoint-every-minutes and --keep must be >= 0")
     if cfg.layout not in ("flags", "auto"):
         raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:

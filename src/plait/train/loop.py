@@ -65,6 +65,8 @@ class Run:
     tokenizer: ByteTokenizer | FileTokenizer
     params: int
     start: int = 0
+    resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
+    last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     prediction: Estimate | None = None  # the planner's Estimate of this run (plait.train.predict), rank 0
 
 
@@ -91,7 +93,7 @@ def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
     tok = tokenizer_for(cfg.model)
     corpus = load_corpus(cfg.data, tok, cfg.max_data_mb)
     run = Run(cfg, ctx, pm, opt, corpus, tok, params)
-    if cfg.resume:
+    if cfg.resume or cfg.auto_resume:
         resume(run)
     return run
 
@@ -106,13 +108,26 @@ def make_optimizer(pm: ParallelModel, cfg: TrainConfig) -> ParallelOptimizer:
 
 
 def resume(run: Run) -> None:
+    """Load the latest complete checkpoint of --checkpoint-dir (rank 0 chooses it, every rank loads the same);
+    with --auto-resume and none there, leave the run at its fresh start."""
+    import torch.distributed as dist
+
     from plait.checkpoint import find_checkpoint, load_checkpoint
 
-    path = find_checkpoint(run.cfg.checkpoint_dir)
+    box: list[str | None] = [None]
+    if run.ctx.rank == 0:
+        found = find_checkpoint(run.cfg.checkpoint_dir)
+        box[0] = None if found is None else str(found)
+    if run.ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    path = box[0]
     if path is None:
-        raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {run.cfg.checkpoint_dir}")
+        if run.cfg.resume:
+            raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {run.cfg.checkpoint_dir} (--auto-resume "
+                              "starts fresh when there is none)")
+        return
     meta = load_checkpoint(run.pm, run.opt, path)
-    run.start = int(meta["step"])
+    run.start, run.resumed_from = int(meta["step"]), path
     if hasattr(run.opt, "steps"):
         run.opt.steps = run.start  # the LR schedule continues where it stopped
 
@@ -122,7 +137,8 @@ def save(run: Run, step: int) -> str:
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}
-    return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra))
+    run.last_save = time.monotonic()
+    return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
 
 
 def train_one(run: Run, step: int, trace: bool, phases: dict[str, float] | None = None
@@ -247,9 +263,24 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
             row["host_speed"] = res.host_speed
     if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
         row["held_out_loss"] = held_out_loss(run)
-    if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+    if step + 1 < cfg.steps and (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+                                 or _minutes_due(run)):
         res.checkpoint = save(run, step + 1)
     return row
+
+
+def _minutes_due(run: Run) -> bool:
+    """Whether --checkpoint-every-minutes has passed since the last save, by rank 0's clock (collective over
+    the world when the option is set: every rank takes the same answer)."""
+    import torch.distributed as dist
+
+    if run.cfg.checkpoint_every_minutes <= 0:
+        return False
+    due = time.monotonic() - run.last_save >= 60 * run.cfg.checkpoint_every_minutes
+    flag = torch.tensor([float(due)], device=run.ctx.device)
+    if run.ctx.world_size > 1:
+        dist.broadcast(flag, src=0, group=run.ctx.world_group)
+    return bool(flag.item())
 
 
 def _predict(run: Run, res: TrainResult) -> None:
@@ -293,7 +324,7 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
         res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
     if res.stopped_at is not None:
         return  # stopped by a signal: the checkpoint is written, leave promptly
-    if cfg.steps > run.start or not cfg.resume:
+    if cfg.steps > run.start or run.resumed_from is None:
         res.checkpoint = save(run, cfg.steps)
     res.held_out = held_out_loss(run)
     res.sample = sample_text(run)

@@ -46,7 +46,8 @@ class Reporter:
         cfg = self.cfg
         if cfg.metrics:
             Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(cfg.metrics, "a" if cfg.resume else "w")  # noqa: SIM115 (closed in end())
+            resumed = run.resumed_from is not None  # a resumed run appends to the rows of the steps before
+            self.metrics = open(cfg.metrics, "a" if resumed else "w")  # noqa: SIM115 (closed in end())
         c = run.corpus
         self.console.print(
             f"[bold]plait train[/]: {cfg.model} ({run.pm.family.name}), "
@@ -54,6 +55,10 @@ class Reporter:
             f"data: {c.source} ({c.files} files, {c.train.numel() / 1e6:.2f}M training tokens, "
             f"{c.held_out.numel() / 1e6:.2f}M held out) | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
+        if run.resumed_from is not None:
+            self.console.print(f"resuming from {run.resumed_from} (step {run.start})")
+        elif cfg.auto_resume:
+            self.console.print(f"--auto-resume: no complete checkpoint in {cfg.checkpoint_dir}, starting fresh")
         if run.prediction is not None:
             e = run.prediction
             self.console.print(f"predicted on {e.cluster.gpu.name} (plait plan, host profile): step "
@@ -113,7 +118,7 @@ class Reporter:
             self.console.print(memory_table(res.memory, res.predicted_memory))
         if res.stopped_at is not None:
             self.console.print(f"[bold]stopped by {res.stop_signal}[/] after step {res.stopped_at}: checkpoint "
-                               f"{res.checkpoint}; continue with --resume")
+                               f"{res.checkpoint}; continue with --resume or --auto-resume")
         if res.sample is not None:
             from rich.panel import Panel
             from rich.text import Text
