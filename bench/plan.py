@@ -1,4 +1,5 @@
-"""Benchmark: layout search time (cold and warm simulator cache) and the calibration error.
+"""Benchmark: layout search time (cold and warm simulator cache), the calibration error, and the GPU model's
+error on the published runs with each source held out (``--validate`` runs only that part).
 
 Target (issue 6): ``search`` over every layout for 16,384 GPUs and a 405B model in under 2 s.
 Each search runs in a fresh process so the simulator cache starts cold; "warm" repeats it in the
@@ -59,7 +60,23 @@ def calibration() -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+def validation() -> dict:
+    """Leave-one-source-out on the published runs (``plait.plan.published``): the table and the figures."""
+    from plait.plan.published import runs
+    from plait.plan.validation import format_report, leave_one_source_out
+
+    t0 = time.perf_counter()
+    rep = leave_one_source_out(runs())
+    print(format_report(rep))
+    (fm, fx), (hm, hx) = rep.in_fit_stats(), rep.held_out_stats()
+    return {"runs": len(rep.rows), "in_fit_mean_pct": fm, "in_fit_max_pct": fx, "held_out_mean_pct": hm,
+            "held_out_max_pct": hx, "in_fit_constants": rep.in_fit, "seconds": time.perf_counter() - t0}
+
+
 def main() -> None:
+    if "--validate" in sys.argv[1:]:
+        print(json.dumps({"validation": validation()}, indent=1))
+        return
     rows = [run_case(*c) for c in CASES]
     load = open("/proc/loadavg").read().split()[0] if sys.platform == "linux" else "?"
     print(f"load average {load}; cold = a fresh process (wall and CPU seconds), warm = again in it")
@@ -76,7 +93,8 @@ def main() -> None:
     verdict = "PASS" if target["search_cold_s"] < 2.0 else "FAIL"
     print(f"target: 405B on 16,384 GPUs in < 2 s (cold): {target['search_cold_s']:.2f} s wall, "
           f"{target['search_cold_cpu_s']:.2f} s CPU: {verdict}")
-    print(json.dumps({"search": rows, "calibration": cal}, indent=1))
+    val = validation()
+    print(json.dumps({"search": rows, "calibration": cal, "validation": val}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,252 @@
+"""Published training runs: the public evaluation set the datasheet GPU model is checked against.
+
+Each run carries where its figure was printed, the figure exactly as printed, and the step time that figure
+implies (``step_s``, with ``how`` saying the arithmetic). Layout details that the source does not print are
+assumptions, listed per run in ``assumed``: they are the same for every run of a source. Only figures read in
+a public text go in here (the file or table named in ``where``); nothing is remembered or interpolated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plait.plan.catalogue import GB, Link
+from plait.plan.config import Cluster, Layout, Training
+from plait.plan.model import Model
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published training run and the step time its printed figure implies."""
+
+    source: str  # the independent source (a team's report or repository): the unit held out
+    where: str  # the paper / document and the table or file the figure is printed in
+    label: str
+    model: Model
+    cluster: Cluster
+    layout: Layout
+    training: Training
+    figure: str  # as printed
+    step_s: float  # the step time the figure implies
+    how: str  # how ``step_s`` follows from ``figure``
+    assumed: tuple[str, ...] = field(default_factory=tuple)  # what the source does not print
+
+    @property
+    def gpu(self) -> str:
+        return self.cluster.gpu.name  # type: ignore[union-attr]
+
+
+def _tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
+    return batch * seq / tokens_per_s
+
+
+# ---- Narayanan et al. 2021 (SC'21), Table 1 ---------------------------------------------------------------
+# Figures: the table as printed in NVIDIA/Megatron-LM README, images/cases_april2021.png (commit 50a4b5fa,
+# 2021-04-08; the paper's Table 1). Layouts: the paper's own launch script, NVIDIA/Megatron-LM
+# examples/sc21/run_table_1.sh (commit de7dc40f): TP, PP, micro-batch, global batch, layers, hidden, heads,
+# --checkpoint-activations, --num-layers-per-virtual-pipeline-stage, DDP impl; CONFIG.sh: seq 2048, fp16.
+NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21), Table 1, as printed in NVIDIA/Megatron-LM README "
+                   "images/cases_april2021.png; layouts from examples/sc21/run_table_1.sh")
+# (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
+#  TFLOP/s per GPU as printed)
+NARAYANAN_TABLE1 = (
+    (24, 2304, 24, 1, 1, 16, 512, 0, True, 32, 137), (30, 3072, 32, 2, 1, 16, 512, 0, True, 64, 138),
+    (36, 4096, 32, 4, 1, 16, 512, 0, True, 128, 142), (40, 6144, 48, 8, 1, 8, 1024, 0, True, 256, 135),
+    (48, 8192, 64, 8, 2, 4, 1536, 0, False, 512, 138), (60, 10240, 80, 8, 4, 2, 1792, 5, False, 1024, 140),
+    (80, 12288, 96, 8, 8, 2, 2304, 5, False, 1536, 148), (96, 16384, 128, 8, 16, 1, 2160, 3, False, 1920, 155),
+    (105, 20480, 128, 8, 35, 1, 2520, 1, False, 2520, 163), (128, 25600, 160, 8, 64, 1, 3072, 0, False, 3072, 163),
+)
+
+
+def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> Model:
+    """A GPT-3-style model as Megatron-LM builds it: biases, LayerNorm, learned positions, tied embeddings."""
+    return Model(layers, hidden, heads, vocab, seq, bias=True, layernorm=True, learned_positions=True,
+                 tied_embeddings=True, name=name or f"gpt-{layers}x{hidden}")
+
+
+def narayanan_flops(m: Model, batch: int) -> float:
+    """Narayanan et al. 2021, eq. (3): the FLOPs one step of their runs does, recomputation's forward
+    included: 96·B·s·l·h²·(1 + s/(6h) + V/(16lh))."""
+    b, s, l, h, v = batch, m.seq_len, m.n_layers, m.hidden, m.vocab
+    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def _narayanan() -> list[PublishedRun]:
+    out = []
+    for layers, hidden, heads, t, p, mbs, batch, per_v, torch_ddp, n, tflops in NARAYANAN_TABLE1:
+        m = gpt(layers, hidden, heads)
+        v = layers // p // per_v if per_v else 1
+        layout = Layout(tp=t, pp=p, dp=n // (t * p), virtual=v, microbatch_size=mbs, recompute="full",
+                        schedule="interleaved-1f1b" if v > 1 else "1f1b")
+        step = narayanan_flops(m, batch) / (n * tflops * 1e12)
+        out.append(PublishedRun(
+            "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
+            Cluster("a100-80gb", n, interconnect="ib-hdr"), layout,
+            Training(batch, overlap_grad_reduce=torch_ddp), f"{tflops} teraFLOP/s per GPU", step,
+            "eq. (3) FLOPs / (GPUs x TFLOP/s)",
+            ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
+             "fp16 costed as bf16", "Selene: HDR InfiniBand, 8 x 200 Gb/s per node")))
+    return out
+
+
+# ---- Smith et al. 2022 (MT-NLG 530B) -----------------------------------------------------------------------
+# "with global batch size 1920 on 280, 350, and 420 DGX A100 servers ... the latency per iteration observed is
+# 60.1, 50.2, and 44.4 seconds respectively. These correspond to 126, 121, and 113 TFLOP/s per GPU" (Smith et
+# al. 2022, §2.4, as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md; its run_train.sh: 8-way
+# tensor and 35-way pipeline parallelism, vocab 50272).
+SMITH_WHERE = ("Smith et al. 2022 (MT-NLG), Section 2.4, as quoted in cli99/llm-analysis "
+               "examples/megatron-turing-nlg/README.md and run_train.sh")
+
+
+def _smith() -> list[PublishedRun]:
+    m = gpt(105, 20480, 128, vocab=51200, name="mt-nlg-530b")  # 50272 padded to a multiple of 128·t
+    out = []
+    for nodes, step, tflops in ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)):
+        n = 8 * nodes
+        out.append(PublishedRun(
+            "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
+            Cluster("a100-80gb", n, interconnect="ib-hdr"),
+            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1), Training(1920),
+            f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
+            ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
+             "ZeRO-1 (DeepSpeed)", "vocab 50272 padded to 51200", "Selene: HDR InfiniBand")))
+    return out
+
+
+# ---- NVIDIA NeMo Megatron launcher README, §7.1.2 (A100 80GB, bf16) ----------------------------------------
+# NVIDIA/NeMo-Megatron-Launcher README.md (commit 3579cdb3, 2022-09-07), "Training Performance Results": tokens per
+# second of GPT-3 5B on 1-32 DGX A100 nodes and 175B on 8-128; layouts: conf/training/gpt3/{5b,175b}.yaml at the
+# same commit (5B: t1 p1 micro-batch 2, global batch 2048, no recomputation; 175B: t8 p8 micro-batch 2, global
+# batch 2048, sequence parallel, selective recomputation; both distributed fused Adam).
+NEMO_WHERE = ("NVIDIA/NeMo-Megatron-Launcher README §7.1.2 (commit 3579cdb3); layouts from "
+              "conf/training/gpt3/5b.yaml and 175b.yaml at that commit")
+NEMO_5B = ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))
+NEMO_175B = ((8, 7500), (16, 14950), (32, 29537), (64, 58211), (128, 109684))
+
+
+def _nemo() -> list[PublishedRun]:
+    out = []
+    assumed = ("the benchmark ran the yaml of that commit", "distributed fused Adam costed as ZeRO-1",
+               "vocab 50257 padded to 50304", "DGX SuperPOD: HDR InfiniBand")
+    m5 = gpt(24, 4096, 32, vocab=50304, name="gpt3-5b")
+    for nodes, tps in NEMO_5B:
+        n = 8 * nodes
+        out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 5B on {n} A100", m5,
+                                Cluster("a100-80gb", n, interconnect="ib-hdr"),
+                                Layout(dp=n, microbatch_size=2, zero=1), Training(2048),
+                                f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
+                                "global batch x seq / tokens per second", assumed))
+    m175 = gpt(96, 12288, 96, vocab=50304, name="gpt3-175b")
+    for nodes, tps in NEMO_175B:
+        n = 8 * nodes
+        out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 175B on {n} A100", m175,
+                                Cluster("a100-80gb", n, interconnect="ib-hdr"),
+                                Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
+                                       recompute="selective", zero=1), Training(2048),
+                                f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
+                                "global batch x seq / tokens per second", assumed + ("1F1B, not interleaved",)))
+    return out
+
+
+# ---- BigScience BLOOM 176B ---------------------------------------------------------------------------------
+# bigscience-workshop/bigscience train/tr11-176B-ml/chronicles.md: at full global batch 2048, "iteration 12695/
+# 115311 | ... | elapsed time per iteration (s): 105.22 | ... | TFLOPs: 149.02"; README.md of that folder: 384
+# A100 80GB, TP=4 PP=12 DP=8 MBS=2, 70 layers, hidden 14336, 112 heads, seq 2048, vocab 250,880 (padded),
+# ALiBi, bf16, BF16_Optimizer's own ZeRO stage 1; tr11-176B-ml.slurm: --checkpoint-activations. Inter-node:
+# "4 OmniPath links" per node.
+BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
+               "bigscience-workshop/bigscience")
+OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
+
+
+def _bloom() -> list[PublishedRun]:
+    m = Model(70, 14336, 112, 250880, 2048, bias=True, layernorm=True, tied_embeddings=True, name="bloom-176b")
+    return [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", m,
+                         Cluster("a100-80gb", 384, interconnect=OMNIPATH),
+                         Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1), Training(2048),
+                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
+                         ("Omni-Path links of 100 Gb/s", "1F1B (DeepSpeed's pipeline)",
+                          "embedding LayerNorm not costed"))]
+
+
+# ---- MosaicML llm-foundry MPT benchmarks (FSDP) ------------------------------------------------------------
+# mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c, 2023-10-17): Throughput (T/s) of MPT
+# models under FSDP FULL_SHARD; shapes from scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion
+# ratio 4, no biases; the table's NumParams grow with the sequence length: learned positions).
+MOSAIC_WHERE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), {table}"
+MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
+       "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
+# (table, model, seq, GPUs, micro-batch, global batch, activation checkpointing, Throughput (T/s) as printed)
+MOSAIC_ROWS = (
+    ("H100 80GB BF16", "70b", 2048, 64, 8, 2048, True, 66523),
+    ("H100 80GB BF16", "30b", 2048, 16, 10, 480, True, 36209),
+    ("H100 80GB BF16", "13b", 2048, 8, 2, 16, False, 38336),
+    ("H100 80GB BF16", "13b", 4096, 8, 10, 240, True, 37740),
+    ("H100 80GB BF16", "7b", 2048, 8, 6, 48, False, 85144),
+    ("H100 80GB BF16", "7b", 8192, 8, 8, 128, True, 55481),
+    ("H100 80GB BF16", "3b", 2048, 16, 10, 480, False, 386285),
+    ("H100 80GB BF16", "3b", 8192, 8, 3, 144, False, 132626),
+    ("H100 80GB BF16", "1b", 2048, 8, 14, 112, False, 363645),
+    ("H100 80GB BF16", "760m", 2048, 16, 24, 384, False, 1096819),
+    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "70b", 2048, 64, 8, 2048, True, 26274),
+    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "30b", 2048, 8, 3, 504, True, 7330),
+    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "13b", 2048, 8, 2, 48, False, 18097),
+    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "7b", 2048, 8, 6, 96, False, 37130),
+    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "3b", 2048, 8, 10, 160, False, 86491),
+    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "1b", 2048, 8, 14, 448, False, 164109),
+)
+ROCE_200 = Link("RoCE 200 Gb/s per GPU (1600 Gb/s per node)", 25 * GB, 8e-6)
+
+
+def mpt(size: str, seq: int) -> Model:
+    layers, d, heads = MPT[size]
+    return Model(layers, d, heads, 50368, seq, layernorm=True, learned_positions=True, tied_embeddings=True,
+                 name=f"mpt-{size}")
+
+
+def _mosaic() -> list[PublishedRun]:
+    out = []
+    for table, size, seq, n, mbs, batch, ckpt, tps in MOSAIC_ROWS:
+        h100 = table.startswith("H100")
+        out.append(PublishedRun(
+            "MosaicML llm-foundry", MOSAIC_WHERE.format(table=table),
+            f"MPT-{size} seq {seq} on {n} {'H100' if h100 else 'A100'}", mpt(size, seq),
+            Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200),
+            Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3), Training(batch),
+            f"Throughput (T/s) {tps}", _tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
+            ("FSDP FULL_SHARD costed as ZeRO-3", "flash attention",
+             "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
+    return out
+
+
+# ---- torchtitan (FSDP2 on 64 A100 80GB) --------------------------------------------------------------------
+# pytorch/torchtitan docs/performance.md (commit 04133643): WPS (tokens per second per GPU) of Llama 3 70B (local
+# batch 1, full activation checkpointing: 331) and Llama 2 13B (local batch 2, none: 2162) and 70B (local batch
+# 2, full: 353) with FSDP2 on 64 A100 80GB; global batch = local batch x 64.
+TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
+LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
+LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
+
+
+def _torchtitan() -> list[PublishedRun]:
+    rows = ((Model.preset("llama3-70b"), 1, "full", 331), (LLAMA2_13B, 2, "none", 2162),
+            (LLAMA2_70B, 2, "full", 353))
+    out = []
+    for m, local, rc, wps in rows:
+        batch = 64 * local
+        out.append(PublishedRun(
+            "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m, Cluster("a100-80gb", 64),
+            Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch),
+            f"WPS {wps}", _tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
+            ("FSDP2 costed as ZeRO-3", "fabric not printed: HDR InfiniBand assumed")))
+    return out
+
+
+def runs() -> list[PublishedRun]:
+    """The whole evaluation set, source by source."""
+    return _narayanan() + _smith() + _nemo() + _bloom() + _mosaic() + _torchtitan()
+
+
+def sources(rs: list[PublishedRun] | None = None) -> list[str]:
+    """The independent sources, in the order of ``runs``."""
+    return list(dict.fromkeys(r.source for r in (rs if rs is not None else runs())))

@@ -1,0 +1,184 @@
+"""Leave-one-source-out validation of the datasheet GPU model on the published runs (``plan.published``).
+
+Every fitted constant is fitted with one source held out, and the held-out source's runs are predicted with
+those constants: that error is the yardstick. The in-fit error (every source in the fit) is reported beside
+it. Fitting minimises the mean absolute log error of the step time, one constant at a time (golden-section
+search inside its bounds, a few rounds), through the public ``estimate`` only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from plait.plan.catalogue import get_gpu
+from plait.plan.config import Cluster
+from plait.plan.estimate import estimate
+from plait.plan.published import PublishedRun, sources
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A fitted constant: ``apply(run, value)`` returns the run as the model costs it with that value;
+    ``uses(run)`` says whether the value changes that run's prediction (else the run is not evaluated while
+    fitting it)."""
+
+    name: str
+    default: float  # the value the model has without a fit (used where no fitted run uses the constant)
+    low: float
+    high: float
+    apply: Callable[[PublishedRun, float], PublishedRun]
+    uses: Callable[[PublishedRun], bool]
+
+
+def matmul_ceiling(gpu: str, low: float = 0.3, high: float = 1.0) -> Constant:
+    """The best share of ``gpu``'s datasheet peak its GEMMs reach (``GPU.matmul_efficiency``)."""
+
+    def apply(run: PublishedRun, value: float) -> PublishedRun:
+        if run.gpu != gpu:
+            return run
+        c = run.cluster
+        cluster = Cluster(replace(c.gpu, matmul_efficiency=value), c.n_gpus, c.gpus_per_node,  # type: ignore
+                          c.interconnect, max_memory_fraction=c.max_memory_fraction)
+        return replace(run, cluster=cluster)
+
+    return Constant(f"matmul_efficiency[{gpu}]", get_gpu(gpu).matmul_efficiency, low, high, apply,
+                    lambda r: r.gpu == gpu)
+
+
+def default_constants() -> list[Constant]:
+    """What is fitted: one matmul ceiling per GPU type in the set."""
+    return [matmul_ceiling("a100-80gb"), matmul_ceiling("h100-sxm")]
+
+
+def predict(run: PublishedRun) -> float:
+    """Predicted step seconds of ``run`` as it stands (its constants applied)."""
+    return estimate(run.model, run.cluster, run.layout, run.training).step_time_s
+
+
+def with_values(run: PublishedRun, constants: Sequence[Constant], values: dict[str, float]) -> PublishedRun:
+    for c in constants:
+        if c.name in values:
+            run = c.apply(run, values[c.name])
+    return run
+
+
+def _loss(rs: Sequence[PublishedRun]) -> float:
+    return sum(abs(math.log(predict(r) / r.step_s)) for r in rs) / len(rs) if rs else 0.0
+
+
+def fit(rs: Sequence[PublishedRun], constants: Sequence[Constant], rounds: int = 2,
+        steps: int = 14) -> dict[str, float]:
+    """Constants minimising the mean |log(predicted/published)| over ``rs``: coordinate descent, each constant by
+    golden-section search (``steps`` narrowings) between its bounds; a constant no run in ``rs`` uses keeps its
+    default (the model's own value: nothing in the fit says otherwise)."""
+    values = {c.name: c.default for c in constants}
+    for _ in range(rounds if len(constants) > 1 else 1):
+        for c in constants:
+            used = [with_values(r, [k for k in constants if k is not c], values) for r in rs if c.uses(r)]
+            if not used:
+                continue
+
+            def loss(x: float, used: list[PublishedRun] = used, c: Constant = c) -> float:
+                return _loss([c.apply(r, x) for r in used])
+
+            lo, hi = c.low, c.high
+            a, b = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
+            fa, fb = loss(a), loss(b)
+            for _ in range(steps):
+                if fa <= fb:
+                    hi, b, fb = b, a, fa
+                    a = hi - GOLDEN * (hi - lo)
+                    fa = loss(a)
+                else:
+                    lo, a, fa = a, b, fb
+                    b = lo + GOLDEN * (hi - lo)
+                    fb = loss(b)
+            values[c.name] = (lo + hi) / 2
+    return values
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run's prediction: with every source in the fit, and with its own source held out."""
+
+    run: PublishedRun
+    in_fit_s: float
+    held_out_s: float
+
+    @property
+    def in_fit_error(self) -> float:
+        return self.in_fit_s / self.run.step_s - 1
+
+    @property
+    def held_out_error(self) -> float:
+        return self.held_out_s / self.run.step_s - 1
+
+
+@dataclass(frozen=True)
+class Report:
+    """Per-run rows, the constants fitted on everything, and those fitted without each source."""
+
+    rows: list[Row]
+    in_fit: dict[str, float]
+    held_out: dict[str, dict[str, float]]  # source -> constants fitted without it
+
+    @staticmethod
+    def _stats(errors: list[float]) -> tuple[float, float]:
+        absolute = [abs(e) for e in errors]
+        return 100 * sum(absolute) / len(absolute), 100 * max(absolute)
+
+    def in_fit_stats(self) -> tuple[float, float]:
+        """(mean |error| %, max |error| %) with every source in the fit."""
+        return self._stats([r.in_fit_error for r in self.rows])
+
+    def held_out_stats(self) -> tuple[float, float]:
+        """(mean |error| %, max |error| %) of each run predicted with its source held out."""
+        return self._stats([r.held_out_error for r in self.rows])
+
+    def by_source(self) -> dict[str, tuple[float, float]]:
+        """Held-out (mean, max) |error| % per source."""
+        out: dict[str, list[float]] = {}
+        for r in self.rows:
+            out.setdefault(r.run.source, []).append(r.held_out_error)
+        return {s: self._stats(e) for s, e in out.items()}
+
+
+def leave_one_source_out(rs: Sequence[PublishedRun], constants: Sequence[Constant] | None = None,
+                         rounds: int = 2, steps: int = 14) -> Report:
+    """Fit on all runs (in-fit), then once per source without it, predicting the held-out source's runs."""
+    constants = list(constants if constants is not None else default_constants())
+    rs = list(rs)
+    everything = fit(rs, constants, rounds, steps)
+    held: dict[str, dict[str, float]] = {}
+    held_s: dict[int, float] = {}
+    for s in sources(rs):
+        values = fit([r for r in rs if r.source != s], constants, rounds, steps)
+        held[s] = values
+        for i, r in enumerate(rs):
+            if r.source == s:
+                held_s[i] = predict(with_values(r, constants, values))
+    rows = [Row(r, predict(with_values(r, constants, everything)), held_s[i]) for i, r in enumerate(rs)]
+    return Report(rows, everything, held)
+
+
+def format_report(report: Report) -> str:
+    """The per-run table (published, in-fit and held-out predictions), per-source and overall errors."""
+    lines = [f"{'source':28} {'run':36} {'published':>10} {'in-fit':>8} {'err':>7} {'held-out':>9} {'err':>7}"]
+    for r in report.rows:
+        lines.append(f"{r.run.source[:28]:28} {r.run.label[:36]:36} {r.run.step_s:>9.2f}s {r.in_fit_s:>7.2f}s "
+                     f"{100 * r.in_fit_error:>+6.1f}% {r.held_out_s:>8.2f}s {100 * r.held_out_error:>+6.1f}%")
+    lines.append("")
+    for s, (mean, worst) in report.by_source().items():
+        fitted = ", ".join(f"{k} {v:.3f}" for k, v in report.held_out[s].items())
+        lines.append(f"held out {s}: mean |error| {mean:.1f}%, max {worst:.1f}% (fitted without it: {fitted})")
+    (fm, fx), (hm, hx) = report.in_fit_stats(), report.held_out_stats()
+    n, k = len(report.rows), len(sources([r.run for r in report.rows]))
+    lines.append(f"in-fit ({', '.join(f'{k_} {v:.3f}' for k_, v in report.in_fit.items())}): "
+                 f"mean |error| {fm:.1f}%, max {fx:.1f}%")
+    lines.append(f"held-out (leave one source out, {n} runs from {k} sources): mean |error| {hm:.1f}%, "
+                 f"max {hx:.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The published-run evaluation set is well-formed; leave-one-source-out reports what the code computes."""
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from plait.plan import estimate
+from plait.plan.published import narayanan_flops, runs, sources
+from plait.plan.validation import fit, leave_one_source_out, matmul_ceiling, predict, with_values
+
+
+def _number(text: str) -> float:
+    """The first number printed in a figure (the one the step time follows from)."""
+    return float(re.findall(r"\d+(?:\.\d+)?", text)[0])
+
+
+def test_evaluation_set_counts_and_fields():
+    rs = runs()
+    assert len(rs) >= 25 and len(sources(rs)) >= 6
+    assert {r.gpu for r in rs} >= {"a100-80gb", "h100-sxm"}
+    for r in rs:
+        assert r.source and r.where and r.figure and r.how and r.step_s > 0
+        assert r.layout.world == r.cluster.n_gpus
+        estimate(r.model, r.cluster, r.layout, r.training)  # a valid layout (ConfigError otherwise)
+    labels = [(r.source, r.label) for r in rs]
+    assert len(set(labels)) == len(labels)
+
+
+def test_step_times_follow_from_the_printed_figures():
+    for r in runs():
+        printed = _number(r.figure)
+        tokens = r.training.global_batch * r.model.seq_len
+        if r.how == "printed step time":
+            assert r.step_s == printed
+        elif r.how.startswith("eq. (3)"):
+            assert r.step_s == pytest.approx(narayanan_flops(r.model, r.training.global_batch)
+                                             / (r.cluster.n_gpus * printed * 1e12))
+        elif r.how.endswith("(WPS x 64)"):
+            assert r.step_s == pytest.approx(tokens / (printed * 64))
+        else:
+            assert r.how == "global batch x seq / tokens per second"
+            assert r.step_s == pytest.approx(tokens / printed)
+
+
+def _small():
+    """Three sources of fast runs (no long pipelines): enough to exercise the fit and the hold-outs."""
+    out = []
+    for s in ("NVIDIA NeMo Megatron", "MosaicML llm-foundry", "torchtitan"):
+        out += [r for r in runs() if r.source == s and r.layout.pp == 1][:5]
+    return out
+
+
+def test_leave_one_source_out_reports_what_it_computes():
+    rs = _small()
+    constants = [matmul_ceiling("a100-80gb"), matmul_ceiling("h100-sxm")]
+    rep = leave_one_source_out(rs, constants, rounds=1, steps=8)
+    assert set(rep.held_out) == set(sources(rs)) and len(rep.held_out) == 3
+    for row in rep.rows:
+        values = rep.held_out[row.run.source]
+        assert row.held_out_s == pytest.approx(predict(with_values(row.run, constants, values)))
+        assert row.in_fit_s == pytest.approx(predict(with_values(row.run, constants, rep.in_fit)))
+    errors = [abs(r.held_out_s / r.run.step_s - 1) for r in rep.rows]
+    assert rep.held_out_stats() == pytest.approx((100 * sum(errors) / len(errors), 100 * max(errors)))
+    # the held-out constants never saw the held-out source: changing its figures leaves them as they were
+    held = sources(rs)[0]
+    moved = [replace(r, step_s=2 * r.step_s) if r.source == held else r for r in rs]
+    assert fit([r for r in moved if r.source != held], constants, 1, 8) == rep.held_out[held]
+    assert fit(moved, constants, 1, 8) != rep.in_fit
+
+
+def test_unused_constant_keeps_the_models_value():
+    rs = [r for r in _small() if r.gpu == "a100-80gb"]
+    h100 = matmul_ceiling("h100-sxm")
+    assert fit(rs, [h100], 1, 4)[h100.name] == h100.default
+
+
+SEARCH = """
+import sys, time
+from plait.plan import Cluster, Model, Training, search
+from plait.plan.pipeline import _simulate
+t = time.process_time()
+r = search(Model.preset("llama3-405b"), Cluster("h100-sxm", 16384), Training(2048))
+print(time.process_time() - t, _simulate.cache_info().currsize, r.considered)
+"""
+
+
+def test_search_of_16384_gpus_stays_under_two_cpu_seconds():
+    # the work, not the clock: CPU seconds of a cold search in a fresh process (the bound of issue 6/59) and
+    # how many pipelines it simulates
+    out = subprocess.run([sys.executable, "-c", SEARCH], capture_output=True, text=True, timeout=120, check=True)
+    cpu, sims, considered = out.stdout.split()
+    assert float(cpu) < 2.0 and int(sims) < 400 and int(considered) > 1000
