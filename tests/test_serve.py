@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from plait.serve.protocol import chat_prompt
+from plait.serve.chat import chat_prompt
 from plait.tokenizers import ByteTokenizer
 from serve_util import expected_ids, tiny_model
 
@@ -147,6 +147,8 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and "--step-tokens -1" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])
     assert res.exit_code == 2 and "--kv-block 0" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "{% for m in messages %}"])
+    assert res.exit_code == 2 and "--chat-template" in res.output and "TemplateSyntaxError" in res.output, res.output
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

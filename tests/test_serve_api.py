@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from plait.serve.protocol import chat_prompt
+from plait.serve.chat import chat_prompt
 from plait.tokenizers import ByteTokenizer
 from serve_util import expected_ids, greedy_with, log_softmax
 
@@ -194,3 +194,26 @@ def test_tokenizer_endpoints_version_api_key_and_body_limit(served):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     res = httpx.post(f"{url}/v1/completions", headers=auth, json={"model": "tiny", "prompt": "x" * 70000})
     assert res.status_code == 413 and res.json()["error"]["code"] == "request_too_large"
+
+
+def test_omitted_model_and_chat_template_fields_as_vllm(served):
+    url, auth, ref, eos = served.server.url, served.headers, served.ref, served.eos
+    res = httpx.post(f"{url}/v1/completions", headers=auth, json={"prompt": "no model", "max_tokens": 3})
+    assert res.status_code == 200 and res.json()["model"] == "tiny", res.text
+    assert res.json()["choices"][0]["token_ids"] == expected_ids(ref, TOK.encode("no model"), 3, eos=eos)
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["chat_template_source"].startswith("plait's") and "<|assistant|>" in info["chat_template"]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    tok = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert tok["tokens"] == list(b"<|user|>\na\nb\n")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra, param in (({"chat_template": "{{ messages }}"}, "chat_template"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+                         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs")):
+        res = httpx.post(f"{url}/v1/chat/completions", headers=auth, json={**chat, **extra})
+        assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+    res = httpx.post(f"{url}/v1/chat/completions", headers=auth, json={
+        **chat, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+        "add_generation_prompt": False, "chat_template_kwargs": {"unused": 1}})
+    want = expected_ids(ref, TOK.encode("<|user|>\nhi\n"), 2, eos=eos)
+    assert res.status_code == 200 and res.json()["choices"][0]["token_ids"] == want, res.text

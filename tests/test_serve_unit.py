@@ -228,6 +228,8 @@ def test_request_timeout_gives_504_and_cancels():
 @pytest.mark.parametrize("body", [{"top_logprobs": 2}, {"logprobs": True}, {"stream_options": {"include_usage": 1}}])
 def test_protocol_refuses_malformed_fields(body):
     from plait.serve.protocol import ApiError, Limits, parse
+    from plait.serve.tokens import TokenizerInfo
 
     with pytest.raises(ApiError):
-        parse({"model": "m", "prompt": "hi", **body}, False, TOK, Limits("m", 64, 256, 16, 64))
+        parse({"model": "m", "prompt": "hi", **body}, False, TokenizerInfo(TOK, "/nonexistent", 64),
+              Limits("m", 64, 256, 16, 64))

@@ -19,7 +19,9 @@ With --tp/--pp > 1 the model is split over that many local processes; rank 0 als
 Greedy by default (temperature 0): the tokens equal `plait generate`'s.
 
 \b
-Chat messages become one prompt: "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's
+chat_template or chat_template.jinja, rendered as transformers' apply_chat_template does), or through
+--chat-template; a folder without one gets "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
 
 \b
 Examples:
@@ -63,6 +65,11 @@ def serve_command(
     max_body_bytes: Annotated[int, Opt(help="Largest request body; larger ones get HTTP 413.")] = 16 << 20,
     request_timeout: Annotated[float, Opt(help="Seconds a request may run before it is cancelled (HTTP 504); "
                                                "0: no limit.")] = 600.0,
+    chat_template: Annotated[str | None, Opt(help="A Jinja chat template (a file, or the template itself) "
+                                                   "instead of the folder's.")] = None,
+    trust_request_chat_template: Annotated[bool, Opt(help="Let requests send a chat_template of their own (else "
+                                                          "400; named templates of the folder are always allowed).")]
+    = False,
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
@@ -74,7 +81,7 @@ def serve_command(
     from plait.parallel_config import ParallelConfig
 
     try:
-        require_extra("serve", ("fastapi", "starlette", "uvicorn"), "plait serve")  # before any other work
+        require_extra("serve", ("fastapi", "starlette", "uvicorn", "jinja2"), "plait serve")  # before any other work
         par = ParallelConfig(**(layout or {}))
         tp, pp = par.tp, par.pp
         if max_batch < 1 or max_queue < 0:
@@ -90,13 +97,16 @@ def serve_command(
         if step_tokens < 0 or max_body_bytes < 1 or request_timeout < 0:
             raise ConfigError(f"--step-tokens {step_tokens} and --request-timeout {request_timeout} must be >= 0, "
                               f"--max-body-bytes {max_body_bytes} >= 1")
+        from plait.serve.chat import check_template
         from plait.serve.server import bind
 
+        check_template(model, chat_template)  # a broken template fails here, not on the first chat request
         bind(host, port).close()  # a busy port fails here, before any worker starts
         payload = {"model": model, "tp": tp, "pp": pp, "host": host, "port": port, "max_batch": max_batch,
                    "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue, "kv_block": kv_block,
                    "kv_reserve": kv_reserve, "prefix_cache": prefix_cache, "step_tokens": step_tokens,
-                   "api_key": api_key,
+                   "api_key": api_key, "chat_template": chat_template,
+                   "trust_request_chat_template": trust_request_chat_template,
                    "max_body": max_body_bytes, "request_timeout": request_timeout,
                    "name": name or Path(model).resolve().name}
         run_or_launch("plait.serve.server:serve_job", payload, tp * pp)

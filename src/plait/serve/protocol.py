@@ -1,12 +1,16 @@
-"""OpenAI-style request parsing and validation, error bodies, and the chat template of a byte-level model."""
+"""OpenAI-style request parsing and validation, and error bodies."""
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plait.generation.decode import Sampling
 from plait.serve.sampling import Params
+
+if TYPE_CHECKING:
+    from plait.serve.tokens import TokenizerInfo
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -14,12 +18,15 @@ MAX_LOGPROBS = 20
 FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "min_p", "n", "seed", "stream", "stream_options", "stop", "stop_token_ids", "ignore_eos",
           "include_stop_str_in_output", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "logit_bias", "logprobs", "top_logprobs", "echo", "user", "return_tokens_as_token_ids"}
+          "logit_bias", "logprobs", "top_logprobs", "echo", "user", "return_tokens_as_token_ids", "add_special_tokens",
+          "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools", "documents"}
+CHAT_ONLY = {"messages", "top_logprobs", "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools",
+             "documents"}
 # accepted only at these values (the features they would switch on are not implemented)
-NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
            "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
            "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-           "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+           "continue_final_message": (None, False),
            "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "prompt_logprobs": (None,),
            "store": (None, False), "metadata": (None,), "service_tier": (None, "auto"), "modalities": (None, ["text"]),
            "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
@@ -84,17 +91,6 @@ class Parsed:
         return out
 
 
-def chat_prompt(messages: list[dict]) -> str:
-    """The chat template: each message as "<|role|>\\n" + content + "\\n", then "<|assistant|>\\n"."""
-    parts = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        parts.append(f"<|{m.get('role')}|>\n{content or ''}\n")
-    return "".join(parts) + "<|assistant|>\n"
-
-
 def _number(body: dict, name: str, default, kind, lo=None, hi=None):
     value = body.get(name, default)
     if value is None:
@@ -121,17 +117,17 @@ def _ids(value, name: str, vocab: int) -> list[int]:
     return list(value)
 
 
-def _prompts(value, tok, vocab: int) -> list[list[int]]:
+def _prompts(value, tokens: TokenizerInfo, vocab: int, special: bool) -> list[list[int]]:
     """A string, a list of strings, a list of token ids, or a list of such lists."""
     if isinstance(value, str):
-        return [tok.encode(value)]
+        return [tokens.encode(value, special)]
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         batch = [value]
     elif isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         batch = value
     else:
         raise ApiError(400, "prompt must be a string, a list of strings or a list of token ids", "prompt")
-    return [tok.encode(p) if isinstance(p, str) else _ids(p, "prompt", vocab) for p in batch]
+    return [tokens.encode(p, special) if isinstance(p, str) else _ids(p, "prompt", vocab) for p in batch]
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -139,8 +135,7 @@ def _check_fields(body: dict, chat: bool) -> None:
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:
                 raise ApiError(400, f"{name}={value!r} is not supported by plait serve", name, "unsupported")
-        elif name not in FIELDS or (chat and name in ("prompt", "echo")) or (not chat and name in
-                                                                          ("messages", "top_logprobs")):
+        elif name not in FIELDS or (chat and name in ("prompt", "echo")) or (not chat and name in CHAT_ONLY):
             if value is not None and not (name == "echo" and value is False):
                 raise ApiError(400, f"{name}={value!r} is not supported by plait serve", name, "unsupported")
 
@@ -211,24 +206,36 @@ def _sampling(body: dict, chat: bool, limits: Limits) -> Sampling:
                     top_p=_number(body, "top_p", 1.0, float, 1e-9, 1), min_p=_number(body, "min_p", 0.0, float, 0, 1))
 
 
-def parse(body, chat: bool, tok, limits: Limits) -> Parsed:
+def check_model(body: dict, limits: Limits) -> None:
+    """A request's model must be the served one; absent or null means the served one (as vLLM)."""
+    model = body.get("model")
+    if model is not None and model != limits.model:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{limits.model}'", "model",
+                       "model_not_found")
+
+
+def _tools(body: dict) -> None:
+    """Tools are rendered into the prompt only with tool_choice "none": parsed tool calls are not implemented."""
+    if body.get("tools") and body.get("tool_choice") != "none":
+        raise ApiError(400, f"tool_choice={body.get('tool_choice') or 'auto'!r} (tool calls parsed from the reply) "
+                            "is not supported by plait serve; with tool_choice \"none\" the tools are rendered into "
+                            "the prompt by the chat template and the reply comes back as text", "tool_choice",
+                       "unsupported")
+
+
+def parse(body, chat: bool, tokens: TokenizerInfo, limits: Limits) -> Parsed:
     """Validate a /v1/completions or /v1/chat/completions body; ApiError (4xx) on anything wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if model != limits.model:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{limits.model}'", "model",
-                       "model_not_found")
+    check_model(body, limits)
     _check_fields(body, chat)
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-        prompts = [tok.encode(chat_prompt(messages))]
+        _tools(body)
+        prompts = [tokens.chat_ids(body)]
     else:
         if "prompt" not in body:
             raise ApiError(400, "prompt is required", "prompt")
-        prompts = _prompts(body["prompt"], tok, limits.vocab)
+        prompts = _prompts(body["prompt"], tokens, limits.vocab, _flag(body, "add_special_tokens", True))
     sampling = _sampling(body, chat, limits)
     n = _number(body, "n", 1, int, 1, 128)
     echo = not chat and _flag(body, "echo")

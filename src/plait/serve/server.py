@@ -15,10 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from plait.serve.chat import ChatTemplate
 from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
 from plait.serve.metrics import Metrics
-from plait.serve.protocol import ApiError, Limits, Parsed, chat_prompt, error_body, parse
+from plait.serve.protocol import ApiError, Limits, Parsed, check_model, error_body, parse
 from plait.serve.responses import Choice, envelope, new_id, usage
 from plait.serve.tokens import TokenizerInfo
 
@@ -144,11 +145,11 @@ class Api:
         if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str) or
                                               isinstance(body.get("messages"), list)):
             raise ApiError(400, "tokenize needs a prompt (a string) or messages (a list)", "prompt")
-        if body.get("model") not in (None, self.limits.model):
-            raise ApiError(404, f"The model '{body['model']}' does not exist", "model", "model_not_found")
-        chat = "messages" in body
-        text = chat_prompt(body["messages"]) if chat else body["prompt"]
-        ids = self.tokens.encode(text, bool(body.get("add_special_tokens", not chat)))
+        check_model(body, self.limits)
+        if "messages" in body:
+            ids = self.tokens.chat_ids(body)
+        else:
+            ids = self.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
         out = {"count": len(ids), "max_model_len": self.limits.context, "tokens": ids, "token_strs": None}
         if body.get("return_token_strs"):
             out["token_strs"] = [self.tok.decode([t]) for t in ids]
@@ -167,7 +168,7 @@ class Api:
 
     async def generate(self, request: Request, chat: bool):
         try:
-            p = parse(await self._json(request), chat, self.tok, self.limits)
+            p = parse(await self._json(request), chat, self.tokens, self.limits)
             choices = p.choices()
             if self.engine.failed or not self.engine.ready.is_set():
                 raise ApiError(503, "the engine is not running", code="engine_unavailable")
@@ -310,7 +311,8 @@ def serve_job(payload: dict) -> None:
     alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
     sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
     engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
-    tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len)
+    chat = ChatTemplate(payload["model"], payload["chat_template"], payload["trust_request_chat_template"])
+    tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len, chat)
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
                     tokens.eos)
     api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
@@ -328,5 +330,6 @@ def serve_job(payload: dict) -> None:
           f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
           f"{' reserved up front' if payload['kv_reserve'] else ''}"
           f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
-          f"{payload['step_tokens'] or 'unlimited'} tokens per step)", flush=True)
+          f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
+          f"plait serve: chat template: {chat.source}", flush=True)
     engine.run()

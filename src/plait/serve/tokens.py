@@ -1,13 +1,12 @@
-"""What the server tells about its tokenizer: special tokens of the model folder, /tokenize and /tokenizer_info."""
+"""What the server tells about its tokenizer: special tokens and chat template of the model folder, /tokenize
+and /tokenizer_info, and a chat request's prompt ids."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-# the chat template of plait.serve.protocol.chat_prompt, as a Jinja template (for clients that render it)
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+from plait.serve.chat import ChatTemplate
 
 
 def _read(path: Path) -> dict:
@@ -17,24 +16,19 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _text(value) -> str | None:
-    """A special token of tokenizer_config.json: a string or {"content": string}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 class TokenizerInfo:
-    """The end-of-sequence ids (generation_config.json, else config.json) and special tokens of a model folder."""
+    """The end-of-sequence ids (generation_config.json, else config.json), special tokens and chat template of
+    a model folder (``chat``: a ChatTemplate; by default the folder's own)."""
 
-    def __init__(self, tok, folder: str, context: int):
+    def __init__(self, tok, folder: str, context: int, chat: ChatTemplate | None = None):
         path = Path(folder)
-        gen, cfg, tcfg = (_read(path / name) for name in
-                          ("generation_config.json", "config.json", "tokenizer_config.json"))
+        gen, cfg = (_read(path / name) for name in ("generation_config.json", "config.json"))
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         self.eos: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else () if eos is None else (int(eos),)
         self.tok, self.context = tok, context
-        self.special = {name: _text(tcfg.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.chat = chat or ChatTemplate(folder)
+        self.special = {name: self.chat.special.get(name) for name in ("bos_token", "eos_token", "pad_token",
+                                                                      "unk_token")}
         self.leading = tok.encode("")  # what the tokenizer adds to every text (a BOS), if anything
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -45,7 +39,33 @@ class TokenizerInfo:
             ids = ids[n:]
         return ids
 
+    def chat_ids(self, body: dict) -> list[int]:
+        """The prompt ids of a chat request (or a /tokenize with messages): its messages through the chat
+        template with vLLM's fields (add_generation_prompt, chat_template, chat_template_kwargs, tools,
+        documents), tokenized without added special tokens unless add_special_tokens (as vLLM)."""
+        from plait.serve.protocol import ApiError
+
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+        template = body.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ApiError(400, "chat_template must be a string (a template, or the name of one)", "chat_template")
+        for name in ("add_generation_prompt", "add_special_tokens"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise ApiError(400, f"{name} must be true or false", name)
+        for name in ("tools", "documents"):
+            if body.get(name) is not None and not (isinstance(body[name], list) and
+                                                    all(isinstance(t, dict) for t in body[name])):
+                raise ApiError(400, f"{name} must be a list of objects", name)
+        generation = body.get("add_generation_prompt")
+        text = self.chat.render(body.get("messages"), True if generation is None else generation,
+                                tools=body.get("tools") or None, documents=body.get("documents"),
+                                template=template, kwargs=kwargs)
+        return self.encode(text, bool(body.get("add_special_tokens") or False))
+
     def info(self) -> dict:
-        """GET /tokenizer_info: the tokenizer's class, special tokens, context and chat template (as vLLM)."""
+        """GET /tokenizer_info: the tokenizer's class, special tokens, context and chat template (as vLLM), and
+        where the template came from."""
         return {"tokenizer_class": type(self.tok).__name__, **self.special, "model_max_length": self.context,
-                "chat_template": CHAT_TEMPLATE}
+                "chat_template": self.chat.default, "chat_template_source": self.chat.source}

@@ -1,0 +1,226 @@
+"""Chat messages to prompt text: the model folder's own Jinja chat template, rendered as ``transformers``'
+``apply_chat_template`` renders it (sandboxed), or plait's ``<|role|>`` format for a folder without one."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+from plait.serve.protocol import ApiError
+
+# plait's own format, for folders without a template: "<|role|>\ncontent\n" per message, then "<|assistant|>\n"
+PLAIT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+PLAIT_SOURCE = "plait's <|role|> format (the folder has no chat template)"
+# the tokenizer's named special tokens, passed to the template as variables (transformers' special_tokens_map)
+SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, under its usual names
+RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}  # variables chat_template_kwargs can't set
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    """A special token of tokenizer_config.json: a string or {"content": string}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens(folder: Path) -> dict[str, str]:
+    """The named special tokens of a folder (tokenizer_config.json, else special_tokens_map.json)."""
+    out: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins where both name one
+        data = _read_json(folder / name)
+        out.update({k: t for k in SPECIAL if (t := _token_text(data.get(k))) is not None})
+    return out
+
+
+def folder_templates(folder: Path) -> tuple[dict[str, str], str]:
+    """(name -> template, where they came from) of a folder, empty when it has none.
+
+    As transformers loads them: ``chat_template.jinja`` (the default) and ``additional_chat_templates/*.jinja``
+    win over tokenizer_config.json's ``chat_template`` (a string, or a list of {"name", "template"}).
+    """
+    files = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        files.update({f.name.removesuffix(".jinja"): f.read_text(encoding="utf-8")
+                      for f in sorted(extra.glob("*.jinja"))})
+    if files:
+        return files, "chat_template.jinja" if "default" in files else "additional_chat_templates/"
+    value = _read_json(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(value, str):
+        return {"default": value}, "tokenizer_config.json"
+    if isinstance(value, list):
+        named = {t["name"]: t["template"] for t in value if isinstance(t, dict) and isinstance(t.get("name"), str)
+                 and isinstance(t.get("template"), str)}
+        return named, "tokenizer_config.json"
+    return {}, ""
+
+
+@lru_cache(maxsize=32)
+def compile_template(source: str):
+    """A template compiled in a sandbox with transformers' settings and helpers (raises TemplateSyntaxError)."""
+    from plait.errors import require_extra
+
+    require_extra("serve", ("jinja2",), "chat templates")
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):  # no HTML escaping
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(source)
+
+
+@lru_cache(maxsize=32)
+def iterates_content(source: str) -> bool:
+    """Whether a template loops over a message's content (takes content as a list of parts, as vLLM detects it);
+    otherwise text parts are joined with newlines into one string first."""
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        tree = ImmutableSandboxedEnvironment().parse(source)
+    except Exception:  # a syntax error is reported when the template is rendered
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const) \
+                and it.arg.value == "content":
+            return True
+    return False
+
+
+def _content(value, as_parts: bool, where: str):
+    """A message's content: a string, None, or a list of text parts (kept as parts or joined)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "messages")
+    texts = []
+    for j, part in enumerate(value):
+        if isinstance(part, str):
+            part = {"type": "text", "text": part}
+        if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(400, f"{where}.content[{j}]: only text parts are supported, not {kind!r}", "messages",
+                           "unsupported")
+        texts.append(part)
+    return texts if as_parts else "\n".join(p["text"] for p in texts)
+
+
+def normalize(messages, as_parts: bool) -> list[dict]:
+    """Messages as the template sees them: keys holding null dropped (as transformers), content normalised,
+    a message's reasoning under every name templates read it by."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}].role must be a string", "messages")
+        m = {k: v for k, v in m.items() if v is not None}
+        if "content" in m:
+            m["content"] = _content(m["content"], as_parts, f"messages[{i}]")
+        reasoning = next((m[k] for k in REASONING if k in m), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
+
+
+class ChatTemplate:
+    """A folder's chat templates (else plait's format) and its special tokens; ``render`` turns a request's
+    messages into the prompt text, as ``tokenizer.apply_chat_template(..., tokenize=False)`` does."""
+
+    def __init__(self, folder: str | Path | None, override: str | None = None, trust_request: bool = False):
+        path = Path(folder) if folder is not None else None
+        self.special = special_tokens(path) if path is not None and path.is_dir() else {}
+        self.templates, self.source = folder_templates(path) if path is not None and path.is_dir() else ({}, "")
+        if override is not None:  # --chat-template: a file, else the template itself
+            file = Path(override)
+            self.templates = {"default": file.read_text(encoding="utf-8") if file.is_file() else override}
+            self.source = f"--chat-template {override if file.is_file() else '(inline)'}"
+        elif not self.templates:
+            self.templates, self.source = {"default": PLAIT_TEMPLATE}, PLAIT_SOURCE
+        self.trust_request = trust_request
+
+    @property
+    def default(self) -> str | None:
+        return self.templates.get("default")
+
+    def pick(self, requested: str | None, tools) -> str:
+        """The template source for a request: a named template or a template of its own, else the default
+        (``tool_use`` when tools are given and the folder names one)."""
+        if requested is not None:
+            if requested in self.templates:
+                return self.templates[requested]
+            if not self.trust_request:
+                raise ApiError(400, "chat_template: a template sent with the request is refused unless the server "
+                                    f"runs with --trust-request-chat-template (named templates: "
+                                    f"{sorted(self.templates)})", "chat_template")
+            return requested
+        if tools and "tool_use" in self.templates:
+            return self.templates["tool_use"]
+        if "default" in self.templates:
+            return self.templates["default"]
+        raise ApiError(400, f"this model has several chat templates and none is the default: name one in "
+                            f"chat_template ({sorted(self.templates)})", "chat_template")
+
+    def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
+               template: str | None = None, kwargs: dict | None = None) -> str:
+        """The prompt text of ``messages``; ApiError 400 naming the error when the template fails."""
+        source = self.pick(template, tools)
+        kwargs = kwargs or {}
+        if set(kwargs) & RESERVED:
+            raise ApiError(400, f"chat_template_kwargs may not set {sorted(set(kwargs) & RESERVED)}",
+                           "chat_template_kwargs")
+        chat = normalize(messages, iterates_content(source))
+        try:
+            return compile_template(source).render(messages=chat, tools=tools, documents=documents,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **{**self.special, **kwargs})
+        except Exception as exc:  # the template is the folder's or the request's code: any failure is a 400
+            raise ApiError(400, f"the chat template failed: {type(exc).__name__}: {exc}", "messages",
+                           "chat_template_error") from None
+
+
+def chat_prompt(messages: list[dict]) -> str:
+    """plait's own format of ``messages`` with the generation prompt (what a folder without a template gets)."""
+    return ChatTemplate(None).render(messages)
+
+
+def check_template(folder: str, override: str | None) -> None:
+    """ConfigError when the chat template a server would use (the folder's, or --chat-template) does not compile."""
+    from plait.errors import ConfigError
+
+    chat = ChatTemplate(folder, override)
+    for name, source in chat.templates.items():
+        try:
+            compile_template(source)
+        except Exception as exc:  # jinja2's TemplateSyntaxError names the line
+            where = "--chat-template" if override is not None else f"{folder}: chat template {name!r}"
+            raise ConfigError(f"{where} ({chat.source}) does not compile: {type(exc).__name__}: {exc}") from None

@@ -1,0 +1,162 @@
+"""Chat templates: plait serve's prompt ids equal transformers' apply_chat_template for real templates (Llama-3,
+Llama-3.2 with tools, Qwen2.5 ChatML, Qwen2-VL content parts, Mistral), errors as 400s, plait's own format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, SPECIAL_TOKENS
+from plait.serve.chat import PLAIT_SOURCE, ChatTemplate, chat_prompt
+from plait.serve.protocol import ApiError
+from plait.serve.tokens import TokenizerInfo
+from plait.tokenizers import ByteTokenizer, FileTokenizer
+
+pytest.importorskip("transformers")
+pytest.importorskip("jinja2")
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "description": "Its name <b>&</b>"}},
+                                               "required": ["city"]}}}]
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "hello world, what is the weather?"},
+        {"role": "assistant", "content": "  the weather is hello  "},
+        {"role": "user", "content": "and the world?"}]
+TOOL_CHAT = [{"role": "user", "content": "the weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                 "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": "sunny"}]
+MISTRAL_TOOLS = "{{ bos_token }}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]" + MISTRAL.removeprefix(
+    "{{ bos_token }}")
+# folder -> (how its template is stored, template, bos, eos)
+FOLDERS = {"llama3": ("config", LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
+           "llama32": ("jinja", LLAMA32, "<|begin_of_text|>", "<|eot_id|>"),
+           "qwen25": ("jinja", QWEN25, None, "<|im_end|>"),
+           "qwen2vl": ("config", QWEN2_VL, None, "<|im_end|>"),
+           "mistral": ("named", [{"name": "default", "template": MISTRAL},
+                                 {"name": "tool_use", "template": MISTRAL_TOOLS}], "<s>", "</s>")}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """A small byte-level BPE (trained here) with the families' special tokens, saved by transformers into one
+    folder per family; the template stored as such models store it. The Llama folders add a BOS to every text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("chat")
+    out = {}
+    for name, (kind, template, bos, eos) in FOLDERS.items():
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([" ".join(m["content"] for m in CHAT) * 8], trainer)
+        if name.startswith("llama"):
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                               special_tokens=[(bos, tok.token_to_id(bos))])
+        special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
+        path = root / name
+        PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
+        if kind == "jinja":
+            (path / "chat_template.jinja").write_text(template)
+        else:
+            config = json.loads((path / "tokenizer_config.json").read_text())
+            (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        out[name] = path
+    return out
+
+
+def _pair(path: Path, trust: bool = False):
+    from transformers import AutoTokenizer
+
+    info = TokenizerInfo(FileTokenizer(path / "tokenizer.json"), str(path), 512, ChatTemplate(path, None, trust))
+    return info, AutoTokenizer.from_pretrained(path)
+
+
+def _hf(hf, messages, **kw) -> list[int]:
+    return list(hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
+
+
+def test_prompt_ids_equal_apply_chat_template(folders):
+    for name in ("llama3", "llama32", "qwen25", "qwen2vl"):
+        info, hf = _pair(folders[name])
+        for generation in (True, False):
+            got = info.chat_ids({"messages": CHAT, "add_generation_prompt": generation})
+            assert got == _hf(hf, CHAT, add_generation_prompt=generation), (name, generation)
+        assert info.chat_ids({"messages": CHAT}) == _hf(hf, CHAT, add_generation_prompt=True)  # vLLM's default
+        assert info.chat.source == ("chat_template.jinja" if FOLDERS[name][0] == "jinja" else "tokenizer_config.json")
+    info, hf = _pair(folders["llama3"])
+    assert info.chat_ids({"messages": CHAT})[0] == hf.bos_token_id  # once: the template's, not the tokenizer's too
+    assert info.chat_ids({"messages": CHAT, "add_special_tokens": True})[:2] == [hf.bos_token_id] * 2
+    info, hf = _pair(folders["mistral"])
+    chat = CHAT[1:]
+    assert info.chat_ids({"messages": chat}) == _hf(hf, chat, add_generation_prompt=True)
+
+
+def test_tools_kwargs_and_named_templates_equal_apply_chat_template(folders):
+    for name in ("llama32", "qwen25"):
+        info, hf = _pair(folders[name])
+        chat = TOOL_CHAT if name == "qwen25" else TOOL_CHAT[:1]
+        got = info.chat_ids({"messages": chat, "tools": TOOLS})
+        assert got == _hf(hf, chat, tools=TOOLS, add_generation_prompt=True), name
+        assert "<b>&</b>" in hf.decode(got)  # tojson without HTML escaping
+    info, hf = _pair(folders["llama32"])
+    body = {"messages": CHAT, "chat_template_kwargs": {"date_string": "01 Jan 2025"}}
+    assert info.chat_ids(body) == _hf(hf, CHAT, add_generation_prompt=True, date_string="01 Jan 2025")
+    assert "01 Jan 2025" in hf.decode(info.chat_ids(body))
+    info, hf = _pair(folders["mistral"])
+    chat = CHAT[1:]
+    assert info.chat_ids({"messages": chat, "tools": TOOLS}) == _hf(hf, chat, tools=TOOLS, add_generation_prompt=True)
+    named = info.chat_ids({"messages": chat, "chat_template": "tool_use"})
+    assert named == _hf(hf, chat, chat_template="tool_use", add_generation_prompt=True)
+    assert named != info.chat_ids({"messages": chat})
+
+
+def test_content_parts_kept_for_templates_that_loop_over_them_else_joined(folders):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]}]
+    info, hf = _pair(folders["qwen2vl"])
+    assert info.chat_ids({"messages": parts}) == _hf(hf, parts, add_generation_prompt=True)
+    joined = [{"role": "user", "content": "hello\nworld"}]
+    for name in ("llama3", "qwen25"):
+        info, hf = _pair(folders[name])
+        assert info.chat_ids({"messages": parts}) == _hf(hf, joined, add_generation_prompt=True), name
+    with pytest.raises(ApiError, match="only text parts") as err:
+        info.chat_ids({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+    assert err.value.status == 400
+
+
+def test_template_errors_are_400s_naming_them(folders):
+    info, _ = _pair(folders["mistral"])
+    with pytest.raises(ApiError, match="TemplateError: Conversation roles must alternate") as err:
+        info.chat_ids({"messages": CHAT})  # a system message: Mistral's template refuses it
+    assert err.value.status == 400 and err.value.code == "chat_template_error"
+    with pytest.raises(ApiError, match="--trust-request-chat-template"):
+        info.chat_ids({"messages": CHAT[1:2], "chat_template": "{{ messages }}"})
+    trusted, hf = _pair(folders["qwen25"], trust=True)
+    own = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}"
+    assert trusted.chat_ids({"messages": CHAT, "chat_template": own}) == _hf(hf, CHAT, chat_template=own,
+                                                                               add_generation_prompt=True)
+    for bad, kind in (("{% for m in messages %}", "TemplateSyntaxError"),
+                      ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+                      ("{{ raise_exception('no system prompt here') }}", "no system prompt here")):
+        with pytest.raises(ApiError, match=kind) as err:
+            trusted.chat_ids({"messages": CHAT, "chat_template": bad})
+        assert err.value.status == 400
+    with pytest.raises(ApiError, match="chat_template_kwargs may not set"):
+        trusted.chat_ids({"messages": CHAT, "chat_template_kwargs": {"messages": []}})
+
+
+def test_a_folder_without_a_template_gets_plaits_format(tmp_path):
+    info = TokenizerInfo(ByteTokenizer(), str(tmp_path), 128)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text",
+                                                                                           "text": "Hi"}]}]
+    assert chat_prompt(messages) == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    assert info.chat_ids({"messages": messages}) == list(b"<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n")
+    assert info.chat.source == PLAIT_SOURCE and info.info()["chat_template_source"] == PLAIT_SOURCE
+    no_prompt = info.chat_ids({"messages": messages, "add_generation_prompt": False})
+    assert bytes(no_prompt).decode() == "<|system|>\nBe brief.\n<|user|>\nHi\n"
