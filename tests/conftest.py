@@ -17,6 +17,22 @@ KEY = "sk-plait-test"
 KV_BUDGET = 120  # < the context (128): a request may fit the context yet not the pool
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="device of the single-process device tests (tests/test_device_path.py): cpu or cuda[:N]")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    """The torch device named by ``--device`` (bench/gpu_check.py runs the device tests with --device cuda)."""
+    import torch
+
+    dev = torch.device(request.config.getoption("--device"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.fail("--device cuda given but torch.cuda.is_available() is False")
+    return dev
+
+
 @pytest.fixture(scope="session", autouse=True)
 def plait_cache(tmp_path_factory):
     """``PLAIT_CACHE_DIR`` for every test and the processes it starts, holding a synthetic profile of this

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait import memory, weight_grad
+from plait import devices, memory, weight_grad
 from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
@@ -76,6 +76,7 @@ class ParallelModel:
         self.last_stats: StepStats | None = None
         self._optimizer = None  # attach_optimizer: whose state memory_report counts
         self.activations_peak: int | None = None  # bytes, of the last step that measured it
+        self.device_peak: int | None = None  # the device allocator's peak bytes over that step (GPUs only)
 
     @property
     def microbatches(self) -> int:
@@ -131,10 +132,14 @@ class ParallelModel:
         """Bytes on this rank: ``params`` (local shards), ``grads`` (gradient buffers and shards held now),
         ``optimizer`` (the attached optimizer's state; 0 without one) and ``activations_peak`` (most bytes of
         tensors saved for backward at once during the last step that measured it: the first ``train_step``
-        and any with ``measure_memory=True``; None before). Each storage counts once."""
+        and any with ``measure_memory=True``; None before). Each storage counts once. On a GPU also ``device_peak``:
+        the device allocator's peak bytes during that step (everything: weights, buffers, workspaces)."""
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
         grads += [p.grad for p in self.parameters() if p.grad is not None]
-        return memory.report(self.parameters(), grads, self._optimizer, self.activations_peak)
+        out = memory.report(self.parameters(), grads, self._optimizer, self.activations_peak)
+        if self.device_peak is not None:  # a GPU: the caching allocator's own peak over that step
+            out["device_peak"] = self.device_peak
+        return out
 
     # ------------------------------------------------------------------------------------ parameters
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -228,9 +233,11 @@ class ParallelModel:
         weights = [*self.parameters(), *self.cast.copies.values()]
         weights += [b for c in self.chunks.values() for b in c.buffers()]
         meter = memory.SavedTensorMeter(exclude=weights)
+        devices.reset_peak_memory(self.ctx.device)
         with meter.hooks():
             stats = self.executor.run(io, trace=trace)
         self.activations_peak = meter.peak
+        self.device_peak = devices.peak_allocated(self.ctx.device)
         return stats
 
     def trace_report(self, p2p_ms: float = 0.0) -> TraceReport:
@@ -250,9 +257,10 @@ class ParallelModel:
     def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
         """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
         ctx = self.ctx
+        # one host read of the step's values (each read waits for the device to finish the step)
         if ctx.pp_size == 1 and ctx.dp_size == 1 and (not self.has_aux or ctx.world_size == 1):
-            self.last_aux_loss = float(aux)
-            return float(local + aux)
+            loss, self.last_aux_loss = torch.stack([local, aux.to(local)]).tolist()
+            return loss + self.last_aux_loss
         holds_loss = self._holds_loss()
         if self._loss_by_p2p():  # ``local`` is the loss the last stage sent
             self.last_aux_loss = 0.0
@@ -260,8 +268,8 @@ class ParallelModel:
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
         dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank
-        self.last_aux_loss = float(total[1])
-        return float(total.sum())
+        loss, self.last_aux_loss = total.tolist()
+        return loss + self.last_aux_loss
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -31,17 +31,21 @@ class TokenLoss:
         return vocab_parallel_cross_entropy(logits_shard, targets, self.ctx, ignore_index=self.ignore_index,
                                             vocab_size=self.vocab_size, reduction="sum")
 
-    def count(self, targets: torch.Tensor) -> int:
-        return int((targets != self.ignore_index).sum())
-
-    def bad_ids(self, inputs: torch.Tensor, targets: torch.Tensor) -> str | None:
-        """A message if token ids fall outside the vocabulary, else None (local check, no collective)."""
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            valid = t if name == "inputs" else t[t != self.ignore_index]
-            if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size):
-                return (f"{name} contain token ids outside the vocabulary [0, {self.vocab_size}) "
-                        f"(min {int(valid.min())}, max {int(valid.max())})")
-        return None
+    def check(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, str | None]:
+        """(count of targets that are not ``ignore_index``, a message if token ids fall outside the vocabulary
+        else None): local, no collective, one host read of the batch's extremes (no boolean indexing, whose
+        output size would be a second read)."""
+        kept = targets != self.ignore_index
+        named = [(name, t) for name, t in (("inputs", inputs), ("targets", targets.masked_fill(~kept, 0)))
+                 if t.numel()]
+        ends = [f(t).to(torch.long) for _, t in named for f in (torch.min, torch.max)]
+        stats = torch.stack([kept.sum(), *ends]).tolist()
+        for i, (name, _) in enumerate(named):
+            lo, hi = stats[1 + 2 * i], stats[2 + 2 * i]
+            if lo < 0 or hi >= self.vocab_size:
+                return stats[0], (f"{name} contain token ids outside the vocabulary [0, {self.vocab_size}) "
+                                  f"(min {lo}, max {hi})")
+        return stats[0], None
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = None, microbatches: int | None = None,
@@ -132,17 +136,18 @@ def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch
 
     Raises ConfigError on every rank if any id is outside the vocabulary.
     """
-    bad = token_loss.bad_ids(inputs, targets)
+    count, bad = token_loss.check(inputs, targets)
     if ctx.dp_size == 1:
         if bad:
             raise ConfigError(bad)
-        return float(max(token_loss.count(targets), 1)), float(inputs.shape[0])
-    stats = torch.tensor([float(token_loss.count(targets)), 1.0 if bad else 0.0, float(inputs.shape[0])],
+        return float(max(count, 1)), float(inputs.shape[0])
+    stats = torch.tensor([float(count), 1.0 if bad else 0.0, float(inputs.shape[0])],
                          device=ctx.device)
     dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global counts + any bad ids
-    if stats[1] > 0:
+    count, bad_anywhere, rows = stats.tolist()  # one host read
+    if bad_anywhere > 0:
         raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
-    return float(max(stats[0].item(), 1.0)), float(stats[2].item())
+    return max(count, 1.0), rows
 
 
 def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tensor,
@@ -155,7 +160,7 @@ def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tens
         return float(microbatches), local
     rows = torch.tensor([local], device=ctx.device)
     dist.all_reduce(rows, group=ctx.dp_group)
-    total = float(rows.item())
+    total = float(rows.tolist()[0])
     return total * microbatches / local, total  # each micro-batch holds local/M of the total rows
 
 

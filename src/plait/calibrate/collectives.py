@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from plait.devices import synchronize
 from plait.plan.profile import COLLECTIVES
 from plait.tensor_parallel import comms
 
@@ -78,8 +79,7 @@ def measure(op: str, nbytes: int, groups: list, processes: int, world_group, dev
         t0 = time.perf_counter()
         for _ in range(int(reps[0])):
             fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         elapsed = (time.perf_counter() - t0) / int(reps[0])
     worst = torch.tensor([elapsed], device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=world_group)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from plait.devices import synchronize
 from plait.plan import eager
 from plait.plan.model import llama_ffn
 
@@ -35,12 +36,6 @@ BLOCK_BUDGET_S = 0.9  # a decoder layer's rest is a small difference of two larg
 # (the budget covers the layer, its skeleton and the layer recomputing its attention core: 0.3 s each)
 OPTIMIZER_STATE_BYTES = 2**27  # the optimizer step is timed over parameters whose p, grad, m, v outgrow this
 OPTIMIZER_SMALL_TENSORS = (256, 1024)  # (tensors, elements each) of the set that times its fixed cost per tensor
-
-
-def sync(device: torch.device) -> None:
-    """Wait for ``device``'s queued kernels (a no-op on the CPU, where kernels run as they are called)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 Rounds = list[dict[str, float]]  # each round: every call of a kernel timed once (seconds), and the parts it reports
@@ -69,7 +64,7 @@ def warm_up(kernel: Kernel, device: torch.device, rounds: int = 2) -> None:
     for _ in range(rounds):
         for call in kernel.calls.values():
             call()
-    sync(device)
+    synchronize(device)
 
 
 def time_rounds(kernel: Kernel, device: torch.device, budget: float, least: int) -> Rounds:
@@ -83,7 +78,7 @@ def time_rounds(kernel: Kernel, device: torch.device, budget: float, least: int)
         for name, call in kernel.calls.items():
             t0 = time.perf_counter()
             parts = call()
-            sync(device)
+            synchronize(device)
             one[name] = time.perf_counter() - t0
             one.update(parts or {})
         out.append(one)
@@ -308,7 +303,7 @@ def block(shape: tuple[int, int, int, int, int], device: torch.device, dtype: to
         def call() -> dict[str, float]:
             t0 = time.perf_counter()
             outs = forward()
-            sync(device)
+            synchronize(device)
             seconds = time.perf_counter() - t0
             backward(outs)
             return {name: seconds}

@@ -47,7 +47,8 @@ def _posted(work):
 
 def _parts(device: torch.device):
     """(pipeline step, twin step) closures of this rank (stage ``rank % 2`` of replica ``rank // 2``)."""
-    from plait.calibrate.kernels import decoder_layer, sync
+    from plait.calibrate.kernels import decoder_layer
+    from plait.devices import synchronize
     from plait.schedules import build_schedule
 
     layer, x = decoder_layer(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
@@ -81,13 +82,13 @@ def _parts(device: torch.device):
                     sends.append(_posted(dist.isend(inp.grad, peer)))
         for work in sends:
             work.wait()
-        sync(device)
+        synchronize(device)
 
     def twin() -> None:
         for _ in range(MICROBATCHES):
             inp = x.detach().requires_grad_(stage == 1)  # as in the pipeline: stage 0's input needs no gradient
             layer(inp).backward(torch.ones_like(inp))
-        sync(device)
+        synchronize(device)
 
     return pipeline, twin
 

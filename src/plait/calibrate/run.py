@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +15,8 @@ import torch.distributed as dist
 from plait.calibrate import collectives as coll
 from plait.calibrate import kernels as k
 from plait.calibrate import pipeline_block, tp_block, usable_cores
+from plait.devices import synchronize
+from plait.distributed.context import default_device, ensure_default_group
 from plait.plan import eager
 from plait.plan.profile import BLOCK, COLLECTIVES, LAYER, SELECTIVE, Curve, HostProfile, Rate, Section, TPBlock
 
@@ -137,7 +138,7 @@ def _together(kernel: k.Kernel, device: torch.device, group, rounds: int) -> dic
         for _ in range(rounds):
             for part, seconds in (call() or {}).items():
                 parts[part] = parts.get(part, 0.0) + seconds
-        k.sync(device)
+        synchronize(device)
         span = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
         out[name] = float(span.item()) / rounds
@@ -251,9 +252,7 @@ def measure_world(processes: int, ticks: str | None) -> Measured | None:
     """Entry of each rank of a launch of ``processes`` processes (``plait.distributed.launch.run_world``):
     initialises the default group if needed and measures the section of that many processes, as
     ``plait train`` runs them: in a world of their own. Returns the section as measured on rank 0."""
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=TIMEOUT)
+    ensure_default_group(TIMEOUT.total_seconds())
     measured = _measure_sections([processes], ticks)
     return measured[processes] if measured else None
 
@@ -261,8 +260,7 @@ def measure_world(processes: int, ticks: str | None) -> Measured | None:
 def _measure_sections(counts: list[int], ticks: str | None, quick: bool = False) -> dict[int, Measured]:
     """Every section of ``counts`` measured in the current world (every rank calls it; ranks beyond a
     section wait); on rank 0 each as ``measure_section`` returns it, else {}."""
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = default_device()
     world_group = dist.group.WORLD
     counts = [p for p in counts if p <= dist.get_world_size()]
     groups = coll.make_groups(counts)

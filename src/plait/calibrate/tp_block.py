@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
-from plait.calibrate.kernels import sync
+from plait.devices import synchronize
 from plait.plan import eager
 from plait.plan.model import llama_ffn
 
@@ -78,11 +78,11 @@ def _parts(shape: tuple[int, ...], group, sp: bool, device: torch.device, dtype:
 
     def run_layer() -> None:
         layer(x).backward(g)
-        sync(device)
+        synchronize(device)
 
     def run_twin() -> None:
         twin(xt).backward(gt)
-        sync(device)
+        synchronize(device)
 
     return run_layer, run_twin
 

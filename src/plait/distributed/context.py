@@ -161,7 +161,9 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _ensure_default_group(timeout_s: float) -> None:
+def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Initialise the default process group from the launcher's environment unless it exists: NCCL when CUDA
+    and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
@@ -175,7 +177,8 @@ def _ensure_default_group(timeout_s: float) -> None:
     )
 
 
-def _pick_device() -> torch.device:
+def default_device() -> torch.device:
+    """The device of this process's collectives: its current GPU under NCCL, else the CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -206,8 +209,8 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    _ensure_default_group(timeout)
-    device = _pick_device()
+    ensure_default_group(timeout)
+    device = default_device()
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp),
                             mesh_dim_names=("pp", "dp", "cp", "tp"))
     groups: dict[str, ProcessGroup] = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from plait.devices import synchronize
 from plait.errors import CommError, CommTimeoutError
 from plait.pipeline.p2p import ACT, GRAD, Transport
 from plait.pipeline.step_plan import StepPlan, build_step_plan
@@ -117,6 +118,8 @@ class Executor:
             if not self._post(plan, j):
                 self.unposted.append(j)
         data = self._receive(a, plan.recv[i], io)
+        if trace:  # on a GPU an action's kernels run after their launch: time the work, not the launch
+            synchronize(self.transport.device)
         start = time.perf_counter() - t0 if trace else 0.0
         final = not forward_only and self.final_index.get(a.stage) == i
         if final and a.kind == "B":
@@ -138,6 +141,7 @@ class Executor:
             self.reducers[a.stage].launch_pending()
         stats.peak_sends = max(stats.peak_sends, len(self.transport.sends))
         if trace:
+            synchronize(self.transport.device)
             stats.timeline.append((a, start, time.perf_counter() - t0))
 
     def _receive(self, a: Action, remote, io: StepIO) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.checkpoint.shards import init_local, load_local
+from plait.devices import synchronize
 from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
 
@@ -164,6 +165,7 @@ def train_one(run: Run, step: int, trace: bool, phases: dict[str, float] | None 
     else:
         norm = run.opt.step()
     if phases is not None:
+        synchronize(ctx.device)  # on a GPU the optimizer's kernels are only queued when step() returns
         ended = run.pm.last_stats.ended_at if run.pm.last_stats is not None else t1
         phases.update(forward_backward=ended - t0, grad_reduction=t1 - ended, optimizer=time.perf_counter() - t1)
     return loss, norm

@@ -1,0 +1,98 @@
+"""Guards of the GPU path that run without a GPU: no CPU-only device literal in runtime code beyond the listed
+ones, and the launcher's ``LOCAL_RANK`` choosing the GPU when CUDA is there (torch.cuda mocked)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "plait"
+#: packages that import no torch (they describe devices, they never place tensors)
+PURE = ("plan", "sim", "schedules")
+CPU_LITERAL = re.compile(r"""["']cpu["']|\.cpu\(\)|device\(\s*["']cpu""")
+#: file -> (how many CPU literals it may hold, why each is right on a GPU too)
+ALLOWED: dict[str, tuple[int, str]] = {
+    "devices.py": (4, "the device-type tests themselves (host copies count only from a non-CPU device)"),
+    "distributed/context.py": (1, "Gloo's device is the CPU"),
+    "calibrate/__init__.py": (2, "host facts: the processor's name under the key 'cpu', and 'cpu' as the device "
+                                 "name when there is no GPU"),
+    "optim/optimizer.py": (1, "the device types with torch's fused AdamW kernel"),
+    "generation/decode.py": (5, "the sampler draws on the host from one seeded generator (the same tokens on any "
+                                "device) and the finished token ids are kept on the host to become text"),
+    "parallel_model.py": (1, "full_state_dict returns host tensors (documented), for saving and comparing"),
+    "checkpoint/store.py": (1, "a checkpoint is written from host copies of the shards"),
+    "models/hf.py": (1, "safetensors writes host tensors"),
+}
+
+
+def _counts() -> dict[str, int]:
+    found: dict[str, int] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.split("/")[0] in PURE:
+            continue
+        n = sum(len(CPU_LITERAL.findall(line.split("#")[0])) for line in path.read_text().splitlines())
+        if n:
+            found[rel] = n
+    return found
+
+
+def test_no_cpu_only_device_literal_beyond_the_listed_ones():
+    found = _counts()
+    extra = {f: n for f, n in found.items() if n > ALLOWED.get(f, (0, ""))[0]}
+    assert not extra, (f"CPU device literals in runtime code: {extra}. Place tensors on the context's device "
+                       "(ctx.device, a parameter's device), or add the file to ALLOWED with the reason it is "
+                       "right on a GPU too")
+    stale = {f for f, (n, _) in ALLOWED.items() if found.get(f, 0) < n}
+    assert not stale, f"ALLOWED lists more literals than these files hold now (lower the counts): {stale}"
+
+
+def test_no_unconditional_cuda_calls_outside_the_device_module():
+    """``torch.cuda.*`` only where the code asked first whether the device is a GPU (devices.py, the launcher,
+    the calibration's host facts)."""
+    allowed = {"devices.py", "distributed/context.py", "calibrate/__init__.py"}
+    calls = {path.relative_to(SRC).as_posix() for path in SRC.rglob("*.py")
+             if "torch.cuda." in path.read_text()}
+    assert calls <= allowed, calls - allowed
+
+
+def test_local_rank_picks_the_gpu(monkeypatch):
+    """With CUDA and NCCL present, a worker takes GPU ``LOCAL_RANK`` before the process group starts and its
+    context's device is that GPU; without CUDA it is the CPU under Gloo."""
+    import torch.distributed as dist
+
+    from plait.distributed import context
+
+    chosen: list[int] = []
+    inited: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: chosen.append(int(i)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: inited.append(backend))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    context.ensure_default_group(10.0)
+    assert chosen == [3] and inited == ["nccl"]
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: chosen[-1])
+    assert context.default_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert context.default_device() == torch.device("cpu")
+
+
+def _local_rank() -> str:
+    import os
+
+    return os.environ["LOCAL_RANK"]
+
+
+def test_the_launcher_gives_each_worker_its_local_rank():
+    """plait's own launcher of local worlds sets LOCAL_RANK to the worker's index on this host (the GPU that
+    ``ensure_default_group`` then takes); torchrun and plait train's elastic launcher set it themselves."""
+    from plait.distributed.launch import run_world
+
+    assert run_world(_local_rank, 2, timeout_s=120) == ["0", "1"]

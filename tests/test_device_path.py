@@ -1,0 +1,140 @@
+"""Single-process checks of the runtime on the device ``--device`` names (cpu by default; ``bench/gpu_check.py``
+runs this module with ``--device cuda``): a world of one process on that device's backend (Gloo on CPU, NCCL on
+CUDA), a parallelised model against the plain one, bf16, generation, memory figures and the host reads per step."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import plait
+from plait.devices import HostSyncCounter
+from plait.models import Llama, LlamaConfig
+
+CFG = dict(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def ctx(device):
+    """A one-process world whose backend matches ``device``; destroyed after the module."""
+    from plait.distributed.launch import free_port
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in the test process")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK=str(device.index or 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        context = plait.init(1, 1, 1)
+        assert context.device.type == device.type, (context.device, device)
+        yield context
+    finally:
+        dist.destroy_process_group()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(key, None)
+
+
+def _batch(b: int = 4, s: int = 32, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, CFG["vocab_size"], (b, s + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def test_parallel_step_equals_the_plain_model_on_the_device(ctx, device):
+    torch.manual_seed(0)
+    plain = Llama(LlamaConfig(**CFG)).to(device)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=2)
+    tokens = _batch().to(device)
+    ref = plain.loss(tokens[:, :-1], tokens[:, 1:])
+    ref.backward()
+    loss = pm.train_step(tokens[:, :-1], tokens[:, 1:])
+    assert abs(loss - ref.item()) <= 1e-5 * abs(ref.item())
+    ref_grads = {k: p.grad for k, p in plain.named_parameters()}
+    grads = pm.full_state_dict(grads=True)
+    assert set(grads) >= set(ref_grads)
+    worst = max(_rel(grads[k], g) for k, g in ref_grads.items())
+    assert worst <= 1e-4, worst
+    assert all(p.device.type == device.type for p in pm.parameters())
+
+
+def test_a_training_step_reads_the_device_twice(ctx, device):
+    """Host reads per ``train_step`` (each one waits for the device): one for the batch's id range and target
+    count, one for the loss. A new ``.item()`` or ``float(tensor)`` in the step's path fails this test."""
+    torch.manual_seed(0)
+    for microbatches in (1, 4):
+        pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=microbatches)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        tokens = _batch().to(device)
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])  # the first step measures memory (its own hooks)
+        for _ in range(2):
+            with HostSyncCounter(device) as counter:
+                pm.train_step(tokens[:, :-1], tokens[:, 1:])
+            opt.step()
+            assert counter.total == 2, dict(counter.counts)
+
+
+def test_bf16_step_on_the_device_tracks_fp32(ctx, device):
+    tokens = _batch().to(device)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=2, precision=precision)
+        losses[precision] = pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        if precision == "bf16":
+            assert all(p.dtype == torch.float32 for p in pm.parameters())  # fp32 masters, bf16 compute copies
+    assert abs(losses["bf16"] - losses["fp32"]) <= 2e-2 * losses["fp32"], losses
+
+
+def test_greedy_generation_equals_argmax_of_full_forwards(ctx, device):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**CFG)).to(device).eval()
+    prompt = _batch(1, 8, seed=1)[0, :8].tolist()
+    out = plait.generate(model, prompt, max_new_tokens=6)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model(torch.tensor([ids], device=device))
+            ids.append(int(logits[0, -1].argmax()))
+    assert out == ids[len(prompt):]
+
+
+def test_memory_report_on_the_device(ctx, device):
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx)
+    tokens = _batch().to(device)
+    pm.train_step(tokens[:, :-1], tokens[:, 1:])
+    report = pm.memory_report()
+    n_params = sum(p.numel() for p in pm.parameters())
+    assert report["params"] == 4 * n_params and report["activations_peak"] > 0
+    if device.type == "cuda":  # the allocator saw at least the weights, their gradients and the saved tensors
+        assert report["device_peak"] >= report["params"] + report["activations_peak"]
+    else:
+        assert "device_peak" not in report
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the [dev] extra")
+def test_logits_equal_transformers_on_the_device(ctx, device, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**CFG)).eval()
+    model.save_pretrained(tmp_path)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").to(device).eval()
+    model.to(device)
+    tokens = _batch(2, 24)[:, :24].to(device)
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    # fp32 throughout; on a GPU the fused attention kernels sum in another order than the CPU's
+    assert _rel(ours, theirs) <= (1e-5 if device.type == "cpu" else 1e-4)
