@@ -93,3 +93,14 @@ def test_search_of_16384_gpus_stays_under_two_cpu_seconds():
     out = subprocess.run([sys.executable, "-c", SEARCH], capture_output=True, text=True, timeout=120, check=True)
     cpu, sims, considered = out.stdout.split()
     assert float(cpu) < 2.0 and int(sims) < 400 and int(considered) > 1000
+
+
+def test_memory_statements_are_checked_by_the_model():
+    from plait.plan.published import memory_statements
+    from plait.plan.validation import memory_checks
+
+    rows = memory_checks()
+    assert len(rows) == len(memory_statements()) >= 2
+    for s, total, agrees in rows:
+        e = estimate(s.model, s.cluster, s.layout, s.training)
+        assert total == e.memory.total and agrees == (e.fits == s.fits)

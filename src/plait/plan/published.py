@@ -58,6 +58,23 @@ NARAYANAN_TABLE1 = (
 )
 
 
+# Same paper, Table 2 (PTD parallelism against ZeRO-3 without model parallelism), as printed in cli99/llm-analysis
+# figures/megatron-lm-2nd-table-2.png: (scheme, parameters, model-parallel size, batch, GPUs, micro-batch,
+# TFLOP/s per GPU). Model-parallel 96 is t8 p12 for 174.6B, 280 is t8 p35 for 529.6B (cli99/llm-analysis
+# examples/megatron-lm/run_train.sh).
+NARAYANAN_T2_WHERE = ("Narayanan et al. 2021 (SC'21), Table 2, as printed in cli99/llm-analysis "
+                      "figures/megatron-lm-2nd-table-2.png")
+NARAYANAN_TABLE2 = (
+    ("ZeRO-3", 174.6, 1, 1536, 384, 4, 144), ("ZeRO-3", 174.6, 1, 1536, 768, 2, 88),
+    ("ZeRO-3", 174.6, 1, 1536, 1536, 1, 44), ("ZeRO-3", 529.6, 1, 2560, 640, 4, 138),
+    ("ZeRO-3", 529.6, 1, 2240, 1120, 2, 98), ("ZeRO-3", 529.6, 1, 2240, 2240, 1, 48),
+    ("PTD", 174.6, 96, 1536, 384, 1, 153), ("PTD", 174.6, 96, 1536, 768, 1, 149),
+    ("PTD", 174.6, 96, 1536, 1536, 1, 141), ("PTD", 529.6, 280, 2240, 560, 1, 171),
+    ("PTD", 529.6, 280, 2240, 1120, 1, 167), ("PTD", 529.6, 280, 2240, 2240, 1, 159),
+)
+NARAYANAN_SHAPES = {174.6: (96, 12288, 96, 12), 529.6: (105, 20480, 128, 35)}  # layers, hidden, heads, p
+
+
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> Model:
     """A GPT-3-style model as Megatron-LM builds it: biases, LayerNorm, learned positions, tied embeddings."""
     return Model(layers, hidden, heads, vocab, seq, bias=True, layernorm=True, learned_positions=True,
@@ -86,6 +103,20 @@ def _narayanan() -> list[PublishedRun]:
             "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
              "fp16 costed as bf16", "Selene: HDR InfiniBand, 8 x 200 Gb/s per node")))
+    for scheme, size, mp, batch, n, mbs, tflops in NARAYANAN_TABLE2:
+        layers, hidden, heads, p = NARAYANAN_SHAPES[size]
+        m = gpt(layers, hidden, heads)
+        ptd = scheme == "PTD"
+        layout = (Layout(tp=8, pp=p, dp=n // mp, microbatch_size=mbs, recompute="full") if ptd else
+                  Layout(dp=n, microbatch_size=mbs, recompute="full", zero=3))
+        step = narayanan_flops(m, batch) / (n * tflops * 1e12)
+        out.append(PublishedRun(
+            "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
+            Cluster("a100-80gb", n, interconnect="ib-hdr"), layout, Training(batch, overlap_grad_reduce=not ptd),
+            f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
+            ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3", "full recomputation (eq. 3 counts it)",
+             "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3 traffic overlapped as modelled",
+             "Selene: HDR InfiniBand")))
     return out
 
 
@@ -250,3 +281,33 @@ def runs() -> list[PublishedRun]:
 def sources(rs: list[PublishedRun] | None = None) -> list[str]:
     """The independent sources, in the order of ``runs``."""
     return list(dict.fromkeys(r.source for r in (rs if rs is not None else runs())))
+
+
+@dataclass(frozen=True)
+class MemoryStatement:
+    """A published statement that a layout fitted in (or ran out of) its GPUs' memory."""
+
+    source: str
+    where: str
+    label: str
+    model: Model
+    cluster: Cluster
+    layout: Layout
+    training: Training
+    fits: bool
+    printed: str  # as printed
+
+
+def memory_statements() -> list[MemoryStatement]:
+    """Published fit / out-of-memory statements the memory model is checked against."""
+    m = gpt(105, 20480, 128)
+    printed = ("The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of 4 with "
+               "ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560")
+    out = []
+    for n, batch, fits in ((560, 2240, False), (640, 2560, True)):
+        out.append(MemoryStatement(
+            "Narayanan et al. 2021", "Narayanan et al. 2021 (SC'21), Table 2 caption (cli99/llm-analysis "
+            "figures/megatron-lm-2nd-table-2.png)", f"GPT 529.6B, ZeRO-3, micro-batch 4, {n} A100 80GB", m,
+            Cluster("a100-80gb", n, interconnect="ib-hdr"), Layout(dp=n, microbatch_size=4, recompute="full", zero=3),
+            Training(batch), fits, printed))
+    return out

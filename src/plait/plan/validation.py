@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from plait.plan.catalogue import get_gpu
 from plait.plan.config import Cluster
 from plait.plan.estimate import estimate
-from plait.plan.published import PublishedRun, sources
+from plait.plan.published import MemoryStatement, PublishedRun, memory_statements, sources
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -181,4 +181,23 @@ def format_report(report: Report) -> str:
                  f"mean |error| {fm:.1f}%, max {fx:.1f}%")
     lines.append(f"held-out (leave one source out, {n} runs from {k} sources): mean |error| {hm:.1f}%, "
                  f"max {hx:.1f}%")
+    return "\n".join(lines)
+
+
+def memory_checks() -> list[tuple[MemoryStatement, float, bool]]:
+    """Each published memory statement with the planner's peak bytes on the most loaded GPU and whether the
+    planner agrees (its ``fits`` against the statement)."""
+    out = []
+    for s in memory_statements():
+        e = estimate(s.model, s.cluster, s.layout, s.training)
+        out.append((s, e.memory.total, e.fits == s.fits))
+    return out
+
+
+def format_memory_checks(rows: list[tuple[MemoryStatement, float, bool]]) -> str:
+    lines = []
+    for s, total, agrees in rows:
+        usable = s.cluster.usable_memory
+        lines.append(f"{s.label}: published {'fits' if s.fits else 'out of memory'}; planner {total / 1e9:.1f} GB "
+                     f"of {usable / 1e9:.1f} usable -> {'agrees' if agrees else 'DISAGREES'} ({s.where})")
     return "\n".join(lines)
