@@ -116,14 +116,15 @@ def _rank_main(modes: list[str], rotations: int) -> list[tuple[str, list[float |
 def predicted(profile: Any, mode: str) -> float:
     """Seconds of a step's forward + backward compute of ``mode`` as the planner costs it, the mean over the
     pipeline ranks (every data-parallel replica does the same)."""
-    from plait.plan.config import Cluster
+    from plait.plan.host.costs import HostCosts
     from plait.plan.timing import rank_costs
     from plait.train.predict import planner_inputs
 
     pp, dp = parse_mode(mode)
     world = pp * dp
     model, layout, training = planner_inputs(small_config(pp, dp), world)
-    ranks = rank_costs(model, Cluster.from_profile(profile, world), layout, training.precision, shared=world > 1)
+    costs = HostCosts(profile, world, shared=world > 1)
+    ranks = rank_costs(costs, model, layout, training.precision)
     return MICROBATCHES * statistics.fmean(c.f_compute + c.b_compute + c.recompute for c in ranks)
 
 
@@ -152,7 +153,7 @@ def summarise(steps: list[tuple[str, list[float | None]]], predictions: dict[str
 
 def main() -> None:
     from plait.distributed.launch import run_world
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated: single, ppN, dpN, 'ppN dpK'")

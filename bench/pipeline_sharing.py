@@ -317,21 +317,22 @@ def replay(step: Step, schedule: Any, dp: int, cores: float, p2p: float,
 
 def calibrated(profile: Path, case: str, batch_size: int) -> tuple[float, float, dict[str, list[float]]]:
     """(effective cores, point-to-point seconds, work alone per action kind and chunk) of ``case``'s world as
-    ``plait train --cluster profile`` predicts it (``plait.plan.estimate``'s ``shared_cores`` and
+    ``plait train --cluster profile`` predicts it (``plait.plan.host.sharing``'s ``shared_cores`` and
     ``action_costs``, ``plait.plan.timing``'s chunk costs)."""
-    from plait.plan.config import Cluster
-    from plait.plan.estimate import SPLIT_BACKWARD, action_costs, host_cores, shared_cores
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.costs import HostCosts
+    from plait.plan.host.profile import HostProfile
+    from plait.plan.host.sharing import action_costs, shared_cores
+    from plait.plan.pipeline import SPLIT_BACKWARD
     from plait.plan.timing import chunk_costs
     from plait.train.predict import planner_inputs
 
     pp, dp, schedule = parse(case)
     model, layout, training = planner_inputs(small_config(pp, dp, schedule, batch_size), pp * dp)
-    cluster = Cluster.from_profile(HostProfile.load(profile), pp * dp)
-    alone = chunk_costs(model, cluster, layout, training.precision)
-    shared = chunk_costs(model, cluster, layout, training.precision, shared=True)
+    costs = HostCosts(HostProfile.load(profile), pp * dp)
+    alone = chunk_costs(costs, model, layout, training.precision)
+    shared = chunk_costs(costs.shared_twin(), model, layout, training.precision)
     work, _ = action_costs(alone, layout.schedule in SPLIT_BACKWARD)
-    return shared_cores(alone, shared, pp * dp, host_cores(cluster)), alone[0].p2p, work
+    return shared_cores(alone, shared, pp * dp, costs.cores), alone[0].p2p, work
 
 
 def summarise(case: str, measured: tuple[list[Step], Any, list[Alone]], cores: float,

@@ -112,7 +112,7 @@ def main() -> None:
     from plan_vs_run import load  # this folder: the load average, as plan_vs_run.py reports it
 
     from plait.calibrate import cache_path, calibrate
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--pairs", default=None, help="comma-separated pair names (default: all)")

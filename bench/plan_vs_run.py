@@ -203,7 +203,7 @@ def print_phases(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few layouts, one round (a smoke run)")

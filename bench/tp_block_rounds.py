@@ -59,7 +59,7 @@ def work(shapes: list[tuple[int, ...]], calls: list[int], repeats: int, budget: 
 def main() -> None:
     from plait.calibrate import tp_block
     from plait.distributed.launch import run_world
-    from plait.plan import eager
+    from plait.plan.host import shapes
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--processes", type=int, default=4, help="processes of the world (default 4)")
@@ -72,9 +72,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one shape, two repeats, 0.3 s per figure")
     args = parser.parse_args()
     calls = [int(c) for c in args.calls.split(",")]
-    shapes = [*eager.TP_CALIBRATION_BLOCKS, SMALL]
+    shapes = [*shapes.TP_CALIBRATION_BLOCKS, SMALL]
     if args.quick:
-        shapes, args.repeats, args.budget = [eager.TP_CALIBRATION_BLOCKS[0]], 2, 0.3
+        shapes, args.repeats, args.budget = [shapes.TP_CALIBRATION_BLOCKS[0]], 2, 0.3
     raw = run_world(work, args.processes, shapes, calls, args.repeats, args.budget, args.group, timeout_s=1800)[0]
     rows = []
     print(f"{args.processes} processes, TP groups of {args.group}, {args.budget} s per figure, "

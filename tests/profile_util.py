@@ -1,9 +1,9 @@
-"""A synthetic host profile (plait.plan.profile) for tests that need one but do not test its figures."""
+"""A synthetic host profile (plait.plan.host.profile) for tests that need one but do not test its figures."""
 
 from __future__ import annotations
 
-from plait.plan import eager
-from plait.plan.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, TPBlock
+from plait.plan.host import shapes
+from plait.plan.host.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, TPBlock
 
 
 def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
@@ -17,11 +17,11 @@ def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:
     }
     curves = {(op, g): Curve((1024.0, 4e6), (5e-5 * g, 5e-5 * g + 4e6 / 2e9))
               for g in range(2, p + 1) if p % g == 0 for op in COLLECTIVES if op != "p2p" or g == 2}
-    if block:  # seconds beyond GEMMs and attention of plan.eager.CALIBRATION_BLOCKS
+    if block:  # seconds beyond GEMMs and attention of plan.shapes.CALIBRATION_BLOCKS
         rates["block"] = Rate((4096.0, 98304.0), (1.5e-3, 6e-3), (1.5e-3 / share, 6e-3 / share), 0.3)
     # a TP layer as plait.calibrate.tp_block times it, over every group size the section measures
     tp = tuple(TPBlock(shape, g, sp, 0.02 * g * i / share, 0.015 * g * i / share)
-               for i, shape in enumerate(eager.TP_CALIBRATION_BLOCKS, 1)
+               for i, shape in enumerate(shapes.TP_CALIBRATION_BLOCKS, 1)
                for g in range(2, p + 1) if p % g == 0 for sp in (False, True)) if block else ()
     piped = block and p % 2 == 0 and p > cores  # a pipeline timed where processes outnumber the cores
     return Section(p, max(1, cores // p), rates, 1e-5, 5e9, curves, 4e-9 if block else 0.0, tp, 3e-5 if block else 0.0,

@@ -2,10 +2,13 @@
 
 import pytest
 
-from plait.plan import Model, eager, host_compute, step_end, timing
-from plait.plan.config import Cluster, Layout
+from plait.plan import Cluster, Layout, Model, step_end
 from plait.plan.costs import StageCosts
-from plait.plan.profile import FORMAT, HostProfile, Rate, Section
+from plait.plan.host import census, shapes
+from plait.plan.host import compute as host_compute
+from plait.plan.host import costs as host_costs
+from plait.plan.host.profile import FORMAT, HostProfile, Rate, Section
+from plait.plan.host.shapes import block_local
 from profile_util import synthetic_profile
 
 MATMUL, ATTENTION, MIX, OVERHEAD = 4e10, 1e10, 5e9, 1e-5  # flat rates: every term computable by hand
@@ -16,9 +19,16 @@ def _section(block_rest: tuple[float, float] | None, optimizer: float = 0.0, per
              "attention": Rate((1.0, 1e12), (ATTENTION,) * 2, (ATTENTION / 2,) * 2, 0.25),
              "elementwise": Rate((1.0, 1e12), (MIX,) * 2, (MIX / 2,) * 2, 0.4)}
     if block_rest is not None:
-        sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
+        sizes = tuple(float(b * s * h) for b, s, h, *_ in shapes.CALIBRATION_BLOCKS)
         rates["block"] = Rate(sizes, block_rest, tuple(2 * r for r in block_rest), 0.3)
     return Section(1, 2, rates, OVERHEAD, 1e10, {}, optimizer, (), per_tensor)
+
+
+def _blocks(model, cluster, layout, precision="bf16", shared=False):
+    """(layer, embedding, head) per micro-batch from the cluster's host cost model (``shared``: its shared twin)."""
+    costs = cluster.costs.shared_twin() if shared else cluster.costs
+    b = costs.blocks(model, layout, precision)
+    return b.layer, b.embedding, b.head
 
 
 def _cluster(section: Section) -> Cluster:
@@ -28,7 +38,7 @@ def _cluster(section: Section) -> Cluster:
 def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
     """Each block's bytes (as the census counts them) over its seconds beyond GEMMs and attention is the speed;
     a layer between the blocks' bytes per kernel is interpolated, its GEMMs and attention are unchanged."""
-    works = [eager.layer_work(eager.block_local(s), 4) for s in eager.CALIBRATION_BLOCKS]
+    works = [census.layer_work(shapes.block_local(s), 4) for s in shapes.CALIBRATION_BLOCKS]
     speed = 2e9  # bytes/s: both blocks' rest chosen to give it
     rest = tuple(w.elem_bytes / speed for w in works)
     sec = _section(rest)
@@ -38,9 +48,9 @@ def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
     assert block.alone == pytest.approx([speed, speed]) and block.shared == pytest.approx([speed / 2, speed / 2])
     model = Model.preset("small", seq_len=128)
     layout = Layout(microbatch_size=4)
-    with_block, _, _ = timing.block_costs(model, _cluster(sec), layout, "fp32")
-    mix, _, _ = timing.block_costs(model, _cluster(_section(None)), layout, "fp32")
-    w = eager.layer_work(eager.local(model, layout), 4)
+    with_block, _, _ = _blocks(model, _cluster(sec), layout, "fp32")
+    mix, _, _ = _blocks(model, _cluster(_section(None)), layout, "fp32")
+    w = census.layer_work(census.local(model, layout), 4)
     gemm = sum(f for f, _ in w.gemms) / MATMUL
     att = w.attention / ATTENTION
     table = w.nograd_ops * OVERHEAD * 0.4  # RoPE's cos/sin tables: forward-only kernels, in both
@@ -55,12 +65,12 @@ def _with_layers(sec: Section, alone: tuple[float, float], shared: tuple[float, 
     give the same layers."""
     from dataclasses import replace
 
-    from plait.plan.profile import LAYER
+    from plait.plan.host.profile import LAYER
 
-    model = {x: [host_compute.work_costs(eager.layer_work(eager.block_local(b), 4), sec, x, layer=True)
-                 for b in eager.CALIBRATION_BLOCKS] for x in (False, True)}
+    model = {x: [host_compute.work_costs(census.layer_work(shapes.block_local(b), 4), sec, x, layer=True)
+                 for b in shapes.CALIBRATION_BLOCKS] for x in (False, True)}
     seconds = {x: [c.f_compute + c.b_compute for c in model[x]] for x in (False, True)}
-    sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
+    sizes = tuple(float(b * s * h) for b, s, h, *_ in shapes.CALIBRATION_BLOCKS)
     layer = Rate(sizes, tuple(f * t for f, t in zip(alone, seconds[False], strict=True)),
                  tuple(f * t for f, t in zip(shared, seconds[True], strict=True)), 0.36)
     return replace(sec, rates={**sec.rates, LAYER: layer})
@@ -73,11 +83,11 @@ def test_real_layers_set_the_level_of_their_kernels():
     figures' seconds, flat beyond; a profile without whole layers costs the kernels as they are."""
     from plait.plan.model import llama_ffn
 
-    sec = _section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS))))
+    sec = _section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS))))
     assert host_compute.in_step(sec, False, 1e-2) == host_compute.in_step(sec, True, 1e-2) == 1.0
     timed = _with_layers(sec, (1.3, 1.1), (0.9, 1.05))
-    alone = [host_compute.work_costs(eager.layer_work(eager.block_local(b), 4), sec, False, layer=True)
-             for b in eager.CALIBRATION_BLOCKS]
+    alone = [host_compute.work_costs(census.layer_work(shapes.block_local(b), 4), sec, False, layer=True)
+             for b in shapes.CALIBRATION_BLOCKS]
     small, large = (c.f_compute + c.b_compute for c in alone)
     assert host_compute.in_step(timed, False, small) == pytest.approx(1.3)
     assert host_compute.in_step(timed, False, large) == pytest.approx(1.1)
@@ -86,12 +96,12 @@ def test_real_layers_set_the_level_of_their_kernels():
     assert host_compute.in_step(timed, True, large * 10) == pytest.approx(1.05)
     mid = (small * large) ** 0.5  # halfway in log
     assert host_compute.in_step(timed, False, mid) == pytest.approx(1.2)
-    b, s, h, heads, kv = eager.CALIBRATION_BLOCKS[-1]
+    b, s, h, heads, kv = shapes.CALIBRATION_BLOCKS[-1]
     model = Model(n_layers=2, hidden=h, n_heads=heads, n_kv_heads=kv, ffn_hidden=llama_ffn(h), glu=True,
                   vocab=256, seq_len=s)
-    layer, _, _ = timing.block_costs(model, _cluster(timed), Layout(microbatch_size=b), "fp32")
+    layer, _, _ = _blocks(model, _cluster(timed), Layout(microbatch_size=b), "fp32")
     assert layer.f_compute + layer.b_compute == pytest.approx(timed.rates["layer"].alone[-1])
-    plain, _, _ = timing.block_costs(model, _cluster(sec), Layout(microbatch_size=b), "fp32")
+    plain, _, _ = _blocks(model, _cluster(sec), Layout(microbatch_size=b), "fp32")
     assert layer.w_compute == pytest.approx(1.1 * plain.w_compute)
     # and it splits between forward and backward as that layer did (0.36 in its forward)
     assert layer.f_compute / (layer.f_compute + layer.b_compute) == pytest.approx(0.36)
@@ -105,19 +115,19 @@ def test_selective_recomputation_costs_what_the_calibration_layers_recomputing_t
     profile costs it at; never below 0; a tensor-parallel layer at its own rank's heads."""
     from dataclasses import replace
 
-    from plait.plan.profile import SELECTIVE
+    from plait.plan.host.profile import SELECTIVE
 
-    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS)))),
+    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS)))),
                         (1.2, 1.3), (1.4, 1.5))
     layer = base.rates["layer"]
     attn = base.rates["attention"]
-    xs = [eager.block_local(b).q for b in eager.CALIBRATION_BLOCKS]
+    xs = [shapes.block_local(b).q for b in shapes.CALIBRATION_BLOCKS]
     alone, shared = (1e-4, 6e-4), (3e-4, 1e-3)  # seconds the recomputation added at each block
     sec = replace(base, rates={**base.rates, SELECTIVE: Rate(layer.sizes, alone, shared, 0.36)})
     model = Model.preset("tiny", seq_len=128)
     for tp in (1, 2):
         layout = Layout(tp=tp, pp=1, dp=1, microbatch_size=2, recompute="selective")
-        sh = eager.local(model, layout)
+        sh = census.local(model, layout)
 
         def line(extra: tuple[float, float]) -> float:
             return max(0.0, extra[0] + (extra[1] - extra[0]) * (sh.q - xs[0]) / (xs[1] - xs[0]))  # noqa: B023
@@ -125,16 +135,16 @@ def test_selective_recomputation_costs_what_the_calibration_layers_recomputing_t
         for is_shared, extra in ((False, alone), (True, shared)):
             assert host_compute.selective_recompute(sec, is_shared, sh) == pytest.approx(line(extra))
             if tp == 1:  # (this section timed no collectives for a TP layer's)
-                layer_cost, _, _ = timing.block_costs(model, _cluster(sec), layout, "fp32", shared=is_shared)
+                layer_cost, _, _ = _blocks(model, _cluster(sec), layout, "fp32", shared=is_shared)
                 assert layer_cost.recompute == pytest.approx(line(extra))
-    assert sh.q == eager.local(model, Layout(tp=1, pp=1, dp=1, microbatch_size=2)).q / 2  # tp 2: half the heads
+    assert sh.q == census.local(model, Layout(tp=1, pp=1, dp=1, microbatch_size=2)).q / 2  # tp 2: half the heads
     layout = Layout(tp=1, pp=1, dp=1, microbatch_size=2, recompute="selective")
-    w = eager.layer_work(eager.local(model, layout), 4)
-    old_cost, _, _ = timing.block_costs(model, _cluster(base), layout, "fp32")
-    assert host_compute.selective_recompute(base, False, eager.local(model, layout)) is None
+    w = census.layer_work(census.local(model, layout), 4)
+    old_cost, _, _ = _blocks(model, _cluster(base), layout, "fp32")
+    assert host_compute.selective_recompute(base, False, census.local(model, layout)) is None
     assert old_cost.recompute == pytest.approx(w.attention / attn.at(w.attention_size, False) * attn.forward_share)
     falling = replace(sec, rates={**sec.rates, SELECTIVE: Rate(layer.sizes, (1e-3, 0.0), shared, 0.36)})
-    far = eager.local(Model.preset("tiny", seq_len=1024), Layout(tp=1, pp=1, dp=1, microbatch_size=8))
+    far = census.local(Model.preset("tiny", seq_len=1024), Layout(tp=1, pp=1, dp=1, microbatch_size=8))
     assert far.q > xs[1] and host_compute.selective_recompute(falling, False, far) == 0.0
 
 
@@ -145,35 +155,36 @@ def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
     another group size do not move it."""
     from dataclasses import replace
 
+    from plait.plan.host.profile import COLLECTIVES, Curve, TPBlock
     from plait.plan.model import llama_ffn
-    from plait.plan.profile import COLLECTIVES, Curve, TPBlock
 
-    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS)))),
+    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS)))),
                         (1.3, 1.1), (0.9, 1.05))
-    shapes = eager.TP_CALIBRATION_BLOCKS
+    tp_shapes = shapes.TP_CALIBRATION_BLOCKS
     twins = []
-    for i, shape in enumerate(shapes):  # twins measured at 0.8 and 0.7 times the kernel figures, shared
-        c = host_compute.work_costs(eager.layer_work(eager.block_local(shape, 2, False), 4), base, True, layer=True)
+    for i, shape in enumerate(tp_shapes):  # twins measured at 0.8 and 0.7 times the kernel figures, shared
+        c = host_compute.work_costs(census.layer_work(shapes.block_local(shape, 2, False), 4), base, True, layer=True)
         for sp in (False, True):
             twins.append(TPBlock(shape, 2, sp, 1.0, (0.8 - 0.1 * i) * (c.f_compute + c.b_compute)))
     curves = {(op, g): Curve((1024.0, 4e6), (5e-5, 5e-5 + 4e6 / 2e9)) for op in COLLECTIVES for g in (2, 4)}
     sec = replace(base, processes=2, threads=1, collectives=curves,
-                  tp_blocks=(*twins, TPBlock(shapes[0], 4, False, 1.0, 1e-9)))
-    b, s, h, heads, kv = shapes[-1]
+                  tp_blocks=(*twins, TPBlock(tp_shapes[0], 4, False, 1.0, 1e-9)))
+    b, s, h, heads, kv = tp_shapes[-1]
     model = Model(n_layers=2, hidden=h, n_heads=heads, n_kv_heads=kv, ffn_hidden=llama_ffn(h), glu=True,
                   vocab=256, seq_len=s)
     cluster = Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {2: sec}), 2)
     layout = Layout(tp=2, microbatch_size=b)
-    shared, _, _ = timing.block_costs(model, cluster, layout, "fp32", shared=True)
-    alone, _, _ = timing.block_costs(model, cluster, layout, "fp32")
+    shared, _, _ = _blocks(model, cluster, layout, "fp32", shared=True)
+    alone, _, _ = _blocks(model, cluster, layout, "fp32")
     assert shared.f_compute + shared.b_compute == pytest.approx(twins[-1].twin_s)
-    work = eager.layer_work(eager.local(model, layout), 4)
+    work = census.layer_work(census.local(model, layout), 4)
     kernels = {x: host_compute.work_costs(work, sec, x, layer=True) for x in (False, True)}
     seconds = kernels[False].f_compute + kernels[False].b_compute
     ratio = host_compute.in_step(sec, False, seconds) / host_compute.in_step(sec, True, seconds)
     assert (alone.f_compute + alone.b_compute) / (shared.f_compute + shared.b_compute) == pytest.approx(
         ratio * seconds / (kernels[True].f_compute + kernels[True].b_compute))
-    four = host_compute.work_costs(eager.layer_work(eager.block_local(shapes[0], 4, False), 4), sec, True, layer=True)
+    four = host_compute.work_costs(census.layer_work(shapes.block_local(tp_shapes[0], 4, False), 4), sec, True,
+                                   layer=True)
     assert host_compute.in_tp_step(sec, 4, seconds) == pytest.approx(1e-9 / (four.f_compute + four.b_compute))
     assert host_compute.in_tp_step(sec, 8, seconds) is None
 
@@ -191,7 +202,7 @@ def test_shared_speed_is_alone_over_the_kinds_median_slowdown():
 def test_a_blocks_shared_rest_slows_as_the_elementwise_kernels():
     """The rest's own shared figure (here only 1.2 times alone: the difference of two noisy ones) is not
     used; shared, a block's rest takes its time alone times the element-wise kernels' slow-down (2 here)."""
-    works = [eager.layer_work(eager.block_local(s), 4) for s in eager.CALIBRATION_BLOCKS]
+    works = [census.layer_work(shapes.block_local(s), 4) for s in shapes.CALIBRATION_BLOCKS]
     speed = 2e9
     rest = tuple(w.elem_bytes / speed for w in works)
     sec = _section(rest)
@@ -204,10 +215,10 @@ def test_a_blocks_shared_rest_slows_as_the_elementwise_kernels():
 
 def test_block_rest_is_floored_and_other_blocks_ignored():
     """A rest measured as 0 (noise) costs a tenth of the kernel mix's estimate, not nothing; a profile whose
-    blocks are not plan.eager's current ones is not used (the mix is)."""
+    blocks are not plan.host.shapes' current ones is not used (the mix is)."""
     sec = _section((0.0, 0.0))
     block = host_compute.block_elementwise(sec)
-    w = eager.layer_work(eager.block_local(eager.CALIBRATION_BLOCKS[0]), 4)
+    w = census.layer_work(shapes.block_local(shapes.CALIBRATION_BLOCKS[0]), 4)
     floor = host_compute.BLOCK_REST_FLOOR * (w.elem_bytes / MIX + w.ops * OVERHEAD)
     assert block is not None and block.alone[0] == pytest.approx(w.elem_bytes / floor)
     other = Section(1, 2, {**sec.rates, "block": Rate((10.0, 20.0), (1.0, 1.0), (1.0, 1.0))}, OVERHEAD, 1e10)
@@ -220,7 +231,7 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
     tensor."""
     model = Model.preset("small", seq_len=128)
     params = 1e6
-    tensors = 8 * eager.param_tensors_per_layer() + 3
+    tensors = 8 * step_end.PARAM_TENSORS_PER_LAYER + 3
     timed = _cluster(_section(None, optimizer=3e-9))
     assert step_end.optimizer_time(model, timed, Layout(), params, 8) == pytest.approx(3e-3)
     per_tensor = _cluster(_section(None, optimizer=3e-9, per_tensor=3e-5))
@@ -232,8 +243,8 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
                                                                                         1e10, {}, 3e-9)}), 2)
     assert step_end.optimizer_time(model, two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
     counted = step_end.optimizer_time(model, _cluster(_section(None)), Layout(), params, 8)
-    assert counted == pytest.approx(step_end.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
-                                    + step_end.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
+    assert counted == pytest.approx(host_costs.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
+                                    + host_costs.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
 
 
 def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypatch):
@@ -246,7 +257,7 @@ def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypat
     from plait.plan.estimate import estimate
 
     params, layers = 1e6, 8
-    tensors = 8 * eager.param_tensors_per_layer() + 3
+    tensors = 8 * step_end.PARAM_TENSORS_PER_LAYER + 3
     host = _cluster(_section(None))
     kernels = (tensors / 2 + tensors) * OVERHEAD * 0.4
     assert step_end.publish_time(host, Layout(dp=2), params, layers, "fp32") == 0.0
@@ -326,18 +337,18 @@ def test_a_layer_s_elementwise_part_splits_as_the_calibration_blocks_rest():
     rest, autograd recording), not the kernel mix's; GEMMs, attention and the total do not move."""
     from dataclasses import replace
 
-    works = [eager.layer_work(eager.block_local(s), 4) for s in eager.CALIBRATION_BLOCKS]
+    works = [census.layer_work(shapes.block_local(s), 4) for s in shapes.CALIBRATION_BLOCKS]
     speed = 2e9
     sec = _section(tuple(w.elem_bytes / speed for w in works))
     model = Model.preset("small", seq_len=128)
     layout = Layout(microbatch_size=4)
-    w = eager.layer_work(eager.local(model, layout), 4)
+    w = census.layer_work(census.local(model, layout), 4)
     gemm, att, el = sum(f for f, _ in w.gemms) / MATMUL, w.attention / ATTENTION, w.elem_bytes / speed
     table = w.nograd_ops * OVERHEAD * 0.4
     costs = {}
     for share in (0.3, 0.8):
         blocks = replace(sec.rates["block"], forward_share=share)
-        layer, _, _ = timing.block_costs(model, _cluster(replace(sec, rates={**sec.rates, "block": blocks})),
+        layer, _, _ = _blocks(model, _cluster(replace(sec, rates={**sec.rates, "block": blocks})),
                                          layout, "fp32")
         assert layer.f_compute == pytest.approx(gemm + 0.25 * att + share * el + table)
         assert layer.b_compute == pytest.approx(2 * gemm + 0.75 * att + (1 - share) * el)
@@ -380,11 +391,11 @@ def test_zero_1_and_2_twins_are_ranked_once():
 
 
 def _tp_cluster(waits: dict[tuple[int, bool], float | tuple[float, ...]], p: int = 4,
-                shapes: tuple = eager.TP_CALIBRATION_BLOCKS) -> Cluster:
+                shapes: tuple = shapes.TP_CALIBRATION_BLOCKS) -> Cluster:
     """A section whose TP layers (plait.calibrate.tp_block) took their twin's time, their collectives as the
     curves time them back to back, and ``waits[(group, sp)]`` more per collective (one figure for every
     shape of ``shapes``, or one per shape)."""
-    from plait.plan.profile import COLLECTIVES, Curve, TPBlock
+    from plait.plan.host.profile import COLLECTIVES, Curve, TPBlock
 
     base = _section(None)
     curves = {(op, g): Curve((1024.0, 4e6), (1e-4 * g, 1e-4 * g + 4e6 / 1e9))
@@ -394,7 +405,7 @@ def _tp_cluster(waits: dict[tuple[int, bool], float | tuple[float, ...]], p: int
     for (g, sp), w in waits.items():
         per_shape = w if isinstance(w, tuple) else (w,) * len(shapes)
         for shape, wait in zip(shapes, per_shape, strict=True):
-            sh = eager.block_local(shape, g, sp)
+            sh = block_local(shape, g, sp)
             ops = (("all_gather", 4), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
             back_to_back = sum(n * sec.collective(op, g, sh.n * 4) for op, n in ops)
             blocks.append(TPBlock(shape, g, sp, 0.03 + back_to_back + wait * (8 if sp else 4), 0.03))
@@ -413,15 +424,15 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
     probe = _tp_cluster({})
     cluster = _tp_cluster({(2, False): extra, (4, False): extra, (4, True): extra})
     for n in (1e3, 5e5, 1e7):  # the same wait at both sizes timed: the same at every size
-        assert timing.tp_wait(cluster, 4, True, n) == pytest.approx(extra)
-        assert timing.tp_wait(cluster, 2, True, n) == pytest.approx(extra)  # the non-SP form stands in
-    assert timing.tp_wait(_tp_cluster({(2, False): -1e-3}), 2, False, 5e5) == pytest.approx(-1e-3)
-    assert timing.tp_wait(_tp_cluster({(2, False): extra}), 4, False, 5e5) == 0.0
-    assert timing.tp_wait(probe, 2, False, 5e5) == 0.0
+        assert cluster.costs.tp_wait(4, True, n) == pytest.approx(extra)
+        assert cluster.costs.tp_wait(2, True, n) == pytest.approx(extra)  # the non-SP form stands in
+    assert _tp_cluster({(2, False): -1e-3}).costs.tp_wait(2, False, 5e5) == pytest.approx(-1e-3)
+    assert _tp_cluster({(2, False): extra}).costs.tp_wait(4, False, 5e5) == 0.0
+    assert probe.costs.tp_wait(2, False, 5e5) == 0.0
     model = Model.preset("small", seq_len=128)
     for sp, (nf, nb) in ((False, (2, 2)), (True, (4, 4))):
         layout = Layout(tp=4, microbatch_size=4, sequence_parallel=sp)
-        (layer, embed, head), (l0, e0, h0) = (timing.block_costs(model, c, layout, "fp32")
+        (layer, embed, head), (l0, e0, h0) = (_blocks(model, c, layout, "fp32")
                                               for c in (cluster, probe))
         assert (layer.f_tp - l0.f_tp, layer.b_tp - l0.b_tp) == pytest.approx((nf * extra, nb * extra))
         assert (head.f_tp - h0.f_tp, head.b_tp - h0.b_tp) == pytest.approx(((3 if sp else 2) * extra, extra))
@@ -430,11 +441,11 @@ def test_every_tp_collective_waits_what_the_timed_tp_layer_showed():
 
 
 def test_tp_wait_is_a_line_in_the_activation_bytes_through_the_sizes_timed():
-    """The TP layer timed at two sizes (plan.eager.TP_CALIBRATION_BLOCKS: 192 KB and 768 KB activations)
+    """The TP layer timed at two sizes (plan.shapes.TP_CALIBRATION_BLOCKS: 192 KB and 768 KB activations)
     waited 1 ms and 6 ms per collective: the wait at another size is the line through the two;
     a run's layer adds it at its own activation's bytes, and a block's collectives cost at least 0. A profile
     with one size timed (an older calibration) waits that size's figure at every size."""
-    small, large = (eager.block_local(s).n * 4 for s in eager.TP_CALIBRATION_BLOCKS)
+    small, large = (shapes.block_local(s).n * 4 for s in shapes.TP_CALIBRATION_BLOCKS)
     assert (small, large) == (2 * 64 * 384 * 4, 4 * 128 * 384 * 4)
     cluster = _tp_cluster({(2, False): (1e-3, 6e-3)})
 
@@ -442,27 +453,27 @@ def test_tp_wait_is_a_line_in_the_activation_bytes_through_the_sizes_timed():
         return 1e-3 + 5e-3 * (n - small) / (large - small)
 
     for n in (small, large, (small + large) / 2, 2 * large, small / 4):
-        assert timing.tp_wait(cluster, 2, False, n) == pytest.approx(line(n), abs=1e-12), n
-    assert timing.tp_wait(cluster, 2, False, small / 4) < 0  # below the line's zero (77 KB)
-    assert timing.tp_wait(cluster, 2, False, 2 * large) > 6e-3
+        assert cluster.costs.tp_wait(2, False, n) == pytest.approx(line(n), abs=1e-12), n
+    assert cluster.costs.tp_wait(2, False, small / 4) < 0  # below the line's zero (77 KB)
+    assert cluster.costs.tp_wait(2, False, 2 * large) > 6e-3
     model = Model.preset("small", seq_len=128)  # 4x128 tokens of width 256 in fp32: 512 KB
     layout = Layout(tp=2, microbatch_size=4)
     probe = _tp_cluster({(2, False): 0.0})
-    (layer, _, _), (l0, _, _) = (timing.block_costs(model, c, layout, "fp32") for c in (cluster, probe))
+    (layer, _, _), (l0, _, _) = (_blocks(model, c, layout, "fp32") for c in (cluster, probe))
     assert layer.f_tp - l0.f_tp == pytest.approx(2 * line(4 * 128 * 256 * 4))
     low = _tp_cluster({(2, False): -2e-4})  # the curves 0.2 ms above what the layer showed, per collective
-    (layer, _, head), (l0, _, h0) = (timing.block_costs(model, c, layout, "fp32") for c in (low, probe))
+    (layer, _, head), (l0, _, h0) = (_blocks(model, c, layout, "fp32") for c in (low, probe))
     assert l0.f_tp > 4e-4 and h0.b_tp > 2e-4
     assert layer.f_tp - l0.f_tp == pytest.approx(-4e-4) and head.b_tp - h0.b_tp == pytest.approx(-2e-4)
-    (layer, embed, head) = timing.block_costs(model, _tp_cluster({(2, False): -1.0}), layout, "fp32")
+    (layer, embed, head) = _blocks(model, _tp_cluster({(2, False): -1.0}), layout, "fp32")
     assert layer.f_tp == layer.b_tp == head.f_tp == embed.f_tp == 0.0  # never below nothing
-    old = _tp_cluster({(2, False): 3e-3}, shapes=eager.TP_CALIBRATION_BLOCKS[:1])
-    assert timing.tp_wait(old, 2, False, small) == timing.tp_wait(old, 2, False, 10 * large) == pytest.approx(3e-3)
+    old = _tp_cluster({(2, False): 3e-3}, shapes=shapes.TP_CALIBRATION_BLOCKS[:1])
+    assert old.costs.tp_wait(2, False, small) == old.costs.tp_wait(2, False, 10 * large) == pytest.approx(3e-3)
 
 
 def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
     """What `plait calibrate` prints after measuring: a row per process count, with the wait of the largest TP
-    group timed (as plan.timing.tp_wait computes it from the profile)."""
+    group timed (as HostCosts.tp_wait computes it from the profile)."""
     from pathlib import Path
 
     from rich.console import Console
@@ -473,7 +484,7 @@ def test_calibrate_summary_shows_each_section_and_its_tp_wait(tmp_path):
     console = Console(width=200, record=True)
     _summary(console, profile, Path(tmp_path / "host.toml"))
     text = console.export_text()
-    want = timing.tp_wait(Cluster.from_profile(profile, 4), 4, False, 1 << 20)
+    want = Cluster.from_profile(profile, 4).costs.tp_wait(4, False, 1 << 20)
     assert want > 0 and f"{want * 1e3:.2f} (tp4)" in text
     assert "TP wait 1 MB ms" in text and text.count("(tp") == 2  # sections of 2 and 4 processes; 1 has none
     assert "host speed during calibration" not in text  # an older profile: no speed probes
@@ -500,7 +511,7 @@ def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
         sync = step_end.dp_sync_time(model, host, layout, mem.max_rank_params(model, layout))
         assert sync > 0 and est.time["dp_comm"] == pytest.approx(sync)
     gpus = Cluster("a100-40gb", 4)
-    assert step_end.dp_hidden(gpus, 0.25) == 0.25 and step_end.dp_hidden(host, 0.25) == 0.0
+    assert gpus.costs.hidden_reduction(0.25) == 0.25 and host.costs.hidden_reduction(0.25) == 0.0
     layout = Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b")
     sync = step_end.dp_sync_time(model, gpus, layout, mem.max_rank_params(model, layout))
     assert 0.0 <= estimate(model, gpus, layout, Training(64)).time["dp_comm"] < sync  # the backward hides some
@@ -511,11 +522,11 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     curves; TP layers): each phase's figures scale by the mean of all the probes over its own speed (rates up, seconds
     down where the phase ran slow), and the profile says how far the speed moved."""
     from plait.calibrate.run import at_mean_speed
-    from plait.plan.profile import Curve, TPBlock
+    from plait.plan.host.profile import Curve, TPBlock
 
     base = _section((1e-3, 4e-3), optimizer=2e-9, per_tensor=2e-5)
     four = Section(4, 1, base.rates, OVERHEAD, 1e10, {("all_reduce", 2): Curve((1e3, 1e6), (1e-4, 1e-3))}, 2e-9,
-                   (TPBlock(eager.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),), 2e-5)
+                   (TPBlock(shapes.TP_CALIBRATION_BLOCKS[0], 2, False, 0.05, 0.03),), 2e-5)
     # probes 50, 50, 100, 200, 100 and six at 100: mean 100; kernels at 50 (half speed), curves at 150, TP
     # layers at 150
     probes = [50.0, 50.0, 100.0, 200.0, 100.0] + [100.0] * 6
@@ -554,13 +565,13 @@ def test_phases_split_the_step_where_the_runtime_spends_it(layout):
     t, ph = est.time, est.phases
     assert set(ph) == {"forward_backward", "grad_reduction", "optimizer"} and min(ph.values()) >= 0.0
     assert sum(ph.values()) == pytest.approx(est.step_time_s, rel=1e-12)
-    one = timing.collective(host, "all_reduce", 16, 4)  # a few bytes over the world
+    one = host.costs.collective("all_reduce", 16, 4)  # a few bytes over the world
     assert one > 0
     reduction, gather = step_end.dp_sync_parts(model, host, layout, mem.max_rank_params(model, layout))
     loss = one if layout.dp > 1 else 0.0
     # tiny (hidden 128, 4 layers, 2 KV heads of 32) over tp 4 with SP: each layer's two norms and its K and V
     # projections (replicated: 4 ranks, 2 KV heads), and the final norm, summed over TP after the backward
-    tp_sum = timing.collective(host, "all_reduce", 4 * (4 * (2 * 128 + 2 * 128 * 64) + 128), 4) \
+    tp_sum = host.costs.collective("all_reduce", 4 * (4 * (2 * 128 + 2 * 128 * 64) + 128), 4) \
         if layout.sequence_parallel else 0.0
     assert t["sync"] == pytest.approx(tp_sum + loss + one)  # no stop-signal check: not in the step's time
     assert ph["forward_backward"] == pytest.approx(est.step_time_s - t["dp_comm"] - t["optimizer"] - t["sync"])
@@ -585,12 +596,12 @@ def test_tp_partial_gradients_counted_as_the_runtime_marks_them():
     nbytes = 4 * step_end.tp_partial_elements(gqa, Layout(tp=2), 3, True)
     two = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
     assert step_end.tp_partial_time(gqa, two, Layout(tp=2, dp=2, zero=1), 3, True) == pytest.approx(
-        timing.collective(two, "all_reduce", nbytes / 2, 2))
+        two.costs.collective("all_reduce", nbytes / 2, 2))
     assert step_end.tp_partial_time(gqa, host, Layout(), 3, True) == 0.0
 
 
 def test_shared_cores_counts_processes_at_their_speed_alone():
-    from plait.plan.estimate import shared_cores
+    from plait.plan.host.sharing import shared_cores
 
     alone = [StageCosts(f_compute=1.0, b_compute=2.0), StageCosts(f_compute=1.0, b_compute=2.0)]
     shared = [StageCosts(f_compute=2.2, b_compute=4.4), StageCosts(f_compute=2.2, b_compute=4.4)]
@@ -603,15 +614,14 @@ def test_shared_cores_counts_processes_at_their_speed_alone():
 
 
 def test_host_cores_are_the_cores_over_a_processs_threads():
-    from plait.plan.estimate import host_cores
 
     prof = synthetic_profile(counts=(1, 4))  # two cores: one process of two threads, or four of one
-    assert host_cores(Cluster.from_profile(prof, 4)) == 2.0
-    assert host_cores(Cluster.from_profile(prof, 1)) == 1.0  # its two threads take both cores
+    assert Cluster.from_profile(prof, 4).costs.cores == 2.0
+    assert Cluster.from_profile(prof, 1).costs.cores == 1.0  # its two threads take both cores
 
 
 def test_action_costs_split_the_backward_into_input_and_weight_halves():
-    from plait.plan.estimate import action_costs
+    from plait.plan.host.sharing import action_costs
 
     chunks = [StageCosts(f_compute=1.0, b_compute=2.0, w_compute=0.75, f_tp=0.1, b_tp=0.2, recompute=0.5),
               StageCosts(f_compute=3.0, b_compute=5.0, w_compute=2.0)]
@@ -629,22 +639,23 @@ def test_pipelines_on_a_crowded_host_run_as_slow_as_the_calibrations_pipeline():
     from dataclasses import replace
 
     from plait.plan.config import Training
-    from plait.plan.estimate import estimate, handoff
-    from plait.plan.profile import COLLECTIVES, Curve
+    from plait.plan.estimate import estimate
+    from plait.plan.host.profile import COLLECTIVES, Curve
+    from plait.plan.host.sharing import handoff
 
-    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(eager.CALIBRATION_BLOCKS)))),
+    base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS)))),
                         (1.2, 1.1), (2.0, 2.1))
     curves = {(op, g): Curve((1024.0, 4e6), (5e-5, 5e-5 + 4e6 / 2e9)) for op in COLLECTIVES for g in (2, 4)}
     four = replace(base, processes=4, threads=1, collectives=curves)
-    twin = eager.PIPELINE_CALIBRATION_MICROBATCHES * four.rates["layer"].shared[-1]
+    twin = shapes.PIPELINE_CALIBRATION_MICROBATCHES * four.rates["layer"].shared[-1]
 
     def cluster(ratio: float) -> Cluster:
         sec = replace(four, pipeline_s=ratio * twin, pipeline_twin_s=twin) if ratio else four
         return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {4: sec}), 4)
 
-    assert handoff(cluster(0.0)) == 1.0  # not timed
-    assert handoff(cluster(0.9)) == 1.0  # as fast as its work (or faster): no slow-down
-    slow, slower = handoff(cluster(1.1)), handoff(cluster(1.2))
+    assert handoff(cluster(0.0).costs) == 1.0  # not timed
+    assert handoff(cluster(0.9).costs) == 1.0  # as fast as its work (or faster): no slow-down
+    slow, slower = handoff(cluster(1.1).costs), handoff(cluster(1.2).costs)
     assert 1.0 < slow < slower
     model = Model.preset("small", seq_len=128)
     training = Training(global_batch=16)

@@ -4,7 +4,7 @@ import pytest
 
 from plait import ConfigError
 from plait.plan import Cluster, Layout, Model, Training, estimate, explain, search
-from plait.plan.calibration import cases, report
+from plait.plan.published_fit import cases, report
 
 
 def test_search_honours_node_size_heads_layers_and_memory():
@@ -94,12 +94,11 @@ def test_pruning_keeps_the_exhaustive_top():
     from dataclasses import replace
 
     from plait.plan.config import check
-    from plait.plan.estimate import _estimate
     from plait.plan.search import candidates
 
     m, c, t = Model.preset("llama3-8b", seq_len=4096), Cluster("a100-80gb", 16), Training(128)
     r = search(m, c, t, top=4)
-    every = [_estimate(m, c, lay, t) for lay in candidates(m, c, t) if check(m, c, lay, t) is None]
+    every = [estimate(m, c, lay, t) for lay in candidates(m, c, t) if check(m, c, lay, t) is None]
     ranked: dict = {}  # ZeRO-1/2 twins of equal time ranked once: the one with less memory, else ZeRO-1
     for e in (e for e in every if e.fits):
         key = (replace(e.layout, zero=0) if e.layout.zero in (1, 2) else e.layout, e.step_time_s)

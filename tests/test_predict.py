@@ -15,8 +15,9 @@ from harness import result
 from plait.cli.main import app
 from plait.distributed.launch import run_world
 from plait.parallel_config import ParallelConfig
-from plait.plan import Model, eager
-from plait.plan.profile import HostProfile
+from plait.plan import Model
+from plait.plan.host import shapes
+from plait.plan.host.profile import HostProfile
 from plait.plan.runs import predict_train, train_layout
 from profile_util import synthetic_profile
 
@@ -190,7 +191,7 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
     assert host["speed_flops"] > 0 and host["speed_moved"] >= 0
     section = HostProfile.load(cached[0]).section(2)  # with real decoder layers and the optimizer step timed
     assert len(section.rates["block"].sizes) == 2 and section.optimizer_s_per_param > 0
-    for shape in eager.TP_CALIBRATION_BLOCKS:  # and a layer split over 2 ranks, at each size, with and without SP
+    for shape in shapes.TP_CALIBRATION_BLOCKS:  # and a layer split over 2 ranks, at each size, with and without SP
         for sp in (False, True):
             tp_layer = section.tp_block(shape, 2, sp)
             assert tp_layer is not None and tp_layer.seconds > tp_layer.twin_s > 0

@@ -1,7 +1,7 @@
 """``plait calibrate``: measure this host (kernels, collectives) with plait's own processes, write a profile.
 
 The measuring runs on local Gloo processes (NCCL with GPUs) started by ``plait.distributed.launch``; the
-profile it writes (``plait.plan.profile``, TOML) is what ``plait plan --cluster FILE`` and ``plait train``
+profile it writes (``plait.plan.host.profile``, TOML) is what ``plait plan --cluster FILE`` and ``plait train``
 read. Each section (a process count) is measured in a launch of that many processes, each taking the
 thread count ``plait train`` gives it: a run of ``P`` processes is a world of ``P``, and a section measured
 with more processes in its world, idle at a barrier, times its tensor-parallel collectives differently (on
@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 
 from plait.errors import ConfigError
-from plait.plan.profile import HOST_KEYS, HostProfile
+from plait.plan.host.profile import HOST_KEYS, HostProfile
 
 DEFAULT_PROCESSES = (1, 2, 4)
 CACHE_ENV = "PLAIT_CACHE_DIR"

@@ -1,7 +1,7 @@
 """Kernel timings of one process: GEMMs, causal attention, the element-wise mix of a Llama block, streaming.
 
 Each figure is a ``Kernel``: the calls to time, and how their seconds make the rate one call of this
-process reaches, in the units ``plait.plan.profile`` documents. ``measure_alone`` times one with the other
+process reaches, in the units ``plait.plan.host.profile`` documents. ``measure_alone`` times one with the other
 processes waiting; ``plait.calibrate.run`` also times each with every process at it at once, in
 alternation with the same calls alone. Work sizes are kept small so that every figure takes tens of
 milliseconds: the whole calibration takes about a minute.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.devices import synchronize
-from plait.plan import eager
+from plait.plan.host import census, shapes
 from plait.plan.model import llama_ffn
 
 # (tokens, out, in) of linear layers from 1 MFLOP to 1.2 GFLOP a call: small calls pay dispatch and
@@ -161,7 +161,7 @@ def attention(seq: int, head: int, device: torch.device, dtype: torch.dtype) -> 
 
 
 class _Mix:
-    """The element-wise kernels of a Llama block on a [B, S, h] hidden state, as ``plan.eager`` counts them:
+    """The element-wise kernels of a Llama block on a [B, S, h] hidden state, as ``plan.host.census`` counts them:
     an RMSNorm, RoPE on a head-major view, SwiGLU's silu·up, a residual add, the heads' transpose copy."""
 
     def __init__(self, b: int, s: int, h: int, device: torch.device, dtype: torch.dtype):
@@ -187,13 +187,13 @@ class _Mix:
 
     @property
     def traffic(self) -> float:
-        """Elements moved by one forward, counted as ``plan.eager`` counts a layer's."""
-        return (eager.NORM_TRAFFIC + eager.ROPE_TRAFFIC + eager.GLU_TRAFFIC + eager.RESIDUAL_TRAFFIC + 2) * self.n
+        """Elements moved by one forward, counted as ``plan.host.census`` counts a layer's."""
+        return (census.NORM_TRAFFIC + census.ROPE_TRAFFIC + census.GLU_TRAFFIC + census.RESIDUAL_TRAFFIC + 2) * self.n
 
     @property
     def ops(self) -> float:
-        return (eager.NORM_OPS + eager.ROPE_OPS + eager.GLU_OPS + eager.RESIDUAL_OPS + 1
-                + 4 * eager.VIEW_OPS)
+        return (census.NORM_OPS + census.ROPE_OPS + census.GLU_OPS + census.RESIDUAL_OPS + 1
+                + 4 * census.VIEW_OPS)
 
 
 def op_overhead(device: torch.device, dtype: torch.dtype) -> Kernel:
@@ -243,7 +243,7 @@ def stream(device: torch.device) -> Kernel:
 
 
 def decoder_layer(shape: tuple[int, int, int, int, int], device: torch.device, dtype: torch.dtype):
-    """Calibration block ``shape`` (``plan.eager.CALIBRATION_BLOCKS``): plait's Llama decoder layer and an input."""
+    """Calibration block ``shape`` (``plan.shapes.CALIBRATION_BLOCKS``): plait's Llama decoder layer and an input."""
     from plait.models.llama import DecoderLayer, LlamaConfig
 
     b, s, h, heads, kv = shape
@@ -338,7 +338,7 @@ def optimizer_times(device: torch.device) -> tuple[float, float]:
     does not stay in the cache between steps; one copy's 25 MB did on a 32 MB L3, and ran 1.2-1.7 times as
     fast per parameter), and ``OPTIMIZER_SMALL_TENSORS`` small tensors, where each tensor's kernels' fixed
     costs dominate (about 30 µs a tensor on a 2-core CPU: a quarter of ``small``'s optimizer step)."""
-    block = eager.CALIBRATION_BLOCKS[-1]
+    block = shapes.CALIBRATION_BLOCKS[-1]
     big: list[torch.Tensor] = []
     while 16 * sum(p.numel() for p in big) < OPTIMIZER_STATE_BYTES:
         layer, x = decoder_layer(block, device, torch.float32)

@@ -1,7 +1,7 @@
 """A pipeline of real decoder layers timed as a run hands work along it, beside the same work without hand-offs.
 
 ``plait.sim.shared`` lets ranks that outnumber the cores share them at the speed real layers share them with
-(``plan.host_compute.in_step``). A pipeline's ranks also hand work to each other: a rank blocks in its receive,
+(``plan.host.compute.in_step``). A pipeline's ranks also hand work to each other: a rank blocks in its receive,
 and the send that wakes it comes while every core is busy, so the woken rank takes a core from one that was
 running. On four processes of two cores, two-stage 1F1B pipelines of a decoder layer (two replicas) took
 1.08-1.11 times the same layers' work done without hand-offs, every process at once, where the simulator,
@@ -9,8 +9,8 @@ saturated, gives the two the same time. Two parts are timed, in alternating roun
 touches both alike:
 
 * the pipeline: ranks 2i and 2i+1 are stages 0 and 1 of replica i, each with one calibration layer
-  (``plan.eager.CALIBRATION_BLOCKS[-1]``), running 1F1B (``plait.schedules``) over ``MICROBATCHES``
-  (``plan.eager.PIPELINE_CALIBRATION_MICROBATCHES``) micro-batches; activations and gradients go point to
+  (``plan.shapes.CALIBRATION_BLOCKS[-1]``), running 1F1B (``plait.schedules``) over ``MICROBATCHES``
+  (``plan.shapes.PIPELINE_CALIBRATION_MICROBATCHES``) micro-batches; activations and gradients go point to
   point (a send is posted and waited at the step's end, a receive blocks, as a run's next action waits for
   its input);
 * its twin: every rank runs its layer's forward and backward ``MICROBATCHES`` times, no hand-off.
@@ -26,9 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from plait.plan import eager
+from plait.plan.host import shapes
 
-MICROBATCHES = eager.PIPELINE_CALIBRATION_MICROBATCHES
+MICROBATCHES = shapes.PIPELINE_CALIBRATION_MICROBATCHES
 BUDGET_S = 2.0  # alternating rounds of the pipeline and its twin (about 0.5 s a round on 4 processes of 2 cores)
 MIN_ROUNDS, MAX_ROUNDS = 2, 12
 
@@ -51,7 +51,7 @@ def _parts(device: torch.device):
     from plait.devices import synchronize
     from plait.schedules import build_schedule
 
-    layer, x = decoder_layer(eager.CALIBRATION_BLOCKS[-1], device, torch.float32)
+    layer, x = decoder_layer(shapes.CALIBRATION_BLOCKS[-1], device, torch.float32)
     x = x.detach()  # [B, S, h]
     rank = dist.get_rank()
     stage, peer = rank % 2, rank ^ 1

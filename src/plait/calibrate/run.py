@@ -17,8 +17,8 @@ from plait.calibrate import kernels as k
 from plait.calibrate import pipeline_block, tp_block, usable_cores
 from plait.devices import synchronize
 from plait.distributed.context import default_device, ensure_default_group
-from plait.plan import eager
-from plait.plan.profile import BLOCK, COLLECTIVES, LAYER, SELECTIVE, Curve, HostProfile, Rate, Section, TPBlock
+from plait.plan.host import shapes
+from plait.plan.host.profile import BLOCK, COLLECTIVES, LAYER, SELECTIVE, Curve, HostProfile, Rate, Section, TPBlock
 
 TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -33,12 +33,12 @@ def total_steps(counts: list[int], quick: bool = False) -> int:
     section (alone, or alone and shared in pairs), per collective and group size, per TP layer timed, per
     pipeline timed."""
     kernels = (len(_pick(k.GEMM_SHAPES, quick)) + len(_pick(k.ATTENTION_SHAPES, quick))
-               + len(_pick(k.ELEMENT_SIZES, quick)) + len(eager.CALIBRATION_BLOCKS) + 3)  # overhead, stream, optimizer
+               + len(_pick(k.ELEMENT_SIZES, quick)) + len(shapes.CALIBRATION_BLOCKS) + 3)  # overhead, stream, optimizer
     total = 0
     for p in sorted(counts):
         total += kernels
         total += sum(len(COLLECTIVES) - (0 if g == 2 else 1) for g in coll.group_sizes(p))
-        total += 2 * len(tp_block.group_sizes(p)) * len(eager.TP_CALIBRATION_BLOCKS)  # with and without SP
+        total += 2 * len(tp_block.group_sizes(p)) * len(shapes.TP_CALIBRATION_BLOCKS)  # with and without SP
         total += pipeline_block.oversubscribed(p, _threads(p), usable_cores())
     return total
 
@@ -55,7 +55,7 @@ PAIRS = 2  # alone-then-shared pairs a kernel is timed in when several processes
 
 
 def _kernels(device: torch.device, tick, measure: Measure, quick: bool = False) -> tuple[dict, dict]:
-    """This process's kernel figures (see ``plan.profile.Section``), (alone, shared), as ``measure`` takes
+    """This process's kernel figures (see ``plan.host.profile.Section``), (alone, shared), as ``measure`` takes
     them; ``quick``: every other size (both calibration blocks always)."""
     dtype = torch.float32
     kinds = ("matmul", "attention", "elementwise", BLOCK, "overhead", "stream")
@@ -76,7 +76,7 @@ def _kernels(device: torch.device, tick, measure: Measure, quick: bool = False) 
     for n in _pick(k.ELEMENT_SIZES, quick):
         take("elementwise", k.elementwise(n, device, dtype))
     take("stream", k.stream(device))
-    for shape in eager.CALIBRATION_BLOCKS:
+    for shape in shapes.CALIBRATION_BLOCKS:
         take(BLOCK, k.block(shape, device, dtype))
     for out in (alone, shared):
         out["overhead"], out["stream"] = out["overhead"][0][0], out["stream"][0][0]  # one figure of one value

@@ -19,9 +19,9 @@ on a shared core, one group's twin computing while the other waits in its collec
 the twin to the layer and back from one launch to the next (tp2 on four processes of two cores, the same
 layer: 13-19 ms of layer less twin in three launches, 28-35 ms in two others; in rounds, 11-18 ms in all).
 
-The layer less its twin is what its collectives cost inside a run; ``plan.timing.tp_wait`` takes what that
+The layer less its twin is what its collectives cost inside a run; ``plan.host.costs.HostCosts.tp_wait`` takes what that
 is beyond the same collectives timed back to back, per collective, as the wait of every TP collective, and
-``plan.host_compute.in_tp_step`` costs a sharded layer's compute at its twin's level, so that the two add up to
+``plan.host.compute.in_tp_step`` costs a sharded layer's compute at its twin's level, so that the two add up to
 the layer timed.
 """
 
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
 from plait.devices import synchronize
-from plait.plan import eager
+from plait.plan.host import shapes
 from plait.plan.model import llama_ffn
 
 BUDGET_S = 1.2  # time each (shape, group size, sequence parallel) figure is measured for, after a warm-up:
@@ -47,7 +47,7 @@ def group_sizes(processes: int) -> list[int]:
     """TP group sizes timed in a section of ``processes``: those every block's heads and widths divide over."""
     return [g for g in coll.group_sizes(processes)
             if all(heads % g == 0 and kv % g == 0 and llama_ffn(h) % g == 0
-                   for _, _, h, heads, kv in eager.TP_CALIBRATION_BLOCKS)]
+                   for _, _, h, heads, kv in shapes.TP_CALIBRATION_BLOCKS)]
 
 
 def _parts(shape: tuple[int, ...], group, sp: bool, device: torch.device, dtype: torch.dtype):
@@ -129,7 +129,7 @@ def measure_all(processes: int, groups: dict, world_group, device: torch.device,
     does not stand for the other's (standing in for SP, the form without it read SP's wait up to twice over
     on a 2-core host, and the quick check's ``tp4 sp`` came out at half its prediction)."""
     out: dict[tuple[tuple[int, ...], int, bool], tuple[float, float]] = {}
-    for shape in eager.TP_CALIBRATION_BLOCKS:
+    for shape in shapes.TP_CALIBRATION_BLOCKS:
         tokens = f"{shape[0]}x{shape[1]}"
         for g in group_sizes(processes):
             for sp in (False, True):

@@ -93,8 +93,7 @@ def _summary(console, profile, path: Path) -> None:
     from rich.table import Table
 
     from plait.calibrate.kernels import REFERENCE_SHAPE
-    from plait.plan.config import Cluster
-    from plait.plan.timing import tp_wait
+    from plait.plan.host.costs import HostCosts
 
     t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {profile.cores} cores ({path})",
               header_style="bold")
@@ -106,7 +105,7 @@ def _summary(console, profile, path: Path) -> None:
         mm, att, el = s.rates["matmul"], s.rates["attention"], s.rates["elementwise"]
         ar = s.collective("all_reduce", p, 1 << 20) * 1e3 if p > 1 else 0.0
         tp = max((b.group for b in s.tp_blocks), default=0)  # the wait of the largest TP group timed
-        wait = tp_wait(Cluster.from_profile(profile, p), tp, False, 1 << 20) if tp else 0.0
+        wait = HostCosts(profile, p).tp_wait(tp, False, 1 << 20) if tp else 0.0
         # shared: as the planner reads it (the speed alone over the kind's median slow-down, ``Rate.slowdown``)
         t.add_row(str(p), str(s.threads), f"{mm.alone[-1] / 1e9:.1f}", f"{mm.at(mm.sizes[-1], True) / 1e9:.1f}",
                   f"{att.alone[-1] / 1e9:.1f}", f"{el.alone[-1] / 1e9:.1f}", f"{s.op_overhead_s * 1e6:.1f}",

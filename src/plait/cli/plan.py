@@ -79,7 +79,7 @@ def _breakdown_table(best):
 
 def _show_schedule(console, best) -> None:
     """The best layout's schedule simulated with its per-chunk costs; the bubble quoted is the estimate's."""
-    from plait.plan.estimate import SPLIT_BACKWARD
+    from plait.plan.pipeline import SPLIT_BACKWARD
     from plait.plan.timing import chunk_costs
     from plait.schedules import build_schedule
     from plait.sim import Costs, simulate
@@ -89,7 +89,7 @@ def _show_schedule(console, best) -> None:
         console.print("(no pipeline: pp = 1, micro-batches run one after another)")
         return
     m = min(best.microbatches, 4 * lay.pp)
-    ch = chunk_costs(best.model, best.cluster, lay, best.training.precision)
+    ch = chunk_costs(best.cluster.costs, best.model, lay, best.training.precision)
     weight = [c.weight for c in ch] if lay.schedule in SPLIT_BACKWARD else None
     r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual,
                                 rounds=best.rounds),

@@ -1,7 +1,8 @@
 """The planner: hardware and model catalogues, memory and time models, layout search (no torch)."""
 
 from plait.plan.catalogue import GPU, GPUS, INTERCONNECTS, Link, get_gpu
-from plait.plan.config import Cluster, Layout, Training
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.explain import explain
 from plait.plan.inference import InferenceEstimate, InferenceResult, Workload, plan_inference

@@ -1,24 +1,23 @@
-"""The planner's inputs: a cluster, a parallel layout and a training workload, with their checks."""
+"""The planner's inputs: a parallel layout and a training workload, with their checks against a model and cluster."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.parallel_config import RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
-from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.model import Model
-from plait.plan.profile import HostProfile, Section
 from plait.schedules import SCHEDULE_NAMES
+
+if TYPE_CHECKING:
+    from plait.plan.cluster import Cluster
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
 VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs", "zb-h1"}  # any V >= 1 (zb-h1 with V > 1: ZB1P)
 TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32")
-#: share of each device's memory a layout may use by default (the rest: the runtime's context, communication
-#: buffers, the allocator's fragmentation, temporary buffers); ``Cluster(max_memory_fraction=...)`` changes it
-MAX_MEMORY_FRACTION = 0.9
 
 #: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
 #: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
@@ -31,81 +30,6 @@ RUNTIME: dict[str, tuple] = {
     "zero": tuple(z for z in ZERO_LEVELS if z < 3),  # ZeRO-3 (pp = 1) stays plan-only until modelled as it runs
     "schedule": SCHEDULE_NAMES,
 }
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """``n_gpus`` accelerators of one type, ``gpus_per_node`` to a node.
-
-    ``interconnect`` names the inter-node fabric (``catalogue.INTERCONNECTS``); None = the GPU's usual.
-    ``profile``: a calibrated host (``plait calibrate``); then ``n_gpus`` is the number of plait processes
-    on that one host, ``gpu`` is derived from the profile, and step times and memory are those of plait's
-    own eager runtime measured there (catalogue GPUs are costed as published Megatron-LM runs).
-    """
-
-    gpu: GPU | str
-    n_gpus: int
-    gpus_per_node: int = 8
-    interconnect: str | Link | None = None
-    profile: HostProfile | None = None
-    max_memory_fraction: float = MAX_MEMORY_FRACTION
-
-    def __post_init__(self) -> None:
-        if int(self.n_gpus) < 1:
-            raise ConfigError(f"n_gpus: must be >= 1, got {self.n_gpus}")
-        if self.profile is not None:
-            object.__setattr__(self, "gpu", host_gpu(self.profile, int(self.n_gpus)))
-            object.__setattr__(self, "gpus_per_node", int(self.n_gpus))
-        object.__setattr__(self, "gpu", get_gpu(self.gpu))
-        if int(self.gpus_per_node) < 1:
-            raise ConfigError(f"gpus_per_node: must be >= 1, got {self.gpus_per_node}")
-        if not 0 < self.max_memory_fraction <= 1:
-            raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {self.max_memory_fraction}")
-        object.__setattr__(self, "interconnect", get_interconnect(self.interconnect, self.gpu))
-
-    @classmethod
-    def from_profile(cls, profile: HostProfile | str, processes: int,
-                     max_memory_fraction: float = MAX_MEMORY_FRACTION) -> Cluster:
-        """``processes`` plait processes on the calibrated host of ``profile`` (a HostProfile or a path)."""
-        prof = profile if isinstance(profile, HostProfile) else HostProfile.load(profile)
-        return cls("cpu", processes, profile=prof, max_memory_fraction=max_memory_fraction)
-
-    @property
-    def section(self) -> Section:
-        """The calibrated host's measurements for this many processes (only with a profile)."""
-        assert self.profile is not None
-        return self.profile.section(self.n_gpus)
-
-    @property
-    def usable_memory(self) -> float:
-        """Bytes of one device a layout may use: ``max_memory_fraction`` of its memory."""
-        return self.max_memory_fraction * self.gpu.memory
-
-    @property
-    def inter(self) -> Link:
-        assert isinstance(self.interconnect, Link)
-        return self.interconnect
-
-    @property
-    def n_nodes(self) -> int:
-        return -(-self.n_gpus // self.gpus_per_node)
-
-    def link(self, group_span: int) -> Link:
-        """The link a ring over ``group_span`` consecutive ranks uses: NVLink/PCIe inside a node."""
-        return self.gpu.intra if group_span <= self.gpus_per_node else self.inter
-
-
-def host_gpu(profile: HostProfile, processes: int) -> GPU:
-    """A catalogue-style entry for one process of a calibrated host: its measured matmul speed with every
-    process computing, its share of the host's memory, the all-reduce of the largest group as its link."""
-    sec = profile.section(processes)
-    flops = sec.rates["matmul"].at(float("inf"), shared=True)  # the largest GEMM measured
-    mem = float(profile.host.get("memory_bytes", 0)) / processes
-    curves = sorted((g, c) for (op, g), c in sec.collectives.items() if op == "all_reduce")
-    link = Link("measured all-reduce", curves[-1][1].bandwidth, curves[-1][1].latency) if curves else \
-        Link("shared memory", 1e9, 1e-4)
-    return GPU(f"{profile.name}:{processes}p", flops, mem, sec.memory_bandwidth, link, link, 1.0,
-               f"{profile.host.get('cpu', 'host')}, {processes} processes x {sec.threads} threads (calibrated)")
 
 
 @dataclass(frozen=True)
@@ -192,7 +116,7 @@ class Training:
     """A training workload: ``global_batch`` sequences per optimizer step.
 
     ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward (on GPUs; a
-    calibrated host's cores are all computing then: ``step_end.dp_hidden``).
+    calibrated host's cores are all computing then: ``CostModel.hidden_reduction``).
     ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32 gradients, master weights
     and moments) or "fp32" (everything fp32, ``plait train``'s default).
     """

@@ -1,8 +1,19 @@
-"""What a pipeline chunk costs per micro-batch: the seconds ``plan.timing`` fills in and ``plan.estimate`` runs."""
+"""The cost-model seam: what a pipeline chunk costs per micro-batch, and the protocol a cluster's cost model keeps.
+
+A ``Cluster`` chooses its cost model once, when it is built: catalogue GPUs from their datasheets
+(``plan.gpu.GpuCosts``) or a host ``plait calibrate`` measured (``plan.host.costs.HostCosts``).
+``plan.estimate``, ``plan.search``, ``plan.timing`` and ``plan.step_end`` ask it, never which one it is.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from plait.plan.config import Layout
+    from plait.plan.memory import ActivationModel
+    from plait.plan.model import Model
 
 
 @dataclass(frozen=True)
@@ -41,3 +52,71 @@ class StageCosts:
         """``k`` of these (``k`` layers), the same point-to-point transfer."""
         return StageCosts(self.f_compute * k, self.b_compute * k, self.w_compute * k, self.f_tp * k,
                           self.b_tp * k, self.recompute * k, self.p2p, int(self.layers * k))
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Per-micro-batch costs of one decoder layer, the embedding and the head + loss."""
+
+    layer: StageCosts
+    embedding: StageCosts
+    head: StageCosts
+
+
+@dataclass(frozen=True)
+class Span:
+    """The forward/backward part of a step as the hardware runs it: ``makespan`` (s), the average rank's busy
+    wall time (``busy``; 0 where it is the schedule's compute alone) and how many times slower work every
+    process does at once runs (``stretch``; 1 where processes do not share cores)."""
+
+    makespan: float
+    busy: float = 0.0
+    stretch: float = 1.0
+
+
+class CostModel(Protocol):
+    """What a cluster's hardware and runtime cost: time of blocks, transfers, collectives and the end of a step,
+    and the activation bytes a layer keeps. Every figure is for one device (process) of the cluster."""
+
+    @property
+    def weight_gather_bytes(self) -> int:
+        """Bytes per weight ZeRO-1/2's all-gather of the updated weights moves."""
+        ...
+
+    def blocks(self, model: Model, layout: Layout, precision: str) -> Blocks:
+        """One layer, the embedding and the head + loss, per micro-batch."""
+        ...
+
+    def p2p(self, model: Model, layout: Layout, precision: str) -> float:
+        """One activation (or its gradient) sent between pipeline stages; 0 without a pipeline."""
+        ...
+
+    def collective(self, op: str, nbytes: float, n: int, span: int | None = None) -> float:
+        """Seconds of ``op`` (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) over ``n`` ranks on a
+        tensor of ``nbytes`` in full; ``span``: how many consecutive ranks the group stretches over."""
+        ...
+
+    def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
+        """Activation bytes per micro-batch of a layer, the embedding and the head, and the working set."""
+        ...
+
+    def hidden_reduction(self, backward: float) -> float:
+        """Seconds of the DP gradient reduction that ``backward`` (the busiest rank's) hides."""
+        ...
+
+    def optimizer_time(self, params: float, tensors: int, shards: int) -> float:
+        """The optimizer step over ``params`` parameters in ``tensors`` tensors, shared by ``shards`` ranks."""
+        ...
+
+    def stream_time(self, nbytes: float, kernels: float) -> float:
+        """Seconds to stream ``nbytes`` through memory in ``kernels`` copy kernels (ZeRO's publish)."""
+        ...
+
+    def step_syncs(self, model: Model, layout: Layout) -> tuple[float, float]:
+        """(loss, gradient norm): the small per-step collectives the step time includes."""
+        ...
+
+    def forward_backward(self, model: Model, layout: Layout, precision: str, chunks: list[StageCosts], m: int,
+                         rounds: str | None, makespan: float) -> Span:
+        """The forward/backward part as run, given the chunks and the schedule's simulated ``makespan``."""
+        ...

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from plait.errors import ConfigError
-from plait.plan import eager, host_compute, step_end, timing
 from plait.plan import memory as mem
-from plait.plan.config import Cluster, Layout, Training, check, microbatches, runtime_gap
+from plait.plan import step_end, timing
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training, check, microbatches, runtime_gap
 from plait.plan.costs import StageCosts
 from plait.plan.model import Model
-from plait.plan.pipeline import ROUND_SCHEDULES, PipelineProfile, profile
+from plait.plan.pipeline import ROUND_SCHEDULES, SPLIT_BACKWARD, PipelineProfile, profile
 
-SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
 # What the parts of ``Estimate.time`` are (they add up to the step).
 PARTS = {
     "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
@@ -117,51 +117,30 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     bad = check(model, cluster, layout, training)
     if bad:
         raise ConfigError(bad[1])
-    return _estimate(model, cluster, layout, training, exact)
-
-
-def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
-             exact: bool = False, rounds: str | None = None) -> tuple[list[StageCosts], PipelineProfile]:
-    """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
-    from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(model, cluster, layout, training.precision)
-    acts = mem.activation_model(model, cluster, layout, training.precision)
-    layers = mem.layout_stages(model, layout).chunk_layers
-    nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
-    weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None
-    pipe = profile(layout.schedule, layout.pp, m, layout.virtual, [c.forward for c in chunks],
-                   [c.backward for c in chunks], weight, chunks[0].p2p, nbytes, exact=exact, rounds=rounds)
-    return chunks, pipe
-
-
-def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
-              exact: bool = False) -> Estimate:
-    m = microbatches(layout, training)
+    costs = cluster.costs
     chunks, pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, training, exact)
-    ranks = timing.rank_costs(model, cluster, layout, training.precision)
+    ranks = timing.rank_costs(costs, model, layout, training.precision)
     pp = layout.pp
     busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
             "tp_comm": m * sum(c.f_tp + c.b_tp for c in ranks) / pp,
             "recompute": m * sum(c.recompute for c in ranks) / pp, "cpu_sharing": 0.0}
-    makespan, stretch = pipe.makespan, 1.0
-    if cluster.profile is not None:  # processes of one host share its cores
-        makespan, wall, stretch = _shared_host(model, cluster, layout, training, chunks, m, rounds)
-        busy["cpu_sharing"] = max(0.0, wall - sum(busy.values()))
+    span = costs.forward_backward(model, layout, training.precision, chunks, m, rounds, pipe.makespan)
+    busy["cpu_sharing"] = max(0.0, span.busy - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params)
     dp = reduction + gather
-    overlap = step_end.dp_hidden(cluster, max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
+    overlap = costs.hidden_reduction(max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
     per_mb = step_end.zero_per_microbatch(cluster, layout, params)
     layers = max(c.layers for c in ranks)
     optimizer = step_end.optimizer_time(model, cluster, layout, params, layers)
     publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
-    loss_sync, norm_sync = _sync_parts(model, cluster, layout)
+    loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
-    time = {**busy, "pp_bubble": max(0.0, makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
+    time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
-            "optimizer": stretch * optimizer + publish,
+            "optimizer": span.stretch * optimizer + publish,
             "sync": tp_sum + loss_sync + norm_sync}
     gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives
     phases = {"forward_backward": sum(time[k] for k in ("compute", "tp_comm", "recompute", "cpu_sharing",
@@ -180,115 +159,16 @@ def _estimate(model: Model, cluster: Cluster, layout: Layout, training: Training
     )
 
 
-def _shared_host(model: Model, cluster: Cluster, layout: Layout, training: Training,
-                 chunks: list[StageCosts], m: int, rounds: str | None) -> tuple[float, float, float]:
-    """(makespan, mean busy wall time, slow-down of work every process does at once) of the forward/
-    backward part on a calibrated host whose processes time-slice its effective cores (``shared_cores``;
-    ``plait.sim.shared``)."""
-    from plait.schedules import build_schedule
-    from plait.sim.shared import simulate_shared
-
-    shared = timing.chunk_costs(model, cluster, layout, training.precision, shared=True)
-    p = cluster.n_gpus
-    cores = shared_cores(chunks, shared, p, host_cores(cluster))
-    stretch = max(1.0, p / cores)
-    per_stage = layout.tp * layout.dp * layout.cp  # the processes of one pipeline rank compute together
-    if layout.pp == 1:  # every process computes all the time: shared speeds throughout
-        c = shared[0]
-        wall = m * (c.forward + c.backward)
-        return wall, wall, stretch
-    sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual,
-                           rounds=rounds)
-    cpu, comm = action_costs(chunks, layout.schedule in SPLIT_BACKWARD)
-    r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage, handoff(cluster))
-    return r.makespan, sum(r.busy) / len(r.busy), stretch
-
-
-def handoff(cluster: Cluster) -> float:
-    """How many times slower than the cores' sharing alone a calibrated host's pipeline ranks run while they
-    outnumber its cores (``plait.sim.shared``'s ``handoff``): the slow-down at which the simulator gives the
-    calibration's pipeline (``plait.calibrate.pipeline_block``: two-stage 1F1B pipelines of the larger
-    calibration layer, the section's processes in pairs) its measured time over its twin's (the same work
-    without hand-offs), the layers costed as measured (``LAYER``: alone, shared and the forward's share).
-    1 where the profile timed no pipeline (the processes did not outnumber the cores, or an older profile)."""
-    from plait.schedules import build_schedule
-    from plait.sim.shared import simulate_shared
-
-    sec = cluster.section
-    whole = host_compute.whole_layers(sec)
-    if whole is None or sec.pipeline_s <= 0 or sec.pipeline_twin_s <= 0 or sec.processes % 2:
-        return 1.0
-    alone, shared, share = whole.alone[-1], whole.shared[-1], whole.forward_share
-    replicas = sec.processes // 2
-    cores = min(float(sec.processes), host_cores(cluster), sec.processes * alone / shared) / replicas
-    b, s, h, *_ = eager.CALIBRATION_BLOCKS[-1]
-    p2p = sec.collective("p2p", 2, 4.0 * b * s * h)
-    m = eager.PIPELINE_CALIBRATION_MICROBATCHES
-    sched = build_schedule("1f1b", stages=2, microbatches=m)
-    cpu = {"F": [alone * share] * 2, "B": [alone * (1 - share)] * 2, "I": [0.0] * 2, "W": [0.0] * 2}
-    comm = {kind: [0.0] * 2 for kind in "FBIW"}
-    target = sec.pipeline_s / sec.pipeline_twin_s * m * shared  # the twin: m layers, every process at once
-
-    def span(x: float) -> float:
-        return simulate_shared(sched, cpu, comm, p2p, cores, x).makespan
-
-    if span(1.0) >= target:
-        return 1.0
-    lo, hi = 1.0, 2.0
-    while span(hi) < target and hi < 16:
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1e-4:  # far finer than the pipeline's own measurement (a few percent)
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
-def action_costs(chunks: list[StageCosts], split: bool) -> tuple[dict[str, list[float]],
-                                                                          dict[str, list[float]]]:
-    """(compute, TP communication): seconds per action kind (F, B, I, W) and chunk, as ``plait.sim.shared``
-    runs a schedule on a calibrated host; ``split``: the schedule splits backwards into I and W (the input
-    half is the backward less the weight gradients)."""
-    cpu = {"F": [c.f_compute for c in chunks], "B": [c.b_compute + c.recompute for c in chunks],
-           "I": [c.b_compute - c.w_compute + c.recompute if split else 0.0 for c in chunks],
-           "W": [c.w_compute for c in chunks]}
-    comm = {"F": [c.f_tp for c in chunks], "B": [c.b_tp for c in chunks], "I": [c.b_tp for c in chunks],
-            "W": [0.0] * len(chunks)}
-    return cpu, comm
-
-
-def shared_cores(alone: list[StageCosts], shared: list[StageCosts], processes: int,
-                 most: float | None = None) -> float:
-    """The cores a calibrated host gives ``processes`` processes computing at once, counted in processes at
-    their speed alone. ``alone`` and ``shared`` are the same chunks costed at the calibration's two speeds
-    (``timing.chunk_costs``): each process computes ``shared/alone`` as fast as alone (speeds; the costs'
-    ratio the other way up), so together they run like ``processes·shared/alone`` processes alone, at
-    most ``processes`` and at most ``most`` (the host's cores over a process's threads: a calibration whose
-    shared phase ran while the host was faster than its mean can read more). ``plait.sim.shared``
-    time-slices that many cores."""
-    alone_work = sum(c.f_compute + c.b_compute + c.recompute for c in alone)
-    shared_work = sum(c.f_compute + c.b_compute + c.recompute for c in shared)
-    p = float(processes)
-    cap = p if most is None else min(p, most)
-    return min(cap, p * alone_work / shared_work) if shared_work > 0 else cap
-
-
-def host_cores(cluster: Cluster) -> float:
-    """A calibrated host's cores over the threads each of ``cluster``'s processes runs: the most processes
-    that compute at once at their speed alone."""
-    assert cluster.profile is not None, "only a calibrated host has cores to share"
-    return cluster.profile.cores / cluster.section.threads
-
-
-def _sync_parts(model: Model, cluster: Cluster, layout: Layout) -> tuple[float, float]:
-    """(loss, gradient norm): plait's small per-step collectives on a calibrated host, both over every rank.
-    The loss is summed over the world when DP replicas (or MoE's auxiliary losses, which every rank holds a
-    part of) contribute to it; otherwise the last stage sends it point to point (about as cheap as nothing)
-    or holds it already. The gradient norm is summed over the world whenever there is more than one rank.
-    (Negligible on catalogue GPUs: not counted.) The stop-signal check after each step is not part of the
-    step time ``plait train`` measures, so it is not counted either."""
-    world = layout.world
-    if cluster.profile is None or world == 1:
-        return 0.0, 0.0
-    one = timing.collective(cluster, "all_reduce", 16, world)
-    loss = one if layout.dp * layout.cp > 1 or model.n_experts > 1 else 0.0
-    return loss, one
+def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
+             exact: bool = False, rounds: str | None = None) -> tuple[list[StageCosts], PipelineProfile]:
+    """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
+    from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
+    m = microbatches(layout, training)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision)
+    acts = cluster.costs.activations(model, layout, training.precision)
+    layers = mem.layout_stages(model, layout).chunk_layers
+    nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
+    weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None
+    pipe = profile(layout.schedule, layout.pp, m, layout.virtual, [c.forward for c in chunks],
+                   [c.backward for c in chunks], weight, chunks[0].p2p, nbytes, exact=exact, rounds=rounds)
+    return chunks, pipe

@@ -1,13 +1,17 @@
-"""Memory model: model states by precision and ZeRO stage, and activations (Korthikanti 2022 or plait's own)."""
+"""Memory model: model states by precision and ZeRO stage, Korthikanti et al.'s activation count, every rank's total
+(the activations of a cluster come from its cost model: ``plan.gpu`` or ``plan.host``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from plait.plan import eager
-from plait.plan.config import MAX_MEMORY_FRACTION, Cluster, Layout
+from plait.plan.config import Layout
 from plait.plan.model import Model
-from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_layers: re-exported)
+from plait.plan.stages import Stages, stages
+
+if TYPE_CHECKING:
+    from plait.plan.cluster import Cluster
 
 # Bytes per parameter of (weights, gradients, optimizer state). "bf16": mixed-precision Adam as Megatron-LM
 # runs it (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1): bf16 weights (2 B), fp32
@@ -18,12 +22,8 @@ from plait.plan.stages import Stages, head_layers, stages  # noqa: F401  (head_l
 # group. ZeRO-2 reduce-scatters once per step, at each chunk's last backward (plait's runtime; see
 # ``rank_memory``): while the backward runs the full fp32 gradient buffer is there, beside the activations.
 STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = STATE_BYTES["bf16"]
+WEIGHT_BYTES = STATE_BYTES["bf16"][0]
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
-# Share of a GPU's memory the planner lets a layout use by default (``Cluster.max_memory_fraction``): the rest
-# is the CUDA context, NCCL buffers, the allocator's fragmentation and temporary buffers (workspace of GEMMs,
-# gathered ZeRO-3 layers).
-USABLE_FRACTION = MAX_MEMORY_FRACTION
 
 
 @dataclass(frozen=True)
@@ -88,18 +88,6 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     return sbh * body
 
 
-def extra_activation_bytes(model: Model, layout: Layout, first: bool, last: bool, in_flight: float) -> float:
-    """First stage: the embedding's dropout mask sbh per micro-batch in flight; last stage: the
-    output layer and loss, 4sbh/t·(1 + V/h) for one micro-batch (Korthikanti et al. 2022, §4.3)."""
-    s, b, h, t = model.seq_len / layout.cp, layout.microbatch_size, model.hidden, layout.tp
-    out = 0.0
-    if first:
-        out += s * b * h * in_flight / (t if layout.sequence_parallel else 1)
-    if last:
-        out += 4 * s * b * h / t * (1 + model.vocab / h)
-    return out
-
-
 @dataclass(frozen=True)
 class ActivationModel:
     """Bytes per micro-batch of one layer, of the first chunk's embedding and of the last chunk's head,
@@ -115,32 +103,16 @@ class ActivationModel:
         return layers * self.layer + (self.first if first else 0.0) + (self.last if last else 0.0)
 
 
-def activation_model(model: Model, cluster: Cluster, layout: Layout, precision: str = "bf16") -> ActivationModel:
-    """Catalogue GPUs: Korthikanti et al.'s count (Megatron-LM's kernels, 16-bit); a calibrated host:
-    plait's eager runtime tensor by tensor (``plan.eager``) at ``precision``."""
-    working = 0.0
-    if layout.zero == 3:  # two gathered layers in flight (the current one and the prefetched next)
-        working += 2 * WEIGHT_BYTES * model.layer_params() / (layout.tp * layout.ep)
-    if cluster.profile is None:
-        if layout.recompute == "full":  # the layer being recomputed holds its full (selective) set once
-            working += activation_bytes_per_layer(model, _with(layout, recompute="selective"))
-        last = 4 * model.seq_len / layout.cp * layout.microbatch_size * model.hidden / layout.tp * (
-            1 + model.vocab / model.hidden)
-        first = model.seq_len / layout.cp * layout.microbatch_size * model.hidden / (
-            layout.tp if layout.sequence_parallel else 1)
-        return ActivationModel(activation_bytes_per_layer(model, layout), first, last, working)
-    sh = eager.local(model, layout)
-    d = ACTIVATION_BYTES[precision]
-    if layout.recompute == "full":
-        working += eager.layer_saved(sh) * d
-        return ActivationModel(eager.checkpoint_saved(sh) * d, 2.0 * sh.tokens,
-                               (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
-    layer = eager.layer_saved(sh, selective=layout.recompute == "selective") * d
-    return ActivationModel(layer, eager.embedding_saved(sh) * 4, eager.head_saved(sh) * d, working)
+def zero3_working(model: Model, layout: Layout) -> float:
+    """ZeRO-3's working set: two gathered bf16 layers in flight (the current one and the prefetched next)."""
+    if layout.zero == 3:
+        return 2 * WEIGHT_BYTES * model.layer_params() / (layout.tp * layout.ep)
+    return 0.0
 
 
-def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
-    """(dense, expert) parameters held by one GPU of a pipeline rank with ``layers`` layers."""
+def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters held by one GPU of a pipeline rank with ``layers`` layers (``first``: it
+    holds the embedding; ``last``: the final norm and the head)."""
     t = layout.tp
     expert_layer = model.n_experts * model.mlp_params() if model.is_moe else 0
     norms = 2 * model.norm_params()  # replicated on every TP rank (under SP their gradients are summed)
@@ -158,25 +130,19 @@ def _rank_params(model: Model, layout: Layout, layers: int, first: bool, last: b
     return dense, layers * expert_layer / (t * layout.ep)
 
 
-def rank_params(model: Model, layout: Layout, rank: int) -> tuple[float, float]:
-    """(dense, expert) parameters on one GPU of pipeline rank ``rank``."""
-    st = layout_stages(model, layout)
-    return _rank_params(model, layout, st.rank_layers[rank], rank == st.first_rank, rank == st.last_rank)
-
-
 def max_rank_params(model: Model, layout: Layout) -> float:
     """The most parameters (dense + expert) any GPU holds."""
     st = layout_stages(model, layout)
     layers = st.rank_layers
     kinds = {(layers[r], r == st.first_rank, r == st.last_rank)
              for r in {st.first_rank, st.last_rank, max(range(layout.pp), key=layers.__getitem__)}}
-    return max(sum(_rank_params(model, layout, *k)) for k in kinds)
+    return max(sum(rank_params(model, layout, *k)) for k in kinds)
 
 
 def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
                 precision: str = "bf16") -> tuple[float, ...]:
     """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp."""
-    dense, expert = _rank_params(model, layout, layers, first, last)
+    dense, expert = rank_params(model, layout, layers, first, last)
     group = layout.dp * layout.cp
     eg = group // layout.ep if model.is_moe else 1
     w, g, o = STATE_BYTES[precision]
@@ -199,7 +165,7 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     micro-batch the peak comes before any gradient and buckets are freed as the backward frees activations:
     the shards are counted."""
     st = layout_stages(model, layout)
-    acts = activation_model(model, cluster, layout, precision)
+    acts = cluster.costs.activations(model, layout, precision)
     usable = cluster.usable_memory
     full_at_peak = layout.zero == 2 and microbatches > 1
     out = []
@@ -208,17 +174,7 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
         w, g, o = state_bytes(model, layout, layers, first, last, precision)
         after = g if layout.zero == 2 else None
         if full_at_peak:
-            g = state_bytes(model, _with(layout, zero=1), layers, first, last, precision)[1]
+            g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision)[1]
         act = peak[r] + acts.working
         out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working, after))
     return out
-
-
-def memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float], precision: str = "bf16") -> Memory:
-    """Memory of the most loaded GPU (see ``rank_memory``)."""
-    return max(rank_memory(model, cluster, layout, peak, precision), key=lambda m: m.total)
-
-
-def _with(layout: Layout, **changes: object) -> Layout:
-    fields = {k: getattr(layout, k) for k in layout.__dataclass_fields__}
-    return Layout(**{**fields, **changes})

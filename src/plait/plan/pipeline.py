@@ -22,6 +22,8 @@ _AFFINE_TOL = 1e-9
 # order at the true M (``_peak_bytes``, no timing).
 #: schedules whose micro-batches go in depth-first rounds (``build_schedule(rounds=...)``)
 ROUND_SCHEDULES = ("interleaved-1f1b", "zb-h1")
+#: schedules whose backward splits into input gradients (I) and weight gradients (W)
+SPLIT_BACKWARD = frozenset({"zb-h1", "zbv", "dualpipev"})
 
 
 @dataclass(frozen=True)

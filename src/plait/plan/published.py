@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.plan.catalogue import GB, Link
-from plait.plan.config import Cluster, Layout, Training
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training
 from plait.plan.model import Model
 
 

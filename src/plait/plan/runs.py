@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from plait.parallel_config import ParallelConfig
-from plait.plan.config import Cluster, Layout, Training
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training
 from plait.plan.estimate import Estimate, estimate
+from plait.plan.host.profile import HostProfile
 from plait.plan.model import Model
-from plait.plan.profile import HostProfile
 
 
 def train_layout(parallel: ParallelConfig, batch_size: int) -> tuple[Layout, Training]:

@@ -9,10 +9,13 @@ from dataclasses import dataclass, field, replace
 
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
-from plait.plan.config import RECOMPUTE, RUNTIME, Cluster, Layout, Training, check, microbatches
+from plait.plan.cluster import Cluster
+from plait.plan.config import RECOMPUTE, RUNTIME, Layout, Training, check, microbatches
 from plait.plan.costs import StageCosts
-from plait.plan.estimate import SPLIT_BACKWARD, Estimate, _estimate
+from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
+from plait.plan.pipeline import SPLIT_BACKWARD
+from plait.plan.stages import Stages
 
 MICROBATCH_SIZES = (1, 2, 4)
 
@@ -107,26 +110,26 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     first chunk's rank holding its states plus min(pp, M) micro-batches of chunk 0 (every schedule here
     runs that many forwards of its first chunk before a backward)."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(model, cluster, layout, training.precision)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision)
     st = mem.layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
     dp = step_end.dp_sync_time(model, cluster, layout, params)
-    backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``_estimate``)
+    backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
-    overlap = step_end.dp_hidden(cluster, max(backward)) if training.overlap_grad_reduce else 0.0
+    overlap = cluster.costs.hidden_reduction(max(backward)) if training.overlap_grad_reduce else 0.0
     seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
     layers = max(st.rank_layers)
     seconds += step_end.optimizer_time(model, cluster, layout, params, layers)
     seconds += step_end.publish_time(cluster, layout, params, layers, training.precision)
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision))
-    acts = mem.activation_model(model, cluster, layout, training.precision)
+    acts = cluster.costs.activations(model, layout, training.precision)
     first = acts.chunk(st.chunk_layers[0], True, len(st.chunk_layers) == 1)
     return seconds, states + min(layout.pp, m) * first
 
 
-def _pipeline_floor(layout: Layout, st, chunks: list[StageCosts], m: int) -> float:
+def _pipeline_floor(layout: Layout, st: Stages, chunks: list[StageCosts], m: int) -> float:
     """A makespan no schedule of this kind beats: a rank's busy time, plus the forwards of the chunks
     before its first (it waits for them on the first micro-batch) and, unless the backward is split
     (zero-bubble schedules fill that tail with W), their backwards after its last (Narayanan et al. 2021,
@@ -166,7 +169,7 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
         if len(kept) >= top and seconds > -kept[0][0]:
             result.pruned += len(queue) - j
             break
-        est = _estimate(model, cluster, layout, training)
+        est = estimate(model, cluster, layout, training)
         smallest = min(smallest, est.memory.total)
         if not est.fits:
             result.rejected["memory"] += 1

@@ -1,22 +1,15 @@
-"""The end of a step: the DP gradient reduction (and how much of it the backward hides), ZeRO's traffic and
-the optimizer step, on catalogue GPUs and on a calibrated host."""
+"""The end of a step: the DP gradient reduction, ZeRO's traffic, the TP-partial gradients' sum and the optimizer
+step, from the cluster's cost model."""
 
 from __future__ import annotations
 
-from plait.plan import eager
-from plait.plan.config import Cluster, Layout
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout
 from plait.plan.memory import STATE_BYTES
 from plait.plan.model import Model
-from plait.plan.timing import collective
 
-# Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
-OPTIMIZER_TRAFFIC = 30.0
-# plait's optimizer step in fp32 (plait.optim.build_optimizer), bytes per parameter when a profile did not time
-# it (format 1): the global norm casts each gradient to float64 a chunk at a time (read 4, write 8, the dot
-# reads 8), the clip scales the gradients (read + write 8), torch's fused AdamW reads p, g, m, v and writes
-# p, m, v in one pass (28). Profiles of format >= 2 time the step itself (Section.optimizer_s_per_param).
-EAGER_OPTIMIZER_TRAFFIC = 56.0
-EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cast, dot and sum; clip; AdamW
+#: parameter tensors of a Llama layer: seven projections and two norms
+PARAM_TENSORS_PER_LAYER = 9
 
 
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
@@ -34,24 +27,13 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     micro-batch, ``zero_per_microbatch``)."""
     n = layout.dp * layout.cp
     span = layout.tp * n
+    collective = cluster.costs.collective
     if layout.zero == 0:
-        return collective(cluster, "all_reduce", 4 * params_on_gpu, n, span), 0.0
+        return collective("all_reduce", 4 * params_on_gpu, n, span), 0.0
     if layout.zero == 3:
         return 0.0, 0.0
-    weight = 4 if cluster.profile is not None else 2
-    return (collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span),
-            collective(cluster, "all_gather", weight * params_on_gpu, n, span))
-
-
-def dp_hidden(cluster: Cluster, backward: float) -> float:
-    """Seconds of the DP gradient reduction that ``backward`` (the busiest rank's, which the reduction runs
-    beside) hides. On catalogue GPUs all of it: the reduction runs on the network engines while the SMs
-    compute. On a calibrated host none: the reduction's copies, sums and socket work run on the same cores
-    the backward fills (plait calibrate gives every process its share of the cores), so the time moves but
-    does not vanish. On a two-core host, pp2·dp2's ranks waited 10-55 ms per step for their last bucket's
-    reduction, and the step ran 753 ms where the prediction with the reduction hidden said 695 (the
-    all-reduce's curve, which is what is added, is 16 ms of that)."""
-    return 0.0 if cluster.profile is not None else backward
+    return (collective("reduce_scatter", 4 * params_on_gpu, n, span),
+            collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
 
 
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
@@ -62,8 +44,8 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) 
         return 0.0
     n = layout.dp * layout.cp
     span = layout.tp * n
-    out = collective(cluster, "reduce_scatter", 4 * params_on_gpu, n, span)
-    return out + 2 * collective(cluster, "all_gather", 2 * params_on_gpu, n, span)
+    out = cluster.costs.collective("reduce_scatter", 4 * params_on_gpu, n, span)
+    return out + 2 * cluster.costs.collective("all_gather", 2 * params_on_gpu, n, span)
 
 
 def optimizer_shards(layout: Layout) -> int:
@@ -96,13 +78,13 @@ def tp_partial_time(model: Model, cluster: Cluster, layout: Layout, layers: int,
     """Seconds of that sum: one all-reduce of the fp32 gradients over TP (under ZeRO of the reduced shard,
     1/(dp·cp) of them)."""
     shard = optimizer_shards(layout)
-    return collective(cluster, "all_reduce", 4 * tp_partial_elements(model, layout, layers, last) / shard,
-                      layout.tp)
+    return cluster.costs.collective("all_reduce", 4 * tp_partial_elements(model, layout, layers, last) / shard,
+                                    layout.tp)
 
 
 def param_tensors(layers: int) -> int:
     """Parameter tensors of a rank holding ``layers`` layers, and the embedding, the final norm and the head."""
-    return layers * eager.param_tensors_per_layer() + 3
+    return layers * PARAM_TENSORS_PER_LAYER + 3
 
 
 def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0,
@@ -120,27 +102,13 @@ def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers:
     shard = optimizer_shards(layout)
     weight = STATE_BYTES[precision][0]
     traffic = (2 * weight + 4) * params_on_gpu / shard + 2 * weight * params_on_gpu
-    if cluster.profile is None:
-        return traffic / cluster.gpu.memory_bandwidth
-    sec = cluster.section
     tensors = param_tensors(layers)
     kernels = tensors / shard + tensors  # the pieces a rank owns (about its share of the tensors), the copies out
-    return traffic / sec.memory_bandwidth + kernels * sec.op_overhead_s * sec.rates["elementwise"].forward_share
+    return cluster.costs.stream_time(traffic, kernels)
 
 
 def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
                    layers: int = 0) -> float:
-    """The optimizer step over this GPU's (sharded) parameters of ``layers`` layers: Adam streams its state
-    through memory; on a calibrated host plait's step as ``plait calibrate`` timed it, per parameter and per
-    tensor it updates (under ZeRO a rank updates its pieces of 1/(dp·cp) of the tensors), or per parameter
-    alone (older profiles); profiles of format 1: its bytes at the streaming bandwidth and a few kernels per
-    parameter tensor."""
-    shard = optimizer_shards(layout)
-    if cluster.profile is None:
-        return OPTIMIZER_TRAFFIC * params_on_gpu / shard / cluster.gpu.memory_bandwidth
-    sec = cluster.section
-    tensors = param_tensors(layers)
-    if sec.optimizer_s_per_param > 0:  # timed by plait calibrate
-        return (sec.optimizer_s_per_param * params_on_gpu + sec.optimizer_s_per_tensor * tensors) / shard
-    return (EAGER_OPTIMIZER_TRAFFIC * params_on_gpu / shard / sec.memory_bandwidth
-            + EAGER_OPTIMIZER_OPS * tensors * sec.op_overhead_s * sec.rates["elementwise"].forward_share)
+    """The optimizer step over this GPU's (sharded) parameters of ``layers`` layers (under ZeRO a rank updates
+    its pieces of 1/(dp·cp) of the tensors): ``CostModel.optimizer_time``."""
+    return cluster.costs.optimizer_time(params_on_gpu, param_tensors(layers), optimizer_shards(layout))

@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass, replace
 
 from plait.plan.catalogue import GPU, NVLINK4, PCIE5, Link, get_gpu
-from plait.plan.config import Cluster
+from plait.plan.cluster import Cluster
 from plait.plan.inference import Workload
 from plait.plan.model import Model
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from plait.plan.catalogue import get_gpu
-from plait.plan.config import Cluster
+from plait.plan.cluster import Cluster
 from plait.plan.estimate import estimate
 from plait.plan.published import MemoryStatement, PublishedRun, memory_statements, sources
 

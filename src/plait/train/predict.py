@@ -26,7 +26,7 @@ def check_cluster(cfg: TrainConfig, world: int) -> None:
     """ConfigError naming --cluster if the given profile cannot predict a run of ``world`` processes."""
     if cfg.cluster in (None, OFF):
         return
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     HostProfile.load(cfg.cluster).section(world)
 
@@ -35,7 +35,7 @@ def host_profile(cfg: TrainConfig, ctx):
     """The HostProfile for this run (collective over the world when it has to be measured), or None."""
     if cfg.cluster == OFF or os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1"):
         return None  # turned off, or several hosts: a profile describes one
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     if cfg.cluster is not None:
         return HostProfile.load(cfg.cluster)
@@ -44,8 +44,8 @@ def host_profile(cfg: TrainConfig, ctx):
     from plait.calibrate import cache_path, host_facts
     from plait.calibrate.run import measure_in_world
     from plait.calibrate.tp_block import group_sizes as tp_group_sizes
-    from plait.plan.eager import TP_CALIBRATION_BLOCKS
-    from plait.plan.profile import SELECTIVE
+    from plait.plan.host.profile import SELECTIVE
+    from plait.plan.host.shapes import TP_CALIBRATION_BLOCKS
 
     facts = host_facts()
     path = cache_path(facts)
@@ -75,7 +75,7 @@ def host_profile(cfg: TrainConfig, ctx):
 def cached_profile(path: Path):
     """The profile cached at ``path``, or None when there is none or it cannot be read (an older format,
     a torn write): then it is measured again."""
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     try:
         return HostProfile.load(path) if path.is_file() else None
@@ -119,7 +119,7 @@ def dry_run(cfg: TrainConfig, world: int) -> dict:
     on ``--cluster`` (default: this host's cached profile; a dry run measures nothing), as the fields of
     a metrics row (``predicted_step_time_s``, ``predicted_bubble``, ``memory.predicted``)."""
     from plait.calibrate import cache_path
-    from plait.plan.profile import HostProfile
+    from plait.plan.host.profile import HostProfile
 
     if cfg.cluster == OFF:
         raise ConfigError("--dry-run: it prints the prediction, and --cluster none turns that off; give "

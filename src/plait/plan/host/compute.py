@@ -1,27 +1,28 @@
-"""The compute seconds of plait's eager work on a calibrated host (``Cluster(profile=...)``).
+"""The compute seconds of plait's eager work on a calibrated host (``Cluster.from_profile``).
 
 Kernel figures (``plait calibrate``'s tight loops: GEMMs, attention, the element-wise mix) give each eager
 block's forward and backward (``work_costs``); the calibration's real decoder layers set their level
 (``in_step``: kernels run slower in a step, on working sets the others evicted, and processes share the
 cores as real layers do), a tensor-parallel layer's its compute twin's (``in_tp_step``), a layer's split
 between forward and backward (``forward_share_factor``) and what selective recomputation adds
-(``selective_recompute``). ``plan.timing`` adds the collectives and assembles the chunks.
+(``selective_recompute``). ``plan.host.costs`` adds the collectives; ``plan.timing`` assembles the chunks.
 """
 
 from __future__ import annotations
 
 import math
 
-from plait.plan import eager
 from plait.plan.costs import StageCosts
-from plait.plan.profile import BLOCK, LAYER, SELECTIVE, Rate, Section
+from plait.plan.host import census
+from plait.plan.host.profile import BLOCK, LAYER, SELECTIVE, Rate, Section
+from plait.plan.host.shapes import CALIBRATION_BLOCKS, block_local
 
 # A calibration block's time beyond its GEMMs and attention is floored at this share of what the kernel mix
 # says its element-wise part costs (timing noise must not make it free).
 BLOCK_REST_FLOOR = 0.1
 
 
-def _gemm_attention(work: eager.Work, sec: Section, shared: bool) -> tuple[float, float]:
+def _gemm_attention(work: census.Work, sec: Section, shared: bool) -> tuple[float, float]:
     """(forward GEMM seconds, forward + backward attention seconds) of ``work`` at the measured rates."""
     mm, attn = sec.rates["matmul"], sec.rates["attention"]
     gemm = sum(flops / mm.at(size, shared) for flops, size in work.gemms)
@@ -30,15 +31,15 @@ def _gemm_attention(work: eager.Work, sec: Section, shared: bool) -> tuple[float
 
 def block_elementwise(sec: Section) -> Rate | None:
     """The element-wise speed of a real decoder layer on this host, or None if the profile did not time the
-    calibration blocks (``plan.eager.CALIBRATION_BLOCKS``): per block, the bytes the census counts over the
+    calibration blocks (``plan.CALIBRATION_BLOCKS``): per block, the bytes the census counts over the
     seconds its forward + backward took beyond its GEMMs and attention (as ``plait calibrate`` measured them,
     floored at ``BLOCK_REST_FLOOR`` of the element-wise mix's estimate); keyed, as the mix, by bytes per
     kernel. It stands for the mix and the per-kernel cost."""
     blk = sec.rates.get(BLOCK)
-    shapes = eager.CALIBRATION_BLOCKS
+    shapes = CALIBRATION_BLOCKS
     if blk is None or tuple(blk.sizes) != tuple(float(b * s * h) for b, s, h, *_ in shapes):
         return None
-    works = [eager.layer_work(eager.block_local(shape), 4) for shape in shapes]  # fp32, as calibrated
+    works = [census.layer_work(block_local(shape), 4) for shape in shapes]  # fp32, as calibrated
     mix = sec.rates["elementwise"]
     speeds = {}
     # shared: the rest alone times the element-wise kernels' slow-down. The rest is element-wise work, and its
@@ -54,7 +55,7 @@ def block_elementwise(sec: Section) -> Rate | None:
                 blk.forward_share)
 
 
-def work_costs(work: eager.Work, sec: Section, shared: bool, layer: bool = False) -> StageCosts:
+def work_costs(work: census.Work, sec: Section, shared: bool, layer: bool = False) -> StageCosts:
     """Seconds of an eager block's forward and backward from the host's measured speeds; a ``layer``'s
     element-wise part at a real decoder layer's speed where the profile timed one (``block_elementwise``)."""
     attn, elem = sec.rates["attention"], sec.rates["elementwise"]
@@ -76,7 +77,7 @@ def work_costs(work: eager.Work, sec: Section, shared: bool, layer: bool = False
 def whole_layers(sec: Section) -> Rate | None:
     """The calibration layers' whole seconds (``LAYER``), if the profile timed this version's layers."""
     whole = sec.rates.get(LAYER)
-    sizes = tuple(float(b * s * h) for b, s, h, *_ in eager.CALIBRATION_BLOCKS)
+    sizes = tuple(float(b * s * h) for b, s, h, *_ in CALIBRATION_BLOCKS)
     return whole if whole is not None and tuple(whole.sizes) == sizes else None
 
 
@@ -93,8 +94,8 @@ def in_step(sec: Section, shared: bool, seconds: float) -> float:
     if whole is None:
         return 1.0
     points = []
-    for i, shape in enumerate(eager.CALIBRATION_BLOCKS):
-        work = eager.layer_work(eager.block_local(shape), 4)  # fp32, as calibrated
+    for i, shape in enumerate(CALIBRATION_BLOCKS):
+        work = census.layer_work(block_local(shape), 4)  # fp32, as calibrated
         alone, model = (work_costs(work, sec, x, layer=True) for x in (False, shared))
         measured = whole.shared[i] if shared else whole.alone[i]
         points.append((alone.f_compute + alone.b_compute, measured / (model.f_compute + model.b_compute)))
@@ -110,7 +111,7 @@ def forward_share_factor(sec: Section) -> float:
     whole = whole_layers(sec)
     if whole is None:
         return 1.0
-    c = work_costs(eager.layer_work(eager.block_local(eager.CALIBRATION_BLOCKS[-1]), 4), sec, False, layer=True)
+    c = work_costs(census.layer_work(block_local(CALIBRATION_BLOCKS[-1]), 4), sec, False, layer=True)
     share = c.f_compute / (c.f_compute + c.b_compute)
     return whole.forward_share / share if share > 0 else 1.0
 
@@ -127,7 +128,7 @@ def in_tp_step(sec: Section, tp: int, seconds: float) -> float | None:
     for blk in sec.tp_blocks:
         if blk.group != tp or blk.twin_s <= 0:
             continue
-        work = eager.layer_work(eager.block_local(blk.shape, tp, False), 4)  # the twin: no SP, fp32
+        work = census.layer_work(block_local(blk.shape, tp, False), 4)  # the twin: no SP, fp32
         alone, model = (work_costs(work, sec, x, layer=True) for x in (False, True))
         points.append((alone.f_compute + alone.b_compute, blk.twin_s / (model.f_compute + model.b_compute)))
     return _log_line(sorted(points), seconds) if points else None
@@ -147,7 +148,7 @@ def _log_line(points: list[tuple[float, float]], x: float) -> float:
     return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
 
 
-def selective_recompute(sec: Section, shared: bool, sh: eager.Local) -> float | None:
+def selective_recompute(sec: Section, shared: bool, sh: census.Local) -> float | None:
     """Seconds recomputing its attention core adds to a layer of sizes ``sh`` (plait's
     ``recompute="selective"``: the core under a non-reentrant checkpoint), on a calibrated host that timed
     its calibration layers with and without it (``SELECTIVE``; else None): the line through the blocks'
@@ -162,14 +163,14 @@ def selective_recompute(sec: Section, shared: bool, sh: eager.Local) -> float | 
     whole, redone = whole_layers(sec), sec.rates.get(SELECTIVE)
     if whole is None or redone is None or redone.sizes != whole.sizes:
         return None
-    points = sorted((eager.block_local(shape).q, redone.shared[i] if shared else redone.alone[i])
-                    for i, shape in enumerate(eager.CALIBRATION_BLOCKS))
+    points = sorted((block_local(shape).q, redone.shared[i] if shared else redone.alone[i])
+                    for i, shape in enumerate(CALIBRATION_BLOCKS))
     (x0, y0), (x1, y1) = points[0], points[-1]
     y = y0 if x1 <= x0 else y0 + (y1 - y0) * (sh.q - x0) / (x1 - x0)
     return max(0.0, y)
 
 
-def in_step_costs(work: eager.Work, sec: Section, shared: bool, layer: bool, tp: int = 1) -> StageCosts:
+def in_step_costs(work: census.Work, sec: Section, shared: bool, layer: bool, tp: int = 1) -> StageCosts:
     """``work_costs`` times ``in_step``'s factor for work of that size; a ``layer`` over ``tp`` > 1 ranks
     also times what its compute twins say beyond that (``in_tp_step`` over ``in_step``'s shared factor: the
     twins set the level of a sharded layer, the whole layers how it shares the cores). A ``layer``'s forward

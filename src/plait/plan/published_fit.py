@@ -1,10 +1,11 @@
-"""Published training runs the time model is calibrated on, and its errors on them."""
+"""Published training runs the GPU time model (``plan.gpu``) is fitted on, and its errors on them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.plan.config import Cluster, Layout, Training
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.model import Model
 from plait.plan.timing import model_flops_per_step

@@ -115,7 +115,7 @@ class TPBlock:
     (``sequence_parallel`` or not; ``plait.calibrate.tp_block``): ``seconds``, the mean of its forward +
     backward on one rank, and ``twin_s``, of the same kernels without collectives (timed in alternating
     rounds with it). ``shape`` is the layer's (batch, sequence, hidden, heads, KV heads),
-    one of ``plan.eager.TP_CALIBRATION_BLOCKS``."""
+    one of ``plan.host.shapes.TP_CALIBRATION_BLOCKS``."""
 
     shape: tuple[int, ...]
     group: int
@@ -130,13 +130,13 @@ class Section:
 
     ``rates``: matmul (FLOP/s; size = a linear layer's forward FLOPs), attention (causal, FLOP/s counted
     as 4·s²·d per head and sequence, non-causal, forward and backward together; size = s·d) and
-    elementwise (forward + backward time per forward byte moved, as ``plan.eager`` counts bytes; size =
+    elementwise (forward + backward time per forward byte moved, as ``plan.host.census`` counts bytes; size =
     bytes per kernel). Optional ``block`` (profiles of format >= 2): seconds of a real decoder layer's forward
-    and backward beyond its GEMMs and attention, one per ``plan.eager.CALIBRATION_BLOCKS`` entry (size = its
+    and backward beyond its GEMMs and attention, one per ``plan.host.shapes.CALIBRATION_BLOCKS`` entry (size = its
     hidden-state elements; forward share: the share of the larger block's seconds spent in its forward,
     autograd recording; a format-2 profile's is read as the kernel mix's). Optional ``layer`` (format >= 4):
     the same layers' whole forward + backward seconds, ``alone`` and ``shared`` each as measured (forward
-    share: the larger layer's); ``plan.host_compute.in_step`` sets them beside what the kernel figures make of
+    share: the larger layer's); ``plan.host.compute.in_step`` sets them beside what the kernel figures make of
     the same layers.
     ``op_overhead_s``: the fixed cost of one small kernel forward plus its backward (dispatch, autograd).
     ``optimizer_s_per_param``: plait's optimizer step (global norm, clip, AdamW) per fp32 parameter of one
@@ -146,7 +146,7 @@ class Section:
     ``tp_blocks``: a tensor-parallel decoder layer timed over each group size (optional; see ``TPBlock``).
     ``pipeline_s`` and ``pipeline_twin_s`` (where the processes outnumber the cores; else, or in an older
     profile, 0): a step of two-stage pipelines of the larger calibration layer over the section's processes
-    and the same work without hand-offs (``plait.calibrate.pipeline_block``; ``plan.estimate.handoff``).
+    and the same work without hand-offs (``plait.calibrate.pipeline_block``; ``plan.host.sharing.handoff``).
     """
 
     processes: int

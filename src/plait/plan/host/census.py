@@ -1,6 +1,6 @@
 """plait's own eager runtime, tensor by tensor: what autograd saves and which kernels a Llama block runs.
 
-The planner's model of ``plait train`` on a calibrated host (``Cluster(profile=...)``), counted from
+The planner's model of ``plait train`` on a calibrated host (``Cluster.from_profile``), counted from
 ``plait.models.Llama`` under plait's TP plan, per rank and per micro-batch of ``T`` tokens. Sizes in
 elements: ``N = T·h`` (hidden state; ``N/t`` where sequence parallelism shards it), ``Q = T·q`` (this
 rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when tp > n_kv_heads), ``R``
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.plan.config import Layout
-from plait.plan.model import Model, llama_ffn
+from plait.plan.model import Model
 
 # Element traffic (reads + writes, in elements) and kernels of the forward of each element-wise group;
 # plait.calibrate times exactly these groups, so its bytes/s are measured per byte counted here.
@@ -182,39 +182,3 @@ def embedding_work(sh: Local, dtype_bytes: int) -> Work:
     """The lookup (and with TP the shard mask and the all-reduce's copy)."""
     extra = 3 if sh.tp > 1 else 0
     return Work(elem_bytes=(2 + extra) * sh.n * dtype_bytes, ops=2 + extra)
-
-
-def param_tensors_per_layer() -> int:
-    """Parameter tensors of a Llama layer: seven projections and two norms."""
-    return 9
-
-
-# ------------------------------------------------------------------------------ calibration blocks
-# Real decoder layers ``plait calibrate`` times forward + backward (plait.models.llama.DecoderLayer, unsharded):
-# (batch, sequence, hidden, heads, kv heads), Llama's FFN rule. A tiny one, where each kernel's fixed cost
-# dominates, and a mid-sized one, where its bytes do. What their time leaves after their GEMMs and attention
-# (at the same section's measured rates) is what the element-wise part of a real block costs: module calls,
-# autograd nodes, views, strided and GQA copies, gradient accumulation, which the kernel mix alone misses.
-CALIBRATION_BLOCKS = ((2, 32, 64, 2, 1), (4, 64, 384, 6, 2))
-
-
-# A decoder layer split over a tensor-parallel group, timed with every group of a section computing at once
-# (its heads, KV heads and FFN width divide over 2 and 4 ranks), in alternating rounds with its compute twin
-# (the same kernels, no collective), at two sizes: 2x64 and 4x128 tokens of width 384 (192 KB and 768 KB
-# per fp32 activation). What it takes beyond the twin and beyond its collectives as timed back to back is
-# what each collective of a run waits, a line in the activation's bytes through the two sizes (see
-# ``plait.calibrate.tp_block``, ``plan.timing.tp_wait``).
-TP_CALIBRATION_BLOCKS = ((2, 64, 384, 12, 4), (4, 128, 384, 12, 4))
-
-
-# The pipelines ``plait calibrate`` times where processes outnumber the cores (``plait.calibrate.pipeline_block``):
-# two stages of the larger calibration layer, 1F1B over this many micro-batches.
-PIPELINE_CALIBRATION_MICROBATCHES = 4
-
-
-def block_local(shape: tuple[int, ...], tp: int = 1, sp: bool = False) -> Local:
-    """The sizes of calibration block ``shape`` (``CALIBRATION_BLOCKS``, ``TP_CALIBRATION_BLOCKS``) on one of
-    ``tp`` ranks (``sp``: sequence parallel) as the census counts them."""
-    b, s, h, heads, kv = shape
-    return Local(float(b * s), float(s), h, h // heads, float(heads / tp), max(float(kv / tp), 1.0),
-                 float(llama_ffn(h) / tp), 0.0, tp, sp and tp > 1)

@@ -1,0 +1,86 @@
+"""A cluster: its devices, how they are linked, and the one cost model chosen when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plait.errors import ConfigError
+from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
+from plait.plan.costs import CostModel
+from plait.plan.gpu import GpuCosts
+from plait.plan.host.costs import HostCosts, host_gpu
+from plait.plan.host.profile import HostProfile
+
+#: share of each device's memory a layout may use by default (the rest: the runtime's context, communication
+#: buffers, the allocator's fragmentation, temporary buffers); ``Cluster(max_memory_fraction=...)`` changes it
+MAX_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``n_gpus`` accelerators of one type, ``gpus_per_node`` to a node.
+
+    ``interconnect`` names the inter-node fabric (``catalogue.INTERCONNECTS``); None = the GPU's usual.
+    ``profile``: a calibrated host (``plait calibrate``; ``Cluster.from_profile``); then ``n_gpus`` is the
+    number of plait processes on that one host, ``gpu`` is derived from the profile, and step times and memory
+    are those of plait's own eager runtime measured there (``plan.host``); else catalogue GPUs are costed as
+    published Megatron-LM runs (``plan.gpu``). ``costs`` is that cost model, chosen here once.
+    """
+
+    gpu: GPU | str
+    n_gpus: int
+    gpus_per_node: int = 8
+    interconnect: str | Link | None = None
+    profile: HostProfile | None = None
+    max_memory_fraction: float = MAX_MEMORY_FRACTION
+    costs: CostModel = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if int(self.n_gpus) < 1:
+            raise ConfigError(f"n_gpus: must be >= 1, got {self.n_gpus}")
+        costs: CostModel
+        if self.profile is not None:
+            object.__setattr__(self, "gpu", host_gpu(self.profile, int(self.n_gpus)))
+            object.__setattr__(self, "gpus_per_node", int(self.n_gpus))
+            costs = HostCosts(self.profile, int(self.n_gpus))
+        else:
+            costs = GpuCosts(self)
+        object.__setattr__(self, "gpu", get_gpu(self.gpu))
+        if int(self.gpus_per_node) < 1:
+            raise ConfigError(f"gpus_per_node: must be >= 1, got {self.gpus_per_node}")
+        if not 0 < self.max_memory_fraction <= 1:
+            raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {self.max_memory_fraction}")
+        object.__setattr__(self, "interconnect", get_interconnect(self.interconnect, self.device))
+        object.__setattr__(self, "costs", costs)
+
+    @classmethod
+    def from_profile(cls, profile: HostProfile | str | Path, processes: int,
+                     max_memory_fraction: float = MAX_MEMORY_FRACTION) -> Cluster:
+        """``processes`` plait processes on the calibrated host of ``profile`` (a HostProfile or a path)."""
+        prof = profile if isinstance(profile, HostProfile) else HostProfile.load(profile)
+        return cls("cpu", processes, profile=prof, max_memory_fraction=max_memory_fraction)
+
+    @property
+    def device(self) -> GPU:
+        """The catalogue entry of one device (``gpu``, resolved)."""
+        assert isinstance(self.gpu, GPU)
+        return self.gpu
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes of one device a layout may use: ``max_memory_fraction`` of its memory."""
+        return self.max_memory_fraction * self.device.memory
+
+    @property
+    def inter(self) -> Link:
+        assert isinstance(self.interconnect, Link)
+        return self.interconnect
+
+    @property
+    def n_nodes(self) -> int:
+        return -(-self.n_gpus // self.gpus_per_node)
+
+    def link(self, group_span: int) -> Link:
+        """The link a ring over ``group_span`` consecutive ranks uses: NVLink/PCIe inside a node."""
+        return self.device.intra if group_span <= self.gpus_per_node else self.inter
