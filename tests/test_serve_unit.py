@@ -194,6 +194,7 @@ class _StuckEngine:
     """An engine that accepts requests and never answers."""
 
     failed = None
+    stop_reason = ""
     ready = threading.Event()
 
     def __init__(self):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -16,7 +17,9 @@ blocks of --kv-block positions out of a pool of --kv-budget positions are taken 
 none is free the sequence admitted last is preempted and recomputed later. A step feeds at most
 --step-tokens tokens: every decoding sequence its next one, then prompts in chunks (chunked prefill).
 With --tp/--pp > 1 the model is split over that many local processes; rank 0 also runs the HTTP server.
-Greedy by default (temperature 0): the tokens equal `plait generate`'s.
+Greedy by default (temperature 0): the tokens equal `plait generate`'s. One log line per request on
+stderr (--no-access-log: none). Ctrl-C or SIGTERM: new requests get 503, running ones get --shutdown-timeout
+seconds to finish, then "plait serve: stopped (SIGINT)" and exit code 0, under every layout.
 
 \b
 Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's
@@ -70,6 +73,12 @@ def serve_command(
     trust_request_chat_template: Annotated[bool, Opt(help="Let requests send a chat_template of their own (else "
                                                           "400; named templates of the folder are always allowed).")]
     = False,
+    log_level: Annotated[str, Opt(help="Level of plait serve's log lines on stderr: debug, info, warning, error.")]
+    = "info",
+    access_log: Annotated[bool, Opt(help="Log one line per request at INFO: client, method, path, status, prompt "
+                                         "and completion tokens, time to first token, total time.")] = True,
+    shutdown_timeout: Annotated[float, Opt(help="On Ctrl-C or SIGTERM, seconds the running requests get to "
+                                                "finish; those left end with 503 / an error event.")] = 10.0,
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
@@ -94,11 +103,15 @@ def serve_command(
             raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
         if kv_budget < 2 or kv_block < 1:
             raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions and --kv-block {kv_block} >= 1")
+        if log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"--log-level {log_level}: choose debug, info, warning or error")
+        if shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout {shutdown_timeout} must be >= 0")
         if step_tokens < 0 or max_body_bytes < 1 or request_timeout < 0:
             raise ConfigError(f"--step-tokens {step_tokens} and --request-timeout {request_timeout} must be >= 0, "
                               f"--max-body-bytes {max_body_bytes} >= 1")
         from plait.serve.chat import check_template
-        from plait.serve.server import bind
+        from plait.serve.job import bind
 
         check_template(model, chat_template)  # a broken template fails here, not on the first chat request
         bind(host, port).close()  # a busy port fails here, before any worker starts
@@ -106,15 +119,19 @@ def serve_command(
                    "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue, "kv_block": kv_block,
                    "kv_reserve": kv_reserve, "prefix_cache": prefix_cache, "step_tokens": step_tokens,
                    "api_key": api_key, "chat_template": chat_template,
-                   "trust_request_chat_template": trust_request_chat_template,
+                   "trust_request_chat_template": trust_request_chat_template, "log_level": log_level.lower(),
+                   "access_log": access_log, "shutdown_timeout": shutdown_timeout,
                    "max_body": max_body_bytes, "request_timeout": request_timeout,
                    "name": name or Path(model).resolve().name}
-        run_or_launch("plait.serve.server:serve_job", payload, tp * pp)
+        # SIGINT and SIGTERM go to the workers: rank 0 drains and stops every rank (one line, exit code 0)
+        run_or_launch("plait.serve.job:serve_job", payload, tp * pp, (signal.SIGINT, signal.SIGTERM))
     except ConfigError as exc:
         typer.echo(f"error: {flag_message(exc)}", err=True)
         raise typer.Exit(2) from None
-    except SignalException as exc:  # SIGTERM/SIGINT to the launcher: the workers were stopped with it
+    except SignalException as exc:  # SIGHUP/SIGQUIT to the launcher: the workers were stopped with it
         typer.echo(f"plait serve: stopped ({exc.sigval.name})", err=True)
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (one process: while loading)
+        typer.echo("plait serve: stopped (SIGINT)", err=True)
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None

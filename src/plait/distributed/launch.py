@@ -15,6 +15,7 @@ saves a checkpoint at the next step boundary) end the launch normally, exit code
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -216,14 +217,14 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def run_or_launch(target: str, payload: dict, nproc: int):
+def run_or_launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,)):
     """Run ``module:function(payload)`` here when this process is already a worker or one process is
-    enough; otherwise launch ``nproc`` local workers (``launch``)."""
+    enough; otherwise launch ``nproc`` local workers (``launch``; ``forward``: the signals passed on to them)."""
     if under_torchrun() or nproc == 1:
         keep_freed_memory()
         module, _, function = target.partition(":")
         return getattr(importlib.import_module(module), function)(payload)
-    return launch(target, payload, nproc)
+    return launch(target, payload, nproc, forward)
 
 
 def worker(target: str, payload: dict, failure_dir: str):
@@ -249,21 +250,28 @@ def worker(target: str, payload: dict, failure_dir: str):
             dist.destroy_process_group()
 
 
-def launch(target: str, payload: dict, nproc: int) -> list:
-    """Run ``target(payload)`` on ``nproc`` local processes (elastic launcher); per-rank results."""
+def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,)) -> list:
+    """Run ``target(payload)`` on ``nproc`` local processes (elastic launcher); per-rank results.
+
+    The signals in ``forward`` go to the workers, which stop on them in their own way (``plait serve`` also
+    on SIGINT); the agent handles the other ones of ``AGENT_SIGNALS`` by stopping the workers at once."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # our own one-line report replaces its tables
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS  # SIGTERM is forwarded by us (below)
+    names = {signal.Signals(sig).name for sig in forward}
+    agent_signals = ",".join(name for name in AGENT_SIGNALS.split(",") if name not in names)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals  # ``forward`` is forwarded by us (below)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
                           monitor_interval=0.2, start_method="spawn")
     if hasattr(config, "signals_to_handle"):
-        config.signals_to_handle = AGENT_SIGNALS
-    with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, _ForwardSignal(signal.SIGTERM):
+        config.signals_to_handle = agent_signals
+    with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
+        for sig in forward:
+            stack.enter_context(_ForwardSignal(sig))
         try:
             results = elastic_launch(config, worker)(target, payload, failures)
         except ChildFailedError as exc:

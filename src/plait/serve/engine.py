@@ -57,7 +57,11 @@ class Engine:
 
     Events: {"type": "prompt", "logprobs": [(logprob, top)]} (echo, prompt positions 1, 2, ... in order),
     {"type": "token", "id", "text", "logprob": (logprob, [(id, logprob)]) or None},
-    {"type": "done", "finish_reason": "stop" | "length", "text"}, {"type": "error", "message"}.
+    {"type": "done", "finish_reason": "stop" | "length", "text"}, {"type": "error", "message"} (with "status" 503
+    and "code" when the server stopped before the request finished).
+
+    ``request_stop`` (a signal handler's) drains: requests already running go on for up to ``grace`` seconds,
+    then those left end with an error event, and the stop step ends every rank's loop.
     """
 
     def __init__(self, runner: Runner, scheduler: Scheduler, tok, metrics: Metrics, distributed: bool):
@@ -70,7 +74,9 @@ class Engine:
         self.to_free: list[int] = []
         self.ready = threading.Event()
         self.failed: str | None = None
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # stop now (the HTTP server is gone)
+        self.stop_reason = ""  # why a drain was asked for ("SIGINT"); empty while serving
+        self.drain_until = float("inf")
         self.last_broadcast = 0.0
 
     # --- called from the HTTP thread -------------------------------------------------------------------
@@ -85,6 +91,12 @@ class Engine:
     def queue_depth(self) -> int:
         return len(self.sched.waiting) + self.commands.qsize()
 
+    def request_stop(self, reason: str, grace: float) -> None:
+        """Stop after the running requests finish, ``grace`` seconds at most (safe in a signal handler)."""
+        if not self.stop_reason:
+            self.drain_until = time.monotonic() + grace
+            self.stop_reason = reason
+
     # --- the loop (rank 0's main thread) ---------------------------------------------------------------
     def run(self) -> None:
         """Plan, broadcast and run steps until ``stopping`` is set; every other rank runs ``follow``."""
@@ -95,7 +107,7 @@ class Engine:
             self.ready.set()
             while True:
                 self._drain(block=not self.live)
-                stop = self.stopping.is_set()
+                stop = self.stopping.is_set() or self._drained()
                 step, pairs = self._plan(stop)
                 if not step.busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
                     continue
@@ -108,6 +120,13 @@ class Engine:
             self.failed = f"{type(exc).__name__}: {exc}"
             self._fail_all(self.failed)
             raise
+
+    def _drained(self) -> bool:
+        """True once a requested stop may happen: nothing runs, or the grace is over (the rest then fail)."""
+        if not self.stop_reason or (self.live and time.monotonic() < self.drain_until):
+            return False
+        self._fail_all(f"the server stopped ({self.stop_reason}) before this request finished", 503, "shutting_down")
+        return True
 
     def _broadcast(self, step: Step) -> None:
         self.last_broadcast = time.monotonic()
@@ -220,9 +239,13 @@ class Engine:
         self.metrics.request("ok")
         live.req.sink({"type": "done", "finish_reason": reason, "text": tail})
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int = 500, code: str | None = None) -> None:
+        """End every request, also those submitted but not yet taken, with an error event."""
+        self._drain(block=False)
+        if status == 500:
+            message = f"the engine stopped: {message}"
         for live in self.live.values():
-            live.req.sink({"type": "error", "message": f"the engine stopped: {message}"})
+            live.req.sink({"type": "error", "message": message, "status": status, "code": code})
         self.live.clear()
 
 

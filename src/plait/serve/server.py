@@ -1,21 +1,19 @@
-"""The OpenAI-compatible HTTP server (FastAPI on uvicorn, in a thread of rank 0) and the serving worker job."""
+"""The OpenAI-compatible HTTP routes (FastAPI, run by uvicorn in a thread of rank 0: ``plait.serve.job``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
+import logging
 import secrets
-import socket
-import threading
 import time
 from functools import partial
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from plait.serve.chat import ChatTemplate
 from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
 from plait.serve.metrics import Metrics
@@ -55,6 +53,51 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+class AccessLog:
+    """ASGI middleware: one INFO line per request once its response is sent (a stream: once it ends): client,
+    method, path, status; for generation also its prompt and completion tokens and the time to first token."""
+
+    def __init__(self, app, logger: logging.Logger):
+        self.app, self.log = app, logger
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.monotonic(), [500]  # 500 unless a response starts
+
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.log.info(self.line(scope, status[0], start, time.monotonic()))
+
+    @staticmethod
+    def line(scope, status: int, start: float, end: float) -> str:
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "-"
+        out = f'{who} "{scope["method"]} {scope["path"]}" {status}'
+        tokens = scope.get("state", {}).get("tokens")
+        if tokens is not None:
+            first = tokens["first"]
+            ttft = "-" if first is None else f"{(first - start) * 1e3:.0f}"
+            out += f" prompt_tokens={tokens['prompt']} completion_tokens={tokens['completion']} ttft_ms={ttft}"
+        return out + f" total_ms={(end - start) * 1e3:.0f}"
+
+
+def _count(request: Request, ev: dict) -> None:
+    """The access log's count of a request's generated tokens and the time of its first."""
+    if ev["type"] == "token":
+        tokens = request.state.tokens
+        tokens["completion"] += 1
+        if tokens["first"] is None:
+            tokens["first"] = time.monotonic()
+
+
 class Api:
     """The routes, over an ``Engine`` (rank 0) that runs the requests."""
 
@@ -65,7 +108,8 @@ class Api:
         self.max_queue, self.max_body, self.timeout = max_queue, max_body, timeout
         self.created = int(time.time())
 
-    def app(self, api_key: str | None = None) -> FastAPI:
+    def app(self, api_key: str | None = None, access_log: logging.Logger | None = None) -> FastAPI:
+        """The application; ``access_log``: the logger of one line per request (none: no such lines)."""
         app = FastAPI(title="plait serve", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
         app.add_exception_handler(ApiError, self._api_error)
@@ -82,14 +126,19 @@ class Api:
         app.post("/v1/chat/completions")(partial(self.generate, chat=True))
         if api_key:
             app.add_middleware(ApiKey, key=api_key)
+        if access_log is not None:
+            app.add_middleware(AccessLog, logger=access_log)  # the outermost: 401s are logged too
         return app
 
-    async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind), exc.status_code)
+    # Starlette types every handler as taking an Exception; each is registered for the class it casts to
+    async def _http_error(self, request: Request, exc: Exception) -> JSONResponse:
+        http = cast(StarletteHTTPException, exc)
+        kind = "invalid_request_error" if http.status_code < 500 else "server_error"
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {http.detail}", kind), http.status_code)
 
-    async def _api_error(self, request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status)
+    async def _api_error(self, request: Request, exc: Exception) -> JSONResponse:
+        api = cast(ApiError, exc)
+        return JSONResponse(api.body(), api.status)
 
     async def _server_error(self, request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
@@ -111,6 +160,8 @@ class Api:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
     async def health(self) -> JSONResponse:
+        if self.engine.stop_reason:
+            return JSONResponse({"status": "stopping", "reason": self.engine.stop_reason}, 503)
         if self.engine.failed:
             return JSONResponse({"status": "failed", "reason": self.engine.failed}, 503)
         if not self.engine.ready.is_set():
@@ -170,6 +221,8 @@ class Api:
         try:
             p = parse(await self._json(request), chat, self.tokens, self.limits)
             choices = p.choices()
+            if self.engine.stop_reason:
+                raise ApiError(503, f"the server is shutting down ({self.engine.stop_reason})", code="shutting_down")
             if self.engine.failed or not self.engine.ready.is_set():
                 raise ApiError(503, "the engine is not running", code="engine_unavailable")
             if self.engine.queue_depth() + len(choices) > self.max_queue:
@@ -178,6 +231,7 @@ class Api:
         except ApiError as exc:
             self.metrics.request("rejected")
             return JSONResponse(exc.body(), exc.status)
+        request.state.tokens = {"prompt": sum(len(ids) for ids in p.prompts), "completion": 0, "first": None}
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         rids = [self.engine.submit(GenRequest(ids, params, partial(_post, loop, q, i), stop=p.stop,
@@ -230,7 +284,9 @@ class Api:
                     return JSONResponse(self._timed_out(), 504)
                 i, ev = item
                 if ev["type"] == "error":
-                    return JSONResponse(error_body(ev["message"], "server_error"), 500)
+                    return JSONResponse(error_body(ev["message"], "server_error", code=ev.get("code")),
+                                        ev.get("status", 500))
+                _count(request, ev)
                 state[i].feed(ev)
         finally:
             self._cancel(rids, state)
@@ -256,10 +312,11 @@ class Api:
                 if item is None:
                     return
                 if item == "timeout" or item[1]["type"] == "error":
-                    yield _sse(self._timed_out() if item == "timeout" else error_body(item[1]["message"],
-                                                                                      "server_error"))
+                    yield _sse(self._timed_out() if item == "timeout" else
+                               error_body(item[1]["message"], "server_error", code=item[1].get("code")))
                     return
                 i, ev = item
+                _count(request, ev)
                 part = state[i].feed(ev)
                 if part is not None:
                     yield _sse({**envelope(p, rid, model, [part], chunk=True), **so_far()})
@@ -269,67 +326,3 @@ class Api:
             yield "data: [DONE]\n\n"
         finally:
             self._cancel(rids, state)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket (bound before the workers start serving, so a busy port fails at once)."""
-    from plait.errors import ConfigError
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
-    return sock
-
-
-def serve_job(payload: dict) -> None:
-    """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
-    from plait.generation.job import load_model
-    from plait.serve.engine import follow
-    from plait.serve.kv import BlockAllocator
-    from plait.serve.runner import Runner
-    from plait.serve.scheduler import Scheduler
-
-    tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
-    rank = int(os.environ.get("RANK", "0"))
-    # rank 0 holds its port before the process group starts: Gloo's and the store's listeners take ports
-    # from the kernel's ephemeral range, and a --port in that range could otherwise go to one of them
-    sock = bind(payload["host"], payload["port"]) if rank == 0 else None
-    model, tok, cfg = load_model(payload["model"], tp, pp)
-    blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
-    runner = Runner(model, blocks, block)
-    if sock is None:
-        follow(runner)
-        return
-    import uvicorn
-
-    metrics = Metrics()
-    alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
-    sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
-    engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
-    chat = ChatTemplate(payload["model"], payload["chat_template"], payload["trust_request_chat_template"])
-    tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len, chat)
-    limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
-                    tokens.eos)
-    api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
-    server = uvicorn.Server(uvicorn.Config(api.app(payload["api_key"]), log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=1))
-
-    def http() -> None:
-        try:
-            server.run(sockets=[sock])
-        finally:
-            engine.stopping.set()
-
-    threading.Thread(target=http, name="plait-http", daemon=True).start()
-    print(f"plait serve: {payload['name']} on http://{payload['host']}:{payload['port']}/v1 "
-          f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
-          f"{' reserved up front' if payload['kv_reserve'] else ''}"
-          f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
-          f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
-          f"plait serve: chat template: {chat.source}", flush=True)
-    engine.run()

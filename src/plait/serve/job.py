@@ -1,0 +1,139 @@
+"""The worker job of ``plait serve``: every rank loads its part; rank 0 runs the engine and the HTTP server,
+logs each request, and stops cleanly on SIGINT or SIGTERM (the same way under every layout)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HTTP_JOIN_S = 5.0  # after the engine stopped, how long the HTTP server gets to send the last responses
+LOGGER = "plait.serve"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (bound before the workers start serving, so a busy port fails at once)."""
+    from plait.errors import ConfigError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    return sock
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while serving. Rank 0 notes the first (a Ctrl-C in a terminal reaches every process
+    of the job, and the launcher forwards it too: repeats change nothing) and hands it to the engine once
+    there is one; the other ranks ignore both and stop with rank 0's stop step."""
+
+    def __init__(self, leader: bool):
+        self.reason = ""
+        self.engine = None
+        self.grace = 0.0
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._note if leader else signal.SIG_IGN)
+
+    def _note(self, signum, frame) -> None:
+        if not self.reason:
+            self.reason = signal.Signals(signum).name
+            self.hand_over()
+
+    def attach(self, engine, grace: float) -> None:
+        self.engine, self.grace = engine, grace
+        self.hand_over()
+
+    def hand_over(self) -> None:
+        if self.reason and self.engine is not None:
+            self.engine.request_stop(self.reason, self.grace)
+
+
+def access_logger(level: str, enabled: bool) -> logging.Logger | None:
+    """The logger of plait serve's own lines (to stderr at ``level``); None when the request log is off."""
+    log = logging.getLogger(LOGGER)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+    return log if enabled else None
+
+
+def serve_job(payload: dict) -> None:
+    """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
+    from plait.generation.job import load_model
+    from plait.serve.engine import follow
+    from plait.serve.runner import Runner
+
+    tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
+    rank = int(os.environ.get("RANK", "0"))
+    signals = StopSignals(leader=rank == 0)
+    # rank 0 holds its port before the process group starts: Gloo's and the store's listeners take ports
+    # from the kernel's ephemeral range, and a --port in that range could otherwise go to one of them
+    sock = bind(payload["host"], payload["port"]) if rank == 0 else None
+    model, tok, cfg = load_model(payload["model"], tp, pp)
+    blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
+    runner = Runner(model, blocks, block)
+    if sock is None:
+        follow(runner)
+        return
+    _lead(payload, sock, runner, tok, cfg, blocks, signals)
+
+
+def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, signals: StopSignals) -> None:
+    """Rank 0: the engine in this (main) thread, uvicorn in another; after a stop, the last responses go out."""
+    import uvicorn
+
+    from plait.serve.chat import ChatTemplate
+    from plait.serve.engine import Engine
+    from plait.serve.kv import BlockAllocator
+    from plait.serve.metrics import Metrics
+    from plait.serve.protocol import Limits
+    from plait.serve.scheduler import Scheduler
+    from plait.serve.server import Api
+    from plait.serve.tokens import TokenizerInfo
+
+    tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
+    metrics = Metrics()
+    alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
+    sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
+    engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
+    chat = ChatTemplate(payload["model"], payload["chat_template"], payload["trust_request_chat_template"])
+    tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len, chat)
+    limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
+                    tokens.eos)
+    api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
+    level = payload["log_level"]
+    app = api.app(payload["api_key"], access_logger(level, payload["access_log"]))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="debug" if level == "debug" else "warning",
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=1))
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            engine.stopping.set()
+
+    thread = threading.Thread(target=http, name="plait-http", daemon=True)
+    thread.start()
+    signals.attach(engine, payload["shutdown_timeout"])
+    print(f"plait serve: {payload['name']} on http://{payload['host']}:{payload['port']}/v1 "
+          f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
+          f"{' reserved up front' if payload['kv_reserve'] else ''}"
+          f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
+          f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
+          f"plait serve: chat template: {chat.source}", flush=True)
+    engine.run()
+    server.should_exit = True
+    thread.join(HTTP_JOIN_S)
+    if signals.reason:
+        print(f"plait serve: stopped ({signals.reason})", file=sys.stderr, flush=True)
