@@ -56,10 +56,11 @@ def reference(**cfg_kw) -> tuple[dict, list[float], list[float]]:
 
 
 def build(ctx, cfg_kw: dict, zero: int = 0, precision: str = "fp32", microbatches: int = 2, sp: bool = False,
-          reduce_scatter: bool = True, own_group: tuple[str, ...] = (), schedule: str = "1f1b"):
+          reduce_scatter: bool = True, own_group: tuple[str, ...] = (), schedule: str = "1f1b",
+          recompute: str = "none"):
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg_for(**cfg_kw)), ctx, schedule=schedule, microbatches=microbatches,
-                           sequence_parallel=sp, precision=precision)
+                           sequence_parallel=sp, precision=precision, zero=zero, activation_checkpointing=recompute)
     for name, p in pm.named_parameters():  # reduced over "their own" group, as experts are (here: DP)
         if name in own_group:
             p._plait_grad_group = (ctx.dp_group, ctx.dp_size)
@@ -83,10 +84,11 @@ def train(ctx, pm, opt, steps: range, vocab: int) -> tuple[list[float], list[flo
 def padding_rows_zero(pm) -> bool | None:
     """The padded vocabulary rows (last TP rank) are still exactly zero; None where there are none."""
     ctx = pm.ctx
-    if ctx.tp_size == 1 or ctx.tp_rank != ctx.tp_size - 1:
-        return None
-    rows = [p[-1] for k, p in pm.named_parameters() if k in ("embed_tokens.weight", "lm_head.weight")]
-    return all(bool((r == 0).all()) for r in rows) if rows else None
+    with pm.full_parameters():  # ZeRO-3: gathered (collective)
+        if ctx.tp_size == 1 or ctx.tp_rank != ctx.tp_size - 1:
+            return None
+        rows = [p[-1] for k, p in pm.named_parameters() if k in ("embed_tokens.weight", "lm_head.weight")]
+        return all(bool((r == 0).all()) for r in rows) if rows else None
 
 
 def miscounted_norm_rel(opt) -> float:
@@ -102,6 +104,11 @@ def miscounted_norm_rel(opt) -> float:
 
 
 def compare(ctx, precision: str = "fp32", **kw) -> dict:
+    return measure(ctx, precision, **kw)[0]
+
+
+def measure(ctx, precision: str = "fp32", **kw) -> tuple[dict, object, ParallelOptimizer]:
+    """``compare``'s figures, with the trained model and optimizer."""
     cfg_kw = kw.pop("cfg", {})
     ref_state, ref_norms, ref_losses = reference(**cfg_kw)
     pm, opt = build(ctx, cfg_kw, precision=precision, **kw)
@@ -118,19 +125,21 @@ def compare(ctx, precision: str = "fp32", **kw) -> dict:
         "local_params": sum(p.numel() for p in pm.parameters()), "miscount_rel": miscount,
         "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if hasattr(p, "_plait_grad_group")}),
         "memory": pm.memory_report(), "formula": formula_bytes(pm, opt), "n_buckets": len(pm.grad_buckets()),
-    }
+    }, pm, opt
 
 
 def formula_bytes(pm, opt) -> dict:
     """The per-rank bytes docs/optim.md states, from the bucket geometry alone (d = the bucket's group size):
-    params 4 B/elt (2 with bf16 parameters); grads 4·padded per bucket (ZeRO-2: 4·padded/d); optimizer
-    (AdamW) zero 0: 8 B/elt + 4 B per tensor (step), zero 1/2: (8, +4 with bf16 masters) B per owned element
-    + 4 B per owned piece."""
-    bf16_params = opt.zero > 0 and pm.precision == "bf16"
+    params 4 B/elt (2 with bf16 parameters; ZeRO-3: 4·padded/d per bucket, the float32 shards); grads
+    4·padded per bucket (ZeRO-2/3: 4·padded/d); optimizer (AdamW) zero 0: 8 B/elt + 4 B per tensor (step),
+    zero 1/2/3: (8, +4 with separate bf16 masters under ZeRO-1/2) B per owned element + 4 B per owned piece."""
+    bf16_params = opt.zero in (1, 2) and pm.precision == "bf16"
     params = list(pm.parameters())
-    out = {"params": sum(p.numel() for p in params) * (2 if bf16_params else 4)}
     buckets = [b for _, b in pm.grad_buckets()]
-    out["grads"] = 4 * sum(b.padded // b.size if opt.zero == 2 else b.padded for b in buckets)
+    out = {"params": sum(p.numel() for p in params) * (2 if bf16_params else 4)}
+    if opt.zero == 3:
+        out["params"] = 4 * sum(b.padded // b.size for b in buckets)
+    out["grads"] = 4 * sum(b.padded // b.size if opt.zero >= 2 else b.padded for b in buckets)
     if opt.zero == 0:
         out["optimizer"] = 8 * sum(p.numel() for p in params) + 4 * len(params)
         return out

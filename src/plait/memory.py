@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-KEYS = ("params", "grads", "optimizer", "activations_peak")
+KEYS = ("params", "grads", "optimizer", "activations_peak", "params_gathered_peak")
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -42,10 +42,13 @@ class SavedTensorMeter:
     tensor saved by several ops, count once. Storages in ``exclude`` (parameters, their per-step
     low-precision copies, module buffers) are weights, not activations, and are skipped. Tensors saved inside
     a ``torch.utils.checkpoint`` region go through its own hooks instead (recomputed, not stored).
+    ``live_weights``: storage addresses of weights allocated while the step runs (ZeRO-3's gathered parameters),
+    a set its owner keeps current; skipped too.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), live_weights: set[int] | None = None):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude if t.device.type != "meta"}
+        self.live_weights = live_weights if live_weights is not None else set()
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.live = 0
@@ -60,7 +63,7 @@ class SavedTensorMeter:
         except (RuntimeError, NotImplementedError):  # no plain storage (e.g. sparse): not counted
             return t
         key = st.data_ptr()
-        if key == 0 or key in self.exclude:
+        if key == 0 or key in self.exclude or key in self.live_weights:
             return t
         n = self.refs.get(key, 0)
         if n == 0:

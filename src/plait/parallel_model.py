@@ -7,6 +7,7 @@ the micro-batches of gradient accumulation).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -15,13 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import devices, memory, weight_grad
+from plait.data_parallel.param_shards import ParamShards, block_units, gathered_grads
 from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import plain_state_keys
 from plait.models.family import Family
 from plait.models.moe import has_aux_losses, pop_aux_losses
-from plait.optim.precision import StepCast
+from plait.optim.precision import PRECISIONS, StepCast
 from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
@@ -69,6 +71,7 @@ class ParallelModel:
                 weight_grad.install(chunk, self.store)
         self.reducers = self._build_reducers()
         self.cast = StepCast(self.chunks, config.precision)  # bf16 copies of the fp32 masters per step
+        self.param_shards = self._shard_params() if config.zero == 3 else None  # ZeRO-3
         self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
                                  self.store, self.reducers)
@@ -95,9 +98,32 @@ class ParallelModel:
         for c in order:  # later-finishing chunks overwrite earlier ones
             for p in self.chunks[c].parameters():
                 owner[id(p)], params[id(p)] = c, p
+        if self.config.zero == 3:  # a bucket per block and group: the units parameters are gathered in
+            return {c: GradReducer([], self.ctx, units=block_units(chunk)) for c, chunk in self.chunks.items()}
         alone = frozenset(id(p) for p, _ in self.ties.pairs)  # tied copies: a bucket each (shards line up)
         return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, alone=alone)
                 for c in self.chunks}
+
+    def _shard_params(self) -> ParamShards:
+        """ZeRO-3: this rank keeps 1/d of every block's parameters (plait.data_parallel.param_shards)."""
+        if self.store is not None or len(self.chunks) != 1:
+            raise ConfigError(f"zero=3 runs one chunk per rank without split backward passes; schedule "
+                              f"{self.config.schedule!r} has {len(self.chunks)} chunks here: use 1f1b or gpipe")
+        (c, chunk), = self.chunks.items()
+        self.reducers[c].set_mode("reduce-scatter-free")
+        self.cast.set_gathered(self.cast.precision)  # weights gathered in the compute dtype: no per-step copy
+        return ParamShards(chunk, self.reducers[c], self.cast.dtype or torch.float32)
+
+    def full_parameters(self, gather: bool = True, write_back: bool = False) -> AbstractContextManager:
+        """Under ZeRO-3, every local parameter whole in float32 for the duration of a ``with`` block (``gather``:
+        from the shards, a collective; ``write_back``: into the shards afterwards); otherwise nothing to do."""
+        if self.param_shards is None:
+            return nullcontext()
+        return self.param_shards.full(gather=gather, write_back=write_back)
+
+    def _gathering(self) -> AbstractContextManager:
+        """A step's forward/backward under ZeRO-3: measures the gathered peak, frees what is left at the end."""
+        return nullcontext() if self.param_shards is None else self.param_shards.step()
 
     # ------------------------------------------------------------------------------------- gradients
     def set_grad_reduction(self, mode: str) -> None:
@@ -105,6 +131,8 @@ class ParallelModel:
         "all-reduce" (the default: ``.grad`` holds the sum), "reduce-scatter" (ZeRO-1) or
         "reduce-scatter-free" (ZeRO-2): each DP rank then holds only the sum of its shard of every bucket
         (``grad_buckets``). A sharded optimizer (plait.optim.ParallelOptimizer) sets it."""
+        if self.param_shards is not None and mode != "reduce-scatter-free":
+            raise ConfigError(f"gradient reduction {mode!r}: a model with ZeRO-3 sharded parameters reduce-scatters")
         for reducer in self.reducers.values():
             reducer.set_mode(mode)
 
@@ -133,10 +161,15 @@ class ParallelModel:
         ``optimizer`` (the attached optimizer's state; 0 without one) and ``activations_peak`` (most bytes of
         tensors saved for backward at once during the last step that measured it: the first ``train_step``
         and any with ``measure_memory=True``; None before). Each storage counts once. On a GPU also ``device_peak``:
-        the device allocator's peak bytes during that step (everything: weights, buffers, workspaces)."""
+        the device allocator's peak bytes during that step (everything: weights, buffers, workspaces). Under
+        ZeRO-3 ``params`` are the float32 shards held between steps and ``params_gathered_peak`` the most bytes of
+        gathered parameters held at once during the last step (None otherwise)."""
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
         grads += [p.grad for p in self.parameters() if p.grad is not None]
-        out = memory.report(self.parameters(), grads, self._optimizer, self.activations_peak)
+        shards = self.param_shards
+        params = [*self.parameters(), *(shards.shards() if shards is not None else [])]
+        out = memory.report(params, grads, self._optimizer, self.activations_peak)
+        out["params_gathered_peak"] = shards.peak_bytes if shards is not None else None
         if self.device_peak is not None:  # a GPU: the caching allocator's own peak over that step
             out["device_peak"] = self.device_peak
         return out
@@ -165,7 +198,11 @@ class ParallelModel:
         return self.cast.precision
 
     def set_precision(self, precision: str) -> None:
-        self.cast.set(precision)  # refuses a change once ZeRO keeps the parameters in bf16
+        if self.param_shards is not None:  # ZeRO-3: the shards stay float32, gathered in the new dtype
+            self.cast.set_gathered(precision)
+            self.param_shards.set_dtype(PRECISIONS[precision] or torch.float32)
+        else:
+            self.cast.set(precision)  # refuses a change once ZeRO keeps the parameters in bf16
         self.config = replace(self.config, precision=precision)
 
     def zero_grad(self) -> None:
@@ -218,7 +255,8 @@ class ParallelModel:
                 io.loss_to = [self.ctx.pp_peer(r) for r in range(self.ctx.pp_size) if r != self.ctx.pp_rank]
             else:
                 io.loss_from = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
-        stats = self.cast.run(lambda: self._run(io, trace, measure))
+        with self._gathering():
+            stats = self.cast.run(lambda: self._run(io, trace, measure))
         for reducer in self.reducers.values():
             reducer.finish()
         sum_over_tp(self._grad_pieces(is_tp_partial), self.ctx)  # on the reduced elements (shards under ZeRO)
@@ -232,7 +270,8 @@ class ParallelModel:
             return self.executor.run(io, trace=trace)
         weights = [*self.parameters(), *self.cast.copies.values()]
         weights += [b for c in self.chunks.values() for b in c.buffers()]
-        meter = memory.SavedTensorMeter(exclude=weights)
+        gathered = self.param_shards.ptrs if self.param_shards is not None else None  # ZeRO-3's gathered weights
+        meter = memory.SavedTensorMeter(exclude=weights, live_weights=gathered)
         devices.reset_peak_memory(self.ctx.device)
         with meter.hooks():
             stats = self.executor.run(io, trace=trace)
@@ -276,7 +315,8 @@ class ParallelModel:
         """The full model output (e.g. logits [B, S, V]) on every rank (forward-only pipeline)."""
         self._check_batch(inputs, None)
         io = StepIO(self._split(inputs), None, None)
-        stats = self.cast.run(lambda: self.executor.run(io, forward_only=True))
+        with self._gathering():
+            stats = self.cast.run(lambda: self.executor.run(io, forward_only=True))
         out = torch.cat(stats.outputs) if stats.outputs else None
         if out is not None and self.vocab_size is not None:
             out = full_logits(out, self.ctx, self.vocab_size)
@@ -310,7 +350,9 @@ class ParallelModel:
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors (or gradients) under the plain model's keys, on every rank (collective)."""
-        local = self._local_full(grads)
+        shards = self.param_shards if grads else None  # ZeRO-3 gradients: gathered from their reduced shards
+        with self.full_parameters(), gathered_grads(shards, next(iter(self.reducers.values()))):
+            local = self._local_full(grads)
         for size, group in ((self.ctx.ep_size, self.ctx.ep_group), (self.ctx.pp_size, self.ctx.pp_group)):
             if size > 1:  # EP ranks hold different experts, PP ranks different layers
                 parts: list = [None] * size
@@ -327,14 +369,15 @@ class ParallelModel:
         if missing:
             raise ConfigError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:3]}")
         exact: dict[nn.Parameter, torch.Tensor] = {}  # full-precision local values, for fp32 masters
-        for chunk in self.chunks.values():
-            for key, tensor in chunk.named_state().items():
-                module, name = chunk.owner(key)
-                full = state_dict[key].to(tensor.device)
-                local = module.shard_of(name, full) if isinstance(module, TPShardedModule) else full
-                tensor.copy_(local)
-                if isinstance(tensor, nn.Parameter):
-                    exact[tensor] = local
+        with self.full_parameters(gather=False, write_back=True):
+            for chunk in self.chunks.values():
+                for key, tensor in chunk.named_state().items():
+                    module, name = chunk.owner(key)
+                    full = state_dict[key].to(tensor.device)
+                    local = module.shard_of(name, full) if isinstance(module, TPShardedModule) else full
+                    tensor.copy_(local)
+                    if isinstance(tensor, nn.Parameter):
+                        exact[tensor] = local
         if self._optimizer is not None and hasattr(self._optimizer, "load_master_weights"):
             self._optimizer.load_master_weights(exact)  # a ZeRO optimizer's fp32 masters follow
 

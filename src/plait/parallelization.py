@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
                 virtual_stages: int | None = None, sequence_parallel: bool | None = None,
                 partition: Partition = "balanced", activation_checkpointing: bool | str | None = None,
                 loss_fn: LossFn | None = None, tp_plan: dict[str, str] | None = None, precision: str | None = None,
-                *, config: ParallelConfig | None = None) -> ParallelModel:
+                *, zero: int | None = None, config: ParallelConfig | None = None) -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
 
     The settings come from ``config`` (a ParallelConfig; default: the one ``plait.init`` made ``ctx`` from),
@@ -60,7 +60,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     (default: the schedule's), ``sequence_parallel``, ``activation_checkpointing`` (True/False or a recompute
     mode: "none"; "selective", only the attention cores, plait.recompute; "full", whole blocks) and
     ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
-    weights and gradients, plait.optim.precision). ``config``'s sizes must be ctx's.
+    weights and gradients, plait.optim.precision) and ``zero`` (3: ZeRO-3, each data-parallel rank keeps 1/dp of
+    the parameters, gathered per block; pp = 1; train it with ``ParallelOptimizer(pm, ..., zero=3)``; 0-2 only
+    concern the optimizer). ``config``'s sizes must be ctx's.
 
     The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
     parallel plan and its default loss. Language models (Llama, Mistral, Qwen2, Qwen3, Mixtral) train on
@@ -74,9 +76,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     """
     cfg = _merged_config(ctx, config, schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
                          sequence_parallel=sequence_parallel, recompute=_recompute(activation_checkpointing),
-                         precision=precision)
-    if cfg.zero == 3:
-        raise ConfigError("zero=3: the ZeRO-3 runtime is not built yet; use zero=1 or zero=2")
+                         precision=precision, zero=zero)
     family = family_of(model)
     _check_args(model, family, ctx, loss_fn, tp_plan)
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None

@@ -60,12 +60,14 @@ def local_tensors(pm) -> Iterator[LocalTensor]:
 
 @torch.no_grad()
 def load_local(pm, read: Reader, keys_ok: Callable[[str], bool] | None = None) -> None:
-    """Fill this rank's tensors from ``read`` (only the slices it owns). No collective."""
-    for lt in local_tensors(pm):
-        if keys_ok is not None and not keys_ok(lt.key):
-            continue
-        data = read(lt.key, lt.dim, lt.start, lt.stop) if lt.dim is not None else read(lt.key, None, 0, None)
-        copy_padded(lt.tensor, data, lt.dim)
+    """Fill this rank's tensors from ``read`` (only the slices it owns). No collective (except under ZeRO-3 with
+    ``keys_ok``: the parameters left alone are gathered first)."""
+    with pm.full_parameters(gather=keys_ok is not None, write_back=True):  # ZeRO-3: whole, then into the shards
+        for lt in local_tensors(pm):
+            if keys_ok is not None and not keys_ok(lt.key):
+                continue
+            data = read(lt.key, lt.dim, lt.start, lt.stop) if lt.dim is not None else read(lt.key, None, 0, None)
+            copy_padded(lt.tensor, data, lt.dim)
 
 
 @torch.no_grad()
@@ -74,10 +76,12 @@ def init_local(pm, seed: int) -> None:
     at a time: draw it, keep this rank's slice, drop it. Every layout gets the weights that
     ``plait.models.init.init_weights(plain_model, seed)`` gives on one device. No collective."""
     family, config = pm.family, pm.model_config
-    for lt in local_tensors(pm):
-        full = family.init_tensor(config, lt.key, tuple(lt.full_shape), seed)
-        copy_padded(lt.tensor, full if lt.dim is None else full.narrow(lt.dim, lt.start, lt.stop - lt.start), lt.dim)
-        del full  # before the next one is drawn
+    with pm.full_parameters(gather=False, write_back=True):  # ZeRO-3: whole, then into the shards
+        for lt in local_tensors(pm):
+            full = family.init_tensor(config, lt.key, tuple(lt.full_shape), seed)
+            local = full if lt.dim is None else full.narrow(lt.dim, lt.start, lt.stop - lt.start)
+            copy_padded(lt.tensor, local, lt.dim)
+            del full, local  # before the next one is drawn
 
 
 def copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:

@@ -108,7 +108,8 @@ def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict
     fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}-dp{ctx.dp_rank}.safetensors"
     states = _optimizer_states(optimizer)  # collective under ZeRO: every rank takes part
     masters = optimizer.gathered_masters() if hasattr(optimizer, "gathered_masters") else {}  # collective
-    tensors, records, scalars = _local_tensors(pm, states, masters)
+    with pm.full_parameters():  # ZeRO-3: every local parameter gathered for the duration (collective)
+        tensors, records, scalars = _local_tensors(pm, states, masters)
     if tensors:  # data-parallel replicas write nothing (experts under EP excepted)
         save_file(tensors, str(tmp / fname), metadata={"format": FORMAT})
         _fsync_path(tmp / fname)

@@ -72,29 +72,41 @@ class GradReducer:
     ``alone``: ids of parameters that get a bucket of their own (tied copies on several pipeline ranks:
     their shards then line up across the tie group). Parameters marked by ``set_grad_group`` go over their
     own group; the others over ``ctx``'s DP group. Groups of one rank reduce nothing.
+    ``units`` (ZeRO-3, ``param_shards``): lists of parameters that each make one bucket per reduction group,
+    whatever their size, instead of ~``bucket_mb`` buckets (``params`` is then ignored).
     """
 
     def __init__(self, params: list[nn.Parameter], ctx: ParallelContext, *, bucket_mb: float = 25.0,
-                 alone: frozenset[int] = frozenset()):
+                 alone: frozenset[int] = frozenset(), units: list[list[nn.Parameter]] | None = None):
         self.ctx, self.mode, self.armed = ctx, "all-reduce", False
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[Bucket, int]] = {}
-        by_group: dict[int, tuple[object, int, list[nn.Parameter]]] = {}
-        for p in params:  # most go over DP; set_grad_group redirects some (experts: expert-DP group)
-            if not p.requires_grad:
-                continue
-            group, size = getattr(p, "_plait_grad_group", (ctx.dp_group, ctx.dp_size))
-            if id(p) in alone:
-                self._add([p], group, size)
-            else:
-                by_group.setdefault(id(group), (group, size, []))[2].append(p)
-        for group, size, members in by_group.values():
+        for unit in units or []:
+            for group, size, members in self._by_group(unit, frozenset()).values():
+                self._add(members, group, size)
+        for group, size, members in (self._by_group(params, alone).values() if units is None else ()):
             self._fill(members, group, size, int(bucket_mb * 2**20))
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
                 setattr(p, "_plait_grad_sink", self.accumulate)  # noqa: B010 (deferred weight gradients, weight_grad)
+
+    def _by_group(self, params: list[nn.Parameter], alone: frozenset[int]) -> dict[int, tuple]:
+        """Trainable ``params`` by reduction group (``alone`` ones get their bucket at once)."""
+        by_group: dict[int, tuple[object, int, list[nn.Parameter]]] = {}
+        for p in params:  # most go over DP; set_grad_group redirects some (experts: expert-DP group)
+            if not p.requires_grad:
+                continue
+            group, size = getattr(p, "_plait_grad_group", (self.ctx.dp_group, self.ctx.dp_size))
+            if id(p) in alone:
+                self._add([p], group, size)
+            else:
+                by_group.setdefault(id(group), (group, size, []))[2].append(p)
+        return by_group
+
+    def bucket_of(self, p: nn.Parameter) -> Bucket:
+        return self._where[id(p)][0]
 
     def _add(self, params: list[nn.Parameter], group, size: int) -> None:
         index = dist.get_group_rank(group, self.ctx.rank) if size > 1 else 0

@@ -1,5 +1,7 @@
 """ZeRO's master weights: the fp32 values of the parameter pieces a rank owns, and the all-gather that brings
-every data-parallel replica the updated parameters (Megatron-LM's distributed optimizer).
+every data-parallel replica the updated parameters (Megatron-LM's distributed optimizer). Under ZeRO-3 the
+masters are views of the model's own float32 parameter shards (plait.data_parallel.param_shards), which every
+forward gathers: no copy, no all-gather after the step.
 
 With float32 parameters the masters are flat views of the parameters' owned pieces (updating them updates
 the model). With bf16 compute the masters are float32 copies, one flat tensor per bucket shard, and the
@@ -9,23 +11,11 @@ model's parameters are then stored in bf16: 2 B per parameter on every rank, 4 B
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from plait.data_parallel.param_shards import gather_bucket
 from plait.errors import ConfigError
 from plait.optim.shards import ShardLayout
-
-# torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def gather_bucket(b, local: torch.Tensor) -> torch.Tensor:
-    """All-gather one ``[shard]`` tensor per member of bucket ``b``'s group into ``[padded]``."""
-    if b.size == 1:
-        return local
-    full = torch.empty(b.padded, dtype=local.dtype, device=local.device)
-    _all_gather(full, local, group=b.group)
-    return full
 
 
 class Masters:
@@ -33,9 +23,16 @@ class Masters:
 
     def __init__(self, layout: ShardLayout, pm):
         self.layout = layout
-        self.separate = pm.precision != "fp32"
+        self.sharded = pm.param_shards is not None  # ZeRO-3: the parameters' own float32 shards are the masters
+        self.separate = pm.precision != "fp32" and not self.sharded
         self.flats: list[torch.Tensor | None] = []  # per bucket: its owned elements, float32 (separate)
         self.params: list[nn.Parameter] = []
+        if self.sharded:
+            for (_, b), pieces in zip(layout.buckets, layout.by_bucket, strict=True):
+                shard = pm.param_shards.shard_of(b)  # [shard]
+                self.flats.append(None)
+                self.params += [nn.Parameter(shard[pc.at:pc.at + pc.numel]) for pc in pieces]
+            return
         for pieces in layout.by_bucket:
             for pc in pieces:
                 if not pc.param.is_contiguous():
@@ -57,7 +54,10 @@ class Masters:
 
     @torch.no_grad()
     def publish(self) -> None:
-        """Write the updated masters into the parameters of every replica (one all-gather per bucket)."""
+        """Write the updated masters into the parameters of every replica (one all-gather per bucket; nothing
+        under ZeRO-3, whose next gather reads them)."""
+        if self.sharded:
+            return
         it = iter(self.params)
         for (_, b), pieces, flat in zip(self.layout.buckets, self.layout.by_bucket, self.flats, strict=True):
             masters = [next(it) for _ in pieces]

@@ -1,5 +1,6 @@
 """ParallelOptimizer: a torch optimizer for a ParallelModel with exact global-norm clipping, an LR schedule,
-weight-decay groups, bf16 mixed precision and a sharded optimizer state (ZeRO-1 and ZeRO-2)."""
+weight-decay groups, bf16 mixed precision and a sharded optimizer state (ZeRO-1, ZeRO-2 and, with the
+parameters sharded too, ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from plait.optim.shards import ShardLayout
 from plait.parallel_config import ZERO_LEVELS
 
 STATE_FORMAT = "plait.optim/2"
-ZERO_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-free"}
+ZERO_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-free", 3: "reduce-scatter-free"}
 
 
 class ParallelOptimizer:
@@ -32,6 +33,9 @@ class ParallelOptimizer:
     here): 2 B/param of weights, 4 B/param of fp32 gradients, 12 B/param ÷ d of masters and moments.
     ``zero=2`` (P_os+g): as ZeRO-1, and each rank keeps only its shard of the reduced gradient: the full
     gradient buffer of a bucket is freed once it is reduce-scattered (4 B/param ÷ d after the backward).
+    ``zero=3`` (P_os+g+p, for a model built with ``plait.parallelize(..., zero=3)``): as ZeRO-2, and the
+    parameters themselves are sharded (plait.data_parallel.param_shards): the float32 shard of each bucket is
+    the master, gathered per block for its forward and backward (in bf16 with ``precision="bf16"``).
     ``reduce_scatter=False`` (zero=1 only) keeps the all-reduce and reads the owned shard (``.grad`` then
     stays the DP sum). ``precision`` sets the model's precision ("fp32"/"bf16"); None keeps it.
     ``clip``: max global gradient norm applied by ``step()`` (if ``clip_grad_norm_`` was not called).
@@ -45,10 +49,13 @@ class ParallelOptimizer:
         if zero not in ZERO_LEVELS:
             raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
                               "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too)")
-        if zero == 3:
-            raise ConfigError("zero=3: the ZeRO-3 runtime is not built yet; use zero=1 or zero=2")
-        if zero == 2 and not reduce_scatter:
-            raise ConfigError("zero=2 keeps only a shard of each gradient: it needs reduce_scatter=True")
+        sharded = pm.param_shards is not None
+        if (zero == 3) != sharded:
+            raise ConfigError(f"zero={zero} but the model was built with zero={pm.config.zero}: ZeRO-3 shards the "
+                              "model's parameters, so build it with plait.parallelize(model, ctx, zero=3) and pass "
+                              "zero=3 here (or neither)")
+        if zero >= 2 and not reduce_scatter:
+            raise ConfigError(f"zero={zero} keeps only a shard of each gradient: it needs reduce_scatter=True")
         if clip is not None and clip <= 0:
             raise ConfigError(f"clip={clip!r}: the max gradient norm must be positive (or None: no clipping)")
         if warmup < 0 or (total_steps is not None and total_steps < 1):

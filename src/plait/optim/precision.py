@@ -65,6 +65,11 @@ class StepCast:
                               "optimizer keeps the fp32 master weights); build a new model to change it")
         self.precision = precision
 
+    def set_gathered(self, precision: str) -> None:
+        """ZeRO-3: the parameters are gathered in the compute dtype for every use; no per-step copy."""
+        self.precision = check_precision(precision)
+        self.stored = self.dtype or torch.float32
+
     def set_storage(self, dtype: torch.dtype) -> None:
         """The parameters are now kept in ``dtype``: no per-step copy is needed when it is the compute dtype."""
         self.stored = dtype

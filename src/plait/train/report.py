@@ -228,14 +228,16 @@ def memory_table(rows: list[dict], predicted: list[dict] | None = None):
     pred = {p["pp_rank"]: p for p in predicted or []}
     title = "memory per rank (measured / predicted, MB)" if pred else "memory per rank (measured, MB)"
     t = Table(title=title, title_justify="left")
-    for name in ("rank", "pp/dp/tp", "params", "grads", "optimizer", "activations peak", "total"):
+    kinds = ["params", "grads", "optimizer", "activations_peak"]
+    if any(r.get("params_gathered_peak") is not None for r in rows):  # ZeRO-3: the working set of gathered weights
+        kinds.append("params_gathered_peak")
+    for name in ("rank", "pp/dp/tp", *(k.replace("_", " ") for k in kinds), "total"):
         t.add_column(name, justify="right")
-    kinds = ("params", "grads", "optimizer", "activations_peak")
     for r in rows:
-        parts = [r[k] or 0 for k in kinds]
+        parts = [r.get(k) or 0 for k in kinds]
         cells = [f"{b / 2**20:.2f}" for b in (*parts, sum(parts))]
         if r["pp"] in pred:
-            p = [pred[r["pp"]][k] for k in kinds]
+            p = [pred[r["pp"]].get(k, 0) for k in kinds]
             cells = [f"{c} / {b / 2**20:.2f}" for c, b in zip(cells, (*p, sum(p)), strict=True)]
         t.add_row(str(r["rank"]), f"{r['pp']}/{r['dp']}/{r['tp']}", *cells)
     return t

@@ -1,0 +1,293 @@
+"""ZeRO-3 parameter sharding: each data-parallel rank keeps 1/d of every parameter bucket, and a block's
+parameters are all-gathered just before its forward, freed after it, and gathered again for its backward.
+
+Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p): the gradient buckets of ``data_parallel.reducer`` are cut one
+per pipeline block (embedding, each layer, final norm, head) and reduction group; the same geometry holds the
+parameters. Member r of a bucket's group keeps ``shard`` = elements ``[r·padded/d, (r+1)·padded/d)`` of the
+bucket's flat parameters in float32: these are the optimizer's master weights (plait.optim.masters) and its
+moments cover the same elements. The block's ``nn.Parameter`` objects stay (ties, TP marks and gradient groups
+refer to them) as views of one flat ``[padded]`` buffer per bucket in the compute dtype (bf16 weights are
+gathered as bf16), whose storage is resized to zero between uses, as torch's FSDP does; autograd's saved
+references to a weight see it again once it is gathered for the backward.
+
+Per block i of the chunk, hooks on the block module:
+- forward:  wait for i's gather (issue it if not in flight), issue i+1's (prefetch), run, free i;
+- backward: a hook on i's output fires when its gradient is known, before i's backward runs: wait for i's
+  gather, issue i-1's, and free i+1 (its backward is done); i's gradients are reduce-scattered by the reducer
+  as soon as they are complete (``reduce-scatter-free``: only the shard is kept).
+The last block is kept after its forward (its backward comes first). A block called again inside the backward
+(full recomputation's checkpoint) finds its parameters gathered. Blocks called outside the chunk's forward
+(decoding) gather and free around each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plait.data_parallel.reducer import Bucket, GradReducer
+from plait.errors import ConfigError
+from plait.pipeline.partition import PipelineChunk
+
+# torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_bucket(b: Bucket, local: torch.Tensor) -> torch.Tensor:
+    """All-gather one ``[shard]`` tensor per member of bucket ``b``'s group into ``[padded]``."""
+    if b.size == 1:
+        return local
+    full = torch.empty(b.padded, dtype=local.dtype, device=local.device)
+    _all_gather(full, local, group=b.group)
+    return full
+
+
+class ShardedBucket:
+    """One bucket's parameters: this member's float32 ``shard`` and the gathered ``flat`` they view."""
+
+    def __init__(self, b: Bucket, dtype: torch.dtype):
+        self.b = b
+        self.device = b.params[0].device
+        full = torch.zeros(b.padded, dtype=torch.float32, device=self.device)  # [padded]
+        with torch.no_grad():
+            for p, off in zip(b.params, b.offsets, strict=True):
+                full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        self.shard = full[b.lo:b.hi].clone()  # [shard] float32: the master weights of these elements
+        del full
+        self.holders: set[int] = set()  # blocks that need the gathered parameters now
+        self.work = None
+        self._src: torch.Tensor | None = None  # the gather's input, alive while it is in flight
+        self.flat = self._point(dtype)
+
+    def _point(self, dtype: torch.dtype) -> torch.Tensor:
+        """A new flat buffer of ``dtype`` with its storage freed; the parameters become views of it."""
+        flat = torch.empty(self.b.padded, dtype=dtype, device=self.device)
+        for p, off in zip(self.b.params, self.b.offsets, strict=True):
+            p.data = flat[off:off + p.numel()].view(p.shape)
+        flat.untyped_storage().resize_(0)
+        self.flat = flat
+        return flat
+
+    @property
+    def live(self) -> bool:
+        return self.flat.untyped_storage().nbytes() > 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.b.padded * self.flat.element_size()
+
+    @torch.no_grad()
+    def start(self) -> None:
+        """Allocate the flat buffer and start gathering it (asynchronously over the bucket's group)."""
+        if self.live:
+            return
+        self.flat.untyped_storage().resize_(self.nbytes)
+        src = self.shard if self.shard.dtype == self.flat.dtype else self.shard.to(self.flat.dtype)
+        if self.b.size == 1:
+            self.flat.copy_(src)
+            return
+        self._src = src
+        self.work = _all_gather(self.flat, src, group=self.b.group, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work, self._src = None, None
+
+    def free(self) -> None:
+        self.wait()
+        self.flat.untyped_storage().resize_(0)
+
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        if dtype != self.flat.dtype:
+            self.free()
+            self._point(dtype)
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """The gathered (and possibly modified) values of this member's elements back into the shard."""
+        self.shard.copy_(self.flat[self.b.lo:self.b.hi])
+
+
+class ParamShards:
+    """The ZeRO-3 parameters of one pipeline chunk (``chunk.blocks``), over the buckets of its reducer."""
+
+    def __init__(self, chunk: PipelineChunk, reducer: GradReducer, dtype: torch.dtype):
+        frozen = [n for n, p in chunk.named_parameters() if not p.requires_grad]
+        if frozen:
+            raise ConfigError(f"zero=3 shards trainable parameters; {frozen[0]} does not require a gradient: "
+                              "make it a buffer, or use zero=2")
+        self.sharded = {id(b): ShardedBucket(b, dtype) for b in reducer.buckets}
+        self.blocks: list[nn.Module] = list(chunk.blocks)
+        self.needs: list[list[ShardedBucket]] = []
+        for block in self.blocks:
+            seen: dict[int, ShardedBucket] = {}
+            for p in block.parameters():
+                s = self.sharded[id(reducer.bucket_of(p))]
+                seen.setdefault(id(s), s)
+            self.needs.append(list(seen.values()))
+        self.in_chunk = False  # inside the chunk's own forward (not a recomputation, not decoding)
+        self.backward: set[int] = set()  # blocks whose backward has started and that still hold parameters
+        self.live_bytes = self.peak_bytes = 0
+        self.ptrs: set[int] = set()  # storage addresses of the gathered buffers (not activations: memory.py)
+        chunk.register_forward_pre_hook(self._chunk_pre)
+        chunk.register_forward_hook(self._chunk_post)
+        for i, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(lambda m, args, i=i: self._pre(i))
+            block.register_forward_hook(lambda m, args, out, i=i: self._post(i, out))
+
+    # ------------------------------------------------------------------------------- holding
+    def _acquire(self, i: int) -> None:
+        for s in self.needs[i]:
+            s.holders.add(i)
+            if not s.live:
+                s.start()
+                self.live_bytes += s.nbytes
+                self.ptrs.add(s.flat.untyped_storage().data_ptr())
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _ensure(self, i: int) -> None:
+        self._acquire(i)
+        for s in self.needs[i]:
+            s.wait()
+
+    def _release(self, i: int) -> None:
+        for s in self.needs[i]:
+            s.holders.discard(i)
+            if not s.holders and s.live:
+                self.ptrs.discard(s.flat.untyped_storage().data_ptr())
+                s.free()
+                self.live_bytes -= s.nbytes
+
+    def _release_backward(self) -> None:
+        for i in sorted(self.backward):
+            self._release(i)
+        self.backward.clear()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One step's forward and backward: its gathered peak is measured, what is still gathered is freed."""
+        self.peak_bytes = self.live_bytes
+        try:
+            yield
+        finally:
+            self.release_all()
+
+    def release_all(self) -> None:
+        """Free every gathered parameter (the end of a step)."""
+        self._release_backward()
+        for i in range(len(self.blocks)):
+            self._release(i)
+
+    # ---------------------------------------------------------------------------------- hooks
+    def _chunk_pre(self, module, args) -> None:
+        self._release_backward()  # a new micro-batch: the previous one's backward is over
+        self.in_chunk = True
+
+    def _chunk_post(self, module, args, out) -> None:
+        self.in_chunk = False
+
+    def _pre(self, i: int) -> None:
+        self._ensure(i)
+        if self.in_chunk and i + 1 < len(self.blocks):
+            self._acquire(i + 1)  # prefetch: its gather runs while block i computes
+
+    def _post(self, i: int, out) -> None:
+        if i in self.backward:
+            return  # recomputed inside the backward: the backward needs the parameters next
+        grad_out = out if torch.is_tensor(out) else next((t for t in out if torch.is_tensor(t)), None)
+        if self.in_chunk and grad_out is not None and grad_out.requires_grad:  # training: backward to come
+            grad_out.register_hook(lambda g, i=i: self._on_grad(i))
+            if i == len(self.blocks) - 1:
+                return  # the last block's backward comes first
+        self._release(i)
+
+    def _on_grad(self, i: int) -> None:
+        """Block i's backward is about to run (its output gradient is known); block i+1's is done."""
+        if i + 1 in self.backward:
+            self.backward.discard(i + 1)
+            self._release(i + 1)
+        self.backward.add(i)
+        self._ensure(i)
+        if i > 0:
+            self._acquire(i - 1)
+
+    # ---------------------------------------------------------------------------- whole model
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        """Gather the parameters in ``dtype`` from now on (the compute precision)."""
+        self.release_all()
+        for s in self.sharded.values():
+            s.set_dtype(dtype)
+
+    @contextmanager
+    def full(self, gather: bool = True, write_back: bool = False) -> Iterator[None]:
+        """Every parameter of the chunk whole, in float32, for the duration (checkpoints, state dicts).
+
+        ``gather``: filled from the shards (collective over each bucket's group), else zeros to be written;
+        ``write_back``: each member's elements go back into its shard afterwards (loading)."""
+        self.release_all()
+        dtypes = {id(s): s.flat.dtype for s in self.sharded.values()}
+        for s in self.sharded.values():
+            s.set_dtype(torch.float32)
+            if gather:
+                s.start()
+            else:
+                s.flat.untyped_storage().resize_(s.nbytes)
+                s.flat.zero_()
+        for s in self.sharded.values():
+            s.wait()
+        try:
+            yield
+        finally:
+            for s in self.sharded.values():
+                if write_back:
+                    s.write_back()
+                s.free()
+                s.set_dtype(dtypes[id(s)])
+
+    def shard_of(self, b: Bucket) -> torch.Tensor:
+        """This member's float32 elements of bucket ``b``'s parameters: [shard]."""
+        return self.sharded[id(b)].shard
+
+    def shards(self) -> list[torch.Tensor]:
+        return [s.shard for s in self.sharded.values()]
+
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered parameters held right now (0 between steps)."""
+        return sum(s.nbytes for s in self.sharded.values() if s.live)
+
+
+def block_units(chunk: PipelineChunk) -> list[list[nn.Parameter]]:
+    """The parameters of each of ``chunk.blocks``, a parameter with the first block that uses it (tied ones)."""
+    seen: set[int] = set()
+    units = []
+    for block in chunk.blocks:
+        unit = [p for p in block.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in unit)
+        units.append(unit)
+    return units
+
+
+@contextmanager
+def gathered_grads(shards: ParamShards | None, reducer: GradReducer) -> Iterator[None]:
+    """Every parameter's ``.grad`` whole (float32) for the duration, from the reduced shards (collective);
+    nothing without ``shards``."""
+    if shards is None:
+        yield
+        return
+    params = []
+    with torch.no_grad():
+        for s in shards.sharded.values():
+            full = gather_bucket(s.b, reducer.shard(s.b))  # [padded]
+            for p, off in zip(s.b.params, s.b.offsets, strict=True):
+                p.grad = full[off:off + p.numel()].view(p.shape).to(p.dtype)
+                params.append(p)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.grad = None

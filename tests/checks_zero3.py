@@ -1,0 +1,137 @@
+"""Rank-side checks in the shared world of 4: ZeRO-3 (parameters sharded over data parallelism, pp = 1).
+
+5 clipped AdamW steps against one device under dp4, tp2·dp2 + SP, dp4 with selective and full recomputation,
+tp2·dp2·ep2 MoE (experts sharded over their expert-data group) and bf16; the bytes held between steps and the
+gathered working set of a step; exact resume; a ZeRO-3 checkpoint loaded under tp2·pp2; ``plait verify``'s
+rank side under ZeRO-3; the ConfigErrors."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+import plait
+from checks_optim import STEPS, build, cfg_for, compare, measure, reference, train
+from harness import rel_err, run_checks
+from plait.checkpoint import load_checkpoint, save_checkpoint
+from plait.models import Llama
+from plait.optim import ParallelOptimizer
+
+
+def held(ctx, **kw) -> dict:
+    """Bytes of one ZeRO-3 run against the bucket geometry: parameters held between steps (float32 shards),
+    gradients after the step (reduced shards), the gathered working set (two neighbouring blocks at most)."""
+    out, pm, _ = measure(ctx, zero=3, **kw)
+    sh = pm.param_shards
+    unit = [sum(s.nbytes for s in need) for need in sh.needs]
+    return {**out, "shard_elements": sum(s.b.shard for s in sh.sharded.values()),
+            "n_param_buckets": len(sh.sharded), "gathered_now": sh.gathered_bytes(),
+            "pair_max": max(a + b for a, b in zip(unit, unit[1:], strict=False)), "unit_max": max(unit),
+            "model_params": sum(p.numel() for p in Llama(cfg_for(**kw.get("cfg", {}))).parameters())}
+
+
+def resume_exact(ctx) -> dict:
+    """3 steps, save the model (full state) and each rank's optimizer state, rebuild, load, 2 more steps: the
+    same bits as 5 uninterrupted steps; and within rounding of one device."""
+    vocab = cfg_for().vocab_size
+    pm, opt = build(ctx, {}, zero=3, sp=True)
+    train(ctx, pm, opt, range(STEPS), vocab)
+    straight = pm.full_state_dict()
+    pm, opt = build(ctx, {}, zero=3, sp=True)
+    train(ctx, pm, opt, range(3), vocab)
+    buf = io.BytesIO()
+    torch.save({"model": pm.full_state_dict(), "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    pm2, opt2 = build(ctx, {}, zero=3, sp=True)
+    pm2.load_full_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optim"])
+    train(ctx, pm2, opt2, range(3, STEPS), vocab)
+    state = pm2.full_state_dict()
+    ref_state = reference()[0]
+    return {"identical": all(torch.equal(state[k], v) for k, v in straight.items()), "steps": opt2.steps,
+            "param_rel_max": max(rel_err(state[k], v) for k, v in ref_state.items())}
+
+
+def checkpoint_to_tp2pp2(root: Path, a, b) -> dict:
+    """3 steps under ZeRO-3 (layout ``a``), save; load under tp2·pp2 (ZeRO-0) and run the last 2 steps: equal to
+    one device; the ZeRO-3 run's full state equals what the other layout loaded."""
+    vocab = cfg_for().vocab_size
+    pm, opt = build(a, {}, zero=3)
+    train(a, pm, opt, range(3), vocab)
+    saved = save_checkpoint(pm, opt, root / "zero3", 3)
+    before = pm.full_state_dict()
+    pm2, opt2 = build(b, {}, microbatches=4)
+    load_checkpoint(pm2, opt2, saved)
+    opt2.steps = 3
+    loaded = pm2.full_state_dict()
+    train(b, pm2, opt2, range(3, STEPS), vocab)
+    ref_state = reference()[0]
+    state = pm2.full_state_dict()
+    return {"loaded_equal": all(torch.equal(loaded[k], v) for k, v in before.items()),
+            "param_rel_max": max(rel_err(state[k], v) for k, v in ref_state.items())}
+
+
+def round_trip(root: Path, ctx) -> dict:
+    """A ZeRO-3 checkpoint saved and loaded under the same layout: the model and the moments come back
+    bit for bit (load_checkpoint writes each rank's shard)."""
+    vocab = cfg_for().vocab_size
+    pm, opt = build(ctx, {}, zero=3, precision="bf16")
+    train(ctx, pm, opt, range(2), vocab)
+    path = save_checkpoint(pm, opt, root / "round-trip", 2)
+    pm2, opt2 = build(ctx, {}, zero=3, precision="bf16")
+    load_checkpoint(pm2, opt2, path)
+    same_model = all(torch.equal(pm2.full_state_dict()[k], v) for k, v in pm.full_state_dict().items())
+    a, b = opt.gathered_state(), opt2.gathered_state()
+    names = dict(pm2.named_parameters())
+    same_optim = all(torch.equal(b[names[n]][k], v) for n, p in pm.named_parameters() for k, v in a[p].items()
+                     if torch.is_tensor(v) and v.dim() > 0)
+    return {"same_model": same_model, "same_optim": same_optim}
+
+
+def refusals(pp2, dp4) -> dict:
+    """ConfigErrors, before any collective: ZeRO-3 under a pipeline; an optimizer's zero unlike the model's."""
+    out = {}
+    for name, fn in (("pp2", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3)),
+                     ("opt3", lambda: ParallelOptimizer(plait.parallelize(Llama(cfg_for()), dp4), zero=3)),
+                     ("opt1", lambda: ParallelOptimizer(plait.parallelize(Llama(cfg_for()), dp4, zero=3), zero=1))):
+        try:
+            fn()
+            out[name] = "no error"
+        except plait.ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def verify_rank(ctx) -> dict:
+    """``plait verify --tp 2 --dp 2 --pp 1 --zero 3``'s rank side (gradients gathered from their shards)."""
+    from plait.verify import VerifyConfig, _rank_main
+
+    del ctx
+    cfg = VerifyConfig(parallel=plait.ParallelConfig(tp=2, pp=1, dp=2, microbatches=2, zero=3), n_layers=2)
+    res = _rank_main(cfg)
+    return {"ok": None if res is None else res.ok, "worst": None if res is None else max(g.rel for g in res.grads)}
+
+
+def rank_main(root: str) -> dict:
+    """``root``: a scratch folder shared by the ranks (checkpoints)."""
+    dp4 = plait.init(tp=1, pp=1, dp=4)
+    tp2dp2 = plait.init(tp=2, pp=1, dp=2)
+    moe = plait.init(tp=2, pp=1, dp=2, ep=2)
+    tp2pp2 = plait.init(tp=2, pp=2, dp=1)
+    checks = [
+        ("dp4", lambda: held(dp4)),
+        ("tp2dp2/sp", lambda: held(tp2dp2, sp=True)),
+        ("dp4/selective", lambda: compare(dp4, zero=3, recompute="selective")),
+        ("dp4/full/tied", lambda: compare(dp4, zero=3, recompute="full", cfg={"tie_embeddings": True})),
+        ("tp2dp2ep2/moe", lambda: compare(moe, zero=3, cfg={"n_experts": 4, "top_k": 2})),
+        ("dp4/bf16", lambda: compare(dp4, zero=3, precision="bf16")),
+        ("tp2dp2/sp/resume", lambda: resume_exact(tp2dp2)),
+        ("dp4/checkpoint", lambda: round_trip(Path(root), dp4)),
+        ("tp2dp2->tp2pp2", lambda: checkpoint_to_tp2pp2(Path(root), tp2dp2, tp2pp2)),
+        ("refusals", lambda: refusals(tp2pp2, dp4)),
+        ("verify", lambda: verify_rank(dp4)),
+    ]
+    return run_checks(checks)

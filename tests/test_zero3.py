@@ -1,0 +1,82 @@
+"""ZeRO-3 (parameters sharded over data parallelism, pp = 1) in the shared world of 4 (checks_zero3): 5 clipped
+AdamW steps equal one device; the bytes held between steps are 1/(tp·dp) of the model up to each bucket's
+padding; the gathered working set is two neighbouring blocks; exact resume; checkpoints across layouts."""
+
+import pytest
+
+from harness import result
+from test_optim import BF16_LOSS_TOL, BF16_NORM_TOL, BF16_PARAM_TOL, NORM_TOL, PARAM_TOL
+
+FP32 = ["dp4", "tp2dp2/sp", "dp4/selective", "dp4/full/tied", "tp2dp2ep2/moe"]
+
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_zero3)
+
+
+@pytest.mark.parametrize("case", FP32)
+def test_zero3_equals_single_device(world4, case):
+    for rank, r in enumerate(result(world4, case)):
+        assert min(r["ref_norms"]) > 0.05, f"clipping was not active: norms {r['ref_norms']}"
+        assert r["norm_rel_max"] <= NORM_TOL, f"rank {rank} {case}: norm rel err {r['norm_rel_max']:.2e}"
+        assert r["param_rel_max"] <= PARAM_TOL, f"rank {rank} {case}: param rel err {r['param_rel_max']:.2e} " \
+                                                f"at {r['worst']}"
+        assert r["loss_rel_max"] <= 1e-5, f"rank {rank} {case}: loss rel err {r['loss_rel_max']:.2e}"
+        assert r["pad_zero"] in (None, True), f"rank {rank} {case}: padded vocabulary rows moved"
+
+
+def test_zero3_bf16_tracks_fp32(world4):
+    for rank, r in enumerate(result(world4, "dp4/bf16")):
+        assert 1e-5 < r["loss_rel_max"] <= BF16_LOSS_TOL, f"rank {rank}: losses {r['losses']}"
+        assert r["norm_rel_max"] <= BF16_NORM_TOL, f"rank {rank}: norms {r['norm_rel_max']:.2e}"
+        assert r["param_rel_max"] <= BF16_PARAM_TOL, f"rank {rank}: params {r['param_rel_max']:.2e}"
+        assert r["memory"]["params_gathered_peak"] * 2 == result(world4, "dp4")[rank]["pair_max"]  # bf16 gathers
+
+
+@pytest.mark.parametrize("case", FP32 + ["dp4/bf16"])
+def test_measured_bytes_equal_the_formula(world4, case):
+    """Parameters, gradients and optimizer state measured after the steps equal docs/optim.md's ZeRO-3 formula:
+    4 B per shard element of parameters (the float32 masters) and of gradients, 8 B per owned element of moments."""
+    for rank, r in enumerate(result(world4, case)):
+        for key in ("params", "grads", "optimizer"):
+            assert r["memory"][key] == r["formula"][key], f"rank {rank} {case} {key}: {r['memory']} vs {r['formula']}"
+
+
+@pytest.mark.parametrize("case,tp,dp", [("dp4", 1, 4), ("tp2dp2/sp", 2, 2)])
+def test_parameters_held_between_steps_are_one_over_tp_dp(world4, case, tp, dp):
+    """Between steps a rank holds 1/dp of its TP shard of every parameter (float32, nothing gathered), so the
+    world holds each element once per TP replica; the gathered working set of a step is the largest two
+    neighbouring blocks (the one computing and the one prefetched), far below the model."""
+    rows = result(world4, case)
+    for r in rows:
+        assert r["gathered_now"] == 0
+        held, local = r["memory"]["params"], 4 * r["local_params"]
+        assert local / dp <= held <= local / dp + 4 * dp * r["n_param_buckets"], (held, local)
+        assert r["memory"]["params_gathered_peak"] == r["pair_max"] < local / 2
+    if tp == 1:  # the model's elements exactly once over the DP ranks, up to the padding of each bucket
+        assert 4 * r["model_params"] <= sum(x["memory"]["params"] for x in rows) <= 4 * (r["model_params"] +
+                                                                                        dp * r["n_param_buckets"])
+
+
+def test_resume_is_exact(world4):
+    for rank, r in enumerate(result(world4, "tp2dp2/sp/resume")):
+        assert r["identical"] and r["steps"] == 5 and r["param_rel_max"] <= PARAM_TOL, (rank, r)
+
+
+def test_checkpoint_round_trip_and_other_layout(world4):
+    for rank, r in enumerate(result(world4, "dp4/checkpoint")):
+        assert r["same_model"] and r["same_optim"], (rank, r)
+    for rank, r in enumerate(result(world4, "tp2dp2->tp2pp2")):
+        assert r["loaded_equal"], f"rank {rank}: tp2·pp2 loaded other tensors than the ZeRO-3 run held"
+        assert r["param_rel_max"] <= PARAM_TOL, (rank, r)
+
+
+def test_refusals_say_why_and_what_instead(world4):
+    r = result(world4, "refusals")[0]
+    assert "zero=3 with pp=2" in r["pp2"] and "use pp=1" in r["pp2"]
+    for name in ("opt3", "opt1"):
+        assert "plait.parallelize(model, ctx, zero=3)" in r[name], r[name]
+
+
+def test_verify_rank_side_under_zero3(world4):
+    """``plait verify --tp 2 --dp 2 --pp 1 --zero 3``: gradients gathered from their shards equal one device."""
+    rows = result(world4, "verify")
+    assert rows[0]["ok"] is True and rows[0]["worst"] <= PARAM_TOL, rows[0]
