@@ -17,9 +17,9 @@ from plait.plan.host.profile import HostProfile
 MAX_MEMORY_FRACTION = 0.9
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Cluster:
-    """``n_gpus`` accelerators of one type, ``gpus_per_node`` to a node.
+    """``n_gpus`` accelerators of one type (``gpu``: a ``GPU`` or a catalogue name), ``gpus_per_node`` to a node.
 
     ``interconnect`` names the inter-node fabric (``catalogue.INTERCONNECTS``); None = the GPU's usual.
     ``profile``: a calibrated host (``plait calibrate``; ``Cluster.from_profile``); then ``n_gpus`` is the
@@ -28,31 +28,33 @@ class Cluster:
     published Megatron-LM runs (``plan.gpu``). ``costs`` is that cost model, chosen here once.
     """
 
-    gpu: GPU | str
+    gpu: GPU
     n_gpus: int
-    gpus_per_node: int = 8
-    interconnect: str | Link | None = None
-    profile: HostProfile | None = None
-    max_memory_fraction: float = MAX_MEMORY_FRACTION
-    costs: CostModel = field(init=False, repr=False, compare=False)
+    gpus_per_node: int
+    interconnect: Link
+    profile: HostProfile | None
+    max_memory_fraction: float
+    costs: CostModel = field(repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        if int(self.n_gpus) < 1:
-            raise ConfigError(f"n_gpus: must be >= 1, got {self.n_gpus}")
+    def __init__(self, gpu: GPU | str, n_gpus: int, gpus_per_node: int = 8, interconnect: str | Link | None = None,
+                 profile: HostProfile | None = None, max_memory_fraction: float = MAX_MEMORY_FRACTION) -> None:
+        if int(n_gpus) < 1:
+            raise ConfigError(f"n_gpus: must be >= 1, got {n_gpus}")
         costs: CostModel
-        if self.profile is not None:
-            object.__setattr__(self, "gpu", host_gpu(self.profile, int(self.n_gpus)))
-            object.__setattr__(self, "gpus_per_node", int(self.n_gpus))
-            costs = HostCosts(self.profile, int(self.n_gpus))
+        if profile is not None:
+            gpu, gpus_per_node = host_gpu(profile, int(n_gpus)), int(n_gpus)
+            costs = HostCosts(profile, int(n_gpus))
         else:
             costs = GpuCosts(self)
-        object.__setattr__(self, "gpu", get_gpu(self.gpu))
-        if int(self.gpus_per_node) < 1:
-            raise ConfigError(f"gpus_per_node: must be >= 1, got {self.gpus_per_node}")
-        if not 0 < self.max_memory_fraction <= 1:
-            raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {self.max_memory_fraction}")
-        object.__setattr__(self, "interconnect", get_interconnect(self.interconnect, self.device))
-        object.__setattr__(self, "costs", costs)
+        if int(gpus_per_node) < 1:
+            raise ConfigError(f"gpus_per_node: must be >= 1, got {gpus_per_node}")
+        if not 0 < max_memory_fraction <= 1:
+            raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {max_memory_fraction}")
+        device = get_gpu(gpu)
+        for name, value in (("gpu", device), ("n_gpus", n_gpus), ("gpus_per_node", gpus_per_node),
+                            ("interconnect", get_interconnect(interconnect, device)), ("profile", profile),
+                            ("max_memory_fraction", max_memory_fraction), ("costs", costs)):
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_profile(cls, profile: HostProfile | str | Path, processes: int,
@@ -62,20 +64,9 @@ class Cluster:
         return cls("cpu", processes, profile=prof, max_memory_fraction=max_memory_fraction)
 
     @property
-    def device(self) -> GPU:
-        """The catalogue entry of one device (``gpu``, resolved)."""
-        assert isinstance(self.gpu, GPU)
-        return self.gpu
-
-    @property
     def usable_memory(self) -> float:
         """Bytes of one device a layout may use: ``max_memory_fraction`` of its memory."""
-        return self.max_memory_fraction * self.device.memory
-
-    @property
-    def inter(self) -> Link:
-        assert isinstance(self.interconnect, Link)
-        return self.interconnect
+        return self.max_memory_fraction * self.gpu.memory
 
     @property
     def n_nodes(self) -> int:
@@ -83,4 +74,4 @@ class Cluster:
 
     def link(self, group_span: int) -> Link:
         """The link a ring over ``group_span`` consecutive ranks uses: NVLink/PCIe inside a node."""
-        return self.device.intra if group_span <= self.gpus_per_node else self.inter
+        return self.gpu.intra if group_span <= self.gpus_per_node else self.interconnect

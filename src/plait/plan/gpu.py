@@ -65,7 +65,7 @@ class GpuCosts:
 
     @property
     def gpu(self) -> GPU:
-        return self.cluster.device
+        return self.cluster.gpu
 
     def collective(self, op: str, nbytes: float, n: int, span: int | None = None) -> float:
         if n <= 1 or nbytes <= 0:

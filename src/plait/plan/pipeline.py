@@ -115,7 +115,8 @@ def profile(name: str, pp: int, m: int, v: int, forward: Sequence[float], backwa
             if m < m1 + 2 * pp:
                 break
             runs = [_simulate(name, pp, mi, v, fwd, bwd, w, p2p, nb, rounds) for mi in (m1, m1 + pp, m1 + 2 * pp)]
-            series = [[r[0] for r in runs]] + [[r[j][i] for r in runs] for j in (1, 2) for i in range(pp)]
+            series = ([[r[0] for r in runs]] + [[r[1][i] for r in runs] for i in range(pp)]
+                      + [[r[2][i] for r in runs] for i in range(pp)])
             frac = (m - m1) / pp
             if uneven:  # the makespan extrapolated, the peaks counted on the order at the true M
                 sched = schedule(name, pp, m, v, rounds)

@@ -34,7 +34,7 @@ class PublishedRun:
 
     @property
     def gpu(self) -> str:
-        return self.cluster.gpu.name  # type: ignore[union-attr]
+        return self.cluster.gpu.name
 
 
 def _tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:

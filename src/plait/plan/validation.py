@@ -41,7 +41,7 @@ def matmul_ceiling(gpu: str, low: float = 0.3, high: float = 1.0) -> Constant:
         if run.gpu != gpu:
             return run
         c = run.cluster
-        cluster = Cluster(replace(c.gpu, matmul_efficiency=value), c.n_gpus, c.gpus_per_node,  # type: ignore
+        cluster = Cluster(replace(c.gpu, matmul_efficiency=value), c.n_gpus, c.gpus_per_node,
                           c.interconnect, max_memory_fraction=c.max_memory_fraction)
         return replace(run, cluster=cluster)
 

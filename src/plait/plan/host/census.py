@@ -155,7 +155,7 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
              _gemm(t, h, f))
     traffic = 2 * NORM_TRAFFIC * sh.n_local + 2 * RESIDUAL_TRAFFIC * sh.n_local + ROPE_TRAFFIC * (sh.q + sh.k)
     traffic += GLU_TRAFFIC * sh.f
-    ops = 2 * NORM_OPS + 2 * RESIDUAL_OPS + 2 * ROPE_OPS + GLU_OPS + 7 * LINEAR_OPS + 1  # + SDPA
+    ops: float = 2 * NORM_OPS + 2 * RESIDUAL_OPS + 2 * ROPE_OPS + GLU_OPS + 7 * LINEAR_OPS + 1  # + SDPA
     ops += 12 * VIEW_OPS  # q/k/v view + transpose, rotate_half's chunks, output transpose + reshape
     if sh.heads > sh.kv_heads:  # GQA: K and V repeated to every query head
         traffic += 2 * (sh.k + sh.r)

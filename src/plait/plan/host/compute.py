@@ -41,7 +41,7 @@ def block_elementwise(sec: Section) -> Rate | None:
         return None
     works = [census.layer_work(block_local(shape), 4) for shape in shapes]  # fp32, as calibrated
     mix = sec.rates["elementwise"]
-    speeds = {}
+    speeds: dict[bool, list[float]] = {}
     # shared: the rest alone times the element-wise kernels' slow-down. The rest is element-wise work, and its
     # own shared figure is a small difference of two noisy ones (on two cores, four processes' came out 1.2-1.8
     # times alone, below the 2 that time-slicing makes; ``Rate.slowdown``)

@@ -213,10 +213,10 @@ class Section:
                                                         for i in range(len(have[0][0].bytes))))
         blocks = []
         for b in {(b.shape, b.group, b.sequence_parallel): b for s, _ in sections for b in s.tp_blocks}.values():
-            have = [(x, w) for s, w in sections for x in s.tp_blocks
-                    if (x.shape, x.group, x.sequence_parallel) == (b.shape, b.group, b.sequence_parallel)]
-            blocks.append(TPBlock(b.shape, b.group, b.sequence_parallel, _mean([(x.seconds, w) for x, w in have]),
-                                  _mean([(x.twin_s, w) for x, w in have])))
+            timed = [(x, w) for s, w in sections for x in s.tp_blocks
+                     if (x.shape, x.group, x.sequence_parallel) == (b.shape, b.group, b.sequence_parallel)]
+            blocks.append(TPBlock(b.shape, b.group, b.sequence_parallel, _mean([(x.seconds, w) for x, w in timed]),
+                                  _mean([(x.twin_s, w) for x, w in timed])))
         piped = [(s, w) for s, w in sections if s.pipeline_s > 0 and s.pipeline_twin_s > 0]
         return Section(first.processes, first.threads, rates,
                        _mean([(s.op_overhead_s, w) for s, w in sections]),
