@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plait.distributed.rendezvous import agent_store_shared, generation_store
 from plait.errors import ConfigError
 from plait.parallel_config import ParallelConfig
 
@@ -169,12 +170,12 @@ def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-    dist.init_process_group(
-        backend=backend,
-        rank=_env_int("RANK", 0),
-        world_size=_env_int("WORLD_SIZE", 1),
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    rank = _env_int("RANK", 0)
+    store = None
+    if agent_store_shared():  # torchrun's long-lived store: this generation's own (plait.distributed.rendezvous)
+        store = generation_store(rank, timeout_s)
+    dist.init_process_group(backend=backend, rank=rank, world_size=_env_int("WORLD_SIZE", 1), store=store,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def default_device() -> torch.device:
