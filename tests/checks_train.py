@@ -137,6 +137,26 @@ def check_auto_resume(root: Path) -> dict:
             "fresh": [fresh.losses[s] for s in (5, 6)], "resumed": [again.losses[s] for s in (5, 6)]}
 
 
+def check_async_save(root: Path) -> dict:
+    """A background save holds the state of its step (training goes on meanwhile) and writes the same bytes as a
+    save in the loop."""
+    from plait.checkpoint import AsyncCheckpointer, save_checkpoint
+
+    run = build(small_cfg(root, "async"))
+    for step in range(2):
+        train_one(run, step, False)
+    save_checkpoint(run.pm, run.opt, root / "sync", 2)
+    saver = AsyncCheckpointer()
+    saver.save(run.pm, run.opt, root / "async", 2)
+    train_one(run, 2, False)  # changes weights and optimizer state while the write may still run
+    saver.wait()
+    dist.barrier()
+    a, b = root / "sync" / "step_00000002", root / "async" / "step_00000002"
+    names = sorted(p.name for p in a.iterdir())
+    return {"names": names, "same": names == sorted(p.name for p in b.iterdir())
+            and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)}
+
+
 def _continue(cfg: TrainConfig, ckpt: Path, ctx) -> tuple[list[float], dict]:
     """Load ``ckpt`` under ``ctx``'s layout, check weights, then train two more steps."""
     run = build(cfg, ctx)
@@ -244,6 +264,7 @@ def rank_main(root: str) -> dict:
         ("ckpt/reshard", lambda: check_reshard(root)),
         ("ckpt/resume", lambda: check_resume(root)),
         ("ckpt/auto_resume", lambda: check_auto_resume(root)),
+        ("ckpt/async_equals_sync", lambda: check_async_save(root)),
         ("train/moe_ep2", lambda: check_moe(root)),
         ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
         ("ckpt/resume_zero2_bf16", lambda: check_resume(root, "_zero2", tp=1, pp=2, dp=2, zero=2, precision="bf16")),

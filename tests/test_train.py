@@ -39,6 +39,12 @@ def test_auto_resume_starts_fresh_then_continues_the_latest_complete_checkpoint(
         assert r["resumed"] == r["fresh"], f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['fresh']}"
 
 
+def test_background_save_writes_the_same_bytes_as_a_save_in_the_loop(world4):
+    for rank, r in enumerate(result(world4, "ckpt/async_equals_sync")):
+        assert "meta.json" in r["names"] and len(r["names"]) == 5, f"rank {rank}: {r['names']}"  # 4 shards + meta
+        assert r["same"], f"rank {rank}: the background save differs from the synchronous one"
+
+
 def test_hf_folder_loads_only_local_slices(world4):
     for rank, r in enumerate(result(world4, "hf/slices")):
         assert r["rel"] == 0.0

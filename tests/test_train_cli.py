@@ -117,7 +117,7 @@ SAVE_THEN_HANG = textwrap.dedent("""
     import sys, time, torch
     import plait
     from plait.models import Llama, LlamaConfig
-    from plait.checkpoint import store as ck
+    from plait.checkpoint import writer as ck
     ctx = plait.init(1, 1, 1)
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)), ctx)

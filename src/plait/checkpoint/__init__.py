@@ -1,5 +1,6 @@
 """Checkpoint I/O shared by training, generation and serving: sharded, layout-independent checkpoints
-(``store``) and where each local tensor of a ParallelModel sits in the full one (``shards``)."""
+(``store``: reading; ``writer``: saving, also in the background) and where each local tensor of a
+ParallelModel sits in the full one (``shards``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from plait.checkpoint.store import (
     model_config,
     save_checkpoint,
 )
+from plait.checkpoint.writer import AsyncCheckpointer
 
-__all__ = ["CheckpointReader", "LocalTensor", "export_pretrained", "find_checkpoint", "init_local",
+__all__ = ["AsyncCheckpointer", "CheckpointReader", "LocalTensor", "export_pretrained", "find_checkpoint", "init_local",
            "load_checkpoint", "load_local", "local_tensors", "model_config", "save_checkpoint"]

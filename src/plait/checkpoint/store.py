@@ -3,169 +3,26 @@
 ``<dir>/step_00000100/`` holds ``pp{p}-tp{t}-dp{d}.safetensors`` (the valid part of each local tensor and of its
 optimizer state, under plain-model keys) and ``meta.json`` (for every tensor: global shape, dtype and the
 (file, dim, start, stop) of each shard; layout, step, optimizer hyper-parameters and scalars, data
-position, RNG). A save writes into ``.step_*.tmp``, fsyncs, then renames it and rewrites ``latest``
-atomically: a kill at any moment leaves the previous checkpoint loadable. Loading reads only the slices
-the new layout needs, so tp2·pp2 loads as tp1·pp4 or as one plain model. Needs a filesystem shared by
-all ranks (rank 0 renames).
+position, RNG). Saving (``plait.checkpoint.writer``, in the step loop or in the background) writes into
+``.step_*.tmp``, ``meta.json`` last, then renames it and rewrites ``latest`` atomically: a kill at any moment
+leaves the previous checkpoint loadable. Loading (here) reads only the slices the new layout needs, so
+tp2·pp2 loads as tp1·pp4 or as one plain model. Needs a filesystem shared by all ranks.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from plait.checkpoint.shards import copy_padded, load_local, local_tensors, param_keys
+from plait.checkpoint.writer import FORMAT, LATEST, META, save_checkpoint, torch_optimizer
 from plait.errors import ConfigError
 
-FORMAT = "plait-checkpoint/1"
-META = "meta.json"
-LATEST = "latest"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _torch_optimizer(optimizer):
-    """The per-parameter torch optimizer (a plait.optim.ParallelOptimizer wraps one)."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _optimizer_states(optimizer) -> dict:
-    """Optimizer state keyed by local parameter; under ZeRO-1 gathered over DP (collective on every rank)."""
-    if optimizer is None:
-        return {}
-    if hasattr(optimizer, "gathered_state"):
-        return optimizer.gathered_state()
-    return dict(optimizer.state)
-
-
-def _writes(ctx, lt) -> bool:
-    """Whether this rank writes ``lt``: each tensor region is written by exactly one rank."""
-    group = getattr(lt.tensor, "_plait_grad_group", None)
-    if group is not None:  # an expert under expert parallelism: the lowest rank holding it writes it
-        return ctx.rank == min(dist.get_process_group_ranks(group[0]))
-    if ctx.dp_rank != 0:
-        return False  # data-parallel replicas hold the same tensors
-    if lt.dim is None:
-        return ctx.tp_size == 1 or ctx.tp_rank == 0  # replicated over TP
-    return lt.stop > lt.start  # not an all-padding shard
-
-
-def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
-    """This rank's tensors to write, their shard records, and optimizer scalars per key. A parameter with an
-    fp32 master (ZeRO with bf16 parameters) is written as its master: checkpoints hold the exact weights."""
-    ctx = pm.ctx
-    tensors: dict[str, torch.Tensor] = {}
-    records: list[dict] = []
-    scalars: dict[str, dict[str, float]] = {}
-    keys = param_keys(pm)
-    for lt in local_tensors(pm):
-        if not _writes(ctx, lt):
-            continue
-        master = masters.get(lt.tensor)
-        value = lt.valid if master is None else (master if lt.dim is None else master.narrow(
-            lt.dim, 0, lt.stop - lt.start))
-        pairs = [(lt.key, value)]
-        state = states.get(lt.tensor, {}) if keys.get(id(lt.tensor)) == lt.key else {}
-        for name, value in state.items():
-            if torch.is_tensor(value) and value.shape == lt.tensor.shape:
-                pairs.append((f"optim/{name}/{lt.key}", value if lt.dim is None else value.narrow(
-                    lt.dim, 0, lt.stop - lt.start)))
-            else:
-                scalars.setdefault(lt.key, {})[name] = float(value)
-        for name, t in pairs:
-            tensors[name] = t.detach().to("cpu", copy=True).contiguous()
-            records.append({"name": name, "dim": lt.dim, "start": lt.start, "stop": lt.stop,
-                            "shape": lt.full_shape, "dtype": str(t.dtype).removeprefix("torch.")})
-    return tensors, records, scalars
-
-
-def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict | None = None,
-                    keep: int = 3) -> Path:
-    """Collective: every rank writes its shards; returns the final checkpoint folder."""
-    from safetensors.torch import save_file
-
-    ctx = pm.ctx
-    root = Path(directory)
-    final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
-    if ctx.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}-dp{ctx.dp_rank}.safetensors"
-    states = _optimizer_states(optimizer)  # collective under ZeRO: every rank takes part
-    masters = optimizer.gathered_masters() if hasattr(optimizer, "gathered_masters") else {}  # collective
-    with pm.full_parameters():  # ZeRO-3: every local parameter gathered for the duration (collective)
-        tensors, records, scalars = _local_tensors(pm, states, masters)
-    if tensors:  # data-parallel replicas write nothing (experts under EP excepted)
-        save_file(tensors, str(tmp / fname), metadata={"format": FORMAT})
-        _fsync_path(tmp / fname)
-    parts: list = [None] * ctx.world_size
-    rng = torch.get_rng_state().tolist() if ctx.rank == 0 else None
-    dist.all_gather_object(parts, (fname, records, scalars))
-    if ctx.rank == 0:
-        meta = _meta(pm, optimizer, step, parts, extra or {}, rng)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        _fsync_path(tmp / META)
-        _fsync_path(tmp)
-        _commit(root, tmp, final, keep)
-    dist.barrier()
-    return final
-
-
-def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:
-    tensors: dict[str, dict] = {}
-    optim_scalars: dict[str, dict] = {}
-    for fname, records, scalars in parts:
-        optim_scalars.update(scalars)
-        for r in records:
-            entry = tensors.setdefault(r["name"], {"shape": r["shape"], "dtype": r["dtype"], "shards": []})
-            shard = {"file": fname, "dim": r["dim"], "start": r["start"], "stop": r["stop"]}
-            if shard not in entry["shards"]:
-                entry["shards"].append(shard)
-    groups = None
-    if optimizer is not None:
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in _torch_optimizer(optimizer).state_dict()["param_groups"]]
-    ctx = pm.ctx
-    return {"format": FORMAT, "step": step, "tensors": tensors, "optimizer": {
-        "type": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
-        "scalars": optim_scalars}, "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
-        "schedule": pm.schedule.name if hasattr(pm.schedule, "name") else None}, "rng_rank0": rng, **extra}
-
-
-def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Rename the finished temp folder into place, point ``latest`` at it, prune old checkpoints."""
-    old = None
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    _fsync_path(root)
-    pointer = root / (LATEST + ".tmp")
-    pointer.write_text(final.name + "\n")
-    _fsync_path(pointer)
-    os.replace(pointer, root / LATEST)
-    _fsync_path(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and p.suffix != ".old")
-    for stale in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
+__all__ = ["CheckpointReader", "export_pretrained", "find_checkpoint", "load_checkpoint", "model_config",
+           "save_checkpoint"]
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -262,7 +119,7 @@ def _load_masters(pm, optimizer, reader: CheckpointReader) -> None:
 @torch.no_grad()
 def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
     meta = reader.meta["optimizer"]
-    for group, saved in zip(_torch_optimizer(optimizer).param_groups, meta["param_groups"], strict=False):
+    for group, saved in zip(torch_optimizer(optimizer).param_groups, meta["param_groups"], strict=False):
         group.update({k: v for k, v in saved.items() if k in group})
     names = sorted({k.split("/")[1] for k in reader.meta["tensors"] if k.startswith("optim/")})
     keys = param_keys(pm)

@@ -64,6 +64,9 @@ class TrainConfig:
     """Also save when this many minutes have passed since the last save (0: by step count only)."""
     keep: int = 3
     """Keep the latest K checkpoints in --checkpoint-dir, delete older ones (0: keep all)."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: the step loop waits only while the state is copied (and for the
+    previous save if it is still writing); the run's end waits for the last one."""
     resume: bool = False
     """Continue from the latest checkpoint in --checkpoint-dir (an error if there is none)."""
     auto_resume: bool = False

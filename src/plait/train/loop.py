@@ -16,6 +16,7 @@ from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
 
 if TYPE_CHECKING:
+    from plait.checkpoint import AsyncCheckpointer
     from plait.distributed.context import ParallelContext
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
@@ -49,6 +50,7 @@ class TrainResult:
     host_speed: float | None = None  # the host's speed at the start over the profile's (plait.train.predict)
     startup_s: float = 0.0
     params: int = 0
+    checkpoint_blocked_s: list[float] = field(default_factory=list)  # per save in the loop: the loop's wait
     stopped_at: int | None = None  # the step a stop signal (SIGTERM) ended the run at, with a checkpoint
     stop_signal: str | None = None
     memory: list[dict] = field(default_factory=list)  # per rank: memory_rows()
@@ -68,6 +70,7 @@ class Run:
     start: int = 0
     resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
+    saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
     prediction: Estimate | None = None  # the planner's Estimate of this run (plait.train.predict), rank 0
 
 
@@ -134,12 +137,26 @@ def resume(run: Run) -> None:
 
 
 def save(run: Run, step: int) -> str:
-    from plait.checkpoint import save_checkpoint
+    """Save a checkpoint of step ``step`` (collective); returns its folder, in place once the write is done."""
+    from plait.checkpoint import AsyncCheckpointer, save_checkpoint
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}
     run.last_save = time.monotonic()
-    return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
+    if not run.cfg.async_checkpoint:
+        return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
+    run.saver = run.saver or AsyncCheckpointer()
+    return str(run.saver.save(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
+
+
+def timed_save(run: Run, res: TrainResult, step: int, row: dict | None = None) -> None:
+    """A save inside the step loop, with the time the loop was blocked by it (in ``res`` and the metrics row)."""
+    t0 = time.perf_counter()
+    res.checkpoint = save(run, step)
+    blocked = time.perf_counter() - t0
+    res.checkpoint_blocked_s.append(blocked)
+    if row is not None:
+        row["checkpoint_blocked_s"] = blocked
 
 
 def train_one(run: Run, step: int, trace: bool, phases: dict[str, float] | None = None
@@ -225,7 +242,7 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None) -> TrainResult:
         if stop is not None and stop.agreed(run.ctx):
             res.stopped_at, res.stop_signal = step + 1, stop.name
             if res.checkpoint is None or not res.checkpoint.endswith(f"step_{step + 1:08d}"):
-                res.checkpoint = save(run, step + 1)
+                timed_save(run, res, step + 1)
             break
     res.memory = memory_rows(run.pm)
     _finish(run, res, times)
@@ -267,7 +284,7 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
         row["held_out_loss"] = held_out_loss(run)
     if step + 1 < cfg.steps and (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                                  or _minutes_due(run)):
-        res.checkpoint = save(run, step + 1)
+        timed_save(run, res, step + 1, row)
     return row
 
 
@@ -324,9 +341,10 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
     if steady:
         res.step_time_s = steady[len(steady) // 2]
         res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
-    if res.stopped_at is not None:
-        return  # stopped by a signal: the checkpoint is written, leave promptly
-    if cfg.steps > run.start or run.resumed_from is None:
-        res.checkpoint = save(run, cfg.steps)
-    res.held_out = held_out_loss(run)
-    res.sample = sample_text(run)
+    if res.stopped_at is None:  # (stopped by a signal: the checkpoint is saved, leave promptly)
+        if cfg.steps > run.start or run.resumed_from is None:
+            res.checkpoint = save(run, cfg.steps)
+        res.held_out = held_out_loss(run)  # while the last checkpoint is written
+        res.sample = sample_text(run)
+    if run.saver is not None:
+        run.saver.wait()  # the last checkpoint in place before the run reports it

@@ -155,11 +155,21 @@ def summary_table(cfg: TrainConfig, run, res):
         ("step by phase", _phases(res)),
         ("bubble", _bubbles(res)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
-        ("checkpoint", res.checkpoint or "-"),
+        ("checkpoint", (res.checkpoint or "-") + _blocked(cfg, res)),
     ]
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _blocked(cfg: TrainConfig, res) -> str:
+    """How long the step loop waited per checkpoint saved during the run."""
+    b = res.checkpoint_blocked_s
+    if not b:
+        return ""
+    how = "written in the background" if cfg.async_checkpoint else "written in the loop (--no-async-checkpoint)"
+    return (f"; {len(b)} saves during the run, the step loop blocked {sum(b) / len(b) * 1e3:,.0f} ms per save "
+            f"(max {max(b) * 1e3:,.0f} ms; {how})")
 
 
 def _at_speed(res) -> str:
