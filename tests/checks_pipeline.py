@@ -125,7 +125,8 @@ def check_trace(ctx, schedule: str, virtual: int = 1) -> dict:
     pm.train_step(inputs, targets, trace=True)
     after = time.perf_counter()
     stats = pm.last_stats
-    # on the host's clock (what bench/pipeline_sharing.py lines ranks up by): every action inside the step
+    # on the host's clock (what docs/planner-log.md's sharing study, entry 18, lined ranks up by): every action
+    # inside the step
     clock_ok = before <= stats.started_at and all(
         before <= stats.started_at + s <= stats.started_at + e <= after for _, s, e in stats.timeline)
     report = pm.trace_report()

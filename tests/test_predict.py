@@ -133,7 +133,7 @@ def test_predicted_step_time_on_this_machine(world4):
     ratio alike, as the rounds alternate over the layouts: once at load 8 one layout fell just outside a
     plain 2x). 2x still fails a model that forgets a kernel class, the cores' sharing, a collective or a
     schedule's bubble (each worth 1.3-4x on some of these layouts, so it moves them away from the others, or
-    all of them when it is everywhere). The tight figure (15%) is bench/plan_vs_run.py's."""
+    all of them when it is everywhere). The tight figure (15%) is bench/planner/plan_vs_run.py's."""
     rows = result(world4, "predict/vs_measured")[0]
     assert len(rows) == len(checks_predict.LAYOUTS)
     ratios = {str(r["layout"]): r["measured_s"] / r["predicted_s"] for r in rows}
@@ -300,7 +300,7 @@ def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_pa
 def test_tp_block_rounds_run_the_calls_asked_and_average_per_call():
     """``tp_block.measure(calls=c)`` runs each part c times per round after one warm-up call, every rank the
     same number of rounds (at least MIN_ROUNDS), and returns the mean seconds of one call: with parts that
-    sleep 4 and 2 ms, about 4 and 2 ms whatever c is (bench/tp_block_rounds.py varies it)."""
+    sleep 4 and 2 ms, about 4 and 2 ms whatever c is (docs/planner-log.md, entry 10, varied it)."""
     from plait.calibrate import tp_block
 
     for calls in (1, 3):

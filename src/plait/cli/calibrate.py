@@ -9,7 +9,7 @@ import typer
 
 # How far the host's speed probes may move during a calibration ((max - min) / mean) before the summary
 # warns. The probe alone reads 12-17% apart (standard deviation over mean) from one second to the next on an
-# idle 2-core VM (bench/host_noise.py), so the dozen or so probes of a calibration span 40-60% with no drift at
+# idle 2-core VM (docs/planner-log.md, entry 4), so the dozen or so probes of a calibration span 40-60% with no drift at
 # all; a wider span is the host moving.
 STEADY = 0.6
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # How far the host's speed probe (plait calibrate's: one linear layer on one thread for about 0.06 s) may
 # read from its calibrated speed before the run says so. On an idle 2-core VM the probe's reading moves by
 # about 12% (standard deviation over mean) from one second to the next, and it correlates weakly with the
-# speed of the work that follows (bench/host_noise.py); a reading within twice that says nothing about the run.
+# speed of the work that follows (docs/planner-log.md, entry 4); a reading within twice that says nothing about the run.
 SPEED_NOTE = 0.3
 
 

@@ -1,4 +1,4 @@
-"""Which layouts the prediction leans on, over several runs of ``bench/plan_vs_run.py``.
+"""Which layouts the prediction leans on, over several runs of ``bench/planner/plan_vs_run.py``.
 
 One run of ``plan_vs_run.py`` cannot tell the model's error from the host's: this VM's speed moves by a
 seventh to a third over a benchmark, and that moves every layout of a run together. Over several runs, a
@@ -23,9 +23,9 @@ p(L) = Φ((ln(1 + goal) - L)/σ_m) - Φ((ln(1 - goal) - L)/σ_m), n layouts give
 on average and all n with probability E[p(L)^n]. Set beside the runs' own counts, that says how much of the
 misses noise alone explains.
 
-    python bench/plan_vs_run.py --interleave --profile /tmp/ak.toml > ak.txt     # one run, ~15 min here
-    python bench/plan_leans.py ak.txt al.txt am.txt                               # the leans over them
-    python bench/plan_leans.py --json ak.txt al.txt                               # the same as JSON
+    python bench/planner/plan_vs_run.py --interleave --profile /tmp/ak.toml > ak.txt     # one run, ~15 min here
+    python bench/planner/plan_leans.py ak.txt al.txt am.txt                               # the leans over them
+    python bench/planner/plan_leans.py --json ak.txt al.txt                               # the same as JSON
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def read_json(path: Path) -> dict:
     text = path.read_text()
     start = 0 if text.lstrip().startswith("{") else text.find("\n{")
     if start < 0:
-        raise SystemExit(f"{path}: no JSON of bench/plan_vs_run.py in it (save its whole stdout)")
+        raise SystemExit(f"{path}: no JSON of bench/planner/plan_vs_run.py in it (save its whole stdout)")
     try:
         data = json.loads(text[start:])
     except json.JSONDecodeError as exc:
         raise SystemExit(f"{path}: its JSON does not parse ({exc}); save the whole stdout of one run") from None
     rows = data.get("layouts") if isinstance(data, dict) else None
     if not rows:
-        raise SystemExit(f"{path}: its JSON has no 'layouts' (is it bench/plan_vs_run.py's?)")
+        raise SystemExit(f"{path}: its JSON has no 'layouts' (is it bench/planner/plan_vs_run.py's?)")
     return data
 
 
@@ -142,7 +142,7 @@ def leans(runs: dict[str, dict[str, float]]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("outputs", nargs="+", type=Path, help="saved stdout (or JSON) of bench/plan_vs_run.py runs")
+    parser.add_argument("outputs", nargs="+", type=Path, help="saved stdout (or JSON) of plan_vs_run.py runs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the tables")
     args = parser.parse_args()
     if len(args.outputs) < 2:

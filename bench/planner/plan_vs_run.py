@@ -12,8 +12,8 @@ Goal: every step time within 15% and every memory figure within 10% of the predi
 Before every run it takes the calibration's speed probe (one thread, one linear layer) in this process: the
 speed now over the calibration's mean is the ``host speed`` column. This machine's speed moves by up to a
 quarter between minutes (more on a busy day), and a prediction can only be as right as the speed it was
-calibrated at. The probe is a short one, and noisier than what it probes: ``bench/host_noise.py`` measures
-how much (on this VM, readings 12-17% apart from one second to the next, correlated 0.1-0.4 with the speed
+calibrated at. The probe is a short one, and noisier than what it probes (docs/planner-log.md, entry 4, measured
+how much: (on this VM, readings 12-17% apart from one second to the next, correlated 0.1-0.4 with the speed
 of the work after them), so a single ``host speed`` says little; many of them over a benchmark say whether
 the host was slower or faster on the whole.
 ``at speed`` is the ratio times the host speed: what it would be had the calibration run at the speed the
@@ -28,7 +28,7 @@ of the two calibrations either side of it (the host's drift over the whole run t
 Each calibration is kept on its own (beside ``--profile`` as STEM.1.toml, STEM.2.toml, ...).
 The ratios' geometric mean per process count is printed too: each count is predicted from its own
 section of the calibration, so a count apart from the others points at that section. What one feature
-costs, free of the host's drift, is ``bench/plan_pairs.py``'s.
+costs, free of the host's drift, was measured two layouts to a world (docs/planner-log.md, entry 6).
 A second table splits each step into the phases ``plait train`` measures on rank 0 (forward-backward,
 gradient reduction, optimizer; ``plait.plan.estimate.PHASES``) beside the first calibration's prediction of
 each, so that a miss shows where in the step it is.
@@ -293,7 +293,7 @@ def main() -> None:
     drift = [x for v in speeds.values() for x in v if x == x]  # not nan
     if drift:
         print(f"the probe before the runs read {statistics.median(drift):.2f}x the calibration's mean speed (median; "
-              f"{min(drift):.2f}-{max(drift):.2f}x; one reading moves 12-17% on its own, bench/host_noise.py)")
+              f"{min(drift):.2f}-{max(drift):.2f}x; one reading moves 12-17% on its own: docs/planner-log.md, entry 4)")
     if any(len(r["measured_rounds_s"]) > 1 for r in rows):
         apart = sorted(r["rounds_apart"] for r in rows)
         print(f"the runs themselves: a layout's rounds (each the median of its steady steps) were "
