@@ -130,6 +130,18 @@ def test_content_parts_kept_for_templates_that_loop_over_them_else_joined(folder
     assert err.value.status == 400
 
 
+def test_continue_final_message_equals_apply_chat_template(folders):
+    prefill = [*CHAT[:2], {"role": "assistant", "content": "The weather is"}]
+    parts = [*CHAT[:2], {"role": "assistant", "content": [{"type": "text", "text": "The weather is "}]}]
+    for name, chat in (("llama3", prefill), ("qwen25", prefill), ("qwen2vl", parts)):
+        info, hf = _pair(folders[name])
+        got = info.chat_ids({"messages": chat, "continue_final_message": True, "add_generation_prompt": False})
+        assert got == _hf(hf, chat, continue_final_message=True), name
+        assert hf.decode(got).rstrip().endswith("The weather is"), (name, hf.decode(got)[-40:])
+    with pytest.raises(ApiError, match="cannot both be true"):
+        info.chat_ids({"messages": prefill, "continue_final_message": True})
+
+
 def test_template_errors_are_400s_naming_them(folders):
     info, _ = _pair(folders["mistral"])
     with pytest.raises(ApiError, match="TemplateError: Conversation roles must alternate") as err:

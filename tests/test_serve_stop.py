@@ -81,6 +81,7 @@ def test_ctrl_c_pp2_finishes_running_requests_refuses_new_ones_and_logs_them(tmp
         time.sleep(0.2)
         late = httpx.post(f"{server.url}/v1/completions", json={"prompt": "too late", "max_tokens": 2}, timeout=30)
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+        assert httpx.get(f"{server.url}/health", timeout=30).json() == {"status": "stopping", "reason": "SIGINT"}
         streamer.join(120)
         assert lines[-1] == "[DONE]", lines[-3:]
         ids = [t for line in lines[:-1] for t in json.loads(line)["choices"][0]["token_ids"]]

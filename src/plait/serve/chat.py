@@ -18,6 +18,7 @@ PLAIT_SOURCE = "plait's <|role|> format (the folder has no chat template)"
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, under its usual names
 RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}  # variables chat_template_kwargs can't set
+TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of the last message (continue_final_message)
 
 
 def _read_json(path: Path) -> dict:
@@ -129,7 +130,7 @@ def _content(value, as_parts: bool, where: str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ApiError(400, f"{where}.content[{j}]: only text parts are supported, not {kind!r}", "messages",
                            "unsupported")
-        texts.append(part)
+        texts.append(dict(part))
     return texts if as_parts else "\n".join(p["text"] for p in texts)
 
 
@@ -191,21 +192,54 @@ class ChatTemplate:
                             f"chat_template ({sorted(self.templates)})", "chat_template")
 
     def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
-               template: str | None = None, kwargs: dict | None = None) -> str:
-        """The prompt text of ``messages``; ApiError 400 naming the error when the template fails."""
+               template: str | None = None, kwargs: dict | None = None, continue_final: bool = False) -> str:
+        """The prompt text of ``messages``; ApiError 400 naming the error when the template fails.
+
+        ``continue_final``: the text ends inside the last message, so the model goes on with it (as
+        transformers: a tag after its content, the text cut at the tag)."""
         source = self.pick(template, tools)
         kwargs = kwargs or {}
         if set(kwargs) & RESERVED:
             raise ApiError(400, f"chat_template_kwargs may not set {sorted(set(kwargs) & RESERVED)}",
                            "chat_template_kwargs")
+        if continue_final and add_generation_prompt:
+            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                           "continue_final_message")
         chat = normalize(messages, iterates_content(source))
+        final = _tag_final(chat, source) if continue_final else None
         try:
-            return compile_template(source).render(messages=chat, tools=tools, documents=documents,
+            text = compile_template(source).render(messages=chat, tools=tools, documents=documents,
                                                    add_generation_prompt=add_generation_prompt,
                                                    **{**self.special, **kwargs})
         except Exception as exc:  # the template is the folder's or the request's code: any failure is a 400
             raise ApiError(400, f"the chat template failed: {type(exc).__name__}: {exc}", "messages",
                            "chat_template_error") from None
+        return text if final is None else _cut_at_tag(text, final)
+
+
+def _tag_final(chat: list[dict], source: str) -> str:
+    """Put TAG after the last message's text (its last text part); that text."""
+    last = chat[-1].get("content")
+    if last is None or "content" not in source:
+        raise ApiError(400, "continue_final_message: the last message has no content the template shows",
+                       "continue_final_message")
+    if isinstance(last, list):
+        part = next((p for p in reversed(last) if "text" in p), None)
+        if part is None:
+            raise ApiError(400, "continue_final_message: the last message has no text", "continue_final_message")
+        final, part["text"] = part["text"], part["text"] + TAG
+    else:
+        final, chat[-1]["content"] = last, last + TAG
+    return final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """The rendered text up to the tag (and without the whitespace the template trimmed before it)."""
+    if final.strip() not in text or TAG.strip() not in text:
+        raise ApiError(400, "continue_final_message: the chat template dropped part of the last message",
+                       "continue_final_message")
+    at = text.rindex(TAG.strip())
+    return text[:at] if text[at: at + len(TAG)] == TAG else text[:at].rstrip()
 
 
 def chat_prompt(messages: list[dict]) -> str:

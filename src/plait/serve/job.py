@@ -46,6 +46,8 @@ class StopSignals:
     def _note(self, signum, frame) -> None:
         if not self.reason:
             self.reason = signal.Signals(signum).name
+            if self.engine is None:
+                print(f"plait serve: {self.reason}: stopping once the model has loaded", file=sys.stderr, flush=True)
             self.hand_over()
 
     def attach(self, engine, grace: float) -> None:

@@ -19,14 +19,14 @@ FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "min_p", "n", "seed", "stream", "stream_options", "stop", "stop_token_ids", "ignore_eos",
           "include_stop_str_in_output", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias", "logprobs", "top_logprobs", "echo", "user", "return_tokens_as_token_ids", "add_special_tokens",
-          "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools", "documents"}
+          "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools", "documents",
+          "continue_final_message"}
 CHAT_ONLY = {"messages", "top_logprobs", "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools",
-             "documents"}
+             "documents", "continue_final_message"}
 # accepted only at these values (the features they would switch on are not implemented)
 NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []),
            "tool_choice": (None, "none"), "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
            "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-           "continue_final_message": (None, False),
            "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "prompt_logprobs": (None,),
            "store": (None, False), "metadata": (None,), "service_tier": (None, "auto"), "modalities": (None, ["text"]),
            "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),

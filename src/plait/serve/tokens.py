@@ -41,8 +41,9 @@ class TokenizerInfo:
 
     def chat_ids(self, body: dict) -> list[int]:
         """The prompt ids of a chat request (or a /tokenize with messages): its messages through the chat
-        template with vLLM's fields (add_generation_prompt, chat_template, chat_template_kwargs, tools,
-        documents), tokenized without added special tokens unless add_special_tokens (as vLLM)."""
+        template with vLLM's fields (add_generation_prompt, continue_final_message, chat_template,
+        chat_template_kwargs, tools, documents), tokenized without added special tokens unless
+        add_special_tokens (as vLLM)."""
         from plait.serve.protocol import ApiError
 
         kwargs = body.get("chat_template_kwargs") or {}
@@ -51,7 +52,7 @@ class TokenizerInfo:
         template = body.get("chat_template")
         if template is not None and not isinstance(template, str):
             raise ApiError(400, "chat_template must be a string (a template, or the name of one)", "chat_template")
-        for name in ("add_generation_prompt", "add_special_tokens"):
+        for name in ("add_generation_prompt", "add_special_tokens", "continue_final_message"):
             if body.get(name) is not None and not isinstance(body[name], bool):
                 raise ApiError(400, f"{name} must be true or false", name)
         for name in ("tools", "documents"):
@@ -61,7 +62,8 @@ class TokenizerInfo:
         generation = body.get("add_generation_prompt")
         text = self.chat.render(body.get("messages"), True if generation is None else generation,
                                 tools=body.get("tools") or None, documents=body.get("documents"),
-                                template=template, kwargs=kwargs)
+                                template=template, kwargs=kwargs,
+                                continue_final=bool(body.get("continue_final_message")))
         return self.encode(text, bool(body.get("add_special_tokens") or False))
 
     def info(self) -> dict:
