@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # A CPU build of PyTorch lies on this machine's disk; any other request downloads a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test check-install bench lint clean
+.PHONY: install demo test check-install bench lint clean gpu-check
 
 $(BIN)/plait: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,14 @@ check-install:
 
 bench: install
 	$(BIN)/python bench/run_all.py
+
+# On a machine with a GPU: the tree's sources on the path of a Python whose torch has CUDA (no install step: such
+# machines often reach no package registry). Writes gpu-check/gpu_check.json and gpu_check.md; ~6-8 min on one H100.
+# On a CPU: make gpu-check PY=.venv/bin/python GPU_DEVICE=cpu GPU_FLAGS=--quick
+GPU_DEVICE ?= cuda
+GPU_FLAGS ?=
+gpu-check:
+	PYTHONPATH=src $(PY) bench/gpu_check.py --device $(GPU_DEVICE) $(GPU_FLAGS) --out gpu-check
 
 lint: install
 	$(BIN)/ruff check src tests bench

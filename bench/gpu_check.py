@@ -1,0 +1,357 @@
+"""One-device check of plait's GPU path: tests on the device, training speed beside transformers', the planner's
+prediction beside the measured step, generation and serving speed. Writes ``gpu_check.json`` and a Markdown
+table to ``--out``.
+
+    python bench/gpu_check.py --device cuda --out gpu-check          # make gpu-check: ~6-8 min on one H100
+    python bench/gpu_check.py --device cpu --quick --out gpu-check   # the same sections on a CPU, small sizes
+
+Sections (each runs on its own: one that fails records ``{"error": ...}`` and the rest still run):
+  device    name, memory, torch and CUDA versions
+  tests     ``pytest tests/test_device_path.py tests/test_device_guards.py --device DEV``: passed / failed
+  train     one process: plait (``parallelize`` + ``ParallelOptimizer``, bf16 over fp32 masters on a GPU) and
+            transformers' ``LlamaForCausalLM`` (fp32 weights under bf16 autocast, fused AdamW) on the same config,
+            batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N + 12·L·d·S FLOPs a
+            token, PaLM's count, over the device's dense bf16 peak)
+  predict   ``plait calibrate --processes 1`` on the device, then ``plait train --dry-run --cluster`` of the same
+            run: the planner's predicted step beside the step measured in ``train``
+  generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache)
+  serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s
+On a CPU ``mfu`` is null (no dense-peak figure to divide by); every other key is filled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: dense bf16 peaks (FLOP/s) by a word of the device's name; the planner's catalogue holds the same figures
+PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
+GPU_MODEL = dict(vocab_size=32000, dim=1536, n_layers=20, n_heads=12, n_kv_heads=4, ffn_dim=4096, max_seq_len=2048)
+CPU_MODEL = dict(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=128)
+
+
+def _sizes(quick: bool, cuda: bool) -> dict:
+    model = GPU_MODEL if cuda else CPU_MODEL
+    return {"model": model, "batch": 4 if cuda else 2, "seq": model["max_seq_len"], "warm": 3 if cuda else 1,
+            "steps": 10 if cuda and not quick else 3, "new_tokens": 64 if cuda else 16, "prompt": 128 if cuda else 16}
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _plait(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "plait.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=ROOT)
+
+
+# ------------------------------------------------------------------------------------------------ sections
+def device_section(device) -> dict:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return {"name": props.name, "memory_bytes": props.total_memory, "torch": torch.__version__,
+                "cuda": torch.version.cuda, "multiprocessors": props.multi_processor_count}
+    return {"name": platform.processor() or platform.machine(), "memory_bytes": os.sysconf("SC_PAGE_SIZE")
+            * os.sysconf("SC_PHYS_PAGES"), "torch": torch.__version__, "cuda": None, "cores": os.cpu_count()}
+
+
+def tests_section(device, out: Path) -> dict:
+    xml = out / "tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_device_path.py",
+           "tests/test_device_guards.py", f"--device={device}", f"--junitxml={xml}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    n, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None
+              or c.find("error") is not None]
+    return {"passed": n - failures - errors - skipped, "failed": failures + errors, "skipped": skipped,
+            "failed_names": failed, "exit_code": proc.returncode,
+            "files": ["tests/test_device_path.py", "tests/test_device_guards.py"]}
+
+
+def _world(device):
+    """A one-process world on ``device``'s backend (Gloo on CPU, NCCL on CUDA) and its context."""
+    import torch
+
+    import plait
+    from plait.distributed.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK=str(device.index or 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    return plait.init(1, 1, 1)
+
+
+def _timed(step, device, n: int) -> list[float]:
+    from plait.devices import synchronize
+
+    times = []
+    for _ in range(n):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def train_section(ctx, sizes: dict, folder: Path) -> dict:
+    """plait and transformers on the same Llama, batch and device, one step of each in turn."""
+    import statistics
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import plait
+    from plait.models import Llama, LlamaConfig
+    from plait.optim import ParallelOptimizer
+
+    device, cuda = ctx.device, ctx.device.type == "cuda"
+    cfg = LlamaConfig(**sizes["model"])
+    torch.manual_seed(0)
+    Llama(cfg).save_pretrained(folder)  # the same weights for both, and the folder predict/generate/serve use
+    precision = "bf16" if cuda else "fp32"
+    pm = plait.parallelize(Llama.from_pretrained(folder), ctx, microbatches=1, precision=precision)
+    opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-4, precision=precision, clip=1.0)
+    hf = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", torch_dtype=torch.float32).to(device)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
+    b, s = sizes["batch"], sizes["seq"]
+    tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def plait_step() -> None:
+        pm.zero_grad()
+        pm.train_step(x, y)
+        opt.step()
+
+    def hf_step() -> None:  # the same S positions forward and backward (transformers shifts the labels itself)
+        hf_opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = hf(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        hf_opt.step()
+
+    for _ in range(sizes["warm"]):
+        plait_step()
+        hf_step()
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(sizes["steps"]):  # in turn, so a change of clock or load hits both alike
+        ours += _timed(plait_step, device, 1)
+        theirs += _timed(hf_step, device, 1)
+    step_s, hf_step_s = statistics.median(ours), statistics.median(theirs)
+    n_params = sum(p.numel() for p in Llama.from_pretrained(folder).parameters())
+    flops_per_token = 6 * n_params + 12 * cfg.n_layers * cfg.dim * s
+    peak = next((v for k, v in PEAKS.items() if cuda and k in torch.cuda.get_device_name(device)), None)
+    tps, hf_tps = b * s / step_s, b * s / hf_step_s
+    return {"params": n_params, "batch": b, "seq_len": s, "precision": precision, "steps_timed": sizes["steps"],
+            "measured_step_s": step_s, "train_tokens_per_s": tps, "hf_step_s": hf_step_s,
+            "hf_train_tokens_per_s": hf_tps, "ratio_vs_hf": tps / hf_tps,
+            "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak}
+
+
+def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measured_step_s: float | None) -> dict:
+    """``plait calibrate`` on this device, then the planner's step for the ``train`` section's run."""
+    profile, metrics = out / "host.toml", out / "predict.jsonl"
+    t0 = time.perf_counter()
+    cal = _plait("calibrate", "--processes", "1", "--out", str(profile), timeout=420)
+    if cal.returncode:
+        raise RuntimeError(f"plait calibrate exited {cal.returncode}: {cal.stderr[-2000:]}")
+    calibrate_s = time.perf_counter() - t0
+    metrics.unlink(missing_ok=True)
+    run = _plait("train", "--dry-run", "--cluster", str(profile), "--model", str(folder), "--tp", "1", "--pp", "1",
+                 "--nproc", "1", "--microbatches", "1", "--batch-size", str(sizes["batch"]), "--seq-len", str(sizes["seq"]),
+                 "--precision", precision, "--metrics", str(metrics), timeout=300)
+    if run.returncode:
+        raise RuntimeError(f"plait train --dry-run exited {run.returncode}: {run.stderr[-2000:]}")
+    row = json.loads(metrics.read_text().splitlines()[-1])
+    predicted = row["predicted_step_time_s"]
+    return {"calibrate_s": calibrate_s, "predicted_step_s": predicted, "measured_step_s": measured_step_s,
+            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None}
+
+
+def generate_section(device, sizes: dict, folder: Path) -> dict:
+    import torch
+
+    import plait
+    from plait.devices import synchronize
+    from plait.models import Llama
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Llama.from_pretrained(folder, dtype=dtype).to(device).eval()
+    vocab, new = model.config.vocab_size, sizes["new_tokens"]
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"new_tokens": new, "prompt_tokens": sizes["prompt"], "dtype": str(dtype).replace("torch.", "")}
+    for batch in (1, 32):
+        prompts = torch.randint(0, vocab, (batch, sizes["prompt"]), generator=g).tolist()
+        plait.generate(model, prompts, max_new_tokens=2)  # warm-up: kernels, allocator
+        synchronize(device)
+        t0 = time.perf_counter()
+        plait.generate(model, prompts, max_new_tokens=new)
+        synchronize(device)
+        out[f"generate_tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - t0)
+    out["generate_tokens_per_s"] = {1: out["generate_tokens_per_s_batch1"], 32: out["generate_tokens_per_s_batch32"]}
+    return out
+
+
+def _port() -> int:
+    """A free port below the ephemeral range (the server's own Gloo listeners take ephemeral ones)."""
+    import random
+    import socket
+
+    for port in random.Random(os.getpid()).sample(range(20000, 30000), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port between 20000 and 30000")
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def serve_section(sizes: dict, folder: Path, out: Path, concurrent: int = 32) -> dict:
+    """``plait serve`` on this device, ``concurrent`` completions at once: output tokens/s over the wall time."""
+    port, new = _port(), sizes["new_tokens"]
+    log = (out / "serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "plait.cli.main", "serve", "--model", str(folder), "--port",
+                               str(port), "--max-batch", str(concurrent), "--max-tokens", str(new)],
+                              stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"plait serve exited {server.returncode}: {(out / 'serve.log').read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/v1/models", timeout=5).read()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError("plait serve did not answer within 300 s") from None
+                time.sleep(1)
+        body = {"prompt": "def fibonacci(n):" * 4, "max_tokens": new, "temperature": 0.0}
+        _post(f"{base}/v1/completions", dict(body, max_tokens=2))  # warm-up
+        done: list[int] = []
+        errors: list[str] = []
+
+        def one() -> None:
+            try:
+                done.append(_post(f"{base}/v1/completions", body)["usage"]["completion_tokens"])
+            except Exception as exc:  # recorded in the section's result
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=one) for _ in range(concurrent)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    return {"concurrent": concurrent, "completed": len(done), "errors": errors[:3], "output_tokens": sum(done),
+            "wall_s": wall, "serve_tokens_per_s": sum(done) / wall}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def _run(name: str, results: dict, fn, *args):
+    t0 = time.perf_counter()
+    print(f"gpu_check: {name} ...", flush=True)
+    try:
+        results[name] = fn(*args)
+    except Exception as exc:  # one section's failure is that section's result; the others still run
+        results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+    results[name]["section_s"] = round(time.perf_counter() - t0, 1)
+    print(f"gpu_check: {name} done in {results[name]['section_s']} s", flush=True)
+    return results[name]
+
+
+def markdown(results: dict) -> str:
+    rows = ["| section | key | value |", "|---|---|---|"]
+    for section, values in results.items():
+        if not isinstance(values, dict):
+            continue
+        for key, value in values.items():
+            if key in ("traceback", "failed_names") or isinstance(value, (dict, list)):
+                continue
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            rows.append(f"| {section} | {key} | {shown} |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps (on a CPU: the small sizes anyway)")
+    parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md and logs")
+    args = parser.parse_args()
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_check: --device cuda but torch.cuda.is_available() is False")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = _sizes(args.quick, device.type == "cuda")
+    results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick}
+    started = time.perf_counter()
+    _run("device", results, device_section, device)
+    _run("tests", results, tests_section, device, out)
+    sys.path.insert(0, str(ROOT / "src"))
+    folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))
+    ctx = _world(device)
+    train = _run("train", results, train_section, ctx, sizes, folder)
+    _run("generate", results, generate_section, ctx.device, sizes, folder)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    precision = train.get("precision", "bf16" if device.type == "cuda" else "fp32")
+    _run("predict", results, predict_section, sizes, precision, folder, out, train.get("measured_step_s"))
+    _run("serve", results, serve_section, sizes, folder, out)
+    flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),
+            "hf_train_tokens_per_s": train.get("hf_train_tokens_per_s"),
+            "predicted_step_s": results["predict"].get("predicted_step_s"),
+            "measured_step_s": train.get("measured_step_s"),
+            "generate_tokens_per_s": results["generate"].get("generate_tokens_per_s"),
+            "serve_tokens_per_s": results["serve"].get("serve_tokens_per_s")}
+    results = {**flat, **results, "total_s": round(time.perf_counter() - started, 1)}
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "gpu_check.md").write_text(markdown(results))
+    print(markdown(results))
+    failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
+    print(f"gpu_check: wrote {out / 'gpu_check.json'} in {results['total_s']} s"
+          + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
+
+
+if __name__ == "__main__":
+    main()
