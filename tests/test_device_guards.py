@@ -24,6 +24,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "parallel_model.py": (1, "full_state_dict returns host tensors (documented), for saving and comparing"),
     "checkpoint/store.py": (1, "a checkpoint is written from host copies of the shards"),
     "models/hf.py": (1, "safetensors writes host tensors"),
+    "pipeline/p2p.py": (2, "a GPU's pipeline messages are staged through host buffers for Gloo's tag matching"),
     "cli/calibrate.py": (1, "the host facts' processor name, shown in a table"),
     "train/auto.py": (1, "the planner catalogue's entry for a CPU host (auto layout on CPU processes)"),
 }
@@ -98,3 +99,17 @@ def test_the_launcher_gives_each_worker_its_local_rank():
     from plait.distributed.launch import run_world
 
     assert run_world(_local_rank, 2, timeout_s=120) == ["0", "1"]
+
+
+def test_gpu_pipeline_messages_are_staged_through_the_host_on_gloo(monkeypatch):
+    """Under NCCL the pipeline's messages travel on a Gloo group (tags matter): a GPU transport then sends and
+    receives host buffers; on a CPU, or on a group of another backend, the buffers stay on the device."""
+    import torch.distributed as dist
+
+    from plait.pipeline.p2p import Transport
+
+    group = object()
+    for backend, device, wire in (("gloo", "cuda:1", "cpu"), ("gloo", "cpu", "cpu"), ("nccl", "cuda:1", "cuda:1")):
+        monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
+        t = Transport(2, 4, torch.device(device), 10.0, group=group)  # type: ignore[arg-type]
+        assert t.world is group and t.wire == torch.device(wire), (backend, device, t.wire)

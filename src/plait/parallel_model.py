@@ -72,7 +72,8 @@ class ParallelModel:
         self.reducers = self._build_reducers()
         self.cast = StepCast(self.chunks, config.precision)  # bf16 copies of the fp32 masters per step
         self.param_shards = self._shard_params() if config.zero == 3 else None  # ZeRO-3
-        self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s)
+        self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s,
+                                   group=ctx.p2p_group)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
                                  self.store, self.reducers)
         self._input_shape: tuple | None = None

@@ -141,6 +141,15 @@ class ParallelContext:
     def world_group(self) -> ProcessGroup | None:
         return self._groups.get("world")
 
+    @property
+    def p2p_group(self) -> ProcessGroup | None:
+        """The group pipeline messages travel on (its ranks are the global ranks): the default group under
+        Gloo; under NCCL a Gloo group over the same ranks, the messages staged through host memory. NCCL
+        matches a pair's messages in posting order and ignores tags, and a send waits on the same stream as the
+        receives behind it; plait's pipeline posts receives early and matches them by tag, which only Gloo
+        honours (docs/runtime.md, "The GPU path")."""
+        return self._groups.get("p2p", self.world_group)
+
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/cp/dp coordinates."""
         return self.global_rank(pp_rank=pp_rank)
@@ -222,6 +231,8 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
         groups["dp_cp"] = flat.get_group("dp_cp")
     assert dist.group.WORLD is not None  # the default group exists from here on
     groups["world"] = dist.group.WORLD
+    if config.pp > 1 and dist.get_backend() != "gloo":  # every rank creates it, in the same order
+        groups["p2p"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     groups.update(_expert_groups(config, device))
     return ParallelContext(config=config, rank=dist.get_rank(), world_size=world, device=device,
                            mesh=mesh, timeout_s=timeout, _groups=groups)

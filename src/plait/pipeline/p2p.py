@@ -4,6 +4,10 @@ Every message has a tag unique within a step (kind, chunk, micro-batch), so rece
 early and in any order: nothing depends on matching order, and no ``batch_isend_irecv`` is used (it can
 hang on Gloo). Shapes and dtypes cross once per activation boundary and input shape in a small header
 message; they are sent again when the sequence length (or any input shape) changes.
+
+Tag matching is Gloo's: NCCL ignores tags. On GPUs the messages therefore travel on a Gloo group over the same
+ranks (``ParallelContext.p2p_group``), staged through host memory: a device-to-host copy before each send and
+a host-to-device copy after each receive.
 """
 
 from __future__ import annotations
@@ -32,15 +36,18 @@ class PendingRecv:
 class Transport:
     """Sends and receives of one rank for one pipeline schedule (chunk count and micro-batches fixed)."""
 
-    def __init__(self, num_chunks: int, microbatches: int, device: torch.device, timeout_s: float):
+    def __init__(self, num_chunks: int, microbatches: int, device: torch.device, timeout_s: float,
+                 group: dist.ProcessGroup | None = None):
         self.num_chunks, self.microbatches = num_chunks, microbatches
         self.device, self.timeout_s = device, timeout_s
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        # the default group's own send/recv (global ranks are its ranks): torch.distributed's isend/irecv
+        # the group's own send/recv (its ranks are the global ranks): torch.distributed's isend/irecv
         # re-check the group and the tensor on every call, a measurable share of a small message's cost
-        world = dist.group.WORLD
+        world = group if group is not None else dist.group.WORLD
         assert world is not None, "torch.distributed is initialised before a Transport"
         self.world = world
+        # Gloo moves host tensors: a GPU's messages are staged through host buffers
+        self.wire = device if dist.get_backend(world) != "gloo" or device.type == "cpu" else torch.device("cpu")
         # in-flight sends: (work, buffer, destination, index of the destination's action that consumes it)
         self.sends: list[tuple[object, torch.Tensor, int, int]] = []
         self.loss_sends: list[tuple[object, torch.Tensor]] = []  # 8 bytes each, waited at the step's end
@@ -60,10 +67,10 @@ class Transport:
     def send(self, tensor: torch.Tensor, dst: int, kind: int, chunk: int, mb: int, consumer: int = -1) -> None:
         """Asynchronously send ``tensor`` for (kind, chunk, mb) to global rank ``dst``, where the action at
         index ``consumer`` of ``dst``'s list will use it (see ``release``)."""
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to(self.wire).contiguous()
         try:
             if kind == ACT and (kind, chunk) not in self.sent_headers:
-                header = _encode_header(tensor).to(self.device)
+                header = _encode_header(tensor).to(self.wire)
                 self.sends.append((self.world.send([header], dst, self.tag(HEADER, chunk, 0)), header, dst, consumer))
                 self.sent_headers.add((kind, chunk))
             self.sends.append((self.world.send([tensor], dst, self.tag(kind, chunk, mb)), tensor, dst, consumer))
@@ -96,7 +103,7 @@ class Transport:
     # ------------------------------------------------------------------------------------- the loss
     def send_loss(self, loss: torch.Tensor, dsts: list[int]) -> None:
         """Send the step's loss (a float64 scalar) to ``dsts`` as soon as it is known; waited at the step's end."""
-        value = loss.detach().to(self.device, torch.float64).reshape(1).clone()  # never aliases the running sum
+        value = loss.detach().to(self.wire, torch.float64).reshape(1).clone()  # never aliases the running sum
         for dst in dsts:
             try:
                 self.loss_sends.append((self.world.send([value], dst, self.tag(LOSS, 0, 0)), value))
@@ -104,7 +111,7 @@ class Transport:
                 raise CommError(f"sending the step's loss to rank {dst} failed (is it still running?): {exc}") from exc
 
     def post_loss(self, src: int) -> None:
-        buf = torch.empty(1, dtype=torch.float64, device=self.device)
+        buf = torch.empty(1, dtype=torch.float64, device=self.wire)
         try:
             work = self.world.recv([buf], src, self.tag(LOSS, 0, 0))
         except RuntimeError as exc:
@@ -114,7 +121,7 @@ class Transport:
     def wait_loss(self) -> torch.Tensor:
         pending = self.pending.pop((LOSS, 0, 0))
         self._wait(pending.work, pending.what, pending.src)
-        return pending.buffer[0]
+        return pending.buffer[0].to(self.device)
 
     # -------------------------------------------------------------------------------------- receive
     def known_shape(self, kind: int, chunk: int) -> bool:
@@ -131,7 +138,7 @@ class Transport:
         if (kind, chunk) not in self.shapes:
             return False
         shape, dtype = self.shapes[(kind, chunk)]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = torch.empty(shape, dtype=dtype, device=self.wire)
         what = f"{'activation' if kind == ACT else 'gradient'} of chunk {chunk}, micro-batch {mb}"
         try:
             work = self.world.recv([buf], src, self.tag(kind, chunk, mb))
@@ -143,14 +150,14 @@ class Transport:
     def recv(self, src: int, kind: int, chunk: int, mb: int) -> torch.Tensor:
         """Block until (kind, chunk, mb) from global rank ``src`` has arrived and return it."""
         if (kind, chunk) not in self.shapes:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.wire)
             work = self.world.recv([header], src, self.tag(HEADER, chunk, 0))
             self._wait(work, f"the shape header of chunk {chunk}", src)
             self.shapes[(kind, chunk)] = _decode_header(header)
         self.post(src, kind, chunk, mb)
         pending = self.pending.pop((kind, chunk, mb))
         self._wait(pending.work, pending.what, src)
-        return pending.buffer
+        return pending.buffer.to(self.device)
 
     def _wait(self, work, what: str, peer: int) -> None:
         who = f" from rank {peer}" if peer >= 0 else ""
