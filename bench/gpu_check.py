@@ -180,8 +180,8 @@ def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measur
     calibrate_s = time.perf_counter() - t0
     metrics.unlink(missing_ok=True)
     run = _plait("train", "--dry-run", "--cluster", str(profile), "--model", str(folder), "--tp", "1", "--pp", "1",
-                 "--nproc", "1", "--microbatches", "1", "--batch-size", str(sizes["batch"]), "--seq-len", str(sizes["seq"]),
-                 "--precision", precision, "--metrics", str(metrics), timeout=300)
+                 "--nproc", "1", "--microbatches", "1", "--batch-size", str(sizes["batch"]),
+                 "--seq-len", str(sizes["seq"]), "--precision", precision, "--metrics", str(metrics), timeout=300)
     if run.returncode:
         raise RuntimeError(f"plait train --dry-run exited {run.returncode}: {run.stderr[-2000:]}")
     row = json.loads(metrics.read_text().splitlines()[-1])

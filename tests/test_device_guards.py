@@ -22,7 +22,8 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "generation/decode.py": (5, "the sampler draws on the host from one seeded generator (the same tokens on any "
                                 "device) and the finished token ids are kept on the host to become text"),
     "parallel_model.py": (1, "full_state_dict returns host tensors (documented), for saving and comparing"),
-    "checkpoint/store.py": (1, "a checkpoint is written from host copies of the shards"),
+    "checkpoint/writer.py": (1, "a checkpoint is written from host copies of the shards (taken before the "
+                                "background write, so training goes on)"),
     "models/hf.py": (1, "safetensors writes host tensors"),
     "pipeline/p2p.py": (2, "a GPU's pipeline messages are staged through host buffers for Gloo's tag matching"),
     "cli/calibrate.py": (1, "the host facts' processor name, shown in a table"),
