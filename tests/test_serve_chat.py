@@ -172,3 +172,15 @@ def test_a_folder_without_a_template_gets_plaits_format(tmp_path):
     assert info.chat.source == PLAIT_SOURCE and info.info()["chat_template_source"] == PLAIT_SOURCE
     no_prompt = info.chat_ids({"messages": messages, "add_generation_prompt": False})
     assert bytes(no_prompt).decode() == "<|system|>\nBe brief.\n<|user|>\nHi\n"
+
+
+def test_a_checkpoint_takes_the_template_of_the_folder_it_was_trained_from(folders, tmp_path):
+    from plait.checkpoint.writer import FORMAT, META
+    from plait.generation.job import tokenizer_folder
+
+    for trained_on, want in ((folders["llama3"], folders["llama3"]), (tmp_path / "gone", tmp_path / "ckpt")):
+        ckpt = tmp_path / "ckpt"
+        (ckpt / "step_5").mkdir(parents=True, exist_ok=True)
+        (ckpt / "step_5" / META).write_text(json.dumps({"format": FORMAT, "train": {"model": str(trained_on)}}))
+        assert tokenizer_folder(str(ckpt)) == str(want)
+    assert ChatTemplate(tokenizer_folder(str(folders["llama3"]))).source == "tokenizer_config.json"

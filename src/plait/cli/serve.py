@@ -86,7 +86,7 @@ def serve_command(
 
     from plait.distributed.launch import JobError, run_or_launch
     from plait.errors import ConfigError, flag_message, require_extra
-    from plait.generation.job import source_config
+    from plait.generation.job import source_config, tokenizer_folder
     from plait.parallel_config import ParallelConfig
 
     try:
@@ -113,7 +113,7 @@ def serve_command(
         from plait.serve.chat import check_template
         from plait.serve.job import bind
 
-        check_template(model, chat_template)  # a broken template fails here, not on the first chat request
+        check_template(tokenizer_folder(model), chat_template)  # fails here, not on the first chat request
         bind(host, port).close()  # a busy port fails here, before any worker starts
         payload = {"model": model, "tp": tp, "pp": pp, "host": host, "port": port, "max_batch": max_batch,
                    "max_tokens": max_tokens, "kv_budget": kv_budget, "max_queue": max_queue, "kv_block": kv_block,

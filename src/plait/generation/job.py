@@ -32,6 +32,20 @@ def source_config(source: str):
     return model_config(reader.meta), lambda: CheckpointReader(ckpt), tok
 
 
+def tokenizer_folder(source: str) -> str:
+    """The folder whose tokenizer files (special tokens, chat template, end-of-sequence ids) go with the model
+    of ``source``: a Hugging Face folder itself; a plait checkpoint's, the folder it was trained from when that
+    is still there; else ``source``."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint
+
+    path = Path(source)
+    if (path / "config.json").is_file():
+        return source
+    ckpt = find_checkpoint(path) if path.is_dir() else None
+    trained_on = CheckpointReader(ckpt).meta.get("train", {}).get("model", "") if ckpt is not None else ""
+    return trained_on if trained_on and Path(trained_on).is_dir() else source
+
+
 def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
     """A plain model (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
     import plait

@@ -95,6 +95,7 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     """Rank 0: the engine in this (main) thread, uvicorn in another; after a stop, the last responses go out."""
     import uvicorn
 
+    from plait.generation.job import tokenizer_folder
     from plait.serve.chat import ChatTemplate
     from plait.serve.engine import Engine
     from plait.serve.kv import BlockAllocator
@@ -109,8 +110,9 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
     sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
     engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
-    chat = ChatTemplate(payload["model"], payload["chat_template"], payload["trust_request_chat_template"])
-    tokens = TokenizerInfo(tok, payload["model"], cfg.max_seq_len, chat)
+    folder = tokenizer_folder(payload["model"])
+    chat = ChatTemplate(folder, payload["chat_template"], payload["trust_request_chat_template"])
+    tokens = TokenizerInfo(tok, folder, cfg.max_seq_len, chat)
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
                     tokens.eos)
     api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
