@@ -109,7 +109,7 @@ def test_init_takes_a_config_or_keywords_not_both():
 def test_plan_layout_converts_or_refuses_what_the_runtime_cannot_run():
     from plait.plan import Layout, Training
 
-    lay = Layout(tp=2, pp=4, dp=2, virtual=2, schedule="interleaved-1f1b", sequence_parallel=True, zero=1)
+    lay = Layout(tp=2, pp=4, dp=2, virtual_stages=2, schedule="interleaved-1f1b", sequence_parallel=True, zero=1)
     cfg = lay.to_parallel_config(Training(global_batch=64))
     assert cfg == ParallelConfig(tp=2, pp=4, dp=2, schedule="interleaved-1f1b", microbatches=32, virtual_stages=2,
                                  sequence_parallel=True, zero=1, precision="bf16")

@@ -547,7 +547,7 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
 
 
 @pytest.mark.parametrize("layout", [Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b"),
-                                    Layout(pp=2, dp=2, virtual=2, microbatch_size=1, zero=1, schedule="zbv"),
+                                    Layout(pp=2, dp=2, virtual_stages=2, microbatch_size=1, zero=1, schedule="zbv"),
                                     Layout(tp=2, pp=2, microbatch_size=2, schedule="1f1b"),
                                     Layout(tp=4, microbatch_size=2, sequence_parallel=True)])
 def test_phases_split_the_step_where_the_runtime_spends_it(layout):

@@ -35,7 +35,7 @@ def test_bubble_is_the_same_in_ranking_breakdown_and_schedule():
 @pytest.mark.parametrize("layout", [Layout(tp=8, pp=2, dp=4), Layout(tp=4, pp=4, dp=4, sequence_parallel=True,
                                                                     recompute="selective", zero=2,
                                                                     schedule="zb-h1"),
-                                    Layout(tp=4, pp=4, dp=4, virtual=2, schedule="interleaved-1f1b",
+                                    Layout(tp=4, pp=4, dp=4, virtual_stages=2, schedule="interleaved-1f1b",
                                            sequence_parallel=True, recompute="full", zero=1)])
 def test_parts_add_up_to_the_step_and_bubble_is_idle_share(layout):
     m = Model.preset("llama3-70b")
@@ -45,7 +45,7 @@ def test_parts_add_up_to_the_step_and_bubble_is_idle_share(layout):
     assert e.bubble_fraction == pytest.approx(e.time["pp_bubble"] / e.step_time_s)
     # the pipeline part is simulated with the exact per-chunk costs: extrapolating M changes nothing
     chunks, pipe = pipeline(m, H100_64, layout, Training(512))
-    exact = profile(layout.schedule, layout.pp, e.microbatches, layout.virtual, [c.forward for c in chunks],
+    exact = profile(layout.schedule, layout.pp, e.microbatches, layout.virtual_stages, [c.forward for c in chunks],
                     [c.backward for c in chunks], [c.weight for c in chunks] if layout.schedule == "zb-h1" else None,
                     chunks[0].p2p, exact=True)
     assert pipe.makespan == pytest.approx(exact.makespan, rel=1e-9)

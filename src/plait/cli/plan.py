@@ -91,12 +91,12 @@ def _show_schedule(console, best) -> None:
     m = min(best.microbatches, 4 * lay.pp)
     ch = chunk_costs(best.cluster.costs, best.model, lay, best.training.precision)
     weight = [c.weight for c in ch] if lay.schedule in SPLIT_BACKWARD else None
-    r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual,
+    r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual_stages,
                                 rounds=best.rounds),
                  Costs(forward=[c.forward for c in ch], backward=[c.backward for c in ch], weight=weight,
                        p2p=ch[0].p2p))
     shown = f"the first {m} of {best.microbatches}" if m < best.microbatches else f"all {m}"
-    console.print(f"[bold]{lay.schedule}[/], pp={lay.pp}, v={lay.virtual}: {shown} micro-batches (times in s); "
+    console.print(f"[bold]{lay.schedule}[/], pp={lay.pp}, v={lay.virtual_stages}: {shown} micro-batches (times in s); "
                   f"bubble of the whole step {best.bubble_fraction:.1%} (idle share of the step, "
                   f"{best.time['pp_bubble']:.3f} of {best.step_time_s:.3f} s)")
     console.print("\n".join(r.to_ascii(width=100).splitlines()[1:]))  # its own header quotes this part alone

@@ -6,23 +6,22 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
-from plait.parallel_config import RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.parallel_config import PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.plan.model import Model
 from plait.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
     from plait.plan.cluster import Cluster
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")
-VIRTUAL_SCHEDULES = {"interleaved-1f1b", "looped-bfs", "zb-h1"}  # any V >= 1 (zb-h1 with V > 1: ZB1P)
-TWO_CHUNK_SCHEDULES = {"zbv", "dualpipev"}  # V = 2 by construction
-RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp32")
+#: schedules that place exactly two chunks per rank in a V (virtual_stages = 2 by construction)
+V_SCHEDULES = ("zbv", "dualpipev")
+#: schedules that take any number of chunks per rank (zb-h1 with more than one: ZB1P)
+LOOPED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zb-h1")
 
 #: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
 #: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
 #: ``Layout.to_parallel_config`` refuses the others. The planner also models context parallelism and ZeRO-3,
-#: which the runtime does not have (plan-only). The other fields (tp, pp, dp, ep, virtual, micro-batch size,
+#: which the runtime does not have (plan-only). The other fields (tp, pp, dp, ep, virtual_stages, micro-batch size,
 #: sequence parallelism) run at every value ``check`` accepts.
 RUNTIME: dict[str, tuple] = {
     "cp": (1,),
@@ -34,35 +33,63 @@ RUNTIME: dict[str, tuple] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout: world = tp·cp·dp·pp; ranks ordered tp (innermost), cp, dp, pp."""
+    """A parallel layout as the planner costs it: ``plait.ParallelConfig``'s layout fields, spelt as there, and
+    the micro-batch size (``to_parallel_config`` and ``from_parallel_config`` convert). world = tp·cp·dp·pp;
+    ranks ordered tp (innermost), cp, dp, pp. Unlike ParallelConfig, ``dp`` is always given and the planner
+    models what the runtime does not run yet (``runtime_gap``)."""
 
     tp: int = 1
+    """Tensor-parallel size."""
     pp: int = 1
+    """Pipeline-parallel size (stages)."""
     dp: int = 1
+    """Data-parallel size."""
     cp: int = 1
+    """Context-parallel size (ranks splitting every sequence)."""
     ep: int = 1
-    virtual: int = 1
+    """Expert-parallel size (inside the dp·cp plane)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (2 for zbv and dualpipev)."""
     microbatch_size: int = 1
+    """Sequences per micro-batch (the micro-batch count follows from the global batch: ``microbatches``)."""
     sequence_parallel: bool = False
+    """Shard norms and residuals along the sequence between TP regions."""
     recompute: str = "none"
+    """Activation recomputation: none, selective or full."""
     zero: int = 0
+    """ZeRO stage 0-3 (sharded over dp·cp)."""
     schedule: str = "1f1b"
+    """Pipeline schedule (``plait.schedules.SCHEDULE_NAMES``)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp", "ep", "virtual", "microbatch_size"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "virtual_stages", "microbatch_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"zero: must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if self.schedule in TWO_CHUNK_SCHEDULES and self.virtual != 2:
-            raise ConfigError(f"virtual: schedule {self.schedule} needs virtual=2, got {self.virtual}")
-        if self.virtual > 1 and self.schedule not in VIRTUAL_SCHEDULES | TWO_CHUNK_SCHEDULES:
-            raise ConfigError(f"virtual: {self.virtual} needs one of "
-                              f"{', '.join(sorted(VIRTUAL_SCHEDULES | TWO_CHUNK_SCHEDULES))}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.zero not in ZERO_LEVELS:
+            raise ConfigError(f"zero: must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
+        if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
+            raise ConfigError(f"virtual_stages: schedule {self.schedule} needs virtual_stages=2, "
+                              f"got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule not in LOOPED_SCHEDULES + V_SCHEDULES:
+            raise ConfigError(f"virtual_stages: {self.virtual_stages} needs one of "
+                              f"{', '.join(sorted(LOOPED_SCHEDULES + V_SCHEDULES))}")
+
+    @classmethod
+    def from_parallel_config(cls, parallel: ParallelConfig, microbatch_size: int = 1) -> Layout:
+        """The layout of a resolved ``parallel`` (dp known) at ``microbatch_size`` sequences per micro-batch.
+        Without a pipeline the schedule only orders gradient accumulation: it is costed as 1F1B; sequence
+        parallelism needs tp > 1 to change anything."""
+        par = parallel
+        schedule, virtual = par.schedule, par.pipeline_schedule().virtual
+        if par.pp == 1:
+            schedule, virtual = "1f1b", 1
+        return cls(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, virtual_stages=virtual,
+                   microbatch_size=microbatch_size, sequence_parallel=par.sequence_parallel and par.tp > 1,
+                   recompute=par.recompute, zero=par.zero, schedule=schedule)
 
     @property
     def world(self) -> int:
@@ -79,9 +106,9 @@ class Layout:
         gap = runtime_gap(self)
         if gap:
             raise ConfigError(gap)
-        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, schedule=self.schedule,
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
-                              virtual_stages=self.virtual, sequence_parallel=self.sequence_parallel,
+                              virtual_stages=self.virtual_stages, sequence_parallel=self.sequence_parallel,
                               recompute=self.recompute, zero=self.zero, precision=precision, rounds=rounds)
 
     def short(self) -> str:
@@ -89,7 +116,7 @@ class Layout:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
-        parts += [f"v{self.virtual}"] if self.virtual > 1 else []
+        parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [f"mb{self.microbatch_size}"] + (["sp"] if self.sequence_parallel else [])
         parts += [{"none": "norc", "selective": "sel", "full": "full"}[self.recompute], f"z{self.zero}"]
         return " ".join(parts + [self.schedule] + ([] if self.runnable else ["(plan-only)"]))
@@ -152,8 +179,8 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "ffn%tp", f"tp: {tp} must divide ffn_hidden = {model.ffn}"
     if l.sequence_parallel and model.seq_len % tp:
         return "seq%tp", f"sequence_parallel: tp = {tp} must divide seq_len = {model.seq_len}"
-    if model.n_layers < l.pp * l.virtual:
-        return "layers<stages", f"pp·virtual: {l.pp * l.virtual} exceeds n_layers = {model.n_layers}"
+    if model.n_layers < l.pp * l.virtual_stages:
+        return "layers<stages", f"pp·virtual_stages: {l.pp * l.virtual_stages} exceeds n_layers = {model.n_layers}"
     if model.seq_len % (2 * l.cp) and l.cp > 1:
         return "seq%cp", f"cp: 2·cp = {2 * l.cp} must divide seq_len = {model.seq_len}"
     if training.global_batch % (l.dp * l.microbatch_size):
@@ -168,8 +195,8 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "ep", "ep: expert parallelism needs a mixture-of-experts model (n_experts > 1)"
     if l.sequence_parallel and tp == 1:
         return "sp", "sequence_parallel: needs tp > 1"
-    if l.pp == 1 and (l.virtual > 1 or l.schedule != "1f1b"):
-        return "schedule", "schedule: with pp = 1 use schedule='1f1b', virtual=1 (no pipeline)"
+    if l.pp == 1 and (l.virtual_stages > 1 or l.schedule != "1f1b"):
+        return "schedule", "schedule: with pp = 1 use schedule='1f1b', virtual_stages=1 (no pipeline)"
     return None
 
 

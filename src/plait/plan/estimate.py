@@ -98,7 +98,7 @@ def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, trainin
                                              microbatches(layout, training))
 
     chunks, pipe, memory = run(None)
-    if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual == 1:
+    if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual_stages == 1:
         return chunks, pipe, memory, None
     m = microbatches(layout, training)
     if all(x.fits for x in memory) or m % layout.pp == 0 or m < layout.pp:
@@ -169,6 +169,6 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     layers = mem.layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
     weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None
-    pipe = profile(layout.schedule, layout.pp, m, layout.virtual, [c.forward for c in chunks],
+    pipe = profile(layout.schedule, layout.pp, m, layout.virtual_stages, [c.forward for c in chunks],
                    [c.backward for c in chunks], weight, chunks[0].p2p, nbytes, exact=exact, rounds=rounds)
     return chunks, pipe

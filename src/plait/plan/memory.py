@@ -58,7 +58,7 @@ def stage_layers(model: Model, pp: int, virtual: int = 1, schedule: str = "1f1b"
 
 
 def layout_stages(model: Model, layout: Layout) -> Stages:
-    return stages(model, layout.pp, layout.virtual, layout.schedule)
+    return stages(model, layout.pp, layout.virtual_stages, layout.schedule)
 
 
 def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None = None) -> float:

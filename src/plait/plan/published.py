@@ -94,7 +94,7 @@ def _narayanan() -> list[PublishedRun]:
     for layers, hidden, heads, t, p, mbs, batch, per_v, torch_ddp, n, tflops in NARAYANAN_TABLE1:
         m = gpt(layers, hidden, heads)
         v = layers // p // per_v if per_v else 1
-        layout = Layout(tp=t, pp=p, dp=n // (t * p), virtual=v, microbatch_size=mbs, recompute="full",
+        layout = Layout(tp=t, pp=p, dp=n // (t * p), virtual_stages=v, microbatch_size=mbs, recompute="full",
                         schedule="interleaved-1f1b" if v > 1 else "1f1b")
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
         out.append(PublishedRun(

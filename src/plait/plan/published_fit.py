@@ -94,7 +94,7 @@ def _llama3() -> list[Case]:
     m = Model.preset("llama3-405b")
     out = []
     for n, dp, tflops in ((8192, 64, 430), (16384, 128, 400)):
-        layout = Layout(tp=8, pp=16, dp=dp, virtual=4, sequence_parallel=True, recompute="selective",
+        layout = Layout(tp=8, pp=16, dp=dp, virtual_stages=4, sequence_parallel=True, recompute="selective",
                         zero=1, schedule="interleaved-1f1b")
         step = model_flops_per_step(m, 2048) / (n * tflops * 1e12)
         out.append(Case("Dubey et al. 2024 (Llama 3)", f"405B on {n} H100", m,

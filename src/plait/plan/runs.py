@@ -12,19 +12,10 @@ from plait.plan.model import Model
 
 def train_layout(parallel: ParallelConfig, batch_size: int) -> tuple[Layout, Training]:
     """The planner's Layout and Training of a ``plait train`` run (``parallel`` resolved: dp known;
-    ``batch_size`` sequences over dp replicas, each cut into its micro-batches). Without a pipeline the
-    schedule only orders gradient accumulation: it is costed as 1F1B; sequence parallelism needs tp > 1
-    to change anything."""
-    par = parallel
-    m = par.num_microbatches
-    mb = max(1, batch_size // (par.dp * m))
-    schedule, virtual = par.schedule, par.pipeline_schedule().virtual
-    if par.pp == 1:
-        schedule, virtual = "1f1b", 1
-    layout = Layout(tp=par.tp, pp=par.pp, dp=par.dp, ep=par.ep, virtual=virtual, microbatch_size=mb,
-                    sequence_parallel=par.sequence_parallel and par.tp > 1, recompute=par.recompute, zero=par.zero,
-                    schedule=schedule)
-    return layout, Training(batch_size, precision=par.precision)
+    ``batch_size`` sequences over dp replicas, each cut into its micro-batches; ``Layout.from_parallel_config``)."""
+    m = parallel.num_microbatches
+    layout = Layout.from_parallel_config(parallel, max(1, batch_size // (parallel.dp * m)))
+    return layout, Training(batch_size, precision=parallel.precision)
 
 
 def predict_train(model: Model, profile: HostProfile | Cluster, layout: Layout, training: Training) -> Estimate:

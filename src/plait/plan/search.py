@@ -7,10 +7,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from plait.parallel_config import RECOMPUTE_MODES
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
 from plait.plan.cluster import Cluster
-from plait.plan.config import RECOMPUTE, RUNTIME, Layout, Training, check, microbatches
+from plait.plan.config import RUNTIME, Layout, Training, check, microbatches
 from plait.plan.costs import StageCosts
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
@@ -88,7 +89,7 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
-    recomputes = RECOMPUTE if plan_only else RUNTIME["recompute"]
+    recomputes = RECOMPUTE_MODES if plan_only else RUNTIME["recompute"]
     sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0)
     zeros = sharded if dp * cp > 1 and sharded else (0,)
     for ep in eps:
@@ -100,7 +101,7 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
                     continue
                 for rc in recomputes:
                     for z in zeros:
-                        yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual=v, microbatch_size=mbs,
+                        yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v, microbatch_size=mbs,
                                      sequence_parallel=tp > 1, recompute=rc, zero=z, schedule=sched)
 
 

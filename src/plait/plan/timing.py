@@ -33,7 +33,7 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut."""
     blocks = costs.blocks(model, layout, precision)
-    st = stages(model, layout.pp, layout.virtual, layout.schedule)
+    st = stages(model, layout.pp, layout.virtual_stages, layout.schedule)
     p2p = costs.p2p(model, layout, precision)
     last = len(st.chunk_layers) - 1
     made: dict[tuple[int, bool, bool], StageCosts] = {}  # chunks come in a few sizes: cost each once
@@ -54,7 +54,7 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
 
 def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16") -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
-    placement = stages(model, layout.pp, layout.virtual, layout.schedule).placement
+    placement = stages(model, layout.pp, layout.virtual_stages, layout.schedule).placement
     out = [StageCosts() for _ in range(layout.pp)]
     for c, cost in enumerate(chunk_costs(costs, model, layout, precision)):
         out[placement[c]] = out[placement[c]] + cost

@@ -34,7 +34,7 @@ def shared_host(costs: HostCosts, model: Model, layout: Layout, precision: str, 
         c = shared[0]
         wall = m * (c.forward + c.backward)
         return Span(wall, wall, stretch)
-    sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual,
+    sched = build_schedule(layout.schedule, stages=layout.pp, microbatches=m, virtual=layout.virtual_stages,
                            rounds=rounds)
     cpu, comm = action_costs(chunks, layout.schedule in SPLIT_BACKWARD)
     r = simulate_shared(sched, cpu, comm, chunks[0].p2p, cores / per_stage, handoff(costs))
