@@ -90,11 +90,11 @@ def rank_main(job: dict) -> dict:
 def predicted(cfg, rank: dict, layout: dict, zero: int) -> dict:
     """The planner's weights, grads and optimizer bytes of this rank's stage, fp32 (4, 4, 8 B/param; ZeRO-1
     shards the moments over dp, ZeRO-2 the gradients left after the step too)."""
+    from plait.plan import Model
     from plait.plan.config import Layout
     from plait.plan.memory import state_bytes
-    from plait.train.auto import model_of
 
-    model = model_of(cfg, cfg.max_seq_len, "scale")
+    model = Model.from_llama_config(cfg, name="scale")
     plan = Layout(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], zero=zero,
                   microbatch_size=BATCH // layout["microbatches"])
     stage = rank["pp_rank"]
@@ -104,10 +104,10 @@ def predicted(cfg, rank: dict, layout: dict, zero: int) -> dict:
 
 def sizes(config: dict, layout: dict) -> dict:
     from plait.models import LlamaConfig
-    from plait.train.auto import model_of
+    from plait.plan import Model
 
     cfg = LlamaConfig(**config)
-    n = model_of(cfg, cfg.max_seq_len).n_params()
+    n = Model.from_llama_config(cfg).n_params()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     world = layout["tp"] * layout["pp"] * layout["dp"]
     share = total / world

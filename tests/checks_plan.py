@@ -10,10 +10,9 @@ import torch
 import plait
 from harness import run_checks
 from plait.models import Llama, LlamaConfig, init_weights
-from plait.plan import Cluster, Layout, Training
+from plait.plan import Cluster, Layout, Model, Training
 from plait.plan.config import check
 from plait.plan.search import candidates
-from plait.train.auto import model_of
 
 FIELDS = [f.name for f in fields(Layout)]
 WORLD, BATCH, SEQ = 4, 8, 8
@@ -27,7 +26,8 @@ def small_moe() -> LlamaConfig:
 
 def emitted(cfg: LlamaConfig, world: int = WORLD, batch: int = BATCH, plan_only: bool = False) -> list[Layout]:
     """Every layout the search would estimate for ``cfg`` on ``world`` CPU processes (its valid candidates)."""
-    model, cluster, training = model_of(cfg, SEQ), Cluster("cpu", world, gpus_per_node=world), Training(batch)
+    model, training = Model.from_llama_config(cfg, SEQ), Training(batch)
+    cluster = Cluster("cpu", world, gpus_per_node=world)
     return [lay for lay in candidates(model, cluster, training, plan_only)
             if check(model, cluster, lay, training) is None]
 

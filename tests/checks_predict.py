@@ -70,7 +70,7 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
     """Every layout built once (one warm-up step each), then timed in rounds that alternate over them: a
     burst of another job's load lands on one round of a layout, rarely on both; the fastest step counts
     (nothing makes a step faster than the machine allows)."""
-    from plait.train.predict import memory_rows, predict
+    from plait.cli.predict import memory_rows, predict
 
     runs = []
     for kw in LAYOUTS:

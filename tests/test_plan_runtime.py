@@ -113,8 +113,8 @@ def test_write_config_loads_in_plait_train_as_that_layout(tmp_path, launched):
 
 
 def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched, tmp_path, monkeypatch):
+    from plait.cli.auto_layout import auto_layout, host_cluster, plan_model
     from plait.train import TrainConfig
-    from plait.train.auto import auto_layout, host_cluster, plan_model
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "empty-cache"))  # an uncalibrated host: the catalogue's cpu
 
@@ -137,8 +137,8 @@ def test_layout_auto_plans_on_the_calibrated_host(tmp_path, monkeypatch):
     """With a profile (--cluster FILE, or this host's cached calibration) --layout auto plans on its measured
     speeds, not the catalogue's generic cpu."""
     from plait.calibrate import cache_path
+    from plait.cli.auto_layout import auto_layout, plan_model
     from plait.train import TrainConfig
-    from plait.train.auto import auto_layout, plan_model
     from profile_util import synthetic_profile
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))

@@ -215,7 +215,7 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
 
 
 def test_cached_profile_is_reused_unless_unreadable(tmp_path):
-    from plait.train.predict import cached_profile
+    from plait.cli.predict import cached_profile
 
     path = synthetic_profile(counts=(1, 2)).save(tmp_path / "host.toml")
     assert sorted(cached_profile(path).sections) == [1, 2]  # a run of 1 or 2 processes measures nothing
@@ -229,29 +229,39 @@ def test_the_summary_shows_the_prediction_at_the_hosts_speed_at_the_start():
     prediction at that speed (the profile's over the speed ratio) when the probe reads further from its
     calibrated speed than its own noise (more than 30% off), and nothing for a profile without probes."""
     from plait.train.loop import TrainResult
+    from plait.train.observe import Prediction
     from plait.train.report import _at_speed
 
-    res = TrainResult(step_time_s=0.6, predicted_step_time_s=0.5, host_speed=0.6)
-    assert _at_speed(res) == ("; the host ran at 0.60x its calibrated speed at the start, where the prediction "
-                              "is 833 ms (measured/that 0.72)")
-    assert _at_speed(replace(res, host_speed=0.8)) == "" and _at_speed(replace(res, host_speed=1.25)) == ""
-    assert _at_speed(replace(res, host_speed=1.4)) != ""
-    assert _at_speed(TrainResult(step_time_s=0.6, predicted_step_time_s=0.5)) == ""
+    res, pred = TrainResult(step_time_s=0.6), Prediction(step_time_s=0.5, bubble=0.0, host_speed=0.6)
+    assert _at_speed(res, pred) == ("; the host ran at 0.60x its calibrated speed at the start, where the "
+                                    "prediction is 833 ms (measured/that 0.72)")
+    assert _at_speed(res, replace(pred, host_speed=0.8)) == "" and _at_speed(res, replace(pred, host_speed=1.25)) == ""
+    assert _at_speed(res, replace(pred, host_speed=1.4)) != ""
+    assert _at_speed(res, replace(pred, host_speed=None)) == "" and _at_speed(res, None) == ""
 
 
 def test_the_summary_shows_each_phase_beside_its_prediction():
     """The summary's "step by phase": rank 0's median ms per phase over the steps after the first, each with
     the prediction's in brackets; without a prediction the measured ones alone."""
     from plait.train.loop import TrainResult
+    from plait.train.observe import Prediction
     from plait.train.report import _phases
 
     steps = [{"forward_backward": 0.5, "grad_reduction": 0.5, "optimizer": 0.5}]  # the first: not counted
     steps += [{"forward_backward": f, "grad_reduction": 0.004, "optimizer": 0.012} for f in (0.70, 0.72, 0.69)]
-    pred = {"forward_backward": 0.65, "grad_reduction": 0.002, "optimizer": 0.010}
-    assert _phases(TrainResult(phases=steps, predicted_phases=pred)) == (
+    pred = Prediction(0.662, 0.0, phases={"forward_backward": 0.65, "grad_reduction": 0.002, "optimizer": 0.010})
+    assert _phases(TrainResult(phases=steps), pred) == (
         "forward-backward 700 (650) | gradient reduction 4 (2) | optimizer 12 (10) ms, measured (predicted)")
-    assert _phases(TrainResult(phases=steps)) == "forward-backward 700 | gradient reduction 4 | optimizer 12 ms"
-    assert _phases(TrainResult()) == "-"
+    assert _phases(TrainResult(phases=steps), None) == "forward-backward 700 | gradient reduction 4 | optimizer 12 ms"
+    assert _phases(TrainResult(), None) == "-"
+
+
+def test_the_trainer_measures_the_phases_the_planner_predicts():
+    """The loop's phases (plait.train.observe.PHASES) are the planner's (plait.plan.estimate.PHASES), in order."""
+    from plait.plan.estimate import PHASES as PLANNED
+    from plait.train.observe import PHASES
+
+    assert tuple(PLANNED) == PHASES
 
 
 def _scaled(profile: HostProfile, x: float, speed: float) -> HostProfile:
@@ -405,9 +415,9 @@ def test_calibrate_add_and_repeat_keep_the_mean_of_the_calibrations(tmp_path, mo
 
 def test_train_dry_run_prints_the_prediction_and_launches_nothing(tmp_path):
     """`plait train --dry-run --cluster FILE` predicts as the run's first metrics row would (the same
-    plait.train.predict.predict) and starts no process; with --cluster none it has nothing to say."""
+    plait.cli.predict.predict) and starts no process; with --cluster none it has nothing to say."""
+    from plait.cli.predict import predict
     from plait.train.config import TrainConfig
-    from plait.train.predict import predict
 
     path = synthetic_profile(counts=(4,), block=True).save(tmp_path / "host.toml")
     metrics = tmp_path / "m.jsonl"

@@ -81,24 +81,27 @@ def _given(ctx: typer.Context, name: str) -> bool:
 
 
 def _run(cfg) -> None:
+    from plait.cli.predict import check_cluster
+    from plait.cli.train_worker import train_worker
     from plait.distributed.launch import JobError, launch, under_torchrun
-    from plait.train import train_job, validate
+    from plait.train import validate
 
     if under_torchrun():
-        train_job(cfg.to_dict())
+        train_worker(cfg.to_dict())
         return
     if cfg.layout == "auto":
-        from plait.train.auto import auto_layout
+        from plait.cli.auto_layout import auto_layout
 
         cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
         typer.echo(line)
     validate(cfg)
+    check_cluster(cfg, cfg.nproc or cfg.world)
     if cfg.dry_run:
         _dry_run(cfg)
         return
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
-        launch("plait.train:train_job", cfg.to_dict(), cfg.nproc or cfg.world)
+        launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world)
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
@@ -112,7 +115,7 @@ def _dry_run(cfg) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from plait.train.predict import dry_run
+    from plait.cli.predict import dry_run
     from plait.train.report import layout_text
 
     world = cfg.nproc or cfg.world

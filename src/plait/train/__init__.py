@@ -2,36 +2,39 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from plait.train.config import PRESETS, TrainConfig, validate
+
+if TYPE_CHECKING:
+    from plait.train.observe import Predictor
 
 __all__ = ["PRESETS", "TrainConfig", "train", "train_job", "validate"]
 
 
-def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None):
+def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predictor | None = None):
     """Run the training loop on this rank (every rank calls it); returns a ``TrainResult``."""
     from plait.train.loop import train as _train
 
-    return _train(cfg, ctx, reporter, stop)
+    return _train(cfg, ctx, reporter, stop, predictor)
 
 
-def train_job(payload: dict) -> dict:
-    """Worker entry of ``plait train``: catch SIGTERM (stop at the next step with a checkpoint), validate against
-    the real world size, train, report on rank 0."""
+def train_job(payload: dict, predictor: Predictor | None = None) -> dict:
+    """Worker entry of a training run: catch SIGTERM (stop at the next step with a checkpoint), validate against
+    the real world size, train, report on rank 0. ``predictor``: see ``plait.train.observe``."""
     import os
     from dataclasses import asdict
 
+    from plait.errors import ConfigError
     from plait.train.preempt import StopRequest
     from plait.train.report import Reporter
 
     stop = StopRequest().install()
     cfg = TrainConfig.from_dict(payload)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if cfg.layout == "auto":  # under torchrun: every worker asks the planner (same answer everywhere)
-        from plait.train.auto import auto_layout
-
-        cfg, line = auto_layout(cfg, world)
-        if rank == 0:
-            print(line, flush=True)
+    if cfg.layout == "auto":
+        raise ConfigError("--layout auto: the planner chooses the layout in plait train's command (its worker is "
+                          "plait.cli.train_worker:train_worker); a run started here takes the layout flags")
     validate(cfg, world=world)
     reporter = Reporter(cfg, rank)
-    return asdict(train(cfg, reporter=reporter, stop=stop))
+    return asdict(train(cfg, reporter=reporter, stop=stop, predictor=predictor))

@@ -234,9 +234,6 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     if par.sequence_parallel and cfg.seq_len % par.tp:
         raise ConfigError(f"--seq-len {cfg.seq_len} must be a multiple of --tp {par.tp} with --sequence-parallel")
     _validate_model(cfg)
-    from plait.train.predict import check_cluster
-
-    check_cluster(cfg, world)
     for path in cfg.data:
         if not os.path.exists(path):
             raise ConfigError(f"--data {path}: no such file or directory")

@@ -14,15 +14,16 @@ from plait.checkpoint.shards import init_local, load_local
 from plait.devices import synchronize
 from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
+from plait.train.observe import NO_PREDICTION
 
 if TYPE_CHECKING:
     from plait.checkpoint import AsyncCheckpointer
     from plait.distributed.context import ParallelContext
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
-    from plait.plan import Estimate
     from plait.tokenizers import ByteTokenizer, FileTokenizer
     from plait.train.data import Corpus
+    from plait.train.observe import Prediction, Predictor
 
 
 class NonFiniteLoss(RuntimeError):
@@ -42,12 +43,7 @@ class TrainResult:
     step_time_s: float = 0.0
     measured_bubble: float | None = None  # idle share of the step, measured on the last traced step
     simulated_bubble: float | None = None  # the same step simulated with its measured action costs
-    predicted_bubble: float | None = None  # the planner's, from the host profile (plait.plan)
-    predicted_step_time_s: float | None = None
-    predicted_phases: dict[str, float] | None = None  # the predicted step by phase (plait.plan.estimate.PHASES)
     phases: list[dict[str, float]] = field(default_factory=list)  # per step: this rank's seconds by phase
-    predicted_memory: list[dict] = field(default_factory=list)  # bytes by kind per pipeline rank
-    host_speed: float | None = None  # the host's speed at the start over the profile's (plait.train.predict)
     startup_s: float = 0.0
     params: int = 0
     checkpoint_blocked_s: list[float] = field(default_factory=list)  # per save in the loop: the loop's wait
@@ -71,7 +67,7 @@ class Run:
     resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
-    prediction: Estimate | None = None  # the planner's Estimate of this run (plait.train.predict), rank 0
+    prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)
 
 
 def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
@@ -164,7 +160,7 @@ def train_one(run: Run, step: int, trace: bool, phases: dict[str, float] | None 
     """One optimizer step on global batch ``step``; returns (loss, grad norm). Non-finite losses per policy.
 
     ``phases``, if given, receives this rank's seconds in each phase of the step (the keys of
-    ``plait.plan.estimate.PHASES``): the batch and the forward/backward schedule, then the wait for the
+    ``plait.train.observe.PHASES``): the batch and the forward/backward schedule, then the wait for the
     gradient reduction and the loss's sum, then the optimizer step (the gradient norm's sum included)."""
     from plait.train.data import batch
 
@@ -222,16 +218,18 @@ def sample_text(run: Run, prompt: str = "def ") -> str | None:
     return prompt + run.tokenizer.decode(ids[0])
 
 
-def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None) -> TrainResult:
+def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predictor | None = None) -> TrainResult:
     """Run the whole loop on this rank (every rank of the world calls it).
 
+    ``predictor`` (``plait.train.observe.Predictor``), if given, predicts the run once it is built; its figures
+    go beside the measured ones in the metrics rows and the reporter's output.
     ``stop`` (a ``plait.train.preempt.StopRequest``): checked at every step boundary (all ranks agree); once
     a stop signal arrived, the run saves a checkpoint at that step and returns (no held-out loss, no sample).
     """
     t_start = time.perf_counter()
     run = build(cfg, ctx)
     res = TrainResult(params=run.params)
-    _predict(run, res)
+    run.prediction = predictor.predict(run) if predictor is not None else None
     if reporter is not None:
         reporter.begin(run, res)
     times: list[float] = []
@@ -267,19 +265,19 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
     res.losses[step + 1] = loss
     if norm is None and not math.isfinite(loss):
         res.skipped.append(step + 1)
+    pred = run.prediction
     row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-           "step_time_s": dt, "predicted_step_time_s": res.predicted_step_time_s, "lr": lr, "grad_norm": norm,
-           "predicted_bubble": res.predicted_bubble, "phase_s": phases,
-           "predicted_phase_s": res.predicted_phases}
+           "step_time_s": dt, "lr": lr, "grad_norm": norm, "phase_s": phases,
+           **(pred.row() if pred is not None else NO_PREDICTION)}
     res.phases.append(phases)
     if trace:
         res.measured_bubble, res.simulated_bubble = bubble(run, dt)
         row.update(measured_bubble=res.measured_bubble, simulated_bubble=res.simulated_bubble)
     if step == run.start:  # the first step measured the memory (activations' peak included): both, per rank
         res.memory = memory_rows(run.pm)
-        row["memory"] = {"predicted": res.predicted_memory, "measured": res.memory}
-        if res.host_speed is not None:
-            row["host_speed"] = res.host_speed
+        row["memory"] = {"predicted": pred.memory if pred is not None else [], "measured": res.memory}
+        if pred is not None and pred.host_speed is not None:
+            row["host_speed"] = pred.host_speed
     if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0:
         row["held_out_loss"] = held_out_loss(run)
     if step + 1 < cfg.steps and (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
@@ -300,26 +298,6 @@ def _minutes_due(run: Run) -> bool:
     if run.ctx.world_size > 1:
         dist.broadcast(flag, src=0, group=run.ctx.world_group)
     return bool(flag.item())
-
-
-def _predict(run: Run, res: TrainResult) -> None:
-    """The planner's prediction of this run (plait.train.predict), the same on every rank."""
-    import torch.distributed as dist
-
-    from plait.train.predict import host_profile, host_speed, memory_rows, predict
-
-    profile = host_profile(run.cfg, run.ctx)
-    speed = None
-    if run.ctx.rank == 0 and profile is not None:
-        run.prediction = predict(run.cfg, profile, run.ctx.world_size)
-        speed = host_speed(profile, run.ctx.device)  # the other ranks wait in the broadcast meanwhile
-    est = run.prediction
-    box = [None if est is None else (est.step_time_s, est.bubble_fraction, memory_rows(est), speed, est.phases)]
-    if run.ctx.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        (res.predicted_step_time_s, res.predicted_bubble, res.predicted_memory, res.host_speed,
-         res.predicted_phases) = box[0]
 
 
 def memory_rows(pm) -> list[dict]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
+from plait.train.observe import PHASES, Prediction
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -20,9 +21,9 @@ if TYPE_CHECKING:
 SPEED_NOTE = 0.3
 
 
-def off_speed(res) -> bool:
+def off_speed(pred: Prediction | None) -> bool:
     """Whether the probe at the run's start read further from its calibrated speed than its own noise."""
-    return res.host_speed is not None and abs(res.host_speed - 1) > SPEED_NOTE
+    return pred is not None and pred.host_speed is not None and abs(pred.host_speed - 1) > SPEED_NOTE
 
 
 class Reporter:
@@ -61,11 +62,11 @@ class Reporter:
             self.console.print(f"--auto-resume: no complete checkpoint in {cfg.checkpoint_dir}, starting fresh")
         if run.prediction is not None:
             e = run.prediction
-            self.console.print(f"predicted on {e.cluster.gpu.name} (plait plan, host profile): step "
-                               f"{e.step_time_s * 1e3:,.0f} ms, bubble {e.bubble_fraction:.1%} (idle share of the "
-                               f"step), most loaded rank {e.memory.total / 2**20:,.1f} MiB")
-            if off_speed(res):
-                self.console.print(f"[yellow]note: plait calibrate's speed probe reads {res.host_speed:.2f}x the "
+            self.console.print(f"predicted on {e.source}: step {e.step_time_s * 1e3:,.0f} ms, bubble "
+                               f"{e.bubble:.1%} (idle share of the step), most loaded rank "
+                               f"{e.peak_bytes / 2**20:,.1f} MiB")
+            if off_speed(e):
+                self.console.print(f"[yellow]note: plait calibrate's speed probe reads {e.host_speed:.2f}x the "
                                    "speed it had when this host was calibrated, more than the probe's own noise: "
                                    "the host is likely slower or faster now than then, and the step times may "
                                    "differ from the prediction (when it is steady: `plait calibrate` for this "
@@ -115,7 +116,7 @@ class Reporter:
             self.metrics.close()
         self.console.print(summary_table(self.cfg, run, res))
         if res.memory:
-            self.console.print(memory_table(res.memory, res.predicted_memory))
+            self.console.print(memory_table(res.memory, run.prediction.memory if run.prediction else None))
         if res.stopped_at is not None:
             self.console.print(f"[bold]stopped by {res.stop_signal}[/] after step {res.stopped_at}: checkpoint "
                                f"{res.checkpoint}; continue with --resume or --auto-resume")
@@ -142,6 +143,7 @@ def summary_table(cfg: TrainConfig, run, res):
     t = Table(title="plait train: summary", title_justify="left", show_header=False)
     t.add_column(style="bold")
     t.add_column()
+    pred = run.prediction
     steps = sorted(res.losses)
     first, last = (res.losses[steps[0]], res.losses[steps[-1]]) if steps else (float("nan"),) * 2
     rows = [
@@ -151,9 +153,10 @@ def summary_table(cfg: TrainConfig, run, res):
         ("loss", f"{first:.3f} -> {last:.3f}"),
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
-        ("step time", _vs(res.step_time_s * 1e3, res.predicted_step_time_s, 1e3, "ms") + _at_speed(res)),
-        ("step by phase", _phases(res)),
-        ("bubble", _bubbles(res)),
+        ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms")
+         + _at_speed(res, pred)),
+        ("step by phase", _phases(res, pred)),
+        ("bubble", _bubbles(res, pred)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", (res.checkpoint or "-") + _blocked(cfg, res)),
     ]
@@ -172,25 +175,23 @@ def _blocked(cfg: TrainConfig, res) -> str:
             f"(max {max(b) * 1e3:,.0f} ms; {how})")
 
 
-def _at_speed(res) -> str:
+def _at_speed(res, pred: Prediction | None) -> str:
     """The prediction at the host's speed when the run started (the calibration's probe taken again), when
     the probe read further from its calibrated speed than its own noise (``SPEED_NOTE``)."""
-    if not res.predicted_step_time_s or not off_speed(res):
+    if pred is None or pred.host_speed is None or not pred.step_time_s or not off_speed(pred):
         return ""
-    at = res.predicted_step_time_s / res.host_speed * 1e3
-    return (f"; the host ran at {res.host_speed:.2f}x its calibrated speed at the start, where the prediction is "
+    at = pred.step_time_s / pred.host_speed * 1e3
+    return (f"; the host ran at {pred.host_speed:.2f}x its calibrated speed at the start, where the prediction is "
             f"{at:,.0f} ms (measured/that {res.step_time_s * 1e3 / at:.2f})")
 
 
-# how the summary names the phases of ``plait.plan.estimate.PHASES``
+# how the summary names the phases of ``plait.train.observe.PHASES``
 PHASE_NAMES = {"forward_backward": "forward-backward", "grad_reduction": "gradient reduction"}
 
 
 def median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
-    """The median seconds in each phase (``plait.plan.estimate.PHASES``) over ``steps``, each a step's seconds
+    """The median seconds in each phase (``plait.train.observe.PHASES``) over ``steps``, each a step's seconds
     by phase; the upper of the middle two when they are even in number, as the step time's median."""
-    from plait.plan.estimate import PHASES
-
     out = {}
     for k in PHASES:
         vals = sorted(p[k] for p in steps if k in p)
@@ -199,17 +200,17 @@ def median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _phases(res) -> str:
+def _phases(res, pred: Prediction | None) -> str:
     """Median ms per phase of the step (rank 0's), each beside the planner's figure for it."""
     measured = median_phases(res.phases[1:] or res.phases)  # the steps after the first, as the step time
     if not measured:
         return "-"
-    pred = res.predicted_phases or {}
+    predicted = pred.phases if pred is not None else {}
     parts = []
     for k, v in measured.items():
-        p = pred.get(k)
+        p = predicted.get(k)
         parts.append(f"{PHASE_NAMES.get(k, k)} {v * 1e3:,.0f}" + (f" ({p * 1e3:,.0f})" if p is not None else ""))
-    return " | ".join(parts) + (" ms, measured (predicted)" if pred else " ms")
+    return " | ".join(parts) + (" ms, measured (predicted)" if predicted else " ms")
 
 
 def _vs(measured: float, predicted: float | None, scale: float, unit: str) -> str:
@@ -219,14 +220,14 @@ def _vs(measured: float, predicted: float | None, scale: float, unit: str) -> st
     return f"measured {measured:,.0f} {unit}, predicted {pred:,.0f} {unit} (measured/predicted {measured / pred:.2f})"
 
 
-def _bubbles(res) -> str:
+def _bubbles(res, pred: Prediction | None) -> str:
     """Idle share of the step: measured on the last traced step, the same step simulated with its measured
     costs, and the planner's prediction."""
     parts = []
     if res.measured_bubble is not None:
         parts.append(f"measured {res.measured_bubble:.1%}, simulated from its costs {res.simulated_bubble:.1%}")
-    if res.predicted_bubble is not None:
-        parts.append(f"predicted {res.predicted_bubble:.1%}")
+    if pred is not None:
+        parts.append(f"predicted {pred.bubble:.1%}")
     return ", ".join(parts) + " (idle share of the step)" if parts else "- (no pipeline traced)"
 
 

@@ -1,4 +1,5 @@
-"""What the planner predicts for this run on this host (``plait.plan``), and the host profile it needs.
+"""``plait train``'s predictor: what the planner (``plait.plan``) predicts for the run on this host, and the
+host profile (``plait.calibrate``) it needs. The command installs it in the run (``plait.train.observe``).
 
 ``--cluster FILE`` names a profile from ``plait calibrate``; by default this host's cached profile is
 used, and when it lacks the run's process count that section is measured first, by the run's own
@@ -14,10 +15,13 @@ from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.train.config import TrainConfig, model_config
+from plait.train.observe import Prediction
 
 if TYPE_CHECKING:
     from plait.plan.config import Layout, Training
+    from plait.plan.estimate import Estimate
     from plait.plan.model import Model
+    from plait.train.loop import Run
 
 OFF = "none"
 
@@ -93,7 +97,7 @@ def planner_inputs(cfg: TrainConfig, world: int) -> tuple[Model, Layout, Trainin
     return (model, *train_layout(cfg.parallel.resolve(world), cfg.batch_size))
 
 
-def predict(cfg: TrainConfig, profile, world: int):
+def predict(cfg: TrainConfig, profile, world: int) -> Estimate:
     """The planner's Estimate of this run of ``world`` processes on ``profile`` (step time, bubble,
     memory of every rank)."""
     from plait.plan.runs import predict_train
@@ -138,7 +142,7 @@ def dry_run(cfg: TrainConfig, world: int) -> dict:
             "predicted_bubble": est.bubble_fraction, "memory": {"predicted": memory_rows(est)}}
 
 
-def memory_rows(estimate) -> list[dict]:
+def memory_rows(estimate: Estimate) -> list[dict]:
     """Predicted bytes by kind on every pipeline rank (every TP/DP rank of a stage holds the same).
     ``activations_peak`` counts what autograd saves (as ``pm.memory_report()`` measures it); a layer
     recomputed under full recomputation briefly holds ``recompute_working`` more. ``grads`` is what is held
@@ -148,3 +152,24 @@ def memory_rows(estimate) -> list[dict]:
              "activations_peak": m.activations - m.working, "recompute_working": m.working,
              "grads_at_peak": m.grads}
             for m in estimate.rank_memory]
+
+
+class HostPredictor:
+    """The planner's prediction of a run on this host's profile (``plait.train.observe.Predictor``)."""
+
+    def predict(self, run: Run) -> Prediction | None:
+        """Made on rank 0 and broadcast (the profile may be measured first, by every rank)."""
+        import torch.distributed as dist
+
+        from plait.plan.catalogue import get_gpu
+
+        profile = host_profile(run.cfg, run.ctx)
+        box: list[Prediction | None] = [None]
+        if run.ctx.rank == 0 and profile is not None:
+            est = predict(run.cfg, profile, run.ctx.world_size)
+            speed = host_speed(profile, run.ctx.device)  # the other ranks wait in the broadcast meanwhile
+            box[0] = Prediction(est.step_time_s, est.bubble_fraction, dict(est.phases), memory_rows(est),
+                                est.memory.total, f"{get_gpu(est.cluster.gpu).name} (plait plan, host profile)", speed)
+        if run.ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]

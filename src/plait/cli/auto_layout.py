@@ -25,16 +25,7 @@ def plan_model(cfg: TrainConfig):
 
     if cfg.model not in PRESETS:
         return Model.from_hf_config(Path(cfg.model), seq_len=cfg.seq_len)
-    return model_of(model_config(cfg), cfg.seq_len, cfg.model)
-
-
-def model_of(m, seq_len: int, name: str = "llama"):
-    """The planner's ``plan.Model`` of a ``LlamaConfig`` trained at ``seq_len`` tokens."""
-    from plait.plan import Model
-
-    return Model(n_layers=m.n_layers, hidden=m.dim, n_heads=m.n_heads, vocab=m.vocab_size, seq_len=seq_len,
-                 ffn_hidden=m.ffn_dim, n_kv_heads=m.n_kv_heads, glu=True, tied_embeddings=m.tie_embeddings,
-                 n_experts=m.n_experts, top_k=m.top_k, name=name)
+    return Model.from_llama_config(model_config(cfg), cfg.seq_len, name=cfg.model)
 
 
 def host_cluster(processes: int):
@@ -48,8 +39,8 @@ def host_cluster(processes: int):
 
 def planning_cluster(cfg: TrainConfig, processes: int):
     """(the Cluster ``--layout auto`` plans on, what it is): see the module's docstring."""
+    from plait.cli.predict import OFF, cached_profile
     from plait.plan import Cluster
-    from plait.train.predict import OFF, cached_profile
 
     if cfg.cluster not in (None, OFF):
         return Cluster.from_profile(cfg.cluster, processes), f"the profile {cfg.cluster}"
