@@ -40,28 +40,40 @@ def _stopped_cleanly(server: Server) -> str:
     return text
 
 
-def test_sigint_with_requests_in_flight_tp1_ends_them_with_503(tmp_path):
-    server = Server(tiny_model(tmp_path / "tiny"), tmp_path, "--max-batch", "1", "--shutdown-timeout", "0",
+def test_sigint_twice_with_requests_in_flight_tp1_ends_them_with_503(tmp_path):
+    """The first SIGINT drains (60 s of grace), a second one 0.7 s later ends what still runs or waits."""
+    server = Server(tiny_model(tmp_path / "tiny"), tmp_path, "--max-batch", "1", "--shutdown-timeout", "60",
                     "--no-access-log")
     try:
         server.wait_healthy()
-        started, lines, answer = threading.Event(), [], []
+        started, lines, answers = threading.Event(), [], []
         streamer = threading.Thread(target=_stream_until, args=(server, LONG, started, lines))
         streamer.start()
         assert started.wait(60) and lines
-        waiting = threading.Thread(target=lambda: answer.append(
-            httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=120)))
-        waiting.start()  # queued behind the stream (--max-batch 1)
+        waiting = [threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{server.url}/v1/completions", json=LONG, timeout=120))) for _ in range(3)]
+        for w in waiting:
+            w.start()  # queued behind the stream (--max-batch 1)
         deadline = time.monotonic() + 20
-        while server.metric("plait_queue_depth") < 1 and time.monotonic() < deadline:
+        while server.metric("plait_queue_depth") < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        os.kill(server.proc.pid, signal.SIGINT)
-        streamer.join(60)
-        waiting.join(60)
-        assert answer[0].status_code == 503 and answer[0].json()["error"]["code"] == "shutting_down", answer[0].text
-        assert "[DONE]" not in lines and json.loads(lines[-1])["error"]["code"] == "shutting_down", lines[-3:]
-        assert "stopped (SIGINT) before this request finished" in lines[-1]
+        os.kill(server.proc.pid, signal.SIGINT)  # drains: 4 x 110 tokens one at a time
+        time.sleep(0.7)
+        os.kill(server.proc.pid, signal.SIGINT)  # again: now
+        for t in (streamer, *waiting):
+            t.join(60)
+        codes = sorted(a.status_code for a in answers)
+        assert len(codes) == 3 and codes[-1] == 503 and set(codes) <= {200, 503}, codes
+        for a in answers:
+            body = a.json()
+            assert body["error"]["code"] == "shutting_down" if a.status_code == 503 else \
+                len(body["choices"][0]["token_ids"]) == LONG["max_tokens"]
+        end = lines[-1]
+        assert end == "[DONE]" or json.loads(end)["error"]["code"] == "shutting_down", lines[-3:]
+        late = [a.json()["error"]["message"] for a in answers if a.status_code == 503]
+        assert all("stopped (SIGINT) before this request finished" in m for m in late), late
         text = _stopped_cleanly(server)
+        assert "SIGINT again: ending the running requests now" in text
         assert '"POST /v1/completions"' not in text  # --no-access-log
     finally:
         server.kill()

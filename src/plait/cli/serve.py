@@ -19,7 +19,8 @@ none is free the sequence admitted last is preempted and recomputed later. A ste
 With --tp/--pp > 1 the model is split over that many local processes; rank 0 also runs the HTTP server.
 Greedy by default (temperature 0): the tokens equal `plait generate`'s. One log line per request on
 stderr (--no-access-log: none). Ctrl-C or SIGTERM: new requests get 503, running ones get --shutdown-timeout
-seconds to finish, then "plait serve: stopped (SIGINT)" and exit code 0, under every layout.
+seconds to finish (a second Ctrl-C: none), then "plait serve: stopped (SIGINT)" and exit code 0, under every
+layout.
 
 \b
 Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's

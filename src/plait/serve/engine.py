@@ -92,10 +92,10 @@ class Engine:
         return len(self.sched.waiting) + self.commands.qsize()
 
     def request_stop(self, reason: str, grace: float) -> None:
-        """Stop after the running requests finish, ``grace`` seconds at most (safe in a signal handler)."""
-        if not self.stop_reason:
-            self.drain_until = time.monotonic() + grace
-            self.stop_reason = reason
+        """Stop after the running requests finish, ``grace`` seconds from now at most (a repeat may shorten
+        it, not lengthen it; safe in a signal handler)."""
+        self.drain_until = min(self.drain_until, time.monotonic() + grace)
+        self.stop_reason = self.stop_reason or reason
 
     # --- the loop (rank 0's main thread) ---------------------------------------------------------------
     def run(self) -> None:

@@ -9,8 +9,10 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_S = 0.5  # a stop signal this soon after the first is the same one, delivered twice
 HTTP_JOIN_S = 5.0  # after the engine stopped, how long the HTTP server gets to send the last responses
 LOGGER = "plait.serve"
 
@@ -31,12 +33,15 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM while serving. Rank 0 notes the first (a Ctrl-C in a terminal reaches every process
-    of the job, and the launcher forwards it too: repeats change nothing) and hands it to the engine once
-    there is one; the other ranks ignore both and stop with rank 0's stop step."""
+    """SIGINT and SIGTERM while serving. On rank 0 the first one starts the drain (handed to the engine once
+    there is one); a Ctrl-C in a terminal reaches every process of the job and the launcher forwards it too,
+    so a repeat within ``REPEAT_S`` is the same one, and a later one ends the running requests at once. The
+    other ranks ignore both and stop with rank 0's stop step."""
 
     def __init__(self, leader: bool):
         self.reason = ""
+        self.first = 0.0
+        self.now = False  # a second Ctrl-C: no more grace
         self.engine = None
         self.grace = 0.0
         if threading.current_thread() is threading.main_thread():
@@ -44,11 +49,15 @@ class StopSignals:
                 signal.signal(sig, self._note if leader else signal.SIG_IGN)
 
     def _note(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if not self.reason:
-            self.reason = signal.Signals(signum).name
+            self.reason, self.first = name, time.monotonic()
             if self.engine is None:
-                print(f"plait serve: {self.reason}: stopping once the model has loaded", file=sys.stderr, flush=True)
-            self.hand_over()
+                print(f"plait serve: {name}: stopping once the model has loaded", file=sys.stderr, flush=True)
+        elif not self.now and time.monotonic() - self.first > REPEAT_S:
+            self.now = True
+            print(f"plait serve: {name} again: ending the running requests now", file=sys.stderr, flush=True)
+        self.hand_over()
 
     def attach(self, engine, grace: float) -> None:
         self.engine, self.grace = engine, grace
@@ -56,7 +65,7 @@ class StopSignals:
 
     def hand_over(self) -> None:
         if self.reason and self.engine is not None:
-            self.engine.request_stop(self.reason, self.grace)
+            self.engine.request_stop(self.reason, 0.0 if self.now else self.grace)
 
 
 def access_logger(level: str, enabled: bool) -> logging.Logger | None:
