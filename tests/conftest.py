@@ -80,7 +80,7 @@ def world4_shared(request, tmp_path_factory):
         if name == "test_pipeline":
             folders = request.getfixturevalue("families")
             groups[name] = (checks, (None if folders is None else str(folders),))
-        elif name in ("test_train", "test_zero3"):  # a scratch folder for checkpoints
+        elif name in ("test_train", "test_zero3", "test_context"):  # a scratch folder for checkpoints
             groups[name] = (checks, (str(tmp_path_factory.mktemp(name)),))
         else:
             groups[name] = (checks, ())

@@ -1,13 +1,19 @@
-"""Context parallelism: the layout dimension cp (configuration, mesh order, groups)."""
+"""Context parallelism: the layout dimension cp (configuration, mesh order, groups), and a Llama under cp with
+TP+SP, PP schedules, DP, EP, recomputation, ZeRO and bf16 equal to one device in both K/V exchange modes."""
 
 from __future__ import annotations
 
 import pytest
 
-from checks_context import MESHES
+from checks_context import CASES, MESHES, model_config
 from harness import result
 from plait.errors import ConfigError
 from plait.parallel_config import ParallelConfig
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device within float32 rounding
+# bf16 weights and activations vs the fp32 single device, one step (measured on this CPU: loss 1e-5 to 4e-5,
+# gradients 1.5e-2 to 1.7e-2, logits 6e-3 to 7e-3 relative); tolerances about 3x those
+BF16_LOSS_TOL, BF16_GRAD_TOL, BF16_LOGITS_TOL = 1e-4, 5e-2, 2e-2
 
 # world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_context)
 
@@ -19,6 +25,76 @@ def test_mesh_order_tp_innermost_then_cp_dp_pp(world4, name):
     for r in rows:
         assert r["formula"] == r["rank"], r
         assert r["cp_group_ok"] and r["dp_cp_group_ok"] and r["pp_peer_ok"], r
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_gradients_and_logits_equal_one_device(world4, case):
+    for rank, r in enumerate(result(world4, f"equal/{case}")):
+        assert r["n_grads"] >= 38
+        assert r["loss_rel"] <= LOSS_TOL, f"rank {rank} {case}: loss rel err {r['loss_rel']:.2e}"
+        assert r["grad_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: {r['worst_grad']} rel err {r['grad_rel_max']:.2e}"
+        assert r["logits_rel"] <= LOSS_TOL, f"rank {rank} {case}: eval logits rel err {r['logits_rel']:.2e}"
+
+
+@pytest.mark.parametrize("comm", ["allgather", "ring"])
+def test_bf16_within_tolerance(world4, comm):
+    for rank, r in enumerate(result(world4, f"bf16/{comm}")):
+        assert r["loss_rel"] <= BF16_LOSS_TOL and r["logits_rel"] <= BF16_LOGITS_TOL, (rank, r)
+        assert r["grad_rel_max"] <= BF16_GRAD_TOL, (rank, r)
+        assert r["grad_rel_max"] > GRAD_TOL, f"rank {rank}: bf16 gradients equal fp32: the cast did not happen"
+
+
+@pytest.mark.parametrize("case", ["zero1/allgather", "zero2/ring"])
+def test_zero_optimizer_steps_equal_one_device(world4, case):
+    for rank, r in enumerate(result(world4, case)):
+        assert r["param_rel_max"] <= 1e-4, f"rank {rank} {case}: params after 5 steps {r['param_rel_max']:.2e}"
+        assert r["norm_rel_max"] <= 1e-5 and r["loss_rel_max"] <= 1e-5, (rank, r["norm_rel_max"], r["loss_rel_max"])
+        assert r["miscount_rel"] == 0.0  # each rank owns a different shard: no gradient element counted twice
+
+
+@pytest.mark.parametrize("comm", ["allgather", "ring"])
+def test_activation_bytes_fall_as_one_over_cp(world4, comm):
+    """One row of 64 tokens per CP group: the ring keeps exactly 1/cp of one device's saved bytes; the all-gather
+    also keeps the whole sequence's keys and values per layer (as the module's core saves them: repeated for
+    every query head), a part that does not shrink with cp."""
+    peak = {cp: result(world4, f"activations/cp{cp}/{comm}") for cp in (1, 2, 4)}
+    ring = {cp: result(world4, f"activations/cp{cp}/ring") for cp in (1, 2, 4)}
+    cfg = model_config(max_seq_len=64)
+    kv_bytes = cfg.n_layers * 2 * 64 * cfg.n_heads * cfg.head_dim * 4  # K and V [B=1, h, S, hd], fp32
+    for rank in range(4):
+        one = peak[1][rank]
+        for cp in (2, 4):
+            if comm == "ring":
+                assert abs(peak[cp][rank] / one - 1 / cp) <= 0.02 / cp, (cp, peak[cp][rank], one)
+            else:
+                assert peak[cp][rank] - ring[cp][rank] == kv_bytes, (cp, peak[cp][rank], ring[cp][rank], kv_bytes)
+
+
+@pytest.mark.parametrize("case,needles", [
+    ("bad_seq_len", ["cp=2", "sequence length 6", "multiple of 4", "valid lengths"]),
+    ("bad_loss_fn", ["cp=2", "loss_fn"]),
+    ("bad_capacity", ["cp=2", "capacity_factor", "None"]),
+])
+def test_bad_input_is_a_config_error_on_every_rank(world4, case, needles):
+    for message in result(world4, f"bad/{case}"):
+        assert message.startswith("ConfigError"), message
+        for needle in needles:
+            assert needle in message, message
+
+
+@pytest.mark.parametrize("seq,cp", [(64, 2), (4096, 4), (96, 3), (128, 8)])
+def test_zigzag_layout_balances_causal_attention_work(seq, cp):
+    """Each rank's attention work — the query-key pairs its causal mask keeps, counted with the runtime's own
+    positions and mask — is within 1% of every other rank's; a contiguous cut would not be."""
+    from plait.context_parallel import attention_pairs, local_positions
+
+    pairs = attention_pairs(seq, cp)
+    assert sum(pairs) == seq * (seq + 1) // 2  # every pair of the causal mask, each counted once
+    assert max(pairs) <= 1.01 * min(pairs), pairs
+    held = sorted(int(p) for r in range(cp) for p in local_positions(seq // cp, cp, r))
+    assert held == list(range(seq))  # the ranks' chunks tile the sequence
+    contiguous = [sum(range(r * seq // cp + 1, (r + 1) * seq // cp + 1)) for r in range(cp)]
+    assert max(contiguous) > 1.5 * min(contiguous)  # what the zigzag avoids
 
 
 def test_cp_one_keeps_every_rank_formula():
@@ -40,3 +116,25 @@ def test_bad_cp_is_a_config_error_naming_it(kw, world, needles):
         ParallelConfig(**kw).resolve(world) if world else ParallelConfig(**kw)
     for needle in needles:
         assert needle in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("kw,seq,needles", [
+    (dict(cp=2), 18, ["cp=2", "18", "multiple of 4"]),
+    (dict(cp=2, tp=4, sequence_parallel=True), 12, ["cp=2", "multiple of 8", "sequence parallelism"]),
+])
+def test_sequence_length_is_checked_against_cp(kw, seq, needles):
+    ParallelConfig(**kw).check_seq_len(seq * 4)  # a multiple is fine
+    with pytest.raises(ConfigError) as info:
+        ParallelConfig(**kw).check_seq_len(seq)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_train_under_cp_equals_one_device_resumes_exactly_and_loads_under_tp2(world4):
+    """plait train under cp2·dp2 (ring, ZeRO-1): losses of one device; its checkpoint loads under tp2·dp2 with the
+    same weights and logits; a run resumed from its step-3 checkpoint continues exactly (all-gather)."""
+    for rank, r in enumerate(result(world4, "train/checkpoints")):
+        assert r["rel"] <= LOSS_TOL, f"rank {rank}: losses {r['got']} vs one device {r['ref']}"
+        assert r["tp2_weights_rel"] == 0.0, f"rank {rank}: tp2 loaded other weights ({r['tp2_weights_rel']:.2e})"
+        assert r["tp2_logits_rel"] <= LOSS_TOL, f"rank {rank}: tp2 logits {r['tp2_logits_rel']:.2e}"
+        assert r["started"] == 4 and r["resumed"] == r["full"], f"rank {rank}: {r['resumed']} vs {r['full']}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass, fields, replace
 from functools import cache
@@ -110,6 +111,21 @@ class ParallelConfig:
                               f"{', '.join(names)}, dp whose product is {world} ({', '.join(names)} from "
                               f"{divisors(world)}, or pass dp=-1)")
         return replace(self, dp=dp, expert_tp=self.expert_tp and tp > 1)
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """ConfigError unless sequences of ``seq_len`` tokens split as this layout cuts them: into 2·cp equal
+        chunks under context parallelism (each rank keeps two), each rank's part again over tp with sequence
+        parallelism."""
+        if self.cp == 1:
+            return
+        unit = 2 * self.cp
+        if self.sequence_parallel and self.tp > 1:
+            unit = math.lcm(unit, self.cp * self.tp)  # each rank's S/cp tokens are cut over tp too
+        if seq_len % unit:
+            sp = f" and tp={self.tp} with sequence parallelism" if self.sequence_parallel and self.tp > 1 else ""
+            raise ConfigError(f"cp={self.cp}: the sequence length {seq_len} must be a multiple of {unit} (2·cp "
+                              f"chunks of equal length{sp}); valid lengths: "
+                              f"{', '.join(str(unit * i) for i in range(1, 5))}, ...")
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import devices, memory, weight_grad
+from plait.context_parallel import gather_sequence, shard_sequence
 from plait.data_parallel.param_shards import ParamShards, block_units, gathered_grads
 from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.distributed.context import ParallelContext
@@ -219,6 +220,11 @@ class ParallelModel:
                               f"{self.microbatches}; use a batch that is a multiple of it")
         if targets is not None and targets.shape[0] != inputs.shape[0]:
             raise ConfigError(f"targets have batch size {targets.shape[0]}, inputs {inputs.shape[0]}")
+        if self.ctx.cp_size > 1:  # every CP rank holds the same full rows, cut here into 2·cp chunks
+            if inputs.dim() < 2:
+                raise ConfigError(f"cp={self.ctx.cp_size} splits sequences: inputs must be [batch, seq], got "
+                                  f"shape {tuple(inputs.shape)}")
+            self.config.check_seq_len(inputs.shape[1])
         if self.sequence_parallel and inputs.dim() > 1 and inputs.shape[1] % self.ctx.tp_size:
             raise ConfigError(f"sequence length {inputs.shape[1]} must be divisible by tp={self.ctx.tp_size} "
                               "with sequence_parallel=True")
@@ -239,7 +245,8 @@ class ParallelModel:
         activations (``memory_report``); None: on the first step only (the hooks cost a little per tensor).
         """
         self._check_batch(inputs, targets)
-        norm, global_rows = self._normaliser(inputs, targets)
+        norm, global_rows = self._normaliser(inputs, targets)  # over full rows: the same on every CP rank
+        inputs, targets = self._my_tokens(inputs), self._my_tokens(targets)
         self.zero_grad()
         for reducer in self.reducers.values():
             reducer.point_grads()
@@ -264,6 +271,10 @@ class ParallelModel:
         self.ties.sync_grads(lambda p: self._grad_pieces(lambda q: q is p))
         self.last_stats = stats
         return self._global_loss(stats.loss_sum if stats.shared_loss is None else stats.shared_loss, stats.aux_sum)
+
+    def _my_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """This CP rank's two chunks of every row (plait.context_parallel.layout); x itself without CP."""
+        return shard_sequence(x, self.ctx.cp_size, self.ctx.cp_rank)
 
     def _run(self, io: StepIO, trace: bool, measure: bool) -> StepStats:
         """The executor's step, under the saved-tensor meter if ``measure``."""
@@ -292,13 +303,13 @@ class ParallelModel:
     def _loss_by_p2p(self) -> bool:
         """One pipeline and no auxiliary loss: the last stage's loss is the global loss (every TP rank of it
         holds the same value), sent to the other stages point to point."""
-        return self.ctx.pp_size > 1 and self.ctx.dp_size == 1 and not self.has_aux
+        return self.ctx.pp_size > 1 and self.ctx.dp_size == 1 and self.ctx.cp_size == 1 and not self.has_aux
 
     def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
         """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
         ctx = self.ctx
         # one host read of the step's values (each read waits for the device to finish the step)
-        if ctx.pp_size == 1 and ctx.dp_size == 1 and (not self.has_aux or ctx.world_size == 1):
+        if ctx.pp_size == ctx.dp_size == ctx.cp_size == 1 and (not self.has_aux or ctx.world_size == 1):
             loss, self.last_aux_loss = torch.stack([local, aux.to(local)]).tolist()
             return loss + self.last_aux_loss
         holds_loss = self._holds_loss()
@@ -307,7 +318,7 @@ class ParallelModel:
             return float(local)
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
-        dist.all_reduce(total)  # loss: last-stage, tp-rank-0 contributions; aux: partial sums of every rank
+        dist.all_reduce(total)  # loss: last-stage, tp-rank-0 (every CP rank's) parts; aux: every rank's parts
         loss, self.last_aux_loss = total.tolist()
         return loss + self.last_aux_loss
 
@@ -315,12 +326,14 @@ class ParallelModel:
     def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:
         """The full model output (e.g. logits [B, S, V]) on every rank (forward-only pipeline)."""
         self._check_batch(inputs, None)
-        io = StepIO(self._split(inputs), None, None)
+        io = StepIO(self._split(self._my_tokens(inputs)), None, None)
         with self._gathering():
             stats = self.cast.run(lambda: self.executor.run(io, forward_only=True))
         out = torch.cat(stats.outputs) if stats.outputs else None
         if out is not None and self.vocab_size is not None:
             out = full_logits(out, self.ctx, self.vocab_size)
+        if out is not None:  # whole rows again, in position order
+            out = gather_sequence(out, self.ctx.cp_group, self.ctx.cp_size)
         return self._broadcast_from_last(out)
 
     def _broadcast_from_last(self, out: torch.Tensor | None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.context_parallel import apply_context_parallel, check_context_parallel
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import apply_expert_parallel, check_model_experts
@@ -82,6 +83,9 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
     if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
         recompute_attention(family.attention_modules(model), type(model).__name__)
+    if ctx.cp_size > 1:  # after recomputation: the all-gather mode calls the (recomputed) core
+        apply_context_parallel(family.attention_modules(model), ctx, cfg.cp_comm,
+                               family.sliding_window(getattr(model, "config", None)), type(model).__name__)
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)
     if loss_fn is not None:
         return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss_fn, vocab_size=None,
@@ -109,15 +113,14 @@ def _merged_config(ctx: ParallelContext, config: ParallelConfig | None, **overri
         if getattr(base, name) != getattr(ctx.config, name):
             raise ConfigError(f"config.{name}={getattr(base, name)} but the context was initialised with "
                               f"{name}={getattr(ctx.config, name)}; pass the same layout to plait.init")
-    merged = replace(base, **{k: v for k, v in overrides.items() if v is not None})
-    if merged.cp > 1:
-        raise ConfigError(f"cp={merged.cp}: the context-parallel runtime is not built yet; valid cp: 1")
-    return merged
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _check_args(model: nn.Module, family: Family, ctx: ParallelContext, loss_fn: LossFn | None,
                 tp_plan: dict | None) -> None:
     check_model_experts(model, ctx.ep_size)
+    if ctx.cp_size > 1:
+        check_context_parallel(model, ctx.cp_size, loss_fn)
     family.check_tp(getattr(model, "config", None), ctx.tp_size)
     if family.loss is None and loss_fn is None:
         raise ConfigError(f"loss_fn is required for {type(model).__name__} ({family.name} models have no default "

@@ -167,6 +167,7 @@ def check(cfg: VerifyConfig) -> None:
         if cfg.n_experts < 2:
             raise ConfigError(f"ep={par.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
         check_experts(cfg.n_experts, par.ep)
+    par.check_seq_len(cfg.seq_len)
     if par.sequence_parallel and cfg.seq_len % par.tp:
         raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={par.tp} with sequence parallelism")
     if cfg.world > 16:

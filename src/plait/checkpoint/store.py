@@ -97,7 +97,8 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
     if optimizer is not None and reader.meta["optimizer"]["param_groups"] is not None:
         _load_optimizer(pm, optimizer, reader)
     layout = reader.meta["layout"]
-    same = (layout["tp"], layout["pp"], layout["dp"]) == (pm.ctx.tp_size, pm.ctx.pp_size, pm.ctx.dp_size)
+    same = ((layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
+            == (pm.ctx.tp_size, pm.ctx.pp_size, pm.ctx.dp_size, pm.ctx.cp_size))
     if same and reader.meta.get("rng_rank0") is not None and pm.ctx.rank == 0:
         torch.set_rng_state(torch.tensor(reader.meta["rng_rank0"], dtype=torch.uint8))
     return reader.meta

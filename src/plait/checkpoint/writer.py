@@ -61,8 +61,8 @@ def _writes(ctx, lt) -> bool:
     group = getattr(lt.tensor, "_plait_grad_group", None)
     if group is not None:  # an expert under expert parallelism: the lowest rank holding it writes it
         return ctx.rank == min(dist.get_process_group_ranks(group[0]))
-    if ctx.dp_rank != 0:
-        return False  # data-parallel replicas hold the same tensors
+    if ctx.dp_rank != 0 or ctx.cp_rank != 0:
+        return False  # data- and context-parallel replicas hold the same tensors
     if lt.dim is None:
         return ctx.tp_size == 1 or ctx.tp_rank == 0  # replicated over TP
     return lt.stop > lt.start  # not an all-padding shard
@@ -125,7 +125,8 @@ def take_snapshot(pm, optimizer, directory: str | Path, step: int, extra: dict |
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}-dp{ctx.dp_rank}.safetensors"
+    cp = f"-cp{ctx.cp_rank}" if ctx.cp_size > 1 else ""  # experts may be written by any CP rank
+    fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}{cp}-dp{ctx.dp_rank}.safetensors"
     states = _optimizer_states(optimizer)  # collective under ZeRO: every rank takes part
     masters = optimizer.gathered_masters() if hasattr(optimizer, "gathered_masters") else {}  # collective
     with pm.full_parameters():  # ZeRO-3: every local parameter gathered for the duration (collective)
@@ -235,7 +236,8 @@ def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:
     return {"format": FORMAT, "step": step, "tensors": tensors, "optimizer": {
         "type": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
         "scalars": optim_scalars}, "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
-        "schedule": pm.schedule.name if hasattr(pm.schedule, "name") else None}, "rng_rank0": rng, **extra}
+        "cp": ctx.cp_size, "schedule": pm.schedule.name if hasattr(pm.schedule, "name") else None},
+        "rng_rank0": rng, **extra}
 
 
 def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:

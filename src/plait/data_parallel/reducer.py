@@ -71,7 +71,9 @@ class GradReducer:
 
     ``alone``: ids of parameters that get a bucket of their own (tied copies on several pipeline ranks:
     their shards then line up across the tie group). Parameters marked by ``set_grad_group`` go over their
-    own group; the others over ``ctx``'s DP group. Groups of one rank reduce nothing.
+    own group; the others over ``ctx``'s dp×cp group (the DP group without context parallelism: CP ranks
+    see different tokens of the same rows, so their gradients are summed too). Groups of one rank reduce
+    nothing.
     ``units`` (ZeRO-3, ``param_shards``): lists of parameters that each make one bucket per reduction group,
     whatever their size, instead of ~``bucket_mb`` buckets (``params`` is then ignored).
     """
@@ -98,7 +100,7 @@ class GradReducer:
         for p in params:  # most go over DP; set_grad_group redirects some (experts: expert-DP group)
             if not p.requires_grad:
                 continue
-            group, size = getattr(p, "_plait_grad_group", (self.ctx.dp_group, self.ctx.dp_size))
+            group, size = getattr(p, "_plait_grad_group", (self.ctx.dp_cp_group, self.ctx.dp_cp_size))
             if id(p) in alone:
                 self._add([p], group, size)
             else:

@@ -1,11 +1,12 @@
 """Expert parallelism applied from outside: a plain ``MoE`` becomes an ``ExpertParallelMoE`` over the EP group.
 
-Where EP lives (``ParallelContext``): within one pipeline stage, the dp·tp ranks form a plane indexed
-q = dp_rank·tp + tp_rank; EP groups are runs of ``ep`` consecutive q (so an EP group is a TP group,
-part of one, or several whole TP groups of neighbouring DP replicas), ep_rank = q mod ep, and rank
-ep_rank owns experts [ep_rank·E/ep, (ep_rank+1)·E/ep). Ranks with the same ep_rank (the expert-data-
-parallel group, dp·tp/ep ranks) hold the same experts: expert gradients are summed over that group
-instead of the DP group.
+Where EP lives (``ParallelContext``): within one pipeline stage, the dp·cp·tp ranks form a plane indexed
+q = (dp_rank·cp + cp_rank)·tp + tp_rank; EP groups are runs of ``ep`` consecutive q (so an EP group is a TP
+group, part of one, or several whole TP groups of neighbouring CP or DP ranks), ep_rank = q mod ep, and
+rank ep_rank owns experts [ep_rank·E/ep, (ep_rank+1)·E/ep). Ranks with the same ep_rank (the expert-data-
+parallel group, dp·cp·tp/ep ranks) hold the same experts: expert gradients are summed over that group
+instead of the dp×cp group. Under context parallelism each rank routes its part of every sequence; the
+load-balancing loss then counts the whole sequence's assignments (plait.context_parallel.routing).
 
 Token ownership: every rank of the plane dispatches a disjoint set of tokens. Under TP the layer enters
 the TP region like the dense MLP (f, or the sequence all-gather with SP), routes the full sequences
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.context_parallel.routing import split_sequence_aux_loss
 from plait.data_parallel.reducer import set_grad_group
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
@@ -79,8 +81,11 @@ class ExpertParallelMoE(nn.Module):
         if ctx.tp_size > 1:  # enter the TP region: full sequences on every TP rank
             x = comms.gather_seq(x, ctx.tp_group) if self.sequence_parallel else comms.copy_to_tp(x, ctx.tp_group)
         b, s, h = x.shape
-        r = route(self.gate(x), self.top_k, self.capacity_factor, self.aux_loss_coef)
-        self.aux_loss = r.aux / ctx.tp_size
+        logits = self.gate(x)  # [B, S, E]
+        r = route(logits, self.top_k, self.capacity_factor, self.aux_loss_coef)
+        aux = r.aux if ctx.cp_size == 1 else split_sequence_aux_loss(logits, r.expert, self.aux_loss_coef,
+                                                                      ctx.cp_group, ctx.cp_size)
+        self.aux_loss = aux / ctx.tp_size
         flat = x.reshape(b * s, h)
         expert, gate, keep = (t.reshape(b * s, -1) for t in (r.expert, r.gate, r.keep))
         if ctx.expert_tp:  # every TP rank dispatches every token; experts return TP partial sums

@@ -8,7 +8,8 @@ A family adapter answers, for the models of one class, without the runtime ever 
   loss               the default training loss: "next_token" (cross-entropy over vocabulary logits, computed
                      on vocabulary shards) or None (the caller passes ``loss_fn``)
   kv_layer           which blocks keep a KV cache when decoding; hidden_size: what flows between stages
-  attention_modules  the attention module of every layer (whose core may be recomputed alone)
+  attention_modules  the attention module of every layer (whose core may be recomputed alone, and whose rope
+                     and core context parallelism shadows); sliding_window: how far back a query sees
   tie_weights        re-tie shared parameters after sharding replaced modules
   init_tensor        the seeded initial value of one full state tensor (plait.models.init), so any layout
                      can initialise its shards one tensor at a time
@@ -93,6 +94,10 @@ class Family:
 
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         return {}
+
+    def sliding_window(self, config: Any) -> int | None:
+        """Keys each query sees at most, itself included (None: every earlier key)."""
+        return None
 
     def tie_weights(self, model: nn.Module) -> None:
         """Re-tie shared parameters after their modules were replaced (sharded)."""
@@ -213,6 +218,9 @@ class DecoderFamily(Family):
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = _decoder(model).layers
         return {f"layers.{i}.self_attn": layer.get_submodule("self_attn") for i, layer in enumerate(layers)}
+
+    def sliding_window(self, config: Any) -> int | None:
+        return config.sliding_window
 
     def tie_weights(self, model: nn.Module) -> None:
         model = _decoder(model)

@@ -30,11 +30,12 @@ class TiedWeights:
         # every rank creates every group, in the same order (new_group is collective over the world)
         for p, pp_ranks in shared:
             for dp in range(ctx.dp_size):
-                for tp in range(ctx.tp_size):
-                    members = [ctx.global_rank(tp_rank=tp, dp_rank=dp, pp_rank=r) for r in pp_ranks]
-                    group = dist.new_group(members)
-                    if ctx.rank in members:
-                        self.pairs.append((p, group))
+                for cp in range(ctx.cp_size):
+                    for tp in range(ctx.tp_size):
+                        members = [ctx.global_rank(tp_rank=tp, dp_rank=dp, pp_rank=r, cp_rank=cp) for r in pp_ranks]
+                        group = dist.new_group(members)
+                        if ctx.rank in members:
+                            self.pairs.append((p, group))
 
     def sync_grads(self, grad_of: Callable[[nn.Parameter], list[torch.Tensor]]) -> None:
         """Sum the gradients of the tied copies over the ranks that hold them.

@@ -231,6 +231,7 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     if not per_replica or per_replica % par.num_microbatches:
         raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of --dp x --microbatches = "
                           f"{par.dp * par.num_microbatches}")
+    par.check_seq_len(cfg.seq_len)
     if par.sequence_parallel and cfg.seq_len % par.tp:
         raise ConfigError(f"--seq-len {cfg.seq_len} must be a multiple of --tp {par.tp} with --sequence-parallel")
     _validate_model(cfg)
