@@ -148,11 +148,12 @@ def checkpoints(root: Path) -> dict:
     """plait train under cp2·dp2 (ring, ZeRO-1) against one device; its checkpoint loaded under tp2·dp2; an
     exact resume under cp2·dp2 (all-gather, ZeRO-1)."""
     import checks_train as ct
+    from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
+    from plait.tokenizers import ByteTokenizer
     from plait.train import TrainConfig
-    from plait.train.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
     from plait.train.config import model_config as train_model_config
-    from plait.train.data import ByteTokenizer, load_corpus
     from plait.train.data import batch as train_batch
+    from plait.train.data import load_corpus
     from plait.train.loop import build
 
     cfg = ct.small_cfg(root, "cp-a", tp=1, pp=1, dp=2, cp=2, cp_comm="ring", zero=1, microbatches=1)
@@ -183,5 +184,6 @@ def rank_main(root: str) -> dict:
                                                                                               (2, "ring"))]
     checks += [(f"activations/cp{cp}/{comm}", lambda n=cp, c=comm: activations(n, c))
                for comm in ("allgather", "ring") for cp in (1, 2, 4)]
-    checks += [(f"bad/{fn.__name__}", lambda fn=fn: config_error(fn)) for fn in (bad_seq_len, bad_loss_fn, bad_capacity)]
+    checks += [(f"bad/{fn.__name__}", lambda fn=fn: config_error(fn))
+               for fn in (bad_seq_len, bad_loss_fn, bad_capacity)]
     return run_checks(checks)
