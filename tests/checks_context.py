@@ -174,6 +174,11 @@ def checkpoints(root: Path) -> dict:
             "tp2_logits_rel": rel_err(run.pm.eval_step(x), plain(x).detach()), **resume}
 
 
+def bad_generate() -> None:
+    ctx = plait.init(cp=2, dp=2)
+    plait.generate(plait.parallelize(Llama(model_config()), ctx), [1, 2, 3], max_new_tokens=2)
+
+
 def rank_main(root: str) -> dict:
     checks = [(f"mesh/{name}", lambda s=sizes: check_mesh(*s)) for name, sizes in MESHES.items()]
     checks += [("train/checkpoints", lambda: checkpoints(Path(root)))]
@@ -185,5 +190,5 @@ def rank_main(root: str) -> dict:
     checks += [(f"activations/cp{cp}/{comm}", lambda n=cp, c=comm: activations(n, c))
                for comm in ("allgather", "ring") for cp in (1, 2, 4)]
     checks += [(f"bad/{fn.__name__}", lambda fn=fn: config_error(fn))
-               for fn in (bad_seq_len, bad_loss_fn, bad_capacity)]
+               for fn in (bad_seq_len, bad_loss_fn, bad_capacity, bad_generate)]
     return run_checks(checks)

@@ -74,6 +74,7 @@ def test_activation_bytes_fall_as_one_over_cp(world4, comm):
     ("bad_seq_len", ["cp=2", "sequence length 6", "multiple of 4", "valid lengths"]),
     ("bad_loss_fn", ["cp=2", "loss_fn"]),
     ("bad_capacity", ["cp=2", "capacity_factor", "None"]),
+    ("bad_generate", ["cp=2", "cp=1"]),
 ])
 def test_bad_input_is_a_config_error_on_every_rank(world4, case, needles):
     for message in result(world4, f"bad/{case}"):

@@ -71,6 +71,9 @@ class Decoder:
         from plait.parallel_model import ParallelModel
 
         if isinstance(model, ParallelModel):
+            if model.ctx.cp_size > 1:
+                raise ConfigError(f"generate with cp={model.ctx.cp_size}: decoding runs on whole sequences; load "
+                                  "the model (or its checkpoint) under a layout with cp=1 to generate")
             self.ctx: ParallelContext | None = model.ctx
             family, config, vocab = model.family, model.model_config, model.vocab_size
             self.chunks = {c: list(zip(ch.names, ch.blocks, strict=True)) for c, ch in model.chunks.items()}
