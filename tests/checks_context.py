@@ -95,6 +95,7 @@ CASES |= {
     "cp2pp2/interleaved": (dict(cp=2, pp=2, dp=1, schedule="interleaved-1f1b", microbatches=4), {}),
     "cp2pp2/zbv": (dict(cp=2, pp=2, dp=1, schedule="zbv", microbatches=4, **RING), {}),
     "cp2dp2/full": (dict(cp=2, dp=2, recompute="full"), {}),
+    "cp2dp2/zero3": (dict(cp=2, dp=2, zero=3, cp_comm="ring"), {}),
     "cp2tp2/tied": (dict(cp=2, tp=2, dp=1), dict(tie_embeddings=True)),
     "cp2ep2tp2/expert_tp": (dict(cp=2, tp=2, dp=1, ep=2, expert_tp=True), MOE),
 }
