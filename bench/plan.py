@@ -27,14 +27,14 @@ CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
 from plait.plan import Cluster, Model, Training, search
-from plait.plan.pipeline import _simulate
+from plait.plan.pipeline import simulations
 t1 = time.perf_counter()
 name, gpu, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 m = Model.preset(name)
 args = (m, Cluster(gpu, n), Training(batch))
 c2 = time.process_time(); t2 = time.perf_counter(); r = search(*args); t3 = time.perf_counter()
 c3 = time.process_time()
-sims = _simulate.cache_info().currsize
+sims = simulations()
 t4 = time.perf_counter(); search(*args); t5 = time.perf_counter()
 b = r.best[0] if r.best else None
 print(json.dumps({"model": name, "gpu": gpu, "gpus": n, "global_batch": batch, "import_s": t1 - t0,

@@ -255,6 +255,7 @@ def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypat
     from plait.plan import memory as mem
     from plait.plan.config import Training
     from plait.plan.estimate import estimate
+    from plait.plan.stages import layout_stages
 
     params, layers = 1e6, 8
     tensors = 8 * step_end.PARAM_TENSORS_PER_LAYER + 3
@@ -275,7 +276,7 @@ def test_zero_publish_copies_the_gathered_weights_into_every_parameter(monkeypat
     four = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
     layout = Layout(pp=2, dp=2, zero=1, microbatch_size=1)
     counted = step_end.publish_time(four, layout, mem.max_rank_params(model, layout),
-                                    max(mem.layout_stages(model, layout).rank_layers), "fp32")
+                                    max(layout_stages(model, layout).rank_layers), "fp32")
     assert counted > 0
     before = estimate(model, four, layout, Training(8, precision="fp32"))
     monkeypatch.setattr(step_end, "publish_time", lambda *a, **k: counted + 0.125)

@@ -1,8 +1,9 @@
 """Command-line options generated from dataclass fields: one ``--flag`` per field, its help the field's docstring.
 
 ``plait train``, ``verify``, ``generate`` and ``serve`` take their layout options from ``ParallelConfig`` this
-way (and ``train`` its other options from ``TrainConfig``), so a new field is a new option everywhere, with
-its documentation, and no command restates a default. Only typer's public API is used: a command is a
+way (and ``train`` its other options from ``TrainConfig``; ``plan``, ``topo`` and ``simulate`` theirs from the
+options dataclasses beside them), so a new field is a new option everywhere, with its documentation, and no
+command restates a default. Only typer's public API is used: a command is a
 function whose signature (``__signature__``) lists ``typer.Option`` defaults.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -21,11 +22,13 @@ from plait.parallel_config import field_docs
 
 
 def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | None = None,
-                      exclude: Iterable[str] = (), flags: dict[str, str] | None = None) -> list[inspect.Parameter]:
+                      exclude: Iterable[str] = (), flags: Mapping[str, str | tuple[str, ...]] | None = None
+                      ) -> list[inspect.Parameter]:
     """Keyword-only parameters, one ``typer.Option`` per field of ``cls`` (a dataclass).
 
-    ``defaults`` (an instance) gives the default values (else the fields' own); ``flags`` renames options
-    (field name -> ``--flag``). Fields with a dataclass type (nested configs) are skipped.
+    ``defaults`` (an instance) gives the default values (else the fields' own; a field with neither is a
+    required option); ``flags`` renames options (field name -> ``--flag``, or several names such as
+    ``("--stages", "-p")``). Fields with a dataclass type (nested configs) are skipped.
     """
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     keep = set(only) if only is not None else None
@@ -35,14 +38,17 @@ def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | 
         if (keep is not None and f.name not in keep) or f.name in exclude or nested:
             continue
         annotation = hints[f.name]
+        required = defaults is None and f.default is MISSING and f.default_factory is MISSING
         if defaults is not None:
             default = getattr(defaults, f.name)
         else:
             default = f.default if f.default is not MISSING else None  # a factory (a list): None = empty
-        if default is None or isinstance(default, list):
+        if required:
+            default = ...
+        elif default is None or isinstance(default, list):
             default, annotation = None, annotation | None
-        flag = (flags or {}).get(f.name, "--" + f.name.replace("_", "-"))
-        option = typer.Option(default, flag, help=docs.get(f.name, ""))
+        names = (flags or {}).get(f.name, "--" + f.name.replace("_", "-"))
+        option = typer.Option(default, *((names,) if isinstance(names, str) else names), help=docs.get(f.name, ""))
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
     return params
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
+
+from plait.plan.cluster import MAX_MEMORY_FRACTION
 
 GB = 1e9
 PLAN_HELP = """Find the fastest parallel layout that fits, for training (default) or inference.
@@ -174,34 +177,54 @@ def _write_config(path: Path, best, model_arg: str) -> None:
     path.write_text(toml_text(values, header))
 
 
-def plan(
-    model: Annotated[str, typer.Option(help="preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, "
-                                             "mixtral-8x7b) or a Hugging Face config.json")],
-    gpus: Annotated[int, typer.Option(help="number of GPUs")],
-    gpu: Annotated[str, typer.Option(help="GPU type, e.g. h100-sxm, a100-80gb")] = "h100-sxm",
-    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node (TP stays inside)")] = 8,
-    interconnect: Annotated[str | None, typer.Option(help="inter-node fabric, e.g. ib-ndr")] = None,
-    seq_len: Annotated[int | None, typer.Option(help="sequence length (default: the model's)")] = None,
-    global_batch: Annotated[int | None, typer.Option(help="sequences per step (default: searched, 4-64M "
-                                                          "tokens)")] = None,
-    top: Annotated[int, typer.Option(help="how many layouts to show")] = 5,
-    inference: Annotated[bool, typer.Option("--inference", help="plan serving instead")] = False,
-    batch: Annotated[int, typer.Option(help="inference: concurrent sequences")] = 1,
-    prompt_len: Annotated[int, typer.Option(help="inference: prompt tokens")] = 1024,
-    gen_len: Annotated[int, typer.Option(help="inference: generated tokens")] = 256,
-    weights: Annotated[str, typer.Option(help="inference: weights stored as bf16, fp16, fp8, int8 or int4")] = "bf16",
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
-    show_schedule: Annotated[bool, typer.Option("--show-schedule", help="Gantt of the best")] = False,
-    cluster_file: Annotated[Path | None, typer.Option("--cluster", help="a host profile from `plait calibrate`: "
-                                                      "plan plait's own runs on that host (--gpus processes)")] = None,
-    precision: Annotated[str | None, typer.Option(help="bf16 or fp32 (default: fp32 with --cluster, as plait "
-                                                       "train; bf16 otherwise)")] = None,
-    max_memory_fraction: Annotated[float, typer.Option(help="share of each device's memory a layout may use")] = 0.9,
-    plan_only: Annotated[bool, typer.Option("--plan-only", help="also consider what only the planner models "
-                                            "(context parallelism, ZeRO-3), marked plan-only")] = False,
-    write_config: Annotated[Path | None, typer.Option(help="write the best layout as a `plait train --config` "
-                                                      "TOML file")] = None,
-) -> None:
+@dataclass(frozen=True)
+class PlanOptions:
+    """The options of ``plait plan`` (one per field, its help the field's docstring)."""
+
+    model: str
+    """preset (llama3-8b, llama3-70b, llama3-405b, gpt3-175b, mixtral-8x7b; tiny, small) or a Hugging Face
+    config.json"""
+    gpus: int
+    """number of GPUs (with --cluster: plait processes on the calibrated host)"""
+    gpu: str = "h100-sxm"
+    """GPU type, e.g. h100-sxm, a100-80gb"""
+    gpus_per_node: int = 8
+    """GPUs per node (TP stays inside)"""
+    interconnect: str | None = None
+    """inter-node fabric, e.g. ib-ndr (default: the GPU's usual)"""
+    seq_len: int | None = None
+    """sequence length (default: the model's)"""
+    global_batch: int | None = None
+    """sequences per step (default: searched, 4-64M tokens)"""
+    top: int = 5
+    """how many layouts to show"""
+    inference: bool = False
+    """plan serving instead"""
+    batch: int = 1
+    """inference: concurrent sequences"""
+    prompt_len: int = 1024
+    """inference: prompt tokens"""
+    gen_len: int = 256
+    """inference: generated tokens"""
+    weights: str = "bf16"
+    """inference: weights stored as bf16, fp16, fp8, int8 or int4"""
+    as_json: bool = False
+    """print JSON instead of tables"""
+    show_schedule: bool = False
+    """Gantt of the best"""
+    cluster: Path | None = None
+    """a host profile from `plait calibrate`: plan plait's own runs on that host (--gpus processes)"""
+    precision: str | None = None
+    """bf16 or fp32 (default: fp32 with --cluster, as plait train; bf16 otherwise)"""
+    max_memory_fraction: float = MAX_MEMORY_FRACTION
+    """share of each device's memory a layout may use"""
+    plan_only: bool = False
+    """also consider what only the planner models (context parallelism, ZeRO-3), marked plan-only"""
+    write_config: Path | None = None
+    """write the best layout as a `plait train --config` TOML file"""
+
+
+def plan(options: dict[str, Any]) -> None:
     from rich.console import Console
 
     from plait.errors import ConfigError
@@ -209,41 +232,41 @@ def plan(
     from plait.plan.explain import nothing_fits
     from plait.plan.search import search_batch
 
+    o = PlanOptions(**options)
     console = Console(width=None if sys.stdout.isatty() else 140)
     batch_note = ""
     try:
-        m = _model(model, seq_len)
-        if cluster_file is not None:
-            cluster = Cluster.from_profile(cluster_file, gpus, max_memory_fraction=max_memory_fraction)
+        m = _model(o.model, o.seq_len)
+        if o.cluster is not None:
+            cluster = Cluster.from_profile(o.cluster, o.gpus, max_memory_fraction=o.max_memory_fraction)
         else:
-            cluster = Cluster(gpu, gpus, gpus_per_node, interconnect, max_memory_fraction=max_memory_fraction)
-        if inference:
-            _inference(console, m, cluster, batch, prompt_len, gen_len, as_json, weights)
+            cluster = Cluster(o.gpu, o.gpus, o.gpus_per_node, o.interconnect, max_memory_fraction=o.max_memory_fraction)
+        if o.inference:
+            _inference(console, m, cluster, o.batch, o.prompt_len, o.gen_len, o.as_json, o.weights)
             return
-        precision = precision or ("fp32" if cluster_file is not None else "bf16")
-        if global_batch:
-            training = Training(global_batch, precision=precision)
-            result = search(m, cluster, training, top=top, plan_only=plan_only)
+        precision = o.precision or ("fp32" if o.cluster is not None else "bf16")
+        if o.global_batch:
+            training = Training(o.global_batch, precision=precision)
+            result = search(m, cluster, training, top=o.top, plan_only=o.plan_only)
         else:
-            choice = search_batch(m, cluster, top=top, precision=precision, plan_only=plan_only)
+            choice = search_batch(m, cluster, top=o.top, precision=precision, plan_only=o.plan_only)
             training, result = Training(choice.global_batch, precision=precision), choice.result
             batch_note = f"global batch (not given, searched): {choice.reason}"
-        if result.best and write_config is not None:
-            _write_config(write_config, result.best[0], model)
+        if result.best and o.write_config is not None:
+            _write_config(o.write_config, result.best[0], o.model)
     except ConfigError as exc:
         _fail(str(exc))
     if not result.best:
-        _fail(f"{m.name} on {gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
-    if as_json:
+        _fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
+    if o.as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
                                "global_batch_note": batch_note, "rejected": dict(result.rejected),
                                "pruned": result.pruned, "zero_twins": result.twins, "considered": result.considered,
-                               "why": explain(result),
-                               "max_memory_fraction": max_memory_fraction}
+                               "why": explain(result), "max_memory_fraction": o.max_memory_fraction}
         typer.echo(json.dumps(out, indent=1))
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
-    title = (f"{m.name} ({size}, seq {m.seq_len}) on {gpus} × {cluster.gpu.name}, "
+    title = (f"{m.name} ({size}, seq {m.seq_len}) on {o.gpus} × {cluster.gpu.name}, "
              f"{cluster.gpus_per_node}/node; global batch {training.global_batch}, {precision}")
     if batch_note:
         console.print(batch_note)
@@ -251,45 +274,61 @@ def plan(
     console.print(_breakdown_table(result.best[0]))
     for line in explain(result):
         console.print("• " + line)
-    if show_schedule:
+    if o.show_schedule:
         _show_schedule(console, result.best[0])
 
 
-def topo(
-    file: Annotated[Path | None, typer.Option(help="a saved `nvidia-smi topo -m` output to read")] = None,
-    model: Annotated[str, typer.Option(help="the model to serve, for the advice")] = "llama3-8b",
-    gpu: Annotated[str | None, typer.Option(help="GPU type (default: h100-sxm with NVLink, else h100-pcie)")] = None,
-    batch: Annotated[int, typer.Option(help="concurrent sequences")] = 1,
-    prompt_len: Annotated[int, typer.Option(help="prompt tokens")] = 1024,
-    gen_len: Annotated[int, typer.Option(help="generated tokens")] = 256,
-    weights: Annotated[str, typer.Option(help="bf16, fp16, fp8, int8 or int4")] = "bf16",
-) -> None:
+@dataclass(frozen=True)
+class TopoOptions:
+    """The options of ``plait topo`` (one per field, its help the field's docstring)."""
+
+    file: Path | None = None
+    """a saved `nvidia-smi topo -m` output to read"""
+    model: str = "llama3-8b"
+    """the model to serve, for the advice"""
+    gpu: str | None = None
+    """GPU type (default: h100-sxm with NVLink, else h100-pcie)"""
+    batch: int = 1
+    """concurrent sequences"""
+    prompt_len: int = 1024
+    """prompt tokens"""
+    gen_len: int = 256
+    """generated tokens"""
+    weights: str = "bf16"
+    """bf16, fp16, fp8, int8 or int4"""
+
+
+def topo(options: dict[str, Any]) -> None:
     """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
     `plait plan --inference` recommends on these links (each TP size costed on the link its group uses)."""
     from plait.errors import ConfigError
     from plait.plan import Workload
     from plait.plan.topo import advice, parse_topo, read_topo, serving_advice, tp_groups
 
-    text = file.read_text() if file is not None else read_topo()
+    o = TopoOptions(**options)
+    text = o.file.read_text() if o.file is not None else read_topo()
     if text is None:
         typer.echo("nvidia-smi not found (no NVIDIA GPU here): nothing to read. "
                    "Pass --file with a saved `nvidia-smi topo -m` output.")
         raise typer.Exit(0)
     try:
         t = parse_topo(text)
-        gpu = gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
-        res = serving_advice(t, _model(model, None), gpu, Workload(batch, prompt_len, gen_len), weights)
+        gpu = o.gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
+        res = serving_advice(t, _model(o.model, None), gpu, Workload(o.batch, o.prompt_len, o.gen_len), o.weights)
     except (ValueError, ConfigError) as exc:
         _fail(str(exc))
     typer.echo(f"{len(t.gpus)} GPUs")
     for line in advice(t):
         typer.echo("• " + line)
-    typer.echo(f"serving {model} on them ({gpu}, batch {batch}, prompt {prompt_len}, {gen_len} new tokens, "
-               f"{weights} weights), as `plait plan --inference` ranks it:")
+    typer.echo(f"serving {o.model} on them ({gpu}, batch {o.batch}, prompt {o.prompt_len}, {o.gen_len} new tokens, "
+               f"{o.weights} weights), as `plait plan --inference` ranks it:")
     for line in inference_verdict(res):
         typer.echo("• " + line.strip())
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan", help=PLAN_HELP)(plan)
-    app.command("topo")(topo)
+    from plait.cli.options import dataclass_options, with_options
+
+    json_flag = {"as_json": "--json"}
+    app.command("plan", help=PLAN_HELP)(with_options(dataclass_options(PlanOptions, flags=json_flag), "options")(plan))
+    app.command("topo", help=topo.__doc__)(with_options(dataclass_options(TopoOptions), "options")(topo))

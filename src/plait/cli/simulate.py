@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -134,34 +135,55 @@ def _outputs(result, png: Path | None, trace: Path | None, csv_out: Path | None)
     return notes
 
 
+@dataclass(frozen=True)
+class SimulateOptions:
+    """The options of ``plait simulate`` (one per field, its help the field's docstring)."""
+
+    schedule: str = "1f1b"
+    """One of: gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb-h1, zbv, dualpipev."""
+    stages: int = 4
+    """Pipeline ranks P."""
+    microbatches: int = 8
+    """Micro-batches M per batch."""
+    virtual_stages: int | None = None
+    """Chunks per pipeline rank V (default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev)."""
+    forward: float = 1.0
+    """Forward time of one micro-batch through a whole stage."""
+    backward: float = 2.0
+    """Full backward time (I + W) per micro-batch and stage."""
+    weight: float | None = None
+    """Weight-gradient part W of the backward (default backward/2)."""
+    p2p: float = 0.0
+    """Latency added to a dependency from another rank."""
+    rounds: str | None = None
+    """interleaved-1f1b / zb-h1 with M % P != 0: 'equal' rounds (default; bubble (P-1)/(VM+P-1)) or 'padded'
+    rounds of P (fewer micro-batches held)."""
+    compare: str | None = None
+    """Comma-separated schedules to compare in one table, e.g. gpipe,1f1b,zb-h1,zbv."""
+    png: Path | None = None
+    """Save the timeline as a PNG (matplotlib)."""
+    trace: Path | None = None
+    """Save a Chrome/Perfetto trace JSON."""
+    csv: Path | None = None
+    """Export the schedule as PyTorch pipelining's compute-only CSV."""
+    from_csv: Path | None = None
+    """Simulate a schedule read from a PyTorch pipelining CSV instead of --schedule/--stages/--microbatches."""
+    as_json: bool = False
+    """Print the figures as JSON only (a list with --compare)."""
+    actions: bool = False
+    """Also print each rank's action list."""
+    width: int | None = None
+    """Columns for the chart's time axis (default: the terminal's width)."""
+
+
+#: option names other than the field's: the short forms (-s, -p, -m, -v) and --json
+FLAGS: dict[str, str | tuple[str, ...]] = {
+    "schedule": ("--schedule", "-s"), "stages": ("--stages", "-p"), "microbatches": ("--microbatches", "-m"),
+    "virtual_stages": ("--virtual-stages", "-v"), "as_json": "--json"}
+
+
 def simulate_command(
-    schedule: Annotated[str, typer.Option("--schedule", "-s", help="One of: " + ", ".join(
-        ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zbv", "dualpipev")))] = "1f1b",
-    stages: Annotated[int, typer.Option("--stages", "-p", help="Pipeline ranks P.")] = 4,
-    microbatches: Annotated[int, typer.Option("--microbatches", "-m", help="Micro-batches M per batch.")] = 8,
-    virtual_stages: Annotated[int | None, typer.Option("--virtual-stages", "-v", help="Chunks per pipeline rank V "
-                              "(default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev).")] = None,
-    forward: Annotated[float, typer.Option(help="Forward time of one micro-batch through a whole stage.")] = 1.0,
-    backward: Annotated[float, typer.Option(help="Full backward time (I + W) per micro-batch and stage.")] = 2.0,
-    weight: Annotated[float | None, typer.Option(help="Weight-gradient part W of the backward "
-                      "(default backward/2).")] = None,
-    p2p: Annotated[float, typer.Option(help="Latency added to a dependency from another rank.")] = 0.0,
-    rounds: Annotated[str | None, typer.Option(help="interleaved-1f1b / zb-h1 with M % P != 0: 'equal' "
-                      "rounds (default; bubble (P-1)/(VM+P-1)) or 'padded' rounds of P (fewer "
-                      "micro-batches held).")] = None,
-    compare: Annotated[str | None, typer.Option(help="Comma-separated schedules to compare in one "
-                       "table, e.g. gpipe,1f1b,zb-h1,zbv.")] = None,
-    png: Annotated[Path | None, typer.Option(help="Save the timeline as a PNG (matplotlib).")] = None,
-    trace: Annotated[Path | None, typer.Option(help="Save a Chrome/Perfetto trace JSON.")] = None,
-    csv: Annotated[Path | None, typer.Option("--csv", help="Export the schedule as PyTorch "
-                   "pipelining's compute-only CSV.")] = None,
-    from_csv: Annotated[Path | None, typer.Option("--from-csv", help="Simulate a schedule read from "
-                        "a PyTorch pipelining CSV instead of --schedule/--stages/--microbatches.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON only "
-                       "(a list with --compare).")] = False,
-    actions: Annotated[bool, typer.Option("--actions", help="Also print each rank's action list.")] = False,
-    width: Annotated[int | None, typer.Option(help="Columns for the chart's time axis "
-                     "(default: the terminal's width).")] = None,
+    options: dict[str, Any],
     virtual_alias: Annotated[int | None, typer.Option("--virtual", hidden=True,
                                                       help="Old name of --virtual-stages.")] = None,
 ) -> None:
@@ -170,25 +192,26 @@ def simulate_command(
     from plait.errors import ConfigError
     from plait.sim import Costs, simulate
 
-    costs = Costs(forward=forward, backward=backward, weight=weight, p2p=p2p)
-    virtual = virtual_stages if virtual_alias is None else virtual_alias
+    o = SimulateOptions(**options)
+    costs = Costs(forward=o.forward, backward=o.backward, weight=o.weight, p2p=o.p2p)
+    virtual = o.virtual_stages if virtual_alias is None else virtual_alias
     try:
-        if compare is not None:
-            return _compare(compare, stages, microbatches, virtual, costs, as_json, rounds)
-        result = simulate(_build(schedule, stages, microbatches, virtual, from_csv, rounds), costs)
-        notes = _outputs(result, png, trace, csv)
+        if o.compare is not None:
+            return _compare(o.compare, o.stages, o.microbatches, virtual, costs, o.as_json, o.rounds)
+        result = simulate(_build(o.schedule, o.stages, o.microbatches, virtual, o.from_csv, o.rounds), costs)
+        notes = _outputs(result, o.png, o.trace, o.csv)
     except (ConfigError, OSError) as exc:
         _fail(str(exc))
-    if as_json:
+    if o.as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return None
     console = Console(highlight=False)
-    cols = width or max(40, min(200, shutil.get_terminal_size((120, 24)).columns - 12))
+    cols = o.width or max(40, min(200, shutil.get_terminal_size((120, 24)).columns - 12))
     if console.is_terminal and console.color_system:
         console.print(result.to_rich(cols))  # colours tell the kinds apart even in 1-column blocks
     else:
         console.print(result.to_ascii(cols), markup=False)
-    if actions:
+    if o.actions:
         console.print(result.schedule.grid(window=10**9), markup=False)
     console.print(_figures_table(result))
     console.print(f"makespan {result.makespan:g}   bubble {result.bubble_fraction:.1%} "
@@ -201,8 +224,7 @@ def simulate_command(
 
 def register(app: typer.Typer) -> None:
     """Add the ``simulate`` command to the ``plait`` app."""
-    app.command("simulate", help=HELP, no_args_is_help=False)(simulate_command)
+    from plait.cli.options import dataclass_options, with_options
 
-
-if __name__ == "__main__":  # pragma: no cover
-    typer.run(simulate_command)
+    command = with_options(dataclass_options(SimulateOptions, flags=FLAGS), "options")(simulate_command)
+    app.command("simulate", help=HELP, no_args_is_help=False)(command)

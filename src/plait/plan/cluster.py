@@ -68,10 +68,6 @@ class Cluster:
         """Bytes of one device a layout may use: ``max_memory_fraction`` of its memory."""
         return self.max_memory_fraction * self.gpu.memory
 
-    @property
-    def n_nodes(self) -> int:
-        return -(-self.n_gpus // self.gpus_per_node)
-
     def link(self, group_span: int) -> Link:
         """The link a ring over ``group_span`` consecutive ranks uses: NVLink/PCIe inside a node."""
         return self.gpu.intra if group_span <= self.gpus_per_node else self.interconnect

@@ -12,6 +12,7 @@ from plait.plan.config import Layout, Training, check, microbatches, runtime_gap
 from plait.plan.costs import StageCosts
 from plait.plan.model import Model
 from plait.plan.pipeline import ROUND_SCHEDULES, SPLIT_BACKWARD, PipelineProfile, profile
+from plait.plan.stages import layout_stages
 
 # What the parts of ``Estimate.time`` are (they add up to the step).
 PARTS = {
@@ -166,7 +167,7 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision)
     acts = cluster.costs.activations(model, layout, training.precision)
-    layers = mem.layout_stages(model, layout).chunk_layers
+    layers = layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
     weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None
     pipe = profile(layout.schedule, layout.pp, m, layout.virtual_stages, [c.forward for c in chunks],

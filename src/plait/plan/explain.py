@@ -7,7 +7,6 @@ from plait.plan.model import Model
 from plait.plan.search import SearchResult
 
 GB = 1e9
-_WHAT = PARTS
 
 
 def _shape(e: Estimate) -> tuple[int, int, int, int]:
@@ -18,7 +17,7 @@ def _versus(best: Estimate, other: Estimate) -> str:
     """One sentence: how much faster ``best`` is than ``other`` and which time buckets explain it."""
     gain = other.step_time_s / best.step_time_s - 1
     diffs = sorted(((other.time[k] - best.time[k], k) for k in best.time), reverse=True)
-    parts = [f"{_WHAT[k]} {other.time[k]:.2f}→{best.time[k]:.2f} s" for d, k in diffs[:2] if d > 1e-3]
+    parts = [f"{PARTS[k]} {other.time[k]:.2f}→{best.time[k]:.2f} s" for d, k in diffs[:2] if d > 1e-3]
     because = f" ({'; '.join(parts)})" if parts else ""
     return f"{gain:+.1%} faster than {other.layout.short()}{because}"
 
@@ -38,7 +37,7 @@ def explain(result: SearchResult) -> list[str]:
         lines.append("vs another shape: " + _versus(best, other))
     t = best.time
     worst = max((k for k in t if k != "compute"), key=lambda k: t[k])
-    lines.append(f"its largest overhead is {_WHAT[worst]}: {t[worst]:.2f} s "
+    lines.append(f"its largest overhead is {PARTS[worst]}: {t[worst]:.2f} s "
                  f"({t[worst] / best.step_time_s:.0%} of the step); bubble {best.bubble_fraction:.1%} "
                  f"with {best.microbatches} micro-batches")
     if result.rejected:

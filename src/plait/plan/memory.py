@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from plait.plan.config import Layout
 from plait.plan.model import Model
-from plait.plan.stages import Stages, stages
+from plait.plan.stages import layout_stages, stages
 
 if TYPE_CHECKING:
     from plait.plan.cluster import Cluster
@@ -55,10 +55,6 @@ def stage_layers(model: Model, pp: int, virtual: int = 1, schedule: str = "1f1b"
     """Decoder layers per pipeline rank: the runtime's balanced cut (``pipeline.balance``), the head
     charged to the last chunk; surplus layers come off the first chunks (see ``plan.stages``)."""
     return stages(model, pp, virtual, schedule).rank_layers
-
-
-def layout_stages(model: Model, layout: Layout) -> Stages:
-    return stages(model, layout.pp, layout.virtual_stages, layout.schedule)
 
 
 def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None = None) -> float:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plait.plan.stages import placement as stages_placement
+
 # Micro-batch counts above a few pp are not simulated one by one: once M >= pp every schedule here
 # reaches a periodic steady state (one F and one B per rank per period; Narayanan et al. 2021 §2.2), so
 # makespan and peak activations are affine in M. We simulate three counts M1, M1 + pp, M1 + 2·pp with
@@ -101,7 +103,7 @@ def profile(name: str, pp: int, m: int, v: int, forward: Sequence[float], backwa
     fwd, bwd = tuple(map(float, forward)), tuple(map(float, backward))
     w = None if weight is None else tuple(map(float, weight))
     nb = tuple(map(float, nbytes)) if nbytes is not None else (0.0,) * k
-    placement = _placement(name, pp, v)
+    placement = stages_placement(name, pp, v)
     busy = [0.0] * pp
     for c in range(k):
         busy[placement[c]] += m * (fwd[c] + bwd[c])
@@ -135,12 +137,6 @@ def _affine(s: list[float]) -> bool:
     return abs((s[2] - s[1]) - (s[1] - s[0])) <= _AFFINE_TOL * max(abs(s[2]), 1e-30)
 
 
-def _placement(name: str, pp: int, v: int) -> tuple[int, ...]:
-    from plait.schedules import loop_placement, v_placement
-
-    return v_placement(pp) if name in ("zbv", "dualpipev") else loop_placement(pp, v)
-
-
-def cache_clear() -> None:
-    _simulate.cache_clear()
-    schedule.cache_clear()
+def simulations() -> int:
+    """How many distinct exact simulations the cache holds (what a search or a benchmark has run)."""
+    return _simulate.cache_info().currsize

@@ -16,7 +16,7 @@ from plait.plan.costs import StageCosts
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
 from plait.plan.pipeline import SPLIT_BACKWARD
-from plait.plan.stages import Stages
+from plait.plan.stages import Stages, layout_stages
 
 MICROBATCH_SIZES = (1, 2, 4)
 
@@ -53,11 +53,11 @@ class SearchResult:
         return self.best[index]
 
 
-def _pow2_divisors(n: int, limit: int) -> list[int]:
+def _pow2_divisors_upto(n: int, limit: int) -> list[int]:
     return [d for d in (2**i for i in range(0, 20)) if d <= limit and n % d == 0]
 
 
-def _divisors(n: int, limit: int) -> list[int]:
+def _divisors_upto(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
@@ -72,15 +72,15 @@ def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bo
     memory); GPipe is left out (1F1B has its bubble with less memory).
     """
     n = cluster.n_gpus
-    cps = _pow2_divisors(n, 16) if plan_only and model.seq_len >= 32768 else [1]
-    for tp in _pow2_divisors(n, cluster.gpus_per_node * 2):
+    cps = _pow2_divisors_upto(n, 16) if plan_only and model.seq_len >= 32768 else [1]
+    for tp in _pow2_divisors_upto(n, cluster.gpus_per_node * 2):
         for cp in cps:
             rest = n // tp
             if rest % cp:
                 continue
-            for pp in _divisors(rest // cp, model.n_layers + 1):
+            for pp in _divisors_upto(rest // cp, model.n_layers + 1):
                 dp = rest // cp // pp
-                eps = _divisors(model.n_experts, dp * cp) if model.is_moe else [1]
+                eps = _divisors_upto(model.n_experts, dp * cp) if model.is_moe else [1]
                 yield from _variants(model, training, tp, pp, dp, cp, eps, plan_only)
 
 
@@ -112,7 +112,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     runs that many forwards of its first chunk before a backward)."""
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision)
-    st = mem.layout_stages(model, layout)
+    st = layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
     dp = step_end.dp_sync_time(model, cluster, layout, params)
     backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``estimate``)

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from plait.pipeline.balance import embedding_macs, head_macs, layer_macs, partition_layers
+from plait.plan.config import V_SCHEDULES, Layout
 from plait.plan.model import Model
 from plait.schedules import loop_placement, v_placement
-
-V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -41,9 +40,6 @@ class Stages:
             out[self.placement[c]] += n
         return tuple(out)
 
-    def chunks_of(self, rank: int) -> list[int]:
-        return [c for c, r in enumerate(self.placement) if r == rank]
-
     @cached_property
     def first_chunk(self) -> tuple[int, ...]:
         """The lowest chunk index of each rank."""
@@ -55,7 +51,7 @@ class Stages:
 
 def placement(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
     """The chunk -> rank map ``build_schedule`` uses: a V for zbv/dualpipev, round-robin otherwise."""
-    return v_placement(pp) if schedule in V_SHAPED else loop_placement(pp, virtual)
+    return v_placement(pp) if schedule in V_SCHEDULES else loop_placement(pp, virtual)
 
 
 def partition_costs(model: Model) -> tuple[float, float, float]:
@@ -76,7 +72,6 @@ def stages(model: Model, pp: int, virtual: int = 1, schedule: str = "1f1b") -> S
     return Stages(tuple(counts), placement(schedule, pp, virtual), pp)
 
 
-def head_layers(model: Model) -> float:
-    """The output head's cost in units of one layer's (what the partition charges the last chunk)."""
-    layer, _, last = partition_costs(model)
-    return last / layer
+def layout_stages(model: Model, layout: Layout) -> Stages:
+    """``stages`` of ``layout``'s pipeline."""
+    return stages(model, layout.pp, layout.virtual_stages, layout.schedule)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from plait.plan.config import Layout
 from plait.plan.costs import CostModel, StageCosts
 from plait.plan.model import Model
-from plait.plan.stages import stages
+from plait.plan.stages import layout_stages
 
 
 def layer_forward_flops(model: Model, tokens: float, seq_len: float) -> float:
@@ -33,7 +33,7 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut."""
     blocks = costs.blocks(model, layout, precision)
-    st = stages(model, layout.pp, layout.virtual_stages, layout.schedule)
+    st = layout_stages(model, layout)
     p2p = costs.p2p(model, layout, precision)
     last = len(st.chunk_layers) - 1
     made: dict[tuple[int, bool, bool], StageCosts] = {}  # chunks come in a few sizes: cost each once
@@ -54,7 +54,7 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
 
 def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16") -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
-    placement = stages(model, layout.pp, layout.virtual_stages, layout.schedule).placement
+    placement = layout_stages(model, layout).placement
     out = [StageCosts() for _ in range(layout.pp)]
     for c, cost in enumerate(chunk_costs(costs, model, layout, precision)):
         out[placement[c]] = out[placement[c]] + cost
