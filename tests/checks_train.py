@@ -13,11 +13,10 @@ import plait
 from harness import rel_err, run_checks
 from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
 from plait.checkpoint.shards import load_local
+from plait.data.stream import open_data
 from plait.models import Llama, init_weights
 from plait.optim import lr_at
-from plait.tokenizers import ByteTokenizer
 from plait.train import TrainConfig
-from plait.train.data import batch, load_corpus
 from plait.train.loop import NonFiniteLoss, build, train, train_one
 
 STEPS = 4
@@ -38,10 +37,11 @@ def reference_losses(cfg: TrainConfig, steps: int, model: torch.nn.Module | None
 
     model = model if model is not None else init_weights(Llama(model_config(cfg)), cfg.seed)  # plait train's init
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    corpus = load_corpus(cfg.data, ByteTokenizer(), cfg.max_data_mb)
+    data = open_data(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed,
+                     cfg.max_data_mb)
     out = []
     for step in range(steps):
-        x, y = batch(corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        x, y = data.batch(step)
         opt.zero_grad()
         loss = model.loss(x, y)
         loss.backward()
@@ -71,7 +71,7 @@ def check_moe(root: Path) -> dict:
     reader = CheckpointReader(find_checkpoint(root / "moe"))
     plain = Llama(plait.train.config.model_config(cfg))
     plain.load_state_dict(reader.full_state_dict())  # strict: all 4 experts of every layer present
-    x, _ = batch(load_corpus([], ByteTokenizer(), 0.3).train, 0, 4, 32, 0)
+    x, _ = open_data([], "tiny", 256, 32, 4, 0, 0.3).batch(0)
     pm = build(cfg, plait.init(1, 2, 2, ep=2)).pm
     load_checkpoint(pm, None, find_checkpoint(root / "moe"))
     return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
@@ -178,7 +178,7 @@ def check_reshard(root: Path) -> dict:
         out[name] = {"losses": losses, "weights_rel": max(rel_err(full[k], v) for k, v in ref_full.items())}
     plain = Llama(plait.train.config.model_config(base))
     plain.load_state_dict(CheckpointReader(ckpt).full_state_dict())  # strict: every key present
-    x, _ = batch(load_corpus([], ByteTokenizer(), 0.3).train, 0, 4, 32, 0)
+    x, _ = open_data([], "tiny", 256, 32, 4, 0, 0.3).batch(0)
     pm2 = build(base, plait.init(2, 2, 1)).pm
     load_checkpoint(pm2, None, ckpt)
     out["one_device_logits_rel"] = rel_err(plain(x), pm2.eval_step(x))

@@ -55,7 +55,8 @@ def plait_cache(tmp_path_factory):
 #: test module -> the checks module whose rank_main its tests read, all run in the one launch of 4 ranks
 WORLD4_GROUPS = {"test_pipeline": "checks_pipeline", "test_train": "checks_train", "test_experts": "checks_experts",
                  "test_optim": "checks_optim", "test_llama_parallel": "checks_llama", "test_tp_layers": "checks_tp",
-                 "test_context": "checks_context", "test_zero3": "checks_zero3"}
+                 "test_context": "checks_context", "test_zero3": "checks_zero3",
+                 "test_data_layouts": "checks_data"}
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +81,7 @@ def world4_shared(request, tmp_path_factory):
         if name == "test_pipeline":
             folders = request.getfixturevalue("families")
             groups[name] = (checks, (None if folders is None else str(folders),))
-        elif name in ("test_train", "test_zero3", "test_context"):  # a scratch folder for checkpoints
+        elif name in ("test_train", "test_zero3", "test_context", "test_data_layouts"):  # a scratch folder
             groups[name] = (checks, (str(tmp_path_factory.mktemp(name)),))
         else:
             groups[name] = (checks, ())

@@ -41,6 +41,7 @@ _COMMAND_MODULES = [
     "plait.cli.generate",
     "plait.cli.serve",
     "plait.cli.demo",
+    "plait.cli.data",
 ]
 
 for _name in _COMMAND_MODULES:

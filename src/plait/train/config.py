@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,9 @@ class TrainConfig:
     model: str = "tiny"
     """tiny, small, or a Hugging Face folder (llama, mistral, qwen2, qwen3, mixtral)."""
     data: list[str] = field(default_factory=list)
-    """Text files or folders (repeatable); default: the Python standard library's sources."""
+    """A dataset made by `plait data prepare` (repeatable; WEIGHT:DIR mixes several, e.g. 0.7:web 0.3:code), or
+    plain text files or folders tokenized at start-up (up to --max-data-mb); default: the Python standard
+    library's sources."""
     seq_len: int = 128
     """Tokens per sequence."""
     batch_size: int = 16
@@ -74,6 +75,11 @@ class TrainConfig:
     one command for the first start and every restart (torchrun --max-restarts, a scheduler's requeue)."""
     metrics: str | None = None
     """Append one JSON line per step (step, loss, tokens_per_s, ...) to this file."""
+    tensorboard: str | None = None
+    """Also log each step's numbers as TensorBoard events in this folder (the 'tensorboard' extra)."""
+    wandb: str | None = None
+    """Also log each step's numbers to this Weights & Biases project, offline unless WANDB_MODE=online (the
+    'wandb' extra)."""
     nproc: int | None = None
     """Processes to launch here (default tp x pp x dp)."""
     on_nonfinite: str = "stop"
@@ -83,7 +89,7 @@ class TrainConfig:
     sample_tokens: int = 160
     """Length of the sample generated at the end (0: none)."""
     max_data_mb: float = 4.0
-    """Read at most this many MB of text."""
+    """Tokenize at most this many million tokens of plain text at start-up (prepared datasets: no limit)."""
     trace_every: int = 10
     """Trace every N-th step to measure the bubble (0: never)."""
     cluster: str | None = None
@@ -235,9 +241,11 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     if par.sequence_parallel and cfg.seq_len % par.tp:
         raise ConfigError(f"--seq-len {cfg.seq_len} must be a multiple of --tp {par.tp} with --sequence-parallel")
     _validate_model(cfg)
-    for path in cfg.data:
-        if not os.path.exists(path):
-            raise ConfigError(f"--data {path}: no such file or directory")
+    from plait.data.stream import check_entries
+    from plait.train.logs import check_extras
+
+    check_extras(cfg.tensorboard, cfg.wandb)
+    check_entries(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len)
 
 
 def _validate_model(cfg: TrainConfig) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.checkpoint.shards import init_local, load_local
+from plait.data.stream import EVAL_BATCHES
 from plait.devices import synchronize
 from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
@@ -18,11 +19,11 @@ from plait.train.observe import NO_PREDICTION
 
 if TYPE_CHECKING:
     from plait.checkpoint import AsyncCheckpointer
+    from plait.data.stream import TrainData
     from plait.distributed.context import ParallelContext
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
     from plait.tokenizers import ByteTokenizer, FileTokenizer
-    from plait.train.data import Corpus
     from plait.train.observe import Prediction, Predictor
 
 
@@ -60,7 +61,7 @@ class Run:
     ctx: ParallelContext
     pm: ParallelModel
     opt: ParallelOptimizer | torch.optim.Optimizer
-    corpus: Corpus
+    data: TrainData
     tokenizer: ByteTokenizer | FileTokenizer
     params: int
     start: int = 0
@@ -73,8 +74,8 @@ class Run:
 def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
     """Layout, model (preset or Hugging Face folder, each rank reading its slices), optimizer and data."""
     import plait
+    from plait.data.stream import open_data
     from plait.tokenizers import tokenizer_for
-    from plait.train.data import load_corpus
 
     ctx = ctx or plait.init(config=cfg.parallel)
     torch.manual_seed(cfg.seed)
@@ -91,8 +92,8 @@ def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
         load_local(pm, HFWeights(cfg.model).read)
     opt = make_optimizer(pm, cfg)
     tok = tokenizer_for(cfg.model)
-    corpus = load_corpus(cfg.data, tok, cfg.max_data_mb)
-    run = Run(cfg, ctx, pm, opt, corpus, tok, params)
+    data = open_data(cfg.data, cfg.model, mcfg.vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.max_data_mb)
+    run = Run(cfg, ctx, pm, opt, data, tok, params)
     if cfg.resume or cfg.auto_resume:
         resume(run)
     return run
@@ -137,7 +138,8 @@ def save(run: Run, step: int) -> str:
     from plait.checkpoint import AsyncCheckpointer, save_checkpoint
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
-             "data": {"next_step": step, "seed": run.cfg.seed, "source": run.corpus.source}}
+             "data": {"next_step": step, "seed": run.cfg.seed, "source": run.data.describe(),
+                      **run.data.position(step)}}
     run.last_save = time.monotonic()
     if not run.cfg.async_checkpoint:
         return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
@@ -162,11 +164,9 @@ def train_one(run: Run, step: int, trace: bool, phases: dict[str, float] | None 
     ``phases``, if given, receives this rank's seconds in each phase of the step (the keys of
     ``plait.train.observe.PHASES``): the batch and the forward/backward schedule, then the wait for the
     gradient reduction and the loss's sum, then the optimizer step (the gradient norm's sum included)."""
-    from plait.train.data import batch
-
     ctx, cfg = run.ctx, run.cfg
     t0 = time.perf_counter()
-    x, y = batch(run.corpus.train, step, cfg.batch_size, cfg.seq_len, cfg.seed, (ctx.dp_rank, ctx.dp_size))
+    x, y = run.data.batch(step, (ctx.dp_rank, ctx.dp_size))  # this replica's rows of global batch ``step``
     loss = run.pm.train_step(x, y, trace=trace)
     t1 = time.perf_counter()
     if not math.isfinite(loss):
@@ -196,16 +196,26 @@ def bubble(run: Run, step_s: float) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def held_out_loss(run: Run, batches: int = 2) -> float:
-    """Mean next-token loss on held-out text (eval_step gives full logits on every rank)."""
-    from plait.train.data import batch
+def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
+    """Mean next-token loss over the same held-out batches every time (None without a held-out split): each
+    data-parallel replica its own rows (eval_step gives full logits on every rank), summed over replicas."""
+    import torch.distributed as dist
 
-    cfg, total = run.cfg, 0.0
+    ctx = run.ctx
+    total = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # [loss sum, tokens]
     for i in range(batches):
-        x, y = batch(run.corpus.held_out, i, cfg.batch_size // run.ctx.dp_size, cfg.seq_len, cfg.seed + 1)
-        logits = run.pm.eval_step(x)  # [B, S, V]
-        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()))
-    return total / batches
+        part = run.data.held_out_batch(i, (ctx.dp_rank, ctx.dp_size))
+        if part is None:
+            return None
+        x, y = part
+        logits = run.pm.eval_step(x)  # [B/dp, S, V]
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(logits.device),
+                                             reduction="sum")
+        total[0] += ce.double()
+        total[1] += y.numel()
+    if ctx.dp_size > 1:
+        dist.all_reduce(total, group=ctx.dp_group)
+    return float(total[0] / total[1])
 
 
 def sample_text(run: Run, prompt: str = "def ") -> str | None:
@@ -266,9 +276,9 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
     if norm is None and not math.isfinite(loss):
         res.skipped.append(step + 1)
     pred = run.prediction
-    row = {"step": step + 1, "loss": loss, "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
-           "step_time_s": dt, "lr": lr, "grad_norm": norm, "phase_s": phases,
-           **(pred.row() if pred is not None else NO_PREDICTION)}
+    row = {"step": step + 1, "loss": loss, **run.data.position(step + 1),
+           "tokens_per_s": cfg.batch_size * cfg.seq_len / dt, "step_time_s": dt, "lr": lr, "grad_norm": norm,
+           "phase_s": phases, **(pred.row() if pred is not None else NO_PREDICTION)}
     res.phases.append(phases)
     if trace:
         res.measured_bubble, res.simulated_bubble = bubble(run, dt)

@@ -13,6 +13,8 @@ from plait.train.observe import PHASES, Prediction
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from plait.train.logs import ExperimentLogs
+
 
 # How far the host's speed probe (plait calibrate's: one linear layer on one thread for about 0.06 s) may
 # read from its calibrated speed before the run says so. On an idle 2-core VM the probe's reading moves by
@@ -37,6 +39,7 @@ class Reporter:
         self.console = console
         self.last: dict = {}
         self.bubbles: tuple[float | None, float | None] = (None, None)
+        self.logs: ExperimentLogs | None = None  # with --tensorboard / --wandb
 
     def begin(self, run, res) -> None:
         if not self.active:
@@ -49,12 +52,14 @@ class Reporter:
             Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
             resumed = run.resumed_from is not None  # a resumed run appends to the rows of the steps before
             self.metrics = open(cfg.metrics, "a" if resumed else "w")  # noqa: SIM115 (closed in end())
-        c = run.corpus
+        if cfg.tensorboard or cfg.wandb:
+            from plait.train.logs import ExperimentLogs
+
+            self.logs = ExperimentLogs(cfg.tensorboard, cfg.wandb, cfg.to_dict(), run.start)
         self.console.print(
             f"[bold]plait train[/]: {cfg.model} ({run.pm.family.name}), "
             f"{run.params / 1e6:.2f}M parameters | {layout_text(run.ctx.config)}\n"
-            f"data: {c.source} ({c.files} files, {c.train.numel() / 1e6:.2f}M training tokens, "
-            f"{c.held_out.numel() / 1e6:.2f}M held out) | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
+            f"data: {run.data.describe()} | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
         if run.resumed_from is not None:
             self.console.print(f"resuming from {run.resumed_from} (step {run.start})")
@@ -102,6 +107,8 @@ class Reporter:
         if self.metrics is not None:
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+        if self.logs is not None:
+            self.logs.log(row)
         if self.progress is not None and self.task is not None:
             self.progress.update(self.task, completed=row["step"], info=self._info(row))
         elif row["step"] % max(1, self.cfg.steps // 10) == 0 or row["step"] == self.cfg.steps:
@@ -114,6 +121,10 @@ class Reporter:
             self.progress.stop()
         if self.metrics is not None:
             self.metrics.close()
+        if self.logs is not None:
+            self.logs.close()
+            if self.logs.note:
+                self.console.print(self.logs.note)
         self.console.print(summary_table(self.cfg, run, res))
         if res.memory:
             self.console.print(memory_table(res.memory, run.prediction.memory if run.prediction else None))
@@ -151,7 +162,8 @@ def summary_table(cfg: TrainConfig, run, res):
         ("steps", f"{steps[0] if steps else run.start}..{cfg.steps}" + (f" (skipped {res.skipped})"
                                                                        if res.skipped else "")),
         ("loss", f"{first:.3f} -> {last:.3f}"),
-        ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "-"),
+        ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "- (no held-out split)"),
+        ("data", _data_line(run, cfg.steps if res.stopped_at is None else res.stopped_at)),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
         ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms")
          + _at_speed(res, pred)),
@@ -173,6 +185,13 @@ def _blocked(cfg: TrainConfig, res) -> str:
     how = "written in the background" if cfg.async_checkpoint else "written in the loop (--no-async-checkpoint)"
     return (f"; {len(b)} saves during the run, the step loop blocked {sum(b) / len(b) * 1e3:,.0f} ms per save "
             f"(max {max(b) * 1e3:,.0f} ms; {how})")
+
+
+def _data_line(run, steps: int) -> str:
+    """Tokens seen and passes over the data after ``steps`` steps."""
+    pos = run.data.position(steps)
+    per = "".join(f", {name} {e:.3g}" for name, e in pos.get("epochs", {}).items())
+    return f"{pos['tokens_seen']:,} tokens seen, epoch {pos['epoch']:.3g}" + (f" (by source{per[1:]})" if per else "")
 
 
 def _at_speed(res, pred: Prediction | None) -> str:

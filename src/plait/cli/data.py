@@ -1,0 +1,65 @@
+"""``plait data``: prepare text sources into memory-mapped token shards that ``plait train --data`` reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+PREPARE_HELP = """Tokenize text into a prepared dataset: token shards (uint16 when the vocabulary fits, else
+uint32), a document index and meta.json, with an EOS after every document and a held-out split by document.
+
+\b
+Sources (files or folders, read recursively in sorted order):
+  .jsonl .json .ndjson   one JSON object per line; only its --text-field is read
+  .parquet               the --text-field column (needs pyarrow: the 'data' extra)
+  a `datasets` folder    written by Dataset.save_to_disk (needs datasets: the 'data' extra)
+  anything else          a plain text file is one document
+
+The output appears at --out only when complete: a prepare that is killed leaves nothing there.
+
+\b
+Examples:
+  plait data prepare corpus.jsonl --tokenizer bytes --out data/corpus
+  plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 --held-out 0.01
+  plait train --data data/corpus --seq-len 256
+"""
+
+Opt = typer.Option
+
+
+def prepare_command(
+    sources: Annotated[list[str], typer.Argument(help="Files or folders to read.", show_default=False)],
+    tokenizer: Annotated[str, Opt(help="'bytes' (UTF-8 bytes, the presets' vocabulary), a model folder holding "
+                                       "tokenizer.json, or a tokenizer.json file.")],
+    out: Annotated[Path, Opt(help="Folder to create (it must not exist unless --force).")],
+    text_field: Annotated[str, Opt(help="Field (JSON) or column (Parquet, datasets) holding the text.")] = "text",
+    workers: Annotated[int | None, Opt(help="Tokenizing processes (default: the cores).", min=1)] = None,
+    held_out: Annotated[float, Opt(help="Share of documents, chosen by a hash of their text, held out for "
+                                        "evaluation.")] = 0.005,
+    eos: Annotated[str | None, Opt(help="End-of-document token: an id or a token (default: the tokenizer's EOS; "
+                                        "0 for bytes).")] = None,
+    skip_bad: Annotated[bool, Opt(help="Skip records without a usable text field and count them, instead of "
+                                       "stopping at the first.")] = False,
+    force: Annotated[bool, Opt(help="Replace --out if it exists (the old dataset stays until the new one is "
+                                    "complete).")] = False,
+) -> None:
+    from rich.console import Console
+
+    from plait.data.prepare import prepare
+    from plait.errors import ConfigError
+
+    try:
+        prepare(sources, tokenizer, out, text_field=text_field, workers=workers, held_out=held_out, eos=eos,
+                skip_bad=skip_bad, force=force, console=Console(highlight=False))
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def register(app: typer.Typer) -> None:
+    data = typer.Typer(help="Prepare training data: tokenized, memory-mapped shards for `plait train --data`.",
+                       no_args_is_help=True, rich_markup_mode=None)
+    data.command("prepare", help=PREPARE_HELP, no_args_is_help=True)(prepare_command)
+    app.add_typer(data, name="data")

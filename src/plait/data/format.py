@@ -1,0 +1,131 @@
+"""The prepared-dataset format on disk, and reading it memory-mapped.
+
+A prepared dataset is a folder::
+
+    meta.json                 format, tokenizer (fingerprint, vocabulary, EOS), dtype, splits, sources
+    train/00000.bin ...       token ids, raw little-endian uint16 (vocabulary <= 65,536) or uint32; each
+                              document's tokens followed by one EOS; the split's stream is its shards in order
+    train/docs.npy            int64 [documents + 1]: where each document starts in the split's stream
+    held_out/...              the same for the held-out documents
+
+``meta.json`` is written last and the folder is renamed into place only when complete (plait.data.prepare),
+so a folder with a ``meta.json`` of this format is a whole dataset; ``open_prepared`` still checks that every
+shard has the size the metadata gives.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from plait.errors import ConfigError
+
+FORMAT = "plait-tokens/1"
+META = "meta.json"
+SPLITS = ("train", "held_out")
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The narrowest unsigned type that holds every id of the vocabulary."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def is_prepared(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding a prepared dataset's ``meta.json``."""
+    return (Path(path) / META).is_file()
+
+
+class TokenSplit(Protocol):
+    """A split's packed token stream: its length, its documents, and reading a range of it."""
+
+    tokens: int
+    documents: int
+
+    def read(self, start: int, length: int) -> np.ndarray: ...
+
+
+class Split:
+    """One split's token stream (memory-mapped shards; nothing is read until asked) and document index."""
+
+    def __init__(self, root: Path, name: str, info: dict, dtype: str):
+        self.name, self.dtype = name, np.dtype(dtype)
+        self.shards: list[np.ndarray] = []
+        for s in info["shards"]:
+            path = root / s["file"]
+            want = s["tokens"] * self.dtype.itemsize
+            if not path.is_file() or path.stat().st_size != want:
+                got = path.stat().st_size if path.is_file() else "missing"
+                raise ConfigError(f"{root}: shard {s['file']} is {got} bytes, meta.json says {want}: the dataset "
+                                  "is damaged; prepare it again")
+            self.shards.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(s["tokens"],)))
+        sizes = np.asarray([len(s) for s in self.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])  # [shards + 1]
+        self.tokens = int(self.starts[-1])
+        self.documents = int(info["documents"])
+        docs = root / name / "docs.npy"
+        self.docs = np.load(docs, mmap_mode="r") if docs.is_file() else np.zeros(1, dtype=np.int64)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream (copied out of the maps; may span shards)."""
+        if start < 0 or start + length > self.tokens:
+            raise IndexError(f"{self.name}: tokens [{start}, {start + length}) outside [0, {self.tokens})")
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts, pos, left = [], start, length
+        while left > 0:
+            off = pos - int(self.starts[i])
+            take = min(left, len(self.shards[i]) - off)
+            parts.append(self.shards[i][off:off + take])
+            pos, left, i = pos + take, left - take, i + 1
+        return np.concatenate(parts) if len(parts) != 1 else np.array(parts[0])
+
+    def document(self, i: int) -> np.ndarray:
+        """Document ``i``'s tokens, its EOS included."""
+        start, stop = int(self.docs[i]), int(self.docs[i + 1])
+        return self.read(start, stop - start)
+
+
+@dataclass
+class Prepared:
+    """An opened prepared dataset: its metadata and both splits."""
+
+    path: Path
+    meta: dict
+    train: Split
+    held_out: Split
+
+    @property
+    def tokenizer(self) -> dict:
+        """``{"kind", "fingerprint", "vocab_size", "eos", "name"}`` of the tokenizer it was prepared with."""
+        return self.meta["tokenizer"]
+
+
+def open_prepared(path: str | Path) -> Prepared:
+    """Open a prepared dataset folder (ConfigError if it is none, or is incomplete or damaged)."""
+    root = Path(path)
+    meta_path = root / META
+    if not meta_path.is_file():
+        raise ConfigError(f"{root}: not a prepared dataset (no {META}); make one with "
+                          f"`plait data prepare SRC... --tokenizer DIR|bytes --out {root}`")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{meta_path}: not valid JSON ({exc}); prepare the dataset again") from None
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{meta_path}: format {meta.get('format')!r}, this plait reads {FORMAT!r}")
+    train, held = (Split(root, name, meta["splits"][name], meta["dtype"]) for name in SPLITS)
+    return Prepared(root, meta, train, held)
+
+
+def write_meta(root: Path, meta: dict) -> None:
+    """``meta.json`` (sorted keys, flushed to disk): the last file a prepare writes."""
+    import os
+
+    path = root / META
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT, **meta}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())

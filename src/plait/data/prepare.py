@@ -1,0 +1,233 @@
+"""``plait data prepare``: tokenize text sources in worker processes into a prepared dataset, atomically.
+
+Workers read their own tasks (plait.data.sources), append the EOS to every document, send each document to
+the held-out split when the hash of its text falls under ``held_out`` (so duplicates share a split), and write
+one shard per split per task into a folder beside the destination. The parent collects the document lengths
+in task order, writes the document indexes and ``meta.json`` last, and renames the folder into place: a
+prepare killed at any moment leaves no dataset at ``out`` (plait.data.format).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from plait.data.format import SPLITS, dtype_for, write_meta
+from plait.data.sources import BadRecord, Source, Task, discover, read_task, tasks, where
+from plait.data.tokens import TokenizerSpec, Tokens
+from plait.errors import ConfigError
+
+ENCODE_BATCH = 512  # documents per tokenizer call
+
+
+@dataclass
+class Job:
+    """What every task needs besides itself (sent once to each worker)."""
+
+    spec: TokenizerSpec
+    eos: int
+    dtype: str
+    held_out: float
+    text_field: str
+    skip_bad: bool
+    folder: str
+
+
+@dataclass
+class TaskResult:
+    index: int
+    source: int
+    lengths: dict[str, np.ndarray]  # split -> int64 document lengths (EOS included)
+    skipped: int
+    digest: bytes
+    nbytes: int
+    bad: list[str] = field(default_factory=list)  # "where: why" of up to 5 skipped records
+
+
+_WORKER: dict = {}
+
+
+def _init(job: Job) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
+    _WORKER["job"], _WORKER["tok"] = job, job.spec.load()
+
+
+def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dtype: str
+                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per split: (token ids of its documents, each followed by ``eos``; int64 document lengths). A document is
+    held out when the hash of its text falls under ``held_out``."""
+    limit = int(held_out * 2**64)
+    parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    end = np.asarray([eos], dtype=np.uint32)
+    for i in range(0, len(docs), ENCODE_BATCH):
+        batch = docs[i:i + ENCODE_BATCH]
+        for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
+            h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest(), "little")
+            parts["held_out" if h < limit else "train"] += [ids, end]
+    return {split: (np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype),
+                    np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64)) for split, arrays in parts.items()}
+
+
+def _run(task: Task) -> TaskResult:
+    job, tok = _WORKER["job"], _WORKER["tok"]
+    docs, skipped, raw, bad = read_task(task, job.text_field, job.skip_bad)
+    encoded = encode_documents(docs, tok, job.eos, job.held_out, job.dtype)
+    for split, (tokens, _) in encoded.items():
+        if len(tokens):
+            with open(Path(job.folder) / split / f"{task.index:06d}.bin", "wb") as f:
+                tokens.tofile(f)
+                f.flush()
+                os.fsync(f.fileno())
+    digest = hashlib.blake2b(raw, digest_size=16).digest()
+    return TaskResult(task.index, task.source, {k: v[1] for k, v in encoded.items()}, skipped, digest, task.nbytes,
+                      [f"{where(r)}: {r.why}" for r in bad[:5]])
+
+
+def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str = "text",
+            workers: int | None = None, held_out: float = 0.005, eos: str | None = None, skip_bad: bool = False,
+            force: bool = False, console=None) -> dict:
+    """Tokenize ``sources`` with ``tokenizer`` ("bytes", a folder or a tokenizer.json) into the prepared
+    dataset ``out``; returns its metadata. ``console`` (rich): progress bar and summary table."""
+    out = Path(out)
+    if not 0 <= held_out < 1:
+        raise ConfigError(f"--held-out {held_out}: a fraction of the documents in [0, 1)")
+    if out.exists() and not force:
+        raise ConfigError(f"--out {out} exists; choose another folder or pass --force to replace it")
+    spec = TokenizerSpec(tokenizer)
+    tok = spec.load()
+    found = discover(sources)
+    job = Job(spec, tok.eos(eos), dtype_for(tok.vocab_size), held_out, text_field, skip_bad, "")
+    todo = tasks(found, text_field)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    job.folder = str(tmp)
+    for split in SPLITS:
+        (tmp / split).mkdir(parents=True)
+    try:
+        t0 = time.perf_counter()
+        results = _execute(todo, job, workers or os.cpu_count() or 1, sum(s.bytes for s in found), console)
+        meta = _meta(found, results, tok, job, time.perf_counter() - t0)
+        _finish(tmp, out, results, meta, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if console is not None:
+        from plait.data.report import prepare_summary
+
+        console.print(prepare_summary(meta, out))
+    return meta
+
+
+def _remove_stale(out: Path) -> None:
+    """Folders of earlier prepares into ``out`` whose process is gone (killed mid-way)."""
+    for p in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        try:
+            os.kill(int(pid), 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
+
+def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> list[TaskResult]:
+    """Run the tasks (in this process for one worker, else a pool of spawned processes), in task order."""
+    from plait.data.report import prepare_progress
+
+    results: list[TaskResult] = []
+    with prepare_progress(console, total) as bar:
+        try:
+            if workers == 1 or len(todo) <= 1:
+                saved = os.environ.get("TOKENIZERS_PARALLELISM")
+                _init(job)
+                try:
+                    for t in todo:
+                        results.append(_run(t))
+                        bar.advance(results[-1], job)
+                finally:
+                    _restore("TOKENIZERS_PARALLELISM", saved)
+            else:
+                import multiprocessing as mp
+
+                with mp.get_context("spawn").Pool(min(workers, len(todo)), _init, (job,)) as pool:
+                    for r in pool.imap(_run, todo):
+                        results.append(r)
+                        bar.advance(r, job)
+        except BadRecord as rec:
+            raise ConfigError(f"{where(rec)}: {rec.why} (pass --skip-bad to skip such records and count them)"
+                              ) from None
+    return results
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job, seconds: float) -> dict:
+    splits = {}
+    for split in SPLITS:
+        lengths = [r.lengths[split] for r in results]
+        shards = [{"file": f"{split}/{r.index:06d}.bin", "tokens": int(n.sum())}
+                  for r, n in zip(results, lengths, strict=True) if n.sum() > 0]
+        splits[split] = {"documents": int(sum(len(n) for n in lengths)),
+                         "tokens": sum(int(n.sum()) for n in lengths), "shards": shards}
+    if splits["train"]["tokens"] == 0:
+        skipped = sum(r.skipped for r in results)
+        raise ConfigError(f"SRC {' '.join(s.path for s in found)}: no documents for the training split "
+                          f"({splits['held_out']['documents']} held out, {skipped} skipped)")
+    src = []
+    for i, s in enumerate(found):
+        mine = [r for r in results if r.source == i]
+        digest = hashlib.blake2b(b"".join(r.digest for r in mine), digest_size=16)
+        if s.kind in ("parquet", "hf"):  # the workers read decoded columns: hash the files here
+            files = s.files if s.kind == "parquet" else list(s.files[0].rglob("*"))
+            for f in sorted(p for p in files if p.is_file()):
+                digest.update(_file_digest(f))
+        src.append({"path": s.path, "kind": s.kind, "files": len(s.files), "bytes": s.bytes,
+                    "blake2b": digest.hexdigest(), "skipped": sum(r.skipped for r in mine),
+                    "documents": int(sum(len(r.lengths[k]) for r in mine for k in SPLITS)),
+                    "tokens": int(sum(r.lengths[k].sum() for r in mine for k in SPLITS)),
+                    "skipped_examples": [b for r in mine for b in r.bad][:5]})
+    return {"tokenizer": {"kind": "bytes" if tok.tok is None else "file", "name": tok.name,
+                          "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size, "eos": job.eos},
+            "dtype": job.dtype, "held_out_fraction": job.held_out, "text_field": job.text_field,
+            "splits": splits, "sources": src, "seconds": round(seconds, 3),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: bool) -> None:
+    """Document indexes, then meta.json, then the rename into place (replacing ``out`` when ``force``)."""
+    for split in SPLITS:
+        lengths = np.concatenate([r.lengths[split] for r in results]) if results else np.zeros(0, np.int64)
+        np.save(tmp / split / "docs.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    write_meta(tmp, meta)
+    old = None
+    if out.exists() and force:
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()

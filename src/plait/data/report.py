@@ -1,0 +1,61 @@
+"""What ``plait data prepare`` shows: a progress bar (MB/s, tokens/s, ETA) and the summary table."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class _Bar:
+    """Advances a rich progress bar by each finished task's input bytes; counts tokens for the rate."""
+
+    def __init__(self, progress, task):
+        self.progress, self.task, self.tokens, self.t0 = progress, task, 0, time.perf_counter()
+
+    def advance(self, result, job) -> None:
+        self.tokens += int(sum(n.sum() for n in result.lengths.values()))
+        if self.progress is None:
+            return
+        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
+        self.progress.update(self.task, advance=result.nbytes, info=f"{self.tokens:,} tokens, {rate:,.0f} tokens/s")
+
+
+@contextmanager
+def prepare_progress(console, total_bytes: int):
+    """A bar over the sources' bytes on an interactive console; silent otherwise."""
+    if console is None or not console.is_terminal:
+        yield _Bar(None, None)
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    progress = Progress(TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
+    task = progress.add_task("prepare", total=total_bytes, info="starting workers")
+    with progress:
+        yield _Bar(progress, task)
+
+
+def prepare_summary(meta: dict, out: Path):
+    """The sources and splits of a prepared dataset as a rich table."""
+    from rich.table import Table
+
+    tok = meta["tokenizer"]
+    t = Table(title=f"plait data prepare: {out} ({tok['name']}, vocabulary {tok['vocab_size']:,}, EOS "
+                    f"{tok['eos']}, {meta['dtype']})", title_justify="left")
+    for name in ("source", "kind", "MB", "documents", "skipped", "tokens"):
+        t.add_column(name, justify="left" if name in ("source", "kind") else "right")
+    for s in meta["sources"]:
+        t.add_row(s["path"], s["kind"], f"{s['bytes'] / 1e6:,.2f}", f"{s['documents']:,}", f"{s['skipped']:,}",
+                  f"{s['tokens']:,}")
+    for split, info in meta["splits"].items():
+        t.add_row(f"[bold]{split}[/]", "", "", f"{info['documents']:,}", "", f"{info['tokens']:,}")
+    mb = sum(s["bytes"] for s in meta["sources"]) / 1e6
+    tokens = sum(info["tokens"] for info in meta["splits"].values())
+    secs = max(meta["seconds"], 1e-9)
+    t.caption = (f"{secs:.1f} s: {mb / secs:,.1f} MB/s, {tokens / secs:,.0f} tokens/s; "
+                 f"{len(meta['splits']['train']['shards'])} training shards")
+    examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
+    if examples:
+        t.caption += "\nskipped, e.g.: " + "; ".join(examples[:3])
+    return t

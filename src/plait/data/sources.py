@@ -1,0 +1,241 @@
+"""Raw text sources of ``plait data prepare`` and their documents: JSON lines, Parquet, HF ``datasets`` folders,
+plain text files; cut into tasks a worker process reads on its own.
+
+A task is a byte range of a JSON-lines file (whole lines), a Parquet row group, a row range of a
+``save_to_disk`` folder, or a group of text files (one document each). Tasks are cut the same way whatever
+the number of workers, and their outputs are concatenated in task order, so a dataset does not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plait.errors import ConfigError, require_extra
+
+CHUNK = 4 << 20  # bytes of input per task
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+@dataclass
+class Source:
+    """One input path as the user named it: its kind and the files it stands for."""
+
+    path: str
+    kind: str  # "jsonl", "parquet", "hf", "text"
+    files: list[Path]
+    bytes: int = 0
+
+
+@dataclass
+class Task:
+    index: int
+    source: int  # index into the source list
+    kind: str
+    path: str  # the file (jsonl, parquet) or folder (hf); text: the first file
+    start: int = 0  # jsonl: byte offset; parquet: row group; hf: first row
+    stop: int = 0  # jsonl: byte end; hf: end row
+    files: list[str] = field(default_factory=list)  # text: the files, one document each
+    nbytes: int = 0  # input bytes it accounts for (progress)
+
+
+class BadRecord(Exception):
+    """A record without a usable text field: where it is (``where`` resolved by the parent) and why."""
+
+    def __init__(self, path: str, offset: int, line: int, why: str):
+        super().__init__(path, offset, line, why)
+        self.path, self.offset, self.line, self.why = path, offset, line, why
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(JSON_SUFFIXES):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def discover(paths: list[str]) -> list[Source]:
+    """The sources named on the command line: files by suffix, folders recursively (sorted), HF folders whole."""
+    out: list[Source] = []
+    for raw in paths:
+        p = Path(raw)
+        if is_hf_folder(p):
+            files = sorted(f for f in p.rglob("*") if f.is_file())
+            out.append(Source(raw, "hf", [p], sum(f.stat().st_size for f in files)))
+        elif p.is_dir():
+            files = sorted((f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")),
+                           key=lambda f: f.relative_to(p).as_posix())
+            for kind in ("jsonl", "parquet", "text"):
+                mine = [f for f in files if _kind(f) == kind]
+                if mine:
+                    out.append(Source(raw, kind, mine, sum(f.stat().st_size for f in mine)))
+        elif p.is_file():
+            out.append(Source(raw, _kind(p), [p], p.stat().st_size))
+        else:
+            raise ConfigError(f"SRC {raw}: no such file or directory")
+    return out
+
+
+def tasks(sources: list[Source], text_field: str) -> list[Task]:
+    """Every source cut into tasks, in order."""
+    out: list[Task] = []
+    for si, src in enumerate(sources):
+        if src.kind == "jsonl":
+            for f in src.files:
+                for a, b in _line_ranges(f):
+                    out.append(Task(len(out), si, "jsonl", str(f), a, b, nbytes=b - a))
+        elif src.kind == "parquet":
+            for f in src.files:
+                groups = _parquet_groups(f, text_field)
+                size = f.stat().st_size
+                for g in range(groups):
+                    out.append(Task(len(out), si, "parquet", str(f), g, nbytes=size // max(1, groups)))
+        elif src.kind == "hf":
+            rows = len(_hf_dataset(src.files[0]))
+            per = max(1, rows * CHUNK // max(1, src.bytes))
+            for a in range(0, rows, per):
+                b = min(rows, a + per)
+                out.append(Task(len(out), si, "hf", str(src.files[0]), a, b, nbytes=src.bytes * (b - a) // rows))
+        else:
+            group: list[str] = []
+            size = 0
+            for f in src.files:
+                group.append(str(f))
+                size += f.stat().st_size
+                if size >= CHUNK:
+                    out.append(Task(len(out), si, "text", group[0], files=group, nbytes=size))
+                    group, size = [], 0
+            if group:
+                out.append(Task(len(out), si, "text", group[0], files=group, nbytes=size))
+    return out
+
+
+def _line_ranges(path: Path) -> Iterator[tuple[int, int]]:
+    """Byte ranges of about CHUNK bytes, each ending after a newline (or at the end of the file)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        start = 0
+        while start < size:
+            f.seek(min(size, start + CHUNK))
+            f.readline()  # to the end of the line the cut fell in
+            stop = min(size, f.tell()) if start + CHUNK < size else size
+            yield start, stop
+            start = stop
+
+
+def _parquet_groups(path: Path, text_field: str) -> int:
+    pq = _pyarrow_parquet()
+    meta = pq.ParquetFile(path)
+    names = meta.schema_arrow.names
+    if text_field not in names:
+        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose --text-field")
+    return meta.num_row_groups
+
+
+def _pyarrow_parquet():
+    require_extra("data", ("pyarrow",), "reading .parquet files")
+    import pyarrow.parquet as pq
+
+    return pq
+
+
+def _hf_dataset(path: Path):
+    require_extra("data", ("datasets",), f"reading the Hugging Face datasets folder {path}")
+    import datasets
+
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ConfigError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds)}); name a "
+                              "split's folder instead")
+        ds = ds["train"]
+    return ds
+
+
+def read_task(task: Task, text_field: str, skip_bad: bool) -> tuple[list[str], int, bytes, list[BadRecord]]:
+    """(documents, records skipped, raw bytes read (text and JSON lines; for the source's hash), the bad
+    records skipped). A bad record raises BadRecord unless ``skip_bad``."""
+    bad: list[BadRecord] = []
+    if task.kind == "jsonl":
+        with open(task.path, "rb") as f:
+            f.seek(task.start)
+            raw = f.read(task.stop - task.start)
+        docs = []
+        for i, line in enumerate(raw.split(b"\n")):
+            if not line.strip():
+                continue
+            text, why = _text_of(line, text_field)
+            if text is None:
+                rec = BadRecord(task.path, task.start, i, why)
+                if not skip_bad:
+                    raise rec
+                bad.append(rec)
+                continue
+            docs.append(text)
+        return docs, len(bad), raw, bad
+    if task.kind == "text":
+        docs, skipped, raws = [], 0, []
+        for name in task.files:
+            raw = Path(name).read_bytes()
+            raws.append(raw)
+            if b"\0" in raw[:1024]:
+                skipped += 1  # binary
+                continue
+            docs.append(raw.decode("utf-8", errors="replace"))
+        return docs, skipped, b"".join(raws), bad
+    values = _column(task, text_field)
+    docs = []
+    for i, v in enumerate(values):
+        if isinstance(v, str):
+            docs.append(v)
+            continue
+        rec = BadRecord(task.path, -1, task.start + i if task.kind == "hf" else i,
+                        f"{text_field!r} is {type(v).__name__}, not text"
+                        + (f" (row {i} of row group {task.start})" if task.kind == "parquet" else ""))
+        if not skip_bad:
+            raise rec
+        bad.append(rec)
+    return docs, len(bad), b"", bad
+
+
+def _column(task: Task, text_field: str) -> list:
+    if task.kind == "parquet":
+        table = _pyarrow_parquet().ParquetFile(task.path).read_row_group(task.start, columns=[text_field])
+        return table.column(text_field).to_pylist()
+    ds = _hf_dataset(Path(task.path))
+    if text_field not in ds.column_names:
+        raise ConfigError(f"{task.path}: no column {text_field!r} (columns: {', '.join(ds.column_names)}); "
+                          "choose --text-field")
+    return ds[task.start:task.stop][text_field]
+
+
+def _text_of(line: bytes, text_field: str) -> tuple[str | None, str]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+    if not isinstance(record, dict):
+        return None, f"a JSON {type(record).__name__}, not an object with a {text_field!r} field"
+    if text_field not in record:
+        return None, f"no {text_field!r} field (fields: {', '.join(list(record)[:8]) or 'none'}); choose --text-field"
+    value = record[text_field]
+    if not isinstance(value, str):
+        return None, f"{text_field!r} is {type(value).__name__}, not text"
+    return value, ""
+
+
+def where(rec: BadRecord) -> str:
+    """``file:line`` of a bad JSON line (counting the lines before its task), or ``file row N``."""
+    if rec.offset < 0:
+        return f"{rec.path} row {rec.line}"
+    with open(rec.path, "rb") as f:
+        before = f.read(rec.offset).count(b"\n")
+    return f"{rec.path}:{before + rec.line + 1}"

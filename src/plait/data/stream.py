@@ -1,0 +1,184 @@
+"""What ``plait train`` reads: one or more weighted sources as ``seq_len + 1``-token windows, batch by batch.
+
+Source ``i``'s training stream (documents, each followed by EOS, packed) is cut into windows
+``[w·S, w·S + S + 1)`` for ``w < (tokens - 1) // S``: inputs are the first ``S`` tokens, targets the last
+``S``. Global sample ``g`` of the run is the window ``plait.data.order.Order`` assigns it; batch ``k`` is
+samples ``k·B .. k·B + B - 1`` and a data-parallel replica reads only its own rows of it. Sources are
+prepared datasets (memory-mapped: only the windows read are paged in) or, for small inputs, plain text
+files tokenized in memory the way ``plait data prepare`` would.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plait.data.format import TokenSplit, is_prepared, open_prepared
+from plait.data.order import Order
+from plait.data.tokens import BYTES, model_fingerprint
+from plait.errors import ConfigError
+
+RAW_HELD_OUT = 0.1  # share of the documents of raw text held out (a prepared dataset says its own)
+EVAL_BATCHES = 2  # held-out batches per evaluation (the same batches every time)
+_WEIGHTED = re.compile(r"^(\d+(?:\.\d*)?|\.\d+):(.+)$")
+
+
+class MemorySplit:
+    """A split held in memory (raw text tokenized at start-up): the interface of ``format.Split``."""
+
+    def __init__(self, ids: np.ndarray, documents: int):
+        self.ids, self.tokens, self.documents = ids, len(ids), documents
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        return np.array(self.ids[start:start + length])
+
+
+@dataclass
+class Source:
+    """One ``--data`` entry: its weight and its two splits."""
+
+    name: str
+    weight: float
+    train: TokenSplit  # format.Split (memory-mapped) or MemorySplit
+    held_out: TokenSplit
+    prepared: bool
+    files: int = 0
+
+
+@dataclass
+class TrainData:
+    """The run's data: sources, window length, batch size and seed; batches of any step, any rows."""
+
+    sources: list[Source]
+    seq_len: int
+    batch_size: int
+    seed: int
+    order: Order = field(init=False)
+    eval_order: Order | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        S = self.seq_len
+        for s in self.sources:
+            check_length(s, S)
+        self.order = Order(tuple((s.train.tokens - 1) // S for s in self.sources),
+                           tuple(s.weight for s in self.sources), self.seed)
+        held = [s for s in self.sources if (s.held_out.tokens - 1) // S >= 1]
+        self._held = held
+        self.eval_order = Order(tuple((s.held_out.tokens - 1) // S for s in held), tuple(s.weight for s in held),
+                                self.seed, stream=1) if held else None
+
+    def _rows(self, order: Order, splits: list, g: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        source, _, window = order.locate(g)
+        S = self.seq_len
+        rows = np.stack([splits[s].read(int(w) * S, S + 1) for s, w in zip(source, window, strict=True)])
+        tokens = torch.from_numpy(rows.astype(np.int64))  # [rows, S+1]
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def batch(self, step: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``part = (index, count)`` of global batch ``step``: inputs and targets [B/count, S] (int64)."""
+        index, count = part
+        rows = self.batch_size // count
+        g = step * self.batch_size + np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
+        return self._rows(self.order, [s.train for s in self.sources], g)
+
+    def held_out_batch(self, i: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows ``part`` of held-out batch ``i`` (the same windows every evaluation); None without a held-out
+        split at least one window long."""
+        if self.eval_order is None:
+            return None
+        index, count = part
+        rows = self.batch_size // count
+        g = i * self.batch_size + np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
+        return self._rows(self.eval_order, [s.held_out for s in self._held], g)
+
+    def position(self, steps: int) -> dict:
+        """After ``steps`` steps: ``tokens_seen`` (input tokens), ``epoch`` (passes over the data: the most of
+        any source's), and ``epochs`` per source when there are several."""
+        samples = steps * self.batch_size
+        epochs = self.order.epochs(samples)
+        out: dict = {"epoch": round(max(epochs), 4), "tokens_seen": samples * self.seq_len}
+        if len(self.sources) > 1:
+            out["epochs"] = {s.name: round(e, 4) for s, e in zip(self.sources, epochs, strict=True)}
+        return out
+
+    def describe(self) -> str:
+        """One line: the sources, their weights and sizes."""
+        parts = []
+        for s in self.sources:
+            weight = f"{s.weight / sum(x.weight for x in self.sources):.0%} " if len(self.sources) > 1 else ""
+            kind = "prepared" if s.prepared else f"{s.files} files, tokenized here"
+            parts.append(f"{weight}{s.name} ({kind}: {s.train.tokens / 1e6:.2f}M training tokens, "
+                         f"{s.held_out.tokens / 1e6:.2f}M held out)")
+        return "; ".join(parts)
+
+
+def check_length(source: Source, seq_len: int) -> None:
+    """ConfigError with the counts when the training split holds no ``seq_len + 1``-token window."""
+    split = source.train
+    if (split.tokens - 1) // seq_len < 1:
+        raise ConfigError(f"--data {source.name}: {split.tokens} training tokens in {split.documents} documents, "
+                          f"but --seq-len {seq_len} needs at least {seq_len + 1} tokens for one window")
+
+
+def check_entries(entries: list[str], model: str, vocab_size: int, seq_len: int) -> None:
+    """What can be checked before launch, cheaply: weights and paths; a prepared dataset's tokenizer, vocabulary
+    and length; raw inputs that must be prepared first."""
+    from plait.data.raw import raw_inputs
+
+    for entry in entries:
+        weight, path = parse_entry(entry)
+        if not Path(path).exists():
+            raise ConfigError(f"--data {entry}: no such file or directory")
+        if is_prepared(path):
+            check_length(prepared_source(path, weight, model, vocab_size), seq_len)
+        else:
+            raw_inputs(path, model)
+
+
+def parse_entry(entry: str) -> tuple[float, str]:
+    """``"0.7:web"`` -> (0.7, "web"); a plain path (even one with a colon that exists) -> (1.0, path)."""
+    m = _WEIGHTED.match(entry)
+    if m is None or Path(entry).exists():
+        return 1.0, entry
+    weight = float(m.group(1))
+    if not weight > 0:
+        raise ConfigError(f"--data {entry}: the weight must be > 0")
+    return weight, m.group(2)
+
+
+def open_data(entries: list[str], model: str, vocab_size: int, seq_len: int, batch_size: int, seed: int,
+              max_mb: float) -> TrainData:
+    """The sources of ``--data`` (none: the Python standard library's sources), checked against the model's
+    tokenizer and vocabulary."""
+    from plait.data.raw import raw_source
+
+    if not entries:
+        return TrainData([raw_source(None, 1.0, model, max_mb)], seq_len, batch_size, seed)
+    sources = []
+    for entry in entries:
+        weight, path = parse_entry(entry)
+        if is_prepared(path):
+            sources.append(prepared_source(path, weight, model, vocab_size))
+        else:
+            sources.append(raw_source(path, weight, model, max_mb))
+    return TrainData(sources, seq_len, batch_size, seed)
+
+
+def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> Source:
+    """A prepared dataset, refused when its tokenizer is not the model's or its ids do not fit the model."""
+    ds = open_prepared(path)
+    tok = ds.tokenizer
+    fingerprint, name = model_fingerprint(model)
+    again = model if fingerprint != BYTES else BYTES
+    if tok["fingerprint"] != fingerprint:
+        raise ConfigError(f"--data {path} was prepared with {tok['name']} (fingerprint {tok['fingerprint']}, "
+                          f"vocabulary {tok['vocab_size']:,}), but --model {model} reads {name} (fingerprint "
+                          f"{fingerprint}): prepare it again with --tokenizer {again}")
+    if tok["vocab_size"] > vocab_size:
+        raise ConfigError(f"--data {path}: its tokenizer's vocabulary {tok['vocab_size']:,} exceeds --model {model}'s "
+                          f"vocab_size {vocab_size:,}")
+    return Source(path, weight, ds.train, ds.held_out, prepared=True)

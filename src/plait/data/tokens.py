@@ -1,0 +1,135 @@
+"""Tokenizers as ``plait data prepare`` uses them: UTF-8 bytes or a Hugging Face ``tokenizer.json``, batched,
+with a fingerprint that ties a prepared dataset to the tokenizer that made it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from plait.errors import ConfigError
+
+BYTES = "bytes"
+BYTES_EOS = 0  # byte-level models have no spare id: NUL, which text does not contain, ends a document
+# end-of-text tokens of common tokenizers, tried in order when no config file names the EOS
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Where a tokenizer comes from (picklable: each worker process loads its own)."""
+
+    source: str  # "bytes", a folder holding tokenizer.json, or a tokenizer.json file
+
+    @property
+    def file(self) -> Path | None:
+        if self.source == BYTES:
+            return None
+        p = Path(self.source)
+        return p / "tokenizer.json" if p.is_dir() else p
+
+    def load(self) -> Tokens:
+        return Tokens(self)
+
+
+class Tokens:
+    """A loaded tokenizer: ``encode_batch`` to flat uint32 ids, ``decode``, vocabulary size and fingerprint."""
+
+    def __init__(self, spec: TokenizerSpec):
+        self.spec, self.tok = spec, None
+        path = spec.file
+        if path is None:
+            self.vocab_size, self.fingerprint, self.name = 256, BYTES, "UTF-8 bytes"
+            return
+        if not path.is_file():
+            raise ConfigError(f"--tokenizer {spec.source}: no tokenizer.json there; give a folder holding one, the "
+                              "file itself, or 'bytes'")
+        from plait.tokenizers import FileTokenizer
+
+        self.tok = FileTokenizer(path).tok  # the tokenizers library's Tokenizer: batched encoding below
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.fingerprint = fingerprint_file(path)
+        self.name = str(path)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text (uint32 arrays)."""
+        if self.tok is None:
+            return [np.frombuffer(t.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.uint32)
+                    for t in texts]
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(texts,
+                                                                                     add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.tok is None:
+            return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def eos(self, given: str | None) -> int:
+        """The end-of-document id: ``given`` (an id or a token), else the one the tokenizer's folder names."""
+        if given is not None:
+            return self._id_of(given)
+        if self.tok is None:
+            return BYTES_EOS
+        for name in self._named_eos():
+            tid = self.tok.token_to_id(name)
+            if tid is not None:
+                return tid
+        raise ConfigError(f"--tokenizer {self.spec.source}: no end-of-text token found (tokenizer_config.json, "
+                          f"config.json or one of {', '.join(EOS_NAMES)}); give --eos ID or --eos TOKEN")
+
+    def _id_of(self, given: str) -> int:
+        if given.isdigit():
+            tid: int | None = int(given)
+        else:
+            tid = self.tok.token_to_id(given) if self.tok is not None else None
+        if tid is None or not 0 <= tid < self.vocab_size:
+            raise ConfigError(f"--eos {given}: not a token id in [0, {self.vocab_size}) nor a token of "
+                              f"{self.name}")
+        return tid
+
+    def _named_eos(self) -> list[str]:
+        folder = self.spec.file.parent if self.spec.file is not None else Path(".")
+        names: list[str] = []
+        cfg = _read_json(folder / "tokenizer_config.json")
+        eos = cfg.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.append(eos)
+        for file in ("generation_config.json", "config.json"):
+            tid = _read_json(folder / file).get("eos_token_id")
+            tid = tid[0] if isinstance(tid, list) and tid else tid
+            if isinstance(tid, int) and self.tok is not None:
+                token = self.tok.id_to_token(tid)
+                if token is not None:
+                    names.append(token)
+        return names + list(EOS_NAMES)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def fingerprint_file(path: Path) -> str:
+    """A short hash of a tokenizer.json's model (vocabulary, merges), normaliser, pre-tokeniser and added
+    tokens: two files that tokenize alike but differ in whitespace or key order get the same fingerprint."""
+    raw = json.loads(path.read_text())
+    keep = {k: raw.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(model: str) -> tuple[str, str]:
+    """(fingerprint, description) of the tokenizer ``plait train --model`` reads: a folder's own
+    tokenizer.json, else UTF-8 bytes (the presets)."""
+    path = Path(model) / "tokenizer.json"
+    if path.is_file():
+        return fingerprint_file(path), f"{path}"
+    return BYTES, "UTF-8 bytes"

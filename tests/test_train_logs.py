@@ -1,0 +1,45 @@
+"""--tensorboard and --wandb: each step's numbers logged (wandb offline, no network), a missing extra named."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from plait.errors import MissingExtraError
+from plait.train.logs import ExperimentLogs, check_extras
+
+ROWS = [{"step": 1, "loss": 5.5, "lr": 1e-3, "grad_norm": 2.0, "tokens_per_s": 900.0, "epoch": 0.1,
+         "tokens_seen": 512, "held_out_loss": None,
+         "memory": {"measured": [{"rank": 0, "params": 2**20, "grads": 2**20, "optimizer": 0, "activations_peak": 0}]}},
+        {"step": 2, "loss": 5.0, "lr": 2e-3, "grad_norm": 1.5, "tokens_per_s": 950.0, "epoch": 0.2,
+         "tokens_seen": 1024, "held_out_loss": 4.9}]
+
+
+def test_tensorboard_and_wandb_offline_log_every_step(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logs = ExperimentLogs(str(tmp_path / "tb"), "plait-test", {"seq_len": 32})
+    for row in ROWS:
+        logs.log(row)
+    logs.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == [5.5, 5.0]
+    assert [e.step for e in events.Scalars("train/held_out_loss")] == [2]
+    assert events.Scalars("memory/rank0_MiB")[0].value == 2.0
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0 and "wandb sync" in logs.note
+
+
+@pytest.mark.parametrize("flag,module", [("tensorboard", "tensorboard"), ("wandb", "wandb")])
+def test_missing_extra_is_named(monkeypatch, flag, module):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    with pytest.raises(MissingExtraError, match=rf"--{flag} needs {module}.*pip install 'plait\[{flag}\]'"):
+        check_extras(**{"tensorboard": None, "wandb": None, flag: "x"})
