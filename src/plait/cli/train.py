@@ -21,6 +21,8 @@ Examples:
   plait train
   plait train --tp 1 --pp 4 --steps 100
   plait train --data my_texts/ --model small --metrics run.jsonl
+  plait data prepare corpus.jsonl --tokenizer bytes --out data/c && plait train --data data/c
+  plait train --data 0.7:data/web --data 0.3:data/code --tensorboard runs/a   # a weighted mixture
   plait train --resume          # continue the latest checkpoint exactly
   plait train --layout auto --nproc 4   # the planner's fastest layout for 4 processes
   plait train --tp 2 --pp 2 --dry-run --cluster host.toml   # what it would cost, nothing launched
