@@ -150,11 +150,9 @@ def checkpoints(root: Path) -> dict:
     exact resume under cp2·dp2 (all-gather, ZeRO-1)."""
     import checks_train as ct
     from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
-    from plait.tokenizers import ByteTokenizer
+    from plait.data.stream import open_data
     from plait.train import TrainConfig
     from plait.train.config import model_config as train_model_config
-    from plait.train.data import batch as train_batch
-    from plait.train.data import load_corpus
     from plait.train.loop import build
 
     cfg = ct.small_cfg(root, "cp-a", tp=1, pp=1, dp=2, cp=2, cp_comm="ring", zero=1, microbatches=1)
@@ -168,7 +166,7 @@ def checkpoints(root: Path) -> dict:
     full = run.pm.full_state_dict()
     plain = Llama(train_model_config(cfg))
     plain.load_state_dict(saved)
-    x, _ = train_batch(load_corpus([], ByteTokenizer(), 0.3).train, 0, 2, 32, 0)
+    x, _ = open_data([], "tiny", 256, 32, 2, 0, 0.3).batch(0)
     resume = ct.check_resume(root, "_cp", tp=1, pp=1, dp=2, cp=2, zero=1, microbatches=1)
     return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
             "tp2_weights_rel": max(rel_err(full[k], v) for k, v in saved.items()),
