@@ -27,13 +27,13 @@ def _modules(kind: str, dim: int):
 
 
 def _plait_version(module, kind: str, ctx):
-    from plait.models.family import DECODER_TP_PLAN
+    from plait.models.llama import TP_PLAN
     from plait.tensor_parallel.plan import apply_tp_plan
 
     if kind == "mlp":
         plan = {"m": "region", "m.gate_proj": "colwise", "m.up_proj": "colwise", "m.down_proj": "rowwise"}
     else:  # the Llama plan's entries for one decoder layer
-        plan = {"m" + k[len("layers.*"):]: v for k, v in DECODER_TP_PLAN.items() if k.startswith("layers.*.")}
+        plan = {"m" + k[len("layers.*"):]: v for k, v in TP_PLAN.items() if k.startswith("layers.*.")}
     holder = torch.nn.Module()
     holder.add_module("m", module)
     apply_tp_plan(holder, plan, ctx, sequence_parallel=False)

@@ -12,7 +12,7 @@ import plait
 from checks_families import FAMILIES, hf_model, tokens
 from plait.errors import ConfigError
 from plait.models import Mistral, MistralConfig, Mixtral, Qwen2, Qwen3
-from plait.models.family import families, family_of
+from plait.models.registry import families, family_of
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[dev])")
 CLASSES = {"mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3, "mixtral": Mixtral}
@@ -83,6 +83,24 @@ def test_every_family_has_an_adapter_and_the_registry_finds_it():
     assert family_of(torch.nn.Sequential(torch.nn.Linear(2, 2))).name == "sequential"
     with pytest.raises(ConfigError, match="not a model plait can parallelize"):
         family_of(torch.nn.Linear(2, 2))
+
+
+def test_the_registry_lists_every_family_module_and_nothing_else():
+    """The explicit registry (plait.models.registry.MODEL_TYPES) names every plait.models module that defines a
+    FAMILY, under that family's model_type: a new family cannot be left out of it."""
+    import importlib
+    import pkgutil
+
+    import plait.models as pkg
+    from plait.models.registry import MODEL_TYPES, family_for_type
+
+    defined = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"plait.models.{info.name}")
+        if hasattr(module, "FAMILY"):
+            defined[module.FAMILY.model_type] = module.__name__
+    assert defined == MODEL_TYPES
+    assert all(family_for_type(t).model_type == t for t in MODEL_TYPES)
 
 
 def _folder(tmp_path, **hf):

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from plait.cli.main import app
 from plait.models import Llama, LlamaConfig
-from plait.models.family import family_of
+from plait.models.registry import family_of
 from plait.pipeline.balance import partition_layers
 from plait.pipeline.partition import build_chunks
 from plait.plan import Cluster, Layout, Model, Training, estimate

@@ -9,8 +9,8 @@ from harness import rel_err
 from memory_util import layer_bytes, saved_bytes
 from plait.errors import ConfigError
 from plait.models import LlamaConfig
-from plait.models.family import family_of
 from plait.models.llama import DecoderLayer
+from plait.models.registry import family_of
 from plait.recompute import RecomputedCore, recompute_attention
 
 B, S, H, A = 2, 64, 64, 4

@@ -1,4 +1,4 @@
-"""plait's exception types (importable without torch)."""
+"""plait's exception types, and the valid choices their messages offer (importable without torch)."""
 
 
 class ConfigError(ValueError):
@@ -45,3 +45,8 @@ def require_extra(extra: str, modules: tuple[str, ...], feature: str) -> None:
     if missing:
         raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                                 f"not installed: pip install 'plait[{extra}]'")
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, ascending: the sizes a message offers for splitting ``n`` things evenly."""
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -19,7 +19,7 @@ import textwrap
 from dataclasses import dataclass, fields, replace
 from functools import cache
 
-from plait.errors import ConfigError, FieldError
+from plait.errors import ConfigError, FieldError, divisors
 from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
 #: activation recomputation modes the runtime runs
@@ -190,10 +190,6 @@ def _check(c: ParallelConfig) -> None:
     plane = "dp*tp" if c.cp == 1 else "dp*cp*tp"
     if (data * c.tp) % c.ep:
         raise ConfigError(f"ep={c.ep} must divide {plane}={data * c.tp}; valid ep: {divisors(data * c.tp)}")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def field_names() -> list[str]:

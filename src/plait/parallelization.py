@@ -13,7 +13,8 @@ from plait.context_parallel import apply_context_parallel, check_context_paralle
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import apply_expert_parallel, check_model_experts
-from plait.models.family import Family, family_of
+from plait.models.family import Family
+from plait.models.registry import family_of
 from plait.parallel_config import RECOMPUTE_MODES, ParallelConfig
 from plait.parallel_model import LossFn, ParallelModel
 from plait.pipeline.partition import Partition

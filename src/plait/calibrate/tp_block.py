@@ -53,8 +53,8 @@ def group_sizes(processes: int) -> list[int]:
 def _parts(shape: tuple[int, ...], group, sp: bool, device: torch.device, dtype: torch.dtype):
     """(layer step, twin step) closures of this rank's shard of the calibration layer of ``shape``."""
     from plait.distributed.context import tp_group_context
-    from plait.models.family import family_of
     from plait.models.llama import DecoderLayer, Llama, LlamaConfig
+    from plait.models.registry import family_of
     from plait.tensor_parallel.plan import apply_tp_plan
 
     b, s, h, heads, kv = shape

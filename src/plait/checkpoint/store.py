@@ -148,15 +148,15 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
 
 def model_config(meta: dict):
     """The plain-model config a checkpoint was saved with (its family's config class; llama if unnamed)."""
-    from plait.models.family import family_for_type
+    from plait.models.registry import family_for_type
 
     return family_for_type(meta.get("family", "llama")).config_class(**meta["model"])
 
 
 def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process)."""
-    from plait.models.family import family_of_config
     from plait.models.hf import save_state_dict_pretrained
+    from plait.models.registry import family_of_config
 
     path = find_checkpoint(checkpoint)
     if path is None:

@@ -13,8 +13,8 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
-from plait.models.family import family_of
 from plait.models.llama import KVCache
+from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
 
 if TYPE_CHECKING:

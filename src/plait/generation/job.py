@@ -50,7 +50,7 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
     """A plain model (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
     import plait
     from plait.checkpoint.shards import load_local
-    from plait.models.family import family_of_config
+    from plait.models.registry import family_of_config
 
     cfg, reader, tok = source_config(source)
     build = family_of_config(cfg).model_class

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.family import DecoderFamily, family_for_type
+from plait.models.decoder import DecoderFamily
+from plait.models.registry import family_for_type
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

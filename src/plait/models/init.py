@@ -15,7 +15,7 @@ import hashlib
 import torch
 from torch import nn
 
-from plait.models.family import family_of
+from plait.models.registry import family_of
 
 
 def tensor_seed(seed: int, key: str) -> int:

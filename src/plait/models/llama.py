@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.errors import ConfigError
-from plait.models.family import DecoderFamily
+from plait.models.decoder import DecoderFamily
 from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 
@@ -329,12 +329,34 @@ class Llama(nn.Module):
 
 
 def _decoder_family(cls: type) -> DecoderFamily:
-    from plait.models.family import family_of_class
+    from plait.models.registry import family_of_class
 
     family = family_of_class(cls)
     if not isinstance(family, DecoderFamily):  # a subclass registered as something else
         raise ConfigError(f"{cls.__name__}: its family {family.name!r} has no Hugging Face format")
     return family
+
+
+# The tensor-parallel plan of Llama's modules, applied from outside (plait.tensor_parallel.plan, whose styles
+# these are); "layers.*" patterns match every decoder layer
+TP_PLAN: dict[str, str] = {
+    "embed_tokens": "vocab_embed",
+    "layers.*.input_layernorm": "sp_norm",
+    "layers.*.self_attn": "region",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise_kv",
+    "layers.*.self_attn.v_proj": "colwise_kv",
+    "layers.*.self_attn.q_norm": "tp_partial",  # one [hd] weight shared by heads that live on different ranks
+    "layers.*.self_attn.k_norm": "tp_partial",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.post_attention_layernorm": "sp_norm",
+    "layers.*.mlp": "region",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "norm": "sp_norm",
+    "lm_head": "vocab_head",
+}
 
 
 class LlamaFamily(DecoderFamily):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plait.errors import ConfigError
-from plait.models.family import DecoderFamily
+from plait.models.decoder import DecoderFamily
 from plait.models.llama import Llama, LlamaConfig
 
 

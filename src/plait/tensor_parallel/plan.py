@@ -11,7 +11,7 @@ A plan maps glob patterns of module paths to styles:
   sp_norm        replicated norm; under SP it runs on sequence shards and its gradient is TP-partial
   tp_partial     replicated parameters used on a different part of the work on each TP rank (e.g. a
                  per-head norm shared by heads split over ranks): gradients summed over TP
-A model family's plan lives with its adapter (plait.models.family).
+A model family's plan lives beside its model (``plait.models.llama.TP_PLAN``); its adapter returns it.
 """
 
 from __future__ import annotations

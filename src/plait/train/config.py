@@ -200,8 +200,8 @@ def model_config(cfg: TrainConfig):
 
 def model_family(cfg: TrainConfig):
     """The family adapter of ``cfg.model`` (llama for the presets)."""
-    from plait.models.family import family_for_type
     from plait.models.hf import folder_family, read_config
+    from plait.models.registry import family_for_type
 
     return family_for_type("llama") if cfg.model in PRESETS else folder_family(read_config(cfg.model))
 
