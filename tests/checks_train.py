@@ -137,6 +137,14 @@ def check_auto_resume(root: Path) -> dict:
             "fresh": [fresh.losses[s] for s in (5, 6)], "resumed": [again.losses[s] for s in (5, 6)]}
 
 
+def check_minutes(root: Path) -> dict:
+    """--checkpoint-every-minutes: a save at every step once the interval is below a step's time (every rank the
+    same steps); --keep 0 keeps them all; each saving step's blocked time is recorded."""
+    res = train(small_cfg(root, "minutes", steps=3, checkpoint_every_minutes=1e-6, keep=0))
+    saved = sorted(p.name for p in (root / "minutes").glob("step_*"))
+    return {"saved": saved, "blocked": len(res.checkpoint_blocked_s)}
+
+
 def check_async_save(root: Path) -> dict:
     """A background save holds the state of its step (training goes on meanwhile) and writes the same bytes as a
     save in the loop."""
@@ -265,6 +273,7 @@ def rank_main(root: str) -> dict:
         ("ckpt/resume", lambda: check_resume(root)),
         ("ckpt/auto_resume", lambda: check_auto_resume(root)),
         ("ckpt/async_equals_sync", lambda: check_async_save(root)),
+        ("ckpt/every_minutes", lambda: check_minutes(root)),
         ("train/moe_ep2", lambda: check_moe(root)),
         ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
         ("ckpt/resume_zero2_bf16", lambda: check_resume(root, "_zero2", tp=1, pp=2, dp=2, zero=2, precision="bf16")),

@@ -92,6 +92,8 @@ def test_torchrun_restarts_resume_exactly_after_sigkills(tmp_path):
         assert resumed % EVERY == 0 and before[-1]["step"] - 2 * EVERY <= resumed <= before[-1]["step"], (
             f"a restart continued at step {resumed + 1} after a run that reached step {before[-1]['step']}: "
             f"more than the steps since the last complete checkpoint were replayed")
+    saving = [r for r in rows if r["step"] % EVERY == 0 and r["step"] < STEPS]
+    assert saving and all(r["checkpoint_blocked_s"] >= 0 for r in saving), "a saving step's row lacks its stall"
     assert "starting fresh" in out and out.count("resuming from") >= 2, out[-3000:]
     cfg = TrainConfig.from_dict(dict(tp=1, pp=2, steps=STEPS, seq_len=32, batch_size=4, microbatches=2,
                                      max_data_mb=0.3))

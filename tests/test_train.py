@@ -45,6 +45,12 @@ def test_background_save_writes_the_same_bytes_as_a_save_in_the_loop(world4):
         assert r["same"], f"rank {rank}: the background save differs from the synchronous one"
 
 
+def test_checkpoint_every_minutes_and_keep_all(world4):
+    for rank, r in enumerate(result(world4, "ckpt/every_minutes")):
+        assert r["saved"] == [f"step_0000000{s}" for s in (1, 2, 3)], f"rank {rank}: {r['saved']}"
+        assert r["blocked"] == 2, f"rank {rank}: {r['blocked']} saves timed in the loop (steps 1 and 2)"
+
+
 def test_hf_folder_loads_only_local_slices(world4):
     for rank, r in enumerate(result(world4, "hf/slices")):
         assert r["rel"] == 0.0

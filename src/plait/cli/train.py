@@ -27,6 +27,7 @@ Examples:
   plait train --layout auto --nproc 4   # the planner's fastest layout for 4 processes
   plait train --tp 2 --pp 2 --dry-run --cluster host.toml   # what it would cost, nothing launched
   torchrun --nproc-per-node 4 -m plait.cli.main train --tp 2 --pp 2
+  torchrun --nproc-per-node 4 --max-restarts 3 -m plait.cli.main train --auto-resume   # restarts continue
 """.format(
     defaults="With no arguments: a tiny byte-level Llama on the Python standard library's own source files, "
              "tp 2 x pp 2 (1F1B) on 4 CPU processes launched here with PyTorch's elastic launcher. Under torchrun "

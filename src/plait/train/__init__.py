@@ -29,7 +29,7 @@ def train_job(payload: dict, predictor: Predictor | None = None) -> dict:
     from plait.train.preempt import StopRequest
     from plait.train.report import Reporter
 
-    stop = StopRequest().install()
+    stop = StopRequest()  # catches SIGTERM from the first step on (plait.train.loop.train)
     cfg = TrainConfig.from_dict(payload)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if cfg.layout == "auto":

@@ -238,6 +238,8 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predi
     """
     t_start = time.perf_counter()
     run = build(cfg, ctx)
+    if stop is not None:  # from here a stop signal saves a checkpoint; before, it ends the process at once
+        stop.install()  # (a worker stopped while it waits for a dead peer in the rendezvous leaves promptly)
     res = TrainResult(params=run.params)
     run.prediction = predictor.predict(run) if predictor is not None else None
     if reporter is not None:
