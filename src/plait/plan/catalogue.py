@@ -24,7 +24,7 @@ class GPU:
     """One accelerator type.
 
     ``peak_flops`` is the dense bf16/fp16 tensor-core peak (no sparsity); ``matmul_efficiency`` the
-    best share of it large GEMMs reach in practice (see ``docs/planner.md``, calibration).
+    best share of it large GEMMs reach in practice (see ``docs/planner.md``, "How accurate: published runs").
     """
 
     name: str

@@ -62,7 +62,7 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
 
 
 def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> Iterator[Layout]:
-    """Every layout the search considers (see docs/planner.md, "Search space").
+    """Every layout the search considers (see docs/planner.md, "How it models a step": Search).
 
     Only what plait's runtime runs (``config.RUNTIME``: its recompute modes, ZeRO stages and schedules;
     no context parallelism), unless ``plan_only``: then also what only the planner models — context
