@@ -147,6 +147,8 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and "--step-tokens -1" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])
     assert res.exit_code == 2 and "--kv-block 0" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--log-level", "loud"])
+    assert res.exit_code == 2 and "--log-level loud: choose debug, info, warning or error" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "{% for m in messages %}"])
     assert res.exit_code == 2 and "--chat-template" in res.output and "TemplateSyntaxError" in res.output, res.output
     with socket.socket() as busy:

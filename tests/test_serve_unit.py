@@ -234,3 +234,16 @@ def test_protocol_refuses_malformed_fields(body):
     with pytest.raises(ApiError):
         parse({"model": "m", "prompt": "hi", **body}, False, TokenizerInfo(TOK, "/nonexistent", 64),
               Limits("m", 64, 256, 16, 64))
+
+
+def test_a_chat_without_max_tokens_gets_the_room_its_prompt_leaves_a_completion_16():
+    from plait.serve.protocol import Limits, parse
+    from plait.serve.tokens import TokenizerInfo
+
+    tokens = TokenizerInfo(TOK, "/nonexistent", 64)
+    messages = [{"role": "user", "content": "hi"}]  # "<|user|>\nhi\n<|assistant|>\n": 26 bytes
+    for limits, want in ((Limits("m", 64, 256, 63, 64), 38), (Limits("m", 64, 256, 20, 64), 20),
+                         (Limits("m", 64, 256, 63, 30), 4)):
+        chat = parse({"messages": messages}, True, tokens, limits)
+        assert chat.params.sampling.max_new_tokens == want
+        assert parse({"prompt": "hi"}, False, tokens, limits).params.sampling.max_new_tokens == 16

@@ -194,12 +194,15 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
 
 
-def _sampling(body: dict, chat: bool, limits: Limits) -> Sampling:
+def _sampling(body: dict, chat: bool, limits: Limits, prompt: int) -> Sampling:
+    """The sampling fields; without max_tokens a completion gets 16 tokens and a chat reply all the room its
+    ``prompt`` tokens leave (as vLLM)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     top_k = _number(body, "top_k", 0, int, -1, limits.vocab)
     seed = body.get("seed")
-    return Sampling(max_new_tokens=_number(body, name, min(DEFAULT_MAX_TOKENS, limits.max_tokens), int, 0,
-                                           limits.max_tokens),
+    room = min(limits.context, limits.kv_budget) - prompt
+    default = max(1, min(room, limits.max_tokens)) if chat else min(DEFAULT_MAX_TOKENS, limits.max_tokens)
+    return Sampling(max_new_tokens=_number(body, name, default, int, 0, limits.max_tokens),
                     temperature=_number(body, "temperature", 0.0, float, 0, 100),
                     top_k=max(top_k, 0),  # -1 (vLLM's "off") as 0
                     seed=secrets.randbits(62) if seed is None else _number(body, "seed", 0, int, 0, 2**63 - 1),
@@ -236,7 +239,7 @@ def parse(body, chat: bool, tokens: TokenizerInfo, limits: Limits) -> Parsed:
         if "prompt" not in body:
             raise ApiError(400, "prompt is required", "prompt")
         prompts = _prompts(body["prompt"], tokens, limits.vocab, _flag(body, "add_special_tokens", True))
-    sampling = _sampling(body, chat, limits)
+    sampling = _sampling(body, chat, limits, max(len(ids) for ids in prompts))
     n = _number(body, "n", 1, int, 1, 128)
     echo = not chat and _flag(body, "echo")
     top = _logprobs(body, chat)
