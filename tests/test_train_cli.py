@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -53,10 +54,13 @@ def _run(args, cwd, timeout=240):
 
 
 def test_short_run_metrics_checkpoint_sample_generate_export(tmp_path):
-    res = _run(["train", "--steps", "4", *FAST, "--sample-tokens", "8", "--metrics", "m.jsonl"], tmp_path)
+    tensorboard = ["--tensorboard", "tb"] if importlib.util.find_spec("tensorboard") else []
+    res = _run(["train", "--steps", "4", *FAST, "--sample-tokens", "8", "--metrics", "m.jsonl", *tensorboard], tmp_path)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(ln) for ln in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["tokens_seen"] for r in rows] == [128, 256, 384, 512] and 0 < rows[0]["epoch"] < rows[-1]["epoch"] < 1
+    assert not tensorboard or list((tmp_path / "tb").glob("events.out.tfevents.*")), "no TensorBoard events"
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in rows)
     assert "measured_bubble" in rows[1] and 0 <= rows[1]["predicted_bubble"] < 1
     assert "summary" in res.stdout and "sample" in res.stdout and "step_00000004" in res.stdout

@@ -150,7 +150,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> l
                 try:
                     for t in todo:
                         results.append(_run(t))
-                        bar.advance(results[-1], job)
+                        bar.advance(results[-1])
                 finally:
                     _restore("TOKENIZERS_PARALLELISM", saved)
             else:
@@ -159,7 +159,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> l
                 with mp.get_context("spawn").Pool(min(workers, len(todo)), _init, (job,)) as pool:
                     for r in pool.imap(_run, todo):
                         results.append(r)
-                        bar.advance(r, job)
+                        bar.advance(r)
         except BadRecord as rec:
             raise ConfigError(f"{where(rec)}: {rec.why} (pass --skip-bad to skip such records and count them)"
                               ) from None

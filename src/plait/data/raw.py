@@ -13,8 +13,8 @@ import numpy as np
 from plait.data.format import SPLITS, dtype_for
 from plait.data.prepare import encode_documents
 from plait.data.sources import Source as Input
-from plait.data.sources import discover, read_task, tasks
-from plait.data.stream import RAW_HELD_OUT, MemorySplit, Source
+from plait.data.sources import Task, discover, read_task, tasks
+from plait.data.stream import RAW_HELD_OUT, MemorySplit, TrainSource
 from plait.data.tokens import BYTES, TokenizerSpec
 from plait.errors import ConfigError
 
@@ -51,7 +51,7 @@ def raw_inputs(path: str, model: str) -> list[Input]:
     return found
 
 
-def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Source:
+def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> TrainSource:
     """Plain text files (``path``: a file or folder; None: the standard library's sources), one document each,
     read in order until ``max_mb`` million tokens, with the model's tokenizer and EOS."""
     spec = model_tokenizer(model)
@@ -67,7 +67,7 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> So
     budget, size, files = int(max_mb * 1e6), 0, 0
     for task in tasks(found, "text"):
         for name in task.files:  # one file at a time: the budget stops at a file's end
-            one = type(task)(task.index, task.source, "text", name, files=[name])
+            one = Task(task.index, task.source, "text", name, files=[name])
             texts, _, _, _ = read_task(one, "text", skip_bad=True)
             files += 1
             for split, (ids, lengths) in encode_documents(texts, tok, eos, RAW_HELD_OUT, dtype).items():
@@ -81,5 +81,5 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> So
     train, held = (np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype) for s in SPLITS)
     if len(train) == 0:  # every document (a single file, say) was held out: train on them, hold none out
         train, held, docs = held, held[:0], {"train": docs["held_out"], "held_out": 0}
-    return Source(path or STDLIB, weight, MemorySplit(train, docs["train"]), MemorySplit(held, docs["held_out"]),
+    return TrainSource(path or STDLIB, weight, MemorySplit(train, docs["train"]), MemorySplit(held, docs["held_out"]),
                   prepared=False, files=files)

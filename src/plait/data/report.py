@@ -13,7 +13,7 @@ class _Bar:
     def __init__(self, progress, task):
         self.progress, self.task, self.tokens, self.t0 = progress, task, 0, time.perf_counter()
 
-    def advance(self, result, job) -> None:
+    def advance(self, result) -> None:
         self.tokens += int(sum(n.sum() for n in result.lengths.values()))
         if self.progress is None:
             return

@@ -38,7 +38,7 @@ class MemorySplit:
 
 
 @dataclass
-class Source:
+class TrainSource:
     """One ``--data`` entry: its weight and its two splits."""
 
     name: str
@@ -53,7 +53,7 @@ class Source:
 class TrainData:
     """The run's data: sources, window length, batch size and seed; batches of any step, any rows."""
 
-    sources: list[Source]
+    sources: list[TrainSource]
     seq_len: int
     batch_size: int
     seed: int
@@ -116,7 +116,7 @@ class TrainData:
         return "; ".join(parts)
 
 
-def check_length(source: Source, seq_len: int) -> None:
+def check_length(source: TrainSource, seq_len: int) -> None:
     """ConfigError with the counts when the training split holds no ``seq_len + 1``-token window."""
     split = source.train
     if (split.tokens - 1) // seq_len < 1:
@@ -168,7 +168,7 @@ def open_data(entries: list[str], model: str, vocab_size: int, seq_len: int, bat
     return TrainData(sources, seq_len, batch_size, seed)
 
 
-def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> Source:
+def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> TrainSource:
     """A prepared dataset, refused when its tokenizer is not the model's or its ids do not fit the model."""
     ds = open_prepared(path)
     tok = ds.tokenizer
@@ -181,4 +181,4 @@ def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> So
     if tok["vocab_size"] > vocab_size:
         raise ConfigError(f"--data {path}: its tokenizer's vocabulary {tok['vocab_size']:,} exceeds --model {model}'s "
                           f"vocab_size {vocab_size:,}")
-    return Source(path, weight, ds.train, ds.held_out, prepared=True)
+    return TrainSource(path, weight, ds.train, ds.held_out, prepared=True)
