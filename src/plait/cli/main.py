@@ -31,8 +31,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Plan, simulate, run and verify tensor, sequence, pipeline, data and expert parallelism."""
 
 
-# Each module defines ``register(app)``; heavy imports (torch) happen inside the commands.
-_COMMAND_MODULES = [
+# One module per sub-command, each defining ``register(app)``; heavy imports (torch) happen inside the commands.
+COMMAND_MODULES = [
     "plait.cli.simulate",
     "plait.cli.plan",
     "plait.cli.calibrate",
@@ -44,12 +44,8 @@ _COMMAND_MODULES = [
     "plait.cli.data",
 ]
 
-for _name in _COMMAND_MODULES:
-    try:
-        importlib.import_module(_name).register(app)
-    except ModuleNotFoundError as exc:  # a sub-command not built yet must not break the others
-        if exc.name != _name:
-            raise
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
 
 
 def main() -> None:
