@@ -25,6 +25,10 @@ class GPU:
 
     ``peak_flops`` is the dense bf16/fp16 tensor-core peak (no sparsity); ``matmul_efficiency`` the
     best share of it large GEMMs reach in practice (see ``docs/planner.md``, "How accurate: published runs").
+    The datasheet cost model's other constants (``plan.gpu``) ride on the entry too, so that one GPU type can be costed with other values (``plan.validation`` refits them
+    with a source held out): ``gemm_half`` (the GEMM width at which a GEMM reaches half its ceiling),
+    ``elementwise_traffic`` (HBM bytes the element-wise kernels move per stored activation byte) and
+    ``flash_efficiency`` (the share of peak a fused flash-attention kernel reaches, forward and backward).
     """
 
     name: str
@@ -36,6 +40,9 @@ class GPU:
     matmul_efficiency: float
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
+    gemm_half: float = 40.0
+    elementwise_traffic: float = 1.7
+    flash_efficiency: float = 0.5
 
 
 # Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
@@ -58,24 +65,26 @@ INTERCONNECTS: dict[str, Link] = {
     "eth-10": Link("Ethernet 10 Gb/s per node", 1.25 * GB / 8, 30e-6),
 }
 
-# matmul_efficiency: A100 0.68 fitted on Narayanan et al. 2021 (Tables 1-2), H100 0.68 on Llama 3
-# (Dubey et al. 2024, Table 4); H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU
-# are guesses not calibrated on any published run (docs/planner.md).
+# matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 46 runs
+# from 6 sources, 0.65; H100: 10 runs of one source, MosaicML's llm-foundry, 0.51; the traffic 1.7 on all 56;
+# ``bench/plan.py --validate`` refits them and reports each source's error with that source held out).
+# H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
+# published run (docs/planner.md).
 # Peak dense bf16 FLOP/s, memory and bandwidth from the vendors' datasheets (A100: 312 TF, 1.6/2.0
 # TB/s; H100 SXM: 989 TF, 3.35 TB/s; H100 PCIe: 756 TF, 2.0 TB/s; H200: 989 TF, 141 GB, 4.8 TB/s;
 # B200 (HGX): 2.25 PF, 180 GB, 8 TB/s; L40S: 362 TF, 48 GB, 864 GB/s).
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.68,
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.65,
             "NVIDIA A100 SXM 40GB"),
-        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.68,
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.65,
             "NVIDIA A100 SXM 80GB"),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.68,
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.51,
             "NVIDIA H100 SXM5 80GB", fp8=True),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.68,
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.51,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.68,
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.51,
             "NVIDIA H200 SXM 141GB", fp8=True),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),

@@ -26,6 +26,9 @@ class Cluster:
     number of plait processes on that one host, ``gpu`` is derived from the profile, and step times and memory
     are those of plait's own eager runtime measured there (``plan.host``); else catalogue GPUs are costed as
     published Megatron-LM runs (``plan.gpu``). ``costs`` is that cost model, chosen here once.
+    ``flash_attention``: the runtime's attention is a fused flash-attention kernel (FlashAttention; PyTorch's
+    SDPA on CUDA, which plait's runtime calls) rather than the unfused softmax of Megatron-LM's early runs
+    (False: the s×s scores go through HBM and are stored); catalogue GPUs only.
     """
 
     gpu: GPU
@@ -34,10 +37,12 @@ class Cluster:
     interconnect: Link
     profile: HostProfile | None
     max_memory_fraction: float
+    flash_attention: bool
     costs: CostModel = field(repr=False, compare=False)
 
     def __init__(self, gpu: GPU | str, n_gpus: int, gpus_per_node: int = 8, interconnect: str | Link | None = None,
-                 profile: HostProfile | None = None, max_memory_fraction: float = MAX_MEMORY_FRACTION) -> None:
+                 profile: HostProfile | None = None, max_memory_fraction: float = MAX_MEMORY_FRACTION,
+                 flash_attention: bool = True) -> None:
         if int(n_gpus) < 1:
             raise ConfigError(f"n_gpus: must be >= 1, got {n_gpus}")
         costs: CostModel
@@ -53,7 +58,8 @@ class Cluster:
         device = get_gpu(gpu)
         for name, value in (("gpu", device), ("n_gpus", n_gpus), ("gpus_per_node", gpus_per_node),
                             ("interconnect", get_interconnect(interconnect, device)), ("profile", profile),
-                            ("max_memory_fraction", max_memory_fraction), ("costs", costs)):
+                            ("max_memory_fraction", max_memory_fraction), ("flash_attention", flash_attention),
+                            ("costs", costs)):
             object.__setattr__(self, name, value)
 
     @classmethod

@@ -23,13 +23,19 @@ if TYPE_CHECKING:
     from plait.plan.config import Layout
     from plait.plan.model import Model
 
-# Matmul efficiency falls for narrow GEMMs: eff = gpu.matmul_efficiency · n/(n + GEMM_HALF), n the
-# per-GPU shard width h/t (capped by the tokens of a micro-batch). One constant for every GPU,
-# fitted with the per-GPU ceilings on the calibration set (docs/planner.md).
-GEMM_HALF = 40.0
-# Element-wise kernels (norms, softmax, dropout, residual adds, activations) move about this many
-# times the layer's stored activation bytes through HBM per forward pass.
-ELEMENTWISE_TRAFFIC = 0.75
+# The constants of this model ride on the catalogue entry (``catalogue.GPU``), fitted on the published runs
+# (``plan.published``; leave-one-source-out: ``plan.validation``):
+# - ``matmul_efficiency``: the ceiling large GEMMs reach; it falls for narrow GEMMs as n/(n + gemm_half), n the
+#   per-GPU shard width h/t (capped by the tokens of a micro-batch);
+# - ``elementwise_traffic``: element-wise kernels (norms, softmax, dropout, residual adds, activations) move about
+#   this many times the layer's stored activation bytes through HBM per forward pass;
+# - ``flash_efficiency``: fused attention (``Cluster(flash_attention=True)``) runs QK^T and AV at this share of
+#   peak, forward and backward, and never writes the s×s scores to HBM. FlashAttention-2 reaches 50-73% of the
+#   A100's peak (Dao 2023, abstract: about twice FlashAttention's 25-40%); forward and backward together sit at
+#   the low end. Not fitted.
+# FlashAttention's backward recomputes the scores from Q and K: 5 matmuls of the forward's 2 (Dao et al. 2022,
+# Algorithm 4), 2.5 times the forward's attention FLOPs.
+FLASH_BACKWARD = 2.5
 # Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
 OPTIMIZER_TRAFFIC = 30.0
 
@@ -52,7 +58,7 @@ def ring_allgather(nbytes: float, n: int, link: Link) -> float:
 def matmul_efficiency(gpu: GPU, model: Model, layout: Layout) -> float:
     """Achieved share of peak FLOP/s for this layer's GEMMs."""
     n = min(model.hidden / layout.tp, layout.microbatch_size * model.seq_len / layout.cp)
-    return gpu.matmul_efficiency * n / (n + GEMM_HALF)
+    return gpu.matmul_efficiency * n / (n + gpu.gemm_half)
 
 
 @dataclass(frozen=True)
@@ -94,21 +100,36 @@ class GpuCosts:
 
     def blocks(self, model: Model, layout: Layout, precision: str) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives and what
-        recomputation redoes; the head: its FLOPs. The embedding's lookup is free."""
+        recomputation redoes; the head: its FLOPs. The embedding's lookup is free. With fused flash attention
+        the attention core runs at ``flash_efficiency`` of peak and its backward recomputes the scores (so
+        selective recomputation redoes nothing more); its s×s scores never reach HBM."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
-        traffic = ELEMENTWISE_TRAFFIC * activation_bytes_per_layer(model, replace(layout, recompute="none"))
-        f = layer_forward_flops(model, tokens, model.seq_len) / t / speed + traffic / gpu.memory_bandwidth
+        flops = layer_forward_flops(model, tokens, model.seq_len) / t
+        attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
         tp = self._tp_comm_per_layer(model, layout, tokens)
-        if layout.recompute == "full":
-            recompute = f + tp
-        elif layout.recompute == "selective":  # QK^T, softmax and AV again (Korthikanti et al. 2022, §5)
-            recompute = 4 * tokens * model.seq_len * model.hidden / t / speed
+        if self.cluster.flash_attention:
+            stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
+            traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
+            fused = gpu.peak_flops * gpu.flash_efficiency
+            dense = (flops - attention) / speed
+            f = dense + attention / fused + traffic
+            b = 2 * dense + FLASH_BACKWARD * attention / fused + 2 * traffic
+            w = dense
+            recompute = f + tp if layout.recompute == "full" else 0.0
         else:
-            recompute = 0.0
+            stored = activation_bytes_per_layer(model, replace(layout, recompute="none"))
+            f = flops / speed + gpu.elementwise_traffic * stored / gpu.memory_bandwidth
+            b, w = 2 * f, f
+            if layout.recompute == "full":
+                recompute = f + tp
+            elif layout.recompute == "selective":  # QK^T, softmax and AV again (Korthikanti et al. 2022, §5)
+                recompute = attention / speed
+            else:
+                recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
-        return Blocks(StageCosts(f, 2 * f, f, tp, tp, recompute, 0.0, 1), StageCosts(),
+        return Blocks(StageCosts(f, b, w, tp, tp, recompute, 0.0, 1), StageCosts(),
                       StageCosts(head, 2 * head, head, recompute=head if layout.recompute == "full" else 0.0))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
@@ -122,15 +143,18 @@ class GpuCosts:
     def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
         """Korthikanti et al. 2022's count (§4; 16-bit whatever ``precision``): a layer's bytes, the first
         stage's embedding dropout mask sbh, the last's output layer and loss 4sbh/t·(1 + V/h); full
-        recomputation holds the recomputed layer's (selective) set once."""
+        recomputation holds the recomputed layer's (selective) set once. Fused flash attention keeps no s×s
+        scores: a layer keeps what selective recomputation keeps."""
         working = zero3_working(model, layout)
+        kept = layout if layout.recompute == "full" or not self.cluster.flash_attention else \
+            replace(layout, recompute="selective")
         if layout.recompute == "full":
             working += activation_bytes_per_layer(model, replace(layout, recompute="selective"))
         last = 4 * model.seq_len / layout.cp * layout.microbatch_size * model.hidden / layout.tp * (
             1 + model.vocab / model.hidden)
         first = model.seq_len / layout.cp * layout.microbatch_size * model.hidden / (
             layout.tp if layout.sequence_parallel else 1)
-        return ActivationModel(activation_bytes_per_layer(model, layout), first, last, working)
+        return ActivationModel(activation_bytes_per_layer(model, kept), first, last, working)
 
     def hidden_reduction(self, backward: float) -> float:
         """All of it: the reduction runs on the network engines while the SMs compute."""

@@ -99,7 +99,7 @@ def _narayanan() -> list[PublishedRun]:
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
-            Cluster("a100-80gb", n, interconnect="ib-hdr"), layout,
+            Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=torch_ddp), f"{tflops} teraFLOP/s per GPU", step,
             "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
@@ -113,7 +113,8 @@ def _narayanan() -> list[PublishedRun]:
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
-            Cluster("a100-80gb", n, interconnect="ib-hdr"), layout, Training(batch, overlap_grad_reduce=not ptd),
+            Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
+            Training(batch, overlap_grad_reduce=not ptd),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3", "full recomputation (eq. 3 counts it)",
              "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3 traffic overlapped as modelled",
@@ -137,7 +138,7 @@ def _smith() -> list[PublishedRun]:
         n = 8 * nodes
         out.append(PublishedRun(
             "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
-            Cluster("a100-80gb", n, interconnect="ib-hdr"),
+            Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
             Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1), Training(1920),
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
@@ -164,7 +165,7 @@ def _nemo() -> list[PublishedRun]:
     for nodes, tps in NEMO_5B:
         n = 8 * nodes
         out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 5B on {n} A100", m5,
-                                Cluster("a100-80gb", n, interconnect="ib-hdr"),
+                                Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(dp=n, microbatch_size=2, zero=1), Training(2048),
                                 f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second", assumed))
@@ -172,7 +173,7 @@ def _nemo() -> list[PublishedRun]:
     for nodes, tps in NEMO_175B:
         n = 8 * nodes
         out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 175B on {n} A100", m175,
-                                Cluster("a100-80gb", n, interconnect="ib-hdr"),
+                                Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
                                        recompute="selective", zero=1), Training(2048),
                                 f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
@@ -194,7 +195,7 @@ OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
 def _bloom() -> list[PublishedRun]:
     m = Model(70, 14336, 112, 250880, 2048, bias=True, layernorm=True, tied_embeddings=True, name="bloom-176b")
     return [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", m,
-                         Cluster("a100-80gb", 384, interconnect=OMNIPATH),
+                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
                          Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1), Training(2048),
                          "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
                          ("Omni-Path links of 100 Gb/s", "1F1B (DeepSpeed's pipeline)",
@@ -246,7 +247,7 @@ def _mosaic() -> list[PublishedRun]:
             Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3), Training(batch),
             f"Throughput (T/s) {tps}", _tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
-            ("FSDP FULL_SHARD costed as ZeRO-3", "flash attention",
+            ("FSDP FULL_SHARD costed as ZeRO-3", "attn_impl: flash (the yamls)",
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
     return out
 
@@ -267,10 +268,12 @@ def _torchtitan() -> list[PublishedRun]:
     for m, local, rc, wps in rows:
         batch = 64 * local
         out.append(PublishedRun(
-            "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m, Cluster("a100-80gb", 64),
+            "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
+            Cluster("a100-80gb", 64),
             Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch),
             f"WPS {wps}", _tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
-            ("FSDP2 costed as ZeRO-3", "fabric not printed: HDR InfiniBand assumed")))
+            ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: flash attention",
+             "fabric not printed: HDR InfiniBand assumed")))
     return out
 
 
@@ -309,6 +312,7 @@ def memory_statements() -> list[MemoryStatement]:
         out.append(MemoryStatement(
             "Narayanan et al. 2021", "Narayanan et al. 2021 (SC'21), Table 2 caption (cli99/llm-analysis "
             "figures/megatron-lm-2nd-table-2.png)", f"GPT 529.6B, ZeRO-3, micro-batch 4, {n} A100 80GB", m,
-            Cluster("a100-80gb", n, interconnect="ib-hdr"), Layout(dp=n, microbatch_size=4, recompute="full", zero=3),
+            Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
+            Layout(dp=n, microbatch_size=4, recompute="full", zero=3),
             Training(batch), fits, printed))
     return out

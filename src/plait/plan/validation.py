@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
-from plait.plan.catalogue import get_gpu
 from plait.plan.cluster import Cluster
 from plait.plan.estimate import estimate
 from plait.plan.published import MemoryStatement, PublishedRun, memory_statements, sources
@@ -24,34 +24,47 @@ GOLDEN = (math.sqrt(5) - 1) / 2
 class Constant:
     """A fitted constant: ``apply(run, value)`` returns the run as the model costs it with that value;
     ``uses(run)`` says whether the value changes that run's prediction (else the run is not evaluated while
-    fitting it)."""
+    fitting it). Where no run of a fit uses it, it takes the value fitted for ``fallback`` (another constant of
+    the same fit), else ``default``: never the shipped value, which the held-out source helped fit."""
 
     name: str
-    default: float  # the value the model has without a fit (used where no fitted run uses the constant)
+    default: float
     low: float
     high: float
     apply: Callable[[PublishedRun, float], PublishedRun]
     uses: Callable[[PublishedRun], bool]
+    fallback: str | None = None
 
 
-def matmul_ceiling(gpu: str, low: float = 0.3, high: float = 1.0) -> Constant:
-    """The best share of ``gpu``'s datasheet peak its GEMMs reach (``GPU.matmul_efficiency``)."""
+def _on_gpu(run: PublishedRun, **fields: Any) -> PublishedRun:
+    """``run`` with its GPU entry's model constants changed."""
+    c = run.cluster
+    cluster = Cluster(replace(c.gpu, **fields), c.n_gpus, c.gpus_per_node, c.interconnect, c.profile,
+                      c.max_memory_fraction, flash_attention=c.flash_attention)
+    return replace(run, cluster=cluster)
+
+
+def matmul_ceiling(gpu: str, low: float = 0.4, high: float = 0.9, fallback: str | None = None) -> Constant:
+    """The best share of ``gpu``'s datasheet peak its GEMMs reach (``GPU.matmul_efficiency``); with no run of
+    ``gpu`` in a fit, the ceiling fitted for ``fallback`` (a GPU type that has runs)."""
 
     def apply(run: PublishedRun, value: float) -> PublishedRun:
-        if run.gpu != gpu:
-            return run
-        c = run.cluster
-        cluster = Cluster(replace(c.gpu, matmul_efficiency=value), c.n_gpus, c.gpus_per_node,
-                          c.interconnect, max_memory_fraction=c.max_memory_fraction)
-        return replace(run, cluster=cluster)
+        return _on_gpu(run, matmul_efficiency=value) if run.gpu == gpu else run
 
-    return Constant(f"matmul_efficiency[{gpu}]", get_gpu(gpu).matmul_efficiency, low, high, apply,
-                    lambda r: r.gpu == gpu)
+    return Constant(f"matmul_efficiency[{gpu}]", (low + high) / 2, low, high, apply, lambda r: r.gpu == gpu,
+                    f"matmul_efficiency[{fallback}]" if fallback else None)
+
+
+def shared(field: str, low: float, high: float) -> Constant:
+    """A model constant every GPU type shares (``GPU.<field>``), fitted as one value."""
+    return Constant(field, (low + high) / 2, low, high,
+                    lambda run, value: _on_gpu(run, **{field: value}), lambda r: True)
 
 
 def default_constants() -> list[Constant]:
-    """What is fitted: one matmul ceiling per GPU type in the set."""
-    return [matmul_ceiling("a100-80gb"), matmul_ceiling("h100-sxm")]
+    """What is fitted: one matmul ceiling per GPU type in the set and the element-wise traffic."""
+    return [matmul_ceiling("a100-80gb"), matmul_ceiling("h100-sxm", fallback="a100-80gb"),
+            shared("elementwise_traffic", 0.2, 3.0)]
 
 
 def predict(run: PublishedRun) -> float:
@@ -71,10 +84,10 @@ def _loss(rs: Sequence[PublishedRun]) -> float:
 
 
 def fit(rs: Sequence[PublishedRun], constants: Sequence[Constant], rounds: int = 2,
-        steps: int = 14) -> dict[str, float]:
+        steps: int = 10) -> dict[str, float]:
     """Constants minimising the mean |log(predicted/published)| over ``rs``: coordinate descent, each constant by
-    golden-section search (``steps`` narrowings) between its bounds; a constant no run in ``rs`` uses keeps its
-    default (the model's own value: nothing in the fit says otherwise)."""
+    golden-section search (``steps`` narrowings) between its bounds; a constant no run in ``rs`` uses takes its
+    fallback's fitted value, else its default (``Constant``)."""
     values = {c.name: c.default for c in constants}
     for _ in range(rounds if len(constants) > 1 else 1):
         for c in constants:
@@ -98,6 +111,9 @@ def fit(rs: Sequence[PublishedRun], constants: Sequence[Constant], rounds: int =
                     b = lo + GOLDEN * (hi - lo)
                     fb = loss(b)
             values[c.name] = (lo + hi) / 2
+    for c in constants:
+        if c.fallback and c.fallback in values and not any(c.uses(r) for r in rs):
+            values[c.name] = values[c.fallback]
     return values
 
 
@@ -148,7 +164,7 @@ class Report:
 
 
 def leave_one_source_out(rs: Sequence[PublishedRun], constants: Sequence[Constant] | None = None,
-                         rounds: int = 2, steps: int = 14) -> Report:
+                         rounds: int = 2, steps: int = 10) -> Report:
     """Fit on all runs (in-fit), then once per source without it, predicting the held-out source's runs."""
     constants = list(constants if constants is not None else default_constants())
     rs = list(rs)
