@@ -25,10 +25,11 @@ class GPU:
 
     ``peak_flops`` is the dense bf16/fp16 tensor-core peak (no sparsity); ``matmul_efficiency`` the
     best share of it large GEMMs reach in practice (see ``docs/planner.md``, "How accurate: published runs").
-    The datasheet cost model's other constants (``plan.gpu``) ride on the entry too, so that one GPU type can be costed with other values (``plan.validation`` refits them
-    with a source held out): ``gemm_half`` (the GEMM width at which a GEMM reaches half its ceiling),
-    ``elementwise_traffic`` (HBM bytes the element-wise kernels move per stored activation byte) and
-    ``flash_efficiency`` (the share of peak a fused flash-attention kernel reaches, forward and backward).
+    The datasheet cost model's other constants (``plan.gpu``) ride on the entry too, so that one GPU type can be
+    costed with other values (``plan.validation`` refits them with a source held out): ``gemm_half`` (the GEMM
+    width at which a GEMM reaches half its ceiling), ``elementwise_traffic`` (HBM bytes the element-wise kernels
+    move per stored activation byte) and ``flash_efficiency`` (the share of peak a fused flash-attention kernel
+    reaches, forward and backward).
     """
 
     name: str
@@ -41,7 +42,7 @@ class GPU:
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
     gemm_half: float = 40.0
-    elementwise_traffic: float = 1.7
+    elementwise_traffic: float = 1.9
     flash_efficiency: float = 0.5
 
 
@@ -66,7 +67,7 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 46 runs
-# from 6 sources, 0.65; H100: 10 runs of one source, MosaicML's llm-foundry, 0.51; the traffic 1.7 on all 56;
+# from 6 sources, 0.66; H100: 10 runs of one source, MosaicML's llm-foundry, 0.52; the traffic 1.9 on all 56;
 # ``bench/plan.py --validate`` refits them and reports each source's error with that source held out).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
 # published run (docs/planner.md).
@@ -76,15 +77,15 @@ INTERCONNECTS: dict[str, Link] = {
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.65,
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.66,
             "NVIDIA A100 SXM 40GB"),
-        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.65,
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.66,
             "NVIDIA A100 SXM 80GB"),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.51,
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.52,
             "NVIDIA H100 SXM5 80GB", fp8=True),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.51,
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.52,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.51,
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.52,
             "NVIDIA H200 SXM 141GB", fp8=True),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),
