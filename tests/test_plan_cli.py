@@ -64,3 +64,29 @@ def test_topo_from_file(tmp_path):
     f.write_text("nothing here")
     r = runner.invoke(app, ["topo", "--file", str(f)])
     assert r.exit_code == 2 and "error:" in r.output
+
+
+def test_plan_topo_and_simulate_options_are_their_dataclasses_fields():
+    """One option per field of PlanOptions / TopoOptions / SimulateOptions, its help the field's docstring, the
+    default the field's (a field without one is required)."""
+    import dataclasses
+
+    import typer
+
+    from plait.cli.plan import PlanOptions, TopoOptions
+    from plait.cli.simulate import SimulateOptions
+    from plait.parallel_config import field_docs
+
+    group = typer.main.get_command(app)
+    for name, cls in (("plan", PlanOptions), ("topo", TopoOptions), ("simulate", SimulateOptions)):
+        params = {p.name: p for p in group.commands[name].params}
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            p = params[f.name]
+            assert p.help == docs[f.name], (name, f.name)
+            if f.default is dataclasses.MISSING:
+                assert p.required, (name, f.name)
+            else:
+                assert p.default == f.default and not p.required, (name, f.name)
+        assert set(params) - {f.name for f in dataclasses.fields(cls)} <= {"virtual_alias"}, name
+    assert {"--schedule", "-s"} <= set(next(p for p in group.commands["simulate"].params if p.name == "schedule").opts)
