@@ -30,7 +30,7 @@ Opt = typer.Option
 
 
 def prepare_command(
-    sources: Annotated[list[str], typer.Argument(help="Files or folders to read.", show_default=False)],
+    sources: Annotated[list[str], typer.Argument(help="Files or folders to read.", show_default=False, metavar="SRC")],
     tokenizer: Annotated[str, Opt(help="'bytes' (UTF-8 bytes, the presets' vocabulary), a model folder holding "
                                        "tokenizer.json, or a tokenizer.json file.")],
     out: Annotated[Path, Opt(help="Folder to create (it must not exist unless --force).")],
