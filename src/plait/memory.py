@@ -7,8 +7,6 @@ from collections.abc import Iterable
 
 import torch
 
-KEYS = ("params", "grads", "optimizer", "activations_peak", "params_gathered_peak")
-
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""

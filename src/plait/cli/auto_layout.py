@@ -16,8 +16,6 @@ from pathlib import Path
 from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, validate
 
-LAYOUT_MODES = ("flags", "auto")
-
 
 def plan_model(cfg: TrainConfig):
     """The planner's description (``plan.Model``) of the model ``cfg`` trains, at ``cfg.seq_len`` tokens."""

@@ -11,7 +11,7 @@ against a single-device run. `plait train` is the real training command."""
 
 
 def demo_command() -> None:
-    from plait.cli.verify import _table
+    from plait.cli.verify import result_table
     from plait.parallel_config import ParallelConfig
     from plait.schedules import build_schedule
     from plait.sim import Costs, simulate
@@ -28,7 +28,7 @@ def demo_command() -> None:
         layout = ParallelConfig(tp=2, pp=2, dp=1, schedule=schedule, microbatches=8, sequence_parallel=True)
         cfg = VerifyConfig(layout)
         result = verify(cfg)
-        table = _table(result)
+        table = result_table(result)
         console.print(table)
         console.print(f"loss parallel {result.loss_parallel:.7f} vs single {result.loss_single:.7f} "
                       f"(rel {result.loss_rel:.1e}); peak activations measured {result.peak_measured}, "

@@ -19,7 +19,7 @@ Example: plait verify --tp 2 --pp 2 --dp 1 --schedule zbv --microbatches 8
 """
 
 
-def _table(result) -> Table:
+def result_table(result) -> Table:
     table = Table(title="gradients: parallel vs single device", show_lines=False)
     for col in ("tensor", "shape", "max |diff|", "rel err", ""):
         table.add_column(col, justify="right" if col in ("max |diff|", "rel err") else "left")
@@ -66,7 +66,7 @@ def verify_command(
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         raise typer.Exit(0 if result.ok else 1)
-    console.print(_table(result))
+    console.print(result_table(result))
     if experts > 1:
         split = ", each split over tp" if par.expert_tp and par.tp > 1 else ""
         console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={par.ep}{split} (loss includes the "

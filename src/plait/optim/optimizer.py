@@ -66,9 +66,9 @@ class ParallelOptimizer:
         self.base_lr, self.warmup, self.total_steps, self.min_lr_ratio = lr, warmup, total_steps, min_lr_ratio
         pm.set_grad_reduction(ZERO_MODES[zero] if reduce_scatter else "all-reduce")
         self.layout = ShardLayout(pm)
-        self.masters = Masters(self.layout, pm) if zero else None
-        if zero:
-            targets = [(pc.name, pc.param, m) for pc, m in zip(self.layout.pieces, self.masters.params, strict=True)]
+        self.masters = masters = Masters(self.layout, pm) if zero else None
+        if masters is not None:
+            targets = [(pc.name, pc.param, m) for pc, m in zip(self.layout.pieces, masters.params, strict=True)]
         else:
             targets = [(name, p, p) for name, p in pm.named_parameters() if p.requires_grad]
         groups = [{"params": [t for name, p, t in targets if decays(name, p) == d], "weight_decay": w}
@@ -86,13 +86,13 @@ class ParallelOptimizer:
         if self._prepared:
             return
         self._prepared = True
-        if self.zero:
+        if self.masters is not None:
             for pc, m in zip(self.layout.pieces, self.masters.params, strict=True):
                 m.grad = pc.grad()
 
     def _update_grads(self) -> list[torch.Tensor]:
         """The gradients the wrapped optimizer will read (what clipping scales)."""
-        if self.zero:
+        if self.masters is not None:
             return [m.grad for m in self.masters.params if m.grad is not None]
         return [p.grad for p in self.pm.parameters() if p.grad is not None]
 
@@ -139,7 +139,7 @@ class ParallelOptimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-        if self.zero:
+        if self.masters is not None:
             self.masters.publish()
         self.steps += 1
         norm = self.last_norm if self._clipped else None
@@ -148,7 +148,7 @@ class ParallelOptimizer:
 
     def zero_grad(self) -> None:
         self.pm.zero_grad()
-        for m in self.masters.params if self.zero else []:
+        for m in self.masters.params if self.masters is not None else []:
             m.grad = None
         self._prepared = self._clipped = False
 
@@ -161,7 +161,7 @@ class ParallelOptimizer:
 
     def memory_bytes(self) -> int:
         """Optimizer state plus the fp32 masters it holds apart from the model (``ParallelModel.memory_report``)."""
-        return self.state_bytes() + (self.masters.nbytes() if self.zero else 0)
+        return self.state_bytes() + (self.masters.nbytes() if self.masters is not None else 0)
 
     # ----------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -173,7 +173,7 @@ class ParallelOptimizer:
                        "dp": (ctx.dp_rank, ctx.dp_size)},
             "layout": self.layout.describe(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "masters": self.masters.state() if self.zero else None,
+            "masters": self.masters.state() if self.masters is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -186,7 +186,7 @@ class ParallelOptimizer:
                                   f"saved, {mine[key]!r} here; load it with the same layout, zero and precision")
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.zero:
+        if self.masters is not None:
             self.masters.load_state(state["masters"])
         self.steps = int(state["steps"])
 
@@ -198,19 +198,20 @@ class ParallelOptimizer:
         shards are all-gathered over each bucket's group (collective: call on every rank); scalars
         (``step``) are kept.
         """
-        if not self.zero:
+        masters = self.masters
+        if masters is None:
             return dict(self.optimizer.state) if self.optimizer is not None else {}
         state = self.optimizer.state if self.optimizer is not None else {}
-        local = {k for m in self.masters.params for k, v in state.get(m, {}).items() if torch.is_tensor(v)
+        local = {k for m in masters.params for k, v in state.get(m, {}).items() if torch.is_tensor(v)
                  and v.dim() == 1}
         everyone: list = [None] * self.ctx.world_size
         dist.all_gather_object(everyone, sorted(local))  # a rank may own no piece
         names = sorted(set().union(*map(set, everyone)))
         scalars = next(({k: v for k, v in state[m].items() if not (torch.is_tensor(v) and v.dim() == 1)}
-                        for m in self.masters.params if m in state), {"step": torch.tensor(float(self.steps))})
+                        for m in masters.params if m in state), {"step": torch.tensor(float(self.steps))})
         out: dict[nn.Parameter, dict] = {}
         for name in names:  # e.g. exp_avg, exp_avg_sq: [padded] per bucket, then cut per parameter
-            it = iter(self.masters.params)
+            it = iter(masters.params)
             for (_, b), pieces in zip(self.layout.buckets, self.layout.by_bucket, strict=True):
                 local_shard = torch.zeros(b.shard, dtype=torch.float32, device=self.ctx.device)
                 for pc in pieces:
@@ -229,7 +230,7 @@ class ParallelOptimizer:
         """Inverse of ``gathered_state`` (no collective): each rank keeps its shards."""
         if self.optimizer is None:
             return
-        if not self.zero:
+        if self.masters is None:
             for p, st in state.items():
                 self.optimizer.state[p] = dict(st)
             return
@@ -242,17 +243,17 @@ class ParallelOptimizer:
     @property
     def keeps_masters(self) -> bool:
         """True when fp32 master weights live here, apart from the model's (bf16) parameters."""
-        return bool(self.zero) and self.masters.separate
+        return self.masters is not None and self.masters.separate
 
     def gathered_masters(self) -> dict[nn.Parameter, torch.Tensor]:
         """fp32 value of every local parameter when the masters live apart from the bf16 parameters (collective;
         what a checkpoint saves as the model's weights); empty otherwise."""
-        return self.masters.gathered() if self.zero else {}
+        return self.masters.gathered() if self.masters is not None else {}
 
     def load_master_weights(self, values: dict[nn.Parameter, torch.Tensor]) -> None:
         """Set the fp32 masters from full-precision local parameter values (after loading the model's bf16
         parameters from the same values; no collective). Nothing to do when the parameters are the masters."""
-        if self.zero:
+        if self.masters is not None:
             self.masters.load(values)
 
 

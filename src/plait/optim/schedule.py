@@ -34,7 +34,8 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
     ``named_params`` yields (plain-model name, tensor); works for a plain model's ``named_parameters()``
     too, so a single-device reference uses exactly the same grouping.
     """
-    decay, plain = [], []
+    decay: list[torch.Tensor] = []
+    plain: list[torch.Tensor] = []
     for name, p in named_params:
         if p.requires_grad:
             (decay if decays(name, p) else plain).append(p)

@@ -59,7 +59,7 @@ def partition_layers(n_layers: int, n_chunks: int, partition="balanced", costs: 
         if len(layer) != n_layers:
             raise ConfigError(f"costs: {len(layer)} layer costs for a model of {n_layers} layers")
         return list(_balanced(layer, n_chunks, float(first_extra), float(last_extra)))
-    raise ConfigError(f"partition={partition!r}: use 'balanced', 'uniform' or a list of layer counts")
+    raise ConfigError(f"partition={partition!r}: use {' or '.join(map(repr, PARTITIONS))}, or a list of layer counts")
 
 
 @lru_cache(maxsize=4096)

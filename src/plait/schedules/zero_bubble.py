@@ -100,16 +100,23 @@ def zbv(p: int, m: int) -> list[list[Action]]:
             b.add("F", 1)
             b.add("F", 0)
         for _ in range(p - r):
-            b.add("F", 1), b.add("I", 1), b.weight()
+            b.add("F", 1)
+            b.add("I", 1)
+            b.weight()
         while b.next[("F", 1)] < b.next[("F", 0)] or b.next[("F", 0)] < n:
             if b.next[("F", 0)] < n:
                 b.add("F", 0)
-            b.add("I", 0), b.weight()
-            b.add("F", 1), b.add("I", 1), b.weight()
+            b.add("I", 0)
+            b.weight()
+            b.add("F", 1)
+            b.add("I", 1)
+            b.weight()
         for _ in range(r):
-            b.add("I", 0), b.add("I", 1)
+            b.add("I", 0)
+            b.add("I", 1)
         for _ in range(p - r):
-            b.add("I", 0), b.weight()
+            b.add("I", 0)
+            b.weight()
         out.append(_drain_by_chunk(b))
     return out
 
@@ -135,14 +142,21 @@ def dualpipev(p: int, m: int) -> list[list[Action]]:
         for _ in range(2 * (p - r - 1)):                 # 1: forwards of the first leg
             b.add("F", 0)
         for _ in range(r + 1):                           # 2: F0 F1
-            b.add("F", 0), b.add("F", 1)
+            b.add("F", 0)
+            b.add("F", 1)
         for _ in range(p - r - 1):                       # 3: I1 W F1
-            b.add("I", 1), b.weight(), b.add("F", 1)
+            b.add("I", 1)
+            b.weight()
+            b.add("F", 1)
         for _ in range(m - 2 * p + r + 1):               # 4: (F0,B1) (F1,B0) pairs
-            b.add("F", 0), b.add("B", 1)
-            b.add("F", 1), b.add("B", 0)
+            b.add("F", 0)
+            b.add("B", 1)
+            b.add("F", 1)
+            b.add("B", 0)
         for _ in range(p - r - 1):                       # 5: B1 (F1,B0)
-            b.add("B", 1), b.add("F", 1), b.add("B", 0)
+            b.add("B", 1)
+            b.add("F", 1)
+            b.add("B", 0)
         split = False
         for i in range(r + 1):                           # 6: B1 B0, second half zero-bubble
             if i == (r + 1) // 2 and r % 2 == 1:
@@ -152,6 +166,7 @@ def dualpipev(p: int, m: int) -> list[list[Action]]:
                 split = True
             b.add("I" if split else "B", 0)
         for _ in range(p - r - 1):                       # 7: W B0
-            b.weight(), b.add("I" if split else "B", 0)
+            b.weight()
+            b.add("I" if split else "B", 0)
         out.append(b.finish())                           # 8: remaining W
     return out
