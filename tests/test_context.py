@@ -55,19 +55,19 @@ def test_zero_optimizer_steps_equal_one_device(world4, case):
 @pytest.mark.parametrize("comm", ["allgather", "ring"])
 def test_activation_bytes_fall_as_one_over_cp(world4, comm):
     """One row of 64 tokens per CP group: the ring keeps exactly 1/cp of one device's saved bytes; the all-gather
-    also keeps the whole sequence's keys and values per layer (as the module's core saves them: repeated for
-    every query head), a part that does not shrink with cp."""
+    keeps the other ranks' keys and values per layer instead of its own, (1 - 1/cp) of the whole sequence's."""
     peak = {cp: result(world4, f"activations/cp{cp}/{comm}") for cp in (1, 2, 4)}
     ring = {cp: result(world4, f"activations/cp{cp}/ring") for cp in (1, 2, 4)}
     cfg = model_config(max_seq_len=64)
-    kv_bytes = cfg.n_layers * 2 * 64 * cfg.n_heads * cfg.head_dim * 4  # K and V [B=1, h, S, hd], fp32
+    kv_bytes = cfg.n_layers * 2 * 64 * cfg.n_kv_heads * cfg.head_dim * 4  # K and V [B=1, h_kv, S, hd], fp32
     for rank in range(4):
         one = peak[1][rank]
         for cp in (2, 4):
             if comm == "ring":
                 assert abs(peak[cp][rank] / one - 1 / cp) <= 0.02 / cp, (cp, peak[cp][rank], one)
             else:
-                assert peak[cp][rank] - ring[cp][rank] == kv_bytes, (cp, peak[cp][rank], ring[cp][rank], kv_bytes)
+                extra = kv_bytes * (cp - 1) // cp
+                assert peak[cp][rank] - ring[cp][rank] == extra, (cp, peak[cp][rank], ring[cp][rank], extra)
 
 
 @pytest.mark.parametrize("case,needles", [
@@ -139,3 +139,32 @@ def test_train_under_cp_equals_one_device_resumes_exactly_and_loads_under_tp2(wo
         assert r["tp2_weights_rel"] == 0.0, f"rank {rank}: tp2 loaded other weights ({r['tp2_weights_rel']:.2e})"
         assert r["tp2_logits_rel"] <= LOSS_TOL, f"rank {rank}: tp2 logits {r['tp2_logits_rel']:.2e}"
         assert r["started"] == 4 and r["resumed"] == r["full"], f"rank {rank}: {r['resumed']} vs {r['full']}"
+
+
+def test_planner_recommends_and_writes_cp_where_the_sequence_demands_it(tmp_path):
+    """Llama-3 8B at 128k tokens on 16 H100s: the best layout splits the sequence (runnable, both K/V exchanges
+    searched), ``plait plan --write-config`` writes its cp for ``plait train --config``; the all-gather keeps
+    the other ranks' K/V, the ring does not."""
+    import tomllib
+
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+    from plait.plan import Cluster, Layout, Model, Training, search
+    from plait.plan.memory import activation_bytes_per_layer
+
+    model, cluster, training = Model.preset("llama3-8b", 131072), Cluster("h100-sxm", 16), Training(16)
+    best = search(model, cluster, training, top=3).best
+    assert best[0].layout.cp > 1 and all(e.layout.runnable for e in best), [e.layout.short() for e in best]
+    cfg = best[0].layout.to_parallel_config(training)
+    assert (cfg.cp, cfg.cp_comm) == (best[0].layout.cp, best[0].layout.cp_comm)
+    out = tmp_path / "plan.toml"
+    res = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "16", "--seq-len", "131072",
+                                   "--global-batch", "16", "--write-config", str(out)])
+    assert res.exit_code == 0, res.output
+    assert tomllib.loads(out.read_text())["cp"] == best[0].layout.cp
+    ring, gather = (activation_bytes_per_layer(model, Layout(tp=2, cp=8, cp_comm=c)) for c in ("ring", "allgather"))
+    kv = model.kv_heads * model.head_dim
+    assert gather - ring == pytest.approx(2 * 2 * (8 - 1) * model.seq_len / 8 * kv / 2)  # bf16 K and V of 7 ranks
+    one = activation_bytes_per_layer(model, Layout(tp=2, cp=1, recompute="selective"))
+    assert ring == pytest.approx(one / 8)  # a rank's S/cp tokens, nothing kept of the scores

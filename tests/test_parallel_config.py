@@ -114,9 +114,10 @@ def test_plan_layout_converts_or_refuses_what_the_runtime_cannot_run():
     assert cfg == ParallelConfig(tp=2, pp=4, dp=2, schedule="interleaved-1f1b", microbatches=32, virtual_stages=2,
                                  sequence_parallel=True, zero=1, precision="bf16")
     assert Layout(recompute="selective").to_parallel_config().recompute == "selective"
-    for bad, needle in ((Layout(cp=2), "cp"), (Layout(zero=3), "zero")):
-        with pytest.raises(ConfigError, match=needle):
-            bad.to_parallel_config()
+    ring = Layout(cp=4, cp_comm="ring").to_parallel_config()
+    assert (ring.cp, ring.cp_comm) == (4, "ring") and Layout.from_parallel_config(ring.resolve(4)).cp_comm == "ring"
+    with pytest.raises(ConfigError, match="zero"):
+        Layout(zero=3).to_parallel_config()
 
 
 def test_train_config_holds_one_and_keeps_the_flat_keys():

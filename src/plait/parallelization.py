@@ -84,7 +84,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
     if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
         recompute_attention(family.attention_modules(model), type(model).__name__)
-    if ctx.cp_size > 1:  # after recomputation: the all-gather mode calls the (recomputed) core
+    if ctx.cp_size > 1:  # replaces the (recomputed) core: CP attention keeps no probabilities
         apply_context_parallel(family.attention_modules(model), ctx, cfg.cp_comm,
                                family.sliding_window(getattr(model, "config", None)), type(model).__name__)
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)

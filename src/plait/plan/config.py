@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
-from plait.parallel_config import PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.plan.model import Model
 from plait.schedules import SCHEDULE_NAMES
 
@@ -20,11 +21,10 @@ LOOPED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zb-h1")
 
 #: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
 #: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
-#: ``Layout.to_parallel_config`` refuses the others. The planner also models context parallelism and ZeRO-3,
-#: which the runtime does not have (plan-only). The other fields (tp, pp, dp, ep, virtual_stages, micro-batch size,
-#: sequence parallelism) run at every value ``check`` accepts.
+#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3, kept plan-only until it is
+#: modelled as the runtime runs it. The other fields (tp, pp, dp, cp and cp_comm, ep,
+#: virtual_stages, micro-batch size, sequence parallelism) run at every value ``check`` accepts.
 RUNTIME: dict[str, tuple] = {
-    "cp": (1,),
     "recompute": RECOMPUTE_MODES,
     "zero": tuple(z for z in ZERO_LEVELS if z < 3),  # ZeRO-3 (pp = 1) stays plan-only until modelled as it runs
     "schedule": SCHEDULE_NAMES,
@@ -46,6 +46,8 @@ class Layout:
     """Data-parallel size."""
     cp: int = 1
     """Context-parallel size (ranks splitting every sequence)."""
+    cp_comm: str = "allgather"
+    """How CP ranks exchange keys and values: allgather or ring (plait.context_parallel)."""
     ep: int = 1
     """Expert-parallel size (inside the dp·cp plane)."""
     virtual_stages: int = 1
@@ -67,6 +69,8 @@ class Layout:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+        if self.cp_comm not in CP_COMMS:
+            raise ConfigError(f"cp_comm: {self.cp_comm!r} is not one of {', '.join(CP_COMMS)}")
         if self.zero not in ZERO_LEVELS:
             raise ConfigError(f"zero: must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
         if self.schedule not in SCHEDULE_NAMES:
@@ -87,7 +91,7 @@ class Layout:
         schedule, virtual = par.schedule, par.pipeline_schedule().virtual
         if par.pp == 1:
             schedule, virtual = "1f1b", 1
-        return cls(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep, virtual_stages=virtual,
+        return cls(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, cp_comm=par.cp_comm, ep=par.ep, virtual_stages=virtual,
                    microbatch_size=microbatch_size, sequence_parallel=par.sequence_parallel and par.tp > 1,
                    recompute=par.recompute, zero=par.zero, schedule=schedule)
 
@@ -101,12 +105,13 @@ class Layout:
 
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
-        (``runtime_gap``: context parallelism, ZeRO-3).
+        (``runtime_gap``: ZeRO-3).
         """
         gap = runtime_gap(self)
         if gap:
             raise ConfigError(gap)
-        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, schedule=self.schedule,
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
+                              schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
                               virtual_stages=self.virtual_stages, sequence_parallel=self.sequence_parallel,
                               recompute=self.recompute, zero=self.zero, precision=precision, rounds=rounds)
@@ -114,7 +119,7 @@ class Layout:
     def short(self) -> str:
         """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b``."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
-        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"cp{self.cp}" + ("r" if self.cp_comm == "ring" else "")] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [f"mb{self.microbatch_size}"] + (["sp"] if self.sequence_parallel else [])
@@ -132,9 +137,7 @@ def runtime_gap(layout: Layout) -> str | None:
     for name, allowed in RUNTIME.items():
         value = getattr(layout, name)
         if value not in allowed:
-            what = {"cp": "context parallelism is plan-only (the runtime has cp = 1 only)"}.get(name, "")
-            return (f"{name}: {value!r} is planned but the runtime runs {', '.join(map(str, allowed))}"
-                    + (f"; {what}" if what else ""))
+            return f"{name}: {value!r} is planned but the runtime runs {', '.join(map(str, allowed))}"
     return None
 
 
@@ -181,8 +184,8 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "seq%tp", f"sequence_parallel: tp = {tp} must divide seq_len = {model.seq_len}"
     if model.n_layers < l.pp * l.virtual_stages:
         return "layers<stages", f"pp·virtual_stages: {l.pp * l.virtual_stages} exceeds n_layers = {model.n_layers}"
-    if model.seq_len % (2 * l.cp) and l.cp > 1:
-        return "seq%cp", f"cp: 2·cp = {2 * l.cp} must divide seq_len = {model.seq_len}"
+    if l.cp > 1 and model.seq_len % (unit := math.lcm(2 * l.cp, l.cp * tp if l.sequence_parallel else 1)):
+        return "seq%cp", f"cp: {unit} (2·cp chunks, each rank's over tp with SP) must divide seq_len = {model.seq_len}"
     if training.global_batch % (l.dp * l.microbatch_size):
         return "batch%dp", (f"global_batch: {training.global_batch} must be a multiple of "
                             f"dp·microbatch_size = {l.dp * l.microbatch_size}")

@@ -88,7 +88,7 @@ class GpuCosts:
     def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> float:
         """Forward collectives of one layer: 2 all-reduces of [b, s, h] (TP, Shoeybi et al. 2019) or
         2 all-gathers + 2 reduce-scatters with SP (same volume); MoE all-to-all dispatch and combine;
-        context-parallel K/V ring exchange (its exposure beyond the attention it overlaps is ignored)."""
+        the context-parallel K/V exchange (``_cp_comm_per_layer``)."""
         act = tokens * model.hidden * 2  # bf16 [b, s/cp, h]
         t, link = layout.tp, self.cluster.link
         out = 2 * ring_allreduce(act, t, link(t))
@@ -96,7 +96,24 @@ class GpuCosts:
             e = layout.ep
             a2a = act * model.top_k * (e - 1) / e / (link(t * e).bandwidth * LINK_EFFICIENCY)
             out += 2 * (a2a + (e - 1) * link(t * e).latency)
-        return out
+        return out + self._cp_comm_per_layer(model, layout, tokens)
+
+    def _cp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> float:
+        """The K/V exchange of one layer's forward (its backward moves as much: the reduce-scatter of their
+        gradients, or blocks and their gradients around the ring). allgather: K and V of the whole sequence
+        gathered over the CP group before the attention core, exposed. ring: cp-1 blocks of S/cp tokens passed
+        point to point, each overlapped with the attention to the block held (about half of its query-key
+        pairs are visible under the causal load balance): only what a transfer takes beyond that counts."""
+        c, t = layout.cp, layout.tp
+        if c == 1:
+            return 0.0
+        kv = max(model.kv_heads / t, 1.0) * model.head_dim  # KV heads per TP rank (one when they are replicated)
+        block = tokens * 2 * kv * 2  # bf16 K and V of this rank's tokens
+        if layout.cp_comm == "allgather":
+            return self.collective("all_gather", block * c, c, span=t * c)
+        speed = self.gpu.peak_flops * matmul_efficiency(self.gpu, model, layout)
+        attend = 2 * tokens * (model.seq_len / c) * model.n_heads * model.head_dim / t / speed  # one block, causal
+        return (c - 1) * max(0.0, self.collective("p2p", block, 2, span=t * c) - attend)
 
     def blocks(self, model: Model, layout: Layout, precision: str) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives and what

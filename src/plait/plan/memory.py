@@ -66,6 +66,9 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     replicated 10 = 2 norm inputs (4) + QKV and MLP inputs (4) + 2 dropout masks (2); TP-sharded
     attention 4 + 4g (Q, K, V, projection input), MLP 2·(f/h)·k (k = 2 GELU tensors, 3 for GLU);
     score term 5as/h. Selective recomputation drops 5as/h; full keeps the 2sbh layer input.
+    Context parallelism (plait.context_parallel): s is a rank's S/cp tokens, and no score is kept (its
+    attention recomputes probabilities from the log-sum-exp); the all-gather mode also keeps the other ranks'
+    K and V: 4·(cp-1)·(a_kv·d/h)/t, a_kv the KV heads and d the head size.
     """
     b = micro or layout.microbatch_size
     s, h, t = model.seq_len / layout.cp, model.hidden, layout.tp
@@ -79,8 +82,10 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     if layout.recompute == "full":
         return 2 * sbh / (t if layout.sequence_parallel else 1)
     body = (replicated + sharded) / t if layout.sequence_parallel else replicated + sharded / t
-    if layout.recompute == "none":
+    if layout.recompute == "none" and layout.cp == 1:
         body += score / t
+    if layout.cp > 1 and layout.cp_comm == "allgather":
+        body += 4 * (layout.cp - 1) * (model.kv_heads * model.head_dim / h) / t
     return sbh * body
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from plait.parallel_config import RECOMPUTE_MODES
+from plait.parallel_config import CP_COMMS, RECOMPUTE_MODES
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
 from plait.plan.cluster import Cluster
@@ -64,15 +64,16 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
 def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> Iterator[Layout]:
     """Every layout the search considers (see docs/planner.md, "How it models a step": Search).
 
-    Only what plait's runtime runs (``config.RUNTIME``: its recompute modes, ZeRO stages and schedules;
-    no context parallelism), unless ``plan_only``: then also what only the planner models — context
-    parallelism for sequences of 32k tokens or more, ZeRO-3 — marked plan-only (``Layout.runnable``).
+    Only what plait's runtime runs (``config.RUNTIME``: its recompute modes, ZeRO stages and schedules),
+    unless ``plan_only``: then also what only the planner models (ZeRO-3), marked plan-only
+    (``Layout.runnable``). Context parallelism (both K/V exchanges) is searched for sequences of 32k tokens
+    or more, where activations rather than weights decide what fits.
     SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022); with DP,
     ZeRO-0 is left out (a sharded optimizer moves no more than an all-reduce of the gradients, with less
     memory); GPipe is left out (1F1B has its bubble with less memory).
     """
     n = cluster.n_gpus
-    cps = _pow2_divisors_upto(n, 16) if plan_only and model.seq_len >= 32768 else [1]
+    cps = _pow2_divisors_upto(n, 16) if model.seq_len >= 32768 else [1]
     for tp in _pow2_divisors_upto(n, cluster.gpus_per_node * 2):
         for cp in cps:
             rest = n // tp
@@ -101,8 +102,10 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
                     continue
                 for rc in recomputes:
                     for z in zeros:
-                        yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, virtual_stages=v, microbatch_size=mbs,
-                                     sequence_parallel=tp > 1, recompute=rc, zero=z, schedule=sched)
+                        for comm in CP_COMMS if cp > 1 else CP_COMMS[:1]:
+                            yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, virtual_stages=v,
+                                         microbatch_size=mbs, sequence_parallel=tp > 1, recompute=rc, zero=z,
+                                         schedule=sched)
 
 
 def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,

@@ -1,0 +1,101 @@
+"""Exact attention of a rank's queries to keys at arbitrary global positions, block by block (no score kept).
+
+Keys come in segments (runs of consecutive positions: the chunks of plait.context_parallel.layout); each
+segment's scores are computed TILE query rows at a time under the causal (and sliding-window) mask of the
+global positions, and the partial results are merged by their log-sum-exp (Milakov & Gimelshein 2018,
+"Online normalizer calculation for softmax"). The backward recomputes each tile's probabilities from the
+final log-sum-exp (FlashAttention's backward, Dao et al. 2022, Alg. 4). A tile that sees no key is skipped,
+so a chunk wholly in the future of the queries costs nothing. Shapes: q [B, h, Sq, hd], k and v
+[B, h_kv, Sk, hd] (grouped-query: h_kv divides h), float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from plait.context_parallel.layout import causal_mask
+
+TILE = 512  # query rows per score tile: [B, h, TILE, segment] floats at a time
+
+
+def _repeat(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)  # KV heads shared by groups of query heads
+
+
+def _fold(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Sum the gradients of repeated KV heads: [B, h, S, hd] -> [B, h_kv, S, hd]."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.view(b, h // n_rep, n_rep, s, d).sum(2)
+
+
+def _segments(length: int, chunk: int) -> list[slice]:
+    return [slice(a, min(a + chunk, length)) for a in range(0, length, chunk)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    return (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, -math.inf)  # [B, h, T, Sk]
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor,
+          o_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint keys by their log-sum-exps ([B, h, Sq, 1])."""
+    if out is None or lse is None:
+        return o, o_lse
+    new = torch.logaddexp(lse, o_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows that saw nothing yet stay 0
+    return out * torch.exp(lse - safe) + o * torch.exp(o_lse - safe), new
+
+
+def _forward_block(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q against one segment; rows that see no key give out 0 and lse -inf."""
+    out = q.new_zeros(q.shape)
+    lse = q.new_full((*q.shape[:-1], 1), -math.inf)
+    for a in range(0, q.shape[2], TILE):
+        rows = slice(a, a + TILE)
+        if not bool(mask[rows].any()):
+            continue
+        s = _scores(q[:, :, rows], k, mask[rows], scale)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        total = p.sum(-1, keepdim=True)
+        out[:, :, rows] = (p @ v) / total.clamp_min(torch.finfo(total.dtype).tiny)
+        lse[:, :, rows] = m + torch.log(total)
+    return out, lse
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           window: int | None, chunk: int, out: torch.Tensor | None = None,
+           lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` merged with the attention of q (float32) to k, v at ``k_pos``, ``chunk`` keys at a time."""
+    n_rep, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+    kf, vf = _repeat(k.float(), n_rep), _repeat(v.float(), n_rep)
+    for seg in _segments(k.shape[2], chunk):
+        o, o_lse = _forward_block(q, kf[:, :, seg], vf[:, :, seg], causal_mask(q_pos, k_pos[seg], window), scale)
+        out, lse = merge(out, lse, o, o_lse)
+    assert out is not None and lse is not None
+    return out, lse
+
+
+def attend_backward(q, k, v, q_pos, k_pos, window, chunk, lse, dout, delta):
+    """Gradients of the keys' share of the attention: (dq [B, h, Sq, hd], dk, dv [B, h_kv, Sk, hd]), float32;
+    ``lse`` the final log-sum-exp over every key, ``delta`` = rowsum(dout · out)."""
+    n_rep, scale = q.shape[1] // k.shape[1], 1.0 / math.sqrt(q.shape[-1])
+    kf, vf = _repeat(k.float(), n_rep), _repeat(v.float(), n_rep)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kf), torch.zeros_like(vf)
+    for seg in _segments(k.shape[2], chunk):
+        mask = causal_mask(q_pos, k_pos[seg], window)
+        for a in range(0, q.shape[2], TILE):
+            rows = slice(a, a + TILE)
+            if not bool(mask[rows].any()):
+                continue
+            p = torch.exp(_scores(q[:, :, rows], kf[:, :, seg], mask[rows], scale) - lse[:, :, rows])
+            dv[:, :, seg] += p.transpose(-1, -2) @ dout[:, :, rows]
+            ds = p * (dout[:, :, rows] @ vf[:, :, seg].transpose(-1, -2) - delta[:, :, rows])
+            dq[:, :, rows] += (ds @ kf[:, :, seg]) * scale
+            dk[:, :, seg] += (ds.transpose(-1, -2) @ q[:, :, rows]) * scale
+    return dq, _fold(dk, n_rep), _fold(dv, n_rep)
