@@ -146,7 +146,6 @@ def test_planner_recommends_and_writes_cp_where_the_sequence_demands_it(tmp_path
     searched), ``plait plan --write-config`` writes its cp for ``plait train --config``; the all-gather keeps
     the other ranks' K/V, the ring does not."""
     import tomllib
-
     from typer.testing import CliRunner
 
     from plait.cli.main import app
