@@ -80,21 +80,19 @@ def test_a_constant_no_run_uses_takes_its_fallbacks_fit():
 
 
 SEARCH = """
-import sys, time
 from plait.plan import Cluster, Model, Training, search
 from plait.plan.pipeline import simulations
-t = time.process_time()
 r = search(Model.preset("llama3-405b"), Cluster("h100-sxm", 16384), Training(2048))
-print(time.process_time() - t, simulations(), r.considered)
+print(simulations(), r.considered)
 """
 
 
-def test_search_of_16384_gpus_stays_under_two_cpu_seconds():
-    # the work, not the clock: CPU seconds of a cold search in a fresh process (the bound of issue 6/59) and
-    # how many pipelines it simulates
+def test_search_of_16384_gpus_simulates_few_pipelines():
+    # the work, not the clock (timings stay out of tests; bench/plan.py times the search against its 2 s goal):
+    # a cold search in a fresh process weighs over a thousand layouts and simulates only a few hundred pipelines
     out = subprocess.run([sys.executable, "-c", SEARCH], capture_output=True, text=True, timeout=120, check=True)
-    cpu, sims, considered = out.stdout.split()
-    assert float(cpu) < 2.0 and int(sims) < 400 and int(considered) > 1000
+    sims, considered = out.stdout.split()
+    assert int(sims) < 400 and int(considered) > 1000
 
 
 def test_memory_statements_are_checked_by_the_model():
