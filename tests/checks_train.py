@@ -125,16 +125,16 @@ def check_resume(root: Path, tag: str = "", **kw) -> dict:
 def check_auto_resume(root: Path) -> dict:
     """--auto-resume on an empty folder starts fresh (and saves); on that populated folder it continues from the
     latest complete checkpoint, exactly; an unfinished save (a temp folder) beside it is passed over."""
-    fresh = train(small_cfg(root, "auto", steps=6, checkpoint_every=2, keep=2, auto_resume=True))
-    if dist.get_rank() == 0:  # as if killed after step 4's save and while writing step 6's
-        shutil.rmtree(root / "auto" / "step_00000006")
-        (root / "auto" / "latest").write_text("step_00000006\n")  # names a folder that is gone
-        (root / "auto" / ".step_00000006.tmp").mkdir()
+    fresh = train(small_cfg(root, "auto", checkpoint_every=2, keep=2, auto_resume=True))
+    if dist.get_rank() == 0:  # as if killed after step 2's save and while writing step 4's
+        shutil.rmtree(root / "auto" / "step_00000004")
+        (root / "auto" / "latest").write_text("step_00000004\n")  # names a folder that is gone
+        (root / "auto" / ".step_00000004.tmp").mkdir()
     dist.barrier()
     kept = sorted(p.name for p in (root / "auto").glob("step_*"))
-    again = train(small_cfg(root, "auto", steps=6, checkpoint_every=2, keep=2, auto_resume=True))
+    again = train(small_cfg(root, "auto", checkpoint_every=2, keep=2, auto_resume=True))
     return {"fresh_started": min(fresh.losses), "kept": kept, "started": min(again.losses),
-            "fresh": [fresh.losses[s] for s in (5, 6)], "resumed": [again.losses[s] for s in (5, 6)]}
+            "fresh": [fresh.losses[s] for s in (3, 4)], "resumed": [again.losses[s] for s in (3, 4)]}
 
 
 def check_minutes(root: Path) -> dict:

@@ -34,8 +34,8 @@ def test_resume_is_exact(world4, case):
 def test_auto_resume_starts_fresh_then_continues_the_latest_complete_checkpoint(world4):
     for rank, r in enumerate(result(world4, "ckpt/auto_resume")):
         assert r["fresh_started"] == 1, f"rank {rank}: an empty folder should start at step 1"
-        assert r["kept"] == ["step_00000004"], f"rank {rank}: --keep 2 kept {r['kept']} (step 6 was removed)"
-        assert r["started"] == 5, f"rank {rank}: resumed at step {r['started']}, expected 5 (after step 4's save)"
+        assert r["kept"] == ["step_00000002"], f"rank {rank}: --keep 2 kept {r['kept']} (step 4 was removed)"
+        assert r["started"] == 3, f"rank {rank}: resumed at step {r['started']}, expected 3 (after step 2's save)"
         assert r["resumed"] == r["fresh"], f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['fresh']}"
 
 
