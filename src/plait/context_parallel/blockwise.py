@@ -37,7 +37,9 @@ def _segments(length: int, chunk: int) -> list[slice]:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    return (q @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, -math.inf)  # [B, h, T, Sk]
+    """q kᵀ·scale [B, h, T, Sk] with the keys a query does not see at -inf (no masking pass when it sees all)."""
+    s = (q @ k.transpose(-1, -2)).mul_(scale)
+    return s if bool(mask.all()) else s.masked_fill_(~mask, -math.inf)
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor,
@@ -61,7 +63,7 @@ def _forward_block(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
         s = _scores(q[:, :, rows], k, mask[rows], scale)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        p = torch.exp(s - m)
+        p = s.sub_(m).exp_()  # in place: one [B, h, T, Sk] buffer per tile
         total = p.sum(-1, keepdim=True)
         out[:, :, rows] = (p @ v) / total.clamp_min(torch.finfo(total.dtype).tiny)
         lse[:, :, rows] = m + torch.log(total)
@@ -93,9 +95,9 @@ def attend_backward(q, k, v, q_pos, k_pos, window, chunk, lse, dout, delta):
             rows = slice(a, a + TILE)
             if not bool(mask[rows].any()):
                 continue
-            p = torch.exp(_scores(q[:, :, rows], kf[:, :, seg], mask[rows], scale) - lse[:, :, rows])
+            p = _scores(q[:, :, rows], kf[:, :, seg], mask[rows], scale).sub_(lse[:, :, rows]).exp_()
             dv[:, :, seg] += p.transpose(-1, -2) @ dout[:, :, rows]
-            ds = p * (dout[:, :, rows] @ vf[:, :, seg].transpose(-1, -2) - delta[:, :, rows])
+            ds = (dout[:, :, rows] @ vf[:, :, seg].transpose(-1, -2)).sub_(delta[:, :, rows]).mul_(p)
             dq[:, :, rows] += (ds @ kf[:, :, seg]) * scale
             dk[:, :, seg] += (ds.transpose(-1, -2) @ q[:, :, rows]) * scale
     return dq, _fold(dk, n_rep), _fold(dv, n_rep)

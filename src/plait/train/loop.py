@@ -221,7 +221,8 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
 def sample_text(run: Run, prompt: str = "def ") -> str | None:
     from plait.generation import Sampling, generate_ids
 
-    if run.cfg.parallel.sequence_parallel or run.cfg.sample_tokens <= 0:
+    par = run.cfg.parallel
+    if par.sequence_parallel or par.cp > 1 or run.cfg.sample_tokens <= 0:
         return None  # decoding one token at a time cannot shard the sequence; use plait generate
     ids = generate_ids(run.pm, [run.tokenizer.encode(prompt)],
                        Sampling(run.cfg.sample_tokens, temperature=0.8, top_k=20, seed=run.cfg.seed))
