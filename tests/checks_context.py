@@ -49,13 +49,13 @@ def batch(cfg: LlamaConfig):
 
 
 def reference(cfg: LlamaConfig, inputs, targets):
-    torch.manual_seed(0)
-    model = Llama(cfg)
-    loss = model.loss(inputs, targets)
-    loss.backward()
+    """Loss, gradients and logits of the single-device model (checks_pipeline's seeded reference)."""
+    from checks_pipeline import single_device
+
+    loss, grads, model = single_device(cfg, inputs, targets)
     with torch.no_grad():
         logits = model(inputs)
-    return float(loss.detach()), {k: p.grad.clone() for k, p in model.named_parameters()}, logits
+    return loss, grads, logits
 
 
 def compare(model_kw: dict | None = None, **layout) -> dict:
