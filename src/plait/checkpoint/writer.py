@@ -198,6 +198,12 @@ class AsyncCheckpointer:
         self._thread.start()
         return snap.final
 
+    def wait_all(self) -> None:
+        """Collective: ``wait`` on every rank, then a barrier; on return rank 0 has committed the last save (the
+        other ranks' own writes end before rank 0's commit does)."""
+        self.wait()
+        dist.barrier()
+
     def _write(self, snap: Snapshot) -> None:
         try:
             write_snapshot(snap)

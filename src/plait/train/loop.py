@@ -338,4 +338,4 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
         res.held_out = held_out_loss(run)  # while the last checkpoint is written
         res.sample = sample_text(run)
     if run.saver is not None:
-        run.saver.wait()  # the last checkpoint in place before the run reports it
+        run.saver.wait_all()  # the last checkpoint in place (on every rank) before the run reports it
