@@ -27,7 +27,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "models/hf.py": (1, "safetensors writes host tensors"),
     "pipeline/p2p.py": (2, "a GPU's pipeline messages are staged through host buffers for Gloo's tag matching"),
     "cli/calibrate.py": (1, "the host facts' processor name, shown in a table"),
-    "train/auto.py": (1, "the planner catalogue's entry for a CPU host (auto layout on CPU processes)"),
+    "cli/auto_layout.py": (1, "the planner catalogue's entry for a CPU host (auto layout on CPU processes)"),
 }
 
 
