@@ -35,7 +35,7 @@ def test_no_decay_on_norms_and_biases():
     assert len(decay["params"]) + len(plain["params"]) == len(named)
 
 
-@pytest.mark.parametrize("kw,needle", [({"zero": 3}, "zero"), ({"zero": 2, "reduce_scatter": False}, "zero=2"),
+@pytest.mark.parametrize("kw,needle", [({"zero": 4}, "zero"), ({"zero": 2, "reduce_scatter": False}, "zero=2"),
                                        ({"clip": 0.0}, "clip"),
                                        ({"warmup": -1}, "warmup")])
 def test_bad_optimizer_arguments(kw, needle):

@@ -49,17 +49,16 @@ class ParallelOptimizer:
         if zero not in ZERO_LEVELS:
             raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
                               "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too)")
-        sharded = pm.param_shards is not None
-        if (zero == 3) != sharded:
-            raise ConfigError(f"zero={zero} but the model was built with zero={pm.config.zero}: ZeRO-3 shards the "
-                              "model's parameters, so build it with plait.parallelize(model, ctx, zero=3) and pass "
-                              "zero=3 here (or neither)")
         if zero >= 2 and not reduce_scatter:
             raise ConfigError(f"zero={zero} keeps only a shard of each gradient: it needs reduce_scatter=True")
         if clip is not None and clip <= 0:
             raise ConfigError(f"clip={clip!r}: the max gradient norm must be positive (or None: no clipping)")
         if warmup < 0 or (total_steps is not None and total_steps < 1):
             raise ConfigError(f"warmup={warmup}, total_steps={total_steps}: need warmup >= 0, total_steps >= 1")
+        if (zero == 3) != (pm.param_shards is not None):  # the arguments first, then the model they meet
+            raise ConfigError(f"zero={zero} but the model was built with zero={pm.config.zero}: ZeRO-3 shards the "
+                              "model's parameters, so build it with plait.parallelize(model, ctx, zero=3) and pass "
+                              "zero=3 here (or neither)")
         if precision is not None:
             pm.set_precision(precision)
         self.pm, self.ctx, self.zero, self.clip = pm, pm.ctx, zero, clip
