@@ -26,6 +26,8 @@ def ctx(device):
 
     if dist.is_initialized():
         pytest.fail("a process group is already initialised in the test process")
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    saved = {key: os.environ.get(key) for key in keys}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK=str(device.index or 0))
     if device.type == "cuda":
@@ -38,8 +40,11 @@ def ctx(device):
         yield context
     finally:
         dist.destroy_process_group()
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            os.environ.pop(key, None)
+        for key, value in saved.items():  # processes the later tests start must not inherit this world's port
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _batch(b: int = 4, s: int = 32, seed: int = 0) -> torch.Tensor:

@@ -164,7 +164,7 @@ def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
             rates[LAYER] = Rate(tuple(a[0] for a, _ in pts), tuple(a[3] for a, _ in pts),
                                 tuple(b[3] for _, b in pts), pts[-1][0][4])
             rates[SELECTIVE] = Rate(tuple(a[0] for a, _ in pts), tuple(a[5] for a, _ in pts),
-                                    tuple(a[5] * b[3] / a[3] for a, b in pts), pts[-1][0][4])
+                                    tuple(a[5] * (b[3] / a[3]) for a, b in pts), pts[-1][0][4])
     return rates
 
 
