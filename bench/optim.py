@@ -136,6 +136,8 @@ def main() -> None:
 
     from plait.distributed.launch import run_world
 
+    if "--zero3" in sys.argv[1:]:
+        return zero3_main()
     load = os.getloadavg()[0]
     per_rank = run_world(rank_main, 4, timeout_s=1200)
     rows = []
@@ -157,6 +159,161 @@ def main() -> None:
     print(f"load average at start: {load:.1f} on {os.cpu_count()} cores")
     print(json.dumps({"config": CFG, "batch": BATCH, "rows": rows, "meter": per_rank[0]["meter"], "load": load},
                      indent=1))
+
+
+# ----------------------------------------------------------------------------- ZeRO-3 beside torch FSDP2
+ZERO3_STEPS, ZERO3_WARM = 10, 2
+ADAMW = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (heap + mmapped chunks): every CPU tensor."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _step_peak(step) -> int:
+    """Most bytes in use beyond those in use before ``step()``, sampled after every op it dispatches (the same
+    yardstick for both peers: whatever they allocate — gathered weights, activations, gradients, temporaries)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Peak(TorchDispatchMode):
+        peak = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            Peak.peak = max(Peak.peak, _in_use())
+            return out
+
+    import gc
+
+    gc.collect()
+    base = _in_use()
+    Peak.peak = base
+    with Peak():
+        step()
+    return Peak.peak - base
+
+
+def _fsdp2(cfg, dp: int):
+    """The peer: the same Llama (same seed) with torch's ``fully_shard`` on each decoder layer and on the root
+    (embedding, final norm, head), AdamW over the DTensor shards, torch's clip_grad_norm_."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from plait.memory import storage_bytes
+    from plait.models import Llama
+    from plait.optim import param_groups
+
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    mesh = init_device_mesh("cpu", (dp,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), ADAMW["weight_decay"]), lr=ADAMW["lr"],
+                            betas=ADAMW["betas"], eps=ADAMW["eps"])  # plait's decay groups: no decay on norms
+
+    def step(x, y) -> float:
+        loss = model.loss(x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def held() -> int:
+        local = [p.to_local() for p in model.parameters()]
+        states = [t.to_local() if hasattr(t, "to_local") else t for st in opt.state.values() for t in st.values()
+                  if torch.is_tensor(t)]
+        return storage_bytes(local) + storage_bytes(states)
+
+    return step, held
+
+
+def _plait(ctx, cfg, zero: int):
+    import torch
+
+    import plait
+    from plait.models import Llama
+    from plait.optim import build_optimizer
+
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(cfg), ctx, microbatches=1, zero=zero)
+    opt = build_optimizer(pm, lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"], zero=zero, clip=1.0,
+                          betas=ADAMW["betas"], eps=ADAMW["eps"])
+
+    def step(x, y) -> float:
+        pm.train_step(x, y)
+        return float(opt.step())
+
+    def held() -> int:
+        pm.zero_grad()
+        m = pm.memory_report()
+        return int(m["params"] + m["optimizer"])
+
+    return step, held
+
+
+def zero3_rank(dp: int) -> dict:
+    """plait ZeRO-1/2/3 and FSDP2 on ``dp`` ranks, fp32, one micro-batch, stepped in turn (ABCD...)."""
+    import plait
+    from plait.models import LlamaConfig
+
+    cfg = LlamaConfig(**CFG)
+    ctx = plait.init(tp=1, pp=1, dp=dp)
+    peers = {f"plait zero{z}": _plait(ctx, cfg, z) for z in (1, 2, 3)}
+    peers["torch FSDP2"] = _fsdp2(cfg, dp)
+    x, y = _batch(ctx, cfg)
+    times: dict[str, list[float]] = {k: [] for k in peers}
+    norms: dict[str, list[float]] = {k: [] for k in peers}
+    for _ in range(ZERO3_STEPS):
+        for name, (step, _) in peers.items():
+            t0 = time.perf_counter()
+            norms[name].append(step(x, y))
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, (step, held) in peers.items():
+        resting = held()
+        out[name] = {"step_ms": 1e3 * statistics.median(times[name][ZERO3_WARM:]), "held": resting,
+                     "peak": resting + _step_peak(lambda step=step: step(x, y)), "norms": norms[name][:3]}
+    return out
+
+
+def zero3_main() -> None:
+    """``python bench/optim.py --zero3``: step time and peak bytes per rank, plait ZeRO-3 against FSDP2."""
+    import os
+
+    from plait.distributed.launch import run_world
+
+    load = os.getloadavg()[0]
+    rows = []
+    for dp in (2, 4):
+        per_rank = run_world(zero3_rank, dp, dp, timeout_s=1200)
+        for name in per_rank[0]:
+            ranks = [r[name] for r in per_rank]
+            rows.append({"dp": dp, "peer": name, "step_ms": max(r["step_ms"] for r in ranks),
+                         "held": max(r["held"] for r in ranks), "peak": max(r["peak"] for r in ranks),
+                         "norms": ranks[0]["norms"]})
+    print(f"{'dp':>3}  {'peer':<13}{'step':>9}{'vs FSDP2':>10}{'held MB':>9}{'peak MB':>9}{'vs FSDP2':>10}  "
+          f"first gradient norms")
+    for r in rows:
+        peer = next(q for q in rows if q["dp"] == r["dp"] and q["peer"] == "torch FSDP2")
+        r["time_vs_fsdp2"], r["peak_vs_fsdp2"] = r["step_ms"] / peer["step_ms"], r["peak"] / peer["peak"]
+        print(f"{r['dp']:>3}  {r['peer']:<13}{r['step_ms']:>6.0f} ms{r['time_vs_fsdp2']:>9.2f}x"
+              f"{r['held'] / 2**20:>9.2f}{r['peak'] / 2**20:>9.2f}{r['peak_vs_fsdp2']:>9.2f}x  "
+              + " ".join(f"{n:.5f}" for n in r["norms"]))
+    print(f"load average at start: {load:.1f}, at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(json.dumps({"config": CFG, "batch": BATCH, "steps": ZERO3_STEPS, "rows": rows, "load": load}, indent=1))
 
 
 if __name__ == "__main__":

@@ -386,7 +386,7 @@ def test_zero_1_and_2_twins_are_ranked_once():
 
     cluster = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
     result = search(Model.preset("tiny", seq_len=128), cluster, Training(16, precision="fp32"), top=6)
-    shapes = [replace(e.layout, zero=0) for e in result.best]
+    shapes = [replace(e.layout, zero=0) for e in result.best if e.layout.zero < 3]  # ZeRO-3 steps differently
     assert result.twins > 0 and len(shapes) == len(set(shapes))
     assert any(e.layout.zero == 1 for e in result.best)
 

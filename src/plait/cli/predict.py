@@ -147,10 +147,14 @@ def memory_rows(estimate: Estimate) -> list[dict]:
     ``activations_peak`` counts what autograd saves (as ``pm.memory_report()`` measures it); a layer
     recomputed under full recomputation briefly holds ``recompute_working`` more. ``grads`` is what is held
     after the step (as ``pm.memory_report()`` reports it), ``grads_at_peak`` what is held beside the
-    activations at their peak (under ZeRO-2 the full buffer: see ``plan.memory.rank_memory``)."""
+    activations at their peak (under ZeRO-2 the full buffer: see ``plan.memory.rank_memory``). Under ZeRO-3
+    ``params_gathered_peak`` is the gathered working set (as ``pm.memory_report()`` measures it)."""
+    from plait.plan.memory import zero3_working
+
+    gathered = zero3_working(estimate.model, estimate.layout, estimate.training.precision)
     return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads_held, "optimizer": m.optimizer,
-             "activations_peak": m.activations - m.working, "recompute_working": m.working,
-             "grads_at_peak": m.grads}
+             "activations_peak": m.activations - m.working, "recompute_working": m.working - gathered,
+             "grads_at_peak": m.grads, **({"params_gathered_peak": gathered} if gathered else {})}
             for m in estimate.rank_memory]
 
 

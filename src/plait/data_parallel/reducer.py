@@ -12,8 +12,10 @@ At a chunk's last backward a bucket whose gradients are complete is reduced asyn
 - ``"all-reduce"`` (ZeRO-0): every member gets the whole sum;
 - ``"reduce-scatter"`` (ZeRO-1): member i gets the sum of shard i, written into its shard of the buffer
   (the rest of the buffer then holds stale local values);
-- ``"reduce-scatter-free"`` (ZeRO-2): the same, kept in a ``[shard]`` tensor, and the full buffer is freed:
-  after the backward no rank holds a full gradient of a bucket.
+- ``"reduce-scatter-free"`` (ZeRO-2, ZeRO-3): the same, kept in a ``[shard]`` tensor, and the full buffer is
+  freed: after the backward no rank holds a full gradient of a bucket. A bucket's launch first waits for the
+  reduction launched before it (it has had a bucket's backward to finish), so at most one full buffer is in
+  flight (FSDP's bound).
 """
 
 from __future__ import annotations
@@ -185,6 +187,10 @@ class GradReducer:
                 b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
             return
         assert b.buffer is not None  # b.view(0) allocated it
+        if self.mode == "reduce-scatter-free":  # at most one full buffer in flight: the one launched before
+            for done in self.buckets:  # has had this bucket's backward to finish; its buffer goes now
+                if done.work is not None:
+                    self._settle(done)
         if b.size > 1:
             b.out = torch.empty(b.shard, dtype=b.buffer.dtype, device=b.buffer.device)
             b.work = _reduce_scatter(b.out, b.buffer, group=b.group, async_op=True)

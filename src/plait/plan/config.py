@@ -21,12 +21,12 @@ LOOPED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zb-h1")
 
 #: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
 #: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
-#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3, kept plan-only until it is
-#: modelled as the runtime runs it. The other fields (tp, pp, dp, cp and cp_comm, ep,
+#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3 under a pipeline, which the
+#: runtime does not run (plan-only). The other fields (tp, pp, dp, cp and cp_comm, ep,
 #: virtual_stages, micro-batch size, sequence parallelism) run at every value ``check`` accepts.
 RUNTIME: dict[str, tuple] = {
     "recompute": RECOMPUTE_MODES,
-    "zero": tuple(z for z in ZERO_LEVELS if z < 3),  # ZeRO-3 (pp = 1) stays plan-only until modelled as it runs
+    "zero": ZERO_LEVELS,  # ZeRO-3 with pp = 1 only (runtime_gap)
     "schedule": SCHEDULE_NAMES,
 }
 
@@ -138,6 +138,8 @@ def runtime_gap(layout: Layout) -> str | None:
         value = getattr(layout, name)
         if value not in allowed:
             return f"{name}: {value!r} is planned but the runtime runs {', '.join(map(str, allowed))}"
+    if layout.zero == 3 and layout.pp > 1:
+        return f"zero: 3 with pp={layout.pp} is planned but the runtime runs ZeRO-3 without a pipeline (pp = 1)"
     return None
 
 

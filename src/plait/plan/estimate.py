@@ -140,7 +140,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
     time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
-            "zero_comm": m * max(0.0, per_mb - busiest.forward - busiest.backward),
+            "zero_comm": m * max(0.0, per_mb - costs.hidden_reduction(busiest.forward + busiest.backward)),
             "optimizer": span.stretch * optimizer + publish,
             "sync": tp_sum + loss_sync + norm_sync}
     gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives

@@ -162,7 +162,7 @@ class GpuCosts:
         stage's embedding dropout mask sbh, the last's output layer and loss 4sbh/t·(1 + V/h); full
         recomputation holds the recomputed layer's (selective) set once. Fused flash attention keeps no s×s
         scores: a layer keeps what selective recomputation keeps."""
-        working = zero3_working(model, layout)
+        working = zero3_working(model, layout, precision)
         kept = layout if layout.recompute == "full" or not self.cluster.flash_attention else \
             replace(layout, recompute="selective")
         if layout.recompute == "full":

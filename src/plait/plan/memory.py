@@ -104,11 +104,17 @@ class ActivationModel:
         return layers * self.layer + (self.first if first else 0.0) + (self.last if last else 0.0)
 
 
-def zero3_working(model: Model, layout: Layout) -> float:
-    """ZeRO-3's working set: two gathered bf16 layers in flight (the current one and the prefetched next)."""
-    if layout.zero == 3:
-        return 2 * WEIGHT_BYTES * model.layer_params() / (layout.tp * layout.ep)
-    return 0.0
+def zero3_working(model: Model, layout: Layout, precision: str = "bf16") -> float:
+    """ZeRO-3's gathered working set as plait runs it (``plait.data_parallel.param_shards``): a block gathered
+    for its forward or backward while the next one's gather is in flight, so the largest two neighbouring
+    blocks — the embedding and the first layer, two layers, or the final norm and the head (the embedding's
+    weights when tied) — in the compute dtype (bf16 weights are gathered as bf16)."""
+    if layout.zero != 3:
+        return 0.0
+    layer = sum(rank_params(model, layout, 1, False, False))
+    embedding = sum(rank_params(model, layout, 0, True, False))
+    head = sum(rank_params(model, layout, 0, False, True)) + (embedding if model.tied_embeddings else 0.0)
+    return STATE_BYTES[precision][0] * max(embedding + layer, 2 * layer, head)
 
 
 def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
@@ -142,11 +148,13 @@ def max_rank_params(model: Model, layout: Layout) -> float:
 
 def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
                 precision: str = "bf16") -> tuple[float, ...]:
-    """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp."""
+    """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp. ZeRO-3 as plait runs it keeps
+    one float32 shard of the weights, which is also the master (no 16-bit copy between steps): 4 B of weights
+    and 8 B of moments per owned element in either precision (``data_parallel.param_shards``)."""
     dense, expert = rank_params(model, layout, layers, first, last)
     group = layout.dp * layout.cp
     eg = group // layout.ep if model.is_moe else 1
-    w, g, o = STATE_BYTES[precision]
+    w, g, o = STATE_BYTES[precision] if layout.zero < 3 else (4, 4, 8)
 
     def shard(stage: int) -> float:
         return dense / group + expert / eg if layout.zero >= stage else dense + expert
@@ -159,8 +167,8 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``), the working set added once.
 
-    ZeRO-2 as plait runs it reduce-scatters each bucket once per step, at the chunk's last backward, and
-    frees the full buffer then: from a chunk's first backward of the step to its last the whole fp32
+    ZeRO-2 (and ZeRO-3) as plait runs it reduce-scatters each bucket once per step, at the chunk's last
+    backward, and frees the full buffer then: from a chunk's first backward of the step to its last the whole fp32
     gradient is there, and with more than one micro-batch that spans the activation peak (a forward that
     follows a backward), so ``grads`` is the full buffer; ``grads_after_step`` the shards. With one
     micro-batch the peak comes before any gradient and buckets are freed as the backward frees activations:
@@ -168,12 +176,12 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     st = layout_stages(model, layout)
     acts = cluster.costs.activations(model, layout, precision)
     usable = cluster.usable_memory
-    full_at_peak = layout.zero == 2 and microbatches > 1
+    full_at_peak = layout.zero >= 2 and microbatches > 1
     out = []
     for r, layers in enumerate(st.rank_layers):
         first, last = r == st.first_rank, r == st.last_rank
         w, g, o = state_bytes(model, layout, layers, first, last, precision)
-        after = g if layout.zero == 2 else None
+        after = g if layout.zero >= 2 else None
         if full_at_peak:
             g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision)[1]
         act = peak[r] + acts.working

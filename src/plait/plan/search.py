@@ -91,7 +91,7 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
     if pp > 1:
         scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
     recomputes = RECOMPUTE_MODES if plan_only else RUNTIME["recompute"]
-    sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0)
+    sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0 and (z < 3 or pp == 1))
     zeros = sharded if dp * cp > 1 and sharded else (0,)
     for ep in eps:
         for mbs in MICROBATCH_SIZES:

@@ -23,29 +23,30 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     gather (no ZeRO); a reduce-scatter of them and an all-gather of the updated weights (ZeRO-1 and ZeRO-2
     as plait runs them and as Megatron-LM's distributed optimizer does: once per step, the reduction at each
     chunk's last backward, the gather in the optimizer step; bf16 weights on catalogue GPUs, fp32 on a
-    calibrated host, plait train's default); nothing (ZeRO-3, plan-only: gradients and weights move every
-    micro-batch, ``zero_per_microbatch``)."""
+    calibrated host, plait train's default); ZeRO-3 as plait runs it: the same reduce-scatter once per step
+    and no gather after the step (each forward and backward gathers its blocks: ``zero_per_microbatch``)."""
     n = layout.dp * layout.cp
     span = layout.tp * n
     collective = cluster.costs.collective
     if layout.zero == 0:
         return collective("all_reduce", 4 * params_on_gpu, n, span), 0.0
     if layout.zero == 3:
-        return 0.0, 0.0
+        return collective("reduce_scatter", 4 * params_on_gpu, n, span), 0.0
     return (collective("reduce_scatter", 4 * params_on_gpu, n, span),
             collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
 
 
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Communication ZeRO-3 (plan-only) repeats every micro-batch: it reduce-scatters the fp32 gradients
-    and gathers the bf16 weights in forward and again in backward. It overlaps compute (see ``estimate``).
-    ZeRO-2 reduces once per step, as ZeRO-1 (``dp_sync_time``): nothing per micro-batch."""
+    """Communication ZeRO-3 repeats every micro-batch: every block's weights are all-gathered for its forward
+    and again for its backward (``plait.data_parallel.param_shards``; the gradients are reduce-scattered once
+    per step, ``dp_sync_parts``), in the weights' gather dtype. Each gather is issued a block ahead, so it
+    overlaps compute where the cost model says the network runs beside it (``estimate``). ZeRO-1/2: nothing
+    per micro-batch."""
     if layout.zero < 3:
         return 0.0
     n = layout.dp * layout.cp
-    span = layout.tp * n
-    out = cluster.costs.collective("reduce_scatter", 4 * params_on_gpu, n, span)
-    return out + 2 * cluster.costs.collective("all_gather", 2 * params_on_gpu, n, span)
+    gathered = cluster.costs.weight_gather_bytes * params_on_gpu
+    return 2 * cluster.costs.collective("all_gather", gathered, n, layout.tp * n)
 
 
 def optimizer_shards(layout: Layout) -> int:
@@ -95,9 +96,10 @@ def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers:
     written per parameter), at the memory bandwidth of every process streaming at once (on a calibrated
     host: the replicas publish together); plus a copy kernel per owned piece and per parameter tensor at
     the fixed cost of a forward-only kernel. The buffers hold the weights' dtype (``precision``). 0 without
-    ZeRO. On a 2-core host, ``small`` at pp2·dp2 (3.0M parameters a rank, fp32): 5.5-7.8 ms a step beyond
-    the all-gather, over two layouts and four ranks."""
-    if layout.zero == 0:
+    ZeRO, and under ZeRO-3 (the masters are the shards the next forward gathers). On a 2-core host,
+    ``small`` at pp2·dp2 (3.0M parameters a rank, fp32): 5.5-7.8 ms a step beyond the all-gather, over two
+    layouts and four ranks."""
+    if layout.zero in (0, 3):
         return 0.0
     shard = optimizer_shards(layout)
     weight = STATE_BYTES[precision][0]

@@ -157,7 +157,7 @@ class HostCosts:
 
     def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
         """plait's eager runtime tensor by tensor (``census``) at ``precision``."""
-        working = zero3_working(model, layout)
+        working = zero3_working(model, layout, precision)
         sh = census.local(model, layout)
         d = ACTIVATION_BYTES[precision]
         if layout.recompute == "full":
