@@ -1,5 +1,5 @@
 """Benchmark: bytes per rank of parameters, gradients and optimizer state under ZeRO 0/1/2 (dp2, dp4), measured
-against the formula, and step times of ZeRO 0/1/2 as ratios measured in the same run.
+against the formula, and step times of ZeRO 0/1/2 as ratios measured in the same run; ZeRO-3 beside FSDP2.
 
 One Gloo world of 4 CPU ranks runs a small Llama under tp2·dp2 and dp4 (pp1), fp32 and bf16. Per rank it
 reads ``pm.memory_report()`` after a few steps and compares it with the per-parameter formula of
@@ -10,6 +10,10 @@ the parameters are the masters) or 12 B (bf16: fp32 masters + moments), ÷ d und
 Times: median ``train_step`` + ``opt.step`` of the three ZeRO stages, stepped in turn (ABCABC...) so the
 machine's load hits them alike; ratios against ZeRO-0. Also the cost of the saved-tensor meter
 (``train_step(measure_memory=True)`` against False, alternated). Prints a table and JSON. Not a test.
+
+``python bench/optim.py --zero3``: plait ZeRO-1/2/3 beside torch FSDP2 (``fully_shard`` per decoder layer and
+on the root) on the same Llama, dp2 and dp4, fp32, Gloo, stepped in turn: step time and peak bytes per rank as
+ratios to FSDP2 (``zero3_main``).
 """
 
 from __future__ import annotations
