@@ -47,8 +47,15 @@ def _sizes(quick: bool, cuda: bool) -> dict:
             "steps": 10 if cuda and not quick else 3, "new_tokens": 64 if cuda else 16, "prompt": 128 if cuda else 16}
 
 
+#: the one-process world's variables (``_world``): a child command that inherited them would join that world, or
+#: bind its store's port, instead of starting its own
+WORLD_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
 def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    """The environment of a child command: this tree's sources first, none of this process's world variables."""
+    env = {k: v for k, v in os.environ.items() if k not in WORLD_VARS}
+    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -298,9 +305,10 @@ def _run(name: str, results: dict, fn, *args):
 
 
 def markdown(results: dict) -> str:
+    """One row per section key (the summary keys at the top of the JSON repeat section keys: not shown twice)."""
     rows = ["| section | key | value |", "|---|---|---|"]
     for section, values in results.items():
-        if not isinstance(values, dict):
+        if not isinstance(values, dict) or section in SUMMARY:
             continue
         for key, value in values.items():
             if key in ("traceback", "failed_names") or isinstance(value, (dict, list)):
@@ -308,6 +316,11 @@ def markdown(results: dict) -> str:
             shown = f"{value:.4g}" if isinstance(value, float) else str(value)
             rows.append(f"| {section} | {key} | {shown} |")
     return "\n".join(rows) + "\n"
+
+
+#: the keys repeated at the top of ``gpu_check.json`` from their sections
+SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
+           "generate_tokens_per_s", "serve_tokens_per_s")
 
 
 def main() -> None:
@@ -351,6 +364,8 @@ def main() -> None:
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]
     print(f"gpu_check: wrote {out / 'gpu_check.json'} in {results['total_s']} s"
           + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
