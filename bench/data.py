@@ -112,18 +112,12 @@ def loader_bench(dataset: Path, batch: int = 16, seq: int = 128, steps: int = 40
 
 def _tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(p.name))
+    from plait.distributed.launch import child_pids
+
     total, todo = 0, [pid]
     while todo:
         q = todo.pop()
-        todo += children.get(q, [])
+        todo += child_pids(q)
         try:
             for line in Path(f"/proc/{q}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):

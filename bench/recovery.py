@@ -116,20 +116,9 @@ def stall(args) -> dict:
     return result
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(d.name))
-    return sorted(out)
-
-
 def restart(args) -> dict:
+    from plait.distributed.launch import child_pids
+
     with tempfile.TemporaryDirectory(prefix="plait-bench-restart-", dir=args.dir) as d:
         metrics = Path(d) / "m.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
@@ -141,11 +130,11 @@ def restart(args) -> dict:
         try:
             while not metrics.exists() or len(metrics.read_text().splitlines()) < args.kill_at:
                 time.sleep(0.02)
-            first = _children(proc.pid)
+            first = child_pids(proc.pid)
             n = len(metrics.read_text().splitlines())
             os.kill(first[-1], signal.SIGKILL)
             t_kill = time.time()
-            while not (set(w := _children(proc.pid)) - set(first)) or len(w) < 2:
+            while not (set(w := child_pids(proc.pid)) - set(first)) or len(w) < 2:
                 time.sleep(0.02)
             t_spawn = time.time()
             while len(metrics.read_text().splitlines()) <= n:  # the restart appends its rows

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from plait.distributed.launch import free_port
+from plait.distributed.launch import child_pids, free_port
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -137,15 +137,4 @@ class Server:
 
 def workers(launcher_pid: int) -> list[int]:
     """The worker processes the launcher spawned (children running multiprocessing's spawn_main), by pid."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == launcher_pid and b"spawn_main" in cmd:
-            out.append(int(entry.name))
-    return sorted(out)
+    return child_pids(launcher_pid, b"spawn_main")

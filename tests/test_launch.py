@@ -4,8 +4,10 @@ imported the heavy modules once (``preload``), each seeing the caller's environm
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
-from plait.distributed.launch import run_world
+from plait.distributed.launch import child_pids, run_world
 
 
 def _rank_facts(name: str) -> dict:
@@ -31,3 +33,17 @@ def test_spawned_worlds_are_children_of_the_caller(monkeypatch):
     monkeypatch.setenv("PLAIT_TEST_MARK", "spawned")
     facts = run_world(_rank_facts, 2, "PLAIT_TEST_MARK", timeout_s=120)
     assert [(f["mark"], f["rank"], f["parent"]) for f in facts] == [("spawned", r, os.getpid()) for r in (0, 1)]
+
+
+def test_child_pids_lists_live_children_by_command_line():
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "plait-child-pids-mark"])
+    try:
+        assert sleeper.pid in child_pids(os.getpid())
+        assert child_pids(os.getpid(), b"plait-child-pids-mark") == [sleeper.pid]
+        assert child_pids(os.getpid(), b"no-such-mark") == []
+        sleeper.kill()
+        sleeper.wait(timeout=30)  # reaped: gone from the list
+        assert sleeper.pid not in child_pids(os.getpid())
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from plait.cli.main import app
+from plait.distributed.launch import child_pids
+from save_util import assert_first_checkpoint_whole, kill_inside_second_save
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--max-data-mb", "0.3",
@@ -71,20 +72,6 @@ def test_short_run_metrics_checkpoint_sample_generate_export(tmp_path):
     assert exp.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), exp.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-                out.append(int(d.name))
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -100,7 +87,7 @@ def test_killed_worker_ends_the_job_promptly(tmp_path):
         deadline = time.time() + 120
         while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
             time.sleep(0.3)
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid, b"spawn_main")
         assert len(workers) == 4, f"expected 4 workers, found {workers}"
         victim = sorted(workers)[2]
         os.kill(victim, signal.SIGKILL)
@@ -117,51 +104,16 @@ def test_killed_worker_ends_the_job_promptly(tmp_path):
     assert not [p for p in workers if _alive(p)], "orphan workers left behind"
 
 
-SAVE_THEN_HANG = textwrap.dedent("""
-    import sys, time, torch
-    import plait
-    from plait.models import Llama, LlamaConfig
-    from plait.checkpoint import writer as ck
-    ctx = plait.init(1, 1, 1)
-    torch.manual_seed(0)
-    pm = plait.parallelize(Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)), ctx)
-    ck.save_checkpoint(pm, None, sys.argv[1], 1)
-    with torch.no_grad():
-        for p in pm.parameters():
-            p.add_(1.0)
-    real = ck._fsync_path
-    def slow(path):
-        real(path)
-        print("saving", flush=True)
-        time.sleep(60)
-    ck._fsync_path = slow
-    ck.save_checkpoint(pm, None, sys.argv[1], 2)
-""")
-
-
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
-    from plait.checkpoint import CheckpointReader, find_checkpoint
-
-    proc = subprocess.Popen([sys.executable, "-c", SAVE_THEN_HANG, str(tmp_path / "ck")], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout.readline().strip() == "saving"  # inside the second save, after its first write
-        assert (tmp_path / "ck" / ".step_00000002.tmp").is_dir()
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    found = find_checkpoint(tmp_path / "ck")
-    assert found is not None and found.name == "step_00000001"
-    state = CheckpointReader(found).full_state_dict()
-    import torch
-
-    from plait.models import Llama, LlamaConfig
-
-    torch.manual_seed(0)
-    ref = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4)).state_dict()
-    assert set(state) == set(ref) and all(torch.equal(state[k], ref[k]) for k in ref)
+    kill_inside_second_save("""
+        writer.save_checkpoint(pm, None, sys.argv[1], 1)
+        with torch.no_grad():
+            for p in pm.parameters():
+                p.add_(1.0)
+        hang_in_writes()
+        writer.save_checkpoint(pm, None, sys.argv[1], 2)
+    """, tmp_path / "ck", {"writing"})  # inside the second save, after its first write
+    assert_first_checkpoint_whole(tmp_path / "ck")
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):

@@ -53,6 +53,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_pids(pid: int, command: bytes | None = None) -> list[int]:
+    """The live (not zombie) child processes of ``pid``, sorted; with ``command``, only those whose command line
+    holds it (``b"spawn_main"``: the workers ``launch`` spawned, not multiprocessing's resource tracker). Read
+    from Linux's /proc: elsewhere, none."""
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]  # after "pid (name)"
+            if int(ppid) == pid and state != "Z" and (command is None or command in (entry / "cmdline").read_bytes()):
+                out.append(int(entry.name))
+        except (OSError, ValueError):  # the process ended while we read it
+            continue
+    return sorted(out)
+
+
 def worker_threads(local_world: int) -> int:
     """Intra-op threads per process: the cores shared fairly among the local processes."""
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
