@@ -125,6 +125,25 @@ def test_engine_with_a_small_pool_and_budget_equals_generate(one_thread):
     assert sched.preemptions > 0 and engine.metrics.prefill_chunks > len(jobs) and sched.alloc.used == 0
 
 
+def test_requests_ended_by_a_stop_are_counted_in_metrics(one_thread):
+    engine = Engine(Runner(_tiny_model(), num_blocks=40, block_size=4), Scheduler(BlockAllocator(40, 4), max_batch=4),
+                    TOK, Metrics(), distributed=False)
+    events: list[dict] = []
+
+    def sink(ev):
+        events.append(ev)
+        engine.request_stop("SIGTERM", 0.0)  # at its first token, as a signal handler would: no grace
+    engine.submit(Request([1, 2, 3], Params(Sampling(80, 0.0, 0, 0)), sink))
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    thread.join(60)
+    engine.stopping.set()
+    thread.join(10)
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "shutting_down", events[-1]
+    assert engine.metrics.requests == {"shutdown": 1}
+    assert 'plait_requests_total{status="shutdown"} 1' in engine.metrics.render()
+
+
 def test_prefix_cache_shares_blocks_evicts_oldest_and_counts_holders():
     alloc = BlockAllocator(4, 2, prefix_cache=True)
     a, keys = [], alloc.chain([1, 2, 3, 4, 5], 2, [])
@@ -224,6 +243,42 @@ def test_request_timeout_gives_504_and_cancels():
     res = TestClient(api.app()).post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert res.status_code == 504 and res.json()["error"]["code"] == "request_timeout"
     assert engine.cancelled == [7]
+
+
+def test_chat_templates_render_off_the_event_loop(monkeypatch):
+    """A request's own template (trusted) is code of any cost: it renders in a worker thread, not on the loop
+    that serves every other request."""
+    import asyncio
+
+    from fastapi.testclient import TestClient
+
+    from plait.serve.chat import ChatTemplate
+    from plait.serve.protocol import Limits
+    from plait.serve.server import Api
+    from plait.serve.tokens import TokenizerInfo
+
+    where: list[bool] = []  # per render: was an event loop running in its thread?
+    real = ChatTemplate.render
+
+    def spy(self, *args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            where.append(True)
+        except RuntimeError:
+            where.append(False)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatTemplate, "render", spy)
+    tokens = TokenizerInfo(TOK, "/nonexistent", 64, ChatTemplate(None, trust_request=True))
+    api = Api(_StuckEngine(), Limits("m", 64, 256, 16, 64), tokens, Metrics(), max_queue=4, timeout=0.3)
+    client = TestClient(api.app())
+    own = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template": own}
+    res = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert res.status_code == 504  # parsed and submitted (the stuck engine never answers)
+    res = client.post("/tokenize", json=body)
+    assert res.status_code == 200 and res.json()["tokens"] == TOK.encode("hi"), res.text
+    assert where == [False, False]
 
 
 @pytest.mark.parametrize("body", [{"top_logprobs": 2}, {"logprobs": True}, {"stream_options": {"include_usage": 1}}])

@@ -24,7 +24,6 @@ from plait.errors import ConfigError
 
 BLOCK = 4096  # samples per mixture block: each source's share is exact to 1/BLOCK within every block
 ROUNDS = 4
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

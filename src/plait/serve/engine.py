@@ -244,6 +244,8 @@ class Engine:
         self._drain(block=False)
         if status == 500:
             message = f"the engine stopped: {message}"
+        if self.live:
+            self.metrics.request("shutdown" if code == "shutting_down" else "error", len(self.live))
         for live in self.live.values():
             live.req.sink({"type": "error", "message": message, "status": status, "code": code})
         self.live.clear()

@@ -15,7 +15,9 @@ class Metrics:
     def __init__(self, window_s: float = 10.0):
         self.lock = threading.Lock()
         self.window_s = window_s
-        self.requests: dict[str, int] = {}  # status -> count (ok, cancelled, error, rejected)
+        # status -> count: ok, cancelled (by the client), rejected (queue full), timeout, shutdown (ended by a
+        # stop before they finished), error (ended by an engine failure)
+        self.requests: dict[str, int] = {}
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
@@ -67,7 +69,7 @@ class Metrics:
         tps = self.tokens_per_s()
         with self.lock:
             lines = ["# HELP plait_requests_total Requests by outcome.", "# TYPE plait_requests_total counter"]
-            for status in sorted(set(self.requests) | {"ok", "cancelled", "rejected"}):
+            for status in sorted(set(self.requests) | {"ok", "cancelled", "rejected", "timeout", "shutdown", "error"}):
                 lines.append(f'plait_requests_total{{status="{status}"}} {self.requests.get(status, 0)}')
             lines += [
                 "# TYPE plait_prompt_tokens_total counter", f"plait_prompt_tokens_total {self.prompt_tokens}",

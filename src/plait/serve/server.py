@@ -12,6 +12,7 @@ from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.serve.engine import Engine
@@ -197,8 +198,8 @@ class Api:
                                               isinstance(body.get("messages"), list)):
             raise ApiError(400, "tokenize needs a prompt (a string) or messages (a list)", "prompt")
         check_model(body, self.limits)
-        if "messages" in body:
-            ids = self.tokens.chat_ids(body)
+        if "messages" in body:  # a chat template renders in a worker thread, as in ``generate``
+            ids = await run_in_threadpool(self.tokens.chat_ids, body)
         else:
             ids = self.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
         out = {"count": len(ids), "max_model_len": self.limits.context, "tokens": ids, "token_strs": None}
@@ -219,7 +220,9 @@ class Api:
 
     async def generate(self, request: Request, chat: bool):
         try:
-            p = parse(await self._json(request), chat, self.tokens, self.limits)
+            # rendering a chat template (the folder's, or a trusted request's own code) and tokenizing run in a
+            # worker thread: a slow template does not hold up the other requests' streams, /health or /metrics
+            p = await run_in_threadpool(parse, await self._json(request), chat, self.tokens, self.limits)
             choices = p.choices()
             if self.engine.stop_reason:
                 raise ApiError(503, f"the server is shutting down ({self.engine.stop_reason})", code="shutting_down")

@@ -244,7 +244,7 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predi
     res = TrainResult(params=run.params)
     run.prediction = predictor.predict(run) if predictor is not None else None
     if reporter is not None:
-        reporter.begin(run, res)
+        reporter.begin(run)
     times: list[float] = []
     for step in range(run.start, cfg.steps):
         row = _step(run, res, step, times, t_start)

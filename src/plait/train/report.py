@@ -41,7 +41,7 @@ class Reporter:
         self.bubbles: tuple[float | None, float | None] = (None, None)
         self.logs: ExperimentLogs | None = None  # with --tensorboard / --wandb
 
-    def begin(self, run, res) -> None:
+    def begin(self, run) -> None:
         if not self.active:
             return
         from rich.console import Console
@@ -51,7 +51,7 @@ class Reporter:
         if cfg.metrics:
             Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
             resumed = run.resumed_from is not None  # a resumed run appends to the rows of the steps before
-            self.metrics = open(cfg.metrics, "a" if resumed else "w")  # noqa: SIM115 (closed in end())
+            self.metrics = open(cfg.metrics, "a" if resumed else "w")  # closed in end()
         if cfg.tensorboard or cfg.wandb:
             from plait.train.logs import ExperimentLogs
 
