@@ -45,6 +45,33 @@ def test_step_times_follow_from_the_printed_figures():
             assert r.step_s == pytest.approx(tokens / printed)
 
 
+def _printed_numbers(text: str) -> list[float]:
+    """The numbers printed in a figure, leaving out digits inside names (BF16)."""
+    return [float(x) for x in re.findall(r"(?<![A-Za-z\d.])\d+(?:\.\d+)?", text)]
+
+
+def _dgxc_model_flops(m) -> float:
+    """Model FLOPs of one sequence as NVIDIA/dgxc-benchmarking's READMEs count them ("Notes"): GPT-3 175B
+    (24Lh² + 12Lhs + 48Lh² + 6Vh)·s with V = 51,200; Llama 3.1 (12Lh²(1 + g/a + s/h) + 18LFh + 6Vh)·s."""
+    L, h, s = m.n_layers, m.hidden, m.seq_len
+    if m.name == "gpt3-175b":
+        return s * (24 * L * h * h + 12 * L * h * s + 48 * L * h * h + 6 * 51200 * h)
+    return s * (12 * L * h * h * (1 + m.kv_heads / m.n_heads + s / h) + 18 * L * m.ffn * h + 6 * m.vocab * h)
+
+
+def test_dgx_cloud_rows_agree_with_their_printed_utilisation():
+    # each row's step time, GPU count and global batch reproduce the MFU printed beside the step time (H100 BF16
+    # peak 989 TFLOP/s, the README's own FLOP count): a mistyped figure, batch or GPU count fails here
+    rows = [r for r in runs() if r.source == "NVIDIA DGX Cloud Benchmarking"]
+    assert len(rows) >= 10 and {r.gpu for r in rows} == {"h100-sxm"}
+    for r in rows:
+        step, mfu = _printed_numbers(r.figure)
+        assert r.step_s == step
+        derived = r.training.global_batch * _dgxc_model_flops(r.model) / step / r.cluster.n_gpus / 989e12
+        assert derived == pytest.approx(mfu / 100, abs=0.006), r.label
+        assert r.training.global_batch % (r.layout.dp * r.layout.microbatch_size) == 0
+
+
 def _small():
     """Three sources of fast runs (no long pipelines): enough to exercise the fit and the hold-outs."""
     out = []

@@ -278,8 +278,10 @@ def _torchtitan() -> list[PublishedRun]:
 
 
 def runs() -> list[PublishedRun]:
-    """The whole evaluation set, source by source."""
-    return _narayanan() + _smith() + _nemo() + _bloom() + _mosaic() + _torchtitan()
+    """The whole evaluation set, source by source (the H100 sources of 2024-2025 in ``plan.published_h100``)."""
+    from plait.plan import published_h100  # it builds on this module's PublishedRun
+
+    return _narayanan() + _smith() + _nemo() + _bloom() + _mosaic() + _torchtitan() + published_h100.runs()
 
 
 def sources(rs: list[PublishedRun] | None = None) -> list[str]:
