@@ -9,6 +9,7 @@ import pytest
 
 from plait.plan import estimate
 from plait.plan.published import narayanan_flops, runs, sources
+from plait.plan.published_h100 import chowdhery_flops_per_token
 from plait.plan.validation import fit, leave_one_source_out, matmul_ceiling, predict, with_values
 
 
@@ -40,6 +41,9 @@ def test_step_times_follow_from_the_printed_figures():
                                              / (r.cluster.n_gpus * printed * 1e12))
         elif r.how.endswith("(WPS x 64)"):
             assert r.step_s == pytest.approx(tokens / (printed * 64))
+        elif r.how.startswith("Chowdhery FLOPs per token"):
+            assert r.step_s == pytest.approx(chowdhery_flops_per_token(r.model) * tokens
+                                             / (r.cluster.n_gpus * printed * 1e12))
         else:
             assert r.how == "global batch x seq / tokens per second"
             assert r.step_s == pytest.approx(tokens / printed)
@@ -70,6 +74,18 @@ def test_dgx_cloud_rows_agree_with_their_printed_utilisation():
         derived = r.training.global_batch * _dgxc_model_flops(r.model) / step / r.cluster.n_gpus / 989e12
         assert derived == pytest.approx(mfu / 100, abs=0.006), r.label
         assert r.training.global_batch % (r.layout.dp * r.layout.microbatch_size) == 0
+
+
+def test_llama3_rows_agree_with_their_printed_mfu():
+    # Table 4 prints TFLOPs/GPU and BF16 MFU side by side: both describe the same step (H100 BF16 peak 989 TF);
+    # the global batch is DP x batch size per DP, 16M tokens
+    rows = [r for r in runs() if r.source == "Meta (Llama 3)"]
+    assert len(rows) == 2
+    for r in rows:
+        tflops, mfu = _printed_numbers(r.figure)
+        assert tflops / 989 == pytest.approx(mfu / 100, abs=0.01), r.label
+        assert r.training.global_batch * r.model.seq_len == 16 * 2**20
+        assert r.layout.tp * r.layout.pp * r.layout.dp == r.cluster.n_gpus and r.layout.recompute == "none"
 
 
 def _small():

@@ -1,4 +1,4 @@
-"""Published H100 training runs (2024-2025): NVIDIA's DGX Cloud benchmarking recipes.
+"""Published H100 training runs (2024-2025): NVIDIA's DGX Cloud benchmarking recipes and Meta's Llama 3 report.
 
 Part of the public evaluation set (``plan.published``, where ``PublishedRun`` and the rule live: only figures read
 in a public text, each with where it is printed and how the step time follows from it).
@@ -67,6 +67,53 @@ def _dgx_cloud() -> list[PublishedRun]:
     return out
 
 
+# ---- Meta, Llama 3 405B pre-training (Dubey et al. 2024) -----------------------------------------------------
+# "The Llama 3 Herd of Models" (arXiv 2407.21783), §3.3.2, Table 4 ("Scaling configurations and MFU for each stage
+# of Llama 3 405B pre-training"): GPUs, TP, CP, PP, DP, Seq. Len., Batch size/DP, Tokens/Batch, TFLOPs/GPU, BF16
+# MFU, with MFU as Chowdhery et al. (2023) define it. §3.3.1: H100 80GB, eight per server on NVLink, RoCE with
+# 400 Gbps between GPUs. §3.3.2: FSDP that shards optimizer states and gradients but keeps the weights gathered
+# after the forward; an interleaved schedule whose first chunk on the first stage holds only the embedding and last
+# chunk on the last stage only the output (one layer taken from each): 126 layers + 2 in 16 ranks, one layer per
+# chunk, so V = 8 (plait costs V = 4: it needs a layer in every chunk); "we could pre-train Llama 3 on sequences
+# of 8K tokens without activation checkpointing". The third row (CP 16, 131,072 tokens) stays out: at that length
+# the attention term dominates the FLOP count, and whether it counts the causal half or the full square
+# (Chowdhery et al. count the full square) changes the implied step time by a third; its DP is also printed as 4
+# in one version of the text against 16,384 = 8·16·16·8 GPUs.
+META_WHERE = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Section 3.3.2, Table 4"
+# GPUs, DP, batch size per DP, TFLOPs/GPU and BF16 MFU as printed
+META_ROWS = ((8192, 64, 32, 430, "43%"), (16384, 128, 16, 400, "41%"))
+META_TP, META_PP, META_V = 8, 16, 4
+
+
+def chowdhery_flops_per_token(m: Model) -> float:
+    """Model FLOPs per token as Chowdhery et al. 2023 (PaLM), App. B, count them for MFU: 6N + 12·L·H·Q·T
+    (N parameters, L layers, H heads, Q head size, T sequence length; the attention square counted whole)."""
+    return 6 * m.n_params() + 12 * m.n_layers * m.n_heads * m.head_dim * m.seq_len
+
+
+def _meta() -> list[PublishedRun]:
+    m = Model.preset("llama3-405b")
+    out = []
+    for n, dp, per_dp, tflops, mfu in META_ROWS:
+        batch = dp * per_dp
+        step = chowdhery_flops_per_token(m) * batch * m.seq_len / (n * tflops * 1e12)
+        out.append(PublishedRun(
+            "Meta (Llama 3)", META_WHERE, f"Llama 3 405B on {n} H100", m,
+            Cluster("h100-sxm", n, interconnect="roce-400"),
+            Layout(tp=META_TP, pp=META_PP, dp=dp, virtual_stages=META_V, schedule="interleaved-1f1b",
+                   sequence_parallel=True, zero=1),
+            Training(batch), f"{tflops} TFLOPs/GPU (BF16 MFU {mfu})", step,
+            "Chowdhery FLOPs per token x global batch x seq / (GPUs x TFLOP/s)",
+            ("MFU FLOPs: 6N + 12LHQT per token with N all parameters (embeddings included)",
+             "micro-batch 1 (Batch size/DP = micro-batches per step)",
+             f"V = {META_V}: the text implies 8 (one layer per chunk, embedding and output alone in theirs), "
+             "which plait cannot cut (a layer in every chunk)",
+             "FSDP keeping gathered weights costed as ZeRO-1 (same traffic: reduce-scatter + all-gather)",
+             "sequence parallelism with TP (Korthikanti et al., cited for TP)", "no recomputation (the text)",
+             "NCCLX and E-ECMP tuning not modelled", "TFLOPs/GPU printed to two figures")))
+    return out
+
+
 def runs() -> list[PublishedRun]:
     """The H100 sources of the evaluation set."""
-    return _dgx_cloud()
+    return _dgx_cloud() + _meta()
