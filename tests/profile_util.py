@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from plait.plan.host import shapes
-from plait.plan.host.profile import COLLECTIVES, Curve, HostProfile, Rate, Section, TPBlock
+from plait.plan.host.figures import COLLECTIVES, Curve, Rate, TPBlock
+from plait.plan.host.profile import HostProfile, Section
 
 
 def synthetic_section(p: int, cores: int = 2, block: bool = False) -> Section:

@@ -7,7 +7,8 @@ from plait.plan.costs import StageCosts
 from plait.plan.host import census, shapes
 from plait.plan.host import compute as host_compute
 from plait.plan.host import costs as host_costs
-from plait.plan.host.profile import FORMAT, HostProfile, Rate, Section
+from plait.plan.host.figures import Rate
+from plait.plan.host.profile import FORMAT, HostProfile, Section
 from plait.plan.host.shapes import block_local
 from profile_util import synthetic_profile
 
@@ -65,7 +66,7 @@ def _with_layers(sec: Section, alone: tuple[float, float], shared: tuple[float, 
     give the same layers."""
     from dataclasses import replace
 
-    from plait.plan.host.profile import LAYER
+    from plait.plan.host.figures import LAYER
 
     model = {x: [host_compute.work_costs(census.layer_work(shapes.block_local(b), 4), sec, x, layer=True)
                  for b in shapes.CALIBRATION_BLOCKS] for x in (False, True)}
@@ -115,7 +116,7 @@ def test_selective_recomputation_costs_what_the_calibration_layers_recomputing_t
     profile costs it at; never below 0; a tensor-parallel layer at its own rank's heads."""
     from dataclasses import replace
 
-    from plait.plan.host.profile import SELECTIVE
+    from plait.plan.host.figures import SELECTIVE
 
     base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS)))),
                         (1.2, 1.3), (1.4, 1.5))
@@ -155,7 +156,7 @@ def test_a_tensor_parallel_layer_costs_what_its_compute_twin_measured():
     another group size do not move it."""
     from dataclasses import replace
 
-    from plait.plan.host.profile import COLLECTIVES, Curve, TPBlock
+    from plait.plan.host.figures import COLLECTIVES, Curve, TPBlock
     from plait.plan.model import llama_ffn
 
     base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS)))),
@@ -396,7 +397,7 @@ def _tp_cluster(waits: dict[tuple[int, bool], float | tuple[float, ...]], p: int
     """A section whose TP layers (plait.calibrate.tp_block) took their twin's time, their collectives as the
     curves time them back to back, and ``waits[(group, sp)]`` more per collective (one figure for every
     shape of ``shapes``, or one per shape)."""
-    from plait.plan.host.profile import COLLECTIVES, Curve, TPBlock
+    from plait.plan.host.figures import COLLECTIVES, Curve, TPBlock
 
     base = _section(None)
     curves = {(op, g): Curve((1024.0, 4e6), (1e-4 * g, 1e-4 * g + 4e6 / 1e9))
@@ -523,7 +524,7 @@ def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():
     curves; TP layers): each phase's figures scale by the mean of all the probes over its own speed (rates up, seconds
     down where the phase ran slow), and the profile says how far the speed moved."""
     from plait.calibrate.run import at_mean_speed
-    from plait.plan.host.profile import Curve, TPBlock
+    from plait.plan.host.figures import Curve, TPBlock
 
     base = _section((1e-3, 4e-3), optimizer=2e-9, per_tensor=2e-5)
     four = Section(4, 1, base.rates, OVERHEAD, 1e10, {("all_reduce", 2): Curve((1e3, 1e6), (1e-4, 1e-3))}, 2e-9,
@@ -641,7 +642,7 @@ def test_pipelines_on_a_crowded_host_run_as_slow_as_the_calibrations_pipeline():
 
     from plait.plan.config import Training
     from plait.plan.estimate import estimate
-    from plait.plan.host.profile import COLLECTIVES, Curve
+    from plait.plan.host.figures import COLLECTIVES, Curve
     from plait.plan.host.sharing import handoff
 
     base = _with_layers(_section(tuple(2e-3 * (i + 1) for i in range(len(shapes.CALIBRATION_BLOCKS)))),

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from plait.devices import synchronize
-from plait.plan.host.profile import COLLECTIVES
+from plait.plan.host.figures import COLLECTIVES
 from plait.tensor_parallel import comms
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # bytes of the full tensor (fp32)

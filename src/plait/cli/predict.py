@@ -48,7 +48,7 @@ def host_profile(cfg: TrainConfig, ctx):
     from plait.calibrate import cache_path, host_facts
     from plait.calibrate.run import measure_in_world
     from plait.calibrate.tp_block import group_sizes as tp_group_sizes
-    from plait.plan.host.profile import SELECTIVE
+    from plait.plan.host.figures import SELECTIVE
     from plait.plan.host.shapes import TP_CALIBRATION_BLOCKS
 
     facts = host_facts()

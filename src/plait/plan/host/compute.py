@@ -14,7 +14,8 @@ import math
 
 from plait.plan.costs import StageCosts
 from plait.plan.host import census
-from plait.plan.host.profile import BLOCK, LAYER, SELECTIVE, Rate, Section
+from plait.plan.host.figures import BLOCK, LAYER, SELECTIVE, Rate
+from plait.plan.host.profile import Section
 from plait.plan.host.shapes import CALIBRATION_BLOCKS, block_local
 
 # A calibration block's time beyond its GEMMs and attention is floored at this share of what the kernel mix
