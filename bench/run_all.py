@@ -1,7 +1,7 @@
 """Run the user benchmarks of bench/ one after another (each prints its table and JSON): ``make bench``.
 
-The benchmarks left out run on their own (bench/README.md): ``scale.py`` needs most of a 24 GiB machine,
-``gpu_check.py`` a GPU (``make gpu-check``), and ``bench/planner/`` many minutes of a calibrated host.
+The benchmarks left out run on their own (bench/README.md): ``gpu_check.py`` needs a GPU (``make gpu-check``),
+``bench/planner/`` many minutes of a calibrated host.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 # (script, arguments) in the order they run
 ORDER: list[tuple[str, list[str]]] = [
     ("sim.py", []), ("plan.py", []), ("tp.py", []), ("pipeline.py", []), ("optim.py", []), ("experts.py", []),
-    ("context.py", []), ("data.py", []), ("generate.py", []), ("serve.py", []), ("serve_policy.py", []),
+    ("context.py", []), ("data.py", []), ("generate.py", []), ("serve.py", []),
     ("recovery.py", ["stall"]),
 ]
 #: scripts of bench/ that run_all does not run, and why
 LEFT_OUT = {"run_all.py": "this runner", "pipeline_floor.py": "the workload pipeline.py imports",
-            "scale.py": "needs ~22 GiB of memory", "gpu_check.py": "needs a GPU: make gpu-check"}
+            "gpu_check.py": "needs a GPU: make gpu-check"}
 
 
 def main() -> int:
