@@ -305,7 +305,10 @@ class MemoryStatement:
 
 
 def memory_statements() -> list[MemoryStatement]:
-    """Published fit / out-of-memory statements the memory model is checked against."""
+    """Published fit / out-of-memory statements the memory model is checked against (the H100 sources' in
+    ``plan.published_memory``)."""
+    from plait.plan import published_memory  # it builds on this module's MemoryStatement
+
     m = gpt(105, 20480, 128)
     printed = ("The 530-billion-parameter GPT model did not fit on 560 GPUs when using a microbatch size of 4 with "
                "ZeRO-3, so we increased the number of GPUs used to 640 and global batch size to 2560")
@@ -317,4 +320,4 @@ def memory_statements() -> list[MemoryStatement]:
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
             Layout(dp=n, microbatch_size=4, recompute="full", zero=3),
             Training(batch), fits, printed))
-    return out
+    return out + published_memory.fit_statements()

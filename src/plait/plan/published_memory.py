@@ -1,0 +1,175 @@
+"""Published memory figures and fit statements the planner's memory model (``plan.memory``) is checked against.
+
+Two kinds: byte counts a paper prints for one GPU (ZeRO's model states, Korthikanti et al.'s activations per
+layer), which the planner's own terms must reproduce; and statements that a published layout fitted in its GPUs
+(``plan.published.MemoryStatement``). As in ``plan.published``: only figures read in a public text, each with
+where it is printed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training
+from plait.plan.memory import state_bytes
+from plait.plan.model import Model
+from plait.plan.published import MemoryStatement, gpt
+from plait.plan.published_h100 import DGXC_WHERE, META_PP, META_ROWS, META_TP, META_V, META_WHERE, dgxc_model
+
+
+@dataclass(frozen=True)
+class ByteFigure:
+    """Bytes on one GPU as a paper prints them, and what the planner counts for the same setup.
+
+    ``kind``: "model states" (weights, gradients and optimizer state of ``params`` parameters, no pipeline or
+    tensor parallelism: ``plan.memory.state_bytes`` scaled from ``model`` to ``params``) or "layer activations"
+    (one layer's stored activations for one micro-batch, the cost model's count for ``cluster``).
+    """
+
+    source: str
+    where: str
+    label: str
+    kind: str
+    printed: str  # as printed
+    published: float  # bytes the printed figure states
+    model: Model
+    layout: Layout
+    cluster: Cluster
+    params: float = 0.0
+    tolerance: float = 0.02  # relative: the printed figures are rounded to two or three digits
+
+    def planner(self) -> float:
+        """The planner's bytes for this figure."""
+        if self.kind == "model states":
+            per_param = sum(state_bytes(self.model, self.layout, self.model.n_layers, True, True)) / \
+                self.model.n_params()
+            return per_param * self.params
+        return self.cluster.costs.activations(self.model, self.layout, "bf16").layer
+
+    @property
+    def agrees(self) -> bool:
+        return abs(self.planner() / self.published - 1) <= self.tolerance
+
+
+# ---- Rajbhandari et al. 2020 (ZeRO), Figure 1 ---------------------------------------------------------------
+# Per-device model states of a Ψ = 7.5B model under data parallelism of Nd = 64 with mixed-precision Adam (K = 12):
+# baseline (2 + 2 + K)Ψ = 120GB, P_os 4Ψ + KΨ/Nd = 31.4GB, P_os+g 2Ψ + (2 + K)Ψ/Nd = 16.6GB, P_os+g+p
+# (2 + 2 + K)Ψ/Nd = 1.9GB (the figure and its caption; the same 7.5B, Nd = 64 column of Table 1 prints 31.4,
+# 16.6 and 1.88). ZeRO counts 2-byte (fp16) gradients; plait counts the 4-byte fp32 accumulators Megatron-LM and
+# plait's runtime keep (``plan.memory.STATE_BYTES``), so the stages that keep whole gradients differ by 2Ψ.
+ZERO_WHERE = "Rajbhandari et al. 2020 (ZeRO, SC'20), Figure 1 and caption (Psi = 7.5B, K = 12, Nd = 64)"
+ZERO_FIGURES = ((0, "baseline", "120GB", 120e9), (1, "P_os", "31.4GB", 31.4e9), (2, "P_os+g", "16.6GB", 16.6e9),
+                (3, "P_os+g+p", "1.9GB", 1.9e9))
+
+
+def _zero() -> list[ByteFigure]:
+    m = gpt(32, 4096, 32, name="gpt-6.7b")  # any model: model-state bytes scale with the parameter count
+    return [ByteFigure("Rajbhandari et al. 2020 (ZeRO)", ZERO_WHERE, f"7.5B parameters, DP 64, {stage}",
+                       "model states", printed, value, m, Layout(dp=64, zero=zero), Cluster("a100-80gb", 64),
+                       params=7.5e9, tolerance=0.03 if zero == 3 else 0.02)
+            for zero, stage, printed, value in ZERO_FIGURES]
+
+
+# ---- Korthikanti et al. 2022, §4 and Table 2 -----------------------------------------------------------------
+# Activation bytes per transformer layer (16-bit, dropout, MHA, 4h GELU MLP; s sequence, b micro-batch, h hidden,
+# a heads, t tensor-parallel size): sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) with tensor
+# parallelism; sbh(34/t + 5as/(ht)) with tensor and sequence parallelism; selective recomputation drops the 5as/h
+# term; full recomputation keeps the layer input, 2sbh. Evaluated for GPT-3 175B (s = 2048, b = 1, h = 12288,
+# a = 96) at t = 8 on an unfused (non-flash) attention, as the paper's runs had.
+KORTHIKANTI_WHERE = ("Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models "
+                     "(arXiv 2205.05198), Section 4 and Table 2")
+# (label, formula as printed, tp, sequence parallel, recompute)
+KORTHIKANTI_FORMULAS = (
+    ("no parallelism", "sbh(34 + 5as/h)", 1, False, "none"),
+    ("tensor parallel", "sbh(10 + 24/t + 5as/(ht))", 8, False, "none"),
+    ("tensor + sequence parallel", "sbh(34/t + 5as/(ht))", 8, True, "none"),
+    ("tensor parallel + selective recompute", "sbh(10 + 24/t)", 8, False, "selective"),
+    ("tensor + sequence parallel + selective recompute", "sbh(34/t)", 8, True, "selective"),
+    ("full recompute", "sbh(2)", 8, False, "full"),
+)
+
+
+def korthikanti_bytes(formula: str, s: int, b: int, h: int, a: int, t: int) -> float:
+    """A Table 2 formula evaluated (its terms spelt as printed)."""
+    sbh = s * b * h
+    score = 5 * a * s / h
+    body = {"sbh(34 + 5as/h)": 34 + score, "sbh(10 + 24/t + 5as/(ht))": 10 + 24 / t + score / t,
+            "sbh(34/t + 5as/(ht))": 34 / t + score / t, "sbh(10 + 24/t)": 10 + 24 / t,
+            "sbh(34/t)": 34 / t, "sbh(2)": 2}[formula]
+    return sbh * body
+
+
+def _korthikanti() -> list[ByteFigure]:
+    m = gpt(96, 12288, 96, name="gpt3-175b")
+    out = []
+    for label, formula, t, sp, rc in KORTHIKANTI_FORMULAS:
+        value = korthikanti_bytes(formula, m.seq_len, 1, m.hidden, m.n_heads, t)
+        out.append(ByteFigure("Korthikanti et al. 2022", KORTHIKANTI_WHERE, f"GPT-3 175B layer, {label}",
+                              "layer activations", formula, value, m,
+                              Layout(tp=t, dp=8 // t, sequence_parallel=sp, recompute=rc),
+                              Cluster("a100-80gb", 8, flash_attention=False), tolerance=1e-9))
+    return out
+
+
+def byte_figures() -> list[ByteFigure]:
+    """Every published byte count the memory model is checked against."""
+    return _zero() + _korthikanti()
+
+
+# ---- Statements that a published layout fitted ---------------------------------------------------------------
+# Meta (Llama 3), §3.3.2: "With these optimizations, we could pre-train Llama 3 on sequences of 8K tokens without
+# activation checkpointing" (Table 4's 8K rows; their pipeline schedule with a tunable number of micro-batches per
+# round and tensors freed early, which plait's interleaved 1F1B does not model). NVIDIA DGX Cloud Benchmarking
+# READMEs: "Training of this ...-billion parameter variant of the workload will not fit on fewer GPUs with less
+# memory" beside the smallest scale of each model's layout table (H100 80GB, BF16).
+DGXC_V24_WHERE = "NVIDIA/dgxc-benchmarking {path} (commit 35a9aecc, v24.11.1), minimum scale and layout"
+# (model, where, GPUs, TP, PP, CP, VP, GBS, the statement as printed)
+DGXC_FITS = (
+    ("llama3-8b", DGXC_WHERE.format(path="llama3.1/README.md", table="minimum scale and layout table"),
+     8, 1, 1, 2, 1, 128, "The training of smaller 8-billion parameter variant of the workload will not fit on "
+     "fewer GPUs with lesser memory"),
+    ("gpt3-175b", DGXC_WHERE.format(path="nemo_megatron/README_175b.md", table="minimum scale and layout table"),
+     128, 4, 8, 1, 6, 256, "At least 128 GPUs with at least 80 GB memory each. Training of this 175-billion "
+     "parameter variant of the workload will not fit on fewer GPUs with less memory."),
+    ("llama3-70b", DGXC_V24_WHERE.format(path="llama3.1/README_70b.md"), 64, 4, 4, 2, 5, 128,
+     "At least 64 GPUs with at least 80 GB memory each. Training of this 70-billion parameter variant of the "
+     "workload will not fit on fewer GPUs with less memory."),
+    ("llama3-405b", DGXC_V24_WHERE.format(path="llama3.1/README_405b.md"), 576, 8, 9, 2, 7, 252,
+     "At least 576 GPUs with at least 80 GB memory each. Training of this 405-billion parameter variant of the "
+     "workload will not fit on fewer GPUs with less memory."),
+)
+
+
+def fit_statements() -> list[MemoryStatement]:
+    """Published statements that a layout fitted, beyond Narayanan et al.'s (``plan.published``)."""
+    out = []
+    llama = Model.preset("llama3-405b")
+    for n, dp, per_dp, *_ in META_ROWS:
+        out.append(MemoryStatement(
+            "Meta (Llama 3)", META_WHERE + "; Section 3.3.2 (pipeline parallelism improvements)",
+            f"Llama 3 405B, TP{META_TP} PP{META_PP} DP{dp}, 8K tokens, no activation checkpointing, {n} H100", llama,
+            Cluster("h100-sxm", n, interconnect="roce-400"),
+            Layout(tp=META_TP, pp=META_PP, dp=dp, virtual_stages=META_V, schedule="interleaved-1f1b",
+                   sequence_parallel=True, zero=1),
+            Training(dp * per_dp), True, "we could pre-train Llama 3 on sequences of 8K tokens without activation "
+            "checkpointing"))
+    for name, where, n, tp, pp, cp, vp, gbs, printed in DGXC_FITS:
+        m = dgxc_model(name)
+        out.append(MemoryStatement(
+            "NVIDIA DGX Cloud Benchmarking", where, f"{m.name} TP{tp} PP{pp} CP{cp} VP{vp} on {n} H100 80GB", m,
+            Cluster("h100-sxm", n),
+            Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=1,
+                   schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1, zero=1),
+            Training(gbs), True, printed))
+    return out
+
+
+def format_byte_figures(figures: list[ByteFigure] | None = None) -> str:
+    """One line per published byte count: printed, the planner's, and whether they agree."""
+    lines = []
+    for f in figures if figures is not None else byte_figures():
+        p = f.planner()
+        lines.append(f"{f.label}: published {f.printed} = {f.published / 1e9:.3f} GB; planner {p / 1e9:.3f} GB "
+                     f"({100 * (p / f.published - 1):+.1f}%) -> {'agrees' if f.agrees else 'DISAGREES'} ({f.where})")
+    return "\n".join(lines)
