@@ -207,3 +207,18 @@ def test_fit_statements_are_complete_and_estimable():
     meta = [s for s in rows if s.source == "Meta (Llama 3)"]
     assert all(s.fits and s.layout.recompute == "none" and "without activation checkpointing" in s.printed
                for s in meta)
+
+
+def test_torchtitan_peak_memory_drop_is_the_sharded_model_states():
+    # the two measured peaks differ only in the FSDP shard count (8 -> 128 GPUs); the planner's drop is its ZeRO-3
+    # states, 16 B per parameter (float32 shard, gradient and two moments) times (1/8 - 1/128), within 12% of it
+    from plait.plan.published_memory import byte_figures
+
+    rows = {f.layout.dp: f for f in byte_figures() if f.kind == "peak memory"}
+    assert set(rows) == {8, 128}
+    printed_drop = rows[8].published - rows[128].published
+    planner_drop = rows[8].planner() - rows[128].planner()
+    n = rows[8].model.n_params()
+    assert planner_drop == pytest.approx(16 * n * (1 / 8 - 1 / 128), rel=0.01)
+    assert planner_drop == pytest.approx(printed_drop, rel=0.12)
+    assert all(f.published == float(_printed_numbers(f.printed)[0]) * 2**30 for f in rows.values())

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
+from plait.plan.estimate import estimate
 from plait.plan.memory import state_bytes
 from plait.plan.model import Model
 from plait.plan.published import MemoryStatement, gpt
@@ -23,8 +24,9 @@ class ByteFigure:
     """Bytes on one GPU as a paper prints them, and what the planner counts for the same setup.
 
     ``kind``: "model states" (weights, gradients and optimizer state of ``params`` parameters, no pipeline or
-    tensor parallelism: ``plan.memory.state_bytes`` scaled from ``model`` to ``params``) or "layer activations"
-    (one layer's stored activations for one micro-batch, the cost model's count for ``cluster``).
+    tensor parallelism: ``plan.memory.state_bytes`` scaled from ``model`` to ``params``), "layer activations"
+    (one layer's stored activations for one micro-batch, the cost model's count for ``cluster``) or "peak memory"
+    (a measured peak of the most loaded GPU against ``estimate``'s total for ``training``).
     """
 
     source: str
@@ -38,6 +40,7 @@ class ByteFigure:
     cluster: Cluster
     params: float = 0.0
     tolerance: float = 0.02  # relative: the printed figures are rounded to two or three digits
+    training: Training | None = None
 
     def planner(self) -> float:
         """The planner's bytes for this figure."""
@@ -45,6 +48,8 @@ class ByteFigure:
             per_param = sum(state_bytes(self.model, self.layout, self.model.n_layers, True, True)) / \
                 self.model.n_params()
             return per_param * self.params
+        if self.kind == "peak memory" and self.training is not None:
+            return estimate(self.model, self.cluster, self.layout, self.training).memory.total
         return self.cluster.costs.activations(self.model, self.layout, "bf16").layer
 
     @property
@@ -112,9 +117,30 @@ def _korthikanti() -> list[ByteFigure]:
     return out
 
 
+# ---- torchtitan, Llama 3.1 8B on H100 (measured peak memory) -----------------------------------------------------
+# pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bfd): Tables 1 and 3, "FSDP" rows
+# (bf16, no torch.compile, no Float8): Llama 3.1 8B, local batch size 2, selective activation checkpointing,
+# Memory(GiB) 82.4 on 8 GPUs and 67.0 on 128 ("the maximum across all GPUs"; H100 96GB HBM2e). The torchtitan
+# commit it names (9dec370) trains the 8B config at seq_len 8192 with selective_ac_option 'op'
+# (train_configs/llama3_8b.toml). That selective checkpointing (per op: matmul outputs kept, the rest
+# recomputed) is not plait's (attention scores only, none with a fused attention), so the planner's count is the
+# one without it; the two rows differ by the sharded model states alone.
+TITAN_H100_WHERE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bfd), Table {table}"
+TITAN_H100_ROWS = ((1, 8, "82.4"), (3, 128, "67.0"))  # table, GPUs, Memory(GiB) as printed
+
+
+def _titan_h100() -> list[ByteFigure]:
+    m = Model.preset("llama3-8b")
+    return [ByteFigure("torchtitan", TITAN_H100_WHERE.format(table=table), f"Llama 3.1 8B FSDP on {n} H100, "
+                       "local batch 2, peak", "peak memory", f"Memory(GiB) {gib}", float(gib) * 2**30, m,
+                       Layout(dp=n, microbatch_size=2, recompute="selective", zero=3), Cluster("h100-sxm", n),
+                       tolerance=0.1, training=Training(2 * n))
+            for table, n, gib in TITAN_H100_ROWS]
+
+
 def byte_figures() -> list[ByteFigure]:
     """Every published byte count the memory model is checked against."""
-    return _zero() + _korthikanti()
+    return _zero() + _korthikanti() + _titan_h100()
 
 
 # ---- Statements that a published layout fitted ---------------------------------------------------------------
