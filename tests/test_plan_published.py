@@ -20,8 +20,10 @@ def _number(text: str) -> float:
 
 def test_evaluation_set_counts_and_fields():
     rs = runs()
-    assert len(rs) >= 25 and len(sources(rs)) >= 6
+    assert len(rs) >= 25 and len(sources(rs)) >= 8
     assert {r.gpu for r in rs} >= {"a100-80gb", "h100-sxm"}
+    h100_sources = {r.source for r in rs if r.gpu == "h100-sxm"}
+    assert len(h100_sources) >= 3 and sum(r.gpu == "h100-sxm" for r in rs) >= 20
     for r in rs:
         assert r.source and r.where and r.figure and r.how and r.step_s > 0
         assert r.layout.world == r.cluster.n_gpus

@@ -42,12 +42,12 @@ def _tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
 
 
 # ---- Narayanan et al. 2021 (SC'21), Table 1 ---------------------------------------------------------------
-# Figures: the table as printed in NVIDIA/Megatron-LM README, images/cases_april2021.png (commit 50a4b5fa,
-# 2021-04-08; the paper's Table 1). Layouts: the paper's own launch script, NVIDIA/Megatron-LM
+# Figures: the paper's Table 1 (arXiv 2104.04473), the same table as NVIDIA/Megatron-LM README
+# images/cases_april2021.png (commit 50a4b5fa, 2021-04-08). Layouts: the paper's own launch script, NVIDIA/Megatron-LM
 # examples/sc21/run_table_1.sh (commit de7dc40f): TP, PP, micro-batch, global batch, layers, hidden, heads,
 # --checkpoint-activations, --num-layers-per-virtual-pipeline-stage, DDP impl; CONFIG.sh: seq 2048, fp16.
-NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21), Table 1, as printed in NVIDIA/Megatron-LM README "
-                   "images/cases_april2021.png; layouts from examples/sc21/run_table_1.sh")
+NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1 (also NVIDIA/Megatron-LM README "
+                   "images/cases_april2021.png); layouts from examples/sc21/run_table_1.sh")
 # (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
 #  TFLOP/s per GPU as printed)
 NARAYANAN_TABLE1 = (
@@ -59,12 +59,12 @@ NARAYANAN_TABLE1 = (
 )
 
 
-# Same paper, Table 2 (PTD parallelism against ZeRO-3 without model parallelism), as printed in cli99/llm-analysis
-# figures/megatron-lm-2nd-table-2.png: (scheme, parameters, model-parallel size, batch, GPUs, micro-batch,
+# Same paper, Table 2 (PTD parallelism against ZeRO-3 without model parallelism; also cli99/llm-analysis
+# figures/megatron-lm-2nd-table-2.png): (scheme, parameters, model-parallel size, batch, GPUs, micro-batch,
 # TFLOP/s per GPU). Model-parallel 96 is t8 p12 for 174.6B, 280 is t8 p35 for 529.6B (cli99/llm-analysis
 # examples/megatron-lm/run_train.sh).
-NARAYANAN_T2_WHERE = ("Narayanan et al. 2021 (SC'21), Table 2, as printed in cli99/llm-analysis "
-                      "figures/megatron-lm-2nd-table-2.png")
+NARAYANAN_T2_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 2 (also cli99/llm-analysis "
+                      "figures/megatron-lm-2nd-table-2.png)")
 NARAYANAN_TABLE2 = (
     ("ZeRO-3", 174.6, 1, 1536, 384, 4, 144), ("ZeRO-3", 174.6, 1, 1536, 768, 2, 88),
     ("ZeRO-3", 174.6, 1, 1536, 1536, 1, 44), ("ZeRO-3", 529.6, 1, 2560, 640, 4, 138),
