@@ -76,7 +76,7 @@ RULES = [
     (("plait.schedules",), ("plait.sim", "plait.plan") + RUNTIME + APPS, (), "a schedule is data"),
     (("plait.sim",), ("plait.plan",) + RUNTIME + APPS, (), "the simulator runs schedules, nothing else"),
     (("plait.plan",), RUNTIME + ("plait.models", "plait.calibrate", "plait.generation", "plait.serve",
-                                 "plait.cli", "plait.checkpoint", "plait.data"), BALANCE,
+                                 "plait.cli", "plait.checkpoint", "plait.data", "plait.train"), BALANCE,
      "the planner is pure: it reads a measured host's profile, it does not measure"),
     (MODEL_DEFINITIONS, RUNTIME + APPS + ("plait.plan", "plait.calibrate", "plait.parallel_config"), (),
      "model definitions know nothing of parallelism: a layout is applied from outside"),

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError
+from plait.model_presets import PRESETS as TRAIN_PRESETS
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,6 @@ class Model:
     def preset(cls, name: str, seq_len: int | None = None) -> Model:
         """A published model by name (see ``PRESETS``), or one of ``plait train``'s own presets (``tiny``,
         ``small``: see ``from_llama_config``); ``seq_len`` overrides its training length."""
-        from plait.train.config import PRESETS as TRAIN_PRESETS  # plain dicts, no torch
-
         key = name.lower()
         if key in TRAIN_PRESETS:
             return cls.from_llama_config(TRAIN_PRESETS[key], seq_len, name=key)

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
 
 from plait.errors import ConfigError
+from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
 
-# byte-level presets (vocabulary 256); max_seq_len bounds --seq-len
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 512},
-    "small": {"vocab_size": 256, "dim": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "max_seq_len": 1024},
-}
 NONFINITE_POLICIES = ("stop", "skip")
 
 
