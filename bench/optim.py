@@ -12,8 +12,10 @@ machine's load hits them alike; ratios against ZeRO-0. Also the cost of the save
 (``train_step(measure_memory=True)`` against False, alternated). Prints a table and JSON. Not a test.
 
 ``python bench/optim.py --zero3``: plait ZeRO-1/2/3 beside torch FSDP2 (``fully_shard`` per decoder layer and
-on the root) on the same Llama, dp2 and dp4, fp32, Gloo, stepped in turn: step time and peak bytes per rank as
-ratios to FSDP2 (``zero3_main``).
+on the root) on the same Llama, dp2 and dp4, one and two micro-batches per step, fp32, Gloo, stepped in turn:
+step time and peak bytes per rank as ratios to FSDP2 (``zero3_main``). Peak bytes: the most of ``PEAK_STEPS``
+steps per peer (stepped in turn; the lowest beside it), each the bytes held between steps plus the most malloc'd
+bytes above them after any op of the step.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def main() -> None:
 
 
 # ----------------------------------------------------------------------------- ZeRO-3 beside torch FSDP2
-ZERO3_STEPS, ZERO3_WARM = 10, 2
+ZERO3_STEPS, ZERO3_WARM, PEAK_STEPS = 10, 2, 3
 ADAMW = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 
@@ -207,9 +209,10 @@ def _step_peak(step) -> int:
     return Peak.peak - base
 
 
-def _fsdp2(cfg, dp: int):
+def _fsdp2(cfg, dp: int, microbatches: int):
     """The peer: the same Llama (same seed) with torch's ``fully_shard`` on each decoder layer and on the root
-    (embedding, final norm, head), AdamW over the DTensor shards, torch's clip_grad_norm_."""
+    (embedding, final norm, head), AdamW over the DTensor shards, torch's clip_grad_norm_; ``microbatches``
+    backward passes per step (each reduce-scatters, FSDP2's default), each of the mean loss over its rows / M."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -228,8 +231,8 @@ def _fsdp2(cfg, dp: int):
                             betas=ADAMW["betas"], eps=ADAMW["eps"])  # plait's decay groups: no decay on norms
 
     def step(x, y) -> float:
-        loss = model.loss(x, y)
-        loss.backward()
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            (model.loss(xm, ym) / microbatches).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -244,7 +247,7 @@ def _fsdp2(cfg, dp: int):
     return step, held
 
 
-def _plait(ctx, cfg, zero: int):
+def _plait(ctx, cfg, zero: int, microbatches: int):
     import torch
 
     import plait
@@ -252,7 +255,7 @@ def _plait(ctx, cfg, zero: int):
     from plait.optim import build_optimizer
 
     torch.manual_seed(0)
-    pm = plait.parallelize(Llama(cfg), ctx, microbatches=1, zero=zero)
+    pm = plait.parallelize(Llama(cfg), ctx, microbatches=microbatches, zero=zero)
     opt = build_optimizer(pm, lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"], zero=zero, clip=1.0,
                           betas=ADAMW["betas"], eps=ADAMW["eps"])
 
@@ -268,15 +271,15 @@ def _plait(ctx, cfg, zero: int):
     return step, held
 
 
-def zero3_rank(dp: int) -> dict:
-    """plait ZeRO-1/2/3 and FSDP2 on ``dp`` ranks, fp32, one micro-batch, stepped in turn (ABCD...)."""
+def zero3_rank(dp: int, microbatches: int) -> dict:
+    """plait ZeRO-1/2/3 and FSDP2 on ``dp`` ranks, fp32, ``microbatches`` per step, stepped in turn (ABCD...)."""
     import plait
     from plait.models import LlamaConfig
 
     cfg = LlamaConfig(**CFG)
     ctx = plait.init(tp=1, pp=1, dp=dp)
-    peers = {f"plait zero{z}": _plait(ctx, cfg, z) for z in (1, 2, 3)}
-    peers["torch FSDP2"] = _fsdp2(cfg, dp)
+    peers = {f"plait zero{z}": _plait(ctx, cfg, z, microbatches) for z in (1, 2, 3)}
+    peers["torch FSDP2"] = _fsdp2(cfg, dp, microbatches)
     x, y = _batch(ctx, cfg)
     times: dict[str, list[float]] = {k: [] for k in peers}
     norms: dict[str, list[float]] = {k: [] for k in peers}
@@ -285,12 +288,13 @@ def zero3_rank(dp: int) -> dict:
             t0 = time.perf_counter()
             norms[name].append(step(x, y))
             times[name].append(time.perf_counter() - t0)
-    out = {}
-    for name, (step, held) in peers.items():
-        resting = held()
-        out[name] = {"step_ms": 1e3 * statistics.median(times[name][ZERO3_WARM:]), "held": resting,
-                     "peak": resting + _step_peak(lambda step=step: step(x, y)), "norms": norms[name][:3]}
-    return out
+    peaks: dict[str, list[int]] = {k: [] for k in peers}
+    for _ in range(PEAK_STEPS):  # in turn too: a collective's buffers in flight differ a little from step to step
+        for name, (step, held) in peers.items():
+            peaks[name].append(held() + _step_peak(lambda step=step: step(x, y)))
+    return {name: {"step_ms": 1e3 * statistics.median(times[name][ZERO3_WARM:]), "held": held(),
+                   "peak": max(peaks[name]), "peak_min": min(peaks[name]), "norms": norms[name][:3]}
+            for name, (_, held) in peers.items()}
 
 
 def zero3_main() -> None:
@@ -301,20 +305,22 @@ def zero3_main() -> None:
 
     load = os.getloadavg()[0]
     rows = []
-    for dp in (2, 4):
-        per_rank = run_world(zero3_rank, dp, dp, timeout_s=1200)
+    for dp, mb in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        per_rank = run_world(zero3_rank, dp, dp, mb, timeout_s=1200)
         for name in per_rank[0]:
             ranks = [r[name] for r in per_rank]
-            rows.append({"dp": dp, "peer": name, "step_ms": max(r["step_ms"] for r in ranks),
+            rows.append({"dp": dp, "mb": mb, "peer": name, "step_ms": max(r["step_ms"] for r in ranks),
                          "held": max(r["held"] for r in ranks), "peak": max(r["peak"] for r in ranks),
+                         "peak_min": max(r["peak_min"] for r in ranks),
                          "norms": ranks[0]["norms"]})
-    print(f"{'dp':>3}  {'peer':<13}{'step':>9}{'vs FSDP2':>10}{'held MB':>9}{'peak MB':>9}{'vs FSDP2':>10}  "
-          f"first gradient norms")
+    print(f"{'dp':>3}{'mb':>3}  {'peer':<13}{'step':>9}{'vs FSDP2':>10}{'held MB':>9}{'peak MB':>9}{'vs FSDP2':>10}"
+          f"{'lowest':>8}  first gradient norms")
     for r in rows:
-        peer = next(q for q in rows if q["dp"] == r["dp"] and q["peer"] == "torch FSDP2")
+        peer = next(q for q in rows if (q["dp"], q["mb"]) == (r["dp"], r["mb"]) and q["peer"] == "torch FSDP2")
         r["time_vs_fsdp2"], r["peak_vs_fsdp2"] = r["step_ms"] / peer["step_ms"], r["peak"] / peer["peak"]
-        print(f"{r['dp']:>3}  {r['peer']:<13}{r['step_ms']:>6.0f} ms{r['time_vs_fsdp2']:>9.2f}x"
-              f"{r['held'] / 2**20:>9.2f}{r['peak'] / 2**20:>9.2f}{r['peak_vs_fsdp2']:>9.2f}x  "
+        print(f"{r['dp']:>3}{r['mb']:>3}  {r['peer']:<13}{r['step_ms']:>6.0f} ms{r['time_vs_fsdp2']:>9.2f}x"
+              f"{r['held'] / 2**20:>9.2f}{r['peak'] / 2**20:>9.2f}{r['peak_vs_fsdp2']:>9.2f}x"
+              f"{r['peak_min'] / 2**20:>8.2f}  "
               + " ".join(f"{n:.5f}" for n in r["norms"]))
     print(f"load average at start: {load:.1f}, at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(json.dumps({"config": CFG, "batch": BATCH, "steps": ZERO3_STEPS, "rows": rows, "load": load}, indent=1))

@@ -32,6 +32,26 @@ def held(ctx, **kw) -> dict:
             "model_params": sum(p.numel() for p in Llama(cfg_for(**kw.get("cfg", {}))).parameters())}
 
 
+def grads_at_launch(ctx) -> dict:
+    """Full (unsharded) gradient bytes alive whenever a bucket's reduce-scatter starts, over 2 steps of 2
+    micro-batches: the launching bucket's own gradients only, never another block's, an earlier micro-batch's
+    or a full input still in flight."""
+    pm, opt = build(ctx, {}, zero=3)
+    (reducer,) = pm.reducers.values()
+    launch, seen = reducer._launch, []
+
+    def spy(b) -> None:
+        others = sum(p.grad.nbytes for q in reducer.buckets if q is not b for p in q.params if p.grad is not None)
+        others += sum(q.buffer.nbytes for q in reducer.buckets if q.buffer is not None)
+        seen.append((others, sum(p.grad.nbytes for p in b.params if p.grad is not None), 4 * b.numel))
+        launch(b)
+
+    reducer._launch = spy
+    train(ctx, pm, opt, range(2), cfg_for().vocab_size)
+    return {"launches": len(seen), "expected": 2 * pm.microbatches * len(reducer.buckets),
+            "others_max": max(o for o, _, _ in seen), "own_complete": all(own == n for _, own, n in seen)}
+
+
 def resume_exact(ctx) -> dict:
     """3 steps, save the model (full state) and each rank's optimizer state, rebuild, load, 2 more steps: the
     same bits as 5 uninterrupted steps; and within rounding of one device."""
@@ -124,6 +144,7 @@ def rank_main(root: str) -> dict:
     checks = [
         ("dp4", lambda: held(dp4)),
         ("tp2dp2/sp", lambda: held(tp2dp2, sp=True)),
+        ("dp4/grads-at-launch", lambda: grads_at_launch(dp4)),
         ("dp4/selective", lambda: compare(dp4, zero=3, recompute="selective")),
         ("dp4/full/tied", lambda: compare(dp4, zero=3, recompute="full", cfg={"tie_embeddings": True})),
         ("tp2dp2ep2/moe", lambda: compare(moe, zero=3, cfg={"n_experts": 4, "top_k": 2})),

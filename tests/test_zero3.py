@@ -56,6 +56,15 @@ def test_parameters_held_between_steps_are_one_over_tp_dp(world4, case, tp, dp):
                                                                                         dp * r["n_param_buckets"])
 
 
+def test_gradients_reduced_per_block_and_micro_batch(world4):
+    """Each micro-batch's backward reduce-scatters every block as soon as its gradients are complete, straight from
+    ``.grad``: when a reduction starts only that block's gradients are whole (FSDP2's bound, never full gradients
+    of several blocks or micro-batches)."""
+    for rank, r in enumerate(result(world4, "dp4/grads-at-launch")):
+        assert r["launches"] == r["expected"], (rank, r)
+        assert r["others_max"] == 0 and r["own_complete"], (rank, r)
+
+
 def test_resume_is_exact(world4):
     for rank, r in enumerate(result(world4, "tp2dp2/sp/resume")):
         assert r["identical"] and r["steps"] == 5 and r["param_rel_max"] <= PARAM_TOL, (rank, r)

@@ -19,6 +19,7 @@ from plait import devices, memory, weight_grad
 from plait.context_parallel import gather_sequence, shard_sequence
 from plait.data_parallel.param_shards import ParamShards, block_units, gathered_grads
 from plait.data_parallel.reducer import Bucket, GradReducer
+from plait.data_parallel.zero3_reducer import Zero3Reducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import plain_state_keys
@@ -101,7 +102,7 @@ class ParallelModel:
             for p in self.chunks[c].parameters():
                 owner[id(p)], params[id(p)] = c, p
         if self.config.zero == 3:  # a bucket per block and group: the units parameters are gathered in
-            return {c: GradReducer([], self.ctx, units=block_units(chunk)) for c, chunk in self.chunks.items()}
+            return {c: Zero3Reducer(block_units(chunk), self.ctx) for c, chunk in self.chunks.items()}
         alone = frozenset(id(p) for p, _ in self.ties.pairs)  # tied copies: a bucket each (shards line up)
         return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, alone=alone)
                 for c in self.chunks}
@@ -112,9 +113,10 @@ class ParallelModel:
             raise ConfigError(f"zero=3 runs one chunk per rank without split backward passes; schedule "
                               f"{self.config.schedule!r} has {len(self.chunks)} chunks here: use 1f1b or gpipe")
         (c, chunk), = self.chunks.items()
-        self.reducers[c].set_mode("reduce-scatter-free")
+        reducer = self.reducers[c]
+        assert isinstance(reducer, Zero3Reducer)
         self.cast.set_gathered(self.cast.precision)  # weights gathered in the compute dtype: no per-step copy
-        return ParamShards(chunk, self.reducers[c], self.cast.dtype or torch.float32)
+        return ParamShards(chunk, reducer, self.cast.dtype or torch.float32)
 
     def full_parameters(self, gather: bool = True, write_back: bool = False) -> AbstractContextManager:
         """Under ZeRO-3, every local parameter whole in float32 for the duration of a ``with`` block (``gather``:
@@ -133,8 +135,6 @@ class ParallelModel:
         "all-reduce" (the default: ``.grad`` holds the sum), "reduce-scatter" (ZeRO-1) or
         "reduce-scatter-free" (ZeRO-2): each DP rank then holds only the sum of its shard of every bucket
         (``grad_buckets``). A sharded optimizer (plait.optim.ParallelOptimizer) sets it."""
-        if self.param_shards is not None and mode != "reduce-scatter-free":
-            raise ConfigError(f"gradient reduction {mode!r}: a model with ZeRO-3 sharded parameters reduce-scatters")
         for reducer in self.reducers.values():
             reducer.set_mode(mode)
 

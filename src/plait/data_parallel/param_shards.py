@@ -13,8 +13,11 @@ references to a weight see it again once it is gathered for the backward.
 Per block i of the chunk, hooks on the block module:
 - forward:  wait for i's gather (issue it if not in flight), issue i+1's (prefetch), run, free i;
 - backward: a hook on i's output fires when its gradient is known, before i's backward runs: wait for i's
-  gather, issue i-1's, and free i+1 (its backward is done); i's gradients are reduce-scattered by the reducer
-  as soon as they are complete (``reduce-scatter-free``: only the shard is kept).
+  gather and free i+1 (its backward is done). i's first parameter gradient issues i-1's gather (the reducer has
+  just waited for i+1's reduction then, so one collective's buffers are in flight at a time; a block without
+  gradients of its own issues it at once). i's gradients are reduce-scattered by the reducer (``zero3_reducer``)
+  as soon as they are complete, and a bucket's gathered parameters are freed just before its reduction starts
+  (every gradient that reads them has been computed).
 The last block is kept after its forward (its backward comes first). A block called again inside the backward
 (full recomputation's checkpoint) finds its parameters gathered. Blocks called outside the chunk's forward
 (decoding) gather and free around each call.
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.data_parallel.reducer import Bucket, GradReducer
+from plait.data_parallel.zero3_reducer import Zero3Reducer
 from plait.errors import ConfigError
 from plait.pipeline.partition import PipelineChunk
 
@@ -116,7 +120,7 @@ class ShardedBucket:
 class ParamShards:
     """The ZeRO-3 parameters of one pipeline chunk (``chunk.blocks``), over the buckets of its reducer."""
 
-    def __init__(self, chunk: PipelineChunk, reducer: GradReducer, dtype: torch.dtype):
+    def __init__(self, chunk: PipelineChunk, reducer: Zero3Reducer, dtype: torch.dtype):
         frozen = [n for n, p in chunk.named_parameters() if not p.requires_grad]
         if frozen:
             raise ConfigError(f"zero=3 shards trainable parameters; {frozen[0]} does not require a gradient: "
@@ -134,6 +138,9 @@ class ParamShards:
         self.backward: set[int] = set()  # blocks whose backward has started and that still hold parameters
         self.live_bytes = self.peak_bytes = 0
         self.ptrs: set[int] = set()  # storage addresses of the gathered buffers (not activations: memory.py)
+        self.owner = {id(b): i for i, unit in enumerate(block_units(chunk)) for p in unit
+                      for b in [reducer.bucket_of(p)]}  # bucket -> the block whose gradients fill it
+        reducer.before_launch, reducer.on_first_grad = self._drop, self._first_grad
         chunk.register_forward_pre_hook(self._chunk_pre)
         chunk.register_forward_hook(self._chunk_post)
         for i, block in enumerate(self.blocks):
@@ -158,10 +165,20 @@ class ParamShards:
     def _release(self, i: int) -> None:
         for s in self.needs[i]:
             s.holders.discard(i)
-            if not s.holders and s.live:
-                self.ptrs.discard(s.flat.untyped_storage().data_ptr())
-                s.free()
-                self.live_bytes -= s.nbytes
+            if not s.holders:
+                self._free(s)
+
+    def _drop(self, b: Bucket) -> None:
+        """Bucket ``b``'s gradients are complete: its gathered parameters are freed, whichever blocks hold them."""
+        s = self.sharded[id(b)]
+        s.holders.clear()
+        self._free(s)
+
+    def _free(self, s: ShardedBucket) -> None:
+        if s.live:
+            self.ptrs.discard(s.flat.untyped_storage().data_ptr())
+            s.free()
+            self.live_bytes -= s.nbytes
 
     def _release_backward(self) -> None:
         for i in sorted(self.backward):
@@ -213,7 +230,13 @@ class ParamShards:
             self._release(i + 1)
         self.backward.add(i)
         self._ensure(i)
-        if i > 0:
+        if i > 0 and not any(self.owner.get(id(s.b)) == i for s in self.needs[i]):
+            self._acquire(i - 1)  # no gradient of its own will come to issue the prefetch
+
+    def _first_grad(self, b: Bucket) -> None:
+        """The first gradient of bucket ``b`` in this backward: prefetch the block before its block."""
+        i = self.owner[id(b)]
+        if i > 0 and i in self.backward:
             self._acquire(i - 1)
 
     # ---------------------------------------------------------------------------- whole model

@@ -31,7 +31,7 @@ from plait.errors import ConfigError
 
 MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-free")
 # torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def set_grad_group(param: nn.Parameter, group, size: int) -> None:
@@ -193,7 +193,7 @@ class GradReducer:
                     self._settle(done)
         if b.size > 1:
             b.out = torch.empty(b.shard, dtype=b.buffer.dtype, device=b.buffer.device)
-            b.work = _reduce_scatter(b.out, b.buffer, group=b.group, async_op=True)
+            b.work = reduce_scatter(b.out, b.buffer, group=b.group, async_op=True)
         else:
             b.out = b.buffer
 
