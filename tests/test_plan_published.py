@@ -57,11 +57,13 @@ def _printed_numbers(text: str) -> list[float]:
 
 
 def _dgxc_model_flops(m) -> float:
-    """Model FLOPs of one sequence as NVIDIA/dgxc-benchmarking's READMEs count them ("Notes"): GPT-3 175B
-    (24Lh² + 12Lhs + 48Lh² + 6Vh)·s with V = 51,200; Llama 3.1 (12Lh²(1 + g/a + s/h) + 18LFh + 6Vh)·s."""
+    """Model FLOPs of one sequence as NVIDIA/dgxc-benchmarking's READMEs count them ("Notes"): GPT-3 175B and
+    Nemotron-4 (24Lh² + 12Lhs + 48Lh² + 6Vh)·s with V = 51,200 and 256,000; Llama 3.1
+    (12Lh²(1 + g/a + s/h) + 18LFh + 6Vh)·s."""
     L, h, s = m.n_layers, m.hidden, m.seq_len
-    if m.name == "gpt3-175b":
-        return s * (24 * L * h * h + 12 * L * h * s + 48 * L * h * h + 6 * 51200 * h)
+    if m.name == "gpt3-175b" or m.name.startswith("nemotron"):
+        v = 51200 if m.name == "gpt3-175b" else m.vocab
+        return s * (24 * L * h * h + 12 * L * h * s + 48 * L * h * h + 6 * v * h)
     return s * (12 * L * h * h * (1 + m.kv_heads / m.n_heads + s / h) + 18 * L * m.ffn * h + 6 * m.vocab * h)
 
 
@@ -69,7 +71,7 @@ def test_dgx_cloud_rows_agree_with_their_printed_utilisation():
     # each row's step time, GPU count and global batch reproduce the MFU printed beside the step time (H100 BF16
     # peak 989 TFLOP/s, the README's own FLOP count): a mistyped figure, batch or GPU count fails here
     rows = [r for r in runs() if r.source == "NVIDIA DGX Cloud Benchmarking"]
-    assert len(rows) >= 10 and {r.gpu for r in rows} == {"h100-sxm"}
+    assert len(rows) >= 14 and {r.gpu for r in rows} == {"h100-sxm"}
     for r in rows:
         step, mfu = _printed_numbers(r.figure)
         assert r.step_s == step
@@ -216,7 +218,7 @@ def test_torchtitan_peak_memory_drop_is_the_sharded_model_states():
     # states, 16 B per parameter (float32 shard, gradient and two moments) times (1/8 - 1/128), within 12% of it
     from plait.plan.published_memory import byte_figures
 
-    rows = {f.layout.dp: f for f in byte_figures() if f.kind == "peak memory"}
+    rows = {f.layout.dp: f for f in byte_figures() if f.kind == "peak memory" and f.source == "torchtitan"}
     assert set(rows) == {8, 128}
     printed_drop = rows[8].published - rows[128].published
     planner_drop = rows[8].planner() - rows[128].planner()
@@ -224,3 +226,18 @@ def test_torchtitan_peak_memory_drop_is_the_sharded_model_states():
     assert planner_drop == pytest.approx(16 * n * (1 / 8 - 1 / 128), rel=0.01)
     assert planner_drop == pytest.approx(printed_drop, rel=0.12)
     assert all(f.published == float(_printed_numbers(f.printed)[0]) * 2**30 for f in rows.values())
+
+
+def test_nemotron_logged_memory_shows_bf16_gradients():
+    # after a step only the model states are allocated; NeMo's performance recipes keep bf16 gradients (2 B) where
+    # the planner keeps float32 accumulators (4 B): the planner is over by one more copy of the weights' bytes
+    from plait.plan.memory import state_bytes
+    from plait.plan.published_memory import byte_figures
+
+    after, peak = [f for f in byte_figures() if f.label.startswith("Nemotron-4 15B")]
+    assert after.kind == "model states" and peak.kind == "peak memory"
+    for f in (after, peak):
+        assert f.published == float(f.printed.split(": ")[1])
+    weights = state_bytes(after.model, after.layout, after.model.n_layers, True, True)[0]  # 2 B per held parameter
+    assert after.planner() - after.published == pytest.approx(weights, rel=0.05)
+    assert peak.planner() > after.planner() and peak.published > after.published

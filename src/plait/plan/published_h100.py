@@ -21,40 +21,54 @@ from plait.plan.published import PublishedRun, gpt
 # the HF tokenizer); their sequence parallelism and distributed optimizer are the recipes' defaults (NVIDIA/NeMo
 # nemo/collections/llm/recipes/llama31_405b.py: sequence_parallelism=True, distributed_fused_adam), not printed
 # in the benchmark's own text. The 405B proxy rows (fewer layers) stay out.
-DGXC_COMMIT = "741c886025a7665a1d690c05ff12ac29c1be7252"
 DGXC_WHERE = "NVIDIA/dgxc-benchmarking {path} (commit 741c8860, v25.04), {table}"
-# (model, README, GPUs, TP, PP, CP, VP or 0, GBS, step seconds and model flops utilization as printed)
+# (model, README, GPUs, TP, PP, CP, VP or 0, MBS, GBS, step seconds and model flops utilization as printed)
 DGXC_ROWS = (
-    ("gpt3-175b", "nemo_megatron/README_175b.md", 128, 4, 8, 1, 6, 256, "8.309", "53.54%"),
-    ("gpt3-175b", "nemo_megatron/README_175b.md", 512, 4, 8, 1, 6, 1024, "8.42", "52.84%"),
-    ("gpt3-175b", "nemo_megatron/README_175b.md", 2048, 4, 8, 1, 6, 4096, "8.49", "52.40%"),
-    ("llama3-8b", "llama3.1/README.md", 8, 1, 1, 2, 0, 128, "12.27", "62.47%"),
-    ("llama3-8b", "llama3.1/README.md", 128, 1, 1, 2, 0, 2048, "12.33", "62.16%"),
-    ("llama3-70b", "llama3.1/README.md", 64, 4, 4, 2, 5, 128, "14.66", "54.32%"),
-    ("llama3-70b", "llama3.1/README.md", 512, 4, 4, 2, 5, 1024, "14.67", "54.29%"),
-    ("llama3-70b", "llama3.1/README.md", 2048, 4, 4, 2, 5, 4096, "14.66", "54.32%"),
-    ("llama3-405b", "llama3.1/README.md", 512, 8, 8, 2, 8, 256, "19.78", "55.47%"),
-    ("llama3-405b", "llama3.1/README.md", 1024, 8, 8, 2, 8, 512, "19.84", "55.31%"),
-    ("llama3-405b", "llama3.1/README.md", 2048, 8, 8, 2, 8, 1024, "19.87", "55.22%"),
+    ("gpt3-175b", "nemo_megatron/README_175b.md", 128, 4, 8, 1, 6, 1, 256, "8.309", "53.54%"),
+    ("gpt3-175b", "nemo_megatron/README_175b.md", 512, 4, 8, 1, 6, 1, 1024, "8.42", "52.84%"),
+    ("gpt3-175b", "nemo_megatron/README_175b.md", 2048, 4, 8, 1, 6, 1, 4096, "8.49", "52.40%"),
+    ("llama3-8b", "llama3.1/README.md", 8, 1, 1, 2, 0, 1, 128, "12.27", "62.47%"),
+    ("llama3-8b", "llama3.1/README.md", 128, 1, 1, 2, 0, 1, 2048, "12.33", "62.16%"),
+    ("llama3-70b", "llama3.1/README.md", 64, 4, 4, 2, 5, 1, 128, "14.66", "54.32%"),
+    ("llama3-70b", "llama3.1/README.md", 512, 4, 4, 2, 5, 1, 1024, "14.67", "54.29%"),
+    ("llama3-70b", "llama3.1/README.md", 2048, 4, 4, 2, 5, 1, 4096, "14.66", "54.32%"),
+    ("llama3-405b", "llama3.1/README.md", 512, 8, 8, 2, 8, 1, 256, "19.78", "55.47%"),
+    ("llama3-405b", "llama3.1/README.md", 1024, 8, 8, 2, 8, 1, 512, "19.84", "55.31%"),
+    ("llama3-405b", "llama3.1/README.md", 2048, 8, 8, 2, 8, 1, 1024, "19.87", "55.22%"),
+    ("nemotron4-15b", "nemotron/README.md", 16, 2, 1, 1, 0, 2, 64, "2.66", "66.07%"),
+    ("nemotron4-15b", "nemotron/README.md", 2048, 2, 1, 1, 0, 2, 8192, "2.78", "63.21%"),
+    ("nemotron4-340b", "nemotron/README.md", 256, 8, 8, 1, 12, 1, 64, "4.36", "58.56%"),
+    ("nemotron4-340b", "nemotron/README.md", 2048, 8, 8, 1, 12, 1, 512, "4.43", "57.63%"),
 )
+# Nemotron-4: nemotron/README.md at that commit prints the layout table (15B: TP2, MBS 2, GBS 4 per GPU; 340B: TP8
+# PP8, MBS 1, GBS GPUs/4) with VP "NA" for 340B, but its nemotron/launch.sh passes -vp 12 for 340B: what ran. The
+# shapes are NeMo's Nemotron4Config15B/340B (NVIDIA/NeMo nemo/collections/llm/gpt/model/nemotron.py: LayerNorm,
+# squared ReLU, no linear biases, no dropout, untied embeddings; 15B 32 x 6144, 48 heads, 8 groups, FFN 24576;
+# 340B 96 x 18432, 96 heads, 8 groups, FFN 73728) with the README's vocabulary of 256,000 ("Notes").
+NEMOTRON4 = {"nemotron4-15b": (32, 6144, 48, 24576), "nemotron4-340b": (96, 18432, 96, 73728)}
 DGXC_TABLES = {"gpt3-175b": "NeMo Megatron BF16", "llama3-8b": "Llama 3.1 8b BF16",
-               "llama3-70b": "Llama 3.1 70b BF16", "llama3-405b": "Llama 3.1 405b BF16"}
+               "llama3-70b": "Llama 3.1 70b BF16", "llama3-405b": "Llama 3.1 405b BF16",
+               "nemotron4-15b": "Nemotron4 15b BF16", "nemotron4-340b": "Nemotron4 340b BF16"}
 
 
 def dgxc_model(name: str) -> Model:
     """The model a DGX Cloud recipe trains: GPT-3 175B with the GPT-2 BPE vocabulary (50,257 padded to a multiple
-    of 128·TP = 512: 50,688), or the Llama 3.1 shapes (plait's presets, Llama 3's Table 3)."""
+    of 128·TP = 512: 50,688), Nemotron-4 (``NEMOTRON4``) or the Llama 3.1 shapes (plait's presets, Llama 3's
+    Table 3)."""
     if name == "gpt3-175b":
         return gpt(96, 12288, 96, vocab=50688, name="gpt3-175b")
+    if name in NEMOTRON4:
+        layers, hidden, heads, ffn = NEMOTRON4[name]
+        return Model(layers, hidden, heads, 256000, 4096, ffn, 8, layernorm=True, name=name)
     return Model.preset(name)
 
 
 def _dgx_cloud() -> list[PublishedRun]:
     out = []
-    for name, path, n, tp, pp, cp, vp, gbs, step, mfu in DGXC_ROWS:
+    for name, path, n, tp, pp, cp, vp, mbs, gbs, step, mfu in DGXC_ROWS:
         m = dgxc_model(name)
         layout = Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp or 1,
-                        schedule="interleaved-1f1b" if vp else "1f1b", microbatch_size=1,
+                        schedule="interleaved-1f1b" if vp else "1f1b", microbatch_size=mbs,
                         sequence_parallel=tp > 1, zero=1)
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),

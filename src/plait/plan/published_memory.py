@@ -16,15 +16,16 @@ from plait.plan.estimate import estimate
 from plait.plan.memory import state_bytes
 from plait.plan.model import Model
 from plait.plan.published import MemoryStatement, gpt
-from plait.plan.published_h100 import DGXC_WHERE, META_PP, META_ROWS, META_TP, META_V, META_WHERE, dgxc_model
+from plait.plan.published_h100 import DGXC_ROWS, DGXC_WHERE, META_PP, META_ROWS, META_TP, META_V, META_WHERE, dgxc_model
 
 
 @dataclass(frozen=True)
 class ByteFigure:
     """Bytes on one GPU as a paper prints them, and what the planner counts for the same setup.
 
-    ``kind``: "model states" (weights, gradients and optimizer state of ``params`` parameters, no pipeline or
-    tensor parallelism: ``plan.memory.state_bytes`` scaled from ``model`` to ``params``), "layer activations"
+    ``kind``: "model states" (weights, gradients and optimizer state on one GPU of ``layout``'s first pipeline
+    rank, ``plan.memory.state_bytes``; with ``params``, those of a model of ``params`` parameters without pipeline
+    or tensor parallelism, scaled from ``model``), "layer activations"
     (one layer's stored activations for one micro-batch, the cost model's count for ``cluster``) or "peak memory"
     (a measured peak of the most loaded GPU against ``estimate``'s total for ``training``).
     """
@@ -45,9 +46,9 @@ class ByteFigure:
     def planner(self) -> float:
         """The planner's bytes for this figure."""
         if self.kind == "model states":
-            per_param = sum(state_bytes(self.model, self.layout, self.model.n_layers, True, True)) / \
-                self.model.n_params()
-            return per_param * self.params
+            layers = self.model.n_layers // self.layout.pp
+            held = sum(state_bytes(self.model, self.layout, layers, True, self.layout.pp == 1))
+            return held * self.params / self.model.n_params() if self.params else held
         if self.kind == "peak memory" and self.training is not None:
             return estimate(self.model, self.cluster, self.layout, self.training).memory.total
         return self.cluster.costs.activations(self.model, self.layout, "bf16").layer
@@ -138,9 +139,32 @@ def _titan_h100() -> list[ByteFigure]:
             for table, n, gib in TITAN_H100_ROWS]
 
 
+# ---- NVIDIA DGX Cloud Benchmarking, Nemotron-4 15B (a logged step) -------------------------------------------------
+# nemotron/README.md (commit 741c8860) shows the log line of its BF16 example, Nemotron-4 15B on 64 H100 (GBS 256,
+# "training step time = 2.693 s"; TP2, MBS 2 from the layout table): "peak_memory_usage: 72972500992 |
+# memory_allocated: 34466545664". After the step only the model states are allocated: 2 B weights, 2 B gradients
+# and 12 B of distributed-optimizer state over DP 32 per parameter on a GPU come to 34.2 GB: NeMo's performance
+# recipes reduce gradients in bf16 (NVIDIA/NeMo nemo/collections/llm/recipes/nemotron4_340b.py,
+# pretrain_performance_optimizations: grad_reduce_in_fp32 = False); plait counts 4 B float32 accumulators.
+NEMOTRON_LOG_WHERE = "NVIDIA/dgxc-benchmarking nemotron/README.md (commit 741c8860), the BF16 example's log line"
+
+
+def _nemotron_log() -> list[ByteFigure]:
+    m = dgxc_model("nemotron4-15b")
+    layout = Layout(tp=2, dp=32, microbatch_size=2, sequence_parallel=True, zero=1)
+    cluster = Cluster("h100-sxm", 64)
+    label = "Nemotron-4 15B, TP2 DP32, 64 H100"
+    return [ByteFigure("NVIDIA DGX Cloud Benchmarking", NEMOTRON_LOG_WHERE, f"{label}, after the step",
+                       "model states", "memory_allocated: 34466545664", 34466545664.0, m, layout, cluster,
+                       tolerance=0.05),
+            ByteFigure("NVIDIA DGX Cloud Benchmarking", NEMOTRON_LOG_WHERE, f"{label}, peak", "peak memory",
+                       "peak_memory_usage: 72972500992", 72972500992.0, m, layout, cluster, tolerance=0.1,
+                       training=Training(256))]
+
+
 def byte_figures() -> list[ByteFigure]:
     """Every published byte count the memory model is checked against."""
-    return _zero() + _korthikanti() + _titan_h100()
+    return _zero() + _korthikanti() + _titan_h100() + _nemotron_log()
 
 
 # ---- Statements that a published layout fitted ---------------------------------------------------------------
@@ -158,6 +182,10 @@ DGXC_FITS = (
     ("gpt3-175b", DGXC_WHERE.format(path="nemo_megatron/README_175b.md", table="minimum scale and layout table"),
      128, 4, 8, 1, 6, 256, "At least 128 GPUs with at least 80 GB memory each. Training of this 175-billion "
      "parameter variant of the workload will not fit on fewer GPUs with less memory."),
+    ("nemotron4-15b", DGXC_WHERE.format(path="nemotron/README.md", table="minimum scale and layout table"),
+     16, 2, 1, 1, 1, 64, "This variant of the workload is best-suited for GPU clusters with at least 16x H100 GPUs "
+     "with 80 GB memory. Training of smaller 15-billion parameter variant of the workload will not fit on fewer "
+     "GPUs with lesser memory."),
     ("llama3-70b", DGXC_V24_WHERE.format(path="llama3.1/README_70b.md"), 64, 4, 4, 2, 5, 128,
      "At least 64 GPUs with at least 80 GB memory each. Training of this 70-billion parameter variant of the "
      "workload will not fit on fewer GPUs with less memory."),
@@ -181,11 +209,12 @@ def fit_statements() -> list[MemoryStatement]:
             Training(dp * per_dp), True, "we could pre-train Llama 3 on sequences of 8K tokens without activation "
             "checkpointing"))
     for name, where, n, tp, pp, cp, vp, gbs, printed in DGXC_FITS:
+        mbs = next(row[7] for row in DGXC_ROWS if row[0] == name)
         m = dgxc_model(name)
         out.append(MemoryStatement(
             "NVIDIA DGX Cloud Benchmarking", where, f"{m.name} TP{tp} PP{pp} CP{cp} VP{vp} on {n} H100 80GB", m,
             Cluster("h100-sxm", n),
-            Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=1,
+            Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=mbs,
                    schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1, zero=1),
             Training(gbs), True, printed))
     return out
