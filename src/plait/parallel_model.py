@@ -17,15 +17,15 @@ from torch import nn
 
 from plait import devices, memory, weight_grad
 from plait.context_parallel import gather_sequence, shard_sequence
-from plait.data_parallel.param_shards import ParamShards, block_units, gathered_grads
+from plait.data_parallel.param_shards import ParamShards
 from plait.data_parallel.reducer import Bucket, GradReducer
-from plait.data_parallel.zero3_reducer import Zero3Reducer
+from plait.data_parallel.zero3 import Zero3
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import plain_state_keys
 from plait.models.family import Family
 from plait.models.moe import has_aux_losses, pop_aux_losses
-from plait.optim.precision import PRECISIONS, StepCast
+from plait.optim.precision import StepCast
 from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
@@ -71,9 +71,11 @@ class ParallelModel:
         if self.store is not None:
             for chunk in self.chunks.values():
                 weight_grad.install(chunk, self.store)
-        self.reducers = self._build_reducers()
         self.cast = StepCast(self.chunks, config.precision)  # bf16 copies of the fp32 masters per step
-        self.param_shards = self._shard_params() if config.zero == 3 else None  # ZeRO-3
+        self.zero3 = Zero3(self.chunks, ctx, self.cast, config.schedule, self.store is not None) \
+            if config.zero == 3 else None  # parameters sharded too (plait.data_parallel.zero3)
+        self.param_shards: ParamShards | None = self.zero3.shards if self.zero3 is not None else None
+        self.reducers = {self.zero3.index: self.zero3.reducer} if self.zero3 is not None else self._build_reducers()
         self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s,
                                    group=ctx.p2p_group)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
@@ -101,33 +103,18 @@ class ParallelModel:
         for c in order:  # later-finishing chunks overwrite earlier ones
             for p in self.chunks[c].parameters():
                 owner[id(p)], params[id(p)] = c, p
-        if self.config.zero == 3:  # a bucket per block and group: the units parameters are gathered in
-            return {c: Zero3Reducer(block_units(chunk), self.ctx) for c, chunk in self.chunks.items()}
         alone = frozenset(id(p) for p, _ in self.ties.pairs)  # tied copies: a bucket each (shards line up)
         return {c: GradReducer([p for i, p in params.items() if owner[i] == c], self.ctx, alone=alone)
                 for c in self.chunks}
 
-    def _shard_params(self) -> ParamShards:
-        """ZeRO-3: this rank keeps 1/d of every block's parameters (plait.data_parallel.param_shards)."""
-        if self.store is not None or len(self.chunks) != 1:
-            raise ConfigError(f"zero=3 runs one chunk per rank without split backward passes; schedule "
-                              f"{self.config.schedule!r} has {len(self.chunks)} chunks here: use 1f1b or gpipe")
-        (c, chunk), = self.chunks.items()
-        reducer = self.reducers[c]
-        assert isinstance(reducer, Zero3Reducer)
-        self.cast.set_gathered(self.cast.precision)  # weights gathered in the compute dtype: no per-step copy
-        return ParamShards(chunk, reducer, self.cast.dtype or torch.float32)
-
     def full_parameters(self, gather: bool = True, write_back: bool = False) -> AbstractContextManager:
         """Under ZeRO-3, every local parameter whole in float32 for the duration of a ``with`` block (``gather``:
         from the shards, a collective; ``write_back``: into the shards afterwards); otherwise nothing to do."""
-        if self.param_shards is None:
-            return nullcontext()
-        return self.param_shards.full(gather=gather, write_back=write_back)
+        return nullcontext() if self.zero3 is None else self.zero3.full(gather=gather, write_back=write_back)
 
     def _gathering(self) -> AbstractContextManager:
         """A step's forward/backward under ZeRO-3: measures the gathered peak, frees what is left at the end."""
-        return nullcontext() if self.param_shards is None else self.param_shards.step()
+        return nullcontext() if self.zero3 is None else self.zero3.step()
 
     # ------------------------------------------------------------------------------------- gradients
     def set_grad_reduction(self, mode: str) -> None:
@@ -168,10 +155,10 @@ class ParallelModel:
         gathered parameters held at once during the last step (None otherwise)."""
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
         grads += [p.grad for p in self.parameters() if p.grad is not None]
-        shards = self.param_shards
-        params = [*self.parameters(), *(shards.shards() if shards is not None else [])]
-        out = memory.report(params, grads, self._optimizer, self.activations_peak)
-        out["params_gathered_peak"] = shards.peak_bytes if shards is not None else None
+        z = self.zero3
+        out = memory.report([*self.parameters(), *(z.held() if z else [])], grads, self._optimizer,
+                            self.activations_peak)
+        out["params_gathered_peak"] = z.gathered_peak if z else None
         if self.device_peak is not None:  # a GPU: the caching allocator's own peak over that step
             out["device_peak"] = self.device_peak
         return out
@@ -200,9 +187,8 @@ class ParallelModel:
         return self.cast.precision
 
     def set_precision(self, precision: str) -> None:
-        if self.param_shards is not None:  # ZeRO-3: the shards stay float32, gathered in the new dtype
-            self.cast.set_gathered(precision)
-            self.param_shards.set_dtype(PRECISIONS[precision] or torch.float32)
+        if self.zero3 is not None:  # the shards stay float32, gathered in the new dtype
+            self.zero3.set_precision(precision, self.cast)
         else:
             self.cast.set(precision)  # refuses a change once ZeRO keeps the parameters in bf16
         self.config = replace(self.config, precision=precision)
@@ -282,7 +268,7 @@ class ParallelModel:
             return self.executor.run(io, trace=trace)
         weights = [*self.parameters(), *self.cast.copies.values()]
         weights += [b for c in self.chunks.values() for b in c.buffers()]
-        gathered = self.param_shards.ptrs if self.param_shards is not None else None  # ZeRO-3's gathered weights
+        gathered = self.zero3.gathered_ptrs if self.zero3 is not None else None  # ZeRO-3's gathered weights
         meter = memory.SavedTensorMeter(exclude=weights, live_weights=gathered)
         devices.reset_peak_memory(self.ctx.device)
         with meter.hooks():
@@ -364,8 +350,7 @@ class ParallelModel:
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors (or gradients) under the plain model's keys, on every rank (collective)."""
-        shards = self.param_shards if grads else None  # ZeRO-3 gradients: gathered from their reduced shards
-        with self.full_parameters(), gathered_grads(shards, next(iter(self.reducers.values()))):
+        with nullcontext() if self.zero3 is None else self.zero3.full_state(grads):  # whole from the shards
             local = self._local_full(grads)
         for size, group in ((self.ctx.ep_size, self.ctx.ep_group), (self.ctx.pp_size, self.ctx.pp_group)):
             if size > 1:  # EP ranks hold different experts, PP ranks different layers

@@ -1,0 +1,68 @@
+"""ZeRO-3 as a ``ParallelModel`` runs it (``pp = 1``): the per-block gradient reducer and the sharded parameters of
+its one pipeline chunk, and what the model asks of them around a step, for state dicts and in its memory report."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+
+import torch
+
+from plait.data_parallel.param_shards import ParamShards, block_units, gathered_grads
+from plait.data_parallel.zero3_reducer import Zero3Reducer
+from plait.distributed.context import ParallelContext
+from plait.errors import ConfigError
+from plait.optim.precision import PRECISIONS, StepCast
+from plait.pipeline.partition import PipelineChunk
+
+
+class Zero3:
+    """One chunk's ZeRO-3: ``reducer`` (a bucket per block and reduction group, reduce-scattered as each block's
+    gradients complete: ``zero3_reducer``) and ``shards`` (1/d of every bucket's parameters, gathered around
+    each block's use: ``param_shards``). ``cast`` gathers in the compute dtype from now on (no per-step copy).
+
+    Refuses (ConfigError) more than one chunk on a rank or split backward passes (``split_backward``)."""
+
+    def __init__(self, chunks: Mapping[int, PipelineChunk], ctx: ParallelContext, cast: StepCast, schedule: str,
+                 split_backward: bool):
+        if split_backward or len(chunks) != 1:
+            raise ConfigError(f"zero=3 runs one chunk per rank without split backward passes; schedule {schedule!r} "
+                              f"has {len(chunks)} chunks here: use 1f1b or gpipe")
+        (self.index, chunk), = chunks.items()
+        self.reducer = Zero3Reducer(block_units(chunk), ctx)
+        cast.set_gathered(cast.precision)
+        self.shards = ParamShards(chunk, self.reducer, cast.dtype or torch.float32)
+
+    def set_precision(self, precision: str, cast: StepCast) -> None:
+        """Gather in ``precision``'s dtype from now on; the shards stay float32."""
+        cast.set_gathered(precision)
+        self.shards.set_dtype(PRECISIONS[precision] or torch.float32)
+
+    def step(self) -> AbstractContextManager:
+        """A step's forward and backward: measures the gathered peak, frees what is left at the end."""
+        return self.shards.step()
+
+    def full(self, gather: bool = True, write_back: bool = False) -> AbstractContextManager:
+        """Every parameter whole in float32 for the duration (``ParamShards.full``)."""
+        return self.shards.full(gather=gather, write_back=write_back)
+
+    @contextmanager
+    def full_state(self, grads: bool) -> Iterator[None]:
+        """Every parameter whole for the duration, and with ``grads`` their gradients too (from the reduced
+        shards): a state dict's read (collective over each bucket's group)."""
+        with self.full(), gathered_grads(self.shards if grads else None, self.reducer):
+            yield
+
+    def held(self) -> list[torch.Tensor]:
+        """The float32 shards this rank keeps between steps (parameters and masters at once)."""
+        return self.shards.shards()
+
+    @property
+    def gathered_peak(self) -> int:
+        """The most bytes of gathered parameters held at once during the last step."""
+        return self.shards.peak_bytes
+
+    @property
+    def gathered_ptrs(self) -> set[int]:
+        """Storage addresses of the gathered buffers (weights, not activations, for the saved-tensor meter)."""
+        return self.shards.ptrs
