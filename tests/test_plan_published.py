@@ -241,3 +241,12 @@ def test_nemotron_logged_memory_shows_bf16_gradients():
     weights = state_bytes(after.model, after.layout, after.model.n_layers, True, True)[0]  # 2 B per held parameter
     assert after.planner() - after.published == pytest.approx(weights, rel=0.05)
     assert peak.planner() > after.planner() and peak.published > after.published
+
+
+def test_mosaic_fit_statements_cover_the_table():
+    from plait.plan.published import memory_statements
+
+    mosaic = [s for s in memory_statements() if s.source == "MosaicML llm-foundry"]
+    table = [r for r in runs() if r.source == "MosaicML llm-foundry"]
+    assert len(mosaic) == len(table) and all(s.fits and s.layout.zero == 3 for s in mosaic)
+    assert [(s.model, s.layout, s.training) for s in mosaic] == [(r.model, r.layout, r.training) for r in table]

@@ -15,7 +15,7 @@ from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.memory import state_bytes
 from plait.plan.model import Model
-from plait.plan.published import MemoryStatement, gpt
+from plait.plan.published import MemoryStatement, gpt, runs
 from plait.plan.published_h100 import DGXC_ROWS, DGXC_WHERE, META_PP, META_ROWS, META_TP, META_V, META_WHERE, dgxc_model
 
 
@@ -195,6 +195,13 @@ DGXC_FITS = (
 )
 
 
+# MosaicML llm-foundry's benchmark tables (scripts/train/benchmarking/README.md) list the configurations that ran:
+# each row's micro-batch under FSDP FULL_SHARD fitted its GPUs' 80 GB. FSDP reduce-scatters every micro-batch's
+# gradients and keeps shards; ZeRO-3 as plait runs it keeps the whole float32 gradient through the backward of a
+# step with several micro-batches (``plan.memory.rank_memory``), which is what the planner counts for these rows.
+MOSAIC_SOURCE = "MosaicML llm-foundry"
+
+
 def fit_statements() -> list[MemoryStatement]:
     """Published statements that a layout fitted, beyond Narayanan et al.'s (``plan.published``)."""
     out = []
@@ -217,6 +224,12 @@ def fit_statements() -> list[MemoryStatement]:
             Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=mbs,
                    schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1, zero=1),
             Training(gbs), True, printed))
+    for r in runs():
+        if r.source == MOSAIC_SOURCE:
+            out.append(MemoryStatement(r.source, r.where, f"{r.label}, micro-batch {r.layout.microbatch_size}, "
+                                       f"{'full' if r.layout.recompute == 'full' else 'no'} activation checkpointing",
+                                       r.model, r.cluster, r.layout, r.training, True,
+                                       f"{r.figure} (a row of the table: the configuration ran)"))
     return out
 
 
