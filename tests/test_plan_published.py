@@ -250,3 +250,24 @@ def test_mosaic_fit_statements_cover_the_table():
     table = [r for r in runs() if r.source == "MosaicML llm-foundry"]
     assert len(mosaic) == len(table) and all(s.fits and s.layout.zero == 3 for s in mosaic)
     assert [(s.model, s.layout, s.training) for s in mosaic] == [(r.model, r.layout, r.training) for r in table]
+
+
+def test_bloom_search_rows_reproduce_their_printed_tflops():
+    # Megatron-DeepSpeed prints TFLOPs from Sec/it by eq. (3) with recomputation: every row's GBS, GPU count, shape
+    # and Sec/it give back its TFLOPs, which also says activation recomputation was on
+    rows = [r for r in runs() if r.where.startswith("BigScience tr11-176B-ml chronicles-prequel")]
+    assert len(rows) >= 15
+    for r in rows:
+        sec, tflops = _printed_numbers(r.figure)
+        assert r.step_s == sec and r.layout.recompute == "full"
+        derived = narayanan_flops(r.model, r.training.global_batch) / (sec * r.cluster.n_gpus * 1e12)
+        assert derived == pytest.approx(tflops, rel=1e-3), r.label
+
+
+def test_bloom_search_memory_rows_follow_the_table():
+    from plait.plan.published import BLOOM_PREQUEL, memory_statements
+
+    rows = [s for s in memory_statements() if s.where.startswith("BigScience tr11-176B-ml chronicles-prequel")]
+    assert len(rows) == len(BLOOM_PREQUEL)
+    out_of_memory = [s for s in rows if not s.fits]
+    assert len(out_of_memory) == 3 and all(s.printed == "Mem OOM" for s in out_of_memory)

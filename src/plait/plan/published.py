@@ -192,14 +192,55 @@ BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and READ
 OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
 
 
+# The same repository's train/tr11-176B-ml/chronicles-prequel.md (commit 59a90eec) records the topology search on
+# those 48 nodes before the run, one early iteration per layout ("the snapshot of a single iteration (always 2nd)"):
+# its "GBS Variations" tables (NLAYERS=72, NHIDDEN=14336, NHEADS=64, 02-25) print DP, TP, PP, MBS, GBS, Mem, Sec/it
+# and TFLOPs, or OOM. The TFLOPs follow from Sec/it by eq. (3) with activation recomputation (Megatron-DeepSpeed's
+# count), which the test checks. The GBS 1568 rows stay out: their iteration took as long as the 2048 rows'.
+BLOOM_PREQUEL_WHERE = ("BigScience tr11-176B-ml chronicles-prequel.md (commit 59a90eec), 'GBS Variations' "
+                       "(NLAYERS=72, NHIDDEN=14336, NHEADS=64), bigscience-workshop/bigscience")
+# (DP, TP, PP, MBS, GBS, Mem, Sec/it, TFLOPs as printed; Sec/it empty where it ran out of memory)
+BLOOM_PREQUEL = (
+    (8, 8, 6, 4, 2048, "55GB", "114.11", "141.27"), (8, 8, 6, 6, 2016, "66GB", "123.57", "128.43"),
+    (4, 8, 12, 4, 2048, "49GB", "117.07", "137.70"), (4, 8, 12, 2, 2048, "GB", "128.82", "125.15"),
+    (6, 8, 8, 4, 2016, "52GB", "113.16", "140.24"), (12, 8, 4, 2, 2016, "53GB", "125.52", "126.43"),
+    (12, 8, 4, 4, 2016, "59GB", "114.81", "138.22"), (24, 8, 2, 1, 2016, "65GB", "145.45", "109.11"),
+    (24, 8, 2, 2, 2016, "76GB", "136.13", "116.58"), (48, 8, 1, 1, 2016, "OOM", "", ""),
+    (8, 4, 12, 4, 2048, "60GB", "111.89", "144.08"), (8, 4, 12, 2, 2048, "44GB", "110.48", "145.92"),
+    (16, 4, 6, 4, 2048, "75GB", "117.11", "137.66"), (16, 4, 6, 2, 2048, "57GB", "111.71", "144.31"),
+    (16, 2, 12, 2, 2048, "63GB", "112.50", "143.30"), (32, 2, 6, 2, 2048, "OOM", "", ""),
+    (32, 2, 6, 1, 2048, "OOM", "", ""), (8, 2, 24, 1, 2048, "44GB", "119.53", "134.88"),
+    (8, 2, 24, 2, 2048, "53GB", "122.75", "131.33"), (4, 4, 24, 1, 2048, "GB", "130.60", "123.44"),
+)
+BLOOM_ASSUMED = ("Omni-Path links of 100 Gb/s", "1F1B (DeepSpeed's pipeline)", "embedding LayerNorm not costed")
+
+
+def bloom_model(layers: int = 70, heads: int = 112) -> Model:
+    """BLOOM's shapes (hidden 14336, vocabulary 250,880, ALiBi, LayerNorm, biases, tied embeddings)."""
+    return Model(layers, 14336, heads, 250880, 2048, bias=True, layernorm=True, tied_embeddings=True,
+                 name="bloom-176b" if layers == 70 else f"bloom-{layers}x14336")
+
+
+def bloom_prequel_layout(dp: int, tp: int, pp: int, mbs: int) -> Layout:
+    return Layout(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, recompute="full", zero=1)
+
+
 def _bloom() -> list[PublishedRun]:
-    m = Model(70, 14336, 112, 250880, 2048, bias=True, layernorm=True, tied_embeddings=True, name="bloom-176b")
-    return [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", m,
-                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
-                         Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1), Training(2048),
-                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
-                         ("Omni-Path links of 100 Gb/s", "1F1B (DeepSpeed's pipeline)",
-                          "embedding LayerNorm not costed"))]
+    out = [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", bloom_model(),
+                        Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
+                        Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1), Training(2048),
+                        "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
+                        BLOOM_ASSUMED)]
+    m = bloom_model(72, 64)
+    for dp, tp, pp, mbs, gbs, _, sec, tflops in BLOOM_PREQUEL:
+        if sec:
+            out.append(PublishedRun(
+                "BigScience (BLOOM)", BLOOM_PREQUEL_WHERE, f"BLOOM 181B search: dp{dp} tp{tp} pp{pp} mbs{mbs}", m,
+                Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
+                bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs), f"Sec/it {sec} (TFLOPs {tflops})",
+                float(sec), "printed step time",
+                BLOOM_ASSUMED + ("the 2nd iteration's time", "bf16 and ZeRO-1 as in the run")))
+    return out
 
 
 # ---- MosaicML llm-foundry MPT benchmarks (FSDP) ------------------------------------------------------------

@@ -15,7 +15,16 @@ from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.memory import state_bytes
 from plait.plan.model import Model
-from plait.plan.published import MemoryStatement, gpt, runs
+from plait.plan.published import (
+    BLOOM_PREQUEL,
+    BLOOM_PREQUEL_WHERE,
+    OMNIPATH,
+    MemoryStatement,
+    bloom_model,
+    bloom_prequel_layout,
+    gpt,
+    runs,
+)
 from plait.plan.published_h100 import DGXC_ROWS, DGXC_WHERE, META_PP, META_ROWS, META_TP, META_V, META_WHERE, dgxc_model
 
 
@@ -195,6 +204,8 @@ DGXC_FITS = (
 )
 
 
+# BigScience's topology search before BLOOM (``plan.published.BLOOM_PREQUEL``): each layout's Mem ("max memory
+# used", of 77GB usable on an A100 80GB) or OOM.
 # MosaicML llm-foundry's benchmark tables (scripts/train/benchmarking/README.md) list the configurations that ran:
 # each row's micro-batch under FSDP FULL_SHARD fitted its GPUs' 80 GB. FSDP reduce-scatters every micro-batch's
 # gradients and keeps shards; ZeRO-3 as plait runs it keeps the whole float32 gradient through the backward of a
@@ -224,6 +235,14 @@ def fit_statements() -> list[MemoryStatement]:
             Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=mbs,
                    schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1, zero=1),
             Training(gbs), True, printed))
+    bloom = bloom_model(72, 64)
+    for dp, tp, pp, mbs, gbs, mem, *_ in BLOOM_PREQUEL:
+        n = dp * tp * pp
+        out.append(MemoryStatement(
+            "BigScience (BLOOM)", BLOOM_PREQUEL_WHERE, f"BLOOM 181B dp{dp} tp{tp} pp{pp} mbs{mbs} on {n} A100 80GB",
+            bloom, Cluster("a100-80gb", n, interconnect=OMNIPATH, flash_attention=False),
+            bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs), mem != "OOM",
+            f"Mem {mem}" if mem != "GB" else "Mem GB (not read; Sec/it printed: it ran)"))
     for r in runs():
         if r.source == MOSAIC_SOURCE:
             out.append(MemoryStatement(r.source, r.where, f"{r.label}, micro-batch {r.layout.microbatch_size}, "
