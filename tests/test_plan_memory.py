@@ -112,3 +112,23 @@ def test_zero2_keeps_the_full_gradient_buffer_at_the_peak():
             assert r2.grads == pytest.approx(r1.grads if full else r1.grads / 4)
             assert r2.total == pytest.approx(r1.total - (0 if full else r1.grads * 3 / 4))
         assert two.time["dp_comm"] == pytest.approx(one.time["dp_comm"]) and two.time["zero_comm"] == 0.0
+
+
+def test_zero3_reduces_every_micro_batch_and_holds_shards_at_the_peak():
+    """ZeRO-3 as the runtime runs it (plait.data_parallel.zero3_reducer): every backward reduce-scatters its blocks
+    and accumulates sharded, so the shards are what is held at the activation peak for any M (ZeRO-2 holds the
+    whole buffer when M > 1), and M - 1 reduce-scatters per step come on top of the end-of-step one."""
+    from plait.plan.memory import max_rank_params
+    from plait.plan.step_end import zero_per_microbatch
+
+    m, cluster = Model.preset("llama3-8b", seq_len=2048), Cluster("h100-sxm", 16)
+    layout = Layout(tp=2, pp=1, dp=8, zero=3)
+    for batch, micro in ((8, 1), (64, 8)):
+        e = estimate(m, cluster, layout, Training(batch))
+        assert e.microbatches == micro
+        for r in e.rank_memory:
+            assert r.grads == pytest.approx(r.grads_held)
+    params = max_rank_params(m, layout)
+    reduce_scatter = cluster.costs.collective("reduce_scatter", 4 * params, 8, 16)
+    extra = zero_per_microbatch(cluster, layout, params, 8) - zero_per_microbatch(cluster, layout, params, 1)
+    assert reduce_scatter > 0 and extra == pytest.approx(reduce_scatter * 7 / 8)

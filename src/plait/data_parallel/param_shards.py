@@ -140,6 +140,7 @@ class ParamShards:
         self.ptrs: set[int] = set()  # storage addresses of the gathered buffers (not activations: memory.py)
         self.owner = {id(b): i for i, unit in enumerate(block_units(chunk)) for p in unit
                       for b in [reducer.bucket_of(p)]}  # bucket -> the block whose gradients fill it
+        self.reducer = reducer
         reducer.before_launch, reducer.on_first_grad = self._drop, self._first_grad
         chunk.register_forward_pre_hook(self._chunk_pre)
         chunk.register_forward_hook(self._chunk_post)
@@ -203,6 +204,7 @@ class ParamShards:
     # ---------------------------------------------------------------------------------- hooks
     def _chunk_pre(self, module, args) -> None:
         self._release_backward()  # a new micro-batch: the previous one's backward is over
+        self.reducer.settle_in_flight()  # its last reduction is not carried through this forward
         self.in_chunk = True
 
     def _chunk_post(self, module, args, out) -> None:

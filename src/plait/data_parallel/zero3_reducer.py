@@ -14,9 +14,10 @@ until the bucket's last parameter has its gradient. Then
 A bucket's first gradient waits for the reduction in flight (it has had the start of this block's backward to
 run) and then calls ``on_first_grad(bucket)`` (``param_shards`` issues the next gather there): a block's
 backward never holds its gradients beside the previous block's input, and one collective is in flight at a
-time. As FSDP does, each micro-batch's gradients are reduce-scattered by its own backward and accumulated
-sharded (1/d), never kept whole across micro-batches; what a micro-batch left incomplete (a parameter it did
-not use) stays in ``.grad`` and goes with the bucket's next launch, at the latest at ``finish``.
+time; the next micro-batch's forward waits for the last one (``settle_in_flight``). As FSDP does, each
+micro-batch's gradients are reduce-scattered by its own backward and accumulated sharded (1/d), never kept
+whole across micro-batches; what a micro-batch left incomplete (a parameter it did not use) stays in ``.grad``
+and goes with the bucket's next launch, at the latest at ``finish``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,7 @@ class Zero3Reducer(GradReducer):
     def _on_grad(self, p: nn.Parameter) -> None:
         b, _ = self._where[id(p)]
         if not b.ready:
-            if self.in_flight is not None:
-                self._settle(self.in_flight)
+            self.settle_in_flight()
             if self.on_first_grad is not None:
                 self.on_first_grad(b)
         b.ready.add(id(p))
@@ -65,8 +65,7 @@ class Zero3Reducer(GradReducer):
     def _launch(self, b: Bucket) -> None:
         if self.before_launch is not None:
             self.before_launch(b)
-        if self.in_flight is not None:
-            self._settle(self.in_flight)
+        self.settle_in_flight()
         device = b.params[0].device
         flat = torch.empty(b.padded, dtype=torch.float32, device=device)  # [padded]
         for p, off in zip(b.params, b.offsets, strict=True):
@@ -99,6 +98,11 @@ class Zero3Reducer(GradReducer):
         if self.in_flight is b:
             self.in_flight = None
 
+    def settle_in_flight(self) -> None:
+        """Wait for the reduction in flight, if any, and free its input."""
+        if self.in_flight is not None:
+            self._settle(self.in_flight)
+
     def launch_pending(self) -> None:
         """Launch every bucket that holds gradients not yet reduced (parameters some micro-batch did not use)."""
         for b in self.buckets:
@@ -108,8 +112,7 @@ class Zero3Reducer(GradReducer):
     def finish(self) -> None:
         """Launch what is left and wait for it; a bucket that saw no gradient this step reduces to zeros."""
         self.launch_pending()
-        if self.in_flight is not None:
-            self._settle(self.in_flight)
+        self.settle_in_flight()
         for b in self.buckets:
             if b.reduced is None:
                 b.reduced = torch.zeros(b.shard, dtype=torch.float32, device=b.params[0].device)
@@ -117,8 +120,7 @@ class Zero3Reducer(GradReducer):
             b.ready.clear()
 
     def zero_grad(self) -> None:
-        if self.in_flight is not None:
-            self._settle(self.in_flight)
+        self.settle_in_flight()
         super().zero_grad()
 
     def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:

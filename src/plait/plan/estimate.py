@@ -132,7 +132,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params)
     dp = reduction + gather
     overlap = costs.hidden_reduction(max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
-    per_mb = step_end.zero_per_microbatch(cluster, layout, params)
+    per_mb = step_end.zero_per_microbatch(cluster, layout, params, m)
     layers = max(c.layers for c in ranks)
     optimizer = step_end.optimizer_time(model, cluster, layout, params, layers)
     publish = step_end.publish_time(cluster, layout, params, layers, training.precision)

@@ -167,16 +167,17 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``), the working set added once.
 
-    ZeRO-2 (and ZeRO-3) as plait runs it reduce-scatters each bucket once per step, at the chunk's last
-    backward, and frees the full buffer then: from a chunk's first backward of the step to its last the whole fp32
-    gradient is there, and with more than one micro-batch that spans the activation peak (a forward that
-    follows a backward), so ``grads`` is the full buffer; ``grads_after_step`` the shards. With one
-    micro-batch the peak comes before any gradient and buckets are freed as the backward frees activations:
-    the shards are counted."""
+    ZeRO-2 as plait runs it reduce-scatters each bucket once per step, at the chunk's last backward, and frees
+    the full buffer then: from a chunk's first backward of the step to its last the whole fp32 gradient is
+    there, and with more than one micro-batch that spans the activation peak (a forward that follows a
+    backward), so ``grads`` is the full buffer; ``grads_after_step`` the shards. With one micro-batch the peak
+    comes before any gradient and buckets are freed as the backward frees activations: the shards are counted.
+    ZeRO-3 reduce-scatters every block in every backward as its gradients complete
+    (``plait.data_parallel.zero3_reducer``): the shards at the peak, whatever the micro-batches."""
     st = layout_stages(model, layout)
     acts = cluster.costs.activations(model, layout, precision)
     usable = cluster.usable_memory
-    full_at_peak = layout.zero >= 2 and microbatches > 1
+    full_at_peak = layout.zero == 2 and microbatches > 1
     out = []
     for r, layers in enumerate(st.rank_layers):
         first, last = r == st.first_rank, r == st.last_rank

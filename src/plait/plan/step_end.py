@@ -23,8 +23,9 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     gather (no ZeRO); a reduce-scatter of them and an all-gather of the updated weights (ZeRO-1 and ZeRO-2
     as plait runs them and as Megatron-LM's distributed optimizer does: once per step, the reduction at each
     chunk's last backward, the gather in the optimizer step; bf16 weights on catalogue GPUs, fp32 on a
-    calibrated host, plait train's default); ZeRO-3 as plait runs it: the same reduce-scatter once per step
-    and no gather after the step (each forward and backward gathers its blocks: ``zero_per_microbatch``)."""
+    calibrated host, plait train's default); ZeRO-3 as plait runs it: the same reduce-scatter, of the last
+    micro-batch's backward (each earlier one reduce-scatters its own: ``zero_per_microbatch``), and no gather
+    after the step (each forward and backward gathers its blocks)."""
     n = layout.dp * layout.cp
     span = layout.tp * n
     collective = cluster.costs.collective
@@ -36,17 +37,20 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
             collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
 
 
-def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
-    """Communication ZeRO-3 repeats every micro-batch: every block's weights are all-gathered for its forward
-    and again for its backward (``plait.data_parallel.param_shards``; the gradients are reduce-scattered once
-    per step, ``dp_sync_parts``), in the weights' gather dtype. Each gather is issued a block ahead, so it
-    overlaps compute where the cost model says the network runs beside it (``estimate``). ZeRO-1/2: nothing
-    per micro-batch."""
+def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, microbatches: int = 1) -> float:
+    """Communication ZeRO-3 repeats every micro-batch (on average over the step's ``microbatches``): every
+    block's weights are all-gathered for its forward and again for its backward
+    (``plait.data_parallel.param_shards``), in the weights' gather dtype, and each backward reduce-scatters its
+    fp32 gradients (``plait.data_parallel.zero3_reducer``; the last micro-batch's is ``dp_sync_parts``'s, so
+    (M-1)/M of one here). Each collective is issued a block ahead or behind the compute, so it overlaps it where
+    the cost model says the network runs beside it (``estimate``). ZeRO-1/2: nothing per micro-batch."""
     if layout.zero < 3:
         return 0.0
     n = layout.dp * layout.cp
+    span = layout.tp * n
     gathered = cluster.costs.weight_gather_bytes * params_on_gpu
-    return 2 * cluster.costs.collective("all_gather", gathered, n, layout.tp * n)
+    reduced = cluster.costs.collective("reduce_scatter", 4 * params_on_gpu, n, span)
+    return 2 * cluster.costs.collective("all_gather", gathered, n, span) + reduced * (microbatches - 1) / microbatches
 
 
 def optimizer_shards(layout: Layout) -> int:
