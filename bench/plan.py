@@ -64,6 +64,7 @@ def validation() -> dict:
     """Leave-one-source-out on the published runs (``plait.plan.published``): the table and the figures."""
     from plait.plan.published import runs
     from plait.plan.published_memory import byte_figures, format_byte_figures
+    from plait.plan.published_speedups import format_speedups, speedups
     from plait.plan.validation import format_memory_checks, format_report, leave_one_source_out, memory_checks
 
     t0 = time.perf_counter()
@@ -73,11 +74,14 @@ def validation() -> dict:
     print(format_memory_checks(mem))
     figures = byte_figures()
     print(format_byte_figures(figures))
+    fast = speedups()
+    print(format_speedups(fast))
     (fm, fx), (hm, hx) = rep.in_fit_stats(), rep.held_out_stats()
     return {"runs": len(rep.rows), "in_fit_mean_pct": fm, "in_fit_max_pct": fx, "held_out_mean_pct": hm,
             "held_out_max_pct": hx, "in_fit_constants": rep.in_fit,
             "memory_statements_agreeing": f"{sum(a for *_, a in mem)} of {len(mem)}",
             "memory_figures_agreeing": f"{sum(f.agrees for f in figures)} of {len(figures)}",
+            "speedups": {s.label: {"published": s.published, "planner": s.planner()} for s in fast},
             "seconds": time.perf_counter() - t0}
 
 

@@ -271,3 +271,17 @@ def test_bloom_search_memory_rows_follow_the_table():
     assert len(rows) == len(BLOOM_PREQUEL)
     out_of_memory = [s for s in rows if not s.fits]
     assert len(out_of_memory) == 3 and all(s.printed == "Mem OOM" for s in out_of_memory)
+
+
+def test_published_speedups_compare_one_run_in_two_setups():
+    from plait.plan.published_speedups import speedups
+
+    rows = speedups()
+    assert rows
+    for s in rows:
+        assert s.published == pytest.approx(54.2 / 42.1) and "54.2%" in s.printed and "42.1%" in s.printed
+        # the same model, GPUs and batch: only the recomputation (and sequence parallelism) differ
+        assert s.slow.world == s.fast.world == s.cluster.n_gpus and s.slow.recompute == "full"
+        slow = estimate(s.model, s.cluster, s.slow, s.training).step_time_s
+        fast = estimate(s.model, s.cluster, s.fast, s.training).step_time_s
+        assert s.planner() == pytest.approx(slow / fast) and s.planner() > 1
