@@ -128,6 +128,19 @@ def _meta() -> list[PublishedRun]:
     return out
 
 
+# Read and left out, each for a reason (plait's training model costs bf16 only, dense or top-k MoE without MLA):
+# - NVIDIA/NeMo docs/source/performance/performance_summary.md (NeMo 24.07) and NVIDIA-NeMo/Megatron-Bridge
+#   docs/performance-summary*.md: H100 tables in FP8, or MoE models (DeepSeek-V3, Qwen3, GPT-OSS) with expert
+#   layouts, MLA or token dropping plait does not model.
+# - MLPerf Training GPT-3 (mlcommons/training_results_v3.0, NVIDIA's config_DGXH100_*.sh source config_fp8.sh):
+#   FP8, and its logs time convergence rather than a step.
+# - DeepSeek-V3: FP8 training, MLA and DualPipe with MoE.
+# - pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md: H100 96GB HBM2e held at 500 W ("the actual
+#   peak TFLOPs number is between SXM and NVL, and we don't know its exact value"); its BF16 rows' memory is used
+#   (``plan.published_memory``), their throughput is not.
+# - The DGX Cloud FP8 rows, and its 405B proxy rows (fewer layers).
+
+
 def runs() -> list[PublishedRun]:
     """The H100 sources of the evaluation set."""
     return _dgx_cloud() + _meta()
