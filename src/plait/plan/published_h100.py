@@ -139,6 +139,13 @@ def _meta() -> list[PublishedRun]:
 #   peak TFLOPs number is between SXM and NVL, and we don't know its exact value"); its BF16 rows' memory is used
 #   (``plan.published_memory``), their throughput is not.
 # - The DGX Cloud FP8 rows, and its 405B proxy rows (fewer layers).
+# - foundation-model-stack/fms-fsdp README.md (commit 5e522b4c, 2024-03): tokens/sec/GPU of Llama 2 7B-70B under
+#   FSDP on "A100 80G 128 GPUs with 400Gbps" and "H100 96 GPUs with 800 Gbps". Whether the figure is per node or
+#   per GPU is not printed, and it decides the prediction: costed as per GPU, the 34B and 70B full-checkpointing
+#   rows come within -6..+14%; as per node (6.25 and 12.5 GB/s a GPU) the ring collectives of ZeRO-3 make them
+#   3-4.5x slower than printed. Left out until a text says which; the 7B row is HSDP (sharded inside a node,
+#   replicated across), which Layout cannot express, and the 13B row's "selective" checkpointing is a share of
+#   blocks the README does not print.
 
 
 def runs() -> list[PublishedRun]:
