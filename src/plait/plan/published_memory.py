@@ -70,9 +70,9 @@ class ByteFigure:
 # ---- Rajbhandari et al. 2020 (ZeRO), Figure 1 ---------------------------------------------------------------
 # Per-device model states of a Ψ = 7.5B model under data parallelism of Nd = 64 with mixed-precision Adam (K = 12):
 # baseline (2 + 2 + K)Ψ = 120GB, P_os 4Ψ + KΨ/Nd = 31.4GB, P_os+g 2Ψ + (2 + K)Ψ/Nd = 16.6GB, P_os+g+p
-# (2 + 2 + K)Ψ/Nd = 1.9GB (the figure and its caption; the same 7.5B, Nd = 64 column of Table 1 prints 31.4,
-# 16.6 and 1.88). ZeRO counts 2-byte (fp16) gradients; plait counts the 4-byte fp32 accumulators Megatron-LM and
-# plait's runtime keep (``plan.memory.STATE_BYTES``), so the stages that keep whole gradients differ by 2Ψ.
+# (2 + 2 + K)Ψ/Nd = 1.9GB (the figure and its caption, as quoted in text by several notes on the paper).
+# ZeRO counts 2-byte (fp16) gradients; plait counts the 4-byte fp32 accumulators Megatron-LM and plait's runtime
+# keep (``plan.memory.STATE_BYTES``), so the stages that keep whole gradients differ by 2Ψ.
 ZERO_WHERE = "Rajbhandari et al. 2020 (ZeRO, SC'20), Figure 1 and caption (Psi = 7.5B, K = 12, Nd = 64)"
 ZERO_FIGURES = ((0, "baseline", "120GB", 120e9), (1, "P_os", "31.4GB", 31.4e9), (2, "P_os+g", "16.6GB", 16.6e9),
                 (3, "P_os+g+p", "1.9GB", 1.9e9))
