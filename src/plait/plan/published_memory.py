@@ -86,14 +86,14 @@ def _zero() -> list[ByteFigure]:
             for zero, stage, printed, value in ZERO_FIGURES]
 
 
-# ---- Korthikanti et al. 2022, §4 and Table 2 -----------------------------------------------------------------
+# ---- Korthikanti et al. 2022, Section 4 -------------------------------------------------------------------------
 # Activation bytes per transformer layer (16-bit, dropout, MHA, 4h GELU MLP; s sequence, b micro-batch, h hidden,
 # a heads, t tensor-parallel size): sbh(34 + 5as/h) without parallelism; sbh(10 + 24/t + 5as/(ht)) with tensor
 # parallelism; sbh(34/t + 5as/(ht)) with tensor and sequence parallelism; selective recomputation drops the 5as/h
 # term; full recomputation keeps the layer input, 2sbh. Evaluated for GPT-3 175B (s = 2048, b = 1, h = 12288,
 # a = 96) at t = 8 on an unfused (non-flash) attention, as the paper's runs had.
 KORTHIKANTI_WHERE = ("Korthikanti et al. 2022, Reducing Activation Recomputation in Large Transformer Models "
-                     "(arXiv 2205.05198), Section 4 and Table 2")
+                     "(arXiv 2205.05198), Section 4 (activation memory per layer, by technique)")
 # (label, formula as printed, tp, sequence parallel, recompute)
 KORTHIKANTI_FORMULAS = (
     ("no parallelism", "sbh(34 + 5as/h)", 1, False, "none"),
@@ -106,7 +106,7 @@ KORTHIKANTI_FORMULAS = (
 
 
 def korthikanti_bytes(formula: str, s: int, b: int, h: int, a: int, t: int) -> float:
-    """A Table 2 formula evaluated (its terms spelt as printed)."""
+    """One of the paper's per-layer formulas evaluated (its terms spelt as printed)."""
     sbh = s * b * h
     score = 5 * a * s / h
     body = {"sbh(34 + 5as/h)": 34 + score, "sbh(10 + 24/t + 5as/(ht))": 10 + 24 / t + score / t,
