@@ -105,3 +105,28 @@ def test_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path):
         time.sleep(60)
     """, tmp_path / "ck", {"writing", "training"})  # the loop went on while the write was under way
     assert_first_checkpoint_whole(tmp_path / "ck")
+
+
+def test_a_save_prunes_old_checkpoints_out_of_sight_at_once_and_deletes_them_on_a_thread(tmp_path):
+    import threading
+
+    from plait.checkpoint import find_checkpoint
+    from plait.checkpoint.writer import META, PRUNED, _commit
+
+    def folder(name: str) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "pp0-tp0-dp0.safetensors").write_bytes(b"\0" * 4096)
+        (tmp_path / name / META).write_text("{}")
+        return tmp_path / name
+
+    for step in (1, 2):
+        folder(f"step_{step:08d}")
+    (tmp_path / f"{PRUNED}step_00000000-left").mkdir()  # left by a process killed while it deleted
+    _commit(tmp_path, folder(".step_00000003.tmp"), tmp_path / "step_00000003", keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
+    assert find_checkpoint(tmp_path) == tmp_path / "step_00000003"
+    for t in threading.enumerate():
+        if t.name == "plait-checkpoint-prune":
+            t.join(30)
+    assert not list(tmp_path.glob(PRUNED + "*")), list(tmp_path.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000003"]

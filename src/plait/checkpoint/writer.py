@@ -6,7 +6,8 @@ is gathered, every tensor this rank writes is copied to host memory, and the sha
 rank 0's ``meta.json``. ``write_snapshot`` needs no collective: each rank writes its safetensors file as
 ``*.part``, fsyncs it and renames it into the temp folder; rank 0 waits until every rank's file is there,
 writes ``meta.json`` (the mark of a complete checkpoint), renames the folder to ``step_*`` and points
-``latest`` at it. A kill at any moment leaves the previous checkpoint the latest complete one.
+``latest`` at it; checkpoints beyond the ``keep`` newest are renamed out of sight and deleted on a thread. A
+kill at any moment leaves the previous checkpoint the latest complete one.
 
 ``save_checkpoint`` runs both halves in the caller (and a barrier: on return the checkpoint is in place).
 ``AsyncCheckpointer`` runs the write on a thread while training goes on; its next save, and ``wait``, first
@@ -20,6 +21,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from plait.errors import CommTimeoutError
 FORMAT = "plait-checkpoint/1"
 META = "meta.json"
 LATEST = "latest"
+PRUNED = ".pruned-"  # a checkpoint pruned by a later save, until it is deleted
 
 
 def _fsync_path(path: Path) -> None:
@@ -247,7 +250,8 @@ def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:
 
 
 def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Rename the finished temp folder into place, point ``latest`` at it, prune old checkpoints."""
+    """Rename the finished temp folder into place, point ``latest`` at it, prune old checkpoints (renamed out of
+    sight here, deleted by ``_delete_pruned``)."""
     old = None
     if final.exists():
         old = final.with_name(final.name + ".old")
@@ -260,9 +264,22 @@ def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:
     _fsync_path(pointer)
     os.replace(pointer, root / LATEST)
     _fsync_path(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and p.suffix != ".old")
-    for stale in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in ([old] if old is not None else []) + (done[:-keep] if keep > 0 else []):
+        stale.rename(root / f"{PRUNED}{stale.name}-{uuid.uuid4().hex[:8]}")
+    _delete_pruned(root)
 
+
+def _delete_pruned(root: Path) -> None:
+    """Delete the pruned checkpoints (and any a killed process left) on a thread of their own: freeing a
+    checkpoint's blocks takes a good part of what writing them took, and rank 0 does it for every rank's
+    files while the others wait at the save's barrier. Not a daemon thread: the interpreter lets it finish
+    before the process exits."""
+    pruned = sorted(root.glob(PRUNED + "*"))
+
+    def delete() -> None:
+        for p in pruned:
+            shutil.rmtree(p, ignore_errors=True)
+
+    if pruned:
+        threading.Thread(target=delete, name="plait-checkpoint-prune").start()
