@@ -2,6 +2,10 @@
 ``torch.save`` of the same tensors as the floor of a write in the loop) and the time from a worker's death to
 the first step after torchrun restarts the job.
 
+The floor writes a new file every round, as a checkpoint must (the previous one stays until the new one is
+complete): on this project's VM (ext4) rewriting one file in place ran about twice as fast as writing the same
+bytes to a new file, which would flatter the floor.
+
 ``stall``: one Gloo world of 4 CPU ranks, tp2·pp2 (1F1B, 2 micro-batches), a Llama with AdamW state. Rounds of
 ``--every`` steps end in a save; the three kinds of save take turns round by round (sync, async, torch.save,
 sync, ...) so the machine's load hits them alike. Per save: the seconds the loop was blocked (async: the
@@ -80,11 +84,14 @@ def _rank(model: str, rounds: int, every: int, seq: int, out: str) -> dict:
             saver.save(pm, opt, Path(out) / "async", r, keep=1)
         else:  # the same tensors copied and written by torch.save: what a write in the loop costs at least
             snap = take_snapshot(pm, opt, Path(out) / "plain", r, keep=1)
-            with open(Path(out) / f"plain-{ctx.rank}.pt", "wb") as f:
+            with open(Path(out) / f"plain-{r}-{ctx.rank}.pt", "wb") as f:  # a new file, as a checkpoint's
                 torch.save(snap.tensors, f)
                 f.flush()
                 os.fsync(f.fileno())
+            del snap
         blocked = time.perf_counter() - t0
+        if kind == "torch.save" and r >= len(KINDS):  # the previous round's file, outside the timing
+            os.remove(Path(out) / f"plain-{r - len(KINDS)}-{ctx.rank}.pt")
         steps = [step() for _ in range(every)]
         rows.append({"kind": kind, "blocked_s": blocked, "step_s": statistics.mean(steps)})
     saver.wait()
