@@ -207,9 +207,8 @@ DGXC_FITS = (
 # BigScience's topology search before BLOOM (``plan.published.BLOOM_PREQUEL``): each layout's Mem ("max memory
 # used", of 77GB usable on an A100 80GB) or OOM.
 # MosaicML llm-foundry's benchmark tables (scripts/train/benchmarking/README.md) list the configurations that ran:
-# each row's micro-batch under FSDP FULL_SHARD fitted its GPUs' 80 GB. FSDP reduce-scatters every micro-batch's
-# gradients and keeps shards; ZeRO-3 as plait runs it keeps the whole float32 gradient through the backward of a
-# step with several micro-batches (``plan.memory.rank_memory``), which is what the planner counts for these rows.
+# each row's micro-batch under FSDP FULL_SHARD fitted its GPUs' 80 GB (FSDP reduce-scatters every micro-batch's
+# gradients and keeps shards, as plait's ZeRO-3 does: ``plan.memory.rank_memory``).
 MOSAIC_SOURCE = "MosaicML llm-foundry"
 
 
