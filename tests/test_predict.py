@@ -1,4 +1,4 @@
-"""plait calibrate's profile and the planner's prediction of plait's own training runs."""
+"""The planner's prediction of plait's own training runs: time, memory and phases per rank, beside the measurement."""
 
 import json
 import os
@@ -20,33 +20,6 @@ from plait.plan.host import shapes
 from plait.plan.host.profile import HostProfile
 from plait.plan.runs import predict_train, train_layout
 from profile_util import synthetic_profile
-
-
-def test_profile_round_trip(tmp_path):
-    p = synthetic_profile()
-    path = p.save(tmp_path / "host.toml")
-    q = HostProfile.load(path)
-    assert q == p and q.to_toml() == p.to_toml()
-    s = q.section(4)
-    assert s.collective("all_reduce", 2, 1024) == pytest.approx(1e-4)
-    assert s.collective("all_reduce", 4, 0) == 0.0 and s.collective("all_reduce", 1, 1e6) == 0.0
-    assert s.rates["matmul"].at(1e9, shared=True) == pytest.approx(2.5e10)
-    with pytest.raises(ValueError, match="measured 1, 2, 4, 8 processes, not 3"):
-        q.section(3)
-    (tmp_path / "bad.toml").write_text("format = 1\n[host]\nhostname = 'x'\n[[section]]\nprocesses = 2\n")
-    with pytest.raises(ValueError, match="malformed section"):
-        HostProfile.load(tmp_path / "bad.toml")
-
-
-def test_plan_reads_a_profile(tmp_path):
-    path = synthetic_profile().save(tmp_path / "host.toml")
-    r = CliRunner().invoke(app, ["plan", "--model", "small", "--gpus", "4", "--cluster", str(path),
-                                 "--global-batch", "16", "--seq-len", "128", "--json", "--top", "3"])
-    assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
-    assert out["best"] and all(e["layout"]["tp"] * e["layout"]["pp"] * e["layout"]["dp"] == 4 for e in out["best"])
-    r = CliRunner().invoke(app, ["plan", "--model", "small", "--gpus", "3", "--cluster", str(path)])
-    assert r.exit_code == 2 and "plait calibrate --processes 3" in r.output
 
 
 def test_memory_prediction_counts_plaits_tensors():
@@ -105,21 +78,6 @@ def test_calibration_measures_each_section_alone_and_shared(world4):
             assert step > 0 and twin > 0 and 0.5 < step / twin < 3, (p, step, twin)
         else:
             assert step == twin == 0.0, p
-
-
-def test_calibration_pairs_time_shared_as_the_slowest_process():
-    """A kernel timed in the calibration's pairs: alone is rank 0's call (4 ms) with the other waiting; shared
-    is the group's span, the slowest rank's call (12 ms), not rank 0's own; the parts a call reports are
-    kept, and each pair runs half as many rounds together (rounded up) as rank 0 ran alone."""
-    from plait.calibrate.run import PAIRS
-
-    calls = run_world(checks_predict.paired_sleeps, 2, timeout_s=60)
-    (calls0, alone, shared), (calls1, *_) = calls
-    assert 0.004 <= alone[0] < 0.007 and 0.012 <= shared[0] < 0.016
-    assert alone[1] == shared[1] == pytest.approx(0.001)
-    together = calls1 - 1  # after one warm-up call each
-    by_one = calls0 - 1 - together  # rank 0's rounds alone
-    assert by_one >= 2 * PAIRS and by_one / 2 <= together <= by_one / 2 + PAIRS
 
 
 def test_predicted_step_time_on_this_machine(world4):
@@ -262,155 +220,6 @@ def test_the_trainer_measures_the_phases_the_planner_predicts():
     from plait.train.observe import PHASES
 
     assert tuple(PLANNED) == PHASES
-
-
-def _scaled(profile: HostProfile, x: float, speed: float) -> HostProfile:
-    """``profile`` as a calibration that met the host at ``x`` times its speed (probe mean ``speed``)."""
-    return HostProfile({**profile.host, "speed_flops": speed, "speed_probes": [speed] * 3},
-                       {p: s.at_speed(x, x, x) for p, s in profile.sections.items()})
-
-
-def test_calibrations_average_their_times_weighted_by_how_many_each_holds(tmp_path):
-    """The mean of calibrations taken at different moments: every time averaged (rates by their harmonic
-    mean), a profile that is already the mean of n weighing n, and the count kept through TOML; profiles of
-    different hosts or measured at different sizes are refused."""
-    base = synthetic_profile(counts=(1, 4), block=True)
-    fast, slow = _scaled(base, 2.0, 100.0), _scaled(base, 0.5, 25.0)
-    assert HostProfile.average([fast]) == fast
-    mean = HostProfile.average([fast, slow])
-    assert mean.calibrations == 2 and mean.host["speed_flops"] == pytest.approx(40.0)  # 2 / (1/100 + 1/25)
-    s, f, w = mean.section(4), fast.section(4), slow.section(4)
-    time_of = (1 / 2 + 2) / 2  # each figure's time: half and twice the base's, averaged
-    assert s.rates["matmul"].alone[0] == pytest.approx(base.section(4).rates["matmul"].alone[0] / time_of)
-    assert s.rates["block"].shared[1] == pytest.approx((f.rates["block"].shared[1] + w.rates["block"].shared[1]) / 2)
-    key = ("all_reduce", 4)
-    assert s.collectives[key].seconds == pytest.approx(tuple((a + b) / 2 for a, b in zip(
-        f.collectives[key].seconds, w.collectives[key].seconds, strict=True)))
-    assert s.tp_blocks[0].seconds == pytest.approx(base.section(4).tp_blocks[0].seconds * time_of)
-    assert s.op_overhead_s == pytest.approx(base.section(4).op_overhead_s * time_of)
-    assert s.memory_bandwidth == pytest.approx(base.section(4).memory_bandwidth / time_of)
-    # a third calibration weighs one against the two the mean already holds
-    third = HostProfile.average([mean, fast])
-    assert third.calibrations == 3
-    assert third.section(1).op_overhead_s == pytest.approx(base.section(1).op_overhead_s * (0.5 * 2 + 2) / 3)
-    assert HostProfile.load(third.save(tmp_path / "h.toml")) == third
-    other = HostProfile({**fast.host, "cpu": "another cpu"}, fast.sections)
-    with pytest.raises(ValueError, match="different hosts"):
-        HostProfile.average([fast, other])
-    r = base.section(1).rates["matmul"]
-    resized = HostProfile(fast.host, {1: replace(base.section(1), rates={
-        **base.section(1).rates, "matmul": type(r)((1.0, 2.0), r.alone, r.shared)})})
-    with pytest.raises(ValueError, match="matmul was measured at different sizes"):
-        HostProfile.average([fast, resized])
-    older = HostProfile(fast.host, {p: replace(s, optimizer_s_per_tensor=0.0) for p, s in fast.sections.items()})
-    with pytest.raises(ValueError, match="timed per tensor in some calibrations"):
-        HostProfile.average([fast, older])
-
-
-def test_tp_block_rounds_run_the_calls_asked_and_average_per_call():
-    """``tp_block.measure(calls=c)`` runs each part c times per round after one warm-up call, every rank the
-    same number of rounds (at least MIN_ROUNDS), and returns the mean seconds of one call: with parts that
-    sleep 4 and 2 ms, about 4 and 2 ms whatever c is (docs/planner-log.md, entry 10, varied it)."""
-    from plait.calibrate import tp_block
-
-    for calls in (1, 3):
-        out = run_world(checks_predict.tp_round_calls, 2, calls, timeout_s=120)
-        assert out[0][0] == out[1][0], "both ranks run the same rounds"
-        (layer_calls, twin_calls), layer_s, twin_s = out[0]
-        assert layer_calls == twin_calls and (layer_calls - 1) % calls == 0
-        assert tp_block.MIN_ROUNDS <= (layer_calls - 1) // calls <= tp_block.MAX_ROUNDS
-        assert 0.004 <= layer_s < 0.012 and 0.002 <= twin_s < 0.008 and layer_s > twin_s
-
-
-def test_calibrate_measures_each_process_count_in_a_world_of_its_own(monkeypatch):
-    """A run of P processes is a world of P: `plait calibrate` launches each count's section in a world of that
-    many processes (smallest first) and assembles the sections at their probes' mean speed."""
-    import plait.calibrate as cal
-    import plait.distributed.launch as launch
-    from plait.calibrate.run import measure_world
-
-    base = synthetic_profile(counts=(1, 2, 4), block=True)
-    launches = []
-
-    def fake_run_world(fn, nprocs, *args, timeout_s=300.0, **kw):
-        processes, _ticks = args
-        launches.append((fn, nprocs, processes))
-        return [(base.section(processes), [10.0 * nprocs] * 2, [10.0 * nprocs] * 3)] + [None] * (nprocs - 1)
-
-    monkeypatch.setattr(launch, "run_world", fake_run_world)
-    profile = cal._measure_once([1, 2, 4], None)
-    assert [(n, p) for _, n, p in launches] == [(1, 1), (2, 2), (4, 4)]
-    assert all(fn is measure_world for fn, *_ in launches)
-    assert sorted(profile.sections) == [1, 2, 4]
-    assert profile.host["speed_probes"] == [10.0, 10.0, 20.0, 20.0, 40.0, 40.0]
-    assert profile.host["speed_flops"] == pytest.approx(70 / 3)
-
-
-def test_calibrate_names_a_dead_measuring_process_in_one_line(tmp_path, monkeypatch):
-    """A measuring process killed mid-calibration ends the command with the launcher's one-line reason
-    (which rank, its exit code), exit code 1, no traceback and no profile written."""
-    import plait.calibrate as cal
-    from plait.distributed.launch import LaunchError
-
-    def died(counts, progress):
-        raise LaunchError("ranks [2] died (exit codes [-9]) without reporting")
-
-    monkeypatch.setattr(cal, "_measure_once", died)
-    out = tmp_path / "host.toml"
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out)])
-    assert r.exit_code == 1, r.output
-    assert "error: plait calibrate: ranks [2] died (exit codes [-9])" in r.output
-    assert "Traceback" not in r.output and not out.exists()
-
-
-def test_calibrate_add_to_a_profile_measured_another_way_is_a_one_line_error(tmp_path, monkeypatch):
-    """`--add` averages only calibrations measured the same way: a file whose matmul was timed at other sizes
-    ends the command with exit code 2 and the reason, not a traceback, and the file is left as it was."""
-    import plait.calibrate as cal
-
-    base = synthetic_profile(counts=(1, 2), block=True)
-    r = base.section(1).rates["matmul"]
-    other = HostProfile(base.host, {**base.sections, 1: replace(base.section(1), rates={
-        **base.section(1).rates, "matmul": type(r)((1.0, 2.0), r.alone, r.shared)})})
-    out = tmp_path / "host.toml"
-    other.save(out)
-    before = out.read_text()
-    monkeypatch.setattr(cal, "_measure_once", lambda counts, progress: base)
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--add", "--processes", "1", "--processes", "2"])
-    assert r.exit_code == 2, r.output
-    assert "error:" in r.output and "matmul was measured at different sizes" in r.output
-    assert "Traceback" not in r.output and out.read_text() == before
-
-
-def test_calibrate_add_and_repeat_keep_the_mean_of_the_calibrations(tmp_path, monkeypatch):
-    """`plait calibrate --add` averages a new calibration into the file's; `--repeat N` keeps the mean of N
-    taken back to back; without either the file is replaced (the measuring itself is stubbed: a calibration
-    takes a minute, and test_train_calibrates_on_first_use_and_caches runs a real one)."""
-    import plait.calibrate as cal
-
-    base = synthetic_profile(counts=(1, 2), block=True)
-    readings = iter([_scaled(base, x, 100.0 * x) for x in (2.0, 0.5, 1.0, 1.0, 0.5)])
-    monkeypatch.setattr(cal, "_measure_once", lambda counts, progress: next(readings))
-    out = tmp_path / "host.toml"
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--processes", "1", "--processes", "2"])
-    assert r.exit_code == 0, r.output
-    assert HostProfile.load(out).calibrations == 1
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--add", "--processes", "1", "--processes", "2"])
-    assert r.exit_code == 0, r.output
-    two = HostProfile.load(out)
-    assert two.calibrations == 2 and "the mean of 2 calibrations" in r.output
-    assert two.section(2).op_overhead_s == pytest.approx(base.section(2).op_overhead_s * 1.25)  # (1/2 + 2) / 2
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--repeat", "2", "--processes", "1",
-                                 "--processes", "2"])
-    assert r.exit_code == 0, r.output
-    assert HostProfile.load(out).calibrations == 2  # replaced by the mean of two new ones at the base speed
-    again = HostProfile.load(out).section(2)
-    assert again.op_overhead_s == pytest.approx(base.section(2).op_overhead_s)
-    assert again.rates["matmul"].shared == pytest.approx(base.section(2).rates["matmul"].shared)
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--processes", "1", "--processes", "2"])
-    assert HostProfile.load(out).calibrations == 1  # no --add: replaced
-    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--repeat", "0"])
-    assert r.exit_code == 2 and "--repeat" in r.output
 
 
 def test_train_dry_run_prints_the_prediction_and_launches_nothing(tmp_path):
