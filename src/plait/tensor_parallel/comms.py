@@ -27,6 +27,11 @@ def _rank(group) -> int:
     return dist.get_rank(group)
 
 
+def _check_divisible(x: torch.Tensor, dim: int, t: int) -> None:
+    if x.shape[dim] % t:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum ``x`` over ``group`` into a new tensor."""
     out = x.contiguous().clone()
@@ -55,8 +60,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     t = _size(group)
     if t == 1:
         return x
-    if x.shape[dim] % t:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
+    _check_divisible(x, dim, t)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // t, *x.shape[1:]))
     _reduce_scatter_tensor(out, x, group=group)
@@ -68,8 +72,7 @@ def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     t = _size(group)
     if t == 1:
         return x
-    if x.shape[dim] % t:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
+    _check_divisible(x, dim, t)
     return x.chunk(t, dim=dim)[_rank(group)].contiguous()
 
 
