@@ -52,6 +52,33 @@ def grads_at_launch(ctx) -> dict:
             "others_max": max(o for o, _, _ in seen), "own_complete": all(own == n for _, own, n in seen)}
 
 
+class Spare(torch.nn.Module):
+    """A linear layer beside a trainable parameter its forward never uses (ZeRO-3 shards it all the same)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(h, h)
+        self.spare = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def unused_parameter(ctx) -> dict:
+    """A parameter no forward uses: its block's reduce-scatter waits for the step's end (on every rank alike), its
+    gradient is zeros and every other gradient equals ZeRO-0's (all-reduced) on the same world, 2 micro-batches."""
+    grads = {}
+    for zero in (0, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Spare(8), torch.nn.Linear(8, 4))
+        pm = plait.parallelize(model, ctx, microbatches=2, zero=zero, loss_fn=torch.nn.functional.mse_loss)
+        g = torch.Generator().manual_seed(ctx.dp_rank)
+        pm.train_step(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g))
+        grads[zero] = pm.full_state_dict(grads=True)
+    return {"spare_zero": bool(torch.all(grads[3]["0.spare"] == 0)),
+            "rel_max": max(rel_err(grads[3][k], v) for k, v in grads[0].items())}
+
+
 def resume_exact(ctx) -> dict:
     """3 steps, save the model (full state) and each rank's optimizer state, rebuild, load, 2 more steps: the
     same bits as 5 uninterrupted steps; and within rounding of one device."""
@@ -145,6 +172,7 @@ def rank_main(root: str) -> dict:
         ("dp4", lambda: held(dp4)),
         ("tp2dp2/sp", lambda: held(tp2dp2, sp=True)),
         ("dp4/grads-at-launch", lambda: grads_at_launch(dp4)),
+        ("dp4/unused-parameter", lambda: unused_parameter(dp4)),
         ("dp4/selective", lambda: compare(dp4, zero=3, recompute="selective")),
         ("dp4/full/tied", lambda: compare(dp4, zero=3, recompute="full", cfg={"tie_embeddings": True})),
         ("tp2dp2ep2/moe", lambda: compare(moe, zero=3, cfg={"n_experts": 4, "top_k": 2})),

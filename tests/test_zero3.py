@@ -65,6 +65,11 @@ def test_gradients_reduced_per_block_and_micro_batch(world4):
         assert r["others_max"] == 0 and r["own_complete"], (rank, r)
 
 
+def test_a_parameter_no_forward_uses(world4):
+    for rank, r in enumerate(result(world4, "dp4/unused-parameter")):
+        assert r["spare_zero"] and r["rel_max"] <= PARAM_TOL, (rank, r)
+
+
 def test_resume_is_exact(world4):
     for rank, r in enumerate(result(world4, "tp2dp2/sp/resume")):
         assert r["identical"] and r["steps"] == 5 and r["param_rel_max"] <= PARAM_TOL, (rank, r)
