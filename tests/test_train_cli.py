@@ -72,6 +72,13 @@ def test_short_run_metrics_checkpoint_sample_generate_export(tmp_path):
     assert exp.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), exp.stderr
 
 
+def _wait_for_rows(metrics: Path, n: int, timeout: float) -> None:
+    """Until the run's metrics file has ``n`` rows (steps), at most ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < n):
+        time.sleep(0.05)
+
+
 def _alive(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -84,9 +91,7 @@ def test_killed_worker_ends_the_job_promptly(tmp_path):
     proc = subprocess.Popen(PLAIT + ["train", "--steps", "100000", *FAST, "--metrics", str(metrics)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-            time.sleep(0.3)
+        _wait_for_rows(metrics, 2, 120)
         workers = child_pids(proc.pid, b"spawn_main")
         assert len(workers) == 4, f"expected 4 workers, found {workers}"
         victim = sorted(workers)[2]
@@ -130,9 +135,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     proc = subprocess.Popen(PLAIT + ["train", *flags, *slow, "--metrics", str(metrics)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 150
-        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-            time.sleep(0.05)
+        _wait_for_rows(metrics, 2, 150)
         proc.send_signal(signal.SIGTERM)
         t0 = time.time()
         out, err = proc.communicate(timeout=120)
