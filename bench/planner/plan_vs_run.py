@@ -202,9 +202,7 @@ def print_phases(rows: list[dict]) -> None:
         print(f"{r['layout']:26} " + "  ".join(cells))
 
 
-def main() -> None:
-    from plait.plan.host.profile import HostProfile
-
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few layouts, one round (a smoke run)")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps of plait train per layout and round")
@@ -217,11 +215,18 @@ def main() -> None:
                         help="calibrate again between the rounds and after the last, and predict with the mean "
                              "of the calibrations (the first one's prediction is shown beside it)")
     args = parser.parse_args()
-    quick, steps = args.quick, args.steps
-    names = list(QUICK if quick else LAYOUTS) if args.layouts is None else args.layouts.split(",")
-    unknown = [n for n in names if n not in LAYOUTS]
+    args.names = list(QUICK if args.quick else LAYOUTS) if args.layouts is None else args.layouts.split(",")
+    unknown = [n for n in args.names if n not in LAYOUTS]
     if unknown:
         parser.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
+    return args
+
+
+def main() -> None:
+    from plait.plan.host.profile import HostProfile
+
+    args = parse_args()
+    quick, steps, names = args.quick, args.steps, args.names
     with tempfile.TemporaryDirectory(prefix="plait-bench-") as tmp:
         work = Path(tmp)
         env_load = [load()]
@@ -266,6 +271,12 @@ def main() -> None:
     mean_speed = float(final.host.get("speed_flops") or "nan")
     speeds = {n: [x / mean_speed for x in probes[n]] for n in names}
     rows = [summarise(n, rounds[n], speeds[n], predicted[n], by_round[n]) for n in names]
+    report(rows, speeds, final, cal_s, env_load, profile, args.interleave)
+
+
+def report(rows: list[dict], speeds: dict[str, list[float]], final, cal_s: list[float], env_load: list[str],
+           profile: Path, interleave: bool) -> None:
+    """The table, the diagnostics, the goals and the JSON of a finished run (``final``: its HostProfile)."""
     moved = final.host.get("speed_moved")
     print(f"calibration {' + '.join(f'{c:.0f}' for c in cal_s)} s ({profile}: the mean of {final.calibrations}; "
           f"the host's speed moved {'?' if moved is None else f'{float(moved):.0%}'} over them); load average "
@@ -308,7 +319,7 @@ def main() -> None:
     print(f"at the host's speed during each run (ratio x host speed, the prediction the calibration would have "
           f"made at that speed): {at_speed}/{len(rows)} within {GOAL_TIME:.0%} (a diagnostic, not the goal)")
     first_ok = all(abs(r["first_ratio"] - 1) <= GOAL_TIME for r in rows)
-    if args.interleave:
+    if interleave:
         within = sum(abs(r["first_ratio"] - 1) <= GOAL_TIME for r in rows)
         print(f"the first calibration alone, made before any run: {within}/{len(rows)} within {GOAL_TIME:.0%} "
               f"({'PASS' if first_ok else 'FAIL'}); the goal below is judged on the mean of the "
