@@ -50,6 +50,28 @@ def test_config_file_keys_match_flags(tmp_path):
     assert res.exit_code == 2 and "unknown key 'warp'" in res.output
 
 
+def test_a_flag_on_by_default_can_be_turned_off(tmp_path):
+    """A boolean option is a pair (--async-checkpoint / --no-async-checkpoint): the run's summary names the
+    off switch, so it must parse; the config file's value is overridden by it."""
+    import typer
+
+    from plait.cli import train as cli_train
+
+    seen = {}
+    params = {p.name: p for p in typer.main.get_command(app).commands["train"].params}
+    assert params["async_checkpoint"].secondary_opts == ["--no-async-checkpoint"]
+    f = tmp_path / "run.toml"
+    f.write_text("async-checkpoint = true\n")
+    real = cli_train._run
+    try:
+        cli_train._run = lambda cfg: seen.update(cfg=cfg)
+        res = CliRunner().invoke(app, ["train", "--config", str(f), "--no-async-checkpoint", "--sequence-parallel"])
+    finally:
+        cli_train._run = real
+    assert res.exit_code == 0, res.output
+    assert seen["cfg"].async_checkpoint is False and seen["cfg"].parallel.sequence_parallel is True
+
+
 def _run(args, cwd, timeout=240):
     return subprocess.run(PLAIT + args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 

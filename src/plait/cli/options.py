@@ -28,7 +28,8 @@ def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | 
 
     ``defaults`` (an instance) gives the default values (else the fields' own; a field with neither is a
     required option); ``flags`` renames options (field name -> ``--flag``, or several names such as
-    ``("--stages", "-p")``). Fields with a dataclass type (nested configs) are skipped.
+    ``("--stages", "-p")``). A ``bool`` field is a pair, ``--flag`` / ``--no-flag``. Fields with a dataclass
+    type (nested configs) are skipped.
     """
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     keep = set(only) if only is not None else None
@@ -48,6 +49,8 @@ def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | 
         elif default is None or isinstance(default, list):
             default, annotation = None, annotation | None
         names = (flags or {}).get(f.name, "--" + f.name.replace("_", "-"))
+        if annotation is bool and isinstance(names, str) and "/" not in names:  # on and off: --x / --no-x
+            names = f"{names}/--no-{names[2:]}"
         option = typer.Option(default, *((names,) if isinstance(names, str) else names), help=docs.get(f.name, ""))
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
     return params
