@@ -230,20 +230,19 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
     """Seconds per parameter and per parameter tensor as calibrated (an older profile: per parameter alone),
     divided among ZeRO's shards; format 1: the counted bytes at the streaming bandwidth plus kernels per
     tensor."""
-    model = Model.preset("small", seq_len=128)
     params = 1e6
     tensors = 8 * step_end.PARAM_TENSORS_PER_LAYER + 3
     timed = _cluster(_section(None, optimizer=3e-9))
-    assert step_end.optimizer_time(model, timed, Layout(), params, 8) == pytest.approx(3e-3)
+    assert step_end.optimizer_time(timed, Layout(), params, 8) == pytest.approx(3e-3)
     per_tensor = _cluster(_section(None, optimizer=3e-9, per_tensor=3e-5))
-    assert step_end.optimizer_time(model, per_tensor, Layout(), params, 8) == pytest.approx(3e-3 + tensors * 3e-5)
-    assert step_end.optimizer_time(model, per_tensor, Layout(dp=2, zero=1), params, 8) == pytest.approx(
+    assert step_end.optimizer_time(per_tensor, Layout(), params, 8) == pytest.approx(3e-3 + tensors * 3e-5)
+    assert step_end.optimizer_time(per_tensor, Layout(dp=2, zero=1), params, 8) == pytest.approx(
         (3e-3 + tensors * 3e-5) / 2)
     sec2 = _section(None, optimizer=3e-9)
     two = Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {2: Section(2, 1, sec2.rates, OVERHEAD,
                                                                                         1e10, {}, 3e-9)}), 2)
-    assert step_end.optimizer_time(model, two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
-    counted = step_end.optimizer_time(model, _cluster(_section(None)), Layout(), params, 8)
+    assert step_end.optimizer_time(two, Layout(dp=2, zero=1), params, 8) == pytest.approx(1.5e-3)
+    counted = step_end.optimizer_time(_cluster(_section(None)), Layout(), params, 8)
     assert counted == pytest.approx(host_costs.EAGER_OPTIMIZER_TRAFFIC * params / 1e10
                                     + host_costs.EAGER_OPTIMIZER_OPS * tensors * OVERHEAD * 0.4)
 

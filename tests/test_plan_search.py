@@ -1,10 +1,9 @@
-"""Layout search: constraints honoured, sensible answers, and the calibration on published runs."""
+"""Layout search: constraints honoured and sensible answers (the model against published runs: test_plan_gpu)."""
 
 import pytest
 
 from plait import ConfigError
 from plait.plan import Cluster, Layout, Model, Training, estimate, explain, search
-from plait.plan.published_fit import cases, report
 
 
 def test_search_honours_node_size_heads_layers_and_memory():
@@ -34,8 +33,8 @@ def test_70b_on_64_h100():
     best = r.best[0]
     lay = best.layout
     assert best.fits
-    assert lay.tp in (2, 4, 8) and lay.tp * lay.pp >= 8  # 70B must be cut at least 8 ways...
-    assert lay.pp >= 2 or lay.zero == 3  # ...by a pipeline or by sharding the weights
+    # 70B must be cut at least 8 ways: by TP and a pipeline, or by TP and sharding the weights (ZeRO-3)
+    assert lay.tp in (2, 4, 8) and (lay.tp * lay.pp >= 8 or lay.zero == 3)
     assert 0.30 < best.mfu < 0.60
     lines = explain(r)
     assert lines[0].startswith("best: ") and any("faster than" in ln for ln in lines)
@@ -78,15 +77,6 @@ def test_breakdown_adds_up():
     e = estimate(Model.preset("llama3-70b"), Cluster("h100-sxm", 64, flash_attention=False), lay, Training(512))
     assert sum(e.time.values()) == pytest.approx(e.step_time_s)
     assert e.time["pp_bubble"] > 0 and e.time["tp_comm"] > 0 and e.time["recompute"] > 0
-
-
-def test_calibration_on_published_runs():
-    # docs/planner.md: 20 cases from Narayanan et al. 2021 (Tables 1-2), Korthikanti et al. 2022 and
-    # Llama 3 (Table 4). Goal: mean absolute error of the step time under 10%.
-    rows, mape = report()
-    assert len(rows) == len(cases()) == 20
-    assert mape < 10.0
-    assert max(abs(err) for _, _, err in rows) < 0.20
 
 
 def test_pruning_keeps_the_exhaustive_top():

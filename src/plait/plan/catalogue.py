@@ -42,7 +42,7 @@ class GPU:
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
     gemm_half: float = 40.0
-    elementwise_traffic: float = 1.9
+    elementwise_traffic: float = 1.86
     flash_efficiency: float = 0.5
 
 
@@ -67,8 +67,8 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 46 runs
-# from 6 sources, 0.66; H100: 10 runs of one source, MosaicML's llm-foundry, 0.52; the traffic 1.9 on all 56;
-# ``bench/plan.py --validate`` refits them and reports each source's error with that source held out).
+# from 6 sources, 0.623; H100: 27 runs from 3 sources, 0.651; the traffic 1.86 on all 73; ``bench/plan.py
+# --validate`` refits them and reports each source's error with that source held out).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
 # published run (docs/planner.md).
 # Peak dense bf16 FLOP/s, memory and bandwidth from the vendors' datasheets (A100: 312 TF, 1.6/2.0
@@ -77,15 +77,15 @@ INTERCONNECTS: dict[str, Link] = {
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.66,
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.623,
             "NVIDIA A100 SXM 40GB"),
-        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.66,
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.623,
             "NVIDIA A100 SXM 80GB"),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.52,
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.651,
             "NVIDIA H100 SXM5 80GB", fp8=True),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.52,
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.651,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.52,
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.651,
             "NVIDIA H200 SXM 141GB", fp8=True),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),

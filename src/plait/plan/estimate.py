@@ -131,16 +131,23 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     params = mem.max_rank_params(model, layout)
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params)
     dp = reduction + gather
-    overlap = costs.hidden_reduction(max(c.backward for c in ranks)) if training.overlap_grad_reduce else 0.0
-    per_mb = step_end.zero_per_microbatch(cluster, layout, params, m)
-    layers = max(c.layers for c in ranks)
-    optimizer = step_end.optimizer_time(model, cluster, layout, params, layers)
-    publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
+    # ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the compute of
+    # its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last one's
+    # reduce-scatter (dp_sync_parts) only behind what of that backward its gather leaves free
+    gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params)
+    hide_f, hide_b = costs.hidden_reduction(busiest.forward), costs.hidden_reduction(busiest.backward)
+    zero3 = (m * max(0.0, gather_3 - hide_f) + (m - 1) * max(0.0, gather_3 + scatter_3 - hide_b)
+             + max(0.0, gather_3 - hide_b))
+    free = max(0.0, max(c.backward for c in ranks) - gather_3)
+    overlap = costs.hidden_reduction(free) if training.overlap_grad_reduce else 0.0
+    layers = max(c.layers for c in ranks)
+    optimizer = step_end.optimizer_time(cluster, layout, params, layers)
+    publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
     loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
     time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
-            "zero_comm": m * max(0.0, per_mb - costs.hidden_reduction(busiest.forward + busiest.backward)),
+            "zero_comm": zero3,
             "optimizer": span.stretch * optimizer + publish,
             "sync": tp_sum + loss_sync + norm_sync}
     gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives

@@ -4,8 +4,8 @@ collectives, Korthikanti et al.'s activation count (Megatron-LM's kernels, 16-bi
 What one layer costs: its FLOPs (``timing.layer_forward_flops``) at ``peak · matmul_efficiency`` (falling for
 narrow GEMMs), plus its element-wise kernels' HBM traffic; backward twice the forward (half of it weight
 gradients); the TP all-reduces (or SP's gathers and scatters) and MoE's all-to-alls on ring formulas over the
-link the group spans (NVLink inside a node, the interconnect across). The fit and its errors on published runs:
-``plan.published_fit``.
+link the group spans (NVLink inside a node; across nodes the NICs its members in a node have: ``group_link``).
+The fit and its errors on published runs, each source held out: ``plan.validation``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ if TYPE_CHECKING:
 # - ``elementwise_traffic``: element-wise kernels (norms, softmax, dropout, residual adds, activations) move about
 #   this many times the layer's stored activation bytes through HBM per forward pass;
 # - ``flash_efficiency``: fused attention (``Cluster(flash_attention=True)``) runs QK^T and AV at this share of
-#   peak, forward and backward, and never writes the s×s scores to HBM. FlashAttention-2 reaches 50-73% of the
-#   A100's peak (Dao 2023, abstract: about twice FlashAttention's 25-40%); forward and backward together sit at
-#   the low end. Not fitted.
+#   peak, forward and backward, on the causal half of the s×s square (``FLASH_CAUSAL``), and never writes the
+#   scores to HBM. FlashAttention-2 reaches 50-73% of the A100's peak (Dao 2023, abstract: about twice
+#   FlashAttention's 25-40%); forward and backward together sit at the low end. Not fitted (fitted as a shared
+#   constant it lands at 0.56 and changes no source's error by more than a point).
 # FlashAttention's backward recomputes the scores from Q and K: 5 matmuls of the forward's 2 (Dao et al. 2022,
 # Algorithm 4), 2.5 times the forward's attention FLOPs.
 FLASH_BACKWARD = 2.5
+# A causal flash kernel computes only the key blocks on and below the diagonal: about half of the s×s square the
+# FLOP count charges (Dao 2023, FlashAttention-2, §3.1.1: causal masking skips the blocks above it).
+FLASH_CAUSAL = 0.5
 # Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
 OPTIMIZER_TRAFFIC = 30.0
 
@@ -76,7 +80,7 @@ class GpuCosts:
     def collective(self, op: str, nbytes: float, n: int, span: int | None = None) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
-        link = self.cluster.link(span or n)
+        link = self.group_link(n, span or n)
         if op == "all_reduce":
             return ring_allreduce(nbytes, n, link)
         if op in ("all_gather", "reduce_scatter"):
@@ -84,6 +88,19 @@ class GpuCosts:
         if op == "all_to_all":
             return nbytes * (n - 1) / n / (link.bandwidth * LINK_EFFICIENCY) + (n - 1) * link.latency
         return nbytes / (link.bandwidth * LINK_EFFICIENCY) + link.latency  # p2p
+
+    def group_link(self, n: int, span: int) -> Link:
+        """The link a collective over ``n`` ranks spread over ``span`` consecutive ranks runs at, per rank.
+        Inside a node: NVLink. Across nodes every GPU has its own NIC (a rail: 8 x HDR on DGX A100, 8 x NDR on
+        DGX H100), and NCCL spreads a ring's channels over the NICs of the node: a group with k members in a node
+        moves its inter-node traffic through those k NICs, k times one NIC's bandwidth per rank, up to NVLink's
+        (the groups of the other ranks of the node use the other NICs at the same time)."""
+        g = self.cluster.gpus_per_node
+        link = self.cluster.link(span)
+        if span <= g:
+            return link
+        members = max(1, min(n, g * n // span))
+        return Link(link.name, min(members * link.bandwidth, self.gpu.intra.bandwidth), link.latency)
 
     def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> float:
         """Forward collectives of one layer: 2 all-reduces of [b, s, h] (TP, Shoeybi et al. 2019) or
@@ -129,7 +146,7 @@ class GpuCosts:
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
             traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            fused = gpu.peak_flops * gpu.flash_efficiency
+            fused = gpu.peak_flops * gpu.flash_efficiency / FLASH_CAUSAL
             dense = (flops - attention) / speed
             f = dense + attention / fused + traffic
             b = 2 * dense + FLASH_BACKWARD * attention / fused + 2 * traffic

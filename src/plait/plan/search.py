@@ -124,7 +124,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     overlap = cluster.costs.hidden_reduction(max(backward)) if training.overlap_grad_reduce else 0.0
     seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
     layers = max(st.rank_layers)
-    seconds += step_end.optimizer_time(model, cluster, layout, params, layers)
+    seconds += step_end.optimizer_time(cluster, layout, params, layers)
     seconds += step_end.publish_time(cluster, layout, params, layers, training.precision)
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision))

@@ -37,6 +37,19 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
             collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
 
 
+def zero3_collectives(cluster: Cluster, layout: Layout, params_on_gpu: float) -> tuple[float, float]:
+    """(one all-gather of a rank's weights in the gather dtype, one reduce-scatter of its fp32 gradients) over
+    dp·cp under ZeRO-3: what one pass gathers and one backward reduce-scatters (``zero_per_microbatch``); (0, 0)
+    below ZeRO-3."""
+    if layout.zero < 3:
+        return 0.0, 0.0
+    n = layout.dp * layout.cp
+    span = layout.tp * n
+    gathered = cluster.costs.weight_gather_bytes * params_on_gpu
+    return (cluster.costs.collective("all_gather", gathered, n, span),
+            cluster.costs.collective("reduce_scatter", 4 * params_on_gpu, n, span))
+
+
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, microbatches: int = 1) -> float:
     """Communication ZeRO-3 repeats every micro-batch (on average over the step's ``microbatches``): every
     block's weights are all-gathered for its forward and again for its backward
@@ -44,13 +57,8 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, 
     fp32 gradients (``plait.data_parallel.zero3_reducer``; the last micro-batch's is ``dp_sync_parts``'s, so
     (M-1)/M of one here). Each collective is issued a block ahead or behind the compute, so it overlaps it where
     the cost model says the network runs beside it (``estimate``). ZeRO-1/2: nothing per micro-batch."""
-    if layout.zero < 3:
-        return 0.0
-    n = layout.dp * layout.cp
-    span = layout.tp * n
-    gathered = cluster.costs.weight_gather_bytes * params_on_gpu
-    reduced = cluster.costs.collective("reduce_scatter", 4 * params_on_gpu, n, span)
-    return 2 * cluster.costs.collective("all_gather", gathered, n, span) + reduced * (microbatches - 1) / microbatches
+    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu)
+    return 2 * gather + scatter * (microbatches - 1) / microbatches
 
 
 def optimizer_shards(layout: Layout) -> int:
@@ -113,8 +121,7 @@ def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers:
     return cluster.costs.stream_time(traffic, kernels)
 
 
-def optimizer_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
-                   layers: int = 0) -> float:
+def optimizer_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0) -> float:
     """The optimizer step over this GPU's (sharded) parameters of ``layers`` layers (under ZeRO a rank updates
     its pieces of 1/(dp·cp) of the tensors): ``CostModel.optimizer_time``."""
     return cluster.costs.optimizer_time(params_on_gpu, param_tensors(layers), optimizer_shards(layout))

@@ -1,0 +1,70 @@
+"""The datasheet GPU cost model (plan.gpu): collectives over a node's NICs, ZeRO-3's traffic on one network beside
+the compute, causal flash attention, and the shipped constants being the fit on the published runs."""
+
+import math
+
+import pytest
+
+from plait.plan import Cluster, Layout, Model, Training, estimate
+from plait.plan.catalogue import LINK_EFFICIENCY
+from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency
+from plait.plan.memory import max_rank_params
+from plait.plan.published import runs
+from plait.plan.timing import layer_forward_flops
+from plait.plan.validation import default_constants, predict
+
+
+def test_a_group_with_several_members_in_a_node_uses_their_nics():
+    costs = Cluster("a100-80gb", 64).costs  # 8 nodes of 8, one 25 GB/s HDR NIC per GPU, NVLink3 300 GB/s
+    nic = costs.gpu.inter.bandwidth
+    assert costs.group_link(8, 8).bandwidth == costs.gpu.intra.bandwidth  # inside a node: NVLink
+    assert costs.group_link(8, 64).bandwidth == nic  # DP of a TP8 layout: one member per node, one NIC
+    assert costs.group_link(16, 64).bandwidth == 2 * nic  # TP4: two members per node, two NICs
+    assert costs.group_link(64, 64).bandwidth == min(8 * nic, costs.gpu.intra.bandwidth)  # all eight
+    big = 1e9
+    assert costs.collective("all_gather", big, 64) == pytest.approx(
+        63 / 64 * big / (8 * nic * LINK_EFFICIENCY) + 63 * costs.gpu.inter.latency)
+
+
+def test_zero3_gathers_and_reduce_scatter_share_one_network_beside_the_compute():
+    """Comm-bound ZeRO-3 (100 Gb/s Ethernet between nodes): each forward takes its gather's time and each
+    backward its gather's and reduce-scatter's; what the compute hides is counted once."""
+    m = Model(8, 2048, 16, 32000, 2048, glu=True)
+    cluster, layout, training = Cluster("a100-80gb", 16, interconnect="eth-100"), Layout(dp=16, zero=3), Training(32)
+    e = estimate(m, cluster, layout, training)
+    params = max_rank_params(m, layout)
+    gather = cluster.costs.collective("all_gather", 2 * params, 16)
+    scatter = cluster.costs.collective("reduce_scatter", 4 * params, 16)
+    compute = e.time["compute"] + e.time["recompute"] + e.time["tp_comm"]
+    assert gather > compute  # the regime this checks
+    passes = e.time["compute"] + e.time["zero_comm"] + e.time["dp_comm"]
+    assert e.microbatches == 2 and passes == pytest.approx(e.microbatches * (2 * gather + scatter), rel=1e-9)
+
+
+def test_causal_flash_attention_costs_half_the_square():
+    m = Model(8, 2048, 16, 32000, 4096, glu=True)
+    layout = Layout(dp=8, microbatch_size=2)
+    cluster = Cluster("h100-sxm", 8)
+    block = cluster.costs.blocks(m, layout, "bf16").layer
+    gpu, tokens = cluster.gpu, 2 * 4096
+    attention = 4 * tokens * 4096 * 2048
+    dense = (layer_forward_flops(m, tokens, 4096) - attention) / (gpu.peak_flops * matmul_efficiency(gpu, m, layout))
+    assert block.f_compute - dense > 0
+    core = FLASH_CAUSAL * attention / (gpu.peak_flops * gpu.flash_efficiency)
+    traffic = block.f_compute - dense - core
+    assert traffic > 0 and block.b_compute == pytest.approx(2 * dense + 2.5 * core + 2 * traffic)
+
+
+def test_shipped_constants_are_the_fit_on_the_published_runs():
+    """The catalogue's constants are where ``plan.validation``'s fit (every source in) puts them: nudging any
+    of them 3% either way does not lower the mean |log error| over the published runs noticeably."""
+    rs = runs()
+
+    def loss(c, value):
+        return sum(abs(math.log(predict(c.apply(r, value)) / r.step_s)) for r in rs if c.uses(r)) / len(rs)
+
+    for c in default_constants():
+        shipped = next(r for r in rs if c.uses(r))
+        value = getattr(shipped.cluster.gpu, c.name.split("[")[0])
+        here = loss(c, value)
+        assert here <= loss(c, value * 1.03) + 1e-3 and here <= loss(c, value / 1.03) + 1e-3, c.name
