@@ -1,0 +1,92 @@
+"""``ServeConfig``: every ``plait serve`` setting (a field's docstring is its flag's help), checked before launch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from plait.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The server's settings; ``resolved`` fills the defaults that follow from the model's context length."""
+
+    model: str = "plait-checkpoints"
+    """A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, mistral, qwen2, qwen3,
+    mixtral)."""
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 exposes the server to the network)."""
+    port: int = 8000
+    """Port to listen on."""
+    name: str | None = None
+    """Model name clients must send (default: the folder's name)."""
+    max_batch: int = 16
+    """Sequences that run at once (continuous batching)."""
+    max_tokens: int | None = None
+    """Largest max_tokens a request may ask for (default: the context length - 1)."""
+    kv_budget: int | None = None
+    """KV cache positions of the block pool (default: max-batch x context)."""
+    kv_block: int = 16
+    """Positions per KV cache block."""
+    kv_reserve: bool = False
+    """Reserve prompt + max_tokens positions at admission (no paging, no preemption: the policy before paged KV,
+    for comparison)."""
+    prefix_cache: bool = True
+    """Share the KV blocks of a prompt's prefix that an earlier request computed (a common system prompt is
+    prefilled once)."""
+    step_tokens: int = 256
+    """Tokens one step may feed (chunked prefill); 0: every admitted prompt whole in one step."""
+    max_queue: int = 256
+    """Requests that may wait for a slot; more get HTTP 503."""
+    max_body_bytes: int = 16 << 20
+    """Largest request body; larger ones get HTTP 413."""
+    request_timeout: float = 600.0
+    """Seconds a request may run before it is cancelled (HTTP 504); 0: no limit."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file, or the template itself) instead of the folder's."""
+    trust_request_chat_template: bool = False
+    """Let requests send a chat_template of their own (else 400; named templates of the folder are always
+    allowed)."""
+    log_level: str = "info"
+    """Level of plait serve's log lines on stderr: debug, info, warning, error."""
+    access_log: bool = True
+    """Log one line per request at INFO: client, method, path, status, prompt and completion tokens, time to
+    first token, total time."""
+    shutdown_timeout: float = 10.0
+    """On Ctrl-C or SIGTERM, seconds the running requests get to finish; those left end with 503 / an error
+    event."""
+
+    def check_batch(self) -> None:
+        """ConfigError on a batch or queue size no server can run (checked before the model is read)."""
+        if self.max_batch < 1 or self.max_queue < 0:
+            raise ConfigError(f"--max-batch {self.max_batch} must be >= 1 and --max-queue {self.max_queue} >= 0")
+
+    def resolved(self, context: int) -> ServeConfig:
+        """These settings for a model of ``context`` positions: the defaults filled in, every value checked
+        (ConfigError naming the flag and what it may be)."""
+        self.check_batch()
+        max_tokens = context - 1 if self.max_tokens is None else self.max_tokens
+        kv_budget = self.max_batch * context if self.kv_budget is None else self.kv_budget
+        if not 1 <= max_tokens < context:
+            raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
+        if kv_budget < 2 or self.kv_block < 1:
+            raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions and --kv-block {self.kv_block} >= 1")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level}: choose debug, info, warning or error")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout} must be >= 0")
+        if self.step_tokens < 0 or self.max_body_bytes < 1 or self.request_timeout < 0:
+            raise ConfigError(f"--step-tokens {self.step_tokens} and --request-timeout {self.request_timeout} must "
+                              f"be >= 0, --max-body-bytes {self.max_body_bytes} >= 1")
+        return replace(self, max_tokens=max_tokens, kv_budget=kv_budget, log_level=self.log_level.lower())
+
+    def payload(self) -> dict:
+        """What the worker job (``plait.serve.job.serve_job``) reads: these settings, the body limit as
+        ``max_body`` and the served name filled in."""
+        out = asdict(self)
+        out["max_body"] = out.pop("max_body_bytes")
+        out["name"] = self.name or Path(self.model).resolve().name
+        return out
