@@ -66,9 +66,10 @@ INTERCONNECTS: dict[str, Link] = {
     "eth-10": Link("Ethernet 10 Gb/s per node", 1.25 * GB / 8, 30e-6),
 }
 
-# matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 46 runs
-# from 6 sources, 0.623; H100: 27 runs from 3 sources, 0.651; the traffic 1.86 on all 73; ``bench/plan.py
-# --validate`` refits them and reports each source's error with that source held out).
+# matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 63 runs
+# from 6 sources, 0.623; H100: 27 runs from 3 sources, 0.651; the traffic 1.86 on all 90; ``bench/plan.py
+# --validate`` refits them and reports each source's error with that source held out;
+# tests/test_plan_gpu.py checks these are the fit).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
 # published run (docs/planner.md).
 # Peak dense bf16 FLOP/s, memory and bandwidth from the vendors' datasheets (A100: 312 TF, 1.6/2.0
