@@ -10,6 +10,7 @@ from plait.plan.catalogue import LINK_EFFICIENCY
 from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency
 from plait.plan.memory import max_rank_params
 from plait.plan.published import runs
+from plait.plan.step_end import zero3_collectives
 from plait.plan.timing import layer_forward_flops
 from plait.plan.validation import default_constants, predict
 
@@ -33,8 +34,7 @@ def test_zero3_gathers_and_reduce_scatter_share_one_network_beside_the_compute()
     cluster, layout, training = Cluster("a100-80gb", 16, interconnect="eth-100"), Layout(dp=16, zero=3), Training(32)
     e = estimate(m, cluster, layout, training)
     params = max_rank_params(m, layout)
-    gather = cluster.costs.collective("all_gather", 2 * params, 16)
-    scatter = cluster.costs.collective("reduce_scatter", 4 * params, 16)
+    gather, scatter = zero3_collectives(cluster, layout, params, m.n_layers + 3)  # one of each per block
     compute = e.time["compute"] + e.time["recompute"] + e.time["tp_comm"]
     assert gather > compute  # the regime this checks
     passes = e.time["compute"] + e.time["zero_comm"] + e.time["dp_comm"]
@@ -68,3 +68,18 @@ def test_shipped_constants_are_the_fit_on_the_published_runs():
         value = getattr(shipped.cluster.gpu, c.name.split("[")[0])
         here = loss(c, value)
         assert here <= loss(c, value * 1.03) + 1e-3 and here <= loss(c, value / 1.03) + 1e-3, c.name
+
+
+def test_zero3_pays_a_collectives_latency_per_block():
+    """ZeRO-3 gathers (and reduce-scatters) block by block: each is a collective of its own and pays the ring's
+    latency, (n - 1) hops, which over thousands of ranks outweighs a block's bytes."""
+    m, cluster = Model.preset("llama3-8b", seq_len=2048), Cluster("h100-sxm", 4096)
+    layout = Layout(tp=8, pp=1, dp=512, zero=3)
+    params = max_rank_params(m, layout)
+    one_g, one_s = zero3_collectives(cluster, layout, params, 1)
+    blocks_g, blocks_s = zero3_collectives(cluster, layout, params, m.n_layers + 3)
+    hop = cluster.gpu.inter.latency
+    assert blocks_g - one_g == pytest.approx((m.n_layers + 2) * 511 * hop)
+    assert blocks_s - one_s == pytest.approx((m.n_layers + 2) * 511 * hop)
+    e = estimate(m, cluster, layout, Training(4096))
+    assert e.time["zero_comm"] > 0  # at 512 ranks the per-block latency is no longer hidden behind the compute

@@ -135,7 +135,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     # ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the compute of
     # its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last one's
     # reduce-scatter (dp_sync_parts) only behind what of that backward its gather leaves free
-    gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params)
+    gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout))
     hide_f, hide_b = costs.hidden_reduction(busiest.forward), costs.hidden_reduction(busiest.backward)
     zero3 = (m * max(0.0, gather_3 - hide_f) + (m - 1) * max(0.0, gather_3 + scatter_3 - hide_b)
              + max(0.0, gather_3 - hide_b))

@@ -32,32 +32,42 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     if layout.zero == 0:
         return collective("all_reduce", 4 * params_on_gpu, n, span), 0.0
     if layout.zero == 3:
-        return collective("reduce_scatter", 4 * params_on_gpu, n, span), 0.0
+        return zero3_collectives(cluster, layout, params_on_gpu, zero3_units(model, layout))[1], 0.0
     return (collective("reduce_scatter", 4 * params_on_gpu, n, span),
             collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
 
 
-def zero3_collectives(cluster: Cluster, layout: Layout, params_on_gpu: float) -> tuple[float, float]:
-    """(one all-gather of a rank's weights in the gather dtype, one reduce-scatter of its fp32 gradients) over
-    dp·cp under ZeRO-3: what one pass gathers and one backward reduce-scatters (``zero_per_microbatch``); (0, 0)
-    below ZeRO-3."""
+def zero3_units(model: Model, layout: Layout) -> int:
+    """The blocks ZeRO-3 gathers and reduce-scatters one by one on the busiest rank (``ParamShards``): each of
+    its layers, the embedding, the final norm and the head."""
+    return -(-model.n_layers // layout.pp) + 3
+
+
+def zero3_collectives(cluster: Cluster, layout: Layout, params_on_gpu: float,
+                      units: int = 1) -> tuple[float, float]:
+    """(the all-gathers of a rank's weights in the gather dtype, the reduce-scatters of its fp32 gradients) over
+    dp·cp under ZeRO-3: what one pass gathers and one backward reduce-scatters (``zero_per_microbatch``), as
+    ``units`` collectives of equal size (one per block: each pays the ring's latency, which over thousands of
+    ranks outweighs a block's bytes); (0, 0) below ZeRO-3."""
     if layout.zero < 3:
         return 0.0, 0.0
     n = layout.dp * layout.cp
     span = layout.tp * n
-    gathered = cluster.costs.weight_gather_bytes * params_on_gpu
-    return (cluster.costs.collective("all_gather", gathered, n, span),
-            cluster.costs.collective("reduce_scatter", 4 * params_on_gpu, n, span))
+    units = max(1, units)
+    gathered = cluster.costs.weight_gather_bytes * params_on_gpu / units
+    return (units * cluster.costs.collective("all_gather", gathered, n, span),
+            units * cluster.costs.collective("reduce_scatter", 4 * params_on_gpu / units, n, span))
 
 
-def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, microbatches: int = 1) -> float:
+def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, microbatches: int = 1,
+                        units: int = 1) -> float:
     """Communication ZeRO-3 repeats every micro-batch (on average over the step's ``microbatches``): every
     block's weights are all-gathered for its forward and again for its backward
     (``plait.data_parallel.param_shards``), in the weights' gather dtype, and each backward reduce-scatters its
     fp32 gradients (``plait.data_parallel.zero3_reducer``; the last micro-batch's is ``dp_sync_parts``'s, so
     (M-1)/M of one here). Each collective is issued a block ahead or behind the compute, so it overlaps it where
     the cost model says the network runs beside it (``estimate``). ZeRO-1/2: nothing per micro-batch."""
-    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu)
+    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu, units)
     return 2 * gather + scatter * (microbatches - 1) / microbatches
 
 
