@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 #: files (by path prefix inside the package) that may import an extra's packages, and which extra
-EXTRA_MODULES = {"serve": ("plait/serve/",), "data": ("plait/data/sources.py",), "wandb": ("plait/train/logs.py",)}
+EXTRA_MODULES = {"data": ("plait/data/sources.py",), "wandb": ("plait/train/logs.py",)}
 #: import name -> distribution name, for what is not installed where the check runs
 DIST_OF = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
 

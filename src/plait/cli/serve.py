@@ -55,13 +55,12 @@ def serve_command(
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from plait.distributed.launch import JobError, run_or_launch
-    from plait.errors import ConfigError, flag_message, require_extra
+    from plait.errors import ConfigError, flag_message
     from plait.generation.job import source_config, tokenizer_folder
     from plait.parallel_config import ParallelConfig
     from plait.serve.config import ServeConfig
 
     try:
-        require_extra("serve", ("fastapi", "starlette", "uvicorn", "jinja2"), "plait serve")  # before any other work
         par = ParallelConfig(**(layout or {}))
         cfg = ServeConfig(**(settings or {}))
         cfg.check_batch()

@@ -73,9 +73,6 @@ def folder_templates(folder: Path) -> tuple[dict[str, str], str]:
 @lru_cache(maxsize=32)
 def compile_template(source: str):
     """A template compiled in a sandbox with transformers' settings and helpers (raises TemplateSyntaxError)."""
-    from plait.errors import require_extra
-
-    require_extra("serve", ("jinja2",), "chat templates")
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
