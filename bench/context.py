@@ -7,10 +7,11 @@ byte-level presets with ``max_seq_len = S``:
   cp2-<comm>  dp2 x cp2, no recomputation, K/V exchanged by all-gather or by the ring
   cp4-<comm>  cp4, no recomputation
 One launch per layout (peak RSS is a per-process high-water mark). Reported per layout: activation bytes
-saved for backward (plait's meter, most loaded rank), peak RSS (most loaded rank), step time (median of the
-timed steps, slowest rank) and tokens/s (all rows of the step); ratios of bytes to cp1-none, of tokens/s to
-cp1-full. torch's own ``context_parallel`` runs only on CUDA fused-attention kernels, so it cannot be the
-peer on a CPU.
+saved for backward (plait's meter, most loaded rank) beside the planner's prediction of them
+(``plait.plan.host.costs.eager_activations``: plait's runtime counted tensor by tensor, no host profile needed)
+and measured/predicted, peak RSS (most loaded rank), step time (median of the timed steps, slowest rank) and
+tokens/s (all rows of the step); ratios of bytes to cp1-none, of tokens/s to cp1-full. torch's own
+``context_parallel`` runs only on CUDA fused-attention kernels, so it cannot be the peer on a CPU.
 
     .venv/bin/python bench/context.py [--cases tiny:4096,tiny:16384,small:4096] [--steps 2] [--json out.json]
 """
@@ -64,6 +65,21 @@ def _rank(model: str, seq: int, cp: int, comm: str, recompute: str, steps: int) 
         resource.RUSAGE_SELF).ru_maxrss * 1024, "step_s": statistics.median(times)}
 
 
+def predicted_activations(model: str, seq: int, name: str) -> float:
+    """The planner's bytes saved for backward on a rank of this layout (every rank holds S/cp tokens of one row,
+    one pipeline stage, one micro-batch)."""
+    import plait
+    from plait.plan import Layout, Model
+    from plait.plan.host.costs import eager_activations
+    from plait.train.config import PRESETS
+
+    cp, comm, recompute = LAYOUTS[name]
+    planner_model = Model.from_llama_config({**PRESETS[model], "max_seq_len": seq}, seq, name=model)
+    parallel = plait.ParallelConfig(cp=cp, dp=WORLD // cp, cp_comm=comm, recompute=recompute).resolve(WORLD)
+    return eager_activations(planner_model, Layout.from_parallel_config(parallel, 1), parallel.precision).chunk(
+        planner_model.n_layers, True, True)
+
+
 def run(model: str, seq: int, name: str, steps: int) -> dict:
     from plait.distributed.launch import run_world
 
@@ -71,7 +87,9 @@ def run(model: str, seq: int, name: str, steps: int) -> dict:
     load = os.getloadavg()[0]
     ranks = run_world(_rank, WORLD, model, seq, cp, comm, recompute, steps, timeout_s=3600)
     step = max(r["step_s"] for r in ranks)
-    return {"model": model, "seq": seq, "layout": name, "activations": max(r["activations"] for r in ranks),
+    measured, predicted = max(r["activations"] for r in ranks), predicted_activations(model, seq, name)
+    return {"model": model, "seq": seq, "layout": name, "activations": measured,
+            "predicted_activations": predicted, "act_measured_over_predicted": measured / predicted,
             "rss": max(r["rss"] for r in ranks), "step_s": step, "tokens_per_s": (WORLD // cp) * seq / step,
             "load_before": load}
 
@@ -95,7 +113,9 @@ def main() -> None:
                     "tok_s_ratio": row["tokens_per_s"] / peer["tokens_per_s"]}
             rows.append(row)
             print(f"{model:5} S={int(seq):6} {name:14} activations {row['activations'] / 2**20:8.1f} MiB "
-                  f"({row['act_ratio']:.2f})  peak RSS {row['rss'] / 2**20:7.0f} MiB ({row['rss_ratio']:.2f})  "
+                  f"({row['act_ratio']:.2f}), predicted {row['predicted_activations'] / 2**20:8.1f} MiB "
+                  f"(measured/predicted {row['act_measured_over_predicted']:.3f})  "
+                  f"peak RSS {row['rss'] / 2**20:7.0f} MiB ({row['rss_ratio']:.2f})  "
                   f"step {row['step_s']:7.2f} s  {row['tokens_per_s']:7.0f} tok/s ({row['tok_s_ratio']:.2f})  "
                   f"load {row['load_before']:.1f}", flush=True)
     print(json.dumps(rows))

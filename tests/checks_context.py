@@ -101,9 +101,13 @@ CASES |= {
 }
 
 
-def activations(cp: int, comm: str, seq: int = 64) -> int:
+#: KV heads of the 4 query heads in the saved-bytes checks: grouped 2:1 (the default), multi-head, one shared
+ACTIVATION_KV_HEADS = (2, 4, 1)
+
+
+def activations(cp: int, comm: str, seq: int = 64, kv_heads: int = 2) -> int:
     """Peak bytes saved for backward on this rank with one row of ``seq`` tokens per CP group (dp = 4/cp)."""
-    cfg = model_config(max_seq_len=seq)
+    cfg = model_config(max_seq_len=seq, n_kv_heads=kv_heads)
     ctx = plait.init(config=plait.ParallelConfig(cp=cp, dp=4 // cp, cp_comm=comm))
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx)
@@ -188,6 +192,8 @@ def rank_main(root: str) -> dict:
                                                                                               (2, "ring"))]
     checks += [(f"activations/cp{cp}/{comm}", lambda n=cp, c=comm: activations(n, c))
                for comm in ("allgather", "ring") for cp in (1, 2, 4)]
+    checks += [(f"activations/cp{cp}/{comm}/kv{kv}", lambda n=cp, c=comm, h=kv: activations(n, c, kv_heads=h))
+               for comm in ("allgather", "ring") for cp in (2, 4) for kv in ACTIVATION_KV_HEADS if kv != 2]
     checks += [(f"bad/{fn.__name__}", lambda fn=fn: config_error(fn))
                for fn in (bad_seq_len, bad_loss_fn, bad_capacity, bad_generate)]
     return run_checks(checks)

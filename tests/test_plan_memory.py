@@ -132,3 +132,28 @@ def test_zero3_reduces_every_micro_batch_and_holds_shards_at_the_peak():
     reduce_scatter = cluster.costs.collective("reduce_scatter", 4 * params, 8, 16)
     extra = zero_per_microbatch(cluster, layout, params, 8) - zero_per_microbatch(cluster, layout, params, 1)
     assert reduce_scatter > 0 and extra == pytest.approx(reduce_scatter * 7 / 8)
+
+
+def test_host_census_counts_what_context_parallel_attention_saves():
+    """plait.context_parallel's core saves q, K and V as it attends with them (all-gathered: the whole sequence's),
+    its output and log-sum-exp in float32 whatever the precision, and the output projection keeps its own copy of
+    the output; it replaces selective recomputation's checkpointed core. Worked by hand against the same rank's
+    tokens without CP (S = 32): T = 32 tokens a rank (S = 64, cp 2), 4 query heads and 1 KV head of 8, so
+    Q = 1024, K = 256, the log-sum-exp 128 elements. Without CP the layer keeps q, GQA's repeated K and V (2 Q),
+    SDPA's output (Q, also the projection's input) and log-sum-exp: 4 Q + lse; the ring keeps q, the unrepeated
+    K and V, its output and the projection's copy: 3 Q + 2 K + lse, Q - 2 K = 512 elements fewer. The all-gather
+    keeps the other rank's K and V too (2 K more)."""
+    from plait.plan.host.costs import eager_activations
+
+    cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=1)
+    model, alone = Model.from_llama_config(cfg, 64), Model.from_llama_config(cfg, 32)
+
+    def layer(m: Model, precision: str = "fp32", **kw) -> float:
+        return eager_activations(m, Layout(**kw), precision).layer
+
+    q, k, lse = 1024, 256, 128
+    assert layer(model, cp=2, cp_comm="ring") == layer(alone) - 4 * 512
+    assert layer(model, cp=2, cp_comm="allgather") == layer(model, cp=2, cp_comm="ring") + 4 * 2 * k
+    assert layer(model, cp=2, cp_comm="ring", recompute="selective") == layer(model, cp=2, cp_comm="ring")
+    # bf16: every tensor at 2 bytes but the core's float32 output and log-sum-exp
+    assert layer(model, "bf16", cp=2, cp_comm="ring") == layer(alone, "bf16") - 2 * 512 + 2 * (q + lse)

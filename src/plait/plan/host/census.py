@@ -16,6 +16,11 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
 * head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (fp32);
 * selective recomputation (the attention core under a checkpoint) drops the log-sum-exp and keeps the
   unrepeated K and V;
+* context parallelism (plait.context_parallel, over ``cp`` ranks; ``T`` a rank's S/cp tokens): its core
+  replaces SDPA (and selective recomputation's core) and saves q, the unrepeated K and V it attends with
+  (the whole sequence's, ``cp·K`` each, when they are all-gathered; the ring's travelling blocks are freed
+  as it goes, so its own ``K``), its output and log-sum-exp in float32 whatever the precision, and the
+  output projection keeps its own contiguous copy of the output (``Q``);
 * full recomputation (a checkpoint per block) keeps each block's input instead.
 
 Kernels: the seven GEMMs of a layer and the head's, SDPA, and the element-wise kernels with the bytes
@@ -55,6 +60,8 @@ class Local:
     vocab: float  # padded vocabulary / t
     tp: int
     sp: bool
+    cp: int = 1
+    cp_gather: bool = False  # context parallelism all-gathers K and V (else the ring passes them around)
 
     @property
     def n(self) -> float:
@@ -87,7 +94,7 @@ def local(model: Model, layout: Layout) -> Local:
     vocab = -(-model.vocab // t) * t / t  # padded to a multiple of tp
     return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
-                 layout.sequence_parallel and t > 1)
+                 layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather")
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -101,16 +108,28 @@ def _norm_saved(sh: Local) -> float:
     return 2 * sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1)
 
 
-def layer_saved(sh: Local, selective: bool = False) -> float:
-    """Elements one decoder layer saves for backward per micro-batch (no recomputation, or ``selective``:
-    the attention core under a checkpoint keeps its inputs q and the unrepeated k, v, not the log-sum-exp
-    or GQA's repeated K and V)."""
-    kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads)
-    attention = sh.q + 2 * kv + sh.q + lse + 2 * sh.seq * sh.head_dim
+def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> float:
+    """Elements (of ``dtype_bytes`` each) one decoder layer saves for backward per micro-batch (no
+    recomputation, or ``selective``: the attention core under a checkpoint keeps its inputs q and the
+    unrepeated k, v, not the log-sum-exp or GQA's repeated K and V)."""
+    if sh.cp > 1:
+        attention = _cp_attention_saved(sh, dtype_bytes)
+    else:
+        kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads)
+        attention = sh.q + 2 * kv + sh.q + lse + 2 * sh.seq * sh.head_dim
     norms = 2 * _norm_saved(sh)
     if sh.sp:  # each norm's scaled output is not kept; the projections keep the gathered copies
         norms += (SP_GATHER_COPIES - 2) * sh.n
     return norms + attention + 4 * sh.f
+
+
+def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:
+    """Context parallelism's attention (``plait.context_parallel.attention``): q, K and V as its core keeps
+    them (all-gathered: the whole sequence's), its float32 output and log-sum-exp, the output projection's
+    copy of the output, RoPE's cos and sin of the rank's positions."""
+    fp32 = 4 / dtype_bytes
+    kv = sh.k * (sh.cp if sh.cp_gather else 1)
+    return sh.q + 2 * kv + (sh.q + sh.tokens * sh.heads) * fp32 + sh.q + 2 * sh.seq * sh.head_dim
 
 
 def head_saved(sh: Local) -> float:

@@ -29,6 +29,23 @@ EAGER_OPTIMIZER_TRAFFIC = 56.0
 EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cast, dot and sum; clip; AdamW
 
 
+def eager_activations(model: Model, layout: Layout, precision: str) -> ActivationModel:
+    """What plait's eager runtime saves for backward under ``layout`` at ``precision``, tensor by tensor
+    (``census``): bytes of a layer, the embedding and the head per micro-batch, and the working set. It needs
+    no host profile (what autograd saves does not depend on the host's speeds); on one pipeline stage with one
+    micro-batch in flight, ``.chunk(model.n_layers, True, True)`` is what ``pm.memory_report()`` reports as
+    ``activations_peak``."""
+    working = zero3_working(model, layout, precision)
+    sh = census.local(model, layout)
+    d = ACTIVATION_BYTES[precision]
+    if layout.recompute == "full":
+        working += census.layer_saved(sh, dtype_bytes=d) * d
+        return ActivationModel(census.checkpoint_saved(sh) * d, 2.0 * sh.tokens,
+                               (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
+    layer = census.layer_saved(sh, selective=layout.recompute == "selective", dtype_bytes=d) * d
+    return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh) * d, working)
+
+
 def host_gpu(profile: HostProfile, processes: int) -> GPU:
     """A catalogue-style entry for one process of a calibrated host: its measured matmul speed with every
     process computing, its share of the host's memory, the all-reduce of the largest group as its link."""
@@ -156,16 +173,8 @@ class HostCosts:
         return self.collective("p2p", tokens * model.hidden * ACTIVATION_BYTES[precision], 2)
 
     def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
-        """plait's eager runtime tensor by tensor (``census``) at ``precision``."""
-        working = zero3_working(model, layout, precision)
-        sh = census.local(model, layout)
-        d = ACTIVATION_BYTES[precision]
-        if layout.recompute == "full":
-            working += census.layer_saved(sh) * d
-            return ActivationModel(census.checkpoint_saved(sh) * d, 2.0 * sh.tokens,
-                                   (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
-        layer = census.layer_saved(sh, selective=layout.recompute == "selective") * d
-        return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh) * d, working)
+        """plait's eager runtime tensor by tensor (``eager_activations``: no measured figure enters)."""
+        return eager_activations(model, layout, precision)
 
     def hidden_reduction(self, backward: float) -> float:
         """None: the reduction's copies, sums and socket work run on the same cores the backward fills (plait
