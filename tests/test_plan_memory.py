@@ -157,3 +157,13 @@ def test_host_census_counts_what_context_parallel_attention_saves():
     assert layer(model, cp=2, cp_comm="ring", recompute="selective") == layer(model, cp=2, cp_comm="ring")
     # bf16: every tensor at 2 bytes but the core's float32 output and log-sum-exp
     assert layer(model, "bf16", cp=2, cp_comm="ring") == layer(alone, "bf16") - 2 * 512 + 2 * (q + lse)
+
+
+def test_host_census_keeps_the_embeddings_ids_under_full_recomputation():
+    """The embedding is not checkpointed: its int64 ids (8 bytes a token) are saved whatever the recomputation
+    (bench/context.py's cp1-full measured 24 KB more than a count of 2 bytes a token, at 4,096 tokens)."""
+    from plait.plan.host.costs import eager_activations
+
+    model = Model.preset("tiny", seq_len=4096)
+    full, none = (eager_activations(model, Layout(recompute=r), "fp32") for r in ("full", "none"))
+    assert full.first == none.first == 8 * 4096

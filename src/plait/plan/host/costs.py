@@ -40,7 +40,7 @@ def eager_activations(model: Model, layout: Layout, precision: str) -> Activatio
     d = ACTIVATION_BYTES[precision]
     if layout.recompute == "full":
         working += census.layer_saved(sh, dtype_bytes=d) * d
-        return ActivationModel(census.checkpoint_saved(sh) * d, 2.0 * sh.tokens,
+        return ActivationModel(census.checkpoint_saved(sh) * d, census.embedding_saved(sh) * 4,
                                (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
     layer = census.layer_saved(sh, selective=layout.recompute == "selective", dtype_bytes=d) * d
     return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh) * d, working)
