@@ -105,10 +105,10 @@ CASES |= {
 ACTIVATION_KV_HEADS = (2, 4, 1)
 
 
-def activations(cp: int, comm: str, seq: int = 64, kv_heads: int = 2) -> int:
+def activations(cp: int, comm: str, seq: int = 64, kv_heads: int = 2, precision: str = "fp32") -> int:
     """Peak bytes saved for backward on this rank with one row of ``seq`` tokens per CP group (dp = 4/cp)."""
     cfg = model_config(max_seq_len=seq, n_kv_heads=kv_heads)
-    ctx = plait.init(config=plait.ParallelConfig(cp=cp, dp=4 // cp, cp_comm=comm))
+    ctx = plait.init(config=plait.ParallelConfig(cp=cp, dp=4 // cp, cp_comm=comm, precision=precision))
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(ctx.dp_rank))
@@ -194,6 +194,8 @@ def rank_main(root: str) -> dict:
                for comm in ("allgather", "ring") for cp in (1, 2, 4)]
     checks += [(f"activations/cp{cp}/{comm}/kv{kv}", lambda n=cp, c=comm, h=kv: activations(n, c, kv_heads=h))
                for comm in ("allgather", "ring") for cp in (2, 4) for kv in ACTIVATION_KV_HEADS if kv != 2]
+    checks += [(f"activations/cp{cp}/{comm}/bf16", lambda n=cp, c=comm: activations(n, c, precision="bf16"))
+               for comm, cps in (("allgather", (1, 2, 4)), ("ring", (2, 4))) for cp in cps]
     checks += [(f"bad/{fn.__name__}", lambda fn=fn: config_error(fn))
                for fn in (bad_seq_len, bad_loss_fn, bad_capacity, bad_generate)]
     return run_checks(checks)

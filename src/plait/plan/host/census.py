@@ -9,11 +9,12 @@ the keys/values after GQA's repeat (``Q`` when heads repeat, else ``K``), ``F = 
 Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
 * RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 2 N/t,
   and the projections of the region share one saved copy of the gathered N)
-  plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual);
+  plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual); it computes in
+  float32, so in bf16 the input's copy and the rsqrt values are float32;
 * attention: Q after RoPE, K and V as SDPA receives them (``R`` each), its output ``Q`` (which is also
-  the output projection's input), its log-sum-exp ``T·heads``, RoPE's cos and sin ``2·s·d``;
+  the output projection's input), its log-sum-exp ``T·heads`` (float32), RoPE's cos and sin ``2·s·d``;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
-* head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (fp32);
+* head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (float32);
 * selective recomputation (the attention core under a checkpoint) drops the log-sum-exp and keeps the
   unrepeated K and V;
 * context parallelism (plait.context_parallel, over ``cp`` ranks; ``T`` a rank's S/cp tokens): its core
@@ -104,8 +105,11 @@ def local(model: Model, layout: Layout) -> Local:
 SP_GATHER_COPIES = 2
 
 
-def _norm_saved(sh: Local) -> float:
-    return 2 * sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1)
+def _norm_saved(sh: Local, dtype_bytes: int) -> float:
+    """RMSNorm computes in float32: its input's float32 copy and the rsqrt values are float32 whatever the
+    precision; the normalized values cast back and the scaled output (the next linear's input) are not."""
+    fp32 = 4 / dtype_bytes
+    return sh.n_local * fp32 + sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1) * fp32
 
 
 def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> float:
@@ -115,9 +119,9 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
     if sh.cp > 1:
         attention = _cp_attention_saved(sh, dtype_bytes)
     else:
-        kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads)
+        kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads * 4 / dtype_bytes)  # lse: float32
         attention = sh.q + 2 * kv + sh.q + lse + 2 * sh.seq * sh.head_dim
-    norms = 2 * _norm_saved(sh)
+    norms = 2 * _norm_saved(sh, dtype_bytes)
     if sh.sp:  # each norm's scaled output is not kept; the projections keep the gathered copies
         norms += (SP_GATHER_COPIES - 2) * sh.n
     return norms + attention + 4 * sh.f
@@ -132,9 +136,10 @@ def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:
     return sh.q + 2 * kv + (sh.q + sh.tokens * sh.heads) * fp32 + sh.q + 2 * sh.seq * sh.head_dim
 
 
-def head_saved(sh: Local) -> float:
-    """Final norm and the loss's softmax (plus int64 targets and two masks: ~2.5 elements per token)."""
-    return _norm_saved(sh) + sh.tokens * sh.vocab + 2.5 * sh.tokens
+def head_saved(sh: Local, dtype_bytes: int = 4) -> float:
+    """Final norm and the loss's float32 softmax, int64 targets and two masks (10 bytes a token), in elements of
+    ``dtype_bytes``."""
+    return _norm_saved(sh, dtype_bytes) + (sh.tokens * sh.vocab + 2.5 * sh.tokens) * 4 / dtype_bytes
 
 
 def embedding_saved(sh: Local) -> float:

@@ -41,9 +41,9 @@ def eager_activations(model: Model, layout: Layout, precision: str) -> Activatio
     if layout.recompute == "full":
         working += census.layer_saved(sh, dtype_bytes=d) * d
         return ActivationModel(census.checkpoint_saved(sh) * d, census.embedding_saved(sh) * 4,
-                               (2 * sh.n_local + sh.tokens * sh.vocab + 2.5 * sh.tokens) * d, working)
+                               (2 * sh.n_local * d + (sh.tokens * sh.vocab + 2.5 * sh.tokens) * 4), working)
     layer = census.layer_saved(sh, selective=layout.recompute == "selective", dtype_bytes=d) * d
-    return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh) * d, working)
+    return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh, d) * d, working)
 
 
 def host_gpu(profile: HostProfile, processes: int) -> GPU:
