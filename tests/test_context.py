@@ -192,3 +192,22 @@ def test_planner_recommends_and_writes_cp_where_the_sequence_demands_it(tmp_path
     assert gather - ring == pytest.approx(2 * 2 * (8 - 1) * model.seq_len / 8 * kv / 2)  # bf16 K and V of 7 ranks
     one = activation_bytes_per_layer(model, Layout(tp=2, cp=1, recompute="selective"))
     assert ring == pytest.approx(one / 8)  # a rank's S/cp tokens, nothing kept of the scores
+
+
+def test_planner_recomputes_nothing_for_selective_under_cp():
+    """Context parallelism's core replaces selective recomputation's checkpointed core (it keeps no
+    probabilities), so the planner's layer under cp recomputes nothing and saves what recompute none saves, on a
+    calibrated host and on a GPU without fused attention; at cp1 selective recomputation costs time."""
+    from dataclasses import replace
+
+    from plait.plan import Cluster, Layout, Model
+    from profile_util import synthetic_profile
+
+    model = Model.from_llama_config(model_config(max_seq_len=256).to_dict(), 256)
+    for cluster in (Cluster.from_profile(synthetic_profile(), 4), Cluster("h100-sxm", 4, flash_attention=False)):
+        for cp in (1, 2, 4):
+            layout = Layout(cp=cp, dp=4 // cp, recompute="selective")
+            layer = cluster.costs.blocks(model, layout, "fp32").layer
+            assert (layer.recompute > 0) == (cp == 1), (cluster.gpu, cp, layer)
+            none = cluster.costs.activations(model, replace(layout, recompute="none"), "fp32").layer
+            assert (cluster.costs.activations(model, layout, "fp32").layer == none) == (cp > 1), (cluster.gpu, cp)

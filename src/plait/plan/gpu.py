@@ -158,7 +158,8 @@ class GpuCosts:
             b, w = 2 * f, f
             if layout.recompute == "full":
                 recompute = f + tp
-            elif layout.recompute == "selective":  # QK^T, softmax and AV again (Korthikanti et al. 2022, §5)
+            elif layout.recompute == "selective" and layout.cp == 1:  # QK^T, softmax and AV again (Korthikanti
+                # et al. 2022, §5); context parallelism's core keeps no probabilities and replaces the checkpoint
                 recompute = attention / speed
             else:
                 recompute = 0.0

@@ -154,7 +154,8 @@ class HostCosts:
         if t > 1:
             f_tp, b_tp = max(0.0, f_tp + nf * wait), max(0.0, b_tp + nb * wait)
         recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
-        if kind == "layer" and layout.recompute == "selective":  # the attention core again, under its checkpoint
+        # the attention core again, under its checkpoint (context parallelism's core replaces it: nothing again)
+        if kind == "layer" and layout.recompute == "selective" and layout.cp == 1:
             measured = selective_recompute(sec, shared, sh)
             attn = sec.rates["attention"]  # an older profile: the core's forward by the kernel figures
             recompute = measured if measured is not None else \
