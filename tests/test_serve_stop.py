@@ -74,7 +74,9 @@ def test_sigint_twice_with_requests_in_flight_tp1_ends_them_with_503(tmp_path):
         end = lines[-1]
         assert end == "[DONE]" or json.loads(end)["error"]["code"] == "shutting_down", lines[-3:]
         late = [a.json()["error"]["message"] for a in answers if a.status_code == 503]
-        assert all("stopped (SIGINT) before this request finished" in m for m in late), late
+        ended = ["stopped (SIGINT) before this request finished" in m for m in late]
+        # queued ones are ended by the second SIGINT; one a loaded host delivered after the first is refused
+        assert any(ended) and all(e or "shutting down (SIGINT)" in m for e, m in zip(ended, late, strict=True)), late
         text = _stopped_cleanly(server)
         assert "SIGINT again: ending the running requests now" in text
         assert '"POST /v1/completions"' not in text  # --no-access-log
