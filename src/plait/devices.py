@@ -1,4 +1,5 @@
-"""Device facts the runtime needs without assuming CUDA: synchronising clocks, allocator memory, host syncs.
+"""Device facts the runtime needs without assuming CUDA: synchronising clocks, allocator memory, host syncs, and
+placing a meta-built module on its device.
 
 On a CPU every call here is cheap or a no-op; on a GPU kernels run asynchronously, so a wall-clock time
 read without ``synchronize`` measures the launches, not the work, and a Python value read from a device
@@ -11,6 +12,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 #: Tensor operations that read a tensor's value on the host: the host waits for the device to get there.
@@ -77,3 +79,23 @@ class HostSyncCounter(TorchFunctionMode):
             return True
         target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
         return target is not None and torch.device(target).type == "cpu"
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate (uninitialised) every meta tensor of ``module`` on ``device``, keeping each Parameter object:
+    ties, TP-partial marks and gradient groups refer to those objects (``to_empty`` would replace them)."""
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None and p.is_meta:
+                real = nn.Parameter(_empty(p, device), requires_grad=p.requires_grad)
+                real.__dict__.update(p.__dict__)  # swap_tensors exchanges __dict__ too: keep our marks
+                torch.utils.swap_tensors(p, real)
+        for name, b in sub._buffers.items():
+            if b is not None and b.is_meta:
+                sub._buffers[name] = _empty(b, device)
+
+
+def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape and dtype on ``device`` (``empty_like`` of a meta tensor would
+    import PyTorch's symbolic-shape machinery: seconds of start-up)."""
+    return torch.empty(t.shape, dtype=t.dtype, device=device)

@@ -65,7 +65,7 @@ class ParallelModel:
         del all_chunks
         self.from_meta = any(t.is_meta for c in self.chunks.values() for t in [*c.parameters(), *c.buffers()])
         for chunk in self.chunks.values():  # only this rank's chunks ever reach its device
-            _materialize(chunk, ctx.device) if self.from_meta else chunk.to(ctx.device)
+            devices.materialize(chunk, ctx.device) if self.from_meta else chunk.to(ctx.device)
         needs_split = any(a.kind == "I" for row in self.schedule.actions for a in row)
         self.store = weight_grad.WeightGradStore() if needs_split else None
         if self.store is not None:
@@ -379,26 +379,6 @@ class ParallelModel:
                         exact[tensor] = local
         if self._optimizer is not None and hasattr(self._optimizer, "load_master_weights"):
             self._optimizer.load_master_weights(exact)  # a ZeRO optimizer's fp32 masters follow
-
-
-def _materialize(module: nn.Module, device: torch.device) -> None:
-    """Allocate (uninitialised) every meta tensor of ``module`` on ``device``, keeping each Parameter object:
-    ties, TP-partial marks and gradient groups refer to those objects (``to_empty`` would replace them)."""
-    for sub in module.modules():
-        for p in sub._parameters.values():
-            if p is not None and p.is_meta:
-                real = nn.Parameter(_empty(p, device), requires_grad=p.requires_grad)
-                real.__dict__.update(p.__dict__)  # swap_tensors exchanges __dict__ too: keep our marks
-                torch.utils.swap_tensors(p, real)
-        for name, b in sub._buffers.items():
-            if b is not None and b.is_meta:
-                sub._buffers[name] = _empty(b, device)
-
-
-def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor of ``t``'s shape and dtype on ``device`` (``empty_like`` of a meta tensor would
-    import PyTorch's symbolic-shape machinery: seconds of start-up)."""
-    return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:
