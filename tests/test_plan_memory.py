@@ -180,3 +180,54 @@ def test_host_census_keeps_float32_tensors_at_4_bytes_under_bf16():
     n, t = 2048, 64
     assert bf16.layer == fp32.layer / 2 + 2 * (2 * (n + t) + t * 4)
     assert bf16.last == fp32.last / 2 + 2 * ((n + t) + t * 61) + 5 * t
+
+
+def test_grad_dtype_sets_the_gradient_bytes_held_below_zero3():
+    """A stack that keeps a 16-bit gradient buffer (Training.grad_dtype) holds 2 B of gradient a parameter, ZeRO's
+    own count (Rajbhandari et al. 2020, Figure 1: (2 + 2 + K)Ψ). Worked by hand for Llama 3 8B at tp2 dp4
+    (n = 4,015,263,744 parameters a GPU, ``test_states_mixed_precision_adam_and_zero``); ZeRO-3 keeps 16 B an owned
+    element whatever the gradient dtype (2 + 2 + 12 with 16-bit shards, 4 + 4 + 8 with a float32 master shard)."""
+    m, n = Model.preset("llama3-8b"), 4_015_263_744
+    assert state_bytes(m, Layout(tp=2, dp=4, zero=0), 32, True, True, "bf16", "bf16") == (2 * n, 2 * n, 12 * n)
+    assert state_bytes(m, Layout(tp=2, dp=4, zero=1), 32, True, True, "bf16", "fp16") == (2 * n, 2 * n, 3 * n)
+    assert state_bytes(m, Layout(tp=2, dp=4, zero=2), 32, True, True, "bf16", "bf16") == (2 * n, n / 2, 3 * n)
+    assert state_bytes(m, Layout(tp=2, dp=4, zero=3), 32, True, True, "bf16", "bf16") == (n, n, 2 * n)
+    # the estimate holds them: 2n fewer bytes on the GPU (ZeRO-1: the whole 16-bit buffer at the peak)
+    lay, cluster = Layout(tp=2, dp=4, zero=1), Cluster("h100-sxm", 8)
+    fp32, bf16 = (estimate(m, cluster, lay, Training(8, grad_dtype=g)) for g in ("fp32", "bf16"))
+    assert fp32.memory.grads - bf16.memory.grads == pytest.approx(2 * n)
+    assert fp32.memory.total - bf16.memory.total == pytest.approx(2 * n)
+
+
+def test_grad_dtype_halves_the_bytes_every_gradient_collective_moves():
+    """The DP all-reduce (no ZeRO), ZeRO-1's reduce-scatter and ZeRO-3's per-block reduce-scatters move 2 B a
+    parameter in a 16-bit stack. Worked by hand on one DGX A100 node (dp 8 over NVLink 3, 300 GB/s a direction
+    at the catalogue's link efficiency, 3 µs a step), P = 1e9 parameters a GPU: a ring all-reduce moves
+    2·7/8·2P bytes in 14 steps, a reduce-scatter 7/8·2P in 7; ZeRO-3 in one block of each."""
+    from plait.plan.catalogue import NVLINK3
+    from plait.plan.gpu import LINK_EFFICIENCY
+    from plait.plan.step_end import dp_sync_parts, zero3_collectives
+
+    m, cluster, p = Model.preset("llama3-8b"), Cluster("a100-80gb", 8), 1e9
+    bw, lat = NVLINK3.bandwidth * LINK_EFFICIENCY, NVLINK3.latency
+    all_reduce = dp_sync_parts(m, cluster, Layout(dp=8), p, "bf16")[0]
+    assert all_reduce == pytest.approx(2 * 7 / 8 * 2e9 / bw + 14 * lat)
+    reduce_scatter = dp_sync_parts(m, cluster, Layout(dp=8, zero=1), p, "bf16")[0]
+    assert reduce_scatter == pytest.approx(7 / 8 * 2e9 / bw + 7 * lat)
+    assert zero3_collectives(cluster, Layout(dp=8, zero=3), p, 1, "bf16")[1] == pytest.approx(reduce_scatter)
+    assert dp_sync_parts(m, cluster, Layout(dp=8), p)[0] == pytest.approx(2 * 7 / 8 * 4e9 / bw + 14 * lat)
+
+
+def test_grad_dtype_is_validated_and_plait_plans_keep_fp32():
+    """Training.grad_dtype names its choices, needs bf16 precision for a 16-bit value, and a plan with a 16-bit
+    gradient is not turned into a configuration plait's runtime would run (it keeps fp32 gradients)."""
+    from plait.errors import ConfigError
+
+    assert Training(8).grad_dtype == "fp32" and Training(8, grad_dtype="fp16").grad_bytes == 2
+    with pytest.raises(ConfigError, match="grad_dtype: 'int8' is not one of fp32, bf16, fp16"):
+        Training(8, grad_dtype="int8")
+    with pytest.raises(ConfigError, match="grad_dtype: 'bf16' needs precision='bf16'"):
+        Training(8, precision="fp32", grad_dtype="bf16")
+    with pytest.raises(ConfigError, match="grad_dtype: 'bf16' is planned but plait's runtime keeps and reduces fp32"):
+        Layout(dp=8).to_parallel_config(Training(8, grad_dtype="bf16"))
+    assert Layout(dp=8).to_parallel_config(Training(8)).dp == 8

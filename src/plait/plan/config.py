@@ -105,11 +105,14 @@ class Layout:
 
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
-        (``runtime_gap``: ZeRO-3).
+        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32).
         """
         gap = runtime_gap(self)
         if gap:
             raise ConfigError(gap)
+        if training is not None and training.grad_dtype != RUNTIME_GRAD_DTYPE:
+            raise ConfigError(f"grad_dtype: {training.grad_dtype!r} is planned but plait's runtime keeps and reduces "
+                              f"{RUNTIME_GRAD_DTYPE} gradients (plan with grad_dtype={RUNTIME_GRAD_DTYPE!r})")
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
                               schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
@@ -143,6 +146,12 @@ def runtime_gap(layout: Layout) -> str | None:
     return None
 
 
+#: the gradient dtypes a costed stack may keep and reduce (``Training.grad_dtype``), and their bytes
+GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: the one plait's runtime keeps: float32 gradients (main_grad buffers, ZeRO shards), reduced in float32
+RUNTIME_GRAD_DTYPE = "fp32"
+
+
 @dataclass(frozen=True)
 class Training:
     """A training workload: ``global_batch`` sequences per optimizer step.
@@ -156,12 +165,32 @@ class Training:
     global_batch: int
     overlap_grad_reduce: bool = True
     precision: str = "bf16"
+    grad_dtype: str = RUNTIME_GRAD_DTYPE
+    """The dtype the costed stack keeps its gradients in and reduces them in over data parallelism: "fp32"
+    (plait's runtime, Megatron-LM with bf16, torchtitan's FSDP2), "bf16" or "fp16" (2 bytes alike: a
+    16-bit gradient buffer, as Megatron-Core's DDP with ``grad_reduce_in_fp32=False`` or DeepSpeed's fp16
+    ZeRO-1 keep; FSDP with a 16-bit ``reduce_dtype``). It sets the bytes of the gradients held below ZeRO-3
+    (``plan.memory.state_bytes``) and of every gradient collective: the DP all-reduce or reduce-scatter,
+    ZeRO-3's per-block reduce-scatters, the TP sum of partial gradients (``plan.step_end``). ZeRO-3's held
+    shards stay 4 B (the float32 master's gradient). A 16-bit value needs ``precision="bf16"``. plait's
+    runtime keeps fp32: a plan with another value describes another stack, and ``Layout.to_parallel_config``
+    refuses to turn it into a configuration plait would run."""
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise ConfigError(f"global_batch: must be >= 1 sequence, got {self.global_batch}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ConfigError(f"grad_dtype: {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}")
+        if self.precision == "fp32" and self.grad_dtype != "fp32":
+            raise ConfigError(f"grad_dtype: {self.grad_dtype!r} needs precision='bf16' (fp32 training keeps fp32 "
+                              "gradients)")
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one gradient element as kept and reduced (``grad_dtype``)."""
+        return GRAD_DTYPES[self.grad_dtype]
 
 
 def microbatches(layout: Layout, training: Training) -> int:

@@ -96,7 +96,7 @@ def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, trainin
     def run(rounds: str | None) -> tuple[list[StageCosts], PipelineProfile, list[mem.Memory]]:
         chunks, pipe = pipeline(model, cluster, layout, training, exact, rounds)
         return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision,
-                                             microbatches(layout, training))
+                                             microbatches(layout, training), training.grad_dtype)
 
     chunks, pipe, memory = run(None)
     if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual_stages == 1:
@@ -129,13 +129,14 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     span = costs.forward_backward(model, layout, training.precision, chunks, m, rounds, pipe.makespan)
     busy["cpu_sharing"] = max(0.0, span.busy - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
-    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params)
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)
     dp = reduction + gather
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     # ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the compute of
     # its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last one's
     # reduce-scatter (dp_sync_parts) only behind what of that backward its gather leaves free
-    gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout))
+    gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout),
+                                                     training.grad_dtype)
     hide_f, hide_b = costs.hidden_reduction(busiest.forward), costs.hidden_reduction(busiest.backward)
     zero3 = (m * max(0.0, gather_3 - hide_f) + (m - 1) * max(0.0, gather_3 + scatter_3 - hide_b)
              + max(0.0, gather_3 - hide_b))
@@ -145,7 +146,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     optimizer = step_end.optimizer_time(cluster, layout, params, layers)
     publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
     loss_sync, norm_sync = costs.step_syncs(model, layout)
-    tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True)
+    tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True, training.grad_dtype)
     time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
             "zero_comm": zero3,
             "optimizer": span.stretch * optimizer + publish,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from plait.plan.config import Layout
+from plait.plan.config import GRAD_DTYPES, Layout
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages, stages
 
@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # the gradients left after the step, ZeRO-3 also the weights, over the data-parallel (× context-parallel)
 # group. ZeRO-2 reduce-scatters once per step, at each chunk's last backward (plait's runtime; see
 # ``rank_memory``): while the backward runs the full fp32 gradient buffer is there, beside the activations.
+# Stacks that keep a 16-bit gradient buffer (``Training.grad_dtype``) hold 2 B instead of 4 below ZeRO-3:
+# ZeRO's own count (Rajbhandari et al. 2020, §3.1 and Figure 1: (2 + 2 + K)Ψ, fp16 parameters and gradients);
+# Megatron-Core's DDP allocates its buffer in the parameters' dtype unless ``grad_reduce_in_fp32``
+# (NVIDIA/Megatron-LM megatron/core/distributed/distributed_data_parallel.py at ee6737da: ``grad_dtype =
+# torch.float if self.ddp_config.grad_reduce_in_fp32 else param.dtype``).
 STATE_BYTES = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 WEIGHT_BYTES = STATE_BYTES["bf16"][0]
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
@@ -147,14 +152,20 @@ def max_rank_params(model: Model, layout: Layout) -> float:
 
 
 def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
-                precision: str = "bf16") -> tuple[float, ...]:
-    """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp. ZeRO-3 as plait runs it keeps
-    one float32 shard of the weights, which is also the master (no 16-bit copy between steps): 4 B of weights
-    and 8 B of moments per owned element in either precision (``data_parallel.param_shards``)."""
+                precision: str = "bf16", grad_dtype: str = "fp32") -> tuple[float, ...]:
+    """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp; gradients below ZeRO-3 in
+    ``grad_dtype`` (``Training.grad_dtype``). ZeRO-3 as plait runs it keeps one float32 shard of the weights,
+    which is also the master (no 16-bit copy between steps): 4 B of weights, 4 B of gradient and 8 B of
+    moments per owned element in either precision (``data_parallel.param_shards``). 16 B an owned element is
+    also what ZeRO-3 with a 16-bit gradient keeps (2 + 2 + 12: Rajbhandari et al. 2020, Figure 1's P_os+g+p)
+    and what FSDP keeps whatever its ``reduce_dtype`` (its sharded gradient takes the float32 shard's dtype),
+    so ``grad_dtype`` changes only ZeRO-3's traffic (``plan.step_end``)."""
     dense, expert = rank_params(model, layout, layers, first, last)
     group = layout.dp * layout.cp
     eg = group // layout.ep if model.is_moe else 1
     w, g, o = STATE_BYTES[precision] if layout.zero < 3 else (4, 4, 8)
+    if layout.zero < 3:
+        g = GRAD_DTYPES[grad_dtype]
 
     def shard(stage: int) -> float:
         return dense / group + expert / eg if layout.zero >= stage else dense + expert
@@ -163,7 +174,7 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
 
 
 def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float],
-                precision: str = "bf16", microbatches: int = 2) -> list[Memory]:
+                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32") -> list[Memory]:
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``), the working set added once.
 
@@ -173,7 +184,8 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     backward), so ``grads`` is the full buffer; ``grads_after_step`` the shards. With one micro-batch the peak
     comes before any gradient and buckets are freed as the backward frees activations: the shards are counted.
     ZeRO-3 reduce-scatters every block in every backward as its gradients complete
-    (``plait.data_parallel.zero3_reducer``): the shards at the peak, whatever the micro-batches."""
+    (``plait.data_parallel.zero3_reducer``): the shards at the peak, whatever the micro-batches. Gradients in
+    ``grad_dtype`` (``state_bytes``)."""
     st = layout_stages(model, layout)
     acts = cluster.costs.activations(model, layout, precision)
     usable = cluster.usable_memory
@@ -181,10 +193,10 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     out = []
     for r, layers in enumerate(st.rank_layers):
         first, last = r == st.first_rank, r == st.last_rank
-        w, g, o = state_bytes(model, layout, layers, first, last, precision)
+        w, g, o = state_bytes(model, layout, layers, first, last, precision, grad_dtype)
         after = g if layout.zero >= 2 else None
         if full_at_peak:
-            g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision)[1]
+            g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision, grad_dtype)[1]
         act = peak[r] + acts.working
         out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working, after))
     return out

@@ -117,7 +117,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision)
     st = layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
-    dp = step_end.dp_sync_time(model, cluster, layout, params)
+    dp = step_end.dp_sync_time(model, cluster, layout, params, training.grad_dtype)
     backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
@@ -127,7 +127,8 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     seconds += step_end.optimizer_time(cluster, layout, params, layers)
     seconds += step_end.publish_time(cluster, layout, params, layers, training.precision)
     r0 = st.first_rank
-    states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision))
+    states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision,
+                                 training.grad_dtype))
     acts = cluster.costs.activations(model, layout, training.precision)
     first = acts.chunk(st.chunk_layers[0], True, len(st.chunk_layers) == 1)
     return seconds, states + min(layout.pp, m) * first

@@ -4,7 +4,7 @@ step, from the cluster's cost model."""
 from __future__ import annotations
 
 from plait.plan.cluster import Cluster
-from plait.plan.config import Layout
+from plait.plan.config import GRAD_DTYPES, Layout
 from plait.plan.memory import STATE_BYTES
 from plait.plan.model import Model
 
@@ -12,15 +12,19 @@ from plait.plan.model import Model
 PARAM_TENSORS_PER_LAYER = 9
 
 
-def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> float:
+def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
+                 grad_dtype: str = "fp32") -> float:
     """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): the sum of
     ``dp_sync_parts``."""
-    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu))
+    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu, grad_dtype))
 
 
-def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float) -> tuple[float, float]:
-    """(gradient reduction, updated weights' gather) over dp·cp: an all-reduce of fp32 gradients and no
-    gather (no ZeRO); a reduce-scatter of them and an all-gather of the updated weights (ZeRO-1 and ZeRO-2
+def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
+                  grad_dtype: str = "fp32") -> tuple[float, float]:
+    """(gradient reduction, updated weights' gather) over dp·cp, the gradients in ``grad_dtype``
+    (``Training.grad_dtype``: fp32 as plait runs it, 2 B where the stack reduces 16-bit gradients): an
+    all-reduce of the gradients and no gather (no ZeRO); a reduce-scatter of them and an all-gather of the
+    updated weights (ZeRO-1 and ZeRO-2
     as plait runs them and as Megatron-LM's distributed optimizer does: once per step, the reduction at each
     chunk's last backward, the gather in the optimizer step; bf16 weights on catalogue GPUs, fp32 on a
     calibrated host, plait train's default); ZeRO-3 as plait runs it: the same reduce-scatter, of the last
@@ -29,11 +33,12 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     n = layout.dp * layout.cp
     span = layout.tp * n
     collective = cluster.costs.collective
+    grads = GRAD_DTYPES[grad_dtype] * params_on_gpu
     if layout.zero == 0:
-        return collective("all_reduce", 4 * params_on_gpu, n, span), 0.0
+        return collective("all_reduce", grads, n, span), 0.0
     if layout.zero == 3:
-        return zero3_collectives(cluster, layout, params_on_gpu, zero3_units(model, layout))[1], 0.0
-    return (collective("reduce_scatter", 4 * params_on_gpu, n, span),
+        return zero3_collectives(cluster, layout, params_on_gpu, zero3_units(model, layout), grad_dtype)[1], 0.0
+    return (collective("reduce_scatter", grads, n, span),
             collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
 
 
@@ -44,8 +49,9 @@ def zero3_units(model: Model, layout: Layout) -> int:
 
 
 def zero3_collectives(cluster: Cluster, layout: Layout, params_on_gpu: float,
-                      units: int = 1) -> tuple[float, float]:
-    """(the all-gathers of a rank's weights in the gather dtype, the reduce-scatters of its fp32 gradients) over
+                      units: int = 1, grad_dtype: str = "fp32") -> tuple[float, float]:
+    """(the all-gathers of a rank's weights in the gather dtype, the reduce-scatters of its gradients in
+    ``grad_dtype``: fp32 as plait runs it, 2 B for FSDP with a 16-bit ``reduce_dtype``) over
     dp·cp under ZeRO-3: what one pass gathers and one backward reduce-scatters (``zero_per_microbatch``), as
     ``units`` collectives of equal size (one per block: each pays the ring's latency, which over thousands of
     ranks outweighs a block's bytes); (0, 0) below ZeRO-3."""
@@ -56,18 +62,20 @@ def zero3_collectives(cluster: Cluster, layout: Layout, params_on_gpu: float,
     units = max(1, units)
     gathered = cluster.costs.weight_gather_bytes * params_on_gpu / units
     return (units * cluster.costs.collective("all_gather", gathered, n, span),
-            units * cluster.costs.collective("reduce_scatter", 4 * params_on_gpu / units, n, span))
+            units * cluster.costs.collective("reduce_scatter", GRAD_DTYPES[grad_dtype] * params_on_gpu / units, n,
+                                             span))
 
 
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, microbatches: int = 1,
-                        units: int = 1) -> float:
+                        units: int = 1, grad_dtype: str = "fp32") -> float:
     """Communication ZeRO-3 repeats every micro-batch (on average over the step's ``microbatches``): every
     block's weights are all-gathered for its forward and again for its backward
     (``plait.data_parallel.param_shards``), in the weights' gather dtype, and each backward reduce-scatters its
-    fp32 gradients (``plait.data_parallel.zero3_reducer``; the last micro-batch's is ``dp_sync_parts``'s, so
-    (M-1)/M of one here). Each collective is issued a block ahead or behind the compute, so it overlaps it where
-    the cost model says the network runs beside it (``estimate``). ZeRO-1/2: nothing per micro-batch."""
-    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu, units)
+    gradients in ``grad_dtype`` (``plait.data_parallel.zero3_reducer``; the last micro-batch's is
+    ``dp_sync_parts``'s, so (M-1)/M of one here). Each collective is issued a block ahead or behind the
+    compute, so it overlaps it where the cost model says the network runs beside it (``estimate``). ZeRO-1/2:
+    nothing per micro-batch."""
+    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu, units, grad_dtype)
     return 2 * gather + scatter * (microbatches - 1) / microbatches
 
 
@@ -97,12 +105,13 @@ def tp_partial_elements(model: Model, layout: Layout, layers: int, last: bool) -
     return float(layers * per_layer + (norm if layout.sequence_parallel and last else 0))
 
 
-def tp_partial_time(model: Model, cluster: Cluster, layout: Layout, layers: int, last: bool) -> float:
-    """Seconds of that sum: one all-reduce of the fp32 gradients over TP (under ZeRO of the reduced shard,
-    1/(dp·cp) of them)."""
+def tp_partial_time(model: Model, cluster: Cluster, layout: Layout, layers: int, last: bool,
+                    grad_dtype: str = "fp32") -> float:
+    """Seconds of that sum: one all-reduce of the gradients (in ``grad_dtype``: they live in the gradient
+    buffer) over TP (under ZeRO of the reduced shard, 1/(dp·cp) of them)."""
     shard = optimizer_shards(layout)
-    return cluster.costs.collective("all_reduce", 4 * tp_partial_elements(model, layout, layers, last) / shard,
-                                    layout.tp)
+    nbytes = GRAD_DTYPES[grad_dtype] * tp_partial_elements(model, layout, layers, last) / shard
+    return cluster.costs.collective("all_reduce", nbytes, layout.tp)
 
 
 def param_tensors(layers: int) -> int:
