@@ -83,3 +83,21 @@ def test_zero3_pays_a_collectives_latency_per_block():
     assert blocks_s - one_s == pytest.approx((m.n_layers + 2) * 511 * hop)
     e = estimate(m, cluster, layout, Training(4096))
     assert e.time["zero_comm"] > 0  # at 512 ranks the per-block latency is no longer hidden behind the compute
+
+
+def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
+    """Megatron-LM, DeepSpeed's pipeline, llm-foundry and torchtitan checkpoint the transformer layers only:
+    ``Training(recompute_head=False)`` drops the head's second forward, 2·s·h·V FLOPs a micro-batch, from the step
+    (plait's runtime checkpoints the head's block too: the default)."""
+    m = Model(4, 1024, 8, 32000, 1024)
+    cluster, layout = Cluster("a100-80gb", 1), Layout(recompute="full")
+    ours = estimate(m, cluster, layout, Training(4))
+    layers_only = estimate(m, cluster, layout, Training(4, recompute_head=False))
+    g = cluster.gpu
+    head = 2 * 1024 * 1024 * 32000 / (g.peak_flops * g.matmul_efficiency * 1024 / (1024 + g.gemm_half))
+    assert head == pytest.approx(0.359e-3 * 0.623 / g.matmul_efficiency, rel=2e-3)  # 67.1 GFLOP at ~187 TFLOP/s
+    assert ours.time["recompute"] - layers_only.time["recompute"] == pytest.approx(4 * head, rel=1e-9)
+    assert ours.step_time_s - layers_only.step_time_s == pytest.approx(4 * head, rel=1e-9)
+    unchanged = Layout(recompute="selective")
+    assert estimate(m, cluster, unchanged, Training(4)).step_time_s == estimate(
+        m, cluster, unchanged, Training(4, recompute_head=False)).step_time_s

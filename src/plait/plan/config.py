@@ -175,6 +175,12 @@ class Training:
     shards stay 4 B (the float32 master's gradient). A 16-bit value needs ``precision="bf16"``. plait's
     runtime keeps fp32: a plan with another value describes another stack, and ``Layout.to_parallel_config``
     refuses to turn it into a configuration plait would run."""
+    recompute_head: bool = True
+    """Full recomputation recomputes the head (final norm and output layer) too, as plait's runtime does (it
+    checkpoints every block of a chunk, the head's included). False for stacks that checkpoint the transformer
+    layers only: Megatron-LM (``ParallelTransformer._checkpointed_forward``), DeepSpeed's pipeline
+    (``PipelineModule._is_checkpointable``: transformer layers), llm-foundry (each MPTBlock) and torchtitan (each
+    TransformerBlock)."""
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:

@@ -121,7 +121,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     m = microbatches(layout, training)
     costs = cluster.costs
     chunks, pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, training, exact)
-    ranks = timing.rank_costs(costs, model, layout, training.precision)
+    ranks = timing.rank_costs(costs, model, layout, training.precision, training.recompute_head)
     pp = layout.pp
     busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
             "tp_comm": m * sum(c.f_tp + c.b_tp for c in ranks) / pp,
@@ -173,7 +173,7 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
     from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head)
     acts = cluster.costs.activations(model, layout, training.precision)
     layers = layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]

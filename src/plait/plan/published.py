@@ -46,6 +46,9 @@ def _tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
 # images/cases_april2021.png (commit 50a4b5fa, 2021-04-08). Layouts: the paper's own launch script, NVIDIA/Megatron-LM
 # examples/sc21/run_table_1.sh (commit de7dc40f): TP, PP, micro-batch, global batch, layers, hidden, heads,
 # --checkpoint-activations, --num-layers-per-virtual-pipeline-stage, DDP impl; CONFIG.sh: seq 2048, fp16.
+# --checkpoint-activations recomputes the transformer layers only (megatron/model/transformer.py
+# ParallelTransformer._checkpointed_forward at that commit; the final norm and the logits run outside it), as eq. (3)
+# counts: the logit layer three times, the layers four: Training(recompute_head=False) for every run of the paper.
 NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1 (also NVIDIA/Megatron-LM README "
                    "images/cases_april2021.png); layouts from examples/sc21/run_table_1.sh")
 # (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
@@ -100,7 +103,7 @@ def _narayanan() -> list[PublishedRun]:
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
-            Training(batch, overlap_grad_reduce=torch_ddp), f"{tflops} teraFLOP/s per GPU", step,
+            Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False), f"{tflops} teraFLOP/s per GPU", step,
             "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
              "fp16 costed as bf16", "Selene: HDR InfiniBand, 8 x 200 Gb/s per node")))
@@ -114,7 +117,7 @@ def _narayanan() -> list[PublishedRun]:
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
-            Training(batch, overlap_grad_reduce=not ptd),
+            Training(batch, overlap_grad_reduce=not ptd, recompute_head=False),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3", "full recomputation (eq. 3 counts it)",
              "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3 traffic overlapped as modelled",
@@ -126,7 +129,9 @@ def _narayanan() -> list[PublishedRun]:
 # "with global batch size 1920 on 280, 350, and 420 DGX A100 servers ... the latency per iteration observed is
 # 60.1, 50.2, and 44.4 seconds respectively. These correspond to 126, 121, and 113 TFLOP/s per GPU" (Smith et
 # al. 2022, §2.4, as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md; its run_train.sh: 8-way
-# tensor and 35-way pipeline parallelism, vocab 50272).
+# tensor and 35-way pipeline parallelism, vocab 50272). Megatron-DeepSpeed's GPTModelPipe: DeepSpeed's pipeline
+# checkpoints only its ParallelTransformerLayerPipe layers (microsoft/DeepSpeed deepspeed/runtime/pipe/module.py,
+# PipelineModule._is_checkpointable, v0.5.10): the head is not recomputed (also BLOOM's runs below).
 SMITH_WHERE = ("Smith et al. 2022 (MT-NLG), Section 2.4, as quoted in cli99/llm-analysis "
                "examples/megatron-turing-nlg/README.md and run_train.sh")
 
@@ -139,7 +144,7 @@ def _smith() -> list[PublishedRun]:
         out.append(PublishedRun(
             "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
-            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1), Training(1920),
+            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1), Training(1920, recompute_head=False),
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
              "ZeRO-1 (DeepSpeed)", "vocab 50272 padded to 51200", "Selene: HDR InfiniBand")))
@@ -228,7 +233,8 @@ def bloom_prequel_layout(dp: int, tp: int, pp: int, mbs: int) -> Layout:
 def _bloom() -> list[PublishedRun]:
     out = [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", bloom_model(),
                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
-                        Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1), Training(2048),
+                        Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1),
+                        Training(2048, recompute_head=False),
                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
                         BLOOM_ASSUMED)]
     m = bloom_model(72, 64)
@@ -237,8 +243,8 @@ def _bloom() -> list[PublishedRun]:
             out.append(PublishedRun(
                 "BigScience (BLOOM)", BLOOM_PREQUEL_WHERE, f"BLOOM 181B search: dp{dp} tp{tp} pp{pp} mbs{mbs}", m,
                 Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
-                bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs), f"Sec/it {sec} (TFLOPs {tflops})",
-                float(sec), "printed step time",
+                bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs, recompute_head=False),
+                f"Sec/it {sec} (TFLOPs {tflops})", float(sec), "printed step time",
                 BLOOM_ASSUMED + ("the 2nd iteration's time", "bf16 and ZeRO-1 as in the run")))
     return out
 
@@ -246,7 +252,9 @@ def _bloom() -> list[PublishedRun]:
 # ---- MosaicML llm-foundry MPT benchmarks (FSDP) ------------------------------------------------------------
 # mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c, 2023-10-17): Throughput (T/s) of MPT
 # models under FSDP FULL_SHARD; shapes from scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion
-# ratio 4, no biases; the table's NumParams grow with the sequence length: learned positions).
+# ratio 4, no biases; the table's NumParams grow with the sequence length: learned positions). Activation checkpointing
+# wraps each MPTBlock (llmfoundry/models/mpt/modeling_mpt.py activation_checkpointing_fn at that commit), inside its
+# FSDP unit: the head is not recomputed and the recompute finds the block's weights gathered.
 MOSAIC_WHERE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), {table}"
 MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
        "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
@@ -286,7 +294,8 @@ def _mosaic() -> list[PublishedRun]:
             "MosaicML llm-foundry", MOSAIC_WHERE.format(table=table),
             f"MPT-{size} seq {seq} on {n} {'H100' if h100 else 'A100'}", mpt(size, seq),
             Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200),
-            Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3), Training(batch),
+            Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
+            Training(batch, recompute_head=False),
             f"Throughput (T/s) {tps}", _tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
             ("FSDP FULL_SHARD costed as ZeRO-3", "attn_impl: flash (the yamls)",
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
@@ -296,7 +305,9 @@ def _mosaic() -> list[PublishedRun]:
 # ---- torchtitan (FSDP2 on 64 A100 80GB) --------------------------------------------------------------------
 # pytorch/torchtitan docs/performance.md (commit 04133643): WPS (tokens per second per GPU) of Llama 3 70B (local
 # batch 1, full activation checkpointing: 331) and Llama 2 13B (local batch 2, none: 2162) and 70B (local batch
-# 2, full: 353) with FSDP2 on 64 A100 80GB; global batch = local batch x 64.
+# 2, full: 353) with FSDP2 on 64 A100 80GB; global batch = local batch x 64. Full AC wraps each TransformerBlock in a
+# checkpoint wrapper before fully_shard (torchtitan/parallelisms/parallelize_llama.py at that commit): the head is not
+# recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered.
 TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
 LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
 LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
@@ -311,7 +322,7 @@ def _torchtitan() -> list[PublishedRun]:
         out.append(PublishedRun(
             "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
             Cluster("a100-80gb", 64),
-            Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch),
+            Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch, recompute_head=False),
             f"WPS {wps}", _tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
             ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: flash attention",
              "fabric not printed: HDR InfiniBand assumed")))

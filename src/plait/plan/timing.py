@@ -3,6 +3,8 @@ cost model (``plan.costs.CostModel``; the end of a step, DP reduction and optimi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from plait.plan.config import Layout
 from plait.plan.costs import CostModel, StageCosts
 from plait.plan.model import Model
@@ -29,10 +31,14 @@ def model_flops_per_step(model: Model, global_batch: int) -> float:
     return 3 * (fwd + head_forward_flops(model, tokens))
 
 
-def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16") -> list[StageCosts]:
+def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
+                recompute_head: bool = True) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
-    the last), in the runtime's cut."""
+    the last), in the runtime's cut; without ``recompute_head`` (``Training.recompute_head``) the head's
+    recomputation is not charged."""
     blocks = costs.blocks(model, layout, precision)
+    if not recompute_head:
+        blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)
     p2p = costs.p2p(model, layout, precision)
     last = len(st.chunk_layers) - 1
@@ -52,10 +58,11 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
     return out
 
 
-def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16") -> list[StageCosts]:
+def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
+               recompute_head: bool = True) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
     placement = layout_stages(model, layout).placement
     out = [StageCosts() for _ in range(layout.pp)]
-    for c, cost in enumerate(chunk_costs(costs, model, layout, precision)):
+    for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head)):
         out[placement[c]] = out[placement[c]] + cost
     return out
