@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from plait.errors import ConfigError
 from plait.plan import Cluster, Layout, Model, Training, estimate
 from plait.plan.catalogue import LINK_EFFICIENCY
 from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency
@@ -98,6 +99,8 @@ def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
     assert head == pytest.approx(0.359e-3 * 0.623 / g.matmul_efficiency, rel=2e-3)  # 67.1 GFLOP at ~187 TFLOP/s
     assert ours.time["recompute"] - layers_only.time["recompute"] == pytest.approx(4 * head, rel=1e-9)
     assert ours.step_time_s - layers_only.step_time_s == pytest.approx(4 * head, rel=1e-9)
+    with pytest.raises(ConfigError, match="recompute_head"):  # plait's runtime would recompute it
+        layout.to_parallel_config(Training(4, recompute_head=False))
     unchanged = Layout(recompute="selective")
     assert estimate(m, cluster, unchanged, Training(4)).step_time_s == estimate(
         m, cluster, unchanged, Training(4, recompute_head=False)).step_time_s

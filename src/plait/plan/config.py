@@ -105,7 +105,8 @@ class Layout:
 
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
-        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32).
+        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, or that leaves
+        the head out of full recomputation).
         """
         gap = runtime_gap(self)
         if gap:
@@ -113,6 +114,9 @@ class Layout:
         if training is not None and training.grad_dtype != RUNTIME_GRAD_DTYPE:
             raise ConfigError(f"grad_dtype: {training.grad_dtype!r} is planned but plait's runtime keeps and reduces "
                               f"{RUNTIME_GRAD_DTYPE} gradients (plan with grad_dtype={RUNTIME_GRAD_DTYPE!r})")
+        if training is not None and self.recompute == "full" and not training.recompute_head:
+            raise ConfigError("recompute_head: False is planned but plait's runtime recomputes the head under full "
+                              "recomputation too (plan with recompute_head=True)")
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
                               schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
