@@ -79,7 +79,7 @@ NARAYANAN_TABLE2 = (
 NARAYANAN_SHAPES = {174.6: (96, 12288, 96, 12), 529.6: (105, 20480, 128, 35)}  # layers, hidden, heads, p
 # The ZeRO-3 runs are DeepSpeed's of the paper's time (microsoft/DeepSpeed v0.3.13, 2021-03-16): each parameter
 # all-gathered on its own before its sub-module runs (runtime/zero/partition_parameters.py _allgather_param), the
-# fetch blocking on torch.cuda.synchronize() with the next ~5e7 elements prefetched (stage3.py fetch_sub_module,
+# fetch blocking on a device-wide CUDA synchronize with the next ~5e7 elements prefetched (stage3.py fetch_sub_module,
 # prefetch_next_sub_modules), and the fp16 gradients reduce-scattered parameter by parameter
 # (_reduce_scatter_gradient on param.grad; the partitioned gradients are torch.half): grad_dtype fp16. plait costs
 # them as its own ZeRO-3 (block by block, hidden behind the compute where the network allows): docs/planner.md
