@@ -263,7 +263,9 @@ def _bloom() -> list[PublishedRun]:
 # models under FSDP FULL_SHARD; shapes from scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion
 # ratio 4, no biases; the table's NumParams grow with the sequence length: learned positions). Activation checkpointing
 # wraps each MPTBlock (llmfoundry/models/mpt/modeling_mpt.py activation_checkpointing_fn at that commit), inside its
-# FSDP unit: the head is not recomputed and the recompute finds the block's weights gathered.
+# FSDP unit (Composer wraps the model in FSDP first, then checkpoint-wraps the matching modules that are not FSDP
+# units: mosaicml/composer composer/trainer/dist_strategy.py at b71375a3): the head is not recomputed and the
+# recompute finds the block's weights gathered.
 MOSAIC_WHERE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), {table}"
 MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
        "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
