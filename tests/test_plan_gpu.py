@@ -1,5 +1,6 @@
 """The datasheet GPU cost model (plan.gpu): collectives over a node's NICs, ZeRO-3's traffic on one network beside
-the compute, causal flash attention, and the shipped constants being the fit on the published runs."""
+the compute, causal flash attention, Megatron-Core's communication overlap, and the shipped constants being the fit
+on the published runs."""
 
 import math
 
@@ -10,8 +11,9 @@ from plait.plan import Cluster, Layout, Model, Training, estimate
 from plait.plan.catalogue import LINK_EFFICIENCY
 from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency
 from plait.plan.memory import max_rank_params
+from plait.plan.overlap import exposed_tail
 from plait.plan.published import runs
-from plait.plan.step_end import zero3_collectives
+from plait.plan.step_end import dp_sync_parts, zero3_collectives
 from plait.plan.timing import layer_forward_flops
 from plait.plan.validation import default_constants, predict
 
@@ -104,3 +106,57 @@ def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
     unchanged = Layout(recompute="selective")
     assert estimate(m, cluster, unchanged, Training(4)).step_time_s == estimate(
         m, cluster, unchanged, Training(4, recompute_head=False)).step_time_s
+
+
+def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms():
+    """Userbuffers' decomposition (Wang et al. 2023), worked by hand on one layer at tp4 with SP. Comm-bound
+    (hidden 1024: a gather outlasts its GEMM): each gather and pipelined scatter of the forward hides 3/4 of its
+    GEMM's time; the backward's bulk overlaps hide all of theirs. GEMM-bound (hidden 8192, tp2): only the last of
+    each scatter's 4 pieces shows, nothing of the backward. Without SP the flag changes nothing."""
+    cluster = Cluster("h100-sxm", 8)
+    costs, gpu = cluster.costs, cluster.gpu
+    for hidden, t in ((1024, 4), (8192, 2)):
+        m = Model(4, hidden, 16, 32000, 2048, ffn_hidden=3 * hidden, glu=True)  # MHA: QKV is h x 3h
+        layout = Layout(tp=t, dp=8 // t, sequence_parallel=True)
+        link = gpu.intra
+        c = (t - 1) / t * 2048 * hidden * 2 / (link.bandwidth * LINK_EFFICIENCY) + (t - 1) * link.latency
+        speed = gpu.peak_flops * matmul_efficiency(gpu, m, layout)
+        qkv, proj = 2 * 2048 * hidden * 3 * hidden / t / speed, 2 * 2048 * hidden * hidden / t / speed
+        up, down = 2 * 2048 * hidden * 6 * hidden / t / speed, 2 * 2048 * 3 * hidden * hidden / t / speed
+        plain = costs.blocks(m, layout, "bf16").layer
+        over = costs.blocks(m, layout, "bf16", tp_overlap=True).layer
+        assert plain.f_tp == pytest.approx(4 * c) and plain.b_tp == pytest.approx(4 * c)
+        if hidden == 1024:
+            assert c > up  # comm-bound: every collective outlasts its GEMM
+            assert over.f_tp == pytest.approx(4 * c - 0.75 * (qkv + proj + up + down))
+            assert over.b_tp == pytest.approx(6 * c - 2 * qkv - 2 * up - 0.75 * (proj + down))
+        else:
+            assert c < proj / 2  # GEMM-bound
+            assert over.f_tp == pytest.approx(2 * c / 4) and over.b_tp == 0.0
+        no_sp = Layout(tp=t, dp=8 // t)
+        assert costs.blocks(m, no_sp, "bf16", tp_overlap=True).layer == costs.blocks(m, no_sp, "bf16").layer
+    with pytest.raises(ValueError, match="tp_comm_overlap"):
+        Training(8, tp_comm_overlap=1)
+    with pytest.raises(ConfigError, match="tp_comm_overlap"):  # plait's runtime runs its collectives exposed
+        Layout(tp=2, dp=4, sequence_parallel=True).to_parallel_config(Training(8, tp_comm_overlap=True))
+
+
+def test_dp_collectives_hide_chunk_by_chunk_behind_the_passes_beside_them():
+    """A 2 s reduction over 4 chunks in a 2-stage interleaved pipeline, 0.5 s of backward per micro-batch: the
+    chunks' quarter-second slots open 0.875, 0.625, 0.375 and 0.125 s before the backward ends; one network
+    runs the 0.5 s pieces in turn from -0.875 s, the last ends 1.125 s after the backward. One chunk: what
+    outlasts the window. With the weights' gather hidden behind a forward that outlasts it, only the
+    reduction's exposed part is left of dp_comm."""
+    assert exposed_tail(2.0, 0.5, 4, 2) == pytest.approx(1.125)
+    assert exposed_tail(1.0, 0.5, 4, 2) == pytest.approx(0.125)  # the last chunk's piece beyond its own slot
+    assert exposed_tail(1.0, 0.5) == pytest.approx(0.5) and exposed_tail(0.2, 0.5) == 0.0
+    m, cluster = Model.preset("llama3-8b", seq_len=4096), Cluster("h100-sxm", 64)
+    layout = Layout(tp=2, dp=32, sequence_parallel=True, zero=1)
+    params = max_rank_params(m, layout)
+    reduction, gather = dp_sync_parts(m, cluster, layout, params)
+    plain, ahead = (estimate(m, cluster, layout, Training(64, overlap_param_gather=o)) for o in (False, True))
+    assert 0 < gather < plain.time["compute"] / plain.microbatches / 3  # one forward hides the whole gather
+    assert plain.time["dp_comm"] - ahead.time["dp_comm"] == pytest.approx(gather)
+    assert sum(ahead.phases.values()) == pytest.approx(ahead.step_time_s)
+    with pytest.raises(ConfigError, match="overlap_param_gather"):
+        layout.to_parallel_config(Training(64, overlap_param_gather=True))

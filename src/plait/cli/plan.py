@@ -92,7 +92,8 @@ def _show_schedule(console, best) -> None:
         console.print("(no pipeline: pp = 1, micro-batches run one after another)")
         return
     m = min(best.microbatches, 4 * lay.pp)
-    ch = chunk_costs(best.cluster.costs, best.model, lay, best.training.precision, best.training.recompute_head)
+    ch = chunk_costs(best.cluster.costs, best.model, lay, best.training.precision, best.training.recompute_head,
+                     best.training.tp_comm_overlap)
     weight = [c.weight for c in ch] if lay.schedule in SPLIT_BACKWARD else None
     r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual_stages,
                                 rounds=best.rounds),

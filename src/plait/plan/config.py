@@ -105,8 +105,8 @@ class Layout:
 
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
-        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, or that leaves
-        the head out of full recomputation).
+        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, that leaves
+        the head out of full recomputation, or that plans Megatron-Core's TP or weight-gather overlap).
         """
         gap = runtime_gap(self)
         if gap:
@@ -117,6 +117,10 @@ class Layout:
         if training is not None and self.recompute == "full" and not training.recompute_head:
             raise ConfigError("recompute_head: False is planned but plait's runtime recomputes the head under full "
                               "recomputation too (plan with recompute_head=True)")
+        for name in ("tp_comm_overlap", "overlap_param_gather"):
+            if training is not None and getattr(training, name):
+                raise ConfigError(f"{name}: True is planned (Megatron-Core's overlap) but plait's runtime does not "
+                                  f"overlap that communication (plan with {name}=False)")
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
                               schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
@@ -160,8 +164,9 @@ RUNTIME_GRAD_DTYPE = "fp32"
 class Training:
     """A training workload: ``global_batch`` sequences per optimizer step.
 
-    ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward (on GPUs; a
-    calibrated host's cores are all computing then: ``CostModel.hidden_reduction``).
+    ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward, chunk by chunk under
+    an interleaved schedule (``plan.overlap.exposed_tail``; on GPUs: a calibrated host's cores are all computing
+    then, ``CostModel.hidden_reduction``).
     ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32 gradients, master weights
     and moments) or "fp32" (everything fp32, ``plait train``'s default).
     """
@@ -185,10 +190,24 @@ class Training:
     layers only: Megatron-LM (``ParallelTransformer._checkpointed_forward``), DeepSpeed's pipeline
     (``PipelineModule._is_checkpointable``: transformer layers), llm-foundry (each MPTBlock) and torchtitan (each
     TransformerBlock)."""
+    tp_comm_overlap: bool = False
+    """Sequence parallelism's all-gathers and reduce-scatters split into per-rank pieces and pipelined with the
+    GEMMs that consume or produce them, as Megatron-Core's ``tp_comm_overlap`` runs them with Transformer
+    Engine's userbuffers (Wang et al. 2023): only what a piece's transfer takes beyond its partial GEMM, and the
+    last piece of each pipelined reduce-scatter, stay exposed (``plan.gpu.GpuCosts._tp_overlapped``). Layouts
+    without sequence parallelism keep their all-reduces exposed (Megatron-Core overlaps only SP's collectives).
+    Catalogue GPUs only: a calibrated host runs plait's own collectives."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2's all-gather of the updated weights issued after the step and waited for by each chunk's first
+    forward of the next one, as Megatron-Core's distributed optimizer runs it with ``overlap_param_gather``
+    (``plan.overlap.exposed_tail``); otherwise it follows the optimizer step, exposed."""
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise ConfigError(f"global_batch: must be >= 1 sequence, got {self.global_batch}")
+        for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.grad_dtype not in GRAD_DTYPES:

@@ -83,8 +83,9 @@ class CostModel(Protocol):
         """Bytes per weight ZeRO-1/2's all-gather of the updated weights moves."""
         ...
 
-    def blocks(self, model: Model, layout: Layout, precision: str) -> Blocks:
-        """One layer, the embedding and the head + loss, per micro-batch."""
+    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
+        """One layer, the embedding and the head + loss, per micro-batch; ``tp_overlap``: the TP collectives
+        pipelined with their GEMMs (``Training.tp_comm_overlap``)."""
         ...
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:

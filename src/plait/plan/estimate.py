@@ -11,6 +11,7 @@ from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training, check, microbatches, runtime_gap
 from plait.plan.costs import StageCosts
 from plait.plan.model import Model
+from plait.plan.overlap import dp_exposed
 from plait.plan.pipeline import ROUND_SCHEDULES, SPLIT_BACKWARD, PipelineProfile, profile
 from plait.plan.stages import layout_stages
 
@@ -121,7 +122,8 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     m = microbatches(layout, training)
     costs = cluster.costs
     chunks, pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, training, exact)
-    ranks = timing.rank_costs(costs, model, layout, training.precision, training.recompute_head)
+    ranks = timing.rank_costs(costs, model, layout, training.precision, training.recompute_head,
+                              training.tp_comm_overlap)
     pp = layout.pp
     busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
             "tp_comm": m * sum(c.f_tp + c.b_tp for c in ranks) / pp,
@@ -130,7 +132,6 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     busy["cpu_sharing"] = max(0.0, span.busy - sum(busy.values()))
     params = mem.max_rank_params(model, layout)
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)
-    dp = reduction + gather
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     # ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the compute of
     # its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last one's
@@ -141,21 +142,21 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     zero3 = (m * max(0.0, gather_3 - hide_f) + (m - 1) * max(0.0, gather_3 + scatter_3 - hide_b)
              + max(0.0, gather_3 - hide_b))
     free = max(0.0, max(c.backward for c in ranks) - gather_3)
-    overlap = costs.hidden_reduction(free) if training.overlap_grad_reduce else 0.0
+    reduction, gather = dp_exposed(costs, layout, training, reduction, gather, free, busiest.forward)
     layers = max(c.layers for c in ranks)
     optimizer = step_end.optimizer_time(cluster, layout, params, layers)
     publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
     loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True, training.grad_dtype)
-    time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": max(0.0, dp - overlap),
+    time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": reduction + gather,
             "zero_comm": zero3,
             "optimizer": span.stretch * optimizer + publish,
             "sync": tp_sum + loss_sync + norm_sync}
-    gathered = time["dp_comm"] * gather / dp if dp > 0 else 0.0  # the exposed part, split as the two collectives
+    ahead = gather if training.overlap_param_gather else 0.0  # waited for by the next step's first forwards
     phases = {"forward_backward": sum(time[k] for k in ("compute", "tp_comm", "recompute", "cpu_sharing",
-                                                        "pp_bubble", "zero_comm")),
-              "grad_reduction": time["dp_comm"] - gathered + tp_sum + loss_sync,
-              "optimizer": time["optimizer"] + gathered + norm_sync}
+                                                        "pp_bubble", "zero_comm")) + ahead,
+              "grad_reduction": reduction + tp_sum + loss_sync,
+              "optimizer": time["optimizer"] + gather - ahead + norm_sync}
     step = sum(time.values())
     flops = timing.model_flops_per_step(model, training.global_batch)
     tflops = flops / step / cluster.n_gpus / 1e12
@@ -173,7 +174,8 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
     from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head,
+                                training.tp_comm_overlap)
     acts = cluster.costs.activations(model, layout, training.precision)
     layers = layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]

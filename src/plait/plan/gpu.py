@@ -42,6 +42,36 @@ FLASH_BACKWARD = 2.5
 FLASH_CAUSAL = 0.5
 # Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
 OPTIMIZER_TRAFFIC = 30.0
+# Tensor-parallel communication overlap (``Training.tp_comm_overlap``: Megatron-Core's tp_comm_overlap, Transformer
+# Engine's userbuffers) decomposes each of sequence parallelism's gathers and scatters into per-rank pieces and
+# pipelines them with the partial GEMMs that consume or produce them (Wang et al. 2023, "Overlap Communication with
+# Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS, §4). In NeMo's userbuffers
+# configurations the forward's reduce-scatters (proj_fprop, fc2_fprop) use the "pipeline" method in this many
+# pieces (NVIDIA/NeMo nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, commit d2b21556, every H100
+# configuration; NVIDIA/dgxc-benchmarking nemo_megatron/cfg/gpt3_175b_hydra.yaml, commit 741c8860).
+TP_OVERLAP_SPLITS = 4
+
+
+def overlapped_gather(comm: float, gemm: float, t: int) -> float:
+    """What stays exposed of an all-gather (``comm`` seconds over ``t`` ranks) pipelined with the GEMM that
+    consumes it (``gemm`` seconds) as a ring exchange: the GEMM on the piece a rank holds needs no transfer, the
+    t-1 transfers run beside the t-1 other partial GEMMs (Wang et al. 2023, §4.1)."""
+    if t <= 1:
+        return comm
+    return max(0.0, comm - gemm * (t - 1) / t)
+
+
+def overlapped_scatter(comm: float, gemm: float, splits: int = TP_OVERLAP_SPLITS) -> float:
+    """What stays exposed of a reduce-scatter of a GEMM's output pipelined with it in ``splits`` pieces: each
+    piece's scatter runs beside the next piece's GEMM; the last piece's scatter follows the GEMM's end."""
+    return comm / splits + max(0.0, comm - gemm) * (splits - 1) / splits
+
+
+def bulk_overlap(comm: float, gemm: float) -> float:
+    """What stays exposed of a collective run beside an independent GEMM of the backward (Transformer Engine's
+    "bulk" overlaps: a column-parallel layer's input gather beside its data-gradient GEMM, its data-gradient
+    reduce-scatter beside its weight-gradient GEMM)."""
+    return max(0.0, comm - gemm)
 
 
 def ring_allreduce(nbytes: float, n: int, link: Link) -> float:
@@ -102,18 +132,49 @@ class GpuCosts:
         members = max(1, min(n, g * n // span))
         return Link(link.name, min(members * link.bandwidth, self.gpu.intra.bandwidth), link.latency)
 
-    def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> float:
-        """Forward collectives of one layer: 2 all-reduces of [b, s, h] (TP, Shoeybi et al. 2019) or
-        2 all-gathers + 2 reduce-scatters with SP (same volume); MoE all-to-all dispatch and combine;
-        the context-parallel K/V exchange (``_cp_comm_per_layer``)."""
+    def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float,
+                           overlap: bool = False) -> tuple[float, float]:
+        """Exposed collectives of one layer's (forward, backward): 2 all-reduces of [b, s, h] each way (TP,
+        Shoeybi et al. 2019) or 2 all-gathers + 2 reduce-scatters with SP (same volume; ``overlap`` with SP:
+        ``_tp_overlapped``); MoE all-to-all dispatch and combine; the context-parallel K/V exchange
+        (``_cp_comm_per_layer``)."""
         act = tokens * model.hidden * 2  # bf16 [b, s/cp, h]
         t, link = layout.tp, self.cluster.link
-        out = 2 * ring_allreduce(act, t, link(t))
+        if overlap and layout.sequence_parallel:
+            f, b = self._tp_overlapped(model, layout, tokens, ring_allgather(act, t, link(t)))
+        else:
+            f = b = 2 * ring_allreduce(act, t, link(t))
+        other = self._cp_comm_per_layer(model, layout, tokens)
         if model.is_moe and layout.ep > 1:
             e = layout.ep
             a2a = act * model.top_k * (e - 1) / e / (link(t * e).bandwidth * LINK_EFFICIENCY)
-            out += 2 * (a2a + (e - 1) * link(t * e).latency)
-        return out + self._cp_comm_per_layer(model, layout, tokens)
+            other += 2 * (a2a + (e - 1) * link(t * e).latency)
+        return f + other, b + other
+
+    def _tp_overlapped(self, model: Model, layout: Layout, tokens: float, c: float) -> tuple[float, float]:
+        """(forward, backward) exposed seconds of a layer's SP gathers and scatters (each ``c`` seconds) under
+        tensor-parallel communication overlap. Forward: the gathers before QKV and the MLP's first GEMM
+        (``overlapped_gather``), the scatters after the output projection and the MLP's last GEMM
+        (``overlapped_scatter``). Backward (Megatron-LM with SP gathers a column-parallel layer's input again for
+        its weight gradient): a column-parallel layer's input gather and data-gradient scatter beside its two
+        GEMMs (``bulk_overlap``), a row-parallel layer's gradient gather ahead of its data-gradient GEMM
+        (``overlapped_gather``). An MoE layer's MLP collectives stay exposed."""
+        t = layout.tp
+        speed = self.gpu.peak_flops * matmul_efficiency(self.gpu, model, layout)
+        h, kv = model.hidden, model.kv_heads * model.head_dim
+
+        def gemm(n_in: int, n_out: int) -> float:  # one partial GEMM over the gathered [b, s/cp, n_in]
+            return 2 * tokens * n_in * n_out / t / speed
+
+        qkv, proj = gemm(h, h + 2 * kv), gemm(h, h)
+        f = overlapped_gather(c, qkv, t) + overlapped_scatter(c, proj)
+        b = 2 * bulk_overlap(c, qkv) + overlapped_gather(c, proj, t)
+        if model.is_moe:
+            return f + 2 * c, b + 2 * c
+        up, down = gemm(h, model.ffn * (2 if model.glu else 1)), gemm(model.ffn, h)
+        f += overlapped_gather(c, up, t) + overlapped_scatter(c, down)
+        b += 2 * bulk_overlap(c, up) + overlapped_gather(c, down, t)
+        return f, b
 
     def _cp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> float:
         """The K/V exchange of one layer's forward (its backward moves as much: the reduce-scatter of their
@@ -132,17 +193,18 @@ class GpuCosts:
         attend = 2 * tokens * (model.seq_len / c) * model.n_heads * model.head_dim / t / speed  # one block, causal
         return (c - 1) * max(0.0, self.collective("p2p", block, 2, span=t * c) - attend)
 
-    def blocks(self, model: Model, layout: Layout, precision: str) -> Blocks:
-        """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives and what
-        recomputation redoes; the head: its FLOPs. The embedding's lookup is free. With fused flash attention
-        the attention core runs at ``flash_efficiency`` of peak and its backward recomputes the scores (so
-        selective recomputation redoes nothing more); its s×s scores never reach HBM."""
+    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
+        """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives (what of them
+        ``tp_overlap`` leaves exposed: ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs.
+        The embedding's lookup is free. With fused flash attention the attention core runs at
+        ``flash_efficiency`` of peak and its backward recomputes the scores (so selective recomputation redoes
+        nothing more); its s×s scores never reach HBM."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
         flops = layer_forward_flops(model, tokens, model.seq_len) / t
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
-        tp = self._tp_comm_per_layer(model, layout, tokens)
+        tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, tp_overlap)
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
             traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
@@ -164,7 +226,7 @@ class GpuCosts:
             else:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
-        return Blocks(StageCosts(f, b, w, tp, tp, recompute, 0.0, 1), StageCosts(),
+        return Blocks(StageCosts(f, b, w, tp, tp_b, recompute, 0.0, 1), StageCosts(),
                       StageCosts(head, 2 * head, head, recompute=head if layout.recompute == "full" else 0.0))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:

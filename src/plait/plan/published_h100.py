@@ -46,6 +46,23 @@ DGXC_ROWS = (
 # squared ReLU, no linear biases, no dropout, untied embeddings; 15B 32 x 6144, 48 heads, 8 groups, FFN 24576;
 # 340B 96 x 18432, 96 heads, 8 groups, FFN 73728) with the README's vocabulary of 256,000 ("Notes").
 NEMOTRON4 = {"nemotron4-15b": (32, 6144, 48, 24576), "nemotron4-340b": (96, 18432, 96, 73728)}
+# TP communication overlap (Transformer Engine userbuffers, ``Training.tp_comm_overlap``), as each recipe sets it:
+# GPT-3 175B's gpt3_175b_hydra.yaml "ub_tp_comm_overlap: true" with its ub_tp_comm_overlap_cfg; the NeMo 2.0 recipes
+# the Llama and Nemotron launchers run (NVIDIA/NeMo at commit d2b21556, the NEMO_COMMIT of llama3.1/setup.sh and
+# nemotron/setup.sh) add MegatronCommOverlapCallback(tp_comm_overlap=True) in pretrain_performance_optimizations of
+# nemo/collections/llm/recipes/{llama3_70b,llama31_405b,nemotron4_15b,nemotron4_340b}.py (70B and 405B with the
+# userbuffers_bf16_h100_* configurations llama3.1/pretrain_llama31.py passes; the callback keeps it because these
+# run TP >= 2 with sequence parallelism); llama3_8b.py sets tp_comm_overlap=False (and runs TP 1).
+# Every row overlaps the DP gradient reduce-scatter with the backward and the weights' all-gather with the next
+# forward (``Training.overlap_param_gather``): the 175B yaml's optim "overlap_grad_sync: true, overlap_param_sync:
+# true"; for the NeMo 2.0 rows MegatronCommOverlapCallback._get_optimizer_overlap_cfgs (NVIDIA/NeMo
+# nemo/lightning/pytorch/callbacks/megatron_comm_overlap.py, d2b21556) sets overlap_grad_reduce and
+# overlap_param_gather when the DP size exceeds 1 (every row), align_param_gather with PP and VP > 1.
+# Context parallelism (the Llama rows' CP 2) runs Megatron-Core's default: no recipe sets cp_comm_type, and
+# TEDotProductAttention passes "p2p" to Transformer Engine when it is None (NVIDIA/Megatron-LM
+# megatron/core/extensions/transformer_engine.py at ee6737da, the MEGATRON_COMMIT of llama3.1/setup.sh; its
+# transformer_config.py: "P2P is async and can be overlapped with attention compute"): plait's cp_comm "ring".
+DGXC_TP_OVERLAP = ("gpt3-175b", "llama3-70b", "llama3-405b", "nemotron4-15b", "nemotron4-340b")
 DGXC_TABLES = {"gpt3-175b": "NeMo Megatron BF16", "llama3-8b": "Llama 3.1 8b BF16",
                "llama3-70b": "Llama 3.1 70b BF16", "llama3-405b": "Llama 3.1 405b BF16",
                "nemotron4-15b": "Nemotron4 15b BF16", "nemotron4-340b": "Nemotron4 340b BF16"}
@@ -67,17 +84,19 @@ def _dgx_cloud() -> list[PublishedRun]:
     out = []
     for name, path, n, tp, pp, cp, vp, mbs, gbs, step, mfu in DGXC_ROWS:
         m = dgxc_model(name)
-        layout = Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp or 1,
+        layout = Layout(tp=tp, pp=pp, cp=cp, cp_comm="ring", dp=n // (tp * pp * cp), virtual_stages=vp or 1,
                         schedule="interleaved-1f1b" if vp else "1f1b", microbatch_size=mbs,
                         sequence_parallel=tp > 1, zero=1)
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
-            f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n), layout, Training(gbs),
+            f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n), layout,
+            Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True),
             f"Training step time (seconds per step) {step} (Model flops utilization {mfu})", float(step),
             "printed step time",
             ("fabric not printed: NDR InfiniBand assumed (DGX H100)", "distributed fused Adam costed as ZeRO-1",
              "no recomputation (none configured)", "sequence parallelism with TP (the recipes' default)",
-             "TP communication overlap (userbuffers) not modelled as such", "Transformer Engine fused attention")))
+             "TP communication overlap as its recipe sets it (DGXC_TP_OVERLAP)", "DP overlap of both collectives",
+             "CP: Megatron-Core's p2p ring (DGXC_TP_OVERLAP's note)", "Transformer Engine fused attention")))
     return out
 
 

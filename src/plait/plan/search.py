@@ -15,6 +15,7 @@ from plait.plan.config import RUNTIME, Layout, Training, check, microbatches
 from plait.plan.costs import StageCosts
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
+from plait.plan.overlap import dp_exposed
 from plait.plan.pipeline import SPLIT_BACKWARD
 from plait.plan.stages import Stages, layout_stages
 
@@ -114,15 +115,17 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     first chunk's rank holding its states plus min(pp, M) micro-batches of chunk 0 (every schedule here
     runs that many forwards of its first chunk before a backward)."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head,
+                                training.tp_comm_overlap)
     st = layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
-    dp = step_end.dp_sync_time(model, cluster, layout, params, training.grad_dtype)
-    backward = [0.0] * layout.pp  # a rank's backward over all its chunks hides the reduction (``estimate``)
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)
+    backward, forward = [0.0] * layout.pp, [0.0] * layout.pp  # a rank's passes over its chunks (``estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
-    overlap = cluster.costs.hidden_reduction(max(backward)) if training.overlap_grad_reduce else 0.0
-    seconds = _pipeline_floor(layout, st, chunks, m) + max(0.0, dp - overlap)
+        forward[st.placement[c]] += cost.forward
+    seconds = _pipeline_floor(layout, st, chunks, m) + sum(
+        dp_exposed(cluster.costs, layout, training, reduction, gather, max(backward), max(forward)))
     layers = max(st.rank_layers)
     seconds += step_end.optimizer_time(cluster, layout, params, layers)
     seconds += step_end.publish_time(cluster, layout, params, layers, training.precision)

@@ -32,11 +32,11 @@ def model_flops_per_step(model: Model, global_batch: int) -> float:
 
 
 def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
-                recompute_head: bool = True) -> list[StageCosts]:
+                recompute_head: bool = True, tp_overlap: bool = False) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut; without ``recompute_head`` (``Training.recompute_head``) the head's
-    recomputation is not charged."""
-    blocks = costs.blocks(model, layout, precision)
+    recomputation is not charged; ``tp_overlap``: ``Training.tp_comm_overlap``."""
+    blocks = costs.blocks(model, layout, precision, tp_overlap)
     if not recompute_head:
         blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)
@@ -59,10 +59,10 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
 
 
 def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
-               recompute_head: bool = True) -> list[StageCosts]:
+               recompute_head: bool = True, tp_overlap: bool = False) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
     placement = layout_stages(model, layout).placement
     out = [StageCosts() for _ in range(layout.pp)]
-    for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head)):
+    for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head, tp_overlap)):
         out[placement[c]] = out[placement[c]] + cost
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from plait.errors import ConfigError
 from plait.plan.catalogue import GPU, Link
 from plait.plan.config import Layout
 from plait.plan.costs import Blocks, Span, StageCosts
@@ -163,7 +164,12 @@ class HostCosts:
         return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
                           1 if kind == "layer" else 0)
 
-    def blocks(self, model: Model, layout: Layout, precision: str) -> Blocks:
+    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
+        """As plait runs a layer here: its TP collectives exposed (``tp_overlap`` models Transformer Engine's
+        userbuffers on catalogue GPUs, which plait's runtime does not run)."""
+        if tp_overlap:
+            raise ConfigError("tp_comm_overlap: models Megatron-Core's userbuffers on catalogue GPUs; a calibrated "
+                              "host runs plait's own collectives (use tp_comm_overlap=False)")
         return Blocks(*(self._block(k, model, layout, precision) for k in ("layer", "embedding", "head")))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
