@@ -62,6 +62,9 @@ NEMOTRON4 = {"nemotron4-15b": (32, 6144, 48, 24576), "nemotron4-340b": (96, 1843
 # TEDotProductAttention passes "p2p" to Transformer Engine when it is None (NVIDIA/Megatron-LM
 # megatron/core/extensions/transformer_engine.py at ee6737da, the MEGATRON_COMMIT of llama3.1/setup.sh; its
 # transformer_config.py: "P2P is async and can be overlapped with attention compute"): plait's cp_comm "ring".
+# Gradients are kept and reduced in bf16 (``Training.grad_dtype``): each NeMo 2.0 recipe's
+# pretrain_performance_optimizations sets ``recipe.trainer.plugins.grad_reduce_in_fp32 = False`` (the five recipe
+# files above), and the 175B yaml's optim sets "grad_sync_dtype: bf16".
 DGXC_TP_OVERLAP = ("gpt3-175b", "llama3-70b", "llama3-405b", "nemotron4-15b", "nemotron4-340b")
 DGXC_TABLES = {"gpt3-175b": "NeMo Megatron BF16", "llama3-8b": "Llama 3.1 8b BF16",
                "llama3-70b": "Llama 3.1 70b BF16", "llama3-405b": "Llama 3.1 405b BF16",
@@ -90,13 +93,14 @@ def _dgx_cloud() -> list[PublishedRun]:
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
             f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n), layout,
-            Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True),
+            Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True, grad_dtype="bf16"),
             f"Training step time (seconds per step) {step} (Model flops utilization {mfu})", float(step),
             "printed step time",
             ("fabric not printed: NDR InfiniBand assumed (DGX H100)", "distributed fused Adam costed as ZeRO-1",
              "no recomputation (none configured)", "sequence parallelism with TP (the recipes' default)",
              "TP communication overlap as its recipe sets it (DGXC_TP_OVERLAP)", "DP overlap of both collectives",
-             "CP: Megatron-Core's p2p ring (DGXC_TP_OVERLAP's note)", "Transformer Engine fused attention")))
+             "CP: Megatron-Core's p2p ring (DGXC_TP_OVERLAP's note)", "bf16 gradients (DGXC_TP_OVERLAP's note)",
+             "Transformer Engine fused attention")))
     return out
 
 
