@@ -140,7 +140,10 @@ def _narayanan() -> list[PublishedRun]:
 # al. 2022, §2.4, as quoted in cli99/llm-analysis examples/megatron-turing-nlg/README.md; its run_train.sh: 8-way
 # tensor and 35-way pipeline parallelism, vocab 50272). Megatron-DeepSpeed's GPTModelPipe: DeepSpeed's pipeline
 # checkpoints only its ParallelTransformerLayerPipe layers (microsoft/DeepSpeed deepspeed/runtime/pipe/module.py,
-# PipelineModule._is_checkpointable, v0.5.10): the head is not recomputed (also BLOOM's runs below).
+# PipelineModule._is_checkpointable, v0.5.10): the head is not recomputed (also BLOOM's runs below). Its
+# TrainSchedule issues ReduceGrads only after the last micro-batch's steps (deepspeed/runtime/pipe/schedule.py,
+# microsoft/DeepSpeed at af8f2596): the DP gradient reduction follows the backward, not beside it
+# (Training(overlap_grad_reduce=False), also BLOOM's runs below).
 SMITH_WHERE = ("Smith et al. 2022 (MT-NLG), Section 2.4, as quoted in cli99/llm-analysis "
                "examples/megatron-turing-nlg/README.md and run_train.sh")
 
@@ -153,7 +156,8 @@ def _smith() -> list[PublishedRun]:
         out.append(PublishedRun(
             "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
-            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1), Training(1920, recompute_head=False),
+            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1),
+            Training(1920, overlap_grad_reduce=False, recompute_head=False),
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
              "ZeRO-1 (DeepSpeed)", "vocab 50272 padded to 51200", "Selene: HDR InfiniBand")))
@@ -174,6 +178,7 @@ NEMO_175B = ((8, 7500), (16, 14950), (32, 29537), (64, 58211), (128, 109684))
 def _nemo() -> list[PublishedRun]:
     out = []
     assumed = ("the benchmark ran the yaml of that commit", "distributed fused Adam costed as ZeRO-1",
+               "no TP communication or weight-gather overlap (the yamls configure neither)",
                "vocab 50257 padded to 50304", "DGX SuperPOD: HDR InfiniBand")
     m5 = gpt(24, 4096, 32, vocab=50304, name="gpt3-5b")
     for nodes, tps in NEMO_5B:
@@ -243,7 +248,7 @@ def _bloom() -> list[PublishedRun]:
     out = [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", bloom_model(),
                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
                         Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1),
-                        Training(2048, recompute_head=False),
+                        Training(2048, overlap_grad_reduce=False, recompute_head=False),
                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
                         BLOOM_ASSUMED)]
     m = bloom_model(72, 64)
@@ -252,7 +257,7 @@ def _bloom() -> list[PublishedRun]:
             out.append(PublishedRun(
                 "BigScience (BLOOM)", BLOOM_PREQUEL_WHERE, f"BLOOM 181B search: dp{dp} tp{tp} pp{pp} mbs{mbs}", m,
                 Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
-                bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs, recompute_head=False),
+                bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs, overlap_grad_reduce=False, recompute_head=False),
                 f"Sec/it {sec} (TFLOPs {tflops})", float(sec), "printed step time",
                 BLOOM_ASSUMED + ("the 2nd iteration's time", "bf16 and ZeRO-1 as in the run")))
     return out
