@@ -108,3 +108,19 @@ def test_search_result_reads_as_the_ranked_list():
     assert len(res) == len(ranked) == len(res.best) > 0
     assert res[0] is res.best[0] and ranked == res.best
     assert [e.step_time_s for e in ranked] == sorted(e.step_time_s for e in ranked)
+
+
+def test_lower_bound_holds_with_megatron_overlaps():
+    """The search skips a layout whose lower bound is slower than the top-k: with TP communication and the
+    weights' gather overlapped (and every DP reduction chunk by chunk), no bound may exceed the estimate."""
+    from plait.plan.config import check
+    from plait.plan.search import _lower_bounds, candidates
+
+    m, c = Model.preset("llama3-8b", seq_len=4096), Cluster("h100-sxm", 16)
+    t = Training(64, tp_comm_overlap=True, overlap_param_gather=True)
+    seen = 0
+    for lay in candidates(m, c, t):
+        if check(m, c, lay, t) is None and lay.zero in (1, 2) and lay.pp > 1:
+            assert _lower_bounds(m, c, lay, t)[0] <= estimate(m, c, lay, t).step_time_s * (1 + 1e-9), lay.short()
+            seen += 1
+    assert seen > 20
