@@ -16,6 +16,16 @@ def test_unknown_gpu_lists_valid_names():
     assert "Traceback" not in r.output
 
 
+def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
+    r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb",
+                            "--attention", "flash3"])
+    assert r.exit_code == 2 and "'flash3' does not run on a100-80gb; valid there: flash1, flash2" in r.output
+    fast, slow = (json.loads(runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--json", "--top", "1",
+                                                 "--global-batch", "64", "--attention", k]).output)
+                  for k in ("cudnn", "flash1"))
+    assert fast["best"][0]["step_time_s"] < slow["best"][0]["step_time_s"]
+
+
 def test_unknown_model_lists_presets():
     r = runner.invoke(app, ["plan", "--model", "gpt5", "--gpus", "8"])
     assert r.exit_code == 2 and "llama3-70b" in r.output and "Traceback" not in r.output

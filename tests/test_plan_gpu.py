@@ -8,7 +8,8 @@ import pytest
 
 from plait.errors import ConfigError
 from plait.plan import Cluster, Layout, Model, Training, estimate
-from plait.plan.catalogue import LINK_EFFICIENCY
+from plait.plan.attention import efficiency
+from plait.plan.catalogue import LINK_EFFICIENCY, get_gpu
 from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency
 from plait.plan.memory import max_rank_params
 from plait.plan.overlap import exposed_tail
@@ -44,18 +45,49 @@ def test_zero3_gathers_and_reduce_scatter_share_one_network_beside_the_compute()
     assert e.microbatches == 2 and passes == pytest.approx(e.microbatches * (2 * gather + scatter), rel=1e-9)
 
 
-def test_causal_flash_attention_costs_half_the_square():
+def test_causal_flash_attention_costs_half_the_square_at_its_kernels_published_speed():
+    """Head dimension 128 at 4,096 tokens: FlashAttention-2 on the H100 runs at the 294 TFLOP/s its README's
+    figure prints (forward + backward, causal), on half the square."""
     m = Model(8, 2048, 16, 32000, 4096, glu=True)
     layout = Layout(dp=8, microbatch_size=2)
     cluster = Cluster("h100-sxm", 8)
+    assert cluster.attention == "flash2" and cluster.flash_attention
     block = cluster.costs.blocks(m, layout, "bf16").layer
     gpu, tokens = cluster.gpu, 2 * 4096
     attention = 4 * tokens * 4096 * 2048
     dense = (layer_forward_flops(m, tokens, 4096) - attention) / (gpu.peak_flops * matmul_efficiency(gpu, m, layout))
     assert block.f_compute - dense > 0
-    core = FLASH_CAUSAL * attention / (gpu.peak_flops * gpu.flash_efficiency)
+    core = FLASH_CAUSAL * attention / 294e12
     traffic = block.f_compute - dense - core
     assert traffic > 0 and block.b_compute == pytest.approx(2 * dense + 2.5 * core + 2 * traffic)
+    # the same layer with FlashAttention v1 (108 TFLOP/s at 2,048 tokens, 126 at 4,096): only the core changes
+    slow = Cluster("h100-sxm", 8, flash_attention="flash1").costs.blocks(m, layout, "bf16").layer
+    assert slow.f_compute - block.f_compute == pytest.approx(FLASH_CAUSAL * attention * (1 / 126e12 - 1 / 294e12))
+
+
+def test_attention_efficiency_reads_the_published_figures():
+    a100, h100, b200 = get_gpu("a100-80gb"), get_gpu("h100-sxm"), get_gpu("b200")
+    assert efficiency(a100, "flash2", 2048, 128) == pytest.approx(155 / 312)  # a printed bar
+    # between bars: linear in log2(s) and in the head dimension
+    assert efficiency(a100, "flash2", 2 ** 11.5, 128) == pytest.approx((155 + 173) / 2 / 312)
+    assert efficiency(a100, "flash2", 2048, 96) == pytest.approx((140 + 155) / 2 / 312)
+    assert efficiency(a100, "flash2", 128, 256) == pytest.approx(99 / 312)  # flat beyond the figures
+    assert efficiency(h100, "flash1", 65536, 128) == pytest.approx(137 / 989)
+    assert efficiency(b200, "flash2", 4096, 128) == b200.flash_efficiency  # no published figure: the guess
+    # cuDNN's causal backward is not printed: derived from its forwards' causal loss (16k, head dim 128: forward
+    # causal 539, full 595, backward full 516 TFLOP/s, Shah et al. 2024 Figures 5-6)
+    backward = 516 * 539 / 595
+    assert efficiency(h100, "cudnn", 16384, 128) == pytest.approx(3.5 / (1 / 539 + 2.5 / backward) / 989)
+
+
+def test_attention_kernel_choices_are_checked():
+    assert Cluster("a100-80gb", 8, flash_attention=False).attention == "unfused"
+    assert Cluster("a100-80gb", 8, flash_attention="flash1").attention == "flash1"
+    assert Cluster("b200", 8, flash_attention="flash3").attention == "flash3"  # no figures: any kernel
+    with pytest.raises(ConfigError, match="flash_attention.*flash3.*a100-80gb.*flash1, flash2"):
+        Cluster("a100-80gb", 8, flash_attention="flash3")  # FlashAttention-3 is Hopper-only
+    with pytest.raises(ConfigError, match="flash_attention: unknown kernel 'fa2'.*flash2"):
+        Cluster("h100-sxm", 8, flash_attention="fa2")
 
 
 def test_shipped_constants_are_the_fit_on_the_published_runs():

@@ -219,6 +219,9 @@ class PlanOptions:
     """bf16 or fp32 (default: fp32 with --cluster, as plait train; bf16 otherwise)"""
     max_memory_fraction: float = MAX_MEMORY_FRACTION
     """share of each device's memory a layout may use"""
+    attention: str = "flash2"
+    """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, cudnn (Transformer
+    Engine), flash3 (Hopper) or unfused"""
     plan_only: bool = False
     """also consider what only the planner models (context parallelism, ZeRO-3), marked plan-only"""
     write_config: Path | None = None
@@ -241,7 +244,8 @@ def plan(options: dict[str, Any]) -> None:
         if o.cluster is not None:
             cluster = Cluster.from_profile(o.cluster, o.gpus, max_memory_fraction=o.max_memory_fraction)
         else:
-            cluster = Cluster(o.gpu, o.gpus, o.gpus_per_node, o.interconnect, max_memory_fraction=o.max_memory_fraction)
+            cluster = Cluster(o.gpu, o.gpus, o.gpus_per_node, o.interconnect, max_memory_fraction=o.max_memory_fraction,
+                              flash_attention=o.attention)
         if o.inference:
             _inference(console, m, cluster, o.batch, o.prompt_len, o.gen_len, o.as_json, o.weights)
             return

@@ -29,7 +29,8 @@ class GPU:
     costed with other values (``plan.validation`` refits them with a source held out): ``gemm_half`` (the GEMM
     width at which a GEMM reaches half its ceiling), ``elementwise_traffic`` (HBM bytes the element-wise kernels
     move per stored activation byte) and ``flash_efficiency`` (the share of peak a fused flash-attention kernel
-    reaches, forward and backward).
+    reaches, forward and backward, where no published figures describe the GPU). ``attention_figures`` names the
+    published attention benchmarks that do (``plan.attention.FIGURES``: "a100", "h100"; "" for none).
     """
 
     name: str
@@ -42,8 +43,9 @@ class GPU:
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
     gemm_half: float = 40.0
-    elementwise_traffic: float = 1.87
+    elementwise_traffic: float = 1.62
     flash_efficiency: float = 0.5
+    attention_figures: str = ""
 
 
 # Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
@@ -67,27 +69,29 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 63 runs
-# from 6 sources, 0.625; H100: 27 runs from 3 sources, 0.585; the traffic 1.87 on all 90; ``bench/plan.py
+# from 6 sources, 0.619; H100: 27 runs from 3 sources, 0.604; the traffic 1.62 on all 90; ``bench/plan.py
 # --validate`` refits them and reports each source's error with that source held out;
 # tests/test_plan_gpu.py checks these are the fit).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
-# published run (docs/planner.md).
+# published run (docs/planner.md). Fused attention: the A100s take the A100 80GB benchmarks, the H100s and H200
+# (Hopper, the same SMs) the H100 SXM5's, as shares of their own peak (``plan.attention``).
 # Peak dense bf16 FLOP/s, memory and bandwidth from the vendors' datasheets (A100: 312 TF, 1.6/2.0
 # TB/s; H100 SXM: 989 TF, 3.35 TB/s; H100 PCIe: 756 TF, 2.0 TB/s; H200: 989 TF, 141 GB, 4.8 TB/s;
 # B200 (HGX): 2.25 PF, 180 GB, 8 TB/s; L40S: 362 TF, 48 GB, 864 GB/s).
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.625,
-            "NVIDIA A100 SXM 40GB"),
-        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.625,
-            "NVIDIA A100 SXM 80GB"),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.585,
-            "NVIDIA H100 SXM5 80GB", fp8=True),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.585,
-            "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.585,
-            "NVIDIA H200 SXM 141GB", fp8=True),
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.619,
+            "NVIDIA A100 SXM 40GB", attention_figures="a100"),
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.619,
+            "NVIDIA A100 SXM 80GB", attention_figures="a100"),
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.604,
+            "NVIDIA H100 SXM5 80GB", fp8=True, attention_figures="h100"),
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.604,
+            "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True,
+            attention_figures="h100"),
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.604,
+            "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100"),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),
         GPU("l40s", 362e12, 48 * GiB, 0.864e12, PCIE4, INTERCONNECTS["eth-100"], 0.60,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.errors import ConfigError
+from plait.plan.attention import UNFUSED, kernel_of
 from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.costs import CostModel
 from plait.plan.gpu import GpuCosts
@@ -26,9 +27,12 @@ class Cluster:
     number of plait processes on that one host, ``gpu`` is derived from the profile, and step times and memory
     are those of plait's own eager runtime measured there (``plan.host``); else catalogue GPUs are costed as
     published Megatron-LM runs (``plan.gpu``). ``costs`` is that cost model, chosen here once.
-    ``flash_attention``: the runtime's attention is a fused flash-attention kernel (FlashAttention; PyTorch's
-    SDPA on CUDA, which plait's runtime calls) rather than the unfused softmax of Megatron-LM's early runs
-    (False: the s×s scores go through HBM and are stored); catalogue GPUs only.
+    ``flash_attention``: the attention kernel; catalogue GPUs only. True (the default): a fused flash-attention
+    kernel, FlashAttention-2 (PyTorch's SDPA on CUDA, which plait's runtime calls); a name from
+    ``plan.attention.KERNELS`` picks the kernel ("flash1", "flash2", "cudnn" for Transformer Engine's fused
+    attention, "flash3"), each costed at its published speed on that GPU by sequence length and head dimension;
+    False: the unfused softmax of Megatron-LM's early runs (the s×s scores go through HBM and are stored).
+    ``attention`` is the kernel resolved ("unfused" for False), ``flash_attention`` whether it is fused.
     """
 
     gpu: GPU
@@ -38,11 +42,12 @@ class Cluster:
     profile: HostProfile | None
     max_memory_fraction: float
     flash_attention: bool
+    attention: str
     costs: CostModel = field(repr=False, compare=False)
 
     def __init__(self, gpu: GPU | str, n_gpus: int, gpus_per_node: int = 8, interconnect: str | Link | None = None,
                  profile: HostProfile | None = None, max_memory_fraction: float = MAX_MEMORY_FRACTION,
-                 flash_attention: bool = True) -> None:
+                 flash_attention: bool | str = True) -> None:
         if int(n_gpus) < 1:
             raise ConfigError(f"n_gpus: must be >= 1, got {n_gpus}")
         costs: CostModel
@@ -56,10 +61,11 @@ class Cluster:
         if not 0 < max_memory_fraction <= 1:
             raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {max_memory_fraction}")
         device = get_gpu(gpu)
+        kernel = kernel_of(flash_attention, device)
         for name, value in (("gpu", device), ("n_gpus", n_gpus), ("gpus_per_node", gpus_per_node),
                             ("interconnect", get_interconnect(interconnect, device)), ("profile", profile),
-                            ("max_memory_fraction", max_memory_fraction), ("flash_attention", flash_attention),
-                            ("costs", costs)):
+                            ("max_memory_fraction", max_memory_fraction), ("flash_attention", kernel != UNFUSED),
+                            ("attention", kernel), ("costs", costs)):
             object.__setattr__(self, name, value)
 
     @classmethod

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
@@ -29,11 +30,12 @@ if TYPE_CHECKING:
 #   per-GPU shard width h/t (capped by the tokens of a micro-batch);
 # - ``elementwise_traffic``: element-wise kernels (norms, softmax, dropout, residual adds, activations) move about
 #   this many times the layer's stored activation bytes through HBM per forward pass;
-# - ``flash_efficiency``: fused attention (``Cluster(flash_attention=True)``) runs QK^T and AV at this share of
-#   peak, forward and backward, on the causal half of the s×s square (``FLASH_CAUSAL``), and never writes the
-#   scores to HBM. FlashAttention-2 reaches 50-73% of the A100's peak (Dao 2023, abstract: about twice
-#   FlashAttention's 25-40%); forward and backward together sit at the low end. Not fitted (fitted as a shared
-#   constant it lands at 0.56 and changes no source's error by more than a point).
+# Fused attention (``Cluster(flash_attention=...)``) runs QK^T and AV on the causal half of the s×s square
+# (``FLASH_CAUSAL``), forward and backward, at the share of peak its kernel's published benchmark reaches at that
+# sequence length and head dimension (``plan.attention.efficiency``: FlashAttention-2 on the A100 from 32% at 512
+# tokens to 61% at 16k, head dimension 128; on the H100 only 16-33%, where cuDNN's and FlashAttention-3's Hopper
+# kernels reach 22-56%), and never writes the scores to HBM. GPUs without published figures take
+# ``GPU.flash_efficiency`` (0.5). Not fitted.
 # FlashAttention's backward recomputes the scores from Q and K: 5 matmuls of the forward's 2 (Dao et al. 2022,
 # Algorithm 4), 2.5 times the forward's attention FLOPs.
 FLASH_BACKWARD = 2.5
@@ -196,9 +198,10 @@ class GpuCosts:
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives (what of them
         ``tp_overlap`` leaves exposed: ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs.
-        The embedding's lookup is free. With fused flash attention the attention core runs at
-        ``flash_efficiency`` of peak and its backward recomputes the scores (so selective recomputation redoes
-        nothing more); its s×s scores never reach HBM."""
+        The embedding's lookup is free. With fused flash attention the attention core runs at its kernel's share
+        of peak at this sequence length (per CP rank) and head dimension (``plan.attention.efficiency``) and its
+        backward recomputes the scores (so selective recomputation redoes nothing more); its s×s scores never
+        reach HBM."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
@@ -208,7 +211,8 @@ class GpuCosts:
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
             traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            fused = gpu.peak_flops * gpu.flash_efficiency / FLASH_CAUSAL
+            kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
+            fused = gpu.peak_flops * kernel / FLASH_CAUSAL
             dense = (flops - attention) / speed
             f = dense + attention / fused + traffic
             b = 2 * dense + FLASH_BACKWARD * attention / fused + 2 * traffic

@@ -294,6 +294,11 @@ MOSAIC_ROWS = (
     ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "1b", 2048, 8, 14, 448, False, 164109),
 )
 ROCE_200 = Link("RoCE 200 Gb/s per GPU (1600 Gb/s per node)", 25 * GB, 8e-6)
+# The attention kernel: the yamls at that commit set ``attn_impl: triton`` and so does submit_benchmarks.py's
+# default (sweep.sh passes no --attn_impl), which runs llmfoundry/models/layers/flash_attn_triton.py: "Copied from
+# HazyResearch/flash-attention ... flash_attn/flash_attn_triton.py", FlashAttention's (v1) Triton port on the
+# pre-MLIR Triton compiler (setup.py: triton-pre-mlir; flash-attn==1.0.9 in the gpu extra).
+MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default): FlashAttention v1's Triton port"
 
 
 def mpt(size: str, seq: int) -> Model:
@@ -309,11 +314,12 @@ def _mosaic() -> list[PublishedRun]:
         out.append(PublishedRun(
             "MosaicML llm-foundry", MOSAIC_WHERE.format(table=table),
             f"MPT-{size} seq {seq} on {n} {'H100' if h100 else 'A100'}", mpt(size, seq),
-            Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200),
+            Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200,
+                    flash_attention="flash1"),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
             Training(batch, recompute_head=False),
             f"Throughput (T/s) {tps}", _tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
-            ("FSDP FULL_SHARD costed as ZeRO-3", "attn_impl: flash (the yamls)",
+            ("FSDP FULL_SHARD costed as ZeRO-3", MOSAIC_ATTENTION,
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
     return out
 
@@ -337,10 +343,10 @@ def _torchtitan() -> list[PublishedRun]:
         batch = 64 * local
         out.append(PublishedRun(
             "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
-            Cluster("a100-80gb", 64),
+            Cluster("a100-80gb", 64, flash_attention="flash2"),
             Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch, recompute_head=False),
             f"WPS {wps}", _tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
-            ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: flash attention",
+            ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: its flash backend, FlashAttention-2, on A100",
              "fabric not printed: HDR InfiniBand assumed")))
     return out
 

@@ -66,6 +66,12 @@ NEMOTRON4 = {"nemotron4-15b": (32, 6144, 48, 24576), "nemotron4-340b": (96, 1843
 # pretrain_performance_optimizations sets ``recipe.trainer.plugins.grad_reduce_in_fp32 = False`` (the five recipe
 # files above), and the 175B yaml's optim sets "grad_sync_dtype: bf16".
 DGXC_TP_OVERLAP = ("gpt3-175b", "llama3-70b", "llama3-405b", "nemotron4-15b", "nemotron4-340b")
+
+# The attention kernel: Megatron-Core's TE layers call Transformer Engine's DotProductAttention, which on Hopper
+# picks cuDNN's fused attention over FlashAttention in BF16 (NVIDIA/TransformerEngine transformer_engine/pytorch/
+# attention/dot_product_attention/utils.py, get_attention_backend: "Disabling FlashAttention to give
+# FusedAttention preference on Hopper+ for performance reasons").
+DGXC_ATTENTION = "Transformer Engine's fused attention: cuDNN's on Hopper"
 DGXC_TABLES = {"gpt3-175b": "NeMo Megatron BF16", "llama3-8b": "Llama 3.1 8b BF16",
                "llama3-70b": "Llama 3.1 70b BF16", "llama3-405b": "Llama 3.1 405b BF16",
                "nemotron4-15b": "Nemotron4 15b BF16", "nemotron4-340b": "Nemotron4 340b BF16"}
@@ -92,7 +98,7 @@ def _dgx_cloud() -> list[PublishedRun]:
                         sequence_parallel=tp > 1, zero=1)
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
-            f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n), layout,
+            f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n, flash_attention="cudnn"), layout,
             Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True, grad_dtype="bf16"),
             f"Training step time (seconds per step) {step} (Model flops utilization {mfu})", float(step),
             "printed step time",
@@ -100,7 +106,7 @@ def _dgx_cloud() -> list[PublishedRun]:
              "no recomputation (none configured)", "sequence parallelism with TP (the recipes' default)",
              "TP communication overlap as its recipe sets it (DGXC_TP_OVERLAP)", "DP overlap of both collectives",
              "CP: Megatron-Core's p2p ring (DGXC_TP_OVERLAP's note)", "bf16 gradients (DGXC_TP_OVERLAP's note)",
-             "Transformer Engine fused attention")))
+             DGXC_ATTENTION)))
     return out
 
 
@@ -147,7 +153,8 @@ def _meta() -> list[PublishedRun]:
              "which plait cannot cut (a layer in every chunk)",
              "FSDP keeping gathered weights costed as ZeRO-1 (same traffic: reduce-scatter + all-gather)",
              "sequence parallelism with TP (Korthikanti et al., cited for TP)", "no recomputation (the text)",
-             "NCCLX and E-ECMP tuning not modelled", "TFLOPs/GPU printed to two figures")))
+             "NCCLX and E-ECMP tuning not modelled", "TFLOPs/GPU printed to two figures",
+             "attention kernel not printed: the default, FlashAttention-2")))
     return out
 
 

@@ -40,7 +40,7 @@ def _on_gpu(run: PublishedRun, **fields: Any) -> PublishedRun:
     """``run`` with its GPU entry's model constants changed."""
     c = run.cluster
     cluster = Cluster(replace(c.gpu, **fields), c.n_gpus, c.gpus_per_node, c.interconnect, c.profile,
-                      c.max_memory_fraction, flash_attention=c.flash_attention)
+                      c.max_memory_fraction, flash_attention=c.attention)
     return replace(run, cluster=cluster)
 
 
