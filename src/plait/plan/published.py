@@ -49,6 +49,10 @@ def _tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
 # --checkpoint-activations recomputes the transformer layers only (megatron/model/transformer.py
 # ParallelTransformer._checkpointed_forward at that commit; the final norm and the logits run outside it), as eq. (3)
 # counts: the logit layer three times, the layers four: Training(recompute_head=False) for every run of the paper.
+# Gradients: fp16, kept and all-reduced in the parameters' dtype: CONFIG.sh passes --fp16 without
+# --accumulate-allreduce-grads-in-fp32, which Megatron-LM at that commit leaves off for fp16 (megatron/arguments.py:
+# only bf16 turns it on). Table 2's PTD runs are the same code; its ZeRO-3 runs DeepSpeed's fp16 (below).
+NARAYANAN_GRADS = "fp16"
 NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1 (also NVIDIA/Megatron-LM README "
                    "images/cases_april2021.png); layouts from examples/sc21/run_table_1.sh")
 # (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
@@ -110,7 +114,8 @@ def _narayanan() -> list[PublishedRun]:
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
-            Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False), f"{tflops} teraFLOP/s per GPU", step,
+            Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False, grad_dtype=NARAYANAN_GRADS),
+            f"{tflops} teraFLOP/s per GPU", step,
             "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
              "fp16 costed as bf16", "Selene: HDR InfiniBand, 8 x 200 Gb/s per node")))
@@ -121,11 +126,10 @@ def _narayanan() -> list[PublishedRun]:
         layout = (Layout(tp=8, pp=p, dp=n // mp, microbatch_size=mbs, recompute="full") if ptd else
                   Layout(dp=n, microbatch_size=mbs, recompute="full", zero=3))
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
-        grads = Training.grad_dtype if ptd else "fp16"  # DeepSpeed's fp16 gradients (above); PTD: the default
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
-            Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=grads),
+            Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=NARAYANAN_GRADS),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) costed as plait's block-wise ZeRO-3",
              "full recomputation (eq. 3 counts it)",
@@ -146,6 +150,7 @@ def _narayanan() -> list[PublishedRun]:
 # (Training(overlap_grad_reduce=False), also BLOOM's runs below).
 SMITH_WHERE = ("Smith et al. 2022 (MT-NLG), Section 2.4, as quoted in cli99/llm-analysis "
                "examples/megatron-turing-nlg/README.md and run_train.sh")
+# Its gradient dtype is not printed in what is read here: costed as plait keeps them (fp32).
 
 
 def _smith() -> list[PublishedRun]:
@@ -168,7 +173,11 @@ def _smith() -> list[PublishedRun]:
 # NVIDIA/NeMo-Megatron-Launcher README.md (commit 3579cdb3, 2022-09-07), "Training Performance Results": tokens per
 # second of GPT-3 5B on 1-32 DGX A100 nodes and 175B on 8-128; layouts: conf/training/gpt3/{5b,175b}.yaml at the
 # same commit (5B: t1 p1 micro-batch 2, global batch 2048, no recomputation; 175B: t8 p8 micro-batch 2, global
-# batch 2048, sequence parallel, selective recomputation; both distributed fused Adam).
+# batch 2048, sequence parallel, selective recomputation; both distributed fused Adam). Gradients: fp32, as
+# the yamls set no optim.grad_sync_dtype: apex's DistributedFusedAdam then synchronises them in its state dtype,
+# fp32 (NVIDIA/apex apex/contrib/optimizers/distributed_fused_adam.py: "grad_sync_dtype ... (default: same as
+# dtype)"), and NeMo of that date passes only param_sync_dtype (NVIDIA/NeMo commit d29a66bc, 2022-09-07,
+# megatron_gpt_model.py setup_optimization).
 NEMO_WHERE = ("NVIDIA/NeMo-Megatron-Launcher README §7.1.2 (commit 3579cdb3); layouts from "
               "conf/training/gpt3/5b.yaml and 175b.yaml at that commit")
 NEMO_5B = ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))
@@ -205,7 +214,10 @@ def _nemo() -> list[PublishedRun]:
 # 115311 | ... | elapsed time per iteration (s): 105.22 | ... | TFLOPs: 149.02"; README.md of that folder: 384
 # A100 80GB, TP=4 PP=12 DP=8 MBS=2, 70 layers, hidden 14336, 112 heads, seq 2048, vocab 250,880 (padded),
 # ALiBi, bf16, BF16_Optimizer's own ZeRO stage 1; tr11-176B-ml.slurm: --checkpoint-activations. Inter-node:
-# "4 OmniPath links" per node.
+# "4 OmniPath links" per node. Gradients: DeepSpeed's BF16_Optimizer (ZERO_STAGE=0 with bf16 in that slurm)
+# accumulates them in an fp32 buffer (microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py at 56c52238,
+# fp32_groups_gradients_flat) beside the bf16 ones and all-reduces that buffer cast to bf16 (engine.py,
+# communication_data_type): costed as fp32 (one dtype for both; no memory figure of this run is checked).
 BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
                "bigscience-workshop/bigscience")
 OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
@@ -216,6 +228,11 @@ OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
 # its "GBS Variations" tables (NLAYERS=72, NHIDDEN=14336, NHEADS=64, 02-25) print DP, TP, PP, MBS, GBS, Mem, Sec/it
 # and TFLOPs, or OOM. The TFLOPs follow from Sec/it by eq. (3) with activation recomputation (Megatron-DeepSpeed's
 # count), which the test checks. The GBS 1568 rows stay out: their iteration took as long as the 2048 rows'.
+# Gradients: 16-bit. The launch script of that day (train/tr11-200B-ml/tr11-200B-ml.slurm at commit f658243,
+# 2022-02-25) runs --fp16 with DeepSpeed's ZeRO stage 1 (bf16 disabled; the prequel's 02-21 notes: "currently can't
+# test ZeRO_STAGE=0 on master"), whose fp16 gradients are kept in the parameters' dtype and reduced in fp16
+# (deepspeed/runtime/engine.py at v0.5.10, 2022-01, communication_data_type: fp16 when fp16 or a ZeRO stage is on).
+BLOOM_PREQUEL_GRADS = "fp16"
 BLOOM_PREQUEL_WHERE = ("BigScience tr11-176B-ml chronicles-prequel.md (commit 59a90eec), 'GBS Variations' "
                        "(NLAYERS=72, NHIDDEN=14336, NHEADS=64), bigscience-workshop/bigscience")
 # (DP, TP, PP, MBS, GBS, Mem, Sec/it, TFLOPs as printed; Sec/it empty where it ran out of memory)
@@ -257,9 +274,10 @@ def _bloom() -> list[PublishedRun]:
             out.append(PublishedRun(
                 "BigScience (BLOOM)", BLOOM_PREQUEL_WHERE, f"BLOOM 181B search: dp{dp} tp{tp} pp{pp} mbs{mbs}", m,
                 Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
-                bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs, overlap_grad_reduce=False, recompute_head=False),
+                bloom_prequel_layout(dp, tp, pp, mbs),
+                Training(gbs, overlap_grad_reduce=False, recompute_head=False, grad_dtype=BLOOM_PREQUEL_GRADS),
                 f"Sec/it {sec} (TFLOPs {tflops})", float(sec), "printed step time",
-                BLOOM_ASSUMED + ("the 2nd iteration's time", "bf16 and ZeRO-1 as in the run")))
+                BLOOM_ASSUMED + ("the 2nd iteration's time", "fp16 (the slurm of that day) costed as bf16; ZeRO-1")))
     return out
 
 
@@ -271,6 +289,10 @@ def _bloom() -> list[PublishedRun]:
 # FSDP unit (Composer wraps the model in FSDP first, then checkpoint-wraps the matching modules that are not FSDP
 # units: mosaicml/composer composer/trainer/dist_strategy.py at b71375a3): the head is not recomputed and the
 # recompute finds the block's weights gathered.
+# Gradients: reduced in bf16. Every row prints its "MP Mode" (DEFAULT with amp_bf16, PURE with bf16); under the
+# Composer of that commit (setup.py: mosaicml>=0.16.3,<0.17) DEFAULT leaves FSDP's reduce_dtype unset and PURE sets
+# it to the precision (mosaicml/composer composer/trainer/mosaic_fsdp_utils.py at v0.16.3, get_mixed_precision), and
+# an unset reduce_dtype takes param_dtype, bf16 (torch.distributed.fsdp.MixedPrecision).
 MOSAIC_WHERE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), {table}"
 MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
        "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
@@ -317,7 +339,7 @@ def _mosaic() -> list[PublishedRun]:
             Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200,
                     flash_attention="flash1"),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
-            Training(batch, recompute_head=False),
+            Training(batch, recompute_head=False, grad_dtype="bf16"),
             f"Throughput (T/s) {tps}", _tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
             ("FSDP FULL_SHARD costed as ZeRO-3", MOSAIC_ATTENTION,
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
@@ -329,7 +351,8 @@ def _mosaic() -> list[PublishedRun]:
 # batch 1, full activation checkpointing: 331) and Llama 2 13B (local batch 2, none: 2162) and 70B (local batch
 # 2, full: 353) with FSDP2 on 64 A100 80GB; global batch = local batch x 64. Full AC wraps each TransformerBlock in a
 # checkpoint wrapper before fully_shard (torchtitan/parallelisms/parallelize_llama.py at that commit): the head is not
-# recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered.
+# recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered. Gradients: reduced in fp32
+# (the same file: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), plait's default.
 TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
 LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
 LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
@@ -393,5 +416,5 @@ def memory_statements() -> list[MemoryStatement]:
             "figures/megatron-lm-2nd-table-2.png)", f"GPT 529.6B, ZeRO-3, micro-batch 4, {n} A100 80GB", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
             Layout(dp=n, microbatch_size=4, recompute="full", zero=3),
-            Training(batch, recompute_head=False, grad_dtype="fp16"), fits, printed))
+            Training(batch, recompute_head=False, grad_dtype=NARAYANAN_GRADS), fits, printed))
     return out + published_memory.fit_statements()

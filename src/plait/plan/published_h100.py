@@ -64,7 +64,11 @@ NEMOTRON4 = {"nemotron4-15b": (32, 6144, 48, 24576), "nemotron4-340b": (96, 1843
 # transformer_config.py: "P2P is async and can be overlapped with attention compute"): plait's cp_comm "ring".
 # Gradients are kept and reduced in bf16 (``Training.grad_dtype``): each NeMo 2.0 recipe's
 # pretrain_performance_optimizations sets ``recipe.trainer.plugins.grad_reduce_in_fp32 = False`` (the five recipe
-# files above), and the 175B yaml's optim sets "grad_sync_dtype: bf16".
+# files above; the launchers build them with performance_mode=True), which overrides the DDP config's
+# (nemo/lightning/pytorch/strategies/megatron_strategy.py: update_config_with_dtype_overrides), so Megatron-Core's
+# DDP allocates its gradient buffer in the parameters' dtype (``plan.memory``); the 175B yaml's optim sets
+# "grad_sync_dtype: bf16".
+DGXC_GRADS = "bf16"
 DGXC_TP_OVERLAP = ("gpt3-175b", "llama3-70b", "llama3-405b", "nemotron4-15b", "nemotron4-340b")
 
 # The attention kernel: Megatron-Core's TE layers call Transformer Engine's DotProductAttention, which on Hopper
@@ -99,7 +103,8 @@ def _dgx_cloud() -> list[PublishedRun]:
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
             f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n, flash_attention="cudnn"), layout,
-            Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True, grad_dtype="bf16"),
+            Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True,
+                     grad_dtype=DGXC_GRADS),
             f"Training step time (seconds per step) {step} (Model flops utilization {mfu})", float(step),
             "printed step time",
             ("fabric not printed: NDR InfiniBand assumed (DGX H100)", "distributed fused Adam costed as ZeRO-1",
@@ -121,7 +126,9 @@ def _dgx_cloud() -> list[PublishedRun]:
 # of 8K tokens without activation checkpointing". The third row (CP 16, 131,072 tokens) stays out: at that length
 # the attention term dominates the FLOP count, and whether it counts the causal half or the full square
 # (Chowdhery et al. count the full square) changes the implied step time by a third; its DP is also printed as 4
-# in one version of the text against 16,384 = 8·16·16·8 GPUs.
+# in one version of the text against 16,384 = 8·16·16·8 GPUs. Gradients: fp32, plait's default (§3.3.2: "we use
+# FP32 gradient accumulation during backward computation over multiple micro-batches and also reduce-scatter
+# gradients in FP32 across data parallel workers in FSDP").
 META_WHERE = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Section 3.3.2, Table 4"
 # GPUs, DP, batch size per DP, TFLOPs/GPU and BF16 MFU as printed
 META_ROWS = ((8192, 64, 32, 430, "43%"), (16384, 128, 16, 400, "41%"))

@@ -17,6 +17,7 @@ from plait.plan.memory import state_bytes
 from plait.plan.model import Model
 from plait.plan.published import (
     BLOOM_PREQUEL,
+    BLOOM_PREQUEL_GRADS,
     BLOOM_PREQUEL_WHERE,
     OMNIPATH,
     MemoryStatement,
@@ -25,7 +26,17 @@ from plait.plan.published import (
     gpt,
     runs,
 )
-from plait.plan.published_h100 import DGXC_ROWS, DGXC_WHERE, META_PP, META_ROWS, META_TP, META_V, META_WHERE, dgxc_model
+from plait.plan.published_h100 import (
+    DGXC_GRADS,
+    DGXC_ROWS,
+    DGXC_WHERE,
+    META_PP,
+    META_ROWS,
+    META_TP,
+    META_V,
+    META_WHERE,
+    dgxc_model,
+)
 
 
 @dataclass(frozen=True)
@@ -33,8 +44,9 @@ class ByteFigure:
     """Bytes on one GPU as a paper prints them, and what the planner counts for the same setup.
 
     ``kind``: "model states" (weights, gradients and optimizer state on one GPU of ``layout``'s first pipeline
-    rank, ``plan.memory.state_bytes``; with ``params``, those of a model of ``params`` parameters without pipeline
-    or tensor parallelism, scaled from ``model``), "layer activations"
+    rank, ``plan.memory.state_bytes``, the gradients in ``training``'s ``grad_dtype`` (fp32 without one); with
+    ``params``, those of a model of ``params`` parameters without pipeline or tensor parallelism, scaled from
+    ``model``), "layer activations"
     (one layer's stored activations for one micro-batch, the cost model's count for ``cluster``) or "peak memory"
     (a measured peak of the most loaded GPU against ``estimate``'s total for ``training``).
     """
@@ -56,7 +68,8 @@ class ByteFigure:
         """The planner's bytes for this figure."""
         if self.kind == "model states":
             layers = self.model.n_layers // self.layout.pp
-            held = sum(state_bytes(self.model, self.layout, layers, True, self.layout.pp == 1))
+            grads = self.training.grad_dtype if self.training is not None else "fp32"
+            held = sum(state_bytes(self.model, self.layout, layers, True, self.layout.pp == 1, "bf16", grads))
             return held * self.params / self.model.n_params() if self.params else held
         if self.kind == "peak memory" and self.training is not None:
             return estimate(self.model, self.cluster, self.layout, self.training).memory.total
@@ -71,8 +84,8 @@ class ByteFigure:
 # Per-device model states of a Ψ = 7.5B model under data parallelism of Nd = 64 with mixed-precision Adam (K = 12):
 # baseline (2 + 2 + K)Ψ = 120GB, P_os 4Ψ + KΨ/Nd = 31.4GB, P_os+g 2Ψ + (2 + K)Ψ/Nd = 16.6GB, P_os+g+p
 # (2 + 2 + K)Ψ/Nd = 1.9GB (the figure and its caption, as quoted in text by several notes on the paper).
-# ZeRO counts 2-byte (fp16) gradients; plait counts the 4-byte fp32 accumulators Megatron-LM and plait's runtime
-# keep (``plan.memory.STATE_BYTES``), so the stages that keep whole gradients differ by 2Ψ.
+# ZeRO counts 2-byte (fp16) gradients (§3.1: "an fp16 copy of the parameters and the gradients"): checked with
+# Training.grad_dtype = "fp16" (plait's own runtime keeps 4-byte fp32 accumulators).
 ZERO_WHERE = "Rajbhandari et al. 2020 (ZeRO, SC'20), Figure 1 and caption (Psi = 7.5B, K = 12, Nd = 64)"
 ZERO_FIGURES = ((0, "baseline", "120GB", 120e9), (1, "P_os", "31.4GB", 31.4e9), (2, "P_os+g", "16.6GB", 16.6e9),
                 (3, "P_os+g+p", "1.9GB", 1.9e9))
@@ -82,7 +95,8 @@ def _zero() -> list[ByteFigure]:
     m = gpt(32, 4096, 32, name="gpt-6.7b")  # any model: model-state bytes scale with the parameter count
     return [ByteFigure("Rajbhandari et al. 2020 (ZeRO)", ZERO_WHERE, f"7.5B parameters, DP 64, {stage}",
                        "model states", printed, value, m, Layout(dp=64, zero=zero), Cluster("a100-80gb", 64),
-                       params=7.5e9, tolerance=0.03 if zero == 3 else 0.02)
+                       params=7.5e9, tolerance=0.03 if zero == 3 else 0.02,
+                       training=Training(64, grad_dtype="fp16"))
             for zero, stage, printed, value in ZERO_FIGURES]
 
 
@@ -153,8 +167,10 @@ def _titan_h100() -> list[ByteFigure]:
 # "training step time = 2.693 s"; TP2, MBS 2 from the layout table): "peak_memory_usage: 72972500992 |
 # memory_allocated: 34466545664". After the step only the model states are allocated: 2 B weights, 2 B gradients
 # and 12 B of distributed-optimizer state over DP 32 per parameter on a GPU come to 34.2 GB: NeMo's performance
-# recipes reduce gradients in bf16 (NVIDIA/NeMo nemo/collections/llm/recipes/nemotron4_340b.py,
-# pretrain_performance_optimizations: grad_reduce_in_fp32 = False); plait counts 4 B float32 accumulators.
+# recipes keep and reduce gradients in bf16 (``plan.published_h100.DGXC_GRADS``). The peak is the caching
+# allocator's reservation (NVIDIA/NeMo nemo/lightning/pytorch/strategies/megatron_strategy.py at d2b21556 logs
+# torch.cuda.max_memory_reserved() as peak_memory_usage, torch.cuda.memory_allocated() as memory_allocated): it
+# bounds the allocated peak the planner counts from above, and the two agree only within the allocator's slack.
 NEMOTRON_LOG_WHERE = "NVIDIA/dgxc-benchmarking nemotron/README.md (commit 741c8860), the BF16 example's log line"
 
 
@@ -162,13 +178,13 @@ def _nemotron_log() -> list[ByteFigure]:
     m = dgxc_model("nemotron4-15b")
     layout = Layout(tp=2, dp=32, microbatch_size=2, sequence_parallel=True, zero=1)
     cluster = Cluster("h100-sxm", 64)
-    label = "Nemotron-4 15B, TP2 DP32, 64 H100"
+    label, training = "Nemotron-4 15B, TP2 DP32, 64 H100", Training(256, grad_dtype=DGXC_GRADS)
     return [ByteFigure("NVIDIA DGX Cloud Benchmarking", NEMOTRON_LOG_WHERE, f"{label}, after the step",
                        "model states", "memory_allocated: 34466545664", 34466545664.0, m, layout, cluster,
-                       tolerance=0.05),
+                       tolerance=0.05, training=training),
             ByteFigure("NVIDIA DGX Cloud Benchmarking", NEMOTRON_LOG_WHERE, f"{label}, peak", "peak memory",
                        "peak_memory_usage: 72972500992", 72972500992.0, m, layout, cluster, tolerance=0.1,
-                       training=Training(256))]
+                       training=training)]
 
 
 def byte_figures() -> list[ByteFigure]:
@@ -183,6 +199,8 @@ def byte_figures() -> list[ByteFigure]:
 # READMEs: "Training of this ...-billion parameter variant of the workload will not fit on fewer GPUs with less
 # memory" beside the smallest scale of each model's layout table (H100 80GB, BF16).
 DGXC_V24_WHERE = "NVIDIA/dgxc-benchmarking {path} (commit 35a9aecc, v24.11.1), minimum scale and layout"
+# Gradients bf16 in both releases: v24.11.1's llama3.1/llama3.1_{8b,70b,405b}.yaml run distributed_fused_adam with
+# optim.grad_sync_dtype: bf16 (its bf16 gradient buffer); v25.04's as ``plan.published_h100.DGXC_GRADS``.
 # (model, where, GPUs, TP, PP, CP, VP, GBS, the statement as printed)
 DGXC_FITS = (
     ("llama3-8b", DGXC_WHERE.format(path="llama3.1/README.md", table="minimum scale and layout table"),
@@ -233,14 +251,14 @@ def fit_statements() -> list[MemoryStatement]:
             Cluster("h100-sxm", n),
             Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=mbs,
                    schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1, zero=1),
-            Training(gbs), True, printed))
+            Training(gbs, grad_dtype=DGXC_GRADS), True, printed))
     bloom = bloom_model(72, 64)
     for dp, tp, pp, mbs, gbs, mem, *_ in BLOOM_PREQUEL:
         n = dp * tp * pp
         out.append(MemoryStatement(
             "BigScience (BLOOM)", BLOOM_PREQUEL_WHERE, f"BLOOM 181B dp{dp} tp{tp} pp{pp} mbs{mbs} on {n} A100 80GB",
             bloom, Cluster("a100-80gb", n, interconnect=OMNIPATH, flash_attention=False),
-            bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs), mem != "OOM",
+            bloom_prequel_layout(dp, tp, pp, mbs), Training(gbs, grad_dtype=BLOOM_PREQUEL_GRADS), mem != "OOM",
             f"Mem {mem}" if mem != "GB" else "Mem GB (not read; Sec/it printed: it ran)"))
     for r in runs():
         if r.source == MOSAIC_SOURCE:
