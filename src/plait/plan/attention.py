@@ -29,6 +29,9 @@ DEFAULT_KERNEL = "flash2"
 SEQ = (512, 1024, 2048, 4096, 8192, 16384)  # the benchmarks' sequence lengths
 Series = dict[int, tuple[float, ...]]  # head dimension -> TFLOP/s at each of SEQ
 
+# "flash1" stands for FlashAttention v1's Triton port too: its author's note (flash_attn/flash_attn_triton.py, as
+# llm-foundry copies it at 061f2c7c) says "Overall Triton forward + backward is slightly slower than CUDA forward +
+# backward" (tested on A100); no figure of the port on an H100 is published.
 # A100 80GB SXM4 (peak 312 TFLOP/s): Dao-AILab/flash-attention README, assets/flash2_a100_fwd_bwd_benchmark.png
 # (commit 4f285b35, the FlashAttention-2 release; Dao 2023, Figure 4), panels (c) and (d): with causal mask, head
 # dimension 64 and 128; bars "FlashAttention" (flash1) and "FlashAttention-2" (flash2).
