@@ -319,7 +319,9 @@ ROCE_200 = Link("RoCE 200 Gb/s per GPU (1600 Gb/s per node)", 25 * GB, 8e-6)
 # The attention kernel: the yamls at that commit set ``attn_impl: triton`` and so does submit_benchmarks.py's
 # default (sweep.sh passes no --attn_impl), which runs llmfoundry/models/layers/flash_attn_triton.py: "Copied from
 # HazyResearch/flash-attention ... flash_attn/flash_attn_triton.py", FlashAttention's (v1) Triton port on the
-# pre-MLIR Triton compiler (setup.py: triton-pre-mlir; flash-attn==1.0.9 in the gpu extra).
+# pre-MLIR Triton compiler (setup.py: triton-pre-mlir; flash-attn==1.0.9 in the gpu extra). The H100 BF16 rows ran
+# image mosaicml/pytorch:2.1.0_cu121-nightly20230827 at amp_bf16 (the benchmarks' h100new.csv, removed from the
+# repository at 803e6718 when the table moved into the README), not FP8, which has a table of its own.
 MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default): FlashAttention v1's Triton port"
 
 
