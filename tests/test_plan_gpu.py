@@ -84,8 +84,11 @@ def test_attention_kernel_choices_are_checked():
     assert Cluster("a100-80gb", 8, flash_attention=False).attention == "unfused"
     assert Cluster("a100-80gb", 8, flash_attention="flash1").attention == "flash1"
     assert Cluster("b200", 8, flash_attention="flash3").attention == "flash3"  # no figures: any kernel
-    with pytest.raises(ConfigError, match="flash_attention.*flash3.*a100-80gb.*flash1, flash2"):
-        Cluster("a100-80gb", 8, flash_attention="flash3")  # FlashAttention-3 is Hopper-only
+    with pytest.raises(ConfigError, match="flash_attention: 'flash3' runs on Hopper GPUs only; valid on a100-80gb: "
+                                          "flash1, flash2, True, False"):
+        Cluster("a100-80gb", 8, flash_attention="flash3")
+    with pytest.raises(ConfigError, match="'cudnn' has no published speed on a100-40gb"):
+        Cluster("a100-40gb", 8, flash_attention="cudnn")
     with pytest.raises(ConfigError, match="flash_attention: unknown kernel 'fa2'.*flash2"):
         Cluster("h100-sxm", 8, flash_attention="fa2")
 

@@ -91,7 +91,8 @@ def kernel_of(flash_attention: bool | str, gpu: GPU) -> str:
                           f"{', '.join(KERNELS)}, {UNFUSED}")
     if gpu.attention_figures in FIGURES and flash_attention not in FIGURES[gpu.attention_figures][1]:
         have = ", ".join(FIGURES[gpu.attention_figures][1])
-        raise ConfigError(f"flash_attention: {flash_attention!r} does not run on {gpu.name}; valid there: {have}")
+        why = "runs on Hopper GPUs only" if flash_attention == "flash3" else f"has no published speed on {gpu.name}"
+        raise ConfigError(f"flash_attention: {flash_attention!r} {why}; valid on {gpu.name}: {have}, True, False")
     return str(flash_attention)
 
 
