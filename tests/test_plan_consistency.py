@@ -80,7 +80,7 @@ def test_planner_and_runtime_cut_the_same_layers():
 
 
 def test_default_batch_gives_a_small_bubble_and_says_so():
-    choice = search_batch(Model.preset("llama3-405b"), Cluster("h100-sxm", 16384), top=1)
+    choice = search_batch(Model.preset("llama3-405b"), Cluster("h100-sxm", 8192), top=1)
     best = choice.result.best[0]
     assert best.bubble_fraction < 0.10
     assert best.training.global_batch == choice.global_batch

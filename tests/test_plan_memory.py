@@ -5,8 +5,8 @@ import pytest
 from plait.plan import Cluster, Layout, Model, Training, estimate
 from plait.plan.memory import activation_bytes_per_layer, stage_layers, state_bytes
 
-# A GPT-shaped model (MHA, 4h GELU MLP) so the paper's formulas apply verbatim: s=2048, h=1024, a=16.
-GPT = Model(8, 1024, 16, 50304, 2048, bias=True, layernorm=True)
+# A GPT-shaped model (MHA, 4h GELU MLP, dropout) so the paper's formulas apply verbatim: s=2048, h=1024, a=16.
+GPT = Model(8, 1024, 16, 50304, 2048, bias=True, layernorm=True, dropout=True)
 S, B, H, A = 2048, 1, 1024, 16
 SBH = S * B * H  # 2,097,152
 SCORE = 5 * A * S / H  # 5as/h = 160
@@ -36,9 +36,9 @@ def test_selective_drops_score_term_and_full_keeps_input():
 
 
 def test_activations_gqa_glu_generalisation():
-    # Llama 3 8B, t=1, selective: replicated 10 + attention 4 + 4g (g = 8/32) + MLP 2·(f/h)·3 (GLU)
+    # Llama 3 8B (no dropout), t=1, selective: replicated 8 + attention 4 + 4g (g = 8/32) + MLP 2·(f/h)·3 (GLU)
     m = Model.preset("llama3-8b")
-    per_sbh = 10 + 4 + 4 * 0.25 + 2 * (14336 / 4096) * 3  # = 36
+    per_sbh = 8 + 4 + 4 * 0.25 + 2 * (14336 / 4096) * 3  # = 34
     assert activation_bytes_per_layer(m, Layout(recompute="selective")) == 8192 * 4096 * per_sbh
 
 
@@ -231,3 +231,19 @@ def test_grad_dtype_is_validated_and_plait_plans_keep_fp32():
     with pytest.raises(ConfigError, match="grad_dtype: 'bf16' is planned but plait's runtime keeps and reduces fp32"):
         Layout(dp=8).to_parallel_config(Training(8, grad_dtype="bf16"))
     assert Layout(dp=8).to_parallel_config(Training(8)).dp == 8
+
+
+def test_a_model_without_dropout_keeps_no_masks():
+    """Without dropout (Model.dropout False: plait's Llama, MPT's yamls, NeMo's Llama and Nemotron configs) a layer
+    keeps no dropout masks (Korthikanti et al.'s 2sbh of the replicated 10) and its unfused attention only the
+    softmax output (2as/h of the 5as/h); the first stage keeps no embedding mask. Worked by hand for GPT's shape:
+    sbh(8 + 24/t + 2as/(ht)) at t = 4 is 2,097,152 × (8 + 6 + 16) = 62,914,560 bytes."""
+    from dataclasses import replace
+
+    plain = replace(GPT, dropout=False)
+    assert activation_bytes_per_layer(plain, Layout(tp=4)) == SBH * (8 + 24 / 4 + 2 * A * S / H / 4) == 62_914_560
+    assert activation_bytes_per_layer(plain, Layout(tp=4, recompute="selective")) == SBH * (8 + 6)
+    assert activation_bytes_per_layer(GPT, Layout(tp=4, recompute="selective")) == SBH * (10 + 6)
+    cluster = Cluster("a100-80gb", 4, flash_attention=False)
+    assert cluster.costs.activations(plain, Layout(tp=4), "bf16").first == 0.0
+    assert cluster.costs.activations(GPT, Layout(tp=4), "bf16").first == SBH

@@ -243,9 +243,9 @@ class GpuCosts:
 
     def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
         """Korthikanti et al. 2022's count (§4; 16-bit whatever ``precision``): a layer's bytes, the first
-        stage's embedding dropout mask sbh, the last's output layer and loss 4sbh/t·(1 + V/h); full
-        recomputation holds the recomputed layer's (selective) set once. Fused flash attention keeps no s×s
-        scores: a layer keeps what selective recomputation keeps."""
+        stage's embedding dropout mask sbh (with ``Model.dropout``), the last's output layer and loss
+        4sbh/t·(1 + V/h); full recomputation holds the recomputed layer's (selective) set once. Fused flash
+        attention keeps no s×s scores: a layer keeps what selective recomputation keeps."""
         working = zero3_working(model, layout, precision)
         kept = layout if layout.recompute == "full" or not self.cluster.flash_attention else \
             replace(layout, recompute="selective")
@@ -254,7 +254,7 @@ class GpuCosts:
         last = 4 * model.seq_len / layout.cp * layout.microbatch_size * model.hidden / layout.tp * (
             1 + model.vocab / model.hidden)
         first = model.seq_len / layout.cp * layout.microbatch_size * model.hidden / (
-            layout.tp if layout.sequence_parallel else 1)
+            layout.tp if layout.sequence_parallel else 1) if model.dropout else 0.0
         return ActivationModel(activation_bytes_per_layer(model, kept), first, last, working)
 
     def hidden_reduction(self, backward: float) -> float:

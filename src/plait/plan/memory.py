@@ -70,7 +70,9 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     ``sbh(34/t + 5as/(ht))`` with TP+SP. Its terms, generalised to GQA (g = kv/heads) and GLU MLPs:
     replicated 10 = 2 norm inputs (4) + QKV and MLP inputs (4) + 2 dropout masks (2); TP-sharded
     attention 4 + 4g (Q, K, V, projection input), MLP 2·(f/h)·k (k = 2 GELU tensors, 3 for GLU);
-    score term 5as/h. Selective recomputation drops 5as/h; full keeps the 2sbh layer input.
+    score term 5as/h (softmax output 2, dropout mask 1, dropout output 2). Without dropout
+    (``Model.dropout``) the masks and the dropout output are not there: replicated 8, scores 2as/h.
+    Selective recomputation drops the scores; full keeps the 2sbh layer input.
     Context parallelism (plait.context_parallel): s is a rank's S/cp tokens, and no score is kept (its
     attention recomputes probabilities from the log-sum-exp); the all-gather mode also keeps the other ranks'
     K and V: 4·(cp-1)·(a_kv·d/h)/t, a_kv the KV heads and d the head size.
@@ -81,8 +83,8 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     k = 3 if model.glu else 2
     mlp = 2 * (model.ffn / h) * k * (model.top_k if model.is_moe else 1)
     sharded = 4 + 4 * g + mlp
-    replicated = 10.0
-    score = 5 * model.n_heads * model.seq_len / h  # s·s/cp for the local queries against all keys
+    replicated = 10.0 if model.dropout else 8.0
+    score = (5 if model.dropout else 2) * model.n_heads * model.seq_len / h  # s·s/cp: local queries, all keys
     sbh = s * b * h
     if layout.recompute == "full":
         return 2 * sbh / (t if layout.sequence_parallel else 1)

@@ -17,6 +17,10 @@ class Model:
 
     ``bias``/``layernorm``/``learned_positions`` describe GPT-style models (biases in every linear,
     LayerNorm with a bias, a learned position table); Llama-style models leave them False.
+    ``dropout``: the model trains with dropout (p > 0) after attention and the MLP, on the attention
+    probabilities and on the embedding, as Megatron-LM's GPT does by default; each keeps a one-byte mask for the
+    backward (Korthikanti et al. 2022, §4). Llama-style models (plait's, Meta's) have none, and a dropout of 0
+    keeps no mask either (PyTorch's dropout returns its input at p = 0).
     ``balance_seq_len``: plait cuts a model into pipeline chunks before it sees data, balancing for the
     model's ``max_seq_len``; give it when that differs from the ``seq_len`` trained (None: the same).
     """
@@ -35,6 +39,7 @@ class Model:
     bias: bool = False
     layernorm: bool = False
     learned_positions: bool = False
+    dropout: bool = False
     name: str = "custom"
     balance_seq_len: int | None = None  # the length the runtime's balanced partition assumes (default seq_len)
 
@@ -147,6 +152,11 @@ class Model:
         return _from_hf_dict(cfg, seq_len, name=p.parent.name or p.stem)
 
 
+#: the dropout probabilities Hugging Face configs name (any above 0: the model trains with dropout)
+DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout", "dropout",
+                "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
 def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for k in keys:
         if cfg.get(k) is not None:
@@ -176,7 +186,7 @@ def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str) -> Model:
         n_experts=int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=1)),
         top_k=int(_first(cfg, "num_experts_per_tok", "moe_top_k", default=1)),
         bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
-        name=name,
+        dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name,
     )
 
 
@@ -187,7 +197,7 @@ PRESETS: dict[str, Model] = {
     "llama3-405b": Model(126, 16384, 128, 128256, 8192, 53248, 8, glu=True, name="llama3-405b"),
     # GPT-3 175B (Brown et al. 2020, Table 2.1) with Megatron's padded vocabulary 51,200.
     "gpt3-175b": Model(96, 12288, 96, 51200, 2048, tied_embeddings=True, bias=True, layernorm=True,
-                       learned_positions=True, name="gpt3-175b"),
+                       learned_positions=True, dropout=True, name="gpt3-175b"),
     # Mixtral 8x7B (Jiang et al. 2024): 8 experts, top-2; 46.7B total, 12.9B active.
     "mixtral-8x7b": Model(32, 4096, 32, 32000, 4096, 14336, 8, glu=True, n_experts=8, top_k=2,
                           name="mixtral-8x7b"),

@@ -91,9 +91,11 @@ NARAYANAN_SHAPES = {174.6: (96, 12288, 96, 12), 529.6: (105, 20480, 128, 35)}  #
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> Model:
-    """A GPT-3-style model as Megatron-LM builds it: biases, LayerNorm, learned positions, tied embeddings."""
+    """A GPT-3-style model as Megatron-LM builds it: biases, LayerNorm, learned positions, tied embeddings, and
+    dropout (Megatron-LM's defaults, --hidden-dropout and --attention-dropout 0.1: megatron/arguments.py at
+    de7dc40f; Narayanan et al.'s, MT-NLG's and NeMo's yamls (hidden_dropout 0.1) keep them)."""
     return Model(layers, hidden, heads, vocab, seq, bias=True, layernorm=True, learned_positions=True,
-                 tied_embeddings=True, name=name or f"gpt-{layers}x{hidden}")
+                 tied_embeddings=True, dropout=True, name=name or f"gpt-{layers}x{hidden}")
 
 
 def narayanan_flops(m: Model, batch: int) -> float:
@@ -252,8 +254,9 @@ BLOOM_ASSUMED = ("Omni-Path links of 100 Gb/s", "1F1B (DeepSpeed's pipeline)", "
 
 
 def bloom_model(layers: int = 70, heads: int = 112) -> Model:
-    """BLOOM's shapes (hidden 14336, vocabulary 250,880, ALiBi, LayerNorm, biases, tied embeddings)."""
-    return Model(layers, 14336, heads, 250880, 2048, bias=True, layernorm=True, tied_embeddings=True,
+    """BLOOM's shapes (hidden 14336, vocabulary 250,880, ALiBi, LayerNorm, biases, tied embeddings) and dropout
+    ("The default Megatron-LM dropout settings are inherited": train/tr11-176B-ml/README.md)."""
+    return Model(layers, 14336, heads, 250880, 2048, bias=True, layernorm=True, tied_embeddings=True, dropout=True,
                  name="bloom-176b" if layers == 70 else f"bloom-{layers}x14336")
 
 
@@ -326,6 +329,8 @@ MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default
 
 
 def mpt(size: str, seq: int) -> Model:
+    """An MPT model of the table: no dropout (the yamls set none and llmfoundry/models/mpt/configuration_mpt.py at
+    061f2c7c defaults attn_pdrop, resid_pdrop and emb_pdrop to 0)."""
     layers, d, heads = MPT[size]
     return Model(layers, d, heads, 50368, seq, layernorm=True, learned_positions=True, tied_embeddings=True,
                  name=f"mpt-{size}")
@@ -356,6 +361,7 @@ def _mosaic() -> list[PublishedRun]:
 # recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered. Gradients: reduced in fp32
 # (the same file: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), plait's default.
 TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
+# torchtitan's Llama (torchtitan/models/llama/model.py) has no dropout, as Model's default.
 LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
 LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
 

@@ -84,7 +84,8 @@ DGXC_TABLES = {"gpt3-175b": "NeMo Megatron BF16", "llama3-8b": "Llama 3.1 8b BF1
 def dgxc_model(name: str) -> Model:
     """The model a DGX Cloud recipe trains: GPT-3 175B with the GPT-2 BPE vocabulary (50,257 padded to a multiple
     of 128·TP = 512: 50,688), Nemotron-4 (``NEMOTRON4``) or the Llama 3.1 shapes (plait's presets, Llama 3's
-    Table 3)."""
+    Table 3). Dropout: GPT-3's yaml keeps hidden_dropout and attention_dropout 0.1; NeMo's Llama3Config and
+    Nemotron4Config set both to 0.0 (nemo/collections/llm/gpt/model/{llama,nemotron}.py at d2b21556)."""
     if name == "gpt3-175b":
         return gpt(96, 12288, 96, vocab=50688, name="gpt3-175b")
     if name in NEMOTRON4:
@@ -129,6 +130,8 @@ def _dgx_cloud() -> list[PublishedRun]:
 # in one version of the text against 16,384 = 8·16·16·8 GPUs. Gradients: fp32, plait's default (§3.3.2: "we use
 # FP32 gradient accumulation during backward computation over multiple micro-batches and also reduce-scatter
 # gradients in FP32 across data parallel workers in FSDP").
+# The Llama 3 model has no dropout (Meta's reference meta-llama/llama3 llama/model.py, commit 0a3d7172, has no
+# dropout module): plait's preset.
 META_WHERE = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), Section 3.3.2, Table 4"
 # GPUs, DP, batch size per DP, TFLOPs/GPU and BF16 MFU as printed
 META_ROWS = ((8192, 64, 32, 430, "43%"), (16384, 128, 16, 400, "41%"))
