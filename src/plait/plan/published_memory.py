@@ -169,7 +169,7 @@ def _titan_h100() -> list[ByteFigure]:
 # and 12 B of distributed-optimizer state over DP 32 per parameter on a GPU come to 34.2 GB: NeMo's performance
 # recipes keep and reduce gradients in bf16 (``plan.published_h100.DGXC_GRADS``). The peak is the caching
 # allocator's reservation (NVIDIA/NeMo nemo/lightning/pytorch/strategies/megatron_strategy.py at d2b21556 logs
-# torch.cuda.max_memory_reserved() as peak_memory_usage, torch.cuda.memory_allocated() as memory_allocated): it
+# the CUDA allocator's max_memory_reserved() as peak_memory_usage, its memory_allocated() as memory_allocated): it
 # bounds the allocated peak the planner counts from above, and the two agree only within the allocator's slack.
 NEMOTRON_LOG_WHERE = "NVIDIA/dgxc-benchmarking nemotron/README.md (commit 741c8860), the BF16 example's log line"
 
