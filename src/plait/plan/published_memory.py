@@ -199,8 +199,10 @@ def byte_figures() -> list[ByteFigure]:
 # READMEs: "Training of this ...-billion parameter variant of the workload will not fit on fewer GPUs with less
 # memory" beside the smallest scale of each model's layout table (H100 80GB, BF16).
 DGXC_V24_WHERE = "NVIDIA/dgxc-benchmarking {path} (commit 35a9aecc, v24.11.1), minimum scale and layout"
-# Gradients bf16 in both releases: v24.11.1's llama3.1/llama3.1_{8b,70b,405b}.yaml run distributed_fused_adam with
-# optim.grad_sync_dtype: bf16 (its bf16 gradient buffer); v25.04's as ``plan.published_h100.DGXC_GRADS``.
+# Context parallelism as the runs (``plan.published_h100``): Megatron-Core's default p2p ring, plait's "ring", which
+# keeps no other rank's K and V. Gradients bf16 in both releases: v24.11.1's llama3.1/llama3.1_{8b,70b,405b}.yaml
+# run distributed_fused_adam with optim.grad_sync_dtype: bf16 (its bf16 gradient buffer); v25.04's as
+# ``plan.published_h100.DGXC_GRADS``.
 # (model, where, GPUs, TP, PP, CP, VP, GBS, the statement as printed)
 DGXC_FITS = (
     ("llama3-8b", DGXC_WHERE.format(path="llama3.1/README.md", table="minimum scale and layout table"),
@@ -249,8 +251,9 @@ def fit_statements() -> list[MemoryStatement]:
         out.append(MemoryStatement(
             "NVIDIA DGX Cloud Benchmarking", where, f"{m.name} TP{tp} PP{pp} CP{cp} VP{vp} on {n} H100 80GB", m,
             Cluster("h100-sxm", n),
-            Layout(tp=tp, pp=pp, cp=cp, dp=n // (tp * pp * cp), virtual_stages=vp, microbatch_size=mbs,
-                   schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1, zero=1),
+            Layout(tp=tp, pp=pp, cp=cp, cp_comm="ring", dp=n // (tp * pp * cp), virtual_stages=vp,
+                   microbatch_size=mbs, schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1,
+                   zero=1),
             Training(gbs, grad_dtype=DGXC_GRADS), True, printed))
     bloom = bloom_model(72, 64)
     for dp, tp, pp, mbs, gbs, mem, *_ in BLOOM_PREQUEL:
