@@ -147,7 +147,8 @@ def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms()
     """Userbuffers' decomposition (Wang et al. 2023), worked by hand on one layer at tp4 with SP. Comm-bound
     (hidden 1024: a gather outlasts its GEMM): each gather and pipelined scatter of the forward hides 3/4 of its
     GEMM's time; the backward's bulk overlaps hide all of theirs. GEMM-bound (hidden 8192, tp2): only the last of
-    each scatter's 4 pieces shows, nothing of the backward. Without SP the flag changes nothing."""
+    each scatter's 4 pieces shows, nothing of the backward. The pipelined scatters' kernels hold 16 of the 132
+    SMs: their GEMMs run 132/116 times as long. Without SP the flag changes nothing."""
     cluster = Cluster("h100-sxm", 8)
     costs, gpu = cluster.costs, cluster.gpu
     for hidden, t in ((1024, 4), (8192, 2)):
@@ -163,11 +164,12 @@ def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms()
         assert plain.f_tp == pytest.approx(4 * c) and plain.b_tp == pytest.approx(4 * c)
         if hidden == 1024:
             assert c > up  # comm-bound: every collective outlasts its GEMM
-            assert over.f_tp == pytest.approx(4 * c - 0.75 * (qkv + proj + up + down))
+            k = 132 / 116  # scatter: (k - 1) g + c/4 + 3/4 (c - k g) = c + (k/4 - 1) g
+            assert over.f_tp == pytest.approx(4 * c - 0.75 * (qkv + up) + (k / 4 - 1) * (proj + down))
             assert over.b_tp == pytest.approx(6 * c - 2 * qkv - 2 * up - 0.75 * (proj + down))
         else:
             assert c < proj / 2  # GEMM-bound
-            assert over.f_tp == pytest.approx(2 * c / 4) and over.b_tp == 0.0
+            assert over.f_tp == pytest.approx(2 * c / 4 + (132 / 116 - 1) * (proj + down)) and over.b_tp == 0.0
         no_sp = Layout(tp=t, dp=8 // t)
         assert costs.blocks(m, no_sp, "bf16", tp_overlap=True).layer == costs.blocks(m, no_sp, "bf16").layer
     with pytest.raises(ValueError, match="tp_comm_overlap"):

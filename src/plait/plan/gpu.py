@@ -52,6 +52,11 @@ OPTIMIZER_TRAFFIC = 30.0
 # pieces (NVIDIA/NeMo nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, commit d2b21556, every H100
 # configuration; NVIDIA/dgxc-benchmarking nemo_megatron/cfg/gpt3_175b_hydra.yaml, commit 741c8860).
 TP_OVERLAP_SPLITS = 4
+# While a pipelined reduce-scatter runs, its kernels hold this share of the GPU's SMs and the GEMM beside it runs on
+# the rest: Transformer Engine's default for the "pipeline" method is num_sm 16 with set_sm_margin on
+# (NVIDIA/TransformerEngine transformer_engine/pytorch/module/base.py, initialize_ub's get_default_config, at
+# fecb10bd), 16 of an H100's 132 SMs; NeMo's H100 configurations hold 8-24.
+TP_OVERLAP_SM_SHARE = 16 / 132
 
 
 def overlapped_gather(comm: float, gemm: float, t: int) -> float:
@@ -63,10 +68,13 @@ def overlapped_gather(comm: float, gemm: float, t: int) -> float:
     return max(0.0, comm - gemm * (t - 1) / t)
 
 
-def overlapped_scatter(comm: float, gemm: float, splits: int = TP_OVERLAP_SPLITS) -> float:
-    """What stays exposed of a reduce-scatter of a GEMM's output pipelined with it in ``splits`` pieces: each
-    piece's scatter runs beside the next piece's GEMM; the last piece's scatter follows the GEMM's end."""
-    return comm / splits + max(0.0, comm - gemm) * (splits - 1) / splits
+def overlapped_scatter(comm: float, gemm: float, splits: int = TP_OVERLAP_SPLITS,
+                       sm_share: float = TP_OVERLAP_SM_SHARE) -> float:
+    """What a reduce-scatter of a GEMM's output pipelined with it in ``splits`` pieces adds to the GEMM: each
+    piece's scatter runs beside the next piece's GEMM, the last piece's scatter follows the GEMM's end, and the
+    GEMM runs on the SMs the scatter's kernels leave it (``sm_share`` held), that much slower."""
+    slow = gemm / (1 - sm_share)
+    return slow - gemm + comm / splits + max(0.0, comm - slow) * (splits - 1) / splits
 
 
 def bulk_overlap(comm: float, gemm: float) -> float:
@@ -157,10 +165,10 @@ class GpuCosts:
         """(forward, backward) exposed seconds of a layer's SP gathers and scatters (each ``c`` seconds) under
         tensor-parallel communication overlap. Forward: the gathers before QKV and the MLP's first GEMM
         (``overlapped_gather``), the scatters after the output projection and the MLP's last GEMM
-        (``overlapped_scatter``). Backward (Megatron-LM with SP gathers a column-parallel layer's input again for
-        its weight gradient): a column-parallel layer's input gather and data-gradient scatter beside its two
-        GEMMs (``bulk_overlap``), a row-parallel layer's gradient gather ahead of its data-gradient GEMM
-        (``overlapped_gather``). An MoE layer's MLP collectives stay exposed."""
+        (``overlapped_scatter``, with the SMs they take from those GEMMs). Backward (Megatron-LM with SP gathers
+        a column-parallel layer's input again for its weight gradient): a column-parallel layer's input gather
+        and data-gradient scatter beside its two GEMMs (``bulk_overlap``), a row-parallel layer's gradient gather
+        ahead of its data-gradient GEMM (``overlapped_gather``). An MoE layer's MLP collectives stay exposed."""
         t = layout.tp
         speed = self.gpu.peak_flops * matmul_efficiency(self.gpu, model, layout)
         h, kv = model.hidden, model.kv_heads * model.head_dim
