@@ -1,5 +1,7 @@
 """Layout search: constraints honoured and sensible answers (the model against published runs: test_plan_gpu)."""
 
+from dataclasses import replace
+
 import pytest
 
 from plait import ConfigError
@@ -82,18 +84,22 @@ def test_breakdown_adds_up():
 def test_pruning_keeps_the_exhaustive_top():
     # Branch and bound skips simulations whose lower bound is already slower than the top-k; the
     # answer must equal evaluating every valid layout.
-    from dataclasses import replace
-
     from plait.plan.config import check
     from plait.plan.search import candidates
 
     m, c, t = Model.preset("llama3-8b", seq_len=4096), Cluster("a100-80gb", 16), Training(128)
     r = search(m, c, t, top=4)
     every = [estimate(m, c, lay, t) for lay in candidates(m, c, t) if check(m, c, lay, t) is None]
-    ranked: dict = {}  # ZeRO-1/2 twins of equal time ranked once: the one with less memory, else ZeRO-1
+    # twins of equal time (ZeRO-1/2, selective/no recomputation) ranked once: less memory, else ZeRO-1, "none"
+    ranked: dict = {}
+    order = {"none": 0, "selective": 1, "full": 0}
     for e in (e for e in every if e.fits):
-        key = (replace(e.layout, zero=0) if e.layout.zero in (1, 2) else e.layout, e.step_time_s)
-        if key not in ranked or (e.memory.total, e.layout.zero) < (ranked[key].memory.total, ranked[key].layout.zero):
+        lay = e.layout
+        key = (replace(lay, zero=1 if lay.zero == 2 else lay.zero,
+                       recompute="none" if lay.recompute == "selective" else lay.recompute), e.step_time_s)
+        if key not in ranked or ((e.memory.total, lay.zero, order[lay.recompute])
+                                 < (ranked[key].memory.total, ranked[key].layout.zero,
+                                    order[ranked[key].layout.recompute])):
             ranked[key] = e
     exhaustive = sorted(ranked.values(), key=lambda e: e.step_time_s)[:4]
     assert [e.step_time_s for e in r.best] == [e.step_time_s for e in exhaustive]
@@ -124,3 +130,21 @@ def test_lower_bound_holds_with_megatron_overlaps():
             assert _lower_bounds(m, c, lay, t)[0] <= estimate(m, c, lay, t).step_time_s * (1 + 1e-9), lay.short()
             seen += 1
     assert seen > 20
+
+
+def test_selective_recomputation_under_fused_attention_is_ranked_once():
+    """Fused (flash) attention already recomputes its scores in the backward, so selective recomputation redoes
+    nothing: a layout with it and the same layout without take the same time and memory, and only the one
+    without is ranked (else 8B on 8 H100 lists three such pairs in its top 5)."""
+    m, t = Model.preset("llama3-8b"), Training(64)
+    r = search(m, Cluster("h100-sxm", 8), t, top=5)
+    assert len(r.best) == 5 and all(e.layout.recompute != "selective" for e in r.best)
+    for e in r.best:  # each ranked layout has a selective twin of the same time and memory that was left out
+        sel = estimate(m, Cluster("h100-sxm", 8), replace(e.layout, recompute="selective"), t)
+        assert (sel.step_time_s, sel.memory.total) == (e.step_time_s, e.memory.total)
+    assert r.twin_settings["recompute"] >= 5 and r.twins == sum(r.twin_settings.values())
+    assert any("selective/no recomputation" in ln and f"{r.twins} layouts" in ln for ln in explain(r))
+    # unfused attention: selective recomputation redoes the softmax, costs time, and both are ranked
+    unfused = search(m, Cluster("h100-sxm", 8, flash_attention=False), t, top=20)
+    assert "recompute" not in unfused.twin_settings
+    assert {e.layout.recompute for e in unfused.best} >= {"none", "selective"}

@@ -266,7 +266,8 @@ def plan(options: dict[str, Any]) -> None:
     if o.as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
                                "global_batch_note": batch_note, "rejected": dict(result.rejected),
-                               "pruned": result.pruned, "zero_twins": result.twins, "considered": result.considered,
+                               "pruned": result.pruned, "twins": result.twins,
+                               "twin_settings": dict(result.twin_settings), "considered": result.considered,
                                "why": explain(result), "max_memory_fraction": o.max_memory_fraction}
         typer.echo(json.dumps(out, indent=1))
         return

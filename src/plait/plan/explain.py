@@ -45,9 +45,23 @@ def explain(result: SearchResult) -> list[str]:
         lines.append(f"rejected {sum(result.rejected.values())} of {result.considered} layouts ({top}); "
                      f"{result.pruned} valid ones pruned as slower")
     if result.twins:
-        lines.append(f"{result.twins} ZeRO-1/ZeRO-2 pairs as fast as each other: only the one with less memory "
-                     "is ranked (plait's ZeRO-2 reduces once per step, as ZeRO-1)")
+        lines.append(_twins(result))
     return lines
+
+
+# what each setting of ``search.TWIN_SETTINGS`` tells apart, and why that changes nothing
+_TWIN_WORDS = {"zero": ("ZeRO-1/ZeRO-2", "plait's ZeRO-2 reduces once per step, as ZeRO-1"),
+               "recompute": ("selective/no recomputation",
+                             "fused attention already recomputes what selective recomputation would")}
+
+
+def _twins(result: SearchResult) -> str:
+    """One line: how many layouts were left out for an equally fast twin, by the settings told apart."""
+    counts = ", ".join(f"{n} {' and '.join(_TWIN_WORDS[k][0] for k in kinds.split('+'))}"
+                       for kinds, n in result.twin_settings.most_common())
+    why = "; ".join(_TWIN_WORDS[k][1] for k in _TWIN_WORDS if any(k in kinds for kinds in result.twin_settings))
+    return (f"{result.twins} layouts as fast as a twin that differs only in settings that change nothing here "
+            f"({counts}): only the one with less memory, else the simpler, is ranked ({why})")
 
 
 def min_gpus_hint(model: Model, usable_per_gpu: float) -> int:

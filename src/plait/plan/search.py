@@ -21,6 +21,13 @@ from plait.plan.stages import Stages, layout_stages
 
 MICROBATCH_SIZES = (1, 2, 4)
 
+# Settings that can change nothing, each with its values simplest first: ZeRO-2 as plait runs it reduces the
+# gradients once per step, as ZeRO-1 does (only the memory can differ); with fused (flash) attention the
+# backward already recomputes the scores, so selective recomputation (Korthikanti et al. 2022, §4.3: redo
+# QK^T, softmax and AV) redoes nothing. Layouts differing only in these that estimate the same step time
+# are twins (``SearchResult.twins``): one is ranked.
+TWIN_SETTINGS: dict[str, tuple] = {"zero": (1, 2), "recompute": ("none", "selective")}
+
 
 @dataclass
 class SearchResult:
@@ -28,9 +35,10 @@ class SearchResult:
     (``check`` keys such as ``tp>node``, ``heads%tp``, ``layers<stages``, ``batch%dp``, plus
     ``memory``). ``pruned``: valid layouts never simulated because even with no pipeline bubble
     they would be slower than the ``top``-th best (branch and bound). ``considered``: all layouts.
-    ``twins``: layouts left out because the same layout at the other ZeRO stage (1 or 2) takes exactly
-    the same time with no more memory (ZeRO-2 as plait runs it reduces once per step, as ZeRO-1 does:
-    only the memory can differ); of two such layouts the one with less memory is ranked, else ZeRO-1."""
+    ``twins``: layouts left out for a twin, one that differs only in settings of ``TWIN_SETTINGS`` and takes
+    exactly the same time with no more memory; of such layouts the one with less memory is ranked, else the
+    simplest (ZeRO-1, no recomputation). ``twin_settings``: those counts by the settings told apart
+    (``"zero"``, ``"recompute"`` or ``"zero+recompute"``)."""
 
     best: list[Estimate]
     rejected: Counter = field(default_factory=Counter)
@@ -38,6 +46,7 @@ class SearchResult:
     considered: int = 0
     smallest_memory: float = 0.0  # the least GB any valid layout needs, when nothing fits
     twins: int = 0
+    twin_settings: Counter = field(default_factory=Counter)
 
     @property
     def ok(self) -> bool:
@@ -172,7 +181,7 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
         queue.append((seconds, i, layout))
     queue.sort()
     kept: list[tuple[float, int, Estimate]] = []  # max-heap on (step time, candidate order) via negation
-    twins: dict[Layout, Estimate] = {}  # a layout at ZeRO 0 -> its ZeRO-1/2 estimate seen so far
+    twins: dict[tuple[Layout, float], Estimate] = {}  # (simplest twin, step time) -> the one ranked
     for j, (seconds, i, layout) in enumerate(queue):
         if len(kept) >= top and seconds > -kept[0][0]:
             result.pruned += len(queue) - j
@@ -192,19 +201,29 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
     return result
 
 
-def _twin_kept(kept: list[tuple[float, int, Estimate]], twins: dict[Layout, Estimate], est: Estimate,
-               result: SearchResult) -> bool:
-    """True if ``est`` is left out for its ZeRO-1/2 twin (same layout, same step time, no less memory: see
-    ``SearchResult.twins``); when ``est`` is the better of the two, the twin leaves ``kept``. Counts either."""
-    if est.layout.zero not in (1, 2):
-        return False
-    key = replace(est.layout, zero=0)
+def _simplest(layout: Layout) -> Layout:
+    """``layout`` with each setting of ``TWIN_SETTINGS`` it holds set to that setting's simplest value."""
+    return replace(layout, **{k: v[0] for k, v in TWIN_SETTINGS.items() if getattr(layout, k) in v})
+
+
+def _complexity(layout: Layout) -> tuple[int, ...]:
+    """Where ``layout`` stands in each setting of ``TWIN_SETTINGS`` (0: the simplest value)."""
+    return tuple(v.index(getattr(layout, k)) if getattr(layout, k) in v else 0 for k, v in TWIN_SETTINGS.items())
+
+
+def _twin_kept(kept: list[tuple[float, int, Estimate]], twins: dict[tuple[Layout, float], Estimate],
+               est: Estimate, result: SearchResult) -> bool:
+    """True if ``est`` is left out for a twin (see ``TWIN_SETTINGS``: the same step time, no less memory, else
+    no simpler); when ``est`` is the better of the two, the twin leaves ``kept``. Counts either."""
+    key = (_simplest(est.layout), est.step_time_s)
     other = twins.get(key)
-    if other is None or other.step_time_s != est.step_time_s:
+    if other is None:
         twins[key] = est
         return False
     result.twins += 1
-    if (est.memory.total, est.layout.zero) >= (other.memory.total, other.layout.zero):
+    result.twin_settings["+".join(k for k in TWIN_SETTINGS
+                                  if getattr(est.layout, k) != getattr(other.layout, k))] += 1
+    if (est.memory.total, _complexity(est.layout)) >= (other.memory.total, _complexity(other.layout)):
         return True
     twins[key] = est
     kept[:] = [k for k in kept if k[2] is not other]
