@@ -149,7 +149,10 @@ def _narayanan() -> list[PublishedRun]:
 # PipelineModule._is_checkpointable, v0.5.10): the head is not recomputed (also BLOOM's runs below). Its
 # TrainSchedule issues ReduceGrads only after the last micro-batch's steps (deepspeed/runtime/pipe/schedule.py,
 # microsoft/DeepSpeed at af8f2596): the DP gradient reduction follows the backward, not beside it
-# (Training(overlap_grad_reduce=False), also BLOOM's runs below).
+# (Training(overlap_grad_reduce=False), also BLOOM's runs below). The GPU: "Each cluster node has 8 NVIDIA 80-GB
+# A100 GPUs, connected to each other by NVLink and NVSwitch", bf16 mixed precision, eight 200 Gb/s HDR InfiniBand
+# HCAs a node (Smith et al. 2022, §2.3, Selene's hardware); llm-analysis's example annotates these runs as A100-SXM
+# 40GB (its run_train.sh's gpu_name a100-sxm-40gb), which the paper does not say: costed as 80 GB.
 SMITH_WHERE = ("Smith et al. 2022 (MT-NLG), Section 2.4, as quoted in cli99/llm-analysis "
                "examples/megatron-turing-nlg/README.md and run_train.sh")
 # Its gradient dtype is not printed in what is read here: costed as plait keeps them (fp32).
