@@ -92,6 +92,20 @@ def test_llama3_rows_agree_with_their_printed_mfu():
         assert r.layout.tp * r.layout.pp * r.layout.dp == r.cluster.n_gpus and r.layout.recompute == "none"
 
 
+
+def test_nemo_rows_reduce_gradients_where_nemo_1_11_does():
+    # NeMo 1.11.0 turns apex's overlapped gradient reduce-scatter off under a pipeline or sequence parallelism
+    # (configure_optimizers); the 5B rows (neither) keep it beside the last micro-batch's backward
+    rows = [r for r in runs() if r.source == "NVIDIA NeMo Megatron"]
+    assert {r.layout.pp for r in rows} == {1, 8}
+    for r in rows:
+        assert r.training.overlap_grad_reduce == (r.layout.pp == 1 and not r.layout.sequence_parallel), r.label
+    # on the 1,024-GPU 175B row (DP 16) the flag exposes the reduction the overlap would hide
+    big = max(rows, key=lambda r: (r.layout.pp, r.cluster.n_gpus))
+    exposed = estimate(big.model, big.cluster, big.layout, big.training).time["dp_comm"]
+    hidden = estimate(big.model, big.cluster, big.layout, replace(big.training, overlap_grad_reduce=True))
+    assert big.layout.dp == 16 and exposed > hidden.time["dp_comm"] + 0.1
+
 def _small():
     """Three sources of fast runs (no long pipelines): enough to exercise the fit and the hold-outs."""
     out = []

@@ -182,7 +182,15 @@ def _smith() -> list[PublishedRun]:
 # the yamls set no optim.grad_sync_dtype: apex's DistributedFusedAdam then synchronises them in its state dtype,
 # fp32 (NVIDIA/apex apex/contrib/optimizers/distributed_fused_adam.py: "grad_sync_dtype ... (default: same as
 # dtype)"), and NeMo of that date passes only param_sync_dtype (NVIDIA/NeMo commit d29a66bc, 2022-09-07,
-# megatron_gpt_model.py setup_optimization).
+# megatron_gpt_model.py setup_optimization). Gradient reduction: NeMo v1.11.0 (the 22.08 container the README's
+# software table names, NeMo 1.11.0) turns apex's overlapped reduce-scatter off under a pipeline or sequence
+# parallelism (megatron_gpt_model.py configure_optimizers: "Overlapped communication interferes with grad reductions
+# for pipeline parallelism and sequence parallelism", overlap_grad_sync = False), so DistributedFusedAdam.step
+# reduce-scatters every bucket after the backward, then all-gathers the updated bf16 weights (NVIDIA/apex
+# distributed_fused_adam.py at 6f7d8ac3, step: grad_sync(), then all_gather per bucket): the 175B rows' reduction
+# follows the backward (Training(overlap_grad_reduce=False)). The 5B rows (no pipeline, no SP) keep apex's default
+# overlap: NeMo runs their earlier micro-batches under no_sync(greedy_grad_copy=True), the last one's backward
+# launching each bucket's reduce-scatter as it fills.
 NEMO_WHERE = ("NVIDIA/NeMo-Megatron-Launcher README §7.1.2 (commit 3579cdb3); layouts from "
               "conf/training/gpt3/5b.yaml and 175b.yaml at that commit")
 NEMO_5B = ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))
@@ -208,9 +216,11 @@ def _nemo() -> list[PublishedRun]:
         out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 175B on {n} A100", m175,
                                 Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
-                                       recompute="selective", zero=1), Training(2048),
+                                       recompute="selective", zero=1), Training(2048, overlap_grad_reduce=False),
                                 f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
-                                "global batch x seq / tokens per second", assumed + ("1F1B, not interleaved",)))
+                                "global batch x seq / tokens per second",
+                                assumed + ("1F1B, not interleaved", "NeMo 1.11.0: no gradient-reduction overlap "
+                                           "under a pipeline (configure_optimizers)")))
     return out
 
 
