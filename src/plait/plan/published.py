@@ -37,7 +37,7 @@ class PublishedRun:
         return self.cluster.gpu.name
 
 
-def _tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
+def tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
     return batch * seq / tokens_per_s
 
 
@@ -151,8 +151,8 @@ def _narayanan() -> list[PublishedRun]:
 # microsoft/DeepSpeed at af8f2596): the DP gradient reduction follows the backward, not beside it
 # (Training(overlap_grad_reduce=False), also BLOOM's runs below). The GPU: "Each cluster node has 8 NVIDIA 80-GB
 # A100 GPUs, connected to each other by NVLink and NVSwitch", bf16 mixed precision, eight 200 Gb/s HDR InfiniBand
-# HCAs a node (Smith et al. 2022, §2.3, Selene's hardware); llm-analysis's example annotates these runs as A100-SXM
-# 40GB (its run_train.sh's gpu_name a100-sxm-40gb), which the paper does not say: costed as 80 GB.
+# HCAs a node (Smith et al. 2022, the paragraph on Selene's hardware); llm-analysis's example annotates these runs
+# as A100-SXM 40GB (its run_train.sh's gpu_name a100-sxm-40gb), which the paper does not say: costed as 80 GB.
 SMITH_WHERE = ("Smith et al. 2022 (MT-NLG), Section 2.4, as quoted in cli99/llm-analysis "
                "examples/megatron-turing-nlg/README.md and run_train.sh")
 # Its gradient dtype is not printed in what is read here: costed as plait keeps them (fp32).
@@ -208,7 +208,7 @@ def _nemo() -> list[PublishedRun]:
         out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 5B on {n} A100", m5,
                                 Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(dp=n, microbatch_size=2, zero=1), Training(2048),
-                                f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
+                                f"{tps} tokens per second", tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second", assumed))
     m175 = gpt(96, 12288, 96, vocab=50304, name="gpt3-175b")
     for nodes, tps in NEMO_175B:
@@ -217,7 +217,7 @@ def _nemo() -> list[PublishedRun]:
                                 Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
                                        recompute="selective", zero=1), Training(2048, overlap_grad_reduce=False),
-                                f"{tps} tokens per second", _tokens_step(2048, 2048, tps),
+                                f"{tps} tokens per second", tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second",
                                 assumed + ("1F1B, not interleaved", "NeMo 1.11.0: no gradient-reduction overlap "
                                            "under a pipeline (configure_optimizers)")))
@@ -297,109 +297,13 @@ def _bloom() -> list[PublishedRun]:
     return out
 
 
-# ---- MosaicML llm-foundry MPT benchmarks (FSDP) ------------------------------------------------------------
-# mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c, 2023-10-17): Throughput (T/s) of MPT
-# models under FSDP FULL_SHARD; shapes from scripts/train/yamls/pretrain/mpt-*.yaml (vocab 50368, expansion
-# ratio 4, no biases; the table's NumParams grow with the sequence length: learned positions). Activation checkpointing
-# wraps each MPTBlock (llmfoundry/models/mpt/modeling_mpt.py activation_checkpointing_fn at that commit), inside its
-# FSDP unit (Composer wraps the model in FSDP first, then checkpoint-wraps the matching modules that are not FSDP
-# units: mosaicml/composer composer/trainer/dist_strategy.py at b71375a3): the head is not recomputed and the
-# recompute finds the block's weights gathered.
-# Gradients: reduced in bf16. Every row prints its "MP Mode" (DEFAULT with amp_bf16, PURE with bf16); under the
-# Composer of that commit (setup.py: mosaicml>=0.16.3,<0.17) DEFAULT leaves FSDP's reduce_dtype unset and PURE sets
-# it to the precision (mosaicml/composer composer/trainer/mosaic_fsdp_utils.py at v0.16.3, get_mixed_precision), and
-# an unset reduce_dtype takes param_dtype, bf16 (torch.distributed.fsdp.MixedPrecision).
-MOSAIC_WHERE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), {table}"
-MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
-       "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
-# (table, model, seq, GPUs, micro-batch, global batch, activation checkpointing, Throughput (T/s) as printed)
-MOSAIC_ROWS = (
-    ("H100 80GB BF16", "70b", 2048, 64, 8, 2048, True, 66523),
-    ("H100 80GB BF16", "30b", 2048, 16, 10, 480, True, 36209),
-    ("H100 80GB BF16", "13b", 2048, 8, 2, 16, False, 38336),
-    ("H100 80GB BF16", "13b", 4096, 8, 10, 240, True, 37740),
-    ("H100 80GB BF16", "7b", 2048, 8, 6, 48, False, 85144),
-    ("H100 80GB BF16", "7b", 8192, 8, 8, 128, True, 55481),
-    ("H100 80GB BF16", "3b", 2048, 16, 10, 480, False, 386285),
-    ("H100 80GB BF16", "3b", 8192, 8, 3, 144, False, 132626),
-    ("H100 80GB BF16", "1b", 2048, 8, 14, 112, False, 363645),
-    ("H100 80GB BF16", "760m", 2048, 16, 24, 384, False, 1096819),
-    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "70b", 2048, 64, 8, 2048, True, 26274),
-    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "30b", 2048, 8, 3, 504, True, 7330),
-    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "13b", 2048, 8, 2, 48, False, 18097),
-    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "7b", 2048, 8, 6, 96, False, 37130),
-    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "3b", 2048, 8, 10, 160, False, 86491),
-    ("A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "1b", 2048, 8, 14, 448, False, 164109),
-)
-ROCE_200 = Link("RoCE 200 Gb/s per GPU (1600 Gb/s per node)", 25 * GB, 8e-6)
-# The attention kernel: the yamls at that commit set ``attn_impl: triton`` and so does submit_benchmarks.py's
-# default (sweep.sh passes no --attn_impl), which runs llmfoundry/models/layers/flash_attn_triton.py: "Copied from
-# HazyResearch/flash-attention ... flash_attn/flash_attn_triton.py", FlashAttention's (v1) Triton port on the
-# pre-MLIR Triton compiler (setup.py: triton-pre-mlir; flash-attn==1.0.9 in the gpu extra). The H100 BF16 rows ran
-# image mosaicml/pytorch:2.1.0_cu121-nightly20230827 at amp_bf16 (the benchmarks' h100new.csv, removed from the
-# repository at 803e6718 when the table moved into the README), not FP8, which has a table of its own.
-MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default): FlashAttention v1's Triton port"
-
-
-def mpt(size: str, seq: int) -> Model:
-    """An MPT model of the table: no dropout (the yamls set none and llmfoundry/models/mpt/configuration_mpt.py at
-    061f2c7c defaults attn_pdrop, resid_pdrop and emb_pdrop to 0)."""
-    layers, d, heads = MPT[size]
-    return Model(layers, d, heads, 50368, seq, layernorm=True, learned_positions=True, tied_embeddings=True,
-                 name=f"mpt-{size}")
-
-
-def _mosaic() -> list[PublishedRun]:
-    out = []
-    for table, size, seq, n, mbs, batch, ckpt, tps in MOSAIC_ROWS:
-        h100 = table.startswith("H100")
-        out.append(PublishedRun(
-            "MosaicML llm-foundry", MOSAIC_WHERE.format(table=table),
-            f"MPT-{size} seq {seq} on {n} {'H100' if h100 else 'A100'}", mpt(size, seq),
-            Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200,
-                    flash_attention="flash1"),
-            Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
-            Training(batch, recompute_head=False, grad_dtype="bf16"),
-            f"Throughput (T/s) {tps}", _tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
-            ("FSDP FULL_SHARD costed as ZeRO-3", MOSAIC_ATTENTION,
-             "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
-    return out
-
-
-# ---- torchtitan (FSDP2 on 64 A100 80GB) --------------------------------------------------------------------
-# pytorch/torchtitan docs/performance.md (commit 04133643): WPS (tokens per second per GPU) of Llama 3 70B (local
-# batch 1, full activation checkpointing: 331) and Llama 2 13B (local batch 2, none: 2162) and 70B (local batch
-# 2, full: 353) with FSDP2 on 64 A100 80GB; global batch = local batch x 64. Full AC wraps each TransformerBlock in a
-# checkpoint wrapper before fully_shard (torchtitan/parallelisms/parallelize_llama.py at that commit): the head is not
-# recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered. Gradients: reduced in fp32
-# (the same file: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), plait's default.
-TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
-# torchtitan's Llama (torchtitan/models/llama/model.py) has no dropout, as Model's default.
-LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
-LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
-
-
-def _torchtitan() -> list[PublishedRun]:
-    rows = ((Model.preset("llama3-70b"), 1, "full", 331), (LLAMA2_13B, 2, "none", 2162),
-            (LLAMA2_70B, 2, "full", 353))
-    out = []
-    for m, local, rc, wps in rows:
-        batch = 64 * local
-        out.append(PublishedRun(
-            "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
-            Cluster("a100-80gb", 64, flash_attention="flash2"),
-            Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch, recompute_head=False),
-            f"WPS {wps}", _tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
-            ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: its flash backend, FlashAttention-2, on A100",
-             "fabric not printed: HDR InfiniBand assumed")))
-    return out
-
-
 def runs() -> list[PublishedRun]:
-    """The whole evaluation set, source by source (the H100 sources of 2024-2025 in ``plan.published_h100``)."""
-    from plait.plan import published_h100  # it builds on this module's PublishedRun
+    """The whole evaluation set, source by source (the FSDP sources in ``plan.published_fsdp``, the H100 sources of
+    2024-2025 in ``plan.published_h100``)."""
+    from plait.plan import published_fsdp, published_h100  # they build on this module's PublishedRun
 
-    return _narayanan() + _smith() + _nemo() + _bloom() + _mosaic() + _torchtitan() + published_h100.runs()
+    return (_narayanan() + _smith() + _nemo() + _bloom() + published_fsdp.mosaic() + published_fsdp.torchtitan()
+            + published_h100.runs())
 
 
 def sources(rs: list[PublishedRun] | None = None) -> list[str]:
