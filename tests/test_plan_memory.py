@@ -3,6 +3,7 @@
 import pytest
 
 from plait.plan import Cluster, Layout, Model, Training, estimate
+from plait.plan.config import GRAD_DTYPES
 from plait.plan.memory import activation_bytes_per_layer, stage_layers, state_bytes
 
 # A GPT-shaped model (MHA, 4h GELU MLP, dropout) so the paper's formulas apply verbatim: s=2048, h=1024, a=16.
@@ -223,7 +224,7 @@ def test_grad_dtype_is_validated_and_plait_plans_keep_fp32():
     gradient is not turned into a configuration plait's runtime would run (it keeps fp32 gradients)."""
     from plait.errors import ConfigError
 
-    assert Training(8).grad_dtype == "fp32" and Training(8, grad_dtype="fp16").grad_bytes == 2
+    assert Training(8).grad_dtype == "fp32" and GRAD_DTYPES[Training(8, grad_dtype="fp16").grad_dtype] == 2
     with pytest.raises(ConfigError, match="grad_dtype: 'int8' is not one of fp32, bf16, fp16"):
         Training(8, grad_dtype="int8")
     with pytest.raises(ConfigError, match="grad_dtype: 'bf16' needs precision='bf16'"):

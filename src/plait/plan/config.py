@@ -216,11 +216,6 @@ class Training:
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} needs precision='bf16' (fp32 training keeps fp32 "
                               "gradients)")
 
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of one gradient element as kept and reduced (``grad_dtype``)."""
-        return GRAD_DTYPES[self.grad_dtype]
-
 
 def microbatches(layout: Layout, training: Training) -> int:
     """M, the micro-batches each pipeline replica runs per step."""

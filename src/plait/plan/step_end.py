@@ -24,10 +24,10 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     """(gradient reduction, updated weights' gather) over dp·cp, the gradients in ``grad_dtype``
     (``Training.grad_dtype``: fp32 as plait runs it, 2 B where the stack reduces 16-bit gradients): an
     all-reduce of the gradients and no gather (no ZeRO); a reduce-scatter of them and an all-gather of the
-    updated weights (ZeRO-1 and ZeRO-2
-    as plait runs them and as Megatron-LM's distributed optimizer does: once per step, the reduction at each
-    chunk's last backward, the gather in the optimizer step; bf16 weights on catalogue GPUs, fp32 on a
-    calibrated host, plait train's default); ZeRO-3 as plait runs it: the same reduce-scatter, of the last
+    updated weights (ZeRO-1 and ZeRO-2 as plait runs them and as Megatron-LM's distributed optimizer does: once
+    per step, the reduction at each chunk's last backward, the gather after the optimizer step (or beside the
+    next forwards: ``plan.overlap``); bf16 weights on catalogue GPUs, fp32 on a calibrated host, plait train's
+    default); ZeRO-3 as plait runs it: the same reduce-scatter, of the last
     micro-batch's backward (each earlier one reduce-scatters its own: ``zero_per_microbatch``), and no gather
     after the step (each forward and backward gathers its blocks)."""
     n = layout.dp * layout.cp
