@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from plait.errors import ConfigError
 from plait.plan.catalogue import GPU
 
@@ -98,6 +96,17 @@ def kernel_of(flash_attention: bool | str, gpu: GPU) -> str:
     return str(flash_attention)
 
 
+def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through (xs, ys), flat beyond the ends (numpy's ``interp``; the planner imports no
+    numpy, so that it starts at once: tests/test_architecture.py)."""
+    if x <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[-1]
+
+
 def efficiency(gpu: GPU, kernel: str, seq: float, head_dim: float) -> float:
     """Share of ``gpu``'s peak that ``kernel`` reaches on the causal half of the s×s square, forward and backward
     alike: its published TFLOP/s over the benchmark GPU's peak, linear in log2(seq) between the benchmarked
@@ -107,7 +116,7 @@ def efficiency(gpu: GPU, kernel: str, seq: float, head_dim: float) -> float:
         return gpu.flash_efficiency
     peak, kernels = FIGURES[gpu.attention_figures]
     dims = kernels[kernel]
-    logs = [math.log2(s) for s in SEQ]
-    at = {d: float(np.interp(math.log2(max(seq, 1.0)), logs, tflops)) for d, tflops in dims.items()}
-    ds = sorted(at)
-    return float(np.interp(head_dim, ds, [at[d] for d in ds])) * 1e12 / peak
+    logs = tuple(math.log2(s) for s in SEQ)
+    at = {d: _interpolate(logs, tflops, math.log2(max(seq, 1.0))) for d, tflops in dims.items()}
+    ds = tuple(sorted(at))
+    return _interpolate(ds, tuple(at[d] for d in ds), head_dim) * 1e12 / peak
