@@ -1,5 +1,6 @@
 """Benchmark: layout search time (cold and warm simulator cache) and the GPU model's error on the published runs
-with each source held out (``--validate`` runs only that part).
+with each source held out, and how far apart the sources are for this model (the disagreement floor:
+``plan.validation.disagreement_floor``) (``--validate`` runs only that part).
 
 Target (issue 6): ``search`` over every layout for 16,384 GPUs and a 405B model in under 2 s.
 Each search runs in a fresh process so the simulator cache starts cold; "warm" repeats it in the
@@ -56,11 +57,21 @@ def validation() -> dict:
     from plait.plan.published import runs
     from plait.plan.published_memory import byte_figures, format_byte_figures
     from plait.plan.published_speedups import format_speedups, speedups
-    from plait.plan.validation import format_memory_checks, format_report, leave_one_source_out, memory_checks
+    from plait.plan.validation import (
+        disagreement_floor,
+        format_floor,
+        format_memory_checks,
+        format_report,
+        leave_one_source_out,
+        memory_checks,
+        own_ceilings,
+    )
 
     t0 = time.perf_counter()
     rep = leave_one_source_out(runs())
     print(format_report(rep))
+    floor = disagreement_floor([r.run for r in rep.rows])
+    print(format_floor(floor, own_ceilings([r.run for r in rep.rows])))
     mem = memory_checks()
     print(format_memory_checks(mem))
     figures = byte_figures()
@@ -70,6 +81,7 @@ def validation() -> dict:
     (fm, fx), (hm, hx) = rep.in_fit_stats(), rep.held_out_stats()
     return {"runs": len(rep.rows), "in_fit_mean_pct": fm, "in_fit_max_pct": fx, "held_out_mean_pct": hm,
             "held_out_max_pct": hx, "in_fit_constants": rep.in_fit,
+            "disagreement_floor_pct": 100 * floor.error,
             "memory_statements_agreeing": f"{sum(a for *_, a in mem)} of {len(mem)}",
             "memory_figures_agreeing": f"{sum(f.agrees for f in figures)} of {len(figures)}",
             "speedups": {s.label: {"published": s.published, "planner": s.planner()} for s in fast},

@@ -10,7 +10,15 @@ import pytest
 from plait.plan import estimate
 from plait.plan.published import narayanan_flops, runs, sources
 from plait.plan.published_h100 import chowdhery_flops_per_token
-from plait.plan.validation import fit, leave_one_source_out, matmul_ceiling, predict, with_values
+from plait.plan.validation import (
+    disagreement_floor,
+    fit,
+    leave_one_source_out,
+    matmul_ceiling,
+    own_ceilings,
+    predict,
+    with_values,
+)
 
 
 def _number(text: str) -> float:
@@ -138,6 +146,30 @@ def test_a_constant_no_run_uses_takes_its_fallbacks_fit():
     values = fit(rs, [a100, h100], 1, 4)
     assert values[h100.name] == values[a100.name] != a100.default
     assert fit(rs, [matmul_ceiling("h100-sxm")], 1, 4) == {h100.name: h100.default}
+
+
+def test_a_higher_gemm_ceiling_never_slows_a_published_run():
+    # the disagreement floor's bisection rests on it
+    for r in runs():
+        ceiling = matmul_ceiling(r.gpu)
+        assert predict(ceiling.apply(r, 0.7)) <= predict(ceiling.apply(r, 0.5)), r.label
+
+
+def test_disagreement_floor_of_two_sources_that_disagree_by_a_fifth():
+    # one run as two sources printing 0.9x and 1.1x of what the model says at ceiling 0.6: whatever the
+    # ceiling, one of them is off by at least p/0.9 - 1 where p(1/0.9 + 1/1.1) = 2, p = 0.99: 10%
+    run = next(r for r in runs() if r.gpu == "a100-80gb" and r.layout.pp == 1 and r.layout.zero == 0)
+    ceiling = matmul_ceiling("a100-80gb")
+    x = predict(ceiling.apply(run, 0.6))
+    pair = [replace(run, source="fast", step_s=0.9 * x), replace(run, source="slow", step_s=1.1 * x)]
+    floor = disagreement_floor(pair, [ceiling], steps=24)
+    assert floor.error == pytest.approx(0.10, abs=1e-4)
+    assert floor.bias[("fast", "a100-80gb")] == pytest.approx(0.10, abs=1e-4)
+    assert floor.bias[("slow", "a100-80gb")] == pytest.approx(-0.10, abs=1e-4)
+    assert 0.6 < floor.values[ceiling.name] < 0.7  # 1% faster than at 0.6
+    # each group's own ceiling: the one that predicts it exactly (0.6 for a copy printed at the model's figure)
+    own = own_ceilings([replace(run, source="exact", step_s=x)], [ceiling])
+    assert own[("exact", "a100-80gb")] == pytest.approx(0.6, abs=2e-3)
 
 
 SEARCH = """

@@ -34,6 +34,7 @@ class Constant:
     apply: Callable[[PublishedRun, float], PublishedRun]
     uses: Callable[[PublishedRun], bool]
     fallback: str | None = None
+    gpu: str | None = None  # the GPU type whose runs alone it changes (a GEMM ceiling); None: every run's
 
 
 def _on_gpu(run: PublishedRun, **fields: Any) -> PublishedRun:
@@ -52,7 +53,7 @@ def matmul_ceiling(gpu: str, low: float = 0.4, high: float = 0.9, fallback: str 
         return _on_gpu(run, matmul_efficiency=value) if run.gpu == gpu else run
 
     return Constant(f"matmul_efficiency[{gpu}]", (low + high) / 2, low, high, apply, lambda r: r.gpu == gpu,
-                    f"matmul_efficiency[{fallback}]" if fallback else None)
+                    f"matmul_efficiency[{fallback}]" if fallback else None, gpu)
 
 
 def shared(field: str, low: float, high: float) -> Constant:
@@ -217,3 +218,114 @@ def format_memory_checks(rows: list[tuple[MemoryStatement, float, bool]]) -> str
         lines.append(f"{s.label}: published {'fits' if s.fits else 'out of memory'}; planner {total / 1e9:.1f} GB "
                      f"of {usable / 1e9:.1f} usable -> {'agrees' if agrees else 'DISAGREES'} ({s.where})")
     return "\n".join(lines)
+
+
+def _groups(rs: Sequence[PublishedRun]) -> dict[tuple[str, str], list[PublishedRun]]:
+    """The runs by (source, GPU type): the units whose mean error a constant can move together."""
+    out: dict[tuple[str, str], list[PublishedRun]] = {}
+    for r in rs:
+        out.setdefault((r.source, r.gpu), []).append(r)
+    return out
+
+
+def group_bias(rs: Sequence[PublishedRun]) -> float:
+    """The mean signed error (predicted/published - 1) of ``rs`` as they stand: their mean |error|, and so their
+    largest, is at least its absolute value."""
+    return sum(predict(r) / r.step_s - 1 for r in rs) / len(rs)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How far apart the sources are for this model: the least that values of the fitted constants (inside their
+    bounds) leave the worst (source, GPU) group's |mean error| at.
+
+    ``error``: that least (each GPU's ceiling exact, the shared constants by search), which no fit, in-fit or held
+    out, brings the largest run error below, since a group's largest |error| is at least its mean's; ``values``:
+    the constants where it is reached; ``bias``: each group's mean signed error there."""
+
+    error: float
+    values: dict[str, float]
+    bias: dict[tuple[str, str], float]
+
+
+def _ceiling_floor(groups: dict[tuple[str, str], list[PublishedRun]], ceiling: Constant,
+                   values: dict[str, float], others: Sequence[Constant], steps: int) -> tuple[float, float]:
+    """(ceiling value, floor) over the groups of one GPU type, the other constants at ``values``. A higher
+    ceiling never slows a run (tests/test_plan_published.py checks it on every run), so every group's mean error
+    falls as it rises: the largest |mean error| is least where the highest and the lowest group means are
+    opposite (bisection on their sum)."""
+    def bounds(x: float) -> tuple[float, float]:
+        b = [group_bias([ceiling.apply(with_values(r, others, values), x) for r in g]) for g in groups.values()]
+        return max(b), min(b)
+
+    lo, hi = ceiling.low, ceiling.high
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        top, bottom = bounds(mid)
+        if top + bottom > 0:  # still too slow on balance: raise the ceiling
+            lo = mid
+        else:
+            hi = mid
+    x = (lo + hi) / 2
+    top, bottom = bounds(x)
+    return x, max(abs(top), abs(bottom))
+
+
+def disagreement_floor(rs: Sequence[PublishedRun], constants: Sequence[Constant] | None = None,
+                       grid: int = 6, rounds: int = 2, steps: int = 10) -> Floor:
+    """The ``Floor`` of ``rs``: each GPU type's ceiling set by bisection inside its bounds (exact, the error being
+    monotone in it: ``steps`` halvings), every shared constant (the element-wise traffic) searched on
+    ``grid`` points of its bounds, then ``rounds - 1`` times on as many around the best of them."""
+    constants = list(constants if constants is not None else default_constants())
+    ceilings = [c for c in constants if c.gpu]
+    shared_ = [c for c in constants if c not in ceilings]
+    groups = _groups(rs)
+
+    def at(point: dict[str, float]) -> tuple[float, dict[str, float]]:
+        values = dict(point)
+        worst = 0.0
+        for c in ceilings:
+            mine = {k: g for k, g in groups.items() if c.uses(g[0])}
+            if not mine:
+                continue
+            values[c.name], err = _ceiling_floor(mine, c, point, shared_, steps)
+            worst = max(worst, err)
+        return worst, values
+
+    best: tuple[float, dict[str, float]] = at({c.name: c.default for c in shared_})
+    for c in shared_:  # one shared constant at a time: a grid over its bounds, then over the spans beside the best
+        lo, hi = c.low, c.high
+        for _ in range(rounds):
+            points = [lo + (hi - lo) * i / (grid - 1) for i in range(grid)]
+            tried = [(at({**{k.name: best[1][k.name] for k in shared_}, c.name: x}), x) for x in points]
+            (err, values), x = min(tried, key=lambda t: t[0][0])
+            if err <= best[0]:
+                best = (err, values)
+            span = (hi - lo) / (grid - 1)
+            lo, hi = max(c.low, x - span), min(c.high, x + span)
+    err, values = best
+    bias = {k: group_bias([with_values(r, constants, values) for r in g]) for k, g in groups.items()}
+    return Floor(err, values, bias)
+
+
+def format_floor(floor: Floor, own: dict[tuple[str, str], float] | None = None) -> str:
+    """The floor, each group's mean signed error there and, given, each group's own fitted ceiling."""
+    lines = [f"disagreement floor: no values of the fitted constants bring every (source, GPU) group's mean error "
+             f"within {100 * floor.error:.1f}% (at {', '.join(f'{k} {v:.3f}' for k, v in floor.values.items())}); "
+             f"a group's largest run error is at least its mean's"]
+    for (s, g), b in sorted(floor.bias.items(), key=lambda kv: kv[1]):
+        fitted = f", fitted on it alone: ceiling {own[(s, g)]:.3f}" if own and (s, g) in own else ""
+        lines.append(f"  {s[:28]:28} {g:10} mean error {100 * b:+6.1f}%{fitted}")
+    return "\n".join(lines)
+
+
+def own_ceilings(rs: Sequence[PublishedRun], constants: Sequence[Constant] | None = None
+                 ) -> dict[tuple[str, str], float]:
+    """Each (source, GPU) group's GEMM ceiling fitted on that group alone (the other constants as shipped)."""
+    constants = list(constants if constants is not None else default_constants())
+    out = {}
+    for (s, g), grp in _groups(rs).items():
+        mine = [c for c in constants if c.gpu == g]
+        if mine:
+            out[(s, g)] = fit(grp, mine)[mine[0].name]
+    return out
