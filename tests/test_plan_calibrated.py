@@ -2,6 +2,7 @@
 
 import pytest
 
+from plait.errors import ConfigError
 from plait.plan import Cluster, Layout, Model, step_end
 from plait.plan.costs import StageCosts
 from plait.plan.host import census, shapes
@@ -234,6 +235,8 @@ def test_optimizer_step_is_the_timed_seconds_per_parameter_and_tensor():
     tensors = 8 * step_end.PARAM_TENSORS_PER_LAYER + 3
     timed = _cluster(_section(None, optimizer=3e-9))
     assert step_end.optimizer_time(timed, Layout(), params, 8) == pytest.approx(3e-3)
+    with pytest.raises(ConfigError, match="optimizer: 'torch-foreach-adamw' is costed on catalogue GPUs"):
+        step_end.optimizer_time(timed, Layout(), params, 8, "torch-foreach-adamw")  # the host times plait's own
     per_tensor = _cluster(_section(None, optimizer=3e-9, per_tensor=3e-5))
     assert step_end.optimizer_time(per_tensor, Layout(), params, 8) == pytest.approx(3e-3 + tensors * 3e-5)
     assert step_end.optimizer_time(per_tensor, Layout(dp=2, zero=1), params, 8) == pytest.approx(

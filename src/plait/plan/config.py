@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.plan.model import Model
+from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
@@ -106,7 +107,8 @@ class Layout:
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
         (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, that leaves
-        the head out of full recomputation, or that plans Megatron-Core's TP or weight-gather overlap).
+        the head out of full recomputation, that plans Megatron-Core's TP or weight-gather overlap, or another
+        stack's optimizer).
         """
         gap = runtime_gap(self)
         if gap:
@@ -117,6 +119,9 @@ class Layout:
         if training is not None and self.recompute == "full" and not training.recompute_head:
             raise ConfigError("recompute_head: False is planned but plait's runtime recomputes the head under full "
                               "recomputation too (plan with recompute_head=True)")
+        if training is not None and training.optimizer != RUNTIME_OPTIMIZER:
+            raise ConfigError(f"optimizer: {training.optimizer!r} is planned but plait's runtime runs "
+                              f"{RUNTIME_OPTIMIZER} (plan with optimizer={RUNTIME_OPTIMIZER!r})")
         for name in ("tp_comm_overlap", "overlap_param_gather"):
             if training is not None and getattr(training, name):
                 raise ConfigError(f"{name}: True is planned (Megatron-Core's overlap) but plait's runtime does not "
@@ -201,6 +206,16 @@ class Training:
     """ZeRO-1/2's all-gather of the updated weights issued after the step and waited for by each chunk's first
     forward of the next one, as Megatron-Core's distributed optimizer runs it with ``overlap_param_gather``
     (``plan.overlap.exposed_tail``); otherwise it follows the optimizer step, exposed."""
+    optimizer: str = RUNTIME_OPTIMIZER
+    """The implementation of the optimizer step and its gradient clipping, which sets the HBM bytes the step moves
+    per parameter element (``plan.optimizers.OPTIMIZERS``, each counted from its code): "torch-fused-adamw"
+    (plait's runtime: torch's fused AdamW, plait's float64 gradient norm), "megatron-fp16" (Megatron-LM's fp16
+    optimizer around apex's FusedAdam), "megatron-core-bf16" (Megatron-Core's distributed optimizer, a 16-bit
+    gradient buffer), "apex-distributed-adam" (apex's DistributedFusedAdam), "deepspeed-bf16" and
+    "deepspeed-zero-fp16" (DeepSpeed's BF16_Optimizer, its ZeRO-1/2 with fp16), "composer-decoupled-adamw"
+    (Composer's per-tensor DecoupledAdamW, FSDP's clip) or "torch-foreach-adamw" (torch's foreach AdamW and
+    clip_grad_norm_). Another stack's step also replaces plait's ZeRO publish (``plan.step_end.publish_time``).
+    ``Layout.to_parallel_config`` refuses any but plait's."""
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
@@ -212,6 +227,8 @@ class Training:
             raise ConfigError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.grad_dtype not in GRAD_DTYPES:
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.precision == "fp32" and self.grad_dtype != "fp32":
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} needs precision='bf16' (fp32 training keeps fp32 "
                               "gradients)")

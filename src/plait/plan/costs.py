@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from plait.plan.optimizers import RUNTIME_OPTIMIZER
+
 if TYPE_CHECKING:
     from plait.plan.config import Layout
     from plait.plan.memory import ActivationModel
@@ -105,8 +107,9 @@ class CostModel(Protocol):
         """Seconds of the DP gradient reduction that ``backward`` (the busiest rank's) hides."""
         ...
 
-    def optimizer_time(self, params: float, tensors: int, shards: int) -> float:
-        """The optimizer step over ``params`` parameters in ``tensors`` tensors, shared by ``shards`` ranks."""
+    def optimizer_time(self, params: float, tensors: int, shards: int, optimizer: str = RUNTIME_OPTIMIZER) -> float:
+        """The optimizer step over ``params`` parameters in ``tensors`` tensors, shared by ``shards`` ranks, as
+        ``optimizer`` (``Training.optimizer``) runs it."""
         ...
 
     def stream_time(self, nbytes: float, kernels: float) -> float:

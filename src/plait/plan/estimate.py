@@ -144,8 +144,8 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     free = max(0.0, max(c.backward for c in ranks) - gather_3)
     reduction, gather = dp_exposed(costs, layout, training, reduction, gather, free, busiest.forward)
     layers = max(c.layers for c in ranks)
-    optimizer = step_end.optimizer_time(cluster, layout, params, layers)
-    publish = step_end.publish_time(cluster, layout, params, layers, training.precision)
+    optimizer = step_end.optimizer_time(cluster, layout, params, layers, training.optimizer)
+    publish = step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer)
     loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True, training.grad_dtype)
     time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": reduction + gather,

@@ -17,6 +17,7 @@ from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
+from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.plan.timing import head_forward_flops, layer_forward_flops
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ FLASH_BACKWARD = 2.5
 # A causal flash kernel computes only the key blocks on and below the diagonal: about half of the s×s square the
 # FLOP count charges (Dao 2023, FlashAttention-2, §3.1.1: causal masking skips the blocks above it).
 FLASH_CAUSAL = 0.5
-# Adam step: read fp32 master, m, v and grad (16 B), write master, m, v (12 B) and bf16 weight (2 B).
-OPTIMIZER_TRAFFIC = 30.0
 # Tensor-parallel communication overlap (``Training.tp_comm_overlap``: Megatron-Core's tp_comm_overlap, Transformer
 # Engine's userbuffers) decomposes each of sequence parallelism's gathers and scatters into per-rank pieces and
 # pipelines them with the partial GEMMs that consume or produce them (Wang et al. 2023, "Overlap Communication with
@@ -269,9 +268,11 @@ class GpuCosts:
         """All of it: the reduction runs on the network engines while the SMs compute."""
         return backward
 
-    def optimizer_time(self, params: float, tensors: int, shards: int) -> float:
-        """Adam streams its state through HBM."""
-        return OPTIMIZER_TRAFFIC * params / shards / self.gpu.memory_bandwidth
+    def optimizer_time(self, params: float, tensors: int, shards: int, optimizer: str = RUNTIME_OPTIMIZER) -> float:
+        """The step streams its state and gradients through HBM: the bytes ``optimizer``'s implementation moves
+        per element it updates and per element the rank holds (``plan.optimizers.OPTIMIZERS``)."""
+        traffic = OPTIMIZERS[optimizer]
+        return (traffic.owned / shards + traffic.replica) * params / self.gpu.memory_bandwidth
 
     def stream_time(self, nbytes: float, kernels: float) -> float:
         return nbytes / self.gpu.memory_bandwidth

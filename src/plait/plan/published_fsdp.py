@@ -54,6 +54,10 @@ ROCE_200 = Link("RoCE 200 Gb/s per GPU (1600 Gb/s per node)", 25 * GB, 8e-6)
 # image mosaicml/pytorch:2.1.0_cu121-nightly20230827 at amp_bf16 (the benchmarks' h100new.csv, removed from the
 # repository at 803e6718 when the table moved into the README), not FP8, which has a table of its own.
 MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default): FlashAttention v1's Triton port"
+# The optimizer step: the yamls' "optimizer: name: decoupled_adamw" (weight_decay 0.0) and "algorithms:
+# gradient_clipping: clipping_type: norm", Composer's DecoupledAdamW and FSDP's clip_grad_norm_ under the Composer of
+# that commit (v0.16.3): "composer-decoupled-adamw" (``plan.optimizers``).
+MOSAIC_OPTIMIZER = "composer-decoupled-adamw"
 
 
 def mpt(size: str, seq: int) -> Model:
@@ -74,7 +78,7 @@ def mosaic() -> list[PublishedRun]:
             Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200,
                     flash_attention="flash1"),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
-            Training(batch, recompute_head=False, grad_dtype="bf16"),
+            Training(batch, recompute_head=False, grad_dtype="bf16", optimizer=MOSAIC_OPTIMIZER),
             f"Throughput (T/s) {tps}", tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
             ("FSDP FULL_SHARD costed as ZeRO-3", MOSAIC_ATTENTION,
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
@@ -89,6 +93,9 @@ def mosaic() -> list[PublishedRun]:
 # recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered. Gradients: reduced in fp32
 # (the same file: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), plait's default.
 TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
+# The optimizer step: train.py at that commit builds torch.optim.AdamW(..., weight_decay=0.1, foreach=True) and clips
+# with torch.nn.utils.clip_grad_norm_(..., foreach=True): "torch-foreach-adamw" (``plan.optimizers``).
+TITAN_OPTIMIZER = "torch-foreach-adamw"
 # torchtitan's Llama (torchtitan/models/llama/model.py) has no dropout, as Model's default.
 LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
 LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
@@ -103,7 +110,8 @@ def torchtitan() -> list[PublishedRun]:
         out.append(PublishedRun(
             "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
             Cluster("a100-80gb", 64, flash_attention="flash2"),
-            Layout(dp=64, microbatch_size=local, recompute=rc, zero=3), Training(batch, recompute_head=False),
+            Layout(dp=64, microbatch_size=local, recompute=rc, zero=3),
+            Training(batch, recompute_head=False, optimizer=TITAN_OPTIMIZER),
             f"WPS {wps}", tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
             ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: its flash backend, FlashAttention-2, on A100",
              "fabric not printed: HDR InfiniBand assumed")))

@@ -136,8 +136,8 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     seconds = _pipeline_floor(layout, st, chunks, m) + sum(
         dp_exposed(cluster.costs, layout, training, reduction, gather, max(backward), max(forward)))
     layers = max(st.rank_layers)
-    seconds += step_end.optimizer_time(cluster, layout, params, layers)
-    seconds += step_end.publish_time(cluster, layout, params, layers, training.precision)
+    seconds += step_end.optimizer_time(cluster, layout, params, layers, training.optimizer)
+    seconds += step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer)
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision,
                                  training.grad_dtype))

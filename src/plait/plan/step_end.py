@@ -7,6 +7,7 @@ from plait.plan.cluster import Cluster
 from plait.plan.config import GRAD_DTYPES, Layout
 from plait.plan.memory import STATE_BYTES
 from plait.plan.model import Model
+from plait.plan.optimizers import RUNTIME_OPTIMIZER
 
 #: parameter tensors of a Llama layer: seven projections and two norms
 PARAM_TENSORS_PER_LAYER = 9
@@ -120,7 +121,7 @@ def param_tensors(layers: int) -> int:
 
 
 def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0,
-                 precision: str = "bf16") -> float:
+                 precision: str = "bf16", optimizer: str = RUNTIME_OPTIMIZER) -> float:
     """ZeRO's publish of the updated weights beyond its all-gather (``plait.optim.masters.Masters.publish``):
     each rank zeroes a buffer of its shard and copies its masters in (its weight bytes written twice, 4 read
     per owned element), and copies the gathered buffer out into every parameter (its weight bytes read and
@@ -129,8 +130,9 @@ def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers:
     the fixed cost of a forward-only kernel. The buffers hold the weights' dtype (``precision``). 0 without
     ZeRO, and under ZeRO-3 (the masters are the shards the next forward gathers). On a 2-core host,
     ``small`` at pp2·dp2 (3.0M parameters a rank, fp32): 5.5-7.8 ms a step beyond the all-gather, over two
-    layouts and four ranks."""
-    if layout.zero in (0, 3):
+    layouts and four ranks. 0 for another stack's ``optimizer``: its own copies are in its traffic
+    (``plan.optimizers.OPTIMIZERS``)."""
+    if layout.zero in (0, 3) or optimizer != RUNTIME_OPTIMIZER:
         return 0.0
     shard = optimizer_shards(layout)
     weight = STATE_BYTES[precision][0]
@@ -140,7 +142,9 @@ def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers:
     return cluster.costs.stream_time(traffic, kernels)
 
 
-def optimizer_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0) -> float:
-    """The optimizer step over this GPU's (sharded) parameters of ``layers`` layers (under ZeRO a rank updates
-    its pieces of 1/(dp·cp) of the tensors): ``CostModel.optimizer_time``."""
-    return cluster.costs.optimizer_time(params_on_gpu, param_tensors(layers), optimizer_shards(layout))
+def optimizer_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0,
+                   optimizer: str = RUNTIME_OPTIMIZER) -> float:
+    """The optimizer step, its gradient clipping included, over this GPU's (sharded) parameters of ``layers``
+    layers (under ZeRO a rank updates its pieces of 1/(dp·cp) of the tensors) as ``optimizer``
+    (``Training.optimizer``) runs it: ``CostModel.optimizer_time``."""
+    return cluster.costs.optimizer_time(params_on_gpu, param_tensors(layers), optimizer_shards(layout), optimizer)

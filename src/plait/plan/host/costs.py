@@ -21,6 +21,7 @@ from plait.plan.host.profile import HostProfile, Section
 from plait.plan.host.shapes import block_local
 from plait.plan.memory import ACTIVATION_BYTES, ActivationModel, zero3_working
 from plait.plan.model import Model
+from plait.plan.optimizers import RUNTIME_OPTIMIZER
 
 # plait's optimizer step in fp32 (plait.optim.build_optimizer), bytes per parameter when a profile did not time
 # it (format 1): the global norm casts each gradient to float64 a chunk at a time (read 4, write 8, the dot
@@ -190,10 +191,13 @@ class HostCosts:
         ran 753 ms where the prediction with the reduction hidden said 695."""
         return 0.0
 
-    def optimizer_time(self, params: float, tensors: int, shards: int) -> float:
+    def optimizer_time(self, params: float, tensors: int, shards: int, optimizer: str = RUNTIME_OPTIMIZER) -> float:
         """plait's step as ``plait calibrate`` timed it, per parameter and per tensor it updates, or per
         parameter alone (older profiles); profiles of format 1: its bytes at the streaming bandwidth and a few
-        kernels per parameter tensor."""
+        kernels per parameter tensor. Another stack's ``optimizer``: ConfigError (the host times plait's own)."""
+        if optimizer != RUNTIME_OPTIMIZER:
+            raise ConfigError(f"optimizer: {optimizer!r} is costed on catalogue GPUs; a calibrated host times plait's "
+                              f"own step (use optimizer={RUNTIME_OPTIMIZER!r})")
         sec = self.section
         if sec.optimizer_s_per_param > 0:  # timed by plait calibrate
             return (sec.optimizer_s_per_param * params + sec.optimizer_s_per_tensor * tensors) / shards
