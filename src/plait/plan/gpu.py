@@ -153,12 +153,14 @@ class GpuCosts:
             f, b = self._tp_overlapped(model, layout, tokens, ring_allgather(act, t, link(t)))
         else:
             f = b = 2 * ring_allreduce(act, t, link(t))
-        other = self._cp_comm_per_layer(model, layout, tokens)
+        cp_f, cp_b = self._cp_comm_per_layer(model, layout, tokens)
+        f, b = f + cp_f, b + cp_b
         if model.is_moe and layout.ep > 1:
             e = layout.ep
             a2a = act * model.top_k * (e - 1) / e / (link(t * e).bandwidth * LINK_EFFICIENCY)
-            other += 2 * (a2a + (e - 1) * link(t * e).latency)
-        return f + other, b + other
+            f += 2 * (a2a + (e - 1) * link(t * e).latency)
+            b += 2 * (a2a + (e - 1) * link(t * e).latency)
+        return f, b
 
     def _tp_overlapped(self, model: Model, layout: Layout, tokens: float, c: float) -> tuple[float, float]:
         """(forward, backward) exposed seconds of a layer's SP gathers and scatters (each ``c`` seconds) under
@@ -185,44 +187,71 @@ class GpuCosts:
         b += 2 * bulk_overlap(c, up) + overlapped_gather(c, down, t)
         return f, b
 
-    def _cp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> float:
-        """The K/V exchange of one layer's forward (its backward moves as much: the reduce-scatter of their
-        gradients, or blocks and their gradients around the ring). allgather: K and V of the whole sequence
-        gathered over the CP group before the attention core, exposed. ring: cp-1 blocks of S/cp tokens passed
-        point to point, each overlapped with the attention to the block held (about half of its query-key
-        pairs are visible under the causal load balance): only what a transfer takes beyond that counts."""
+    def _attention_core(self, model: Model, layout: Layout, flops: float) -> tuple[float, float]:
+        """Seconds of the attention core's (QK^T and AV) forward and backward over ``flops``, counted on the whole
+        s×s square as ``layer_forward_flops`` counts them. A fused kernel (``Cluster(flash_attention=...)``) runs
+        the causal half (``FLASH_CAUSAL``) at its published share of peak at this sequence length per CP rank and
+        head dimension (``plan.attention.efficiency``), its backward ``FLASH_BACKWARD`` times that work; the
+        unfused softmax runs at the GEMM speed, its backward twice the forward."""
+        gpu = self.gpu
+        if not self.cluster.flash_attention:
+            forward = flops / (gpu.peak_flops * matmul_efficiency(gpu, model, layout))
+            return forward, 2 * forward
+        kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
+        forward = flops * FLASH_CAUSAL / (gpu.peak_flops * kernel)
+        return forward, FLASH_BACKWARD * forward
+
+    def _cp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> tuple[float, float]:
+        """What one layer's context-parallel K/V exchange leaves exposed, (forward, backward).
+
+        allgather: K and V of the whole sequence gathered over the CP group before the attention core, exposed;
+        the backward reduce-scatters their gradients, the same volume.
+
+        ring: Transformer Engine's ``AttnFuncWithCPAndKVP2P`` (NVIDIA/TransformerEngine
+        transformer_engine/pytorch/attention.py at 3b2a7b00, the commit NVIDIA/NeMo's requirements/manifest.json
+        pins at d2b21556), which Megatron-Core's default ``cp_comm_type`` "p2p" runs, in cp steps. Forward: step
+        i waits for K/V block i, posts the send of block i to the previous rank and the receive of block i+1
+        from the next, then runs the attention on block i, so the cp-1 transfers each run beside one step's
+        attention. Backward: step i posts the send of block i with the partial dK/dV it carries (block 0: K/V
+        alone; the last step: dK/dV alone; between: both, twice the bytes), runs the attention backward on block
+        i and waits for the transfer before adding its dK/dV: cp transfers, each beside one step's backward.
+        With the causal load balance (the sequence in 2·cp chunks, rank r holding chunks r and 2cp-1-r) every
+        step computes half of the block's (S/cp)² square: the local causal one, both query chunks against the
+        earlier key chunk, or the later query chunk against both key chunks. So each step takes 1/cp of the
+        attention the layer is charged (``_attention_core``); a transfer shows only beyond it."""
         c, t = layout.cp, layout.tp
         if c == 1:
-            return 0.0
+            return 0.0, 0.0
         kv = max(model.kv_heads / t, 1.0) * model.head_dim  # KV heads per TP rank (one when they are replicated)
         block = tokens * 2 * kv * 2  # bf16 K and V of this rank's tokens
         if layout.cp_comm == "allgather":
-            return self.collective("all_gather", block * c, c, span=t * c)
-        speed = self.gpu.peak_flops * matmul_efficiency(self.gpu, model, layout)
-        attend = 2 * tokens * (model.seq_len / c) * model.n_heads * model.head_dim / t / speed  # one block, causal
-        return (c - 1) * max(0.0, self.collective("p2p", block, 2, span=t * c) - attend)
+            gather = self.collective("all_gather", block * c, c, span=t * c)
+            return gather, gather
+        step_f, step_b = self._attention_core(model, layout, 4 * tokens * model.seq_len * model.hidden / t / c)
+        one, two = (self.collective("p2p", n * block, 2, span=t * c) for n in (1, 2))
+        forward = (c - 1) * max(0.0, one - step_f)
+        backward = 2 * max(0.0, one - step_b) + (c - 2) * max(0.0, two - step_b)
+        return forward, backward
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives (what of them
         ``tp_overlap`` leaves exposed: ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs.
-        The embedding's lookup is free. With fused flash attention the attention core runs at its kernel's share
-        of peak at this sequence length (per CP rank) and head dimension (``plan.attention.efficiency``) and its
-        backward recomputes the scores (so selective recomputation redoes nothing more); its s×s scores never
-        reach HBM."""
+        The embedding's lookup is free. The attention core runs as ``_attention_core`` times it; with fused flash
+        attention its backward recomputes the scores (so selective recomputation redoes nothing more) and its s×s
+        scores never reach HBM."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
         flops = layer_forward_flops(model, tokens, model.seq_len) / t
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
         tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, tp_overlap)
+        core, core_b = self._attention_core(model, layout, attention)
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
             traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
-            fused = gpu.peak_flops * kernel / FLASH_CAUSAL
             dense = (flops - attention) / speed
-            f = dense + attention / fused + traffic
-            b = 2 * dense + FLASH_BACKWARD * attention / fused + 2 * traffic
+            f = dense + core + traffic
+            b = 2 * dense + core_b + 2 * traffic
             w = dense
             recompute = f + tp if layout.recompute == "full" else 0.0
         else:
@@ -233,7 +262,7 @@ class GpuCosts:
                 recompute = f + tp
             elif layout.recompute == "selective" and layout.cp == 1:  # QK^T, softmax and AV again (Korthikanti
                 # et al. 2022, §5); context parallelism's core keeps no probabilities and replaces the checkpoint
-                recompute = attention / speed
+                recompute = core
             else:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
