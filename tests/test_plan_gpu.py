@@ -199,6 +199,30 @@ def test_dp_collectives_hide_chunk_by_chunk_behind_the_passes_beside_them():
         layout.to_parallel_config(Training(64, overlap_param_gather=True))
 
 
+def test_pipelined_scatters_hold_the_sms_their_configuration_sets():
+    """``Training.tp_overlap_sms``: the reduce-scatter after the output projection holds its own SM count and the
+    one after the MLP's last GEMM its own (NeMo's Llama 3.1 405B configuration: 24 and 8 of the H100's 132), so
+    the projection runs 132/108 and the last GEMM 132/124 times as long. GEMM-bound layer (hidden 8192, tp2): only
+    the last of each scatter's 4 pieces shows besides."""
+    cluster = Cluster("h100-sxm", 8)
+    m = Model(4, 8192, 16, 32000, 2048, ffn_hidden=3 * 8192, glu=True)
+    layout = Layout(tp=2, dp=4, sequence_parallel=True)
+    link, speed = cluster.gpu.intra, cluster.gpu.peak_flops * matmul_efficiency(cluster.gpu, m, layout)
+    c = 1 / 2 * 2048 * 8192 * 2 / (link.bandwidth * LINK_EFFICIENCY) + link.latency
+    proj, down = 2 * 2048 * 8192 * 8192 / 2 / speed, 2 * 2048 * 3 * 8192 * 8192 / 2 / speed
+    own = cluster.costs.blocks(m, layout, "bf16", tp_overlap=True, overlap_sms=(24, 8)).layer
+    assert own.f_tp == pytest.approx(2 * c / 4 + (132 / 108 - 1) * proj + (132 / 124 - 1) * down)
+    default = cluster.costs.blocks(m, layout, "bf16", tp_overlap=True).layer  # Transformer Engine's 16 each
+    assert default.f_tp == pytest.approx(2 * c / 4 + (132 / 116 - 1) * (proj + down))
+    for bad in ((0, 16), (16, 33), (16,), (16.0, 16)):
+        with pytest.raises(ConfigError, match=r"tp_overlap_sms: must be two integers from 1 to 32"):
+            Training(8, tp_overlap_sms=bad)
+    with pytest.raises(ConfigError, match="tp_overlap_sms"):  # plait's runtime runs no userbuffers
+        Layout(tp=2, dp=4, sequence_parallel=True).to_parallel_config(Training(8, tp_overlap_sms=(24, 8)))
+    with pytest.raises(ConfigError, match="no SM count"):
+        Cluster("b200", 8).costs.blocks(m, layout, "bf16", tp_overlap=True)
+
+
 def test_context_parallel_ring_hides_each_transfer_behind_one_steps_attention_at_the_kernels_speed():
     """Transformer Engine's p2p ring by hand: 4 CP ranks of a TP8 layout, one per node, each on one 50 GB/s NIC
     (80% of it). A rank holds 2,048 of the 8,192 tokens and the one KV head of its TP rank: 2048·2·128·2 B = 1 MiB

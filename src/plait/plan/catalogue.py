@@ -30,7 +30,8 @@ class GPU:
     width at which a GEMM reaches half its ceiling), ``elementwise_traffic`` (HBM bytes the element-wise kernels
     move per stored activation byte) and ``flash_efficiency`` (the share of peak a fused flash-attention kernel
     reaches, forward and backward, where no published figures describe the GPU). ``attention_figures`` names the
-    published attention benchmarks that do (``plan.attention.FIGURES``: "a100", "h100"; "" for none).
+    published attention benchmarks that do (``plan.attention.FIGURES``: "a100", "h100"; "" for none). ``sms``: its
+    streaming multiprocessors, as the vendor's architecture whitepaper prints them (0 where none is cited).
     """
 
     name: str
@@ -46,6 +47,7 @@ class GPU:
     elementwise_traffic: float = 1.63
     flash_efficiency: float = 0.5
     attention_figures: str = ""
+    sms: int = 0
 
 
 # Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
@@ -77,21 +79,23 @@ INTERCONNECTS: dict[str, Link] = {
 # (Hopper, the same SMs) the H100 SXM5's, as shares of their own peak (``plan.attention``).
 # Peak dense bf16 FLOP/s, memory and bandwidth from the vendors' datasheets (A100: 312 TF, 1.6/2.0
 # TB/s; H100 SXM: 989 TF, 3.35 TB/s; H100 PCIe: 756 TF, 2.0 TB/s; H200: 989 TF, 141 GB, 4.8 TB/s;
-# B200 (HGX): 2.25 PF, 180 GB, 8 TB/s; L40S: 362 TF, 48 GB, 864 GB/s).
+# B200 (HGX): 2.25 PF, 180 GB, 8 TB/s; L40S: 362 TF, 48 GB, 864 GB/s). SMs: "NVIDIA A100 Tensor Core GPU
+# Architecture" (2020): 108; "NVIDIA H100 Tensor Core GPU Architecture" (2022): 132 on the SXM5, 114 on the PCIe
+# card; the H200 is the SXM5's GH100 with more memory.
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
         GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.619,
-            "NVIDIA A100 SXM 40GB", attention_figures="a100"),
+            "NVIDIA A100 SXM 40GB", attention_figures="a100", sms=108),
         GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.619,
-            "NVIDIA A100 SXM 80GB", attention_figures="a100"),
+            "NVIDIA A100 SXM 80GB", attention_figures="a100", sms=108),
         GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.610,
-            "NVIDIA H100 SXM5 80GB", fp8=True, attention_figures="h100"),
+            "NVIDIA H100 SXM5 80GB", fp8=True, attention_figures="h100", sms=132),
         GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.610,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True,
-            attention_figures="h100"),
+            attention_figures="h100", sms=114),
         GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.610,
-            "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100"),
+            "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100", sms=132),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),
         GPU("l40s", 362e12, 48 * GiB, 0.864e12, PCIE4, INTERCONNECTS["eth-100"], 0.60,

@@ -107,8 +107,8 @@ class Layout:
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
         (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, that leaves
-        the head out of full recomputation, that plans Megatron-Core's TP or weight-gather overlap, or another
-        stack's optimizer).
+        the head out of full recomputation, that plans Megatron-Core's TP or weight-gather overlap or userbuffers'
+        SMs, or another stack's optimizer).
         """
         gap = runtime_gap(self)
         if gap:
@@ -126,6 +126,9 @@ class Layout:
             if training is not None and getattr(training, name):
                 raise ConfigError(f"{name}: True is planned (Megatron-Core's overlap) but plait's runtime does not "
                                   f"overlap that communication (plan with {name}=False)")
+        if training is not None and training.tp_overlap_sms != TE_OVERLAP_SMS:
+            raise ConfigError(f"tp_overlap_sms: {training.tp_overlap_sms} is planned (Transformer Engine's "
+                              f"userbuffers) but plait's runtime runs none (plan with tp_overlap_sms={TE_OVERLAP_SMS})")
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
                               schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
@@ -158,6 +161,14 @@ def runtime_gap(layout: Layout) -> str | None:
         return f"zero: 3 with pp={layout.pp} is planned but the runtime runs ZeRO-3 without a pipeline (pp = 1)"
     return None
 
+
+#: SMs a pipelined reduce-scatter's kernels hold under TP communication overlap where its configuration sets none:
+#: Transformer Engine's default num_sm for the "pipeline" method (initialize_ub's get_default_config,
+#: NVIDIA/TransformerEngine transformer_engine/pytorch/module/base.py at 3b2a7b00), per GEMM (proj_fprop, fc2_fprop)
+TE_OVERLAP_SMS = (16, 16)
+#: the most SMs a userbuffers kernel runs on: its completion counters assume at most NVTE_MAX_SMS blocks
+#: (NVIDIA/TransformerEngine transformer_engine/common/comm_gemm_overlap/userbuffers/userbuffers.h at 3b2a7b00)
+UB_MAX_SMS = 32
 
 #: the gradient dtypes a costed stack may keep and reduce (``Training.grad_dtype``), and their bytes
 GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -216,6 +227,13 @@ class Training:
     (Composer's per-tensor DecoupledAdamW, FSDP's clip) or "torch-foreach-adamw" (torch's foreach AdamW and
     clip_grad_norm_). Another stack's step also replaces plait's ZeRO publish (``plan.step_end.publish_time``).
     ``Layout.to_parallel_config`` refuses any but plait's."""
+    tp_overlap_sms: tuple[int, int] = TE_OVERLAP_SMS
+    """Under ``tp_comm_overlap``, the SMs (1 to ``UB_MAX_SMS``) the pipelined reduce-scatter after the attention's
+    output projection and the one after the MLP's last GEMM hold while their GEMMs run on the rest: Transformer
+    Engine's userbuffers ``num_sm`` of ``proj_fprop`` and ``fc2_fprop``, as the run's configuration sets them
+    (NeMo's ``tp_comm_overlap_cfg``); Transformer Engine's default otherwise. Costed as a share of the GPU's SMs
+    (``GPU.sms``): ``plan.gpu.overlapped_scatter``. plait's runtime runs no userbuffers: ``Layout.to_parallel_config``
+    refuses any other value."""
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
@@ -229,6 +247,11 @@ class Training:
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()
+        if len(sms) != 2 or not all(type(n) is int and 1 <= n <= UB_MAX_SMS for n in sms):
+            raise ConfigError(f"tp_overlap_sms: must be two integers from 1 to {UB_MAX_SMS} (the SMs of proj_fprop's "
+                              f"and fc2_fprop's reduce-scatters), got {self.tp_overlap_sms!r}")
+        object.__setattr__(self, "tp_overlap_sms", sms)
         if self.precision == "fp32" and self.grad_dtype != "fp32":
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} needs precision='bf16' (fp32 training keeps fp32 "
                               "gradients)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.optimizers import RUNTIME_OPTIMIZER
 
 if TYPE_CHECKING:
@@ -85,9 +86,11 @@ class CostModel(Protocol):
         """Bytes per weight ZeRO-1/2's all-gather of the updated weights moves."""
         ...
 
-    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
+    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> Blocks:
         """One layer, the embedding and the head + loss, per micro-batch; ``tp_overlap``: the TP collectives
-        pipelined with their GEMMs (``Training.tp_comm_overlap``)."""
+        pipelined with their GEMMs (``Training.tp_comm_overlap``), the pipelined scatters' kernels on
+        ``overlap_sms`` SMs (``Training.tp_overlap_sms``)."""
         ...
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:

@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from plait.errors import ConfigError
 from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
+from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
@@ -51,11 +53,10 @@ FLASH_CAUSAL = 0.5
 # pieces (NVIDIA/NeMo nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, commit d2b21556, every H100
 # configuration; NVIDIA/dgxc-benchmarking nemo_megatron/cfg/gpt3_175b_hydra.yaml, commit 741c8860).
 TP_OVERLAP_SPLITS = 4
-# While a pipelined reduce-scatter runs, its kernels hold this share of the GPU's SMs and the GEMM beside it runs on
-# the rest: Transformer Engine's default for the "pipeline" method is num_sm 16 with set_sm_margin on
-# (NVIDIA/TransformerEngine transformer_engine/pytorch/module/base.py, initialize_ub's get_default_config, at
-# fecb10bd), 16 of an H100's 132 SMs; NeMo's H100 configurations hold 8-24.
-TP_OVERLAP_SM_SHARE = 16 / 132
+# While a pipelined reduce-scatter runs, its kernels hold ``Training.tp_overlap_sms`` of the GPU's SMs (``GPU.sms``)
+# and the GEMM beside it runs on the rest: with set_sm_margin the GEMM is launched on the SMs the kernels leave
+# (NVIDIA/TransformerEngine transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp at 3b2a7b00:
+# _math_sms = sm_count - num_comm_sm); without it the two compete for them while both run, costed the same.
 
 
 def overlapped_gather(comm: float, gemm: float, t: int) -> float:
@@ -67,8 +68,7 @@ def overlapped_gather(comm: float, gemm: float, t: int) -> float:
     return max(0.0, comm - gemm * (t - 1) / t)
 
 
-def overlapped_scatter(comm: float, gemm: float, splits: int = TP_OVERLAP_SPLITS,
-                       sm_share: float = TP_OVERLAP_SM_SHARE) -> float:
+def overlapped_scatter(comm: float, gemm: float, sm_share: float, splits: int = TP_OVERLAP_SPLITS) -> float:
     """What a reduce-scatter of a GEMM's output pipelined with it in ``splits`` pieces adds to the GEMM: each
     piece's scatter runs beside the next piece's GEMM, the last piece's scatter follows the GEMM's end, and the
     GEMM runs on the SMs the scatter's kernels leave it (``sm_share`` held), that much slower."""
@@ -142,15 +142,15 @@ class GpuCosts:
         return Link(link.name, min(members * link.bandwidth, self.gpu.intra.bandwidth), link.latency)
 
     def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float,
-                           overlap: bool = False) -> tuple[float, float]:
+                           overlap: tuple[int, int] | None = None) -> tuple[float, float]:
         """Exposed collectives of one layer's (forward, backward): 2 all-reduces of [b, s, h] each way (TP,
-        Shoeybi et al. 2019) or 2 all-gathers + 2 reduce-scatters with SP (same volume; ``overlap`` with SP:
-        ``_tp_overlapped``); MoE all-to-all dispatch and combine; the context-parallel K/V exchange
-        (``_cp_comm_per_layer``)."""
+        Shoeybi et al. 2019) or 2 all-gathers + 2 reduce-scatters with SP (same volume; ``overlap``, the SMs of the
+        pipelined scatters, with SP: ``_tp_overlapped``); MoE all-to-all dispatch and combine; the
+        context-parallel K/V exchange (``_cp_comm_per_layer``)."""
         act = tokens * model.hidden * 2  # bf16 [b, s/cp, h]
         t, link = layout.tp, self.cluster.link
-        if overlap and layout.sequence_parallel:
-            f, b = self._tp_overlapped(model, layout, tokens, ring_allgather(act, t, link(t)))
+        if overlap is not None and layout.sequence_parallel:
+            f, b = self._tp_overlapped(model, layout, tokens, ring_allgather(act, t, link(t)), overlap)
         else:
             f = b = 2 * ring_allreduce(act, t, link(t))
         cp_f, cp_b = self._cp_comm_per_layer(model, layout, tokens)
@@ -162,28 +162,34 @@ class GpuCosts:
             b += 2 * (a2a + (e - 1) * link(t * e).latency)
         return f, b
 
-    def _tp_overlapped(self, model: Model, layout: Layout, tokens: float, c: float) -> tuple[float, float]:
+    def _tp_overlapped(self, model: Model, layout: Layout, tokens: float, c: float,
+                       sms: tuple[int, int]) -> tuple[float, float]:
         """(forward, backward) exposed seconds of a layer's SP gathers and scatters (each ``c`` seconds) under
         tensor-parallel communication overlap. Forward: the gathers before QKV and the MLP's first GEMM
         (``overlapped_gather``), the scatters after the output projection and the MLP's last GEMM
-        (``overlapped_scatter``, with the SMs they take from those GEMMs). Backward (Megatron-LM with SP gathers
-        a column-parallel layer's input again for its weight gradient): a column-parallel layer's input gather
-        and data-gradient scatter beside its two GEMMs (``bulk_overlap``), a row-parallel layer's gradient gather
-        ahead of its data-gradient GEMM (``overlapped_gather``). An MoE layer's MLP collectives stay exposed."""
-        t = layout.tp
-        speed = self.gpu.peak_flops * matmul_efficiency(self.gpu, model, layout)
+        (``overlapped_scatter``, each holding its ``sms`` of those GEMMs': ``Training.tp_overlap_sms``). Backward
+        (Megatron-LM with SP gathers a column-parallel layer's input again for its weight gradient): a
+        column-parallel layer's input gather and data-gradient scatter beside its two GEMMs (``bulk_overlap``), a
+        row-parallel layer's gradient gather ahead of its data-gradient GEMM (``overlapped_gather``). An MoE layer's
+        MLP collectives stay exposed."""
+        t, gpu = layout.tp, self.gpu
+        if gpu.sms < 1:
+            raise ConfigError(f"tp_comm_overlap: {gpu.name} has no SM count in the catalogue (GPU.sms), which the "
+                              "pipelined reduce-scatters' SM share needs; plan it with tp_comm_overlap=False")
+        proj_share, fc2_share = (n / gpu.sms for n in sms)
+        speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
         h, kv = model.hidden, model.kv_heads * model.head_dim
 
         def gemm(n_in: int, n_out: int) -> float:  # one partial GEMM over the gathered [b, s/cp, n_in]
             return 2 * tokens * n_in * n_out / t / speed
 
         qkv, proj = gemm(h, h + 2 * kv), gemm(h, h)
-        f = overlapped_gather(c, qkv, t) + overlapped_scatter(c, proj)
+        f = overlapped_gather(c, qkv, t) + overlapped_scatter(c, proj, proj_share)
         b = 2 * bulk_overlap(c, qkv) + overlapped_gather(c, proj, t)
         if model.is_moe:
             return f + 2 * c, b + 2 * c
         up, down = gemm(h, model.ffn * (2 if model.glu else 1)), gemm(model.ffn, h)
-        f += overlapped_gather(c, up, t) + overlapped_scatter(c, down)
+        f += overlapped_gather(c, up, t) + overlapped_scatter(c, down, fc2_share)
         b += 2 * bulk_overlap(c, up) + overlapped_gather(c, down, t)
         return f, b
 
@@ -233,18 +239,19 @@ class GpuCosts:
         backward = 2 * max(0.0, one - step_b) + (c - 2) * max(0.0, two - step_b)
         return forward, backward
 
-    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
+    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives (what of them
-        ``tp_overlap`` leaves exposed: ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs.
-        The embedding's lookup is free. The attention core runs as ``_attention_core`` times it; with fused flash
-        attention its backward recomputes the scores (so selective recomputation redoes nothing more) and its s×s
-        scores never reach HBM."""
+        ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs: ``_tp_overlapped``) and what
+        recomputation redoes; the head: its FLOPs. The embedding's lookup is free. The attention core runs as
+        ``_attention_core`` times it; with fused flash attention its backward recomputes the scores (so selective
+        recomputation redoes nothing more) and its s×s scores never reach HBM."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
         flops = layer_forward_flops(model, tokens, model.seq_len) / t
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
-        tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, tp_overlap)
+        tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None)
         core, core_b = self._attention_core(model, layout, attention)
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores

@@ -7,7 +7,7 @@ in a public text, each with where it is printed and how the step time follows fr
 from __future__ import annotations
 
 from plait.plan.cluster import Cluster
-from plait.plan.config import Layout, Training
+from plait.plan.config import TE_OVERLAP_SMS, Layout, Training
 from plait.plan.model import Model
 from plait.plan.optimizers import RUNTIME_OPTIMIZER
 from plait.plan.published import PublishedRun, gpt
@@ -78,7 +78,17 @@ DGXC_GRADS = "bf16"
 # (megatron_base_model.py at d2b21556: with_distributed_adam without use_mcore_dist_optim), whose version in that
 # container is not read here: costed as plait's (the row's ``assumed``).
 DGXC_OPTIMIZER = "megatron-core-bf16"
-DGXC_TP_OVERLAP = ("gpt3-175b", "llama3-70b", "llama3-405b", "nemotron4-15b", "nemotron4-340b")
+# The SMs each pipelined reduce-scatter holds (``Training.tp_overlap_sms``: userbuffers' num_sm of proj_fprop and
+# fc2_fprop, every one with method "pipeline"), from each row's own configuration: the 175B yaml's
+# ub_tp_comm_overlap_cfg (proj_fprop 24, fc2_fprop 20, set_sm_margin 1); NeMo's userbuffers_bf16_h100_h8192_tp4_
+# mbs1_seqlen8192 (70B: 24, 16) and userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192 (405B: 24, 8; both with
+# set_sm_margin=True) in nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py (d2b21556). The Nemotron
+# launchers (NeMo scripts/performance/llm/pretrain_nemotron4_{15b,340b}.py at d2b21556, run with --gpu h100) set a
+# tp_comm_overlap_cfg only on B200, so MegatronCommOverlapCallback passes none and Transformer Engine takes its
+# defaults (``plan.config.TE_OVERLAP_SMS``: 16 each, set_sm_margin off, at 3b2a7b00, the commit NeMo's
+# requirements/manifest.json pins).
+DGXC_TP_OVERLAP = {"gpt3-175b": (24, 20), "llama3-70b": (24, 16), "llama3-405b": (24, 8),
+                   "nemotron4-15b": TE_OVERLAP_SMS, "nemotron4-340b": TE_OVERLAP_SMS}
 
 # The attention kernel: Megatron-Core's TE layers call Transformer Engine's DotProductAttention, which on Hopper
 # picks cuDNN's fused attention over FlashAttention in BF16 (NVIDIA/TransformerEngine transformer_engine/pytorch/
@@ -114,13 +124,15 @@ def _dgx_cloud() -> list[PublishedRun]:
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
             f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n, flash_attention="cudnn"), layout,
             Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True,
-                     grad_dtype=DGXC_GRADS, optimizer=RUNTIME_OPTIMIZER if name == "gpt3-175b" else DGXC_OPTIMIZER),
+                     grad_dtype=DGXC_GRADS, optimizer=RUNTIME_OPTIMIZER if name == "gpt3-175b" else DGXC_OPTIMIZER,
+                     tp_overlap_sms=DGXC_TP_OVERLAP.get(name, TE_OVERLAP_SMS)),
             f"Training step time (seconds per step) {step} (Model flops utilization {mfu})", float(step),
             "printed step time",
             ("fabric not printed: NDR InfiniBand assumed (DGX H100)", "distributed fused Adam costed as ZeRO-1",
              "no recomputation (none configured)", "sequence parallelism with TP (the recipes' default)",
-             "TP communication overlap as its recipe sets it (DGXC_TP_OVERLAP)", "DP overlap of both collectives",
-             "CP: Megatron-Core's p2p ring (DGXC_TP_OVERLAP's note)", "bf16 gradients (DGXC_TP_OVERLAP's note)",
+             "TP communication overlap as its recipe sets it (the note above DGXC_GRADS), with its configuration's "
+             "SMs (DGXC_TP_OVERLAP)", "DP overlap of both collectives",
+             "CP: Megatron-Core's p2p ring (the note above DGXC_GRADS)", "bf16 gradients (DGXC_GRADS's note)",
              DGXC_ATTENTION) + (("optimizer: apex's DistributedFusedAdam of the container not read, costed as "
                                  "plait's (torch-fused-adamw)",) if name == "gpt3-175b" else ())))
     return out

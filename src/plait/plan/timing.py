@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from plait.plan.config import Layout
+from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import CostModel, StageCosts
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages
@@ -32,11 +32,13 @@ def model_flops_per_step(model: Model, global_batch: int) -> float:
 
 
 def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
-                recompute_head: bool = True, tp_overlap: bool = False) -> list[StageCosts]:
+                recompute_head: bool = True, tp_overlap: bool = False,
+                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut; without ``recompute_head`` (``Training.recompute_head``) the head's
-    recomputation is not charged; ``tp_overlap``: ``Training.tp_comm_overlap``."""
-    blocks = costs.blocks(model, layout, precision, tp_overlap)
+    recomputation is not charged; ``tp_overlap``: ``Training.tp_comm_overlap``, ``overlap_sms``:
+    ``Training.tp_overlap_sms``."""
+    blocks = costs.blocks(model, layout, precision, tp_overlap, overlap_sms)
     if not recompute_head:
         blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)
@@ -59,10 +61,12 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
 
 
 def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
-               recompute_head: bool = True, tp_overlap: bool = False) -> list[StageCosts]:
+               recompute_head: bool = True, tp_overlap: bool = False,
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
     placement = layout_stages(model, layout).placement
     out = [StageCosts() for _ in range(layout.pp)]
-    for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head, tp_overlap)):
+    for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head, tp_overlap,
+                                         overlap_sms)):
         out[placement[c]] = out[placement[c]] + cost
     return out

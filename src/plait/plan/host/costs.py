@@ -13,7 +13,7 @@ from functools import cached_property
 
 from plait.errors import ConfigError
 from plait.plan.catalogue import GPU, Link
-from plait.plan.config import Layout
+from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.host import census, sharing
 from plait.plan.host.compute import in_step_costs, selective_recompute
@@ -165,9 +165,10 @@ class HostCosts:
         return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
                           1 if kind == "layer" else 0)
 
-    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False) -> Blocks:
-        """As plait runs a layer here: its TP collectives exposed (``tp_overlap`` models Transformer Engine's
-        userbuffers on catalogue GPUs, which plait's runtime does not run)."""
+    def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> Blocks:
+        """As plait runs a layer here: its TP collectives exposed (``tp_overlap`` and ``overlap_sms`` model
+        Transformer Engine's userbuffers on catalogue GPUs, which plait's runtime does not run)."""
         if tp_overlap:
             raise ConfigError("tp_comm_overlap: models Megatron-Core's userbuffers on catalogue GPUs; a calibrated "
                               "host runs plait's own collectives (use tp_comm_overlap=False)")
