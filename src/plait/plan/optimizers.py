@@ -79,15 +79,16 @@ OPTIMIZERS: dict[str, OptimizerTraffic] = {
     # weight_decay is not 0 (llm-foundry's MPT yamls set 0: not counted). Composer's gradient clipping under FSDP
     # calls FullyShardedDataParallel.clip_grad_norm_ (composer/algorithms/gradient_clipping/gradient_clipping.py at
     # v0.16.3): each sharded gradient's torch.linalg.vector_norm (read 4), then grad.mul_ by the clamped
-    # coefficient on every step (read 4, write 4; torch/distributed/fsdp/fully_sharded_data_parallel.py: "avoids
-    # the host-device sync that would result from `if clip_coef < 1`"). 80 + 12.
+    # coefficient on every step (read 4, write 4; torch/distributed/fsdp/fully_sharded_data_parallel.py as read in
+    # torch 2.13, "avoids the host-device sync that would result from `if clip_coef < 1`"; the runs' torch 2.0.1
+    # and 2.1 nightly images were not read). 80 + 12.
     "composer-decoupled-adamw": OptimizerTraffic(owned=80 + 12),
     # torch.optim.AdamW(foreach=True) with weight decay (pytorch/pytorch torch/optim/adamw.py _multi_tensor_adamw at
     # 002d2f0b): _foreach_mul_(params) (8); _foreach_lerp_(exp_avgs, grads) (12); _foreach_mul_(exp_avg_sqs) (8);
     # _foreach_addcmul_(exp_avg_sqs, grads, grads) (12); _foreach_sqrt (8), _foreach_div_ (8), _foreach_add_(eps)
     # (8); _foreach_addcdiv_(params, exp_avgs, denom) (16): 80. torch.nn.utils.clip_grad_norm_(foreach=True)
-    # (torch/nn/utils/clip_grad.py at 01a57d87): _foreach_norm (read 4), then _foreach_mul_ by the clamped
-    # coefficient on every step (8). 80 + 12.
+    # (torch/nn/utils/clip_grad.py at 01a57d87, later than the April 2024 nightly torchtitan ran): _foreach_norm
+    # (read 4), then _foreach_mul_ by the clamped coefficient on every step (8). 80 + 12.
     "torch-foreach-adamw": OptimizerTraffic(owned=80 + 12),
 }
 #: the implementation plait's runtime runs (``plait.optim.build_optimizer``)
