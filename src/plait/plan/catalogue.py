@@ -44,7 +44,7 @@ class GPU:
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
     gemm_half: float = 40.0
-    elementwise_traffic: float = 1.63
+    elementwise_traffic: float = 1.62
     flash_efficiency: float = 0.5
     attention_figures: str = ""
     sms: int = 0
@@ -71,7 +71,7 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 63 runs
-# from 6 sources, 0.619; H100: 27 runs from 3 sources, 0.610; the traffic 1.63 on all 90; ``bench/plan.py
+# from 6 sources, 0.619; H100: 27 runs from 3 sources, 0.610; the traffic 1.62 on all 90; ``bench/plan.py
 # --validate`` refits them and reports each source's error with that source held out;
 # tests/test_plan_gpu.py checks these are the fit).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
