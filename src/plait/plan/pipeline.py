@@ -123,14 +123,33 @@ def profile(name: str, pp: int, m: int, v: int, forward: Sequence[float], backwa
             if uneven:  # the makespan extrapolated, the peaks counted on the order at the true M
                 sched = schedule(name, pp, m, v, rounds)
                 ones = tuple(1.0 / v for _ in range(k))
-                return PipelineProfile(series[0][0] + (series[0][1] - series[0][0]) * frac, tuple(busy),
+                span = series[0][0] + (series[0][1] - series[0][0]) * frac
+                return PipelineProfile(max(span, makespan_floor(name, pp, m, v, fwd, bwd)), tuple(busy),
                                        _peak_bytes(sched, ones), _peak_bytes(sched, nb), (m1, m1 + pp, m1 + 2 * pp))
             if all(_affine(s) for s in series):
                 ext = [s[0] + (s[1] - s[0]) * frac for s in series]
-                return PipelineProfile(ext[0], tuple(busy), tuple(ext[1:1 + pp]), tuple(ext[1 + pp:]),
+                return PipelineProfile(max(ext[0], makespan_floor(name, pp, m, v, fwd, bwd)), tuple(busy),
+                                       tuple(ext[1:1 + pp]), tuple(ext[1 + pp:]),
                                        (m1, m1 + pp, m1 + 2 * pp))
     span, peak, pbytes = _simulate(name, pp, m, v, fwd, bwd, w, p2p, nb, rounds)
     return PipelineProfile(span, tuple(busy), peak, pbytes, (m,))
+
+
+def makespan_floor(name: str, pp: int, m: int, v: int, forward: Sequence[float], backward: Sequence[float]) -> float:
+    """A makespan no schedule ``name`` beats: a rank's busy time, plus the forwards of the chunks before its first
+    (it waits for them on the first micro-batch) and, unless the backward is split (zero-bubble schedules fill
+    that tail with W), their backwards after its last (Narayanan et al. 2021, §2.2: (p-1)(F+B)/v with uniform
+    stages). An extrapolated makespan is never reported below it: the steady state the three simulated counts
+    show may not be the one the true M reaches."""
+    placement = stages_placement(name, pp, v)
+    split = name in SPLIT_BACKWARD
+    busy, first = [0.0] * pp, [len(placement)] * pp
+    before = [0.0]  # before[c]: what the chunks below c cost one micro-batch
+    for c, r in enumerate(placement):
+        busy[r] += forward[c] + backward[c]
+        first[r] = min(first[r], c)
+        before.append(before[-1] + forward[c] + (0.0 if split else backward[c]))
+    return max(m * busy[r] + before[first[r]] for r in range(pp))
 
 
 def _affine(s: list[float]) -> bool:

@@ -12,12 +12,11 @@ from plait.plan import memory as mem
 from plait.plan import step_end, timing
 from plait.plan.cluster import Cluster
 from plait.plan.config import RUNTIME, Layout, Training, check, microbatches
-from plait.plan.costs import StageCosts
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
 from plait.plan.overlap import dp_exposed
-from plait.plan.pipeline import SPLIT_BACKWARD
-from plait.plan.stages import Stages, layout_stages
+from plait.plan.pipeline import makespan_floor
+from plait.plan.stages import layout_stages
 
 MICROBATCH_SIZES = (1, 2, 4)
 
@@ -133,7 +132,8 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
         forward[st.placement[c]] += cost.forward
-    seconds = _pipeline_floor(layout, st, chunks, m) + sum(
+    seconds = makespan_floor(layout.schedule, layout.pp, m, layout.virtual_stages, [c.forward for c in chunks],
+                             [c.backward for c in chunks]) + sum(
         dp_exposed(cluster.costs, layout, training, reduction, gather, max(backward), max(forward)))
     layers = max(st.rank_layers)
     seconds += step_end.optimizer_time(cluster, layout, params, layers, training.optimizer)
@@ -144,20 +144,6 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     acts = cluster.costs.activations(model, layout, training.precision)
     first = acts.chunk(st.chunk_layers[0], True, len(st.chunk_layers) == 1)
     return seconds, states + min(layout.pp, m) * first
-
-
-def _pipeline_floor(layout: Layout, st: Stages, chunks: list[StageCosts], m: int) -> float:
-    """A makespan no schedule of this kind beats: a rank's busy time, plus the forwards of the chunks
-    before its first (it waits for them on the first micro-batch) and, unless the backward is split
-    (zero-bubble schedules fill that tail with W), their backwards after its last (Narayanan et al. 2021,
-    §2.2: (p-1)(F+B)/v with uniform stages). Only used to skip simulations."""
-    split = layout.schedule in SPLIT_BACKWARD
-    busy = [0.0] * layout.pp
-    before = [0.0]  # before[c]: what the chunks below c cost one micro-batch
-    for c, cost in enumerate(chunks):
-        busy[st.placement[c]] += cost.forward + cost.backward
-        before.append(before[-1] + cost.forward + (0.0 if split else cost.backward))
-    return max(m * busy[r] + before[st.first_chunk[r]] for r in range(layout.pp))
 
 
 def search(model: Model, cluster: Cluster, training: Training, top: int = 5, plan_only: bool = False) -> SearchResult:
