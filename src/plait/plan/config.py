@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
 from plait.plan.model import Model
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.schedules import SCHEDULE_NAMES
@@ -108,7 +109,7 @@ class Layout:
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
         (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, that leaves
         the head out of full recomputation, that plans Megatron-Core's TP or weight-gather overlap or userbuffers'
-        SMs, or another stack's optimizer).
+        SMs, or another stack's optimizer or gradient accumulation).
         """
         gap = runtime_gap(self)
         if gap:
@@ -122,6 +123,9 @@ class Layout:
         if training is not None and training.optimizer != RUNTIME_OPTIMIZER:
             raise ConfigError(f"optimizer: {training.optimizer!r} is planned but plait's runtime runs "
                               f"{RUNTIME_OPTIMIZER} (plan with optimizer={RUNTIME_OPTIMIZER!r})")
+        if training is not None and training.grad_accumulation != RUNTIME_ACCUMULATION:
+            raise ConfigError(f"grad_accumulation: {training.grad_accumulation!r} is planned but plait's runtime "
+                              f"accumulates its own way (plan with grad_accumulation={RUNTIME_ACCUMULATION!r})")
         for name in ("tp_comm_overlap", "overlap_param_gather"):
             if training is not None and getattr(training, name):
                 raise ConfigError(f"{name}: True is planned (Megatron-Core's overlap) but plait's runtime does not "
@@ -234,6 +238,17 @@ class Training:
     (NeMo's ``tp_comm_overlap_cfg``); Transformer Engine's default otherwise. Costed as a share of the GPU's SMs
     (``GPU.sms``): ``plan.gpu.overlapped_scatter``. plait's runtime runs no userbuffers: ``Layout.to_parallel_config``
     refuses any other value."""
+    grad_accumulation: str = RUNTIME_ACCUMULATION
+    """The implementation that accumulates each micro-batch's weight gradients into the step's gradient buffer
+    (or, under FSDP, into the rank's shard), which sets the HBM bytes every backward moves per parameter element
+    (``plan.accumulation.ACCUMULATIONS``, each counted from its code): "plait" (plait's runtime: fp32 bucket
+    buffers, by precision and ZeRO stage), "autograd-16bit" (autograd's in-place add into a 16-bit ``.grad``:
+    Megatron-LM's DDP without contiguous buffers, DeepSpeed's fp16 ZeRO-1), "apex-distributed-adam" (its hook
+    adds each bf16 gradient into an fp32 bucket), "apex-distributed-adam-fused" and "megatron-core-bf16-fused"
+    (the GEMM weights accumulate inside the weight-gradient GEMM, the rest as the hook does), "deepspeed-bf16"
+    (BF16_Optimizer's update_hp_grads), "fsdp1-bf16" or "fsdp2-fp32" (a reduce-scatter every backward, the
+    shard accumulated). Charged in each chunk's backward (``plan.timing.chunk_costs``).
+    ``Layout.to_parallel_config`` refuses any but plait's."""
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
@@ -247,6 +262,9 @@ class Training:
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.grad_accumulation not in ACCUMULATIONS:
+            raise ConfigError(f"grad_accumulation: {self.grad_accumulation!r} is not one of "
+                              f"{', '.join(ACCUMULATIONS)}")
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()
         if len(sms) != 2 or not all(type(n) is int and 1 <= n <= UB_MAX_SMS for n in sms):
             raise ConfigError(f"tp_overlap_sms: must be two integers from 1 to {UB_MAX_SMS} (the SMs of proj_fprop's "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.optimizers import RUNTIME_OPTIMIZER
 
@@ -117,6 +118,11 @@ class CostModel(Protocol):
 
     def stream_time(self, nbytes: float, kernels: float) -> float:
         """Seconds to stream ``nbytes`` through memory in ``kernels`` copy kernels (ZeRO's publish)."""
+        ...
+
+    def accumulation_time(self, nbytes: float, grad_accumulation: str = RUNTIME_ACCUMULATION) -> float:
+        """Seconds of one backward's weight-gradient accumulation moving ``nbytes`` through memory as
+        ``grad_accumulation`` (``Training.grad_accumulation``) runs it (``plan.accumulation``)."""
         ...
 
     def step_syncs(self, model: Model, layout: Layout) -> tuple[float, float]:

@@ -17,7 +17,8 @@ from plait.plan.stages import layout_stages
 
 # What the parts of ``Estimate.time`` are (they add up to the step).
 PARTS = {
-    "compute": "compute", "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
+    "compute": "compute (with the weight gradients' accumulation)",
+    "tp_comm": "tensor-parallel communication", "recompute": "recomputation",
     "cpu_sharing": "waiting for a CPU core (processes outnumber cores)", "pp_bubble": "pipeline bubble",
     "dp_comm": "exposed gradient reduction", "zero_comm": "ZeRO-3 per-micro-batch communication",
     "optimizer": "optimizer step",
@@ -123,7 +124,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     costs = cluster.costs
     chunks, pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, training, exact)
     ranks = timing.rank_costs(costs, model, layout, training.precision, training.recompute_head,
-                              training.tp_comm_overlap, training.tp_overlap_sms)
+                              training.tp_comm_overlap, training.tp_overlap_sms, training.grad_accumulation, m)
     pp = layout.pp
     busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
             "tp_comm": m * sum(c.f_tp + c.b_tp for c in ranks) / pp,
@@ -175,7 +176,7 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head,
-                                training.tp_comm_overlap, training.tp_overlap_sms)
+                                training.tp_comm_overlap, training.tp_overlap_sms, training.grad_accumulation, m)
     acts = cluster.costs.activations(model, layout, training.precision)
     layers = layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
+from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
@@ -311,6 +312,10 @@ class GpuCosts:
         return (traffic.owned / shards + traffic.replica) * params / self.gpu.memory_bandwidth
 
     def stream_time(self, nbytes: float, kernels: float) -> float:
+        return nbytes / self.gpu.memory_bandwidth
+
+    def accumulation_time(self, nbytes: float, grad_accumulation: str = RUNTIME_ACCUMULATION) -> float:
+        """The accumulation's element-wise kernels stream their bytes at the GPU's memory bandwidth."""
         return nbytes / self.gpu.memory_bandwidth
 
     def step_syncs(self, model: Model, layout: Layout) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.catalogue import GB, Link
 from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
@@ -57,6 +58,11 @@ NARAYANAN_GRADS = "fp16"
 # The optimizer step: Megatron-LM's Float16OptimizerWithFloat16Params around apex's FusedAdam at that commit (fp16,
 # --clip-grad 1.0 by default: megatron/optimizer/__init__.py, optimizer.py, arguments.py), ``plan.optimizers``.
 NARAYANAN_OPTIMIZER = "megatron-fp16"
+# The weight gradients' accumulation: the local DDP of the pipelined rows keeps no contiguous buffer (CONFIG.sh does
+# not pass --use-contiguous-buffers-in-ddp, fp16 leaves --accumulate-allreduce-grads-in-fp32 off), so autograd
+# accumulates each fp16 gradient into param.grad, as it does under torch DDP's no_sync in the rows without a
+# pipeline (megatron/model/distributed.py, schedules.py at that commit): "autograd-16bit" (``plan.accumulation``).
+NARAYANAN_ACCUMULATION = "autograd-16bit"
 NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1 (also NVIDIA/Megatron-LM README "
                    "images/cases_april2021.png); layouts from examples/sc21/run_table_1.sh")
 # (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
@@ -121,7 +127,7 @@ def _narayanan() -> list[PublishedRun]:
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
-                     optimizer=NARAYANAN_OPTIMIZER),
+                     optimizer=NARAYANAN_OPTIMIZER, grad_accumulation=NARAYANAN_ACCUMULATION),
             f"{tflops} teraFLOP/s per GPU", step,
             "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
@@ -137,13 +143,15 @@ def _narayanan() -> list[PublishedRun]:
             "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
-                     optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER),
+                     optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER,
+                     grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) costed as plait's block-wise ZeRO-3",
              "full recomputation (eq. 3 counts it)",
              "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3 traffic hidden where the model says",
              "Selene: HDR InfiniBand") + (() if ptd else (
-                 "optimizer: DeepSpeed v0.3.13's ZeRO-3 step not read, costed as plait's (torch-fused-adamw)",))))
+                 "optimizer: DeepSpeed v0.3.13's ZeRO-3 step not read, costed as plait's (torch-fused-adamw)",
+                 "gradient accumulation: DeepSpeed v0.3.13's not read, costed as plait's ZeRO-3 (one micro-batch)"))))
     return out
 
 
@@ -178,7 +186,8 @@ def _smith() -> list[PublishedRun]:
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
              "ZeRO-1 (DeepSpeed)", "vocab 50272 padded to 51200", "Selene: HDR InfiniBand",
-             "optimizer: DeepSpeed's version not printed, costed as plait's (torch-fused-adamw)")))
+             "optimizer: DeepSpeed's version not printed, costed as plait's (torch-fused-adamw)",
+             "gradient accumulation: DeepSpeed's version not printed, costed as plait's (ZeRO-1, bf16)")))
     return out
 
 
@@ -203,6 +212,11 @@ def _smith() -> list[PublishedRun]:
 # clipping through its clip_grad_norm (NVIDIA/NeMo v1.11.0 megatron_base_model.py configure_gradient_clipping,
 # clip_grads.py clip_grad_norm_distributed_optimizer): "apex-distributed-adam" (``plan.optimizers``).
 NEMO_OPTIMIZER = "apex-distributed-adam"
+# The weight gradients' accumulation: the yamls set gradient_accumulation_fusion: True and megatron_amp_O2: True;
+# NeMo v1.11.0 keeps the fusion only with a pipeline (megatron_base_model.py _validate_config), so the 175B rows
+# accumulate their GEMM weights in the GEMM and the 5B rows through apex's hook ("apex-distributed-adam-fused",
+# "apex-distributed-adam": ``plan.accumulation``).
+NEMO_ACCUMULATION = {False: "apex-distributed-adam", True: "apex-distributed-adam-fused"}
 NEMO_WHERE = ("NVIDIA/NeMo-Megatron-Launcher README §7.1.2 (commit 3579cdb3); layouts from "
               "conf/training/gpt3/5b.yaml and 175b.yaml at that commit")
 NEMO_5B = ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))
@@ -219,7 +233,8 @@ def _nemo() -> list[PublishedRun]:
         n = 8 * nodes
         out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 5B on {n} A100", m5,
                                 Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
-                                Layout(dp=n, microbatch_size=2, zero=1), Training(2048, optimizer=NEMO_OPTIMIZER),
+                                Layout(dp=n, microbatch_size=2, zero=1),
+                                Training(2048, optimizer=NEMO_OPTIMIZER, grad_accumulation=NEMO_ACCUMULATION[False]),
                                 f"{tps} tokens per second", tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second", assumed))
     m175 = gpt(96, 12288, 96, vocab=50304, name="gpt3-175b")
@@ -229,7 +244,8 @@ def _nemo() -> list[PublishedRun]:
                                 Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
                                        recompute="selective", zero=1),
-                                Training(2048, overlap_grad_reduce=False, optimizer=NEMO_OPTIMIZER),
+                                Training(2048, overlap_grad_reduce=False, optimizer=NEMO_OPTIMIZER,
+                                         grad_accumulation=NEMO_ACCUMULATION[True]),
                                 f"{tps} tokens per second", tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second",
                                 assumed + ("1F1B, not interleaved", "NeMo 1.11.0: no gradient-reduction overlap "
@@ -247,7 +263,8 @@ def _nemo() -> list[PublishedRun]:
 # fp32_groups_gradients_flat) beside the bf16 ones and all-reduces that buffer cast to bf16 (engine.py,
 # communication_data_type): costed as fp32 (one dtype for both; no memory figure of this run is checked).
 # Its optimizer step is that BF16_Optimizer's around Megatron-DeepSpeed's apex FusedAdam ("deepspeed-bf16",
-# ``plan.optimizers``; tr11-176B-ml.slurm: --optimizer adam, --clip-grad 1.0).
+# ``plan.optimizers``; tr11-176B-ml.slurm: --optimizer adam, --clip-grad 1.0), and so is its gradient accumulation
+# (update_hp_grads after every backward: "deepspeed-bf16", ``plan.accumulation``).
 BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
                "bigscience-workshop/bigscience")
 OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
@@ -263,7 +280,9 @@ OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
 # test ZeRO_STAGE=0 on master"), whose fp16 gradients are kept in the parameters' dtype and reduced in fp16
 # (deepspeed/runtime/engine.py at v0.5.10, 2022-01, communication_data_type: fp16 when fp16 or a ZeRO stage is on).
 # Its optimizer step: that ZeRO-1's fp16 step around apex's FusedAdam (the slurm's --optimizer adam, --clip-grad 1.0,
-# "gradient_clipping": 1.0), "deepspeed-zero-fp16" (``plan.optimizers``).
+# "gradient_clipping": 1.0), "deepspeed-zero-fp16" (``plan.optimizers``). Its ds_config sets no overlap_comm (v0.5.10's
+# default False): ZeRO-1 registers no gradient hooks and autograd accumulates the fp16 gradients in param.grad
+# ("autograd-16bit", ``plan.accumulation``).
 BLOOM_PREQUEL_GRADS = "fp16"
 BLOOM_PREQUEL_WHERE = ("BigScience tr11-176B-ml chronicles-prequel.md (commit 59a90eec), 'GBS Variations' "
                        "(NLAYERS=72, NHIDDEN=14336, NHEADS=64), bigscience-workshop/bigscience")
@@ -298,7 +317,8 @@ def _bloom() -> list[PublishedRun]:
     out = [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", bloom_model(),
                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
                         Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1),
-                        Training(2048, overlap_grad_reduce=False, recompute_head=False, optimizer="deepspeed-bf16"),
+                        Training(2048, overlap_grad_reduce=False, recompute_head=False, optimizer="deepspeed-bf16",
+                                 grad_accumulation="deepspeed-bf16"),
                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
                         BLOOM_ASSUMED)]
     m = bloom_model(72, 64)
@@ -309,7 +329,7 @@ def _bloom() -> list[PublishedRun]:
                 Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
                 bloom_prequel_layout(dp, tp, pp, mbs),
                 Training(gbs, overlap_grad_reduce=False, recompute_head=False, grad_dtype=BLOOM_PREQUEL_GRADS,
-                         optimizer="deepspeed-zero-fp16"),
+                         optimizer="deepspeed-zero-fp16", grad_accumulation="autograd-16bit"),
                 f"Sec/it {sec} (TFLOPs {tflops})", float(sec), "printed step time",
                 BLOOM_ASSUMED + ("the 2nd iteration's time", "fp16 (the slurm of that day) costed as bf16; ZeRO-1")))
     return out

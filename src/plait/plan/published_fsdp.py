@@ -58,6 +58,10 @@ MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default
 # gradient_clipping: clipping_type: norm", Composer's DecoupledAdamW and FSDP's clip_grad_norm_ under the Composer of
 # that commit (v0.16.3): "composer-decoupled-adamw" (``plan.optimizers``).
 MOSAIC_OPTIMIZER = "composer-decoupled-adamw"
+# The weight gradients' accumulation: FSDP FULL_SHARD reduce-scatters in every backward (Composer v0.16.3 enters no
+# no_sync for FSDP) with the yamls' mixed_precision PURE (bf16 reduction) and accumulates the fp32 shard:
+# "fsdp1-bf16" (``plan.accumulation``).
+MOSAIC_ACCUMULATION = "fsdp1-bf16"
 
 
 def mpt(size: str, seq: int) -> Model:
@@ -78,7 +82,8 @@ def mosaic() -> list[PublishedRun]:
             Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200,
                     flash_attention="flash1"),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
-            Training(batch, recompute_head=False, grad_dtype="bf16", optimizer=MOSAIC_OPTIMIZER),
+            Training(batch, recompute_head=False, grad_dtype="bf16", optimizer=MOSAIC_OPTIMIZER,
+                     grad_accumulation=MOSAIC_ACCUMULATION),
             f"Throughput (T/s) {tps}", tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
             ("FSDP FULL_SHARD costed as ZeRO-3", MOSAIC_ATTENTION,
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
@@ -96,6 +101,9 @@ TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3
 # The optimizer step: train.py at that commit builds torch.optim.AdamW(..., weight_decay=0.1, foreach=True) and clips
 # with torch.nn.utils.clip_grad_norm_(..., foreach=True): "torch-foreach-adamw" (``plan.optimizers``).
 TITAN_OPTIMIZER = "torch-foreach-adamw"
+# The weight gradients' accumulation: FSDP2's reduce-scatter of each backward with reduce_dtype float32, one
+# micro-batch a step (train.py at that commit has no gradient accumulation): "fsdp2-fp32" (``plan.accumulation``).
+TITAN_ACCUMULATION = "fsdp2-fp32"
 # torchtitan's Llama (torchtitan/models/llama/model.py) has no dropout, as Model's default.
 LLAMA2_13B = Model(40, 5120, 40, 32000, 4096, 13824, glu=True, name="llama2-13b")
 LLAMA2_70B = Model(80, 8192, 64, 32000, 4096, 28672, 8, glu=True, name="llama2-70b")
@@ -111,7 +119,7 @@ def torchtitan() -> list[PublishedRun]:
             "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
             Cluster("a100-80gb", 64, flash_attention="flash2"),
             Layout(dp=64, microbatch_size=local, recompute=rc, zero=3),
-            Training(batch, recompute_head=False, optimizer=TITAN_OPTIMIZER),
+            Training(batch, recompute_head=False, optimizer=TITAN_OPTIMIZER, grad_accumulation=TITAN_ACCUMULATION),
             f"WPS {wps}", tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
             ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: its flash backend, FlashAttention-2, on A100",
              "fabric not printed: HDR InfiniBand assumed")))

@@ -78,6 +78,15 @@ DGXC_GRADS = "bf16"
 # (megatron_base_model.py at d2b21556: with_distributed_adam without use_mcore_dist_optim), whose version in that
 # container is not read here: costed as plait's (the row's ``assumed``).
 DGXC_OPTIMIZER = "megatron-core-bf16"
+# The weight gradients' accumulation: NeMo 2.0's GPTConfig sets gradient_accumulation_fusion when apex's
+# fused_weight_gradient_mlp_cuda imports (nemo/collections/llm/gpt/model/base.py at d2b21556; the Llama 3 and
+# Nemotron configs keep it), so Transformer Engine's layers accumulate their weight gradients in the GEMM and
+# Megatron-Core's DDP hook adds the rest into its bf16 buffer: "megatron-core-bf16-fused" (``plan.accumulation``).
+# The 175B yaml sets gradient_accumulation_fusion: true with mcore_gpt: true, so its Transformer Engine layers
+# accumulate in the GEMM too; the rest goes through the hook of the container's apex DistributedFusedAdam into its
+# bf16 buffer (grad_sync_dtype: bf16), whose code is not read here: costed as Megatron-Core's bf16 add (the row's
+# ``assumed``).
+DGXC_ACCUMULATION = "megatron-core-bf16-fused"
 # The SMs each pipelined reduce-scatter holds (``Training.tp_overlap_sms``: userbuffers' num_sm of proj_fprop and
 # fc2_fprop, every one with method "pipeline"), from each row's own configuration: the 175B yaml's
 # ub_tp_comm_overlap_cfg (proj_fprop 24, fc2_fprop 20, set_sm_margin 1); NeMo's userbuffers_bf16_h100_h8192_tp4_
@@ -125,7 +134,8 @@ def _dgx_cloud() -> list[PublishedRun]:
             f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n, flash_attention="cudnn"), layout,
             Training(gbs, tp_comm_overlap=name in DGXC_TP_OVERLAP, overlap_param_gather=True,
                      grad_dtype=DGXC_GRADS, optimizer=RUNTIME_OPTIMIZER if name == "gpt3-175b" else DGXC_OPTIMIZER,
-                     tp_overlap_sms=DGXC_TP_OVERLAP.get(name, TE_OVERLAP_SMS)),
+                     tp_overlap_sms=DGXC_TP_OVERLAP.get(name, TE_OVERLAP_SMS),
+                     grad_accumulation=DGXC_ACCUMULATION),
             f"Training step time (seconds per step) {step} (Model flops utilization {mfu})", float(step),
             "printed step time",
             ("fabric not printed: NDR InfiniBand assumed (DGX H100)", "distributed fused Adam costed as ZeRO-1",
@@ -134,7 +144,10 @@ def _dgx_cloud() -> list[PublishedRun]:
              "SMs (DGXC_TP_OVERLAP)", "DP overlap of both collectives",
              "CP: Megatron-Core's p2p ring (the note above DGXC_GRADS)", "bf16 gradients (DGXC_GRADS's note)",
              DGXC_ATTENTION) + (("optimizer: apex's DistributedFusedAdam of the container not read, costed as "
-                                 "plait's (torch-fused-adamw)",) if name == "gpt3-175b" else ())))
+                                 "plait's (torch-fused-adamw)", "gradient accumulation: the yaml's fusion; the "
+                                 "container's apex hook not read, costed as Megatron-Core's bf16 add")
+                                if name == "gpt3-175b" else ("gradient accumulation fusion: the container's apex "
+                                                             "builds fused_weight_gradient_mlp_cuda",))))
     return out
 
 
@@ -187,7 +200,8 @@ def _meta() -> list[PublishedRun]:
              "sequence parallelism with TP (Korthikanti et al., cited for TP)", "no recomputation (the text)",
              "NCCLX and E-ECMP tuning not modelled", "TFLOPs/GPU printed to two figures",
              "attention kernel not printed: the default, FlashAttention-2",
-             "optimizer not printed: costed as plait's (torch-fused-adamw)")))
+             "optimizer not printed: costed as plait's (torch-fused-adamw)",
+             "gradient accumulation not printed: costed as plait's")))
     return out
 
 

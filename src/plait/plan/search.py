@@ -124,7 +124,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     runs that many forwards of its first chunk before a backward)."""
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head,
-                                training.tp_comm_overlap, training.tp_overlap_sms)
+                                training.tp_comm_overlap, training.tp_overlap_sms, training.grad_accumulation, m)
     st = layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from plait.plan.accumulation import RUNTIME_ACCUMULATION, AccumulationTraffic, traffic
 from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import CostModel, StageCosts
+from plait.plan.memory import rank_params
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages
 
@@ -31,18 +33,38 @@ def model_flops_per_step(model: Model, global_batch: int) -> float:
     return 3 * (fwd + head_forward_flops(model, tokens))
 
 
+def accumulation_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
+                       acc: AccumulationTraffic, microbatches: int) -> float:
+    """HBM bytes of one backward's weight-gradient accumulation (``plan.accumulation``) on one GPU of a chunk of
+    ``layers`` layers (``first``: with the embedding, ``last``: with the head), on average over the step's
+    ``microbatches``: per element it holds, and per element of its 1/(dp·cp) gradient shard."""
+    held = sum(rank_params(model, layout, layers, first, last))
+    if acc.fused:  # only what no GEMM produces: the norms, the embedding table
+        held = layers * 2 * model.norm_params() + (model.embedding_params() / layout.tp if first else 0.0) + (
+            model.norm_params() if last else 0.0)
+    later = (microbatches - 1) / microbatches
+    shard = held / (layout.dp * layout.cp)
+    return held * (acc.every + acc.later * later) + shard * (acc.shard_every + acc.shard_later * later)
+
+
 def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
                 recompute_head: bool = True, tp_overlap: bool = False,
-                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> list[StageCosts]:
+                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, grad_accumulation: str = RUNTIME_ACCUMULATION,
+                microbatches: int = 1) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut; without ``recompute_head`` (``Training.recompute_head``) the head's
     recomputation is not charged; ``tp_overlap``: ``Training.tp_comm_overlap``, ``overlap_sms``:
-    ``Training.tp_overlap_sms``."""
+    ``Training.tp_overlap_sms``. Each backward also accumulates the chunk's weight gradients as
+    ``grad_accumulation`` (``Training.grad_accumulation``) runs it over ``microbatches``: its hooks and kernels run
+    on the GPU as each gradient is produced, so they lengthen that backward (and the W pass of split-backward
+    schedules) on the pipeline's critical path, charged in ``b_compute`` and ``w_compute``
+    (``CostModel.accumulation_time``)."""
     blocks = costs.blocks(model, layout, precision, tp_overlap, overlap_sms)
     if not recompute_head:
         blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)
     p2p = costs.p2p(model, layout, precision)
+    acc = traffic(grad_accumulation, precision, layout.zero)
     last = len(st.chunk_layers) - 1
     made: dict[tuple[int, bool, bool], StageCosts] = {}  # chunks come in a few sizes: cost each once
     out = []
@@ -54,19 +76,22 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
                 cost = cost + blocks.embedding
             if c == last:
                 cost = cost + blocks.head
-            made[key] = StageCosts(cost.f_compute, cost.b_compute, cost.w_compute, cost.f_tp, cost.b_tp,
-                                   cost.recompute, p2p, n)
+            grads = costs.accumulation_time(accumulation_bytes(model, layout, *key, acc, microbatches),
+                                            grad_accumulation)
+            made[key] = StageCosts(cost.f_compute, cost.b_compute + grads, cost.w_compute + grads, cost.f_tp,
+                                   cost.b_tp, cost.recompute, p2p, n)
         out.append(made[key])
     return out
 
 
 def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
                recompute_head: bool = True, tp_overlap: bool = False,
-               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> list[StageCosts]:
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, grad_accumulation: str = RUNTIME_ACCUMULATION,
+               microbatches: int = 1) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
     placement = layout_stages(model, layout).placement
     out = [StageCosts() for _ in range(layout.pp)]
     for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head, tp_overlap,
-                                         overlap_sms)):
+                                         overlap_sms, grad_accumulation, microbatches)):
         out[placement[c]] = out[placement[c]] + cost
     return out

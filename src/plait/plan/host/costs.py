@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from plait.errors import ConfigError
+from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.catalogue import GPU, Link
 from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import Blocks, Span, StageCosts
@@ -210,6 +211,15 @@ class HostCosts:
         fixed cost."""
         sec = self.section
         return nbytes / sec.memory_bandwidth + kernels * sec.op_overhead_s * sec.rates["elementwise"].forward_share
+
+    def accumulation_time(self, nbytes: float, grad_accumulation: str = RUNTIME_ACCUMULATION) -> float:
+        """0: ``plait calibrate`` times each block's backward with its parameters' gradients accumulating as over a
+        step's micro-batches (``plait.calibrate.kernels.block``), so plait's accumulation is in the block's time.
+        Another stack's ``grad_accumulation``: ConfigError (the host times plait's own)."""
+        if grad_accumulation != RUNTIME_ACCUMULATION:
+            raise ConfigError(f"grad_accumulation: {grad_accumulation!r} is costed on catalogue GPUs; a calibrated "
+                              f"host times plait's own (use grad_accumulation={RUNTIME_ACCUMULATION!r})")
+        return 0.0
 
     def step_syncs(self, model: Model, layout: Layout) -> tuple[float, float]:
         """Both over every rank. The loss is summed over the world when DP replicas (or MoE's auxiliary losses,
