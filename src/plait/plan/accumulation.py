@@ -94,8 +94,10 @@ ACCUMULATIONS: dict[str, AccumulationTraffic | None] = {
     "apex-distributed-adam-fused": AccumulationTraffic(every=10, fused=True),
     # Megatron-Core's DDP with a 16-bit gradient buffer and gradient_accumulation_fusion (NVIDIA/Megatron-LM
     # megatron/core/distributed/distributed_data_parallel.py at ee6737da, _make_backward_post_hook): the GEMM
-    # weights accumulate in their GEMM (grad_added_to_main_grad); the rest param.main_grad.add_(param.grad)
-    # in bf16 (read 2 + 2, write 2), param.grad set to None.
+    # weights accumulate in their GEMM (megatron/core/extensions/transformer_engine.py passes
+    # fuse_wgrad_accumulation; NVIDIA/TransformerEngine transformer_engine/pytorch/module/linear.py at 3b2a7b00
+    # marks grad_added_to_main_grad and the hook adds nothing); the rest param.main_grad.add_(param.grad) in bf16
+    # (read 2 + 2, write 2), param.grad set to None.
     "megatron-core-bf16-fused": AccumulationTraffic(every=6, fused=True),
     # DeepSpeed's BF16_Optimizer under its pipeline engine (microsoft/DeepSpeed deepspeed/runtime/pipe/engine.py
     # at 56c52238, _exec_backward_pass: clear_lp_grads before each backward, update_hp_grads after it;
