@@ -18,7 +18,7 @@ A100 = 2.039e12  # bytes/s
 def _accumulation(cluster: Cluster, layout: Layout, name: str, microbatches: int) -> list[float]:
     """Seconds each chunk's backward spends beyond its blocks' (the accumulation)."""
     blocks = cluster.costs.blocks(MODEL, layout, "bf16")
-    chunks = chunk_costs(cluster.costs, MODEL, layout, "bf16", grad_accumulation=name, microbatches=microbatches)
+    chunks = chunk_costs(cluster.costs, MODEL, layout, Training(1, grad_accumulation=name), microbatches)
     plain = [blocks.layer.b_compute * c.layers + (blocks.embedding.b_compute if i == 0 else 0.0)
              + (blocks.head.b_compute if i == len(chunks) - 1 else 0.0) for i, c in enumerate(chunks)]
     return [c.b_compute - p for c, p in zip(chunks, plain, strict=True)]
@@ -38,7 +38,7 @@ def test_each_pipeline_stage_accumulates_its_own_parameters_every_backward():
         [10 * 1_028_096 / A100, 10 * 5120 / A100], rel=1e-9)
     zbh1 = Layout(pp=2, dp=2, schedule="zb-h1")
     blocks = a100.costs.blocks(MODEL, zbh1, "bf16")
-    w = chunk_costs(a100.costs, MODEL, zbh1, "bf16", grad_accumulation="deepspeed-bf16", microbatches=8)[1].w_compute
+    w = chunk_costs(a100.costs, MODEL, zbh1, Training(1, grad_accumulation="deepspeed-bf16"), 8)[1].w_compute
     assert w - 2 * blocks.layer.w_compute - blocks.head.w_compute == pytest.approx(18 * 26_194_944 / A100, rel=1e-9)
 
 
@@ -69,7 +69,7 @@ def test_plaits_runtime_bytes_follow_its_precision_and_zero_stage():
     one = Cluster("a100-80gb", 2)
     assert _accumulation(a100, Layout(), "plait", 1) == pytest.approx([18 * n / A100], rel=1e-9)
     assert _accumulation(one, Layout(dp=2, zero=1), "plait", 1) == pytest.approx([10 * n / A100], rel=1e-9)
-    chunks = chunk_costs(a100.costs, MODEL, Layout(), "fp32", microbatches=1)
+    chunks = chunk_costs(a100.costs, MODEL, Layout(), Training(1, precision="fp32"))
     blocks = a100.costs.blocks(MODEL, Layout(), "fp32")
     plain = 4 * blocks.layer.b_compute + blocks.embedding.b_compute + blocks.head.b_compute
     assert chunks[0].b_compute - plain == pytest.approx(12 * n / A100, rel=1e-9)

@@ -92,9 +92,7 @@ def _show_schedule(console, best) -> None:
         console.print("(no pipeline: pp = 1, micro-batches run one after another)")
         return
     m = min(best.microbatches, 4 * lay.pp)
-    ch = chunk_costs(best.cluster.costs, best.model, lay, best.training.precision, best.training.recompute_head,
-                     best.training.tp_comm_overlap, best.training.tp_overlap_sms, best.training.grad_accumulation,
-                     best.microbatches)
+    ch = chunk_costs(best.cluster.costs, best.model, lay, best.training, best.microbatches)
     weight = [c.weight for c in ch] if lay.schedule in SPLIT_BACKWARD else None
     r = simulate(build_schedule(lay.schedule, stages=lay.pp, microbatches=m, virtual=lay.virtual_stages,
                                 rounds=best.rounds),

@@ -123,8 +123,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     m = microbatches(layout, training)
     costs = cluster.costs
     chunks, pipe, memory, rounds = _pipeline_and_memory(model, cluster, layout, training, exact)
-    ranks = timing.rank_costs(costs, model, layout, training.precision, training.recompute_head,
-                              training.tp_comm_overlap, training.tp_overlap_sms, training.grad_accumulation, m)
+    ranks = timing.rank_costs(costs, model, layout, training, m)
     pp = layout.pp
     busy = {"compute": m * sum(c.f_compute + c.b_compute for c in ranks) / pp,
             "tp_comm": m * sum(c.f_tp + c.b_tp for c in ranks) / pp,
@@ -175,8 +174,7 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     """Per-chunk costs and the simulated forward/backward part of one step (activation bytes per chunk
     from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head,
-                                training.tp_comm_overlap, training.tp_overlap_sms, training.grad_accumulation, m)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training, m)
     acts = cluster.costs.activations(model, layout, training.precision)
     layers = layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]

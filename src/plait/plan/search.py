@@ -123,8 +123,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     first chunk's rank holding its states plus min(pp, M) micro-batches of chunk 0 (every schedule here
     runs that many forwards of its first chunk before a backward)."""
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(cluster.costs, model, layout, training.precision, training.recompute_head,
-                                training.tp_comm_overlap, training.tp_overlap_sms, training.grad_accumulation, m)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training, m)
     st = layout_stages(model, layout)
     params = mem.max_rank_params(model, layout)
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from plait.plan.accumulation import RUNTIME_ACCUMULATION, AccumulationTraffic, traffic
-from plait.plan.config import TE_OVERLAP_SMS, Layout
+from plait.plan.accumulation import AccumulationTraffic, traffic
+from plait.plan.config import Layout, Training
 from plait.plan.costs import CostModel, StageCosts
 from plait.plan.memory import rank_params
 from plait.plan.model import Model
@@ -47,24 +47,24 @@ def accumulation_bytes(model: Model, layout: Layout, layers: int, first: bool, l
     return held * (acc.every + acc.later * later) + shard * (acc.shard_every + acc.shard_later * later)
 
 
-def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
-                recompute_head: bool = True, tp_overlap: bool = False,
-                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, grad_accumulation: str = RUNTIME_ACCUMULATION,
+def chunk_costs(costs: CostModel, model: Model, layout: Layout, training: Training | None = None,
                 microbatches: int = 1) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
-    the last), in the runtime's cut; without ``recompute_head`` (``Training.recompute_head``) the head's
-    recomputation is not charged; ``tp_overlap``: ``Training.tp_comm_overlap``, ``overlap_sms``:
-    ``Training.tp_overlap_sms``. Each backward also accumulates the chunk's weight gradients as
-    ``grad_accumulation`` (``Training.grad_accumulation``) runs it over ``microbatches``: its hooks and kernels run
-    on the GPU as each gradient is produced, so they lengthen that backward (and the W pass of split-backward
-    schedules) on the pipeline's critical path, charged in ``b_compute`` and ``w_compute``
+    the last), in the runtime's cut, as ``training``'s stack runs a layer (None: plait's runtime, ``Training``'s
+    defaults): its ``precision``; without ``recompute_head`` the head's recomputation is not charged;
+    ``tp_comm_overlap`` and ``tp_overlap_sms`` for the TP collectives (``CostModel.blocks``). Each backward also
+    accumulates the chunk's weight gradients as ``grad_accumulation`` runs it over ``microbatches``: its hooks and
+    kernels run on the GPU as each gradient is produced, so they lengthen that backward (and the W pass of
+    split-backward schedules) on the pipeline's critical path, charged in ``b_compute`` and ``w_compute``
     (``CostModel.accumulation_time``)."""
-    blocks = costs.blocks(model, layout, precision, tp_overlap, overlap_sms)
-    if not recompute_head:
+    t = training if training is not None else Training(1)
+    precision = t.precision
+    blocks = costs.blocks(model, layout, precision, t.tp_comm_overlap, t.tp_overlap_sms)
+    if not t.recompute_head:
         blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)
     p2p = costs.p2p(model, layout, precision)
-    acc = traffic(grad_accumulation, precision, layout.zero)
+    acc = traffic(t.grad_accumulation, precision, layout.zero)
     last = len(st.chunk_layers) - 1
     made: dict[tuple[int, bool, bool], StageCosts] = {}  # chunks come in a few sizes: cost each once
     out = []
@@ -77,21 +77,18 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, precision: str =
             if c == last:
                 cost = cost + blocks.head
             grads = costs.accumulation_time(accumulation_bytes(model, layout, *key, acc, microbatches),
-                                            grad_accumulation)
+                                            t.grad_accumulation)
             made[key] = StageCosts(cost.f_compute, cost.b_compute + grads, cost.w_compute + grads, cost.f_tp,
                                    cost.b_tp, cost.recompute, p2p, n)
         out.append(made[key])
     return out
 
 
-def rank_costs(costs: CostModel, model: Model, layout: Layout, precision: str = "bf16",
-               recompute_head: bool = True, tp_overlap: bool = False,
-               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, grad_accumulation: str = RUNTIME_ACCUMULATION,
+def rank_costs(costs: CostModel, model: Model, layout: Layout, training: Training | None = None,
                microbatches: int = 1) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline rank: the sum of its chunks."""
     placement = layout_stages(model, layout).placement
     out = [StageCosts() for _ in range(layout.pp)]
-    for c, cost in enumerate(chunk_costs(costs, model, layout, precision, recompute_head, tp_overlap,
-                                         overlap_sms, grad_accumulation, microbatches)):
+    for c, cost in enumerate(chunk_costs(costs, model, layout, training, microbatches)):
         out[placement[c]] = out[placement[c]] + cost
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plait.plan.config import Layout
+from plait.plan.config import Layout, Training
 from plait.plan.costs import Span, StageCosts
 from plait.plan.host.compute import whole_layers
 from plait.plan.host.shapes import CALIBRATION_BLOCKS, PIPELINE_CALIBRATION_MICROBATCHES
@@ -25,7 +25,7 @@ def shared_host(costs: HostCosts, model: Model, layout: Layout, precision: str, 
     from plait.schedules import build_schedule
     from plait.sim.shared import simulate_shared
 
-    shared = chunk_costs(costs.shared_twin(), model, layout, precision)
+    shared = chunk_costs(costs.shared_twin(), model, layout, Training(1, precision=precision))
     p = costs.processes
     cores = shared_cores(chunks, shared, p, costs.cores)
     stretch = max(1.0, p / cores)
