@@ -107,32 +107,20 @@ class Layout:
 
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
         rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
-        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` whose ``grad_dtype`` is not fp32, that leaves
-        the head out of full recomputation, that plans Megatron-Core's TP or weight-gather overlap or userbuffers'
-        SMs, or another stack's optimizer or gradient accumulation).
+        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` that leaves the head out of full recomputation,
+        or that sets a field of ``OTHER_STACKS`` to another stack's value).
         """
         gap = runtime_gap(self)
         if gap:
             raise ConfigError(gap)
-        if training is not None and training.grad_dtype != RUNTIME_GRAD_DTYPE:
-            raise ConfigError(f"grad_dtype: {training.grad_dtype!r} is planned but plait's runtime keeps and reduces "
-                              f"{RUNTIME_GRAD_DTYPE} gradients (plan with grad_dtype={RUNTIME_GRAD_DTYPE!r})")
         if training is not None and self.recompute == "full" and not training.recompute_head:
             raise ConfigError("recompute_head: False is planned but plait's runtime recomputes the head under full "
                               "recomputation too (plan with recompute_head=True)")
-        if training is not None and training.optimizer != RUNTIME_OPTIMIZER:
-            raise ConfigError(f"optimizer: {training.optimizer!r} is planned but plait's runtime runs "
-                              f"{RUNTIME_OPTIMIZER} (plan with optimizer={RUNTIME_OPTIMIZER!r})")
-        if training is not None and training.grad_accumulation != RUNTIME_ACCUMULATION:
-            raise ConfigError(f"grad_accumulation: {training.grad_accumulation!r} is planned but plait's runtime "
-                              f"accumulates its own way (plan with grad_accumulation={RUNTIME_ACCUMULATION!r})")
-        for name in ("tp_comm_overlap", "overlap_param_gather"):
-            if training is not None and getattr(training, name):
-                raise ConfigError(f"{name}: True is planned (Megatron-Core's overlap) but plait's runtime does not "
-                                  f"overlap that communication (plan with {name}=False)")
-        if training is not None and training.tp_overlap_sms != TE_OVERLAP_SMS:
-            raise ConfigError(f"tp_overlap_sms: {training.tp_overlap_sms} is planned (Transformer Engine's "
-                              f"userbuffers) but plait's runtime runs none (plan with tp_overlap_sms={TE_OVERLAP_SMS})")
+        for name, runtime, does in OTHER_STACKS if training is not None else ():
+            value = getattr(training, name)
+            if value != runtime:
+                raise ConfigError(f"{name}: {value!r} is planned but plait's runtime {does} "
+                                  f"(plan with {name}={runtime!r})")
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
                               schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
@@ -178,6 +166,16 @@ UB_MAX_SMS = 32
 GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: the one plait's runtime keeps: float32 gradients (main_grad buffers, ZeRO shards), reduced in float32
 RUNTIME_GRAD_DTYPE = "fp32"
+
+#: ``Training`` fields that describe other stacks' runs: (field, plait's runtime's value, what the runtime does)
+OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
+    ("grad_dtype", RUNTIME_GRAD_DTYPE, f"keeps and reduces {RUNTIME_GRAD_DTYPE} gradients"),
+    ("optimizer", RUNTIME_OPTIMIZER, f"runs {RUNTIME_OPTIMIZER}"),
+    ("grad_accumulation", RUNTIME_ACCUMULATION, "accumulates its own way"),
+    ("tp_comm_overlap", False, "runs SP's collectives exposed (no Megatron-Core overlap)"),
+    ("overlap_param_gather", False, "gathers the updated weights after the step (no Megatron-Core overlap)"),
+    ("tp_overlap_sms", TE_OVERLAP_SMS, "runs no userbuffers"),
+)
 
 
 @dataclass(frozen=True)

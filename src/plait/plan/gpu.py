@@ -159,8 +159,8 @@ class GpuCosts:
         if model.is_moe and layout.ep > 1:
             e = layout.ep
             a2a = act * model.top_k * (e - 1) / e / (link(t * e).bandwidth * LINK_EFFICIENCY)
-            f += 2 * (a2a + (e - 1) * link(t * e).latency)
-            b += 2 * (a2a + (e - 1) * link(t * e).latency)
+            dispatch_combine = 2 * (a2a + (e - 1) * link(t * e).latency)
+            f, b = f + dispatch_combine, b + dispatch_combine
         return f, b
 
     def _tp_overlapped(self, model: Model, layout: Layout, tokens: float, c: float,
