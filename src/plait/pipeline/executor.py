@@ -35,12 +35,12 @@ if TYPE_CHECKING:
 class StepStats:
     """What one executed step measured on this rank."""
 
-    loss_sum: torch.Tensor
+    loss_sum: torch.Tensor  # float64 scalar on the step's device
+    aux_sum: torch.Tensor  # float64 scalar on the step's device
     peak_stored: float  # micro-batches of a whole stage (a chunk counts 1/V)
     peak_sends: int = 0  # send buffers alive at once (released as soon as the peer is known to have them)
     timeline: list[tuple[Action, float, float]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
-    aux_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     shared_loss: torch.Tensor | None = None  # the loss another stage sent (StepIO.loss_from)
     started_at: float = 0.0  # time.perf_counter() the timeline's times count from (one clock for a host's ranks)
     ended_at: float = 0.0  # time.perf_counter() when this rank's forward/backward part ended
@@ -89,7 +89,8 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.local: dict[tuple[int, int, int], torch.Tensor] = {}
         self.unposted: list[int] = []  # receives whose shape was not known yet when their turn came
-        stats = StepStats(loss_sum=torch.zeros((), dtype=torch.float64), peak_stored=0.0)
+        zero = torch.zeros((), dtype=torch.float64, device=self.transport.device)  # sums on the device: no host read
+        stats = StepStats(loss_sum=zero, aux_sum=zero.clone(), peak_stored=0.0)
         try:
             if io.loss_from is not None and not forward_only:
                 self.transport.post_loss(io.loss_from)
