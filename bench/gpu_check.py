@@ -2,20 +2,23 @@
 prediction beside the measured step, generation and serving speed. Writes ``gpu_check.json`` and a Markdown
 table to ``--out``.
 
-    python bench/gpu_check.py --device cuda --out gpu-check          # make gpu-check: ~6-8 min on one H100
+    python bench/gpu_check.py --device cuda --out gpu-check          # make gpu-check: ~3 min on one H200
     python bench/gpu_check.py --device cpu --quick --out gpu-check   # the same sections on a CPU, small sizes
 
-Sections (each runs on its own: one that fails records ``{"error": ...}`` and the rest still run):
-  device    name, memory, torch and CUDA versions
+Sections (each runs on its own: one that fails records ``{"error": ...}`` and the rest still run; the JSON is
+rewritten after each, so a run cut short keeps the sections it finished):
+  device    name, memory, torch and CUDA versions; on a GPU ``launch_us``, what one tiny kernel costs the host
   tests     ``pytest tests/test_device_path.py tests/test_device_guards.py --device DEV``: passed / failed
   train     one process: plait (``parallelize`` + ``ParallelOptimizer``, bf16 over fp32 masters on a GPU) and
-            transformers' ``LlamaForCausalLM`` (fp32 weights under bf16 autocast, fused AdamW) on the same config,
-            batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N + 12·L·d·S FLOPs a
-            token, PaLM's count, over the device's dense bf16 peak)
+            transformers' ``LlamaForCausalLM`` (fp32 weights under bf16 autocast), both with torch's fused AdamW, on
+            the same config, batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N +
+            12·L·d·S FLOPs a token, PaLM's count, over the device's dense bf16 peak); on a GPU one step of each
+            under torch.profiler (``profile.txt``: the busiest kernels and host calls)
   predict   ``plait calibrate --processes 1`` on the device, then ``plait train --dry-run --cluster`` of the same
-            run: the planner's predicted step beside the step measured in ``train``
-  generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache)
-  serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s
+            run: the planner's predicted step beside the step measured in ``train``; on a catalogue GPU also the
+            planner's GPU model (``plait.plan.gpu``, fitted on published runs) for the same run
+  generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
+  serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
 On a CPU ``mfu`` is null (no dense-peak figure to divide by); every other key is filled.
 """
 
@@ -28,11 +31,11 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import urllib.request
 from pathlib import Path
+
+from gpu_check_serve import serve_section
 
 ROOT = Path(__file__).resolve().parents[1]
 #: dense bf16 peaks (FLOP/s) by a word of the device's name; the planner's catalogue holds the same figures
@@ -72,9 +75,28 @@ def device_section(device) -> dict:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"name": props.name, "memory_bytes": props.total_memory, "torch": torch.__version__,
-                "cuda": torch.version.cuda, "multiprocessors": props.multi_processor_count}
+                "cuda": torch.version.cuda, "multiprocessors": props.multi_processor_count,
+                "launch_us": _launch_us(device)}
     return {"name": platform.processor() or platform.machine(), "memory_bytes": os.sysconf("SC_PAGE_SIZE")
             * os.sysconf("SC_PHYS_PAGES"), "torch": torch.__version__, "cuda": None, "cores": os.cpu_count()}
+
+
+def _launch_us(device, n: int = 2000) -> float:
+    """Microseconds a tiny kernel costs the host (launch included), over ``n`` back to back: what an eager step
+    pays per kernel however small its work; host-bound decoding runs at about one such cost per kernel."""
+    import torch
+
+    from plait.devices import synchronize
+
+    x = torch.zeros(8, device=device)
+    for _ in range(50):
+        x.add_(1)
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    synchronize(device)
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def tests_section(device, out: Path) -> dict:
@@ -121,7 +143,19 @@ def _timed(step, device, n: int) -> list[float]:
     return times
 
 
-def train_section(ctx, sizes: dict, folder: Path) -> dict:
+def _profile(steps: dict, out: Path) -> None:
+    """One step of each under torch.profiler: its busiest kernels and host calls, written to ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with out.open("w") as f:
+        for name, step in steps.items():
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+            for key in ("self_device_time_total", "cpu_time_total"):
+                f.write(f"== {name}, by {key}\n{prof.key_averages().table(sort_by=key, row_limit=25)}\n")
+
+
+def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
     """plait and transformers on the same Llama, batch and device, one step of each in turn."""
     import statistics
 
@@ -138,7 +172,7 @@ def train_section(ctx, sizes: dict, folder: Path) -> dict:
     Llama(cfg).save_pretrained(folder)  # the same weights for both, and the folder predict/generate/serve use
     precision = "bf16" if cuda else "fp32"
     pm = plait.parallelize(Llama.from_pretrained(folder), ctx, microbatches=1, precision=precision)
-    opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-4, precision=precision, clip=1.0)
+    opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-4, precision=precision, clip=1.0, fused=True)
     hf = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", torch_dtype=torch.float32).to(device)
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
     b, s = sizes["batch"], sizes["seq"]
@@ -167,6 +201,8 @@ def train_section(ctx, sizes: dict, folder: Path) -> dict:
         ours += _timed(plait_step, device, 1)
         theirs += _timed(hf_step, device, 1)
     step_s, hf_step_s = statistics.median(ours), statistics.median(theirs)
+    if cuda:
+        _profile({"plait": plait_step, "transformers": hf_step}, out / "profile.txt")
     n_params = sum(p.numel() for p in Llama.from_pretrained(folder).parameters())
     flops_per_token = 6 * n_params + 12 * cfg.n_layers * cfg.dim * s
     peak = next((v for k, v in PEAKS.items() if cuda and k in torch.cuda.get_device_name(device)), None)
@@ -193,8 +229,33 @@ def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measur
         raise RuntimeError(f"plait train --dry-run exited {run.returncode}: {run.stderr[-2000:]}")
     row = json.loads(metrics.read_text().splitlines()[-1])
     predicted = row["predicted_step_time_s"]
+    gpu = _gpu_model_step(sizes, precision)
     return {"calibrate_s": calibrate_s, "predicted_step_s": predicted, "measured_step_s": measured_step_s,
-            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None}
+            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None,
+            **gpu, "measured_over_gpu_model": measured_step_s / gpu["gpu_model_step_s"]
+            if measured_step_s and gpu.get("gpu_model_step_s") else None}
+
+
+def _gpu_model_step(sizes: dict, precision: str) -> dict:
+    """The planner's GPU model (``plait.plan.gpu``, fitted on published runs) for the ``train`` section's run, on
+    the catalogue GPU named in this device's name; {} on a device the catalogue does not hold."""
+    import torch
+
+    from plait.models import LlamaConfig
+    from plait.parallel_config import ParallelConfig
+    from plait.plan import Model
+    from plait.plan.cluster import Cluster
+    from plait.plan.runs import predict_train, train_layout
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    gpu = next((k.lower() for k in PEAKS if k in name), None)
+    if gpu is None:
+        return {}
+    cfg = LlamaConfig(**sizes["model"])
+    model = Model.from_llama_config(cfg.to_dict(), sizes["seq"], name="gpu-check")
+    layout, training = train_layout(ParallelConfig(microbatches=1, precision=precision).resolve(1), sizes["batch"])
+    step = predict_train(model, Cluster(gpu, 1, 1), layout, training).step_time_s
+    return {"gpu_model": gpu, "gpu_model_step_s": step}
 
 
 def generate_section(device, sizes: dict, folder: Path) -> dict:
@@ -217,82 +278,26 @@ def generate_section(device, sizes: dict, folder: Path) -> dict:
         plait.generate(model, prompts, max_new_tokens=new)
         synchronize(device)
         out[f"generate_tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - t0)
+    del model
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    for batch in (1, 32):  # the peer: the same weights, prompts and greedy decoding with its KV cache
+        ids = torch.randint(0, vocab, (batch, sizes["prompt"]), generator=g).to(device)
+        kw = dict(do_sample=False, pad_token_id=0)
+        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+        synchronize(device)
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        synchronize(device)
+        out[f"hf_generate_tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - t0)
     out["generate_tokens_per_s"] = {1: out["generate_tokens_per_s_batch1"], 32: out["generate_tokens_per_s_batch32"]}
     return out
 
 
-def _port() -> int:
-    """A free port below the ephemeral range (the server's own Gloo listeners take ephemeral ones)."""
-    import random
-    import socket
-
-    for port in random.Random(os.getpid()).sample(range(20000, 30000), 50):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port between 20000 and 30000")
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
-def serve_section(sizes: dict, folder: Path, out: Path, concurrent: int = 32) -> dict:
-    """``plait serve`` on this device, ``concurrent`` completions at once: output tokens/s over the wall time."""
-    port, new = _port(), sizes["new_tokens"]
-    log = (out / "serve.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "plait.cli.main", "serve", "--model", str(folder), "--port",
-                               str(port), "--max-batch", str(concurrent), "--max-tokens", str(new)],
-                              stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"plait serve exited {server.returncode}: {(out / 'serve.log').read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(f"{base}/v1/models", timeout=5).read()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError("plait serve did not answer within 300 s") from None
-                time.sleep(1)
-        body = {"prompt": "def fibonacci(n):" * 4, "max_tokens": new, "temperature": 0.0}
-        _post(f"{base}/v1/completions", dict(body, max_tokens=2))  # warm-up
-        done: list[int] = []
-        errors: list[str] = []
-
-        def one() -> None:
-            try:
-                done.append(_post(f"{base}/v1/completions", body)["usage"]["completion_tokens"])
-            except Exception as exc:  # recorded in the section's result
-                errors.append(repr(exc))
-
-        threads = [threading.Thread(target=one) for _ in range(concurrent)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-    return {"concurrent": concurrent, "completed": len(done), "errors": errors[:3], "output_tokens": sum(done),
-            "wall_s": wall, "serve_tokens_per_s": sum(done) / wall}
-
-
 # ------------------------------------------------------------------------------------------------ driver
-def _run(name: str, results: dict, fn, *args):
+def _run(name: str, results: dict, out: Path, fn, *args):
+    """Run one section into ``results`` and rewrite ``out/gpu_check.json``, so a run cut short keeps what it has."""
     t0 = time.perf_counter()
     print(f"gpu_check: {name} ...", flush=True)
     try:
@@ -301,6 +306,7 @@ def _run(name: str, results: dict, fn, *args):
         results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
     results[name]["section_s"] = round(time.perf_counter() - t0, 1)
     print(f"gpu_check: {name} done in {results[name]['section_s']} s", flush=True)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results[name]
 
 
@@ -337,20 +343,20 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = _sizes(args.quick, device.type == "cuda")
+    sys.path.insert(0, str(ROOT / "src"))
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick}
     started = time.perf_counter()
-    _run("device", results, device_section, device)
-    _run("tests", results, tests_section, device, out)
-    sys.path.insert(0, str(ROOT / "src"))
+    _run("device", results, out, device_section, device)
+    _run("tests", results, out, tests_section, device, out)
     folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))
     ctx = _world(device)
-    train = _run("train", results, train_section, ctx, sizes, folder)
-    _run("generate", results, generate_section, ctx.device, sizes, folder)
+    train = _run("train", results, out, train_section, ctx, sizes, folder, out)
+    _run("generate", results, out, generate_section, ctx.device, sizes, folder)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     precision = train.get("precision", "bf16" if device.type == "cuda" else "fp32")
-    _run("predict", results, predict_section, sizes, precision, folder, out, train.get("measured_step_s"))
-    _run("serve", results, serve_section, sizes, folder, out)
+    _run("predict", results, out, predict_section, sizes, precision, folder, out, train.get("measured_step_s"))
+    _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
     flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),
             "hf_train_tokens_per_s": train.get("hf_train_tokens_per_s"),
             "predicted_step_s": results["predict"].get("predicted_step_s"),

@@ -28,5 +28,6 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
         assert isinstance(results[key], float | int) and results[key] > 0, (key, results[key])
     assert set(results["generate_tokens_per_s"]) == {"1", "32"}
     assert all(v > 0 for v in results["generate_tokens_per_s"].values())
+    assert all(results["generate"][f"hf_generate_tokens_per_s_batch{b}"] > 0 for b in (1, 32))  # the peer ran
     table = (out / "gpu_check.md").read_text()
     assert "| predict | predicted_step_s |" in table and "| serve | serve_tokens_per_s |" in table
