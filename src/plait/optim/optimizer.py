@@ -101,7 +101,7 @@ class ParallelOptimizer:
         One float64 all-reduce over the world; the same value on every rank.
         """
         self._prepare()
-        parts = [square_sum(pc.grad()) for pc in self.layout.pieces if pc.counted]
+        parts = [d for pc in self.layout.pieces if pc.counted for d in chunk_square_sums(pc.grad())]
         sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
         sq = sq.to(self.ctx.device)
         if self.ctx.world_size > 1:
@@ -260,15 +260,17 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # device types with torch's fused AdamW k
 NORM_CHUNK = 1 << 22  # elements cast to float64 at a time by the gradient norm (32 MB of temporary)
 
 
+def chunk_square_sums(grad: torch.Tensor) -> list[torch.Tensor]:
+    """Sums of squares of ``grad`` in float64, one scalar per chunk of ``NORM_CHUNK`` elements, each chunk cast
+    on its own: a float64 copy of a whole gradient (the embedding's: 8 B x vocab x hidden) would cost the rank a
+    gigabyte of temporary at a billion parameters. Two kernels a chunk (the cast, the dot); the caller adds the
+    scalars of all its gradients in one sum, so a model's norm costs no per-tensor accumulation kernels."""
+    return [torch.dot(c, c) for c in (chunk.double() for chunk in grad.reshape(-1).split(NORM_CHUNK))]
+
+
 def square_sum(grad: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of ``grad`` in float64, cast a chunk at a time: a float64 copy of a whole gradient (the
-    embedding's: 8 B x vocab x hidden) would cost the rank a gigabyte of temporary at a billion parameters."""
-    flat = grad.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64, device=grad.device)
-    for chunk in flat.split(NORM_CHUNK):
-        c = chunk.double()
-        total += torch.dot(c, c)
-    return total
+    """Sum of squares of ``grad`` in float64 (``chunk_square_sums`` added)."""
+    return torch.stack(chunk_square_sums(grad)).sum()
 
 
 def _plain(value):
