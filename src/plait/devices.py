@@ -28,6 +28,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def accelerator_name() -> str | None:
+    """This host's first GPU as its driver names it (e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3"), or None
+    on a host without one."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new window for ``peak_allocated`` (a no-op without a caching allocator)."""
     if device.type == "cuda":

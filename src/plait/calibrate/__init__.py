@@ -88,6 +88,7 @@ def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | 
 
     if repeat < 1:
         raise ConfigError(f"repeat: give a count >= 1, not {repeat}")
+    refuse_gpu_host()
     counts = sorted({int(p) for p in processes})
     per = total_steps(counts)
 
@@ -106,6 +107,19 @@ def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | 
         measured = HostProfile.load(path).merged(measured)
     measured.save(path)
     return measured, path
+
+
+def refuse_gpu_host() -> None:
+    """ConfigError on a host with a GPU: the calibration's kernels are sized for CPU cores, far below the sizes a
+    GPU needs to reach its speed, so its profile would cost GPU steps many times too slow (on an H200 it put a
+    0.14 s step at 6.8 s). GPU runs are costed by the planner's GPU model instead."""
+    from plait.devices import accelerator_name
+
+    gpu = accelerator_name()
+    if gpu is not None:
+        raise ConfigError(f"calibrate: this host has a GPU ({gpu}); plait calibrate measures plait's processes "
+                          "on CPU cores and cannot cost GPU steps. GPU runs are predicted by the planner's GPU "
+                          "model: plait train uses it by default here, and plait plan --gpu NAME plans with it")
 
 
 def _measure_once(counts: list[int], progress) -> HostProfile:

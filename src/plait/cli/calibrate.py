@@ -34,7 +34,9 @@ about a minute (52-56 s on a quiet 2-core VM). On such a host, `--repeat N` keep
 the mean of N calibrations, and `--add` averages a new one into the profile's earlier ones (take them at
 different moments): the profile then predicts the host's average, not one minute of it.
 `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by default from
-this host's cached profile, made on first use).
+this host's cached profile, made on first use). It measures CPU hosts: on a host with a GPU it stops with
+an error, since its kernel sizes stay far below what a GPU needs to reach its speed; there `plait train`
+predicts with the planner's GPU model of that GPU, and `plait plan --gpu NAME` plans with it.
 
 \b
 Examples:

@@ -1,10 +1,11 @@
 """``plait train``'s predictor: what the planner (``plait.plan``) predicts for the run on this host, and the
 host profile (``plait.calibrate``) it needs. The command installs it in the run (``plait.train.observe``).
 
-``--cluster FILE`` names a profile from ``plait calibrate``; by default this host's cached profile is
-used, and when it lacks the run's process count that section is measured first, by the run's own
-processes (every other size of ``plait calibrate``'s, a few seconds; cached for the next run; a later
-``plait calibrate`` replaces it). ``--cluster none`` predicts nothing.
+``--cluster FILE`` names a profile from ``plait calibrate``. By default, on a host with a GPU the planner's
+catalogue holds, the run is costed by the planner's GPU model (``plait.plan.gpu``) on that many of those GPUs;
+on a CPU host this host's cached profile is used, and when it lacks the run's process count that section is
+measured first, by the run's own processes (every other size of ``plait calibrate``'s, a few seconds; cached
+for the next run; a later ``plait calibrate`` replaces it). ``--cluster none`` predicts nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from plait.train.config import TrainConfig, model_config
 from plait.train.observe import Prediction
 
 if TYPE_CHECKING:
+    from plait.plan.cluster import Cluster
     from plait.plan.config import Layout, Training
     from plait.plan.estimate import Estimate
     from plait.plan.model import Model
@@ -33,6 +35,33 @@ def check_cluster(cfg: TrainConfig, world: int) -> None:
     from plait.plan.host.profile import HostProfile
 
     HostProfile.load(cfg.cluster).section(world)
+
+
+def gpu_cluster(world: int) -> Cluster | None:
+    """``world`` GPUs of this host's kind, costed by the planner's GPU model, when this host has a GPU; None on
+    a CPU host. ConfigError when its GPU is not in the planner's catalogue (give --cluster none)."""
+    from plait.devices import accelerator_name
+    from plait.plan.catalogue import GPUS, gpu_of_device
+    from plait.plan.cluster import Cluster
+
+    name = accelerator_name()
+    if name is None:
+        return None
+    gpu = gpu_of_device(name)
+    if gpu is None:
+        raise ConfigError(f"cluster: this host's GPU ({name}) is not in the planner's catalogue "
+                          f"({', '.join(GPUS)}), so plait cannot predict its step; give --cluster none")
+    return Cluster(gpu, world, gpus_per_node=world)
+
+
+def source_of(cluster: Cluster) -> str:
+    """What a prediction on ``cluster`` was made with, as shown beside it."""
+    from plait.plan.catalogue import get_gpu
+
+    gpu = get_gpu(cluster.gpu)
+    if cluster.profile is not None:
+        return f"{gpu.name} (plait plan, host profile)"
+    return f"{gpu.description or gpu.name} (plait plan, GPU model)"
 
 
 def host_profile(cfg: TrainConfig, ctx):
@@ -98,8 +127,8 @@ def planner_inputs(cfg: TrainConfig, world: int) -> tuple[Model, Layout, Trainin
 
 
 def predict(cfg: TrainConfig, profile, world: int) -> Estimate:
-    """The planner's Estimate of this run of ``world`` processes on ``profile`` (step time, bubble,
-    memory of every rank)."""
+    """The planner's Estimate of this run of ``world`` processes on ``profile`` (a host profile or a
+    catalogue Cluster: step time, bubble, memory of every rank)."""
     from plait.plan.runs import predict_train
 
     model, layout, training = planner_inputs(cfg, world)
@@ -120,26 +149,28 @@ def host_speed(profile, device) -> float | None:
 
 def dry_run(cfg: TrainConfig, world: int) -> dict:
     """What ``plait train --dry-run`` reports: the planner's prediction of this run of ``world`` processes
-    on ``--cluster`` (default: this host's cached profile; a dry run measures nothing), as the fields of
-    a metrics row (``predicted_step_time_s``, ``predicted_bubble``, ``memory.predicted``)."""
+    on ``--cluster`` (default: this host's GPUs under the GPU model, or on a CPU host its cached profile; a
+    dry run measures nothing), as the fields of a metrics row (``predicted_step_time_s``,
+    ``predicted_bubble``, ``memory.predicted``) and ``predicted_on``, what the prediction was made with."""
     from plait.calibrate import cache_path
     from plait.plan.host.profile import HostProfile
 
     if cfg.cluster == OFF:
         raise ConfigError("--dry-run: it prints the prediction, and --cluster none turns that off; give "
                           "--cluster FILE or leave it out (this host's cached profile)")
-    if cfg.cluster is not None:
-        profile = HostProfile.load(cfg.cluster)
-    else:
+    profile = HostProfile.load(cfg.cluster) if cfg.cluster is not None else gpu_cluster(world)
+    if profile is None:
         path = cache_path()
         profile = cached_profile(path)
         if profile is None or world not in profile.sections:
             raise ConfigError(f"--dry-run: this host's cached profile ({path}) has no section of {world} "
                               f"processes; run `plait calibrate --processes {world}` or give --cluster FILE")
-    profile.section(world)
+    if isinstance(profile, HostProfile):
+        profile.section(world)
     est = predict(cfg, profile, world)
     return {"dry_run": True, "world": world, "predicted_step_time_s": est.step_time_s,
-            "predicted_bubble": est.bubble_fraction, "memory": {"predicted": memory_rows(est)}}
+            "predicted_bubble": est.bubble_fraction, "memory": {"predicted": memory_rows(est)},
+            "predicted_on": source_of(est.cluster)}
 
 
 def memory_rows(estimate: Estimate) -> list[dict]:
@@ -165,15 +196,16 @@ class HostPredictor:
         """Made on rank 0 and broadcast (the profile may be measured first, by every rank)."""
         import torch.distributed as dist
 
-        from plait.plan.catalogue import get_gpu
-
-        profile = host_profile(run.cfg, run.ctx)
+        world = run.ctx.world_size
+        on_gpu = run.cfg.cluster is None and run.ctx.device.type == "cuda"  # the same on every rank
+        profile = gpu_cluster(world) if on_gpu else host_profile(run.cfg, run.ctx)
         box: list[Prediction | None] = [None]
         if run.ctx.rank == 0 and profile is not None:
-            est = predict(run.cfg, profile, run.ctx.world_size)
-            speed = host_speed(profile, run.ctx.device)  # the other ranks wait in the broadcast meanwhile
+            est = predict(run.cfg, profile, world)
+            # the host's speed against its calibration's (the other ranks wait in the broadcast meanwhile)
+            speed = None if on_gpu else host_speed(profile, run.ctx.device)
             box[0] = Prediction(est.step_time_s, est.bubble_fraction, dict(est.phases), memory_rows(est),
-                                est.memory.total, f"{get_gpu(est.cluster.gpu).name} (plait plan, host profile)", speed)
+                                est.memory.total, source_of(est.cluster), speed)
         if run.ctx.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         return box[0]

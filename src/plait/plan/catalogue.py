@@ -118,6 +118,18 @@ def get_gpu(name: str | GPU) -> GPU:
     return GPUS[key]
 
 
+def gpu_of_device(device_name: str) -> GPU | None:
+    """The catalogue GPU a device's driver name denotes ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100
+    PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA L40S"), or None for one the catalogue does not hold (an A100 PCIe,
+    a consumer card)."""
+    name = device_name.lower()
+    if "h100" in name:
+        return GPUS["h100-pcie" if "pcie" in name else "h100-sxm"]
+    if "a100" in name:
+        return None if "pcie" in name else GPUS["a100-40gb" if "40gb" in name else "a100-80gb"]
+    return next((GPUS[key] for key in ("h200", "b200", "l40s") if key in name), None)
+
+
 def get_interconnect(name: str | Link | None, gpu: GPU) -> Link:
     """The inter-node link: ``None`` means the GPU's usual fabric; a name from INTERCONNECTS."""
     if name is None:
