@@ -14,9 +14,9 @@ rewritten after each, so a run cut short keeps the sections it finished):
             the same config, batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N +
             12·L·d·S FLOPs a token, PaLM's count, over the device's dense bf16 peak); on a GPU one step of each
             under torch.profiler (``profile.txt``: the busiest kernels and host calls)
-  predict   ``plait calibrate --processes 1`` on the device, then ``plait train --dry-run --cluster`` of the same
-            run: the planner's predicted step beside the step measured in ``train``; on a catalogue GPU also the
-            planner's GPU model (``plait.plan.gpu``, fitted on published runs) for the same run
+  predict   ``plait train --dry-run`` of the same run: the planner's predicted step beside the step measured in
+            ``train``; on a GPU from the planner's GPU model (``plait.plan.gpu``, fitted on published runs), on a
+            CPU from ``plait calibrate --processes 1`` run first
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
   serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
 On a CPU ``mfu`` is null (no dense-peak figure to divide by); every other key is filled.
@@ -213,49 +213,29 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
             "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak}
 
 
-def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measured_step_s: float | None) -> dict:
-    """``plait calibrate`` on this device, then the planner's step for the ``train`` section's run."""
+def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measured_step_s: float | None,
+                    cuda: bool) -> dict:
+    """``plait train --dry-run`` of the ``train`` section's run: the step ``plait train`` predicts beside the
+    step measured. On a GPU it predicts with the planner's GPU model of this device; on a CPU with a profile
+    ``plait calibrate`` measures first."""
     profile, metrics = out / "host.toml", out / "predict.jsonl"
     t0 = time.perf_counter()
-    cal = _plait("calibrate", "--processes", "1", "--out", str(profile), timeout=420)
-    if cal.returncode:
-        raise RuntimeError(f"plait calibrate exited {cal.returncode}: {cal.stderr[-2000:]}")
+    if not cuda:
+        cal = _plait("calibrate", "--processes", "1", "--out", str(profile), timeout=420)
+        if cal.returncode:
+            raise RuntimeError(f"plait calibrate exited {cal.returncode}: {cal.stderr[-2000:]}")
     calibrate_s = time.perf_counter() - t0
     metrics.unlink(missing_ok=True)
-    run = _plait("train", "--dry-run", "--cluster", str(profile), "--model", str(folder), "--tp", "1", "--pp", "1",
-                 "--nproc", "1", "--microbatches", "1", "--batch-size", str(sizes["batch"]),
+    run = _plait("train", "--dry-run", *(() if cuda else ("--cluster", str(profile))), "--model", str(folder),
+                 "--tp", "1", "--pp", "1", "--nproc", "1", "--microbatches", "1", "--batch-size", str(sizes["batch"]),
                  "--seq-len", str(sizes["seq"]), "--precision", precision, "--metrics", str(metrics), timeout=300)
     if run.returncode:
         raise RuntimeError(f"plait train --dry-run exited {run.returncode}: {run.stderr[-2000:]}")
     row = json.loads(metrics.read_text().splitlines()[-1])
     predicted = row["predicted_step_time_s"]
-    gpu = _gpu_model_step(sizes, precision)
-    return {"calibrate_s": calibrate_s, "predicted_step_s": predicted, "measured_step_s": measured_step_s,
-            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None,
-            **gpu, "measured_over_gpu_model": measured_step_s / gpu["gpu_model_step_s"]
-            if measured_step_s and gpu.get("gpu_model_step_s") else None}
-
-
-def _gpu_model_step(sizes: dict, precision: str) -> dict:
-    """The planner's GPU model (``plait.plan.gpu``, fitted on published runs) for the ``train`` section's run, on
-    the catalogue GPU named in this device's name; {} on a device the catalogue does not hold."""
-    import torch
-
-    from plait.models import LlamaConfig
-    from plait.parallel_config import ParallelConfig
-    from plait.plan import Model
-    from plait.plan.cluster import Cluster
-    from plait.plan.runs import predict_train, train_layout
-
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    gpu = next((k.lower() for k in PEAKS if k in name), None)
-    if gpu is None:
-        return {}
-    cfg = LlamaConfig(**sizes["model"])
-    model = Model.from_llama_config(cfg.to_dict(), sizes["seq"], name="gpu-check")
-    layout, training = train_layout(ParallelConfig(microbatches=1, precision=precision).resolve(1), sizes["batch"])
-    step = predict_train(model, Cluster(gpu, 1, 1), layout, training).step_time_s
-    return {"gpu_model": gpu, "gpu_model_step_s": step}
+    return {"calibrate_s": None if cuda else calibrate_s, "predicted_on": row["predicted_on"],
+            "predicted_step_s": predicted, "measured_step_s": measured_step_s,
+            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None}
 
 
 def generate_section(device, sizes: dict, folder: Path) -> dict:
@@ -324,6 +304,7 @@ def markdown(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+SECTIONS = ("device", "tests", "train", "generate", "predict", "serve")
 #: the keys repeated at the top of ``gpu_check.json`` from their sections
 SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
            "generate_tokens_per_s", "serve_tokens_per_s")
@@ -334,7 +315,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (on a CPU: the small sizes anyway)")
     parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md and logs")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (generate, predict and serve use the "
+                             "model train saves: name train with them)")
     args = parser.parse_args()
+    wanted = set(args.sections.split(","))
+    if not wanted <= set(SECTIONS) or (wanted & {"generate", "predict", "serve"} and "train" not in wanted):
+        parser.error(f"--sections {args.sections}: choose from {','.join(SECTIONS)}, with train if generate, "
+                     "predict or serve is chosen")
     import torch
 
     device = torch.device(args.device)
@@ -346,17 +334,27 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick}
     started = time.perf_counter()
-    _run("device", results, out, device_section, device)
-    _run("tests", results, out, tests_section, device, out)
-    folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))
-    ctx = _world(device)
-    train = _run("train", results, out, train_section, ctx, sizes, folder, out)
-    _run("generate", results, out, generate_section, ctx.device, sizes, folder)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    precision = train.get("precision", "bf16" if device.type == "cuda" else "fp32")
-    _run("predict", results, out, predict_section, sizes, precision, folder, out, train.get("measured_step_s"))
-    _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
+    for name in SECTIONS:
+        results[name] = {"skipped": True}
+    if "device" in wanted:
+        _run("device", results, out, device_section, device)
+    if "tests" in wanted:
+        _run("tests", results, out, tests_section, device, out)
+    train: dict = {}
+    if "train" in wanted:
+        folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))
+        ctx = _world(device)
+        train = _run("train", results, out, train_section, ctx, sizes, folder, out)
+        if "generate" in wanted:
+            _run("generate", results, out, generate_section, ctx.device, sizes, folder)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        precision = train.get("precision", "bf16" if device.type == "cuda" else "fp32")
+        if "predict" in wanted:
+            _run("predict", results, out, predict_section, sizes, precision, folder, out,
+                 train.get("measured_step_s"), device.type == "cuda")
+        if "serve" in wanted:
+            _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
     flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),
             "hf_train_tokens_per_s": train.get("hf_train_tokens_per_s"),
             "predicted_step_s": results["predict"].get("predicted_step_s"),
