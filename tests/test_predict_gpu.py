@@ -61,6 +61,8 @@ def test_the_trainers_predictor_on_a_gpu_uses_the_gpu_model(monkeypatch):
     assert got is not None and got.source == "NVIDIA H100 SXM5 80GB (plait plan, GPU model)"
     assert got.step_time_s == pytest.approx(predict(cfg, Cluster("h100", 1, gpus_per_node=1), 1).step_time_s)
     assert got.host_speed is None
+    monkeypatch.setattr(plait.devices, "accelerator_name", lambda: "NVIDIA GeForce RTX 4090")
+    assert HostPredictor().predict(run) is None  # type: ignore[arg-type]  # no prediction; the run goes on
 
 
 def test_calibrate_refuses_a_gpu_host(monkeypatch):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from plait.plan.cluster import Cluster
     from plait.plan.config import Layout, Training
     from plait.plan.estimate import Estimate
+    from plait.plan.host.profile import HostProfile
     from plait.plan.model import Model
     from plait.train.loop import Run
 
@@ -38,8 +39,9 @@ def check_cluster(cfg: TrainConfig, world: int) -> None:
 
 
 def gpu_cluster(world: int) -> Cluster | None:
-    """``world`` GPUs of this host's kind, costed by the planner's GPU model, when this host has a GPU; None on
-    a CPU host. ConfigError when its GPU is not in the planner's catalogue (give --cluster none)."""
+    """``world`` GPUs of this host's kind (``LOCAL_WORLD_SIZE`` of them to a node, else all on this one), costed
+    by the planner's GPU model, when this host has a GPU; None on a CPU host. ConfigError when its GPU is not
+    in the planner's catalogue (give --cluster none)."""
     from plait.devices import accelerator_name
     from plait.plan.catalogue import GPUS, gpu_of_device
     from plait.plan.cluster import Cluster
@@ -51,7 +53,7 @@ def gpu_cluster(world: int) -> Cluster | None:
     if gpu is None:
         raise ConfigError(f"cluster: this host's GPU ({name}) is not in the planner's catalogue "
                           f"({', '.join(GPUS)}), so plait cannot predict its step; give --cluster none")
-    return Cluster(gpu, world, gpus_per_node=world)
+    return Cluster(gpu, world, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def source_of(cluster: Cluster) -> str:
@@ -198,7 +200,14 @@ class HostPredictor:
 
         world = run.ctx.world_size
         on_gpu = run.cfg.cluster is None and run.ctx.device.type == "cuda"  # the same on every rank
-        profile = gpu_cluster(world) if on_gpu else host_profile(run.cfg, run.ctx)
+        profile: HostProfile | Cluster | None = None
+        if not on_gpu:
+            profile = host_profile(run.cfg, run.ctx)
+        else:
+            try:
+                profile = gpu_cluster(world)
+            except ConfigError:  # a GPU the catalogue lacks: the run goes on without a prediction
+                pass
         box: list[Prediction | None] = [None]
         if run.ctx.rank == 0 and profile is not None:
             est = predict(run.cfg, profile, world)
