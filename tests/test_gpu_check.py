@@ -29,5 +29,6 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert set(results["generate_tokens_per_s"]) == {"1", "32"}
     assert all(v > 0 for v in results["generate_tokens_per_s"].values())
     assert all(results["generate"][f"hf_generate_tokens_per_s_batch{b}"] > 0 for b in (1, 32))  # the peer ran
+    assert results["predict"]["predicted_on"].endswith("(plait plan, host profile)")  # a CPU: its calibration
     table = (out / "gpu_check.md").read_text()
     assert "| predict | predicted_step_s |" in table and "| serve | serve_tokens_per_s |" in table
