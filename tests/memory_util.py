@@ -31,10 +31,11 @@ def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "f
 
     Per token: each RMSNorm keeps its input, 1/rms and the normalised input (2h + 1; on s/t tokens with
     SP); the inputs of the Q/K/V and gate/up projections (h each, whole sequence: replicated, or gathered
-    with SP); the attention core keeps q, k, v (KV heads repeated up to the query heads), its output (also
-    the o_proj input) and one log-sum-exp per head (fused kernel) or the a·s softmax probabilities (math
-    kernel, whose output is then copied for o_proj); SwiGLU keeps gate, silu(gate), up and their product
-    (4f). Selective recomputation keeps only q, k, v (unrepeated) of the core, plus the o_proj input. The
+    with SP); the attention core keeps q, k, v, its output (also the o_proj input) and one log-sum-exp per
+    head (fused kernel, which shares each KV head among its query heads itself) or the a·s softmax
+    probabilities (math kernel, which repeats the KV heads up to the query heads first and keeps the repeated
+    k, v; its output is then copied for o_proj); SwiGLU keeps gate, silu(gate), up and their product
+    (4f). Selective recomputation keeps only q, k, v of the core, plus the o_proj input. The
     RoPE cos and sin tables add 2·s·hd per layer. Heads and f are split over t.
     """
     h, f, a, hd = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.head_dim
@@ -43,7 +44,7 @@ def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "f
     if mode == "selective":
         core = h // t + 2 * kv_local + h // t
     else:
-        core = 4 * h // t + (a // t if kernel == "fused" else a * s // t)
+        core = (2 * h // t + 2 * kv_local + a // t) if kernel == "fused" else (4 * h // t + a * s // t)
     return b * s * (norms + 2 * h + core + 4 * f // t) + 2 * s * hd
 
 

@@ -140,10 +140,10 @@ def test_host_census_counts_what_context_parallel_attention_saves():
     its output and log-sum-exp in float32 whatever the precision, and the output projection keeps its own copy of
     the output; it replaces selective recomputation's checkpointed core. Worked by hand against the same rank's
     tokens without CP (S = 32): T = 32 tokens a rank (S = 64, cp 2), 4 query heads and 1 KV head of 8, so
-    Q = 1024, K = 256, the log-sum-exp 128 elements. Without CP the layer keeps q, GQA's repeated K and V (2 Q),
-    SDPA's output (Q, also the projection's input) and log-sum-exp: 4 Q + lse; the ring keeps q, the unrepeated
-    K and V, its output and the projection's copy: 3 Q + 2 K + lse, Q - 2 K = 512 elements fewer. The all-gather
-    keeps the other rank's K and V too (2 K more)."""
+    Q = 1024, K = 256, the log-sum-exp 128 elements. Without CP the layer keeps q, K and V (SDPA shares the KV
+    head among the query heads), SDPA's output (Q, also the projection's input) and log-sum-exp: 2 Q + 2 K + lse;
+    the ring keeps q, K and V, its output and the projection's copy: 3 Q + 2 K + lse, Q = 1024 elements more.
+    The all-gather keeps the other rank's K and V too (2 K more)."""
     from plait.plan.host.costs import eager_activations
 
     cfg = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=1)
@@ -153,11 +153,11 @@ def test_host_census_counts_what_context_parallel_attention_saves():
         return eager_activations(m, Layout(**kw), precision).layer
 
     q, k = 1024, 256
-    assert layer(model, cp=2, cp_comm="ring") == layer(alone) - 4 * 512
+    assert layer(model, cp=2, cp_comm="ring") == layer(alone) + 4 * q
     assert layer(model, cp=2, cp_comm="allgather") == layer(model, cp=2, cp_comm="ring") + 4 * 2 * k
     assert layer(model, cp=2, cp_comm="ring", recompute="selective") == layer(model, cp=2, cp_comm="ring")
     # bf16: the core's output is float32 (its log-sum-exp is, as SDPA's is)
-    assert layer(model, "bf16", cp=2, cp_comm="ring") == layer(alone, "bf16") - 2 * 512 + 2 * q
+    assert layer(model, "bf16", cp=2, cp_comm="ring") == layer(alone, "bf16") + 2 * q + 2 * q
 
 
 def test_host_census_keeps_the_embeddings_ids_under_full_recomputation():

@@ -204,14 +204,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v with the KV heads shared by groups of query heads; causal when mask is None."""
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
+        """softmax(q k^T / sqrt(hd)) v with the KV heads shared by groups of query heads (SDPA's ``enable_gqa``:
+        K and V [B, h_kv, L, hd] are never repeated to every query head); causal when mask is None."""
+        gqa = q.shape[1] != k.shape[1]
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def window_mask(pos: torch.Tensor, length: int, window: int) -> torch.Tensor:

@@ -3,22 +3,22 @@
 The planner's model of ``plait train`` on a calibrated host (``Cluster.from_profile``), counted from
 ``plait.models.Llama`` under plait's TP plan, per rank and per micro-batch of ``T`` tokens. Sizes in
 elements: ``N = T·h`` (hidden state; ``N/t`` where sequence parallelism shards it), ``Q = T·q`` (this
-rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when tp > n_kv_heads), ``R``
-the keys/values after GQA's repeat (``Q`` when heads repeat, else ``K``), ``F = T·f/t`` (MLP width).
+rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when tp > n_kv_heads), ``F = T·f/t``
+(MLP width).
 
 Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
 * RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 2 N/t,
   and the projections of the region share one saved copy of the gathered N)
   plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual); it computes in
   float32, so in bf16 the input's copy and the rsqrt values are float32;
-* attention: Q after RoPE, K and V as SDPA receives them (``R`` each), its output ``Q`` (which is also
+* attention: Q after RoPE, K and V as SDPA receives them (``K`` each: grouped-query attention shares them
+  inside SDPA, never repeated), its output ``Q`` (which is also
   the output projection's input), its log-sum-exp ``T·heads`` (float32), RoPE's cos and sin ``2·s·d``;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
 * head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (float32);
-* selective recomputation (the attention core under a checkpoint) drops the log-sum-exp and keeps the
-  unrepeated K and V;
+* selective recomputation (the attention core under a checkpoint) drops the log-sum-exp;
 * context parallelism (plait.context_parallel, over ``cp`` ranks; ``T`` a rank's S/cp tokens): its core
-  replaces SDPA (and selective recomputation's core) and saves q, the unrepeated K and V it attends with
+  replaces SDPA (and selective recomputation's core) and saves q, the K and V it attends with
   (the whole sequence's, ``cp·K`` each, when they are all-gathered; the ring's travelling blocks are freed
   as it goes, so its own ``K``), its output and log-sum-exp in float32 whatever the precision, and the
   output projection keeps its own contiguous copy of the output (``Q``);
@@ -81,10 +81,6 @@ class Local:
         return self.tokens * self.kv_heads * self.head_dim
 
     @property
-    def r(self) -> float:  # K and V as attention receives them
-        return self.q if self.heads > self.kv_heads else self.k
-
-    @property
     def f(self) -> float:
         return self.tokens * self.ffn
 
@@ -114,13 +110,13 @@ def _norm_saved(sh: Local, dtype_bytes: int) -> float:
 
 def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> float:
     """Elements (of ``dtype_bytes`` each) one decoder layer saves for backward per micro-batch (no
-    recomputation, or ``selective``: the attention core under a checkpoint keeps its inputs q and the
-    unrepeated k, v, not the log-sum-exp or GQA's repeated K and V)."""
+    recomputation, or ``selective``: the attention core under a checkpoint keeps its inputs q, k, v, not the
+    log-sum-exp)."""
     if sh.cp > 1:
         attention = _cp_attention_saved(sh, dtype_bytes)
     else:
-        kv, lse = (sh.k, 0.0) if selective else (sh.r, sh.tokens * sh.heads * 4 / dtype_bytes)  # lse: float32
-        attention = sh.q + 2 * kv + sh.q + lse + 2 * sh.seq * sh.head_dim
+        lse = 0.0 if selective else sh.tokens * sh.heads * 4 / dtype_bytes  # float32
+        attention = sh.q + 2 * sh.k + sh.q + lse + 2 * sh.seq * sh.head_dim
     norms = 2 * _norm_saved(sh, dtype_bytes)
     if sh.sp:  # each norm's scaled output is not kept; the projections keep the gathered copies
         norms += (SP_GATHER_COPIES - 2) * sh.n
@@ -181,9 +177,6 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
     traffic += GLU_TRAFFIC * sh.f
     ops: float = 2 * NORM_OPS + 2 * RESIDUAL_OPS + 2 * ROPE_OPS + GLU_OPS + 7 * LINEAR_OPS + 1  # + SDPA
     ops += 12 * VIEW_OPS  # q/k/v view + transpose, rotate_half's chunks, output transpose + reshape
-    if sh.heads > sh.kv_heads:  # GQA: K and V repeated to every query head
-        traffic += 2 * (sh.k + sh.r)
-        ops += 2
     if sh.tp > 1:  # the all-reduce's copy (or SP's gather / reduce-scatter buffers), in and out of 2 regions
         traffic += 4 * sh.n_local if sh.sp else 4 * sh.n
         ops += 4

@@ -155,7 +155,7 @@ def selective_recompute(sec: Section, shared: bool, sh: census.Local) -> float |
     its calibration layers with and without it (``SELECTIVE``; else None): the line through the blocks'
     measured additions (``shared``: with every process at it) against their query elements (``Local.q``,
     ``T·heads·d`` on a rank), at this layer's; not below 0. The addition is more than the core's forward:
-    the checkpoint saves and unpacks its inputs through hooks, repeats GQA's keys and values again and runs
+    the checkpoint saves and unpacks its inputs through hooks and runs
     the forward with autograd recording, on working sets the layer evicted (a layer of 2 sequences of 128,
     4 heads over 2 KV heads of 32, one thread: 1.35 ms more than without it, the core alone in a loop 0.78
     ms, its forward 0.46 ms). A fixed part and a part growing with the tensors the checkpoint handles are what
