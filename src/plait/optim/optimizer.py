@@ -268,11 +268,6 @@ def chunk_square_sums(grad: torch.Tensor) -> list[torch.Tensor]:
     return [torch.dot(c, c) for c in (chunk.double() for chunk in grad.reshape(-1).split(NORM_CHUNK))]
 
 
-def square_sum(grad: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of ``grad`` in float64 (``chunk_square_sums`` added)."""
-    return torch.stack(chunk_square_sums(grad)).sum()
-
-
 def _plain(value):
     """Tuples and lists compare equal after a save/load round trip."""
     if isinstance(value, (list, tuple)):

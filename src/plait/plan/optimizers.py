@@ -28,8 +28,8 @@ class OptimizerTraffic:
 #: bytes per element, by implementation; each entry's count is in the comment above it
 OPTIMIZERS: dict[str, OptimizerTraffic] = {
     # plait's runtime (plait.optim.build_optimizer, clipped as plait train's default clip 1.0 does): the gradient
-    # norm casts each gradient to float64 a chunk at
-    # a time and dots it with itself (plait/optim/optimizer.py square_sum: read 4, write 8, read 8 = 20); the clip's
+    # norm casts each gradient to float64 a chunk at a time and dots it with itself (plait/optim/optimizer.py
+    # chunk_square_sums: read 4, write 8, read 8 = 20); the clip's
     # scale only when the norm exceeds max_norm; torch.optim.AdamW(fused=True) on the fp32 parameters (ZeRO: the
     # fp32 masters) reads p, g, m, v and writes p, m, v in one pass (28). Under ZeRO-1/2 the bf16 weights are
     # published by plait's own copies (``plan.step_end.publish_time``).
