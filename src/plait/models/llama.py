@@ -100,6 +100,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class KVCache:
     """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer.
 
+    They live in buffers of room for ``capacity`` positions that grow by doubling, so appending a token
+    copies that token (and, at each doubling, what is there), where a concatenation would copy the whole cache
+    at every token: O(L) bytes moved over a sequence instead of O(L²).
+
     Any other cache object passed to ``Attention`` is a per-row cache, whose rows may sit at different
     positions (serving keeps such caches outside the model): ``positions(s)`` gives the positions [B, S] of
     the next ``s`` tokens of each row; ``append(k, v)`` stores their keys and values [B, h_kv, S, hd] and
@@ -108,17 +112,30 @@ class KVCache:
     """
 
     def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # [B, h_kv, capacity, hd]
+        self.values: torch.Tensor | None = None
+        self.length = 0  # positions stored
 
     @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+        """Store ``k``, ``v`` [B, h_kv, S, hd] after what is there; the keys and values of positions
+        0..length-1, views [B, h_kv, length, hd] of the buffers."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            room = max(end, 2 * self.capacity)
+            keys, values = (x.new_empty(*x.shape[:2], room, x.shape[3]) for x in (k, v))
+            if self.keys is not None and self.values is not None:
+                keys[:, :, : self.length] = self.keys[:, :, : self.length]
+                values[:, :, : self.length] = self.values[:, :, : self.length]
+            self.keys, self.values = keys, values
+        assert self.keys is not None and self.values is not None
+        self.keys[:, :, self.length: end] = k
+        self.values[:, :, self.length: end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 class RowCache(Protocol):
