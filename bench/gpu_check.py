@@ -38,8 +38,6 @@ from pathlib import Path
 from gpu_check_serve import serve_section
 
 ROOT = Path(__file__).resolve().parents[1]
-#: dense bf16 peaks (FLOP/s) by a word of the device's name; the planner's catalogue holds the same figures
-PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}
 GPU_MODEL = dict(vocab_size=32000, dim=1536, n_layers=20, n_heads=12, n_kv_heads=4, ffn_dim=4096, max_seq_len=2048)
 CPU_MODEL = dict(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=128)
 
@@ -165,6 +163,7 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
     import plait
     from plait.models import Llama, LlamaConfig
     from plait.optim import ParallelOptimizer
+    from plait.plan.catalogue import gpu_of_device
 
     device, cuda = ctx.device, ctx.device.type == "cuda"
     cfg = LlamaConfig(**sizes["model"])
@@ -205,7 +204,8 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
         _profile({"plait": plait_step, "transformers": hf_step}, out / "profile.txt")
     n_params = sum(p.numel() for p in Llama.from_pretrained(folder).parameters())
     flops_per_token = 6 * n_params + 12 * cfg.n_layers * cfg.dim * s
-    peak = next((v for k, v in PEAKS.items() if cuda and k in torch.cuda.get_device_name(device)), None)
+    gpu = gpu_of_device(torch.cuda.get_device_name(device)) if cuda else None
+    peak = gpu.peak_flops if gpu is not None else None  # the planner catalogue's dense bf16 peak
     tps, hf_tps = b * s / step_s, b * s / hf_step_s
     return {"params": n_params, "batch": b, "seq_len": s, "precision": precision, "steps_timed": sizes["steps"],
             "measured_step_s": step_s, "train_tokens_per_s": tps, "hf_step_s": hf_step_s,

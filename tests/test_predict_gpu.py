@@ -1,6 +1,7 @@
 """The prediction ``plait train`` shows on a host with a GPU: the planner's GPU model of that GPU (the driver's
 name mapped to the catalogue), never a CPU calibration; ``plait calibrate`` refuses such a host."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -37,8 +38,6 @@ def test_dry_run_on_a_gpu_host_uses_the_gpu_model(tmp_path, monkeypatch):
     flags = ["--model", "small", "--tp", "2", "--pp", "2", "--seq-len", "64", "--batch-size", "8", "--dry-run"]
     r = CliRunner().invoke(app, ["train", *flags, "--metrics", str(metrics)])
     assert r.exit_code == 0, r.output
-    import json
-
     row = json.loads(metrics.read_text())
     cfg = TrainConfig.from_dict({"model": "small", "tp": 2, "pp": 2, "seq_len": 64, "batch_size": 8})
     est = predict(cfg, Cluster("h200", 4, gpus_per_node=4), 4)
