@@ -1,5 +1,5 @@
-"""Device facts the runtime needs without assuming CUDA: synchronising clocks, allocator memory, host syncs, and
-placing a meta-built module on its device.
+"""Device facts the runtime needs without assuming CUDA: synchronising clocks, copies to the device, allocator
+memory, host syncs, and placing a meta-built module on its device.
 
 On a CPU every call here is cheap or a no-op; on a GPU kernels run asynchronously, so a wall-clock time
 read without ``synchronize`` measures the launches, not the work, and a Python value read from a device
@@ -26,6 +26,18 @@ def synchronize(device: torch.device) -> None:
     """Wait until the work queued on ``device`` is done (a no-op on CPU, whose operations run in order)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host``'s copy on ``device``, queued without making the host wait where the device allows it.
+
+    A copy to a GPU from pageable memory returns only when the device has run everything queued before it,
+    so the host stops running ahead of the kernels; from pinned (page-locked) memory with ``non_blocking``
+    the copy is queued like a kernel, and kernels queued after it see the copied values (same stream).
+    """
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def accelerator_name() -> str | None:

@@ -13,8 +13,11 @@ import hashlib
 import math
 from array import array
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
+
+from plait.devices import to_device
 
 
 class BlockAllocator:
@@ -114,17 +117,56 @@ class BlockAllocator:
                 self.keys[key], self.key_of[block] = block, key
 
 
-class PagedBatch:
-    """The rows of the next forward, shared by every layer's cache: block tables [B, n] and start positions [B]."""
+class StepView(NamedTuple):
+    """What every attention layer of one forward reads from the paged cache, on the device; built once by
+    ``PagedBatch.view`` and shared by all of them (B rows of S new tokens, L positions attended to)."""
 
-    def __init__(self) -> None:
-        self.tables = torch.zeros(1, 1, dtype=torch.long)
-        self.starts = torch.zeros(1, dtype=torch.long)
+    pos: torch.Tensor  # [B, S] positions of the new tokens
+    blocks: torch.Tensor  # [B, S] the block each new token goes to
+    offsets: torch.Tensor  # [B, S] its offset in that block
+    tables: torch.Tensor  # [B, n] the blocks holding positions 0..L-1, n = ceil(L / block)
+    total: int  # L: the longest row's end
+    mask: torch.Tensor | None  # [B, 1, S, L] causal per row; None when every row starts at 0
+
+
+class PagedBatch:
+    """The rows of the next forward, shared by every layer's cache: their block tables and start positions.
+
+    ``set`` keeps the host lists (the runner calls it once per row group and pipeline chunk); the first layer
+    of that forward to ask for ``view(s)`` builds what all of them read on the device, in one host-to-device
+    copy (``plait.devices.to_device``: queued without a wait on a GPU), and the other layers reuse it: no copy
+    to the device and no read of a device value per layer. ``builds`` counts the views built.
+    """
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size, self.device = block_size, device
+        self.tables: list[list[int]] = [[0]]
+        self.starts: list[int] = [0]
+        self.builds = 0
+        self._view: StepView | None = None
 
     def set(self, tables: list[list[int]], starts: list[int]) -> None:
-        width = max(len(t) for t in tables)
-        self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        self.starts = torch.tensor(starts, dtype=torch.long)
+        self.tables, self.starts, self._view = tables, starts, None
+
+    def view(self, s: int) -> StepView:
+        """The device tensors of the next ``s`` tokens of each row (built at the first call after ``set``)."""
+        if self._view is None or self._view.pos.shape[1] != s:
+            self._view = self._build(s)
+        return self._view
+
+    def _build(self, s: int) -> StepView:
+        self.builds += 1
+        bs, width = self.block_size, max(len(t) for t in self.tables)
+        host = torch.tensor([[start, *t] + [0] * (width - len(t)) for start, t in zip(self.starts, self.tables,
+                                                                                     strict=True)])
+        both = to_device(host, self.device)  # [B, 1 + width]: start, then the block table
+        starts, tables = both[:, 0], both[:, 1:]
+        pos = starts[:, None] + torch.arange(s, device=self.device)  # [B, S]
+        total = max(self.starts) + s  # from the host list: no read of a device value
+        mask = None
+        if max(self.starts) > 0:  # keys past a row's end are later positions of that row, or padding
+            mask = (torch.arange(total, device=self.device) <= pos[:, :, None])[:, None]  # [B, 1, S, L]
+        return StepView(pos, tables.gather(1, pos // bs), pos % bs, tables[:, : math.ceil(total / bs)], total, mask)
 
 
 class PagedKVCache:
@@ -133,6 +175,8 @@ class PagedKVCache:
     A per-row cache for ``Attention`` (see ``plait.models.llama.KVCache``): row b's tokens go to positions
     ``starts[b]``, ``starts[b] + 1``, ...; position p lives in block ``tables[b, p // block]`` at offset
     ``p % block``. The pool is allocated at the first write, when this rank's head count and dtype are known.
+    What depends only on the step (positions, blocks, mask) comes from the batch's ``StepView``, the same
+    tensors for every layer.
     """
 
     def __init__(self, num_blocks: int, block_size: int, batch: PagedBatch) -> None:
@@ -141,8 +185,8 @@ class PagedKVCache:
         self.v: torch.Tensor | None = None
 
     def positions(self, s: int) -> torch.Tensor:
-        """Positions [B, S] of the next ``s`` tokens of each row."""
-        return self.batch.starts[:, None] + torch.arange(s)
+        """Positions [B, S] of the next ``s`` tokens of each row, on the device (one tensor for every layer)."""
+        return self.batch.view(s).pos
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store k, v [B, h_kv, S, hd] in the rows' blocks; (keys, values of positions 0..L-1, causal mask or None)."""
@@ -150,21 +194,12 @@ class PagedKVCache:
         if self.k is None or self.v is None:  # zeros: a block's unused tail is read (then masked), must be finite
             self.k = k.new_zeros(self.num_blocks, h, self.block_size, hd)
             self.v = v.new_zeros(self.num_blocks, h, self.block_size, hd)
-        pool_k, pool_v = self.k, self.v
-        tables, starts = self.batch.tables.to(k.device), self.batch.starts
-        pos = self.positions(s).to(k.device)  # [B, S]
-        blocks = tables.gather(1, pos // self.block_size)  # [B, S]
-        offsets = pos % self.block_size
-        pool_k[blocks, :, offsets] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each token's block and offset
-        pool_v[blocks, :, offsets] = v.transpose(1, 2)
-        if int(starts.max()) == 0:  # every row starts fresh: plain causal attention over the new keys
+        view = self.batch.view(s)
+        self.k[view.blocks, :, view.offsets] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each token's block, offset
+        self.v[view.blocks, :, view.offsets] = v.transpose(1, 2)
+        if view.mask is None:  # every row starts fresh: plain causal attention over the new keys
             return k, v, None
-        total = int((starts + s).max())
-        n = math.ceil(total / self.block_size)
-        keys = self._gather(pool_k, tables[:, :n], total)
-        values = self._gather(pool_v, tables[:, :n], total)
-        mask = torch.arange(total, device=k.device) <= pos[:, :, None]  # [B, S, L]: keys past a row's end are later
-        return keys, values, mask[:, None]
+        return self._gather(self.k, view.tables, view.total), self._gather(self.v, view.tables, view.total), view.mask
 
     def _gather(self, pool: torch.Tensor, tables: torch.Tensor, total: int) -> torch.Tensor:
         b, n = tables.shape

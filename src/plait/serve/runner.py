@@ -61,7 +61,7 @@ class Runner:
     def __init__(self, model: nn.Module | ParallelModel, num_blocks: int, block_size: int):
         self.dec = Decoder(model)
         self.ctx = self.dec.ctx
-        self.batch = PagedBatch()
+        self.batch = PagedBatch(block_size, self.dec.device)
         self.caches = self.dec.new_caches(lambda: PagedKVCache(num_blocks, block_size, self.batch))
         self.mine = sorted(self.dec.chunks)
         self.last = self.dec.num_chunks - 1

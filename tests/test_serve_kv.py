@@ -1,0 +1,79 @@
+"""The paged KV cache's per-step setup: built once per forward and shared by every layer, no device reads per layer."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.devices import HostSyncCounter
+from plait.generation.decode import Sampling
+from plait.models import Llama, LlamaConfig
+from plait.serve.runner import Row, Runner, Step
+from plait.serve.sampling import Params
+
+LAYERS = 3
+
+
+def _runner() -> tuple[Llama, Runner, list[dict]]:
+    """A greedy runner whose caches record, per call, the positions and mask each layer was handed."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=LAYERS, n_heads=4, n_kv_heads=2,
+                              max_seq_len=64)).eval()
+    runner = Runner(model, num_blocks=16, block_size=4)
+    seen: list[dict] = []
+    for name, cache in runner.caches.items():
+        positions, append = cache.positions, cache.append
+
+        def rec_positions(s, name=name, positions=positions):
+            pos = positions(s)
+            seen.append({"layer": name, "pos": pos})
+            return pos
+
+        def rec_append(k, v, name=name, append=append):
+            out = append(k, v)
+            seen[-1]["mask"] = out[2]
+            return out
+
+        cache.positions, cache.append = rec_positions, rec_append
+    return model, runner, seen
+
+
+def _count_syncs(runner: Runner) -> list[int]:
+    """Host reads of tensor values inside each chunk's forward (on CPU every value read counts)."""
+    counts: list[int] = []
+    run = runner.dec.run
+
+    def counted(c, x, caches):
+        with HostSyncCounter(runner.dec.device) as counter:
+            out = run(c, x, caches)
+        counts.append(counter.total)
+        return out
+
+    runner.dec.run = counted  # type: ignore[method-assign]
+    return counts
+
+
+def test_every_layer_of_a_forward_shares_one_view_built_once_and_reads_no_device_value():
+    model, runner, seen = _runner()
+    syncs = _count_syncs(runner)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 2, 6]]
+    tables = [[0, 1], [2, 3]]
+    params = Params(Sampling(8, 0.0))
+    out = runner.execute(Step(new=[(0, params), (1, params)],
+                              rows=[Row(i, p, 0, tables[i], True) for i, p in enumerate(prompts)]))
+    assert runner.batch.builds == 2 and len(seen) == 2 * LAYERS  # a prompt is a row group of its own
+    assert all(e["mask"] is None for e in seen)  # fresh rows: plain causal attention
+    tokens = [[*p, o[0]] for p, o in zip(prompts, out, strict=True)]
+    # one decode step of both rows (one group) and a prompt chunk of a third sequence (a group of its own)
+    seen.clear()
+    rows = [Row(i, t[-1:], 6, tables[i], True) for i, t in enumerate(tokens)] + [Row(2, [3, 3, 3], 2, [4, 5], False)]
+    out = runner.execute(Step(new=[(2, params)], rows=rows))
+    assert runner.batch.builds == 4, "one view per row group, not per layer"
+    groups = [seen[:LAYERS], seen[LAYERS:]]  # the prompt chunk's group runs first
+    for group in groups:
+        assert len(group) == LAYERS and len({e["layer"] for e in group}) == LAYERS
+        assert all(e["pos"] is group[0]["pos"] and e["mask"] is group[0]["mask"] for e in group)
+    assert groups[0][0]["pos"].tolist() == [[2, 3, 4]] and groups[1][0]["pos"].tolist() == [[6], [6]]
+    assert groups[0][0]["mask"].shape == (1, 1, 3, 5) and groups[1][0]["mask"].shape == (2, 1, 1, 7)
+    assert syncs[2:] == [0, 0], f"host reads of device values in a forward with cached positions: {syncs}"
+    for t, o in zip(tokens, out[:2], strict=True):  # greedy: the paged forward's token is the full forward's
+        assert o[0] == int(model(torch.tensor([t]))[0, -1].argmax())
