@@ -119,14 +119,16 @@ class BlockAllocator:
 
 class StepView(NamedTuple):
     """What every attention layer of one forward reads from the paged cache, on the device; built once by
-    ``PagedBatch.view`` and shared by all of them (B rows of S new tokens, L positions attended to)."""
+    ``PagedBatch.view`` and shared by all of them (B rows of S new tokens, L positions attended to).
+
+    A slot is one position of one block: position p of row b sits in slot ``tables[b, p // block] * block +
+    p % block`` of the pool.
+    """
 
     pos: torch.Tensor  # [B, S] positions of the new tokens
-    blocks: torch.Tensor  # [B, S] the block each new token goes to
-    offsets: torch.Tensor  # [B, S] its offset in that block
-    tables: torch.Tensor  # [B, n] the blocks holding positions 0..L-1, n = ceil(L / block)
-    total: int  # L: the longest row's end
-    mask: torch.Tensor | None  # [B, 1, S, L] causal per row; None when every row starts at 0
+    slots: torch.Tensor  # [B·S] the slot each new token is written to (row-major)
+    keys: torch.Tensor | None  # [B, L] the slots of positions 0..L-1 of each row; None when every row starts at 0
+    mask: torch.Tensor | None  # [B, 1, S, L] causal per row (a short row's later keys are padding); None likewise
 
 
 class PagedBatch:
@@ -159,29 +161,31 @@ class PagedBatch:
         bs, width = self.block_size, max(len(t) for t in self.tables)
         host = torch.tensor([[start, *t] + [0] * (width - len(t)) for start, t in zip(self.starts, self.tables,
                                                                                      strict=True)])
-        both = to_device(host, self.device)  # [B, 1 + width]: start, then the block table
+        both = to_device(host, self.device)  # [B, 1 + width]: start, then the block table (padded with block 0)
         starts, tables = both[:, 0], both[:, 1:]
         pos = starts[:, None] + torch.arange(s, device=self.device)  # [B, S]
-        total = max(self.starts) + s  # from the host list: no read of a device value
-        mask = None
-        if max(self.starts) > 0:  # keys past a row's end are later positions of that row, or padding
-            mask = (torch.arange(total, device=self.device) <= pos[:, :, None])[:, None]  # [B, 1, S, L]
-        return StepView(pos, tables.gather(1, pos // bs), pos % bs, tables[:, : math.ceil(total / bs)], total, mask)
+        slots = (tables.gather(1, pos // bs) * bs + pos % bs).flatten()
+        if max(self.starts) == 0:  # from the host list: no read of a device value
+            return StepView(pos, slots, None, None)
+        every = torch.arange(max(self.starts) + s, device=self.device)  # [L]: the longest row's positions
+        keys = tables[:, every // bs] * bs + every % bs  # [B, L]
+        return StepView(pos, slots, keys, (every <= pos[:, :, None])[:, None])
 
 
 class PagedKVCache:
-    """One attention layer's keys and values in blocks ([blocks, h_kv, block, hd] each), read through block tables.
+    """One attention layer's keys and values in blocks of slots ([blocks·block, h_kv, hd] each, block after block),
+    read through the rows' block tables.
 
     A per-row cache for ``Attention`` (see ``plait.models.llama.KVCache``): row b's tokens go to positions
     ``starts[b]``, ``starts[b] + 1``, ...; position p lives in block ``tables[b, p // block]`` at offset
     ``p % block``. The pool is allocated at the first write, when this rank's head count and dtype are known.
-    What depends only on the step (positions, blocks, mask) comes from the batch's ``StepView``, the same
-    tensors for every layer.
+    Which slots a step writes and reads, and the mask, come from the batch's ``StepView``: the same tensors for
+    every layer, so a layer runs one indexed write and one indexed read for its keys, and the same for values.
     """
 
     def __init__(self, num_blocks: int, block_size: int, batch: PagedBatch) -> None:
         self.num_blocks, self.block_size, self.batch = num_blocks, block_size, batch
-        self.k: torch.Tensor | None = None  # [blocks, h_kv, block, hd]
+        self.k: torch.Tensor | None = None  # [blocks·block, h_kv, hd]
         self.v: torch.Tensor | None = None
 
     def positions(self, s: int) -> torch.Tensor:
@@ -189,20 +193,14 @@ class PagedKVCache:
         return self.batch.view(s).pos
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store k, v [B, h_kv, S, hd] in the rows' blocks; (keys, values of positions 0..L-1, causal mask or None)."""
-        b, h, s, hd = k.shape
+        """Store k, v [B, h_kv, S, hd] in the rows' slots; (keys, values of positions 0..L-1, causal mask or None)."""
+        _, h, s, hd = k.shape
         if self.k is None or self.v is None:  # zeros: a block's unused tail is read (then masked), must be finite
-            self.k = k.new_zeros(self.num_blocks, h, self.block_size, hd)
-            self.v = v.new_zeros(self.num_blocks, h, self.block_size, hd)
+            self.k = k.new_zeros(self.num_blocks * self.block_size, h, hd)
+            self.v = v.new_zeros(self.num_blocks * self.block_size, h, hd)
         view = self.batch.view(s)
-        self.k[view.blocks, :, view.offsets] = k.transpose(1, 2)  # [B, S, h_kv, hd] into each token's block, offset
-        self.v[view.blocks, :, view.offsets] = v.transpose(1, 2)
-        if view.mask is None:  # every row starts fresh: plain causal attention over the new keys
+        self.k.index_copy_(0, view.slots, k.transpose(1, 2).reshape(-1, h, hd))  # [B·S, h_kv, hd]
+        self.v.index_copy_(0, view.slots, v.transpose(1, 2).reshape(-1, h, hd))
+        if view.keys is None:  # every row starts fresh: plain causal attention over the new keys
             return k, v, None
-        return self._gather(self.k, view.tables, view.total), self._gather(self.v, view.tables, view.total), view.mask
-
-    def _gather(self, pool: torch.Tensor, tables: torch.Tensor, total: int) -> torch.Tensor:
-        b, n = tables.shape
-        h, hd = pool.shape[1], pool.shape[3]
-        x = pool[tables]  # [B, n, h_kv, block, hd]
-        return x.transpose(1, 2).reshape(b, h, n * self.block_size, hd)[:, :, :total]
+        return self.k[view.keys].transpose(1, 2), self.v[view.keys].transpose(1, 2), view.mask  # [B, h_kv, L, hd]
