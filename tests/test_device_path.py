@@ -114,6 +114,45 @@ def test_greedy_generation_equals_argmax_of_full_forwards(ctx, device):
     assert out == ids[len(prompt):]
 
 
+def test_serving_runner_decodes_on_the_device(ctx, device):
+    """plait serve's runner on the device: paged KV through a prompt and decode steps gives the greedy tokens of
+    full forwards, no forward reads a device value on the host, and a row with penalties and a logit bias
+    samples as its processors do on a host copy of the full forward's logits."""
+    from plait.generation.decode import Sampling
+    from plait.serve.runner import Row, Runner, Step
+    from plait.serve.sampling import Params, SeqState
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**CFG)).to(device).eval()
+    runner = Runner(model, num_blocks=8, block_size=8)
+    reads: list[int] = []
+    run = runner.dec.run
+
+    def counted(c, x, caches):
+        with HostSyncCounter(device) as counter:
+            out = run(c, x, caches)
+        reads.append(counter.total)
+        return out
+
+    runner.dec.run = counted  # type: ignore[method-assign]
+    plain = Params(Sampling(4, 0.0))
+    shaped = Params(Sampling(4, 0.0), repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={5: 2.0})
+    ref = SeqState(shaped, CFG["vocab_size"], torch.device("cpu"))
+    ids = [_batch(1, 8, seed=s)[0, :8].tolist() for s in (1, 2)]
+    fed = [list(x) for x in ids]
+    step = Step(new=[(0, plain), (1, shaped)], rows=[Row(i, x, 0, [2 * i, 2 * i + 1], True) for i, x in enumerate(ids)])
+    for _ in range(3):
+        out = runner.execute(step)
+        with torch.no_grad():
+            last = [model(torch.tensor([x], device=device))[0, -1] for x in ids]
+        ref.see_prompt(fed[1])
+        assert [o[0] for o in out] == [int(last[0].argmax()), ref.next_token(last[1].cpu())]
+        fed = [[o[0]] for o in out]
+        step = Step(rows=[Row(i, fed[i], len(ids[i]), [2 * i, 2 * i + 1], True) for i in range(2)])
+        ids = [[*x, *f] for x, f in zip(ids, fed, strict=True)]
+    assert reads == [0] * len(reads) and len(reads) == 4, reads
+
+
 def test_memory_report_on_the_device(ctx, device):
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx)

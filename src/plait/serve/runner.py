@@ -85,7 +85,7 @@ class Runner:
             self.seqs.pop(rid, None)
         if self.last in self.mine:
             for rid, params in step.new:
-                self.seqs[rid] = SeqState(params, self.dec.vocab)
+                self.seqs[rid] = SeqState(params, self.dec.vocab, self.dec.device)
         rows = step.rows
         if not rows:
             return None

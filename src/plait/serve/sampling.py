@@ -38,27 +38,28 @@ class Params:
 class SeqState:
     """A sequence's sampling state on the last stage: its generator and the counts of the tokens it has seen."""
 
-    def __init__(self, params: Params, vocab: int) -> None:
+    def __init__(self, params: Params, vocab: int, device: torch.device) -> None:
         self.params = params
-        self.gen = torch.Generator().manual_seed(params.sampling.seed)
+        self.gen = torch.Generator().manual_seed(params.sampling.seed)  # draws on the host (see ``sample``)
         self.generated = 0
-        self.counts = torch.zeros(vocab, dtype=torch.float64) if params.penalised else None  # of generated tokens
-        self.seen = torch.zeros(vocab, dtype=torch.bool) if params.repetition_penalty != 1.0 else None
+        penalised, repeats = params.penalised, params.repetition_penalty != 1.0  # counts: of generated tokens
+        self.counts = torch.zeros(vocab, dtype=torch.float64, device=device) if penalised else None
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device) if repeats else None
 
     def see_prompt(self, ids: list[int]) -> None:
         """Prompt tokens count for the repetition penalty (as in vLLM); fed once per prompt position."""
         if self.seen is not None and ids:
-            self.seen[torch.tensor(ids, dtype=torch.long)] = True
+            self.seen[torch.tensor(ids, dtype=torch.long, device=self.seen.device)] = True
 
     def next_token(self, logits: torch.Tensor) -> int:
-        """Sample from one row of full-vocabulary logits [V] after this sequence's logits processors."""
+        """Sample from one row of full-vocabulary logits [V] (on this sequence's device) after its logits processors."""
         p = self.params
         z = logits.double()
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-            z = z.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float64))
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=z.device)
+            z = z.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=torch.float64, device=z.device))
         if p.banned and self.generated < p.min_tokens:
-            z = z.index_fill(0, torch.tensor(p.banned, dtype=torch.long), float("-inf"))
+            z = z.index_fill(0, torch.tensor(p.banned, dtype=torch.long, device=z.device), float("-inf"))
         if self.seen is not None:  # CTRL's repetition penalty (Keskar et al. 2019): shrink a seen token's logit
             r = p.repetition_penalty
             z = torch.where(self.seen, torch.where(z > 0, z / r, z * r), z)
