@@ -1,4 +1,5 @@
-"""The paged KV cache's per-step setup: built once per forward and shared by every layer, no device reads per layer."""
+"""A serving step's setup: the paged KV cache's built once per forward and shared by every layer, no device reads
+per layer, one read for a group's greedy tokens."""
 
 from __future__ import annotations
 
@@ -37,24 +38,26 @@ def _runner() -> tuple[Llama, Runner, list[dict]]:
     return model, runner, seen
 
 
-def _count_syncs(runner: Runner) -> list[int]:
-    """Host reads of tensor values inside each chunk's forward (on CPU every value read counts)."""
+def _count_syncs(runner: Runner, method: str) -> list[int]:
+    """Host reads of tensor values inside each call of ``runner.dec.run`` (a chunk's forward) or of
+    ``runner._outputs`` (a group's sampling); on CPU every value read counts."""
     counts: list[int] = []
-    run = runner.dec.run
+    owner = runner.dec if method == "run" else runner
+    call = getattr(owner, method)
 
-    def counted(c, x, caches):
+    def counted(*args):
         with HostSyncCounter(runner.dec.device) as counter:
-            out = run(c, x, caches)
+            out = call(*args)
         counts.append(counter.total)
         return out
 
-    runner.dec.run = counted  # type: ignore[method-assign]
+    setattr(owner, method, counted)
     return counts
 
 
 def test_every_layer_of_a_forward_shares_one_view_built_once_and_reads_no_device_value():
     model, runner, seen = _runner()
-    syncs = _count_syncs(runner)
+    syncs, sampling = _count_syncs(runner, "run"), _count_syncs(runner, "_outputs")
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1, 2, 6]]
     tables = [[0, 1], [2, 3]]
     params = Params(Sampling(8, 0.0))
@@ -75,5 +78,6 @@ def test_every_layer_of_a_forward_shares_one_view_built_once_and_reads_no_device
     assert groups[0][0]["pos"].tolist() == [[2, 3, 4]] and groups[1][0]["pos"].tolist() == [[6], [6]]
     assert groups[0][0]["mask"].shape == (1, 1, 3, 5) and groups[1][0]["mask"].shape == (2, 1, 1, 7)
     assert syncs[2:] == [0, 0], f"host reads of device values in a forward with cached positions: {syncs}"
+    assert sampling[-1] == 1, f"greedy rows: one read of the device for the group, not one a row: {sampling}"
     for t, o in zip(tokens, out[:2], strict=True):  # greedy: the paged forward's token is the full forward's
         assert o[0] == int(model(torch.tensor([t]))[0, -1].argmax())

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.devices import to_device
 from plait.generation.decode import Decoder
 from plait.generation.wavefront import Links, wavefront_order
 from plait.parallel_model import ParallelModel
@@ -108,7 +109,7 @@ class Runner:
             part = [rows[i] for i in groups[g]]
             s = len(part[0].tokens)
             if c == 0:
-                x = torch.tensor([r.tokens for r in part], dtype=torch.long, device=self.dec.device)
+                x = to_device(torch.tensor([r.tokens for r in part], dtype=torch.long), self.dec.device)
             else:
                 x = links.take(c, (g,), len(part), s)
             self.batch.set([r.table for r in part], [r.start for r in part])
@@ -130,8 +131,13 @@ class Runner:
         pick = [i for i, r in enumerate(rows) if r.sample]
         if pick:
             last = full_logits(x[pick, -1], self.ctx, self.dec.vocab)  # [n, V]: the one gather sampling needs
+            plain = [j for j, i in enumerate(pick) if states[i].argmax_as_is]
+            if plain:  # one argmax and one read of the device for all of them, not one per row
+                for j, tok in zip(plain, last[plain].argmax(-1).tolist(), strict=True):
+                    tokens[pick[j]] = states[pick[j]].took(tok)
             for j, i in enumerate(pick):
-                tokens[i] = states[i].next_token(last[j])
+                if tokens[i] is None:
+                    tokens[i] = states[i].next_token(last[j])
         return self._logprobs(x, rows, states, tokens)
 
     def _logprobs(self, x: torch.Tensor, rows: list[Row], states: list[SeqState], tokens: list) -> list[tuple]:

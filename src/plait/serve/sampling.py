@@ -51,6 +51,18 @@ class SeqState:
         if self.seen is not None and ids:
             self.seen[torch.tensor(ids, dtype=torch.long, device=self.seen.device)] = True
 
+    @property
+    def argmax_as_is(self) -> bool:
+        """The next token is the argmax of the logits as they are: greedy, and no processor changes them."""
+        p = self.params
+        return (p.sampling.temperature == 0 and not p.logit_bias and self.counts is None and self.seen is None
+                and not (p.banned and self.generated < p.min_tokens))
+
+    def took(self, tok: int) -> int:
+        """Record ``tok`` as this sequence's next token, picked outside ``next_token`` (only when ``argmax_as_is``)."""
+        self.generated += 1
+        return tok
+
     def next_token(self, logits: torch.Tensor) -> int:
         """Sample from one row of full-vocabulary logits [V] (on this sequence's device) after its logits processors."""
         p = self.params
