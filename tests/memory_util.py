@@ -36,7 +36,9 @@ def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "f
     probabilities (math kernel, which repeats the KV heads up to the query heads first and keeps the repeated
     k, v; its output is then copied for o_proj); SwiGLU keeps gate, silu(gate), up and their product
     (4f). Selective recomputation keeps only q, k, v of the core, plus the o_proj input. The
-    RoPE cos and sin tables add 2·s·hd per layer. Heads and f are split over t.
+    RoPE cos and sin tables add 2·s·hd: the model's layers share one pair (plait.models.rotary), so a layer
+    measured alone keeps them, and a rank keeps them once whatever its layers and micro-batches. Heads and f
+    are split over t.
     """
     h, f, a, hd = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.head_dim
     kv_local = max(cfg.n_kv_heads // t, 1) * hd  # KV heads on this rank (replicated when fewer than t)

@@ -40,7 +40,7 @@ def test_a_layer_s_elementwise_part_runs_at_the_calibration_blocks_speed():
     w = census.layer_work(census.local(model, layout), 4)
     gemm = sum(f for f, _ in w.gemms) / MATMUL
     att = w.attention / ATTENTION
-    table = w.nograd_ops * OVERHEAD * 0.4  # RoPE's cos/sin tables: forward-only kernels, in both
+    table = w.nograd_ops * OVERHEAD * 0.4  # forward-only kernels, in both (none in a layer: RoPE's tables are shared)
     assert with_block.f_compute + with_block.b_compute == pytest.approx(3 * gemm + att + w.elem_bytes / speed + table)
     assert mix.f_compute + mix.b_compute == pytest.approx(3 * gemm + att + w.elem_bytes / MIX + w.ops * OVERHEAD
                                                           + table)

@@ -32,18 +32,32 @@ from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS
 
 
+class LocalPositions:
+    """This CP rank's global positions [1, S/cp] for a local length, one tensor kept per length: every layer is
+    handed the same tensor, so the attention modules' shared rotary tables (``rope_at``) are built once."""
+
+    def __init__(self, cp: int, rank: int):
+        self.cp, self.rank = cp, rank
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def __call__(self, seq_len: int) -> torch.Tensor:
+        if seq_len not in self.kept:
+            self.kept = {seq_len: local_positions(seq_len, self.cp, self.rank)[None]}  # the last length only
+        return self.kept[seq_len]
+
+
 class GlobalRope:
     """Shadows ``rope(seq_len, offset, dtype)``: cos, sin [1, 1, S/cp, hd] at this CP rank's global positions."""
 
     def __init__(self, rope_at: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]],
-                 cp: int, rank: int):
-        self.rope_at, self.cp, self.rank = rope_at, cp, rank
+                 positions: LocalPositions):
+        self.rope_at, self.positions = rope_at, positions
 
     def __call__(self, seq_len: int, offset: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if offset:
             raise ConfigError("context parallelism runs training and evaluation over whole sequences, not decoding "
                               "with a KV cache; decode with a model loaded under cp=1")
-        return self.rope_at(local_positions(seq_len, self.cp, self.rank)[None], dtype)
+        return self.rope_at(self.positions(seq_len), dtype)
 
 
 class GatheredCore:
@@ -145,6 +159,7 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx, comm: str, window
     if not modules:
         raise ConfigError(f"cp={ctx.cp_size}: {model_name}'s family adapter names no attention modules, so its "
                           "sequences cannot be split; use cp=1")
+    positions = LocalPositions(ctx.cp_size, ctx.cp_rank)  # shared by the modules' GlobalRope
     for name, module in modules.items():
         methods: dict[str, Callable] = {}
         for method in ("core", "rope", "rope_at"):
@@ -153,7 +168,7 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx, comm: str, window
                 raise ConfigError(f"cp={ctx.cp_size}: attention module {name} has no {method}() to run under "
                                   "context parallelism; use cp=1")
             methods[method] = fn
-        setattr(module, "rope", GlobalRope(methods["rope_at"], ctx.cp_size, ctx.cp_rank))  # noqa: B010
+        setattr(module, "rope", GlobalRope(methods["rope_at"], positions))  # noqa: B010
         core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window) if comm == "ring"
                 else GatheredCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window))
         setattr(module, "core", core)  # noqa: B010  (nn.Module.__setattr__ is typed for tensors and modules)

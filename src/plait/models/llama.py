@@ -22,6 +22,7 @@ from plait.errors import ConfigError
 from plait.models.decoder import DecoderFamily
 from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
+from plait.models.rotary import RotaryTables
 
 
 @dataclass
@@ -152,7 +153,7 @@ class Attention(nn.Module):
 
     _rope_device: torch.Tensor  # a registered buffer
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryTables | None = None):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim, self.sliding_window = hd, cfg.sliding_window
@@ -163,29 +164,22 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
-        self.rope_theta = cfg.rope_theta
-        # a device anchor for the RoPE frequencies, which are computed in float32 whatever the model's dtype
+        # the model's layers share one (plait.models.rotary): a forward builds the cos/sin tables once
+        self.rotary = RotaryTables(hd, cfg.rope_theta) if rotary is None else rotary
+        # a device anchor for the RoPE tables, whose frequencies are float32 whatever the model's dtype
         self.register_buffer("_rope_device", torch.zeros(0), persistent=False)
 
     def inv_freq(self) -> torch.Tensor:
         """RoPE frequencies theta^(-2i/hd), always float32 (a bf16 copy would blur long positions)."""
-        hd = self.head_dim
-        exponents = torch.arange(0, hd, 2, dtype=torch.float32, device=self._rope_device.device) / hd
-        return 1.0 / (self.rope_theta ** exponents)  # [hd/2]
+        return self.rotary.inv_freq(self._rope_device.device)  # [hd/2]
 
     def rope(self, seq_len: int, offset: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq()
-        pos = torch.arange(offset, offset + seq_len, device=inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [S, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [S, hd] at positions offset..offset+S-1."""
+        return self.rotary.rope(seq_len, offset, dtype, self._rope_device.device)
 
     def rope_at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, S, hd] at per-row positions ``pos`` [B, S]."""
-        inv_freq = self.inv_freq()
-        freqs = pos.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # [B, S, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return self.rotary.rope_at(pos, dtype, self._rope_device.device)
 
     def heads(self, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
         """[B, S, H] -> [B, heads, S, hd] (the heads this projection holds), then per-head RMSNorm if any."""
@@ -255,10 +249,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: LlamaConfig, index: int = 0):
+    def __init__(self, cfg: LlamaConfig, index: int = 0, rotary: RotaryTables | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg) if not cfg.is_moe_layer(index) else MoE(
             cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
@@ -277,7 +271,8 @@ class Llama(nn.Module):
         # built from an uninitialised tensor: reset_parameters draws it (nn.Embedding's own init would run
         # normal_, which on the meta device imports PyTorch's compiler stack, seconds of start-up)
         self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.dim), freeze=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        rotary = RotaryTables(cfg.head_dim, cfg.rope_theta)  # shared by every layer's attention
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()

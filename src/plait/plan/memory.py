@@ -99,12 +99,14 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
 @dataclass(frozen=True)
 class ActivationModel:
     """Bytes per micro-batch of one layer, of the first chunk's embedding and of the last chunk's head,
-    plus a working set held once (a recomputed layer, gathered ZeRO-3 weights)."""
+    plus a working set held once (a recomputed layer, gathered ZeRO-3 weights) and ``shared``: what autograd
+    saves once per rank for all its layers and micro-batches (the RoPE tables the layers share)."""
 
     layer: float
     first: float
     last: float
     working: float
+    shared: float = 0.0
 
     def chunk(self, layers: int, first: bool, last: bool) -> float:
         """Bytes one micro-batch leaves on a chunk of ``layers`` layers until its backward."""
@@ -199,6 +201,6 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
         after = g if layout.zero >= 2 else None
         if full_at_peak:
             g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision, grad_dtype)[1]
-        act = peak[r] + acts.working
+        act = peak[r] + acts.shared + acts.working
         out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working, after))
     return out

@@ -13,7 +13,9 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
   float32, so in bf16 the input's copy and the rsqrt values are float32;
 * attention: Q after RoPE, K and V as SDPA receives them (``K`` each: grouped-query attention shares them
   inside SDPA, never repeated), its output ``Q`` (which is also
-  the output projection's input), its log-sum-exp ``T·heads`` (float32), RoPE's cos and sin ``2·s·d``;
+  the output projection's input), its log-sum-exp ``T·heads`` (float32);
+* RoPE's cos and sin tables ``2·s·d``, once per rank: the model's layers share them (plait.models.rotary),
+  so every layer and micro-batch of a step saves the same two tensors;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
 * head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (float32);
 * selective recomputation (the attention core under a checkpoint) drops the log-sum-exp;
@@ -44,7 +46,6 @@ GLU_TRAFFIC, GLU_OPS = 5, 2  # silu, ·up
 RESIDUAL_TRAFFIC, RESIDUAL_OPS = 3, 1
 LINEAR_OPS = 2  # the matmul and its reshapes
 VIEW_OPS = 0.5  # a view or transpose costs about half a kernel's dispatch
-ROPE_TABLE_OPS = 10  # inverse frequencies, positions, outer product, cat, cos, sin: no backward
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
         attention = _cp_attention_saved(sh, dtype_bytes)
     else:
         lse = 0.0 if selective else sh.tokens * sh.heads * 4 / dtype_bytes  # float32
-        attention = sh.q + 2 * sh.k + sh.q + lse + 2 * sh.seq * sh.head_dim
+        attention = sh.q + 2 * sh.k + sh.q + lse
     norms = 2 * _norm_saved(sh, dtype_bytes)
     if sh.sp:  # each norm's scaled output is not kept; the projections keep the gathered copies
         norms += (SP_GATHER_COPIES - 2) * sh.n
@@ -126,10 +127,15 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
 def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:
     """Context parallelism's attention (``plait.context_parallel.attention``): q, K and V as its core keeps
     them (all-gathered: the whole sequence's), its float32 output and log-sum-exp, the output projection's
-    copy of the output, RoPE's cos and sin of the rank's positions."""
+    copy of the output."""
     fp32 = 4 / dtype_bytes
     kv = sh.k * (sh.cp if sh.cp_gather else 1)
-    return sh.q + 2 * kv + (sh.q + sh.tokens * sh.heads) * fp32 + sh.q + 2 * sh.seq * sh.head_dim
+    return sh.q + 2 * kv + (sh.q + sh.tokens * sh.heads) * fp32 + sh.q
+
+
+def rope_tables_saved(sh: Local) -> float:
+    """RoPE's cos and sin at the rank's ``s`` positions: one pair for all layers and micro-batches."""
+    return 2 * sh.seq * sh.head_dim
 
 
 def head_saved(sh: Local, dtype_bytes: int = 4) -> float:
@@ -184,7 +190,7 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
         traffic += 2 * SP_GATHER_COPIES * sh.n
         ops += SP_GATHER_COPIES
     attention = 4 * t * sh.seq * q
-    return Work(gemms, attention, sh.seq * sh.head_dim, traffic * dtype_bytes, ops, ROPE_TABLE_OPS)
+    return Work(gemms, attention, sh.seq * sh.head_dim, traffic * dtype_bytes, ops)
 
 
 def head_work(sh: Local, dtype_bytes: int) -> Work:

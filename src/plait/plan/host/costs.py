@@ -34,19 +34,20 @@ EAGER_OPTIMIZER_OPS = 6  # kernels per parameter tensor: the norm's reshape, cas
 
 def eager_activations(model: Model, layout: Layout, precision: str) -> ActivationModel:
     """What plait's eager runtime saves for backward under ``layout`` at ``precision``, tensor by tensor
-    (``census``): bytes of a layer, the embedding and the head per micro-batch, and the working set. It needs
-    no host profile (what autograd saves does not depend on the host's speeds); on one pipeline stage with one
-    micro-batch in flight, ``.chunk(model.n_layers, True, True)`` is what ``pm.memory_report()`` reports as
-    ``activations_peak``."""
+    (``census``): bytes of a layer, the embedding and the head per micro-batch, the working set and the
+    RoPE tables the layers share. It needs no host profile (what autograd saves does not depend on the host's
+    speeds); on one pipeline stage with one micro-batch in flight, ``.chunk(model.n_layers, True, True) +
+    .shared`` is what ``pm.memory_report()`` reports as ``activations_peak``."""
     working = zero3_working(model, layout, precision)
     sh = census.local(model, layout)
     d = ACTIVATION_BYTES[precision]
-    if layout.recompute == "full":
-        working += census.layer_saved(sh, dtype_bytes=d) * d
+    tables = census.rope_tables_saved(sh) * d
+    if layout.recompute == "full":  # the tables are saved inside the checkpoints: by the recomputed layer only
+        working += census.layer_saved(sh, dtype_bytes=d) * d + tables
         return ActivationModel(census.checkpoint_saved(sh) * d, census.embedding_saved(sh) * 4,
                                (2 * sh.n_local * d + (sh.tokens * sh.vocab + 2.5 * sh.tokens) * 4), working)
     layer = census.layer_saved(sh, selective=layout.recompute == "selective", dtype_bytes=d) * d
-    return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh, d) * d, working)
+    return ActivationModel(layer, census.embedding_saved(sh) * 4, census.head_saved(sh, d) * d, working, tables)
 
 
 def host_gpu(profile: HostProfile, processes: int) -> GPU:
