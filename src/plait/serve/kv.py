@@ -127,7 +127,8 @@ class StepView(NamedTuple):
 
     pos: torch.Tensor  # [B, S] positions of the new tokens
     slots: torch.Tensor  # [B·S] the slot each new token is written to (row-major)
-    keys: torch.Tensor | None  # [B, L] the slots of positions 0..L-1 of each row; None when every row starts at 0
+    keys: torch.Tensor | None  # [B·L] slots of positions 0..L-1, row by row; None when every row starts at 0
+    length: int  # L: the longest row's end
     mask: torch.Tensor | None  # [B, 1, S, L] causal per row (a short row's later keys are padding); None likewise
 
 
@@ -166,10 +167,10 @@ class PagedBatch:
         pos = starts[:, None] + torch.arange(s, device=self.device)  # [B, S]
         slots = (tables.gather(1, pos // bs) * bs + pos % bs).flatten()
         if max(self.starts) == 0:  # from the host list: no read of a device value
-            return StepView(pos, slots, None, None)
+            return StepView(pos, slots, None, s, None)
         every = torch.arange(max(self.starts) + s, device=self.device)  # [L]: the longest row's positions
-        keys = tables[:, every // bs] * bs + every % bs  # [B, L]
-        return StepView(pos, slots, keys, (every <= pos[:, :, None])[:, None])
+        keys = (tables[:, every // bs] * bs + every % bs).flatten()  # [B·L]
+        return StepView(pos, slots, keys, len(every), (every <= pos[:, :, None])[:, None])
 
 
 class PagedKVCache:
@@ -194,7 +195,7 @@ class PagedKVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store k, v [B, h_kv, S, hd] in the rows' slots; (keys, values of positions 0..L-1, causal mask or None)."""
-        _, h, s, hd = k.shape
+        b, h, s, hd = k.shape
         if self.k is None or self.v is None:  # zeros: a block's unused tail is read (then masked), must be finite
             self.k = k.new_zeros(self.num_blocks * self.block_size, h, hd)
             self.v = v.new_zeros(self.num_blocks * self.block_size, h, hd)
@@ -203,4 +204,6 @@ class PagedKVCache:
         self.v.index_copy_(0, view.slots, v.transpose(1, 2).reshape(-1, h, hd))
         if view.keys is None:  # every row starts fresh: plain causal attention over the new keys
             return k, v, None
-        return self.k[view.keys].transpose(1, 2), self.v[view.keys].transpose(1, 2), view.mask  # [B, h_kv, L, hd]
+        shape = (b, view.length, h, hd)
+        keys = self.k.index_select(0, view.keys).view(shape).transpose(1, 2)  # [B, h_kv, L, hd]
+        return keys, self.v.index_select(0, view.keys).view(shape).transpose(1, 2), view.mask
