@@ -136,6 +136,20 @@ def test_rope_at_is_kept_per_positions_tensor(builds):
     assert builds == ["at"] * 4
 
 
+def test_serving_builds_the_tables_once_per_forward(builds):
+    """The serving runner's paged cache hands every layer of a forward one positions tensor: one ``rope_at``
+    build per row group's forward, not one per layer."""
+    from plait.generation.decode import Sampling
+    from plait.serve.runner import Row, Runner, Step
+    from plait.serve.sampling import Params
+
+    runner = Runner(_model(n_layers=3).eval(), num_blocks=8, block_size=4)
+    params = Params(Sampling(4, 0.0))
+    runner.execute(Step(new=[(0, params)], rows=[Row(0, [5, 9, 2, 7, 1], 0, [0, 1], True)]))
+    runner.execute(Step(new=[], rows=[Row(0, [3], 5, [0, 1], True)]))
+    assert builds == ["at", "at"]
+
+
 def test_context_parallel_layers_share_one_positions_tensor(builds):
     model = _model(n_layers=3)
     positions = LocalPositions(cp=2, rank=1)
