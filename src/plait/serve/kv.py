@@ -166,9 +166,10 @@ class PagedBatch:
         starts, tables = both[:, 0], both[:, 1:]
         pos = starts[:, None] + torch.arange(s, device=self.device)  # [B, S]
         slots = (tables.gather(1, pos // bs) * bs + pos % bs).flatten()
-        if max(self.starts) == 0:  # from the host list: no read of a device value
+        longest = max(self.starts)  # from the host list: no read of a device value
+        if longest == 0:
             return StepView(pos, slots, None, s, None)
-        every = torch.arange(max(self.starts) + s, device=self.device)  # [L]: the longest row's positions
+        every = torch.arange(longest + s, device=self.device)  # [L]: the longest row's positions
         keys = (tables[:, every // bs] * bs + every % bs).flatten()  # [B·L]
         return StepView(pos, slots, keys, len(every), (every <= pos[:, :, None])[:, None])
 

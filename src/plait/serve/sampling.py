@@ -59,8 +59,13 @@ class SeqState:
                 and not (p.banned and self.generated < p.min_tokens))
 
     def took(self, tok: int) -> int:
-        """Record ``tok`` as this sequence's next token, picked outside ``next_token`` (only when ``argmax_as_is``)."""
+        """Record ``tok`` as this sequence's next token (drawn by ``next_token``, or the argmax the runner picked
+        for a row that is ``argmax_as_is``): the count of generated tokens and the penalties' counts."""
         self.generated += 1
+        if self.counts is not None:
+            self.counts[tok] += 1
+        if self.seen is not None:
+            self.seen[tok] = True
         return tok
 
     def next_token(self, logits: torch.Tensor) -> int:
@@ -77,13 +82,7 @@ class SeqState:
             z = torch.where(self.seen, torch.where(z > 0, z / r, z * r), z)
         if self.counts is not None:  # OpenAI's frequency and presence penalties, on generated tokens
             z = z - p.frequency_penalty * self.counts - p.presence_penalty * (self.counts > 0).double()
-        tok = int(sample(z[None], p.sampling, self.gen)[0])
-        self.generated += 1
-        if self.counts is not None:
-            self.counts[tok] += 1
-        if self.seen is not None:
-            self.seen[tok] = True
-        return tok
+        return self.took(int(sample(z[None], p.sampling, self.gen)[0]))
 
 
 def logprobs(z: torch.Tensor, targets: torch.Tensor, k: int, group, vocab: int):
