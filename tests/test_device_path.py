@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import math
 import os
 
 import pytest
@@ -99,6 +100,22 @@ def test_bf16_step_on_the_device_tracks_fp32(ctx, device):
         if precision == "bf16":
             assert all(p.dtype == torch.float32 for p in pm.parameters())  # fp32 masters, bf16 compute copies
     assert abs(losses["bf16"] - losses["fp32"]) <= 2e-2 * losses["fp32"], losses
+
+
+def test_gradient_norm_on_the_device_is_the_float64_norm(ctx, device):
+    """The clip's norm on this device (one fused kernel per dtype on a GPU, float64 chunks on a CPU) equals the
+    float64 norm of the full gradients, bf16 weights over fp32 masters."""
+    from plait.optim import ParallelOptimizer
+
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=2, precision="bf16")
+    opt = ParallelOptimizer(pm, lr=1e-3, precision="bf16", clip=1.0)
+    tokens = _batch().to(device)
+    pm.train_step(tokens[:, :-1], tokens[:, 1:])
+    grads = pm.full_state_dict(grads=True)
+    want = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+    assert want > 0
+    assert opt.grad_norm() == pytest.approx(want, rel=1e-12)
 
 
 def test_greedy_generation_equals_argmax_of_full_forwards(ctx, device):

@@ -47,3 +47,23 @@ def test_bad_precision():
     assert check_precision("bf16") == "bf16"
     with pytest.raises(ConfigError, match="precision"):
         check_precision("fp8")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_square_sum_is_the_float64_sum_of_squares(monkeypatch, fused):
+    """Both ways of summing the gradients' squares (the fused per-dtype norm, the float64 chunks) give the float64
+    sum of squares of every element, whatever the tensors' dtypes, sizes (one spanning several chunks) or emptiness.
+    ``fused`` runs the fused branch through torch's generic ``_foreach_norm`` on this CPU."""
+    from plait.optim import optimizer
+
+    monkeypatch.setattr(optimizer, "NORM_CHUNK", 1000)
+    if fused:
+        monkeypatch.setattr(optimizer, "FUSED_NORM_DEVICES", ("cuda", "cpu"))
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(2500, generator=g) * 3, torch.randn(7, 5, generator=g).bfloat16(), torch.zeros(0),
+             torch.randn(64, generator=g).double()]
+    want = sum(float((t.double() ** 2).sum()) for t in grads)
+    got = optimizer.square_sum(grads)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert float(got) == pytest.approx(want, rel=1e-13)
+    assert float(optimizer.square_sum([])) == 0.0

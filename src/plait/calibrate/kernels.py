@@ -356,14 +356,14 @@ def optimizer_times(device: torch.device) -> tuple[float, float]:
 
 def _optimizer_step_time(params: list[torch.Tensor], device: torch.device) -> tuple[float, int, int]:
     """(seconds, parameters, tensors) of plait's optimizer step over ``params`` (their ``.grad`` set)."""
-    from plait.optim.optimizer import FUSED_ADAMW_DEVICES, chunk_square_sums
+    from plait.optim.optimizer import FUSED_ADAMW_DEVICES, square_sum
 
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type in FUSED_ADAMW_DEVICES else None)
     grads = [p.grad for p in params if p.grad is not None]
 
     @torch.no_grad()
     def step() -> None:
-        norm = torch.stack([d for q in grads for d in chunk_square_sums(q)]).sum().sqrt()  # as grad_norm
+        norm = square_sum(grads).sqrt()  # as grad_norm
         torch._foreach_mul_(grads, float(1.0 / (norm + 1e-6)))
         opt.step()
 

@@ -101,9 +101,7 @@ class ParallelOptimizer:
         One float64 all-reduce over the world; the same value on every rank.
         """
         self._prepare()
-        parts = [d for pc in self.layout.pieces if pc.counted for d in chunk_square_sums(pc.grad())]
-        sq = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
-        sq = sq.to(self.ctx.device)
+        sq = square_sum([pc.grad() for pc in self.layout.pieces if pc.counted]).to(self.ctx.device)
         if self.ctx.world_size > 1:
             dist.all_reduce(sq, group=self.ctx.world_group)
         return math.sqrt(float(sq))
@@ -258,6 +256,27 @@ class ParallelOptimizer:
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # device types with torch's fused AdamW kernel
 NORM_CHUNK = 1 << 22  # elements cast to float64 at a time by the gradient norm (32 MB of temporary)
+#: device types whose ``torch._foreach_norm`` is one fused multi-tensor kernel that reads each element once and
+#: accumulates in the requested dtype (aten/src/ATen/native/cuda/ForeachReduceOp.cu: ``LpNormFunctor`` sums in the
+#: opmath type of the output dtype); elsewhere it casts every whole tensor to that dtype first (a float64 copy)
+FUSED_NORM_DEVICES = ("cuda",)
+
+
+def square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of every element of ``grads``, accumulated in float64: a scalar on their device.
+
+    On a device with a fused norm (``FUSED_NORM_DEVICES``) one kernel per dtype reads every gradient once
+    (float64 norms per tensor, squared and summed); elsewhere ``chunk_square_sums`` bounds the float64
+    temporary to one chunk."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    if grads[0].device.type in FUSED_NORM_DEVICES:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        norms = [n for same in by_dtype.values() for n in torch._foreach_norm(same, 2, dtype=torch.float64)]
+        return torch.stack(norms).square().sum()
+    return torch.stack([d for g in grads for d in chunk_square_sums(g)]).sum()
 
 
 def chunk_square_sums(grad: torch.Tensor) -> list[torch.Tensor]:

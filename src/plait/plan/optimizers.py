@@ -27,13 +27,13 @@ class OptimizerTraffic:
 
 #: bytes per element, by implementation; each entry's count is in the comment above it
 OPTIMIZERS: dict[str, OptimizerTraffic] = {
-    # plait's runtime (plait.optim.build_optimizer, clipped as plait train's default clip 1.0 does): the gradient
-    # norm casts each gradient to float64 a chunk at a time and dots it with itself (plait/optim/optimizer.py
-    # chunk_square_sums: read 4, write 8, read 8 = 20); the clip's
-    # scale only when the norm exceeds max_norm; torch.optim.AdamW(fused=True) on the fp32 parameters (ZeRO: the
-    # fp32 masters) reads p, g, m, v and writes p, m, v in one pass (28). Under ZeRO-1/2 the bf16 weights are
-    # published by plait's own copies (``plan.step_end.publish_time``).
-    "torch-fused-adamw": OptimizerTraffic(owned=20 + 28),
+    # plait's runtime on a GPU (plait.optim.build_optimizer, clipped as plait train's default clip 1.0 does): the
+    # gradient norm is torch's fused multi-tensor norm, accumulating in float64 as it reads each fp32 gradient
+    # once (plait/optim/optimizer.py square_sum: read 4); the clip's scale only when the norm exceeds max_norm;
+    # torch.optim.AdamW(fused=True) on the fp32 parameters (ZeRO: the fp32 masters) reads p, g, m, v and writes
+    # p, m, v in one pass (28). Under ZeRO-1/2 the bf16 weights are published by plait's own copies
+    # (``plan.step_end.publish_time``).
+    "torch-fused-adamw": OptimizerTraffic(owned=4 + 28),
     # Megatron-LM's Float16OptimizerWithFloat16Params with fp16 (NVIDIA/Megatron-LM megatron/optimizer/optimizer.py
     # at de7dc40f, step): main_param.grad = model grad .float() (read 2, write 4); torch's
     # _amp_foreach_non_finite_check_and_unscale_ on the fp32 main gradients (read 4, write 4); clip_grad_norm_fp32's
