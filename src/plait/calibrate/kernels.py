@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.devices import synchronize
+from plait.models.rotary import rotate
 from plait.plan.host import census, shapes
 from plait.plan.model import llama_ffn
 
@@ -175,10 +176,9 @@ class _Mix:
 
     def forward(self) -> torch.Tensor:
         x = self.x
-        y = self.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))  # RMSNorm
+        y = self.w * F.rms_norm(x, (x.shape[-1],), eps=1e-5)  # RMSNorm
         q = y.view(self.shape).transpose(1, 2)  # [B, H, S, d], a strided view as in attention
-        x1, x2 = q.chunk(2, dim=-1)
-        r = q * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin  # RoPE
+        r = rotate(q, self.cos, self.sin)  # RoPE
         r = r.transpose(1, 2).reshape(x.shape)  # the heads' transpose copy
         return x + F.silu(r) * y  # SwiGLU's silu(gate) · up, the residual add
 

@@ -22,7 +22,7 @@ from plait.errors import ConfigError
 from plait.models.decoder import DecoderFamily
 from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
-from plait.models.rotary import RotaryTables
+from plait.models.rotary import RotaryTables, rotate
 
 
 @dataclass
@@ -80,7 +80,11 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * w, computed in float32."""
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * w.
+
+    x is normalised in float32 by torch's ``rms_norm`` (one fused kernel forward and one backward on a GPU; the
+    same pow, mean, rsqrt and product elsewhere), cast back to x's dtype, then scaled by w: transformers'
+    LlamaRMSNorm, rounding for rounding."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -88,14 +92,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class KVCache:
@@ -174,11 +171,11 @@ class Attention(nn.Module):
         return self.rotary.inv_freq(self._rope_device.device)  # [hd/2]
 
     def rope(self, seq_len: int, offset: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [S, hd] at positions offset..offset+S-1."""
+        """cos, signed sin [S, hd] at positions offset..offset+S-1 (``plait.models.rotary.rotate``)."""
         return self.rotary.rope(seq_len, offset, dtype, self._rope_device.device)
 
     def rope_at(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, S, hd] at per-row positions ``pos`` [B, S]."""
+        """cos, signed sin [B, 1, S, hd] at per-row positions ``pos`` [B, S]."""
         return self.rotary.rope_at(pos, dtype, self._rope_device.device)
 
     def heads(self, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
@@ -200,8 +197,7 @@ class Attention(nn.Module):
         else:  # a per-row cache: each row's new tokens sit at its own positions
             pos = cache.positions(s)  # [B, S]
             cos, sin = self.rope_at(pos, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if isinstance(cache, KVCache):
             k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
         elif cache is not None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-Tables = tuple[torch.Tensor, torch.Tensor]  # cos, sin
+Tables = tuple[torch.Tensor, torch.Tensor]  # cos, and sin with its first half negated (``rotate``)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., hd] rotated by the tables' angles: x·cos + (-x2, x1)·sin with x = (x1, x2) halves of hd, taken as
+    x·cos + (x2, x1)·(-sin, sin): a roll of x against the tables' sin whose first half is negated (the same
+    products, each with the same sign, as the rotate-half form)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class RotaryTables:
@@ -15,9 +22,9 @@ class RotaryTables:
     to each layer that asks for the same again: a forward (or a decoding step) builds them once, not once per
     layer. Two requests, one table kept for each:
 
-    ``rope(S, offset, dtype, device)``  positions offset..offset+S-1, cos and sin [S, hd]; kept per
+    ``rope(S, offset, dtype, device)``  positions offset..offset+S-1, cos and signed sin [S, hd]; kept per
         (S, offset, dtype, device).
-    ``rope_at(pos, dtype, device)``  per-row positions ``pos`` [B, S], cos and sin [B, 1, S, hd]; kept per
+    ``rope_at(pos, dtype, device)``  per-row positions ``pos`` [B, S], cos and signed sin [B, 1, S, hd]; kept per
         positions *tensor*: the same object again (held here, so its identity cannot be reused) at the same
         version counter, i.e. not changed in place since. Callers that want the layers to share the tables pass
         them one positions tensor a step. An inference-mode tensor has no version counter, so its tables are
@@ -65,13 +72,17 @@ class RotaryTables:
             inv_freq = self.inv_freq(device)
             pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
             freqs = torch.outer(pos, inv_freq)  # [S, hd/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
-            return emb.cos().to(dtype), emb.sin().to(dtype)
+            return _tables(freqs, dtype)
 
     def build_at(self, pos: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Tables:
         """The tables of ``rope_at``, computed (no memo)."""
         with torch.no_grad():
             inv_freq = self.inv_freq(device)
             freqs = pos.to(device, torch.float32)[..., None] * inv_freq  # [B, S, hd/2]
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, hd]
-            return emb.cos().to(dtype), emb.sin().to(dtype)
+            return _tables(freqs[:, None], dtype)  # [B, 1, S, hd]
+
+
+def _tables(freqs: torch.Tensor, dtype: torch.dtype) -> Tables:
+    """freqs [..., hd/2] (float32 angles) -> cos (c, c) and signed sin (-s, s) [..., hd] in ``dtype``."""
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)

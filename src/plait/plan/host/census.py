@@ -27,7 +27,7 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
 * full recomputation (a checkpoint per block) keeps each block's input instead.
 
 Kernels: the seven GEMMs of a layer and the head's, SDPA, and the element-wise kernels with the bytes
-they move (a norm reads and writes its ``N`` elements about 7 times, RoPE 10 per rotated element, SwiGLU
+they move (a norm reads and writes its ``N`` elements about 7 times, RoPE 9 per rotated element, SwiGLU
 5 per ``F``, a residual add 3); ``plait calibrate`` times the same mix, so its bytes/s apply here.
 """
 
@@ -41,7 +41,7 @@ from plait.plan.model import Model
 # Element traffic (reads + writes, in elements) and kernels of the forward of each element-wise group;
 # plait.calibrate times exactly these groups, so its bytes/s are measured per byte counted here.
 NORM_TRAFFIC, NORM_OPS = 7, 6  # pow, mean, +eps, rsqrt, ·rsqrt, ·weight
-ROPE_TRAFFIC, ROPE_OPS = 10, 5  # ·cos, neg, cat, ·sin, +
+ROPE_TRAFFIC, ROPE_OPS = 9, 4  # ·cos, roll, ·sin (its first half negated), + (plait.models.rotary.rotate)
 GLU_TRAFFIC, GLU_OPS = 5, 2  # silu, ·up
 RESIDUAL_TRAFFIC, RESIDUAL_OPS = 3, 1
 LINEAR_OPS = 2  # the matmul and its reshapes
