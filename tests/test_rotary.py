@@ -1,5 +1,6 @@
 """RoPE tables are built once per forward and shared by the layers (plait.models.rotary), with the same values
-as building them in every layer, rebuilt when length, offset, dtype, device, positions or inference mode change."""
+as building them in every layer, rebuilt when length, offset, dtype, device, positions or inference mode change;
+turning by them and the RMSNorm beside them are transformers' arithmetic bit for bit."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 
 from plait.context_parallel.attention import GlobalRope, LocalPositions
 from plait.models import Llama, LlamaConfig
-from plait.models.llama import KVCache
-from plait.models.rotary import RotaryTables
+from plait.models.llama import KVCache, RMSNorm
+from plait.models.rotary import RotaryTables, rotate
 
 
 def _model(n_layers: int = 4) -> Llama:
@@ -158,3 +159,36 @@ def test_context_parallel_layers_share_one_positions_tensor(builds):
     assert builds == ["at"] and all(t is tables[0] for t in tables)
     expected = model.layers[0].self_attn.rotary.build_range(16, 0, torch.float32, torch.device("cpu"))[0]
     assert torch.equal(tables[0][0][0, 0], torch.cat([expected[4:8], expected[8:12]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_equals_the_rotate_half_form_bit_for_bit(dtype):
+    """``rotate`` against tables with the first half of sin negated gives, bit for bit, transformers' form
+    x·cos + (-x2, x1)·sin with the plain tables (the same products, each with the same sign)."""
+    tables = RotaryTables(16, 10000.0)
+    cos, signed = tables.build_range(5, 3, dtype, torch.device("cpu"))
+    half = 8
+    sin = torch.cat((signed[..., half:], signed[..., half:]), dim=-1)  # the plain sin (s, s)
+    assert torch.equal(signed[..., :half], -signed[..., half:])
+    x = torch.randn(2, 4, 5, 16).to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    assert torch.equal(rotate(x, cos, signed), x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_transformers_float32_form_bit_for_bit(dtype):
+    """The norm (torch's rms_norm in float32, cast, then the weight) equals transformers' LlamaRMSNorm
+    arithmetic (x.float() * rsqrt(mean(x²) + eps), cast, times the weight) bit for bit, gradients too."""
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = torch.randn(3, 7, 64).to(dtype).requires_grad_()
+    xf = x.float()
+    want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = norm(x)
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    want_grads = torch.autograd.grad(want, (x, norm.weight), g)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got, (x, norm.weight), g), want_grads,
+                                                 strict=True))
