@@ -63,21 +63,41 @@ def test_every_layer_of_a_forward_shares_one_view_built_once_and_reads_no_device
     params = Params(Sampling(8, 0.0))
     out = runner.execute(Step(new=[(0, params), (1, params)],
                               rows=[Row(i, p, 0, tables[i], True) for i, p in enumerate(prompts)]))
-    assert runner.batch.builds == 2 and len(seen) == 2 * LAYERS  # a prompt is a row group of its own
+    assert runner.batch.builds == 1 and len(seen) == LAYERS  # prompts of one length: one row group
     assert all(e["mask"] is None for e in seen)  # fresh rows: plain causal attention
     tokens = [[*p, o[0]] for p, o in zip(prompts, out, strict=True)]
     # one decode step of both rows (one group) and a prompt chunk of a third sequence (a group of its own)
     seen.clear()
     rows = [Row(i, t[-1:], 6, tables[i], True) for i, t in enumerate(tokens)] + [Row(2, [3, 3, 3], 2, [4, 5], False)]
     out = runner.execute(Step(new=[(2, params)], rows=rows))
-    assert runner.batch.builds == 4, "one view per row group, not per layer"
+    assert runner.batch.builds == 3, "one view per row group, not per layer"
     groups = [seen[:LAYERS], seen[LAYERS:]]  # the prompt chunk's group runs first
     for group in groups:
         assert len(group) == LAYERS and len({e["layer"] for e in group}) == LAYERS
         assert all(e["pos"] is group[0]["pos"] and e["mask"] is group[0]["mask"] for e in group)
     assert groups[0][0]["pos"].tolist() == [[2, 3, 4]] and groups[1][0]["pos"].tolist() == [[6], [6]]
     assert groups[0][0]["mask"].shape == (1, 1, 3, 5) and groups[1][0]["mask"].shape == (2, 1, 1, 7)
-    assert syncs[2:] == [0, 0], f"host reads of device values in a forward with cached positions: {syncs}"
+    assert syncs[1:] == [0, 0], f"host reads of device values in a forward with cached positions: {syncs}"
     assert sampling[-1] == 1, f"greedy rows: one read of the device for the group, not one a row: {sampling}"
     for t, o in zip(tokens, out[:2], strict=True):  # greedy: the paged forward's token is the full forward's
         assert o[0] == int(model(torch.tensor([t]))[0, -1].argmax())
+
+
+def test_prompt_chunks_of_one_length_share_one_forward_and_give_each_rows_own_tokens():
+    """Chunks of equal length (here the uncached rests of prompts, at different starts) run as one group; a chunk
+    of another length is a group of its own; every row's greedy token is that of its full prompt alone."""
+    model, runner, seen = _runner()
+    params = Params(Sampling(8, 0.0))
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 8, 1, 2, 6, 9, 9, 3, 1], [7, 7, 1, 5, 2, 2, 6], [3, 1, 4, 1, 5]]
+    tables = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
+    heads = [4, 7, 4, 0]  # positions already cached: rows 0-2 feed their last 3 tokens, row 3 its whole prompt
+    heads_rows = [Row(i, p[:h], 0, tables[i], False) for i, (p, h) in enumerate(zip(prompts, heads, strict=True)) if h]
+    runner.execute(Step(new=[(i, params) for i in range(4)], rows=heads_rows))
+    seen.clear()
+    builds = runner.batch.builds
+    out = runner.execute(Step(rows=[Row(i, p[h:], h, tables[i], True)
+                                    for i, (p, h) in enumerate(zip(prompts, heads, strict=True))]))
+    assert runner.batch.builds - builds == 2 and len(seen) == 2 * LAYERS, "one forward per chunk length"
+    assert seen[0]["pos"].tolist() == [[4, 5, 6], [7, 8, 9], [4, 5, 6]]
+    for p, o in zip(prompts, out, strict=True):
+        assert o[0] == int(model(torch.tensor([p]))[0, -1].argmax())

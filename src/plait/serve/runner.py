@@ -52,8 +52,8 @@ class Runner:
     """This rank's blocks with paged KV caches; ``execute(step)`` runs one step, rank 0 gets each row's outputs.
 
     A step (the same object on every rank, broadcast by rank 0) forgets finished sequences, registers new
-    ones (their sampling ``Params``) and lists the step's rows: prompt chunks (one group each) and one-token
-    rows (split into up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1
+    ones (their sampling ``Params``) and lists the step's rows: prompt chunks (one group per chunk length) and
+    one-token rows (split into up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1
     works on group 0, stage 0 already works on group 1. The last stage samples each row with that
     sequence's own generator (seeded from its seed), so a sequence's tokens do not depend on what else
     shares its batch, and computes the requested log-probabilities on the vocabulary-sharded logits.
@@ -73,11 +73,20 @@ class Runner:
                                                                     pp_rank=self.dec.rank_of(self.last))
 
     def groups(self, rows: list[Row]) -> list[list[int]]:
-        """Row indices of each group: one per multi-token row, then the one-token rows in <= pp groups."""
-        out = [[i] for i, r in enumerate(rows) if len(r.tokens) > 1]
+        """Row indices of each group (one forward each): the multi-token rows of each length together, then the
+        one-token rows in <= pp groups.
+
+        Rows of one length share a forward exactly as they would run alone (each row has its own positions and
+        mask), so prompt chunks of the same size, such as the uncached rests of prompts that share a cached
+        prefix, cost one forward, not one each.
+        """
+        by_length: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            if len(r.tokens) > 1:
+                by_length.setdefault(len(r.tokens), []).append(i)
         single = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         n = min(self.pp, len(single))
-        return out + [single[g::n] for g in range(n)]
+        return list(by_length.values()) + [single[g::n] for g in range(n)]
 
     @torch.no_grad()
     def execute(self, step: Step) -> list | None:
