@@ -31,8 +31,10 @@ HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often:
 class Request:
     """One sequence to generate; ``sink(event)`` is called from the engine thread with the events of ``Engine``.
 
-    ``stop_ids``: tokens that end the sequence (the end-of-sequence token unless ignored, and stop_token_ids),
-    not part of its text; ``stop``: strings that end it, cut from the text unless ``include_stop``.
+    ``wake``: called once after each step that gave the request events (requests sharing one ``wake`` get one
+    call), so a consumer may hand a step's events over in one go instead of one at a time. ``stop_ids``:
+    tokens that end the sequence (the end-of-sequence token unless ignored, and stop_token_ids), not part of
+    its text; ``stop``: strings that end it, cut from the text unless ``include_stop``.
     """
 
     prompt: list[int]
@@ -42,6 +44,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     include_stop: bool = False
     rid: int = 0
+    wake: Callable[[], None] | None = None
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -72,6 +75,7 @@ class Engine:
         self.ids = itertools.count(1)
         self.live: dict[int, Live] = {}
         self.to_free: list[int] = []
+        self.woken: dict[Callable[[], None], None] = {}  # the ``wake`` of requests given events since the last step
         self.ready = threading.Event()
         self.failed: str | None = None
         self.stopping = threading.Event()  # stop now (the HTTP server is gone)
@@ -110,10 +114,12 @@ class Engine:
                 stop = self.stopping.is_set() or self._drained()
                 step, pairs = self._plan(stop)
                 if not step.busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
+                    self._wake()
                     continue
                 self._broadcast(step)
                 outputs = self.runner.execute(step)
                 self._deliver(pairs, outputs or [])
+                self._wake()
                 if stop:
                     return
         except BaseException as exc:
@@ -202,7 +208,7 @@ class Engine:
             if prompt_lp:
                 fresh = prompt_lp[seq.reported - seq.computed - 1:]
                 seq.reported += len(fresh)
-                live.req.sink({"type": "prompt", "logprobs": fresh})
+                self._emit(live.req, {"type": "prompt", "logprobs": fresh})
             seq.computed += n
             self.sched.computed(seq)
             if tok is None:
@@ -223,10 +229,10 @@ class Engine:
         seq, req = live.seq, live.req
         check = len(seq.out) >= seq.params.min_tokens
         if tok in req.stop_ids and check:
-            req.sink({"type": "token", "id": tok, "text": "", "logprob": lp})
+            self._emit(req, {"type": "token", "id": tok, "text": "", "logprob": lp})
             self._finish(seq.rid, "stop")
             return
-        req.sink({"type": "token", "id": tok, "text": live.text.push(tok, check), "logprob": lp})
+        self._emit(req, {"type": "token", "id": tok, "text": live.text.push(tok, check), "logprob": lp})
         if live.text.stopped is not None:
             self._finish(seq.rid, "stop")
         elif len(seq.out) >= seq.max_tokens:
@@ -237,7 +243,7 @@ class Engine:
         tail = live.text.flush()
         self._drop(rid)
         self.metrics.request("ok")
-        live.req.sink({"type": "done", "finish_reason": reason, "text": tail})
+        self._emit(live.req, {"type": "done", "finish_reason": reason, "text": tail})
 
     def _fail_all(self, message: str, status: int = 500, code: str | None = None) -> None:
         """End every request, also those submitted but not yet taken, with an error event."""
@@ -247,8 +253,20 @@ class Engine:
         if self.live:
             self.metrics.request("shutdown" if code == "shutting_down" else "error", len(self.live))
         for live in self.live.values():
-            live.req.sink({"type": "error", "message": message, "status": status, "code": code})
+            self._emit(live.req, {"type": "error", "message": message, "status": status, "code": code})
         self.live.clear()
+        self._wake()
+
+    def _emit(self, req: Request, event: dict) -> None:
+        req.sink(event)
+        if req.wake is not None:
+            self.woken[req.wake] = None
+
+    def _wake(self) -> None:
+        """Call each ``wake`` of the requests given events since the last call, once."""
+        woken, self.woken = self.woken, {}
+        for wake in woken:
+            wake()
 
 
 def follow(runner: Runner) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 import time
 from functools import partial
 from typing import cast
@@ -25,12 +26,44 @@ from plait.serve.tokens import TokenizerInfo
 POLL_S = 0.1  # how often a handler checks whether its client went away, even while tokens flow
 
 
-def _post(loop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int, event: dict) -> None:
-    """Engine thread -> the handler's event loop."""
-    try:
-        loop.call_soon_threadsafe(q.put_nowait, (index, event))
-    except RuntimeError:  # the loop is gone (server shutting down)
-        pass
+class Inbox:
+    """Events from the engine thread to the handlers on one event loop, handed over a step at a time.
+
+    ``post`` (engine thread) only appends to a list; ``wake`` (the engine calls it once after a step that
+    posted) asks the loop to ``_hand_over`` everything posted so far: one ``call_soon_threadsafe`` (a write
+    to the loop's wake-up pipe, a GIL hand-over to the HTTP thread) a step for all its requests' events,
+    not one an event. ``wakeups`` counts the wake-ups asked for.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, int, dict]] = []
+        self.asked = False  # a wake-up is on its way: a later ``wake`` need not ask again
+        self.wakeups = 0
+
+    def post(self, q: asyncio.Queue, index: int, event: dict) -> None:
+        """Engine thread: queue ``(index, event)`` for the handler reading ``q``."""
+        with self.lock:
+            self.pending.append((q, index, event))
+
+    def wake(self) -> None:
+        """Engine thread: have the loop hand over what was posted."""
+        with self.lock:
+            if self.asked or not self.pending:
+                return
+            self.asked = True
+            self.wakeups += 1
+        try:
+            self.loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the loop is gone (server shutting down)
+            pass
+
+    def _hand_over(self) -> None:
+        with self.lock:
+            batch, self.pending, self.asked = self.pending, [], False
+        for q, index, event in batch:
+            q.put_nowait((index, event))
 
 
 def _sse(obj) -> str:
@@ -108,6 +141,7 @@ class Api:
         self.tok = tokens.tok
         self.max_queue, self.max_body, self.timeout = max_queue, max_body, timeout
         self.created = int(time.time())
+        self.inbox: Inbox | None = None
 
     def app(self, api_key: str | None = None, access_log: logging.Logger | None = None) -> FastAPI:
         """The application; ``access_log``: the logger of one line per request (none: no such lines)."""
@@ -236,8 +270,8 @@ class Api:
             return JSONResponse(exc.body(), exc.status)
         request.state.tokens = {"prompt": sum(len(ids) for ids in p.prompts), "completion": 0, "first": None}
         q: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        rids = [self.engine.submit(GenRequest(ids, params, partial(_post, loop, q, i), stop=p.stop,
+        inbox = self._inbox(asyncio.get_running_loop())
+        rids = [self.engine.submit(GenRequest(ids, params, partial(inbox.post, q, i), wake=inbox.wake, stop=p.stop,
                                               stop_ids=p.stop_ids, include_stop=p.include_stop))
                 for i, (ids, params) in enumerate(choices)]
         state = [Choice(p, i, ids, self.tok) for i, (ids, _) in enumerate(choices)]
@@ -246,6 +280,12 @@ class Api:
         if p.stream:
             return StreamingResponse(self._stream(*args), media_type="text/event-stream")
         return await self._complete(*args)
+
+    def _inbox(self, loop: asyncio.AbstractEventLoop) -> Inbox:
+        """The ``Inbox`` of the event loop serving this request (one per loop; uvicorn runs one)."""
+        if self.inbox is None or self.inbox.loop is not loop:
+            self.inbox = Inbox(loop)
+        return self.inbox
 
     async def _next(self, request: Request, q: asyncio.Queue, deadline: float, watch: list[float]):
         """The next (index, event); None when the client has gone; "timeout" past the deadline.
@@ -261,6 +301,8 @@ class Api:
             left = deadline - now
             if left <= 0:
                 return "timeout"
+            if not q.empty():  # events handed over together are taken without a wait (no timer, no task)
+                return q.get_nowait()
             try:
                 return await asyncio.wait_for(q.get(), min(POLL_S, left))
             except asyncio.TimeoutError:
