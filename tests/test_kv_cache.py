@@ -1,7 +1,13 @@
-"""plait.models.llama.KVCache: keys and values appended in place into buffers that grow by doubling."""
+"""plait.models.llama.KVCache: keys and values appended in place into buffers that grow by doubling; attention over
+them with the mask a chunk needs (none for one token)."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 
+from plait.context_parallel.attention import whole_sequences
+from plait.errors import ConfigError
+from plait.models import Llama, LlamaConfig
 from plait.models.llama import KVCache
 
 
@@ -21,3 +27,32 @@ def test_kv_cache_returns_what_a_concatenation_would_and_grows_by_doubling():
     buffer = cache.keys.data_ptr() if cache.keys is not None else None
     cache.append(*tokens[0])  # within capacity: written in place, nothing reallocated or copied
     assert cache.keys is not None and cache.keys.data_ptr() == buffer and cache.length == 13
+
+
+def test_one_token_after_the_cache_attends_without_a_mask_and_matches_the_full_forward(monkeypatch):
+    """Decoding one token after cached ones: every layer calls SDPA with no mask and not causal (the token sees
+    every key; SDPA's own causal mask is top-left and would hide all but the first), a chunk of several tokens
+    with the offset causal mask; the logits equal those of one forward over the whole sequence."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)).eval()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    calls: list[tuple[bool, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((attn_mask is not None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    with torch.no_grad():
+        full = model(tokens)
+        caches = [KVCache() for _ in range(2)]
+        parts = [model(tokens[:, :5], caches), model(tokens[:, 5:8], caches), model(tokens[:, 8:], caches)]
+    assert calls == [(False, True)] * 2 + [(False, True)] * 2 + [(True, False)] * 2 + [(False, False)] * 2
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_context_parallel_cores_refuse_a_non_causal_call():
+    whole_sequences(True)
+    with pytest.raises(ConfigError, match="decode with a model loaded under cp=1"):
+        whole_sequences(False)

@@ -7,7 +7,7 @@ O(a·s²) per sequence for O(s²·h) FLOPs of recomputation. So keep the core's 
 the core during the backward. ``recompute="full"`` (pipeline.partition.PipelineChunk) instead keeps only each
 block's input and recomputes the whole block.
 
-The model is not edited: each attention module's ``core(q, k, v, mask)`` (what the family adapter's
+The model is not edited: each attention module's ``core(q, k, v, mask, causal)`` (what the family adapter's
 ``attention_modules`` returns) is shadowed on that instance by a wrapper that runs the module's own core
 under a non-reentrant ``torch.utils.checkpoint``. The checkpoint saves q, k, v (and the mask) for the
 backward and nothing that the core computes; the first backward through the core recomputes it. Linear
@@ -32,11 +32,13 @@ class RecomputedCore:
     def __init__(self, core: Callable[..., torch.Tensor]):
         self.core = core  # the module's bound method
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool = True) -> torch.Tensor:
         if not torch.is_grad_enabled():  # decoding or evaluation: nothing is saved anyway
-            return self.core(q, k, v, mask)
+            return self.core(q, k, v, mask, causal)
         # no dropout in the core: no random state to stash and restore for the recomputation
-        return checkpoint(self.core, q, k, v, mask, use_reentrant=False, preserve_rng_state=False)  # [B, h, S, hd]
+        return checkpoint(self.core, q, k, v, mask, causal, use_reentrant=False,
+                          preserve_rng_state=False)  # [B, h, S, hd]
 
 
 def recompute_attention(modules: dict[str, nn.Module], model_name: str = "model") -> int:
@@ -48,7 +50,7 @@ def recompute_attention(modules: dict[str, nn.Module], model_name: str = "model"
     for name, module in modules.items():
         core = getattr(module, "core", None)
         if not callable(core):
-            raise ConfigError(f"recompute='selective': attention module {name} has no core(q, k, v, mask) to "
+            raise ConfigError(f"recompute='selective': attention module {name} has no core(q, k, v, mask, causal) to "
                               "recompute; use recompute='full' or 'none'")
         if not isinstance(core, RecomputedCore):
             setattr(module, "core", RecomputedCore(core))  # noqa: B010  (nn.Module.__setattr__ is typed for tensors and modules)

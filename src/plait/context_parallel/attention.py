@@ -1,7 +1,7 @@
 """Context-parallel attention, applied from outside the model to each attention module of its family adapter.
 
 An attention module (plait.models.llama.Attention) computes q, k, v for its tokens, rotates them with
-``rope(S, offset, dtype)`` and calls ``core(q, k, v, mask)``. Under context parallelism its tokens are the
+``rope(S, offset, dtype)`` and calls ``core(q, k, v, mask, causal)``. Under context parallelism its tokens are the
 CP rank's two chunks (plait.context_parallel.layout), so two of the module's methods are shadowed on the
 instance (as plait.recompute shadows ``core``): ``rope`` gives the cos/sin of the tokens' *global*
 positions, and ``core`` attends over the keys and values of the whole sequence, with the causal (and
@@ -46,6 +46,17 @@ class LocalPositions:
         return self.kept[seq_len]
 
 
+NO_DECODING = ("context parallelism runs training and evaluation over whole sequences, not decoding with a KV "
+               "cache; decode with a model loaded under cp=1")
+
+
+def whole_sequences(causal: bool) -> None:
+    """The CP cores attend causally over whole sequences split across the group; a non-causal call (one token
+    decoded after cached ones) cannot reach them (``GlobalRope`` refuses the cache first), and is refused here too."""
+    if not causal:
+        raise ConfigError(NO_DECODING)
+
+
 class GlobalRope:
     """Shadows ``rope(seq_len, offset, dtype)``: cos, sin [1, 1, S/cp, hd] at this CP rank's global positions."""
 
@@ -55,8 +66,7 @@ class GlobalRope:
 
     def __call__(self, seq_len: int, offset: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if offset:
-            raise ConfigError("context parallelism runs training and evaluation over whole sequences, not decoding "
-                              "with a KV cache; decode with a model loaded under cp=1")
+            raise ConfigError(NO_DECODING)
         return self.rope_at(self.positions(seq_len), dtype)
 
 
@@ -66,7 +76,9 @@ class GatheredCore:
     def __init__(self, group, cp: int, rank: int, window: int | None):
         self.group, self.cp, self.rank, self.window = group, cp, rank, window
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool = True) -> torch.Tensor:
+        whole_sequences(causal)
         k, v = gather_kv(k, self.group), gather_kv(v, self.group)  # [B, h_kv, S, hd], rank 0's tokens first
         return _GatheredAttention.apply(q, k, v, self)  # [B, h, S/cp, hd]
 
@@ -77,7 +89,9 @@ class RingCore:
     def __init__(self, group, cp: int, rank: int, window: int | None):
         self.ring, self.cp, self.rank, self.window = Ring(group), cp, rank, window
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool = True) -> torch.Tensor:
+        whole_sequences(causal)
         return _RingAttention.apply(q, k, v, self)
 
 

@@ -205,17 +205,21 @@ class Attention(nn.Module):
         if self.sliding_window is not None:
             pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]
             mask = window_mask(pos.to(q.device), k.shape[2], self.sliding_window)
-        elif mask is None and offset > 0:  # query i sits at position offset + i and sees keys 0..offset + i
+        elif mask is None and offset > 0 and s > 1:  # query i sits at position offset + i, sees keys 0..offset + i
             mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
-        out = self.core(q, k, v, mask)  # [B, h, S, hd]
+        # one new token after the cached ones sees every key: no mask, and not SDPA's (top-left) causal one
+        causal = not (mask is None and offset > 0)
+        out = self.core(q, k, v, mask, causal)  # [B, h, S, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             causal: bool = True) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v with the KV heads shared by groups of query heads (SDPA's ``enable_gqa``:
-        K and V [B, h_kv, L, hd] are never repeated to every query head); causal when mask is None."""
+        K and V [B, h_kv, L, hd] are never repeated to every query head); with no mask causal (query i sees
+        keys 0..i) unless ``causal`` is False (every query sees every key)."""
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
