@@ -4,6 +4,7 @@ CUDA), a parallelised model against the plain one, bf16, generation, memory figu
 
 from __future__ import annotations
 
+import collections
 import datetime
 import importlib.util
 import math
@@ -88,6 +89,76 @@ def test_a_training_step_reads_the_device_twice(ctx, device):
         with HostSyncCounter(device) as counter:
             pm.train_step(tokens[:, :-1], tokens[:, 1:])
         assert counter.total == 2, dict(counter.counts)
+
+
+def _top_ops(fn) -> list[tuple[str, str]]:
+    """(name, parent's name) of every aten op ``fn()`` runs, the parent "" for those called from Python."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [(e.name, e.cpu_parent.name if e.cpu_parent is not None else "") for e in prof.events()
+            if e.name.startswith("aten::")]
+
+
+def test_gradient_bookkeeping_runs_no_tensor_op_per_parameter(ctx, device):
+    """A bf16 step's gradient bookkeeping around the model's own work runs no tensor op per parameter: the views
+    of the gradient buckets are made once per buffer, a bucket nothing wrote to is not zeroed again, and the
+    post-accumulate hooks only find their gradient already in place (autograd accumulated into the view)."""
+    from plait.optim import ParallelOptimizer
+
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=2, precision="bf16")
+    opt = ParallelOptimizer(pm, lr=1e-3, precision="bf16", clip=1.0)
+    tokens = _batch().to(device)
+
+    def step() -> None:
+        pm.zero_grad()
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        opt.step()
+
+    step()
+    step()
+    top = [name for name, parent in _top_ops(pm.zero_grad) if not parent]
+    assert top == ["aten::zero_"] * len(pm.grad_buckets()), top
+    assert _top_ops(pm.zero_grad) == []  # nothing wrote to the zeroed buffers
+    assert _top_ops(lambda: [r.point_grads() for r in pm.reducers.values()]) == []
+    pm.train_step(tokens[:, :-1], tokens[:, 1:])
+    assert _top_ops(lambda: [pc.grad() for pc in opt.layout.pieces]) == []
+    ops = _top_ops(step)
+    in_hooks = collections.Counter(name for name, parent in ops if parent.endswith("AccumulateGrad"))
+    assert in_hooks == {"aten::add_": 2 * len(list(pm.parameters()))}, in_hooks  # one per micro-batch
+    assert sum(name == "aten::zero_" and not parent for name, parent in ops) == len(pm.grad_buckets())
+
+
+def test_a_bf16_step_walks_no_module_tree(ctx, device):
+    """The parameters, their names for the per-step bf16 copies and the tied names are listed once when the model
+    is built: a step (zero_grad, train_step, the optimizer's step) walks no module tree (each walk is hundreds of
+    Python calls per step at a real model's size)."""
+    import sys
+
+    from plait.optim import ParallelOptimizer
+
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=2, precision="bf16")
+    opt = ParallelOptimizer(pm, lr=1e-3, precision="bf16", clip=1.0)
+    tokens = _batch().to(device)
+    pm.train_step(tokens[:, :-1], tokens[:, 1:])  # the first step measures memory (its own hooks)
+    walks = {torch.nn.Module.named_modules.__code__, torch.nn.Module._named_members.__code__}
+    seen: list[str] = []
+
+    def tracer(frame, event, arg) -> None:
+        if event == "call" and frame.f_code in walks:
+            seen.append(frame.f_back.f_code.co_qualname if frame.f_back else "?")
+
+    sys.setprofile(tracer)
+    try:
+        opt.zero_grad()
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    assert seen == [], collections.Counter(seen)
 
 
 def test_bf16_step_on_the_device_tracks_fp32(ctx, device):

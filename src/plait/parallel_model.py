@@ -6,7 +6,7 @@ the micro-batches of gradient accumulation).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -85,6 +85,8 @@ class ParallelModel:
         self._optimizer = None  # attach_optimizer: whose state memory_report counts
         self.activations_peak: int | None = None  # bytes, of the last step that measured it
         self.device_peak: int | None = None  # the device allocator's peak bytes over that step (GPUs only)
+        # the parameter set is fixed from here on (the buckets and ties are laid out over it): listed once
+        self._params = tuple(_distinct(p for chunk in self.chunks.values() for p in chunk.parameters()))
 
     @property
     def microbatches(self) -> int:
@@ -166,12 +168,7 @@ class ParallelModel:
     # ------------------------------------------------------------------------------------ parameters
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameter shards (each once), for any torch optimizer."""
-        seen: set[int] = set()
-        for chunk in self.chunks.values():
-            for p in chunk.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return iter(self._params)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
@@ -379,6 +376,15 @@ class ParallelModel:
                         exact[tensor] = local
         if self._optimizer is not None and hasattr(self._optimizer, "load_master_weights"):
             self._optimizer.load_master_weights(exact)  # a ZeRO optimizer's fp32 masters follow
+
+
+def _distinct(params: Iterable[nn.Parameter]) -> Iterator[nn.Parameter]:
+    """Each parameter once, in first-seen order."""
+    seen: set[int] = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
 
 
 def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:

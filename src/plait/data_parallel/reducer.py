@@ -53,19 +53,64 @@ class Bucket:
         self.shard = math.ceil(n / size) if n else 0  # elements per member
         self.padded = self.shard * size
         self.lo, self.hi = index * self.shard, (index + 1) * self.shard  # this member's shard
-        self.buffer: torch.Tensor | None = None   # [padded] float32, while gradients accumulate
         self.reduced: torch.Tensor | None = None  # [shard] after a reduce-scatter-free
         self.out: torch.Tensor | None = None      # [shard] reduce-scatter output in flight
         self.work = None
         self.launched = False
         self.ready: set[int] = set()
+        # views of the buffer, made once per buffer (a step's hooks and readers share them: no slicing per use)
+        self._views: list[torch.Tensor] = []
+        self._shard: torch.Tensor | None = None
+        self._zeroed = -1  # the buffer's ``_version`` right after it was last zeroed (-1: not known to be zero)
+        self._buffer: torch.Tensor | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """[padded] float32, while gradients accumulate (None when freed)."""
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, t: torch.Tensor | None) -> None:
+        if t is not self._buffer:  # the old buffer's views go with it (they would keep its memory alive)
+            self._views, self._shard, self._zeroed = [], None, -1
+        self._buffer = t
+
+    def allocate(self) -> torch.Tensor:
+        """The buffer, allocated zeroed if there is none."""
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.padded, dtype=torch.float32, device=self.params[0].device)
+            self._zeroed = self.buffer._version
+        return self.buffer
+
+    def views(self) -> list[torch.Tensor]:
+        """Every parameter's slice of the buffer, shaped like it (allocates the zeroed buffer if needed)."""
+        buffer = self.allocate()
+        if self._shard is None:
+            pairs = zip(self.params, self.offsets, strict=True)
+            self._views = [buffer[o:o + p.numel()].view(p.shape) for p, o in pairs]
+            self._shard = buffer[self.lo:self.hi]
+        return self._views
 
     def view(self, i: int) -> torch.Tensor:
         """The buffer's slice of parameter i, shaped like it (allocates the zeroed buffer if needed)."""
-        p = self.params[i]
-        if self.buffer is None:
-            self.buffer = torch.zeros(self.padded, dtype=torch.float32, device=p.device)
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+        return self.views()[i]
+
+    def own_shard(self) -> torch.Tensor:
+        """This member's ``[shard]`` slice of the buffer (allocates the zeroed buffer if needed)."""
+        self.views()
+        assert self._shard is not None  # views() made it with the buffer's views
+        return self._shard
+
+    def written(self) -> None:
+        """The buffer may have changed where its version counter does not see it (a collective writes into it)."""
+        self._zeroed = -1
+
+    def zero(self) -> None:
+        """Zero the buffer unless nothing wrote to it since it was last zeroed (its version counter, which every
+        in-place write through the buffer or a view of it advances, is unchanged; collectives call ``written``)."""
+        if self.buffer is not None and self.buffer._version != self._zeroed:
+            self.buffer.zero_()
+            self._zeroed = self.buffer._version
 
 
 class GradReducer:
@@ -134,7 +179,6 @@ class GradReducer:
         self.mode = mode
 
     # ------------------------------------------------------------------------------ accumulation
-    @torch.no_grad()
     def _absorb(self, p: nn.Parameter) -> None:
         """Move ``p.grad`` into the bucket buffer unless it already is the buffer's view."""
         b, i = self._where[id(p)]
@@ -143,7 +187,8 @@ class GradReducer:
             return
         view = b.view(i)
         if g.data_ptr() != view.data_ptr():
-            view.add_(g)
+            with torch.no_grad():
+                view.add_(g)
             p.grad = view if p.dtype == view.dtype else None
 
     @torch.no_grad()
@@ -178,24 +223,24 @@ class GradReducer:
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
-        for p in b.params:  # gradients written past the hooks (none missing: zeros)
-            self._absorb(p)
-        if b.buffer is None:
-            b.view(0)
+        for p in b.params:  # gradients written past the hooks (none missing: zeros); the hooks absorbed the ready
+            if id(p) not in b.ready:
+                self._absorb(p)
+        buffer = b.allocate()
+        b.written()
         if self.mode == "all-reduce":
             if b.size > 1:
-                b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+                b.work = dist.all_reduce(buffer, group=b.group, async_op=True)
             return
-        assert b.buffer is not None  # b.view(0) allocated it
         if self.mode == "reduce-scatter-free":  # at most one full buffer in flight: the one launched before
             for done in self.buckets:  # has had this bucket's backward to finish; its buffer goes now
                 if done.work is not None:
                     self._settle(done)
         if b.size > 1:
-            b.out = torch.empty(b.shard, dtype=b.buffer.dtype, device=b.buffer.device)
-            b.work = reduce_scatter(b.out, b.buffer, group=b.group, async_op=True)
+            b.out = torch.empty(b.shard, dtype=buffer.dtype, device=buffer.device)
+            b.work = reduce_scatter(b.out, buffer, group=b.group, async_op=True)
         else:
-            b.out = b.buffer
+            b.out = buffer
 
     def _settle(self, b: Bucket) -> None:
         """Wait for ``b``'s reduction and put the result in place (see the modes)."""
@@ -232,8 +277,7 @@ class GradReducer:
     def zero_grad(self) -> None:
         """Forget this step's gradients (buffers are zeroed, kept under all-reduce / reduce-scatter)."""
         for b in self.buckets:
-            if b.buffer is not None:
-                b.buffer.zero_()
+            b.zero()
             b.reduced = b.out = b.work = None
             b.launched = False
             b.ready.clear()
@@ -246,25 +290,19 @@ class GradReducer:
         ``.grad``, so autograd accumulates in place from the first micro-batch on."""
         for b in self.buckets:
             if b.buffer is not None:
-                for i, p in enumerate(b.params):
-                    if p.dtype == b.buffer.dtype:
-                        p.grad = b.view(i)
+                for p, view in zip(b.params, b.views(), strict=True):
+                    if p.dtype == view.dtype:
+                        p.grad = view
 
     # ----------------------------------------------------------------------------------- reading
     def shard(self, b: Bucket) -> torch.Tensor:
         """This member's reduced shard of ``b``: [shard] (after ``finish``)."""
-        if b.reduced is not None:
-            return b.reduced
-        b.view(0)
-        assert b.buffer is not None  # b.view(0) allocated it
-        return b.buffer[b.lo:b.hi]
+        return b.reduced if b.reduced is not None else b.own_shard()
 
     def region(self, b: Bucket) -> tuple[int, torch.Tensor]:
         """(start, tensor): the part of ``b``'s flat gradient that holds reduced values on this rank."""
         if self.mode == "all-reduce":
-            b.view(0)
-            assert b.buffer is not None  # b.view(0) allocated it
-            return 0, b.buffer
+            return 0, b.allocate()
         return b.lo, self.shard(b)
 
     def pieces(self, wanted) -> list[torch.Tensor]:

@@ -57,6 +57,8 @@ class StepCast:
         self.precision = check_precision(precision)
         self.stored: torch.dtype = torch.float32  # dtype the parameters are kept in
         self.copies: dict[str, torch.Tensor] = {}  # the low-precision copies while ``run`` runs
+        # every parameter name (tied names too) with its parameter: the chunks' parameters are fixed once built
+        self.named = list(self.holder.named_parameters(remove_duplicate=False))
 
     def set(self, precision: str) -> None:
         check_precision(precision)
@@ -82,7 +84,7 @@ class StepCast:
         """Full parameter names -> one cast copy per distinct parameter (tied names share it)."""
         casts: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.holder.named_parameters(remove_duplicate=False):
+        for name, p in self.named:
             if not p.is_floating_point():
                 continue
             if id(p) not in casts:
@@ -91,11 +93,12 @@ class StepCast:
         return out
 
     def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` with low-precision parameters (or directly in fp32)."""
+        """``fn()`` with low-precision parameters (or directly in fp32). Every name of a tied parameter is
+        given its one copy, so ``functional_call`` need not look for ties itself."""
         if self.dtype is None or self.dtype == self.stored:
             return fn()
         self.copies = self._copies()
         try:
-            return cast(T, functional_call(self.holder, self.copies, (fn,), strict=False, tie_weights=True))
+            return cast(T, functional_call(self.holder, self.copies, (fn,), strict=False, tie_weights=False))
         finally:
             self.copies = {}

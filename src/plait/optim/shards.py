@@ -17,7 +17,7 @@ Vocabulary padding rows are zero with zero gradient: counted, they add nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ class Piece:
     hi: int
     at: int        # where element lo sits in the bucket's [shard] tensor
     counted: bool  # counted in the global norm by this rank
+    # (the bucket buffer's shard, this piece's view of it): made once per buffer, not per read
+    _view: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -46,7 +48,12 @@ class Piece:
 
     def grad(self) -> torch.Tensor:
         """The reduced gradient of the piece: a flat view of the bucket's shard ([hi - lo])."""
-        return self.reducer.shard(self.bucket)[self.at:self.at + self.numel]
+        shard = self.reducer.shard(self.bucket)
+        if shard is self.bucket.reduced:  # a new tensor every step, freed by zero_grad: not kept here
+            return shard[self.at:self.at + self.numel]
+        if self._view is None or self._view[0] is not shard:
+            self._view = (shard, shard[self.at:self.at + self.numel])
+        return self._view[1]
 
 
 def _tp_sharded(pm) -> dict[int, bool]:
