@@ -22,46 +22,67 @@ from plait.tokenizers import ByteTokenizer
 TOK = ByteTokenizer()
 
 
-def test_a_steps_events_wake_the_http_loop_about_once_not_once_a_token():
+def _serve(n: int, new: int, stream: bool = False) -> tuple[list[httpx.Response], dict[str, int]]:
+    """``n`` concurrent completions of ``new`` tokens through the HTTP routes (in this process) and a live engine;
+    the responses and counts: engine steps, cross-thread wake-ups of the loop, callbacks the loop scheduled."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96)).eval()
     runner = Runner(model, num_blocks=64, block_size=4)
-    steps = [0]
+    counts = {"steps": 0, "wakeups": 0, "callbacks": 0}
     execute = runner.execute
 
     def counted(step):
-        steps[0] += bool(step.rows)
+        counts["steps"] += bool(step.rows)
         return execute(step)
 
     runner.execute = counted  # type: ignore[method-assign]
-    engine = Engine(runner, Scheduler(BlockAllocator(64, 4), max_batch=8), TOK, Metrics(), distributed=False)
+    engine = Engine(runner, Scheduler(BlockAllocator(64, 4), max_batch=n), TOK, Metrics(), distributed=False)
     thread = threading.Thread(target=engine.run, daemon=True)
     thread.start()
-    api = Api(engine, Limits("m", 96, 256, 16, 256), TokenizerInfo(TOK, "/nonexistent", 96), Metrics(), max_queue=64)
-    n, new = 8, 16
+    api = Api(engine, Limits("m", 96, 256, 32, 256), TokenizerInfo(TOK, "/nonexistent", 96), Metrics(), max_queue=64)
 
-    async def main() -> tuple[list[httpx.Response], int]:
+    async def main() -> list[httpx.Response]:
         loop = asyncio.get_running_loop()
-        wakeups, threadsafe = [0], loop.call_soon_threadsafe
+        threadsafe, soon = loop.call_soon_threadsafe, loop.call_soon
 
-        def count(*args, **kwargs):
-            wakeups[0] += 1
+        def count_wakeup(*args, **kwargs):
+            counts["wakeups"] += 1
             return threadsafe(*args, **kwargs)
 
-        loop.call_soon_threadsafe = count  # type: ignore[method-assign]
+        def count_callback(*args, **kwargs):
+            counts["callbacks"] += 1
+            return soon(*args, **kwargs)
+
+        loop.call_soon_threadsafe, loop.call_soon = count_wakeup, count_callback  # type: ignore[method-assign]
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api.app()), base_url="http://plait") as c:
-            body = {"model": "m", "max_tokens": new, "temperature": 0, "ignore_eos": True}
-            res = await asyncio.gather(*[c.post("/v1/completions", json={**body, "prompt": f"prompt {i}"})
-                                         for i in range(n)])
-        return res, wakeups[0]
+            body = {"model": "m", "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": stream}
+            return await asyncio.gather(*[c.post("/v1/completions", json={**body, "prompt": f"prompt {i}"})
+                                          for i in range(n)])
 
     try:
         assert engine.ready.wait(30)
-        responses, wakeups = asyncio.run(main())
+        responses = asyncio.run(main())
     finally:
         engine.stopping.set()
         thread.join(10)
-    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == new for r in responses)
+    assert all(r.status_code == 200 for r in responses)
+    return responses, counts
+
+
+def test_a_steps_events_wake_the_http_loop_about_once_not_once_a_token():
+    n, new = 8, 16
+    responses, counts = _serve(n, new)
+    assert all(r.json()["usage"]["completion_tokens"] == new for r in responses)
     # n * (new + 1) events (tokens, then done); the loop is also woken once a request by the worker thread
     # that parses it (starlette's run_in_threadpool)
-    assert wakeups <= steps[0] + 2 * n < n * new, f"{wakeups} wake-ups of the loop for {steps[0]} steps"
+    assert counts["wakeups"] <= counts["steps"] + 2 * n < n * new, counts
+
+
+def test_a_whole_completions_handler_resumes_once_a_choice_not_once_a_token():
+    """Loop callbacks (task steps, timers, futures' callbacks) per request do not grow with its tokens unless it
+    streams: its tokens wait in its mailbox until the choice ends."""
+    n, extra = 4, 4 * (32 - 4)  # tokens more in the second run
+    few, many = _serve(n, 4)[1]["callbacks"], _serve(n, 32)[1]["callbacks"]
+    assert many - few < extra / 4, f"{few} loop callbacks for {n} x 4 tokens, {many} for {n} x 32"
+    streamed = _serve(n, 32, stream=True)[1]["callbacks"]
+    assert streamed - many >= n * 32, "a stream's handler resumes at each token"

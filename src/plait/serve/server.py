@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import secrets
-import threading
 import time
 from functools import partial
 from typing import cast
@@ -18,52 +17,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
+from plait.serve.handoff import Inbox, Mailbox
 from plait.serve.metrics import Metrics
 from plait.serve.protocol import ApiError, Limits, Parsed, check_model, error_body, parse
 from plait.serve.responses import Choice, envelope, new_id, usage
 from plait.serve.tokens import TokenizerInfo
 
 POLL_S = 0.1  # how often a handler checks whether its client went away, even while tokens flow
-
-
-class Inbox:
-    """Events from the engine thread to the handlers on one event loop, handed over a step at a time.
-
-    ``post`` (engine thread) only appends to a list; ``wake`` (the engine calls it once after a step that
-    posted) asks the loop to ``_hand_over`` everything posted so far: one ``call_soon_threadsafe`` (a write
-    to the loop's wake-up pipe, a GIL hand-over to the HTTP thread) a step for all its requests' events,
-    not one an event. ``wakeups`` counts the wake-ups asked for.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.lock = threading.Lock()
-        self.pending: list[tuple[asyncio.Queue, int, dict]] = []
-        self.asked = False  # a wake-up is on its way: a later ``wake`` need not ask again
-        self.wakeups = 0
-
-    def post(self, q: asyncio.Queue, index: int, event: dict) -> None:
-        """Engine thread: queue ``(index, event)`` for the handler reading ``q``."""
-        with self.lock:
-            self.pending.append((q, index, event))
-
-    def wake(self) -> None:
-        """Engine thread: have the loop hand over what was posted."""
-        with self.lock:
-            if self.asked or not self.pending:
-                return
-            self.asked = True
-            self.wakeups += 1
-        try:
-            self.loop.call_soon_threadsafe(self._hand_over)
-        except RuntimeError:  # the loop is gone (server shutting down)
-            pass
-
-    def _hand_over(self) -> None:
-        with self.lock:
-            batch, self.pending, self.asked = self.pending, [], False
-        for q, index, event in batch:
-            q.put_nowait((index, event))
 
 
 def _sse(obj) -> str:
@@ -123,13 +83,12 @@ class AccessLog:
         return out + f" total_ms={(end - start) * 1e3:.0f}"
 
 
-def _count(request: Request, ev: dict) -> None:
-    """The access log's count of a request's generated tokens and the time of its first."""
+def _count(request: Request, ev: dict, box: Mailbox) -> None:
+    """The access log's count of a request's generated tokens and the time its first arrived."""
     if ev["type"] == "token":
         tokens = request.state.tokens
         tokens["completion"] += 1
-        if tokens["first"] is None:
-            tokens["first"] = time.monotonic()
+        tokens["first"] = box.first
 
 
 class Api:
@@ -269,8 +228,8 @@ class Api:
             self.metrics.request("rejected")
             return JSONResponse(exc.body(), exc.status)
         request.state.tokens = {"prompt": sum(len(ids) for ids in p.prompts), "completion": 0, "first": None}
-        q: asyncio.Queue = asyncio.Queue()
-        inbox = self._inbox(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        q, inbox = Mailbox(loop, eager=p.stream), self._inbox(loop)
         rids = [self.engine.submit(GenRequest(ids, params, partial(inbox.post, q, i), wake=inbox.wake, stop=p.stop,
                                               stop_ids=p.stop_ids, include_stop=p.include_stop))
                 for i, (ids, params) in enumerate(choices)]
@@ -287,7 +246,7 @@ class Api:
             self.inbox = Inbox(loop)
         return self.inbox
 
-    async def _next(self, request: Request, q: asyncio.Queue, deadline: float, watch: list[float]):
+    async def _next(self, request: Request, q: Mailbox, deadline: float, watch: list[float]):
         """The next (index, event); None when the client has gone; "timeout" past the deadline.
 
         The connection is checked at least every POLL_S (``watch``: when it was last), also while events flow.
@@ -301,11 +260,9 @@ class Api:
             left = deadline - now
             if left <= 0:
                 return "timeout"
-            if not q.empty():  # events handed over together are taken without a wait (no timer, no task)
-                return q.get_nowait()
-            try:
-                return await asyncio.wait_for(q.get(), min(POLL_S, left))
-            except asyncio.TimeoutError:
+            if q.events:
+                return q.events.popleft()
+            if not await q.wait(min(POLL_S, left)):
                 watch[0] = 0.0  # nothing came: look at the connection right away
 
     def _cancel(self, rids: list[int], state: list[Choice]) -> None:
@@ -318,7 +275,8 @@ class Api:
         return error_body(f"the request took longer than {self.timeout:g} s (--request-timeout)", "server_error",
                           code="request_timeout")
 
-    async def _complete(self, request, p: Parsed, rid: str, rids, state: list[Choice], q, deadline) -> Response:
+    async def _complete(self, request, p: Parsed, rid: str, rids, state: list[Choice], q: Mailbox,
+                        deadline) -> Response:
         watch = [0.0]
         try:
             while any(c.finish is None for c in state):
@@ -331,14 +289,14 @@ class Api:
                 if ev["type"] == "error":
                     return JSONResponse(error_body(ev["message"], "server_error", code=ev.get("code")),
                                         ev.get("status", 500))
-                _count(request, ev)
+                _count(request, ev, q)
                 state[i].feed(ev)
         finally:
             self._cancel(rids, state)
         body = envelope(p, rid, self.limits.model, [c.final() for c in state], chunk=False)
         return JSONResponse({**body, "usage": usage(p, sum(len(c.ids) for c in state))})
 
-    async def _stream(self, request, p: Parsed, rid: str, rids, state: list[Choice], q, deadline):
+    async def _stream(self, request, p: Parsed, rid: str, rids, state: list[Choice], q: Mailbox, deadline):
         model = self.limits.model
         extra = {"usage": None} if p.include_usage else {}
 
@@ -361,7 +319,7 @@ class Api:
                                error_body(item[1]["message"], "server_error", code=item[1].get("code")))
                     return
                 i, ev = item
-                _count(request, ev)
+                _count(request, ev, q)
                 part = state[i].feed(ev)
                 if part is not None:
                     yield _sse({**envelope(p, rid, model, [part], chunk=True), **so_far()})
