@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +77,8 @@ class ParallelModel:
             if config.zero == 3 else None  # parameters sharded too (plait.data_parallel.zero3)
         self.param_shards: ParamShards | None = self.zero3.shards if self.zero3 is not None else None
         self.reducers = {self.zero3.index: self.zero3.reducer} if self.zero3 is not None else self._build_reducers()
+        if self.zero3 is None:  # a bucket's bf16 copies hand their gradients straight to its buffer
+            self.cast.route([(b.params, partial(r.take, b)) for r in self.reducers.values() for b in r.buckets])
         self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s,
                                    group=ctx.p2p_group)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,

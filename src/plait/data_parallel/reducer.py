@@ -21,6 +21,7 @@ At a chunk's last backward a bucket whose gradients are complete is reduced asyn
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -200,6 +201,20 @@ class GradReducer:
         view.add_(grad)
         if p.dtype == view.dtype:
             p.grad = view
+
+    def take(self, b: Bucket, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add the gradients of ``b``'s parameters (in order; None: none, any floating dtype) into its buffer (one
+        add each, in float32), as a backward pass produces them; the bucket is complete then (the backward of
+        plait.optim.precision's per-bucket cast). Float32 parameters get their views as ``.grad``."""
+        views = b.views()
+        pairs = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
+        with torch.no_grad():
+            torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
+        for p, v in zip(b.params, views, strict=True):
+            if p.grad is None and p.dtype == v.dtype:
+                p.grad = v
+        if self.armed and not b.launched:
+            self._launch(b)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         self._absorb(p)

@@ -3,10 +3,13 @@
 The chunks keep their parameters in float32: they are the master weights (Micikevicius et al. 2018,
 "Mixed Precision Training", §3.1). While a step runs, every floating-point parameter is replaced by
 one bf16 copy (``p.to(bf16)``, made once per step and shared by all micro-batches), so matmuls,
-activations and pipeline messages are bf16. The copy is a differentiable cast: its backward turns the
-bf16 weight gradient back into float32 and autograd accumulates it into the fp32 ``.grad`` of the
-master, so micro-batch accumulation, the data-parallel reduction, the TP-partial sync and the tied
-embedding sync all run in float32 without any change to that code.
+activations and pipeline messages are bf16. The copies are a differentiable cast. The parameters of one
+gradient bucket (``route``) are cast by one autograd node whose backward adds their bf16 gradients into the
+bucket's float32 buffer (``GradReducer.take``: one add per gradient, float32 arithmetic, no float32 copy of
+it and no per-parameter accumulation node); any other parameter's copy is ``p.to(bf16)``, whose backward
+turns the gradient back into float32 for autograd to accumulate into ``.grad``. Either way micro-batch
+accumulation, the data-parallel reduction, the TP-partial sync and the tied embedding sync all run in
+float32 without any change to that code.
 
 Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter.
 Zero-bubble schedules stay correct but compute weight gradients in the I pass (the bf16 copy is not a
@@ -19,7 +22,8 @@ over data parallelism, and the parameters themselves are stored in bf16 (``set_s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import TypeVar, cast
 
 import torch
@@ -49,6 +53,26 @@ class _Holder(nn.Module):
         return fn()
 
 
+_REQUIRES_GRAD = attrgetter("requires_grad")
+#: takes the low-precision gradients of a group of parameters (in the group's order; None: no gradient)
+GradSink = Callable[[Sequence[torch.Tensor | None]], None]
+
+
+class _CastGroup(torch.autograd.Function):
+    """Low-precision copies of a group of parameters; their gradients go to the group's sink, not to ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, sink: GradSink, *params: torch.Tensor):
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)  # a copy the backward did not reach gives None, not zeros
+        return tuple(p.to(dtype) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        ctx.sink(grads)
+        return (None, None, *(None for _ in grads))
+
+
 class StepCast:
     """Runs a function with the chunks' fp32 parameters swapped for per-step low-precision copies."""
 
@@ -59,6 +83,12 @@ class StepCast:
         self.copies: dict[str, torch.Tensor] = {}  # the low-precision copies while ``run`` runs
         # every parameter name (tied names too) with its parameter: the chunks' parameters are fixed once built
         self.named = list(self.holder.named_parameters(remove_duplicate=False))
+        self.groups: list[tuple[list[nn.Parameter], GradSink]] = []  # ``route``
+
+    def route(self, groups: list[tuple[list[nn.Parameter], GradSink]]) -> None:
+        """Cast each group's parameters by one node whose backward hands their gradients to the group's sink
+        (a gradient bucket: ``GradReducer.take``) instead of accumulating each into its ``.grad``."""
+        self.groups = groups
 
     def set(self, precision: str) -> None:
         check_precision(precision)
@@ -82,13 +112,18 @@ class StepCast:
 
     def _copies(self) -> dict[str, torch.Tensor]:
         """Full parameter names -> one cast copy per distinct parameter (tied names share it)."""
+        dtype = self.dtype
         casts: dict[int, torch.Tensor] = {}
+        for params, sink in self.groups if torch.is_grad_enabled() else ():
+            # the run casts float32-stored parameters; one a user froze since keeps its plain cast (no gradient)
+            if all(map(_REQUIRES_GRAD, params)):
+                casts.update(zip(map(id, params), _CastGroup.apply(dtype, sink, *params), strict=True))
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named:
             if not p.is_floating_point():
                 continue
             if id(p) not in casts:
-                casts[id(p)] = p.to(self.dtype)  # differentiable: grads flow back in fp32
+                casts[id(p)] = p.to(dtype)  # differentiable: grads flow back in fp32
             out[name] = casts[id(p)]
         return out
 
