@@ -83,21 +83,31 @@ def test_every_layer_of_a_forward_shares_one_view_built_once_and_reads_no_device
         assert o[0] == int(model(torch.tensor([t]))[0, -1].argmax())
 
 
-def test_prompt_chunks_of_one_length_share_one_forward_and_give_each_rows_own_tokens():
-    """Chunks of equal length (here the uncached rests of prompts, at different starts) run as one group; a chunk
-    of another length is a group of its own; every row's greedy token is that of its full prompt alone."""
+def test_prompt_chunks_share_a_padded_forward_and_give_each_rows_own_tokens():
+    """Chunks of different lengths at different starts (uncached rests of prompts) run as groups padded to their
+    longest, each with no more padding than real tokens. Every row's greedy
+    token is that of its full prompt alone, and the decode step after finds every cache intact: padding wrote
+    into no sequence's blocks."""
     model, runner, seen = _runner()
     params = Params(Sampling(8, 0.0))
-    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 8, 1, 2, 6, 9, 9, 3, 1], [7, 7, 1, 5, 2, 2, 6], [3, 1, 4, 1, 5]]
-    tables = [[0, 1], [2, 3, 4], [5, 6], [7, 8]]
-    heads = [4, 7, 4, 0]  # positions already cached: rows 0-2 feed their last 3 tokens, row 3 its whole prompt
-    heads_rows = [Row(i, p[:h], 0, tables[i], False) for i, (p, h) in enumerate(zip(prompts, heads, strict=True)) if h]
-    runner.execute(Step(new=[(i, params) for i in range(4)], rows=heads_rows))
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 8, 1, 2, 6, 9, 9, 3, 1], [7, 7, 1, 5, 2, 2, 6], [3, 1, 4, 1, 5],
+               list(range(1, 21))]
+    tables = [[0, 1], [2, 3, 4], [5, 6], [7, 8], [9, 10, 11, 12, 13, 14]]
+    heads = [4, 5, 4, 0, 0]  # positions already cached: rows 0-2 feed their last 3-5 tokens, rows 3-4 whole prompts
+    cached = [Row(i, p[:h], 0, tables[i], False) for i, (p, h) in enumerate(zip(prompts, heads, strict=True)) if h]
+    runner.execute(Step(new=[(i, params) for i in range(5)], rows=cached))
     seen.clear()
     builds = runner.batch.builds
     out = runner.execute(Step(rows=[Row(i, p[h:], h, tables[i], True)
                                     for i, (p, h) in enumerate(zip(prompts, heads, strict=True))]))
-    assert runner.batch.builds - builds == 2 and len(seen) == 2 * LAYERS, "one forward per chunk length"
-    assert seen[0]["pos"].tolist() == [[4, 5, 6], [7, 8, 9], [4, 5, 6]]
-    for p, o in zip(prompts, out, strict=True):
-        assert o[0] == int(model(torch.tensor([p]))[0, -1].argmax())
+    # longest first: 20 + 5 + 5 tokens padded to 3 x 20 (no more padding than real tokens), then the two of 3
+    assert runner.batch.builds - builds == 2 and len(seen) == 2 * LAYERS, "two forwards for five chunks"
+    padded, plain = seen[0]["pos"].tolist(), seen[LAYERS]["pos"].tolist()
+    assert padded == [list(range(20)), [5, 6, 7, 8, 9] + [9] * 15, [0, 1, 2, 3, 4] + [4] * 15]
+    assert plain == [[4, 5, 6], [4, 5, 6]]
+    tokens = [[*p, o[0]] for p, o in zip(prompts, out, strict=True)]
+    for t in tokens:
+        assert t[-1] == int(model(torch.tensor([t[:-1]]))[0, -1].argmax())
+    out = runner.execute(Step(rows=[Row(i, t[-1:], len(t) - 1, tables[i], True) for i, t in enumerate(tokens)]))
+    for t, o in zip(tokens, out, strict=True):
+        assert o[0] == int(model(torch.tensor([t]))[0, -1].argmax())

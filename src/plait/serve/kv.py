@@ -128,7 +128,7 @@ class StepView(NamedTuple):
     pos: torch.Tensor  # [B, S] positions of the new tokens
     slots: torch.Tensor  # [B·S] the slot each new token is written to (row-major)
     keys: torch.Tensor | None  # [B·L] slots of positions 0..L-1, row by row; None when every row starts at 0
-    length: int  # L: the longest row's end
+    length: int  # L: the furthest row's end
     mask: torch.Tensor | None  # [B, 1, S, L] causal per row (a short row's later keys are padding); None likewise
 
 
@@ -139,17 +139,25 @@ class PagedBatch:
     of that forward to ask for ``view(s)`` builds what all of them read on the device, in one host-to-device
     copy (``plait.devices.to_device``: queued without a wait on a GPU), and the other layers reuse it: no copy
     to the device and no read of a device value per layer. ``builds`` counts the views built.
+
+    Rows shorter than the forward (``lengths`` below its S: prompt chunks padded to the group's longest) give
+    their padding positions the row's last real position (a valid position for RoPE and the mask) and write
+    its keys and values to a spare block after the pool's ``num_blocks``, which no table holds: padding
+    never touches a sequence's blocks.
     """
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, num_blocks: int) -> None:
         self.block_size, self.device = block_size, device
+        self.spare = num_blocks * block_size  # the first slot of the spare block
         self.tables: list[list[int]] = [[0]]
         self.starts: list[int] = [0]
+        self.lengths: list[int] | None = None
         self.builds = 0
         self._view: StepView | None = None
 
-    def set(self, tables: list[list[int]], starts: list[int]) -> None:
-        self.tables, self.starts, self._view = tables, starts, None
+    def set(self, tables: list[list[int]], starts: list[int], lengths: list[int] | None = None) -> None:
+        """The next forward's rows; ``lengths``: each row's real new tokens (None: all of the forward's S)."""
+        self.tables, self.starts, self.lengths, self._view = tables, starts, lengths, None
 
     def view(self, s: int) -> StepView:
         """The device tensors of the next ``s`` tokens of each row (built at the first call after ``set``)."""
@@ -160,23 +168,29 @@ class PagedBatch:
     def _build(self, s: int) -> StepView:
         self.builds += 1
         bs, width = self.block_size, max(len(t) for t in self.tables)
-        host = torch.tensor([[start, *t] + [0] * (width - len(t)) for start, t in zip(self.starts, self.tables,
-                                                                                     strict=True)])
-        both = to_device(host, self.device)  # [B, 1 + width]: start, then the block table (padded with block 0)
-        starts, tables = both[:, 0], both[:, 1:]
-        pos = starts[:, None] + torch.arange(s, device=self.device)  # [B, S]
-        slots = (tables.gather(1, pos // bs) * bs + pos % bs).flatten()
-        longest = max(self.starts)  # from the host list: no read of a device value
-        if longest == 0:
+        lengths = self.lengths or [s] * len(self.starts)
+        host = torch.tensor([[start, n, *t] + [0] * (width - len(t))
+                             for start, n, t in zip(self.starts, lengths, self.tables, strict=True)])
+        both = to_device(host, self.device)  # [B, 2 + width]: start, length, then the block table (padded with 0)
+        starts, tables = both[:, 0], both[:, 2:]
+        step = torch.arange(s, device=self.device)
+        real = step < both[:, 1:2]  # [B, S]: False at a short row's padding
+        pos = starts[:, None] + torch.minimum(step, both[:, 1:2] - 1)  # [B, S]
+        slots = tables.gather(1, pos // bs) * bs + pos % bs
+        if self.lengths is not None:
+            slots = torch.where(real, slots, self.spare + step % bs)
+        slots = slots.flatten()
+        if max(self.starts) == 0:  # from the host lists: no read of a device value
             return StepView(pos, slots, None, s, None)
-        every = torch.arange(longest + s, device=self.device)  # [L]: the longest row's positions
+        end = max(start + n for start, n in zip(self.starts, lengths, strict=True))
+        every = torch.arange(end, device=self.device)  # [L]: the positions up to the furthest row's end
         keys = (tables[:, every // bs] * bs + every % bs).flatten()  # [B·L]
         return StepView(pos, slots, keys, len(every), (every <= pos[:, :, None])[:, None])
 
 
 class PagedKVCache:
-    """One attention layer's keys and values in blocks of slots ([blocks·block, h_kv, hd] each, block after block),
-    read through the rows' block tables.
+    """One attention layer's keys and values in blocks of slots ([blocks·block, h_kv, hd] each, block after block,
+    then the spare block padding writes to), read through the rows' block tables.
 
     A per-row cache for ``Attention`` (see ``plait.models.llama.KVCache``): row b's tokens go to positions
     ``starts[b]``, ``starts[b] + 1``, ...; position p lives in block ``tables[b, p // block]`` at offset
@@ -187,7 +201,7 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int, batch: PagedBatch) -> None:
         self.num_blocks, self.block_size, self.batch = num_blocks, block_size, batch
-        self.k: torch.Tensor | None = None  # [blocks·block, h_kv, hd]
+        self.k: torch.Tensor | None = None  # [(blocks + 1)·block, h_kv, hd]
         self.v: torch.Tensor | None = None
 
     def positions(self, s: int) -> torch.Tensor:
@@ -198,8 +212,8 @@ class PagedKVCache:
         """Store k, v [B, h_kv, S, hd] in the rows' slots; (keys, values of positions 0..L-1, causal mask or None)."""
         b, h, s, hd = k.shape
         if self.k is None or self.v is None:  # zeros: a block's unused tail is read (then masked), must be finite
-            self.k = k.new_zeros(self.num_blocks * self.block_size, h, hd)
-            self.v = v.new_zeros(self.num_blocks * self.block_size, h, hd)
+            self.k = k.new_zeros((self.num_blocks + 1) * self.block_size, h, hd)  # + the padding's spare block
+            self.v = v.new_zeros((self.num_blocks + 1) * self.block_size, h, hd)
         view = self.batch.view(s)
         self.k.index_copy_(0, view.slots, k.transpose(1, 2).reshape(-1, h, hd))  # [B·S, h_kv, hd]
         self.v.index_copy_(0, view.slots, v.transpose(1, 2).reshape(-1, h, hd))

@@ -52,7 +52,7 @@ class Runner:
     """This rank's blocks with paged KV caches; ``execute(step)`` runs one step, rank 0 gets each row's outputs.
 
     A step (the same object on every rank, broadcast by rank 0) forgets finished sequences, registers new
-    ones (their sampling ``Params``) and lists the step's rows: prompt chunks (one group per chunk length) and
+    ones (their sampling ``Params``) and lists the step's rows: prompt chunks (grouped, padded; see ``groups``) and
     one-token rows (split into up to ``pp`` groups). Groups flow through the pipeline as a wavefront: while stage 1
     works on group 0, stage 0 already works on group 1. The last stage samples each row with that
     sequence's own generator (seeded from its seed), so a sequence's tokens do not depend on what else
@@ -62,7 +62,7 @@ class Runner:
     def __init__(self, model: nn.Module | ParallelModel, num_blocks: int, block_size: int):
         self.dec = Decoder(model)
         self.ctx = self.dec.ctx
-        self.batch = PagedBatch(block_size, self.dec.device)
+        self.batch = PagedBatch(block_size, self.dec.device, num_blocks)
         self.caches = self.dec.new_caches(lambda: PagedKVCache(num_blocks, block_size, self.batch))
         self.mine = sorted(self.dec.chunks)
         self.last = self.dec.num_chunks - 1
@@ -73,20 +73,27 @@ class Runner:
                                                                     pp_rank=self.dec.rank_of(self.last))
 
     def groups(self, rows: list[Row]) -> list[list[int]]:
-        """Row indices of each group (one forward each): the multi-token rows of each length together, then the
-        one-token rows in <= pp groups.
+        """Row indices of each group (one forward each): the multi-token rows, longest first, in groups padded to
+        their longest row where the padding does not exceed the real tokens; then the one-token rows in <= pp
+        groups.
 
-        Rows of one length share a forward exactly as they would run alone (each row has its own positions and
-        mask), so prompt chunks of the same size, such as the uncached rests of prompts that share a cached
-        prefix, cost one forward, not one each.
+        Prompt chunks that share a forward cost one pass through the model instead of one each (host-bound on a
+        GPU, a pass costs about the same at any width), and chunks of one length need no padding at all.
         """
-        by_length: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            if len(r.tokens) > 1:
-                by_length.setdefault(len(r.tokens), []).append(i)
+        chunks = sorted((i for i, r in enumerate(rows) if len(r.tokens) > 1), key=lambda i: -len(rows[i].tokens))
+        out: list[list[int]] = []
+        real = 0
+        for i in chunks:
+            n = len(rows[i].tokens)
+            if out and (len(out[-1]) + 1) * len(rows[out[-1][0]].tokens) <= 2 * (real + n):
+                out[-1].append(i)
+                real += n
+            else:
+                out.append([i])
+                real = n
         single = [i for i, r in enumerate(rows) if len(r.tokens) == 1]
         n = min(self.pp, len(single))
-        return list(by_length.values()) + [single[g::n] for g in range(n)]
+        return out + [single[g::n] for g in range(n)]
 
     @torch.no_grad()
     def execute(self, step: Step) -> list | None:
@@ -116,12 +123,14 @@ class Runner:
         outputs: list = [None] * len(rows)
         for c, g, _p in wavefront_order(self.mine, len(groups)):
             part = [rows[i] for i in groups[g]]
-            s = len(part[0].tokens)
+            lengths = [len(r.tokens) for r in part]
+            s = max(lengths)  # the group's rows are padded (with token 0) to its longest
             if c == 0:
-                x = to_device(torch.tensor([r.tokens for r in part], dtype=torch.long), self.dec.device)
+                x = to_device(torch.tensor([r.tokens + [0] * (s - len(r.tokens)) for r in part], dtype=torch.long),
+                              self.dec.device)
             else:
                 x = links.take(c, (g,), len(part), s)
-            self.batch.set([r.table for r in part], [r.start for r in part])
+            self.batch.set([r.table for r in part], [r.start for r in part], None if min(lengths) == s else lengths)
             x = self.dec.run(c, x, self.caches)
             if c == self.last:
                 for i, out in zip(groups[g], self._outputs(x, part), strict=True):
@@ -139,7 +148,8 @@ class Runner:
         tokens: list[int | None] = [None] * len(rows)
         pick = [i for i, r in enumerate(rows) if r.sample]
         if pick:
-            last = full_logits(x[pick, -1], self.ctx, self.dec.vocab)  # [n, V]: the one gather sampling needs
+            ends = [len(rows[i].tokens) - 1 for i in pick]  # each row's last real position (padding follows)
+            last = full_logits(x[pick, ends], self.ctx, self.dec.vocab)  # [n, V]: the one gather sampling needs
             plain = [j for j, i in enumerate(pick) if states[i].argmax_as_is]
             if plain:  # one argmax and one read of the device for all of them, not one per row
                 for j, tok in zip(plain, last[plain].argmax(-1).tolist(), strict=True):
@@ -159,7 +169,7 @@ class Runner:
                 targets += r.targets
                 spans.append((i, "prompt", len(r.targets), p.prompt_logprobs or 0))
             if tokens[i] is not None and p.logprobs is not None:
-                zs.append(x[i, -1:])
+                zs.append(x[i, len(r.tokens) - 1: len(r.tokens)])
                 targets.append(tokens[i])
                 spans.append((i, "token", 1, p.logprobs))
         out = [[tok, None, None] for tok in tokens]
