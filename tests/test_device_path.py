@@ -91,21 +91,22 @@ def test_a_training_step_reads_the_device_twice(ctx, device):
         assert counter.total == 2, dict(counter.counts)
 
 
-def _top_ops(fn) -> list[tuple[str, str]]:
-    """(name, parent's name) of every aten op ``fn()`` runs, the parent "" for those called from Python."""
+def _top_ops(fn, prefix: str = "aten::") -> list[tuple[str, str]]:
+    """(name, parent's name) of every profiler event ``fn()`` records whose name starts with ``prefix`` (aten ops
+    by default), the parent "" for those called from Python."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return [(e.name, e.cpu_parent.name if e.cpu_parent is not None else "") for e in prof.events()
-            if e.name.startswith("aten::")]
+            if e.name.startswith(prefix)]
 
 
 def test_gradient_bookkeeping_runs_no_tensor_op_per_parameter(ctx, device):
     """A bf16 step's gradient bookkeeping around the model's own work runs no tensor op per parameter: the views
     of the gradient buckets are made once per buffer, a bucket nothing wrote to is not zeroed again, and a
     bucket's bf16 gradients are added into its float32 buffer by one node (one multi-tensor add per bucket and
-    micro-batch), with no per-parameter cast back to float32 and no per-parameter accumulation node."""
+    micro-batch), with no per-parameter cast back to float32 and no per-parameter accumulation node or hook."""
     from plait.optim import ParallelOptimizer
 
     torch.manual_seed(0)
@@ -126,6 +127,9 @@ def test_gradient_bookkeeping_runs_no_tensor_op_per_parameter(ctx, device):
     assert _top_ops(lambda: [r.point_grads() for r in pm.reducers.values()]) == []
     pm.train_step(tokens[:, :-1], tokens[:, 1:])
     assert _top_ops(lambda: [pc.grad() for pc in opt.layout.pieces]) == []
+    nodes = collections.Counter(name for name, _ in _top_ops(step, "autograd::engine::evaluate_function: "))
+    assert nodes["autograd::engine::evaluate_function: torch::autograd::AccumulateGrad"] == 2, nodes  # the anchor's
+    assert nodes["autograd::engine::evaluate_function: ToCopyBackward0"] < len(list(pm.parameters())), nodes
     ops = _top_ops(step)
     assert not [name for name, parent in ops if parent.endswith("AccumulateGrad")]
     adds = collections.Counter(parent for name, parent in ops if name == "aten::_foreach_add_")

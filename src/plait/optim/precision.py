@@ -59,10 +59,14 @@ GradSink = Callable[[Sequence[torch.Tensor | None]], None]
 
 
 class _CastGroup(torch.autograd.Function):
-    """Low-precision copies of a group of parameters; their gradients go to the group's sink, not to ``.grad``."""
+    """Low-precision copies of a group of parameters; their gradients go to the group's sink, not to ``.grad``.
+
+    The parameters come in a list, which autograd does not look into: the graph gets no edge (no accumulation
+    node, no post-accumulate hook) per parameter. ``anchor`` (a scalar leaf that requires grad, which gets no
+    gradient) makes the copies require grad."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, sink: GradSink, *params: torch.Tensor):
+    def forward(ctx, dtype: torch.dtype, sink: GradSink, params: list[torch.Tensor], anchor: torch.Tensor):
         ctx.sink = sink
         ctx.set_materialize_grads(False)  # a copy the backward did not reach gives None, not zeros
         return tuple(p.to(dtype) for p in params)
@@ -70,7 +74,7 @@ class _CastGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
         ctx.sink(grads)
-        return (None, None, *(None for _ in grads))
+        return None, None, None, None
 
 
 class StepCast:
@@ -84,6 +88,7 @@ class StepCast:
         # every parameter name (tied names too) with its parameter: the chunks' parameters are fixed once built
         self.named = list(self.holder.named_parameters(remove_duplicate=False))
         self.groups: list[tuple[list[nn.Parameter], GradSink]] = []  # ``route``
+        self._anchors: dict[torch.device, torch.Tensor] = {}  # per device: the routed copies' edge into autograd
 
     def route(self, groups: list[tuple[list[nn.Parameter], GradSink]]) -> None:
         """Cast each group's parameters by one node whose backward hands their gradients to the group's sink
@@ -117,7 +122,11 @@ class StepCast:
         for params, sink in self.groups if torch.is_grad_enabled() else ():
             # the run casts float32-stored parameters; one a user froze since keeps its plain cast (no gradient)
             if all(map(_REQUIRES_GRAD, params)):
-                casts.update(zip(map(id, params), _CastGroup.apply(dtype, sink, *params), strict=True))
+                anchor = self._anchors.get(params[0].device)
+                if anchor is None:
+                    anchor = self._anchors[params[0].device] = torch.zeros((), device=params[0].device,
+                                                                          requires_grad=True)
+                casts.update(zip(map(id, params), _CastGroup.apply(dtype, sink, params, anchor), strict=True))
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named:
             if not p.is_floating_point():
