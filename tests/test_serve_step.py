@@ -86,3 +86,18 @@ def test_a_whole_completions_handler_resumes_once_a_choice_not_once_a_token():
     assert many - few < extra / 4, f"{few} loop callbacks for {n} x 4 tokens, {many} for {n} x 32"
     streamed = _serve(n, 32, stream=True)[1]["callbacks"]
     assert streamed - many >= n * 32, "a stream's handler resumes at each token"
+
+
+def test_the_http_rank_leaves_a_core_to_its_http_thread():
+    """Rank 0 runs one intra-op thread fewer than it was given (never none): its HTTP thread gets a core instead
+    of stalling the forward's threads at every parallel operation."""
+    from plait.serve.job import leave_a_core
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert leave_a_core() == 3 and torch.get_num_threads() == 3
+        torch.set_num_threads(1)
+        assert leave_a_core() == 1
+    finally:
+        torch.set_num_threads(threads)

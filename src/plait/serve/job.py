@@ -79,6 +79,20 @@ def access_logger(level: str, enabled: bool) -> logging.Logger | None:
     return log if enabled else None
 
 
+def leave_a_core() -> int:
+    """Rank 0's intra-op threads: one fewer than it was given (at least one), returned.
+
+    Its HTTP thread (and often the clients, on the same machine) needs a core while the engine's forward runs.
+    With as many intra-op threads as cores, one of them is descheduled for it at times, and the others wait
+    for it at the end of every parallel operation (OpenMP threads spin, then sleep, at that barrier), once
+    per operation of the step.
+    """
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+    return torch.get_num_threads()
+
+
 def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
     from plait.generation.job import load_model
@@ -87,6 +101,8 @@ def serve_job(payload: dict) -> None:
 
     tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        leave_a_core()
     signals = StopSignals(leader=rank == 0)
     # rank 0 holds its port before the process group starts: Gloo's and the store's listeners take ports
     # from the kernel's ephemeral range, and a --port in that range could otherwise go to one of them
