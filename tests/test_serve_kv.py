@@ -111,3 +111,35 @@ def test_prompt_chunks_share_a_padded_forward_and_give_each_rows_own_tokens():
     out = runner.execute(Step(rows=[Row(i, t[-1:], len(t) - 1, tables[i], True) for i, t in enumerate(tokens)]))
     for t, o in zip(tokens, out, strict=True):
         assert o[0] == int(model(torch.tensor([t]))[0, -1].argmax())
+
+
+def test_a_forwards_mask_is_made_once_in_the_scores_dtype_not_converted_by_every_layer():
+    """The decode step's mask reaches attention as an additive float mask built once for the forward; a boolean
+    one would be turned into -inf and 0 by SDPA in every layer (more operations a layer, each a kernel on a GPU)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    model, runner, seen = _runner()
+    params = Params(Sampling(8, 0.0))
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1]]
+    first = runner.execute(Step(new=[(0, params), (1, params)],
+                                rows=[Row(i, p, 0, [2 * i, 2 * i + 1], True) for i, p in enumerate(prompts)]))
+    seen.clear()
+    with Ops() as ops:
+        out = runner.execute(Step(rows=[Row(i, [o[0]], len(p), [2 * i, 2 * i + 1], True)
+                                        for i, (p, o) in enumerate(zip(prompts, first, strict=True))]))
+    masks = [e["mask"] for e in seen]
+    assert masks[0].dtype == torch.float32 and all(m is masks[0] for m in masks)
+    assert ops.count["where"] == 0 and ops.count["masked_fill"] == 1, dict(ops.count)
+    for p, f, o in zip(prompts, first, out, strict=True):  # the same greedy tokens as a full forward
+        assert o[0] == int(model(torch.tensor([[*p, f[0]]]))[0, -1].argmax())

@@ -154,16 +154,29 @@ class PagedBatch:
         self.lengths: list[int] | None = None
         self.builds = 0
         self._view: StepView | None = None
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     def set(self, tables: list[list[int]], starts: list[int], lengths: list[int] | None = None) -> None:
         """The next forward's rows; ``lengths``: each row's real new tokens (None: all of the forward's S)."""
         self.tables, self.starts, self.lengths, self._view = tables, starts, lengths, None
+        self._masks = {}
 
     def view(self, s: int) -> StepView:
         """The device tensors of the next ``s`` tokens of each row (built at the first call after ``set``)."""
         if self._view is None or self._view.pos.shape[1] != s:
-            self._view = self._build(s)
+            self._view, self._masks = self._build(s), {}
         return self._view
+
+    def additive_mask(self, s: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The view's mask as attention adds it to the scores (0 where a key is seen, -inf where not) in
+        ``dtype``, made once per forward: a boolean mask would be converted again by every layer's attention."""
+        view = self.view(s)
+        if view.mask is None:
+            return None
+        if dtype not in self._masks:
+            self._masks[dtype] = torch.zeros(view.mask.shape, dtype=dtype, device=self.device).masked_fill(
+                ~view.mask, float("-inf"))
+        return self._masks[dtype]
 
     def _build(self, s: int) -> StepView:
         self.builds += 1
@@ -221,4 +234,5 @@ class PagedKVCache:
             return k, v, None
         shape = (b, view.length, h, hd)
         keys = self.k.index_select(0, view.keys).view(shape).transpose(1, 2)  # [B, h_kv, L, hd]
-        return keys, self.v.index_select(0, view.keys).view(shape).transpose(1, 2), view.mask
+        values = self.v.index_select(0, view.keys).view(shape).transpose(1, 2)
+        return keys, values, self.batch.additive_mask(s, k.dtype)
