@@ -253,7 +253,8 @@ class ParallelModel:
             stats = self.cast.run(lambda: self._run(io, trace, measure))
         for reducer in self.reducers.values():
             reducer.finish()
-        sum_over_tp(self._grad_pieces(is_tp_partial), self.ctx)  # on the reduced elements (shards under ZeRO)
+        if self.ctx.tp_size > 1:  # on the reduced elements (shards under ZeRO)
+            sum_over_tp(self._grad_pieces(is_tp_partial), self.ctx)
         self.ties.sync_grads(lambda p: self._grad_pieces(lambda q: q is p))
         self.last_stats = stats
         return self._global_loss(stats.loss_sum if stats.shared_loss is None else stats.shared_loss, stats.aux_sum)

@@ -238,8 +238,9 @@ class GradReducer:
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
-        for p in b.params:  # gradients written past the hooks (none missing: zeros); the hooks absorbed the ready
-            if id(p) not in b.ready:
+        for p, view in zip(b.params, b.views(), strict=True):  # gradients written past the hooks (none missing:
+            g = p.grad                                         # zeros); the hooks absorbed the ready ones
+            if g is not None and g is not view and id(p) not in b.ready:
                 self._absorb(p)
         buffer = b.allocate()
         b.written()

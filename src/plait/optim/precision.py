@@ -69,7 +69,7 @@ class _CastGroup(torch.autograd.Function):
     def forward(ctx, dtype: torch.dtype, sink: GradSink, params: list[torch.Tensor], anchor: torch.Tensor):
         ctx.sink = sink
         ctx.set_materialize_grads(False)  # a copy the backward did not reach gives None, not zeros
-        return tuple(p.to(dtype) for p in params)
+        return tuple([p.to(dtype) for p in params])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
