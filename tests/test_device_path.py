@@ -137,6 +137,37 @@ def test_gradient_bookkeeping_runs_no_tensor_op_per_parameter(ctx, device):
     assert sum(name == "aten::zero_" and not parent for name, parent in ops) == len(pm.grad_buckets())
 
 
+def test_bf16_copies_hand_the_gradients_over_after_the_whole_backward(ctx, device, monkeypatch):
+    """When the buckets get their gradients, which the planner charges (``plan.accumulation``: plait's bf16 run
+    without ZeRO reduces after each chunk's backward, ``after_backward``): with bf16 copies of fp32 parameters
+    every bucket takes its gradients after the embedding's output got its gradient (the last of the backward),
+    because the copies' node is made before the forward and autograd runs the newest ready nodes first; in fp32
+    the post-accumulate hooks of the last layers' parameters fire before it."""
+    from plait.data_parallel.reducer import GradReducer
+
+    events: list[str] = []
+    take, on_grad = GradReducer.take, GradReducer._on_grad
+    monkeypatch.setattr(GradReducer, "take", lambda self, b, g: (events.append("bucket"), take(self, b, g))[1])
+    monkeypatch.setattr(GradReducer, "_on_grad", lambda self, p: (events.append("bucket"), on_grad(self, p))[1])
+    tokens = _batch().to(device)
+
+    def mark(module, inputs, out) -> None:  # the embedding's output gets its gradient last in the backward
+        out.register_hook(lambda g: events.append("embedding"))
+
+    for precision in ("bf16", "fp32"):
+        torch.manual_seed(0)
+        pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx, microbatches=1, precision=precision)
+        embed = next(iter(pm.chunks.values())).blocks[0]  # the embedding (a chunk runs its blocks in order)
+        embed.register_forward_hook(mark)
+        events.clear()
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        first = events.index("embedding")
+        if precision == "bf16":
+            assert first < events.index("bucket"), events
+        else:
+            assert 0 < first, events
+
+
 def test_bucket_cast_gradients_equal_autograd_accumulation_bit_for_bit(ctx, device):
     """The bf16 gradients a bucket's cast node adds into the float32 buffer give the same bits as autograd's
     per-parameter cast back to float32 and accumulation (a bf16 value converts exactly): 3 clipped AdamW steps of

@@ -42,14 +42,18 @@ class AccumulationTraffic:
     """Per element of the rank's gradient shard, on every micro-batch but the step's first."""
     fused: bool = False
     """The GEMM weights accumulate inside their weight-gradient GEMM (nothing charged for them)."""
+    after_backward: bool = False
+    """The gradients reach the buffer through one autograd node that runs after a model chunk's whole backward,
+    so no bucket's reduction can start during that chunk's last backward (``plan.overlap.exposed_tail``)."""
 
 
 #: plait's runtime (plait.data_parallel.reducer, zero3_reducer, plait.optim.precision) by (precision, ZeRO stage)
 RUNTIME_TRAFFIC: dict[tuple[str, int], AccumulationTraffic] = {
-    # bf16 without ZeRO: the fp32 master's per-step bf16 copy is a differentiable cast; its backward casts the
-    # bf16 weight gradient to fp32 (read 2, write 4) and autograd adds it in place into the fp32 ``.grad``, a view
-    # of the reducer's bucket buffer from the first micro-batch on (GradReducer.point_grads; read 4 + 4, write 4).
-    ("bf16", 0): AccumulationTraffic(every=6 + 12),
+    # bf16 without ZeRO: a bucket's per-step bf16 copies of its fp32 parameters come from one autograd node
+    # (plait.optim.precision._CastGroup) whose backward adds their bf16 gradients into the fp32 bucket buffer
+    # (GradReducer.take: one foreach add, the cast inside it: read 2 + 4, write 4). The node is made before the
+    # forward, and autograd runs ready nodes newest first, so it runs after the chunk's whole backward.
+    ("bf16", 0): AccumulationTraffic(every=10, after_backward=True),
     # bf16 under ZeRO-1/2: the parameters are stored in bf16 (StepCast.set_storage), autograd hands over the bf16
     # gradient, and the post-accumulate hook adds it into the fp32 bucket buffer and drops it
     # (GradReducer._absorb: view.add_(g): read 2 + 4, write 4).

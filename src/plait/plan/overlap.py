@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from plait.plan.accumulation import traffic
+
 if TYPE_CHECKING:
     from plait.plan.config import Layout, Training
     from plait.plan.costs import CostModel
 
 
-def exposed_tail(comm: float, window: float, chunks: int = 1, pp: int = 1) -> float:
+def exposed_tail(comm: float, window: float, chunks: int = 1, pp: int = 1, own: bool = True) -> float:
     """Seconds a DP collective of ``comm`` seconds adds to the step when it runs beside ``window`` seconds of one
     micro-batch's compute on a rank of ``chunks`` model chunks in a pipeline of ``pp`` stages.
 
@@ -31,10 +33,13 @@ def exposed_tail(comm: float, window: float, chunks: int = 1, pp: int = 1) -> fl
     weights' gather, mirrored: the warm-up runs ``pp`` forwards of each chunk before the next, so chunk k's
     gather must end by (k·pp + 1)·window/V after the step starts. One network serves them in turn, so the step
     waits max over k of (k + 1)·comm/V - (k·pp + 1)·window/V, and never less than 0. One chunk: comm beyond the
-    window. Linear in k: the largest term is the first or the last chunk's."""
+    window. Linear in k: the largest term is the first or the last chunk's. ``own`` False: a chunk's reduction
+    cannot run beside its own last backward (``AccumulationTraffic.after_backward``), only beside the later
+    chunks' work: (k + 1)·comm/V - k·pp·window/V; one chunk: all of it."""
     v = max(1, chunks)
     piece, slot = comm / v, window / v
-    return max(0.0, piece - slot, v * piece - ((v - 1) * pp + 1) * slot)
+    mine = 1 if own else 0
+    return max(0.0, piece - mine * slot, v * piece - ((v - 1) * pp + mine) * slot)
 
 
 def dp_exposed(costs: CostModel, layout: Layout, training: Training, reduction: float, gather: float,
@@ -43,10 +48,13 @@ def dp_exposed(costs: CostModel, layout: Layout, training: Training, reduction: 
     beside ``backward`` (a rank's backward of one micro-batch, less what ZeRO-3's gathers take of it) when
     ``Training.overlap_grad_reduce``, the gather beside ``forward`` (a rank's forward of one micro-batch) when
     ``Training.overlap_param_gather``; each as much as the cluster's cost model lets the network run beside the
-    compute (``CostModel.hidden_reduction``). Otherwise all of it: the gather then follows the optimizer step."""
+    compute (``CostModel.hidden_reduction``), never beside a chunk's own last backward where the gradients reach
+    the buckets only after it (``AccumulationTraffic.after_backward``: plait's bf16 copies of fp32 parameters).
+    Otherwise all of it: the gather then follows the optimizer step."""
     v, pp = layout.virtual_stages, layout.pp
     if training.overlap_grad_reduce:
-        reduction = exposed_tail(reduction, costs.hidden_reduction(backward), v, pp)
+        late = traffic(training.grad_accumulation, training.precision, layout.zero).after_backward
+        reduction = exposed_tail(reduction, costs.hidden_reduction(backward), v, pp, own=not late)
     if training.overlap_param_gather:
         gather = exposed_tail(gather, costs.hidden_reduction(forward), v, pp)
     return reduction, gather
