@@ -246,6 +246,8 @@ def rank_main() -> dict:
         ("tp4/kv-replicated/sp", lambda: compare(tp4, cfg={"n_kv_heads": 1}, sp=True)),
         ("tp2pp2/bf16", lambda: compare(tp2pp2, precision="bf16", microbatches=4)),
         ("tp2dp2/bf16/zero1", lambda: compare(tp2dp2, precision="bf16", zero=1)),
+        # bf16 copies of buckets reduced over dp, handed over as each completes (optim/precision.py early copies)
+        ("pp2dp2/tied/bf16", lambda: compare(pp2dp2, cfg=tied, precision="bf16", microbatches=4)),
         ("tp2dp2/zero1/resume", lambda: resume(tp2dp2, zero=1)),
         ("tp2dp2/zero1/gathered", lambda: gathered(tp2dp2)),
         ("memory/activations", lambda: activations(dp4)),

@@ -138,11 +138,12 @@ def test_gradient_bookkeeping_runs_no_tensor_op_per_parameter(ctx, device):
 
 
 def test_bf16_copies_hand_the_gradients_over_after_the_whole_backward(ctx, device, monkeypatch):
-    """When the buckets get their gradients, which the planner charges (``plan.accumulation``: plait's bf16 run
-    without ZeRO reduces after each chunk's backward, ``after_backward``): with bf16 copies of fp32 parameters
-    every bucket takes its gradients after the embedding's output got its gradient (the last of the backward),
-    because the copies' node is made before the forward and autograd runs the newest ready nodes first; in fp32
-    the post-accumulate hooks of the last layers' parameters fire before it."""
+    """When the buckets get their gradients (the planner's ``plan.accumulation`` ``after_backward``): with bf16
+    copies of fp32 parameters in buckets no other rank reduces (this one-process world; a split backward's are
+    the same) every bucket takes its gradients after the embedding's output got its gradient (the last of the
+    backward), because the copies' node is made before the forward and autograd runs the newest ready nodes
+    first; in fp32 the post-accumulate hooks of the last layers' parameters fire before it. Buckets reduced over
+    other ranks take them as soon as they are complete (``tests/test_optim_unit.py``)."""
     from plait.data_parallel.reducer import GradReducer
 
     events: list[str] = []

@@ -60,7 +60,7 @@ def test_zero1_shards_optimizer_state(world4):
             f"rank {rank}: ZeRO-1 holds {s['state_bytes']} bytes, unsharded {f['state_bytes']}")
 
 
-@pytest.mark.parametrize("case", ["tp2pp2/bf16", "tp2dp2/bf16/zero1"])
+@pytest.mark.parametrize("case", ["tp2pp2/bf16", "tp2dp2/bf16/zero1", "pp2dp2/tied/bf16"])
 def test_bf16_tracks_fp32_losses(world4, case):
     for rank, r in enumerate(result(world4, case)):
         assert r["loss_rel_max"] <= BF16_LOSS_TOL, (
@@ -85,7 +85,7 @@ def test_zero1_gathered_state_equals_unsharded(world4):
 
 
 @pytest.mark.parametrize("case", ["tp2dp2/zero0", "tp2dp2/zero1", "tp2dp2/bf16/zero1", "pp2dp2/tied/zero1",
-                                  "pp2dp2/tied/zero1-allreduce", "tp2pp2/bf16"])
+                                  "pp2dp2/tied/zero1-allreduce", "tp2pp2/bf16", "pp2dp2/tied/bf16"])
 def test_measured_bytes_equal_the_formula(world4, case):
     """memory_report's params, grads and optimizer bytes equal docs/optim.md's formula (tests/test_zero.py: ZeRO-2)."""
     for rank, r in enumerate(result(world4, case)):

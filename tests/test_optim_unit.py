@@ -67,3 +67,45 @@ def test_square_sum_is_the_float64_sum_of_squares(monkeypatch, fused):
     assert got.dtype == torch.float64 and got.dim() == 0
     assert float(got) == pytest.approx(want, rel=1e-13)
     assert float(optimizer.square_sum([])) == 0.0
+
+
+def test_early_copies_hand_each_bucket_over_when_its_backward_ends():
+    """A bucket reduced over other ranks (``StepCast.route``'s ``early``) gets its bf16 gradients from leaf
+    copies as soon as its layer's backward ends, before the earlier layer's backward; the shared node of the
+    other buckets hands them over after the whole backward. Both hand over the same gradients, bit for bit, and
+    leave no ``.grad`` on the copies."""
+    from torch import nn
+
+    from plait.optim.precision import StepCast
+
+    torch.manual_seed(0)
+    chunk = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    events: list[str] = []
+    got: dict[str, list] = {}
+
+    def sink(name):
+        return lambda grads: (events.append(name), got.setdefault(name, []).append([g.clone() for g in grads]))
+
+    cast = StepCast({0: chunk}, "bf16")
+    groups = [(list(chunk[1].parameters()), sink("last layer")), (list(chunk[0].parameters()), sink("first layer"))]
+
+    copies: dict[str, torch.Tensor] = {}
+
+    def step() -> None:  # as the executor runs a step: forward and backward inside ``run``
+        copies.update(cast.copies)
+        h = chunk[0](x.bfloat16())
+        h.register_hook(lambda g: events.append("between"))
+        chunk[1](h).float().sum().backward()
+
+    orders = []
+    for early in (frozenset(), frozenset({0, 1})):
+        cast.route(groups, early)
+        events.clear()
+        copies.clear()
+        cast.run(step)
+        orders.append(list(events))
+        assert all(c.grad is None for c in copies.values() if c.is_leaf)
+    assert orders == [["between", "first layer", "last layer"], ["last layer", "between", "first layer"]]
+    for name, (shared, leaf) in got.items():
+        assert all(torch.equal(a, b) for a, b in zip(shared, leaf, strict=True)), name

@@ -119,10 +119,7 @@ def test_dp_reduction_adds_to_the_step_on_a_calibrated_host():
     assert gpus.costs.hidden_reduction(0.25) == 0.25 and host.costs.hidden_reduction(0.25) == 0.0
     layout = Layout(pp=2, dp=2, microbatch_size=1, schedule="1f1b")
     sync = step_end.dp_sync_time(model, gpus, layout, mem.max_rank_params(model, layout))
-    hidden = estimate(model, gpus, layout, Training(64, precision="fp32")).time["dp_comm"]
-    assert 0.0 <= hidden < sync  # the backward hides some
-    # plait's bf16 copies hand the gradients over after the backward: nothing hides the reduction (one chunk)
-    assert estimate(model, gpus, layout, Training(64)).time["dp_comm"] == pytest.approx(sync)
+    assert 0.0 <= estimate(model, gpus, layout, Training(64)).time["dp_comm"] < sync  # the backward hides some
 
 
 def test_each_phase_of_a_calibration_is_brought_to_the_hosts_mean_speed():

@@ -199,25 +199,24 @@ def test_dp_collectives_hide_chunk_by_chunk_behind_the_passes_beside_them():
         layout.to_parallel_config(Training(64, overlap_param_gather=True))
 
 
-def test_plaits_bf16_copies_reduce_after_each_chunks_own_backward():
-    """Without a chunk's own last backward to hide behind (plait's bf16 copies of fp32 parameters hand the
-    gradients to the buckets after it): a 2 s reduction over 4 chunks of a 2-stage pipeline, 0.5 s pieces
-    from the slots 0.75, 0.5, 0.25 and 0 s before the backward ends, the last ends 1.25 s after it; one chunk
-    waits for all of it. Planned for plait's bf16 run without ZeRO only: its fp32 run and its ZeRO-1 run keep
-    the overlap."""
+def test_plaits_bf16_copies_reduce_after_each_chunks_own_backward_under_a_split_backward():
+    """Without a chunk's own last backward to hide behind (plait's bf16 copies of fp32 parameters under a
+    zero-bubble schedule hand the gradients to the buckets after it): a 2 s reduction over 4 chunks of a 2-stage
+    pipeline, 0.5 s pieces from the slots 0.75, 0.5, 0.25 and 0 s before the backward ends, the last ends 1.25 s
+    after it; one chunk waits for all of it. Other schedules hand each reduced bucket over when it is complete
+    and keep the overlap, as do ZeRO-1 (bf16 parameters, no copies) and fp32 runs."""
     assert exposed_tail(2.0, 0.5, 4, 2, own=False) == pytest.approx(1.25)
     assert exposed_tail(1.0, 0.5, own=False) == pytest.approx(1.0)
     m, cluster = Model.preset("llama3-8b", seq_len=4096), Cluster("h100-sxm", 64)
-    for layout in (Layout(tp=2, dp=32, sequence_parallel=True), Layout(tp=2, dp=32, sequence_parallel=True,
-                                                                        zero=1)):
+    for zero, schedule in ((0, "zb-h1"), (0, "1f1b"), (1, "zb-h1")):
+        layout = Layout(tp=2, pp=2, dp=16, sequence_parallel=True, zero=zero, schedule=schedule)
         reduction, _ = dp_sync_parts(m, cluster, layout, max_rank_params(m, layout))
         bf16, fp32 = (estimate(m, cluster, layout, Training(64, precision=p)) for p in ("bf16", "fp32"))
-        if layout.zero == 0:
+        if (zero, schedule) == (0, "zb-h1"):
             assert bf16.time["dp_comm"] == pytest.approx(reduction)
         else:
             assert bf16.time["dp_comm"] < reduction
         assert fp32.time["dp_comm"] < reduction
-
 
 def test_pipelined_scatters_hold_the_sms_their_configuration_sets():
     """``Training.tp_overlap_sms``: the reduce-scatter after the output projection holds its own SM count and the

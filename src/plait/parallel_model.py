@@ -78,7 +78,11 @@ class ParallelModel:
         self.param_shards: ParamShards | None = self.zero3.shards if self.zero3 is not None else None
         self.reducers = {self.zero3.index: self.zero3.reducer} if self.zero3 is not None else self._build_reducers()
         if self.zero3 is None:  # a bucket's bf16 copies hand their gradients straight to its buffer
-            self.cast.route([(b.params, partial(r.take, b)) for r in self.reducers.values() for b in r.buckets])
+            buckets = [(r, b) for r in self.reducers.values() for b in r.buckets]
+            # reduced over other ranks: hand over as soon as complete, so the reduction overlaps the backward
+            # (not under a split backward, whose weight-gradient store defers leaf weights past autograd's hooks)
+            early = frozenset(i for i, (_, b) in enumerate(buckets) if b.size > 1 and self.store is None)
+            self.cast.route([(b.params, partial(r.take, b)) for r, b in buckets], early)
         self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s,
                                    group=ctx.p2p_group)
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,

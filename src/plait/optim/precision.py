@@ -6,8 +6,10 @@ one bf16 copy (``p.to(bf16)``, made once per step and shared by all micro-batche
 activations and pipeline messages are bf16. The copies are a differentiable cast. The parameters of one
 gradient bucket (``route``) are cast by one autograd node whose backward adds their bf16 gradients into the
 bucket's float32 buffer (``GradReducer.take``: one add per gradient, float32 arithmetic, no float32 copy of
-it and no per-parameter accumulation node); any other parameter's copy is ``p.to(bf16)``, whose backward
-turns the gradient back into float32 for autograd to accumulate into ``.grad``. Either way micro-batch
+it and no per-parameter accumulation node); a bucket reduced over other ranks gets leaf copies instead, handed
+to the buffer as soon as they are complete, so its reduction overlaps the backward; any other parameter's copy
+is ``p.to(bf16)``, whose backward turns the gradient back into float32 for autograd to accumulate into
+``.grad``. Either way micro-batch
 accumulation, the data-parallel reduction, the TP-partial sync and the tied embedding sync all run in
 float32 without any change to that code.
 
@@ -77,6 +79,22 @@ class _CastGroup(torch.autograd.Function):
         return None, None, None, None
 
 
+def _early_copies(params: list[nn.Parameter], dtype: torch.dtype, sink: GradSink) -> list[torch.Tensor]:
+    """Leaf low-precision copies of ``params`` whose gradients go to ``sink`` once a backward has produced all of
+    those it will (one call per backward, None for a copy it did not reach). Autograd also keeps each in the
+    copy's ``.grad``: the hook drops those kept before it ran; the one kept after it (the copy whose gradient
+    completed the set) is dropped by the next backward's hook or when the step ends (``StepCast.run``)."""
+    copies = [p.detach().to(dtype).requires_grad_() for p in params]
+
+    def hand_over(grads: Sequence[torch.Tensor | None]) -> None:
+        sink(grads)
+        for c in copies:
+            c.grad = None
+
+    torch.autograd.graph.register_multi_grad_hook(copies, hand_over, mode="all")
+    return copies
+
+
 class StepCast:
     """Runs a function with the chunks' fp32 parameters swapped for per-step low-precision copies."""
 
@@ -89,11 +107,19 @@ class StepCast:
         self.named = list(self.holder.named_parameters(remove_duplicate=False))
         self.groups: list[tuple[list[nn.Parameter], GradSink]] = []  # ``route``
         self._anchors: dict[torch.device, torch.Tensor] = {}  # per device: the routed copies' edge into autograd
+        self.early: frozenset[int] = frozenset()  # ``route``
+        self._leaves: list[torch.Tensor] = []  # this step's early copies (their last ``.grad`` dropped at its end)
 
-    def route(self, groups: list[tuple[list[nn.Parameter], GradSink]]) -> None:
+    def route(self, groups: list[tuple[list[nn.Parameter], GradSink]], early: frozenset[int] = frozenset()) -> None:
         """Cast each group's parameters by one node whose backward hands their gradients to the group's sink
-        (a gradient bucket: ``GradReducer.take``) instead of accumulating each into its ``.grad``."""
-        self.groups = groups
+        (a gradient bucket: ``GradReducer.take``) instead of accumulating each into its ``.grad``.
+
+        Autograd runs the newest ready node first, and that node is made before the forward, so it runs after
+        the chunk's whole backward. The groups whose index is in ``early`` (buckets reduced over other ranks,
+        whose reduction should start as soon as they are complete) get leaf copies instead, handed to the sink
+        by one multi-gradient hook as soon as the backward has produced all of them (a leaf's accumulation
+        runs as soon as it is ready)."""
+        self.groups, self.early = groups, early
 
     def set(self, precision: str) -> None:
         check_precision(precision)
@@ -118,10 +144,15 @@ class StepCast:
     def _copies(self) -> dict[str, torch.Tensor]:
         """Full parameter names -> one cast copy per distinct parameter (tied names share it)."""
         dtype = self.dtype
+        assert dtype is not None  # ``run`` copies only to a low precision
         casts: dict[int, torch.Tensor] = {}
-        for params, sink in self.groups if torch.is_grad_enabled() else ():
+        for i, (params, sink) in enumerate(self.groups if torch.is_grad_enabled() else ()):
             # the run casts float32-stored parameters; one a user froze since keeps its plain cast (no gradient)
-            if all(map(_REQUIRES_GRAD, params)):
+            if i in self.early and all(map(_REQUIRES_GRAD, params)):
+                leaves = _early_copies(params, dtype, sink)
+                self._leaves += leaves
+                casts.update(zip(map(id, params), leaves, strict=True))
+            elif all(map(_REQUIRES_GRAD, params)):
                 anchor = self._anchors.get(params[0].device)
                 if anchor is None:
                     anchor = self._anchors[params[0].device] = torch.zeros((), device=params[0].device,
@@ -145,4 +176,6 @@ class StepCast:
         try:
             return cast(T, functional_call(self.holder, self.copies, (fn,), strict=False, tie_weights=False))
         finally:
-            self.copies = {}
+            for leaf in self._leaves:
+                leaf.grad = None
+            self.copies, self._leaves = {}, []

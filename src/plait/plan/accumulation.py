@@ -43,16 +43,18 @@ class AccumulationTraffic:
     fused: bool = False
     """The GEMM weights accumulate inside their weight-gradient GEMM (nothing charged for them)."""
     after_backward: bool = False
-    """The gradients reach the buffer through one autograd node that runs after a model chunk's whole backward,
-    so no bucket's reduction can start during that chunk's last backward (``plan.overlap.exposed_tail``)."""
+    """Under a split backward (zero-bubble schedules) the gradients reach the buffer through one autograd node
+    that runs after a model chunk's whole backward, so no bucket's reduction can start during that chunk's last
+    backward (``plan.overlap.dp_exposed``); the other schedules hand each reduced bucket over when it is complete."""
 
 
 #: plait's runtime (plait.data_parallel.reducer, zero3_reducer, plait.optim.precision) by (precision, ZeRO stage)
 RUNTIME_TRAFFIC: dict[tuple[str, int], AccumulationTraffic] = {
-    # bf16 without ZeRO: a bucket's per-step bf16 copies of its fp32 parameters come from one autograd node
-    # (plait.optim.precision._CastGroup) whose backward adds their bf16 gradients into the fp32 bucket buffer
-    # (GradReducer.take: one foreach add, the cast inside it: read 2 + 4, write 4). The node is made before the
-    # forward, and autograd runs ready nodes newest first, so it runs after the chunk's whole backward.
+    # bf16 without ZeRO: a bucket's bf16 gradients are added into its fp32 buffer (GradReducer.take: one foreach
+    # add, the cast inside it: read 2 + 4, write 4). A bucket reduced over other ranks gets them from leaf copies
+    # through one multi-gradient hook as soon as they are complete; under a split backward, and without other
+    # ranks, from one autograd node (plait.optim.precision._CastGroup) made before the forward, which autograd
+    # (newest ready node first) runs after the chunk's whole backward.
     ("bf16", 0): AccumulationTraffic(every=10, after_backward=True),
     # bf16 under ZeRO-1/2: the parameters are stored in bf16 (StepCast.set_storage), autograd hands over the bf16
     # gradient, and the post-accumulate hook adds it into the fp32 bucket buffer and drops it

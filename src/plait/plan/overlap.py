@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plait.plan.accumulation import traffic
+from plait.plan.pipeline import SPLIT_BACKWARD
 
 if TYPE_CHECKING:
     from plait.plan.config import Layout, Training
@@ -49,11 +50,13 @@ def dp_exposed(costs: CostModel, layout: Layout, training: Training, reduction: 
     ``Training.overlap_grad_reduce``, the gather beside ``forward`` (a rank's forward of one micro-batch) when
     ``Training.overlap_param_gather``; each as much as the cluster's cost model lets the network run beside the
     compute (``CostModel.hidden_reduction``), never beside a chunk's own last backward where the gradients reach
-    the buckets only after it (``AccumulationTraffic.after_backward``: plait's bf16 copies of fp32 parameters).
+    the buckets only after it (``AccumulationTraffic.after_backward``: plait's bf16 copies of fp32 parameters under
+    a split backward).
     Otherwise all of it: the gather then follows the optimizer step."""
     v, pp = layout.virtual_stages, layout.pp
     if training.overlap_grad_reduce:
-        late = traffic(training.grad_accumulation, training.precision, layout.zero).after_backward
+        late = (traffic(training.grad_accumulation, training.precision, layout.zero).after_backward
+                and layout.schedule in SPLIT_BACKWARD)
         reduction = exposed_tail(reduction, costs.hidden_reduction(backward), v, pp, own=not late)
     if training.overlap_param_gather:
         gather = exposed_tail(gather, costs.hidden_reduction(forward), v, pp)
