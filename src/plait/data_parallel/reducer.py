@@ -204,8 +204,9 @@ class GradReducer:
 
     def take(self, b: Bucket, grads: Sequence[torch.Tensor | None]) -> None:
         """Add the gradients of ``b``'s parameters (in order; None: none, any floating dtype) into its buffer (one
-        add each, in float32), as a backward pass produces them; the bucket is complete then (the backward of
-        plait.optim.precision's per-bucket cast). Float32 parameters get their views as ``.grad``."""
+        add each, in float32), as a backward pass produces them; the bucket is complete then (plait.optim.precision:
+        the backward of a bucket's cast node, or the hook on its leaf copies). Float32 parameters get their views as
+        ``.grad``."""
         views = b.views()
         pairs = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
         with torch.no_grad():
@@ -238,8 +239,9 @@ class GradReducer:
 
     def _launch(self, b: Bucket) -> None:
         b.launched = True
-        for p, view in zip(b.params, b.views(), strict=True):  # gradients written past the hooks (none missing:
-            g = p.grad                                         # zeros); the hooks absorbed the ready ones
+        # gradients written past the hooks (a missing one counts as zeros); the hooks absorbed the ready ones
+        for p, view in zip(b.params, b.views(), strict=True):
+            g = p.grad
             if g is not None and g is not view and id(p) not in b.ready:
                 self._absorb(p)
         buffer = b.allocate()

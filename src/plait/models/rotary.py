@@ -49,7 +49,8 @@ class RotaryTables:
         return 1.0 / (self.theta ** exponents)  # [hd/2]
 
     def rope(self, seq_len: int, offset: int, dtype: torch.dtype, device: torch.device) -> Tables:
-        """cos, sin [S, hd] at positions offset..offset+S-1 (kept for the next call with the same arguments)."""
+        """cos, signed sin [S, hd] at positions offset..offset+S-1 (kept for the next call with the same
+        arguments)."""
         key = (seq_len, offset, dtype, device, torch.is_inference_mode_enabled())
         kept = self._range
         if kept is None or kept[0] != key:
@@ -57,7 +58,7 @@ class RotaryTables:
         return kept[1]
 
     def rope_at(self, pos: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Tables:
-        """cos, sin [B, 1, S, hd] at per-row positions ``pos`` [B, S] (kept while ``pos`` is unchanged)."""
+        """cos, signed sin [B, 1, S, hd] at per-row positions ``pos`` [B, S] (kept while ``pos`` is unchanged)."""
         if pos.is_inference():
             return self.build_at(pos, dtype, device)
         key = (pos._version, dtype, device, torch.is_inference_mode_enabled())

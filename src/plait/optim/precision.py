@@ -9,9 +9,8 @@ bucket's float32 buffer (``GradReducer.take``: one add per gradient, float32 ari
 it and no per-parameter accumulation node); a bucket reduced over other ranks gets leaf copies instead, handed
 to the buffer as soon as they are complete, so its reduction overlaps the backward; any other parameter's copy
 is ``p.to(bf16)``, whose backward turns the gradient back into float32 for autograd to accumulate into
-``.grad``. Either way micro-batch
-accumulation, the data-parallel reduction, the TP-partial sync and the tied embedding sync all run in
-float32 without any change to that code.
+``.grad``. Either way micro-batch accumulation, the data-parallel reduction, the TP-partial sync and the tied
+embedding sync all run in float32 without any change to that code.
 
 Costs: 4 (fp32 master) + 2 (bf16 copy while a step runs) + 4 (fp32 grad) bytes per parameter.
 Zero-bubble schedules stay correct but compute weight gradients in the I pass (the bf16 copy is not a
@@ -148,16 +147,18 @@ class StepCast:
         casts: dict[int, torch.Tensor] = {}
         for i, (params, sink) in enumerate(self.groups if torch.is_grad_enabled() else ()):
             # the run casts float32-stored parameters; one a user froze since keeps its plain cast (no gradient)
-            if i in self.early and all(map(_REQUIRES_GRAD, params)):
-                leaves = _early_copies(params, dtype, sink)
-                self._leaves += leaves
-                casts.update(zip(map(id, params), leaves, strict=True))
-            elif all(map(_REQUIRES_GRAD, params)):
+            if not all(map(_REQUIRES_GRAD, params)):
+                continue
+            if i in self.early:
+                copies = _early_copies(params, dtype, sink)
+                self._leaves += copies
+            else:
                 anchor = self._anchors.get(params[0].device)
                 if anchor is None:
                     anchor = self._anchors[params[0].device] = torch.zeros((), device=params[0].device,
                                                                           requires_grad=True)
-                casts.update(zip(map(id, params), _CastGroup.apply(dtype, sink, params, anchor), strict=True))
+                copies = _CastGroup.apply(dtype, sink, params, anchor)
+            casts.update(zip(map(id, params), copies, strict=True))
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named:
             if not p.is_floating_point():
