@@ -1,8 +1,11 @@
 """Memory model against worked examples derived by hand (Korthikanti et al. 2022; mixed-precision Adam)."""
 
+from dataclasses import replace
+
 import pytest
 
 from plait.plan import Cluster, Layout, Model, Training, estimate
+from plait.plan import memory as mem
 from plait.plan.config import GRAD_DTYPES
 from plait.plan.memory import activation_bytes_per_layer, stage_layers, state_bytes
 
@@ -248,3 +251,54 @@ def test_a_model_without_dropout_keeps_no_masks():
     cluster = Cluster("a100-80gb", 4, flash_attention=False)
     assert cluster.costs.activations(plain, Layout(tp=4), "bf16").first == 0.0
     assert cluster.costs.activations(GPT, Layout(tp=4), "bf16").first == SBH
+
+
+# A small Llama-shaped model: s=16, h=64, 4 heads of 16, 2 KV heads, SwiGLU f=128, vocabulary 100.
+TINY = Model(2, 64, 4, 100, 16, 128, 2, glu=True)
+
+
+def test_torchtitan_op_policy_keeps_every_other_matmul_and_the_attention():
+    # micro-batch 2: 32 tokens. Kept per token: the block's input 64 + wq 64 + wv 32 + w1 128 + w2 64 + the
+    # attention's output 64 = 416 elements × 2 B = 832 B, + the float32 log-sum-exp 4 heads × 4 B = 16 B -> 848 B;
+    # × 32 tokens = 27,136 B (Korthikanti's selective set here: sbh(8 + 4 + 4·0.5 + 2·2·3) = 32·64·26 = 53,248 B)
+    lay = Layout(dp=8, microbatch_size=2, recompute="selective", zero=3)
+    cluster = Cluster("h100-sxm", 8)
+    titan = Training(16, selective_policy="torchtitan-op")
+    assert mem.activations(cluster, TINY, lay, titan).layer == 27_136
+    assert mem.activations(cluster, TINY, lay, Training(16)).layer == 53_248
+    # the policy applies to selective recomputation only
+    none = replace(lay, recompute="none")
+    assert mem.activations(cluster, TINY, none, titan).layer == mem.activations(cluster, TINY, none, Training(16)).layer
+
+
+def test_torch_cross_entropy_holds_twelve_bytes_a_logit():
+    # 32 tokens × 100 logits: Korthikanti's head 4sbh + 4sbv = 8,192 + 12,800; torch's cross_entropy on a float32
+    # copy holds 12 B a logit at the log-softmax's backward: 8,192 + 38,400 = 46,592 B
+    lay = Layout(dp=8, microbatch_size=2, zero=3)
+    cluster = Cluster("h100-sxm", 8)
+    assert mem.activations(cluster, TINY, lay, Training(16)).last == 20_992
+    assert mem.activations(cluster, TINY, lay, Training(16, loss="torch-cross-entropy")).last == 46_592
+    e0 = estimate(TINY, cluster, lay, Training(16))
+    e1 = estimate(TINY, cluster, lay, Training(16, loss="torch-cross-entropy"))
+    assert e1.memory.total - e0.memory.total == pytest.approx(25_600)
+
+
+def test_torchtitan_op_policy_is_refused_with_tensor_parallelism():
+    from plait.errors import ConfigError
+    from plait.plan.config import check
+
+    lay = Layout(tp=2, dp=4, recompute="selective")
+    bad = check(TINY, Cluster("h100-sxm", 8), lay, Training(16, selective_policy="torchtitan-op"))
+    assert bad is not None and bad[0] == "policy" and "tp = 2" in bad[1]
+    with pytest.raises(ConfigError, match="selective_policy"):
+        Training(16, selective_policy="every-op")
+    with pytest.raises(ConfigError, match="loss"):
+        Layout(dp=8).to_parallel_config(Training(16, loss="torch-cross-entropy"))
+
+
+def test_megatron_vocab_parallel_cross_entropy_holds_six_bytes_a_logit():
+    # Megatron-Core's loss: the bf16 logits beside their float32 copy (2 + 4 B); 32 tokens × 100 logits × 6 B =
+    # 19,200 B beside the head's 4sbh = 8,192 B
+    lay = Layout(dp=8, microbatch_size=2)
+    acts = mem.activations(Cluster("h100-sxm", 8), TINY, lay, Training(16, loss="megatron-vocab-parallel"))
+    assert acts.last == 8_192 + 19_200

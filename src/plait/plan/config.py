@@ -167,8 +167,15 @@ GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: the one plait's runtime keeps: float32 gradients (main_grad buffers, ZeRO shards), reduced in float32
 RUNTIME_GRAD_DTYPE = "fp32"
 
+#: which tensors a layer keeps under selective recomputation (``Training.selective_policy``, ``plan.memory``)
+SELECTIVE_POLICIES = ("korthikanti", "torchtitan-op")
+#: how the loss holds the logits at its peak (``Training.loss``, ``plan.memory.LOGIT_BYTES``)
+LOSSES = ("fp32-logits", "torch-cross-entropy", "megatron-vocab-parallel")
+
 #: ``Training`` fields that describe other stacks' runs: (field, plait's runtime's value, what the runtime does)
 OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
+    ("selective_policy", SELECTIVE_POLICIES[0], "is planned with Korthikanti et al.'s selective set"),
+    ("loss", LOSSES[0], "is planned with Korthikanti et al.'s 4 B a logit"),
     ("grad_dtype", RUNTIME_GRAD_DTYPE, f"keeps and reduces {RUNTIME_GRAD_DTYPE} gradients"),
     ("optimizer", RUNTIME_OPTIMIZER, f"runs {RUNTIME_OPTIMIZER}"),
     ("grad_accumulation", RUNTIME_ACCUMULATION, "accumulates its own way"),
@@ -248,6 +255,18 @@ class Training:
     shard accumulated). Charged in each chunk's backward (``plan.timing.chunk_costs``).
     ``Layout.to_parallel_config`` refuses any but plait's."""
 
+    selective_policy: str = SELECTIVE_POLICIES[0]
+    """Under ``recompute="selective"``, which tensors each layer keeps for its backward (``plan.memory``):
+    "korthikanti" (Megatron-LM's and plait's: all but the attention scores, Korthikanti et al. 2022, §5) or
+    "torchtitan-op" (torchtitan's per-op checkpoint policy: the block's input, every other matmul's output and the
+    fused attention's, the rest recomputed; ``plan.memory.torchtitan_op_layer``)."""
+    loss: str = LOSSES[0]
+    """How the loss holds the logits at its peak (``plan.memory.LOGIT_BYTES``): "fp32-logits" (Korthikanti et
+    al. 2022, §4.3: the float32 logits kept for the backward, 4 B each) or "torch-cross-entropy" (torch's
+    ``cross_entropy`` on a float32 copy of the logits, as torchtitan's ``loss_fn`` calls it: 12 B each at the
+    log-softmax's backward) or "megatron-vocab-parallel" (Megatron-Core's vocab-parallel cross-entropy: the 16-bit
+    logits beside their float32 copy, 6 B each)."""
+
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise ConfigError(f"global_batch: must be >= 1 sequence, got {self.global_batch}")
@@ -263,6 +282,9 @@ class Training:
         if self.grad_accumulation not in ACCUMULATIONS:
             raise ConfigError(f"grad_accumulation: {self.grad_accumulation!r} is not one of "
                               f"{', '.join(ACCUMULATIONS)}")
+        for name, choices in (("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()
         if len(sms) != 2 or not all(type(n) is int and 1 <= n <= UB_MAX_SMS for n in sms):
             raise ConfigError(f"tp_overlap_sms: must be two integers from 1 to {UB_MAX_SMS} (the SMs of proj_fprop's "
@@ -309,6 +331,9 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "ep", "ep: expert parallelism needs a mixture-of-experts model (n_experts > 1)"
     if l.sequence_parallel and tp == 1:
         return "sp", "sequence_parallel: needs tp > 1"
+    if training.selective_policy == "torchtitan-op" and l.recompute == "selective" and tp * l.cp > 1:
+        return "policy", (f"selective_policy: 'torchtitan-op' is counted for tp = cp = 1 only, got tp = {tp}, "
+                          f"cp = {l.cp}")
     if l.pp == 1 and (l.virtual_stages > 1 or l.schedule != "1f1b"):
         return "schedule", "schedule: with pp = 1 use schedule='1f1b', virtual_stages=1 (no pipeline)"
     return None

@@ -175,7 +175,7 @@ def pipeline(model: Model, cluster: Cluster, layout: Layout, training: Training,
     from ``plan.memory``); ``rounds``: see ``plait.schedules.build_schedule``."""
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(cluster.costs, model, layout, training, m)
-    acts = cluster.costs.activations(model, layout, training.precision)
+    acts = mem.activations(cluster, model, layout, training)
     layers = layout_stages(model, layout).chunk_layers
     nbytes = [acts.chunk(n, c == 0, c == len(layers) - 1) for c, n in enumerate(layers)]
     weight = [c.weight for c in chunks] if layout.schedule in SPLIT_BACKWARD else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from plait.plan.config import GRAD_DTYPES, Layout
+from plait.plan.config import GRAD_DTYPES, Layout, Training
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages, stages
 
@@ -111,6 +111,47 @@ class ActivationModel:
     def chunk(self, layers: int, first: bool, last: bool) -> float:
         """Bytes one micro-batch leaves on a chunk of ``layers`` layers until its backward."""
         return layers * self.layer + (self.first if first else 0.0) + (self.last if last else 0.0)
+
+
+# Bytes per logit the loss holds at its peak (``Training.loss``), beyond the head's 4sbh/t. "fp32-logits": the
+# float32 logits kept for the backward (Korthikanti et al. 2022, §4.3: 4sbv/t). "torch-cross-entropy": torch's
+# ``cross_entropy(logits.float(), labels)`` as torchtitan's train.py calls it (pytorch/torchtitan train.py at
+# 9dec370, ``loss_fn``; ``del pred`` before ``loss.backward()``): log_softmax keeps its float32 output (4 B) and its
+# backward, called with nll_loss's dense float32 gradient (4 B), writes a float32 result (4 B) while both live.
+# "megatron-vocab-parallel": Megatron-Core's vocab-parallel cross-entropy, unfused or its 'native' fusion
+# (NVIDIA/Megatron-LM megatron/core/tensor_parallel/cross_entropy.py and fusions/fused_cross_entropy.py at
+# ee6737da): it makes a float32 copy of the 16-bit logits (calculate_logits_max) while GPTModel.forward still holds
+# those (2 + 4 B), turns the copy into the softmax in place and keeps it; its backward writes the gradient into the
+# softmax in place and returns a bf16 copy of it (4 + 2 B).
+LOGIT_BYTES = {"fp32-logits": 4, "torch-cross-entropy": 12, "megatron-vocab-parallel": 6}
+
+
+def torchtitan_op_layer(model: Model, layout: Layout) -> float:
+    """Bytes one layer keeps for one micro-batch under torchtitan's per-op selective checkpointing
+    (pytorch/torchtitan torchtitan/parallelisms/parallelize_llama.py at 9dec370, ``_apply_ac_to_transformer_block``
+    with ``selective_ac_option = 'op'``): the checkpointed block keeps its input (2sbh) and the outputs of the ops
+    in ``_save_list`` — every other ``aten.mm`` in the block's order (the 1st, 3rd, ...: of a Llama block's wq, wk,
+    wv, wo, w1, w3, w2 that is wq, wv, w1 and w2), and the flash attention's output (2sbh) and float32 log-sum-exp
+    (4·s·b·a); all else is recomputed in the backward. One GPU of a data-parallel group: no TP or CP split."""
+    tokens = model.seq_len * layout.microbatch_size
+    q, kv, f, h = model.n_heads * model.head_dim, model.kv_heads * model.head_dim, model.ffn, model.hidden
+    mms = [q, kv, kv, h] + ([f, f, h] if model.glu else [f, h])  # the block's matmul outputs in forward order
+    kept = sum(mms[0::2]) + h + q  # + the block's input + the attention's output, 2 B an element
+    return tokens * (2 * kept + 4 * model.n_heads)
+
+
+def activations(cluster: Cluster, model: Model, layout: Layout, training: Training) -> ActivationModel:
+    """The cluster's activation count (``CostModel.activations``) with ``training``'s stack: another selective
+    policy's layer (``Training.selective_policy``; ``config.check`` keeps it to tp = cp = 1) and the loss's bytes
+    per logit (``Training.loss``)."""
+    acts = cluster.costs.activations(model, layout, training.precision)
+    if training.selective_policy == "torchtitan-op" and layout.recompute == "selective":
+        acts = replace(acts, layer=torchtitan_op_layer(model, layout))
+    extra = LOGIT_BYTES[training.loss] - LOGIT_BYTES["fp32-logits"]
+    if extra:
+        acts = replace(acts, last=acts.last + extra * model.seq_len / layout.cp * layout.microbatch_size
+                       * model.vocab / layout.tp)
+    return acts
 
 
 def zero3_working(model: Model, layout: Layout, precision: str = "bf16") -> float:

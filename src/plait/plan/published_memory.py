@@ -146,9 +146,12 @@ def _korthikanti() -> list[ByteFigure]:
 # (bf16, no torch.compile, no Float8): Llama 3.1 8B, local batch size 2, selective activation checkpointing,
 # Memory(GiB) 82.4 on 8 GPUs and 67.0 on 128 ("the maximum across all GPUs"; H100 96GB HBM2e). The torchtitan
 # commit it names (9dec370) trains the 8B config at seq_len 8192 with selective_ac_option 'op'
-# (train_configs/llama3_8b.toml). That selective checkpointing (per op: matmul outputs kept, the rest
-# recomputed) is not plait's (attention scores only, none with a fused attention), so the planner's count is the
-# one without it; the two rows differ by the sharded model states alone.
+# (train_configs/llama3_8b.toml): each block keeps its input, every other matmul's output and the flash
+# attention's (``Training.selective_policy = "torchtitan-op"``, ``plan.memory.torchtitan_op_layer``); its train.py
+# computes the loss as cross_entropy(pred.float(), labels) (``Training.loss = "torch-cross-entropy"``). The two
+# rows differ by the sharded model states alone. Memory(GiB) is the caching allocator's reserved peak (train.py at
+# 9dec370 logs device_mem_stats.max_reserved_gib, torchtitan/metrics.py's "reserved_bytes.all.peak"): it bounds the
+# allocated peak the planner counts from above; the allocated peak is not printed.
 TITAN_H100_WHERE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bfd), Table {table}"
 TITAN_H100_ROWS = ((1, 8, "82.4"), (3, 128, "67.0"))  # table, GPUs, Memory(GiB) as printed
 
@@ -158,7 +161,8 @@ def _titan_h100() -> list[ByteFigure]:
     return [ByteFigure("torchtitan", TITAN_H100_WHERE.format(table=table), f"Llama 3.1 8B FSDP on {n} H100, "
                        "local batch 2, peak", "peak memory", f"Memory(GiB) {gib}", float(gib) * 2**30, m,
                        Layout(dp=n, microbatch_size=2, recompute="selective", zero=3), Cluster("h100-sxm", n),
-                       tolerance=0.1, training=Training(2 * n))
+                       tolerance=0.1, training=Training(2 * n, selective_policy="torchtitan-op",
+                                                        loss="torch-cross-entropy"))
             for table, n, gib in TITAN_H100_ROWS]
 
 
@@ -172,13 +176,20 @@ def _titan_h100() -> list[ByteFigure]:
 # the CUDA allocator's max_memory_reserved() as peak_memory_usage, its memory_allocated() as memory_allocated): it
 # bounds the allocated peak the planner counts from above, and the two agree only within the allocator's slack.
 NEMOTRON_LOG_WHERE = "NVIDIA/dgxc-benchmarking nemotron/README.md (commit 741c8860), the BF16 example's log line"
+# The loss of the v25.04 NeMo 2.0 runs: nemotron/setup.sh and llama3.1/setup.sh at 741c8860 install NeMo d2b21556
+# over Megatron-Core ee6737da, whose GPTModel computes Megatron-Core's vocab-parallel cross-entropy (NeMo's
+# GPTConfig and Nemotron4Config set cross_entropy_loss_fusion = True: its 'native' fusion, the same bytes):
+# ``Training.loss = "megatron-vocab-parallel"``. The v24.11.1 rows and the GPT-3 175B container pin no
+# Megatron-Core commit: Korthikanti et al.'s count.
+DGXC_LOSS = "megatron-vocab-parallel"
+DGXC_LOSS_MODELS = ("llama3-8b", "nemotron4-15b")
 
 
 def _nemotron_log() -> list[ByteFigure]:
     m = dgxc_model("nemotron4-15b")
     layout = Layout(tp=2, dp=32, microbatch_size=2, sequence_parallel=True, zero=1)
     cluster = Cluster("h100-sxm", 64)
-    label, training = "Nemotron-4 15B, TP2 DP32, 64 H100", Training(256, grad_dtype=DGXC_GRADS)
+    label, training = "Nemotron-4 15B, TP2 DP32, 64 H100", Training(256, grad_dtype=DGXC_GRADS, loss=DGXC_LOSS)
     return [ByteFigure("NVIDIA DGX Cloud Benchmarking", NEMOTRON_LOG_WHERE, f"{label}, after the step",
                        "model states", "memory_allocated: 34466545664", 34466545664.0, m, layout, cluster,
                        tolerance=0.05, training=training),
@@ -254,7 +265,8 @@ def fit_statements() -> list[MemoryStatement]:
             Layout(tp=tp, pp=pp, cp=cp, cp_comm="ring", dp=n // (tp * pp * cp), virtual_stages=vp,
                    microbatch_size=mbs, schedule="interleaved-1f1b" if vp > 1 else "1f1b", sequence_parallel=tp > 1,
                    zero=1),
-            Training(gbs, grad_dtype=DGXC_GRADS), True, printed))
+            Training(gbs, grad_dtype=DGXC_GRADS, loss=DGXC_LOSS if name in DGXC_LOSS_MODELS else "fp32-logits"),
+            True, printed))
     bloom = bloom_model(72, 64)
     for dp, tp, pp, mbs, gbs, mem, *_ in BLOOM_PREQUEL:
         n = dp * tp * pp
