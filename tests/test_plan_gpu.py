@@ -3,6 +3,7 @@ the compute, causal flash attention, Megatron-Core's communication overlap, and 
 on the published runs."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency, ring_allreduce
 from plait.plan.memory import max_rank_params
 from plait.plan.overlap import exposed_tail
 from plait.plan.published import runs
-from plait.plan.step_end import dp_sync_parts, zero3_collectives
+from plait.plan.step_end import dp_sync_parts, tied_sum_time, zero3_collectives
 from plait.plan.timing import layer_forward_flops
 from plait.plan.validation import default_constants, predict
 
@@ -259,3 +260,24 @@ def test_context_parallel_ring_hides_each_transfer_behind_one_steps_attention_at
     layer = cluster.costs.blocks(m, layout, "bf16").layer
     assert layer.f_tp == pytest.approx(tp + 3 * (one - step))
     assert layer.b_tp == pytest.approx(tp + 2 * (two - 2.5 * step))
+
+
+def test_tied_embedding_gradient_is_summed_over_the_first_and_last_stage_once_a_step():
+    """32000 x 2048 fp16 gradients (131.072 MB) all-reduced by the two ends of a pp2 pipeline on two nodes: each
+    moves the tensor once over its HDR NIC (25 GB/s at 0.8) plus two latencies of 5 us; plait sums its ZeRO-1
+    shard, 1/8 of it."""
+    m = Model(4, 2048, 16, 32000, 2048, tied_embeddings=True)
+    cluster, layout = Cluster("a100-80gb", 16, interconnect="ib-hdr"), Layout(pp=2, dp=8, zero=1)
+    full = 131.072e6 / 20e9 + 2 * 5e-6
+    shard = 131.072e6 / 8 / 20e9 + 2 * 5e-6
+    assert tied_sum_time(m, cluster, layout, "fp16", "full") == pytest.approx(full)
+    assert tied_sum_time(m, cluster, layout, "fp16", "shard") == pytest.approx(shard)
+    assert tied_sum_time(replace(m, tied_embeddings=False), cluster, layout, "fp16", "full") == 0.0
+    assert tied_sum_time(m, cluster, Layout(dp=16, zero=1), "fp16", "full") == 0.0
+    sync = {w: estimate(m, cluster, layout, Training(64, grad_dtype="fp16", tied_grad_sum=w)).time["sync"]
+            for w in ("full", "shard")}
+    assert sync["full"] - sync["shard"] == pytest.approx(full - shard)
+    with pytest.raises(ConfigError, match="tied_grad_sum"):
+        Training(64, tied_grad_sum="half")
+    with pytest.raises(ConfigError, match="tied_grad_sum"):
+        layout.to_parallel_config(Training(64, tied_grad_sum="full"))

@@ -182,7 +182,11 @@ OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
     ("tp_comm_overlap", False, "runs SP's collectives exposed (no Megatron-Core overlap)"),
     ("overlap_param_gather", False, "gathers the updated weights after the step (no Megatron-Core overlap)"),
     ("tp_overlap_sms", TE_OVERLAP_SMS, "runs no userbuffers"),
+    ("tied_grad_sum", "shard", "sums a tied embedding's gradient over its reduced shard"),
 )
+
+#: where a stack sums a tied embedding's gradient over the pipeline stages holding a copy (``Training.tied_grad_sum``)
+TIED_GRAD_SUMS = ("shard", "full")
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,12 @@ class Training:
     (BF16_Optimizer's update_hp_grads), "fsdp1-bf16" or "fsdp2-fp32" (a reduce-scatter every backward, the
     shard accumulated). Charged in each chunk's backward (``plan.timing.chunk_costs``).
     ``Layout.to_parallel_config`` refuses any but plait's."""
+    tied_grad_sum: str = "shard"
+    """What of a tied embedding's gradient the stack sums over the first and last pipeline stages once a step
+    (``plan.step_end.tied_sum_time``): "shard" (plait's runtime, ``plait.pipeline.ties``: the reduced elements
+    after the DP reduction, 1/(dp·cp) of them under ZeRO) or "full" (the whole vocabulary shard's gradient:
+    Megatron-LM's embedding-group all-reduce, DeepSpeed's pipeline engine's ReduceTiedGrads).
+    ``Layout.to_parallel_config`` refuses any but plait's."""
 
     selective_policy: str = SELECTIVE_POLICIES[0]
     """Under ``recompute="selective"``, which tensors each layer keeps for its backward (``plan.memory``):
@@ -279,6 +289,8 @@ class Training:
             raise ConfigError(f"grad_dtype: {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.tied_grad_sum not in TIED_GRAD_SUMS:
+            raise ConfigError(f"tied_grad_sum: {self.tied_grad_sum!r} is not one of {', '.join(TIED_GRAD_SUMS)}")
         if self.grad_accumulation not in ACCUMULATIONS:
             raise ConfigError(f"grad_accumulation: {self.grad_accumulation!r} is not one of "
                               f"{', '.join(ACCUMULATIONS)}")

@@ -148,6 +148,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     publish = step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer)
     loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True, training.grad_dtype)
+    tp_sum += step_end.tied_sum_time(model, cluster, layout, training.grad_dtype, training.tied_grad_sum)
     time = {**busy, "pp_bubble": max(0.0, span.makespan - sum(busy.values())), "dp_comm": reduction + gather,
             "zero_comm": zero3,
             "optimizer": span.stretch * optimizer + publish,

@@ -63,6 +63,10 @@ NARAYANAN_OPTIMIZER = "megatron-fp16"
 # accumulates each fp16 gradient into param.grad, as it does under torch DDP's no_sync in the rows without a
 # pipeline (megatron/model/distributed.py, schedules.py at that commit): "autograd-16bit" (``plan.accumulation``).
 NARAYANAN_ACCUMULATION = "autograd-16bit"
+# A pipelined run all-reduces the word embeddings' whole gradient over the first and last stages after the DP
+# all-reduce (megatron/training.py train_step at that commit): "full" (``plan.step_end.tied_sum_time``); also MT-NLG's
+# (DeepSpeed's ReduceTiedGrads), NeMo's (v1.11.0 allreduce_first_last_embeddings) and BLOOM's rows below.
+TIED_FULL = "full"
 NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1 (also NVIDIA/Megatron-LM README "
                    "images/cases_april2021.png); layouts from examples/sc21/run_table_1.sh")
 # (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
@@ -127,7 +131,7 @@ def _narayanan() -> list[PublishedRun]:
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
-                     optimizer=NARAYANAN_OPTIMIZER, grad_accumulation=NARAYANAN_ACCUMULATION),
+                     optimizer=NARAYANAN_OPTIMIZER, grad_accumulation=NARAYANAN_ACCUMULATION, tied_grad_sum=TIED_FULL),
             f"{tflops} teraFLOP/s per GPU", step,
             "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
@@ -144,7 +148,8 @@ def _narayanan() -> list[PublishedRun]:
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
                      optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER,
-                     grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION),
+                     grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION,
+                     tied_grad_sum=TIED_FULL),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) costed as plait's block-wise ZeRO-3",
              "full recomputation (eq. 3 counts it)",
@@ -182,7 +187,7 @@ def _smith() -> list[PublishedRun]:
             "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
             Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1),
-            Training(1920, overlap_grad_reduce=False, recompute_head=False),
+            Training(1920, overlap_grad_reduce=False, recompute_head=False, tied_grad_sum=TIED_FULL),
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
              "ZeRO-1 (DeepSpeed)", "vocab 50272 padded to 51200", "Selene: HDR InfiniBand",
@@ -245,7 +250,7 @@ def _nemo() -> list[PublishedRun]:
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
                                        recompute="selective", zero=1),
                                 Training(2048, overlap_grad_reduce=False, optimizer=NEMO_OPTIMIZER,
-                                         grad_accumulation=NEMO_ACCUMULATION[True]),
+                                         grad_accumulation=NEMO_ACCUMULATION[True], tied_grad_sum=TIED_FULL),
                                 f"{tps} tokens per second", tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second",
                                 assumed + ("1F1B, not interleaved", "NeMo 1.11.0: no gradient-reduction overlap "
@@ -264,7 +269,8 @@ def _nemo() -> list[PublishedRun]:
 # communication_data_type): costed as fp32 (one dtype for both; no memory figure of this run is checked).
 # Its optimizer step is that BF16_Optimizer's around Megatron-DeepSpeed's apex FusedAdam ("deepspeed-bf16",
 # ``plan.optimizers``; tr11-176B-ml.slurm: --optimizer adam, --clip-grad 1.0), and so is its gradient accumulation
-# (update_hp_grads after every backward: "deepspeed-bf16", ``plan.accumulation``).
+# (update_hp_grads after every backward: "deepspeed-bf16", ``plan.accumulation``). Its pipeline engine all-reduces
+# the tied embedding's whole fp32 gradient over the first and last stages (pipe/engine.py _exec_reduce_tied_grads).
 BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
                "bigscience-workshop/bigscience")
 OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
@@ -318,7 +324,7 @@ def _bloom() -> list[PublishedRun]:
                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
                         Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1),
                         Training(2048, overlap_grad_reduce=False, recompute_head=False, optimizer="deepspeed-bf16",
-                                 grad_accumulation="deepspeed-bf16"),
+                                 grad_accumulation="deepspeed-bf16", tied_grad_sum=TIED_FULL),
                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
                         BLOOM_ASSUMED)]
     m = bloom_model(72, 64)
@@ -329,7 +335,7 @@ def _bloom() -> list[PublishedRun]:
                 Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
                 bloom_prequel_layout(dp, tp, pp, mbs),
                 Training(gbs, overlap_grad_reduce=False, recompute_head=False, grad_dtype=BLOOM_PREQUEL_GRADS,
-                         optimizer="deepspeed-zero-fp16", grad_accumulation="autograd-16bit"),
+                         optimizer="deepspeed-zero-fp16", grad_accumulation="autograd-16bit", tied_grad_sum=TIED_FULL),
                 f"Sec/it {sec} (TFLOPs {tflops})", float(sec), "printed step time",
                 BLOOM_ASSUMED + ("the 2nd iteration's time", "fp16 (the slurm of that day) costed as bf16; ZeRO-1")))
     return out

@@ -115,6 +115,26 @@ def tp_partial_time(model: Model, cluster: Cluster, layout: Layout, layers: int,
     return cluster.costs.collective("all_reduce", nbytes, layout.tp)
 
 
+def tied_sum_time(model: Model, cluster: Cluster, layout: Layout, grad_dtype: str = "fp32",
+                  where: str = "shard") -> float:
+    """Seconds of the sum of a tied embedding's gradient over the first and last pipeline stages, which hold a
+    copy each: one all-reduce over those two ranks once a step, after the backward and before the optimizer step
+    (exposed), of the vocabulary shard's gradient (V·h/t elements) in ``grad_dtype``. ``where``
+    (``Training.tied_grad_sum``): "shard" as plait's runtime sums it after the DP reduction, over the reduced
+    elements (``plait.pipeline.ties``: 1/(dp·cp) of them under ZeRO); "full", the whole gradient, as Megatron-LM
+    all-reduces the word embeddings' gradient over its embedding group after the DP all-reduce
+    (NVIDIA/Megatron-LM megatron/training.py train_step at de7dc40f) and DeepSpeed's pipeline engine issues
+    ReduceTiedGrads before ReduceGrads (microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py TrainSchedule,
+    module.py allreduce_tied_weight_gradients at v0.5.10). The two stages are a pipeline apart: the ring spans
+    the world. 0 without tied embeddings or a pipeline."""
+    if not model.tied_embeddings or layout.pp == 1:
+        return 0.0
+    elements = model.vocab * model.hidden / layout.tp
+    if where == "shard":
+        elements /= optimizer_shards(layout)
+    return cluster.costs.collective("all_reduce", GRAD_DTYPES[grad_dtype] * elements, 2, layout.world)
+
+
 def param_tensors(layers: int) -> int:
     """Parameter tensors of a rank holding ``layers`` layers, and the embedding, the final norm and the head."""
     return layers * PARAM_TENSORS_PER_LAYER + 3
