@@ -11,7 +11,7 @@ from plait.errors import ConfigError
 from plait.plan import Cluster, Layout, Model, Training, estimate
 from plait.plan.attention import efficiency
 from plait.plan.catalogue import LINK_EFFICIENCY, get_gpu
-from plait.plan.gpu import FLASH_CAUSAL, matmul_efficiency, ring_allreduce
+from plait.plan.gpu import FLASH_CAUSAL, gemm_quantization, matmul_efficiency, ring_allreduce
 from plait.plan.memory import max_rank_params
 from plait.plan.overlap import exposed_tail
 from plait.plan.published import runs
@@ -57,10 +57,11 @@ def test_causal_flash_attention_costs_half_the_square_at_its_kernels_published_s
     gpu, tokens = cluster.gpu, 2 * 4096
     attention = 4 * tokens * 4096 * 2048
     dense = (layer_forward_flops(m, tokens, 4096) - attention) / (gpu.peak_flops * matmul_efficiency(gpu, m, layout))
-    assert block.f_compute - dense > 0
+    (qf, qd, qw), _ = gemm_quantization(gpu, m, layout)  # tile and wave quantization (plan.gemm)
+    assert block.f_compute - dense / qf > 0
     core = FLASH_CAUSAL * attention / 294e12
-    traffic = block.f_compute - dense - core
-    assert traffic > 0 and block.b_compute == pytest.approx(2 * dense + 2.5 * core + 2 * traffic)
+    traffic = block.f_compute - dense / qf - core
+    assert traffic > 0 and block.b_compute == pytest.approx(dense / qd + dense / qw + 2.5 * core + 2 * traffic)
     # the same layer with FlashAttention v1 (108 TFLOP/s at 2,048 tokens, 126 at 4,096): only the core changes
     slow = Cluster("h100-sxm", 8, flash_attention="flash1").costs.blocks(m, layout, "bf16").layer
     assert slow.f_compute - block.f_compute == pytest.approx(FLASH_CAUSAL * attention * (1 / 126e12 - 1 / 294e12))
@@ -135,6 +136,7 @@ def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
     g = cluster.gpu
     head = 2 * 1024 * 1024 * 32000 / (g.peak_flops * g.matmul_efficiency * 1024 / (1024 + g.gemm_half))
     assert head == pytest.approx(0.359e-3 * 0.623 / g.matmul_efficiency, rel=2e-3)  # 67.1 GFLOP at ~187 TFLOP/s
+    head /= gemm_quantization(g, m, layout)[1][0]  # [1024, 32000]: 1,000 tiles of 256x128, 10 waves of 108
     assert ours.time["recompute"] - layers_only.time["recompute"] == pytest.approx(4 * head, rel=1e-9)
     assert ours.step_time_s - layers_only.step_time_s == pytest.approx(4 * head, rel=1e-9)
     with pytest.raises(ConfigError, match="recompute_head"):  # plait's runtime would recompute it

@@ -2,15 +2,17 @@
 collectives, Korthikanti et al.'s activation count (Megatron-LM's kernels, 16-bit).
 
 What one layer costs: its FLOPs (``timing.layer_forward_flops``) at ``peak · matmul_efficiency`` (falling for
-narrow GEMMs), plus its element-wise kernels' HBM traffic; backward twice the forward (half of it weight
-gradients); the TP all-reduces (or SP's gathers and scatters) and MoE's all-to-alls on ring formulas over the
-link the group spans (NVLink inside a node; across nodes the NICs its members in a node have: ``group_link``).
-The fit and its errors on published runs, each source held out: ``plan.validation``.
+narrow GEMMs) and at each pass's share of that after its GEMMs' tile and wave quantization (``plan.gemm``), plus
+its element-wise kernels' HBM traffic; backward the data- and weight-gradient GEMMs (each the forward's FLOPs) and
+twice the element-wise traffic; the TP all-reduces (or SP's gathers and scatters) and MoE's all-to-alls on ring
+formulas over the link the group spans (NVLink inside a node; across nodes the NICs its members in a node have:
+``group_link``). The fit and its errors on published runs, each source held out: ``plan.validation``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
@@ -19,9 +21,10 @@ from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
+from plait.plan.gemm import passes
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
-from plait.plan.timing import head_forward_flops, layer_forward_flops
+from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms
 
 if TYPE_CHECKING:
     from plait.plan.cluster import Cluster
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
 # The constants of this model ride on the catalogue entry (``catalogue.GPU``), fitted on the published runs
 # (``plan.published``; leave-one-source-out: ``plan.validation``):
 # - ``matmul_efficiency``: the ceiling large GEMMs reach; it falls for narrow GEMMs as n/(n + gemm_half), n the
-#   per-GPU shard width h/t (capped by the tokens of a micro-batch);
+#   per-GPU shard width h/t (capped by the tokens of a micro-batch), and each GEMM of a pass keeps the share of it
+#   that cuBLAS's tiles leave after tile and wave quantization on the GPU's SMs (``gemm_quantization``);
 # - ``elementwise_traffic``: element-wise kernels (norms, softmax, dropout, residual adds, activations) move about
 #   this many times the layer's stored activation bytes through HBM per forward pass;
 # Fused attention (``Cluster(flash_attention=...)``) runs QK^T and AV on the causal half of the s×s square
@@ -103,6 +107,22 @@ def matmul_efficiency(gpu: GPU, model: Model, layout: Layout) -> float:
     """Achieved share of peak FLOP/s for this layer's GEMMs."""
     n = min(model.hidden / layout.tp, layout.microbatch_size * model.seq_len / layout.cp)
     return gpu.matmul_efficiency * n / (n + gpu.gemm_half)
+
+
+Quantization = tuple[tuple[float, float, float], tuple[float, float, float]]
+
+
+@lru_cache(maxsize=4096)
+def _quantization(sms: int, model: Model, layout: Layout) -> Quantization:
+    return passes(layer_gemms(model, layout), sms), passes((head_gemm(model, layout),), sms)
+
+
+def gemm_quantization(gpu: GPU, model: Model, layout: Layout) -> Quantization:
+    """(layer, head) shares of the matmul speed their GEMMs keep after tile and wave quantization on ``gpu``'s
+    SMs (``plan.gemm``; the GEMMs' shapes: ``timing.layer_gemms``, ``timing.head_gemm``), each (forward, data
+    gradient, weight gradient); all 1.0 for a GPU without an SM count. The attention core's batched GEMMs
+    (unfused softmax) and the overlapped collectives' partial GEMMs (``_tp_overlapped``) are not quantized."""
+    return _quantization(gpu.sms, model, layout)
 
 
 @dataclass(frozen=True)
@@ -254,18 +274,20 @@ class GpuCosts:
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
         tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None)
         core, core_b = self._attention_core(model, layout, attention)
+        (qf, qd, qw), (hf, hd, hw) = gemm_quantization(gpu, model, layout)
+        dense = (flops - attention) / speed
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
             traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            dense = (flops - attention) / speed
-            f = dense + core + traffic
-            b = 2 * dense + core_b + 2 * traffic
-            w = dense
+            f = dense / qf + core + traffic
+            b = dense / qd + dense / qw + core_b + 2 * traffic
+            w = dense / qw
             recompute = f + tp if layout.recompute == "full" else 0.0
         else:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="none"))
-            f = flops / speed + gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            b, w = 2 * f, f
+            rest = attention / speed + gpu.elementwise_traffic * stored / gpu.memory_bandwidth
+            f = dense / qf + rest
+            b, w = dense / qd + dense / qw + 2 * rest, dense / qw + rest
             if layout.recompute == "full":
                 recompute = f + tp
             elif layout.recompute == "selective" and layout.cp == 1:  # QK^T, softmax and AV again (Korthikanti
@@ -275,7 +297,8 @@ class GpuCosts:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
         return Blocks(StageCosts(f, b, w, tp, tp_b, recompute, 0.0, 1), StageCosts(),
-                      StageCosts(head, 2 * head, head, recompute=head if layout.recompute == "full" else 0.0))
+                      StageCosts(head / hf, head / hd + head / hw, head / hw,
+                                 recompute=head / hf if layout.recompute == "full" else 0.0))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
         """``[b, s, h]`` in bf16 scattered over the TP ranks (Narayanan et al. 2021, §4.1)."""

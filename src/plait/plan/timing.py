@@ -92,3 +92,30 @@ def rank_costs(costs: CostModel, model: Model, layout: Layout, training: Trainin
     for c, cost in enumerate(chunk_costs(costs, model, layout, training, microbatches)):
         out[placement[c]] = out[placement[c]] + cost
     return out
+
+
+def layer_gemms(model: Model, layout: Layout) -> tuple[tuple[float, float, float, float], ...]:
+    """The forward GEMMs of one layer on one GPU for one micro-batch, ``(m, n, k, count)``: an [m, k] by [k, n]
+    product, ``count`` of them, in Megatron-LM's tensor-parallel cut (Shoeybi et al. 2019, §3) over the T tokens
+    of a micro-batch on this rank (s/cp of each sequence; sequence parallelism gathers them before each GEMM):
+    the fused QKV projection [T, h] x [h, (q + 2kv)/t] (KV heads replicated where t exceeds them), the output
+    projection [T, h/t] x [h/t, h], the MLP's first GEMM [T, h] x [h, f/t] (gate and up fused with a GLU: 2f/t)
+    and its second [T, f/t] x [f/t, h]. A mixture-of-experts layer runs each of its E/ep experts on the tokens
+    routed to it, T·top_k·ep/E with balanced routing. The router and biases are left out (their FLOPs take the
+    layer's mean)."""
+    t = layout.tp
+    tokens = layout.microbatch_size * model.seq_len / layout.cp
+    h, d = model.hidden, model.head_dim
+    qkv = (model.n_heads / t + 2 * max(model.kv_heads / t, 1.0)) * d
+    mlp_in = model.ffn * (2 if model.glu else 1) / t
+    experts, routed = 1.0, tokens
+    if model.is_moe:
+        experts, routed = model.n_experts / layout.ep, tokens * model.top_k * layout.ep / model.n_experts
+    return ((tokens, qkv, h, 1.0), (tokens, h, h / t, 1.0), (routed, mlp_in, h, experts),
+            (routed, h, model.ffn / t, experts))
+
+
+def head_gemm(model: Model, layout: Layout) -> tuple[float, float, float, float]:
+    """The output layer's GEMM on one GPU, [T, h] x [h, V/t] (vocabulary-parallel)."""
+    tokens = layout.microbatch_size * model.seq_len / layout.cp
+    return tokens, model.vocab / layout.tp, model.hidden, 1.0
