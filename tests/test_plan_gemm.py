@@ -32,6 +32,11 @@ def test_bloom_tp8_micro_batch_two_wastes_a_wave_where_four_does_not():
     columns of 128. Micro-batch 2 (T = 4,096, 16 rows of 256): 672 tiles, 6.2 waves of 108 run as 7 (672/756);
     micro-batch 4: 1,344 tiles, 13 waves (1,344/1,404)."""
     m = Model(70, 14336, 112, 250880, 2048)
+    # grouped-query attention narrows the fused QKV: Llama 3 70B's 64 query and 8 KV heads of 128 at TP 8 are
+    # (8 + 2) x 128 = 1,280 wide; at TP 16 each rank keeps one KV head (replicated): (4 + 2) x 128 = 768
+    llama = Model(80, 8192, 64, 128256, 8192, 28672, 8, glu=True)
+    assert layer_gemms(llama, Layout(tp=8))[0][1] == 1280 and layer_gemms(llama, Layout(tp=16))[0][1] == 768
+    assert layer_gemms(llama, Layout(tp=8))[2][1] == 2 * 28672 / 8  # gate and up, one GEMM
     for mbs, share in ((2, 672 / 756), (4, 1344 / 1404)):
         qkv = layer_gemms(m, Layout(tp=8, microbatch_size=mbs))[0]
         assert qkv == (2048 * mbs, 3 * 14336 / 8, 14336, 1.0)
