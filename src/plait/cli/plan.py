@@ -222,7 +222,7 @@ class PlanOptions:
     """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, cudnn (Transformer
     Engine), flash3 (Hopper) or unfused"""
     plan_only: bool = False
-    """also consider what only the planner models (context parallelism, ZeRO-3), marked plan-only"""
+    """also consider what only the planner models (ZeRO-3 with a pipeline), marked plan-only"""
     write_config: Path | None = None
     """write the best layout as a `plait train --config` TOML file"""
 

@@ -74,7 +74,7 @@ def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bo
     """Every layout the search considers (see docs/planner.md, "How it models a step": Search).
 
     Only what plait's runtime runs (``config.RUNTIME``: its recompute modes, ZeRO stages and schedules),
-    unless ``plan_only``: then also what only the planner models (ZeRO-3), marked plan-only
+    unless ``plan_only``: then also what only the planner models (ZeRO-3 with pp > 1), marked plan-only
     (``Layout.runnable``). Context parallelism (both K/V exchanges) is searched for sequences of 32k tokens
     or more, where activations rather than weights decide what fits.
     SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022); with DP,
