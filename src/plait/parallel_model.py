@@ -6,7 +6,7 @@ the micro-batches of gradient accumulation).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
@@ -93,7 +93,7 @@ class ParallelModel:
         self.activations_peak: int | None = None  # bytes, of the last step that measured it
         self.device_peak: int | None = None  # the device allocator's peak bytes over that step (GPUs only)
         # the parameter set is fixed from here on (the buckets and ties are laid out over it): listed once
-        self._params = tuple(_distinct(p for chunk in self.chunks.values() for p in chunk.parameters()))
+        self._params = tuple({id(p): p for chunk in self.chunks.values() for p in chunk.parameters()}.values())
 
     @property
     def microbatches(self) -> int:
@@ -384,15 +384,6 @@ class ParallelModel:
                         exact[tensor] = local
         if self._optimizer is not None and hasattr(self._optimizer, "load_master_weights"):
             self._optimizer.load_master_weights(exact)  # a ZeRO optimizer's fp32 masters follow
-
-
-def _distinct(params: Iterable[nn.Parameter]) -> Iterator[nn.Parameter]:
-    """Each parameter once, in first-seen order."""
-    seen: set[int] = set()
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
 
 
 def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:

@@ -149,7 +149,7 @@ def _narayanan() -> list[PublishedRun]:
             Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
                      optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER,
                      grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION,
-                     tied_grad_sum=TIED_FULL),
+                     tied_grad_sum=TIED_FULL if ptd else "shard"),  # ZeRO-3 rows: no pipeline, nothing summed
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) costed as plait's block-wise ZeRO-3",
              "full recomputation (eq. 3 counts it)",
