@@ -219,8 +219,8 @@ class PlanOptions:
     max_memory_fraction: float = MAX_MEMORY_FRACTION
     """share of each device's memory a layout may use"""
     attention: str = "flash2"
-    """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, cudnn (Transformer
-    Engine), flash3 (Hopper) or unfused"""
+    """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, flash1-triton (A100),
+    cudnn (Transformer Engine), flash3 (Hopper) or unfused"""
     plan_only: bool = False
     """also consider what only the planner models (ZeRO-3 with a pipeline), marked plan-only"""
     write_config: Path | None = None
