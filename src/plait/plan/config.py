@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.pipeline.balance import PARTITIONS
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
 from plait.plan.model import Model
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
@@ -30,15 +31,17 @@ RUNTIME: dict[str, tuple] = {
     "recompute": RECOMPUTE_MODES,
     "zero": ZERO_LEVELS,  # ZeRO-3 with pp = 1 only (runtime_gap)
     "schedule": SCHEDULE_NAMES,
+    "partition": ("balanced",),  # plait train cuts balanced (plait.parallelize takes the others)
 }
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout as the planner costs it: ``plait.ParallelConfig``'s layout fields, spelt as there, and
-    the micro-batch size (``to_parallel_config`` and ``from_parallel_config`` convert). world = tp·cp·dp·pp;
-    ranks ordered tp (innermost), cp, dp, pp. Unlike ParallelConfig, ``dp`` is always given and the planner
-    models what the runtime does not run yet (``runtime_gap``)."""
+    """A parallel layout as the planner costs it: ``plait.ParallelConfig``'s layout fields, spelt as there, the
+    layers' cut over the pipeline chunks and the micro-batch size (``to_parallel_config`` and
+    ``from_parallel_config`` convert). world = tp·cp·dp·pp; ranks ordered tp (innermost), cp, dp, pp. Unlike
+    ParallelConfig, ``dp`` is always given and the planner models what the runtime does not run yet
+    (``runtime_gap``)."""
 
     tp: int = 1
     """Tensor-parallel size."""
@@ -64,6 +67,11 @@ class Layout:
     """ZeRO stage 0-3 (sharded over dp·cp)."""
     schedule: str = "1f1b"
     """Pipeline schedule (``plait.schedules.SCHEDULE_NAMES``)."""
+    partition: str | tuple[int, ...] = "balanced"
+    """How the decoder layers are cut into the pp·virtual_stages chunks (``pipeline.balance.partition_layers``):
+    "balanced" (plait's runtime: the smallest most-loaded chunk, the embedding and head counted), "uniform" (equal
+    counts, the surplus on the last chunks: Megatron-LM's and Megatron-Core's default, DeepSpeed's
+    ``type:transformer``), or the layer counts per chunk."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep", "virtual_stages", "microbatch_size"):
@@ -80,6 +88,12 @@ class Layout:
         if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
             raise ConfigError(f"virtual_stages: schedule {self.schedule} needs virtual_stages=2, "
                               f"got {self.virtual_stages}")
+        if isinstance(self.partition, str) and self.partition not in PARTITIONS:
+            raise ConfigError(f"partition: {self.partition!r} is not one of {', '.join(PARTITIONS)} (or layer counts "
+                              f"per chunk)")
+        if not isinstance(self.partition, str) and not isinstance(self.partition, tuple):
+            raise ConfigError(f"partition: give {', '.join(PARTITIONS)} or a tuple of layer counts, got "
+                              f"{self.partition!r}")
         if self.virtual_stages > 1 and self.schedule not in LOOPED_SCHEDULES + V_SCHEDULES:
             raise ConfigError(f"virtual_stages: {self.virtual_stages} needs one of "
                               f"{', '.join(sorted(LOOPED_SCHEDULES + V_SCHEDULES))}")
@@ -135,6 +149,8 @@ class Layout:
         parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [f"mb{self.microbatch_size}"] + (["sp"] if self.sequence_parallel else [])
         parts += [{"none": "norc", "selective": "sel", "full": "full"}[self.recompute], f"z{self.zero}"]
+        parts += [] if self.partition == "balanced" else [f"cut {self.partition}" if isinstance(self.partition, str)
+                                                          else "cut " + "-".join(map(str, self.partition))]
         return " ".join(parts + [self.schedule] + ([] if self.runnable else ["(plan-only)"]))
 
     @property
@@ -329,6 +345,10 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "seq%tp", f"sequence_parallel: tp = {tp} must divide seq_len = {model.seq_len}"
     if model.n_layers < l.pp * l.virtual_stages:
         return "layers<stages", f"pp·virtual_stages: {l.pp * l.virtual_stages} exceeds n_layers = {model.n_layers}"
+    if not isinstance(l.partition, str) and (len(l.partition) != l.pp * l.virtual_stages or min(l.partition) < 1
+                                             or sum(l.partition) != model.n_layers):
+        return "partition", (f"partition: give pp·virtual_stages = {l.pp * l.virtual_stages} positive layer counts "
+                             f"summing to n_layers = {model.n_layers}, got {list(l.partition)}")
     if l.cp > 1 and model.seq_len % (unit := math.lcm(2 * l.cp, l.cp * tp if l.sequence_parallel else 1)):
         return "seq%cp", f"cp: {unit} (2·cp chunks, each rank's over tp with SP) must divide seq_len = {model.seq_len}"
     if training.global_batch % (l.dp * l.microbatch_size):

@@ -67,6 +67,12 @@ NARAYANAN_ACCUMULATION = "autograd-16bit"
 # all-reduce (megatron/training.py train_step at that commit): "full" (``plan.step_end.tied_sum_time``); also MT-NLG's
 # (DeepSpeed's ReduceTiedGrads), NeMo's (v1.11.0 allreduce_first_last_embeddings) and BLOOM's rows below.
 TIED_FULL = "full"
+# The layers' cut (``Layout.partition``): equal counts. Megatron-LM builds num_layers // pp a stage and asserts they
+# divide (megatron/model/transformer.py ParallelTransformer, de7dc40f), as NeMo 1.11.0 does (its megatron
+# transformer.py get_num_layers); Megatron-DeepSpeed's GPTModelPipe (MT-NLG, BLOOM's search) passes DeepSpeed
+# partition_method "type:transformer" (bigscience-workshop/Megatron-DeepSpeed megatron/model/gpt_model.py, 99c8fe07,
+# 2022-02-25): weight 1 a transformer layer, 0 the rest (deepspeed/runtime/pipe/module.py _partition_layers, v0.5.10).
+MEGATRON_CUT = "uniform"
 NARAYANAN_WHERE = ("Narayanan et al. 2021 (SC'21, arXiv 2104.04473), Table 1 (also NVIDIA/Megatron-LM README "
                    "images/cases_april2021.png); layouts from examples/sc21/run_table_1.sh")
 # (layers, hidden, heads, tp, pp, micro-batch, global batch, layers per virtual stage or 0, torch DDP, GPUs,
@@ -125,7 +131,7 @@ def _narayanan() -> list[PublishedRun]:
         m = gpt(layers, hidden, heads)
         v = layers // p // per_v if per_v else 1
         layout = Layout(tp=t, pp=p, dp=n // (t * p), virtual_stages=v, microbatch_size=mbs, recompute="full",
-                        schedule="interleaved-1f1b" if v > 1 else "1f1b")
+                        schedule="interleaved-1f1b" if v > 1 else "1f1b", partition=MEGATRON_CUT)
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
@@ -140,7 +146,8 @@ def _narayanan() -> list[PublishedRun]:
         layers, hidden, heads, p = NARAYANAN_SHAPES[size]
         m = gpt(layers, hidden, heads)
         ptd = scheme == "PTD"
-        layout = (Layout(tp=8, pp=p, dp=n // mp, microbatch_size=mbs, recompute="full") if ptd else
+        layout = (Layout(tp=8, pp=p, dp=n // mp, microbatch_size=mbs, recompute="full", partition=MEGATRON_CUT)
+                  if ptd else
                   Layout(dp=n, microbatch_size=mbs, recompute="full", zero=3))
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
         out.append(PublishedRun(
@@ -186,7 +193,7 @@ def _smith() -> list[PublishedRun]:
         out.append(PublishedRun(
             "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
-            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1),
+            Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1, partition=MEGATRON_CUT),
             Training(1920, overlap_grad_reduce=False, recompute_head=False, tied_grad_sum=TIED_FULL),
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
@@ -248,7 +255,7 @@ def _nemo() -> list[PublishedRun]:
         out.append(PublishedRun("NVIDIA NeMo Megatron", NEMO_WHERE, f"GPT-3 175B on {n} A100", m175,
                                 Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
-                                       recompute="selective", zero=1),
+                                       recompute="selective", zero=1, partition=MEGATRON_CUT),
                                 Training(2048, overlap_grad_reduce=False, optimizer=NEMO_OPTIMIZER,
                                          grad_accumulation=NEMO_ACCUMULATION[True], tied_grad_sum=TIED_FULL),
                                 f"{tps} tokens per second", tokens_step(2048, 2048, tps),
@@ -271,6 +278,9 @@ def _nemo() -> list[PublishedRun]:
 # ``plan.optimizers``; tr11-176B-ml.slurm: --optimizer adam, --clip-grad 1.0), and so is its gradient accumulation
 # (update_hp_grads after every backward: "deepspeed-bf16", ``plan.accumulation``). Its pipeline engine all-reduces
 # the tied embedding's whole fp32 gradient over the first and last stages (pipe/engine.py _exec_reduce_tied_grads).
+# Its cut, "--pp-partition-method 'type:transformer|embedding'": "pp rank 0: [embed | 5 transformer blocks] ... pp
+# rank 11: [5 transformer blocks | embed]" (README.md of that folder).
+BLOOM_CUT = (5,) + (6,) * 10 + (5,)
 BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
                "bigscience-workshop/bigscience")
 OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
@@ -316,13 +326,14 @@ def bloom_model(layers: int = 70, heads: int = 112) -> Model:
 
 
 def bloom_prequel_layout(dp: int, tp: int, pp: int, mbs: int) -> Layout:
-    return Layout(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, recompute="full", zero=1)
+    return Layout(tp=tp, pp=pp, dp=dp, microbatch_size=mbs, recompute="full", zero=1, partition=MEGATRON_CUT)
 
 
 def _bloom() -> list[PublishedRun]:
     out = [PublishedRun("BigScience (BLOOM)", BLOOM_WHERE, "BLOOM 176B on 384 A100", bloom_model(),
                         Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False),
-                        Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1),
+                        Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1,
+                               partition=BLOOM_CUT),
                         Training(2048, overlap_grad_reduce=False, recompute_head=False, optimizer="deepspeed-bf16",
                                  grad_accumulation="deepspeed-bf16", tied_grad_sum=TIED_FULL),
                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",

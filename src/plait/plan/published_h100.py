@@ -122,13 +122,28 @@ def dgxc_model(name: str) -> Model:
     return Model.preset(name)
 
 
+# The layers' cut over the pipeline chunks (``Layout.partition``): Megatron-Core's equal counts (its default; the
+# GPT-3 175B yaml and the 70B and 340B recipes set nothing else), except Llama 3.1 405B, whose recipe counts the
+# embedding and the loss as a layer each (nemo/collections/llm/recipes/llama31_405b.py at d2b21556:
+# account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split True): 126 + 2 over the chunks, so the
+# first and the last chunk hold one layer fewer.
+
+
+def dgxc_partition(m: Model, pp: int, vp: int) -> str | tuple[int, ...]:
+    if m.name != "llama3-405b":
+        return "uniform"
+    chunks = pp * max(vp, 1)
+    per = (m.n_layers + 2) // chunks
+    return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
+
+
 def _dgx_cloud() -> list[PublishedRun]:
     out = []
     for name, path, n, tp, pp, cp, vp, mbs, gbs, step, mfu in DGXC_ROWS:
         m = dgxc_model(name)
         layout = Layout(tp=tp, pp=pp, cp=cp, cp_comm="ring", dp=n // (tp * pp * cp), virtual_stages=vp or 1,
                         schedule="interleaved-1f1b" if vp else "1f1b", microbatch_size=mbs,
-                        sequence_parallel=tp > 1, zero=1)
+                        sequence_parallel=tp > 1, zero=1, partition=dgxc_partition(m, pp, vp))
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
             f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n, flash_attention="cudnn"), layout,
@@ -171,6 +186,8 @@ META_WHERE = "Dubey et al. 2024, The Llama 3 Herd of Models (arXiv 2407.21783), 
 # GPUs, DP, batch size per DP, TFLOPs/GPU and BF16 MFU as printed
 META_ROWS = ((8192, 64, 32, 430, "43%"), (16384, 128, 16, 400, "41%"))
 META_TP, META_PP, META_V = 8, 16, 4
+# one layer taken from the first chunk (with the embedding) and from the last (with the output): §3.3.2
+META_CUT = (1,) + (2,) * (META_PP * META_V - 2) + (1,)
 
 
 def chowdhery_flops_per_token(m: Model) -> float:
@@ -189,7 +206,7 @@ def _meta() -> list[PublishedRun]:
             "Meta (Llama 3)", META_WHERE, f"Llama 3 405B on {n} H100", m,
             Cluster("h100-sxm", n, interconnect="roce-400"),
             Layout(tp=META_TP, pp=META_PP, dp=dp, virtual_stages=META_V, schedule="interleaved-1f1b",
-                   sequence_parallel=True, zero=1),
+                   sequence_parallel=True, zero=1, partition=META_CUT),
             Training(batch), f"{tflops} TFLOPs/GPU (BF16 MFU {mfu})", step,
             "Chowdhery FLOPs per token x global batch x seq / (GPUs x TFLOP/s)",
             ("MFU FLOPs: 6N + 12LHQT per token with N all parameters (embeddings included)",

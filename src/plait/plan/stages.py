@@ -64,14 +64,16 @@ def partition_costs(model: Model) -> tuple[float, float, float]:
 
 
 @lru_cache(maxsize=4096)
-def stages(model: Model, pp: int, virtual: int = 1, schedule: str = "1f1b") -> Stages:
-    """The chunks the runtime builds for ``pp`` ranks × ``virtual`` chunks (``partition="balanced"``)."""
+def stages(model: Model, pp: int, virtual: int = 1, schedule: str = "1f1b",
+           partition: str | tuple[int, ...] = "balanced") -> Stages:
+    """The chunks the runtime builds for ``pp`` ranks × ``virtual`` chunks under ``partition``
+    (``Layout.partition``; "balanced", the runtime's default, charges the embedding and the head)."""
     layer, first, last = partition_costs(model)
     k = pp * virtual
-    counts = partition_layers(model.n_layers, k, "balanced", [layer] * model.n_layers, first, last)
+    counts = partition_layers(model.n_layers, k, partition, [layer] * model.n_layers, first, last)
     return Stages(tuple(counts), placement(schedule, pp, virtual), pp)
 
 
 def layout_stages(model: Model, layout: Layout) -> Stages:
     """``stages`` of ``layout``'s pipeline."""
-    return stages(model, layout.pp, layout.virtual_stages, layout.schedule)
+    return stages(model, layout.pp, layout.virtual_stages, layout.schedule, layout.partition)
