@@ -16,6 +16,7 @@ MODEL = Model(8, 256, 4, 32000, 128, name="cut-test")
 def test_uniform_and_explicit_cuts():
     assert layout_stages(Model(10, 256, 4, 1000, 128), Layout(pp=4, dp=1, partition="uniform")).chunk_layers \
         == (2, 2, 3, 3)  # equal counts, the surplus on the last chunks
+    assert Layout(pp=4, partition=[3, 2, 2, 1]) == Layout(pp=4, partition=(3, 2, 2, 1))  # as JSON gives it back
     st = layout_stages(MODEL, Layout(pp=4, partition=(3, 2, 2, 1)))
     assert st.chunk_layers == (3, 2, 2, 1) and st.rank_layers == (3, 2, 2, 1)
     # interleaved: chunk c on rank c mod pp

@@ -88,6 +88,8 @@ class Layout:
         if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
             raise ConfigError(f"virtual_stages: schedule {self.schedule} needs virtual_stages=2, "
                               f"got {self.virtual_stages}")
+        if isinstance(self.partition, list):  # layer counts read back from JSON (``Estimate.to_dict``)
+            object.__setattr__(self, "partition", tuple(self.partition))
         if isinstance(self.partition, str) and self.partition not in PARTITIONS:
             raise ConfigError(f"partition: {self.partition!r} is not one of {', '.join(PARTITIONS)} (or layer counts "
                               f"per chunk)")
