@@ -122,18 +122,18 @@ def dgxc_model(name: str) -> Model:
     return Model.preset(name)
 
 
-# The layers' cut over the pipeline chunks (``Layout.partition``): Megatron-Core's equal counts (its default; the
-# GPT-3 175B yaml and the 70B and 340B recipes set nothing else), except Llama 3.1 405B, whose recipe counts the
-# embedding and the loss as a layer each (nemo/collections/llm/recipes/llama31_405b.py at d2b21556:
-# account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split True): 126 + 2 over the chunks, so the
-# first and the last chunk hold one layer fewer.
+#: recipes that count the embedding and the loss as a layer each where they cut the layers over the pipeline chunks
+#: (nemo/collections/llm/recipes/llama31_405b.py at d2b21556: account_for_embedding_in_pipeline_split and
+#: account_for_loss_in_pipeline_split True); the GPT-3 175B yaml and the other recipes keep Megatron-Core's equal counts
+DGXC_SPLIT_WITH_EMBEDDING = ("llama3-405b",)
 
 
-def dgxc_partition(m: Model, pp: int, vp: int) -> str | tuple[int, ...]:
-    if m.name != "llama3-405b":
+def dgxc_partition(name: str, layers: int, chunks: int) -> str | tuple[int, ...]:
+    """The cut a DGX Cloud row runs (``Layout.partition``): equal counts, or with the embedding and the loss each
+    counted as a layer, the first and the last chunk one layer short of the others."""
+    if name not in DGXC_SPLIT_WITH_EMBEDDING:
         return "uniform"
-    chunks = pp * max(vp, 1)
-    per = (m.n_layers + 2) // chunks
+    per = (layers + 2) // chunks
     return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
 
 
@@ -143,7 +143,8 @@ def _dgx_cloud() -> list[PublishedRun]:
         m = dgxc_model(name)
         layout = Layout(tp=tp, pp=pp, cp=cp, cp_comm="ring", dp=n // (tp * pp * cp), virtual_stages=vp or 1,
                         schedule="interleaved-1f1b" if vp else "1f1b", microbatch_size=mbs,
-                        sequence_parallel=tp > 1, zero=1, partition=dgxc_partition(m, pp, vp))
+                        sequence_parallel=tp > 1, zero=1,
+                        partition=dgxc_partition(name, m.n_layers, pp * (vp or 1)))
         out.append(PublishedRun(
             "NVIDIA DGX Cloud Benchmarking", DGXC_WHERE.format(path=path, table=DGXC_TABLES[name]),
             f"{m.name} on {n} H100, BF16", m, Cluster("h100-sxm", n, flash_attention="cudnn"), layout,
