@@ -201,10 +201,13 @@ OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
     ("overlap_param_gather", False, "gathers the updated weights after the step (no Megatron-Core overlap)"),
     ("tp_overlap_sms", TE_OVERLAP_SMS, "runs no userbuffers"),
     ("tied_grad_sum", "shard", "sums a tied embedding's gradient over its reduced shard"),
+    ("zero3_impl", "plait", "runs its own block-wise ZeRO-3"),
 )
 
 #: where a stack sums a tied embedding's gradient over the pipeline stages holding a copy (``Training.tied_grad_sum``)
 TIED_GRAD_SUMS = ("shard", "full")
+#: whose ZeRO-3 a run's step runs (``Training.zero3_impl``)
+ZERO3_IMPLS = ("plait", "deepspeed-0.3")
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,12 @@ class Training:
     after the DP reduction, 1/(dp·cp) of them under ZeRO) or "full" (the whole vocabulary shard's gradient:
     Megatron-LM's embedding-group all-reduce, DeepSpeed's pipeline engine's ReduceTiedGrads).
     ``Layout.to_parallel_config`` refuses any but plait's."""
+    zero3_impl: str = "plait"
+    """Whose ZeRO-3 runs the step (ignored below ZeRO-3): "plait" (plait's runtime, ``plait.data_parallel.
+    param_shards``: one all-gather and one reduce-scatter per block, a block ahead of or behind the compute,
+    ``plan.step_end.zero3_collectives``) or "deepspeed-0.3" (DeepSpeed v0.3.13's: one all-gather per parameter
+    behind a device-wide synchronize, the gradients all-reduced in buckets, walked sub-module by sub-module in
+    ``plan.zero3_deepspeed``; costed without a pipeline). ``Layout.to_parallel_config`` refuses any but plait's."""
 
     selective_policy: str = SELECTIVE_POLICIES[0]
     """Under ``recompute="selective"``, which tensors each layer keeps for its backward (``plan.memory``):
@@ -309,6 +318,8 @@ class Training:
             raise ConfigError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.tied_grad_sum not in TIED_GRAD_SUMS:
             raise ConfigError(f"tied_grad_sum: {self.tied_grad_sum!r} is not one of {', '.join(TIED_GRAD_SUMS)}")
+        if self.zero3_impl not in ZERO3_IMPLS:
+            raise ConfigError(f"zero3_impl: {self.zero3_impl!r} is not one of {', '.join(ZERO3_IMPLS)}")
         if self.grad_accumulation not in ACCUMULATIONS:
             raise ConfigError(f"grad_accumulation: {self.grad_accumulation!r} is not one of "
                               f"{', '.join(ACCUMULATIONS)}")
@@ -368,6 +379,8 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
     if training.selective_policy == "torchtitan-op" and l.recompute == "selective" and tp * l.cp > 1:
         return "policy", (f"selective_policy: 'torchtitan-op' is counted for tp = cp = 1 only, got tp = {tp}, "
                           f"cp = {l.cp}")
+    if training.zero3_impl != "plait" and l.zero == 3 and l.pp > 1:
+        return "zero3_impl", f"zero3_impl: {training.zero3_impl!r} is costed without a pipeline, got pp = {l.pp}"
     if l.pp == 1 and (l.virtual_stages > 1 or l.schedule != "1f1b"):
         return "schedule", "schedule: with pp = 1 use schedule='1f1b', virtual_stages=1 (no pipeline)"
     return None

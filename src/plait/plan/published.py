@@ -101,13 +101,11 @@ NARAYANAN_TABLE2 = (
     ("PTD", 529.6, 280, 2240, 1120, 1, 167), ("PTD", 529.6, 280, 2240, 2240, 1, 159),
 )
 NARAYANAN_SHAPES = {174.6: (96, 12288, 96, 12), 529.6: (105, 20480, 128, 35)}  # layers, hidden, heads, p
-# The ZeRO-3 runs are DeepSpeed's of the paper's time (microsoft/DeepSpeed v0.3.13, 2021-03-16): each parameter
-# all-gathered on its own before its sub-module runs (runtime/zero/partition_parameters.py _allgather_param), the
-# fetch blocking on a device-wide CUDA synchronize with the next ~5e7 elements prefetched (stage3.py fetch_sub_module,
-# prefetch_next_sub_modules), and the fp16 gradients reduce-scattered parameter by parameter
-# (_reduce_scatter_gradient on param.grad; the partitioned gradients are torch.half): grad_dtype fp16. plait costs
-# them as its own ZeRO-3 (block by block, hidden behind the compute where the network allows): docs/planner.md
-# ("How accurate") says why that leaves them 19-75% fast.
+# The ZeRO-3 runs are DeepSpeed's of the paper's time (microsoft/DeepSpeed v0.3.13, 2021-03-16), costed as its code
+# runs them with its defaults (runtime/zero/constants.py; the paper prints no configuration): zero3_impl
+# "deepspeed-0.3" (``plan.zero3_deepspeed``: an all-gather per parameter, each fetch a device-wide synchronize, the
+# recomputed forward gathering again, the fp16 gradients all-reduced in buckets, stage3.py reduce_ipg_grads):
+# grad_dtype fp16. docs/planner.md ("Where it misses") says what that leaves.
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> Model:
@@ -156,11 +154,12 @@ def _narayanan() -> list[PublishedRun]:
             Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
                      optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER,
                      grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION,
-                     tied_grad_sum=TIED_FULL if ptd else "shard"),  # ZeRO-3 rows: no pipeline, nothing summed
+                     tied_grad_sum=TIED_FULL if ptd else "shard",  # ZeRO-3 rows: no pipeline, nothing summed
+                     zero3_impl="plait" if ptd else "deepspeed-0.3"),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
-            ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) costed as plait's block-wise ZeRO-3",
+            ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) as its code runs it, its defaults",
              "full recomputation (eq. 3 counts it)",
-             "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3 traffic hidden where the model says",
+             "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3: no DeepSpeed configuration printed",
              "Selene: HDR InfiniBand") + (() if ptd else (
                  "optimizer: DeepSpeed v0.3.13's ZeRO-3 step not read, costed as plait's (torch-fused-adamw)",
                  "gradient accumulation: DeepSpeed v0.3.13's not read, costed as plait's ZeRO-3 (one micro-batch)"))))

@@ -1,0 +1,229 @@
+"""ZeRO-3 as DeepSpeed v0.3.13 runs it (``Training.zero3_impl="deepspeed-0.3"``), for runs of another stack.
+
+What its code does, each step (microsoft/DeepSpeed at tag v0.3.13, ``deepspeed/runtime/zero/``; the defaults of
+``constants.py`` where a run's configuration is not printed):
+
+- Parameters of fewer than ``stage3_param_persistence_threshold`` (1e5) elements stay whole on every rank
+  (``stage3.py`` ``persistent_parameters``: ``ds_persist``): biases and norms are never gathered.
+- Each other parameter is all-gathered on its own (``partition_parameters.py`` ``_allgather_param``: one
+  all-gather per parameter, after a device-wide synchronize) when a sub-module's forward or backward hook needs it
+  (``stage3.py`` ``fetch_sub_module``), which then waits for it and for the device (``_synchronize_communication``):
+  every fetch that gathers or waits on a gather ends all work in flight, compute and collectives alike.
+- After each fetch ``prefetch_next_sub_modules`` gathers the next parameters of the recorded trace that are
+  not gathered yet, up to ``stage3_prefetch_bucket_size`` (5e7) elements, but only when no prefetch is in flight
+  and fewer than ``stage3_max_live_parameters`` (1e9) elements are gathered; each of those gathers starts with a
+  device-wide synchronize too, so only the last one runs beside the sub-module's compute, until the next fetch.
+- After its use a sub-module's parameters are released unless the trace uses it again within
+  ``stage3_max_reuse_distance`` (1e9) elements of other sub-modules' parameters (``release_sub_module``,
+  ``_keep_for_later``). With full recomputation the recomputed forward fires the hooks again: a layer's weights
+  are gathered for the forward, for the recomputation and, unless kept, again for the backward.
+- Gradients: with ``contiguous_gradients`` off (stage 3's default) each backward's fp16 gradients fill buckets
+  of ``reduce_bucket_size`` (5e8) elements, a bucket flushed when the next gradient would overflow it, each
+  flushed bucket all-reduced (``reduce_independent_p_g_buckets_and_remove_grads``, ``reduce_ipg_grads``,
+  ``buffered_reduce_fallback``) on the reduction stream (``overlap_comm``, stage 3's default: beside the compute,
+  until the next device-wide synchronize); the last bucket after the backward, waited for
+  (``independent_gradient_partition_epilogue``). After each backward every parameter is released
+  (``_partition_all_parameters``): each micro-batch starts again.
+- A tied word embedding, which the logits use outside its module, is registered as the top module's external
+  parameter (``docs/_tutorials/zero.md`` at v0.3.13, Megatron-LM's ``GPT2Model``): gathered at the top module's
+  first hook and held through the forward and the backward (it counts against the live parameters throughout).
+
+``exposed`` walks that trace: the collectives share the network (one process group), the compute runs beside
+whatever collective was launched with it, and each synchronize waits for the longer of the two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+from plait.plan.cluster import Cluster
+from plait.plan.config import GRAD_DTYPES, Layout, Training
+from plait.plan.costs import StageCosts
+from plait.plan.model import Model
+
+#: stage3_param_persistence_threshold, stage3_prefetch_bucket_size, stage3_max_live_parameters,
+#: stage3_max_reuse_distance and reduce_bucket_size: their defaults (deepspeed/runtime/zero/constants.py at v0.3.13)
+PERSISTENCE_THRESHOLD = 100_000
+PREFETCH_BUCKET = 50_000_000
+MAX_LIVE = 1_000_000_000
+MAX_REUSE = 1_000_000_000
+REDUCE_BUCKET = 500_000_000
+
+# what share of a pass a use's compute is: (pass, share) with pass one of "f", "r", "b" (a layer's forward,
+# recomputation, backward), "ef", "eb" (the embedding's), "hf", "hb" (the head's), or "" (none)
+Share = tuple[str, float]
+
+
+@dataclass(frozen=True)
+class Use:
+    """One sub-module's turn in the trace: its id, the elements a fetch gathers (its parameters above the
+    persistence threshold), all its elements (the reuse distance counts them), its compute and the gradient
+    elements its backward hands to the reduction buckets. ``held``: the top module's, whose hooks enclose the
+    whole forward and backward (each releasing hook at a pass's end, the next use right after): kept throughout."""
+
+    module: str
+    gathered: int
+    numel: int
+    compute: Share
+    grads: int = 0
+    held: bool = False
+
+
+def _layer_modules(model: Model, layout: Layout) -> list[tuple[str, int, int]]:
+    """A layer's sub-modules with parameters, in forward order, on one rank: (name, weight, bias) elements: the
+    fused QKV projection, the attention's output projection, the MLP's first (gate and up fused with a GLU) and
+    second linear layers (Megatron-LM's ``ParallelSelfAttention`` and ``ParallelMLP``); an MoE layer's E/ep
+    experts lumped into the two MLP uses."""
+    h, t = model.hidden, layout.tp
+    qkv = (model.n_heads + 2 * model.kv_heads) * model.head_dim // t
+    f_in = model.ffn * (2 if model.glu else 1) // t
+    experts = model.n_experts // layout.ep if model.is_moe else 1
+    b = 1 if model.bias else 0
+    return [("qkv", h * qkv, b * qkv), ("proj", h * h // t, b * h), ("fc1", experts * h * f_in, experts * b * f_in),
+            ("fc2", experts * h * model.ffn // t, experts * b * h)]
+
+
+def _gathered(*sizes: int) -> int:
+    return sum(s for s in sizes if s >= PERSISTENCE_THRESHOLD)
+
+
+@lru_cache(maxsize=64)
+def trace(model: Model, layout: Layout) -> tuple[Use, ...]:
+    """One micro-batch's sub-module uses in order. A tied word embedding is the top module's external parameter
+    (gathered at its first hook, used again by the logits); the forward, then the backward with, under full
+    recomputation, each layer's forward again before its backward."""
+    mods = _layer_modules(model, layout)
+    total = sum(w + b for _, w, b in mods)
+    tied = model.tied_embeddings
+    word = model.vocab * model.hidden // layout.tp
+    pos = model.seq_len * model.hidden if model.learned_positions else 0
+    own = 0 if tied else word  # the embedding's and the head's own weights when untied
+    top = Use("top", _gathered(word) if tied else 0, word if tied else 0, ("", 0.0), held=True)
+
+    def layer(i: int, kind: str, grads: bool, order: list[tuple[str, int, int]]) -> list[Use]:
+        return [Use(f"{name}{i}", _gathered(w, b), w + b, (kind, (w + b) / total), w + b if grads else 0)
+                for name, w, b in order]
+
+    uses = [top, Use("embedding", _gathered(own, pos), own + pos, ("ef", 1.0))]
+    for i in range(model.n_layers):
+        uses += layer(i, "f", False, mods)
+    uses += [Use("head", _gathered(own), own, ("hf", 1.0)), top, Use("head", _gathered(own), own, ("hb", 1.0), own)]
+    for i in reversed(range(model.n_layers)):
+        if layout.recompute == "full":
+            uses += layer(i, "r", False, mods)
+        uses += layer(i, "b", True, mods[::-1])
+    return (*uses, Use("embedding", _gathered(own, pos), own + pos, ("eb", 1.0), word + pos))
+
+
+@lru_cache(maxsize=64)
+def _kept(uses: tuple[Use, ...]) -> tuple[bool, ...]:
+    """Whether each use's parameters stay gathered after it: held, or the trace uses its module again within
+    ``MAX_REUSE`` elements of the uses in between."""
+    before = [0]
+    for u in uses:
+        before.append(before[-1] + u.numel)
+    last: dict[str, int] = {}
+    kept = [False] * len(uses)
+    for i in reversed(range(len(uses))):
+        j = last.get(uses[i].module)
+        kept[i] = uses[i].held or (j is not None and before[j] - before[i + 1] < MAX_REUSE)
+        last[uses[i].module] = i
+    return tuple(kept)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """One micro-batch under DeepSpeed v0.3.13's ZeRO-3: its seconds (compute and what of the collectives the
+    compute does not hide), and the all-gathers and gradient all-reduces it issues."""
+
+    seconds: float
+    gathers: int
+    reductions: int
+
+
+def walk(uses: tuple[Use, ...], compute: dict[str, float], gather_s: Callable[[int], float],
+         reduce_s: Callable[[int], float]) -> Walk:
+    """Walk ``uses`` with ``compute[pass]`` seconds per pass, ``gather_s(elements)`` and ``reduce_s(elements)`` the
+    seconds of one all-gather and one all-reduce."""
+    kept = _kept(uses)
+    clock = busy = net = 0.0
+    available: set[str] = set()
+    flight: set[str] = set()
+    live = bucket = gathers = reductions = 0
+
+    def sync() -> None:
+        nonlocal clock, busy, net
+        clock += max(busy, net)
+        busy = net = 0.0
+
+    for i, u in enumerate(uses):
+        if u.module in flight or (u.gathered and u.module not in available):
+            sync()
+            available |= flight
+            flight.clear()
+            if u.module not in available:
+                clock += gather_s(u.gathered)
+                gathers += 1
+                available.add(u.module)
+                live += u.gathered
+        if not flight and live < MAX_LIVE:
+            ahead = 0
+            for v in uses[i + 1:]:
+                if v.gathered and v.module not in available and v.module not in flight:
+                    sync()
+                    net += gather_s(v.gathered)
+                    gathers += 1
+                    flight.add(v.module)
+                    live += v.gathered
+                    ahead += v.gathered
+                    if ahead >= PREFETCH_BUCKET:
+                        break
+        kind, share = u.compute
+        busy += compute.get(kind, 0.0) * share
+        if u.grads:
+            if bucket and bucket + u.grads > REDUCE_BUCKET:
+                net += reduce_s(bucket)
+                reductions += 1
+                bucket = 0
+            bucket += u.grads
+        if u.module in available and not kept[i]:
+            available.discard(u.module)
+            live -= u.gathered
+    if bucket:
+        net += reduce_s(bucket)
+        reductions += 1
+    sync()
+    return Walk(clock, gathers, reductions)
+
+
+def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, rank: StageCosts) -> float:
+    """Seconds a micro-batch's ZeRO-3 traffic adds to ``rank``'s compute (its forward, recomputation and
+    backward, split over the sub-modules by their elements; the embedding's and the head's from the cost
+    model's blocks): ``walk`` over dp·cp ranks, fp16 weights gathered, gradients all-reduced in
+    ``training.grad_dtype``."""
+    costs = cluster.costs
+    n = layout.dp * layout.cp
+    span = layout.tp * n
+    blocks = costs.blocks(model, layout, training.precision, training.tp_comm_overlap, training.tp_overlap_sms)
+    emb, head = blocks.embedding, blocks.head
+    layers = max(1, rank.layers)
+    head_r = head.recompute if training.recompute_head else 0.0
+    compute = {"ef": emb.forward, "eb": emb.b_compute + emb.b_tp + emb.recompute,
+               "hf": head.forward, "hb": head.b_compute + head.b_tp + head_r,
+               "f": (rank.forward - emb.forward - head.forward) / layers,
+               "r": (rank.recompute - emb.recompute - head_r) / layers,
+               "b": (rank.b_compute + rank.b_tp - emb.b_compute - emb.b_tp - head.b_compute - head.b_tp) / layers}
+    if layout.recompute != "full":  # recomputation, if any, runs inside each layer's backward
+        compute["b"] += compute.pop("r")
+    grad = GRAD_DTYPES[training.grad_dtype]
+
+    def gather_s(elements: int) -> float:
+        return costs.collective("all_gather", costs.weight_gather_bytes * elements, n, span)
+
+    def reduce_s(elements: int) -> float:
+        return costs.collective("all_reduce", grad * elements, n, span)
+
+    done = walk(trace(model, layout), compute, gather_s, reduce_s)
+    return max(0.0, done.seconds - rank.forward - rank.backward)

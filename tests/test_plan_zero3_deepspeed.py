@@ -1,0 +1,90 @@
+"""ZeRO-3 as DeepSpeed v0.3.13 runs it (``Training.zero3_impl="deepspeed-0.3"``, ``plan.zero3_deepspeed``): the
+walk's seconds worked by hand, the gathers and all-reduces of a small GPT counted by hand, the refusals, and plait's
+own ZeRO-3 left as it was."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.errors import ConfigError
+from plait.plan.cluster import Cluster
+from plait.plan.config import Layout, Training
+from plait.plan.estimate import estimate
+from plait.plan.published import gpt, runs
+from plait.plan.zero3_deepspeed import Use, trace, walk
+
+
+def _walk(uses, gather=0.4, reduce=0.0, f=1.0):
+    return walk(tuple(uses), {"f": f, "b": f}, lambda e: gather, lambda e: reduce)
+
+
+def test_each_fetch_waits_and_only_one_prefetch_overlaps():
+    # a (gathered, 0.4 s exposed); b prefetched beside a's 1 s, waited for at b's fetch (max(1, 0.4)); c the same
+    # beside b's; c's compute to the end: 0.4 + 1 + 1 + 1 = 3.4 s, three gathers
+    done = _walk(Use(m, 600_000_000, 600_000_000, ("f", 1.0)) for m in "abc")
+    assert done.seconds == pytest.approx(3.4) and done.gathers == 3
+
+
+def test_max_live_parameters_stop_the_prefetch():
+    # 1.1e9 elements gathered exceed stage3_max_live_parameters (1e9): nothing is prefetched, every gather is
+    # exposed after the compute before it: 3 x (0.4 + 1) = 4.2 s
+    done = _walk(Use(m, 1_100_000_000, 1_100_000_000, ("f", 1.0)) for m in "abc")
+    assert done.seconds == pytest.approx(4.2) and done.gathers == 3
+
+
+def test_a_prefetch_of_small_parameters_runs_them_one_after_another():
+    # a gathered (0.4); the prefetch takes b, c, d (2e7 elements each, to reach the 5e7 bucket), each behind a
+    # device-wide synchronize: b's and c's gathers exposed (0.8), d's beside a's compute (max(1, 0.4)); then b, c, d
+    # compute with nothing to wait for (3): 0.4 + 0.8 + 1 + 3 = 5.2 s
+    uses = [Use("a", 600_000_000, 600_000_000, ("f", 1.0))]
+    uses += [Use(m, 20_000_000, 20_000_000, ("f", 1.0)) for m in "bcd"]
+    done = _walk(uses)
+    assert done.seconds == pytest.approx(5.2) and done.gathers == 4
+
+
+def test_gradients_all_reduced_in_buckets_beside_the_compute():
+    # backward uses with nothing to fetch: 3e8-element gradients, a 5e8 bucket flushed as the next one would
+    # overflow it, the last after the backward: 3 all-reduces of 2 s one after another on the network, the three
+    # 1 s computes beside them (nothing synchronizes until the end): max(3, 6) = 6 s
+    uses = [Use("x", 0, 0, ("b", 1.0), grads=300_000_000) for _ in range(3)]
+    done = _walk(uses, reduce=2.0)
+    assert done.reductions == 3 and done.seconds == pytest.approx(6.0)
+
+
+def test_a_small_gpt_gathers_per_parameter_and_again_for_the_recomputation():
+    # GPT, 2 layers, h = 12288, tied embeddings: per layer 4 weights gathered for the forward, 4 for the
+    # recomputation, 3 for the backward (the MLP's second weight is used again at once: kept); biases and norms
+    # stay whole (under 1e5 elements); the tied word embedding once (held), the positions' table twice: 25 gathers.
+    # Gradient buckets: every weight's fills one (each over 5e8 with the next), and the embedding's: 9 all-reduces
+    m = gpt(2, 12288, 96)
+    uses = trace(m, Layout(dp=64, zero=3, recompute="full"))
+    done = walk(uses, {}, lambda e: 1.0, lambda e: 1.0)
+    assert (done.gathers, done.reductions) == (25, 9)
+    assert done.seconds == pytest.approx(34.0)  # no compute to hide behind: every collective exposed
+
+
+def _ds(**kw):
+    return Training(64, recompute_head=False, grad_dtype="fp16", zero3_impl="deepspeed-0.3", **kw)
+
+
+def test_estimate_charges_the_walk_and_no_end_of_step_reduction():
+    m, c, lay = gpt(4, 12288, 96), Cluster("a100-80gb", 64, interconnect="ib-hdr"), Layout(dp=64, zero=3,
+                                                                                           recompute="full")
+    ds, own = estimate(m, c, lay, _ds()), estimate(m, c, lay, Training(64, recompute_head=False, grad_dtype="fp16"))
+    assert ds.time["dp_comm"] == 0.0 and ds.time["zero_comm"] > own.time["zero_comm"]
+    assert ds.time["compute"] == own.time["compute"] and ds.time["recompute"] == own.time["recompute"]
+
+
+def test_refused_by_the_runtime_and_by_a_pipeline():
+    with pytest.raises(ConfigError, match="zero3_impl"):
+        Layout(dp=8, zero=3).to_parallel_config(Training(8, zero3_impl="deepspeed-0.3"))
+    with pytest.raises(ConfigError, match="zero3_impl"):
+        Training(8, zero3_impl="deepspeed")
+    with pytest.raises(ConfigError, match="zero3_impl"):
+        estimate(gpt(4, 1024, 16), Cluster("a100-80gb", 16), Layout(pp=2, dp=8, zero=3), _ds())
+    Layout(dp=8, zero=3).to_parallel_config(Training(8))  # plait's own runs
+
+
+def test_only_narayanans_zero3_rows_use_it():
+    flagged = [r.label for r in runs() if r.training.zero3_impl != "plait"]
+    assert len(flagged) == 6 and all("ZeRO-3" in x for x in flagged)
