@@ -71,7 +71,7 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 63 runs
-# from 6 sources, 0.659; H100: 27 runs from 3 sources, 0.641; the traffic 1.59 on all 90; ``bench/plan.py
+# from 6 sources, 0.659; H100: 27 runs from 3 sources, 0.632; the traffic 1.59 on all 90; ``bench/plan.py
 # --validate`` refits them and reports each source's error with that source held out;
 # tests/test_plan_gpu.py checks these are the fit).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
@@ -89,12 +89,12 @@ GPUS: dict[str, GPU] = {
             "NVIDIA A100 SXM 40GB", attention_figures="a100", sms=108),
         GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.659,
             "NVIDIA A100 SXM 80GB", attention_figures="a100", sms=108),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.641,
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.632,
             "NVIDIA H100 SXM5 80GB", fp8=True, attention_figures="h100", sms=132),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.641,
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.632,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True,
             attention_figures="h100", sms=114),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.641,
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.632,
             "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100", sms=132),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),
