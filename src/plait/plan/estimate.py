@@ -133,19 +133,20 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     params = mem.max_rank_params(model, layout)
     reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
-    # plait's ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the compute
-    # of its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last one's
-    # reduce-scatter (dp_sync_parts) only behind what of that backward its gather leaves free
     gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout),
                                                      training.grad_dtype)
-    hide_f, hide_b = costs.hidden_reduction(busiest.forward), costs.hidden_reduction(busiest.backward)
-    zero3 = (m * max(0.0, gather_3 - hide_f) + (m - 1) * max(0.0, gather_3 + scatter_3 - hide_b)
-             + max(0.0, gather_3 - hide_b))
-    free = max(0.0, max(c.backward for c in ranks) - gather_3)
-    # DeepSpeed v0.3.13's ZeRO-3 (plan.zero3_deepspeed): each micro-batch walks the same trace, its gradients'
-    # all-reduces included (none left for the end of the step)
     if layout.zero == 3 and training.zero3_impl == "deepspeed-0.3":
+        # DeepSpeed v0.3.13's ZeRO-3 (plan.zero3_deepspeed): each micro-batch walks the same trace, its gradients'
+        # all-reduces included (none left for the end of the step)
         zero3, reduction = m * zero3_deepspeed.exposed(model, cluster, layout, training, busiest), 0.0
+    else:
+        # plait's ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the
+        # compute of its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last
+        # one's reduce-scatter (dp_sync_parts) only behind what of that backward its gather leaves free
+        hide_f, hide_b = costs.hidden_reduction(busiest.forward), costs.hidden_reduction(busiest.backward)
+        zero3 = (m * max(0.0, gather_3 - hide_f) + (m - 1) * max(0.0, gather_3 + scatter_3 - hide_b)
+                 + max(0.0, gather_3 - hide_b))
+    free = max(0.0, max(c.backward for c in ranks) - gather_3)
     reduction, gather = dp_exposed(costs, layout, training, reduction, gather, free, busiest.forward)
     layers = max(c.layers for c in ranks)
     optimizer = step_end.optimizer_time(cluster, layout, params, layers, training.optimizer)

@@ -42,6 +42,7 @@ from plait.plan.cluster import Cluster
 from plait.plan.config import GRAD_DTYPES, Layout, Training
 from plait.plan.costs import StageCosts
 from plait.plan.model import Model
+from plait.plan.timing import layer_gemms
 
 #: stage3_param_persistence_threshold, stage3_prefetch_bucket_size, stage3_max_live_parameters,
 #: stage3_max_reuse_distance and reduce_bucket_size: their defaults (deepspeed/runtime/zero/constants.py at v0.3.13)
@@ -72,17 +73,14 @@ class Use:
 
 
 def _layer_modules(model: Model, layout: Layout) -> list[tuple[str, int, int]]:
-    """A layer's sub-modules with parameters, in forward order, on one rank: (name, weight, bias) elements: the
-    fused QKV projection, the attention's output projection, the MLP's first (gate and up fused with a GLU) and
-    second linear layers (Megatron-LM's ``ParallelSelfAttention`` and ``ParallelMLP``); an MoE layer's E/ep
-    experts lumped into the two MLP uses."""
-    h, t = model.hidden, layout.tp
-    qkv = (model.n_heads + 2 * model.kv_heads) * model.head_dim // t
-    f_in = model.ffn * (2 if model.glu else 1) // t
-    experts = model.n_experts // layout.ep if model.is_moe else 1
+    """A layer's sub-modules with parameters, in forward order, on one rank: (name, weight, bias) elements, one per
+    forward GEMM of ``timing.layer_gemms`` (an [m, k] by [k, n] product, ``count`` of them, holds k·n·count weight
+    and n·count bias elements): the fused QKV projection, the attention's output projection, the MLP's first (gate
+    and up fused with a GLU) and second linear layers (Megatron-LM's ``ParallelSelfAttention`` and
+    ``ParallelMLP``); an MoE layer's E/ep experts lumped into the two MLP uses."""
     b = 1 if model.bias else 0
-    return [("qkv", h * qkv, b * qkv), ("proj", h * h // t, b * h), ("fc1", experts * h * f_in, experts * b * f_in),
-            ("fc2", experts * h * model.ffn // t, experts * b * h)]
+    return [(name, round(k * n * count), b * round(n * count))
+            for name, (_, n, k, count) in zip(("qkv", "proj", "fc1", "fc2"), layer_gemms(model, layout), strict=True)]
 
 
 def _gathered(*sizes: int) -> int:
@@ -170,7 +168,8 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather_s: Callable[[i
                 live += u.gathered
         if not flight and live < MAX_LIVE:
             ahead = 0
-            for v in uses[i + 1:]:
+            for j in range(i + 1, len(uses)):
+                v = uses[j]
                 if v.gathered and v.module not in available and v.module not in flight:
                     sync()
                     net += gather_s(v.gathered)
