@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
-from plait.pipeline.balance import PARTITIONS
+from plait.pipeline.balance import PARTITIONS, partition_layers
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
 from plait.plan.model import Model
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
@@ -310,20 +310,10 @@ class Training:
         for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.grad_dtype not in GRAD_DTYPES:
-            raise ConfigError(f"grad_dtype: {self.grad_dtype!r} is not one of {', '.join(GRAD_DTYPES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer: {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if self.tied_grad_sum not in TIED_GRAD_SUMS:
-            raise ConfigError(f"tied_grad_sum: {self.tied_grad_sum!r} is not one of {', '.join(TIED_GRAD_SUMS)}")
-        if self.zero3_impl not in ZERO3_IMPLS:
-            raise ConfigError(f"zero3_impl: {self.zero3_impl!r} is not one of {', '.join(ZERO3_IMPLS)}")
-        if self.grad_accumulation not in ACCUMULATIONS:
-            raise ConfigError(f"grad_accumulation: {self.grad_accumulation!r} is not one of "
-                              f"{', '.join(ACCUMULATIONS)}")
-        for name, choices in (("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES)):
+        for name, choices in (("precision", PRECISIONS), ("grad_dtype", tuple(GRAD_DTYPES)),
+                              ("optimizer", tuple(OPTIMIZERS)), ("tied_grad_sum", TIED_GRAD_SUMS),
+                              ("zero3_impl", ZERO3_IMPLS), ("grad_accumulation", tuple(ACCUMULATIONS)),
+                              ("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()
@@ -358,10 +348,11 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
         return "seq%tp", f"sequence_parallel: tp = {tp} must divide seq_len = {model.seq_len}"
     if model.n_layers < l.pp * l.virtual_stages:
         return "layers<stages", f"pp·virtual_stages: {l.pp * l.virtual_stages} exceeds n_layers = {model.n_layers}"
-    if not isinstance(l.partition, str) and (len(l.partition) != l.pp * l.virtual_stages or min(l.partition) < 1
-                                             or sum(l.partition) != model.n_layers):
-        return "partition", (f"partition: give pp·virtual_stages = {l.pp * l.virtual_stages} positive layer counts "
-                             f"summing to n_layers = {model.n_layers}, got {list(l.partition)}")
+    if not isinstance(l.partition, str):
+        try:  # the runtime's own check of explicit counts
+            partition_layers(model.n_layers, l.pp * l.virtual_stages, l.partition)
+        except ConfigError as e:
+            return "partition", str(e)
     if l.cp > 1 and model.seq_len % (unit := math.lcm(2 * l.cp, l.cp * tp if l.sequence_parallel else 1)):
         return "seq%cp", f"cp: {unit} (2·cp chunks, each rank's over tp with SP) must divide seq_len = {model.seq_len}"
     if training.global_batch % (l.dp * l.microbatch_size):
