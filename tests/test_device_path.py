@@ -132,7 +132,9 @@ def test_gradient_bookkeeping_runs_no_tensor_op_per_parameter(ctx, device):
     assert nodes["autograd::engine::evaluate_function: ToCopyBackward0"] < len(list(pm.parameters())), nodes
     ops = _top_ops(step)
     assert not [name for name, parent in ops if parent.endswith("AccumulateGrad")]
-    adds = collections.Counter(parent for name, parent in ops if name == "aten::_foreach_add_")
+    # torch's multi-tensor AdamW on a GPU advances its step counts with _foreach_add_ of its own: not bookkeeping
+    adds = collections.Counter(parent for name, parent in ops
+                               if name == "aten::_foreach_add_" and not parent.startswith("Optimizer.step#"))
     assert adds == {"_CastGroupBackward": 2 * len(pm.grad_buckets())}, adds  # a bucket's, per micro-batch
     assert sum(name == "aten::zero_" and not parent for name, parent in ops) == len(pm.grad_buckets())
 
