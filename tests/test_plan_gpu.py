@@ -11,7 +11,7 @@ from plait.errors import ConfigError
 from plait.plan import Cluster, Layout, Model, Training, estimate
 from plait.plan.attention import efficiency
 from plait.plan.catalogue import LINK_EFFICIENCY, get_gpu
-from plait.plan.gpu import FLASH_CAUSAL, gemm_quantization, matmul_efficiency, ring_allreduce
+from plait.plan.gpu import FLASH_CAUSAL, gemm_quantization, gemm_speed, gemm_traffic, ring_allreduce
 from plait.plan.memory import max_rank_params
 from plait.plan.overlap import exposed_tail
 from plait.plan.published import runs
@@ -56,12 +56,13 @@ def test_causal_flash_attention_costs_half_the_square_at_its_kernels_published_s
     block = cluster.costs.blocks(m, layout, "bf16").layer
     gpu, tokens = cluster.gpu, 2 * 4096
     attention = 4 * tokens * 4096 * 2048
-    dense = (layer_forward_flops(m, tokens, 4096) - attention) / (gpu.peak_flops * matmul_efficiency(gpu, m, layout))
-    (qf, qd, qw), _ = gemm_quantization(gpu, m, layout)  # tile and wave quantization (plan.gemm)
+    dense = (layer_forward_flops(m, tokens, 4096) - attention) / gemm_speed(gpu)
+    (qf, qd, qw), _ = gemm_quantization(gpu, m, layout)  # tile and wave quantization (plan.gemm): none on an H100
     assert block.f_compute - dense / qf > 0
     core = FLASH_CAUSAL * attention / 294e12
-    traffic = block.f_compute - dense / qf - core
-    assert traffic > 0 and block.b_compute == pytest.approx(dense / qd + dense / qw + 2.5 * core + 2 * traffic)
+    traffic = block.f_compute - dense / qf - core  # the GEMMs' and the element-wise kernels' HBM traffic
+    assert traffic > gemm_traffic(gpu, m, layout)[0] > 0
+    assert block.b_compute == pytest.approx(dense / qd + dense / qw + 2.5 * core + 2 * traffic)
     # the same layer with FlashAttention v1 (108 TFLOP/s at 2,048 tokens, 126 at 4,096): only the core changes
     slow = Cluster("h100-sxm", 8, flash_attention="flash1").costs.blocks(m, layout, "bf16").layer
     assert slow.f_compute - block.f_compute == pytest.approx(FLASH_CAUSAL * attention * (1 / 126e12 - 1 / 294e12))
@@ -140,9 +141,10 @@ def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
     ours = estimate(m, cluster, layout, Training(4))
     layers_only = estimate(m, cluster, layout, Training(4, recompute_head=False))
     g = cluster.gpu
-    head = 2 * 1024 * 1024 * 32000 / (g.peak_flops * g.matmul_efficiency * 1024 / (1024 + g.gemm_half))
-    assert head == pytest.approx(0.359e-3 * 0.623 / g.matmul_efficiency, rel=2e-3)  # 67.1 GFLOP at ~187 TFLOP/s
-    head /= gemm_quantization(g, m, layout)[1][0]  # [1024, 32000]: 1,000 tiles of 256x128, 10 waves of 108
+    # [1024, 1024] x [1024, 32000]: 67.1 GFLOP at the ceiling, 1,000 tiles of 256x128 in 10 waves of 108 SMs;
+    # its operands and result, 2·(1024·1024 + 2·1024·32000) = 133,169,152 bytes at 2.039 TB/s, 65.3 µs
+    assert gemm_quantization(g, m, layout)[1][0] == pytest.approx(1000 / 1080)
+    head = 2 * 1024 * 1024 * 32000 / (312e12 * g.matmul_efficiency * 1000 / 1080) + 133_169_152 / 2.039e12
     assert ours.time["recompute"] - layers_only.time["recompute"] == pytest.approx(4 * head, rel=1e-9)
     assert ours.step_time_s - layers_only.step_time_s == pytest.approx(4 * head, rel=1e-9)
     with pytest.raises(ConfigError, match="recompute_head"):  # plait's runtime would recompute it
@@ -165,7 +167,7 @@ def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms()
         layout = Layout(tp=t, dp=8 // t, sequence_parallel=True)
         link = gpu.intra
         c = (t - 1) / t * 2048 * hidden * 2 / (link.bandwidth * LINK_EFFICIENCY) + (t - 1) * link.latency
-        speed = gpu.peak_flops * matmul_efficiency(gpu, m, layout)
+        speed = gemm_speed(gpu)
         qkv, proj = 2 * 2048 * hidden * 3 * hidden / t / speed, 2 * 2048 * hidden * hidden / t / speed
         up, down = 2 * 2048 * hidden * 6 * hidden / t / speed, 2 * 2048 * 3 * hidden * hidden / t / speed
         plain = costs.blocks(m, layout, "bf16").layer
@@ -235,7 +237,7 @@ def test_pipelined_scatters_hold_the_sms_their_configuration_sets():
     cluster = Cluster("h100-sxm", 8)
     m = Model(4, 8192, 16, 32000, 2048, ffn_hidden=3 * 8192, glu=True)
     layout = Layout(tp=2, dp=4, sequence_parallel=True)
-    link, speed = cluster.gpu.intra, cluster.gpu.peak_flops * matmul_efficiency(cluster.gpu, m, layout)
+    link, speed = cluster.gpu.intra, gemm_speed(cluster.gpu)
     c = 1 / 2 * 2048 * 8192 * 2 / (link.bandwidth * LINK_EFFICIENCY) + link.latency
     proj, down = 2 * 2048 * 8192 * 8192 / 2 / speed, 2 * 2048 * 3 * 8192 * 8192 / 2 / speed
     own = cluster.costs.blocks(m, layout, "bf16", tp_overlap=True, overlap_sms=(24, 8)).layer

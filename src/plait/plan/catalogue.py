@@ -26,12 +26,14 @@ class GPU:
     ``peak_flops`` is the dense bf16/fp16 tensor-core peak (no sparsity); ``matmul_efficiency`` the
     best share of it large GEMMs reach in practice (see ``docs/planner.md``, "How accurate: published runs").
     The datasheet cost model's other constants (``plan.gpu``) ride on the entry too, so that one GPU type can be
-    costed with other values (``plan.validation`` refits them with a source held out): ``gemm_half`` (the GEMM
-    width at which a GEMM reaches half its ceiling), ``elementwise_traffic`` (HBM bytes the element-wise kernels
-    move per stored activation byte) and ``flash_efficiency`` (the share of peak a fused flash-attention kernel
-    reaches, forward and backward, where no published figures describe the GPU). ``attention_figures`` names the
-    published attention benchmarks that do (``plan.attention.FIGURES``: "a100", "h100"; "" for none). ``sms``: its
-    streaming multiprocessors, as the vendor's architecture whitepaper prints them (0 where none is cited).
+    costed with other values (``plan.validation`` refits them with a source held out): ``elementwise_traffic``
+    (HBM bytes the element-wise kernels move per stored activation byte) and ``flash_efficiency`` (the share of
+    peak a fused flash-attention kernel reaches, forward and backward, where no published figures describe the
+    GPU). ``attention_figures`` names the published attention benchmarks that do (``plan.attention.FIGURES``:
+    "a100", "h100"; "" for none). ``sms``: its streaming multiprocessors, as the vendor's architecture whitepaper
+    prints them (0 where none is cited). ``tile_quantization``: its GEMMs are costed with cuBLAS's tile and wave
+    quantization on those SMs (``plan.gemm``: the A100s, which the guide describes; not the Hopper GPUs, whose
+    measured GEMM speeds show none: ``plan.measured_gemm_h200``).
     """
 
     name: str
@@ -43,11 +45,11 @@ class GPU:
     matmul_efficiency: float
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
-    gemm_half: float = 40.0
-    elementwise_traffic: float = 1.59
+    elementwise_traffic: float = 1.63
     flash_efficiency: float = 0.5
     attention_figures: str = ""
     sms: int = 0
+    tile_quantization: bool = False
 
 
 # Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
@@ -71,7 +73,7 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 63 runs
-# from 6 sources, 0.659; H100: 27 runs from 3 sources, 0.632; the traffic 1.59 on all 90; ``bench/plan.py
+# from 6 sources, 0.679; H100: 27 runs from 3 sources, 0.658; the traffic 1.63 on all 90; ``bench/plan.py
 # --validate`` refits them and reports each source's error with that source held out;
 # tests/test_plan_gpu.py checks these are the fit).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
@@ -85,16 +87,16 @@ INTERCONNECTS: dict[str, Link] = {
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.659,
-            "NVIDIA A100 SXM 40GB", attention_figures="a100", sms=108),
-        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.659,
-            "NVIDIA A100 SXM 80GB", attention_figures="a100", sms=108),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.632,
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.679,
+            "NVIDIA A100 SXM 40GB", attention_figures="a100", sms=108, tile_quantization=True),
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.679,
+            "NVIDIA A100 SXM 80GB", attention_figures="a100", sms=108, tile_quantization=True),
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.658,
             "NVIDIA H100 SXM5 80GB", fp8=True, attention_figures="h100", sms=132),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.632,
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.658,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True,
             attention_figures="h100", sms=114),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.632,
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.658,
             "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100", sms=132),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),

@@ -1,12 +1,13 @@
 """The cost model of catalogue GPUs: datasheet peaks at efficiencies fitted on published runs, ring formulas for
 collectives, Korthikanti et al.'s activation count (Megatron-LM's kernels, 16-bit).
 
-What one layer costs: its FLOPs (``timing.layer_forward_flops``) at ``peak · matmul_efficiency`` (falling for
-narrow GEMMs) and at each pass's share of that after its GEMMs' tile and wave quantization (``plan.gemm``), plus
-its element-wise kernels' HBM traffic; backward the data- and weight-gradient GEMMs (each the forward's FLOPs) and
-twice the element-wise traffic; the TP all-reduces (or SP's gathers and scatters) and MoE's all-to-alls on ring
-formulas over the link the group spans (NVLink inside a node; across nodes the NICs its members in a node have:
-``group_link``). The fit and its errors on published runs, each source held out: ``plan.validation``.
+What one layer costs: its FLOPs (``timing.layer_forward_flops``) at ``peak · matmul_efficiency``, at each
+pass's share of that after its GEMMs' tile and wave quantization where the GPU's cuBLAS has it, plus its GEMMs'
+operands and results through HBM (``plan.gemm``) and its element-wise kernels' HBM traffic; backward the data-
+and weight-gradient GEMMs (each the forward's FLOPs and bytes) and twice the element-wise traffic; the TP
+all-reduces (or SP's gathers and scatters) and MoE's all-to-alls on ring formulas over the link the group spans
+(NVLink inside a node; across nodes the NICs its members in a node have: ``group_link``). The fit and its
+errors on published runs, each source held out: ``plan.validation``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
-from plait.plan.gemm import passes
+from plait.plan.gemm import operand_bytes, passes
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
 
 # The constants of this model ride on the catalogue entry (``catalogue.GPU``), fitted on the published runs
 # (``plan.published``; leave-one-source-out: ``plan.validation``):
-# - ``matmul_efficiency``: the ceiling large GEMMs reach; it falls for narrow GEMMs as n/(n + gemm_half), n the
-#   per-GPU shard width h/t (capped by the tokens of a micro-batch), and each GEMM of a pass keeps the share of it
-#   that cuBLAS's tiles leave after tile and wave quantization on the GPU's SMs (``gemm_quantization``);
+# - ``matmul_efficiency``: the ceiling large GEMMs reach; each GEMM also moves its operands and result through HBM
+#   at ``memory_bandwidth`` (``gemm_traffic``: narrow GEMMs move more bytes per FLOP), and where the GPU's cuBLAS
+#   quantizes (``GPU.tile_quantization``) each GEMM of a pass keeps the share of the ceiling its tiles leave after
+#   tile and wave quantization on the GPU's SMs (``gemm_quantization``);
 # - ``elementwise_traffic``: element-wise kernels (norms, softmax, dropout, residual adds, activations) move about
 #   this many times the layer's stored activation bytes through HBM per forward pass;
 # Fused attention (``Cluster(flash_attention=...)``) runs QK^T and AV on the causal half of the s×s square
@@ -103,13 +105,13 @@ def ring_allgather(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) / n * nbytes / (link.bandwidth * LINK_EFFICIENCY) + (n - 1) * link.latency
 
 
-def matmul_efficiency(gpu: GPU, model: Model, layout: Layout) -> float:
-    """Achieved share of peak FLOP/s for this layer's GEMMs."""
-    n = min(model.hidden / layout.tp, layout.microbatch_size * model.seq_len / layout.cp)
-    return gpu.matmul_efficiency * n / (n + gpu.gemm_half)
+def gemm_speed(gpu: GPU) -> float:
+    """FLOP/s of a large GEMM on ``gpu``: its peak at its fitted ceiling (``GPU.matmul_efficiency``)."""
+    return gpu.peak_flops * gpu.matmul_efficiency
 
 
 Quantization = tuple[tuple[float, float, float], tuple[float, float, float]]
+UNQUANTIZED: Quantization = ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0))
 
 
 @lru_cache(maxsize=4096)
@@ -120,9 +122,23 @@ def _quantization(sms: int, model: Model, layout: Layout) -> Quantization:
 def gemm_quantization(gpu: GPU, model: Model, layout: Layout) -> Quantization:
     """(layer, head) shares of the matmul speed their GEMMs keep after tile and wave quantization on ``gpu``'s
     SMs (``plan.gemm``; the GEMMs' shapes: ``timing.layer_gemms``, ``timing.head_gemm``), each (forward, data
-    gradient, weight gradient); all 1.0 for a GPU without an SM count. The attention core's batched GEMMs
-    (unfused softmax) and the overlapped collectives' partial GEMMs (``_tp_overlapped``) are not quantized."""
-    return _quantization(gpu.sms, model, layout)
+    gradient, weight gradient); all 1.0 for a GPU whose cuBLAS is not costed quantized (``GPU.tile_quantization``)
+    or without an SM count. The attention core's batched GEMMs (unfused softmax) and the overlapped collectives'
+    partial GEMMs (``_tp_overlapped``) are not quantized."""
+    return _quantization(gpu.sms, model, layout) if gpu.tile_quantization else UNQUANTIZED
+
+
+@lru_cache(maxsize=4096)
+def _traffic(model: Model, layout: Layout) -> tuple[float, float]:
+    return operand_bytes(layer_gemms(model, layout)), operand_bytes((head_gemm(model, layout),))
+
+
+def gemm_traffic(gpu: GPU, model: Model, layout: Layout) -> tuple[float, float]:
+    """(layer, head) seconds their GEMMs' operands and results take through ``gpu``'s HBM in each pass (forward,
+    data gradient, weight gradient alike: ``plan.gemm.operand_bytes``), on top of their FLOPs at ``gemm_speed``. The
+    unfused attention core's score traffic is the element-wise term's."""
+    layer, head = _traffic(model, layout)
+    return layer / gpu.memory_bandwidth, head / gpu.memory_bandwidth
 
 
 @dataclass(frozen=True)
@@ -198,7 +214,7 @@ class GpuCosts:
             raise ConfigError(f"tp_comm_overlap: {gpu.name} has no SM count in the catalogue (GPU.sms), which the "
                               "pipelined reduce-scatters' SM share needs; plan it with tp_comm_overlap=False")
         proj_share, fc2_share = (n / gpu.sms for n in sms)
-        speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
+        speed = gemm_speed(gpu)
         h, kv = model.hidden, model.kv_heads * model.head_dim
 
         def gemm(n_in: int, n_out: int) -> float:  # one partial GEMM over the gathered [b, s/cp, n_in]
@@ -222,7 +238,7 @@ class GpuCosts:
         unfused softmax runs at the GEMM speed, its backward twice the forward."""
         gpu = self.gpu
         if not self.cluster.flash_attention:
-            forward = flops / (gpu.peak_flops * matmul_efficiency(gpu, model, layout))
+            forward = flops / gemm_speed(gpu)
             return forward, 2 * forward
         kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
         forward = flops * FLASH_CAUSAL / (gpu.peak_flops * kernel)
@@ -262,32 +278,34 @@ class GpuCosts:
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> Blocks:
-        """A layer: FLOPs at the fitted efficiency plus element-wise HBM traffic, its TP collectives (what of them
-        ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs: ``_tp_overlapped``) and what
-        recomputation redoes; the head: its FLOPs. The embedding's lookup is free. The attention core runs as
-        ``_attention_core`` times it; with fused flash attention its backward recomputes the scores (so selective
-        recomputation redoes nothing more) and its s×s scores never reach HBM."""
+        """A layer: FLOPs at the fitted efficiency plus its GEMMs' and element-wise kernels' HBM traffic, its TP
+        collectives (what of them ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs:
+        ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs and its GEMM's traffic. The
+        embedding's lookup is free. The attention core runs as ``_attention_core`` times it; with fused flash
+        attention its backward recomputes the scores (so selective recomputation redoes nothing more) and its s×s
+        scores never reach HBM."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
-        speed = gpu.peak_flops * matmul_efficiency(gpu, model, layout)
+        speed = gemm_speed(gpu)
         flops = layer_forward_flops(model, tokens, model.seq_len) / t
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
         tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None)
         core, core_b = self._attention_core(model, layout, attention)
         (qf, qd, qw), (hf, hd, hw) = gemm_quantization(gpu, model, layout)
+        g, hg = gemm_traffic(gpu, model, layout)
         dense = (flops - attention) / speed
         if self.cluster.flash_attention:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
             traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            f = dense / qf + core + traffic
-            b = dense / qd + dense / qw + core_b + 2 * traffic
-            w = dense / qw
+            f = dense / qf + g + core + traffic
+            b = dense / qd + dense / qw + 2 * g + core_b + 2 * traffic
+            w = dense / qw + g
             recompute = f + tp if layout.recompute == "full" else 0.0
         else:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="none"))
             rest = attention / speed + gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            f = dense / qf + rest
-            b, w = dense / qd + dense / qw + 2 * rest, dense / qw + rest
+            f = dense / qf + g + rest
+            b, w = dense / qd + dense / qw + 2 * g + 2 * rest, dense / qw + g + rest
             if layout.recompute == "full":
                 recompute = f + tp
             elif layout.recompute == "selective" and layout.cp == 1:  # QK^T, softmax and AV again (Korthikanti
@@ -297,8 +315,8 @@ class GpuCosts:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
         return Blocks(StageCosts(f, b, w, tp, tp_b, recompute, 0.0, 1), StageCosts(),
-                      StageCosts(head / hf, head / hd + head / hw, head / hw,
-                                 recompute=head / hf if layout.recompute == "full" else 0.0))
+                      StageCosts(head / hf + hg, head / hd + head / hw + 2 * hg, head / hw + hg,
+                                 recompute=head / hf + hg if layout.recompute == "full" else 0.0))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
         """``[b, s, h]`` in bf16 scattered over the TP ranks (Narayanan et al. 2021, §4.1)."""
