@@ -29,7 +29,7 @@ bench: install
 	$(BIN)/python bench/run_all.py
 
 # On a machine with a GPU: the tree's sources on the path of a Python whose torch has CUDA (no install step: such
-# machines often reach no package registry). Writes gpu-check/gpu_check.json and gpu_check.md; ~3 min on one H200.
+# machines often reach no package registry). Writes gpu-check/gpu_check.json and gpu_check.md; ~4 min on one H200.
 # On a CPU: make gpu-check PY=.venv/bin/python GPU_DEVICE=cpu GPU_FLAGS=--quick
 GPU_DEVICE ?= cuda
 GPU_FLAGS ?=

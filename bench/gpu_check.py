@@ -2,13 +2,15 @@
 prediction beside the measured step, generation and serving speed. Writes ``gpu_check.json`` and a Markdown
 table to ``--out``.
 
-    python bench/gpu_check.py --device cuda --out gpu-check          # make gpu-check: ~3 min on one H200
+    python bench/gpu_check.py --device cuda --out gpu-check          # make gpu-check: ~4 min on one H200
     python bench/gpu_check.py --device cpu --quick --out gpu-check   # the same sections on a CPU, small sizes
 
 Sections (each runs on its own: one that fails records ``{"error": ...}`` and the rest still run; the JSON is
 rewritten after each, so a run cut short keeps the sections it finished):
   device    name, memory, torch and CUDA versions; on a GPU ``launch_us``, what one tiny kernel costs the host
   tests     ``pytest tests/test_device_path.py tests/test_device_guards.py --device DEV``: passed / failed
+  gemm      ``torch.mm`` speeds on the shapes of the published runs' GEMMs and a grid, beside the planner's cost of
+            each GEMM on this GPU (``gpu_check_gemm.py``; every timing in ``gemm.json``)
   train     one process: plait (``parallelize`` + ``ParallelOptimizer``, bf16 over fp32 masters on a GPU) and
             transformers' ``LlamaForCausalLM`` (fp32 weights under bf16 autocast), both with torch's fused AdamW, on
             the same config, batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N +
@@ -35,6 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
+from gpu_check_gemm import gemm_section
 from gpu_check_serve import serve_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +307,7 @@ def markdown(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-SECTIONS = ("device", "tests", "train", "generate", "predict", "serve")
+SECTIONS = ("device", "tests", "gemm", "train", "generate", "predict", "serve")
 #: the keys repeated at the top of ``gpu_check.json`` from their sections
 SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
            "generate_tokens_per_s", "serve_tokens_per_s")
@@ -340,6 +343,8 @@ def main() -> None:
         _run("device", results, out, device_section, device)
     if "tests" in wanted:
         _run("tests", results, out, tests_section, device, out)
+    if "gemm" in wanted:
+        _run("gemm", results, out, gemm_section, device, args.quick, out)
     train: dict = {}
     if "train" in wanted:
         folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))

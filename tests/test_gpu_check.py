@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,5 +32,29 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert all(v > 0 for v in results["generate_tokens_per_s"].values())
     assert all(results["generate"][f"hf_generate_tokens_per_s_batch{b}"] > 0 for b in (1, 32))  # the peer ran
     assert results["predict"]["predicted_on"].endswith("(plait plan, host profile)")  # a CPU: its calibration
+    gemm = results["gemm"]  # a CPU: its speeds, and no catalogue GPU to hold the planner's costs against
+    assert gemm["shapes"] == 5 and gemm["best_tflops"] > 0 and gemm["planner_gpu"] is None
+    assert len(json.loads((out / "gemm.json").read_text())["shapes"]) == 5
     table = (out / "gpu_check.md").read_text()
     assert "| predict | predicted_step_s |" in table and "| serve | serve_tokens_per_s |" in table
+
+
+def test_gemm_section_holds_the_planners_costs_against_the_h200_measurement(monkeypatch) -> None:
+    """``planner_fit``, what the gemm section reports on a catalogue GPU, given the speeds measured on the H200
+    (``plan.measured_gemm_h200``): the planner's cost follows them (correlation 0.73, about 3.5% off after one
+    scale, under a flat speed's error), tile and wave quantization on its 132 SMs does not (0.06)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from gpu_check_gemm import planner_fit
+
+    from plait.plan.catalogue import get_gpu
+    from plait.plan.gemm import scaled_error
+    from plait.plan.measured_gemm_h200 import GRID, PUBLISHED
+
+    shapes = [(s.m, s.n, s.k) for s in PUBLISHED + GRID]
+    measured = [s.flops_per_s for s in PUBLISHED + GRID]
+    fit = planner_fit(get_gpu("h200"), shapes, measured)
+    assert fit["planner_gpu"] == "h200"
+    assert fit["planner_correlation"] == pytest.approx(0.73, abs=0.01)
+    assert fit["planner_scaled_error"] < scaled_error([1.0] * len(shapes), measured)
+    assert abs(fit["quantization_correlation"]) < 0.1
+    assert planner_fit(get_gpu("b200"), shapes, measured)["quantization_correlation"] is None  # no SM count

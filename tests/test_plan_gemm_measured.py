@@ -1,39 +1,23 @@
 """The GEMM cost by shape (plan.gemm, plan.gpu) against GEMM speeds measured on an H200 (plan.measured_gemm_h200),
 and its memory-traffic term worked by hand on a small layer."""
 
-import math
 import statistics
+from statistics import correlation
 
 import pytest
 
 from plait.plan import Cluster, Layout, Model
 from plait.plan.catalogue import GPU, get_gpu
-from plait.plan.gemm import operand_bytes, quantization
-from plait.plan.gpu import UNQUANTIZED, gemm_quantization, gemm_speed, gemm_traffic
+from plait.plan.gemm import gemm_seconds, operand_bytes, quantization, scaled_error
+from plait.plan.gpu import UNQUANTIZED, gemm_quantization, gemm_traffic
 from plait.plan.measured_gemm_h200 import GRID, PUBLISHED, Measured
 from plait.plan.published import runs
 from plait.plan.timing import head_gemm, layer_gemms
 
 
-def correlation(x: list[float], y: list[float]) -> float:
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
-    return sxy / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
-
-
-def scaled_error(predicted: list[float], measured: list[float]) -> float:
-    """Mean |relative error| after one common scale (the median ratio): the shape of a model, not its level."""
-    scale = statistics.median(m / p for p, m in zip(predicted, measured, strict=True))
-    return statistics.fmean(abs(m / (p * scale) - 1) for p, m in zip(predicted, measured, strict=True))
-
-
 def modelled(gpu: GPU, s: Measured) -> float:
-    """FLOP/s the planner costs one [m, k] x [k, n] GEMM at on ``gpu``: its FLOPs at the ceiling (after tile and
-    wave quantization where ``gpu`` has it) plus its operands and result at the memory bandwidth."""
-    flops = 2 * s.m * s.n * s.k
-    share = quantization(s.m, s.n, gpu.sms) if gpu.tile_quantization else 1.0
-    seconds = flops / (gemm_speed(gpu) * share) + operand_bytes([(s.m, s.n, s.k, 1.0)]) / gpu.memory_bandwidth
-    return flops / seconds
+    """FLOP/s the planner costs one measured [m, k] x [k, n] GEMM at on ``gpu``."""
+    return 2 * s.m * s.n * s.k / gemm_seconds(gpu, s.m, s.n, s.k)
 
 
 def test_the_measurement_is_what_its_docstring_says():

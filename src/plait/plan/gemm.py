@@ -36,8 +36,13 @@ efficiencies, so none is assumed: the pick is the most efficient group whose til
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plait.plan.catalogue import GPU
 
 # cuBLAS's CTA tiles (Matrix Multiplication Background User's Guide, §2.3), most to least efficient, in groups of
 # equal efficiency.
@@ -89,3 +94,23 @@ def operand_bytes(gemms: Iterable[tuple[float, float, float, float]]) -> float:
     writes its [m, n] result once, 2 bytes an element. The data gradient ([m, n] by [n, k]) and the weight gradient
     ([k, m] by [m, n]) read and write the same three shapes, so each pass moves these bytes."""
     return sum(2 * (m * k + k * n + m * n) * count for m, n, k, count in gemms)
+
+
+def gemm_speed(gpu: GPU) -> float:
+    """FLOP/s of a large GEMM on ``gpu``: its peak at its fitted ceiling (``GPU.matmul_efficiency``)."""
+    return gpu.peak_flops * gpu.matmul_efficiency
+
+
+def gemm_seconds(gpu: GPU, m: float, n: float, k: float) -> float:
+    """Seconds the planner costs one [m, k] x [k, n] GEMM on ``gpu``: its FLOPs at ``gemm_speed``, after tile and
+    wave quantization where the GPU's cuBLAS has it (``GPU.tile_quantization``), plus its operands and result
+    (``operand_bytes``) at the memory bandwidth. ``plan.gpu`` costs a layer's GEMMs this way, pass by pass."""
+    share = quantization(m, n, gpu.sms) if gpu.tile_quantization else 1.0
+    return 2 * m * n * k / (gemm_speed(gpu) * share) + operand_bytes([(m, n, k, 1.0)]) / gpu.memory_bandwidth
+
+
+def scaled_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean |relative error| of ``predicted`` against ``measured`` speeds after one common scale (the median
+    ratio): how well a model follows the measurements' shape, whatever its level (its ceiling is fitted apart)."""
+    scale = statistics.median(m / p for p, m in zip(predicted, measured, strict=True))
+    return statistics.fmean(abs(m / (p * scale) - 1) for p, m in zip(predicted, measured, strict=True))

@@ -22,7 +22,7 @@ from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
-from plait.plan.gemm import operand_bytes, passes
+from plait.plan.gemm import gemm_speed, operand_bytes, passes
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms
@@ -103,11 +103,6 @@ def ring_allgather(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes / (link.bandwidth * LINK_EFFICIENCY) + (n - 1) * link.latency
-
-
-def gemm_speed(gpu: GPU) -> float:
-    """FLOP/s of a large GEMM on ``gpu``: its peak at its fitted ceiling (``GPU.matmul_efficiency``)."""
-    return gpu.peak_flops * gpu.matmul_efficiency
 
 
 Quantization = tuple[tuple[float, float, float], tuple[float, float, float]]
