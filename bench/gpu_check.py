@@ -21,6 +21,8 @@ rewritten after each, so a run cut short keeps the sections it finished):
             CPU from ``plait calibrate --processes 1`` run first
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
   serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
+  serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, and
+            three of its steps profiled (``serve_profile.txt``)
 On a CPU ``mfu`` is null (no dense-peak figure to divide by); every other key is filled.
 """
 
@@ -38,7 +40,7 @@ import traceback
 from pathlib import Path
 
 from gpu_check_gemm import gemm_section
-from gpu_check_serve import serve_section
+from gpu_check_serve import serve_section, serve_step_section
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODEL = dict(vocab_size=32000, dim=1536, n_layers=20, n_heads=12, n_kv_heads=4, ffn_dim=4096, max_seq_len=2048)
@@ -307,7 +309,7 @@ def markdown(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-SECTIONS = ("device", "tests", "gemm", "train", "generate", "predict", "serve")
+SECTIONS = ("device", "tests", "gemm", "train", "generate", "predict", "serve", "serve_step")
 #: the keys repeated at the top of ``gpu_check.json`` from their sections
 SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
            "generate_tokens_per_s", "serve_tokens_per_s")
@@ -323,9 +325,10 @@ def main() -> None:
                              "model train saves: name train with them)")
     args = parser.parse_args()
     wanted = set(args.sections.split(","))
-    if not wanted <= set(SECTIONS) or (wanted & {"generate", "predict", "serve"} and "train" not in wanted):
+    uses_model = {"generate", "predict", "serve", "serve_step"}
+    if not wanted <= set(SECTIONS) or (wanted & uses_model and "train" not in wanted):
         parser.error(f"--sections {args.sections}: choose from {','.join(SECTIONS)}, with train if generate, "
-                     "predict or serve is chosen")
+                     "predict, serve or serve_step is chosen")
     import torch
 
     device = torch.device(args.device)
@@ -360,6 +363,8 @@ def main() -> None:
                  train.get("measured_step_s"), device.type == "cuda")
         if "serve" in wanted:
             _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
+        if "serve_step" in wanted:
+            _run("serve_step", results, out, serve_step_section, ctx.device, sizes, folder, out)
     flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),
             "hf_train_tokens_per_s": train.get("hf_train_tokens_per_s"),
             "predicted_step_s": results["predict"].get("predicted_step_s"),

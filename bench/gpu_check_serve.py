@@ -80,3 +80,67 @@ def serve_section(sizes: dict, folder: Path, out: Path, env: dict, cwd: Path, co
         log.close()
     return {"concurrent": concurrent, "completed": len(done), "errors": errors[:3], "output_tokens": sum(done),
             "wall_s": wall, "serve_tokens_per_s": sum(done) / wall}
+
+
+def serve_step_section(device, sizes: dict, folder: Path, out: Path, rows: int = 32) -> dict:
+    """The serving runner's decode step on its own (``serve.runner.Runner.execute``: no HTTP, no scheduler, no
+    hand-over) at ``rows`` greedy rows of 68-token prompts, beside a decode step of batched ``plait.generate`` on
+    the same prompts: where the serve section's time per token goes that the model's step does not explain. Three
+    of the runner's decode steps under ``torch.profiler`` go to ``serve_profile.txt``."""
+    import torch
+
+    import plait
+    from plait.devices import synchronize
+    from plait.generation.decode import Sampling
+    from plait.models import Llama
+    from plait.serve.runner import Row, Runner, Step
+    from plait.serve.sampling import Params
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Llama.from_pretrained(folder, dtype=dtype).to(device).eval()
+    prompt, new, block = 68, sizes["new_tokens"], 16
+    per = (prompt + new + block - 1) // block
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=g).tolist()
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
+
+    def decode(steps: int, profile: bool = False) -> list[float]:
+        """Prefill every row in one step, then ``steps`` decode steps: each one's seconds."""
+        runner = Runner(model, num_blocks=rows * per + 1, block_size=block)
+        outs = runner.execute(Step(new=[(i, Params(Sampling(new, 0.0))) for i in range(rows)],
+                                   rows=[Row(i, prompts[i], 0, tables[i], True) for i in range(rows)]))
+        times = []
+        for s in range(steps):
+            step = Step(rows=[Row(i, [outs[i][0]], prompt + s, tables[i], True) for i in range(rows)])
+            synchronize(device)
+            t0 = time.perf_counter()
+            outs = runner.execute(step)
+            synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    decode(4)  # warm-up: kernels, allocator
+    times = sorted(decode(new - 1))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        decode(3)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    (out / "serve_profile.txt").write_text("\n\n".join(
+        f"== serving runner, prefill and 3 decode steps, by {k}\n" + prof.key_averages().table(sort_by=k, row_limit=30)
+        for k in (key, "cpu_time_total")))
+    generated = {2: float("inf"), new: float("inf")}
+    plait.generate(model, prompts, max_new_tokens=2)  # warm-up
+    for _ in range(3):  # batched decoding's step: the best of 3 runs of each length, their difference per token
+        for n in generated:
+            synchronize(device)
+            t0 = time.perf_counter()
+            plait.generate(model, prompts, max_new_tokens=n)
+            synchronize(device)
+            generated[n] = min(generated[n], time.perf_counter() - t0)
+    step_ms = 1e3 * (generated[new] - generated[2]) / (new - 2)
+    return {"rows": rows, "runner_decode_step_ms": 1e3 * times[len(times) // 2],
+            "runner_decode_step_min_ms": 1e3 * times[0],
+            # None where the runs' scatter (a loaded host) exceeds the extra tokens' time
+            "generate_decode_step_ms": step_ms if step_ms > 0 else None}

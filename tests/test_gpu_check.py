@@ -32,6 +32,10 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert all(v > 0 for v in results["generate_tokens_per_s"].values())
     assert all(results["generate"][f"hf_generate_tokens_per_s_batch{b}"] > 0 for b in (1, 32))  # the peer ran
     assert results["predict"]["predicted_on"].endswith("(plait plan, host profile)")  # a CPU: its calibration
+    step = results["serve_step"]  # the serving runner's decode step alone, and batched decoding's beside it
+    assert step["runner_decode_step_ms"] >= step["runner_decode_step_min_ms"] > 0
+    assert step["generate_decode_step_ms"] is None or step["generate_decode_step_ms"] > 0
+    assert "serving runner" in (out / "serve_profile.txt").read_text()
     gemm = results["gemm"]  # a CPU: its speeds, and no catalogue GPU to hold the planner's costs against
     assert gemm["shapes"] == 5 and gemm["best_tflops"] > 0 and gemm["planner_gpu"] is None
     assert len(json.loads((out / "gemm.json").read_text())["shapes"]) == 5
