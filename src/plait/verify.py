@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.parallel_config import ParallelConfig
+
+if TYPE_CHECKING:
+    from plait.distributed.context import ParallelContext
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device: float32 rounding on losses and gradients
 #: the layout ``plait verify`` checks when no flag says otherwise (4 local processes, 1F1B)
@@ -96,6 +100,14 @@ def _model_config(cfg: VerifyConfig):
 
 def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
     """Runs on every rank of the launched world; rank 0 returns the comparison."""
+    import plait
+
+    with plait.init(config=cfg.parallel) as ctx:
+        return _compare(cfg, ctx)
+
+
+def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
+    """One warm-up and one traced step under ``ctx`` against the model on one device (rank 0 returns it)."""
     import torch
     import torch.distributed as dist
 
@@ -103,7 +115,6 @@ def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
     from plait.models import Llama
     from plait.sim import Costs, simulate
 
-    ctx = plait.init(config=cfg.parallel)
     mcfg = _model_config(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)

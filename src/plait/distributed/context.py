@@ -20,7 +20,14 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
 
 @dataclass
 class ParallelContext:
-    """Everything a parallel module needs to know about where it runs. Passed explicitly, never global."""
+    """Everything a parallel module needs to know about where it runs. Passed explicitly, never global.
+
+    A context from ``plait.init`` owns the process groups it made; ``close()`` (or leaving ``with plait.init(...)
+    as ctx:``) destroys them. Each Gloo group keeps threads on every member rank until it is destroyed and no
+    Python object refers to it any more, so a program that calls ``plait.init`` repeatedly closes each context
+    once done with it. The default (world) group stays, and a context made around groups it was handed
+    (``tp_group_context``) destroys none of them.
+    """
 
     config: ParallelConfig  # resolved: dp known, tp*cp*pp*dp == world_size
     rank: int
@@ -29,6 +36,8 @@ class ParallelContext:
     mesh: DeviceMesh | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     _groups: dict[str, ProcessGroup] = field(default_factory=dict, repr=False)
+    _owned: list[ProcessGroup] = field(default_factory=list, repr=False)  # made for this context: close() ends them
+    _closed: bool = field(default=False, repr=False)
 
     # global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank  (TP innermost, then CP, DP, PP;
     # with cp = 1: (pp_rank * dp + dp_rank) * tp + tp_rank). CP sits next to TP, as in Megatron-LM, so that the
@@ -107,39 +116,39 @@ class ParallelContext:
 
     @property
     def tp_group(self) -> ProcessGroup | None:
-        return self._groups.get("tp")
+        return self._group("tp")
 
     @property
     def pp_group(self) -> ProcessGroup | None:
-        return self._groups.get("pp")
+        return self._group("pp")
 
     @property
     def dp_group(self) -> ProcessGroup | None:
-        return self._groups.get("dp")
+        return self._group("dp")
 
     @property
     def cp_group(self) -> ProcessGroup | None:
         """The context-parallel group: ranks that split the same sequences (None when cp=1)."""
-        return self._groups.get("cp")
+        return self._group("cp")
 
     @property
     def dp_cp_group(self) -> ProcessGroup | None:
         """The dp x cp group over which dense gradients are reduced (the DP group when cp=1)."""
-        return self._groups.get("dp_cp", self._groups.get("dp"))
+        return self._group("dp_cp", "dp")
 
     @property
     def ep_group(self) -> ProcessGroup | None:
         """The expert-parallel group (None when ep=1)."""
-        return self._groups.get("ep")
+        return self._group("ep")
 
     @property
     def expert_dp_group(self) -> ProcessGroup | None:
         """Ranks of this stage holding the same experts (expert gradients are summed over it)."""
-        return self._groups.get("edp", self.dp_cp_group)
+        return self._group("edp", "dp_cp", "dp")
 
     @property
     def world_group(self) -> ProcessGroup | None:
-        return self._groups.get("world")
+        return self._group("world")
 
     @property
     def p2p_group(self) -> ProcessGroup | None:
@@ -148,7 +157,50 @@ class ParallelContext:
         matches a pair's messages in posting order and ignores tags, and a send waits on the same stream as the
         receives behind it; plait's pipeline posts receives early and matches them by tag, which only Gloo
         honours (docs/runtime.md, "The GPU path")."""
-        return self._groups.get("p2p", self.world_group)
+        return self._group("p2p", "world")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"this ParallelContext ({self.describe()}) is closed: its process groups are "
+                              "destroyed; make a new one with plait.init(...)")
+
+    def _group(self, *names: str) -> ProcessGroup | None:
+        """The first of ``names`` this context has a group for (None if none)."""
+        self._check_open()
+        return next((self._groups[n] for n in names if n in self._groups), None)
+
+    def new_group(self, ranks: list[int]) -> ProcessGroup | None:
+        """A process group over the global ``ranks`` that ``close()`` destroys with this context's own; every rank
+        of the world calls it, in the same order (``torch.distributed.new_group``). None on a rank not in it."""
+        self._check_open()
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+        if self.rank not in ranks:
+            return None
+        self._owned.append(group)
+        return group
+
+    def close(self) -> None:
+        """Destroy the process groups this context made (not the default group, not groups it was handed) and
+        drop its mesh. Every rank calls it once its last collective on them has returned; destroying is local,
+        no collective runs. Closing again does nothing; using a closed context's groups raises ConfigError."""
+        if self._closed:
+            return
+        self._closed = True
+        owned, self._owned, self._groups, self.mesh = self._owned, [], {}, None
+        if not dist.is_initialized():  # the default group's destruction took every group with it
+            return
+        for group in owned:
+            if group is not dist.group.WORLD:
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # destroyed already, by its user
+                    pass
+
+    def __enter__(self) -> ParallelContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/cp/dp coordinates."""
@@ -202,7 +254,8 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     then become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with
     CUDA, otherwise Gloo). The layout is validated before any collective. Calling it again with another
-    layout returns a new context with new groups. ``expert_tp=True`` splits every expert over the TP group
+    layout returns a new context with new groups; ``ctx.close()``, or ``with plait.init(...) as ctx:``, destroys
+    a context's groups once it is done with. ``expert_tp=True`` splits every expert over the TP group
     (plait.experts.layer); then ep must divide dp·cp. ``cp`` ranks split every sequence
     (plait.context_parallel); each is handed the same full rows.
     """
@@ -223,19 +276,24 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     device = default_device()
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp),
                             mesh_dim_names=("pp", "dp", "cp", "tp"))
+    owned = mesh.get_all_groups()  # one group a dimension, size-1 ones included (the world's own where it spans it)
     groups: dict[str, ProcessGroup] = {name: mesh.get_group(name) for name in ("pp", "dp", "tp")}
     if config.cp > 1:
         groups["cp"] = mesh.get_group("cp")
         flat = init_device_mesh(device.type, (config.pp, config.dp * config.cp, config.tp),
                                 mesh_dim_names=("pp", "dp_cp", "tp"))  # CP next to DP: one dimension of both
         groups["dp_cp"] = flat.get_group("dp_cp")
+        owned += flat.get_all_groups()
     assert dist.group.WORLD is not None  # the default group exists from here on
     groups["world"] = dist.group.WORLD
     if config.pp > 1 and dist.get_backend() != "gloo":  # every rank creates it, in the same order
         groups["p2p"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    groups.update(_expert_groups(config, device))
+        owned.append(groups["p2p"])
+    expert_groups, expert_owned = _expert_groups(config, device)
+    groups.update(expert_groups)
+    mine = {id(g): g for g in owned + expert_owned if g is not dist.group.WORLD}  # each once, the world's not
     return ParallelContext(config=config, rank=dist.get_rank(), world_size=world, device=device,
-                           mesh=mesh, timeout_s=timeout, _groups=groups)
+                           mesh=mesh, timeout_s=timeout, _groups=groups, _owned=list(mine.values()))
 
 
 def tp_group_context(group: ProcessGroup, device: torch.device, timeout_s: float | None = None) -> ParallelContext:
@@ -253,10 +311,12 @@ def tp_group_context(group: ProcessGroup, device: torch.device, timeout_s: float
                            _groups={"tp": group})
 
 
-def _expert_groups(layout: ParallelConfig, device: torch.device) -> dict[str, ProcessGroup]:
-    """The EP and expert-DP groups (every rank creates them, in the same order); none for tp = ep = 1."""
+def _expert_groups(layout: ParallelConfig,
+                   device: torch.device) -> tuple[dict[str, ProcessGroup], list[ProcessGroup]]:
+    """The EP and expert-DP groups (every rank creates them, in the same order; none for tp = ep = 1), and every
+    group their mesh made."""
     if layout.ep == 1 and layout.tp == 1:
-        return {}
+        return {}, []
     data = layout.dp * layout.cp
     if layout.expert_tp:  # rank = ((pp·dp·cp/ep + edp)·ep + ep_rank)·tp + tp_rank
         emesh = init_device_mesh(device.type, (layout.pp, data // layout.ep, layout.ep, layout.tp),
@@ -268,4 +328,4 @@ def _expert_groups(layout: ParallelConfig, device: torch.device) -> dict[str, Pr
     groups = {"edp": emesh.get_group("edp")}
     if layout.ep > 1:
         groups["ep"] = emesh.get_group("ep")
-    return groups
+    return groups, emesh.get_all_groups()

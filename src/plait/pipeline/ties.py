@@ -27,14 +27,15 @@ class TiedWeights:
                 holders.setdefault(id(p), set()).add(schedule.stage_to_rank(chunk.index))
                 objects[id(p)] = p
         shared = [(objects[i], sorted(r)) for i, r in holders.items() if len(r) > 1]
-        # every rank creates every group, in the same order (new_group is collective over the world)
+        # every rank creates every group, in the same order (new_group is collective over the world); the context
+        # owns them (ctx.close() destroys them)
         for p, pp_ranks in shared:
             for dp in range(ctx.dp_size):
                 for cp in range(ctx.cp_size):
                     for tp in range(ctx.tp_size):
                         members = [ctx.global_rank(tp_rank=tp, dp_rank=dp, pp_rank=r, cp_rank=cp) for r in pp_ranks]
-                        group = dist.new_group(members)
-                        if ctx.rank in members:
+                        group = ctx.new_group(members)
+                        if group is not None:
                             self.pairs.append((p, group))
 
     def sync_grads(self, grad_of: Callable[[nn.Parameter], list[torch.Tensor]]) -> None:

@@ -236,8 +236,19 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predi
     go beside the measured ones in the metrics rows and the reporter's output.
     ``stop`` (a ``plait.train.preempt.StopRequest``): checked at every step boundary (all ranks agree); once
     a stop signal arrived, the run saves a checkpoint at that step and returns (no held-out loss, no sample).
+    Without ``ctx`` the run makes its own from ``cfg.parallel`` and closes it when it ends.
     """
     t_start = time.perf_counter()
+    if ctx is not None:
+        return _train(cfg, ctx, reporter, stop, predictor, t_start)
+    import plait
+
+    with plait.init(config=cfg.parallel) as own:
+        return _train(cfg, own, reporter, stop, predictor, t_start)
+
+
+def _train(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Predictor | None,
+           t_start: float) -> TrainResult:
     run = build(cfg, ctx)
     if stop is not None:  # from here a stop signal saves a checkpoint; before, it ends the process at once
         stop.install()  # (a worker stopped while it waits for a dead peer in the rendezvous leaves promptly)
