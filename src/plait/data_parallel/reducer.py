@@ -21,7 +21,8 @@ At a chunk's last backward a bucket whose gradients are complete is reduced asyn
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,19 @@ from plait.errors import ConfigError
 MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-free")
 # torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """``method`` as a parameter hook that does not keep its object alive. The garbage collector does not see
+    the post-accumulate-grad hooks a tensor holds, so a hook bound to the reducer that holds the tensor would
+    keep both, the model's parameters and the process groups of its buckets, alive until the process ends."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(p)
+    return hook
 
 
 def set_grad_group(param: nn.Parameter, group, size: int) -> None:
@@ -136,10 +150,11 @@ class GradReducer:
                 self._add(members, group, size)
         for group, size, members in (self._by_group(params, alone).values() if units is None else ()):
             self._fill(members, group, size, int(bucket_mb * 2**20))
+        on_grad = weak_hook(self._on_grad)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(on_grad)
                 setattr(p, "_plait_grad_sink", self.accumulate)  # noqa: B010 (deferred weight gradients, weight_grad)
 
     def _by_group(self, params: list[nn.Parameter], alone: frozenset[int]) -> dict[int, tuple]:

@@ -30,6 +30,7 @@ from typing import TypeVar, cast
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils.hooks import RemovableHandle
 
 from plait.errors import ConfigError
 
@@ -78,11 +79,15 @@ class _CastGroup(torch.autograd.Function):
         return None, None, None, None
 
 
-def _early_copies(params: list[nn.Parameter], dtype: torch.dtype, sink: GradSink) -> list[torch.Tensor]:
+def _early_copies(params: list[nn.Parameter], dtype: torch.dtype,
+                  sink: GradSink) -> tuple[list[torch.Tensor], RemovableHandle]:
     """Leaf low-precision copies of ``params`` whose gradients go to ``sink`` once a backward has produced all of
-    those it will (one call per backward, None for a copy it did not reach). Autograd also keeps each in the
-    copy's ``.grad``: the hook drops those kept before it ran; the one kept after it (the copy whose gradient
-    completed the set) is dropped by the next backward's hook or when the step ends (``StepCast.run``)."""
+    those it will (one call per backward, None for a copy it did not reach), and the hook's handle. Autograd also
+    keeps each in the copy's ``.grad``: the hook drops those kept before it ran; the one kept after it (the copy
+    whose gradient completed the set) is dropped by the next backward's hook or when the step ends
+    (``StepCast.run``). The step's end also removes the hook: it and the copies' gradient accumulators hold each
+    other through autograd's C++ side, where the garbage collector does not look, so a hook left in place would
+    keep the copies and the sink alive until the process ends."""
     copies = [p.detach().to(dtype).requires_grad_() for p in params]
 
     def hand_over(grads: Sequence[torch.Tensor | None]) -> None:
@@ -90,8 +95,7 @@ def _early_copies(params: list[nn.Parameter], dtype: torch.dtype, sink: GradSink
         for c in copies:
             c.grad = None
 
-    torch.autograd.graph.register_multi_grad_hook(copies, hand_over, mode="all")
-    return copies
+    return copies, torch.autograd.graph.register_multi_grad_hook(copies, hand_over, mode="all")
 
 
 class StepCast:
@@ -108,6 +112,7 @@ class StepCast:
         self._anchors: dict[torch.device, torch.Tensor] = {}  # per device: the routed copies' edge into autograd
         self.early: frozenset[int] = frozenset()  # ``route``
         self._leaves: list[torch.Tensor] = []  # this step's early copies (their last ``.grad`` dropped at its end)
+        self._hooks: list[RemovableHandle] = []  # their hooks (removed at the step's end)
 
     def route(self, groups: list[tuple[list[nn.Parameter], GradSink]], early: frozenset[int] = frozenset()) -> None:
         """Cast each group's parameters by one node whose backward hands their gradients to the group's sink
@@ -150,8 +155,9 @@ class StepCast:
             if not all(map(_REQUIRES_GRAD, params)):
                 continue
             if i in self.early:
-                copies = _early_copies(params, dtype, sink)
+                copies, hook = _early_copies(params, dtype, sink)
                 self._leaves += copies
+                self._hooks.append(hook)
             else:
                 anchor = self._anchors.get(params[0].device)
                 if anchor is None:
@@ -179,4 +185,6 @@ class StepCast:
         finally:
             for leaf in self._leaves:
                 leaf.grad = None
-            self.copies, self._leaves = {}, []
+            for hook in self._hooks:
+                hook.remove()
+            self.copies, self._leaves, self._hooks = {}, [], []
