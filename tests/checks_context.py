@@ -18,16 +18,16 @@ BATCH, SEQ = 4, 16
 def check_mesh(tp: int, cp: int, pp: int, dp: int) -> dict:
     """This rank's coordinates against rank = ((pp·dp + dp_rank)·cp + cp_rank)·tp + tp_rank, and the members of
     its CP and dp×cp groups (every member with this rank's other coordinates)."""
-    ctx = plait.init(tp=tp, pp=pp, dp=dp, cp=cp)
-    coords = (ctx.tp_rank, ctx.cp_rank, ctx.dp_rank, ctx.pp_rank)
-    formula = ((ctx.pp_rank * dp + ctx.dp_rank) * cp + ctx.cp_rank) * tp + ctx.tp_rank
-    want_cp = [ctx.global_rank(cp_rank=c) for c in range(cp)]
-    want_dcp = [ctx.global_rank(dp_rank=d, cp_rank=c) for d in range(dp) for c in range(cp)]
-    cp_members = dist.get_process_group_ranks(ctx.cp_group) if ctx.cp_group is not None else [ctx.rank]
-    return {"rank": ctx.rank, "formula": formula, "coords": coords,
-            "cp_group_ok": cp_members == want_cp, "dp_cp_group_ok":
-                dist.get_process_group_ranks(ctx.dp_cp_group) == want_dcp if dp * cp > 1 else True,
-            "pp_peer_ok": all(ctx.pp_peer(p) == ctx.global_rank(pp_rank=p) for p in range(pp))}
+    with plait.init(tp=tp, pp=pp, dp=dp, cp=cp) as ctx:
+        coords = (ctx.tp_rank, ctx.cp_rank, ctx.dp_rank, ctx.pp_rank)
+        formula = ((ctx.pp_rank * dp + ctx.dp_rank) * cp + ctx.cp_rank) * tp + ctx.tp_rank
+        want_cp = [ctx.global_rank(cp_rank=c) for c in range(cp)]
+        want_dcp = [ctx.global_rank(dp_rank=d, cp_rank=c) for d in range(dp) for c in range(cp)]
+        cp_members = dist.get_process_group_ranks(ctx.cp_group) if ctx.cp_group is not None else [ctx.rank]
+        return {"rank": ctx.rank, "formula": formula, "coords": coords,
+                "cp_group_ok": cp_members == want_cp, "dp_cp_group_ok":
+                    dist.get_process_group_ranks(ctx.dp_cp_group) == want_dcp if dp * cp > 1 else True,
+                "pp_peer_ok": all(ctx.pp_peer(p) == ctx.global_rank(pp_rank=p) for p in range(pp))}
 
 
 MESHES = {"tp1cp4": (1, 4, 1, 1), "tp2cp2": (2, 2, 1, 1), "cp2dp2": (1, 2, 1, 2), "cp2pp2": (1, 2, 2, 1),
@@ -63,15 +63,15 @@ def compare(model_kw: dict | None = None, **layout) -> dict:
     cfg = model_config(**(model_kw or {}))
     inputs, targets = batch(cfg)
     ref_loss, ref_grads, ref_logits = reference(cfg, inputs, targets)
-    ctx = plait.init(config=plait.ParallelConfig(**layout))
-    torch.manual_seed(0)
-    pm = plait.parallelize(Llama(cfg), ctx)
-    per = BATCH // ctx.dp_size
-    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
-    loss = pm.train_step(inputs[local], targets[local], measure_memory=True)
-    grads = pm.full_state_dict(grads=True)
-    errs = {k: rel_err(grads[k], g) for k, g in ref_grads.items()}
-    logits = pm.eval_step(inputs[local])
+    with plait.init(config=plait.ParallelConfig(**layout)) as ctx:
+        torch.manual_seed(0)
+        pm = plait.parallelize(Llama(cfg), ctx)
+        per = BATCH // ctx.dp_size
+        local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+        loss = pm.train_step(inputs[local], targets[local], measure_memory=True)
+        grads = pm.full_state_dict(grads=True)
+        errs = {k: rel_err(grads[k], g) for k, g in ref_grads.items()}
+        logits = pm.eval_step(inputs[local])
     return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel_max": max(errs.values()),
             "worst_grad": max(errs, key=errs.get), "n_grads": len(errs),
             "logits_rel": rel_err(logits, ref_logits[local]), "activations": pm.activations_peak}
@@ -108,20 +108,20 @@ ACTIVATION_KV_HEADS = (2, 4, 1)
 def activations(cp: int, comm: str, seq: int = 64, kv_heads: int = 2, precision: str = "fp32") -> int:
     """Peak bytes saved for backward on this rank with one row of ``seq`` tokens per CP group (dp = 4/cp)."""
     cfg = model_config(max_seq_len=seq, n_kv_heads=kv_heads)
-    ctx = plait.init(config=plait.ParallelConfig(cp=cp, dp=4 // cp, cp_comm=comm, precision=precision))
-    torch.manual_seed(0)
-    pm = plait.parallelize(Llama(cfg), ctx)
-    tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(ctx.dp_rank))
-    pm.train_step(tokens[:, :-1], tokens[:, 1:], measure_memory=True)
-    return int(pm.activations_peak or 0)
+    with plait.init(config=plait.ParallelConfig(cp=cp, dp=4 // cp, cp_comm=comm, precision=precision)) as ctx:
+        torch.manual_seed(0)
+        pm = plait.parallelize(Llama(cfg), ctx)
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(ctx.dp_rank))
+        pm.train_step(tokens[:, :-1], tokens[:, 1:], measure_memory=True)
+        return int(pm.activations_peak or 0)
 
 
 def zero(level: int, comm: str) -> dict:
     """5 clipped AdamW steps with a ZeRO optimizer over cp2·dp2 against one device (checks_optim)."""
     import checks_optim
 
-    ctx = plait.init(config=plait.ParallelConfig(cp=2, dp=2, cp_comm=comm))
-    return checks_optim.compare(ctx, zero=level)
+    with plait.init(config=plait.ParallelConfig(cp=2, dp=2, cp_comm=comm)) as ctx:
+        return checks_optim.compare(ctx, zero=level)
 
 
 def config_error(fn) -> str:
@@ -133,20 +133,20 @@ def config_error(fn) -> str:
 
 
 def bad_seq_len() -> None:
-    ctx = plait.init(cp=2, dp=2)
-    pm = plait.parallelize(Llama(model_config()), ctx)
-    x = torch.zeros(2, 6, dtype=torch.long)  # 6 tokens do not split into 2·cp = 4 chunks
-    pm.train_step(x, x)
+    with plait.init(cp=2, dp=2) as ctx:
+        pm = plait.parallelize(Llama(model_config()), ctx)
+        x = torch.zeros(2, 6, dtype=torch.long)  # 6 tokens do not split into 2·cp = 4 chunks
+        pm.train_step(x, x)
 
 
 def bad_loss_fn() -> None:
-    ctx = plait.init(cp=2, dp=2)
-    plait.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)), ctx, loss_fn=torch.nn.functional.mse_loss)
+    with plait.init(cp=2, dp=2) as ctx:
+        plait.parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4)), ctx, loss_fn=torch.nn.functional.mse_loss)
 
 
 def bad_capacity() -> None:
-    ctx = plait.init(cp=2, dp=2)
-    plait.parallelize(Llama(model_config(**MOE, capacity_factor=1.0)), ctx)
+    with plait.init(cp=2, dp=2) as ctx:
+        plait.parallelize(Llama(model_config(**MOE, capacity_factor=1.0)), ctx)
 
 
 def checkpoints(root: Path) -> dict:
@@ -165,21 +165,23 @@ def checkpoints(root: Path) -> dict:
     got = [res.losses[s] for s in range(1, ct.STEPS + 1)]
     ckpt = find_checkpoint(root / "cp-a")
     saved = CheckpointReader(ckpt).full_state_dict()
-    run = build(TrainConfig.from_dict({**cfg.to_dict(), "tp": 2, "cp": 1}), plait.init(2, 1, 2))
-    load_checkpoint(run.pm, run.opt, ckpt)
-    full = run.pm.full_state_dict()
-    plain = Llama(train_model_config(cfg))
-    plain.load_state_dict(saved)
-    x, _ = open_data([], "tiny", 256, 32, 2, 0, 0.3).batch(0)
+    with plait.init(2, 1, 2) as ctx:
+        run = build(TrainConfig.from_dict({**cfg.to_dict(), "tp": 2, "cp": 1}), ctx)
+        load_checkpoint(run.pm, run.opt, ckpt)
+        full = run.pm.full_state_dict()
+        plain = Llama(train_model_config(cfg))
+        plain.load_state_dict(saved)
+        x, _ = open_data([], "tiny", 256, 32, 2, 0, 0.3).batch(0)
+        tp2_logits_rel = rel_err(run.pm.eval_step(x), plain(x).detach())
     resume = ct.check_resume(root, "_cp", tp=1, pp=1, dp=2, cp=2, zero=1, microbatches=1)
     return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
             "tp2_weights_rel": max(rel_err(full[k], v) for k, v in saved.items()),
-            "tp2_logits_rel": rel_err(run.pm.eval_step(x), plain(x).detach()), **resume}
+            "tp2_logits_rel": tp2_logits_rel, **resume}
 
 
 def bad_generate() -> None:
-    ctx = plait.init(cp=2, dp=2)
-    plait.generate(plait.parallelize(Llama(model_config()), ctx), [1, 2, 3], max_new_tokens=2)
+    with plait.init(cp=2, dp=2) as ctx:
+        plait.generate(plait.parallelize(Llama(model_config()), ctx), [1, 2, 3], max_new_tokens=2)
 
 
 def rank_main(root: str) -> dict:

@@ -51,7 +51,7 @@ def rank_main(root: str) -> dict:
     import plait
     from plait.data import prepare
 
-    plait.init(tp=1, pp=1, dp=4)  # the default group, for the barrier
+    plait.init(tp=1, pp=1, dp=4).close()  # the default group (which stays), for the barrier
     path = Path(root)
     if dist.get_rank() == 0:
         prepare([str(write_jsonl(path / "c.jsonl", documents(400, seed=5)))], "bytes", path / "set", workers=1,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
@@ -131,23 +132,24 @@ def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1
     }
 
 
-def equality_checks() -> list:
+def equality_checks(contexts: ExitStack) -> list:
+    """Checks over contexts that ``contexts`` closes once they have run."""
     checks = []
-    dp4ep2 = plait.init(tp=1, pp=1, dp=4, ep=2)
+    dp4ep2 = contexts.enter_context(plait.init(tp=1, pp=1, dp=4, ep=2))
     checks.append(("dp4ep2/1f1b", lambda: compare(dp4ep2)))
-    dp4ep4 = plait.init(tp=1, pp=1, dp=4, ep=4)
+    dp4ep4 = contexts.enter_context(plait.init(tp=1, pp=1, dp=4, ep=4))
     checks.append(("dp4ep4/1f1b", lambda: compare(dp4ep4)))
     checks.append(("dp4ep4/top1_all_to_one", lambda: compare(dp4ep4, top_k=1, zero_router=True)))
     checks.append(("dp4ep4/empty_experts", lambda: compare(dp4ep4, n_experts=8, zero_router=True)))
     checks.append(("dp4ep4/capacity", lambda: compare(dp4ep4, capacity_factor=0.5)))
-    tp2dp2ep4 = plait.init(tp=2, pp=1, dp=2, ep=4)
+    tp2dp2ep4 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=4))
     checks.append(("tp2dp2ep4/1f1b", lambda: compare(tp2dp2ep4)))
     checks.append(("tp2dp2ep4/sp", lambda: compare(tp2dp2ep4, sp=True)))
-    tp2dp2ep2 = plait.init(tp=2, pp=1, dp=2, ep=2)
+    tp2dp2ep2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=2))
     checks.append(("tp2dp2ep2/sp/moe_every2", lambda: compare(tp2dp2ep2, sp=True, moe_every=2)))
-    tp2dp2 = plait.init(tp=2, pp=1, dp=2, ep=1)
+    tp2dp2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=1))
     checks.append(("tp2dp2ep1/1f1b", lambda: compare(tp2dp2)))
-    tp2pp2ep2 = plait.init(tp=2, pp=2, dp=1, ep=2)
+    tp2pp2ep2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1, ep=2))
     checks.append(("tp2pp2ep2/1f1b", lambda: compare(tp2pp2ep2, microbatches=4)))
     checks.append(("tp2pp2ep2/zbv/sp", lambda: compare(tp2pp2ep2, "zbv", microbatches=4, sp=True)))
     checks.append(("tp2pp2ep2/interleaved", lambda: compare(tp2pp2ep2, "interleaved-1f1b", microbatches=4,
@@ -155,7 +157,7 @@ def equality_checks() -> list:
     for mode in ("selective", "full"):  # recomputation with experts (EP all-to-alls run again when full)
         checks.append((f"tp2pp2ep2/zbv/sp/{mode}", lambda m=mode: compare(tp2pp2ep2, "zbv", microbatches=4, sp=True,
                                                                           recompute=m)))
-    pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
+    pp2dp2ep2 = contexts.enter_context(plait.init(tp=1, pp=2, dp=2, ep=2))
     for name in ("gpipe", "zb-h1", "dualpipev", "looped-bfs"):
         v = 2 if name == "looped-bfs" else 1
         checks.append((f"pp2dp2ep2/{name}", lambda n=name, v=v: compare(pp2dp2ep2, n, microbatches=4,
@@ -163,18 +165,20 @@ def equality_checks() -> list:
     checks.append(("pp2dp2ep2/zb-h1/selective", lambda: compare(pp2dp2ep2, "zb-h1", microbatches=4,
                                                                 recompute="selective")))
     checks.append(("pp2dp2ep2/all_to_one", lambda: compare(pp2dp2ep2, "1f1b", top_k=1, zero_router=True)))
-    return checks + expert_tp_checks()
+    return checks + expert_tp_checks(contexts)
 
 
-def expert_tp_checks() -> list:
+def expert_tp_checks(contexts: ExitStack) -> list:
     """Experts tensor-parallel inside (plait.init(..., expert_tp=True)) composed with EP, PP, DP and SP."""
     checks = []
-    ep2 = plait.init(tp=2, pp=1, dp=2, ep=2, expert_tp=True)  # EP across DP, expert-DP groups of one
+    # EP across DP, expert-DP groups of one
+    ep2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=2, expert_tp=True))
     checks.append(("etp/tp2dp2ep2/1f1b", lambda: compare(ep2, extras=True)))
     checks.append(("etp/tp2dp2ep2/sp/top1", lambda: compare(ep2, sp=True, top_k=1)))
-    ep1 = plait.init(tp=2, pp=1, dp=2, ep=1, expert_tp=True)  # every expert on every rank, reduced over DP
+    # every expert on every rank, reduced over DP
+    ep1 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=1, expert_tp=True))
     checks.append(("etp/tp2dp2ep1/sp", lambda: compare(ep1, sp=True, extras=True)))
-    pp2 = plait.init(tp=2, pp=2, dp=1, ep=1, expert_tp=True)
+    pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1, ep=1, expert_tp=True))
     checks.append(("etp/tp2pp2/1f1b", lambda: compare(pp2, microbatches=4, extras=True)))
     checks.append(("etp/tp2pp2/zbv/sp", lambda: compare(pp2, "zbv", microbatches=4, sp=True)))
     checks.append(("etp/tp2pp2/zb-h1/capacity", lambda: compare(pp2, "zb-h1", microbatches=4,
@@ -184,8 +188,12 @@ def expert_tp_checks() -> list:
 
 def bad_checks() -> list:
     def run(ep: int, **kw):
-        ctx = plait.init(tp=1, pp=1, dp=4, ep=ep)
-        plait.parallelize(Llama(moe_cfg(**kw)), ctx)
+        with plait.init(tp=1, pp=1, dp=4, ep=ep) as ctx:
+            plait.parallelize(Llama(moe_cfg(**kw)), ctx)
+
+    def still_works() -> dict:
+        with plait.init(tp=1, pp=1, dp=4, ep=2) as ctx:
+            return compare(ctx)
 
     return [
         ("bad/experts_not_divisible", lambda: expect_config_error(lambda: run(4, n_experts=6))),
@@ -194,11 +202,12 @@ def bad_checks() -> list:
         ("bad/top_k", lambda: expect_config_error(lambda: moe_cfg(top_k=5))),
         ("bad/expert_tp_ep_not_dividing_dp", lambda: expect_config_error(
             lambda: plait.init(tp=2, pp=1, dp=2, ep=4, expert_tp=True))),
-        ("after_bad/still_works", lambda: compare(plait.init(tp=1, pp=1, dp=4, ep=2))),
+        ("after_bad/still_works", still_works),
     ]
 
 
 def rank_main() -> dict:
-    results = run_checks(equality_checks())
+    with ExitStack() as contexts:
+        results = run_checks(equality_checks(contexts))
     results.update(run_checks(bad_checks()))
     return results

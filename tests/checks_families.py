@@ -7,6 +7,7 @@ saves transformers' logits beside it; the ranks (inside the pipeline checks' wor
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -112,16 +113,17 @@ def generate_family(folder: Path, ctx) -> dict:
     return out
 
 
-def family_checks(root: Path) -> list:
-    tp2pp2 = plait.init(tp=2, pp=2, dp=1)
+def family_checks(root: Path, contexts: ExitStack) -> list:
+    """The families' checks, over contexts that ``contexts`` closes once they have run."""
+    tp2pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1))
     checks = []
     for family, schedule in (("mistral", "1f1b"), ("qwen2", "zbv"), ("qwen3", "interleaved-1f1b"),
                              ("mixtral", "1f1b")):
         checks.append((f"family/{family}", lambda f=family, s=schedule: compare_family(root / f, tp2pp2, s,
                                                                                        root / f"{f}-export")))
         checks.append((f"family/{family}/generate", lambda f=family: generate_family(root / f, tp2pp2)))
-    ep2 = plait.init(tp=2, pp=2, dp=1, ep=2)
+    ep2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1, ep=2))
     checks.append(("family/mixtral/ep2", lambda: compare_family(root / "mixtral", ep2, "zbv")))
-    etp = plait.init(tp=2, pp=2, dp=1, expert_tp=True)
+    etp = contexts.enter_context(plait.init(tp=2, pp=2, dp=1, expert_tp=True))
     checks.append(("family/mixtral/expert_tp", lambda: compare_family(root / "mixtral", etp, "1f1b")))
     return checks

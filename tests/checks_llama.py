@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 
 import torch
 
@@ -95,16 +96,19 @@ def expect_config_error(fn) -> dict:
 
 def bad_input_checks(world: int) -> list:
     def bad_tokens_one_dp_rank():
-        ctx = plait.init(tp=2, pp=1, dp=world // 2)
-        cfg = small_config()
-        pm = plait.parallelize(Llama(cfg), ctx)
-        inputs, targets = batch(cfg)
-        if ctx.dp_rank == 0:
-            inputs[0, 0] = cfg.vocab_size + 5  # only one DP replica sees the bad id
-        pm.train_step(inputs[:2], targets[:2])
+        with plait.init(tp=2, pp=1, dp=world // 2) as ctx:
+            cfg = small_config()
+            pm = plait.parallelize(Llama(cfg), ctx)
+            inputs, targets = batch(cfg)
+            if ctx.dp_rank == 0:
+                inputs[0, 0] = cfg.vocab_size + 5  # only one DP replica sees the bad id
+            pm.train_step(inputs[:2], targets[:2])
 
     def model_check(**kw):
-        return lambda: plait.parallelize(Llama(small_config(**kw)), plait.init(tp=4, pp=1, dp=world // 4))
+        def parallelize():
+            with plait.init(tp=4, pp=1, dp=world // 4) as ctx:
+                plait.parallelize(Llama(small_config(**kw)), ctx)
+        return parallelize
 
     return [
         ("bad/tp_not_dividing_world", lambda: expect_config_error(lambda: plait.init(tp=3, pp=1, dp=-1))),
@@ -116,13 +120,14 @@ def bad_input_checks(world: int) -> list:
     ]
 
 
-def llama_checks(world: int) -> list:
+def llama_checks(world: int, contexts: ExitStack) -> list:
+    """Checks over contexts that ``contexts`` closes once they have run."""
     checks = []
     for tp in (4, 2):
         if world % tp:
             continue
         dp = world // tp
-        ctx = plait.init(tp=tp, pp=1, dp=dp)
+        ctx = contexts.enter_context(plait.init(tp=tp, pp=1, dp=dp))
         tag = f"tp{tp}dp{dp}"
         for sp in (False, True):
             for tied in (False, True):
@@ -139,7 +144,8 @@ def llama_checks(world: int) -> list:
 def rank_main() -> dict:
     world = int(os.environ["WORLD_SIZE"])
     results = {}
-    for name, fn in llama_checks(world):
-        results.update(run_checks([(name, fn)]))
+    with ExitStack() as contexts:
+        for name, fn in llama_checks(world, contexts):
+            results.update(run_checks([(name, fn)]))
     results.update(run_checks(bad_input_checks(world)))
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from contextlib import ExitStack
 from functools import cache
 
 import torch
@@ -228,13 +229,19 @@ OWN = ("layers.1.mlp.up_proj.weight", "layers.2.self_attn.q_proj.weight")
 
 
 def rank_main() -> dict:
-    tp2pp2 = plait.init(tp=2, pp=2, dp=1)
-    tp2dp2 = plait.init(tp=2, pp=1, dp=2)
-    pp2dp2 = plait.init(tp=1, pp=2, dp=2)
-    tp4 = plait.init(tp=4, pp=1, dp=1)
-    dp4 = plait.init(tp=1, pp=1, dp=4)
+    with ExitStack() as contexts:
+        return run_checks(checks(contexts))
+
+
+def checks(contexts: ExitStack) -> list:
+    """The checks, over contexts that ``contexts`` closes once they have run."""
+    tp2pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1))
+    tp2dp2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2))
+    pp2dp2 = contexts.enter_context(plait.init(tp=1, pp=2, dp=2))
+    tp4 = contexts.enter_context(plait.init(tp=4, pp=1, dp=1))
+    dp4 = contexts.enter_context(plait.init(tp=1, pp=1, dp=4))
     tied = {"tie_embeddings": True}
-    checks = [
+    return [
         ("tp2pp2/sp", lambda: compare(tp2pp2, microbatches=4, sp=True)),
         ("tp2dp2/zero1", lambda: compare(tp2dp2, zero=1)),
         ("tp2dp2/zero0", lambda: compare(tp2dp2, zero=0)),
@@ -252,4 +259,3 @@ def rank_main() -> dict:
         ("tp2dp2/zero1/gathered", lambda: gathered(tp2dp2)),
         ("memory/activations", lambda: activations(dp4)),
     ]
-    return run_checks(checks)

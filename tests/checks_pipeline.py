@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -257,9 +258,10 @@ def check_seeded_init(ctx, moe: bool = False) -> dict:
             "model": sum(4 * v.numel() for v in Llama(cfg).parameters())}
 
 
-def world4_checks() -> list:
+def world4_checks(contexts: ExitStack) -> list:
+    """The pipeline checks of the world of 4, over contexts that ``contexts`` closes once they have run."""
     checks = []
-    pp4 = plait.init(tp=1, pp=4, dp=1)
+    pp4 = contexts.enter_context(plait.init(tp=1, pp=4, dp=1))
     for name in SCHEDULE_NAMES:
         virtual = 2 if name in ("interleaved-1f1b", "looped-bfs") else 1
         checks.append((f"pp4/{name}", lambda c=pp4, n=name, v=virtual: compare(c, n, virtual=v)))
@@ -280,7 +282,7 @@ def world4_checks() -> list:
     checks.append(("pp4/interleaved-1f1b/m10/padded", lambda: compare(pp4, "interleaved-1f1b", 10, 2, batch=10,
                                                                       rounds="padded")))
     checks.append(("pp4/zb-h1/v2/m9", lambda: compare(pp4, "zb-h1", 9, 2, batch=9)))
-    tp2pp2 = plait.init(tp=2, pp=2, dp=1)
+    tp2pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1))
     for name in ("1f1b", "interleaved-1f1b", "zbv"):
         v = 2 if name == "interleaved-1f1b" else 1
         checks.append((f"tp2pp2sp/{name}", lambda n=name, v=v: compare(tp2pp2, n, virtual=v, sp=True)))
@@ -290,27 +292,27 @@ def world4_checks() -> list:
     checks.append(("tp2pp2sp/zbv/checkpointing", lambda: compare(tp2pp2, "zbv", sp=True, checkpointing=True)))
     checks.append(("activations/tp2", lambda: check_layer_activations(tp2pp2)))
     checks.append(("init/tp2pp2", lambda: check_seeded_init(tp2pp2)))
-    checks.append(("init/tp1pp1dp4", lambda: check_seeded_init(plait.init(tp=1, pp=1, dp=4))))
-    checks.append(("init/tp2pp2ep2/moe", lambda: check_seeded_init(plait.init(tp=2, pp=2, dp=1, ep=2), moe=True)))
-    checks.append(("init/tp1pp1dp4ep4/moe", lambda: check_seeded_init(plait.init(tp=1, pp=1, dp=4, ep=4), moe=True)))
+    checks.append(("init/tp1pp1dp4", lambda: seeded_init_in(dict(tp=1, pp=1, dp=4))))
+    checks.append(("init/tp2pp2ep2/moe", lambda: seeded_init_in(dict(tp=2, pp=2, dp=1, ep=2), moe=True)))
+    checks.append(("init/tp1pp1dp4ep4/moe", lambda: seeded_init_in(dict(tp=1, pp=1, dp=4, ep=4), moe=True)))
     for name, mode in RECOMPUTE_CASES:  # recomputation under TP+SP equals one device without it
         v = 2 if name == "interleaved-1f1b" else 1
         checks.append((f"tp2pp2sp/{name}/{mode}", lambda n=name, v=v, m=mode: compare(
             tp2pp2, n, microbatches=4, virtual=v, sp=True, checkpointing=m)))
-    pp2dp2 = plait.init(tp=1, pp=2, dp=2)
+    pp2dp2 = contexts.enter_context(plait.init(tp=1, pp=2, dp=2))
     checks.append(("pp2dp2/interleaved-1f1b", lambda: compare(pp2dp2, "interleaved-1f1b", microbatches=4,
                                                              virtual=2)))
     checks.append(("pp2dp2/dualpipev", lambda: compare(pp2dp2, "dualpipev", microbatches=4)))
     checks.append(("pp2dp2/sequential/gpipe", lambda: compare_sequential(pp2dp2, "gpipe")))
     for kind in ("sequential", "llama"):
         checks.append((f"pp2dp2/unequal/{kind}", lambda k=kind: compare_unequal_dp(pp2dp2, k)))
-    pp2dp2ep2 = plait.init(tp=1, pp=2, dp=2, ep=2)
+    pp2dp2ep2 = contexts.enter_context(plait.init(tp=1, pp=2, dp=2, ep=2))
     checks.append(("pp2dp2ep2/unequal/moe", lambda: compare_unequal_dp(pp2dp2ep2, "moe")))
     return checks + plan_checks()  # every value the planner emits at this world size runs
 
 
-def world8_checks() -> list:
-    ctx = plait.init(tp=2, pp=2, dp=2)
+def world8_checks(contexts: ExitStack) -> list:
+    ctx = contexts.enter_context(plait.init(tp=2, pp=2, dp=2))
     checks = []
     for name in ("zbv", "1f1b", "interleaved-1f1b", "dualpipev"):
         v = 2 if name == "interleaved-1f1b" else 1
@@ -319,14 +321,19 @@ def world8_checks() -> list:
     return checks
 
 
+def seeded_init_in(layout: dict, moe: bool = False) -> dict:
+    with plait.init(**layout) as ctx:
+        return check_seeded_init(ctx, moe=moe)
+
+
 def bad_checks(world: int) -> list:
     def run(schedule="1f1b", microbatches=8, batch=BATCH, n_layers=8, virtual=1):
-        ctx = plait.init(tp=1, pp=4, dp=world // 4)
-        cfg = cfg_for(n_layers=n_layers)
-        pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
-                               virtual_stages=virtual)
-        inputs, targets = data(cfg.vocab_size, batch=batch)
-        pm.train_step(inputs, targets)
+        with plait.init(tp=1, pp=4, dp=world // 4) as ctx:
+            cfg = cfg_for(n_layers=n_layers)
+            pm = plait.parallelize(Llama(cfg), ctx, schedule=schedule, microbatches=microbatches,
+                                   virtual_stages=virtual)
+            inputs, targets = data(cfg.vocab_size, batch=batch)
+            pm.train_step(inputs, targets)
 
     return [
         ("bad/batch_not_divisible", lambda: expect_config_error(lambda: run(batch=6))),
@@ -340,16 +347,17 @@ def rank_main(families: str | None = None, zero: str | None = None) -> dict:
     """``families``: a folder of Hugging Face models (checks_families.make_folders) checked in the world of 4;
     ``zero``: a scratch folder for the ZeRO checks (checks_zero) run in the world of 8."""
     world = int(os.environ["WORLD_SIZE"])
-    checks = world4_checks() if world == 4 else world8_checks()
-    if world == 4 and families is not None:
-        checks += family_checks(Path(families))
-    if world == 8 and zero is not None:
-        import checks_zero
-
-        checks += checks_zero.checks(Path(zero))
     results = {}
-    for name, fn in checks:
-        results.update(run_checks([(name, fn)]))
+    with ExitStack() as contexts:
+        checks = world4_checks(contexts) if world == 4 else world8_checks(contexts)
+        if world == 4 and families is not None:
+            checks += family_checks(Path(families), contexts)
+        if world == 8 and zero is not None:
+            import checks_zero
+
+            checks += checks_zero.checks(Path(zero), contexts)
+        for name, fn in checks:
+            results.update(run_checks([(name, fn)]))
     if world == 4:
         results.update(run_checks(bad_checks(world)))
     return results

@@ -56,7 +56,6 @@ def run_layout(layout: Layout) -> dict:
 
     cfg, training = small_moe(), Training(BATCH)
     parallel = layout.to_parallel_config(training, precision="fp32")
-    ctx = plait.init(config=parallel)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -64,14 +63,15 @@ def run_layout(layout: Layout) -> dict:
         ref = float(init_weights(Llama(cfg), 5).loss(x, y))
     with torch.device("meta"):
         model = Llama(cfg)
-    pm = plait.parallelize(model, ctx, config=parallel)
-    init_local(pm, 5)
-    opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-3, zero=parallel.zero)
-    per = BATCH // ctx.dp_size
-    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
-    loss = pm.train_step(x[local], y[local])
-    opt.step()
-    after = pm.train_step(x[local], y[local])
+    with plait.init(config=parallel) as ctx:
+        pm = plait.parallelize(model, ctx, config=parallel)
+        init_local(pm, 5)
+        opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-3, zero=parallel.zero)
+        per = BATCH // ctx.dp_size
+        local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+        loss = pm.train_step(x[local], y[local])
+        opt.step()
+        after = pm.train_step(x[local], y[local])
     return {"layout": layout.short(), "loss_rel": abs(loss - ref) / ref, "moved": after != loss,
             "config": parallel.to_dict()}
 

@@ -4,6 +4,7 @@ steps under several layouts beside what the planner predicts for them (world of 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch.distributed as dist
@@ -51,7 +52,7 @@ def check_calibration(root: Path, box: dict) -> dict:
     from plait.calibrate import host_facts
     from plait.calibrate.run import measure_in_world, total_steps
 
-    plait.init(1, 1, 4)  # the default process group the calibration measures in
+    plait.init(1, 1, 4).close()  # the default process group (which stays), the one the calibration measures in
     ticks = root / "calibration-ticks"
     box["profile"] = profile = measure_in_world([1, 2, 4], str(ticks), host_facts(), quick=True)
     if dist.get_rank() != 0:
@@ -73,17 +74,18 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
     from plait.cli.predict import memory_rows, predict
 
     runs = []
-    for kw in LAYOUTS:
-        cfg = _cfg(root, **kw)
-        par = cfg.parallel
-        run = build(cfg, plait.init(par.tp, par.pp, par.dp))
-        train_one(run, 0, False)  # the first step also measures the bytes per rank
-        memory = [None] * dist.get_world_size()
-        dist.all_gather_object(memory, {"pp": run.ctx.pp_rank, **run.pm.memory_report()})
-        runs.append((kw, cfg, run, [], memory))
-    for r in range(ROUNDS):
-        for _kw, _c, run, times, _m in runs:
-            times += _time(run, 1 + r * STEPS)
+    with ExitStack() as contexts:
+        for kw in LAYOUTS:
+            cfg = _cfg(root, **kw)
+            par = cfg.parallel
+            run = build(cfg, contexts.enter_context(plait.init(par.tp, par.pp, par.dp)))
+            train_one(run, 0, False)  # the first step also measures the bytes per rank
+            memory = [None] * dist.get_world_size()
+            dist.all_gather_object(memory, {"pp": run.ctx.pp_rank, **run.pm.memory_report()})
+            runs.append((kw, cfg, run, [], memory))
+        for r in range(ROUNDS):
+            for _kw, _c, run, times, _m in runs:
+                times += _time(run, 1 + r * STEPS)
     out = []
     for kw, cfg, _run, times, memory in runs:
         if dist.get_rank() == 0:
@@ -102,24 +104,25 @@ def check_phases(root: Path) -> dict:
     of the step (``train_one(..., phases)``) beside the step's own time. The others should wait for it in the
     gradient reduction, the late one in its forward/backward."""
     cfg = _cfg(root / "phases", tp=1, pp=1, dp=4)
-    run = build(cfg, plait.init(1, 1, 4))
-    train_one(run, 0, False)  # warm-up
-    if run.ctx.dp_rank == 3:
-        run_schedule = run.pm.executor.run
+    with plait.init(1, 1, 4) as ctx:
+        run = build(cfg, ctx)
+        train_one(run, 0, False)  # warm-up
+        if run.ctx.dp_rank == 3:
+            run_schedule = run.pm.executor.run
 
-        def late(*args, **kwargs):
-            time.sleep(LATE_S)
-            return run_schedule(*args, **kwargs)
+            def late(*args, **kwargs):
+                time.sleep(LATE_S)
+                return run_schedule(*args, **kwargs)
 
-        run.pm.executor.run = late  # this rank's model is thrown away after the check
-    phases: dict[str, float] = {}
-    dist.barrier()
-    t0 = time.perf_counter()
-    train_one(run, 1, False, phases)
-    step_s = time.perf_counter() - t0
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"dp": run.ctx.dp_rank, "phases": phases, "step_s": step_s})
-    return {"ranks": everyone}
+            run.pm.executor.run = late  # this rank's model is thrown away after the check
+        phases: dict[str, float] = {}
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_one(run, 1, False, phases)
+        step_s = time.perf_counter() - t0
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"dp": run.ctx.dp_rank, "phases": phases, "step_s": step_s})
+        return {"ranks": everyone}
 
 
 def rank_main(root: str) -> dict:

@@ -206,6 +206,6 @@ def rank_main() -> dict:
     results: dict = {}
     world = int(__import__("os").environ["WORLD_SIZE"])
     for tp, dp in layouts_for_world(world):
-        ctx = plait.init(tp=tp, pp=1, dp=dp)
-        results.update(run_checks(tp_layer_checks(ctx, f"tp{tp}")))
+        with plait.init(tp=tp, pp=1, dp=dp) as ctx:
+            results.update(run_checks(tp_layer_checks(ctx, f"tp{tp}")))
     return results

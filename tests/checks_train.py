@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -72,10 +73,11 @@ def check_moe(root: Path) -> dict:
     plain = Llama(plait.train.config.model_config(cfg))
     plain.load_state_dict(reader.full_state_dict())  # strict: all 4 experts of every layer present
     x, _ = open_data([], "tiny", 256, 32, 4, 0, 0.3).batch(0)
-    pm = build(cfg, plait.init(1, 2, 2, ep=2)).pm
-    load_checkpoint(pm, None, find_checkpoint(root / "moe"))
-    return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
-            "logits_rel": rel_err(pm.eval_step(x), plain(x).detach())}
+    with plait.init(1, 2, 2, ep=2) as ctx:
+        pm = build(cfg, ctx).pm
+        load_checkpoint(pm, None, find_checkpoint(root / "moe"))
+        return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
+                "logits_rel": rel_err(pm.eval_step(x), plain(x).detach())}
 
 
 def check_family(root: Path) -> dict:
@@ -150,46 +152,49 @@ def check_async_save(root: Path) -> dict:
     save in the loop."""
     from plait.checkpoint import AsyncCheckpointer, save_checkpoint
 
-    run = build(small_cfg(root, "async"))
-    for step in range(2):
-        train_one(run, step, False)
-    save_checkpoint(run.pm, run.opt, root / "sync", 2)
-    saver = AsyncCheckpointer()
-    saver.save(run.pm, run.opt, root / "async", 2)
-    train_one(run, 2, False)  # changes weights and optimizer state while the write may still run
-    saver.wait()
-    dist.barrier()
+    cfg = small_cfg(root, "async")
+    with plait.init(config=cfg.parallel) as ctx:
+        run = build(cfg, ctx)
+        for step in range(2):
+            train_one(run, step, False)
+        save_checkpoint(run.pm, run.opt, root / "sync", 2)
+        saver = AsyncCheckpointer()
+        saver.save(run.pm, run.opt, root / "async", 2)
+        train_one(run, 2, False)  # changes weights and optimizer state while the write may still run
+        saver.wait()
+        dist.barrier()
     a, b = root / "sync" / "step_00000002", root / "async" / "step_00000002"
     names = sorted(p.name for p in a.iterdir())
     return {"names": names, "same": names == sorted(p.name for p in b.iterdir())
             and all((a / n).read_bytes() == (b / n).read_bytes() for n in names)}
 
 
-def _continue(cfg: TrainConfig, ckpt: Path, ctx) -> tuple[list[float], dict]:
-    """Load ``ckpt`` under ``ctx``'s layout, check weights, then train two more steps."""
-    run = build(cfg, ctx)
-    load_checkpoint(run.pm, run.opt, ckpt)
-    run.opt.steps = STEPS
-    full = run.pm.full_state_dict()
-    losses = [train_one(run, step, False)[0] for step in (STEPS, STEPS + 1)]
-    return losses, full
+def _continue(cfg: TrainConfig, ckpt: Path, tp: int, pp: int) -> tuple[list[float], dict]:
+    """Load ``ckpt`` under the layout tp·pp, check weights, then train two more steps."""
+    with plait.init(tp, pp, 1) as ctx:
+        run = build(cfg, ctx)
+        load_checkpoint(run.pm, run.opt, ckpt)
+        run.opt.steps = STEPS
+        full = run.pm.full_state_dict()
+        losses = [train_one(run, step, False)[0] for step in (STEPS, STEPS + 1)]
+        return losses, full
 
 
 def check_reshard(root: Path) -> dict:
     ckpt = find_checkpoint(root / "a")
     base = small_cfg(root, "a", steps=STEPS + 2)
-    ref_losses, ref_full = _continue(base, ckpt, plait.init(2, 2, 1))
+    ref_losses, ref_full = _continue(base, ckpt, 2, 2)
     out = {"ref_losses": ref_losses}
     for name, (tp, pp) in {"tp1pp4": (1, 4), "tp4pp1": (4, 1)}.items():
-        losses, full = _continue(TrainConfig.from_dict({**base.to_dict(), "tp": tp, "pp": pp}), ckpt,
-                                 plait.init(tp, pp, 1))
+        losses, full = _continue(TrainConfig.from_dict({**base.to_dict(), "tp": tp, "pp": pp}), ckpt, tp, pp)
         out[name] = {"losses": losses, "weights_rel": max(rel_err(full[k], v) for k, v in ref_full.items())}
     plain = Llama(plait.train.config.model_config(base))
     plain.load_state_dict(CheckpointReader(ckpt).full_state_dict())  # strict: every key present
     x, _ = open_data([], "tiny", 256, 32, 4, 0, 0.3).batch(0)
-    pm2 = build(base, plait.init(2, 2, 1)).pm
-    load_checkpoint(pm2, None, ckpt)
-    out["one_device_logits_rel"] = rel_err(plain(x), pm2.eval_step(x))
+    with plait.init(2, 2, 1) as ctx:
+        pm2 = build(base, ctx).pm
+        load_checkpoint(pm2, None, ckpt)
+        out["one_device_logits_rel"] = rel_err(plain(x), pm2.eval_step(x))
     return out
 
 
@@ -206,19 +211,21 @@ def check_hf_slices(root: Path) -> dict:
     dist.barrier()
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(99)
-    pm = plait.parallelize(Llama(cfg), plait.init(2, 2, 1), microbatches=2)
     weights, asked = HFWeights(folder), []
 
     def read(key, dim, start, stop):
         asked.append((key, dim, start, stop))
         return weights.read(key, dim, start, stop)
 
-    load_local(pm, read)
-    full = pm.full_state_dict()
+    with plait.init(2, 2, 1) as ctx:
+        pm = plait.parallelize(Llama(cfg), ctx, microbatches=2)
+        load_local(pm, read)
+        full = pm.full_state_dict()
+        local_keys = len(list(pm.named_parameters()))
     sharded = [a for a in asked if a[1] is not None]
     widest = max((stop - start) / weights.shape(key)[dim] for key, dim, start, stop in sharded)
     return {"rel": max(rel_err(full[k], v) for k, v in ref.items()), "sharded_reads": len(sharded),
-            "widest_fraction": widest, "keys_read": len(asked), "local_keys": len(list(pm.named_parameters()))}
+            "widest_fraction": widest, "keys_read": len(asked), "local_keys": local_keys}
 
 
 def check_generate(root: Path) -> dict:
@@ -229,13 +236,14 @@ def check_generate(root: Path) -> dict:
     out = {}
     for source in (str(find_checkpoint(root / "a")), str(root / "hf")):
         for name, (tp, pp) in {"tp2pp2": (2, 2), "tp1pp4": (1, 4), "tp4pp1": (4, 1), "single": (1, 1)}.items():
-            ctx = plait.init(tp, pp, 1) if tp * pp > 1 else None
-            model, tok, _ = load_model(source, ctx=ctx)  # single: a plain Llama, no process group
-            prompts = [tok.encode(t) for t in texts]  # ids in, ids out: 12 new tokens whatever bytes they are
-            out[f"{Path(source).name}/{name}"] = [
-                plait.generate(model, prompts, max_new_tokens=12),
-                plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5)]
-            out[f"{Path(source).name}/{name}/too_long"] = _too_long(model, tok)
+            with ExitStack() as contexts:
+                ctx = contexts.enter_context(plait.init(tp, pp, 1)) if tp * pp > 1 else None
+                model, tok, _ = load_model(source, ctx=ctx)  # single: a plain Llama, no process group
+                prompts = [tok.encode(t) for t in texts]  # ids in, ids out: 12 new tokens whatever bytes they are
+                out[f"{Path(source).name}/{name}"] = [
+                    plait.generate(model, prompts, max_new_tokens=12),
+                    plait.generate(model, prompts, max_new_tokens=12, temperature=0.9, top_k=8, seed=5)]
+                out[f"{Path(source).name}/{name}/too_long"] = _too_long(model, tok)
     return out
 
 
@@ -253,15 +261,16 @@ def _too_long(model, tok) -> str | None:
 def check_nonfinite(root: Path) -> dict:
     out = {}
     for policy in ("stop", "skip"):
-        run = build(small_cfg(root, f"nan-{policy}", on_nonfinite=policy), plait.init(2, 2, 1))
-        with torch.no_grad():
-            for p in run.pm.parameters():
-                p.fill_(float("nan"))
-        try:
-            loss, norm = train_one(run, 0, False)
-            out[policy] = {"raised": None, "loss_finite": math.isfinite(loss), "norm": norm}
-        except NonFiniteLoss as exc:
-            out[policy] = {"raised": str(exc)}
+        with plait.init(2, 2, 1) as ctx:
+            run = build(small_cfg(root, f"nan-{policy}", on_nonfinite=policy), ctx)
+            with torch.no_grad():
+                for p in run.pm.parameters():
+                    p.fill_(float("nan"))
+            try:
+                loss, norm = train_one(run, 0, False)
+                out[policy] = {"raised": None, "loss_finite": math.isfinite(loss), "norm": norm}
+            except NonFiniteLoss as exc:
+                out[policy] = {"raised": str(exc)}
     return out
 
 

@@ -4,6 +4,7 @@ checkpoint saved under one ZeRO layout and loaded under another."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -37,13 +38,14 @@ def reshard(root: Path, a, b) -> dict:
             "param_rel_max": max(rel_err(state[k], v) for k, v in ref_state.items())}
 
 
-def checks(root: Path) -> list:
-    """The ZeRO checks for a world of 8 (run in the launch of tests/conftest.py's ``world8``)."""
-    d2 = plait.init(tp=2, pp=2, dp=2)
-    d4 = plait.init(tp=2, pp=1, dp=4)
+def checks(root: Path, contexts: ExitStack) -> list:
+    """The ZeRO checks for a world of 8 (run in the launch of tests/conftest.py's ``world8``), over contexts that
+    ``contexts`` closes."""
+    d2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=2))
+    d4 = contexts.enter_context(plait.init(tp=2, pp=1, dp=4))
     tied = {"tie_embeddings": True}
     moe = {"n_experts": 4, "top_k": 2}
-    d4ep = plait.init(tp=2, pp=1, dp=4, ep=2)
+    d4ep = contexts.enter_context(plait.init(tp=2, pp=1, dp=4, ep=2))
     return [
         ("dp2tp2pp2/zero2/tied/sp", lambda: compare(d2, zero=2, cfg=tied, sp=True, microbatches=4)),
         # two chunks per rank, weight gradients deferred to W passes (bf16 parameters are leaves again)

@@ -8,6 +8,7 @@ rank side under ZeRO-3; the ConfigErrors."""
 from __future__ import annotations
 
 import io
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -164,11 +165,17 @@ def verify_rank(ctx) -> dict:
 
 def rank_main(root: str) -> dict:
     """``root``: a scratch folder shared by the ranks (checkpoints)."""
-    dp4 = plait.init(tp=1, pp=1, dp=4)
-    tp2dp2 = plait.init(tp=2, pp=1, dp=2)
-    moe = plait.init(tp=2, pp=1, dp=2, ep=2)
-    tp2pp2 = plait.init(tp=2, pp=2, dp=1)
-    checks = [
+    with ExitStack() as contexts:
+        return run_checks(checks(Path(root), contexts))
+
+
+def checks(root: Path, contexts: ExitStack) -> list:
+    """The checks, over contexts that ``contexts`` closes once they have run."""
+    dp4 = contexts.enter_context(plait.init(tp=1, pp=1, dp=4))
+    tp2dp2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2))
+    moe = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=2))
+    tp2pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1))
+    return [
         ("dp4", lambda: held(dp4)),
         ("tp2dp2/sp", lambda: held(tp2dp2, sp=True)),
         ("dp4/grads-at-launch", lambda: grads_at_launch(dp4)),
@@ -178,9 +185,8 @@ def rank_main(root: str) -> dict:
         ("tp2dp2ep2/moe", lambda: compare(moe, zero=3, cfg={"n_experts": 4, "top_k": 2})),
         ("dp4/bf16", lambda: compare(dp4, zero=3, precision="bf16")),
         ("tp2dp2/sp/resume", lambda: resume_exact(tp2dp2)),
-        ("dp4/checkpoint", lambda: round_trip(Path(root), dp4)),
-        ("tp2dp2->tp2pp2", lambda: checkpoint_to_tp2pp2(Path(root), tp2dp2, tp2pp2)),
+        ("dp4/checkpoint", lambda: round_trip(root, dp4)),
+        ("tp2dp2->tp2pp2", lambda: checkpoint_to_tp2pp2(root, tp2dp2, tp2pp2)),
         ("refusals", lambda: refusals(tp2pp2, dp4)),
         ("verify", lambda: verify_rank(dp4)),
     ]
-    return run_checks(checks)
