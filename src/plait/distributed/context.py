@@ -254,8 +254,8 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     then become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with
     CUDA, otherwise Gloo). The layout is validated before any collective. Calling it again with another
-    layout returns a new context with new groups; ``ctx.close()``, or ``with plait.init(...) as ctx:``, destroys
-    a context's groups once it is done with. ``expert_tp=True`` splits every expert over the TP group
+    layout returns a new context with new groups; ``ctx.close()``, or leaving ``with plait.init(...) as ctx:``,
+    destroys them once the program is done with that context. ``expert_tp=True`` splits every expert over the TP group
     (plait.experts.layer); then ep must divide dp·cp. ``cp`` ranks split every sequence
     (plait.context_parallel); each is handed the same full rows.
     """
