@@ -37,9 +37,9 @@ def ctx(device):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        context = plait.init(1, 1, 1)
-        assert context.device.type == device.type, (context.device, device)
-        yield context
+        with plait.init(1, 1, 1) as context:
+            assert context.device.type == device.type, (context.device, device)
+            yield context
     finally:
         dist.destroy_process_group()
         for key, value in saved.items():  # processes the later tests start must not inherit this world's port
