@@ -146,15 +146,18 @@ def _timed(step, device, n: int) -> list[float]:
     return times
 
 
-def _profile(steps: dict, out: Path) -> None:
-    """One step of each under torch.profiler: its busiest kernels and host calls, written to ``out``."""
+def _profile(steps: dict, out: Path, device) -> None:
+    """Each of ``steps`` once under torch.profiler: its busiest kernels (host operations on a CPU) and host calls,
+    written to ``out``."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with out.open("w") as f:
         for name, step in steps.items():
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=activities) as prof:
                 step()
-            for key in ("self_device_time_total", "cpu_time_total"):
+            for key in ("self_device_time_total" if cuda else "self_cpu_time_total", "cpu_time_total"):
                 f.write(f"== {name}, by {key}\n{prof.key_averages().table(sort_by=key, row_limit=25)}\n")
 
 
@@ -206,7 +209,7 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
         theirs += _timed(hf_step, device, 1)
     step_s, hf_step_s = statistics.median(ours), statistics.median(theirs)
     if cuda:
-        _profile({"plait": plait_step, "transformers": hf_step}, out / "profile.txt")
+        _profile({"plait": plait_step, "transformers": hf_step}, out / "profile.txt", device)
     n_params = sum(p.numel() for p in Llama.from_pretrained(folder).parameters())
     flops_per_token = 6 * n_params + 12 * cfg.n_layers * cfg.dim * s
     gpu = gpu_of_device(torch.cuda.get_device_name(device)) if cuda else None
@@ -364,7 +367,7 @@ def main() -> None:
         if "serve" in wanted:
             _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
         if "serve_step" in wanted:
-            _run("serve_step", results, out, serve_step_section, ctx.device, sizes, folder, out)
+            _run("serve_step", results, out, serve_step_section, ctx.device, sizes, folder, out, _profile)
     flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),
             "hf_train_tokens_per_s": train.get("hf_train_tokens_per_s"),
             "predicted_step_s": results["predict"].get("predicted_step_s"),

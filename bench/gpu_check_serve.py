@@ -1,4 +1,5 @@
-"""``bench/gpu_check.py``'s serve section: ``plait serve`` on the device, answering concurrent completions."""
+"""``bench/gpu_check.py``'s serve and serve_step sections: ``plait serve`` on the device answering concurrent
+completions, and the serving runner's decode step on its own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _port() -> int:
@@ -82,11 +85,13 @@ def serve_section(sizes: dict, folder: Path, out: Path, env: dict, cwd: Path, co
             "wall_s": wall, "serve_tokens_per_s": sum(done) / wall}
 
 
-def serve_step_section(device, sizes: dict, folder: Path, out: Path, rows: int = 32) -> dict:
+def serve_step_section(device, sizes: dict, folder: Path, out: Path, profile: Callable[[dict, Path, Any], None],
+                       rows: int = 32) -> dict:
     """The serving runner's decode step on its own (``serve.runner.Runner.execute``: no HTTP, no scheduler, no
     hand-over) at ``rows`` greedy rows of 68-token prompts, beside a decode step of batched ``plait.generate`` on
-    the same prompts: where the serve section's time per token goes that the model's step does not explain. Three
-    of the runner's decode steps under ``torch.profiler`` go to ``serve_profile.txt``."""
+    the same prompts: where the serve section's time per token goes that the model's step does not explain. A
+    prefill and three decode steps of the runner go through ``profile`` (``gpu_check``'s) to
+    ``serve_profile.txt``."""
     import torch
 
     import plait
@@ -104,7 +109,7 @@ def serve_step_section(device, sizes: dict, folder: Path, out: Path, rows: int =
     prompts = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=g).tolist()
     tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
 
-    def decode(steps: int, profile: bool = False) -> list[float]:
+    def decode(steps: int) -> list[float]:
         """Prefill every row in one step, then ``steps`` decode steps: each one's seconds."""
         runner = Runner(model, num_blocks=rows * per + 1, block_size=block)
         outs = runner.execute(Step(new=[(i, Params(Sampling(new, 0.0))) for i in range(rows)],
@@ -121,15 +126,7 @@ def serve_step_section(device, sizes: dict, folder: Path, out: Path, rows: int =
 
     decode(4)  # warm-up: kernels, allocator
     times = sorted(decode(new - 1))
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        decode(3)
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    (out / "serve_profile.txt").write_text("\n\n".join(
-        f"== serving runner, prefill and 3 decode steps, by {k}\n" + prof.key_averages().table(sort_by=k, row_limit=30)
-        for k in (key, "cpu_time_total")))
+    profile({"serving runner, prefill and 3 decode steps": lambda: decode(3)}, out / "serve_profile.txt", device)
     generated = {2: float("inf"), new: float("inf")}
     plait.generate(model, prompts, max_new_tokens=2)  # warm-up
     for _ in range(3):  # batched decoding's step: the best of 3 runs of each length, their difference per token

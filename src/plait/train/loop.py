@@ -71,13 +71,13 @@ class Run:
     prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)
 
 
-def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Run:
-    """Layout, model (preset or Hugging Face folder, each rank reading its slices), optimizer and data."""
+def build(cfg: TrainConfig, ctx: ParallelContext) -> Run:
+    """Layout, model (preset or Hugging Face folder, each rank reading its slices), optimizer and data, under
+    ``ctx`` (its caller owns it and closes it)."""
     import plait
     from plait.data.stream import open_data
     from plait.tokenizers import tokenizer_for
 
-    ctx = ctx or plait.init(config=cfg.parallel)
     torch.manual_seed(cfg.seed)
     mcfg = model_config(cfg)
     with torch.device("meta"):  # each rank allocates only its own shards, filled below one tensor at a time
