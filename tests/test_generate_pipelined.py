@@ -27,15 +27,16 @@ def _rank(model_dir: str) -> dict:
     from plait.generation.job import load_model
     from plait.models.llama import DecoderLayer
 
-    model = load_model(model_dir, ctx=plait.init(1, 2, 1))[0]
-    for block in (b for chunk in model.chunks.values() for b in chunk.blocks):
-        if isinstance(block, DecoderLayer):  # each work item takes >= 10 ms: scheduler noise cannot reorder stages
-            block.register_forward_hook(lambda *_: time.sleep(0.005))
-    out = {}
-    for case in CASES:
-        for n in (5, 4, 1):  # 2 groups (uneven, even) and a single group
-            trace: list = []
-            out[f"{case}/{n}"] = (_decode(model, PROMPTS[:n], case, trace), trace)
+    with plait.init(1, 2, 1) as ctx:
+        model = load_model(model_dir, ctx=ctx)[0]
+        for block in (b for chunk in model.chunks.values() for b in chunk.blocks):
+            if isinstance(block, DecoderLayer):  # each work item takes >= 10 ms: scheduler noise cannot reorder
+                block.register_forward_hook(lambda *_: time.sleep(0.005))
+        out = {}
+        for case in CASES:
+            for n in (5, 4, 1):  # 2 groups (uneven, even) and a single group
+                trace: list = []
+                out[f"{case}/{n}"] = (_decode(model, PROMPTS[:n], case, trace), trace)
     return out
 
 
