@@ -11,11 +11,12 @@ from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.published import gpt, runs
-from plait.plan.zero3_deepspeed import Use, trace, walk
+from plait.plan.zero3_deepspeed import Gather, Use, trace, walk
 
 
 def _walk(uses, gather=0.4, reduce=0.0, f=1.0):
-    return walk(tuple(uses), {"f": f, "b": f}, lambda e: gather, lambda e: reduce)
+    one = gather if isinstance(gather, Gather) else Gather(gather)
+    return walk(tuple(uses), {"f": f, "b": f}, lambda e: one, lambda e: reduce)
 
 
 def test_each_fetch_waits_and_only_one_prefetch_overlaps():
@@ -23,6 +24,16 @@ def test_each_fetch_waits_and_only_one_prefetch_overlaps():
     # beside b's; c's compute to the end: 0.4 + 1 + 1 + 1 = 3.4 s, three gathers
     done = _walk(Use(m, 600_000_000, 600_000_000, ("f", 1.0)) for m in "abc")
     assert done.seconds == pytest.approx(3.4) and done.gathers == 3
+
+
+def test_a_gathers_zeros_views_and_copies_issue_on_the_path():
+    # a, b, c as above, each gather now with 0.05 s of zeros, 0.1 s of views before its launch, its copies' issue
+    # 0.3 s and everything done 0.4 s after the launch. a: zeros (nothing in flight), views, done: 0.55; b's
+    # prefetch right after a's synchronize: zeros 0.05 and views 0.1 exposed, a's compute launched after the 0.3 s
+    # issue: max(0.3 + 1, 0.4) = 1.3; c the same beside b's: 1.45; c's compute: 1. In all 0.55 + 2 x 1.45 + 1 = 4.45 s
+    # (3.4 s without the zeros, the views and the issue)
+    done = _walk((Use(m, 600_000_000, 600_000_000, ("f", 1.0)) for m in "abc"), gather=Gather(0.4, 0.1, 0.3, 0.05))
+    assert done.seconds == pytest.approx(4.45) and done.gathers == 3
 
 
 def test_max_live_parameters_stop_the_prefetch():
@@ -58,9 +69,30 @@ def test_a_small_gpt_gathers_per_parameter_and_again_for_the_recomputation():
     # Gradient buckets: every weight's fills one (each over 5e8 with the next), and the embedding's: 9 all-reduces
     m = gpt(2, 12288, 96)
     uses = trace(m, Layout(dp=64, zero=3, recompute="full"))
-    done = walk(uses, {}, lambda e: 1.0, lambda e: 1.0)
+    done = walk(uses, {}, lambda e: Gather(1.0), lambda e: 1.0)
     assert (done.gathers, done.reductions) == (25, 9)
     assert done.seconds == pytest.approx(34.0)  # no compute to hide behind: every collective exposed
+
+
+@pytest.mark.parametrize(("ranks", "micro_s"), [(4, 489.40e-6), (8, 971.47e-6)])
+def test_the_list_all_gathers_copies_per_rank(ranks, micro_s):
+    # GPT, 2 layers, h = 512, vocab 1024, tied: every gathered weight is used again within 1e9 elements, so kept: 10
+    # gathers a micro-batch (the word embedding 2^19 elements and the positions 2^20, then per layer qkv 3 x 2^18,
+    # proj 2^18, fc1 and fc2 2^20 each; 7,864,320 in all), all at the first hook: the top module's fetch, then the
+    # other nine prefetched one after another (under the 5e7 bucket). Each issues W = ranks copies at 10.1 us, slower
+    # than its gather (at most 2.1 MB over 8 NVLink ranks), so each is done W x 10.1 us after its launch plus its
+    # last copy's bytes (its share of 4 bytes an element at 2.039 TB/s); each has W views at 2 us; the two zeros
+    # nothing runs beside (the first and second gathers') write 2 bytes an element:
+    #   4 ranks: 10 x 4 x 2 us + 10 x 40.4 us + 7,864,320 x 4 / 2.039e12 / 4 + 1,572,864 x 2 / 2.039e12 = 489.40 us
+    #            (40 copies)
+    #   8 ranks: 10 x 8 x 2 us + 10 x 80.8 us + 7,864,320 x 4 / 2.039e12 / 8 + 1,572,864 x 2 / 2.039e12 = 971.47 us
+    #            (80 copies)
+    # and the compute hides the one gradient all-reduce at the end (all under the 5e8 bucket)
+    m = gpt(2, 512, 8, vocab=1024)
+    c, lay = Cluster("a100-80gb", ranks, interconnect="ib-hdr"), Layout(dp=ranks, zero=3, recompute="full")
+    assert walk(trace(m, lay), {}, lambda e: Gather(1.0), lambda e: 0.0).gathers == 10
+    one = Training(ranks, recompute_head=False, grad_dtype="fp16", zero3_impl="deepspeed-0.3")  # one micro-batch
+    assert estimate(m, c, lay, one).time["zero_comm"] == pytest.approx(micro_s, rel=1e-4)
 
 
 def _ds(**kw):

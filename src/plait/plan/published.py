@@ -103,9 +103,9 @@ NARAYANAN_TABLE2 = (
 NARAYANAN_SHAPES = {174.6: (96, 12288, 96, 12), 529.6: (105, 20480, 128, 35)}  # layers, hidden, heads, p
 # The ZeRO-3 runs are DeepSpeed's of the paper's time (microsoft/DeepSpeed v0.3.13, 2021-03-16), costed as its code
 # runs them with its defaults (runtime/zero/constants.py; the paper prints no configuration): zero3_impl
-# "deepspeed-0.3" (``plan.zero3_deepspeed``: an all-gather per parameter, each fetch a device-wide synchronize, the
-# recomputed forward gathering again, the fp16 gradients all-reduced in buckets, stage3.py reduce_ipg_grads):
-# grad_dtype fp16. docs/planner.md ("Where it misses") says what that leaves.
+# "deepspeed-0.3" (``plan.zero3_deepspeed``: an all-gather of a list per parameter, each fetch a device-wide
+# synchronize, the recomputed forward gathering again, the fp16 gradients all-reduced in buckets): grad_dtype fp16.
+# docs/planner.md ("Where it misses") says what that leaves.
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> Model:
@@ -161,6 +161,7 @@ def _narayanan() -> list[PublishedRun]:
              "full recomputation (eq. 3 counts it)",
              "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3: no DeepSpeed configuration printed",
              "Selene: HDR InfiniBand") + (() if ptd else (
+                 "torch and hosts not printed: a gather's W views and copies at host costs measured here",
                  "optimizer: DeepSpeed v0.3.13's ZeRO-3 step not read, costed as plait's (torch-fused-adamw)",
                  "gradient accumulation: DeepSpeed v0.3.13's not read, costed as plait's ZeRO-3 (one micro-batch)"))))
     return out

@@ -6,7 +6,8 @@ What its code does, each step (microsoft/DeepSpeed at tag v0.3.13, ``deepspeed/r
 - Parameters of fewer than ``stage3_param_persistence_threshold`` (1e5) elements stay whole on every rank
   (``stage3.py`` ``persistent_parameters``: ``ds_persist``): biases and norms are never gathered.
 - Each other parameter is all-gathered on its own (``partition_parameters.py`` ``_allgather_param``: one
-  all-gather per parameter, after a device-wide synchronize) when a sub-module's forward or backward hook needs it
+  all-gather per parameter, after a device-wide synchronize; ``Gather`` below says what one costs) when a
+  sub-module's forward or backward hook needs it
   (``stage3.py`` ``fetch_sub_module``), which then waits for it and for the device (``_synchronize_communication``):
   every fetch that gathers or waits on a gather ends all work in flight, compute and collectives alike.
 - After each fetch ``prefetch_next_sub_modules`` gathers the next parameters of the recorded trace that are
@@ -30,6 +31,18 @@ What its code does, each step (microsoft/DeepSpeed at tag v0.3.13, ``deepspeed/r
 
 ``exposed`` walks that trace: the collectives share the network (one process group), the compute runs beside
 whatever collective was launched with it, and each synchronize waits for the longer of the two.
+
+One parameter's gather over its group of W ranks, as ``_allgather_param`` (lines 596-636) runs it: ``torch.zeros``
+of the padded full parameter (written through HBM), the device-wide synchronize, then a Python loop making the W
+``narrow`` views of that buffer (calling ``get_rank(group)`` each turn) before ``torch.distributed.all_gather`` of
+that list is called. torch's ``ProcessGroupNCCL::allgather`` of a list (``torch/lib/c10d/ProcessGroupNCCL.cpp``: the
+same code in each version of it read, pytorch/pytorch 6f583bb5 with 2019's API through 00f5dfd5 with 2021's;
+v1.8.0's own not read) allocates a flat output (``flatten_for_scatter_gather``), launches ``ncclAllGather`` into
+it, then, on the host, makes one ``recordStream`` and one ``copy_`` of each of the W slices back into the list, each
+copy queued behind the gather on NCCL's stream: the host issues the W copies while the gather runs, the device
+runs each once the gather is done and the copy issued. DeepSpeed replaced the list by ``_all_gather_base`` in PR
+#1188 (commit c0eeb69d, first in v0.5.5: "the ``torch.distributed.all_gather`` will do implicit memcpy at the end
+of each ``ncclAllgather``").
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from functools import lru_cache
 
 from plait.plan.cluster import Cluster
 from plait.plan.config import GRAD_DTYPES, Layout, Training
-from plait.plan.costs import StageCosts
+from plait.plan.costs import CostModel, StageCosts
 from plait.plan.model import Model
 from plait.plan.timing import layer_gemms
 
@@ -51,6 +64,16 @@ PREFETCH_BUCKET = 50_000_000
 MAX_LIVE = 1_000_000_000
 MAX_REUSE = 1_000_000_000
 REDUCE_BUCKET = 500_000_000
+
+#: host seconds of one slice's ``copy_`` (with its ``recordStream``) in torch 1.8's list all-gather: a tiny kernel's
+#: host cost as this project measured it on an H200 (torch 2.11, ``bench/gpu_check.py`` ``launch_us``: 10.1 µs in the
+#: newest run, 6.8-10.4 µs over runs; docs/runtime.md), taken for an eager operation's dispatch and launch of that era
+#: too (no figure of torch 1.8's on an A100 host was found); not fitted to any run
+COPY_HOST_S = 10.1e-6
+#: host seconds of one turn of ``_allgather_param``'s view loop (a ``narrow`` and a ``get_rank(group)`` in Python):
+#: 2.0 µs measured on this project's 2-core CPU host (torch 2.13, loops of 1,536 turns, load 0.1; docs/planner.md);
+#: not fitted
+VIEW_HOST_S = 2.0e-6
 
 # what share of a pass a use's compute is: (pass, share) with pass one of "f", "r", "b" (a layer's forward,
 # recomputation, backward), "ef", "eb" (the embedding's), "hf", "hb" (the head's), or "" (none)
@@ -132,6 +155,20 @@ def _kept(uses: tuple[Use, ...]) -> tuple[bool, ...]:
 
 
 @dataclass(frozen=True)
+class Gather:
+    """One parameter's all-gather as ``_allgather_param`` runs it, in seconds: ``zeros``, the device writing the
+    zeroed buffer before the synchronize (beside the compute and the collectives in flight); ``views``, the host's
+    view loop after the synchronize, before the collective starts; ``issue``, the host issuing the W copies after
+    the gather's launch (what the host launches next waits for it); ``done``, from the launch until the gather and
+    its copies are finished on the device."""
+
+    done: float
+    views: float = 0.0
+    issue: float = 0.0
+    zeros: float = 0.0
+
+
+@dataclass(frozen=True)
 class Walk:
     """One micro-batch under DeepSpeed v0.3.13's ZeRO-3: its seconds (compute and what of the collectives the
     compute does not hide), and the all-gathers and gradient all-reduces it issues."""
@@ -141,10 +178,10 @@ class Walk:
     reductions: int
 
 
-def walk(uses: tuple[Use, ...], compute: dict[str, float], gather_s: Callable[[int], float],
+def walk(uses: tuple[Use, ...], compute: dict[str, float], gather: Callable[[int], Gather],
          reduce_s: Callable[[int], float]) -> Walk:
-    """Walk ``uses`` with ``compute[pass]`` seconds per pass, ``gather_s(elements)`` and ``reduce_s(elements)`` the
-    seconds of one all-gather and one all-reduce."""
+    """Walk ``uses`` with ``compute[pass]`` seconds per pass, ``gather(elements)`` one parameter's all-gather and
+    ``reduce_s(elements)`` the seconds of one all-reduce."""
     kept = _kept(uses)
     clock = busy = net = 0.0
     available: set[str] = set()
@@ -158,11 +195,13 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather_s: Callable[[i
 
     for i, u in enumerate(uses):
         if u.module in flight or (u.gathered and u.module not in available):
+            g = None if u.module in flight else gather(u.gathered)
+            net = max(net, g.zeros if g else 0.0)
             sync()
             available |= flight
             flight.clear()
-            if u.module not in available:
-                clock += gather_s(u.gathered)
+            if g is not None:
+                clock += g.views + g.done  # waited for at once
                 gathers += 1
                 available.add(u.module)
                 live += u.gathered
@@ -171,8 +210,11 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather_s: Callable[[i
             for j in range(i + 1, len(uses)):
                 v = uses[j]
                 if v.gathered and v.module not in available and v.module not in flight:
+                    g = gather(v.gathered)
+                    net = max(net, g.zeros)
                     sync()
-                    net += gather_s(v.gathered)
+                    clock += g.views
+                    net, busy = g.done, g.issue  # the compute launched after it waits for the copies' issue
                     gathers += 1
                     flight.add(v.module)
                     live += v.gathered
@@ -197,11 +239,23 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather_s: Callable[[i
     return Walk(clock, gathers, reductions)
 
 
+def gather_cost(costs: CostModel, elements: int, n: int, span: int) -> Gather:
+    """One parameter's gather of ``elements`` fp16 elements over ``n`` ranks spread over ``span``: the zeros and the
+    copies (each element read and written once) at the cost model's memory bandwidth, W = ``n`` copies issued and
+    ``n`` views made at ``COPY_HOST_S`` and ``VIEW_HOST_S``. The copies run behind the gather, or, when their issue is
+    the slower, each as the host issues it (the last one's bytes after the issue); a copy's device cost beyond its
+    bytes is not counted."""
+    nbytes = costs.weight_gather_bytes * elements
+    copies, issue = costs.stream_time(2 * nbytes, 0), n * COPY_HOST_S
+    net = costs.collective("all_gather", nbytes, n, span)
+    return Gather(max(net + copies, issue + copies / n), n * VIEW_HOST_S, issue, costs.stream_time(nbytes, 0))
+
+
 def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, rank: StageCosts) -> float:
     """Seconds a micro-batch's ZeRO-3 traffic adds to ``rank``'s compute (its forward, recomputation and
     backward, split over the sub-modules by their elements; the embedding's and the head's from the cost
-    model's blocks): ``walk`` over dp·cp ranks, fp16 weights gathered, gradients all-reduced in
-    ``training.grad_dtype``."""
+    model's blocks): ``walk`` over dp·cp ranks, fp16 weights gathered as ``Gather`` says (the copies' and the
+    zeros' bytes at the cost model's memory bandwidth), gradients all-reduced in ``training.grad_dtype``."""
     costs = cluster.costs
     n = layout.dp * layout.cp
     span = layout.tp * n
@@ -218,11 +272,8 @@ def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, 
         compute["b"] += compute.pop("r")
     grad = GRAD_DTYPES[training.grad_dtype]
 
-    def gather_s(elements: int) -> float:
-        return costs.collective("all_gather", costs.weight_gather_bytes * elements, n, span)
-
     def reduce_s(elements: int) -> float:
         return costs.collective("all_reduce", grad * elements, n, span)
 
-    done = walk(trace(model, layout), compute, gather_s, reduce_s)
+    done = walk(trace(model, layout), compute, lambda e: gather_cost(costs, e, n, span), reduce_s)
     return max(0.0, done.seconds - rank.forward - rank.backward)
