@@ -10,6 +10,7 @@ from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.pipeline.balance import PARTITIONS, partition_layers
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
+from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.schedules import SCHEDULE_NAMES
@@ -292,6 +293,13 @@ class Training:
     behind a device-wide synchronize, the gradients all-reduced in buckets, walked sub-module by sub-module in
     ``plan.zero3_deepspeed``; costed without a pipeline). ``Layout.to_parallel_config`` refuses any but plait's."""
 
+    elementwise: str = ELEMENTWISE[0]
+    """How the costed stack runs a layer's element-wise kernels (norms, RoPE, activations, residual adds, casts) and
+    its loss's on catalogue GPUs: "fused" (the GPU model's ``GPU.elementwise_traffic``, fitted on the published
+    Megatron-style runs, whose kernels are fused: every published row) or "plait-eager" (plait's runtime, which runs
+    each of them as its own eager PyTorch kernel: ``plan.eager``, counted from plait's code, their bytes at the
+    GPU's memory bandwidth; ``plan.runs.train_layout`` sets it for ``plait train``'s prediction). A calibrated host
+    measures plait's own kernels and ignores it."""
     selective_policy: str = SELECTIVE_POLICIES[0]
     """Under ``recompute="selective"``, which tensors each layer keeps for its backward (``plan.memory``):
     "korthikanti" (Megatron-LM's and plait's: all but the attention scores, Korthikanti et al. 2022, §5) or
@@ -313,7 +321,8 @@ class Training:
         for name, choices in (("precision", PRECISIONS), ("grad_dtype", tuple(GRAD_DTYPES)),
                               ("optimizer", tuple(OPTIMIZERS)), ("tied_grad_sum", TIED_GRAD_SUMS),
                               ("zero3_impl", ZERO3_IMPLS), ("grad_accumulation", tuple(ACCUMULATIONS)),
-                              ("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES)):
+                              ("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES),
+                              ("elementwise", ELEMENTWISE)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()

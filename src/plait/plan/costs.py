@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.config import TE_OVERLAP_SMS
+from plait.plan.eager import ELEMENTWISE
 from plait.plan.optimizers import RUNTIME_OPTIMIZER
 
 if TYPE_CHECKING:
@@ -88,10 +89,11 @@ class CostModel(Protocol):
         ...
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
-               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> Blocks:
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0]) -> Blocks:
         """One layer, the embedding and the head + loss, per micro-batch; ``tp_overlap``: the TP collectives
         pipelined with their GEMMs (``Training.tp_comm_overlap``), the pipelined scatters' kernels on
-        ``overlap_sms`` SMs (``Training.tp_overlap_sms``)."""
+        ``overlap_sms`` SMs (``Training.tp_overlap_sms``); ``elementwise``: how the stack runs its element-wise
+        kernels (``Training.elementwise``)."""
         ...
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:

@@ -17,11 +17,13 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
+from plait.plan import eager
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
+from plait.plan.eager import ELEMENTWISE
 from plait.plan.gemm import gemm_speed, operand_bytes, passes
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
@@ -272,13 +274,16 @@ class GpuCosts:
         return forward, backward
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
-               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS) -> Blocks:
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0]) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus its GEMMs' and element-wise kernels' HBM traffic, its TP
         collectives (what of them ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs:
         ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs and its GEMM's traffic. The
         embedding's lookup is free. The attention core runs as ``_attention_core`` times it; with fused flash
         attention its backward recomputes the scores (so selective recomputation redoes nothing more) and its s×s
-        scores never reach HBM."""
+        scores never reach HBM. ``elementwise`` (``Training.elementwise``): "fused", the fitted
+        ``elementwise_traffic`` per forward and twice it per backward; "plait-eager", plait's own kernels of the
+        layer and of the head and loss counted by ``plan.eager`` (the unfused core's softmax over the scores keeps
+        the fitted term)."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
@@ -289,18 +294,26 @@ class GpuCosts:
         (qf, qd, qw), (hf, hd, hw) = gemm_quantization(gpu, model, layout)
         g, hg = gemm_traffic(gpu, model, layout)
         dense = (flops - attention) / speed
+        kept = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
+        own = elementwise == "plait-eager"
+        if own:
+            traffic, traffic_b = eager.seconds(eager.layer_kernels(model, layout, precision), gpu.memory_bandwidth)
+            head_f, head_b = eager.seconds(eager.head_kernels(model, layout, precision), gpu.memory_bandwidth)
+        else:
+            traffic = gpu.elementwise_traffic * kept / gpu.memory_bandwidth
+            traffic_b, head_f, head_b = 2 * traffic, 0.0, 0.0
         if self.cluster.flash_attention:
-            stored = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
-            traffic = gpu.elementwise_traffic * stored / gpu.memory_bandwidth
             f = dense / qf + g + core + traffic
-            b = dense / qd + dense / qw + 2 * g + core_b + 2 * traffic
+            b = dense / qd + dense / qw + 2 * g + core_b + traffic_b
             w = dense / qw + g
             recompute = f + tp if layout.recompute == "full" else 0.0
         else:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="none"))
-            rest = attention / speed + gpu.elementwise_traffic * stored / gpu.memory_bandwidth
-            f = dense / qf + g + rest
-            b, w = dense / qd + dense / qw + 2 * g + 2 * rest, dense / qw + g + rest
+            softmax = stored - kept if own else stored  # the scores' element-wise traffic stays the fitted term
+            rest = attention / speed + gpu.elementwise_traffic * softmax / gpu.memory_bandwidth
+            own_f, own_b = (traffic, traffic_b) if own else (0.0, 0.0)
+            f = dense / qf + g + rest + own_f
+            b, w = dense / qd + dense / qw + 2 * g + 2 * rest + own_b, dense / qw + g + rest
             if layout.recompute == "full":
                 recompute = f + tp
             elif layout.recompute == "selective" and layout.cp == 1:  # QK^T, softmax and AV again (Korthikanti
@@ -310,8 +323,8 @@ class GpuCosts:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
         return Blocks(StageCosts(f, b, w, tp, tp_b, recompute, 0.0, 1), StageCosts(),
-                      StageCosts(head / hf + hg, head / hd + head / hw + 2 * hg, head / hw + hg,
-                                 recompute=head / hf + hg if layout.recompute == "full" else 0.0))
+                      StageCosts(head / hf + hg + head_f, head / hd + head / hw + 2 * hg + head_b, head / hw + hg,
+                                 recompute=head / hf + hg + head_f if layout.recompute == "full" else 0.0))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
         """``[b, s, h]`` in bf16 scattered over the TP ranks (Narayanan et al. 2021, §4.1)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from plait.parallel_config import ParallelConfig
 from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
+from plait.plan.eager import RUNTIME_ELEMENTWISE
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.host.profile import HostProfile
 from plait.plan.model import Model
@@ -12,10 +13,11 @@ from plait.plan.model import Model
 
 def train_layout(parallel: ParallelConfig, batch_size: int) -> tuple[Layout, Training]:
     """The planner's Layout and Training of a ``plait train`` run (``parallel`` resolved: dp known;
-    ``batch_size`` sequences over dp replicas, each cut into its micro-batches; ``Layout.from_parallel_config``)."""
+    ``batch_size`` sequences over dp replicas, each cut into its micro-batches; ``Layout.from_parallel_config``),
+    its element-wise kernels plait's own eager ones (``plan.eager``)."""
     m = parallel.num_microbatches
     layout = Layout.from_parallel_config(parallel, max(1, batch_size // (parallel.dp * m)))
-    return layout, Training(batch_size, precision=parallel.precision)
+    return layout, Training(batch_size, precision=parallel.precision, elementwise=RUNTIME_ELEMENTWISE)
 
 
 def predict_train(model: Model, profile: HostProfile | Cluster, layout: Layout, training: Training) -> Estimate:
