@@ -71,10 +71,10 @@ def test_the_count_beside_the_h200_profile_of_one_plait_step():
     Call counts: mul and roll exactly. add + add_: one launch more in the profile than counted (the two split by
     whether autograd sums a gradient in place; one add_ of the step is not attributed). copy_: 15 of 485 not
     attributed (11 clones, 4 casts: the step end's scalars, the norm's float64 sums), so the count may be at most
-    4% short. Time: the contiguous same-dtype products (vectorized kernels) run at 83% of the bandwidth; the
-    kernels with a broadcast or strided operand (``Kernel.strided``, the profile's generic elementwise_kernel
-    rows: 242 bf16 products, 120 copies, 80 sums) at 28-35% of it, so the five classes take about twice their
-    bytes' time at the datasheet bandwidth. The planner charges the bytes at the bandwidth (no rate fitted on
+    4% short. Time: the kernels with a broadcast or strided operand (``Kernel.strided``: 242 bf16 products, 120
+    copies, 80 sums, as many as the profile's three generic elementwise_kernel rows have calls) run at 28-35% of
+    the bandwidth, the other products at about 83%, so the five classes take about twice their bytes' time at the
+    datasheet bandwidth. The planner charges the bytes at the bandwidth (no rate fitted on
     this one profile): this test holds both the count and how far the measured time is from it."""
     ks = step_kernels()
     ops = eager.by_op(ks)

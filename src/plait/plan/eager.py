@@ -5,14 +5,16 @@ The GPU model's fitted element-wise term (``GPU.elementwise_traffic`` times a la
 fitted on published Megatron-style stacks, whose norms, activations and residual adds run fused. plait's runtime
 runs them eagerly: every operator of ``plait.models.llama`` below is its own kernel that reads its inputs from HBM
 and writes its output there, and the backward of each is one or two more. ``Training(elementwise="plait-eager")``
-costs a layer's element-wise kernels with this count instead: their bytes at the GPU's memory bandwidth
-(``GpuCosts.blocks``), nothing fitted.
+costs a layer's and the head's element-wise kernels with this count instead: their bytes at the GPU's memory
+bandwidth (``GpuCosts.blocks``), nothing fitted. The once-a-step kernels (``step_kernels``) are counted, not charged.
+On the H200 the count matches the profiled launches and its bytes at the bandwidth take half the measured time
+(``tests/test_plan_eager.py``, docs/planner.md).
 
 Each kernel counts what it reads and writes once, as ``plan.optimizers`` counts: a binary op on two [T, n] tensors
 reads both and writes one (3 element sizes); an op with a small broadcast operand (RoPE's [S, hd] tables, a norm's
 [h] weight) reads the large one only; a cast reads one size and writes the other. Element sizes: ``a`` for the
 compute dtype (bf16: 2, fp32: 4), 4 for the norms' float32 arithmetic. Tensors of one token or one row (a norm's
-rstd, the loss's maxima and sums) are left out: under 1/hd of their kernel's bytes.
+rstd, the loss's maxima and sums) are left out: under 1/h of their kernel's bytes.
 
 Shapes for one micro-batch on one GPU: T = micro-batch size · S/cp tokens; the norms and residuals run over the
 T/t tokens sequence parallelism leaves a rank (all T without it) of width h; q = heads/t · hd and kv = max(kv
