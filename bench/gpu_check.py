@@ -11,6 +11,8 @@ rewritten after each, so a run cut short keeps the sections it finished):
   tests     ``pytest tests/test_device_path.py tests/test_device_guards.py --device DEV``: passed / failed
   gemm      ``torch.mm`` speeds on the shapes of the published runs' GEMMs and a grid, beside the planner's cost of
             each GEMM on this GPU (``gpu_check_gemm.py``; every timing in ``gemm.json``)
+  elementwise  the kinds of element-wise kernel plait's eager step launches at the train section's shapes: GB/s
+            of each, share of the catalogue's bandwidth (``gpu_check_elementwise.py``)
   train     one process: plait (``parallelize`` + ``ParallelOptimizer``, bf16 over fp32 masters on a GPU) and
             transformers' ``LlamaForCausalLM`` (fp32 weights under bf16 autocast), both with torch's fused AdamW, on
             the same config, batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N +
@@ -39,6 +41,7 @@ import time
 import traceback
 from pathlib import Path
 
+from gpu_check_elementwise import elementwise_section
 from gpu_check_gemm import gemm_section
 from gpu_check_serve import serve_section, serve_step_section
 
@@ -312,7 +315,7 @@ def markdown(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-SECTIONS = ("device", "tests", "gemm", "train", "generate", "predict", "serve", "serve_step")
+SECTIONS = ("device", "tests", "gemm", "elementwise", "train", "generate", "predict", "serve", "serve_step")
 #: the keys repeated at the top of ``gpu_check.json`` from their sections
 SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
            "generate_tokens_per_s", "serve_tokens_per_s")
@@ -351,6 +354,8 @@ def main() -> None:
         _run("tests", results, out, tests_section, device, out)
     if "gemm" in wanted:
         _run("gemm", results, out, gemm_section, device, args.quick, out)
+    if "elementwise" in wanted:
+        _run("elementwise", results, out, elementwise_section, device, sizes, args.quick)
     train: dict = {}
     if "train" in wanted:
         folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))

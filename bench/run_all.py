@@ -19,7 +19,8 @@ ORDER: list[tuple[str, list[str]]] = [
 #: scripts of bench/ that run_all does not run, and why
 LEFT_OUT = {"run_all.py": "this runner", "pipeline_floor.py": "the workload pipeline.py imports",
             "gpu_check.py": "needs a GPU: make gpu-check", "gpu_check_serve.py": "gpu_check.py's serve section",
-            "gpu_check_gemm.py": "gpu_check.py's gemm section"}
+            "gpu_check_gemm.py": "gpu_check.py's gemm section",
+            "gpu_check_elementwise.py": "gpu_check.py's elementwise section"}
 
 
 def main() -> int:

@@ -39,6 +39,8 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     gemm = results["gemm"]  # a CPU: its speeds, and no catalogue GPU to hold the planner's costs against
     assert gemm["shapes"] == 5 and gemm["best_tflops"] > 0 and gemm["planner_gpu"] is None
     assert len(json.loads((out / "gemm.json").read_text())["shapes"]) == 5
+    rates = results["elementwise"]  # a CPU: the kernels' GB/s, no catalogue bandwidth to share
+    assert rates["mul_contiguous_gb_s"] > 0 and rates["mul_rope_table_gb_s"] > 0 and rates["strided_share"] is None
     table = (out / "gpu_check.md").read_text()
     assert "| predict | predicted_step_s |" in table and "| serve | serve_tokens_per_s |" in table
 
