@@ -116,6 +116,34 @@ def test_write_config_loads_in_plait_train_as_that_layout(tmp_path, launched):
     assert (cfg.model, cfg.batch_size, cfg.seq_len) == (str(folder), 8, 32)
 
 
+def test_plan_on_gpus_predicts_the_step_plait_train_dry_run_predicts(tmp_path):
+    """On catalogue GPUs ``plait plan`` costs plait's own eager element-wise kernels, as ``plait train --dry-run``
+    does for the layout it writes (the same step); ``--elementwise fused`` costs the fitted fused term instead."""
+    from plait.cli.predict import planner_inputs
+    from plait.plan.runs import predict_train
+    from plait.train import TrainConfig
+    from plait.train.config import read_toml
+
+    folder = tmp_path / "model"
+    Llama(LlamaConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=2048)
+          ).save_pretrained(folder)
+    steps = {}
+    for flag in ("plait-eager", "fused"):
+        run = tmp_path / f"{flag}.toml"
+        res = CliRunner().invoke(app, ["plan", "--model", str(folder), "--gpus", "8", "--gpu", "h100-sxm", "--seq-len",
+                                       "2048", "--global-batch", "32", "--top", "1", "--write-config", str(run),
+                                       "--json"] + (["--elementwise", flag] if flag == "fused" else []))
+        assert res.exit_code == 0, res.output
+        steps[flag] = json.loads(res.output)["best"][0]["step_time_s"]
+    cfg = TrainConfig.from_dict(read_toml(tmp_path / "plait-eager.toml"))
+    model, layout, training = planner_inputs(cfg, 8)
+    dry_run = predict_train(model, Cluster("h100-sxm", 8), layout, training).step_time_s
+    assert dry_run == pytest.approx(steps["plait-eager"], rel=1e-9)
+    assert steps["fused"] < 0.97 * steps["plait-eager"]  # plait's unfused kernels move more bytes
+    bad = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--elementwise", "triton"])
+    assert bad.exit_code != 0 and "fused, plait-eager" in bad.output
+
+
 def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched, tmp_path, monkeypatch):
     from plait.cli.auto_layout import auto_layout, host_cluster, plan_model
     from plait.train import TrainConfig

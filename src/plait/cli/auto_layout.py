@@ -55,9 +55,11 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     """``cfg`` with the layout of the fastest planned layout for ``world`` processes that fits and that
     ``validate`` accepts, and one line saying what was chosen. ConfigError if none does."""
     from plait.plan import Training, search
+    from plait.plan.eager import RUNTIME_ELEMENTWISE
 
     cluster, source = planning_cluster(cfg, world)
-    model, training = plan_model(cfg), Training(cfg.batch_size, precision=cfg.parallel.precision)
+    model = plan_model(cfg)
+    training = Training(cfg.batch_size, precision=cfg.parallel.precision, elementwise=RUNTIME_ELEMENTWISE)
     result = search(model, cluster, training, top=20)
     reasons = []
     for est in result.best:

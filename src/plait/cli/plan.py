@@ -221,6 +221,10 @@ class PlanOptions:
     attention: str = "flash2"
     """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, flash1-triton (A100),
     cudnn (Transformer Engine), flash3 (Hopper) or unfused"""
+    elementwise: str = "plait-eager"
+    """element-wise kernels (norms, RoPE, activations, residual adds, casts, the loss): plait-eager (plait's
+    runtime, each its own kernel: the model plait train --dry-run predicts with) or fused (fused kernels, as the
+    Megatron-style runs the GPU model is fitted on)"""
     plan_only: bool = False
     """also consider what only the planner models (ZeRO-3 with a pipeline), marked plan-only"""
     write_config: Path | None = None
@@ -250,11 +254,13 @@ def plan(options: dict[str, Any]) -> None:
             return
         precision = o.precision or ("fp32" if o.cluster is not None else "bf16")
         if o.global_batch:
-            training = Training(o.global_batch, precision=precision)
+            training = Training(o.global_batch, precision=precision, elementwise=o.elementwise)
             result = search(m, cluster, training, top=o.top, plan_only=o.plan_only)
         else:
-            choice = search_batch(m, cluster, top=o.top, precision=precision, plan_only=o.plan_only)
-            training, result = Training(choice.global_batch, precision=precision), choice.result
+            choice = search_batch(m, cluster, top=o.top, precision=precision, plan_only=o.plan_only,
+                                  elementwise=o.elementwise)
+            training = Training(choice.global_batch, precision=precision, elementwise=o.elementwise)
+            result = choice.result
             batch_note = f"global batch (not given, searched): {choice.reason}"
         if result.best and o.write_config is not None:
             _write_config(o.write_config, result.best[0], o.model)
@@ -272,7 +278,8 @@ def plan(options: dict[str, Any]) -> None:
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
     title = (f"{m.name} ({size}, seq {m.seq_len}) on {o.gpus} × {cluster.gpu.name}, "
-             f"{cluster.gpus_per_node}/node; global batch {training.global_batch}, {precision}")
+             f"{cluster.gpus_per_node}/node; global batch {training.global_batch}, {precision}"
+             + ("" if o.cluster is not None else f", {o.elementwise} element-wise kernels"))
     if batch_note:
         console.print(batch_note)
     console.print(_training_table(result, title))
