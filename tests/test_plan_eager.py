@@ -137,3 +137,22 @@ def test_plaits_runs_are_costed_eager_and_the_default_stays_fused():
     a = estimate(small, host, Layout(), Training(1), exact=True)
     b = estimate(small, host, Layout(), Training(1, elementwise="plait-eager"), exact=True)
     assert a.step_time_s == b.step_time_s
+
+
+def test_plait_eager_memory_is_what_plaits_layers_save():
+    """Under "plait-eager" a catalogue GPU's activations are plait's own, tensor by tensor (the census a calibrated
+    host uses, ``eager_activations``), not Korthikanti et al.'s fused count: on the gpu-check run (one micro-batch
+    of 4 x 2048 tokens) each bf16 layer also keeps its two norms' float32 inputs (8 bytes a token and channel),
+    RoPE's and SwiGLU's operands; the published rows keep the fused count."""
+    from plait.plan.host.costs import eager_activations
+
+    m, lay = GPU_CHECK_MODEL, GPU_CHECK_LAYOUT
+    cluster = Cluster("h200", 1, gpus_per_node=1)
+    own = estimate(m, cluster, lay, Training(4, elementwise="plait-eager"), exact=True).memory
+    fused = estimate(m, cluster, lay, Training(4), exact=True).memory
+    acts = eager_activations(m, lay, "bf16")
+    assert own.activations == pytest.approx(acts.chunk(m.n_layers, True, True) + acts.shared + acts.working)
+    tokens = 4 * 2048
+    assert acts.layer - cluster.costs.activations(m, lay, "bf16").layer > 2 * 4 * tokens * m.hidden
+    assert own.activations > 1.3 * fused.activations
+    assert fused.activations == pytest.approx(cluster.costs.activations(m, lay, "bf16").chunk(m.n_layers, True, True))

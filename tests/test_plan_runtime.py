@@ -155,7 +155,7 @@ def test_layout_auto_takes_the_planner_s_fastest_that_runs(launched, tmp_path, m
     assert res.exit_code == 0, res.output
     cfg = TrainConfig.from_dict(launched["payload"])
     want = TrainConfig.from_dict({"seq_len": 32, "batch_size": 8, "max_data_mb": 0.1, "nproc": 4})
-    training = Training(8, precision="fp32")  # plait train's precision
+    training = Training(8, precision="fp32", elementwise="plait-eager")  # plait train's precision and kernels
     best = search(plan_model(want), host_cluster(4), training, top=20)[0].layout  # as auto_layout asks
     assert cfg.parallel == best.to_parallel_config(training, precision="fp32")
     assert f"--layout auto: {best.short()}" in res.output and "generic cpu" in res.output

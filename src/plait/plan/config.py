@@ -298,8 +298,9 @@ class Training:
     its loss's on catalogue GPUs: "fused" (the GPU model's ``GPU.elementwise_traffic``, fitted on the published
     Megatron-style runs, whose kernels are fused: every published row) or "plait-eager" (plait's runtime, which runs
     each of them as its own eager PyTorch kernel: ``plan.eager``, counted from plait's code, their bytes at the
-    GPU's memory bandwidth; ``plan.runs.train_layout`` sets it for ``plait train``'s prediction). A calibrated host
-    measures plait's own kernels and ignores it."""
+    GPU's memory bandwidth, and its activations counted tensor by tensor as autograd saves them,
+    ``plan.host.costs.eager_activations``; ``plan.runs.train_layout`` sets it for ``plait train``'s prediction).
+    A calibrated host measures plait's own kernels and counts its activations so whatever it says."""
     selective_policy: str = SELECTIVE_POLICIES[0]
     """Under ``recompute="selective"``, which tensors each layer keeps for its backward (``plan.memory``):
     "korthikanti" (Megatron-LM's and plait's: all but the attention scores, Korthikanti et al. 2022, §5) or

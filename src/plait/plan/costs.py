@@ -105,8 +105,10 @@ class CostModel(Protocol):
         tensor of ``nbytes`` in full; ``span``: how many consecutive ranks the group stretches over."""
         ...
 
-    def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
-        """Activation bytes per micro-batch of a layer, the embedding and the head, and the working set."""
+    def activations(self, model: Model, layout: Layout, precision: str,
+                    elementwise: str = ELEMENTWISE[0]) -> ActivationModel:
+        """Activation bytes per micro-batch of a layer, the embedding and the head, and the working set, as the
+        stack whose layers ``elementwise`` names (``Training.elementwise``) saves them."""
         ...
 
     def hidden_reduction(self, backward: float) -> float:

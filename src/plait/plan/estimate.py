@@ -98,7 +98,8 @@ def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, trainin
     def run(rounds: str | None) -> tuple[list[StageCosts], PipelineProfile, list[mem.Memory]]:
         chunks, pipe = pipeline(model, cluster, layout, training, exact, rounds)
         return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision,
-                                             microbatches(layout, training), training.grad_dtype)
+                                             microbatches(layout, training), training.grad_dtype,
+                                             training.elementwise)
 
     chunks, pipe, memory = run(None)
     if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual_stages == 1:

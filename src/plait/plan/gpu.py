@@ -25,6 +25,7 @@ from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.gemm import gemm_speed, operand_bytes, passes
+from plait.plan.host.costs import eager_activations
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms
@@ -334,11 +335,17 @@ class GpuCosts:
         send = layout.microbatch_size * model.seq_len / layout.cp * model.hidden * 2 / layout.tp
         return send / (link.bandwidth * LINK_EFFICIENCY) + link.latency
 
-    def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
-        """Korthikanti et al. 2022's count (§4; 16-bit whatever ``precision``): a layer's bytes, the first
-        stage's embedding dropout mask sbh (with ``Model.dropout``), the last's output layer and loss
-        4sbh/t·(1 + V/h); full recomputation holds the recomputed layer's (selective) set once. Fused flash
-        attention keeps no s×s scores: a layer keeps what selective recomputation keeps."""
+    def activations(self, model: Model, layout: Layout, precision: str,
+                    elementwise: str = ELEMENTWISE[0]) -> ActivationModel:
+        """A fused stack's (``elementwise`` "fused"): Korthikanti et al. 2022's count (§4; 16-bit whatever
+        ``precision``): a layer's bytes, the first stage's embedding dropout mask sbh (with ``Model.dropout``), the
+        last's output layer and loss 4sbh/t·(1 + V/h); full recomputation holds the recomputed layer's (selective)
+        set once. Fused flash attention keeps no s×s scores: a layer keeps what selective recomputation keeps.
+        plait's runtime ("plait-eager"): what its eager layers save, tensor by tensor (``eager_activations``, the
+        count a calibrated host uses: each norm's float32 input, RoPE's and SwiGLU's operands, SDPA's output and
+        log-sum-exp, the float32 loss)."""
+        if elementwise == "plait-eager":
+            return eager_activations(model, layout, precision)
         working = zero3_working(model, layout, precision)
         kept = layout if layout.recompute == "full" or not self.cluster.flash_attention else \
             replace(layout, recompute="selective")

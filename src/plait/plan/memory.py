@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from plait.plan.config import GRAD_DTYPES, Layout, Training
+from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages, stages
 
@@ -144,7 +145,7 @@ def activations(cluster: Cluster, model: Model, layout: Layout, training: Traini
     """The cluster's activation count (``CostModel.activations``) with ``training``'s stack: another selective
     policy's layer (``Training.selective_policy``; ``config.check`` keeps it to tp = cp = 1) and the loss's bytes
     per logit (``Training.loss``)."""
-    acts = cluster.costs.activations(model, layout, training.precision)
+    acts = cluster.costs.activations(model, layout, training.precision, training.elementwise)
     if training.selective_policy == "torchtitan-op" and layout.recompute == "selective":
         acts = replace(acts, layer=torchtitan_op_layer(model, layout))
     extra = LOGIT_BYTES[training.loss] - LOGIT_BYTES["fp32-logits"]
@@ -219,7 +220,8 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
 
 
 def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float],
-                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32") -> list[Memory]:
+                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32",
+                elementwise: str = ELEMENTWISE[0]) -> list[Memory]:
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``), the working set added once.
 
@@ -232,7 +234,7 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     (``plait.data_parallel.zero3_reducer``): the shards at the peak, whatever the micro-batches. Gradients in
     ``grad_dtype`` (``state_bytes``)."""
     st = layout_stages(model, layout)
-    acts = cluster.costs.activations(model, layout, precision)
+    acts = cluster.costs.activations(model, layout, precision, elementwise)
     usable = cluster.usable_memory
     full_at_peak = layout.zero == 2 and microbatches > 1
     out = []

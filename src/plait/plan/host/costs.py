@@ -184,8 +184,10 @@ class HostCosts:
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         return self.collective("p2p", tokens * model.hidden * ACTIVATION_BYTES[precision], 2)
 
-    def activations(self, model: Model, layout: Layout, precision: str) -> ActivationModel:
-        """plait's eager runtime tensor by tensor (``eager_activations``: no measured figure enters)."""
+    def activations(self, model: Model, layout: Layout, precision: str,
+                    elementwise: str = "plait-eager") -> ActivationModel:
+        """plait's eager runtime tensor by tensor (``eager_activations``: no measured figure enters), whatever
+        ``elementwise`` says."""
         return eager_activations(model, layout, precision)
 
     def hidden_reduction(self, backward: float) -> float:
