@@ -19,8 +19,9 @@ rewritten after each, so a run cut short keeps the sections it finished):
             12·L·d·S FLOPs a token, PaLM's count, over the device's dense bf16 peak); on a GPU one step of each
             under torch.profiler (``profile.txt``: the busiest kernels and host calls)
   predict   ``plait train --dry-run`` of the same run: the planner's predicted step beside the step measured in
-            ``train``; on a GPU from the planner's GPU model (``plait.plan.gpu``, fitted on published runs), on a
-            CPU from ``plait calibrate --processes 1`` run first
+            ``train``, its predicted bytes by kind beside ``pm.memory_report()``'s and its total beside the
+            allocator's peak (``gpu_check_memory.py``); on a GPU from the planner's GPU model (``plait.plan.gpu``,
+            fitted on published runs), on a CPU from ``plait calibrate --processes 1`` run first
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
   serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
   serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, and
@@ -43,6 +44,7 @@ from pathlib import Path
 
 from gpu_check_elementwise import elementwise_section
 from gpu_check_gemm import gemm_section
+from gpu_check_memory import measure_memory, memory_beside
 from gpu_check_serve import serve_section, serve_step_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,8 +185,6 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
     precision = "bf16" if cuda else "fp32"
     pm = plait.parallelize(Llama.from_pretrained(folder), ctx, microbatches=1, precision=precision)
     opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-4, precision=precision, clip=1.0, fused=True)
-    hf = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", torch_dtype=torch.float32).to(device)
-    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
     b, s = sizes["batch"], sizes["seq"]
     tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0)).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -193,6 +193,10 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
         pm.zero_grad()
         pm.train_step(x, y)
         opt.step()
+
+    memory = measure_memory(pm, plait_step, device)  # untimed, before transformers' model is on the device
+    hf = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", torch_dtype=torch.float32).to(device)
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
 
     def hf_step() -> None:  # the same S positions forward and backward (transformers shifts the labels itself)
         hf_opt.zero_grad(set_to_none=True)
@@ -221,14 +225,13 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
     return {"params": n_params, "batch": b, "seq_len": s, "precision": precision, "steps_timed": sizes["steps"],
             "measured_step_s": step_s, "train_tokens_per_s": tps, "hf_step_s": hf_step_s,
             "hf_train_tokens_per_s": hf_tps, "ratio_vs_hf": tps / hf_tps,
-            "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak}
+            "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak, "memory": memory}
 
 
-def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measured_step_s: float | None,
-                    cuda: bool) -> dict:
-    """``plait train --dry-run`` of the ``train`` section's run: the step ``plait train`` predicts beside the
-    step measured. On a GPU it predicts with the planner's GPU model of this device; on a CPU with a profile
-    ``plait calibrate`` measures first."""
+def predict_section(sizes: dict, precision: str, folder: Path, out: Path, train: dict, cuda: bool) -> dict:
+    """``plait train --dry-run`` of the ``train`` section's run: the step and the bytes (rank 0's) ``plait train``
+    predicts beside those measured (``gpu_check_memory``). On a GPU it predicts with the planner's GPU model of
+    this device; on a CPU with a profile ``plait calibrate`` measures first."""
     profile, metrics = out / "host.toml", out / "predict.jsonl"
     t0 = time.perf_counter()
     if not cuda:
@@ -243,10 +246,11 @@ def predict_section(sizes: dict, precision: str, folder: Path, out: Path, measur
     if run.returncode:
         raise RuntimeError(f"plait train --dry-run exited {run.returncode}: {run.stderr[-2000:]}")
     row = json.loads(metrics.read_text().splitlines()[-1])
-    predicted = row["predicted_step_time_s"]
+    predicted, measured_step_s = row["predicted_step_time_s"], train.get("measured_step_s")
     return {"calibrate_s": None if cuda else calibrate_s, "predicted_on": row["predicted_on"],
             "predicted_step_s": predicted, "measured_step_s": measured_step_s,
-            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None}
+            "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None,
+            **memory_beside(row["memory"]["predicted"][0], train.get("memory"))}
 
 
 def generate_section(device, sizes: dict, folder: Path) -> dict:
@@ -317,8 +321,9 @@ def markdown(results: dict) -> str:
 
 SECTIONS = ("device", "tests", "gemm", "elementwise", "train", "generate", "predict", "serve", "serve_step")
 #: the keys repeated at the top of ``gpu_check.json`` from their sections
+MEMORY = ("activations_measured_over_predicted", "device_peak_over_predicted_total")
 SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
-           "generate_tokens_per_s", "serve_tokens_per_s")
+           *MEMORY, "generate_tokens_per_s", "serve_tokens_per_s")
 
 
 def main() -> None:
@@ -367,8 +372,8 @@ def main() -> None:
             torch.cuda.empty_cache()
         precision = train.get("precision", "bf16" if device.type == "cuda" else "fp32")
         if "predict" in wanted:
-            _run("predict", results, out, predict_section, sizes, precision, folder, out,
-                 train.get("measured_step_s"), device.type == "cuda")
+            _run("predict", results, out, predict_section, sizes, precision, folder, out, train,
+                 device.type == "cuda")
         if "serve" in wanted:
             _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
         if "serve_step" in wanted:
@@ -376,7 +381,7 @@ def main() -> None:
     flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),
             "hf_train_tokens_per_s": train.get("hf_train_tokens_per_s"),
             "predicted_step_s": results["predict"].get("predicted_step_s"),
-            "measured_step_s": train.get("measured_step_s"),
+            "measured_step_s": train.get("measured_step_s"), **{k: results["predict"].get(k) for k in MEMORY},
             "generate_tokens_per_s": results["generate"].get("generate_tokens_per_s"),
             "serve_tokens_per_s": results["serve"].get("serve_tokens_per_s")}
     results = {**flat, **results, "total_s": round(time.perf_counter() - started, 1)}

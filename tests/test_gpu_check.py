@@ -31,7 +31,18 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert set(results["generate_tokens_per_s"]) == {"1", "32"}
     assert all(v > 0 for v in results["generate_tokens_per_s"].values())
     assert all(results["generate"][f"hf_generate_tokens_per_s_batch{b}"] > 0 for b in (1, 32))  # the peer ran
-    assert results["predict"]["predicted_on"].endswith("(plait plan, host profile)")  # a CPU: its calibration
+    predict = results["predict"]
+    assert predict["predicted_on"].endswith("(plait plan, host profile)")  # a CPU: its calibration
+    # plait's bytes measured in the train section beside the dry run's: the same census, so within 1% on a CPU
+    # (as tests/test_predict.py's), and no allocator peak to hold the predicted total against
+    assert set(predict["memory"]) == {"params", "grads", "optimizer", "activations_peak"}
+    for kind, row in predict["memory"].items():
+        assert row["measured"] == results["train"]["memory"][kind] and row["predicted"] > 0, kind
+        assert row["measured_over_predicted"] == pytest.approx(1.0, rel=0.01), (kind, row)
+    assert results["activations_measured_over_predicted"] == predict["memory"]["activations_peak"][
+        "measured_over_predicted"]
+    assert predict["predicted_total_bytes"] > sum(r["predicted"] for r in predict["memory"].values()) / 2
+    assert results["train"]["memory"]["device_peak"] is None and results["device_peak_over_predicted_total"] is None
     step = results["serve_step"]  # the serving runner's decode step alone, and batched decoding's beside it
     assert step["runner_decode_step_ms"] >= step["runner_decode_step_min_ms"] > 0
     assert step["generate_decode_step_ms"] is None or step["generate_decode_step_ms"] > 0
@@ -43,6 +54,27 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert rates["mul_contiguous_gb_s"] > 0 and rates["mul_rope_table_gb_s"] > 0 and rates["strided_share"] is None
     table = (out / "gpu_check.md").read_text()
     assert "| predict | predicted_step_s |" in table and "| serve | serve_tokens_per_s |" in table
+    assert "| predict | activations_measured_over_predicted |" in table
+
+
+def test_memory_beside_sets_each_kind_and_the_total_beside_the_measurement(monkeypatch) -> None:
+    """The predict section's memory rows from a dry run's rank row and the train section's measurement: ratios
+    per kind, the predicted total at the activation peak (gradients as held then, the recomputed layer's and
+    ZeRO-3's gathered working sets included) beside the allocator's peak; no measurement: no ratios."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from gpu_check_memory import memory_beside
+
+    predicted = {"pp_rank": 0, "params": 100, "grads": 50, "optimizer": 200, "activations_peak": 400,
+                 "recompute_working": 30, "grads_at_peak": 100, "params_gathered_peak": 20}
+    measured = {"params": 100, "grads": 55, "optimizer": 200, "activations_peak": 300, "device_peak": 1700}
+    got = memory_beside(predicted, measured)
+    assert got["memory"]["grads"] == {"predicted": 50, "measured": 55, "measured_over_predicted": 1.1}
+    assert got["activations_measured_over_predicted"] == 0.75 and got["params_measured_over_predicted"] == 1.0
+    assert got["predicted_total_bytes"] == 100 + 100 + 200 + 400 + 30 + 20
+    assert got["device_peak_bytes"] == 1700 and got["device_peak_over_predicted_total"] == 1700 / 850
+    empty = memory_beside(predicted, None)  # the train section failed: the prediction stands alone
+    assert empty["memory"]["params"]["measured"] is None and empty["activations_measured_over_predicted"] is None
+    assert empty["device_peak_over_predicted_total"] is None and empty["predicted_total_bytes"] == 850
 
 
 def test_gemm_section_holds_the_planners_costs_against_the_h200_measurement(monkeypatch) -> None:
