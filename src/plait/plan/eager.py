@@ -7,8 +7,7 @@ runs them eagerly: every operator of ``plait.models.llama`` below is its own ker
 and writes its output there, and the backward of each is one or two more. ``Training(elementwise="plait-eager")``
 costs a layer's and the head's element-wise kernels with this count instead: their bytes at the GPU's memory
 bandwidth (``GpuCosts.blocks``), nothing fitted. The once-a-step kernels (``step_kernels``) are counted, not charged.
-On the H200 the count matches the profiled launches and its bytes at the bandwidth take half the measured time
-(``tests/test_plan_eager.py``, docs/planner.md).
+How the count compares with a profiled step: ``tests/test_plan_eager.py`` and docs/planner.md.
 
 Each kernel counts what it reads and writes once, as ``plan.optimizers`` counts: a binary op on two [T, n] tensors
 reads both and writes one (3 element sizes); an op with a small broadcast operand (RoPE's [S, hd] tables, a norm's
