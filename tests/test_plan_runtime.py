@@ -134,7 +134,9 @@ def test_plan_on_gpus_predicts_the_step_plait_train_dry_run_predicts(tmp_path):
                                        "2048", "--global-batch", "32", "--top", "1", "--write-config", str(run),
                                        "--json"] + (["--elementwise", flag] if flag == "fused" else []))
         assert res.exit_code == 0, res.output
-        steps[flag] = json.loads(res.output)["best"][0]["step_time_s"]
+        out = json.loads(res.output)
+        assert out["elementwise"] == flag
+        steps[flag] = out["best"][0]["step_time_s"]
     cfg = TrainConfig.from_dict(read_toml(tmp_path / "plait-eager.toml"))
     model, layout, training = planner_inputs(cfg, 8)
     dry_run = predict_train(model, Cluster("h100-sxm", 8), layout, training).step_time_s

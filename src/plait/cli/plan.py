@@ -270,8 +270,8 @@ def plan(options: dict[str, Any]) -> None:
         _fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
     if o.as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
-                               "global_batch_note": batch_note, "rejected": dict(result.rejected),
-                               "pruned": result.pruned, "twins": result.twins,
+                               "elementwise": training.elementwise, "global_batch_note": batch_note,
+                               "rejected": dict(result.rejected), "pruned": result.pruned, "twins": result.twins,
                                "twin_settings": dict(result.twin_settings), "considered": result.considered,
                                "why": explain(result), "max_memory_fraction": o.max_memory_fraction}
         typer.echo(json.dumps(out, indent=1))
