@@ -17,25 +17,8 @@ untimed calls, then enough calls for about 20 ms (3 to 200) between two synchron
 from __future__ import annotations
 
 import statistics
-import time
 
-
-def _seconds(fn, device, work_s: float) -> float:
-    """Seconds per call of ``fn()`` on ``device``: two untimed calls, then enough calls for about ``work_s``."""
-    from plait.devices import synchronize
-
-    for _ in range(2):
-        fn()
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    calls = int(min(200, max(3, work_s / max(time.perf_counter() - t0, 1e-7))))
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    synchronize(device)
-    return (time.perf_counter() - t0) / calls
+from gpu_check_gemm import seconds_per_call
 
 
 def cases(torch, device, dtype, model: dict, batch: int, seq: int) -> dict:
@@ -87,7 +70,8 @@ def elementwise_section(device, sizes: dict, quick: bool) -> dict:
     for order in (names, names[::-1]):
         for name in order:
             fn, _, _ = table[name]
-            seconds.setdefault(name, []).append(_seconds(fn, device, 0.02 if cuda and not quick else 0.005))
+            work_s = 0.02 if cuda and not quick else 0.005
+            seconds.setdefault(name, []).append(seconds_per_call(fn, device, work_s, 200))
     gpu = gpu_of_device(accelerator_name() or "") if cuda else None
     bandwidth = gpu.memory_bandwidth if gpu is not None else None
     result: dict = {"dtype": str(dtype).replace("torch.", ""), "planner_gpu": gpu.name if gpu else None,

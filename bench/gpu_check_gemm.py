@@ -20,25 +20,30 @@ from pathlib import Path
 CPU_SHAPES = tuple((256, 256, k) for k in (16, 64, 256, 1024, 4096))
 
 
-def _time(torch, device, m: int, n: int, k: int, dtype, work_s: float) -> float:
-    """FLOP/s of ``torch.mm`` of an [m, k] and a [k, n] matrix on ``device``: two untimed calls, then enough
-    calls for about ``work_s`` seconds (3 to 50), timed on the host around a device synchronize."""
+def seconds_per_call(fn, device, work_s: float, max_calls: int) -> float:
+    """Seconds per call of ``fn()`` on ``device``: two untimed calls, then enough calls for about ``work_s`` (3 to
+    ``max_calls``), timed on the host around a device synchronize."""
     from plait.devices import synchronize
 
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
     for _ in range(2):
-        torch.mm(a, b)
+        fn()
     synchronize(device)
     t0 = time.perf_counter()
-    torch.mm(a, b)
+    fn()
     synchronize(device)
-    calls = int(min(50, max(3, work_s / max(time.perf_counter() - t0, 1e-6))))
+    calls = int(min(max_calls, max(3, work_s / max(time.perf_counter() - t0, 1e-7))))
     t0 = time.perf_counter()
     for _ in range(calls):
-        torch.mm(a, b)
+        fn()
     synchronize(device)
-    return 2 * m * n * k * calls / (time.perf_counter() - t0)
+    return (time.perf_counter() - t0) / calls
+
+
+def _time(torch, device, m: int, n: int, k: int, dtype, work_s: float) -> float:
+    """FLOP/s of ``torch.mm`` of an [m, k] and a [k, n] matrix on ``device`` (``seconds_per_call``, 3 to 50 calls)."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    return 2 * m * n * k / seconds_per_call(lambda: torch.mm(a, b), device, work_s, 50)
 
 
 def gemm_section(device, quick: bool, out: Path) -> dict:

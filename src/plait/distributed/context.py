@@ -167,7 +167,11 @@ class ParallelContext:
     def _group(self, *names: str) -> ProcessGroup | None:
         """The first of ``names`` this context has a group for (None if none)."""
         self._check_open()
-        return next((self._groups[n] for n in names if n in self._groups), None)
+        for name in names:
+            group = self._groups.get(name)
+            if group is not None:
+                return group
+        return None
 
     def new_group(self, ranks: list[int]) -> ProcessGroup | None:
         """A process group over the global ``ranks`` that ``close()`` destroys with this context's own; every rank
