@@ -97,9 +97,9 @@ def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, trainin
 
     def run(rounds: str | None) -> tuple[list[StageCosts], PipelineProfile, list[mem.Memory]]:
         chunks, pipe = pipeline(model, cluster, layout, training, exact, rounds)
-        return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), training.precision,
-                                             microbatches(layout, training), training.grad_dtype,
-                                             training.elementwise)
+        acts = mem.activations(cluster, model, layout, training)
+        return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), acts, training.precision,
+                                             microbatches(layout, training), training.grad_dtype)
 
     chunks, pipe, memory = run(None)
     if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual_stages == 1:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from plait.plan.config import GRAD_DTYPES, Layout, Training
-from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages, stages
 
@@ -219,11 +218,11 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
     return w * shard(3), g * shard(2), o * shard(1)
 
 
-def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float],
-                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32",
-                elementwise: str = ELEMENTWISE[0]) -> list[Memory]:
+def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float], acts: ActivationModel,
+                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32") -> list[Memory]:
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
-    holds at once (from the simulated schedule, ``plan.pipeline``), the working set added once.
+    holds at once (from the simulated schedule, ``plan.pipeline``, of the chunks' bytes in ``acts``: ``activations``),
+    its working set and shared tensors added once.
 
     ZeRO-2 as plait runs it reduce-scatters each bucket once per step, at the chunk's last backward, and frees
     the full buffer then: from a chunk's first backward of the step to its last the whole fp32 gradient is
@@ -234,7 +233,6 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     (``plait.data_parallel.zero3_reducer``): the shards at the peak, whatever the micro-batches. Gradients in
     ``grad_dtype`` (``state_bytes``)."""
     st = layout_stages(model, layout)
-    acts = cluster.costs.activations(model, layout, precision, elementwise)
     usable = cluster.usable_memory
     full_at_peak = layout.zero == 2 and microbatches > 1
     out = []
