@@ -58,7 +58,7 @@ def test_the_layer_pays_each_passes_quantization_on_its_dense_flops():
     backward the same FLOPs over the data- and the weight-gradient's: compared with the same A100 costed without
     quantization on a GQA, GLU, MoE model."""
     m = Model(4, 4096, 32, 32000, 2048, ffn_hidden=14336, n_kv_heads=8, glu=True, n_experts=8, top_k=2)
-    layout = Layout(tp=4, ep=2, dp=2, microbatch_size=1, sequence_parallel=True)
+    layout = Layout(tp=4, ep=2, dp=2, expert_tp=True, microbatch_size=1, sequence_parallel=True)
     quantized = Cluster("a100-80gb", 8)
     plain = Cluster(replace(quantized.gpu, tile_quantization=False), 8)
     (qf, qd, qw), (hf, hd, hw) = gemm_quantization(quantized.gpu, m, layout)
@@ -71,6 +71,9 @@ def test_the_layer_pays_each_passes_quantization_on_its_dense_flops():
     assert a.layer.w_compute - b.layer.w_compute == pytest.approx(dense * (1 / qw - 1))
     head = 2 * tokens * 4096 * 32000 / 4 / gemm_speed(gpu)  # its GEMM's traffic is the same either way
     assert a.head.f_compute - b.head.f_compute == pytest.approx(head * (1 / hf - 1))
-    # each expert's GEMMs run on its tokens: 2,048 x top-2 x ep 2 / 8 experts = 1,024, 4 experts on each rank
+    # each expert's GEMMs run on its tokens: 2,048 x top-2 x ep 2 / 8 experts = 1,024, 4 experts on each rank,
+    # each split over TP; whole experts run on the rank's quarter of the tokens, at full width
     up = layer_gemms(m, layout)[2]
     assert up == (1024, 2 * 14336 / 4, 4096, 4.0)
+    assert layer_gemms(m, replace(layout, expert_tp=False))[2:] == ((256, 2 * 14336, 4096, 4.0),
+                                                                    (256, 4096, 14336, 4.0))

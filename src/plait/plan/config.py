@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.pipeline.balance import PARTITIONS, partition_layers
+from plait.plan import experts
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
@@ -55,7 +56,10 @@ class Layout:
     cp_comm: str = "allgather"
     """How CP ranks exchange keys and values: allgather or ring (plait.context_parallel)."""
     ep: int = 1
-    """Expert-parallel size (inside the dp·cp plane)."""
+    """Expert-parallel size (inside the dp·cp·tp plane of a stage; ``plan.experts``)."""
+    expert_tp: bool = False
+    """Split each expert over TP (else each GPU holds whole experts and dispatches 1/tp of the tokens): the
+    runtime's ``ParallelConfig.expert_tp``, costed in ``plan.experts``."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (2 for zbv and dualpipev)."""
     microbatch_size: int = 1
@@ -110,9 +114,10 @@ class Layout:
         schedule, virtual = par.schedule, par.pipeline_schedule().virtual
         if par.pp == 1:
             schedule, virtual = "1f1b", 1
-        return cls(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, cp_comm=par.cp_comm, ep=par.ep, virtual_stages=virtual,
-                   microbatch_size=microbatch_size, sequence_parallel=par.sequence_parallel and par.tp > 1,
-                   recompute=par.recompute, zero=par.zero, schedule=schedule)
+        return cls(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, cp_comm=par.cp_comm, ep=par.ep,
+                   expert_tp=par.expert_tp and par.tp > 1, virtual_stages=virtual, microbatch_size=microbatch_size,
+                   sequence_parallel=par.sequence_parallel and par.tp > 1, recompute=par.recompute, zero=par.zero,
+                   schedule=schedule)
 
     @property
     def world(self) -> int:
@@ -139,16 +144,18 @@ class Layout:
                 raise ConfigError(f"{name}: {value!r} is planned but plait's runtime {does} "
                                   f"(plan with {name}={runtime!r})")
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
-                              schedule=self.schedule,
+                              expert_tp=self.expert_tp, schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,
                               virtual_stages=self.virtual_stages, sequence_parallel=self.sequence_parallel,
                               recompute=self.recompute, zero=self.zero, precision=precision, rounds=rounds)
 
     def short(self) -> str:
-        """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b``."""
+        """A compact label, e.g. ``tp8 pp4 dp2 v2 mb1 sp sel z1 interleaved-1f1b`` (``ep4 etp``: expert-parallel,
+        experts split over TP)."""
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         parts += [f"cp{self.cp}" + ("r" if self.cp_comm == "ring" else "")] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += ["etp"] if self.expert_tp and self.tp > 1 else []
         parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         parts += [f"mb{self.microbatch_size}"] + (["sp"] if self.sequence_parallel else [])
         parts += [{"none": "norc", "selective": "sel", "full": "full"}[self.recompute], f"z{self.zero}"]
@@ -371,10 +378,8 @@ def check(model: Model, cluster: Cluster, layout: Layout, training: Training) ->
     m = microbatches(layout, training)
     if l.schedule == "dualpipev" and m < 2 * l.pp:
         return "microbatches%pp", f"microbatches: dualpipev needs >= 2·pp = {2 * l.pp}, got {m}"
-    if l.ep > 1 and (model.n_experts % l.ep or (l.dp * l.cp) % l.ep):
-        return "ep", f"ep: {l.ep} must divide n_experts = {model.n_experts} and dp·cp = {l.dp * l.cp}"
-    if l.ep > 1 and not model.is_moe:
-        return "ep", "ep: expert parallelism needs a mixture-of-experts model (n_experts > 1)"
+    if bad := experts.check(model, l):
+        return bad
     if l.sequence_parallel and tp == 1:
         return "sp", "sequence_parallel: needs tp > 1"
     if training.selective_policy == "torchtitan-op" and l.recompute == "selective" and tp * l.cp > 1:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
-from plait.plan import eager
+from plait.plan import eager, experts
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
@@ -180,20 +180,26 @@ class GpuCosts:
                            overlap: tuple[int, int] | None = None) -> tuple[float, float]:
         """Exposed collectives of one layer's (forward, backward): 2 all-reduces of [b, s, h] each way (TP,
         Shoeybi et al. 2019) or 2 all-gathers + 2 reduce-scatters with SP (same volume; ``overlap``, the SMs of the
-        pipelined scatters, with SP: ``_tp_overlapped``); MoE all-to-all dispatch and combine; the
+        pipelined scatters, with SP: ``_tp_overlapped``), an MoE layer's own in place of the MLP's
+        (``experts.tp_gathers``); MoE all-to-all dispatch and combine (``experts.dispatch``); the
         context-parallel K/V exchange (``_cp_comm_per_layer``)."""
         act = tokens * model.hidden * 2  # bf16 [b, s/cp, h]
         t, link = layout.tp, self.cluster.link
         if overlap is not None and layout.sequence_parallel:
             f, b = self._tp_overlapped(model, layout, tokens, ring_allgather(act, t, link(t)), overlap)
         else:
-            f = b = 2 * ring_allreduce(act, t, link(t))
+            attention = ring_allreduce(act, t, link(t))
+            mlp_f = mlp_b = attention
+            if model.is_moe:
+                mlp_f, mlp_b = (n * ring_allgather(act, t, link(t)) for n in experts.tp_gathers(layout))
+            f, b = attention + mlp_f, attention + mlp_b
         cp_f, cp_b = self._cp_comm_per_layer(model, layout, tokens)
         f, b = f + cp_f, b + cp_b
         if model.is_moe and layout.ep > 1:
             e = layout.ep
-            a2a = act * model.top_k * (e - 1) / e / (link(t * e).bandwidth * LINK_EFFICIENCY)
-            dispatch_combine = 2 * (a2a + (e - 1) * link(t * e).latency)
+            sent, span = experts.dispatch(model, layout, act)
+            a2a = sent * (e - 1) / e / (link(span).bandwidth * LINK_EFFICIENCY)
+            dispatch_combine = 2 * (a2a + (e - 1) * link(span).latency)
             f, b = f + dispatch_combine, b + dispatch_combine
         return f, b
 
@@ -206,7 +212,7 @@ class GpuCosts:
         (Megatron-LM with SP gathers a column-parallel layer's input again for its weight gradient): a
         column-parallel layer's input gather and data-gradient scatter beside its two GEMMs (``bulk_overlap``), a
         row-parallel layer's gradient gather ahead of its data-gradient GEMM (``overlapped_gather``). An MoE layer's
-        MLP collectives stay exposed."""
+        own collectives stay exposed (``experts.tp_gathers``)."""
         t, gpu = layout.tp, self.gpu
         if gpu.sms < 1:
             raise ConfigError(f"tp_comm_overlap: {gpu.name} has no SM count in the catalogue (GPU.sms), which the "
@@ -222,7 +228,8 @@ class GpuCosts:
         f = overlapped_gather(c, qkv, t) + overlapped_scatter(c, proj, proj_share)
         b = 2 * bulk_overlap(c, qkv) + overlapped_gather(c, proj, t)
         if model.is_moe:
-            return f + 2 * c, b + 2 * c
+            moe_f, moe_b = experts.tp_gathers(layout)
+            return f + moe_f * c, b + moe_b * c
         up, down = gemm(h, model.ffn * (2 if model.glu else 1)), gemm(model.ffn, h)
         f += overlapped_gather(c, up, t) + overlapped_scatter(c, down, fc2_share)
         b += 2 * bulk_overlap(c, up) + overlapped_gather(c, down, t)

@@ -124,7 +124,8 @@ def _stage(model: Model, cluster: Cluster, tp: int, layers: int, last: bool, row
     """One decode step of ``rows`` rows on one pipeline stage: weights and KV streamed from HBM (memory
     bound) or the matmuls (compute bound), whichever is slower, then 2 all-reduces of [rows, h] per layer."""
     gpu = cluster.gpu
-    dense, expert = rank_params(model, Layout(tp=tp), layers, False, last)
+    # experts split over TP, as serving engines shard them (``Layout.expert_tp``)
+    dense, expert = rank_params(model, Layout(tp=tp, expert_tp=True), layers, False, last)
     active = dense + (expert * model.top_k / model.n_experts if model.is_moe else 0)
     stream = WEIGHT_BYTES[weights] * active + rows * ctx * kv_bytes_per_token(model, layers, tp)
     mem_s = stream / (gpu.memory_bandwidth * HBM_EFFICIENCY)
@@ -147,7 +148,8 @@ def _option(model: Model, cluster: Cluster, w: Workload, tp: int, pp: int, weigh
     batch = -(-w.batch // replicas)
     layers = stage_layers(model, pp)
     usable = cluster.usable_memory
-    worst_w = max(WEIGHT_BYTES[weights] * sum(rank_params(model, Layout(tp=tp, pp=pp), n, r == 0, r == pp - 1))
+    served = Layout(tp=tp, pp=pp, expert_tp=True)  # experts split over TP, as in ``_stage``
+    worst_w = max(WEIGHT_BYTES[weights] * sum(rank_params(model, served, n, r == 0, r == pp - 1))
                   for r, n in enumerate(layers))
     kv_tok = kv_bytes_per_token(model, max(layers), tp)
     kv = kv_tok * batch * w.context

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from plait.plan import experts
 from plait.plan.config import GRAD_DTYPES, Layout, Training
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages, stages
@@ -172,19 +173,21 @@ def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bo
     holds the embedding; ``last``: the final norm and the head)."""
     t = layout.tp
     expert_layer = model.n_experts * model.mlp_params() if model.is_moe else 0
-    norms = 2 * model.norm_params()  # replicated on every TP rank (under SP their gradients are summed)
+    # replicated on every TP rank: the norms (under SP their gradients are summed) and an MoE layer's router
+    # (``ExpertParallelMoE.gate``, its gradient a TP partial sum)
+    replicated = 2 * model.norm_params() + model.router_params()
     kv = 2 * model.hidden * model.head_dim * model.kv_heads  # the K and V weights
     # fewer KV heads than TP ranks: every rank keeps the whole K and V weights and uses its group's head
     # (plait's ReplicatedHeadsLinear; their gradients are summed over TP)
     kv_local = kv if t > model.kv_heads else kv / t
-    dense = layers * ((model.layer_params() - expert_layer - norms - kv) / t + norms + kv_local)
+    dense = layers * ((model.layer_params() - expert_layer - replicated - kv) / t + replicated + kv_local)
     if first:
         dense += model.embedding_params() / t
     if last:
         dense += (model.head_params() - model.norm_params()) / t + model.norm_params()
         if model.tied_embeddings and layout.pp > 1:
             dense += model.vocab * model.hidden / t  # the last stage keeps its own copy for the head
-    return dense, layers * expert_layer / (t * layout.ep)
+    return dense, layers * experts.held(model, layout)  # whole experts, or split over TP (``plan.experts``)
 
 
 def max_rank_params(model: Model, layout: Layout) -> float:
@@ -198,7 +201,8 @@ def max_rank_params(model: Model, layout: Layout) -> float:
 
 def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
                 precision: str = "bf16", grad_dtype: str = "fp32") -> tuple[float, ...]:
-    """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp; gradients below ZeRO-3 in
+    """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp (experts over the ranks that
+    hold them, ``experts.dp_group``); gradients below ZeRO-3 in
     ``grad_dtype`` (``Training.grad_dtype``). ZeRO-3 as plait runs it keeps one float32 shard of the weights,
     which is also the master (no 16-bit copy between steps): 4 B of weights, 4 B of gradient and 8 B of
     moments per owned element in either precision (``data_parallel.param_shards``). 16 B an owned element is
@@ -207,7 +211,7 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
     so ``grad_dtype`` changes only ZeRO-3's traffic (``plan.step_end``)."""
     dense, expert = rank_params(model, layout, layers, first, last)
     group = layout.dp * layout.cp
-    eg = group // layout.ep if model.is_moe else 1
+    eg = experts.dp_group(layout) if model.is_moe else 1  # the ranks holding the same experts
     w, g, o = STATE_BYTES[precision] if layout.zero < 3 else (4, 4, 8)
     if layout.zero < 3:
         g = GRAD_DTYPES[grad_dtype]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from plait.plan import experts
 from plait.plan.accumulation import AccumulationTraffic, traffic
 from plait.plan.config import Layout, Training
 from plait.plan.costs import CostModel, StageCosts
@@ -102,18 +103,16 @@ def layer_gemms(model: Model, layout: Layout) -> tuple[tuple[float, float, float
     the fused QKV projection [T, h] x [h, (q + 2kv)/t] (KV heads replicated where t exceeds them), the output
     projection [T, h/t] x [h/t, h], the MLP's first GEMM [T, h] x [h, f/t] (gate and up fused with a GLU: 2f/t)
     and its second [T, f/t] x [f/t, h]. A mixture-of-experts layer runs each of its E/ep experts on the tokens
-    routed to it, T·top_k·ep/E with balanced routing. The router and biases are left out (their FLOPs take the
-    layer's mean)."""
+    routed to it, whole or split over TP (``experts.gemms``). The router and biases are left out (their FLOPs take
+    the layer's mean)."""
     t = layout.tp
     tokens = layout.microbatch_size * model.seq_len / layout.cp
     h, d = model.hidden, model.head_dim
     qkv = (model.n_heads / t + 2 * max(model.kv_heads / t, 1.0)) * d
-    mlp_in = model.ffn * (2 if model.glu else 1) / t
-    experts, routed = 1.0, tokens
+    attention = ((tokens, qkv, h, 1.0), (tokens, h, h / t, 1.0))
     if model.is_moe:
-        experts, routed = model.n_experts / layout.ep, tokens * model.top_k * layout.ep / model.n_experts
-    return ((tokens, qkv, h, 1.0), (tokens, h, h / t, 1.0), (routed, mlp_in, h, experts),
-            (routed, h, model.ffn / t, experts))
+        return attention + experts.gemms(model, layout, tokens)
+    return attention + ((tokens, model.ffn * (2 if model.glu else 1) / t, h, 1.0), (tokens, h, model.ffn / t, 1.0))
 
 
 def head_gemm(model: Model, layout: Layout) -> tuple[float, float, float, float]:

@@ -1,0 +1,102 @@
+"""Where a mixture-of-experts layer's experts live under tensor parallelism, as plait's runtime places them, and
+what each placement holds, computes and sends per GPU (``Layout.expert_tp``).
+
+Whole experts (``expert_tp=False``, the runtime's default; ``plait.experts.layer.ExpertParallelMoE``): within a
+pipeline stage the dp·cp·tp ranks form a plane q = (dp_rank·cp + cp_rank)·tp + tp_rank and EP groups are runs
+of ``ep`` consecutive q (``ParallelContext.ep_rank``, ``distributed.context._expert_groups``), so ep divides
+dp·cp·tp and may span TP ranks. A GPU holds E/ep whole experts; every TP rank routes the full sequences and
+dispatches only its 1/tp of the tokens (``ExpertParallelMoE._my_tokens``: its sequence shard with SP), then
+all-gathers the combined rows over TP (``experts.comms.gather_rows``; nothing with SP). Expert gradients are
+reduced, and under ZeRO sharded, over the expert-data-parallel group of dp·cp·tp/ep ranks
+(``ParallelContext.expert_dp_size``, ``data_parallel.reducer.set_grad_group``, ``optim.shards``).
+
+Experts split over TP (``expert_tp=True`` with tp > 1; Megatron-LM's expert tensor parallelism): EP groups are
+runs of ``ep`` data-parallel ranks with the same tp_rank, so ep divides dp·cp and the group spans tp·ep ranks.
+Each expert is cut like the dense MLP (``experts.layer._shard_expert``); every TP rank dispatches every token,
+and the experts' partial sums are summed over TP once (all-reduce, or reduce-scatter with SP:
+``ExpertParallelMoE.forward``). Expert shards are reduced over dp·cp/ep ranks.
+
+Both placements hold the same expert elements per GPU after ZeRO's sharding and run the same expert FLOPs; they
+differ in what a GPU holds unsharded, in the shapes of the expert GEMMs and in the all-to-all's bytes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plait.errors import divisors
+
+if TYPE_CHECKING:
+    from plait.plan.config import Layout
+    from plait.plan.model import Model
+
+
+def split(layout: Layout) -> bool:
+    """Whether each expert is split over TP (``expert_tp`` with tp > 1: ``ParallelConfig.resolve`` drops it at
+    tp = 1, where both placements are the same)."""
+    return layout.expert_tp and layout.tp > 1
+
+
+def check(model: Model, layout: Layout) -> tuple[str, str] | None:
+    """The first expert rule ``layout`` breaks, as ``config.check`` reports them: the runtime's
+    (``ParallelConfig._check``, ``experts.layer.check_experts``, ``train.config._validate_model``)."""
+    l, e = layout, model.n_experts
+    if l.ep > 1 and e % l.ep:
+        return "ep", f"ep: {l.ep} must divide n_experts = {e}; valid ep: {divisors(e)}"
+    if (l.ep > 1 or l.expert_tp) and not model.is_moe:
+        name = "ep" if l.ep > 1 else "expert_tp"
+        return name, f"{name}: expert parallelism needs a mixture-of-experts model (n_experts > 1)"
+    data = l.dp * l.cp
+    if split(l) and data % l.ep:
+        return "ep", (f"ep: {l.ep} must divide dp·cp = {data} with expert_tp (every TP rank holds a shard of the "
+                      f"same experts, so EP spans data- and context-parallel ranks); valid ep: {divisors(data)}")
+    if (data * l.tp) % l.ep:
+        return "ep", f"ep: {l.ep} must divide dp·cp·tp = {data * l.tp}; valid ep: {divisors(data * l.tp)}"
+    return None
+
+
+def held(model: Model, layout: Layout) -> float:
+    """Expert parameters of one layer on one GPU: E/ep whole experts, or their 1/tp shards."""
+    if not model.is_moe:
+        return 0.0
+    return model.n_experts * model.mlp_params() / (layout.ep * (layout.tp if split(layout) else 1))
+
+
+def dp_group(layout: Layout) -> int:
+    """Ranks that hold the same expert parameters, over which their gradients are reduced and ZeRO shards them
+    (``ParallelContext.expert_dp_size``)."""
+    return layout.dp * layout.cp * (1 if split(layout) else layout.tp) // layout.ep
+
+
+def gemms(model: Model, layout: Layout, tokens: float) -> tuple[tuple[float, float, float, float], ...]:
+    """The two forward expert GEMMs of one layer on one GPU, ``(m, n, k, count)`` as ``timing.layer_gemms``: each
+    of its E/ep experts on the rows routed to it, with balanced routing T·top_k·ep/E of the ``tokens`` a TP rank
+    dispatches (T/tp with whole experts, all T with split ones), at its full width f or its 1/tp."""
+    t = layout.tp
+    cut, share = (t, 1) if split(layout) else (1, t)
+    rows = tokens / share * model.top_k * layout.ep / model.n_experts
+    experts = model.n_experts / layout.ep
+    return ((rows, model.ffn * (2 if model.glu else 1) / cut, model.hidden, experts),
+            (rows, model.hidden, model.ffn / cut, experts))
+
+
+def dispatch(model: Model, layout: Layout, act: float) -> tuple[float, int]:
+    """(bytes one GPU sends into the dispatch all-to-all, the consecutive ranks its EP group spans) for a
+    micro-batch whose hidden state is ``act`` bytes: its tokens' rows once per routed expert (whole experts:
+    its 1/tp of the tokens over ep consecutive ranks; split: all of them over ep ranks tp apart). The combine
+    sends the same back."""
+    t = layout.tp
+    if split(layout):
+        return act * model.top_k, t * layout.ep
+    return act * model.top_k / t, layout.ep
+
+
+def tp_gathers(layout: Layout) -> tuple[int, int]:
+    """The MoE layer's own collectives over TP, (forward, backward), in all-gathers of its hidden state (an
+    all-reduce is two: a reduce-scatter and an all-gather). Split experts: as the dense MLP, an all-reduce each
+    way (SP: a gather and a scatter each way). Whole: forward the input's copy into the TP region (nothing; SP's
+    gather) and ``gather_rows`` of the combined rows (nothing with SP); backward ``gather_rows``' slice (nothing)
+    and the input copy's all-reduce (SP: the gather's reduce-scatter)."""
+    if split(layout):
+        return 2, 2
+    return 1, 1 if layout.sequence_parallel else 2

@@ -1,0 +1,85 @@
+"""The planner's two expert placements under TP (``Layout.expert_tp``, ``plan.experts``) against hand-worked
+counts and the runtime's own rules and configuration."""
+
+from dataclasses import replace
+
+import pytest
+
+from plait.errors import ConfigError
+from plait.parallel_config import ParallelConfig
+from plait.plan import Cluster, Layout, Model, Training
+from plait.plan import experts as ex
+from plait.plan.config import check
+from plait.plan.gpu import ring_allgather
+from plait.plan.memory import rank_params, state_bytes
+
+# 2 layers, h 64, MHA with 4 heads, SwiGLU f 128, vocabulary 256, 4 experts, top-2
+MOE = Model(2, 64, 4, 256, 32, ffn_hidden=128, glu=True, n_experts=4, top_k=2)
+
+
+def test_states_of_a_tiny_moe_at_tp2_ep2_in_both_placements():
+    """Per layer: attention 4·64² = 16,384 (split: 8,192), two norms 128 and the router 64·4 = 256 (replicated
+    on every TP rank), each expert 3·64·128 = 24,576; the embedding and the head 256·64 each (split: 8,192),
+    the final norm 64. Dense on a GPU: 2·(8,192 + 128 + 256) + 8,192 + 8,192 + 64 = 33,600.
+    Whole experts: E/ep = 2 experts, 49,152 a layer, sharded under ZeRO over dp·tp/ep = 2 ranks.
+    Split: 2 experts' halves, 24,576 a layer, sharded over dp/ep = 1. bf16 ZeRO-1: 2 + 4 B held, 12 B sharded
+    (the dense part over dp = 2): the same optimizer state either way."""
+    whole = Layout(tp=2, dp=2, ep=2, zero=1)
+    split = replace(whole, expert_tp=True)
+    assert rank_params(MOE, whole, 2, True, True) == (33_600, 98_304)
+    assert rank_params(MOE, split, 2, True, True) == (33_600, 49_152)
+    assert (ex.dp_group(whole), ex.dp_group(split)) == (2, 1)
+    assert state_bytes(MOE, whole, 2, True, True) == (2 * 131_904, 4 * 131_904, 12 * (16_800 + 49_152))
+    assert state_bytes(MOE, split, 2, True, True) == (2 * 82_752, 4 * 82_752, 12 * (16_800 + 49_152))
+    assert rank_params(MOE, replace(whole, tp=1, dp=4), 2, True, True)[1] == 98_304  # at tp = 1 the same
+    assert rank_params(MOE, replace(split, tp=1, dp=4), 2, True, True)[1] == 98_304
+
+
+def test_ep_rules_are_the_runtime_s():
+    """Whole experts: EP groups are runs of ep ranks of the dp·cp·tp plane (ep = tp = 2 at dp = 1 is the TP
+    group); split ones need ep | dp·cp. The messages name the parameter and the valid values, and
+    ParallelConfig refuses the same layouts."""
+    cluster, training = Cluster("h100-sxm", 2), Training(8)
+    assert check(MOE, cluster, Layout(tp=2, ep=2), training) is None
+    ParallelConfig(tp=2, dp=1, ep=2)
+    key, msg = check(MOE, cluster, Layout(tp=2, ep=2, expert_tp=True), training)
+    assert key == "ep" and msg.startswith("ep: 2 must divide dp·cp = 1 with expert_tp") and "valid ep: [1]" in msg
+    with pytest.raises(ConfigError, match="ep=2 must divide dp=1 with expert_tp=True"):
+        ParallelConfig(tp=2, dp=1, ep=2, expert_tp=True)
+    key, msg = check(MOE, Cluster("h100-sxm", 8), Layout(tp=2, dp=4, ep=3), Training(8))
+    assert key == "ep" and msg == "ep: 3 must divide n_experts = 4; valid ep: [1, 2, 4]"
+    dense = replace(MOE, n_experts=1, top_k=1)
+    assert check(dense, cluster, Layout(tp=2, expert_tp=True), training)[0] == "expert_tp"
+
+
+def test_round_trip_with_the_runtime_s_configuration():
+    """A layout's expert placement is written into the configuration the runtime runs and read back; at tp = 1
+    (where the runtime drops it) it reads back unsplit."""
+    for lay in (Layout(tp=2, dp=2, ep=2, expert_tp=True, sequence_parallel=True, zero=1),
+                Layout(tp=2, dp=2, ep=4, zero=1)):
+        par = lay.to_parallel_config(Training(8))
+        assert par.expert_tp == lay.expert_tp
+        assert Layout.from_parallel_config(par.resolve(lay.world), 1) == lay
+    par = ParallelConfig(tp=1, dp=4, ep=2, expert_tp=True).resolve(4)
+    assert Layout.from_parallel_config(par).expert_tp is False
+    assert Layout(tp=2, dp=2, ep=2, expert_tp=True).short().startswith("tp2 pp1 dp2 ep2 etp ")
+    assert "etp" not in Layout(tp=1, dp=2, ep=2, expert_tp=True).short()
+
+
+def test_costs_of_the_two_placements():
+    """The same expert FLOPs on other shapes; the all-to-all carries a TP rank's share of the tokens over ep
+    consecutive ranks (whole) or all of them over ep ranks tp apart (split); whole experts' own TP collectives
+    are a gather forward and an all-reduce backward (SP: a gather and a scatter) instead of the MLP's
+    all-reduce each way."""
+    whole = Layout(tp=2, dp=2, ep=2)
+    split = replace(whole, expert_tp=True)
+    flops = [sum(2 * m * n * k * c for m, n, k, c in ex.gemms(MOE, lay, 32)) for lay in (whole, split)]
+    assert flops[0] == flops[1] == 2 * 32 * 2 * 3 * 64 * 128 / 2  # top-2 of the 32 tokens, half on each TP rank
+    assert ex.dispatch(MOE, whole, 100.0) == (100.0, 2) and ex.dispatch(MOE, split, 100.0) == (200.0, 4)
+    assert ex.tp_gathers(whole) == (1, 2) and ex.tp_gathers(split) == (2, 2)
+    assert ex.tp_gathers(replace(whole, sequence_parallel=True)) == (1, 1)
+    cluster = Cluster("h100-sxm", 4)
+    f, b = (cluster.costs._tp_comm_per_layer(MOE, lay, 32) for lay in (replace(whole, ep=1), replace(split, ep=1)))
+    gather = ring_allgather(32 * 64 * 2, 2, cluster.link(2))
+    assert f[1] - f[0] == pytest.approx(gather) and f[1] == pytest.approx(b[1]) and b[0] == pytest.approx(b[1])
+
