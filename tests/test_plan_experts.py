@@ -4,14 +4,17 @@ counts and the runtime's own rules and configuration."""
 from dataclasses import replace
 
 import pytest
+from typer.testing import CliRunner
 
+from plait.cli.main import app
 from plait.errors import ConfigError
 from plait.parallel_config import ParallelConfig
-from plait.plan import Cluster, Layout, Model, Training
+from plait.plan import Cluster, Layout, Model, Training, search
 from plait.plan import experts as ex
 from plait.plan.config import check
 from plait.plan.gpu import ring_allgather
 from plait.plan.memory import rank_params, state_bytes
+from plait.plan.search import candidates
 
 # 2 layers, h 64, MHA with 4 heads, SwiGLU f 128, vocabulary 256, 4 experts, top-2
 MOE = Model(2, 64, 4, 256, 32, ffn_hidden=128, glu=True, n_experts=4, top_k=2)
@@ -83,3 +86,18 @@ def test_costs_of_the_two_placements():
     gather = ring_allgather(32 * 64 * 2, 2, cluster.link(2))
     assert f[1] - f[0] == pytest.approx(gather) and f[1] == pytest.approx(b[1]) and b[0] == pytest.approx(b[1])
 
+
+def test_search_weighs_both_placements_and_writes_the_planned_one(tmp_path):
+    """Mixtral on 16 H100s: the search considers whole and split experts at tp > 1 (only whole at tp = 1), and
+    the layout it writes carries the placement it planned."""
+    model, cluster, training = Model.preset("mixtral-8x7b"), Cluster("h100-sxm", 16), Training(64)
+    seen = {(lay.tp > 1, lay.expert_tp) for lay in candidates(model, cluster, training)}
+    assert seen == {(False, False), (True, False), (True, True)}
+    for est in search(model, cluster, training, top=5):
+        assert est.layout.to_parallel_config(training).expert_tp == est.layout.expert_tp
+    out = tmp_path / "best.toml"
+    res = CliRunner().invoke(app, ["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "64",
+                                   "--write-config", str(out)])
+    assert res.exit_code == 0, res.output
+    best = search(model, cluster, Training(64, elementwise="plait-eager"), top=1)[0].layout
+    assert f"expert-tp = {str(best.expert_tp).lower()}" in out.read_text().splitlines()

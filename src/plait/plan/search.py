@@ -80,7 +80,8 @@ def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bo
     or more, where activations rather than weights decide what fits.
     SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022); with DP,
     ZeRO-0 is left out (a sharded optimizer moves no more than an all-reduce of the gradients, with less
-    memory); GPipe is left out (1F1B has its bubble with less memory).
+    memory); GPipe is left out (1F1B has its bubble with less memory). An MoE model's experts are placed both
+    ways the runtime runs at tp > 1, whole or split over TP (``_placements``, ``plan.experts``).
     """
     n = cluster.n_gpus
     cps = _pow2_divisors_upto(n, 16) if model.seq_len >= 32768 else [1]
@@ -91,19 +92,27 @@ def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bo
                 continue
             for pp in _divisors_upto(rest // cp, model.n_layers + 1):
                 dp = rest // cp // pp
-                eps = _divisors_upto(model.n_experts, dp * cp) if model.is_moe else [1]
-                yield from _variants(model, training, tp, pp, dp, cp, eps, plan_only)
+                yield from _variants(model, training, tp, pp, dp, cp, _placements(model, tp, dp * cp), plan_only)
+
+
+def _placements(model: Model, tp: int, data: int) -> list[tuple[int, bool]]:
+    """(ep, expert_tp) of an MoE model's layouts at ``tp`` over ``data`` = dp·cp ranks (``plan.experts``): whole
+    experts over EP groups within the dp·cp·tp plane, and with tp > 1 experts split over TP, EP over dp·cp."""
+    if not model.is_moe:
+        return [(1, False)]
+    whole = [(ep, False) for ep in _divisors_upto(model.n_experts, data * tp)]
+    return whole + ([(ep, True) for ep in _divisors_upto(model.n_experts, data)] if tp > 1 else [])
 
 
 def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: int,
-              eps: list[int], plan_only: bool) -> Iterator[Layout]:
+              placements: list[tuple[int, bool]], plan_only: bool) -> Iterator[Layout]:
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if pp > 1:
         scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
     recomputes = RECOMPUTE_MODES if plan_only else RUNTIME["recompute"]
     sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0 and (z < 3 or pp == 1))
     zeros = sharded if dp * cp > 1 and sharded else (0,)
-    for ep in eps:
+    for ep, expert_tp in placements:
         for mbs in MICROBATCH_SIZES:
             if training.global_batch % (dp * mbs):
                 continue
@@ -113,9 +122,9 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
                 for rc in recomputes:
                     for z in zeros:
                         for comm in CP_COMMS if cp > 1 else CP_COMMS[:1]:
-                            yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, virtual_stages=v,
-                                         microbatch_size=mbs, sequence_parallel=tp > 1, recompute=rc, zero=z,
-                                         schedule=sched)
+                            yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, expert_tp=expert_tp,
+                                         virtual_stages=v, microbatch_size=mbs, sequence_parallel=tp > 1,
+                                         recompute=rc, zero=z, schedule=sched)
 
 
 def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
