@@ -96,6 +96,26 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
     return out
 
 
+# an MoE preset at tp2·dp2 with ZeRO-1, its experts in both placements (plan.experts): whole with EP over the TP
+# group (expert-DP 2) and over the stage's four ranks (expert-DP 1), split over TP with EP over dp (expert-DP 1)
+MOE_LAYOUTS = [dict(tp=2, pp=1, dp=2, ep=2), dict(tp=2, pp=1, dp=2, ep=4), dict(tp=2, pp=1, dp=2, ep=2, expert_tp=True)]
+
+
+def check_moe_memory(root: Path) -> list[dict]:
+    """Bytes per rank of one step of each ``MOE_LAYOUTS`` run of ``tiny`` with 4 experts, top-2
+    (``pm.memory_report()``), every rank's, beside its ``plait train`` configuration."""
+    out = []
+    for i, kw in enumerate(MOE_LAYOUTS):
+        cfg = _cfg(root / f"moe{i}", experts=4, top_k=2, zero=1, microbatches=2, steps=1, **kw)
+        with plait.init(config=cfg.parallel) as ctx:
+            run = build(cfg, ctx)
+            train_one(run, 0, False)
+            memory = [None] * dist.get_world_size()
+            dist.all_gather_object(memory, run.pm.memory_report())
+        out.append({"layout": kw, "config": cfg.to_dict(), "memory": memory})
+    return out
+
+
 LATE_S = 0.5  # how long the last DP replica starts its forward/backward late in the phases check
 
 
@@ -131,6 +151,10 @@ def rank_main(root: str) -> dict:
     return run_checks([("calibrate/sections", lambda: check_calibration(root, box)),
                        ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile"))),
                        ("predict/phases", lambda: check_phases(root))])
+
+
+def moe_main(root: str) -> dict:
+    return run_checks([("predict/moe_memory", lambda: check_moe_memory(Path(root)))])
 
 
 def paired_sleeps() -> tuple[int, tuple, tuple]:

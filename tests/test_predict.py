@@ -114,6 +114,32 @@ def test_predicted_memory_on_this_machine(world4):
                 assert m[kind] == pytest.approx(pred[m["pp"]][kind], rel=0.01), (r["layout"], m["pp"], kind)
 
 
+def test_predicted_memory_of_moe_runs_in_both_expert_placements(tmp_path):
+    """``plait train``'s prediction (``plan.runs``, as ``--dry-run`` makes it) of an MoE run at tp2·dp2 with
+    ZeRO-1 in both expert placements against ``pm.memory_report()`` on every rank: parameters, gradients and
+    optimizer state within 1% (whole experts hold twice the split ones' bytes; ZeRO shards them over the
+    ranks holding the same experts, so the optimizer state is the same)."""
+    from plait.cli.predict import memory_rows, predict
+    from plait.train import TrainConfig
+
+    rows = result(run_world(checks_predict.moe_main, 4, str(tmp_path), timeout_s=300), "predict/moe_memory")[0]
+    profile = synthetic_profile(counts=(4,))
+    measured = {}
+    for r in rows:
+        cfg = TrainConfig.from_dict(r["config"])
+        est = predict(cfg, profile, 4)
+        assert est.layout.expert_tp == r["layout"].get("expert_tp", False) and est.layout.ep == r["layout"]["ep"]
+        (pred,) = memory_rows(est)
+        for m in r["memory"]:
+            for kind in ("params", "grads", "optimizer"):
+                assert m[kind] == pytest.approx(pred[kind], rel=0.01), (r["layout"], kind, m[kind], pred[kind])
+        measured[est.layout.short()] = r["memory"][0]
+    whole, spread, split = measured.values()
+    assert whole["params"] > 1.5 * split["params"]
+    assert whole["optimizer"] == pytest.approx(split["optimizer"], rel=1e-3)
+    assert spread["params"] == pytest.approx(split["params"])
+
+
 def test_each_rank_times_its_step_by_phase(world4):
     """``train_one(..., phases)`` splits a rank's step into its forward/backward part, its wait for the
     gradient reduction and its optimizer step (plait.plan.estimate.PHASES): they add up to the step, and
