@@ -90,6 +90,8 @@ def local(model: Model, layout: Layout) -> Local:
     t = layout.tp
     tokens = layout.microbatch_size * model.seq_len / layout.cp
     vocab = -(-model.vocab // t) * t / t  # padded to a multiple of tp
+    # an MoE layer's experts count as one MLP of width top_k·f/t: whole experts on a TP rank's 1/t of the routed
+    # rows or split ones on all of them hold the same elements (plan.experts); dispatch buffers are not counted
     return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather")
