@@ -77,6 +77,12 @@ def test_topo_from_file(tmp_path):
     assert r.exit_code == 2 and "error:" in r.output
 
 
+def test_topo_missing_file_is_an_error_naming_the_flag(tmp_path):
+    r = runner.invoke(app, ["topo", "--file", str(tmp_path / "nope.txt")])
+    assert r.exit_code == 2, r.output
+    assert f"error: --file {tmp_path / 'nope.txt'}: no such file" in r.output and "Traceback" not in r.output
+
+
 def test_plan_topo_and_simulate_options_are_their_dataclasses_fields():
     """One option per field of PlanOptions / TopoOptions / SimulateOptions, its help the field's docstring, the
     default the field's (a field without one is required)."""

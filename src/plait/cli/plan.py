@@ -318,6 +318,8 @@ def topo(options: dict[str, Any]) -> None:
     from plait.plan.topo import advice, parse_topo, read_topo, serving_advice, tp_groups
 
     o = TopoOptions(**options)
+    if o.file is not None and not o.file.is_file():
+        _fail(f"--file {o.file}: no such file (save one with `nvidia-smi topo -m > {o.file}`)")
     text = o.file.read_text() if o.file is not None else read_topo()
     if text is None:
         typer.echo("nvidia-smi not found (no NVIDIA GPU here): nothing to read. "
