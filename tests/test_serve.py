@@ -147,10 +147,14 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and "--step-tokens -1" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])
     assert res.exit_code == 2 and "--kv-block 0" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--port", "70000"])
+    assert res.exit_code == 2 and "--port 70000: must be a TCP port within [1, 65535]" in res.output, res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--log-level", "loud"])
     assert res.exit_code == 2 and "--log-level loud: choose debug, info, warning or error" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "{% for m in messages %}"])
     assert res.exit_code == 2 and "--chat-template" in res.output and "TemplateSyntaxError" in res.output, res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "tmpl/chat.jinja"])
+    assert res.exit_code == 2 and "--chat-template tmpl/chat.jinja: no such file" in res.output, res.output
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

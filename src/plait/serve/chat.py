@@ -160,6 +160,11 @@ class ChatTemplate:
         self.templates, self.source = folder_templates(path) if path is not None and path.is_dir() else ({}, "")
         if override is not None:  # --chat-template: a file, else the template itself
             file = Path(override)
+            if not file.is_file() and not any(c in override for c in "{}\n"):
+                from plait.errors import ConfigError  # a template without any Jinja would ignore the messages
+
+                raise ConfigError(f"--chat-template {override}: no such file, and not a template (no {{{{ }}}} or "
+                                  "{% %}); pass a Jinja template file or the template's text")
             self.templates = {"default": file.read_text(encoding="utf-8") if file.is_file() else override}
             self.source = f"--chat-template {override if file.is_file() else '(inline)'}"
         elif not self.templates:

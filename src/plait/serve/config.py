@@ -74,6 +74,8 @@ class ServeConfig:
             raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
         if kv_budget < 2 or self.kv_block < 1:
             raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions and --kv-block {self.kv_block} >= 1")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"--port {self.port}: must be a TCP port within [1, 65535]")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level}: choose debug, info, warning or error")
         if self.shutdown_timeout < 0:
