@@ -30,6 +30,9 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--tp", "3", "--pp", "1"], "--tp 3 does not fit"),
     (["--schedule", "zigzag"], "--schedule 'zigzag'"),
     (["--batch-size", "6"], "--batch-size 6"),
+    (["--steps", "0"], "--steps=0: must be a positive integer"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--resume", "--checkpoint-dir", "/no/such/ckpts", "--dry-run"], "--resume: no checkpoint in --checkpoint-dir"),
 ])
 def test_bad_flags_fail_with_one_line(args, needle):
     res = CliRunner().invoke(app, ["train", *args])

@@ -207,13 +207,13 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     The layout's own rules were checked when ``cfg.parallel`` was built (plait.parallel_config).
     """
     par = cfg.parallel
-    for name in ("seq_len", "batch_size"):
+    for name in ("seq_len", "batch_size", "steps"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r}: must be a positive integer")
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
-    if cfg.steps < 0 or cfg.checkpoint_every < 0 or cfg.keep < 0 or not cfg.checkpoint_every_minutes >= 0:
-        raise ConfigError("--steps, --checkpoint-every, --checkpoint-every-minutes and --keep must be >= 0")
+    if cfg.warmup < 0 or cfg.checkpoint_every < 0 or cfg.keep < 0 or not cfg.checkpoint_every_minutes >= 0:
+        raise ConfigError("--warmup, --checkpoint-every, --checkpoint-every-minutes and --keep must be >= 0")
     if cfg.layout not in ("flags", "auto"):
         raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
@@ -241,6 +241,20 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
 
     check_extras(cfg.tensorboard, cfg.wandb)
     check_entries(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len)
+
+
+def no_checkpoint(cfg: TrainConfig) -> ConfigError:
+    """The error of --resume when --checkpoint-dir holds no complete checkpoint."""
+    return ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir} (--auto-resume starts "
+                       "fresh when there is none)")
+
+
+def check_resume(cfg: TrainConfig) -> None:
+    """With --resume, a complete checkpoint must be in --checkpoint-dir (checked before any process starts)."""
+    from plait.checkpoint import find_checkpoint
+
+    if cfg.resume and find_checkpoint(cfg.checkpoint_dir) is None:
+        raise no_checkpoint(cfg)
 
 
 def _validate_model(cfg: TrainConfig) -> None:

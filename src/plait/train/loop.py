@@ -13,8 +13,7 @@ import torch
 from plait.checkpoint.shards import init_local, load_local
 from plait.data.stream import EVAL_BATCHES
 from plait.devices import synchronize
-from plait.errors import ConfigError
-from plait.train.config import PRESETS, TrainConfig, model_config, model_family
+from plait.train.config import PRESETS, TrainConfig, model_config, model_family, no_checkpoint
 from plait.train.observe import NO_PREDICTION
 
 if TYPE_CHECKING:
@@ -124,8 +123,7 @@ def resume(run: Run) -> None:
     path = box[0]
     if path is None:
         if run.cfg.resume:
-            raise ConfigError(f"--resume: no checkpoint in --checkpoint-dir {run.cfg.checkpoint_dir} (--auto-resume "
-                              "starts fresh when there is none)")
+            raise no_checkpoint(run.cfg)
         return
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
