@@ -147,6 +147,8 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and "--step-tokens -1" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])
     assert res.exit_code == 2 and "--kv-block 0" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--tp", "3"])
+    assert res.exit_code == 2 and res.output.startswith("error: --tp 3 does not fit --model"), res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--port", "70000"])
     assert res.exit_code == 2 and "--port 70000: must be a TCP port within [1, 65535]" in res.output, res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--log-level", "loud"])

@@ -42,6 +42,18 @@ def test_bad_flags_fail_with_one_line(args, needle):
     assert needle in lines[0] and "Traceback" not in res.output
 
 
+def test_generate_bad_flags_fail_before_launching(tmp_path):
+    from serve_util import tiny_model
+
+    model = str(tiny_model(tmp_path / "m"))
+    for args, needle in ((["--temperature", "-1"], "error: --temperature -1.0: must be >= 0"),
+                         (["--max-new-tokens", "-5"], "error: --max-new-tokens -5: must be >= 0"),
+                         (["--tp", "3"], "error: --tp 3 does not fit --model"),
+                         (["--pp", "8"], "error: --pp 8: --model")):
+        res = CliRunner().invoke(app, ["generate", "--model", model, "--prompt", "hi", *args])
+        assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
+
+
 def test_config_file_keys_match_flags(tmp_path):
     from plait.train.config import read_toml
 

@@ -45,14 +45,16 @@ def generate_command(
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
     from plait.distributed.launch import JobError, run_or_launch
     from plait.errors import ConfigError, flag_message
-    from plait.generation.job import source_config
+    from plait.generation.decode import Sampling
+    from plait.generation.job import check_layout, source_config
     from plait.parallel_config import ParallelConfig
 
     try:
         par = ParallelConfig(**(layout or {}))
         payload = {"model": model, "prompts": prompt or ["def "], "max_new_tokens": max_new_tokens,
                    "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
-        source_config(model)  # fail on a bad --model before launching anything
+        Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
+        check_layout(model, source_config(model)[0], par.tp, par.pp)  # and on a bad --model or layout
         run_or_launch("plait.generation.job:generate_job", payload, par.tp * par.pp)
     except ConfigError as exc:
         typer.echo(f"error: {flag_message(exc)}", err=True)

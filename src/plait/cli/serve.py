@@ -56,7 +56,7 @@ def serve_command(
 
     from plait.distributed.launch import JobError, run_or_launch
     from plait.errors import ConfigError, flag_message
-    from plait.generation.job import source_config, tokenizer_folder
+    from plait.generation.job import check_layout, source_config, tokenizer_folder
     from plait.parallel_config import ParallelConfig
     from plait.serve.config import ServeConfig
 
@@ -64,7 +64,8 @@ def serve_command(
         par = ParallelConfig(**(layout or {}))
         cfg = ServeConfig(**(settings or {}))
         cfg.check_batch()
-        model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model before launching anything
+        model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
+        check_layout(cfg.model, model_cfg, par.tp, par.pp)
         cfg = cfg.resolved(model_cfg.max_seq_len)
         from plait.serve.chat import check_template
         from plait.serve.job import bind

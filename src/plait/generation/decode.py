@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.distributed.context import ParallelContext
-from plait.errors import ConfigError
+from plait.errors import ConfigError, FieldError
 from plait.models.llama import KVCache
 from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
@@ -35,8 +35,9 @@ class Sampling:
     min_p: float = 0.0
 
     def check(self) -> None:
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
-            raise ConfigError("max_new_tokens, temperature and top_k must be >= 0")
+        for name in ("max_new_tokens", "temperature", "top_k"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, getattr(self, name), "must be >= 0")
         if not (0 < self.top_p <= 1 and 0 <= self.min_p <= 1):
             raise ConfigError(f"top_p={self.top_p} must be within (0, 1] and min_p={self.min_p} within [0, 1]")
 

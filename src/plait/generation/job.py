@@ -32,6 +32,19 @@ def source_config(source: str):
     return model_config(reader.meta), lambda: CheckpointReader(ckpt), tok
 
 
+def check_layout(source: str, config, tp: int, pp: int) -> None:
+    """ConfigError naming --tp or --pp when the model of ``source`` cannot be split so (before any launch)."""
+    from plait.models.registry import family_of_config
+
+    try:
+        family_of_config(config).check_tp(config, tp)
+    except ConfigError as exc:
+        raise ConfigError(f"--tp {tp} does not fit --model {source}: {exc}") from None
+    if pp > config.n_layers:
+        raise ConfigError(f"--pp {pp}: --model {source} has {config.n_layers} layers, one stage needs at least one; "
+                          f"valid --pp: 1 to {config.n_layers}")
+
+
 def tokenizer_folder(source: str) -> str:
     """The folder whose tokenizer files (special tokens, chat template, end-of-sequence ids) go with the model
     of ``source``: a Hugging Face folder itself; a plait checkpoint's, the folder it was trained from when that
