@@ -65,6 +65,28 @@ def test_config_file_keys_match_flags(tmp_path):
     assert res.exit_code == 2 and "unknown key 'warp'" in res.output
 
 
+@pytest.mark.parametrize("line,needle", [
+    ('lr = "fast"', "lr = 'fast': must be a number"),
+    ('warmup = "a"', "warmup = 'a': must be an integer"),
+    ("model = 5", "model = 5: must be a string"),
+    ("data = 5", "data = 5: must be a string or a list of strings"),
+    ('resume = "yes"', "resume = 'yes': must be true or false"),
+])
+def test_config_file_value_of_the_wrong_type_is_one_error_line(tmp_path, line, needle):
+    f = tmp_path / "run.toml"
+    f.write_text(line + "\n")
+    res = CliRunner().invoke(app, ["train", "--config", str(f), "--dry-run"])
+    assert res.exit_code == 2 and res.output.strip() == f"error: --config {f}: {needle}", res.output
+
+
+def test_config_file_number_settings_take_integers(tmp_path):
+    from plait.train.config import read_toml
+
+    f = tmp_path / "run.toml"
+    f.write_text('lr = 1\nclip = 0\ndata = "a.txt"\n')
+    assert read_toml(f) == {"lr": 1.0, "clip": 0.0, "data": ["a.txt"]}
+
+
 def test_a_flag_on_by_default_can_be_turned_off(tmp_path):
     """A boolean option is a pair (--async-checkpoint / --no-async-checkpoint): the run's summary names the
     off switch, so it must parse; the config file's value is overridden by it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import get_args, get_origin, get_type_hints
 
 from plait.errors import ConfigError
 from plait.model_presets import PRESETS
@@ -142,16 +143,43 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError(f"--config {p}: not valid TOML ({exc})") from None
     raw = raw.get("train", raw)
     known = set(field_names())
+    hints = {**get_type_hints(ParallelConfig), **get_type_hints(TrainConfig)}
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ConfigError(f"--config {p}: unknown key {key!r}; valid keys: "
                               f"{', '.join(n.replace('_', '-') for n in sorted(known))}")
-        out[name] = [str(v) for v in value] if name == "data" and isinstance(value, list) else value
-    if isinstance(out.get("data"), str):
-        out["data"] = [out["data"]]
+        out[name] = _toml_value(p, key, value, hints[name])
     return out
+
+
+def _toml_value(path: Path, key: str, value, hint):
+    """``value`` as the setting's type ``hint`` holds it (an integer is a number too; one string is a list of
+    one), else a ConfigError naming the key and the type it needs."""
+    optional = [t for t in get_args(hint) if t is not type(None)] if get_origin(hint) is not list else []
+    kind = optional[0] if optional else hint
+    if get_origin(kind) is list:
+        if isinstance(value, (str, list)):
+            return [str(v) for v in value] if isinstance(value, list) else [value]
+        need = "a string or a list of strings"
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        need = "a number"
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        need = "an integer"
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        need = "true or false"
+    else:
+        if isinstance(value, str):
+            return value
+        need = "a string"
+    raise ConfigError(f"--config {path}: {key} = {value!r}: must be {need}")
 
 
 def toml_text(values: dict, header: str = "") -> str:
