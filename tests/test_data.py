@@ -189,6 +189,13 @@ def test_too_short_and_tokenizer_mismatch_are_config_errors(tmp_path, bpe):
         prepared_source(str(tmp_path / "bpe-set"), 1.0, str(model), 64)
 
 
+def test_a_mixture_weight_of_zero_or_below_is_named(tmp_path):
+    data = _prepared(tmp_path, "c", documents(20))
+    for weight in ("0", "-1", "-0.5"):
+        with pytest.raises(ConfigError, match=f"--data {weight}:.*: the weight must be > 0"):
+            check_entries([f"{weight}:{data}"], "tiny", 256, 32)
+
+
 def test_raw_jsonl_is_never_trained_as_json_text(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", documents(50))
     folder = tmp_path / "mixed"

@@ -24,7 +24,7 @@ from plait.errors import ConfigError
 
 RAW_HELD_OUT = 0.1  # share of the documents of raw text held out (a prepared dataset says its own)
 EVAL_BATCHES = 2  # held-out batches per evaluation (the same batches every time)
-_WEIGHTED = re.compile(r"^(\d+(?:\.\d*)?|\.\d+):(.+)$")
+_WEIGHTED = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+)):(.+)$")
 
 
 class MemorySplit:
