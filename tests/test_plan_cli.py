@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from plait.cli.main import app
@@ -25,6 +26,16 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
                                                  "--global-batch", "64", "--attention", k]).output)
                   for k in ("cudnn", "flash1"))
     assert fast["best"][0]["step_time_s"] < slow["best"][0]["step_time_s"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--global-batch", "0"], "error: global_batch: must be >= 1 sequence, got 0"),
+    (["--top", "0"], "error: top=0: how many layouts to keep, must be >= 1"),
+    (["--top", "0", "--global-batch", "64"], "error: top=0"),
+])
+def test_zero_batch_or_top_is_an_error_not_a_default(args, needle):
+    r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "4", *args])
+    assert r.exit_code == 2 and r.output.startswith(needle), r.output
 
 
 def test_unknown_model_lists_presets():

@@ -253,7 +253,7 @@ def plan(options: dict[str, Any]) -> None:
             _inference(console, m, cluster, o.batch, o.prompt_len, o.gen_len, o.as_json, o.weights)
             return
         precision = o.precision or ("fp32" if o.cluster is not None else "bf16")
-        if o.global_batch:
+        if o.global_batch is not None:
             training = Training(o.global_batch, precision=precision, elementwise=o.elementwise)
             result = search(m, cluster, training, top=o.top, plan_only=o.plan_only)
         else:
