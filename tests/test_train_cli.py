@@ -129,6 +129,10 @@ def test_short_run_metrics_checkpoint_sample_generate_export(tmp_path):
     assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
     exp = _run(["export", "plait-checkpoints", "hf"], tmp_path)
     assert exp.returncode == 0 and (tmp_path / "hf" / "config.json").is_file(), exp.stderr
+    (tmp_path / "a-file").write_text("")
+    exp = _run(["export", "plait-checkpoints", "a-file"], tmp_path)
+    assert exp.returncode == 2 and exp.stderr.strip() == "error: OUT a-file: cannot write a folder there (File " \
+        "exists: a-file)", exp.stderr
 
 
 def _wait_for_rows(metrics: Path, n: int, timeout: float) -> None:

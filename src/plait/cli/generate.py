@@ -76,4 +76,7 @@ def export_command(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except OSError as exc:  # OUT is a file, or its parent cannot be made or written
+        typer.echo(f"error: OUT {out}: cannot write a folder there ({exc.strerror or exc}: {exc.filename})", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"wrote {path}/config.json and {path}/model.safetensors")
