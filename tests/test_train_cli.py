@@ -42,6 +42,17 @@ def test_bad_flags_fail_with_one_line(args, needle):
     assert needle in lines[0] and "Traceback" not in res.output
 
 
+def test_output_paths_that_cannot_be_made_fail_before_launching(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    for args, needle in ((["--checkpoint-dir", "a-file"], "error: --checkpoint-dir a-file: a file, not a folder"),
+                         (["--metrics", "a-file/m.jsonl"], f"error: --metrics a-file/m.jsonl: {tmp_path / 'a-file'} "
+                                                           "is a file"),
+                         (["--metrics", "."], "error: --metrics .: a folder, not a file")):
+        res = CliRunner().invoke(app, ["train", "--dry-run", *args])
+        assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
+
+
 def test_generate_bad_flags_fail_before_launching(tmp_path):
     from serve_util import tiny_model
 

@@ -88,7 +88,7 @@ def _run(cfg) -> None:
     from plait.cli.train_worker import train_worker
     from plait.distributed.launch import JobError, launch, under_torchrun
     from plait.train import validate
-    from plait.train.config import check_resume
+    from plait.train.config import check_outputs, check_resume
 
     if under_torchrun():
         train_worker(cfg.to_dict())
@@ -100,6 +100,7 @@ def _run(cfg) -> None:
         typer.echo(line)
     validate(cfg)
     check_resume(cfg)
+    check_outputs(cfg)
     check_cluster(cfg, cfg.nproc or cfg.world)
     if cfg.dry_run:
         _dry_run(cfg)

@@ -285,6 +285,21 @@ def check_resume(cfg: TrainConfig) -> None:
         raise no_checkpoint(cfg)
 
 
+def check_outputs(cfg: TrainConfig) -> None:
+    """--checkpoint-dir and --tensorboard must be folders that can be made, --metrics a file that can be: a path
+    through a file, or a file where a folder goes, fails here instead of at the first save or step."""
+    for flag, path, folder in (("--checkpoint-dir", cfg.checkpoint_dir, True), ("--metrics", cfg.metrics, False),
+                               ("--tensorboard", cfg.tensorboard, True)):
+        if path is None:
+            continue
+        p = Path(path)
+        if p.exists() and p.is_dir() != folder:
+            raise ConfigError(f"{flag} {path}: {'a file, not a folder' if folder else 'a folder, not a file'}")
+        above = next(a for a in p.absolute().parents if a.exists())
+        if not p.exists() and not above.is_dir():
+            raise ConfigError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
+
+
 def _validate_model(cfg: TrainConfig) -> None:
     """The model against the layout: context, layers per chunk, TP shapes, experts, vocabulary."""
     par, mcfg = cfg.parallel, model_config(cfg)
