@@ -155,6 +155,20 @@ def test_calibrate_names_a_dead_measuring_process_in_one_line(tmp_path, monkeypa
     assert "Traceback" not in r.output and not out.exists()
 
 
+def test_calibrate_out_that_cannot_be_written_fails_before_measuring(tmp_path, monkeypatch):
+    import plait.calibrate as cal
+
+    def measured(counts, progress):
+        raise AssertionError("measured before --out was checked")
+
+    monkeypatch.setattr(cal, "_measure_once", measured)
+    (tmp_path / "a-file").write_text("")
+    for out, needle in ((tmp_path / "a-file" / "host.toml", "is a file, so nothing can be made under it"),
+                        (tmp_path, "a folder, not a file")):
+        r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--processes", "1"])
+        assert r.exit_code == 2 and r.output.startswith(f"error: --out {out}: ") and needle in r.output, r.output
+
+
 def test_calibrate_add_to_a_profile_measured_another_way_is_a_one_line_error(tmp_path, monkeypatch):
     """`--add` averages only calibrations measured the same way: a file whose matmul was timed at other sizes
     ends the command with exit code 2 and the reason, not a traceback, and the file is left as it was."""

@@ -50,3 +50,18 @@ def require_extra(extra: str, modules: tuple[str, ...], feature: str) -> None:
 def divisors(n: int) -> list[int]:
     """Every divisor of ``n``, ascending: the sizes a message offers for splitting ``n`` things evenly."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_output_path(flag: str, path: str | None, folder: bool) -> None:
+    """ConfigError naming ``flag`` when ``path`` cannot become a folder (``folder``) or a file: a file where a folder
+    goes or the other way round, or a path through a file. Checked before the work whose result goes there."""
+    from pathlib import Path
+
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        raise ConfigError(f"{flag} {path}: {'a file, not a folder' if folder else 'a folder, not a file'}")
+    above = next(a for a in p.absolute().parents if a.exists())
+    if not p.exists() and not above.is_dir():
+        raise ConfigError(f"{flag} {path}: {above} is a file, so nothing can be made under it")

@@ -66,12 +66,17 @@ def calibrate_command(
 
     from plait.calibrate import DEFAULT_PROCESSES, calibrate
     from plait.distributed.launch import LaunchError
-    from plait.errors import ConfigError, flag_message
+    from plait.errors import ConfigError, check_output_path, flag_message
 
     counts = tuple(processes or DEFAULT_PROCESSES)
     if min(counts) < 1:
         typer.echo("error: --processes: give counts >= 1", err=True)
         raise typer.Exit(2)
+    try:
+        check_output_path("--out", None if out is None else str(out), folder=False)  # before a minute of measuring
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     console = Console()
     with Progress(TextColumn("[bold]calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=True) as bar:

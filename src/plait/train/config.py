@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, check_output_path
 from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
@@ -288,16 +288,9 @@ def check_resume(cfg: TrainConfig) -> None:
 def check_outputs(cfg: TrainConfig) -> None:
     """--checkpoint-dir and --tensorboard must be folders that can be made, --metrics a file that can be: a path
     through a file, or a file where a folder goes, fails here instead of at the first save or step."""
-    for flag, path, folder in (("--checkpoint-dir", cfg.checkpoint_dir, True), ("--metrics", cfg.metrics, False),
-                               ("--tensorboard", cfg.tensorboard, True)):
-        if path is None:
-            continue
-        p = Path(path)
-        if p.exists() and p.is_dir() != folder:
-            raise ConfigError(f"{flag} {path}: {'a file, not a folder' if folder else 'a folder, not a file'}")
-        above = next(a for a in p.absolute().parents if a.exists())
-        if not p.exists() and not above.is_dir():
-            raise ConfigError(f"{flag} {path}: {above} is a file, so nothing can be made under it")
+    check_output_path("--checkpoint-dir", cfg.checkpoint_dir, folder=True)
+    check_output_path("--metrics", cfg.metrics, folder=False)
+    check_output_path("--tensorboard", cfg.tensorboard, folder=True)
 
 
 def _validate_model(cfg: TrainConfig) -> None:
