@@ -189,6 +189,16 @@ def test_too_short_and_tokenizer_mismatch_are_config_errors(tmp_path, bpe):
         prepared_source(str(tmp_path / "bpe-set"), 1.0, str(model), 64)
 
 
+def test_prepare_out_through_a_file_is_an_error(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", documents(5))
+    (tmp_path / "a-file").write_text("")
+    for out, args, needle in ((tmp_path / "a-file" / "set", [], "is a file, so nothing can be made under it"),
+                              (tmp_path / "a-file", ["--force"], "a file, not a folder")):
+        res = CliRunner().invoke(app, ["data", "prepare", str(src), "--tokenizer", "bytes", "--out", str(out), *args])
+        assert res.exit_code == 2 and res.output.startswith(f"error: --out {out}: ") and needle in res.output, \
+            res.output
+
+
 def test_a_mixture_weight_of_zero_or_below_is_named(tmp_path):
     data = _prepared(tmp_path, "c", documents(20))
     for weight in ("0", "-1", "-0.5"):

@@ -38,6 +38,14 @@ def test_zero_batch_or_top_is_an_error_not_a_default(args, needle):
     assert r.exit_code == 2 and r.output.startswith(needle), r.output
 
 
+def test_write_config_through_a_file_is_an_error(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "run.toml"
+    r = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4",
+                            "--write-config", str(out)])
+    assert r.exit_code == 2 and r.output.startswith(f"error: --write-config {out}: "), r.output
+
+
 def test_unknown_model_lists_presets():
     r = runner.invoke(app, ["plan", "--model", "gpt5", "--gpus", "8"])
     assert r.exit_code == 2 and "llama3-70b" in r.output and "Traceback" not in r.output

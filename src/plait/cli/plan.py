@@ -160,9 +160,10 @@ def inference_verdict(res) -> list[str]:
 
 def _write_config(path: Path, best, model_arg: str) -> None:
     """Write ``best``'s layout (and batch, sequence length, model when plait train can build it) as TOML."""
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, check_output_path
     from plait.train.config import PRESETS, toml_text
 
+    check_output_path("--write-config", str(path), folder=False)
     if not best.layout.runnable:
         raise ConfigError(f"--write-config: the best layout {best.layout.short()} is plan-only; drop --plan-only")
     folder = Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)

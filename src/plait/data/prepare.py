@@ -21,7 +21,7 @@ import numpy as np
 from plait.data.format import SPLITS, dtype_for, write_meta
 from plait.data.sources import BadRecord, Source, Task, discover, read_task, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
-from plait.errors import ConfigError
+from plait.errors import ConfigError, check_output_path
 
 ENCODE_BATCH = 512  # documents per tokenizer call
 
@@ -99,6 +99,7 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
         raise ConfigError(f"--held-out {held_out}: a fraction of the documents in [0, 1)")
     if out.exists() and not force:
         raise ConfigError(f"--out {out} exists; choose another folder or pass --force to replace it")
+    check_output_path("--out", str(out), folder=True)
     spec = TokenizerSpec(tokenizer)
     tok = spec.load()
     found = discover(sources)
