@@ -278,11 +278,19 @@ def no_checkpoint(cfg: TrainConfig) -> ConfigError:
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """With --resume, a complete checkpoint must be in --checkpoint-dir (checked before any process starts)."""
-    from plait.checkpoint import find_checkpoint
+    """With --resume, a complete checkpoint before --steps must be in --checkpoint-dir (checked before any process
+    starts)."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint
 
-    if cfg.resume and find_checkpoint(cfg.checkpoint_dir) is None:
+    if not cfg.resume:
+        return
+    found = find_checkpoint(cfg.checkpoint_dir)
+    if found is None:
         raise no_checkpoint(cfg)
+    step = int(CheckpointReader(found).meta["step"])
+    if step >= cfg.steps:
+        raise ConfigError(f"--steps {cfg.steps}: {found} is at step {step} already, so --resume has nothing to "
+                          f"train; give --steps above {step} to continue the run")
 
 
 def check_outputs(cfg: TrainConfig) -> None:
