@@ -199,6 +199,16 @@ def test_prepare_out_through_a_file_is_an_error(tmp_path):
             res.output
 
 
+def test_empty_plain_text_is_an_error_before_launch(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "none").mkdir()
+    for data in (tmp_path / "empty.txt", tmp_path / "none"):
+        with pytest.raises(ConfigError, match=f"--data {data}: no text there"):
+            check_entries([str(data)], "tiny", 256, 32)
+    (tmp_path / "none" / "a.txt").write_text("some text")
+    check_entries([str(tmp_path / "none")], "tiny", 256, 32)
+
+
 def test_a_mixture_weight_of_zero_or_below_is_named(tmp_path):
     data = _prepared(tmp_path, "c", documents(20))
     for weight in ("0", "-1", "-0.5"):

@@ -135,8 +135,8 @@ def check_entries(entries: list[str], model: str, vocab_size: int, seq_len: int)
             raise ConfigError(f"--data {entry}: no such file or directory")
         if is_prepared(path):
             check_length(prepared_source(path, weight, model, vocab_size), seq_len)
-        else:
-            raw_inputs(path, model)
+        elif not sum(s.bytes for s in raw_inputs(path, model)):
+            raise ConfigError(f"--data {entry}: no text there (empty files, or a folder without files)")
 
 
 def parse_entry(entry: str) -> tuple[float, str]:
