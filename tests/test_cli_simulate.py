@@ -69,7 +69,9 @@ def test_exports_and_csv_import(tmp_path):
         (["--schedule", "nope"], "error: schedule='nope': unknown; valid names are gpipe"),
         (["-s", "zbv", "--virtual", "3"], "error: virtual=3: zbv places exactly 2"),
         (["--weight", "5"], "error: weight=5.0"),
-        (["--from-csv", "/nonexistent/x.csv"], "error:"),
+        (["--from-csv", "/nonexistent/x.csv"], "error: --from-csv /nonexistent/x.csv: no such file"),
+        (["--trace", "/"], "error: --trace /: a folder, not a file"),
+        (["--png", "/dev/null/x.png"], "error: --png /dev/null/x.png: /dev/null is a file"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, needle):

@@ -189,10 +189,17 @@ def simulate_command(
 ) -> None:
     from rich.console import Console
 
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, check_output_path
     from plait.sim import Costs, simulate
 
     o = SimulateOptions(**options)
+    try:
+        if o.from_csv is not None and not o.from_csv.is_file():
+            raise ConfigError(f"--from-csv {o.from_csv}: no such file")
+        for flag, path in (("--png", o.png), ("--trace", o.trace), ("--csv", o.csv)):
+            check_output_path(flag, None if path is None else str(path), folder=False)
+    except ConfigError as exc:
+        _fail(str(exc))
     costs = Costs(forward=o.forward, backward=o.backward, weight=o.weight, p2p=o.p2p)
     virtual = o.virtual_stages if virtual_alias is None else virtual_alias
     try:
