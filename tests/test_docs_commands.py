@@ -62,3 +62,19 @@ def test_parser_rejects_what_the_cli_rejects():  # the check can fail
         _parse(["simulate", "--no-such-option", "1"])
     with pytest.raises(Exception, match="valid integer"):
         _parse(["train", "--tp", "two"])
+
+
+# a Python example followed at once by a plain code block: that block is what the example prints
+EXAMPLE = re.compile(r"```python\n(?P<code>.*?)```\n```\n(?P<out>.*?)```", re.S)
+EXAMPLES = [(f"{doc.name}:{doc.read_text()[:m.start()].count(chr(10)) + 1}", m["code"], m["out"])
+            for doc in DOCS for m in EXAMPLE.finditer(doc.read_text())]
+
+
+def test_docs_show_python_examples_with_their_output():
+    assert EXAMPLES, "the pattern must keep finding the planner's example"
+
+
+@pytest.mark.parametrize(("where", "code", "out"), EXAMPLES, ids=[w for w, _, _ in EXAMPLES])
+def test_python_example_prints_what_the_docs_show(where, code, out, capsys):
+    exec(compile(code, where, "exec"), {})
+    assert capsys.readouterr().out == out, f"{where}: the output shown is not what the example prints"
