@@ -31,6 +31,8 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--schedule", "zigzag"], "--schedule 'zigzag'"),
     (["--batch-size", "6"], "--batch-size 6"),
     (["--steps", "0"], "--steps=0: must be a positive integer"),
+    (["--nproc", "0", "--dry-run"], "--nproc=0: must be a positive integer"),
+    (["--nproc", "0", "--layout", "auto", "--dry-run"], "--nproc=0: must be a positive integer"),
     (["--warmup", "-1"], "--warmup"),
     (["--resume", "--checkpoint-dir", "/no/such/ckpts", "--dry-run"], "--resume: no checkpoint in --checkpoint-dir"),
 ])

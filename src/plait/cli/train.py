@@ -88,11 +88,12 @@ def _run(cfg) -> None:
     from plait.cli.train_worker import train_worker
     from plait.distributed.launch import JobError, launch, under_torchrun
     from plait.train import validate
-    from plait.train.config import check_outputs, check_resume
+    from plait.train.config import check_nproc, check_outputs, check_resume
 
     if under_torchrun():
         train_worker(cfg.to_dict())
         return
+    check_nproc(cfg)
     if cfg.layout == "auto":
         from plait.cli.auto_layout import auto_layout
 
