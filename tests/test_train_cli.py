@@ -33,7 +33,12 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--steps", "0"], "--steps=0: must be a positive integer"),
     (["--nproc", "0", "--dry-run"], "--nproc=0: must be a positive integer"),
     (["--nproc", "0", "--layout", "auto", "--dry-run"], "--nproc=0: must be a positive integer"),
-    (["--warmup", "-1"], "--warmup"),
+    (["--warmup", "-1", "--dry-run"], "--warmup -1: must be >= 0"),
+    (["--clip", "-1", "--dry-run"], "--clip -1.0: must be >= 0"),
+    (["--weight-decay", "-0.1", "--dry-run"], "--weight-decay -0.1: must be >= 0"),
+    (["--sample-tokens", "-1", "--dry-run"], "--sample-tokens -1: must be >= 0"),
+    (["--eval-every", "-5", "--dry-run"], "--eval-every -5: must be >= 0"),
+    (["--max-data-mb", "0", "--dry-run"], "--max-data-mb 0.0: must be > 0"),
     (["--resume", "--checkpoint-dir", "/no/such/ckpts", "--dry-run"], "--resume: no checkpoint in --checkpoint-dir"),
 ])
 def test_bad_flags_fail_with_one_line(args, needle):

@@ -241,8 +241,12 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     check_nproc(cfg)
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
-    if cfg.warmup < 0 or cfg.checkpoint_every < 0 or cfg.keep < 0 or not cfg.checkpoint_every_minutes >= 0:
-        raise ConfigError("--warmup, --checkpoint-every, --checkpoint-every-minutes and --keep must be >= 0")
+    for name in ("warmup", "checkpoint_every", "checkpoint_every_minutes", "keep", "eval_every", "sample_tokens",
+                 "trace_every", "clip", "weight_decay"):  # 0 turns each off; below 0 is no setting
+        if not getattr(cfg, name) >= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
+    if not cfg.max_data_mb > 0:
+        raise ConfigError(f"--max-data-mb {cfg.max_data_mb}: must be > 0 (million tokens of plain text to read)")
     if cfg.layout not in ("flags", "auto"):
         raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
