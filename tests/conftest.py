@@ -56,7 +56,8 @@ def plait_cache(tmp_path_factory):
 WORLD4_GROUPS = {"test_pipeline": "checks_pipeline", "test_train": "checks_train", "test_experts": "checks_experts",
                  "test_optim": "checks_optim", "test_llama_parallel": "checks_llama", "test_tp_layers": "checks_tp",
                  "test_context": "checks_context", "test_zero3": "checks_zero3",
-                 "test_data_layouts": "checks_data", "test_context_close": "checks_context_close"}
+                 "test_data_layouts": "checks_data", "test_context_close": "checks_context_close",
+                 "test_regather": "checks_regather"}
 
 
 @pytest.fixture(scope="session")

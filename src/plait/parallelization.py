@@ -87,7 +87,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     if ctx.cp_size > 1:  # replaces the (recomputed) core: CP attention keeps no probabilities
         apply_context_parallel(family.attention_modules(model), ctx, cfg.cp_comm,
                                family.sliding_window(getattr(model, "config", None)), type(model).__name__)
-    _shard(model, family, ctx, cfg.sequence_parallel, tp_plan)
+    # whole blocks recomputed keep only their input: their projections keep the gathered input, no re-gather
+    _shard(model, family, ctx, cfg.sequence_parallel, tp_plan, regather=cfg.recompute != "full")
     if loss_fn is not None:
         return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss_fn, vocab_size=None,
                              normaliser=partial(_rows_normaliser, cfg.num_microbatches, ctx))
@@ -169,11 +170,11 @@ def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tens
 
 
 def _shard(model: nn.Module, family: Family, ctx: ParallelContext, sequence_parallel: bool,
-           tp_plan: dict | None) -> None:
+           tp_plan: dict | None, regather: bool) -> None:
     plan = tp_plan if tp_plan is not None else family.tp_plan(model)
     if plan is not None:
         apply_tp_plan(model, plan, ctx, sequence_parallel=sequence_parallel,
-                      n_kv_heads=family.kv_heads(getattr(model, "config", None)))
+                      n_kv_heads=family.kv_heads(getattr(model, "config", None)), regather=regather)
         family.tie_weights(model)  # a tied head keeps the same vocabulary shard as the embedding
     apply_expert_parallel(model, ctx, sequence_parallel)  # MoE layers (after TP: they enter TP themselves)
     # no .to(device) here: ParallelModel moves (or, from the meta device, materialises) only this rank's chunks

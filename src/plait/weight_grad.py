@@ -5,6 +5,10 @@ dX = dY·A^T (needed by the previous stage now) and dA = X^T·dY (needed only by
 an I pass, linear layers routed through :func:`linear` compute dX and queue the dA product in a
 :class:`WeightGradStore` under the current (chunk, micro-batch) key; the W pass runs the queue. Other
 parameters (norms, embeddings) get their gradients in the I pass as usual: they are cheap.
+
+A linear layer may keep its input for the weight gradient as something smaller (``KeptInput``): sequence
+parallelism's projections keep their sequence shard and all-gather it again in the backward
+(plait.tensor_parallel.regather).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+#: (the tensor a linear layer saves instead of its input, the function giving the input back from it in the backward)
+KeptInput = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 class WeightGradStore:
@@ -64,8 +71,9 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, store, kept):
+        ctx.save_for_backward(x if kept is None else kept[0], weight)
+        ctx.restore = None if kept is None else kept[1]
         # the parameters themselves (saved tensors may come back as aliases, e.g. under checkpointing)
         ctx.store, ctx.has_bias, ctx.weight_param, ctx.bias_param = store, bias is not None, weight, bias
         return F.linear(x, weight, bias)
@@ -73,12 +81,14 @@ class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: [.., out]
         x, weight = ctx.saved_tensors
+        if ctx.restore is not None:
+            x = ctx.restore(x)
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None  # [.., in]
         store, has_bias = ctx.store, ctx.has_bias
         if store is None or store.key is None:
             grad_w = grad_out.flatten(0, -2).t() @ x.flatten(0, -2)  # [out, in]
             grad_b = grad_out.flatten(0, -2).sum(0) if has_bias else None
-            return grad_x, grad_w, grad_b, None
+            return grad_x, grad_w, grad_b, None, None
 
         def weight_grad(w=ctx.weight_param, bias_param=ctx.bias_param, g=grad_out, inp=x):
             _accumulate(w, g.flatten(0, -2).t() @ inp.flatten(0, -2))
@@ -86,17 +96,17 @@ class _DeferrableLinear(torch.autograd.Function):
                 _accumulate(bias_param, g.flatten(0, -2).sum(0))
 
         store.defer_or_run(weight_grad)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           store: WeightGradStore | None) -> torch.Tensor:
-    """F.linear whose weight gradient can be deferred to a W pass (leaf weights only)."""
-    if store is None or not weight.requires_grad or not weight.is_leaf:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None,
+           kept: KeptInput | None = None) -> torch.Tensor:
+    """F.linear whose weight gradient can be deferred to a W pass (leaf weights only), and whose input can be kept
+    for it as ``kept`` says (any weight)."""
+    deferrable = store is not None and weight.requires_grad and weight.is_leaf and (bias is None or bias.is_leaf)
+    if not deferrable and kept is None:
         return F.linear(x, weight, bias)
-    if bias is not None and not bias.is_leaf:
-        return F.linear(x, weight, bias)
-    return _DeferrableLinear.apply(x, weight, bias, store)
+    return _DeferrableLinear.apply(x, weight, bias, store if deferrable else None, kept)
 
 
 class DeferrableLinear(nn.Linear):

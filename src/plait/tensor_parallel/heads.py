@@ -4,12 +4,13 @@ query heads share, from a full replicated weight whose gradient is summed over T
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.tensor_parallel.layers import TPShardedModule, mark_tp_partial, new_param
+from plait.tensor_parallel.regather import kept_input
+from plait.weight_grad import linear
 
 
 class ReplicatedHeadsLinear(TPShardedModule):
@@ -39,7 +40,8 @@ class ReplicatedHeadsLinear(TPShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, S, H] -> [B, S, hd] (one KV head)
         rows = slice(self.group_index * self.head_dim, (self.group_index + 1) * self.head_dim)
         bias = self.bias[rows] if self.bias is not None else None
-        return F.linear(x, self.weight[rows], bias)
+        # the rows are no leaf: the weight gradient is never deferred (an SP region's input: kept as its shard)
+        return linear(x, self.weight[rows], bias, None, kept_input(x))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features} (uses KV head {self.group_index})"

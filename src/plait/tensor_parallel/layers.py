@@ -15,6 +15,7 @@ from torch import nn
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.tensor_parallel import comms
+from plait.tensor_parallel.regather import kept_input
 from plait.weight_grad import linear
 
 
@@ -142,7 +143,8 @@ class ColumnParallelLinear(TPShardedModule):
         group = self.ctx.tp_group
         if self.input_comm:
             x = comms.gather_seq(x, group) if self.sequence_parallel else comms.copy_to_tp(x, group)
-        y = linear(x, self.weight, self.bias, self.wgrad_store)  # [B, S, out/t]
+        # an SP region's gathered input is kept as its shard (plait.tensor_parallel.regather)
+        y = linear(x, self.weight, self.bias, self.wgrad_store, kept_input(x))  # [B, S, out/t]
         return comms.gather_last(y, group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -2,7 +2,8 @@
 
 A plan maps glob patterns of module paths to styles:
   region         forward pre-hook that enters the TP region once (f, or the SP all-gather) for all
-                 the column-parallel projections inside the module (Q, K, V or gate, up)
+                 the column-parallel projections inside the module (Q, K, V or gate, up); under SP they
+                 keep the input's sequence shard for the backward (plait.tensor_parallel.regather)
   colwise        column-parallel linear whose input comes from an enclosing region
   colwise_kv     like colwise for K/V; KV heads replicated when there are fewer than tp
   rowwise        row-parallel linear (all-reduce, or reduce-scatter with SP)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 from plait.distributed.context import ParallelContext
@@ -30,15 +32,20 @@ from plait.tensor_parallel.layers import (
     VocabParallelEmbedding,
     mark_tp_partial,
 )
+from plait.tensor_parallel.regather import attach
 
 
-def _region_hook(ctx: ParallelContext, sequence_parallel: bool):
+def _region_hook(ctx: ParallelContext, sequence_parallel: bool, regather: bool):
     group = ctx.tp_group
 
     def hook(module, args):
         x = args[0]
-        x = comms.gather_seq(x, group) if sequence_parallel else comms.copy_to_tp(x, group)
-        return (x, *args[1:])
+        if not sequence_parallel:
+            return (comms.copy_to_tp(x, group), *args[1:])
+        gathered = comms.gather_seq(x, group)
+        if regather and torch.is_grad_enabled():  # the projections keep x, the shard (tensor_parallel.regather)
+            attach(gathered, x, 1, group)
+        return (gathered, *args[1:])
 
     return hook
 
@@ -65,8 +72,13 @@ def _convert(style: str, module: nn.Module, ctx: ParallelContext, sp: bool, n_kv
 
 
 def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ParallelContext, *, sequence_parallel: bool,
-                  n_kv_heads: int | None = None) -> nn.Module:
-    """Replace the submodules of ``model`` matched by ``plan`` with their parallel versions (in place)."""
+                  n_kv_heads: int | None = None, regather: bool = True) -> nn.Module:
+    """Replace the submodules of ``model`` matched by ``plan`` with their parallel versions (in place).
+
+    With ``sequence_parallel``, each region's projections keep its input's sequence shard for the backward and
+    all-gather it again there (``regather``, plait.tensor_parallel.regather); ``regather=False`` keeps the
+    gathered input instead, one collective fewer, for a model whose blocks are recomputed whole (the block
+    keeps only its input: the gathered one lives only while its recomputed block's backward runs)."""
     paths = [name for name, _ in model.named_modules() if name]
     for path in paths:
         styles = [s for pattern, s in plan.items() if fnmatch.fnmatchcase(path, pattern)]
@@ -76,7 +88,7 @@ def apply_tp_plan(model: nn.Module, plan: dict[str, str], ctx: ParallelContext, 
         module = model.get_submodule(path)
         if style == "region":
             if ctx.tp_size > 1:
-                module.register_forward_pre_hook(_region_hook(ctx, sequence_parallel))
+                module.register_forward_pre_hook(_region_hook(ctx, sequence_parallel, regather))
         elif style in ("sp_norm", "tp_partial"):
             if ctx.tp_size > 1 and (sequence_parallel or style == "tp_partial"):
                 for p in module.parameters():
