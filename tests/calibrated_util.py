@@ -63,8 +63,9 @@ def tp_cluster(waits: dict[tuple[int, bool], float | tuple[float, ...]], p: int 
         per_shape = w if isinstance(w, tuple) else (w,) * len(shapes)
         for shape, wait in zip(shapes, per_shape, strict=True):
             sh = block_local(shape, g, sp)
-            ops = (("all_gather", 4), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
+            # SP: the regions' gathers, again in the backward, and the row-parallel layers' scatters, each conjugate
+            ops = (("all_gather", 6), ("reduce_scatter", 4)) if sp else (("all_reduce", 4),)
             back_to_back = sum(n * sec.collective(op, g, sh.n * 4) for op, n in ops)
-            blocks.append(TPBlock(shape, g, sp, 0.03 + back_to_back + wait * (8 if sp else 4), 0.03))
+            blocks.append(TPBlock(shape, g, sp, 0.03 + back_to_back + wait * (10 if sp else 4), 0.03))
     sec = Section(p, 1, base.rates, OVERHEAD, 1e10, curves, 0.0, tuple(blocks))
     return Cluster.from_profile(HostProfile({"hostname": "h", "cores": 2}, {p: sec}), p)

@@ -30,15 +30,15 @@ def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "f
     """Elements plait's decoder layer saves for ``b`` sequences of ``s`` tokens on one of ``t`` TP ranks.
 
     Per token: each RMSNorm keeps its input, 1/rms and the normalised input (2h + 1; on s/t tokens with
-    SP); the inputs of the Q/K/V and gate/up projections (h each, whole sequence: replicated, or gathered
-    with SP); the attention core keeps q, k, v, its output (also the o_proj input) and one log-sum-exp per
-    head (fused kernel, which shares each KV head among its query heads itself) or the a·s softmax
-    probabilities (math kernel, which repeats the KV heads up to the query heads first and keeps the repeated
-    k, v; its output is then copied for o_proj); SwiGLU keeps gate, silu(gate), up and their product
-    (4f). Selective recomputation keeps only q, k, v of the core, plus the o_proj input. The
-    RoPE cos and sin tables add 2·s·hd: the model's layers share one pair (plait.models.rotary), so a layer
-    measured alone keeps them, and a rank keeps them once whatever its layers and micro-batches. Heads and f
-    are split over t.
+    SP); the inputs of the Q/K/V and gate/up projections (h each, whole sequence, replicated; with SP the
+    sequence shard, which the backward all-gathers again); the attention core keeps q, k, v, its output (also
+    the o_proj input) and one log-sum-exp per head (fused kernel, which shares each KV head among its query
+    heads itself) or the a·s softmax probabilities (math kernel, which repeats the KV heads up to the query
+    heads first and keeps the repeated k, v; its output is then copied for o_proj); SwiGLU keeps gate,
+    silu(gate), up and their product (4f). Selective recomputation keeps only q, k, v of the core, plus the
+    o_proj input. The RoPE cos and sin tables add 2·s·hd: the model's layers share one pair
+    (plait.models.rotary), so a layer measured alone keeps them, and a rank keeps them once whatever its layers
+    and micro-batches. Heads and f are split over t.
     """
     h, f, a, hd = cfg.dim, cfg.ffn_dim, cfg.n_heads, cfg.head_dim
     kv_local = max(cfg.n_kv_heads // t, 1) * hd  # KV heads on this rank (replicated when fewer than t)
@@ -47,7 +47,7 @@ def layer_elements(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "f
         core = h // t + 2 * kv_local + h // t
     else:
         core = (2 * h // t + 2 * kv_local + a // t) if kernel == "fused" else (4 * h // t + a * s // t)
-    return b * s * (norms + 2 * h + core + 4 * f // t) + 2 * s * hd
+    return b * s * (norms + 2 * h // (t if sp else 1) + core + 4 * f // t) + 2 * s * hd
 
 
 def layer_bytes(cfg: LlamaConfig, b: int, s: int, mode: str, kernel: str = "fused", t: int = 1, sp: bool = False,

@@ -7,8 +7,9 @@ rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when t
 (MLP width).
 
 Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
-* RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 2 N/t,
-  and the projections of the region share one saved copy of the gathered N)
+* RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 3 N/t: the
+  projections of the region keep the output's sequence shard and all-gather it again in the backward,
+  plait.tensor_parallel.regather; with full recomputation they keep the gathered N, 2 N/t + N)
   plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual); it computes in
   float32, so in bf16 the input's copy and the rsqrt values are float32;
 * attention: Q after RoPE, K and V as SDPA receives them (``K`` each: grouped-query attention shares them
@@ -64,6 +65,7 @@ class Local:
     sp: bool
     cp: int = 1
     cp_gather: bool = False  # context parallelism all-gathers K and V (else the ring passes them around)
+    regather: bool = True  # under SP the regions' projections keep their input's shard (not with full recomputation)
 
     @property
     def n(self) -> float:
@@ -72,6 +74,10 @@ class Local:
     @property
     def n_local(self) -> float:  # the hidden state where SP shards it
         return self.n / self.tp if self.sp else self.n
+
+    @property
+    def region_kept(self) -> float:  # what a region's projections keep of its input for the backward
+        return self.n_local if self.sp and self.regather else self.n
 
     @property
     def q(self) -> float:
@@ -94,21 +100,24 @@ def local(model: Model, layout: Layout) -> Local:
     # rows or split ones on all of them hold the same elements (plan.experts); dispatch buffers are not counted
     return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
-                 layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather")
+                 layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
+                 layout.recompute != "full")
 
 
 # ------------------------------------------------------------------------------------------ memory
 # Under SP each TP region all-gathers its input along the sequence into one contiguous buffer (a copy out
-# of the gather's rank-major layout) that its column-parallel projections share and save once: one
-# gathered N per region, two per layer.
+# of the gather's rank-major layout) that its column-parallel projections share, two per layer; they keep the
+# input's shard for the backward and all-gather it again there into the same kind of buffer, once per region
+# (``Local.regather``; with full recomputation they keep the gathered buffer instead, and gather nothing again).
 SP_GATHER_COPIES = 2
 
 
-def _norm_saved(sh: Local, dtype_bytes: int) -> float:
+def _norm_saved(sh: Local, dtype_bytes: int, kept: float) -> float:
     """RMSNorm computes in float32: its input's float32 copy and the rsqrt values are float32 whatever the
-    precision; the normalized values cast back and the scaled output (the next linear's input) are not."""
+    precision; the normalized values cast back and what the next linear keeps of the scaled output (``kept``
+    elements) are not."""
     fp32 = 4 / dtype_bytes
-    return sh.n_local * fp32 + sh.n_local + sh.n + sh.tokens / (sh.tp if sh.sp else 1) * fp32
+    return sh.n_local * fp32 + sh.n_local + kept + sh.tokens / (sh.tp if sh.sp else 1) * fp32
 
 
 def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> float:
@@ -120,9 +129,7 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
     else:
         lse = 0.0 if selective else sh.tokens * sh.heads * 4 / dtype_bytes  # float32
         attention = sh.q + 2 * sh.k + sh.q + lse
-    norms = 2 * _norm_saved(sh, dtype_bytes)
-    if sh.sp:  # each norm's scaled output is not kept; the projections keep the gathered copies
-        norms += (SP_GATHER_COPIES - 2) * sh.n
+    norms = 2 * _norm_saved(sh, dtype_bytes, sh.region_kept)  # the norms feed the two regions
     return norms + attention + 4 * sh.f
 
 
@@ -143,7 +150,8 @@ def rope_tables_saved(sh: Local) -> float:
 def head_saved(sh: Local, dtype_bytes: int = 4) -> float:
     """Final norm and the loss's float32 softmax, int64 targets and two masks (10 bytes a token), in elements of
     ``dtype_bytes``."""
-    return _norm_saved(sh, dtype_bytes) + (sh.tokens * sh.vocab + 2.5 * sh.tokens) * 4 / dtype_bytes
+    # the head gathers its input itself (under SP) and keeps it whole
+    return _norm_saved(sh, dtype_bytes, sh.n) + (sh.tokens * sh.vocab + 2.5 * sh.tokens) * 4 / dtype_bytes
 
 
 def embedding_saved(sh: Local) -> float:
@@ -188,9 +196,11 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
     if sh.tp > 1:  # the all-reduce's copy (or SP's gather / reduce-scatter buffers), in and out of 2 regions
         traffic += 4 * sh.n_local if sh.sp else 4 * sh.n
         ops += 4
-    if sh.sp:  # each region's contiguous copy of the gathered input (read + write)
-        traffic += 2 * SP_GATHER_COPIES * sh.n
-        ops += SP_GATHER_COPIES
+    if sh.sp:  # each region's contiguous copy of the gathered input (read + write), again in the backward where
+        # its projections kept the shard
+        copies = SP_GATHER_COPIES * (2 if sh.regather else 1)
+        traffic += 2 * copies * sh.n
+        ops += copies
     attention = 4 * t * sh.seq * q
     return Work(gemms, attention, sh.seq * sh.head_dim, traffic * dtype_bytes, ops)
 
