@@ -78,7 +78,9 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H], or [B, S/t, H] with SP
         ctx = self.ctx
-        if ctx.tp_size > 1:  # enter the TP region: full sequences on every TP rank
+        # enter the TP region: full sequences on every TP rank. Unlike the dense regions' projections
+        # (tensor_parallel.regather), the router and the experts keep what they save of the gathered tokens.
+        if ctx.tp_size > 1:
             x = comms.gather_seq(x, ctx.tp_group) if self.sequence_parallel else comms.copy_to_tp(x, ctx.tp_group)
         b, s, h = x.shape
         logits = self.gate(x)  # [B, S, E]

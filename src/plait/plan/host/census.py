@@ -9,7 +9,8 @@ rank's query heads × head size), ``K = T·kv`` (its KV heads; replicated when t
 Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
 * RMSNorm: its input, x·rsqrt(mean x²) and the scaled output the next linear keeps (3 N; under SP 3 N/t: the
   projections of the region keep the output's sequence shard and all-gather it again in the backward,
-  plait.tensor_parallel.regather; with full recomputation they keep the gathered N, 2 N/t + N)
+  plait.tensor_parallel.regather; with full recomputation they keep the gathered N, 2 N/t + N, as an MoE
+  layer's router and experts do)
   plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual); it computes in
   float32, so in bf16 the input's copy and the rsqrt values are float32;
 * attention: Q after RoPE, K and V as SDPA receives them (``K`` each: grouped-query attention shares them
@@ -66,6 +67,7 @@ class Local:
     cp: int = 1
     cp_gather: bool = False  # context parallelism all-gathers K and V (else the ring passes them around)
     regather: bool = True  # under SP the regions' projections keep their input's shard (not with full recomputation)
+    moe: bool = False  # the MLP is a mixture of experts, which gathers its input itself and keeps it whole
 
     @property
     def n(self) -> float:
@@ -74,6 +76,10 @@ class Local:
     @property
     def n_local(self) -> float:  # the hidden state where SP shards it
         return self.n / self.tp if self.sp else self.n
+
+    @property
+    def regathers(self) -> int:  # regions whose input the backward gathers again (the MoE gathers its own)
+        return (1 if self.moe else 2) if self.sp and self.regather else 0
 
     @property
     def region_kept(self) -> float:  # what a region's projections keep of its input for the backward
@@ -101,7 +107,7 @@ def local(model: Model, layout: Layout) -> Local:
     return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
-                 layout.recompute != "full")
+                 layout.recompute != "full", model.is_moe)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -129,7 +135,8 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
     else:
         lse = 0.0 if selective else sh.tokens * sh.heads * 4 / dtype_bytes  # float32
         attention = sh.q + 2 * sh.k + sh.q + lse
-    norms = 2 * _norm_saved(sh, dtype_bytes, sh.region_kept)  # the norms feed the two regions
+    norms = _norm_saved(sh, dtype_bytes, sh.region_kept)  # the attention's input
+    norms += _norm_saved(sh, dtype_bytes, sh.n if sh.moe else sh.region_kept)  # the MLP's
     return norms + attention + 4 * sh.f
 
 
@@ -198,7 +205,7 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
         ops += 4
     if sh.sp:  # each region's contiguous copy of the gathered input (read + write), again in the backward where
         # its projections kept the shard
-        copies = SP_GATHER_COPIES * (2 if sh.regather else 1)
+        copies = SP_GATHER_COPIES + sh.regathers
         traffic += 2 * copies * sh.n
         ops += copies
     attention = 4 * t * sh.seq * q

@@ -98,14 +98,12 @@ class HostCosts:
     def _layer_collectives(self, sh: census.Local, n_bytes: float) -> tuple[float, float, int, int]:
         """(forward seconds, backward seconds, forward count, backward count) of one layer's TP collectives, timed
         back to back: 2 regions, an all-reduce out (g) and, in backward, in (f); SP: gather in, scatter out, and in
-        backward each region's input gathered again (``census.Local.regather``)."""
+        backward each region's input gathered again (``census.Local.regathers``)."""
         t = sh.tp
         if sh.sp:
             gather = self.collective("all_gather", n_bytes, t)
             f = 2 * (gather + self.collective("reduce_scatter", n_bytes, t))
-            if sh.regather:
-                return f, f + 2 * gather, 4, 6
-            return f, f, 4, 4
+            return f, f + sh.regathers * gather, 4, 4 + sh.regathers
         f = 2 * self.collective("all_reduce", n_bytes, t)
         return f, f, 2, 2
 
