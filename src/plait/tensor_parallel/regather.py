@@ -7,7 +7,7 @@ with ``sequence_parallel``; Korthikanti et al. 2022, §4.2.2), the projections k
 backward all-gathers it again, once per region: the first projection whose backward runs gathers it, the
 region's other projections reuse that tensor, and the last one lets it go (a weight gradient deferred to a
 zero-bubble W pass keeps the tensor in its own closure until then). The cost: one more all-gather per region
-in the backward; the gain: S·H·(t-1)/t fewer elements kept per region.
+in the backward; the gain: B·S·H·(t-1)/t fewer elements kept per region.
 
 The region's gathered tensor carries its ``Regather`` (``attach``); the projections look for it on the tensor
 they receive (``kept_input``) and hand it to ``plait.weight_grad.linear``, which saves the shard in the
