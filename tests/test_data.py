@@ -199,6 +199,16 @@ def test_prepare_out_through_a_file_is_an_error(tmp_path):
             res.output
 
 
+def test_a_file_named_parquet_that_is_not_one_is_an_error(tmp_path):
+    pytest.importorskip("pyarrow")
+    for name, content in (("empty.parquet", b""), ("text.parquet", b"not parquet at all")):
+        (tmp_path / name).write_bytes(content)
+        res = CliRunner().invoke(app, ["data", "prepare", str(tmp_path / name), "--tokenizer", "bytes", "--out",
+                                       str(tmp_path / "out")])
+        assert res.exit_code == 2 and res.output.startswith(f"error: SRC {tmp_path / name}: not a readable Parquet "
+                                                            "file ("), res.output
+
+
 def test_empty_plain_text_is_an_error_before_launch(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "none").mkdir()

@@ -133,7 +133,10 @@ def _line_ranges(path: Path) -> Iterator[tuple[int, int]]:
 
 def _parquet_groups(path: Path, text_field: str) -> int:
     pq = _pyarrow_parquet()
-    meta = pq.ParquetFile(path)
+    try:
+        meta = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError(f"SRC {path}: not a readable Parquet file ({exc})") from None
     names = meta.schema_arrow.names
     if text_field not in names:
         raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose --text-field")
