@@ -71,6 +71,16 @@ def test_output_paths_that_cannot_be_made_fail_before_launching(tmp_path, monkey
         assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
 
 
+def test_a_model_folder_with_a_broken_config_json_is_one_error_line(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{")
+    for command in (["train", "--dry-run"], ["generate"], ["serve"]):
+        res = CliRunner().invoke(app, [*command, "--model", str(tmp_path / "m")])
+        assert res.exit_code == 2, (command, res.output)
+        assert res.output.startswith(f"error: --model {tmp_path / 'm'}: {tmp_path / 'm' / 'config.json'} is not "
+                                     "valid JSON ("), (command, res.output)
+
+
 def test_generate_bad_flags_fail_before_launching(tmp_path):
     from serve_util import tiny_model
 

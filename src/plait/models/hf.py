@@ -25,7 +25,13 @@ def read_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ConfigError(f"--model {path}: not a Hugging Face folder (no config.json there)")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--model {path}: {file} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model {path}: {file} holds {type(config).__name__}, not a JSON object")
+    return config
 
 
 def folder_family(hf: dict) -> DecoderFamily:
