@@ -60,6 +60,31 @@ def test_resume_of_a_run_already_at_steps_says_so_before_launching(tmp_path):
     assert res.output.startswith(f"error: --steps 5: {done} is at step 5 already") and "above 5" in res.output
 
 
+def test_a_damaged_checkpoint_is_a_config_error_naming_the_file(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from plait.checkpoint import CheckpointReader
+    from plait.checkpoint.store import FORMAT, META
+    from plait.errors import ConfigError
+
+    meta = {"format": FORMAT, "step": 1, "tensors": {"w": {"shape": [2], "dtype": "float32", "shards": [
+        {"file": "pp0-tp0-dp0.safetensors", "dim": None, "start": 0, "stop": 2}]}}}
+    (tmp_path / META).write_text(json.dumps(meta))
+    shard = tmp_path / "pp0-tp0-dp0.safetensors"
+    save_file({"w": torch.ones(2)}, str(shard))
+    assert CheckpointReader(tmp_path).read("w").tolist() == [1.0, 1.0]
+    shard.unlink()
+    with pytest.raises(ConfigError, match="pp0-tp0-dp0.safetensors is missing, though meta.json lists it"):
+        CheckpointReader(tmp_path).read("w")
+    shard.write_text("junk")
+    with pytest.raises(ConfigError, match="pp0-tp0-dp0.safetensors cannot be read .*the checkpoint is damaged"):
+        CheckpointReader(tmp_path).read("w")
+    (tmp_path / META).write_text("{")
+    with pytest.raises(ConfigError, match="meta.json is not valid JSON"):
+        CheckpointReader(tmp_path)
+
+
 def test_output_paths_that_cannot_be_made_fail_before_launching(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("")

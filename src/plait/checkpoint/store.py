@@ -47,16 +47,25 @@ class CheckpointReader:
         meta_file = self.path / META
         if not meta_file.is_file():
             raise ConfigError(f"{self.path}: not a plait checkpoint (no {META})")
-        self.meta = json.loads(meta_file.read_text())
+        try:
+            self.meta = json.loads(meta_file.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"{self.path}: {META} is not valid JSON ({exc}); the checkpoint is damaged") from None
         if self.meta.get("format") != FORMAT:
             raise ConfigError(f"{self.path}: unknown checkpoint format {self.meta.get('format')!r}")
         self._handles: dict[str, Any] = {}  # file -> an open safetensors handle
 
     def _slice(self, file: str, name: str):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            if not (self.path / file).is_file():
+                raise ConfigError(f"{self.path}: {file} is missing, though {META} lists it (a checkpoint copied in "
+                                  "part?)")
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            except SafetensorError as exc:
+                raise ConfigError(f"{self.path}: {file} cannot be read ({exc}); the checkpoint is damaged") from None
         return self._handles[file].get_slice(name)
 
     def has(self, key: str) -> bool:
