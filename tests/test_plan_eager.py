@@ -156,3 +156,26 @@ def test_plait_eager_memory_is_what_plaits_layers_save():
     assert acts.layer - cluster.costs.activations(m, lay, "bf16").layer > 2 * 4 * tokens * m.hidden
     assert own.activations > 1.3 * fused.activations
     assert fused.activations == pytest.approx(cluster.costs.activations(m, lay, "bf16").chunk(m.n_layers, True, True))
+
+
+def test_plait_eager_backward_gathers_each_sp_regions_input_again():
+    """plait's runtime keeps an SP region's input as its sequence shard and all-gathers it again in the backward
+    (``plait.tensor_parallel.regather``): under "plait-eager" a dense layer's backward TP time grows by two ring
+    all-gathers of its bf16 [T, h] input over tp, by hand; none under full recomputation (whole blocks keep the
+    gathered input) or without SP; the fused rows (Megatron-LM, whose re-gather overlaps its data-gradient GEMM)
+    are unchanged."""
+    m = GPU_CHECK_MODEL
+    cluster = Cluster("h100-sxm", 8)
+    costs = cluster.costs
+    tokens, t = 4 * 2048, 4
+    link = cluster.link(t)
+    gather = (t - 1) / t * tokens * m.hidden * 2 / (link.bandwidth * 0.8) + (t - 1) * link.latency
+    for recompute, regathers in (("none", 2), ("selective", 2), ("full", 0)):
+        lay = Layout(tp=t, microbatch_size=4, sequence_parallel=True, recompute=recompute)
+        own = costs.blocks(m, lay, "bf16", elementwise="plait-eager").layer
+        fused = costs.blocks(m, lay, "bf16").layer
+        assert own.b_tp - fused.b_tp == pytest.approx(regathers * gather, rel=1e-9)
+        assert own.f_tp == fused.f_tp
+    no_sp = Layout(tp=t, microbatch_size=4)
+    own_b = costs.blocks(m, no_sp, "bf16", elementwise="plait-eager").layer.b_tp
+    assert own_b == costs.blocks(m, no_sp, "bf16").layer.b_tp

@@ -25,6 +25,7 @@ from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.gemm import gemm_speed, operand_bytes, passes
+from plait.plan.host import census
 from plait.plan.host.costs import eager_activations
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
@@ -291,7 +292,8 @@ class GpuCosts:
         scores never reach HBM. ``elementwise`` (``Training.elementwise``): "fused", the fitted
         ``elementwise_traffic`` per forward and twice it per backward; "plait-eager", plait's own kernels of the
         layer and of the head and loss counted by ``plan.eager`` (the unfused core's softmax over the scores keeps
-        the fitted term)."""
+        the fitted term), and the backward's all-gathers of the SP regions' inputs again (``census.Local.regathers``:
+        two a dense layer, none under full recomputation), exposed like its other TP collectives."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
@@ -304,7 +306,9 @@ class GpuCosts:
         dense = (flops - attention) / speed
         kept = activation_bytes_per_layer(model, replace(layout, recompute="selective"))  # no scores
         own = elementwise == "plait-eager"
-        if own:
+        if own:  # plait's runtime gathers each SP region's input again in the backward (tensor_parallel.regather)
+            tp_b += census.local(model, layout).regathers * ring_allgather(tokens * model.hidden * 2, t,
+                                                                           self.cluster.link(t))
             traffic, traffic_b = eager.seconds(eager.layer_kernels(model, layout, precision), gpu.memory_bandwidth)
             head_f, head_b = eager.seconds(eager.head_kernels(model, layout, precision), gpu.memory_bandwidth)
         else:
