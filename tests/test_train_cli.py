@@ -60,6 +60,22 @@ def test_resume_of_a_run_already_at_steps_says_so_before_launching(tmp_path):
     assert res.output.startswith(f"error: --steps 5: {done} is at step 5 already") and "above 5" in res.output
 
 
+def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
+    from plait.checkpoint.store import FORMAT, META
+    from plait.train.config import TrainConfig, model_config
+
+    saved = json.loads(json.dumps(model_config(TrainConfig()).to_dict()))  # the tiny preset, as a save writes it
+    done = tmp_path / "ckpt" / "step_00000005"
+    done.mkdir(parents=True)
+    (done / META).write_text(json.dumps({"format": FORMAT, "step": 5, "model": saved, "train": {"model": "tiny"}}))
+    res = CliRunner().invoke(app, ["train", "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "9",
+                                   "--model", "small", "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith(f"error: --resume: {done} holds another model than --model small (dim 128 -> 256"), \
+        res.output
+    assert "(--model tiny)" in res.output
+
+
 def test_a_damaged_checkpoint_is_a_config_error_naming_the_file(tmp_path):
     import torch
     from safetensors.torch import save_file

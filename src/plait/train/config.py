@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
@@ -298,7 +299,15 @@ def check_resume(cfg: TrainConfig) -> None:
     found = find_checkpoint(cfg.checkpoint_dir)
     if found is None:
         raise no_checkpoint(cfg)
-    step = int(CheckpointReader(found).meta["step"])
+    meta = CheckpointReader(found).meta
+    saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
+    if saved is not None and saved != now:
+        differ = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
+                           if saved.get(k) != now.get(k))
+        raise ConfigError(f"--resume: {found} holds another model than --model {cfg.model} ({differ}); resume with "
+                          f"the model it was trained as (--model {meta.get('train', {}).get('model', '?')}) or give "
+                          "a fresh --checkpoint-dir")
+    step = int(meta["step"])
     if step >= cfg.steps:
         raise ConfigError(f"--steps {cfg.steps}: {found} is at step {step} already, so --resume has nothing to "
                           f"train; give --steps above {step} to continue the run")
