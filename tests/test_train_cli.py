@@ -74,6 +74,10 @@ def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
     assert res.output.startswith(f"error: --resume: {done} holds another model than --model small (dim 128 -> 256"), \
         res.output
     assert "(--model tiny)" in res.output
+    res = CliRunner().invoke(app, ["train", "--auto-resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps",
+                                   "9", "--experts", "2", "--dry-run"])
+    assert res.exit_code == 2 and res.output.startswith(f"error: --auto-resume: {done} holds another model than "
+                                                        "--model tiny (n_experts 1 -> 2"), res.output
 
 
 def test_a_damaged_checkpoint_is_a_config_error_naming_the_file(tmp_path):

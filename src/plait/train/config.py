@@ -290,25 +290,28 @@ def no_checkpoint(cfg: TrainConfig) -> ConfigError:
 
 
 def check_resume(cfg: TrainConfig) -> None:
-    """With --resume, a complete checkpoint before --steps must be in --checkpoint-dir (checked before any process
-    starts)."""
+    """The checkpoint --resume or --auto-resume would continue must hold this model, and --resume's one must be
+    before --steps; --resume needs one (checked before any process starts)."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
 
-    if not cfg.resume:
+    if not (cfg.resume or cfg.auto_resume):
         return
     found = find_checkpoint(cfg.checkpoint_dir)
     if found is None:
-        raise no_checkpoint(cfg)
+        if cfg.resume:
+            raise no_checkpoint(cfg)
+        return
+    flag = "--resume" if cfg.resume else "--auto-resume"
     meta = CheckpointReader(found).meta
     saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
     if saved is not None and saved != now:
         differ = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
                            if saved.get(k) != now.get(k))
-        raise ConfigError(f"--resume: {found} holds another model than --model {cfg.model} ({differ}); resume with "
+        raise ConfigError(f"{flag}: {found} holds another model than --model {cfg.model} ({differ}); resume with "
                           f"the model it was trained as (--model {meta.get('train', {}).get('model', '?')}) or give "
                           "a fresh --checkpoint-dir")
     step = int(meta["step"])
-    if step >= cfg.steps:
+    if cfg.resume and step >= cfg.steps:
         raise ConfigError(f"--steps {cfg.steps}: {found} is at step {step} already, so --resume has nothing to "
                           f"train; give --steps above {step} to continue the run")
 
