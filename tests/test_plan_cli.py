@@ -32,8 +32,10 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
     (["--global-batch", "0"], "error: global_batch: must be >= 1 sequence, got 0"),
     (["--top", "0"], "error: top=0: how many layouts to keep, must be >= 1"),
     (["--top", "0", "--global-batch", "64"], "error: top=0"),
+    (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, flash1-triton, flash2, "
+                                "cudnn, flash3, unfused"),
 ])
-def test_zero_batch_or_top_is_an_error_not_a_default(args, needle):
+def test_bad_values_are_errors_naming_them_not_defaults(args, needle):
     r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "4", *args])
     assert r.exit_code == 2 and r.output.startswith(needle), r.output
 

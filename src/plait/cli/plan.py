@@ -237,10 +237,13 @@ def plan(options: dict[str, Any]) -> None:
 
     from plait.errors import ConfigError
     from plait.plan import Cluster, Training, explain, search
+    from plait.plan.attention import KERNELS, UNFUSED
     from plait.plan.explain import nothing_fits
     from plait.plan.search import search_batch
 
     o = PlanOptions(**options)
+    if o.attention not in (*KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
+        _fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
     console = Console(width=None if sys.stdout.isatty() else 140)
     batch_note = ""
     try:
