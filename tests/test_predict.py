@@ -171,6 +171,7 @@ def test_train_calibrates_on_first_use_and_caches(tmp_path):
             "--sample-tokens", "0", "--trace-every", "2", "--metrics", "m.jsonl"]
     run = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+    assert "measuring this host with 2 processes for the prediction (once" in run.stdout  # the wait is said
     cached = list((tmp_path / "cache").glob("host-*.toml"))
     assert len(cached) == 1 and 2 in HostProfile.load(cached[0]).sections  # measured by the run, cached
     host = HostProfile.load(cached[0]).host  # with the host's mean speed and how far it moved

@@ -96,6 +96,9 @@ def host_profile(cfg: TrainConfig, ctx):
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
     if not need[0]:
         return cached
+    if ctx.rank == 0:  # the run's first lines wait for this: say why
+        print(f"measuring this host with {world} process{'es' if world > 1 else ''} for the prediction (once; "
+              f"cached in {path}; --cluster none skips it) ...", flush=True)
     measured = measure_in_world([world], None, facts, quick=True)  # seconds; `plait calibrate` measures more
     if ctx.rank == 0 and measured is not None:
         profile = measured if cached is None else cached.merged(measured)
