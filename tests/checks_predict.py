@@ -101,18 +101,42 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
 MOE_LAYOUTS = [dict(tp=2, pp=1, dp=2, ep=2), dict(tp=2, pp=1, dp=2, ep=4), dict(tp=2, pp=1, dp=2, ep=2, expert_tp=True)]
 
 
+def balanced_route(route):
+    """``route`` with every expert given the same share of each run of E/k consecutive tokens: token i of the
+    flattened [B, S] goes to experts (i·k + j) mod E, j < k (its router logits raised by 30 there), so every
+    rank's slice of the tokens sends each expert the same number of rows. The router, top-k and gates run as
+    ever, so the layer saves what it saves under any routing, at the sizes of balanced routing."""
+    import torch
+
+    def balanced(logits, top_k, *args):
+        b, s, e = logits.shape
+        token = torch.arange(b * s, device=logits.device).view(b, s, 1)
+        pick = (token * top_k + torch.arange(top_k, device=logits.device)) % e
+        return route(logits + torch.zeros_like(logits).scatter_(-1, pick, 30.0), top_k, *args)
+
+    return balanced
+
+
 def check_moe_memory(root: Path) -> list[dict]:
     """Bytes per rank of one step of each ``MOE_LAYOUTS`` run of ``tiny`` with 4 experts, top-2
-    (``pm.memory_report()``), every rank's, beside its ``plait train`` configuration."""
+    (``pm.memory_report()``), every rank's, beside its ``plait train`` configuration; with the routing
+    ``balanced_route`` forces."""
+    from plait.experts import layer
+
     out = []
-    for i, kw in enumerate(MOE_LAYOUTS):
-        cfg = _cfg(root / f"moe{i}", experts=4, top_k=2, zero=1, microbatches=2, steps=1, **kw)
-        with plait.init(config=cfg.parallel) as ctx:
-            run = build(cfg, ctx)
-            train_one(run, 0, False)
-            memory = [None] * dist.get_world_size()
-            dist.all_gather_object(memory, run.pm.memory_report())
-        out.append({"layout": kw, "config": cfg.to_dict(), "memory": memory})
+    route = layer.route
+    layer.route = balanced_route(route)  # type: ignore[assignment]
+    try:
+        for i, kw in enumerate(MOE_LAYOUTS):
+            cfg = _cfg(root / f"moe{i}", experts=4, top_k=2, zero=1, microbatches=2, steps=1, **kw)
+            with plait.init(config=cfg.parallel) as ctx:
+                run = build(cfg, ctx)
+                train_one(run, 0, False)
+                memory = [None] * dist.get_world_size()
+                dist.all_gather_object(memory, run.pm.memory_report())
+            out.append({"layout": kw, "config": cfg.to_dict(), "memory": memory})
+    finally:
+        layer.route = route
     return out
 
 

@@ -101,3 +101,43 @@ def test_search_weighs_both_placements_and_writes_the_planned_one(tmp_path):
     assert res.exit_code == 0, res.output
     best = search(model, cluster, Training(64, elementwise="plait-eager"), top=1)[0].layout
     assert f"expert-tp = {str(best.expert_tp).lower()}" in out.read_text().splitlines()
+
+
+@pytest.mark.parametrize("top_k,dtype", [(2, "float32"), (1, "float32"), (2, "bfloat16")])
+def test_the_census_counts_what_an_moe_layer_saves(top_k, dtype):
+    """What one MoE layer of the runtime (``ExpertParallelMoE``, one rank: tp1·ep1) saves for backward, as the
+    runtime's meter counts it, is the census's count to the byte (plan.host.experts: its input, the router, the
+    dispatch, the experts, the combine) with balanced routing (``checks_predict.balanced_route``); top-2
+    renormalises the gates (two more float32 tensors), bf16 keeps the router in float32. The count of the
+    experts alone as one wide MLP (the input and ``4 F``) is more than a quarter short of it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from checks_predict import balanced_route
+    from plait.experts import layer
+    from plait.memory import SavedTensorMeter
+    from plait.models.moe import MoE
+    from plait.plan.host import census
+    from plait.plan.host.experts import moe_saved
+
+    model = replace(MOE, top_k=top_k)
+    sh = census.local(model, Layout(microbatch_size=2))
+    ctx = SimpleNamespace(tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, cp_size=1, expert_tp=False,
+                          expert_dp_group=None, expert_dp_size=1, ep_group=None)
+    torch.manual_seed(0)
+    moe = layer.ExpertParallelMoE(MoE(64, 128, 4, top_k), ctx).to(getattr(torch, dtype))  # type: ignore[arg-type]
+    x = torch.randn(2, 32, 64, dtype=getattr(torch, dtype), requires_grad=True)
+    meter = SavedTensorMeter(moe.parameters())
+    route, layer.route = layer.route, balanced_route(layer.route)  # type: ignore[assignment]
+    try:
+        with meter.hooks():
+            y = moe(x)
+    finally:
+        layer.route = route
+    d = x.element_size()
+    assert meter.live == (sh.n + 4 * sh.f + moe_saved(sh, d)) * d
+    assert census.layer_saved(sh, dtype_bytes=d) == census.layer_saved(replace(sh, experts=1), dtype_bytes=d) + \
+        moe_saved(sh, d)  # a layer of the census holds it
+    assert (sh.n + 4 * sh.f) * d < 0.75 * meter.live
+    y.sum().backward()

@@ -19,6 +19,8 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
 * RoPE's cos and sin tables ``2·s·d``, once per rank: the model's layers share them (plait.models.rotary),
   so every layer and micro-batch of a step saves the same two tensors;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
+* a mixture-of-experts layer: its experts as SwiGLU at ``F = T·top_k·f/t``, and its router, token dispatch and
+  combine (``plan.host.experts``, balanced routing);
 * head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (float32);
 * selective recomputation (the attention core under a checkpoint) drops the log-sum-exp;
 * context parallelism (plait.context_parallel, over ``cp`` ranks; ``T`` a rank's S/cp tokens): its core
@@ -37,7 +39,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.plan import experts as plan_experts
 from plait.plan.config import Layout
+from plait.plan.host.experts import moe_saved
 from plait.plan.model import Model
 
 # Element traffic (reads + writes, in elements) and kernels of the forward of each element-wise group;
@@ -67,7 +71,10 @@ class Local:
     cp: int = 1
     cp_gather: bool = False  # context parallelism all-gathers K and V (else the ring passes them around)
     regather: bool = True  # under SP the regions' projections keep their input's shard (not with full recomputation)
-    moe: bool = False  # the MLP is a mixture of experts, which gathers its input itself and keeps it whole
+    experts: int = 1  # E of a mixture-of-experts layer (1: dense); its top-k, EP size and placement
+    top_k: int = 1
+    ep: int = 1
+    expert_split: bool = False  # each expert split over TP (plan.experts.split), else whole experts
 
     @property
     def n(self) -> float:
@@ -76,6 +83,10 @@ class Local:
     @property
     def n_local(self) -> float:  # the hidden state where SP shards it
         return self.n / self.tp if self.sp else self.n
+
+    @property
+    def moe(self) -> bool:  # the MLP is a mixture of experts, which gathers its input itself and keeps it whole
+        return self.experts > 1
 
     @property
     def regathers(self) -> int:  # regions whose input the backward gathers again (the MoE gathers its own)
@@ -103,11 +114,12 @@ def local(model: Model, layout: Layout) -> Local:
     tokens = layout.microbatch_size * model.seq_len / layout.cp
     vocab = -(-model.vocab // t) * t / t  # padded to a multiple of tp
     # an MoE layer's experts count as one MLP of width top_k·f/t: whole experts on a TP rank's 1/t of the routed
-    # rows or split ones on all of them hold the same elements (plan.experts); dispatch buffers are not counted
+    # rows or split ones on all of them hold the same elements (plan.experts); the router and the dispatch are
+    # counted apart (plan.host.experts)
     return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
-                 layout.recompute != "full", model.is_moe)
+                 layout.recompute != "full", model.n_experts, model.top_k, layout.ep, plan_experts.split(layout))
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -137,7 +149,7 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
         attention = sh.q + 2 * sh.k + sh.q + lse
     norms = _norm_saved(sh, dtype_bytes, sh.region_kept)  # the attention's input
     norms += _norm_saved(sh, dtype_bytes, sh.n if sh.moe else sh.region_kept)  # the MLP's
-    return norms + attention + 4 * sh.f
+    return norms + attention + 4 * sh.f + moe_saved(sh, dtype_bytes)  # an MoE layer's router and dispatch
 
 
 def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:
