@@ -270,3 +270,28 @@ def test_pipelines_on_a_crowded_host_run_as_slow_as_the_calibrations_pipeline():
         estimate(model, cluster(0.0), piped, training).step_time_s
     assert estimate(model, cluster(1.2), flat, training).step_time_s == \
         estimate(model, cluster(0.0), flat, training).step_time_s
+
+
+def test_an_moe_layers_all_to_alls_are_the_measured_ones():
+    """A calibrated host costs an MoE layer's exchanges over ep ranks at the measured all-to-all curve: forward
+    the per-expert counts (E int64), the rows out and back (its tokens once per routed expert: a TP rank's 1/tp
+    of them with whole experts, all with split ones); backward the two row exchanges again. At ep = 1 none."""
+    from dataclasses import replace
+
+    from plait.plan import experts
+
+    moe = Model(n_layers=2, hidden=64, n_heads=4, vocab=256, seq_len=32, ffn_hidden=128, glu=True, n_experts=4,
+                top_k=2)
+    four = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    sec = four.costs.section
+    act = 2 * 32 * 64 * 4  # [2, 32, 64] fp32
+    for lay in (Layout(tp=2, dp=2, microbatch_size=2), Layout(tp=2, dp=2, microbatch_size=2, expert_tp=True)):
+        alone = four.costs.blocks(moe, lay, "fp32").layer
+        for ep in (2, 4) if not lay.expert_tp else (2,):
+            lay_ep = replace(lay, ep=ep)
+            layer = four.costs.blocks(moe, lay_ep, "fp32").layer
+            rows = 2 * sec.collective("all_to_all", ep, experts.dispatch(moe, lay_ep, act)[0])
+            assert rows > 0 and experts.dispatch(moe, lay_ep, act)[0] == act * 2 / (1 if lay.expert_tp else 2)
+            assert layer.f_tp == pytest.approx(alone.f_tp + rows + sec.collective("all_to_all", ep, 8 * 4))
+            assert layer.b_tp == pytest.approx(alone.b_tp + rows)
+            assert layer.f_compute == alone.f_compute

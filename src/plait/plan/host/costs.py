@@ -2,8 +2,9 @@
 collectives, decoder layers, tensor-parallel layers and pipelines (``Cluster.from_profile``).
 
 A layer's compute comes from the eager census (``census``) at the measured speeds (``compute``), its TP
-collectives from the measured curves plus what a TP layer waited beyond them (``tp_wait``), its activations
-tensor by tensor as autograd saves them; processes that outnumber the cores share them (``sharing``).
+collectives from the measured curves plus what a TP layer waited beyond them (``tp_wait``), an MoE layer's
+all-to-alls from the measured curves (``_expert_exchanges``), its activations tensor by tensor as autograd saves
+them; processes that outnumber the cores share them (``sharing``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from plait.errors import ConfigError
+from plait.plan import experts
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.catalogue import GPU, Link
 from plait.plan.config import TE_OVERLAP_SMS, Layout
@@ -137,6 +139,17 @@ class HostCosts:
             return y0
         return y0 + (y1 - y0) * (n_bytes - x0) / (x1 - x0)
 
+    def _expert_exchanges(self, model: Model, layout: Layout, n_bytes: float) -> tuple[float, float]:
+        """(forward, backward) seconds of an MoE layer's all-to-alls over its EP group as measured
+        (``plait.experts.dispatch``): forward the per-expert counts (E int64), the token rows out and the results
+        back; backward the two row exchanges reversed. Rows of balanced routing (``plan.experts.dispatch``: a
+        rank's dispatched tokens once per routed expert). Its TP collectives are costed as the dense MLP's."""
+        ep = layout.ep
+        if not model.is_moe or ep <= 1:
+            return 0.0, 0.0
+        rows = 2 * self.collective("all_to_all", experts.dispatch(model, layout, n_bytes)[0], ep)
+        return self.collective("all_to_all", 8 * model.n_experts, ep) + rows, rows
+
     def _block(self, kind: str, model: Model, layout: Layout, precision: str) -> StageCosts:
         """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives (each with its
         wait for the slowest rank, ``tp_wait``)."""
@@ -159,6 +172,9 @@ class HostCosts:
             nf, nb = 1, 0
         if t > 1:
             f_tp, b_tp = max(0.0, f_tp + nf * wait), max(0.0, b_tp + nb * wait)
+        if kind == "layer":
+            f_a2a, b_a2a = self._expert_exchanges(model, layout, n_bytes)
+            f_tp, b_tp = f_tp + f_a2a, b_tp + b_a2a
         recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
         # the attention core again, under its checkpoint (context parallelism's core replaces it: nothing again)
         if kind == "layer" and layout.recompute == "selective" and layout.cp == 1:
