@@ -217,3 +217,24 @@ def test_calibrate_add_and_repeat_keep_the_mean_of_the_calibrations(tmp_path, mo
     assert HostProfile.load(out).calibrations == 1  # no --add: replaced
     r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--repeat", "0"])
     assert r.exit_code == 2 and "--repeat" in r.output
+
+
+def test_calibrate_add_to_a_missing_profile_fails_before_measuring(tmp_path, monkeypatch):
+    """`--add` averages into a profile that exists: with none there (a mistyped path, or no cached profile yet)
+    it stops before measuring, naming --add and the missing file, and writes nothing."""
+    import plait.calibrate as cal
+
+    def measured(counts, progress):
+        raise AssertionError("measured before --add's profile was checked")
+
+    monkeypatch.setattr(cal, "_measure_once", measured)
+    out = tmp_path / "new.toml"
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(out), "--add", "--processes", "1"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith(f"error: --add: nothing to average with: {out} does not exist"), r.output
+    assert not out.exists()
+    monkeypatch.setenv(cal.CACHE_ENV, str(tmp_path / "cache"))  # no --out: this host's cached profile, none yet
+    r = CliRunner().invoke(app, ["calibrate", "--add", "--processes", "1"])
+    assert r.exit_code == 2 and "error: --add: nothing to average with: " in r.output, r.output
+    with pytest.raises(cal.ConfigError, match=r"^add=True: nothing to average with"):
+        cal.calibrate((1,), out, add=True)

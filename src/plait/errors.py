@@ -24,8 +24,9 @@ class FieldError(ConfigError):
         self.name, self.value, self.detail = name, value, detail
 
     def as_flag(self) -> str:
-        """The same message naming the flag: ``--virtual-stages 3: ...``."""
-        return f"--{self.name.replace('_', '-')} {self.value!r}: {self.detail}"
+        """The same message naming the flag: ``--virtual-stages 3: ...`` (a switch that is on: ``--add: ...``)."""
+        flag = f"--{self.name.replace('_', '-')}"
+        return f"{flag}: {self.detail}" if self.value is True else f"{flag} {self.value!r}: {self.detail}"
 
 
 def flag_message(exc: ConfigError) -> str:

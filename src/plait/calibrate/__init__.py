@@ -17,7 +17,7 @@ import platform
 import socket
 from pathlib import Path
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, FieldError
 from plait.plan.host.profile import HOST_KEYS, HostProfile
 
 DEFAULT_PROCESSES = (1, 2, 4)
@@ -81,7 +81,9 @@ def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | 
     """Measure ``processes`` (one section each) on local processes ``repeat`` times and write the mean
     (``HostProfile.average``) to ``out`` (default: this host's cache, merged with what it already holds).
     ``add`` averages it with the calibrations ``out`` already holds instead of replacing them: a host whose
-    speed moves over minutes is best predicted by calibrations taken at several moments.
+    speed moves over minutes is best predicted by calibrations taken at several moments. With ``add`` the profile
+    must exist (a FieldError naming ``add`` before anything is measured): a missing one is a mistyped path far more
+    often than a wish to start afresh.
     ``progress(done, total, what)`` is called while it measures. Returns the profile and where it was
     written."""
     from plait.calibrate.run import total_steps
@@ -89,6 +91,11 @@ def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | 
     if repeat < 1:
         raise ConfigError(f"repeat: give a count >= 1, not {repeat}")
     refuse_gpu_host()
+    if add:
+        held = Path(out) if out is not None else cache_path()
+        if not held.is_file():
+            raise FieldError("add", True, f"nothing to average with: {held} does not exist (calibrate once "
+                                          "without it to make the profile, then add to it)")
     counts = sorted({int(p) for p in processes})
     per = total_steps(counts)
 

@@ -59,7 +59,8 @@ def calibrate_command(
     add: Annotated[bool, typer.Option("--add", help="Average with the calibrations the profile already holds "
                                                     "(weighted by their count) instead of replacing them: "
                                                     "calibrate at several moments, predict the host's "
-                                                    "average.")] = False,
+                                                    "average. The profile must exist (make it without "
+                                                    "--add).")] = False,
 ) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
