@@ -302,3 +302,36 @@ def test_a_chat_without_max_tokens_gets_the_room_its_prompt_leaves_a_completion_
         chat = parse({"messages": messages}, True, tokens, limits)
         assert chat.params.sampling.max_new_tokens == want
         assert parse({"prompt": "hi"}, False, tokens, limits).params.sampling.max_new_tokens == 16
+
+
+@pytest.mark.parametrize("message, param, code", [
+    ({"role": "user"}, "messages[1].content", "missing_required_parameter"),
+    ({"role": "user", "content": None}, "messages[1].content", "invalid_type"),
+    ({"role": "assistant"}, "messages[1].content", "missing_required_parameter"),
+    ({"role": "tool", "content": None, "tool_call_id": "1"}, "messages[1].content", "invalid_type"),
+    ({"content": "hi"}, "messages[1].role", "missing_required_parameter"),
+    ({"role": 3, "content": "hi"}, "messages[1].role", "invalid_type"),
+    ("hi", "messages[1]", "invalid_type")])
+def test_chat_messages_without_content_or_role_are_400s_naming_the_field(message, param, code):
+    """A message without content (or with null content) would render as nothing, a silently different prompt:
+    a 400 naming messages[i].content in OpenAI's words, on /v1/chat/completions and on /tokenize; an assistant
+    message carrying tool_calls may leave its content out or null (the call is its reply)."""
+    from fastapi.testclient import TestClient
+
+    from plait.serve.protocol import ApiError, Limits, parse
+    from plait.serve.server import Api
+    from plait.serve.tokens import TokenizerInfo
+
+    tokens, limits = TokenizerInfo(TOK, "/nonexistent", 64), Limits("m", 64, 256, 16, 64)
+    messages = [{"role": "user", "content": "hi"}, message]
+    with pytest.raises(ApiError) as info:
+        parse({"messages": messages}, True, tokens, limits)
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, code)
+    assert param in info.value.message
+    client = TestClient(Api(_StuckEngine(), limits, tokens, Metrics(), max_queue=4, timeout=0.3).app())
+    res = client.post("/tokenize", json={"messages": messages})
+    assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    for tool_call in (call, {**call, "content": None}):
+        chat = parse({"messages": [*messages[:1], tool_call]}, True, tokens, limits)
+        assert chat.prompts[0] == tokens.chat_ids({"messages": [*messages[:1], tool_call]})

@@ -19,7 +19,7 @@ from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
 from plait.serve.handoff import Inbox, Mailbox
 from plait.serve.metrics import Metrics
-from plait.serve.protocol import ApiError, Limits, Parsed, check_model, error_body, parse
+from plait.serve.protocol import ApiError, Limits, Parsed, check_messages, check_model, error_body, parse
 from plait.serve.responses import Choice, envelope, new_id, usage
 from plait.serve.tokens import TokenizerInfo
 
@@ -192,6 +192,7 @@ class Api:
             raise ApiError(400, "tokenize needs a prompt (a string) or messages (a list)", "prompt")
         check_model(body, self.limits)
         if "messages" in body:  # a chat template renders in a worker thread, as in ``generate``
+            check_messages(body["messages"])
             ids = await run_in_threadpool(self.tokens.chat_ids, body)
         else:
             ids = self.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
