@@ -87,6 +87,8 @@ RULES = [
      "the trainer measures; the CLI installs the planner's prediction (plait.train.observe)"),
     (("plait.generation", "plait.serve", "plait.checkpoint", "plait.tokenizers"), ("plait.train",), (),
      "generation and serving share checkpoints and tokenizers with training, not the trainer"),
+    (("plait.data",), ("plait.serve", "plait.generation", "plait.train"), (),
+     "data preparation renders chats with the shared chat template (plait.chat_template), not the server's"),
     (LIBRARY, ("plait.cli",), (), "the command line is thin and on top: nothing of the library imports it"),
 ]
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from plait.serve.chat import chat_prompt
+from plait.chat_template import chat_prompt
 from plait.tokenizers import ByteTokenizer
 from serve_util import expected_ids, tiny_model
 

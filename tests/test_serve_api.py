@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from plait.serve.chat import chat_prompt
+from plait.chat_template import chat_prompt
 from plait.tokenizers import ByteTokenizer
 from serve_util import expected_ids, greedy_with, log_softmax
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, SPECIAL_TOKENS
-from plait.serve.chat import PLAIT_SOURCE, ChatTemplate, chat_prompt
+from plait.chat_template import PLAIT_SOURCE, ChatTemplate, chat_prompt
 from plait.serve.protocol import ApiError
 from plait.serve.tokens import TokenizerInfo
 from plait.tokenizers import ByteTokenizer, FileTokenizer

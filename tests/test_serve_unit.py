@@ -252,7 +252,7 @@ def test_chat_templates_render_off_the_event_loop(monkeypatch):
 
     from fastapi.testclient import TestClient
 
-    from plait.serve.chat import ChatTemplate
+    from plait.chat_template import ChatTemplate
     from plait.serve.protocol import Limits
     from plait.serve.server import Api
     from plait.serve.tokens import TokenizerInfo

@@ -67,7 +67,7 @@ def serve_command(
         model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
         check_layout(cfg.model, model_cfg, par.tp, par.pp)
         cfg = cfg.resolved(model_cfg.max_seq_len)
-        from plait.serve.chat import check_template
+        from plait.chat_template import check_template
         from plait.serve.job import bind
 
         check_template(tokenizer_folder(cfg.model), cfg.chat_template)  # fails here, not on the first chat request

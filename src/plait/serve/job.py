@@ -120,8 +120,8 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     """Rank 0: the engine in this (main) thread, uvicorn in another; after a stop, the last responses go out."""
     import uvicorn
 
+    from plait.chat_template import ChatTemplate
     from plait.generation.job import tokenizer_folder
-    from plait.serve.chat import ChatTemplate
     from plait.serve.engine import Engine
     from plait.serve.kv import BlockAllocator
     from plait.serve.metrics import Metrics

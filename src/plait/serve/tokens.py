@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from plait.serve.chat import ChatTemplate
+from plait.chat_template import ChatError, ChatTemplate
 
 
 def _read(path: Path) -> dict:
@@ -60,10 +60,13 @@ class TokenizerInfo:
                                                     all(isinstance(t, dict) for t in body[name])):
                 raise ApiError(400, f"{name} must be a list of objects", name)
         generation = body.get("add_generation_prompt")
-        text = self.chat.render(body.get("messages"), True if generation is None else generation,
-                                tools=body.get("tools") or None, documents=body.get("documents"),
-                                template=template, kwargs=kwargs,
-                                continue_final=bool(body.get("continue_final_message")))
+        try:
+            text = self.chat.render(body.get("messages"), True if generation is None else generation,
+                                    tools=body.get("tools") or None, documents=body.get("documents"),
+                                    template=template, kwargs=kwargs,
+                                    continue_final=bool(body.get("continue_final_message")))
+        except ChatError as exc:  # the request's messages or template: a 400
+            raise ApiError(400, exc.message, exc.param, exc.code) from None
         return self.encode(text, bool(body.get("add_special_tokens") or False))
 
     def info(self) -> dict:

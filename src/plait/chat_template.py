@@ -1,5 +1,6 @@
-"""Chat messages to prompt text: the model folder's own Jinja chat template, rendered as ``transformers``'
-``apply_chat_template`` renders it (sandboxed), or plait's ``<|role|>`` format for a folder without one."""
+"""Chat messages to text: the model folder's own Jinja chat template, rendered as ``transformers``'
+``apply_chat_template`` renders it (sandboxed), or plait's ``<|role|>`` format for a folder without one. Serving
+renders prompts with it, ``plait data prepare --chat`` training conversations."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-
-from plait.serve.protocol import ApiError
 
 # plait's own format, for folders without a template: "<|role|>\ncontent\n" per message, then "<|assistant|>\n"
 PLAIT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -19,6 +18,15 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, under its usual names
 RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}  # variables chat_template_kwargs can't set
 TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of the last message (continue_final_message)
+
+
+class ChatError(ValueError):
+    """Messages or a template that cannot be rendered: the message, the request field it concerns and a code
+    (serving answers it as a 400, data preparation names the record)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
 
 
 def _read_json(path: Path) -> dict:
@@ -118,14 +126,14 @@ def _content(value, as_parts: bool, where: str):
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ApiError(400, f"{where}.content must be a string or a list of content parts", "messages")
+        raise ChatError(f"{where}.content must be a string or a list of content parts", "messages")
     texts = []
     for j, part in enumerate(value):
         if isinstance(part, str):
             part = {"type": "text", "text": part}
         if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError(400, f"{where}.content[{j}]: only text parts are supported, not {kind!r}", "messages",
+            raise ChatError(f"{where}.content[{j}]: only text parts are supported, not {kind!r}", "messages",
                            "unsupported")
         texts.append(dict(part))
     return texts if as_parts else "\n".join(p["text"] for p in texts)
@@ -135,11 +143,11 @@ def normalize(messages, as_parts: bool) -> list[dict]:
     """Messages as the template sees them: keys holding null dropped (as transformers), content normalised,
     a message's reasoning under every name templates read it by."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        raise ChatError("messages must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}].role must be a string", "messages")
+            raise ChatError(f"messages[{i}].role must be a string", "messages")
         m = {k: v for k, v in m.items() if v is not None}
         if "content" in m:
             m["content"] = _content(m["content"], as_parts, f"messages[{i}]")
@@ -151,8 +159,8 @@ def normalize(messages, as_parts: bool) -> list[dict]:
 
 
 class ChatTemplate:
-    """A folder's chat templates (else plait's format) and its special tokens; ``render`` turns a request's
-    messages into the prompt text, as ``tokenizer.apply_chat_template(..., tokenize=False)`` does."""
+    """A folder's chat templates (else plait's format) and its special tokens; ``render`` turns messages into
+    text, as ``tokenizer.apply_chat_template(..., tokenize=False)`` does."""
 
     def __init__(self, folder: str | Path | None, override: str | None = None, trust_request: bool = False):
         path = Path(folder) if folder is not None else None
@@ -182,40 +190,40 @@ class ChatTemplate:
             if requested in self.templates:
                 return self.templates[requested]
             if not self.trust_request:
-                raise ApiError(400, "chat_template: a template sent with the request is refused unless the server "
-                                    f"runs with --trust-request-chat-template (named templates: "
-                                    f"{sorted(self.templates)})", "chat_template")
+                raise ChatError("chat_template: a template sent with the request is refused unless the server "
+                                f"runs with --trust-request-chat-template (named templates: "
+                                f"{sorted(self.templates)})", "chat_template")
             return requested
         if tools and "tool_use" in self.templates:
             return self.templates["tool_use"]
         if "default" in self.templates:
             return self.templates["default"]
-        raise ApiError(400, f"this model has several chat templates and none is the default: name one in "
-                            f"chat_template ({sorted(self.templates)})", "chat_template")
+        raise ChatError(f"this model has several chat templates and none is the default: name one in "
+                        f"chat_template ({sorted(self.templates)})", "chat_template")
 
     def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
                template: str | None = None, kwargs: dict | None = None, continue_final: bool = False) -> str:
-        """The prompt text of ``messages``; ApiError 400 naming the error when the template fails.
+        """The text of ``messages``; ChatError naming the error when they or the template fail.
 
         ``continue_final``: the text ends inside the last message, so the model goes on with it (as
         transformers: a tag after its content, the text cut at the tag)."""
         source = self.pick(template, tools)
         kwargs = kwargs or {}
         if set(kwargs) & RESERVED:
-            raise ApiError(400, f"chat_template_kwargs may not set {sorted(set(kwargs) & RESERVED)}",
-                           "chat_template_kwargs")
+            raise ChatError(f"chat_template_kwargs may not set {sorted(set(kwargs) & RESERVED)}",
+                            "chat_template_kwargs")
         if continue_final and add_generation_prompt:
-            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
-                           "continue_final_message")
+            raise ChatError("continue_final_message and add_generation_prompt cannot both be true",
+                            "continue_final_message")
         chat = normalize(messages, iterates_content(source))
         final = _tag_final(chat, source) if continue_final else None
         try:
             text = compile_template(source).render(messages=chat, tools=tools, documents=documents,
                                                    add_generation_prompt=add_generation_prompt,
                                                    **{**self.special, **kwargs})
-        except Exception as exc:  # the template is the folder's or the request's code: any failure is a 400
-            raise ApiError(400, f"the chat template failed: {type(exc).__name__}: {exc}", "messages",
-                           "chat_template_error") from None
+        except Exception as exc:  # the template is the folder's or the request's code: any failure is the caller's
+            raise ChatError(f"the chat template failed: {type(exc).__name__}: {exc}", "messages",
+                            "chat_template_error") from None
         return text if final is None else _cut_at_tag(text, final)
 
 
@@ -223,12 +231,12 @@ def _tag_final(chat: list[dict], source: str) -> str:
     """Put TAG after the last message's text (its last text part); that text."""
     last = chat[-1].get("content")
     if last is None or "content" not in source:
-        raise ApiError(400, "continue_final_message: the last message has no content the template shows",
+        raise ChatError("continue_final_message: the last message has no content the template shows",
                        "continue_final_message")
     if isinstance(last, list):
         part = next((p for p in reversed(last) if "text" in p), None)
         if part is None:
-            raise ApiError(400, "continue_final_message: the last message has no text", "continue_final_message")
+            raise ChatError("continue_final_message: the last message has no text", "continue_final_message")
         final, part["text"] = part["text"], part["text"] + TAG
     else:
         final, chat[-1]["content"] = last, last + TAG
@@ -238,7 +246,7 @@ def _tag_final(chat: list[dict], source: str) -> str:
 def _cut_at_tag(text: str, final: str) -> str:
     """The rendered text up to the tag (and without the whitespace the template trimmed before it)."""
     if final.strip() not in text or TAG.strip() not in text:
-        raise ApiError(400, "continue_final_message: the chat template dropped part of the last message",
+        raise ChatError("continue_final_message: the chat template dropped part of the last message",
                        "continue_final_message")
     at = text.rindex(TAG.strip())
     return text[:at] if text[at: at + len(TAG)] == TAG else text[:at].rstrip()
