@@ -219,6 +219,24 @@ def test_empty_plain_text_is_an_error_before_launch(tmp_path):
     check_entries([str(tmp_path / "none")], "tiny", 256, 32)
 
 
+def test_raw_text_shorter_than_one_sequence_is_an_error_before_launch(tmp_path, monkeypatch):
+    """Raw text (like a prepared dataset) holding fewer than --seq-len + 1 training tokens: one error naming the
+    path, its tokens and --seq-len, before any worker starts."""
+    import plait.distributed.launch as launch
+
+    def launched(*args, **kwargs):
+        raise AssertionError("launched before the data's length was checked")
+
+    monkeypatch.setattr(launch, "launch", launched)
+    (tmp_path / "tiny.txt").write_text("hello world, a short text.\n")  # 27 bytes + EOS
+    flags = ["train", "--tp", "1", "--pp", "1", "--nproc", "1", "--steps", "1", "--seq-len", "64"]
+    for data in (tmp_path / "tiny.txt", _prepared(tmp_path, "short", ["hello world, a short text.\n"])):
+        res = CliRunner().invoke(app, [*flags, "--data", str(data)])
+        assert res.exit_code == 2 and res.output.startswith(
+            f"error: --data {data}: 28 training tokens in 1 documents, but --seq-len 64 needs at least 65 tokens"), \
+            res.output
+
+
 def test_a_mixture_weight_of_zero_or_below_is_named(tmp_path):
     data = _prepared(tmp_path, "c", documents(20))
     for weight in ("0", "-1", "-0.5"):

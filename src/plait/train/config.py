@@ -275,6 +275,25 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
 
     check_extras(cfg.tensorboard, cfg.wandb)
     check_entries(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len)
+    check_raw_lengths(cfg)
+
+
+#: raw text up to this size is tokenized once more before launch to check its length (well under a second);
+#: a larger input holds far more than one sequence (tokens are a few bytes each), and its workers check it
+RAW_CHECKED_BYTES = 1 << 20
+
+
+def check_raw_lengths(cfg: TrainConfig) -> None:
+    """ConfigError naming the path, its training tokens and --seq-len when raw text given to --data holds no
+    ``seq_len + 1``-token window (prepared datasets are checked by ``check_entries``)."""
+    from plait.data import is_prepared
+    from plait.data.raw import raw_inputs, raw_source
+    from plait.data.stream import check_length, parse_entry
+
+    for entry in cfg.data:
+        weight, path = parse_entry(entry)
+        if not is_prepared(path) and sum(s.bytes for s in raw_inputs(path, cfg.model)) <= RAW_CHECKED_BYTES:
+            check_length(raw_source(path, weight, cfg.model, cfg.max_data_mb), cfg.seq_len)
 
 
 def check_nproc(cfg: TrainConfig) -> None:
