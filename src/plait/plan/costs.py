@@ -115,9 +115,10 @@ class CostModel(Protocol):
         """Seconds of the DP gradient reduction that ``backward`` (the busiest rank's) hides."""
         ...
 
-    def optimizer_time(self, params: float, tensors: int, shards: int, optimizer: str = RUNTIME_OPTIMIZER) -> float:
-        """The optimizer step over ``params`` parameters in ``tensors`` tensors, shared by ``shards`` ranks, as
-        ``optimizer`` (``Training.optimizer``) runs it."""
+    def optimizer_time(self, params: float, tensors: int, shards: float, optimizer: str = RUNTIME_OPTIMIZER) -> float:
+        """The optimizer step over ``params`` parameters in ``tensors`` tensors, shared by ``shards`` ranks (under
+        ZeRO: held over owned elements, ``plan.step_end.owned``), as ``optimizer`` (``Training.optimizer``) runs
+        it."""
         ...
 
     def stream_time(self, nbytes: float, kernels: float) -> float:

@@ -131,11 +131,12 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
             "recompute": m * sum(c.recompute for c in ranks) / pp, "cpu_sharing": 0.0}
     span = costs.forward_backward(model, layout, training.precision, chunks, m, rounds, pipe.makespan)
     busy["cpu_sharing"] = max(0.0, span.busy - sum(busy.values()))
-    params = mem.max_rank_params(model, layout)
-    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)
+    dense, expert = mem.max_rank_split(model, layout)
+    params = dense + expert
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout),
-                                                     training.grad_dtype)
+                                                     training.grad_dtype, expert)
     if layout.zero == 3 and training.zero3_impl == "deepspeed-0.3":
         # DeepSpeed v0.3.13's ZeRO-3 (plan.zero3_deepspeed): each micro-batch walks the same trace, its gradients'
         # all-reduces included (none left for the end of the step)
@@ -150,8 +151,8 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     free = max(0.0, max(c.backward for c in ranks) - gather_3)
     reduction, gather = dp_exposed(costs, layout, training, reduction, gather, free, busiest.forward)
     layers = max(c.layers for c in ranks)
-    optimizer = step_end.optimizer_time(cluster, layout, params, layers, training.optimizer)
-    publish = step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer)
+    optimizer = step_end.optimizer_time(cluster, layout, params, layers, training.optimizer, expert)
+    publish = step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer, expert)
     loss_sync, norm_sync = costs.step_syncs(model, layout)
     tp_sum = step_end.tp_partial_time(model, cluster, layout, layers, True, training.grad_dtype)
     tp_sum += step_end.tied_sum_time(model, cluster, layout, training.grad_dtype, training.tied_grad_sum)

@@ -372,7 +372,7 @@ class GpuCosts:
         """All of it: the reduction runs on the network engines while the SMs compute."""
         return backward
 
-    def optimizer_time(self, params: float, tensors: int, shards: int, optimizer: str = RUNTIME_OPTIMIZER) -> float:
+    def optimizer_time(self, params: float, tensors: int, shards: float, optimizer: str = RUNTIME_OPTIMIZER) -> float:
         """The step streams its state and gradients through HBM: the bytes ``optimizer``'s implementation moves
         per element it updates and per element the rank holds (``plan.optimizers.OPTIMIZERS``)."""
         traffic = OPTIMIZERS[optimizer]

@@ -190,13 +190,18 @@ def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bo
     return dense, layers * experts.held(model, layout)  # whole experts, or split over TP (``plan.experts``)
 
 
-def max_rank_params(model: Model, layout: Layout) -> float:
-    """The most parameters (dense + expert) any GPU holds."""
+def max_rank_split(model: Model, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters of the GPU that holds the most (dense + expert)."""
     st = layout_stages(model, layout)
     layers = st.rank_layers
     kinds = {(layers[r], r == st.first_rank, r == st.last_rank)
              for r in {st.first_rank, st.last_rank, max(range(layout.pp), key=layers.__getitem__)}}
-    return max(sum(rank_params(model, layout, *k)) for k in kinds)
+    return max((rank_params(model, layout, *k) for k in kinds), key=sum)
+
+
+def max_rank_params(model: Model, layout: Layout) -> float:
+    """The most parameters (dense + expert) any GPU holds."""
+    return sum(max_rank_split(model, layout))
 
 
 def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,

@@ -136,8 +136,9 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     m = microbatches(layout, training)
     chunks = timing.chunk_costs(cluster.costs, model, layout, training, m)
     st = layout_stages(model, layout)
-    params = mem.max_rank_params(model, layout)
-    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype)
+    dense, expert = mem.max_rank_split(model, layout)
+    params = dense + expert
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert)
     backward, forward = [0.0] * layout.pp, [0.0] * layout.pp  # a rank's passes over its chunks (``estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
@@ -146,8 +147,9 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
                              [c.backward for c in chunks]) + sum(
         dp_exposed(cluster.costs, layout, training, reduction, gather, max(backward), max(forward)))
     layers = max(st.rank_layers)
-    seconds += step_end.optimizer_time(cluster, layout, params, layers, training.optimizer)
-    seconds += step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer)
+    seconds += step_end.optimizer_time(cluster, layout, params, layers, training.optimizer, expert)
+    seconds += step_end.publish_time(cluster, layout, params, layers, training.precision, training.optimizer,
+                                     expert)
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision,
                                  training.grad_dtype))

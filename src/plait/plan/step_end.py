@@ -3,6 +3,7 @@ step, from the cluster's cost model."""
 
 from __future__ import annotations
 
+from plait.plan import experts
 from plait.plan.cluster import Cluster
 from plait.plan.config import GRAD_DTYPES, Layout
 from plait.plan.memory import STATE_BYTES
@@ -13,15 +14,26 @@ from plait.plan.optimizers import RUNTIME_OPTIMIZER
 PARAM_TENSORS_PER_LAYER = 9
 
 
+def groups(layout: Layout, params_on_gpu: float, expert: float = 0.0) -> tuple[tuple[float, int], ...]:
+    """A rank's ``params_on_gpu`` parameters by the group their gradients are reduced over, and under ZeRO
+    sharded over, as ``(elements, ranks)``: ``expert`` of them (an MoE model's experts) over the ranks that hold
+    the same experts (``experts.dp_group``: ``data_parallel.reducer.set_grad_group``, buckets of their own), the
+    rest over dp·cp. Both groups lie in the pipeline stage's plane of tp·dp·cp consecutive ranks."""
+    dense = (params_on_gpu - expert, layout.dp * layout.cp)
+    if expert <= 0:
+        return (dense,)
+    return dense, (expert, experts.dp_group(layout))
+
+
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
-                 grad_dtype: str = "fp32") -> float:
+                 grad_dtype: str = "fp32", expert: float = 0.0) -> float:
     """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): the sum of
     ``dp_sync_parts``."""
-    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu, grad_dtype))
+    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu, grad_dtype, expert))
 
 
 def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
-                  grad_dtype: str = "fp32") -> tuple[float, float]:
+                  grad_dtype: str = "fp32", expert: float = 0.0) -> tuple[float, float]:
     """(gradient reduction, updated weights' gather) over dp·cp, the gradients in ``grad_dtype``
     (``Training.grad_dtype``: fp32 as plait runs it, 2 B where the stack reduces 16-bit gradients): an
     all-reduce of the gradients and no gather (no ZeRO); a reduce-scatter of them and an all-gather of the
@@ -30,17 +42,22 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     next forwards: ``plan.overlap``); bf16 weights on catalogue GPUs, fp32 on a calibrated host, plait train's
     default); ZeRO-3 as plait runs it: the same reduce-scatter, of the last
     micro-batch's backward (each earlier one reduce-scatters its own: ``zero_per_microbatch``), and no gather
-    after the step (each forward and backward gathers its blocks)."""
-    n = layout.dp * layout.cp
-    span = layout.tp * n
-    collective = cluster.costs.collective
-    grads = GRAD_DTYPES[grad_dtype] * params_on_gpu
-    if layout.zero == 0:
-        return collective("all_reduce", grads, n, span), 0.0
+    after the step (each forward and backward gathers its blocks). The ``expert`` parameters of an MoE model go
+    over their own group, a collective of their own (``groups``)."""
     if layout.zero == 3:
-        return zero3_collectives(cluster, layout, params_on_gpu, zero3_units(model, layout), grad_dtype)[1], 0.0
-    return (collective("reduce_scatter", grads, n, span),
-            collective("all_gather", cluster.costs.weight_gather_bytes * params_on_gpu, n, span))
+        return zero3_collectives(cluster, layout, params_on_gpu, zero3_units(model, layout), grad_dtype,
+                                 expert)[1], 0.0
+    span = layout.tp * layout.dp * layout.cp
+    collective = cluster.costs.collective
+    grad_bytes, weight_bytes = GRAD_DTYPES[grad_dtype], cluster.costs.weight_gather_bytes
+    reduction = gather = 0.0
+    for elements, n in groups(layout, params_on_gpu, expert):
+        if layout.zero == 0:
+            reduction += collective("all_reduce", grad_bytes * elements, n, span)
+        else:
+            reduction += collective("reduce_scatter", grad_bytes * elements, n, span)
+            gather += collective("all_gather", weight_bytes * elements, n, span)
+    return reduction, gather
 
 
 def zero3_units(model: Model, layout: Layout) -> int:
@@ -50,25 +67,30 @@ def zero3_units(model: Model, layout: Layout) -> int:
 
 
 def zero3_collectives(cluster: Cluster, layout: Layout, params_on_gpu: float,
-                      units: int = 1, grad_dtype: str = "fp32") -> tuple[float, float]:
+                      units: int = 1, grad_dtype: str = "fp32", expert: float = 0.0) -> tuple[float, float]:
     """(the all-gathers of a rank's weights in the gather dtype, the reduce-scatters of its gradients in
     ``grad_dtype``: fp32 as plait runs it, 2 B for FSDP with a 16-bit ``reduce_dtype``) over
     dp·cp under ZeRO-3: what one pass gathers and one backward reduce-scatters (``zero_per_microbatch``), as
     ``units`` collectives of equal size (one per block: each pays the ring's latency, which over thousands of
-    ranks outweighs a block's bytes); (0, 0) below ZeRO-3."""
+    ranks outweighs a block's bytes); (0, 0) below ZeRO-3. The ``expert`` parameters of an MoE model are
+    sharded over the ranks holding the same experts (``groups``), a bucket of their own in each layer's block:
+    ``units - 3`` more collectives of each kind over that group (the embedding, final norm and head hold no
+    experts; at least one)."""
     if layout.zero < 3:
         return 0.0, 0.0
-    n = layout.dp * layout.cp
-    span = layout.tp * n
+    span = layout.tp * layout.dp * layout.cp
     units = max(1, units)
-    gathered = cluster.costs.weight_gather_bytes * params_on_gpu / units
-    return (units * cluster.costs.collective("all_gather", gathered, n, span),
-            units * cluster.costs.collective("reduce_scatter", GRAD_DTYPES[grad_dtype] * params_on_gpu / units, n,
-                                             span))
+    costs = cluster.costs
+    gather = scatter = 0.0
+    for i, (elements, n) in enumerate(groups(layout, params_on_gpu, expert)):
+        k = units if i == 0 else max(1, units - 3)
+        gather += k * costs.collective("all_gather", costs.weight_gather_bytes * elements / k, n, span)
+        scatter += k * costs.collective("reduce_scatter", GRAD_DTYPES[grad_dtype] * elements / k, n, span)
+    return gather, scatter
 
 
 def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, microbatches: int = 1,
-                        units: int = 1, grad_dtype: str = "fp32") -> float:
+                        units: int = 1, grad_dtype: str = "fp32", expert: float = 0.0) -> float:
     """Communication ZeRO-3 repeats every micro-batch (on average over the step's ``microbatches``): every
     block's weights are all-gathered for its forward and again for its backward
     (``plait.data_parallel.param_shards``), in the weights' gather dtype, and each backward reduce-scatters its
@@ -76,13 +98,21 @@ def zero_per_microbatch(cluster: Cluster, layout: Layout, params_on_gpu: float, 
     ``dp_sync_parts``'s, so (M-1)/M of one here). Each collective is issued a block ahead or behind the
     compute, so it overlaps it where the cost model says the network runs beside it (``estimate``). ZeRO-1/2:
     nothing per micro-batch."""
-    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu, units, grad_dtype)
+    gather, scatter = zero3_collectives(cluster, layout, params_on_gpu, units, grad_dtype, expert)
     return 2 * gather + scatter * (microbatches - 1) / microbatches
 
 
 def optimizer_shards(layout: Layout) -> int:
-    """Ranks that share each parameter's optimizer step: dp·cp under ZeRO (each updates its shard), else 1."""
+    """Ranks that share each dense parameter's optimizer step: dp·cp under ZeRO (each updates its shard), else 1."""
     return layout.dp * layout.cp if layout.zero >= 1 else 1
+
+
+def owned(layout: Layout, params_on_gpu: float, expert: float = 0.0) -> float:
+    """Elements of a rank's ``params_on_gpu`` whose optimizer step it runs: all of them below ZeRO; under ZeRO
+    its shard of each group's (``groups``: the ``expert`` ones over the ranks holding the same experts)."""
+    if layout.zero < 1:
+        return params_on_gpu
+    return sum(elements / n for elements, n in groups(layout, params_on_gpu, expert))
 
 
 def tp_partial_elements(model: Model, layout: Layout, layers: int, last: bool) -> float:
@@ -141,7 +171,7 @@ def param_tensors(layers: int) -> int:
 
 
 def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0,
-                 precision: str = "bf16", optimizer: str = RUNTIME_OPTIMIZER) -> float:
+                 precision: str = "bf16", optimizer: str = RUNTIME_OPTIMIZER, expert: float = 0.0) -> float:
     """ZeRO's publish of the updated weights beyond its all-gather (``plait.optim.masters.Masters.publish``):
     each rank zeroes a buffer of its shard and copies its masters in (its weight bytes written twice, 4 read
     per owned element), and copies the gathered buffer out into every parameter (its weight bytes read and
@@ -151,20 +181,23 @@ def publish_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers:
     ZeRO, and under ZeRO-3 (the masters are the shards the next forward gathers). On a 2-core host,
     ``small`` at pp2·dp2 (3.0M parameters a rank, fp32): 5.5-7.8 ms a step beyond the all-gather, over two
     layouts and four ranks. 0 for another stack's ``optimizer``: its own copies are in its traffic
-    (``plan.optimizers.OPTIMIZERS``)."""
-    if layout.zero in (0, 3) or optimizer != RUNTIME_OPTIMIZER:
+    (``plan.optimizers.OPTIMIZERS``). A rank owns its shard of each group's parameters (``owned``)."""
+    if layout.zero in (0, 3) or optimizer != RUNTIME_OPTIMIZER or params_on_gpu <= 0:
         return 0.0
-    shard = optimizer_shards(layout)
+    own = owned(layout, params_on_gpu, expert)
     weight = STATE_BYTES[precision][0]
-    traffic = (2 * weight + 4) * params_on_gpu / shard + 2 * weight * params_on_gpu
+    traffic = (2 * weight + 4) * own + 2 * weight * params_on_gpu
     tensors = param_tensors(layers)
-    kernels = tensors / shard + tensors  # the pieces a rank owns (about its share of the tensors), the copies out
+    kernels = tensors * own / params_on_gpu + tensors  # the pieces a rank owns (about its share), the copies out
     return cluster.costs.stream_time(traffic, kernels)
 
 
 def optimizer_time(cluster: Cluster, layout: Layout, params_on_gpu: float, layers: int = 0,
-                   optimizer: str = RUNTIME_OPTIMIZER) -> float:
+                   optimizer: str = RUNTIME_OPTIMIZER, expert: float = 0.0) -> float:
     """The optimizer step, its gradient clipping included, over this GPU's (sharded) parameters of ``layers``
-    layers (under ZeRO a rank updates its pieces of 1/(dp·cp) of the tensors) as ``optimizer``
-    (``Training.optimizer``) runs it: ``CostModel.optimizer_time``."""
-    return cluster.costs.optimizer_time(params_on_gpu, param_tensors(layers), optimizer_shards(layout), optimizer)
+    layers (under ZeRO a rank updates its pieces of 1/(dp·cp) of the dense tensors and of 1/``experts.dp_group``
+    of the ``expert`` ones: ``owned``) as ``optimizer`` (``Training.optimizer``) runs it:
+    ``CostModel.optimizer_time``, its ``shards`` the ratio of held to owned elements."""
+    own = owned(layout, params_on_gpu, expert)
+    shards = params_on_gpu / own if expert > 0 and own > 0 else optimizer_shards(layout)
+    return cluster.costs.optimizer_time(params_on_gpu, param_tensors(layers), shards, optimizer)

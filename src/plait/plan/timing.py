@@ -38,13 +38,16 @@ def accumulation_bytes(model: Model, layout: Layout, layers: int, first: bool, l
                        acc: AccumulationTraffic, microbatches: int) -> float:
     """HBM bytes of one backward's weight-gradient accumulation (``plan.accumulation``) on one GPU of a chunk of
     ``layers`` layers (``first``: with the embedding, ``last``: with the head), on average over the step's
-    ``microbatches``: per element it holds, and per element of its 1/(dp·cp) gradient shard."""
-    held = sum(rank_params(model, layout, layers, first, last))
+    ``microbatches``: per element it holds, and per element of its gradient shard (1/(dp·cp) of the dense
+    elements, 1/``experts.dp_group`` of the experts')."""
+    dense, expert = rank_params(model, layout, layers, first, last)
     if acc.fused:  # only what no GEMM produces: the norms, the embedding table
-        held = layers * 2 * model.norm_params() + (model.embedding_params() / layout.tp if first else 0.0) + (
+        dense = layers * 2 * model.norm_params() + (model.embedding_params() / layout.tp if first else 0.0) + (
             model.norm_params() if last else 0.0)
+        expert = 0.0
     later = (microbatches - 1) / microbatches
-    shard = held / (layout.dp * layout.cp)
+    shard = dense / (layout.dp * layout.cp) + (expert / experts.dp_group(layout) if expert else 0.0)
+    held = dense + expert
     return held * (acc.every + acc.later * later) + shard * (acc.shard_every + acc.shard_later * later)
 
 

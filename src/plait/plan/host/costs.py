@@ -215,7 +215,7 @@ class HostCosts:
         ran 753 ms where the prediction with the reduction hidden said 695."""
         return 0.0
 
-    def optimizer_time(self, params: float, tensors: int, shards: int, optimizer: str = RUNTIME_OPTIMIZER) -> float:
+    def optimizer_time(self, params: float, tensors: int, shards: float, optimizer: str = RUNTIME_OPTIMIZER) -> float:
         """plait's step as ``plait calibrate`` timed it, per parameter and per tensor it updates, or per
         parameter alone (older profiles); profiles of format 1: its bytes at the streaming bandwidth and a few
         kernels per parameter tensor. Another stack's ``optimizer``: ConfigError (the host times plait's own)."""
