@@ -97,8 +97,10 @@ def check_predicted_vs_measured(root: Path, profile) -> list[dict]:
 
 
 # an MoE preset at tp2·dp2 with ZeRO-1, its experts in both placements (plan.experts): whole with EP over the TP
-# group (expert-DP 2) and over the stage's four ranks (expert-DP 1), split over TP with EP over dp (expert-DP 1)
-MOE_LAYOUTS = [dict(tp=2, pp=1, dp=2, ep=2), dict(tp=2, pp=1, dp=2, ep=4), dict(tp=2, pp=1, dp=2, ep=2, expert_tp=True)]
+# group (expert-DP 2) and over the stage's four ranks (expert-DP 1), split over TP with EP over dp (expert-DP 1);
+# and whole over the TP group under sequence parallelism
+MOE_LAYOUTS = [dict(tp=2, pp=1, dp=2, ep=2), dict(tp=2, pp=1, dp=2, ep=4), dict(tp=2, pp=1, dp=2, ep=2, expert_tp=True),
+               dict(tp=2, pp=1, dp=2, ep=2, sequence_parallel=True)]
 
 
 def balanced_route(route):

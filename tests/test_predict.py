@@ -116,11 +116,13 @@ def test_predicted_memory_on_this_machine(world4):
 
 def test_predicted_memory_of_moe_runs_in_both_expert_placements(tmp_path):
     """``plait train``'s prediction (``plan.runs``, as ``--dry-run`` makes it) of an MoE run at tp2·dp2 with
-    ZeRO-1 in both expert placements against ``pm.memory_report()`` on every rank: parameters, gradients,
-    optimizer state and the activations' peak within 1% (whole experts hold twice the split ones' bytes; ZeRO
-    shards them over the ranks holding the same experts, so the optimizer state is the same). The run's routing
-    is balanced (``checks_predict.balanced_route``), as the census counts it (plan.host.experts): a split
-    expert's TP rank keeps the dispatched rows of all its tokens, twice the whole experts' at tp2."""
+    ZeRO-1 in both expert placements, and of whole experts under sequence parallelism, against
+    ``pm.memory_report()`` on every rank: parameters, gradients, optimizer state and the activations' peak within
+    1% (whole experts hold twice the split ones' bytes; ZeRO shards them over the ranks holding the same experts,
+    so the optimizer state is the same). The run's routing is balanced (``checks_predict.balanced_route``), as the
+    census counts it (plan.host.experts): a split expert's TP rank keeps the dispatched rows of all its tokens,
+    twice the whole experts' at tp2. Under SP a TP rank dispatches its own sequence shard and keeps the dense
+    parts of the layer split too, so its peak is below the same layout's without SP."""
     from plait.cli.predict import memory_rows, predict
     from plait.train import TrainConfig
 
@@ -131,12 +133,14 @@ def test_predicted_memory_of_moe_runs_in_both_expert_placements(tmp_path):
         cfg = TrainConfig.from_dict(r["config"])
         est = predict(cfg, profile, 4)
         assert est.layout.expert_tp == r["layout"].get("expert_tp", False) and est.layout.ep == r["layout"]["ep"]
+        assert est.layout.sequence_parallel == r["layout"].get("sequence_parallel", False)
         (pred,) = memory_rows(est)
         for m in r["memory"]:
             for kind in ("params", "grads", "optimizer", "activations_peak"):
                 assert m[kind] == pytest.approx(pred[kind], rel=0.01), (r["layout"], kind, m[kind], pred[kind])
         measured[est.layout.short()] = r["memory"][0]
-    whole, spread, split = measured.values()
+    whole, spread, split, sp = measured.values()
+    assert sp["activations_peak"] < 0.95 * whole["activations_peak"] and sp["params"] == whole["params"]
     assert split["activations_peak"] > 1.05 * whole["activations_peak"]
     assert whole["params"] > 1.5 * split["params"]
     assert whole["optimizer"] == pytest.approx(split["optimizer"], rel=1e-3)
