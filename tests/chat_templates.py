@@ -1,5 +1,11 @@
-"""Chat templates of real model families (as their tokenizer_config.json carries them) for the serving tests."""
+"""Chat templates of real model families (as their tokenizer_config.json carries them) for the serving and data
+tests, and tokenizer folders that carry them."""
 # ruff: noqa: E501  (the templates are kept as their models ship them, one long line where they have one)
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 # Meta-Llama-3-8B-Instruct
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -182,3 +188,28 @@ MISTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] =
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>",
                   "<|im_end|>", "<s>", "</s>", "[INST]", "[/INST]", "<|vision_start|>", "<|image_pad|>",
                   "<|vision_end|>"]
+
+
+def template_folder(path: Path, kind: str, template, bos: str | None, eos: str, corpus: str) -> Path:
+    """A small byte-level BPE trained on ``corpus`` with the families' special tokens, saved by transformers,
+    its template stored as ``kind`` says ("jinja": chat_template.jinja; else in tokenizer_config.json, a string
+    or a list of named templates). With a ``bos``, the tokenizer adds it to every text (as Llama's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([corpus], trainer)
+    if bos is not None and bos != "<s>":
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
+    PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
+    if kind == "jinja":
+        (path / "chat_template.jinja").write_text(template)
+    else:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, SPECIAL_TOKENS
+from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, template_folder
 from plait.chat_template import PLAIT_SOURCE, ChatTemplate, chat_prompt
 from plait.serve.protocol import ApiError
 from plait.serve.tokens import TokenizerInfo
@@ -42,33 +42,12 @@ FOLDERS = {"llama3": ("config", LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
-    """A small byte-level BPE (trained here) with the families' special tokens, saved by transformers into one
-    folder per family; the template stored as such models store it. The Llama folders add a BOS to every text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """One tokenizer folder per family (chat_templates.template_folder), the template stored as such models
+    store it. The Llama folders add a BOS to every text."""
     root = tmp_path_factory.mktemp("chat")
-    out = {}
-    for name, (kind, template, bos, eos) in FOLDERS.items():
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator([" ".join(m["content"] for m in CHAT) * 8], trainer)
-        if name.startswith("llama"):
-            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
-                                                               special_tokens=[(bos, tok.token_to_id(bos))])
-        special = {k: v for k, v in (("bos_token", bos), ("eos_token", eos)) if v}
-        path = root / name
-        PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(path)
-        if kind == "jinja":
-            (path / "chat_template.jinja").write_text(template)
-        else:
-            config = json.loads((path / "tokenizer_config.json").read_text())
-            (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-        out[name] = path
-    return out
+    corpus = " ".join(m["content"] for m in CHAT) * 8
+    return {name: template_folder(root / name, kind, template, bos, eos, corpus)
+            for name, (kind, template, bos, eos) in FOLDERS.items()}
 
 
 def _pair(path: Path, trust: bool = False):
