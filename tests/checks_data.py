@@ -1,8 +1,10 @@
 """Rank-side checks of training on a prepared dataset (world of 4): the same losses under every layout as on one
-device, and a resumed run continuing the stream exactly, under its own layout and under another."""
+device, also with a chat dataset's loss mask, and a resumed run continuing the stream exactly, under its own
+layout and under another."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from checks_train import reference_losses
 from data_util import documents, write_jsonl
 from harness import run_checks
+from plait.data.chat import ChatSpec
 from plait.train import TrainConfig
 from plait.train.loop import train
 
@@ -47,6 +50,27 @@ def check_resume(root: Path) -> dict:
     return out
 
 
+CHAT_LAYOUTS = {"dp2tp2": dict(tp=2, pp=1, dp=2, microbatches=2), "tp2pp2": dict(tp=2, pp=2, dp=1, microbatches=2)}
+
+
+def chats(n: int) -> list[dict]:
+    """Conversations of varied lengths: each window of a chat dataset holds a different share of the
+    assistant's tokens."""
+    docs = documents(2 * n, seed=7, max_words=12)
+    return [{"messages": [{"role": "user", "content": docs[2 * i]}, {"role": "assistant", "content": docs[2 * i + 1]}]}
+            for i in range(n)]
+
+
+def check_chat(root: Path) -> dict:
+    """A chat dataset (the loss on the assistant's tokens only): the same losses under DP, TP and PP as on one
+    device (a mean over the unmasked tokens of the global batch, whatever each micro-batch and replica holds)."""
+    cfg = dict(data=[str(root / "chat")], eval_every=0)
+    out = {name: [train(data_cfg(root, f"chat-{name}", **cfg, **layout)).losses[s] for s in range(1, STEPS + 1)]
+           for name, layout in CHAT_LAYOUTS.items()}
+    out["single"] = reference_losses(data_cfg(root, "chat-x", **cfg), STEPS)
+    return out
+
+
 def rank_main(root: str) -> dict:
     import plait
     from plait.data import prepare
@@ -56,5 +80,8 @@ def rank_main(root: str) -> dict:
     if dist.get_rank() == 0:
         prepare([str(write_jsonl(path / "c.jsonl", documents(400, seed=5)))], "bytes", path / "set", workers=1,
                 held_out=0.1)
+        (path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats(200)))
+        prepare([str(path / "chats.jsonl")], "bytes", path / "chat", workers=1, held_out=0.0, chat=ChatSpec("bytes"))
     dist.barrier()
-    return run_checks([("data/layouts", lambda: check_layouts(path)), ("data/resume", lambda: check_resume(path))])
+    return run_checks([("data/layouts", lambda: check_layouts(path)), ("data/resume", lambda: check_resume(path)),
+                       ("data/chat", lambda: check_chat(path))])

@@ -17,12 +17,22 @@ Sources (files or folders, read recursively in sorted order):
   a `datasets` folder    written by Dataset.save_to_disk (needs datasets: the 'data' extra)
   anything else          a plain text file is one document
 
+
+Chat data (--chat): each record's --messages-field (default messages), a list of
+{"role", "content"}, is rendered with the --tokenizer folder's chat template exactly as
+transformers' apply_chat_template(messages, tokenize=False) renders it (--chat-template FILE
+replaces it; a folder without one, or bytes, gets plait's <|role|> format, as plait serve),
+then tokenized without added special tokens (a template's BOS stays single). The loss is on
+the assistant's messages (--loss-on all: every token): the mask is stored beside the tokens
+and plait train ignores the other targets.
+
 The output appears at --out only when complete: a prepare that is killed leaves nothing there.
 
 \b
 Examples:
   plait data prepare corpus.jsonl --tokenizer bytes --out data/corpus
   plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 --held-out 0.01
+  plait data prepare chats.jsonl --tokenizer ./my-model --chat --out data/chats
   plait train --data data/corpus --seq-len 256
 """
 
@@ -44,18 +54,41 @@ def prepare_command(
                                        "stopping at the first.")] = False,
     force: Annotated[bool, Opt(help="Replace --out if it exists (the old dataset stays until the new one is "
                                     "complete).")] = False,
+    chat: Annotated[bool, Opt("--chat", help="Records are conversations: render --messages-field with the chat "
+                                             "template and train on the assistant's tokens.")] = False,
+    messages_field: Annotated[str, Opt(help="With --chat: the field (column) holding the list of messages.")
+                              ] = "messages",
+    loss_on: Annotated[str, Opt(help="With --chat: 'assistant' (the loss on the assistant's messages only) or "
+                                     "'all' (every token).")] = "assistant",
+    chat_template: Annotated[str | None, Opt(help="With --chat: a Jinja template file (or its text) instead of "
+                                                  "the folder's chat template.")] = None,
 ) -> None:
     from rich.console import Console
 
+    from plait.data.chat import ChatSpec
     from plait.data.prepare import prepare
     from plait.errors import ConfigError
 
     try:
+        spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template) if chat else None
+        if not chat:
+            _chat_only(messages=messages_field != "messages", loss_on=loss_on != "assistant",
+                       chat_template=chat_template is not None)
         prepare(sources, tokenizer, out, text_field=text_field, workers=workers, held_out=held_out, eos=eos,
-                skip_bad=skip_bad, force=force, console=Console(highlight=False))
+                skip_bad=skip_bad, force=force, console=Console(highlight=False), chat=spec)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def _chat_only(**given: bool) -> None:
+    """ConfigError naming a --chat option given without --chat."""
+    from plait.errors import ConfigError
+
+    for name, used in given.items():
+        if used:
+            flag = {"messages": "--messages-field"}.get(name, "--" + name.replace("_", "-"))
+            raise ConfigError(f"{flag} reads chat records: add --chat")
 
 
 def register(app: typer.Typer) -> None:

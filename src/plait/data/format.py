@@ -6,7 +6,12 @@ A prepared dataset is a folder::
     train/00000.bin ...       token ids, raw little-endian uint16 (vocabulary <= 65,536) or uint32; each
                               document's tokens followed by one EOS; the split's stream is its shards in order
     train/docs.npy            int64 [documents + 1]: where each document starts in the split's stream
+    train/00000.mask ...      (chat datasets) uint8 beside each shard, one per token: 1 where the token is in
+                              the loss (the assistant's tokens), 0 where training ignores it as a target
     held_out/...              the same for the held-out documents
+
+``plait-tokens/2`` added the masks (a shard names its ``mask`` file); ``plait-tokens/1`` datasets, without
+them, read the same: every token in the loss.
 
 ``meta.json`` is written last and the folder is renamed into place only when complete (plait.data.prepare),
 so a folder with a ``meta.json`` of this format is a whole dataset; ``open_prepared`` still checks that every
@@ -25,7 +30,8 @@ import numpy as np
 
 from plait.errors import ConfigError
 
-FORMAT = "plait-tokens/1"
+FORMAT = "plait-tokens/2"
+READABLE = ("plait-tokens/1", FORMAT)
 META = "meta.json"
 SPLITS = ("train", "held_out")
 
@@ -45,8 +51,11 @@ class TokenSplit(Protocol):
 
     tokens: int
     documents: int
+    masked: bool  # whether read_mask says which tokens are in the loss (else all are)
 
     def read(self, start: int, length: int) -> np.ndarray: ...
+
+    def read_mask(self, start: int, length: int) -> np.ndarray: ...
 
 
 class Split:
@@ -57,15 +66,13 @@ class Split:
         self.name, self.dtype = name, np.dtype(dtype)
         self.shards: list[np.ndarray] = []
         self.files: list[Path] = []
+        self.masks: list[Path] = []
+        self.masked = bool(info["shards"]) and all("mask" in s for s in info["shards"])
         for s in info["shards"]:
-            path = root / s["file"]
-            self.files.append(path)
-            want = s["tokens"] * self.dtype.itemsize
-            if not path.is_file() or path.stat().st_size != want:
-                got = path.stat().st_size if path.is_file() else "missing"
-                raise ConfigError(f"{root}: shard {s['file']} is {got} bytes, meta.json says {want}: the dataset "
-                                  "is damaged; prepare it again")
-            self.shards.append(np.memmap(path, dtype=self.dtype, mode="r", shape=(s["tokens"],)))
+            self.files.append(_checked(root, s["file"], s["tokens"] * self.dtype.itemsize))
+            if self.masked:
+                self.masks.append(_checked(root, s["mask"], s["tokens"]))
+            self.shards.append(np.memmap(self.files[-1], dtype=self.dtype, mode="r", shape=(s["tokens"],)))
         sizes = np.asarray([len(s) for s in self.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # [shards + 1]
         self.tokens = int(self.starts[-1])
@@ -79,17 +86,26 @@ class Split:
         Read with ``pread``, not through the maps: a mapped page counts in the process's resident size in
         units of the page cache's folios (about 0.8 MB per random window on Linux 6 with large folios), so a
         run reading windows through the maps would look as large as the part of the corpus it has visited."""
+        return self._pread(self.files, self.dtype, start, length)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        """The loss mask of tokens ``[start, start + length)`` (uint8, 1: in the loss); all ones without masks."""
+        if not self.masked:
+            return np.ones(length, dtype=np.uint8)
+        return self._pread(self.masks, np.dtype(np.uint8), start, length)
+
+    def _pread(self, files: list[Path], dtype: np.dtype, start: int, length: int) -> np.ndarray:
         if start < 0 or start + length > self.tokens:
             raise IndexError(f"{self.name}: tokens [{start}, {start + length}) outside [0, {self.tokens})")
         i = int(np.searchsorted(self.starts, start, side="right")) - 1
-        size = self.dtype.itemsize
+        size = dtype.itemsize
         parts, pos, left = [], start, length
         while left > 0:
             off = pos - int(self.starts[i])
             take = min(left, len(self.shards[i]) - off)
-            fd = os.open(self.files[i], os.O_RDONLY)
+            fd = os.open(files[i], os.O_RDONLY)
             try:
-                parts.append(np.frombuffer(os.pread(fd, take * size, off * size), dtype=self.dtype))
+                parts.append(np.frombuffer(os.pread(fd, take * size, off * size), dtype=dtype))
             finally:
                 os.close(fd)
             pos, left, i = pos + take, left - take, i + 1
@@ -99,6 +115,16 @@ class Split:
         """Document ``i``'s tokens, its EOS included."""
         start, stop = int(self.docs[i]), int(self.docs[i + 1])
         return self.read(start, stop - start)
+
+
+def _checked(root: Path, name: str, want: int) -> Path:
+    """``root / name``, ConfigError unless it is a file of ``want`` bytes."""
+    path = root / name
+    if not path.is_file() or path.stat().st_size != want:
+        got = path.stat().st_size if path.is_file() else "missing"
+        raise ConfigError(f"{root}: shard {name} is {got} bytes, meta.json says {want}: the dataset is damaged; "
+                          "prepare it again")
+    return path
 
 
 @dataclass
@@ -127,8 +153,8 @@ def open_prepared(path: str | Path) -> Prepared:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{meta_path}: not valid JSON ({exc}); prepare the dataset again") from None
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{meta_path}: format {meta.get('format')!r}, this plait reads {FORMAT!r}")
+    if meta.get("format") not in READABLE:
+        raise ConfigError(f"{meta_path}: format {meta.get('format')!r}, this plait reads {' and '.join(READABLE)}")
     train, held = (Split(root, name, meta["splits"][name], meta["dtype"]) for name in SPLITS)
     return Prepared(root, meta, train, held)
 

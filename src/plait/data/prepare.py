@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plait.data.chat import ChatSpec, Spans
 from plait.data.format import SPLITS, dtype_for, write_meta
 from plait.data.sources import BadRecord, Source, Task, discover, read_task, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
@@ -37,6 +38,7 @@ class Job:
     text_field: str
     skip_bad: bool
     folder: str
+    chat: ChatSpec | None = None  # --chat: records' messages through the chat template, with loss masks
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TaskResult:
     index: int
     source: int
     lengths: dict[str, np.ndarray]  # split -> int64 document lengths (EOS included)
+    loss_tokens: dict[str, int]  # split -> tokens in the loss (with --chat; else every token)
     skipped: int
     digest: bytes
     nbytes: int
@@ -56,44 +59,75 @@ _WORKER: dict = {}
 def _init(job: Job) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
     _WORKER["job"], _WORKER["tok"] = job, job.spec.load()
+    _WORKER["chat"] = job.chat.load() if job.chat is not None else None
 
 
-def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dtype: str
-                     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per split: (token ids of its documents, each followed by ``eos``; int64 document lengths). A document is
-    held out when the hash of its text falls under ``held_out``."""
+def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dtype: str,
+                     spans: list[Spans] | None = None) -> dict[str, Encoded]:
+    """Per split: token ids of its documents, each followed by ``eos``; int64 document lengths; with ``spans``
+    (the characters of each document in the loss) the uint8 loss mask beside the ids. A document is held out
+    when the hash of its text falls under ``held_out``."""
     limit = int(held_out * 2**64)
     parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+    masks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     end = np.asarray([eos], dtype=np.uint32)
     for i in range(0, len(docs), ENCODE_BATCH):
         batch = docs[i:i + ENCODE_BATCH]
-        for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
+        encoded: list[tuple[np.ndarray, np.ndarray | None]] = (
+            [(ids, None) for ids in tok.encode_batch(batch)] if spans is None
+            else list(tok.encode_masked(batch, spans[i:i + ENCODE_BATCH])))
+        for text, (ids, mask) in zip(batch, encoded, strict=True):
             h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest(), "little")
-            parts["held_out" if h < limit else "train"] += [ids, end]
-    return {split: (np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype),
-                    np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64)) for split, arrays in parts.items()}
+            split = "held_out" if h < limit else "train"
+            parts[split] += [ids, end]
+            if mask is not None:
+                masks[split].append(mask)
+    out = {}
+    for split, arrays in parts.items():
+        ids = np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+        mask = None if spans is None else np.concatenate(masks[split] or [np.zeros(0, np.uint8)])
+        out[split] = Encoded(ids, np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64), mask)
+    return out
+
+
+@dataclass
+class Encoded:
+    """One split's part of a task: ids [tokens], document lengths [documents], loss mask [tokens] or None."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    mask: np.ndarray | None = None
 
 
 def _run(task: Task) -> TaskResult:
     job, tok = _WORKER["job"], _WORKER["tok"]
-    docs, skipped, raw, bad = read_task(task, job.text_field, job.skip_bad)
-    encoded = encode_documents(docs, tok, job.eos, job.held_out, job.dtype)
-    for split, (tokens, _) in encoded.items():
-        if len(tokens):
-            with open(Path(job.folder) / split / f"{task.index:06d}.bin", "wb") as f:
-                tokens.tofile(f)
-                f.flush()
-                os.fsync(f.fileno())
-    digest = hashlib.blake2b(raw, digest_size=16).digest()
-    return TaskResult(task.index, task.source, {k: v[1] for k, v in encoded.items()}, skipped, digest, task.nbytes,
-                      [f"{where(r)}: {r.why}" for r in bad[:5]])
+    got = read_task(task, job.text_field, job.skip_bad, _WORKER["chat"])
+    encoded = encode_documents(got.docs, tok, job.eos, job.held_out, job.dtype, got.spans)
+    for split, enc in encoded.items():
+        if len(enc.ids):
+            _write(Path(job.folder) / split / f"{task.index:06d}.bin", enc.ids)
+            if enc.mask is not None:
+                _write(Path(job.folder) / split / f"{task.index:06d}.mask", enc.mask)
+    digest = hashlib.blake2b(got.raw, digest_size=16).digest()
+    loss = {k: int(v.mask.sum()) if v.mask is not None else len(v.ids) for k, v in encoded.items()}
+    return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss, got.skipped,
+                      digest, task.nbytes, [f"{where(r)}: {r.why}" for r in got.bad[:5]])
+
+
+def _write(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        array.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str = "text",
             workers: int | None = None, held_out: float = 0.005, eos: str | None = None, skip_bad: bool = False,
-            force: bool = False, console=None) -> dict:
+            force: bool = False, console=None, chat: ChatSpec | None = None) -> dict:
     """Tokenize ``sources`` with ``tokenizer`` ("bytes", a folder or a tokenizer.json) into the prepared
-    dataset ``out``; returns its metadata. ``console`` (rich): progress bar and summary table."""
+    dataset ``out``; returns its metadata. ``console`` (rich): progress bar and summary table. ``chat``: read
+    each record's messages (``chat.field``) through the tokenizer folder's chat template instead of
+    ``text_field``, and store the loss mask (plait.data.chat)."""
     out = Path(out)
     if not 0 <= held_out < 1:
         raise ConfigError(f"--held-out {held_out}: a fraction of the documents in [0, 1)")
@@ -103,8 +137,10 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     spec = TokenizerSpec(tokenizer)
     tok = spec.load()
     found = discover(sources)
-    job = Job(spec, tok.eos(eos), dtype_for(tok.vocab_size), held_out, text_field, skip_bad, "")
-    todo = tasks(found, text_field)
+    renderer = _check_chat(chat, found)
+    field = chat.field if chat is not None else text_field
+    job = Job(spec, tok.eos(eos), dtype_for(tok.vocab_size), held_out, field, skip_bad, "", chat)
+    todo = tasks(found, field, chat is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -115,6 +151,9 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
         t0 = time.perf_counter()
         results = _execute(todo, job, workers or os.cpu_count() or 1, sum(s.bytes for s in found), console)
         meta = _meta(found, results, tok, job, time.perf_counter() - t0)
+        if renderer is not None:
+            meta["chat"] = {"messages_field": renderer.spec.field, "loss_on": renderer.spec.loss_on,
+                            "template": renderer.source}
         _finish(tmp, out, results, meta, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -124,6 +163,18 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
 
         console.print(prepare_summary(meta, out))
     return meta
+
+
+def _check_chat(chat: ChatSpec | None, found: list[Source]):
+    """The loaded chat template (None without ``chat``); ConfigError for plain text sources, which hold no
+    records of messages."""
+    if chat is None:
+        return None
+    text = [s for s in found if s.kind == "text"]
+    if text:
+        raise ConfigError(f"--chat reads records of messages (.jsonl/.json/.ndjson, .parquet or a datasets "
+                          f"folder), but SRC {text[0].path} holds plain text ({text[0].files[0]})")
+    return chat.load()
 
 
 def _remove_stale(out: Path) -> None:
@@ -178,10 +229,14 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
     splits = {}
     for split in SPLITS:
         lengths = [r.lengths[split] for r in results]
-        shards = [{"file": f"{split}/{r.index:06d}.bin", "tokens": int(n.sum())}
-                  for r, n in zip(results, lengths, strict=True) if n.sum() > 0]
+        shards: list[dict] = [{"file": f"{split}/{r.index:06d}.bin", "tokens": int(n.sum())}
+                              for r, n in zip(results, lengths, strict=True) if n.sum() > 0]
+        if job.chat is not None:  # the loss mask beside each shard
+            for shard in shards:
+                shard["mask"] = shard["file"].removesuffix(".bin") + ".mask"
         splits[split] = {"documents": int(sum(len(n) for n in lengths)),
-                         "tokens": sum(int(n.sum()) for n in lengths), "shards": shards}
+                         "tokens": sum(int(n.sum()) for n in lengths), "shards": shards,
+                         "loss_tokens": sum(r.loss_tokens[split] for r in results)}
     if splits["train"]["tokens"] == 0:
         skipped = sum(r.skipped for r in results)
         raise ConfigError(f"SRC {' '.join(s.path for s in found)}: no documents for the training split "

@@ -68,12 +68,12 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Tr
     for task in tasks(found, "text"):
         for name in task.files:  # one file at a time: the budget stops at a file's end
             one = Task(task.index, task.source, "text", name, files=[name])
-            texts, _, _, _ = read_task(one, "text", skip_bad=True)
+            texts = read_task(one, "text", skip_bad=True).docs
             files += 1
-            for split, (ids, lengths) in encode_documents(texts, tok, eos, RAW_HELD_OUT, dtype).items():
-                parts[split].append(ids)
-                docs[split] += len(lengths)
-                size += len(ids)
+            for split, enc in encode_documents(texts, tok, eos, RAW_HELD_OUT, dtype).items():
+                parts[split].append(enc.ids)
+                docs[split] += len(enc.lengths)
+                size += len(enc.ids)
             if size >= budget:
                 break
         if size >= budget:

@@ -55,6 +55,12 @@ def prepare_summary(meta: dict, out: Path):
     secs = max(meta["seconds"], 1e-9)
     t.caption = (f"{secs:.1f} s: {mb / secs:,.1f} MB/s, {tokens / secs:,.0f} tokens/s; "
                  f"{len(meta['splits']['train']['shards'])} training shards")
+    chat = meta.get("chat")
+    if chat is not None:
+        train = meta["splits"]["train"]
+        share = train["loss_tokens"] / max(1, train["tokens"])
+        t.caption += (f"\nchat: {chat['messages_field']!r} rendered with {chat['template']}; the loss on "
+                      f"{chat['loss_on']} tokens: {train['loss_tokens']:,} of the training split's ({share:.0%})")
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
         t.caption += "\nskipped, e.g.: " + "; ".join(examples[:3])

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plait.data.chat import BadChat, ChatRenderer, Spans, no_messages_hint
 from plait.errors import ConfigError, require_extra
 
 CHUNK = 4 << 20  # bytes of input per task
@@ -84,7 +85,7 @@ def discover(paths: list[str]) -> list[Source]:
     return out
 
 
-def tasks(sources: list[Source], text_field: str) -> list[Task]:
+def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
     """Every source cut into tasks, in order."""
     out: list[Task] = []
     for si, src in enumerate(sources):
@@ -94,7 +95,7 @@ def tasks(sources: list[Source], text_field: str) -> list[Task]:
                     out.append(Task(len(out), si, "jsonl", str(f), a, b, nbytes=b - a))
         elif src.kind == "parquet":
             for f in src.files:
-                groups = _parquet_groups(f, text_field)
+                groups = _parquet_groups(f, field, chat)
                 size = f.stat().st_size
                 for g in range(groups):
                     out.append(Task(len(out), si, "parquet", str(f), g, nbytes=size // max(1, groups)))
@@ -131,15 +132,15 @@ def _line_ranges(path: Path) -> Iterator[tuple[int, int]]:
             start = stop
 
 
-def _parquet_groups(path: Path, text_field: str) -> int:
+def _parquet_groups(path: Path, field: str, chat: bool) -> int:
     pq = _pyarrow_parquet()
     try:
         meta = pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
         raise ConfigError(f"SRC {path}: not a readable Parquet file ({exc})") from None
     names = meta.schema_arrow.names
-    if text_field not in names:
-        raise ConfigError(f"{path}: no column {text_field!r} (columns: {', '.join(names)}); choose --text-field")
+    if field not in names:
+        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(names)}); choose {field_flag(chat)}")
     return meta.num_row_groups
 
 
@@ -163,75 +164,112 @@ def _hf_dataset(path: Path):
     return ds
 
 
-def read_task(task: Task, text_field: str, skip_bad: bool) -> tuple[list[str], int, bytes, list[BadRecord]]:
-    """(documents, records skipped, raw bytes read (text and JSON lines; for the source's hash), the bad
-    records skipped). A bad record raises BadRecord unless ``skip_bad``."""
-    bad: list[BadRecord] = []
+@dataclass
+class Read:
+    """What a task read: its documents, the character spans of each in the loss (``chat`` only, else None),
+    the raw bytes (text and JSON lines; for the source's hash) and the bad records skipped."""
+
+    docs: list[str]
+    spans: list[Spans] | None
+    raw: bytes
+    bad: list[BadRecord]
+    skipped: int = 0  # records skipped, bad ones and binary files
+
+    def add(self, value: tuple[str, Spans] | str) -> None:
+        if isinstance(value, tuple):
+            assert self.spans is not None
+            self.docs.append(value[0])
+            self.spans.append(value[1])
+        else:
+            self.docs.append(value)
+
+
+def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None = None) -> Read:
+    """The documents of a task: each record's ``field`` as text, or with ``chat`` its messages rendered by the
+    chat template. A bad record raises BadRecord unless ``skip_bad``."""
+    out = Read([], [] if chat is not None else None, b"", [])
     if task.kind == "jsonl":
         with open(task.path, "rb") as f:
             f.seek(task.start)
-            raw = f.read(task.stop - task.start)
-        docs = []
-        for i, line in enumerate(raw.split(b"\n")):
+            out.raw = f.read(task.stop - task.start)
+        for i, line in enumerate(out.raw.split(b"\n")):
             if not line.strip():
                 continue
-            text, why = _text_of(line, text_field)
-            if text is None:
-                rec = BadRecord(task.path, task.start, i, why)
-                if not skip_bad:
-                    raise rec
-                bad.append(rec)
+            value, why = _text_of(line, field, chat)
+            if value is None:
+                _bad(out, BadRecord(task.path, task.start, i, why), skip_bad)
                 continue
-            docs.append(text)
-        return docs, len(bad), raw, bad
+            out.add(value)
+        return out
     if task.kind == "text":
-        docs, skipped, raws = [], 0, []
+        raws = []
         for name in task.files:
             raw = Path(name).read_bytes()
             raws.append(raw)
             if b"\0" in raw[:1024]:
-                skipped += 1  # binary
+                out.skipped += 1  # binary
                 continue
-            docs.append(raw.decode("utf-8", errors="replace"))
-        return docs, skipped, b"".join(raws), bad
-    values = _column(task, text_field)
-    docs = []
-    for i, v in enumerate(values):
-        if isinstance(v, str):
-            docs.append(v)
-            continue
-        rec = BadRecord(task.path, -1, task.start + i if task.kind == "hf" else i,
-                        f"{text_field!r} is {type(v).__name__}, not text"
-                        + (f" (row {i} of row group {task.start})" if task.kind == "parquet" else ""))
-        if not skip_bad:
-            raise rec
-        bad.append(rec)
-    return docs, len(bad), b"", bad
+            out.add(raw.decode("utf-8", errors="replace"))
+        out.raw = b"".join(raws)
+        return out
+    for i, v in enumerate(_column(task, field, chat is not None)):
+        row = f" (row {i} of row group {task.start})" if task.kind == "parquet" else ""
+        at = task.start + i if task.kind == "hf" else i
+        if chat is not None:
+            try:
+                out.add(chat.document(v))
+            except BadChat as exc:
+                _bad(out, BadRecord(task.path, -1, at, f"{exc}{row}"), skip_bad)
+        elif isinstance(v, str):
+            out.add(v)
+        else:
+            _bad(out, BadRecord(task.path, -1, at, f"{field!r} is {type(v).__name__}, not text{row}"), skip_bad)
+    return out
 
 
-def _column(task: Task, text_field: str) -> list:
+def _bad(out: Read, rec: BadRecord, skip_bad: bool) -> None:
+    if not skip_bad:
+        raise rec
+    out.bad.append(rec)
+    out.skipped += 1
+
+
+def _column(task: Task, field: str, chat: bool) -> list:
     if task.kind == "parquet":
-        table = _pyarrow_parquet().ParquetFile(task.path).read_row_group(task.start, columns=[text_field])
-        return table.column(text_field).to_pylist()
+        table = _pyarrow_parquet().ParquetFile(task.path).read_row_group(task.start, columns=[field])
+        return table.column(field).to_pylist()
     ds = _hf_dataset(Path(task.path))
-    if text_field not in ds.column_names:
-        raise ConfigError(f"{task.path}: no column {text_field!r} (columns: {', '.join(ds.column_names)}); "
-                          "choose --text-field")
-    return ds[task.start:task.stop][text_field]
+    if field not in ds.column_names:
+        raise ConfigError(f"{task.path}: no column {field!r} (columns: {', '.join(ds.column_names)}); "
+                          f"choose {field_flag(chat)}")
+    return ds[task.start:task.stop][field]
 
 
-def _text_of(line: bytes, text_field: str) -> tuple[str | None, str]:
+def field_flag(chat: bool) -> str:
+    """The option naming the field a record is read by."""
+    return "--messages-field" if chat else "--text-field"
+
+
+def _text_of(line: bytes, field: str, chat: ChatRenderer | None) -> tuple[str | tuple[str, Spans] | None, str]:
+    """A JSON line's document (text, or with ``chat`` the rendered messages and their spans), else why not."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
     if not isinstance(record, dict):
-        return None, f"a JSON {type(record).__name__}, not an object with a {text_field!r} field"
-    if text_field not in record:
-        return None, f"no {text_field!r} field (fields: {', '.join(list(record)[:8]) or 'none'}); choose --text-field"
-    value = record[text_field]
+        return None, f"a JSON {type(record).__name__}, not an object with a {field!r} field"
+    if field not in record:
+        hint = "" if chat is not None else no_messages_hint(record, field)
+        return None, (f"no {field!r} field (fields: {', '.join(list(record)[:8]) or 'none'}); choose "
+                      f"{field_flag(chat is not None)}{hint}")
+    value = record[field]
+    if chat is not None:
+        try:
+            return chat.document(value), ""
+        except BadChat as exc:
+            return None, str(exc)
     if not isinstance(value, str):
-        return None, f"{text_field!r} is {type(value).__name__}, not text"
+        return None, f"{field!r} is {type(value).__name__}, not text"
     return value, ""
 
 

@@ -2,8 +2,9 @@
 
 Source ``i``'s training stream (documents, each followed by EOS, packed) is cut into windows
 ``[w·S, w·S + S + 1)`` for ``w < (tokens - 1) // S``: inputs are the first ``S`` tokens, targets the last
-``S``. Global sample ``g`` of the run is the window ``plait.data.order.Order`` assigns it; batch ``k`` is
-samples ``k·B .. k·B + B - 1`` and a data-parallel replica reads only its own rows of it. Sources are
+``S``, those outside a chat dataset's loss mask (the user's turns, say) set to ``IGNORE``. Global sample ``g``
+of the run is the window ``plait.data.order.Order`` assigns it; batch ``k`` is samples ``k·B .. k·B + B - 1``
+and a data-parallel replica reads only its own rows of it. Sources are
 prepared datasets (memory-mapped: only the windows read are paged in) or, for small inputs, plain text
 files tokenized in memory the way ``plait data prepare`` would.
 """
@@ -24,17 +25,23 @@ from plait.errors import ConfigError
 
 RAW_HELD_OUT = 0.1  # share of the documents of raw text held out (a prepared dataset says its own)
 EVAL_BATCHES = 2  # held-out batches per evaluation (the same batches every time)
+IGNORE = -100  # a target outside the loss mask: the losses' ignore_index (plait.parallelization.TokenLoss)
 _WEIGHTED = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+)):(.+)$")
 
 
 class MemorySplit:
     """A split held in memory (raw text tokenized at start-up): the interface of ``format.Split``."""
 
+    masked = False
+
     def __init__(self, ids: np.ndarray, documents: int):
         self.ids, self.tokens, self.documents = ids, len(ids), documents
 
     def read(self, start: int, length: int) -> np.ndarray:
         return np.array(self.ids[start:start + length])
+
+    def read_mask(self, start: int, length: int) -> np.ndarray:
+        return np.ones(length, dtype=np.uint8)
 
 
 @dataclass
@@ -72,11 +79,16 @@ class TrainData:
                                 self.seed, stream=1) if held else None
 
     def _rows(self, order: Order, splits: list, g: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets [rows, S]; a target outside its source's loss mask is IGNORE."""
         source, _, window = order.locate(g)
         S = self.seq_len
         rows = np.stack([splits[s].read(int(w) * S, S + 1) for s, w in zip(source, window, strict=True)])
         tokens = torch.from_numpy(rows.astype(np.int64))  # [rows, S+1]
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        targets = tokens[:, 1:].contiguous()
+        if any(splits[s].masked for s in set(source.tolist())):
+            mask = np.stack([splits[s].read_mask(int(w) * S + 1, S) for s, w in zip(source, window, strict=True)])
+            targets.masked_fill_(torch.from_numpy(mask == 0), IGNORE)
+        return tokens[:, :-1].contiguous(), targets
 
     def batch(self, step: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``part = (index, count)`` of global batch ``step``: inputs and targets [B/count, S] (int64)."""

@@ -62,6 +62,26 @@ class Tokens:
         return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(texts,
                                                                                      add_special_tokens=False)]
 
+    def encode_masked(self, texts: list[str], spans: list[list[tuple[int, int]]]
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Token ids of each text and its loss mask (uint8, one longer: the last entry is the EOS's): a token
+        is in the loss when its first character lies in one of the text's character ``spans``, the EOS when
+        position ``len(text)`` does."""
+        out = []
+        if self.tok is None:
+            for text, sp in zip(texts, spans, strict=True):
+                data = text.encode("utf-8", errors="replace")
+                ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint32)
+                # each character's first byte, and the EOS at the end
+                first = np.cumsum([0] + [len(c.encode("utf-8", errors="replace")) for c in text])
+                starts = np.repeat(np.arange(len(text) + 1), np.diff(np.append(first, first[-1] + 1)))
+                out.append((ids, _in_spans(starts, sp)))
+            return out
+        for text, sp, enc in zip(texts, spans, self.tok.encode_batch(texts, add_special_tokens=False), strict=True):
+            starts = np.asarray([o[0] for o in enc.offsets] + [len(text)], dtype=np.int64)
+            out.append((np.asarray(enc.ids, dtype=np.uint32), _in_spans(starts, sp)))
+        return out
+
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
         if self.tok is None:
@@ -108,6 +128,16 @@ class Tokens:
                 if token is not None:
                     names.append(token)
         return names + list(EOS_NAMES)
+
+
+def _in_spans(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 [len(starts)]: 1 where a position lies in one of the sorted, disjoint ranges [a, b)."""
+    if not spans:
+        return np.zeros(len(starts), dtype=np.uint8)
+    lo = np.asarray([a for a, _ in spans], dtype=np.int64)
+    hi = np.asarray([b for _, b in spans], dtype=np.int64)
+    k = np.searchsorted(lo, starts, side="right") - 1
+    return ((k >= 0) & (starts < hi[np.maximum(k, 0)])).astype(np.uint8)
 
 
 def _read_json(path: Path) -> dict:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.checkpoint.shards import init_local, load_local
-from plait.data.stream import EVAL_BATCHES
+from plait.data.stream import EVAL_BATCHES, IGNORE
 from plait.devices import synchronize
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family, no_checkpoint
 from plait.train.observe import NO_PREDICTION
@@ -207,13 +207,14 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
             return None
         x, y = part
         logits = run.pm.eval_step(x)  # [B/dp, S, V]
-        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten().to(logits.device),
-                                             reduction="sum")
+        y = y.to(logits.device)
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum",
+                                             ignore_index=IGNORE)  # targets outside a chat loss mask
         total[0] += ce.double()
-        total[1] += y.numel()
+        total[1] += (y != IGNORE).sum()
     if ctx.dp_size > 1:
         dist.all_reduce(total, group=ctx.dp_group)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def sample_text(run: Run, prompt: str = "def ") -> str | None:

@@ -1,0 +1,121 @@
+"""Chat records for ``plait data prepare --chat``: a record's messages rendered with the model folder's chat
+template (plait.chat_template, as ``transformers``' ``apply_chat_template(messages, tokenize=False)``), and the
+characters of the rendered text the loss is on: the assistant's messages (by default) or all of it.
+
+The assistant's part of message ``i`` is what rendering ``messages[:i + 1]`` adds to ``messages[:i]`` rendered
+with the generation prompt: its content and the template's end of turn, not the role header that the prompt
+already holds (the prefix method of Hugging Face TRL's and OpenRLHF's SFT masks, which needs no
+``{% generation %}`` marks in the template). A template that renders an earlier turn differently once later ones
+follow (one that drops past reasoning, say) leaves no such prefix: the record is refused, naming
+``--loss-on all``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from plait.chat_template import PLAIT_SOURCE, ChatError, ChatTemplate
+from plait.errors import ConfigError
+
+LOSS_ON = ("assistant", "all")
+ASSISTANT = "assistant"
+Spans = list[tuple[int, int]]  # character ranges [a, b) of a document in the loss; position len(text) is its EOS
+
+
+class BadChat(ValueError):
+    """A record whose messages cannot be rendered: why (the caller names the file and line)."""
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """How ``--chat`` renders records (picklable: each worker process loads its own template)."""
+
+    tokenizer: str  # --tokenizer: "bytes", a folder, or a tokenizer.json (its folder's template is used)
+    field: str = "messages"
+    loss_on: str = ASSISTANT
+    template: str | None = None  # --chat-template: a file or the template's text
+
+    def folder(self) -> Path | None:
+        p = Path(self.tokenizer)
+        if self.tokenizer == "bytes" or not p.exists():
+            return None
+        return p if p.is_dir() else p.parent
+
+    def load(self) -> ChatRenderer:
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"--loss-on {self.loss_on}: choose one of {', '.join(LOSS_ON)}")
+        return ChatRenderer(self, ChatTemplate(self.folder(), self.template))
+
+
+class ChatRenderer:
+    """A loaded template: ``document(value)`` turns a record's messages into (text, spans in the loss)."""
+
+    def __init__(self, spec: ChatSpec, chat: ChatTemplate):
+        self.spec, self.chat = spec, chat
+        if "default" not in chat.templates:
+            raise ConfigError(f"--chat: {spec.tokenizer} has chat templates {sorted(chat.templates)} and none is "
+                              "the default; pass --chat-template FILE")
+
+    @property
+    def source(self) -> str:
+        """Where the template comes from (the folder's file, --chat-template, or plait's own format)."""
+        return self.chat.source
+
+    @property
+    def fallback(self) -> bool:
+        return self.chat.source == PLAIT_SOURCE
+
+    def document(self, messages: object) -> tuple[str, Spans]:
+        """(the rendered text, its character spans in the loss); BadChat saying why it cannot be rendered."""
+        check_messages(messages, self.spec.field)
+        assert isinstance(messages, list)
+        text = self._render(messages, False)
+        end = len(text) + 1  # the EOS after the document
+        if self.spec.loss_on == "all":
+            return text, [(0, end)]
+        spans: Spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != ASSISTANT:
+                continue
+            before = self._render(messages[:i], True) if i else ""  # a conversation opened by the assistant
+            upto = self._render(messages[:i + 1], False)
+            if not (upto.startswith(before) and text.startswith(upto)):
+                raise BadChat(f"the chat template ({self.source}) renders the messages before {self.spec.field}"
+                              f"[{i}] differently once it follows, so the assistant's tokens cannot be told apart; "
+                              "pass --loss-on all to train on every token")
+            spans.append((len(before), len(upto)))
+        if spans and messages[-1]["role"] == ASSISTANT:
+            spans[-1] = (spans[-1][0], end)  # the EOS ends the assistant's last turn: it learns to stop
+        return text, spans
+
+    def _render(self, messages: list, generation: bool) -> str:
+        try:
+            return self.chat.render(messages, add_generation_prompt=generation)
+        except ChatError as exc:
+            raise BadChat(exc.message.replace("messages[", f"{self.spec.field}[")) from None
+
+
+def check_messages(messages: object, field: str) -> None:
+    """BadChat unless ``messages`` is a non-empty list of {role, content} objects (an assistant message may
+    carry ``tool_calls`` instead of content, as OpenAI's API takes it)."""
+    if not isinstance(messages, list) or not messages:
+        what = "an empty list" if messages == [] else "null" if messages is None else type(messages).__name__
+        raise BadChat(f"{field!r} is {what}, not a list of {{role, content}} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadChat(f"{field}[{i}] is a JSON {type(m).__name__}, not a {{role, content}} object")
+        if not isinstance(m.get("role"), str):
+            raise BadChat(f"{field}[{i}] has no role (keys: {', '.join(m) or 'none'})")
+        if m.get("content") is None and not (m["role"] == ASSISTANT and (m.get("tool_calls") or
+                                                                         m.get("function_call"))):
+            raise BadChat(f"{field}[{i}] ({m['role']}) has no content")
+
+
+def no_messages_hint(record: dict, text_field: str) -> str:
+    """The advice for a record without ``text_field`` that holds a list of messages: prepare it with --chat."""
+    for key in ("messages", "conversations", "conversation"):
+        if isinstance(record.get(key), list):
+            extra = "" if key == "messages" else f" --messages-field {key}"
+            return f"; it holds chat messages: pass --chat{extra} to render them with the chat template"
+    return ""

@@ -1,0 +1,224 @@
+"""plait data prepare --chat: records' messages rendered with the folder's chat template exactly as transformers'
+apply_chat_template, the loss mask on the assistant's tokens, bad records by file and line, and the masked targets
+and loss training sees (the parallel layouts: tests/test_data_layouts.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from chat_templates import LLAMA3, MISTRAL, QWEN25, template_folder
+from plait.chat_template import PLAIT_SOURCE
+from plait.cli.main import app
+from plait.data import open_prepared, prepare
+from plait.data.chat import ChatSpec
+from plait.data.format import META
+from plait.data.stream import IGNORE, open_data
+from plait.errors import ConfigError
+
+pytest.importorskip("transformers")
+
+CHATS = [[{"role": "user", "content": "hello world, what is the weather?"},
+          {"role": "assistant", "content": "  the weather is hello  "}],
+         [{"role": "system", "content": "You are a helpful assistant."},
+          {"role": "user", "content": "and the world?"},
+          {"role": "assistant", "content": "the world is naïve 東京"},
+          {"role": "user", "content": "thanks"},
+          {"role": "assistant", "content": "you are welcome"}],
+         [{"role": "user", "content": "hello"},
+          {"role": "assistant", "content": "hello world"},
+          {"role": "user", "content": "what is the weather?"}]]  # ends with the user: nothing after is trained
+FOLDERS = {"llama3": ("config", LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
+           "qwen25": ("jinja", QWEN25, None, "<|im_end|>"),
+           "mistral": ("config", MISTRAL, "<s>", "</s>")}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-folders")
+    corpus = " ".join(m["content"] for c in CHATS for m in c) * 8
+    return {name: template_folder(root / name, kind, template, bos, eos, corpus)
+            for name, (kind, template, bos, eos) in FOLDERS.items()}
+
+
+def _jsonl(path, chats, field="messages"):
+    path.write_text("".join(json.dumps({"id": i, field: c}) + "\n" for i, c in enumerate(chats)))
+    return str(path)
+
+
+def _docs(out):
+    """Each training document's ids and loss mask (held_out=0: in record order)."""
+    split = open_prepared(out).train
+    return [(split.document(i), split.read_mask(int(split.docs[i]), int(split.docs[i + 1] - split.docs[i])))
+            for i in range(split.documents)]
+
+
+def _assistant_text(hf, chat):
+    """What transformers renders for each assistant message after the generation prompt before it."""
+    parts = []
+    for i, m in enumerate(chat):
+        if m["role"] == "assistant":
+            before = hf.apply_chat_template(chat[:i], add_generation_prompt=True, tokenize=False)
+            parts.append(hf.apply_chat_template(chat[:i + 1], tokenize=False)[len(before):])
+    return parts
+
+
+def test_tokens_equal_apply_chat_template_and_the_mask_is_the_assistants(tmp_path, folders):
+    from transformers import AutoTokenizer
+
+    src = _jsonl(tmp_path / "chats.jsonl", CHATS)
+    for name in ("llama3", "qwen25"):
+        hf = AutoTokenizer.from_pretrained(folders[name])
+        out = tmp_path / name
+        meta = prepare([src], str(folders[name]), out, workers=1, held_out=0.0, chat=ChatSpec(str(folders[name])))
+        eos = meta["tokenizer"]["eos"]
+        assert open_prepared(out).meta["format"] == "plait-tokens/2" and meta["chat"]["loss_on"] == "assistant"
+        for chat, (ids, mask) in zip(CHATS, _docs(out), strict=True):
+            want = list(hf.apply_chat_template(chat, tokenize=True, return_dict=False))
+            assert ids.tolist() == want + [eos], name
+            assert ids.tolist().count(hf.bos_token_id) == (name == "llama3")  # the template's BOS, once
+            ends_assistant = chat[-1]["role"] == "assistant"
+            assert mask[-1] == ends_assistant  # the EOS after an assistant's last turn: it learns to stop
+            trained = hf.decode(ids[:-1][mask[:-1] == 1].tolist())
+            assert trained == "".join(_assistant_text(hf, chat)), (name, trained)
+    qwen = AutoTokenizer.from_pretrained(folders["qwen25"])
+    ids, mask = _docs(tmp_path / "qwen25")[1]
+    assert qwen.decode(ids[mask == 1].tolist()) == ("the world is naïve 東京<|im_end|>\nyou are welcome<|im_end|>\n"
+                                                    "<|im_end|>")  # the last: the dataset's EOS
+
+
+def test_loss_on_all_and_a_folder_without_a_template(tmp_path):
+    src = _jsonl(tmp_path / "c.jsonl", CHATS[:2])
+    meta = prepare([src], "bytes", tmp_path / "b", workers=1, held_out=0.0, chat=ChatSpec("bytes"))
+    assert meta["chat"]["template"] == PLAIT_SOURCE
+    (ids, mask), _ = _docs(tmp_path / "b")
+    text = bytes(ids[:-1].astype(np.uint8)).decode()
+    assert text == ("<|user|>\nhello world, what is the weather?\n<|assistant|>\n  the weather is hello  \n")
+    assert bytes(ids[mask == 1].astype(np.uint8)) == b"  the weather is hello  \n\0"
+    meta = prepare([src], "bytes", tmp_path / "all", workers=1, held_out=0.0, chat=ChatSpec("bytes", loss_on="all"))
+    assert all(m.all() for _, m in _docs(tmp_path / "all"))
+    assert meta["splits"]["train"]["loss_tokens"] == meta["splits"]["train"]["tokens"]
+
+
+BYTES_CHAT = ChatSpec("bytes")
+
+
+def _error(tmp_path, records, chat: ChatSpec | None = BYTES_CHAT, name="bad"):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ConfigError) as err:
+        prepare([str(path)], "bytes" if chat is None else chat.tokenizer, tmp_path / f"{name}-out", workers=1,
+                chat=chat)
+    return str(err.value)
+
+
+def test_bad_chat_records_name_the_file_and_line(tmp_path, folders):
+    good = {"messages": CHATS[0]}
+    msg = _error(tmp_path, [good, {"text": "no messages"}])
+    assert "bad.jsonl:2: no 'messages' field (fields: text); choose --messages-field" in msg and "--skip-bad" in msg
+    assert "bad.jsonl:2: 'messages' is an empty list, not a list of {role, content}" in _error(tmp_path,
+                                                                                             [good, {"messages": []}])
+    assert "bad.jsonl:1: 'messages' is str" in _error(tmp_path, [{"messages": "hi"}])
+    assert "bad.jsonl:2: messages[1] has no role" in _error(tmp_path, [good, {"messages": [CHATS[0][0],
+                                                                                            {"content": "x"}]}])
+    assert "bad.jsonl:1: messages[0] (user) has no content" in _error(tmp_path, [{"messages": [{"role": "user"}]}])
+    mistral = ChatSpec(str(folders["mistral"]))  # its template refuses a system message
+    msg = _error(tmp_path, [{"messages": CHATS[0]}, {"messages": CHATS[1]}], mistral)
+    assert "bad.jsonl:2: the chat template failed: TemplateError: Conversation roles must alternate" in msg
+    msg = _error(tmp_path, [{"messages": CHATS[0]}], None)  # a chat file without --chat: the hint
+    assert "bad.jsonl:1: no 'text' field" in msg and "pass --chat to render them" in msg
+    (tmp_path / "plain.txt").write_text("just text")
+    with pytest.raises(ConfigError, match=r"--chat reads records of messages .* holds plain text"):
+        prepare([str(tmp_path / "plain.txt")], "bytes", tmp_path / "p", chat=ChatSpec("bytes"))
+    with pytest.raises(ConfigError, match="--loss-on everything: choose one of assistant, all"):
+        prepare([_jsonl(tmp_path / "g.jsonl", CHATS)], "bytes", tmp_path / "q",
+                chat=ChatSpec("bytes", loss_on="everything"))
+
+
+def test_cli_chat_flags(tmp_path):
+    src = _jsonl(tmp_path / "c.jsonl", CHATS, field="conversation")
+    runner = CliRunner()
+    res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "a"),
+                              "--messages-field", "conversation"])
+    assert res.exit_code == 2 and "--messages-field reads chat records: add --chat" in res.output, res.output
+    res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "a"),
+                              "--chat", "--messages-field", "conversation", "--workers", "1", "--held-out", "0"])
+    assert res.exit_code == 0 and "the loss on assistant tokens" in res.output, res.output
+    assert open_prepared(tmp_path / "a").meta["splits"]["train"]["documents"] == len(CHATS)
+
+
+def test_masked_targets_and_the_loss_training_sees(tmp_path):
+    from plait.models import Llama
+    from plait.train import TrainConfig
+    from plait.train.config import model_config
+
+    chats = [[{"role": "user", "content": f"question {i}: " + "why " * (i % 5)},
+              {"role": "assistant", "content": f"answer {i} " + "because " * (i % 3)}] for i in range(40)]
+    prepare([_jsonl(tmp_path / "c.jsonl", chats)], "bytes", tmp_path / "set", workers=1, held_out=0.0,
+            chat=ChatSpec("bytes"))
+    split = open_prepared(tmp_path / "set").train
+    data = open_data([str(tmp_path / "set")], "tiny", 256, 32, 4, seed=0, max_mb=1)
+    x, y = data.batch(0)
+    full = torch.empty_like(y)  # every next token, the mask ignored
+    for row in range(4):  # each row's window: targets outside the mask are IGNORE, the others the tokens
+        w = int(data.order.locate(np.asarray([row]))[2][0])
+        tokens, mask = split.read(w * 32, 33).astype(np.int64), split.read_mask(w * 32, 33)
+        assert x[row].tolist() == tokens[:-1].tolist()
+        assert y[row].tolist() == np.where(mask[1:] == 1, tokens[1:], IGNORE).tolist()
+        full[row] = torch.from_numpy(tokens[1:])
+    assert 0 < int((y != IGNORE).sum()) < y.numel()
+    torch.manual_seed(0)
+    model = Llama(model_config(TrainConfig.from_dict({"seq_len": 32, "batch_size": 4})))
+    with torch.no_grad():
+        logits = model(x).float()  # [4, 32, V]
+    keep = y != IGNORE
+    logp = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    by_hand = -(logp * keep).sum() / keep.sum()  # the mean over the assistant's tokens only
+    with torch.no_grad():
+        assert torch.allclose(model.loss(x, y), by_hand, rtol=1e-6)
+        assert abs(float(model.loss(x, full)) - float(by_hand)) > 1e-3  # the mask changes what is averaged
+
+
+def test_a_plait_tokens_1_dataset_still_reads_and_a_newer_one_is_refused(tmp_path):
+    path = _jsonl(tmp_path / "t.jsonl", [])
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "plain text " * 20}) + "\n")
+    prepare([path], "bytes", tmp_path / "old", workers=1, held_out=0.0)
+    meta = json.loads((tmp_path / "old" / META).read_text())
+    (tmp_path / "old" / META).write_text(json.dumps({**meta, "format": "plait-tokens/1"}))
+    ds = open_prepared(tmp_path / "old")
+    assert not ds.train.masked and ds.train.read_mask(0, 5).tolist() == [1] * 5
+    (tmp_path / "old" / META).write_text(json.dumps({**meta, "format": "plait-tokens/3"}))
+    with pytest.raises(ConfigError, match="format 'plait-tokens/3', this plait reads plait-tokens/1 and"):
+        open_prepared(tmp_path / "old")
+
+
+def test_held_out_loss_is_the_mean_over_the_assistants_tokens(tmp_path):
+    from types import SimpleNamespace
+
+    from plait.models import Llama
+    from plait.train import TrainConfig
+    from plait.train.config import model_config
+    from plait.train.loop import held_out_loss
+
+    chats = [[{"role": "user", "content": f"q{i} " * 6}, {"role": "assistant", "content": f"a{i} " * 3}]
+             for i in range(60)]
+    prepare([_jsonl(tmp_path / "c.jsonl", chats)], "bytes", tmp_path / "set", workers=1, held_out=0.5,
+            chat=ChatSpec("bytes"))
+    data = open_data([str(tmp_path / "set")], "tiny", 256, 32, 4, seed=0, max_mb=1)
+    torch.manual_seed(0)
+    model = Llama(model_config(TrainConfig.from_dict({"seq_len": 32, "batch_size": 4}))).eval()
+    run = SimpleNamespace(ctx=SimpleNamespace(dp_rank=0, dp_size=1, device=torch.device("cpu")), data=data,
+                          pm=SimpleNamespace(eval_step=model))
+    total, count = 0.0, 0
+    for i in range(2):
+        x, y = data.held_out_batch(i)
+        keep = y != IGNORE
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x).float(), -1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        total, count = total - float((logp * keep).sum()), count + int(keep.sum())
+    assert 0 < count < 2 * y.numel()
+    assert held_out_loss(run) == pytest.approx(total / count, rel=1e-6)
