@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -335,3 +338,40 @@ def test_chat_messages_without_content_or_role_are_400s_naming_the_field(message
     for tool_call in (call, {**call, "content": None}):
         chat = parse({"messages": [*messages[:1], tool_call]}, True, tokens, limits)
         assert chat.prompts[0] == tokens.chat_ids({"messages": [*messages[:1], tool_call]})
+
+
+def test_a_stop_signal_reaches_the_engine_while_the_main_thread_is_inside_a_c_call():
+    """Rank 0 acts on SIGTERM in its signal thread: /health says "stopping" at once even when the main thread is
+    in a long step or a collective (here: libc's sleep with SIGTERM blocked, so no Python handler runs there)."""
+    import ctypes
+
+    from plait.serve.job import StopSignals
+
+    class Draining:
+        called: tuple[str, float, float] | None = None
+
+        def request_stop(self, reason: str, grace: float) -> None:
+            self.called = (reason, grace, time.monotonic())
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = StopSignals(leader=True)
+    engine = Draining()
+    signals.attach(engine, 7.0)
+    sent: list[float] = []
+
+    def send() -> None:
+        time.sleep(0.2)
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        threading.Thread(target=send).start()
+        ctypes.CDLL(None).sleep(2)  # the main thread: in C for 2 s, as in a step
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signals.close()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    assert engine.called is not None and engine.called[:2] == ("SIGTERM", 7.0)
+    assert engine.called[2] - sent[0] < 1.0, "the stop waited for the main thread"

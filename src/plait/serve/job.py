@@ -36,7 +36,12 @@ class StopSignals:
     """SIGINT and SIGTERM while serving. On rank 0 the first one starts the drain (handed to the engine once
     there is one); a Ctrl-C in a terminal reaches every process of the job and the launcher forwards it too,
     so a repeat within ``REPEAT_S`` is the same one, and a later one ends the running requests at once. The
-    other ranks ignore both and stop with rank 0's stop step."""
+    other ranks ignore both and stop with rank 0's stop step.
+
+    Rank 0 acts on a signal in a thread of its own, woken through ``signal.set_wakeup_fd``: Python runs a
+    signal handler only when the main thread next runs Python code, and the main thread may be inside a long
+    step or a collective that waits on a dead peer; /health then still says "stopping" at once.
+    """
 
     def __init__(self, leader: bool):
         self.reason = ""
@@ -44,11 +49,26 @@ class StopSignals:
         self.now = False  # a second Ctrl-C: no more grace
         self.engine = None
         self.grace = 0.0
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, self._note if leader else signal.SIG_IGN)
+        self.wake: tuple[int, int] | None = None  # the wakeup pipe (read, write) and the fd it replaced
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _later if leader else signal.SIG_IGN)
+        if leader:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self.wake = (write, signal.set_wakeup_fd(write))
+            threading.Thread(target=self._watch, args=(read,), name="plait-signals", daemon=True).start()
 
-    def _note(self, signum, frame) -> None:
+    def _watch(self, read: int) -> None:
+        """The signal thread: each stop signal's number arrives as one byte, until the pipe closes."""
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):
+                for signum in data:
+                    if signum in STOP_SIGNALS:
+                        self._note(signum)
+
+    def _note(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if not self.reason:
             self.reason, self.first = name, time.monotonic()
@@ -66,6 +86,18 @@ class StopSignals:
     def hand_over(self) -> None:
         if self.reason and self.engine is not None:
             self.engine.request_stop(self.reason, 0.0 if self.now else self.grace)
+
+    def close(self) -> None:
+        """Stop the signal thread (the handlers stay: a late Ctrl-C must not fail a rank that has finished)."""
+        if self.wake is not None:
+            write, before = self.wake
+            signal.set_wakeup_fd(before)
+            os.close(write)  # the signal thread reads the end of the pipe and returns
+            self.wake = None
+
+
+def _later(signum, frame) -> None:
+    """Rank 0's Python-level handler: nothing to do, the signal thread has already acted on the signal."""
 
 
 def access_logger(level: str, enabled: bool) -> logging.Logger | None:
@@ -95,6 +127,8 @@ def leave_a_core() -> int:
 
 def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
+    import torch.distributed as dist
+
     from plait.generation.job import load_model
     from plait.serve.engine import follow
     from plait.serve.runner import Runner
@@ -110,10 +144,18 @@ def serve_job(payload: dict) -> None:
     model, tok, cfg = load_model(payload["model"], tp, pp)
     blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
     runner = Runner(model, blocks, block)
-    if sock is None:
-        follow(runner)
-        return
-    _lead(payload, sock, runner, tok, cfg, blocks, signals)
+    try:
+        if sock is None:
+            follow(runner)
+        else:
+            _lead(payload, sock, runner, tok, cfg, blocks, signals)
+    finally:
+        signals.close()
+    if tp * pp > 1:
+        # the last collective: it fails at once where a peer has died. A rank that has finished waits for its
+        # launcher's word to exit, and the SIGTERM with which the launcher stops the job after a death reached
+        # it while it still ignored SIGTERM (serving); without this it would wait for the launcher's SIGKILL
+        dist.barrier()
 
 
 def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, signals: StopSignals) -> None:
