@@ -91,10 +91,37 @@ def test_tokens_equal_apply_chat_template_and_the_mask_is_the_assistants(tmp_pat
                                                     "<|im_end|>")  # the last: the dataset's EOS
 
 
-def test_loss_on_all_and_a_folder_without_a_template(tmp_path):
+def test_a_records_tools_reach_the_template(tmp_path, folders):
+    from transformers import AutoTokenizer
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}, "required": ["city"]}}}]
+    chat = [{"role": "user", "content": "the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny."}]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": chat, "tools": tools}) + "\n")
+    meta = prepare([str(path)], str(folders["qwen25"]), tmp_path / "t", workers=1, held_out=0.0,
+                   chat=ChatSpec(str(folders["qwen25"])))
+    hf = AutoTokenizer.from_pretrained(folders["qwen25"])
+    [(ids, mask)] = _docs(tmp_path / "t")
+    assert ids.tolist() == list(hf.apply_chat_template(chat, tools=tools, tokenize=True, return_dict=False)) + [
+        meta["tokenizer"]["eos"]]
+    assert hf.decode(ids[mask == 1].tolist()) == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                                                 '"Paris"}}\n</tool_call><|im_end|>\nIt is sunny.<|im_end|>\n'
+                                                 '<|im_end|>')  # the calls and the reply, not the tool's result
+    path.write_text(json.dumps({"messages": chat, "tools": "get_weather"}) + "\n")
+    with pytest.raises(ConfigError, match="tools.jsonl:1: 'tools' is str, not a list of function definitions"):
+        prepare([str(path)], "bytes", tmp_path / "u", workers=1, chat=ChatSpec("bytes"))
+
+
+def test_loss_on_all_and_a_folder_without_a_template(tmp_path, folders):
     src = _jsonl(tmp_path / "c.jsonl", CHATS[:2])
     meta = prepare([src], "bytes", tmp_path / "b", workers=1, held_out=0.0, chat=ChatSpec("bytes"))
-    assert meta["chat"]["template"] == PLAIT_SOURCE
+    assert meta["chat"]["template"] == "plait's <|role|> format (--tokenizer bytes has no chat template)"
     (ids, mask), _ = _docs(tmp_path / "b")
     text = bytes(ids[:-1].astype(np.uint8)).decode()
     assert text == ("<|user|>\nhello world, what is the weather?\n<|assistant|>\n  the weather is hello  \n")
@@ -102,6 +129,11 @@ def test_loss_on_all_and_a_folder_without_a_template(tmp_path):
     meta = prepare([src], "bytes", tmp_path / "all", workers=1, held_out=0.0, chat=ChatSpec("bytes", loss_on="all"))
     assert all(m.all() for _, m in _docs(tmp_path / "all"))
     assert meta["splits"]["train"]["loss_tokens"] == meta["splits"]["train"]["tokens"]
+    (tmp_path / "bare").mkdir()  # a folder with a tokenizer but no template: plait's format too
+    (tmp_path / "bare" / "tokenizer.json").write_bytes((folders["qwen25"] / "tokenizer.json").read_bytes())
+    meta = prepare([src], str(tmp_path / "bare"), tmp_path / "b2", workers=1, held_out=0.0, eos="<|im_end|>",
+                   chat=ChatSpec(str(tmp_path / "bare")))
+    assert meta["chat"]["template"] == PLAIT_SOURCE
 
 
 BYTES_CHAT = ChatSpec("bytes")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.chat_template import PLAIT_SOURCE, ChatError, ChatTemplate
+from plait.chat_template import ChatError, ChatTemplate
 from plait.errors import ConfigError
 
 LOSS_ON = ("assistant", "all")
@@ -60,17 +60,19 @@ class ChatRenderer:
     @property
     def source(self) -> str:
         """Where the template comes from (the folder's file, --chat-template, or plait's own format)."""
+        if self.spec.folder() is None and self.spec.template is None:
+            return f"plait's <|role|> format (--tokenizer {self.spec.tokenizer} has no chat template)"
         return self.chat.source
 
-    @property
-    def fallback(self) -> bool:
-        return self.chat.source == PLAIT_SOURCE
-
-    def document(self, messages: object) -> tuple[str, Spans]:
-        """(the rendered text, its character spans in the loss); BadChat saying why it cannot be rendered."""
+    def document(self, messages: object, tools: object = None) -> tuple[str, Spans]:
+        """(the rendered text, its character spans in the loss); BadChat saying why it cannot be rendered.
+        ``tools``: the record's function definitions, given to the template as ``apply_chat_template(tools=)``."""
         check_messages(messages, self.spec.field)
         assert isinstance(messages, list)
-        text = self._render(messages, False)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise BadChat(f"'tools' is {type(tools).__name__}, not a list of function definitions")
+        tools = tools or None
+        text = self._render(messages, False, tools)
         end = len(text) + 1  # the EOS after the document
         if self.spec.loss_on == "all":
             return text, [(0, end)]
@@ -78,8 +80,8 @@ class ChatRenderer:
         for i, m in enumerate(messages):
             if m["role"] != ASSISTANT:
                 continue
-            before = self._render(messages[:i], True) if i else ""  # a conversation opened by the assistant
-            upto = self._render(messages[:i + 1], False)
+            before = self._render(messages[:i], True, tools) if i else ""  # opened by the assistant: all of it
+            upto = self._render(messages[:i + 1], False, tools)
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise BadChat(f"the chat template ({self.source}) renders the messages before {self.spec.field}"
                               f"[{i}] differently once it follows, so the assistant's tokens cannot be told apart; "
@@ -89,9 +91,9 @@ class ChatRenderer:
             spans[-1] = (spans[-1][0], end)  # the EOS ends the assistant's last turn: it learns to stop
         return text, spans
 
-    def _render(self, messages: list, generation: bool) -> str:
+    def _render(self, messages: list, generation: bool, tools) -> str:
         try:
-            return self.chat.render(messages, add_generation_prompt=generation)
+            return self.chat.render(messages, add_generation_prompt=generation, tools=tools)
         except ChatError as exc:
             raise BadChat(exc.message.replace("messages[", f"{self.spec.field}[")) from None
 

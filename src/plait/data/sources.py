@@ -265,7 +265,7 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None) -> tuple[str | 
     value = record[field]
     if chat is not None:
         try:
-            return chat.document(value), ""
+            return chat.document(value, record.get("tools")), ""
         except BadChat as exc:
             return None, str(exc)
     if not isinstance(value, str):
