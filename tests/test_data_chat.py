@@ -183,6 +183,13 @@ def test_cli_chat_flags(tmp_path):
     assert open_prepared(tmp_path / "a").meta["splits"]["train"]["documents"] == len(CHATS)
 
 
+def test_train_on_a_raw_chat_file_names_the_prepare_with_chat(tmp_path):
+    src = _jsonl(tmp_path / "c.jsonl", CHATS)
+    res = CliRunner().invoke(app, ["train", "--data", src])
+    assert res.exit_code == 2 and f"plait data prepare {src} --tokenizer bytes --chat --out DIR" in res.output, (
+        res.output)
+
+
 def test_masked_targets_and_the_loss_training_sees(tmp_path):
     from plait.models import Llama
     from plait.train import TrainConfig

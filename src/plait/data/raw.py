@@ -4,12 +4,14 @@ command that prepares them: their syntax is never trained on as text."""
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
+from plait.data.chat import no_messages_hint
 from plait.data.format import SPLITS, dtype_for
 from plait.data.prepare import encode_documents
 from plait.data.sources import Source as Input
@@ -45,10 +47,22 @@ def raw_inputs(path: str, model: str) -> list[Input]:
     if structured:
         s = structured[0]
         what = {"jsonl": "JSON lines", "parquet": "Parquet", "hf": "a Hugging Face datasets folder"}[s.kind]
+        chat = " --chat" if s.kind == "jsonl" and holds_messages(s.files[0]) else ""
         raise ConfigError(f"--data {path}: {s.files[0]} is {what}, which plait trains on only once prepared (its "
                           f"text field alone, an EOS after each document): `plait data prepare {path} --tokenizer "
-                          f"{model_tokenizer(model).source} --out DIR`, then --data DIR")
+                          f"{model_tokenizer(model).source}{chat} --out DIR`, then --data DIR")
     return found
+
+
+def holds_messages(path: Path) -> bool:
+    """Whether a JSON-lines file's first record is a chat (a ``messages`` list): it is prepared with --chat."""
+    with open(path, "rb") as f:
+        line = next((raw for raw in f if raw.strip()), b"")
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and bool(no_messages_hint(record, "text"))
 
 
 def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> TrainSource:
