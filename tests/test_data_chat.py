@@ -201,6 +201,7 @@ def test_masked_targets_and_the_loss_training_sees(tmp_path):
             chat=ChatSpec("bytes"))
     split = open_prepared(tmp_path / "set").train
     data = open_data([str(tmp_path / "set")], "tiny", 256, 32, 4, seed=0, max_mb=1)
+    assert "held out; chat: the loss on assistant tokens, " in data.describe()
     x, y = data.batch(0)
     full = torch.empty_like(y)  # every next token, the mask ignored
     for row in range(4):  # each row's window: targets outside the mask are IGNORE, the others the tokens

@@ -54,6 +54,7 @@ class TrainSource:
     held_out: TokenSplit
     prepared: bool
     files: int = 0
+    note: str = ""  # what else the summary says of it (a chat dataset's loss mask)
 
 
 @dataclass
@@ -123,8 +124,9 @@ class TrainData:
         for s in self.sources:
             weight = f"{s.weight / sum(x.weight for x in self.sources):.0%} " if len(self.sources) > 1 else ""
             kind = "prepared" if s.prepared else f"{s.files} files, tokenized here"
+            note = f"; {s.note}" if s.note else ""
             parts.append(f"{weight}{s.name} ({kind}: {s.train.tokens / 1e6:.2f}M training tokens, "
-                         f"{s.held_out.tokens / 1e6:.2f}M held out)")
+                         f"{s.held_out.tokens / 1e6:.2f}M held out{note})")
         return "; ".join(parts)
 
 
@@ -193,4 +195,10 @@ def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> Tr
     if tok["vocab_size"] > vocab_size:
         raise ConfigError(f"--data {path}: its tokenizer's vocabulary {tok['vocab_size']:,} exceeds --model {model}'s "
                           f"vocab_size {vocab_size:,}")
-    return TrainSource(path, weight, ds.train, ds.held_out, prepared=True)
+    chat = ds.meta.get("chat")
+    note = ""
+    if chat is not None:
+        train = ds.meta["splits"]["train"]
+        share = train["loss_tokens"] / max(1, train["tokens"])
+        note = f"chat: the loss on {chat['loss_on']} tokens, {share:.0%} of them"
+    return TrainSource(path, weight, ds.train, ds.held_out, prepared=True, note=note)
