@@ -101,6 +101,18 @@ def test_every_field_is_documented_and_is_an_option_with_that_help():
         assert docs[name] in shown, name
 
 
+def test_microbatches_help_says_what_the_number_counts():
+    """--microbatches counts one pipeline's micro-batches per optimizer step: its help says so, how it splits the
+    global batch over dp, and the default each command uses (train: 4, verify: 8; from Python: pp)."""
+    for command, default in (("train", 4), ("verify", 8)):
+        shown = " ".join(CliRunner().invoke(app, [command, "--help"], terminal_width=400).output.split())
+        text = shown[shown.index("--microbatches <int>"):].split(" --virtual-stages")[0]
+        for needle in ("each pipeline (one per data-parallel replica) runs per optimizer step",
+                       "multiple of dp x M", "batch / (dp x M) sequences", "Left unset (None, from Python): pp",
+                       f"[default: {default}]"):
+            assert needle in text, (command, needle, text)
+
+
 def test_init_takes_a_config_or_keywords_not_both():
     with pytest.raises(ConfigError, match="not both"):
         plait.init(tp=2, config=ParallelConfig(tp=2))

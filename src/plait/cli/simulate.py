@@ -144,7 +144,7 @@ class SimulateOptions:
     stages: int = 4
     """Pipeline ranks P."""
     microbatches: int = 8
-    """Micro-batches M per batch."""
+    """Micro-batches M that one batch (a training step) is cut into, each flowing through every stage."""
     virtual_stages: int | None = None
     """Chunks per pipeline rank V (default 1; 2 for interleaved-1f1b, looped-bfs, zbv, dualpipev)."""
     forward: float = 1.0
