@@ -141,3 +141,54 @@ def test_the_census_counts_what_an_moe_layer_saves(top_k, dtype):
         moe_saved(sh, d)  # a layer of the census holds it
     assert (sh.n + 4 * sh.f) * d < 0.75 * meter.live
     y.sum().backward()
+
+
+def test_expert_capacity_counts_the_rows_a_gpu_s_experts_receive():
+    """``Model.expert_capacity`` c: under EP a GPU's experts receive c times balanced routing's rows (at most the
+    EP group's all: ep times); without EP they take every row their tokens route, whatever the routing. MOE at
+    tp2·dp2·ep2, micro-batch 2 (T = 64 tokens, whole experts: a TP rank dispatches 32, A = R = 64 rows at top-2):
+    the census's routed part is R·h = 4,096 input rows, 2·R int64 regroup orders (256 fp32 elements) and the
+    experts' 4·R·f = 32,768; c = 1.5 adds half of it. Korthikanti's count: the MLP term 2·(f/h)·3·top_k = 24 sbh/t
+    grows by half."""
+    from plait.plan.host import census
+    from plait.plan.memory import activation_bytes_per_layer
+
+    layout = Layout(tp=2, dp=2, ep=2, microbatch_size=2)
+    more = replace(MOE, expert_capacity=1.5)
+    assert ex.received(more, layout) == 1.5 and ex.received(more, replace(layout, ep=1)) == 1.0
+    assert ex.received(replace(MOE, expert_capacity=8.0), layout) == 2.0
+    extra = census.layer_saved(census.local(more, layout)) - census.layer_saved(census.local(MOE, layout))
+    assert extra == 0.5 * (64 * 64 + 2 * 64 * 2 + 4 * 64 * 128)
+    gpu_extra = activation_bytes_per_layer(more, layout) - activation_bytes_per_layer(MOE, layout)
+    assert gpu_extra == pytest.approx(0.5 * 24 * 32 * 2 * 64 / 2)
+    assert Model.from_llama_config({"n_experts": 4, "top_k": 2, "capacity_factor": 1.25}).expert_capacity == 1.25
+    assert Model.from_llama_config({"n_experts": 4, "top_k": 2}).expert_capacity == 1.0  # dropless: balanced
+    with pytest.raises(ConfigError, match="expert_capacity: must be positive"):
+        replace(MOE, expert_capacity=0.0)
+
+
+def test_plan_says_how_it_counts_routing_and_takes_a_capacity(tmp_path):
+    """``plait plan`` of an MoE model says how routing is counted and takes ``--expert-capacity``: at 2 the best
+    layout (tp1 dp4 ep2) keeps more activations than at the default's balanced 1 (the JSON carries the figure);
+    0 is refused."""
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 4,
+                               "vocab_size": 512, "intermediate_size": 512, "num_local_experts": 4,
+                               "num_experts_per_tok": 2, "max_position_embeddings": 512}))
+    base = ["plan", "--model", str(cfg), "--gpus", "4", "--global-batch", "8", "--top", "1"]
+    res = CliRunner().invoke(app, base)
+    assert res.exit_code == 0, res.output
+    assert "MoE routing:" in res.output and "1× balanced routing's rows" in " ".join(res.output.split())
+    out = {}
+    for c in ("1", "2"):
+        res = CliRunner().invoke(app, [*base, "--expert-capacity", c, "--json"])
+        assert res.exit_code == 0, res.output
+        out[c] = json.loads(res.output)
+    assert (out["1"]["expert_capacity"], out["2"]["expert_capacity"]) == (1.0, 2.0)
+    one, two = (out[c]["best"][0] for c in ("1", "2"))
+    assert one["layout"] == two["layout"] and one["layout"]["ep"] == 2  # the same layout, with EP
+    assert two["memory"]["activations"] > 1.2 * one["memory"]["activations"]
+    bad = CliRunner().invoke(app, [*base, "--expert-capacity", "0"])
+    assert bad.exit_code == 2 and "expert_capacity: must be positive" in bad.output

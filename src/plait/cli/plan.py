@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +228,9 @@ class PlanOptions:
     Megatron-style runs the GPU model is fitted on)"""
     plan_only: bool = False
     """also consider what only the planner models (ZeRO-3 with a pipeline), marked plan-only"""
+    expert_capacity: float | None = None
+    """MoE: the rows a GPU's experts are counted to receive, times balanced routing's (a capacity factor; default:
+    the model's capacity_factor, else 1, balanced); plait routes dropless, so uneven routing keeps more"""
     write_config: Path | None = None
     """write the best layout as a `plait train --config` TOML file"""
 
@@ -238,6 +241,7 @@ def plan(options: dict[str, Any]) -> None:
     from plait.errors import ConfigError
     from plait.plan import Cluster, Training, explain, search
     from plait.plan.attention import KERNELS, UNFUSED
+    from plait.plan.experts import routing_note
     from plait.plan.explain import nothing_fits
     from plait.plan.search import search_batch
 
@@ -248,6 +252,8 @@ def plan(options: dict[str, Any]) -> None:
     batch_note = ""
     try:
         m = _model(o.model, o.seq_len)
+        if o.expert_capacity is not None:
+            m = replace(m, expert_capacity=o.expert_capacity)
         if o.cluster is not None:
             cluster = Cluster.from_profile(o.cluster, o.gpus, max_memory_fraction=o.max_memory_fraction)
         else:
@@ -277,7 +283,8 @@ def plan(options: dict[str, Any]) -> None:
                                "elementwise": training.elementwise, "global_batch_note": batch_note,
                                "rejected": dict(result.rejected), "pruned": result.pruned, "twins": result.twins,
                                "twin_settings": dict(result.twin_settings), "considered": result.considered,
-                               "why": explain(result), "max_memory_fraction": o.max_memory_fraction}
+                               "why": explain(result), "max_memory_fraction": o.max_memory_fraction,
+                               "expert_capacity": m.expert_capacity if m.is_moe else None}
         typer.echo(json.dumps(out, indent=1))
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
@@ -290,6 +297,8 @@ def plan(options: dict[str, Any]) -> None:
     console.print(_breakdown_table(result.best[0]))
     for line in explain(result):
         console.print("• " + line)
+    if m.is_moe:
+        console.print("• " + routing_note(m))
     if o.show_schedule:
         _show_schedule(console, result.best[0])
 

@@ -100,3 +100,22 @@ def tp_gathers(layout: Layout) -> tuple[int, int]:
     if split(layout):
         return 2, 2
     return 1, 1 if layout.sequence_parallel else 2
+
+
+def received(model: Model, layout: Layout) -> float:
+    """The rows one GPU's experts receive, as a multiple of balanced routing's: ``Model.expert_capacity`` under
+    expert parallelism, at most ``ep`` (every row of the EP group); 1 without it, where a GPU's experts take
+    every row its tokens route whatever the routing. plait's runtime routes dropless unless the model sets a
+    capacity factor c (``LlamaConfig.capacity_factor``: an expert takes at most ceil(c·S·k/E) rows of a
+    sequence), so a real step's busiest GPU keeps what this counts at 1 only when routing is balanced; c bounds
+    it where an EP group dispatches whole sequences (ep a multiple of tp with whole experts)."""
+    if not model.is_moe or layout.ep == 1:
+        return 1.0
+    return min(model.expert_capacity, float(layout.ep))
+
+
+def routing_note(model: Model) -> str:
+    """One line for a plan of an MoE ``model``: how its routing is counted."""
+    return (f"MoE routing: under expert parallelism each GPU's experts are counted to receive "
+            f"{model.expert_capacity:g}× balanced routing's rows (activation memory; --expert-capacity); plait routes "
+            "dropless, so a step whose routing is uneven keeps more; step times are costed at balanced routing")

@@ -77,12 +77,14 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     Context parallelism (plait.context_parallel): s is a rank's S/cp tokens, and no score is kept (its
     attention recomputes probabilities from the log-sum-exp); the all-gather mode also keeps the other ranks'
     K and V: 4·(cp-1)·(a_kv·d/h)/t, a_kv the KV heads and d the head size.
+    An MoE layer's MLP term is its experts' on the top_k rows of each token, times the rows a GPU's experts
+    receive over balanced routing's (``experts.received``).
     """
     b = micro or layout.microbatch_size
     s, h, t = model.seq_len / layout.cp, model.hidden, layout.tp
     g = model.kv_heads / model.n_heads
     k = 3 if model.glu else 2
-    mlp = 2 * (model.ffn / h) * k * (model.top_k if model.is_moe else 1)
+    mlp = 2 * (model.ffn / h) * k * (model.top_k * experts.received(model, layout) if model.is_moe else 1)
     sharded = 4 + 4 * g + mlp
     replicated = 10.0 if model.dropout else 8.0
     score = (5 if model.dropout else 2) * model.n_heads * model.seq_len / h  # s·s/cp: local queries, all keys

@@ -23,6 +23,8 @@ class Model:
     keeps no mask either (PyTorch's dropout returns its input at p = 0).
     ``balance_seq_len``: plait cuts a model into pipeline chunks before it sees data, balancing for the
     model's ``max_seq_len``; give it when that differs from the ``seq_len`` trained (None: the same).
+    ``expert_capacity``: the rows an MoE layer's experts on one GPU are counted to receive under expert
+    parallelism, as a multiple of what balanced routing sends them (``experts.received``; a capacity factor).
     """
 
     n_layers: int
@@ -42,6 +44,7 @@ class Model:
     dropout: bool = False
     name: str = "custom"
     balance_seq_len: int | None = None  # the length the runtime's balanced partition assumes (default seq_len)
+    expert_capacity: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k"):
@@ -53,6 +56,8 @@ class Model:
             raise ConfigError(f"n_kv_heads: must divide n_heads={self.n_heads}, got {self.kv_heads}")
         if self.top_k > self.n_experts:
             raise ConfigError(f"top_k: must be <= n_experts={self.n_experts}, got {self.top_k}")
+        if not self.expert_capacity > 0:
+            raise ConfigError(f"expert_capacity: must be positive (1: balanced routing), got {self.expert_capacity!r}")
 
     # ---- shapes -------------------------------------------------------------------------------
     @property
@@ -128,7 +133,8 @@ class Model:
         """The shapes of a ``plait.models.LlamaConfig`` (or its ``to_dict()``), trained at ``seq_len``
         tokens (default its ``max_seq_len``). Missing keys take LlamaConfig's defaults (``ffn_dim``:
         2/3 of 4·dim rounded up to a multiple of 8). Every layer is a mixture-of-experts layer when
-        ``n_experts > 1`` (``moe_every`` is not modelled)."""
+        ``n_experts > 1`` (``moe_every`` is not modelled); its ``capacity_factor`` c, where set, caps what an
+        expert takes at c times its balanced share, the ``expert_capacity`` planned (dropless: balanced)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         dim, heads = int(get("dim", 64)), int(get("n_heads", 4))
         ffn = get("ffn_dim") or llama_ffn(dim)
@@ -137,7 +143,7 @@ class Model:
                    seq_len=int(seq_len or max_len), ffn_hidden=int(ffn), n_kv_heads=get("n_kv_heads") or heads,
                    glu=True, tied_embeddings=bool(get("tie_embeddings", False)),
                    n_experts=int(get("n_experts", 1)), top_k=int(get("top_k", 1)), name=name,
-                   balance_seq_len=max_len)
+                   balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0))
 
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:

@@ -75,6 +75,7 @@ class Local:
     top_k: int = 1
     ep: int = 1
     expert_split: bool = False  # each expert split over TP (plan.experts.split), else whole experts
+    received: float = 1.0  # the rows its experts receive, times balanced routing's (plan.experts.received)
 
     @property
     def n(self) -> float:
@@ -119,7 +120,8 @@ def local(model: Model, layout: Layout) -> Local:
     return Local(tokens, model.seq_len / layout.cp, model.hidden, model.head_dim, model.n_heads / t,
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
-                 layout.recompute != "full", model.n_experts, model.top_k, layout.ep, plan_experts.split(layout))
+                 layout.recompute != "full", model.n_experts, model.top_k, layout.ep, plan_experts.split(layout),
+                 plan_experts.received(model, layout))
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -149,7 +151,8 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
         attention = sh.q + 2 * sh.k + sh.q + lse
     norms = _norm_saved(sh, dtype_bytes, sh.region_kept)  # the attention's input
     norms += _norm_saved(sh, dtype_bytes, sh.n if sh.moe else sh.region_kept)  # the MLP's
-    return norms + attention + 4 * sh.f + moe_saved(sh, dtype_bytes)  # an MoE layer's router and dispatch
+    # the MLP's 4 F (an MoE layer's experts on the rows they receive), an MoE layer's router and dispatch
+    return norms + attention + 4 * sh.f * sh.received + moe_saved(sh, dtype_bytes)
 
 
 def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:

@@ -8,7 +8,8 @@ flattened tokens, or its sequence shard under SP), all ``T`` with experts split 
 ``A = D·k`` rows and, with balanced routing (every expert receives the same number of rows from every rank),
 receives ``R = A``: the census counts balanced routing, where ``R`` is the one size that depends on the routing
 (a rank whose experts receive more rows keeps more). Dropless, or with a capacity factor of at least 1, which
-balanced routing never exceeds, so no assignment is dropped.
+balanced routing never exceeds, so no assignment is dropped. ``Local.received`` scales ``R`` (and the experts'
+``4 F``) to count an uneven routing's busiest rank (``plan.experts.received``, ``Model.expert_capacity``).
 
 Saved (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each storage once):
 * router: its input (the norm's scaled output, or under SP the whole gathered copy, where a dense MLP's
@@ -47,7 +48,8 @@ def dispatched(sh: Local) -> float:
 
 def moe_saved(sh: Local, dtype_bytes: int = 4) -> float:
     """Elements (of ``dtype_bytes`` each) one MoE layer saves per micro-batch beyond its input and the ``4 F``
-    of a dense MLP of width ``sh.ffn``; 0 for a dense layer. Balanced routing (the module docstring)."""
+    of a dense MLP of width ``sh.ffn``; 0 for a dense layer. ``R`` at ``sh.received`` times balanced routing's
+    (the module docstring)."""
     if sh.experts <= 1:
         return 0.0
     fp32, i64, b1 = 4 / dtype_bytes, 8 / dtype_bytes, 1 / dtype_bytes
@@ -60,6 +62,6 @@ def moe_saved(sh: Local, dtype_bytes: int = 4) -> float:
     d = dispatched(sh)
     mine = 0.0 if d == t else (d if sh.sp else t) * i64
     a = d * sh.top_k
-    rows = a  # R = A with balanced routing
+    rows = a * sh.received  # R = A with balanced routing
     dispatch = a * b1 + 2 * a * i64 + a + (2 * rows * i64 if sh.ep > 1 else 0.0)
     return router + mine + dispatch + rows * sh.hidden + 2 * a * sh.hidden
