@@ -9,6 +9,7 @@ Sections (each runs on its own: one that fails records ``{"error": ...}`` and th
 rewritten after each, so a run cut short keeps the sections it finished):
   device    name, memory, torch and CUDA versions; on a GPU ``launch_us``, what one tiny kernel costs the host
   tests     ``pytest tests/test_device_path.py tests/test_device_guards.py --device DEV``: passed / failed
+            (``--test-files`` names others)
   gemm      ``torch.mm`` speeds on the shapes of the published runs' GEMMs and a grid, beside the planner's cost of
             each GEMM on this GPU (``gpu_check_gemm.py``; every timing in ``gemm.json``)
   elementwise  the kinds of element-wise kernel plait's eager step launches at the train section's shapes: GB/s
@@ -107,10 +108,14 @@ def _launch_us(device, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def tests_section(device, out: Path) -> dict:
+#: the test files the tests section runs unless ``--test-files`` names others
+DEVICE_TESTS = ("tests/test_device_path.py", "tests/test_device_guards.py")
+
+
+def tests_section(device, out: Path, files: list[str]) -> dict:
     xml = out / "tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_device_path.py",
-           "tests/test_device_guards.py", f"--device={device}", f"--junitxml={xml}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, f"--device={device}",
+           f"--junitxml={xml}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
     import xml.etree.ElementTree as ET
 
@@ -121,7 +126,7 @@ def tests_section(device, out: Path) -> dict:
               or c.find("error") is not None]
     return {"passed": n - failures - errors - skipped, "failed": failures + errors, "skipped": skipped,
             "failed_names": failed, "exit_code": proc.returncode,
-            "files": ["tests/test_device_path.py", "tests/test_device_guards.py"]}
+            "files": files}
 
 
 def _world(device):
@@ -330,6 +335,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (on a CPU: the small sizes anyway)")
+    parser.add_argument("--test-files", default=",".join(DEVICE_TESTS),
+                        help="comma-separated test files (from the repository root) the tests section runs")
     parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md and logs")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (generate, predict and serve use the "
@@ -356,7 +363,7 @@ def main() -> None:
     if "device" in wanted:
         _run("device", results, out, device_section, device)
     if "tests" in wanted:
-        _run("tests", results, out, tests_section, device, out)
+        _run("tests", results, out, tests_section, device, out, args.test_files.split(","))
     if "gemm" in wanted:
         _run("gemm", results, out, gemm_section, device, args.quick, out)
     if "elementwise" in wanted:

@@ -11,19 +11,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+GUARDS = "tests/test_device_guards.py"
 
 
 def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check"
     # a caller's own world variables must not leak into the check's child commands either
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), MASTER_PORT="1", RANK="0", WORLD_SIZE="1")
+    # the tests section on one of its two files: this suite runs both device test files itself (on the CPU);
+    # here what is checked is the section's pytest run and its reading of the results
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick",
-                           "--out", str(out)], capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+                           "--test-files", GUARDS, "--out", str(out)], capture_output=True, text=True, timeout=900,
+                          env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "gpu_check.json").read_text())
     failed = {name: v["error"] for name, v in results.items() if isinstance(v, dict) and "error" in v}
     assert not failed, failed
     assert results["tests"]["failed"] == 0 and results["tests"]["passed"] > 0
+    assert results["tests"]["files"] == [GUARDS] and results["tests"]["exit_code"] == 0
     assert results["device"]["cuda"] is None and results["mfu"] is None  # no dense peak for a CPU
     for key in ("train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
                 "serve_tokens_per_s"):
