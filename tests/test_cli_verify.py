@@ -2,7 +2,8 @@
 
 A bad layout is refused in the command itself, before anything launches: those cases run the command in this
 process (typer's runner: the same code path, exit code and stderr) instead of paying a fresh interpreter and
-torch import each; the passing runs go through ``python -m plait.cli.main`` as a user runs them."""
+torch import each. One passing run goes through ``python -m plait.cli.main`` as a user runs it; the other
+passing runs go through the runner too (the command still launches its own world of fresh processes)."""
 
 import json
 import subprocess
@@ -18,7 +19,7 @@ def _plait(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _refused(*args: str) -> Result:
+def _in_process(*args: str) -> Result:
     return CliRunner().invoke(app, ["verify", *args])
 
 
@@ -35,7 +36,7 @@ def test_verify_json_passes_for_pp2_zb_h1_with_selective_recompute():
 
 
 def test_verify_bad_layout_is_one_line():
-    res = _refused("--tp", "3", "--pp", "1")
+    res = _in_process("--tp", "3", "--pp", "1")
     assert res.exit_code == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "n_heads" in lines[0], res.stderr
@@ -43,32 +44,32 @@ def test_verify_bad_layout_is_one_line():
 
 
 def test_verify_unknown_schedule():
-    res = _refused("--schedule", "2f2b")
+    res = _in_process("--schedule", "2f2b")
     assert res.exit_code == 2 and "schedule" in res.stderr and "Traceback" not in res.output, res.output
 
 
 def test_verify_mixture_of_experts_with_expert_parallelism():
-    proc = _plait("verify", "--tp", "2", "--pp", "1", "--experts", "4", "--top-k", "2", "--ep", "2",
-                  "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout)
+    res = _in_process("--tp", "2", "--pp", "1", "--experts", "4", "--top-k", "2", "--ep", "2",
+                      "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
+    assert res.exit_code == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
     assert out["ok"] is True and out["config"]["ep"] == 2
     assert any(".mlp.experts.3." in g["name"] for g in out["grads"]), "expert gradients were not compared"
 
 
 def test_verify_experts_not_divisible_by_ep():
-    res = _refused("--experts", "3", "--ep", "2")
+    res = _in_process("--experts", "3", "--ep", "2")
     assert res.exit_code == 2 and "ep=2 must divide n_experts=3" in res.stderr, res.output
 
 
 def test_verify_experts_tensor_parallel_inside():
-    proc = _plait("verify", "--tp", "2", "--pp", "1", "--dp", "2", "--experts", "4", "--top-k", "2", "--ep", "2",
-                  "--expert-tp", "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout)
+    res = _in_process("--tp", "2", "--pp", "1", "--dp", "2", "--experts", "4", "--top-k", "2", "--ep", "2",
+                      "--expert-tp", "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
+    assert res.exit_code == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
     assert out["ok"] is True and out["config"]["expert_tp"] is True
 
 
 def test_verify_expert_tp_needs_ep_dividing_dp():
-    res = _refused("--tp", "2", "--pp", "1", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp")
+    res = _in_process("--tp", "2", "--pp", "1", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp")
     assert res.exit_code == 2 and "ep=2 must divide dp=1 with expert_tp=True" in res.stderr, res.output
