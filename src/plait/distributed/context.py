@@ -206,6 +206,16 @@ class ParallelContext:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def set_timeout(self, seconds: float) -> None:
+        """From now on, a collective of this rank on the default group or one of this context's groups fails after
+        waiting ``seconds`` (this rank's setting only: every rank sets its own)."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        self._check_open()
+        self.timeout_s = seconds
+        for group in {id(g): g for g in [dist.group.WORLD, *self._groups.values()]}.values():
+            _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the rank holding pipeline stage ``pp_rank`` with this rank's tp/cp/dp coordinates."""
         return self.global_rank(pp_rank=pp_rank)

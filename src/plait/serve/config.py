@@ -59,6 +59,11 @@ class ServeConfig:
     """On Ctrl-C or SIGTERM, seconds the running requests get to finish; those left end with 503 / an error
     event."""
 
+    step_timeout: float = 120.0
+    """Seconds one engine step may wait for every rank (tp/pp > 1): longer, and /health answers 503 "stalled",
+    then the job ends naming the rank(s) it waited on. A step feeds at most --step-tokens tokens; raise this for a
+    big model's prefill on CPU or with --step-tokens 0 (a whole batch of prompts in one step)."""
+
     def check_batch(self) -> None:
         """ConfigError on a batch or queue size no server can run (checked before the model is read)."""
         if self.max_batch < 1 or self.max_queue < 0:
@@ -80,6 +85,8 @@ class ServeConfig:
             raise ConfigError(f"--log-level {self.log_level}: choose debug, info, warning or error")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout} must be >= 0")
+        if self.step_timeout < 2:  # an idle engine sends the other ranks an empty step every second
+            raise ConfigError(f"--step-timeout {self.step_timeout} must be >= 2 seconds")
         if self.step_tokens < 0 or self.max_body_bytes < 1 or self.request_timeout < 0:
             raise ConfigError(f"--step-tokens {self.step_tokens} and --request-timeout {self.request_timeout} must "
                               f"be >= 0, --max-body-bytes {self.max_body_bytes} >= 1")

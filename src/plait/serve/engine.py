@@ -25,6 +25,25 @@ from plait.serve.scheduler import Scheduler, Seq
 from plait.serve.text import TextTracker
 
 HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often: workers stay in step
+STALL_SHOWN_S = 5.0  # /health says "stalled" this long before the stalled step's collective fails (the job ends)
+PROC_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)",
+               "Z": "exited", "R": "running", "S": "sleeping"}
+
+
+class StepStalled(RuntimeError):
+    """A step waited longer than the step limit for the other ranks (the message names them)."""
+
+
+def rank_state(pid: int) -> str:
+    """What the kernel says process ``pid`` is doing (Linux ``/proc``): "stopped", "running", ... or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return "state unknown"
+    return PROC_STATES.get(state, f"state {state}")
 
 
 @dataclass(eq=False)
@@ -82,6 +101,12 @@ class Engine:
         self.stop_reason = ""  # why a drain was asked for ("SIGINT"); empty while serving
         self.drain_until = float("inf")
         self.last_broadcast = 0.0
+        self.step_limit = float("inf")  # seconds a step may wait for the other ranks (``stalled``)
+        self.peers: dict[int, int] = {}  # every other rank's pid, by rank
+        self.steps = 0  # steps begun (an idle engine's empty ones too)
+        self.step_size = (0, 0)  # the running step's rows and tokens
+        self.step_began = 0.0  # when the running step began (monotonic); 0.0 between steps
+        self.phase = ""  # what the running step is doing: its broadcast or its forward
 
     # --- called from the HTTP thread -------------------------------------------------------------------
     def submit(self, req: Request) -> int:
@@ -101,6 +126,37 @@ class Engine:
         self.drain_until = min(self.drain_until, time.monotonic() + grace)
         self.stop_reason = self.stop_reason or reason
 
+    def stalled(self) -> dict | None:
+        """None, or (once the running step has waited longer than ``step_limit``) what it waits on: the step, the
+        seconds, and each other rank with what the kernel says it is doing. Safe from any thread."""
+        began, phase, n = self.step_began, self.phase, self.steps
+        waited = time.monotonic() - began
+        if not began or waited < self.step_limit:
+            return None
+        ranks = {str(r): f"pid {pid}, {rank_state(pid)}" for r, pid in sorted(self.peers.items())}
+        return {"status": "stalled", "step": n, "rows": self.step_size[0], "tokens": self.step_size[1],
+                "waiting_on": phase, "seconds": round(waited, 1),
+                "step_timeout": self.step_limit, "ranks": ranks}
+
+    def stall_message(self, info: dict) -> str:
+        """One line from ``stalled``'s answer: the ranks that did not answer first (stopped, in uninterruptible
+        sleep, gone), else every other rank (one of them did not answer)."""
+        ranks = info["ranks"]
+        stuck = {r: s for r, s in ranks.items() if not s.endswith(("running", "sleeping"))} or ranks
+        named = ", ".join(f"rank {r} ({s})" for r, s in stuck.items())
+        which = "did not answer" if len(stuck) == 1 or len(stuck) < len(ranks) else "did not all answer"
+        rows = f"{info['rows']} row{'' if info['rows'] == 1 else 's'}"
+        return (f"step {info['step']} ({rows}, {info['tokens']} tokens) waited {info['seconds']} s "
+                f"(--step-timeout {info['step_timeout']:g}) in its {info['waiting_on']}: {named} {which}")
+
+    def _began(self, phase: str, step: Step | None = None) -> None:
+        """The running step moves on to ``phase``; a ``step`` given: it begins (with its broadcast)."""
+        self.phase = phase
+        if step is not None:
+            self.steps += 1
+            self.step_size = (len(step.rows), sum(len(r.tokens) for r in step.rows))
+            self.step_began = time.monotonic()
+
     # --- the loop (rank 0's main thread) ---------------------------------------------------------------
     def run(self) -> None:
         """Plan, broadcast and run steps until ``stopping`` is set; every other rank runs ``follow``."""
@@ -116,16 +172,24 @@ class Engine:
                 if not step.busy and not stop and time.monotonic() - self.last_broadcast < HEARTBEAT_S:
                     self._wake()
                     continue
+                self._began("broadcast", step)
                 self._broadcast(step)
+                self._began("forward (its collectives)")
                 outputs = self.runner.execute(step)
+                self.step_began = 0.0
                 self._deliver(pairs, outputs or [])
                 self._wake()
                 if stop:
                     return
         except BaseException as exc:
-            self.failed = f"{type(exc).__name__}: {exc}"
+            info = self.stalled()
+            if info is None:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self._fail_all(self.failed)
+                raise
+            self.failed = f"StepStalled: {self.stall_message(info)}"
             self._fail_all(self.failed)
-            raise
+            raise StepStalled(f"{self.stall_message(info)} ({type(exc).__name__}: {exc})") from exc
 
     def _drained(self) -> bool:
         """True once a requested stop may happen: nothing runs, or the grace is over (the rest then fail)."""

@@ -129,6 +129,7 @@ def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
     import torch.distributed as dist
 
+    from plait.distributed.context import DEFAULT_TIMEOUT_S
     from plait.generation.job import load_model
     from plait.serve.engine import follow
     from plait.serve.runner import Runner
@@ -146,16 +147,32 @@ def serve_job(payload: dict) -> None:
     runner = Runner(model, blocks, block)
     try:
         if sock is None:
+            _step_limit(runner, payload["step_timeout"])
             follow(runner)
         else:
             _lead(payload, sock, runner, tok, cfg, blocks, signals)
     finally:
         signals.close()
-    if tp * pp > 1:
+    if runner.ctx is not None:
+        runner.ctx.set_timeout(DEFAULT_TIMEOUT_S)  # rank 0 may still be sending its last responses
         # the last collective: it fails at once where a peer has died. A rank that has finished waits for its
         # launcher's word to exit, and the SIGTERM with which the launcher stops the job after a death reached
         # it while it still ignored SIGTERM (serving); without this it would wait for the launcher's SIGKILL
         dist.barrier()
+
+
+def _step_limit(runner, seconds: float) -> dict[int, int]:
+    """Once every rank has loaded its part (and rank 0 is about to run the engine), from then on a collective
+    fails after waiting ``seconds`` (--step-timeout) and ``STALL_SHOWN_S`` more, the time /health says "stalled"
+    first; every other rank's pid, by rank (rank 0 names a rank that does not answer by it)."""
+    import torch.distributed as dist
+
+    from plait.serve.engine import STALL_SHOWN_S
+
+    pids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    runner.ctx.set_timeout(seconds + STALL_SHOWN_S)
+    return {r: pid for r, pid in enumerate(pids) if r != dist.get_rank()}
 
 
 def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, signals: StopSignals) -> None:
@@ -203,6 +220,9 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
           f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
           f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
           f"plait serve: chat template: {chat.source}", flush=True)
+    if runner.ctx is not None:
+        engine.peers = _step_limit(runner, payload["step_timeout"])
+        engine.step_limit = payload["step_timeout"]
     engine.run()
     server.should_exit = True
     thread.join(HTTP_JOIN_S)

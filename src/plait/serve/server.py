@@ -156,6 +156,9 @@ class Api:
     async def health(self) -> JSONResponse:
         if self.engine.stop_reason:
             return JSONResponse({"status": "stopping", "reason": self.engine.stop_reason}, 503)
+        stalled = self.engine.stalled()  # also once the stalled step has failed: it never finished
+        if stalled is not None:
+            return JSONResponse({**stalled, "reason": self.engine.stall_message(stalled)}, 503)
         if self.engine.failed:
             return JSONResponse({"status": "failed", "reason": self.engine.failed}, 503)
         if not self.engine.ready.is_set():

@@ -1,0 +1,133 @@
+"""A stuck (alive, not answering) serving rank: /health says "stalled" once a step waits longer than
+--step-timeout, and the job ends naming the rank that did not answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from plait.generation.decode import Sampling
+from plait.models import Llama, LlamaConfig
+from plait.serve.engine import Engine, Request, StepStalled
+from plait.serve.kv import BlockAllocator
+from plait.serve.metrics import Metrics
+from plait.serve.runner import Runner
+from plait.serve.sampling import Params
+from plait.serve.scheduler import Scheduler
+from plait.serve.server import Api
+from plait.tokenizers import ByteTokenizer
+from serve_util import Server, tiny_model, workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Stuck(Runner):
+    """A runner whose steps with rows wait until ``release`` is set, then fail as a timed-out collective would."""
+
+    release = threading.Event()
+
+    def execute(self, step):
+        if step.rows:
+            self.release.wait(30)
+            raise RuntimeError("Timed out waiting 1000ms for send operation to complete")
+        return super().execute(step)
+
+
+def _health(engine: Engine) -> tuple[int, dict]:
+    import json
+
+    resp = asyncio.run(Api.health(SimpleNamespace(engine=engine)))  # type: ignore[arg-type]
+    return resp.status_code, json.loads(resp.body)
+
+
+def test_health_says_stalled_and_the_engine_names_the_stopped_rank():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)).eval()
+    engine = Engine(_Stuck(model, 8, 4), Scheduler(BlockAllocator(8, 4), max_batch=2), ByteTokenizer(), Metrics(),
+                    distributed=False)
+    stopped = subprocess.Popen(["sleep", "60"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    engine.step_limit, engine.peers = 0.5, {1: stopped.pid, 2: os.getpid()}
+    events: list[dict] = []
+    failure: list[BaseException] = []
+
+    def run():
+        try:
+            engine.run()
+        except BaseException as exc:
+            failure.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        assert engine.ready.wait(30)
+        engine.submit(Request([1, 2, 3], Params(Sampling(4)), events.append))
+        while not engine.step_began:
+            time.sleep(0.01)
+        assert _health(engine) == (200, {"status": "ok"})  # a step shorter than the limit is no stall
+        time.sleep(0.6)
+        status, body = _health(engine)
+        assert status == 503 and body["status"] == "stalled" and body["waiting_on"] == "forward (its collectives)"
+        assert body["ranks"] == {"1": f"pid {stopped.pid}, stopped", "2": f"pid {os.getpid()}, running"}, body
+        assert body["step_timeout"] == 0.5 and body["seconds"] >= 0.5
+        # the stopped rank alone is named: the other one runs (it may be the one waiting for it)
+        assert f"rank 1 (pid {stopped.pid}, stopped) did not answer" in body["reason"], body
+        assert "rank 2" not in body["reason"]
+        _Stuck.release.set()
+        thread.join(10)
+        assert isinstance(failure[0], StepStalled) and "rank 1 (pid" in str(failure[0]), failure
+        assert "Timed out waiting" in str(failure[0])  # the collective's own error follows
+        assert events[-1]["type"] == "error" and "rank 1 (pid" in events[-1]["message"], events
+    finally:
+        _Stuck.release.set()
+        stopped.kill()
+        stopped.wait()
+
+
+def _health_of(url: str) -> tuple[int, dict] | None:
+    try:
+        r = httpx.get(f"{url}/health", timeout=2)
+        return r.status_code, r.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def test_a_stopped_tp_worker_makes_health_stalled_and_ends_the_job_naming_it(tmp_path):
+    server = Server(tiny_model(tmp_path / "tiny"), tmp_path, "--tp", "2", "--step-timeout", "3")
+    procs: list[int] = []
+    try:
+        server.wait_healthy(timeout=90)
+        procs = workers(server.proc.pid)
+        assert len(procs) == 2, procs
+        victim = procs[-1]
+        os.kill(victim, signal.SIGSTOP)
+        got: list = []
+        client = threading.Thread(target=lambda: got.append(httpx.post(
+            f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)))
+        asked = time.monotonic()
+        client.start()
+        health = _health_of(server.url)
+        while time.monotonic() < asked + 15 and health is not None and health[0] == 200:
+            time.sleep(0.1)
+            health = _health_of(server.url)
+        assert health is not None and health[0] == 503, (health, server.output())
+        assert health[1]["status"] == "stalled" and time.monotonic() - asked < 3 + 5, health
+        assert health[1]["ranks"] == {"1": f"pid {victim}, stopped"}, health
+        client.join(30)
+        assert got and got[0].status_code == 500, server.output()
+        message = got[0].json()["error"]["message"]
+        assert f"rank 1 (pid {victim}, stopped) did not answer" in message and "--step-timeout 3" in message, message
+    finally:
+        for pid in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        server.kill()
