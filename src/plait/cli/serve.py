@@ -19,7 +19,9 @@ With --tp/--pp > 1 the model is split over that many local processes; rank 0 als
 Greedy by default (temperature 0): the tokens equal `plait generate`'s. One log line per request on
 stderr (--no-access-log: none). Ctrl-C or SIGTERM: new requests get 503, running ones get --shutdown-timeout
 seconds to finish (a second Ctrl-C: none), then "plait serve: stopped (SIGINT)" and exit code 0, under every
-layout.
+layout. A worker that is alive but does not answer (stopped, hung): once a step has waited --step-timeout
+seconds /health answers 503 "stalled" naming the ranks, 5 s later the job ends naming the rank that did not
+answer.
 
 \b
 Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's

@@ -60,9 +60,10 @@ class ServeConfig:
     event."""
 
     step_timeout: float = 120.0
-    """Seconds one engine step may wait for every rank (tp/pp > 1): longer, and /health answers 503 "stalled",
-    then the job ends naming the rank(s) it waited on. A step feeds at most --step-tokens tokens; raise this for a
-    big model's prefill on CPU or with --step-tokens 0 (a whole batch of prompts in one step)."""
+    """Seconds one engine step may wait for the other ranks (tp/pp > 1): longer, and /health answers 503
+    "stalled"; 5 s later the job ends naming the rank that did not answer. A step feeds at most --step-tokens
+    tokens (256 of a 70B model: 3.6e13 FLOPs, under a minute on a 1 TFLOP/s CPU); raise it for slower steps
+    (--step-tokens 0: a whole batch of prompts in one step)."""
 
     def check_batch(self) -> None:
         """ConfigError on a batch or queue size no server can run (checked before the model is read)."""
