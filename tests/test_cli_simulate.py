@@ -65,10 +65,16 @@ def test_exports_and_csv_import(tmp_path):
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--microbatches", "0"], "error: microbatches=0: must be an integer >= 1"),
-        (["--schedule", "nope"], "error: schedule='nope': unknown; valid names are gpipe"),
-        (["-s", "zbv", "--virtual", "3"], "error: virtual=3: zbv places exactly 2"),
-        (["--weight", "5"], "error: weight=5.0"),
+        (["--microbatches", "0"], "error: --microbatches 0: must be an integer >= 1"),
+        (["-p", "0"], "error: --stages 0: must be an integer >= 1"),
+        (["--schedule", "nope"], "error: --schedule 'nope': unknown; valid names are gpipe"),
+        (["-s", "zbv", "--virtual", "3"], "error: --virtual-stages 3: zbv places exactly 2 chunk(s) per rank; use 2"),
+        (["-s", "dualpipev", "-p", "4", "-m", "3"], "error: --microbatches 3: dualpipev needs at least 2 per "
+                                                    "pipeline stage, 8 for 4 stages"),
+        (["--rounds", "padded"], "error: --rounds 'padded': only interleaved-1f1b and zb-h1"),
+        (["--weight", "5"], "error: --weight 5.0: the weight-gradient part"),
+        (["--p2p", "-1"], "error: --p2p -1.0: must be a finite number >= 0"),
+        (["--compare", "1f1b,nope"], "error: --compare 1f1b,nope: unknown schedule 'nope'; valid names are gpipe"),
         (["--from-csv", "/nonexistent/x.csv"], "error: --from-csv /nonexistent/x.csv: no such file"),
         (["--trace", "/"], "error: --trace /: a folder, not a file"),
         (["--png", "/dev/null/x.png"], "error: --png /dev/null/x.png: /dev/null is a file"),
@@ -93,7 +99,7 @@ def test_real_process_exit_code():
     proc = subprocess.run([sys.executable, "-m", "plait.cli.main", "simulate", "-m", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "error: microbatches=0: must be an integer >= 1"
+    assert proc.stderr.strip() == "error: --microbatches 0: must be an integer >= 1"
 
 
 def test_compare_json():
@@ -102,4 +108,4 @@ def test_compare_json():
     rows = json.loads(res.output)
     assert [r["schedule"] for r in rows] == ["1f1b", "zbv", "dualpipev"]
     assert rows[0]["bubble_fraction"] == pytest.approx(3 / 7)
-    assert "needs at least 2*stages=8" in rows[2]["error"]
+    assert rows[2]["error"].startswith("--microbatches 4: dualpipev needs at least 2 per pipeline stage, 8 for 4")

@@ -76,7 +76,7 @@ def test_plaits_runtime_bytes_follow_its_precision_and_zero_stage():
 
 
 def test_unknown_or_foreign_accumulations_are_refused():
-    with pytest.raises(ConfigError, match="grad_accumulation: 'fused' is not one of plait, autograd-16bit"):
+    with pytest.raises(ConfigError, match="grad_accumulation='fused': not one of plait, autograd-16bit"):
         Training(4, grad_accumulation="fused")
     with pytest.raises(ConfigError, match="grad_accumulation: 'fsdp2-fp32' is planned but plait's runtime"):
         Layout(dp=2).to_parallel_config(Training(4, grad_accumulation="fsdp2-fp32"))

@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from plait.cli.main import app
+from plait.errors import ConfigError
 
 runner = CliRunner()
 
@@ -13,7 +14,7 @@ runner = CliRunner()
 def test_unknown_gpu_lists_valid_names():
     r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "h1000"])
     assert r.exit_code == 2
-    assert "error: gpu: unknown GPU 'h1000'" in r.output and "h100-sxm" in r.output
+    assert "error: --gpu 'h1000': unknown GPU" in r.output and "h100-sxm" in r.output
     assert "Traceback" not in r.output
 
 
@@ -29,9 +30,17 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--global-batch", "0"], "error: global_batch: must be >= 1 sequence, got 0"),
-    (["--top", "0"], "error: top=0: how many layouts to keep, must be >= 1"),
-    (["--top", "0", "--global-batch", "64"], "error: top=0"),
+    (["--global-batch", "0"], "error: --global-batch 0: must be >= 1 sequence"),
+    (["--top", "0"], "error: --top 0: how many layouts to keep, must be >= 1"),
+    (["--top", "0", "--global-batch", "64"], "error: --top 0"),
+    (["--seq-len", "0"], "error: --seq-len 0: must be a positive integer"),
+    (["--gpus", "0"], "error: --gpus 0: must be >= 1"),  # Cluster's n_gpus, as the flag the user typed
+    (["--gpus-per-node", "0"], "error: --gpus-per-node 0: must be >= 1"),
+    (["--interconnect", "ib"], "error: --interconnect 'ib': unknown; valid: ib-hdr"),
+    (["--max-memory-fraction", "2"], "error: --max-memory-fraction 2.0: must be in (0, 1]"),
+    (["--precision", "fp8"], "error: --precision 'fp8': not one of fp32, bf16"),
+    (["--inference", "--prompt-len", "0"], "error: --prompt-len 0: must be >= 1"),
+    (["--inference", "--weights", "int3"], "error: --weights 'int3': not one of bf16"),
     (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, flash1-triton, flash2, "
                                 "cudnn, flash3, unfused"),
 ])
@@ -50,7 +59,14 @@ def test_write_config_through_a_file_is_an_error(tmp_path):
 
 def test_unknown_model_lists_presets():
     r = runner.invoke(app, ["plan", "--model", "gpt5", "--gpus", "8"])
-    assert r.exit_code == 2 and "llama3-70b" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 2 and r.output.startswith("error: --model 'gpt5': unknown preset; valid: ") \
+        and "llama3-70b" in r.output and "Traceback" not in r.output
+    from plait.plan import Cluster, Model  # the library names its own parameters
+
+    with pytest.raises(ConfigError, match=r"^n_gpus=0: must be >= 1$"):
+        Cluster("h100-sxm", 0)
+    with pytest.raises(ConfigError, match=r"^seq_len=0: must be a positive integer$"):
+        Model.preset("tiny", seq_len=0)
 
 
 def test_model_that_fits_nowhere_says_what_would():

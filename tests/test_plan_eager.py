@@ -130,7 +130,7 @@ def test_plaits_runs_are_costed_eager_and_the_default_stays_fused():
     _, training = train_layout(ParallelConfig(tp=1, pp=1, dp=1, precision="bf16").resolve(1), 4)
     assert training.elementwise == eager.RUNTIME_ELEMENTWISE == "plait-eager"
     assert Training(4).elementwise == "fused"
-    with pytest.raises(ConfigError, match="elementwise: 'triton' is not one of fused, plait-eager"):
+    with pytest.raises(ConfigError, match="elementwise='triton': not one of fused, plait-eager"):
         Training(4, elementwise="triton")
     small = Model(n_layers=2, hidden=64, n_heads=4, vocab=128, seq_len=32, glu=True)
     host = host_cluster(host_section(None))

@@ -228,7 +228,7 @@ def test_grad_dtype_is_validated_and_plait_plans_keep_fp32():
     from plait.errors import ConfigError
 
     assert Training(8).grad_dtype == "fp32" and GRAD_DTYPES[Training(8, grad_dtype="fp16").grad_dtype] == 2
-    with pytest.raises(ConfigError, match="grad_dtype: 'int8' is not one of fp32, bf16, fp16"):
+    with pytest.raises(ConfigError, match="grad_dtype='int8': not one of fp32, bf16, fp16"):
         Training(8, grad_dtype="int8")
     with pytest.raises(ConfigError, match="grad_dtype: 'bf16' needs precision='bf16'"):
         Training(8, precision="fp32", grad_dtype="bf16")

@@ -53,7 +53,7 @@ def test_the_step_charges_its_implementation_and_another_stack_skips_plaits_publ
 
 
 def test_unknown_or_foreign_optimizers_are_refused():
-    with pytest.raises(ConfigError, match="optimizer: 'adam' is not one of torch-fused-adamw, megatron-fp16"):
+    with pytest.raises(ConfigError, match="optimizer='adam': not one of torch-fused-adamw, megatron-fp16"):
         Training(4, optimizer="adam")
     with pytest.raises(ConfigError, match="optimizer: 'torch-foreach-adamw' is planned but plait's runtime runs "
                                           "torch-fused-adamw"):

@@ -102,7 +102,8 @@ def test_chunk_costs_and_unbalanced_stages():
     [
         (Costs(1.0, 2.0, weight=3.0), "weight=3.0"),
         (Costs(-1.0, 2.0), "forward=-1.0"),
-        (Costs(1.0, [1.0, 2.0, 3.0]), "backward: a list of 3 times; give one per rank (2) or one per chunk (2)"),
+        (Costs(1.0, [1.0, 2.0, 3.0]), "backward=[1.0, 2.0, 3.0]: a list of 3 times; give one per rank (2) or one per "
+                                      "chunk (2)"),
         (Costs(1.0, 2.0, p2p=-0.5), "p2p=-0.5"),
         (Costs("1", 2.0), "forward='1'"),
     ],

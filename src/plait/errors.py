@@ -16,6 +16,16 @@ class CommTimeoutError(CommError):
     """A rank waited longer than its timeout on a collective or point-to-point operation."""
 
 
+#: the command-line flag of each library parameter whose flag is not ``--`` and its name with dashes: the one
+#: place the Python names (``Cluster(n_gpus=...)``, ``build_schedule(virtual=...)``) meet the flags users type
+FLAGS = {"n_gpus": "--gpus", "virtual": "--virtual-stages"}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of library parameter ``name``: ``n_gpus`` -> ``--gpus``, ``seq_len`` -> ``--seq-len``."""
+    return FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 class FieldError(ConfigError):
     """A ConfigError about one named setting: reads ``name=value: detail``, or as a command-line flag."""
 
@@ -25,11 +35,11 @@ class FieldError(ConfigError):
 
     def as_flag(self) -> str:
         """The same message naming the flag: ``--virtual-stages 3: ...`` (a switch that is on: ``--add: ...``)."""
-        flag = f"--{self.name.replace('_', '-')}"
+        flag = flag_of(self.name)
         return f"{flag}: {self.detail}" if self.value is True else f"{flag} {self.value!r}: {self.detail}"
 
 
-def flag_message(exc: ConfigError) -> str:
+def flag_message(exc: Exception) -> str:
     """A ConfigError's message as the command line should say it (flags instead of field names)."""
     return exc.as_flag() if isinstance(exc, FieldError) else str(exc)
 

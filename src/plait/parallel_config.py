@@ -177,12 +177,9 @@ def _check(c: ParallelConfig) -> None:
     _choice("cp_comm", c.cp_comm, CP_COMMS)
     try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
         c.pipeline_schedule()
-    except ConfigError as exc:
-        name, _, detail = str(exc).partition(": ")
-        if name.startswith(("virtual=", "microbatches=", "rounds=")):  # say it with this class's field names
-            field = {"v": "virtual_stages", "m": "microbatches", "r": "rounds"}[name[0]]
-            raise FieldError(field, getattr(c, field), detail) from None
-        raise
+    except FieldError as exc:  # said with this class's field names
+        field = {"virtual": "virtual_stages", "stages": "pp"}.get(exc.name, exc.name)
+        raise FieldError(field, getattr(c, field), exc.detail) from None
     if c.dp == -1:
         return
     data = c.dp * c.cp  # ranks of a stage that see different tokens with the same TP coordinate

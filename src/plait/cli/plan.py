@@ -238,7 +238,7 @@ class PlanOptions:
 def plan(options: dict[str, Any]) -> None:
     from rich.console import Console
 
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, flag_message
     from plait.plan import Cluster, Training, explain, search
     from plait.plan.attention import KERNELS, UNFUSED
     from plait.plan.experts import routing_note
@@ -275,7 +275,7 @@ def plan(options: dict[str, Any]) -> None:
         if result.best and o.write_config is not None:
             _write_config(o.write_config, result.best[0], o.model)
     except ConfigError as exc:
-        _fail(str(exc))
+        _fail(flag_message(exc))
     if not result.best:
         _fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
     if o.as_json:
@@ -326,7 +326,7 @@ class TopoOptions:
 def topo(options: dict[str, Any]) -> None:
     """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
     `plait plan --inference` recommends on these links (each TP size costed on the link its group uses)."""
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, flag_message
     from plait.plan import Workload
     from plait.plan.topo import advice, parse_topo, read_topo, serving_advice, tp_groups
 
@@ -343,7 +343,7 @@ def topo(options: dict[str, Any]) -> None:
         gpu = o.gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
         res = serving_advice(t, _model(o.model, None), gpu, Workload(o.batch, o.prompt_len, o.gen_len), o.weights)
     except (ValueError, ConfigError) as exc:
-        _fail(str(exc))
+        _fail(flag_message(exc))
     typer.echo(f"{len(t.gpus)} GPUs")
     for line in advice(t):
         typer.echo("• " + line)

@@ -80,7 +80,7 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
     from rich.console import Console
     from rich.table import Table
 
-    from plait.errors import ConfigError
+    from plait.errors import ConfigError, flag_message
     from plait.schedules import build_schedule
     from plait.schedules.build import ROUND_SCHEDULES
     from plait.sim import simulate
@@ -93,6 +93,8 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
         table.add_column(col, justify="right")
     rows: list[dict] = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name.lower() not in _names():
+            raise ConfigError(f"--compare {names}: unknown schedule {name!r}; valid names are {', '.join(_names())}")
         multi = name in ("interleaved-1f1b", "looped-bfs", "zb-h1")
         try:
             sched = build_schedule(name, stages=stages, microbatches=microbatches,
@@ -100,10 +102,9 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
                                    rounds=rounds if name in ROUND_SCHEDULES else None)
             r = simulate(sched, costs)
         except ConfigError as exc:
-            if name not in _names():
-                raise
-            table.add_row(name, "-", "-", "-", "-", "-", f"n/a: {str(exc).splitlines()[0]}")
-            rows.append({"schedule": name, "error": str(exc).splitlines()[0]})
+            why = flag_message(exc).splitlines()[0]
+            table.add_row(name, "-", "-", "-", "-", "-", f"n/a: {why}")
+            rows.append({"schedule": name, "error": why})
             continue
         rows.append(r.to_dict())
         table.add_row(name, str(sched.virtual), f"{r.makespan:g}", f"{r.bubble_fraction:.1%}",
@@ -189,7 +190,7 @@ def simulate_command(
 ) -> None:
     from rich.console import Console
 
-    from plait.errors import ConfigError, check_output_path
+    from plait.errors import ConfigError, check_output_path, flag_message
     from plait.sim import Costs, simulate
 
     o = SimulateOptions(**options)
@@ -199,7 +200,7 @@ def simulate_command(
         for flag, path in (("--png", o.png), ("--trace", o.trace), ("--csv", o.csv)):
             check_output_path(flag, None if path is None else str(path), folder=False)
     except ConfigError as exc:
-        _fail(str(exc))
+        _fail(flag_message(exc))
     costs = Costs(forward=o.forward, backward=o.backward, weight=o.weight, p2p=o.p2p)
     virtual = o.virtual_stages if virtual_alias is None else virtual_alias
     try:
@@ -208,7 +209,7 @@ def simulate_command(
         result = simulate(_build(o.schedule, o.stages, o.microbatches, virtual, o.from_csv, o.rounds), costs)
         notes = _outputs(result, o.png, o.trace, o.csv)
     except (ConfigError, OSError) as exc:
-        _fail(str(exc))
+        _fail(flag_message(exc))
     if o.as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return None

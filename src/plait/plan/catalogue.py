@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plait.errors import ConfigError
+from plait.errors import FieldError
 
 GiB = 1024**3
 GB = 1e9
@@ -116,7 +116,7 @@ def get_gpu(name: str | GPU) -> GPU:
     aliases = {"h100": "h100-sxm", "a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb"}
     key = aliases.get(key, key)
     if key not in GPUS:
-        raise ConfigError(f"gpu: unknown GPU {name!r}; valid: {', '.join(GPUS)}")
+        raise FieldError("gpu", name, f"unknown GPU; valid: {', '.join(GPUS)}")
     return GPUS[key]
 
 
@@ -139,5 +139,5 @@ def get_interconnect(name: str | Link | None, gpu: GPU) -> Link:
     if isinstance(name, Link):
         return name
     if name not in INTERCONNECTS:
-        raise ConfigError(f"interconnect: unknown {name!r}; valid: {', '.join(INTERCONNECTS)}")
+        raise FieldError("interconnect", name, f"unknown; valid: {', '.join(INTERCONNECTS)}")
     return INTERCONNECTS[name]

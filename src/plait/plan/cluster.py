@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.errors import ConfigError
+from plait.errors import FieldError
 from plait.plan.attention import UNFUSED, kernel_of
 from plait.plan.catalogue import GPU, Link, get_gpu, get_interconnect
 from plait.plan.costs import CostModel
@@ -50,7 +50,7 @@ class Cluster:
                  profile: HostProfile | None = None, max_memory_fraction: float = MAX_MEMORY_FRACTION,
                  flash_attention: bool | str = True) -> None:
         if int(n_gpus) < 1:
-            raise ConfigError(f"n_gpus: must be >= 1, got {n_gpus}")
+            raise FieldError("n_gpus", n_gpus, "must be >= 1")
         costs: CostModel
         if profile is not None:
             gpu, gpus_per_node = host_gpu(profile, int(n_gpus)), int(n_gpus)
@@ -58,9 +58,9 @@ class Cluster:
         else:
             costs = GpuCosts(self)
         if int(gpus_per_node) < 1:
-            raise ConfigError(f"gpus_per_node: must be >= 1, got {gpus_per_node}")
+            raise FieldError("gpus_per_node", gpus_per_node, "must be >= 1")
         if not 0 < max_memory_fraction <= 1:
-            raise ConfigError(f"max_memory_fraction: must be in (0, 1], got {max_memory_fraction}")
+            raise FieldError("max_memory_fraction", max_memory_fraction, "must be in (0, 1]")
         device = get_gpu(gpu)
         kernel = kernel_of(flash_attention, device)
         for name, value in (("gpu", device), ("n_gpus", n_gpus), ("gpus_per_node", gpus_per_node),

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, FieldError
 from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
 from plait.pipeline.balance import PARTITIONS, partition_layers
 from plait.plan import experts
@@ -322,7 +322,7 @@ class Training:
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
-            raise ConfigError(f"global_batch: must be >= 1 sequence, got {self.global_batch}")
+            raise FieldError("global_batch", self.global_batch, "must be >= 1 sequence")
         for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
@@ -332,7 +332,7 @@ class Training:
                               ("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES),
                               ("elementwise", ELEMENTWISE)):
             if getattr(self, name) not in choices:
-                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
+                raise FieldError(name, getattr(self, name), f"not one of {', '.join(choices)}")
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()
         if len(sms) != 2 or not all(type(n) is int and 1 <= n <= UB_MAX_SMS for n in sms):
             raise ConfigError(f"tp_overlap_sms: must be two integers from 1 to {UB_MAX_SMS} (the SMs of proj_fprop's "

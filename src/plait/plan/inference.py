@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from plait.errors import ConfigError
+from plait.errors import FieldError
 from plait.plan.catalogue import LINK_EFFICIENCY
 from plait.plan.cluster import Cluster
 from plait.plan.config import Layout
@@ -33,7 +33,7 @@ class Workload:
     def __post_init__(self) -> None:
         for k in ("batch", "prompt_len", "gen_len"):
             if int(getattr(self, k)) < 1:
-                raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
+                raise FieldError(k, getattr(self, k), "must be >= 1")
 
     @property
     def context(self) -> int:
@@ -192,7 +192,7 @@ def plan_inference(model: Model, cluster: Cluster, workload: Workload, weights: 
     """Compare every tp × pp (× replicas) serving layout on ``cluster`` for ``workload`` with ``weights``
     stored as bf16, fp16, fp8, int8 or int4 (``tps``: only these TP sizes)."""
     if weights not in WEIGHT_BYTES:
-        raise ConfigError(f"weights: {weights!r} is not one of {', '.join(WEIGHT_BYTES)}")
+        raise FieldError("weights", weights, f"not one of {', '.join(WEIGHT_BYTES)}")
     opts = []
     n = cluster.n_gpus
     for tp in (d for d in (1, 2, 4, 8, 16, 32, 64) if n % d == 0 and model.n_heads % d == 0):

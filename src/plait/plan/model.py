@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, FieldError
 from plait.model_presets import PRESETS as TRAIN_PRESETS
 
 
@@ -49,7 +49,7 @@ class Model:
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k"):
             if int(getattr(self, field)) < 1:
-                raise ConfigError(f"{field}: must be a positive integer, got {getattr(self, field)!r}")
+                raise FieldError(field, getattr(self, field), "must be a positive integer")
         if self.hidden % self.n_heads:
             raise ConfigError(f"n_heads: must divide hidden={self.hidden}, got {self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -125,7 +125,8 @@ class Model:
         if key in TRAIN_PRESETS:
             return cls.from_llama_config(TRAIN_PRESETS[key], seq_len, name=key)
         if key not in PRESETS:
-            raise ConfigError(f"model: unknown preset {name!r}; valid: {', '.join([*PRESETS, *TRAIN_PRESETS])}")
+            raise FieldError("model", name, f"unknown preset; valid: {', '.join([*PRESETS, *TRAIN_PRESETS])} (or a "
+                                            "Hugging Face config.json)")
         return PRESETS[key].with_seq_len(seq_len)
 
     @classmethod
@@ -135,6 +136,7 @@ class Model:
         2/3 of 4·dim rounded up to a multiple of 8). Every layer is a mixture-of-experts layer when
         ``n_experts > 1`` (``moe_every`` is not modelled); its ``capacity_factor`` c, where set, caps what an
         expert takes at c times its balanced share, the ``expert_capacity`` planned (dropless: balanced)."""
+        _check_seq_len(seq_len)
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         dim, heads = int(get("dim", 64)), int(get("n_heads", 4))
         ffn = get("ffn_dim") or llama_ffn(dim)
@@ -170,7 +172,14 @@ def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+def _check_seq_len(seq_len: int | None) -> None:
+    """A training length given must be a positive count (0 would otherwise read as "the model's own")."""
+    if seq_len is not None and not seq_len >= 1:
+        raise FieldError("seq_len", seq_len, "must be a positive integer")
+
+
 def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str) -> Model:
+    _check_seq_len(seq_len)
     kind = str(cfg.get("model_type", "")).lower()
     gpt_style = kind in {"gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode"}
     try:

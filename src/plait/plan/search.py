@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from plait.errors import ConfigError
+from plait.errors import FieldError
 from plait.parallel_config import CP_COMMS, RECOMPUTE_MODES
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
@@ -162,7 +162,7 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
     """The ``top`` fastest layouts that fit (at most ``cluster.max_memory_fraction`` of each device), with the
     counts of the rest by reason. Only layouts plait's runtime runs, unless ``plan_only`` (see ``candidates``)."""
     if not isinstance(top, int) or top < 1:
-        raise ConfigError(f"top={top!r}: how many layouts to keep, must be >= 1")
+        raise FieldError("top", top, "how many layouts to keep, must be >= 1")
     result = SearchResult(best=[])
     usable = cluster.usable_memory
     queue: list[tuple[float, int, Layout]] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.errors import ConfigError
+from plait.errors import FieldError
 from plait.schedules import generators as gen
 from plait.schedules import zero_bubble as zb
 from plait.schedules.schedule import Schedule, loop_placement, v_placement
@@ -31,16 +31,16 @@ def _resolve_rounds(name: str, rounds: str | None) -> str:
     if rounds is None:
         return "equal"
     if name not in ROUND_SCHEDULES:
-        raise ConfigError(f"rounds={rounds!r}: only {' and '.join(ROUND_SCHEDULES)} group micro-batches into "
-                          f"rounds; leave rounds unset for {name}")
+        raise FieldError("rounds", rounds, f"only {' and '.join(ROUND_SCHEDULES)} group micro-batches into rounds; "
+                                           f"leave it unset for {name}")
     if rounds not in gen.ROUNDS:
-        raise ConfigError(f"rounds={rounds!r}: use one of {', '.join(gen.ROUNDS)}")
+        raise FieldError("rounds", rounds, f"use one of {', '.join(gen.ROUNDS)}")
     return rounds
 
 
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        raise FieldError(name, value, "must be an integer >= 1")
     return value
 
 
@@ -51,10 +51,10 @@ def _resolve_virtual(name: str, virtual: int | None) -> int:
     v = _positive_int("virtual", virtual)
     if allowed is not None and v not in allowed:
         if default == 1:
-            hint = "use virtual=1, or interleaved-1f1b / looped-bfs / zb-h1 for several chunks per rank"
+            hint = "use 1, or interleaved-1f1b / looped-bfs / zb-h1 for several chunks per rank"
         else:
-            hint = "use virtual=2 (or leave it unset)"
-        raise ConfigError(f"virtual={virtual}: {name} places exactly {default} chunk(s) per rank; {hint}")
+            hint = "use 2 (or leave it unset)"
+        raise FieldError("virtual", virtual, f"{name} places exactly {default} chunk(s) per rank; {hint}")
     return default if allowed is not None else v
 
 
@@ -81,16 +81,14 @@ def build_schedule(
     """
     key = str(name).strip().lower()
     if key not in SCHEDULE_NAMES:
-        raise ConfigError(f"schedule={name!r}: unknown; valid names are {', '.join(SCHEDULE_NAMES)}")
+        raise FieldError("schedule", name, f"unknown; valid names are {', '.join(SCHEDULE_NAMES)}")
     p = _positive_int("stages", stages)
     m = _positive_int("microbatches", microbatches)
     v = _resolve_virtual(key, virtual)
     rnd = _resolve_rounds(key, rounds)
     if key == "dualpipev" and m < 2 * p:
-        raise ConfigError(
-            f"microbatches={m}: dualpipev needs at least 2*stages={2 * p} micro-batches "
-            "(DualPipe's num_chunks >= 2*num_ranks); use more micro-batches or zbv"
-        )
+        raise FieldError("microbatches", m, f"dualpipev needs at least 2 per pipeline stage, {2 * p} for {p} stages "
+                                            "(DualPipe's num_chunks >= 2*num_ranks); use more micro-batches or zbv")
     actions = {
         "gpipe": lambda: gen.gpipe(p, m),
         "1f1b": lambda: gen.one_f_one_b(p, m),

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.errors import ConfigError
+from plait.errors import FieldError
 
 if TYPE_CHECKING:
     from plait.schedules import Schedule
@@ -47,16 +47,14 @@ class Costs:
     def durations(self, schedule: Schedule) -> dict[str, list[float]]:
         """Per-kind, per-chunk durations for ``schedule``: ``{"F": [...], "B": ..., "I": ..., "W": ...}``."""
         if not _ok(self.p2p):
-            raise ConfigError(f"p2p={self.p2p!r}: must be a finite number >= 0")
+            raise FieldError("p2p", self.p2p, "must be a finite number >= 0")
         f = _per_chunk("forward", self.forward, schedule)
         b = _per_chunk("backward", self.backward, schedule)
         w = [x / 2 for x in b] if self.weight is None else _per_chunk("weight", self.weight, schedule)
         for c, (bc, wc) in enumerate(zip(b, w, strict=True)):
             if wc > bc * (1 + 1e-12):
-                raise ConfigError(
-                    f"weight={self.weight!r}: the weight-gradient part ({wc:g} on chunk {c}) cannot exceed "
-                    f"the whole backward ({bc:g}); give weight <= backward"
-                )
+                raise FieldError("weight", self.weight, f"the weight-gradient part ({wc:g} on chunk {c}) cannot "
+                                                        f"exceed the whole backward ({bc:g}); give one <= the backward")
         return {"F": f, "B": b, "I": [max(bc - wc, 0.0) for bc, wc in zip(b, w, strict=True)], "W": w}
 
 
@@ -67,19 +65,17 @@ def _ok(x: Any) -> bool:
 def _per_chunk(name: str, value: Cost, schedule: Schedule) -> list[float]:
     p, v, n = schedule.num_ranks, schedule.virtual, schedule.num_stages
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, int, float)):
-        raise ConfigError(f"{name}={value!r}: must be a number or a list of numbers")
+        raise FieldError(name, value, "must be a number or a list of numbers")
     values = list(value) if isinstance(value, Sequence) else [value]
     if not all(_ok(x) for x in values):
-        raise ConfigError(f"{name}={value!r}: times must be finite numbers >= 0")
+        raise FieldError(name, value, "times must be finite numbers >= 0")
     if len(values) == 1 and not isinstance(value, Sequence):
         return [float(values[0]) / v] * n
     if len(values) == p:
         return [float(values[schedule.placement[c]]) / v for c in range(n)]
     if len(values) == n:
         return [float(x) for x in values]
-    raise ConfigError(
-        f"{name}: a list of {len(values)} times; give one per rank ({p}) or one per chunk ({n})"
-    )
+    raise FieldError(name, value, f"a list of {len(values)} times; give one per rank ({p}) or one per chunk ({n})")
 
 
 def measure_costs(schedule: Schedule, timeline: Sequence[tuple[int, Any, float, float]], p2p: float = 0.0) -> Costs:
