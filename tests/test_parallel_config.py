@@ -28,7 +28,7 @@ INVALID = [
     (dict(schedule="dualpipev", pp=2, microbatches=3), None, ["microbatches=3", "dualpipev"]),
     (dict(recompute="some"), None, ["recompute='some'", "none, selective, full"]),
     (dict(zero=4), None, ["zero=4", "0, 1, 2, 3"]),
-    (dict(pp=2, zero=3), None, ["zero=3", "pp=2", "use pp=1", "zero=1 or zero=2"]),
+    (dict(pp=2, zero=3), None, ["zero=3", "pp=2", "without a pipeline", "ZeRO-1 or ZeRO-2"]),
     (dict(precision="fp16"), None, ["precision='fp16'", "fp32, bf16"]),
     (dict(sequence_parallel="yes"), None, ["sequence_parallel"]),
     (dict(expert_tp=1), None, ["expert_tp"]),
@@ -87,7 +87,14 @@ def test_field_errors_read_as_flags_on_the_command_line():
     assert res.exit_code == 2 and "--virtual-stages 2: 1f1b places exactly 1 chunk" in res.output
     for command in ("train", "verify"):  # --zero reaches both; ZeRO-3 under a pipeline says what to use instead
         res = CliRunner().invoke(app, [command, "--pp", "2", "--zero", "3"])
-        assert res.exit_code == 2 and "zero=3 with pp=2" in res.output and "use pp=1" in res.output, res.output
+        assert res.exit_code == 2 and res.output.startswith("error: --zero 3: not with a pipeline (--pp 2): "), \
+            res.output
+        assert "use ZeRO-3 without a pipeline" in res.output, res.output
+    with pytest.raises(ConfigError, match=r"^zero=3: not with a pipeline \(pp=2\): "):  # Python: the fields
+        ParallelConfig(pp=2, zero=3)
+    res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--dp", "2", "--ep", "3"])
+    assert res.exit_code == 2 and res.output.startswith("error: --ep 3: must divide dp*tp=2; valid: [1, 2]"), \
+        res.output
     res = CliRunner().invoke(app, ["verify", "--pp", "1", "--zero", "1"])
     assert res.exit_code == 2 and "runs no optimizer step" in res.output, res.output
 

@@ -85,7 +85,7 @@ def test_checkpoint_round_trip_and_other_layout(world4):
 
 def test_refusals_say_why_and_what_instead(world4):
     r = result(world4, "refusals")[0]
-    assert "zero=3 with pp=2" in r["pp2"] and "use pp=1" in r["pp2"]
+    assert "zero=3: not with a pipeline (pp=2)" in r["pp2"] and "use ZeRO-3 without a pipeline" in r["pp2"]
     for name in ("opt3", "opt1"):
         assert "plait.parallelize(model, ctx, zero=3)" in r[name], r[name]
 

@@ -27,16 +27,22 @@ def flag_of(name: str) -> str:
 
 
 class FieldError(ConfigError):
-    """A ConfigError about one named setting: reads ``name=value: detail``, or as a command-line flag."""
+    """A ConfigError about one named setting: reads ``name=value: detail``, or as a command-line flag.
 
-    def __init__(self, name: str, value: object, detail: str):
-        super().__init__(f"{name}={value!r}: {detail}")
-        self.name, self.value, self.detail = name, value, detail
+    ``others`` are the other settings the detail names, each where its ``{name}`` stands in it: ``pp=2`` in
+    the message, ``--pp 2`` on the command line."""
+
+    def __init__(self, name: str, value: object, detail: str, others: dict[str, object] | None = None):
+        self.name, self.value, self.detail, self.others = name, value, detail, dict(others or {})
+        super().__init__(f"{name}={value!r}: {self._filled(lambda n, v: f'{n}={v!r}')}")
+
+    def _filled(self, say) -> str:
+        return self.detail.format(**{n: say(n, v) for n, v in self.others.items()}) if self.others else self.detail
 
     def as_flag(self) -> str:
         """The same message naming the flag: ``--virtual-stages 3: ...`` (a switch that is on: ``--add: ...``)."""
-        flag = flag_of(self.name)
-        return f"{flag}: {self.detail}" if self.value is True else f"{flag} {self.value!r}: {self.detail}"
+        flag, detail = flag_of(self.name), self._filled(lambda n, v: f"{flag_of(n)} {v!r}")
+        return f"{flag}: {detail}" if self.value is True else f"{flag} {self.value!r}: {detail}"
 
 
 def flag_message(exc: Exception) -> str:

@@ -169,11 +169,12 @@ def _check(c: ParallelConfig) -> None:
     _choice("zero", c.zero, ZERO_LEVELS)
     _choice("precision", c.precision, PRECISIONS)
     if c.zero == 3 and c.pp > 1:
-        raise ConfigError(f"zero=3 with pp={c.pp}: a pipeline stage runs its layers' forwards and backwards "
-                          "interleaved over all micro-batches, so it would either keep them gathered the whole "
-                          "step (no memory saved over zero=2) or gather them again for every micro-batch; use "
-                          f"pp=1 with zero=3 (tp and dp for the rest), or keep pp={c.pp} with zero=1 or zero=2 "
-                          "(optimizer state and gradients sharded)")
+        raise FieldError("zero", 3, "not with a pipeline ({pp}): a pipeline stage runs its layers' forwards and "
+                                    "backwards interleaved over all micro-batches, so it would either keep them "
+                                    "gathered the whole step (no memory saved over ZeRO-2) or gather them again for "
+                                    "every micro-batch; use ZeRO-3 without a pipeline (tp and dp for the rest), or "
+                                    "keep the pipeline with ZeRO-1 or ZeRO-2 (optimizer state and gradients sharded)",
+                         {"pp": c.pp})
     _choice("cp_comm", c.cp_comm, CP_COMMS)
     try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
         c.pipeline_schedule()
@@ -189,7 +190,7 @@ def _check(c: ParallelConfig) -> None:
                           f"same experts, so EP spans data- and context-parallel ranks); valid ep: {divisors(data)}")
     plane = "dp*tp" if c.cp == 1 else "dp*cp*tp"
     if (data * c.tp) % c.ep:
-        raise ConfigError(f"ep={c.ep} must divide {plane}={data * c.tp}; valid ep: {divisors(data * c.tp)}")
+        raise FieldError("ep", c.ep, f"must divide {plane}={data * c.tp}; valid: {divisors(data * c.tp)}")
 
 
 def field_names() -> list[str]:

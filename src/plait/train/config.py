@@ -238,7 +238,7 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     par = cfg.parallel
     for name in ("seq_len", "batch_size", "steps"):
         if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r}: must be a positive integer")
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: must be a positive integer")
     check_nproc(cfg)
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
@@ -299,7 +299,7 @@ def check_raw_lengths(cfg: TrainConfig) -> None:
 def check_nproc(cfg: TrainConfig) -> None:
     """--nproc, when given, is a positive process count (never read as 'not given')."""
     if cfg.nproc is not None and (not isinstance(cfg.nproc, int) or cfg.nproc < 1):
-        raise ConfigError(f"--nproc={cfg.nproc!r}: must be a positive integer (or left out: tp x cp x pp x dp)")
+        raise ConfigError(f"--nproc {cfg.nproc!r}: must be a positive integer (or left out: tp x cp x pp x dp)")
 
 
 def no_checkpoint(cfg: TrainConfig) -> ConfigError:
