@@ -32,6 +32,7 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--batch-size", "6"], "--batch-size 6"),
     (["--steps", "0"], "error: --steps 0: must be a positive integer"),  # as every other flag: --flag value
     (["--seq-len", "0"], "error: --seq-len 0: must be a positive integer"),
+    (["--microbatches", "0"], "error: --microbatches 0: must be a positive integer (or left unset: the default)"),
     (["--nproc", "0", "--dry-run"], "error: --nproc 0: must be a positive integer"),
     (["--nproc", "0", "--layout", "auto", "--dry-run"], "error: --nproc 0: must be a positive integer"),
     (["--pp", "2", "--zero", "3"], "error: --zero 3: not with a pipeline (--pp 2)"),

@@ -144,7 +144,7 @@ def _positive(name: str, value, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FieldError(name, value, "must be a positive integer" + (" (or None: the default)" if optional else ""))
+        raise FieldError(name, value, "must be a positive integer" + (" (or left unset: the default)" * optional))
 
 
 def _choice(name: str, value, allowed: tuple) -> None:
