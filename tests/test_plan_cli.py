@@ -41,6 +41,11 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
     (["--precision", "fp8"], "error: --precision 'fp8': not one of fp32, bf16"),
     (["--inference", "--prompt-len", "0"], "error: --prompt-len 0: must be >= 1"),
     (["--inference", "--weights", "int3"], "error: --weights 'int3': not one of bf16"),
+    (["--batch", "64"], "error: --batch 64: serving option, which only --inference reads (a training plan's batch "
+                        "is --global-batch)"),  # not silently ignored
+    (["--prompt-len", "512", "--weights", "fp8"], "error: --prompt-len 512, --weights fp8: serving options"),
+    (["--inference", "--global-batch", "64", "--show-schedule"], "error: --global-batch 64, --show-schedule: training "
+                                                                "options, which --inference ignores"),
     (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, flash1-triton, flash2, "
                                 "cudnn, flash3, unfused"),
 ])

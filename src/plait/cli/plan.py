@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +235,26 @@ class PlanOptions:
     """write the best layout as a `plait train --config` TOML file"""
 
 
+#: options that only serving plans read (with --inference), and those only training plans read (without)
+INFERENCE_ONLY = ("batch", "prompt_len", "gen_len", "weights")
+TRAINING_ONLY = ("global_batch", "show_schedule", "write_config", "plan_only", "precision", "elementwise")
+
+
+def _check_mode(o: PlanOptions) -> None:
+    """ConfigError naming the options set away from their defaults that the chosen plan (training, or serving
+    with --inference) would not read: --batch without --inference is no training batch (that is --global-batch)."""
+    from plait.errors import ConfigError, flag_of
+
+    unread = TRAINING_ONLY if o.inference else INFERENCE_ONLY
+    given = [(f.name, getattr(o, f.name)) for f in fields(PlanOptions)
+             if f.name in unread and f.default is not MISSING and getattr(o, f.name) != f.default]
+    if given:
+        said = ", ".join(flag_of(n) if v is True else f"{flag_of(n)} {v}" for n, v in given)
+        raise ConfigError(f"{said}: {'training' if o.inference else 'serving'} option{'s' * (len(given) > 1)}, "
+                          + ("which --inference ignores (its batch is --batch)" if o.inference else
+                             "which only --inference reads (a training plan's batch is --global-batch)"))
+
+
 def plan(options: dict[str, Any]) -> None:
     from rich.console import Console
 
@@ -246,6 +266,10 @@ def plan(options: dict[str, Any]) -> None:
     from plait.plan.search import search_batch
 
     o = PlanOptions(**options)
+    try:
+        _check_mode(o)
+    except ConfigError as exc:
+        _fail(str(exc))
     if o.attention not in (*KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
         _fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
     console = Console(width=None if sys.stdout.isatty() else 140)
