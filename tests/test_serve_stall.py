@@ -131,3 +131,24 @@ def test_a_stopped_tp_worker_makes_health_stalled_and_ends_the_job_naming_it(tmp
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         server.kill()
+
+
+def test_a_follower_whose_collective_times_out_says_what_it_waited_on(monkeypatch):
+    """A follower's timeout is a CommTimeoutError (the launcher reports rank 0's StepStalled before it)."""
+    import torch.distributed as dist
+
+    from plait.errors import CommTimeoutError
+    from plait.serve import engine
+
+    def timed_out(box, src):
+        raise RuntimeError("Timed out waiting 8000ms for recv operation to complete")
+    monkeypatch.setattr(dist, "broadcast_object_list", timed_out)
+    with pytest.raises(CommTimeoutError, match="timed out waiting for rank 0's next step: a rank did not answer"):
+        engine.follow(None)  # type: ignore[arg-type]
+
+    def closed(box, src):
+        raise RuntimeError("Connection closed by peer")
+    monkeypatch.setattr(dist, "broadcast_object_list", closed)
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+        engine.follow(None)  # type: ignore[arg-type]
+    assert not isinstance(info.value, CommTimeoutError)  # a dead peer is the launcher's to name

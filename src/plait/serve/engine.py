@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from plait.errors import CommTimeoutError
 from plait.serve.metrics import Metrics
 from plait.serve.runner import Row, Runner, Step
 from plait.serve.sampling import Params
@@ -334,11 +335,23 @@ class Engine:
 
 
 def follow(runner: Runner) -> None:
-    """Every rank but 0: receive each step from rank 0 and run it, until a step says stop."""
-    while True:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0)
-        step: Step = box[0]
-        runner.execute(step)
-        if step.stop:
-            return
+    """Every rank but 0: receive each step from rank 0 and run it, until a step says stop.
+
+    A collective that times out (a rank did not answer within --step-timeout and twice ``STALL_SHOWN_S``)
+    raises ``CommTimeoutError`` saying what this rank waited on; rank 0's ``StepStalled``, sooner, names the
+    rank (``plait.serve.job``)."""
+    phase = "waiting for rank 0's next step"
+    try:
+        while True:
+            phase = "waiting for rank 0's next step"
+            box: list = [None]
+            dist.broadcast_object_list(box, src=0)
+            step: Step = box[0]
+            phase = "in a step's forward (its collectives)"
+            runner.execute(step)
+            if step.stop:
+                return
+    except RuntimeError as exc:
+        if "Timed out" not in str(exc):
+            raise
+        raise CommTimeoutError(f"timed out {phase}: a rank did not answer ({exc})") from exc

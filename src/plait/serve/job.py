@@ -131,7 +131,7 @@ def serve_job(payload: dict) -> None:
 
     from plait.distributed.context import DEFAULT_TIMEOUT_S
     from plait.generation.job import load_model
-    from plait.serve.engine import follow
+    from plait.serve.engine import STALL_SHOWN_S, follow
     from plait.serve.runner import Runner
 
     tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
@@ -147,7 +147,7 @@ def serve_job(payload: dict) -> None:
     runner = Runner(model, blocks, block)
     try:
         if sock is None:
-            _step_limit(runner, payload["step_timeout"])
+            _step_limit(runner, payload["step_timeout"], 2 * STALL_SHOWN_S)
             follow(runner)
         else:
             _lead(payload, sock, runner, tok, cfg, blocks, signals)
@@ -161,17 +161,19 @@ def serve_job(payload: dict) -> None:
         dist.barrier()
 
 
-def _step_limit(runner, seconds: float) -> dict[int, int]:
+def _step_limit(runner, seconds: float, more: float) -> dict[int, int]:
     """Once every rank has loaded its part (and rank 0 is about to run the engine), from then on a collective
-    fails after waiting ``seconds`` (--step-timeout) and ``STALL_SHOWN_S`` more, the time /health says "stalled"
-    first; every other rank's pid, by rank (rank 0 names a rank that does not answer by it)."""
-    import torch.distributed as dist
+    fails after waiting ``seconds`` (--step-timeout) and ``more``; every other rank's pid, by rank (rank 0 names
+    a rank that does not answer by it).
 
-    from plait.serve.engine import STALL_SHOWN_S
+    Rank 0 gives a stalled step ``STALL_SHOWN_S`` more (the time /health says "stalled" first), the others twice
+    that: a rank that waits for rank 0's next step began waiting before rank 0's step began, and the launcher
+    reports the first failure, which is to be rank 0's naming the rank it waited on."""
+    import torch.distributed as dist
 
     pids: list = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
-    runner.ctx.set_timeout(seconds + STALL_SHOWN_S)
+    runner.ctx.set_timeout(seconds + more)
     return {r: pid for r, pid in enumerate(pids) if r != dist.get_rank()}
 
 
@@ -181,7 +183,7 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
 
     from plait.chat_template import ChatTemplate
     from plait.generation.job import tokenizer_folder
-    from plait.serve.engine import Engine
+    from plait.serve.engine import STALL_SHOWN_S, Engine
     from plait.serve.kv import BlockAllocator
     from plait.serve.metrics import Metrics
     from plait.serve.protocol import Limits
@@ -221,7 +223,7 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
           f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
           f"plait serve: chat template: {chat.source}", flush=True)
     if runner.ctx is not None:
-        engine.peers = _step_limit(runner, payload["step_timeout"])
+        engine.peers = _step_limit(runner, payload["step_timeout"], STALL_SHOWN_S)
         engine.step_limit = payload["step_timeout"]
     engine.run()
     server.should_exit = True
