@@ -115,12 +115,13 @@ def test_a_stopped_tp_worker_makes_health_stalled_and_ends_the_job_naming_it(tmp
             f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)))
         asked = time.monotonic()
         client.start()
-        health = _health_of(server.url)
-        while time.monotonic() < asked + 15 and health is not None and health[0] == 200:
+        seen = [_health_of(server.url)]
+        while time.monotonic() < asked + 15 and seen[-1] is not None and seen[-1][0] == 200:
             time.sleep(0.1)
-            health = _health_of(server.url)
-        assert health is not None and health[0] == 503, (health, server.output())
-        assert health[1]["status"] == "stalled" and time.monotonic() - asked < 3 + 5, health
+            seen.append(_health_of(server.url))
+        health = seen[-1]
+        assert health is not None and health[0] == 503, (seen, server.output())
+        assert health[1]["status"] == "stalled" and time.monotonic() - asked < 3 + 5, (seen, server.output())
         assert health[1]["ranks"] == {"1": f"pid {victim}, stopped"}, health
         client.join(30)
         assert got and got[0].status_code == 500, server.output()
