@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 import checks_pipeline
-from harness import group_result, launch, run_groups
+from harness import PRELOAD, group_result, launch, run_groups
 
 KEY = "sk-plait-test"
 KV_BUDGET = 120  # < the context (128): a request may fit the context yet not the pool
@@ -86,7 +86,7 @@ def world4_shared(request, tmp_path_factory):
             groups[name] = (checks, (str(tmp_path_factory.mktemp(name)),))
         else:
             groups[name] = (checks, ())
-    return launch(run_groups, 4, groups, timeout_s=580)
+    return launch(run_groups, 4, groups, timeout_s=580, preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,8 @@ def world4(request, world4_shared):
 def world8(tmp_path_factory):
     """One launch of 8 Gloo ranks: every schedule over tp2·pp2·dp2 (tests/test_pipeline.py) and ZeRO-1/2 over
     dp2·tp2·pp2 and dp4·tp2 (tests/test_zero.py); each rank returns its dict of check results."""
-    return launch(checks_pipeline.rank_main, 8, None, str(tmp_path_factory.mktemp("zero")), timeout_s=600)
+    return launch(checks_pipeline.rank_main, 8, None, str(tmp_path_factory.mktemp("zero")), timeout_s=600,
+                  preload=PRELOAD)
 
 
 @dataclass
