@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import PRELOAD
 from plait.distributed.launch import run_world
 from serve_util import tiny_model
 
@@ -43,7 +44,8 @@ def _rank(model_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> tuple[list[dict], Path]:
     model_dir = tiny_model(tmp_path_factory.mktemp("pipelined") / "tiny")
-    return run_world(_rank, 2, str(model_dir), timeout_s=200), model_dir
+    # forked from a server that imported torch once (harness.PRELOAD): the launch is not what is tested here
+    return run_world(_rank, 2, str(model_dir), timeout_s=200, preload=PRELOAD), model_dir
 
 
 @pytest.mark.parametrize("case", list(CASES))
