@@ -75,6 +75,13 @@ def test_exports_and_csv_import(tmp_path):
         (["--weight", "5"], "error: --weight 5.0: the weight-gradient part"),
         (["--p2p", "-1"], "error: --p2p -1.0: must be a finite number >= 0"),
         (["--compare", "1f1b,nope"], "error: --compare 1f1b,nope: unknown schedule 'nope'; valid names are gpipe"),
+        # options the mode would not read are named, not silently ignored
+        (["--compare", "1f1b,zbv", "--png", "x.png", "--actions"], "error: --png x.png, --actions: not with --compare"),
+        (["--compare", "1f1b,zbv", "-s", "zbv"], "error: --schedule zbv: not with --compare"),
+        (["--from-csv", "README.md", "-s", "gpipe", "-p", "8"], "error: --schedule gpipe, --stages 8: not with "
+                                                                 "--from-csv, whose file sets the schedule"),
+        (["--from-csv", "README.md", "--virtual", "2"], "error: --virtual: not with --from-csv"),
+        (["--width", "0"], "error: --width 0: must be >= 1 column"),
         (["--from-csv", "/nonexistent/x.csv"], "error: --from-csv /nonexistent/x.csv: no such file"),
         (["--trace", "/"], "error: --trace /: a folder, not a file"),
         (["--png", "/dev/null/x.png"], "error: --png /dev/null/x.png: /dev/null is a file"),

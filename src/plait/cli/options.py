@@ -56,6 +56,17 @@ def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | 
     return params
 
 
+def set_away(options: Any, names: Iterable[str]) -> str:
+    """The options among ``names`` that ``options`` (an options dataclass) holds away from their defaults, as the
+    command line says them (``--batch 64, --show-schedule``); empty when there are none."""
+    from plait.errors import flag_of
+
+    keep = set(names)
+    given = [(f.name, getattr(options, f.name)) for f in fields(options)
+             if f.name in keep and f.default is not MISSING and getattr(options, f.name) != f.default]
+    return ", ".join(flag_of(n) if v is True else f"{flag_of(n)} {v}" for n, v in given)
+
+
 def with_options(options: list[inspect.Parameter], into: str) -> Callable[[Callable], Callable]:
     """Decorate a command so that it also takes ``options``; their values reach it as one dict, argument ``into``."""
     names = [p.name for p in options]

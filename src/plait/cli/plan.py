@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -243,14 +243,12 @@ TRAINING_ONLY = ("global_batch", "show_schedule", "write_config", "plan_only", "
 def _check_mode(o: PlanOptions) -> None:
     """ConfigError naming the options set away from their defaults that the chosen plan (training, or serving
     with --inference) would not read: --batch without --inference is no training batch (that is --global-batch)."""
-    from plait.errors import ConfigError, flag_of
+    from plait.cli.options import set_away
+    from plait.errors import ConfigError
 
-    unread = TRAINING_ONLY if o.inference else INFERENCE_ONLY
-    given = [(f.name, getattr(o, f.name)) for f in fields(PlanOptions)
-             if f.name in unread and f.default is not MISSING and getattr(o, f.name) != f.default]
-    if given:
-        said = ", ".join(flag_of(n) if v is True else f"{flag_of(n)} {v}" for n, v in given)
-        raise ConfigError(f"{said}: {'training' if o.inference else 'serving'} option{'s' * (len(given) > 1)}, "
+    said = set_away(o, TRAINING_ONLY if o.inference else INFERENCE_ONLY)
+    if said:
+        raise ConfigError(f"{said}: {'training' if o.inference else 'serving'} option{'s' * (',' in said)}, "
                           + ("which --inference ignores (its batch is --batch)" if o.inference else
                              "which only --inference reads (a training plan's batch is --global-batch)"))
 

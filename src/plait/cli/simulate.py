@@ -183,6 +183,25 @@ FLAGS: dict[str, str | tuple[str, ...]] = {
     "virtual_stages": ("--virtual-stages", "-v"), "as_json": "--json"}
 
 
+def _check_unread(o: SimulateOptions, virtual_alias: int | None) -> None:
+    """ConfigError naming options the chosen mode would not read: --compare simulates the schedules it lists and
+    draws no chart (so writes no --png, --trace or --csv, prints no --actions), --from-csv reads its schedule
+    from the file; and --width counts columns."""
+    from plait.cli.options import set_away
+    from plait.errors import ConfigError
+
+    if o.width is not None and o.width < 1:
+        raise ConfigError(f"--width {o.width}: must be >= 1 column (or left out: the terminal's width)")
+    if o.compare is not None and (said := set_away(o, ("schedule", "png", "trace", "csv", "actions", "width",
+                                                       "from_csv"))):
+        raise ConfigError(f"{said}: not with --compare, which simulates the schedules it lists and prints one table "
+                          "of figures, no chart; simulate one schedule for these")
+    said = set_away(o, ("schedule", "stages", "microbatches", "virtual_stages", "rounds"))
+    if o.from_csv is not None and (said or virtual_alias is not None):
+        raise ConfigError(f"{said or '--virtual'}: not with --from-csv, whose file sets the schedule, its ranks, "
+                          "chunks and micro-batches")
+
+
 def simulate_command(
     options: dict[str, Any],
     virtual_alias: Annotated[int | None, typer.Option("--virtual", hidden=True,
@@ -195,6 +214,7 @@ def simulate_command(
 
     o = SimulateOptions(**options)
     try:
+        _check_unread(o, virtual_alias)
         if o.from_csv is not None and not o.from_csv.is_file():
             raise ConfigError(f"--from-csv {o.from_csv}: no such file")
         for flag, path in (("--png", o.png), ("--trace", o.trace), ("--csv", o.csv)):
