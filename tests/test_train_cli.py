@@ -36,6 +36,8 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--nproc", "0", "--dry-run"], "error: --nproc 0: must be a positive integer"),
     (["--nproc", "0", "--layout", "auto", "--dry-run"], "error: --nproc 0: must be a positive integer"),
     (["--pp", "2", "--zero", "3"], "error: --zero 3: not with a pipeline (--pp 2)"),
+    (["--layout", "auto", "--nproc", "2", "--tp", "2", "--schedule", "zbv", "--dry-run"],  # not silently replaced
+     "error: --tp, --schedule: --layout auto chooses the whole layout (all but --precision); drop them"),
     (["--warmup", "-1", "--dry-run"], "--warmup -1: must be >= 0"),
     (["--clip", "-1", "--dry-run"], "--clip -1.0: must be >= 0"),
     (["--weight-decay", "-0.1", "--dry-run"], "--weight-decay -0.1: must be >= 0"),

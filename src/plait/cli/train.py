@@ -66,14 +66,23 @@ def train_command(
 
 
 def _resolve(ctx: typer.Context, config: Path | None, options: dict):
-    """Defaults < TOML file < flags given on the command line."""
+    """Defaults < TOML file < flags given on the command line. ConfigError naming the layout options given with
+    --layout auto, which chooses them all (but --precision): a given --tp would be silently replaced."""
+    from plait.errors import ConfigError
+    from plait.parallel_config import field_names
     from plait.train.config import TrainConfig, read_toml
 
     values = read_toml(config) if config is not None else {}
+    given = set(values) | {name for name in options if _given(ctx, name)}
     for name, value in options.items():
         if _given(ctx, name) or name not in values:
             values[name] = value
     values["data"] = list(values.get("data") or [])
+    chosen = [f"--{n.replace('_', '-')}" for n in field_names() if n in given and n != "precision"]
+    if values.get("layout") == "auto" and chosen:
+        raise ConfigError(f"{', '.join(chosen)}: --layout auto chooses the whole layout (all but --precision); drop "
+                          f"{'it' if len(chosen) == 1 else 'them'}, or keep {'it' if len(chosen) == 1 else 'them'} "
+                          "with --layout flags")
     return TrainConfig.from_dict(values)
 
 

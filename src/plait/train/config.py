@@ -94,7 +94,7 @@ class TrainConfig:
     host's cached profile, measured on first use; 'none': no prediction)."""
     layout: str = "flags"
     """flags: the layout options (or their defaults); auto: the planner's fastest layout that fits this many
-    processes (--nproc, or torchrun's world), replacing the layout options but --precision."""
+    processes (--nproc, or torchrun's world), choosing every layout option but --precision (give none of them)."""
     dry_run: bool = False
     """Check the settings and print what the run would cost on --cluster (the planner's step time, bubble
     and bytes per rank; a --metrics line too), then exit without launching."""
