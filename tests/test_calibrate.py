@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 import checks_predict
+from plait.calibrate import PRELOAD
 from plait.cli.main import app
 from plait.distributed.launch import run_world
 from plait.plan.host.profile import HostProfile
@@ -47,7 +48,7 @@ def test_calibration_pairs_time_shared_as_the_slowest_process():
     kept, and each pair runs half as many rounds together (rounded up) as rank 0 ran alone."""
     from plait.calibrate.run import PAIRS
 
-    calls = run_world(checks_predict.paired_sleeps, 2, timeout_s=60)
+    calls = run_world(checks_predict.paired_sleeps, 2, timeout_s=60, preload=PRELOAD)  # forked as the calibration's own
     (calls0, alone, shared), (calls1, *_) = calls
     assert 0.004 <= alone[0] < 0.007 and 0.012 <= shared[0] < 0.016
     assert alone[1] == shared[1] == pytest.approx(0.001)
@@ -106,7 +107,7 @@ def test_tp_block_rounds_run_the_calls_asked_and_average_per_call():
     from plait.calibrate import tp_block
 
     for calls in (1, 3):
-        out = run_world(checks_predict.tp_round_calls, 2, calls, timeout_s=120)
+        out = run_world(checks_predict.tp_round_calls, 2, calls, timeout_s=120, preload=PRELOAD)
         assert out[0][0] == out[1][0], "both ranks run the same rounds"
         (layer_calls, twin_calls), layer_s, twin_s = out[0]
         assert layer_calls == twin_calls and (layer_calls - 1) % calls == 0
