@@ -43,6 +43,19 @@ def test_verify_bad_layout_is_one_line():
     assert res.stdout == "", res.stdout
 
 
+def test_verify_settings_are_named_as_flags():
+    """Every refusal names the flags typed (--layers, not n_layers; --seq-len, not LlamaConfig.max_seq_len), before
+    anything launches."""
+    for args, needle in ((["--batch-size", "7"], "--batch-size 7: must split into --dp 1 replicas of --microbatches 8"),
+                         (["--seq-len", "0"], "--seq-len 0: must be >= 1"),
+                         (["--layers", "1", "--pp", "2"], "--layers 1: fewer than the 2 pipeline chunks"),
+                         (["--top-k", "3"], "--top-k 3: must be between 1 and the experts (--experts 1)"),
+                         (["--experts", "0"], "--experts 0: must be >= 1"),
+                         (["--zero", "1"], "--zero 1: shards only the optimizer's state")):
+        res = _in_process(*args)
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: {needle}"), (args, res.output)
+
+
 def test_verify_unknown_schedule():
     res = _in_process("--schedule", "2f2b")
     assert res.exit_code == 2 and "schedule" in res.stderr and "Traceback" not in res.output, res.output

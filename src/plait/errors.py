@@ -18,7 +18,7 @@ class CommTimeoutError(CommError):
 
 #: the command-line flag of each library parameter whose flag is not ``--`` and its name with dashes: the one
 #: place the Python names (``Cluster(n_gpus=...)``, ``build_schedule(virtual=...)``) meet the flags users type
-FLAGS = {"n_gpus": "--gpus", "virtual": "--virtual-stages"}
+FLAGS = {"n_gpus": "--gpus", "virtual": "--virtual-stages", "n_layers": "--layers", "n_experts": "--experts"}
 
 
 def flag_of(name: str) -> str:

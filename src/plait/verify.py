@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, FieldError
 from plait.parallel_config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -155,19 +155,22 @@ def check(cfg: VerifyConfig) -> None:
 
     par = cfg.parallel
     if par.dp == -1:
-        raise ConfigError("dp=-1: plait verify launches tp*cp*pp*dp processes itself; give dp")
+        raise FieldError("dp", -1, "plait verify launches tp*cp*pp*dp processes itself; give the count")
     if par.zero in (1, 2):
-        raise ConfigError(f"zero={par.zero} shards only the optimizer's state (and gradients), and plait verify "
-                          "runs no optimizer step; use zero=0, or zero=3 (parameters sharded: checked here)")
-    for name in ("batch_size", "n_layers"):
+        raise FieldError("zero", par.zero, "shards only the optimizer's state (and gradients), and plait verify "
+                                           "runs no optimizer step; use 0, or 3 (parameters sharded: checked here)")
+    for name in ("batch_size", "n_layers", "seq_len", "n_experts"):
         if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}={getattr(cfg, name)} must be >= 1")
+            raise FieldError(name, getattr(cfg, name), "must be >= 1")
+    if not 1 <= cfg.top_k <= cfg.n_experts:
+        raise FieldError("top_k", cfg.top_k, "must be between 1 and the experts ({n_experts})",
+                         {"n_experts": cfg.n_experts})
     if cfg.batch_size % par.dp or (cfg.batch_size // par.dp) % par.num_microbatches:
-        raise ConfigError(f"batch_size={cfg.batch_size} must split into dp={par.dp} replicas of "
-                          f"microbatches={par.num_microbatches} micro-batches each")
+        raise FieldError("batch_size", cfg.batch_size, "must split into {dp} replicas of {microbatches} "
+                         "micro-batches each", {"dp": par.dp, "microbatches": par.num_microbatches})
     chunks = par.pipeline_schedule().num_stages
     if cfg.n_layers < chunks:
-        raise ConfigError(f"n_layers={cfg.n_layers} is fewer than the {chunks} pipeline chunks")
+        raise FieldError("n_layers", cfg.n_layers, f"fewer than the {chunks} pipeline chunks")
     if par.expert_tp and cfg.n_experts < 2:
         raise ConfigError("expert_tp=True needs a mixture-of-experts model: pass --experts E (E >= 2)")
     mcfg = _model_config(cfg)
@@ -180,7 +183,7 @@ def check(cfg: VerifyConfig) -> None:
         check_experts(cfg.n_experts, par.ep)
     par.check_seq_len(cfg.seq_len)
     if par.sequence_parallel and cfg.seq_len % par.tp:
-        raise ConfigError(f"seq_len={cfg.seq_len} must be divisible by tp={par.tp} with sequence parallelism")
+        raise FieldError("seq_len", cfg.seq_len, "must be divisible by {tp} with sequence parallelism", {"tp": par.tp})
     if cfg.world > 16:
         raise ConfigError(f"tp*cp*pp*dp={cfg.world} processes is too many for a local CPU check (max 16)")
 
