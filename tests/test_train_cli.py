@@ -138,7 +138,8 @@ def test_generate_bad_flags_fail_before_launching(tmp_path):
     for args, needle in ((["--temperature", "-1"], "error: --temperature -1.0: must be >= 0"),
                          (["--max-new-tokens", "-5"], "error: --max-new-tokens -5: must be >= 0"),
                          (["--tp", "3"], "error: --tp 3 does not fit --model"),
-                         (["--pp", "8"], "error: --pp 8: --model")):
+                         (["--pp", "8"], "error: --pp 8: --model"),
+                         (["--prompt", ""], "error: --prompt '': no tokens")):  # was unnamed, from the decoder
         res = CliRunner().invoke(app, ["generate", "--model", model, "--prompt", "hi", *args])
         assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
 

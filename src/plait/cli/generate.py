@@ -50,11 +50,13 @@ def generate_command(
     from plait.parallel_config import ParallelConfig
 
     try:
-        par = ParallelConfig(**(layout or {}))
-        payload = {"model": model, "prompts": prompt or ["def "], "max_new_tokens": max_new_tokens,
+        par, prompts = ParallelConfig(**(layout or {})), prompt or ["def "]
+        payload = {"model": model, "prompts": prompts, "max_new_tokens": max_new_tokens,
                    "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
         Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
-        check_layout(model, source_config(model)[0], par.tp, par.pp)  # and on a bad --model or layout
+        config, _, tok = source_config(model)
+        check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
+        _check_prompts(prompts, tok)
         run_or_launch("plait.generation.job:generate_job", payload, par.tp * par.pp)
     except ConfigError as exc:
         typer.echo(f"error: {flag_message(exc)}", err=True)
@@ -62,6 +64,17 @@ def generate_command(
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _check_prompts(prompts: list[str], tok) -> None:
+    """ConfigError naming a --prompt the model's tokenizer (bytes when the folder has none) turns into no tokens."""
+    from plait.errors import ConfigError
+    from plait.tokenizers import ByteTokenizer
+
+    for p in prompts:
+        if not (tok or ByteTokenizer()).encode(p):
+            raise ConfigError(f"--prompt {p!r}: no tokens (the model continues a prompt of at least one); give "
+                              "some text")
 
 
 def export_command(
