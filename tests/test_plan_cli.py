@@ -44,6 +44,8 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
     (["--batch", "64"], "error: --batch 64: serving option, which only --inference reads (a training plan's batch "
                         "is --global-batch)"),  # not silently ignored
     (["--prompt-len", "512", "--weights", "fp8"], "error: --prompt-len 512, --weights fp8: serving options"),
+    (["--cluster", "README.md", "--gpu", "a100-80gb", "--gpus-per-node", "4"], "error: --gpu a100-80gb, "
+                                                                              "--gpus-per-node 4: not with --cluster"),
     (["--inference", "--global-batch", "64", "--show-schedule"], "error: --global-batch 64, --show-schedule: training "
                                                                 "options, which --inference ignores"),
     (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, flash1-triton, flash2, "

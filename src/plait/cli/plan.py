@@ -241,11 +241,16 @@ TRAINING_ONLY = ("global_batch", "show_schedule", "write_config", "plan_only", "
 
 
 def _check_mode(o: PlanOptions) -> None:
-    """ConfigError naming the options set away from their defaults that the chosen plan (training, or serving
-    with --inference) would not read: --batch without --inference is no training batch (that is --global-batch)."""
+    """ConfigError naming the options set away from their defaults that the chosen plan would not read: the
+    hardware options with --cluster, serving options without --inference (--batch is no training batch: that is
+    --global-batch), training options with it."""
     from plait.cli.options import set_away
     from plait.errors import ConfigError
 
+    hardware = set_away(o, ("gpu", "gpus_per_node", "interconnect", "attention"))
+    if o.cluster is not None and hardware:
+        raise ConfigError(f"{hardware}: not with --cluster, whose profile measured the host's devices (their "
+                          "speed, links and memory)")
     said = set_away(o, TRAINING_ONLY if o.inference else INFERENCE_ONLY)
     if said:
         raise ConfigError(f"{said}: {'training' if o.inference else 'serving'} option{'s' * (',' in said)}, "
