@@ -181,6 +181,14 @@ def test_cli_chat_flags(tmp_path):
                               "--chat", "--messages-field", "conversation", "--workers", "1", "--held-out", "0"])
     assert res.exit_code == 0 and "the loss on assistant tokens" in res.output, res.output
     assert open_prepared(tmp_path / "a").meta["splits"]["train"]["documents"] == len(CHATS)
+    res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "b"),
+                              "--chat", "--messages-field", "conversation", "--text-field", "body"])
+    assert res.exit_code == 2 and "--text-field body: --chat reads --messages-field (conversation)" in res.output
+    (tmp_path / "plain.txt").write_text("just text")
+    res = runner.invoke(app, ["data", "prepare", str(tmp_path / "plain.txt"), "--tokenizer", "bytes", "--out",
+                              str(tmp_path / "c"), "--text-field", "body"])
+    assert res.exit_code == 2 and "--text-field body names a field" in res.output and "plain text" in res.output
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 def test_train_on_a_raw_chat_file_names_the_prepare_with_chat(tmp_path):

@@ -137,6 +137,7 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     spec = TokenizerSpec(tokenizer)
     tok = spec.load()
     found = discover(sources)
+    _check_text_field(text_field, chat, found)
     renderer = _check_chat(chat, found)
     field = chat.field if chat is not None else text_field
     job = Job(spec, tok.eos(eos), dtype_for(tok.vocab_size), held_out, field, skip_bad, "", chat)
@@ -175,6 +176,19 @@ def _check_chat(chat: ChatSpec | None, found: list[Source]):
         raise ConfigError(f"--chat reads records of messages (.jsonl/.json/.ndjson, .parquet or a datasets "
                           f"folder), but SRC {text[0].path} holds plain text ({text[0].files[0]})")
     return chat.load()
+
+
+def _check_text_field(text_field: str, chat: ChatSpec | None, found: list[Source]) -> None:
+    """ConfigError for a ``text_field`` other than the default that nothing would read: with ``chat`` (the
+    messages field is read instead), or when every source is plain text (a file is one document)."""
+    if text_field == "text":
+        return
+    if chat is not None:
+        raise ConfigError(f"--text-field {text_field}: --chat reads --messages-field ({chat.field}) instead; "
+                          "leave --text-field out")
+    if all(s.kind == "text" for s in found):
+        raise ConfigError(f"--text-field {text_field} names a field of JSON lines, Parquet or datasets records, "
+                          f"but every SRC is plain text (each file one document): leave --text-field out")
 
 
 def _remove_stale(out: Path) -> None:
