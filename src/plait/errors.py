@@ -16,6 +16,12 @@ class CommTimeoutError(CommError):
     """A rank waited longer than its timeout on a collective or point-to-point operation."""
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """Whether a backend's error (Gloo: "Timed out waiting ...ms for recv operation") says a wait timed out."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
 #: the command-line flag of each library parameter whose flag is not ``--`` and its name with dashes: the one
 #: place the Python names (``Cluster(n_gpus=...)``, ``build_schedule(virtual=...)``) meet the flags users type
 FLAGS = {"n_gpus": "--gpus", "virtual": "--virtual-stages", "n_layers": "--layers", "n_experts": "--experts"}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plait.errors import CommError, CommTimeoutError
+from plait.errors import CommError, CommTimeoutError, is_timeout
 
 ACT, GRAD, HEADER, LOSS = 0, 1, 2, 3
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -164,7 +164,7 @@ class Transport:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            if is_timeout(exc):
                 raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc
             raise CommError(f"{what}{who} failed (did that rank die?): {exc}") from exc
 

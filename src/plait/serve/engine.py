@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from plait.errors import CommTimeoutError
+from plait.errors import CommTimeoutError, is_timeout
 from plait.serve.metrics import Metrics
 from plait.serve.runner import Row, Runner, Step
 from plait.serve.sampling import Params
@@ -340,7 +340,6 @@ def follow(runner: Runner) -> None:
     A collective that times out (a rank did not answer within --step-timeout and twice ``STALL_SHOWN_S``)
     raises ``CommTimeoutError`` saying what this rank waited on; rank 0's ``StepStalled``, sooner, names the
     rank (``plait.serve.job``)."""
-    phase = "waiting for rank 0's next step"
     try:
         while True:
             phase = "waiting for rank 0's next step"
@@ -352,6 +351,6 @@ def follow(runner: Runner) -> None:
             if step.stop:
                 return
     except RuntimeError as exc:
-        if "Timed out" not in str(exc):
+        if not is_timeout(exc):
             raise
         raise CommTimeoutError(f"timed out {phase}: a rank did not answer ({exc})") from exc
