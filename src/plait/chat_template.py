@@ -5,6 +5,7 @@ renders prompts with it, ``plait data prepare --chat`` training conversations.""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +28,38 @@ class ChatError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
+
+
+@dataclass(frozen=True)
+class MessageProblem:
+    """Why a chat's messages break the rule of ``message_problem``: ``index`` of the message (None: the list
+    itself), ``field`` of it ("role", "content"; None: the message itself), ``kind`` ("null", "empty",
+    "not_a_list", "not_an_object", "missing", "wrong_type") and the Python type name of the value found there."""
+
+    index: int | None
+    field: str | None
+    kind: str
+    found: str
+
+
+def message_problem(messages: object) -> MessageProblem | None:
+    """The first break of the chat-message rule, None if there is none: a non-empty list of objects, each with a
+    string ``role`` and a non-null ``content``, except that an assistant message carrying ``tool_calls`` (or
+    ``function_call``) may leave its content out or null, since the call is its reply (as OpenAI's API takes it).
+    A template renders a missing content as nothing: a silently different text. Each caller words its own error."""
+    if not isinstance(messages, list) or not messages:
+        kind = "null" if messages is None else "empty" if messages == [] else "not_a_list"
+        return MessageProblem(None, None, kind, type(messages).__name__)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return MessageProblem(i, None, "not_an_object", type(m).__name__)
+        role = m.get("role")
+        if not isinstance(role, str):
+            kind = "missing" if "role" not in m else "null" if role is None else "wrong_type"
+            return MessageProblem(i, "role", kind, type(role).__name__)
+        if m.get("content") is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+            return MessageProblem(i, "content", "missing" if "content" not in m else "null", "NoneType")
+    return None
 
 
 def _read_json(path: Path) -> dict:

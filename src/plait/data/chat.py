@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.chat_template import ChatError, ChatTemplate
+from plait.chat_template import ChatError, ChatTemplate, message_problem
 from plait.errors import ConfigError
 
 LOSS_ON = ("assistant", "all")
@@ -99,19 +99,24 @@ class ChatRenderer:
 
 
 def check_messages(messages: object, field: str) -> None:
-    """BadChat unless ``messages`` is a non-empty list of {role, content} objects (an assistant message may
-    carry ``tool_calls`` instead of content, as OpenAI's API takes it)."""
-    if not isinstance(messages, list) or not messages:
-        what = "an empty list" if messages == [] else "null" if messages is None else type(messages).__name__
+    """BadChat naming ``field[i]`` unless ``messages`` keeps plait.chat_template.message_problem's rule (a
+    non-empty list of {role, content} objects; an assistant message may carry ``tool_calls`` instead of content)."""
+    problem = message_problem(messages)
+    if problem is None:
+        return
+    if problem.index is None:
+        what = {"empty": "an empty list", "null": "null"}.get(problem.kind, problem.found)
         raise BadChat(f"{field!r} is {what}, not a list of {{role, content}} messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise BadChat(f"{field}[{i}] is a JSON {type(m).__name__}, not a {{role, content}} object")
-        if not isinstance(m.get("role"), str):
-            raise BadChat(f"{field}[{i}] has no role (keys: {', '.join(m) or 'none'})")
-        if m.get("content") is None and not (m["role"] == ASSISTANT and (m.get("tool_calls") or
-                                                                         m.get("function_call"))):
-            raise BadChat(f"{field}[{i}] ({m['role']}) has no content")
+    assert isinstance(messages, list)
+    m = messages[problem.index]
+    where = f"{field}[{problem.index}]"
+    if problem.field is None:
+        raise BadChat(f"{where} is a JSON {problem.found}, not a {{role, content}} object")
+    if problem.field == "role" and problem.kind == "wrong_type":
+        raise BadChat(f"{where}'s role is a JSON {problem.found}, not a string")
+    if problem.field == "role":
+        raise BadChat(f"{where} has no role (keys: {', '.join(m) or 'none'})")
+    raise BadChat(f"{where} ({m['role']}) has no content")
 
 
 def no_messages_hint(record: dict, text_field: str) -> str:

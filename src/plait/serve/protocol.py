@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from plait.chat_template import message_problem
 from plait.generation.decode import Sampling
 from plait.serve.sampling import Params
 
@@ -227,29 +228,24 @@ def _tools(body: dict) -> None:
 
 
 def check_messages(messages) -> None:
-    """A chat's messages as OpenAI's API takes them; ApiError 400 naming the field (``messages[i].content``, in
-    OpenAI's words and codes). Each message is an object with a string ``role`` and a ``content``; only an
-    assistant message that carries ``tool_calls`` (or ``function_call``) may leave its content out or null, since
-    the call is its reply. A template would render a missing content as nothing: a silently different prompt."""
-    if not isinstance(messages, list) or not messages:
+    """A chat's messages as OpenAI's API takes them (plait.chat_template.message_problem's rule); ApiError 400
+    naming the field (``messages[i].content``) in OpenAI's words and codes."""
+    problem = message_problem(messages)
+    if problem is None:
+        return
+    if problem.index is None:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"Invalid type for '{where}': expected an object with role and content, but got "
-                                f"{type(m).__name__} instead.", where, "invalid_type")
-        for name in ("role", "content"):
-            if m.get(name) is None and not (name == "content" and m.get("role") == "assistant"
-                                            and (m.get("tool_calls") or m.get("function_call"))):
-                if name not in m:
-                    raise ApiError(400, f"Missing required parameter: '{where}.{name}'.", f"{where}.{name}",
-                                   "missing_required_parameter")
-                why = " (only an assistant message with tool_calls may have null content)" if name == "content" else ""
-                raise ApiError(400, f"Invalid type for '{where}.{name}': expected a string, but got null "
-                                    f"instead{why}.", f"{where}.{name}", "invalid_type")
-        if not isinstance(m["role"], str):
-            raise ApiError(400, f"Invalid type for '{where}.role': expected a string, but got "
-                                f"{type(m['role']).__name__} instead.", f"{where}.role", "invalid_type")
+    where = f"messages[{problem.index}]"
+    if problem.field is None:
+        raise ApiError(400, f"Invalid type for '{where}': expected an object with role and content, but got "
+                            f"{problem.found} instead.", where, "invalid_type")
+    where = f"{where}.{problem.field}"
+    if problem.kind == "missing":
+        raise ApiError(400, f"Missing required parameter: '{where}'.", where, "missing_required_parameter")
+    found = "null" if problem.kind == "null" else problem.found
+    why = " (only an assistant message with tool_calls may have null content)" if problem.field == "content" else ""
+    raise ApiError(400, f"Invalid type for '{where}': expected a string, but got {found} instead{why}.", where,
+                   "invalid_type")
 
 
 def parse(body, chat: bool, tokens: TokenizerInfo, limits: Limits) -> Parsed:
