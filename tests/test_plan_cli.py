@@ -151,3 +151,29 @@ def test_plan_topo_and_simulate_options_are_their_dataclasses_fields():
                 assert p.default == f.default and not p.required, (name, f.name)
         assert set(params) - {f.name for f in dataclasses.fields(cls)} <= {"virtual_alias"}, name
     assert {"--schedule", "-s"} <= set(next(p for p in group.commands["simulate"].params if p.name == "schedule").opts)
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers = 0: must be a positive integer"),  # not --layers 0
+    ({"num_attention_heads": 0}, "num_attention_heads = 0: must be a positive integer"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads = 0: must be a positive integer"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads = 5: must divide num_attention_heads = 32"),
+    ({"num_attention_heads": 48}, "num_attention_heads = 48: must divide hidden_size = 4096"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings = 0: must be a positive integer"),
+    ({"num_local_experts": 2, "num_experts_per_tok": 4}, "num_experts_per_tok = 4: must be at most "
+                                                         "num_local_experts = 2"),
+    ({"num_hidden_layers": "32"}, "num_hidden_layers = '32': must be an integer"),
+    ({"vocab_size": None}, "no vocab_size (the model's vocab); plait reads Llama"),
+])
+def test_a_bad_config_json_field_is_named_as_the_file_and_its_key_not_a_flag(tmp_path, bad, needle):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA, **bad}))
+    for model in (path, tmp_path):  # the file, or its Hugging Face folder
+        r = runner.invoke(app, ["plan", "--model", str(model), "--gpus", "8"])
+        assert r.exit_code == 2 and r.output.startswith(f"error: {path}: {needle}"), r.output
+    r = runner.invoke(app, ["plan", "--model", str(path), "--gpus", "8", "--seq-len", "0"])
+    assert r.output.startswith("error: --seq-len 0: must be a positive integer"), r.output  # a typed flag stays one

@@ -50,6 +50,13 @@ class FieldError(ConfigError):
         flag, detail = flag_of(self.name), self._filled(lambda n, v: f"{flag_of(n)} {v!r}")
         return f"{flag}: {detail}" if self.value is True else f"{flag} {self.value!r}: {detail}"
 
+    def in_file(self, source: str, keys: dict[str, str]) -> ConfigError:
+        """The same error naming the keys of file ``source`` that the settings were read from (``keys``: setting
+        -> key): ``config.json: num_hidden_layers = 0: ...``, where no flag was typed."""
+        def say(n: str, v: object) -> str:
+            return f"{keys.get(n, n)} = {v!r}"
+        return ConfigError(f"{source}: {say(self.name, self.value)}: {self._filled(say)}")
+
 
 def flag_message(exc: Exception) -> str:
     """A ConfigError's message as the command line should say it (flags instead of field names)."""

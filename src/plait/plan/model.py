@@ -47,15 +47,17 @@ class Model:
     expert_capacity: float = 1.0
 
     def __post_init__(self) -> None:
-        for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k"):
-            if int(getattr(self, field)) < 1:
-                raise FieldError(field, getattr(self, field), "must be a positive integer")
+        for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k", "ffn_hidden",
+                      "n_kv_heads"):
+            value = getattr(self, field)
+            if value is not None and int(value) < 1:
+                raise FieldError(field, value, "must be a positive integer")
         if self.hidden % self.n_heads:
-            raise ConfigError(f"n_heads: must divide hidden={self.hidden}, got {self.n_heads}")
+            raise FieldError("n_heads", self.n_heads, "must divide {hidden}", {"hidden": self.hidden})
         if self.n_heads % self.kv_heads:
-            raise ConfigError(f"n_kv_heads: must divide n_heads={self.n_heads}, got {self.kv_heads}")
+            raise FieldError("n_kv_heads", self.kv_heads, "must divide {n_heads}", {"n_heads": self.n_heads})
         if self.top_k > self.n_experts:
-            raise ConfigError(f"top_k: must be <= n_experts={self.n_experts}, got {self.top_k}")
+            raise FieldError("top_k", self.top_k, "must be at most {n_experts}", {"n_experts": self.n_experts})
         if not self.expert_capacity > 0:
             raise ConfigError(f"expert_capacity: must be positive (1: balanced routing), got {self.expert_capacity!r}")
 
@@ -157,19 +159,14 @@ class Model:
             cfg: dict[str, Any] = json.loads(p.read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model: cannot read a Hugging Face config from {str(path)!r}: {exc}") from exc
-        return _from_hf_dict(cfg, seq_len, name=p.parent.name or p.stem)
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"model: {str(p)!r} holds a JSON {type(cfg).__name__}, not a Hugging Face config")
+        return _from_hf_dict(cfg, seq_len, name=p.parent.name or p.stem, source=str(p))
 
 
 #: the dropout probabilities Hugging Face configs name (any above 0: the model trains with dropout)
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout", "dropout",
                 "hidden_dropout_prob", "attention_probs_dropout_prob")
-
-
-def _first(cfg: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
 
 
 def _check_seq_len(seq_len: int | None) -> None:
@@ -178,31 +175,62 @@ def _check_seq_len(seq_len: int | None) -> None:
         raise FieldError("seq_len", seq_len, "must be a positive integer")
 
 
-def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str) -> Model:
+class _Config:
+    """A config.json's numbers, each read under the first of its names the file has; ``keys`` remembers which
+    name each of Model's settings came from, so that errors name the file's key (no flag was typed)."""
+
+    def __init__(self, cfg: dict[str, Any], source: str):
+        self.cfg, self.source = cfg, source
+        self.keys: dict[str, str] = {}
+
+    def optional(self, field: str, *names: str) -> int | None:
+        key = next((k for k in names if self.cfg.get(k) is not None), None)
+        if key is None:
+            return None
+        value = self.cfg[key]
+        if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+            raise ConfigError(f"{self.source}: {key} = {value!r}: must be an integer")
+        self.keys[field] = key
+        return int(value)
+
+    def number(self, field: str, *names: str, default: int | None = None) -> int:
+        """The value under the first of ``names`` the file has, else ``default``, else an error naming them."""
+        value = self.optional(field, *names)
+        if value is None and default is not None:
+            return default
+        if value is None:
+            raise ConfigError(f"{self.source}: no {' or '.join(names)} (the model's {field}); plait reads Llama, "
+                              "Mistral, Mixtral, Qwen2 and GPT-2/NeoX style configs")
+        return value
+
+
+def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: str = "config.json") -> Model:
     _check_seq_len(seq_len)
     kind = str(cfg.get("model_type", "")).lower()
     gpt_style = kind in {"gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode"}
+    c = _Config(cfg, source)
+    hidden = c.number("hidden", "hidden_size", "n_embd", "d_model")
+    n_heads = c.number("n_heads", "num_attention_heads", "n_head")
+    n_layers, vocab = c.number("n_layers", "num_hidden_layers", "n_layer"), c.number("vocab", "vocab_size")
+    if not seq_len:  # the model's own length (capped), where no --seq-len was given
+        seq_len = min(c.number("seq_len", "max_position_embeddings", "n_positions", "n_ctx", default=4096), 8192)
     try:
-        hidden = int(_first(cfg, "hidden_size", "n_embd", "d_model"))
-        n_heads = int(_first(cfg, "num_attention_heads", "n_head"))
-        layers = int(_first(cfg, "num_hidden_layers", "n_layer"))
-        vocab = int(_first(cfg, "vocab_size"))
-    except TypeError as exc:
-        raise ConfigError("model: config.json lacks hidden_size/num_attention_heads/"
-                          "num_hidden_layers/vocab_size") from exc
-    max_pos = int(_first(cfg, "max_position_embeddings", "n_positions", "n_ctx", default=4096))
-    return Model(
-        n_layers=layers, hidden=hidden, n_heads=n_heads, vocab=vocab,
-        seq_len=int(seq_len) if seq_len else min(max_pos, 8192),
-        ffn_hidden=_first(cfg, "intermediate_size", "n_inner", "ffn_dim"),
-        n_kv_heads=_first(cfg, "num_key_value_heads", default=n_heads),
-        glu=not gpt_style,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
-        n_experts=int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=1)),
-        top_k=int(_first(cfg, "num_experts_per_tok", "moe_top_k", default=1)),
-        bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
-        dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name,
-    )
+        return Model(
+            n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=vocab,
+            seq_len=int(seq_len),
+            ffn_hidden=c.optional("ffn_hidden", "intermediate_size", "n_inner", "ffn_dim"),
+            n_kv_heads=c.number("n_kv_heads", "num_key_value_heads", default=n_heads),
+            glu=not gpt_style,
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
+            n_experts=c.number("n_experts", "num_local_experts", "num_experts", "n_routed_experts", default=1),
+            top_k=c.number("top_k", "num_experts_per_tok", "moe_top_k", default=1),
+            bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
+            dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name,
+        )
+    except FieldError as exc:
+        if exc.name not in c.keys:  # a flag typed (--seq-len) keeps its own name
+            raise
+        raise exc.in_file(source, c.keys) from None
 
 
 PRESETS: dict[str, Model] = {
