@@ -51,7 +51,15 @@ def test_verify_settings_are_named_as_flags():
                          (["--layers", "1", "--pp", "2"], "--layers 1: fewer than the 2 pipeline chunks"),
                          (["--top-k", "3"], "--top-k 3: must be between 1 and the experts (--experts 1)"),
                          (["--experts", "0"], "--experts 0: must be >= 1"),
-                         (["--zero", "1"], "--zero 1: shards only the optimizer's state")):
+                         (["--zero", "1"], "--zero 1: shards only the optimizer's state"),
+                         (["--experts", "3", "--ep", "2"], "--ep 2: must divide --experts 3: each EP rank holds an "
+                                                          "equal share of the experts; valid: [1, 3]"),
+                         (["--tp", "2", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp"],
+                          "--ep 2: must divide --dp 1 with --expert-tp (every TP rank holds a shard"),
+                         (["--tp", "2", "--expert-tp"], "--expert-tp: needs a mixture-of-experts model, at least 2 "
+                                                        "experts (not --experts 1)"),
+                         (["--dp", "2", "--ep", "2"], "--ep 2: needs a mixture-of-experts model, at least 2 experts "
+                                                      "(not --experts 1)")):
         res = _in_process(*args)
         assert res.exit_code == 2 and res.stderr.startswith(f"error: {needle}"), (args, res.output)
 
@@ -70,19 +78,9 @@ def test_verify_mixture_of_experts_with_expert_parallelism():
     assert any(".mlp.experts.3." in g["name"] for g in out["grads"]), "expert gradients were not compared"
 
 
-def test_verify_experts_not_divisible_by_ep():
-    res = _in_process("--experts", "3", "--ep", "2")
-    assert res.exit_code == 2 and "ep=2 must divide n_experts=3" in res.stderr, res.output
-
-
 def test_verify_experts_tensor_parallel_inside():
     res = _in_process("--tp", "2", "--pp", "1", "--dp", "2", "--experts", "4", "--top-k", "2", "--ep", "2",
                       "--expert-tp", "--layers", "2", "--batch-size", "4", "--microbatches", "2", "--json")
     assert res.exit_code == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["ok"] is True and out["config"]["expert_tp"] is True
-
-
-def test_verify_expert_tp_needs_ep_dividing_dp():
-    res = _in_process("--tp", "2", "--pp", "1", "--dp", "1", "--experts", "4", "--ep", "2", "--expert-tp")
-    assert res.exit_code == 2 and "ep=2 must divide dp=1 with expert_tp=True" in res.stderr, res.output

@@ -138,7 +138,7 @@ def test_cp_one_keeps_every_rank_formula():
     (dict(tp=2, cp=3), 8, ["tp*cp*pp=2*3*1=6", "world size 8"]),
     (dict(tp=2, cp=2, dp=4), 8, ["tp*cp*pp*dp", "world size is 8"]),
     (dict(cp=2, dp=1, ep=4), None, ["ep=4", "dp*cp*tp=2"]),
-    (dict(tp=2, cp=2, dp=1, ep=4, expert_tp=True), None, ["ep=4", "dp*cp=2", "expert_tp"]),
+    (dict(tp=2, cp=2, dp=1, ep=4, expert_tp=True), None, ["ep=4", "dp=1 × cp=2 = 2", "expert_tp"]),
 ])
 def test_bad_cp_is_a_config_error_naming_it(kw, world, needles):
     with pytest.raises(ConfigError) as info:

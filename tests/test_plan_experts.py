@@ -47,8 +47,10 @@ def test_ep_rules_are_the_runtime_s():
     ParallelConfig(tp=2, dp=1, ep=2)
     key, msg = check(MOE, cluster, Layout(tp=2, ep=2, expert_tp=True), training)
     assert key == "ep" and msg.startswith("ep: 2 must divide dp·cp = 1 with expert_tp") and "valid ep: [1]" in msg
-    with pytest.raises(ConfigError, match="ep=2 must divide dp=1 with expert_tp=True"):
+    with pytest.raises(ConfigError, match=r"^ep=2: must divide dp=1 with expert_tp=True"):
         ParallelConfig(tp=2, dp=1, ep=2, expert_tp=True)
+    with pytest.raises(ConfigError, match=r"^ep=4: must divide dp=1 × cp=2 = 2 with expert_tp=True .* \[1, 2\]$"):
+        ParallelConfig(tp=2, dp=1, cp=2, ep=4, expert_tp=True)
     key, msg = check(MOE, Cluster("h100-sxm", 8), Layout(tp=2, dp=4, ep=3), Training(8))
     assert key == "ep" and msg == "ep: 3 must divide n_experts = 4; valid ep: [1, 2, 4]"
     dense = replace(MOE, n_experts=1, top_k=1)

@@ -45,6 +45,10 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--eval-every", "-5", "--dry-run"], "--eval-every -5: must be >= 0"),
     (["--max-data-mb", "0", "--dry-run"], "--max-data-mb 0.0: must be > 0"),
     (["--resume", "--checkpoint-dir", "/no/such/ckpts", "--dry-run"], "--resume: no checkpoint in --checkpoint-dir"),
+    (["--experts", "6", "--ep", "4", "--dp", "4", "--tp", "1", "--pp", "1", "--nproc", "4", "--dry-run"],
+     "error: --ep 4: must divide --experts 6: each EP rank holds an equal share of the experts; valid: [1, 2, 3, 6]"),
+    (["--experts", "4", "--ep", "4", "--dp", "2", "--tp", "2", "--pp", "1", "--nproc", "4", "--expert-tp",
+      "--dry-run"], "error: --ep 4: must divide --dp 2 with --expert-tp (every TP rank holds a shard"),
 ])
 def test_bad_flags_fail_with_one_line(args, needle):
     res = CliRunner().invoke(app, ["train", *args])
@@ -119,6 +123,17 @@ def test_output_paths_that_cannot_be_made_fail_before_launching(tmp_path, monkey
                          (["--metrics", "."], "error: --metrics .: a folder, not a file")):
         res = CliRunner().invoke(app, ["train", "--dry-run", *args])
         assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
+
+
+def test_ep_not_dividing_a_mixtral_folder_s_experts_names_the_model_not_experts_flag(tmp_path):
+    """No --experts was typed (a folder brings its own): the refusal names --model and its number of experts."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 32, "vocab_size": 300, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 48, "num_local_experts": 6, "num_experts_per_tok": 2}))
+    res = CliRunner().invoke(app, ["train", "--model", str(tmp_path), "--ep", "4", "--dp", "4", "--tp", "1", "--pp",
+                                   "1", "--nproc", "4", "--dry-run"])
+    assert res.exit_code == 2 and res.output == (f"error: --ep 4: must divide the 6 experts of --model {tmp_path}; "
+                                                 "valid: [1, 2, 3, 6]\n"), res.output
 
 
 def test_a_model_folder_with_a_broken_config_json_is_one_error_line(tmp_path):

@@ -46,8 +46,8 @@ class FieldError(ConfigError):
         return self.detail.format(**{n: say(n, v) for n, v in self.others.items()}) if self.others else self.detail
 
     def as_flag(self) -> str:
-        """The same message naming the flag: ``--virtual-stages 3: ...`` (a switch that is on: ``--add: ...``)."""
-        flag, detail = flag_of(self.name), self._filled(lambda n, v: f"{flag_of(n)} {v!r}")
+        """The same message naming the flags: ``--virtual-stages 3: ...`` (a switch that is on: ``--add: ...``)."""
+        flag, detail = flag_of(self.name), self._filled(lambda n, v: flag_of(n) if v is True else f"{flag_of(n)} {v!r}")
         return f"{flag}: {detail}" if self.value is True else f"{flag} {self.value!r}: {detail}"
 
     def in_file(self, source: str, keys: dict[str, str]) -> ConfigError:

@@ -184,10 +184,11 @@ def _check(c: ParallelConfig) -> None:
     if c.dp == -1:
         return
     data = c.dp * c.cp  # ranks of a stage that see different tokens with the same TP coordinate
-    label = f"dp={c.dp}" if c.cp == 1 else f"dp*cp={data}"
     if c.expert_tp and c.tp > 1 and data % c.ep:
-        raise ConfigError(f"ep={c.ep} must divide {label} with expert_tp=True (every TP rank holds a shard of the "
-                          f"same experts, so EP spans data- and context-parallel ranks); valid ep: {divisors(data)}")
+        ranks = "{dp}" if c.cp == 1 else f"{{dp}} × {{cp}} = {data}"
+        raise FieldError("ep", c.ep, f"must divide {ranks} with {{expert_tp}} (every TP rank holds a shard of the same "
+                         f"experts, so EP spans data- and context-parallel ranks); valid: {divisors(data)}",
+                         {"dp": c.dp, "cp": c.cp, "expert_tp": True})
     plane = "dp*tp" if c.cp == 1 else "dp*cp*tp"
     if (data * c.tp) % c.ep:
         raise FieldError("ep", c.ep, f"must divide {plane}={data * c.tp}; valid: {divisors(data * c.tp)}")

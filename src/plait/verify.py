@@ -171,15 +171,15 @@ def check(cfg: VerifyConfig) -> None:
     chunks = par.pipeline_schedule().num_stages
     if cfg.n_layers < chunks:
         raise FieldError("n_layers", cfg.n_layers, f"fewer than the {chunks} pipeline chunks")
-    if par.expert_tp and cfg.n_experts < 2:
-        raise ConfigError("expert_tp=True needs a mixture-of-experts model: pass --experts E (E >= 2)")
+    if (par.expert_tp or par.ep > 1) and cfg.n_experts < 2:
+        name, value = ("ep", par.ep) if par.ep > 1 else ("expert_tp", True)
+        raise FieldError(name, value, "needs a mixture-of-experts model, at least 2 experts (not {n_experts})",
+                         {"n_experts": cfg.n_experts})
     mcfg = _model_config(cfg)
     FAMILY.check_tp(mcfg, par.tp)
     if par.ep > 1:
         from plait.experts import check_experts
 
-        if cfg.n_experts < 2:
-            raise ConfigError(f"ep={par.ep} needs a mixture-of-experts model: pass --experts E (E >= 2)")
         check_experts(cfg.n_experts, par.ep)
     par.check_seq_len(cfg.seq_len)
     if par.sequence_parallel and cfg.seq_len % par.tp:

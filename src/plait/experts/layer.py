@@ -33,7 +33,7 @@ from torch import nn
 from plait.context_parallel.routing import split_sequence_aux_loss
 from plait.data_parallel.reducer import set_grad_group
 from plait.distributed.context import ParallelContext
-from plait.errors import ConfigError
+from plait.errors import ConfigError, FieldError, divisors
 from plait.experts.comms import gather_rows
 from plait.experts.dispatch import dispatch_combine
 from plait.models.moe import Expert, MoE, route
@@ -143,11 +143,10 @@ def plain_state_keys(model: nn.Module) -> list[str]:
 
 
 def check_experts(n_experts: int, ep: int) -> None:
-    """ConfigError (before any collective) unless ``ep`` divides the number of experts."""
+    """FieldError on ``ep`` (before any collective) unless it divides the number of experts."""
     if n_experts % ep:
-        valid = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
-        raise ConfigError(f"ep={ep} must divide n_experts={n_experts}: each EP rank holds n_experts/ep experts; "
-                          f"valid ep: {valid}")
+        raise FieldError("ep", ep, "must divide {n_experts}: each EP rank holds an equal share of the experts; "
+                         f"valid: {divisors(n_experts)}", {"n_experts": n_experts})
 
 
 def check_model_experts(model: nn.Module, ep: int) -> None:

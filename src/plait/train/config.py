@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import get_args, get_origin, get_type_hints
 
-from plait.errors import ConfigError, check_output_path
+from plait.errors import ConfigError, FieldError, check_output_path, divisors
 from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
@@ -362,7 +362,13 @@ def _validate_model(cfg: TrainConfig) -> None:
         if mcfg.n_experts < 2:
             raise ConfigError(f"--ep {par.ep}{' --expert-tp' if par.expert_tp else ''} needs a mixture-of-experts "
                               "model: pass --experts E (E >= 2) or a Mixtral folder")
-        check_experts(mcfg.n_experts, par.ep)
+        try:
+            check_experts(mcfg.n_experts, par.ep)
+        except FieldError:
+            if cfg.model in PRESETS:
+                raise  # the experts are --experts
+            raise ConfigError(f"--ep {par.ep}: must divide the {mcfg.n_experts} experts of --model {cfg.model}; "
+                              f"valid: {divisors(mcfg.n_experts)}") from None
     _check_tokenizer(cfg.model, mcfg.vocab_size)
 
 
