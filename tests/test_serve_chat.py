@@ -10,6 +10,7 @@ import pytest
 
 from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, template_folder
 from plait.chat_template import PLAIT_SOURCE, ChatTemplate, chat_prompt
+from plait.errors import ConfigError
 from plait.serve.protocol import ApiError
 from plait.serve.tokens import TokenizerInfo
 from plait.tokenizers import ByteTokenizer, FileTokenizer
@@ -157,9 +158,12 @@ def test_a_checkpoint_takes_the_template_of_the_folder_it_was_trained_from(folde
     from plait.checkpoint.writer import FORMAT, META
     from plait.generation.job import tokenizer_folder
 
-    for trained_on, want in ((folders["llama3"], folders["llama3"]), (tmp_path / "gone", tmp_path / "ckpt")):
-        ckpt = tmp_path / "ckpt"
-        (ckpt / "step_5").mkdir(parents=True, exist_ok=True)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_5").mkdir(parents=True, exist_ok=True)
+    for trained_on, want in ((folders["llama3"], str(folders["llama3"])), ("tiny", str(ckpt))):
         (ckpt / "step_5" / META).write_text(json.dumps({"format": FORMAT, "train": {"model": str(trained_on)}}))
-        assert tokenizer_folder(str(ckpt)) == str(want)
+        assert tokenizer_folder(str(ckpt)) == want
+    (ckpt / "step_5" / META).write_text(json.dumps({"format": FORMAT, "train": {"model": str(tmp_path / "gone")}}))
+    with pytest.raises(ConfigError, match="trained with the tokenizer of .*gone, and .* is not there"):
+        tokenizer_folder(str(ckpt))  # its ids would be decoded as UTF-8 bytes
     assert ChatTemplate(tokenizer_folder(str(folders["llama3"]))).source == "tokenizer_config.json"

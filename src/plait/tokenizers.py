@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -59,3 +62,78 @@ def tokenizer_for(model: str) -> ByteTokenizer | FileTokenizer:
     """
     path = Path(model) / "tokenizer.json"
     return FileTokenizer(path) if path.is_file() else ByteTokenizer()
+
+
+BYTES = "bytes"  # the fingerprint of UTF-8 bytes (no tokenizer.json)
+#: the files of a model folder that go with its tokenizer: ids, special tokens, chat template, end-of-sequence ids
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def fingerprint_file(path: Path) -> str:
+    """A short hash of a tokenizer.json's model (vocabulary, merges), normaliser, pre-tokeniser and added
+    tokens: two files that tokenize alike but differ in whitespace or key order get the same fingerprint."""
+    raw = json.loads(path.read_text())
+    keep = {k: raw.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_record(model: str) -> dict:
+    """What a checkpoint keeps of the tokenizer of ``plait train --model``: the model folder, as an absolute path
+    (a later command may run in another directory), and its tokenizer.json's fingerprint ('bytes' when it has
+    none, and for the presets, which have no folder)."""
+    path = Path(model)
+    if not path.is_dir():
+        return {"folder": None, "fingerprint": BYTES}
+    file = path / "tokenizer.json"
+    return {"folder": str(path.resolve()), "fingerprint": fingerprint_file(file) if file.is_file() else BYTES}
+
+
+def trained_tokenizer(meta: dict, checkpoint: str | Path) -> tuple[Path | None, ByteTokenizer | FileTokenizer]:
+    """(the folder of the tokenizer files a checkpoint's model was trained with, or None; its tokenizer), from the
+    checkpoint's ``meta.json``. ConfigError when that folder's tokenizer.json is gone or is another one: decoding
+    with UTF-8 bytes instead would turn every id into the wrong text."""
+    from plait.model_presets import PRESETS
+
+    record = meta.get("tokenizer")
+    if record is None:  # written before checkpoints kept the record: only --model, as it was typed
+        model = meta.get("train", {}).get("model", "tiny")
+        if model in PRESETS:
+            return None, ByteTokenizer()
+        record = {"folder": model, "fingerprint": None}
+    folder = Path(record["folder"]) if record.get("folder") else None
+    if record["fingerprint"] == BYTES:
+        return (folder if folder is not None and folder.is_dir() else None), ByteTokenizer()
+    assert folder is not None
+    file = folder / "tokenizer.json"
+    if record["fingerprint"] is None and folder.is_dir():
+        return folder, tokenizer_for(str(folder))
+    trained = f"{checkpoint}: its model was trained with the tokenizer of {folder}"
+    if not file.is_file():
+        where = "" if folder.is_absolute() else f" (from {Path.cwd()}; run where the model was trained)"
+        raise ConfigError(f"{trained}, and {file} is not there{where}: put the folder back (its ids would decode as "
+                          "the wrong text)")
+    if record["fingerprint"] is not None and fingerprint_file(file) != record["fingerprint"]:
+        raise ConfigError(f"{trained}, whose {file} has changed since (fingerprint {fingerprint_file(file)}, trained "
+                          f"with {record['fingerprint']}); restore the folder's tokenizer.json")
+    return folder, FileTokenizer(file)
+
+
+def check_tokenizer_out(folder: Path | None, out: Path) -> None:
+    """ConfigError when a model whose tokenizer files are in ``folder`` (None: UTF-8 bytes) written to ``out`` would
+    leave a tokenizer.json there that is not the model's."""
+    if (folder is None or not (folder / "tokenizer.json").is_file()) and (out / "tokenizer.json").is_file():
+        raise ConfigError(f"OUT {out} holds a tokenizer.json, but the model reads UTF-8 bytes: a folder with both "
+                          "is read with that tokenizer; choose a folder without one")
+
+
+def copy_tokenizer_files(folder: Path | None, out: Path) -> list[str]:
+    """Copy ``folder``'s TOKENIZER_FILES into the folder ``out`` (None: a byte-level model, nothing to copy); the
+    names copied."""
+    check_tokenizer_out(folder, out)
+    if folder is None or folder.resolve() == out.resolve():
+        return []
+    copied = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    for name in copied:
+        shutil.copyfile(folder / name, out / name)
+    return copied

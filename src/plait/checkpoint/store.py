@@ -166,11 +166,15 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process)."""
     from plait.models.hf import save_state_dict_pretrained
     from plait.models.registry import family_of_config
+    from plait.tokenizers import check_tokenizer_out, copy_tokenizer_files, trained_tokenizer
 
     path = find_checkpoint(checkpoint)
     if path is None:
         raise ConfigError(f"{checkpoint}: no plait checkpoint there")
     reader = CheckpointReader(path)
     cfg = model_config(reader.meta)
+    folder, _ = trained_tokenizer(reader.meta, path)  # the tokenizer goes with the weights
+    check_tokenizer_out(folder, Path(out))
     save_state_dict_pretrained(family_of_config(cfg), cfg, reader.full_state_dict(), out)
+    copy_tokenizer_files(folder, Path(out))
     return Path(out)

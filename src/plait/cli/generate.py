@@ -92,4 +92,7 @@ def export_command(
     except OSError as exc:  # OUT is a file, or its parent cannot be made or written
         typer.echo(f"error: OUT {out}: cannot write a folder there ({exc.strerror or exc}: {exc.filename})", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"wrote {path}/config.json and {path}/model.safetensors")
+    from plait.tokenizers import TOKENIZER_FILES
+
+    files = ["config.json", "model.safetensors"] + [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    typer.echo(f"wrote {path}/: {', '.join(files)}")

@@ -3,7 +3,6 @@ with a fingerprint that ties a prepared dataset to the tokenizer that made it.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from plait.errors import ConfigError
+from plait.tokenizers import BYTES, fingerprint_file
 
-BYTES = "bytes"
 BYTES_EOS = 0  # byte-level models have no spare id: NUL, which text does not contain, ends a document
 # end-of-text tokens of common tokenizers, tried in order when no config file names the EOS
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -146,14 +145,6 @@ def _read_json(path: Path) -> dict:
     except (OSError, json.JSONDecodeError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def fingerprint_file(path: Path) -> str:
-    """A short hash of a tokenizer.json's model (vocabulary, merges), normaliser, pre-tokeniser and added
-    tokens: two files that tokenize alike but differ in whitespace or key order get the same fingerprint."""
-    raw = json.loads(path.read_text())
-    keep = {k: raw.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def model_fingerprint(model: str) -> tuple[str, str]:

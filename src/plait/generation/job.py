@@ -15,7 +15,7 @@ def source_config(source: str):
     """(model config of its family, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
     from plait.checkpoint import CheckpointReader, find_checkpoint, model_config
     from plait.models.hf import HFWeights
-    from plait.tokenizers import ByteTokenizer, tokenizer_for
+    from plait.tokenizers import tokenizer_for, trained_tokenizer
 
     path = Path(source)
     if not path.exists():
@@ -27,8 +27,7 @@ def source_config(source: str):
     if ckpt is None:
         raise ConfigError(f"--model {source}: neither a plait checkpoint nor a Hugging Face folder (config.json)")
     reader = CheckpointReader(ckpt)
-    trained_on = reader.meta.get("train", {}).get("model", "tiny")
-    tok = tokenizer_for(trained_on) if Path(trained_on).is_dir() else ByteTokenizer()
+    _, tok = trained_tokenizer(reader.meta, ckpt)
     return model_config(reader.meta), lambda: CheckpointReader(ckpt), tok
 
 
@@ -47,16 +46,17 @@ def check_layout(source: str, config, tp: int, pp: int) -> None:
 
 def tokenizer_folder(source: str) -> str:
     """The folder whose tokenizer files (special tokens, chat template, end-of-sequence ids) go with the model
-    of ``source``: a Hugging Face folder itself; a plait checkpoint's, the folder it was trained from when that
-    is still there; else ``source``."""
+    of ``source``: a Hugging Face folder itself; a plait checkpoint's, the folder it was trained from
+    (plait.tokenizers.trained_tokenizer: an error when its tokenizer.json is gone); else ``source``."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
+    from plait.tokenizers import trained_tokenizer
 
     path = Path(source)
     if (path / "config.json").is_file():
         return source
     ckpt = find_checkpoint(path) if path.is_dir() else None
-    trained_on = CheckpointReader(ckpt).meta.get("train", {}).get("model", "") if ckpt is not None else ""
-    return trained_on if trained_on and Path(trained_on).is_dir() else source
+    folder = trained_tokenizer(CheckpointReader(ckpt).meta, ckpt)[0] if ckpt is not None else None
+    return str(folder) if folder is not None else source
 
 
 def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):

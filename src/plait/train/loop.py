@@ -134,8 +134,10 @@ def resume(run: Run) -> None:
 def save(run: Run, step: int) -> str:
     """Save a checkpoint of step ``step`` (collective); returns its folder, in place once the write is done."""
     from plait.checkpoint import AsyncCheckpointer, save_checkpoint
+    from plait.tokenizers import tokenizer_record
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
+             "tokenizer": tokenizer_record(run.cfg.model),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.data.describe(),
                       **run.data.position(step)}}
     run.last_save = time.monotonic()

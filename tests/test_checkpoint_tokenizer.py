@@ -1,0 +1,79 @@
+"""A checkpoint of a model trained from a folder with a tokenizer.json decodes with that tokenizer wherever it is
+read from, its export carries the tokenizer, and a tokenizer gone missing is an error, never UTF-8 bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from data_util import bpe_folder
+from plait.cli.main import app
+from plait.models import Llama, LlamaConfig
+from plait.tokenizers import fingerprint_file
+
+TRAIN = [sys.executable, "-m", "plait.cli.main", "train", "--model", "bpe-model", "--tp", "1", "--pp", "1",
+         "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--microbatches", "1", "--eval-every", "0",
+         "--sample-tokens", "0", "--cluster", "none", "--data", "text", "--checkpoint-dir", "ckpt"]
+GENERATE = ["generate", "--prompt", "the parallel", "--max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A folder holding bpe-model/ (a Llama and a BPE tokenizer.json) and ckpt/, one step trained from it."""
+    tmp_path = tmp_path_factory.mktemp("trained")
+    torch.manual_seed(0)
+    Llama(LlamaConfig(vocab_size=400, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)
+          ).save_pretrained(tmp_path / "bpe-model")
+    bpe_folder(tmp_path / "bpe-model", 400)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("the parallel pipeline stage sends activations " * 40)
+    res = subprocess.run(TRAIN, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    return tmp_path
+
+
+def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(trained, monkeypatch):
+    meta = json.loads((trained / "ckpt" / "step_00000001" / "meta.json").read_text())
+    assert meta["tokenizer"] == {"folder": str((trained / "bpe-model").resolve()),
+                                 "fingerprint": fingerprint_file(trained / "bpe-model" / "tokenizer.json")}
+    monkeypatch.chdir(trained)
+    here = CliRunner().invoke(app, [*GENERATE, "--model", "ckpt"])
+    assert here.exit_code == 0, here.output
+    (trained / "elsewhere").mkdir()
+    monkeypatch.chdir(trained / "elsewhere")  # --model bpe-model was relative to the training run's directory
+    there = CliRunner().invoke(app, [*GENERATE, "--model", "../ckpt"])
+    assert there.exit_code == 0 and there.stdout == here.stdout, there.output  # was decoded as UTF-8 bytes
+    exported = CliRunner().invoke(app, ["export", "../ckpt", "../hf"])
+    assert exported.exit_code == 0 and "tokenizer.json, tokenizer_config.json" in exported.stdout, exported.output
+    assert fingerprint_file(trained / "hf" / "tokenizer.json") == meta["tokenizer"]["fingerprint"]
+    again = CliRunner().invoke(app, [*GENERATE, "--model", "../hf"])
+    assert again.exit_code == 0 and again.stdout == here.stdout, again.output
+
+    shutil.move(trained / "bpe-model", trained / "moved")
+    try:
+        for args in ([*GENERATE, "--model", "../ckpt"], ["export", "../ckpt", "../hf2"]):
+            gone = CliRunner().invoke(app, args)
+            assert gone.exit_code == 2, gone.output
+            assert f"trained with the tokenizer of {trained.resolve() / 'bpe-model'}, and" in gone.stderr, gone.stderr
+        assert not (trained / "hf2").exists(), "nothing is written before the refusal"
+    finally:
+        shutil.move(trained / "moved", trained / "bpe-model")
+
+
+def test_a_byte_level_export_refuses_a_folder_holding_another_tokenizer(trained, tmp_path, monkeypatch):
+    shutil.copytree(trained / "ckpt", tmp_path / "ckpt")
+    meta_file = tmp_path / "ckpt" / "step_00000001" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["tokenizer"] = {"folder": None, "fingerprint": "bytes"}  # as a preset's checkpoint records it
+    meta_file.write_text(json.dumps(meta))
+    shutil.copytree(trained / "bpe-model", tmp_path / "other")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["export", "ckpt", "other"])
+    assert res.exit_code == 2 and "OUT other holds a tokenizer.json, but the model reads UTF-8 bytes" in res.stderr
