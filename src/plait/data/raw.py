@@ -14,8 +14,8 @@ import numpy as np
 from plait.data.chat import no_messages_hint
 from plait.data.format import SPLITS, dtype_for
 from plait.data.prepare import encode_documents
+from plait.data.sources import BadRecord, Task, discover, read_task, tasks, where
 from plait.data.sources import Source as Input
-from plait.data.sources import Task, discover, read_task, tasks
 from plait.data.stream import RAW_HELD_OUT, MemorySplit, TrainSource
 from plait.data.tokens import BYTES, TokenizerSpec
 from plait.errors import ConfigError
@@ -82,7 +82,11 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Tr
     for task in tasks(found, "text"):
         for name in task.files:  # one file at a time: the budget stops at a file's end
             one = Task(task.index, task.source, "text", name, files=[name])
-            texts = read_task(one, "text", skip_bad=True).docs
+            try:  # the standard library holds a few test files in other encodings: those are skipped
+                texts = read_task(one, "text", skip_bad=path is None).docs
+            except BadRecord as rec:
+                raise ConfigError(f"--data {path}: {where(rec)}: {rec.why}, or prepare the text with `plait data "
+                                  "prepare ... --skip-bad` to leave such files out") from None
             files += 1
             for split, enc in encode_documents(texts, tok, eos, RAW_HELD_OUT, dtype).items():
                 parts[split].append(enc.ids)

@@ -209,7 +209,10 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
             if b"\0" in raw[:1024]:
                 out.skipped += 1  # binary
                 continue
-            out.add(raw.decode("utf-8", errors="replace"))
+            try:
+                out.add(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:  # Latin-1, say: never trained on as U+FFFD characters
+                _bad(out, BadRecord(name, exc.start, 0, not_utf8(raw, exc.start)), skip_bad)
         out.raw = b"".join(raws)
         return out
     for i, v in enumerate(_column(task, field, chat is not None)):
@@ -256,6 +259,8 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None) -> tuple[str | 
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+    except UnicodeDecodeError as exc:
+        return None, not_utf8(line, exc.start)
     if not isinstance(record, dict):
         return None, f"a JSON {type(record).__name__}, not an object with a {field!r} field"
     if field not in record:
@@ -271,6 +276,13 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None) -> tuple[str | 
     if not isinstance(value, str):
         return None, f"{field!r} is {type(value).__name__}, not text"
     return value, ""
+
+
+def not_utf8(raw: bytes, at: int) -> str:
+    """Why a record or file whose byte ``at`` breaks UTF-8 is refused: that byte and its column in its line."""
+    column = at - (raw.rfind(b"\n", 0, at) + 1) + 1
+    return (f"not UTF-8 text (byte 0x{raw[at]:02x} at column {column}); convert the file to UTF-8 (iconv -f "
+            "ENCODING -t UTF-8)")
 
 
 def where(rec: BadRecord) -> str:

@@ -1,0 +1,43 @@
+"""What plait data prepare and plait train --data make of awkward inputs: text that is not UTF-8."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from plait.cli.main import app
+from plait.data import prepare
+from plait.data.stream import open_data
+
+LATIN1 = "line one\nline two café\n".encode("latin-1")  # byte 0xe9 at column 13 of line 2
+
+
+def _prepare(*args: str):
+    return CliRunner().invoke(app, ["data", "prepare", *args, "--tokenizer", "bytes", "--workers", "1"])
+
+
+def test_text_that_is_not_utf8_is_named_never_trained_as_replacement_characters(tmp_path):
+    (tmp_path / "latin.txt").write_bytes(LATIN1)
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    for name, line in (("latin.txt", 2), ("latin.jsonl", 2)):  # the JSON line was a UnicodeDecodeError traceback
+        res = _prepare(str(tmp_path / name), "--out", str(tmp_path / "out"))
+        assert res.exit_code == 2, res.output
+        assert res.stderr.startswith(f"error: {tmp_path / name}:{line}: not UTF-8 text (byte 0xe9 at column "), \
+            res.stderr
+        assert "--skip-bad" in res.stderr and not (tmp_path / "out").exists()
+    (tmp_path / "good.txt").write_text("naïve café\n")
+    meta = prepare([str(tmp_path / n) for n in ("latin.txt", "latin.jsonl", "good.txt")], "bytes", tmp_path / "out",
+                   workers=1, held_out=0.0, skip_bad=True)
+    assert [s["skipped"] for s in meta["sources"]] == [1, 1, 0]
+    assert meta["splits"]["train"]["tokens"] == len(b"fine") + len("naïve café\n".encode()) + 2  # each with its EOS
+
+
+def test_train_data_that_is_not_utf8_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("plain text " * 20)
+    (tmp_path / "texts" / "b.txt").write_bytes(LATIN1)
+    res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--steps", "1", "--seq-len", "8",
+                                   "--batch-size", "1", "--microbatches", "1", "--data", str(tmp_path / "texts")])
+    assert res.exit_code == 2 and res.stderr.startswith(
+        f"error: --data {tmp_path / 'texts'}: {tmp_path / 'texts' / 'b.txt'}:2: not UTF-8 text"), res.output
+    (tmp_path / "texts" / "b.txt").unlink()
+    assert open_data([str(tmp_path / "texts")], "tiny", 256, 8, 1, 0, 1).sources[0].files == 1
