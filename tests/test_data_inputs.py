@@ -41,3 +41,25 @@ def test_train_data_that_is_not_utf8_is_an_error_naming_the_file(tmp_path):
         f"error: --data {tmp_path / 'texts'}: {tmp_path / 'texts' / 'b.txt'}:2: not UTF-8 text"), res.output
     (tmp_path / "texts" / "b.txt").unlink()
     assert open_data([str(tmp_path / "texts")], "tiny", 256, 8, 1, 0, 1).sources[0].files == 1
+
+
+def test_a_file_named_twice_is_refused_not_read_twice(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text " * 50)
+    for srcs in (["corpus", "corpus/a.txt"], ["corpus", "corpus"], ["corpus/a.txt", "corpus/../corpus/a.txt"]):
+        res = _prepare(*(str(tmp_path / s) for s in srcs), "--out", str(tmp_path / "out"))
+        assert res.exit_code == 2 and f"SRC {tmp_path / srcs[1]}: " in res.stderr and "would be read twice" in \
+            res.stderr, res.output  # its documents were in the dataset twice
+    assert not (tmp_path / "out").exists()
+
+
+def test_hidden_folders_and_prepared_datasets_in_a_source_folder_are_never_text(tmp_path):
+    (tmp_path / "corpus" / ".git").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("some text " * 50)
+    (tmp_path / "corpus" / ".git" / "pre-commit.sample").write_text("#!/bin/sh\nexit 0\n")  # was a document
+    meta = prepare([str(tmp_path / "corpus")], "bytes", tmp_path / "corpus" / "prepared", workers=1, held_out=0.0)
+    assert meta["splits"]["train"]["documents"] == 1 and meta["sources"][0]["files"] == 1
+    again = _prepare(str(tmp_path / "corpus"), "--out", str(tmp_path / "corpus" / "prepared"), "--force")
+    assert again.exit_code == 2 and again.stderr.startswith(  # was its own meta.json as a bad JSON line
+        f"error: SRC {tmp_path / 'corpus'} holds a prepared dataset, {tmp_path / 'corpus' / 'prepared'}, whose "
+        "shards and meta.json are no text"), again.output

@@ -11,7 +11,7 @@ PREPARE_HELP = """Tokenize text into a prepared dataset: token shards (uint16 wh
 uint32), a document index and meta.json, with an EOS after every document and a held-out split by document.
 
 \b
-Sources (files or folders, read recursively in sorted order):
+Sources (files or folders, read recursively in sorted order, hidden ones left out; each file once):
   .jsonl .json .ndjson   one JSON object per line; only its --text-field is read
   .parquet               the --text-field column (needs pyarrow: the 'data' extra)
   a `datasets` folder    written by Dataset.save_to_disk (needs datasets: the 'data' extra)

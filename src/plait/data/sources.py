@@ -64,25 +64,48 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def discover(paths: list[str]) -> list[Source]:
-    """The sources named on the command line: files by suffix, folders recursively (sorted), HF folders whole."""
+    """The sources named on the command line: files by suffix, folders recursively (sorted; hidden files and
+    folders left out), HF folders whole. ConfigError for a file two SRCs name, and for a prepared dataset inside
+    a folder (its shards and meta.json are no text)."""
     out: list[Source] = []
-    for raw in paths:
+    named: dict[Path, int] = {}  # every file read -> the SRC that names it
+    for i, raw in enumerate(paths):
         p = Path(raw)
         if is_hf_folder(p):
             files = sorted(f for f in p.rglob("*") if f.is_file())
             out.append(Source(raw, "hf", [p], sum(f.stat().st_size for f in files)))
         elif p.is_dir():
-            files = sorted((f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".")),
+            files = sorted((f for f in p.rglob("*") if f.is_file() and not _hidden(f.relative_to(p))),
                            key=lambda f: f.relative_to(p).as_posix())
+            _no_prepared(raw, files)
             for kind in ("jsonl", "parquet", "text"):
                 mine = [f for f in files if _kind(f) == kind]
                 if mine:
                     out.append(Source(raw, kind, mine, sum(f.stat().st_size for f in mine)))
         elif p.is_file():
-            out.append(Source(raw, _kind(p), [p], p.stat().st_size))
+            files = [p]
+            out.append(Source(raw, _kind(p), files, p.stat().st_size))
         else:
             raise ConfigError(f"SRC {raw}: no such file or directory")
+        for f in files:
+            first = named.setdefault(f.resolve(), i)
+            if first != i:
+                raise ConfigError(f"SRC {raw}: {f} is read already as part of SRC {paths[first]}, and would be read "
+                                  "twice; name each file once (plait train --data WEIGHT:DIR weighs datasets)")
     return out
+
+
+def _hidden(relative: Path) -> bool:
+    """Whether a path inside a SRC folder lies in a hidden file or folder (.git, editors' files, ...)."""
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _no_prepared(raw: str, files: list[Path]) -> None:
+    """ConfigError when the folder SRC ``raw`` holds a prepared dataset (a meta.json beside train/*.bin)."""
+    for f in files:
+        if f.name == "meta.json" and (f.parent / "train").is_dir():
+            raise ConfigError(f"SRC {raw} holds a prepared dataset, {f.parent}, whose shards and meta.json are no "
+                              f"text to read: move it out of {raw} (--out outside SRC), or name the files to read")
 
 
 def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
