@@ -154,7 +154,10 @@ def test_generate_bad_flags_fail_before_launching(tmp_path):
                          (["--max-new-tokens", "-5"], "error: --max-new-tokens -5: must be >= 0"),
                          (["--tp", "3"], "error: --tp 3 does not fit --model"),
                          (["--pp", "8"], "error: --pp 8: --model"),
-                         (["--prompt", ""], "error: --prompt '': no tokens")):  # was unnamed, from the decoder
+                         (["--prompt", ""], "error: --prompt '': no tokens"),  # was unnamed, from the decoder
+                         (["--top-k", "5"], "error: --top-k 5: greedy decoding (--temperature 0, the default) always "
+                                            "takes the most likely token, so it has no effect"),  # were ignored
+                         (["--seed", "0", "--top-k", "3"], "error: --top-k 3, --seed 0: greedy decoding")):
         res = CliRunner().invoke(app, ["generate", "--model", model, "--prompt", "hi", *args])
         assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
 

@@ -33,6 +33,7 @@ def register(app: typer.Typer) -> None:
 
 
 def generate_command(
+    ctx: typer.Context,
     model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
                                    "mistral, qwen2, qwen3, mixtral).")] = "plait-checkpoints",
     prompt: Annotated[list[str] | None, Opt(help="A prompt (repeatable: one batch).")] = None,
@@ -54,6 +55,7 @@ def generate_command(
         payload = {"model": model, "prompts": prompts, "max_new_tokens": max_new_tokens,
                    "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
         Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
+        _check_greedy(ctx, temperature, top_k)
         config, _, tok = source_config(model)
         check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
         _check_prompts(prompts, tok)
@@ -64,6 +66,19 @@ def generate_command(
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _check_greedy(ctx: typer.Context, temperature: float, top_k: int) -> None:
+    """ConfigError naming --top-k or --seed given with greedy decoding (--temperature 0), which reads neither."""
+    from plait.errors import ConfigError
+
+    source = ctx.get_parameter_source("seed")
+    given = [f"--top-k {top_k}"] if top_k else []
+    given += [f"--seed {ctx.params['seed']}"] if source is not None and source.name == "COMMANDLINE" else []
+    if temperature == 0 and given:
+        raise ConfigError(f"{', '.join(given)}: greedy decoding (--temperature 0, the default) always takes the most "
+                          f"likely token, so {'it has' if len(given) == 1 else 'they have'} no effect; add "
+                          "--temperature T (e.g. 0.8) to sample")
 
 
 def _check_prompts(prompts: list[str], tok) -> None:
