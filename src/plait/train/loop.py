@@ -65,6 +65,7 @@ class Run:
     params: int
     start: int = 0
     resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
+    resume_changes: list[str] = field(default_factory=list)  # "--flag saved -> now" of CONTINUED settings changed
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
     prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)
@@ -127,8 +128,25 @@ def resume(run: Run) -> None:
         return
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
+    run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
     if hasattr(run.opt, "steps"):
         run.opt.steps = run.start  # the LR schedule continues where it stopped
+
+
+#: the settings a resumed run continues from its checkpoint: the sample stream (plait.data.stream: the step's
+#: samples over windows of --seq-len, per --seed and --data) and the optimizer's trajectory (the LR schedule)
+CONTINUED = ("data", "seq_len", "batch_size", "seed", "lr", "warmup", "steps", "weight_decay", "clip")
+
+
+def changed_settings(saved: dict, cfg: TrainConfig) -> list[str]:
+    """``--flag saved -> now`` for each CONTINUED setting that differs from the run that saved ``saved``."""
+    now = cfg.to_dict()
+    return [f"--{k.replace('_', '-')} {_shown(saved[k])} -> {_shown(now[k])}" for k in CONTINUED
+            if k in saved and saved[k] != now[k]]
+
+
+def _shown(value) -> str:
+    return " ".join(value) or "(the standard library)" if isinstance(value, list) else str(value)
 
 
 def save(run: Run, step: int) -> str:

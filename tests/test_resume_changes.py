@@ -1,0 +1,36 @@
+"""A resumed run whose settings of the sample stream or the optimizer differ from the checkpoint's run says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from plait.train.config import TrainConfig
+from plait.train.loop import changed_settings
+
+RUN = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "1", "--microbatches", "1",
+       "--eval-every", "0", "--sample-tokens", "0", "--cluster", "none", "--data", "text", "--batch-size", "2"]
+
+
+def test_changed_settings_name_the_flags_with_both_values():
+    saved = TrainConfig(seq_len=32, data=["a"]).to_dict()
+    resharded = TrainConfig.from_dict({**saved, "tp": 1, "pp": 4, "resume": True})  # another layout reshards
+    assert changed_settings(saved, resharded) == []
+    assert changed_settings(saved, TrainConfig(seq_len=64, data=["a", "b"], seed=3, lr=1e-2)) == [
+        "--data a -> a b", "--seq-len 32 -> 64", "--seed 0 -> 3", "--lr 0.003 -> 0.01"]
+    assert changed_settings({**saved, "data": []}, TrainConfig(seq_len=32, data=["a"])) == [
+        "--data (the standard library) -> a"]
+
+
+def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path):
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some training text, repeated. " * 40)
+    first = subprocess.run([*RUN, "--steps", "1", "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=240)
+    assert first.returncode == 0, first.stderr
+    res = subprocess.run([*RUN, "--steps", "2", "--seq-len", "32", "--resume"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    out = " ".join(res.stdout.split())  # the console wraps lines
+    assert "resuming from plait-checkpoints/step_00000001 (step 1) note: --seq-len 16 -> 32, --steps 1 -> 2 since " \
+           "that checkpoint was saved: from here the batches or learning rates differ" in out, res.stdout
