@@ -25,9 +25,10 @@ def _in_process(*args: str) -> Result:
 
 def test_verify_json_passes_for_pp2_zb_h1_with_selective_recompute():
     proc = _plait("verify", "--tp", "1", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4",
-                  "--layers", "4", "--batch-size", "4", "--recompute", "selective", "--json")
+                  "--layers", "4", "--batch-size", "4", "--recompute", "selective", "--json", "--trace")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
+    assert "makespan: measured" in out["trace"] and "rank 1 |" in out["trace"]  # --trace was ignored with --json
     assert out["ok"] is True
     assert out["config"]["recompute"] == "selective"
     assert out["loss_rel"] <= 1e-5

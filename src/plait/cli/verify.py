@@ -36,7 +36,8 @@ def verify_command(
     seq_len: int = typer.Option(16, help="Sequence length."),
     experts: int = typer.Option(1, "--experts", help="Experts per MoE layer (1: dense feed-forward layers)."),
     top_k: int = typer.Option(1, "--top-k", help="Experts each token is routed to."),
-    show_trace: bool = typer.Option(False, "--trace", help="Also print the measured vs simulated timeline."),
+    show_trace: bool = typer.Option(False, "--trace", help="Also print the measured vs simulated timeline (with "
+                                                         "--json: its 'trace' key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     parallel: dict | None = None,
 ) -> None:
@@ -63,8 +64,8 @@ def verify_command(
     except LaunchError as exc:
         typer.echo(f"error: {str(exc).splitlines()[0]}", err=True)
         raise typer.Exit(1) from None
-    if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+    if as_json:  # --trace: the timeline as one more key
+        typer.echo(json.dumps({**result.to_dict(), **({"trace": result.trace_text} if show_trace else {})}, indent=2))
         raise typer.Exit(0 if result.ok else 1)
     console.print(result_table(result))
     if experts > 1:
