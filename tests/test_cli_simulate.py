@@ -72,7 +72,11 @@ def test_exports_and_csv_import(tmp_path):
         (["-s", "dualpipev", "-p", "4", "-m", "3"], "error: --microbatches 3: dualpipev needs at least 2 per "
                                                     "pipeline stage, 8 for 4 stages"),
         (["--rounds", "padded"], "error: --rounds 'padded': only interleaved-1f1b and zb-h1"),
-        (["--weight", "5"], "error: --weight 5.0: the weight-gradient part"),
+        (["-s", "zb-h1", "--weight", "5"], "error: --weight 5.0: the weight-gradient part"),
+        (["--weight", "0.5"], "error: --weight 0.5: 1f1b runs each backward whole (B)"),  # was silently ignored
+        (["--compare", "gpipe,1f1b", "--weight", "0.5"], "error: --weight 0.5: none of --compare gpipe,1f1b splits"),
+        (["--json", "--actions", "--width", "30"], "error: --actions, --width 30: not with --json"),
+        (["--csv", "/proc/x.csv"], "error: --csv /proc/x.csv: cannot write it ("),  # was [Errno 2] ..., no flag
         (["--p2p", "-1"], "error: --p2p -1.0: must be a finite number >= 0"),
         (["--compare", "1f1b,nope"], "error: --compare 1f1b,nope: unknown schedule 'nope'; valid names are gpipe"),
         # options the mode would not read are named, not silently ignored
@@ -116,3 +120,8 @@ def test_compare_json():
     assert [r["schedule"] for r in rows] == ["1f1b", "zbv", "dualpipev"]
     assert rows[0]["bubble_fraction"] == pytest.approx(3 / 7)
     assert rows[2]["error"].startswith("--microbatches 4: dualpipev needs at least 2 per pipeline stage, 8 for 4")
+
+
+def test_output_files_get_their_folders(tmp_path):
+    res = _run("-s", "zbv", "--csv", str(tmp_path / "new" / "zbv.csv"), "--trace", str(tmp_path / "t" / "zbv.json"))
+    assert res.exit_code == 0 and (tmp_path / "new" / "zbv.csv").is_file() and (tmp_path / "t" / "zbv.json").is_file()

@@ -92,6 +92,7 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
     for col in ("V", "makespan", "bubble", "idle/rank", "peak act. rank 0", "peak act. max"):
         table.add_column(col, justify="right")
     rows: list[dict] = []
+    split = False  # whether a listed schedule splits its backward (reads --weight)
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name.lower() not in _names():
             raise ConfigError(f"--compare {names}: unknown schedule {name!r}; valid names are {', '.join(_names())}")
@@ -106,14 +107,23 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
             table.add_row(name, "-", "-", "-", "-", "-", f"n/a: {why}")
             rows.append({"schedule": name, "error": why})
             continue
+        split = split or _splits_backward(sched)
         rows.append(r.to_dict())
         table.add_row(name, str(sched.virtual), f"{r.makespan:g}", f"{r.bubble_fraction:.1%}",
                       f"{sum(r.idle) / len(r.idle):.3g}", f"{r.peak_activations[0]:g}",
                       f"{max(r.peak_activations):g}")
+    if costs.weight is not None and not split:
+        raise ConfigError(f"--weight {costs.weight:g}: none of --compare {names} splits its backward into I and W, "
+                          "so no weight-gradient part is timed; add zb-h1, zbv or dualpipev, or leave --weight out")
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
     else:
         Console().print(table)
+
+
+def _splits_backward(schedule) -> bool:
+    """Whether ``schedule`` runs split backwards (I and W actions), whose W part --weight times."""
+    return any(a.kind == "W" for actions in schedule.actions for a in actions)
 
 
 def _names() -> tuple[str, ...]:
@@ -123,16 +133,23 @@ def _names() -> tuple[str, ...]:
 
 
 def _outputs(result, png: Path | None, trace: Path | None, csv_out: Path | None) -> list[str]:
+    """Write the files asked for (their folders made); ConfigError naming the flag of one that cannot be."""
+    from plait.errors import ConfigError
+
+    writers = (("--csv", csv_out, lambda p: result.schedule.to_csv(p), "PyTorch pipelining CSV {}"),
+               ("--trace", trace, lambda p: p.write_text(json.dumps(result.to_chrome_trace())),
+                "Chrome/Perfetto trace {} (open in ui.perfetto.dev)"),
+               ("--png", png, result.to_png, "{}"))
     notes = []
-    if csv_out is not None:
-        result.schedule.to_csv(csv_out)
-        notes.append(f"wrote PyTorch pipelining CSV {csv_out}")
-    if trace is not None:
-        trace.write_text(json.dumps(result.to_chrome_trace()))
-        notes.append(f"wrote Chrome/Perfetto trace {trace} (open in ui.perfetto.dev)")
-    if png is not None:
-        result.to_png(png)
-        notes.append(f"wrote {png}")
+    for flag, path, write, what in writers:
+        if path is None:
+            continue
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(path)
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot write it ({exc.strerror or exc})") from None
+        notes.append("wrote " + what.format(path))
     return notes
 
 
@@ -153,7 +170,7 @@ class SimulateOptions:
     backward: float = 2.0
     """Full backward time (I + W) per micro-batch and stage."""
     weight: float | None = None
-    """Weight-gradient part W of the backward (default backward/2)."""
+    """Weight-gradient part W of a split backward (zb-h1, zbv, dualpipev; default backward/2)."""
     p2p: float = 0.0
     """Latency added to a dependency from another rank."""
     rounds: str | None = None
@@ -196,6 +213,8 @@ def _check_unread(o: SimulateOptions, virtual_alias: int | None) -> None:
                                                        "from_csv"))):
         raise ConfigError(f"{said}: not with --compare, which simulates the schedules it lists and prints one table "
                           "of figures, no chart; simulate one schedule for these")
+    if o.as_json and (said := set_away(o, ("actions", "width"))):
+        raise ConfigError(f"{said}: not with --json, which prints the figures only (no chart, no action lists)")
     said = set_away(o, ("schedule", "stages", "microbatches", "virtual_stages", "rounds"))
     if o.from_csv is not None and (said or virtual_alias is not None):
         raise ConfigError(f"{said or '--virtual'}: not with --from-csv, whose file sets the schedule, its ranks, "
@@ -226,7 +245,12 @@ def simulate_command(
     try:
         if o.compare is not None:
             return _compare(o.compare, o.stages, o.microbatches, virtual, costs, o.as_json, o.rounds)
-        result = simulate(_build(o.schedule, o.stages, o.microbatches, virtual, o.from_csv, o.rounds), costs)
+        schedule = _build(o.schedule, o.stages, o.microbatches, virtual, o.from_csv, o.rounds)
+        if o.weight is not None and not _splits_backward(schedule):
+            raise ConfigError(f"--weight {o.weight:g}: {schedule.name} runs each backward whole (B), with no "
+                              "weight-gradient part W to time; only schedules that split it read --weight (zb-h1, "
+                              "zbv, dualpipev)")
+        result = simulate(schedule, costs)
         notes = _outputs(result, o.png, o.trace, o.csv)
     except (ConfigError, OSError) as exc:
         _fail(flag_message(exc))
