@@ -98,6 +98,7 @@ def _run(cfg) -> None:
     from plait.distributed.launch import JobError, launch, under_torchrun
     from plait.train import validate
     from plait.train.config import check_nproc, check_outputs, check_resume
+    from plait.train.preempt import SIGNALS as STOP_SIGNALS
 
     if under_torchrun():
         train_worker(cfg.to_dict())
@@ -117,7 +118,7 @@ def _run(cfg) -> None:
         return
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
-        launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world)
+        launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS)
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None

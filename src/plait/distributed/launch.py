@@ -298,7 +298,7 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
 
 class _ForwardSignal:
     """While active (main thread only), ``sig`` to this process goes to its worker processes instead; those
-    still alive ``STOP_TIMEOUT_S`` later are killed."""
+    still alive ``STOP_TIMEOUT_S`` later are killed, or at once on a second Ctrl-C (SIGINT)."""
 
     def __init__(self, sig: int):
         self.sig = sig
@@ -317,6 +317,9 @@ class _ForwardSignal:
             self.timer.cancel()
 
     def _forward(self, signum, frame) -> None:
+        if self.timer is not None and signum == signal.SIGINT:  # Ctrl-C again: no waiting for the step's end
+            _kill_children()
+            return
         for child in mp.active_children():
             if child.pid is not None:
                 os.kill(child.pid, signum)

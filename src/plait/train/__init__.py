@@ -20,8 +20,8 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predi
 
 
 def train_job(payload: dict, predictor: Predictor | None = None) -> dict:
-    """Worker entry of a training run: catch SIGTERM (stop at the next step with a checkpoint), validate against
-    the real world size, train, report on rank 0. ``predictor``: see ``plait.train.observe``."""
+    """Worker entry of a training run: catch SIGTERM and SIGINT (stop at the next step with a checkpoint),
+    validate against the real world size, train, report on rank 0. ``predictor``: see ``plait.train.observe``."""
     import os
     from dataclasses import asdict
 
@@ -29,7 +29,7 @@ def train_job(payload: dict, predictor: Predictor | None = None) -> dict:
     from plait.train.preempt import StopRequest
     from plait.train.report import Reporter
 
-    stop = StopRequest()  # catches SIGTERM from the first step on (plait.train.loop.train)
+    stop = StopRequest()  # catches SIGTERM and SIGINT from the first step on (plait.train.loop.train)
     cfg = TrainConfig.from_dict(payload)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if cfg.layout == "auto":

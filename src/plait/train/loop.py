@@ -47,7 +47,7 @@ class TrainResult:
     startup_s: float = 0.0
     params: int = 0
     checkpoint_blocked_s: list[float] = field(default_factory=list)  # per save in the loop: the loop's wait
-    stopped_at: int | None = None  # the step a stop signal (SIGTERM) ended the run at, with a checkpoint
+    stopped_at: int | None = None  # the step a stop signal (SIGTERM, SIGINT) ended the run at, with a checkpoint
     stop_signal: str | None = None
     memory: list[dict] = field(default_factory=list)  # per rank: memory_rows()
 

@@ -1,6 +1,6 @@
-"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job) stops training at the next step
-boundary with a checkpoint. Every rank agrees on that step with one tiny all-reduce per step, so no rank is
-left waiting in a collective that the others never join."""
+"""Preemption: SIGTERM (what SLURM and Kubernetes send before they kill a job), or Ctrl-C (SIGINT), stops
+training at the next step boundary with a checkpoint. Every rank agrees on that step with one tiny all-reduce
+per step, so no rank is left waiting in a collective that the others never join."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM,)
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequest:

@@ -1,0 +1,63 @@
+"""Ctrl-C to plait train: a checkpoint at the next step and exit code 0, as for SIGTERM; a second one stops the
+workers at once."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from plait.distributed.launch import _ForwardSignal
+
+PLAIT = [sys.executable, "-m", "plait.cli.main"]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
+    (tmp_path / "text.txt").write_text("some training text for an interrupted run. " * 200)
+    metrics = tmp_path / "m.jsonl"
+    flags = ["--tp", "1", "--pp", "2", "--steps", "1000", "--seq-len", "32", "--batch-size", "4", "--microbatches",
+             "2", "--sample-tokens", "0", "--eval-every", "0", "--cluster", "none", "--data", "text.txt"]
+    proc = subprocess.Popen(PLAIT + ["train", *flags, "--metrics", str(metrics)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends Ctrl-C: to every process of the job
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err  # was torch elastic's SignalException, exit 1
+    stopped = len(metrics.read_text().splitlines())
+    assert f"stopped by SIGINT after step {stopped}: checkpoint" in " ".join(out.split()), out
+    assert (tmp_path / "plait-checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
+
+
+def _wait_out_one_signal(ready) -> None:
+    """A worker that takes the first SIGINT as a request (its handler sets a flag) and goes on."""
+    signal.signal(signal.SIGINT, lambda *_: None)
+    ready.set()
+    time.sleep(60)
+
+
+def test_a_second_ctrl_c_stops_the_workers_at_once():
+    ready = mp.get_context("spawn").Event()
+    child = mp.get_context("spawn").Process(target=_wait_out_one_signal, args=(ready,), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60)
+        with _ForwardSignal(signal.SIGINT):
+            os.kill(os.getpid(), signal.SIGINT)  # forwarded: the worker goes on towards its step's end
+            child.join(0.5)
+            assert child.is_alive()
+            os.kill(os.getpid(), signal.SIGINT)
+            child.join(5)
+        assert not child.is_alive() and child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+
