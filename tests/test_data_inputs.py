@@ -63,3 +63,22 @@ def test_hidden_folders_and_prepared_datasets_in_a_source_folder_are_never_text(
     assert again.exit_code == 2 and again.stderr.startswith(  # was its own meta.json as a bad JSON line
         f"error: SRC {tmp_path / 'corpus'} holds a prepared dataset, {tmp_path / 'corpus' / 'prepared'}, whose "
         "shards and meta.json are no text"), again.output
+
+
+def test_prepare_without_a_terminal_prints_progress_lines(tmp_path, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import plait.data.report as report
+    import plait.data.sources as sources
+    from data_util import write_jsonl
+
+    monkeypatch.setattr(sources, "CHUNK", 256)  # tasks of ~256 bytes: several of them
+    monkeypatch.setattr(report, "LINE_EVERY_S", 0.0)
+    src = write_jsonl(tmp_path / "c.jsonl", [f"document {i} " * 8 for i in range(40)])
+    log = io.StringIO()  # a batch job's log: no live bar (there was no output at all until the summary)
+    prepare([str(src)], "bytes", tmp_path / "out", workers=1, console=Console(file=log, width=200))
+    lines = [ln for ln in log.getvalue().splitlines() if ln.startswith("prepare: ")]
+    assert len(lines) >= 3 and lines[0].startswith("prepare: 0.0 of 0.0 MB (") and "tokens" in lines[0], lines
+    assert "left" in lines[-1] and "(100%)" not in log.getvalue()

@@ -7,25 +7,44 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-class _Bar:
-    """Advances a rich progress bar by each finished task's input bytes; counts tokens for the rate."""
+#: without an interactive console (output to a file, a pipe, a batch job's log): a progress line this often
+LINE_EVERY_S = 30.0
 
-    def __init__(self, progress, task):
+
+class _Bar:
+    """Advances a rich progress bar by each finished task's input bytes and counts tokens for the rate; without
+    a bar, prints a line every LINE_EVERY_S seconds to ``console`` (when there is one)."""
+
+    def __init__(self, progress, task, console=None, total: int = 0):
         self.progress, self.task, self.tokens, self.t0 = progress, task, 0, time.perf_counter()
+        self.console, self.total, self.done, self.shown = console, total, 0, self.t0
 
     def advance(self, result) -> None:
         self.tokens += int(sum(n.sum() for n in result.lengths.values()))
-        if self.progress is None:
-            return
-        rate = self.tokens / max(1e-9, time.perf_counter() - self.t0)
-        self.progress.update(self.task, advance=result.nbytes, info=f"{self.tokens:,} tokens, {rate:,.0f} tokens/s")
+        self.done += result.nbytes
+        now = time.perf_counter()
+        rate = self.tokens / max(1e-9, now - self.t0)
+        if self.progress is not None:
+            self.progress.update(self.task, advance=result.nbytes, info=f"{self.tokens:,} tokens, {rate:,.0f} tokens/s")
+        elif self.console is not None and now - self.shown >= LINE_EVERY_S and self.done < self.total:
+            self.shown = now
+            speed = self.done / max(1e-9, now - self.t0)
+            left = (self.total - self.done) / max(speed, 1e-9)
+            self.console.print(f"prepare: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB "
+                               f"({self.done / max(1, self.total):.0%}), {self.tokens:,} tokens, "
+                               f"{speed / 1e6:,.1f} MB/s, about {_duration(left)} left")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else \
+        f"{seconds / 3600:.1f} h"
 
 
 @contextmanager
 def prepare_progress(console, total_bytes: int):
-    """A bar over the sources' bytes on an interactive console; silent otherwise."""
+    """A bar over the sources' bytes on an interactive console; otherwise a line every LINE_EVERY_S seconds."""
     if console is None or not console.is_terminal:
-        yield _Bar(None, None)
+        yield _Bar(None, None, console, total_bytes)
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
