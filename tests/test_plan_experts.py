@@ -170,16 +170,16 @@ def test_expert_capacity_counts_the_rows_a_gpu_s_experts_receive():
 
 
 def test_plan_says_how_it_counts_routing_and_takes_a_capacity(tmp_path):
-    """``plait plan`` of an MoE model says how routing is counted and takes ``--expert-capacity``: at 2 the best
-    layout (tp1 dp4 ep2) keeps more activations than at the default's balanced 1 (the JSON carries the figure);
-    0 is refused."""
+    """``plait plan`` of an MoE model says how routing is counted and takes ``--expert-capacity``: at 2 the
+    default's best layout (tp1 dp4 ep2) keeps more activations and takes longer (its busiest GPU's experts receive
+    twice the rows), so a layout without EP wins (the JSON carries the figures); 0 is refused."""
     import json
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 4,
                                "vocab_size": 512, "intermediate_size": 512, "num_local_experts": 4,
                                "num_experts_per_tok": 2, "max_position_embeddings": 512}))
-    base = ["plan", "--model", str(cfg), "--gpus", "4", "--global-batch", "8", "--top", "1"]
+    base = ["plan", "--model", str(cfg), "--gpus", "4", "--global-batch", "8", "--top", "40"]
     res = CliRunner().invoke(app, base)
     assert res.exit_code == 0, res.output
     assert "MoE routing:" in res.output and "1× balanced routing's rows" in " ".join(res.output.split())
@@ -189,8 +189,62 @@ def test_plan_says_how_it_counts_routing_and_takes_a_capacity(tmp_path):
         assert res.exit_code == 0, res.output
         out[c] = json.loads(res.output)
     assert (out["1"]["expert_capacity"], out["2"]["expert_capacity"]) == (1.0, 2.0)
-    one, two = (out[c]["best"][0] for c in ("1", "2"))
-    assert one["layout"] == two["layout"] and one["layout"]["ep"] == 2  # the same layout, with EP
+    one = out["1"]["best"][0]
+    two = next(p for p in out["2"]["best"] if p["layout"] == one["layout"])  # the same layout, with EP
+    assert one["layout"]["ep"] == 2 and out["2"]["best"][0]["layout"]["ep"] == 1
     assert two["memory"]["activations"] > 1.2 * one["memory"]["activations"]
+    assert two["step_time_s"] > 1.2 * one["step_time_s"]
     bad = CliRunner().invoke(app, [*base, "--expert-capacity", "0"])
     assert bad.exit_code == 2 and "expert_capacity: must be positive" in bad.output
+
+
+def test_the_busiest_gpu_s_expert_work_sets_the_step_time_under_ep():
+    """Mixtral 8x7B at tp1 dp8 ep8 on 8 H100s (one expert a GPU, T = 4,096 tokens a micro-batch, top-2): at
+    expert capacity 1.25 the busiest GPU's expert receives 1.25 × 8,192 = 10,240 rows. Its two GEMMs ([m, 2f] x
+    [h] and [m, h] x [f]) run 0.25 × 2·4,096·2·3·4,096·14,336 more FLOPs each pass and move 2·2,048 rows·(h + 2f +
+    f + h) more bf16 bytes; its dispatch and combine receive 1.25 times the 4,096·4,096·2 B·2 rows a GPU sends.
+    Forward, backward and the W pass grow by these (backward twice: data and weight gradients), plus the fused
+    element-wise traffic of its larger activation count; full recomputation redoes the larger forward. Dense
+    models, and MoE layouts without EP (where a GPU's experts take its own tokens' rows), stay where they were."""
+    from plait.plan.catalogue import LINK_EFFICIENCY
+    from plait.plan.gpu import gemm_speed
+    from plait.plan.memory import activation_bytes_per_layer
+    from plait.plan.model import PRESETS
+
+    mixtral = PRESETS["mixtral-8x7b"]
+    uneven = replace(mixtral, expert_capacity=1.25)
+    cluster = Cluster("h100-sxm", 8)
+    costs, gpu = cluster.costs, cluster.gpu
+    layout = Layout(dp=8, ep=8, recompute="selective")
+    one, more = (costs.blocks(m, layout, "bf16").layer for m in (mixtral, uneven))
+    flops = 0.25 * 2 * 4096 * 2 * 3 * 4096 * 14336
+    traffic = 2 * 2048 * (4096 + 2 * 14336 + 14336 + 4096)
+    assert more.w_compute - one.w_compute == pytest.approx(flops / gemm_speed(gpu) + traffic / gpu.memory_bandwidth)
+    kept = [activation_bytes_per_layer(m, layout) for m in (mixtral, uneven)]
+    elementwise = gpu.elementwise_traffic * (kept[1] - kept[0]) / gpu.memory_bandwidth
+    assert more.f_compute - one.f_compute == pytest.approx(more.w_compute - one.w_compute + elementwise)
+    assert more.b_compute - one.b_compute == pytest.approx(2 * (more.f_compute - one.f_compute))
+    a2a = 2 * 0.25 * 4096 * 4096 * 2 * 2 * 7 / 8 / (cluster.link(8).bandwidth * LINK_EFFICIENCY)
+    assert more.f_tp - one.f_tp == pytest.approx(a2a) and more.b_tp - one.b_tp == pytest.approx(a2a)
+    assert one.recompute == more.recompute  # flash attention's backward recomputes the scores itself
+    full = replace(layout, recompute="full")
+    one_full, more_full = (costs.blocks(m, full, "bf16").layer for m in (mixtral, uneven))
+    assert more_full.recompute - one_full.recompute == pytest.approx(
+        more_full.f_compute - one_full.f_compute + a2a)
+    assert ex.dispatch(uneven, layout, 100.0) == (250.0, 8)
+    dense = replace(mixtral, n_experts=1, top_k=1)
+    for m, lay in ((dense, Layout(dp=8)), (mixtral, Layout(dp=8, ep=1))):
+        assert costs.blocks(replace(m, expert_capacity=1.25), lay, "bf16") == costs.blocks(m, lay, "bf16")
+
+
+def test_the_host_model_charges_the_busiest_rank_s_experts():
+    """plait's eager runtime on a calibrated host (``plan.host.census.layer_work``): MOE at tp2·dp2·ep2 with
+    capacity 1.5 runs its three expert GEMMs (gate, up, down over F = T·top_k·f/t) and their SwiGLU kernels on
+    1.5 times the rows; attention's are unchanged."""
+    from plait.plan.host import census
+
+    layout = Layout(tp=2, dp=2, ep=2, microbatch_size=2)
+    one, more = (census.layer_work(census.local(m, layout), 2) for m in (MOE, replace(MOE, expert_capacity=1.5)))
+    assert more.gemms[:4] == one.gemms[:4]
+    assert [f for f, _ in more.gemms[4:]] == [1.5 * f for f, _ in one.gemms[4:]]
+    assert more.elem_bytes - one.elem_bytes == 0.5 * census.GLU_TRAFFIC * census.local(MOE, layout).f * 2

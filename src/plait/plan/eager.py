@@ -18,13 +18,16 @@ rstd, the loss's maxima and sums) are left out: under 1/h of their kernel's byte
 Shapes for one micro-batch on one GPU: T = micro-batch size · S/cp tokens; the norms and residuals run over the
 T/t tokens sequence parallelism leaves a rank (all T without it) of width h; q = heads/t · hd and kv = max(kv
 heads/t, 1) · hd are the query and key widths, f = ffn/t the MLP's, V/t the logits'. A mixture-of-experts layer's
-SwiGLU runs over the T·top_k routed tokens (its router and dispatch kernels are not counted).
+SwiGLU runs over the T·top_k routed tokens, on the busiest GPU of an EP group ``plan.experts.received`` times
+that (its router and dispatch kernels are not counted).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from plait.plan import experts
 
 if TYPE_CHECKING:
     from plait.plan.config import Layout
@@ -101,7 +104,7 @@ def widths(model: Model, layout: Layout) -> tuple[float, float, float, float, fl
     norm_tokens = tokens / t if layout.sequence_parallel else tokens
     q = model.n_heads / t * model.head_dim
     kv = max(model.kv_heads / t, 1.0) * model.head_dim
-    routed = tokens * model.top_k if model.is_moe else tokens
+    routed = tokens * model.top_k * experts.received(model, layout) if model.is_moe else tokens
     return norm_tokens * model.hidden, tokens * q, tokens * kv, routed * model.ffn / t, routed
 
 

@@ -69,26 +69,35 @@ def dp_group(layout: Layout) -> int:
 
 
 def gemms(model: Model, layout: Layout, tokens: float) -> tuple[tuple[float, float, float, float], ...]:
-    """The two forward expert GEMMs of one layer on one GPU, ``(m, n, k, count)`` as ``timing.layer_gemms``: each
-    of its E/ep experts on the rows routed to it, with balanced routing T·top_k·ep/E of the ``tokens`` a TP rank
-    dispatches (T/tp with whole experts, all T with split ones), at its full width f or its 1/tp."""
+    """The two forward expert GEMMs of one layer on the busiest GPU, ``(m, n, k, count)`` as
+    ``timing.layer_gemms``: each of its E/ep experts on the rows routed to it, ``received`` times balanced
+    routing's T·top_k·ep/E of the ``tokens`` a TP rank dispatches (T/tp with whole experts, all T with split
+    ones), at its full width f or its 1/tp."""
     t = layout.tp
     cut, share = (t, 1) if split(layout) else (1, t)
-    rows = tokens / share * model.top_k * layout.ep / model.n_experts
+    rows = tokens / share * model.top_k * layout.ep / model.n_experts * received(model, layout)
     experts = model.n_experts / layout.ep
     return ((rows, model.ffn * (2 if model.glu else 1) / cut, model.hidden, experts),
             (rows, model.hidden, model.ffn / cut, experts))
 
 
 def dispatch(model: Model, layout: Layout, act: float) -> tuple[float, int]:
-    """(bytes one GPU sends into the dispatch all-to-all, the consecutive ranks its EP group spans) for a
-    micro-batch whose hidden state is ``act`` bytes: its tokens' rows once per routed expert (whole experts:
-    its 1/tp of the tokens over ep consecutive ranks; split: all of them over ep ranks tp apart). The combine
-    sends the same back."""
+    """(bytes the busiest GPU of an EP group receives in the dispatch all-to-all, the consecutive ranks the group
+    spans) for a micro-batch whose hidden state is ``act`` bytes. With balanced routing every GPU receives what
+    it sends, its tokens' rows once per routed expert (whole experts: its 1/tp of the tokens over ep consecutive
+    ranks; split: all of them over ep ranks tp apart); the busiest receives ``received`` times that. The
+    combine sends the same back, and every rank of the group waits for the busiest in both."""
     t = layout.tp
     if split(layout):
-        return act * model.top_k, t * layout.ep
-    return act * model.top_k / t, layout.ep
+        return act * model.top_k * received(model, layout), t * layout.ep
+    return act * model.top_k / t * received(model, layout), layout.ep
+
+
+def excess_flops(model: Model, layout: Layout, tokens: float) -> float:
+    """Forward FLOPs of one layer's expert GEMMs on the busiest GPU beyond balanced routing's (which
+    ``timing.layer_forward_flops`` counts): ``received`` - 1 times its share, 2 FLOPs per expert weight for each of
+    the ``tokens``' top_k rows over tp (whole experts on 1/tp of the rows, or split ones on 1/tp of each)."""
+    return (received(model, layout) - 1) * 2 * tokens * model.top_k * model.mlp_params() / layout.tp
 
 
 def tp_gathers(layout: Layout) -> tuple[int, int]:
@@ -103,12 +112,19 @@ def tp_gathers(layout: Layout) -> tuple[int, int]:
 
 
 def received(model: Model, layout: Layout) -> float:
-    """The rows one GPU's experts receive, as a multiple of balanced routing's: ``Model.expert_capacity`` under
-    expert parallelism, at most ``ep`` (every row of the EP group); 1 without it, where a GPU's experts take
-    every row its tokens route whatever the routing. plait's runtime routes dropless unless the model sets a
-    capacity factor c (``LlamaConfig.capacity_factor``: an expert takes at most ceil(c·S·k/E) rows of a
+    """The rows the busiest GPU's experts receive, as a multiple of balanced routing's: ``Model.expert_capacity``
+    under expert parallelism, at most ``ep`` (every row of the EP group); 1 without it, where a GPU's experts
+    take every row its tokens route whatever the routing. plait's runtime routes dropless unless the model sets
+    a capacity factor c (``LlamaConfig.capacity_factor``: an expert takes at most ceil(c·S·k/E) rows of a
     sequence), so a real step's busiest GPU keeps what this counts at 1 only when routing is balanced; c bounds
-    it where an EP group dispatches whole sequences (ep a multiple of tp with whole experts)."""
+    it where an EP group dispatches whole sequences (ep a multiple of tp with whole experts).
+
+    The planner charges it to memory (activations) and to time. An expert's capacity is c times its balanced
+    share of a group's tokens (GShard, Lepikhin et al. 2020: 2S/E for a group of S tokens at top-2, tokens over
+    it skipping the layer; Switch Transformer, Fedus et al. 2021, §2.2: tokens per batch / experts × capacity
+    factor). The combine all-to-all waits for every rank of the EP group, so the group's step runs at its
+    busiest GPU's pace: its expert GEMMs (``gemms``, ``excess_flops``: forward, backward and their
+    recomputation) and the all-to-all bytes it receives (``dispatch``) scale with this."""
     if not model.is_moe or layout.ep == 1:
         return 1.0
     return min(model.expert_capacity, float(layout.ep))
@@ -116,6 +132,7 @@ def received(model: Model, layout: Layout) -> float:
 
 def routing_note(model: Model) -> str:
     """One line for a plan of an MoE ``model``: how its routing is counted."""
-    return (f"MoE routing: under expert parallelism each GPU's experts are counted to receive "
-            f"{model.expert_capacity:g}× balanced routing's rows (activation memory; --expert-capacity); plait routes "
-            "dropless, so a step whose routing is uneven keeps more; step times are costed at balanced routing")
+    return (f"MoE routing: under expert parallelism the busiest GPU's experts are counted to receive "
+            f"{model.expert_capacity:g}× balanced routing's rows (--expert-capacity), in its activation memory and "
+            "in the step time (its expert GEMMs and all-to-all bytes: the EP group waits for it); plait routes "
+            "dropless, so a step whose routing is more uneven keeps and takes more")

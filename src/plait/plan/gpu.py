@@ -286,10 +286,11 @@ class GpuCosts:
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0]) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus its GEMMs' and element-wise kernels' HBM traffic, its TP
         collectives (what of them ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs:
-        ``_tp_overlapped``) and what recomputation redoes; the head: its FLOPs and its GEMM's traffic. The
-        embedding's lookup is free. The attention core runs as ``_attention_core`` times it; with fused flash
-        attention its backward recomputes the scores (so selective recomputation redoes nothing more) and its s×s
-        scores never reach HBM. ``elementwise`` (``Training.elementwise``): "fused", the fitted
+        ``_tp_overlapped``) and what recomputation redoes, on the busiest GPU of an EP group (its experts'
+        GEMMs and all-to-all bytes at ``experts.received`` times balanced routing's); the head: its FLOPs and its
+        GEMM's traffic. The embedding's lookup is free. The attention core runs as ``_attention_core`` times it;
+        with fused flash attention its backward recomputes the scores (so selective recomputation redoes nothing
+        more) and its s×s scores never reach HBM. ``elementwise`` (``Training.elementwise``): "fused", the fitted
         ``elementwise_traffic`` per forward and twice it per backward; "plait-eager", plait's own kernels of the
         layer and of the head and loss counted by ``plan.eager`` (the unfused core's softmax over the scores keeps
         the fitted term), and the backward's all-gathers of the SP regions' inputs again (``census.Local.regathers``:
@@ -297,7 +298,7 @@ class GpuCosts:
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
-        flops = layer_forward_flops(model, tokens, model.seq_len) / t
+        flops = layer_forward_flops(model, tokens, model.seq_len) / t + experts.excess_flops(model, layout, tokens)
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
         tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None)
         core, core_b = self._attention_core(model, layout, attention)

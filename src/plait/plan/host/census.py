@@ -20,7 +20,8 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
   so every layer and micro-batch of a step saves the same two tensors;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
 * a mixture-of-experts layer: its experts as SwiGLU at ``F = T·top_k·f/t``, and its router, token dispatch and
-  combine (``plan.host.experts``, balanced routing);
+  combine (``plan.host.experts``), the experts' rows, their GEMMs and SwiGLU kernels at ``Local.received`` times
+  balanced routing's (the busiest rank of an EP group, which the others wait for);
 * head: the final norm's three tensors, the softmax of the vocabulary-parallel loss ``T·V/t`` (float32);
 * selective recomputation (the attention core under a checkpoint) drops the log-sum-exp;
 * context parallelism (plait.context_parallel, over ``cp`` ranks; ``T`` a rank's S/cp tokens): its core
@@ -208,11 +209,12 @@ def _gemm(m: float, n: float, k: float) -> tuple[float, float]:
 
 def layer_work(sh: Local, dtype_bytes: int) -> Work:
     t, h = sh.tokens, sh.hidden
-    q, kv, f = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim, sh.ffn
+    q, kv = sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim
+    f = sh.ffn * sh.received  # an MoE layer's experts on the rows its busiest rank receives
     gemms = (_gemm(t, q, h), _gemm(t, kv, h), _gemm(t, kv, h), _gemm(t, h, q), _gemm(t, f, h), _gemm(t, f, h),
              _gemm(t, h, f))
     traffic = 2 * NORM_TRAFFIC * sh.n_local + 2 * RESIDUAL_TRAFFIC * sh.n_local + ROPE_TRAFFIC * (sh.q + sh.k)
-    traffic += GLU_TRAFFIC * sh.f
+    traffic += GLU_TRAFFIC * sh.f * sh.received
     ops: float = 2 * NORM_OPS + 2 * RESIDUAL_OPS + 2 * ROPE_OPS + GLU_OPS + 7 * LINEAR_OPS + 1  # + SDPA
     ops += 12 * VIEW_OPS  # q/k/v view + transpose, rotate_half's chunks, output transpose + reshape
     if sh.tp > 1:  # the all-reduce's copy (or SP's gather / reduce-scatter buffers), in and out of 2 regions

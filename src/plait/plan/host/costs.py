@@ -142,8 +142,9 @@ class HostCosts:
     def _expert_exchanges(self, model: Model, layout: Layout, n_bytes: float) -> tuple[float, float]:
         """(forward, backward) seconds of an MoE layer's all-to-alls over its EP group as measured
         (``plait.experts.dispatch``): forward the per-expert counts (E int64), the token rows out and the results
-        back; backward the two row exchanges reversed. Rows of balanced routing (``plan.experts.dispatch``: a
-        rank's dispatched tokens once per routed expert). Its TP collectives are costed as the dense MLP's."""
+        back; backward the two row exchanges reversed. The rows the busiest rank receives (``plan.experts.dispatch``:
+        a rank's dispatched tokens once per routed expert, times ``plan.experts.received``), which the group waits
+        for. Its TP collectives are costed as the dense MLP's."""
         ep = layout.ep
         if not model.is_moe or ep <= 1:
             return 0.0, 0.0
