@@ -229,8 +229,9 @@ class PlanOptions:
     plan_only: bool = False
     """also consider what only the planner models (ZeRO-3 with a pipeline), marked plan-only"""
     expert_capacity: float | None = None
-    """MoE: the rows a GPU's experts are counted to receive, times balanced routing's (a capacity factor; default:
-    the model's capacity_factor, else 1, balanced); plait routes dropless, so uneven routing keeps more"""
+    """MoE: the rows the busiest GPU's experts are counted to receive, in memory and step time, times balanced
+    routing's (a capacity factor; default: the model's capacity_factor, else 1, balanced); plait routes dropless,
+    so uneven routing keeps and takes more"""
     write_config: Path | None = None
     """write the best layout as a `plait train --config` TOML file"""
 
