@@ -6,7 +6,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-
 #: without an interactive console (output to a file, a pipe, a batch job's log): a progress line this often
 LINE_EVERY_S = 30.0
 
