@@ -151,8 +151,13 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: --tp 3 does not fit --model"), res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--port", "70000"])
     assert res.exit_code == 2 and "--port 70000: must be a TCP port within [1, 65535]" in res.output, res.output
-    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--step-timeout", "1"])
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--step-timeout", "1", "--pp", "2"])
     assert res.exit_code == 2 and "--step-timeout 1.0 must be >= 2 seconds" in res.output, res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--step-timeout", "30"])  # was ignored
+    assert res.exit_code == 2 and res.output.startswith("error: --step-timeout 30: one process (--tp 1 --pp 1) "
+                                                        "waits for no other rank"), res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-reserve", "--prefix-cache"])
+    assert res.exit_code == 2 and res.output.startswith("error: --prefix-cache: not with --kv-reserve"), res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--log-level", "loud"])
     assert res.exit_code == 2 and "--log-level loud: choose debug, info, warning or error" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "{% for m in messages %}"])

@@ -48,6 +48,7 @@ def register(app: typer.Typer) -> None:
 
 
 def serve_command(
+    ctx: typer.Context,
     api_key: Annotated[str | None, Opt(help="Require \"Authorization: Bearer KEY\" on /v1 routes (else 401).",
                                        envvar="PLAIT_API_KEY")] = None,
     layout: dict | None = None,
@@ -66,6 +67,7 @@ def serve_command(
         par = ParallelConfig(**(layout or {}))
         cfg = ServeConfig(**(settings or {}))
         cfg.check_batch()
+        _check_unread(ctx, cfg, par.tp * par.pp)
         model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
         check_layout(cfg.model, model_cfg, par.tp, par.pp)
         cfg = cfg.resolved(model_cfg.max_seq_len)
@@ -87,3 +89,20 @@ def serve_command(
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _check_unread(ctx: typer.Context, cfg, world: int) -> None:
+    """ConfigError naming an option typed that this server would not read: --step-timeout with one process
+    (no other rank to wait for), --prefix-cache with --kv-reserve (reserved blocks are never shared)."""
+    from plait.errors import ConfigError
+
+    def typed(name: str) -> bool:
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    if world == 1 and typed("step_timeout"):
+        raise ConfigError(f"--step-timeout {cfg.step_timeout:g}: one process (--tp 1 --pp 1) waits for no other "
+                          "rank; leave it out, or split the model with --tp/--pp")
+    if cfg.kv_reserve and cfg.prefix_cache and typed("prefix_cache"):
+        raise ConfigError("--prefix-cache: not with --kv-reserve, which reserves each sequence's own blocks up "
+                          "front and shares none; drop one of them")
