@@ -250,6 +250,9 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError(f"--max-data-mb {cfg.max_data_mb}: must be > 0 (million tokens of plain text to read)")
     if cfg.layout not in ("flags", "auto"):
         raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
+    if cfg.resume and cfg.auto_resume:
+        raise ConfigError("--resume, --auto-resume: choose one (--resume needs a checkpoint; --auto-resume starts "
+                          "fresh when there is none)")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
     if not cfg.lr > 0:
