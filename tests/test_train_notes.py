@@ -1,4 +1,5 @@
-"""A resumed run whose settings of the sample stream or the optimizer differ from the checkpoint's run says so."""
+"""What plait train says of what it does not do as asked: a resumed run whose settings of the sample stream or the
+optimizer differ from the checkpoint's run, a sample that a layout splitting the sequence cannot draw."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path)
     out = " ".join(res.stdout.split())  # the console wraps lines
     assert "resuming from plait-checkpoints/step_00000001 (step 1) note: --seq-len 16 -> 32, --steps 1 -> 2 since " \
            "that checkpoint was saved: from here the batches or learning rates differ" in out, res.stdout
+
+
+def test_a_layout_splitting_the_sequence_says_why_there_is_no_sample(tmp_path):
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some training text, repeated. " * 40)
+    res = subprocess.run([*RUN, "--tp", "2", "--sequence-parallel", "--steps", "1", "--seq-len", "16",
+                          "--sample-tokens", "20"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert "no sample: --sequence-parallel splits each sequence, which decoding one token at a time cannot; plait " \
+           "generate --model plait-checkpoints/step_00000001 samples the model" in " ".join(res.stdout.split())

@@ -140,6 +140,11 @@ class Reporter:
             from rich.text import Text
 
             self.console.print(Panel(Text(res.sample), title="sample (temperature 0.8, top-k 20)", expand=False))
+        elif res.stopped_at is None and self.cfg.sample_tokens > 0:  # the layout shards the sequence
+            par = self.cfg.parallel
+            split = "--sequence-parallel" if par.sequence_parallel else f"--cp {par.cp}"
+            self.console.print(f"no sample: {split} splits each sequence, which decoding one token at a time "
+                               f"cannot; plait generate --model {res.checkpoint} samples the model")
 
 
 def layout_text(p: ParallelConfig) -> str:
