@@ -118,7 +118,10 @@ def test_topo_from_file(tmp_path):
     assert r.exit_code == 0 and "tp=4" in r.output
     f.write_text("nothing here")
     r = runner.invoke(app, ["topo", "--file", str(f)])
-    assert r.exit_code == 2 and "error:" in r.output
+    assert r.exit_code == 2 and r.output.startswith(f"error: --file {f}: no 'GPU0 GPU1 ...' header"), r.output
+    f.write_bytes(b"\xff\xfe\x00binary")  # was a UnicodeDecodeError traceback
+    r = runner.invoke(app, ["topo", "--file", str(f)])
+    assert r.exit_code == 2 and r.output.startswith(f"error: --file {f}: not text"), r.output
 
 
 def test_topo_missing_file_is_an_error_naming_the_flag(tmp_path):

@@ -361,13 +361,19 @@ def topo(options: dict[str, Any]) -> None:
     o = TopoOptions(**options)
     if o.file is not None and not o.file.is_file():
         _fail(f"--file {o.file}: no such file (save one with `nvidia-smi topo -m > {o.file}`)")
-    text = o.file.read_text() if o.file is not None else read_topo()
+    try:
+        text = o.file.read_text() if o.file is not None else read_topo()
+    except UnicodeDecodeError:
+        _fail(f"--file {o.file}: not text, so not the output of `nvidia-smi topo -m`")
     if text is None:
         typer.echo("nvidia-smi not found (no NVIDIA GPU here): nothing to read. "
                    "Pass --file with a saved `nvidia-smi topo -m` output.")
         raise typer.Exit(0)
     try:
         t = parse_topo(text)
+    except ValueError as exc:  # says what the text lacks: name where it came from
+        _fail(f"--file {o.file}: {exc}" if o.file is not None else f"nvidia-smi topo -m: {exc}")
+    try:
         gpu = o.gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
         res = serving_advice(t, _model(o.model, None), gpu, Workload(o.batch, o.prompt_len, o.gen_len), o.weights)
     except (ValueError, ConfigError) as exc:
