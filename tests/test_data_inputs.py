@@ -82,3 +82,18 @@ def test_prepare_without_a_terminal_prints_progress_lines(tmp_path, monkeypatch)
     lines = [ln for ln in log.getvalue().splitlines() if ln.startswith("prepare: ")]
     assert len(lines) >= 3 and lines[0].startswith("prepare: 0.0 of 0.0 MB (") and "tokens" in lines[0], lines
     assert "left" in lines[-1] and "(100%)" not in log.getvalue()
+
+
+def test_force_replaces_only_a_prepared_dataset_never_other_files(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("precious text " * 20)
+    (tmp_path / "mine" / "other").mkdir(parents=True)
+    (tmp_path / "mine" / "other" / "notes.txt").write_text("keep")
+    for out in ("corpus", "mine"):  # each was deleted, the source corpus itself included
+        res = _prepare(str(tmp_path / "corpus"), "--out", str(tmp_path / out), "--force")
+        assert res.exit_code == 2 and res.stderr.startswith(
+            f"error: --out {tmp_path / out} --force: {tmp_path / out} is not a prepared dataset"), res.output
+    assert (tmp_path / "corpus" / "a.txt").is_file() and (tmp_path / "mine" / "other" / "notes.txt").is_file()
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # an empty folder, then the prepared dataset made there
+        assert _prepare(str(tmp_path / "corpus"), "--out", str(tmp_path / "empty"), "--force").exit_code == 0

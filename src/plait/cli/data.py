@@ -52,8 +52,8 @@ def prepare_command(
                                         "0 for bytes).")] = None,
     skip_bad: Annotated[bool, Opt(help="Skip records without a usable text field and count them, instead of "
                                        "stopping at the first.")] = False,
-    force: Annotated[bool, Opt(help="Replace --out if it exists (the old dataset stays until the new one is "
-                                    "complete).")] = False,
+    force: Annotated[bool, Opt(help="Replace --out if it is a prepared dataset (or an empty folder; any other "
+                                    "folder is refused): the old one stays until the new one is complete.")] = False,
     chat: Annotated[bool, Opt("--chat", help="Records are conversations: render --messages-field with the chat "
                                              "template and train on the assistant's tokens.")] = False,
     messages_field: Annotated[str, Opt(help="With --chat: the field (column) holding the list of messages.")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from plait.data.chat import ChatSpec, Spans
-from plait.data.format import SPLITS, dtype_for, write_meta
+from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
 from plait.data.sources import BadRecord, Source, Task, discover, read_task, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
 from plait.errors import ConfigError, check_output_path
@@ -134,6 +134,9 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     if out.exists() and not force:
         raise ConfigError(f"--out {out} exists; choose another folder or pass --force to replace it")
     check_output_path("--out", str(out), folder=True)
+    if out.exists() and not (is_prepared(out) or out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"--out {out} --force: {out} is not a prepared dataset (no meta.json), and --force replaces "
+                          "only a prepared dataset or an empty folder, never other files; choose another --out")
     spec = TokenizerSpec(tokenizer)
     tok = spec.load()
     found = discover(sources)
