@@ -77,3 +77,19 @@ def test_a_byte_level_export_refuses_a_folder_holding_another_tokenizer(trained,
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(app, ["export", "ckpt", "other"])
     assert res.exit_code == 2 and "OUT other holds a tokenizer.json, but the model reads UTF-8 bytes" in res.stderr
+
+
+def test_export_refuses_a_folder_holding_other_weights(trained, tmp_path, monkeypatch):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old shard")  # a sharded checkpoint exported over
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    monkeypatch.chdir(trained)
+    res = CliRunner().invoke(app, ["export", "ckpt", str(out)])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: {out}: holds other weights (model-00001-of-00002"
+                                                        ".safetensors, model.safetensors.index.json)"), res.output
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors",
+                                                     "model.safetensors.index.json"]  # nothing written
+    again = CliRunner().invoke(app, ["export", "ckpt", str(tmp_path / "fresh")])
+    assert again.exit_code == 0
+    assert CliRunner().invoke(app, ["export", "ckpt", str(tmp_path / "fresh")]).exit_code == 0  # its own export

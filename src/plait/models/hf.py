@@ -148,6 +148,12 @@ def save_state_dict_pretrained(family: DecoderFamily, cfg, state: dict[str, torc
 
     meta = config_to_hf(cfg, family)  # fails (ConfigError) before anything is written
     out = Path(path)
+    others = sorted(f.name for f in out.glob("*") if f.name != WEIGHTS_NAME and (
+        f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")))
+    if others:  # an index would send readers to its shards: the old weights, not these
+        raise ConfigError(f"{out}: holds other weights ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}), "
+                          f"which a reader would take instead of (or beside) the {WEIGHTS_NAME} written here; write "
+                          "to a folder without them")
     out.mkdir(parents=True, exist_ok=True)
     tensors = {family.hf_name(k): v.detach().contiguous().cpu() for k, v in state.items()
                if not (cfg.tie_embeddings and k == "lm_head.weight")}
