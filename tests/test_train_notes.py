@@ -45,3 +45,17 @@ def test_a_layout_splitting_the_sequence_says_why_there_is_no_sample(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "no sample: --sequence-parallel splits each sequence, which decoding one token at a time cannot; plait " \
            "generate --model plait-checkpoints/step_00000001 samples the model" in " ".join(res.stdout.split())
+
+
+def test_a_checkpoint_given_as_model_says_how_to_use_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from plait.checkpoint.writer import FORMAT, META
+    from plait.cli.main import app
+
+    (tmp_path / "ck" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "ck" / "step_00000004" / META).write_text(f'{{"format": "{FORMAT}", "step": 4}}')
+    res = CliRunner().invoke(app, ["train", "--model", str(tmp_path / "ck"), "--dry-run", "--cluster", "none"])
+    assert res.exit_code == 2 and res.stderr.startswith(  # was 'not a preset (tiny, small) nor a Hugging Face folder'
+        f"error: --model '{tmp_path / 'ck'}' is a plait checkpoint: continue its run with --resume --checkpoint-dir "
+        f"{tmp_path / 'ck'}, or start a new run from its weights with `plait export {tmp_path / 'ck'} DIR`"), res.output

@@ -218,6 +218,12 @@ def model_config(cfg: TrainConfig):
         from plait.models.hf import config_from_hf, read_config
 
         return config_from_hf(read_config(path))
+    from plait.checkpoint import find_checkpoint
+
+    if path.is_dir() and find_checkpoint(path) is not None:
+        raise ConfigError(f"--model {cfg.model!r} is a plait checkpoint: continue its run with --resume "
+                          f"--checkpoint-dir {cfg.model}, or start a new run from its weights with `plait export "
+                          f"{cfg.model} DIR` and --model DIR")
     raise ConfigError(f"--model {cfg.model!r}: not a preset ({', '.join(PRESETS)}) nor a Hugging Face folder "
                       "with a config.json")
 
