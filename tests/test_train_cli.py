@@ -158,7 +158,10 @@ def test_generate_bad_flags_fail_before_launching(tmp_path):
                          (["--prompt", ""], "error: --prompt '': no tokens"),  # was unnamed, from the decoder
                          (["--top-k", "5"], "error: --top-k 5: greedy decoding (--temperature 0, the default) always "
                                             "takes the most likely token, so it has no effect"),  # were ignored
-                         (["--seed", "0", "--top-k", "3"], "error: --top-k 3, --seed 0: greedy decoding")):
+                         (["--seed", "0", "--top-k", "3"], "error: --top-k 3, --seed 0: greedy decoding"),
+                         (["--max-new-tokens", "1000"], "error: --max-new-tokens 1000: --prompt 'hi' is 2 tokens, "
+                                                        "and 2 + 1000 exceeds the model's 128 positions; give at "
+                                                        "most --max-new-tokens 126")):  # named no flag, launched
         res = CliRunner().invoke(app, ["generate", "--model", model, "--prompt", "hi", *args])
         assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
 

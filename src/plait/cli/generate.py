@@ -58,7 +58,7 @@ def generate_command(
         _check_greedy(ctx, temperature, top_k)
         config, _, tok = source_config(model)
         check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
-        _check_prompts(prompts, tok)
+        _check_prompts(prompts, tok, max_new_tokens, config.max_seq_len)
         run_or_launch("plait.generation.job:generate_job", payload, par.tp * par.pp)
     except ConfigError as exc:
         typer.echo(f"error: {flag_message(exc)}", err=True)
@@ -81,15 +81,22 @@ def _check_greedy(ctx: typer.Context, temperature: float, top_k: int) -> None:
                           "--temperature T (e.g. 0.8) to sample")
 
 
-def _check_prompts(prompts: list[str], tok) -> None:
-    """ConfigError naming a --prompt the model's tokenizer (bytes when the folder has none) turns into no tokens."""
+def _check_prompts(prompts: list[str], tok, max_new_tokens: int, max_seq_len: int) -> None:
+    """ConfigError naming a --prompt the model's tokenizer (bytes when the folder has none) turns into no tokens,
+    or that with --max-new-tokens outgrows the model's context."""
     from plait.errors import ConfigError
     from plait.tokenizers import ByteTokenizer
 
     for p in prompts:
-        if not (tok or ByteTokenizer()).encode(p):
+        n = len((tok or ByteTokenizer()).encode(p))
+        if not n:
             raise ConfigError(f"--prompt {p!r}: no tokens (the model continues a prompt of at least one); give "
                               "some text")
+        if n + max_new_tokens > max_seq_len:
+            shown = p if len(p) <= 40 else p[:37] + "..."
+            raise ConfigError(f"--max-new-tokens {max_new_tokens}: --prompt {shown!r} is {n} tokens, and {n} + "
+                              f"{max_new_tokens} exceeds the model's {max_seq_len} positions; give at most "
+                              f"--max-new-tokens {max(0, max_seq_len - n)}")
 
 
 def export_command(
