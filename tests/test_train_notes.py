@@ -59,3 +59,20 @@ def test_a_checkpoint_given_as_model_says_how_to_use_it(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith(  # was 'not a preset (tiny, small) nor a Hugging Face folder'
         f"error: --model '{tmp_path / 'ck'}' is a plait checkpoint: continue its run with --resume --checkpoint-dir "
         f"{tmp_path / 'ck'}, or start a new run from its weights with `plait export {tmp_path / 'ck'} DIR`"), res.output
+
+
+def test_max_data_mb_with_only_prepared_datasets_is_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+    from plait.data import prepare
+
+    (tmp_path / "a.txt").write_text("some training text, repeated. " * 40)
+    prepare([str(tmp_path / "a.txt")], "bytes", tmp_path / "d", workers=1, held_out=0.0)
+    flags = ["train", "--data", f"1:{tmp_path / 'd'}", "--dry-run", "--cluster", "none"]
+    res = CliRunner().invoke(app, [*flags, "--max-data-mb", "2"])  # was silently ignored
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "error: --max-data-mb 2: it limits the plain text tokenized at start-up, but every --data is a prepared "
+        "dataset"), res.output
+    mixed = CliRunner().invoke(app, [*flags, "--data", str(tmp_path / "a.txt"), "--max-data-mb", "2"])
+    assert "--max-data-mb" not in mixed.output, mixed.output  # read for the plain text

@@ -83,7 +83,17 @@ def _resolve(ctx: typer.Context, config: Path | None, options: dict):
         raise ConfigError(f"{', '.join(chosen)}: --layout auto chooses the whole layout (all but --precision); drop "
                           f"{'it' if len(chosen) == 1 else 'them'}, or keep {'it' if len(chosen) == 1 else 'them'} "
                           "with --layout flags")
+    if "max_data_mb" in given and values["data"] and all(_prepared(e) for e in values["data"]):
+        raise ConfigError(f"--max-data-mb {values['max_data_mb']:g}: it limits the plain text tokenized at start-up, "
+                          "but every --data is a prepared dataset (read whole, memory-mapped); leave it out")
     return TrainConfig.from_dict(values)
+
+
+def _prepared(entry: str) -> bool:
+    from plait.data import is_prepared
+    from plait.data.stream import parse_entry
+
+    return is_prepared(parse_entry(entry)[1])
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
