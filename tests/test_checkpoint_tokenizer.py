@@ -93,3 +93,16 @@ def test_export_refuses_a_folder_holding_other_weights(trained, tmp_path, monkey
     again = CliRunner().invoke(app, ["export", "ckpt", str(tmp_path / "fresh")])
     assert again.exit_code == 0
     assert CliRunner().invoke(app, ["export", "ckpt", str(tmp_path / "fresh")]).exit_code == 0  # its own export
+
+
+def test_a_folder_whose_weights_do_not_match_its_config_is_one_error_line(tmp_path):
+    torch.manual_seed(0)
+    Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=32)).save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "head_dim": 32}))
+    train = ["train", "--tp", "1", "--pp", "1", "--microbatches", "1", "--seq-len", "16"]
+    for command in (["generate"], ["serve"], train):
+        res = CliRunner().invoke(app, [*command, "--model", str(tmp_path / "m")])  # was a load_state_dict traceback
+        assert res.exit_code == 2 and res.output.startswith(
+            f"error: {tmp_path / 'm'}: model.embed_tokens.weight is [256, 32] in its safetensors files, but its "
+            "config.json makes it [256, 64]"), (command, res.output)

@@ -22,6 +22,7 @@ def source_config(source: str):
         raise ConfigError(f"--model {source}: no such folder")
     if (path / "config.json").is_file():
         weights = HFWeights(path)
+        weights.check_shapes()
         return weights.config, lambda: weights, tokenizer_for(source)
     ckpt = find_checkpoint(path)
     if ckpt is None:

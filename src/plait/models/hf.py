@@ -125,6 +125,18 @@ class HFWeights:
         return sl[index]
 
 
+    def check_shapes(self) -> None:
+        """ConfigError naming the first tensor whose shape in the safetensors files is not the one config.json
+        gives it (a folder whose weights belong to another model): read from the files' headers only."""
+        with torch.device("meta"):
+            model = self.family.model_class(self.config)
+        for key, tensor in model.state_dict().items():
+            got = self.shape(key)
+            if got != list(tensor.shape):
+                raise ConfigError(f"{self.path}: {self._resolve(key)} is {got} in its safetensors files, but its "
+                                  f"config.json makes it {list(tensor.shape)}: the two describe different models")
+
+
 def _names(file: Path) -> list[str]:
     from safetensors import safe_open
 

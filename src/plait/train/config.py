@@ -379,6 +379,10 @@ def _validate_model(cfg: TrainConfig) -> None:
             raise ConfigError(f"--ep {par.ep}: must divide the {mcfg.n_experts} experts of --model {cfg.model}; "
                               f"valid: {divisors(mcfg.n_experts)}") from None
     _check_tokenizer(cfg.model, mcfg.vocab_size)
+    if cfg.model not in PRESETS:
+        from plait.models.hf import HFWeights
+
+        HFWeights(cfg.model).check_shapes()
 
 
 def _check_tokenizer(model: str, vocab_size: int) -> None:
