@@ -97,3 +97,14 @@ def test_force_replaces_only_a_prepared_dataset_never_other_files(tmp_path):
     (tmp_path / "empty").mkdir()
     for _ in range(2):  # an empty folder, then the prepared dataset made there
         assert _prepare(str(tmp_path / "corpus"), "--out", str(tmp_path / "empty"), "--force").exit_code == 0
+
+
+def test_a_json_array_file_is_named_with_the_command_that_converts_it(tmp_path):
+    import json
+
+    (tmp_path / "arr.json").write_text(json.dumps([{"text": f"doc {i}"} for i in range(5)], indent=2))
+    res = _prepare(str(tmp_path / "arr.json"), "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2 and res.stderr.startswith(  # was 'arr.json:1: not valid JSON ... pass --skip-bad'
+        f"error: SRC {tmp_path / 'arr.json'}: one JSON array, but .json/.jsonl/.ndjson files are read as JSON lines "
+        f"(one object per line); convert it first: jq -c '.[]' {tmp_path / 'arr.json'} > {tmp_path / 'arr.jsonl'}"), \
+        res.output

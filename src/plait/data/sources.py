@@ -114,6 +114,7 @@ def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
     for si, src in enumerate(sources):
         if src.kind == "jsonl":
             for f in src.files:
+                _not_an_array(f)
                 for a, b in _line_ranges(f):
                     out.append(Task(len(out), si, "jsonl", str(f), a, b, nbytes=b - a))
         elif src.kind == "parquet":
@@ -140,6 +141,16 @@ def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
             if group:
                 out.append(Task(len(out), si, "text", group[0], files=group, nbytes=size))
     return out
+
+
+def _not_an_array(path: Path) -> None:
+    """ConfigError for a JSON file holding one array of records (``[{...}, ...]``): records are read one per line."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"["):
+        lines = path.with_name(path.stem + ("-lines.jsonl" if path.suffix.lower() == ".jsonl" else ".jsonl"))
+        raise ConfigError(f"SRC {path}: one JSON array, but .json/.jsonl/.ndjson files are read as JSON lines (one "
+                          f"object per line); convert it first: jq -c '.[]' {path} > {lines}")
 
 
 def _line_ranges(path: Path) -> Iterator[tuple[int, int]]:
