@@ -61,3 +61,23 @@ def test_a_second_ctrl_c_stops_the_workers_at_once():
         if child.is_alive():
             child.kill()
 
+
+
+def test_ctrl_c_to_generate_is_one_line(tmp_path, monkeypatch):
+    """Ctrl-C while plait generate decodes in this process (KeyboardInterrupt), or to the launcher of its workers
+    (torch elastic's SignalException): one line and exit code 130, not a traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from typer.testing import CliRunner
+
+    import plait.distributed.launch as launch
+    from plait.cli.main import app
+    from serve_util import tiny_model
+
+    model = str(tiny_model(tmp_path / "m"))
+    for raised in (KeyboardInterrupt(), SignalException("got signal: 2", sigval=signal.SIGINT)):
+        def interrupted(*args, raised=raised, **kwargs):
+            raise raised
+
+        monkeypatch.setattr(launch, "run_or_launch", interrupted)
+        res = CliRunner().invoke(app, ["generate", "--model", model, "--prompt", "hi", "--pp", "2"])
+        assert res.exit_code == 130 and res.output == "plait generate: stopped (SIGINT)\n", res.output

@@ -44,6 +44,8 @@ def generate_command(
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from plait.distributed.launch import JobError, run_or_launch
     from plait.errors import ConfigError, flag_message
     from plait.generation.decode import Sampling
@@ -66,6 +68,10 @@ def generate_command(
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C: here (one process) or to the launcher
+        name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
+        typer.echo(f"plait generate: stopped ({name})", err=True)
+        raise typer.Exit(128 + int(getattr(exc, "sigval", 2))) from None
 
 
 def _check_greedy(ctx: typer.Context, temperature: float, top_k: int) -> None:
