@@ -108,3 +108,12 @@ def test_a_json_array_file_is_named_with_the_command_that_converts_it(tmp_path):
         f"error: SRC {tmp_path / 'arr.json'}: one JSON array, but .json/.jsonl/.ndjson files are read as JSON lines "
         f"(one object per line); convert it first: jq -c '.[]' {tmp_path / 'arr.json'} > {tmp_path / 'arr.jsonl'}"), \
         res.output
+
+
+def test_blank_records_are_skipped_and_counted_not_trained_as_lone_eos(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "one"}\n{"text": ""}\n{"text": " \\n"}\n{"text": "two"}\n')
+    meta = prepare([str(tmp_path / "c.jsonl")], "bytes", tmp_path / "out", workers=1, held_out=0.0)
+    assert meta["splits"]["train"]["documents"] == 2 and meta["splits"]["train"]["tokens"] == 8  # "one" EOS "two" EOS
+    assert meta["sources"][0]["skipped"] == 2
+    assert meta["sources"][0]["skipped_examples"] == [f"{tmp_path / 'c.jsonl'}:{n}: blank text, no document"
+                                                      for n in (2, 3)]

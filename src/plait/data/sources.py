@@ -18,6 +18,8 @@ from plait.errors import ConfigError, require_extra
 
 CHUNK = 4 << 20  # bytes of input per task
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+#: why a record whose text is empty or blank is skipped (always, and counted): its EOS alone would be trained on
+BLANK = "blank text, no document"
 
 
 @dataclass
@@ -207,7 +209,7 @@ class Read:
     spans: list[Spans] | None
     raw: bytes
     bad: list[BadRecord]
-    skipped: int = 0  # records skipped, bad ones and binary files
+    skipped: int = 0  # records skipped: bad ones, blank ones, binary files
 
     def add(self, value: tuple[str, Spans] | str) -> None:
         if isinstance(value, tuple):
@@ -216,6 +218,10 @@ class Read:
             self.spans.append(value[1])
         else:
             self.docs.append(value)
+
+    def skip(self, rec: BadRecord) -> None:
+        self.bad.append(rec)
+        self.skipped += 1
 
 
 def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None = None) -> Read:
@@ -232,6 +238,9 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
             value, why = _text_of(line, field, chat)
             if value is None:
                 _bad(out, BadRecord(task.path, task.start, i, why), skip_bad)
+                continue
+            if isinstance(value, str) and not value.strip():
+                out.skip(BadRecord(task.path, task.start, i, BLANK))
                 continue
             out.add(value)
         return out
@@ -257,6 +266,8 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
                 out.add(chat.document(v))
             except BadChat as exc:
                 _bad(out, BadRecord(task.path, -1, at, f"{exc}{row}"), skip_bad)
+        elif isinstance(v, str) and not v.strip():
+            out.skip(BadRecord(task.path, -1, at, f"{BLANK}{row}"))
         elif isinstance(v, str):
             out.add(v)
         else:
@@ -267,8 +278,7 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
 def _bad(out: Read, rec: BadRecord, skip_bad: bool) -> None:
     if not skip_bad:
         raise rec
-    out.bad.append(rec)
-    out.skipped += 1
+    out.skip(rec)
 
 
 def _column(task: Task, field: str, chat: bool) -> list:
