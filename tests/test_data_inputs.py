@@ -117,3 +117,23 @@ def test_blank_records_are_skipped_and_counted_not_trained_as_lone_eos(tmp_path)
     assert meta["sources"][0]["skipped"] == 2
     assert meta["sources"][0]["skipped_examples"] == [f"{tmp_path / 'c.jsonl'}:{n}: blank text, no document"
                                                       for n in (2, 3)]
+
+
+def test_an_out_made_by_another_prepare_meanwhile_is_an_error_not_a_traceback(tmp_path, monkeypatch):
+    import importlib
+
+    prepare_module = importlib.import_module("plait.data.prepare")  # (plait.data.prepare is also the function)
+
+    (tmp_path / "a.txt").write_text("some text " * 20)
+    meta = prepare_module._meta
+
+    def racing(*args, **kwargs):  # a second prepare into the same --out finishes first
+        (tmp_path / "out" / "train").mkdir(parents=True)
+        (tmp_path / "out" / "meta.json").write_text("{}")
+        return meta(*args, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "_meta", racing)
+    res = _prepare(str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"))
+    assert res.exit_code == 2 and res.stderr.startswith(  # was OSError: [Errno 39] Directory not empty
+        f"error: --out {tmp_path / 'out'}: made by someone else while this prepare ran"), res.output
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # its own folder removed

@@ -288,7 +288,13 @@ def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: 
     if out.exists() and force:
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
-    os.rename(tmp, out)
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:  # --out appeared meanwhile: another prepare into it finished first
+        if old is not None:
+            os.rename(old, out)
+        raise ConfigError(f"--out {out}: made by someone else while this prepare ran (another prepare into it?), "
+                          f"so this dataset is not put there ({exc.strerror}); choose another --out") from None
     fd = os.open(out.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
