@@ -142,7 +142,7 @@ def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
     _, logits_rel = _rel(logits, reference(inputs[local]).detach())
     sim = simulate(pm.schedule, Costs())
     dist.barrier()
-    return VerifyResult(cfg, loss, float(ref_loss), errors, logits_rel, report.measured.peak_activations,
+    return VerifyResult(cfg, loss, ref_loss.item(), errors, logits_rel, report.measured.peak_activations,
                         sim.peak_activations, report.to_text(68))
 
 
