@@ -60,7 +60,9 @@ def test_verify_settings_are_named_as_flags():
                          (["--tp", "2", "--expert-tp"], "--expert-tp: needs a mixture-of-experts model, at least 2 "
                                                         "experts (not --experts 1)"),
                          (["--dp", "2", "--ep", "2"], "--ep 2: needs a mixture-of-experts model, at least 2 experts "
-                                                      "(not --experts 1)")):
+                                                      "(not --experts 1)"),
+                         (["--cp-comm", "ring"], "--cp-comm ring: how context-parallel ranks exchange keys and "
+                                                 "values, but --cp is 1")):  # was silently ignored
         res = _in_process(*args)
         assert res.exit_code == 2 and res.stderr.startswith(f"error: {needle}"), (args, res.output)
 

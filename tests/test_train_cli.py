@@ -46,6 +46,8 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--max-data-mb", "0", "--dry-run"], "--max-data-mb 0.0: must be > 0"),
     (["--resume", "--checkpoint-dir", "/no/such/ckpts", "--dry-run"], "--resume: no checkpoint in --checkpoint-dir"),
     (["--resume", "--auto-resume", "--dry-run"], "error: --resume, --auto-resume: choose one"),  # --resume won
+    (["--cp-comm", "ring", "--dry-run"], "error: --cp-comm ring: how context-parallel ranks exchange keys and "
+                                         "values, but --cp is 1"),  # was silently ignored
     (["--experts", "6", "--ep", "4", "--dp", "4", "--tp", "1", "--pp", "1", "--nproc", "4", "--dry-run"],
      "error: --ep 4: must divide --experts 6: each EP rank holds an equal share of the experts; valid: [1, 2, 3, 6]"),
     (["--experts", "4", "--ep", "4", "--dp", "2", "--tp", "2", "--pp", "1", "--nproc", "4", "--expert-tp",

@@ -89,3 +89,13 @@ def with_options(options: list[inspect.Parameter], into: str) -> Callable[[Calla
         return command
 
     return decorate
+
+
+def check_cp_comm(cp: int, cp_comm: str) -> None:
+    """ConfigError for --cp-comm ring without context parallelism (--cp 1), where nothing exchanges keys and
+    values: it would be silently ignored."""
+    from plait.errors import ConfigError
+
+    if cp == 1 and cp_comm != "allgather":
+        raise ConfigError(f"--cp-comm {cp_comm}: how context-parallel ranks exchange keys and values, but --cp is 1 "
+                          "(no context parallelism); add --cp N (N > 1) or leave --cp-comm out")

@@ -68,6 +68,7 @@ def train_command(
 def _resolve(ctx: typer.Context, config: Path | None, options: dict):
     """Defaults < TOML file < flags given on the command line. ConfigError naming the layout options given with
     --layout auto, which chooses them all (but --precision): a given --tp would be silently replaced."""
+    from plait.cli.options import check_cp_comm
     from plait.errors import ConfigError
     from plait.parallel_config import field_names
     from plait.train.config import TrainConfig, read_toml
@@ -83,6 +84,7 @@ def _resolve(ctx: typer.Context, config: Path | None, options: dict):
         raise ConfigError(f"{', '.join(chosen)}: --layout auto chooses the whole layout (all but --precision); drop "
                           f"{'it' if len(chosen) == 1 else 'them'}, or keep {'it' if len(chosen) == 1 else 'them'} "
                           "with --layout flags")
+    check_cp_comm(values.get("cp", 1), values.get("cp_comm", "allgather"))
     if "max_data_mb" in given and values["data"] and all(_prepared(e) for e in values["data"]):
         raise ConfigError(f"--max-data-mb {values['max_data_mb']:g}: it limits the plain text tokenized at start-up, "
                           "but every --data is a prepared dataset (read whole, memory-mapped); leave it out")

@@ -42,6 +42,7 @@ def verify_command(
     parallel: dict | None = None,
 ) -> None:
     """The ``parallel`` options are ParallelConfig's fields, generated (plait.cli.options)."""
+    from plait.cli.options import check_cp_comm
     from plait.distributed.launch import LaunchError
     from plait.errors import ConfigError, flag_message
     from plait.parallel_config import ParallelConfig
@@ -53,6 +54,7 @@ def verify_command(
                            batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k)
         check(cfg)
         par = cfg.parallel
+        check_cp_comm(par.cp, par.cp_comm)
         if not as_json:
             cp = f" cp={par.cp} ({par.cp_comm})" if par.cp > 1 else ""
             console.print(f"launching {cfg.world} CPU processes: tp={par.tp}{cp} pp={par.pp} dp={par.dp}, "
