@@ -137,3 +137,13 @@ def test_an_out_made_by_another_prepare_meanwhile_is_an_error_not_a_traceback(tm
     assert res.exit_code == 2 and res.stderr.startswith(  # was OSError: [Errno 39] Directory not empty
         f"error: --out {tmp_path / 'out'}: made by someone else while this prepare ran"), res.output
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # its own folder removed
+
+
+def test_raw_text_cut_by_max_data_mb_says_how_much_was_read(tmp_path):
+    (tmp_path / "texts").mkdir()
+    for i in range(3):
+        (tmp_path / "texts" / f"{i}.txt").write_text(f"file {i} " * 500)  # 3,500 tokens each
+    cut = open_data([str(tmp_path / "texts")], "tiny", 256, 8, 1, 0, 0.005)  # 5,000 tokens: two files
+    assert cut.describe().endswith("; the first 2 of 3 files: --max-data-mb 0.005)"), cut.describe()  # was silent
+    whole = open_data([str(tmp_path / "texts")], "tiny", 256, 8, 1, 0, 1)
+    assert "the first" not in whole.describe() and whole.sources[0].files == 3

@@ -99,5 +99,7 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Tr
     train, held = (np.concatenate(parts[s]) if parts[s] else np.zeros(0, dtype) for s in SPLITS)
     if len(train) == 0:  # every document (a single file, say) was held out: train on them, hold none out
         train, held, docs = held, held[:0], {"train": docs["held_out"], "held_out": 0}
+    total = sum(len(s.files) for s in found)
+    note = f"the first {files} of {total} files: --max-data-mb {max_mb:g}" if files < total else ""
     return TrainSource(path or STDLIB, weight, MemorySplit(train, docs["train"]), MemorySplit(held, docs["held_out"]),
-                  prepared=False, files=files)
+                  prepared=False, files=files, note=note)
