@@ -45,21 +45,25 @@ def _wait_out_one_signal(ready) -> None:
 
 
 def test_a_second_ctrl_c_stops_the_workers_at_once():
-    ready = mp.get_context("spawn").Event()
-    child = mp.get_context("spawn").Process(target=_wait_out_one_signal, args=(ready,), daemon=True)
-    child.start()
-    try:
-        assert ready.wait(60)
-        with _ForwardSignal(signal.SIGINT):
-            os.kill(os.getpid(), signal.SIGINT)  # forwarded: the worker goes on towards its step's end
-            child.join(0.5)
-            assert child.is_alive()
-            os.kill(os.getpid(), signal.SIGINT)
-            child.join(5)
-        assert not child.is_alive() and child.exitcode == -signal.SIGKILL
-    finally:
-        if child.is_alive():
-            child.kill()
+    """plait train's launcher (again_kills): the second SIGINT kills the workers; plait serve's forwards it (its
+    workers end the requests still running on a second Ctrl-C)."""
+    for again_kills in (True, False):
+        ready = mp.get_context("spawn").Event()
+        child = mp.get_context("spawn").Process(target=_wait_out_one_signal, args=(ready,), daemon=True)
+        child.start()
+        try:
+            assert ready.wait(60)
+            with _ForwardSignal(signal.SIGINT, again_kills=again_kills):
+                os.kill(os.getpid(), signal.SIGINT)  # forwarded: the worker goes on towards its step's end
+                child.join(0.5)
+                assert child.is_alive()
+                os.kill(os.getpid(), signal.SIGINT)
+                child.join(5 if again_kills else 0.5)
+            assert child.is_alive() != again_kills, again_kills
+            assert not again_kills or child.exitcode == -signal.SIGKILL
+        finally:
+            if child.is_alive():
+                child.kill()
 
 
 

@@ -130,7 +130,8 @@ def _run(cfg) -> None:
         return
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
-        launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS)
+        launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS,
+               again_kills=True)  # Ctrl-C: a checkpoint at the next step; Ctrl-C again: stop at once
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None

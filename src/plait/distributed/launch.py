@@ -267,11 +267,13 @@ def worker(target: str, payload: dict, failure_dir: str):
             dist.destroy_process_group()
 
 
-def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,)) -> list:
+def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,),
+           again_kills: bool = False) -> list:
     """Run ``target(payload)`` on ``nproc`` local processes (elastic launcher); per-rank results.
 
     The signals in ``forward`` go to the workers, which stop on them in their own way (``plait serve`` also
-    on SIGINT); the agent handles the other ones of ``AGENT_SIGNALS`` by stopping the workers at once."""
+    on SIGINT); the agent handles the other ones of ``AGENT_SIGNALS`` by stopping the workers at once. With
+    ``again_kills`` a second SIGINT kills the workers instead (``plait train``: no waiting for a step's end)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -288,7 +290,7 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
         config.signals_to_handle = agent_signals
     with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
         for sig in forward:
-            stack.enter_context(_ForwardSignal(sig))
+            stack.enter_context(_ForwardSignal(sig, again_kills))
         try:
             results = elastic_launch(config, worker)(target, payload, failures)
         except ChildFailedError as exc:
@@ -298,10 +300,10 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
 
 class _ForwardSignal:
     """While active (main thread only), ``sig`` to this process goes to its worker processes instead; those
-    still alive ``STOP_TIMEOUT_S`` later are killed, or at once on a second Ctrl-C (SIGINT)."""
+    still alive ``STOP_TIMEOUT_S`` later are killed, or with ``again_kills`` at once on a second SIGINT."""
 
-    def __init__(self, sig: int):
-        self.sig = sig
+    def __init__(self, sig: int, again_kills: bool = False):
+        self.sig, self.again_kills = sig, again_kills
         self.previous: Callable[[int, FrameType | None], Any] | int | None = None
         self.timer: threading.Timer | None = None
 
@@ -317,7 +319,7 @@ class _ForwardSignal:
             self.timer.cancel()
 
     def _forward(self, signum, frame) -> None:
-        if self.timer is not None and signum == signal.SIGINT:  # Ctrl-C again: no waiting for the step's end
+        if self.again_kills and self.timer is not None and signum == signal.SIGINT:  # Ctrl-C again: kill now
             _kill_children()
             return
         for child in mp.active_children():
