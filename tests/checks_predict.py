@@ -176,11 +176,8 @@ def rank_main(root: str) -> dict:
     box: dict = {}
     return run_checks([("calibrate/sections", lambda: check_calibration(root, box)),
                        ("predict/vs_measured", lambda: check_predicted_vs_measured(root, box.get("profile"))),
-                       ("predict/phases", lambda: check_phases(root))])
-
-
-def moe_main(root: str) -> dict:
-    return run_checks([("predict/moe_memory", lambda: check_moe_memory(Path(root)))])
+                       ("predict/phases", lambda: check_phases(root)),
+                       ("predict/moe_memory", lambda: check_moe_memory(root))])  # last: after the timed checks
 
 
 def paired_sleeps() -> tuple[int, tuple, tuple]:

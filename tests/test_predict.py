@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import checks_predict
-from harness import result
+from harness import PRELOAD, result
 from plait.cli.main import app
 from plait.distributed.launch import run_world
 from plait.parallel_config import ParallelConfig
@@ -47,7 +47,7 @@ def test_memory_prediction_counts_plaits_tensors():
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     root = tmp_path_factory.mktemp("predict")
-    return run_world(checks_predict.rank_main, 4, str(root), timeout_s=420)
+    return run_world(checks_predict.rank_main, 4, str(root), timeout_s=480, preload=PRELOAD)
 
 
 def test_calibration_measures_each_section_alone_and_shared(world4):
@@ -114,7 +114,7 @@ def test_predicted_memory_on_this_machine(world4):
                 assert m[kind] == pytest.approx(pred[m["pp"]][kind], rel=0.01), (r["layout"], m["pp"], kind)
 
 
-def test_predicted_memory_of_moe_runs_in_both_expert_placements(tmp_path):
+def test_predicted_memory_of_moe_runs_in_both_expert_placements(world4):
     """``plait train``'s prediction (``plan.runs``, as ``--dry-run`` makes it) of an MoE run at tp2·dp2 with
     ZeRO-1 in both expert placements, and of whole experts under sequence parallelism, against
     ``pm.memory_report()`` on every rank: parameters, gradients, optimizer state and the activations' peak within
@@ -126,7 +126,7 @@ def test_predicted_memory_of_moe_runs_in_both_expert_placements(tmp_path):
     from plait.cli.predict import memory_rows, predict
     from plait.train import TrainConfig
 
-    rows = result(run_world(checks_predict.moe_main, 4, str(tmp_path), timeout_s=300), "predict/moe_memory")[0]
+    rows = result(world4, "predict/moe_memory")[0]
     profile = synthetic_profile(counts=(4,))
     measured = {}
     for r in rows:
