@@ -92,7 +92,8 @@ def launched(monkeypatch):
     import plait.distributed.launch as launch_module
 
     got: dict = {}
-    monkeypatch.setattr(launch_module, "launch", lambda target, payload, n: got.update(payload=payload, n=n))
+    monkeypatch.setattr(launch_module, "launch",
+                        lambda target, payload, n, *signals, **how: got.update(payload=payload, n=n))
     return got
 
 
