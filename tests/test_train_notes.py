@@ -76,3 +76,29 @@ def test_max_data_mb_with_only_prepared_datasets_is_refused(tmp_path):
         "dataset"), res.output
     mixed = CliRunner().invoke(app, [*flags, "--data", str(tmp_path / "a.txt"), "--max-data-mb", "2"])
     assert "--max-data-mb" not in mixed.output, mixed.output  # read for the plain text
+
+
+def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoint():
+    """--auto-resume: 'starting fresh' where no checkpoint was found; a resumed run says where it resumed from and
+    nothing of starting fresh, whether or not its settings changed."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from plait.parallel_config import ParallelConfig
+    from plait.train.report import Reporter
+
+    def header(resumed_from, changes):
+        console = Console(record=True, width=400, force_terminal=False)
+        run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
+                              ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
+                              start=4 if resumed_from else 0, resumed_from=resumed_from, resume_changes=changes,
+                              prediction=None)
+        Reporter(TrainConfig(auto_resume=True, metrics=None), 0, console).begin(run)
+        return console.export_text()
+
+    fresh, same, changed = header(None, []), header("ck/step_4", []), header("ck/step_4", ["--seed 0 -> 1"])
+    assert "starting fresh" in fresh and "resuming from" not in fresh, fresh
+    for out in (same, changed):
+        assert "resuming from ck/step_4 (step 4)" in out and "starting fresh" not in out, out
+    assert "note: --seed 0 -> 1" in changed and "note:" not in same, (changed, same)

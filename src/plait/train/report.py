@@ -63,10 +63,10 @@ class Reporter:
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
         if run.resumed_from is not None:
             self.console.print(f"resuming from {run.resumed_from} (step {run.start})")
-        if run.resume_changes:
-            self.console.print(f"[yellow]note: {', '.join(run.resume_changes)} since that checkpoint was saved: from "
-                               "here the batches or learning rates differ from an uninterrupted run's (the same "
-                               "settings continue it exactly)[/]")
+            if run.resume_changes:
+                self.console.print(f"[yellow]note: {', '.join(run.resume_changes)} since that checkpoint was saved: "
+                                   "from here the batches or learning rates differ from an uninterrupted run's (the "
+                                   "same settings continue it exactly)[/]")
         elif cfg.auto_resume:
             self.console.print(f"--auto-resume: no complete checkpoint in {cfg.checkpoint_dir}, starting fresh")
         if run.prediction is not None:
