@@ -76,11 +76,11 @@ def generate_command(
 
 def _check_greedy(ctx: typer.Context, temperature: float, top_k: int) -> None:
     """ConfigError naming --top-k or --seed given with greedy decoding (--temperature 0), which reads neither."""
+    from plait.cli.options import typed
     from plait.errors import ConfigError
 
-    source = ctx.get_parameter_source("seed")
     given = [f"--top-k {top_k}"] if top_k else []
-    given += [f"--seed {ctx.params['seed']}"] if source is not None and source.name == "COMMANDLINE" else []
+    given += [f"--seed {ctx.params['seed']}"] if typed(ctx, "seed") else []
     if temperature == 0 and given:
         raise ConfigError(f"{', '.join(given)}: greedy decoding (--temperature 0, the default) always takes the most "
                           f"likely token, so {'it has' if len(given) == 1 else 'they have'} no effect; add "

@@ -91,6 +91,12 @@ def with_options(options: list[inspect.Parameter], into: str) -> Callable[[Calla
     return decorate
 
 
+def typed(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` came from the command line (or the environment), not its default."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def check_cp_comm(cp: int, cp_comm: str) -> None:
     """ConfigError for --cp-comm ring without context parallelism (--cp 1), where nothing exchanges keys and
     values: it would be silently ignored."""

@@ -94,15 +94,12 @@ def serve_command(
 def _check_unread(ctx: typer.Context, cfg, world: int) -> None:
     """ConfigError naming an option typed that this server would not read: --step-timeout with one process
     (no other rank to wait for), --prefix-cache with --kv-reserve (reserved blocks are never shared)."""
+    from plait.cli.options import typed
     from plait.errors import ConfigError
 
-    def typed(name: str) -> bool:
-        source = ctx.get_parameter_source(name)
-        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
-    if world == 1 and typed("step_timeout"):
+    if world == 1 and typed(ctx, "step_timeout"):
         raise ConfigError(f"--step-timeout {cfg.step_timeout:g}: one process (--tp 1 --pp 1) waits for no other "
                           "rank; leave it out, or split the model with --tp/--pp")
-    if cfg.kv_reserve and cfg.prefix_cache and typed("prefix_cache"):
+    if cfg.kv_reserve and cfg.prefix_cache and typed(ctx, "prefix_cache"):
         raise ConfigError("--prefix-cache: not with --kv-reserve, which reserves each sequence's own blocks up "
                           "front and shares none; drop one of them")

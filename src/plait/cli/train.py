@@ -68,15 +68,15 @@ def train_command(
 def _resolve(ctx: typer.Context, config: Path | None, options: dict):
     """Defaults < TOML file < flags given on the command line. ConfigError naming the layout options given with
     --layout auto, which chooses them all (but --precision): a given --tp would be silently replaced."""
-    from plait.cli.options import check_cp_comm
+    from plait.cli.options import check_cp_comm, typed
     from plait.errors import ConfigError
     from plait.parallel_config import field_names
     from plait.train.config import TrainConfig, read_toml
 
     values = read_toml(config) if config is not None else {}
-    given = set(values) | {name for name in options if _given(ctx, name)}
+    given = set(values) | {name for name in options if typed(ctx, name)}
     for name, value in options.items():
-        if _given(ctx, name) or name not in values:
+        if typed(ctx, name) or name not in values:
             values[name] = value
     values["data"] = list(values.get("data") or [])
     chosen = [f"--{n.replace('_', '-')}" for n in field_names() if n in given and n != "precision"]
@@ -96,12 +96,6 @@ def _prepared(entry: str) -> bool:
     from plait.data.stream import parse_entry
 
     return is_prepared(parse_entry(entry)[1])
-
-
-def _given(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` came from the command line (or the environment), not its default."""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def _run(cfg) -> None:

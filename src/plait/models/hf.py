@@ -124,7 +124,6 @@ class HFWeights:
         index = tuple([slice(None)] * dim + [slice(start, stop)])
         return sl[index]
 
-
     def check_shapes(self) -> None:
         """ConfigError naming the first tensor whose shape in the safetensors files is not the one config.json
         gives it (a folder whose weights belong to another model): read from the files' headers only."""
