@@ -124,7 +124,14 @@ def received(model: Model, layout: Layout) -> float:
     it skipping the layer; Switch Transformer, Fedus et al. 2021, §2.2: tokens per batch / experts × capacity
     factor). The combine all-to-all waits for every rank of the EP group, so the group's step runs at its
     busiest GPU's pace: its expert GEMMs (``gemms``, ``excess_flops``: forward, backward and their
-    recomputation) and the all-to-all bytes it receives (``dispatch``) scale with this."""
+    recomputation) and the all-to-all bytes it receives (``dispatch``) scale with this. DeepSpeed's MoE layer runs
+    it so: every expert takes ``capacity`` rows, padded where it is routed fewer (microsoft/DeepSpeed at 38327e07,
+    ``deepspeed/moe/sharded_moe.py``: ``_capacity`` is ceil(tokens/experts × capacity factor), the factor times k
+    at top-k; without token dropping the largest expert count, all-reduced with MAX over the EP group;
+    ``MOELayer.forward`` sends the [experts, capacity, hidden] tensor of ``einsum("sec,sm->ecm")`` through the
+    all-to-all); He et al. 2025 ("Capacity-Aware Inference: Mitigating the Straggler Effect in Mixture of Experts",
+    arXiv 2503.05066) name it the straggler effect: under expert parallelism the other devices wait for the most
+    loaded experts, which set the layer's latency (measured at inference)."""
     if not model.is_moe or layout.ep == 1:
         return 1.0
     return min(model.expert_capacity, float(layout.ep))
