@@ -159,6 +159,25 @@ def test_epochs_visit_every_window_once_in_a_new_order(tmp_path):
     assert data.position(3) == {"epoch": 3.0, "tokens_seen": 150}
 
 
+def test_a_resumed_run_counts_the_tokens_and_passes_its_checkpoint_saw(tmp_path):
+    """Resumed at step 3 with another batch size and window length: the 3 steps saved count as they were read."""
+    path = _prepared(tmp_path, "a", ["".join(chr(65 + i) * 10 for i in range(5))])  # 5 windows of 11, 2 of 21
+    saved = open_data([path], "tiny", 256, 10, 5, seed=0, max_mb=1)  # one batch = one epoch
+    meta = {"data": saved.position(3), "train": {"batch_size": 5, "seq_len": 10, "data": [path]}}
+    data = open_data([path], "tiny", 256, 20, 1, seed=0, max_mb=1)  # one batch = half an epoch
+    data.resume_at(3, meta, same_data=True)
+    assert data.position(5) == {"epoch": 4.0, "tokens_seen": 150 + 2 * 20}  # was 5 steps of 20: 100, epoch 2.5
+    old = open_data([path], "tiny", 256, 20, 1, seed=0, max_mb=1)  # a checkpoint without the counts
+    old.resume_at(3, {"train": meta["train"]}, same_data=True)
+    assert old.position(5) == {"epoch": 4.0, "tokens_seen": 190}  # from its run's batch size and length
+    other = open_data([path], "tiny", 256, 20, 1, seed=0, max_mb=1)  # other data: its passes count from step 3
+    other.resume_at(3, meta, same_data=False)
+    assert other.position(5) == {"epoch": 1.0, "tokens_seen": 190}
+    same = open_data([path], "tiny", 256, 10, 5, seed=0, max_mb=1)
+    same.resume_at(3, meta, same_data=True)
+    assert same.carried is None and same.position(4) == {"epoch": 4.0, "tokens_seen": 200}
+
+
 def test_mixture_proportions_within_two_percent_over_10000_windows(tmp_path):
     web = _prepared(tmp_path, "web", ["w" * 5000])
     code = _prepared(tmp_path, "code", ["c" * 700])  # a small source: it repeats through many epochs

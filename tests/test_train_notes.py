@@ -3,6 +3,7 @@ optimizer differ from the checkpoint's run, a sample that a layout splitting the
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -29,12 +30,15 @@ def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path)
     first = subprocess.run([*RUN, "--steps", "1", "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=240)
     assert first.returncode == 0, first.stderr
-    res = subprocess.run([*RUN, "--steps", "2", "--seq-len", "32", "--resume"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=240)
+    res = subprocess.run([*RUN, "--steps", "2", "--seq-len", "32", "--resume", "--metrics", "m.jsonl"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr
     out = " ".join(res.stdout.split())  # the console wraps lines
     assert "resuming from plait-checkpoints/step_00000001 (step 1) note: --seq-len 16 -> 32, --steps 1 -> 2 since " \
            "that checkpoint was saved: from here the batches or learning rates differ" in out, res.stdout
+    row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert row["step"] == 2 and row["tokens_seen"] == 2 * 16 + 2 * 32, row  # step 1 read 16-token windows
+    assert "96 tokens seen" in out, res.stdout
 
 
 def test_a_layout_splitting_the_sequence_says_why_there_is_no_sample(tmp_path):

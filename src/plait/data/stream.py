@@ -67,6 +67,9 @@ class TrainData:
     seed: int
     order: Order = field(init=False)
     eval_order: Order | None = field(init=False)
+    # a resumed run whose checkpoint saw other batches than this run's would have: (its step, the input tokens
+    # and the passes over each source it had seen); None: the counts follow from this run's settings alone
+    carried: tuple[int, int, list[float]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         S = self.seq_len
@@ -108,12 +111,41 @@ class TrainData:
         g = i * self.batch_size + np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
         return self._rows(self.eval_order, [s.held_out for s in self._held], g)
 
+    def resume_at(self, step: int, saved: dict, same_data: bool) -> None:
+        """Count on from a checkpoint's metadata ``saved`` at ``step``: the tokens and passes its run had seen
+        (under its own --batch-size and --seq-len, which may differ from this run's). A checkpoint without those
+        counts gives them from its run's batch size and window length; passes over other --data than this run's
+        are not this data's, which is counted from ``step``."""
+        counts, train = saved.get("data") or {}, saved.get("train") or {}
+        size, length = train.get("batch_size", self.batch_size), train.get("seq_len", self.seq_len)
+        tokens = counts.get("tokens_seen", step * size * length)
+        if same_data and tokens == step * self.batch_size * self.seq_len:
+            return  # what this run's settings give
+        names = [s.name for s in self.sources]
+        if not same_data:
+            epochs = [0.0] * len(names)
+        elif set(counts.get("epochs", {})) == set(names):
+            epochs = [counts["epochs"][n] for n in names]
+        elif "epoch" in counts and len(names) == 1:
+            epochs = [counts["epoch"]]
+        else:  # the passes of the saved run's windows
+            epochs = Order(tuple((s.train.tokens - 1) // length for s in self.sources),
+                           tuple(s.weight for s in self.sources), self.seed).epochs(step * size)
+        self.carried = (step, int(tokens), epochs)
+
     def position(self, steps: int) -> dict:
         """After ``steps`` steps: ``tokens_seen`` (input tokens), ``epoch`` (passes over the data: the most of
-        any source's), and ``epochs`` per source when there are several."""
+        any source's), and ``epochs`` per source when there are several; counted on from a resumed checkpoint's
+        counts when its run read other batches (``resume_at``)."""
         samples = steps * self.batch_size
         epochs = self.order.epochs(samples)
-        out: dict = {"epoch": round(max(epochs), 4), "tokens_seen": samples * self.seq_len}
+        tokens = samples * self.seq_len
+        if self.carried is not None:
+            step, before, then = self.carried
+            tokens = before + (steps - step) * self.batch_size * self.seq_len
+            epochs = [e + now - at for e, now, at in zip(then, epochs, self.order.epochs(step * self.batch_size),
+                                                         strict=True)]
+        out: dict = {"epoch": round(max(epochs), 4), "tokens_seen": tokens}
         if len(self.sources) > 1:
             out["epochs"] = {s.name: round(e, 4) for s, e in zip(self.sources, epochs, strict=True)}
         return out

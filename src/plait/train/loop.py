@@ -129,6 +129,7 @@ def resume(run: Run) -> None:
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
     run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
+    run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
     if hasattr(run.opt, "steps"):
         run.opt.steps = run.start  # the LR schedule continues where it stopped
 
