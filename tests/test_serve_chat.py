@@ -1,5 +1,6 @@
 """Chat templates: plait serve's prompt ids equal transformers' apply_chat_template for real templates (Llama-3,
-Llama-3.2 with tools, Qwen2.5 ChatML, Qwen2-VL content parts, Mistral), errors as 400s, plait's own format."""
+Llama-3.2 with tools, Qwen2.5 ChatML, Qwen2-VL content parts, Mistral, Qwen3 with reasoning and tools), errors as
+400s, plait's own format; {% generation %} marks ignored in serving, their spans those transformers masks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, template_folder
-from plait.chat_template import PLAIT_SOURCE, ChatTemplate, chat_prompt
+from plait.chat_template import PLAIT_SOURCE, ChatError, ChatTemplate, chat_prompt
 from plait.errors import ConfigError
 from plait.serve.protocol import ApiError
 from plait.serve.tokens import TokenizerInfo
@@ -167,3 +168,87 @@ def test_a_checkpoint_takes_the_template_of_the_folder_it_was_trained_from(folde
     with pytest.raises(ConfigError, match="trained with the tokenizer of .*gone, and .* is not there"):
         tokenizer_folder(str(ckpt))  # its ids would be decoded as UTF-8 bytes
     assert ChatTemplate(tokenizer_folder(str(folders["llama3"]))).source == "tokenizer_config.json"
+
+
+QWEN3_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}]
+# conversations that take each branch of Qwen3's template: reasoning as a field and inside the content, turns
+# before and after the last user query, tool calls (arguments as an object and as a string), tool results
+QWEN3_CHATS = [
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "hello world, what is the weather?"},
+     {"role": "assistant", "content": "the weather is hello", "reasoning_content": "they greet me"},
+     {"role": "user", "content": "and the world?"},
+     {"role": "assistant", "content": "<think>\nround\n</think>\n\nthe world is round"}],
+    [{"role": "user", "content": "hello world"},
+     {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nhello"},
+     {"role": "user", "content": "what is the weather?"}],
+    [{"role": "user", "content": "the weather in Paris?"},
+     {"role": "assistant", "content": "", "reasoning_content": "a tool knows",
+      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": "sunny"},
+     {"role": "assistant", "content": "Let me check Lyon too.",
+      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+     {"role": "tool", "content": "rainy"},
+     {"role": "assistant", "content": "Paris is sunny, Lyon rainy.", "reasoning_content": "both known"}],
+]
+
+
+def test_qwen3_template_equals_apply_chat_template(tmp_path):
+    from chat_templates import QWEN3
+
+    info, hf = _pair(template_folder(tmp_path / "qwen3", "config", QWEN3, None, "<|im_end|>", "hello world " * 8))
+    for chat in QWEN3_CHATS:
+        tools = QWEN3_TOOLS if any("tool_calls" in m for m in chat) else None
+        for body in ({}, {"add_generation_prompt": False}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            got = info.chat_ids({"messages": chat, "tools": tools, **body})
+            kw = {"add_generation_prompt": body.get("add_generation_prompt", True), **body.get("chat_template_kwargs",
+                                                                                               {})}
+            assert got == _hf(hf, chat, tools=tools, **kw), (chat, body)
+    text = ChatTemplate(None, QWEN3).render(QWEN3_CHATS[0], add_generation_prompt=False)  # inline, 4 kB of text
+    assert "they greet me" not in text and "<think>\nround\n</think>\n\nthe world is round" in text  # past reasoning
+    text = ChatTemplate(None, QWEN3).render(QWEN3_CHATS[2], tools=QWEN3_TOOLS)
+    assert "<think>\na tool knows\n</think>" in text  # after the last user query: kept
+    assert '{"name": "get_weather", "arguments": {"city": "Lyon"}}' in text  # arguments given as a string
+    prefill = [*QWEN3_CHATS[1][:2], {"role": "user", "content": "why?"}, {"role": "assistant", "content": "Because"}]
+    got = info.chat_ids({"messages": prefill, "continue_final_message": True, "add_generation_prompt": False})
+    assert got == _hf(hf, prefill, continue_final_message=True)
+
+
+def _merged(spans) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if b > a:
+            out[-1:] = [(out[-1][0], max(b, out[-1][1]))] if out and out[-1][1] >= a else [*out[-1:], (a, b)]
+    return out
+
+
+def test_generation_marks_render_as_transformers_and_enclose_the_spans_it_masks(tmp_path):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from chat_templates import QWEN3, QWEN3_MARKED
+
+    info, hf = _pair(template_folder(tmp_path / "marked", "jinja", QWEN3_MARKED, None, "<|im_end|>", "hello " * 8))
+    plain = ChatTemplate(None, QWEN3)
+    for chat in QWEN3_CHATS:
+        tools = QWEN3_TOOLS if any("tool_calls" in m for m in chat) else None
+        got = info.chat_ids({"messages": chat, "tools": tools})  # serving: the marks change nothing
+        assert got == _hf(hf, chat, tools=tools, add_generation_prompt=True)
+        assert hf.decode(got) == plain.render(chat, tools=tools)
+        text, spans = info.chat.render_spans(chat, tools=tools)
+        [want], [indices] = render_jinja_template([chat], tools=tools, chat_template=QWEN3_MARKED,
+                                                  return_assistant_tokens_mask=True)
+        assert text == want == plain.render(chat, add_generation_prompt=False, tools=tools)
+        assert spans == _merged(indices) and len(spans) == sum(m["role"] == "assistant" for m in chat), chat
+        assert all(text[a:b].startswith("<|im_start|>assistant\n") and text[a:b].endswith("<|im_end|>\n")
+                   for a, b in spans)
+    assert plain.render_spans(QWEN3_CHATS[0])[1] is None  # no marks: no spans
+    nested = ChatTemplate(None, "{% macro say(m) %}{% generation %}{{ m.content }}{% endgeneration %}{% endmacro %}"
+                                "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{{ say(m) }}"
+                                "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    text, [(a, b)] = nested.render_spans(QWEN3_CHATS[1])  # a block inside a macro
+    assert text == "<user>hello world<assistant><think>\nhmm\n</think>\n\nhello<user>what is the weather?"
+    assert text[a:b] == QWEN3_CHATS[1][1]["content"]
+    with pytest.raises(ChatError, match="U[+]FDD0 or U[+]FDD1"):
+        nested.render_spans([{"role": "user", "content": "a\ufdd0b"}])

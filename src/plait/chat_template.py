@@ -1,10 +1,13 @@
 """Chat messages to text: the model folder's own Jinja chat template, rendered as ``transformers``'
 ``apply_chat_template`` renders it (sandboxed), or plait's ``<|role|>`` format for a folder without one. Serving
-renders prompts with it, ``plait data prepare --chat`` training conversations."""
+renders prompts with it, ``plait data prepare --chat`` training conversations (with the character spans a
+template's ``{% generation %}`` marks enclose)."""
 
 from __future__ import annotations
 
 import json
+import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -19,6 +22,10 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, under its usual names
 RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}  # variables chat_template_kwargs can't set
 TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of the last message (continue_final_message)
+# While spans are asked for, a {% generation %} block's text is put between these two Unicode noncharacters
+# (code points set aside for a program's internal use), then they are taken out and their places kept.
+OPEN, CLOSE = "\ufdd0", "\ufdd1"
+_MARKING: ContextVar[bool] = ContextVar("plait_generation_marks", default=False)
 
 
 class ChatError(ValueError):
@@ -60,6 +67,14 @@ def message_problem(messages: object) -> MessageProblem | None:
         if m.get("content") is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
             return MessageProblem(i, "content", "missing" if "content" not in m else "null", "NoneType")
     return None
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; False for a name the system refuses (a template's text, longer than a name)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
 
 
 def _read_json(path: Path) -> dict:
@@ -111,9 +126,31 @@ def folder_templates(folder: Path) -> tuple[dict[str, str], str]:
     return {}, ""
 
 
-@lru_cache(maxsize=32)
-def compile_template(source: str):
-    """A template compiled in a sandbox with transformers' settings and helpers (raises TemplateSyntaxError)."""
+def _generation_extension():
+    """The ``{% generation %}...{% endgeneration %}`` tag of Hugging Face chat templates (transformers'
+    ``AssistantTracker``), around the text the assistant writes: its text is rendered as is, and between OPEN and
+    CLOSE while ``ChatTemplate.render_spans`` runs."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            return f"{OPEN}{text}{CLOSE}" if _MARKING.get() else text
+
+    return Generation
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    """The sandbox templates compile in, with transformers' settings and helpers."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -127,10 +164,30 @@ def compile_template(source: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_extension(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    return env.from_string(source)
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_template(source: str):
+    """A template compiled in the sandbox (raises TemplateSyntaxError)."""
+    return _environment().from_string(source)
+
+
+@lru_cache(maxsize=32)
+def generation_marks(source: str) -> bool:
+    """Whether a template has ``{% generation %}`` blocks (False for one that does not parse)."""
+    import jinja2.nodes
+
+    try:
+        tree = _environment().parse(source)
+    except Exception:  # a syntax error is reported when the template is rendered
+        return False
+    return any(isinstance(node, jinja2.nodes.ExtensionAttribute) and node.name == "_mark"
+               for node in tree.find_all(jinja2.nodes.ExtensionAttribute))
 
 
 @lru_cache(maxsize=32)
@@ -138,10 +195,9 @@ def iterates_content(source: str) -> bool:
     """Whether a template loops over a message's content (takes content as a list of parts, as vLLM detects it);
     otherwise text parts are joined with newlines into one string first."""
     import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        tree = ImmutableSandboxedEnvironment().parse(source)
+        tree = _environment().parse(source)
     except Exception:  # a syntax error is reported when the template is rendered
         return False
     for loop in tree.find_all(jinja2.nodes.For):
@@ -201,13 +257,13 @@ class ChatTemplate:
         self.templates, self.source = folder_templates(path) if path is not None and path.is_dir() else ({}, "")
         if override is not None:  # --chat-template: a file, else the template itself
             file = Path(override)
-            if not file.is_file() and not any(c in override for c in "{}\n"):
+            if not _is_file(file) and not any(c in override for c in "{}\n"):
                 from plait.errors import ConfigError  # a template without any Jinja would ignore the messages
 
                 raise ConfigError(f"--chat-template {override}: no such file, and not a template (no {{{{ }}}} or "
                                   "{% %}); pass a Jinja template file or the template's text")
-            self.templates = {"default": file.read_text(encoding="utf-8") if file.is_file() else override}
-            self.source = f"--chat-template {override if file.is_file() else '(inline)'}"
+            self.templates = {"default": file.read_text(encoding="utf-8") if _is_file(file) else override}
+            self.source = f"--chat-template {override if _is_file(file) else '(inline)'}"
         elif not self.templates:
             self.templates, self.source = {"default": PLAIT_TEMPLATE}, PLAIT_SOURCE
         self.trust_request = trust_request
@@ -258,6 +314,43 @@ class ChatTemplate:
             raise ChatError(f"the chat template failed: {type(exc).__name__}: {exc}", "messages",
                             "chat_template_error") from None
         return text if final is None else _cut_at_tag(text, final)
+
+    def render_spans(self, messages, add_generation_prompt: bool = False, tools=None,
+                     ) -> tuple[str, list[tuple[int, int]] | None]:
+        """The text of ``messages`` (as ``render``) and the sorted, disjoint character ranges [a, b) of it that the
+        template's ``{% generation %}`` blocks enclose (the assistant's text, as transformers'
+        ``return_assistant_tokens_mask`` takes it); None for spans when the template has no such blocks."""
+        source = self.pick(None, tools)
+        if not generation_marks(source):
+            return self.render(messages, add_generation_prompt, tools), None
+        if re.search(f"[{OPEN}{CLOSE}]", json.dumps([messages, tools], ensure_ascii=False, default=str)):
+            raise ChatError("the messages hold U+FDD0 or U+FDD1, the noncharacters that mark the template's "
+                            "{% generation %} text here", "messages")
+        token = _MARKING.set(True)
+        try:
+            marked = self.render(messages, add_generation_prompt, tools)
+        finally:
+            _MARKING.reset(token)
+        return _unmark(marked)
+
+
+def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text without OPEN and CLOSE, and the ranges between them (nested blocks count as one; a block that
+    ends where the last one began is joined to it; empty ones are left out)."""
+    parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    at = depth = start = 0
+    for piece in re.split(f"([{OPEN}{CLOSE}])", marked):
+        if piece == OPEN:
+            start, depth = (at if depth == 0 else start), depth + 1
+        elif piece == CLOSE:
+            depth -= 1
+            if depth == 0 and at > start:
+                spans[-1:] = [(spans[-1][0], at)] if spans and spans[-1][1] == start else [*spans[-1:], (start, at)]
+        else:
+            parts.append(piece)
+            at += len(piece)
+    return "".join(parts), spans
 
 
 def _tag_final(chat: list[dict], source: str) -> str:
