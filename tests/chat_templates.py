@@ -264,6 +264,31 @@ QWEN3_MARKED = QWEN3.replace("        {%- if loop.index0 > ns.last_query_index %
     "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}",
     "        {{- '<|im_end|>\\n' }}\n        {%- endgeneration %}\n    {%- elif message.role == \"tool\" %}", 1)
 
+
+QWEN3_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}]
+# conversations that take each branch of Qwen3's template: reasoning as a field and inside the content, turns
+# before and after the last user query, tool calls (arguments as an object and as a string), tool results
+QWEN3_CHATS = [
+    [{"role": "system", "content": "You are a helpful assistant."},
+     {"role": "user", "content": "hello world, what is the weather?"},
+     {"role": "assistant", "content": "the weather is hello", "reasoning_content": "they greet me"},
+     {"role": "user", "content": "and the world?"},
+     {"role": "assistant", "content": "<think>\nround\n</think>\n\nthe world is round"}],
+    [{"role": "user", "content": "hello world"},
+     {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nhello"},
+     {"role": "user", "content": "what is the weather?"}],
+    [{"role": "user", "content": "the weather in Paris?"},
+     {"role": "assistant", "content": "", "reasoning_content": "a tool knows",
+      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+     {"role": "tool", "content": "sunny"},
+     {"role": "assistant", "content": "Let me check Lyon too.",
+      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+     {"role": "tool", "content": "rainy"},
+     {"role": "assistant", "content": "Paris is sunny, Lyon rainy.", "reasoning_content": "both known"}],
+]
+
 # Qwen2-VL-7B-Instruct (content as a list of parts, namespace counters)
 QWEN2_VL = ("{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in "
             "messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful "

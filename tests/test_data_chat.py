@@ -1,6 +1,7 @@
 """plait data prepare --chat: records' messages rendered with the folder's chat template exactly as transformers'
-apply_chat_template, the loss mask on the assistant's tokens, bad records by file and line, and the masked targets
-and loss training sees (the parallel layouts: tests/test_data_layouts.py)."""
+apply_chat_template, the loss mask on the assistant's tokens (by prefixes; by {% generation %} marks, equal to
+transformers' assistant_masks; a document per assistant message for Qwen3's template), bad records by file and line,
+and the masked targets and loss training sees (the parallel layouts: tests/test_data_layouts.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from chat_templates import LLAMA3, MISTRAL, QWEN25, template_folder
+from chat_templates import LLAMA3, MISTRAL, QWEN3, QWEN3_CHATS, QWEN3_MARKED, QWEN3_TOOLS, QWEN25, template_folder
 from plait.chat_template import PLAIT_SOURCE
 from plait.cli.main import app
 from plait.data import open_prepared, prepare
@@ -179,8 +180,15 @@ def test_cli_chat_flags(tmp_path):
     assert res.exit_code == 2 and "--messages-field reads chat records: add --chat" in res.output, res.output
     res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "a"),
                               "--chat", "--messages-field", "conversation", "--workers", "1", "--held-out", "0"])
-    assert res.exit_code == 0 and "the loss on assistant tokens" in res.output, res.output
+    assert res.exit_code == 0 and "the loss on assistant tokens (by prefixes)" in res.output, res.output
     assert open_prepared(tmp_path / "a").meta["splits"]["train"]["documents"] == len(CHATS)
+    res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "s"),
+                              "--split-turns"])
+    assert res.exit_code == 2 and "--split-turns reads chat records: add --chat" in res.output, res.output
+    res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "s"), "--chat",
+                              "--messages-field", "conversation", "--split-turns", "--workers", "1", "--held-out", "0"])
+    assert res.exit_code == 0 and "(by a document per assistant message)" in " ".join(res.output.split()), res.output
+    assert open_prepared(tmp_path / "s").meta["splits"]["train"]["documents"] == 4  # 1 + 2 + 1 assistant messages
     res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "b"),
                               "--chat", "--messages-field", "conversation", "--text-field", "body"])
     assert res.exit_code == 2 and "--text-field body: --chat reads --messages-field (conversation)" in res.output
@@ -270,3 +278,89 @@ def test_held_out_loss_is_the_mean_over_the_assistants_tokens(tmp_path):
         total, count = total - float((logp * keep).sum()), count + int(keep.sum())
     assert 0 < count < 2 * y.numel()
     assert held_out_loss(run) == pytest.approx(total / count, rel=1e-6)
+
+
+def _records(path, chats):
+    """JSON lines of ``chats``, each with the Qwen3 tools when it calls one."""
+    path.write_text("".join(json.dumps({"messages": c, **({"tools": QWEN3_TOOLS} if any(
+        "tool_calls" in m for m in c) else {})}) + "\n" for c in chats))
+    return str(path)
+
+
+def test_generation_marks_give_the_mask_transformers_gives(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = template_folder(tmp_path / "marked", "jinja", QWEN3_MARKED, None, "<|im_end|>", "hello world " * 8)
+    meta = prepare([_records(tmp_path / "c.jsonl", QWEN3_CHATS)], str(folder), tmp_path / "out", workers=1,
+                   held_out=0.0, chat=ChatSpec(str(folder)))
+    assert meta["chat"]["method"] == "{% generation %} marks"
+    hf = AutoTokenizer.from_pretrained(folder)
+    for chat, (ids, mask) in zip(QWEN3_CHATS, _docs(tmp_path / "out"), strict=True):
+        tools = QWEN3_TOOLS if any("tool_calls" in m for m in chat) else None
+        want = hf.apply_chat_template(chat, tools=tools, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        assert ids.tolist() == want["input_ids"] + [meta["tokenizer"]["eos"]]
+        assert mask.tolist() == want["assistant_masks"] + [chat[-1]["role"] == "assistant"]
+        assert 0 < mask.sum() < len(mask)
+    # the first record's earlier turn, rendered without its reasoning in the whole conversation: its marked text
+    ids, mask = _docs(tmp_path / "out")[0]
+    assert hf.decode(ids[mask == 1].tolist()) == ("<|im_start|>assistant\nthe weather is hello<|im_end|>\n"
+                                                 "<|im_start|>assistant\n<think>\nround\n</think>\n\nthe world is "
+                                                 "round<|im_end|>\n<|im_end|>")  # the last: the dataset's EOS
+
+
+def test_qwen3_records_are_refused_naming_what_works_and_split_turns_trains_each_turn(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = template_folder(tmp_path / "qwen3", "config", QWEN3, None, "<|im_end|>", "hello world " * 8)
+    src = _records(tmp_path / "c.jsonl", QWEN3_CHATS)
+    with pytest.raises(ConfigError) as err:
+        prepare([src], str(folder), tmp_path / "refused", workers=1, chat=ChatSpec(str(folder)))
+    msg = str(err.value)
+    assert "c.jsonl:1: the chat template (tokenizer_config.json) renders messages[2] or the messages before it " \
+           "differently once later ones follow" in msg
+    assert all(s in msg for s in ("--split-turns", "{% generation %}", "--loss-on all")), msg
+    meta = prepare([src], str(folder), tmp_path / "turns", workers=1, held_out=0.0,
+                   chat=ChatSpec(str(folder), split_turns=True))
+    assert meta["chat"]["method"] == "a document per assistant message"
+    hf, eos = AutoTokenizer.from_pretrained(folder), meta["tokenizer"]["eos"]
+    want = []  # each assistant message: the conversation up to it, the loss after the generation prompt before it
+    for chat in QWEN3_CHATS:
+        tools = QWEN3_TOOLS if any("tool_calls" in m for m in chat) else None
+        for i in [i for i, m in enumerate(chat) if m["role"] == "assistant"]:
+            prompt = _hf_ids(hf, chat[:i], tools, add_generation_prompt=True)
+            ids = _hf_ids(hf, chat[:i + 1], tools)
+            assert ids[:len(prompt)] == prompt
+            want.append((ids + [eos], [0] * len(prompt) + [1] * (len(ids) - len(prompt) + 1)))
+    docs = _docs(tmp_path / "turns")
+    assert [(ids.tolist(), mask.tolist()) for ids, mask in docs] == want and len(docs) == 6
+    ids, mask = docs[0]  # the first turn keeps its reasoning in its own document
+    assert hf.decode(ids[mask == 1].tolist()) == "<think>\nthey greet me\n</think>\n\nthe weather is hello" \
+                                                  "<|im_end|>\n<|im_end|>"
+    with pytest.raises(ConfigError, match="--split-turns puts the loss on each document's last assistant message"):
+        prepare([src], str(folder), tmp_path / "x", chat=ChatSpec(str(folder), loss_on="all", split_turns=True))
+    bad = _records(tmp_path / "bad.jsonl", [QWEN3_CHATS[0][:2]])
+    with pytest.raises(ConfigError, match="bad.jsonl:1: no assistant message in messages: --split-turns makes no"):
+        prepare([bad], str(folder), tmp_path / "y", chat=ChatSpec(str(folder), split_turns=True))
+
+
+def _hf_ids(hf, chat, tools, **kw) -> list[int]:
+    return list(hf.apply_chat_template(chat, tools=tools, tokenize=True, return_dict=False, **kw))
+
+
+def test_split_turns_hold_out_a_conversations_documents_together(tmp_path):
+    chats = [[{"role": "user", "content": f"question {r}"}, {"role": "assistant", "content": f"answer {r}"},
+              {"role": "user", "content": "and then?"}, {"role": "assistant", "content": f"then {r * 7}"},
+              {"role": "user", "content": "more?"}, {"role": "assistant", "content": "no more"}] for r in range(24)]
+    meta = prepare([_jsonl(tmp_path / "c.jsonl", chats)], "bytes", tmp_path / "out", workers=1, held_out=0.5,
+                   chat=ChatSpec("bytes", split_turns=True))
+    ds = open_prepared(tmp_path / "out")
+    records = {}
+    for name, split in (("train", ds.train), ("held_out", ds.held_out)):
+        for i in range(split.documents):
+            text = bytes(split.document(i)[:-1].astype(np.uint8)).decode()
+            records.setdefault(name, []).append(text.split("\n")[1])  # "question r"
+    assert len(records["train"]) % 3 == 0 and len(records["held_out"]) % 3 == 0
+    assert all(records["train"].count(q) == 3 for q in records["train"])
+    assert not set(records["train"]) & set(records["held_out"]) and len(records["held_out"]) >= 3 * 4
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["held_out"]["documents"] == 3 * 24

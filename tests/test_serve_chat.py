@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN25, template_folder
+from chat_templates import LLAMA3, LLAMA32, MISTRAL, QWEN2_VL, QWEN3_CHATS, QWEN3_TOOLS, QWEN25, template_folder
 from plait.chat_template import PLAIT_SOURCE, ChatError, ChatTemplate, chat_prompt
 from plait.errors import ConfigError
 from plait.serve.protocol import ApiError
@@ -168,31 +168,6 @@ def test_a_checkpoint_takes_the_template_of_the_folder_it_was_trained_from(folde
     with pytest.raises(ConfigError, match="trained with the tokenizer of .*gone, and .* is not there"):
         tokenizer_folder(str(ckpt))  # its ids would be decoded as UTF-8 bytes
     assert ChatTemplate(tokenizer_folder(str(folders["llama3"]))).source == "tokenizer_config.json"
-
-
-QWEN3_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
-                                                 "parameters": {"type": "object", "properties": {
-                                                     "city": {"type": "string"}}, "required": ["city"]}}}]
-# conversations that take each branch of Qwen3's template: reasoning as a field and inside the content, turns
-# before and after the last user query, tool calls (arguments as an object and as a string), tool results
-QWEN3_CHATS = [
-    [{"role": "system", "content": "You are a helpful assistant."},
-     {"role": "user", "content": "hello world, what is the weather?"},
-     {"role": "assistant", "content": "the weather is hello", "reasoning_content": "they greet me"},
-     {"role": "user", "content": "and the world?"},
-     {"role": "assistant", "content": "<think>\nround\n</think>\n\nthe world is round"}],
-    [{"role": "user", "content": "hello world"},
-     {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nhello"},
-     {"role": "user", "content": "what is the weather?"}],
-    [{"role": "user", "content": "the weather in Paris?"},
-     {"role": "assistant", "content": "", "reasoning_content": "a tool knows",
-      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-     {"role": "tool", "content": "sunny"},
-     {"role": "assistant", "content": "Let me check Lyon too.",
-      "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
-     {"role": "tool", "content": "rainy"},
-     {"role": "assistant", "content": "Paris is sunny, Lyon rainy.", "reasoning_content": "both known"}],
-]
 
 
 def test_qwen3_template_equals_apply_chat_template(tmp_path):

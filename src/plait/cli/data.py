@@ -23,8 +23,10 @@ Chat data (--chat): each record's --messages-field (default messages), a list of
 transformers' apply_chat_template(messages, tokenize=False) renders it (--chat-template FILE
 replaces it; a folder without one, or bytes, gets plait's <|role|> format, as plait serve),
 then tokenized without added special tokens (a template's BOS stays single). The loss is on
-the assistant's messages (--loss-on all: every token): the mask is stored beside the tokens
-and plait train ignores the other targets.
+the assistant's messages (--loss-on all: every token): the text a template's {% generation %}
+blocks enclose, else what each assistant message adds to the conversation before it; the mask
+is stored beside the tokens and plait train ignores the other targets. --split-turns: each
+assistant message its own document (templates that drop past reasoning, as Qwen3's).
 
 The output appears at --out only when complete: a prepare that is killed leaves nothing there.
 
@@ -62,6 +64,9 @@ def prepare_command(
                                      "'all' (every token).")] = "assistant",
     chat_template: Annotated[str | None, Opt(help="With --chat: a Jinja template file (or its text) instead of "
                                                   "the folder's chat template.")] = None,
+    split_turns: Annotated[bool, Opt("--split-turns", help="With --chat: each assistant message its own document, "
+                                     "the conversation up to it as the template renders it then, the loss on that "
+                                     "message (for templates that drop past reasoning, as Qwen3's).")] = False,
 ) -> None:
     from rich.console import Console
 
@@ -70,10 +75,10 @@ def prepare_command(
     from plait.errors import ConfigError
 
     try:
-        spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template) if chat else None
+        spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template, split_turns) if chat else None
         if not chat:
             _chat_only(messages=messages_field != "messages", loss_on=loss_on != "assistant",
-                       chat_template=chat_template is not None)
+                       chat_template=chat_template is not None, split_turns=split_turns)
         prepare(sources, tokenizer, out, text_field=text_field, workers=workers, held_out=held_out, eos=eos,
                 skip_bad=skip_bad, force=force, console=Console(highlight=False), chat=spec)
     except ConfigError as exc:

@@ -2,12 +2,15 @@
 template (plait.chat_template, as ``transformers``' ``apply_chat_template(messages, tokenize=False)``), and the
 characters of the rendered text the loss is on: the assistant's messages (by default) or all of it.
 
-The assistant's part of message ``i`` is what rendering ``messages[:i + 1]`` adds to ``messages[:i]`` rendered
+A template with ``{% generation %}`` blocks says itself which characters the assistant writes: the loss is on
+them (transformers' ``return_assistant_tokens_mask``, TRL's ``assistant_only_loss``). In a template without them,
+the assistant's part of message ``i`` is what rendering ``messages[:i + 1]`` adds to ``messages[:i]`` rendered
 with the generation prompt: its content and the template's end of turn, not the role header that the prompt
-already holds (the prefix method of Hugging Face TRL's and OpenRLHF's SFT masks, which needs no
-``{% generation %}`` marks in the template). A template that renders an earlier turn differently once later ones
-follow (one that drops past reasoning, say) leaves no such prefix: the record is refused, naming
-``--loss-on all``.
+already holds (the prefix method of Hugging Face TRL's and OpenRLHF's SFT masks). A template that renders an
+earlier turn differently once later ones follow (Qwen3's drops the reasoning of turns before the last user
+message) leaves no such prefix: the record is refused, naming what works instead. ``split_turns`` makes each
+assistant message a document of its own, the conversation up to it rendered as the model sees it when it writes
+that message, the loss on that message alone; the documents of one record are held out or trained together.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from plait.chat_template import ChatError, ChatTemplate, message_problem
+from plait.chat_template import ChatError, ChatTemplate, generation_marks, message_problem
 from plait.errors import ConfigError
 
 LOSS_ON = ("assistant", "all")
@@ -35,6 +38,7 @@ class ChatSpec:
     field: str = "messages"
     loss_on: str = ASSISTANT
     template: str | None = None  # --chat-template: a file or the template's text
+    split_turns: bool = False  # --split-turns: a document per assistant message, the loss on it alone
 
     def folder(self) -> Path | None:
         p = Path(self.tokenizer)
@@ -45,6 +49,9 @@ class ChatSpec:
     def load(self) -> ChatRenderer:
         if self.loss_on not in LOSS_ON:
             raise ConfigError(f"--loss-on {self.loss_on}: choose one of {', '.join(LOSS_ON)}")
+        if self.split_turns and self.loss_on != ASSISTANT:
+            raise ConfigError(f"--split-turns puts the loss on each document's last assistant message: with "
+                              f"--loss-on {self.loss_on} leave --split-turns out")
         return ChatRenderer(self, ChatTemplate(self.folder(), self.template))
 
 
@@ -64,18 +71,39 @@ class ChatRenderer:
             return f"plait's <|role|> format (--tokenizer {self.spec.tokenizer} has no chat template)"
         return self.chat.source
 
-    def document(self, messages: object, tools: object = None) -> tuple[str, Spans]:
-        """(the rendered text, its character spans in the loss); BadChat saying why it cannot be rendered.
-        ``tools``: the record's function definitions, given to the template as ``apply_chat_template(tools=)``."""
+    @property
+    def method(self) -> str:
+        """How the loss's characters are found (the default template's way; for the summary and meta.json)."""
+        if self.spec.loss_on == "all":
+            return "every token"
+        if self.spec.split_turns:
+            return "a document per assistant message"
+        return "{% generation %} marks" if generation_marks(self.chat.templates["default"]) else "prefixes"
+
+    def documents(self, messages: object, tools: object = None) -> list[tuple[str, Spans]]:
+        """The record's documents, each (the rendered text, its character spans in the loss): one, or with
+        ``split_turns`` one per assistant message; BadChat saying why it cannot be rendered. ``tools``: the
+        record's function definitions, given to the template as ``apply_chat_template(tools=)``."""
         check_messages(messages, self.spec.field)
         assert isinstance(messages, list)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise BadChat(f"'tools' is {type(tools).__name__}, not a list of function definitions")
         tools = tools or None
-        text = self._render(messages, False, tools)
-        end = len(text) + 1  # the EOS after the document
+        if self.spec.split_turns:
+            turns = [self._turn(messages[:i + 1], tools) for i, m in enumerate(messages) if m["role"] == ASSISTANT]
+            if not turns:
+                raise BadChat(f"no assistant message in {self.spec.field}: --split-turns makes no document of it")
+            return turns
         if self.spec.loss_on == "all":
-            return text, [(0, end)]
+            text = self._render(messages, False, tools)
+            return [(text, [(0, len(text) + 1)])]
+        text, marked = self._render_spans(messages, tools)
+        spans = marked if marked is not None else self._prefix_spans(messages, text, tools)
+        if messages[-1]["role"] == ASSISTANT:  # the EOS ends the assistant's last turn: it learns to stop
+            spans = _with_eos(spans, len(text))
+        return [(text, spans)]
+
+    def _prefix_spans(self, messages: list, text: str, tools) -> Spans:
         spans: Spans = []
         for i, m in enumerate(messages):
             if m["role"] != ASSISTANT:
@@ -83,19 +111,44 @@ class ChatRenderer:
             before = self._render(messages[:i], True, tools) if i else ""  # opened by the assistant: all of it
             upto = self._render(messages[:i + 1], False, tools)
             if not (upto.startswith(before) and text.startswith(upto)):
-                raise BadChat(f"the chat template ({self.source}) renders the messages before {self.spec.field}"
-                              f"[{i}] differently once it follows, so the assistant's tokens cannot be told apart; "
-                              "pass --loss-on all to train on every token")
+                raise BadChat(f"the chat template ({self.source}) renders {self.spec.field}[{i}] or the messages "
+                              "before it differently once later ones follow (as Qwen3's drops past reasoning), so "
+                              "the assistant's tokens cannot be told apart: pass --split-turns (each assistant "
+                              "message a document of its own, the conversation up to it), --chat-template FILE "
+                              "with a template whose {% generation %} blocks enclose the assistant's text, or "
+                              "--loss-on all (every token)")
             spans.append((len(before), len(upto)))
-        if spans and messages[-1]["role"] == ASSISTANT:
-            spans[-1] = (spans[-1][0], end)  # the EOS ends the assistant's last turn: it learns to stop
-        return text, spans
+        return spans
+
+    def _turn(self, chat: list, tools) -> tuple[str, Spans]:
+        """A document ending with the assistant's message ``chat[-1]``, the loss on it and the EOS after it."""
+        before = self._render(chat[:-1], True, tools) if len(chat) > 1 else ""
+        text = self._render(chat, False, tools)
+        if not text.startswith(before):
+            raise BadChat(f"the chat template ({self.source}) renders {self.spec.field}[:{len(chat) - 1}] with the "
+                          f"generation prompt otherwise than as the start of {self.spec.field}[:{len(chat)}], so "
+                          f"the assistant's message {self.spec.field}[{len(chat) - 1}] cannot be told apart; pass "
+                          "--loss-on all (every token)")
+        return text, [(len(before), len(text) + 1)]
+
+    def _render_spans(self, messages: list, tools) -> tuple[str, Spans | None]:
+        try:
+            return self.chat.render_spans(messages, tools=tools)
+        except ChatError as exc:
+            raise BadChat(exc.message.replace("messages[", f"{self.spec.field}[")) from None
 
     def _render(self, messages: list, generation: bool, tools) -> str:
         try:
             return self.chat.render(messages, add_generation_prompt=generation, tools=tools)
         except ChatError as exc:
             raise BadChat(exc.message.replace("messages[", f"{self.spec.field}[")) from None
+
+
+def _with_eos(spans: Spans, end: int) -> Spans:
+    """``spans`` with the EOS at position ``end`` added (joined to a span that ends there)."""
+    if spans and spans[-1][1] == end:
+        return [*spans[:-1], (spans[-1][0], end + 1)]
+    return [*spans, (end, end + 1)]
 
 
 def check_messages(messages: object, field: str) -> None:

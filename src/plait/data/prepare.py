@@ -63,11 +63,14 @@ def _init(job: Job) -> None:
 
 
 def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dtype: str,
-                     spans: list[Spans] | None = None) -> dict[str, Encoded]:
+                     spans: list[Spans] | None = None, keys: list[int] | None = None) -> dict[str, Encoded]:
     """Per split: token ids of its documents, each followed by ``eos``; int64 document lengths; with ``spans``
     (the characters of each document in the loss) the uint8 loss mask beside the ids. A document is held out
-    when the hash of its text falls under ``held_out``."""
+    when the hash of its text (of ``docs[keys[i]]``'s, given ``keys``) falls under ``held_out``."""
     limit = int(held_out * 2**64)
+    held = [_hash(text) < limit for text in docs]
+    if keys is not None:
+        held = [held[k] for k in keys]
     parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     masks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     end = np.asarray([eos], dtype=np.uint32)
@@ -76,9 +79,8 @@ def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dt
         encoded: list[tuple[np.ndarray, np.ndarray | None]] = (
             [(ids, None) for ids in tok.encode_batch(batch)] if spans is None
             else list(tok.encode_masked(batch, spans[i:i + ENCODE_BATCH])))
-        for text, (ids, mask) in zip(batch, encoded, strict=True):
-            h = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest(), "little")
-            split = "held_out" if h < limit else "train"
+        for j, (ids, mask) in enumerate(encoded):
+            split = "held_out" if held[i + j] else "train"
             parts[split] += [ids, end]
             if mask is not None:
                 masks[split].append(mask)
@@ -88,6 +90,10 @@ def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dt
         mask = None if spans is None else np.concatenate(masks[split] or [np.zeros(0, np.uint8)])
         out[split] = Encoded(ids, np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64), mask)
     return out
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest(), "little")
 
 
 @dataclass
@@ -102,7 +108,7 @@ class Encoded:
 def _run(task: Task) -> TaskResult:
     job, tok = _WORKER["job"], _WORKER["tok"]
     got = read_task(task, job.text_field, job.skip_bad, _WORKER["chat"])
-    encoded = encode_documents(got.docs, tok, job.eos, job.held_out, job.dtype, got.spans)
+    encoded = encode_documents(got.docs, tok, job.eos, job.held_out, job.dtype, got.spans, got.keys)
     for split, enc in encoded.items():
         if len(enc.ids):
             _write(Path(job.folder) / split / f"{task.index:06d}.bin", enc.ids)
@@ -157,7 +163,7 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
         meta = _meta(found, results, tok, job, time.perf_counter() - t0)
         if renderer is not None:
             meta["chat"] = {"messages_field": renderer.spec.field, "loss_on": renderer.spec.loss_on,
-                            "template": renderer.source}
+                            "template": renderer.source, "method": renderer.method}
         _finish(tmp, out, results, meta, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -77,8 +77,9 @@ def prepare_summary(meta: dict, out: Path):
     if chat is not None:
         train = meta["splits"]["train"]
         share = train["loss_tokens"] / max(1, train["tokens"])
+        how = f" (by {chat['method']})" if chat.get("method") not in (None, "every token") else ""
         t.caption += (f"\nchat: {chat['messages_field']!r} rendered with {chat['template']}; the loss on "
-                      f"{chat['loss_on']} tokens: {train['loss_tokens']:,} of the training split's ({share:.0%})")
+                      f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's ({share:.0%})")
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
         t.caption += "\nskipped, e.g.: " + "; ".join(examples[:3])

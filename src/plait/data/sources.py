@@ -203,20 +203,27 @@ def _hf_dataset(path: Path):
 @dataclass
 class Read:
     """What a task read: its documents, the character spans of each in the loss (``chat`` only, else None),
-    the raw bytes (text and JSON lines; for the source's hash) and the bad records skipped."""
+    the raw bytes (text and JSON lines; for the source's hash) and the bad records skipped. ``keys``: for each
+    document, the document whose text decides whether it is held out (a chat record's last: its documents stay
+    together)."""
 
     docs: list[str]
     spans: list[Spans] | None
     raw: bytes
     bad: list[BadRecord]
     skipped: int = 0  # records skipped: bad ones, blank ones, binary files
+    keys: list[int] = field(default_factory=list)
 
-    def add(self, value: tuple[str, Spans] | str) -> None:
-        if isinstance(value, tuple):
+    def add(self, value: list[tuple[str, Spans]] | str) -> None:
+        if isinstance(value, list):  # a chat record's documents
             assert self.spans is not None
-            self.docs.append(value[0])
-            self.spans.append(value[1])
+            last = len(self.docs) + len(value) - 1
+            for text, spans in value:
+                self.keys.append(last)
+                self.docs.append(text)
+                self.spans.append(spans)
         else:
+            self.keys.append(len(self.docs))
             self.docs.append(value)
 
     def skip(self, rec: BadRecord) -> None:
@@ -263,7 +270,7 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
         at = task.start + i if task.kind == "hf" else i
         if chat is not None:
             try:
-                out.add(chat.document(v))
+                out.add(chat.documents(v))
             except BadChat as exc:
                 _bad(out, BadRecord(task.path, -1, at, f"{exc}{row}"), skip_bad)
         elif isinstance(v, str) and not v.strip():
@@ -297,7 +304,8 @@ def field_flag(chat: bool) -> str:
     return "--messages-field" if chat else "--text-field"
 
 
-def _text_of(line: bytes, field: str, chat: ChatRenderer | None) -> tuple[str | tuple[str, Spans] | None, str]:
+def _text_of(line: bytes, field: str, chat: ChatRenderer | None
+             ) -> tuple[str | list[tuple[str, Spans]] | None, str]:
     """A JSON line's document (text, or with ``chat`` the rendered messages and their spans), else why not."""
     try:
         record = json.loads(line)
@@ -314,7 +322,7 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None) -> tuple[str | 
     value = record[field]
     if chat is not None:
         try:
-            return chat.document(value, record.get("tools")), ""
+            return chat.documents(value, record.get("tools")), ""
         except BadChat as exc:
             return None, str(exc)
     if not isinstance(value, str):
