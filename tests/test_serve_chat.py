@@ -225,5 +225,9 @@ def test_generation_marks_render_as_transformers_and_enclose_the_spans_it_masks(
     text, [(a, b)] = nested.render_spans(QWEN3_CHATS[1])  # a block inside a macro
     assert text == "<user>hello world<assistant><think>\nhmm\n</think>\n\nhello<user>what is the weather?"
     assert text[a:b] == QWEN3_CHATS[1][1]["content"]
+    parts = ChatTemplate(None, "{% for m in messages %}{% generation %}{% for p in m['content'] %}{{ p['text'] }}|"
+                               "{% endfor %}{% endgeneration %}{% endfor %}")  # a marked loop over content parts
+    chat = [{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert parts.render(chat) == "a|b|" and parts.render_spans(chat) == ("a|b|", [(0, 4)])
     with pytest.raises(ChatError, match="U[+]FDD0 or U[+]FDD1"):
         nested.render_spans([{"role": "user", "content": "a\ufdd0b"}])
