@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -20,12 +19,13 @@ PLAIT_SOURCE = "plait's <|role|> format (the folder has no chat template)"
 # the tokenizer's named special tokens, passed to the template as variables (transformers' special_tokens_map)
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING = ("reasoning_content", "thinking", "reasoning")  # a message's reasoning, under its usual names
-RESERVED = {"messages", "tools", "documents", "add_generation_prompt"}  # variables chat_template_kwargs can't set
+MARKS = "__plait_generation_marks__"  # the template variable that asks the {% generation %} tag for OPEN and CLOSE
+# variables chat_template_kwargs cannot set
+RESERVED = {"messages", "tools", "documents", "add_generation_prompt", MARKS}
 TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # marks the end of the last message (continue_final_message)
 # While spans are asked for, a {% generation %} block's text is put between these two Unicode noncharacters
 # (code points set aside for a program's internal use), then they are taken out and their places kept.
 OPEN, CLOSE = "\ufdd0", "\ufdd1"
-_MARKING: ContextVar[bool] = ContextVar("plait_generation_marks", default=False)
 
 
 class ChatError(ValueError):
@@ -139,11 +139,12 @@ def _generation_extension():
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+            mark = self.call_method("_mark", [jinja2.nodes.ContextReference()])
+            return jinja2.nodes.CallBlock(mark, [], [], body).set_lineno(lineno)
 
-        def _mark(self, caller):
+        def _mark(self, context, caller):
             text = caller()
-            return f"{OPEN}{text}{CLOSE}" if _MARKING.get() else text
+            return f"{OPEN}{text}{CLOSE}" if context.get(MARKS) else text
 
     return Generation
 
@@ -291,11 +292,13 @@ class ChatTemplate:
                         f"chat_template ({sorted(self.templates)})", "chat_template")
 
     def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
-               template: str | None = None, kwargs: dict | None = None, continue_final: bool = False) -> str:
+               template: str | None = None, kwargs: dict | None = None, continue_final: bool = False,
+               marks: bool = False) -> str:
         """The text of ``messages``; ChatError naming the error when they or the template fail.
 
         ``continue_final``: the text ends inside the last message, so the model goes on with it (as
-        transformers: a tag after its content, the text cut at the tag)."""
+        transformers: a tag after its content, the text cut at the tag). ``marks``: the text of ``{% generation
+        %}`` blocks between OPEN and CLOSE (``render_spans``)."""
         source = self.pick(template, tools)
         kwargs = kwargs or {}
         if set(kwargs) & RESERVED:
@@ -309,7 +312,7 @@ class ChatTemplate:
         try:
             text = compile_template(source).render(messages=chat, tools=tools, documents=documents,
                                                    add_generation_prompt=add_generation_prompt,
-                                                   **{**self.special, **kwargs})
+                                                   **{**self.special, **kwargs, MARKS: marks})
         except Exception as exc:  # the template is the folder's or the request's code: any failure is the caller's
             raise ChatError(f"the chat template failed: {type(exc).__name__}: {exc}", "messages",
                             "chat_template_error") from None
@@ -326,12 +329,7 @@ class ChatTemplate:
         if re.search(f"[{OPEN}{CLOSE}]", json.dumps([messages, tools], ensure_ascii=False, default=str)):
             raise ChatError("the messages hold U+FDD0 or U+FDD1, the noncharacters that mark the template's "
                             "{% generation %} text here", "messages")
-        token = _MARKING.set(True)
-        try:
-            marked = self.render(messages, add_generation_prompt, tools)
-        finally:
-            _MARKING.reset(token)
-        return _unmark(marked)
+        return _unmark(self.render(messages, add_generation_prompt, tools, marks=True))
 
 
 def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
