@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from plait.distributed.launch import _ForwardSignal
+from plait.distributed.job_signals import ForwardSignal
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -37,6 +37,29 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
     assert (tmp_path / "plait-checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
 
 
+def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
+    """Ctrl-C while the workers still import: they take it at their entry point, without a traceback each."""
+    from plait.distributed.launch import child_pids
+
+    (tmp_path / "text.txt").write_text("some training text for an interrupted run. " * 200)
+    flags = ["--tp", "1", "--pp", "2", "--steps", "5", "--seq-len", "32", "--batch-size", "4", "--microbatches", "2",
+             "--sample-tokens", "0", "--eval-every", "0", "--cluster", "none", "--data", "text.txt"]
+    proc = subprocess.Popen(PLAIT + ["train", *flags], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while time.time() < deadline and len(child_pids(proc.pid, b"spawn_main")) < 2:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)  # the workers are started: they import torch for seconds more
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # was each worker's KeyboardInterrupt out of an import, then "error: rank 0 (pid ...) died (signal SIGINT)"
+    assert err == "plait train: stopped (SIGINT) before the first step: nothing trained, no checkpoint\n", err
+    assert proc.returncode == 130 and not (tmp_path / "plait-checkpoints").exists(), out
+
+
 def _wait_out_one_signal(ready) -> None:
     """A worker that takes the first SIGINT as a request (its handler sets a flag) and goes on."""
     signal.signal(signal.SIGINT, lambda *_: None)
@@ -53,13 +76,14 @@ def test_a_second_ctrl_c_stops_the_workers_at_once():
         child.start()
         try:
             assert ready.wait(60)
-            with _ForwardSignal(signal.SIGINT, again_kills=again_kills):
+            with ForwardSignal(signal.SIGINT, again_kills=again_kills) as forward:
                 os.kill(os.getpid(), signal.SIGINT)  # forwarded: the worker goes on towards its step's end
                 child.join(0.5)
                 assert child.is_alive()
                 os.kill(os.getpid(), signal.SIGINT)
                 child.join(5 if again_kills else 0.5)
             assert child.is_alive() != again_kills, again_kills
+            assert forward.received == signal.SIGINT and forward.killed == again_kills
             assert not again_kills or child.exitcode == -signal.SIGKILL
         finally:
             if child.is_alive():

@@ -57,7 +57,7 @@ def serve_command(
     """``layout``: the generated --tp and --pp options; ``settings``: ServeConfig's (plait.cli.options)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from plait.distributed.launch import JobError, run_or_launch
+    from plait.distributed.launch import JobError, JobStopped, run_or_launch
     from plait.errors import ConfigError, flag_message
     from plait.generation.job import check_layout, source_config, tokenizer_folder
     from plait.parallel_config import ParallelConfig
@@ -86,6 +86,8 @@ def serve_command(
         typer.echo(f"plait serve: stopped ({exc.sigval.name})", err=True)
     except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (one process: while loading)
         typer.echo("plait serve: stopped (SIGINT)", err=True)
+    except JobStopped as exc:  # the same, to the workers of a launch (still loading)
+        typer.echo(f"plait serve: stopped ({exc.signal_name})", err=True)
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None

@@ -101,7 +101,8 @@ def _prepared(entry: str) -> bool:
 def _run(cfg) -> None:
     from plait.cli.predict import check_cluster
     from plait.cli.train_worker import train_worker
-    from plait.distributed.launch import JobError, launch, under_torchrun
+    from plait.distributed.job_signals import STOP_TIMEOUT_S
+    from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
     from plait.train import validate
     from plait.train.config import check_nproc, check_outputs, check_resume
     from plait.train.preempt import SIGNALS as STOP_SIGNALS
@@ -126,6 +127,11 @@ def _run(cfg) -> None:
     try:
         launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS,
                again_kills=True)  # Ctrl-C: a checkpoint at the next step; Ctrl-C again: stop at once
+    except JobStopped as exc:  # a stop signal before the workers could stop at a step's end with a checkpoint
+        how = ("the workers were killed before saving (a second Ctrl-C, or no step's end within "
+               f"{STOP_TIMEOUT_S:.0f} s)" if exc.killed else "before the first step: nothing trained, no checkpoint")
+        typer.echo(f"plait train: stopped ({exc.signal_name}) {how}", err=True)
+        raise typer.Exit(exc.exit_code) from None
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None

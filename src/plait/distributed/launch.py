@@ -26,18 +26,17 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from plait.distributed.job_signals import ForwardSignal, HeldInterrupts
+
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
-STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step boundary, save and exit
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the elastic agent's own handling: stop the workers at once
 # glibc's mallopt(3) parameters (malloc.h) and the values plait's processes set (``keep_freed_memory``)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -229,6 +228,15 @@ class JobError(Exception):
         return self.message
 
 
+@dataclass
+class JobStopped(JobError):
+    """The workers ended on a stop signal (``signal_name``) the launcher forwarded, before they could stop in their
+    own way (still starting); ``killed``: the launcher killed them (a second Ctrl-C, or ``STOP_TIMEOUT_S`` over)."""
+
+    signal_name: str = "SIGINT"
+    killed: bool = False
+
+
 def under_torchrun() -> bool:
     """True when this process is already a worker of torchrun (or another torch elastic agent)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -253,6 +261,8 @@ def worker(target: str, payload: dict, failure_dir: str):
     keep_freed_memory()
     module, _, name = target.partition(":")
     try:
+        if hasattr(signal, "pthread_sigmask"):  # a Ctrl-C held since the start (``HeldInterrupts``) arrives here
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         return getattr(importlib.import_module(module), name)(payload)
     except BaseException as exc:
         Path(failure_dir, f"rank{rank}").write_text(f"{type(exc).__name__}\n{exc}".strip())
@@ -273,7 +283,9 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
 
     The signals in ``forward`` go to the workers, which stop on them in their own way (``plait serve`` also
     on SIGINT); the agent handles the other ones of ``AGENT_SIGNALS`` by stopping the workers at once. With
-    ``again_kills`` a second SIGINT kills the workers instead (``plait train``: no waiting for a step's end)."""
+    ``again_kills`` a second SIGINT kills the workers instead (``plait train``: no waiting for a step's end). A
+    SIGINT while the workers start waits for their entry point (``HeldInterrupts``); workers that end on a forwarded
+    signal without an error of their own raise ``JobStopped``."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -289,52 +301,23 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
     if hasattr(config, "signals_to_handle"):
         config.signals_to_handle = agent_signals
     with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
-        for sig in forward:
-            stack.enter_context(_ForwardSignal(sig, again_kills))
+        forwarders = [stack.enter_context(ForwardSignal(sig, again_kills)) for sig in forward]
+        stack.enter_context(HeldInterrupts())
         try:
             results = elastic_launch(config, worker)(target, payload, failures)
         except ChildFailedError as exc:
+            stop = next((f for f in forwarders if f.received), None)
+            if stop is not None and _only_stopped(exc, Path(failures)):
+                name = signal.Signals(stop.received).name
+                raise JobStopped(f"stopped ({name})", 128 + stop.received, name, stop.killed) from None
             raise JobError(*_explain(exc, Path(failures))) from None
     return [results[r] for r in sorted(results)]
 
 
-class _ForwardSignal:
-    """While active (main thread only), ``sig`` to this process goes to its worker processes instead; those
-    still alive ``STOP_TIMEOUT_S`` later are killed, or with ``again_kills`` at once on a second SIGINT."""
-
-    def __init__(self, sig: int, again_kills: bool = False):
-        self.sig, self.again_kills = sig, again_kills
-        self.previous: Callable[[int, FrameType | None], Any] | int | None = None
-        self.timer: threading.Timer | None = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(self.sig, self._forward)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(self.sig, self.previous)
-        if self.timer is not None:
-            self.timer.cancel()
-
-    def _forward(self, signum, frame) -> None:
-        if self.again_kills and self.timer is not None and signum == signal.SIGINT:  # Ctrl-C again: kill now
-            _kill_children()
-            return
-        for child in mp.active_children():
-            if child.pid is not None:
-                os.kill(child.pid, signum)
-        if self.timer is None:
-            timer = threading.Timer(STOP_TIMEOUT_S, _kill_children)
-            timer.daemon = True
-            timer.start()
-            self.timer = timer
-
-
-def _kill_children() -> None:
-    for child in mp.active_children():
-        child.kill()
+def _only_stopped(exc, failures: Path) -> bool:
+    """True when no failed worker reported an error of its own: each died (by a signal) or was interrupted."""
+    return all(not (failures / f"rank{r}").is_file()
+               or (failures / f"rank{r}").read_text().partition("\n")[0] == "KeyboardInterrupt" for r in exc.failures)
 
 
 def _explain(exc, failures: Path) -> tuple[str, int]:

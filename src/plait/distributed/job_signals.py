@@ -1,0 +1,82 @@
+"""The stop signals of a job that ``plait.distributed.launch.launch`` runs: passed on to its workers
+(``ForwardSignal``), and held in the workers until their entry point while they start (``HeldInterrupts``)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step boundary, save and exit
+
+
+class HeldInterrupts:
+    """While active, the workers this thread starts begin with SIGINT blocked (a process's signal mask outlives
+    exec), so that a Ctrl-C while they import waits for their entry point (``worker`` unblocks it inside its
+    error handling) instead of printing each one's traceback out of an import. This process still takes it:
+    the kernel hands a blocked signal to a thread that does not block it, here one started to that end."""
+
+    def __init__(self):
+        self.ready = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+        self.done = threading.Event()
+        self.mask: set = set()  # this thread's mask before
+
+    def __enter__(self):
+        if self.ready:  # the thread first: it keeps the mask of its start, SIGINT open
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()  # its start unblocks SIGINT: started now, it is not started again
+            threading.Thread(target=self.done.wait, name="plait-sigint", daemon=True).start()
+            self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ready:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+            self.done.set()
+
+
+class ForwardSignal:
+    """While active (main thread only), ``sig`` to this process goes to its worker processes instead; those
+    still alive ``STOP_TIMEOUT_S`` later are killed, or with ``again_kills`` at once on a second SIGINT."""
+
+    def __init__(self, sig: int, again_kills: bool = False):
+        self.sig, self.again_kills = sig, again_kills
+        self.previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self.timer: threading.Timer | None = None
+        self.received = 0  # the signal forwarded (0: none yet)
+        self.killed = False  # the workers killed: a second SIGINT with again_kills, or STOP_TIMEOUT_S over
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(self.sig, self._forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(self.sig, self.previous)
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _forward(self, signum, frame) -> None:
+        self.received = signum
+        if self.again_kills and self.timer is not None and signum == signal.SIGINT:  # Ctrl-C again: kill now
+            self._kill()
+            return
+        for child in mp.active_children():
+            if child.pid is not None:
+                os.kill(child.pid, signum)
+        if self.timer is None:
+            timer = threading.Timer(STOP_TIMEOUT_S, self._kill)
+            timer.daemon = True
+            timer.start()
+            self.timer = timer
+
+    def _kill(self) -> None:
+        self.killed = True
+        for child in mp.active_children():
+            child.kill()
