@@ -1,6 +1,7 @@
 """``plait plan`` / ``plait topo``: clear one-line errors, JSON output, topology from a file."""
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -115,7 +116,7 @@ def test_topo_from_file(tmp_path):
     f = tmp_path / "topo.txt"
     f.write_text(TOPO)
     r = runner.invoke(app, ["topo", "--file", str(f)])
-    assert r.exit_code == 0 and "tp=4" in r.output
+    assert r.exit_code == 0 and "tp=4" in r.output and r.output.startswith(f"4 GPUs, read from --file {f}\n")
     f.write_text("nothing here")
     r = runner.invoke(app, ["topo", "--file", str(f)])
     assert r.exit_code == 2 and r.output.startswith(f"error: --file {f}: no 'GPU0 GPU1 ...' header"), r.output
@@ -128,6 +129,23 @@ def test_topo_missing_file_is_an_error_naming_the_flag(tmp_path):
     r = runner.invoke(app, ["topo", "--file", str(tmp_path / "nope.txt")])
     assert r.exit_code == 2, r.output
     assert f"error: --file {tmp_path / 'nope.txt'}: no such file" in r.output and "Traceback" not in r.output
+
+
+def test_topo_without_a_topology_to_read_says_why_and_exits_1(tmp_path, monkeypatch):
+    """No nvidia-smi, or one that fails: an error naming which, exit code 1 (was a note and exit code 0)."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    r = runner.invoke(app, ["topo"])
+    assert r.exit_code == 1 and r.stderr == ("error: nvidia-smi is not on PATH (no NVIDIA driver here): no GPU "
+                                             "topology read. Pass --file with a saved `nvidia-smi topo -m` output.\n")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    smi.chmod(0o755)
+    r = runner.invoke(app, ["topo"])
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: `{smi} topo -m` failed (no driver loaded"), r.output
+    (tmp_path / "topo.txt").write_text(TOPO)
+    smi.write_text(f"#!{sys.executable}\nprint(open({str(tmp_path / 'topo.txt')!r}).read())\n")
+    r = runner.invoke(app, ["topo"])
+    assert r.exit_code == 0 and r.stdout.startswith("4 GPUs, read from `nvidia-smi topo -m`\n"), r.output
 
 
 def test_plan_topo_and_simulate_options_are_their_dataclasses_fields():

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -33,7 +34,7 @@ smallest of 4, 8, 16, 32, 64M tokens whose best layout keeps the bubble under 10
 """
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
@@ -353,7 +354,8 @@ class TopoOptions:
 
 def topo(options: dict[str, Any]) -> None:
     """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
-    `plait plan --inference` recommends on these links (each TP size costed on the link its group uses)."""
+    `plait plan --inference` recommends on these links (each TP size costed on the link its group uses).
+    Exit code 1 when there is no topology to read (no nvidia-smi, or it fails), 2 on a bad option or file."""
     from plait.errors import ConfigError, flag_message
     from plait.plan import Workload
     from plait.plan.topo import advice, parse_topo, read_topo, serving_advice, tp_groups
@@ -365,10 +367,11 @@ def topo(options: dict[str, Any]) -> None:
         text = o.file.read_text() if o.file is not None else read_topo()
     except UnicodeDecodeError:
         _fail(f"--file {o.file}: not text, so not the output of `nvidia-smi topo -m`")
-    if text is None:
-        typer.echo("nvidia-smi not found (no NVIDIA GPU here): nothing to read. "
-                   "Pass --file with a saved `nvidia-smi topo -m` output.")
-        raise typer.Exit(0)
+    if text is None:  # asked for a topology and none read: exit code 1, saying why
+        found = shutil.which("nvidia-smi")
+        why = f"`{found} topo -m` failed (no driver loaded, or no GPU visible)" if found else \
+            "nvidia-smi is not on PATH (no NVIDIA driver here)"
+        _fail(f"{why}: no GPU topology read. Pass --file with a saved `nvidia-smi topo -m` output.", code=1)
     try:
         t = parse_topo(text)
     except ValueError as exc:  # says what the text lacks: name where it came from
@@ -378,7 +381,8 @@ def topo(options: dict[str, Any]) -> None:
         res = serving_advice(t, _model(o.model, None), gpu, Workload(o.batch, o.prompt_len, o.gen_len), o.weights)
     except (ValueError, ConfigError) as exc:
         _fail(flag_message(exc))
-    typer.echo(f"{len(t.gpus)} GPUs")
+    source = f"--file {o.file}" if o.file is not None else "`nvidia-smi topo -m`"
+    typer.echo(f"{len(t.gpus)} GPUs, read from {source}")
     for line in advice(t):
         typer.echo("• " + line)
     typer.echo(f"serving {o.model} on them ({gpu}, batch {o.batch}, prompt {o.prompt_len}, {o.gen_len} new tokens, "
