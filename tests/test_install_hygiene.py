@@ -126,3 +126,20 @@ def test_recompute_flag(command):
     bad = _cli(command, "--recompute", "sometimes", *(["--nproc", "4"] if command == "train" else []))
     assert bad.exit_code == 2
     assert "recompute" in bad.output and "none, selective, full" in bad.output
+
+
+def test_help_names_values_as_they_are_typed():
+    """Every command's --help: INT, FILE, [WEIGHT:]PATH, SRC... where typer wrote <int>, <path>, <list[str]>."""
+    import typer
+
+    group = typer.main.get_command(app)
+    commands = [[name] for name in group.commands if name != "data"] + [["data", "prepare"]]
+    for words in commands:
+        shown = _cli(*words, "--help").output
+        assert not re.search(r"<(int|float|str|path|bool|list\[\w+\]|\w+ range)>", shown), (words, shown)
+    shown = " ".join(_cli("train", "--help").output.split())
+    assert "--tp INT " in shown and "--lr FLOAT " in shown and "--data [WEIGHT:]PATH " in shown, shown
+    assert "--config FILE " in shown and "--resume / --no-resume " in shown, shown
+    shown = " ".join(_cli("data", "prepare", "--help").output.split())
+    assert "SRC... Files or folders to read." in shown and "--out DIR " in shown, shown
+    assert "export [OPTIONS] {CHECKPOINT} {DIR}" in _cli("export", "--help").output

@@ -113,7 +113,7 @@ def test_microbatches_help_says_what_the_number_counts():
     global batch over dp, and the default each command uses (train: 4, verify: 8; from Python: pp)."""
     for command, default in (("train", 4), ("verify", 8)):
         shown = " ".join(CliRunner().invoke(app, [command, "--help"], terminal_width=400).output.split())
-        text = shown[shown.index("--microbatches <int>"):].split(" --virtual-stages")[0]
+        text = shown[shown.index("--microbatches INT"):].split(" --virtual-stages")[0]
         for needle in ("each pipeline (one per data-parallel replica) runs per optimizer step",
                        "multiple of dp x M", "batch / (dp x M) sequences", "Left unset (None, from Python): pp",
                        f"[default: {default}]"):

@@ -6,6 +6,8 @@ import importlib
 
 import typer
 
+from plait.cli.help import readable
+
 app = typer.Typer(
     name="plait",
     help="Plan, simulate, run and verify tensor, sequence, pipeline, data and expert parallelism.",
@@ -46,6 +48,7 @@ COMMAND_MODULES = [
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
+readable(app)  # --help names values as they are typed (INT, FILE), not as Python types
 
 
 def main() -> None:
