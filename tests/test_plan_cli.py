@@ -57,6 +57,22 @@ def test_bad_values_are_errors_naming_them_not_defaults(args, needle):
     assert r.exit_code == 2 and r.output.startswith(needle), r.output
 
 
+def test_write_config_header_says_what_its_mb_label_counts(tmp_path):
+    """The layout label's mbN is sequences per micro-batch; the file's microbatches is how many per step."""
+    from plait.train.config import read_toml
+
+    out = tmp_path / "run.toml"
+    r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "512", "--write-config",
+                            str(out)])
+    assert r.exit_code == 0, r.output
+    header = out.read_text().splitlines()[:2]
+    values = read_toml(out)
+    size = int(header[0].split(" mb")[1].split()[0])
+    assert values["batch_size"] == values["dp"] * values["microbatches"] * size, (header, values)
+    assert header[1] == (f"# mb{size}: micro-batches of {size} sequence{'s' * (size != 1)}: batch-size 512 = dp "
+                         f"{values['dp']} x microbatches {values['microbatches']} x {size}"), header
+
+
 def test_write_config_through_a_file_is_an_error(tmp_path):
     (tmp_path / "a-file").write_text("")
     out = tmp_path / "a-file" / "run.toml"
@@ -141,7 +157,7 @@ def test_topo_without_a_topology_to_read_says_why_and_exits_1(tmp_path, monkeypa
     smi.write_text("#!/bin/sh\nexit 9\n")
     smi.chmod(0o755)
     r = runner.invoke(app, ["topo"])
-    assert r.exit_code == 1 and r.stderr.startswith(f"error: `{smi} topo -m` failed (no driver loaded"), r.output
+    assert r.exit_code == 1 and r.stderr.startswith(f"error: `{smi} topo -m` failed (no driver loaded, or no"), r.output
     (tmp_path / "topo.txt").write_text(TOPO)
     smi.write_text(f"#!{sys.executable}\nprint(open({str(tmp_path / 'topo.txt')!r}).read())\n")
     r = runner.invoke(app, ["topo"])

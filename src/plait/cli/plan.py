@@ -172,8 +172,10 @@ def _write_config(path: Path, best, model_arg: str) -> None:
     values = {"model": (model_arg if model_arg in PRESETS else str(folder)) if trainable else None,
               **best.layout.to_parallel_config(best.training, best.training.precision, best.rounds).to_dict(),
               "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
-    header = (f"plait plan's best layout for {best.model.name}: {best.layout.short()} "
-              f"({best.step_time_s:.3g} s/step predicted on {best.cluster.n_gpus} x {best.cluster.gpu.name})")
+    size, m, dp = best.layout.microbatch_size, values["microbatches"], values["dp"]  # the label's mbN: N sequences
+    header = (f"plait plan's best layout for {best.model.name}: {best.layout.short()} ({best.step_time_s:.3g} s/step "
+              f"predicted on {best.cluster.n_gpus} x {best.cluster.gpu.name})\nmb{size}: micro-batches of {size} "
+              f"sequence{'s' * (size != 1)}: batch-size {values['batch_size']} = dp {dp} x microbatches {m} x {size}")
     if not trainable:
         header += f"\n{model_arg} is a planner preset: give plait train --model a Hugging Face folder of it"
     path.write_text(toml_text(values, header))
@@ -368,9 +370,8 @@ def topo(options: dict[str, Any]) -> None:
     except UnicodeDecodeError:
         _fail(f"--file {o.file}: not text, so not the output of `nvidia-smi topo -m`")
     if text is None:  # asked for a topology and none read: exit code 1, saying why
-        found = shutil.which("nvidia-smi")
-        why = f"`{found} topo -m` failed (no driver loaded, or no GPU visible)" if found else \
-            "nvidia-smi is not on PATH (no NVIDIA driver here)"
+        why = (f"`{found} topo -m` failed (no driver loaded, or no GPU)" if (found := shutil.which("nvidia-smi"))
+               else "nvidia-smi is not on PATH (no NVIDIA driver here)")
         _fail(f"{why}: no GPU topology read. Pass --file with a saved `nvidia-smi topo -m` output.", code=1)
     try:
         t = parse_topo(text)
