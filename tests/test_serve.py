@@ -145,6 +145,16 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: --model") and "no such folder" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--max-tokens", "500"])
     assert res.exit_code == 2 and "--max-tokens 500 must be within [1, 127]" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-budget", "64", "--max-tokens", "100"])
+    assert res.exit_code == 2 and res.output.startswith(  # was accepted: every request over 63 tokens got 400
+        "error: --max-tokens 100: every request would need more KV cache positions than --kv-budget 64 holds (its "
+        "prompt, 1 token at least, and max_tokens): the largest --max-tokens that fits is 63, or raise --kv-budget "
+        "to 101"), res.output
+    from plait.serve.config import ServeConfig
+
+    assert ServeConfig(kv_budget=64).resolved(128).max_tokens == 63  # the default: what fits the pool
+    assert ServeConfig(kv_budget=64, max_tokens=63).resolved(128).max_tokens == 63
+    assert ServeConfig().resolved(128).max_tokens == 127
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--step-tokens", "-1"])
     assert res.exit_code == 2 and "--step-tokens -1" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--kv-block", "0"])

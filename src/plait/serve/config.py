@@ -26,7 +26,8 @@ class ServeConfig:
     max_batch: int = 16
     """Sequences that run at once (continuous batching)."""
     max_tokens: int | None = None
-    """Largest max_tokens a request may ask for (default: the context length - 1)."""
+    """Largest max_tokens a request may ask for (default: the context length - 1, or --kv-budget - 1 if
+    smaller)."""
     kv_budget: int | None = None
     """KV cache positions of the block pool (default: max-batch x context)."""
     kv_block: int = 16
@@ -74,12 +75,18 @@ class ServeConfig:
         """These settings for a model of ``context`` positions: the defaults filled in, every value checked
         (ConfigError naming the flag and what it may be)."""
         self.check_batch()
-        max_tokens = context - 1 if self.max_tokens is None else self.max_tokens
         kv_budget = self.max_batch * context if self.kv_budget is None else self.kv_budget
-        if not 1 <= max_tokens < context:
-            raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
         if kv_budget < 2 or self.kv_block < 1:
             raise ConfigError(f"--kv-budget {kv_budget} must be >= 2 positions and --kv-block {self.kv_block} >= 1")
+        # a request holds its prompt (1 token at least) and max_tokens positions of the pool
+        max_tokens = min(context, kv_budget) - 1 if self.max_tokens is None else self.max_tokens
+        if not 1 <= max_tokens < context:
+            raise ConfigError(f"--max-tokens {max_tokens} must be within [1, {context - 1}] (context {context})")
+        if max_tokens >= kv_budget:
+            raise ConfigError(f"--max-tokens {max_tokens}: every request would need more KV cache positions than "
+                              f"--kv-budget {kv_budget} holds (its prompt, 1 token at least, and max_tokens): the "
+                              f"largest --max-tokens that fits is {kv_budget - 1}, or raise --kv-budget to "
+                              f"{max_tokens + 1}")
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be a TCP port within [1, 65535]")
         if self.log_level.lower() not in LOG_LEVELS:
