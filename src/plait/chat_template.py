@@ -318,18 +318,18 @@ class ChatTemplate:
                             "chat_template_error") from None
         return text if final is None else _cut_at_tag(text, final)
 
-    def render_spans(self, messages, add_generation_prompt: bool = False, tools=None,
+    def render_spans(self, messages, add_generation_prompt: bool = False, tools=None, kwargs: dict | None = None,
                      ) -> tuple[str, list[tuple[int, int]] | None]:
         """The text of ``messages`` (as ``render``) and the sorted, disjoint character ranges [a, b) of it that the
         template's ``{% generation %}`` blocks enclose (the assistant's text, as transformers'
         ``return_assistant_tokens_mask`` takes it); None for spans when the template has no such blocks."""
         source = self.pick(None, tools)
         if not generation_marks(source):
-            return self.render(messages, add_generation_prompt, tools), None
-        if re.search(f"[{OPEN}{CLOSE}]", json.dumps([messages, tools], ensure_ascii=False, default=str)):
-            raise ChatError("the messages hold U+FDD0 or U+FDD1, the noncharacters that mark the template's "
-                            "{% generation %} text here", "messages")
-        return _unmark(self.render(messages, add_generation_prompt, tools, marks=True))
+            return self.render(messages, add_generation_prompt, tools, kwargs=kwargs), None
+        if re.search(f"[{OPEN}{CLOSE}]", json.dumps([messages, tools, kwargs], ensure_ascii=False, default=str)):
+            raise ChatError("the messages, tools or template variables hold U+FDD0 or U+FDD1, the noncharacters "
+                            "that mark the template's {% generation %} text here", "messages")
+        return _unmark(self.render(messages, add_generation_prompt, tools, kwargs=kwargs, marks=True))
 
 
 def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:

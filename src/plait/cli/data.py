@@ -27,6 +27,8 @@ the assistant's messages (--loss-on all: every token): the text a template's {% 
 blocks enclose, else what each assistant message adds to the conversation before it; the mask
 is stored beside the tokens and plait train ignores the other targets. --split-turns: each
 assistant message its own document (templates that drop past reasoning, as Qwen3's).
+--chat-template-kwargs JSON: template variables every render gets, as apply_chat_template's
+keyword arguments (Qwen3 without reasoning: '{"enable_thinking": false}').
 
 The output appears at --out only when complete: a prepare that is killed leaves nothing there.
 
@@ -35,6 +37,8 @@ Examples:
   plait data prepare corpus.jsonl --tokenizer bytes --out data/corpus
   plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 --held-out 0.01
   plait data prepare chats.jsonl --tokenizer ./my-model --chat --out data/chats
+  plait data prepare chats.jsonl --tokenizer ./qwen3 --chat --split-turns \\
+      --chat-template-kwargs '{"enable_thinking": false}' --out data/chats-nothink
   plait train --data data/corpus --seq-len 256
 """
 
@@ -67,18 +71,25 @@ def prepare_command(
     split_turns: Annotated[bool, Opt("--split-turns", help="With --chat: each assistant message its own document, "
                                      "the conversation up to it as the template renders it then, the loss on that "
                                      "message (for templates that drop past reasoning, as Qwen3's).")] = False,
+    chat_template_kwargs: Annotated[str | None, Opt(help="With --chat: template variables every render gets, a "
+                                                         "JSON object (as apply_chat_template's keyword "
+                                                         "arguments), e.g. '{\"enable_thinking\": false}'.",
+                                                    metavar="JSON")] = None,
 ) -> None:
     from rich.console import Console
 
+    from plait.chat_kwargs import parse_template_kwargs
     from plait.data.chat import ChatSpec
     from plait.data.prepare import prepare
     from plait.errors import ConfigError
 
     try:
-        spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template, split_turns) if chat else None
         if not chat:
             _chat_only(messages=messages_field != "messages", loss_on=loss_on != "assistant",
-                       chat_template=chat_template is not None, split_turns=split_turns)
+                       chat_template=chat_template is not None, split_turns=split_turns,
+                       chat_template_kwargs=chat_template_kwargs is not None)
+        spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template, split_turns,
+                        parse_template_kwargs(chat_template_kwargs)) if chat else None
         prepare(sources, tokenizer, out, text_field=text_field, workers=workers, held_out=held_out, eos=eos,
                 skip_bad=skip_bad, force=force, console=Console(highlight=False), chat=spec)
     except ConfigError as exc:

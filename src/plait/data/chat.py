@@ -11,6 +11,8 @@ earlier turn differently once later ones follow (Qwen3's drops the reasoning of 
 message) leaves no such prefix: the record is refused, naming what works instead. ``split_turns`` makes each
 assistant message a document of its own, the conversation up to it rendered as the model sees it when it writes
 that message, the loss on that message alone; the documents of one record are held out or trained together.
+``template_kwargs`` (``--chat-template-kwargs``): variables every render gets, as
+``apply_chat_template(messages, **kwargs)`` (Qwen3's ``enable_thinking``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from plait.chat_kwargs import check_template_kwargs
 from plait.chat_template import ChatError, ChatTemplate, generation_marks, message_problem
 from plait.errors import ConfigError
 
@@ -39,6 +42,7 @@ class ChatSpec:
     loss_on: str = ASSISTANT
     template: str | None = None  # --chat-template: a file or the template's text
     split_turns: bool = False  # --split-turns: a document per assistant message, the loss on it alone
+    template_kwargs: dict | None = None  # --chat-template-kwargs: template variables given to every render
 
     def folder(self) -> Path | None:
         p = Path(self.tokenizer)
@@ -52,14 +56,16 @@ class ChatSpec:
         if self.split_turns and self.loss_on != ASSISTANT:
             raise ConfigError(f"--split-turns puts the loss on each document's last assistant message: with "
                               f"--loss-on {self.loss_on} leave --split-turns out")
-        return ChatRenderer(self, ChatTemplate(self.folder(), self.template))
+        kwargs = check_template_kwargs(self.template_kwargs or {})
+        return ChatRenderer(self, ChatTemplate(self.folder(), self.template), kwargs)
 
 
 class ChatRenderer:
-    """A loaded template: ``document(value)`` turns a record's messages into (text, spans in the loss)."""
+    """A loaded template: ``document(value)`` turns a record's messages into (text, spans in the loss);
+    ``kwargs``: the template variables every render gets."""
 
-    def __init__(self, spec: ChatSpec, chat: ChatTemplate):
-        self.spec, self.chat = spec, chat
+    def __init__(self, spec: ChatSpec, chat: ChatTemplate, kwargs: dict | None = None):
+        self.spec, self.chat, self.kwargs = spec, chat, kwargs or {}
         if "default" not in chat.templates:
             raise ConfigError(f"--chat: {spec.tokenizer} has chat templates {sorted(chat.templates)} and none is "
                               "the default; pass --chat-template FILE")
@@ -133,13 +139,13 @@ class ChatRenderer:
 
     def _render_spans(self, messages: list, tools) -> tuple[str, Spans | None]:
         try:
-            return self.chat.render_spans(messages, tools=tools)
+            return self.chat.render_spans(messages, tools=tools, kwargs=self.kwargs)
         except ChatError as exc:
             raise BadChat(exc.message.replace("messages[", f"{self.spec.field}[")) from None
 
     def _render(self, messages: list, generation: bool, tools) -> str:
         try:
-            return self.chat.render(messages, add_generation_prompt=generation, tools=tools)
+            return self.chat.render(messages, add_generation_prompt=generation, tools=tools, kwargs=self.kwargs)
         except ChatError as exc:
             raise BadChat(exc.message.replace("messages[", f"{self.spec.field}[")) from None
 

@@ -163,7 +163,8 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
         meta = _meta(found, results, tok, job, time.perf_counter() - t0)
         if renderer is not None:
             meta["chat"] = {"messages_field": renderer.spec.field, "loss_on": renderer.spec.loss_on,
-                            "template": renderer.source, "method": renderer.method}
+                            "template": renderer.source, "method": renderer.method,
+                            "template_kwargs": renderer.kwargs}
         _finish(tmp, out, results, meta, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

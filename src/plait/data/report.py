@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,7 +79,8 @@ def prepare_summary(meta: dict, out: Path):
         train = meta["splits"]["train"]
         share = train["loss_tokens"] / max(1, train["tokens"])
         how = f" (by {chat['method']})" if chat.get("method") not in (None, "every token") else ""
-        t.caption += (f"\nchat: {chat['messages_field']!r} rendered with {chat['template']}; the loss on "
+        given = f" and variables {json.dumps(chat['template_kwargs'])}" if chat.get("template_kwargs") else ""
+        t.caption += (f"\nchat: {chat['messages_field']!r} rendered with {chat['template']}{given}; the loss on "
                       f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's ({share:.0%})")
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
