@@ -1,6 +1,7 @@
 """--chat-template-kwargs: template variables from the command line. plait data prepare --chat gives them to every
 render (prefixes, {% generation %} marks, --split-turns: Qwen3 with enable_thinking false equals transformers'
-apply_chat_template(..., enable_thinking=False)); a bad value is refused naming the flag before any work."""
+apply_chat_template(..., enable_thinking=False)); plait serve to every chat request, a request's own
+chat_template_kwargs overriding them key by key; a bad value is refused naming the flag before any work."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import pytest
 from typer.testing import CliRunner
 
 from chat_templates import QWEN3, QWEN3_TOOLS, template_folder
+from plait.chat_kwargs import parse_template_kwargs
+from plait.chat_template import ChatTemplate
 from plait.cli.main import app
 from plait.data import open_prepared, prepare
 from plait.data.chat import ChatSpec
 from plait.errors import ConfigError
+from plait.serve.config import ServeConfig
+from plait.serve.tokens import TokenizerInfo
+from plait.tokenizers import ByteTokenizer
 
 pytest.importorskip("transformers")
 
@@ -119,6 +125,8 @@ def test_a_bad_value_is_refused_naming_the_flag_before_any_work(tmp_path, value,
     res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "out"),
                               "--chat", "--chat-template-kwargs", value])
     assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+    with pytest.raises(ConfigError, match="--chat-template-kwargs"):
+        ServeConfig(chat_template_kwargs=value).resolved(128)
     assert not (tmp_path / "out").exists()
     res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "out"),
                               "--chat-template-kwargs", '{"enable_thinking": false}'])
@@ -127,3 +135,42 @@ def test_a_bad_value_is_refused_naming_the_flag_before_any_work(tmp_path, value,
         prepare([src], "bytes", tmp_path / "out", chat=ChatSpec("bytes", template_kwargs={"messages": []}))
     assert not (tmp_path / "out").exists()
 
+
+def test_serve_defaults_reach_every_chat_and_a_request_overrides_them_key_by_key(qwen3):
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from plait.serve.metrics import Metrics
+    from plait.serve.protocol import Limits
+    from plait.serve.server import Api
+    from plait.tokenizers import FileTokenizer
+
+    def client(tokens: TokenizerInfo) -> TestClient:
+        return TestClient(Api(None, Limits("m", 512, 512, 16, 512), tokens, Metrics(), max_queue=4).app())
+
+    chat = TURNS[0][:4]
+    hf = AutoTokenizer.from_pretrained(qwen3)
+    served = client(TokenizerInfo(FileTokenizer(qwen3 / "tokenizer.json"), str(qwen3), 512, ChatTemplate(qwen3),
+                                  parse_template_kwargs('{"enable_thinking": false}')))
+    for body, kw in (({}, OFF), ({"chat_template_kwargs": {"enable_thinking": True}}, {"enable_thinking": True})):
+        res = served.post("/tokenize", json={"messages": chat, **body})
+        assert res.status_code == 200, res.text
+        assert res.json()["tokens"] == hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False, **kw), body
+    own = ChatTemplate(None, "{{ greeting }}, {{ name }}: {% for m in messages %}{{ m.content }}{% endfor %}")
+    served = client(TokenizerInfo(ByteTokenizer(), "/nonexistent", 512, own, {"greeting": "hi", "name": "you"}))
+    for body, text in (({}, "hi, you: hello"), ({"chat_template_kwargs": {"name": "bob"}}, "hi, bob: hello")):
+        res = served.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}], **body})
+        assert bytes(res.json()["tokens"]).decode() == text, res.text
+    res = served.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}],
+                                         "chat_template_kwargs": {"tools": []}})
+    assert res.status_code == 400 and "chat_template_kwargs may not set ['tools']" in res.text
+
+
+def test_serve_takes_the_flag_under_both_names(tmp_path):
+    from serve_util import tiny_model
+
+    model = tiny_model(tmp_path / "m")
+    for flag in ("--chat-template-kwargs", "--default-chat-template-kwargs"):
+        res = CliRunner().invoke(app, ["serve", "--model", str(model), flag, '{"messages": 1}'])
+        assert res.exit_code == 2 and "--chat-template-kwargs may not set messages" in res.output, res.output

@@ -27,6 +27,8 @@ answer.
 Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's
 chat_template or chat_template.jinja, rendered as transformers' apply_chat_template does), or through
 --chat-template; a folder without one gets "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+--chat-template-kwargs '{"enable_thinking": false}': variables every chat's template gets (a request's
+own chat_template_kwargs override them key by key).
 
 \b
 Examples:
@@ -43,7 +45,8 @@ def register(app: typer.Typer) -> None:
     from plait.serve.config import ServeConfig
 
     layout = with_options(dataclass_options(ParallelConfig, only=("tp", "pp")), into="layout")
-    settings = with_options(dataclass_options(ServeConfig), into="settings")
+    both = ("--chat-template-kwargs", "--default-chat-template-kwargs")  # plait data prepare's name, and vLLM's
+    settings = with_options(dataclass_options(ServeConfig, flags={"chat_template_kwargs": both}), into="settings")
     app.command("serve", help=HELP)(layout(settings(serve_command)))
 
 

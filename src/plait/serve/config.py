@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from plait.chat_kwargs import parse_template_kwargs
 from plait.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -48,6 +49,10 @@ class ServeConfig:
     """Seconds a request may run before it is cancelled (HTTP 504); 0: no limit."""
     chat_template: str | None = None
     """A Jinja chat template (a file, or the template itself) instead of the folder's."""
+    chat_template_kwargs: str | None = None
+    """Template variables every chat request's template gets, a JSON object (e.g. '{"enable_thinking": false}');
+    a request's own chat_template_kwargs override them key by key (vLLM's --default-chat-template-kwargs, also
+    accepted)."""
     trust_request_chat_template: bool = False
     """Let requests send a chat_template of their own (else 400; named templates of the folder are always
     allowed)."""
@@ -95,6 +100,7 @@ class ServeConfig:
             raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout} must be >= 0")
         if self.step_timeout < 2:  # an idle engine sends the other ranks an empty step every second
             raise ConfigError(f"--step-timeout {self.step_timeout} must be >= 2 seconds")
+        parse_template_kwargs(self.chat_template_kwargs)
         if self.step_tokens < 0 or self.max_body_bytes < 1 or self.request_timeout < 0:
             raise ConfigError(f"--step-tokens {self.step_tokens} and --request-timeout {self.request_timeout} must "
                               f"be >= 0, --max-body-bytes {self.max_body_bytes} >= 1")

@@ -3,6 +3,7 @@ logs each request, and stops cleanly on SIGINT or SIGTERM (the same way under ev
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -181,6 +182,7 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     """Rank 0: the engine in this (main) thread, uvicorn in another; after a stop, the last responses go out."""
     import uvicorn
 
+    from plait.chat_kwargs import parse_template_kwargs
     from plait.chat_template import ChatTemplate
     from plait.generation.job import tokenizer_folder
     from plait.serve.engine import STALL_SHOWN_S, Engine
@@ -198,7 +200,8 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
     folder = tokenizer_folder(payload["model"])
     chat = ChatTemplate(folder, payload["chat_template"], payload["trust_request_chat_template"])
-    tokens = TokenizerInfo(tok, folder, cfg.max_seq_len, chat)
+    variables = parse_template_kwargs(payload["chat_template_kwargs"])
+    tokens = TokenizerInfo(tok, folder, cfg.max_seq_len, chat, variables)
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
                     tokens.eos)
     api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
@@ -221,7 +224,8 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
           f"{' reserved up front' if payload['kv_reserve'] else ''}"
           f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
           f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
-          f"plait serve: chat template: {chat.source}", flush=True)
+          f"plait serve: chat template: {chat.source}{f', variables {json.dumps(variables)}' if variables else ''}",
+          flush=True)
     if runner.ctx is not None:
         engine.peers = _step_limit(runner, payload["step_timeout"], STALL_SHOWN_S)
         engine.step_limit = payload["step_timeout"]

@@ -18,15 +18,18 @@ def _read(path: Path) -> dict:
 
 class TokenizerInfo:
     """The end-of-sequence ids (generation_config.json, else config.json), special tokens and chat template of
-    a model folder (``chat``: a ChatTemplate; by default the folder's own)."""
+    a model folder (``chat``: a ChatTemplate; by default the folder's own). ``template_kwargs``: the variables
+    every chat's template gets (--chat-template-kwargs), a request's chat_template_kwargs overriding them."""
 
-    def __init__(self, tok, folder: str, context: int, chat: ChatTemplate | None = None):
+    def __init__(self, tok, folder: str, context: int, chat: ChatTemplate | None = None,
+                 template_kwargs: dict | None = None):
         path = Path(folder)
         gen, cfg = (_read(path / name) for name in ("generation_config.json", "config.json"))
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         self.eos: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else () if eos is None else (int(eos),)
         self.tok, self.context = tok, context
         self.chat = chat or ChatTemplate(folder)
+        self.template_kwargs = template_kwargs or {}
         self.special = {name: self.chat.special.get(name) for name in ("bos_token", "eos_token", "pad_token",
                                                                       "unk_token")}
         self.leading = tok.encode("")  # what the tokenizer adds to every text (a BOS), if anything
@@ -42,8 +45,8 @@ class TokenizerInfo:
     def chat_ids(self, body: dict) -> list[int]:
         """The prompt ids of a chat request (or a /tokenize with messages): its messages through the chat
         template with vLLM's fields (add_generation_prompt, continue_final_message, chat_template,
-        chat_template_kwargs, tools, documents), tokenized without added special tokens unless
-        add_special_tokens (as vLLM)."""
+        chat_template_kwargs over the server's, key by key; tools, documents), tokenized without added special
+        tokens unless add_special_tokens (as vLLM)."""
         from plait.serve.protocol import ApiError
 
         kwargs = body.get("chat_template_kwargs") or {}
@@ -63,7 +66,7 @@ class TokenizerInfo:
         try:
             text = self.chat.render(body.get("messages"), True if generation is None else generation,
                                     tools=body.get("tools") or None, documents=body.get("documents"),
-                                    template=template, kwargs=kwargs,
+                                    template=template, kwargs={**self.template_kwargs, **kwargs},
                                     continue_final=bool(body.get("continue_final_message")))
         except ChatError as exc:  # the request's messages or template: a 400
             raise ApiError(400, exc.message, exc.param, exc.code) from None
