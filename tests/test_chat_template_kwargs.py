@@ -174,3 +174,5 @@ def test_serve_takes_the_flag_under_both_names(tmp_path):
     for flag in ("--chat-template-kwargs", "--default-chat-template-kwargs"):
         res = CliRunner().invoke(app, ["serve", "--model", str(model), flag, '{"messages": 1}'])
         assert res.exit_code == 2 and "--chat-template-kwargs may not set messages" in res.output, res.output
+    shown = " ".join(CliRunner().invoke(app, ["serve", "--help"]).output.split())
+    assert "--chat-template-kwargs, --default-chat-template-kwargs JSON Template variables" in shown, shown

@@ -73,8 +73,8 @@ def prepare_command(
                                      "message (for templates that drop past reasoning, as Qwen3's).")] = False,
     chat_template_kwargs: Annotated[str | None, Opt(help="With --chat: template variables every render gets, a "
                                                          "JSON object (as apply_chat_template's keyword "
-                                                         "arguments), e.g. '{\"enable_thinking\": false}'.",
-                                                    metavar="JSON")] = None,
+                                                         "arguments), e.g. '{\"enable_thinking\": false}'.")
+                                   ] = None,
 ) -> None:
     from rich.console import Console
 
