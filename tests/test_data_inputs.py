@@ -119,6 +119,20 @@ def test_blank_records_are_skipped_and_counted_not_trained_as_lone_eos(tmp_path)
                                                       for n in (2, 3)]
 
 
+def test_empty_text_files_are_skipped_and_counted_not_trained_as_lone_eos(tmp_path):
+    (tmp_path / "t").mkdir()
+    for name, text in (("a.txt", "one"), ("b.txt", ""), ("c.txt", " \n"), ("d.txt", "two")):
+        (tmp_path / "t" / name).write_text(text)
+    meta = prepare([str(tmp_path / "t")], "bytes", tmp_path / "out", workers=1, held_out=0.0)
+    assert meta["splits"]["train"]["documents"] == 2 and meta["splits"]["train"]["tokens"] == 8  # "one" EOS "two" EOS
+    assert meta["sources"][0]["skipped"] == 2
+    assert meta["sources"][0]["skipped_examples"] == [f"{tmp_path / 't' / n}:1: blank text, no document"
+                                                      for n in ("b.txt", "c.txt")]
+    source = open_data([str(tmp_path / "t")], "tiny", 256, 2, 1, 0, 1).sources[0]  # plait train --data, unprepared
+    assert (source.train.tokens + source.held_out.tokens, source.files) == (8, 4)
+    assert source.note == "2 of them left out (empty, binary or not UTF-8)"
+
+
 def test_an_out_made_by_another_prepare_meanwhile_is_an_error_not_a_traceback(tmp_path, monkeypatch):
     import importlib
 

@@ -78,17 +78,17 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Tr
     dtype = dtype_for(tok.vocab_size)
     parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
     docs = {s: 0 for s in SPLITS}
-    budget, size, files = int(max_mb * 1e6), 0, 0
+    budget, size, files, skipped = int(max_mb * 1e6), 0, 0, 0
     for task in tasks(found, "text"):
         for name in task.files:  # one file at a time: the budget stops at a file's end
             one = Task(task.index, task.source, "text", name, files=[name])
             try:  # the standard library holds a few test files in other encodings: those are skipped
-                texts = read_task(one, "text", skip_bad=path is None).docs
+                got = read_task(one, "text", skip_bad=path is None)
             except BadRecord as rec:
                 raise ConfigError(f"--data {path}: {where(rec)}: {rec.why}, or prepare the text with `plait data "
                                   "prepare ... --skip-bad` to leave such files out") from None
-            files += 1
-            for split, enc in encode_documents(texts, tok, eos, RAW_HELD_OUT, dtype).items():
+            files, skipped = files + 1, skipped + got.skipped
+            for split, enc in encode_documents(got.docs, tok, eos, RAW_HELD_OUT, dtype).items():
                 parts[split].append(enc.ids)
                 docs[split] += len(enc.lengths)
                 size += len(enc.ids)
@@ -100,6 +100,8 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Tr
     if len(train) == 0:  # every document (a single file, say) was held out: train on them, hold none out
         train, held, docs = held, held[:0], {"train": docs["held_out"], "held_out": 0}
     total = sum(len(s.files) for s in found)
-    note = f"the first {files} of {total} files: --max-data-mb {max_mb:g}" if files < total else ""
+    notes = [f"the first {files} of {total} files: --max-data-mb {max_mb:g}"] if files < total else []
+    notes += [f"{skipped} of them left out (empty, binary or not UTF-8)"] if skipped else []
+    note = "; ".join(notes)
     return TrainSource(path or STDLIB, weight, MemorySplit(train, docs["train"]), MemorySplit(held, docs["held_out"]),
                   prepared=False, files=files, note=note)

@@ -260,9 +260,14 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
                 out.skipped += 1  # binary
                 continue
             try:
-                out.add(raw.decode("utf-8"))
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:  # Latin-1, say: never trained on as U+FFFD characters
                 _bad(out, BadRecord(name, exc.start, 0, not_utf8(raw, exc.start)), skip_bad)
+                continue
+            if text.strip():
+                out.add(text)
+            else:  # an empty file (an empty __init__.py, say), as a blank record
+                out.skip(BadRecord(name, 0, 0, BLANK))
         out.raw = b"".join(raws)
         return out
     for i, v in enumerate(_column(task, field, chat is not None)):
