@@ -27,6 +27,13 @@ def test_default_run_prints_chart_and_figures():
     assert "peak activations" in out and "makespan 33" in out
 
 
+def test_figures_read_without_exponents_or_six_digits():
+    res = _run("-p", "64", "-m", "512", "--forward", "10", "--backward", "20", "--compare", "gpipe,zbv")
+    assert res.exit_code == 0 and "17,250" in res.output and "e+0" not in res.output, res.output  # was 1.89e+03
+    res = _run("-s", "interleaved-1f1b", "-p", "4", "-m", "8", "--virtual-stages", "3", "--width", "80")
+    assert res.exit_code == 0 and " 4.333 " in res.output and "4.33333" not in res.output, res.output
+
+
 def test_json_output():
     res = _run("-s", "zb-h1", "-p", "4", "-m", "8", "--weight", "1", "--json")
     assert res.exit_code == 0, res.output

@@ -60,6 +60,12 @@ def _build(name: str, stages: int, microbatches: int, virtual: int | None, from_
                           rounds=rounds).validate()
 
 
+def _num(x: float) -> str:
+    """A time or a count of micro-batches as a reader takes it in: 4 significant digits (4.333, 0.3833), and
+    no exponent from 10,000 up (17,250)."""
+    return f"{x:,.0f}" if abs(x) >= 1e4 else f"{x:.4g}"
+
+
 def _figures_table(result) -> object:
     from rich.table import Table
 
@@ -69,9 +75,8 @@ def _figures_table(result) -> object:
     s = result.schedule
     for r in range(s.num_ranks):
         idle = result.idle[r]
-        table.add_row(str(r), ",".join(map(str, s.stages_of_rank(r))), f"{result.busy[r]:g}", f"{idle:g}",
-                      f"{idle / result.makespan:.1%}" if result.makespan else "-",
-                      f"{result.peak_activations[r]:g}")
+        table.add_row(str(r), ",".join(map(str, s.stages_of_rank(r))), _num(result.busy[r]), _num(idle),
+                      f"{idle / result.makespan:.1%}" if result.makespan else "-", _num(result.peak_activations[r]))
     return table
 
 
@@ -109,9 +114,8 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
             continue
         split = split or _splits_backward(sched)
         rows.append(r.to_dict())
-        table.add_row(name, str(sched.virtual), f"{r.makespan:g}", f"{r.bubble_fraction:.1%}",
-                      f"{sum(r.idle) / len(r.idle):.3g}", f"{r.peak_activations[0]:g}",
-                      f"{max(r.peak_activations):g}")
+        table.add_row(name, str(sched.virtual), _num(r.makespan), f"{r.bubble_fraction:.1%}",
+                      _num(sum(r.idle) / len(r.idle)), _num(r.peak_activations[0]), _num(max(r.peak_activations)))
     if costs.weight is not None and not split:
         raise ConfigError(f"--weight {costs.weight:g}: none of --compare {names} splits its backward into I and W, "
                           "so no weight-gradient part is timed; add zb-h1, zbv or dualpipev, or leave --weight out")
@@ -266,9 +270,9 @@ def simulate_command(
     if o.actions:
         console.print(result.schedule.grid(window=10**9), markup=False)
     console.print(_figures_table(result))
-    console.print(f"makespan {result.makespan:g}   bubble {result.bubble_fraction:.1%} "
+    console.print(f"makespan {_num(result.makespan)}   bubble {result.bubble_fraction:.1%} "
                   f"(mean idle share of device time)   peak activations max "
-                  f"{max(result.peak_activations):g} micro-batches")
+                  f"{_num(max(result.peak_activations))} micro-batches")
     for note in notes:
         console.print(note)
     return None
