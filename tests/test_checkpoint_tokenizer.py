@@ -106,3 +106,17 @@ def test_a_folder_whose_weights_do_not_match_its_config_is_one_error_line(tmp_pa
         assert res.exit_code == 2 and res.output.startswith(
             f"error: {tmp_path / 'm'}: model.embed_tokens.weight is [256, 32] in its safetensors files, but its "
             "config.json makes it [256, 64]"), (command, res.output)
+
+
+def test_export_of_what_is_not_a_checkpoint_says_what_it_takes(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "hf"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.startswith(  # was "hf: no plait checkpoint there"
+        f"error: CHECKPOINT {tmp_path / 'hf'}: a Hugging Face folder already (config.json), not a plait checkpoint: "
+        "plait train, generate and serve take it as --model as it is"), res.output
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "nope"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr == (
+        f"error: CHECKPOINT {tmp_path / 'nope'}: no plait checkpoint there (a step_* folder that plait train saved, or "
+        "the --checkpoint-dir holding them)\n"), res.output
+    assert not (tmp_path / "out").exists()

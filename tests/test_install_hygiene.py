@@ -142,4 +142,4 @@ def test_help_names_values_as_they_are_typed():
     assert "--config FILE " in shown and "--resume / --no-resume " in shown, shown
     shown = " ".join(_cli("data", "prepare", "--help").output.split())
     assert "SRC... Files or folders to read." in shown and "--out DIR " in shown, shown
-    assert "export [OPTIONS] {CHECKPOINT} {DIR}" in _cli("export", "--help").output
+    assert "export [OPTIONS] {CHECKPOINT} {OUT}" in _cli("export", "--help").output  # as its errors name them

@@ -169,8 +169,12 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     from plait.tokenizers import check_tokenizer_out, copy_tokenizer_files, trained_tokenizer
 
     path = find_checkpoint(checkpoint)
+    if path is None and (Path(checkpoint) / "config.json").is_file():
+        raise ConfigError(f"CHECKPOINT {checkpoint}: a Hugging Face folder already (config.json), not a plait "
+                          "checkpoint: plait train, generate and serve take it as --model as it is")
     if path is None:
-        raise ConfigError(f"{checkpoint}: no plait checkpoint there")
+        raise ConfigError(f"CHECKPOINT {checkpoint}: no plait checkpoint there (a step_* folder that plait train "
+                          "saved, or the --checkpoint-dir holding them)")
     reader = CheckpointReader(path)
     cfg = model_config(reader.meta)
     folder, _ = trained_tokenizer(reader.meta, path)  # the tokenizer goes with the weights

@@ -20,7 +20,7 @@ NAMED: dict[Any, str] = {
     "chat_template_kwargs": "JSON", "tokenizer": "bytes|DIR",
     "eos": "ID|TOKEN", "text_field": "FIELD", "messages_field": "FIELD", "compare": "NAME,NAME,...",
     "png": "FILE", "trace": "FILE", "csv": "FILE", "from_csv": "FILE", "write_config": "FILE", "file": "FILE",
-    "checkpoint": "CHECKPOINT",
+    "checkpoint": "CHECKPOINT", ("export", "out"): "OUT",
 }
 
 
