@@ -99,7 +99,7 @@ def test_planner_predicts_the_bytes_cp_saves(world4, comm, kv_heads, precision, 
 
 
 @pytest.mark.parametrize("case,needles", [
-    ("bad_seq_len", ["cp=2", "sequence length 6", "multiple of 4", "valid lengths"]),
+    ("bad_seq_len", ["cp=2", "seq_len=6", "multiple of 4", "valid lengths"]),
     ("bad_loss_fn", ["cp=2", "loss_fn"]),
     ("bad_capacity", ["cp=2", "capacity_factor", "None"]),
     ("bad_generate", ["cp=2", "cp=1"]),
@@ -148,7 +148,7 @@ def test_bad_cp_is_a_config_error_naming_it(kw, world, needles):
 
 
 @pytest.mark.parametrize("kw,seq,needles", [
-    (dict(cp=2), 18, ["cp=2", "18", "multiple of 4"]),
+    (dict(cp=2), 18, ["seq_len=18: must be a multiple of 4 under cp=2"]),
     (dict(cp=2, tp=4, sequence_parallel=True), 12, ["cp=2", "multiple of 8", "sequence parallelism"]),
 ])
 def test_sequence_length_is_checked_against_cp(kw, seq, needles):

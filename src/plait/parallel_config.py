@@ -125,10 +125,13 @@ class ParallelConfig:
         if self.sequence_parallel and self.tp > 1:
             unit = math.lcm(unit, self.cp * self.tp)  # each rank's S/cp tokens are cut over tp too
         if seq_len % unit:
-            sp = f" and tp={self.tp} with sequence parallelism" if self.sequence_parallel and self.tp > 1 else ""
-            raise ConfigError(f"cp={self.cp}: the sequence length {seq_len} must be a multiple of {unit} (2·cp "
-                              f"chunks of equal length{sp}); valid lengths: "
-                              f"{', '.join(str(unit * i) for i in range(1, 5))}, ...")
+            split = self.sequence_parallel and self.tp > 1
+            sp = (", each rank's part cut again over {tp} with sequence parallelism ({sequence_parallel})"
+                  if split else "")
+            others: dict[str, object] = {"cp": self.cp, **({"tp": self.tp, "sequence_parallel": True} if split else {})}
+            valid = ", ".join(str(unit * i) for i in range(1, 5))
+            raise FieldError("seq_len", seq_len, f"must be a multiple of {unit} under {{cp}} (2·cp chunks of equal "
+                             f"length{sp}); valid lengths: {valid}, ...", others)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

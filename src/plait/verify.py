@@ -176,7 +176,12 @@ def check(cfg: VerifyConfig) -> None:
         raise FieldError(name, value, "needs a mixture-of-experts model, at least 2 experts (not {n_experts})",
                          {"n_experts": cfg.n_experts})
     mcfg = _model_config(cfg)
-    FAMILY.check_tp(mcfg, par.tp)
+    try:
+        FAMILY.check_tp(mcfg, par.tp)
+    except FieldError:
+        raise
+    except ConfigError as exc:  # said of the model's fields: name the flag
+        raise FieldError("tp", par.tp, f"does not fit plait verify's model ({exc})") from None
     if par.ep > 1:
         from plait.experts import check_experts
 
