@@ -34,6 +34,13 @@ def test_figures_read_without_exponents_or_six_digits():
     assert res.exit_code == 0 and " 4.333 " in res.output and "4.33333" not in res.output, res.output
 
 
+def test_compare_of_no_schedule_is_an_error():
+    for names in (",", " "):
+        res = _run("--compare", names)  # was an empty table, exit code 0
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: --compare {names!r}: names no schedule"), \
+            res.output
+
+
 def test_json_output():
     res = _run("-s", "zb-h1", "-p", "4", "-m", "8", "--weight", "1", "--json")
     assert res.exit_code == 0, res.output

@@ -98,7 +98,11 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
         table.add_column(col, justify="right")
     rows: list[dict] = []
     split = False  # whether a listed schedule splits its backward (reads --weight)
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
+    listed = [n.strip() for n in names.split(",") if n.strip()]
+    if not listed:
+        raise ConfigError(f"--compare {names!r}: names no schedule; list some, e.g. --compare gpipe,1f1b,zbv (valid "
+                          f"names are {', '.join(_names())})")
+    for name in listed:
         if name.lower() not in _names():
             raise ConfigError(f"--compare {names}: unknown schedule {name!r}; valid names are {', '.join(_names())}")
         multi = name in ("interleaved-1f1b", "looped-bfs", "zb-h1")
