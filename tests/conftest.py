@@ -44,7 +44,7 @@ def plait_cache(tmp_path_factory):
     old = os.environ.get(CACHE_ENV)
     os.environ[CACHE_ENV] = str(root)
     facts = host_facts()
-    synthetic_profile(facts, block=True).save(cache_path(facts))  # complete: nothing to measure
+    synthetic_profile(facts, block=True, layers=True).save(cache_path(facts))  # complete: nothing to measure
     yield root
     if old is None:
         os.environ.pop(CACHE_ENV, None)

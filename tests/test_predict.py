@@ -171,6 +171,19 @@ def test_each_rank_times_its_step_by_phase(world4):
             assert ph["forward_backward"] <= slow["forward_backward"] - late / 2, r
 
 
+def test_the_suites_host_profile_leaves_plait_train_nothing_to_measure(plait_cache):
+    """conftest's profile of this host is one plait train measures nothing beside, at any world size (else the
+    suite's first run of each size calibrates: ~30 s for 4 processes on 2 cores); one of an older calibration,
+    or without a section of the run's size, is measured (as by the test below)."""
+    from plait.calibrate import cache_path, host_facts
+    from plait.cli.predict import to_measure
+
+    cached = HostProfile.load(cache_path(host_facts()))
+    assert cache_path(host_facts()).parent == plait_cache and not any(to_measure(cached, w) for w in (1, 2, 4, 8))
+    assert all(to_measure(synthetic_profile(block=True), w) for w in (1, 2, 4, 8))  # no whole layers timed
+    assert to_measure(synthetic_profile(block=True, layers=True, counts=(1, 4)), 2) and to_measure(None, 1)
+
+
 def test_train_calibrates_on_first_use_and_caches(tmp_path):
     env = {**os.environ, "PLAIT_CACHE_DIR": str(tmp_path / "cache")}
     args = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "2", "--steps", "2", "--seq-len",

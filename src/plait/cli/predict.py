@@ -66,6 +66,21 @@ def source_of(cluster: Cluster) -> str:
     return f"{gpu.description or gpu.name} (plait plan, GPU model)"
 
 
+def to_measure(cached, world: int) -> bool:
+    """Whether a run of ``world`` processes measures this host beside the ``cached`` HostProfile (or None): it
+    has no section of that many processes, or one of an older calibration (no whole decoder-layer timings, with
+    and without the attention core recomputed, or a tensor-parallel layer timed at fewer sizes than this
+    version times)."""
+    from plait.calibrate.tp_block import group_sizes as tp_group_sizes
+    from plait.plan.host.figures import SELECTIVE
+    from plait.plan.host.shapes import TP_CALIBRATION_BLOCKS
+
+    sec = None if cached is None else cached.sections.get(world)
+    timed = set() if sec is None else {tuple(b.shape) for b in sec.tp_blocks}
+    return (sec is None or SELECTIVE not in sec.rates
+            or (world > 1 and bool(tp_group_sizes(world)) and not timed >= set(TP_CALIBRATION_BLOCKS)))
+
+
 def host_profile(cfg: TrainConfig, ctx):
     """The HostProfile for this run (collective over the world when it has to be measured), or None."""
     if cfg.cluster == OFF or os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1"):
@@ -78,20 +93,12 @@ def host_profile(cfg: TrainConfig, ctx):
 
     from plait.calibrate import cache_path, host_facts
     from plait.calibrate.run import measure_in_world
-    from plait.calibrate.tp_block import group_sizes as tp_group_sizes
-    from plait.plan.host.figures import SELECTIVE
-    from plait.plan.host.shapes import TP_CALIBRATION_BLOCKS
 
     facts = host_facts()
     path = cache_path(facts)
     world = ctx.world_size
     cached = cached_profile(path)
-    # a section of an older calibration (no whole decoder-layer timings, with and without the attention core
-    # recomputed, or a tensor-parallel layer timed at fewer sizes than this version times) is measured again
-    sec = None if cached is None else cached.sections.get(world)
-    timed = set() if sec is None else {tuple(b.shape) for b in sec.tp_blocks}
-    need = [sec is None or SELECTIVE not in sec.rates
-            or (world > 1 and bool(tp_group_sizes(world)) and not timed >= set(TP_CALIBRATION_BLOCKS))]
+    need = [to_measure(cached, world)]
     if world > 1:
         dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
     if not need[0]:
