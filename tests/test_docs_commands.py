@@ -21,11 +21,15 @@ COMMAND = re.compile(r"^\s*(?:\$\s+)?(?:\.venv/bin/)?(?:plait|torchrun .*-m plai
 def _command_lines() -> list[tuple[str, str]]:
     found = []
     for doc in DOCS:
-        in_code = False
+        in_code, held = False, ""
         for line in doc.read_text().splitlines():
             if line.lstrip().startswith("```"):
-                in_code = not in_code
+                in_code, held = not in_code, ""
                 continue
+            if in_code and line.endswith("\\"):  # a shell line continued on the next: checked whole
+                held += line[:-1]
+                continue
+            line, held = held + line, ""
             match = COMMAND.match(line) if in_code else None
             if match:
                 args = match["args"].split(" #")[0].split(";")[0].split("|")[0].strip()
