@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from plait.distributed.launch import child_pids, free_port
+from plait.distributed.launch import free_port, worker_pids
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -136,5 +136,5 @@ class Server:
 
 
 def workers(launcher_pid: int) -> list[int]:
-    """The worker processes the launcher spawned (children running multiprocessing's spawn_main), by pid."""
-    return child_pids(launcher_pid, b"spawn_main")
+    """The worker processes of the launcher, by pid."""
+    return worker_pids(launcher_pid)

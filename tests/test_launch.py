@@ -1,5 +1,6 @@
 """``run_world``'s two ways of starting a world: fresh interpreters (spawn), or forks of one server that has
-imported the heavy modules once (``preload``), each seeing the caller's environment as at its launch."""
+imported the heavy modules once (``preload``), each seeing the caller's environment as at its launch; the jobs of
+``launch`` (plait train, generate, serve), forked from that server, the same."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from plait.distributed.launch import child_pids, run_world
+from plait.distributed.launch import child_pids, launch, run_world, worker_pids
 
 
 def _rank_facts(name: str) -> dict:
@@ -33,6 +34,31 @@ def test_spawned_worlds_are_children_of_the_caller(monkeypatch):
     monkeypatch.setenv("PLAIT_TEST_MARK", "spawned")
     facts = run_world(_rank_facts, 2, "PLAIT_TEST_MARK", timeout_s=120)
     assert [(f["mark"], f["rank"], f["parent"]) for f in facts] == [("spawned", r, os.getpid()) for r in (0, 1)]
+
+
+def job_facts(payload: dict) -> dict:
+    """A job's worker (``launch``): its environment, rank, parent, and the workers ``worker_pids`` finds."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()  # every worker alive
+    found = worker_pids(payload["launcher"])
+    dist.barrier()
+    return {"mark": os.environ.get("PLAIT_TEST_MARK"), "rank": dist.get_rank(), "world": dist.get_world_size(),
+            "agent": "TORCHELASTIC_RUN_ID" in os.environ, "pid": os.getpid(), "parent": os.getppid(), "found": found}
+
+
+def test_launched_jobs_fork_from_the_server_with_the_callers_environment(monkeypatch):
+    monkeypatch.setenv("PLAIT_TEST_MARK", "first")
+    first = launch("test_launch:job_facts", {"launcher": os.getpid()}, 2)
+    monkeypatch.setenv("PLAIT_TEST_MARK", "second")  # after the server started: it must still reach the workers
+    second = launch("test_launch:job_facts", {"launcher": os.getpid()}, 2)
+    assert [f["mark"] for f in first] == ["first"] * 2 and [f["mark"] for f in second] == ["second"] * 2
+    assert [(f["rank"], f["world"], f["agent"]) for f in first + second] == [(0, 2, True), (1, 2, True)] * 2
+    parents = {f["parent"] for f in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # every worker forked by the one server
+    for job in (first, second):
+        assert [f["found"] for f in job] == [sorted(f["pid"] for f in job)] * 2
 
 
 def test_child_pids_lists_live_children_by_command_line():

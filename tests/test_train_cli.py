@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from plait.cli.main import app
-from plait.distributed.launch import child_pids
+from plait.distributed.launch import worker_pids
 from save_util import assert_first_checkpoint_whole, kill_inside_second_save
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
@@ -270,7 +270,7 @@ def test_killed_worker_ends_the_job_promptly(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_rows(metrics, 2, 120)
-        workers = child_pids(proc.pid, b"spawn_main")
+        workers = worker_pids(proc.pid)
         assert len(workers) == 4, f"expected 4 workers, found {workers}"
         victim = sorted(workers)[2]
         os.kill(victim, signal.SIGKILL)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from plait.distributed.job_signals import ForwardSignal
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
@@ -37,9 +39,14 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
     assert (tmp_path / "plait-checkpoints" / "latest").read_text().strip() == f"step_{stopped:08d}"
 
 
-def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
-    """Ctrl-C while the workers still import: they take it at their entry point, without a traceback each."""
-    from plait.distributed.launch import child_pids
+@pytest.mark.parametrize("when", ["workers forked", "fork server importing"])
+def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path, when):
+    """Ctrl-C while the workers start: they take it at their entry point, without a traceback each; one that
+    came while the fork server still imported (no worker to pass it to yet) too, not lost."""
+    from plait.distributed.launch import child_pids, worker_pids
+
+    def started(pid: int) -> bool:
+        return len(worker_pids(pid)) >= 2 if when == "workers forked" else bool(child_pids(pid, b"forkserver"))
 
     (tmp_path / "text.txt").write_text("some training text for an interrupted run. " * 200)
     flags = ["--tp", "1", "--pp", "2", "--steps", "5", "--seq-len", "32", "--batch-size", "4", "--microbatches", "2",
@@ -48,9 +55,9 @@ def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path):
                             text=True, start_new_session=True)
     try:
         deadline = time.time() + 150
-        while time.time() < deadline and len(child_pids(proc.pid, b"spawn_main")) < 2:
+        while time.time() < deadline and not started(proc.pid):
             time.sleep(0.01)
-        os.killpg(proc.pid, signal.SIGINT)  # the workers are started: they import torch for seconds more
+        os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -100,7 +100,7 @@ def _prepared(entry: str) -> bool:
 
 def _run(cfg) -> None:
     from plait.cli.predict import check_cluster
-    from plait.cli.train_worker import train_worker
+    from plait.cli.train_worker import PRELOAD, train_worker
     from plait.distributed.job_signals import STOP_TIMEOUT_S
     from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
     from plait.train import validate
@@ -126,7 +126,7 @@ def _run(cfg) -> None:
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
         launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS,
-               again_kills=True)  # Ctrl-C: a checkpoint at the next step; Ctrl-C again: stop at once
+               again_kills=True, preload=PRELOAD)  # Ctrl-C: a checkpoint at the next step; again: stop at once
     except JobStopped as exc:  # a stop signal before the workers could stop at a step's end with a checkpoint
         how = ("the workers were killed before saving (a second Ctrl-C, or no step's end within "
                f"{STOP_TIMEOUT_S:.0f} s)" if exc.killed else "before the first step: nothing trained, no checkpoint")

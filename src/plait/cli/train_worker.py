@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 
+#: what the fork server imports for the workers besides torch and this module (plait.distributed.launch): the
+#: training loop's modules, and torch._dynamo, which every torch optimizer imports when it is made (~2 s)
+PRELOAD = ("torch._dynamo", "plait.train.loop", "plait.cli.predict", "plait.cli.auto_layout")
+
 
 def train_worker(payload: dict) -> dict:
     """``plait.train.train_job`` with the planner installed: under torchrun every worker asks the planner

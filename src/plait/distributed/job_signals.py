@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -16,9 +17,10 @@ STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step 
 
 class HeldInterrupts:
     """While active, the workers this thread starts begin with SIGINT blocked (a process's signal mask outlives
-    exec), so that a Ctrl-C while they import waits for their entry point (``worker`` unblocks it inside its
-    error handling) instead of printing each one's traceback out of an import. This process still takes it:
-    the kernel hands a blocked signal to a thread that does not block it, here one started to that end."""
+    fork and exec: the fork server a first launch starts here passes it on to the workers it forks), so that a
+    Ctrl-C while they start waits for their entry point (``worker`` unblocks it inside its error handling)
+    instead of printing each one's traceback out of an import. This process still takes it: the kernel hands a
+    blocked signal to a thread that does not block it, here one started to that end."""
 
     def __init__(self):
         self.ready = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
@@ -42,10 +44,12 @@ class HeldInterrupts:
 
 class ForwardSignal:
     """While active (main thread only), ``sig`` to this process goes to its worker processes instead; those
-    still alive ``STOP_TIMEOUT_S`` later are killed, or with ``again_kills`` at once on a second SIGINT."""
+    still alive ``STOP_TIMEOUT_S`` later are killed, or with ``again_kills`` at once on a second SIGINT. With
+    ``note`` (a folder) each signal is also written there as ``signal-N``, for the workers not running yet (a
+    fork server still importing): ``taken_signals`` reads them at their entry point."""
 
-    def __init__(self, sig: int, again_kills: bool = False):
-        self.sig, self.again_kills = sig, again_kills
+    def __init__(self, sig: int, again_kills: bool = False, note: Path | None = None):
+        self.sig, self.again_kills, self.note = sig, again_kills, note
         self.previous: Callable[[int, FrameType | None], Any] | int | None = None
         self.timer: threading.Timer | None = None
         self.received = 0  # the signal forwarded (0: none yet)
@@ -64,6 +68,8 @@ class ForwardSignal:
 
     def _forward(self, signum, frame) -> None:
         self.received = signum
+        if self.note is not None:
+            (self.note / f"signal-{signum}").touch()
         if self.again_kills and self.timer is not None and signum == signal.SIGINT:  # Ctrl-C again: kill now
             self._kill()
             return
@@ -80,3 +86,8 @@ class ForwardSignal:
         self.killed = True
         for child in mp.active_children():
             child.kill()
+
+
+def taken_signals(note: Path) -> list[int]:
+    """The signals a ``ForwardSignal`` wrote down in the folder ``note``."""
+    return sorted(int(f.name.removeprefix("signal-")) for f in note.glob("signal-*"))

@@ -7,6 +7,10 @@ The elastic agent (``max_restarts=0``) watches a job's workers: when one dies it
 launch fails; we then name the rank that failed first, with its own one-line message (each worker writes
 its exception to a small file instead of printing a traceback; ``PLAIT_DEBUG=1`` prints them).
 
+The workers of a job are forked from ``multiprocessing``'s fork server (where the platform has one), which
+imports torch and the job's modules once, instead of each being a fresh interpreter that imports them itself
+(about 4 s of CPU a process: torch, and torch._dynamo, which every torch optimizer imports when it is made).
+
 SIGTERM (a preempted SLURM job or Kubernetes pod) is not the agent's to handle in ``launch``: the launcher
 forwards it to every worker and keeps watching them, so workers that stop cleanly on it (``plait train``
 saves a checkpoint at the next step boundary) end the launch normally, exit code 0. Workers still alive
@@ -34,10 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plait.distributed.job_signals import ForwardSignal, HeldInterrupts
+from plait.distributed.job_signals import ForwardSignal, HeldInterrupts, taken_signals
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the elastic agent's own handling: stop the workers at once
+LOST_PEER = ("CommError", "CommTimeoutError")  # errors of a rank whose peer died or went silent
+FAILED_WAIT_S = 2.0  # how long a worker that raised waits before it exits: a peer killed first is seen first
+#: the environment at this module's import: in a worker, what it inherited (the fork server's) before the agent's
+_INHERITED_ENV = dict(os.environ)
 # glibc's mallopt(3) parameters (malloc.h) and the values plait's processes set (``keep_freed_memory``)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 MALLOC_SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
@@ -54,8 +62,8 @@ def free_port() -> int:
 
 def child_pids(pid: int, command: bytes | None = None) -> list[int]:
     """The live (not zombie) child processes of ``pid``, sorted; with ``command``, only those whose command line
-    holds it (``b"spawn_main"``: the workers ``launch`` spawned, not multiprocessing's resource tracker). Read
-    from Linux's /proc: elsewhere, none."""
+    holds it (``b"spawn_main"``: processes ``multiprocessing`` spawned, not its resource tracker). Read from
+    Linux's /proc: elsewhere, none."""
     out = []
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if not entry.name.isdigit():
@@ -67,6 +75,13 @@ def child_pids(pid: int, command: bytes | None = None) -> list[int]:
         except (OSError, ValueError):  # the process ended while we read it
             continue
     return sorted(out)
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """The live worker processes of the jobs that process ``launcher`` started with ``launch``, sorted: the
+    children of its fork server, or the processes it spawned."""
+    servers = child_pids(launcher, b"multiprocessing.forkserver")
+    return sorted([p for s in servers for p in child_pids(s)] + child_pids(launcher, b"spawn_main"))
 
 
 def worker_threads(local_world: int) -> int:
@@ -252,21 +267,34 @@ def run_or_launch(target: str, payload: dict, nproc: int, forward: tuple[int, ..
     return launch(target, payload, nproc, forward)
 
 
-def worker(target: str, payload: dict, failure_dir: str):
-    """Entry point of one worker: ``module:function(payload)``; failures go to ``failure_dir/rank{r}``."""
+def worker(target: str, payload: dict, failure_dir: str, env: dict[str, str] | None = None):
+    """Entry point of one worker: ``module:function(payload)``; failures go to ``failure_dir/rank{r}``. ``env``:
+    the launcher's environment at the launch, which this process takes, keeping the variables the agent set."""
     import torch
 
+    if env is not None:
+        agent = {k: v for k, v in os.environ.items() if _INHERITED_ENV.get(k) != v}
+        os.environ.clear()
+        os.environ.update(env, **agent)
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     keep_freed_memory()
     module, _, name = target.partition(":")
     try:
+        for sig in taken_signals(Path(failure_dir)):  # the launcher's stop signals from before this worker ran
+            os.kill(os.getpid(), sig)
         if hasattr(signal, "pthread_sigmask"):  # a Ctrl-C held since the start (``HeldInterrupts``) arrives here
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         return getattr(importlib.import_module(module), name)(payload)
     except BaseException as exc:
         Path(failure_dir, f"rank{rank}").write_text(f"{type(exc).__name__}\n{exc}".strip())
         Path(failure_dir, f"rank{rank}.traceback").write_text(traceback.format_exc())
+        if not isinstance(exc, KeyboardInterrupt) and type(exc).__name__ not in EXIT_CODES:
+            # the agent names the first worker it sees exit (the lowest rank of those it sees at once): a peer
+            # killed first (whose error here is its loss) must be seen first, yet a forked worker's death reaches
+            # the agent once the fork server has reaped it, and this one would exit at once (a forked process
+            # skips the interpreter's finalization); each waiting as long, they are seen in the order they failed
+            time.sleep(FAILED_WAIT_S)
         if os.environ.get("PLAIT_DEBUG"):
             raise
         sys.exit(EXIT_CODES.get(type(exc).__name__, 1))
@@ -278,8 +306,12 @@ def worker(target: str, payload: dict, failure_dir: str):
 
 
 def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,),
-           again_kills: bool = False) -> list:
+           again_kills: bool = False, preload: tuple[str, ...] = ()) -> list:
     """Run ``target(payload)`` on ``nproc`` local processes (elastic launcher); per-rank results.
+
+    The workers are forked from ``multiprocessing``'s fork server, which imports torch, the target's module and
+    ``preload`` (module names) once, at this process's first launch, and serves the later ones (spawned where
+    there is no fork server). Each worker takes this process's environment as at the launch.
 
     The signals in ``forward`` go to the workers, which stop on them in their own way (``plait serve`` also
     on SIGINT); the agent handles the other ones of ``AGENT_SIGNALS`` by stopping the workers at once. With
@@ -297,14 +329,14 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals  # ``forward`` is forwarded by us (below)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.2, start_method="spawn")
+                          monitor_interval=0.2, start_method=_start_method(target, preload))
     if hasattr(config, "signals_to_handle"):
         config.signals_to_handle = agent_signals
     with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
-        forwarders = [stack.enter_context(ForwardSignal(sig, again_kills)) for sig in forward]
+        forwarders = [stack.enter_context(ForwardSignal(sig, again_kills, Path(failures))) for sig in forward]
         stack.enter_context(HeldInterrupts())
         try:
-            results = elastic_launch(config, worker)(target, payload, failures)
+            results = elastic_launch(config, worker)(target, payload, failures, dict(os.environ))
         except ChildFailedError as exc:
             stop = next((f for f in forwarders if f.received), None)
             if stop is not None and _only_stopped(exc, Path(failures)):
@@ -318,6 +350,15 @@ def _only_stopped(exc, failures: Path) -> bool:
     """True when no failed worker reported an error of its own: each died (by a signal) or was interrupted."""
     return all(not (failures / f"rank{r}").is_file()
                or (failures / f"rank{r}").read_text().partition("\n")[0] == "KeyboardInterrupt" for r in exc.failures)
+
+
+def _start_method(target: str, preload: tuple[str, ...]) -> str:
+    """``forkserver``, its imports set (read when the server starts), or ``spawn`` where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    modules = ["torch", "torch.distributed.elastic.multiprocessing.api", __name__, target.partition(":")[0]]
+    mp.get_context("forkserver").set_forkserver_preload([*modules, *preload])
+    return "forkserver"
 
 
 def _explain(exc, failures: Path) -> tuple[str, int]:
@@ -338,7 +379,7 @@ def _explain(exc, failures: Path) -> tuple[str, int]:
         others = sorted(set(reports) - {r})
         tail = f"; stopped the other ranks {others}" if others else "; stopped the other ranks"
         return f"rank {r} (pid {fail.pid}) died ({how}){tail}", 1
-    real = [r for r, (kind, _, _) in reports.items() if kind not in ("CommError", "CommTimeoutError")]
+    real = [r for r, (kind, _, _) in reports.items() if kind not in LOST_PEER]
     r = min(real or reports, key=lambda k: (reports[k][2].timestamp, k))
     kind, msg, _ = reports[r]
     prefix = "" if kind in ("ConfigError", "NonFiniteLoss") else f"{kind}: "
