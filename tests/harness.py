@@ -11,8 +11,9 @@ from plait.distributed.launch import run_world
 
 #: the modules a launch whose start-up is not under test preloads (run_world's ``preload``): its ranks are forked
 #: from one server that imported torch once instead of fresh interpreters each importing it; on 2 cores a world
-#: of 4 with little to run started in 4 s instead of 9
-PRELOAD = ("torch",)
+#: of 4 with little to run started in 4 s instead of 9. torch._dynamo: every torch optimizer imports it when it
+#: is made (~2 s of CPU a rank otherwise)
+PRELOAD = ("torch", "torch._dynamo")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
