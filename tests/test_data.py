@@ -178,6 +178,31 @@ def test_a_resumed_run_counts_the_tokens_and_passes_its_checkpoint_saw(tmp_path)
     assert same.carried is None and same.position(4) == {"epoch": 4.0, "tokens_seen": 200}
 
 
+def test_a_resumed_run_with_another_batch_size_reads_on_without_a_gap_or_a_repeat(tmp_path):
+    """3 steps of 4, then another batch size (larger, smaller, then larger again): the samples read are the
+    uninterrupted order's, across epoch boundaries (26 windows, a new permutation each epoch)."""
+    path = _prepared(tmp_path, "a", ["".join(chr(65 + i) * 10 for i in range(26))])  # 26 windows of 11
+    whole = open_data([path], "tiny", 256, 10, 1, seed=2, max_mb=1)  # batch size 1: batch g is sample g
+    order = np.concatenate([whole.batch(g)[0].numpy() for g in range(90)])  # [90, 10]: three epochs and more
+    for sizes in ((4, 7, 9), (4, 3, 5), (7, 2, 1)):
+        read, steps, meta = [], 3, None
+        for b in sizes:
+            data = open_data([path], "tiny", 256, 10, b, seed=2, max_mb=1)
+            start = 0 if meta is None else meta["data"]["next_step"]
+            if meta is not None:
+                data.resume_at(start, meta, same_data=True)
+            read += [data.batch(k, (i, 2 if b % 2 == 0 else 1))[0].numpy()
+                     for k in range(start, start + steps) for i in range(2 if b % 2 == 0 else 1)]
+            meta = {"data": {"next_step": start + steps, **data.saved_counts(start + steps)},
+                    "train": {"batch_size": b, "seq_len": 10, "data": [path]}}
+            steps += 1
+        rows = np.concatenate(read)
+        assert np.array_equal(rows, order[:len(rows)]), (sizes, rows[:, 0], order[:len(rows), 0])
+        n = len(rows)
+        assert meta["data"]["samples"] == n and meta["data"]["tokens_seen"] == n * 10
+        assert meta["data"]["epoch"] == round(n / 26, 4)
+
+
 def test_mixture_proportions_within_two_percent_over_10000_windows(tmp_path):
     web = _prepared(tmp_path, "web", ["w" * 5000])
     code = _prepared(tmp_path, "code", ["c" * 700])  # a small source: it repeats through many epochs

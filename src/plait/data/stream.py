@@ -3,8 +3,10 @@
 Source ``i``'s training stream (documents, each followed by EOS, packed) is cut into windows
 ``[w·S, w·S + S + 1)`` for ``w < (tokens - 1) // S``: inputs are the first ``S`` tokens, targets the last
 ``S``, those outside a chat dataset's loss mask (the user's turns, say) set to ``IGNORE``. Global sample ``g``
-of the run is the window ``plait.data.order.Order`` assigns it; batch ``k`` is samples ``k·B .. k·B + B - 1``
-and a data-parallel replica reads only its own rows of it. Sources are
+of the run is the window ``plait.data.order.Order`` assigns it; batch ``k`` is samples ``F + k·B .. F + k·B + B - 1``
+(``F = 0`` in a fresh run; a resumed run sets it so that its first batch starts at the first sample its checkpoint
+had not read, whatever batch size either run has) and a data-parallel replica reads only its own rows of it.
+Sources are
 prepared datasets (memory-mapped: only the windows read are paged in) or, for small inputs, plain text
 files tokenized in memory the way ``plait data prepare`` would.
 """
@@ -70,6 +72,9 @@ class TrainData:
     # a resumed run whose checkpoint saw other batches than this run's would have: (its step, the input tokens
     # and the passes over each source it had seen); None: the counts follow from this run's settings alone
     carried: tuple[int, int, list[float]] | None = field(default=None, init=False)
+    # global sample of batch 0's first row: 0, or set by ``resume_at`` to (samples the checkpoint's run had read)
+    # - step × batch_size, so batch ``step`` reads on from there (negative when this batch size is the larger)
+    first: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         S = self.seq_len
@@ -98,8 +103,12 @@ class TrainData:
         """Rows ``part = (index, count)`` of global batch ``step``: inputs and targets [B/count, S] (int64)."""
         index, count = part
         rows = self.batch_size // count
-        g = step * self.batch_size + np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
+        g = self.samples(step) + np.arange(index * rows, (index + 1) * rows, dtype=np.int64)
         return self._rows(self.order, [s.train for s in self.sources], g)
+
+    def samples(self, steps: int) -> int:
+        """Global samples read after ``steps`` steps (the first sample of batch ``steps``)."""
+        return self.first + steps * self.batch_size
 
     def held_out_batch(self, i: int, part: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rows ``part`` of held-out batch ``i`` (the same windows every evaluation); None without a held-out
@@ -112,15 +121,20 @@ class TrainData:
         return self._rows(self.eval_order, [s.held_out for s in self._held], g)
 
     def resume_at(self, step: int, saved: dict, same_data: bool) -> None:
-        """Count on from a checkpoint's metadata ``saved`` at ``step``: the tokens and passes its run had seen
-        (under its own --batch-size and --seq-len, which may differ from this run's). A checkpoint without those
-        counts gives them from its run's batch size and window length; passes over other --data than this run's
-        are not this data's, which is counted from ``step``."""
+        """Read on from a checkpoint's metadata ``saved`` at ``step``: batch ``step`` starts at the first sample
+        its run had not read (``samples`` of its counts; a checkpoint without it read ``step`` batches of its own
+        --batch-size), so a resumed run with another --batch-size neither skips nor repeats a sample of the
+        order. Tokens and passes count on from those its run had seen (under its own --seq-len, which may differ
+        from this run's: then the windows, and so the order, differ). A checkpoint without those counts gives
+        them from its run's batch size and window length; passes over other --data than this run's are not this
+        data's, which is counted from the samples read."""
         counts, train = saved.get("data") or {}, saved.get("train") or {}
         size, length = train.get("batch_size", self.batch_size), train.get("seq_len", self.seq_len)
-        tokens = counts.get("tokens_seen", step * size * length)
-        if same_data and tokens == step * self.batch_size * self.seq_len:
-            return  # what this run's settings give
+        read = int(counts.get("samples", step * size))
+        self.first = read - step * self.batch_size
+        tokens = counts.get("tokens_seen", read * length)
+        if same_data and tokens == read * self.seq_len:
+            return  # the counts follow from the samples read
         names = [s.name for s in self.sources]
         if not same_data:
             epochs = [0.0] * len(names)
@@ -130,25 +144,30 @@ class TrainData:
             epochs = [counts["epoch"]]
         else:  # the passes of the saved run's windows
             epochs = Order(tuple((s.train.tokens - 1) // length for s in self.sources),
-                           tuple(s.weight for s in self.sources), self.seed).epochs(step * size)
+                           tuple(s.weight for s in self.sources), self.seed).epochs(read)
         self.carried = (step, int(tokens), epochs)
 
     def position(self, steps: int) -> dict:
         """After ``steps`` steps: ``tokens_seen`` (input tokens), ``epoch`` (passes over the data: the most of
         any source's), and ``epochs`` per source when there are several; counted on from a resumed checkpoint's
-        counts when its run read other batches (``resume_at``)."""
-        samples = steps * self.batch_size
+        counts when its run read other windows (``resume_at``)."""
+        samples = self.samples(steps)
         epochs = self.order.epochs(samples)
         tokens = samples * self.seq_len
         if self.carried is not None:
             step, before, then = self.carried
             tokens = before + (steps - step) * self.batch_size * self.seq_len
-            epochs = [e + now - at for e, now, at in zip(then, epochs, self.order.epochs(step * self.batch_size),
+            epochs = [e + now - at for e, now, at in zip(then, epochs, self.order.epochs(self.samples(step)),
                                                          strict=True)]
         out: dict = {"epoch": round(max(epochs), 4), "tokens_seen": tokens}
         if len(self.sources) > 1:
             out["epochs"] = {s.name: round(e, 4) for s, e in zip(self.sources, epochs, strict=True)}
         return out
+
+    def saved_counts(self, steps: int) -> dict:
+        """What a checkpoint after ``steps`` steps keeps of the data (``resume_at`` reads it): ``position`` and
+        the global samples read."""
+        return {**self.position(steps), "samples": self.samples(steps)}
 
     def describe(self) -> str:
         """One line: the sources, their weights and sizes."""

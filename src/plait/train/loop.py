@@ -158,7 +158,7 @@ def save(run: Run, step: int) -> str:
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
              "tokenizer": tokenizer_record(run.cfg.model),
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.data.describe(),
-                      **run.data.position(step)}}
+                      **run.data.saved_counts(step)}}
     run.last_save = time.monotonic()
     if not run.cfg.async_checkpoint:
         return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
