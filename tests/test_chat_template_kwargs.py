@@ -162,6 +162,16 @@ def test_serve_defaults_reach_every_chat_and_a_request_overrides_them_key_by_key
     for body, text in (({}, "hi, you: hello"), ({"chat_template_kwargs": {"name": "bob"}}, "hi, bob: hello")):
         res = served.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}], **body})
         assert bytes(res.json()["tokens"]).decode() == text, res.text
+    # vLLM's merge: a request's null or "auto" keeps the server's value; without server defaults it is sent as is
+    for body, text in (({"chat_template_kwargs": {"name": None}}, "hi, you: hello"),
+                       ({"chat_template_kwargs": {"name": "auto", "greeting": None}}, "hi, you: hello"),
+                       ({"chat_template_kwargs": {"name": None, "greeting": "yo"}}, "yo, you: hello")):
+        res = served.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}], **body})
+        assert bytes(res.json()["tokens"]).decode() == text, (body, res.text)
+    bare = client(TokenizerInfo(ByteTokenizer(), "/nonexistent", 512, own))
+    res = bare.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}],
+                                       "chat_template_kwargs": {"greeting": "auto", "name": None}})
+    assert bytes(res.json()["tokens"]).decode() == "auto, None: hello", res.text
     res = served.post("/tokenize", json={"messages": [{"role": "user", "content": "hello"}],
                                          "chat_template_kwargs": {"tools": []}})
     assert res.status_code == 400 and "chat_template_kwargs may not set ['tools']" in res.text

@@ -2,7 +2,7 @@
 ``transformers``' ``apply_chat_template(messages, **kwargs)`` passes to the template (Qwen3's
 ``{"enable_thinking": false}``). ``plait data prepare --chat`` gives them to every render of every record;
 ``plait serve`` to every chat request, a request's own ``chat_template_kwargs`` overriding them key by key (as vLLM's
-``--default-chat-template-kwargs``)."""
+``--default-chat-template-kwargs``: ``merge_template_kwargs``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from plait.chat_template import RESERVED
 from plait.errors import ConfigError
 
 FLAG = "--chat-template-kwargs"
+#: request values that leave the server's value of their variable in place (vLLM's ``merge_kwargs``)
+UNSET = (None, "auto")
 EXAMPLE = '\'{"enable_thinking": false}\''
 _JSON_TYPES = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
                type(None): "null"}
@@ -42,3 +44,12 @@ def check_template_kwargs(value: object, flag: str = FLAG) -> dict:
                           f"request; pass other template variables, such as {EXAMPLE}")
     return dict(value)
 
+
+
+def merge_template_kwargs(defaults: dict, request: dict) -> dict:
+    """A chat request's template variables over the server's ``defaults``, key by key, as vLLM merges its
+    ``--default-chat-template-kwargs`` (``vllm.renderers.params.merge_kwargs``): a request value in ``UNSET``
+    (``null`` or ``"auto"``) keeps the server's value; without server defaults the request's are taken as sent."""
+    if not defaults:
+        return dict(request)
+    return {**defaults, **{k: v for k, v in request.items() if v not in UNSET}}

@@ -28,7 +28,7 @@ Chat messages become one prompt through the model folder's own chat template (to
 chat_template or chat_template.jinja, rendered as transformers' apply_chat_template does), or through
 --chat-template; a folder without one gets "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
 --chat-template-kwargs '{"enable_thinking": false}': variables every chat's template gets (a request's
-own chat_template_kwargs override them key by key).
+own chat_template_kwargs override them key by key; a null or "auto" there keeps the server's value, as in vLLM).
 
 \b
 Examples:

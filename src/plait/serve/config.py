@@ -51,8 +51,8 @@ class ServeConfig:
     """A Jinja chat template (a file, or the template itself) instead of the folder's."""
     chat_template_kwargs: str | None = None
     """Template variables every chat request's template gets, a JSON object (e.g. '{"enable_thinking": false}');
-    a request's own chat_template_kwargs override them key by key (vLLM's --default-chat-template-kwargs, also
-    accepted)."""
+    a request's own chat_template_kwargs override them key by key, a null or "auto" there keeping the server's
+    value (vLLM's --default-chat-template-kwargs, also accepted)."""
     trust_request_chat_template: bool = False
     """Let requests send a chat_template of their own (else 400; named templates of the folder are always
     allowed)."""

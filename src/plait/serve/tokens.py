@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from plait.chat_kwargs import merge_template_kwargs
 from plait.chat_template import ChatError, ChatTemplate
 
 
@@ -45,8 +46,8 @@ class TokenizerInfo:
     def chat_ids(self, body: dict) -> list[int]:
         """The prompt ids of a chat request (or a /tokenize with messages): its messages through the chat
         template with vLLM's fields (add_generation_prompt, continue_final_message, chat_template,
-        chat_template_kwargs over the server's, key by key; tools, documents), tokenized without added special
-        tokens unless add_special_tokens (as vLLM)."""
+        chat_template_kwargs over the server's as vLLM merges them: ``merge_template_kwargs``; tools, documents),
+        tokenized without added special tokens unless add_special_tokens (as vLLM)."""
         from plait.serve.protocol import ApiError
 
         kwargs = body.get("chat_template_kwargs") or {}
@@ -66,7 +67,7 @@ class TokenizerInfo:
         try:
             text = self.chat.render(body.get("messages"), True if generation is None else generation,
                                     tools=body.get("tools") or None, documents=body.get("documents"),
-                                    template=template, kwargs={**self.template_kwargs, **kwargs},
+                                    template=template, kwargs=merge_template_kwargs(self.template_kwargs, kwargs),
                                     continue_final=bool(body.get("continue_final_message")))
         except ChatError as exc:  # the request's messages or template: a 400
             raise ApiError(400, exc.message, exc.param, exc.code) from None
