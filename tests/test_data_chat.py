@@ -309,6 +309,33 @@ def test_generation_marks_give_the_mask_transformers_gives(tmp_path):
                                                  "round<|im_end|>\n<|im_end|>")  # the last: the dataset's EOS
 
 
+# the assistant's text opens after "Bot " and closes before "ld": byte-level BPE tokens " hello" and "world" straddle
+STRADDLED = ("{% for m in messages %}{% if m.role == 'assistant' %}Bot {% generation %}{{ m.content }}"
+             "{% endgeneration %}ld{% else %}User: {{ m.content }}{% endif %}\n{% endfor %}")
+
+
+def test_a_token_straddling_a_marked_span_is_in_the_loss_as_transformers_marks_it(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = template_folder(tmp_path / "straddled", "jinja", STRADDLED, None, "<|im_end|>", "hello world " * 8)
+    chats = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello wor"}],
+             [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world hello wor"},
+              {"role": "user", "content": "world"}]]
+    prepare([_records(tmp_path / "c.jsonl", chats)], str(folder), tmp_path / "out", workers=1, held_out=0.0,
+            chat=ChatSpec(str(folder)))
+    hf = AutoTokenizer.from_pretrained(folder)
+    straddling = 0
+    for chat, (ids, mask) in zip(chats, _docs(tmp_path / "out"), strict=True):
+        want = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert ids.tolist()[:-1] == want["input_ids"]
+        assert mask.tolist() == want["assistant_masks"] + [chat[-1]["role"] == "assistant"], chat
+        text = hf.apply_chat_template(chat, tokenize=False)
+        start = text.index("Bot ") + 4  # the first assistant message's first character
+        end = start + len(chat[1]["content"])  # and the one after its last
+        straddling += sum(a < edge < b for a, b in want.encodings[0].offsets for edge in (start, end))
+    assert straddling >= 3, "too few tokens straddle a span's edge: the test tokenizer does not check the rule"
+
+
 def test_qwen3_records_are_refused_naming_what_works_and_split_turns_trains_each_turn(tmp_path):
     from transformers import AutoTokenizer
 

@@ -64,8 +64,9 @@ class Tokens:
     def encode_masked(self, texts: list[str], spans: list[list[tuple[int, int]]]
                       ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Token ids of each text and its loss mask (uint8, one longer: the last entry is the EOS's): a token
-        is in the loss when its first character lies in one of the text's character ``spans``, the EOS when
-        position ``len(text)`` does."""
+        is in the loss when its characters overlap one of the text's character ``spans`` (a token straddling a
+        span's edge included: transformers' ``return_assistant_tokens_mask``), the EOS when position
+        ``len(text)`` lies in one."""
         out = []
         if self.tok is None:
             for text, sp in zip(texts, spans, strict=True):
@@ -74,11 +75,11 @@ class Tokens:
                 # each character's first byte, and the EOS at the end
                 first = np.cumsum([0] + [len(c.encode("utf-8", errors="replace")) for c in text])
                 starts = np.repeat(np.arange(len(text) + 1), np.diff(np.append(first, first[-1] + 1)))
-                out.append((ids, _in_spans(starts, sp)))
+                out.append((ids, _overlapping(starts, starts + 1, sp)))  # a byte's character
             return out
         for text, sp, enc in zip(texts, spans, self.tok.encode_batch(texts, add_special_tokens=False), strict=True):
-            starts = np.asarray([o[0] for o in enc.offsets] + [len(text)], dtype=np.int64)
-            out.append((np.asarray(enc.ids, dtype=np.uint32), _in_spans(starts, sp)))
+            offsets = np.asarray([*enc.offsets, (len(text), len(text) + 1)], dtype=np.int64).reshape(-1, 2)
+            out.append((np.asarray(enc.ids, dtype=np.uint32), _overlapping(offsets[:, 0], offsets[:, 1], sp)))
         return out
 
     def decode(self, ids) -> str:
@@ -129,14 +130,16 @@ class Tokens:
         return names + list(EOS_NAMES)
 
 
-def _in_spans(starts: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """uint8 [len(starts)]: 1 where a position lies in one of the sorted, disjoint ranges [a, b)."""
+def _overlapping(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 [len(starts)]: 1 where token ``[starts[t], ends[t])`` (in text order) overlaps one of the sorted,
+    disjoint character ranges [a, b): the first range ending after the token's start begins before its end
+    (transformers' ``apply_chat_template(return_assistant_tokens_mask=True)`` marks tokens this way)."""
     if not spans:
         return np.zeros(len(starts), dtype=np.uint8)
     lo = np.asarray([a for a, _ in spans], dtype=np.int64)
     hi = np.asarray([b for _, b in spans], dtype=np.int64)
-    k = np.searchsorted(lo, starts, side="right") - 1
-    return ((k >= 0) & (starts < hi[np.maximum(k, 0)])).astype(np.uint8)
+    k = np.searchsorted(hi, starts, side="right")  # the first range with b > the token's start
+    return ((k < len(spans)) & (ends > lo[np.minimum(k, len(spans) - 1)])).astype(np.uint8)
 
 
 def _read_json(path: Path) -> dict:
