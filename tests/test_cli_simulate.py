@@ -93,6 +93,8 @@ def test_exports_and_csv_import(tmp_path):
         (["--csv", "/proc/x.csv"], "error: --csv /proc/x.csv: cannot write it ("),  # was [Errno 2] ..., no flag
         (["--p2p", "-1"], "error: --p2p -1.0: must be a finite number >= 0"),
         (["--compare", "1f1b,nope"], "error: --compare 1f1b,nope: unknown schedule 'nope'; valid names are gpipe"),
+        (["--compare", "gpipe,1f1b,gpipe"], "error: --compare gpipe,1f1b,gpipe: gpipe listed more than once"),
+        (["--compare", "zbv,1F1B,1f1b,zbv"], "error: --compare zbv,1F1B,1f1b,zbv: 1f1b, zbv listed more than once"),
         # options the mode would not read are named, not silently ignored
         (["--compare", "1f1b,zbv", "--png", "x.png", "--actions"], "error: --png x.png, --actions: not with --compare"),
         (["--compare", "1f1b,zbv", "-s", "zbv"], "error: --schedule zbv: not with --compare"),
@@ -137,5 +139,12 @@ def test_compare_json():
 
 
 def test_output_files_get_their_folders(tmp_path):
-    res = _run("-s", "zbv", "--csv", str(tmp_path / "new" / "zbv.csv"), "--trace", str(tmp_path / "t" / "zbv.json"))
+    """As every command's output (--out, --metrics, --checkpoint-dir, --write-config): missing folders are made."""
+    res = _run("-s", "zbv", "--csv", str(tmp_path / "new" / "zbv.csv"), "--trace", str(tmp_path / "t" / "zbv.json"),
+               "--png", str(tmp_path / "p" / "q" / "zbv.png"))
     assert res.exit_code == 0 and (tmp_path / "new" / "zbv.csv").is_file() and (tmp_path / "t" / "zbv.json").is_file()
+    assert f"wrote {tmp_path / 'p' / 'q' / 'zbv.png'}" in res.output
+    out = tmp_path / "plans" / "new" / "run.toml"
+    res = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4",
+                               "--write-config", str(out)])
+    assert res.exit_code == 0 and out.is_file(), res.output

@@ -178,6 +178,7 @@ def _write_config(path: Path, best, model_arg: str) -> None:
               f"sequence{'s' * (size != 1)}: batch-size {values['batch_size']} = dp {dp} x microbatches {m} x {size}")
     if not trainable:
         header += f"\n{model_arg} is a planner preset: give plait train --model a Hugging Face folder of it"
+    path.parent.mkdir(parents=True, exist_ok=True)  # as every command's output files: their folders made
     path.write_text(toml_text(values, header))
 
 

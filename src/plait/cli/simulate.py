@@ -102,6 +102,10 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
     if not listed:
         raise ConfigError(f"--compare {names!r}: names no schedule; list some, e.g. --compare gpipe,1f1b,zbv (valid "
                           f"names are {', '.join(_names())})")
+    twice = sorted({n.lower() for n in listed if [m.lower() for m in listed].count(n.lower()) > 1})
+    if twice:
+        raise ConfigError(f"--compare {names}: {', '.join(twice)} listed more than once; list each schedule once "
+                          "(its row would repeat)")
     for name in listed:
         if name.lower() not in _names():
             raise ConfigError(f"--compare {names}: unknown schedule {name!r}; valid names are {', '.join(_names())}")
