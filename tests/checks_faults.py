@@ -36,3 +36,32 @@ def silent_peer(mode: str, done: str | None = None) -> dict:
         if done is not None:
             Path(done).touch()
     return {"role": "waiter", "raised": None, "message": ""}
+
+
+def lowered_timeout(done: str) -> dict:
+    """A context made with a 60 s timeout, lowered to 2 s by ``set_timeout``: rank 1 joins no collective (alive
+    until rank 0 has created the file ``done``, at most 30 s); rank 0's all-reduce on a group made by the context's
+    ``new_group`` and on the default group (which the context's groups of 2 ranks are) each fails after about 2 s,
+    not 60."""
+    import torch.distributed as dist
+
+    ctx = plait.init(dp=2, timeout_s=60.0)
+    extra = ctx.new_group([0, 1])
+    ctx.set_timeout(2.0)
+    if ctx.rank == 1:
+        deadline = time.monotonic() + 30.0
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"role": "silent"}
+    waited = {}
+    try:
+        for name, group in (("new_group", extra), ("world", dist.group.WORLD)):
+            t0 = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1), group=group)
+                waited[name] = None  # returned: nobody timed out
+            except RuntimeError:
+                waited[name] = time.monotonic() - t0
+    finally:
+        Path(done).touch()
+    return {"role": "waiter", "waited": waited, "timeout_s": ctx.timeout_s}

@@ -28,3 +28,13 @@ def test_dead_peer_is_named():
     waiter = values[0]
     assert waiter["raised"] in ("CommError", "CommTimeoutError"), waiter
     assert "pipeline rank 0" in waiter["message"] and "rank 1" in waiter["message"], waiter["message"]
+
+
+def test_a_lowered_timeout_ends_a_collective_a_peer_never_joins(tmp_path):
+    """ParallelContext.set_timeout takes effect on groups that already exist (torch's _set_pg_timeout)."""
+    world = launch(checks_faults.lowered_timeout, 2, str(tmp_path / "done"), timeout_s=120, preload=PRELOAD)
+    waiter = world[0]
+    assert world[1]["role"] == "silent" and waiter["timeout_s"] == 2.0
+    for name, seconds in waiter["waited"].items():
+        assert seconds is not None and 1.5 < seconds < 20, (name, waiter)  # the 60 s it was made with: not reached
+    assert set(waiter["waited"]) == {"new_group", "world"}  # the 60 s it was made with: not reached

@@ -207,13 +207,18 @@ class ParallelContext:
         self.close()
 
     def set_timeout(self, seconds: float) -> None:
-        """From now on, a collective of this rank on the default group or one of this context's groups fails after
-        waiting ``seconds`` (this rank's setting only: every rank sets its own)."""
+        """From now on, a collective of this rank on the default group, one of this context's groups or one made
+        by ``new_group`` fails after waiting ``seconds`` (this rank's setting only: every rank sets its own)."""
+        # torch's private _set_pg_timeout: it sets the default timeout of each backend of a group, Gloo's and
+        # NCCL's alike. The public ProcessGroup.set_timeout forwards to Backend::setTimeout, which c10d's
+        # ProcessGroupNCCL does not override (it raises "Backend nccl does not support setting timeout"), so it
+        # serves Gloo only; torch offers no other public way to change a live group's timeout.
+        # tests/test_pipeline_faults.py checks that a lowered timeout ends a collective a peer never joins.
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         self._check_open()
         self.timeout_s = seconds
-        for group in {id(g): g for g in [dist.group.WORLD, *self._groups.values()]}.values():
+        for group in {id(g): g for g in [dist.group.WORLD, *self._groups.values(), *self._owned]}.values():
             _set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
     def pp_peer(self, pp_rank: int) -> int:
