@@ -106,3 +106,34 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
     for out in (same, changed):
         assert "resuming from ck/step_4 (step 4)" in out and "starting fresh" not in out, out
     assert "note: --seed 0 -> 1" in changed and "note:" not in same, (changed, same)
+
+
+def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp_path):
+    """Chat data whose assistant replies are a few bytes in long conversations: most 16-token windows hold no
+    assistant token. Such a step's loss is no mean (0 of 0 targets): its row says null, not 0.0, the summary names
+    the steps, and held-out batches without a target in the loss give no held-out loss, not 0.000."""
+    from plait.data import prepare
+    from plait.data.chat import ChatSpec
+
+    words = "alpha beta gamma delta epsilon".split()
+    with open(tmp_path / "chats.jsonl", "w") as f:
+        for i in range(24):
+            user = " ".join(words[(i + j) % 5] for j in range(60))
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": "ok"}]}) + "\n")
+    prepare([str(tmp_path / "chats.jsonl")], "bytes", tmp_path / "d", workers=1, held_out=0.3,
+            chat=ChatSpec("bytes"))
+    run = [*RUN[:-4], "--data", "d", "--batch-size", "2", "--seq-len", "16", "--steps", "6", "--eval-every", "3",
+           "--metrics", "m.jsonl"]
+    res = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    empty = [r["step"] for r in rows if r["loss"] is None]
+    assert empty and all(r["grad_norm"] == 0.0 for r in rows if r["loss"] is None), rows  # was loss 0.0
+    assert all(r["loss"] > 1.0 for r in rows if r["loss"] is not None), rows
+    out = " ".join(res.stdout.replace("│", " ").split())  # the summary table wraps its cells
+    assert "loss - (no target in the loss)" in out, res.stdout
+    assert f"{len(empty)} steps had no target in the loss (steps {', '.join(map(str, empty))}:" in out, res.stdout
+    assert [r["held_out_loss"] for r in rows if "held_out_loss" in r] == [None, None], rows  # was 0.0
+    assert "held-out loss - (no held-out target in the loss)" in out, res.stdout
+

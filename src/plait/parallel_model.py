@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from plait.pipeline.trace import TraceReport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-#: (inputs, targets) of a step -> (divisor of the summed micro-batch losses, global number of rows)
+#: (inputs, targets) of a step -> (divisor of the summed micro-batch losses, global number of rows); the
+#: next-token loss's divisor is the count of targets in the loss, 0 when every one is ignored
 Normaliser = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
 
 
@@ -57,6 +58,7 @@ class ParallelModel:
         self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
         self.has_aux = has_aux_losses(model)  # MoE layers: load-balancing losses produced inside chunks
         self.last_aux_loss = 0.0
+        self.last_loss_targets: int | None = None  # targets in the last step's loss (None: a custom loss_fn)
         all_chunks = build_chunks(family.blocks(model), family.layer_costs(model), self.schedule.num_stages,
                                   partition, config.recompute)
         self.partition = [c.n_layers for c in all_chunks]
@@ -233,9 +235,13 @@ class ParallelModel:
         reduced gradient is sharded instead: ``set_grad_reduction``). ``trace=True`` records the measured
         start/end of every action (``last_stats.timeline``). ``measure_memory`` measures the peak of saved
         activations (``memory_report``); None: on the first step only (the hooks cost a little per tensor).
+        A batch whose every target is ``ignore_index`` has a loss of 0.0 and zero gradients: there is no
+        mean to take, and ``last_loss_targets`` (the global count of targets in the loss) is then 0.
         """
         self._check_batch(inputs, targets)
         norm, global_rows = self._normaliser(inputs, targets)  # over full rows: the same on every CP rank
+        self.last_loss_targets = int(norm) if self.vocab_size is not None else None
+        norm = max(norm, 1.0)
         inputs, targets = self._my_tokens(inputs), self._my_tokens(targets)
         self.zero_grad()
         for reducer in self.reducers.values():

@@ -137,7 +137,8 @@ def _check_args(model: nn.Module, family: Family, ctx: ParallelContext, loss_fn:
 
 def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch.Tensor,
                       targets: torch.Tensor) -> tuple[float, float]:
-    """(global count of non-ignored targets — the mean's divisor, global number of sequences).
+    """(global count of non-ignored targets — the mean's divisor, 0 when every target is ignored —, global
+    number of sequences).
 
     Raises ConfigError on every rank if any id is outside the vocabulary.
     """
@@ -145,14 +146,14 @@ def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch
     if ctx.dp_size == 1:
         if bad:
             raise ConfigError(bad)
-        return float(max(count, 1)), float(inputs.shape[0])
+        return float(count), float(inputs.shape[0])
     stats = torch.tensor([float(count), 1.0 if bad else 0.0, float(inputs.shape[0])],
                          device=ctx.device)
     dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global counts + any bad ids
     count, bad_anywhere, rows = stats.tolist()  # one host read
     if bad_anywhere > 0:
         raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
-    return max(count, 1.0), rows
+    return count, rows
 
 
 def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tensor,

@@ -39,6 +39,8 @@ class TrainResult:
     checkpoint: str | None = None
     sample: str | None = None
     skipped: list[int] = field(default_factory=list)
+    # steps whose global batch had no target in the loss (chat masks): no loss to show, none in ``losses``
+    no_targets: list[int] = field(default_factory=list)
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0
     measured_bubble: float | None = None  # idle share of the step, measured on the last traced step
@@ -216,8 +218,9 @@ def bubble(run: Run, step_s: float) -> tuple[float, float]:
 
 @torch.no_grad()
 def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
-    """Mean next-token loss over the same held-out batches every time (None without a held-out split): each
-    data-parallel replica its own rows (eval_step gives full logits on every rank), summed over replicas."""
+    """Mean next-token loss over the same held-out batches every time (None without a held-out split, or when
+    no target of those batches is in the loss): each data-parallel replica its own rows (eval_step gives full
+    logits on every rank), summed over replicas."""
     import torch.distributed as dist
 
     ctx = run.ctx
@@ -235,7 +238,7 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
         total[1] += (y != IGNORE).sum()
     if ctx.dp_size > 1:
         dist.all_reduce(total, group=ctx.dp_group)
-    return float(total[0] / total[1].clamp(min=1))
+    return float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out target in the loss
 
 
 def sample_text(run: Run, prompt: str = "def ") -> str | None:
@@ -306,11 +309,16 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
         began = os.environ.get("PLAIT_LAUNCHED_AT")
         res.startup_s = time.time() - float(began) if began else time.perf_counter() - t_start
     times.append(dt)
-    res.losses[step + 1] = loss
+    shown: float | None = loss
+    if run.pm.last_loss_targets == 0:  # every target outside the loss mask: the 0.0 is no mean, not a loss
+        res.no_targets.append(step + 1)
+        shown = None
+    else:
+        res.losses[step + 1] = loss
     if norm is None and not math.isfinite(loss):
         res.skipped.append(step + 1)
     pred = run.prediction
-    row = {"step": step + 1, "loss": loss, **run.data.position(step + 1),
+    row = {"step": step + 1, "loss": shown, **run.data.position(step + 1),
            "tokens_per_s": cfg.batch_size * cfg.seq_len / dt, "step_time_s": dt, "lr": lr, "grad_norm": norm,
            "phase_s": phases, **(pred.row() if pred is not None else NO_PREDICTION)}
     res.phases.append(phases)

@@ -100,7 +100,8 @@ class Reporter:
         bub = f" | bubble {m:.0%}" + (f" (predicted {p:.0%})" if p is not None else "") if m is not None else ""
         pred = row.get("predicted_step_time_s")
         ms = f" | {row['step_time_s'] * 1e3:,.0f} ms" + (f" (predicted {pred * 1e3:,.0f})" if pred else "")
-        return f"loss {row['loss']:.3f} | {row['tokens_per_s']:,.0f} tok/s{ms}{bub}"
+        loss = f"{row['loss']:.3f}" if row["loss"] is not None else "- (no target in the loss)"
+        return f"loss {loss} | {row['tokens_per_s']:,.0f} tok/s{ms}{bub}"
 
     def step(self, row: dict) -> None:
         if not self.active:
@@ -170,8 +171,9 @@ def summary_table(cfg: TrainConfig, run, res):
         ("layout", layout_text(run.ctx.config)),
         ("steps", f"{steps[0] if steps else run.start}..{cfg.steps}" + (f" (skipped {res.skipped})"
                                                                        if res.skipped else "")),
-        ("loss", f"{first:.3f} -> {last:.3f}"),
-        ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else "- (no held-out split)"),
+        ("loss", f"{first:.3f} -> {last:.3f}" + _no_targets(res.no_targets)),
+        ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else
+         "- (no held-out split)" if run.data.eval_order is None else "- (no held-out target in the loss)"),
         ("data", _data_line(run, cfg.steps if res.stopped_at is None else res.stopped_at)),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
         ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms")
@@ -184,6 +186,15 @@ def summary_table(cfg: TrainConfig, run, res):
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _no_targets(steps: list[int]) -> str:
+    """The steps whose batch had no target in the loss (every one outside the chat loss mask)."""
+    if not steps:
+        return ""
+    shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    return (f"; {len(steps)} steps had no target in the loss (steps {shown}: their batches hold no assistant "
+            "token; their gradients were zero)")
 
 
 def _blocked(cfg: TrainConfig, res) -> str:
