@@ -289,6 +289,7 @@ def test_train_dry_run_prints_the_prediction_and_launches_nothing(tmp_path):
     assert row["dry_run"] and row["predicted_step_time_s"] == pytest.approx(est.step_time_s)
     assert row["predicted_bubble"] == pytest.approx(est.bubble_fraction) and len(row["memory"]["predicted"]) == 2
     assert f"predicted step time {est.step_time_s * 1e3:,.0f} ms" in r.output.replace("\n", " ")
+    assert " ".join(r.output.split()).count("4 processes") == 1, r.output  # the title said it twice
     assert not (tmp_path / "ck").exists()  # nothing ran
     r = CliRunner().invoke(app, ["train", *flags, "--dry-run", "--cluster", "none"])
     assert r.exit_code == 2 and "--cluster none" in r.output

@@ -137,3 +137,27 @@ def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp
     assert [r["held_out_loss"] for r in rows if "held_out_loss" in r] == [None, None], rows  # was 0.0
     assert "held-out loss - (no held-out target in the loss)" in out, res.stdout
 
+
+def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
+    """--warmup 20 (the default) with --steps 5: the learning rate never reaches --lr, which the header says."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from plait.parallel_config import ParallelConfig
+    from plait.train.report import Reporter
+
+    def header(**kw):
+        console = Console(record=True, width=400, force_terminal=False)
+        run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
+                              ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)),
+                              data=SimpleNamespace(describe=lambda: "d"), start=0, resumed_from=None,
+                              resume_changes=[], prediction=None)
+        Reporter(TrainConfig(metrics=None, **kw), 0, console).begin(run)
+        return console.export_text()
+
+    short = header(steps=5, warmup=20, lr=3e-3)
+    assert "note: --warmup 20 is not shorter than --steps 5: the learning rate rises the whole run, to 25% of " \
+           "--lr 0.003 at its last step, and never decays (give --warmup below --steps)" in short, short
+    assert "(1 process)," in short, short  # was "(1 processes)"
+    assert "--warmup" not in header(steps=300, warmup=20), "a warm-up shorter than the run is no news"

@@ -151,7 +151,7 @@ def _dry_run(cfg) -> None:
     world = cfg.nproc or cfg.world
     row = dry_run(cfg, world)
     console = Console()
-    t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}, {world} processes",
+    t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}",
               title_justify="left")
     for name in ("pipeline rank", "params MB", "grads MB", "optimizer MB", "activations peak MB", "total MB"):
         t.add_column(name, justify="right")

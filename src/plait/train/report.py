@@ -69,6 +69,10 @@ class Reporter:
                                    "same settings continue it exactly)[/]")
         elif cfg.auto_resume:
             self.console.print(f"--auto-resume: no complete checkpoint in {cfg.checkpoint_dir}, starting fresh")
+        if cfg.warmup >= cfg.steps:
+            self.console.print(f"[yellow]note: --warmup {cfg.warmup} is not shorter than --steps {cfg.steps}: the "
+                               f"learning rate rises the whole run, to {cfg.steps / cfg.warmup:.0%} of --lr "
+                               f"{cfg.lr:g} at its last step, and never decays (give --warmup below --steps)[/]")
         if run.prediction is not None:
             e = run.prediction
             self.console.print(f"predicted on {e.source}: step {e.step_time_s * 1e3:,.0f} ms, bubble "
@@ -152,7 +156,7 @@ def layout_text(p: ParallelConfig) -> str:
     """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``."""
     virtual = p.pipeline_schedule().virtual
     cp = f" x cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
-    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({p.world} processes), {p.schedule}"
+    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({p.world} process{'es' if p.world != 1 else ''}), {p.schedule}"
             f"{f' V={virtual}' if virtual > 1 else ''}, {p.num_microbatches} micro-batches"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
             f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}")
