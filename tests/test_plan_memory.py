@@ -302,3 +302,28 @@ def test_megatron_vocab_parallel_cross_entropy_holds_six_bytes_a_logit():
     lay = Layout(dp=8, microbatch_size=2)
     acts = mem.activations(Cluster("h100-sxm", 8), TINY, lay, Training(16, loss="megatron-vocab-parallel"))
     assert acts.last == 8_192 + 19_200
+
+
+def test_torchtitan_fsdp2_holds_the_root_and_last_block_and_no_gradient_at_the_peak():
+    # FSDP2 as torchtitan wraps it: the root group (embedding 100·64, output 100·64, final norm 64 = 12,864) and the
+    # last block (wq 64·64 + wk, wv 2·64·32 + wo 64·64 + SwiGLU 3·64·128 + 2 norms of 64 = 36,992) gathered in bf16
+    # at the loss's backward: 2 × 49,856 = 99,712 B (plait's ZeRO-3: its two largest neighbouring blocks, 2 layers,
+    # 2 × 73,984 = 147,968 B)
+    lay = Layout(dp=8, microbatch_size=2, zero=3)
+    cluster = Cluster("h100-sxm", 8)
+    titan = Training(16, zero3_impl="torchtitan-fsdp2")
+    assert mem.fsdp2_working(TINY, lay) == 99_712
+    assert mem.activations(cluster, TINY, lay, titan).working == 99_712
+    assert mem.activations(cluster, TINY, lay, Training(16)).working == 147_968
+    # one micro-batch: zero_grad before the forward, the shards made at each block's post-backward: none at the peak
+    one, plait = estimate(TINY, cluster, lay, titan).memory, estimate(TINY, cluster, lay, Training(16)).memory
+    shards = 4 * TINY.n_params() / 8
+    assert one.grads == 0 and one.grads_held == pytest.approx(shards) and plait.grads == pytest.approx(shards)
+    assert one.total == pytest.approx(plait.total - shards - 147_968 + 99_712)
+    # two micro-batches: the first backward's shards are there at the second's peak
+    two = estimate(TINY, cluster, lay, replace(titan, global_batch=32)).memory
+    assert two.grads == pytest.approx(shards)
+    # it describes another stack: plait will not run it
+    from plait.errors import ConfigError
+    with pytest.raises(ConfigError, match="zero3_impl"):
+        lay.to_parallel_config(titan)

@@ -215,19 +215,16 @@ OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
 #: where a stack sums a tied embedding's gradient over the pipeline stages holding a copy (``Training.tied_grad_sum``)
 TIED_GRAD_SUMS = ("shard", "full")
 #: whose ZeRO-3 a run's step runs (``Training.zero3_impl``)
-ZERO3_IMPLS = ("plait", "deepspeed-0.3")
+ZERO3_IMPLS = ("plait", "deepspeed-0.3", "torchtitan-fsdp2")
 
 
 @dataclass(frozen=True)
 class Training:
-    """A training workload: ``global_batch`` sequences per optimizer step.
-
-    ``overlap_grad_reduce``: DP gradient reduction overlaps the last micro-batch's backward, chunk by chunk under
-    an interleaved schedule (``plan.overlap.exposed_tail``; on GPUs: a calibrated host's cores are all computing
-    then, ``CostModel.hidden_reduction``).
-    ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32 gradients, master weights
-    and moments) or "fp32" (everything fp32, ``plait train``'s default).
-    """
+    """A training workload: ``global_batch`` sequences per optimizer step. ``overlap_grad_reduce``: DP gradient
+    reduction overlaps the last micro-batch's backward, chunk by chunk under an interleaved schedule
+    (``plan.overlap.exposed_tail``; on GPUs: a calibrated host's cores are all computing then,
+    ``CostModel.hidden_reduction``). ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32
+    gradients, master weights and moments) or "fp32" (everything fp32, ``plait train``'s default)."""
 
     global_batch: int
     overlap_grad_reduce: bool = True
@@ -298,7 +295,9 @@ class Training:
     param_shards``: one all-gather and one reduce-scatter per block, a block ahead of or behind the compute,
     ``plan.step_end.zero3_collectives``) or "deepspeed-0.3" (DeepSpeed v0.3.13's: one all-gather per parameter
     behind a device-wide synchronize, the gradients all-reduced in buckets, walked sub-module by sub-module in
-    ``plan.zero3_deepspeed``; costed without a pipeline). ``Layout.to_parallel_config`` refuses any but plait's."""
+    ``plan.zero3_deepspeed``; costed without a pipeline) or "torchtitan-fsdp2" (torch's FSDP2 as torchtitan wraps
+    it: timed as plait's, its memory as ``plan.memory.fsdp2_working`` and ``rank_memory`` count it).
+    ``Layout.to_parallel_config`` refuses any but plait's."""
 
     elementwise: str = ELEMENTWISE[0]
     """How the costed stack runs a layer's element-wise kernels (norms, RoPE, activations, residual adds, casts) and

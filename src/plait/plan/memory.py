@@ -150,6 +150,9 @@ def activations(cluster: Cluster, model: Model, layout: Layout, training: Traini
     acts = cluster.costs.activations(model, layout, training.precision, training.elementwise)
     if training.selective_policy == "torchtitan-op" and layout.recompute == "selective":
         acts = replace(acts, layer=torchtitan_op_layer(model, layout))
+    if layout.zero == 3 and training.zero3_impl == "torchtitan-fsdp2":
+        acts = replace(acts, working=acts.working - zero3_working(model, layout, training.precision)
+                       + fsdp2_working(model, layout))
     extra = LOGIT_BYTES[training.loss] - LOGIT_BYTES["fp32-logits"]
     if extra:
         acts = replace(acts, last=acts.last + extra * model.seq_len / layout.cp * layout.microbatch_size
@@ -168,6 +171,18 @@ def zero3_working(model: Model, layout: Layout, precision: str = "bf16") -> floa
     embedding = sum(rank_params(model, layout, 0, True, False))
     head = sum(rank_params(model, layout, 0, False, True)) + (embedding if model.tied_embeddings else 0.0)
     return STATE_BYTES[precision][0] * max(embedding + layer, 2 * layer, head)
+
+
+def fsdp2_working(model: Model, layout: Layout) -> float:
+    """Gathered weights (bf16) held at the activation peak (the loss's backward) under FSDP2 as torchtitan wraps
+    it (``Training.zero3_impl = "torchtitan-fsdp2"``): the root group (the embedding, the final norm and the
+    output layer) is gathered at the step's first forward and not freed until the end of the backward (torch's
+    FSDP2 ``FSDPState._lazy_init``: "For the root, do not reshard after forward", its ``post_forward_mesh_info``
+    set to None), and the last block is not freed after its forward either (pytorch/torchtitan
+    torchtitan/parallelisms/parallelize_llama.py at 9dec370, ``apply_fsdp``: ``reshard_after_forward =
+    int(layer_id) < len(model.layers) - 1``); every other block is freed after its forward."""
+    root = sum(rank_params(model, layout, 0, True, True))
+    return STATE_BYTES["bf16"][0] * (root + sum(rank_params(model, layout, 1, False, False)))
 
 
 def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bool) -> tuple[float, float]:
@@ -230,7 +245,8 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
 
 
 def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float], acts: ActivationModel,
-                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32") -> list[Memory]:
+                precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32",
+                zero3_impl: str = "plait") -> list[Memory]:
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``, of the chunks' bytes in ``acts``: ``activations``),
     its working set and shared tensors added once.
@@ -242,15 +258,22 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     comes before any gradient and buckets are freed as the backward frees activations: the shards are counted.
     ZeRO-3 reduce-scatters every block in every backward as its gradients complete
     (``plait.data_parallel.zero3_reducer``): the shards at the peak, whatever the micro-batches. Gradients in
-    ``grad_dtype`` (``state_bytes``)."""
+    ``grad_dtype`` (``state_bytes``). FSDP2 as torchtitan runs it (``zero3_impl="torchtitan-fsdp2"``) with one
+    micro-batch holds no gradient at the peak: its train loop frees the gradients before each forward
+    (pytorch/torchtitan train.py at 9dec370: ``optimizers.zero_grad()``, torch's ``set_to_none=True``) and FSDP2
+    sets each block's sharded gradient only at that block's post-backward reduce-scatter (``foreach_reduce``),
+    after the loss's backward, where the activations peak; the shards are ``grads_after_step``."""
     st = layout_stages(model, layout)
     usable = cluster.usable_memory
     full_at_peak = layout.zero == 2 and microbatches > 1
+    none_at_peak = layout.zero == 3 and zero3_impl == "torchtitan-fsdp2" and microbatches == 1
     out = []
     for r, layers in enumerate(st.rank_layers):
         first, last = r == st.first_rank, r == st.last_rank
         w, g, o = state_bytes(model, layout, layers, first, last, precision, grad_dtype)
         after = g if layout.zero >= 2 else None
+        if none_at_peak:
+            g = 0.0
         if full_at_peak:
             g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision, grad_dtype)[1]
         act = peak[r] + acts.shared + acts.working
