@@ -56,9 +56,10 @@ class GPU:
 # (nccl-tests bus bandwidth: ~360-400 GB/s of 450 on H100 NVLink4, ~22 of 25 GB/s on HDR IB).
 # The latencies (a ring step's, ``plan.gpu``: 3 µs over NVLink, 5 over InfiniBand, 8 over RoCE and PCIe, 20-30
 # over Ethernet) are not sourced. NCCL's own tuning model (src/graph/tuning.cc, the same figures in v2.7.8 through
-# v2.9.9) charges its Simple-protocol ring 3.4 µs a hop over NVLink, 5.7 over PCIe and 9.6 over the network, plus
-# 8.4 µs a collective, and sums the hops along the ring (the network hops once per node); docs/planner.md ("Where it
-# misses", DeepSpeed's ZeRO-3) weighs them against the runs that gather most often.
+# v2.23.4) charges its Simple-protocol ring 3.4 µs a hop over NVLink, 5.7 over PCIe and 9.6 over the network, plus
+# 8.4 µs a collective, and sums the hops along the ring (the network hops once per node), but picks each
+# collective's algorithm and protocol by bandwidths from its topology search; docs/planner.md ("Where it misses",
+# DeepSpeed's ZeRO-3) says what its ring figures alone did to the published runs.
 LINK_EFFICIENCY = 0.8
 
 NVLINK3 = Link("NVLink3 (NVSwitch)", 300 * GB, 3e-6)
