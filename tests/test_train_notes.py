@@ -161,3 +161,27 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
            "--lr 0.003 at its last step, and never decays (give --warmup below --steps)" in short, short
     assert "(1 process)," in short, short  # was "(1 processes)"
     assert "--warmup" not in header(steps=300, warmup=20), "a warm-up shorter than the run is no news"
+
+
+def test_the_sample_ends_at_the_end_of_document_token():
+    """A model trained on documents each followed by an EOS learns to write it: the sample stops there (it
+    printed the EOS, a NUL for bytes, and whatever the model drew after it) and says so."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.generation import Sampling, generate_ids
+    from plait.models import Llama, LlamaConfig
+    from plait.tokenizers import ByteTokenizer
+    from plait.train.loop import sample_text
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64)).eval()
+    cfg = TrainConfig.from_dict({"tp": 1, "pp": 1, "dp": 1, "sample_tokens": 12, "seed": 3})
+    tok = ByteTokenizer()
+    ids = generate_ids(model, [tok.encode("def ")], Sampling(12, temperature=0.8, top_k=20, seed=3))[0]
+    run = SimpleNamespace(cfg=cfg, pm=model, tokenizer=tok, data=SimpleNamespace(eos=None))
+    assert sample_text(run) == "def " + tok.decode(ids)  # no EOS known: every token
+    run.data.eos = ids[6]
+    cut = ids.index(ids[6])
+    assert sample_text(run) == "def " + tok.decode(ids[:cut]) + "\n[the sample ends: end-of-document token]"

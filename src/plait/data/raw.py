@@ -104,4 +104,4 @@ def raw_source(path: str | None, weight: float, model: str, max_mb: float) -> Tr
     notes += [f"{skipped} of them left out (empty, binary or not UTF-8)"] if skipped else []
     note = "; ".join(notes)
     return TrainSource(path or STDLIB, weight, MemorySplit(train, docs["train"]), MemorySplit(held, docs["held_out"]),
-                  prepared=False, files=files, note=note)
+                  prepared=False, files=files, note=note, eos=eos)

@@ -57,6 +57,7 @@ class TrainSource:
     prepared: bool
     files: int = 0
     note: str = ""  # what else the summary says of it (a chat dataset's loss mask)
+    eos: int | None = None  # the end-of-document token after each of its documents
 
 
 @dataclass
@@ -169,6 +170,12 @@ class TrainData:
         the global samples read."""
         return {**self.position(steps), "samples": self.samples(steps)}
 
+    @property
+    def eos(self) -> int | None:
+        """The end-of-document token every source ends its documents with (None when they differ)."""
+        ends = {s.eos for s in self.sources}
+        return ends.pop() if len(ends) == 1 else None
+
     def describe(self) -> str:
         """One line: the sources, their weights and sizes."""
         parts = []
@@ -252,4 +259,4 @@ def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> Tr
         train = ds.meta["splits"]["train"]
         share = train["loss_tokens"] / max(1, train["tokens"])
         note = f"chat: the loss on {chat['loss_on']} tokens, {share:.0%} of them"
-    return TrainSource(path, weight, ds.train, ds.held_out, prepared=True, note=note)
+    return TrainSource(path, weight, ds.train, ds.held_out, prepared=True, note=note, eos=tok.get("eos"))

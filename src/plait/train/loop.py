@@ -248,8 +248,11 @@ def sample_text(run: Run, prompt: str = "def ") -> str | None:
     if par.sequence_parallel or par.cp > 1 or run.cfg.sample_tokens <= 0:
         return None  # decoding one token at a time cannot shard the sequence; use plait generate
     ids = generate_ids(run.pm, [run.tokenizer.encode(prompt)],
-                       Sampling(run.cfg.sample_tokens, temperature=0.8, top_k=20, seed=run.cfg.seed))
-    return prompt + run.tokenizer.decode(ids[0])
+                       Sampling(run.cfg.sample_tokens, temperature=0.8, top_k=20, seed=run.cfg.seed))[0]
+    eos = run.data.eos  # the model learnt to end a document there: what follows is no continuation of it
+    if eos is not None and eos in ids:
+        return prompt + run.tokenizer.decode(ids[:ids.index(eos)]) + "\n[the sample ends: end-of-document token]"
+    return prompt + run.tokenizer.decode(ids)
 
 
 def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predictor | None = None) -> TrainResult:
