@@ -110,7 +110,22 @@ def bad_input_checks(world: int) -> list:
                 plait.parallelize(Llama(small_config(**kw)), ctx)
         return parallelize
 
+    def load_state(change):
+        """Load a tp2·pp2 model's own full state dict after ``change``: every rank, whichever stage holds the key,
+        raises before writing anything (a [32, 1] tensor would otherwise broadcast into a [32, 32] one)."""
+        def load():
+            with plait.init(tp=2, pp=2, dp=world // 4) as ctx:
+                pm = plait.parallelize(Llama(small_config()), ctx)
+                state = pm.full_state_dict()
+                change(state)
+                pm.load_full_state_dict(state)
+        return load
+
     return [
+        ("bad/state_dict_shape", lambda: expect_config_error(load_state(
+            lambda sd: sd.update({"layers.1.self_attn.q_proj.weight": torch.ones(32, 1)})))),
+        ("bad/state_dict_key", lambda: expect_config_error(load_state(
+            lambda sd: sd.update({"layers.2.mlp.up_proj.weight": torch.ones(64, 32)})))),
         ("bad/tp_not_dividing_world", lambda: expect_config_error(lambda: plait.init(tp=3, pp=1, dp=-1))),
         ("bad/product_mismatch", lambda: expect_config_error(lambda: plait.init(tp=2, pp=1, dp=world))),
         ("bad/heads", lambda: expect_config_error(model_check(n_heads=2, n_kv_heads=2))),

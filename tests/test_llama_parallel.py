@@ -40,6 +40,8 @@ def test_state_dict_roundtrip_and_eval(world4, tag):
     ("bad/kv_heads", "n_kv_heads"),
     ("bad/ffn", "ffn_dim"),
     ("bad/tokens", "vocabulary"),
+    ("bad/state_dict_shape", "layers.1.self_attn.q_proj.weight: (32, 1), expected (32, 32)"),
+    ("bad/state_dict_key", "adds 1 keys, e.g. ['layers.2.mlp.up_proj.weight']"),
 ])
 def test_bad_input_is_config_error_on_every_rank(world4, case, needle):
     for rank, r in enumerate(result(world4, case)):

@@ -65,6 +65,7 @@ class ParallelModel:
         mine = self.schedule.stages_of_rank(ctx.pp_rank)
         self.chunks: dict[int, PipelineChunk] = {c: all_chunks[c] for c in mine}
         self.ties = TiedWeights(all_chunks, self.schedule, ctx)
+        self.full_shapes = {k: shape for c in all_chunks for k, shape in c.full_shapes().items()}  # every stage's
         del all_chunks
         self.from_meta = any(t.is_meta for c in self.chunks.values() for t in [*c.parameters(), *c.buffers()])
         for chunk in self.chunks.values():  # only this rank's chunks ever reach its device
@@ -374,10 +375,18 @@ class ParallelModel:
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (plain-model keys); each rank keeps its own shards. No collective."""
-        missing = sorted(set(self.plain_keys) - set(state_dict))
-        if missing:
-            raise ConfigError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:3]}")
+        """Load full tensors (plain-model keys, shapes as ``full_state_dict``'s); each rank keeps its own shards.
+        No collective; a key missing or unknown, or a tensor of another shape, is a ConfigError before anything
+        is written (as torch's strict ``load_state_dict``)."""
+        keys = set(self.plain_keys)
+        missing, unknown = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
+        if missing or unknown:
+            said = [f"{say} {len(ks)} keys, e.g. {ks[:3]}" for say, ks in (("lacks", missing), ("adds", unknown)) if ks]
+            raise ConfigError(f"state_dict {' and '.join(said)}: give the plain model's state_dict() keys")
+        wrong = [f"{k}: {tuple(state_dict[k].shape)}, expected {s}" for k, s in self.full_shapes.items()
+                 if tuple(state_dict[k].shape) != s]  # every rank checks every stage's (experts: their EP ranks)
+        if wrong:
+            raise ConfigError(f"state_dict has {len(wrong)} tensors shaped unlike this model's, e.g. {wrong[:3]}")
         exact: dict[nn.Parameter, torch.Tensor] = {}  # full-precision local values, for fp32 masters
         with self.full_parameters(gather=False, write_back=True):
             for chunk in self.chunks.values():

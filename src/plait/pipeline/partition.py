@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plait.models.family import Blocks, LayerCosts
 from plait.pipeline.balance import partition_layers
+from plait.tensor_parallel.layers import TPShardedModule
 
 Partition = str | list[int] | tuple[int, ...]  # "balanced", "uniform", or layer counts per chunk
 
@@ -44,6 +45,14 @@ class PipelineChunk(nn.Module):
         for name, block in zip(self.names, self.blocks, strict=True):
             for key, value in block.state_dict(keep_vars=True).items():
                 out[f"{name}.{key}"] = value
+        return out
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the full tensors under the plain model's keys (a tensor-parallel shard at its full size)."""
+        out = {}
+        for key, tensor in self.named_state().items():
+            module, name = self.owner(key)
+            out[key] = module.full_shape(name, tensor) if isinstance(module, TPShardedModule) else tuple(tensor.shape)
         return out
 
     def owner(self, key: str) -> tuple[nn.Module, str]:

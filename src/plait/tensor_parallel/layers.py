@@ -71,6 +71,14 @@ class TPShardedModule(nn.Module):
         gathered = comms.all_gather(local.detach(), dim, self.ctx.tp_group)
         return gathered.narrow(dim, 0, full).clone()
 
+    def full_shape(self, name: str, local: torch.Tensor) -> tuple[int, ...]:
+        """The shape of the full tensor whose shard this rank holds as ``local`` (parameter ``name``)."""
+        dim, size = self.shard_dims[name]
+        shape = list(local.shape)
+        if dim is not None:
+            shape[dim] = size
+        return tuple(shape)
+
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full tensor (zero-padded to a multiple of tp)."""
         dim, size = self.shard_dims[name]
