@@ -35,6 +35,9 @@ class Sampling:
     min_p: float = 0.0
 
     def check(self) -> None:
+        for name in ("max_new_tokens", "top_k"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise FieldError(name, getattr(self, name), "must be an integer >= 0")
         for name in ("max_new_tokens", "temperature", "top_k"):
             if getattr(self, name) < 0:
                 raise FieldError(name, getattr(self, name), "must be >= 0")
@@ -142,13 +145,18 @@ def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int 
     max_seq_len = context_length(model) if max_seq_len is None else max_seq_len
     if max_seq_len is not None and total > max_seq_len:  # checked on every rank, before any collective
         raise ConfigError(f"prompt + max_new_tokens = {total} exceeds the model's max_seq_len {max_seq_len}")
+    dec = Decoder(model)  # checks the model (no collective)
+    ids = [t for p in prompts for t in p]
+    if min(ids) < 0 or max(ids) >= dec.vocab:
+        raise ConfigError(f"prompt token ids must lie in the model's vocabulary [0, {dec.vocab}); got ids from "
+                          f"{min(ids)} to {max(ids)} (a string prompt: the tokenizer's ids must fit the model)")
     buf = torch.zeros(len(prompts), total, dtype=torch.long)
     is_prompt = torch.zeros_like(buf, dtype=torch.bool)
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         is_prompt[i, : len(p)] = True
     if total > min(lengths):
-        _Pipelined(Decoder(model), buf, is_prompt, s, min(lengths), trace).run()
+        _Pipelined(dec, buf, is_prompt, s, min(lengths), trace).run()
     return [buf[i, n: n + s.max_new_tokens].tolist() for i, n in enumerate(lengths)]
 
 
