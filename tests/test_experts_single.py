@@ -75,3 +75,20 @@ def test_bad_moe_config(kw, needle):
     with pytest.raises(plait.ConfigError, match=needle):
         LlamaConfig(**kw)
 
+
+
+@pytest.mark.parametrize("args,kw,needle", [
+    ((8, 16, 2), dict(top_k=3), "top_k=3 must be between 1 and n_experts=2"),
+    ((8, 16, 2), dict(top_k=0), "top_k=0"),  # would route no token: a zero output
+    ((8, 16, 4), dict(capacity_factor=-1.0), "capacity_factor"), ((8, 16, 4), dict(aux_loss_coef=-1.0), "aux_loss"),
+])
+def test_bad_moe_layer_arguments(args, kw, needle):
+    with pytest.raises(plait.ConfigError, match=needle):
+        MoE(*args, **kw)
+
+
+def test_moe_layer_routes_to_two_experts_by_default_with_mixtral_names():
+    moe = MoE(8, 16, 4)
+    assert moe.top_k == 2
+    assert {k.split(".")[0] for k in moe.state_dict()} == {"gate", "experts"}
+    assert "experts.3.down_proj.weight" in moe.state_dict() and moe(torch.randn(2, 3, 8)).shape == (2, 3, 8)

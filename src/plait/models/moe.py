@@ -91,9 +91,10 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None, aux_c
 class MoE(nn.Module):
     """Mixture-of-experts feed-forward: x [B, S, H] -> [B, S, H]; sets ``aux_loss`` on every forward."""
 
-    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int = 1,
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, top_k: int = 2,
                  capacity_factor: float | None = None, aux_loss_coef: float = 0.01):
         super().__init__()
+        check_routing(n_experts, top_k, capacity_factor, aux_loss_coef)
         self.n_experts, self.top_k = n_experts, top_k
         self.capacity_factor, self.aux_loss_coef = capacity_factor, aux_loss_coef
         self.gate = nn.Linear(dim, n_experts, bias=False)  # the router (Mixtral's name)
@@ -134,9 +135,16 @@ def check_moe_config(cfg) -> None:
     """ConfigError for inconsistent mixture-of-experts fields of a model config."""
     if cfg.n_experts < 1 or cfg.moe_every < 1:
         raise ConfigError(f"n_experts={cfg.n_experts}, moe_every={cfg.moe_every}: both must be >= 1")
-    if not 1 <= cfg.top_k <= cfg.n_experts:
-        raise ConfigError(f"top_k={cfg.top_k} must be between 1 and n_experts={cfg.n_experts}")
-    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
-        raise ConfigError(f"capacity_factor={cfg.capacity_factor} must be positive (or None: dropless)")
-    if cfg.aux_loss_coef < 0:
-        raise ConfigError(f"aux_loss_coef={cfg.aux_loss_coef} must be >= 0")
+    check_routing(cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)
+
+
+def check_routing(n_experts: int, top_k: int, capacity_factor: float | None, aux_loss_coef: float) -> None:
+    """ConfigError naming the first routing setting out of range (a top_k of 0 would route nothing)."""
+    if n_experts < 1:
+        raise ConfigError(f"n_experts={n_experts} must be >= 1")
+    if not 1 <= top_k <= n_experts:
+        raise ConfigError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ConfigError(f"capacity_factor={capacity_factor} must be positive (or None: dropless)")
+    if aux_loss_coef < 0:
+        raise ConfigError(f"aux_loss_coef={aux_loss_coef} must be >= 0")
