@@ -109,3 +109,32 @@ def test_early_copies_hand_each_bucket_over_when_its_backward_ends():
     assert orders == [["between", "first layer", "last layer"], ["last layer", "between", "first layer"]]
     for name, (shared, leaf) in got.items():
         assert all(torch.equal(a, b) for a, b in zip(shared, leaf, strict=True)), name
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_clip_in_the_constructor_clips_at_step_and_keeps_the_norm_in_last_norm(zero):
+    """``ParallelOptimizer(pm, cls, ..., clip=c)``; ``pm.zero_grad(); pm.train_step(x, y); opt.step()``: torch's
+    update after ``clip_grad_norm_(c)``, and ``opt.last_norm`` the norm it measured (one rank). SGD: its update is
+    the clipped gradient itself (Adam's would hide a wrong scale: it divides it out)."""
+    import plait
+
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    with plait.init(tp=1, pp=1, dp=1) as ctx:
+        pm = plait.parallelize(Llama(cfg), ctx)
+        pm.load_full_state_dict(ref.state_dict())
+        opt = ParallelOptimizer(pm, torch.optim.SGD, lr=1.0, weight_decay=0.0, zero=zero, clip=0.1)
+        assert opt.last_norm is None
+        pm.zero_grad()
+        pm.train_step(x, y)
+        opt.step()
+        after = pm.full_state_dict()
+    ref.loss(x, y).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1))
+    torch.optim.SGD(ref.parameters(), lr=1.0, weight_decay=0.0).step()
+    assert norm > 0.1 and opt.last_norm == pytest.approx(norm, rel=1e-5)  # clipping was active
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(after[k], v, rtol=1e-5, atol=1e-7), k
