@@ -78,6 +78,21 @@ def fingerprint_file(path: Path) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids a model folder names (``generation_config.json``, else ``config.json``: its
+    ``eos_token_id``, one id or a list), where generation stops; () when it names none."""
+    def read(name: str) -> dict:
+        try:
+            value = json.loads((Path(folder) / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    gen, cfg = read("generation_config.json"), read("config.json")
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
+    return tuple(int(i) for i in eos) if isinstance(eos, list) else () if eos is None else (int(eos),)
+
+
 def tokenizer_record(model: str) -> dict:
     """What a checkpoint keeps of the tokenizer of ``plait train --model``: the model folder, as an absolute path
     (a later command may run in another directory), and its tokenizer.json's fingerprint ('bytes' when it has

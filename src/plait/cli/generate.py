@@ -11,6 +11,9 @@ HELP = """Generate text from a plait checkpoint or a Hugging Face model folder w
 Greedy by default (--temperature 0); --temperature T samples, --top-k K keeps the K best tokens. With
 --tp/--pp > 1 the model is split over that many local processes (elastic launcher): each rank reads only
 its own slices of the weights and keeps the KV cache of its own layers; the tokens equal one device's.
+A continuation ends at the model's end-of-sequence token (eos_token_id in its folder's generation_config.json
+or config.json, as transformers' generate stops; a checkpoint trained from a folder reads that folder's), or
+after --max-new-tokens.
 
 \b
 Examples:
@@ -37,7 +40,7 @@ def generate_command(
     model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
                                    "mistral, qwen2, qwen3, mixtral).")] = "plait-checkpoints",
     prompt: Annotated[list[str] | None, Opt(help="A prompt (repeatable: one batch).")] = None,
-    max_new_tokens: Annotated[int, Opt(help="Tokens to add to each prompt.")] = 120,
+    max_new_tokens: Annotated[int, Opt(help="Most tokens to add to each prompt (fewer where it ends at EOS).")] = 120,
     temperature: Annotated[float, Opt(help="0: greedy; otherwise sample from softmax(logits / T).")] = 0.0,
     top_k: Annotated[int, Opt(help="Sample only among the K most likely tokens (0: all).")] = 0,
     seed: Annotated[int, Opt(help="Seed of the sampler.")] = 0,

@@ -85,14 +85,17 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
 def generate_job(payload: dict) -> list[str]:
     """Worker entry of ``plait generate``: every rank decodes; rank 0 prints."""
     from plait.generation import generate
+    from plait.tokenizers import eos_ids
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if payload["tp"] * payload["pp"] != world:
         raise ConfigError(f"--tp {payload['tp']} x --pp {payload['pp']} must equal the world size {world}")
     model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"])
-    out = cast(list[str], generate(model, payload["prompts"], max_new_tokens=payload["max_new_tokens"],
-                                   temperature=payload["temperature"], top_k=payload["top_k"], seed=payload["seed"],
-                                   tokenizer=tok))  # text prompts give texts
+    ids = cast(list[list[int]], generate(model, [tok.encode(p) for p in payload["prompts"]],
+                                         max_new_tokens=payload["max_new_tokens"], temperature=payload["temperature"],
+                                         top_k=payload["top_k"], seed=payload["seed"]))  # id lists give id lists
+    stop = set(eos_ids(tokenizer_folder(payload["model"])))  # each continuation ends there, as transformers' does
+    out = [tok.decode(row[:next((i for i, t in enumerate(row) if t in stop), len(row))]) for row in ids]
     if int(os.environ.get("RANK", "0")) == 0:
         show(payload["prompts"], out)
     return out

@@ -3,18 +3,9 @@ and /tokenizer_info, and a chat request's prompt ids."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from plait.chat_kwargs import merge_template_kwargs
 from plait.chat_template import ChatError, ChatTemplate
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+from plait.tokenizers import eos_ids
 
 
 class TokenizerInfo:
@@ -24,10 +15,7 @@ class TokenizerInfo:
 
     def __init__(self, tok, folder: str, context: int, chat: ChatTemplate | None = None,
                  template_kwargs: dict | None = None):
-        path = Path(folder)
-        gen, cfg = (_read(path / name) for name in ("generation_config.json", "config.json"))
-        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-        self.eos: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else () if eos is None else (int(eos),)
+        self.eos: tuple[int, ...] = eos_ids(folder)
         self.tok, self.context = tok, context
         self.chat = chat or ChatTemplate(folder)
         self.template_kwargs = template_kwargs or {}
