@@ -121,7 +121,15 @@ def check_resume(root: Path, tag: str = "", **kw) -> dict:
     dist.barrier()
     resumed = train(small_cfg(root, f"part{tag}", steps=6, resume=True, **kw))
     return {"full": [full.losses[s] for s in (4, 5, 6)], "resumed": [resumed.losses[s] for s in (4, 5, 6)],
-            "started": min(resumed.losses)}
+            "started": min(resumed.losses), "losses": [full.losses[s] for s in range(1, 7)],
+            "gathered": [row["params_gathered_peak"] for row in full.memory]}  # ZeRO-3's per-block gathers
+
+
+def check_zero3(root: Path) -> dict:
+    """plait train --zero 3 (tp2·dp2): the losses of one device, and a resume continues exactly."""
+    out = check_resume(root, "_zero3", tp=2, pp=1, dp=2, zero=3)
+    ref = reference_losses(small_cfg(root, "unused", steps=6), 6)
+    return {**out, "ref": ref, "rel": max(abs(a - b) / abs(b) for a, b in zip(out["losses"], ref, strict=True))}
 
 
 def check_auto_resume(root: Path) -> dict:
@@ -286,6 +294,7 @@ def rank_main(root: str) -> dict:
         ("train/moe_ep2", lambda: check_moe(root)),
         ("ckpt/resume_zero1", lambda: check_resume(root, "_zero1", tp=1, pp=2, dp=2, zero=1)),
         ("ckpt/resume_zero2_bf16", lambda: check_resume(root, "_zero2", tp=1, pp=2, dp=2, zero=2, precision="bf16")),
+        ("ckpt/resume_zero3", lambda: check_zero3(root)),
         ("hf/slices", lambda: check_hf_slices(root)),
         ("generate/layouts", lambda: check_generate(root)),
         ("train/nonfinite", lambda: check_nonfinite(root)),

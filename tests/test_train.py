@@ -24,11 +24,17 @@ def test_checkpoint_reshards_to_other_layouts_and_one_device(world4):
         assert r["one_device_logits_rel"] <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["ckpt/resume", "ckpt/resume_zero1", "ckpt/resume_zero2_bf16"])
+@pytest.mark.parametrize("case", ["ckpt/resume", "ckpt/resume_zero1", "ckpt/resume_zero2_bf16", "ckpt/resume_zero3"])
 def test_resume_is_exact(world4, case):
     for rank, r in enumerate(result(world4, case)):
         assert r["started"] == 4, f"rank {rank}: resumed at {r['started']}"
         assert r["resumed"] == r["full"], f"rank {rank}: resumed {r['resumed']} vs uninterrupted {r['full']}"
+
+
+def test_zero3_training_equals_one_device(world4):
+    for rank, r in enumerate(result(world4, "ckpt/resume_zero3")):
+        assert len(r["gathered"]) == 4 and all(g for g in r["gathered"]), f"not run under ZeRO-3: {r['gathered']}"
+        assert r["rel"] <= 1e-5, f"rank {rank}: losses {r['losses']} vs one device {r['ref']}"
 
 
 def test_auto_resume_starts_fresh_then_continues_the_latest_complete_checkpoint(world4):
