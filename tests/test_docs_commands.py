@@ -61,6 +61,24 @@ def test_command_line_parses(where, args):
     _parse(shlex.split(args))
 
 
+def test_readme_lists_every_layout_field_and_the_commands_options_for_them():
+    """The README names ParallelConfig's fields in order; train has an option for each, verify for all but
+    precision, as it says."""
+    import dataclasses
+
+    from plait import ParallelConfig
+
+    fields = [f.name for f in dataclasses.fields(ParallelConfig)]
+    assert f"`plait.ParallelConfig({', '.join(fields)})`" in " ".join((ROOT / "README.md").read_text().split())
+    group = typer.main.get_command(app)
+    with group.make_context("plait", [], resilient_parsing=True) as parent:
+        options = {name: {o for p in group.get_command(parent, name).params for o in p.opts}
+                   for name in ("train", "verify")}
+    flag = {f: "--" + f.replace("_", "-") for f in fields}
+    assert [f for f in fields if flag[f] not in options["train"]] == []
+    assert [f for f in fields if flag[f] not in options["verify"]] == ["precision"]
+
+
 def test_parser_rejects_what_the_cli_rejects():  # the check can fail
     with pytest.raises(Exception, match="No such option"):
         _parse(["simulate", "--no-such-option", "1"])
