@@ -37,6 +37,9 @@ class TokenLoss:
         """(count of targets that are not ``ignore_index``, a message if token ids fall outside the vocabulary
         else None): local, no collective, one host read of the batch's extremes (no boolean indexing, whose
         output size would be a second read)."""
+        if inputs.dim() != 2 or targets.shape != inputs.shape or any(t.is_floating_point() for t in (inputs, targets)):
+            return 0, (f"inputs {tuple(inputs.shape)} {inputs.dtype}, targets {tuple(targets.shape)} {targets.dtype}: "
+                       "a language model takes integer token ids [batch, seq] and targets of the same shape")
         kept = targets != self.ignore_index
         named = [(name, t) for name, t in (("inputs", inputs), ("targets", targets.masked_fill(~kept, 0)))
                  if t.numel()]
