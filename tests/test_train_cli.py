@@ -35,6 +35,8 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--microbatches", "0"], "error: --microbatches 0: must be a positive integer (or left unset: the default)"),
     (["--nproc", "0", "--dry-run"], "error: --nproc 0: must be a positive integer"),
     (["--nproc", "0", "--layout", "auto", "--dry-run"], "error: --nproc 0: must be a positive integer"),
+    (["--layout", "auto", "--nproc", "2", "--dry-run", "--cluster", "none"],  # was: the search, then this
+     "error: --dry-run: it prints the prediction, and --cluster none turns that off"),
     (["--pp", "2", "--zero", "3"], "error: --zero 3: not with a pipeline (--pp 2)"),
     (["--layout", "auto", "--nproc", "2", "--tp", "2", "--schedule", "zbv", "--dry-run"],  # not silently replaced
      "error: --tp, --schedule: --layout auto chooses the whole layout (all but --precision); drop them"),

@@ -159,6 +159,13 @@ def host_speed(profile, device) -> float | None:
     return reference_rate(device) / float(then)
 
 
+def check_dry_run(cfg: TrainConfig) -> None:
+    """ConfigError for --dry-run with --cluster none (nothing to print), before any planning."""
+    if cfg.dry_run and cfg.cluster == OFF:
+        raise ConfigError("--dry-run: it prints the prediction, and --cluster none turns that off; give "
+                          "--cluster FILE or leave it out (this host's cached profile)")
+
+
 def dry_run(cfg: TrainConfig, world: int) -> dict:
     """What ``plait train --dry-run`` reports: the planner's prediction of this run of ``world`` processes
     on ``--cluster`` (default: this host's GPUs under the GPU model, or on a CPU host its cached profile; a
@@ -167,9 +174,7 @@ def dry_run(cfg: TrainConfig, world: int) -> dict:
     from plait.calibrate import cache_path
     from plait.plan.host.profile import HostProfile
 
-    if cfg.cluster == OFF:
-        raise ConfigError("--dry-run: it prints the prediction, and --cluster none turns that off; give "
-                          "--cluster FILE or leave it out (this host's cached profile)")
+    check_dry_run(cfg)
     profile = HostProfile.load(cfg.cluster) if cfg.cluster is not None else gpu_cluster(world)
     if profile is None:
         path = cache_path()

@@ -99,7 +99,7 @@ def _prepared(entry: str) -> bool:
 
 
 def _run(cfg) -> None:
-    from plait.cli.predict import check_cluster
+    from plait.cli.predict import check_cluster, check_dry_run
     from plait.cli.train_worker import PRELOAD, train_worker
     from plait.distributed.job_signals import STOP_TIMEOUT_S
     from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
@@ -111,6 +111,7 @@ def _run(cfg) -> None:
         train_worker(cfg.to_dict())
         return
     check_nproc(cfg)
+    check_dry_run(cfg)  # before --layout auto's search, which it would print and then refuse
     if cfg.layout == "auto":
         from plait.cli.auto_layout import auto_layout
 
