@@ -53,6 +53,18 @@ class LlamaConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss weight (Fedus et al. 2021 use 0.01)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"LlamaConfig.{name}={value!r} must be a positive integer")
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"LlamaConfig.{name}={getattr(self, name)!r} must be True or False")
+        for name, strict in (("rope_theta", True), ("norm_eps", False), ("init_std", False)):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and (value > 0 if strict else value >= 0)):  # NaN fails either comparison
+                raise ConfigError(f"LlamaConfig.{name}={value!r} must be a number {'> 0' if strict else '>= 0'}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.ffn_dim is None:  # Llama's rule: 2/3 of 4*dim, rounded up to a multiple of 8
@@ -61,9 +73,6 @@ class LlamaConfig:
             if self.dim % self.n_heads:
                 raise ConfigError(f"LlamaConfig.n_heads={self.n_heads} must divide dim={self.dim} (or set head_dim)")
             self.head_dim = self.dim // self.n_heads
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"LlamaConfig.{name}={getattr(self, name)} must be positive")
         if self.head_dim % 2:
             raise ConfigError(f"LlamaConfig.head_dim={self.head_dim} must be even (rotary embeddings)")
         if self.sliding_window is not None and self.sliding_window < 1:
