@@ -1,5 +1,5 @@
-"""plait.generate's calling forms (str in, str out; ids in, ids out; lists of either) and its refusals of prompts
-the model cannot read: token ids outside its vocabulary and a byte-encoded string for a vocabulary under 256."""
+"""plait.generate's calling forms (str in, str out; ids in, ids out; lists of either; a tensor of ids) and its
+refusals of prompts the model cannot read: ids outside its vocabulary, a byte-encoded string for one under 256."""
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ def test_strings_give_strings_and_ids_give_ids_one_or_a_list():
     assert isinstance(text, str)
     assert isinstance(ids, list) and len(ids) == 3 and all(isinstance(t, int) for t in ids)
     assert ids == plait.generate(m, [list(b"def ")], max_new_tokens=3)[0]  # "def " is these ids, greedy
+    assert plait.generate(m, torch.tensor([100, 101, 102, 32]), max_new_tokens=3) == ids  # a tensor of ids too
+    assert plait.generate(m, torch.tensor([[100, 101, 102, 32]]), max_new_tokens=3) == [ids]
     both = plait.generate(m, ["def ", "ab"], max_new_tokens=3)
     assert isinstance(both, list) and len(both) == 2 and all(isinstance(t, str) for t in both)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from plait.generation.decode import Decoder, Sampling, generate_ids, sample
 
 __all__ = ["Decoder", "Sampling", "generate", "generate_ids", "sample"]
 
-Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor
 
 
 def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
@@ -18,11 +20,13 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
 
     ``model`` is a plain language model (``plait.models.Llama``, ``Mistral``, ``Qwen2``, ...) or a
     ``ParallelModel`` (then every rank calls this and gets the same result). Strings are encoded with
-    ``tokenizer`` (UTF-8 bytes by default) and the continuations are returned decoded; id lists give id
-    lists. Greedy when ``temperature == 0``.
+    ``tokenizer`` (UTF-8 bytes by default) and the continuations are returned decoded; id lists (or a tensor of
+    ids, [S] or [B, S]) give id lists. Greedy when ``temperature == 0``.
     """
     from plait.tokenizers import ByteTokenizer
 
+    if isinstance(prompts, torch.Tensor):  # token ids [S] or [B, S]: as their lists
+        prompts = prompts.tolist()
     single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
     batch: list[Any] = [prompts] if single else list(prompts)
     texts = bool(batch) and isinstance(batch[0], str)
