@@ -111,10 +111,10 @@ def _run(cfg) -> None:
         train_worker(cfg.to_dict())
         return
     check_nproc(cfg)
-    check_dry_run(cfg)  # before --layout auto's search, which it would print and then refuse
     if cfg.layout == "auto":
         from plait.cli.auto_layout import auto_layout
 
+        check_dry_run(cfg)  # before the search, which it would print and then refuse
         cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
         typer.echo(line)
     validate(cfg)
