@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
-from data_util import bpe_folder
+from data_util import EOS, bpe_folder
 from plait.cli.main import app
 from plait.models import Llama, LlamaConfig
 from plait.tokenizers import fingerprint_file
@@ -41,8 +42,9 @@ def trained(tmp_path_factory) -> Path:
 
 def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(trained, monkeypatch):
     meta = json.loads((trained / "ckpt" / "step_00000001" / "meta.json").read_text())
-    assert meta["tokenizer"] == {"folder": str((trained / "bpe-model").resolve()),
-                                 "fingerprint": fingerprint_file(trained / "bpe-model" / "tokenizer.json")}
+    eos = Tokenizer.from_file(str(trained / "bpe-model" / "tokenizer.json")).token_to_id(EOS)
+    assert meta["tokenizer"] == {"folder": str((trained / "bpe-model").resolve()),  # and where its documents end
+                                 "fingerprint": fingerprint_file(trained / "bpe-model" / "tokenizer.json"), "eos": eos}
     monkeypatch.chdir(trained)
     here = CliRunner().invoke(app, [*GENERATE, "--model", "ckpt"])
     assert here.exit_code == 0, here.output
@@ -53,6 +55,7 @@ def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(train
     exported = CliRunner().invoke(app, ["export", "../ckpt", "../hf"])
     assert exported.exit_code == 0 and "tokenizer.json, tokenizer_config.json" in exported.stdout, exported.output
     assert fingerprint_file(trained / "hf" / "tokenizer.json") == meta["tokenizer"]["fingerprint"]
+    assert json.loads((trained / "hf" / "config.json").read_text())["eos_token_id"] == eos  # generation stops there
     again = CliRunner().invoke(app, [*GENERATE, "--model", "../hf"])
     assert again.exit_code == 0 and again.stdout == here.stdout, again.output
 

@@ -29,3 +29,18 @@ def test_plait_generate_stops_at_the_folders_end_of_sequence_token(tmp_path, mon
     assert generate_job(payload) == [tok.decode(ids[:ids.index(ids[5])])]  # was: on past the EOS, 12 tokens
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[2]}))  # it wins over config
     assert generate_job(payload) == [tok.decode(ids[:ids.index(ids[2])])]
+
+
+def test_a_plait_checkpoint_ends_where_its_training_data_ended_each_document(tmp_path):
+    """A byte-level model has no folder to name its EOS: the checkpoint's record of its data's end-of-document
+    token says where generate and serve stop (a chat model trained by plait wrote NULs to the end of max_tokens)."""
+    from plait.checkpoint.store import FORMAT, META
+    from plait.generation.job import end_ids
+
+    step = tmp_path / "ck" / "step_00000004"
+    step.mkdir(parents=True)
+    meta = {"format": FORMAT, "step": 4, "tokenizer": {"folder": None, "fingerprint": "bytes", "eos": 0}}
+    (step / META).write_text(json.dumps(meta))
+    assert end_ids(str(tmp_path / "ck")) == end_ids(str(step)) == (0,)
+    (step / META).write_text(json.dumps({**meta, "tokenizer": {"folder": None, "fingerprint": "bytes"}}))
+    assert end_ids(str(step)) == ()  # saved before checkpoints kept it: nothing known

@@ -136,6 +136,8 @@ def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp
     assert f"{len(empty)} steps had no target in the loss (steps {', '.join(map(str, empty))}:" in out, res.stdout
     assert [r["held_out_loss"] for r in rows if "held_out_loss" in r] == [None, None], rows  # was 0.0
     assert "held-out loss - (no held-out target in the loss)" in out, res.stdout
+    meta = json.loads((tmp_path / "plait-checkpoints" / "step_00000006" / "meta.json").read_text())
+    assert meta["tokenizer"]["eos"] == 0  # the data's end-of-document token: where generate and serve stop
 
 
 def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():

@@ -181,4 +181,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     check_tokenizer_out(folder, Path(out))
     save_state_dict_pretrained(family_of_config(cfg), cfg, reader.full_state_dict(), out)
     copy_tokenizer_files(folder, Path(out))
+    eos = (reader.meta.get("tokenizer") or {}).get("eos")  # the end-of-document token it was trained with
+    hf = json.loads((Path(out) / "config.json").read_text())
+    if eos is not None and hf.get("eos_token_id") is None:  # where generation stops, as before the export
+        (Path(out) / "config.json").write_text(json.dumps({**hf, "eos_token_id": int(eos)}, indent=2) + "\n")
     return Path(out)

@@ -82,10 +82,23 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
     return pm, tok, cfg
 
 
+def end_ids(source: str) -> tuple[int, ...]:
+    """Where a continuation of the model of ``source`` ends: the end-of-sequence ids its tokenizer folder names
+    (plait.tokenizers.eos_ids) and, for a plait checkpoint, the end-of-document token of the data it was trained
+    on (a byte-level model's has no folder to name it)."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint
+    from plait.tokenizers import eos_ids
+
+    ids = list(eos_ids(tokenizer_folder(source)))
+    path = Path(source)
+    ckpt = find_checkpoint(path) if path.is_dir() and not (path / "config.json").is_file() else None
+    data_eos = (CheckpointReader(ckpt).meta.get("tokenizer") or {}).get("eos") if ckpt is not None else None
+    return tuple(ids + ([int(data_eos)] if data_eos is not None and data_eos not in ids else []))
+
+
 def generate_job(payload: dict) -> list[str]:
     """Worker entry of ``plait generate``: every rank decodes; rank 0 prints."""
     from plait.generation import generate
-    from plait.tokenizers import eos_ids
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if payload["tp"] * payload["pp"] != world:
@@ -94,7 +107,7 @@ def generate_job(payload: dict) -> list[str]:
     ids = cast(list[list[int]], generate(model, [tok.encode(p) for p in payload["prompts"]],
                                          max_new_tokens=payload["max_new_tokens"], temperature=payload["temperature"],
                                          top_k=payload["top_k"], seed=payload["seed"]))  # id lists give id lists
-    stop = set(eos_ids(tokenizer_folder(payload["model"])))  # each continuation ends there, as transformers' does
+    stop = set(end_ids(payload["model"]))  # each continuation ends there, as transformers' generate's does
     out = [tok.decode(row[:next((i for i, t in enumerate(row) if t in stop), len(row))]) for row in ids]
     if int(os.environ.get("RANK", "0")) == 0:
         show(payload["prompts"], out)

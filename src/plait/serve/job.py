@@ -184,7 +184,7 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
 
     from plait.chat_kwargs import parse_template_kwargs
     from plait.chat_template import ChatTemplate
-    from plait.generation.job import tokenizer_folder
+    from plait.generation.job import end_ids, tokenizer_folder
     from plait.serve.engine import STALL_SHOWN_S, Engine
     from plait.serve.kv import BlockAllocator
     from plait.serve.metrics import Metrics
@@ -201,7 +201,7 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     folder = tokenizer_folder(payload["model"])
     chat = ChatTemplate(folder, payload["chat_template"], payload["trust_request_chat_template"])
     variables = parse_template_kwargs(payload["chat_template_kwargs"])
-    tokens = TokenizerInfo(tok, folder, cfg.max_seq_len, chat, variables)
+    tokens = TokenizerInfo(tok, folder, cfg.max_seq_len, chat, variables, end_ids(payload["model"]))
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
                     tokens.eos)
     api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])

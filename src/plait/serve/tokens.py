@@ -9,13 +9,14 @@ from plait.tokenizers import eos_ids
 
 
 class TokenizerInfo:
-    """The end-of-sequence ids (generation_config.json, else config.json), special tokens and chat template of
-    a model folder (``chat``: a ChatTemplate; by default the folder's own). ``template_kwargs``: the variables
-    every chat's template gets (--chat-template-kwargs), a request's chat_template_kwargs overriding them."""
+    """The end-of-sequence ids (``eos``, else generation_config.json's, else config.json's), special tokens and
+    chat template of a model folder (``chat``: a ChatTemplate; by default the folder's own). ``template_kwargs``:
+    the variables every chat's template gets (--chat-template-kwargs), a request's chat_template_kwargs overriding
+    them."""
 
     def __init__(self, tok, folder: str, context: int, chat: ChatTemplate | None = None,
-                 template_kwargs: dict | None = None):
-        self.eos: tuple[int, ...] = eos_ids(folder)
+                 template_kwargs: dict | None = None, eos: tuple[int, ...] | None = None):
+        self.eos: tuple[int, ...] = eos_ids(folder) if eos is None else eos
         self.tok, self.context = tok, context
         self.chat = chat or ChatTemplate(folder)
         self.template_kwargs = template_kwargs or {}

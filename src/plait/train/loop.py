@@ -158,7 +158,7 @@ def save(run: Run, step: int) -> str:
     from plait.tokenizers import tokenizer_record
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
-             "tokenizer": tokenizer_record(run.cfg.model),
+             "tokenizer": {**tokenizer_record(run.cfg.model), "eos": run.data.eos},  # where its documents end
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.data.describe(),
                       **run.data.saved_counts(step)}}
     run.last_save = time.monotonic()
