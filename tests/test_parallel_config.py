@@ -29,6 +29,9 @@ INVALID = [
     (dict(recompute="some"), None, ["recompute='some'", "none, selective, full"]),
     (dict(zero=4), None, ["zero=4", "0, 1, 2, 3"]),
     (dict(pp=2, zero=3), None, ["zero=3", "pp=2", "without a pipeline", "ZeRO-1 or ZeRO-2"]),
+    # refused by the ranks after the launch before: a split backward, or several chunks on the one rank
+    (dict(dp=2, zero=3, schedule="zb-h1"), None, ["schedule='zb-h1'", "zero=3", "split backward", "1f1b or gpipe"]),
+    (dict(dp=2, zero=3, schedule="interleaved-1f1b"), None, ["schedule='interleaved-1f1b'", "places 2", "1f1b"]),
     (dict(precision="fp16"), None, ["precision='fp16'", "fp32, bf16"]),
     (dict(sequence_parallel="yes"), None, ["sequence_parallel"]),
     (dict(expert_tp=1), None, ["expert_tp"]),

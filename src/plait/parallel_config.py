@@ -180,10 +180,16 @@ def _check(c: ParallelConfig) -> None:
                          {"pp": c.pp})
     _choice("cp_comm", c.cp_comm, CP_COMMS)
     try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
-        c.pipeline_schedule()
+        schedule = c.pipeline_schedule()
     except FieldError as exc:  # said with this class's field names
         field = {"virtual": "virtual_stages", "stages": "pp"}.get(exc.name, exc.name)
         raise FieldError(field, getattr(c, field), exc.detail) from None
+    split = any(a.kind == "I" for row in schedule.actions for a in row)
+    if c.zero == 3 and (split or schedule.virtual > 1):
+        raise FieldError("schedule", c.schedule, "not with {zero}: ZeRO-3 gathers a block's weights for its forward "
+                         "and backward and frees them after, so it runs one chunk per rank "
+                         f"({c.schedule} places {schedule.virtual}) and no split backward (a zero-bubble schedule's "
+                         "weight gradients would outlive the gathered weights); use 1f1b or gpipe", {"zero": 3})
     if c.dp == -1:
         return
     data = c.dp * c.cp  # ranks of a stage that see different tokens with the same TP coordinate
