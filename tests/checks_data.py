@@ -65,8 +65,10 @@ def check_chat(root: Path) -> dict:
     """A chat dataset (the loss on the assistant's tokens only): the same losses under DP, TP and PP as on one
     device (a mean over the unmasked tokens of the global batch, whatever each micro-batch and replica holds)."""
     cfg = dict(data=[str(root / "chat")], eval_every=0)
-    out = {name: [train(data_cfg(root, f"chat-{name}", **cfg, **layout)).losses[s] for s in range(1, STEPS + 1)]
-           for name, layout in CHAT_LAYOUTS.items()}
+    out = {}
+    for name, layout in CHAT_LAYOUTS.items():  # one run a layout, its losses at every step
+        losses = train(data_cfg(root, f"chat-{name}", **cfg, **layout)).losses
+        out[name] = [losses[s] for s in range(1, STEPS + 1)]
     out["single"] = reference_losses(data_cfg(root, "chat-x", **cfg), STEPS)
     return out
 
