@@ -163,7 +163,6 @@ def _write_config(path: Path, best, model_arg: str) -> None:
     """Write ``best``'s layout (and batch, sequence length, model when plait train can build it) as TOML."""
     from plait.errors import ConfigError, check_output_path
     from plait.train.config import PRESETS, toml_text
-
     check_output_path("--write-config", str(path), folder=False)
     if not best.layout.runnable:
         raise ConfigError(f"--write-config: the best layout {best.layout.short()} is plan-only; drop --plan-only")
