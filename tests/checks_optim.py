@@ -123,7 +123,7 @@ def measure(ctx, precision: str = "fp32", **kw) -> tuple[dict, object, ParallelO
         "loss_rel_max": max(abs(n - r) / r for n, r in zip(losses, ref_losses, strict=True)),
         "ref_norms": ref_norms, "ref_losses": ref_losses, "losses": losses,
         "pad_zero": padding_rows_zero(pm), "state_bytes": opt.state_bytes(),
-        "local_params": sum(p.numel() for p in pm.parameters()), "miscount_rel": miscount,
+        "local_params": sum(p.numel() for _, p in pm.named_parameters()), "miscount_rel": miscount,
         "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if hasattr(p, "_plait_grad_group")}),
         "memory": pm.memory_report(), "formula": formula_bytes(pm, opt), "n_buckets": len(pm.grad_buckets()),
     }, pm, opt

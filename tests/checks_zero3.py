@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import plait
-from checks_optim import STEPS, build, cfg_for, compare, measure, reference, train
+from checks_optim import BATCH, EPS, LR, STEPS, WD, batch, build, cfg_for, compare, measure, reference, train
 from harness import rel_err, run_checks
 from plait.checkpoint import load_checkpoint, save_checkpoint
 from plait.models import Llama
@@ -139,6 +139,38 @@ def round_trip(root: Path, ctx) -> dict:
     return {"same_model": same_model, "same_optim": same_optim}
 
 
+def plain_optimizers(ctx) -> dict:
+    """``torch.optim.SGD`` (momentum) and ``AdamW`` over ``pm.parameters()`` (the float32 shards, their reduced
+    gradient shards as ``.grad``), 3 steps under ZeRO-3: one device's losses and weights."""
+    cfg, per = cfg_for(), BATCH // ctx.dp_size
+    local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
+    out = {}
+    for name, make in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9)),
+                       ("adamw", lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WD, eps=EPS))):
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        torch.manual_seed(0)
+        pm = plait.parallelize(Llama(cfg), ctx, microbatches=2, zero=3)
+        ref_opt, opt = make(model.parameters()), make(pm.parameters())
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        ref_losses, losses = [], []
+        for k in range(3):
+            inputs, targets = batch(cfg.vocab_size, k)
+            ref_opt.zero_grad()
+            loss = model.loss(inputs, targets)
+            loss.backward()
+            ref_opt.step()
+            ref_losses.append(float(loss.detach()))
+            opt.zero_grad()
+            losses.append(pm.train_step(inputs[local], targets[local]))
+            opt.step()
+        state = pm.full_state_dict()
+        out[name] = {"loss_rel_max": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+                     "param_rel_max": max(rel_err(state[k], v) for k, v in model.state_dict().items()),
+                     "moved": min(rel_err(state[k], v) for k, v in start.items()) > 0}
+    return out
+
+
 def refusals(pp2, dp4) -> dict:
     """ConfigErrors, before any collective: ZeRO-3 under a pipeline; an optimizer's zero unlike the model's."""
     out = {}
@@ -187,6 +219,7 @@ def checks(root: Path, contexts: ExitStack) -> list:
         ("tp2dp2/sp/resume", lambda: resume_exact(tp2dp2)),
         ("dp4/checkpoint", lambda: round_trip(root, dp4)),
         ("tp2dp2->tp2pp2", lambda: checkpoint_to_tp2pp2(root, tp2dp2, tp2pp2)),
+        ("tp2dp2/plain-optimizers", lambda: plain_optimizers(tp2dp2)),
         ("refusals", lambda: refusals(tp2pp2, dp4)),
         ("verify", lambda: verify_rank(dp4)),
     ]

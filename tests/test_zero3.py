@@ -83,6 +83,16 @@ def test_checkpoint_round_trip_and_other_layout(world4):
         assert r["param_rel_max"] <= PARAM_TOL, (rank, r)
 
 
+def test_plain_torch_optimizers_over_parameters_equal_one_device(world4):
+    """``torch.optim.SGD`` / ``AdamW`` over ``pm.parameters()`` (the float32 shards with their reduced gradient
+    shards) train as one device does, 3 steps under tp2·dp2."""
+    for rank, r in enumerate(result(world4, "tp2dp2/plain-optimizers")):
+        for name in ("sgd", "adamw"):
+            assert r[name]["moved"], f"rank {rank} {name}: some weight did not change"
+            assert r[name]["loss_rel_max"] <= 1e-5, (rank, name, r[name])
+            assert r[name]["param_rel_max"] <= PARAM_TOL, (rank, name, r[name])
+
+
 def test_refusals_say_why_and_what_instead(world4):
     r = result(world4, "refusals")[0]
     assert "zero=3: not with a pipeline (pp=2)" in r["pp2"] and "use ZeRO-3 without a pipeline" in r["pp2"]

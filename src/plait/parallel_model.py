@@ -148,7 +148,7 @@ class ParallelModel:
     def store_params(self, dtype: torch.dtype) -> None:
         """Keep the floating-point parameters in ``dtype`` (bf16 when a ZeRO optimizer holds the fp32
         masters; plait.optim.precision)."""
-        for p in self.parameters():
+        for p in self._params:
             if p.is_floating_point():
                 p.data = p.data.to(dtype)
         self.cast.set_storage(dtype)
@@ -166,9 +166,9 @@ class ParallelModel:
         ZeRO-3 ``params`` are the float32 shards held between steps and ``params_gathered_peak`` the most bytes of
         gathered parameters held at once during the last step (None otherwise)."""
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
-        grads += [p.grad for p in self.parameters() if p.grad is not None]
         z = self.zero3
-        out = memory.report([*self.parameters(), *(z.held() if z else [])], grads, self._optimizer,
+        grads += [p.grad for p in [*self._params, *(z.held() if z else [])] if p.grad is not None]
+        out = memory.report([*self._params, *(z.held() if z else [])], grads, self._optimizer,
                             self.activations_peak)
         out["params_gathered_peak"] = z.gathered_peak if z else None
         if self.device_peak is not None:  # a GPU: the caching allocator's own peak over that step
@@ -177,8 +177,8 @@ class ParallelModel:
 
     # ------------------------------------------------------------------------------------ parameters
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameter shards (each once), for any torch optimizer."""
-        return iter(self._params)
+        """This rank's parameter shards (each once; ZeRO-3: the float32 bucket shards), for any torch optimizer."""
+        return iter(self.zero3.held() if self.zero3 else self._params)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
@@ -203,7 +203,7 @@ class ParallelModel:
     def zero_grad(self) -> None:
         for reducer in self.reducers.values():
             reducer.zero_grad()
-        for p in self.parameters():
+        for p in [*self._params, *(self.zero3.held() if self.zero3 else [])]:
             p.grad = None
 
     # -------------------------------------------------------------------------------------- training
@@ -278,7 +278,7 @@ class ParallelModel:
         """The executor's step, under the saved-tensor meter if ``measure``."""
         if not measure:
             return self.executor.run(io, trace=trace)
-        weights = [*self.parameters(), *self.cast.copies.values()]
+        weights = [*self._params, *self.cast.copies.values()]
         weights += [b for c in self.chunks.values() for b in c.buffers()]
         gathered = self.zero3.gathered_ptrs if self.zero3 is not None else None  # ZeRO-3's gathered weights
         meter = memory.SavedTensorMeter(exclude=weights, live_weights=gathered)

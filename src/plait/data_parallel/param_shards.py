@@ -5,7 +5,9 @@ Rajbhandari et al. 2020, "ZeRO", §5.3 (P_os+g+p): the gradient buckets of ``dat
 per pipeline block (embedding, each layer, final norm, head) and reduction group; the same geometry holds the
 parameters. Member r of a bucket's group keeps ``shard`` = elements ``[r·padded/d, (r+1)·padded/d)`` of the
 bucket's flat parameters in float32: these are the optimizer's master weights (plait.optim.masters) and its
-moments cover the same elements. The block's ``nn.Parameter`` objects stay (ties, TP marks and gradient groups
+moments cover the same elements; each shard is an ``nn.Parameter`` whose ``.grad`` is the reduced gradient
+shard after a step (``point_grads``), so a plain torch optimizer can step it too, as over FSDP2's sharded
+parameters. The block's ``nn.Parameter`` objects stay (ties, TP marks and gradient groups
 refer to them) as views of one flat ``[padded]`` buffer per bucket in the compute dtype (bf16 weights are
 gathered as bf16), whose storage is resized to zero between uses, as torch's FSDP does; autograd's saved
 references to a weight see it again once it is gathered for the backward.
@@ -60,7 +62,8 @@ class ShardedBucket:
         with torch.no_grad():
             for p, off in zip(b.params, b.offsets, strict=True):
                 full[off:off + p.numel()].copy_(p.detach().reshape(-1))
-        self.shard = full[b.lo:b.hi].clone()  # [shard] float32: the master weights of these elements
+        # [shard] float32: the master weights of these elements, a parameter any torch optimizer steps in place
+        self.shard = nn.Parameter(full[b.lo:b.hi].clone())
         del full
         self.holders: set[int] = set()  # blocks that need the gathered parameters now
         self.work = None
@@ -141,7 +144,7 @@ class ParamShards:
         self.owner = {id(b): i for i, unit in enumerate(block_units(chunk)) for p in unit
                       for b in [reducer.bucket_of(p)]}  # bucket -> the block whose gradients fill it
         self.reducer = reducer
-        reducer.before_launch, reducer.on_first_grad = self._drop, self._first_grad
+        reducer.before_launch, reducer.on_first_grad, reducer.on_finish = self._drop, self._first_grad, self.point_grads
         chunk.register_forward_pre_hook(self._chunk_pre)
         chunk.register_forward_hook(self._chunk_post)
         for i, block in enumerate(self.blocks):
@@ -278,8 +281,16 @@ class ParamShards:
         """This member's float32 elements of bucket ``b``'s parameters: [shard]."""
         return self.sharded[id(b)].shard
 
-    def shards(self) -> list[torch.Tensor]:
+    def shards(self) -> list[nn.Parameter]:
+        """Every bucket's float32 shard (a parameter; ``point_grads`` gives it its reduced gradient)."""
         return [s.shard for s in self.sharded.values()]
+
+    def point_grads(self) -> None:
+        """At the end of a step's reduction: each shard's ``.grad`` is its bucket's reduced gradient shard (the same
+        tensor, no copy; [shard], its padding zero), so an optimizer over ``shards()`` updates them in place and
+        the next gather reads the new values."""
+        for s in self.sharded.values():
+            s.shard.grad = self.reducer.shard(s.b)
 
     def gathered_bytes(self) -> int:
         """Bytes of gathered parameters held right now (0 between steps)."""

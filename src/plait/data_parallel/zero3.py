@@ -53,7 +53,7 @@ class Zero3:
         with self.full(), gathered_grads(self.shards if grads else None, self.reducer):
             yield
 
-    def held(self) -> list[torch.Tensor]:
+    def held(self) -> list[torch.nn.Parameter]:
         """The float32 shards this rank keeps between steps (parameters and masters at once)."""
         return self.shards.shards()
 

@@ -41,6 +41,7 @@ class Zero3Reducer(GradReducer):
         self.mode = "reduce-scatter-free"
         self.before_launch: Callable[[Bucket], None] | None = None  # set by param_shards: free the gathered block
         self.on_first_grad: Callable[[Bucket], None] | None = None  # param_shards: prefetch the next block
+        self.on_finish: Callable[[], None] | None = None  # param_shards: the shards' .grad are the reduced shards
         self.in_flight: Bucket | None = None
 
     def set_mode(self, mode: str) -> None:
@@ -118,6 +119,8 @@ class Zero3Reducer(GradReducer):
                 b.reduced = torch.zeros(b.shard, dtype=torch.float32, device=b.params[0].device)
             b.launched = False
             b.ready.clear()
+        if self.on_finish is not None:
+            self.on_finish()
 
     def zero_grad(self) -> None:
         self.settle_in_flight()
