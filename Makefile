@@ -4,13 +4,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 # A CPU build of PyTorch lies on this machine's disk; any other request downloads a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# Packages install without byte-compiling every module (torch's, transformers', pyarrow's...: ~70 s of one core);
+# the modules in use compile once, at their first import, into their __pycache__ folders, so Python must be
+# allowed to write those (where the host sets PYTHONDONTWRITEBYTECODE, every process would compile torch again).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo test check-install bench lint clean gpu-check
 
 $(BIN)/plait: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-compile "$(TORCH_PIN)"
+	$(BIN)/pip install -q --no-compile -e ".[dev]"
 	@touch $(BIN)/plait
 
 install: $(BIN)/plait
