@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import devices, memory, weight_grad
+from plait.checkpoint.shards import check_full_state
 from plait.context_parallel import gather_sequence, shard_sequence
 from plait.data_parallel.param_shards import ParamShards
 from plait.data_parallel.reducer import Bucket, GradReducer
@@ -378,15 +379,7 @@ class ParallelModel:
         """Load full tensors (plain-model keys, shapes as ``full_state_dict``'s); each rank keeps its own shards.
         No collective; a key missing or unknown, or a tensor of another shape, is a ConfigError before anything
         is written (as torch's strict ``load_state_dict``)."""
-        keys = set(self.plain_keys)
-        missing, unknown = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
-        if missing or unknown:
-            said = [f"{say} {len(ks)} keys, e.g. {ks[:3]}" for say, ks in (("lacks", missing), ("adds", unknown)) if ks]
-            raise ConfigError(f"state_dict {' and '.join(said)}: give the plain model's state_dict() keys")
-        wrong = [f"{k}: {tuple(state_dict[k].shape)}, expected {s}" for k, s in self.full_shapes.items()
-                 if tuple(state_dict[k].shape) != s]  # every rank checks every stage's (experts: their EP ranks)
-        if wrong:
-            raise ConfigError(f"state_dict has {len(wrong)} tensors shaped unlike this model's, e.g. {wrong[:3]}")
+        check_full_state(state_dict, self.plain_keys, self.full_shapes)  # every rank: every stage's (experts: its EP's)
         exact: dict[nn.Parameter, torch.Tensor] = {}  # full-precision local values, for fp32 masters
         with self.full_parameters(gather=False, write_back=True):
             for chunk in self.chunks.values():
