@@ -242,17 +242,16 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Initialise the default process group from the launcher's environment unless it exists: NCCL when CUDA
-    and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo."""
+def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
+    """Initialise the default process group from the launcher's environment (or over ``store``) unless it
+    exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
     rank = _env_int("RANK", 0)
-    store = None
-    if agent_store_shared():  # torchrun's long-lived store: this generation's own (plait.distributed.rendezvous)
+    if store is None and agent_store_shared():  # torchrun's long-lived store: this generation's own (rendezvous)
         store = generation_store(rank, timeout_s)
     dist.init_process_group(backend=backend, rank=rank, world_size=_env_int("WORLD_SIZE", 1), store=store,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -286,12 +285,10 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     config = config.resolve(world)
-    if world == 1 and not dist.is_initialized():
-        from plait.distributed.launch import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    ensure_default_group(timeout)
+    # one process without a launcher: an in-process store, so no port is opened and nothing is set in the
+    # environment that processes started later would inherit
+    alone = world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ
+    ensure_default_group(timeout, dist.HashStore() if alone else None)
     device = default_device()
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp),
                             mesh_dim_names=("pp", "dp", "cp", "tp"))

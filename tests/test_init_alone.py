@@ -1,0 +1,27 @@
+"""``plait.init`` in one process without a launcher: the default group runs over an in-process store, so the
+program's environment is left as it was and no port stays open for processes it starts later to collide with."""
+
+import json
+import os
+import subprocess
+import sys
+
+PROGRAM = """
+import json, os
+import plait
+before = dict(os.environ)
+with plait.init(tp=1, pp=1, dp=1) as ctx:
+    import torch, torch.distributed as dist
+    t = torch.ones(2)
+    dist.all_reduce(t, group=ctx.dp_group)
+    print(json.dumps({"sum": t.tolist(), "world": ctx.world_size, "changed": sorted(
+        k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))}))
+"""
+
+
+def test_init_alone_leaves_the_environment_as_it_was():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    out = subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"sum": [1.0, 1.0], "world": 1, "changed": []}
