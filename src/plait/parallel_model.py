@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 
 from plait import devices, memory, weight_grad
-from plait.checkpoint.shards import check_full_state
 from plait.context_parallel import gather_sequence, shard_sequence
 from plait.data_parallel.param_shards import ParamShards
 from plait.data_parallel.reducer import Bucket, GradReducer
@@ -31,7 +30,7 @@ from plait.optim.precision import StepCast
 from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
-from plait.pipeline.partition import Partition, PipelineChunk, build_chunks
+from plait.pipeline.partition import Partition, PipelineChunk, build_chunks, check_full_state
 from plait.pipeline.ties import TiedWeights
 from plait.schedules import Schedule
 from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_over_tp

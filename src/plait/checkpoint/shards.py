@@ -9,13 +9,12 @@ the slices with the model's seeded initial values instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from plait.errors import ConfigError
 from plait.tensor_parallel.layers import TPShardedModule
 
 Reader = Callable[[str, "int | None", int, "int | None"], torch.Tensor]
@@ -101,17 +100,3 @@ def param_keys(pm) -> dict[int, str]:
         if isinstance(lt.tensor, nn.Parameter):
             out.setdefault(id(lt.tensor), lt.key)
     return out
-
-
-def check_full_state(state_dict: dict[str, torch.Tensor], keys: Iterable[str],
-                     shapes: dict[str, tuple[int, ...]]) -> None:
-    """Refuse (ConfigError) a full state dict whose keys are not exactly ``keys``, or whose tensors under
-    ``shapes``' keys are shaped otherwise, as torch's strict ``load_state_dict`` does."""
-    missing, unknown = sorted(set(keys) - set(state_dict)), sorted(set(state_dict) - set(keys))
-    if missing or unknown:
-        said = [f"{say} {len(ks)} keys, e.g. {ks[:3]}" for say, ks in (("lacks", missing), ("adds", unknown)) if ks]
-        raise ConfigError(f"state_dict {' and '.join(said)}: give the plain model's state_dict() keys")
-    wrong = [f"{k}: {tuple(state_dict[k].shape)}, expected {s}" for k, s in shapes.items()
-             if tuple(state_dict[k].shape) != s]
-    if wrong:
-        raise ConfigError(f"state_dict has {len(wrong)} tensors shaped unlike this model's, e.g. {wrong[:3]}")

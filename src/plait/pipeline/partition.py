@@ -9,10 +9,13 @@ come from ``pipeline.balance``, the function the planner cuts with too.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plait.errors import ConfigError
 from plait.models.family import Blocks, LayerCosts
 from plait.pipeline.balance import partition_layers
 from plait.tensor_parallel.layers import TPShardedModule
@@ -79,3 +82,17 @@ def build_chunks(blocks: Blocks, costs: LayerCosts, n_chunks: int, partition: Pa
         chunks.append(PipelineChunk(c, named, recompute, count))
         start += count
     return chunks
+
+
+def check_full_state(state_dict: dict[str, torch.Tensor], keys: Iterable[str],
+                     shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse (ConfigError) a full state dict whose keys are not exactly ``keys``, or whose tensors under
+    ``shapes``' keys (the chunks' ``full_shapes``) are shaped otherwise, as torch's strict ``load_state_dict``."""
+    missing, unknown = sorted(set(keys) - set(state_dict)), sorted(set(state_dict) - set(keys))
+    if missing or unknown:
+        said = [f"{say} {len(ks)} keys, e.g. {ks[:3]}" for say, ks in (("lacks", missing), ("adds", unknown)) if ks]
+        raise ConfigError(f"state_dict {' and '.join(said)}: give the plain model's state_dict() keys")
+    wrong = [f"{k}: {tuple(state_dict[k].shape)}, expected {s}" for k, s in shapes.items()
+             if tuple(state_dict[k].shape) != s]
+    if wrong:
+        raise ConfigError(f"state_dict has {len(wrong)} tensors shaped unlike this model's, e.g. {wrong[:3]}")
