@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -15,8 +15,11 @@ Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.
 
 
 def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-             seed: int = 0, tokenizer: Any = None) -> str | list[int] | list[str] | list[list[int]]:
-    """Continue each prompt (a string, or a list of token ids) with ``max_new_tokens`` tokens.
+             seed: int = 0, tokenizer: Any = None,
+             stop_ids: Collection[int] = ()) -> str | list[int] | list[str] | list[list[int]]:
+    """Continue each prompt (a string, or a list of token ids) with ``max_new_tokens`` tokens, or fewer: a
+    continuation ends before its first token in ``stop_ids`` (end-of-sequence ids), and decoding stops once
+    every continuation has ended.
 
     ``model`` is a plain language model (``plait.models.Llama``, ``Mistral``, ``Qwen2``, ...) or a
     ``ParallelModel`` (then every rank calls this and gets the same result). Strings are encoded with
@@ -32,6 +35,7 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
     texts = bool(batch) and isinstance(batch[0], str)
     tok = tokenizer or ByteTokenizer()
     ids = [tok.encode(p) for p in batch] if texts else [list(map(int, p)) for p in batch]
-    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed))  # checks the context
+    out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed),  # checks the context
+                       stop_ids=stop_ids)
     result = [tok.decode(o) for o in out] if texts else out
     return result[0] if single else result

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,11 +131,13 @@ def context_length(model) -> int | None:
 
 
 def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int | None = None,
-                 trace: list | None = None) -> list[list[int]]:
+                 trace: list | None = None, stop_ids: Collection[int] = ()) -> list[list[int]]:
     """New token ids for each prompt (the same on every rank). Prompts may differ in length.
 
-    ``trace``, if given, receives ``(chunk, group, position, start, end)`` for every work item this rank ran,
-    in order: ``time.monotonic`` once its inputs have arrived and after its output was handed on.
+    A continuation ends before its first token in ``stop_ids`` (the stop token is not part of it), else after
+    ``s.max_new_tokens`` tokens; decoding ends once every continuation has ended. ``trace``, if given,
+    receives ``(chunk, group, position, start, end)`` for every work item this rank ran, in order:
+    ``time.monotonic`` once its inputs have arrived and after its output was handed on.
     """
     s.check()
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -155,24 +157,50 @@ def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int 
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         is_prompt[i, : len(p)] = True
+    stop = frozenset(int(t) for t in stop_ids)
     if total > min(lengths):
-        _Pipelined(dec, buf, is_prompt, s, min(lengths), trace).run()
-    return [buf[i, n: n + s.max_new_tokens].tolist() for i, n in enumerate(lengths)]
+        ends = torch.tensor(lengths) + s.max_new_tokens - 1  # [B] last column of each continuation
+        _Pipelined(dec, buf, is_prompt, s, min(lengths), trace, _Stops(stop, is_prompt, ends)).run()
+    rows = [buf[i, n: n + s.max_new_tokens].tolist() for i, n in enumerate(lengths)]
+    return [row[: next((k for k, t in enumerate(row) if t in stop), len(row))] for row in rows]
+
+
+class _Stops:
+    """Which rows of the batch have ended: a stop token among their new tokens, or their last column reached."""
+
+    def __init__(self, stop: frozenset[int], is_prompt: torch.Tensor, ends: torch.Tensor) -> None:
+        self.ids = torch.tensor(sorted(stop), dtype=torch.long)
+        self.is_prompt, self.ends = is_prompt, ends
+        self.stopped = torch.zeros(len(ends), dtype=torch.bool)  # [B] a stop token among the new tokens
+
+    def see(self, rows: torch.Tensor, col: int, tokens: torch.Tensor) -> None:
+        """Column ``col`` of ``rows`` holds ``tokens`` (prompt tokens never stop a row)."""
+        self.stopped[rows] |= torch.isin(tokens, self.ids) & ~self.is_prompt[rows, col]
+
+    def ended(self, rows: torch.Tensor, col: int) -> bool:
+        """Whether every row of ``rows`` needs no column after ``col`` (all columns up to ``col`` seen)."""
+        return bool((self.stopped[rows] | (self.ends[rows] <= col)).all())
 
 
 class _Pipelined:
     """The decode loop as work items (chunk, group, position) in wavefront order over up to ``pp`` row groups.
 
     Position 0 prefills the common prefix of the prompts, position ``p`` > 0 feeds column ``start + p - 1``;
-    each produces column ``start + p`` on the last stage, which sends a group's new tokens back to the first
+    each produces column ``start + p`` on the last stage, which sends a group's new tokens to every other
     stage. Greedy tokens of a group depend only on its rows, so group ``g`` starts its next position as soon
     as its token is known (stride ``max(groups, chunks)`` ticks per position: every stage busy). Sampled
     tokens are drawn for all rows at once, in row order, from the one seeded generator, as on one device,
     so a position waits for the last group of the previous one (stride ``groups + chunks - 1``).
+
+    Stopping: before its first item of position ``p`` of group ``g``, every rank holds the tokens of position
+    ``p - 1`` of ``g``'s stop unit (the group when greedy, every group when sampled: its rows share one
+    stream of random numbers, so they stop together) and skips the unit's items from there on once all its
+    rows have ended. Every rank decides from the same tokens, so no rank waits for an item another skipped;
+    a row that ended keeps its group's batch shape (and so its neighbours' numerics) until the group stops.
     """
 
     def __init__(self, dec: Decoder, buf: torch.Tensor, is_prompt: torch.Tensor, s: Sampling, start: int,
-                 trace: list | None) -> None:
+                 trace: list | None, stops: _Stops) -> None:
         from plait.generation.wavefront import Links
 
         self.dec, self.buf, self.is_prompt, self.s, self.start, self.trace = dec, buf, is_prompt, s, start, trace
@@ -186,6 +214,12 @@ class _Pipelined:
         self.gen = torch.Generator().manual_seed(s.seed)
         self.logits: dict[int, torch.Tensor] = {}
         self.links = Links(dec)
+        self.stops = stops
+        self.known = [-1] * groups  # per group: the last position whose tokens this rank holds
+        self.ended: set[int] = set()  # groups with no items left
+        self.sampler = dec.rank_of(self.last) == dec.me
+        others = sorted({dec.rank_of(c) for c in range(chunks)} - {dec.me}) if self.sampler else []
+        self.others = [dec.ctx.pp_peer(r) for r in others] if dec.ctx is not None else []
 
     @torch.no_grad()
     def run(self) -> None:
@@ -193,6 +227,8 @@ class _Pipelined:
 
         dec = self.dec
         for c, g, p in wavefront_order(sorted(dec.chunks), len(self.rows), self.positions, self.stride):
+            if p > 0 and not self._going(g, p):
+                continue
             x = self._input(c, g, p)
             t0 = time.monotonic()
             x = dec.run(c, x, self.caches[g])
@@ -208,6 +244,35 @@ class _Pipelined:
             dist.broadcast(out, src=dec.peer(self.last), group=dec.ctx.pp_group)
             self.buf.copy_(out.cpu())
 
+    def _going(self, g: int, p: int) -> bool:
+        """Whether group ``g`` still runs position ``p``: its stop unit's tokens of position ``p - 1`` are here
+        (received from the last stage, which sent them before any item of position ``p``) and a row goes on."""
+        if g in self.ended:
+            return False
+        unit = [g] if self.s.temperature == 0 else list(range(len(self.rows)))
+        for h in unit:
+            if self.known[h] < p - 1:
+                self._receive(h, p - 1)
+        col = self.start + p - 1
+        if all(self.stops.ended(self.rows[h], col) for h in unit):
+            self.ended.update(unit)
+            return False
+        return True
+
+    def _receive(self, g: int, p: int) -> None:
+        """Tokens of group ``g`` at position ``p`` from the last stage."""
+        dec, rows = self.dec, self.rows[g]
+        assert not self.sampler, "the last stage holds the tokens it sampled"
+        got = torch.empty(len(rows), dtype=torch.long, device=dec.device)
+        dist.recv(got, src=dec.peer(self.last), tag=dec.num_chunks)
+        self._know(g, p, got.cpu())
+
+    def _know(self, g: int, p: int, tokens: torch.Tensor) -> None:
+        rows, col = self.rows[g], self.start + p
+        self.buf[rows, col] = tokens
+        self.stops.see(rows, col, tokens)
+        self.known[g] = p
+
     def _input(self, c: int, g: int, p: int) -> torch.Tensor:
         """Token ids (chunk 0) or hidden states of group ``g`` at position ``p``."""
         rows, dec = self.rows[g], self.dec
@@ -216,10 +281,6 @@ class _Pipelined:
         if p == 0:
             return self.buf[rows, : self.start].to(dec.device)
         col = self.start + p - 1
-        if dec.rank_of(self.last) != dec.me:
-            got = torch.empty(len(rows), dtype=torch.long, device=dec.device)
-            dist.recv(got, src=dec.peer(self.last), tag=dec.num_chunks)
-            self.buf[rows, col] = got.cpu()
         return self.buf[rows, col: col + 1].to(dec.device)
 
     def _done(self, g: int, p: int, x: torch.Tensor) -> None:
@@ -235,8 +296,10 @@ class _Pipelined:
                 self._put(i, p, nxt[rows])
 
     def _put(self, g: int, p: int, nxt: torch.Tensor) -> None:
-        """Store group ``g``'s tokens (rows still in their prompt keep it); send them to the first stage."""
-        rows, col, dec = self.rows[g], self.start + p, self.dec
-        self.buf[rows, col] = torch.where(self.is_prompt[rows, col], self.buf[rows, col], nxt)
-        if p + 1 < self.positions and dec.rank_of(0) != dec.me:
-            self.links.send(self.buf[rows, col].to(dec.device), dec.peer(0), tag=dec.num_chunks)
+        """Store group ``g``'s tokens (rows still in their prompt keep it); send them to the other stages."""
+        rows, col = self.rows[g], self.start + p
+        self._know(g, p, torch.where(self.is_prompt[rows, col], self.buf[rows, col], nxt))
+        if p + 1 < self.positions:
+            tokens = self.buf[rows, col].to(self.dec.device)
+            for dst in self.others:
+                self.links.send(tokens, dst, tag=self.dec.num_chunks)

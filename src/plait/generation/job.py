@@ -104,11 +104,12 @@ def generate_job(payload: dict) -> list[str]:
     if payload["tp"] * payload["pp"] != world:
         raise ConfigError(f"--tp {payload['tp']} x --pp {payload['pp']} must equal the world size {world}")
     model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"])
+    stop = end_ids(payload["model"])  # each continuation ends there, as transformers' generate's does
     ids = cast(list[list[int]], generate(model, [tok.encode(p) for p in payload["prompts"]],
                                          max_new_tokens=payload["max_new_tokens"], temperature=payload["temperature"],
-                                         top_k=payload["top_k"], seed=payload["seed"]))  # id lists give id lists
-    stop = set(end_ids(payload["model"]))  # each continuation ends there, as transformers' generate's does
-    out = [tok.decode(row[:next((i for i, t in enumerate(row) if t in stop), len(row))]) for row in ids]
+                                         top_k=payload["top_k"], seed=payload["seed"],
+                                         stop_ids=stop))  # id lists give id lists, each cut before its stop
+    out = [tok.decode(row) for row in ids]
     if int(os.environ.get("RANK", "0")) == 0:
         show(payload["prompts"], out)
     return out
