@@ -62,7 +62,7 @@ def build(ctx, cfg_kw: dict, zero: int = 0, precision: str = "fp32", microbatche
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg_for(**cfg_kw)), ctx, schedule=schedule, microbatches=microbatches,
                            sequence_parallel=sp, precision=precision, zero=zero, activation_checkpointing=recompute)
-    for name, p in pm.named_parameters():  # reduced over "their own" group, as experts are (here: DP)
+    for name, p in pm.named_model_parameters():  # reduced over "their own" group, as experts are (here: DP)
         if name in own_group:
             p._plait_grad_group = (ctx.dp_group, ctx.dp_size)
     opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, zero=zero,
@@ -88,7 +88,7 @@ def padding_rows_zero(pm) -> bool | None:
     with pm.full_parameters():  # ZeRO-3: gathered (collective)
         if ctx.tp_size == 1 or ctx.tp_rank != ctx.tp_size - 1:
             return None
-        rows = [p[-1] for k, p in pm.named_parameters() if k in ("embed_tokens.weight", "lm_head.weight")]
+        rows = [p[-1] for k, p in pm.named_model_parameters() if k in ("embed_tokens.weight", "lm_head.weight")]
         return all(bool((r == 0).all()) for r in rows) if rows else None
 
 
@@ -123,7 +123,7 @@ def measure(ctx, precision: str = "fp32", **kw) -> tuple[dict, object, ParallelO
         "loss_rel_max": max(abs(n - r) / r for n, r in zip(losses, ref_losses, strict=True)),
         "ref_norms": ref_norms, "ref_losses": ref_losses, "losses": losses,
         "pad_zero": padding_rows_zero(pm), "state_bytes": opt.state_bytes(),
-        "local_params": sum(p.numel() for _, p in pm.named_parameters()), "miscount_rel": miscount,
+        "local_params": sum(p.numel() for _, p in pm.named_model_parameters()), "miscount_rel": miscount,
         "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if hasattr(p, "_plait_grad_group")}),
         "memory": pm.memory_report(), "formula": formula_bytes(pm, opt), "n_buckets": len(pm.grad_buckets()),
     }, pm, opt

@@ -93,6 +93,38 @@ def test_plain_torch_optimizers_over_parameters_equal_one_device(world4):
             assert r[name]["param_rel_max"] <= PARAM_TOL, (rank, name, r[name])
 
 
+def test_a_torch_optimizer_over_named_parameters_is_refused_naming_the_fix(world4):
+    """The float32 bucket shards an optimizer steps hold slices of several parameters: ``pm.named_parameters()``
+    under zero=3 is a ConfigError pointing to ``pm.parameters()``, not the whole parameters (empty between steps:
+    an optimizer over them would step nothing)."""
+    for r in result(world4, "tp2dp2/plain-optimizers"):
+        assert "named_parameters() under zero=3" in r["named"] and "pm.parameters()" in r["named"], r["named"]
+
+
+def test_named_parameters_in_one_process():
+    """zero=3 on one rank: named_parameters() refuses before anything runs, named_model_parameters() lists the plain
+    model's parameters, and ParallelOptimizer (which names its pieces by them) builds; without ZeRO-3
+    named_parameters() names exactly what parameters() yields."""
+    import torch
+
+    import plait
+    from checks_optim import cfg_for
+    from plait.models import Llama
+    from plait.optim import ParallelOptimizer
+
+    names = [n for n, _ in Llama(cfg_for()).named_parameters()]
+    with plait.init(1, 1, 1) as ctx:
+        pm = plait.parallelize(Llama(cfg_for()), ctx, zero=3)
+        with pytest.raises(plait.ConfigError, match=r"Pass pm\.parameters\(\) to a torch optimizer"):
+            torch.optim.AdamW(pm.named_parameters(), lr=1e-3)
+        assert [n for n, _ in pm.named_model_parameters()] == names
+        opt = ParallelOptimizer(pm, zero=3)
+        assert {pc.name for pc in opt.layout.pieces} == set(names)
+        plain = plait.parallelize(Llama(cfg_for()), ctx)
+        assert [n for n, _ in plain.named_parameters()] == names
+        assert [p for _, p in plain.named_parameters()] == list(plain.parameters())
+
+
 def test_refusals_say_why_and_what_instead(world4):
     r = result(world4, "refusals")[0]
     assert "zero=3: not with a pipeline (pp=2)" in r["pp2"] and "use ZeRO-3 without a pipeline" in r["pp2"]

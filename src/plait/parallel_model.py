@@ -30,7 +30,7 @@ from plait.optim.precision import StepCast
 from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
-from plait.pipeline.partition import Partition, PipelineChunk, build_chunks, check_full_state
+from plait.pipeline.partition import Partition, PipelineChunk, build_chunks, check_full_state, named_parameters
 from plait.pipeline.ties import TiedWeights
 from plait.schedules import Schedule
 from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_over_tp
@@ -181,12 +181,13 @@ class ParallelModel:
         return iter(self.zero3.held() if self.zero3 else self._params)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        seen: set[int] = set()
-        for chunk in self.chunks.values():
-            for key, p in chunk.named_state().items():
-                if isinstance(p, nn.Parameter) and id(p) not in seen:
-                    seen.add(id(p))
-                    yield key, p
+        """``parameters()`` under their plain-model names; under ZeRO-3 a ConfigError (``Zero3.refuse_names``)."""
+        return self.named_model_parameters() if self.zero3 is None else self.zero3.refuse_names()
+
+    def named_model_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(plain-model name, parameter) of the model's parameters on this rank (TP slices), each once; under ZeRO-3
+        empty between steps (whole in ``full_parameters()``) and not what an optimizer steps (``parameters()``)."""
+        return iter(named_parameters(self.chunks.values()))
 
     @property
     def precision(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from typing import NoReturn
 
 import torch
 
@@ -52,6 +53,16 @@ class Zero3:
         shards): a state dict's read (collective over each bucket's group)."""
         with self.full(), gathered_grads(self.shards if grads else None, self.reducer):
             yield
+
+    def refuse_names(self) -> NoReturn:
+        """A ConfigError for ``named_parameters()``: the tensors an optimizer steps (``held``) have no names."""
+        raise ConfigError("named_parameters() under zero=3: an optimizer steps this rank's float32 bucket shards "
+                          "(pm.parameters()), each holding slices of several parameters (matrices and norms together): "
+                          "no parameter name fits one, and choices by name (weight-decay groups) would be silently "
+                          "wrong. Pass pm.parameters() to a torch optimizer (one setting for every element) or use "
+                          "ParallelOptimizer(pm, ..., zero=3) (weight-decay groups by name); "
+                          "pm.named_model_parameters() names the model's own parameters (whole inside "
+                          "pm.full_parameters())")
 
     def held(self) -> list[torch.nn.Parameter]:
         """The float32 shards this rank keeps between steps (parameters and masters at once)."""

@@ -79,7 +79,7 @@ class ShardLayout:
 
     def __init__(self, pm):
         ctx = pm.ctx
-        names = {id(p): name for name, p in pm.named_parameters()}
+        names = {id(p): name for name, p in pm.named_model_parameters()}
         sharded, ties = _tp_sharded(pm), _tie_counted(pm)
         self.buckets: list[tuple[GradReducer, Bucket]] = pm.grad_buckets()
         self.by_bucket: list[list[Piece]] = []

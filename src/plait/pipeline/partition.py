@@ -67,6 +67,16 @@ class PipelineChunk(nn.Module):
         raise KeyError(key)
 
 
+def named_parameters(chunks: Iterable[PipelineChunk]) -> list[tuple[str, nn.Parameter]]:
+    """(plain-model key, parameter) of every parameter of ``chunks``, each once (a tied one under its first key)."""
+    seen: dict[int, tuple[str, nn.Parameter]] = {}
+    for chunk in chunks:
+        for key, p in chunk.named_state().items():
+            if isinstance(p, nn.Parameter):
+                seen.setdefault(id(p), (key, p))
+    return list(seen.values())
+
+
 def build_chunks(blocks: Blocks, costs: LayerCosts, n_chunks: int, partition: Partition,
                  recompute: str = "none") -> list[PipelineChunk]:
     """All ``n_chunks`` chunks of a model's ``blocks`` (the caller keeps only its own)."""
