@@ -2,7 +2,7 @@
 
 ``<dir>/step_00000100/`` holds ``pp{p}-tp{t}-dp{d}.safetensors`` (the valid part of each local tensor and of its
 optimizer state, under plain-model keys) and ``meta.json`` (for every tensor: global shape, dtype and the
-(file, dim, start, stop) of each shard; layout, step, optimizer hyper-parameters and scalars, data
+(file, dim, start, stop) of each shard; layout, step, optimizer hyper-parameters, scalars and updates made, data
 position, RNG). Saving (``plait.checkpoint.writer``, in the step loop or in the background) writes into
 ``.step_*.tmp``, ``meta.json`` last, then renames it and rewrites ``latest`` atomically: a kill at any moment
 leaves the previous checkpoint loadable. Loading (here) reads only the slices the new layout needs, so
@@ -105,6 +105,9 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
         _load_masters(pm, optimizer, reader)
     if optimizer is not None and reader.meta["optimizer"]["param_groups"] is not None:
         _load_optimizer(pm, optimizer, reader)
+    steps = reader.meta["optimizer"].get("steps")  # updates made (a step skipped as non-finite makes none):
+    if steps is not None and hasattr(optimizer, "steps"):  # where the learning-rate schedule goes on
+        optimizer.steps = int(steps)
     layout = reader.meta["layout"]
     same = ((layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
             == (pm.ctx.tp_size, pm.ctx.pp_size, pm.ctx.dp_size, pm.ctx.cp_size))

@@ -244,7 +244,8 @@ def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:
     ctx = pm.ctx
     return {"format": FORMAT, "step": step, "tensors": tensors, "optimizer": {
         "type": type(optimizer).__name__ if optimizer is not None else None, "param_groups": groups,
-        "scalars": optim_scalars}, "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
+        "scalars": optim_scalars, "steps": getattr(optimizer, "steps", None)},  # steps: updates made
+        "layout": {"tp": ctx.tp_size, "pp": ctx.pp_size, "dp": ctx.dp_size,
         "cp": ctx.cp_size, "schedule": pm.schedule.name if hasattr(pm.schedule, "name") else None},
         "rng_rank0": rng, **extra}
 

@@ -80,7 +80,7 @@ class TrainConfig:
     nproc: int | None = None
     """Processes to launch here (default tp x pp x dp)."""
     on_nonfinite: str = "stop"
-    """On a NaN/inf loss: stop (default) or skip the step."""
+    """On a NaN/inf loss: stop (default) or skip the step (no update: the learning-rate schedule counts updates)."""
     eval_every: int = 50
     """Held-out loss every N steps (0: only at the end)."""
     sample_tokens: int = 160

@@ -132,8 +132,8 @@ def resume(run: Run) -> None:
     run.start, run.resumed_from = int(meta["step"]), path
     run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
     run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
-    if hasattr(run.opt, "steps"):
-        run.opt.steps = run.start  # the LR schedule continues where it stopped
+    if hasattr(run.opt, "steps") and meta["optimizer"].get("steps") is None:  # (else load_checkpoint set it)
+        run.opt.steps = run.start  # a checkpoint without its count of updates: one per step
 
 
 #: the settings a resumed run continues from its checkpoint: the sample stream (plait.data.stream: the step's
