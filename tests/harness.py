@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -26,65 +30,57 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+#: where run_checks keeps account when the environment names it (shared_world.run_groups does, per group): each
+#: check's start and end noted in ``$HARNESS_CHECKS.log``, its result appended to ``$HARNESS_CHECKS.pkl``
+CHECKS_ENV = "HARNESS_CHECKS"
+
+
 def run_checks(checks: list[tuple[str, Callable[[], object]]]) -> dict[str, object]:
     """Run each check on this rank; a failing check records its traceback instead of stopping the rest."""
     results: dict[str, object] = {}
+    base = os.environ.get(CHECKS_ENV)
     for name, fn in checks:
+        if base:
+            note(Path(base + ".log"), "check", name)
         try:
             results[name] = fn()
         except Exception:  # recorded and asserted on by the test that owns the check
             results[name] = {"error": traceback.format_exc()}
+        if base:
+            with open(base + ".pkl", "ab") as f:
+                pickle.dump((name, results[name]), f)
+            note(Path(base + ".log"), "done", name)
     return results
 
 
-def run_groups(groups: dict[str, tuple[str, tuple]]) -> dict[str, dict]:
-    """Rank side of a launch shared by several test modules: ``{group: (checks module, args)}``, each module's
-    ``rank_main(*args)`` in turn, its results under the group's name. A group that raises outside its checks
-    records ``{"error": traceback}`` and the next group still runs. Each group starts as in a launch of its own:
-    the default dtype, and no process group (fresh_world)."""
-    import importlib
+def note(path: Path, kind: str, name: str) -> None:
+    """Append ``(now, kind, name)`` to the notes at ``path`` (read by ``notes``; ``now``: time.monotonic(), one
+    clock for every process of the host)."""
+    with open(path, "a") as f:
+        f.write(f"{time.monotonic():.3f}\t{kind}\t{name}\n")
 
-    out: dict[str, dict] = {}
-    dtype = torch.get_default_dtype()
-    for group, (module, args) in groups.items():
-        try:
-            out[group] = importlib.import_module(module).rank_main(*args)
-        except Exception:  # asserted on by the group's tests (group_result)
-            out[group] = {"error": traceback.format_exc()}
-        finally:
-            torch.set_default_dtype(dtype)
-        fresh_world()
+
+def notes(path: Path) -> list[tuple[float, str, str]]:
+    """The notes at ``path``, in order; [] if there are none."""
+    if not path.is_file():
+        return []
+    rows = [line.split("\t", 2) for line in path.read_text().splitlines()]
+    return [(float(t), kind, name) for t, kind, name in rows]
+
+
+def saved_checks(base: str) -> dict[str, object]:
+    """The results run_checks appended to ``base + ".pkl"``, by check name."""
+    out: dict[str, object] = {}
+    path = Path(base + ".pkl")
+    if path.is_file():
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    name, value = pickle.load(f)
+                except EOFError:
+                    return out
+                out[name] = value
     return out
-
-
-def fresh_world() -> None:
-    """Destroy every process group of this rank; the next ``plait.init`` starts the world again on a new port.
-    Gloo keeps two or three threads per group, and the idle ones of hundreds of groups cost a core of two."""
-    import os
-
-    import torch.distributed as dist
-
-    from plait.distributed.launch import free_port
-
-    if not dist.is_initialized():
-        return
-    port = [free_port() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(port, src=0)
-    dist.barrier()
-    dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(port[0])
-
-
-def group_result(world: list[dict], group: str) -> list[dict]:
-    """One group's per-rank results from a shared launch (run_groups); fails with the traceback if it raised."""
-    rows = []
-    for rank, res in enumerate(world):
-        assert group in res, f"group {group!r} did not run on rank {rank}"
-        value = res[group]
-        if set(value) == {"error"} and isinstance(value["error"], str):
-            raise AssertionError(f"group {group!r} raised on rank {rank}:\n{value['error']}")
-        rows.append(value)
-    return rows
 
 
 def launch(entry: Callable[..., dict], nprocs: int, *args, timeout_s: float = 420.0,
@@ -98,7 +94,8 @@ def result(world: list[dict], name: str) -> list[object]:
     """The per-rank results of one check; fails the test with the rank's traceback if it raised."""
     values = []
     for rank, res in enumerate(world):
-        assert name in res, f"check {name!r} did not run on rank {rank}"
+        assert name in res, f"check {name!r} did not run on rank {rank}" + (
+            f": {res.reason}" if hasattr(res, "reason") else "")  # shared_world.Stopped: its launch was stopped
         value = res[name]
         if isinstance(value, dict) and "error" in value:
             raise AssertionError(f"check {name!r} raised on rank {rank}:\n{value['error']}")
