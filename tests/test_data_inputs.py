@@ -161,3 +161,25 @@ def test_raw_text_cut_by_max_data_mb_says_how_much_was_read(tmp_path):
     assert cut.describe().endswith("; the first 2 of 3 files: --max-data-mb 0.005)"), cut.describe()  # was silent
     whole = open_data([str(tmp_path / "texts")], "tiny", 256, 8, 1, 0, 1)
     assert "the first" not in whole.describe() and whole.sources[0].files == 3
+
+
+def test_the_same_data_twice_is_refused_naming_both_entries(tmp_path):
+    """Each source runs its own epochs, counted by its name: the same data twice was one `epochs` entry for two
+    sources. It is refused before launch (its weight says how much of the mixture it is)."""
+    import pytest
+
+    from plait.errors import ConfigError
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("plain text " * 20)
+    (tmp_path / "other.txt").write_text("other text " * 20)
+    d = str(tmp_path / "texts")
+    res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--steps", "1", "--seq-len", "8", "--batch-size",
+                                   "1", "--microbatches", "1", "--data", d, "--data", d, "--dry-run"])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: --data {d}: names the same data as --data {d}; give "
+                                                        "each source once"), res.output
+    with pytest.raises(ConfigError, match=rf"--data 0.5:{tmp_path}/texts/../texts: names the same data as --data "
+                                          rf"0.7:{d};"):
+        open_data([f"0.7:{d}", str(tmp_path / "other.txt"), f"0.5:{d}/../texts"], "tiny", 256, 8, 1, 0, 1)
+    both = open_data([d, str(tmp_path / "other.txt")], "tiny", 256, 8, 2, 0, 1)
+    assert set(both.position(3)["epochs"]) == {d, str(tmp_path / "other.txt")}

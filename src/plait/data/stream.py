@@ -201,6 +201,7 @@ def check_entries(entries: list[str], model: str, vocab_size: int, seq_len: int)
     and length; raw inputs that must be prepared first."""
     from plait.data.raw import raw_inputs
 
+    check_distinct(entries)
     for entry in entries:
         weight, path = parse_entry(entry)
         if not Path(path).exists():
@@ -209,6 +210,19 @@ def check_entries(entries: list[str], model: str, vocab_size: int, seq_len: int)
             check_length(prepared_source(path, weight, model, vocab_size), seq_len)
         elif not sum(s.bytes for s in raw_inputs(path, model)):
             raise ConfigError(f"--data {entry}: no text there (empty files, or a folder without files)")
+
+
+def check_distinct(entries: list[str]) -> None:
+    """ConfigError when two ``--data`` entries name the same data (the same path, however written, with any
+    weights): each source runs through its own epochs and is counted under its name, so the same data twice
+    would be two sources with one name; its weight says how much of the mixture it is."""
+    seen: dict[Path, str] = {}
+    for entry in entries:
+        key = Path(parse_entry(entry)[1]).resolve()
+        if key in seen:
+            raise ConfigError(f"--data {entry}: names the same data as --data {seen[key]}; give each source once, "
+                              "with its share of the mixture as its weight (e.g. --data 0.7:web --data 0.3:code)")
+        seen[key] = entry
 
 
 def parse_entry(entry: str) -> tuple[float, str]:
@@ -230,6 +244,7 @@ def open_data(entries: list[str], model: str, vocab_size: int, seq_len: int, bat
 
     if not entries:
         return TrainData([raw_source(None, 1.0, model, max_mb)], seq_len, batch_size, seed)
+    check_distinct(entries)
     sources = []
     for entry in entries:
         weight, path = parse_entry(entry)
