@@ -187,3 +187,35 @@ def test_the_sample_ends_at_the_end_of_document_token():
     run.data.eos = ids[6]
     cut = ids.index(ids[6])
     assert sample_text(run) == "def " + tok.decode(ids[:cut]) + "\n[the sample ends: end-of-document token]"
+
+
+def test_the_sample_of_chat_data_is_the_reply_to_a_conversation_of_the_data(tmp_path):
+    """The sample at the end was prompted by "def " whatever the data: chat data gets the opening of one of its
+    conversations up to the assistant's header (the sample is the reply), text its first tokens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from plait.data import prepare
+    from plait.data.chat import ChatSpec
+    from plait.data.stream import PROMPT_TOKENS, open_data
+    from plait.models import Llama, LlamaConfig
+    from plait.tokenizers import ByteTokenizer
+    from plait.train.loop import sample_text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "4."}]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": messages}) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}) + "\n")
+    prepare([str(tmp_path / "chats.jsonl")], "bytes", tmp_path / "d", workers=1, held_out=0.0, chat=ChatSpec("bytes"))
+    (tmp_path / "a.txt").write_text("Once upon a time there was a tokenizer. " * 10)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64)).eval()
+    for data, want in (([str(tmp_path / "d")], "<|system|>\nBe brief.\n<|user|>\nWhat is 2+2?\n<|assistant|>\n"),
+                       ([str(tmp_path / "a.txt")], "Once upon a time"[:PROMPT_TOKENS])):
+        cfg = TrainConfig.from_dict({"tp": 1, "pp": 1, "dp": 1, "sample_tokens": 12, "data": data})
+        run = SimpleNamespace(cfg=cfg, pm=model, tokenizer=ByteTokenizer(),
+                              data=open_data(data, "tiny", 256, 64, 2, 0, 1))
+        assert bytes(run.data.prompt()).decode() == want
+        sample = sample_text(run)
+        assert sample.startswith(want) and len(sample.encode()) > len(want), sample

@@ -26,6 +26,7 @@ from plait.data.tokens import BYTES, model_fingerprint
 from plait.errors import ConfigError
 
 RAW_HELD_OUT = 0.1  # share of the documents of raw text held out (a prepared dataset says its own)
+PROMPT_TOKENS = 8  # tokens of a text document that prompt the sample drawn at a run's end
 EVAL_BATCHES = 2  # held-out batches per evaluation (the same batches every time)
 IGNORE = -100  # a target outside the loss mask: the losses' ignore_index (plait.parallelization.TokenLoss)
 _WEIGHTED = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+)):(.+)$")
@@ -169,6 +170,20 @@ class TrainData:
         """What a checkpoint after ``steps`` steps keeps of the data (``resume_at`` reads it): ``position`` and
         the global samples read."""
         return {**self.position(steps), "samples": self.samples(steps)}
+
+    def prompt(self) -> list[int]:
+        """The start of a document to prompt a sample with: the first chat source's (else the first source's)
+        first held-out document (the first training one when nothing is held out). A conversation is cut before
+        its first token in the loss, so the prompt is its opening turns up to the assistant's header and the
+        sample is the model's reply; text (or a conversation with no such token in its first ``seq_len``) gives
+        its first ``PROMPT_TOKENS`` tokens. Both are read from the packed stream's first ``seq_len`` tokens."""
+        source = next((s for s in self.sources if s.train.masked), self.sources[0])
+        split = source.held_out if source.held_out.tokens > 1 else source.train
+        n = min(self.seq_len, split.tokens)
+        ids, mask = split.read(0, n).tolist(), split.read_mask(0, n)
+        eos = ids.index(source.eos) if source.eos in ids else n  # the first document's end
+        first = int(np.argmax(mask[:eos])) if split.masked and mask[:eos].any() else 0
+        return ids[:first] if first > 0 else ids[:min(PROMPT_TOKENS, max(1, eos))]
 
     @property
     def eos(self) -> int | None:

@@ -84,7 +84,8 @@ class TrainConfig:
     eval_every: int = 50
     """Held-out loss every N steps (0: only at the end)."""
     sample_tokens: int = 160
-    """Length of the sample generated at the end (0: none)."""
+    """Length of the sample generated at the end (0: none), prompted by the start of a --data document (chat:
+    a conversation up to the assistant's reply) or, on the default data, by "def "."""
     max_data_mb: float = 4.0
     """Tokenize at most this many million tokens of plain text at start-up (prepared datasets: no limit)."""
     trace_every: int = 10

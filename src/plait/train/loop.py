@@ -241,18 +241,27 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
     return float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out target in the loss
 
 
-def sample_text(run: Run, prompt: str = "def ") -> str | None:
+#: the sample's prompt on the default data, the Python standard library's sources
+CODE_PROMPT = "def "
+
+
+def sample_text(run: Run) -> str | None:
+    """A sample of the trained model, prompted by the start of a document of --data (``TrainData.prompt``: a
+    conversation up to the assistant's reply, or a text's first tokens), ``CODE_PROMPT`` without --data."""
     from plait.generation import Sampling, generate_ids
+    from plait.generation.decode import context_length
 
     par = run.cfg.parallel
     if par.sequence_parallel or par.cp > 1 or run.cfg.sample_tokens <= 0:
         return None  # decoding one token at a time cannot shard the sequence; use plait generate
-    ids = generate_ids(run.pm, [run.tokenizer.encode(prompt)],
-                       Sampling(run.cfg.sample_tokens, temperature=0.8, top_k=20, seed=run.cfg.seed))[0]
+    prompt = run.data.prompt() if run.cfg.data else run.tokenizer.encode(CODE_PROMPT)
+    room = (context_length(run.pm) or len(prompt) + run.cfg.sample_tokens) - len(prompt)  # >= 1: prompt <= seq_len
+    ids = generate_ids(run.pm, [prompt], Sampling(min(run.cfg.sample_tokens, room), temperature=0.8, top_k=20,
+                                                   seed=run.cfg.seed))[0]
     eos = run.data.eos  # the model learnt to end a document there: what follows is no continuation of it
     if eos is not None and eos in ids:
-        return prompt + run.tokenizer.decode(ids[:ids.index(eos)]) + "\n[the sample ends: end-of-document token]"
-    return prompt + run.tokenizer.decode(ids)
+        return run.tokenizer.decode(prompt + ids[:ids.index(eos)]) + "\n[the sample ends: end-of-document token]"
+    return run.tokenizer.decode(prompt + ids)
 
 
 def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predictor | None = None) -> TrainResult:
