@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from plait.train.config import TrainConfig
-from plait.train.loop import changed_settings
+from plait.train.resume import changed_effects, changed_settings
 
 RUN = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "1", "--microbatches", "1",
        "--eval-every", "0", "--sample-tokens", "0", "--cluster", "none", "--data", "text", "--batch-size", "2"]
@@ -24,6 +24,19 @@ def test_changed_settings_name_the_flags_with_both_values():
         "--data (the standard library) -> a"]
 
 
+def test_changed_effects_name_only_what_differs_from_an_uninterrupted_run():
+    """Raising --steps changes the learning rates of the steps already made only past the warm-up (it was always
+    'the batches or learning rates differ')."""
+    saved = TrainConfig(steps=10, warmup=4).to_dict()
+    more = TrainConfig(steps=20, warmup=4)
+    assert changed_effects(saved, more, 4) == []  # 4 updates, all in the warm-up: the same rates
+    assert changed_effects(saved, more, 6) == ["learning rates"]  # update 6 decayed over 10 steps, not 20
+    assert changed_effects(saved, TrainConfig(steps=20, warmup=4, batch_size=8, clip=0.5), 2) == ["batches", "updates"]
+    assert changed_effects(saved, TrainConfig(steps=10, warmup=4, seed=1, lr=1e-2), 1) == [
+        "batches", "learning rates"]
+    assert changed_effects(saved, TrainConfig.from_dict({**saved, "tp": 1, "pp": 4}), 6) == []
+
+
 def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path):
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("some training text, repeated. " * 40)
@@ -35,7 +48,8 @@ def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path)
     assert res.returncode == 0, res.stderr
     out = " ".join(res.stdout.split())  # the console wraps lines
     assert "resuming from plait-checkpoints/step_00000001 (step 1) note: --seq-len 16 -> 32, --steps 1 -> 2 since " \
-           "that checkpoint was saved: from here the batches or learning rates differ" in out, res.stdout
+           "that checkpoint was saved: this run's batches differ from an uninterrupted run's of these settings " \
+           "(the checkpoint's settings continue it exactly)" in out, res.stdout  # step 1 was in the warm-up
     row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 2 and row["tokens_seen"] == 2 * 16 + 2 * 32, row  # step 1 read 16-token windows
     assert "96 tokens seen" in out, res.stdout
@@ -92,20 +106,26 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
     from plait.parallel_config import ParallelConfig
     from plait.train.report import Reporter
 
-    def header(resumed_from, changes):
+    def header(resumed_from, changes, effects=()):
         console = Console(record=True, width=400, force_terminal=False)
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
                               start=4 if resumed_from else 0, resumed_from=resumed_from, resume_changes=changes,
+                              resume_effects=list(effects),
                               prediction=None)
         Reporter(TrainConfig(auto_resume=True, metrics=None), 0, console).begin(run)
         return console.export_text()
 
-    fresh, same, changed = header(None, []), header("ck/step_4", []), header("ck/step_4", ["--seed 0 -> 1"])
+    fresh, same = header(None, []), header("ck/step_4", [])
+    changed = header("ck/step_4", ["--seed 0 -> 1"], ["batches"])
+    longer = header("ck/step_4", ["--steps 300 -> 400"])  # no update of steps 1-4 got another learning rate
     assert "starting fresh" in fresh and "resuming from" not in fresh, fresh
-    for out in (same, changed):
+    for out in (same, changed, longer):
         assert "resuming from ck/step_4 (step 4)" in out and "starting fresh" not in out, out
-    assert "note: --seed 0 -> 1" in changed and "note:" not in same, (changed, same)
+    assert "note: --seed 0 -> 1 since that checkpoint was saved: this run's batches differ" in changed, changed
+    assert "note:" not in same and "note:" not in longer and "differ" not in longer, (same, longer)
+    assert "--steps 300 -> 400 since that checkpoint was saved: the run goes on as an uninterrupted run of these " \
+           "settings would" in " ".join(longer.split()), longer
 
 
 def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp_path):
@@ -154,7 +174,7 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)),
                               data=SimpleNamespace(describe=lambda: "d"), start=0, resumed_from=None,
-                              resume_changes=[], prediction=None)
+                              resume_changes=[], resume_effects=[], prediction=None)
         Reporter(TrainConfig(metrics=None, **kw), 0, console).begin(run)
         return console.export_text()
 

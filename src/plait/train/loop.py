@@ -13,8 +13,9 @@ import torch
 from plait.checkpoint.shards import init_local, load_local
 from plait.data.stream import EVAL_BATCHES, IGNORE
 from plait.devices import synchronize
-from plait.train.config import PRESETS, TrainConfig, model_config, model_family, no_checkpoint
+from plait.train.config import PRESETS, TrainConfig, model_config, model_family
 from plait.train.observe import NO_PREDICTION
+from plait.train.resume import resume
 
 if TYPE_CHECKING:
     from plait.checkpoint import AsyncCheckpointer
@@ -68,6 +69,7 @@ class Run:
     start: int = 0
     resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
     resume_changes: list[str] = field(default_factory=list)  # "--flag saved -> now" of CONTINUED settings changed
+    resume_effects: list[str] = field(default_factory=list)  # what of the run they change (changed_effects)
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
     prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)
@@ -108,48 +110,6 @@ def make_optimizer(pm: ParallelModel, cfg: TrainConfig) -> ParallelOptimizer:
     precision = None if cfg.parallel.precision == "fp32" else cfg.parallel.precision
     return build_optimizer(pm, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.parallel.zero, precision=precision,
                            clip=cfg.clip if cfg.clip > 0 else None, warmup=cfg.warmup, total_steps=cfg.steps)
-
-
-def resume(run: Run) -> None:
-    """Load the latest complete checkpoint of --checkpoint-dir (rank 0 chooses it, every rank loads the same);
-    with --auto-resume and none there, leave the run at its fresh start."""
-    import torch.distributed as dist
-
-    from plait.checkpoint import find_checkpoint, load_checkpoint
-
-    box: list[str | None] = [None]
-    if run.ctx.rank == 0:
-        found = find_checkpoint(run.cfg.checkpoint_dir)
-        box[0] = None if found is None else str(found)
-    if run.ctx.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    path = box[0]
-    if path is None:
-        if run.cfg.resume:
-            raise no_checkpoint(run.cfg)
-        return
-    meta = load_checkpoint(run.pm, run.opt, path)
-    run.start, run.resumed_from = int(meta["step"]), path
-    run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
-    run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
-    if hasattr(run.opt, "steps") and meta["optimizer"].get("steps") is None:  # (else load_checkpoint set it)
-        run.opt.steps = run.start  # a checkpoint without its count of updates: one per step
-
-
-#: the settings a resumed run continues from its checkpoint: the sample stream (plait.data.stream: the step's
-#: samples over windows of --seq-len, per --seed and --data) and the optimizer's trajectory (the LR schedule)
-CONTINUED = ("data", "seq_len", "batch_size", "seed", "lr", "warmup", "steps", "weight_decay", "clip")
-
-
-def changed_settings(saved: dict, cfg: TrainConfig) -> list[str]:
-    """``--flag saved -> now`` for each CONTINUED setting that differs from the run that saved ``saved``."""
-    now = cfg.to_dict()
-    return [f"--{k.replace('_', '-')} {_shown(saved[k])} -> {_shown(now[k])}" for k in CONTINUED
-            if k in saved and saved[k] != now[k]]
-
-
-def _shown(value) -> str:
-    return " ".join(value) or "(the standard library)" if isinstance(value, list) else str(value)
 
 
 def save(run: Run, step: int) -> str:

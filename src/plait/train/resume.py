@@ -1,0 +1,72 @@
+"""Resuming a run from its checkpoint: loading it, and what of the run changed settings alter."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from plait.optim.schedule import lr_at
+from plait.train.config import TrainConfig, no_checkpoint
+
+if TYPE_CHECKING:
+    from plait.train.loop import Run
+
+
+def resume(run: Run) -> None:
+    """Load the latest complete checkpoint of --checkpoint-dir (rank 0 chooses it, every rank loads the same);
+    with --auto-resume and none there, leave the run at its fresh start."""
+    import torch.distributed as dist
+
+    from plait.checkpoint import find_checkpoint, load_checkpoint
+
+    box: list[str | None] = [None]
+    if run.ctx.rank == 0:
+        found = find_checkpoint(run.cfg.checkpoint_dir)
+        box[0] = None if found is None else str(found)
+    if run.ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    path = box[0]
+    if path is None:
+        if run.cfg.resume:
+            raise no_checkpoint(run.cfg)
+        return
+    meta = load_checkpoint(run.pm, run.opt, path)
+    run.start, run.resumed_from = int(meta["step"]), path
+    run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
+    if hasattr(run.opt, "steps") and meta["optimizer"].get("steps") is None:  # (else load_checkpoint set it)
+        run.opt.steps = run.start  # a checkpoint without its count of updates: one per step
+    run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
+    run.resume_effects = changed_effects(meta.get("train", {}), run.cfg, getattr(run.opt, "steps", run.start))
+
+
+#: the settings a resumed run continues from its checkpoint, each with what of the run it sets: the batches
+#: (plait.data.stream: the step's samples over windows of --seq-len, per --seed and --data), the learning rates
+#: (the schedule) or the updates
+CONTINUED = {"data": "batches", "seq_len": "batches", "batch_size": "batches", "seed": "batches",
+             "lr": "learning rates", "warmup": "learning rates", "steps": "learning rates",
+             "weight_decay": "updates", "clip": "updates"}
+
+
+def changed_settings(saved: dict, cfg: TrainConfig) -> list[str]:
+    """``--flag saved -> now`` for each CONTINUED setting that differs from the run that saved ``saved``."""
+    now = cfg.to_dict()
+    return [f"--{k.replace('_', '-')} {_shown(saved[k])} -> {_shown(now[k])}" for k in CONTINUED
+            if k in saved and saved[k] != now[k]]
+
+
+def changed_effects(saved: dict, cfg: TrainConfig, updates: int) -> list[str]:
+    """What of a run resumed under ``cfg`` from a checkpoint of a run with settings ``saved`` (``updates``
+    updates made) differs from an uninterrupted run of ``cfg``'s settings, of "batches", "learning rates" and
+    "updates": the learning rates only when the schedule gives one of those updates another rate (raising
+    --steps during the warm-up changes none)."""
+    now = cfg.to_dict()
+    changed = {k for k in CONTINUED if k in saved and saved[k] != now[k]}
+    schedule = ("lr", "warmup", "steps")
+    if changed & set(schedule):
+        old = [saved.get(k, now[k]) for k in schedule]
+        if all(lr_at(k, *old) == lr_at(k, cfg.lr, cfg.warmup, cfg.steps) for k in range(updates)):
+            changed -= set(schedule)
+    return [e for e in dict.fromkeys(CONTINUED.values()) if any(CONTINUED[k] == e for k in changed)]
+
+
+def _shown(value) -> str:
+    return " ".join(value) or "(the standard library)" if isinstance(value, list) else str(value)
