@@ -239,3 +239,14 @@ def test_the_sample_of_chat_data_is_the_reply_to_a_conversation_of_the_data(tmp_
         assert bytes(run.data.prompt()).decode() == want
         sample = sample_text(run)
         assert sample.startswith(want) and len(sample.encode()) > len(want), sample
+
+
+def test_the_layout_line_names_a_pipeline_schedule_only_where_there_is_a_pipeline():
+    from plait.parallel_config import ParallelConfig
+    from plait.train.report import layout_text
+
+    assert layout_text(ParallelConfig(tp=2, pp=1, dp=1, microbatches=1)) == \
+        "tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch"  # was "..., 1f1b, 1 micro-batches"
+    assert layout_text(ParallelConfig(tp=1, pp=2, dp=1, microbatches=4, schedule="interleaved-1f1b",
+                                      virtual_stages=2)) == \
+        "tp 1 x pp 2 x dp 1 (2 processes), interleaved-1f1b V=2, 4 micro-batches"

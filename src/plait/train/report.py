@@ -156,11 +156,14 @@ class Reporter:
 
 
 def layout_text(p: ParallelConfig) -> str:
-    """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``."""
+    """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``; at pp 1
+    (no pipeline) without the schedule: ``tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch``."""
     virtual = p.pipeline_schedule().virtual
     cp = f" x cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
-    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({p.world} process{'es' if p.world != 1 else ''}), {p.schedule}"
-            f"{f' V={virtual}' if virtual > 1 else ''}, {p.num_microbatches} micro-batches"
+    schedule = f", {p.schedule}{f' V={virtual}' if virtual > 1 else ''}" if p.pp > 1 else ""
+    m = p.num_microbatches
+    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({p.world} process{'es' if p.world != 1 else ''}){schedule}"
+            f", {m} micro-batch{'es' if m != 1 else ''}"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
             f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}")
 
