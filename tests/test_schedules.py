@@ -84,7 +84,9 @@ def test_known_orders():
         ({"name": "1f1b", "stages": 4, "microbatches": 2.5}, "microbatches=2.5"),
         ({"name": "gpipe", "stages": 4, "microbatches": 8, "virtual": 2}, "virtual=2: gpipe"),
         ({"name": "1f1b", "stages": 4, "microbatches": 8, "virtual": 3}, "zb-h1 for several chunks"),
-        ({"name": "1f1b", "stages": 4, "microbatches": 6, "rounds": "padded"}, "leave it unset for 1f1b"),
+        ({"name": "1f1b", "stages": 4, "microbatches": 6, "rounds": "padded"},  # the choices were not named
+         "rounds='padded': only interleaved-1f1b and zb-h1 group micro-batches into rounds (equal or padded); leave "
+         "it unset for 1f1b"),
         ({"name": "zb-h1", "stages": 4, "microbatches": 6, "rounds": "torch"}, "use one of equal, padded"),
         ({"name": "zbv", "stages": 4, "microbatches": 8, "virtual": 3}, "virtual=3: zbv places exactly 2"),
         ({"name": "dualpipev", "stages": 4, "microbatches": 4, "virtual": 4}, "virtual=4"),

@@ -31,8 +31,8 @@ def _resolve_rounds(name: str, rounds: str | None) -> str:
     if rounds is None:
         return "equal"
     if name not in ROUND_SCHEDULES:
-        raise FieldError("rounds", rounds, f"only {' and '.join(ROUND_SCHEDULES)} group micro-batches into rounds; "
-                                           f"leave it unset for {name}")
+        raise FieldError("rounds", rounds, f"only {' and '.join(ROUND_SCHEDULES)} group micro-batches into rounds "
+                                           f"({' or '.join(gen.ROUNDS)}); leave it unset for {name}")
     if rounds not in gen.ROUNDS:
         raise FieldError("rounds", rounds, f"use one of {', '.join(gen.ROUNDS)}")
     return rounds
