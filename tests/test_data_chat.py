@@ -77,7 +77,7 @@ def test_tokens_equal_apply_chat_template_and_the_mask_is_the_assistants(tmp_pat
         out = tmp_path / name
         meta = prepare([src], str(folders[name]), out, workers=1, held_out=0.0, chat=ChatSpec(str(folders[name])))
         eos = meta["tokenizer"]["eos"]
-        assert open_prepared(out).meta["format"] == "plait-tokens/2" and meta["chat"]["loss_on"] == "assistant"
+        assert open_prepared(out).meta["format"] == "plait-tokens/3" and meta["chat"]["loss_on"] == "assistant"
         for chat, (ids, mask) in zip(CHATS, _docs(out), strict=True):
             want = list(hf.apply_chat_template(chat, tokenize=True, return_dict=False))
             assert ids.tolist() == want + [eos], name
@@ -247,8 +247,9 @@ def test_a_plait_tokens_1_dataset_still_reads_and_a_newer_one_is_refused(tmp_pat
     (tmp_path / "old" / META).write_text(json.dumps({**meta, "format": "plait-tokens/1"}))
     ds = open_prepared(tmp_path / "old")
     assert not ds.train.masked and ds.train.read_mask(0, 5).tolist() == [1] * 5
-    (tmp_path / "old" / META).write_text(json.dumps({**meta, "format": "plait-tokens/3"}))
-    with pytest.raises(ConfigError, match="format 'plait-tokens/3', this plait reads plait-tokens/1 and"):
+    (tmp_path / "old" / META).write_text(json.dumps({**meta, "format": "plait-tokens/4"}))
+    with pytest.raises(ConfigError, match="format 'plait-tokens/4', this plait reads plait-tokens/1, plait-tokens/2, "
+                                          "plait-tokens/3"):
         open_prepared(tmp_path / "old")
 
 

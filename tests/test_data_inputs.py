@@ -183,3 +183,36 @@ def test_the_same_data_twice_is_refused_naming_both_entries(tmp_path):
         open_data([f"0.7:{d}", str(tmp_path / "other.txt"), f"0.5:{d}/../texts"], "tiny", 256, 8, 1, 0, 1)
     both = open_data([d, str(tmp_path / "other.txt")], "tiny", 256, 8, 2, 0, 1)
     assert set(both.position(3)["epochs"]) == {d, str(tmp_path / "other.txt")}
+
+
+def test_a_chat_dataset_with_first_character_masks_is_refused_naming_the_command_that_remakes_it(tmp_path):
+    """plait-tokens/2 chat datasets were masked by each token's first character; the rule is now any character
+    (plait-tokens/3). They read silently with the old masks; now they are refused, text datasets of /2 read."""
+    import json
+
+    import pytest
+
+    from plait.data import open_prepared
+    from plait.data.chat import ChatSpec
+    from plait.data.format import FORMAT, META
+    from plait.errors import ConfigError
+
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"},
+                                                               {"role": "assistant", "content": "Hello."}]}) + "\n")
+    (tmp_path / "t.txt").write_text("plain text " * 20)
+    prepare([str(tmp_path / "c.jsonl")], "bytes", tmp_path / "chat", workers=1, held_out=0.0, chat=ChatSpec("bytes"))
+    prepare([str(tmp_path / "t.txt")], "bytes", tmp_path / "text", workers=1, held_out=0.0)
+    for name in ("chat", "text"):
+        assert open_prepared(tmp_path / name).meta["format"] == FORMAT == "plait-tokens/3"
+        meta = json.loads((tmp_path / name / META).read_text())
+        (tmp_path / name / META).write_text(json.dumps({**meta, "format": "plait-tokens/2"}))
+    assert open_prepared(tmp_path / "text").train.tokens == 221  # no masks: read as before
+    with pytest.raises(ConfigError) as err:
+        open_prepared(tmp_path / "chat")
+    assert str(err.value).startswith(f"{tmp_path / 'chat'}: a chat dataset of format plait-tokens/2, whose loss masks "
+                                     "hold a token only when its first character is the assistant's;"), err.value
+    assert f"prepare it again with `plait data prepare SRC... --chat --out {tmp_path / 'chat'} --force`" in \
+        str(err.value)
+    res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--microbatches", "1", "--batch-size", "1",
+                                   "--seq-len", "8", "--data", str(tmp_path / "chat"), "--dry-run"])
+    assert res.exit_code == 2 and "plait data prepare SRC... --chat" in res.stderr, res.output

@@ -11,7 +11,9 @@ A prepared dataset is a folder::
     held_out/...              the same for the held-out documents
 
 ``plait-tokens/2`` added the masks (a shard names its ``mask`` file); ``plait-tokens/1`` datasets, without
-them, read the same: every token in the loss.
+them, read the same: every token in the loss. ``plait-tokens/3`` puts a token in the loss when any of its
+characters is (``plait.data.tokens``); ``/2`` masked only those whose first character was, so a ``/2`` chat
+dataset is refused (prepared again, it gets the masks of ``/3``), while ``/2`` text, without masks, reads as before.
 
 ``meta.json`` is written last and the folder is renamed into place only when complete (plait.data.prepare),
 so a folder with a ``meta.json`` of this format is a whole dataset; ``open_prepared`` still checks that every
@@ -30,8 +32,9 @@ import numpy as np
 
 from plait.errors import ConfigError
 
-FORMAT = "plait-tokens/2"
-READABLE = ("plait-tokens/1", FORMAT)
+FORMAT = "plait-tokens/3"
+READABLE = ("plait-tokens/1", "plait-tokens/2", FORMAT)
+FIRST_CHARACTER_MASKS = "plait-tokens/2"  # chat datasets of this format: a token's mask is its first character's
 META = "meta.json"
 SPLITS = ("train", "held_out")
 
@@ -154,7 +157,12 @@ def open_prepared(path: str | Path) -> Prepared:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{meta_path}: not valid JSON ({exc}); prepare the dataset again") from None
     if meta.get("format") not in READABLE:
-        raise ConfigError(f"{meta_path}: format {meta.get('format')!r}, this plait reads {' and '.join(READABLE)}")
+        raise ConfigError(f"{meta_path}: format {meta.get('format')!r}, this plait reads {', '.join(READABLE)}")
+    if meta["format"] == FIRST_CHARACTER_MASKS and meta.get("chat") is not None:
+        raise ConfigError(f"{root}: a chat dataset of format {FIRST_CHARACTER_MASKS}, whose loss masks hold a token "
+                          "only when its first character is the assistant's; this plait puts a token in the loss "
+                          f"when any of its characters is (format {FORMAT}): prepare it again with `plait data "
+                          f"prepare SRC... --chat --out {root} --force` (the same tokenizer and chat options)")
     train, held = (Split(root, name, meta["splits"][name], meta["dtype"]) for name in SPLITS)
     return Prepared(root, meta, train, held)
 
