@@ -77,7 +77,7 @@ def saved_checks(base: str) -> dict[str, object]:
             while True:
                 try:
                     name, value = pickle.load(f)
-                except EOFError:
+                except (EOFError, pickle.UnpicklingError):  # the end, or a record cut short by the rank's end
                     return out
                 out[name] = value
     return out

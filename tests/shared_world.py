@@ -63,7 +63,9 @@ def run_groups(groups: dict[str, tuple[str, tuple]], folder: str, bounds: dict[s
             torch.set_default_dtype(dtype)
         fresh_world()  # within the bound: its barrier waits for every rank to end the group
         watchdog.cancel()
-        Path(folder, f"rank{rank}.{group}.result").write_bytes(pickle.dumps(out[group]))
+        saved = Path(folder, f"rank{rank}.{group}.result")
+        Path(f"{saved}.tmp").write_bytes(pickle.dumps(out[group]))
+        os.replace(f"{saved}.tmp", saved)  # whole or absent: the watchdog may end this process at any line
         note(log, "ended", group)
     os.environ.pop(CHECKS_ENV, None)
     return out
