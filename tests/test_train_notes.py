@@ -230,13 +230,13 @@ def test_the_sample_of_chat_data_is_the_reply_to_a_conversation_of_the_data(tmp_
     prepare([str(tmp_path / "chats.jsonl")], "bytes", tmp_path / "d", workers=1, held_out=0.0, chat=ChatSpec("bytes"))
     (tmp_path / "a.txt").write_text("Once upon a time there was a tokenizer. " * 10)
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64)).eval()
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=128)).eval()
     for data, want in (([str(tmp_path / "d")], "<|system|>\nBe brief.\n<|user|>\nWhat is 2+2?\n<|assistant|>\n"),
                        ([str(tmp_path / "a.txt")], "Once upon a time"[:PROMPT_TOKENS])):
         cfg = TrainConfig.from_dict({"tp": 1, "pp": 1, "dp": 1, "sample_tokens": 12, "data": data})
         run = SimpleNamespace(cfg=cfg, pm=model, tokenizer=ByteTokenizer(),
-                              data=open_data(data, "tiny", 256, 64, 2, 0, 1))
-        assert bytes(run.data.prompt()).decode() == want
+                              data=open_data(data, "tiny", 256, 32, 2, 0, 1))  # a conversation over seq_len
+        assert bytes(run.data.prompt(64)).decode() == want  # sample_text's: half the model's context
         sample = sample_text(run)
         assert sample.startswith(want) and len(sample.encode()) > len(want), sample
 

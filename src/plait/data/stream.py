@@ -171,15 +171,15 @@ class TrainData:
         the global samples read."""
         return {**self.position(steps), "samples": self.samples(steps)}
 
-    def prompt(self) -> list[int]:
+    def prompt(self, limit: int) -> list[int]:
         """The start of a document to prompt a sample with: the first chat source's (else the first source's)
         first held-out document (the first training one when nothing is held out). A conversation is cut before
         its first token in the loss, so the prompt is its opening turns up to the assistant's header and the
-        sample is the model's reply; text (or a conversation with no such token in its first ``seq_len``) gives
-        its first ``PROMPT_TOKENS`` tokens. Both are read from the packed stream's first ``seq_len`` tokens."""
+        sample is the model's reply; text (or a conversation with no such token in its first ``limit`` tokens)
+        gives its first ``PROMPT_TOKENS`` tokens."""
         source = next((s for s in self.sources if s.train.masked), self.sources[0])
         split = source.held_out if source.held_out.tokens > 1 else source.train
-        n = min(self.seq_len, split.tokens)
+        n = min(limit, split.tokens)
         ids, mask = split.read(0, n).tolist(), split.read_mask(0, n)
         eos = ids.index(source.eos) if source.eos in ids else n  # the first document's end
         first = int(np.argmax(mask[:eos])) if split.masked and mask[:eos].any() else 0

@@ -207,15 +207,17 @@ CODE_PROMPT = "def "
 
 def sample_text(run: Run) -> str | None:
     """A sample of the trained model, prompted by the start of a document of --data (``TrainData.prompt``: a
-    conversation up to the assistant's reply, or a text's first tokens), ``CODE_PROMPT`` without --data."""
+    conversation up to the assistant's reply, found in the first half of the model's context, or a text's first
+    tokens), ``CODE_PROMPT`` without --data."""
     from plait.generation import Sampling, generate_ids
     from plait.generation.decode import context_length
 
     par = run.cfg.parallel
     if par.sequence_parallel or par.cp > 1 or run.cfg.sample_tokens <= 0:
         return None  # decoding one token at a time cannot shard the sequence; use plait generate
-    prompt = run.data.prompt() if run.cfg.data else run.tokenizer.encode(CODE_PROMPT)
-    room = (context_length(run.pm) or len(prompt) + run.cfg.sample_tokens) - len(prompt)  # >= 1: prompt <= seq_len
+    context = context_length(run.pm) or 2 * run.cfg.seq_len
+    prompt = run.data.prompt(context // 2) if run.cfg.data else run.tokenizer.encode(CODE_PROMPT)
+    room = context - len(prompt)  # at least half the context for the sample
     ids = generate_ids(run.pm, [prompt], Sampling(min(run.cfg.sample_tokens, room), temperature=0.8, top_k=20,
                                                    seed=run.cfg.seed))[0]
     eos = run.data.eos  # the model learnt to end a document there: what follows is no continuation of it
