@@ -3,6 +3,11 @@ same tokenizer on the same JSON lines; the loader's tokens/s against what a trai
 memory of `plait train --data` at 1x and 10x the corpus.
 
     python bench/data.py [--mb 16] [--trials 2] [--json out.json]
+    python bench/data.py --src corpus.jsonl --tokenizer DIR --workers 2   # prepare only, on your own data
+
+--src: time the prepare of your own JSON lines (one file with a "text" field, no malformed lines: `datasets`
+stops at the first) against the peer instead of the generated corpus, then stop; --tokenizer: a folder holding
+tokenizer.json instead of the small BPE trained here.
 
 Trials alternate plait and its peer so that a busy machine slows both alike; the figures are medians and the
 ratio is taken within each trial pair. Each worker tokenizes on one core (TOKENIZERS_PARALLELISM=false for both).
@@ -65,21 +70,25 @@ def hf_map(src: Path, tok: Path, cache: Path, workers: int) -> float:
     return time.perf_counter() - t0
 
 
-def prepare_bench(work: Path, mb: float, trials: int) -> list[dict]:
+def prepare_bench(work: Path, mb: float, trials: int, src: Path | None = None, tok: Path | None = None,
+                  workers_list: tuple[int, ...] = (1, 2)) -> list[dict]:
     from data_util import bpe_folder
 
-    tok = bpe_folder(work / "bpe", vocab_size=2000)
-    src = work / "corpus.jsonl"
-    size = make_corpus(src, mb)
+    tok = tok or bpe_folder(work / "bpe", vocab_size=2000)
+    if src is None:
+        src = work / "corpus.jsonl"
+        make_corpus(src, mb)
+    size = src.stat().st_size
     rows = []
-    for workers in (1, 2):
+    for workers in workers_list:
         ours, peer = [], []
         for _ in range(trials):
             ours.append(plait_prepare(src, tok, work / "prepared", workers))
             peer.append(hf_map(src, tok, work / "hf-cache", workers))
         rows.append({"workers": workers, "mb": size / 1e6, "plait_mb_s": size / 1e6 / statistics.median(ours),
                      "datasets_mb_s": size / 1e6 / statistics.median(peer),
-                     "ratio": statistics.median(p / o for o, p in zip(ours, peer, strict=True))})
+                     "ratio": statistics.median(p / o for o, p in zip(ours, peer, strict=True)),
+                     "plait_s": [round(t, 2) for t in ours], "datasets_s": [round(t, 2) for t in peer]})
     return rows
 
 
@@ -162,9 +171,19 @@ def main() -> int:
     ap.add_argument("--mb", type=float, default=16.0, help="size of the JSON-lines corpus in MB")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--src", type=Path, default=None, help="your own JSON lines: time the prepare only")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="a folder holding tokenizer.json")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     load = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="plait-bench-data-"))
+    if args.src is not None:
+        try:
+            rows = prepare_bench(work, 0, args.trials, args.src, args.tokenizer, tuple(args.workers))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps({"load": [load, os.getloadavg()[0]], "prepare": rows}))
+        return 0
     try:
         prep = prepare_bench(work, args.mb, args.trials)
         rss = rss_bench(work, work / "corpus.jsonl")

@@ -216,3 +216,35 @@ def test_a_chat_dataset_with_first_character_masks_is_refused_naming_the_command
     res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--microbatches", "1", "--batch-size", "1",
                                    "--seq-len", "8", "--data", str(tmp_path / "chat"), "--dry-run"])
     assert res.exit_code == 2 and "plait data prepare SRC... --chat" in res.stderr, res.output
+
+
+def test_bad_records_deep_in_a_large_file_are_located_once_each_in_bounded_memory(tmp_path, monkeypatch):
+    import json
+    import sys
+    import tracemalloc
+
+    import plait.data.sources as sources
+
+    prep = sys.modules["plait.data.prepare"]  # the module (plait.data.prepare is the function)
+
+    monkeypatch.setattr(sources, "CHUNK", 64 << 10)  # ~64 tasks, a bad record in a dozen of them
+    monkeypatch.setattr(sources, "LINE_BLOCK", 256 << 10)
+    lines = [json.dumps({"text": f"document {i} " * 30}) for i in range(12000)]  # ~4.5 MB
+    bad = list(range(1000, 12000, 900))
+    for n in bad:
+        lines[n] = "{not json"
+    src = tmp_path / "big.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    located = []
+    monkeypatch.setattr(prep, "where", lambda rec: located.append(rec) or sources.where(rec))
+    meta = prepare([str(src)], "bytes", tmp_path / "out", workers=1, skip_bad=True, held_out=0.0)
+    assert meta["sources"][0]["skipped"] == len(bad)
+    assert [e.split(": ")[0] for e in meta["sources"][0]["skipped_examples"]] == [f"{src}:{n + 1}" for n in bad[:5]]
+    assert len(located) == 5, "only the examples kept are located (each costs a read of the file up to it)"
+    tracemalloc.start()  # the last one, ~4.4 MB into the file: read block by block, never whole
+    assert sources.where(located[-1]) == f"{src}:{bad[4] + 1}"
+    rec = sources.BadRecord(str(src), src.stat().st_size - 10, 0, "x")
+    assert sources.where(rec) == f"{src}:{len(lines)}"
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * sources.LINE_BLOCK < src.stat().st_size / 5, peak

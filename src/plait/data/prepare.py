@@ -50,7 +50,7 @@ class TaskResult:
     skipped: int
     digest: bytes
     nbytes: int
-    bad: list[str] = field(default_factory=list)  # "where: why" of up to 5 skipped records
+    bad: list[BadRecord] = field(default_factory=list)  # up to 5 skipped records (``where`` resolved by the parent)
 
 
 _WORKER: dict = {}
@@ -117,7 +117,7 @@ def _run(task: Task) -> TaskResult:
     digest = hashlib.blake2b(got.raw, digest_size=16).digest()
     loss = {k: int(v.mask.sum()) if v.mask is not None else len(v.ids) for k, v in encoded.items()}
     return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss, got.skipped,
-                      digest, task.nbytes, [f"{where(r)}: {r.why}" for r in got.bad[:5]])
+                      digest, task.nbytes, got.bad[:5])
 
 
 def _write(path: Path, array: np.ndarray) -> None:
@@ -277,7 +277,7 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
                     "blake2b": digest.hexdigest(), "skipped": sum(r.skipped for r in mine),
                     "documents": int(sum(len(r.lengths[k]) for r in mine for k in SPLITS)),
                     "tokens": int(sum(r.lengths[k].sum() for r in mine for k in SPLITS)),
-                    "skipped_examples": [b for r in mine for b in r.bad][:5]})
+                    "skipped_examples": [f"{where(b)}: {b.why}" for b in [b for r in mine for b in r.bad][:5]]})
     return {"tokenizer": {"kind": "bytes" if tok.tok is None else "file", "name": tok.name,
                           "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size, "eos": job.eos},
             "dtype": job.dtype, "held_out_fraction": job.held_out, "text_field": job.text_field,

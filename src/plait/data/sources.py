@@ -17,6 +17,7 @@ from plait.data.chat import BadChat, ChatRenderer, Spans, no_messages_hint
 from plait.errors import ConfigError, require_extra
 
 CHUNK = 4 << 20  # bytes of input per task
+LINE_BLOCK = 1 << 20  # bytes read at a time while counting the lines before a bad record
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 #: why a record whose text is empty or blank is skipped (always, and counted): its EOS alone would be trained on
 BLANK = "blank text, no document"
@@ -346,6 +347,11 @@ def where(rec: BadRecord) -> str:
     """``file:line`` of a bad JSON line (counting the lines before its task), or ``file row N``."""
     if rec.offset < 0:
         return f"{rec.path} row {rec.line}"
-    with open(rec.path, "rb") as f:
-        before = f.read(rec.offset).count(b"\n")
+    before, left = 0, rec.offset
+    with open(rec.path, "rb") as f:  # block by block: a record deep in a large file costs no memory
+        while left > 0:
+            block = f.read(min(left, LINE_BLOCK))
+            if not block:
+                break
+            before, left = before + block.count(b"\n"), left - len(block)
     return f"{rec.path}:{before + rec.line + 1}"
