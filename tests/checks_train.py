@@ -32,7 +32,21 @@ def small_cfg(root: Path, name: str, **kw) -> TrainConfig:
 
 
 def reference_losses(cfg: TrainConfig, steps: int, model: torch.nn.Module | None = None) -> list[float]:
-    """The same run on one device in plain torch: AdamW, warm-up + cosine LR, global-norm clip."""
+    """The same run on one device in plain torch: AdamW, warm-up + cosine LR, global-norm clip. Inside a launch
+    (a default process group) rank 0 runs it and sends the losses to the others, which would each run the same;
+    every rank leaves it with the torch seed set to ``cfg.seed``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _reference(cfg, steps, model)
+    box = [None]
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng():
+            box = [_reference(cfg, steps, model)]
+    dist.broadcast_object_list(box, src=0)
+    torch.manual_seed(cfg.seed)
+    return box[0]
+
+
+def _reference(cfg: TrainConfig, steps: int, model: torch.nn.Module | None) -> list[float]:
     torch.manual_seed(cfg.seed)
     from plait.train.config import model_config
 
