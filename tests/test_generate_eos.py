@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from checks_generate import CASES, LAYOUTS, NEW, PROMPTS, stops_of
+from harness import result
 from plait.generation import generate
 from plait.generation.job import generate_job
 from plait.models import Llama, LlamaConfig
@@ -46,10 +49,6 @@ def test_a_plait_checkpoint_ends_where_its_training_data_ended_each_document(tmp
     assert end_ids(str(step)) == ()  # saved before checkpoints kept it: nothing known
 
 
-PROMPTS = [[100, 101, 102], [7, 8, 9, 10, 11, 12], [40, 41], [65, 66, 67, 68]]
-NEW = 16
-
-
 def _cut(rows: list[list[int]], stop: set[int]) -> list[list[int]]:
     return [r[: next((i for i, t in enumerate(r) if t in stop), len(r))] for r in rows]
 
@@ -59,12 +58,6 @@ def _last_position(rows: list[list[int]], which: list[int] | None = None) -> int
     column min(len(prompt)) + p; a row cut short needs its stop token's column, the others their last one."""
     which = list(range(len(PROMPTS))) if which is None else which
     return max(len(PROMPTS[i]) + min(len(rows[i]), NEW - 1) for i in which) - min(len(p) for p in PROMPTS)
-
-
-def _stops_of(full: list[list[int]]) -> set[int]:
-    """Stop ids that end each row well before NEW tokens (at the latest at the token picked from it), the last
-    row (group 1 under pp 2) last."""
-    return {full[i][k] for i, k in enumerate((4, 3, 1, 8))}
 
 
 def test_decoding_stops_once_every_continuation_has_ended():
@@ -80,7 +73,7 @@ def test_decoding_stops_once_every_continuation_has_ended():
         s = Sampling(NEW, temperature, top_k, seed)
         full = generate_ids(model, PROMPTS, s)
         assert all(len(r) == NEW for r in full)
-        stop = _stops_of(full)
+        stop = stops_of(full)
         calls.clear()
         out = generate_ids(model, PROMPTS, s, stop_ids=stop)
         assert out == _cut(full, stop) and all(len(r) < NEW for r in out)
@@ -89,52 +82,26 @@ def test_decoding_stops_once_every_continuation_has_ended():
     assert generate_ids(model, PROMPTS, Sampling(NEW), stop_ids={999}) == generate_ids(model, PROMPTS, Sampling(NEW))
 
 
-def _parallel_rank(model_dir: str, stops: dict) -> dict:
-    import plait
-    from plait.generation.decode import Sampling, generate_ids
-    from plait.generation.job import load_model
-
-    out = {}
-    for tp, pp in ((1, 2), (2, 1)):
-        with plait.init(tp, pp, 1) as ctx:
-            model = load_model(model_dir, ctx=ctx)[0]
-            for case, (temperature, top_k, seed) in CASES.items():
-                trace: list = []
-                ids = generate_ids(model, PROMPTS, Sampling(NEW, temperature, top_k, seed), trace=trace,
-                                   stop_ids=stops[case])
-                out[f"{tp}x{pp}/{case}"] = (ids, [(c, g, p) for c, g, p, _t0, _t1 in trace])
-    return out
-
-
-CASES = {"greedy": (0.0, 0, 0), "sampled": (0.9, 8, 5)}
-
-
-def test_every_rank_stops_together_under_tp_and_pp(tmp_path):
-    """Under pp 2 (two row groups: greedy groups stop on their own, sampled ones together) and tp 2, every rank
-    runs the same positions, fewer than max_new_tokens, and returns one device's tokens cut at the stop ids."""
-    from harness import PRELOAD
-    from plait.distributed.launch import run_world
-    from plait.generation.decode import Sampling, generate_ids
-    from plait.generation.job import load_model
-    from serve_util import tiny_model
-
-    model_dir = tiny_model(tmp_path / "tiny")
-    ref = load_model(str(model_dir))[0]
-    full = {case: generate_ids(ref, PROMPTS, Sampling(NEW, *args)) for case, args in CASES.items()}
-    stops = {case: _stops_of(rows) for case, rows in full.items()}
-    ranks = run_world(_parallel_rank, 2, str(model_dir), stops, timeout_s=200, preload=PRELOAD)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_stops_together_under_each_layout(world4, layout):
+    """Under every layout of a world of 4 (checks_generate.LAYOUTS: pp 2 and 4, interleaved and V-shaped chunk
+    placements, tp and dp replicas) every rank returns one device's tokens cut at the stop ids and ran exactly
+    the items of the positions its row groups needed, fewer than max_new_tokens: greedy groups stop on their
+    own (at different positions here), sampled ones together. A rank that skipped an item another waits for
+    makes that rank's receive or the final broadcast fail after checks_generate.WAIT_S, naming it."""
+    refs, ranks = result(world4, "generate/reference"), result(world4, f"generate/{layout}")
+    full, stops = refs[0]["full"], refs[0]["stops"]
+    assert all(ref == refs[0] for ref in refs)
     for case in CASES:
-        expected = _cut(full[case], stops[case])
-        assert all(len(r) < NEW for r in expected)
-        groups = [[0, 1], [2, 3]] if case == "greedy" else [[0, 1, 2, 3]] * 2  # sampled: one stop unit
-        last = [_last_position(expected, g) for g in groups]
-        assert last[0] != last[1] or case == "sampled"  # the greedy groups stop at different positions
+        expected = _cut(full[case], set(stops[case]))
+        assert all(len(r) < NEW for r in expected), case
         for rank, res in enumerate(ranks):
-            ids, items = res[f"1x2/{case}"]
-            assert ids == expected, (rank, case)
-            for g in (0, 1):
-                assert sorted({p for _c, h, p in items if h == g}) == list(range(last[g] + 1)), (rank, case, g)
-            ids, items = res[f"2x1/{case}"]
-            assert ids == expected, (rank, case)
-            assert sorted({p for *_, p in items}) == list(range(_last_position(expected) + 1)), (rank, case)
-            assert _last_position(expected) + 1 < NEW
+            got = res[case]
+            assert got["ids"] == expected, (rank, case)
+            groups = [t.tolist() for t in torch.arange(len(PROMPTS)).tensor_split(min(got["pp"], len(PROMPTS)))]
+            last = [_last_position(expected, rows if case == "greedy" else None) for rows in groups]
+            if case == "greedy" and len(groups) > 1:
+                assert len(set(last)) > 1, last  # the groups stop at different positions: each skips on its own
+            items = [(c, g, p) for c in got["chunks"] for g in range(len(groups)) for p in range(last[g] + 1)]
+            assert sorted(map(tuple, got["items"])) == sorted(items), (rank, case, last)
+            assert max(last) + 1 < NEW

@@ -185,9 +185,12 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
     assert "--warmup" not in header(steps=300, warmup=20), "a warm-up shorter than the run is no news"
 
 
-def test_the_sample_ends_at_the_end_of_document_token():
-    """A model trained on documents each followed by an EOS learns to write it: the sample stops there (it
-    printed the EOS, a NUL for bytes, and whatever the model drew after it) and says so."""
+def test_the_sample_ends_where_plait_generate_ends_the_checkpoints_continuations(tmp_path):
+    """A model trained on documents each followed by an EOS learns to write it: the sample stops there, and at
+    the end-of-sequence ids its model folder names, as ``plait generate`` of the checkpoint does
+    (plait.generation.job.stop_ids), and decoding stops too (it ran every --sample-tokens position, printed the
+    folder's EOS and what the model drew after it)."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     import torch
@@ -199,14 +202,28 @@ def test_the_sample_ends_at_the_end_of_document_token():
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64)).eval()
+    calls: list[int] = []
+    model.layers[0].register_forward_hook(lambda *_: calls.append(1))
     cfg = TrainConfig.from_dict({"tp": 1, "pp": 1, "dp": 1, "sample_tokens": 12, "seed": 3})
     tok = ByteTokenizer()
     ids = generate_ids(model, [tok.encode("def ")], Sampling(12, temperature=0.8, top_k=20, seed=3))[0]
     run = SimpleNamespace(cfg=cfg, pm=model, tokenizer=tok, data=SimpleNamespace(eos=None))
-    assert sample_text(run) == "def " + tok.decode(ids)  # no EOS known: every token
+    calls.clear()
+    assert sample_text(run) == "def " + tok.decode(ids) and len(calls) == 12  # no EOS known: every token
+    ended = "\n[the sample ends: end-of-sequence token]"
     run.data.eos = ids[6]
     cut = ids.index(ids[6])
-    assert sample_text(run) == "def " + tok.decode(ids[:cut]) + "\n[the sample ends: end-of-document token]"
+    calls.clear()
+    assert sample_text(run) == "def " + tok.decode(ids[:cut]) + ended
+    assert len(calls) == cut + 1 < 12, calls  # the prefill and a step per token up to the EOS: no more
+    folder = tmp_path / "m"  # trained from a model folder that names an EOS (an HF model's generation_config)
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, ids[3]]}))
+    run.cfg = replace(cfg, model=str(folder))
+    first = min(ids.index(ids[3]), cut)
+    calls.clear()
+    assert sample_text(run) == "def " + tok.decode(ids[:first]) + ended
+    assert len(calls) == first + 1, calls
 
 
 def test_the_sample_of_chat_data_is_the_reply_to_a_conversation_of_the_data(tmp_path):

@@ -83,17 +83,25 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
 
 
 def end_ids(source: str) -> tuple[int, ...]:
-    """Where a continuation of the model of ``source`` ends: the end-of-sequence ids its tokenizer folder names
-    (plait.tokenizers.eos_ids) and, for a plait checkpoint, the end-of-document token of the data it was trained
-    on (a byte-level model's has no folder to name it)."""
+    """Where a continuation of the model of ``source`` ends (stop_ids): for a plait checkpoint, the folder it was
+    trained from and its data's end-of-document token, which the checkpoint records."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
-    from plait.tokenizers import eos_ids
 
-    ids = list(eos_ids(tokenizer_folder(source)))
     path = Path(source)
     ckpt = find_checkpoint(path) if path.is_dir() and not (path / "config.json").is_file() else None
     data_eos = (CheckpointReader(ckpt).meta.get("tokenizer") or {}).get("eos") if ckpt is not None else None
-    return tuple(ids + ([int(data_eos)] if data_eos is not None and data_eos not in ids else []))
+    return stop_ids(tokenizer_folder(source), data_eos)
+
+
+def stop_ids(folder: str | Path | None, data_eos: int | None) -> tuple[int, ...]:
+    """Where a continuation of a model ends: the end-of-sequence ids its tokenizer ``folder`` names
+    (plait.tokenizers.eos_ids; none without a folder) and ``data_eos``, the end-of-document token of the data
+    plait trained it on (a byte-level model's has no folder to name it). ``plait generate`` and ``plait serve``
+    stop there (end_ids), and so does the sample at the end of ``plait train``."""
+    from plait.tokenizers import eos_ids
+
+    ids = list(eos_ids(folder)) if folder is not None else []
+    return tuple(ids + ([int(data_eos)] if data_eos is not None and int(data_eos) not in ids else []))
 
 
 def generate_job(payload: dict) -> list[str]:

@@ -208,9 +208,13 @@ CODE_PROMPT = "def "
 def sample_text(run: Run) -> str | None:
     """A sample of the trained model, prompted by the start of a document of --data (``TrainData.prompt``: a
     conversation up to the assistant's reply, found in the first half of the model's context, or a text's first
-    tokens), ``CODE_PROMPT`` without --data."""
+    tokens), ``CODE_PROMPT`` without --data. It ends where ``plait generate`` ends a continuation of the
+    checkpoint: before the model folder's end-of-sequence ids or the data's end-of-document token
+    (plait.generation.job.stop_ids; decoding stops there)."""
     from plait.generation import Sampling, generate_ids
     from plait.generation.decode import context_length
+    from plait.generation.job import stop_ids
+    from plait.tokenizers import tokenizer_record
 
     par = run.cfg.parallel
     if par.sequence_parallel or par.cp > 1 or run.cfg.sample_tokens <= 0:
@@ -218,12 +222,12 @@ def sample_text(run: Run) -> str | None:
     context = context_length(run.pm) or 2 * run.cfg.seq_len
     prompt = run.data.prompt(context // 2) if run.cfg.data else run.tokenizer.encode(CODE_PROMPT)
     room = context - len(prompt)  # at least half the context for the sample
-    ids = generate_ids(run.pm, [prompt], Sampling(min(run.cfg.sample_tokens, room), temperature=0.8, top_k=20,
-                                                   seed=run.cfg.seed))[0]
-    eos = run.data.eos  # the model learnt to end a document there: what follows is no continuation of it
-    if eos is not None and eos in ids:
-        return run.tokenizer.decode(prompt + ids[:ids.index(eos)]) + "\n[the sample ends: end-of-document token]"
-    return run.tokenizer.decode(prompt + ids)
+    new = min(run.cfg.sample_tokens, room)
+    stop = stop_ids(tokenizer_record(run.cfg.model)["folder"], run.data.eos)  # the folder a checkpoint records
+    ids = generate_ids(run.pm, [prompt], Sampling(new, temperature=0.8, top_k=20, seed=run.cfg.seed),
+                       stop_ids=stop)[0]
+    ended = len(ids) < new  # cut before a stop token: what follows is no continuation of the document
+    return run.tokenizer.decode(prompt + ids) + ("\n[the sample ends: end-of-sequence token]" if ended else "")
 
 
 def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predictor | None = None) -> TrainResult:
