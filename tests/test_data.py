@@ -133,6 +133,57 @@ def test_killed_prepare_leaves_nothing_loadable(tmp_path, bpe):
     assert open_prepared(out).train.tokens > 0 and not list(tmp_path.glob(".out.tmp-*")), "stale folder removed"
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_stopped_prepare_removes_its_output_and_workers_and_says_so(tmp_path, bpe, sig):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM to the prepare alone: one line, no worker tracebacks, no
+    partial folder left on disk, no worker left running."""
+    src = write_jsonl(tmp_path / "big.jsonl", documents(30000, max_words=120))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "plait.cli.main", "data", "prepare", str(src), "--tokenizer", str(bpe),
+           "--out", str(out), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal
+    deadline = time.time() + 120
+    while time.time() < deadline and len(_workers(proc.pid)) < 2:  # stopped while the workers start or work
+        time.sleep(0.02)
+    time.sleep(0.5)
+    assert proc.poll() is None, "prepare finished before it could be stopped: make the input larger"
+    if sig == "SIGINT":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    number = getattr(signal, sig)
+    assert proc.returncode == 128 + number, (proc.returncode, err)
+    assert err == f"plait data prepare: stopped ({sig}); --out {out} left as it was\n", err
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*")), "the partial output is removed"
+    deadline = time.time() + 10
+    while time.time() < deadline:  # the workers (the same process group) end with it
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("workers left running after the prepare stopped")
+
+
+def _workers(pid: int) -> list[str]:
+    """The pool workers ``pid`` started (from /proc)."""
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return []
+    out = []
+    for c in children:
+        try:
+            if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read():
+                out.append(c)
+        except OSError:
+            pass
+    return out
+
+
 def _prepared(tmp_path, name, texts, held_out=0.0):
     src = write_jsonl(tmp_path / f"{name}.jsonl", texts)
     prepare([str(src)], "bytes", tmp_path / name, workers=1, held_out=held_out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -80,7 +81,7 @@ def prepare_command(
 
     from plait.chat_kwargs import parse_template_kwargs
     from plait.data.chat import ChatSpec
-    from plait.data.prepare import prepare
+    from plait.data.prepare import Stopped, prepare
     from plait.errors import ConfigError
 
     try:
@@ -95,6 +96,10 @@ def prepare_command(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    except (KeyboardInterrupt, Stopped) as exc:  # the partial output is removed already
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        typer.echo(f"plait data prepare: stopped ({signal.Signals(signum).name}); --out {out} left as it was", err=True)
+        raise typer.Exit(128 + signum) from None
 
 
 def _chat_only(**given: bool) -> None:

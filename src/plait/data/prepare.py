@@ -4,7 +4,8 @@ Workers read their own tasks (plait.data.sources), append the EOS to every docum
 the held-out split when the hash of its text falls under ``held_out`` (so duplicates share a split), and write
 one shard per split per task into a folder beside the destination. The parent collects the document lengths
 in task order, writes the document indexes and ``meta.json`` last, and renames the folder into place: a
-prepare killed at any moment leaves no dataset at ``out`` (plait.data.format).
+prepare killed at any moment leaves no dataset at ``out`` (plait.data.format). Ctrl-C or SIGTERM removes the
+folder and ends the workers (``Stopped``); after a SIGKILL the next prepare into ``out`` removes it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +59,41 @@ class TaskResult:
 
 
 _WORKER: dict = {}
+
+
+class Stopped(BaseException):
+    """SIGTERM (``kill``, a batch scheduler's stop) during a prepare, raised in its main thread as Ctrl-C raises
+    KeyboardInterrupt: the partial output is removed and the workers are ended on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While active (main thread only), SIGTERM raises ``Stopped`` instead of ending the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _init_worker(job: Job) -> None:
+    """A pool worker: Ctrl-C (SIGINT to the whole process group) is the parent's to handle; it ends the pool.
+    The worker started with SIGINT blocked (``_execute``), so a Ctrl-C while it imported is dropped here too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _init(job)
 
 
 def _init(job: Job) -> None:
@@ -155,20 +195,21 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     _remove_stale(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     job.folder = str(tmp)
-    for split in SPLITS:
-        (tmp / split).mkdir(parents=True)
-    try:
-        t0 = time.perf_counter()
-        results = _execute(todo, job, workers or os.cpu_count() or 1, sum(s.bytes for s in found), console)
-        meta = _meta(found, results, tok, job, time.perf_counter() - t0)
-        if renderer is not None:
-            meta["chat"] = {"messages_field": renderer.spec.field, "loss_on": renderer.spec.loss_on,
-                            "template": renderer.source, "method": renderer.method,
-                            "template_kwargs": renderer.kwargs}
-        _finish(tmp, out, results, meta, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _sigterm_raises():
+        try:
+            for split in SPLITS:
+                (tmp / split).mkdir(parents=True)
+            t0 = time.perf_counter()
+            results = _execute(todo, job, workers or os.cpu_count() or 1, sum(s.bytes for s in found), console)
+            meta = _meta(found, results, tok, job, time.perf_counter() - t0)
+            if renderer is not None:
+                meta["chat"] = {"messages_field": renderer.spec.field, "loss_on": renderer.spec.loss_on,
+                                "template": renderer.source, "method": renderer.method,
+                                "template_kwargs": renderer.kwargs}
+            _finish(tmp, out, results, meta, force)
+        except BaseException:  # Ctrl-C and SIGTERM included
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     if console is not None:
         from plait.data.report import prepare_summary
 
@@ -232,7 +273,9 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> l
             else:
                 import multiprocessing as mp
 
-                with mp.get_context("spawn").Pool(min(workers, len(todo)), _init, (job,)) as pool:
+                with _sigint_blocked():  # until each worker ignores it (a Ctrl-C while they start: no tracebacks)
+                    pool = mp.get_context("spawn").Pool(min(workers, len(todo)), _init_worker, (job,))
+                with pool:
                     for r in pool.imap(_run, todo):
                         results.append(r)
                         bar.advance(r)
@@ -240,6 +283,23 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> l
             raise ConfigError(f"{where(rec)}: {rec.why} (pass --skip-bad to skip such records and count them)"
                               ) from None
     return results
+
+
+@contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread: the processes started meanwhile inherit the mask (through fork and exec)
+    until ``_init_worker``; a Ctrl-C meanwhile reaches this process once it is unblocked."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # its start unblocks SIGINT: started now, it is not started again
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _restore(name: str, value: str | None) -> None:
