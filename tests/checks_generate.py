@@ -1,5 +1,5 @@
 """Rank side of tests/test_generate_eos.py (4 ranks): the decode loop's stop under every layout generate runs on
-(pipeline stages 2 and 4, interleaved and V-shaped chunk placements, tensor and data parallel replicas): each
+(pipeline stages 2 and 4, interleaved and V-shaped chunk placements, tensor and data parallel replicas, ZeRO-3): each
 rank's tokens and the work items it ran, against one device's tokens cut at the stop ids."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from plait.parallel_config import ParallelConfig
 PROMPTS = [[100, 101, 102], [7, 8, 9, 10, 11, 12], [40, 41], [65, 66, 67, 68]]
 NEW = 16
 CASES = {"greedy": (0.0, 0, 0), "sampled": (0.9, 8, 5)}
-#: layout name -> ParallelConfig fields; zbv places the last chunk on pipeline rank 0, beside the first
+#: layout name -> ParallelConfig fields; zbv places the last chunk on pipeline rank 0, beside the first; under
+#: ZeRO-3 every block's forward gathers its parameters over dp, so the replicas must run the same items
 LAYOUTS = {"tp2pp2": dict(tp=2, pp=2, dp=1), "pp4": dict(tp=1, pp=4, dp=1), "pp2dp2": dict(tp=1, pp=2, dp=2),
-           "tp2dp2": dict(tp=2, pp=1, dp=2),
+           "tp2dp2": dict(tp=2, pp=1, dp=2), "tp2dp2/zero3": dict(tp=2, pp=1, dp=2, zero=3),
            "pp2dp2/interleaved": dict(tp=1, pp=2, dp=2, schedule="interleaved-1f1b", virtual_stages=2),
            "pp2dp2/zbv": dict(tp=1, pp=2, dp=2, schedule="zbv")}
 #: seconds a rank waits for a peer before its receive or collective fails, naming what it waited on (the

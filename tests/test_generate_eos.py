@@ -85,7 +85,7 @@ def test_decoding_stops_once_every_continuation_has_ended():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_stops_together_under_each_layout(world4, layout):
     """Under every layout of a world of 4 (checks_generate.LAYOUTS: pp 2 and 4, interleaved and V-shaped chunk
-    placements, tp and dp replicas) every rank returns one device's tokens cut at the stop ids and ran exactly
+    placements, tp and dp replicas, ZeRO-3) every rank returns one device's tokens cut at the stop ids and ran exactly
     the items of the positions its row groups needed, fewer than max_new_tokens: greedy groups stop on their
     own (at different positions here), sampled ones together. A rank that skipped an item another waits for
     makes that rank's receive or the final broadcast fail after checks_generate.WAIT_S, naming it."""
