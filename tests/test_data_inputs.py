@@ -248,3 +248,31 @@ def test_bad_records_deep_in_a_large_file_are_located_once_each_in_bounded_memor
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 3 * sources.LINE_BLOCK < src.stat().st_size / 5, peak
+
+
+def test_a_dataset_of_many_shards_opens_without_a_memory_map_or_descriptor_per_shard(tmp_path, monkeypatch):
+    """A map per shard held a descriptor per shard too: a 2 GB corpus (898 shards, 4 MB of input each, in each
+    split) failed to open under `ulimit -n 512` (1,024 is a common default), and vm.max_map_count (65,530) bounds
+    the maps whatever the limit."""
+    import os
+
+    import plait.data.sources as sources
+    from data_util import documents, write_jsonl
+    from plait.data import open_prepared
+
+    monkeypatch.setattr(sources, "CHUNK", 2048)
+    src = write_jsonl(tmp_path / "c.jsonl", documents(3000, max_words=30))
+    prepare([str(src)], "bytes", tmp_path / "out", workers=1, held_out=0.2)
+
+    def maps_and_fds() -> tuple[int, int]:
+        with open("/proc/self/maps") as f:
+            return len(f.readlines()), len(os.listdir("/proc/self/fd"))
+
+    before = maps_and_fds()
+    ds = open_prepared(tmp_path / "out")
+    after = maps_and_fds()
+    shards = len(ds.meta["splits"]["train"]["shards"]) + len(ds.meta["splits"]["held_out"]["shards"])
+    assert shards > 200 and after[0] - before[0] < 10 and after[1] - before[1] < 4, (shards, before, after)
+    whole = ds.train.read(0, ds.train.tokens)  # across every shard, in order
+    assert [bytes(ds.train.document(i)) for i in (0, ds.train.documents - 1)] == [
+        bytes(whole[: ds.train.docs[1]]), bytes(whole[ds.train.docs[-2]:])]

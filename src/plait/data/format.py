@@ -1,4 +1,4 @@
-"""The prepared-dataset format on disk, and reading it memory-mapped.
+"""The prepared-dataset format on disk, and reading it (shards with ``pread``, the document index memory-mapped).
 
 A prepared dataset is a folder::
 
@@ -62,12 +62,12 @@ class TokenSplit(Protocol):
 
 
 class Split:
-    """One split's token stream (shards memory-mapped as ``shards``; nothing is read until asked) and document
+    """One split's token stream (its shard files, read with ``pread`` when asked: no file is opened or mapped
+    between reads, so a dataset of any number of shards costs no descriptors and no memory maps) and document
     index."""
 
     def __init__(self, root: Path, name: str, info: dict, dtype: str):
         self.name, self.dtype = name, np.dtype(dtype)
-        self.shards: list[np.ndarray] = []
         self.files: list[Path] = []
         self.masks: list[Path] = []
         self.masked = bool(info["shards"]) and all("mask" in s for s in info["shards"])
@@ -75,8 +75,7 @@ class Split:
             self.files.append(_checked(root, s["file"], s["tokens"] * self.dtype.itemsize))
             if self.masked:
                 self.masks.append(_checked(root, s["mask"], s["tokens"]))
-            self.shards.append(np.memmap(self.files[-1], dtype=self.dtype, mode="r", shape=(s["tokens"],)))
-        sizes = np.asarray([len(s) for s in self.shards], dtype=np.int64)
+        sizes = np.asarray([s["tokens"] for s in info["shards"]], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(sizes)])  # [shards + 1]
         self.tokens = int(self.starts[-1])
         self.documents = int(info["documents"])
@@ -86,7 +85,7 @@ class Split:
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the stream (may span shards).
 
-        Read with ``pread``, not through the maps: a mapped page counts in the process's resident size in
+        Read with ``pread``, not through memory maps: a mapped page counts in the process's resident size in
         units of the page cache's folios (about 0.8 MB per random window on Linux 6 with large folios), so a
         run reading windows through the maps would look as large as the part of the corpus it has visited."""
         return self._pread(self.files, self.dtype, start, length)
@@ -105,7 +104,7 @@ class Split:
         parts, pos, left = [], start, length
         while left > 0:
             off = pos - int(self.starts[i])
-            take = min(left, len(self.shards[i]) - off)
+            take = min(left, int(self.starts[i + 1]) - pos)
             fd = os.open(files[i], os.O_RDONLY)
             try:
                 parts.append(np.frombuffer(os.pread(fd, take * size, off * size), dtype=dtype))
