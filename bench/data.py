@@ -43,6 +43,14 @@ def make_corpus(path: Path, mb: float) -> int:
     return path.stat().st_size
 
 
+def cpu_seconds() -> float:
+    """User + system seconds of this process and its reaped children (the workers of both sides)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
 def plait_prepare(src: Path, tok: Path, out: Path, workers: int) -> float:
     from plait.data import prepare
 
@@ -81,14 +89,18 @@ def prepare_bench(work: Path, mb: float, trials: int, src: Path | None = None, t
     size = src.stat().st_size
     rows = []
     for workers in workers_list:
-        ours, peer = [], []
+        ours, peer, cpu = [], [], []  # cpu: (plait, datasets) CPU seconds of each trial, less load-dependent
         for _ in range(trials):
+            c0 = cpu_seconds()
             ours.append(plait_prepare(src, tok, work / "prepared", workers))
+            c1 = cpu_seconds()
             peer.append(hf_map(src, tok, work / "hf-cache", workers))
+            cpu.append((round(c1 - c0, 1), round(cpu_seconds() - c1, 1)))
         rows.append({"workers": workers, "mb": size / 1e6, "plait_mb_s": size / 1e6 / statistics.median(ours),
                      "datasets_mb_s": size / 1e6 / statistics.median(peer),
                      "ratio": statistics.median(p / o for o, p in zip(ours, peer, strict=True)),
-                     "plait_s": [round(t, 2) for t in ours], "datasets_s": [round(t, 2) for t in peer]})
+                     "plait_s": [round(t, 2) for t in ours], "datasets_s": [round(t, 2) for t in peer],
+                     "cpu_s": cpu})
     return rows
 
 
