@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from plait.distributed.launch import child_pids, launch, run_world, worker_pids
 
@@ -73,3 +74,65 @@ def test_child_pids_lists_live_children_by_command_line():
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+# a fork server that imports a module whose atexit hook (registered before plait's) writes the file it names
+SERVER = """
+import multiprocessing as mp, sys
+from multiprocessing import forkserver
+mp.get_context("forkserver").set_forkserver_preload(sys.argv[1:])
+forkserver.ensure_running()
+"""
+MARK = """
+import atexit, os, pathlib
+atexit.register(pathlib.Path(os.environ["MARK_FILE"]).touch)
+pathlib.Path(os.environ["MARK_FILE"] + ".imported").touch()
+"""
+
+
+def test_the_fork_server_ends_without_the_interpreters_teardown(tmp_path):
+    """With plait.distributed.fork_server among its imports, a fork server whose launcher exited ends at once: no
+    later exit hook runs (nor the teardown of its modules, which held the launcher's output open ~1 s longer)."""
+    from plait.distributed import fork_server
+
+    (tmp_path / "mark_module.py").write_text(MARK)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for with_plait, mark in ((True, tmp_path / "quick"), (False, tmp_path / "torn-down")):
+        preload = ["mark_module", *([fork_server.__name__] if with_plait else [])]
+        done = subprocess.run([sys.executable, "-c", SERVER, *preload], env={**env, "MARK_FILE": str(mark)},
+                              capture_output=True, text=True, timeout=120)  # returns once the server's output ends
+        assert done.returncode == 0 and Path(f"{mark}.imported").is_file(), done.stderr
+    assert not (tmp_path / "quick").exists() and (tmp_path / "torn-down").exists()
+
+
+TRAIN_CHECKS = """
+import json, os, sys
+import plait.train
+from typer.testing import CliRunner
+from plait.cli.main import app
+from plait.distributed.launch import child_pids
+from plait.errors import ConfigError
+seen = {}
+def validate(cfg, **kw):
+    seen.update(server=bool(child_pids(os.getpid(), b"forkserver")), torch="torch" in sys.modules)
+    raise ConfigError("--model: refused by the test")
+plait.train.validate = validate
+res = CliRunner().invoke(app, ["train", *sys.argv[1:]])
+print(json.dumps({**seen, "exit": res.exit_code, "output": res.output,
+                  "left": child_pids(os.getpid(), b"forkserver")}))
+"""
+
+
+def test_plait_train_starts_the_fork_server_before_its_checks_and_ends_it_when_they_fail():
+    """The fork server runs (importing torch for the workers) while plait train checks the run, before this
+    process imports torch; a check that fails ends it. A dry run, which launches nothing, starts none."""
+    import json
+
+    run = subprocess.run([sys.executable, "-c", TRAIN_CHECKS], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    res = json.loads(run.stdout)
+    assert res["server"] and not res["torch"], res
+    assert res["exit"] == 2 and res["output"] == "error: --model: refused by the test\n" and res["left"] == [], res
+    dry = json.loads(subprocess.run([sys.executable, "-c", TRAIN_CHECKS, "--dry-run"], capture_output=True,
+                                    text=True, timeout=120).stdout)
+    assert dry["exit"] == 2 and not dry["server"], dry

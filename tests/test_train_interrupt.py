@@ -42,17 +42,23 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_0(tmp_path):
 @pytest.mark.parametrize("when", ["workers forked", "fork server importing"])
 def test_ctrl_c_while_the_workers_start_is_one_line(tmp_path, when):
     """Ctrl-C while the workers start: they take it at their entry point, without a traceback each; one that
-    came while the fork server still imported (no worker to pass it to yet) too, not lost."""
+    came once the launch began while the fork server still imported (no worker to pass it to yet) too, not lost.
+    (The launch makes its job folder in TMPDIR as it begins; the server may have started before, beside plait
+    train's checks of the run.)"""
     from plait.distributed.launch import child_pids, worker_pids
 
     def started(pid: int) -> bool:
-        return len(worker_pids(pid)) >= 2 if when == "workers forked" else bool(child_pids(pid, b"forkserver"))
+        if when == "workers forked":
+            return len(worker_pids(pid)) >= 2
+        return any(tmp.glob("plait-job-*")) and bool(child_pids(pid, b"forkserver")) and not worker_pids(pid)
 
     (tmp_path / "text.txt").write_text("some training text for an interrupted run. " * 200)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     flags = ["--tp", "1", "--pp", "2", "--steps", "5", "--seq-len", "32", "--batch-size", "4", "--microbatches", "2",
              "--sample-tokens", "0", "--eval-every", "0", "--cluster", "none", "--data", "text.txt"]
     proc = subprocess.Popen(PLAIT + ["train", *flags], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp)})
     try:
         deadline = time.time() + 150
         while time.time() < deadline and not started(proc.pid):

@@ -36,6 +36,7 @@ Examples:
            "given on the command line win.")
 
 Opt = typer.Option
+TARGET = "plait.cli.train_worker:train_worker"  # the entry of each launched worker
 _STARTED = time.time()  # when the CLI module was imported: the start of the command
 
 
@@ -99,35 +100,42 @@ def _prepared(entry: str) -> bool:
 
 
 def _run(cfg) -> None:
+    from contextlib import nullcontext
+
     from plait.cli.predict import check_cluster, check_dry_run
     from plait.cli.train_worker import PRELOAD, train_worker
+    from plait.distributed import fork_server
     from plait.distributed.job_signals import STOP_TIMEOUT_S
     from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
     from plait.train import validate
     from plait.train.config import check_nproc, check_outputs, check_resume
-    from plait.train.preempt import SIGNALS as STOP_SIGNALS
 
     if under_torchrun():
         train_worker(cfg.to_dict())
         return
     check_nproc(cfg)
-    if cfg.layout == "auto":
-        from plait.cli.auto_layout import auto_layout
+    # the workers' fork server imports torch and the training modules while this process checks the run (and
+    # imports torch itself): side by side on two cores
+    with nullcontext() if cfg.dry_run else fork_server.ahead(TARGET, PRELOAD):
+        if cfg.layout == "auto":
+            from plait.cli.auto_layout import auto_layout
 
-        check_dry_run(cfg)  # before the search, which it would print and then refuse
-        cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
-        typer.echo(line)
-    validate(cfg)
-    check_resume(cfg)
-    check_outputs(cfg)
-    check_cluster(cfg, cfg.nproc or cfg.world)
+            check_dry_run(cfg)  # before the search, which it would print and then refuse
+            cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
+            typer.echo(line)
+        validate(cfg)
+        check_resume(cfg)
+        check_outputs(cfg)
+        check_cluster(cfg, cfg.nproc or cfg.world)
     if cfg.dry_run:
         _dry_run(cfg)
         return
+    from plait.train.preempt import SIGNALS as STOP_SIGNALS
+
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
     try:
-        launch("plait.cli.train_worker:train_worker", cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS,
-               again_kills=True, preload=PRELOAD)  # Ctrl-C: a checkpoint at the next step; again: stop at once
+        launch(TARGET, cfg.to_dict(), cfg.nproc or cfg.world, STOP_SIGNALS, again_kills=True,
+               preload=PRELOAD)  # Ctrl-C: a checkpoint at the next step; again: stop at once
     except JobStopped as exc:  # a stop signal before the workers could stop at a step's end with a checkpoint
         how = ("the workers were killed before saving (a second Ctrl-C, or no step's end within "
                f"{STOP_TIMEOUT_S:.0f} s)" if exc.killed else "before the first step: nothing trained, no checkpoint")

@@ -9,7 +9,8 @@ its exception to a small file instead of printing a traceback; ``PLAIT_DEBUG=1``
 
 The workers of a job are forked from ``multiprocessing``'s fork server (where the platform has one), which
 imports torch and the job's modules once, instead of each being a fresh interpreter that imports them itself
-(about 4 s of CPU a process: torch, and torch._dynamo, which every torch optimizer imports when it is made).
+(about 4 s of CPU a process: torch, and torch._dynamo, which every torch optimizer imports when it is made);
+``plait.distributed.fork_server`` can start that server ahead of the launch.
 
 SIGTERM (a preempted SLURM job or Kubernetes pod) is not the agent's to handle in ``launch``: the launcher
 forwards it to every worker and keeps watching them, so workers that stop cleanly on it (``plait train``
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plait.distributed import fork_server
 from plait.distributed.job_signals import ForwardSignal, HeldInterrupts, taken_signals
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
@@ -170,7 +172,8 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
     """
     if preload and "forkserver" in mp.get_all_start_methods():  # not on Windows: spawned there, as without
         ctx: Any = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(preload))  # read when the server starts: at the first such launch
+        # read when the server starts, at the first such launch (fork_server: the server's quick end)
+        ctx.set_forkserver_preload([*preload, fork_server.__name__])
     else:
         ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -329,7 +332,7 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals  # ``forward`` is forwarded by us (below)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"plait-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                          monitor_interval=0.2, start_method=_start_method(target, preload))
+                          monitor_interval=0.2, start_method=fork_server.start_method(target, preload))
     if hasattr(config, "signals_to_handle"):
         config.signals_to_handle = agent_signals
     with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
@@ -350,15 +353,6 @@ def _only_stopped(exc, failures: Path) -> bool:
     """True when no failed worker reported an error of its own: each died (by a signal) or was interrupted."""
     return all(not (failures / f"rank{r}").is_file()
                or (failures / f"rank{r}").read_text().partition("\n")[0] == "KeyboardInterrupt" for r in exc.failures)
-
-
-def _start_method(target: str, preload: tuple[str, ...]) -> str:
-    """``forkserver``, its imports set (read when the server starts), or ``spawn`` where there is none."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return "spawn"
-    modules = ["torch", "torch.distributed.elastic.multiprocessing.api", __name__, target.partition(":")[0]]
-    mp.get_context("forkserver").set_forkserver_preload([*modules, *preload])
-    return "forkserver"
 
 
 def _explain(exc, failures: Path) -> tuple[str, int]:
