@@ -105,34 +105,48 @@ def test_the_fork_server_ends_without_the_interpreters_teardown(tmp_path):
     assert not (tmp_path / "quick").exists() and (tmp_path / "torn-down").exists()
 
 
-TRAIN_CHECKS = """
-import json, os, sys
-import plait.train
+CHECKS = """
+import importlib, json, os, sys
 from typer.testing import CliRunner
 from plait.cli.main import app
 from plait.distributed.launch import child_pids
 from plait.errors import ConfigError
 seen = {}
-def validate(cfg, **kw):
+def check(*args, **kw):
     seen.update(server=bool(child_pids(os.getpid(), b"forkserver")), torch="torch" in sys.modules)
     raise ConfigError("--model: refused by the test")
-plait.train.validate = validate
-res = CliRunner().invoke(app, ["train", *sys.argv[1:]])
+checked = {"train": ("plait.train", "validate"), "generate": ("plait.cli.generate", "_check_greedy"),
+           "serve": ("plait.cli.serve", "_check_unread")}[sys.argv[1]]  # the first check of each command
+setattr(importlib.import_module(checked[0]), checked[1], check)
+res = CliRunner().invoke(app, sys.argv[1:])
 print(json.dumps({**seen, "exit": res.exit_code, "output": res.output,
                   "left": child_pids(os.getpid(), b"forkserver")}))
 """
 
 
-def test_plait_train_starts_the_fork_server_before_its_checks_and_ends_it_when_they_fail():
-    """The fork server runs (importing torch for the workers) while plait train checks the run, before this
-    process imports torch; a check that fails ends it. A dry run, which launches nothing, starts none."""
+def _checked(*commands: tuple[str, ...]) -> list[dict]:
+    """What ``CHECKS`` saw of each command, all run at once."""
     import json
 
-    run = subprocess.run([sys.executable, "-c", TRAIN_CHECKS], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    res = json.loads(run.stdout)
-    assert res["server"] and not res["torch"], res
-    assert res["exit"] == 2 and res["output"] == "error: --model: refused by the test\n" and res["left"] == [], res
-    dry = json.loads(subprocess.run([sys.executable, "-c", TRAIN_CHECKS, "--dry-run"], capture_output=True,
-                                    text=True, timeout=120).stdout)
-    assert dry["exit"] == 2 and not dry["server"], dry
+    runs = [subprocess.Popen([sys.executable, "-c", CHECKS, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for c in commands]
+    out = []
+    for run in runs:
+        stdout, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, stderr
+        out.append(json.loads(stdout))
+    return out
+
+
+def test_plait_train_starts_the_fork_server_before_its_checks_and_ends_it_when_they_fail():
+    """The fork server runs (importing torch for the workers) while plait train checks the run, before this
+    process imports torch; a check that fails ends it. A dry run, which launches nothing, starts none; nor does
+    plait generate or serve of one process (run here), and of several they start it before their checks too."""
+    train, dry, one, *launching = _checked(("train",), ("train", "--dry-run"), ("generate",), ("generate", "--tp", "2"),
+                                          ("serve", "--pp", "2"))
+    assert train["server"] and not train["torch"], train
+    assert train["exit"] == 2 and train["output"] == "error: --model: refused by the test\n", train
+    assert dry["exit"] == 2 and not dry["server"] and not one["server"], (dry, one)
+    for res in (train, *launching):
+        assert res["exit"] == 2 and res["left"] == [], res
+    assert all(res["server"] for res in launching), launching

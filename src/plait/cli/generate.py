@@ -23,6 +23,7 @@ Examples:
 """
 
 Opt = typer.Option
+TARGET = "plait.generation.job:generate_job"  # the entry of each worker
 
 
 def register(app: typer.Typer) -> None:
@@ -47,34 +48,38 @@ def generate_command(
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from plait.distributed import fork_server
 
-    from plait.distributed.launch import JobError, run_or_launch
-    from plait.errors import ConfigError, flag_message
-    from plait.generation.decode import Sampling
-    from plait.generation.job import check_layout, source_config
-    from plait.parallel_config import ParallelConfig
+    # the workers' fork server imports torch and the model's modules while this process checks the request
+    with fork_server.launching(TARGET, (layout or {}).get("tp", 1) * (layout or {}).get("pp", 1)):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    try:
-        par, prompts = ParallelConfig(**(layout or {})), prompt or ["def "]
-        payload = {"model": model, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                   "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
-        Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
-        _check_greedy(ctx, temperature, top_k)
-        config, _, tok = source_config(model)
-        check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
-        _check_prompts(prompts, tok, max_new_tokens, config.max_seq_len)
-        run_or_launch("plait.generation.job:generate_job", payload, par.tp * par.pp)
-    except ConfigError as exc:
-        typer.echo(f"error: {flag_message(exc)}", err=True)
-        raise typer.Exit(2) from None
-    except JobError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
-        raise typer.Exit(exc.exit_code) from None
-    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C: here (one process) or to the launcher
-        name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
-        typer.echo(f"plait generate: stopped ({name})", err=True)
-        raise typer.Exit(128 + int(getattr(exc, "sigval", 2))) from None
+        from plait.distributed.launch import JobError, run_or_launch
+        from plait.errors import ConfigError, flag_message
+        from plait.generation.decode import Sampling
+        from plait.generation.job import check_layout, source_config
+        from plait.parallel_config import ParallelConfig
+
+        try:
+            par, prompts = ParallelConfig(**(layout or {})), prompt or ["def "]
+            payload = {"model": model, "prompts": prompts, "max_new_tokens": max_new_tokens,
+                       "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
+            Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
+            _check_greedy(ctx, temperature, top_k)
+            config, _, tok = source_config(model)
+            check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
+            _check_prompts(prompts, tok, max_new_tokens, config.max_seq_len)
+            run_or_launch(TARGET, payload, par.tp * par.pp)
+        except ConfigError as exc:
+            typer.echo(f"error: {flag_message(exc)}", err=True)
+            raise typer.Exit(2) from None
+        except JobError as exc:
+            typer.echo(f"error: {exc.message}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C: here (one process) or to the launcher
+            name = exc.sigval.name if isinstance(exc, SignalException) else "SIGINT"
+            typer.echo(f"plait generate: stopped ({name})", err=True)
+            raise typer.Exit(128 + int(getattr(exc, "sigval", 2))) from None
 
 
 def _check_greedy(ctx: typer.Context, temperature: float, top_k: int) -> None:

@@ -37,6 +37,7 @@ Examples:
 """
 
 Opt = typer.Option
+TARGET = "plait.serve.job:serve_job"  # the entry of each worker
 
 
 def register(app: typer.Typer) -> None:
@@ -58,42 +59,46 @@ def serve_command(
     settings: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options; ``settings``: ServeConfig's (plait.cli.options)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from plait.distributed import fork_server
 
-    from plait.distributed.launch import JobError, JobStopped, run_or_launch
-    from plait.errors import ConfigError, flag_message
-    from plait.generation.job import check_layout, source_config, tokenizer_folder
-    from plait.parallel_config import ParallelConfig
-    from plait.serve.config import ServeConfig
+    # the workers' fork server imports torch and the model's modules while this process checks the request
+    with fork_server.launching(TARGET, (layout or {}).get("tp", 1) * (layout or {}).get("pp", 1)):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    try:
-        par = ParallelConfig(**(layout or {}))
-        cfg = ServeConfig(**(settings or {}))
-        cfg.check_batch()
-        _check_unread(ctx, cfg, par.tp * par.pp)
-        model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
-        check_layout(cfg.model, model_cfg, par.tp, par.pp)
-        cfg = cfg.resolved(model_cfg.max_seq_len)
-        from plait.chat_template import check_template
-        from plait.serve.job import bind
+        from plait.distributed.launch import JobError, JobStopped, run_or_launch
+        from plait.errors import ConfigError, flag_message
+        from plait.generation.job import check_layout, source_config, tokenizer_folder
+        from plait.parallel_config import ParallelConfig
+        from plait.serve.config import ServeConfig
 
-        check_template(tokenizer_folder(cfg.model), cfg.chat_template)  # fails here, not on the first chat request
-        bind(cfg.host, cfg.port).close()  # a busy port fails here, before any worker starts
-        payload = {**cfg.payload(), "tp": par.tp, "pp": par.pp, "api_key": api_key}
-        # SIGINT and SIGTERM go to the workers: rank 0 drains and stops every rank (one line, exit code 0)
-        run_or_launch("plait.serve.job:serve_job", payload, par.tp * par.pp, (signal.SIGINT, signal.SIGTERM))
-    except ConfigError as exc:
-        typer.echo(f"error: {flag_message(exc)}", err=True)
-        raise typer.Exit(2) from None
-    except SignalException as exc:  # SIGHUP/SIGQUIT to the launcher: the workers were stopped with it
-        typer.echo(f"plait serve: stopped ({exc.sigval.name})", err=True)
-    except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (one process: while loading)
-        typer.echo("plait serve: stopped (SIGINT)", err=True)
-    except JobStopped as exc:  # the same, to the workers of a launch (still loading)
-        typer.echo(f"plait serve: stopped ({exc.signal_name})", err=True)
-    except JobError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
-        raise typer.Exit(exc.exit_code) from None
+        try:
+            par = ParallelConfig(**(layout or {}))
+            cfg = ServeConfig(**(settings or {}))
+            cfg.check_batch()
+            _check_unread(ctx, cfg, par.tp * par.pp)
+            model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
+            check_layout(cfg.model, model_cfg, par.tp, par.pp)
+            cfg = cfg.resolved(model_cfg.max_seq_len)
+            from plait.chat_template import check_template
+            from plait.serve.job import bind
+
+            check_template(tokenizer_folder(cfg.model), cfg.chat_template)  # fails here, not on the first chat request
+            bind(cfg.host, cfg.port).close()  # a busy port fails here, before any worker starts
+            payload = {**cfg.payload(), "tp": par.tp, "pp": par.pp, "api_key": api_key}
+            # SIGINT and SIGTERM go to the workers: rank 0 drains and stops every rank (one line, exit code 0)
+            run_or_launch(TARGET, payload, par.tp * par.pp, (signal.SIGINT, signal.SIGTERM))
+        except ConfigError as exc:
+            typer.echo(f"error: {flag_message(exc)}", err=True)
+            raise typer.Exit(2) from None
+        except SignalException as exc:  # SIGHUP/SIGQUIT to the launcher: the workers were stopped with it
+            typer.echo(f"plait serve: stopped ({exc.sigval.name})", err=True)
+        except KeyboardInterrupt:  # Ctrl-C before the server took over the signal (one process: while loading)
+            typer.echo("plait serve: stopped (SIGINT)", err=True)
+        except JobStopped as exc:  # the same, to the workers of a launch (still loading)
+            typer.echo(f"plait serve: stopped ({exc.signal_name})", err=True)
+        except JobError as exc:
+            typer.echo(f"error: {exc.message}", err=True)
+            raise typer.Exit(exc.exit_code) from None
 
 
 def _check_unread(ctx: typer.Context, cfg, world: int) -> None:

@@ -75,6 +75,14 @@ def ahead(target: str, preload: tuple[str, ...] = ()) -> Iterator[None]:
         raise
 
 
+def launching(target: str, processes: int) -> contextlib.AbstractContextManager:
+    """``ahead`` where a command is about to launch ``processes`` workers of ``target`` itself (more than one, and
+    not under torchrun, whose workers run the command each); otherwise nothing."""
+    from plait.distributed.launch import under_torchrun
+
+    return ahead(target) if processes > 1 and not under_torchrun() else contextlib.nullcontext()
+
+
 def _in_server() -> bool:
     """True while the fork server imports this module (``multiprocessing.forkserver.main`` on the stack)."""
     frame: FrameType | None = sys._getframe()
