@@ -82,3 +82,22 @@ def test_a_resumed_run_after_a_skipped_step_equals_the_uninterrupted_run(tmp_pat
     assert [r["lr"] for r in rest.rows] == [r["lr"] for r in full.rows[3:]], (got, want)  # were one update ahead
     assert got[:NAN_STEP] + got[NAN_STEP + 1:] == want[:NAN_STEP] + want[NAN_STEP + 1:], (got, want)
     assert got[NAN_STEP][:2] == want[NAN_STEP][:2]  # the skipped step: its loss is NaN in both
+
+
+def test_a_checkpoint_without_its_count_of_updates_resumes_at_one_update_a_step(tmp_path):
+    """Checkpoints written before the count was kept (no ``optimizer.steps`` in meta.json) resume the learning-rate
+    schedule at their step: load_checkpoint counts one update a step for them."""
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some training text, repeated with a few words more. " * 60)
+    full = _Rows()
+    loop.train(_cfg(tmp_path, "full"), reporter=full)
+    first = _Rows()
+    loop.train(_cfg(tmp_path, "cut"), reporter=first, stop=_StopAfter(first, 3))
+    path = tmp_path / "cut" / "step_00000003" / "meta.json"
+    meta = json.loads(path.read_text())
+    assert meta["optimizer"].pop("steps") == 3, meta["optimizer"]
+    path.write_text(json.dumps(meta))
+    rest = _Rows()
+    loop.train(_cfg(tmp_path, "cut", resume=True), reporter=rest)
+    assert [r["lr"] for r in rest.rows] == [r["lr"] for r in full.rows[3:]], (rest.rows, full.rows)
+    assert [r["loss"] for r in rest.rows] == [r["loss"] for r in full.rows[3:]]

@@ -105,9 +105,9 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
         _load_masters(pm, optimizer, reader)
     if optimizer is not None and reader.meta["optimizer"]["param_groups"] is not None:
         _load_optimizer(pm, optimizer, reader)
-    steps = reader.meta["optimizer"].get("steps")  # updates made (a step skipped as non-finite makes none):
-    if steps is not None and hasattr(optimizer, "steps"):  # where the learning-rate schedule goes on
-        optimizer.steps = int(steps)
+    if hasattr(optimizer, "steps"):  # the updates made, where the learning-rate schedule goes on: a step skipped
+        steps = reader.meta["optimizer"].get("steps")  # as non-finite makes none; a checkpoint that does not
+        optimizer.steps = int(reader.meta["step"] if steps is None else steps)  # record them made one a step
     layout = reader.meta["layout"]
     same = ((layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
             == (pm.ctx.tp_size, pm.ctx.pp_size, pm.ctx.dp_size, pm.ctx.cp_size))

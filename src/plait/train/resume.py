@@ -32,8 +32,6 @@ def resume(run: Run) -> None:
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
     run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
-    if hasattr(run.opt, "steps") and meta["optimizer"].get("steps") is None:  # (else load_checkpoint set it)
-        run.opt.steps = run.start  # a checkpoint without its count of updates: one per step
     run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
     run.resume_effects = changed_effects(meta.get("train", {}), run.cfg, getattr(run.opt, "steps", run.start))
 
