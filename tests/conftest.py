@@ -53,7 +53,7 @@ def plait_cache(tmp_path_factory):
 
 
 #: test module -> (the checks module whose rank_main its tests read, all run in the one launch of 4 ranks; the
-#: seconds its group may take there: 3x its time at load 2-7 on 2 cores, at least 60; 247 s in all there)
+#: seconds its group may take there: 3x its time at load 2-7 on 2 cores, at least 60)
 WORLD4_GROUPS = {"test_pipeline": ("checks_pipeline", 190), "test_train": ("checks_train", 135),
                  "test_experts": ("checks_experts", 90), "test_optim": ("checks_optim", 60),
                  "test_llama_parallel": ("checks_llama", 60), "test_tp_layers": ("checks_tp", 60),
