@@ -185,6 +185,27 @@ def test_the_same_data_twice_is_refused_naming_both_entries(tmp_path):
     assert set(both.position(3)["epochs"]) == {d, str(tmp_path / "other.txt")}
 
 
+def test_a_file_inside_another_entrys_folder_is_refused_naming_both(tmp_path):
+    """A folder's files are all read, its sub-folders' too: a file (or folder) inside it given as another --data
+    entry would be read twice, its documents silently weighted twice. Refused, either order."""
+    import pytest
+
+    from plait.errors import ConfigError
+
+    (tmp_path / "texts" / "sub").mkdir(parents=True)
+    (tmp_path / "texts" / "a.txt").write_text("plain text " * 20)
+    (tmp_path / "texts" / "sub" / "b.txt").write_text("more text " * 20)
+    d, a = str(tmp_path / "texts"), str(tmp_path / "texts" / "a.txt")
+    res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--steps", "1", "--seq-len", "8", "--batch-size",
+                                   "1", "--microbatches", "1", "--data", d, "--data", a, "--dry-run"])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: --data {a}: is inside the folder --data {d}, which "
+                                                        "reads it too; give each file once"), res.output
+    with pytest.raises(ConfigError, match=rf"--data {d}/sub: is inside the folder --data 0.7:{d}/\.\./texts,"):
+        open_data([f"{d}/sub", f"0.7:{d}/../texts"], "tiny", 256, 8, 1, 0, 1)
+    apart = open_data([f"{d}/sub", a], "tiny", 256, 8, 2, 0, 1)  # siblings: each read once
+    assert {s.files for s in apart.sources} == {1}
+
+
 def test_a_chat_dataset_with_first_character_masks_is_refused_naming_the_command_that_remakes_it(tmp_path):
     """plait-tokens/2 chat datasets were masked by each token's first character; the rule is now any character
     (plait-tokens/3). They read silently with the old masks; now they are refused, text datasets of /2 read."""

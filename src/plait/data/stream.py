@@ -232,11 +232,17 @@ def check_distinct(entries: list[str]) -> None:
     weights): each source runs through its own epochs and is counted under its name, so the same data twice
     would be two sources with one name; its weight says how much of the mixture it is."""
     seen: dict[Path, str] = {}
+    weights = "with its share of the mixture as its weight (e.g. --data 0.7:web --data 0.3:code)"
     for entry in entries:
         key = Path(parse_entry(entry)[1]).resolve()
         if key in seen:
             raise ConfigError(f"--data {entry}: names the same data as --data {seen[key]}; give each source once, "
-                              "with its share of the mixture as its weight (e.g. --data 0.7:web --data 0.3:code)")
+                              + weights)
+        for other, named in seen.items():  # a folder's files are all read, those in its sub-folders too
+            if other in key.parents or key in other.parents:
+                inner, outer = (entry, named) if other in key.parents else (named, entry)
+                raise ConfigError(f"--data {inner}: is inside the folder --data {outer}, which reads it too; give "
+                                  "each file once (a folder without it, and it on its own), each " + weights)
         seen[key] = entry
 
 
