@@ -168,6 +168,36 @@ def test_stopped_prepare_removes_its_output_and_workers_and_says_so(tmp_path, bp
         raise AssertionError("workers left running after the prepare stopped")
 
 
+def test_killed_prepare_s_workers_end_quietly(tmp_path, bpe):
+    """SIGKILL to the prepare alone (no time to end its pool): its workers end within a second or so, without
+    finishing their tasks and printing a traceback for the result no one receives."""
+    src = write_jsonl(tmp_path / "big.jsonl", documents(30000, max_words=120))
+    cmd = [sys.executable, "-m", "plait.cli.main", "data", "prepare", str(src), "--tokenizer", str(bpe),
+           "--out", str(tmp_path / "out"), "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".out.tmp-*/train/*.bin")):  # the workers are working
+        time.sleep(0.02)
+    workers = _workers(proc.pid)
+    assert proc.poll() is None and len(workers) == 2, "prepare finished before it could be killed: a larger input"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_running(w) for w in workers):
+        time.sleep(0.05)
+    assert not any(_running(w) for w in workers), "workers left running after their parent died"
+    err = proc.stderr.read()  # every writer of the pipe has ended
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def _running(pid: str) -> bool:
+    """``pid`` exists and has not ended (a zombie has)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _workers(pid: int) -> list[str]:
     """The pool workers ``pid`` started (from /proc)."""
     try:

@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -93,7 +94,29 @@ def _init_worker(job: Job) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _end_with_parent(os.getppid())
     _init(job)
+
+
+def _end_with_parent(parent: int) -> None:
+    """End this pool worker, silently, when its parent is gone (killed: SIGKILL leaves it no time to end the pool):
+    it would otherwise finish its task and fail with a traceback sending the result to no one. On Linux the
+    kernel kills it with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere a thread looks twice a
+    second."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # gone before that was set
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="plait-parent-watch", daemon=True).start()
 
 
 def _init(job: Job) -> None:
