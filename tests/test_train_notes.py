@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from plait.train.config import TrainConfig
-from plait.train.resume import changed_effects, changed_settings
+from plait.train.resume import changed_effects, changed_settings, resume_note
 
 RUN = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "1", "--microbatches", "1",
        "--eval-every", "0", "--sample-tokens", "0", "--cluster", "none", "--data", "text", "--batch-size", "2"]
@@ -106,24 +106,25 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
     from plait.parallel_config import ParallelConfig
     from plait.train.report import Reporter
 
-    def header(resumed_from, changes, effects=()):
+    def header(resumed_from, saved=None, now=None):  # saved, now: the checkpoint's settings and the run's
         console = Console(record=True, width=400, force_terminal=False)
+        note = None if saved is None else resume_note(TrainConfig(**saved).to_dict(), TrainConfig.from_dict(now), 4)
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
-                              start=4 if resumed_from else 0, resumed_from=resumed_from, resume_changes=changes,
-                              resume_effects=list(effects),
+                              start=4 if resumed_from else 0, resumed_from=resumed_from, resume_note=note,
                               prediction=None)
         Reporter(TrainConfig(auto_resume=True, metrics=None), 0, console).begin(run)
         return console.export_text()
 
-    fresh, same = header(None, []), header("ck/step_4", [])
-    changed = header("ck/step_4", ["--seed 0 -> 1"], ["batches"])
-    longer = header("ck/step_4", ["--steps 300 -> 400"])  # no update of steps 1-4 got another learning rate
+    fresh, same = header(None), header("ck/step_4", {"seed": 1}, {"seed": 1, "tp": 1, "pp": 4})
+    changed = header("ck/step_4", {"seed": 0}, {"seed": 1})
+    longer = header("ck/step_4", {"steps": 300}, {"steps": 400})  # no update of steps 1-4 got another rate
     assert "starting fresh" in fresh and "resuming from" not in fresh, fresh
     for out in (same, changed, longer):
         assert "resuming from ck/step_4 (step 4)" in out and "starting fresh" not in out, out
     assert "note: --seed 0 -> 1 since that checkpoint was saved: this run's batches differ" in changed, changed
-    assert "note:" not in same and "note:" not in longer and "differ" not in longer, (same, longer)
+    assert "since that checkpoint" not in same, same  # a layout reshards: no setting of CONTINUED changed
+    assert "note:" not in longer and "differ" not in longer, longer
     assert "--steps 300 -> 400 since that checkpoint was saved: the run goes on as an uninterrupted run of these " \
            "settings would" in " ".join(longer.split()), longer
 
@@ -174,7 +175,7 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)),
                               data=SimpleNamespace(describe=lambda: "d"), start=0, resumed_from=None,
-                              resume_changes=[], resume_effects=[], prediction=None)
+                              resume_note=None, prediction=None)
         Reporter(TrainConfig(metrics=None, **kw), 0, console).begin(run)
         return console.export_text()
 

@@ -68,8 +68,7 @@ class Run:
     params: int
     start: int = 0
     resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
-    resume_changes: list[str] = field(default_factory=list)  # "--flag saved -> now" of CONTINUED settings changed
-    resume_effects: list[str] = field(default_factory=list)  # what of the run they change (changed_effects)
+    resume_note: str | None = None  # the header's line on the settings changed since that checkpoint (resume_note)
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
     prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)

@@ -63,13 +63,8 @@ class Reporter:
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
         if run.resumed_from is not None:
             self.console.print(f"resuming from {run.resumed_from} (step {run.start})")
-            if run.resume_effects:
-                self.console.print(f"[yellow]note: {', '.join(run.resume_changes)} since that checkpoint was saved: "
-                                   f"this run's {' and '.join(run.resume_effects)} differ from an uninterrupted run's "
-                                   "of these settings (the checkpoint's settings continue it exactly)[/]")
-            elif run.resume_changes:
-                self.console.print(f"{', '.join(run.resume_changes)} since that checkpoint was saved: the run goes "
-                                   "on as an uninterrupted run of these settings would")
+            if run.resume_note:
+                self.console.print(run.resume_note)
         elif cfg.auto_resume:
             self.console.print(f"--auto-resume: no complete checkpoint in {cfg.checkpoint_dir}, starting fresh")
         if cfg.warmup >= cfg.steps:

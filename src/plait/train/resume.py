@@ -32,8 +32,7 @@ def resume(run: Run) -> None:
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
     run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
-    run.resume_changes = changed_settings(meta.get("train", {}), run.cfg)
-    run.resume_effects = changed_effects(meta.get("train", {}), run.cfg, getattr(run.opt, "steps", run.start))
+    run.resume_note = resume_note(meta.get("train", {}), run.cfg, getattr(run.opt, "steps", run.start))
 
 
 #: the settings a resumed run continues from its checkpoint, each with what of the run it sets: the batches
@@ -44,11 +43,26 @@ CONTINUED = {"data": "batches", "seq_len": "batches", "batch_size": "batches", "
              "weight_decay": "updates", "clip": "updates"}
 
 
+def resume_note(saved: dict, cfg: TrainConfig, updates: int) -> str | None:
+    """The header's line (rich markup) on a run resumed under ``cfg`` from a checkpoint of a run with settings
+    ``saved`` (``updates`` updates made): the CONTINUED settings changed, and what of the run they make differ from
+    an uninterrupted run of ``cfg``'s settings (a warning) or that nothing does; None where none changed."""
+    changes = changed_settings(saved, cfg)
+    if not changes:
+        return None
+    effects = changed_effects(saved, cfg, updates)
+    if effects:
+        return (f"[yellow]note: {', '.join(changes)} since that checkpoint was saved: this run's "
+                f"{' and '.join(effects)} differ from an uninterrupted run's of these settings (the checkpoint's "
+                "settings continue it exactly)[/]")
+    return f"{', '.join(changes)} since that checkpoint was saved: the run goes on as an uninterrupted run of " \
+           "these settings would"
+
+
 def changed_settings(saved: dict, cfg: TrainConfig) -> list[str]:
     """``--flag saved -> now`` for each CONTINUED setting that differs from the run that saved ``saved``."""
     now = cfg.to_dict()
-    return [f"--{k.replace('_', '-')} {_shown(saved[k])} -> {_shown(now[k])}" for k in CONTINUED
-            if k in saved and saved[k] != now[k]]
+    return [f"--{k.replace('_', '-')} {_shown(saved[k])} -> {_shown(now[k])}" for k in _changed(saved, now)]
 
 
 def changed_effects(saved: dict, cfg: TrainConfig, updates: int) -> list[str]:
@@ -57,13 +71,18 @@ def changed_effects(saved: dict, cfg: TrainConfig, updates: int) -> list[str]:
     "updates": the learning rates only when the schedule gives one of those updates another rate (raising
     --steps during the warm-up changes none)."""
     now = cfg.to_dict()
-    changed = {k for k in CONTINUED if k in saved and saved[k] != now[k]}
+    changed = set(_changed(saved, now))
     schedule = ("lr", "warmup", "steps")
     if changed & set(schedule):
         old = [saved.get(k, now[k]) for k in schedule]
         if all(lr_at(k, *old) == lr_at(k, cfg.lr, cfg.warmup, cfg.steps) for k in range(updates)):
             changed -= set(schedule)
     return [e for e in dict.fromkeys(CONTINUED.values()) if any(CONTINUED[k] == e for k in changed)]
+
+
+def _changed(saved: dict, now: dict) -> list[str]:
+    """The CONTINUED settings of ``saved`` that differ in ``now``, in CONTINUED's order."""
+    return [k for k in CONTINUED if k in saved and saved[k] != now[k]]
 
 
 def _shown(value) -> str:
