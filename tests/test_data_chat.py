@@ -181,7 +181,10 @@ def test_cli_chat_flags(tmp_path):
     res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "a"),
                               "--chat", "--messages-field", "conversation", "--workers", "1", "--held-out", "0"])
     assert res.exit_code == 0 and "the loss on assistant tokens (by prefixes)" in res.output, res.output
-    assert open_prepared(tmp_path / "a").meta["splits"]["train"]["documents"] == len(CHATS)
+    train = open_prepared(tmp_path / "a").meta["splits"]["train"]
+    assert train["documents"] == len(CHATS)
+    share = f"{train['loss_tokens']:,} of the training split's {train['tokens']:,} ("  # the count and its whole
+    assert share in " ".join(res.output.split()), res.output
     res = runner.invoke(app, ["data", "prepare", src, "--tokenizer", "bytes", "--out", str(tmp_path / "s"),
                               "--split-turns"])
     assert res.exit_code == 2 and "--split-turns reads chat records: add --chat" in res.output, res.output

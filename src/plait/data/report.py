@@ -81,7 +81,8 @@ def prepare_summary(meta: dict, out: Path):
         how = f" (by {chat['method']})" if chat.get("method") not in (None, "every token") else ""
         given = f" and variables {json.dumps(chat['template_kwargs'])}" if chat.get("template_kwargs") else ""
         t.caption += (f"\nchat: {chat['messages_field']!r} rendered with {chat['template']}{given}; the loss on "
-                      f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's ({share:.0%})")
+                      f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's "
+                      f"{train['tokens']:,} ({share:.0%})")
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
         t.caption += "\nskipped, e.g.: " + "; ".join(examples[:3])
