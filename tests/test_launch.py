@@ -155,3 +155,53 @@ def test_plait_train_starts_the_fork_server_before_its_checks_and_ends_it_when_t
     for res in (train, *launching):
         assert res["exit"] == 2 and res["left"] == [], res
     assert all(res["server"] for res in launching), launching
+
+
+def job_sleeps(payload: dict) -> None:
+    """A job's worker that writes its pid, then outlives any test unless something ends it."""
+    import time
+
+    Path(payload["dir"], f"worker{os.getpid()}").write_text("")
+    time.sleep(600)
+
+
+LAUNCHER = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from plait.distributed.launch import launch
+launch("test_launch:job_sleeps", {"dir": sys.argv[1]}, 2)
+"""
+
+
+def test_a_sigkilled_launchers_server_and_workers_end_with_it(tmp_path):
+    """SIGKILL to a launcher (plait train's, serve's: no time to stop its job) ends its fork server and workers
+    within seconds; they would otherwise run the job on (writing beside a restarted job) and then wait forever."""
+    import signal
+    import time
+
+    from plait.distributed.launch import child_pids
+
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), str(Path(__file__).parent)])
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("worker*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(p.name.removeprefix("worker")) for p in tmp_path.glob("worker*")]
+    servers = child_pids(proc.pid, b"multiprocessing.forkserver")
+    assert len(workers) == 2 and len(servers) == 1, (workers, servers)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    alive = [p for p in workers + servers if Path(f"/proc/{p}").exists()]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if Path(f"/proc/{p}").exists() and _not_zombie(p)]
+    for pid in alive:  # the old code's leftovers: end them before failing
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"left running after their launcher's SIGKILL: {alive}"
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -14,7 +14,6 @@ import hashlib
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from plait.data.chat import ChatSpec, Spans
 from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
 from plait.data.sources import BadRecord, Source, Task, discover, read_task, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
+from plait.distributed.parent import end_with_parent
 from plait.errors import ConfigError, check_output_path
 
 ENCODE_BATCH = 512  # documents per tokenizer call
@@ -94,29 +94,8 @@ def _init_worker(job: Job) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _end_with_parent(os.getppid())
+    end_with_parent(os.getppid())  # a SIGKILLed prepare's workers end with it
     _init(job)
-
-
-def _end_with_parent(parent: int) -> None:
-    """End this pool worker, silently, when its parent is gone (killed: SIGKILL leaves it no time to end the pool):
-    it would otherwise finish its task and fail with a traceback sending the result to no one. On Linux the
-    kernel kills it with its parent (``prctl(PR_SET_PDEATHSIG, SIGKILL)``); elsewhere a thread looks twice a
-    second."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # gone before that was set
-            os._exit(1)
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="plait-parent-watch", daemon=True).start()
 
 
 def _init(job: Job) -> None:

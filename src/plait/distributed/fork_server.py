@@ -8,6 +8,8 @@ importing torch too: about 2 s), so that on two or more cores both run at once.
 When its launcher exits, the server leaves without the interpreter's teardown of those modules (about a second of
 CPU, during which it would still hold the launcher's standard output and error, which it shares with its workers:
 a caller reading the launcher's output to its end would wait for it). It has nothing of its own to flush or close.
+A launcher killed (SIGKILL: no exit of its own) takes the server with it, and the server its workers
+(``plait.distributed.parent``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import time
 from collections.abc import Iterator
 from multiprocessing import forkserver
 from types import FrameType
+
+from plait.distributed.parent import end_with_parent
 
 
 def modules(target: str, preload: tuple[str, ...] = ()) -> list[str]:
@@ -102,3 +106,4 @@ def _leave(pid: int) -> None:
 
 if _in_server():
     atexit.register(_leave, os.getpid())
+    end_with_parent(os.getppid())  # a SIGKILLed launcher's server ends with it, and its workers with the server

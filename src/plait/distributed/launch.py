@@ -41,6 +41,7 @@ from typing import Any
 
 from plait.distributed import fork_server
 from plait.distributed.job_signals import ForwardSignal, HeldInterrupts, taken_signals
+from plait.distributed.parent import end_with_parent
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the elastic agent's own handling: stop the workers at once
@@ -275,6 +276,7 @@ def worker(target: str, payload: dict, failure_dir: str, env: dict[str, str] | N
     the launcher's environment at the launch, which this process takes, keeping the variables the agent set."""
     import torch
 
+    end_with_parent(os.getppid())  # the fork server's (or the launcher's) end is this worker's, even by SIGKILL
     if env is not None:
         agent = {k: v for k, v in os.environ.items() if _INHERITED_ENV.get(k) != v}
         os.environ.clear()
