@@ -101,3 +101,11 @@ def result(world: list[dict], name: str) -> list[object]:
             raise AssertionError(f"check {name!r} raised on rank {rank}:\n{value['error']}")
         values.append(value)
     return values
+
+
+def alive(pid: int | str) -> bool:
+    """``pid`` exists and has not ended (a zombie, ended but not yet reaped, has): Linux's /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from data_util import EOS, bpe_folder, documents, write_jsonl
+from harness import alive
 from plait.cli.main import app
 from plait.data import open_prepared, prepare
 from plait.data.stream import check_entries, open_data, prepared_source
@@ -183,19 +184,11 @@ def test_killed_prepare_s_workers_end_quietly(tmp_path, bpe):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 10
-    while time.time() < deadline and any(_running(w) for w in workers):
+    while time.time() < deadline and any(alive(w) for w in workers):
         time.sleep(0.05)
-    assert not any(_running(w) for w in workers), "workers left running after their parent died"
+    assert not any(alive(w) for w in workers), "workers left running after their parent died"
     err = proc.stderr.read()  # every writer of the pipe has ended
     assert "Traceback" not in err and "BrokenPipe" not in err, err
-
-
-def _running(pid: str) -> bool:
-    """``pid`` exists and has not ended (a zombie has)."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _workers(pid: int) -> list[str]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import alive
 from plait.distributed.launch import child_pids, launch, run_world, worker_pids
 
 
@@ -191,17 +192,10 @@ def test_a_sigkilled_launchers_server_and_workers_end_with_it(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 10
-    alive = [p for p in workers + servers if Path(f"/proc/{p}").exists()]
-    while alive and time.monotonic() < deadline:
+    left = [p for p in workers + servers if alive(p)]
+    while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and _not_zombie(p)]
-    for pid in alive:  # the old code's leftovers: end them before failing
+        left = [p for p in left if alive(p)]
+    for pid in left:  # the old code's leftovers: end them before failing
         os.kill(pid, signal.SIGKILL)
-    assert alive == [], f"left running after their launcher's SIGKILL: {alive}"
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert left == [], f"left running after their launcher's SIGKILL: {left}"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from harness import alive
 from plait.cli.main import app
 from plait.distributed.launch import worker_pids
 from save_util import assert_first_checkpoint_whole, kill_inside_second_save
@@ -259,13 +260,6 @@ def _wait_for_rows(metrics: Path, n: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_killed_worker_ends_the_job_promptly(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.Popen(PLAIT + ["train", "--steps", "100000", *FAST, "--metrics", str(metrics)], cwd=tmp_path,
@@ -286,7 +280,7 @@ def test_killed_worker_ends_the_job_promptly(tmp_path):
     assert elapsed < 30, f"the job took {elapsed:.0f}s to end"
     assert f"(pid {victim}) died (signal SIGKILL)" in err and "Traceback" not in err, err
     time.sleep(1)
-    assert not [p for p in workers if _alive(p)], "orphan workers left behind"
+    assert not [p for p in workers if alive(p)], "orphan workers left behind"
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
