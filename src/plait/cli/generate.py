@@ -15,9 +15,19 @@ A continuation ends at the model's end-of-sequence token (eos_token_id in its fo
 or config.json, as transformers' generate stops; a checkpoint trained from a folder reads that folder's), or
 after --max-new-tokens.
 
+Chat: --chat TEXT (repeatable: one conversation each, opened by --system's message when given) or
+--messages FILE (a JSON list of {"role", "content"} messages, as OpenAI's API takes them) renders each
+conversation through the model's own chat template (its folder's tokenizer_config.json chat_template or
+chat_template.jinja, as transformers' apply_chat_template; for a checkpoint, the folder it was trained from),
+exactly as plait serve renders a /v1/chat/completions request, and prints only the reply. A folder without a
+template gets plait's "<|role|>" format (what plait data prepare --chat trains on there); the template used
+is named on stderr. --chat-template FILE and --chat-template-kwargs JSON as for plait serve.
+
 \b
 Examples:
   plait generate --model plait-checkpoints --prompt "def " --prompt "class "
+  plait generate --model path/to/hf-qwen --chat "What is 2 + 2?" --system "Answer briefly."
+  plait generate --model path/to/hf-qwen3 --messages chat.json --chat-template-kwargs '{"enable_thinking": false}'
   plait generate --model plait-checkpoints --tp 2 --pp 2 --temperature 0.8 --top-k 20 --seed 1
   plait generate --model path/to/hf-llama --max-new-tokens 50
 """
@@ -41,6 +51,16 @@ def generate_command(
     model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
                                    "mistral, qwen2, qwen3, mixtral).")] = "plait-checkpoints",
     prompt: Annotated[list[str] | None, Opt(help="A prompt (repeatable: one batch).")] = None,
+    chat: Annotated[list[str] | None, Opt(help="A user message to answer through the model's chat template "
+                                              "(repeatable: one conversation each).", metavar="TEXT")] = None,
+    system: Annotated[str | None, Opt(help="A system message opening each --chat conversation.",
+                                      metavar="TEXT")] = None,
+    messages: Annotated[list[str] | None, Opt(help="A JSON file of one conversation's messages (repeatable).",
+                                              metavar="FILE")] = None,
+    chat_template: Annotated[str | None, Opt(help="A Jinja chat template (file or text) in place of the "
+                                                  "model's.")] = None,
+    chat_template_kwargs: Annotated[str | None, Opt(help="Template variables as a JSON object, e.g. "
+                                                         "'{\"enable_thinking\": false}'.")] = None,
     max_new_tokens: Annotated[int, Opt(help="Most tokens to add to each prompt (fewer where it ends at EOS).")] = 120,
     temperature: Annotated[float, Opt(help="0: greedy; otherwise sample from softmax(logits / T).")] = 0.0,
     top_k: Annotated[int, Opt(help="Sample only among the K most likely tokens (0: all).")] = 0,
@@ -54,6 +74,7 @@ def generate_command(
     with fork_server.launching(TARGET, (layout or {}).get("tp", 1) * (layout or {}).get("pp", 1)):
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
+        from plait.cli.generate_chat import chat_prompt_ids, conversations, short
         from plait.distributed.launch import JobError, run_or_launch
         from plait.errors import ConfigError, flag_message
         from plait.generation.decode import Sampling
@@ -61,14 +82,25 @@ def generate_command(
         from plait.parallel_config import ParallelConfig
 
         try:
-            par, prompts = ParallelConfig(**(layout or {})), prompt or ["def "]
-            payload = {"model": model, "prompts": prompts, "max_new_tokens": max_new_tokens,
-                       "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
+            par = ParallelConfig(**(layout or {}))
             Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
             _check_greedy(ctx, temperature, top_k)
+            _check_mode(prompt, chat, messages, chat_template, chat_template_kwargs)
+            convs = conversations(chat or [], system, messages or [])
             config, _, tok = source_config(model)
             check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
-            _check_prompts(prompts, tok, max_new_tokens, config.max_seq_len)
+            prompts, ids, source = prompt or ["def "], None, ""
+            if convs:  # each conversation's ids, rendered here so that a template's error fails before launching
+                ids, source = chat_prompt_ids(model, tok, config.max_seq_len, convs, chat_template,
+                                              chat_template_kwargs)
+                prompts = [c.label for c in convs]
+            _check_prompts(prompts if convs else [f"--prompt {short(p)}" for p in prompts],
+                           [len(row) for row in ids] if ids is not None else [len(tok.encode(p)) for p in prompts],
+                           max_new_tokens, config.max_seq_len)
+            if convs:
+                typer.echo(f"plait generate: chat template: {source}", err=True)
+            payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
+                       "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
             run_or_launch(TARGET, payload, par.tp * par.pp)
         except ConfigError as exc:
             typer.echo(f"error: {flag_message(exc)}", err=True)
@@ -95,20 +127,30 @@ def _check_greedy(ctx: typer.Context, temperature: float, top_k: int) -> None:
                           "--temperature T (e.g. 0.8) to sample")
 
 
-def _check_prompts(prompts: list[str], tok, max_new_tokens: int, max_seq_len: int) -> None:
-    """ConfigError naming a --prompt the model's tokenizer (bytes when the folder has none) turns into no tokens,
-    or that with --max-new-tokens outgrows the model's context."""
+def _check_mode(prompt, chat, messages, chat_template, chat_template_kwargs) -> None:
+    """ConfigError when --prompt is given with a conversation (--chat, --messages), or a template option
+    without one (nothing would read it)."""
     from plait.errors import ConfigError
-    from plait.tokenizers import ByteTokenizer
 
-    for p in prompts:
-        n = len((tok or ByteTokenizer()).encode(p))
+    if prompt and (chat or messages):
+        raise ConfigError(f"--prompt and --{'chat' if chat else 'messages'}: a prompt is continued as raw text, a "
+                          "conversation answered through the chat template; give one kind per run")
+    unread = [f for f, v in (("--chat-template", chat_template), ("--chat-template-kwargs", chat_template_kwargs))
+              if v is not None]
+    if unread and not (chat or messages):
+        raise ConfigError(f"{', '.join(unread)}: read only for a conversation; add --chat TEXT or --messages FILE")
+
+
+def _check_prompts(labels: list[str], lengths: list[int], max_new_tokens: int, max_seq_len: int) -> None:
+    """ConfigError naming a prompt (--prompt TEXT, or the --chat / --messages whose rendered conversation it is)
+    of no tokens, or of so many that with --max-new-tokens it outgrows the model's context."""
+    from plait.errors import ConfigError
+
+    for label, n in zip(labels, lengths, strict=True):
         if not n:
-            raise ConfigError(f"--prompt {p!r}: no tokens (the model continues a prompt of at least one); give "
-                              "some text")
+            raise ConfigError(f"{label}: no tokens (the model continues a prompt of at least one); give some text")
         if n + max_new_tokens > max_seq_len:
-            shown = p if len(p) <= 40 else p[:37] + "..."
-            raise ConfigError(f"--max-new-tokens {max_new_tokens}: --prompt {shown!r} is {n} tokens, and {n} + "
+            raise ConfigError(f"--max-new-tokens {max_new_tokens}: {label} is {n} tokens, and {n} + "
                               f"{max_new_tokens} exceeds the model's {max_seq_len} positions; give at most "
                               f"--max-new-tokens {max(0, max_seq_len - n)}")
 

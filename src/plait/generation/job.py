@@ -105,7 +105,8 @@ def stop_ids(folder: str | Path | None, data_eos: int | None) -> tuple[int, ...]
 
 
 def generate_job(payload: dict) -> list[str]:
-    """Worker entry of ``plait generate``: every rank decodes; rank 0 prints."""
+    """Worker entry of ``plait generate``: every rank decodes; rank 0 prints. ``prompt_ids`` (when not None):
+    each prompt's ids as rendered from a conversation (``plait generate --chat``), whose reply alone is shown."""
     from plait.generation import generate
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,13 +114,14 @@ def generate_job(payload: dict) -> list[str]:
         raise ConfigError(f"--tp {payload['tp']} x --pp {payload['pp']} must equal the world size {world}")
     model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"])
     stop = end_ids(payload["model"])  # each continuation ends there, as transformers' generate's does
-    ids = cast(list[list[int]], generate(model, [tok.encode(p) for p in payload["prompts"]],
-                                         max_new_tokens=payload["max_new_tokens"], temperature=payload["temperature"],
-                                         top_k=payload["top_k"], seed=payload["seed"],
-                                         stop_ids=stop))  # id lists give id lists, each cut before its stop
-    out = [tok.decode(row) for row in ids]
+    chat = payload.get("prompt_ids") is not None
+    prompts = payload["prompt_ids"] if chat else [tok.encode(p) for p in payload["prompts"]]
+    ids = cast(list[list[int]], generate(model, prompts, max_new_tokens=payload["max_new_tokens"],
+                                         temperature=payload["temperature"], top_k=payload["top_k"],
+                                         seed=payload["seed"], stop_ids=stop))  # id lists give id lists, each cut
+    out = [tok.decode(row) for row in ids]  # before its stop
     if int(os.environ.get("RANK", "0")) == 0:
-        show(payload["prompts"], out)
+        show([""] * len(out) if chat else payload["prompts"], out)
     return out
 
 
