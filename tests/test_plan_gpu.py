@@ -154,6 +154,16 @@ def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
         m, cluster, unchanged, Training(4, recompute_head=False)).step_time_s
 
 
+def _sp_layer(gpu, hidden: int, t: int) -> tuple[Model, Layout, float, tuple[float, ...]]:
+    """One dense layer at tp ``t`` with SP on 8 H100s, worked by hand: the model (MHA, a GLU MLP of 3h), its layout,
+    one SP gather's (or scatter's) seconds over NVLink and its four GEMMs' (QKV, projection, up, down)."""
+    m = Model(4, hidden, 16, 32000, 2048, ffn_hidden=3 * hidden, glu=True)  # MHA: QKV is h x 3h
+    link, speed = gpu.intra, gemm_speed(gpu)
+    c = (t - 1) / t * 2048 * hidden * 2 / (link.bandwidth * LINK_EFFICIENCY) + (t - 1) * link.latency
+    gemms = tuple(2 * 2048 * hidden * k * hidden / t / speed for k in (3, 1, 6, 3))
+    return m, Layout(tp=t, dp=8 // t, sequence_parallel=True), c, gemms
+
+
 def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms():
     """Userbuffers' decomposition (Wang et al. 2023), worked by hand on one layer at tp4 with SP. Comm-bound
     (hidden 1024: a gather outlasts its GEMM): each gather and pipelined scatter of the forward hides 3/4 of its
@@ -163,13 +173,7 @@ def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms()
     cluster = Cluster("h100-sxm", 8)
     costs, gpu = cluster.costs, cluster.gpu
     for hidden, t in ((1024, 4), (8192, 2)):
-        m = Model(4, hidden, 16, 32000, 2048, ffn_hidden=3 * hidden, glu=True)  # MHA: QKV is h x 3h
-        layout = Layout(tp=t, dp=8 // t, sequence_parallel=True)
-        link = gpu.intra
-        c = (t - 1) / t * 2048 * hidden * 2 / (link.bandwidth * LINK_EFFICIENCY) + (t - 1) * link.latency
-        speed = gemm_speed(gpu)
-        qkv, proj = 2 * 2048 * hidden * 3 * hidden / t / speed, 2 * 2048 * hidden * hidden / t / speed
-        up, down = 2 * 2048 * hidden * 6 * hidden / t / speed, 2 * 2048 * 3 * hidden * hidden / t / speed
+        m, layout, c, (qkv, proj, up, down) = _sp_layer(gpu, hidden, t)
         plain = costs.blocks(m, layout, "bf16").layer
         over = costs.blocks(m, layout, "bf16", tp_overlap=True).layer
         assert plain.f_tp == pytest.approx(4 * c) and plain.b_tp == pytest.approx(4 * c)
@@ -187,6 +191,37 @@ def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms()
         Training(8, tp_comm_overlap=1)
     with pytest.raises(ConfigError, match="tp_comm_overlap"):  # plait's runtime runs its collectives exposed
         Layout(tp=2, dp=4, sequence_parallel=True).to_parallel_config(Training(8, tp_comm_overlap=True))
+
+
+def test_sp_async_backward_hides_the_column_parallel_collectives_behind_their_backward_gemms():
+    """``Training.sp_async_backward`` (apex's column-parallel layers, which NeMo 1.11.0 runs): the input gathered
+    again beside the data-gradient GEMM and its gradient reduce-scattered beside the weight-gradient GEMM, each
+    exposed only beyond that GEMM; the row-parallel layers' gradient gathers stay exposed, the forward unchanged.
+    Worked by hand on one layer at tp4 with SP, comm-bound (hidden 1024) and GEMM-bound (hidden 8192, tp2). Without
+    SP, or under userbuffers (``tp_comm_overlap``), the flag changes nothing; plait's runtime does not run it."""
+    cluster = Cluster("h100-sxm", 8)
+    costs, gpu = cluster.costs, cluster.gpu
+    for hidden, t in ((1024, 4), (8192, 2)):
+        m, layout, c, (qkv, _, up, _) = _sp_layer(gpu, hidden, t)
+        plain = costs.blocks(m, layout, "bf16").layer
+        sp_async = costs.blocks(m, layout, "bf16", sp_async=True).layer
+        assert sp_async.f_tp == plain.f_tp == pytest.approx(4 * c)
+        if hidden == 1024:
+            assert c > up  # comm-bound: each collective shows what it takes beyond its GEMM
+            assert sp_async.b_tp == pytest.approx(2 * c + 2 * (c - qkv) + 2 * (c - up))
+        else:
+            assert c < qkv  # GEMM-bound: the column-parallel layers' four collectives hidden
+            assert sp_async.b_tp == pytest.approx(2 * c)
+        no_sp = Layout(tp=t, dp=8 // t)
+        assert costs.blocks(m, no_sp, "bf16", sp_async=True).layer == costs.blocks(m, no_sp, "bf16").layer
+        over = costs.blocks(m, layout, "bf16", tp_overlap=True).layer
+        assert costs.blocks(m, layout, "bf16", tp_overlap=True, sp_async=True).layer == over
+    nemo = [r for r in runs() if r.source == "NVIDIA NeMo Megatron" and r.layout.sequence_parallel]
+    assert len(nemo) == 5 and all(r.training.sp_async_backward for r in nemo)
+    exposed = replace(nemo[0], training=replace(nemo[0].training, sp_async_backward=False))
+    assert predict(nemo[0]) < predict(exposed)  # the estimate follows the flag
+    with pytest.raises(ConfigError, match="sp_async_backward"):  # plait's runtime runs its collectives exposed
+        Layout(tp=2, dp=4, sequence_parallel=True).to_parallel_config(Training(8, sp_async_backward=True))
 
 
 def test_dp_collectives_hide_chunk_by_chunk_behind_the_passes_beside_them():

@@ -206,6 +206,7 @@ OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
     ("optimizer", RUNTIME_OPTIMIZER, f"runs {RUNTIME_OPTIMIZER}"),
     ("grad_accumulation", RUNTIME_ACCUMULATION, "accumulates its own way"),
     ("tp_comm_overlap", False, "runs SP's collectives exposed (no Megatron-Core overlap)"),
+    ("sp_async_backward", False, "runs SP's backward collectives exposed (no asynchronous gather or scatter)"),
     ("overlap_param_gather", False, "gathers the updated weights after the step (no Megatron-Core overlap)"),
     ("tp_overlap_sms", TE_OVERLAP_SMS, "runs no userbuffers"),
     ("tied_grad_sum", "shard", "sums a tied embedding's gradient over its reduced shard"),
@@ -246,12 +247,13 @@ class Training:
     (``PipelineModule._is_checkpointable``: transformer layers), llm-foundry (each MPTBlock) and torchtitan (each
     TransformerBlock)."""
     tp_comm_overlap: bool = False
-    """Sequence parallelism's all-gathers and reduce-scatters split into per-rank pieces and pipelined with the
-    GEMMs that consume or produce them, as Megatron-Core's ``tp_comm_overlap`` runs them with Transformer
-    Engine's userbuffers (Wang et al. 2023): only what a piece's transfer takes beyond its partial GEMM, and the
-    last piece of each pipelined reduce-scatter, stay exposed (``plan.gpu.GpuCosts._tp_overlapped``). Layouts
-    without sequence parallelism keep their all-reduces exposed (Megatron-Core overlaps only SP's collectives).
-    Catalogue GPUs only: a calibrated host runs plait's own collectives."""
+    """SP's gathers and scatters cut into per-rank pieces pipelined with the GEMMs that consume or produce them, as
+    Megatron-Core's ``tp_comm_overlap`` runs them with Transformer Engine's userbuffers (Wang et al. 2023;
+    ``plan.tp_comm.userbuffers``). Without SP the all-reduces stay exposed. Catalogue GPUs only."""
+    sp_async_backward: bool = False
+    """Without userbuffers, SP's backward as Megatron-style column-parallel layers run it: the input gathered again
+    beside the data-gradient GEMM, its gradient reduce-scattered beside the weight-gradient GEMM
+    (``plan.tp_comm.async_backward``); plait's runtime gathers again and scatters exposed. Catalogue GPUs only."""
     overlap_param_gather: bool = False
     """ZeRO-1/2's all-gather of the updated weights issued after the step and waited for by each chunk's first
     forward of the next one, as Megatron-Core's distributed optimizer runs it with ``overlap_param_gather``
@@ -271,8 +273,8 @@ class Training:
     output projection and the one after the MLP's last GEMM hold while their GEMMs run on the rest: Transformer
     Engine's userbuffers ``num_sm`` of ``proj_fprop`` and ``fc2_fprop``, as the run's configuration sets them
     (NeMo's ``tp_comm_overlap_cfg``); Transformer Engine's default otherwise. Costed as a share of the GPU's SMs
-    (``GPU.sms``): ``plan.gpu.overlapped_scatter``. plait's runtime runs no userbuffers: ``Layout.to_parallel_config``
-    refuses any other value."""
+    (``GPU.sms``): ``plan.tp_comm.overlapped_scatter``. plait's runtime runs no userbuffers:
+    ``Layout.to_parallel_config`` refuses any other value."""
     grad_accumulation: str = RUNTIME_ACCUMULATION
     """The implementation that accumulates each micro-batch's weight gradients into the step's gradient buffer
     (or, under FSDP, into the rank's shard), which sets the HBM bytes every backward moves per parameter element
@@ -322,7 +324,7 @@ class Training:
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise FieldError("global_batch", self.global_batch, "must be >= 1 sequence")
-        for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather"):
+        for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather", "sp_async_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         for name, choices in (("precision", PRECISIONS), ("grad_dtype", tuple(GRAD_DTYPES)),

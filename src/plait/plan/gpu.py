@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError
-from plait.plan import eager, experts
+from plait.plan import eager, experts, tp_comm
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.attention import efficiency as attention_efficiency
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
@@ -56,44 +55,6 @@ FLASH_BACKWARD = 2.5
 # A causal flash kernel computes only the key blocks on and below the diagonal: about half of the s×s square the
 # FLOP count charges (Dao 2023, FlashAttention-2, §3.1.1: causal masking skips the blocks above it).
 FLASH_CAUSAL = 0.5
-# Tensor-parallel communication overlap (``Training.tp_comm_overlap``: Megatron-Core's tp_comm_overlap, Transformer
-# Engine's userbuffers) decomposes each of sequence parallelism's gathers and scatters into per-rank pieces and
-# pipelines them with the partial GEMMs that consume or produce them (Wang et al. 2023, "Overlap Communication with
-# Dependent Computation via Decomposition in Large Deep Learning Models", ASPLOS, §4). In NeMo's userbuffers
-# configurations the forward's reduce-scatters (proj_fprop, fc2_fprop) use the "pipeline" method in this many
-# pieces (NVIDIA/NeMo nemo/collections/llm/recipes/tp_overlap_configs/userbuffers.py, commit d2b21556, every H100
-# configuration; NVIDIA/dgxc-benchmarking nemo_megatron/cfg/gpt3_175b_hydra.yaml, commit 741c8860).
-TP_OVERLAP_SPLITS = 4
-# While a pipelined reduce-scatter runs, its kernels hold ``Training.tp_overlap_sms`` of the GPU's SMs (``GPU.sms``)
-# and the GEMM beside it runs on the rest: with set_sm_margin the GEMM is launched on the SMs the kernels leave
-# (NVIDIA/TransformerEngine transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp at 3b2a7b00:
-# _math_sms = sm_count - num_comm_sm); without it the two compete for them while both run, costed the same.
-
-
-def overlapped_gather(comm: float, gemm: float, t: int) -> float:
-    """What stays exposed of an all-gather (``comm`` seconds over ``t`` ranks) pipelined with the GEMM that
-    consumes it (``gemm`` seconds) as a ring exchange: the GEMM on the piece a rank holds needs no transfer, the
-    t-1 transfers run beside the t-1 other partial GEMMs (Wang et al. 2023, §4.1)."""
-    if t <= 1:
-        return comm
-    return max(0.0, comm - gemm * (t - 1) / t)
-
-
-def overlapped_scatter(comm: float, gemm: float, sm_share: float, splits: int = TP_OVERLAP_SPLITS) -> float:
-    """What a reduce-scatter of a GEMM's output pipelined with it in ``splits`` pieces adds to the GEMM: each
-    piece's scatter runs beside the next piece's GEMM, the last piece's scatter follows the GEMM's end, and the
-    GEMM runs on the SMs the scatter's kernels leave it (``sm_share`` held), that much slower."""
-    slow = gemm / (1 - sm_share)
-    return slow - gemm + comm / splits + max(0.0, comm - slow) * (splits - 1) / splits
-
-
-def bulk_overlap(comm: float, gemm: float) -> float:
-    """What stays exposed of a collective run beside an independent GEMM of the backward (Transformer Engine's
-    "bulk" overlaps: a column-parallel layer's input gather beside its data-gradient GEMM, its data-gradient
-    reduce-scatter beside its weight-gradient GEMM)."""
-    return max(0.0, comm - gemm)
-
-
 def ring_allreduce(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce: each rank moves 2(n-1)/n of the tensor, in 2(n-1) latency-bound steps
     (Patarasuk & Yuan 2009; Thakur et al. 2005)."""
@@ -123,7 +84,7 @@ def gemm_quantization(gpu: GPU, model: Model, layout: Layout) -> Quantization:
     SMs (``plan.gemm``; the GEMMs' shapes: ``timing.layer_gemms``, ``timing.head_gemm``), each (forward, data
     gradient, weight gradient); all 1.0 for a GPU whose cuBLAS is not costed quantized (``GPU.tile_quantization``)
     or without an SM count. The attention core's batched GEMMs (unfused softmax) and the overlapped collectives'
-    partial GEMMs (``_tp_overlapped``) are not quantized."""
+    partial GEMMs (``tp_comm.userbuffers``) are not quantized."""
     return _quantization(gpu.sms, model, layout) if gpu.tile_quantization else UNQUANTIZED
 
 
@@ -178,22 +139,25 @@ class GpuCosts:
         return Link(link.name, min(members * link.bandwidth, self.gpu.intra.bandwidth), link.latency)
 
     def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float,
-                           overlap: tuple[int, int] | None = None) -> tuple[float, float]:
+                           overlap: tuple[int, int] | None = None, sp_async: bool = False) -> tuple[float, float]:
         """Exposed collectives of one layer's (forward, backward): 2 all-reduces of [b, s, h] each way (TP,
         Shoeybi et al. 2019) or 2 all-gathers + 2 reduce-scatters with SP (same volume; ``overlap``, the SMs of the
-        pipelined scatters, with SP: ``_tp_overlapped``), an MoE layer's own in place of the MLP's
+        pipelined scatters, with SP: ``tp_comm.userbuffers``; ``sp_async``, a dense layer's column-parallel
+        backward beside its GEMMs: ``tp_comm.async_backward``), an MoE layer's own in place of the MLP's
         (``experts.tp_gathers``); MoE all-to-all dispatch and combine (``experts.dispatch``); the
         context-parallel K/V exchange (``_cp_comm_per_layer``)."""
         act = tokens * model.hidden * 2  # bf16 [b, s/cp, h]
         t, link = layout.tp, self.cluster.link
         if overlap is not None and layout.sequence_parallel:
-            f, b = self._tp_overlapped(model, layout, tokens, ring_allgather(act, t, link(t)), overlap)
+            f, b = tp_comm.userbuffers(self.gpu, model, layout, tokens, ring_allgather(act, t, link(t)), overlap)
         else:
             attention = ring_allreduce(act, t, link(t))
             mlp_f = mlp_b = attention
             if model.is_moe:
                 mlp_f, mlp_b = (n * ring_allgather(act, t, link(t)) for n in experts.tp_gathers(layout))
             f, b = attention + mlp_f, attention + mlp_b
+            if sp_async and layout.sequence_parallel and not model.is_moe:
+                b = tp_comm.async_backward(self.gpu, model, layout, tokens, ring_allgather(act, t, link(t)))
         cp_f, cp_b = self._cp_comm_per_layer(model, layout, tokens)
         f, b = f + cp_f, b + cp_b
         if model.is_moe and layout.ep > 1:
@@ -202,38 +166,6 @@ class GpuCosts:
             a2a = sent * (e - 1) / e / (link(span).bandwidth * LINK_EFFICIENCY)
             dispatch_combine = 2 * (a2a + (e - 1) * link(span).latency)
             f, b = f + dispatch_combine, b + dispatch_combine
-        return f, b
-
-    def _tp_overlapped(self, model: Model, layout: Layout, tokens: float, c: float,
-                       sms: tuple[int, int]) -> tuple[float, float]:
-        """(forward, backward) exposed seconds of a layer's SP gathers and scatters (each ``c`` seconds) under
-        tensor-parallel communication overlap. Forward: the gathers before QKV and the MLP's first GEMM
-        (``overlapped_gather``), the scatters after the output projection and the MLP's last GEMM
-        (``overlapped_scatter``, each holding its ``sms`` of those GEMMs': ``Training.tp_overlap_sms``). Backward
-        (Megatron-LM with SP gathers a column-parallel layer's input again for its weight gradient): a
-        column-parallel layer's input gather and data-gradient scatter beside its two GEMMs (``bulk_overlap``), a
-        row-parallel layer's gradient gather ahead of its data-gradient GEMM (``overlapped_gather``). An MoE layer's
-        own collectives stay exposed (``experts.tp_gathers``)."""
-        t, gpu = layout.tp, self.gpu
-        if gpu.sms < 1:
-            raise ConfigError(f"tp_comm_overlap: {gpu.name} has no SM count in the catalogue (GPU.sms), which the "
-                              "pipelined reduce-scatters' SM share needs; plan it with tp_comm_overlap=False")
-        proj_share, fc2_share = (n / gpu.sms for n in sms)
-        speed = gemm_speed(gpu)
-        h, kv = model.hidden, model.kv_heads * model.head_dim
-
-        def gemm(n_in: int, n_out: int) -> float:  # one partial GEMM over the gathered [b, s/cp, n_in]
-            return 2 * tokens * n_in * n_out / t / speed
-
-        qkv, proj = gemm(h, h + 2 * kv), gemm(h, h)
-        f = overlapped_gather(c, qkv, t) + overlapped_scatter(c, proj, proj_share)
-        b = 2 * bulk_overlap(c, qkv) + overlapped_gather(c, proj, t)
-        if model.is_moe:
-            moe_f, moe_b = experts.tp_gathers(layout)
-            return f + moe_f * c, b + moe_b * c
-        up, down = gemm(h, model.ffn * (2 if model.glu else 1)), gemm(model.ffn, h)
-        f += overlapped_gather(c, up, t) + overlapped_scatter(c, down, fc2_share)
-        b += 2 * bulk_overlap(c, up) + overlapped_gather(c, down, t)
         return f, b
 
     def _attention_core(self, model: Model, layout: Layout, flops: float) -> tuple[float, float]:
@@ -283,24 +215,26 @@ class GpuCosts:
         return forward, backward
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
-               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0]) -> Blocks:
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0],
+               sp_async: bool = False) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus its GEMMs' and element-wise kernels' HBM traffic, its TP
         collectives (what of them ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs:
-        ``_tp_overlapped``) and what recomputation redoes, on the busiest GPU of an EP group (its experts'
-        GEMMs and all-to-all bytes at ``experts.received`` times balanced routing's); the head: its FLOPs and its
-        GEMM's traffic. The embedding's lookup is free. The attention core runs as ``_attention_core`` times it;
-        with fused flash attention its backward recomputes the scores (so selective recomputation redoes nothing
-        more) and its s×s scores never reach HBM. ``elementwise`` (``Training.elementwise``): "fused", the fitted
-        ``elementwise_traffic`` per forward and twice it per backward; "plait-eager", plait's own kernels of the
-        layer and of the head and loss counted by ``plan.eager`` (the unfused core's softmax over the scores keeps
-        the fitted term), and the backward's all-gathers of the SP regions' inputs again (``census.Local.regathers``:
-        two a dense layer, none under full recomputation), exposed like its other TP collectives."""
+        ``tp_comm.userbuffers``; ``sp_async``: ``tp_comm.async_backward``) and what recomputation redoes, on the
+        busiest GPU of an EP group (its experts' GEMMs and all-to-all bytes at ``experts.received`` times
+        balanced routing's); the head: its FLOPs and its GEMM's traffic. The embedding's lookup is free. The
+        attention core runs as ``_attention_core`` times it; with fused flash attention its backward recomputes
+        the scores (so selective recomputation redoes nothing more) and its s×s scores never reach HBM.
+        ``elementwise`` (``Training.elementwise``): "fused", the fitted ``elementwise_traffic`` per forward and
+        twice it per backward; "plait-eager", plait's own kernels of the layer and of the head and loss counted
+        by ``plan.eager`` (the unfused core's softmax over the scores keeps the fitted term), and the backward's
+        all-gathers of the SP regions' inputs again (``census.Local.regathers``: two a dense layer, none under
+        full recomputation), exposed like its other TP collectives."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
         flops = layer_forward_flops(model, tokens, model.seq_len) / t + experts.excess_flops(model, layout, tokens)
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
-        tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None)
+        tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None, sp_async)
         core, core_b = self._attention_core(model, layout, attention)
         (qf, qd, qw), (hf, hd, hw) = gemm_quantization(gpu, model, layout)
         g, hg = gemm_traffic(gpu, model, layout)

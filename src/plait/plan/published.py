@@ -136,8 +136,7 @@ def _narayanan() -> list[PublishedRun]:
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
                      optimizer=NARAYANAN_OPTIMIZER, grad_accumulation=NARAYANAN_ACCUMULATION, tied_grad_sum=TIED_FULL),
-            f"{tflops} teraFLOP/s per GPU", step,
-            "eq. (3) FLOPs / (GPUs x TFLOP/s)",
+            f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
              "fp16 costed as bf16", "Selene: HDR InfiniBand, 8 x 200 Gb/s per node")))
     for scheme, size, mp, batch, n, mbs, tflops in NARAYANAN_TABLE2:
@@ -145,8 +144,7 @@ def _narayanan() -> list[PublishedRun]:
         m = gpt(layers, hidden, heads)
         ptd = scheme == "PTD"
         layout = (Layout(tp=8, pp=p, dp=n // mp, microbatch_size=mbs, recompute="full", partition=MEGATRON_CUT)
-                  if ptd else
-                  Layout(dp=n, microbatch_size=mbs, recompute="full", zero=3))
+                  if ptd else Layout(dp=n, microbatch_size=mbs, recompute="full", zero=3))
         step = narayanan_flops(m, batch) / (n * tflops * 1e12)
         out.append(PublishedRun(
             "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
@@ -218,8 +216,8 @@ def _smith() -> list[PublishedRun]:
 # reduce-scatters every bucket after the backward, then all-gathers the updated bf16 weights (NVIDIA/apex
 # distributed_fused_adam.py at 6f7d8ac3, step: grad_sync(), then all_gather per bucket): the 175B rows' reduction
 # follows the backward (Training(overlap_grad_reduce=False)). The 5B rows (no pipeline, no SP) keep apex's default
-# overlap: NeMo runs their earlier micro-batches under no_sync(greedy_grad_copy=True), the last one's backward
-# launching each bucket's reduce-scatter as it fills.
+# overlap: NeMo runs their earlier micro-batches under no_sync(greedy_grad_copy=True), the last one's backward launching
+# each bucket's reduce-scatter as it fills.
 # The optimizer step: apex's DistributedFusedAdam of that date (apex defaults: store_params, fp32 state), NeMo
 # clipping through its clip_grad_norm (NVIDIA/NeMo v1.11.0 megatron_base_model.py configure_gradient_clipping,
 # clip_grads.py clip_grad_norm_distributed_optimizer): "apex-distributed-adam" (``plan.optimizers``).
@@ -229,6 +227,9 @@ NEMO_OPTIMIZER = "apex-distributed-adam"
 # accumulate their GEMM weights in the GEMM and the 5B rows through apex's hook ("apex-distributed-adam-fused",
 # "apex-distributed-adam": ``plan.accumulation``).
 NEMO_ACCUMULATION = {False: "apex-distributed-adam", True: "apex-distributed-adam-fused"}
+# SP's backward (175B): NeMo 1.11.0's apex (Dockerfile: NVIDIA/apex 3c19f106) gathers each column-parallel layer's
+# input again and reduce-scatters its gradient, async_op, beside its two backward GEMMs; the launcher sets
+# CUDA_DEVICE_MAX_CONNECTIONS=1 at TP > 1 (bignlp/core/stages.py at 3579cdb3).
 NEMO_WHERE = ("NVIDIA/NeMo-Megatron-Launcher README §7.1.2 (commit 3579cdb3); layouts from "
               "conf/training/gpt3/5b.yaml and 175b.yaml at that commit")
 NEMO_5B = ((1, 40345), (2, 79815), (4, 161754), (8, 312774), (16, 659481), (32, 1159288))
@@ -257,7 +258,8 @@ def _nemo() -> list[PublishedRun]:
                                 Layout(tp=8, pp=8, dp=n // 64, microbatch_size=2, sequence_parallel=True,
                                        recompute="selective", zero=1, partition=MEGATRON_CUT),
                                 Training(2048, overlap_grad_reduce=False, optimizer=NEMO_OPTIMIZER,
-                                         grad_accumulation=NEMO_ACCUMULATION[True], tied_grad_sum=TIED_FULL),
+                                         grad_accumulation=NEMO_ACCUMULATION[True], tied_grad_sum=TIED_FULL,
+                                         sp_async_backward=True),
                                 f"{tps} tokens per second", tokens_step(2048, 2048, tps),
                                 "global batch x seq / tokens per second",
                                 assumed + ("1F1B, not interleaved", "NeMo 1.11.0: no gradient-reduction overlap "
@@ -266,39 +268,37 @@ def _nemo() -> list[PublishedRun]:
 
 
 # ---- BigScience BLOOM 176B ---------------------------------------------------------------------------------
-# bigscience-workshop/bigscience train/tr11-176B-ml/chronicles.md: at full global batch 2048, "iteration 12695/
-# 115311 | ... | elapsed time per iteration (s): 105.22 | ... | TFLOPs: 149.02"; README.md of that folder: 384
-# A100 80GB, TP=4 PP=12 DP=8 MBS=2, 70 layers, hidden 14336, 112 heads, seq 2048, vocab 250,880 (padded),
-# ALiBi, bf16, BF16_Optimizer's own ZeRO stage 1; tr11-176B-ml.slurm: --checkpoint-activations. Inter-node:
-# "4 OmniPath links" per node. Gradients: DeepSpeed's BF16_Optimizer (ZERO_STAGE=0 with bf16 in that slurm)
-# accumulates them in an fp32 buffer (microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py at 56c52238,
-# fp32_groups_gradients_flat) beside the bf16 ones and all-reduces that buffer cast to bf16 (engine.py,
-# communication_data_type): costed as fp32 (one dtype for both; no memory figure of this run is checked).
-# Its optimizer step is that BF16_Optimizer's around Megatron-DeepSpeed's apex FusedAdam ("deepspeed-bf16",
-# ``plan.optimizers``; tr11-176B-ml.slurm: --optimizer adam, --clip-grad 1.0), and so is its gradient accumulation
-# (update_hp_grads after every backward: "deepspeed-bf16", ``plan.accumulation``). Its pipeline engine all-reduces
-# the tied embedding's whole fp32 gradient over the first and last stages (pipe/engine.py _exec_reduce_tied_grads).
-# Its cut, "--pp-partition-method 'type:transformer|embedding'": "pp rank 0: [embed | 5 transformer blocks] ... pp
-# rank 11: [5 transformer blocks | embed]" (README.md of that folder).
+# bigscience-workshop/bigscience train/tr11-176B-ml/chronicles.md: at full global batch 2048, "iteration 12695/115311 |
+# ... | elapsed time per iteration (s): 105.22 | ... | TFLOPs: 149.02"; README.md of that folder: 384 A100 80GB, TP=4
+# PP=12 DP=8 MBS=2, 70 layers, hidden 14336, 112 heads, seq 2048, vocab 250,880 (padded), ALiBi, bf16, BF16_Optimizer's
+# own ZeRO stage 1; tr11-176B-ml.slurm: --checkpoint-activations. Inter-node: "4 OmniPath links" per node. Gradients:
+# DeepSpeed's BF16_Optimizer (ZERO_STAGE=0 with bf16 in that slurm) accumulates them in an fp32 buffer
+# (microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py at 56c52238, fp32_groups_gradients_flat) beside the bf16 ones
+# and all-reduces that buffer cast to bf16 (engine.py, communication_data_type): costed as fp32 (one dtype for both; no
+# memory figure of this run is checked). Its optimizer step is that BF16_Optimizer's around Megatron-DeepSpeed's apex
+# FusedAdam ("deepspeed-bf16", ``plan.optimizers``; tr11-176B-ml.slurm: --optimizer adam, --clip-grad 1.0), and so is
+# its gradient accumulation (update_hp_grads after every backward: "deepspeed-bf16", ``plan.accumulation``). Its
+# pipeline engine all-reduces the tied embedding's whole fp32 gradient over the first and last stages (pipe/engine.py
+# _exec_reduce_tied_grads). Its cut, "--pp-partition-method 'type:transformer|embedding'": "pp rank 0: [embed | 5
+# transformer blocks] ... pp rank 11: [5 transformer blocks | embed]" (README.md of that folder).
 BLOOM_CUT = (5,) + (6,) * 10 + (5,)
 BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
                "bigscience-workshop/bigscience")
 OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
 
 
-# The same repository's train/tr11-176B-ml/chronicles-prequel.md (commit 59a90eec) records the topology search on
-# those 48 nodes before the run, one early iteration per layout ("the snapshot of a single iteration (always 2nd)"):
-# its "GBS Variations" tables (NLAYERS=72, NHIDDEN=14336, NHEADS=64, 02-25) print DP, TP, PP, MBS, GBS, Mem, Sec/it
-# and TFLOPs, or OOM. The TFLOPs follow from Sec/it by eq. (3) with activation recomputation (Megatron-DeepSpeed's
-# count), which the test checks. The GBS 1568 rows stay out: their iteration took as long as the 2048 rows'.
-# Gradients: 16-bit. The launch script of that day (train/tr11-200B-ml/tr11-200B-ml.slurm at commit f658243,
-# 2022-02-25) runs --fp16 with DeepSpeed's ZeRO stage 1 (bf16 disabled; the prequel's 02-21 notes: "currently can't
-# test ZeRO_STAGE=0 on master"), whose fp16 gradients are kept in the parameters' dtype and reduced in fp16
-# (deepspeed/runtime/engine.py at v0.5.10, 2022-01, communication_data_type: fp16 when fp16 or a ZeRO stage is on).
-# Its optimizer step: that ZeRO-1's fp16 step around apex's FusedAdam (the slurm's --optimizer adam, --clip-grad 1.0,
-# "gradient_clipping": 1.0), "deepspeed-zero-fp16" (``plan.optimizers``). Its ds_config sets no overlap_comm (v0.5.10's
-# default False): ZeRO-1 registers no gradient hooks and autograd accumulates the fp16 gradients in param.grad
-# ("autograd-16bit", ``plan.accumulation``).
+# The same repository's train/tr11-176B-ml/chronicles-prequel.md (commit 59a90eec) records the topology search on those
+# 48 nodes before the run, one early iteration per layout ("the snapshot of a single iteration (always 2nd)"): its "GBS
+# Variations" tables (NLAYERS=72, NHIDDEN=14336, NHEADS=64, 02-25) print DP, TP, PP, MBS, GBS, Mem, Sec/it and TFLOPs,
+# or OOM. The TFLOPs follow from Sec/it by eq. (3) with activation recomputation (Megatron-DeepSpeed's count), which the
+# test checks. The GBS 1568 rows stay out: their iteration took as long as the 2048 rows'. Gradients: 16-bit. The launch
+# script of that day (train/tr11-200B-ml/tr11-200B-ml.slurm at commit f658243, 2022-02-25) runs --fp16 with DeepSpeed's
+# ZeRO stage 1 (bf16 disabled; the prequel's 02-21 notes: "currently can't test ZeRO_STAGE=0 on master"), whose fp16
+# gradients are kept in the parameters' dtype and reduced in fp16 (deepspeed/runtime/engine.py at v0.5.10, 2022-01,
+# communication_data_type: fp16 when fp16 or a ZeRO stage is on). Its optimizer step: that ZeRO-1's fp16 step around
+# apex's FusedAdam (the slurm's --optimizer adam, --clip-grad 1.0, "gradient_clipping": 1.0), "deepspeed-zero-fp16"
+# (``plan.optimizers``). Its ds_config sets no overlap_comm (v0.5.10's default False): ZeRO-1 registers no gradient
+# hooks and autograd accumulates the fp16 gradients in param.grad ("autograd-16bit", ``plan.accumulation``).
 BLOOM_PREQUEL_GRADS = "fp16"
 BLOOM_PREQUEL_WHERE = ("BigScience tr11-176B-ml chronicles-prequel.md (commit 59a90eec), 'GBS Variations' "
                        "(NLAYERS=72, NHIDDEN=14336, NHEADS=64), bigscience-workshop/bigscience")

@@ -56,15 +56,15 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, training: Traini
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut, as ``training``'s stack runs a layer (None: plait's runtime, ``Training``'s
     defaults): its ``precision``; without ``recompute_head`` the head's recomputation is not charged;
-    ``tp_comm_overlap`` and ``tp_overlap_sms`` for the TP collectives, ``elementwise`` for its element-wise
-    kernels (``CostModel.blocks``). Each backward also
-    accumulates the chunk's weight gradients as ``grad_accumulation`` runs it over ``microbatches``: its hooks and
-    kernels run on the GPU as each gradient is produced, so they lengthen that backward (and the W pass of
-    split-backward schedules) on the pipeline's critical path, charged in ``b_compute`` and ``w_compute``
-    (``CostModel.accumulation_time``)."""
+    ``tp_comm_overlap``, ``tp_overlap_sms`` and ``sp_async_backward`` for the TP collectives, ``elementwise`` for
+    its element-wise kernels (``CostModel.blocks``). Each backward also accumulates the chunk's weight gradients
+    as ``grad_accumulation`` runs it over ``microbatches``: its hooks and kernels run on the GPU as each gradient
+    is produced, so they lengthen that backward (and the W pass of split-backward schedules) on the pipeline's
+    critical path, charged in ``b_compute`` and ``w_compute`` (``CostModel.accumulation_time``)."""
     t = training if training is not None else Training(1)
     precision = t.precision
-    blocks = costs.blocks(model, layout, precision, t.tp_comm_overlap, t.tp_overlap_sms, t.elementwise)
+    blocks = costs.blocks(model, layout, precision, t.tp_comm_overlap, t.tp_overlap_sms, t.elementwise,
+                          t.sp_async_backward)
     if not t.recompute_head:
         blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)

@@ -259,7 +259,8 @@ def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, 
     costs = cluster.costs
     n = layout.dp * layout.cp
     span = layout.tp * n
-    blocks = costs.blocks(model, layout, training.precision, training.tp_comm_overlap, training.tp_overlap_sms)
+    blocks = costs.blocks(model, layout, training.precision, training.tp_comm_overlap, training.tp_overlap_sms,
+                          sp_async=training.sp_async_backward)
     emb, head = blocks.embedding, blocks.head
     layers = max(1, rank.layers)
     head_r = head.recompute if training.recompute_head else 0.0

@@ -187,9 +187,10 @@ class HostCosts:
                           1 if kind == "layer" else 0)
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
-               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = "fused") -> Blocks:
-        """As plait runs a layer here: its TP collectives exposed (``tp_overlap`` and ``overlap_sms`` model
-        Transformer Engine's userbuffers on catalogue GPUs, which plait's runtime does not run); its element-wise
+               overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = "fused",
+               sp_async: bool = False) -> Blocks:
+        """As plait runs a layer here: its TP collectives exposed (``tp_overlap``, ``overlap_sms`` and ``sp_async``
+        model other stacks' overlaps on catalogue GPUs, which plait's runtime does not run); its element-wise
         kernels are in the measured layer times whatever ``elementwise`` says."""
         if tp_overlap:
             raise ConfigError("tp_comm_overlap: models Megatron-Core's userbuffers on catalogue GPUs; a calibrated "
