@@ -65,3 +65,29 @@ def lowered_timeout(done: str) -> dict:
     finally:
         Path(done).touch()
     return {"role": "waiter", "waited": waited, "timeout_s": ctx.timeout_s}
+
+
+def silent_decode_peer(stuck: int, done: str) -> dict:
+    """``plait.generate`` over two pipeline stages where pipeline rank ``stuck`` never decodes (alive until the
+    other has created the file ``done``, at most 60 s); the other must raise, naming what it waited for and the
+    rank it waited on."""
+    from plait.generation import generate
+
+    ctx = plait.init(tp=1, pp=2, dp=1, timeout_s=3.0)
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(cfg), ctx, microbatches=1)
+    if ctx.rank == stuck:
+        deadline = time.monotonic() + 60.0
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"role": "silent"}
+    try:
+        generate(pm, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
+    except plait.CommError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
+    except RuntimeError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
+    finally:
+        Path(done).touch()
+    return {"role": "waiter", "raised": None, "message": ""}

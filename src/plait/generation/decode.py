@@ -240,8 +240,11 @@ class _Pipelined:
                 self.trace.append((c, g, p, t0, time.monotonic()))
         self.links.wait()
         if dec.ctx is not None and dec.ctx.pp_size > 1:
-            out = self.buf.to(dec.device)
-            dist.broadcast(out, src=dec.peer(self.last), group=dec.ctx.pp_group)
+            from plait.generation.wavefront import waiting
+
+            out, src, group = self.buf.to(dec.device), dec.peer(self.last), dec.ctx.pp_group
+            waiting(dec, "every prompt's tokens from the last stage", src,
+                    lambda: dist.broadcast(out, src=src, group=group))
             self.buf.copy_(out.cpu())
 
     def _going(self, g: int, p: int) -> bool:
@@ -264,8 +267,14 @@ class _Pipelined:
         dec, rows = self.dec, self.rows[g]
         assert not self.sampler, "the last stage holds the tokens it sampled"
         got = torch.empty(len(rows), dtype=torch.long, device=dec.device)
-        dist.recv(got, src=dec.peer(self.last), tag=dec.num_chunks)
+        self.links.recv(got, dec.peer(self.last), dec.num_chunks, f"the tokens of {self._item(g, p)}")
         self._know(g, p, got.cpu())
+
+    def _item(self, g: int, p: int) -> str:
+        """Group ``g`` at position ``p`` in words: "prompts 0-3 at new position 2" (position 0: the prompt)."""
+        rows = self.rows[g].tolist()
+        which = f"prompt {rows[0]}" if len(rows) == 1 else f"prompts {rows[0]}-{rows[-1]}"
+        return f"{which} at new position {p}"
 
     def _know(self, g: int, p: int, tokens: torch.Tensor) -> None:
         rows, col = self.rows[g], self.start + p
@@ -277,7 +286,8 @@ class _Pipelined:
         """Token ids (chunk 0) or hidden states of group ``g`` at position ``p``."""
         rows, dec = self.rows[g], self.dec
         if c > 0:
-            return self.links.take(c, (g, p), len(rows), self.start if p == 0 else 1)
+            return self.links.take(c, (g, p), len(rows), self.start if p == 0 else 1,
+                                   f"the hidden states of {self._item(g, p)} into chunk {c}")
         if p == 0:
             return self.buf[rows, : self.start].to(dec.device)
         col = self.start + p - 1

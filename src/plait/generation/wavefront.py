@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from plait.errors import CommError, CommTimeoutError, is_timeout
 
 if TYPE_CHECKING:
     from plait.generation.decode import Decoder
@@ -37,13 +40,17 @@ class Links:
         self.kept: dict[tuple, torch.Tensor] = {}
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def take(self, c: int, key: tuple, b: int, s: int) -> torch.Tensor:
-        """Input hidden states [b, s, dim] of chunk ``c`` > 0 for work item ``key``."""
+    def take(self, c: int, key: tuple, b: int, s: int, what: str = "") -> torch.Tensor:
+        """Input hidden states [b, s, dim] of chunk ``c`` > 0 for work item ``key`` (``what``, in errors)."""
         if (c - 1, key) in self.kept:
             return self.kept.pop((c - 1, key))
         x = torch.empty(b, s, self.dim, dtype=self.dec.dtype, device=self.dec.device)
-        dist.recv(x, src=self.dec.peer(c - 1), tag=c)
+        self.recv(x, self.dec.peer(c - 1), c, what or f"the hidden states of item {key} into chunk {c}")
         return x
+
+    def recv(self, x: torch.Tensor, src: int, tag: int, what: str) -> None:
+        """Receive ``x`` from global rank ``src`` (blocking); see ``waiting``."""
+        waiting(self.dec, what, src, lambda: dist.recv(x, src=src, tag=tag))
 
     def give(self, c: int, key: tuple, x: torch.Tensor) -> None:
         """Hand chunk ``c``'s output for ``key`` to chunk ``c + 1``."""
@@ -63,3 +70,18 @@ class Links:
         for work, _x in self.pending:
             work.wait()
         self.pending.clear()
+
+
+def waiting(dec: Decoder, what: str, peer: int, op: Callable[[], object]) -> None:
+    """Run ``op``, a blocking wait for ``what`` from global rank ``peer``. The backend's error (Gloo's "Timed out
+    waiting 3000ms for recv operation") becomes a CommTimeoutError naming this pipeline rank, what it waited
+    for and the rank it waited on; any other failure a CommError asking whether that rank died."""
+    try:
+        op()
+    except RuntimeError as exc:
+        me = f"generate: pipeline rank {dec.me}"
+        if is_timeout(exc):
+            seconds = dec.ctx.timeout_s if dec.ctx is not None else 0.0
+            raise CommTimeoutError(f"{me} waited more than {seconds:g}s for {what} from global rank {peer} (is "
+                                   f"it stuck?): {exc}") from exc
+        raise CommError(f"{me}: {what} from global rank {peer} failed (did that rank die?): {exc}") from exc

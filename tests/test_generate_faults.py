@@ -1,0 +1,27 @@
+"""A pipeline stage that stops answering in the middle of ``plait.generate`` ends its peer's decoding with a
+CommTimeoutError naming what the peer waited for and the rank it waited on, not the backend's bare timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import checks_faults
+from harness import PRELOAD, launch
+
+
+@pytest.mark.parametrize("stuck,needle", [
+    (1, "generate: pipeline rank 0 waited more than 3s for the tokens of prompt 0 at new position 0 from global "
+        "rank 1"),
+    (0, "generate: pipeline rank 1 waited more than 3s for the hidden states of prompt 0 at new position 0 into "
+        "chunk 1 from global rank 0"),
+])
+def test_a_stuck_stage_is_named_by_its_peer(tmp_path, stuck, needle):
+    t0 = time.monotonic()
+    world = launch(checks_faults.silent_decode_peer, 2, stuck, str(tmp_path / "done"), timeout_s=120,
+                   preload=PRELOAD)
+    waiter = world[1 - stuck]
+    assert world[stuck]["role"] == "silent"
+    assert waiter["raised"] == "CommTimeoutError" and needle in waiter["message"], waiter
+    assert time.monotonic() - t0 < 100, "the timeout did not fire promptly"
