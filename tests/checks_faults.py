@@ -67,21 +67,34 @@ def lowered_timeout(done: str) -> dict:
     return {"role": "waiter", "waited": waited, "timeout_s": ctx.timeout_s}
 
 
-def silent_decode_peer(stuck: int, done: str) -> dict:
-    """``plait.generate`` over two pipeline stages where pipeline rank ``stuck`` never decodes (alive until the
-    other has created the file ``done``, at most 60 s); the other must raise, naming what it waited for and the
-    rank it waited on."""
-    from plait.generation import generate
+def silent_decode_peer(stuck: int, after: int, done: str) -> dict:
+    """``plait.generate`` over two pipeline stages where pipeline rank ``stuck`` stops answering in the decode
+    loop after running ``after`` work items (alive until the other has created the file ``done``, at most
+    60 s); the other must raise, naming what it waited for and the rank it waited on."""
+    from plait.generation import decode, generate
 
     ctx = plait.init(tp=1, pp=2, dp=1, timeout_s=3.0)
     cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=16)
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx, microbatches=1)
     if ctx.rank == stuck:
-        deadline = time.monotonic() + 60.0
-        while not Path(done).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return {"role": "silent"}
+        ran, run = [0], decode.Decoder.run
+
+        def stalling(self, c, x, caches):
+            if ran[0] == after:  # alive, connected, but sends nothing more, until the waiter has its error
+                deadline = time.monotonic() + 60.0
+                while not Path(done).exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                raise RuntimeError("stopped answering on purpose")
+            ran[0] += 1
+            return run(self, c, x, caches)
+
+        decode.Decoder.run = stalling  # type: ignore[method-assign]  # this forked rank's process only
+        try:
+            generate(pm, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
+        except RuntimeError:
+            return {"role": "silent", "ran": ran[0]}
+        return {"role": "silent", "ran": ran[0], "finished": True}
     try:
         generate(pm, [[1, 2, 3], [4, 5, 6]], max_new_tokens=4)
     except plait.CommError as exc:

@@ -1,5 +1,9 @@
 """plait's exception types, and the valid choices their messages offer (importable without torch)."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+
 
 class ConfigError(ValueError):
     """An invalid configuration, raised before any collective runs.
@@ -20,6 +24,21 @@ def is_timeout(exc: BaseException) -> bool:
     """Whether a backend's error (Gloo: "Timed out waiting ...ms for recv operation") says a wait timed out."""
     text = str(exc).lower()
     return "timed out" in text or "timeout" in text
+
+
+def comm_wait(op: Callable[[], object], what: str, peer: int | None, timeout_s: float, me: str = "") -> None:
+    """Run ``op``, a blocking wait for ``what`` from global rank ``peer`` (None: no one rank) that the backend
+    ends after ``timeout_s``. Its error becomes a CommTimeoutError ("waited more than 3s for ... from global
+    rank 1") when it says the wait timed out, else a CommError asking whether that rank died; ``me`` (the
+    waiting rank in words, e.g. "pipeline rank 0") opens the message."""
+    try:
+        op()
+    except RuntimeError as exc:
+        who = f" from global rank {peer}" if peer is not None else ""
+        if is_timeout(exc):
+            raise CommTimeoutError(f"{me + ' ' if me else ''}waited more than {timeout_s:g}s for {what}{who}: "
+                                   f"{exc}") from exc
+        raise CommError(f"{me + ': ' if me else ''}{what}{who} failed (did that rank die?): {exc}") from exc
 
 
 #: the command-line flag of each library parameter whose flag is not ``--`` and its name with dashes: the one

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from plait.errors import CommError, CommTimeoutError, is_timeout
+from plait.errors import comm_wait
 
 if TYPE_CHECKING:
     from plait.generation.decode import Decoder
@@ -73,15 +73,7 @@ class Links:
 
 
 def waiting(dec: Decoder, what: str, peer: int, op: Callable[[], object]) -> None:
-    """Run ``op``, a blocking wait for ``what`` from global rank ``peer``. The backend's error (Gloo's "Timed out
-    waiting 3000ms for recv operation") becomes a CommTimeoutError naming this pipeline rank, what it waited
-    for and the rank it waited on; any other failure a CommError asking whether that rank died."""
-    try:
-        op()
-    except RuntimeError as exc:
-        me = f"generate: pipeline rank {dec.me}"
-        if is_timeout(exc):
-            seconds = dec.ctx.timeout_s if dec.ctx is not None else 0.0
-            raise CommTimeoutError(f"{me} waited more than {seconds:g}s for {what} from global rank {peer} (is "
-                                   f"it stuck?): {exc}") from exc
-        raise CommError(f"{me}: {what} from global rank {peer} failed (did that rank die?): {exc}") from exc
+    """Run ``op``, this pipeline rank's blocking wait for ``what`` from global rank ``peer``, through
+    plait.errors.comm_wait: a timeout or failure names "generate: pipeline rank N", ``what`` and ``peer``."""
+    timeout_s = dec.ctx.timeout_s if dec.ctx is not None else 0.0
+    comm_wait(op, what, peer, timeout_s, me=f"generate: pipeline rank {dec.me}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plait.errors import CommError, CommTimeoutError, is_timeout
+from plait.errors import CommError, comm_wait
 
 ACT, GRAD, HEADER, LOSS = 0, 1, 2, 3
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32]
@@ -160,13 +160,8 @@ class Transport:
         return pending.buffer.to(self.device)
 
     def _wait(self, work, what: str, peer: int) -> None:
-        who = f" from rank {peer}" if peer >= 0 else ""
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            if is_timeout(exc):
-                raise CommTimeoutError(f"waited more than {self.timeout_s:.0f}s for {what}{who}: {exc}") from exc
-            raise CommError(f"{what}{who} failed (did that rank die?): {exc}") from exc
+        """Wait for ``work`` (``what``, from global rank ``peer``; -1: none), as plait.errors.comm_wait."""
+        comm_wait(lambda: work.wait(self.timeout), what, peer if peer >= 0 else None, self.timeout_s)
 
 
 def _encode_header(t: torch.Tensor) -> torch.Tensor:
