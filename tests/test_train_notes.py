@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from plait.train.config import TrainConfig
 from plait.train.resume import changed_effects, changed_settings, resume_note
 
@@ -268,3 +270,24 @@ def test_the_layout_line_names_a_pipeline_schedule_only_where_there_is_a_pipelin
     assert layout_text(ParallelConfig(tp=1, pp=2, dp=1, microbatches=4, schedule="interleaved-1f1b",
                                       virtual_stages=2)) == \
         "tp 1 x pp 2 x dp 1 (2 processes), interleaved-1f1b V=2, 4 micro-batches"
+
+
+def test_the_sample_prompt_of_a_template_ending_each_turn_with_the_eos_is_the_whole_opening(tmp_path):
+    """ChatML's <|im_end|> ends every turn and is the dataset's end-of-document token: the prompt was the first
+    8 tokens ("<|im_start|>system\\n", cut at the system turn's end), now the conversation up to the assistant."""
+    AutoTokenizer = pytest.importorskip("transformers").AutoTokenizer
+
+    from chat_templates import QWEN25, template_folder
+    from plait.data import prepare
+    from plait.data.chat import ChatSpec
+    from plait.data.stream import open_data
+
+    chat = [{"role": "user", "content": "what is 2 plus 2?"}, {"role": "assistant", "content": "2 plus 2 is 4."}]
+    folder = str(template_folder(tmp_path / "qwen", "jinja", QWEN25, None, "<|im_end|>", "what is 2 plus 4 " * 8))
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    prepare([str(tmp_path / "chats.jsonl")], folder, tmp_path / "d", workers=1, held_out=0.0, chat=ChatSpec(folder))
+    hf = AutoTokenizer.from_pretrained(folder)
+    want = list(hf.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert want.count(hf.convert_tokens_to_ids("<|im_end|>")) == 2  # the default system turn's and the user's
+    data = open_data([str(tmp_path / "d")], folder, 512, 32, 2, 0, 1)
+    assert data.prompt(256) == want

@@ -60,6 +60,11 @@ class TokenSplit(Protocol):
 
     def read_mask(self, start: int, length: int) -> np.ndarray: ...
 
+    def first_document_end(self) -> int | None:
+        """Where the first document ends in the stream (after its EOS), from the split's document index; None
+        without one."""
+        ...
+
 
 class Split:
     """One split's token stream (its shard files, read with ``pread`` when asked: no file is opened or mapped
@@ -112,6 +117,11 @@ class Split:
                 os.close(fd)
             pos, left, i = pos + take, left - take, i + 1
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+    def first_document_end(self) -> int | None:
+        """Where the first document ends (docs.npy's second entry); None for a dataset prepared without an index
+        or with no document."""
+        return int(self.docs[1]) if len(self.docs) > 1 else None
 
     def document(self, i: int) -> np.ndarray:
         """Document ``i``'s tokens, its EOS included."""

@@ -46,6 +46,9 @@ class MemorySplit:
     def read_mask(self, start: int, length: int) -> np.ndarray:
         return np.ones(length, dtype=np.uint8)
 
+    def first_document_end(self) -> int | None:
+        return None  # no document index: text documents end at their first EOS
+
 
 @dataclass
 class TrainSource:
@@ -181,7 +184,10 @@ class TrainData:
         split = source.held_out if source.held_out.tokens > 1 else source.train
         n = min(limit, split.tokens)
         ids, mask = split.read(0, n).tolist(), split.read_mask(0, n)
-        eos = ids.index(source.eos) if source.eos in ids else n  # the first document's end
+        # the first document's end (its EOS left out): the index knows it, where a chat template may end every
+        # turn with the EOS token too (ChatML's <|im_end|>); else the first EOS
+        end = split.first_document_end()
+        eos = min(end - 1, n) if end is not None else ids.index(source.eos) if source.eos in ids else n
         first = int(np.argmax(mask[:eos])) if split.masked and mask[:eos].any() else 0
         return ids[:first] if first > 0 else ids[:min(PROMPT_TOKENS, max(1, eos))]
 
