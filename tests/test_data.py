@@ -298,6 +298,8 @@ def test_too_short_and_tokenizer_mismatch_are_config_errors(tmp_path, bpe):
         prepared_source(str(tmp_path / "bpe-set"), 1.0, "tiny", 256)
     fp = open_prepared(tmp_path / "bpe-set").tokenizer["fingerprint"]
     assert fp in str(err.value) and "fingerprint bytes" in str(err.value) and "UTF-8 bytes" in str(err.value)
+    assert str(err.value).endswith(f"prepare it again with --tokenizer bytes, or give --model a model folder "
+                                   f"(config.json) whose tokenizer.json is {bpe / 'tokenizer.json'}'s")
     model = tmp_path / "model"  # a model folder with this tokenizer but a vocabulary too small for it
     from plait.models import Llama, LlamaConfig
 

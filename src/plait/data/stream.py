@@ -291,7 +291,9 @@ def prepared_source(path: str, weight: float, model: str, vocab_size: int) -> Tr
     if tok["fingerprint"] != fingerprint:
         raise ConfigError(f"--data {path} was prepared with {tok['name']} (fingerprint {tok['fingerprint']}, "
                           f"vocabulary {tok['vocab_size']:,}), but --model {model} reads {name} (fingerprint "
-                          f"{fingerprint}): prepare it again with --tokenizer {again}")
+                          f"{fingerprint}): prepare it again with --tokenizer {again}"
+                          + (f", or give --model a model folder (config.json) whose tokenizer.json is "
+                             f"{tok['name']}'s" if tok["fingerprint"] != BYTES else ""))
     if tok["vocab_size"] > vocab_size:
         raise ConfigError(f"--data {path}: its tokenizer's vocabulary {tok['vocab_size']:,} exceeds --model {model}'s "
                           f"vocab_size {vocab_size:,}")
