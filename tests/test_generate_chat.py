@@ -119,3 +119,31 @@ def test_chat_errors_name_the_flag_before_launching(qwen, tmp_path):
                                                                 "TemplateError: Conversation roles must alternate")):
         res = CliRunner().invoke(app, ["generate", "--model", str(model), *args])
         assert res.exit_code == 2 and res.output.startswith(needle), (args, res.output)
+
+
+def test_a_chat_gets_the_prompt_and_reply_plait_serve_gives_it(qwen, tmp_path):
+    """The same conversation through a running ``plait serve`` (/tokenize with messages, and a greedy
+    /v1/chat/completions) and through ``plait generate --chat``: the same prompt ids, the same reply."""
+    import httpx
+
+    from plait.cli.generate_chat import Conversation, chat_prompt_ids
+    from plait.generation.job import source_config
+    from serve_util import Server
+
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello world?"}]
+    config, _, tok = source_config(str(qwen))
+    ids, _ = chat_prompt_ids(str(qwen), tok, config.max_seq_len, [Conversation("--chat", chat)], None, None)
+    server = Server(qwen, tmp_path)
+    try:
+        server.wait_healthy(timeout=180)
+        served = httpx.post(f"{server.url}/tokenize", json={"messages": chat}, timeout=60).json()["tokens"]
+        body = {"model": qwen.name, "messages": chat, "max_tokens": NEW, "temperature": 0}
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    finally:
+        server.kill()
+    assert ids == [served], (ids, served)
+    res = CliRunner().invoke(app, ["generate", "--model", str(qwen), "--system", SYSTEM, "--chat", "hello world?",
+                                   "--max-new-tokens", str(NEW)])
+    assert res.exit_code == 0, res.output
+    assert "choices" in reply and reply["choices"][0]["message"]["content"], reply
+    assert res.output.endswith(f"{reply['choices'][0]['message']['content']}\n\n"), (reply, res.output)

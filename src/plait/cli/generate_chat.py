@@ -1,6 +1,6 @@
 """``plait generate``'s chat mode: conversations (--chat, --system, --messages) turned into prompt ids through the
 model's chat template, by the code that renders ``plait serve``'s /v1/chat/completions requests
-(plait.serve.tokens.TokenizerInfo.chat_ids), so that one conversation gets the same prompt from both."""
+(plait.serve.tokens.model_tokens), so that one conversation gets the same prompt from both."""
 
 from __future__ import annotations
 
@@ -51,23 +51,20 @@ def chat_prompt_ids(model: str, tok, context: int, convs: list[Conversation], te
                     template_kwargs: str | None) -> tuple[list[list[int]], str]:
     """The prompt ids of each conversation, with the generation prompt, and where the template came from
     (the model's folder, --chat-template, or plait's own format for a folder without one, as plait serve)."""
-    from plait.chat_kwargs import parse_template_kwargs
-    from plait.chat_template import ChatTemplate, check_template
+    from plait.chat_template import check_template
     from plait.generation.job import tokenizer_folder
     from plait.serve.protocol import ApiError
-    from plait.serve.tokens import TokenizerInfo
+    from plait.serve.tokens import model_tokens
 
-    folder = tokenizer_folder(model)
-    check_template(folder, template)
-    chat = ChatTemplate(folder, template)
-    info = TokenizerInfo(tok, folder, context, chat, parse_template_kwargs(template_kwargs), eos=())
+    check_template(tokenizer_folder(model), template)
+    info = model_tokens(model, tok, context, template, template_kwargs)
     ids = []
     for conv in convs:
         try:
             ids.append(info.chat_ids({"messages": conv.messages}))
         except ApiError as exc:  # the template refused the messages (raise_exception) or failed on them
-            raise ConfigError(f"{conv.label}: {exc.message} ({chat.source})") from None
-    return ids, chat.source
+            raise ConfigError(f"{conv.label}: {exc.message} ({info.chat.source})") from None
+    return ids, info.chat.source
 
 
 def short(text: str) -> str:

@@ -182,26 +182,21 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     """Rank 0: the engine in this (main) thread, uvicorn in another; after a stop, the last responses go out."""
     import uvicorn
 
-    from plait.chat_kwargs import parse_template_kwargs
-    from plait.chat_template import ChatTemplate
-    from plait.generation.job import end_ids, tokenizer_folder
     from plait.serve.engine import STALL_SHOWN_S, Engine
     from plait.serve.kv import BlockAllocator
     from plait.serve.metrics import Metrics
     from plait.serve.protocol import Limits
     from plait.serve.scheduler import Scheduler
     from plait.serve.server import Api
-    from plait.serve.tokens import TokenizerInfo
+    from plait.serve.tokens import model_tokens
 
     tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
     metrics = Metrics()
     alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
     sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
     engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
-    folder = tokenizer_folder(payload["model"])
-    chat = ChatTemplate(folder, payload["chat_template"], payload["trust_request_chat_template"])
-    variables = parse_template_kwargs(payload["chat_template_kwargs"])
-    tokens = TokenizerInfo(tok, folder, cfg.max_seq_len, chat, variables, end_ids(payload["model"]))
+    tokens = model_tokens(payload["model"], tok, cfg.max_seq_len, payload["chat_template"],
+                          payload["chat_template_kwargs"], payload["trust_request_chat_template"])
     limits = Limits(payload["name"], cfg.max_seq_len, cfg.vocab_size, payload["max_tokens"], payload["kv_budget"],
                     tokens.eos)
     api = Api(engine, limits, tokens, metrics, payload["max_queue"], payload["max_body"], payload["request_timeout"])
@@ -224,7 +219,8 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
           f"{' reserved up front' if payload['kv_reserve'] else ''}"
           f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
           f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
-          f"plait serve: chat template: {chat.source}{f', variables {json.dumps(variables)}' if variables else ''}",
+          f"plait serve: chat template: {tokens.chat.source}"
+          f"{f', variables {json.dumps(tokens.template_kwargs)}' if tokens.template_kwargs else ''}",
           flush=True)
     if runner.ctx is not None:
         engine.peers = _step_limit(runner, payload["step_timeout"], STALL_SHOWN_S)

@@ -67,3 +67,17 @@ class TokenizerInfo:
         where the template came from."""
         return {"tokenizer_class": type(self.tok).__name__, **self.special, "model_max_length": self.context,
                 "chat_template": self.chat.default, "chat_template_source": self.chat.source}
+
+
+def model_tokens(model: str, tok, context: int, template: str | None = None, template_kwargs: str | None = None,
+                 trust_request_templates: bool = False) -> TokenizerInfo:
+    """The TokenizerInfo of ``model`` (a plait checkpoint or a Hugging Face folder) whose tokenizer is ``tok``:
+    its folder's chat template, or ``template`` (--chat-template), the variables of ``template_kwargs``
+    (--chat-template-kwargs, JSON) and its end ids (plait.generation.job.end_ids). ``plait serve`` renders
+    chat requests with it, and ``plait generate --chat`` its conversations."""
+    from plait.chat_kwargs import parse_template_kwargs
+    from plait.generation.job import end_ids, tokenizer_folder
+
+    folder = tokenizer_folder(model)
+    chat = ChatTemplate(folder, template, trust_request_templates)
+    return TokenizerInfo(tok, folder, context, chat, parse_template_kwargs(template_kwargs), end_ids(model))
