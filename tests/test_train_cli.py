@@ -64,17 +64,6 @@ def test_bad_flags_fail_with_one_line(args, needle):
     assert needle in lines[0] and "Traceback" not in res.output
 
 
-def test_resume_of_a_run_already_at_steps_says_so_before_launching(tmp_path):
-    from plait.checkpoint.store import FORMAT, META
-
-    done = tmp_path / "ckpt" / "step_00000005"
-    done.mkdir(parents=True)
-    (done / META).write_text(json.dumps({"format": FORMAT, "step": 5}))
-    res = CliRunner().invoke(app, ["train", "--resume", "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "5"])
-    assert res.exit_code == 2, res.output
-    assert res.output.startswith(f"error: --steps 5: {done} is at step 5 already") and "above 5" in res.output
-
-
 def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
     from plait.checkpoint.store import FORMAT, META
     from plait.train.config import TrainConfig, model_config

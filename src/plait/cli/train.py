@@ -108,7 +108,7 @@ def _run(cfg) -> None:
     from plait.distributed.job_signals import STOP_TIMEOUT_S
     from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
     from plait.train import validate
-    from plait.train.config import check_nproc, check_outputs, check_resume
+    from plait.train.config import check_nproc, check_outputs, check_resume, complete_message
 
     if under_torchrun():
         train_worker(cfg.to_dict())
@@ -124,9 +124,12 @@ def _run(cfg) -> None:
             cfg, line = auto_layout(cfg, cfg.nproc or cfg.world)
             typer.echo(line)
         validate(cfg)
-        check_resume(cfg)
+        resumed = check_resume(cfg)
         check_outputs(cfg)
         check_cluster(cfg, cfg.nproc or cfg.world)
+    if resumed is not None and resumed[1] >= cfg.steps:  # nothing to train: said, nothing launched
+        typer.echo(complete_message(cfg, *resumed))
+        return
     if cfg.dry_run:
         _dry_run(cfg)
         return

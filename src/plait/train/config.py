@@ -318,18 +318,27 @@ def no_checkpoint(cfg: TrainConfig) -> ConfigError:
                        "fresh when there is none)")
 
 
-def check_resume(cfg: TrainConfig) -> None:
-    """The checkpoint --resume or --auto-resume would continue must hold this model, and --resume's one must be
-    before --steps; --resume needs one (checked before any process starts)."""
+def complete_message(cfg: TrainConfig, found: str | Path, step: int) -> str:
+    """What --resume or --auto-resume says when the checkpoint it found, ``found`` of step ``step``, is at or past
+    --steps: the run is complete, nothing to train, and how to train on."""
+    flag = "--resume" if cfg.resume else "--auto-resume"
+    past = f", past --steps {cfg.steps}" if step > cfg.steps else ""
+    return (f"plait train: the run is already complete at step {step}{past} ({found}); nothing to train. To train "
+            f"on, give a larger --steps (above {step}) with {flag}.")
+
+
+def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
+    """The checkpoint --resume or --auto-resume would continue must hold this model; --resume needs one (checked
+    before any process starts). Returns that checkpoint and its step (None: a fresh start)."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
 
     if not (cfg.resume or cfg.auto_resume):
-        return
+        return None
     found = find_checkpoint(cfg.checkpoint_dir)
     if found is None:
         if cfg.resume:
             raise no_checkpoint(cfg)
-        return
+        return None
     flag = "--resume" if cfg.resume else "--auto-resume"
     meta = CheckpointReader(found).meta
     saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
@@ -339,10 +348,7 @@ def check_resume(cfg: TrainConfig) -> None:
         raise ConfigError(f"{flag}: {found} holds another model than --model {cfg.model} ({differ}); resume with "
                           f"the model it was trained as (--model {meta.get('train', {}).get('model', '?')}) or give "
                           "a fresh --checkpoint-dir")
-    step = int(meta["step"])
-    if cfg.resume and step >= cfg.steps:
-        raise ConfigError(f"--steps {cfg.steps}: {found} is at step {step} already, so --resume has nothing to "
-                          f"train; give --steps above {step} to continue the run")
+    return found, int(meta["step"])
 
 
 def check_outputs(cfg: TrainConfig) -> None:

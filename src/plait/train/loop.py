@@ -253,6 +253,11 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Pr
     if stop is not None:  # from here a stop signal saves a checkpoint; before, it ends the process at once
         stop.install()  # (a worker stopped while it waits for a dead peer in the rendezvous leaves promptly)
     res = TrainResult(params=run.params)
+    if run.start >= cfg.steps:  # resumed from a checkpoint at or past --steps: the run is complete
+        res.checkpoint = run.resumed_from
+        if reporter is not None:
+            reporter.complete(run)
+        return res
     run.prediction = predictor.predict(run) if predictor is not None else None
     if reporter is not None:
         reporter.begin(run)

@@ -85,6 +85,16 @@ class Reporter:
                                    "FILE)[/yellow]")
         self._start_bar(run.start)
 
+    def complete(self, run) -> None:
+        """Instead of the run: it resumed from a checkpoint at or past --steps, so there is nothing to train."""
+        if self.active:
+            from rich.console import Console
+
+            from plait.train.config import complete_message
+
+            console = self.console or Console(highlight=False)
+            console.print(complete_message(self.cfg, run.resumed_from, run.start), markup=False)
+
     def _start_bar(self, start: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -13,21 +13,26 @@ if TYPE_CHECKING:
 
 def resume(run: Run) -> None:
     """Load the latest complete checkpoint of --checkpoint-dir (rank 0 chooses it, every rank loads the same);
-    with --auto-resume and none there, leave the run at its fresh start."""
+    with --auto-resume and none there, leave the run at its fresh start. A checkpoint at or past --steps is not
+    loaded: the run is complete, ``run.start`` its step."""
     import torch.distributed as dist
 
-    from plait.checkpoint import find_checkpoint, load_checkpoint
+    from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
 
-    box: list[str | None] = [None]
+    box: list = [None, 0]  # the checkpoint's folder and step
     if run.ctx.rank == 0:
         found = find_checkpoint(run.cfg.checkpoint_dir)
-        box[0] = None if found is None else str(found)
+        if found is not None:
+            box = [str(found), int(CheckpointReader(found).meta["step"])]
     if run.ctx.world_size > 1:
         dist.broadcast_object_list(box, src=0)
-    path = box[0]
+    path, step = box
     if path is None:
         if run.cfg.resume:
             raise no_checkpoint(run.cfg)
+        return
+    if step >= run.cfg.steps:
+        run.start, run.resumed_from = step, path
         return
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
