@@ -56,12 +56,17 @@ def prepare_progress(console, total_bytes: int):
 
 
 def prepare_summary(meta: dict, out: Path):
-    """The sources and splits of a prepared dataset as a rich table."""
+    """The sources and splits of a prepared dataset: a heading, a rich table and the notes below it (speed,
+    shards, the chat rendering, skipped records). The heading and notes are lines of their own, wrapped at the
+    console's width: as the table's title and caption they were wrapped at the table's, a few words a line."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     tok = meta["tokenizer"]
-    t = Table(title=f"plait data prepare: {out} ({tok['name']}, vocabulary {tok['vocab_size']:,}, EOS "
-                    f"{tok['eos']}, {meta['dtype']})", title_justify="left")
+    heading = Text(f"plait data prepare: {out} ({tok['name']}, vocabulary {tok['vocab_size']:,}, EOS {tok['eos']}, "
+                   f"{meta['dtype']})", style="table.title")
+    t = Table()
     for name in ("source", "kind", "MB", "documents", "skipped", "tokens"):
         t.add_column(name, justify="left" if name in ("source", "kind") else "right")
     for s in meta["sources"]:
@@ -72,18 +77,18 @@ def prepare_summary(meta: dict, out: Path):
     mb = sum(s["bytes"] for s in meta["sources"]) / 1e6
     tokens = sum(info["tokens"] for info in meta["splits"].values())
     secs = max(meta["seconds"], 1e-9)
-    t.caption = (f"{secs:.1f} s: {mb / secs:,.1f} MB/s, {tokens / secs:,.0f} tokens/s; "
-                 f"{len(meta['splits']['train']['shards'])} training shards")
+    notes = [f"{secs:.1f} s: {mb / secs:,.1f} MB/s, {tokens / secs:,.0f} tokens/s; "
+             f"{len(meta['splits']['train']['shards'])} training shards"]
     chat = meta.get("chat")
     if chat is not None:
         train = meta["splits"]["train"]
         share = train["loss_tokens"] / max(1, train["tokens"])
         how = f" (by {chat['method']})" if chat.get("method") not in (None, "every token") else ""
         given = f" and variables {json.dumps(chat['template_kwargs'])}" if chat.get("template_kwargs") else ""
-        t.caption += (f"\nchat: {chat['messages_field']!r} rendered with {chat['template']}{given}; the loss on "
-                      f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's "
-                      f"{train['tokens']:,} ({share:.0%})")
+        notes.append(f"chat: {chat['messages_field']!r} rendered with {chat['template']}{given}; the loss on "
+                     f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's "
+                     f"{train['tokens']:,} ({share:.0%})")
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
-        t.caption += "\nskipped, e.g.: " + "; ".join(examples[:3])
-    return t
+        notes.append("skipped, e.g.: " + "; ".join(examples[:3]))
+    return Group(heading, t, Text("\n".join(notes), style="table.caption"))

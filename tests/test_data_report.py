@@ -1,0 +1,33 @@
+"""plait data prepare's summary at 80 columns: the heading and the notes under the table (speed, chat rendering,
+skipped records) wrap at the console's width, left-aligned, not at the narrow table's."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from plait.data import prepare
+from plait.data.chat import ChatSpec
+
+
+def test_the_summary_heading_and_notes_use_the_whole_80_columns(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # short paths: a narrow table
+    src = Path("c.jsonl")
+    chat = [{"role": "user", "content": "hello world, what is the weather?"}, {"role": "assistant", "content": "sun"}]
+    src.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": 3}) + "\n")
+    out = io.StringIO()
+    prepare([str(src)], "bytes", "p", workers=1, held_out=0.0, skip_bad=True, chat=ChatSpec("bytes"),
+            console=Console(file=out, width=80, highlight=False))
+    lines = out.getvalue().splitlines()
+    table = next(len(line) for line in lines if line.startswith("┏"))
+    assert table < 70 and all(len(line.rstrip()) <= 80 for line in lines)
+    assert lines[0] == "plait data prepare: p (UTF-8 bytes, vocabulary 256, EOS 0, uint16)"
+    below = lines[lines.index(next(line for line in lines if line.startswith("└"))) + 1:]
+    text = " ".join(line.strip() for line in below)
+    assert " training shard" in below[0] and below[1].startswith("chat: 'messages' rendered with plait's <|role|>")
+    assert len(below[1].rstrip()) > table  # the note runs past the table's width, to the console's
+    assert "the loss on assistant tokens" in text and "skipped, e.g.: " in text
+    assert any(line.startswith("skipped, e.g.: ") for line in below)
