@@ -64,6 +64,24 @@ def test_bad_flags_fail_with_one_line(args, needle):
     assert needle in lines[0] and "Traceback" not in res.output
 
 
+def test_a_model_folder_without_weights_is_refused_naming_what_is_missing(tmp_path):
+    """A folder of only config.json and tokenizer files: --model DIR starts from the folder's weights."""
+    from plait.model_presets import PRESETS
+    from plait.models import Llama, LlamaConfig
+
+    folder = tmp_path / "m"
+    Llama(LlamaConfig(**PRESETS["tiny"])).save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "tokenizer_config.json").write_text("{}")
+    res = CliRunner().invoke(app, ["train", "--model", str(folder), "--tp", "1", "--pp", "1", "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert res.output == (f"error: --model {folder}: no weights in the folder (it holds config.json, "
+                          "tokenizer_config.json): a model folder starts from its *.safetensors files, or "
+                          "model.safetensors.index.json and its shards; pickled .bin weights are not read. Add the "
+                          "weights (`plait export CHECKPOINT DIR` writes a whole folder), or start a fresh model "
+                          "from a preset (plait train --model tiny or small)\n")
+
+
 def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
     from plait.checkpoint.store import FORMAT, META
     from plait.train.config import TrainConfig, model_config

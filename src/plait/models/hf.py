@@ -90,7 +90,12 @@ class HFWeights:
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
-                raise ConfigError(f"{self.path}: no *.safetensors files (pickled .bin weights are not read)")
+                there = ", ".join(sorted(f.name for f in self.path.iterdir())[:6])
+                raise ConfigError(f"--model {self.path}: no weights in the folder (it holds {there}): a model folder "
+                                  f"starts from its *.safetensors files, or {INDEX_NAME} and its shards; pickled "
+                                  ".bin weights are not read. Add the weights (`plait export CHECKPOINT DIR` writes "
+                                  "a whole folder), or start a fresh model from a preset (plait train --model tiny "
+                                  "or small)")
             weight_map = {name: f.name for f in files for name in _names(f)}
         self.files: dict[str, Path] = {k: self.path / v for k, v in weight_map.items()}
         self._handles: dict[Path, object] = {}

@@ -29,7 +29,7 @@ class TrainConfig:
 
     parallel: ParallelConfig = TRAIN_PARALLEL
     model: str = "tiny"
-    """tiny, small, or a Hugging Face folder (llama, mistral, qwen2, qwen3, mixtral)."""
+    """tiny, small (fresh), or a Hugging Face folder with its *.safetensors (llama, mistral, qwen2, qwen3, mixtral)."""
     data: list[str] = field(default_factory=list)
     """A dataset made by `plait data prepare` (repeatable, each source once; WEIGHT:DIR mixes several, e.g.
     0.7:web 0.3:code), or plain text files or folders tokenized at start-up (up to --max-data-mb); default: the
