@@ -123,3 +123,15 @@ def test_export_of_what_is_not_a_checkpoint_says_what_it_takes(tmp_path):
         f"error: CHECKPOINT {tmp_path / 'nope'}: no plait checkpoint there (a step_* folder that plait train saved, or "
         "the --checkpoint-dir holding them)\n"), res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_saved_back_into_its_folder_keeps_the_folders_token_ids(tmp_path):
+    """save_pretrained writes no token ids of its own (a plain model knows no tokenizer); saved back where it was
+    read from, the folder's ids stay (they were overwritten with null: generation no longer stopped at EOS)."""
+    Llama(LlamaConfig(vocab_size=97, dim=32, n_layers=1, n_heads=2, max_seq_len=32)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] is None and config["bos_token_id"] is None
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": [2, 5]}))
+    Llama.from_pretrained(tmp_path).save_pretrained(tmp_path)
+    again = json.loads((tmp_path / "config.json").read_text())
+    assert again == {**config, "bos_token_id": 1, "eos_token_id": [2, 5]}

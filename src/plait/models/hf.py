@@ -18,6 +18,8 @@ from plait.models.registry import family_for_type
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+#: the token ids of a config.json, which belong to the tokenizer beside it rather than to the weights
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def read_config(path: str | Path) -> dict:
@@ -175,5 +177,11 @@ def save_state_dict_pretrained(family: DecoderFamily, cfg, state: dict[str, torc
                if not (cfg.tie_embeddings and k == "lm_head.weight")}
     dtype = next(iter(tensors.values())).dtype
     meta["torch_dtype"] = str(dtype).removeprefix("torch.")
+    try:  # the folder's token ids (a model saved back where it was read from, beside its tokenizer) stay
+        before = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        before = None
+    if isinstance(before, dict):
+        meta.update({k: before[k] for k in TOKEN_IDS if before.get(k) is not None})
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
