@@ -171,8 +171,9 @@ def test_plan_topo_and_simulate_options_are_their_dataclasses_fields():
 
     import typer
 
-    from plait.cli.plan import PlanOptions, TopoOptions
+    from plait.cli.plan import PlanOptions
     from plait.cli.simulate import SimulateOptions
+    from plait.cli.topo import TopoOptions
     from plait.parallel_config import field_docs
 
     group = typer.main.get_command(app)

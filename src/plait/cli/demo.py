@@ -7,7 +7,13 @@ from rich.console import Console
 
 HELP = """A two-minute tour that needs no download: compares pipeline schedules in the simulator, then
 runs a small Llama with tensor x pipeline parallelism on 4 CPU processes and checks every gradient
-against a single-device run. `plait train` is the real training command."""
+against a single-device run. `plait train` is the real training command.
+
+\b
+Examples:
+  plait demo
+  plait demo && plait train --steps 50      # then a first real (small) training run
+"""
 
 
 def demo_command() -> None:

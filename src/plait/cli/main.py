@@ -37,6 +37,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 COMMAND_MODULES = [
     "plait.cli.simulate",
     "plait.cli.plan",
+    "plait.cli.topo",
     "plait.cli.calibrate",
     "plait.cli.verify",
     "plait.cli.train",

@@ -1,9 +1,8 @@
-"""``plait plan`` and ``plait topo``: choose a layout before booking hardware, and read the GPU topology."""
+"""``plait plan``: choose a layout before booking hardware (training or inference)."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,12 +33,14 @@ smallest of 4, 8, 16, 32, 64M tokens whose best layout keeps the bubble under 10
 """
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
+def fail(message: str, code: int = 2) -> NoReturn:
+    """A one-line error on stderr and exit ``code`` (2: a bad option or file)."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
 
 
-def _model(name: str, seq_len: int | None):
+def plan_model(name: str, seq_len: int | None):
+    """The planner's model of --model: a preset name, a config.json or a Hugging Face folder."""
     from plait.plan import Model
 
     if name.endswith(".json") or Path(name).is_dir():
@@ -118,7 +119,7 @@ def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_js
              f"prompt {prompt}, {gen} new tokens")
     console.print(inference_table(res, title))
     if res.best is None:
-        _fail(f"{model.name} fits no serving layout on {cluster.n_gpus} × {cluster.gpu.name}; "
+        fail(f"{model.name} fits no serving layout on {cluster.n_gpus} × {cluster.gpu.name}; "
               f"it needs {model.n_params() * WEIGHT_GB[weights]:.0f} GB for {weights} weights alone", 1)
     for line in inference_verdict(res):
         console.print(line)
@@ -276,13 +277,13 @@ def plan(options: dict[str, Any]) -> None:
     try:
         _check_mode(o)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if o.attention not in (*KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
-        _fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
+        fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
     console = Console(width=None if sys.stdout.isatty() else 140)
     batch_note = ""
     try:
-        m = _model(o.model, o.seq_len)
+        m = plan_model(o.model, o.seq_len)
         if o.expert_capacity is not None:
             m = replace(m, expert_capacity=o.expert_capacity)
         if o.cluster is not None:
@@ -306,9 +307,9 @@ def plan(options: dict[str, Any]) -> None:
         if result.best and o.write_config is not None:
             _write_config(o.write_config, result.best[0], o.model)
     except ConfigError as exc:
-        _fail(flag_message(exc))
+        fail(flag_message(exc))
     if not result.best:
-        _fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
+        fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
     if o.as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
                                "elementwise": training.elementwise, "global_batch_note": batch_note,
@@ -334,67 +335,8 @@ def plan(options: dict[str, Any]) -> None:
         _show_schedule(console, result.best[0])
 
 
-@dataclass(frozen=True)
-class TopoOptions:
-    """The options of ``plait topo`` (one per field, its help the field's docstring)."""
-
-    file: Path | None = None
-    """a saved `nvidia-smi topo -m` output to read"""
-    model: str = "llama3-8b"
-    """the model to serve, for the advice"""
-    gpu: str | None = None
-    """GPU type (default: h100-sxm with NVLink, else h100-pcie)"""
-    batch: int = 1
-    """concurrent sequences"""
-    prompt_len: int = 1024
-    """prompt tokens"""
-    gen_len: int = 256
-    """generated tokens"""
-    weights: str = "bf16"
-    """bf16, fp16, fp8, int8 or int4"""
-
-
-def topo(options: dict[str, Any]) -> None:
-    """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
-    `plait plan --inference` recommends on these links (each TP size costed on the link its group uses).
-    Exit code 1 when there is no topology to read (no nvidia-smi, or it fails), 2 on a bad option or file."""
-    from plait.errors import ConfigError, flag_message
-    from plait.plan import Workload
-    from plait.plan.topo import advice, parse_topo, read_topo, serving_advice, tp_groups
-
-    o = TopoOptions(**options)
-    if o.file is not None and not o.file.is_file():
-        _fail(f"--file {o.file}: no such file (save one with `nvidia-smi topo -m > {o.file}`)")
-    try:
-        text = o.file.read_text() if o.file is not None else read_topo()
-    except UnicodeDecodeError:
-        _fail(f"--file {o.file}: not text, so not the output of `nvidia-smi topo -m`")
-    if text is None:  # asked for a topology and none read: exit code 1, saying why
-        why = (f"`{found} topo -m` failed (no driver loaded, or no GPU)" if (found := shutil.which("nvidia-smi"))
-               else "nvidia-smi is not on PATH (no NVIDIA driver here)")
-        _fail(f"{why}: no GPU topology read. Pass --file with a saved `nvidia-smi topo -m` output.", code=1)
-    try:
-        t = parse_topo(text)
-    except ValueError as exc:  # says what the text lacks: name where it came from
-        _fail(f"--file {o.file}: {exc}" if o.file is not None else f"nvidia-smi topo -m: {exc}")
-    try:
-        gpu = o.gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
-        res = serving_advice(t, _model(o.model, None), gpu, Workload(o.batch, o.prompt_len, o.gen_len), o.weights)
-    except (ValueError, ConfigError) as exc:
-        _fail(flag_message(exc))
-    source = f"--file {o.file}" if o.file is not None else "`nvidia-smi topo -m`"
-    typer.echo(f"{len(t.gpus)} GPUs, read from {source}")
-    for line in advice(t):
-        typer.echo("• " + line)
-    typer.echo(f"serving {o.model} on them ({gpu}, batch {o.batch}, prompt {o.prompt_len}, {o.gen_len} new tokens, "
-               f"{o.weights} weights), as `plait plan --inference` ranks it:")
-    for line in inference_verdict(res):
-        typer.echo("• " + line.strip())
-
-
 def register(app: typer.Typer) -> None:
     from plait.cli.options import dataclass_options, with_options
 
     json_flag = {"as_json": "--json"}
     app.command("plan", help=PLAN_HELP)(with_options(dataclass_options(PlanOptions, flags=json_flag), "options")(plan))
-    app.command("topo", help=topo.__doc__)(with_options(dataclass_options(TopoOptions), "options")(topo))
