@@ -22,7 +22,7 @@ def test_default_run_prints_chart_and_figures():
     res = _run("--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--width", "80")
     assert res.exit_code == 0, res.output
     out = res.output
-    assert "1f1b: 4 ranks x 1 chunk(s), 8 micro-batches; makespan 33, bubble 27.3%" in out
+    assert "1f1b: 4 ranks x 1 chunk, 8 micro-batches; makespan 33, bubble 27.3%" in out
     assert "rank 3 |......0=0###1=1###" in out
     assert "peak activations" in out and "makespan 33" in out
 

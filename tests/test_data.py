@@ -290,7 +290,7 @@ def test_mixture_proportions_within_two_percent_over_10000_windows(tmp_path):
 
 def test_too_short_and_tokenizer_mismatch_are_config_errors(tmp_path, bpe):
     short = _prepared(tmp_path, "short", ["tiny text"])
-    with pytest.raises(ConfigError, match=r"10 training tokens in 1 documents.*--seq-len 32 needs at least 33"):
+    with pytest.raises(ConfigError, match=r"10 training tokens in 1 document,.*--seq-len 32 needs at least 33"):
         check_entries([short], "tiny", 256, 32)
     src = write_jsonl(tmp_path / "c.jsonl", documents(50))
     prepare([str(src)], str(bpe), tmp_path / "bpe-set", workers=1)
@@ -353,7 +353,7 @@ def test_raw_text_shorter_than_one_sequence_is_an_error_before_launch(tmp_path, 
     for data in (tmp_path / "tiny.txt", _prepared(tmp_path, "short", ["hello world, a short text.\n"])):
         res = CliRunner().invoke(app, [*flags, "--data", str(data)])
         assert res.exit_code == 2 and res.output.startswith(
-            f"error: --data {data}: 28 training tokens in 1 documents, but --seq-len 64 needs at least 65 tokens"), \
+            f"error: --data {data}: 28 training tokens in 1 document, but --seq-len 64 needs at least 65 tokens"), \
             res.output
 
 

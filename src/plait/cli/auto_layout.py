@@ -15,6 +15,7 @@ from pathlib import Path
 
 from plait.errors import ConfigError
 from plait.train.config import PRESETS, TrainConfig, model_config, validate
+from plait.words import counted
 
 
 def plan_model(cfg: TrainConfig):
@@ -70,9 +71,10 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
         except ConfigError as exc:
             reasons.append(f"{est.layout.short()}: {exc}")
             continue
-        line = (f"--layout auto: {est.layout.short()} (the planner's fastest of {result.considered} layouts on "
-                f"{world} processes on {source}: {est.step_time_s:.3g} s/step, {est.memory.total / 1e9:.2f} of "
-                f"{est.memory.usable / 1e9:.2f} GB per process predicted)")
+        line = (f"--layout auto: {est.layout.short()} (the planner's fastest of "
+                f"{counted(result.considered, 'layout')} on {counted(world, 'process')} on {source}: "
+                f"{est.step_time_s:.3g} s/step, {est.memory.total / 1e9:.2f} of {est.memory.usable / 1e9:.2f} GB per "
+                "process predicted)")
         return candidate, line
     why = "; ".join(reasons[:3]) or f"nothing fits ({dict(result.rejected)})"
-    raise ConfigError(f"--layout auto: no planned layout for {world} processes runs here: {why}")
+    raise ConfigError(f"--layout auto: no planned layout for {counted(world, 'process')} runs here: {why}")

@@ -102,8 +102,9 @@ def _summary(console, profile, path: Path) -> None:
 
     from plait.calibrate.kernels import REFERENCE_SHAPE
     from plait.plan.host.costs import HostCosts
+    from plait.words import counted
 
-    t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {profile.cores} cores ({path})",
+    t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {counted(profile.cores, 'core')} ({path})",
               header_style="bold")
     for col in ("processes", "threads", "GEMM GFLOP/s alone", "shared", "attention GFLOP/s", "element-wise GB/s",
                 "kernel µs", "all-reduce 1 MB ms", "TP wait 1 MB ms"):

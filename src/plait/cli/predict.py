@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from plait.errors import ConfigError
 from plait.train.config import TrainConfig, model_config
 from plait.train.observe import Prediction
+from plait.words import counted
 
 if TYPE_CHECKING:
     from plait.plan.cluster import Cluster
@@ -104,7 +105,7 @@ def host_profile(cfg: TrainConfig, ctx):
     if not need[0]:
         return cached
     if ctx.rank == 0:  # the run's first lines wait for this: say why
-        print(f"measuring this host with {world} process{'es' if world > 1 else ''} for the prediction (once; "
+        print(f"measuring this host with {counted(world, 'process')} for the prediction (once; "
               f"cached in {path}; --cluster none skips it) ...", flush=True)
     measured = measure_in_world([world], None, facts, quick=True)  # seconds; `plait calibrate` measures more
     if ctx.rank == 0 and measured is not None:

@@ -89,9 +89,10 @@ def _compare(names: str, stages: int, microbatches: int, virtual: int | None, co
     from plait.schedules import build_schedule
     from plait.schedules.build import ROUND_SCHEDULES
     from plait.sim import simulate
+    from plait.words import counted
 
-    table = Table(title=f"P={stages} stages, M={microbatches} micro-batches, costs F={costs.forward} "
-                        f"B={costs.backward} W={costs.weight if costs.weight is not None else 'B/2'} "
+    table = Table(title=f"P={counted(stages, 'stage')}, M={counted(microbatches, 'micro-batch')}, costs "
+                        f"F={costs.forward} B={costs.backward} W={costs.weight if costs.weight is not None else 'B/2'} "
                         f"p2p={costs.p2p}")
     table.add_column("schedule", no_wrap=True)
     for col in ("V", "makespan", "bubble", "idle/rank", "peak act. rank 0", "peak act. max"):
@@ -242,6 +243,7 @@ def simulate_command(
 
     from plait.errors import ConfigError, check_output_path, flag_message
     from plait.sim import Costs, simulate
+    from plait.words import counted
 
     o = SimulateOptions(**options)
     try:
@@ -280,7 +282,7 @@ def simulate_command(
     console.print(_figures_table(result))
     console.print(f"makespan {_num(result.makespan)}   bubble {result.bubble_fraction:.1%} "
                   f"(mean idle share of device time)   peak activations max "
-                  f"{_num(max(result.peak_activations))} micro-batches")
+                  f"{counted(max(result.peak_activations), 'micro-batch', _num(max(result.peak_activations)))}")
     for note in notes:
         console.print(note)
     return None

@@ -53,6 +53,7 @@ def verify_command(
     from plait.errors import ConfigError, flag_message
     from plait.parallel_config import ParallelConfig
     from plait.verify import VerifyConfig, check, verify
+    from plait.words import counted
 
     console = Console()
     try:
@@ -63,8 +64,8 @@ def verify_command(
         check_cp_comm(par.cp, par.cp_comm)
         if not as_json:
             cp = f" cp={par.cp} ({par.cp_comm})" if par.cp > 1 else ""
-            console.print(f"launching {cfg.world} CPU processes: tp={par.tp}{cp} pp={par.pp} dp={par.dp}, "
-                          f"{par.schedule}, {par.num_microbatches} micro-batches ...")
+            console.print(f"launching {counted(cfg.world, 'CPU process')}: tp={par.tp}{cp} pp={par.pp} dp={par.dp}, "
+                          f"{par.schedule}, {counted(par.num_microbatches, 'micro-batch')} ...")
         result = verify(cfg)
     except ConfigError as exc:
         typer.echo(f"error: {flag_message(exc)}", err=True)

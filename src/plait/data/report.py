@@ -7,6 +7,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from plait.words import counted
+
 #: without an interactive console (output to a file, a pipe, a batch job's log): a progress line this often
 LINE_EVERY_S = 30.0
 
@@ -78,7 +80,7 @@ def prepare_summary(meta: dict, out: Path):
     tokens = sum(info["tokens"] for info in meta["splits"].values())
     secs = max(meta["seconds"], 1e-9)
     notes = [f"{secs:.1f} s: {mb / secs:,.1f} MB/s, {tokens / secs:,.0f} tokens/s; "
-             f"{len(meta['splits']['train']['shards'])} training shards"]
+             f"{counted(len(meta['splits']['train']['shards']), 'training shard')}"]
     chat = meta.get("chat")
     if chat is not None:
         train = meta["splits"]["train"]

@@ -24,6 +24,7 @@ from plait.data.format import TokenSplit, is_prepared, open_prepared
 from plait.data.order import Order
 from plait.data.tokens import BYTES, model_fingerprint
 from plait.errors import ConfigError
+from plait.words import counted
 
 RAW_HELD_OUT = 0.1  # share of the documents of raw text held out (a prepared dataset says its own)
 PROMPT_TOKENS = 8  # tokens of a text document that prompt the sample drawn at a run's end
@@ -202,7 +203,7 @@ class TrainData:
         parts = []
         for s in self.sources:
             weight = f"{s.weight / sum(x.weight for x in self.sources):.0%} " if len(self.sources) > 1 else ""
-            kind = "prepared" if s.prepared else f"{s.files} files, tokenized here"
+            kind = "prepared" if s.prepared else f"{counted(s.files, 'file')}, tokenized here"
             note = f"; {s.note}" if s.note else ""
             parts.append(f"{weight}{s.name} ({kind}: {s.train.tokens / 1e6:.2f}M training tokens, "
                          f"{s.held_out.tokens / 1e6:.2f}M held out{note})")
@@ -213,7 +214,8 @@ def check_length(source: TrainSource, seq_len: int) -> None:
     """ConfigError with the counts when the training split holds no ``seq_len + 1``-token window."""
     split = source.train
     if (split.tokens - 1) // seq_len < 1:
-        raise ConfigError(f"--data {source.name}: {split.tokens} training tokens in {split.documents} documents, "
+        raise ConfigError(f"--data {source.name}: {counted(split.tokens, 'training token')} in "
+                          f"{counted(split.documents, 'document')}, "
                           f"but --seq-len {seq_len} needs at least {seq_len + 1} tokens for one window")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from plait.words import counted
+
 if TYPE_CHECKING:
     from plait.sim.engine import SimResult
 
@@ -65,7 +67,8 @@ def _scale(step: float, cols: int, indent: int) -> list[str]:
 
 def _header(result: SimResult, step: float) -> str:
     s = result.schedule
-    return (f"{s.name}: {s.num_ranks} ranks x {s.virtual} chunk(s), {s.microbatches} micro-batches; "
+    return (f"{s.name}: {counted(s.num_ranks, 'rank')} x {counted(s.virtual, 'chunk')}, "
+            f"{counted(s.microbatches, 'micro-batch')}; "
             f"makespan {result.makespan:g}, bubble {result.bubble_fraction:.1%}; one column = {step:g}")
 
 

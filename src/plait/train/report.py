@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TextIO
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
 from plait.train.observe import PHASES, Prediction
+from plait.words import counted
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
@@ -167,8 +168,8 @@ def layout_text(p: ParallelConfig) -> str:
     cp = f" x cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
     schedule = f", {p.schedule}{f' V={virtual}' if virtual > 1 else ''}" if p.pp > 1 else ""
     m = p.num_microbatches
-    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({p.world} process{'es' if p.world != 1 else ''}){schedule}"
-            f", {m} micro-batch{'es' if m != 1 else ''}"
+    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({counted(p.world, 'process')}){schedule}"
+            f", {counted(m, 'micro-batch')}"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
             f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}")
 
@@ -208,8 +209,8 @@ def _no_targets(steps: list[int]) -> str:
     if not steps:
         return ""
     shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
-    return (f"; {len(steps)} steps had no target in the loss (steps {shown}: their batches hold no assistant "
-            "token; their gradients were zero)")
+    return (f"; {counted(len(steps), 'step')} had no target in the loss (steps {shown}: their batches hold no "
+            "assistant token; their gradients were zero)")
 
 
 def _blocked(cfg: TrainConfig, res) -> str:
@@ -218,8 +219,8 @@ def _blocked(cfg: TrainConfig, res) -> str:
     if not b:
         return ""
     how = "written in the background" if cfg.async_checkpoint else "written in the loop (--no-async-checkpoint)"
-    return (f"; {len(b)} saves during the run, the step loop blocked {sum(b) / len(b) * 1e3:,.0f} ms per save "
-            f"(max {max(b) * 1e3:,.0f} ms; {how})")
+    return (f"; {counted(len(b), 'save')} during the run, the step loop blocked {sum(b) / len(b) * 1e3:,.0f} ms "
+            f"per save (max {max(b) * 1e3:,.0f} ms; {how})")
 
 
 def _data_line(run, steps: int) -> str:
