@@ -125,13 +125,7 @@ def _help_examples(words: tuple[str, ...]) -> list[str]:
     return [m["args"].split(">")[0].strip() for part in parts if (m := COMMAND.match(part))]
 
 
-# commands whose --help is written in a module another change owns (export's is in plait/cli/generate.py)
-ELSEWHERE = {("export",)}
-
-
-@pytest.mark.parametrize("words", [pytest.param(w, marks=pytest.mark.xfail(strict=True, reason="help text owned "
-                                   "by plait/cli/generate.py")) if w in ELSEWHERE else w for w in _commands()],
-                         ids=" ".join)
+@pytest.mark.parametrize("words", _commands(), ids=" ".join)
 def test_every_commands_help_shows_examples_that_parse(words):
     examples = _help_examples(words)
     assert any(shlex.split(e)[:len(words)] == list(words) for e in examples), f"plait {' '.join(words)} --help: " \

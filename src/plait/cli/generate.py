@@ -1,4 +1,4 @@
-"""``plait generate`` (KV-cache decoding under TP x PP) and ``plait export`` (checkpoint -> Hugging Face)."""
+"""``plait generate``: KV-cache decoding under TP x PP."""
 
 from __future__ import annotations
 
@@ -42,8 +42,6 @@ def register(app: typer.Typer) -> None:
 
     layout = with_options(dataclass_options(ParallelConfig, only=("tp", "pp")), into="layout")
     app.command("generate", help=HELP)(layout(generate_command))
-    app.command("export", help="Write a Hugging Face folder (config.json + model.safetensors) of the model's "
-                                "family from a plait checkpoint saved under any layout.")(export_command)
 
 
 def generate_command(
@@ -154,23 +152,3 @@ def _check_prompts(labels: list[str], lengths: list[int], max_new_tokens: int, m
                               f"{max_new_tokens} exceeds the model's {max_seq_len} positions; give at most "
                               f"--max-new-tokens {max(0, max_seq_len - n)}")
 
-
-def export_command(
-    checkpoint: Annotated[str, typer.Argument(help="A plait checkpoint folder (or its parent).")],
-    out: Annotated[str, typer.Argument(help="The Hugging Face folder to write.")],
-) -> None:
-    from plait.checkpoint import export_pretrained
-    from plait.errors import ConfigError
-
-    try:
-        path = export_pretrained(checkpoint, out)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    except OSError as exc:  # OUT is a file, or its parent cannot be made or written
-        typer.echo(f"error: OUT {out}: cannot write a folder there ({exc.strerror or exc}: {exc.filename})", err=True)
-        raise typer.Exit(2) from None
-    from plait.tokenizers import TOKENIZER_FILES
-
-    files = ["config.json", "model.safetensors"] + [f for f in TOKENIZER_FILES if (path / f).is_file()]
-    typer.echo(f"wrote {path}/: {', '.join(files)}")

@@ -42,6 +42,7 @@ COMMAND_MODULES = [
     "plait.cli.verify",
     "plait.cli.train",
     "plait.cli.generate",
+    "plait.cli.export",
     "plait.cli.serve",
     "plait.cli.demo",
     "plait.cli.data",

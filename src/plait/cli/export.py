@@ -1,0 +1,43 @@
+"""``plait export``: a plait checkpoint, saved under any layout, as a Hugging Face folder of its model's family."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+HELP = """Write a Hugging Face folder (config.json + model.safetensors, and the tokenizer files of the folder the
+run was trained from) of the model's family from a plait checkpoint saved under any layout. transformers'
+AutoModelForCausalLM.from_pretrained(OUT) reads it, as do plait generate --model OUT and plait serve --model OUT.
+
+\b
+Examples:
+  plait train --steps 20 && plait export plait-checkpoints hf-tiny   # the latest checkpoint of the folder
+  plait export plait-checkpoints/step_00000020 hf-tiny-20             # one checkpoint
+  plait generate --model hf-tiny --prompt "def "                     # the exported folder, as any HF folder
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export", help=HELP)(export_command)
+
+
+def export_command(
+    checkpoint: Annotated[str, typer.Argument(help="A plait checkpoint folder (or its parent).")],
+    out: Annotated[str, typer.Argument(help="The Hugging Face folder to write.")],
+) -> None:
+    from plait.checkpoint import export_pretrained
+    from plait.errors import ConfigError
+
+    try:
+        path = export_pretrained(checkpoint, out)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except OSError as exc:  # OUT is a file, or its parent cannot be made or written
+        typer.echo(f"error: OUT {out}: cannot write a folder there ({exc.strerror or exc}: {exc.filename})", err=True)
+        raise typer.Exit(2) from None
+    from plait.tokenizers import TOKENIZER_FILES
+
+    files = ["config.json", "model.safetensors"] + [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    typer.echo(f"wrote {path}/: {', '.join(files)}")
