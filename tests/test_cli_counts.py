@@ -27,7 +27,9 @@ def test_train_summary_counts_of_one():
     from plait.parallel_config import ParallelConfig
     from plait.train.report import _blocked, _no_targets, layout_text
 
-    assert _no_targets([3]).startswith("; 1 step had no target in the loss (steps 3:")
+    assert _no_targets([3]) == ("; 1 step had no target in the loss (step 3: its batch holds no assistant token; "
+                                "its gradients were zero)")
+    assert _no_targets([3, 5]).startswith("; 2 steps had no target in the loss (steps 3, 5: their batches hold")
     assert _blocked(SimpleNamespace(async_checkpoint=True), SimpleNamespace(checkpoint_blocked_s=[0.01])) \
         .startswith("; 1 save during the run,")
     assert layout_text(ParallelConfig(tp=1, pp=1, dp=1, microbatches=1)) == \

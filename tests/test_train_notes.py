@@ -157,7 +157,8 @@ def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp
     out = " ".join(res.stdout.replace("│", " ").split())  # the summary table wraps its cells
     assert "loss - (no target in the loss)" in out, res.stdout
     steps = f"{len(empty)} step{'s' if len(empty) != 1 else ''}"
-    assert f"{steps} had no target in the loss (steps {', '.join(map(str, empty))}:" in out, res.stdout
+    which = f"step{'s' if len(empty) != 1 else ''} {', '.join(map(str, empty))}"
+    assert f"{steps} had no target in the loss ({which}:" in out, res.stdout
     assert [r["held_out_loss"] for r in rows if "held_out_loss" in r] == [None, None], rows  # was 0.0
     assert "held-out loss - (no held-out target in the loss)" in out, res.stdout
     meta = json.loads((tmp_path / "plait-checkpoints" / "step_00000006" / "meta.json").read_text())

@@ -209,8 +209,10 @@ def _no_targets(steps: list[int]) -> str:
     if not steps:
         return ""
     shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
-    return (f"; {counted(len(steps), 'step')} had no target in the loss (steps {shown}: their batches hold no "
-            "assistant token; their gradients were zero)")
+    one = len(steps) == 1
+    return (f"; {counted(len(steps), 'step')} had no target in the loss ({'step' if one else 'steps'} {shown}: "
+            f"{'its batch holds' if one else 'their batches hold'} no assistant token; "
+            f"{'its gradients were' if one else 'their gradients were'} zero)")
 
 
 def _blocked(cfg: TrainConfig, res) -> str:
