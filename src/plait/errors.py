@@ -26,15 +26,18 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def comm_wait(op: Callable[[], object], what: str, peer: int | None, timeout_s: float, me: str = "") -> None:
+def comm_wait(op: Callable[[], object], what: str | Callable[[], str], peer: int | None, timeout_s: float,
+              me: str = "") -> None:
     """Run ``op``, a blocking wait for ``what`` from global rank ``peer`` (None: no one rank) that the backend
     ends after ``timeout_s``. Its error becomes a CommTimeoutError ("waited more than 3s for ... from global
     rank 1") when it says the wait timed out, else a CommError asking whether that rank died; ``me`` (the
-    waiting rank in words, e.g. "pipeline rank 0") opens the message."""
+    waiting rank in words, e.g. "pipeline rank 0") opens the message. ``what`` may be a function giving the
+    words, called only on an error (a wait in a decode loop builds none)."""
     try:
         op()
     except RuntimeError as exc:
         who = f" from global rank {peer}" if peer is not None else ""
+        what = what() if callable(what) else what
         if is_timeout(exc):
             raise CommTimeoutError(f"{me + ' ' if me else ''}waited more than {timeout_s:g}s for {what}{who}: "
                                    f"{exc}") from exc

@@ -267,7 +267,7 @@ class _Pipelined:
         dec, rows = self.dec, self.rows[g]
         assert not self.sampler, "the last stage holds the tokens it sampled"
         got = torch.empty(len(rows), dtype=torch.long, device=dec.device)
-        self.links.recv(got, dec.peer(self.last), dec.num_chunks, f"the tokens of {self._item(g, p)}")
+        self.links.recv(got, dec.peer(self.last), dec.num_chunks, lambda: f"the tokens of {self._item(g, p)}")
         self._know(g, p, got.cpu())
 
     def _item(self, g: int, p: int) -> str:
@@ -287,7 +287,7 @@ class _Pipelined:
         rows, dec = self.rows[g], self.dec
         if c > 0:
             return self.links.take(c, (g, p), len(rows), self.start if p == 0 else 1,
-                                   f"the hidden states of {self._item(g, p)} into chunk {c}")
+                                   lambda: f"the hidden states of {self._item(g, p)} into chunk {c}")
         if p == 0:
             return self.buf[rows, : self.start].to(dec.device)
         col = self.start + p - 1

@@ -40,15 +40,15 @@ class Links:
         self.kept: dict[tuple, torch.Tensor] = {}
         self.pending: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def take(self, c: int, key: tuple, b: int, s: int, what: str = "") -> torch.Tensor:
-        """Input hidden states [b, s, dim] of chunk ``c`` > 0 for work item ``key`` (``what``, in errors)."""
+    def take(self, c: int, key: tuple, b: int, s: int, what: Callable[[], str] | None = None) -> torch.Tensor:
+        """Input hidden states [b, s, dim] of chunk ``c`` > 0 for work item ``key`` (``what()``: it in errors)."""
         if (c - 1, key) in self.kept:
             return self.kept.pop((c - 1, key))
         x = torch.empty(b, s, self.dim, dtype=self.dec.dtype, device=self.dec.device)
-        self.recv(x, self.dec.peer(c - 1), c, what or f"the hidden states of item {key} into chunk {c}")
+        self.recv(x, self.dec.peer(c - 1), c, what or (lambda: f"the hidden states of item {key} into chunk {c}"))
         return x
 
-    def recv(self, x: torch.Tensor, src: int, tag: int, what: str) -> None:
+    def recv(self, x: torch.Tensor, src: int, tag: int, what: Callable[[], str]) -> None:
         """Receive ``x`` from global rank ``src`` (blocking); see ``waiting``."""
         waiting(self.dec, what, src, lambda: dist.recv(x, src=src, tag=tag))
 
@@ -72,7 +72,7 @@ class Links:
         self.pending.clear()
 
 
-def waiting(dec: Decoder, what: str, peer: int, op: Callable[[], object]) -> None:
+def waiting(dec: Decoder, what: str | Callable[[], str], peer: int, op: Callable[[], object]) -> None:
     """Run ``op``, this pipeline rank's blocking wait for ``what`` from global rank ``peer``, through
     plait.errors.comm_wait: a timeout or failure names "generate: pipeline rank N", ``what`` and ``peer``."""
     timeout_s = dec.ctx.timeout_s if dec.ctx is not None else 0.0
