@@ -108,7 +108,8 @@ def _run(cfg) -> None:
     from plait.distributed.job_signals import STOP_TIMEOUT_S
     from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
     from plait.train import validate
-    from plait.train.config import check_nproc, check_outputs, check_resume, complete_message
+    from plait.train.config import check_nproc, check_outputs
+    from plait.train.restart import check_resume, complete_message
 
     if under_torchrun():
         train_worker(cfg.to_dict())

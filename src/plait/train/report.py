@@ -91,7 +91,7 @@ class Reporter:
         if self.active:
             from rich.console import Console
 
-            from plait.train.config import complete_message
+            from plait.train.restart import complete_message
 
             console = self.console or Console(highlight=False)
             console.print(complete_message(self.cfg, run.resumed_from, run.start), markup=False)

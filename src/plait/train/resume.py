@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plait.optim.schedule import lr_at
-from plait.train.config import TrainConfig, no_checkpoint
+from plait.train.config import TrainConfig
+from plait.train.restart import no_checkpoint
 
 if TYPE_CHECKING:
     from plait.train.loop import Run

@@ -1,0 +1,49 @@
+"""What ``--resume`` and ``--auto-resume`` find before a run starts (no process launched, no torch imported): the
+checkpoint they would continue, that it holds this model, and a run already complete at it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from plait.errors import ConfigError
+from plait.train.config import TrainConfig, model_config
+
+
+def no_checkpoint(cfg: TrainConfig) -> ConfigError:
+    """The error of --resume when --checkpoint-dir holds no complete checkpoint."""
+    return ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir} (--auto-resume starts "
+                       "fresh when there is none)")
+
+
+def complete_message(cfg: TrainConfig, found: str | Path, step: int) -> str:
+    """What --resume or --auto-resume says when the checkpoint it found, ``found`` of step ``step``, is at or past
+    --steps: the run is complete, nothing to train, and how to train on."""
+    flag = "--resume" if cfg.resume else "--auto-resume"
+    past = f", past --steps {cfg.steps}" if step > cfg.steps else ""
+    return (f"plait train: the run is already complete at step {step}{past} ({found}); nothing to train. To train "
+            f"on, give a larger --steps (above {step}) with {flag}.")
+
+
+def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
+    """The checkpoint --resume or --auto-resume would continue must hold this model; --resume needs one (checked
+    before any process starts). Returns that checkpoint and its step (None: a fresh start)."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint
+
+    if not (cfg.resume or cfg.auto_resume):
+        return None
+    found = find_checkpoint(cfg.checkpoint_dir)
+    if found is None:
+        if cfg.resume:
+            raise no_checkpoint(cfg)
+        return None
+    flag = "--resume" if cfg.resume else "--auto-resume"
+    meta = CheckpointReader(found).meta
+    saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
+    if saved is not None and saved != now:
+        differ = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
+                           if saved.get(k) != now.get(k))
+        raise ConfigError(f"{flag}: {found} holds another model than --model {cfg.model} ({differ}); resume with "
+                          f"the model it was trained as (--model {meta.get('train', {}).get('model', '?')}) or give "
+                          "a fresh --checkpoint-dir")
+    return found, int(meta["step"])
