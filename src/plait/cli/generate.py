@@ -87,16 +87,16 @@ def generate_command(
             convs = conversations(chat or [], system, messages or [])
             config, _, tok = source_config(model)
             check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
-            prompts, ids, source = prompt or ["def "], None, ""
             if convs:  # each conversation's ids, rendered here so that a template's error fails before launching
                 ids, source = chat_prompt_ids(model, tok, config.max_seq_len, convs, chat_template,
                                               chat_template_kwargs)
                 prompts = [c.label for c in convs]
-            _check_prompts(prompts if convs else [f"--prompt {short(p)}" for p in prompts],
-                           [len(row) for row in ids] if ids is not None else [len(tok.encode(p)) for p in prompts],
-                           max_new_tokens, config.max_seq_len)
-            if convs:
+                _check_prompts(prompts, [len(row) for row in ids], max_new_tokens, config.max_seq_len)
                 typer.echo(f"plait generate: chat template: {source}", err=True)
+            else:
+                prompts, ids = prompt or ["def "], None
+                _check_prompts([f"--prompt {short(p)}" for p in prompts], [len(tok.encode(p)) for p in prompts],
+                               max_new_tokens, config.max_seq_len)
             payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
             run_or_launch(TARGET, payload, par.tp * par.pp)
