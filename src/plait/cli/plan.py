@@ -39,7 +39,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def plan_model(name: str, seq_len: int | None):
+def planner_model(name: str, seq_len: int | None):
     """The planner's model of --model: a preset name, a config.json or a Hugging Face folder."""
     from plait.plan import Model
 
@@ -283,7 +283,7 @@ def plan(options: dict[str, Any]) -> None:
     console = Console(width=None if sys.stdout.isatty() else 140)
     batch_note = ""
     try:
-        m = plan_model(o.model, o.seq_len)
+        m = planner_model(o.model, o.seq_len)
         if o.expert_capacity is not None:
             m = replace(m, expert_capacity=o.expert_capacity)
         if o.cluster is not None:

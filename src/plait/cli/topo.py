@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from plait.cli.plan import fail, inference_verdict, plan_model
+from plait.cli.plan import fail, inference_verdict, planner_model
 
 TOPO_HELP = """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
 `plait plan --inference` recommends on these links (each TP size costed on the link its group uses).
@@ -22,6 +22,8 @@ Examples:
   plait topo --file saved.txt --model llama3-70b
   plait topo --file saved.txt --model llama3-70b --gpu l40s --batch 8 --weights int4
 """
+
+
 @dataclass(frozen=True)
 class TopoOptions:
     """The options of ``plait topo`` (one per field, its help the field's docstring)."""
@@ -65,7 +67,8 @@ def topo(options: dict[str, Any]) -> None:
         fail(f"--file {o.file}: {exc}" if o.file is not None else f"nvidia-smi topo -m: {exc}")
     try:
         gpu = o.gpu or ("h100-sxm" if len(tp_groups(t)[0]) > 1 else "h100-pcie")
-        res = serving_advice(t, plan_model(o.model, None), gpu, Workload(o.batch, o.prompt_len, o.gen_len), o.weights)
+        work = Workload(o.batch, o.prompt_len, o.gen_len)
+        res = serving_advice(t, planner_model(o.model, None), gpu, work, o.weights)
     except (ValueError, ConfigError) as exc:
         fail(flag_message(exc))
     source = f"--file {o.file}" if o.file is not None else "`nvidia-smi topo -m`"
