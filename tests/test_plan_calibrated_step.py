@@ -295,3 +295,18 @@ def test_an_moe_layers_all_to_alls_are_the_measured_ones():
             assert layer.f_tp == pytest.approx(alone.f_tp + rows + sec.collective("all_to_all", ep, 8 * 4))
             assert layer.b_tp == pytest.approx(alone.b_tp + rows)
             assert layer.f_compute == alone.f_compute
+
+
+@pytest.mark.parametrize("flag", ["tp_comm_overlap", "sp_async_backward"])
+def test_other_stacks_tp_overlaps_are_refused_on_a_calibrated_host(flag):
+    """The overlaps other stacks run (userbuffers, the asynchronous SP backward) are modelled on catalogue GPUs
+    only: a calibrated host runs plait's collectives, so an estimate there asking for one is an error, not a
+    silently exposed cost."""
+    from plait.errors import ConfigError
+    from plait.plan import Training, estimate
+
+    host = Cluster.from_profile(synthetic_profile(counts=(4,)), 4)
+    layout = Layout(tp=2, dp=2, sequence_parallel=True)
+    estimate(Model.preset("tiny", seq_len=128), host, layout, Training(8, precision="fp32"))
+    with pytest.raises(ConfigError, match=f"{flag}: models another stack's overlap on catalogue GPUs"):
+        estimate(Model.preset("tiny", seq_len=128), host, layout, Training(8, precision="fp32", **{flag: True}))

@@ -192,9 +192,10 @@ class HostCosts:
         """As plait runs a layer here: its TP collectives exposed (``tp_overlap``, ``overlap_sms`` and ``sp_async``
         model other stacks' overlaps on catalogue GPUs, which plait's runtime does not run); its element-wise
         kernels are in the measured layer times whatever ``elementwise`` says."""
-        if tp_overlap:
-            raise ConfigError("tp_comm_overlap: models Megatron-Core's userbuffers on catalogue GPUs; a calibrated "
-                              "host runs plait's own collectives (use tp_comm_overlap=False)")
+        for name, given in (("tp_comm_overlap", tp_overlap), ("sp_async_backward", sp_async)):
+            if given:
+                raise ConfigError(f"{name}: models another stack's overlap on catalogue GPUs; a calibrated host runs "
+                                  f"plait's own collectives (use {name}=False)")
         return Blocks(*(self._block(k, model, layout, precision) for k in ("layer", "embedding", "head")))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
