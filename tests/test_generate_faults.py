@@ -20,6 +20,12 @@ from harness import PRELOAD, launch
            "global rank 1"),  # mid-decode: both prompts' first new tokens arrived
     (0, 2, "generate: pipeline rank 1 waited more than 3s for the hidden states of prompt 0 at new position 1 "
            "into chunk 1 from global rank 0"),
+    # the last stage stops before taking the last hidden states: its peer's decode loop is over, and the send it
+    # has in flight is what waits
+    (1, 6, "generate: pipeline rank 0 waited more than 3s for the send of the hidden states of prompt 1 at new "
+           "position 3 into chunk 1 to global rank 1"),
+    (1, 7, "generate: pipeline rank 0 waited more than 3s for every prompt's tokens (the last stage's broadcast) "
+           "from global rank 1"),
 ])
 def test_a_stuck_stage_is_named_by_its_peer(tmp_path, stuck, after, needle):
     t0 = time.monotonic()

@@ -235,7 +235,7 @@ class _Pipelined:
             if c == self.last:
                 self._done(g, p, x)
             else:
-                self.links.give(c, (g, p), x)
+                self.links.give(c, (g, p), x, self._hidden_states(c + 1, g, p))
             if self.trace is not None:
                 self.trace.append((c, g, p, t0, time.monotonic()))
         self.links.wait()
@@ -243,7 +243,7 @@ class _Pipelined:
             from plait.generation.wavefront import waiting
 
             out, src, group = self.buf.to(dec.device), dec.peer(self.last), dec.ctx.pp_group
-            waiting(dec, "every prompt's tokens from the last stage", src,
+            waiting(dec, "every prompt's tokens (the last stage's broadcast)", src,
                     lambda: dist.broadcast(out, src=src, group=group))
             self.buf.copy_(out.cpu())
 
@@ -276,6 +276,10 @@ class _Pipelined:
         which = f"prompt {rows[0]}" if len(rows) == 1 else f"prompts {rows[0]}-{rows[-1]}"
         return f"{which} at new position {p}"
 
+    def _hidden_states(self, c: int, g: int, p: int) -> Callable[[], str]:
+        """The words of group ``g``'s hidden states at position ``p`` into chunk ``c``, built only when called."""
+        return lambda: f"the hidden states of {self._item(g, p)} into chunk {c}"
+
     def _know(self, g: int, p: int, tokens: torch.Tensor) -> None:
         rows, col = self.rows[g], self.start + p
         self.buf[rows, col] = tokens
@@ -286,8 +290,7 @@ class _Pipelined:
         """Token ids (chunk 0) or hidden states of group ``g`` at position ``p``."""
         rows, dec = self.rows[g], self.dec
         if c > 0:
-            return self.links.take(c, (g, p), len(rows), self.start if p == 0 else 1,
-                                   lambda: f"the hidden states of {self._item(g, p)} into chunk {c}")
+            return self.links.take(c, (g, p), len(rows), self.start if p == 0 else 1, self._hidden_states(c, g, p))
         if p == 0:
             return self.buf[rows, : self.start].to(dec.device)
         col = self.start + p - 1
@@ -312,4 +315,4 @@ class _Pipelined:
         if p + 1 < self.positions:
             tokens = self.buf[rows, col].to(self.dec.device)
             for dst in self.others:
-                self.links.send(tokens, dst, tag=self.dec.num_chunks)
+                self.links.send(tokens, dst, self.dec.num_chunks, lambda: f"the tokens of {self._item(g, p)}")

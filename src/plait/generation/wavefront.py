@@ -30,7 +30,8 @@ def wavefront_order(chunks: list[int], groups: int, positions: int = 1,
 class Links:
     """Activations between consecutive chunks: kept when one rank holds both, else a tagged isend / blocking recv.
 
-    Sends never block (so two ranks sending to each other cannot deadlock); ``wait`` finishes them. The
+    Sends never block (so two ranks sending to each other cannot deadlock); ``wait`` finishes them, each a
+    named wait as a receive is (a peer that stopped taking them is named by the sender too). The
     tag is the receiving chunk, and every rank visits its items in the same tick order, so messages of the
     same pair and tag are received in the order they were sent.
     """
@@ -38,7 +39,7 @@ class Links:
     def __init__(self, dec: Decoder) -> None:
         self.dec, self.dim = dec, dec.hidden_size
         self.kept: dict[tuple, torch.Tensor] = {}
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self.pending: list[tuple[dist.Work, torch.Tensor, int, Callable[[], str]]] = []
 
     def take(self, c: int, key: tuple, b: int, s: int, what: Callable[[], str] | None = None) -> torch.Tensor:
         """Input hidden states [b, s, dim] of chunk ``c`` > 0 for work item ``key`` (``what()``: it in errors)."""
@@ -52,28 +53,37 @@ class Links:
         """Receive ``x`` from global rank ``src`` (blocking); see ``waiting``."""
         waiting(self.dec, what, src, lambda: dist.recv(x, src=src, tag=tag))
 
-    def give(self, c: int, key: tuple, x: torch.Tensor) -> None:
-        """Hand chunk ``c``'s output for ``key`` to chunk ``c + 1``."""
+    def give(self, c: int, key: tuple, x: torch.Tensor, what: Callable[[], str] | None = None) -> None:
+        """Hand chunk ``c``'s output for ``key`` to chunk ``c + 1`` (``what()``: it in errors)."""
         if self.dec.rank_of(c + 1) == self.dec.me:
             self.kept[(c, key)] = x
         else:
-            self.send(x, self.dec.peer(c + 1), tag=c + 1)
+            self.send(x, self.dec.peer(c + 1), c + 1,
+                      what or (lambda: f"the hidden states of item {key} into chunk {c + 1}"))
 
-    def send(self, x: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, x: torch.Tensor, dst: int, tag: int, what: Callable[[], str]) -> None:
+        """Send ``x`` (``what()`` in words) to global rank ``dst`` without blocking; ``wait`` finishes it."""
         x = x.contiguous()
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]  # keep only unfinished buffers
+        self.pending = [item for item in self.pending if not item[0].is_completed()]  # keep only unfinished ones
         work = dist.isend(x, dst=dst, tag=tag)
         assert work is not None, "isend on the default group returns a Work"
-        self.pending.append((work, x))
+        self.pending.append((work, x, dst, what))
 
     def wait(self) -> None:
-        for work, _x in self.pending:
-            work.wait()
+        """Finish every send still in flight; a peer that does not take one within the timeout is named."""
+        for work, _x, dst, what in self.pending:
+            waiting(self.dec, _send_words(what, dst), None, work.wait)
         self.pending.clear()
 
 
-def waiting(dec: Decoder, what: str | Callable[[], str], peer: int, op: Callable[[], object]) -> None:
-    """Run ``op``, this pipeline rank's blocking wait for ``what`` from global rank ``peer``, through
-    plait.errors.comm_wait: a timeout or failure names "generate: pipeline rank N", ``what`` and ``peer``."""
+def _send_words(what: Callable[[], str], dst: int) -> Callable[[], str]:
+    """The words of a send of ``what()`` to global rank ``dst``, built only when called."""
+    return lambda: f"the send of {what()} to global rank {dst}"
+
+
+def waiting(dec: Decoder, what: str | Callable[[], str], peer: int | None, op: Callable[[], object]) -> None:
+    """Run ``op``, this pipeline rank's blocking wait for ``what`` from global rank ``peer`` (None: ``what`` names
+    the rank), through plait.errors.comm_wait: a timeout or failure names "generate: pipeline rank N", ``what``
+    and ``peer``."""
     timeout_s = dec.ctx.timeout_s if dec.ctx is not None else 0.0
     comm_wait(op, what, peer, timeout_s, me=f"generate: pipeline rank {dec.me}")
