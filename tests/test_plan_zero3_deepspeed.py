@@ -1,6 +1,6 @@
-"""ZeRO-3 as DeepSpeed v0.3.13 runs it (``Training.zero3_impl="deepspeed-0.3"``, ``plan.zero3_deepspeed``): the
-walk's seconds worked by hand, the gathers and all-reduces of a small GPT counted by hand, the refusals, and plait's
-own ZeRO-3 left as it was."""
+"""ZeRO-3 as DeepSpeed v0.3.13 runs it (``Training.zero3_impl="deepspeed-0.3"`` and, with contiguous_gradients,
+``"deepspeed-0.3-contiguous"``; ``plan.zero3_deepspeed``): the walk's seconds worked by hand, the gathers, all-reduces
+and reduce-scatters of a small GPT counted by hand, the refusals, and plait's own ZeRO-3 left as it was."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.published import gpt, runs
-from plait.plan.zero3_deepspeed import Gather, Use, trace, walk
+from plait.plan.zero3_deepspeed import Gather, Scatter, Use, scatter_cost, trace, walk
 
 
 def _walk(uses, gather=0.4, reduce=0.0, f=1.0):
@@ -74,6 +74,58 @@ def test_a_small_gpt_gathers_per_parameter_and_again_for_the_recomputation():
     assert done.seconds == pytest.approx(34.0)  # no compute to hide behind: every collective exposed
 
 
+def test_contiguous_gradients_reduce_scatter_each_tensor_after_the_hosts_issue():
+    # contiguous_gradients: x's backward (1 s) hands over two gradients, each reduce-scattered on its own: the host
+    # issues its views and copies (0.3 s), the collective runs 0.5 s after that, one after the other on the network:
+    # host 0.3 and 0.6, network 0.8 and 1.3. y's hook first waits for those (reduction_stream.synchronize: host 1.3),
+    # then issues its two: host 1.6 and 1.9, network 2.1 and 2.6; y's compute (launched at 0.6, after x's hook) ends
+    # at 2. The end: 2.6 s (2.3 s if the host did not wait for the reductions before y's), four reduce-scatters
+    def scatter(issue: float) -> Scatter:
+        return Scatter(0.5, issue)
+
+    uses = [Use(m, 0, 0, ("b", 1.0), grads=2, grad_tensors=(1, 1)) for m in "xy"]
+    done = walk(tuple(uses), {"b": 1.0}, lambda e: Gather(0.4), lambda e: 0.0, lambda e: scatter(0.3))
+    assert done.seconds == pytest.approx(2.6) and done.reductions == 4
+    # the compute a sub-module launches waits for the host: x's hook issues 2 x 0.8 s, so y's second of compute
+    # starts at 1.6 and ends at 2.6 (the network is done at 1.8); 2.0 s if it ran as if the host were free
+    uses = [Use("x", 0, 0, ("b", 1.0), grads=2, grad_tensors=(1, 1)), Use("y", 0, 0, ("b", 1.0))]
+    done = walk(tuple(uses), {"b": 1.0}, lambda e: Gather(0.4), lambda e: 0.0, lambda e: scatter(0.8))
+    assert done.seconds == pytest.approx(2.6) and done.reductions == 2
+
+
+def test_contiguous_gradients_reduce_scatter_every_parameter_tensor():
+    # GPT, 2 layers, tied embeddings, LayerNorm with biases: each layer's four weights and four biases and its two
+    # norms' weights and biases (12 tensors), the final norm's two, the word embedding and the positions: 28
+    # reduce-scatters, none of them all-reduces of buckets; the gathers as without contiguous_gradients (25)
+    m = gpt(2, 12288, 96)
+    uses = trace(m, Layout(dp=64, zero=3, recompute="full"))
+    done = walk(uses, {}, lambda e: Gather(1.0), lambda e: 1.0, lambda e: Scatter(1.0))
+    assert (done.gathers, done.reductions) == (25, 28)
+    per_layer = [u for u in uses if u.grad_tensors and u.module.endswith("0")]
+    assert sum(len(u.grad_tensors) for u in per_layer) == 12
+    assert sum(sum(u.grad_tensors) for u in per_layer) == m.layer_params()
+
+
+def test_one_gradients_reduce_scatter_as_the_list_call_runs_it():
+    c = Cluster("a100-80gb", 1536, interconnect="ib-hdr")
+    one = scatter_cost(c.costs, 10**6, 1536, 1536, 2)
+    # W = 1,536 narrow views at 2.0 us and copies into the flat input issued at 10.1 us: 18.59 ms of host first
+    assert one.issue == pytest.approx(1536 * 12.1e-6)
+    # then on the device the bucket's div_ (2 MB read and written), the last copy's 1/1536 of that, the collective
+    bw = c.gpu.memory_bandwidth
+    assert one.done == pytest.approx(4e6 / bw * (1 + 1 / 1536) + c.costs.collective("reduce_scatter", 2e6, 1536, 1536))
+
+
+def test_estimate_charges_the_contiguous_walk_and_no_end_of_step_reduction():
+    m, c, lay = gpt(4, 12288, 96), Cluster("a100-80gb", 1536, interconnect="ib-hdr"), Layout(dp=1536, zero=3,
+                                                                                               recompute="full")
+    base = estimate(m, c, lay, Training(1536, recompute_head=False, grad_dtype="fp16", zero3_impl="deepspeed-0.3"))
+    cont = estimate(m, c, lay, Training(1536, recompute_head=False, grad_dtype="fp16",
+                                        zero3_impl="deepspeed-0.3-contiguous"))
+    assert cont.time["dp_comm"] == 0.0 and cont.time["compute"] == base.time["compute"]
+    assert cont.time["zero_comm"] != base.time["zero_comm"]
+
+
 @pytest.mark.parametrize(("ranks", "micro_s"), [(4, 489.40e-6), (8, 971.47e-6)])
 def test_the_list_all_gathers_copies_per_rank(ranks, micro_s):
     # GPT, 2 layers, h = 512, vocab 1024, tied: every gathered weight is used again within 1e9 elements, so kept: 10
@@ -117,6 +169,6 @@ def test_refused_by_the_runtime_and_by_a_pipeline():
     Layout(dp=8, zero=3).to_parallel_config(Training(8))  # plait's own runs
 
 
-def test_only_narayanans_zero3_rows_use_it():
-    flagged = [r.label for r in runs() if r.training.zero3_impl != "plait"]
-    assert len(flagged) == 6 and all("ZeRO-3" in x for x in flagged)
+def test_only_narayanans_zero3_rows_use_it_with_contiguous_gradients():
+    flagged = [(r.label, r.training.zero3_impl) for r in runs() if r.training.zero3_impl != "plait"]
+    assert len(flagged) == 6 and all("ZeRO-3" in x and impl == "deepspeed-0.3-contiguous" for x, impl in flagged)

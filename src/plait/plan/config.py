@@ -216,7 +216,7 @@ OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
 #: where a stack sums a tied embedding's gradient over the pipeline stages holding a copy (``Training.tied_grad_sum``)
 TIED_GRAD_SUMS = ("shard", "full")
 #: whose ZeRO-3 a run's step runs (``Training.zero3_impl``)
-ZERO3_IMPLS = ("plait", "deepspeed-0.3", "torchtitan-fsdp2")
+ZERO3_IMPLS = ("plait", "deepspeed-0.3", "deepspeed-0.3-contiguous", "torchtitan-fsdp2")
 
 
 @dataclass(frozen=True)
@@ -296,10 +296,10 @@ class Training:
     """Whose ZeRO-3 runs the step (ignored below ZeRO-3): "plait" (plait's runtime, ``plait.data_parallel.
     param_shards``: one all-gather and one reduce-scatter per block, a block ahead of or behind the compute,
     ``plan.step_end.zero3_collectives``) or "deepspeed-0.3" (DeepSpeed v0.3.13's: one all-gather per parameter
-    behind a device-wide synchronize, the gradients all-reduced in buckets, walked sub-module by sub-module in
-    ``plan.zero3_deepspeed``; costed without a pipeline) or "torchtitan-fsdp2" (torch's FSDP2 as torchtitan wraps
-    it: timed as plait's, its memory as ``plan.memory.fsdp2_working`` and ``rank_memory`` count it).
-    ``Layout.to_parallel_config`` refuses any but plait's."""
+    behind a device-wide synchronize, the gradients all-reduced in buckets ("-contiguous": reduce-scattered tensor
+    by tensor), walked sub-module by sub-module in ``plan.zero3_deepspeed``; no pipeline) or "torchtitan-fsdp2"
+    (torch's FSDP2 as torchtitan wraps it: timed as plait's, its memory as ``plan.memory.fsdp2_working`` and
+    ``rank_memory`` count it). ``Layout.to_parallel_config`` refuses any but plait's."""
 
     elementwise: str = ELEMENTWISE[0]
     """How the costed stack runs a layer's element-wise kernels (norms, RoPE, activations, residual adds, casts) and

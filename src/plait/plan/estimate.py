@@ -138,7 +138,7 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout),
                                                      training.grad_dtype, expert)
-    if layout.zero == 3 and training.zero3_impl == "deepspeed-0.3":
+    if layout.zero == 3 and training.zero3_impl in zero3_deepspeed.IMPLS:
         # DeepSpeed v0.3.13's ZeRO-3 (plan.zero3_deepspeed): each micro-batch walks the same trace, its gradients'
         # all-reduces included (none left for the end of the step)
         zero3, reduction = m * zero3_deepspeed.exposed(model, cluster, layout, training, busiest), 0.0

@@ -101,11 +101,10 @@ NARAYANAN_TABLE2 = (
     ("PTD", 529.6, 280, 2240, 1120, 1, 167), ("PTD", 529.6, 280, 2240, 2240, 1, 159),
 )
 NARAYANAN_SHAPES = {174.6: (96, 12288, 96, 12), 529.6: (105, 20480, 128, 35)}  # layers, hidden, heads, p
-# The ZeRO-3 runs are DeepSpeed's of the paper's time (microsoft/DeepSpeed v0.3.13, 2021-03-16), costed as its code
-# runs them with its defaults (runtime/zero/constants.py; the paper prints no configuration): zero3_impl
-# "deepspeed-0.3" (``plan.zero3_deepspeed``: an all-gather of a list per parameter, each fetch a device-wide
-# synchronize, the recomputed forward gathering again, the fp16 gradients all-reduced in buckets): grad_dtype fp16.
-# docs/planner.md ("Where it misses") says what that leaves.
+# The ZeRO-3 runs are DeepSpeed's of the paper's time (v0.3.13, 2021-03-16), costed as its code runs them with
+# contiguous_gradients on, as every ZeRO-3 configuration DeepSpeed published then sets it (the paper prints none;
+# ``plan.zero3_deepspeed`` names them), its other settings at v0.3.13's defaults; grad_dtype fp16. docs/planner.md
+# ("Where it misses") says what that leaves.
 
 
 def gpt(layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048, name: str = "") -> Model:
@@ -153,9 +152,10 @@ def _narayanan() -> list[PublishedRun]:
                      optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER,
                      grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION,
                      tied_grad_sum=TIED_FULL if ptd else "shard",  # ZeRO-3 rows: no pipeline, nothing summed
-                     zero3_impl="plait" if ptd else "deepspeed-0.3"),
+                     zero3_impl="plait" if ptd else "deepspeed-0.3-contiguous"),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
-            ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) as its code runs it, its defaults",
+            ("1F1B, not interleaved" if ptd else "DeepSpeed ZeRO-3 (v0.3.13) as its code runs it, contiguous_gradients "
+             "on as every ZeRO-3 configuration DeepSpeed published then, its other defaults",
              "full recomputation (eq. 3 counts it)",
              "PTD: gradient all-reduce after the backward" if ptd else "ZeRO-3: no DeepSpeed configuration printed",
              "Selene: HDR InfiniBand") + (() if ptd else (

@@ -1,4 +1,4 @@
-"""ZeRO-3 as DeepSpeed v0.3.13 runs it (``Training.zero3_impl="deepspeed-0.3"``), for runs of another stack.
+"""ZeRO-3 as DeepSpeed v0.3.13 runs it (``Training.zero3_impl``: ``IMPLS``), for runs of another stack.
 
 What its code does, each step (microsoft/DeepSpeed at tag v0.3.13, ``deepspeed/runtime/zero/``; the defaults of
 ``constants.py`` where a run's configuration is not printed):
@@ -18,13 +18,27 @@ What its code does, each step (microsoft/DeepSpeed at tag v0.3.13, ``deepspeed/r
   ``stage3_max_reuse_distance`` (1e9) elements of other sub-modules' parameters (``release_sub_module``,
   ``_keep_for_later``). With full recomputation the recomputed forward fires the hooks again: a layer's weights
   are gathered for the forward, for the recomputation and, unless kept, again for the backward.
-- Gradients: with ``contiguous_gradients`` off (stage 3's default) each backward's fp16 gradients fill buckets
-  of ``reduce_bucket_size`` (5e8) elements, a bucket flushed when the next gradient would overflow it, each
-  flushed bucket all-reduced (``reduce_independent_p_g_buckets_and_remove_grads``, ``reduce_ipg_grads``,
-  ``buffered_reduce_fallback``) on the reduction stream (``overlap_comm``, stage 3's default: beside the compute,
-  until the next device-wide synchronize); the last bucket after the backward, waited for
-  (``independent_gradient_partition_epilogue``). After each backward every parameter is released
-  (``_partition_all_parameters``): each micro-batch starts again.
+- Gradients: with ``contiguous_gradients`` off (stage 3's default; ``zero3_impl="deepspeed-0.3"``) each backward's
+  fp16 gradients fill buckets of ``reduce_bucket_size`` (5e8) elements, a bucket flushed when the next gradient
+  would overflow it, each flushed bucket all-reduced (``reduce_independent_p_g_buckets_and_remove_grads``,
+  ``reduce_ipg_grads``, ``buffered_reduce_fallback``) on the reduction stream (``overlap_comm``, stage 3's default:
+  beside the compute, until the next device-wide synchronize); the last bucket after the backward, waited for
+  (``independent_gradient_partition_epilogue``). With it on (``zero3_impl="deepspeed-0.3-contiguous"``, as every
+  ZeRO-3 configuration DeepSpeed published then sets it: ``docs/_tutorials/zero.md`` at v0.3.13, and
+  microsoft/DeepSpeedExamples ``Megatron-LM-v1.1.5-ZeRO3/examples/ds_zero_stage_3_config.json`` at 2cd968f2 and
+  ``ds_zero_stage_3_config_release.json`` at bdf8e59a) the bucket is reduced as the next gradient would overflow it
+  too, but ``reduce_ipg_grads`` first waits on the host for the reduction stream (``overlap_comm``:
+  ``reduction_stream.synchronize()``), then divides the bucket by W and reduce-scatters it parameter by parameter
+  (``average_tensor``, ``reduce_gradients_at_owner``; ``partition_parameters.py`` ``_reduce_scatter_gradient``,
+  lines 733-771: a Python loop of W ``narrow`` views of the gradient, then ``torch.distributed.reduce_scatter`` of
+  that list, whose ``ProcessGroupNCCL::reduce_scatter`` issues from the host one ``copy_`` (with its
+  ``recordStream``) of each of the W inputs into a flat buffer on NCCL's stream before ``ncclReduceScatter``, in
+  the form of ``torch/lib/c10d/ProcessGroupNCCL.cpp`` the gather below was read in; v1.8.0's own not read). A
+  gradient larger than the bucket (3e6, 5e7 and 9e7 in those configurations: every layer's weight matrix here) is
+  reduced at the next gradient's arrival, so each weight is reduce-scattered in a call of its own, with the biases
+  and norms that came before it; ``walk`` reduces each sub-module's gradients at its own hook (the code: a hook
+  later). After each backward every parameter is released (``_partition_all_parameters``): each micro-batch starts
+  again.
 - A tied word embedding, which the logits use outside its module, is registered as the top module's external
   parameter (``docs/_tutorials/zero.md`` at v0.3.13, Megatron-LM's ``GPT2Model``): gathered at the top module's
   first hook and held through the forward and the backward (it counts against the live parameters throughout).
@@ -65,6 +79,10 @@ MAX_LIVE = 1_000_000_000
 MAX_REUSE = 1_000_000_000
 REDUCE_BUCKET = 500_000_000
 
+#: ``Training.zero3_impl`` values costed here: v0.3.13 with its defaults, and with ``contiguous_gradients`` on
+IMPLS = ("deepspeed-0.3", "deepspeed-0.3-contiguous")
+CONTIGUOUS = IMPLS[1]
+
 #: host seconds of one slice's ``copy_`` (with its ``recordStream``) in torch 1.8's list all-gather: a tiny kernel's
 #: host cost as this project measured it on an H200 (torch 2.11, ``bench/gpu_check.py`` ``launch_us``: 10.1 µs in the
 #: newest run, 6.8-10.4 µs over runs; docs/runtime.md), taken for an eager operation's dispatch and launch of that era
@@ -93,6 +111,9 @@ class Use:
     compute: Share
     grads: int = 0
     held: bool = False
+    #: each parameter tensor whose gradient the backward hands over at this use (the sub-module's weight and bias,
+    #: and a norm's beside it): what ``contiguous_gradients`` reduce-scatters one call each
+    grad_tensors: tuple[int, ...] = ()
 
 
 def _layer_modules(model: Model, layout: Layout) -> list[tuple[str, int, int]]:
@@ -123,19 +144,25 @@ def trace(model: Model, layout: Layout) -> tuple[Use, ...]:
     own = 0 if tied else word  # the embedding's and the head's own weights when untied
     top = Use("top", _gathered(word) if tied else 0, word if tied else 0, ("", 0.0), held=True)
 
+    norm = (model.hidden,) * (2 if model.layernorm else 1)  # a norm's weight (and bias)
+    beside = {"qkv": norm, "fc1": norm}  # the input norms' gradients follow the layer's first GEMM of each block
+
     def layer(i: int, kind: str, grads: bool, order: list[tuple[str, int, int]]) -> list[Use]:
-        return [Use(f"{name}{i}", _gathered(w, b), w + b, (kind, (w + b) / total), w + b if grads else 0)
+        return [Use(f"{name}{i}", _gathered(w, b), w + b, (kind, (w + b) / total), w + b if grads else 0,
+                    grad_tensors=tuple(x for x in (w, b, *beside.get(name, ())) if x) if grads else ())
                 for name, w, b in order]
 
     uses = [top, Use("embedding", _gathered(own, pos), own + pos, ("ef", 1.0))]
     for i in range(model.n_layers):
         uses += layer(i, "f", False, mods)
-    uses += [Use("head", _gathered(own), own, ("hf", 1.0)), top, Use("head", _gathered(own), own, ("hb", 1.0), own)]
+    uses += [Use("head", _gathered(own), own, ("hf", 1.0)), top,
+             Use("head", _gathered(own), own, ("hb", 1.0), own, grad_tensors=tuple(x for x in (own, *norm) if x))]
     for i in reversed(range(model.n_layers)):
         if layout.recompute == "full":
             uses += layer(i, "r", False, mods)
         uses += layer(i, "b", True, mods[::-1])
-    return (*uses, Use("embedding", _gathered(own, pos), own + pos, ("eb", 1.0), word + pos))
+    return (*uses, Use("embedding", _gathered(own, pos), own + pos, ("eb", 1.0), word + pos,
+                       grad_tensors=tuple(x for x in (word, pos) if x)))
 
 
 @lru_cache(maxsize=64)
@@ -178,20 +205,32 @@ class Walk:
     reductions: int
 
 
+@dataclass(frozen=True)
+class Scatter:
+    """One parameter's gradient reduce-scattered as ``_reduce_scatter_gradient`` runs it, in seconds: ``issue``, the
+    host making the W views and issuing the W copies into the flat input (the collective starts after them);
+    ``done``, the device from then on (the bucket's division by W, the last copy, the collective)."""
+
+    done: float
+    issue: float = 0.0
+
+
 def walk(uses: tuple[Use, ...], compute: dict[str, float], gather: Callable[[int], Gather],
-         reduce_s: Callable[[int], float]) -> Walk:
+         reduce_s: Callable[[int], float], scatter: Callable[[int], Scatter] | None = None) -> Walk:
     """Walk ``uses`` with ``compute[pass]`` seconds per pass, ``gather(elements)`` one parameter's all-gather and
-    ``reduce_s(elements)`` the seconds of one all-reduce."""
+    ``reduce_s(elements)`` the seconds of one all-reduce of a bucket; with ``scatter`` (``contiguous_gradients``)
+    each gradient tensor reduce-scattered on its own as ``scatter(elements)`` says instead, after the host has
+    waited for the reductions before it; the compute a sub-module launches waits for the host's work before it."""
     kept = _kept(uses)
-    clock = busy = net = 0.0
+    clock = busy = net = host = 0.0
     available: set[str] = set()
     flight: set[str] = set()
     live = bucket = gathers = reductions = 0
 
     def sync() -> None:
-        nonlocal clock, busy, net
-        clock += max(busy, net)
-        busy = net = 0.0
+        nonlocal clock, busy, net, host
+        clock += max(busy, net, host)
+        busy = net = host = 0.0
 
     for i, u in enumerate(uses):
         if u.module in flight or (u.gathered and u.module not in available):
@@ -222,8 +261,16 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather: Callable[[int
                     if ahead >= PREFETCH_BUCKET:
                         break
         kind, share = u.compute
-        busy += compute.get(kind, 0.0) * share
-        if u.grads:
+        busy = max(busy, host) + compute.get(kind, 0.0) * share
+        if scatter is not None:
+            if u.grad_tensors:
+                host = max(host, net)  # reduce_ipg_grads: reduction_stream.synchronize() first
+            for elements in u.grad_tensors:
+                one = scatter(elements)
+                host += one.issue
+                net = max(net, host) + one.done
+                reductions += 1
+        elif u.grads:
             if bucket and bucket + u.grads > REDUCE_BUCKET:
                 net += reduce_s(bucket)
                 reductions += 1
@@ -251,6 +298,16 @@ def gather_cost(costs: CostModel, elements: int, n: int, span: int) -> Gather:
     return Gather(max(net + copies, issue + copies / n), n * VIEW_HOST_S, issue, costs.stream_time(nbytes, 0))
 
 
+def scatter_cost(costs: CostModel, elements: int, n: int, span: int, grad: float) -> Scatter:
+    """One gradient of ``elements`` (``grad`` bytes each) reduce-scattered over ``n`` ranks spread over ``span``:
+    W = ``n`` views and copies issued at ``VIEW_HOST_S`` (the gather's loop turn: a ``narrow`` and, there, a
+    ``get_rank``) and ``COPY_HOST_S``; then the bucket's ``div_`` (read and written once), the last copy's bytes (its
+    1/W of the gradient read and written; the others run as issued) and the collective. Nothing fitted."""
+    nbytes = grad * elements
+    device = costs.stream_time(2 * nbytes, 0) * (1 + 1 / n) + costs.collective("reduce_scatter", nbytes, n, span)
+    return Scatter(device, n * (VIEW_HOST_S + COPY_HOST_S))
+
+
 def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, rank: StageCosts) -> float:
     """Seconds a micro-batch's ZeRO-3 traffic adds to ``rank``'s compute (its forward, recomputation and
     backward, split over the sub-modules by their elements; the embedding's and the head's from the cost
@@ -276,5 +333,6 @@ def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, 
     def reduce_s(elements: int) -> float:
         return costs.collective("all_reduce", grad * elements, n, span)
 
-    done = walk(trace(model, layout), compute, lambda e: gather_cost(costs, e, n, span), reduce_s)
+    scatter = ((lambda e: scatter_cost(costs, e, n, span, grad)) if training.zero3_impl == CONTIGUOUS else None)
+    done = walk(trace(model, layout), compute, lambda e: gather_cost(costs, e, n, span), reduce_s, scatter)
     return max(0.0, done.seconds - rank.forward - rank.backward)
