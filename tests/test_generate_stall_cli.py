@@ -1,0 +1,71 @@
+"""``plait generate --pp 2`` from the command line with one worker stopped (SIGSTOP) in the middle of decoding:
+the command ends after its timeout (PLAIT_TIMEOUT) and the launcher's stop of the workers, naming the rank that
+waited, what it waited for and the rank it waited on; it does not hang, and the stopped worker does not outlive it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import alive
+from plait.distributed.launch import worker_pids
+from plait.models import Llama, LlamaConfig
+
+pytestmark = pytest.mark.timeout(300)
+TIMEOUT_S = 5  # PLAIT_TIMEOUT of the command: how long a rank waits for a peer
+DECODING_CPU_S = 3.0  # CPU seconds of the worker when it is stopped: start-up is done by then, decoding is not
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _model(path: Path) -> Path:
+    """A byte-level Llama folder with room for thousands of new tokens (decoding outlasts the test's stop)."""
+    torch.manual_seed(0)
+    Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, max_seq_len=4096)).save_pretrained(path)
+    return path
+
+
+def test_a_stopped_worker_ends_generate_naming_it_soon_after_the_timeout(tmp_path):
+    args = [sys.executable, "-m", "plait.cli.main", "generate", "--model", str(_model(tmp_path / "m")), "--pp", "2",
+            "--prompt", "a", "--prompt", "b", "--max-new-tokens", "4000"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "PLAIT_TIMEOUT": str(TIMEOUT_S), "OMP_NUM_THREADS": "1"})
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while len(pids) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            pids = worker_pids(proc.pid)  # the launcher's workers, ranks in order of their pids
+            time.sleep(0.05)
+        assert len(pids) == 2, (pids, proc.poll())
+        while proc.poll() is None and _cpu_s(pids[1]) < DECODING_CPU_S and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "generate ended before its worker could be stopped"
+        os.kill(pids[1], signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+        stopped = time.monotonic()
+        _out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - stopped
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err
+    assert ("error: rank 0: CommTimeoutError: generate: pipeline rank 0 waited more than 5s for the tokens of "
+            "prompt 1 at new position ") in err and " from global rank 1: " in err, err
+    # the timeout, the failed rank's pause before it exits (2 s) and torch elastic's stop of the stopped worker,
+    # which cannot take its SIGTERM (SIGKILL 30 s later)
+    assert took < TIMEOUT_S + 2 + 30 + 20, took
+    assert not alive(pids[1]), "the stopped worker outlived its job"
