@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
 from plait.train.config import TrainConfig, model_config
-from plait.train.observe import Prediction
+from plait.train.observe import NO_CLUSTER, Prediction
 from plait.words import counted
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from plait.plan.model import Model
     from plait.train.loop import Run
 
-OFF = "none"
+OFF = NO_CLUSTER
 
 
 def check_cluster(cfg: TrainConfig, world: int) -> None:
@@ -82,9 +82,26 @@ def to_measure(cached, world: int) -> bool:
             or (world > 1 and bool(tp_group_sizes(world)) and not timed >= set(TP_CALIBRATION_BLOCKS)))
 
 
+def several_hosts() -> bool:
+    """Whether this run's workers span several hosts (torchrun's LOCAL_WORLD_SIZE below its WORLD_SIZE)."""
+    return os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1")
+
+
+def unpredicted(cfg: TrainConfig, on_gpu: bool) -> str:
+    """Why a run of ``cfg`` gets no prediction, should it get none (the words after "no prediction: ")."""
+    if cfg.cluster == OFF:
+        return "--cluster none"
+    if several_hosts() and not on_gpu:
+        return (f"the run spans several hosts ({os.environ.get('WORLD_SIZE')} processes, "
+                f"{os.environ.get('LOCAL_WORLD_SIZE')} here) and a host profile describes one")
+    if on_gpu:
+        return "this host's GPU is not in the planner's catalogue"
+    return "this host could not be measured"
+
+
 def host_profile(cfg: TrainConfig, ctx):
     """The HostProfile for this run (collective over the world when it has to be measured), or None."""
-    if cfg.cluster == OFF or os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1"):
+    if cfg.cluster == OFF or several_hosts():
         return None  # turned off, or several hosts: a profile describes one
     from plait.plan.host.profile import HostProfile
 
@@ -225,6 +242,7 @@ class HostPredictor:
             except ConfigError:  # a GPU the catalogue lacks: the run goes on without a prediction
                 pass
         box: list[Prediction | None] = [None]
+        run.unpredicted = unpredicted(run.cfg, on_gpu)  # read only when nothing is predicted
         if run.ctx.rank == 0 and profile is not None:
             est = predict(run.cfg, profile, world)
             # the host's speed against its calibration's (the other ranks wait in the broadcast meanwhile)

@@ -72,6 +72,7 @@ class Run:
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
     prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)
+    unpredicted: str | None = None  # when it predicted nothing, why ("--cluster none"; None: not said)
 
 
 def build(cfg: TrainConfig, ctx: ParallelContext) -> Run:

@@ -36,6 +36,8 @@ class Prediction:
                 "predicted_phase_s": self.phases}
 
 
+#: the --cluster that turns the prediction off
+NO_CLUSTER = "none"
 #: a metrics row's predicted fields when nothing was predicted
 NO_PREDICTION = {"predicted_step_time_s": None, "predicted_bubble": None, "predicted_phase_s": None}
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
-from plait.train.observe import PHASES, Prediction
+from plait.train.observe import NO_CLUSTER, PHASES, Prediction
 from plait.words import counted
 
 if TYPE_CHECKING:
@@ -72,6 +72,8 @@ class Reporter:
             self.console.print(f"[yellow]note: --warmup {cfg.warmup} is not shorter than --steps {cfg.steps}: the "
                                f"learning rate rises the whole run, to {cfg.steps / cfg.warmup:.0%} of --lr "
                                f"{cfg.lr:g} at its last step, and never decays (give --warmup below --steps)[/]")
+        if run.prediction is None and run.unpredicted and cfg.cluster != NO_CLUSTER:  # not asked for: say why
+            self.console.print(f"[yellow]note: no prediction: {run.unpredicted}[/]")
         if run.prediction is not None:
             e = run.prediction
             self.console.print(f"predicted on {e.source}: step {e.step_time_s * 1e3:,.0f} ms, bubble "
@@ -192,7 +194,7 @@ def summary_table(cfg: TrainConfig, run, res):
          "- (no held-out split)" if run.data.eval_order is None else "- (no held-out target in the loss)"),
         ("data", _data_line(run, cfg.steps if res.stopped_at is None else res.stopped_at)),
         ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
-        ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms")
+        ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms", run.unpredicted)
          + _at_speed(res, pred)),
         ("step by phase", _phases(res, pred)),
         ("bubble", _bubbles(res, pred)),
@@ -270,9 +272,10 @@ def _phases(res, pred: Prediction | None) -> str:
     return " | ".join(parts) + (" ms, measured (predicted)" if predicted else " ms")
 
 
-def _vs(measured: float, predicted: float | None, scale: float, unit: str) -> str:
+def _vs(measured: float, predicted: float | None, scale: float, unit: str, unpredicted: str | None = None) -> str:
+    """The measured figure beside the predicted one, or beside why nothing was predicted (``unpredicted``)."""
     if predicted is None:
-        return f"measured {measured:,.0f} {unit} (no prediction: --cluster none)"
+        return f"measured {measured:,.0f} {unit} (no prediction{f': {unpredicted}' if unpredicted else ''})"
     pred = predicted * scale
     return f"measured {measured:,.0f} {unit}, predicted {pred:,.0f} {unit} (measured/predicted {measured / pred:.2f})"
 
