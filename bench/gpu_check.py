@@ -22,7 +22,8 @@ rewritten after each, so a run cut short keeps the sections it finished):
   predict   ``plait train --dry-run`` of the same run: the planner's predicted step beside the step measured in
             ``train``, its predicted bytes by kind beside ``pm.memory_report()``'s and its total beside the
             allocator's peak (``gpu_check_memory.py``); on a GPU from the planner's GPU model (``plait.plan.gpu``,
-            fitted on published runs), on a CPU from ``plait calibrate --processes 1`` run first
+            fitted on published runs), on a CPU from ``plait calibrate --processes 1`` run first (with
+            ``--quick``, from this host's cached profile, as ``plait train`` predicts by default)
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
   serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
   serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, and
@@ -233,26 +234,29 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
             "mfu": flops_per_token * tps / peak if peak else None, "peak_flops": peak, "memory": memory}
 
 
-def predict_section(sizes: dict, precision: str, folder: Path, out: Path, train: dict, cuda: bool) -> dict:
+def predict_section(sizes: dict, precision: str, folder: Path, out: Path, train: dict, cuda: bool,
+                    quick: bool) -> dict:
     """``plait train --dry-run`` of the ``train`` section's run: the step and the bytes (rank 0's) ``plait train``
     predicts beside those measured (``gpu_check_memory``). On a GPU it predicts with the planner's GPU model of
-    this device; on a CPU with a profile ``plait calibrate`` measures first."""
+    this device; on a CPU with a profile ``plait calibrate`` measures first, or with ``quick`` with this host's
+    cached profile (``plait train``'s own default, made on first use)."""
     profile, metrics = out / "host.toml", out / "predict.jsonl"
+    calibrate = not cuda and not quick
     t0 = time.perf_counter()
-    if not cuda:
+    if calibrate:
         cal = _plait("calibrate", "--processes", "1", "--out", str(profile), timeout=420)
         if cal.returncode:
             raise RuntimeError(f"plait calibrate exited {cal.returncode}: {cal.stderr[-2000:]}")
     calibrate_s = time.perf_counter() - t0
     metrics.unlink(missing_ok=True)
-    run = _plait("train", "--dry-run", *(() if cuda else ("--cluster", str(profile))), "--model", str(folder),
+    run = _plait("train", "--dry-run", *(("--cluster", str(profile)) if calibrate else ()), "--model", str(folder),
                  "--tp", "1", "--pp", "1", "--nproc", "1", "--microbatches", "1", "--batch-size", str(sizes["batch"]),
                  "--seq-len", str(sizes["seq"]), "--precision", precision, "--metrics", str(metrics), timeout=300)
     if run.returncode:
         raise RuntimeError(f"plait train --dry-run exited {run.returncode}: {run.stderr[-2000:]}")
     row = json.loads(metrics.read_text().splitlines()[-1])
     predicted, measured_step_s = row["predicted_step_time_s"], train.get("measured_step_s")
-    return {"calibrate_s": None if cuda else calibrate_s, "predicted_on": row["predicted_on"],
+    return {"calibrate_s": calibrate_s if calibrate else None, "predicted_on": row["predicted_on"],
             "predicted_step_s": predicted, "measured_step_s": measured_step_s,
             "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None,
             **memory_beside(row["memory"]["predicted"][0], train.get("memory"))}
@@ -334,7 +338,9 @@ SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    parser.add_argument("--quick", action="store_true", help="fewer timed steps (on a CPU: the small sizes anyway)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer timed steps (on a CPU: the small sizes anyway, and the predict section reads this "
+                             "host's cached profile instead of calibrating)")
     parser.add_argument("--test-files", default=",".join(DEVICE_TESTS),
                         help="comma-separated test files (from the repository root) the tests section runs")
     parser.add_argument("--out", default="gpu-check", help="folder for gpu_check.json, gpu_check.md and logs")
@@ -380,7 +386,7 @@ def main() -> None:
         precision = train.get("precision", "bf16" if device.type == "cuda" else "fp32")
         if "predict" in wanted:
             _run("predict", results, out, predict_section, sizes, precision, folder, out, train,
-                 device.type == "cuda")
+                 device.type == "cuda", args.quick)
         if "serve" in wanted:
             _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
         if "serve_step" in wanted:

@@ -38,6 +38,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert all(results["generate"][f"hf_generate_tokens_per_s_batch{b}"] > 0 for b in (1, 32))  # the peer ran
     predict = results["predict"]
     assert predict["predicted_on"].endswith("(plait plan, host profile)")  # a CPU: its calibration
+    assert predict["calibrate_s"] is None  # --quick: this host's cached profile (the suite's), no calibration
     # plait's bytes measured in the train section beside the dry run's: the same census, so within 1% on a CPU
     # (as tests/test_predict.py's), and no allocator peak to hold the predicted total against
     assert set(predict["memory"]) == {"params", "grads", "optimizer", "activations_peak"}
