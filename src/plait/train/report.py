@@ -292,23 +292,30 @@ def _bubbles(res, pred: Prediction | None) -> str:
 
 
 def memory_table(rows: list[dict], predicted: list[dict] | None = None):
-    """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB, each
-    beside the planner's prediction for its pipeline rank when there is one."""
+    """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB; with a
+    prediction, each rank's row is followed by the planner's figures for its pipeline rank, a row of their own
+    (one number a cell, so the table stays readable in 80 columns)."""
+    from rich import box
+    from rich.console import Group
     from rich.table import Table
 
     pred = {p["pp_rank"]: p for p in predicted or []}
-    title = "memory per rank (measured / predicted, MB)" if pred else "memory per rank (measured, MB)"
-    t = Table(title=title, title_justify="left")
+    title = ("memory per rank, MB (each rank measured, then the planner's prediction)" if pred
+             else "memory per rank, MB (measured)")
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1))
     kinds = ["params", "grads", "optimizer", "activations_peak"]
     if any(r.get("params_gathered_peak") is not None for r in rows):  # ZeRO-3: the working set of gathered weights
         kinds.append("params_gathered_peak")
-    for name in ("rank", "pp/dp/tp", *(k.replace("_", " ") for k in kinds), "total"):
+    heads = {"activations_peak": "activations\npeak", "params_gathered_peak": "gathered\nparams peak"}
+    for name in ("rank", "pp/dp/tp", *(heads.get(k, k) for k in kinds), "total"):
         t.add_column(name, justify="right")
+
+    def cells(values: list[float]) -> list[str]:
+        return [f"{b / 2**20:.2f}" for b in (*values, sum(values))]
+
     for r in rows:
-        parts = [r.get(k) or 0 for k in kinds]
-        cells = [f"{b / 2**20:.2f}" for b in (*parts, sum(parts))]
+        t.add_row(str(r["rank"]), f"{r['pp']}/{r['dp']}/{r['tp']}", *cells([r.get(k) or 0 for k in kinds]))
         if r["pp"] in pred:
-            p = [pred[r["pp"]].get(k, 0) for k in kinds]
-            cells = [f"{c} / {b / 2**20:.2f}" for c, b in zip(cells, (*p, sum(p)), strict=True)]
-        t.add_row(str(r["rank"]), f"{r['pp']}/{r['dp']}/{r['tp']}", *cells)
-    return t
+            t.add_row("", "[dim]predicted[/]", *(f"[dim]{c}[/]" for c in cells([pred[r["pp"]].get(k, 0)
+                                                                                  for k in kinds])))
+    return Group(title, t)  # the title a line of its own: as a table's title it would wrap at the table's width

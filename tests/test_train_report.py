@@ -1,0 +1,45 @@
+"""The end-of-run memory table of plait train, as a terminal or a log file 80 columns wide shows it."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from plait.train.report import memory_table
+
+MB = 2**20
+
+
+def _render(rows: list[dict], predicted: list[dict] | None) -> list[str]:
+    console = Console(record=True, width=80, force_terminal=False)
+    console.print(memory_table(rows, predicted))
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_the_memory_table_reads_one_number_a_cell_in_80_columns(zero3):
+    kinds = {"params": 1234.56, "grads": 1234.56, "optimizer": 2469.12, "activations_peak": 12.95}
+    if zero3:
+        kinds["params_gathered_peak"] = 321.5
+    rows = [{"rank": r, "pp": r // 2, "dp": 0, "tp": r % 2, **{k: v * MB for k, v in kinds.items()}}
+            for r in range(4)]
+    predicted = [{"pp_rank": pp, **{k: (v + 1) * MB for k, v in kinds.items()}} for pp in range(2)]
+    lines = _render(rows, predicted)
+    text = "\n".join(lines)
+    assert all(len(line) <= 80 for line in lines), text
+    assert "…" not in text and "activations" in text and ("gathered" in text) == zero3, text
+    measured = [f"{v:.2f}" for v in kinds.values()] + [f"{sum(kinds.values()):.2f}"]
+    forecast = [f"{v + 1:.2f}" for v in kinds.values()] + [f"{sum(kinds.values()) + len(kinds):.2f}"]
+    for r in range(4):  # each rank's numbers on one line, the prediction for its stage on the next
+        at = next(i for i, line in enumerate(lines) if line.split()[:2] == [str(r), f"{r // 2}/0/{r % 2}"])
+        assert lines[at].split()[2:] == measured, text
+        assert lines[at + 1].split() == ["predicted", *forecast], text
+
+
+def test_without_a_prediction_the_table_says_it_is_measured_alone():
+    rows = [{"rank": 0, "pp": 0, "dp": 0, "tp": 0, "params": MB, "grads": MB, "optimizer": 2 * MB,
+             "activations_peak": MB}]
+    lines = _render(rows, None)
+    assert lines[0] == "memory per rank, MB (measured)"
+    assert "predicted" not in "\n".join(lines) and lines[-1].split() == ["0", "0/0/0", "1.00", "1.00", "2.00", "1.00",
+                                                                         "5.00"]
