@@ -43,3 +43,11 @@ def test_without_a_prediction_the_table_says_it_is_measured_alone():
     assert lines[0] == "memory per rank, MB (measured)"
     assert "predicted" not in "\n".join(lines) and lines[-1].split() == ["0", "0/0/0", "1.00", "1.00", "2.00", "1.00",
                                                                          "5.00"]
+
+
+def test_under_context_parallelism_each_rank_is_told_apart_by_its_cp_coordinate():
+    rows = [{"rank": r, "pp": 0, "dp": r // 2, "cp": r % 2, "tp": 0, "params": MB, "grads": MB, "optimizer": 2 * MB,
+             "activations_peak": MB} for r in range(4)]
+    lines = _render(rows, None)
+    assert lines[2].split()[:2] == ["rank", "pp/dp/cp/tp"], "\n".join(lines)
+    assert [line.split()[1] for line in lines[4:]] == ["0/0/0/0", "0/0/1/0", "0/1/0/0", "0/1/1/0"], "\n".join(lines)

@@ -340,7 +340,8 @@ def memory_rows(pm) -> list[dict]:
     import torch.distributed as dist
 
     ctx = pm.ctx
-    mine = {"rank": ctx.rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank, **pm.memory_report()}
+    mine = {"rank": ctx.rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "cp": ctx.cp_rank, "tp": ctx.tp_rank,
+            **pm.memory_report()}
     if ctx.world_size == 1:
         return [mine]
     rows: list = [None] * ctx.world_size

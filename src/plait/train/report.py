@@ -307,14 +307,15 @@ def memory_table(rows: list[dict], predicted: list[dict] | None = None):
     if any(r.get("params_gathered_peak") is not None for r in rows):  # ZeRO-3: the working set of gathered weights
         kinds.append("params_gathered_peak")
     heads = {"activations_peak": "activations\npeak", "params_gathered_peak": "gathered\nparams peak"}
-    for name in ("rank", "pp/dp/tp", *(heads.get(k, k) for k in kinds), "total"):
+    axes = ("pp", "dp", "cp", "tp") if any(r.get("cp") for r in rows) else ("pp", "dp", "tp")  # cp only under CP
+    for name in ("rank", "/".join(axes), *(heads.get(k, k) for k in kinds), "total"):
         t.add_column(name, justify="right")
 
     def cells(values: list[float]) -> list[str]:
         return [f"{b / 2**20:.2f}" for b in (*values, sum(values))]
 
     for r in rows:
-        t.add_row(str(r["rank"]), f"{r['pp']}/{r['dp']}/{r['tp']}", *cells([r.get(k) or 0 for k in kinds]))
+        t.add_row(str(r["rank"]), "/".join(str(r[a]) for a in axes), *cells([r.get(k) or 0 for k in kinds]))
         if r["pp"] in pred:
             t.add_row("", "[dim]predicted[/]", *(f"[dim]{c}[/]" for c in cells([pred[r["pp"]].get(k, 0)
                                                                                   for k in kinds])))
