@@ -65,7 +65,8 @@ def test_verify_settings_are_named_as_flags():
                                                  "values, but --cp is 1"),  # was silently ignored
                          (["--tp", "3"], "--tp 3: does not fit plait verify's model (tp=3 must divide n_heads=4"),
                          (["--cp", "2", "--seq-len", "6"], "--seq-len 6: must be a multiple of 4 under --cp 2 (2·cp "
-                                                           "chunks of equal length); valid lengths: 4, 8, 12")):
+                                                           "chunks of equal length); valid lengths: 4, 8, 12, ..., "
+                                                           "the nearest 4 or 8")):
         res = _in_process(*args)
         assert res.exit_code == 2 and res.stderr.startswith(f"error: {needle}"), (args, res.output)
 

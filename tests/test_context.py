@@ -148,8 +148,10 @@ def test_bad_cp_is_a_config_error_naming_it(kw, world, needles):
 
 
 @pytest.mark.parametrize("kw,seq,needles", [
-    (dict(cp=2), 18, ["seq_len=18: must be a multiple of 4 under cp=2"]),
-    (dict(cp=2, tp=4, sequence_parallel=True), 12, ["cp=2", "multiple of 8", "sequence parallelism"]),
+    (dict(cp=2), 18, ["seq_len=18: must be a multiple of 4 under cp=2", "the nearest 16 or 20"]),
+    (dict(cp=2, tp=4, sequence_parallel=True), 12, ["cp=2", "multiple of 8", "sequence parallelism",
+                                                    "the nearest 8 or 16"]),
+    (dict(cp=4), 6, ["multiple of 8", "valid lengths: 8, 16, 24, ..., the nearest 8"]),
 ])
 def test_sequence_length_is_checked_against_cp(kw, seq, needles):
     ParallelConfig(**kw).check_seq_len(seq * 4)  # a multiple is fine

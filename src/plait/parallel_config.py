@@ -129,9 +129,11 @@ class ParallelConfig:
             sp = (", each rank's part cut again over {tp} with sequence parallelism ({sequence_parallel})"
                   if split else "")
             others: dict[str, object] = {"cp": self.cp, **({"tp": self.tp, "sequence_parallel": True} if split else {})}
-            valid = ", ".join(str(unit * i) for i in range(1, 5))
+            below = seq_len // unit * unit
+            near = f"{below} or {below + unit}" if below else f"{unit}"
             raise FieldError("seq_len", seq_len, f"must be a multiple of {unit} under {{cp}} (2·cp chunks of equal "
-                             f"length{sp}); valid lengths: {valid}, ...", others)
+                             f"length{sp}); valid lengths: {unit}, {2 * unit}, {3 * unit}, ..., the nearest {near}",
+                             others)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
