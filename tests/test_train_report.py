@@ -51,3 +51,15 @@ def test_under_context_parallelism_each_rank_is_told_apart_by_its_cp_coordinate(
     lines = _render(rows, None)
     assert lines[2].split()[:2] == ["rank", "pp/dp/cp/tp"], "\n".join(lines)
     assert [line.split()[1] for line in lines[4:]] == ["0/0/0/0", "0/0/1/0", "0/1/0/0", "0/1/1/0"], "\n".join(lines)
+
+
+def test_the_layout_line_names_the_zero_stage_expert_parallelism_and_bf16():
+    from plait.parallel_config import ParallelConfig
+    from plait.train.report import layout_text
+
+    assert layout_text(ParallelConfig(tp=1, pp=1, dp=2, microbatches=1, zero=3)) == \
+        "tp 1 x pp 1 x dp 2 (2 processes), 1 micro-batch, ZeRO-3"  # the run said nothing of its ZeRO stage
+    assert layout_text(ParallelConfig(tp=1, pp=1, dp=2, microbatches=2, ep=2, zero=1, precision="bf16")) == \
+        "tp 1 x pp 1 x dp 2 (2 processes), 2 micro-batches, ep 2, ZeRO-1, bf16"
+    assert layout_text(ParallelConfig(tp=1, pp=1, dp=1, microbatches=1)) == \
+        "tp 1 x pp 1 x dp 1 (1 process), 1 micro-batch"

@@ -165,7 +165,8 @@ class Reporter:
 
 def layout_text(p: ParallelConfig) -> str:
     """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``; at pp 1
-    (no pipeline) without the schedule: ``tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch``."""
+    (no pipeline) without the schedule: ``tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch``; expert parallelism,
+    a ZeRO stage and bf16 where they are chosen (``..., ep 2, ZeRO-3, bf16``)."""
     virtual = p.pipeline_schedule().virtual
     cp = f" x cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
     schedule = f", {p.schedule}{f' V={virtual}' if virtual > 1 else ''}" if p.pp > 1 else ""
@@ -173,7 +174,9 @@ def layout_text(p: ParallelConfig) -> str:
     return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({counted(p.world, 'process')}){schedule}"
             f", {counted(m, 'micro-batch')}"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
-            f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}")
+            f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}"
+            f"{f', ep {p.ep}' if p.ep > 1 else ''}{f', ZeRO-{p.zero}' if p.zero else ''}"
+            f"{f', {p.precision}' if p.precision != 'fp32' else ''}")
 
 
 def summary_table(cfg: TrainConfig, run, res):
