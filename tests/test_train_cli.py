@@ -30,7 +30,12 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--tp", "3", "--pp", "2", "--nproc", "4"], "the world has 4"),
     (["--tp", "3", "--pp", "1"], "--tp 3 does not fit"),
     (["--schedule", "zigzag"], "--schedule 'zigzag'"),
-    (["--batch-size", "6"], "--batch-size 6"),
+    (["--batch-size", "6"], "--batch-size 6 must be a multiple of --dp x --microbatches = 1 x 4 = 4 (each "
+                            "replica's sequences cut into equal micro-batches): valid --batch-size 4, 8, 12, ...; or "
+                            "--microbatches 1, 2, 3 or 6, which divide a replica's 6 sequences"),  # named no choice
+    (["--batch-size", "2", "--dp", "2", "--tp", "1", "--pp", "2", "--microbatches", "2", "--dry-run"],
+     "--dp x --microbatches = 2 x 2 = 4 (each replica's sequences cut into equal micro-batches): valid --batch-size "
+     "4, 8, 12, ...; or --microbatches 1, which divides a replica's 1 sequence"),
     (["--steps", "0"], "error: --steps 0: must be a positive integer"),  # as every other flag: --flag value
     (["--seq-len", "0"], "error: --seq-len 0: must be a positive integer"),
     (["--microbatches", "0"], "error: --microbatches 0: must be a positive integer (or left unset: the default)"),

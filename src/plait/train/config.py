@@ -10,6 +10,7 @@ from plait.errors import ConfigError, FieldError, check_output_path, divisors
 from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
+from plait.words import counted
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -273,8 +274,16 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
                           f"has {world} (--nproc or torchrun); make the product equal {world}")
     per_replica = cfg.batch_size // par.dp if cfg.batch_size % par.dp == 0 else 0
     if not per_replica or per_replica % par.num_microbatches:
-        raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of --dp x --microbatches = "
-                          f"{par.dp * par.num_microbatches}")
+        unit = par.dp * par.num_microbatches
+        other = ""
+        if per_replica:  # a count of micro-batches that splits each replica's share
+            fits = [str(m) for m in divisors(per_replica)]
+            listed = " or ".join(filter(None, (", ".join(fits[:-1]), fits[-1])))
+            other = (f"; or --microbatches {listed}, which {'divides' if len(fits) == 1 else 'divide'} a replica's "
+                     f"{counted(per_replica, 'sequence')}")
+        raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of --dp x --microbatches = {par.dp} x "
+                          f"{par.num_microbatches} = {unit} (each replica's sequences cut into equal micro-batches): "
+                          f"valid --batch-size {unit}, {2 * unit}, {3 * unit}, ...{other}")
     par.check_seq_len(cfg.seq_len)
     if par.sequence_parallel and cfg.seq_len % par.tp:
         raise ConfigError(f"--seq-len {cfg.seq_len} must be a multiple of --tp {par.tp} with --sequence-parallel")
