@@ -11,13 +11,16 @@ Here rank 0 of each generation starts a store of its own on a free port and publ
 nonce under one key of the agent's store; the other ranks read that key, connect, and check the nonce in the
 new store. A key left by a dead generation names a dead port (refused: read the key again) or, should the
 port have been reused, a store without that nonce (read again): nothing of a dead generation is used. The
-agent's store only carries the pointer; every group of the new world starts from empty keys.
+agent's store only carries the pointer; every group of the new world starts from empty keys. A port is tried
+with a plain socket before a store client connects to it: a TCPStore client retries a refused port until its
+timeout, logging each try with a C++ stack trace.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 import uuid
 
@@ -57,6 +60,9 @@ def _join(agent: dist.Store, host: str, rank: int, timeout_s: float) -> dist.Sto
         published = agent.get(KEY).decode()  # waits (up to the timeout) until some generation wrote it
         port, nonce = published.split()
         seen = f"port {port}"
+        if not _listening(host, int(port)):  # a dead generation's store: read the key again
+            time.sleep(0.1)
+            continue
         try:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=ATTEMPT_S))
             if store.get(NONCE).decode() == nonce:
@@ -67,3 +73,12 @@ def _join(agent: dist.Store, host: str, rank: int, timeout_s: float) -> dist.Sto
         time.sleep(0.1)
     raise CommTimeoutError(f"rank {rank}: rank 0 of this generation did not publish a reachable store on {host} "
                            f"within {timeout_s:.0f}s (last seen: {seen}); did rank 0 die during the restart?")
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections on ``host:port`` (a dead process's port refuses at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=ATTEMPT_S):
+            return True
+    except OSError:
+        return False
