@@ -31,3 +31,18 @@ def test_the_summary_heading_and_notes_use_the_whole_80_columns(tmp_path, monkey
     assert len(below[1].rstrip()) > table  # the note runs past the table's width, to the console's
     assert "the loss on assistant tokens" in text and "skipped, e.g.: " in text
     assert any(line.startswith("skipped, e.g.: ") for line in below)
+
+
+def test_a_held_out_split_the_hash_left_empty_is_named_with_the_way_to_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("t.jsonl").write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(3)))
+    said = {}
+    for share in (1e-9, 0.0):  # a share that chose none of the 3 (it said nothing), and no held-out split asked
+        out = io.StringIO()
+        prepare(["t.jsonl"], "bytes", f"p{share:g}", workers=1, held_out=share,
+                console=Console(file=out, width=80, highlight=False))
+        said[share] = " ".join(line.strip() for line in out.getvalue().splitlines())
+    assert ("held_out: no document (the hash of each text chose none of 3 documents at --held-out 1e-09, about 3e-09 "
+            "expected): plait train --data shows no held-out loss; for one, prepare again with a larger --held-out "
+            "(--force)") in said[1e-9], said[1e-9]
+    assert "held_out: no document" not in said[0.0], said[0.0]

@@ -90,6 +90,12 @@ def prepare_summary(meta: dict, out: Path):
         notes.append(f"chat: {chat['messages_field']!r} rendered with {chat['template']}{given}; the loss on "
                      f"{chat['loss_on']} tokens{how}: {train['loss_tokens']:,} of the training split's "
                      f"{train['tokens']:,} ({share:.0%})")
+    held, share = meta["splits"]["held_out"]["documents"], meta.get("held_out_fraction", 0)
+    documents = held + meta["splits"]["train"]["documents"]
+    if share > 0 and held == 0 and documents:  # the hash chose none: training would show no held-out loss
+        notes.append(f"held_out: no document (the hash of each text chose none of {counted(documents, 'document')} at "
+                     f"--held-out {share:g}, about {share * documents:.2g} expected): plait train --data shows no "
+                     f"held-out loss; for one, prepare again with a larger --held-out (--force)")
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
         notes.append("skipped, e.g.: " + "; ".join(examples[:3]))
