@@ -215,3 +215,25 @@ def test_a_bad_config_json_field_is_named_as_the_file_and_its_key_not_a_flag(tmp
         assert r.exit_code == 2 and r.output.startswith(f"error: {path}: {needle}"), r.output
     r = runner.invoke(app, ["plan", "--model", str(path), "--gpus", "8", "--seq-len", "0"])
     assert r.output.startswith("error: --seq-len 0: must be a positive integer"), r.output  # a typed flag stays one
+
+
+@pytest.mark.parametrize("args", [["--model", "llama3-8b", "--gpus", "16", "--gpu", "h100-sxm"],
+                                  ["--model", "llama3-8b", "--gpus", "8", "--gpu", "h100-sxm", "--inference"]])
+def test_plan_tables_fit_80_columns_with_every_figure_whole(args):
+    """In an 80-column terminal (COLUMNS=80) every line fits and no figure is cut to "…": the training table's
+    layout and memory sum wrap at their spaces, the serving layouts come as a memory table and a time table."""
+    wide = json.loads(runner.invoke(app, ["plan", *args, "--json"]).output)
+    r = runner.invoke(app, ["plan", *args], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert max(len(line) for line in r.output.splitlines()) <= 80 and "…" not in r.output, r.output
+    if "--inference" in args:
+        rows = [line for line in r.output.splitlines() if line.startswith("│ tp")]
+        n = len(wide["options"])
+        assert len(rows) == 2 * n, r.output  # each layout a row in each table, in the same order, figures whole
+        for o, memory, time in zip(wide["options"], rows[:n], rows[n:], strict=True):
+            cells = [c.strip() for c in memory.split("│")] + [c.strip() for c in time.split("│")]
+            assert {str(o["max_batch"]), f"{o['max_context']:,}", f"{o['request_ms'] / 1e3:.2f}",
+                    f"{o['throughput_tok_s']:,.0f}"} <= set(cells), (o, memory, time)
+    else:
+        for e in wide["best"]:
+            assert f"{e['mfu']:.1%}" in r.output and f"{e['bubble_fraction']:.1%}" in r.output, e

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,8 +55,12 @@ def _training_table(result, title: str):
     t = Table(title=title, header_style="bold")
     small = max(e.memory.total for e in result.best) < GB  # plait's own small runs: MB
     unit, scale = ("MB", 1e6) if small else ("GB", GB)
-    for col in ("#", "layout", "step s", "MFU", "TF/s/GPU", "bubble", f"memory {unit}: weights+grads+optim+activ"):
-        t.add_column(col, justify="left" if col in ("layout", "#") else "right", no_wrap=True)
+    # in a narrow terminal the layout and the memory sum wrap at their spaces; the figures keep their width
+    memory = f"memory {unit}: weights + grads + optim + activ"
+    for col in ("#", "layout", "step s", "MFU", "TF/s/GPU", "bubble", memory):
+        words = col in ("layout", memory)
+        t.add_column(col, justify="left" if col in ("layout", "#") else "right", no_wrap=not words,
+                     min_width=None if words else len(col))
     for i, e in enumerate(result.best, 1):
         m = e.memory
         parts = "+".join(f"{x / scale:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations))
@@ -117,7 +122,8 @@ def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_js
         return
     title = (f"{model.name} inference on {cluster.n_gpus} × {cluster.gpu.name}, {weights} weights: batch {batch}, "
              f"prompt {prompt}, {gen} new tokens")
-    console.print(inference_table(res, title))
+    for table in inference_tables(res, title):
+        console.print(table)
     if res.best is None:
         fail(f"{model.name} fits no serving layout on {cluster.n_gpus} × {cluster.gpu.name}; "
               f"it needs {model.n_params() * WEIGHT_GB[weights]:.0f} GB for {weights} weights alone", 1)
@@ -128,20 +134,26 @@ def _inference(console, model, cluster, batch: int, prompt: int, gen: int, as_js
 WEIGHT_GB = {"bf16": 2e-9, "fp16": 2e-9, "fp8": 1e-9, "int8": 1e-9, "int4": 0.5e-9}
 
 
-def inference_table(res, title: str):
+def inference_tables(res, title: str):
+    """The serving layouts' memory, then their time: two tables of a few columns each, so that each fits an
+    80-column terminal (one table of every column did not: rich cut its figures to "…")."""
     from rich.table import Table
 
-    t = Table(title=title, header_style="bold")
-    for col in ("layout", "fits", "weights GB", "KV GB", "total GB", "max batch", "max ctx", "ms/token", "TTFT ms",
-                "request s", "tok/s", "TP all-reduce"):
-        t.add_column(col, justify="left" if col in ("layout", "TP all-reduce") else "right")
+    memory = Table(title=f"{title}: memory", header_style="bold")
+    for col in ("layout", "fits", "weights GB", "KV GB", "total GB", "max batch", "max ctx"):
+        memory.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
+    time = Table(title=f"{title}: time", header_style="bold")
+    for col in ("layout", "ms/token", "TTFT ms", "request s", "tok/s", "TP all-reduce"):
+        time.add_column(col, justify="left" if col in ("layout", "TP all-reduce") else "right",
+                        no_wrap=col != "TP all-reduce")
     for o in res.options:
+        memory.add_row(o.label, "yes" if o.fits else "no", f"{o.weights_gb:.1f}", f"{o.kv_cache_gb:.1f}",
+                       f"{o.total_gb:.1f}", str(o.max_batch), f"{o.max_context:,}")
         ar = (f"{o.tp_allreduce_bytes / 1024:,.0f} KiB: {o.tp_allreduce_ms:.1f} ms/token "
               f"({o.tp_latency_ms:.1f} latency)") if o.tp > 1 else "-"
-        t.add_row(o.label, "yes" if o.fits else "no", f"{o.weights_gb:.1f}", f"{o.kv_cache_gb:.1f}",
-                  f"{o.total_gb:.1f}", str(o.max_batch), f"{o.max_context:,}", f"{o.token_latency_ms:.1f}",
-                  f"{o.ttft_ms:.0f}", f"{o.request_ms / 1e3:.2f}", f"{o.throughput_tok_s:,.0f}", ar)
-    return t
+        time.add_row(o.label, f"{o.token_latency_ms:.1f}", f"{o.ttft_ms:.0f}", f"{o.request_ms / 1e3:.2f}",
+                     f"{o.throughput_tok_s:,.0f}", ar)
+    return memory, time
 
 
 def inference_verdict(res) -> list[str]:
@@ -280,7 +292,8 @@ def plan(options: dict[str, Any]) -> None:
         fail(str(exc))
     if o.attention not in (*KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
         fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    # a terminal's width (or COLUMNS, when set); else, into a file or a pipe, wide enough for one row a layout
+    console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 140)
     batch_note = ""
     try:
         m = planner_model(o.model, o.seq_len)
