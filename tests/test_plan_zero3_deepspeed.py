@@ -93,6 +93,17 @@ def test_contiguous_gradients_reduce_scatter_each_tensor_after_the_hosts_issue()
     assert done.seconds == pytest.approx(2.6) and done.reductions == 2
 
 
+def test_the_hosts_wait_is_for_the_reductions_not_a_prefetched_gather():
+    # p is gathered at its fetch (0.9 s), then q prefetched (0.9 s on the network) beside p's backward (1 s). p's
+    # hook waits for the reduction stream only, empty since the fetch's device-wide synchronize: it issues at once
+    # (0.3 s) and its reduce-scatter follows q's gather on the network: done at max(0.9, 0.3) + 0.5 = 1.4. q's fetch
+    # waits for that (clock 0.9 + 1.4), then q's second: 3.3 s (3.6 s if the host waited for the gather too)
+    uses = (Use("p", 600_000_000, 600_000_000, ("b", 1.0), grads=1, grad_tensors=(1,)),
+            Use("q", 600_000_000, 600_000_000, ("b", 1.0)))
+    done = walk(uses, {"b": 1.0}, lambda e: Gather(0.9), lambda e: 0.0, lambda e: Scatter(0.5, 0.3))
+    assert done.seconds == pytest.approx(3.3) and (done.gathers, done.reductions) == (2, 1)
+
+
 def test_contiguous_gradients_reduce_scatter_every_parameter_tensor():
     # GPT, 2 layers, tied embeddings, LayerNorm with biases: each layer's four weights and four biases and its two
     # norms' weights and biases (12 tensors), the final norm's two, the word embedding and the positions: 28

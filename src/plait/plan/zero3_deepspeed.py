@@ -220,17 +220,20 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather: Callable[[int
     """Walk ``uses`` with ``compute[pass]`` seconds per pass, ``gather(elements)`` one parameter's all-gather and
     ``reduce_s(elements)`` the seconds of one all-reduce of a bucket; with ``scatter`` (``contiguous_gradients``)
     each gradient tensor reduce-scattered on its own as ``scatter(elements)`` says instead, after the host has
-    waited for the reductions before it; the compute a sub-module launches waits for the host's work before it."""
+    waited for the reductions before it (not for a prefetched gather: another stream); the compute a sub-module
+    launches waits for the host's work before it."""
     kept = _kept(uses)
-    clock = busy = net = host = 0.0
+    # since the last synchronize: the compute's, the network's, the host's and the reduction stream's seconds (a
+    # fetch's device-wide synchronize empties every stream)
+    clock = busy = net = host = reduced = 0.0
     available: set[str] = set()
     flight: set[str] = set()
     live = bucket = gathers = reductions = 0
 
     def sync() -> None:
-        nonlocal clock, busy, net, host
+        nonlocal clock, busy, net, host, reduced
         clock += max(busy, net, host)
-        busy = net = host = 0.0
+        busy = net = host = reduced = 0.0
 
     for i, u in enumerate(uses):
         if u.module in flight or (u.gathered and u.module not in available):
@@ -264,11 +267,11 @@ def walk(uses: tuple[Use, ...], compute: dict[str, float], gather: Callable[[int
         busy = max(busy, host) + compute.get(kind, 0.0) * share
         if scatter is not None:
             if u.grad_tensors:
-                host = max(host, net)  # reduce_ipg_grads: reduction_stream.synchronize() first
+                host = max(host, reduced)  # reduce_ipg_grads: reduction_stream.synchronize() first
             for elements in u.grad_tensors:
                 one = scatter(elements)
                 host += one.issue
-                net = max(net, host) + one.done
+                net = reduced = max(net, host) + one.done
                 reductions += 1
         elif u.grads:
             if bucket and bucket + u.grads > REDUCE_BUCKET:
