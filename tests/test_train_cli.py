@@ -345,3 +345,24 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     ref = reference_losses(cfg, steps)
     for r in first + second:
         assert abs(r["loss"] - ref[r["step"] - 1]) <= 1e-5 * ref[r["step"] - 1], (r, ref)
+
+
+def test_a_torchrun_worker_that_lost_its_peer_says_so_in_one_error_not_a_traceback(monkeypatch):
+    """Under torchrun a rank whose peer died ended in a Python traceback of ~60 lines (torchrun prints it, each
+    line prefixed [rank0]:) with the message at its foot; it now ends as under plait's own launcher."""
+    import plait.cli.train_worker as train_worker
+    from plait.errors import CommError
+
+    def lost(payload):
+        raise CommError("pipeline rank 0 failed in action 0B1 (#3); it needs the gradient from global rank 1")
+
+    monkeypatch.setattr(train_worker, "train_worker", lost)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("PLAIT_DEBUG", raising=False)
+    res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "2"])
+    assert res.exit_code == 1, (res.output, res.exception)
+    assert res.output == ("error: rank 0: CommError: pipeline rank 0 failed in action 0B1 (#3); it needs the "
+                          "gradient from global rank 1\n"), res.output
+    monkeypatch.setenv("PLAIT_DEBUG", "1")  # the traceback, for whoever asks
+    assert isinstance(CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "2"]).exception, CommError)

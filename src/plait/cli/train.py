@@ -103,7 +103,7 @@ def _run(cfg) -> None:
     from contextlib import nullcontext
 
     from plait.cli.predict import check_cluster, check_dry_run
-    from plait.cli.train_worker import PRELOAD, train_worker
+    from plait.cli.train_worker import PRELOAD
     from plait.distributed import fork_server
     from plait.distributed.job_signals import STOP_TIMEOUT_S
     from plait.distributed.launch import JobError, JobStopped, launch, under_torchrun
@@ -112,7 +112,7 @@ def _run(cfg) -> None:
     from plait.train.restart import check_resume, complete_message
 
     if under_torchrun():
-        train_worker(cfg.to_dict())
+        _torchrun_worker(cfg)
         return
     check_nproc(cfg)
     # the workers' fork server imports torch and the training modules while this process checks the run (and
@@ -149,6 +149,23 @@ def _run(cfg) -> None:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
     sys.stdout.flush()
+
+
+def _torchrun_worker(cfg) -> None:
+    """This process's share of the run under torchrun. A rank whose peer died or went silent (CommError) ends
+    with its message (what it waited on, from which rank), as under plait's own launcher, not a traceback that
+    buries it; torchrun
+    then restarts the group (--max-restarts) or stops it. ``PLAIT_DEBUG=1`` keeps the traceback."""
+    from plait.cli.train_worker import train_worker
+    from plait.errors import CommError
+
+    try:
+        train_worker(cfg.to_dict())
+    except CommError as exc:
+        if os.environ.get("PLAIT_DEBUG"):
+            raise
+        typer.echo(f"error: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _dry_run(cfg) -> None:
