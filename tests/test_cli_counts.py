@@ -71,3 +71,10 @@ def test_prepare_summary_says_one_training_shard(tmp_path):
     Console(file=out, width=200).print(prepare_summary(meta, tmp_path / "d"))
     assert any(line.endswith("; 1 training shard") for line in out.getvalue().splitlines()), \
         out.getvalue()  # was '... shards'
+
+
+def test_plan_explanation_counts_of_one():
+    """plait plan's notes on a search whose best runs one micro-batch and leaves one twin out."""
+    r = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "1"])
+    assert r.exit_code == 0, r.output
+    assert "bubble 0.0% with 1 micro-batch\n" in r.output and "1 layout as fast as a twin" in r.output, r.output

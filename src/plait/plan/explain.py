@@ -5,6 +5,7 @@ from __future__ import annotations
 from plait.plan.estimate import PARTS, Estimate
 from plait.plan.model import Model
 from plait.plan.search import SearchResult
+from plait.words import counted
 
 GB = 1e9
 
@@ -39,11 +40,11 @@ def explain(result: SearchResult) -> list[str]:
     worst = max((k for k in t if k != "compute"), key=lambda k: t[k])
     lines.append(f"its largest overhead is {PARTS[worst]}: {t[worst]:.2f} s "
                  f"({t[worst] / best.step_time_s:.0%} of the step); bubble {best.bubble_fraction:.1%} "
-                 f"with {best.microbatches} micro-batches")
+                 f"with {counted(best.microbatches, 'micro-batch')}")
     if result.rejected:
         top = ", ".join(f"{k}: {v}" for k, v in result.rejected.most_common(4))
-        lines.append(f"rejected {sum(result.rejected.values())} of {result.considered} layouts ({top}); "
-                     f"{result.pruned} valid ones pruned as slower")
+        lines.append(f"rejected {sum(result.rejected.values())} of {counted(result.considered, 'layout')} ({top}); "
+                     f"{counted(result.pruned, 'valid one')} pruned as slower")
     if result.twins:
         lines.append(_twins(result))
     return lines
@@ -60,8 +61,8 @@ def _twins(result: SearchResult) -> str:
     counts = ", ".join(f"{n} {' and '.join(_TWIN_WORDS[k][0] for k in kinds.split('+'))}"
                        for kinds, n in result.twin_settings.most_common())
     why = "; ".join(_TWIN_WORDS[k][1] for k in _TWIN_WORDS if any(k in kinds for kinds in result.twin_settings))
-    return (f"{result.twins} layouts as fast as a twin that differs only in settings that change nothing here "
-            f"({counts}): only the one with less memory, else the simpler, is ranked ({why})")
+    return (f"{counted(result.twins, 'layout')} as fast as a twin that differs only in settings that change nothing "
+            f"here ({counts}): only the one with less memory, else the simpler, is ranked ({why})")
 
 
 def min_gpus_hint(model: Model, usable_per_gpu: float) -> int:
