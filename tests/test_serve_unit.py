@@ -375,3 +375,20 @@ def test_a_stop_signal_reaches_the_engine_while_the_main_thread_is_inside_a_c_ca
             signal.signal(sig, handler)
     assert engine.called is not None and engine.called[:2] == ("SIGTERM", 7.0)
     assert engine.called[2] - sent[0] < 1.0, "the stop waited for the main thread"
+
+
+@pytest.mark.parametrize("body, chat, needle", [
+    ({"prompt": "hi"}, True, "prompt is a field of /v1/completions; /v1/chat/completions takes messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, True, "prompt is a field of /v1/completions"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, False,
+     "messages is a field of /v1/chat/completions; /v1/completions takes a prompt"),
+    ({"prompt": "hi", "frobnicate": 1}, False, "frobnicate=1 is not supported by plait serve")])
+def test_a_field_of_the_other_endpoint_is_refused_naming_the_endpoint_that_takes_it(body, chat, needle):
+    """A prompt sent to the chat endpoint (or messages to the completions one) is a 400 that says where it goes,
+    not that plait serve does not support it."""
+    from plait.serve.protocol import ApiError, Limits, parse
+    from plait.serve.tokens import TokenizerInfo
+
+    with pytest.raises(ApiError) as info:
+        parse(body, chat, TokenizerInfo(TOK, "/nonexistent", 64), Limits("m", 64, 256, 16, 64))
+    assert (info.value.status, info.value.code) == (400, "unsupported") and needle in info.value.message

@@ -22,6 +22,7 @@ FIELDS = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", 
           "logit_bias", "logprobs", "top_logprobs", "echo", "user", "return_tokens_as_token_ids", "add_special_tokens",
           "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools", "documents",
           "continue_final_message"}
+COMPLETION_ONLY = {"prompt", "echo"}
 CHAT_ONLY = {"messages", "top_logprobs", "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools",
              "documents", "continue_final_message"}
 # accepted only at these values (the features they would switch on are not implemented)
@@ -136,9 +137,19 @@ def _check_fields(body: dict, chat: bool) -> None:
         if name in NEUTRAL:
             if value not in NEUTRAL[name]:
                 raise ApiError(400, f"{name}={value!r} is not supported by plait serve", name, "unsupported")
-        elif name not in FIELDS or (chat and name in ("prompt", "echo")) or (not chat and name in CHAT_ONLY):
+        elif name not in FIELDS or (chat and name in COMPLETION_ONLY) or (not chat and name in CHAT_ONLY):
             if value is not None and not (name == "echo" and value is False):
-                raise ApiError(400, f"{name}={value!r} is not supported by plait serve", name, "unsupported")
+                raise ApiError(400, _unsupported(name, value, chat), name, "unsupported")
+
+
+def _unsupported(name: str, value, chat: bool) -> str:
+    """Why field ``name`` is refused: a field of the other endpoint says which one takes it."""
+    if chat and name in COMPLETION_ONLY:
+        return (f"{name} is a field of /v1/completions; /v1/chat/completions takes messages (a list of "
+                "{role, content} objects)")
+    if not chat and name in CHAT_ONLY:
+        return f"{name} is a field of /v1/chat/completions; /v1/completions takes a prompt"
+    return f"{name}={value!r} is not supported by plait serve"
 
 
 def _stop(body: dict) -> list[str]:
