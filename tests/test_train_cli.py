@@ -30,6 +30,9 @@ FAST = ["--seq-len", "32", "--batch-size", "4", "--microbatches", "2", "--eval-e
     (["--tp", "3", "--pp", "2", "--nproc", "4"], "the world has 4"),
     (["--tp", "3", "--pp", "1"], "--tp 3 does not fit"),
     (["--schedule", "zigzag"], "--schedule 'zigzag'"),
+    (["--seq-len", "1024", "--cp", "2", "--dp", "1", "--tp", "1", "--pp", "1", "--dry-run"],  # no way on was named
+     "error: --seq-len 1024 exceeds the model's max_seq_len 512 (--model tiny): valid --seq-len 1 to 512; the presets' "
+     "contexts are tiny 512, small 1024, a --model folder's config.json sets its own (max_position_embeddings)"),
     (["--batch-size", "6"], "--batch-size 6 must be a multiple of --dp x --microbatches = 1 x 4 = 4 (each "
                             "replica's sequences cut into equal micro-batches): valid --batch-size 4, 8, 12, ...; or "
                             "--microbatches 1, 2, 3 or 6, which divide a replica's 6 sequences"),  # named no choice

@@ -332,7 +332,10 @@ def _validate_model(cfg: TrainConfig) -> None:
     """The model against the layout: context, layers per chunk, TP shapes, experts, vocabulary."""
     par, mcfg = cfg.parallel, model_config(cfg)
     if cfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}")
+        contexts = ", ".join(f"{name} {p['max_seq_len']}" for name, p in PRESETS.items())
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len} (--model "
+                          f"{cfg.model}): valid --seq-len 1 to {mcfg.max_seq_len}; the presets' contexts are "
+                          f"{contexts}, a --model folder's config.json sets its own (max_position_embeddings)")
     chunks = par.pipeline_schedule().num_stages
     if mcfg.n_layers < chunks:
         raise ConfigError(f"--pp {par.pp} (x {chunks // par.pp} chunks per rank) needs at least {chunks} layers; "
