@@ -104,3 +104,23 @@ def silent_decode_peer(stuck: int, after: int, done: str) -> dict:
     finally:
         Path(done).touch()
     return {"role": "waiter", "raised": None, "message": ""}
+
+
+def silent_at_start(done: str) -> dict:
+    """Rank 1 stays out of ``plait.init`` (alive, silent) until rank 0 has created the file ``done`` (at most
+    60 s); rank 0's ``plait.init`` must end within its timeout, naming the rank it waited for."""
+    if int(os.environ["RANK"]) == 1:
+        deadline = time.monotonic() + 60.0
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"role": "silent"}
+    t0 = time.monotonic()
+    try:
+        plait.init(dp=2, timeout_s=3.0)
+    except plait.CommError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
+    except RuntimeError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
+    finally:
+        Path(done).touch()
+    return {"role": "waiter", "raised": None, "message": ""}

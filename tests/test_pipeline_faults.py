@@ -38,3 +38,14 @@ def test_a_lowered_timeout_ends_a_collective_a_peer_never_joins(tmp_path):
     for name, seconds in waiter["waited"].items():
         assert seconds is not None and 1.5 < seconds < 20, (name, waiter)  # the 60 s it was made with: not reached
     assert set(waiter["waited"]) == {"new_group", "world"}  # the 60 s it was made with: not reached
+
+
+def test_a_rank_silent_at_start_up_is_named_by_plait_init(tmp_path):
+    """A rank that never joins (stopped or hung before plait.init): the others' plait.init ends after its timeout
+    with a CommTimeoutError saying what it waited for, not the store's bare 'wait timeout ... keys: ...'."""
+    world = launch(checks_faults.silent_at_start, 2, str(tmp_path / "done"), timeout_s=120, preload=PRELOAD)
+    waiter = world[0]
+    assert waiter["raised"] == "CommTimeoutError", waiter
+    assert waiter["message"].startswith("rank 0 waited more than 3s for "), waiter
+    assert "to join the default process group (2 ranks) at start-up" in waiter["message"], waiter
+    assert waiter["s"] < 60, waiter

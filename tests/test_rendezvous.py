@@ -34,3 +34,24 @@ def test_a_restarted_rank_passes_over_a_dead_generations_store_without_retrying_
     assert len(out["nonce"]) == 32 and 2.9 < out["joined_s"] < 10, out  # the new generation's store, once published
     for noise in ("socket has timed out", "TCP client failed", "Exception raised from"):
         assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_rank_0_that_never_publishes_its_store_is_named_by_the_others(monkeypatch):
+    """Rank 0 stopped or hung before it published this job's store: a joining rank ends after its timeout with a
+    CommTimeoutError naming rank 0 and the wait, not the store's bare 'wait timeout ... keys: ...'."""
+    import time
+
+    import pytest
+    import torch.distributed as dist
+
+    from plait.distributed import rendezvous
+    from plait.errors import CommTimeoutError
+
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # no generation wrote its key
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(agent.port))
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=r"^rank 1 waited more than 1s for global rank 0 to publish this "
+                                               r"job's store at start-up \(stopped, hung or not started\?\)"):
+        rendezvous.generation_store(1, 1.0)
+    assert time.monotonic() - t0 < 30

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +13,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.distributed.rendezvous import agent_store_shared, generation_store
-from plait.errors import ConfigError
+from plait.errors import CommTimeoutError, ConfigError
 from plait.parallel_config import ParallelConfig
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
@@ -250,11 +251,24 @@ def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-    rank = _env_int("RANK", 0)
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if store is None and agent_store_shared():  # torchrun's long-lived store: this generation's own (rendezvous)
         store = generation_store(rank, timeout_s)
-    dist.init_process_group(backend=backend, rank=rank, world_size=_env_int("WORLD_SIZE", 1), store=store,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, store=store,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistStoreError as exc:  # a rank that never published its address: stopped, hung or not started
+        raise CommTimeoutError(f"rank {rank} waited more than {timeout_s:g}s for {_awaited(exc, rank, world)} to "
+                               f"join the default process group ({world} ranks) at start-up (stopped, hung or not "
+                               f"started?): {exc}") from exc
+
+
+def _awaited(exc: Exception, rank: int, world: int) -> str:
+    """The rank whose address ``exc`` (a start-up store wait) timed out on, in words: Gloo's key of it ends in
+    its rank; "the other ranks" when the key names none."""
+    key = re.search(r"keys: \S*/(\d+)\s*$", str(exc))
+    other = int(key.group(1)) if key else -1
+    return f"global rank {other}" if 0 <= other < world and other != rank else "the other ranks"
 
 
 def default_device() -> torch.device:

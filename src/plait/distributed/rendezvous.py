@@ -57,7 +57,11 @@ def _join(agent: dist.Store, host: str, rank: int, timeout_s: float) -> dist.Sto
     deadline = time.monotonic() + timeout_s
     seen = "nothing"
     while time.monotonic() < deadline:
-        published = agent.get(KEY).decode()  # waits (up to the timeout) until some generation wrote it
+        try:
+            published = agent.get(KEY).decode()  # waits (up to the timeout) until some generation wrote it
+        except dist.DistStoreError as exc:
+            raise CommTimeoutError(f"rank {rank} waited more than {timeout_s:g}s for global rank 0 to publish this "
+                                   f"job's store at start-up (stopped, hung or not started?): {exc}") from exc
         port, nonce = published.split()
         seen = f"port {port}"
         if not _listening(host, int(port)):  # a dead generation's store: read the key again
