@@ -82,6 +82,11 @@ def test_prepare_without_a_terminal_prints_progress_lines(tmp_path, monkeypatch)
     lines = [ln for ln in log.getvalue().splitlines() if ln.startswith("prepare: ")]
     assert len(lines) >= 3 and lines[0].startswith("prepare: 0.0 of 0.0 MB (") and "tokens" in lines[0], lines
     assert "left" in lines[-1] and "(100%)" not in log.getvalue()
+    log = io.StringIO()  # a log at 50 columns: each line whole (at 80, a 2 GB corpus's ended '... about 4 min')
+    prepare([str(src)], "bytes", tmp_path / "out50", workers=1, console=Console(file=log, width=50))
+    said = log.getvalue().splitlines()
+    lines = [ln for ln in said if ln.startswith("prepare: ")]
+    assert len(lines) >= 3 and all(ln.endswith(" left") for ln in lines), said
 
 
 def test_force_replaces_only_a_prepared_dataset_never_other_files(tmp_path):

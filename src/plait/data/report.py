@@ -34,7 +34,8 @@ class _Bar:
             left = (self.total - self.done) / max(speed, 1e-9)
             self.console.print(f"prepare: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB "
                                f"({self.done / max(1, self.total):.0%}), {self.tokens:,} tokens, "
-                               f"{speed / 1e6:,.1f} MB/s, about {_duration(left)} left")
+                               f"{speed / 1e6:,.1f} MB/s, about {_duration(left)} left",
+                               soft_wrap=True)  # one line of the log each, whatever the console's width
 
 
 def _duration(seconds: float) -> str:
