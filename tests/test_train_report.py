@@ -63,3 +63,18 @@ def test_the_layout_line_names_the_zero_stage_expert_parallelism_and_bf16():
         "tp 1 x pp 1 x dp 2 (2 processes), 2 micro-batches, ep 2, ZeRO-1, bf16"
     assert layout_text(ParallelConfig(tp=1, pp=1, dp=1, microbatches=1)) == \
         "tp 1 x pp 1 x dp 1 (1 process), 1 micro-batch"
+
+
+def test_a_step_line_in_a_log_is_one_line_whatever_its_length():
+    """Without a terminal rank 0 prints a line every tenth of the run; at 80 columns one with its bubble was cut
+    ('... | 277 ms (predicted 375) | bubble 21% ' and '(predicted 22%)' on the next line)."""
+    from plait.train.config import TrainConfig
+    from plait.train.report import Reporter
+
+    console = Console(record=True, width=80, force_terminal=False)
+    reporter = Reporter(TrainConfig(metrics=None, steps=10), 0, console)
+    row = {"step": 10, "loss": 4.075, "tokens_per_s": 3700.0, "step_time_s": 0.277, "predicted_step_time_s": 0.375,
+           "measured_bubble": 0.21, "predicted_bubble": 0.22}
+    reporter.step(row)
+    assert console.export_text().splitlines() == [
+        "step    10/10 | loss 4.075 | 3,700 tok/s | 277 ms (predicted 375) | bubble 21% (predicted 22%)"]

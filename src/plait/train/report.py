@@ -132,7 +132,8 @@ class Reporter:
         if self.progress is not None and self.task is not None:
             self.progress.update(self.task, completed=row["step"], info=self._info(row))
         elif row["step"] % max(1, self.cfg.steps // 10) == 0 or row["step"] == self.cfg.steps:
-            self.console.print(f"step {row['step']:>5}/{self.cfg.steps} | {self._info(row)}")
+            self.console.print(f"step {row['step']:>5}/{self.cfg.steps} | {self._info(row)}",
+                               soft_wrap=True)  # one line of the log a step, whatever the console's width
 
     def end(self, run, res) -> None:
         if not self.active:
