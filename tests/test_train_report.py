@@ -78,3 +78,12 @@ def test_a_step_line_in_a_log_is_one_line_whatever_its_length():
     reporter.step(row)
     assert console.export_text().splitlines() == [
         "step    10/10 | loss 4.075 | 3,700 tok/s | 277 ms (predicted 375) | bubble 21% (predicted 22%)"]
+
+
+def test_the_throughput_row_writes_its_median_step_as_the_step_time_row_does():
+    from types import SimpleNamespace
+
+    from plait.train.report import _throughput
+
+    res = SimpleNamespace(tokens_per_s=474.2, step_time_s=8.649)  # a 2,048-token step on one CPU process
+    assert _throughput(res) == "474 tokens/s (median step 8,649 ms)"  # was '8649 ms' beside 'measured 8,649 ms'

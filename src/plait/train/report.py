@@ -197,7 +197,7 @@ def summary_table(cfg: TrainConfig, run, res):
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else
          "- (no held-out split)" if run.data.eval_order is None else "- (no held-out target in the loss)"),
         ("data", _data_line(run, cfg.steps if res.stopped_at is None else res.stopped_at)),
-        ("throughput", f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:.0f} ms)"),
+        ("throughput", _throughput(res)),
         ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms", run.unpredicted)
          + _at_speed(res, pred)),
         ("step by phase", _phases(res, pred)),
@@ -208,6 +208,11 @@ def summary_table(cfg: TrainConfig, run, res):
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _throughput(res) -> str:
+    """Tokens per second and the median step they come from, in ms grouped by thousands as the step-time row."""
+    return f"{res.tokens_per_s:,.0f} tokens/s (median step {res.step_time_s * 1e3:,.0f} ms)"
 
 
 def _no_targets(steps: list[int]) -> str:
