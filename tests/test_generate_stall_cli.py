@@ -1,6 +1,6 @@
 """``plait generate --pp 2`` from the command line with one worker stopped (SIGSTOP) in the middle of decoding:
-the command ends after its timeout (PLAIT_TIMEOUT) and the launcher's stop of the workers, naming the rank that
-waited, what it waited for and the rank it waited on; it does not hang, and the stopped worker does not outlive it."""
+the command ends soon after its timeout (PLAIT_TIMEOUT), naming the rank that waited, what it waited for and the
+rank it waited on; it does not hang, and the stopped worker neither holds the job's end nor outlives it."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_a_stopped_worker_ends_generate_naming_it_soon_after_the_timeout(tmp_pat
     assert proc.returncode == 1, err
     assert ("error: rank 0: CommTimeoutError: generate: pipeline rank 0 waited more than 5s for the tokens of "
             "prompt 1 at new position ") in err and " from global rank 1: " in err, err
-    # the timeout, the failed rank's pause before it exits (2 s) and torch elastic's stop of the stopped worker,
-    # which cannot take its SIGTERM (SIGKILL 30 s later)
-    assert took < TIMEOUT_S + 2 + 30 + 20, took
+    # the timeout, the failed rank's pause before it exits (2 s), then the stopped worker continued to take the
+    # launcher's SIGTERM: not torch elastic's 30 s shutdown timeout for a worker that cannot take it
+    assert took < TIMEOUT_S + 2 + 15, took
     assert not alive(pids[1]), "the stopped worker outlived its job"

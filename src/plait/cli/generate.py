@@ -12,10 +12,9 @@ Greedy by default (--temperature 0); --temperature T samples, --top-k K keeps th
 --tp/--pp > 1 the model is split over that many local processes (elastic launcher): each rank reads only its
 own slices of the weights and keeps the KV cache of its own layers; the tokens equal one device's. A rank that
 stops answering (stopped, hung) ends the job once a peer has waited the environment's PLAIT_TIMEOUT seconds
-(default 300) for it, naming both ranks and what was awaited (a stopped worker is killed 30 s later, when the
-launcher stops the job). A continuation ends at the model's end-of-sequence token (eos_token_id in its
-folder's generation_config.json or config.json, as transformers' generate stops; a checkpoint trained from a
-folder reads that folder's), or after --max-new-tokens.
+(default 300) for it, naming both ranks and what was awaited. A continuation ends at the model's
+end-of-sequence token (eos_token_id in its folder's generation_config.json or config.json, as transformers'
+generate stops; a checkpoint trained from a folder reads that folder's), or after --max-new-tokens.
 
 Chat: --chat TEXT (repeatable: one conversation each, opened by --system's message when given) or
 --messages FILE (a JSON list of {"role", "content"} messages, as OpenAI's API takes them) renders each

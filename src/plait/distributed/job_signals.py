@@ -1,5 +1,6 @@
 """The stop signals of a job that ``plait.distributed.launch.launch`` runs: passed on to its workers
-(``ForwardSignal``), and held in the workers until their entry point while they start (``HeldInterrupts``)."""
+(``ForwardSignal``), held in the workers until their entry point while they start (``HeldInterrupts``), and taken
+by stopped workers once the job has failed (``ResumeStopped``)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,38 @@ class ForwardSignal:
         self.killed = True
         for child in mp.active_children():
             child.kill()
+
+
+class ResumeStopped:
+    """While active, ``after_s`` seconds after a worker reported a failure (a ``rank*`` file in ``failures``),
+    every worker that is stopped (SIGSTOP: state T) gets SIGCONT. The launcher ends a failed job by sending
+    SIGTERM to the workers left, which a stopped process takes only once continued: a stopped worker would
+    hold the job's end for torch elastic's whole shutdown timeout (30 s), then be killed. ``workers`` gives the
+    worker pids."""
+
+    def __init__(self, failures: Path, workers: Callable[[], list[int]], after_s: float):
+        self.failures, self.workers, self.after_s = failures, workers, after_s
+        self.done = threading.Event()
+
+    def __enter__(self):
+        threading.Thread(target=self._watch, name="plait-resume-stopped", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not any(self.failures.glob("rank*")):
+            if self.done.wait(0.2):
+                return
+        if self.done.wait(self.after_s):  # the failed worker's pause, then the launcher's SIGTERM to the others
+            return
+        for pid in self.workers():
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                    os.kill(pid, signal.SIGCONT)
+            except (OSError, IndexError):  # ended meanwhile
+                continue
 
 
 def taken_signals(note: Path) -> list[int]:

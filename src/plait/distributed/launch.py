@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.distributed import fork_server
-from plait.distributed.job_signals import ForwardSignal, HeldInterrupts, taken_signals
+from plait.distributed.job_signals import ForwardSignal, HeldInterrupts, ResumeStopped, taken_signals
 from plait.distributed.parent import end_with_parent
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
@@ -339,6 +339,7 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
         config.signals_to_handle = agent_signals
     with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
         forwarders = [stack.enter_context(ForwardSignal(sig, again_kills, Path(failures))) for sig in forward]
+        stack.enter_context(ResumeStopped(Path(failures), lambda: worker_pids(os.getpid()), FAILED_WAIT_S + 1.0))
         stack.enter_context(HeldInterrupts())
         try:
             results = elastic_launch(config, worker)(target, payload, failures, dict(os.environ))
