@@ -91,3 +91,20 @@ def test_verify_experts_tensor_parallel_inside():
     assert res.exit_code == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["ok"] is True and out["config"]["expert_tp"] is True
+
+
+def test_verify_forks_its_processes_from_a_server_that_imported_torch(monkeypatch):
+    """A check's processes are forked from the launcher's fork server, which imported torch and the check's modules
+    once, instead of each importing them (plait demo's two checks: ~20 s -> ~12 s on 2 cores)."""
+    from plait.distributed import launch
+    from plait.verify import VerifyConfig, verify
+
+    seen: dict = {}
+
+    def fake_run_world(fn, nprocs, *args, **kw):
+        seen.update(kw, nprocs=nprocs)
+        return ["rank 0's result"]
+
+    monkeypatch.setattr(launch, "run_world", fake_run_world)
+    assert verify(VerifyConfig()) == "rank 0's result"
+    assert seen["nprocs"] == 4 and {"torch", "plait.verify"} <= set(seen.get("preload", ())), seen

@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from plait.distributed.context import ParallelContext
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device: float32 rounding on losses and gradients
+#: what the workers' fork server imports once (``run_world``'s ``preload``): each process of a check is forked with
+#: them imported instead of importing torch itself (~2 s of CPU a process), and a caller's later checks (plait demo
+#: runs two) fork from the same server
+PRELOAD = ("torch", "plait", "plait.models", "plait.sim", "plait.verify")
 #: the layout ``plait verify`` checks when no flag says otherwise (4 local processes, 1F1B)
 VERIFY_PARALLEL = ParallelConfig(tp=2, pp=2, dp=1, microbatches=8)
 
@@ -198,4 +202,4 @@ def verify(cfg: VerifyConfig, timeout_s: float = 600.0) -> VerifyResult:
     from plait.distributed.launch import run_world
 
     check(cfg)
-    return run_world(_rank_main, cfg.world, cfg, timeout_s=timeout_s)[0]
+    return run_world(_rank_main, cfg.world, cfg, timeout_s=timeout_s, preload=PRELOAD)[0]
