@@ -154,8 +154,8 @@ def _run(cfg) -> None:
 def _torchrun_worker(cfg) -> None:
     """This process's share of the run under torchrun. A rank whose peer died or went silent (CommError) ends
     with its message (what it waited on, from which rank), as under plait's own launcher, not a traceback that
-    buries it; torchrun
-    then restarts the group (--max-restarts) or stops it. ``PLAIT_DEBUG=1`` keeps the traceback."""
+    buries it; torchrun then restarts the group (--max-restarts) or stops it. ``PLAIT_DEBUG=1`` keeps the
+    traceback."""
     from plait.cli.train_worker import train_worker
     from plait.errors import CommError
 
