@@ -1,9 +1,11 @@
 """The stop signals of a job that ``plait.distributed.launch.launch`` runs: passed on to its workers
 (``ForwardSignal``), held in the workers until their entry point while they start (``HeldInterrupts``), and taken
-by stopped workers once the job has failed (``ResumeStopped``)."""
+by stopped workers once the job has failed (``ResumeStopped``); what the kernel says a process is doing
+(``process_state``)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -114,11 +116,25 @@ class ResumeStopped:
         if self.done.wait(self.after_s):  # the failed worker's pause, then the launcher's SIGTERM to the others
             return
         for pid in self.workers():
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            if process_state(pid) == "stopped":
+                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                     os.kill(pid, signal.SIGCONT)
-            except (OSError, IndexError):  # ended meanwhile
-                continue
+
+
+PROC_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)",
+               "Z": "exited", "R": "running", "S": "sleeping"}
+
+
+def process_state(pid: int) -> str:
+    """What the kernel says process ``pid`` is doing (Linux ``/proc``): "stopped", "running", ... or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return "state unknown"
+    return PROC_STATES.get(state, f"state {state}")
 
 
 def taken_signals(note: Path) -> list[int]:

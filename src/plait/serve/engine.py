@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from plait.distributed.job_signals import process_state
 from plait.errors import CommTimeoutError, is_timeout
 from plait.serve.metrics import Metrics
 from plait.serve.runner import Row, Runner, Step
@@ -27,24 +28,10 @@ from plait.serve.text import TextTracker
 
 HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often: workers stay in step
 STALL_SHOWN_S = 5.0  # /health says "stalled" this long before the stalled step's collective fails (the job ends)
-PROC_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)",
-               "Z": "exited", "R": "running", "S": "sleeping"}
 
 
 class StepStalled(RuntimeError):
     """A step waited longer than the step limit for the other ranks (the message names them)."""
-
-
-def rank_state(pid: int) -> str:
-    """What the kernel says process ``pid`` is doing (Linux ``/proc``): "stopped", "running", ... or "gone"."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except FileNotFoundError:
-        return "gone"
-    except (OSError, IndexError):
-        return "state unknown"
-    return PROC_STATES.get(state, f"state {state}")
 
 
 @dataclass(eq=False)
@@ -134,7 +121,7 @@ class Engine:
         waited = time.monotonic() - began
         if not began or waited < self.step_limit:
             return None
-        ranks = {str(r): f"pid {pid}, {rank_state(pid)}" for r, pid in sorted(self.peers.items())}
+        ranks = {str(r): f"pid {pid}, {process_state(pid)}" for r, pid in sorted(self.peers.items())}
         return {"status": "stalled", "step": n, "rows": self.step_size[0], "tokens": self.step_size[1],
                 "waiting_on": phase, "seconds": round(waited, 1),
                 "step_timeout": self.step_limit, "ranks": ranks}
