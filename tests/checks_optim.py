@@ -10,6 +10,7 @@ import torch
 
 import plait
 from harness import rel_err, run_checks
+from plait.data_parallel.reducer import grad_group, set_grad_group
 from plait.models import Llama, LlamaConfig
 from plait.optim import ParallelOptimizer, lr_at, param_groups
 
@@ -64,7 +65,7 @@ def build(ctx, cfg_kw: dict, zero: int = 0, precision: str = "fp32", microbatche
                            sequence_parallel=sp, precision=precision, zero=zero, activation_checkpointing=recompute)
     for name, p in pm.named_model_parameters():  # reduced over "their own" group, as experts are (here: DP)
         if name in own_group:
-            p._plait_grad_group = (ctx.dp_group, ctx.dp_size)
+            set_grad_group(p, ctx.dp_group, ctx.dp_size)
     opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, zero=zero,
                             warmup=WARMUP, total_steps=STEPS, reduce_scatter=reduce_scatter)
     return pm, opt
@@ -124,7 +125,7 @@ def measure(ctx, precision: str = "fp32", **kw) -> tuple[dict, object, ParallelO
         "ref_norms": ref_norms, "ref_losses": ref_losses, "losses": losses,
         "pad_zero": padding_rows_zero(pm), "state_bytes": opt.state_bytes(),
         "local_params": sum(p.numel() for _, p in pm.named_model_parameters()), "miscount_rel": miscount,
-        "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if hasattr(p, "_plait_grad_group")}),
+        "n_own": len({id(p) for _, b in opt.layout.buckets for p in b.params if grad_group(p) is not None}),
         "memory": pm.memory_report(), "formula": formula_bytes(pm, opt), "n_buckets": len(pm.grad_buckets()),
     }, pm, opt
 

@@ -1,4 +1,5 @@
-"""The direction of dependencies between plait's packages (docs/architecture.md), read from the sources.
+"""The direction of dependencies between plait's packages (docs/architecture.md), and what one module may use of
+another (its public names), read from the sources.
 
 Every ``import`` statement counts, at any depth (inside functions, under ``TYPE_CHECKING``): a lazy import
 is still a dependency.
@@ -104,3 +105,43 @@ def test_the_scan_sees_real_imports():  # not vacuous: lazy, relative and TYPE_C
     assert "plait.train.observe.Prediction" in g["plait.train.loop"]  # under TYPE_CHECKING
     assert offenders(g, ("plait.cli",), ("plait.plan",))  # the CLI does use the planner
     assert offenders({"plait.train.x": {"plait.plan.search"}}, ("plait.train",), ("plait.plan",))
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted((SRC / "plait").rglob("*.py"))}
+
+
+def private_imports(sources: dict[str, ast.Module]) -> list[str]:
+    """``module -> name`` for every ``from plait.x import _name`` of a module that is not ``plait.x`` itself."""
+    return sorted(f"{m} -> {node.module}.{alias.name}" for m, tree in sources.items() for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("plait")
+                  and node.module != m for alias in node.names
+                  if alias.name.startswith("_") and not alias.name.startswith("__"))
+
+
+def mark_users(sources: dict[str, ast.Module]) -> dict[str, list[str]]:
+    """The attribute names plait sets on torch's objects (``"_plait_..."`` strings), each with the modules that spell
+    it. One module owns a mark and gives the others functions to set and read it."""
+    found: dict[str, set[str]] = {}
+    for m, tree in sources.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_plait_"):
+                found.setdefault(node.value, set()).add(m)
+    return {mark: sorted(modules) for mark, modules in found.items()}
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(_sources()) == []
+
+
+def test_each_mark_plait_puts_on_a_tensor_is_spelt_in_one_module():
+    marks = mark_users(_sources())
+    assert {"_plait_grad_group", "_plait_grad_sink", "_plait_tp_partial"} <= set(marks)  # the scan sees them
+    assert {mark: modules for mark, modules in marks.items() if len(modules) > 1} == {}
+
+
+def test_the_private_name_scans_see_offenders():  # not vacuous
+    tree = ast.parse("from plait.a import _b, c\nfrom plait.d import _e\ngetattr(p, '_plait_x')")
+    assert private_imports({"plait.d": tree}) == ["plait.d -> plait.a._b"]
+    assert mark_users({"plait.d": tree, "plait.f": ast.parse("setattr(p, '_plait_x', 1)")}) == {
+        "_plait_x": ["plait.d", "plait.f"]}

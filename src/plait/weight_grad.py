@@ -22,6 +22,7 @@ from torch import nn
 
 #: (the tensor a linear layer saves instead of its input, the function giving the input back from it in the backward)
 KeptInput = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+_GRAD_SINK = "_plait_grad_sink"  # a parameter's mark: where its deferred weight gradients go
 
 
 class WeightGradStore:
@@ -59,8 +60,14 @@ class WeightGradStore:
         return sum(len(q) for q in self.queues.values())
 
 
+def set_grad_sink(param: nn.Parameter, sink: Callable[[nn.Parameter, torch.Tensor], None]) -> None:
+    """Hand ``param``'s deferred weight gradients to ``sink(param, grad)`` instead of adding them to ``.grad``
+    (plait.data_parallel.reducer: into the bucket's float32 buffer)."""
+    setattr(param, _GRAD_SINK, sink)
+
+
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    sink = getattr(param, "_plait_grad_sink", None)  # data_parallel.reducer: the bucket's float32 buffer
+    sink = getattr(param, _GRAD_SINK, None)
     if sink is not None:
         sink(param, grad)
     elif param.grad is None:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from plait.checkpoint.shards import local_tensors, param_keys
+from plait.data_parallel.reducer import grad_group
 from plait.errors import CommTimeoutError
 
 FORMAT = "plait-checkpoint/1"
@@ -61,7 +62,7 @@ def _optimizer_states(optimizer) -> dict:
 
 def _writes(ctx, lt) -> bool:
     """Whether this rank writes ``lt``: each tensor region is written by exactly one rank."""
-    group = getattr(lt.tensor, "_plait_grad_group", None)
+    group = grad_group(lt.tensor)
     if group is not None:  # an expert under expert parallelism: the lowest rank holding it writes it
         return ctx.rank == min(dist.get_process_group_ranks(group[0]))
     if ctx.dp_rank != 0 or ctx.cp_rank != 0:

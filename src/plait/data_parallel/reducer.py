@@ -27,13 +27,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
+from plait.weight_grad import set_grad_sink
 
 MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-free")
 # torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_GRAD_GROUP = "_plait_grad_group"  # a parameter's mark: (group, size) of its gradient's reduction
 
 
 def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
@@ -49,9 +52,14 @@ def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter]
     return hook
 
 
-def set_grad_group(param: nn.Parameter, group, size: int) -> None:
+def set_grad_group(param: nn.Parameter, group: ProcessGroup | None, size: int) -> None:
     """Reduce ``param``'s gradient over ``group`` (of ``size`` ranks) instead of the DP group (e.g. experts)."""
-    setattr(param, "_plait_grad_group", (group, size))  # noqa: B010 (read by GradReducer)
+    setattr(param, _GRAD_GROUP, (group, size))
+
+
+def grad_group(param: torch.Tensor) -> tuple[ProcessGroup | None, int] | None:
+    """The group ``set_grad_group`` gave ``param``'s gradient and its size; None: the DP group's."""
+    return getattr(param, _GRAD_GROUP, None)
 
 
 class Bucket:
@@ -155,7 +163,7 @@ class GradReducer:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
                 p.register_post_accumulate_grad_hook(on_grad)
-                setattr(p, "_plait_grad_sink", self.accumulate)  # noqa: B010 (deferred weight gradients, weight_grad)
+                set_grad_sink(p, self.accumulate)  # the W pass's deferred weight gradients go into the bucket
 
     def _by_group(self, params: list[nn.Parameter], alone: frozenset[int]) -> dict[int, tuple]:
         """Trainable ``params`` by reduction group (``alone`` ones get their bucket at once)."""
@@ -163,7 +171,7 @@ class GradReducer:
         for p in params:  # most go over DP; set_grad_group redirects some (experts: expert-DP group)
             if not p.requires_grad:
                 continue
-            group, size = getattr(p, "_plait_grad_group", (self.ctx.dp_cp_group, self.ctx.dp_cp_size))
+            group, size = grad_group(p) or (self.ctx.dp_cp_group, self.ctx.dp_cp_size)
             if id(p) in alone:
                 self._add([p], group, size)
             else:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plait.data_parallel.reducer import Bucket, GradReducer
+from plait.data_parallel.reducer import Bucket, GradReducer, grad_group
 from plait.tensor_parallel.layers import TPShardedModule
 
 
@@ -90,7 +90,7 @@ class ShardLayout:
                 lo, hi = max(off, b.lo), min(off + p.numel(), stop)
                 if lo >= hi:
                     continue
-                own_group = hasattr(p, "_plait_grad_group")  # the group holds every copy: count the shard
+                own_group = grad_group(p) is not None  # the group holds every copy: count the shard
                 counted = own_group or ((sharded.get(id(p), False) or ctx.tp_rank == 0) and ties.get(id(p), True))
                 mine.append(Piece(names[id(p)], p, reducer, b, lo - off, hi - off, lo - b.lo, counted))
             self.by_bucket.append(mine)
