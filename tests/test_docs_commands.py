@@ -132,3 +132,25 @@ def test_every_commands_help_shows_examples_that_parse(words):
         f"no Examples of the command itself ({examples})"
     for example in examples:
         _parse(shlex.split(example))
+
+
+# a `$ plait simulate ...` code block: the command, then (the start of) what it prints into a pipe
+SIMULATE = re.compile(r"```\n\$ plait (?P<args>simulate [^\n]*)\n(?P<out>.*?)```", re.S)
+SIMULATIONS = [(f"{doc.name}:{doc.read_text()[:m.start()].count(chr(10)) + 1}", m["args"], m["out"])
+               for doc in DOCS for m in SIMULATE.finditer(doc.read_text())]
+
+
+@pytest.mark.parametrize(("where", "args", "out"), SIMULATIONS, ids=[w for w, _, _ in SIMULATIONS])
+def test_simulate_prints_what_the_docs_show(where, args, out):
+    """Each chart or table shown is the first lines of what the command prints, line for line (the docs may stop
+    after the chart's time axis); a --width wider than the console is kept, not folded at the console's edge."""
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, shlex.split(args), env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    shown = out.rstrip("\n").splitlines()
+    assert [line.rstrip() for line in res.output.splitlines()[:len(shown)]] == shown, f"{where}: not what it prints"
+
+
+def test_docs_show_simulations():
+    assert len(SIMULATIONS) >= 10, SIMULATIONS  # schedules.md draws every schedule

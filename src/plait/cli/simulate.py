@@ -240,6 +240,7 @@ def simulate_command(
                                                       help="Old name of --virtual-stages.")] = None,
 ) -> None:
     from rich.console import Console
+    from rich.text import Text
 
     from plait.errors import ConfigError, check_output_path, flag_message
     from plait.sim import Costs, simulate
@@ -272,11 +273,13 @@ def simulate_command(
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return None
     console = Console(highlight=False)
+    console.soft_wrap = not console.is_terminal  # into a file or a pipe no line is folded at an assumed 80 columns
     cols = o.width or max(40, min(200, shutil.get_terminal_size((120, 24)).columns - 12))
-    if console.is_terminal and console.color_system:
-        console.print(result.to_rich(cols))  # colours tell the kinds apart even in 1-column blocks
-    else:
-        console.print(result.to_ascii(cols), markup=False)
+    chart = result.to_rich(cols) if console.is_terminal and console.color_system else Text(result.to_ascii(cols))
+    header, *rows = chart.split("\n")  # colours tell the kinds apart even in 1-column blocks
+    console.print(header)
+    for row in rows:  # a row is as wide as --width made it: never folded, which would cut 'rank 0 |' from its steps
+        console.print(row, soft_wrap=True)
     if o.actions:
         console.print(result.schedule.grid(window=10**9), markup=False)
     console.print(_figures_table(result))
