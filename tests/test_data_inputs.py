@@ -1,12 +1,17 @@
-"""What plait data prepare and plait train --data make of awkward inputs: text that is not UTF-8."""
+"""What plait data prepare and plait train --data make of awkward inputs (text that is not UTF-8, ...), and what a
+prepare leaves behind in the process that called it."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 from typer.testing import CliRunner
 
 from plait.cli.main import app
 from plait.data import prepare
 from plait.data.stream import open_data
+from plait.data.tokens import TokenizerSpec
 
 LATIN1 = "line one\nline two café\n".encode("latin-1")  # byte 0xe9 at column 13 of line 2
 
@@ -302,3 +307,19 @@ def test_a_dataset_of_many_shards_opens_without_a_memory_map_or_descriptor_per_s
     whole = ds.train.read(0, ds.train.tokens)  # across every shard, in order
     assert [bytes(ds.train.document(i)) for i in (0, ds.train.documents - 1)] == [
         bytes(whole[: ds.train.docs[1]]), bytes(whole[ds.train.docs[-2]:])]
+
+
+def test_a_prepare_in_the_callers_process_keeps_no_tokenizer_after_it_returns(tmp_path, monkeypatch):
+    loaded: list[weakref.ref] = []
+    load = TokenizerSpec.load
+
+    def recorded(spec):
+        tok = load(spec)
+        loaded.append(weakref.ref(tok))
+        return tok
+
+    monkeypatch.setattr(TokenizerSpec, "load", recorded)
+    (tmp_path / "a.txt").write_text("one document\n")
+    prepare([str(tmp_path / "a.txt")], "bytes", tmp_path / "out", workers=1, held_out=0.0)
+    gc.collect()
+    assert len(loaded) == 2 and [ref() for ref in loaded] == [None, None]  # the parent's and the encoder's

@@ -59,7 +59,7 @@ class TaskResult:
     bad: list[BadRecord] = field(default_factory=list)  # up to 5 skipped records (``where`` resolved by the parent)
 
 
-_WORKER: dict = {}
+_POOL_WORKER: dict[str, Encoder] = {}  # a pool worker process's encoder (``_init_worker``); empty elsewhere
 
 
 class Stopped(BaseException):
@@ -95,13 +95,11 @@ def _init_worker(job: Job) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     end_with_parent(os.getppid())  # a SIGKILLed prepare's workers end with it
-    _init(job)
+    _POOL_WORKER["encoder"] = Encoder(job)
 
 
-def _init(job: Job) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
-    _WORKER["job"], _WORKER["tok"] = job, job.spec.load()
-    _WORKER["chat"] = job.chat.load() if job.chat is not None else None
+def _run_in_worker(task: Task) -> TaskResult:
+    return _POOL_WORKER["encoder"](task)
 
 
 def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dtype: str,
@@ -147,19 +145,28 @@ class Encoded:
     mask: np.ndarray | None = None
 
 
-def _run(task: Task) -> TaskResult:
-    job, tok = _WORKER["job"], _WORKER["tok"]
-    got = read_task(task, job.text_field, job.skip_bad, _WORKER["chat"])
-    encoded = encode_documents(got.docs, tok, job.eos, job.held_out, job.dtype, got.spans, got.keys)
-    for split, enc in encoded.items():
-        if len(enc.ids):
-            _write(Path(job.folder) / split / f"{task.index:06d}.bin", enc.ids)
-            if enc.mask is not None:
-                _write(Path(job.folder) / split / f"{task.index:06d}.mask", enc.mask)
-    digest = hashlib.blake2b(got.raw, digest_size=16).digest()
-    loss = {k: int(v.mask.sum()) if v.mask is not None else len(v.ids) for k, v in encoded.items()}
-    return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss, got.skipped,
-                      digest, task.nbytes, got.bad[:5])
+class Encoder:
+    """Reads, encodes and writes the tasks of ``job``, with its tokenizer and chat renderer loaded once (in each
+    pool worker; in the prepare's own process for one worker)."""
+
+    def __init__(self, job: Job) -> None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers says how many
+        self.job, self.tok = job, job.spec.load()
+        self.chat = job.chat.load() if job.chat is not None else None
+
+    def __call__(self, task: Task) -> TaskResult:
+        job = self.job
+        got = read_task(task, job.text_field, job.skip_bad, self.chat)
+        encoded = encode_documents(got.docs, self.tok, job.eos, job.held_out, job.dtype, got.spans, got.keys)
+        for split, enc in encoded.items():
+            if len(enc.ids):
+                _write(Path(job.folder) / split / f"{task.index:06d}.bin", enc.ids)
+                if enc.mask is not None:
+                    _write(Path(job.folder) / split / f"{task.index:06d}.mask", enc.mask)
+        digest = hashlib.blake2b(got.raw, digest_size=16).digest()
+        loss = {k: int(v.mask.sum()) if v.mask is not None else len(v.ids) for k, v in encoded.items()}
+        return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss, got.skipped,
+                          digest, task.nbytes, got.bad[:5])
 
 
 def _write(path: Path, array: np.ndarray) -> None:
@@ -265,10 +272,10 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> l
         try:
             if workers == 1 or len(todo) <= 1:
                 saved = os.environ.get("TOKENIZERS_PARALLELISM")
-                _init(job)
                 try:
+                    encode = Encoder(job)
                     for t in todo:
-                        results.append(_run(t))
+                        results.append(encode(t))
                         bar.advance(results[-1])
                 finally:
                     _restore("TOKENIZERS_PARALLELISM", saved)
@@ -278,7 +285,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> l
                 with _sigint_blocked():  # until each worker ignores it (a Ctrl-C while they start: no tracebacks)
                     pool = mp.get_context("spawn").Pool(min(workers, len(todo)), _init_worker, (job,))
                 with pool:
-                    for r in pool.imap(_run, todo):
+                    for r in pool.imap(_run_in_worker, todo):
                         results.append(r)
                         bar.advance(r)
         except BadRecord as rec:
