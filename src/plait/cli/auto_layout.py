@@ -14,17 +14,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from plait.errors import ConfigError
-from plait.train.config import PRESETS, TrainConfig, model_config, validate
+from plait.train.config import TrainConfig, model_config, model_family, validate
 from plait.words import counted
 
 
 def plan_model(cfg: TrainConfig):
-    """The planner's description (``plan.Model``) of the model ``cfg`` trains, at ``cfg.seq_len`` tokens."""
+    """The planner's description (``plan.Model``) of the model ``cfg`` trains, at ``cfg.seq_len`` tokens: the
+    shapes of the config plait train builds it from, and what its family's adapter says of its layer beyond them
+    (``Family.plan_fields``: Qwen3's per-head q/k norms)."""
     from plait.plan import Model
 
-    if cfg.model not in PRESETS:
-        return Model.from_hf_config(Path(cfg.model), seq_len=cfg.seq_len)
-    return Model.from_llama_config(model_config(cfg), cfg.seq_len, name=cfg.model)
+    mcfg = model_config(cfg)
+    model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
+    return replace(model, **model_family(cfg).plan_fields(mcfg))
 
 
 def host_cluster(processes: int):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError
-from plait.train.config import TrainConfig, model_config
+from plait.train.config import TrainConfig
 from plait.train.observe import NO_CLUSTER, Prediction
 from plait.words import counted
 
@@ -148,12 +148,10 @@ def cached_profile(path: Path):
 
 def planner_inputs(cfg: TrainConfig, world: int) -> tuple[Model, Layout, Training]:
     """The planner's (Model, Layout, Training) of this run of ``world`` processes."""
-    from plait.plan import Model
+    from plait.cli.auto_layout import plan_model
     from plait.plan.runs import train_layout
 
-    mcfg = model_config(cfg)
-    model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
-    return (model, *train_layout(cfg.parallel.resolve(world), cfg.batch_size))
+    return (plan_model(cfg), *train_layout(cfg.parallel.resolve(world), cfg.batch_size))
 
 
 def predict(cfg: TrainConfig, profile, world: int) -> Estimate:

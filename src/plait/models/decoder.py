@@ -99,6 +99,10 @@ class DecoderFamily(Family):
         if model.config.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # the same (vocabulary-sharded) parameter
 
+    def plan_fields(self, config: Any) -> dict[str, Any]:
+        """With ``qk_norm``, ``Attention.heads`` runs an RMSNorm over each head of q and of k."""
+        return {"head_norms": ("q", "k")} if config.qk_norm else {}
+
     def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         rule = getattr(self.model_class, "initial_tensor", None)
         if rule is None:

@@ -190,9 +190,9 @@ def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bo
     holds the embedding; ``last``: the final norm and the head)."""
     t = layout.tp
     expert_layer = model.n_experts * model.mlp_params() if model.is_moe else 0
-    # replicated on every TP rank: the norms (under SP their gradients are summed) and an MoE layer's router
-    # (``ExpertParallelMoE.gate``, its gradient a TP partial sum)
-    replicated = 2 * model.norm_params() + model.router_params()
+    # replicated on every TP rank: the norms (under SP their gradients are summed; the per-head norms' weights
+    # are a head's) and an MoE layer's router (``ExpertParallelMoE.gate``, its gradient a TP partial sum)
+    replicated = model.layer_norm_params() + model.router_params()
     kv = 2 * model.hidden * model.head_dim * model.kv_heads  # the K and V weights
     # fewer KV heads than TP ranks: every rank keeps the whole K and V weights and uses its group's head
     # (plait's ReplicatedHeadsLinear; their gradients are summed over TP)

@@ -10,6 +10,9 @@ from typing import Any
 from plait.errors import ConfigError, FieldError
 from plait.model_presets import PRESETS as TRAIN_PRESETS
 
+#: the projections a per-head RMSNorm may follow (``Model.head_norms``): the queries and the keys
+HEAD_NORMS = ("q", "k")
+
 
 @dataclass(frozen=True)
 class Model:
@@ -25,6 +28,9 @@ class Model:
     model's ``max_seq_len``; give it when that differs from the ``seq_len`` trained (None: the same).
     ``expert_capacity``: the rows an MoE layer's experts on one GPU are counted to receive under expert
     parallelism, as a multiple of what balanced routing sends them (``experts.received``; a capacity factor).
+    ``head_norms``: the projections of ``HEAD_NORMS`` ("q", "k") whose every head an RMSNorm with a weight of
+    ``head_dim`` normalises before RoPE (Qwen3's q/k norms). The model's family says so
+    (``plait.models.family.Family.plan_fields``); the planner counts their weights and what they save.
     """
 
     n_layers: int
@@ -45,6 +51,7 @@ class Model:
     name: str = "custom"
     balance_seq_len: int | None = None  # the length the runtime's balanced partition assumes (default seq_len)
     expert_capacity: float = 1.0
+    head_norms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k", "ffn_hidden",
@@ -58,6 +65,8 @@ class Model:
             raise FieldError("n_kv_heads", self.kv_heads, "must divide {n_heads}", {"n_heads": self.n_heads})
         if self.top_k > self.n_experts:
             raise FieldError("top_k", self.top_k, "must be at most {n_experts}", {"n_experts": self.n_experts})
+        if not set(self.head_norms) <= set(HEAD_NORMS) or len(set(self.head_norms)) != len(self.head_norms):
+            raise ConfigError(f"head_norms: {self.head_norms!r}; valid: distinct names of {', '.join(HEAD_NORMS)}")
         if not self.expert_capacity > 0:
             raise ConfigError(f"expert_capacity: must be positive (1: balanced routing), got {self.expert_capacity!r}")
 
@@ -94,6 +103,10 @@ class Model:
     def norm_params(self) -> int:
         return 2 * self.hidden if self.layernorm else self.hidden
 
+    def layer_norm_params(self) -> int:
+        """The norms' weights of one layer: its two norms and its per-head norms (``head_norms``), none a matmul."""
+        return 2 * self.norm_params() + len(self.head_norms) * self.head_dim
+
     def router_params(self) -> int:
         return self.hidden * self.n_experts if self.is_moe else 0
 
@@ -101,7 +114,7 @@ class Model:
         """Parameters of one transformer layer (``active``: only the top-k experts a token uses)."""
         experts = self.top_k if active else self.n_experts
         return (self.attention_params() + experts * self.mlp_params() + self.router_params()
-                + 2 * self.norm_params())
+                + self.layer_norm_params())
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + (self.seq_len * self.hidden if self.learned_positions else 0)

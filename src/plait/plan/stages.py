@@ -57,7 +57,7 @@ def placement(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
 def partition_costs(model: Model) -> tuple[float, float, float]:
     """(cost of one layer, of the embedding, of the head) per token, as ``pipeline.partition`` counts a
     Llama: matmul weights a token uses plus QKᵀ and AV, at the sequence length the runtime balances for."""
-    matmul = model.layer_params(active=True) - 2 * model.norm_params()
+    matmul = model.layer_params(active=True) - model.layer_norm_params()
     seq = model.balance_seq_len or model.seq_len
     return layer_macs(matmul, seq, model.hidden), embedding_macs(model.hidden), head_macs(model.vocab,
                                                                                           model.hidden)

@@ -18,7 +18,7 @@ def layer_forward_flops(model: Model, tokens: float, seq_len: float) -> float:
     """Forward FLOPs of one layer over ``tokens`` tokens: 2 per weight of every matmul a token
     uses (active experts only) plus attention's QK^T and AV, 4·s·h per token (Narayanan et al.
     2021, eq. 2; counted without causal savings as there)."""
-    matmul = model.layer_params(active=True) - 2 * model.norm_params()
+    matmul = model.layer_params(active=True) - model.layer_norm_params()
     return 2 * tokens * matmul + 4 * tokens * seq_len * model.hidden
 
 
@@ -42,7 +42,7 @@ def accumulation_bytes(model: Model, layout: Layout, layers: int, first: bool, l
     elements, 1/``experts.dp_group`` of the experts')."""
     dense, expert = rank_params(model, layout, layers, first, last)
     if acc.fused:  # only what no GEMM produces: the norms, the embedding table
-        dense = layers * 2 * model.norm_params() + (model.embedding_params() / layout.tp if first else 0.0) + (
+        dense = layers * model.layer_norm_params() + (model.embedding_params() / layout.tp if first else 0.0) + (
             model.norm_params() if last else 0.0)
         expert = 0.0
     later = (microbatches - 1) / microbatches

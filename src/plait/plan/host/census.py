@@ -13,6 +13,8 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
   layer's router and experts do)
   plus the ``T`` rsqrt values; twice per layer (the second input is the attention residual); it computes in
   float32, so in bf16 the input's copy and the rsqrt values are float32;
+* per-head norms (``Model.head_norms``, Qwen3's on q and k): each RMSNorm's input (``Q`` or ``K``, float32), its
+  normalised output (what its weight's product keeps) and one float32 rsqrt per head and token;
 * attention: Q after RoPE, K and V as SDPA receives them (``K`` each: grouped-query attention shares them
   inside SDPA, never repeated), its output ``Q`` (which is also
   the output projection's input), its log-sum-exp ``T·heads`` (float32);
@@ -77,6 +79,7 @@ class Local:
     ep: int = 1
     expert_split: bool = False  # each expert split over TP (plan.experts.split), else whole experts
     received: float = 1.0  # the rows its experts receive, times balanced routing's (plan.experts.received)
+    head_norms: tuple[str, ...] = ()  # the projections ("q", "k") whose heads an RMSNorm normalises
 
     @property
     def n(self) -> float:
@@ -122,7 +125,7 @@ def local(model: Model, layout: Layout) -> Local:
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
                  layout.recompute != "full", model.n_experts, model.top_k, layout.ep, plan_experts.split(layout),
-                 plan_experts.received(model, layout))
+                 plan_experts.received(model, layout), model.head_norms)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -153,7 +156,18 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
     norms = _norm_saved(sh, dtype_bytes, sh.region_kept)  # the attention's input
     norms += _norm_saved(sh, dtype_bytes, sh.n if sh.moe else sh.region_kept)  # the MLP's
     # the MLP's 4 F (an MoE layer's experts on the rows they receive), an MoE layer's router and dispatch
+    norms += sum(_head_norm_saved(sh, dtype_bytes, name) for name in sh.head_norms)
     return norms + attention + 4 * sh.f * sh.received + moe_saved(sh, dtype_bytes)
+
+
+def _head_norm_saved(sh: Local, dtype_bytes: int, name: str) -> float:
+    """An RMSNorm over each head of the rank's queries ("q") or keys ("k") (plait.models.llama
+    ``Attention.heads``): its input's float32 copy (the projection's output itself in float32), the normalised
+    values cast back, which its weight's product keeps, and one float32 rsqrt per head and token. RoPE, next,
+    keeps only its tables."""
+    fp32 = 4 / dtype_bytes
+    n, heads = (sh.q, sh.heads) if name == "q" else (sh.k, sh.kv_heads)
+    return n * fp32 + n + sh.tokens * heads * fp32
 
 
 def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:
