@@ -108,3 +108,32 @@ def test_verify_forks_its_processes_from_a_server_that_imported_torch(monkeypatc
     monkeypatch.setattr(launch, "run_world", fake_run_world)
     assert verify(VerifyConfig()) == "rank 0's result"
     assert seen["nprocs"] == 4 and {"torch", "plait.verify"} <= set(seen.get("preload", ())), seen
+
+
+def test_the_gradient_table_names_every_tensor_whole_at_80_columns():
+    """An expert's weight (layers.7.mlp.experts.3.down_proj.weight) was cut to 'layers.7.mlp.experts.3.down_proj.weig…'
+    in an 80-column terminal or a log; a long name now folds onto the next line of its cell."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from plait.cli.verify import result_table
+
+    names = [f"layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in (7, 11) for e in (2, 3) for p in ("gate", "down")]
+    grads = [SimpleNamespace(name=n, shape=(176, 64), max_abs=3e-10, rel=4e-7, ok=i != 3) for i, n in enumerate(names)]
+    console = Console(file=io.StringIO(), width=80)
+    console.print(result_table(SimpleNamespace(grads=grads)))
+    text = console.file.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    shown: list[str] = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("│")[1:-1]]
+        if len(cells) != 5 or cells[0] in ("", "tensor"):
+            continue
+        if cells[3]:  # a row's first line carries its figures
+            shown.append(cells[0])
+        else:  # the rest of a folded name
+            shown[-1] += cells[0]
+    assert shown == names, text
+    assert "MISMATCH" in text

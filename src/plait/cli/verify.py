@@ -27,7 +27,8 @@ Examples:
 
 def result_table(result) -> Table:
     table = Table(title="gradients: parallel vs single device", show_lines=False)
-    for col in ("tensor", "shape", "max |diff|", "rel err", ""):
+    table.add_column("tensor", overflow="fold")  # a long name (an expert's weight) folds whole, never cut with '…'
+    for col in ("shape", "max |diff|", "rel err", ""):
         table.add_column(col, justify="right" if col in ("max |diff|", "rel err") else "left")
     for g in result.grads:
         mark = "[green]ok[/]" if g.ok else "[red]MISMATCH[/]"
