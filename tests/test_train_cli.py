@@ -90,6 +90,44 @@ def test_a_model_folder_without_weights_is_refused_naming_what_is_missing(tmp_pa
                           "from a preset (plait train --model tiny or small)\n")
 
 
+@pytest.mark.parametrize("damage", ["cut short", "shard missing", "index damaged"])
+def test_a_model_folder_with_a_damaged_weights_file_is_one_error_naming_the_file(tmp_path, damage):
+    """A copy or download that stopped: the safetensors file cut short, a shard the index lists gone, an index
+    without its weight_map. Each was a traceback (SafetensorError, FileNotFoundError, KeyError)."""
+    from safetensors.torch import save_file
+
+    from plait.model_presets import PRESETS
+    from plait.models import Llama, LlamaConfig
+
+    folder = tmp_path / "m"
+    Llama(LlamaConfig(**PRESETS["tiny"])).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    if damage == "cut short":
+        weights.write_bytes(weights.read_bytes()[:-5000])
+        needle = "model.safetensors cannot be read ("
+    else:
+        from safetensors.torch import load_file
+
+        state = load_file(weights)
+        weights.unlink()
+        names = sorted(state)
+        half = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+                "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+        for file, keys in half.items():
+            save_file({k: state[k] for k in keys}, folder / file)
+        index = {"weight_map": {k: file for file, keys in half.items() for k in keys}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index if damage == "shard missing" else {}))
+        if damage == "shard missing":
+            (folder / "model-00002-of-00002.safetensors").unlink()
+        needle = {"shard missing": "model-00002-of-00002.safetensors is missing, though model.safetensors.index.json "
+                                   "lists it",
+                  "index damaged": "model.safetensors.index.json is damaged (no JSON weight_map"}[damage]
+    res = CliRunner().invoke(app, ["train", "--model", str(folder), "--tp", "1", "--pp", "1", "--dry-run"])
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith(f"error: --model {folder}: {needle}") and len(res.output.splitlines()) == 1, \
+        res.output
+
+
 def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
     from plait.checkpoint.store import FORMAT, META
     from plait.train.config import TrainConfig, model_config

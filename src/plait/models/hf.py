@@ -88,7 +88,11 @@ class HFWeights:
         self.config = config_from_hf(hf, self.family)
         index = self.path / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"--model {self.path}: {INDEX_NAME} is damaged (no JSON weight_map: "
+                                  f"{type(exc).__name__}: {exc}); copy the folder again") from None
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
@@ -111,10 +115,8 @@ class HFWeights:
         return name
 
     def _handle(self, file: Path):
-        from safetensors import safe_open
-
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            self._handles[file] = _open(file, self.path)
         return self._handles[file]
 
     def shape(self, key: str) -> list[int]:
@@ -143,10 +145,23 @@ class HFWeights:
                                   f"config.json makes it {list(tensor.shape)}: the two describe different models")
 
 
-def _names(file: Path) -> list[str]:
-    from safetensors import safe_open
+def _open(file: Path, folder: Path):
+    """A safetensors handle on ``file`` of the model folder ``folder``; a file missing or damaged (cut short by a
+    copy or a download that stopped) is a ConfigError naming it, not a traceback."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(file), framework="pt") as f:
+    if not file.is_file():
+        raise ConfigError(f"--model {folder}: {file.name} is missing, though {INDEX_NAME} lists it (a folder "
+                          "copied or downloaded in part?)")
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as exc:
+        raise ConfigError(f"--model {folder}: {file.name} cannot be read ({exc}): the file is damaged or was cut "
+                          "short (a copy or download that stopped?)") from None
+
+
+def _names(file: Path) -> list[str]:
+    with _open(file, file.parent) as f:
         return list(f.keys())
 
 
