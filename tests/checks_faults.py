@@ -124,3 +124,32 @@ def silent_at_start(done: str) -> dict:
     finally:
         Path(done).touch()
     return {"role": "waiter", "raised": None, "message": ""}
+
+
+def dead_at_collective(where: str) -> dict:
+    """Rank 1 exits where rank 0 is about to wait on it in a collective: ``tp`` (tp 2: the all-reduce of a
+    row-parallel layer's forward), ``dp`` (dp 2: the gradient reduction at the end of the backward) or ``norm``
+    (dp 2, after a whole step: the optimizer's gradient-norm all-reduce); rank 0 must raise a CommError naming
+    that collective and its group."""
+    from plait.optim import ParallelOptimizer
+
+    ctx = plait.init(tp=2 if where == "tp" else 1, pp=1, dp=1 if where == "tp" else 2, timeout_s=30.0)
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(cfg), ctx, microbatches=1)
+    opt = ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, clip=1.0)
+    tokens = torch.randint(0, 32, (2, 9))
+    if ctx.rank == 1 and where == "tp":
+        os._exit(3)  # gone without a word, before its share of the step
+    if ctx.rank == 1 and where == "dp":  # gone in its forward, after the step's counts were agreed
+        torch.nn.modules.module.register_module_forward_hook(lambda *args: os._exit(3))
+    try:
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        if ctx.rank == 1:
+            os._exit(3)  # gone after the step, before the optimizer's
+        opt.step()
+    except plait.CommError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
+    except RuntimeError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
+    return {"role": "waiter", "raised": None, "message": ""}

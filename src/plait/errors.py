@@ -13,7 +13,11 @@ class ConfigError(ValueError):
 
 
 class CommError(RuntimeError):
-    """A point-to-point or collective operation failed: a peer died, closed its connection, or hung."""
+    """A point-to-point or collective operation failed: a peer died, closed its connection, or hung.
+
+    ``collective`` names the collective that failed (None: a point-to-point transfer, or not known)."""
+
+    collective: str | None = None
 
 
 class CommTimeoutError(CommError):
@@ -42,6 +46,43 @@ def comm_wait(op: Callable[[], object], what: str | Callable[[], str], peer: int
             raise CommTimeoutError(f"{me + ' ' if me else ''}waited more than {timeout_s:g}s for {what}{who}: "
                                    f"{exc}") from exc
         raise CommError(f"{me + ': ' if me else ''}{what}{who} failed (did that rank die?): {exc}") from exc
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Global ranks in words, runs of consecutive ranks shortened: [0, 1] -> "0,1", [0, 1, 2, 3, 6] -> "0-3,6"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run)) for run in runs)
+
+
+def backend_words(exc: BaseException) -> str:
+    """The gist of a backend's error on one line: its first sentence without the source location before it
+    (Gloo: "[.../pair.cc:537] Read error [127.0.0.1]:38061: Connection reset by peer. This is typically ..."
+    -> "Read error [127.0.0.1]:38061: Connection reset by peer")."""
+    text = " ".join(str(exc).split())
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". ", 1)[0].rstrip(".")
+
+
+def collective_error(what: str, ranks: list[int], me: int, exc: BaseException) -> CommError:
+    """The error of collective ``what`` (e.g. "dp all-reduce of gradients") over global ``ranks`` that failed on
+    global rank ``me`` with the backend's ``exc``: a CommTimeoutError when the backend says it timed out, else a
+    CommError asking whether the other member (or one of the others) died. Its peer is named only as the set of
+    the other members: a backend's error does not say reliably which one of them stopped answering."""
+    others = [r for r in ranks if r != me]
+    them = f"global rank {others[0]}" if len(others) == 1 else f"one of global ranks {rank_list(others)}"
+    head = f"{what} over global ranks {rank_list(ranks)}"
+    if is_timeout(exc):
+        err: CommError = CommTimeoutError(f"{head} timed out (is {them} stuck or dead?): {backend_words(exc)}")
+    else:
+        err = CommError(f"{head} failed (did {them} die?): {backend_words(exc)}")
+    err.collective = what
+    return err
 
 
 #: the command-line flag of each library parameter whose flag is not ``--`` and its name with dashes: the one

@@ -21,6 +21,7 @@ from plait.context_parallel import gather_sequence, shard_sequence
 from plait.data_parallel.param_shards import ParamShards
 from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.data_parallel.zero3 import Zero3
+from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import plain_state_keys
@@ -317,7 +318,8 @@ class ParallelModel:
             return float(local)
         total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
                              aux.to(local.dtype)]).to(ctx.device)
-        dist.all_reduce(total)  # loss: last-stage, tp-rank-0 (every CP rank's) parts; aux: every rank's parts
+        # loss: last-stage, tp-rank-0 (every CP rank's) parts; aux: every rank's parts
+        collective("all-reduce of the step's loss", None, lambda: dist.all_reduce(total))
         loss, self.last_aux_loss = total.tolist()
         return loss + self.last_aux_loss
 
@@ -339,14 +341,14 @@ class ParallelModel:
         if self.ctx.pp_size == 1:
             assert out is not None, "the only pipeline rank holds the last chunk"
             return out
-        src = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1))
+        src, group = self.ctx.pp_peer(self.schedule.stage_to_rank(self.schedule.num_stages - 1)), self.ctx.pp_group
         box: list[tuple[tuple[int, ...], torch.dtype] | None] = [None if out is None else (tuple(out.shape), out.dtype)]
-        dist.broadcast_object_list(box, src=src, group=self.ctx.pp_group)
+        collective("pp broadcast of logit shape", group, lambda: dist.broadcast_object_list(box, src=src, group=group))
         assert box[0] is not None
         shape, dtype = box[0]
         if out is None:
             out = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-        dist.broadcast(out, src=src, group=self.ctx.pp_group)
+        collective("pp broadcast of the logits", group, lambda: dist.broadcast(out, src=src, group=group))
         return out
 
     # ---------------------------------------------------------------------------------- state dicts

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.context_parallel import apply_context_parallel, check_context_parallel
+from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.experts.layer import apply_expert_parallel, check_model_experts
@@ -152,7 +153,8 @@ def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch
         return float(count), float(inputs.shape[0])
     stats = torch.tensor([float(count), 1.0 if bad else 0.0, float(inputs.shape[0])],
                          device=ctx.device)
-    dist.all_reduce(stats, group=ctx.dp_group)  # one tiny collective: global counts + any bad ids
+    collective("dp all-reduce of the batch's token counts", ctx.dp_group,  # one tiny collective: global counts
+               lambda: dist.all_reduce(stats, group=ctx.dp_group))  # and any bad ids
     count, bad_anywhere, rows = stats.tolist()  # one host read
     if bad_anywhere > 0:
         raise ConfigError(bad or "a data-parallel peer received token ids outside the vocabulary")
@@ -168,7 +170,8 @@ def _rows_normaliser(microbatches: int, ctx: ParallelContext, inputs: torch.Tens
     if ctx.dp_size == 1:
         return float(microbatches), local
     rows = torch.tensor([local], device=ctx.device)
-    dist.all_reduce(rows, group=ctx.dp_group)
+    group = ctx.dp_group
+    collective("dp all-reduce of the batch's row counts", group, lambda: dist.all_reduce(rows, group=group))
     total = float(rows.tolist()[0])
     return total * microbatches / local, total  # each micro-batch holds local/M of the total rows
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
+
 
 def local_positions(local_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """Global positions [S/cp] of the ``local_len`` tokens CP rank ``rank`` holds: chunks r and 2·cp-1-r."""
@@ -41,7 +43,7 @@ def gather_sequence(x: torch.Tensor, group, cp: int, dim: int = 1) -> torch.Tens
     if cp == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(cp)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    collective("cp all-gather of the sequence", group, lambda: dist.all_gather(parts, x.contiguous(), group=group))
     order = torch.argsort(gathered_positions(x.shape[dim], cp, x.device))
     return torch.cat(parts, dim=dim).index_select(dim, order)
 

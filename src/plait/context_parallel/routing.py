@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from plait.distributed.collectives import collective
+
 
 def split_sequence_aux_loss(logits: torch.Tensor, expert: torch.Tensor, coef: float, group, cp: int) -> torch.Tensor:
     """This rank's share of coef · Σ_sequences E · Σ_i f_i · P_i (plait.models.moe; Fedus et al. 2021 eq. 4).
@@ -18,7 +20,7 @@ def split_sequence_aux_loss(logits: torch.Tensor, expert: torch.Tensor, coef: fl
     b, s, k = expert.shape
     n_experts, length = logits.shape[-1], s * cp
     counts = F.one_hot(expert, n_experts).sum((1, 2)).float()  # [B, E] this rank's assignments
-    dist.all_reduce(counts, group=group)
+    collective("cp all-reduce of expert counts", group, lambda: dist.all_reduce(counts, group=group))
     f = counts / (length * k)
     p_part = logits.float().softmax(-1).sum(1) / length  # [B, E]
     return coef * n_experts * (f * p_part).sum()

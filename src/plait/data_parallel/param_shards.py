@@ -31,16 +31,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.data_parallel.zero3_reducer import Zero3Reducer
+from plait.distributed.collectives import all_gather_tensor, collective
 from plait.errors import ConfigError
 from plait.pipeline.partition import PipelineChunk
 
-# torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+GATHER = "dp all-gather of sharded parameters"  # what a failed gather of a bucket's shards names
 
 
 def gather_bucket(b: Bucket, local: torch.Tensor) -> torch.Tensor:
@@ -48,7 +47,7 @@ def gather_bucket(b: Bucket, local: torch.Tensor) -> torch.Tensor:
     if b.size == 1:
         return local
     full = torch.empty(b.padded, dtype=local.dtype, device=local.device)
-    _all_gather(full, local, group=b.group)
+    collective(GATHER, b.group, lambda: all_gather_tensor(full, local, group=b.group))
     return full
 
 
@@ -98,11 +97,11 @@ class ShardedBucket:
             self.flat.copy_(src)
             return
         self._src = src
-        self.work = _all_gather(self.flat, src, group=self.b.group, async_op=True)
+        self.work = all_gather_tensor(self.flat, src, group=self.b.group, async_op=True)
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            collective(GATHER, self.b.group, self.work.wait)
             self.work, self._src = None, None
 
     def free(self) -> None:

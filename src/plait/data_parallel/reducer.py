@@ -29,13 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from plait.distributed.collectives import collective, reduce_scatter_tensor
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.weight_grad import set_grad_sink
 
 MODES = ("all-reduce", "reduce-scatter", "reduce-scatter-free")
-# torch >= 2.13 renames the flat collective; older releases only have the *_tensor name
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _GRAD_GROUP = "_plait_grad_group"  # a parameter's mark: (group, size) of its gradient's reduction
 
 
@@ -279,15 +278,22 @@ class GradReducer:
                     self._settle(done)
         if b.size > 1:
             b.out = torch.empty(b.shard, dtype=buffer.dtype, device=buffer.device)
-            b.work = reduce_scatter(b.out, buffer, group=b.group, async_op=True)
+            b.work = reduce_scatter_tensor(b.out, buffer, group=b.group, async_op=True)
         else:
             b.out = buffer
 
+    def wait_for(self, b: Bucket, op: str) -> None:
+        """Wait for ``b``'s reduction in flight, if any (``op``: "all-reduce" or "reduce-scatter"); a peer that
+        died or went silent ends it in a CommError naming the reduction and its group's ranks."""
+        if b.work is not None:
+            who = "dp" if b.group is self.ctx.dp_cp_group else "expert-dp"
+            work = b.work
+            collective(lambda: f"{who} {op} of gradients (bucket of {len(b.params)} tensors)", b.group, work.wait)
+            b.work = None
+
     def _settle(self, b: Bucket) -> None:
         """Wait for ``b``'s reduction and put the result in place (see the modes)."""
-        if b.work is not None:
-            b.work.wait()
-            b.work = None
+        self.wait_for(b, "all-reduce" if self.mode == "all-reduce" else "reduce-scatter")
         if self.mode == "all-reduce" or b.out is None:
             return
         out, b.out = b.out, None

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.data_parallel.reducer import Bucket, GradReducer, reduce_scatter
+from plait.data_parallel.reducer import Bucket, GradReducer
+from plait.distributed.collectives import reduce_scatter_tensor
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 
@@ -83,13 +84,11 @@ class Zero3Reducer(GradReducer):
             b.buffer, b.out = flat, flat
         else:
             b.buffer, b.out = flat, torch.empty(b.shard, dtype=torch.float32, device=device)
-            b.work = reduce_scatter(b.out, flat, group=b.group, async_op=True)
+            b.work = reduce_scatter_tensor(b.out, flat, group=b.group, async_op=True)
         self.in_flight = b
 
     def _settle(self, b: Bucket) -> None:
-        if b.work is not None:
-            b.work.wait()
-            b.work = None
+        self.wait_for(b, "reduce-scatter")
         if b.out is not None:
             if b.reduced is None:
                 b.reduced = b.out

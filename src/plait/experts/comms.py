@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
 from plait.tensor_parallel.comms import all_gather
 
 
@@ -20,14 +21,16 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """
     ep = dist.get_world_size(group)
     out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)  # equal splits of E/ep counts
+    collective("ep all-to-all of expert counts", group,
+               lambda: dist.all_to_all_single(out, counts.contiguous(), group=group))  # equal splits of E/ep counts
     return out.view(ep, -1)
 
 
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
-                           group=group)
+    collective("ep all-to-all of tokens", group,
+               lambda: dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
+                                              input_split_sizes=in_splits, group=group))
     return out
 
 
@@ -55,7 +58,7 @@ class _GatherRows(torch.autograd.Function):
         ctx.start, ctx.size = sum(sizes[:rank]), sizes[rank]
         longest = max(sizes)
         padded = x if x.shape[0] == longest else torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
-        full = all_gather(padded, 0, group)  # [t·longest, ...]
+        full = all_gather(padded, 0, group, "all-gather of expert outputs")  # [t·longest, ...]
         return torch.cat([full[r * longest:r * longest + n] for r, n in enumerate(sizes)])
 
     @staticmethod

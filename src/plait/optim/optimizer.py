@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.distributed.collectives import collective
 from plait.errors import ConfigError
 from plait.memory import storage_bytes
 from plait.optim.masters import Masters, gather_bucket
@@ -103,7 +104,8 @@ class ParallelOptimizer:
         self._prepare()
         sq = square_sum([pc.grad() for pc in self.layout.pieces if pc.counted]).to(self.ctx.device)
         if self.ctx.world_size > 1:
-            dist.all_reduce(sq, group=self.ctx.world_group)
+            group = self.ctx.world_group
+            collective("all-reduce of the gradient norm", group, lambda: dist.all_reduce(sq, group=group))
         return math.sqrt(float(sq))
 
     def clip_grad_norm_(self, max_norm: float) -> float:

@@ -208,7 +208,9 @@ class Executor:
         else:
             self.transport.send(tensor, dst, kind, chunk, mb, consumer)
 
-    def _explain(self, a: Action, i: int, remote, exc: Exception) -> str:
+    def _explain(self, a: Action, i: int, remote, exc: CommError) -> str:
+        if exc.collective is not None:  # a collective inside the action (TP, EP, CP) names whom it lost itself
+            return str(exc) if self.s.num_ranks == 1 else f"pipeline rank {self.me}, action {a} (#{i}): {exc}"
         state = "stuck" if isinstance(exc, CommTimeoutError) else "failed"
         if remote:
             what = "activation" if remote[0] == ACT else "gradient"

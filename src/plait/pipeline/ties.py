@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
 from plait.pipeline.partition import PipelineChunk
 from plait.schedules import Schedule
@@ -46,4 +47,5 @@ class TiedWeights:
         """
         for p, group in self.pairs:
             for g in grad_of(p):
-                dist.all_reduce(g, group=group)
+                collective("all-reduce of tied weights' gradients", group,
+                           lambda: dist.all_reduce(g, group=group))  # noqa: B023 (called at once)

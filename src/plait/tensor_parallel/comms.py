@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# torch >= 2.13 renamed the tensor collectives; keep the older names working for the open version range.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from plait.distributed.collectives import all_gather_tensor, collective, reduce_scatter_tensor
 
 
 def _size(group) -> int:
@@ -32,16 +30,16 @@ def _check_divisible(x: torch.Tensor, dim: int, t: int) -> None:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
 
 
-def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` into a new tensor."""
+def all_reduce(x: torch.Tensor, group, what: str = "tp all-reduce") -> torch.Tensor:
+    """Sum ``x`` over ``group`` into a new tensor (``what`` names it in a failure's CommError)."""
     out = x.contiguous().clone()
     if _size(group) > 1:
-        dist.all_reduce(out, group=group)
+        collective(what, group, lambda: dist.all_reduce(out, group=group))
     return out
 
 
-def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate the ranks' ``x`` along ``dim`` (rank order), contiguous.
+def all_gather(x: torch.Tensor, dim: int, group, what: str = "tp all-gather") -> torch.Tensor:
+    """Concatenate the ranks' ``x`` along ``dim`` (rank order), contiguous (``what`` names it in a CommError).
 
     Contiguous because the consumers (the projections after SP's all-gather) flatten it: a strided result
     would be copied by each of them, and autograd would keep every copy (three for Q, K, V).
@@ -51,19 +49,19 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x = x.movedim(dim, 0).contiguous()  # gather along the leading dim: one contiguous buffer
     out = x.new_empty((t * x.shape[0], *x.shape[1:]))
-    _all_gather_tensor(out, x, group=group)
+    collective(what, group, lambda: all_gather_tensor(out, x, group=group))
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum ``x`` over ``group`` and keep this rank's slice of ``dim``."""
+def reduce_scatter(x: torch.Tensor, dim: int, group, what: str = "tp reduce-scatter") -> torch.Tensor:
+    """Sum ``x`` over ``group`` and keep this rank's slice of ``dim`` (``what`` names it in a CommError)."""
     t = _size(group)
     if t == 1:
         return x
     _check_divisible(x, dim, t)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // t, *x.shape[1:]))
-    _reduce_scatter_tensor(out, x, group=group)
+    collective(what, group, lambda: reduce_scatter_tensor(out, x, group=group))
     return out.movedim(0, dim)
 
 
@@ -84,13 +82,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group, "tp all-reduce of input gradients (backward of f)"), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x, group)
+        return all_reduce(x, group, "tp all-reduce of partial outputs (forward of g)")
 
     @staticmethod
     def backward(ctx, grad):

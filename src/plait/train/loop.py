@@ -13,6 +13,7 @@ import torch
 from plait.checkpoint.shards import init_local, load_local
 from plait.data.stream import EVAL_BATCHES, IGNORE
 from plait.devices import synchronize
+from plait.distributed.collectives import collective
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
 from plait.train.observe import NO_PREDICTION
 from plait.train.resume import resume
@@ -197,7 +198,8 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
         total[0] += ce.double()
         total[1] += (y != IGNORE).sum()
     if ctx.dp_size > 1:
-        dist.all_reduce(total, group=ctx.dp_group)
+        collective("dp all-reduce of the held-out loss", ctx.dp_group,
+                   lambda: dist.all_reduce(total, group=ctx.dp_group))
     return float(total[0] / total[1]) if total[1] > 0 else None  # None: no held-out target in the loss
 
 
@@ -331,7 +333,8 @@ def _minutes_due(run: Run) -> bool:
     due = time.monotonic() - run.last_save >= 60 * run.cfg.checkpoint_every_minutes
     flag = torch.tensor([float(due)], device=run.ctx.device)
     if run.ctx.world_size > 1:
-        dist.broadcast(flag, src=0, group=run.ctx.world_group)
+        collective("broadcast of rank 0's checkpoint clock", run.ctx.world_group,
+                   lambda: dist.broadcast(flag, src=0, group=run.ctx.world_group))
     return bool(flag.item())
 
 

@@ -10,6 +10,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -37,7 +39,8 @@ class StopRequest:
         """Collective over the world: True on every rank if any rank has received a stop signal."""
         flag = torch.tensor([0.0 if self.signum is None else float(self.signum)], device=ctx.device)
         if ctx.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.world_group)
+            collective("all-reduce of stop signals", ctx.world_group,
+                       lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.world_group))
         if flag.item() > 0 and self.signum is None:
             self.signum = int(flag.item())  # a peer's signal: stop for the same reason
         return flag.item() > 0

@@ -1,0 +1,76 @@
+"""A peer that dies in a collective ends the survivor with a CommError naming the collective, its group's global
+ranks and the member it lost, not the backend's bare RuntimeError ("Connection closed by peer")."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import checks_faults
+from harness import PRELOAD
+from plait.distributed.launch import free_port, run_world
+from plait.errors import CommError, CommTimeoutError, collective_error, rank_list
+
+
+@pytest.mark.parametrize("where,names", [
+    ("tp", "tp all-reduce of partial outputs (forward of g) over global ranks 0,1"),
+    ("dp", "dp all-reduce of gradients (bucket of "),
+    ("norm", "all-reduce of the gradient norm over global ranks 0,1"),
+])
+def test_a_peer_dead_at_a_collective_is_named_with_the_collective(where, names):
+    values = run_world(checks_faults.dead_at_collective, 2, where, timeout_s=120, return_failures=True,
+                       allow_dead=True, preload=PRELOAD)
+    waiter = values[0]
+    assert waiter["raised"] in ("CommError", "CommTimeoutError"), waiter
+    message = waiter["message"]
+    assert names in message and "over global ranks 0,1 " in message, message
+    assert "global rank 1 " in message and "\n" not in message, message
+
+
+def test_a_collective_error_says_what_timed_out_or_failed_and_whom_it_lost():
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:38061: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application.\nCheck the logs of the remote worker. GLHF!")
+    err = collective_error("dp all-reduce of gradients", [0, 1], 0, gloo)
+    assert type(err) is CommError
+    assert str(err) == ("dp all-reduce of gradients over global ranks 0,1 failed (did global rank 1 die?): "
+                        "Read error [127.0.0.1]:38061: Connection reset by peer")
+    late = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation "
+                        "to complete")
+    err = collective_error("tp all-gather", [4, 5, 6, 7], 5, late)
+    assert isinstance(err, CommTimeoutError)
+    assert str(err) == ("tp all-gather over global ranks 4-7 timed out (is one of global ranks 4,6,7 stuck or "
+                        "dead?): Timed out waiting 3000ms for recv operation to complete")
+    assert rank_list([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8,9"
+
+
+# plait's CLI as torchrun runs it, except that global rank 1 kills itself (SIGKILL) at its optimizer step
+KILLED_AT_THE_STEP = """
+import os, signal
+from plait.cli.main import main
+if os.environ["RANK"] == "1":
+    import plait.optim.optimizer as o
+    o.ParallelOptimizer.step = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+main()
+"""
+
+
+def test_under_torchrun_a_peer_killed_at_a_collective_ends_the_survivor_in_one_line_naming_it(tmp_path):
+    """Rank 0 waits in the gradient-norm all-reduce that rank 1 never joins: it ended in Gloo's bare
+    RuntimeError traceback ("Connection reset by peer"), and now says which collective over which ranks."""
+    (tmp_path / "killed_at_step.py").write_text(KILLED_AT_THE_STEP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+    env.pop("PLAIT_DEBUG", None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "killed_at_step", "train", "--tp", "1", "--pp", "1", "--dp", "2",
+                           "--steps", "2", "--seq-len", "32", "--batch-size", "4", "--microbatches", "2",
+                           "--eval-every", "0", "--max-data-mb", "0.3", "--sample-tokens", "0", "--cluster", "none"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: rank 0: ")]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert lines[0].startswith("error: rank 0: CommError: all-reduce of the gradient norm over global ranks 0,1 "
+                               "failed (did global rank 1 die?): "), lines
+    assert "[rank0]: Traceback" not in proc.stderr, proc.stderr[-4000:]
