@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness import alive
 from plait.distributed.launch import child_pids, launch, run_world, worker_pids
 
@@ -199,3 +201,34 @@ def test_a_sigkilled_launchers_server_and_workers_end_with_it(tmp_path):
     for pid in left:  # the old code's leftovers: end them before failing
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"left running after their launcher's SIGKILL: {left}"
+
+
+def job_waits_on_a_silent_store(payload: dict) -> str:
+    """A job's worker that waits 1 s for a key no one sets: c10d's C++ socket code warns of the timed-out poll
+    (``socket.cpp ... waitForInput ... timed out``), as a worker waiting for a stalled peer at start-up does."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=1))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=1))
+    try:
+        client.get("never-set")
+    except RuntimeError:
+        return "timed out"
+    return "answered"
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_launched_workers_keep_c10d_s_cpp_warnings_to_plait_debug(debug):
+    """plait's one-line error says which rank waited on what: the C++ warnings above it said it again, twice a wait
+    (PLAIT_DEBUG=1 keeps them)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PLAIT_DEBUG", "TORCH_CPP_LOG_LEVEL")}
+    if debug:
+        env["PLAIT_DEBUG"] = "1"
+    code = ("from plait.distributed.launch import launch\n"
+            "print(launch('test_launch:job_waits_on_a_silent_store', {}, 1))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "['timed out']", (proc.stdout, proc.stderr[-3000:])
+    assert ("waitForInput" in proc.stderr) == debug, proc.stderr[-3000:]

@@ -35,8 +35,20 @@ def modules(target: str, preload: tuple[str, ...] = ()) -> list[str]:
             target.partition(":")[0], *preload]
 
 
+def quiet_backend_logs() -> None:
+    """Hide the C++ warnings of torch's c10d (``socket.cpp ... waitForInput ... timed out after 5000ms``) in the
+    processes this one starts: a worker waiting on a silent peer printed them above plait's one-line error, which
+    names the rank and the wait. torch reads TORCH_CPP_LOG_LEVEL once, at its import, so it goes into this process's
+    environment before the server (or a spawned worker) starts. A level the user set stays; PLAIT_DEBUG=1 keeps
+    the warnings."""
+    if not os.environ.get("PLAIT_DEBUG"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def start_method(target: str, preload: tuple[str, ...] = ()) -> str:
-    """``forkserver``, its imports set (read when the server starts), or ``spawn`` where there is none."""
+    """``forkserver``, its imports set (read when the server starts), or ``spawn`` where there is none; either way
+    the workers' environment quiets torch's C++ warnings first (``quiet_backend_logs``)."""
+    quiet_backend_logs()
     if "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     mp.get_context("forkserver").set_forkserver_preload(modules(target, preload))

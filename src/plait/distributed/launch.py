@@ -171,6 +171,7 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
     starts as a spawned one does; each gets the caller's environment as at its launch, as a spawned one (but
     glibc's malloc has read its ``MALLOC_*`` variables once, at the server's start).
     """
+    fork_server.quiet_backend_logs()
     if preload and "forkserver" in mp.get_all_start_methods():  # not on Windows: spawned there, as without
         ctx: Any = mp.get_context("forkserver")
         # read when the server starts, at the first such launch (fork_server: the server's quick end)
