@@ -1,6 +1,7 @@
 """``plait plan`` / ``plait topo``: clear one-line errors, JSON output, topology from a file."""
 
 import json
+import re
 import sys
 
 import pytest
@@ -117,6 +118,9 @@ def test_plan_inference_cli():
                             "--batch", "8"])
     assert r.exit_code == 0, r.output
     assert "best: tp4 pp1" in r.output
+    # each figure of the per-token time has its unit ('memory 4.7,' read as 4.7 GB beside the memory table)
+    assert re.search(r"ms/token, of which memory reads \d+\.\d ms and p2p \d+\.\d ms\)", " ".join(r.output.split())), \
+        r.output
 
 
 TOPO = """\

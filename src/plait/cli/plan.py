@@ -162,8 +162,9 @@ def inference_verdict(res) -> list[str]:
     if b is None:
         return ["nothing fits"]
     lines = [f"best: {b.label} — {b.request_ms / 1e3:.2f} s per request (TTFT {b.ttft_ms:.0f} ms + "
-             f"{res.workload.gen_len - 1} × {b.token_latency_ms:.1f} ms/token; memory {b.breakdown_ms['memory']:.1f}, "
-             f"p2p {b.breakdown_ms['p2p']:.1f} ms), {b.throughput_tok_s:,.0f} tok/s"]
+             f"{res.workload.gen_len - 1} × {b.token_latency_ms:.1f} ms/token, of which memory reads "
+             f"{b.breakdown_ms['memory']:.1f} ms and p2p {b.breakdown_ms['p2p']:.1f} ms), {b.throughput_tok_s:,.0f} "
+             "tok/s"]
     if b.tp > 1:
         lines.append(f"  its TP all-reduces: 2 per layer of {b.tp_allreduce_bytes / 1024:,.0f} KiB, "
                      f"{b.tp_allreduce_ms:.1f} ms per token, of which {b.tp_latency_ms:.1f} ms is the latency term "
