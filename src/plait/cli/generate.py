@@ -67,10 +67,13 @@ def generate_command(
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
+    from plait.cli.progress import starting
     from plait.distributed import fork_server
 
+    tp, pp = (layout or {}).get("tp", 1), (layout or {}).get("pp", 1)
+    starting("generate", tp * pp, f"tp {tp} x pp {pp}")
     # the workers' fork server imports torch and the model's modules while this process checks the request
-    with fork_server.launching(TARGET, (layout or {}).get("tp", 1) * (layout or {}).get("pp", 1)):
+    with fork_server.launching(TARGET, tp * pp):
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         from plait.cli.generate_chat import chat_prompt_ids, conversations, short

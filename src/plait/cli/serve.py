@@ -59,10 +59,13 @@ def serve_command(
     settings: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options; ``settings``: ServeConfig's (plait.cli.options)."""
+    from plait.cli.progress import starting
     from plait.distributed import fork_server
 
+    tp, pp = (layout or {}).get("tp", 1), (layout or {}).get("pp", 1)
+    starting("serve", tp * pp, f"tp {tp} x pp {pp}")
     # the workers' fork server imports torch and the model's modules while this process checks the request
-    with fork_server.launching(TARGET, (layout or {}).get("tp", 1) * (layout or {}).get("pp", 1)):
+    with fork_server.launching(TARGET, tp * pp):
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         from plait.distributed.launch import JobError, JobStopped, run_or_launch

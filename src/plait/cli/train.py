@@ -103,6 +103,7 @@ def _run(cfg) -> None:
     from contextlib import nullcontext
 
     from plait.cli.predict import check_cluster, check_dry_run
+    from plait.cli.progress import layout_words, starting
     from plait.cli.train_worker import PRELOAD
     from plait.distributed import fork_server
     from plait.distributed.job_signals import STOP_TIMEOUT_S
@@ -115,6 +116,9 @@ def _run(cfg) -> None:
         _torchrun_worker(cfg)
         return
     check_nproc(cfg)
+    if not cfg.dry_run:  # a line at once: this process and the fork server import torch next (seconds)
+        starting("train", cfg.nproc or cfg.world, "--layout auto" if cfg.layout == "auto" else
+                 layout_words(cfg.parallel))
     # the workers' fork server imports torch and the training modules while this process checks the run (and
     # imports torch itself): side by side on two cores
     with nullcontext() if cfg.dry_run else fork_server.ahead(TARGET, PRELOAD):

@@ -50,6 +50,7 @@ def verify_command(
 ) -> None:
     """The ``parallel`` options are ParallelConfig's fields, generated (plait.cli.options)."""
     from plait.cli.options import check_cp_comm
+    from plait.cli.progress import layout_words, starting
     from plait.distributed.launch import LaunchError
     from plait.errors import ConfigError, flag_message
     from plait.parallel_config import ParallelConfig
@@ -60,8 +61,9 @@ def verify_command(
     try:
         cfg = VerifyConfig(parallel=ParallelConfig(**(parallel or {})), tie_embeddings=tied, n_layers=layers,
                            batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k)
-        check(cfg)
         par = cfg.parallel
+        starting("verify", cfg.world, layout_words(par))
+        check(cfg)
         check_cp_comm(par.cp, par.cp_comm)
         if not as_json:
             cp = f" cp={par.cp} ({par.cp_comm})" if par.cp > 1 else ""

@@ -1,0 +1,28 @@
+"""The line a command prints at once, before it imports torch (seconds of silence, a minute on a loaded host)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from plait.words import counted
+
+
+def starting(command: str, processes: int, layout: str) -> None:
+    """Say on standard error that ``plait command`` is starting ``processes`` processes of ``layout`` ("tp 2 x
+    pp 2"), when a person is watching it (a terminal): a pipe or a log gets the command's own output only. Not
+    under torchrun, whose every worker runs the command."""
+    from plait.distributed.launch import under_torchrun
+
+    if under_torchrun() or not sys.stderr.isatty() or processes < 1:  # < 1: a layout not yet valid, said later
+        return
+    typer.echo(f"plait {command}: starting {counted(processes, 'process')} ({layout}) ...", err=True)
+
+
+
+def layout_words(p) -> str:
+    """A ParallelConfig's mesh in words: ``tp 2 x pp 2 x dp 1``, with ``x cp 2`` where there is context
+    parallelism; a dp of -1 (inferred) as ``dp to fill --nproc``."""
+    dp = p.dp if p.dp > 0 else "to fill --nproc"
+    return f"tp {p.tp}{f' x cp {p.cp}' if p.cp > 1 else ''} x pp {p.pp} x dp {dp}"

@@ -1,0 +1,75 @@
+"""plait train, generate, serve and verify say at once that they are starting, before they import torch (5-7 s of
+silence on an idle host, a minute on a loaded one), when a person watches (standard error is a terminal); piped,
+they print only what they printed before. ``plait --help`` and ``plait train --help`` import no torch."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+
+PLAIT = [sys.executable, "-X", "importtime", "-m", "plait.cli.main"]
+# -X importtime's first line of torch or one of its modules (each line is written once that module is loaded)
+TORCH = re.compile(r"^import time:.*\|\s+torch(\.\w+)*$", re.M)
+
+
+def _run_on_a_terminal(args: list[str]) -> tuple[int, str]:
+    """Run ``plait ARGS`` with its standard error on a pseudo-terminal: (exit code, what it wrote there)."""
+    main, side = pty.openpty()
+    proc = subprocess.Popen(PLAIT + args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=side,
+                            env={**os.environ, "PLAIT_TIMEOUT": "30"})
+    os.close(side)
+    chunks: list[bytes] = []
+
+    def drain() -> None:  # until the command and its children close the terminal (EIO)
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    code = proc.wait(timeout=240)
+    reader.join(timeout=60)
+    os.close(main)
+    return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("args,line", [
+    (["train", "--seq-len", "1024"], "plait train: starting 4 processes (tp 2 x pp 2 x dp 1) ..."),
+    (["generate", "--pp", "2", "--top-k", "3"], "plait generate: starting 2 processes (tp 1 x pp 2) ..."),
+    (["verify", "--tp", "2", "--pp", "1", "--dp", "1", "--layers", "0"],
+     "plait verify: starting 2 processes (tp 2 x pp 1 x dp 1) ..."),
+])
+def test_the_first_line_comes_before_torch_is_imported(args, line):
+    """Each command here fails its checks (after importing torch): what matters is what came first."""
+    code, err = _run_on_a_terminal(args)
+    assert code == 2, err[-3000:]
+    first_torch = TORCH.search(err)
+    assert first_torch is not None, err[-3000:]  # the command did import torch: the line had something to precede
+    assert line in err[:first_torch.start()], err[:first_torch.start()][-2000:]
+
+
+def test_piped_the_commands_print_no_progress_line():
+    proc = subprocess.run([sys.executable, "-m", "plait.cli.main", "train", "--seq-len", "1024"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --seq-len 1024"), proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"]])
+def test_help_imports_no_torch(args):
+    code = ("import sys; sys.argv = ['plait', *sys.argv[1:]]\n"
+            "from plait.cli.main import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "sys.stderr.write(repr(sorted(m for m in ('torch', 'numpy') if m in sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert "Usage:" in proc.stdout and proc.stderr == "[]", proc.stderr
