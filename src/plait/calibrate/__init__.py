@@ -15,6 +15,7 @@ import hashlib
 import os
 import platform
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from plait.errors import ConfigError, FieldError
@@ -79,7 +80,8 @@ def cache_path(facts: dict | None = None) -> Path:
 
 
 def calibrate(processes: tuple[int, ...] = DEFAULT_PROCESSES, out: str | Path | None = None,
-              progress=None, repeat: int = 1, add: bool = False) -> tuple[HostProfile, Path]:
+              progress: Callable[[int, int, str], None] | None = None, repeat: int = 1,
+              add: bool = False) -> tuple[HostProfile, Path]:
     """Measure ``processes`` (one section each) on local processes ``repeat`` times and write the mean
     (``HostProfile.average``) to ``out`` (default: this host's cache, merged with what it already holds).
     ``add`` averages it with the calibrations ``out`` already holds instead of replacing them: a host whose

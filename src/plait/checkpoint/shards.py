@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from plait.tensor_parallel.layers import TPShardedModule
+
+if TYPE_CHECKING:
+    from plait.parallel_model import ParallelModel
 
 Reader = Callable[[str, "int | None", int, "int | None"], torch.Tensor]
 
@@ -39,7 +43,7 @@ class LocalTensor:
         return self.tensor.narrow(self.dim, 0, self.stop - self.start)
 
 
-def local_tensors(pm) -> Iterator[LocalTensor]:
+def local_tensors(pm: ParallelModel) -> Iterator[LocalTensor]:
     """Every state tensor of ``pm``'s chunks on this rank, keyed as in the plain model, with its region."""
     ctx = pm.ctx
     for chunk in pm.chunks.values():
@@ -59,7 +63,7 @@ def local_tensors(pm) -> Iterator[LocalTensor]:
 
 
 @torch.no_grad()
-def load_local(pm, read: Reader, keys_ok: Callable[[str], bool] | None = None) -> None:
+def load_local(pm: ParallelModel, read: Reader, keys_ok: Callable[[str], bool] | None = None) -> None:
     """Fill this rank's tensors from ``read`` (only the slices it owns). No collective (except under ZeRO-3 with
     ``keys_ok``: the parameters left alone are gathered first)."""
     with pm.full_parameters(gather=keys_ok is not None, write_back=True):  # ZeRO-3: whole, then into the shards
@@ -71,7 +75,7 @@ def load_local(pm, read: Reader, keys_ok: Callable[[str], bool] | None = None) -
 
 
 @torch.no_grad()
-def init_local(pm, seed: int) -> None:
+def init_local(pm: ParallelModel, seed: int) -> None:
     """Fill this rank's tensors with the model's seeded initial values (plait.models.init), one full tensor
     at a time: draw it, keep this rank's slice, drop it. Every layout gets the weights that
     ``plait.models.init.init_weights(plain_model, seed)`` gives on one device. No collective."""
@@ -93,7 +97,7 @@ def copy_padded(dst: torch.Tensor, src: torch.Tensor, dim: int | None) -> None:
     dst.narrow(dim, 0, src.shape[dim]).copy_(src)
 
 
-def param_keys(pm) -> dict[int, str]:
+def param_keys(pm: ParallelModel) -> dict[int, str]:
     """id(parameter) -> its plain key (first one seen), for optimizer state."""
     out: dict[int, str] = {}
     for lt in local_tensors(pm):

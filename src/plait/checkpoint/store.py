@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plait.checkpoint.shards import copy_padded, load_local, local_tensors, param_keys
 from plait.checkpoint.writer import FORMAT, LATEST, META, save_checkpoint, torch_optimizer
 from plait.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plait.models.llama import LlamaConfig
+    from plait.optim import ParallelOptimizer
+    from plait.parallel_model import ParallelModel
 
 __all__ = ["CheckpointReader", "export_pretrained", "find_checkpoint", "load_checkpoint", "model_config",
            "save_checkpoint"]
@@ -97,7 +102,8 @@ class CheckpointReader:
         return {k: self.read(k) for k in self.meta["tensors"] if not k.startswith("optim/")}
 
 
-def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
+def load_checkpoint(pm: ParallelModel, optimizer: ParallelOptimizer | torch.optim.Optimizer | None,
+                    path: str | Path) -> dict:
     """Load a checkpoint saved under any layout into ``pm`` (and ``optimizer``); returns its metadata."""
     reader = CheckpointReader(path)
     load_local(pm, reader.read)
@@ -105,9 +111,11 @@ def load_checkpoint(pm, optimizer, path: str | Path) -> dict:
         _load_masters(pm, optimizer, reader)
     if optimizer is not None and reader.meta["optimizer"]["param_groups"] is not None:
         _load_optimizer(pm, optimizer, reader)
-    if hasattr(optimizer, "steps"):  # the updates made, where the learning-rate schedule goes on: a step skipped
-        steps = reader.meta["optimizer"].get("steps")  # as non-finite makes none; a checkpoint that does not
-        optimizer.steps = int(reader.meta["step"] if steps is None else steps)  # record them made one a step
+    if optimizer is not None and hasattr(optimizer, "steps"):
+        # the updates made, where the learning-rate schedule goes on: a step skipped as non-finite makes none; a
+        # checkpoint that does not record them made one a step
+        steps = reader.meta["optimizer"].get("steps")
+        optimizer.steps = int(reader.meta["step"] if steps is None else steps)
     layout = reader.meta["layout"]
     same = ((layout["tp"], layout["pp"], layout["dp"], layout.get("cp", 1))
             == (pm.ctx.tp_size, pm.ctx.pp_size, pm.ctx.dp_size, pm.ctx.cp_size))
@@ -158,7 +166,7 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
             optimizer.state[param] = state
 
 
-def model_config(meta: dict):
+def model_config(meta: dict) -> LlamaConfig:
     """The plain-model config a checkpoint was saved with (its family's config class; llama if unnamed)."""
     from plait.models.registry import family_for_type
 

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ import torch.distributed as dist
 from plait.checkpoint.shards import local_tensors, param_keys
 from plait.data_parallel.reducer import grad_group
 from plait.errors import CommTimeoutError
+
+if TYPE_CHECKING:
+    from plait.optim import ParallelOptimizer
+    from plait.parallel_model import ParallelModel
 
 FORMAT = "plait-checkpoint/1"
 META = "meta.json"
@@ -174,7 +179,8 @@ def _await_files(snap: Snapshot) -> None:
         pause = min(2 * pause, 0.1)
 
 
-def save_checkpoint(pm, optimizer, directory: str | Path, step: int, extra: dict | None = None,
+def save_checkpoint(pm: ParallelModel, optimizer: ParallelOptimizer | torch.optim.Optimizer | None,
+                    directory: str | Path, step: int, extra: dict | None = None,
                     keep: int = 3) -> Path:
     """Collective: every rank writes its shards; on return the checkpoint is in place. Returns its folder."""
     snap = take_snapshot(pm, optimizer, directory, step, extra, keep)

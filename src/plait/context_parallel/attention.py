@@ -21,6 +21,7 @@ of the whole sequence (S/cp × S) is never built.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,10 @@ from plait.context_parallel.comms import Ring, gather_kv
 from plait.context_parallel.layout import gathered_positions, local_positions
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS
+
+if TYPE_CHECKING:
+    from plait.distributed.context import ParallelContext
+    from plait.parallel_model import LossFn
 
 
 class LocalPositions:
@@ -163,7 +168,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None
 
 
-def apply_context_parallel(modules: dict[str, nn.Module], ctx, comm: str, window: int | None,
+def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, comm: str, window: int | None,
                            model_name: str = "model") -> int:
     """Make every attention module in ``modules`` (name -> module) attend across ``ctx``'s CP group; returns how
     many. The shadowed core replaces any earlier one (selective recomputation's: its attention keeps no
@@ -189,7 +194,7 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx, comm: str, window
     return len(modules)
 
 
-def check_context_parallel(model: nn.Module, cp: int, loss_fn) -> None:
+def check_context_parallel(model: nn.Module, cp: int, loss_fn: LossFn | None) -> None:
     """ConfigError (no collective) for what cannot run with its sequences split over ``cp`` ranks."""
     from plait.models.moe import MoE
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from plait.data.sources import BadRecord, Source, Task, discover, read_task, tas
 from plait.data.tokens import TokenizerSpec, Tokens
 from plait.distributed.parent import end_with_parent
 from plait.errors import ConfigError, check_output_path
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 ENCODE_BATCH = 512  # documents per tokenizer call
 
@@ -178,7 +182,7 @@ def _write(path: Path, array: np.ndarray) -> None:
 
 def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str = "text",
             workers: int | None = None, held_out: float = 0.005, eos: str | None = None, skip_bad: bool = False,
-            force: bool = False, console=None, chat: ChatSpec | None = None) -> dict:
+            force: bool = False, console: Console | None = None, chat: ChatSpec | None = None) -> dict:
     """Tokenize ``sources`` with ``tokenizer`` ("bytes", a folder or a tokenizer.json) into the prepared
     dataset ``out``; returns its metadata. ``console`` (rich): progress bar and summary table. ``chat``: read
     each record's messages (``chat.field``) through the tokenizer folder's chat template instead of
@@ -263,7 +267,7 @@ def _remove_stale(out: Path) -> None:
             pass  # alive, someone else's
 
 
-def _execute(todo: list[Task], job: Job, workers: int, total: int, console) -> list[TaskResult]:
+def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Console | None) -> list[TaskResult]:
     """Run the tasks (in this process for one worker, else a pool of spawned processes), in task order."""
     from plait.data.report import prepare_progress
 

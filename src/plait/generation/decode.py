@@ -124,14 +124,15 @@ class Decoder:
         return full_logits(x[:, -1], self.ctx, self.vocab)
 
 
-def context_length(model) -> int | None:
+def context_length(model: object) -> int | None:
     """The longest sequence ``model`` (a plain model or a ParallelModel) was built for, if it says."""
     config = getattr(model, "model_config", None) or getattr(model, "config", None)  # ParallelModel, plain model
     return getattr(config, "max_seq_len", None)
 
 
-def generate_ids(model, prompts: list[list[int]], s: Sampling, max_seq_len: int | None = None,
-                 trace: list | None = None, stop_ids: Collection[int] = ()) -> list[list[int]]:
+def generate_ids(model: nn.Module | ParallelModel, prompts: list[list[int]], s: Sampling,
+                 max_seq_len: int | None = None, trace: list | None = None,
+                 stop_ids: Collection[int] = ()) -> list[list[int]]:
     """New token ids for each prompt (the same on every rank). Prompts may differ in length.
 
     A continuation ends before its first token in ``stop_ids`` (the stop token is not part of it), else after

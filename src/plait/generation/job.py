@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from plait.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def source_config(source: str):
+    from plait.checkpoint.store import CheckpointReader
+    from plait.distributed.context import ParallelContext
+    from plait.models.hf import HFWeights
+    from plait.models.llama import LlamaConfig
+    from plait.parallel_model import ParallelModel
+    from plait.tokenizers import ByteTokenizer, FileTokenizer
+
+
+def source_config(source: str) -> tuple[LlamaConfig, Callable[[], HFWeights | CheckpointReader],
+                                       ByteTokenizer | FileTokenizer]:
     """(model config of its family, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
     from plait.checkpoint import CheckpointReader, find_checkpoint, model_config
     from plait.models.hf import HFWeights
@@ -32,7 +44,7 @@ def source_config(source: str):
     return model_config(reader.meta), lambda: CheckpointReader(ckpt), tok
 
 
-def check_layout(source: str, config, tp: int, pp: int) -> None:
+def check_layout(source: str, config: LlamaConfig, tp: int, pp: int) -> None:
     """ConfigError naming --tp or --pp when the model of ``source`` cannot be split so (before any launch)."""
     from plait.models.registry import family_of_config
 
@@ -60,7 +72,8 @@ def tokenizer_folder(source: str) -> str:
     return str(folder) if folder is not None else source
 
 
-def load_model(source: str, tp: int = 1, pp: int = 1, ctx=None):
+def load_model(source: str, tp: int = 1, pp: int = 1, ctx: ParallelContext | None = None
+               ) -> tuple[nn.Module | ParallelModel, ByteTokenizer | FileTokenizer, LlamaConfig]:
     """A plain model (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
     import plait
     from plait.checkpoint.shards import load_local

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from torch import nn
 from plait.errors import ConfigError
 from plait.models.decoder import DecoderFamily
 from plait.models.registry import family_for_type
+
+if TYPE_CHECKING:
+    from plait.models.llama import LlamaConfig
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -41,7 +45,7 @@ def folder_family(hf: dict) -> DecoderFamily:
     return family_for_type(hf.get("model_type", "llama"))
 
 
-def config_from_hf(hf: dict, family: DecoderFamily | None = None):
+def config_from_hf(hf: dict, family: DecoderFamily | None = None) -> LlamaConfig:
     """The plait config of a Hugging Face ``config.json`` dict; unsupported features raise ConfigError."""
     family = family or folder_family(hf)
     if hf.get("model_type", family.model_type) != family.model_type:
@@ -175,7 +179,8 @@ def load_pretrained(path: str | Path, family: DecoderFamily | None = None, dtype
     return model.to(dtype) if dtype is not None else model
 
 
-def save_state_dict_pretrained(family: DecoderFamily, cfg, state: dict[str, torch.Tensor], path: str | Path) -> None:
+def save_state_dict_pretrained(family: DecoderFamily, cfg: LlamaConfig, state: dict[str, torch.Tensor],
+                               path: str | Path) -> None:
     """Write plain-key full tensors as a Hugging Face folder (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 

@@ -5,6 +5,7 @@ parameters sharded too, ZeRO-3)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ from plait.optim.masters import Masters, gather_bucket
 from plait.optim.schedule import decays, lr_at
 from plait.optim.shards import ShardLayout
 from plait.parallel_config import ZERO_LEVELS
+
+if TYPE_CHECKING:
+    from plait.parallel_model import ParallelModel
 
 STATE_FORMAT = "plait.optim/2"
 ZERO_MODES = {0: "all-reduce", 1: "reduce-scatter", 2: "reduce-scatter-free", 3: "reduce-scatter-free"}
@@ -298,9 +302,9 @@ def _plain(value):
     return value
 
 
-def build_optimizer(pm, lr: float, weight_decay: float = 0.0, zero: int = 0, precision: str | None = None,
-                    clip: float | None = None, warmup: int = 0, total_steps: int | None = None, *,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+def build_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, zero: int = 0,
+                    precision: str | None = None, clip: float | None = None, warmup: int = 0,
+                    total_steps: int | None = None, *, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                     min_lr_ratio: float = 0.1) -> ParallelOptimizer:
     """AdamW for the training loop: ``opt.step()`` after each ``pm.train_step`` clips (if ``clip``), sets the
     scheduled learning rate and updates; ``opt.last_norm`` is the gradient norm for logging.

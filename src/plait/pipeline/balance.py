@@ -35,8 +35,9 @@ def embedding_macs(dim: int) -> float:
     return float(dim)
 
 
-def partition_layers(n_layers: int, n_chunks: int, partition="balanced", costs: Sequence[float] | None = None,
-                     first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+def partition_layers(n_layers: int, n_chunks: int, partition: str | Sequence[int] = "balanced",
+                     costs: Sequence[float] | None = None, first_extra: float = 0.0,
+                     last_extra: float = 0.0) -> list[int]:
     """Layer counts per chunk for ``partition`` = "balanced", "uniform" or an explicit list of counts.
 
     ``costs`` are the layers' costs (default: equal), ``first_extra``/``last_extra`` what the first chunk

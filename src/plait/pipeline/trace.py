@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from plait.sim import Costs, SimResult, simulate
+
+if TYPE_CHECKING:
+    from plait.parallel_model import ParallelModel
 
 MS = 1000.0  # timelines are reported in milliseconds
 
@@ -71,7 +75,7 @@ class TraceReport:
         return path
 
 
-def gather_timeline(pm) -> tuple[list[tuple], list[float]]:
+def gather_timeline(pm: ParallelModel) -> tuple[list[tuple], list[float]]:
     """All pipeline ranks' last traced step as (pp_rank, action, start_ms, end_ms), and peaks per rank.
 
     Collective over the pipeline group; every rank gets the same result.
@@ -89,7 +93,7 @@ def gather_timeline(pm) -> tuple[list[tuple], list[float]]:
     return timeline, [peak for _, peak in parts]
 
 
-def trace_report(pm, p2p_ms: float = 0.0) -> TraceReport:
+def trace_report(pm: ParallelModel, p2p_ms: float = 0.0) -> TraceReport:
     """Measured vs simulated timeline of ``pm``'s last traced step (collective over the pipeline group)."""
     timeline, peaks = gather_timeline(pm)
     origin = min((s for _, _, s, _ in timeline), default=0.0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from plait.plan.catalogue import GPU, NVLINK4, PCIE5, Link, get_gpu
 from plait.plan.cluster import Cluster
-from plait.plan.inference import Workload
+from plait.plan.inference import InferenceResult, Workload
 from plait.plan.model import Model
 
 # How good each connection type of ``nvidia-smi topo -m`` is for TP's per-layer all-reduces.
@@ -131,10 +131,11 @@ def _link(topo: Topology, gpu: GPU, tp: int) -> Link:
     return gpu.intra if "NVLink" in gpu.intra.name else NVLINK4
 
 
-def serving_advice(topo: Topology, model: Model, gpu: str | GPU, workload: Workload, weights: str = "bf16"):
+def serving_advice(topo: Topology, model: Model, gpu: str | GPU, workload: Workload,
+                   weights: str = "bf16") -> InferenceResult:
     """``plan_inference`` on these GPUs, each TP size costed on the link its group would use: the same
     model and ranking as ``plait plan --inference``."""
-    from plait.plan.inference import InferenceResult, plan_inference, rank
+    from plait.plan.inference import plan_inference, rank
 
     base = get_gpu(gpu)
     n = len(topo.gpus)

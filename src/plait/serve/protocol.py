@@ -238,7 +238,7 @@ def _tools(body: dict) -> None:
                        "unsupported")
 
 
-def check_messages(messages) -> None:
+def check_messages(messages: object) -> None:
     """A chat's messages as OpenAI's API takes them (plait.chat_template.message_problem's rule); ApiError 400
     naming the field (``messages[i].content``) in OpenAI's words and codes."""
     problem = message_problem(messages)

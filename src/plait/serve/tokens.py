@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from plait.chat_kwargs import merge_template_kwargs
 from plait.chat_template import ChatError, ChatTemplate
-from plait.tokenizers import eos_ids
+from plait.tokenizers import Tokenizer, eos_ids
 
 
 class TokenizerInfo:
@@ -14,7 +14,7 @@ class TokenizerInfo:
     the variables every chat's template gets (--chat-template-kwargs), a request's chat_template_kwargs overriding
     them."""
 
-    def __init__(self, tok, folder: str, context: int, chat: ChatTemplate | None = None,
+    def __init__(self, tok: Tokenizer, folder: str, context: int, chat: ChatTemplate | None = None,
                  template_kwargs: dict | None = None, eos: tuple[int, ...] | None = None):
         self.eos: tuple[int, ...] = eos_ids(folder) if eos is None else eos
         self.tok, self.context = tok, context
@@ -69,8 +69,8 @@ class TokenizerInfo:
                 "chat_template": self.chat.default, "chat_template_source": self.chat.source}
 
 
-def model_tokens(model: str, tok, context: int, template: str | None = None, template_kwargs: str | None = None,
-                 trust_request_templates: bool = False) -> TokenizerInfo:
+def model_tokens(model: str, tok: Tokenizer, context: int, template: str | None = None,
+                 template_kwargs: str | None = None, trust_request_templates: bool = False) -> TokenizerInfo:
     """The TokenizerInfo of ``model`` (a plait checkpoint or a Hugging Face folder) whose tokenizer is ``tok``:
     its folder's chat template, or ``template`` (--chat-template), the variables of ``template_kwargs``
     (--chat-template-kwargs, JSON) and its end ids (plait.generation.job.end_ids). ``plait serve`` renders

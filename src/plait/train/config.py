@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, get_args, get_origin, get_type_hints
 
 from plait.errors import ConfigError, FieldError, check_output_path, divisors
 from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig
 from plait.parallel_config import field_names as parallel_field_names
 from plait.words import counted
+
+if TYPE_CHECKING:
+    from plait.models.llama import LlamaConfig
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -202,7 +205,7 @@ def toml_text(values: dict, header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def model_config(cfg: TrainConfig):
+def model_config(cfg: TrainConfig) -> LlamaConfig:
     """The plain-model config of ``cfg.model`` (a preset name: a LlamaConfig; a Hugging Face folder: its family's)."""
     from plait.models import LlamaConfig
 
