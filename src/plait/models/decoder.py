@@ -29,6 +29,7 @@ class DecoderFamily(Family):
     model_type = "llama"
     architecture = "LlamaForCausalLM"
     config_class: type = object
+    model_class: type[Llama]  # each family sets it: Llama or a subclass
     loss = "next_token"
     HF_RENAMES: tuple[tuple[str, str], ...] = ()
     #: optional LlamaConfig features this family's config.json can express

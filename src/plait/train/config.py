@@ -13,6 +13,7 @@ from plait.parallel_config import field_names as parallel_field_names
 from plait.words import counted
 
 if TYPE_CHECKING:
+    from plait.models.decoder import DecoderFamily
     from plait.models.llama import LlamaConfig
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -232,7 +233,7 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
                       "with a config.json")
 
 
-def model_family(cfg: TrainConfig):
+def model_family(cfg: TrainConfig) -> DecoderFamily:
     """The family adapter of ``cfg.model`` (llama for the presets)."""
     from plait.models.hf import folder_family, read_config
     from plait.models.registry import family_for_type
