@@ -4,9 +4,8 @@ The measuring runs on local Gloo processes (NCCL with GPUs) started by ``plait.d
 profile it writes (``plait.plan.host.profile``, TOML) is what ``plait plan --cluster FILE`` and ``plait train``
 read. Each section (a process count) is measured in a launch of that many processes, each taking the
 thread count ``plait train`` gives it: a run of ``P`` processes is a world of ``P``, and a section measured
-with more processes in its world, idle at a barrier, times its tensor-parallel collectives differently (on
-a 2-core VM, two processes' TP layer less its compute came out 13.5 ms in a world of four and 15.9 ms in a
-world of two, over four alternating pairs).
+with more processes in its world, idle at a barrier, times its tensor-parallel collectives differently
+(docs/planner-log.md, entry 13).
 """
 
 from __future__ import annotations

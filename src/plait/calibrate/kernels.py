@@ -335,9 +335,9 @@ def optimizer_times(device: torch.device) -> tuple[float, float]:
 
     Timed over two sets and solved for both figures (t = a·parameters + b·tensors): copies of the larger
     calibration block's parameters until their state outgrows ``OPTIMIZER_STATE_BYTES`` (a model's state
-    does not stay in the cache between steps; one copy's 25 MB did on a 32 MB L3, and ran 1.2-1.7 times as
-    fast per parameter), and ``OPTIMIZER_SMALL_TENSORS`` small tensors, where each tensor's kernels' fixed
-    costs dominate (about 30 µs a tensor on a 2-core CPU: a quarter of ``small``'s optimizer step)."""
+    does not stay in the cache between steps, and a state that fits the cache runs faster per parameter),
+    and ``OPTIMIZER_SMALL_TENSORS`` small tensors, where each tensor's kernels' fixed costs dominate
+    (docs/planner-log.md, entry 12)."""
     block = shapes.CALIBRATION_BLOCKS[-1]
     big: list[torch.Tensor] = []
     while 16 * sum(p.numel() for p in big) < OPTIMIZER_STATE_BYTES:

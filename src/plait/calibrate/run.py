@@ -149,12 +149,12 @@ def _together(kernel: k.Kernel, device: torch.device, group, rounds: int) -> dic
 
 def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
     """Each kind's Rate; its forward share the mean of the sizes' (alone), the decoder layers' that of the
-    largest block (the smaller one's rest is mostly kernels' fixed costs, which the forward dominates: its
-    share came out 0.8 on a 2-core host, the larger's and real layers' 0.36-0.5). The decoder layers' whole
-    seconds, alone and shared as measured, are the ``layer`` kind; what recomputing their attention cores
-    added, alone, the ``recomputed_core`` kind, shared as the whole layer shared the cores (its shared figure
-    the alone one times the layer's shared over alone: taken as a difference of two spans of a few rounds
-    each, one calibration of two processes on a 2-core host read 0.24 ms shared where alone it read 2.9)."""
+    largest block (the smaller one's rest is mostly kernels' fixed costs, which the forward dominates, so its
+    share stands for no real layer's). The decoder layers' whole seconds, alone and shared as measured, are
+    the ``layer`` kind; what recomputing their attention cores added, alone, the ``recomputed_core`` kind,
+    shared as the whole layer shared the cores (its shared figure the alone one times the layer's shared over
+    alone: a difference of two spans of a few rounds each is too noisy to be read shared; docs/planner-log.md,
+    entry 22)."""
     rates = {}
     for key in ("matmul", "attention", "elementwise", BLOCK):
         pts = sorted(zip(alone[key], shared[key], strict=True), key=lambda ab: ab[0][0])

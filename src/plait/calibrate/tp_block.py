@@ -126,8 +126,7 @@ def measure_all(processes: int, groups: dict, world_group, device: torch.device,
     """(shape, group size, sequence parallel) -> (layer seconds, twin seconds) for every calibration shape,
     TP group size of the section and form (with and without sequence parallelism; collective); ``quick``:
     each for a quarter of the time (noisier). Both forms are timed even then: one form's wait per collective
-    does not stand for the other's (standing in for SP, the form without it read SP's wait up to twice over
-    on a 2-core host, and the quick check's ``tp4 sp`` came out at half its prediction)."""
+    does not stand for the other's."""
     out: dict[tuple[tuple[int, ...], int, bool], tuple[float, float]] = {}
     for shape in shapes.TP_CALIBRATION_BLOCKS:
         tokens = f"{shape[0]}x{shape[1]}"

@@ -2,7 +2,7 @@
 
 Chunked prefill (as in Sarathi, Agrawal et al. 2023, and vLLM): a step processes at most ``step_tokens``
 tokens; every running sequence that decodes gets its one token first, then prompts are prefilled in chunks
-with what is left, so a long prompt no longer stalls the decodes of everyone else, and a burst of arrivals
+with what is left, so a long prompt does not stall the decodes of everyone else, and a burst of arrivals
 is spread over several steps. KV blocks are taken as the tokens arrive; a sequence is admitted only when
 the blocks its whole prompt will need are free (beside a 1% watermark kept for decodes), so admitted
 prompts do not push each other out. (A prompt cut by the budget takes the whole budget, so no admission
