@@ -241,3 +241,31 @@ def test_plan_tables_fit_80_columns_with_every_figure_whole(args):
     else:
         for e in wide["best"]:
             assert f"{e['mfu']:.1%}" in r.output and f"{e['bubble_fraction']:.1%}" in r.output, e
+
+
+def test_plan_inference_says_its_kv_column_is_the_cache_s_room_not_the_model_s_context():
+    """The memory table's 'max ctx' (150,991,349 for tiny, whose context is 512) read as the model's context: the
+    column is the KV cache's room per sequence, says so under the table beside the model's own context, and a
+    workload longer than that context gets a note."""
+    r = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--inference"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "max ctx" not in text and "KV tok/seq" in text, r.output
+    assert ("KV tok/seq: tokens of KV cache there for each sequence of a batch of 1: the cache's room, not the "
+            "model's context; tiny's own context is 512 tokens.") in text, r.output
+    assert ("note: a sequence here is 1,280 tokens (--prompt-len 1024 + --gen-len 256), longer than tiny's context "
+            "of 512 tokens") in text, r.output
+    r = runner.invoke(app, ["plan", "--model", "tiny", "--gpus", "2", "--inference", "--prompt-len", "256"])
+    assert r.exit_code == 0 and "longer than tiny's context" not in r.output, r.output
+    r = runner.invoke(app, ["plan", "--model", "llama3-70b", "--gpus", "4", "--gpu", "a100-80gb", "--inference"])
+    assert "the cache's room, not the model's context." in " ".join(r.output.split()), r.output  # context not known
+
+
+def test_a_hf_config_s_context_is_its_max_position_embeddings_uncapped(tmp_path):
+    from plait.plan import Model
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 131072}))
+    model = Model.from_hf_config(tmp_path)
+    assert model.context == 131072 and model.seq_len == 8192  # the planned training length stays capped

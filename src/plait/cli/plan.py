@@ -139,8 +139,9 @@ def inference_tables(res, title: str):
     80-column terminal (one table of every column did not: rich cut its figures to "…")."""
     from rich.table import Table
 
-    memory = Table(title=f"{title}: memory", header_style="bold")
-    for col in ("layout", "fits", "weights GB", "KV GB", "total GB", "max batch", "max ctx"):
+    memory = Table(title=f"{title}: memory", header_style="bold", caption=kv_room_caption(res),
+                   caption_justify="left")
+    for col in ("layout", "fits", "weights GB", "KV GB", "total GB", "max batch", "KV tok/seq"):
         memory.add_column(col, justify="left" if col == "layout" else "right", no_wrap=True)
     time = Table(title=f"{title}: time", header_style="bold")
     for col in ("layout", "ms/token", "TTFT ms", "request s", "tok/s", "TP all-reduce"):
@@ -156,11 +157,22 @@ def inference_tables(res, title: str):
     return memory, time
 
 
+def kv_room_caption(res) -> str:
+    """What the memory table's last two columns count: the KV cache's room in the memory left over, in sequences of
+    the workload's length and in tokens per sequence of its batch (not the model's context, said beside it)."""
+    w, model = res.workload, res.model
+    context = (f"; {model.name}'s own context is {model.context:,} tokens" if model.context is not None
+               else "")
+    return (f"max batch: sequences of {w.context:,} tokens (prompt + new) whose KV cache fits the memory left, per "
+            f"replica. KV tok/seq: tokens of KV cache there for each sequence of a batch of {w.batch}: the "
+            f"cache's room, not the model's context{context}.")
+
+
 def inference_verdict(res) -> list[str]:
     """The best serving layout and why, in the words ``plait plan`` and ``plait topo`` share."""
     b = res.best
     if b is None:
-        return ["nothing fits"]
+        return ["nothing fits", *_past_context(res)]
     lines = [f"best: {b.label} — {b.request_ms / 1e3:.2f} s per request (TTFT {b.ttft_ms:.0f} ms + "
              f"{res.workload.gen_len - 1} × {b.token_latency_ms:.1f} ms/token, of which memory reads "
              f"{b.breakdown_ms['memory']:.1f} ms and p2p {b.breakdown_ms['p2p']:.1f} ms), {b.throughput_tok_s:,.0f} "
@@ -170,7 +182,16 @@ def inference_verdict(res) -> list[str]:
                      f"{b.tp_allreduce_ms:.1f} ms per token, of which {b.tp_latency_ms:.1f} ms is the latency term "
                      f"(2(t-1) hops × {res.cluster.link(b.tp).latency * 1e6:.0f} µs on {res.cluster.link(b.tp).name})")
     lines += [f"  note: {w}" for w in b.warnings]
-    return lines
+    return lines + _past_context(res)
+
+
+def _past_context(res) -> list[str]:
+    """A note where the workload's sequences are longer than the model takes (known from its config)."""
+    w, model = res.workload, res.model
+    if model.context is None or w.context <= model.context:
+        return []
+    return [f"  note: a sequence here is {w.context:,} tokens (--prompt-len {w.prompt_len} + --gen-len {w.gen_len}), "
+            f"longer than {model.name}'s context of {model.context:,} tokens: the model itself takes no more"]
 
 
 def _write_config(path: Path, best, model_arg: str) -> None:

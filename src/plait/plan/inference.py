@@ -59,7 +59,7 @@ class InferenceEstimate:
     total_gb: float
     fits: bool
     max_batch: int  # per replica, at the workload's context length
-    max_context: int  # tokens per sequence at the workload's batch
+    max_context: int  # KV-cache room in tokens per sequence at the workload's batch (not the model's context)
     groups: int  # decode groups in flight through the stages
     token_latency_ms: float  # one decode step for the replica's batch
     ttft_ms: float  # mean time to first token of the replica's batch (prefill)

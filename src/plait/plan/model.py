@@ -31,6 +31,8 @@ class Model:
     ``head_norms``: the projections of ``HEAD_NORMS`` ("q", "k") whose every head an RMSNorm with a weight of
     ``head_dim`` normalises before RoPE (Qwen3's q/k norms). The model's family says so
     (``plait.models.family.Family.plan_fields``); the planner counts their weights and what they save.
+    ``context``: the longest sequence the model itself takes (its ``max_seq_len`` or ``max_position_embeddings``)
+    where its config says it; None where not known (the published presets: ``seq_len`` is what they trained at).
     """
 
     n_layers: int
@@ -52,6 +54,7 @@ class Model:
     balance_seq_len: int | None = None  # the length the runtime's balanced partition assumes (default seq_len)
     expert_capacity: float = 1.0
     head_norms: tuple[str, ...] = ()
+    context: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k", "ffn_hidden",
@@ -160,7 +163,7 @@ class Model:
                    seq_len=int(seq_len or max_len), ffn_hidden=int(ffn), n_kv_heads=get("n_kv_heads") or heads,
                    glu=True, tied_embeddings=bool(get("tie_embeddings", False)),
                    n_experts=int(get("n_experts", 1)), top_k=int(get("top_k", 1)), name=name,
-                   balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0))
+                   balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0), context=max_len)
 
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:
@@ -225,6 +228,7 @@ def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: s
     hidden = c.number("hidden", "hidden_size", "n_embd", "d_model")
     n_heads = c.number("n_heads", "num_attention_heads", "n_head")
     n_layers, vocab = c.number("n_layers", "num_hidden_layers", "n_layer"), c.number("vocab", "vocab_size")
+    context = c.optional("context", "max_position_embeddings", "n_positions", "n_ctx")
     if not seq_len:  # the model's own length (capped), where no --seq-len was given
         seq_len = min(c.number("seq_len", "max_position_embeddings", "n_positions", "n_ctx", default=4096), 8192)
     try:
@@ -238,7 +242,7 @@ def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: s
             n_experts=c.number("n_experts", "num_local_experts", "num_experts", "n_routed_experts", default=1),
             top_k=c.number("top_k", "num_experts_per_tok", "moe_top_k", default=1),
             bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
-            dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name,
+            dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name, context=context,
         )
     except FieldError as exc:
         if exc.name not in c.keys:  # a flag typed (--seq-len) keeps its own name
