@@ -148,8 +148,7 @@ def test_the_private_name_scans_see_offenders():  # not vacuous
 
 
 # called across packages, not annotated yet (the launcher's and the collectives' seams)
-UNTYPED_SEAMS = ("plait.distributed.launch.run_or_launch", "plait.distributed.collectives.collective",
-                 "plait.tensor_parallel.comms.all_gather",
+UNTYPED_SEAMS = ("plait.distributed.launch.run_or_launch", "plait.tensor_parallel.comms.all_gather",
                  "plait.context_parallel.routing.split_sequence_aux_loss",
                  "plait.context_parallel.layout.gather_sequence")
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from plait.errors import CommError, collective_error
 
@@ -19,7 +20,7 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def collective(what: str | Callable[[], str], group, op: Callable[[], T]) -> T:
+def collective(what: str | Callable[[], str], group: ProcessGroup | None, op: Callable[[], T]) -> T:
     """Run ``op``: a blocking collective over ``group`` (None: the world), or the wait for one launched with
     ``async_op=True``. ``what`` names it ("dp all-reduce of gradients"; a function giving the words is called only
     on an error). A backend error becomes plait.errors.collective_error's CommError naming it, the group's

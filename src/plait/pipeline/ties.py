@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
@@ -20,7 +21,7 @@ class TiedWeights:
 
     def __init__(self, chunks: Sequence[PipelineChunk], schedule: Schedule, ctx: ParallelContext):
         self.ctx = ctx
-        self.pairs: list[tuple[nn.Parameter, object]] = []  # (this rank's copy, its tie group)
+        self.pairs: list[tuple[nn.Parameter, ProcessGroup]] = []  # (this rank's copy, its tie group)
         holders: dict[int, set[int]] = {}
         objects: dict[int, nn.Parameter] = {}
         for chunk in chunks:
