@@ -150,7 +150,9 @@ def test_shared_cores_slow_ranks_by_the_handoff_only_while_they_outnumber_the_co
     cpu = {"F": [1.0, 1.0], "B": [2.0, 2.0], "I": [0.0, 0.0], "W": [0.0, 0.0]}
     comm = {k: [0.0, 0.0] for k in "FBIW"}
     free = simulate_shared(sched, cpu, comm, 0.0, 2.0).makespan
-    assert free == simulate(sched, Costs(forward=1.0, backward=2.0, weight=None, p2p=0.0)).makespan
+    alone = simulate(sched, Costs(forward=1.0, backward=2.0, weight=None, p2p=0.0))
+    assert free == alone.makespan
+    assert simulate_shared(sched, cpu, comm, 0.0, 2.0).bubble_fraction == alone.bubble_fraction == 1 / 5
     assert simulate_shared(sched, cpu, comm, 0.0, 2.0, handoff=1.5).makespan == free  # a core each
     one = simulate_shared(sched, cpu, comm, 0.0, 1.0).makespan
     slow = simulate_shared(sched, cpu, comm, 0.0, 1.0, handoff=1.5).makespan

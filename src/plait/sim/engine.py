@@ -12,6 +12,14 @@ from plait.schedules.validate import check_structure, deadlock_error
 from plait.sim.costs import Costs
 
 
+def bubble_fraction(makespan: float, busy: list[float]) -> float:
+    """Idle share of device time averaged over ranks, ``mean_r (makespan - busy_r) / makespan`` (0 for an empty
+    schedule)."""
+    if makespan <= 0:
+        return 0.0
+    return sum(makespan - b for b in busy) / (makespan * len(busy))
+
+
 @dataclass
 class SimResult:
     """What ``simulate`` measured. Times are in the units of the ``Costs``.
@@ -38,9 +46,7 @@ class SimResult:
 
     @property
     def bubble_fraction(self) -> float:
-        if self.makespan <= 0:
-            return 0.0
-        return sum(self.idle) / (self.makespan * len(self.busy))
+        return bubble_fraction(self.makespan, self.busy)
 
     def to_ascii(self, width: int = 100) -> str:
         """Gantt chart true to time, at most ``width`` columns of time axis (see ``plait.sim.gantt``)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 from plait.schedules import Schedule
 from plait.schedules.execute import dependencies
+from plait.sim.engine import bubble_fraction
 
 _IDLE, _WAIT, _CPU, _COMM, _DONE = range(5)
 
@@ -31,10 +32,8 @@ class SharedResult:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the makespan, averaged over ranks (as ``SimResult.bubble_fraction``)."""
-        if self.makespan <= 0:
-            return 0.0
-        return sum(self.makespan - b for b in self.busy) / (self.makespan * len(self.busy))
+        """Idle share of the makespan, averaged over ranks (``plait.sim.engine.bubble_fraction``)."""
+        return bubble_fraction(self.makespan, self.busy)
 
 
 class _Rank:
