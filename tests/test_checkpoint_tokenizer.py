@@ -59,8 +59,15 @@ def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(train
     again = CliRunner().invoke(app, [*GENERATE, "--model", "../hf"])
     assert again.exit_code == 0 and again.stdout == here.stdout, again.output
 
-    shutil.move(trained / "bpe-model", trained / "moved")
-    try:
+    shutil.move(trained / "bpe-model", trained / "moved")  # or the checkpoint copied to another machine
+    kept = trained / "ckpt" / "step_00000001" / "tokenizer"
+    try:  # the checkpoint's own copy of the folder's tokenizer files: as before the move
+        moved = CliRunner().invoke(app, [*GENERATE, "--model", "../ckpt"])
+        assert moved.exit_code == 0 and moved.stdout == here.stdout, moved.output  # was 'put the folder back'
+        exported = CliRunner().invoke(app, ["export", "../ckpt", "../hf-moved"])
+        assert exported.exit_code == 0 and "tokenizer.json, tokenizer_config.json" in exported.stdout, exported.output
+        assert fingerprint_file(trained / "hf-moved" / "tokenizer.json") == meta["tokenizer"]["fingerprint"]
+        shutil.move(kept, trained / "kept")  # a checkpoint saved without the copy: the folder or a refusal
         for args in ([*GENERATE, "--model", "../ckpt"], ["export", "../ckpt", "../hf2"]):
             gone = CliRunner().invoke(app, args)
             assert gone.exit_code == 2, gone.output
@@ -68,6 +75,8 @@ def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(train
         assert not (trained / "hf2").exists(), "nothing is written before the refusal"
     finally:
         shutil.move(trained / "moved", trained / "bpe-model")
+        if (trained / "kept").exists():
+            shutil.move(trained / "kept", kept)
 
 
 def test_a_byte_level_export_refuses_a_folder_holding_another_tokenizer(trained, tmp_path, monkeypatch):

@@ -66,6 +66,7 @@ def tokenizer_for(model: str) -> ByteTokenizer | FileTokenizer:
 
 BYTES = "bytes"  # the fingerprint of UTF-8 bytes (no tokenizer.json)
 #: the files of a model folder that go with its tokenizer: ids, special tokens, chat template, end-of-sequence ids
+TOKENIZER_DIR = "tokenizer"  # a checkpoint's copy of the TOKENIZER_FILES of the folder its model was trained from
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
@@ -106,8 +107,9 @@ def tokenizer_record(model: str) -> dict:
 
 def trained_tokenizer(meta: dict, checkpoint: str | Path) -> tuple[Path | None, ByteTokenizer | FileTokenizer]:
     """(the folder of the tokenizer files a checkpoint's model was trained with, or None; its tokenizer), from the
-    checkpoint's ``meta.json``. ConfigError when that folder's tokenizer.json is gone or is another one: decoding
-    with UTF-8 bytes instead would turn every id into the wrong text."""
+    checkpoint's ``meta.json``: the checkpoint's own copy of them (TOKENIZER_DIR, which a save writes), else the
+    folder it was trained from. ConfigError when, without the copy, that folder's tokenizer.json is gone or is
+    another one: decoding with UTF-8 bytes instead would turn every id into the wrong text."""
     from plait.model_presets import PRESETS
 
     record = meta.get("tokenizer")
@@ -117,6 +119,12 @@ def trained_tokenizer(meta: dict, checkpoint: str | Path) -> tuple[Path | None, 
             return None, ByteTokenizer()
         record = {"folder": model, "fingerprint": None}
     folder = Path(record["folder"]) if record.get("folder") else None
+    kept = Path(checkpoint) / TOKENIZER_DIR  # the copy a checkpoint keeps (none in one saved before it did)
+    if folder is not None and kept.is_dir():
+        if record["fingerprint"] == BYTES:
+            return kept, ByteTokenizer()
+        if (kept / "tokenizer.json").is_file() and fingerprint_file(kept / "tokenizer.json") == record["fingerprint"]:
+            return kept, FileTokenizer(kept / "tokenizer.json")
     if record["fingerprint"] == BYTES:
         return (folder if folder is not None and folder.is_dir() else None), ByteTokenizer()
     assert folder is not None

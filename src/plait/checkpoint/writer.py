@@ -160,11 +160,26 @@ def write_snapshot(snap: Snapshot) -> None:
     if snap.meta is None:
         return
     _await_files(snap)
+    _keep_tokenizer(snap.meta, snap.tmp)
     meta = snap.tmp / META
     meta.write_text(json.dumps(snap.meta, indent=1))
     _fsync_path(meta)
     _fsync_path(snap.tmp)
     _commit(snap.root, snap.tmp, snap.final, snap.keep)
+
+
+def _keep_tokenizer(meta: dict, folder: Path) -> None:
+    """Rank 0: copy the tokenizer files of the folder the model was trained from (``--model DIR``) into the
+    checkpoint's ``TOKENIZER_DIR``, so that generate, serve and export read them wherever the checkpoint is copied
+    or that folder moved (plait.tokenizers.trained_tokenizer)."""
+    from plait.tokenizers import TOKENIZER_DIR, TOKENIZER_FILES, copy_tokenizer_files
+
+    source = (meta.get("tokenizer") or {}).get("folder")
+    if not source or not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        return
+    (folder / TOKENIZER_DIR).mkdir()
+    for name in copy_tokenizer_files(Path(source), folder / TOKENIZER_DIR):
+        _fsync_path(folder / TOKENIZER_DIR / name)
 
 
 def _await_files(snap: Snapshot) -> None:
