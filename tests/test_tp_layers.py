@@ -1,8 +1,12 @@
 """Tensor/sequence-parallel collectives and layers equal their single-device definitions (tp 1, 2, 4)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from harness import result
+from plait.errors import ConfigError
+from plait.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 TOL = 1e-10  # float64 inside these checks: parallel and dense differ only by summation order
 
@@ -28,3 +32,12 @@ def test_vocab_padding_used_when_not_divisible(world4):
     assert [r["pad_rows"] for r in result(world4, "tp4/embedding")] == [3] * 4
     assert [r["pad_rows"] for r in result(world4, "tp2/embedding")] == [1] * 4
     assert [r["pad_rows"] for r in result(world4, "tp1/embedding")] == [0] * 4
+
+
+def test_a_size_tp_does_not_divide_is_refused_with_the_tp_sizes_that_do():  # before any collective or shard
+    ctx = SimpleNamespace(tp_size=3)
+    with pytest.raises(ConfigError, match=r"tp=3 does not divide the output size out_features=100; "
+                                          r"valid tp: \[1, 2, 4, 5, 10, 20, 25, 50\]$"):
+        ColumnParallelLinear(8, 100, ctx=ctx)
+    with pytest.raises(ConfigError, match=r"the input size in_features=8; valid tp: \[1, 2, 4, 8\]$"):
+        RowParallelLinear(8, 6, ctx=ctx)

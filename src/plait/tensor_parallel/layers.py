@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.distributed.context import ParallelContext
-from plait.errors import ConfigError
+from plait.errors import ConfigError, divisors
 from plait.tensor_parallel import comms
 from plait.tensor_parallel.regather import kept_input
 from plait.weight_grad import linear
@@ -105,7 +105,7 @@ class TPShardedModule(nn.Module):
 
 def _check_divisible(value: int, name: str, ctx: ParallelContext, what: str) -> None:
     if value % ctx.tp_size:
-        valid = [t for t in range(1, value + 1) if value % t == 0 and t <= 64]
+        valid = [t for t in divisors(value) if t <= 64]
         raise ConfigError(f"tp={ctx.tp_size} does not divide {what} {name}={value}; valid tp: {valid}")
 
 
