@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from checks_generate import CASES, LAYOUTS, NEW, PROMPTS, stops_of
+from data_util import EOS, bpe_folder
 from harness import result
 from plait.generation import generate
 from plait.generation.job import generate_job
@@ -105,3 +106,19 @@ def test_every_rank_stops_together_under_each_layout(world4, layout):
             items = [(c, g, p) for c in got["chunks"] for g in range(len(groups)) for p in range(last[g] + 1)]
             assert sorted(map(tuple, got["items"])) == sorted(items), (rank, case, last)
             assert max(last) + 1 < NEW
+
+
+@pytest.mark.parametrize("text", [b"{", b'{"eos_token_id": "\xff"}', b"[0]"], ids=["not-json", "not-utf8", "a-list"])
+def test_a_folders_json_files_that_say_nothing_readable_name_nothing_in_every_reader(tmp_path, text):
+    """config.json, generation_config.json, tokenizer_config.json and special_tokens_map.json that are not JSON,
+    not UTF-8 or not an object: the folder names no end ids, no special tokens and no chat template, and a data
+    prepare falls back to the tokenizer's own end-of-text token, as for a folder without those files."""
+    from plait.chat_template import folder_templates, special_tokens
+    from plait.data.tokens import TokenizerSpec
+
+    folder = bpe_folder(tmp_path / "tok")
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).write_bytes(text)
+    assert eos_ids(folder) == () and special_tokens(folder) == {} and folder_templates(folder) == ({}, "")
+    tok = TokenizerSpec(str(folder)).load()
+    assert tok.eos(None) == tok.tok.token_to_id(EOS)

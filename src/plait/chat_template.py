@@ -12,6 +12,8 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from plait.tokenizers import read_json_object
+
 # plait's own format, for folders without a template: "<|role|>\ncontent\n" per message, then "<|assistant|>\n"
 PLAIT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -77,14 +79,6 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _token_text(value) -> str | None:
     """A special token of tokenizer_config.json: a string or {"content": string}."""
     if isinstance(value, dict):
@@ -96,7 +90,7 @@ def special_tokens(folder: Path) -> dict[str, str]:
     """The named special tokens of a folder (tokenizer_config.json, else special_tokens_map.json)."""
     out: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins where both name one
-        data = _read_json(folder / name)
+        data = read_json_object(folder / name)
         out.update({k: t for k in SPECIAL if (t := _token_text(data.get(k))) is not None})
     return out
 
@@ -116,7 +110,7 @@ def folder_templates(folder: Path) -> tuple[dict[str, str], str]:
                       for f in sorted(extra.glob("*.jinja"))})
     if files:
         return files, "chat_template.jinja" if "default" in files else "additional_chat_templates/"
-    value = _read_json(folder / "tokenizer_config.json").get("chat_template")
+    value = read_json_object(folder / "tokenizer_config.json").get("chat_template")
     if isinstance(value, str):
         return {"default": value}, "tokenizer_config.json"
     if isinstance(value, list):

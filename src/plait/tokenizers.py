@@ -79,17 +79,21 @@ def fingerprint_file(path: Path) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def read_json_object(path: Path) -> dict:
+    """A model folder's JSON file (its config, tokenizer config, generation config) as a dict: {} when it is
+    missing, unreadable, not UTF-8 JSON or not an object, as for a folder that does not say."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def eos_ids(folder: str | Path) -> tuple[int, ...]:
     """The end-of-sequence ids a model folder names (``generation_config.json``, else ``config.json``: its
     ``eos_token_id``, one id or a list), where generation stops; () when it names none."""
-    def read(name: str) -> dict:
-        try:
-            value = json.loads((Path(folder) / name).read_text())
-        except (OSError, ValueError):
-            return {}
-        return value if isinstance(value, dict) else {}
-
-    gen, cfg = read("generation_config.json"), read("config.json")
+    root = Path(folder)
+    gen, cfg = read_json_object(root / "generation_config.json"), read_json_object(root / "config.json")
     eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
     return tuple(int(i) for i in eos) if isinstance(eos, list) else () if eos is None else (int(eos),)
 

@@ -3,14 +3,13 @@ with a fingerprint that ties a prepared dataset to the tokenizer that made it.""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from plait.errors import ConfigError
-from plait.tokenizers import BYTES, fingerprint_file
+from plait.tokenizers import BYTES, fingerprint_file, read_json_object
 
 BYTES_EOS = 0  # byte-level models have no spare id: NUL, which text does not contain, ends a document
 # end-of-text tokens of common tokenizers, tried in order when no config file names the EOS
@@ -114,14 +113,14 @@ class Tokens:
     def _named_eos(self) -> list[str]:
         folder = self.spec.file.parent if self.spec.file is not None else Path(".")
         names: list[str] = []
-        cfg = _read_json(folder / "tokenizer_config.json")
+        cfg = read_json_object(folder / "tokenizer_config.json")
         eos = cfg.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str):
             names.append(eos)
         for file in ("generation_config.json", "config.json"):
-            tid = _read_json(folder / file).get("eos_token_id")
+            tid = read_json_object(folder / file).get("eos_token_id")
             tid = tid[0] if isinstance(tid, list) and tid else tid
             if isinstance(tid, int) and self.tok is not None:
                 token = self.tok.id_to_token(tid)
@@ -140,14 +139,6 @@ def _overlapping(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, in
     hi = np.asarray([b for _, b in spans], dtype=np.int64)
     k = np.searchsorted(hi, starts, side="right")  # the first range with b > the token's start
     return ((k < len(spans)) & (ends > lo[np.minimum(k, len(spans) - 1)])).astype(np.uint8)
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def model_fingerprint(model: str) -> tuple[str, str]:
