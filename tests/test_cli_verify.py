@@ -47,9 +47,16 @@ def test_verify_bad_layout_is_one_line():
 def test_verify_settings_are_named_as_flags():
     """Every refusal names the flags typed (--layers, not n_layers; --seq-len, not LlamaConfig.max_seq_len), before
     anything launches."""
-    for args, needle in ((["--batch-size", "7"], "--batch-size 7: must split into --dp 1 replicas of --microbatches 8"),
+    for args, needle in ((["--batch-size", "7"], "--batch-size 7: must split into --dp 1 replicas of --microbatches 8 "
+                                                 "micro-batches each: valid 8, 16, 24, ...; or, instead of "
+                                                 "--microbatches 8, one that divides a replica's 7 sequences: 1 or 7"),
+                         (["--dp", "3", "--tp", "1", "--pp", "1"], "--batch-size 16: must split into --dp 3 replicas "
+                                                                   "of --microbatches 8 micro-batches each: valid 24, "
+                                                                   "48, 72, ...\n"),
                          (["--seq-len", "0"], "--seq-len 0: must be >= 1"),
-                         (["--layers", "1", "--pp", "2"], "--layers 1: fewer than the 2 pipeline chunks"),
+                         (["--layers", "3", "--pp", "2", "--schedule", "zbv"], "--layers 3: fewer than the 4 pipeline "
+                                                                               "chunks (pp x virtual stages), each of "
+                                                                               "which needs a layer: valid 4 or more"),
                          (["--top-k", "3"], "--top-k 3: must be between 1 and the experts (--experts 1)"),
                          (["--experts", "0"], "--experts 0: must be >= 1"),
                          (["--zero", "1"], "--zero 1: shards only the optimizer's state"),

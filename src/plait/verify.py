@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError, FieldError
+from plait.errors import ConfigError, FieldError, divisors
 from plait.parallel_config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -170,11 +170,18 @@ def check(cfg: VerifyConfig) -> None:
         raise FieldError("top_k", cfg.top_k, "must be between 1 and the experts ({n_experts})",
                          {"n_experts": cfg.n_experts})
     if cfg.batch_size % par.dp or (cfg.batch_size // par.dp) % par.num_microbatches:
+        unit = par.dp * par.num_microbatches
+        per_replica = cfg.batch_size // par.dp if cfg.batch_size % par.dp == 0 else 0
+        fits = [str(m) for m in divisors(per_replica)]
+        other = (f"; or, instead of {{microbatches}}, one that divides a replica's {per_replica} sequences: "
+                 f"{' or '.join(filter(None, (', '.join(fits[:-1]), fits[-1])))}") if per_replica else ""
         raise FieldError("batch_size", cfg.batch_size, "must split into {dp} replicas of {microbatches} "
-                         "micro-batches each", {"dp": par.dp, "microbatches": par.num_microbatches})
+                         f"micro-batches each: valid {unit}, {2 * unit}, {3 * unit}, ...{other}",
+                         {"dp": par.dp, "microbatches": par.num_microbatches})
     chunks = par.pipeline_schedule().num_stages
     if cfg.n_layers < chunks:
-        raise FieldError("n_layers", cfg.n_layers, f"fewer than the {chunks} pipeline chunks")
+        raise FieldError("n_layers", cfg.n_layers, f"fewer than the {chunks} pipeline chunks (pp x virtual stages), "
+                         f"each of which needs a layer: valid {chunks} or more")
     if (par.expert_tp or par.ep > 1) and cfg.n_experts < 2:
         name, value = ("ep", par.ep) if par.ep > 1 else ("expert_tp", True)
         raise FieldError(name, value, "needs a mixture-of-experts model, at least 2 experts (not {n_experts})",
