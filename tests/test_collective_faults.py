@@ -15,12 +15,15 @@ from plait.errors import CommError, CommTimeoutError, collective_error, rank_lis
 
 @pytest.mark.parametrize("where,names", [
     ("tp", "tp all-reduce of partial outputs (forward of g) over global ranks 0,1"),
+    ("tp-pp", "pipeline rank 0, action 0F0 (#0): tp all-reduce of partial outputs (forward of g) over global "
+              "ranks 0,1 failed"),  # one line: not the pipeline's explanation of a transfer and its schedule grid
     ("dp", "dp all-reduce of gradients (bucket of "),
     ("norm", "all-reduce of the gradient norm over global ranks 0,1"),
+    ("save", "barrier before checkpoint 1's snapshot over global ranks 0,1"),
 ])
 def test_a_peer_dead_at_a_collective_is_named_with_the_collective(where, names):
-    values = run_world(checks_faults.dead_at_collective, 2, where, timeout_s=120, return_failures=True,
-                       allow_dead=True, preload=PRELOAD)
+    values = run_world(checks_faults.dead_at_collective, 4 if where == "tp-pp" else 2, where, timeout_s=120,
+                       return_failures=True, allow_dead=True, preload=PRELOAD)
     waiter = values[0]
     assert waiter["raised"] in ("CommError", "CommTimeoutError"), waiter
     message = waiter["message"]

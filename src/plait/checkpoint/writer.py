@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from plait.checkpoint.shards import local_tensors, param_keys
 from plait.data_parallel.reducer import grad_group
+from plait.distributed.collectives import collective
 from plait.errors import CommTimeoutError
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ def take_snapshot(pm, optimizer, directory: str | Path, step: int, extra: dict |
         for stale in root.glob(".step_*.tmp"):  # a save that never completed (killed, or its job died)
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
+    collective(f"barrier before checkpoint {step}'s snapshot", None, dist.barrier)
     cp = f"-cp{ctx.cp_rank}" if ctx.cp_size > 1 else ""  # experts may be written by any CP rank
     fname = f"pp{ctx.pp_rank}-tp{ctx.tp_rank}{cp}-dp{ctx.dp_rank}.safetensors"
     states = _optimizer_states(optimizer)  # collective under ZeRO: every rank takes part
@@ -142,7 +143,8 @@ def take_snapshot(pm, optimizer, directory: str | Path, step: int, extra: dict |
         tensors, records, scalars = _local_tensors(pm, states, masters)  # host copies
     parts: list = [None] * ctx.world_size
     rng = torch.get_rng_state().tolist() if ctx.rank == 0 else None
-    dist.all_gather_object(parts, (fname, records, scalars))
+    collective(f"all-gather of checkpoint {step}'s file records", None,
+               lambda: dist.all_gather_object(parts, (fname, records, scalars)))
     meta = _meta(pm, optimizer, step, parts, extra or {}, rng) if ctx.rank == 0 else None
     files = sorted({name for name, recs, _ in parts if recs})  # data-parallel replicas write nothing
     return Snapshot(root, tmp, final, step, keep, fname, tensors, files, meta, ctx.timeout_s)
@@ -200,7 +202,7 @@ def save_checkpoint(pm: ParallelModel, optimizer: ParallelOptimizer | torch.opti
     """Collective: every rank writes its shards; on return the checkpoint is in place. Returns its folder."""
     snap = take_snapshot(pm, optimizer, directory, step, extra, keep)
     write_snapshot(snap)
-    dist.barrier()
+    collective(f"barrier after checkpoint {step}'s write", None, dist.barrier)
     return snap.final
 
 
@@ -227,7 +229,7 @@ class AsyncCheckpointer:
         """Collective: ``wait`` on every rank, then a barrier; on return rank 0 has committed the last save (the
         other ranks' own writes end before rank 0's commit does)."""
         self.wait()
-        dist.barrier()
+        collective("barrier after the last checkpoint's write", None, dist.barrier)
 
     def _write(self, snap: Snapshot) -> None:
         try:

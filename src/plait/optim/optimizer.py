@@ -208,7 +208,8 @@ class ParallelOptimizer:
         local = {k for m in masters.params for k, v in state.get(m, {}).items() if torch.is_tensor(v)
                  and v.dim() == 1}
         everyone: list = [None] * self.ctx.world_size
-        dist.all_gather_object(everyone, sorted(local))  # a rank may own no piece
+        collective("all-gather of the optimizer's shard owners", None,  # a rank may own no piece
+                   lambda: dist.all_gather_object(everyone, sorted(local)))
         names = sorted(set().union(*map(set, everyone)))
         scalars = next(({k: v for k, v in state[m].items() if not (torch.is_tensor(v) and v.dim() == 1)}
                         for m in masters.params if m in state), {"step": torch.tensor(float(self.steps))})

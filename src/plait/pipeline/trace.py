@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
 from plait.sim import Costs, SimResult, simulate
 
 if TYPE_CHECKING:
@@ -86,7 +87,8 @@ def gather_timeline(pm: ParallelModel) -> tuple[list[tuple], list[float]]:
     mine = [(pm.ctx.pp_rank, a, s * MS, e * MS) for a, s, e in stats.timeline]
     parts: list = [None] * pm.ctx.pp_size
     if pm.ctx.pp_size > 1:
-        dist.all_gather_object(parts, (mine, stats.peak_stored), group=pm.ctx.pp_group)
+        collective("pp all-gather of the traced timelines", pm.ctx.pp_group,
+                   lambda: dist.all_gather_object(parts, (mine, stats.peak_stored), group=pm.ctx.pp_group))
     else:
         parts = [(mine, stats.peak_stored)]
     timeline = [row for part, _ in parts for row in part]

@@ -348,7 +348,7 @@ def memory_rows(pm) -> list[dict]:
     if ctx.world_size == 1:
         return [mine]
     rows: list = [None] * ctx.world_size
-    dist.all_gather_object(rows, mine)
+    collective("all-gather of the ranks' memory reports", None, lambda: dist.all_gather_object(rows, mine))
     return rows
 
 

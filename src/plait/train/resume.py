@@ -19,6 +19,7 @@ def resume(run: Run) -> None:
     import torch.distributed as dist
 
     from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
+    from plait.distributed.collectives import collective
 
     box: list = [None, 0]  # the checkpoint's folder and step
     if run.ctx.rank == 0:
@@ -26,7 +27,8 @@ def resume(run: Run) -> None:
         if found is not None:
             box = [str(found), int(CheckpointReader(found).meta["step"])]
     if run.ctx.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
+        collective("broadcast of rank 0's checkpoint to resume from", None,
+                   lambda: dist.broadcast_object_list(box, src=0))
     path, step = box
     if path is None:
         if run.cfg.resume:
