@@ -54,6 +54,7 @@ def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(train
     assert there.exit_code == 0 and there.stdout == here.stdout, there.output  # was decoded as UTF-8 bytes
     exported = CliRunner().invoke(app, ["export", "../ckpt", "../hf"])
     assert exported.exit_code == 0 and "tokenizer.json, tokenizer_config.json" in exported.stdout, exported.output
+    assert exported.stdout.startswith("exporting ../ckpt/step_00000001 ...\n"), exported.stdout  # which step
     assert fingerprint_file(trained / "hf" / "tokenizer.json") == meta["tokenizer"]["fingerprint"]
     assert json.loads((trained / "hf" / "config.json").read_text())["eos_token_id"] == eos  # generation stops there
     again = CliRunner().invoke(app, [*GENERATE, "--model", "../hf"])

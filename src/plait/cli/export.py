@@ -26,9 +26,12 @@ def export_command(
     checkpoint: Annotated[str, typer.Argument(help="A plait checkpoint folder (or its parent).")],
     out: Annotated[str, typer.Argument(help="The Hugging Face folder to write.")],
 ) -> None:
-    from plait.checkpoint import export_pretrained
+    from plait.checkpoint import export_pretrained, find_checkpoint
     from plait.errors import ConfigError
 
+    source = find_checkpoint(checkpoint)  # which checkpoint of a --checkpoint-dir: its latest complete one
+    if source is not None:  # the read and write take a while for a large model
+        typer.echo(f"exporting {source} ...")
     try:
         path = export_pretrained(checkpoint, out)
     except ConfigError as exc:
