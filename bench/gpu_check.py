@@ -25,6 +25,7 @@ rewritten after each, so a run cut short keeps the sections it finished):
             fitted on published runs), on a CPU from ``plait calibrate --processes 1`` run first (with
             ``--quick``, from this host's cached profile, as ``plait train`` predicts by default)
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
+            (``gpu_check_generate.py``)
   serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
   serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, and
             three of its steps profiled (``serve_profile.txt``)
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from gpu_check_elementwise import elementwise_section
 from gpu_check_gemm import gemm_section
+from gpu_check_generate import generate_section
 from gpu_check_memory import measure_memory, memory_beside
 from gpu_check_serve import serve_section, serve_step_section
 
@@ -260,43 +262,6 @@ def predict_section(sizes: dict, precision: str, folder: Path, out: Path, train:
             "predicted_step_s": predicted, "measured_step_s": measured_step_s,
             "measured_over_predicted": measured_step_s / predicted if measured_step_s and predicted else None,
             **memory_beside(row["memory"]["predicted"][0], train.get("memory"))}
-
-
-def generate_section(device, sizes: dict, folder: Path) -> dict:
-    import torch
-
-    import plait
-    from plait.devices import synchronize
-    from plait.models import Llama
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = Llama.from_pretrained(folder, dtype=dtype).to(device).eval()
-    vocab, new = model.config.vocab_size, sizes["new_tokens"]
-    g = torch.Generator().manual_seed(0)
-    out: dict = {"new_tokens": new, "prompt_tokens": sizes["prompt"], "dtype": str(dtype).replace("torch.", "")}
-    for batch in (1, 32):
-        prompts = torch.randint(0, vocab, (batch, sizes["prompt"]), generator=g).tolist()
-        plait.generate(model, prompts, max_new_tokens=2)  # warm-up: kernels, allocator
-        synchronize(device)
-        t0 = time.perf_counter()
-        plait.generate(model, prompts, max_new_tokens=new)
-        synchronize(device)
-        out[f"generate_tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - t0)
-    del model
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    for batch in (1, 32):  # the peer: the same weights, prompts and greedy decoding with its KV cache
-        ids = torch.randint(0, vocab, (batch, sizes["prompt"]), generator=g).to(device)
-        kw = dict(do_sample=False, pad_token_id=0)
-        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
-        synchronize(device)
-        t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-        synchronize(device)
-        out[f"hf_generate_tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - t0)
-    out["generate_tokens_per_s"] = {1: out["generate_tokens_per_s_batch1"], 32: out["generate_tokens_per_s_batch32"]}
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ driver
