@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from plait.cli.plan import fail
+
 HELP = """Simulate a pipeline-parallel schedule and draw it as a Gantt chart.
 
 A batch is cut into MICROBATCHES micro-batches that flow through STAGES pipeline ranks. Each rank runs
@@ -43,11 +45,6 @@ Examples:
   plait simulate -s zbv -p 4 -m 8 --png zbv.png --trace zbv.json --csv zbv.csv
   plait simulate --from-csv my_schedule.csv      # a torch.distributed.pipelining CSV
 """
-
-
-def _fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def _build(name: str, stages: int, microbatches: int, virtual: int | None, from_csv: Path | None,
@@ -254,7 +251,7 @@ def simulate_command(
         for flag, path in (("--png", o.png), ("--trace", o.trace), ("--csv", o.csv)):
             check_output_path(flag, None if path is None else str(path), folder=False)
     except ConfigError as exc:
-        _fail(flag_message(exc))
+        fail(flag_message(exc))
     costs = Costs(forward=o.forward, backward=o.backward, weight=o.weight, p2p=o.p2p)
     virtual = o.virtual_stages if virtual_alias is None else virtual_alias
     try:
@@ -268,7 +265,7 @@ def simulate_command(
         result = simulate(schedule, costs)
         notes = _outputs(result, o.png, o.trace, o.csv)
     except (ConfigError, OSError) as exc:
-        _fail(flag_message(exc))
+        fail(flag_message(exc))
     if o.as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return None
