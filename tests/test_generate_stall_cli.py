@@ -71,3 +71,31 @@ def test_a_stopped_worker_ends_generate_naming_it_soon_after_the_timeout(tmp_pat
     # launcher's SIGTERM: not torch elastic's 30 s shutdown timeout for a worker that cannot take it
     assert took < TIMEOUT_S + 2 + 15, took
     assert not alive(pids[1]), "the stopped worker outlived its job"
+
+
+def test_a_torchrun_rank_of_generate_that_lost_its_peer_says_so_in_one_error_not_a_traceback(tmp_path, monkeypatch):
+    """Under torchrun (each worker runs the command) a rank whose pipeline peer died ended in a traceback of ~80
+    lines, each prefixed [rank0]:, with the message at its foot; it now ends as plait train's rank does."""
+    from typer.testing import CliRunner
+
+    import plait.distributed.launch as launch
+    from plait.cli.main import app
+    from plait.errors import CommError
+
+    def lost(target, payload, nproc):
+        raise CommError("generate: pipeline rank 0: the tokens of prompt 0 at new position 4 from global rank 1 "
+                        "failed (did that rank die?): Connection reset by peer")
+
+    model = tmp_path / "m"
+    Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=256)).save_pretrained(model)
+    monkeypatch.setattr(launch, "run_or_launch", lost)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("PLAIT_DEBUG", raising=False)
+    res = CliRunner().invoke(app, ["generate", "--model", str(model), "--pp", "2", "--prompt", "a"])
+    assert res.exit_code == 1, (res.output, res.exception)
+    assert res.output == ("error: rank 0: CommError: generate: pipeline rank 0: the tokens of prompt 0 at new "
+                          "position 4 from global rank 1 failed (did that rank die?): Connection reset by peer\n")
+    monkeypatch.setenv("PLAIT_DEBUG", "1")  # the traceback, for whoever asks
+    res = CliRunner().invoke(app, ["generate", "--model", str(model), "--pp", "2", "--prompt", "a"])
+    assert isinstance(res.exception, CommError), res.output

@@ -77,6 +77,7 @@ def generate_command(
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         from plait.cli.generate_chat import chat_prompt_ids, conversations, short
+        from plait.cli.torchrun import lost_peer_in_one_line
         from plait.distributed.launch import JobError, run_or_launch
         from plait.errors import ConfigError, flag_message
         from plait.generation.decode import Sampling
@@ -103,7 +104,8 @@ def generate_command(
                                max_new_tokens, config.max_seq_len)
             payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
-            run_or_launch(TARGET, payload, par.tp * par.pp)
+            with lost_peer_in_one_line():  # under torchrun this process is a rank
+                run_or_launch(TARGET, payload, par.tp * par.pp)
         except ConfigError as exc:
             typer.echo(f"error: {flag_message(exc)}", err=True)
             raise typer.Exit(2) from None

@@ -156,20 +156,12 @@ def _run(cfg) -> None:
 
 
 def _torchrun_worker(cfg) -> None:
-    """This process's share of the run under torchrun. A rank whose peer died or went silent (CommError) ends
-    with its message (what it waited on, from which rank), as under plait's own launcher, not a traceback that
-    buries it; torchrun then restarts the group (--max-restarts) or stops it. ``PLAIT_DEBUG=1`` keeps the
-    traceback."""
+    """This process's share of the run under torchrun; a lost peer ends it in one line (``lost_peer_in_one_line``)."""
+    from plait.cli.torchrun import lost_peer_in_one_line
     from plait.cli.train_worker import train_worker
-    from plait.errors import CommError
 
-    try:
+    with lost_peer_in_one_line():
         train_worker(cfg.to_dict())
-    except CommError as exc:
-        if os.environ.get("PLAIT_DEBUG"):
-            raise
-        typer.echo(f"error: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}", err=True)
-        raise typer.Exit(1) from None
 
 
 def _dry_run(cfg) -> None:
