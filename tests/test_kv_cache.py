@@ -56,3 +56,21 @@ def test_context_parallel_cores_refuse_a_non_causal_call():
     whole_sequences(True)
     with pytest.raises(ConfigError, match="decode with a model loaded under cp=1"):
         whole_sequences(False)
+
+
+def test_decoding_takes_one_cache_per_kv_layer_from_the_models_family():
+    """The decoder names no model class: each KV layer's cache comes from the family adapter (a Llama-built
+    family's is a KVCache); a family whose blocks keep no cache says so if asked for one."""
+    from torch import nn
+
+    from plait.generation.decode import Decoder
+    from plait.models.qwen3 import Qwen3, Qwen3Config
+    from plait.models.registry import family_of
+
+    model = Qwen3(Qwen3Config(vocab_size=64, dim=16, n_layers=3, n_heads=2, max_seq_len=32))
+    caches = Decoder(model).new_caches()
+    assert list(caches) == ["layers.0", "layers.1", "layers.2"]
+    assert all(isinstance(c, KVCache) and c.length == 0 for c in caches.values())
+    assert len({id(c) for c in caches.values()}) == 3  # one each
+    with pytest.raises(ConfigError, match="keep no KV cache"):
+        family_of(nn.Sequential(nn.Linear(2, 2))).kv_cache()

@@ -13,7 +13,6 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError, FieldError
-from plait.models.llama import KVCache
 from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
 
@@ -98,15 +97,16 @@ class Decoder:
         self.vocab: int = vocab
         self.hidden_size = family.hidden_size(config)
         self.kv_names = [name for blocks in self.chunks.values() for name, _ in blocks if family.kv_layer(name)]
+        self.family = family
 
     @property
     def me(self) -> int:
         """This rank's pipeline rank (0 without pipeline parallelism)."""
         return self.ctx.pp_rank if self.ctx is not None else 0
 
-    def new_caches(self, make: Callable[[], Any] = KVCache) -> dict[str, Any]:
-        """One fresh cache per KV layer this rank holds (``make()`` builds one)."""
-        return {name: make() for name in self.kv_names}
+    def new_caches(self, make: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """One fresh cache per KV layer this rank holds (``make()`` builds one; by default the family's)."""
+        return {name: (make or self.family.kv_cache)() for name in self.kv_names}
 
     def run(self, c: int, x: torch.Tensor, caches: dict[str, Any]) -> torch.Tensor:
         """Chunk ``c``'s blocks on ``x`` (token ids into chunk 0, hidden states [B, S, H] after), with ``caches``."""

@@ -14,7 +14,7 @@ from plait.errors import ConfigError, divisors
 from plait.models.family import Blocks, Family, LayerCosts
 
 if TYPE_CHECKING:
-    from plait.models.llama import Llama
+    from plait.models.llama import KVCache, Llama
 
 
 class DecoderFamily(Family):
@@ -87,6 +87,11 @@ class DecoderFamily(Family):
 
     def kv_layer(self, name: str) -> bool:
         return name.startswith("layers.")
+
+    def kv_cache(self) -> KVCache:
+        from plait.models.llama import KVCache
+
+        return KVCache()
 
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         layers = _decoder(model).layers

@@ -7,7 +7,8 @@ A family adapter answers, for the models of one class, without the runtime ever 
                      shapes allow; kv_heads for grouped-query K/V projections
   loss               the default training loss: "next_token" (cross-entropy over vocabulary logits, computed
                      on vocabulary shards) or None (the caller passes ``loss_fn``)
-  kv_layer           which blocks keep a KV cache when decoding; hidden_size: what flows between stages
+  kv_layer, kv_cache which blocks keep a KV cache when decoding, and a fresh cache for one of them;
+                     hidden_size: what flows between stages
   attention_modules  the attention module of every layer (whose core may be recomputed alone, and whose rope
                      and core context parallelism shadows); sliding_window: how far back a query sees
   tie_weights        re-tie shared parameters after sharding replaced modules
@@ -88,6 +89,10 @@ class Family:
     def kv_layer(self, name: str) -> bool:
         """Whether block ``name`` (a key of ``blocks``) takes a KV cache when decoding."""
         return False
+
+    def kv_cache(self) -> Any:
+        """A fresh KV cache for one ``kv_layer`` block, as its ``cache=`` argument takes it."""
+        raise ConfigError(f"{self.name} models keep no KV cache")
 
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         return {}
