@@ -115,6 +115,27 @@ def test_a_model_folder_with_a_damaged_weights_file_is_one_error_naming_the_file
         res.output
 
 
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"vocab_size": None}, "config.json has no 'vocab_size', which every llama folder gives"),  # was a KeyError
+    ({"num_hidden_layers": 0}, "config.json: LlamaConfig.n_layers=0 must be a positive integer"),
+    ({"model_type": "gpt2"}, "config.json: model_type='gpt2' is not supported; supported model types: llama"),
+])
+def test_a_model_folders_config_json_is_named_in_its_error(tmp_path, change, needle):
+    """What is wrong in a folder's config.json names the folder and the file, and a missing key is no traceback."""
+    from plait.model_presets import PRESETS
+    from plait.models import Llama, LlamaConfig
+
+    folder = tmp_path / "m"
+    Llama(LlamaConfig(**PRESETS["tiny"])).save_pretrained(folder)
+    config = {**json.loads((folder / "config.json").read_text()), **change}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    for args in (["train", "--model", str(folder), "--tp", "1", "--pp", "1", "--dry-run"],
+                 ["generate", "--model", str(folder), "--prompt", "hi"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and res.output.startswith(f"error: --model {folder}: {needle}"), (args, res.output)
+        assert len(res.output.splitlines()) == 1, res.output
+
+
 def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
     from plait.checkpoint.store import FORMAT, META
     from plait.train.config import TrainConfig, model_config

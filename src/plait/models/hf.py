@@ -67,6 +67,22 @@ def config_from_hf(hf: dict, family: DecoderFamily | None = None) -> LlamaConfig
     )
 
 
+def folder_config(path: str | Path, family: DecoderFamily | None = None) -> tuple[DecoderFamily, LlamaConfig]:
+    """(family, plait config) of the Hugging Face folder ``path``: a config.json that lacks a key every folder of
+    its family gives, names a type or feature plait does not read, or holds a value no model is built with is a
+    ConfigError naming the folder and its config.json."""
+    hf = read_config(path)
+    try:
+        family = family or folder_family(hf)
+        return family, config_from_hf(hf, family)
+    except KeyError as exc:
+        raise ConfigError(f"--model {path}: config.json has no {exc.args[0]!r}, which every "
+                          f"{hf.get('model_type', 'llama')} folder gives (a config.json written by hand, or cut "
+                          "short?)") from None
+    except ConfigError as exc:
+        raise ConfigError(f"--model {path}: config.json: {exc}") from None
+
+
 def config_to_hf(cfg, family: DecoderFamily, dtype: torch.dtype = torch.float32) -> dict:
     """A ``config.json`` dict that transformers 4.x and 5.x read as the same model."""
     family.check_features(cfg)
@@ -87,9 +103,7 @@ class HFWeights:
 
     def __init__(self, path: str | Path, family: DecoderFamily | None = None):
         self.path = Path(path)
-        hf = read_config(self.path)
-        self.family = family or folder_family(hf)
-        self.config = config_from_hf(hf, self.family)
+        self.family, self.config = folder_config(self.path, family)
         index = self.path / INDEX_NAME
         if index.is_file():
             try:

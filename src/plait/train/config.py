@@ -220,9 +220,9 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
                           f"({', '.join(PRESETS)}), not for a Hugging Face folder (a Mixtral folder has its own)")
     path = Path(cfg.model)
     if path.is_dir() and (path / "config.json").is_file():
-        from plait.models.hf import config_from_hf, read_config
+        from plait.models.hf import folder_config
 
-        return config_from_hf(read_config(path))
+        return folder_config(path)[1]
     from plait.checkpoint import find_checkpoint
 
     if path.is_dir() and find_checkpoint(path) is not None:
@@ -235,10 +235,10 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
 
 def model_family(cfg: TrainConfig) -> DecoderFamily:
     """The family adapter of ``cfg.model`` (llama for the presets)."""
-    from plait.models.hf import folder_family, read_config
+    from plait.models.hf import folder_config
     from plait.models.registry import family_for_type
 
-    return family_for_type("llama") if cfg.model in PRESETS else folder_family(read_config(cfg.model))
+    return family_for_type("llama") if cfg.model in PRESETS else folder_config(cfg.model)[0]
 
 
 def validate(cfg: TrainConfig, world: int | None = None) -> None:
