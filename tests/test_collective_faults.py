@@ -10,7 +10,7 @@ import pytest
 import checks_faults
 from harness import PRELOAD
 from plait.distributed.launch import free_port, run_world
-from plait.errors import CommError, CommTimeoutError, collective_error, rank_list
+from plait.errors import CommError, CommTimeoutError, collective_error, comm_wait, rank_list
 
 
 @pytest.mark.parametrize("where,names", [
@@ -46,6 +46,20 @@ def test_a_collective_error_says_what_timed_out_or_failed_and_whom_it_lost():
     assert str(err) == ("tp all-gather over global ranks 4-7 timed out (is one of global ranks 4,6,7 stuck or "
                         "dead?): Timed out waiting 3000ms for recv operation to complete")
     assert rank_list([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8,9"
+
+
+def test_a_point_to_point_wait_s_error_keeps_the_gist_of_the_backend_s_words():
+    """A p2p wait's CommError carried Gloo's whole text: its source path and "This is typically caused by ... GLHF!
+    🏖️" after the line that matters."""
+    def closed():
+        raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:26505. This is typically caused by a remote worker crashing. Check the logs "
+                           "of the remote worker before reporting an error. GLHF! 🏖️")
+
+    with pytest.raises(CommError) as info:
+        comm_wait(closed, "the tokens of prompt 0", 1, 3.0, me="generate: pipeline rank 0")
+    assert str(info.value) == ("generate: pipeline rank 0: the tokens of prompt 0 from global rank 1 failed (did that "
+                               "rank die?): Connection closed by peer [127.0.0.1]:26505")
 
 
 # plait's CLI as torchrun runs it, except that global rank 1 kills itself (SIGKILL) at its optimizer step

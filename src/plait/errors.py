@@ -34,9 +34,9 @@ def comm_wait(op: Callable[[], object], what: str | Callable[[], str], peer: int
               me: str = "") -> None:
     """Run ``op``, a blocking wait for ``what`` from global rank ``peer`` (None: no one rank) that the backend
     ends after ``timeout_s``. Its error becomes a CommTimeoutError ("waited more than 3s for ... from global
-    rank 1") when it says the wait timed out, else a CommError asking whether that rank died; ``me`` (the
-    waiting rank in words, e.g. "pipeline rank 0") opens the message. ``what`` may be a function giving the
-    words, called only on an error (a wait in a decode loop builds none)."""
+    rank 1: <the backend's words, ``backend_words``>") when it says the wait timed out, else a CommError asking
+    whether that rank died; ``me`` (the waiting rank in words, e.g. "pipeline rank 0") opens the message.
+    ``what`` may be a function giving the words, called only on an error (a wait in a decode loop builds none)."""
     try:
         op()
     except RuntimeError as exc:
@@ -44,8 +44,9 @@ def comm_wait(op: Callable[[], object], what: str | Callable[[], str], peer: int
         what = what() if callable(what) else what
         if is_timeout(exc):
             raise CommTimeoutError(f"{me + ' ' if me else ''}waited more than {timeout_s:g}s for {what}{who}: "
-                                   f"{exc}") from exc
-        raise CommError(f"{me + ': ' if me else ''}{what}{who} failed (did that rank die?): {exc}") from exc
+                                   f"{backend_words(exc)}") from exc
+        raise CommError(f"{me + ': ' if me else ''}{what}{who} failed (did that rank die?): {backend_words(exc)}") \
+            from exc
 
 
 def rank_list(ranks: list[int]) -> str:
