@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from plait.distributed.collectives import collective
 
@@ -37,7 +38,7 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return x.index_select(dim, pos)
 
 
-def gather_sequence(x: torch.Tensor, group, cp: int, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: ProcessGroup | None, cp: int, dim: int = 1) -> torch.Tensor:
     """Full rows in position order from every CP rank's tokens (``[B, S/cp, ...]`` -> ``[B, S, ...]``); no
     autograd (evaluation)."""
     if cp == 1:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 
 from plait.distributed.collectives import collective
 
 
-def split_sequence_aux_loss(logits: torch.Tensor, expert: torch.Tensor, coef: float, group, cp: int) -> torch.Tensor:
+def split_sequence_aux_loss(logits: torch.Tensor, expert: torch.Tensor, coef: float, group: ProcessGroup | None,
+                            cp: int) -> torch.Tensor:
     """This rank's share of coef · Σ_sequences E · Σ_i f_i · P_i (plait.models.moe; Fedus et al. 2021 eq. 4).
 
     logits [B, S/cp, E] (router), expert [B, S/cp, k] (chosen ids) of this rank's tokens. f_i counts the

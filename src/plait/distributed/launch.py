@@ -262,7 +262,7 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def run_or_launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,)):
+def run_or_launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (signal.SIGTERM,)) -> Any:
     """Run ``module:function(payload)`` here when this process is already a worker or one process is
     enough; otherwise launch ``nproc`` local workers (``launch``; ``forward``: the signals passed on to them)."""
     if under_torchrun() or nproc == 1:

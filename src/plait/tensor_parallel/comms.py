@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from plait.distributed.collectives import all_gather_tensor, collective, reduce_scatter_tensor
 
 
-def _size(group) -> int:
+def _size(group: ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _rank(group) -> int:
+def _rank(group: ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
@@ -30,7 +31,7 @@ def _check_divisible(x: torch.Tensor, dim: int, t: int) -> None:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {t}")
 
 
-def all_reduce(x: torch.Tensor, group, what: str = "tp all-reduce") -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: ProcessGroup | None, what: str = "tp all-reduce") -> torch.Tensor:
     """Sum ``x`` over ``group`` into a new tensor (``what`` names it in a failure's CommError)."""
     out = x.contiguous().clone()
     if _size(group) > 1:
@@ -38,7 +39,7 @@ def all_reduce(x: torch.Tensor, group, what: str = "tp all-reduce") -> torch.Ten
     return out
 
 
-def all_gather(x: torch.Tensor, dim: int, group, what: str = "tp all-gather") -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None, what: str = "tp all-gather") -> torch.Tensor:
     """Concatenate the ranks' ``x`` along ``dim`` (rank order), contiguous (``what`` names it in a CommError).
 
     Contiguous because the consumers (the projections after SP's all-gather) flatten it: a strided result
@@ -53,7 +54,8 @@ def all_gather(x: torch.Tensor, dim: int, group, what: str = "tp all-gather") ->
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, group, what: str = "tp reduce-scatter") -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None,
+                   what: str = "tp reduce-scatter") -> torch.Tensor:
     """Sum ``x`` over ``group`` and keep this rank's slice of ``dim`` (``what`` names it in a CommError)."""
     t = _size(group)
     if t == 1:
@@ -65,7 +67,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group, what: str = "tp reduce-scat
     return out.movedim(0, dim)
 
 
-def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def split(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's slice of ``dim`` (no communication)."""
     t = _size(group)
     if t == 1:
@@ -108,36 +110,36 @@ class _AlongDim(torch.autograd.Function):
         return ctx.bwd(grad, ctx.dim, ctx.group), None, None, None, None
 
 
-def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """f: identity forward, all-reduce backward."""
     return _CopyToTP.apply(x, group) if _size(group) > 1 else x
 
 
-def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """g: all-reduce forward, identity backward."""
     return _ReduceFromTP.apply(x, group) if _size(group) > 1 else x
 
 
-def gather_last(x: torch.Tensor, group) -> torch.Tensor:
+def gather_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-gather along the last dim forward, split backward: [.., H/t] -> [.., H]."""
     return _AlongDim.apply(x, x.dim() - 1, group, all_gather, split) if _size(group) > 1 else x
 
 
-def scatter_last(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Split along the last dim forward, all-gather backward: [.., H] -> [.., H/t]."""
     return _AlongDim.apply(x, x.dim() - 1, group, split, all_gather) if _size(group) > 1 else x
 
 
-def gather_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def gather_seq(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
     """SP's f: all-gather along the sequence forward, reduce-scatter backward: [B, S/t, H] -> [B, S, H]."""
     return _AlongDim.apply(x, dim, group, all_gather, reduce_scatter) if _size(group) > 1 else x
 
 
-def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
     """SP's g: reduce-scatter along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
     return _AlongDim.apply(x, dim, group, reduce_scatter, all_gather) if _size(group) > 1 else x
 
 
-def scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def scatter_seq(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
     """Split a replicated tensor along the sequence forward, all-gather backward: [B, S, H] -> [B, S/t, H]."""
     return _AlongDim.apply(x, dim, group, split, all_gather) if _size(group) > 1 else x
