@@ -107,7 +107,9 @@ def test_the_scan_sees_real_imports():  # not vacuous: lazy, relative and TYPE_C
     assert offenders({"plait.train.x": {"plait.plan.search"}}, ("plait.train",), ("plait.plan",))
 
 
+@functools.cache
 def _sources() -> dict[str, ast.Module]:
+    """module -> its syntax tree, for every module of plait (parsed once for the tests below)."""
     return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted((SRC / "plait").rglob("*.py"))}
 
 
