@@ -170,12 +170,18 @@ def test_a_damaged_checkpoint_is_a_config_error_naming_the_file(tmp_path):
     shard = tmp_path / "pp0-tp0-dp0.safetensors"
     save_file({"w": torch.ones(2)}, str(shard))
     assert CheckpointReader(tmp_path).read("w").tolist() == [1.0, 1.0]
+    resume = ["train", "--resume", "--checkpoint-dir", str(tmp_path), "--dry-run"]
     shard.unlink()
     with pytest.raises(ConfigError, match="pp0-tp0-dp0.safetensors is missing, though meta.json lists it"):
         CheckpointReader(tmp_path).read("w")
+    res = CliRunner().invoke(app, resume)  # refused before launching, not by one rank after (its dry run passed)
+    assert res.exit_code == 2 and res.output.startswith(f"error: {tmp_path}: pp0-tp0-dp0.safetensors is missing"), \
+        res.output
     shard.write_text("junk")
     with pytest.raises(ConfigError, match="pp0-tp0-dp0.safetensors cannot be read .*the checkpoint is damaged"):
         CheckpointReader(tmp_path).read("w")
+    res = CliRunner().invoke(app, resume)
+    assert res.exit_code == 2 and "pp0-tp0-dp0.safetensors cannot be read" in res.output, res.output
     (tmp_path / META).write_text("{")
     with pytest.raises(ConfigError, match="meta.json is not valid JSON"):
         CheckpointReader(tmp_path)

@@ -60,7 +60,7 @@ class CheckpointReader:
             raise ConfigError(f"{self.path}: unknown checkpoint format {self.meta.get('format')!r}")
         self._handles: dict[str, Any] = {}  # file -> an open safetensors handle
 
-    def _slice(self, file: str, name: str):
+    def _handle(self, file: str):
         from safetensors import SafetensorError, safe_open
 
         if file not in self._handles:
@@ -71,7 +71,16 @@ class CheckpointReader:
                 self._handles[file] = safe_open(str(self.path / file), framework="pt")
             except SafetensorError as exc:
                 raise ConfigError(f"{self.path}: {file} cannot be read ({exc}); the checkpoint is damaged") from None
-        return self._handles[file].get_slice(name)
+        return self._handles[file]
+
+    def _slice(self, file: str, name: str):
+        return self._handle(file).get_slice(name)
+
+    def check_files(self) -> None:
+        """ConfigError naming the first file that meta.json lists and that is missing or unreadable (its header
+        read only), so that a run refuses the checkpoint before it launches rather than on one rank after."""
+        for file in sorted({s["file"] for entry in self.meta.get("tensors", {}).values() for s in entry["shards"]}):
+            self._handle(file)
 
     def has(self, key: str) -> bool:
         return key in self.meta["tensors"]

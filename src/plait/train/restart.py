@@ -38,7 +38,9 @@ def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
             raise no_checkpoint(cfg)
         return None
     flag = "--resume" if cfg.resume else "--auto-resume"
-    meta = CheckpointReader(found).meta
+    reader = CheckpointReader(found)
+    reader.check_files()
+    meta = reader.meta
     saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
     if saved is not None and saved != now:
         differ = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
