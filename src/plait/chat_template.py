@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from plait.tokenizers import read_json_object
 
@@ -267,7 +268,7 @@ class ChatTemplate:
     def default(self) -> str | None:
         return self.templates.get("default")
 
-    def pick(self, requested: str | None, tools) -> str:
+    def pick(self, requested: str | None, tools: list[Any] | None) -> str:
         """The template source for a request: a named template or a template of its own, else the default
         (``tool_use`` when tools are given and the folder names one)."""
         if requested is not None:
@@ -285,10 +286,11 @@ class ChatTemplate:
         raise ChatError(f"this model has several chat templates and none is the default: name one in "
                         f"chat_template ({sorted(self.templates)})", "chat_template")
 
-    def render(self, messages, add_generation_prompt: bool = True, tools=None, documents=None,
-               template: str | None = None, kwargs: dict | None = None, continue_final: bool = False,
-               marks: bool = False) -> str:
-        """The text of ``messages``; ChatError naming the error when they or the template fail.
+    def render(self, messages: object, add_generation_prompt: bool = True, tools: list[Any] | None = None,
+               documents: list[Any] | None = None, template: str | None = None, kwargs: dict | None = None,
+               continue_final: bool = False, marks: bool = False) -> str:
+        """The text of ``messages`` (a non-empty list of {role, content} objects); ChatError naming the error when
+        they or the template fail.
 
         ``continue_final``: the text ends inside the last message, so the model goes on with it (as
         transformers: a tag after its content, the text cut at the tag). ``marks``: the text of ``{% generation
@@ -312,8 +314,8 @@ class ChatTemplate:
                             "chat_template_error") from None
         return text if final is None else _cut_at_tag(text, final)
 
-    def render_spans(self, messages, add_generation_prompt: bool = False, tools=None, kwargs: dict | None = None,
-                     ) -> tuple[str, list[tuple[int, int]] | None]:
+    def render_spans(self, messages: object, add_generation_prompt: bool = False, tools: list[Any] | None = None,
+                     kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]] | None]:
         """The text of ``messages`` (as ``render``) and the sorted, disjoint character ranges [a, b) of it that the
         template's ``{% generation %}`` blocks enclose (the assistant's text, as transformers'
         ``return_assistant_tokens_mask`` takes it); None for spans when the template has no such blocks."""

@@ -64,7 +64,7 @@ def grad_group(param: torch.Tensor) -> tuple[ProcessGroup | None, int] | None:
 class Bucket:
     """Parameters laid end to end in one float32 gradient buffer, sharded over their reduction group."""
 
-    def __init__(self, params: list[nn.Parameter], group, size: int, index: int):
+    def __init__(self, params: list[nn.Parameter], group: ProcessGroup | None, size: int, index: int):
         self.params, self.group, self.size, self.index = params, group, size, index
         self.offsets: list[int] = []
         n = 0
@@ -352,7 +352,7 @@ class GradReducer:
             return 0, b.allocate()
         return b.lo, self.shard(b)
 
-    def pieces(self, wanted) -> list[torch.Tensor]:
+    def pieces(self, wanted: Callable[[nn.Parameter], bool]) -> list[torch.Tensor]:
         """The valid, reduced gradient elements of every parameter ``p`` with ``wanted(p)``, as flat views
         (in bucket order: the same list on every rank with the same bucket layout, e.g. the TP group)."""
         out = []

@@ -127,7 +127,7 @@ class Transport:
     def known_shape(self, kind: int, chunk: int) -> bool:
         return (kind, chunk) in self.shapes
 
-    def set_shape(self, kind: int, chunk: int, shape, dtype) -> None:
+    def set_shape(self, kind: int, chunk: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> None:
         self.shapes[(kind, chunk)] = (tuple(shape), dtype)
 
     def post(self, src: int, kind: int, chunk: int, mb: int) -> bool:
