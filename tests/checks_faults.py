@@ -132,22 +132,24 @@ def dead_at_collective(where: str) -> dict:
     row-parallel layer's forward; ``tp-pp``: the same inside a pipeline action, tp 2 x pp 2), ``dp`` (dp 2: the
     gradient reduction at the end of the backward), ``norm``
     (dp 2, after a whole step: the optimizer's gradient-norm all-reduce) or ``save`` (dp 2, after a whole step: the
-    barrier that starts a checkpoint); rank 0 must raise a CommError naming that collective and its group."""
+    barrier that starts a checkpoint), ``trace`` (pp 2: the barrier that starts a traced step) or ``full-state`` (pp 2,
+    after a whole step: ``full_state_dict``'s all-gather); rank 0 must raise a CommError naming that collective and
+    its group."""
     from plait.optim import ParallelOptimizer
 
-    tp, pp = {"tp": (2, 1), "tp-pp": (2, 2)}.get(where, (1, 1))
-    ctx = plait.init(tp=tp, pp=pp, dp=2 // tp, timeout_s=30.0)
+    tp, pp = {"tp": (2, 1), "tp-pp": (2, 2), "trace": (1, 2), "full-state": (1, 2)}.get(where, (1, 1))
+    ctx = plait.init(tp=tp, pp=pp, dp=max(1, 2 // (tp * pp)), timeout_s=30.0)
     cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx, microbatches=pp)
     opt = ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, clip=1.0)
     tokens = torch.randint(0, 32, (2, 9))
-    if ctx.rank == 1 and where.startswith("tp"):
+    if ctx.rank == 1 and where in ("tp", "tp-pp", "trace"):
         os._exit(3)  # gone without a word, before its share of the step
     if ctx.rank == 1 and where == "dp":  # gone in its forward, after the step's counts were agreed
         torch.nn.modules.module.register_module_forward_hook(lambda *args: os._exit(3))
     try:
-        pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        pm.train_step(tokens[:, :-1], tokens[:, 1:], trace=where == "trace")
         if ctx.rank == 1:
             os._exit(3)  # gone after the step, before the optimizer's (or the checkpoint's)
         if where == "save":
@@ -155,6 +157,8 @@ def dead_at_collective(where: str) -> dict:
 
             with tempfile.TemporaryDirectory(prefix="plait-dead-at-save-") as folder:
                 save_checkpoint(pm, opt, folder, 1)
+        if where == "full-state":
+            pm.full_state_dict()
         opt.step()
     except plait.CommError as exc:
         return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}

@@ -31,7 +31,14 @@ from plait.optim.precision import StepCast
 from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
 from plait.pipeline.p2p import Transport
-from plait.pipeline.partition import Partition, PipelineChunk, build_chunks, check_full_state, named_parameters
+from plait.pipeline.partition import (
+    Partition,
+    PipelineChunk,
+    build_chunks,
+    check_full_state,
+    gather_full_state,
+    named_parameters,
+)
 from plait.pipeline.ties import TiedWeights
 from plait.schedules import Schedule
 from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_over_tp
@@ -254,8 +261,8 @@ class ParallelModel:
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
         if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
             io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / global_rows)
-        if trace and self.ctx.pp_size > 1:
-            dist.barrier(group=self.ctx.pp_group)  # a shared time origin for the measured timeline
+        if trace and self.ctx.pp_size > 1:  # a shared time origin for the measured timeline
+            collective("pp barrier of a traced step", self.ctx.pp_group, partial(dist.barrier, group=self.ctx.pp_group))
         measure = self.activations_peak is None if measure_memory is None else measure_memory
         if self._loss_by_p2p():  # the last stage sends the loss once known: no collective ends the step
             if self._holds_loss():
@@ -367,14 +374,7 @@ class ParallelModel:
         """Full tensors (or gradients) under the plain model's keys, on every rank (collective)."""
         with nullcontext() if self.zero3 is None else self.zero3.full_state(grads):  # whole from the shards
             local = self._local_full(grads)
-        for size, group in ((self.ctx.ep_size, self.ctx.ep_group), (self.ctx.pp_size, self.ctx.pp_group)):
-            if size > 1:  # EP ranks hold different experts, PP ranks different layers
-                parts: list = [None] * size
-                dist.all_gather_object(parts, local, group=group)
-                for part in parts:
-                    for k, v in part.items():
-                        local.setdefault(k, v)
-        return {k: local[k] for k in self.plain_keys}
+        return gather_full_state(local, self.ctx, self.plain_keys)  # EP: other experts, PP: other layers
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

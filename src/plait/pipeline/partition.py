@@ -10,15 +10,22 @@ come from ``pipeline.balance``, the function the planner cuts with too.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plait.distributed.collectives import collective
 from plait.errors import ConfigError
 from plait.models.family import Blocks, LayerCosts
 from plait.pipeline.balance import partition_layers
 from plait.tensor_parallel.layers import TPShardedModule
+
+if TYPE_CHECKING:
+    from plait.distributed.context import ParallelContext
 
 Partition = str | list[int] | tuple[int, ...]  # "balanced", "uniform", or layer counts per chunk
 
@@ -106,3 +113,19 @@ def check_full_state(state_dict: dict[str, torch.Tensor], keys: Iterable[str],
              if tuple(state_dict[k].shape) != s]
     if wrong:
         raise ConfigError(f"state_dict has {len(wrong)} tensors shaped unlike this model's, e.g. {wrong[:3]}")
+
+
+def gather_full_state(local: dict[str, torch.Tensor], ctx: ParallelContext,
+                      keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``local`` (this rank's full tensors under plain-model keys) with those of its EP peers (other experts) and
+    PP peers (other layers) added: the whole model's, under ``keys`` in their order, on every rank (collective over
+    the EP and PP groups)."""
+    for axis, size, group in (("ep", ctx.ep_size, ctx.ep_group), ("pp", ctx.pp_size, ctx.pp_group)):
+        if size > 1:
+            parts: list = [None] * size
+            collective(f"{axis} all-gather of the full state", group,
+                       partial(dist.all_gather_object, parts, local, group=group))
+            for part in parts:
+                for k, v in part.items():
+                    local.setdefault(k, v)
+    return {k: local[k] for k in keys}
