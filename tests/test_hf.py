@@ -80,3 +80,37 @@ def test_rope_frequencies_stay_float32_in_bf16():
     expected = 1.0 / (5e5 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
     assert attn.inv_freq().dtype == torch.float32
     assert torch.allclose(attn.inv_freq().double(), expected, rtol=1e-6)
+
+
+def test_a_llama_trained_with_experts_exports_as_a_mixtral_folder(tmp_path):
+    """plait train --experts N builds a Llama whose every layer is a dropless top-k MoE: a Llama folder cannot say
+    so ('experts: a Hugging Face 'llama' folder cannot express it'), so plait export writes it as the Mixtral it
+    is, and transformers' logits equal plait's."""
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from plait.checkpoint.store import FORMAT, META
+    from plait.cli.main import app
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, n_experts=4,
+                      top_k=2)
+    model = Llama(cfg).eval()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    ckpt = tmp_path / "ckpt" / "step_00000001"
+    ckpt.mkdir(parents=True)
+    save_file(state, str(ckpt / "pp0-tp0-dp0.safetensors"))
+    tensors = {k: {"shape": list(v.shape), "dtype": "float32", "shards": [
+        {"file": "pp0-tp0-dp0.safetensors", "dim": None, "start": 0, "stop": v.shape[0] if v.dim() else 1}]}
+        for k, v in state.items()}
+    (ckpt / META).write_text(json.dumps({"format": FORMAT, "step": 1, "model": cfg.to_dict(), "family": "llama",
+                                         "train": {"model": "tiny"}, "tensors": tensors}))
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mixtral"
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        ours, hf = model(tokens), theirs(tokens).logits
+    assert type(theirs).__name__ == "MixtralForCausalLM"
+    assert ((ours - hf).norm() / hf.norm()).item() < 1e-5

@@ -185,7 +185,7 @@ def model_config(meta: dict) -> LlamaConfig:
 def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process)."""
     from plait.models.hf import save_state_dict_pretrained
-    from plait.models.registry import family_of_config
+    from plait.models.registry import folder_family_of_config
     from plait.tokenizers import check_tokenizer_out, copy_tokenizer_files, trained_tokenizer
 
     path = find_checkpoint(checkpoint)
@@ -199,7 +199,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     cfg = model_config(reader.meta)
     folder, _ = trained_tokenizer(reader.meta, path)  # the tokenizer goes with the weights
     check_tokenizer_out(folder, Path(out))
-    save_state_dict_pretrained(family_of_config(cfg), cfg, reader.full_state_dict(), out)
+    family, cfg = folder_family_of_config(cfg)  # a preset trained with --experts: a Mixtral folder
+    save_state_dict_pretrained(family, cfg, reader.full_state_dict(), out)
     copy_tokenizer_files(folder, Path(out))
     eos = (reader.meta.get("tokenizer") or {}).get("eos")  # the end-of-document token it was trained with
     hf = json.loads((Path(out) / "config.json").read_text())

@@ -73,3 +73,27 @@ def family_of_config(config: Any) -> DecoderFamily:
             if family.config_class is base:
                 return family
     raise ConfigError(f"{type(config).__name__} is not the config of a known model family")
+
+
+def folder_family_of_config(config: Any) -> tuple[DecoderFamily, Any]:
+    """(family, config) to write ``config`` as a Hugging Face folder: its own family where that family's
+    config.json expresses every feature it uses, else the first family whose config class extends its own and
+    whose folders express them, with ``config`` as that family's (a Llama with experts, which ``plait train
+    --experts`` builds, is a Mixtral: the same modules and tensors); else its own family's ConfigError."""
+    family = family_of_config(config)
+    try:
+        family.check_features(config)
+        return family, config
+    except ConfigError as exc:
+        refusal = exc
+    for other in hf_families().values():
+        if other is family or not issubclass(other.config_class, type(config)):
+            continue
+        try:
+            converted = other.config_class(**config.to_dict())
+            other.check_features(converted)
+            other.hf_extra(converted)
+        except (ConfigError, TypeError):
+            continue
+        return other, converted
+    raise refusal
