@@ -329,6 +329,30 @@ def test_bloom_search_rows_reproduce_their_printed_tflops():
         assert derived == pytest.approx(tflops, rel=1e-3), r.label
 
 
+def test_bloom_rings_cross_a_node_through_one_omnipath_hfi_at_its_measured_rate():
+    """BigScience's Omni-Path nodes as NCCL ran on them (``published.OMNIPATH``): one communicator's ring crosses a
+    node through one HFI per direction at the 40.54 Gb/s its benchmark measured, whatever its members there, and the
+    node's eight GPUs share its four HFIs. Per rank, as the ring formulas see it (latency taken out by two sizes): a
+    DP ring of one GPU per node (TP 8) half an HFI, of four per node (TP 2) one HFI (not four GPUs' shares), the
+    benchmark's 32 ranks on 4 nodes one HFI, its measured bus bandwidth; DGX rails keep a NIC per member."""
+    from plait.plan import Cluster
+    from plait.plan.catalogue import LINK_EFFICIENCY, get_interconnect
+    from plait.plan.published import OMNIPATH
+
+    def per_rank(cluster: Cluster, n: int, span: int) -> float:
+        t = [cluster.costs.collective("all_reduce", b, n, span) for b in (1e9, 2e9)]
+        return 2 * (n - 1) / n * 1e9 / (t[1] - t[0]) / LINK_EFFICIENCY
+
+    hfi = 40.54e9 / 8 / LINK_EFFICIENCY  # what the formulas' LINK_EFFICIENCY turns into the measured rate
+    bloom = Cluster("a100-80gb", 384, interconnect=OMNIPATH, flash_attention=False)
+    assert per_rank(bloom, 24, 192) == pytest.approx(hfi / 2)
+    assert per_rank(bloom, 8, 16) == pytest.approx(hfi)
+    assert per_rank(bloom, 32, 32) * LINK_EFFICIENCY * 8 == pytest.approx(40.54e9)
+    rail = Cluster("a100-80gb", 384, interconnect="ib-hdr")
+    nic = get_interconnect("ib-hdr", rail.gpu).bandwidth
+    assert per_rank(rail, 24, 192) == pytest.approx(nic) and per_rank(rail, 8, 16) == pytest.approx(4 * nic)
+
+
 def test_bloom_search_memory_rows_follow_the_table():
     from plait.plan.published import BLOOM_PREQUEL, memory_statements
 

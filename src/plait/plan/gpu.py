@@ -130,13 +130,17 @@ class GpuCosts:
         Inside a node: NVLink. Across nodes every GPU has its own NIC (a rail: 8 x HDR on DGX A100, 8 x NDR on
         DGX H100), and NCCL spreads a ring's channels over the NICs of the node: a group with k members in a node
         moves its inter-node traffic through those k NICs, k times one NIC's bandwidth per rank, up to NVLink's
-        (the groups of the other ranks of the node use the other NICs at the same time)."""
+        (the groups of the other ranks of the node use the other NICs at the same time), and up to the link's
+        ``ring_bandwidth`` where NCCL routes a ring through fewer NICs than that."""
         g = self.cluster.gpus_per_node
         link = self.cluster.link(span)
         if span <= g:
             return link
         members = max(1, min(n, g * n // span))
-        return Link(link.name, min(members * link.bandwidth, self.gpu.intra.bandwidth), link.latency)
+        bandwidth = min(members * link.bandwidth, self.gpu.intra.bandwidth)
+        if link.ring_bandwidth:
+            bandwidth = min(bandwidth, link.ring_bandwidth)
+        return Link(link.name, bandwidth, link.latency)
 
     def _tp_comm_per_layer(self, model: Model, layout: Layout, tokens: float,
                            overlap: tuple[int, int] | None = None, sp_async: bool = False) -> tuple[float, float]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
-from plait.plan.catalogue import GB, Link
+from plait.plan.catalogue import LINK_EFFICIENCY, Link
 from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
 from plait.plan.model import Model
@@ -284,7 +284,20 @@ def _nemo() -> list[PublishedRun]:
 BLOOM_CUT = (5,) + (6,) * 10 + (5,)
 BLOOM_WHERE = ("BigScience tr11-176B-ml chronicles.md (iteration 12695) and README.md, "
                "bigscience-workshop/bigscience")
-OMNIPATH = Link("Omni-Path, 4 x 100 Gb/s per node", 4 * 100 / 8 * GB / 8, 5e-6)
+# The Omni-Path fabric as NCCL ran on those nodes: the repository's all-reduce benchmark on four of them
+# (experiments/bandwidth/all_reduce_bench-a100-n4.txt, commit 358e3c8, 2022-01-28; NCCL 2.10.3, 32 ranks) logs two
+# ring channels whose inter-node hops both leave a node through one HFI and enter through another ("Channel 00 :
+# 7[cb000] -> 8[7000] [send] via NET/IB/3", "[receive] via NET/IB/1", the same for channel 01 and at every node
+# boundary; none "/GDRDMA": no GPUDirect RDMA), and a bus bandwidth of 40.54 Gb/s (median of the 160 per-rank
+# trials, quartiles 40.49-40.58): one HFI of the node's four (100 Gb/s each, README.md) carries one ring at 40.5
+# Gb/s per direction. So a communicator's ring moves at most that across a node (``Link.ring_bandwidth``), and the
+# node's eight GPUs, whose concurrent rings and pipeline transfers share its four HFIs, get an eighth of 4 x 40.5
+# Gb/s each (a DP ring of one GPU per node, as at TP 8: half an HFI). BigScience's engineer puts the network BLOOM
+# trained on at "only 140Gbps" a node (microsoft/DeepSpeed issue 2928, comment of 2023-10-05), against 162 here.
+# The link figures are the measured ones over LINK_EFFICIENCY, which the collectives' formulas apply.
+OMNIPATH_HFI = 40.54e9 / 8 / LINK_EFFICIENCY  # bytes/s one ring moves through one HFI, as the formulas count it
+OMNIPATH = Link("Omni-Path, 4 HFIs per node (NCCL's measured 40.5 Gb/s each)", 4 * OMNIPATH_HFI / 8, 5e-6,
+                ring_bandwidth=OMNIPATH_HFI)
 
 
 # The same repository's train/tr11-176B-ml/chronicles-prequel.md (commit 59a90eec) records the topology search on those
@@ -315,7 +328,8 @@ BLOOM_PREQUEL = (
     (32, 2, 6, 1, 2048, "OOM", "", ""), (8, 2, 24, 1, 2048, "44GB", "119.53", "134.88"),
     (8, 2, 24, 2, 2048, "53GB", "122.75", "131.33"), (4, 4, 24, 1, 2048, "GB", "130.60", "123.44"),
 )
-BLOOM_ASSUMED = ("Omni-Path links of 100 Gb/s", "1F1B (DeepSpeed's pipeline)", "embedding LayerNorm not costed")
+BLOOM_ASSUMED = ("Omni-Path HFIs at the bus bandwidth NCCL measured on four of the nodes on 2022-01-28",
+                 "1F1B (DeepSpeed's pipeline)", "embedding LayerNorm not costed")
 
 
 def bloom_model(layers: int = 70, heads: int = 112) -> Model:
