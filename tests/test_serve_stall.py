@@ -146,13 +146,48 @@ def test_a_follower_whose_collective_times_out_says_what_it_waited_on(monkeypatc
 
     def timed_out(box, src):
         raise RuntimeError("Timed out waiting 8000ms for recv operation to complete")
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "broadcast_object_list", timed_out)
     with pytest.raises(CommTimeoutError, match="timed out waiting for rank 0's next step: a rank did not answer"):
         engine.follow(None)  # type: ignore[arg-type]
 
     def closed(box, src):
-        raise RuntimeError("Connection closed by peer")
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26505. GLHF!")
     monkeypatch.setattr(dist, "broadcast_object_list", closed)
-    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+    with pytest.raises(RuntimeError) as info:
         engine.follow(None)  # type: ignore[arg-type]
     assert not isinstance(info.value, CommTimeoutError)  # a dead peer is the launcher's to name
+    assert str(info.value) == ("broadcast of the next step from rank 0 over global ranks 0,1 failed (did global "
+                               "rank 0 die?): Connection closed by peer [127.0.0.1]:26505")
+
+
+def test_a_peer_dead_at_a_serving_collective_is_named_with_it_not_in_gloos_words(monkeypatch):
+    """Rank 0's broadcast of a step, its receipt of the last stage's outputs, the start's all-gather of the ranks'
+    pids and the TP all-reduces of a step's logprobs: a peer gone there is said in plait's words (what, over which
+    ranks, whom it lost)."""
+    import torch.distributed as dist
+
+    from plait.errors import CommError
+    from plait.serve import job, sampling
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26505. GLHF!")
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    for name in ("broadcast_object_list", "recv_object_list", "all_reduce"):
+        monkeypatch.setattr(dist, name, closed)
+    with pytest.raises(CommError, match=r"^broadcast of the next step from rank 0 over global ranks 0,1 failed "
+                                        r"\(did global rank 1 die\?\): Connection closed by peer \[127.0.0.1\]:26505$"):
+        Engine._broadcast(SimpleNamespace(distributed=True), object())  # type: ignore[arg-type]
+    runner = SimpleNamespace(seqs={}, last=0, mine=(), ctx=SimpleNamespace(rank=0, timeout_s=3.0), src=1,
+                             groups=lambda rows: [], _pipeline=lambda rows, groups: None)
+    step = SimpleNamespace(free=[], new=[], rows=[object()])
+    with pytest.raises(CommError, match=r"^serve: rank 0: the step's outputs from global rank 1 failed \(did that "):
+        Runner.execute(runner, step)  # type: ignore[arg-type]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", closed)
+    with pytest.raises(CommError, match=r"^all-gather of the ranks' pids over global ranks 0,1 failed "):
+        job._step_limit(None, 3.0, 10.0)
+    with pytest.raises(CommError, match=r"^tp all-reduce of the logits' maximum \(logprobs\) over global ranks 0,1 "):
+        sampling.logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 2, object(), 8)

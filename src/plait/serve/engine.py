@@ -15,9 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
 from plait.distributed.job_signals import process_state
 from plait.errors import CommTimeoutError, is_timeout
 from plait.serve.metrics import Metrics
@@ -27,6 +29,7 @@ from plait.serve.scheduler import Scheduler, Seq
 from plait.serve.text import TextTracker
 
 HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often: workers stay in step
+NEXT_STEP = "broadcast of the next step from rank 0"  # the collective that starts every step, in words
 STALL_SHOWN_S = 5.0  # /health says "stalled" this long before the stalled step's collective fails (the job ends)
 
 
@@ -189,7 +192,7 @@ class Engine:
     def _broadcast(self, step: Step) -> None:
         self.last_broadcast = time.monotonic()
         if self.distributed:
-            dist.broadcast_object_list([step], src=0)
+            collective(NEXT_STEP, None, partial(dist.broadcast_object_list, [step], src=0))
 
     def _drain(self, block: bool) -> None:
         timeout = 0.05 if block else 0.0
@@ -331,7 +334,7 @@ def follow(runner: Runner) -> None:
         while True:
             phase = "waiting for rank 0's next step"
             box: list = [None]
-            dist.broadcast_object_list(box, src=0)
+            collective(NEXT_STEP, None, partial(dist.broadcast_object_list, box, src=0))
             step: Step = box[0]
             phase = "in a step's forward (its collectives)"
             runner.execute(step)

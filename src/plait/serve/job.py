@@ -130,6 +130,7 @@ def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
     import torch.distributed as dist
 
+    from plait.distributed.collectives import collective
     from plait.distributed.context import DEFAULT_TIMEOUT_S
     from plait.generation.job import load_model
     from plait.serve.engine import STALL_SHOWN_S, follow
@@ -159,7 +160,7 @@ def serve_job(payload: dict) -> None:
         # the last collective: it fails at once where a peer has died. A rank that has finished waits for its
         # launcher's word to exit, and the SIGTERM with which the launcher stops the job after a death reached
         # it while it still ignored SIGTERM (serving); without this it would wait for the launcher's SIGKILL
-        dist.barrier()
+        collective("barrier at the end of serving", None, dist.barrier)
 
 
 def _step_limit(runner, seconds: float, more: float) -> dict[int, int]:
@@ -172,8 +173,10 @@ def _step_limit(runner, seconds: float, more: float) -> dict[int, int]:
     reports the first failure, which is to be rank 0's naming the rank it waited on."""
     import torch.distributed as dist
 
+    from plait.distributed.collectives import collective
+
     pids: list = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
+    collective("all-gather of the ranks' pids", None, lambda: dist.all_gather_object(pids, os.getpid()))
     runner.ctx.set_timeout(seconds + more)
     return {r: pid for r, pid in enumerate(pids) if r != dist.get_rank()}
 

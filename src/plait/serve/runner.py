@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.devices import to_device
+from plait.errors import comm_wait
 from plait.generation.decode import Decoder
 from plait.generation.wavefront import Links, wavefront_order
 from plait.parallel_model import ParallelModel
@@ -109,11 +110,13 @@ class Runner:
         outputs = self._pipeline(rows, self.groups(rows))
         if self.ctx is None or self.src == 0:
             return outputs if self.ctx is None or self.ctx.rank == 0 else None
-        box = [outputs]
+        box, timeout_s = [outputs], self.ctx.timeout_s
         if self.ctx.rank == self.src:
-            dist.send_object_list(box, dst=0)
+            comm_wait(lambda: dist.send_object_list(box, dst=0), "sending the step's outputs to global rank 0", None,
+                      timeout_s, me="serve: the last pipeline stage")
         elif self.ctx.rank == 0:
-            dist.recv_object_list(box, src=self.src)
+            comm_wait(lambda: dist.recv_object_list(box, src=self.src), "the step's outputs", self.src, timeout_s,
+                      me="serve: rank 0")
             return box[0]
         return None
 

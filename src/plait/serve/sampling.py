@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
 from plait.generation.decode import Sampling, sample
 from plait.tensor_parallel import comms
 
@@ -102,12 +103,13 @@ def logprobs(z: torch.Tensor, targets: torch.Tensor, k: int, group, vocab: int):
         z[:, max(vocab - start, 0):] = float("-inf")
     z_max = z.max(-1).values
     if group is not None:
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        collective("tp all-reduce of the logits' maximum (logprobs)", group,
+                   lambda: dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group))
     mine = (targets >= start) & (targets < start + local)
     picked = z.gather(-1, (targets - start).clamp(0, local - 1)[:, None])[:, 0].masked_fill(~mine, 0.0)
     stats = torch.stack([(z - z_max[:, None]).exp().sum(-1), picked])  # [2, N]
     if group is not None:
-        dist.all_reduce(stats, group=group)
+        collective("tp all-reduce of the softmax sums (logprobs)", group, lambda: dist.all_reduce(stats, group=group))
     lse = z_max + stats[0].log()  # [N]
     kk = min(k, local)
     top_z, top_i = z.topk(kk, dim=-1) if kk else (z[:, :0], targets[:, None][:, :0])
