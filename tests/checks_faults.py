@@ -6,6 +6,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -130,13 +131,16 @@ def silent_at_start(done: str) -> dict:
 def dead_at_collective(where: str) -> dict:
     """Rank 1 exits where rank 0 is about to wait on it in a collective: ``tp`` (tp 2: the all-reduce of a
     row-parallel layer's forward; ``tp-pp``: the same inside a pipeline action, tp 2 x pp 2), ``dp`` (dp 2: the
-    gradient reduction at the end of the backward), ``norm``
-    (dp 2, after a whole step: the optimizer's gradient-norm all-reduce) or ``save`` (dp 2, after a whole step: the
-    barrier that starts a checkpoint), ``trace`` (pp 2: the barrier that starts a traced step) or ``full-state`` (pp 2,
-    after a whole step: ``full_state_dict``'s all-gather); rank 0 must raise a CommError naming that collective and
-    its group."""
+    gradient reduction at the end of the backward), ``norm`` (dp 2, after a whole step: the optimizer's
+    gradient-norm all-reduce), ``save`` (dp 2, after a whole step: the barrier that starts a checkpoint), ``trace``
+    (pp 2: the barrier that starts a traced step), ``full-state`` (pp 2, after a whole step: ``full_state_dict``'s
+    all-gather), ``verify`` (dp 2: the barrier that ends plait verify's comparison), ``measure`` or ``predict``
+    (dp 2: plait train's broadcast of whether to measure the host, of its prediction of the run); rank 0 must raise
+    a CommError naming that collective and its group."""
     from plait.optim import ParallelOptimizer
 
+    if where in ("verify", "measure", "predict"):
+        return _dead_in_a_command(where)
     tp, pp = {"tp": (2, 1), "tp-pp": (2, 2), "trace": (1, 2), "full-state": (1, 2)}.get(where, (1, 1))
     ctx = plait.init(tp=tp, pp=pp, dp=max(1, 2 // (tp * pp)), timeout_s=30.0)
     cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
@@ -160,6 +164,30 @@ def dead_at_collective(where: str) -> dict:
         if where == "full-state":
             pm.full_state_dict()
         opt.step()
+    except plait.CommError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
+    except RuntimeError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
+    return {"role": "waiter", "raised": None, "message": ""}
+
+
+def _dead_in_a_command(where: str) -> dict:
+    from plait.cli.predict import OFF, HostPredictor
+    from plait.parallel_model import ParallelModel
+    from plait.verify import VerifyConfig, _rank_main
+
+    try:
+        if where == "verify":  # rank 1 gone in its logits' forward, rank 0 at the barrier that ends the comparison
+            if int(os.environ["RANK"]) == 1:
+                ParallelModel.eval_step = lambda *args, **kwargs: os._exit(3)  # type: ignore[method-assign]
+            _rank_main(VerifyConfig(parallel=plait.ParallelConfig(tp=1, pp=1, dp=2, microbatches=1), n_layers=1,
+                                    dim=16, n_heads=2, n_kv_heads=1, vocab_size=32, seq_len=8, batch_size=2))
+        else:  # rank 1 gone before rank 0's word on whether to measure the host (measure) or its prediction
+            ctx = plait.init(dp=2, timeout_s=30.0)
+            if ctx.rank == 1:
+                os._exit(3)
+            run = SimpleNamespace(ctx=ctx, cfg=SimpleNamespace(cluster=None if where == "measure" else OFF))
+            HostPredictor().predict(run)  # type: ignore[arg-type]
     except plait.CommError as exc:
         return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
     except RuntimeError as exc:

@@ -22,6 +22,10 @@ from plait.errors import CommError, CommTimeoutError, collective_error, comm_wai
     ("save", "barrier before checkpoint 1's snapshot over global ranks 0,1"),
     ("trace", "pp barrier of a traced step over global ranks 0,1"),
     ("full-state", "pp all-gather of the full state over global ranks 0,1"),
+    ("verify", "barrier at the end of plait verify's comparison over global ranks 0,1"),
+    ("measure", "broadcast of whether to measure this host (rank 0's cache decides for everyone) over global "
+                "ranks 0,1"),
+    ("predict", "broadcast of rank 0's prediction of the run over global ranks 0,1"),
 ])
 def test_a_peer_dead_at_a_collective_is_named_with_the_collective(where, names):
     values = run_world(checks_faults.dead_at_collective, 4 if where == "tp-pp" else 2, where, timeout_s=120,

@@ -18,6 +18,7 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device: float32 roundi
 PRELOAD = ("torch", "plait", "plait.models", "plait.sim", "plait.verify")
 #: the layout ``plait verify`` checks when no flag says otherwise (4 local processes, 1F1B)
 VERIFY_PARALLEL = ParallelConfig(tp=2, pp=2, dp=1, microbatches=8)
+DONE = "barrier at the end of plait verify's comparison"  # every rank waits there for rank 0's result
 
 
 @dataclass
@@ -116,6 +117,7 @@ def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
     import torch.distributed as dist
 
     import plait
+    from plait.distributed.collectives import collective
     from plait.models import Llama
     from plait.sim import Costs, simulate
 
@@ -137,7 +139,7 @@ def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
     report = pm.trace_report()
     logits = pm.eval_step(inputs[local])
     if ctx.rank != 0:
-        dist.barrier()
+        collective(DONE, None, dist.barrier)
         return None
     errors = []
     for name, p in reference.named_parameters():
@@ -145,7 +147,7 @@ def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
         errors.append(TensorError(name, tuple(p.shape), max_abs, rel))
     _, logits_rel = _rel(logits, reference(inputs[local]).detach())
     sim = simulate(pm.schedule, Costs())
-    dist.barrier()
+    collective(DONE, None, dist.barrier)
     return VerifyResult(cfg, loss, ref_loss.item(), errors, logits_rel, report.measured.peak_activations,
                         sim.peak_activations, report.to_text(68))
 

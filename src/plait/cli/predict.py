@@ -111,6 +111,7 @@ def host_profile(cfg: TrainConfig, ctx):
 
     from plait.calibrate import cache_path, host_facts
     from plait.calibrate.run import measure_in_world
+    from plait.distributed.collectives import collective
 
     facts = host_facts()
     path = cache_path(facts)
@@ -118,7 +119,8 @@ def host_profile(cfg: TrainConfig, ctx):
     cached = cached_profile(path)
     need = [to_measure(cached, world)]
     if world > 1:
-        dist.broadcast_object_list(need, src=0)  # rank 0's cache decides for everyone
+        collective("broadcast of whether to measure this host (rank 0's cache decides for everyone)", None,
+                   lambda: dist.broadcast_object_list(need, src=0))
     if not need[0]:
         return cached
     if ctx.rank == 0:  # the run's first lines wait for this: say why
@@ -229,6 +231,8 @@ class HostPredictor:
         """Made on rank 0 and broadcast (the profile may be measured first, by every rank)."""
         import torch.distributed as dist
 
+        from plait.distributed.collectives import collective
+
         world = run.ctx.world_size
         on_gpu = run.cfg.cluster is None and run.ctx.device.type == "cuda"  # the same on every rank
         profile: HostProfile | Cluster | None = None
@@ -248,5 +252,6 @@ class HostPredictor:
             box[0] = Prediction(est.step_time_s, est.bubble_fraction, dict(est.phases), memory_rows(est),
                                 est.memory.total, source_of(est.cluster), speed)
         if run.ctx.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
+            collective("broadcast of rank 0's prediction of the run", None,
+                       lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
