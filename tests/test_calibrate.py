@@ -239,3 +239,35 @@ def test_calibrate_add_to_a_missing_profile_fails_before_measuring(tmp_path, mon
     assert r.exit_code == 2 and "error: --add: nothing to average with: " in r.output, r.output
     with pytest.raises(cal.ConfigError, match=r"^add=True: nothing to average with"):
         cal.calibrate((1,), out, add=True)
+
+
+def test_a_peer_dead_during_calibration_is_named_with_the_collective_it_left(monkeypatch):
+    """The calibration's agreements (rounds, barriers, slowest spans) over the world: a peer gone there is said in
+    plait's words (which collective, over which ranks, whom it lost), not in Gloo's."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.calibrate import collectives, pipeline_block, run, tp_block
+    from plait.errors import CommError
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26505. GLHF!")
+    for name in ("barrier", "broadcast", "all_reduce"):
+        monkeypatch.setattr(dist, name, closed)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)  # beyond the sections' processes below: no work
+    cpu, world = torch.device("cpu"), object()
+    for call, what in [
+        (lambda: run._probe(world, cpu), "barrier before probing the host's speed"),
+        (lambda: run._together(SimpleNamespace(calls={"mm": lambda: None}), cpu, world, 1),
+         "barrier before a kernel timed shared"),
+        (lambda: collectives.measure("all_reduce", 1024, [], 1, world, cpu), "broadcast of a collective's repetitions"),
+        (lambda: tp_block.measure((8, 8), 1, 1, False, [], world, cpu), "broadcast of a TP layer's rounds"),
+        (lambda: pipeline_block.measure(1, world, cpu), "all-reduce of the pipeline's warm-up time"),
+    ]:
+        with pytest.raises(CommError) as info:
+            call()
+        assert str(info.value) == (f"calibration's {what} over global ranks 0,1 failed (did global rank 0 die?): "
+                                   "Connection closed by peer [127.0.0.1]:26505")

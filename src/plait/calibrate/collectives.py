@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from plait.devices import synchronize
+from plait.distributed.collectives import collective
 from plait.plan.host.figures import COLLECTIVES
 from plait.tensor_parallel import comms
 
@@ -46,7 +47,8 @@ def _one(op: str, nbytes: int, group, size: int, rank_in: int, device: torch.dev
         return lambda: comms.reduce_scatter(full, 0, group)
     if op == "all_to_all":
         out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full, group=group)
+        return lambda: collective("calibration's timed all-to-all", group,
+                                  lambda: dist.all_to_all_single(out, full, group=group))
     peer = rank_in ^ 1  # p2p: pairs (0, 1), (2, 3), ... of the group, one sends and the other receives
     ranks = dist.get_process_group_ranks(group)
     if peer >= size:
@@ -72,8 +74,10 @@ def measure(op: str, nbytes: int, groups: list, processes: int, world_group, dev
         t0 = time.perf_counter()
         fn()  # every member calls it as often as the others: a collective must match on every rank
         reps[0] = max(3, min(200, int(BUDGET_S / max(time.perf_counter() - t0, 1e-6))))
-    dist.broadcast(reps, src=0, group=world_group)  # every group repeats the same number of times
-    dist.barrier(group=world_group)
+    collective("calibration's broadcast of a collective's repetitions", world_group,  # the same on every group
+               lambda: dist.broadcast(reps, src=0, group=world_group))
+    collective("calibration's barrier before a timed collective", world_group,
+               lambda: dist.barrier(group=world_group))
     elapsed = 0.0
     if fn is not None:
         t0 = time.perf_counter()
@@ -82,7 +86,8 @@ def measure(op: str, nbytes: int, groups: list, processes: int, world_group, dev
         synchronize(device)
         elapsed = (time.perf_counter() - t0) / int(reps[0])
     worst = torch.tensor([elapsed], device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=world_group)
+    collective("calibration's all-reduce of a timed collective's slowest time", world_group,
+               lambda: dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=world_group))
     return float(worst[0])
 
 

@@ -22,10 +22,12 @@ Both are the section's span (the slowest rank's). ``plan.estimate.handoff`` find
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
 from plait.plan.host import shapes
 
 MICROBATCHES = shapes.PIPELINE_CALIBRATION_MICROBATCHES
@@ -104,16 +106,19 @@ def measure(processes: int, world_group, device: torch.device, budget: float = B
         for fn in parts:  # warm-up (and the pairs' connections)
             fn()
     elapsed = torch.tensor([time.perf_counter() - t0], device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world_group)  # every rank: the same round count
+    collective("calibration's all-reduce of the pipeline's warm-up time", world_group,  # the same rounds everywhere
+               lambda: dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=world_group))
     rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / max(float(elapsed[0]), 1e-6))))
     spent = torch.zeros(2, dtype=torch.float64, device=device)
     for _ in range(rounds):
         for i in range(2):
-            dist.barrier(group=world_group)  # the whole section starts the part together
+            collective("calibration's barrier before a timed pipeline", world_group,  # the section starts together
+                       lambda: dist.barrier(group=world_group))
             t0 = time.perf_counter()
             if parts is not None:
                 parts[i]()
             span = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-            dist.all_reduce(span, op=dist.ReduceOp.MAX, group=world_group)
+            collective("calibration's all-reduce of a timed pipeline's span", world_group,
+                       partial(dist.all_reduce, span, op=dist.ReduceOp.MAX, group=world_group))
             spent[i] += span[0]
     return float(spent[0]) / rounds, float(spent[1]) / rounds

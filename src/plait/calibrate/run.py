@@ -7,6 +7,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from plait.calibrate import collectives as coll
 from plait.calibrate import kernels as k
 from plait.calibrate import pipeline_block, tp_block, usable_cores
 from plait.devices import synchronize
+from plait.distributed.collectives import collective
 from plait.distributed.context import default_device, ensure_default_group
 from plait.plan.host import shapes
 from plait.plan.host.figures import BLOCK, COLLECTIVES, LAYER, SELECTIVE, Curve, Rate, TPBlock
@@ -115,12 +117,13 @@ def paired(device: torch.device, group) -> Measure:
         shared: k.Rounds = []
         for _ in range(PAIRS):
             count = torch.zeros(1, dtype=torch.int64, device=device)
-            dist.barrier(group=group)
+            collective("calibration's barrier before a kernel timed alone", group, lambda: dist.barrier(group=group))
             if rank == 0:
                 mine = k.time_rounds(kernel, device, kernel.budget / PAIRS, 2)
                 alone += mine
                 count += (len(mine) + 1) // 2
-            dist.broadcast(count, src=0, group=group)
+            collective("calibration's broadcast of a kernel's shared rounds", group,
+                       partial(dist.broadcast, count, src=0, group=group))
             shared.append(_together(kernel, device, group, int(count.item())))
         together = kernel.figure(shared, min)
         return (kernel.figure(alone, statistics.median) if rank == 0 else together), together  # only 0 timed alone
@@ -134,14 +137,15 @@ def _together(kernel: k.Kernel, device: torch.device, group, rounds: int) -> dic
     out: dict[str, float] = {}
     for name, call in kernel.calls.items():
         parts: dict[str, float] = {}
-        dist.barrier(group=group)
+        collective("calibration's barrier before a kernel timed shared", group, lambda: dist.barrier(group=group))
         t0 = time.perf_counter()
         for _ in range(rounds):
             for part, seconds in (call() or {}).items():
                 parts[part] = parts.get(part, 0.0) + seconds
         synchronize(device)
         span = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(span, op=dist.ReduceOp.MAX, group=group)
+        collective("calibration's all-reduce of a shared kernel's span", group,
+                   partial(dist.all_reduce, span, op=dist.ReduceOp.MAX, group=group))
         out[name] = float(span.item()) / rounds
         out.update({part: seconds / rounds for part, seconds in parts.items()})
     return out
@@ -172,9 +176,11 @@ def _rates(alone: dict, shared: dict) -> dict[str, Rate]:
 def _probe(world_group, device: torch.device) -> float:
     """The host's speed now (``kernels.reference_rate``) on rank 0 while every other rank waits (collective);
     0.0 on the other ranks."""
-    dist.barrier(group=world_group)
+    collective("calibration's barrier before probing the host's speed", world_group,
+               lambda: dist.barrier(group=world_group))
     rate = k.reference_rate(device) if dist.get_rank() == 0 else 0.0
-    dist.barrier(group=world_group)
+    collective("calibration's barrier after probing the host's speed", world_group,
+               lambda: dist.barrier(group=world_group))
     return rate
 
 
@@ -195,7 +201,8 @@ def measure_section(p: int, groups: dict, world_group, device: torch.device, tic
     if rank < p:
         measure = _alone(device) if p == 1 else paired(device, groups[(p, p)][0])
         figures = _kernels(device, quiet, measure, quick)
-    dist.barrier(group=world_group)
+    collective("calibration's barrier before timing the optimizer step", world_group,
+               lambda: dist.barrier(group=world_group))
     optimizer = k.optimizer_times(device) if rank == 0 else (0.0, 0.0)
     quiet("optimizer step")
     probes.append(_probe(world_group, device))

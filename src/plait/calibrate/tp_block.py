@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from plait.calibrate import collectives as coll
 from plait.devices import synchronize
+from plait.distributed.collectives import collective
 from plait.plan.host import shapes
 from plait.plan.model import llama_ffn
 
@@ -105,11 +106,13 @@ def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: li
             fn()
         per_round = calls * max(time.perf_counter() - t0, 1e-6)
         rounds[0] = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / per_round)))
-    dist.broadcast(rounds, src=0, group=world_group)  # every member runs each part as often as its peers
+    collective("calibration's broadcast of a TP layer's rounds", world_group,  # each part as often on every member
+               lambda: dist.broadcast(rounds, src=0, group=world_group))
     spent = [0.0, 0.0]
     for _ in range(int(rounds[0])):
         for i in range(2):
-            dist.barrier(group=world_group)  # the whole section starts the part together
+            collective("calibration's barrier before a timed TP layer", world_group,  # the section starts together
+                       lambda: dist.barrier(group=world_group))
             if parts is not None:
                 t0 = time.perf_counter()
                 for _ in range(calls):
@@ -117,7 +120,8 @@ def measure(shape: tuple[int, ...], processes: int, g: int, sp: bool, groups: li
                 spent[i] += time.perf_counter() - t0
     total = int(rounds[0]) * calls
     out = torch.tensor([spent[0] / total, spent[1] / total], device=device)  # means: see kernels.timed
-    dist.all_reduce(out, group=world_group)
+    collective("calibration's all-reduce of a TP layer's times", world_group,
+               lambda: dist.all_reduce(out, group=world_group))
     return float(out[0]) / processes, float(out[1]) / processes
 
 
