@@ -37,6 +37,31 @@ def test_a_peer_dead_at_a_collective_is_named_with_the_collective(where, names):
     assert "global rank 1 " in message and "\n" not in message, message
 
 
+def test_a_peer_dead_at_the_vocabulary_parallel_loss_is_named_with_it(monkeypatch):
+    """The loss of TP-sharded logits all-reduces their maximum, then the softmax sums, over the TP group."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26505. GLHF!")
+    monkeypatch.setattr(dist, "all_reduce", closed)
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    ctx = SimpleNamespace(tp_size=2, tp_group=object(), tp_rank=0)
+    with pytest.raises(CommError) as info:
+        vocab_parallel_cross_entropy(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), ctx)  # type: ignore[arg-type]
+    assert str(info.value) == ("tp all-reduce of the logits' maximum (vocabulary-parallel loss) over global ranks 0,1 "
+                               "failed (did global rank 1 die?): Connection closed by peer [127.0.0.1]:26505")
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: calls.append(1) if not calls else closed())
+    with pytest.raises(CommError, match=r"^tp all-reduce of the softmax sums \(vocabulary-parallel loss\) over "):
+        vocab_parallel_cross_entropy(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), ctx)  # type: ignore[arg-type]
+
+
 def test_a_collective_error_says_what_timed_out_or_failed_and_whom_it_lost():
     gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                         "[127.0.0.1]:38061: Connection reset by peer. This is typically caused by a remote worker "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
 from plait.tensor_parallel import comms
 
@@ -23,7 +24,8 @@ class _VocabParallelCE(torch.autograd.Function):
             z[:, pad_from:] = float("-inf")
         z_max = z.max(dim=-1).values
         if group is not None:
-            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+            collective("tp all-reduce of the logits' maximum (vocabulary-parallel loss)", group,
+                       lambda: dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group))
         z = z - z_max.unsqueeze(-1)  # [N, V/t], <= 0
         ignored = targets == ignore_index
         local_t = targets - vocab_start
@@ -33,7 +35,8 @@ class _VocabParallelCE(torch.autograd.Function):
         exp_z = z.exp()
         stats = torch.stack([exp_z.sum(dim=-1), picked])  # [2, N]: one all-reduce for both sums
         if group is not None:
-            dist.all_reduce(stats, group=group)
+            collective("tp all-reduce of the softmax sums (vocabulary-parallel loss)", group,
+                       lambda: dist.all_reduce(stats, group=group))
         sum_exp, target_logit = stats[0], stats[1]
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)  # [N]
         ctx.save_for_backward(exp_z.div_(sum_exp.unsqueeze(-1)), local_t, outside, ignored)
