@@ -242,8 +242,8 @@ def test_calibrate_add_to_a_missing_profile_fails_before_measuring(tmp_path, mon
 
 
 def test_a_peer_dead_during_calibration_is_named_with_the_collective_it_left(monkeypatch):
-    """The calibration's agreements (rounds, barriers, slowest spans) over the world: a peer gone there is said in
-    plait's words (which collective, over which ranks, whom it lost), not in Gloo's."""
+    """The calibration's agreements (rounds, barriers, slowest spans) over the world: a peer gone at any of them
+    is said in plait's words (which collective, over which ranks, whom it lost), not in Gloo's."""
     from types import SimpleNamespace
 
     import torch
@@ -252,22 +252,42 @@ def test_a_peer_dead_during_calibration_is_named_with_the_collective_it_left(mon
     from plait.calibrate import collectives, pipeline_block, run, tp_block
     from plait.errors import CommError
 
-    def closed(*args, **kwargs):
-        raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26505. GLHF!")
-    for name in ("barrier", "broadcast", "all_reduce"):
-        monkeypatch.setattr(dist, name, closed)
+    def failing_at(n: int):
+        """A collective that works (its tensor becomes ones) ``n`` times, then fails as a closed peer's does."""
+        calls = []
+
+        def op(tensor=None, *args, **kwargs):
+            calls.append(1)
+            if len(calls) > n:
+                raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26505. "
+                                   "GLHF!")
+            if isinstance(tensor, torch.Tensor):
+                tensor.fill_(1)
+        return op
+
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [0, 1])
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)  # beyond the sections' processes below: no work
     cpu, world = torch.device("cpu"), object()
-    for call, what in [
-        (lambda: run._probe(world, cpu), "barrier before probing the host's speed"),
+    for call, said in [
+        (lambda: run._probe(world, cpu), ["barrier before probing the host's speed",
+                                          "barrier after probing the host's speed"]),
         (lambda: run._together(SimpleNamespace(calls={"mm": lambda: None}), cpu, world, 1),
-         "barrier before a kernel timed shared"),
-        (lambda: collectives.measure("all_reduce", 1024, [], 1, world, cpu), "broadcast of a collective's repetitions"),
-        (lambda: tp_block.measure((8, 8), 1, 1, False, [], world, cpu), "broadcast of a TP layer's rounds"),
-        (lambda: pipeline_block.measure(1, world, cpu), "all-reduce of the pipeline's warm-up time"),
+         ["barrier before a kernel timed shared", "all-reduce of a shared kernel's span"]),
+        (lambda: collectives.measure("all_reduce", 1024, [], 1, world, cpu),
+         ["broadcast of a collective's repetitions", "barrier before a timed collective",
+          "all-reduce of a timed collective's slowest time"]),
+        (lambda: tp_block.measure((8, 8), 1, 1, False, [], world, cpu),  # one round (the broadcast's)
+         ["broadcast of a TP layer's rounds"] + ["barrier before a timed TP layer"] * 2 + [
+          "all-reduce of a TP layer's times"]),
+        (lambda: pipeline_block.measure(1, world, cpu, budget=1e-9),  # its fewest rounds: the first fails
+         ["all-reduce of the pipeline's warm-up time", "barrier before a timed pipeline",
+          "all-reduce of a timed pipeline's span"]),
     ]:
-        with pytest.raises(CommError) as info:
-            call()
-        assert str(info.value) == (f"calibration's {what} over global ranks 0,1 failed (did global rank 0 die?): "
-                                   "Connection closed by peer [127.0.0.1]:26505")
+        for n, what in enumerate(said):
+            op = failing_at(n)  # the n-th collective of the call fails
+            for name in ("barrier", "broadcast", "all_reduce"):
+                monkeypatch.setattr(dist, name, op)
+            with pytest.raises(CommError) as info:
+                call()
+            assert str(info.value) == (f"calibration's {what} over global ranks 0,1 failed (did global rank 0 die?): "
+                                       "Connection closed by peer [127.0.0.1]:26505")
