@@ -191,3 +191,7 @@ def test_a_peer_dead_at_a_serving_collective_is_named_with_it_not_in_gloos_words
         job._step_limit(None, 3.0, 10.0)
     with pytest.raises(CommError, match=r"^tp all-reduce of the logits' maximum \(logprobs\) over global ranks 0,1 "):
         sampling.logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 2, object(), 8)
+    calls: list = []  # the maximum's all-reduce works, the sums' fails
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: calls.append(1) if not calls else closed())
+    with pytest.raises(CommError, match=r"^tp all-reduce of the softmax sums \(logprobs\) over global ranks 0,1 "):
+        sampling.logprobs(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 2, object(), 8)
