@@ -44,34 +44,57 @@ def test_memory_prediction_counts_plaits_tensors():
     assert m.activations == pytest.approx(4 * per_layer + tables + head + 2 * 512 * 4, rel=1e-6)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_predicted_memory_of_a_qwen3_folder_counts_its_head_norms(tmp_path, precision):
-    """``plait train`` of a tiny Qwen3 folder (one process, in this one): the planner's prediction (as --dry-run
-    makes it) of the parameters and of the activations' peak is what ``pm.memory_report()`` measured on the first
-    step, within 1% as for the other runs: the family's adapter tells the planner of the RMSNorm over each head of
-    q and k (``Family.plan_fields``), whose input, normalised values and rsqrt the layer saves (without them the
-    count is 13-15% short here)."""
-    import torch
-
+def first_step_memory(tmp_path, model: str, **fields) -> tuple[dict, dict]:
+    """``plait train`` of ``model`` (one process, in this one, 2 x 128 tokens) with ``fields``: what
+    ``pm.memory_report()`` measured on the first step, and the planner's prediction as --dry-run makes it."""
     import plait
     from plait.cli.predict import memory_rows, predict
-    from plait.models import Qwen3, Qwen3Config
     from plait.train import TrainConfig
     from plait.train.loop import build, train_one
 
-    torch.manual_seed(0)
-    Qwen3(Qwen3Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)).save_pretrained(
-        tmp_path / "qwen3")
-    cfg = TrainConfig.from_dict(dict(model=str(tmp_path / "qwen3"), seq_len=128, batch_size=2, microbatches=1, steps=1,
-                                     eval_every=0, sample_tokens=0, trace_every=0, max_data_mb=0.1, tp=1, pp=1, dp=1,
-                                     precision=precision, checkpoint_dir=str(tmp_path / "ck"), cluster="none"))
+    cfg = TrainConfig.from_dict(dict(model=model, seq_len=128, batch_size=2, microbatches=1, steps=1, eval_every=0,
+                                     sample_tokens=0, trace_every=0, max_data_mb=0.1, tp=1, pp=1, dp=1,
+                                     checkpoint_dir=str(tmp_path / "ck"), cluster="none", **fields))
     with plait.init(1, 1, 1) as ctx:
         run = build(cfg, ctx)
         train_one(run, 0, False)
         measured = run.pm.memory_report()
     (predicted,) = memory_rows(predict(cfg, synthetic_profile(counts=(1,)), 1))
-    for kind in ("params", "grads", "optimizer", "activations_peak") if precision == "fp32" else ("activations_peak",):
+    return measured, predicted
+
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations_peak")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_predicted_memory_of_a_qwen3_folder_counts_its_head_norms(tmp_path, precision):
+    """``plait train`` of a tiny Qwen3 folder: the planner's prediction of the parameters and of the activations'
+    peak is what ``pm.memory_report()`` measured on the first step, within 1% as for the other runs: the family's
+    adapter tells the planner of the RMSNorm over each head of q and k (``Family.plan_fields``), whose input,
+    normalised values and rsqrt the layer saves (without them the count is 13-15% short here)."""
+    import torch
+
+    from plait.models import Qwen3, Qwen3Config
+
+    torch.manual_seed(0)
+    Qwen3(Qwen3Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)).save_pretrained(
+        tmp_path / "qwen3")
+    measured, predicted = first_step_memory(tmp_path, str(tmp_path / "qwen3"), precision=precision)
+    for kind in MEMORY_KINDS:
         assert measured[kind] == pytest.approx(predicted[kind], rel=0.01), (kind, measured[kind], predicted[kind])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_predicted_memory_of_bf16_training_is_what_plait_optim_keeps(tmp_path, zero):
+    """bf16 as plait.optim runs it: without ZeRO the float32 parameters are their own masters (4 B of weights,
+    8 B of moments a parameter; each step computes with a bf16 copy), under ZeRO-1 the parameters are stored in
+    bf16 beside the float32 masters of the owned shard (2 B, and 12 B over dp). The prediction
+    (``Training.masters``) equals ``pm.memory_report()`` within 1% in both; Megatron-LM's count (2 + 12 B at
+    every stage), which ``plait plan`` keeps for the published runs, is 2 B a parameter off without ZeRO."""
+    measured, predicted = first_step_memory(tmp_path, "tiny", precision="bf16", zero=zero)
+    for kind in MEMORY_KINDS:
+        assert measured[kind] == pytest.approx(predicted[kind], rel=0.01), (kind, measured[kind], predicted[kind])
+    assert measured["params"] == pytest.approx(measured["grads"] / (1 if zero == 0 else 2))
 
 
 @pytest.fixture(scope="module")

@@ -59,10 +59,12 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     ``validate`` accepts, and one line saying what was chosen. ConfigError if none does."""
     from plait.plan import Training, search
     from plait.plan.eager import RUNTIME_ELEMENTWISE
+    from plait.plan.optimizers import RUNTIME_MASTERS
 
     cluster, source = planning_cluster(cfg, world)
     model = plan_model(cfg)
-    training = Training(cfg.batch_size, precision=cfg.parallel.precision, elementwise=RUNTIME_ELEMENTWISE)
+    training = Training(cfg.batch_size, precision=cfg.parallel.precision, elementwise=RUNTIME_ELEMENTWISE,
+                        masters=RUNTIME_MASTERS)
     result = search(model, cluster, training, top=20)
     reasons = []
     for est in result.best:

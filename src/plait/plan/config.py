@@ -13,7 +13,7 @@ from plait.plan import experts
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
-from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
+from plait.plan.optimizers import MASTERS, OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
@@ -111,9 +111,7 @@ class Layout:
         Without a pipeline the schedule only orders gradient accumulation: it is costed as 1F1B; sequence
         parallelism needs tp > 1 to change anything."""
         par = parallel
-        schedule, virtual = par.schedule, par.pipeline_schedule().virtual
-        if par.pp == 1:
-            schedule, virtual = "1f1b", 1
+        schedule, virtual = (par.schedule, par.pipeline_schedule().virtual) if par.pp > 1 else ("1f1b", 1)
         return cls(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, cp_comm=par.cp_comm, ep=par.ep,
                    expert_tp=par.expert_tp and par.tp > 1, virtual_stages=virtual, microbatch_size=microbatch_size,
                    sequence_parallel=par.sequence_parallel and par.tp > 1, recompute=par.recompute, zero=par.zero,
@@ -224,12 +222,13 @@ class Training:
     """A training workload: ``global_batch`` sequences per optimizer step. ``overlap_grad_reduce``: DP gradient
     reduction overlaps the last micro-batch's backward, chunk by chunk under an interleaved schedule
     (``plan.overlap.exposed_tail``; on GPUs: a calibrated host's cores are all computing then,
-    ``CostModel.hidden_reduction``). ``precision``: "bf16" (mixed precision: bf16 weights and activations, fp32
-    gradients, master weights and moments) or "fp32" (everything fp32, ``plait train``'s default)."""
+    ``CostModel.hidden_reduction``). ``precision``: "bf16" (mixed precision: bf16 compute, fp32 gradients and
+    moments, fp32 masters kept as ``masters`` says) or "fp32" (everything fp32, ``plait train``'s default)."""
 
     global_batch: int
     overlap_grad_reduce: bool = True
     precision: str = "bf16"
+    masters: str = "apart"  # where a bf16 run keeps its fp32 master weights: ``plan.optimizers.MASTERS``
     grad_dtype: str = RUNTIME_GRAD_DTYPE
     """The dtype the costed stack keeps its gradients in and reduces them in over data parallelism: "fp32"
     (plait's runtime, Megatron-LM with bf16, torchtitan's FSDP2), "bf16" or "fp16" (2 bytes alike: a
@@ -331,7 +330,7 @@ class Training:
                               ("optimizer", tuple(OPTIMIZERS)), ("tied_grad_sum", TIED_GRAD_SUMS),
                               ("zero3_impl", ZERO3_IMPLS), ("grad_accumulation", tuple(ACCUMULATIONS)),
                               ("selective_policy", SELECTIVE_POLICIES), ("loss", LOSSES),
-                              ("elementwise", ELEMENTWISE)):
+                              ("elementwise", ELEMENTWISE), ("masters", MASTERS)):
             if getattr(self, name) not in choices:
                 raise FieldError(name, getattr(self, name), f"not one of {', '.join(choices)}")
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()

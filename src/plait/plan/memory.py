@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from plait.plan import experts
 from plait.plan.config import GRAD_DTYPES, Layout, Training
 from plait.plan.model import Model
+from plait.plan.optimizers import RUNTIME_MASTERS
 from plait.plan.stages import layout_stages, stages
 
 if TYPE_CHECKING:
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 # Bytes per parameter of (weights, gradients, optimizer state). "bf16": mixed-precision Adam as Megatron-LM
 # runs it (Micikevicius et al. 2018; Rajbhandari et al. 2020, "ZeRO", §3.1): bf16 weights (2 B), fp32
 # gradient accumulators (4 B, main_grad), fp32 master weights and two fp32 moments (12 B). "fp32": plait
-# train's default, fp32 weights (the masters themselves) and gradients and AdamW's two moments (8 B).
+# train's default, fp32 weights (the masters themselves) and gradients and AdamW's two moments (8 B). plait's own
+# bf16 runs keep fp32 weights without ZeRO (``Training.masters``, ``state_bytes``).
 # ZeRO-1 shards the optimizer state (12 B ÷ d with bf16, masters included; 8 B ÷ d with fp32), ZeRO-2 also
 # the gradients left after the step, ZeRO-3 also the weights, over the data-parallel (× context-parallel)
 # group. ZeRO-2 reduce-scatters once per step, at each chunk's last backward (plait's runtime; see
@@ -222,7 +224,7 @@ def max_rank_params(model: Model, layout: Layout) -> float:
 
 
 def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bool,
-                precision: str = "bf16", grad_dtype: str = "fp32") -> tuple[float, ...]:
+                precision: str = "bf16", grad_dtype: str = "fp32", masters: str = "apart") -> tuple[float, ...]:
     """(weights, grads, optimizer) bytes of one GPU, with ZeRO sharding over dp·cp (experts over the ranks that
     hold them, ``experts.dp_group``); gradients below ZeRO-3 in
     ``grad_dtype`` (``Training.grad_dtype``). ZeRO-3 as plait runs it keeps one float32 shard of the weights,
@@ -230,11 +232,13 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
     moments per owned element in either precision (``data_parallel.param_shards``). 16 B an owned element is
     also what ZeRO-3 with a 16-bit gradient keeps (2 + 2 + 12: Rajbhandari et al. 2020, Figure 1's P_os+g+p)
     and what FSDP keeps whatever its ``reduce_dtype`` (its sharded gradient takes the float32 shard's dtype),
-    so ``grad_dtype`` changes only ZeRO-3's traffic (``plan.step_end``)."""
+    so ``grad_dtype`` changes only ZeRO-3's traffic (``plan.step_end``). bf16 without ZeRO as plait's runtime
+    runs it (``masters="plait"``, ``Training.masters``) keeps float32 parameters, their own masters: 4 + 4 + 8 B."""
     dense, expert = rank_params(model, layout, layers, first, last)
     group = layout.dp * layout.cp
     eg = experts.dp_group(layout) if model.is_moe else 1  # the ranks holding the same experts
-    w, g, o = STATE_BYTES[precision] if layout.zero < 3 else (4, 4, 8)
+    plait_replicated = precision == "bf16" and masters == RUNTIME_MASTERS and layout.zero == 0
+    w, g, o = STATE_BYTES[precision] if layout.zero < 3 and not plait_replicated else (4, 4, 8)
     if layout.zero < 3:
         g = GRAD_DTYPES[grad_dtype]
 
@@ -246,7 +250,7 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
 
 def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float], acts: ActivationModel,
                 precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32",
-                zero3_impl: str = "plait") -> list[Memory]:
+                zero3_impl: str = "plait", masters: str = "apart") -> list[Memory]:
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``, of the chunks' bytes in ``acts``: ``activations``),
     its working set and shared tensors added once.
@@ -262,7 +266,8 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     micro-batch holds no gradient at the peak: its train loop frees the gradients before each forward
     (pytorch/torchtitan train.py at 9dec370: ``optimizers.zero_grad()``, torch's ``set_to_none=True``) and FSDP2
     sets each block's sharded gradient only at that block's post-backward reduce-scatter (``foreach_reduce``),
-    after the loss's backward, where the activations peak; the shards are ``grads_after_step``."""
+    after the loss's backward, where the activations peak; the shards are ``grads_after_step``. ``masters``:
+    ``Training.masters``."""
     st = layout_stages(model, layout)
     usable = cluster.usable_memory
     full_at_peak = layout.zero == 2 and microbatches > 1
@@ -270,12 +275,12 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     out = []
     for r, layers in enumerate(st.rank_layers):
         first, last = r == st.first_rank, r == st.last_rank
-        w, g, o = state_bytes(model, layout, layers, first, last, precision, grad_dtype)
+        w, g, o = state_bytes(model, layout, layers, first, last, precision, grad_dtype, masters)
         after = g if layout.zero >= 2 else None
         if none_at_peak:
             g = 0.0
         if full_at_peak:
-            g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision, grad_dtype)[1]
+            g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision, grad_dtype, masters)[1]
         act = peak[r] + acts.shared + acts.working
         out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working, after))
     return out

@@ -93,3 +93,13 @@ OPTIMIZERS: dict[str, OptimizerTraffic] = {
 }
 #: the implementation plait's runtime runs (``plait.optim.build_optimizer``)
 RUNTIME_OPTIMIZER = "torch-fused-adamw"
+
+#: Where a bf16 run keeps its float32 master weights (``Training.masters``; fp32 runs and ZeRO-3, whose float32
+#: shards are the masters, alike either way), which sets the weights' and the optimizer state's bytes
+#: (``plan.memory.state_bytes``): "apart", mixed-precision Adam as Megatron-LM runs it (bf16 weights beside
+#: float32 masters and moments at every ZeRO stage: 2 + 12 B a parameter, the 12 sharded under ZeRO-1/2), or
+#: "plait", plait's runtime (``plait.optim``): without ZeRO the float32 parameters are their own masters and each
+#: step computes with a bf16 copy (4 + 8 B); under ZeRO-1/2 the parameters are stored in bf16 beside the float32
+#: masters of the owned shard (2 + 12/d B). ``plan.runs.train_layout`` plans ``plait train`` with "plait".
+MASTERS = ("apart", "plait")
+RUNTIME_MASTERS = "plait"

@@ -9,15 +9,18 @@ from plait.plan.eager import RUNTIME_ELEMENTWISE
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.host.profile import HostProfile
 from plait.plan.model import Model
+from plait.plan.optimizers import RUNTIME_MASTERS
 
 
 def train_layout(parallel: ParallelConfig, batch_size: int) -> tuple[Layout, Training]:
     """The planner's Layout and Training of a ``plait train`` run (``parallel`` resolved: dp known;
     ``batch_size`` sequences over dp replicas, each cut into its micro-batches; ``Layout.from_parallel_config``),
-    its element-wise kernels plait's own eager ones (``plan.eager``)."""
+    its element-wise kernels plait's own eager ones (``plan.eager``), its master weights where plait.optim keeps
+    them (``Training.masters``)."""
     m = parallel.num_microbatches
     layout = Layout.from_parallel_config(parallel, max(1, batch_size // (parallel.dp * m)))
-    return layout, Training(batch_size, precision=parallel.precision, elementwise=RUNTIME_ELEMENTWISE)
+    return layout, Training(batch_size, precision=parallel.precision, elementwise=RUNTIME_ELEMENTWISE,
+                            masters=RUNTIME_MASTERS)
 
 
 def predict_train(model: Model, profile: HostProfile | Cluster, layout: Layout, training: Training) -> Estimate:

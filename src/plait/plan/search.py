@@ -152,7 +152,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
                                      expert)
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision,
-                                 training.grad_dtype))
+                                 training.grad_dtype, training.masters))
     acts = mem.activations(cluster, model, layout, training)
     first = acts.chunk(st.chunk_layers[0], True, len(st.chunk_layers) == 1)
     return seconds, states + min(layout.pp, m) * first
