@@ -106,8 +106,12 @@ class DecoderFamily(Family):
             model.lm_head.weight = model.embed_tokens.weight  # the same (vocabulary-sharded) parameter
 
     def plan_fields(self, config: Any) -> dict[str, Any]:
-        """With ``qk_norm``, ``Attention.heads`` runs an RMSNorm over each head of q and of k."""
-        return {"head_norms": ("q", "k")} if config.qk_norm else {}
+        """With ``qk_norm``, ``Attention.heads`` runs an RMSNorm over each head of q and of k; with a
+        ``sliding_window``, the attention takes the window's mask (``llama.window_mask``)."""
+        fields: dict[str, Any] = {"head_norms": ("q", "k")} if config.qk_norm else {}
+        if config.sliding_window is not None:
+            fields["sliding_window"] = config.sliding_window
+        return fields
 
     def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         rule = getattr(self.model_class, "initial_tensor", None)

@@ -33,6 +33,9 @@ class Model:
     (``plait.models.family.Family.plan_fields``); the planner counts their weights and what they save.
     ``context``: the longest sequence the model itself takes (its ``max_seq_len`` or ``max_position_embeddings``)
     where its config says it; None where not known (the published presets: ``seq_len`` is what they trained at).
+    ``sliding_window``: each query attends to at most this many keys, itself included (Mistral's window; None:
+    plain causal attention). The attention then takes a mask of every query and key, which it saves for the
+    backward; the model's family says so (``Family.plan_fields``) and the planner counts the mask.
     """
 
     n_layers: int
@@ -55,6 +58,7 @@ class Model:
     expert_capacity: float = 1.0
     head_norms: tuple[str, ...] = ()
     context: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k", "ffn_hidden",
@@ -70,6 +74,8 @@ class Model:
             raise FieldError("top_k", self.top_k, "must be at most {n_experts}", {"n_experts": self.n_experts})
         if not set(self.head_norms) <= set(HEAD_NORMS) or len(set(self.head_norms)) != len(self.head_norms):
             raise ConfigError(f"head_norms: {self.head_norms!r}; valid: distinct names of {', '.join(HEAD_NORMS)}")
+        if self.sliding_window is not None and not (type(self.sliding_window) is int and self.sliding_window >= 1):
+            raise FieldError("sliding_window", self.sliding_window, "must be a positive integer (or None: causal)")
         if not self.expert_capacity > 0:
             raise ConfigError(f"expert_capacity: must be positive (1: balanced routing), got {self.expert_capacity!r}")
 

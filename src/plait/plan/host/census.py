@@ -18,6 +18,8 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
 * attention: Q after RoPE, K and V as SDPA receives them (``K`` each: grouped-query attention shares them
   inside SDPA, never repeated), its output ``Q`` (which is also
   the output projection's input), its log-sum-exp ``T·heads`` (float32);
+* a sliding window (``Model.sliding_window``): its ``s·s`` mask, which SDPA keeps as an additive mask in the
+  compute dtype (under selective recomputation the core's checkpoint keeps the boolean one);
 * RoPE's cos and sin tables ``2·s·d``, once per rank: the model's layers share them (plait.models.rotary),
   so every layer and micro-batch of a step saves the same two tensors;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
@@ -80,6 +82,7 @@ class Local:
     expert_split: bool = False  # each expert split over TP (plan.experts.split), else whole experts
     received: float = 1.0  # the rows its experts receive, times balanced routing's (plan.experts.received)
     head_norms: tuple[str, ...] = ()  # the projections ("q", "k") whose heads an RMSNorm normalises
+    window: bool = False  # the attention takes a sliding window's mask (``Model.sliding_window``)
 
     @property
     def n(self) -> float:
@@ -125,7 +128,7 @@ def local(model: Model, layout: Layout) -> Local:
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
                  layout.recompute != "full", model.n_experts, model.top_k, layout.ep, plan_experts.split(layout),
-                 plan_experts.received(model, layout), model.head_norms)
+                 plan_experts.received(model, layout), model.head_norms, model.sliding_window is not None)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -152,7 +155,7 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
         attention = _cp_attention_saved(sh, dtype_bytes)
     else:
         lse = 0.0 if selective else sh.tokens * sh.heads * 4 / dtype_bytes  # float32
-        attention = sh.q + 2 * sh.k + sh.q + lse
+        attention = sh.q + 2 * sh.k + sh.q + lse + (_window_mask_saved(sh, dtype_bytes, selective) if sh.window else 0)
     norms = _norm_saved(sh, dtype_bytes, sh.region_kept)  # the attention's input
     norms += _norm_saved(sh, dtype_bytes, sh.n if sh.moe else sh.region_kept)  # the MLP's
     # the MLP's 4 F (an MoE layer's experts on the rows they receive), an MoE layer's router and dispatch
@@ -168,6 +171,13 @@ def _head_norm_saved(sh: Local, dtype_bytes: int, name: str) -> float:
     fp32 = 4 / dtype_bytes
     n, heads = (sh.q, sh.heads) if name == "q" else (sh.k, sh.kv_heads)
     return n * fp32 + n + sh.tokens * heads * fp32
+
+
+def _window_mask_saved(sh: Local, dtype_bytes: int, selective: bool) -> float:
+    """A sliding window's mask (plait.models.llama ``window_mask``: one boolean per query and key, [s, s], made
+    per layer and micro-batch): SDPA turns it into an additive mask in the compute dtype and keeps that; under
+    selective recomputation the checkpointed core keeps the boolean mask it was given (1 B each) instead."""
+    return sh.seq * sh.seq / (dtype_bytes if selective else 1)
 
 
 def _cp_attention_saved(sh: Local, dtype_bytes: int) -> float:
