@@ -21,7 +21,8 @@ LEFT_OUT = {"run_all.py": "this runner", "pipeline_floor.py": "the workload pipe
             "gpu_check.py": "needs a GPU: make gpu-check", "gpu_check_serve.py": "gpu_check.py's serve section",
             "gpu_check_gemm.py": "gpu_check.py's gemm section",
             "gpu_check_elementwise.py": "gpu_check.py's elementwise section",
-            "gpu_check_memory.py": "gpu_check.py's memory check (train and predict sections)"}
+            "gpu_check_memory.py": "gpu_check.py's memory check (train and predict sections)",
+            "gpu_check_generate.py": "gpu_check.py's generate section"}
 
 
 def main() -> int:
