@@ -330,14 +330,14 @@ def test_bloom_search_rows_reproduce_their_printed_tflops():
 
 
 def test_bloom_rings_cross_a_node_through_one_omnipath_hfi_at_its_measured_rate():
-    """BigScience's Omni-Path nodes as NCCL ran on them (``published.OMNIPATH``): one communicator's ring crosses a
+    """BigScience's Omni-Path nodes as NCCL ran on them (``published_bloom.OMNIPATH``): one ring crosses a
     node through one HFI per direction at the 40.54 Gb/s its benchmark measured, whatever its members there, and the
     node's eight GPUs share its four HFIs. Per rank, as the ring formulas see it (latency taken out by two sizes): a
     DP ring of one GPU per node (TP 8) half an HFI, of four per node (TP 2) one HFI (not four GPUs' shares), the
     benchmark's 32 ranks on 4 nodes one HFI, its measured bus bandwidth; DGX rails keep a NIC per member."""
     from plait.plan import Cluster
     from plait.plan.catalogue import LINK_EFFICIENCY, get_interconnect
-    from plait.plan.published import OMNIPATH
+    from plait.plan.published_bloom import OMNIPATH
 
     def per_rank(cluster: Cluster, n: int, span: int) -> float:
         t = [cluster.costs.collective("all_reduce", b, n, span) for b in (1e9, 2e9)]
@@ -354,7 +354,8 @@ def test_bloom_rings_cross_a_node_through_one_omnipath_hfi_at_its_measured_rate(
 
 
 def test_bloom_search_memory_rows_follow_the_table():
-    from plait.plan.published import BLOOM_PREQUEL, memory_statements
+    from plait.plan.published import memory_statements
+    from plait.plan.published_bloom import BLOOM_PREQUEL
 
     rows = [s for s in memory_statements() if s.where.startswith("BigScience tr11-176B-ml chronicles-prequel")]
     assert len(rows) == len(BLOOM_PREQUEL)

@@ -15,16 +15,14 @@ from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.memory import state_bytes
 from plait.plan.model import Model
-from plait.plan.published import (
+from plait.plan.published import MemoryStatement, gpt, runs
+from plait.plan.published_bloom import (
     BLOOM_PREQUEL,
     BLOOM_PREQUEL_GRADS,
     BLOOM_PREQUEL_WHERE,
     OMNIPATH,
-    MemoryStatement,
     bloom_model,
     bloom_prequel_layout,
-    gpt,
-    runs,
 )
 from plait.plan.published_h100 import (
     DGXC_GRADS,
@@ -247,7 +245,7 @@ DGXC_FITS = (
 )
 
 
-# BigScience's topology search before BLOOM (``plan.published.BLOOM_PREQUEL``): each layout's Mem ("max memory
+# BigScience's topology search before BLOOM (``plan.published_bloom.BLOOM_PREQUEL``): each layout's Mem ("max memory
 # used", of 77GB usable on an A100 80GB) or OOM.
 # MosaicML llm-foundry's benchmark tables (scripts/train/benchmarking/README.md) list the configurations that ran:
 # each row's micro-batch under FSDP FULL_SHARD fitted its GPUs' 80 GB (FSDP reduce-scatters every micro-batch's
