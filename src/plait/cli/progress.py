@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 
 from plait.words import counted
+
+if TYPE_CHECKING:
+    from plait.parallel_config import ParallelConfig
 
 
 def starting(command: str, processes: int, layout: str) -> None:
@@ -19,9 +23,7 @@ def starting(command: str, processes: int, layout: str) -> None:
         return
     typer.echo(f"plait {command}: starting {counted(processes, 'process')} ({layout}) ...", err=True)
 
-
-
-def layout_words(p) -> str:
+def layout_words(p: ParallelConfig) -> str:
     """A ParallelConfig's mesh in words: ``tp 2 x pp 2 x dp 1``, with ``x cp 2`` where there is context
     parallelism; a dp of -1 (inferred) as ``dp to fill --nproc``."""
     dp = p.dp if p.dp > 0 else "to fill --nproc"
