@@ -62,6 +62,24 @@ def test_a_peer_dead_at_the_vocabulary_parallel_loss_is_named_with_it(monkeypatc
         vocab_parallel_cross_entropy(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), ctx)  # type: ignore[arg-type]
 
 
+def test_an_error_of_the_call_itself_is_not_read_as_a_lost_peer():
+    """A collective that fails for its own reason (a wrong tensor, out of memory) keeps its error: only the
+    transport's errors (Gloo's, torch's distributed kinds, a timeout) are asked whether a peer died."""
+    import torch.distributed as dist
+
+    from plait.distributed.collectives import backend_failure, collective
+
+    def wrong():
+        raise RuntimeError("Tensors must be contiguous")
+    with pytest.raises(RuntimeError, match="^Tensors must be contiguous$") as info:
+        collective("tp all-reduce", None, wrong)
+    assert not isinstance(info.value, CommError)
+    assert backend_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert backend_failure(dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp: unhandled system error"))
+    assert backend_failure(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    assert not backend_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
 def test_a_collective_error_says_what_timed_out_or_failed_and_whom_it_lost():
     gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                         "[127.0.0.1]:38061: Connection reset by peer. This is typically caused by a remote worker "

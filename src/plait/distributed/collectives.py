@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from plait.errors import CommError, collective_error
+from plait.errors import CommError, collective_error, is_timeout
 
 T = TypeVar("T")
 
@@ -23,12 +23,23 @@ reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.red
 def collective(what: str | Callable[[], str], group: ProcessGroup | None, op: Callable[[], T]) -> T:
     """Run ``op``: a blocking collective over ``group`` (None: the world), or the wait for one launched with
     ``async_op=True``. ``what`` names it ("dp all-reduce of gradients"; a function giving the words is called only
-    on an error). A backend error becomes plait.errors.collective_error's CommError naming it, the group's
-    global ranks and the other members; a CommError from inside ``op`` passes as it is."""
+    on an error). A backend error (``backend_failure``) becomes plait.errors.collective_error's CommError naming
+    it, the group's global ranks and the other members; a CommError from inside ``op``, and an error of the call
+    itself (a wrong tensor, out of memory), pass as they are."""
     try:
         return op()
     except CommError:
         raise
     except RuntimeError as exc:
+        if not backend_failure(exc):
+            raise
         ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         raise collective_error(what() if callable(what) else what, ranks, dist.get_rank(), exc) from exc
+
+
+def backend_failure(exc: RuntimeError) -> bool:
+    """Whether a collective's error is the transport's (a peer gone or silent) rather than the call's own: torch's
+    distributed error kinds (NCCL's DistBackendError, store and network errors), Gloo's errors (they name their
+    ``gloo/transport`` source file or a connection), and a wait that timed out."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or "gloo" in text or "connection" in text or is_timeout(exc)
