@@ -205,6 +205,13 @@ def _check(c: ParallelConfig) -> None:
         raise FieldError("ep", c.ep, f"must divide {plane}={data * c.tp}; valid: {divisors(data * c.tp)}")
 
 
+def batch_split(batch_size: int, dp: int) -> tuple[int, list[int]]:
+    """(a replica's sequences, 0 where ``dp`` does not divide ``batch_size``; the micro-batch counts that cut them
+    into equal micro-batches): what a batch that does not split into replicas of equal micro-batches offers."""
+    per_replica = batch_size // dp if batch_size % dp == 0 else 0
+    return per_replica, divisors(per_replica) if per_replica else []
+
+
 def field_names() -> list[str]:
     return [f.name for f in fields(ParallelConfig)]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError, FieldError, divisors
-from plait.parallel_config import ParallelConfig
+from plait.errors import ConfigError, FieldError
+from plait.parallel_config import ParallelConfig, batch_split
+from plait.words import either
 
 if TYPE_CHECKING:
     from plait.distributed.context import ParallelContext
@@ -173,10 +174,9 @@ def check(cfg: VerifyConfig) -> None:
                          {"n_experts": cfg.n_experts})
     if cfg.batch_size % par.dp or (cfg.batch_size // par.dp) % par.num_microbatches:
         unit = par.dp * par.num_microbatches
-        per_replica = cfg.batch_size // par.dp if cfg.batch_size % par.dp == 0 else 0
-        fits = [str(m) for m in divisors(per_replica)]
+        per_replica, fits = batch_split(cfg.batch_size, par.dp)
         other = (f"; or, instead of {{microbatches}}, one that divides a replica's {per_replica} sequences: "
-                 f"{' or '.join(filter(None, (', '.join(fits[:-1]), fits[-1])))}") if per_replica else ""
+                 f"{either([str(m) for m in fits])}") if per_replica else ""
         raise FieldError("batch_size", cfg.batch_size, "must split into {dp} replicas of {microbatches} "
                          f"micro-batches each: valid {unit}, {2 * unit}, {3 * unit}, ...{other}",
                          {"dp": par.dp, "microbatches": par.num_microbatches})

@@ -1,4 +1,5 @@
-"""Counts in what plait prints, each with its noun in the number the count takes: 1 shard, 2 shards."""
+"""Counts and choices in what plait prints: each count with its noun in the number it takes (1 shard, 2
+shards), a list of choices as a person writes it (1, 2 or 4)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,8 @@ def counted(n: float, noun: str, shown: str | None = None) -> str:
     else:
         word = noun + "s"
     return f"{f'{n:,}' if shown is None else shown} {word}"
+
+
+def either(values: list[str]) -> str:
+    """``values`` as a choice: ["1"] -> "1", ["1", "2"] -> "1 or 2", ["1", "2", "4"] -> "1, 2 or 4"."""
+    return " or ".join(filter(None, (", ".join(values[:-1]), values[-1])))

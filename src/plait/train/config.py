@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, get_args, get_origin, get_type_hints
 
 from plait.errors import ConfigError, FieldError, check_output_path, divisors
 from plait.model_presets import PRESETS
-from plait.parallel_config import ParallelConfig
+from plait.parallel_config import ParallelConfig, batch_split
 from plait.parallel_config import field_names as parallel_field_names
-from plait.words import counted
+from plait.words import counted, either
 
 if TYPE_CHECKING:
     from plait.models.decoder import DecoderFamily
@@ -276,15 +276,13 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         cp = f" x --cp {par.cp}" if par.cp > 1 else ""
         raise ConfigError(f"--tp {par.tp}{cp} x --pp {par.pp} x --dp {par.dp} = {par.world} processes, but the world "
                           f"has {world} (--nproc or torchrun); make the product equal {world}")
-    per_replica = cfg.batch_size // par.dp if cfg.batch_size % par.dp == 0 else 0
+    per_replica, fits = batch_split(cfg.batch_size, par.dp)
     if not per_replica or per_replica % par.num_microbatches:
         unit = par.dp * par.num_microbatches
         other = ""
         if per_replica:  # a count of micro-batches that splits each replica's share
-            fits = [str(m) for m in divisors(per_replica)]
-            listed = " or ".join(filter(None, (", ".join(fits[:-1]), fits[-1])))
-            other = (f"; or --microbatches {listed}, which {'divides' if len(fits) == 1 else 'divide'} a replica's "
-                     f"{counted(per_replica, 'sequence')}")
+            other = (f"; or --microbatches {either([str(m) for m in fits])}, which "
+                     f"{'divides' if len(fits) == 1 else 'divide'} a replica's {counted(per_replica, 'sequence')}")
         raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of --dp x --microbatches = {par.dp} x "
                           f"{par.num_microbatches} = {unit} (each replica's sequences cut into equal micro-batches): "
                           f"valid --batch-size {unit}, {2 * unit}, {3 * unit}, ...{other}")
