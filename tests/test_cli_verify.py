@@ -144,3 +144,19 @@ def test_the_gradient_table_names_every_tensor_whole_at_80_columns():
             shown[-1] += cells[0]
     assert shown == names, text
     assert "MISMATCH" in text
+
+
+def test_verify_trace_into_a_pipe_folds_no_line():
+    """Into a file or a pipe, rich folded every line at an assumed 80 columns: a chart's header ('...; one column
+    = 0.5') lost its end to a line of its own, as did the loss line's 'eval logits rel'. No line is folded now."""
+    res = _in_process("--tp", "1", "--pp", "2", "--layers", "2", "--batch-size", "4", "--microbatches", "4",
+                      "--trace")
+    assert res.exit_code == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    headers = [line for line in lines if line.startswith("1f1b: 2 ranks x 1 chunk, 4 micro-batches; makespan")]
+    assert len(headers) == 2 and all(h.rstrip().endswith(tuple("0123456789")) and "one column = " in h
+                                     for h in headers), res.stdout
+    assert any(line.startswith("loss: parallel") and "eval logits rel" in line for line in lines), res.stdout
+    assert any(line.startswith("makespan: measured") and "predicted" in line for line in lines), res.stdout
+    rows = [line for line in lines if line.startswith("rank ")]
+    assert len(rows) == 4 and len({len(r) for r in rows[:2]}) == 1, res.stdout

@@ -58,6 +58,7 @@ def verify_command(
     from plait.words import counted
 
     console = Console()
+    console.soft_wrap = not console.is_terminal  # into a file or a pipe no line is folded at an assumed 80 columns
     try:
         cfg = VerifyConfig(parallel=ParallelConfig(**(parallel or {})), tie_embeddings=tied, n_layers=layers,
                            batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k)
@@ -89,7 +90,8 @@ def verify_command(
     console.print(f"peak stored activations per pipeline rank: measured {result.peak_measured}, "
                   f"simulator {result.peak_simulated}")
     if show_trace:
-        console.print(result.trace_text, markup=False, highlight=False)
+        # a chart's rows and headers are as wide as the chart: never folded (a terminal wraps them if it must)
+        console.print(result.trace_text, markup=False, highlight=False, soft_wrap=True)
     verdict = "[bold green]PASS[/]: parallel equals single device" if result.ok else "[bold red]FAIL[/]"
     console.print(verdict)
     raise typer.Exit(0 if result.ok else 1)
