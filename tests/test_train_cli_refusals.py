@@ -291,3 +291,29 @@ def test_a_flag_on_by_default_can_be_turned_off(tmp_path):
         cli_train._run = real
     assert res.exit_code == 0, res.output
     assert seen["cfg"].async_checkpoint is False and seen["cfg"].parallel.sequence_parallel is True
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "tokenizer.json"])
+def test_a_tokenizer_with_more_ids_than_the_vocabulary_is_refused_up_front_by_train_generate_and_serve(
+        tmp_path, tokenizer):
+    """plait train refused it; plait generate and serve launched and failed only on a prompt holding an id past the
+    vocabulary (never, for 'hi' in 200 byte-level ids). All three refuse it now, in the same words."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from plait.models import Llama, LlamaConfig
+
+    folder = tmp_path / "m"
+    Llama(LlamaConfig(vocab_size=200, dim=16, n_layers=2, n_heads=2, max_seq_len=128)).save_pretrained(folder)
+    source, size = "bytes (no tokenizer.json)", 256
+    if tokenizer == "tokenizer.json":
+        tok = Tokenizer(WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0"))
+        tok.pre_tokenizer = Whitespace()
+        tok.save(str(folder / "tokenizer.json"))
+        source, size = "its tokenizer.json", 300
+    needle = (f"error: --model {folder}: vocabulary 200 cannot hold the {size} ids of {source} (ids from 200 on would "
+              "have no embedding row)\n")
+    for command in (["train", "--dry-run"], ["generate", "--prompt", "hi"], ["serve"]):
+        res = CliRunner().invoke(app, [*command, "--model", str(folder)])
+        assert res.exit_code == 2 and res.output == needle, (command, res.output)

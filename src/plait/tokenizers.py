@@ -46,6 +46,7 @@ class FileTokenizer:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust library raises its own exception type
             raise ConfigError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from None
+        self.path = Path(path)
         self.vocab_size = self.tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -62,6 +63,20 @@ def tokenizer_for(model: str) -> ByteTokenizer | FileTokenizer:
     """
     path = Path(model) / "tokenizer.json"
     return FileTokenizer(path) if path.is_file() else ByteTokenizer()
+
+
+def check_fits(tok: ByteTokenizer | FileTokenizer, vocab_size: int, model: str) -> None:
+    """ConfigError when the ids of ``tok``, the tokenizer of ``--model model``, do not all fit the model's vocabulary
+    of ``vocab_size`` ids (UTF-8 bytes need 256; a tokenizer.json its own): an id past it has no embedding row.
+    plait train, generate and serve refuse such a model before launching, whatever the prompts or data."""
+    if tok.vocab_size <= vocab_size:
+        return
+    if isinstance(tok, FileTokenizer):
+        source = "its tokenizer.json" if tok.path.parent == Path(model) else str(tok.path)
+    else:
+        source = "bytes (no tokenizer.json)"
+    raise ConfigError(f"--model {model}: vocabulary {vocab_size} cannot hold the {tok.vocab_size} ids of {source} "
+                      f"(ids from {vocab_size} on would have no embedding row)")
 
 
 BYTES = "bytes"  # the fingerprint of UTF-8 bytes (no tokenizer.json)

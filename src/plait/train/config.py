@@ -332,6 +332,8 @@ def check_outputs(cfg: TrainConfig) -> None:
 
 def _validate_model(cfg: TrainConfig) -> None:
     """The model against the layout: context, layers per chunk, TP shapes, experts, vocabulary."""
+    from plait.tokenizers import check_fits, tokenizer_for
+
     par, mcfg = cfg.parallel, model_config(cfg)
     if cfg.seq_len > mcfg.max_seq_len:
         contexts = ", ".join(f"{name} {p['max_seq_len']}" for name, p in PRESETS.items())
@@ -359,19 +361,9 @@ def _validate_model(cfg: TrainConfig) -> None:
                 raise  # the experts are --experts
             raise ConfigError(f"--ep {par.ep}: must divide the {mcfg.n_experts} experts of --model {cfg.model}; "
                               f"valid: {divisors(mcfg.n_experts)}") from None
-    _check_tokenizer(cfg.model, mcfg.vocab_size)
+    check_fits(tokenizer_for(cfg.model), mcfg.vocab_size, cfg.model)  # the text encoding fits the vocabulary
     if cfg.model not in PRESETS:
         from plait.models.hf import HFWeights
 
         HFWeights(cfg.model).check_shapes()
 
-
-def _check_tokenizer(model: str, vocab_size: int) -> None:
-    """The text encoding must fit the model's vocabulary (bytes need 256 ids; a tokenizer.json its own)."""
-    from plait.tokenizers import tokenizer_for
-
-    tok = tokenizer_for(model)
-    if tok.vocab_size > vocab_size:
-        source = "its tokenizer.json" if (Path(model) / "tokenizer.json").is_file() else "bytes (no tokenizer.json)"
-        raise ConfigError(f"--model {model}: vocabulary {vocab_size} cannot hold the {tok.vocab_size} ids of "
-                          f"{source}")
