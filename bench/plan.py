@@ -4,9 +4,9 @@ with each source held out, and how far apart the sources are for this model (the
 
 Target (issue 6): ``search`` over every layout for 16,384 GPUs and a 405B model in under 2 s.
 Each search runs in a fresh process so the simulator cache starts cold; "warm" repeats it in the
-same process. It searches as ``plait plan`` does by default: plait's own eager kernels and activations
-(``Training(elementwise="plait-eager")``). Also reports how many simulations the exact (non-extrapolated)
-pipeline would need. Prints a table and JSON. Timings never go into tests.
+same process. It searches as ``plait plan`` does by default: plait's own eager kernels and activations and its
+bf16 master weights (``Training(elementwise="plait-eager", masters="plait")``). Also reports how many simulations
+the exact (non-extrapolated) pipeline would need. Prints a table and JSON. Timings never go into tests.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from plait.plan.pipeline import simulations
 t1 = time.perf_counter()
 name, gpu, n, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 m = Model.preset(name)
-args = (m, Cluster(gpu, n), Training(batch, elementwise="plait-eager"))  # plait plan's default
+args = (m, Cluster(gpu, n), Training(batch, elementwise="plait-eager", masters="plait"))  # plait plan's default
 c2 = time.process_time(); t2 = time.perf_counter(); r = search(*args); t3 = time.perf_counter()
 c3 = time.process_time()
 sims = simulations()

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_leaves
 
 from plait.memory import SavedTensorMeter
 from plait.models import LlamaConfig
+from profile_util import synthetic_profile
 
 
 def saved_bytes(fn, x: torch.Tensor, exclude) -> tuple[int, torch.Tensor]:
@@ -89,3 +90,25 @@ class LiveBytes(TorchDispatchMode):
 
     def _freed(self, key: int) -> None:
         self.live -= self.alive.pop(key, 0)
+
+
+def first_step_memory(tmp_path, model: str, **fields) -> tuple[dict, dict]:
+    """``plait train`` of ``model`` (one process, in this one, 2 x 128 tokens) with ``fields``: what
+    ``pm.memory_report()`` measured on the first step, and the planner's prediction as --dry-run makes it."""
+    import plait
+    from plait.cli.predict import memory_rows, predict
+    from plait.train import TrainConfig
+    from plait.train.loop import build, train_one
+
+    cfg = TrainConfig.from_dict(dict(model=model, seq_len=128, batch_size=2, microbatches=1, steps=1, eval_every=0,
+                                     sample_tokens=0, trace_every=0, max_data_mb=0.1, tp=1, pp=1, dp=1,
+                                     checkpoint_dir=str(tmp_path / "ck"), cluster="none", **fields))
+    with plait.init(1, 1, 1) as ctx:
+        run = build(cfg, ctx)
+        train_one(run, 0, False)
+        measured = run.pm.memory_report()
+    (predicted,) = memory_rows(predict(cfg, synthetic_profile(counts=(1,)), 1))
+    return measured, predicted
+
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations_peak")

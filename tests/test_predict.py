@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import checks_predict
 from harness import PRELOAD, result
+from memory_util import MEMORY_KINDS, first_step_memory
 from plait.cli.main import app
 from plait.distributed.launch import run_world
 from plait.parallel_config import ParallelConfig
@@ -42,28 +43,6 @@ def test_memory_prediction_counts_plaits_tensors():
     # one micro-batch at a time (gradient accumulation): 4 layers, the tables once, the head with its softmax,
     # the ids
     assert m.activations == pytest.approx(4 * per_layer + tables + head + 2 * 512 * 4, rel=1e-6)
-
-
-def first_step_memory(tmp_path, model: str, **fields) -> tuple[dict, dict]:
-    """``plait train`` of ``model`` (one process, in this one, 2 x 128 tokens) with ``fields``: what
-    ``pm.memory_report()`` measured on the first step, and the planner's prediction as --dry-run makes it."""
-    import plait
-    from plait.cli.predict import memory_rows, predict
-    from plait.train import TrainConfig
-    from plait.train.loop import build, train_one
-
-    cfg = TrainConfig.from_dict(dict(model=model, seq_len=128, batch_size=2, microbatches=1, steps=1, eval_every=0,
-                                     sample_tokens=0, trace_every=0, max_data_mb=0.1, tp=1, pp=1, dp=1,
-                                     checkpoint_dir=str(tmp_path / "ck"), cluster="none", **fields))
-    with plait.init(1, 1, 1) as ctx:
-        run = build(cfg, ctx)
-        train_one(run, 0, False)
-        measured = run.pm.memory_report()
-    (predicted,) = memory_rows(predict(cfg, synthetic_profile(counts=(1,)), 1))
-    return measured, predicted
-
-
-MEMORY_KINDS = ("params", "grads", "optimizer", "activations_peak")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -254,7 +254,8 @@ class PlanOptions:
     cluster: Path | None = None
     """a host profile from `plait calibrate`: plan plait's own runs on that host (--gpus processes)"""
     precision: str | None = None
-    """bf16 or fp32 (default: fp32 with --cluster, as plait train; bf16 otherwise)"""
+    """bf16 or fp32 (default: fp32 with --cluster, as plait train; bf16 otherwise); bf16 as plait runs it: without
+    ZeRO the float32 parameters are their own masters, with a bf16 copy for each step"""
     max_memory_fraction: float = MAX_MEMORY_FRACTION
     """share of each device's memory a layout may use"""
     attention: str = "flash2"
@@ -305,6 +306,7 @@ def plan(options: dict[str, Any]) -> None:
     from plait.plan.attention import KERNELS, UNFUSED
     from plait.plan.experts import routing_note
     from plait.plan.explain import nothing_fits
+    from plait.plan.optimizers import RUNTIME_MASTERS
     from plait.plan.search import search_batch
 
     o = PlanOptions(**options)
@@ -331,12 +333,14 @@ def plan(options: dict[str, Any]) -> None:
             return
         precision = o.precision or ("fp32" if o.cluster is not None else "bf16")
         if o.global_batch is not None:
-            training = Training(o.global_batch, precision=precision, elementwise=o.elementwise)
+            training = Training(o.global_batch, precision=precision, elementwise=o.elementwise,
+                                masters=RUNTIME_MASTERS)
             result = search(m, cluster, training, top=o.top, plan_only=o.plan_only)
         else:
             choice = search_batch(m, cluster, top=o.top, precision=precision, plan_only=o.plan_only,
-                                  elementwise=o.elementwise)
-            training = Training(choice.global_batch, precision=precision, elementwise=o.elementwise)
+                                  elementwise=o.elementwise, masters=RUNTIME_MASTERS)
+            training = Training(choice.global_batch, precision=precision, elementwise=o.elementwise,
+                                masters=RUNTIME_MASTERS)
             result = choice.result
             batch_note = f"global batch (not given, searched): {choice.reason}"
         if result.best and o.write_config is not None:

@@ -16,6 +16,7 @@ from plait.plan.config import RUNTIME, Layout, Training, check, microbatches
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
+from plait.plan.optimizers import MASTERS
 from plait.plan.overlap import dp_exposed
 from plait.plan.pipeline import makespan_floor
 from plait.plan.stages import layout_stages
@@ -248,15 +249,15 @@ class BatchChoice:
 
 def search_batch(model: Model, cluster: Cluster, top: int = 5, precision: str = "bf16",
                  max_bubble: float = DEFAULT_BATCH_BUBBLE, plan_only: bool = False,
-                 elementwise: str = ELEMENTWISE[0]) -> BatchChoice:
+                 elementwise: str = ELEMENTWISE[0], masters: str = MASTERS[0]) -> BatchChoice:
     """Search the global batch too: the smallest of ``DEFAULT_BATCH_TOKENS`` (rounded to whole
     sequences) whose fastest layout keeps the pipeline bubble under ``max_bubble``; a larger batch only
-    buys throughput at some cost in convergence. If none does, the largest that fits. ``precision`` and
-    ``elementwise`` are the ``Training`` fields of every batch tried."""
+    buys throughput at some cost in convergence. If none does, the largest that fits. ``precision``,
+    ``elementwise`` and ``masters`` are the ``Training`` fields of every batch tried."""
     last: BatchChoice | None = None
     for tokens in DEFAULT_BATCH_TOKENS:
         batch = max(1, tokens // model.seq_len)
-        training = Training(batch, precision=precision, elementwise=elementwise)
+        training = Training(batch, precision=precision, elementwise=elementwise, masters=masters)
         result = search(model, cluster, training, top=1, plan_only=plan_only)  # probe: the best only
         if result.best and result.best[0].bubble_fraction < max_bubble or tokens == DEFAULT_BATCH_TOKENS[-1]:
             result = search(model, cluster, training, top=top, plan_only=plan_only)

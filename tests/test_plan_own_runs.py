@@ -1,0 +1,52 @@
+"""``plait plan``'s plans of plait's own runs: the memory it plans for a model and layout is what ``plait train``
+measures for them (``pm.memory_report()`` on the first step, the reference the train/predict tests use)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memory_util import MEMORY_KINDS, first_step_memory
+from plait.cli.main import app
+from profile_util import synthetic_profile
+
+PLANNED = {"params": "weights", "grads": "grads", "optimizer": "optimizer", "activations_peak": "activations"}
+
+
+def planned_memory(tmp_path, model: str, precision: str) -> dict:
+    """``plait plan --model MODEL --cluster`` (one process of the test host's profile, the one
+    ``first_step_memory`` predicts on) at 2 x 128 tokens: the memory of its layout without ZeRO, recomputation or
+    micro-batching (tp1 pp1 dp1 mb2 norc z0, the run ``first_step_memory`` trains), by ``memory_report``'s kinds."""
+    profile = synthetic_profile(counts=(1,)).save(tmp_path / "host.toml")
+    r = CliRunner().invoke(app, ["plan", "--model", model, "--gpus", "1", "--cluster", str(profile), "--precision",
+                                 precision, "--global-batch", "2", "--seq-len", "128", "--top", "50", "--json"])
+    assert r.exit_code == 0, r.output
+    plans = [e for e in json.loads(r.output)["best"]
+             if (e["layout"]["zero"], e["layout"]["recompute"], e["layout"]["microbatch_size"]) == (0, "none", 2)]
+    assert len(plans) == 1, [e["layout"] for e in json.loads(r.output)["best"]]
+    memory = plans[0]["memory"]
+    return {kind: memory[key] - (memory["working"] if key == "activations" else 0) for kind, key in PLANNED.items()}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_plait_plan_plans_the_memory_plait_train_measures(tmp_path, precision):
+    """bf16 without ZeRO as plait.optim runs it: the float32 parameters are their own masters (4 + 4 + 8 B a
+    parameter), not Megatron-LM's bf16 weights beside float32 masters (2 + 4 + 12 B), which only the published runs
+    are planned with (``Training.masters``); each kind within 1% of the measurement, as ``plait train``'s own
+    prediction."""
+    measured, _ = first_step_memory(tmp_path, "tiny", precision=precision)
+    planned = planned_memory(tmp_path, "tiny", precision)
+    for kind in MEMORY_KINDS:
+        assert planned[kind] == pytest.approx(measured[kind], rel=0.01), (kind, planned[kind], measured[kind])
+
+
+def test_the_searched_batch_is_planned_with_plaits_masters_too():
+    """Without --global-batch the batch is searched (``search_batch``), each batch tried with plait's masters: the
+    best layout of tiny on one H100 (no ZeRO) holds 4 B of float32 weights and 8 B of moments a parameter in bf16."""
+    from plait.plan import Model
+
+    r = CliRunner().invoke(app, ["plan", "--model", "tiny", "--gpus", "1", "--gpu", "h100-sxm", "--json"])
+    assert r.exit_code == 0, r.output
+    best = json.loads(r.output)["best"][0]
+    n = Model.preset("tiny").n_params()
+    assert best["layout"]["zero"] == 0 and (best["memory"]["weights"], best["memory"]["optimizer"]) == (4 * n, 8 * n)
