@@ -57,10 +57,12 @@ class ParallelModel:
     """Train and evaluate a sharded model: ``train_step``, ``eval_step``, full-tensor state dicts."""
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, config: ParallelConfig, *, family: Family,
-                 partition: Partition, loss: LossFn, normaliser: Normaliser, vocab_size: int | None):
+                 partition: Partition, loss: LossFn, normaliser: Normaliser, vocab_size: int | None,
+                 check_inputs: Callable[[torch.Tensor], None] | None = None):
         self.ctx, self.config, self.family = ctx, config, family
         self.model_config = getattr(model, "config", None)  # the plain model's own config (e.g. LlamaConfig)
         self._loss, self._normaliser = loss, normaliser
+        self._check_inputs = check_inputs  # eval_step's inputs: raises ConfigError (train_step's: the normaliser)
         self.vocab_size = vocab_size  # set: outputs are vocabulary-sharded logits (gathered by eval_step)
         self.schedule: Schedule = config.pipeline_schedule()
         self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
@@ -222,6 +224,8 @@ class ParallelModel:
                               f"{self.microbatches}; use a batch that is a multiple of it")
         if targets is not None and targets.shape[0] != inputs.shape[0]:
             raise ConfigError(f"targets have batch size {targets.shape[0]}, inputs {inputs.shape[0]}")
+        if targets is None and self._check_inputs is not None:  # every rank of a replica, before any collective
+            self._check_inputs(inputs)
         if self.ctx.cp_size > 1:  # every CP rank holds the same full rows, cut here into 2·cp chunks
             if inputs.dim() < 2:
                 raise ConfigError(f"cp={self.ctx.cp_size} splits sequences: inputs must be [batch, seq], got "
@@ -260,7 +264,7 @@ class ParallelModel:
         mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
         if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
-            io.aux_fn = lambda chunk: _scaled(pop_aux_losses(chunk), 1.0 / global_rows)
+            io.aux_fn = lambda chunk: None if (aux := pop_aux_losses(chunk)) is None else aux * (1.0 / global_rows)
         if trace and self.ctx.pp_size > 1:  # a shared time origin for the measured timeline
             collective("pp barrier of a traced step", self.ctx.pp_group, partial(dist.barrier, group=self.ctx.pp_group))
         measure = self.activations_peak is None if measure_memory is None else measure_memory
@@ -394,7 +398,3 @@ class ParallelModel:
                         exact[tensor] = local
         if self._optimizer is not None and hasattr(self._optimizer, "load_master_weights"):
             self._optimizer.load_master_weights(exact)  # a ZeRO optimizer's fp32 masters follow
-
-
-def _scaled(aux: torch.Tensor | None, scale: float) -> torch.Tensor | None:
-    return None if aux is None else aux * scale

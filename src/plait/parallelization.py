@@ -23,6 +23,9 @@ from plait.recompute import recompute_attention
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
 from plait.tensor_parallel.plan import apply_tp_plan
 
+#: the dtypes of token ids: an embedding's indices are int64 or int32
+IDS = (torch.int64, torch.int32)
+
 
 class TokenLoss:
     """Next-token cross-entropy summed over tokens, on vocabulary-sharded logits; ids checked."""
@@ -34,24 +37,35 @@ class TokenLoss:
         return vocab_parallel_cross_entropy(logits_shard, targets, self.ctx, ignore_index=self.ignore_index,
                                             vocab_size=self.vocab_size, reduction="sum")
 
-    def check(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, str | None]:
-        """(count of targets that are not ``ignore_index``, a message if token ids fall outside the vocabulary
-        else None): local, no collective, one host read of the batch's extremes (no boolean indexing, whose
-        output size would be a second read)."""
-        if inputs.dim() != 2 or targets.shape != inputs.shape or any(t.is_floating_point() for t in (inputs, targets)):
-            return 0, (f"inputs {tuple(inputs.shape)} {inputs.dtype}, targets {tuple(targets.shape)} {targets.dtype}: "
-                       "a language model takes integer token ids [batch, seq] and targets of the same shape")
-        kept = targets != self.ignore_index
-        named = [(name, t) for name, t in (("inputs", inputs), ("targets", targets.masked_fill(~kept, 0)))
-                 if t.numel()]
+    def check(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[int, str | None]:
+        """(count of targets that are not ``ignore_index``, a message if the batch is not integer token ids
+        [batch, seq] (int64 or int32, as an embedding takes) with targets of the same shape, or if ids fall outside
+        the vocabulary, else None): local, no collective, one host read of the batch's extremes (no boolean
+        indexing, whose output size would be a second read). ``targets`` None: an evaluation's inputs alone."""
+        given = [("inputs", inputs)] + ([] if targets is None else [("targets", targets)])
+        if inputs.dim() != 2 or any(t.shape != inputs.shape or t.dtype not in IDS for _, t in given):
+            shown = ", ".join(f"{name} {tuple(t.shape)} {t.dtype}" for name, t in given)
+            return 0, (f"{shown}: a language model takes integer token ids [batch, seq]"
+                       + ("" if targets is None else " and targets of the same shape"))
+        kept = None if targets is None else targets != self.ignore_index
+        if kept is not None:  # ignored targets read as 0, inside any vocabulary
+            given[1] = ("targets", given[1][1].masked_fill(~kept, 0))
+        named = [(name, t) for name, t in given if t.numel()]
         ends = [f(t).to(torch.long) for _, t in named for f in (torch.min, torch.max)]
-        stats = torch.stack([kept.sum(), *ends]).tolist()
+        count = inputs.new_zeros((), dtype=torch.long) if kept is None else kept.sum()
+        stats = torch.stack([count, *ends]).tolist()
         for i, (name, _) in enumerate(named):
             lo, hi = stats[1 + 2 * i], stats[2 + 2 * i]
             if lo < 0 or hi >= self.vocab_size:
                 return stats[0], (f"{name} contain token ids outside the vocabulary [0, {self.vocab_size}) "
                                   f"(min {lo}, max {hi})")
         return stats[0], None
+
+    def check_inputs(self, inputs: torch.Tensor) -> None:
+        """Raise ConfigError unless ``inputs`` are token ids [batch, seq] within the vocabulary (local)."""
+        bad = self.check(inputs, None)[1]
+        if bad:
+            raise ConfigError(bad)
 
 
 def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = None, microbatches: int | None = None,
@@ -99,7 +113,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     assert vocab is not None, f"{family.name}: a next-token loss needs a vocabulary size"
     token_loss = TokenLoss(ctx, vocab)
     return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=token_loss, vocab_size=vocab,
-                         normaliser=partial(_token_normaliser, token_loss, ctx))
+                         normaliser=partial(_token_normaliser, token_loss, ctx), check_inputs=token_loss.check_inputs)
 
 
 def _recompute(activation_checkpointing: bool | str | None) -> str | None:

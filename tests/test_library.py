@@ -1,0 +1,24 @@
+"""plait as a library in the user's own script: what it refuses and how (checks_library, run in the shared launch
+of 4 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import result
+
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_library)
+
+
+@pytest.mark.parametrize("attempt,shown", [("outside", "inputs contain token ids outside the vocabulary [0, 64)"),
+                                           ("floats", "inputs (4, 8) torch.float32: a language model takes integer"),
+                                           ("one row", "inputs (8,) torch.int64: a language model takes integer")])
+def test_a_bad_evaluation_batch_is_refused_on_every_rank(world4, attempt, shown):
+    """Each rank names the batch at once (a ConfigError before any collective): no stage waits on a peer that
+    failed, and ids outside the vocabulary never reach the vocabulary-parallel embedding, which would give them
+    zero vectors and logits of no token."""
+    for rank, r in enumerate(result(world4, "bad_eval_batch")):
+        kind, message, seconds = r[attempt]
+        assert kind == "ConfigError" and shown in message, (rank, r[attempt])
+        assert seconds < 2.0, (rank, r[attempt])
+        assert r["after"] == (4, 8, 64), (rank, r)
