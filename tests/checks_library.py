@@ -45,5 +45,18 @@ def bad_eval_batch() -> dict:
     return out
 
 
+def closed_context() -> dict:
+    """tp2·pp2: a model used after its context was closed (every stage's ranks alike) and after a step."""
+    ctx = plait.init(tp=2, pp=2, dp=1, timeout_s=WAIT_S)
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(CFG), ctx, microbatches=2)
+    x, y = IDS[:, :-1], IDS[:, 1:]
+    pm.train_step(x, y)
+    ctx.close()
+    return _refusals(pm, {"train_step": lambda: pm.train_step(x, y), "eval_step": lambda: pm.eval_step(x),
+                          "full_state_dict": pm.full_state_dict,
+                          "generate": lambda: plait.generate(pm, [1, 2], max_new_tokens=2)})
+
+
 def rank_main() -> dict:
-    return run_checks([("bad_eval_batch", bad_eval_batch)])
+    return run_checks([("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context)])

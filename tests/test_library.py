@@ -22,3 +22,13 @@ def test_a_bad_evaluation_batch_is_refused_on_every_rank(world4, attempt, shown)
         assert kind == "ConfigError" and shown in message, (rank, r[attempt])
         assert seconds < 2.0, (rank, r[attempt])
         assert r["after"] == (4, 8, 64), (rank, r)
+
+
+@pytest.mark.parametrize("call", ["train_step", "eval_step", "full_state_dict", "generate"])
+def test_a_model_whose_context_is_closed_is_refused_on_every_rank(world4, call):
+    """Not only the ranks that happen to reach a destroyed group first (mid-step: the others then waited on
+    them): every rank, at once, names the closed context."""
+    for rank, r in enumerate(result(world4, "closed_context")):
+        kind, message, seconds = r[call]
+        assert kind == "ConfigError" and "is closed" in message and "plait.init" in message, (rank, r[call])
+        assert seconds < 2.0, (rank, r[call])

@@ -219,6 +219,7 @@ class ParallelModel:
 
     # -------------------------------------------------------------------------------------- training
     def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+        self.ctx.check_open()  # closed: every rank refuses here alike, not the first to reach a group mid-step
         if inputs.shape[0] % self.microbatches:
             raise ConfigError(f"the local batch size {inputs.shape[0]} is not divisible by microbatches="
                               f"{self.microbatches}; use a batch that is a multiple of it")
@@ -260,8 +261,7 @@ class ParallelModel:
         self.zero_grad()
         for reducer in self.reducers.values():
             reducer.point_grads()
-        mb_inputs = self._split(inputs)
-        mb_targets = list(targets.to(self.ctx.device).chunk(self.microbatches))
+        mb_inputs, mb_targets = self._split(inputs), list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
         if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
             io.aux_fn = lambda chunk: None if (aux := pop_aux_losses(chunk)) is None else aux * (1.0 / global_rows)

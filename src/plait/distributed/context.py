@@ -160,14 +160,16 @@ class ParallelContext:
         honours (docs/runtime.md, "The GPU path")."""
         return self._group("p2p", "world")
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise ConfigError if this context is closed (``close()``): local, no collective, so a ParallelModel or
+        a decoder that calls it first refuses on every rank alike before its first collective."""
         if self._closed:
             raise ConfigError(f"this ParallelContext ({self.describe()}) is closed: its process groups are "
                               "destroyed; make a new one with plait.init(...)")
 
     def _group(self, *names: str) -> ProcessGroup | None:
         """The first of ``names`` this context has a group for (None if none)."""
-        self._check_open()
+        self.check_open()
         for name in names:
             group = self._groups.get(name)
             if group is not None:
@@ -177,7 +179,7 @@ class ParallelContext:
     def new_group(self, ranks: list[int]) -> ProcessGroup | None:
         """A process group over the global ``ranks`` that ``close()`` destroys with this context's own; every rank
         of the world calls it, in the same order (``torch.distributed.new_group``). None on a rank not in it."""
-        self._check_open()
+        self.check_open()
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
         if self.rank not in ranks:
             return None
@@ -217,7 +219,7 @@ class ParallelContext:
         # tests/test_pipeline_faults.py checks that a lowered timeout ends a collective a peer never joins.
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
-        self._check_open()
+        self.check_open()
         self.timeout_s = seconds
         for group in {id(g): g for g in [dist.group.WORLD, *self._groups.values(), *self._owned]}.values():
             _set_pg_timeout(datetime.timedelta(seconds=seconds), group)

@@ -74,6 +74,7 @@ class Decoder:
         from plait.parallel_model import ParallelModel
 
         if isinstance(model, ParallelModel):
+            model.ctx.check_open()  # closed: every rank refuses here, before the decode's first collective
             if model.ctx.cp_size > 1:
                 raise ConfigError(f"generate with cp={model.ctx.cp_size}: decoding runs on whole sequences; load "
                                   "the model (or its checkpoint) under a layout with cp=1 to generate")
