@@ -25,3 +25,13 @@ def test_init_alone_leaves_the_environment_as_it_was():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"sum": [1.0, 1.0], "world": 1, "changed": []}
+
+
+def test_a_layout_of_several_processes_without_a_launcher_says_to_use_torchrun():
+    """A script run with plain ``python`` is a world of 1: the error says why and how to launch it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    program = "import plait\nplait.init(tp=2, pp=2)"
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("plait.errors.ConfigError: tp*pp=2*2=4 does not divide the world size 1"), out.stderr
+    assert "not started by a launcher (WORLD_SIZE is not set)" in last and "torchrun --nproc-per-node 4" in last, last

@@ -300,7 +300,15 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
                           "expert_tp keywords, not both")
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
-    config = config.resolve(world)
+    try:
+        config = config.resolve(world)
+    except ConfigError as exc:
+        if dist.is_initialized() or "WORLD_SIZE" in os.environ:
+            raise
+        n = config.tp * config.cp * config.pp * max(config.dp, 1)
+        raise ConfigError(f"{exc}. This process was not started by a launcher (WORLD_SIZE is not set), so it is a "
+                          f"world of 1: run the script under torchrun, e.g. torchrun --nproc-per-node {n} "
+                          "script.py") from None
     # one process without a launcher: an in-process store, so no port is opened and nothing is set in the
     # environment that processes started later would inherit
     alone = world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ
