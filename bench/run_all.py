@@ -14,7 +14,7 @@ from pathlib import Path
 ORDER: list[tuple[str, list[str]]] = [
     ("sim.py", []), ("plan.py", []), ("tp.py", []), ("pipeline.py", []), ("optim.py", []), ("experts.py", []),
     ("context.py", []), ("data.py", []), ("generate.py", []), ("serve.py", []),
-    ("recovery.py", ["stall"]),
+    ("recovery.py", ["stall"]), ("checksums.py", []),
 ]
 #: scripts of bench/ that run_all does not run, and why
 LEFT_OUT = {"run_all.py": "this runner", "pipeline_floor.py": "the workload pipeline.py imports",

@@ -2,11 +2,12 @@
 
 ``<dir>/step_00000100/`` holds ``pp{p}-tp{t}-dp{d}.safetensors`` (the valid part of each local tensor and of its
 optimizer state, under plain-model keys) and ``meta.json`` (for every tensor: global shape, dtype and the
-(file, dim, start, stop) of each shard; layout, step, optimizer hyper-parameters, scalars and updates made, data
-position, RNG). Saving (``plait.checkpoint.writer``, in the step loop or in the background) writes into
+(file, dim, start, stop, crc32) of each shard; layout, step, optimizer hyper-parameters, scalars and updates made,
+data position, RNG). Saving (``plait.checkpoint.writer``, in the step loop or in the background) writes into
 ``.step_*.tmp``, ``meta.json`` last, then renames it and rewrites ``latest`` atomically: a kill at any moment
 leaves the previous checkpoint loadable. Loading (here) reads only the slices the new layout needs, so
-tp2·pp2 loads as tp1·pp4 or as one plain model. Needs a filesystem shared by all ranks.
+tp2·pp2 loads as tp1·pp4 or as one plain model; the first read of a shard's tensor reads it whole and checks its
+checksum (plait.checkpoint.checksums). Needs a filesystem shared by all ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from plait.checkpoint.checksums import KEY, check_tensor
 from plait.checkpoint.shards import copy_padded, load_local, local_tensors, param_keys
 from plait.checkpoint.writer import FORMAT, LATEST, META, save_checkpoint, torch_optimizer
 from plait.errors import ConfigError
@@ -59,6 +61,7 @@ class CheckpointReader:
         if self.meta.get("format") != FORMAT:
             raise ConfigError(f"{self.path}: unknown checkpoint format {self.meta.get('format')!r}")
         self._handles: dict[str, Any] = {}  # file -> an open safetensors handle
+        self._checked: set[tuple[str, str]] = set()  # (file, tensor) read whole and found to match its checksum
 
     def _handle(self, file: str):
         from safetensors import SafetensorError, safe_open
@@ -73,14 +76,29 @@ class CheckpointReader:
                 raise ConfigError(f"{self.path}: {file} cannot be read ({exc}); the checkpoint is damaged") from None
         return self._handles[file]
 
-    def _slice(self, file: str, name: str):
-        return self._handle(file).get_slice(name)
+    def _piece(self, shard: dict, name: str, index: tuple | None = None) -> torch.Tensor:
+        """``index`` of the part of tensor ``name`` that ``shard``'s file holds (all of it when None). The first read
+        of a part that has a checksum reads it whole and checks it (plait.checkpoint.checksums)."""
+        file = shard["file"]
+        if KEY in shard and (file, name) not in self._checked:
+            whole = self._handle(file).get_tensor(name)
+            check_tensor(self.path, file, name, whole, shard)
+            self._checked.add((file, name))
+            return whole if index is None else whole[index]
+        part = self._handle(file).get_slice(name)
+        return part[:] if index is None else part[index]
 
-    def check_files(self) -> None:
-        """ConfigError naming the first file that meta.json lists and that is missing or unreadable (its header
-        read only), so that a run refuses the checkpoint before it launches rather than on one rank after."""
-        for file in sorted({s["file"] for entry in self.meta.get("tensors", {}).values() for s in entry["shards"]}):
+    def check_files(self, optimizer: bool = True) -> None:
+        """ConfigError naming the first file that meta.json lists and that is missing or unreadable (its header),
+        then the first tensor whose bytes do not match their checksum (each read once; ``optimizer`` False: the
+        optimizer state left out), so that a command refuses a damaged checkpoint before it launches rather than
+        on one rank after."""
+        parts = sorted(((name, s) for name, entry in self.meta.get("tensors", {}).items() for s in entry["shards"]
+                        if optimizer or not name.startswith("optim/")), key=lambda p: (p[1]["file"], p[0]))
+        for file in sorted({s["file"] for _, s in parts}):
             self._handle(file)
+        for name, shard in parts:  # file by file
+            self._piece(shard, name)
 
     def has(self, key: str) -> bool:
         return key in self.meta["tensors"]
@@ -91,11 +109,11 @@ class CheckpointReader:
             raise ConfigError(f"{self.path}: checkpoint has no tensor {key!r}")
         shards = sorted(entry["shards"], key=lambda s: s["start"])
         if any(s["dim"] is None for s in shards):
-            full = self._slice(shards[0]["file"], key)[:]
+            full = self._piece(shards[0], key)
             return full if dim is None else full.narrow(dim, start, (stop or full.shape[dim]) - start)
         sdim = shards[0]["dim"]
         if dim is None or dim != sdim:
-            full = torch.cat([self._slice(s["file"], key)[:] for s in shards], dim=sdim)
+            full = torch.cat([self._piece(s, key) for s in shards], dim=sdim)
             return full if dim is None else full.narrow(dim, start, (stop or full.shape[dim]) - start)
         stop = entry["shape"][dim] if stop is None else stop
         pieces = []
@@ -103,7 +121,7 @@ class CheckpointReader:
             lo, hi = max(start, s["start"]), min(stop, s["stop"])
             if lo < hi:
                 index = tuple([slice(None)] * dim + [slice(lo - s["start"], hi - s["start"])])
-                pieces.append(self._slice(s["file"], key)[index])
+                pieces.append(self._piece(s, key, index))
         return torch.cat(pieces, dim=dim)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

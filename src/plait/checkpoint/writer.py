@@ -4,8 +4,9 @@ its write (files, ``meta.json`` last, the rename into place), in the step loop o
 A save is two halves. ``take_snapshot`` is collective: rank 0 prepares ``.step_*.tmp``, ZeRO's optimizer state
 is gathered, every tensor this rank writes is copied to host memory, and the shard records are gathered for
 rank 0's ``meta.json``. ``write_snapshot`` needs no collective: each rank writes its safetensors file as
-``*.part``, fsyncs it and renames it into the temp folder; rank 0 waits until every rank's file is there,
-writes ``meta.json`` (the mark of a complete checkpoint), renames the folder to ``step_*`` and points
+``*.part`` (with the checksum of each tensor in its header: plait.checkpoint.checksums), fsyncs it and renames
+it into the temp folder; rank 0 waits until every rank's file is there, writes ``meta.json`` (the mark of a
+complete checkpoint; the checksums in its shard records), renames the folder to ``step_*`` and points
 ``latest`` at it; checkpoints beyond the ``keep`` newest are renamed out of sight and deleted on a thread. A
 kill at any moment leaves the previous checkpoint the latest complete one.
 
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from plait.checkpoint.checksums import file_header, record_checksums
 from plait.checkpoint.shards import local_tensors, param_keys
 from plait.data_parallel.reducer import grad_group
 from plait.distributed.collectives import collective
@@ -156,12 +158,13 @@ def write_snapshot(snap: Snapshot) -> None:
 
     if snap.tensors:
         part = snap.tmp / (snap.fname + ".part")
-        save_file(snap.tensors, str(part), metadata={"format": FORMAT})
+        save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, FORMAT))
         _fsync_path(part)
         os.replace(part, snap.tmp / snap.fname)
     if snap.meta is None:
         return
     _await_files(snap)
+    record_checksums(snap.meta, snap.tmp)
     _keep_tokenizer(snap.meta, snap.tmp)
     meta = snap.tmp / META
     meta.write_text(json.dumps(snap.meta, indent=1))

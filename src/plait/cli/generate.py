@@ -81,7 +81,7 @@ def generate_command(
         from plait.distributed.launch import JobError, run_or_launch
         from plait.errors import ConfigError, flag_message
         from plait.generation.decode import Sampling
-        from plait.generation.job import check_layout, source_config
+        from plait.generation.job import check_layout, check_weights, source_config
         from plait.parallel_config import ParallelConfig
 
         try:
@@ -102,6 +102,8 @@ def generate_command(
                 prompts, ids = prompt or ["def "], None
                 _check_prompts([f"--prompt {short(p)}" for p in prompts], [len(tok.encode(p)) for p in prompts],
                                max_new_tokens, config.max_seq_len)
+            if par.tp * par.pp > 1:  # before launching (last: it reads the weights); one process checks them as it
+                check_weights(model)  # loads them, before anything else, in the same words
             payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
             with lost_peer_in_one_line():  # under torchrun this process is a rank

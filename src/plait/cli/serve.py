@@ -70,7 +70,7 @@ def serve_command(
 
         from plait.distributed.launch import JobError, JobStopped, run_or_launch
         from plait.errors import ConfigError, flag_message
-        from plait.generation.job import check_layout, source_config, tokenizer_folder
+        from plait.generation.job import check_layout, check_weights, source_config, tokenizer_folder
         from plait.parallel_config import ParallelConfig
         from plait.serve.config import ServeConfig
 
@@ -86,6 +86,8 @@ def serve_command(
             from plait.serve.job import bind
 
             check_template(tokenizer_folder(cfg.model), cfg.chat_template)  # fails here, not on the first chat request
+            if par.tp * par.pp > 1:  # before launching; one process checks them as it loads them, in the same words
+                check_weights(cfg.model)
             bind(cfg.host, cfg.port).close()  # a busy port fails here, before any worker starts
             payload = {**cfg.payload(), "tp": par.tp, "pp": par.pp, "api_key": api_key}
             # SIGINT and SIGTERM go to the workers: rank 0 drains and stops every rank (one line, exit code 0)

@@ -48,6 +48,18 @@ def source_config(source: str) -> tuple[LlamaConfig, Callable[[], HFWeights | Ch
     return config, lambda: CheckpointReader(ckpt), tok
 
 
+def check_weights(source: str) -> None:
+    """Before launching: every model tensor of the plait checkpoint ``source`` is read once and checked against its
+    checksum (CheckpointReader.check_files), so that a damaged file is refused, naming it, before any process
+    starts (a Hugging Face folder's files carry no checksums; source_config read their headers)."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint
+
+    path = Path(source)
+    ckpt = None if (path / "config.json").is_file() else find_checkpoint(path)
+    if ckpt is not None:
+        CheckpointReader(ckpt).check_files(optimizer=False)  # generation reads no optimizer state
+
+
 def check_layout(source: str, config: LlamaConfig, tp: int, pp: int) -> None:
     """ConfigError naming --tp or --pp when the model of ``source`` cannot be split so (before any launch)."""
     from plait.models.registry import family_of_config

@@ -1,0 +1,96 @@
+"""A checkpoint records a checksum of every tensor it saves; bytes changed in a shard file's data afterwards make
+every reader (train --resume, generate, serve, export, a load under another layout) refuse it in one line naming
+the file and the tensor, never load wrong weights. A checkpoint saved before checksums were kept loads as before."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from plait.checkpoint import CheckpointReader
+from plait.cli.main import app
+from plait.errors import ConfigError
+
+STEP = "step_00000001"
+TRAIN = ["--tp", "2", "--pp", "1", "--seq-len", "16", "--batch-size", "2", "--microbatches", "1", "--eval-every", "0",
+         "--sample-tokens", "0"]
+DAMAGED = ("pp0-tp1-dp0.safetensors", "layers.1.self_attn.q_proj.weight")  # a TP shard: rows 64..127 of 128
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """ckpt/: one step of the tiny preset trained under tp 2 (two shard files, AdamW state)."""
+    tmp_path = tmp_path_factory.mktemp("checksums")
+    res = subprocess.run([sys.executable, "-m", "plait.cli.main", "train", *TRAIN, "--steps", "1", "--cluster", "none",
+                          "--checkpoint-dir", "ckpt"], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    return tmp_path / "ckpt"
+
+
+def copy_of(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def flip_bytes(file: Path, name: str) -> None:
+    """Change 4 bytes in the middle of tensor ``name``'s data (the header, and so the file's layout, unchanged)."""
+    raw = bytearray(file.read_bytes())
+    (size,) = struct.unpack("<Q", raw[:8])
+    start, stop = json.loads(raw[8:8 + size])[name]["data_offsets"]
+    at = 8 + size + (start + stop) // 2
+    raw[at:at + 4] = bytes(b ^ 0x5A for b in raw[at:at + 4])
+    file.write_bytes(raw)
+
+
+def test_every_shard_record_has_the_checksum_of_its_file_s_bytes(saved):
+    meta = json.loads((saved / STEP / "meta.json").read_text())
+    shards = [s for entry in meta["tensors"].values() for s in entry["shards"]]
+    assert {s["file"] for s in shards} == {"pp0-tp0-dp0.safetensors", "pp0-tp1-dp0.safetensors"}
+    assert all(len(s["crc32"]) == 8 for s in shards), shards
+    CheckpointReader(saved / STEP).check_files()  # every tensor read whole and checked: none differs
+
+
+def test_changed_bytes_in_a_shard_are_refused_by_every_reader_naming_the_file_and_tensor(saved, tmp_path,
+                                                                                          monkeypatch):
+    ckpt = copy_of(saved, tmp_path)
+    file, name = DAMAGED
+    flip_bytes(ckpt / STEP / file, name)
+    said = f"{ckpt / STEP}: {file}: tensor '{name}' does not match its checksum in meta.json (crc32 "
+    monkeypatch.chdir(tmp_path)
+    for args in (["train", *TRAIN, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume", "--dry-run"],
+                 ["generate", "--model", str(ckpt), "--tp", "2", "--prompt", "def ", "--max-new-tokens", "2"],
+                 ["generate", "--model", str(ckpt), "--prompt", "def ", "--max-new-tokens", "2"],  # one process
+                 ["serve", "--model", str(ckpt), "--tp", "2", "--port", "1"],  # before the port is bound
+                 ["export", str(ckpt), str(tmp_path / "hf")]):
+        res = CliRunner().invoke(app, args)  # before launching: not 'error: rank 1: ...' from a worker
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: {said}"), (args, res.output)
+        assert len(res.stderr.splitlines()) == 1, (args, res.output)
+    assert not (tmp_path / "hf").exists(), "export wrote a folder of wrong weights"
+    reader = CheckpointReader(ckpt / STEP)  # what a worker reads, under any layout: the rows of either shard
+    with pytest.raises(ConfigError, match="does not match its checksum"):
+        reader.read(name, 0, 96, 128)  # tp 4's last rank: a part of the damaged shard
+    assert reader.read(name, 0, 0, 64).shape == (64, 128)  # the other file's shard is whole
+
+
+def test_a_checkpoint_saved_without_checksums_loads_as_before(saved, tmp_path, monkeypatch):
+    ckpt = copy_of(saved, tmp_path)
+    meta_file = ckpt / STEP / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for entry in meta["tensors"].values():
+        for shard in entry["shards"]:
+            del shard["crc32"]
+    meta_file.write_text(json.dumps(meta))
+    monkeypatch.chdir(tmp_path)
+    for args in (["train", *TRAIN, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume", "--dry-run"],
+                 ["generate", "--model", str(ckpt), "--prompt", "def ", "--max-new-tokens", "2"],
+                 ["export", str(ckpt), str(tmp_path / "hf")]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, (args, res.output)
+    assert CheckpointReader(ckpt / STEP).read(DAMAGED[1], 0, 96, 128).shape == (32, 128)
