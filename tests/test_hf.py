@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,25 +87,15 @@ def test_a_llama_trained_with_experts_exports_as_a_mixtral_folder(tmp_path):
     """plait train --experts N builds a Llama whose every layer is a dropless top-k MoE: a Llama folder cannot say
     so ('experts: a Hugging Face 'llama' folder cannot express it'), so plait export writes it as the Mixtral it
     is, and transformers' logits equal plait's."""
-    from safetensors.torch import save_file
     from typer.testing import CliRunner
 
-    from plait.checkpoint.store import FORMAT, META
     from plait.cli.main import app
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, n_experts=4,
                       top_k=2)
     model = Llama(cfg).eval()
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    ckpt = tmp_path / "ckpt" / "step_00000001"
-    ckpt.mkdir(parents=True)
-    save_file(state, str(ckpt / "pp0-tp0-dp0.safetensors"))
-    tensors = {k: {"shape": list(v.shape), "dtype": "float32", "shards": [
-        {"file": "pp0-tp0-dp0.safetensors", "dim": None, "start": 0, "stop": v.shape[0] if v.dim() else 1}]}
-        for k, v in state.items()}
-    (ckpt / META).write_text(json.dumps({"format": FORMAT, "step": 1, "model": cfg.to_dict(), "family": "llama",
-                                         "train": {"model": "tiny"}, "tensors": tensors}))
+    save_as_checkpoint(model, tmp_path / "ckpt", {"model": "tiny"})
     res = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "mixtral"
@@ -114,3 +105,63 @@ def test_a_llama_trained_with_experts_exports_as_a_mixtral_folder(tmp_path):
         ours, hf = model(tokens), theirs(tokens).logits
     assert type(theirs).__name__ == "MixtralForCausalLM"
     assert ((ours - hf).norm() / hf.norm()).item() < 1e-5
+
+
+def save_as_checkpoint(model: Llama, folder: Path, train: dict) -> None:
+    """``model``'s float32 weights as a one-file plait checkpoint (``folder``/step_00000001) of a run of settings
+    ``train``, as plait train saves one."""
+    from safetensors.torch import save_file
+
+    from plait.checkpoint.store import FORMAT, META
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    ckpt = folder / "step_00000001"
+    ckpt.mkdir(parents=True)
+    save_file(state, str(ckpt / "pp0-tp0-dp0.safetensors"))
+    tensors = {k: {"shape": list(v.shape), "dtype": "float32", "shards": [
+        {"file": "pp0-tp0-dp0.safetensors", "dim": None, "start": 0, "stop": v.shape[0] if v.dim() else 1}]}
+        for k, v in state.items()}
+    (ckpt / META).write_text(json.dumps({"format": FORMAT, "step": 1, "model": model.config.to_dict(),
+                                         "family": "llama", "train": train, "tensors": tensors}))
+
+
+@pytest.mark.parametrize("precision,flag,dtype,tol", [
+    ("bf16", None, torch.bfloat16, 2e-2),  # the default: the dtype the run trained in
+    ("fp32", None, torch.float32, 1e-5),
+    ("bf16", "float32", torch.float32, 1e-5),  # a bf16 run's exact float32 masters
+    ("bf16", "float16", torch.float16, 4e-3),
+])
+def test_export_writes_the_weights_in_the_dtype_the_run_trained_in_or_in_dtype(tmp_path, precision, flag, dtype, tol):
+    """plait export wrote float32 whatever the run (a bf16 run's folder twice the size); it writes the run's dtype
+    or --dtype's, config.json's torch_dtype says so, and transformers loads it so with logits near plait's."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)).eval()
+    save_as_checkpoint(model, tmp_path / "ckpt", {"model": "tiny", "precision": precision})
+    name = str(dtype).removeprefix("torch.")
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"),
+                                   *(["--dtype", flag] if flag else [])])
+    assert res.exit_code == 0 and res.stdout.endswith(f"model.safetensors ({name} weights)\n"), res.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == name
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert theirs.dtype == dtype
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        ours, hf = model(tokens), theirs(tokens).logits.float()
+    assert ((ours - hf).norm() / ours.norm()).item() < tol
+
+
+def test_export_names_the_dtypes_it_writes():
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    res = CliRunner().invoke(app, ["export", "ckpt", "hf", "--dtype", "bf16"])
+    assert res.exit_code == 2 and res.stderr == ("error: --dtype 'bf16': valid float32, bfloat16, float16 (or leave it "
+                                                 "out: the dtype the run trained in)\n"), res.output

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
 
-__all__ = ["CheckpointReader", "export_pretrained", "find_checkpoint", "load_checkpoint", "model_config",
-           "save_checkpoint"]
+__all__ = ["EXPORT_DTYPES", "CheckpointReader", "export_pretrained", "find_checkpoint", "load_checkpoint",
+           "model_config", "save_checkpoint", "trained_dtype"]
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -124,9 +124,24 @@ class CheckpointReader:
                 pieces.append(self._piece(s, key, index))
         return torch.cat(pieces, dim=dim)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every model tensor in full (optimizer state left out): for one device or a Hugging Face export."""
-        return {k: self.read(k) for k in self.meta["tensors"] if not k.startswith("optim/")}
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Every model tensor in full (optimizer state left out), each cast to ``dtype`` as it is read (None: as
+        saved): for one device or a Hugging Face export."""
+        return {k: self.read(k).to(dtype) if dtype is not None else self.read(k) for k in self.meta["tensors"]
+                if not k.startswith("optim/")}
+
+
+#: the dtypes of the weights ``plait export --dtype`` writes, by name
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def trained_dtype(meta: dict) -> str:
+    """The name of the dtype a checkpoint's run computed in: bfloat16 for ``--precision bf16``, else float32 (a
+    checkpoint saves the float32 masters of a bf16 run's weights either way)."""
+    from plait.optim.precision import PRECISIONS
+
+    dtype = PRECISIONS.get(meta.get("train", {}).get("precision", "fp32")) or torch.float32
+    return str(dtype).removeprefix("torch.")
 
 
 def load_checkpoint(pm: ParallelModel, optimizer: ParallelOptimizer | torch.optim.Optimizer | None,
@@ -200,12 +215,16 @@ def model_config(meta: dict) -> LlamaConfig:
     return family_for_type(meta.get("family", "llama")).config_class(**meta["model"])
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process)."""
+def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process), its weights
+    and config.json's torch_dtype in ``dtype`` (a name of EXPORT_DTYPES; None: the dtype the run trained in)."""
     from plait.models.hf import save_state_dict_pretrained
     from plait.models.registry import folder_family_of_config
     from plait.tokenizers import check_tokenizer_out, copy_tokenizer_files, trained_tokenizer
 
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: valid {', '.join(EXPORT_DTYPES)} (or leave it out: the dtype the run "
+                          "trained in)")
     path = find_checkpoint(checkpoint)
     if path is None and (Path(checkpoint) / "config.json").is_file():
         raise ConfigError(f"CHECKPOINT {checkpoint}: a Hugging Face folder already (config.json), not a plait "
@@ -218,7 +237,8 @@ def export_pretrained(checkpoint: str | Path, out: str | Path) -> Path:
     folder, _ = trained_tokenizer(reader.meta, path)  # the tokenizer goes with the weights
     check_tokenizer_out(folder, Path(out))
     family, cfg = folder_family_of_config(cfg)  # a preset trained with --experts: a Mixtral folder
-    save_state_dict_pretrained(family, cfg, reader.full_state_dict(), out)
+    weights = EXPORT_DTYPES[dtype or trained_dtype(reader.meta)]
+    save_state_dict_pretrained(family, cfg, reader.full_state_dict(weights), out)  # config.json's torch_dtype: theirs
     copy_tokenizer_files(folder, Path(out))
     eos = (reader.meta.get("tokenizer") or {}).get("eos")  # the end-of-document token it was trained with
     hf = json.loads((Path(out) / "config.json").read_text())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -10,10 +11,15 @@ HELP = """Write a Hugging Face folder (config.json + model.safetensors, and the 
 run was trained from) of the model's family from a plait checkpoint saved under any layout. transformers'
 AutoModelForCausalLM.from_pretrained(OUT) reads it, as do plait generate --model OUT and plait serve --model OUT.
 
+The weights are written in --dtype, and config.json's torch_dtype says so: by default the dtype the run trained
+in (bfloat16 for plait train --precision bf16, float32 for fp32), half the size of float32 for a bf16 run. A
+checkpoint holds float32 weights either way, so --dtype float32 exports them exactly.
+
 \b
 Examples:
   plait train --steps 20 && plait export plait-checkpoints hf-tiny   # the latest checkpoint of the folder
   plait export plait-checkpoints/step_00000020 hf-tiny-20             # one checkpoint
+  plait export plait-checkpoints hf-tiny-fp32 --dtype float32         # exact float32 weights of a bf16 run
   plait generate --model hf-tiny --prompt "def "                     # the exported folder, as any HF folder
 """
 
@@ -25,6 +31,9 @@ def register(app: typer.Typer) -> None:
 def export_command(
     checkpoint: Annotated[str, typer.Argument(help="A plait checkpoint folder (or its parent).")],
     out: Annotated[str, typer.Argument(help="The Hugging Face folder to write.")],
+    dtype: Annotated[str | None, typer.Option(help="The weights' dtype: float32, bfloat16 or float16 [default: the "
+                                                   "dtype the run trained in: bfloat16 for --precision bf16, else "
+                                                   "float32].", show_default=False)] = None,
 ) -> None:
     from plait.checkpoint import export_pretrained, find_checkpoint
     from plait.errors import ConfigError
@@ -33,7 +42,7 @@ def export_command(
     if source is not None:  # the read and write take a while for a large model
         typer.echo(f"exporting {source} ...")
     try:
-        path = export_pretrained(checkpoint, out)
+        path = export_pretrained(checkpoint, out, dtype)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -43,4 +52,5 @@ def export_command(
     from plait.tokenizers import TOKENIZER_FILES
 
     files = ["config.json", "model.safetensors"] + [f for f in TOKENIZER_FILES if (path / f).is_file()]
-    typer.echo(f"wrote {path}/: {', '.join(files)}")
+    written = json.loads((path / "config.json").read_text())["torch_dtype"]
+    typer.echo(f"wrote {path}/: {', '.join(files)} ({written} weights)")
