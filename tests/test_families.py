@@ -151,3 +151,12 @@ def test_cli_generate_and_serve_take_any_family_folder(tmp_path):
         out = CliRunner().invoke(app, [*command, "--model", str(bad)])
         assert out.exit_code == 2 and "supported model types: llama, mistral, mixtral, qwen2, qwen3" in out.output, (
             command, out.output)
+
+
+def test_every_registered_family_s_folders_are_read_by_the_one_reader():
+    """plait.hf_config, which plait's models and the planner both read a config.json with, knows the fields of
+    every family the registry builds, and of no other."""
+    from plait.hf_config import FAMILY_FIELDS
+    from plait.models.registry import MODEL_TYPES
+
+    assert sorted(FAMILY_FIELDS) == sorted(MODEL_TYPES)

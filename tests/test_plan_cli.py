@@ -206,8 +206,8 @@ LLAMA = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
     ({"num_key_value_heads": 5}, "num_key_value_heads = 5: must divide num_attention_heads = 32"),
     ({"num_attention_heads": 48}, "num_attention_heads = 48: must divide hidden_size = 4096"),
     ({"max_position_embeddings": 0}, "max_position_embeddings = 0: must be a positive integer"),
-    ({"num_local_experts": 2, "num_experts_per_tok": 4}, "num_experts_per_tok = 4: must be at most "
-                                                         "num_local_experts = 2"),
+    ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 4},
+     "num_experts_per_tok = 4: must be at most num_local_experts = 2"),
     ({"num_hidden_layers": "32"}, "num_hidden_layers = '32': must be an integer"),
     ({"vocab_size": None}, "no vocab_size (the model's vocab); plait reads Llama"),
 ])

@@ -176,9 +176,9 @@ def test_plan_says_how_it_counts_routing_and_takes_a_capacity(tmp_path):
     import json
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 4,
-                               "vocab_size": 512, "intermediate_size": 512, "num_local_experts": 4,
-                               "num_experts_per_tok": 2, "max_position_embeddings": 512}))
+    cfg.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 256, "num_attention_heads": 4,
+                               "num_hidden_layers": 4, "vocab_size": 512, "intermediate_size": 512,
+                               "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 512}))
     base = ["plan", "--model", str(cfg), "--gpus", "4", "--global-batch", "8", "--top", "40"]
     res = CliRunner().invoke(app, base)
     assert res.exit_code == 0, res.output

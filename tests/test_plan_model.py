@@ -76,3 +76,26 @@ def test_from_hf_config(tmp_path):
 def test_plan_imports_no_torch():
     code = "import sys, plait.plan, plait.plan.validation; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_heads_wider_than_hidden_over_heads_are_counted_in_every_projection():
+    """A head size given apart from hidden / heads (``head_size``: Qwen3's head_dim) widens the q and output
+    projections to ``q_width``: the parameters, the layer's GEMMs on a GPU (``timing.layer_gemms``), their time at
+    the matmul speed (``tp_comm.layer_gemm_seconds``) and the attention scores' work all follow it. The GEMMs'
+    FLOPs are 2 per matmul weight a token uses, whatever the head size."""
+    from plait.plan import Layout, get_gpu
+    from plait.plan.gemm import gemm_speed
+    from plait.plan.timing import layer_forward_flops, layer_gemms
+    from plait.plan.tp_comm import layer_gemm_seconds
+
+    wide = Model(4, 1024, 8, 1000, 256, 2048, 4, glu=True, head_size=256)  # q 2048 wide over hidden 1024
+    assert (wide.head_dim, wide.q_width) == (256, 2048)
+    assert Model(4, 1024, 8, 1000, 256, head_size=128) == Model(4, 1024, 8, 1000, 256)  # 128 is hidden / heads
+    matmul = wide.layer_params() - wide.layer_norm_params()
+    assert matmul == 1024 * 2048 * 2 + 2 * 1024 * 4 * 256 + 3 * 1024 * 2048
+    layout, tokens = Layout(tp=2), 256
+    gemms = sum(2 * m * n * k * count for m, n, k, count in layer_gemms(wide, layout))
+    assert gemms == 2 * tokens * matmul / 2  # one of two TP ranks
+    gpu = get_gpu("h100-sxm")
+    assert sum(layer_gemm_seconds(gpu, wide, layout, tokens)) * gemm_speed(gpu) == pytest.approx(gemms)
+    assert layer_forward_flops(wide, tokens, 256) == 2 * tokens * matmul + 4 * tokens * 256 * 2048

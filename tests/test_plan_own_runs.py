@@ -50,3 +50,47 @@ def test_the_searched_batch_is_planned_with_plaits_masters_too():
     best = json.loads(r.output)["best"][0]
     n = Model.preset("tiny").n_params()
     assert best["layout"]["zero"] == 0 and (best["memory"]["weights"], best["memory"]["optimizer"]) == (4 * n, 8 * n)
+
+
+def qwen3_folder(path):
+    """A tiny Qwen3 folder whose heads are wider than hidden / heads (head_dim 32, hidden 64 over 4 heads), as
+    Qwen3's own configs give head_dim apart, with its per-head q/k norms."""
+    import torch
+
+    from plait.models import Qwen3, Qwen3Config
+
+    torch.manual_seed(0)
+    Qwen3(Qwen3Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                      max_seq_len=128)).save_pretrained(path)
+    return path
+
+
+def mistral_folder(path):
+    """A tiny Mistral folder with a sliding window of 32 keys (of 128 tokens)."""
+    import torch
+
+    from plait.models.mistral import Mistral, MistralConfig
+
+    torch.manual_seed(0)
+    Mistral(MistralConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                          sliding_window=32)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("folder", [qwen3_folder, mistral_folder], ids=["qwen3", "mistral"])
+def test_plait_plan_of_a_folder_plans_what_plait_train_measures(tmp_path, folder):
+    """``plait plan --model DIR`` reads a folder's config.json as plait builds the model (``plait.hf_config``):
+    Qwen3's explicit head_dim (the q and output projections 64 x 128, not 64 x 64) and its q/k norms, Mistral's
+    window (the mask each layer's attention keeps); each kind within 1% of what ``plait train --model DIR``
+    measures. The planner's model is the one ``plait train``'s prediction and ``--layout auto`` plan with."""
+    from plait.cli.auto_layout import plan_model
+    from plait.plan import Model
+    from plait.train import TrainConfig
+
+    path = folder(tmp_path / "model")
+    measured, _ = first_step_memory(tmp_path, str(path), precision="fp32")
+    planned = planned_memory(tmp_path, str(path), "fp32")
+    for kind in MEMORY_KINDS:
+        assert planned[kind] == pytest.approx(measured[kind], rel=0.01), (kind, planned[kind], measured[kind])
+    trained = plan_model(TrainConfig.from_dict(dict(model=str(path), seq_len=128, tp=1, pp=1, dp=1)))
+    assert Model.from_hf_config(path, seq_len=128) == trained

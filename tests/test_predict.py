@@ -48,8 +48,8 @@ def test_memory_prediction_counts_plaits_tensors():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_predicted_memory_of_a_qwen3_folder_counts_its_head_norms(tmp_path, precision):
     """``plait train`` of a tiny Qwen3 folder: the planner's prediction of the parameters and of the activations'
-    peak is what ``pm.memory_report()`` measured on the first step, within 1% as for the other runs: the family's
-    adapter tells the planner of the RMSNorm over each head of q and k (``Family.plan_fields``), whose input,
+    peak is what ``pm.memory_report()`` measured on the first step, within 1% as for the other runs: its config's
+    ``qk_norm`` tells the planner of the RMSNorm over each head of q and k (``Model.head_norms``), whose input,
     normalised values and rsqrt the layer saves (without them the count is 13-15% short here)."""
     import torch
 
@@ -80,7 +80,7 @@ def test_predicted_memory_of_bf16_training_is_what_plait_optim_keeps(tmp_path, z
 def test_predicted_memory_of_a_mistral_folder_counts_its_window_mask(tmp_path, precision, recompute):
     """A Mistral folder with a sliding window (32 of 128 tokens): each layer's attention keeps the window's
     [128, 128] mask, as SDPA's additive mask in the compute dtype, or the boolean one the core's checkpoint keeps
-    under selective recomputation; the family's adapter tells the planner of the window (``Family.plan_fields``)
+    under selective recomputation; its config tells the planner of the window (``Model.sliding_window``)
     and the prediction equals ``pm.memory_report()`` within 1% (without the mask it is 3.5% short in bf16)."""
     import torch
 

@@ -117,7 +117,7 @@ def test_a_model_folder_with_a_damaged_weights_file_is_one_error_naming_the_file
 
 @pytest.mark.parametrize(("change", "needle"), [
     ({"vocab_size": None}, "config.json has no 'vocab_size', which every llama folder gives"),  # was a KeyError
-    ({"num_hidden_layers": 0}, "config.json: LlamaConfig.n_layers=0 must be a positive integer"),
+    ({"num_hidden_layers": 0}, "config.json: num_hidden_layers = 0: must be a positive integer"),
     ({"model_type": "gpt2"}, "config.json: model_type='gpt2' is not supported; supported model types: llama"),
 ])
 def test_a_model_folders_config_json_is_named_in_its_error(tmp_path, change, needle):

@@ -14,19 +14,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from plait.errors import ConfigError
-from plait.train.config import TrainConfig, model_config, model_family, validate
+from plait.train.config import TrainConfig, model_config, validate
 from plait.words import counted
 
 
 def plan_model(cfg: TrainConfig):
-    """The planner's description (``plan.Model``) of the model ``cfg`` trains, at ``cfg.seq_len`` tokens: the
-    shapes of the config plait train builds it from, and what its family's adapter says of its layer beyond them
-    (``Family.plan_fields``: Qwen3's per-head q/k norms)."""
+    """The planner's description (``plan.Model``) of the model ``cfg`` trains, at ``cfg.seq_len`` tokens: what the
+    config plait train builds it from says (``Model.from_llama_config``: its shapes and the features the planner
+    counts, Qwen3's per-head q/k norms, Mistral's window), as ``plait plan --model`` reads a folder."""
     from plait.plan import Model
 
-    mcfg = model_config(cfg)
-    model = Model.from_llama_config(mcfg.to_dict(), cfg.seq_len, name=Path(cfg.model).name)
-    return replace(model, **model_family(cfg).plan_fields(mcfg))
+    return Model.from_llama_config(model_config(cfg).to_dict(), cfg.seq_len, name=Path(cfg.model).name)
 
 
 def host_cluster(processes: int):

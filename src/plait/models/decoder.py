@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 class DecoderFamily(Family):
     """Decoder-only language models built from plait.models.llama's modules: embed_tokens, layers, norm, lm_head.
 
-    A Hugging Face family sets ``model_type``/``architecture`` and overrides ``hf_fields`` (config.json ->
-    config keyword arguments beyond the shared ones, raising ConfigError on what it cannot run),
+    A Hugging Face family sets ``model_type``/``architecture`` and overrides ``check_hf`` (ConfigError on what
+    a config.json says that it cannot run; the fields its folders add are read by ``plait.hf_config``),
     ``hf_extra`` (config -> extra config.json keys) and ``HF_RENAMES`` (plait tensor-name -> HF, regexes).
     """
 
@@ -105,14 +105,6 @@ class DecoderFamily(Family):
         if model.config.tie_embeddings:
             model.lm_head.weight = model.embed_tokens.weight  # the same (vocabulary-sharded) parameter
 
-    def plan_fields(self, config: Any) -> dict[str, Any]:
-        """With ``qk_norm``, ``Attention.heads`` runs an RMSNorm over each head of q and of k; with a
-        ``sliding_window``, the attention takes the window's mask (``llama.window_mask``)."""
-        fields: dict[str, Any] = {"head_norms": ("q", "k")} if config.qk_norm else {}
-        if config.sliding_window is not None:
-            fields["sliding_window"] = config.sliding_window
-        return fields
-
     def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         rule = getattr(self.model_class, "initial_tensor", None)
         if rule is None:
@@ -121,9 +113,9 @@ class DecoderFamily(Family):
         return rule(config, key, shape, seed)
 
     # ------------------------------------------------------------------------------ Hugging Face
-    def hf_fields(self, hf: dict) -> dict:
-        """Family-specific config keyword arguments from a config.json dict (ConfigError if unsupported)."""
-        return {}
+    def check_hf(self, hf: dict) -> None:
+        """ConfigError for what a config.json dict of this family says that plait's model does not run (its
+        fields, this family's included, are ``plait.hf_config.llama_fields``)."""
 
     def hf_extra(self, config: Any) -> dict:
         """Family-specific config.json keys."""

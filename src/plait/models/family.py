@@ -14,12 +14,11 @@ A family adapter answers, for the models of one class, without the runtime ever 
   tie_weights        re-tie shared parameters after sharding replaced modules
   init_tensor        the seeded initial value of one full state tensor (plait.models.init), so any layout
                      can initialise its shards one tensor at a time
-  plan_fields        what the planner's shape-only ``plait.plan.Model`` needs beyond a config's shapes to count
-                     a layer's weights, work and saved tensors (e.g. per-head q/k norms)
 Hugging Face families (``plait.models.decoder.DecoderFamily`` subclasses) also translate ``config.json`` and
-tensor names (``plait.models.hf``). Each family is listed in the explicit registry (``plait.models.registry``):
-adding one is a file (a config and model class, usually Llama's with some features on, and its ``FAMILY``)
-and one line there.
+tensor names (``plait.models.hf``; a config.json's fields, which the planner reads too: ``plait.hf_config``).
+Each family is listed in the explicit registry (``plait.models.registry``): adding one is a file (a config and
+model class, usually Llama's with some features on, and its ``FAMILY``), one line there and, where its folders
+add fields, one in ``plait.hf_config.FAMILY_FIELDS``.
 """
 
 from __future__ import annotations
@@ -103,10 +102,6 @@ class Family:
 
     def tie_weights(self, model: nn.Module) -> None:
         """Re-tie shared parameters after their modules were replaced (sharded)."""
-
-    def plan_fields(self, config: Any) -> dict[str, Any]:
-        """``plait.plan.Model`` keyword arguments that describe this family's layer beyond its config's shapes."""
-        return {}
 
     def init_tensor(self, config: Any, key: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The initial value (float32, full ``shape``) of state tensor ``key`` for ``seed``."""

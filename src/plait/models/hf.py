@@ -1,7 +1,8 @@
 """Hugging Face folders (config.json + safetensors) to and from plait's plain models, for every family; slice reads.
 
-The fields every Llama-like ``config.json`` shares are translated here; each family adds its own
-(``DecoderFamily.hf_fields`` / ``hf_extra``) and renames tensors (``DecoderFamily.hf_name``).
+A ``config.json``'s fields, every Llama-like folder's and each family's own, are read by ``plait.hf_config``
+(the planner's reader too); each family refuses what it does not run (``DecoderFamily.check_hf``), writes its
+own keys (``hf_extra``) and renames tensors (``DecoderFamily.hf_name``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from plait.errors import ConfigError
+from plait.hf_config import llama_fields
 from plait.models.decoder import DecoderFamily
 from plait.models.registry import family_for_type
 
@@ -46,7 +48,9 @@ def folder_family(hf: dict) -> DecoderFamily:
 
 
 def config_from_hf(hf: dict, family: DecoderFamily | None = None) -> LlamaConfig:
-    """The plait config of a Hugging Face ``config.json`` dict; unsupported features raise ConfigError."""
+    """The plait config of a Hugging Face ``config.json`` dict, its fields as ``plait.hf_config.llama_fields``
+    reads them (the planner's reader too); what plait's models do not run raises ConfigError (here and in the
+    family's ``check_hf``)."""
     family = family or folder_family(hf)
     if hf.get("model_type", family.model_type) != family.model_type:
         raise ConfigError(f"model_type={hf.get('model_type')!r}: this reads {family.model_type!r} folders; "
@@ -56,15 +60,8 @@ def config_from_hf(hf: dict, family: DecoderFamily | None = None) -> LlamaConfig
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise ConfigError(f"rope type {rope.get('rope_type', rope.get('type'))!r}: only default RoPE is supported")
-    heads = hf["num_attention_heads"]
-    return family.config_class(
-        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **family.hf_fields(hf),
-    )
+    family.check_hf(hf)
+    return family.config_class(**llama_fields(hf, family.model_type))
 
 
 def folder_config(path: str | Path, family: DecoderFamily | None = None) -> tuple[DecoderFamily, LlamaConfig]:

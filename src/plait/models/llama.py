@@ -385,11 +385,10 @@ class LlamaFamily(DecoderFamily):
     architecture = "LlamaForCausalLM"
     model_class, config_class = Llama, LlamaConfig
 
-    def hf_fields(self, hf: dict) -> dict:
+    def check_hf(self, hf: dict) -> None:
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ConfigError(f"{flag}=true is not supported by plait.models.Llama (bias-free projections only)")
-        return {}
 
     def hf_extra(self, config: LlamaConfig) -> dict:
         return {"attention_bias": False, "mlp_bias": False}

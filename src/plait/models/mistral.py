@@ -24,13 +24,9 @@ class MistralFamily(DecoderFamily):
     model_class, config_class = Mistral, MistralConfig
     FEATURES = frozenset({"sliding_window"})
 
-    def hf_fields(self, hf: dict) -> dict:
+    def check_hf(self, hf: dict) -> None:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise ConfigError("attention_bias/mlp_bias=true: Mistral's projections are bias-free in plait")
-        window = hf.get("sliding_window")
-        if window is not None and not (isinstance(window, int) and window > 0):
-            raise ConfigError(f"sliding_window={window!r}: must be a positive integer or null")
-        return {"sliding_window": window}
 
     def hf_extra(self, config: LlamaConfig) -> dict:
         return {"sliding_window": config.sliding_window}

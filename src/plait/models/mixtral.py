@@ -43,12 +43,10 @@ class MixtralFamily(DecoderFamily):
     HF_RENAMES = ((r"\.mlp\.", ".block_sparse_moe."), (r"\.gate_proj\.", ".w1."), (r"\.up_proj\.", ".w3."),
                   (r"\.down_proj\.", ".w2."))
 
-    def hf_fields(self, hf: dict) -> dict:
+    def check_hf(self, hf: dict) -> None:
         if hf.get("router_jitter_noise"):
             raise ConfigError(f"router_jitter_noise={hf['router_jitter_noise']}: plait's router adds no noise; "
                               "use 0.0")
-        return {"n_experts": hf.get("num_local_experts", 8), "top_k": hf.get("num_experts_per_tok", 2),
-                "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "sliding_window": hf.get("sliding_window")}
 
     def hf_extra(self, config: LlamaConfig) -> dict:
         if config.moe_every != 1 or config.capacity_factor is not None or config.top_k < 2:

@@ -32,9 +32,8 @@ class Qwen2Family(DecoderFamily):
     model_class, config_class = Qwen2, Qwen2Config
     FEATURES = frozenset({"qkv_bias"})
 
-    def hf_fields(self, hf: dict) -> dict:
+    def check_hf(self, hf: dict) -> None:
         refuse_sliding_layers(hf)
-        return {"qkv_bias": True}
 
     def hf_extra(self, config: LlamaConfig) -> dict:
         if not config.qkv_bias:

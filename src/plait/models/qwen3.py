@@ -25,11 +25,10 @@ class Qwen3Family(DecoderFamily):
     model_class, config_class = Qwen3, Qwen3Config
     FEATURES = frozenset({"qk_norm"})
 
-    def hf_fields(self, hf: dict) -> dict:
+    def check_hf(self, hf: dict) -> None:
         refuse_sliding_layers(hf)
         if hf.get("attention_bias"):
             raise ConfigError("attention_bias=true: plait runs Qwen3 with bias-free attention projections only")
-        return {"qk_norm": True}
 
     def hf_extra(self, config: LlamaConfig) -> dict:
         if not config.qk_norm:

@@ -212,7 +212,7 @@ class GpuCosts:
         if layout.cp_comm == "allgather":
             gather = self.collective("all_gather", block * c, c, span=t * c)
             return gather, gather
-        step_f, step_b = self._attention_core(model, layout, 4 * tokens * model.seq_len * model.hidden / t / c)
+        step_f, step_b = self._attention_core(model, layout, 4 * tokens * model.seq_len * model.q_width / t / c)
         one, two = (self.collective("p2p", n * block, 2, span=t * c) for n in (1, 2))
         forward = (c - 1) * max(0.0, one - step_f)
         backward = 2 * max(0.0, one - step_b) + (c - 2) * max(0.0, two - step_b)

@@ -72,7 +72,8 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     ``sbh(34 + 5as/h)`` without parallelism, ``sbh(10 + 24/t + 5as/(ht))`` with TP and
     ``sbh(34/t + 5as/(ht))`` with TP+SP. Its terms, generalised to GQA (g = kv/heads) and GLU MLPs:
     replicated 10 = 2 norm inputs (4) + QKV and MLP inputs (4) + 2 dropout masks (2); TP-sharded
-    attention 4 + 4g (Q, K, V, projection input), MLP 2·(f/h)·k (k = 2 GELU tensors, 3 for GLU);
+    attention (4 + 4g)·q/h (Q, K, V, projection input; q the query heads' width, ``Model.q_width``, h unless a
+    config gives its head size apart), MLP 2·(f/h)·k (k = 2 GELU tensors, 3 for GLU);
     score term 5as/h (softmax output 2, dropout mask 1, dropout output 2). Without dropout
     (``Model.dropout``) the masks and the dropout output are not there: replicated 8, scores 2as/h.
     Selective recomputation drops the scores; full keeps the 2sbh layer input.
@@ -87,7 +88,7 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
     g = model.kv_heads / model.n_heads
     k = 3 if model.glu else 2
     mlp = 2 * (model.ffn / h) * k * (model.top_k * experts.received(model, layout) if model.is_moe else 1)
-    sharded = 4 + 4 * g + mlp
+    sharded = (4 + 4 * g) * model.q_width / h + mlp
     replicated = 10.0 if model.dropout else 8.0
     score = (5 if model.dropout else 2) * model.n_heads * model.seq_len / h  # s·s/cp: local queries, all keys
     sbh = s * b * h

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError, FieldError
+from plait.hf_config import FAMILY_FIELDS, llama_fields, model_type
 from plait.model_presets import PRESETS as TRAIN_PRESETS
 
 #: the projections a per-head RMSNorm may follow (``Model.head_norms``): the queries and the keys
@@ -30,12 +31,16 @@ class Model:
     parallelism, as a multiple of what balanced routing sends them (``experts.received``; a capacity factor).
     ``head_norms``: the projections of ``HEAD_NORMS`` ("q", "k") whose every head an RMSNorm with a weight of
     ``head_dim`` normalises before RoPE (Qwen3's q/k norms). The model's family says so
-    (``plait.models.family.Family.plan_fields``); the planner counts their weights and what they save.
+    (``qk_norm`` in its config); the planner counts their weights and what they save.
     ``context``: the longest sequence the model itself takes (its ``max_seq_len`` or ``max_position_embeddings``)
     where its config says it; None where not known (the published presets: ``seq_len`` is what they trained at).
     ``sliding_window``: each query attends to at most this many keys, itself included (Mistral's window; None:
     plain causal attention). The attention then takes a mask of every query and key, which it saves for the
-    backward; the model's family says so (``Family.plan_fields``) and the planner counts the mask.
+    backward; the planner counts the mask.
+    ``head_size``: each attention head's size where it is not ``hidden / n_heads`` (Qwen3's configs give
+    ``head_dim`` apart); None: ``hidden / n_heads``. ``head_dim`` is the size either way, and the query heads'
+    width ``q_width`` (``n_heads · head_dim``) sets the q and output projections, the attention scores' work and
+    what the attention saves. A size equal to ``hidden / n_heads`` is kept as None (one Model for one shape).
     """
 
     n_layers: int
@@ -59,14 +64,17 @@ class Model:
     head_norms: tuple[str, ...] = ()
     context: int | None = None
     sliding_window: int | None = None
+    head_size: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k", "ffn_hidden",
-                      "n_kv_heads"):
+                      "n_kv_heads", "head_size"):
             value = getattr(self, field)
             if value is not None and int(value) < 1:
                 raise FieldError(field, value, "must be a positive integer")
-        if self.hidden % self.n_heads:
+        if self.head_size is not None and self.head_size * self.n_heads == self.hidden:
+            object.__setattr__(self, "head_size", None)  # frozen: the one spelling of hidden / n_heads
+        if self.head_size is None and self.hidden % self.n_heads:
             raise FieldError("n_heads", self.n_heads, "must divide {hidden}", {"hidden": self.hidden})
         if self.n_heads % self.kv_heads:
             raise FieldError("n_kv_heads", self.kv_heads, "must divide {n_heads}", {"n_heads": self.n_heads})
@@ -90,7 +98,12 @@ class Model:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+        return self.head_size if self.head_size is not None else self.hidden // self.n_heads
+
+    @property
+    def q_width(self) -> int:
+        """The query heads' width, ``n_heads · head_dim`` (``hidden`` unless ``head_size`` says otherwise)."""
+        return self.n_heads * self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -98,10 +111,11 @@ class Model:
 
     # ---- parameter counts ---------------------------------------------------------------------
     def attention_params(self) -> int:
-        """Q and O are h×h; K and V are h×(kv·d) with grouped-query attention (Ainslie et al. 2023)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        weights = 2 * h * h + 2 * h * kv
-        return weights + ((h + 2 * kv + h) if self.bias else 0)
+        """Q is h×q and O q×h (q = ``q_width``, h unless ``head_size`` differs); K and V are h×(kv·d) with
+        grouped-query attention (Ainslie et al. 2023)."""
+        h, q, kv = self.hidden, self.q_width, self.kv_heads * self.head_dim
+        weights = 2 * h * q + 2 * h * kv
+        return weights + ((q + 2 * kv + h) if self.bias else 0)
 
     def mlp_params(self) -> int:
         """One expert's MLP: up (and gate with a GLU, Shazeer 2020) h×f, down f×h."""
@@ -155,11 +169,14 @@ class Model:
 
     @classmethod
     def from_llama_config(cls, cfg: Any, seq_len: int | None = None, name: str = "llama") -> Model:
-        """The shapes of a ``plait.models.LlamaConfig`` (or its ``to_dict()``), trained at ``seq_len``
-        tokens (default its ``max_seq_len``). Missing keys take LlamaConfig's defaults (``ffn_dim``:
-        2/3 of 4·dim rounded up to a multiple of 8). Every layer is a mixture-of-experts layer when
-        ``n_experts > 1`` (``moe_every`` is not modelled); its ``capacity_factor`` c, where set, caps what an
-        expert takes at c times its balanced share, the ``expert_capacity`` planned (dropless: balanced)."""
+        """The model a ``plait.models.LlamaConfig`` (or its ``to_dict()``, or ``plait.hf_config.llama_fields`` of a
+        folder's config.json: the same keys) describes, trained at ``seq_len`` tokens (default its
+        ``max_seq_len``): its shapes (``head_dim``, where given, the ``head_size``) and the features of its layer
+        the planner counts, ``qk_norm`` (Qwen3's per-head q/k norms: ``head_norms``) and ``sliding_window``.
+        Missing keys take LlamaConfig's defaults (``ffn_dim``: 2/3 of 4·dim rounded up to a multiple of 8). Every
+        layer is a mixture-of-experts layer when ``n_experts > 1`` (``moe_every`` is not modelled); its
+        ``capacity_factor`` c, where set, caps what an expert takes at c times its balanced share, the
+        ``expert_capacity`` planned (dropless: balanced)."""
         _check_seq_len(seq_len)
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         dim, heads = int(get("dim", 64)), int(get("n_heads", 4))
@@ -169,11 +186,16 @@ class Model:
                    seq_len=int(seq_len or max_len), ffn_hidden=int(ffn), n_kv_heads=get("n_kv_heads") or heads,
                    glu=True, tied_embeddings=bool(get("tie_embeddings", False)),
                    n_experts=int(get("n_experts", 1)), top_k=int(get("top_k", 1)), name=name,
-                   balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0), context=max_len)
+                   balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0), context=max_len,
+                   head_norms=HEAD_NORMS if get("qk_norm", False) else (), sliding_window=get("sliding_window"),
+                   head_size=get("head_dim"))
 
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:
-        """Read a Hugging Face ``config.json`` (Llama, Mistral, Mixtral, Qwen2, GPT-2/NeoX style)."""
+        """Read a Hugging Face ``config.json`` (a file, or the folder holding it). A config of a family plait runs
+        (``plait.hf_config.FAMILY_FIELDS``: Llama, Mistral, Mixtral, Qwen2, Qwen3; Llama where it names none) is
+        read by the reader plait's models are built with (``llama_fields``) into ``from_llama_config``, the model
+        ``plait train``'s prediction plans; others (GPT-2/NeoX style) by the shapes their keys give."""
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
@@ -183,12 +205,49 @@ class Model:
             raise ConfigError(f"model: cannot read a Hugging Face config from {str(path)!r}: {exc}") from exc
         if not isinstance(cfg, dict):
             raise ConfigError(f"model: {str(p)!r} holds a JSON {type(cfg).__name__}, not a Hugging Face config")
-        return _from_hf_dict(cfg, seq_len, name=p.parent.name or p.stem, source=str(p))
+        name = p.parent.name or p.stem
+        if model_type(cfg) in FAMILY_FIELDS:
+            return _from_folder(cfg, seq_len, name, str(p))
+        return _from_hf_dict(cfg, seq_len, name=name, source=str(p))
 
 
 #: the dropout probabilities Hugging Face configs name (any above 0: the model trains with dropout)
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout", "dropout",
                 "hidden_dropout_prob", "attention_probs_dropout_prob")
+
+
+#: where a Model setting of a Llama-like folder is read from in its config.json (``plait.hf_config``)
+FOLDER_KEYS = {"vocab": "vocab_size", "hidden": "hidden_size", "n_layers": "num_hidden_layers",
+               "n_heads": "num_attention_heads", "ffn_hidden": "intermediate_size", "n_kv_heads": "num_key_value_heads",
+               "head_size": "head_dim", "n_experts": "num_local_experts", "top_k": "num_experts_per_tok",
+               "sliding_window": "sliding_window"}
+#: the longest training length a config's own context is planned at when no seq_len is given
+MAX_DEFAULT_SEQ_LEN = 8192
+
+
+def _missing(source: str, names: tuple[str, ...], field: str) -> ConfigError:
+    return ConfigError(f"{source}: no {' or '.join(names)} (the model's {field}); plait reads Llama, Mistral, "
+                       "Mixtral, Qwen2, Qwen3 and GPT-2/NeoX style configs")
+
+
+def _from_folder(cfg: dict[str, Any], seq_len: int | None, name: str, source: str) -> Model:
+    """The model of a config.json of a family plait runs, read as plait builds it (``plait.hf_config``); errors
+    name the file's keys."""
+    _check_seq_len(seq_len)
+    try:
+        fields = llama_fields(cfg)
+    except KeyError as exc:
+        field = next(f for f, key in FOLDER_KEYS.items() if key == exc.args[0])
+        raise _missing(source, exc.args, field) from None
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    keys = dict(FOLDER_KEYS, **({} if seq_len else {"seq_len": "max_position_embeddings"}))
+    try:
+        return Model.from_llama_config(fields, seq_len or min(fields["max_seq_len"], MAX_DEFAULT_SEQ_LEN), name)
+    except FieldError as exc:
+        if exc.name not in keys:
+            raise
+        raise exc.in_file(source, keys) from None
 
 
 def _check_seq_len(seq_len: int | None) -> None:
@@ -221,8 +280,7 @@ class _Config:
         if value is None and default is not None:
             return default
         if value is None:
-            raise ConfigError(f"{self.source}: no {' or '.join(names)} (the model's {field}); plait reads Llama, "
-                              "Mistral, Mixtral, Qwen2 and GPT-2/NeoX style configs")
+            raise _missing(self.source, names, field)
         return value
 
 
@@ -236,7 +294,8 @@ def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: s
     n_layers, vocab = c.number("n_layers", "num_hidden_layers", "n_layer"), c.number("vocab", "vocab_size")
     context = c.optional("context", "max_position_embeddings", "n_positions", "n_ctx")
     if not seq_len:  # the model's own length (capped), where no --seq-len was given
-        seq_len = min(c.number("seq_len", "max_position_embeddings", "n_positions", "n_ctx", default=4096), 8192)
+        seq_len = min(c.number("seq_len", "max_position_embeddings", "n_positions", "n_ctx", default=4096),
+                      MAX_DEFAULT_SEQ_LEN)
     try:
         return Model(
             n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=vocab,

@@ -17,9 +17,9 @@ from plait.plan.stages import layout_stages
 def layer_forward_flops(model: Model, tokens: float, seq_len: float) -> float:
     """Forward FLOPs of one layer over ``tokens`` tokens: 2 per weight of every matmul a token
     uses (active experts only) plus attention's QK^T and AV, 4·s·h per token (Narayanan et al.
-    2021, eq. 2; counted without causal savings as there)."""
+    2021, eq. 2; counted without causal savings as there), h the query heads' width (``Model.q_width``)."""
     matmul = model.layer_params(active=True) - model.layer_norm_params()
-    return 2 * tokens * matmul + 4 * tokens * seq_len * model.hidden
+    return 2 * tokens * matmul + 4 * tokens * seq_len * model.q_width
 
 
 def head_forward_flops(model: Model, tokens: float) -> float:
@@ -104,15 +104,15 @@ def layer_gemms(model: Model, layout: Layout) -> tuple[tuple[float, float, float
     product, ``count`` of them, in Megatron-LM's tensor-parallel cut (Shoeybi et al. 2019, §3) over the T tokens
     of a micro-batch on this rank (s/cp of each sequence; sequence parallelism gathers them before each GEMM):
     the fused QKV projection [T, h] x [h, (q + 2kv)/t] (KV heads replicated where t exceeds them), the output
-    projection [T, h/t] x [h/t, h], the MLP's first GEMM [T, h] x [h, f/t] (gate and up fused with a GLU: 2f/t)
-    and its second [T, f/t] x [f/t, h]. A mixture-of-experts layer runs each of its E/ep experts on the tokens
-    routed to it, whole or split over TP (``experts.gemms``). The router and biases are left out (their FLOPs take
-    the layer's mean)."""
+    projection [T, q/t] x [q/t, h] (q: ``Model.q_width``), the MLP's first GEMM [T, h] x [h, f/t] (gate and up
+    fused with a GLU: 2f/t) and its second [T, f/t] x [f/t, h]. A mixture-of-experts layer runs each of its E/ep
+    experts on the tokens routed to it, whole or split over TP (``experts.gemms``). The router and biases are left
+    out (their FLOPs take the layer's mean)."""
     t = layout.tp
     tokens = layout.microbatch_size * model.seq_len / layout.cp
     h, d = model.hidden, model.head_dim
     qkv = (model.n_heads / t + 2 * max(model.kv_heads / t, 1.0)) * d
-    attention = ((tokens, qkv, h, 1.0), (tokens, h, h / t, 1.0))
+    attention = ((tokens, qkv, h, 1.0), (tokens, h, model.q_width / t, 1.0))
     if model.is_moe:
         return attention + experts.gemms(model, layout, tokens)
     return attention + ((tokens, model.ffn * (2 if model.glu else 1) / t, h, 1.0), (tokens, h, model.ffn / t, 1.0))

@@ -62,12 +62,12 @@ def layer_gemm_seconds(gpu: GPU, model: Model, layout: Layout, tokens: float) ->
     """Seconds of a layer's four TP GEMMs on a rank at the matmul speed, (QKV, output projection, the MLP's first,
     its last), each over the gathered ``[b, s/cp, n_in]``; a pass's data- and weight-gradient GEMMs take as long."""
     speed, t = gemm_speed(gpu), layout.tp
-    h, kv = model.hidden, model.kv_heads * model.head_dim
+    h, q, kv = model.hidden, model.q_width, model.kv_heads * model.head_dim
 
     def gemm(n_in: int, n_out: int) -> float:
         return 2 * tokens * n_in * n_out / t / speed
 
-    return (gemm(h, h + 2 * kv), gemm(h, h), gemm(h, model.ffn * (2 if model.glu else 1)), gemm(model.ffn, h))
+    return (gemm(h, q + 2 * kv), gemm(q, h), gemm(h, model.ffn * (2 if model.glu else 1)), gemm(model.ffn, h))
 
 
 def userbuffers(gpu: GPU, model: Model, layout: Layout, tokens: float, c: float,
