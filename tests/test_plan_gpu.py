@@ -326,3 +326,17 @@ def test_tied_embedding_gradient_is_summed_over_the_first_and_last_stage_once_a_
         Training(64, tied_grad_sum="half")
     with pytest.raises(ConfigError, match="tied_grad_sum"):
         layout.to_parallel_config(Training(64, tied_grad_sum="full"))
+
+
+def test_selective_recomputation_of_an_unfused_core_redoes_its_softmax_and_dropout():
+    """Selective recomputation runs the checkpointed unfused core again whole (Korthikanti et al. 2022, §5; NeMo
+    1.11.0's checkpointed CoreAttention): QK^T and AV at the GEMM speed, and the softmax and dropout over the s×s
+    scores, whose bytes (5·a·s² a sequence: scores, probabilities, dropout mask) are what it does not keep, at
+    the fitted element-wise traffic."""
+    m = Model(4, 1024, 8, 32000, 1024, dropout=True)
+    cluster = Cluster("a100-80gb", 1, flash_attention=False)
+    g = cluster.gpu
+    layer = cluster.costs.blocks(m, Layout(microbatch_size=2, recompute="selective"), "bf16").layer
+    gemms = 4 * (2 * 1024) * 1024 * 1024 / gemm_speed(g)  # 4·T·s·h FLOPs over T = 2 x 1024 tokens
+    scores = 5 * 8 * 1024 ** 2 * 2  # 5·a·s²·b bytes
+    assert layer.recompute == pytest.approx(gemms + g.elementwise_traffic * scores / g.memory_bandwidth, rel=1e-12)

@@ -267,9 +267,13 @@ class GpuCosts:
             b, w = dense / qd + dense / qw + 2 * g + 2 * rest + own_b, dense / qw + g + rest
             if layout.recompute == "full":
                 recompute = f + tp
-            elif layout.recompute == "selective" and layout.cp == 1:  # QK^T, softmax and AV again (Korthikanti
-                # et al. 2022, §5); context parallelism's core keeps no probabilities and replaces the checkpoint
-                recompute = core
+            elif layout.recompute == "selective" and layout.cp == 1:
+                # The checkpointed core runs again whole: QK^T, the softmax, its dropout and AV (Korthikanti et
+                # al. 2022, §5; NVIDIA/NeMo v1.11.0 transformer.py ParallelAttention._checkpointed_attention_forward
+                # recomputes CoreAttention.forward: baddbmm, FusedScaleMaskSoftmax, attention_dropout, bmm), so
+                # its GEMMs and the element-wise kernels over its s×s scores, the bytes selective recomputation
+                # does not keep; context parallelism's core keeps no probabilities and replaces the checkpoint
+                recompute = core + gpu.elementwise_traffic * (stored - kept) / gpu.memory_bandwidth
             else:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
