@@ -159,6 +159,12 @@ def test_expert_capacity_counts_the_rows_a_gpu_s_experts_receive():
     more = replace(MOE, expert_capacity=1.5)
     assert ex.received(more, layout) == 1.5 and ex.received(more, replace(layout, ep=1)) == 1.0
     assert ex.received(replace(MOE, expert_capacity=8.0), layout) == 2.0
+    # at most what a GPU's experts can receive: each token's top-k rows go to distinct experts, so a GPU holding
+    # one of 4 experts (ep 4) gets at most one row of every token, twice balanced routing's half a row, not 4x
+    assert ex.received(replace(MOE, expert_capacity=8.0), Layout(dp=4, ep=4)) == ex.dropless_bound(MOE, Layout(
+        dp=4, ep=4)) == 2.0
+    mixtral = Model.preset("mixtral-8x7b")  # top-2 of 8
+    assert [ex.dropless_bound(mixtral, Layout(dp=8, ep=ep)) for ep in (1, 2, 4, 8)] == [1.0, 2.0, 4.0, 4.0]
     extra = census.layer_saved(census.local(more, layout)) - census.layer_saved(census.local(MOE, layout))
     assert extra == 0.5 * (64 * 64 + 2 * 64 * 2 + 4 * 64 * 128)
     gpu_extra = activation_bytes_per_layer(more, layout) - activation_bytes_per_layer(MOE, layout)
@@ -182,13 +188,17 @@ def test_plan_says_how_it_counts_routing_and_takes_a_capacity(tmp_path):
     base = ["plan", "--model", str(cfg), "--gpus", "4", "--global-batch", "8", "--top", "40"]
     res = CliRunner().invoke(app, base)
     assert res.exit_code == 0, res.output
-    assert "MoE routing:" in res.output and "1× balanced routing's rows" in " ".join(res.output.split())
+    words = " ".join(res.output.split())
+    assert "MoE routing:" in words and "1× balanced routing's rows" in words
+    assert ("plait routes dropless, so a step whose routing is more uneven keeps and takes more, up to 2× on the "
+            "best layout (tp1 pp1 dp4 ep2 ") in words, words  # the bound it is not: top-2 of 4 experts at ep 2
     out = {}
     for c in ("1", "2"):
         res = CliRunner().invoke(app, [*base, "--expert-capacity", c, "--json"])
         assert res.exit_code == 0, res.output
         out[c] = json.loads(res.output)
     assert (out["1"]["expert_capacity"], out["2"]["expert_capacity"]) == (1.0, 2.0)
+    assert out["1"]["dropless_bound"] == 2.0 and out["2"]["dropless_bound"] == 1.0  # the best at 2 has no EP
     one = out["1"]["best"][0]
     two = next(p for p in out["2"]["best"] if p["layout"] == one["layout"])  # the same layout, with EP
     assert one["layout"]["ep"] == 2 and out["2"]["best"][0]["layout"]["ep"] == 1

@@ -270,7 +270,7 @@ class PlanOptions:
     expert_capacity: float | None = None
     """MoE: the rows the busiest GPU's experts are counted to receive, in memory and step time, times balanced
     routing's (a capacity factor; default: the model's capacity_factor, else 1, balanced); plait routes dropless,
-    so uneven routing keeps and takes more"""
+    so uneven routing keeps and takes more (the output says how much at most: the JSON's dropless_bound)"""
     write_config: Path | None = None
     """write the best layout as a `plait train --config` TOML file"""
 
@@ -304,7 +304,7 @@ def plan(options: dict[str, Any]) -> None:
     from plait.errors import ConfigError, flag_message
     from plait.plan import Cluster, Training, explain, search
     from plait.plan.attention import KERNELS, UNFUSED
-    from plait.plan.experts import routing_note
+    from plait.plan.experts import dropless_bound, routing_note
     from plait.plan.explain import nothing_fits
     from plait.plan.optimizers import RUNTIME_MASTERS
     from plait.plan.search import search_batch
@@ -355,7 +355,8 @@ def plan(options: dict[str, Any]) -> None:
                                "rejected": dict(result.rejected), "pruned": result.pruned, "twins": result.twins,
                                "twin_settings": dict(result.twin_settings), "considered": result.considered,
                                "why": explain(result), "max_memory_fraction": o.max_memory_fraction,
-                               "expert_capacity": m.expert_capacity if m.is_moe else None}
+                               "expert_capacity": m.expert_capacity if m.is_moe else None,
+                               "dropless_bound": dropless_bound(m, result.best[0].layout) if m.is_moe else None}
         typer.echo(json.dumps(out, indent=1))
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
@@ -369,7 +370,7 @@ def plan(options: dict[str, Any]) -> None:
     for line in explain(result):
         console.print("• " + line)
     if m.is_moe:
-        console.print("• " + routing_note(m))
+        console.print("• " + routing_note(m, result.best[0].layout))
     if o.show_schedule:
         _show_schedule(console, result.best[0])
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plait.errors import divisors
+from plait.words import counted
 
 if TYPE_CHECKING:
     from plait.plan.config import Layout
@@ -111,13 +112,23 @@ def tp_gathers(layout: Layout) -> tuple[int, int]:
     return 1, 1 if layout.sequence_parallel else 2
 
 
+def dropless_bound(model: Model, layout: Layout) -> float:
+    """The most rows a GPU's experts can receive under dropless routing, as a multiple of balanced routing's: every
+    token of the EP group sends the GPU as many of its top_k rows as the GPU has experts, at most top_k (a token's
+    rows go to distinct experts), so ep·min(k, E/ep)/k, where balanced routing sends each GPU k of a token's rows
+    over ep (Mixtral's top-2 of 8 experts at ep 8: 4, not 8). 1 without expert parallelism."""
+    if not model.is_moe or layout.ep == 1:
+        return 1.0
+    return layout.ep * min(model.top_k, model.n_experts / layout.ep) / model.top_k
+
+
 def received(model: Model, layout: Layout) -> float:
     """The rows the busiest GPU's experts receive, as a multiple of balanced routing's: ``Model.expert_capacity``
-    under expert parallelism, at most ``ep`` (every row of the EP group); 1 without it, where a GPU's experts
-    take every row its tokens route whatever the routing. plait's runtime routes dropless unless the model sets
-    a capacity factor c (``LlamaConfig.capacity_factor``: an expert takes at most ceil(c·S·k/E) rows of a
-    sequence), so a real step's busiest GPU keeps what this counts at 1 only when routing is balanced; c bounds
-    it where an EP group dispatches whole sequences (ep a multiple of tp with whole experts).
+    under expert parallelism, at most ``dropless_bound`` (the most a GPU's experts can receive); 1 without it,
+    where a GPU's experts take every row its tokens route whatever the routing. plait's runtime routes dropless
+    unless the model sets a capacity factor c (``LlamaConfig.capacity_factor``: an expert takes at most
+    ceil(c·S·k/E) rows of a sequence), so a real step's busiest GPU keeps what this counts at 1 only when routing is
+    balanced; c bounds it where an EP group dispatches whole sequences (ep a multiple of tp with whole experts).
 
     The planner charges it to memory (activations) and to time. An expert's capacity is c times its balanced
     share of a group's tokens (GShard, Lepikhin et al. 2020: 2S/E for a group of S tokens at top-2, tokens over
@@ -132,14 +143,22 @@ def received(model: Model, layout: Layout) -> float:
     all-to-all); He et al. 2025 ("Capacity-Aware Inference: Mitigating the Straggler Effect in Mixture of Experts",
     arXiv 2503.05066) name it the straggler effect: under expert parallelism the other devices wait for the most
     loaded experts, which set the layer's latency (measured at inference)."""
-    if not model.is_moe or layout.ep == 1:
-        return 1.0
-    return min(model.expert_capacity, float(layout.ep))
+    return min(model.expert_capacity, dropless_bound(model, layout))
 
 
-def routing_note(model: Model) -> str:
-    """One line for a plan of an MoE ``model``: how its routing is counted."""
-    return (f"MoE routing: under expert parallelism the busiest GPU's experts are counted to receive "
+def routing_note(model: Model, layout: Layout) -> str:
+    """One line for a plan of an MoE ``model`` whose best layout is ``layout``: how its routing is counted, and how
+    far a step's uneven routing can take the busiest GPU beyond it (``dropless_bound``)."""
+    note = (f"MoE routing: under expert parallelism the busiest GPU's experts are counted to receive "
             f"{model.expert_capacity:g}× balanced routing's rows (--expert-capacity), in its activation memory and "
-            "in the step time (its expert GEMMs and all-to-all bytes: the EP group waits for it); plait routes "
-            "dropless, so a step whose routing is more uneven keeps and takes more")
+            "in the step time (its expert GEMMs and all-to-all bytes: the EP group waits for it)")
+    if layout.ep == 1:
+        return note + ("; the best layout has no expert parallelism: a GPU's experts take its own tokens' rows "
+                       "whatever the routing")
+    bound = dropless_bound(model, layout)
+    if bound <= model.expert_capacity:
+        return note + f"; {bound:g}× is the most any GPU of the best layout ({layout.short()}) can receive"
+    return note + (f"; plait routes dropless, so a step whose routing is more uneven keeps and takes more, up to "
+                   f"{bound:g}× on the best layout ({layout.short()}: every token's top-{model.top_k} rows on one "
+                   f"GPU's {counted(model.n_experts // layout.ep, 'expert')}); --expert-capacity {bound:g} plans "
+                   "that bound")
