@@ -1,15 +1,25 @@
-"""Rank-side checks of plait as a library in a user's own script (4 ranks): a bad evaluation batch and a model
-whose context was closed are refused on every rank alike, before any collective (so no peer is left waiting)."""
+"""Rank-side checks of plait as a library in a user's own script (4 ranks): the scripts of docs/library.md run
+as shown; a bad evaluation batch and a model whose context was closed are refused on every rank alike, before any
+collective (so no peer is left waiting)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
+import os
+import re
 import time
+from pathlib import Path
 
 import torch
 
 import plait
 from harness import run_checks
+from plait.distributed.context import ParallelContext
 from plait.models import Llama, LlamaConfig
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "library.md"
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 #: a peer left waiting fails its wait after this many seconds (instead of plait's default 300), so that a check
@@ -18,7 +28,7 @@ WAIT_S = 10.0
 IDS = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
 
 
-def _refusals(pm, attempts: dict) -> dict:
+def _refusals(attempts: dict) -> dict:
     """What each of ``attempts`` (name -> call) raised on this rank (type and message, or "returned") and after
     how many seconds."""
     out = {}
@@ -39,7 +49,7 @@ def bad_eval_batch() -> dict:
         torch.manual_seed(0)
         pm = plait.parallelize(Llama(CFG), ctx, microbatches=2)
         x = IDS[:, :-1]
-        out = _refusals(pm, {"outside": lambda: pm.eval_step(x + 64), "floats": lambda: pm.eval_step(x.float()),
+        out = _refusals({"outside": lambda: pm.eval_step(x + 64), "floats": lambda: pm.eval_step(x.float()),
                              "one row": lambda: pm.eval_step(x[0])})
         out["after"] = tuple(pm.eval_step(x).shape)
     return out
@@ -53,10 +63,41 @@ def closed_context() -> dict:
     x, y = IDS[:, :-1], IDS[:, 1:]
     pm.train_step(x, y)
     ctx.close()
-    return _refusals(pm, {"train_step": lambda: pm.train_step(x, y), "eval_step": lambda: pm.eval_step(x),
+    return _refusals({"train_step": lambda: pm.train_step(x, y), "eval_step": lambda: pm.eval_step(x),
                           "full_state_dict": pm.full_state_dict,
                           "generate": lambda: plait.generate(pm, [1, 2], max_new_tokens=2)})
 
 
-def rank_main() -> dict:
-    return run_checks([("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context)])
+def doc_scripts() -> list[tuple[str, str, str]]:
+    """(name, code, the output shown after it) of each ``python`` block of docs/library.md: a script named by its
+    first line (``# train.py — run with: ...``), the plain block that follows it its rank 0's output."""
+    blocks = re.findall(r"^```(\w*)\n(.*?)^```$", DOC.read_text(), flags=re.S | re.M)
+    out = []
+    for (kind, code), (_, shown) in itertools.pairwise(blocks):
+        if kind == "python":
+            name = re.match(r"# (\S+\.py) ", code)
+            assert name, f"docs/library.md: a python block that does not start with '# NAME.py ': {code[:60]!r}"
+            out.append((name.group(1), code, shown))
+    return out
+
+
+def run_script(name: str, code: str, folder: str) -> str:
+    """What ``code`` printed, run as ``python name`` would run it on this rank, in a folder of its own; the
+    contexts it left open are closed after it."""
+    here, printed, namespace = os.getcwd(), io.StringIO(), {"__name__": "__main__"}
+    os.makedirs(Path(folder, name), exist_ok=True)
+    os.chdir(Path(folder, name))
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, f"docs/library.md: {name}", "exec"), namespace)
+    finally:
+        os.chdir(here)
+        for value in namespace.values():
+            if isinstance(value, ParallelContext):
+                value.close()
+    return printed.getvalue()
+
+
+def rank_main(folder: str) -> dict:
+    docs = [(f"docs: {name}", lambda n=name, c=code: run_script(n, c, folder)) for name, code, _ in doc_scripts()]
+    return run_checks([*docs, ("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context)])

@@ -98,7 +98,7 @@ def world4_shared(request, tmp_path_factory):
             folders = request.getfixturevalue("families")
             groups[name] = (checks, (None if folders is None else str(folders),))
         elif name in ("test_train", "test_zero3", "test_context", "test_data_layouts",
-                      "test_generate_eos"):  # a scratch folder
+                      "test_generate_eos", "test_library"):  # a scratch folder
             groups[name] = (checks, (str(tmp_path_factory.mktemp(name)),))
         else:
             groups[name] = (checks, ())

@@ -1,11 +1,32 @@
-"""plait as a library in the user's own script: what it refuses and how (checks_library, run in the shared launch
-of 4 ranks)."""
+"""plait as a library in the user's own script: docs/library.md's scripts print what the page shows, and what
+plait refuses and how (checks_library, run in the shared launch of 4 ranks)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from checks_library import doc_scripts
 from harness import result
+
+SCRIPTS = doc_scripts()
+NUMBER = re.compile(r"-?\d+\.\d+")
+
+
+def test_the_page_shows_its_scripts():
+    assert [name for name, _, _ in SCRIPTS] == ["train.py", "resume.py", "mlp.py", "errors.py"]
+
+
+@pytest.mark.parametrize("name,shown", [(name, shown) for name, _, shown in SCRIPTS], ids=[n for n, _, _ in SCRIPTS])
+def test_each_script_of_the_page_prints_what_it_shows(world4, name, shown):
+    """Rank 0 prints the lines shown (numbers printed with 4 decimals within 1e-3, as another machine's float
+    rounding may move the last digit), the other ranks nothing."""
+    printed = result(world4, f"docs: {name}")
+    assert NUMBER.sub("#", printed[0]) == NUMBER.sub("#", shown), f"{name} printed:\n{printed[0]}"
+    for got, want in zip(NUMBER.findall(printed[0]), NUMBER.findall(shown), strict=True):
+        assert abs(float(got) - float(want)) <= 1e-3 * max(1.0, abs(float(want))), (name, got, want)
+    assert printed[1:] == ["", "", ""], printed
 
 # world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_library)
 
@@ -32,3 +53,4 @@ def test_a_model_whose_context_is_closed_is_refused_on_every_rank(world4, call):
         kind, message, seconds = r[call]
         assert kind == "ConfigError" and "is closed" in message and "plait.init" in message, (rank, r[call])
         assert seconds < 2.0, (rank, r[call])
+
