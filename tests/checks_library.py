@@ -68,6 +68,23 @@ def closed_context() -> dict:
                           "generate": lambda: plait.generate(pm, [1, 2], max_new_tokens=2)})
 
 
+def refused_then_right() -> dict:
+    """tp2·pp2: parallelize refuses a partition and a count of chunks that do not fit the model's 2 layers, then
+    takes the same model with settings that fit and trains it as one device would (the refusals left it as it
+    was)."""
+    with plait.init(tp=2, pp=2, dp=1, timeout_s=WAIT_S) as ctx:
+        torch.manual_seed(0)
+        model, ref = Llama(CFG), Llama(CFG)
+        ref.load_state_dict(model.state_dict())
+        out = _refusals({"partition": lambda: plait.parallelize(model, ctx, partition=[2, 1]),
+                         "chunks": lambda: plait.parallelize(model, ctx, schedule="interleaved-1f1b", virtual_stages=2,
+                                                             microbatches=2)})
+        x, y = IDS[:, :-1], IDS[:, 1:]
+        out["loss"] = plait.parallelize(model, ctx, microbatches=2).train_step(x, y)
+        out["one device"] = ref.loss(x, y).item()
+    return out
+
+
 def doc_scripts() -> list[tuple[str, str, str]]:
     """(name, code, the output shown after it) of each ``python`` block of docs/library.md: a script named by its
     first line (``# train.py — run with: ...``), the plain block that follows it its rank 0's output."""
@@ -100,4 +117,5 @@ def run_script(name: str, code: str, folder: str) -> str:
 
 def rank_main(folder: str) -> dict:
     docs = [(f"docs: {name}", lambda n=name, c=code: run_script(n, c, folder)) for name, code, _ in doc_scripts()]
-    return run_checks([*docs, ("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context)])
+    return run_checks([*docs, ("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context),
+                       ("refused_then_right", refused_then_right)])

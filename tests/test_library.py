@@ -54,3 +54,12 @@ def test_a_model_whose_context_is_closed_is_refused_on_every_rank(world4, call):
         assert kind == "ConfigError" and "is closed" in message and "plait.init" in message, (rank, r[call])
         assert seconds < 2.0, (rank, r[call])
 
+
+def test_a_refused_parallelize_leaves_the_model_as_it_was(world4):
+    """A partition or a number of pipeline chunks that does not fit is refused before the model is sharded in
+    place: the same model then parallelizes with settings that fit and trains as one device would (had the first
+    attempt sharded it, the second would find its layers already split)."""
+    for rank, r in enumerate(result(world4, "refused_then_right")):
+        assert r["partition"][0] == "ConfigError" and "partition=[2, 1]" in r["partition"][1], (rank, r)
+        assert r["chunks"][0] == "ConfigError" and "pp*virtual_stages=4 chunks" in r["chunks"][1], (rank, r)
+        assert abs(r["loss"] - r["one device"]) <= 1e-5 * r["one device"], (rank, r)

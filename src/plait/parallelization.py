@@ -18,6 +18,7 @@ from plait.models.family import Family
 from plait.models.registry import family_of
 from plait.parallel_config import RECOMPUTE_MODES, ParallelConfig
 from plait.parallel_model import LossFn, ParallelModel
+from plait.pipeline.balance import partition_layers
 from plait.pipeline.partition import Partition
 from plait.recompute import recompute_attention
 from plait.tensor_parallel.loss import vocab_parallel_cross_entropy
@@ -99,6 +100,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
                          precision=precision, zero=zero)
     family = family_of(model)
     _check_args(model, family, ctx, loss_fn, tp_plan)
+    _check_pipeline(model, family, cfg, partition)
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
     if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
         recompute_attention(family.attention_modules(model), type(model).__name__)
@@ -151,6 +153,14 @@ def _check_args(model: nn.Module, family: Family, ctx: ParallelContext, loss_fn:
     if ctx.tp_size > 1 and tp_plan is None and family.tp_plan(model) is None:
         raise ConfigError(f"tp={ctx.tp_size} needs a tensor-parallel plan for {type(model).__name__}: pass "
                           "tp_plan={'module.path.*': 'colwise'|'rowwise'|...} or use tp=1")
+
+
+def _check_pipeline(model: nn.Module, family: Family, cfg: ParallelConfig, partition: Partition) -> None:
+    """Build the schedule and cut the layers once, so that a schedule or partition that does not fit raises its
+    ConfigError before the model is sharded in place (ParallelModel cuts them again, on the sharded model)."""
+    blocks, costs = family.blocks(model), family.layer_costs(model)
+    partition_layers(blocks.n_layers, cfg.pipeline_schedule().num_stages, partition, costs.layers, costs.first,
+                     costs.last)
 
 
 def _token_normaliser(token_loss: TokenLoss, ctx: ParallelContext, inputs: torch.Tensor,
