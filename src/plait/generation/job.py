@@ -49,15 +49,16 @@ def source_config(source: str) -> tuple[LlamaConfig, Callable[[], HFWeights | Ch
 
 
 def check_weights(source: str) -> None:
-    """Before launching: every model tensor of the plait checkpoint ``source`` is read once and checked against its
-    checksum (CheckpointReader.check_files), so that a damaged file is refused, naming it, before any process
-    starts (a Hugging Face folder's files carry no checksums; source_config read their headers)."""
+    """Before launching: every shard file the plait checkpoint ``source`` lists is there and its header readable
+    (CheckpointReader.check_files), so that a missing or cut file is refused, naming it, before any process starts.
+    The tensors' checksums are checked by each rank as it loads its part (the whole model read here first would
+    double what a large model's load reads); a Hugging Face folder's headers were read by source_config."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
 
     path = Path(source)
     ckpt = None if (path / "config.json").is_file() else find_checkpoint(path)
     if ckpt is not None:
-        CheckpointReader(ckpt).check_files(optimizer=False)  # generation reads no optimizer state
+        CheckpointReader(ckpt).check_files(optimizer=False, data=False)
 
 
 def check_layout(source: str, config: LlamaConfig, tp: int, pp: int) -> None:

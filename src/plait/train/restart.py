@@ -39,7 +39,7 @@ def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
         return None
     flag = "--resume" if cfg.resume else "--auto-resume"
     reader = CheckpointReader(found)
-    reader.check_files()
+    reader.check_files(data=cfg.dry_run)
     meta = reader.meta
     saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
     if saved is not None and saved != now:
