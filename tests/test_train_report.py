@@ -87,3 +87,27 @@ def test_the_throughput_row_writes_its_median_step_as_the_step_time_row_does():
 
     res = SimpleNamespace(tokens_per_s=474.2, step_time_s=8.649)  # a 2,048-token step on one CPU process
     assert _throughput(res) == "474 tokens/s (median step 8,649 ms)"  # was '8649 ms' beside 'measured 8,649 ms'
+
+
+def test_an_moe_run_s_memory_prediction_says_it_counts_the_mean_routing():
+    """Under expert parallelism a step's routing decides which rank's experts receive the rows: the prediction
+    counts balanced routing's (the mean), so its memory table says so under the figures, with the most a rank's
+    experts can receive (tiny with 4 experts, top-2, at dp4 ep2: 2x); a dense run and an MoE run without EP say
+    nothing."""
+    from plait.cli.predict import memory_notes, predict
+    from plait.train import TrainConfig
+    from profile_util import synthetic_profile
+
+    def notes(**fields) -> list[str]:
+        cfg = TrainConfig.from_dict(dict(model="tiny", seq_len=128, batch_size=8, tp=1, pp=1, dp=4, **fields))
+        return memory_notes(predict(cfg, synthetic_profile(counts=(4,)), 4))
+
+    (note,) = notes(experts=4, top_k=2, ep=2)
+    assert note.startswith("MoE: each rank's experts are predicted at 1× balanced routing's rows, the mean over the "
+                           "EP group; a step's routing sends some ranks more and others less, up to 2× "), note
+    assert notes() == [] and notes(experts=4, top_k=2) == []
+    rows = [{"rank": 0, "pp": 0, "dp": 0, "tp": 0, "params": MB, "grads": MB, "optimizer": 2 * MB,
+             "activations_peak": MB}]
+    console = Console(record=True, width=80, force_terminal=False)
+    console.print(memory_table(rows, [{"pp_rank": 0, "params": MB}], [note]))
+    assert "note: " + note in " ".join(console.export_text().split()), console.export_text()

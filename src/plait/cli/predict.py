@@ -188,7 +188,8 @@ def dry_run(cfg: TrainConfig, world: int) -> dict:
     """What ``plait train --dry-run`` reports: the planner's prediction of this run of ``world`` processes
     on ``--cluster`` (default: this host's GPUs under the GPU model, or on a CPU host its cached profile; a
     dry run measures nothing), as the fields of a metrics row (``predicted_step_time_s``,
-    ``predicted_bubble``, ``memory.predicted``) and ``predicted_on``, what the prediction was made with."""
+    ``predicted_bubble``, ``memory.predicted``, ``memory.notes``: what it assumes) and ``predicted_on``, what the
+    prediction was made with."""
     from plait.calibrate import cache_path
     from plait.plan.host.profile import HostProfile
 
@@ -204,8 +205,18 @@ def dry_run(cfg: TrainConfig, world: int) -> dict:
         profile.section(world)
     est = predict(cfg, profile, world)
     return {"dry_run": True, "world": world, "predicted_step_time_s": est.step_time_s,
-            "predicted_bubble": est.bubble_fraction, "memory": {"predicted": memory_rows(est)},
+            "predicted_bubble": est.bubble_fraction, "memory": {"predicted": memory_rows(est),
+                                                                "notes": memory_notes(est)},
             "predicted_on": source_of(est.cluster)}
+
+
+def memory_notes(estimate: Estimate) -> list[str]:
+    """What the predicted memory of ``estimate``'s run assumes where a step may differ from it: an MoE run's routing
+    under expert parallelism (``plan.experts.prediction_note``)."""
+    from plait.plan.experts import prediction_note
+
+    note = prediction_note(estimate.model, estimate.layout)
+    return [] if note is None else [note]
 
 
 def memory_rows(estimate: Estimate) -> list[dict]:
@@ -250,7 +261,7 @@ class HostPredictor:
             # the host's speed against its calibration's (the other ranks wait in the broadcast meanwhile)
             speed = None if on_gpu else host_speed(profile, run.ctx.device)
             box[0] = Prediction(est.step_time_s, est.bubble_fraction, dict(est.phases), memory_rows(est),
-                                est.memory.total, source_of(est.cluster), speed)
+                                est.memory.total, source_of(est.cluster), speed, memory_notes(est))
         if run.ctx.world_size > 1:
             collective("broadcast of rank 0's prediction of the run", None,
                        lambda: dist.broadcast_object_list(box, src=0))

@@ -186,6 +186,8 @@ def _dry_run(cfg) -> None:
         parts = [m[k] for k in kinds]
         t.add_row(str(m["pp_rank"]), *(f"{b / 2**20:.2f}" for b in (*parts, sum(parts))))
     console.print(t)
+    for note in row["memory"]["notes"]:
+        console.print(f"note: {note}")
     source = row["predicted_on"] + (f" ({cfg.cluster})" if cfg.cluster else "")
     console.print(f"predicted step time {row['predicted_step_time_s'] * 1e3:,.0f} ms, bubble "
                   f"{row['predicted_bubble']:.1%} (idle share of the step), on {source}; nothing was launched")

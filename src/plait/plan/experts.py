@@ -146,6 +146,23 @@ def received(model: Model, layout: Layout) -> float:
     return min(model.expert_capacity, dropless_bound(model, layout))
 
 
+def prediction_note(model: Model, layout: Layout) -> str | None:
+    """What a prediction of one run of an MoE ``model`` under ``layout`` assumes of its routing, for the figures it
+    is shown beside (``plait train``'s memory per rank), where it matters: under expert parallelism, where a
+    step's routing decides which rank's experts receive the rows. None elsewhere."""
+    if not model.is_moe or layout.ep == 1:
+        return None
+    counted_at = received(model, layout)
+    bound = dropless_bound(model, layout)
+    if counted_at >= bound:
+        return (f"MoE: each rank's experts are predicted at {counted_at:g}× balanced routing's rows, the most "
+                "they can receive")
+    return (f"MoE: each rank's experts are predicted at {counted_at:g}× balanced routing's rows, the mean over "
+            f"the EP group; a step's routing sends some ranks more and others less, up to {bound:g}× (every "
+            f"token's top-{model.top_k} rows on one rank's {counted(model.n_experts // layout.ep, 'expert')}), so "
+            "a rank's activations may measure above or below the prediction")
+
+
 def routing_note(model: Model, layout: Layout) -> str:
     """One line for a plan of an MoE ``model`` whose best layout is ``layout``: how its routing is counted, and how
     far a step's uneven routing can take the busiest GPU beyond it (``dropless_bound``)."""

@@ -29,6 +29,7 @@ class Prediction:
     source: str = ""  # what predicted it, e.g. "cpu-host (plait plan, host profile)"
     host_speed: float | None = None  # the host's speed at the start over its speed when the prediction's
     # figures were measured (None: not known)
+    notes: list[str] = field(default_factory=list)  # what the memory figures assume, said under their table
 
     def row(self) -> dict:
         """The fields a step's metrics row carries (``predicted_step_time_s``, ...)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -148,7 +149,8 @@ class Reporter:
                 self.console.print(self.logs.note)
         self.console.print(summary_table(self.cfg, run, res))
         if res.memory:
-            self.console.print(memory_table(res.memory, run.prediction.memory if run.prediction else None))
+            pred = run.prediction
+            self.console.print(memory_table(res.memory, pred.memory if pred else None, pred.notes if pred else ()))
         if res.stopped_at is not None:
             self.console.print(f"[bold]stopped by {res.stop_signal}[/] after step {res.stopped_at}: checkpoint "
                                f"{res.checkpoint}; continue with --resume or --auto-resume")
@@ -300,10 +302,11 @@ def _bubbles(res, pred: Prediction | None) -> str:
     return ", ".join(parts) + " (idle share of the step)" if parts else "- (no pipeline traced)"
 
 
-def memory_table(rows: list[dict], predicted: list[dict] | None = None):
+def memory_table(rows: list[dict], predicted: list[dict] | None = None, notes: Sequence[str] = ()):
     """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB; with a
     prediction, each rank's row is followed by the planner's figures for its pipeline rank, a row of their own
-    (one number a cell, so the table stays readable in 80 columns)."""
+    (one number a cell, so the table stays readable in 80 columns), and ``notes`` (what the prediction assumes,
+    ``Prediction.notes``) under the table."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -328,4 +331,5 @@ def memory_table(rows: list[dict], predicted: list[dict] | None = None):
         if r["pp"] in pred:
             t.add_row("", "[dim]predicted[/]", *(f"[dim]{c}[/]" for c in cells([pred[r["pp"]].get(k, 0)
                                                                                   for k in kinds])))
-    return Group(title, t)  # the title a line of its own: as a table's title it would wrap at the table's width
+    # the title a line of its own: as a table's title it would wrap at the table's width
+    return Group(title, t, *(f"note: {n}" for n in notes))
