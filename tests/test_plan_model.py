@@ -99,3 +99,21 @@ def test_heads_wider_than_hidden_over_heads_are_counted_in_every_projection():
     gpu = get_gpu("h100-sxm")
     assert sum(layer_gemm_seconds(gpu, wide, layout, tokens)) * gemm_speed(gpu) == pytest.approx(gemms)
     assert layer_forward_flops(wide, tokens, 256) == 2 * tokens * matmul + 4 * tokens * 256 * 2048
+
+
+def test_qkv_biases_are_counted_and_replicated_with_their_kv_heads():
+    """Qwen2's biases on q, k and v alone (``qkv_bias``): q + 2kv parameters a layer, sharded with their
+    projections' columns over TP, except K's and V's where TP exceeds the KV heads, which every rank keeps whole as
+    it keeps their weights (plait's ReplicatedHeadsLinear)."""
+    from plait.plan import Layout
+    from plait.plan.memory import rank_params
+    from plait.plan.step_end import tp_partial_elements
+
+    plain = Model(2, 64, 4, 256, 32, n_kv_heads=2, glu=True)
+    biased = Model(2, 64, 4, 256, 32, n_kv_heads=2, glu=True, qkv_bias=True)
+    assert biased.n_params() - plain.n_params() == 2 * (64 + 2 * 2 * 16)
+    extra = rank_params(biased, Layout(tp=4), 2, False, False)[0] - rank_params(plain, Layout(tp=4), 2, False, False)[0]
+    assert extra == 2 * (64 / 4 + 2 * 2 * 16)  # q's bias a quarter a rank, K's and V's whole
+    # and their gradients, partial on each TP rank, are summed over TP with the weights'
+    summed = tp_partial_elements(biased, Layout(tp=4), 2, False) - tp_partial_elements(plain, Layout(tp=4), 2, False)
+    assert summed == 2 * 2 * 2 * 16

@@ -77,12 +77,25 @@ def mistral_folder(path):
     return path
 
 
-@pytest.mark.parametrize("folder", [qwen3_folder, mistral_folder], ids=["qwen3", "mistral"])
+def qwen2_folder(path):
+    """A tiny Qwen2 folder: biases on its q, k and v projections."""
+    import torch
+
+    from plait.models import Qwen2, Qwen2Config
+
+    torch.manual_seed(0)
+    Qwen2(Qwen2Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)).save_pretrained(
+        path)
+    return path
+
+
+@pytest.mark.parametrize("folder", [qwen3_folder, mistral_folder, qwen2_folder], ids=["qwen3", "mistral", "qwen2"])
 def test_plait_plan_of_a_folder_plans_what_plait_train_measures(tmp_path, folder):
     """``plait plan --model DIR`` reads a folder's config.json as plait builds the model (``plait.hf_config``):
     Qwen3's explicit head_dim (the q and output projections 64 x 128, not 64 x 64) and its q/k norms, Mistral's
-    window (the mask each layer's attention keeps); each kind within 1% of what ``plait train --model DIR``
-    measures. The planner's model is the one ``plait train``'s prediction and ``--layout auto`` plan with."""
+    window (the mask each layer's attention keeps), Qwen2's q/k/v biases; each kind within 1% of what ``plait
+    train --model DIR`` measures, the parameters exactly. The planner's model is the one ``plait train``'s
+    prediction and ``--layout auto`` plan with."""
     from plait.cli.auto_layout import plan_model
     from plait.plan import Model
     from plait.train import TrainConfig
@@ -92,5 +105,6 @@ def test_plait_plan_of_a_folder_plans_what_plait_train_measures(tmp_path, folder
     planned = planned_memory(tmp_path, str(path), "fp32")
     for kind in MEMORY_KINDS:
         assert planned[kind] == pytest.approx(measured[kind], rel=0.01), (kind, planned[kind], measured[kind])
+    assert planned["params"] == measured["params"]
     trained = plan_model(TrainConfig.from_dict(dict(model=str(path), seq_len=128, tp=1, pp=1, dp=1)))
     assert Model.from_hf_config(path, seq_len=128) == trained

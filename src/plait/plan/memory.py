@@ -196,7 +196,8 @@ def rank_params(model: Model, layout: Layout, layers: int, first: bool, last: bo
     # replicated on every TP rank: the norms (under SP their gradients are summed; the per-head norms' weights
     # are a head's) and an MoE layer's router (``ExpertParallelMoE.gate``, its gradient a TP partial sum)
     replicated = model.layer_norm_params() + model.router_params()
-    kv = 2 * model.hidden * model.head_dim * model.kv_heads  # the K and V weights
+    kv_bias = 1 if model.bias or model.qkv_bias else 0
+    kv = 2 * (model.hidden + kv_bias) * model.head_dim * model.kv_heads  # the K and V weights (and biases)
     # fewer KV heads than TP ranks: every rank keeps the whole K and V weights and uses its group's head
     # (plait's ReplicatedHeadsLinear; their gradients are summed over TP)
     kv_local = kv if t > model.kv_heads else kv / t

@@ -20,7 +20,8 @@ class Model:
     """A decoder-only transformer, described by its shapes only.
 
     ``bias``/``layernorm``/``learned_positions`` describe GPT-style models (biases in every linear,
-    LayerNorm with a bias, a learned position table); Llama-style models leave them False.
+    LayerNorm with a bias, a learned position table); Llama-style models leave them False. ``qkv_bias``: biases
+    on the q, k and v projections alone (Qwen2's ``qkv_bias``).
     ``dropout``: the model trains with dropout (p > 0) after attention and the MLP, on the attention
     probabilities and on the embedding, as Megatron-LM's GPT does by default; each keeps a one-byte mask for the
     backward (Korthikanti et al. 2022, §4). Llama-style models (plait's, Meta's) have none, and a dropout of 0
@@ -65,6 +66,7 @@ class Model:
     context: int | None = None
     sliding_window: int | None = None
     head_size: int | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "hidden", "n_heads", "vocab", "seq_len", "n_experts", "top_k", "ffn_hidden",
@@ -115,7 +117,7 @@ class Model:
         grouped-query attention (Ainslie et al. 2023)."""
         h, q, kv = self.hidden, self.q_width, self.kv_heads * self.head_dim
         weights = 2 * h * q + 2 * h * kv
-        return weights + ((q + 2 * kv + h) if self.bias else 0)
+        return weights + ((q + 2 * kv) if self.bias or self.qkv_bias else 0) + (h if self.bias else 0)
 
     def mlp_params(self) -> int:
         """One expert's MLP: up (and gate with a GLU, Shazeer 2020) h×f, down f×h."""
@@ -172,7 +174,8 @@ class Model:
         """The model a ``plait.models.LlamaConfig`` (or its ``to_dict()``, or ``plait.hf_config.llama_fields`` of a
         folder's config.json: the same keys) describes, trained at ``seq_len`` tokens (default its
         ``max_seq_len``): its shapes (``head_dim``, where given, the ``head_size``) and the features of its layer
-        the planner counts, ``qk_norm`` (Qwen3's per-head q/k norms: ``head_norms``) and ``sliding_window``.
+        the planner counts, ``qk_norm`` (Qwen3's per-head q/k norms: ``head_norms``), ``sliding_window`` and
+        ``qkv_bias``.
         Missing keys take LlamaConfig's defaults (``ffn_dim``: 2/3 of 4·dim rounded up to a multiple of 8). Every
         layer is a mixture-of-experts layer when ``n_experts > 1`` (``moe_every`` is not modelled); its
         ``capacity_factor`` c, where set, caps what an expert takes at c times its balanced share, the
@@ -188,7 +191,7 @@ class Model:
                    n_experts=int(get("n_experts", 1)), top_k=int(get("top_k", 1)), name=name,
                    balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0), context=max_len,
                    head_norms=HEAD_NORMS if get("qk_norm", False) else (), sliding_window=get("sliding_window"),
-                   head_size=get("head_dim"))
+                   head_size=get("head_dim"), qkv_bias=bool(get("qkv_bias", False)))
 
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:

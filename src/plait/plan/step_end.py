@@ -130,7 +130,7 @@ def tp_partial_elements(model: Model, layout: Layout, layers: int, last: bool) -
         per_layer += 2 * norm + (2 * h if model.bias else 0)
     if layout.tp > model.kv_heads:
         kv = model.kv_heads * model.head_dim
-        per_layer += 2 * (h * kv + (kv if model.bias else 0))
+        per_layer += 2 * (h * kv + (kv if model.bias or model.qkv_bias else 0))
     if model.is_moe:
         per_layer += h * model.n_experts
     return float(layers * per_layer + (norm if layout.sequence_parallel and last else 0))
