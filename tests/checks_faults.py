@@ -22,7 +22,8 @@ def silent_peer(mode: str, done: str | None = None) -> dict:
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx, schedule="1f1b", microbatches=2)
     tokens = torch.randint(0, 32, (2, 9))
-    if ctx.rank == 1:
+    pm.train_step(tokens[:, :-1], tokens[:, 1:])  # a first step (it also compares the ranks' batches): the peer
+    if ctx.rank == 1:  # goes silent in the second
         if mode == "stuck":  # alive, connected, but never sends, until the waiter has its error
             deadline = time.monotonic() + 60.0
             while done is not None and not Path(done).exists() and time.monotonic() < deadline:
@@ -148,8 +149,10 @@ def dead_at_collective(where: str) -> dict:
     pm = plait.parallelize(Llama(cfg), ctx, microbatches=pp)
     opt = ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, clip=1.0)
     tokens = torch.randint(0, 32, (2, 9))
+    if where in ("tp", "tp-pp", "trace"):  # a first step, whose first collective compares the ranks' batches
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])
     if ctx.rank == 1 and where in ("tp", "tp-pp", "trace"):
-        os._exit(3)  # gone without a word, before its share of the step
+        os._exit(3)  # gone without a word, before its share of the (second) step
     if ctx.rank == 1 and where == "dp":  # gone in its forward, after the step's counts were agreed
         torch.nn.modules.module.register_module_forward_hook(lambda *args: os._exit(3))
     try:

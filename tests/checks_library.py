@@ -85,6 +85,24 @@ def refused_then_right() -> dict:
     return out
 
 
+def rows_by_rank() -> dict:
+    """tp2·pp2: each rank handed rows of its own (a batch split by ctx.rank, not ctx.dp_rank), then rows whose
+    length differs between the pipeline stages; then every rank the same rows."""
+    with plait.init(tp=2, pp=2, dp=1, timeout_s=WAIT_S) as ctx:
+        torch.manual_seed(0)
+        model, ref = Llama(CFG), Llama(CFG)
+        ref.load_state_dict(model.state_dict())
+        pm = plait.parallelize(model, ctx, microbatches=2)
+        rows = torch.randint(0, 64, (16, 9), generator=torch.Generator().manual_seed(1))
+        mine, stage = rows.chunk(4)[ctx.rank], rows[:4, : 9 if ctx.pp_rank == 0 else 5]
+        out = _refusals({"train_step": lambda: pm.train_step(mine[:, :-1], mine[:, 1:]),
+                         "eval_step": lambda: pm.eval_step(mine[:, :-1]),
+                         "stage lengths": lambda: pm.train_step(stage[:, :-1], stage[:, 1:])})
+        x, y = rows[:4, :-1], rows[:4, 1:]
+        out["loss"], out["one device"] = pm.train_step(x, y), ref.loss(x, y).item()
+    return out
+
+
 def doc_scripts() -> list[tuple[str, str, str]]:
     """(name, code, the output shown after it) of each ``python`` block of docs/library.md: a script named by its
     first line (``# train.py — run with: ...``), the plain block that follows it its rank 0's output."""
@@ -118,4 +136,4 @@ def run_script(name: str, code: str, folder: str) -> str:
 def rank_main(folder: str) -> dict:
     docs = [(f"docs: {name}", lambda n=name, c=code: run_script(n, c, folder)) for name, code, _ in doc_scripts()]
     return run_checks([*docs, ("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context),
-                       ("refused_then_right", refused_then_right)])
+                       ("refused_then_right", refused_then_right), ("rows_by_rank", rows_by_rank)])

@@ -63,3 +63,17 @@ def test_a_refused_parallelize_leaves_the_model_as_it_was(world4):
         assert r["partition"][0] == "ConfigError" and "partition=[2, 1]" in r["partition"][1], (rank, r)
         assert r["chunks"][0] == "ConfigError" and "pp*virtual_stages=4 chunks" in r["chunks"][1], (rank, r)
         assert abs(r["loss"] - r["one device"]) <= 1e-5 * r["one device"], (rank, r)
+
+
+@pytest.mark.parametrize("call", ["train_step", "eval_step", "stage lengths"])
+def test_ranks_of_a_replica_handed_different_rows_are_refused(world4, call):
+    """Rows split by global rank trained silently on a mixture that matches no batch, and rows of another length
+    on another stage failed inside a kernel on one stage: the first step (and each new shape) compares the
+    batches of a replica's ranks, and every rank names the difference and the fix."""
+    for rank, r in enumerate(result(world4, "rows_by_rank")):
+        kind, message, seconds = r[call]
+        assert kind == "ConfigError", (rank, r[call])
+        assert "replica 0 were handed different batches (global rank 0: inputs (4, 8)" in message, (rank, message)
+        assert "split the global batch by ctx.dp_rank" in message, (rank, message)
+        assert seconds < 2.0, (rank, r[call])
+        assert abs(r["loss"] - r["one device"]) <= 1e-5 * r["one device"], (rank, r)

@@ -135,6 +135,22 @@ class ParallelConfig:
                              f"length{sp}); valid lengths: {unit}, {2 * unit}, {3 * unit}, ..., the nearest {near}",
                              others)
 
+    def check_batch(self, inputs: tuple[int, ...], targets: tuple[int, ...] | None) -> None:
+        """ConfigError unless a local batch of these shapes (the inputs', the targets' if any) splits as this
+        layout cuts it: its rows into micro-batches, its sequences over cp (and tp under sequence parallelism)."""
+        if inputs[0] % self.num_microbatches:
+            raise ConfigError(f"the local batch size {inputs[0]} is not divisible by microbatches="
+                              f"{self.num_microbatches}; use a batch that is a multiple of it")
+        if targets is not None and targets[0] != inputs[0]:
+            raise ConfigError(f"targets have batch size {targets[0]}, inputs {inputs[0]}")
+        if self.cp > 1:  # every CP rank holds the same full rows, cut into 2·cp chunks
+            if len(inputs) < 2:
+                raise ConfigError(f"cp={self.cp} splits sequences: inputs must be [batch, seq], got shape {inputs}")
+            self.check_seq_len(inputs[1])
+        if self.sequence_parallel and len(inputs) > 1 and inputs[1] % self.tp:
+            raise ConfigError(f"sequence length {inputs[1]} must be divisible by tp={self.tp} with "
+                              "sequence_parallel=True")
+
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

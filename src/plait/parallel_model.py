@@ -23,7 +23,7 @@ from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.data_parallel.zero3 import Zero3
 from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
-from plait.errors import ConfigError
+from plait.distributed.same_batch import check_same_batch
 from plait.experts.layer import plain_state_keys
 from plait.models.family import Family
 from plait.models.moe import has_aux_losses, pop_aux_losses
@@ -101,6 +101,7 @@ class ParallelModel:
         self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
                                  self.store, self.reducers)
         self._input_shape: tuple | None = None
+        self._checked_shapes: tuple | None = None  # the batch shapes check_same_batch last passed
         self.last_stats: StepStats | None = None
         self._optimizer = None  # attach_optimizer: whose state memory_report counts
         self.activations_peak: int | None = None  # bytes, of the last step that measured it
@@ -220,21 +221,13 @@ class ParallelModel:
     # -------------------------------------------------------------------------------------- training
     def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
         self.ctx.check_open()  # closed: every rank refuses here alike, not the first to reach a group mid-step
-        if inputs.shape[0] % self.microbatches:
-            raise ConfigError(f"the local batch size {inputs.shape[0]} is not divisible by microbatches="
-                              f"{self.microbatches}; use a batch that is a multiple of it")
-        if targets is not None and targets.shape[0] != inputs.shape[0]:
-            raise ConfigError(f"targets have batch size {targets.shape[0]}, inputs {inputs.shape[0]}")
+        shapes = (tuple(inputs.shape), None if targets is None else tuple(targets.shape))
+        self.config.check_batch(*shapes)
         if targets is None and self._check_inputs is not None:  # every rank of a replica, before any collective
             self._check_inputs(inputs)
-        if self.ctx.cp_size > 1:  # every CP rank holds the same full rows, cut here into 2·cp chunks
-            if inputs.dim() < 2:
-                raise ConfigError(f"cp={self.ctx.cp_size} splits sequences: inputs must be [batch, seq], got "
-                                  f"shape {tuple(inputs.shape)}")
-            self.config.check_seq_len(inputs.shape[1])
-        if self.sequence_parallel and inputs.dim() > 1 and inputs.shape[1] % self.ctx.tp_size:
-            raise ConfigError(f"sequence length {inputs.shape[1]} must be divisible by tp={self.ctx.tp_size} "
-                              "with sequence_parallel=True")
+        if shapes != self._checked_shapes:  # the first step and each new shape: one small all-gather over the world
+            check_same_batch(self.ctx, inputs, targets)
+            self._checked_shapes = shapes
 
     def _split(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         if tuple(inputs.shape) != self._input_shape:  # new sequence length: shapes are negotiated again
