@@ -392,3 +392,32 @@ def test_a_field_of_the_other_endpoint_is_refused_naming_the_endpoint_that_takes
     with pytest.raises(ApiError) as info:
         parse(body, chat, TokenizerInfo(TOK, "/nonexistent", 64), Limits("m", 64, 256, 16, 64))
     assert (info.value.status, info.value.code) == (400, "unsupported") and needle in info.value.message
+
+
+@pytest.mark.parametrize("forwarded", [False, True])
+def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp_path, monkeypatch, capsys, forwarded):
+    """When a rank fails while the model loads, the launcher ends the job with SIGTERM to the workers left: rank 0
+    says nothing of stopping (the failed rank's error is the job's one line). A SIGTERM its launcher passed on
+    (``signal-15`` beside the failure) is a request to stop, and rank 0 says so."""
+    from plait.distributed.job_signals import JOB_DIR_ENV
+    from plait.serve.job import StopSignals
+
+    (tmp_path / "rank1").write_text("ConfigError\nthe file was damaged")
+    if forwarded:
+        (tmp_path / f"signal-{int(signal.SIGTERM)}").touch()
+    monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path))
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signals = StopSignals(leader=True)  # rank 0 before its engine exists: the model still loading
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while not signals.reason and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the signal thread prints, if it does, as it notes the signal
+    finally:
+        signals.close()
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    said = capsys.readouterr().err
+    assert signals.reason == "SIGTERM"
+    assert said == ("plait serve: SIGTERM: stopping once the model has loaded\n" if forwarded else ""), said

@@ -16,6 +16,9 @@ from types import FrameType
 from typing import Any
 
 STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step boundary, save and exit
+#: the environment variable naming, in a launched worker, its job's folder: each failed worker's ``rank{r}`` file and
+#: each stop signal ``ForwardSignal`` passed on (``signal-N``)
+JOB_DIR_ENV = "PLAIT_JOB_DIR"
 
 
 class HeldInterrupts:
@@ -135,6 +138,17 @@ def process_state(pid: int) -> str:
     except (OSError, IndexError):
         return "state unknown"
     return PROC_STATES.get(state, f"state {state}")
+
+
+def ending_after_a_failure() -> bool:
+    """True in a launched worker whose job is ending because a worker failed: a failure is written down in the
+    job's folder and no stop signal was passed on, so the SIGTERM the launcher sends the workers left is nobody's
+    request to stop (False outside a launched job)."""
+    folder = os.environ.get(JOB_DIR_ENV)
+    if not folder:
+        return False
+    job = Path(folder)
+    return any(job.glob("rank*")) and not any(job.glob("signal-*"))
 
 
 def taken_signals(note: Path) -> list[int]:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.distributed import fork_server
-from plait.distributed.job_signals import ForwardSignal, HeldInterrupts, ResumeStopped, taken_signals
+from plait.distributed.job_signals import JOB_DIR_ENV, ForwardSignal, HeldInterrupts, ResumeStopped, taken_signals
 from plait.distributed.parent import end_with_parent
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
@@ -282,6 +282,7 @@ def worker(target: str, payload: dict, failure_dir: str, env: dict[str, str] | N
         agent = {k: v for k, v in os.environ.items() if _INHERITED_ENV.get(k) != v}
         os.environ.clear()
         os.environ.update(env, **agent)
+    os.environ[JOB_DIR_ENV] = failure_dir  # job_signals.ending_after_a_failure
     rank = int(os.environ.get("RANK", "0"))
     torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     keep_freed_memory()

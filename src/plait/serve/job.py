@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 
+from plait.distributed.job_signals import ending_after_a_failure
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 0.5  # a stop signal this soon after the first is the same one, delivered twice
 HTTP_JOIN_S = 5.0  # after the engine stopped, how long the HTTP server gets to send the last responses
@@ -73,7 +75,7 @@ class StopSignals:
         name = signal.Signals(signum).name
         if not self.reason:
             self.reason, self.first = name, time.monotonic()
-            if self.engine is None:
+            if self.engine is None and not ending_after_a_failure():  # not the launcher's end of a failed job
                 print(f"plait serve: {name}: stopping once the model has loaded", file=sys.stderr, flush=True)
         elif not self.now and time.monotonic() - self.first > REPEAT_S:
             self.now = True
