@@ -138,3 +138,23 @@ def test_clip_in_the_constructor_clips_at_step_and_keeps_the_norm_in_last_norm(z
     assert norm > 0.1 and opt.last_norm == pytest.approx(norm, rel=1e-5)  # clipping was active
     for k, v in ref.state_dict().items():
         assert torch.allclose(after[k], v, rtol=1e-5, atol=1e-7), k
+
+
+def test_an_optimizer_replaced_by_a_newer_one_for_the_same_model_refuses_to_step():
+    """A second ParallelOptimizer for a model sets how train_step reduces its gradients (zero=1: each data-parallel
+    rank keeps the sum of its shard only): stepping the first (zero=0, which reads whole gradients) after it gave
+    wrong weights on dp=2, and different ones on each replica. It refuses now, naming both; the newer one steps."""
+    import plait
+
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    with plait.init(tp=1, pp=1, dp=1) as ctx:
+        pm = plait.parallelize(Llama(cfg), ctx)
+        first = ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, zero=0)
+        newer = ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, zero=1, clip=1.0)
+        pm.train_step(tokens[:, :-1], tokens[:, 1:])
+        for call in (first.step, first.grad_norm):
+            with pytest.raises(ConfigError, match=r"this ParallelOptimizer \(zero=0\) is no longer the model's: one "
+                                                  r"made for the same model since \(zero=1\)"):
+                call()
+        assert newer.step() is not None and pm.attached_optimizer is newer

@@ -165,8 +165,13 @@ class ParallelModel:
         self.cast.set_storage(dtype)
 
     def attach_optimizer(self, optimizer) -> None:
-        """The optimizer whose state ``memory_report`` counts (``memory_bytes()``, or its state tensors)."""
+        """The optimizer whose state ``memory_report`` counts (``memory_bytes()``, or its state tensors) and whose
+        fp32 masters ``load_full_state_dict`` sets; the last one attached (``attached_optimizer``) is the model's."""
         self._optimizer = optimizer
+
+    @property
+    def attached_optimizer(self):
+        return self._optimizer
 
     def memory_report(self) -> dict[str, int | None]:
         """Bytes on this rank: ``params`` (local shards), ``grads`` (gradient buffers and shards held now),

@@ -89,6 +89,12 @@ class ParallelOptimizer:
         """Once per step: under ZeRO, point every master piece at its reduced gradient (a view)."""
         if self._prepared:
             return
+        newer = self.pm.attached_optimizer
+        if newer is not self:  # every rank made the same optimizers in the same order: all refuse alike
+            raise ConfigError(f"this ParallelOptimizer (zero={self.zero}) is no longer the model's: one made for the "
+                              f"same model since (zero={getattr(newer, 'zero', None)}) set how train_step reduces the "
+                              "gradients and which optimizer load_full_state_dict updates; step that one, or make "
+                              "this one again")
         self._prepared = True
         if self.masters is not None:
             for pc, m in zip(self.layout.pieces, self.masters.params, strict=True):
