@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -340,43 +337,6 @@ def test_chat_messages_without_content_or_role_are_400s_naming_the_field(message
         assert chat.prompts[0] == tokens.chat_ids({"messages": [*messages[:1], tool_call]})
 
 
-def test_a_stop_signal_reaches_the_engine_while_the_main_thread_is_inside_a_c_call():
-    """Rank 0 acts on SIGTERM in its signal thread: /health says "stopping" at once even when the main thread is
-    in a long step or a collective (here: libc's sleep with SIGTERM blocked, so no Python handler runs there)."""
-    import ctypes
-
-    from plait.serve.job import StopSignals
-
-    class Draining:
-        called: tuple[str, float, float] | None = None
-
-        def request_stop(self, reason: str, grace: float) -> None:
-            self.called = (reason, grace, time.monotonic())
-
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signals = StopSignals(leader=True)
-    engine = Draining()
-    signals.attach(engine, 7.0)
-    sent: list[float] = []
-
-    def send() -> None:
-        time.sleep(0.2)
-        sent.append(time.monotonic())
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        threading.Thread(target=send).start()
-        ctypes.CDLL(None).sleep(2)  # the main thread: in C for 2 s, as in a step
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        signals.close()
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-    assert engine.called is not None and engine.called[:2] == ("SIGTERM", 7.0)
-    assert engine.called[2] - sent[0] < 1.0, "the stop waited for the main thread"
-
-
 @pytest.mark.parametrize("body, chat, needle", [
     ({"prompt": "hi"}, True, "prompt is a field of /v1/completions; /v1/chat/completions takes messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, True, "prompt is a field of /v1/completions"),
@@ -392,32 +352,3 @@ def test_a_field_of_the_other_endpoint_is_refused_naming_the_endpoint_that_takes
     with pytest.raises(ApiError) as info:
         parse(body, chat, TokenizerInfo(TOK, "/nonexistent", 64), Limits("m", 64, 256, 16, 64))
     assert (info.value.status, info.value.code) == (400, "unsupported") and needle in info.value.message
-
-
-@pytest.mark.parametrize("forwarded", [False, True])
-def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp_path, monkeypatch, capsys, forwarded):
-    """When a rank fails while the model loads, the launcher ends the job with SIGTERM to the workers left: rank 0
-    says nothing of stopping (the failed rank's error is the job's one line). A SIGTERM its launcher passed on
-    (``signal-15`` beside the failure) is a request to stop, and rank 0 says so."""
-    from plait.distributed.job_signals import JOB_DIR_ENV
-    from plait.serve.job import StopSignals
-
-    (tmp_path / "rank1").write_text("ConfigError\nthe file was damaged")
-    if forwarded:
-        (tmp_path / f"signal-{int(signal.SIGTERM)}").touch()
-    monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path))
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    signals = StopSignals(leader=True)  # rank 0 before its engine exists: the model still loading
-    try:
-        os.kill(os.getpid(), signal.SIGTERM)
-        deadline = time.monotonic() + 5.0
-        while not signals.reason and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)  # the signal thread prints, if it does, as it notes the signal
-    finally:
-        signals.close()
-        signal.signal(signal.SIGINT, before[0])
-        signal.signal(signal.SIGTERM, before[1])
-    said = capsys.readouterr().err
-    assert signals.reason == "SIGTERM"
-    assert said == ("plait serve: SIGTERM: stopping once the model has loaded\n" if forwarded else ""), said
