@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import plait
-from harness import run_checks
+from harness import rel_err, run_checks
 from plait.distributed.context import ParallelContext
 from plait.models import Llama, LlamaConfig
 
@@ -103,6 +103,31 @@ def rows_by_rank() -> dict:
     return out
 
 
+def zero_grads() -> dict:
+    """pp2·dp2: the gradients full_state_dict(grads=True) gives after a step, under a zero=0 optimizer and a
+    zero=1 one, beside one device's."""
+    from plait.optim import ParallelOptimizer
+
+    out = {}
+    torch.manual_seed(0)
+    ref = Llama(CFG)
+    x, y = IDS[:, :-1], IDS[:, 1:]
+    ref.loss(x, y).backward()
+    for zero in (0, 1):
+        with plait.init(tp=1, pp=2, dp=2, timeout_s=WAIT_S) as ctx:
+            model = Llama(CFG)
+            model.load_state_dict(ref.state_dict())
+            pm = plait.parallelize(model, ctx, microbatches=2)
+            ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, zero=zero)
+            pm.train_step(x.chunk(2)[ctx.dp_rank], y.chunk(2)[ctx.dp_rank])
+            try:
+                grads = pm.full_state_dict(grads=True)
+                out[zero] = max(rel_err(grads[k], p.grad) for k, p in ref.named_parameters())
+            except plait.ConfigError as exc:
+                out[zero] = str(exc)
+    return out
+
+
 def doc_scripts() -> list[tuple[str, str, str]]:
     """(name, code, the output shown after it) of each ``python`` block of docs/library.md: a script named by its
     first line (``# train.py — run with: ...``), the plain block that follows it its rank 0's output."""
@@ -136,4 +161,5 @@ def run_script(name: str, code: str, folder: str) -> str:
 def rank_main(folder: str) -> dict:
     docs = [(f"docs: {name}", lambda n=name, c=code: run_script(n, c, folder)) for name, code, _ in doc_scripts()]
     return run_checks([*docs, ("bad_eval_batch", bad_eval_batch), ("closed_context", closed_context),
-                       ("refused_then_right", refused_then_right), ("rows_by_rank", rows_by_rank)])
+                       ("refused_then_right", refused_then_right), ("rows_by_rank", rows_by_rank),
+                       ("zero_grads", zero_grads)])

@@ -77,3 +77,13 @@ def test_ranks_of_a_replica_handed_different_rows_are_refused(world4, call):
         assert "split the global batch by ctx.dp_rank" in message, (rank, message)
         assert seconds < 2.0, (rank, r[call])
         assert abs(r["loss"] - r["one device"]) <= 1e-5 * r["one device"], (rank, r)
+
+
+def test_full_state_dict_of_gradients_is_whole_or_refused_under_a_zero_optimizer(world4):
+    """Under a ZeRO-1 optimizer each replica keeps the sum of its own shard of the gradients only: the
+    gradients full_state_dict gave were the stale rest (0.5-1 off one device's), now it says so; without ZeRO they
+    are one device's."""
+    for rank, r in enumerate(result(world4, "zero_grads")):
+        assert r[0] < 1e-4, (rank, r)
+        said = r[1]
+        assert isinstance(said, str) and said.startswith("full_state_dict(grads=True) with a ZeRO-1 optimizer"), r

@@ -19,7 +19,7 @@ from torch import nn
 from plait import devices, memory, weight_grad
 from plait.context_parallel import gather_sequence, shard_sequence
 from plait.data_parallel.param_shards import ParamShards
-from plait.data_parallel.reducer import Bucket, GradReducer
+from plait.data_parallel.reducer import Bucket, GradReducer, refuse_sharded_grads
 from plait.data_parallel.zero3 import Zero3
 from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
@@ -374,6 +374,8 @@ class ParallelModel:
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors (or gradients) under the plain model's keys, on every rank (collective)."""
+        if grads and self.zero3 is None:  # ZeRO-1/2 keep a shard of each reduced gradient only: refused
+            refuse_sharded_grads(self.reducers.values(), self.ctx)
         with nullcontext() if self.zero3 is None else self.zero3.full_state(grads):  # whole from the shards
             local = self._local_full(grads)
         return gather_full_state(local, self.ctx, self.plain_keys)  # EP: other experts, PP: other layers

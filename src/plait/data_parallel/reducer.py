@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,19 @@ class Bucket:
             self.buffer.zero_()
             self._zeroed = self.buffer._version
 
+
+
+def refuse_sharded_grads(reducers: Iterable[GradReducer], ctx: ParallelContext) -> None:
+    """ConfigError if ``reducers`` keep each rank's shard of the reduced gradients only (ZeRO-1 or ZeRO-2 over more
+    than one rank): no rank then holds the model's gradients whole. Decided by the mode and the layout, so every
+    rank decides alike, before any collective."""
+    sharded = {r.mode for r in reducers} - {"all-reduce"}
+    if sharded and max(ctx.dp_cp_size, ctx.expert_dp_size) > 1:
+        zero = 1 if sharded == {"reduce-scatter"} else 2
+        raise ConfigError(f"full_state_dict(grads=True) with a ZeRO-{zero} optimizer: after train_step each data-"
+                          "parallel rank holds the sum of its own shard of the gradients only (the rest of the buffer "
+                          "is stale), so no rank has them whole; make the optimizer with zero=0 to read whole "
+                          "gradients (a ZeRO optimizer's grad_norm() and step() read the shards)")
 
 class GradReducer:
     """Accumulates and reduces the gradients of ``params`` (one pipeline chunk) in buckets.
