@@ -24,7 +24,7 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
     r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu", "a100-80gb",
                             "--attention", "flash3"])
     assert r.exit_code == 2
-    assert "'flash3' runs on Hopper GPUs only; valid on a100-80gb: flash1, flash1-triton, flash2" in r.output
+    assert "'flash3' runs on Hopper GPUs only; valid on a100-80gb: flash1, triton-ops, flash2" in r.output
     fast, slow = (json.loads(runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--json", "--top", "1",
                                                  "--global-batch", "64", "--attention", k]).output)
                   for k in ("cudnn", "flash1"))
@@ -50,7 +50,7 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
                                                                               "--gpus-per-node 4: not with --cluster"),
     (["--inference", "--global-batch", "64", "--show-schedule"], "error: --global-batch 64, --show-schedule: training "
                                                                 "options, which --inference ignores"),
-    (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, flash1-triton, flash2, "
+    (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, triton-ops, flash2, "
                                 "cudnn, flash3, unfused"),
 ])
 def test_bad_values_are_errors_naming_them_not_defaults(args, needle):

@@ -76,10 +76,10 @@ def test_attention_efficiency_reads_the_published_figures():
     assert efficiency(a100, "flash2", 2048, 96) == pytest.approx((140 + 155) / 2 / 312)
     assert efficiency(a100, "flash2", 128, 256) == pytest.approx(99 / 312)  # flat beyond the figures
     assert efficiency(h100, "flash1", 65536, 128) == pytest.approx(137 / 989)
-    # FlashAttention's Triton port on the A100 (the same figure's "FlashAttention Triton" bars): slower than the
-    # CUDA kernel at head dimension 128 (68 against 69 TFLOP/s at 2k), faster at 64 and 1k (75 against 70)
-    assert efficiency(a100, "flash1-triton", 2048, 128) == pytest.approx(68 / 312)
-    assert efficiency(a100, "flash1-triton", 1024, 64) == pytest.approx(75 / 312)
+    # OpenAI Triton's fused attention on the A100 (the same figure's "FlashAttention Triton" bars): slower than
+    # FlashAttention v1's CUDA kernel at head dimension 128 (68 against 69 TFLOP/s at 2k), faster at 64 and 1k
+    assert efficiency(a100, "triton-ops", 2048, 128) == pytest.approx(68 / 312)
+    assert efficiency(a100, "triton-ops", 1024, 64) == pytest.approx(75 / 312)
     assert efficiency(b200, "flash2", 4096, 128) == b200.flash_efficiency  # no published figure: the guess
     # cuDNN's causal backward is not printed: derived from its forwards' causal loss (16k, head dim 128: forward
     # causal 539, full 595, backward full 516 TFLOP/s, Shah et al. 2024 Figures 5-6)
@@ -92,10 +92,10 @@ def test_attention_kernel_choices_are_checked():
     assert Cluster("a100-80gb", 8, flash_attention="flash1").attention == "flash1"
     assert Cluster("b200", 8, flash_attention="flash3").attention == "flash3"  # no figures: any kernel
     with pytest.raises(ConfigError, match="flash_attention: 'flash3' runs on Hopper GPUs only; valid on a100-80gb: "
-                                          "flash1, flash1-triton, flash2, True, False"):
+                                          "flash1, triton-ops, flash2, True, False"):
         Cluster("a100-80gb", 8, flash_attention="flash3")
-    with pytest.raises(ConfigError, match="'flash1-triton' has no published speed on h100-sxm"):
-        Cluster("h100-sxm", 8, flash_attention="flash1-triton")
+    with pytest.raises(ConfigError, match="'triton-ops' has no published speed on h100-sxm"):
+        Cluster("h100-sxm", 8, flash_attention="triton-ops")
     with pytest.raises(ConfigError, match="'cudnn' has no published speed on a100-40gb"):
         Cluster("a100-40gb", 8, flash_attention="cudnn")
     with pytest.raises(ConfigError, match="flash_attention: unknown kernel 'fa2'.*flash2"):

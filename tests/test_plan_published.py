@@ -317,6 +317,19 @@ def test_mosaic_fit_statements_cover_the_table():
     assert [(s.model, s.layout, s.training) for s in mosaic] == [(r.model, r.layout, r.training) for r in table]
 
 
+def test_mosaic_rows_are_costed_at_the_ports_reference_kernel_not_openai_tritons():
+    """llm-foundry's attn_impl: triton runs FlashAttention's Triton port, which has no published speed; the
+    "FlashAttention Triton" bars are OpenAI Triton's triton.ops.flash_attention ("triton-ops"), so every MosaicML
+    row, A100 and H100, takes FlashAttention v1's CUDA figures, which the port's author puts just ahead of it."""
+    from plait.plan.attention import KERNELS
+
+    table = [r for r in runs() if r.source == "MosaicML llm-foundry"]
+    assert {r.cluster.gpu.name for r in table} == {"a100-80gb", "h100-sxm"}
+    assert {r.cluster.attention for r in table} == {"flash1"}
+    assert all("no published figure of the port" in " ".join(r.assumed) for r in table)
+    assert "triton.ops.flash_attention" in KERNELS["triton-ops"] and "port" not in KERNELS["triton-ops"]
+
+
 def test_bloom_search_rows_reproduce_their_printed_tflops():
     # Megatron-DeepSpeed prints TFLOPs from Sec/it by eq. (3) with recomputation: every row's GBS, GPU count, shape
     # and Sec/it give back its TFLOPs, which also says activation recomputation was on

@@ -259,8 +259,8 @@ class PlanOptions:
     max_memory_fraction: float = MAX_MEMORY_FRACTION
     """share of each device's memory a layout may use"""
     attention: str = "flash2"
-    """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, flash1-triton (A100),
-    cudnn (Transformer Engine), flash3 (Hopper) or unfused"""
+    """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, triton-ops (OpenAI Triton's
+    triton.ops.flash_attention; A100), cudnn (Transformer Engine), flash3 (Hopper) or unfused"""
     elementwise: str = "plait-eager"
     """element-wise kernels (norms, RoPE, activations, residual adds, casts, the loss): plait-eager (plait's
     runtime, each its own kernel: the model plait train --dry-run predicts with) or fused (fused kernels, as the

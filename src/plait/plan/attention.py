@@ -19,7 +19,7 @@ UNFUSED = "unfused"
 #: The fused kernels the datasheet model knows; ``Cluster(flash_attention=...)`` names one of them.
 KERNELS = {
     "flash1": "FlashAttention (Dao et al. 2022)",
-    "flash1-triton": "FlashAttention's Triton port (flash_attn_triton.py, llm-foundry's attn_impl: triton)",
+    "triton-ops": "OpenAI Triton's fused attention (triton.ops.flash_attention)",
     "flash2": "FlashAttention-2 (Dao 2023); PyTorch's SDPA flash backend",
     "cudnn": "cuDNN's fused flash attention (Transformer Engine's FusedAttention on Hopper)",
     "flash3": "FlashAttention-3 (Shah et al. 2024), Hopper only",
@@ -31,13 +31,15 @@ Series = dict[int, tuple[float, ...]]  # head dimension -> TFLOP/s at each of SE
 
 # A100 80GB SXM4 (peak 312 TFLOP/s): Dao-AILab/flash-attention README, assets/flash2_a100_fwd_bwd_benchmark.png
 # (commit 4f285b35, the FlashAttention-2 release; Dao 2023, Figure 4), panels (c) and (d): with causal mask, head
-# dimension 64 and 128; bars "FlashAttention" (flash1), "FlashAttention Triton" (flash1-triton: the Triton port,
-# flash_attn/flash_attn_triton.py, which llm-foundry copies) and "FlashAttention-2" (flash2). The H100 figure of
-# the same README has no Triton bar: the port has no published H100 speed (its author's note in the file: "Overall
-# Triton forward + backward is slightly slower than CUDA forward + backward", tested on A100).
+# dimension 64 and 128; bars "FlashAttention" (flash1), "FlashAttention Triton" and "FlashAttention-2" (flash2).
+# The Triton bars are OpenAI Triton's own fused attention: the benchmark that draws them
+# (benchmarks/benchmark_flash_attention.py at 60499abc) imports ``from triton.ops.flash_attention import attention
+# as attention_triton`` from Triton's main branch ("triton-ops"), not FlashAttention's Triton port
+# (flash_attn/flash_attn_triton.py, which llm-foundry copies and runs on the pre-MLIR compiler), which has no
+# published speed. The H100 figure of the same README has no Triton bar.
 _A100: dict[str, Series] = {
     "flash1": {64: (58, 70, 77, 87, 92, 97), 128: (55, 62, 69, 76, 80, 83)},
-    "flash1-triton": {64: (59, 75, 79, 76, 79, 80), 128: (50, 61, 68, 74, 78, 80)},
+    "triton-ops": {64: (59, 75, 79, 76, 79, 80), 128: (50, 61, 68, 74, 78, 80)},
     "flash2": {64: (88, 119, 140, 156, 165, 171), 128: (99, 133, 155, 173, 182, 189)},
 }
 # H100 80GB SXM5 (peak 989): the same README, assets/flash2_h100_fwd_bwd_benchmark.png, panels (c) and (d).

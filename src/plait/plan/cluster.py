@@ -29,7 +29,7 @@ class Cluster:
     published Megatron-LM runs (``plan.gpu``). ``costs`` is that cost model, chosen here once.
     ``flash_attention``: the attention kernel; catalogue GPUs only. True (the default): a fused flash-attention
     kernel, FlashAttention-2 (PyTorch's SDPA on CUDA, which plait's runtime calls); a name from
-    ``plan.attention.KERNELS`` picks the kernel ("flash1", "flash1-triton", "flash2", "cudnn" for Transformer
+    ``plan.attention.KERNELS`` picks the kernel ("flash1", "triton-ops", "flash2", "cudnn" for Transformer
     Engine's fused attention, "flash3"), each costed at its published speed on that GPU by sequence length and
     head dimension; False: the unfused softmax of Megatron-LM's early runs (the s×s scores go through HBM and
     are stored).

@@ -52,11 +52,14 @@ ROCE_200 = Link("RoCE 200 Gb/s per GPU (1600 Gb/s per node)", 25 * GB, 8e-6)
 # HazyResearch/flash-attention ... flash_attn/flash_attn_triton.py", FlashAttention's (v1) Triton port on the
 # pre-MLIR Triton compiler (setup.py: triton-pre-mlir; flash-attn==1.0.9 in the gpu extra). The H100 BF16 rows ran
 # image mosaicml/pytorch:2.1.0_cu121-nightly20230827 at amp_bf16 (the benchmarks' h100new.csv, removed from the
-# repository at 803e6718 when the table moved into the README), not FP8, which has a table of its own. The port is
-# costed at its own published A100 speed ("flash1-triton"); it has no published H100 speed, so the H100 rows take
-# FlashAttention v1's CUDA kernel ("flash1"), which its author's note puts slightly ahead of the port on an A100.
+# repository at 803e6718 when the table moved into the README), not FP8, which has a table of its own. The port has
+# no published speed on any GPU (the "FlashAttention Triton" bars of FlashAttention-2's README are OpenAI Triton's
+# triton.ops.flash_attention: ``plan.attention``); its author's note in the file (Dao-AILab/flash-attention
+# flash_attn/flash_attn_triton.py at v1.0.9: "Overall Triton forward + backward is slightly slower than CUDA forward
+# + backward", tested on A100) puts FlashAttention v1's CUDA kernel ("flash1") just ahead of it, so every row, A100
+# and H100, is costed at that kernel's published speed.
 MOSAIC_ATTENTION = "attn_impl: triton (the yamls, submit_benchmarks.py's default): FlashAttention v1's Triton port"
-MOSAIC_KERNEL = {True: "flash1", False: "flash1-triton"}  # H100 (no published figure of the port), A100
+MOSAIC_KERNEL = "flash1"  # the port's author's reference: no published figure of the port itself
 # The optimizer step: the yamls' "optimizer: name: decoupled_adamw" (weight_decay 0.0) and "algorithms:
 # gradient_clipping: clipping_type: norm", Composer's DecoupledAdamW and FSDP's clip_grad_norm_ under the Composer of
 # that commit (v0.16.3): "composer-decoupled-adamw" (``plan.optimizers``).
@@ -83,14 +86,13 @@ def mosaic() -> list[PublishedRun]:
             "MosaicML llm-foundry", MOSAIC_WHERE.format(table=table),
             f"MPT-{size} seq {seq} on {n} {'H100' if h100 else 'A100'}", mpt(size, seq),
             Cluster("h100-sxm" if h100 else "a100-80gb", n, interconnect=None if h100 else ROCE_200,
-                    flash_attention=MOSAIC_KERNEL[h100]),
+                    flash_attention=MOSAIC_KERNEL),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
             Training(batch, recompute_head=False, grad_dtype="bf16", optimizer=MOSAIC_OPTIMIZER,
                      grad_accumulation=MOSAIC_ACCUMULATION),
             f"Throughput (T/s) {tps}", tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
             ("FSDP FULL_SHARD costed as ZeRO-3",
-             MOSAIC_ATTENTION + (", costed as FlashAttention v1's CUDA kernel (no H100 figure of the port)"
-                                 if h100 else ""),
+             MOSAIC_ATTENTION + ", costed as FlashAttention v1's CUDA kernel (no published figure of the port)",
              "H100 fabric not printed: NDR InfiniBand assumed" if h100 else "RoCE: 200 Gb/s per GPU")))
     return out
 
