@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import alive
-from plait.distributed.launch import child_pids, launch, run_world, worker_pids
+from plait.distributed.launch import LaunchError, child_pids, launch, run_world, worker_pids
 
 
 def _rank_facts(name: str) -> dict:
@@ -38,6 +38,36 @@ def test_spawned_worlds_are_children_of_the_caller(monkeypatch):
     monkeypatch.setenv("PLAIT_TEST_MARK", "spawned")
     facts = run_world(_rank_facts, 2, "PLAIT_TEST_MARK", timeout_s=120)
     assert [(f["mark"], f["rank"], f["parent"]) for f in facts] == [("spawned", r, os.getpid()) for r in (0, 1)]
+
+
+def _one_rank_ends_without_a_report(code: int, pause_s: float, noted: str) -> int:
+    """Rank 1 waits ``pause_s``, notes the time (time.monotonic(), one clock for the host) in ``noted`` and exits
+    with ``code`` without reporting; rank 0 reports at once."""
+    import time
+
+    if os.environ["RANK"] == "1":
+        time.sleep(pause_s)
+        Path(noted).write_text(repr(time.monotonic()))
+        os._exit(code)
+    return 0
+
+
+def test_a_rank_that_ends_without_a_report_is_seen_at_once(tmp_path):
+    """Its pipe is read as its process ends: the world returns within moments of the death (not after polling
+    and a grace period, a second a launch in the fault tests), and a rank gone with exit status 0 is named as
+    gone, not waited on until the deadline."""
+    import time
+
+    noted = tmp_path / "died"
+    world = run_world(_one_rank_ends_without_a_report, 2, 3, 1.0, str(noted), allow_dead=True, timeout_s=60,
+                      preload=("torch",))
+    returned = time.monotonic()
+    assert world == [0, None]
+    assert returned - float(noted.read_text()) < 0.4, returned - float(noted.read_text())
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"^ranks \[1\] died \(exit codes \[0\]\) without reporting$"):
+        run_world(_one_rank_ends_without_a_report, 2, 0, 0.0, str(noted), timeout_s=30, preload=("torch",))
+    assert time.monotonic() - t0 < 20
 
 
 def job_facts(payload: dict) -> dict:

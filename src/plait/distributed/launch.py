@@ -26,7 +26,6 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import sys
@@ -36,6 +35,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +133,7 @@ class LaunchError(RuntimeError):
     """A launched world failed: a rank raised, died, or missed the deadline."""
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, threads: int,
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, report: Connection, threads: int,
             env: dict[str, str]) -> None:
     os.environ.clear()  # the caller's environment at the launch (a fork server's is that of its own start)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -144,10 +144,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     keep_freed_memory()
     try:
         value = fn(*args)
-        results.put((rank, True, value))
+        report.send((True, value))  # whole in the pipe when it returns: the caller reads it even once we are gone
     except BaseException as exc:  # report every failure to the parent, including KeyboardInterrupt
-        results.put((rank, False, RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())))
+        report.send((False, RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
+        report.close()
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -178,62 +179,65 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
         ctx.set_forkserver_preload([*preload, fork_server.__name__])
     else:
         ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nprocs)]  # (read end, write end): one per rank, its report
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, results, threads, env), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, fn, args, pipes[r][1], threads, env), daemon=True)
              for r in range(nprocs)]
     for p in procs:
         p.start()
     try:
-        values = _collect(procs, results, nprocs, timeout_s, return_failures, allow_dead)
+        for _read, write in pipes:  # the ranks hold their own write ends; a rank's pipe ends when it does
+            write.close()
+        values = _collect(procs, [read for read, _write in pipes], timeout_s, return_failures, allow_dead)
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
+        for read, _write in pipes:
+            read.close()
     return values
 
 
-def _collect(procs: list, results: Any, nprocs: int, timeout_s: float, return_failures: bool,
+def _collect(procs: list, reports: list[Connection], timeout_s: float, return_failures: bool,
              allow_dead: bool) -> list[Any]:
+    """Each rank's report, read as it comes; a rank that ends without one (its process gone, or its pipe closed)
+    is seen at once: a rank sends its report whole before it ends, so a pipe that holds nothing when its process
+    has ended never will."""
     values: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
-    while len(values) < nprocs:
+    while len(values) < len(procs):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            silent = sorted(set(range(nprocs)) - set(values))
+            silent = [r for r in range(len(procs)) if r not in values]
             raise LaunchError(f"timeout after {timeout_s:.0f}s: ranks {silent} did not answer "
                               f"(ranks {sorted(values)} finished)")
-        try:
-            rank, ok, value = results.get(timeout=min(remaining, 0.5))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in values and not p.is_alive()
-                    and p.exitcode not in (0, None)]
-            if dead:
-                time.sleep(0.5)  # let a final report that was in flight arrive
-                _drain(results, values)
-                dead = [r for r in dead if r not in values]
-                if dead and allow_dead:
-                    values.update({r: None for r in dead})
-                elif dead:
-                    raise LaunchError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]}) "
-                                      "without reporting") from None
-            continue
-        if not ok and not return_failures:
-            raise LaunchError(f"rank {rank} raised {value.error_type}: {value.message}\n{value.traceback}")
-        values[rank] = value
-    return [values[r] for r in range(nprocs)]
-
-
-def _drain(results: Any, values: dict[int, Any]) -> None:
-    while True:
-        try:
-            rank, _ok, value = results.get_nowait()
-        except queue.Empty:
-            return
-        values[rank] = value
+        waiting = [r for r in range(len(procs)) if r not in values]
+        ready = set(wait([w for r in waiting for w in (reports[r], procs[r].sentinel)], timeout=remaining))
+        dead = []
+        for r in waiting:
+            if reports[r] not in ready and procs[r].sentinel not in ready:
+                continue
+            try:
+                if not reports[r].poll(0):  # ended, and its pipe held nothing
+                    raise EOFError
+                ok, value = reports[r].recv()
+            except EOFError:
+                dead.append(r)
+                continue
+            if not ok and not return_failures:
+                raise LaunchError(f"rank {r} raised {value.error_type}: {value.message}\n{value.traceback}")
+            values[r] = value
+        if dead and allow_dead:
+            values.update({r: None for r in dead})
+        elif dead:
+            for r in dead:
+                procs[r].join(timeout=5)  # its pipe may end a moment before its exit status is known
+            raise LaunchError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]}) "
+                              "without reporting")
+    return [values[r] for r in range(len(procs))]
 
 
 # ---------------------------------------------------------------------- jobs: the elastic launcher, torchrun
