@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -15,17 +18,22 @@ TOK = ByteTokenizer()
 GEN_TOKENS = 12
 
 
-def _greedy(ref, context: str, eos: int) -> str:
-    """The text plait generate continues ``context`` with (GEN_TOKENS tokens, up to the end of sequence)."""
-    ids = generate_ids(ref, [TOK.encode(context)], Sampling(GEN_TOKENS))[0]
-    return TOK.decode(ids[: ids.index(eos)] if eos in ids else ids)
+def _greedy(ref, eos: int) -> Callable[[str], str]:
+    """The text plait generate continues a context with (GEN_TOKENS tokens, up to the end of sequence), each
+    context's generated once."""
+    @functools.cache
+    def text(context: str) -> str:
+        ids = generate_ids(ref, [TOK.encode(context)], Sampling(GEN_TOKENS))[0]
+        return TOK.decode(ids[: ids.index(eos)] if eos in ids else ids)
+    return text
 
 
-def _docs(ref, eos: int) -> list[dict]:
+def _docs(ref, greedy: Callable[[str], str]) -> list[dict]:
     """Questions whose greedy continuation holds a newline (so `until` cuts it), and two others."""
     candidates = [f"Q{i}: what is {i} + {i}?" for i in range(120)]
     outs = generate_ids(ref, [TOK.encode(c) for c in candidates], Sampling(GEN_TOKENS))  # a first sieve
-    cut = [c for c, o in zip(candidates, outs, strict=True) if 10 in o and "\n" in _greedy(ref, c, eos)][:2]
+    cut = list(itertools.islice((c for c, o in zip(candidates, outs, strict=True) if 10 in o and "\n" in greedy(c)),
+                                2))  # the first two: their texts alone are generated
     assert cut, "no candidate continuation holds a newline"
     questions = cut + candidates[:2]
     return [{"question": q, "choices": [" four", f" {i}", " 2 + 2"], "label": i % 3} for i, q in enumerate(questions)]
@@ -51,7 +59,8 @@ def test_lm_eval_generate_until_and_multiple_choice_equal_one_device(served, tmp
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    docs = _docs(served.ref, served.eos)
+    greedy_text = _greedy(served.ref, served.eos)
+    docs = _docs(served.ref, greedy_text)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     _task(tmp_path, "plait_mc", "multiple_choice")
     _task(tmp_path, "plait_gen", "generate_until")
@@ -72,7 +81,7 @@ def test_lm_eval_generate_until_and_multiple_choice_equal_one_device(served, tmp
     cut = 0
     for s in samples["plait_gen"]:
         context = s["arguments"][0][0]
-        want = _greedy(served.ref, context, served.eos)
+        want = greedy_text(context)
         cut += "\n" in want
         assert s["resps"][0][0] == want.split("\n")[0], context
     assert cut >= 1
