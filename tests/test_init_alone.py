@@ -33,5 +33,6 @@ def test_a_layout_of_several_processes_without_a_launcher_says_to_use_torchrun()
     program = "import plait\nplait.init(tp=2, pp=2)"
     out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("plait.errors.ConfigError: tp*pp=2*2=4 does not divide the world size 1"), out.stderr
-    assert "not started by a launcher (WORLD_SIZE is not set)" in last and "torchrun --nproc-per-node 4" in last, last
+    assert last == ("plait.errors.ConfigError: plait.init(tp=2, pp=2) needs a multiple of 4 processes, but this "
+                    "process was not started by a launcher (WORLD_SIZE is not set) and is a world of 1: run the "
+                    "script under torchrun, e.g. torchrun --nproc-per-node 4 script.py"), out.stderr

@@ -302,13 +302,15 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     try:
         config = config.resolve(world)
-    except ConfigError as exc:
+    except ConfigError:
         if dist.is_initialized() or "WORLD_SIZE" in os.environ:
             raise
+        sizes = ", ".join(f"{k}={getattr(config, k)}" for k in ("tp", "pp", "dp", "cp")
+                          if getattr(config, k) not in (1, -1))
         n = config.tp * config.cp * config.pp * max(config.dp, 1)
-        raise ConfigError(f"{exc}. This process was not started by a launcher (WORLD_SIZE is not set), so it is a "
-                          f"world of 1: run the script under torchrun, e.g. torchrun --nproc-per-node {n} "
-                          "script.py") from None
+        raise ConfigError(f"plait.init({sizes}) needs {'a multiple of ' if config.dp == -1 else ''}{n} processes, "
+                          "but this process was not started by a launcher (WORLD_SIZE is not set) and is a world of "
+                          f"1: run the script under torchrun, e.g. torchrun --nproc-per-node {n} script.py") from None
     # one process without a launcher: an in-process store, so no port is opened and nothing is set in the
     # environment that processes started later would inherit
     alone = world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ
