@@ -35,6 +35,7 @@ from plait.checkpoint.shards import local_tensors, param_keys
 from plait.data_parallel.reducer import grad_group
 from plait.distributed.collectives import collective
 from plait.errors import CommTimeoutError
+from plait.files import fsync_path
 
 if TYPE_CHECKING:
     from plait.optim import ParallelOptimizer
@@ -44,14 +45,6 @@ FORMAT = "plait-checkpoint/1"
 META = "meta.json"
 LATEST = "latest"
 PRUNED = ".pruned-"  # a checkpoint pruned by a later save, until it is deleted
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def torch_optimizer(optimizer):
@@ -159,7 +152,7 @@ def write_snapshot(snap: Snapshot) -> None:
     if snap.tensors:
         part = snap.tmp / (snap.fname + ".part")
         save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, FORMAT))
-        _fsync_path(part)
+        fsync_path(part)
         os.replace(part, snap.tmp / snap.fname)
     if snap.meta is None:
         return
@@ -168,8 +161,8 @@ def write_snapshot(snap: Snapshot) -> None:
     _keep_tokenizer(snap.meta, snap.tmp)
     meta = snap.tmp / META
     meta.write_text(json.dumps(snap.meta, indent=1))
-    _fsync_path(meta)
-    _fsync_path(snap.tmp)
+    fsync_path(meta)
+    fsync_path(snap.tmp)
     _commit(snap.root, snap.tmp, snap.final, snap.keep)
 
 
@@ -184,7 +177,7 @@ def _keep_tokenizer(meta: dict, folder: Path) -> None:
         return
     (folder / TOKENIZER_DIR).mkdir()
     for name in copy_tokenizer_files(Path(source), folder / TOKENIZER_DIR):
-        _fsync_path(folder / TOKENIZER_DIR / name)
+        fsync_path(folder / TOKENIZER_DIR / name)
 
 
 def _await_files(snap: Snapshot) -> None:
@@ -286,12 +279,12 @@ def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
-    _fsync_path(root)
+    fsync_path(root)
     pointer = root / (LATEST + ".tmp")
     pointer.write_text(final.name + "\n")
-    _fsync_path(pointer)
+    fsync_path(pointer)
     os.replace(pointer, root / LATEST)
-    _fsync_path(root)
+    fsync_path(root)
     done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and p.suffix != ".old")
     for stale in ([old] if old is not None else []) + (done[:-keep] if keep > 0 else []):
         stale.rename(root / f"{PRUNED}{stale.name}-{uuid.uuid4().hex[:8]}")

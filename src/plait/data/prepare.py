@@ -30,6 +30,7 @@ from plait.data.sources import BadRecord, Source, Task, discover, read_task, tas
 from plait.data.tokens import TokenizerSpec, Tokens
 from plait.distributed.parent import end_with_parent
 from plait.errors import ConfigError, check_output_path
+from plait.files import fsync_path
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -375,11 +376,7 @@ def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: 
             os.rename(old, out)
         raise ConfigError(f"--out {out}: made by someone else while this prepare ran (another prepare into it?), "
                           f"so this dataset is not put there ({exc.strerror}); choose another --out") from None
-    fd = os.open(out.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
