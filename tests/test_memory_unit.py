@@ -8,7 +8,7 @@ import torch
 
 import plait
 from plait import ConfigError
-from plait.memory import SavedTensorMeter, storage_bytes
+from plait.memory import CountsItsBytes, SavedTensorMeter, optimizer_bytes, storage_bytes
 from plait.models import Llama, LlamaConfig
 from plait.parallel_config import ParallelConfig
 
@@ -29,6 +29,21 @@ def test_meter_counts_storages_once_and_releases_them():
 def test_storage_bytes_counts_views_once():
     buf = torch.zeros(100)
     assert storage_bytes([buf[:10], buf[50:], buf.view(10, 10), None]) == 400
+
+
+def test_optimizer_bytes_takes_an_optimizer_s_own_count_else_its_state_tensors():
+    class Counted:
+        def memory_bytes(self) -> int:
+            return 123
+
+    w = torch.nn.Parameter(torch.zeros(8, 4))
+    adam = torch.optim.AdamW([w])
+    w.grad = torch.ones_like(w)
+    adam.step()
+    assert isinstance(Counted(), CountsItsBytes) and not isinstance(adam, CountsItsBytes)
+    assert optimizer_bytes(Counted()) == 123
+    assert optimizer_bytes(adam) == 2 * w.nbytes + adam.state[w]["step"].nbytes  # the two moments and the step
+    assert optimizer_bytes(None) == 0
 
 
 @pytest.mark.parametrize("value", ["selective-ish", "Full", 1, 0.5])

@@ -4,6 +4,7 @@ of the tensors autograd saves for backward (the activations)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -84,16 +85,27 @@ class SavedTensorMeter:
         self.live -= self.sizes.pop(key, 0)
 
 
-def optimizer_bytes(optimizer) -> int:
+@runtime_checkable
+class CountsItsBytes(Protocol):
+    """An optimizer that counts the bytes it holds (``plait.optim.ParallelOptimizer``: its state and masters)."""
+
+    def memory_bytes(self) -> int: ...
+
+
+#: what ``ParallelModel.attach_optimizer`` takes and ``optimizer_bytes`` counts
+Optimizer = CountsItsBytes | torch.optim.Optimizer
+
+
+def optimizer_bytes(optimizer: Optimizer | None) -> int:
     """Bytes an optimizer holds: its own count if it keeps one (``memory_bytes()``), else its state tensors."""
     if optimizer is None:
         return 0
-    if hasattr(optimizer, "memory_bytes"):
+    if isinstance(optimizer, CountsItsBytes):
         return int(optimizer.memory_bytes())
     return storage_bytes(t for st in optimizer.state.values() for t in st.values() if torch.is_tensor(t))
 
 
-def report(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None], optimizer,
+def report(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None], optimizer: Optimizer | None,
            activations_peak: int | None) -> dict[str, int | None]:
     """The dict ``ParallelModel.memory_report()`` returns (bytes on this rank; see there)."""
     return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": optimizer_bytes(optimizer),

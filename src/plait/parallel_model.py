@@ -103,7 +103,7 @@ class ParallelModel:
         self._input_shape: tuple | None = None
         self._checked_shapes: tuple | None = None  # the batch shapes check_same_batch last passed
         self.last_stats: StepStats | None = None
-        self._optimizer = None  # attach_optimizer: whose state memory_report counts
+        self._optimizer: memory.Optimizer | None = None  # attach_optimizer: whose state memory_report counts
         self.activations_peak: int | None = None  # bytes, of the last step that measured it
         self.device_peak: int | None = None  # the device allocator's peak bytes over that step (GPUs only)
         # the parameter set is fixed from here on (the buckets and ties are laid out over it): listed once
@@ -164,13 +164,13 @@ class ParallelModel:
                 p.data = p.data.to(dtype)
         self.cast.set_storage(dtype)
 
-    def attach_optimizer(self, optimizer) -> None:
+    def attach_optimizer(self, optimizer: memory.Optimizer) -> None:
         """The optimizer whose state ``memory_report`` counts (``memory_bytes()``, or its state tensors) and whose
         fp32 masters ``load_full_state_dict`` sets; the last one attached (``attached_optimizer``) is the model's."""
         self._optimizer = optimizer
 
     @property
-    def attached_optimizer(self):
+    def attached_optimizer(self) -> memory.Optimizer | None:
         return self._optimizer
 
     def memory_report(self) -> dict[str, int | None]:
