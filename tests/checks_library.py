@@ -87,7 +87,7 @@ def refused_then_right() -> dict:
 
 def rows_by_rank() -> dict:
     """tp2·pp2: each rank handed rows of its own (a batch split by ctx.rank, not ctx.dp_rank), then rows whose
-    length differs between the pipeline stages; then every rank the same rows."""
+    length differs between the pipeline stages, prompts and sampling seeds of its own; then every rank the same."""
     with plait.init(tp=2, pp=2, dp=1, timeout_s=WAIT_S) as ctx:
         torch.manual_seed(0)
         model, ref = Llama(CFG), Llama(CFG)
@@ -97,9 +97,14 @@ def rows_by_rank() -> dict:
         mine, stage = rows.chunk(4)[ctx.rank], rows[:4, : 9 if ctx.pp_rank == 0 else 5]
         out = _refusals({"train_step": lambda: pm.train_step(mine[:, :-1], mine[:, 1:]),
                          "eval_step": lambda: pm.eval_step(mine[:, :-1]),
-                         "stage lengths": lambda: pm.train_step(stage[:, :-1], stage[:, 1:])})
+                         "stage lengths": lambda: pm.train_step(stage[:, :-1], stage[:, 1:]),
+                         "generate": lambda: plait.generate(pm, [1 + ctx.rank, 2], max_new_tokens=3),
+                         "generate seed": lambda: plait.generate(pm, [1, 2], max_new_tokens=3, temperature=1.0,
+                                                                 seed=ctx.rank)})
         x, y = rows[:4, :-1], rows[:4, 1:]
         out["loss"], out["one device"] = pm.train_step(x, y), ref.loss(x, y).item()
+        out["generated"], out["generated on one device"] = (plait.generate(m, [1, 2], max_new_tokens=3)
+                                                            for m in (pm, ref))
     return out
 
 

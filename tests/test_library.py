@@ -87,3 +87,14 @@ def test_full_state_dict_of_gradients_is_whole_or_refused_under_a_zero_optimizer
         assert r[0] < 1e-4, (rank, r)
         said = r[1]
         assert isinstance(said, str) and said.startswith("full_state_dict(grads=True) with a ZeRO-1 optimizer"), r
+
+
+@pytest.mark.parametrize("call", ["generate", "generate seed"])
+def test_ranks_of_a_replica_handed_different_prompts_are_refused(world4, call):
+    """plait.generate of a ParallelModel with a prompt (or a sampling seed) of each rank's own answered every rank
+    with one rank's continuation: now every rank names the difference; the same prompt gives one device's."""
+    for rank, r in enumerate(result(world4, "rows_by_rank")):
+        kind, message, _ = r[call]
+        assert kind == "ConfigError" and "replica 0 were handed different prompts" in message, (rank, r[call])
+        assert "passes plait.generate the same prompts and settings" in message, (rank, message)
+        assert r["generated"] == r["generated on one device"], (rank, r)

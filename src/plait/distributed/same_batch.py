@@ -31,9 +31,16 @@ def fingerprint(x: torch.Tensor | None) -> list[float]:
     return [float(x.dim()), *map(float, shape), float(x.numel()), *sums]
 
 
-def check_same_batch(ctx: ParallelContext, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+#: what check_same_batch's error advises by default: a training or evaluation batch
+ROWS = ("batches", ("inputs", "targets"), "every rank of a replica (its tp, cp and pipeline ranks) takes the same "
+        "rows; split the global batch by ctx.dp_rank, e.g. batch.chunk(ctx.dp_size)[ctx.dp_rank], not by ctx.rank")
+
+
+def check_same_batch(ctx: ParallelContext, inputs: torch.Tensor, targets: torch.Tensor | None,
+                     words: tuple[str, tuple[str, str], str] = ROWS) -> None:
     """ConfigError on every rank if two ranks of one replica were handed different inputs or targets (one
-    all-gather of a few numbers over the world); nothing to compare when each replica is one rank."""
+    all-gather of a few numbers over the world); nothing to compare when each replica is one rank. ``words``:
+    what the two tensors are, together and each, and the advice, for the error."""
     if ctx.world_size == ctx.dp_size:
         return
     mine = torch.tensor(fingerprint(inputs) + fingerprint(targets), dtype=torch.float64, device=ctx.device)
@@ -45,17 +52,17 @@ def check_same_batch(ctx: ParallelContext, inputs: torch.Tensor, targets: torch.
         ranks = [g for g in range(ctx.world_size) if (g // inner) % ctx.dp_size == replica]
         differ = [g for g in ranks if rows[g] != rows[ranks[0]]]
         if differ:
+            what, names, advice = words
             raise ConfigError(
-                f"the ranks of data-parallel replica {replica} were handed different batches (global rank "
-                f"{ranks[0]}: {_words(rows[ranks[0]])}; global rank {differ[0]}: {_words(rows[differ[0]])}): every "
-                "rank of a replica (its tp, cp and pipeline ranks) takes the same rows; split the global batch by "
-                "ctx.dp_rank, e.g. batch.chunk(ctx.dp_size)[ctx.dp_rank], not by ctx.rank")
+                f"the ranks of data-parallel replica {replica} were handed different {what} (global rank {ranks[0]}: "
+                f"{_words(rows[ranks[0]], names)}; global rank {differ[0]}: {_words(rows[differ[0]], names)}): "
+                f"{advice}")
 
 
-def _words(row: list[float]) -> str:
+def _words(row: list[float], names: tuple[str, str]) -> str:
     """A rank's fingerprints in words: each tensor's shape and sum."""
     said = []
-    for name, part in (("inputs", row[:WIDTH]), ("targets", row[WIDTH:])):
+    for name, part in zip(names, (row[:WIDTH], row[WIDTH:]), strict=True):
         if part[0] >= 0:
             dims = int(part[0])
             shape = tuple(int(d) for d in part[1:1 + dims]) if dims <= DIMS else f"{dims} dimensions"

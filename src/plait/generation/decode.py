@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plait.distributed.context import ParallelContext
+from plait.distributed.same_batch import check_same_batch
 from plait.errors import ConfigError, FieldError
 from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
@@ -131,6 +132,11 @@ def context_length(model: object) -> int | None:
     return getattr(config, "max_seq_len", None)
 
 
+#: check_same_batch's words for the prompts of plait.generate
+PROMPTS = ("prompts", ("prompt ids", "lengths and sampling settings"), "every rank of a replica (its tp and pipeline "
+           "ranks) passes plait.generate the same prompts and settings; replicas may differ")
+
+
 def generate_ids(model: nn.Module | ParallelModel, prompts: list[list[int]], s: Sampling,
                  max_seq_len: int | None = None, trace: list | None = None,
                  stop_ids: Collection[int] = ()) -> list[list[int]]:
@@ -154,6 +160,9 @@ def generate_ids(model: nn.Module | ParallelModel, prompts: list[list[int]], s: 
     if min(ids) < 0 or max(ids) >= dec.vocab:
         raise ConfigError(f"prompt token ids must lie in the model's vocabulary [0, {dec.vocab}); got ids from "
                           f"{min(ids)} to {max(ids)} (a string prompt: the tokenizer's ids must fit the model)")
+    if dec.ctx is not None:  # every rank of a replica decodes the same prompts, or each would answer another's
+        settings = [*lengths, s.max_new_tokens, s.temperature, s.top_k, s.seed, *sorted(stop_ids)]
+        check_same_batch(dec.ctx, torch.tensor(ids), torch.tensor(settings, dtype=torch.float64), PROMPTS)
     buf = torch.zeros(len(prompts), total, dtype=torch.long)
     is_prompt = torch.zeros_like(buf, dtype=torch.bool)
     for i, p in enumerate(prompts):
