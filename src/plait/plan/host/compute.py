@@ -43,9 +43,8 @@ def block_elementwise(sec: Section) -> Rate | None:
     works = [census.layer_work(block_local(shape), 4) for shape in shapes]  # fp32, as calibrated
     mix = sec.rates["elementwise"]
     speeds: dict[bool, list[float]] = {}
-    # shared: the rest alone times the element-wise kernels' slow-down. The rest is element-wise work, and its
-    # own shared figure is a small difference of two noisy ones (on two cores, four processes' came out 1.2-1.8
-    # times alone, below the 2 that time-slicing makes; ``Rate.slowdown``)
+    # shared: the rest alone times the element-wise kernels' slow-down (``Rate.slowdown``). The rest is
+    # element-wise work, and its own shared figure is a small difference of two noisy ones, too unsteady to use
     for shared, secs in ((False, blk.alone), (True, tuple(a * mix.slowdown for a in blk.alone))):
         speeds[shared] = []
         for w, rest in zip(works, secs, strict=True):

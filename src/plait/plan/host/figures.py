@@ -71,10 +71,9 @@ class Rate:
         inverse, and ``at`` is right for both).
 
         Each size's ratio is a short measurement (``plait.calibrate.kernels.BUDGET_S`` of calls alone, then
-        the processes' span over half as many rounds together): on a two-core host with four processes one
-        size's GEMM ratio came out anywhere from 1.68 to 2.85 between calibrations, while the median of the
-        kind moved 2.23-2.45. Sharing slows every size of a kind alike (the cores go round the processes), so
-        the median is the figure."""
+        the processes' span over half as many rounds together) that moves much more between calibrations than
+        the median over the kind's sizes does (docs/planner-log.md, entry 20). Sharing slows every size of a
+        kind alike (the cores go round the processes), so the median is the figure."""
         return statistics.median(a / s for a, s in zip(self.alone, self.shared, strict=True))
 
     def at(self, size: float, shared: bool) -> float:
