@@ -1,6 +1,7 @@
 """A checkpoint records a checksum of every tensor it saves; bytes changed in a shard file's data afterwards make
 every reader (train --resume, generate, serve, export, a load under another layout) refuse it in one line naming
-the file and the tensor, never load wrong weights. A checkpoint saved before checksums were kept loads as before."""
+the file and the tensor, never load wrong weights. A checkpoint whose meta.json holds no checksums (an older
+plait's) loads unchecked."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_changed_bytes_in_a_shard_are_refused_by_every_reader_naming_the_file_an
     assert reader.read(name, 0, 0, 64).shape == (64, 128)  # the other file's shard is whole
 
 
-def test_a_checkpoint_saved_without_checksums_loads_as_before(saved, tmp_path, monkeypatch):
+def test_a_checkpoint_saved_without_checksums_loads_unchecked(saved, tmp_path, monkeypatch):
     ckpt = copy_of(saved, tmp_path)
     meta_file = ckpt / STEP / "meta.json"
     meta = json.loads(meta_file.read_text())

@@ -147,8 +147,8 @@ def test_the_gradient_table_names_every_tensor_whole_at_80_columns():
 
 
 def test_verify_trace_into_a_pipe_folds_no_line():
-    """Into a file or a pipe, rich folded every line at an assumed 80 columns: a chart's header ('...; one column
-    = 0.5') lost its end to a line of its own, as did the loss line's 'eval logits rel'. No line is folded now."""
+    """Into a file or a pipe no line is folded (rich would fold at an assumed 80 columns): a chart's header keeps
+    its end ('...; one column = 0.5') and the loss line its 'eval logits rel' on the same line."""
     res = _in_process("--tp", "1", "--pp", "2", "--layers", "2", "--batch-size", "4", "--microbatches", "4",
                       "--trace")
     assert res.exit_code == 0, res.stderr[-2000:]

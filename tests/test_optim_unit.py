@@ -142,8 +142,8 @@ def test_clip_in_the_constructor_clips_at_step_and_keeps_the_norm_in_last_norm(z
 
 def test_an_optimizer_replaced_by_a_newer_one_for_the_same_model_refuses_to_step():
     """A second ParallelOptimizer for a model sets how train_step reduces its gradients (zero=1: each data-parallel
-    rank keeps the sum of its shard only): stepping the first (zero=0, which reads whole gradients) after it gave
-    wrong weights on dp=2, and different ones on each replica. It refuses now, naming both; the newer one steps."""
+    rank keeps the sum of its shard only): stepping the first (zero=0, which reads whole gradients) after it would
+    give wrong weights on dp=2, and different ones on each replica, so it refuses, naming both; the newer one steps."""
     import plait
 
     cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)

@@ -296,8 +296,8 @@ def test_a_flag_on_by_default_can_be_turned_off(tmp_path):
 @pytest.mark.parametrize("tokenizer", ["bytes", "tokenizer.json"])
 def test_a_tokenizer_with_more_ids_than_the_vocabulary_is_refused_up_front_by_train_generate_and_serve(
         tmp_path, tokenizer):
-    """plait train refused it; plait generate and serve launched and failed only on a prompt holding an id past the
-    vocabulary (never, for 'hi' in 200 byte-level ids). All three refuse it now, in the same words."""
+    """plait train, generate and serve each refuse it before launching, in the same words, whatever the prompts
+    (generate's 'hi' in 200 byte-level ids would fit)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace

@@ -5,7 +5,7 @@ keeps them in the file's safetensors header (``__metadata__[HEADER]``, a JSON ob
 name to its checksum); rank 0 copies them into each shard record of ``meta.json`` (``"crc32"``) when it commits
 the checkpoint. A reader (plait.checkpoint.store.CheckpointReader, which resume, generate, serve and export all
 read through) checks a tensor of a file against its record the first time it reads it. A shard record without a
-checksum (a checkpoint saved before they were kept) is read unchecked.
+checksum (a checkpoint an older plait saved) is read unchecked.
 """
 
 from __future__ import annotations
