@@ -148,7 +148,7 @@ def ending_after_a_failure() -> bool:
     if not folder:
         return False
     job = Path(folder)
-    return any(job.glob("rank*")) and not any(job.glob("signal-*"))
+    return any(job.glob("rank*")) and not taken_signals(job)
 
 
 def taken_signals(note: Path) -> list[int]:
