@@ -13,6 +13,7 @@ from plait.train.observe import NO_CLUSTER, PHASES, Prediction
 from plait.words import counted
 
 if TYPE_CHECKING:
+    from rich.console import Group
     from rich.progress import Progress, TaskID
 
     from plait.train.logs import ExperimentLogs
@@ -302,7 +303,7 @@ def _bubbles(res, pred: Prediction | None) -> str:
     return ", ".join(parts) + " (idle share of the step)" if parts else "- (no pipeline traced)"
 
 
-def memory_table(rows: list[dict], predicted: list[dict] | None = None, notes: Sequence[str] = ()):
+def memory_table(rows: list[dict], predicted: list[dict] | None = None, notes: Sequence[str] = ()) -> Group:
     """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB; with a
     prediction, each rank's row is followed by the planner's figures for its pipeline rank, a row of their own
     (one number a cell, so the table stays readable in 80 columns), and ``notes`` (what the prediction assumes,
