@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from plait.cli.main import app
 from plait.errors import ConfigError
+from plait.hf_config import FAMILY_FIELDS
 
 runner = CliRunner()
 
@@ -209,7 +210,8 @@ LLAMA = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
     ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 4},
      "num_experts_per_tok = 4: must be at most num_local_experts = 2"),
     ({"num_hidden_layers": "32"}, "num_hidden_layers = '32': must be an integer"),
-    ({"vocab_size": None}, "no vocab_size (the model's vocab); plait reads Llama"),
+    ({"vocab_size": None}, "no vocab_size (the model's vocab); plait reads the configs of model_type "
+     f"{', '.join(sorted(FAMILY_FIELDS))} and GPT-2/NeoX style ones"),
 ])
 def test_a_bad_config_json_field_is_named_as_the_file_and_its_key_not_a_flag(tmp_path, bad, needle):
     path = tmp_path / "config.json"

@@ -196,7 +196,7 @@ class Model:
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:
         """Read a Hugging Face ``config.json`` (a file, or the folder holding it). A config of a family plait runs
-        (``plait.hf_config.FAMILY_FIELDS``: Llama, Mistral, Mixtral, Qwen2, Qwen3; Llama where it names none) is
+        (a ``model_type`` of ``plait.hf_config.FAMILY_FIELDS``; ``llama`` where it names none) is
         read by the reader plait's models are built with (``llama_fields``) into ``from_llama_config``, the model
         ``plait train``'s prediction plans; others (GPT-2/NeoX style) by the shapes their keys give."""
         p = Path(path)
@@ -229,8 +229,8 @@ MAX_DEFAULT_SEQ_LEN = 8192
 
 
 def _missing(source: str, names: tuple[str, ...], field: str) -> ConfigError:
-    return ConfigError(f"{source}: no {' or '.join(names)} (the model's {field}); plait reads Llama, Mistral, "
-                       "Mixtral, Qwen2, Qwen3 and GPT-2/NeoX style configs")
+    return ConfigError(f"{source}: no {' or '.join(names)} (the model's {field}); plait reads the configs of "
+                       f"model_type {', '.join(sorted(FAMILY_FIELDS))} and GPT-2/NeoX style ones")
 
 
 def _from_folder(cfg: dict[str, Any], seq_len: int | None, name: str, source: str) -> Model:
