@@ -20,7 +20,7 @@ import torch
 
 from plait.checkpoint.checksums import KEY, check_tensor
 from plait.checkpoint.shards import copy_padded, load_local, local_tensors, param_keys
-from plait.checkpoint.writer import FORMAT, LATEST, META, save_checkpoint, torch_optimizer
+from plait.checkpoint.writer import FORMAT, LATEST, META, OPTIM, save_checkpoint, torch_optimizer
 from plait.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class CheckpointReader:
         False: the optimizer state left out). Headers alone cost a few reads a file; ``data`` reads the whole
         checkpoint on this one process, which the ranks that load it also do, each its own part, as they load."""
         parts = sorted(((name, s) for name, entry in self.meta.get("tensors", {}).items() for s in entry["shards"]
-                        if optimizer or not name.startswith("optim/")), key=lambda p: (p[1]["file"], p[0]))
+                        if optimizer or not name.startswith(OPTIM)), key=lambda p: (p[1]["file"], p[0]))
         for file in sorted({s["file"] for _, s in parts}):
             self._handle(file)
         for name, shard in (parts if data else ()):  # file by file
@@ -128,7 +128,7 @@ class CheckpointReader:
         """Every model tensor in full (optimizer state left out), each cast to ``dtype`` as it is read (None: as
         saved): for one device or a Hugging Face export."""
         return {k: self.read(k).to(dtype) if dtype is not None else self.read(k) for k in self.meta["tensors"]
-                if not k.startswith("optim/")}
+                if not k.startswith(OPTIM)}
 
 
 #: the dtypes of the weights ``plait export --dtype`` writes, by name
@@ -184,7 +184,7 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
     meta = reader.meta["optimizer"]
     for group, saved in zip(torch_optimizer(optimizer).param_groups, meta["param_groups"], strict=False):
         group.update({k: v for k, v in saved.items() if k in group})
-    names = sorted({k.split("/")[1] for k in reader.meta["tensors"] if k.startswith("optim/")})
+    names = sorted({k.split("/")[1] for k in reader.meta["tensors"] if k.startswith(OPTIM)})
     keys = param_keys(pm)
     loaded: dict = {}
     for lt in local_tensors(pm):
@@ -192,7 +192,7 @@ def _load_optimizer(pm, optimizer, reader: CheckpointReader) -> None:
             continue
         state = {}
         for name in names:
-            full = f"optim/{name}/{lt.key}"
+            full = f"{OPTIM}{name}/{lt.key}"
             if reader.has(full):
                 data = reader.read(full, lt.dim, lt.start, lt.stop) if lt.dim is not None else reader.read(full)
                 state[name] = torch.zeros(lt.tensor.shape, dtype=data.dtype, device=lt.tensor.device)

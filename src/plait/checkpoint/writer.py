@@ -45,6 +45,7 @@ FORMAT = "plait-checkpoint/1"
 META = "meta.json"
 LATEST = "latest"
 PRUNED = ".pruned-"  # a checkpoint pruned by a later save, until it is deleted
+OPTIM = "optim/"  # the key prefix of optimizer state: optim/<state name>/<parameter key>
 
 
 def torch_optimizer(optimizer):
@@ -91,7 +92,7 @@ def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Ten
         state = states.get(lt.tensor, {}) if keys.get(id(lt.tensor)) == lt.key else {}
         for name, value in state.items():
             if torch.is_tensor(value) and value.shape == lt.tensor.shape:
-                pairs.append((f"optim/{name}/{lt.key}", value if lt.dim is None else value.narrow(
+                pairs.append((f"{OPTIM}{name}/{lt.key}", value if lt.dim is None else value.narrow(
                     lt.dim, 0, lt.stop - lt.start)))
             else:
                 scalars.setdefault(lt.key, {})[name] = float(value)
