@@ -137,7 +137,7 @@ def test_export_of_what_is_not_a_checkpoint_says_what_it_takes(tmp_path):
 
 def test_a_model_saved_back_into_its_folder_keeps_the_folders_token_ids(tmp_path):
     """save_pretrained writes no token ids of its own (a plain model knows no tokenizer); saved back where it was
-    read from, the folder's ids stay (they were overwritten with null: generation no longer stopped at EOS)."""
+    read from, the folder's ids stay (not overwritten with null, which would leave generation never stopping at EOS)."""
     Llama(LlamaConfig(vocab_size=97, dim=32, n_layers=1, n_heads=2, max_seq_len=32)).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eos_token_id"] is None and config["bos_token_id"] is None

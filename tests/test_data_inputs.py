@@ -217,8 +217,8 @@ def test_a_file_inside_another_entrys_folder_is_refused_naming_both(tmp_path):
 
 
 def test_a_chat_dataset_with_first_character_masks_is_refused_naming_the_command_that_remakes_it(tmp_path):
-    """plait-tokens/2 chat datasets were masked by each token's first character; the rule is now any character
-    (plait-tokens/3). They read silently with the old masks; now they are refused, text datasets of /2 read."""
+    """A plait-tokens/2 chat dataset's masks hold a token by its first character, plait-tokens/3's by any of its
+    characters: a /2 chat dataset is refused, naming the command that remakes it; a /2 text dataset reads."""
     import json
 
     import pytest

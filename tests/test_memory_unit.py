@@ -48,7 +48,7 @@ def test_optimizer_bytes_takes_an_optimizer_s_own_count_else_its_state_tensors()
 
 @pytest.mark.parametrize("value", ["selective-ish", "Full", 1, 0.5])
 def test_unknown_activation_checkpointing_is_a_config_error(value):
-    """Only True/False/"none"/"full" (a truthy 1 used to mean "full" silently); no process group needed."""
+    """Only True/False/"none"/"full" (a truthy 1 is refused, not taken for "full"); no process group needed."""
     ctx = SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1), world_size=1)
     model = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8))
     with pytest.raises(ConfigError, match="activation_checkpointing|recompute"):
