@@ -25,6 +25,8 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "checkpoint/writer.py": (1, "a checkpoint is written from host copies of the shards (taken before the "
                                 "background write, so training goes on)"),
     "models/hf.py": (1, "safetensors writes host tensors"),
+    "checkpoint/checksums.py": (1, "a checksum is taken of a tensor's bytes on the host (zlib), as a shard file holds "
+                                   "them"),
     "pipeline/p2p.py": (2, "a GPU's pipeline messages are staged through host buffers for Gloo's tag matching"),
     "cli/calibrate.py": (1, "the host facts' processor name, shown in a table"),
     "cli/auto_layout.py": (1, "the planner catalogue's entry for a CPU host (auto layout on CPU processes)"),

@@ -83,6 +83,7 @@ def generate_command(
         from plait.generation.decode import Sampling
         from plait.generation.job import check_layout, check_weights, source_config
         from plait.parallel_config import ParallelConfig
+        from plait.tokenizers import check_fits
 
         try:
             par = ParallelConfig(**(layout or {}))
@@ -91,6 +92,7 @@ def generate_command(
             _check_mode(prompt, chat, messages, chat_template, chat_template_kwargs)
             convs = conversations(chat or [], system, messages or [])
             config, _, tok = source_config(model)
+            check_fits(tok, config.vocab_size, model)  # every id a prompt's text may give has an embedding row
             check_layout(model, config, par.tp, par.pp)  # and on a bad --model or layout
             if convs:  # each conversation's ids, rendered here so that a template's error fails before launching
                 ids, source = chat_prompt_ids(model, tok, config.max_seq_len, convs, chat_template,

@@ -73,13 +73,15 @@ def serve_command(
         from plait.generation.job import check_layout, check_weights, source_config, tokenizer_folder
         from plait.parallel_config import ParallelConfig
         from plait.serve.config import ServeConfig
+        from plait.tokenizers import check_fits
 
         try:
             par = ParallelConfig(**(layout or {}))
             cfg = ServeConfig(**(settings or {}))
             cfg.check_batch()
             _check_unread(ctx, cfg, par.tp * par.pp)
-            model_cfg, _, _ = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
+            model_cfg, _, tok = source_config(cfg.model)  # fail on a bad --model or layout before launching anything
+            check_fits(tok, model_cfg.vocab_size, cfg.model)  # every id a request's text may give has an embedding row
             check_layout(cfg.model, model_cfg, par.tp, par.pp)
             cfg = cfg.resolved(model_cfg.max_seq_len)
             from plait.chat_template import check_template

@@ -27,7 +27,7 @@ def source_config(source: str) -> tuple[LlamaConfig, Callable[[], HFWeights | Ch
     """(model config of its family, reader factory, tokenizer) of a checkpoint folder or a Hugging Face folder."""
     from plait.checkpoint import CheckpointReader, find_checkpoint, model_config
     from plait.models.hf import HFWeights
-    from plait.tokenizers import check_fits, tokenizer_for, trained_tokenizer
+    from plait.tokenizers import tokenizer_for, trained_tokenizer
 
     path = Path(source)
     if not path.exists():
@@ -35,17 +35,13 @@ def source_config(source: str) -> tuple[LlamaConfig, Callable[[], HFWeights | Ch
     if (path / "config.json").is_file():
         weights = HFWeights(path)
         weights.check_shapes()
-        tok = tokenizer_for(source)
-        check_fits(tok, weights.config.vocab_size, source)  # every id a prompt may hold has an embedding row
-        return weights.config, lambda: weights, tok
+        return weights.config, lambda: weights, tokenizer_for(source)
     ckpt = find_checkpoint(path)
     if ckpt is None:
         raise ConfigError(f"--model {source}: neither a plait checkpoint nor a Hugging Face folder (config.json)")
     reader = CheckpointReader(ckpt)
     _, tok = trained_tokenizer(reader.meta, ckpt)
-    config = model_config(reader.meta)
-    check_fits(tok, config.vocab_size, source)
-    return config, lambda: CheckpointReader(ckpt), tok
+    return model_config(reader.meta), lambda: CheckpointReader(ckpt), tok
 
 
 def check_weights(source: str) -> None:
