@@ -22,12 +22,12 @@ PRELUDE = textwrap.dedent(f"""
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(LlamaConfig(**{CONFIG!r})), ctx)
     def hang_in_writes():
-        real = writer._fsync_path
+        real = writer.fsync_path
         def slow(path):
             real(path)
             print("writing", flush=True)
             time.sleep(60)
-        writer._fsync_path = slow
+        writer.fsync_path = slow
 """)
 
 
