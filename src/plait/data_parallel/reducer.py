@@ -135,7 +135,6 @@ class Bucket:
             self._zeroed = self.buffer._version
 
 
-
 def refuse_sharded_grads(reducers: Iterable[GradReducer], ctx: ParallelContext) -> None:
     """ConfigError if ``reducers`` keep each rank's shard of the reduced gradients only (ZeRO-1 or ZeRO-2 over more
     than one rank): no rank then holds the model's gradients whole. Decided by the mode and the layout, so every
@@ -147,6 +146,7 @@ def refuse_sharded_grads(reducers: Iterable[GradReducer], ctx: ParallelContext) 
                           "parallel rank holds the sum of its own shard of the gradients only (the rest of the buffer "
                           "is stale), so no rank has them whole; make the optimizer with zero=0 to read whole "
                           "gradients (a ZeRO optimizer's grad_norm() and step() read the shards)")
+
 
 class GradReducer:
     """Accumulates and reduces the gradients of ``params`` (one pipeline chunk) in buckets.
