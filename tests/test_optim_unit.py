@@ -35,12 +35,22 @@ def test_no_decay_on_norms_and_biases():
     assert len(decay["params"]) + len(plain["params"]) == len(named)
 
 
-@pytest.mark.parametrize("kw,needle", [({"zero": 4}, "zero"), ({"zero": 2, "reduce_scatter": False}, "zero=2"),
-                                       ({"clip": 0.0}, "clip"),
-                                       ({"warmup": -1}, "warmup")])
+@pytest.mark.parametrize("kw,needle", [
+    ({"zero": 4}, r"zero=4: plait.optim supports 0, 1, 2, 3 "), ({"zero": True}, "zero=True: .* supports 0, 1, 2, 3"),
+    ({"zero": 2, "reduce_scatter": False}, "zero=2"),
+    ({"lr": -1}, r"lr=-1: the learning rate must be a finite number >= 0"), ({"lr": float("nan")}, "lr=nan"),
+    ({"lr": "3e-4"}, "lr='3e-4'"),
+    ({"weight_decay": -0.1}, r"weight_decay=-0.1: must be a finite number >= 0"),
+    ({"clip": 0.0}, r"clip=0.0: .* > 0 .* or None"), ({"clip": -1.0}, "clip=-1.0"),
+    ({"clip": float("inf")}, "clip=inf"),
+    ({"warmup": -1}, r"warmup=-1: .* int >= 0"), ({"warmup": 2.5}, "warmup=2.5"),
+    ({"total_steps": 0}, r"total_steps=0: .* int >= 1, or None"),
+    ({"min_lr_ratio": 1.5}, r"min_lr_ratio=1.5: .* in \[0, 1\]"), ({"min_lr_ratio": -0.1}, "min_lr_ratio=-0.1")])
 def test_bad_optimizer_arguments(kw, needle):
+    """Each argument out of range is a ConfigError naming it and its valid values, raised before the model is
+    touched (None here: nothing of it is read) and so before any collective."""
     with pytest.raises(ConfigError, match=needle):
-        ParallelOptimizer(None, **kw)  # checked before the model is touched
+        ParallelOptimizer(None, **kw)
 
 
 def test_bad_precision():

@@ -5,7 +5,8 @@ parameters sharded too, ZeRO-3)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import numbers
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -51,15 +52,8 @@ class ParallelOptimizer:
                  zero: int = 0, precision: str | None = None, clip: float | None = None, warmup: int = 0,
                  total_steps: int | None = None, min_lr_ratio: float = 0.1, reduce_scatter: bool = True,
                  **optim_kwargs):
-        if zero not in ZERO_LEVELS:
-            raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
-                              "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too)")
-        if zero >= 2 and not reduce_scatter:
-            raise ConfigError(f"zero={zero} keeps only a shard of each gradient: it needs reduce_scatter=True")
-        if clip is not None and clip <= 0:
-            raise ConfigError(f"clip={clip!r}: the max gradient norm must be positive (or None: no clipping)")
-        if warmup < 0 or (total_steps is not None and total_steps < 1):
-            raise ConfigError(f"warmup={warmup}, total_steps={total_steps}: need warmup >= 0, total_steps >= 1")
+        check_arguments(lr=lr, weight_decay=weight_decay, zero=zero, clip=clip, warmup=warmup,
+                        total_steps=total_steps, min_lr_ratio=min_lr_ratio, reduce_scatter=reduce_scatter)
         if (zero == 3) != (pm.param_shards is not None):  # the arguments first, then the model they meet
             raise ConfigError(f"zero={zero} but the model was built with zero={pm.config.zero}: ZeRO-3 shards the "
                               "model's parameters, so build it with plait.parallelize(model, ctx, zero=3) and pass "
@@ -298,6 +292,44 @@ def chunk_square_sums(grad: torch.Tensor) -> list[torch.Tensor]:
     gigabyte of temporary at a billion parameters. Two kernels a chunk (the cast, the dot); the caller adds the
     scalars of all its gradients in one sum, so a model's norm costs no per-tensor accumulation kernels."""
     return [torch.dot(c, c) for c in (chunk.double() for chunk in grad.reshape(-1).split(NORM_CHUNK))]
+
+
+def _number(value: object) -> TypeGuard[float]:
+    """A finite real number (Python's or numpy's; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: object) -> TypeGuard[int]:
+    """An integer (Python's or numpy's; not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_arguments(*, lr: object, weight_decay: object, zero: object, clip: object, warmup: object,
+                    total_steps: object, min_lr_ratio: object, reduce_scatter: bool) -> None:
+    """Raise ConfigError naming the first of ParallelOptimizer's arguments that is out of range, and the values
+    it takes. Local and alike on every rank: a ParallelOptimizer refuses before it touches the model or runs
+    a collective."""
+    if not _count(zero) or zero not in ZERO_LEVELS:
+        raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
+                          "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too, 3: "
+                          "ZeRO-3, parameters too)")
+    if zero >= 2 and not reduce_scatter:
+        raise ConfigError(f"zero={zero} keeps only a shard of each gradient: it needs reduce_scatter=True")
+    if not _number(lr) or lr < 0:
+        raise ConfigError(f"lr={lr!r}: the learning rate must be a finite number >= 0 (e.g. lr=3e-4)")
+    if not _number(weight_decay) or weight_decay < 0:
+        raise ConfigError(f"weight_decay={weight_decay!r}: must be a finite number >= 0 (0: no decay, e.g. 0.1)")
+    if clip is not None and (not _number(clip) or clip <= 0):
+        raise ConfigError(f"clip={clip!r}: the max gradient norm must be a finite number > 0 (e.g. clip=1.0), or "
+                          "None: no clipping")
+    if not _count(warmup) or warmup < 0:
+        raise ConfigError(f"warmup={warmup!r}: the number of warm-up updates must be an int >= 0 (0: none)")
+    if total_steps is not None and (not _count(total_steps) or total_steps < 1):
+        raise ConfigError(f"total_steps={total_steps!r}: the update the cosine decay ends at must be an int >= 1, or "
+                          "None: no decay after the warm-up")
+    if not _number(min_lr_ratio) or not 0 <= min_lr_ratio <= 1:
+        raise ConfigError(f"min_lr_ratio={min_lr_ratio!r}: the fraction of lr the decay ends at must be a number "
+                          "in [0, 1]")
 
 
 def _plain(value):
