@@ -196,3 +196,32 @@ def _dead_in_a_command(where: str) -> dict:
     except RuntimeError as exc:
         return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc)}
     return {"role": "waiter", "raised": None, "message": ""}
+
+
+def init_alone(done: str) -> dict:
+    """Both ranks make a first context; then rank 0 alone calls plait.init again (rank 1 stays out, alive, until
+    rank 0 has created the file ``done``, at most 60 s): rank 0's plait.init must end within the default group's
+    timeout, naming plait.init, not return and leave the wait to the model's first collective."""
+    plait.init(dp=2, timeout_s=3.0)
+    if int(os.environ["RANK"]) == 1:
+        deadline = time.monotonic() + 60.0
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"role": "silent"}
+    t0 = time.monotonic()
+    try:
+        plait.init(tp=2, timeout_s=3.0)
+    except plait.CommError as exc:
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
+    finally:
+        Path(done).touch()
+    return {"role": "waiter", "raised": None, "message": "", "s": time.monotonic() - t0}
+
+
+def init_different_layouts() -> dict:
+    """Rank 0 asks for tp 2, rank 1 for dp 2: each plait.init refuses alike, naming both layouts."""
+    try:
+        plait.init(tp=2, timeout_s=10.0) if int(os.environ["RANK"]) == 0 else plait.init(dp=2, timeout_s=10.0)
+    except plait.ConfigError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None, "message": ""}

@@ -49,3 +49,27 @@ def test_a_rank_silent_at_start_up_is_named_by_plait_init(tmp_path):
     assert waiter["message"].startswith("rank 0 waited more than 3s for "), waiter
     assert "to join the default process group (2 ranks) at start-up" in waiter["message"], waiter
     assert waiter["s"] < 60, waiter
+
+
+def test_plait_init_called_by_one_rank_only_is_named_by_plait_init(tmp_path):
+    """plait.init on one rank alone, the default group made already (by a first plait.init): it ends after the
+    group's timeout, naming plait.init and the rank it waited for, rather than returning and leaving the wait to
+    the model's first collective."""
+    world = launch(checks_faults.init_alone, 2, str(tmp_path / "done"), timeout_s=120, preload=PRELOAD)
+    waiter = world[0]
+    assert world[1]["role"] == "silent"
+    assert waiter["raised"] == "CommTimeoutError", waiter
+    assert waiter["message"].startswith("plait.init's start-up agreement (every rank of the world calls plait.init, "
+                                        "with the same layout) over global ranks 0,1 timed out (is global rank 1 "
+                                        "stuck or dead?)"), waiter
+    assert 2 < waiter["s"] < 60, waiter
+
+
+def test_ranks_asking_plait_init_for_different_layouts_are_refused_alike():
+    world = launch(checks_faults.init_different_layouts, 2, timeout_s=120, preload=PRELOAD)
+    for rank in world:
+        assert rank["raised"] == "ConfigError", world
+        assert rank["message"] == (
+            "plait.init: the ranks of the world asked for different layouts (global ranks 0: tp=2, cp=1, pp=1, dp=1, "
+            "ep=1, expert_tp=False; global ranks 1: tp=1, cp=1, pp=1, dp=2, ep=1, expert_tp=False); every rank calls "
+            "plait.init with the same tp/cp/pp/dp/ep/expert_tp"), world

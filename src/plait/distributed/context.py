@@ -6,14 +6,16 @@ import datetime
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plait.distributed.collectives import collective
 from plait.distributed.rendezvous import agent_store_shared, generation_store
-from plait.errors import CommTimeoutError, ConfigError
+from plait.errors import CommTimeoutError, ConfigError, rank_list
 from plait.parallel_config import ParallelConfig
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("PLAIT_TIMEOUT", "300"))
@@ -284,13 +286,14 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
          timeout_s: float | None = None, config: ParallelConfig | None = None) -> ParallelContext:
     """Create a ParallelContext for the layout ``tp x cp x pp x dp`` (TP innermost, then CP, DP, PP).
 
-    ``config`` (a ParallelConfig) replaces the size keywords; its other fields (schedule, micro-batches, ...)
-    then become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK,
-    WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with
-    CUDA, otherwise Gloo). The layout is validated before any collective. Calling it again with another
-    layout returns a new context with new groups; ``ctx.close()``, or leaving ``with plait.init(...) as ctx:``,
-    destroys them once the program is done with that context. ``expert_tp=True`` splits every expert over the TP group
-    (plait.experts.layer); then ep must divide dp·cp. ``cp`` ranks split every sequence
+    ``config`` (a ParallelConfig) replaces the size keywords; its other fields (schedule, micro-batches, ...) then
+    become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with CUDA, otherwise Gloo).
+    The layout is validated before any collective; then every rank of the world
+    agrees on it (each calls plait.init with the same layout, or all are refused alike). Calling it again with
+    another layout returns a new context with new groups; ``ctx.close()``, or leaving ``with plait.init(...) as
+    ctx:``, destroys them once the program is done with that context. ``expert_tp=True`` splits every expert over
+    the TP group (plait.experts.layer); then ep must divide dp·cp. ``cp`` ranks split every sequence
     (plait.context_parallel); each is handed the same full rows.
     """
     if config is None:
@@ -315,6 +318,7 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     # environment that processes started later would inherit
     alone = world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ
     ensure_default_group(timeout, dist.HashStore() if alone else None)
+    _agree_on_layout(config)
     device = default_device()
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp),
                             mesh_dim_names=("pp", "dp", "cp", "tp"))
@@ -336,6 +340,26 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
     mine = {id(g): g for g in owned + expert_owned if g is not dist.group.WORLD}  # each once, the world's not
     return ParallelContext(config=config, rank=dist.get_rank(), world_size=world, device=device,
                            mesh=mesh, timeout_s=timeout, _groups=groups, _owned=list(mine.values()))
+
+
+def _agree_on_layout(config: ParallelConfig) -> None:
+    """Every rank of the world passes here with its layout: a rank that does not call plait.init keeps the others
+    here until the default group's timeout (a CommTimeoutError naming plait.init), not at the model's first
+    collective; ranks that asked for different layouts are refused alike, before any group of the layout is made."""
+    if (world := dist.get_world_size()) == 1:
+        return
+    mine = (config.tp, config.cp, config.pp, config.dp, config.ep, config.expert_tp)
+    layouts: list[Any] = [None] * world
+    collective("plait.init's start-up agreement (every rank of the world calls plait.init, with the same layout)",
+               None, lambda: dist.all_gather_object(layouts, mine))
+    if len(set(layouts)) > 1:
+        names = ("tp", "cp", "pp", "dp", "ep", "expert_tp")
+        ranks = {layout: [r for r, other in enumerate(layouts) if other == layout] for layout in layouts}
+        said = "; ".join(f"global ranks {rank_list(rs)}: "
+                         + ", ".join(f"{n}={v}" for n, v in zip(names, layout, strict=True))
+                         for layout, rs in ranks.items())
+        raise ConfigError(f"plait.init: the ranks of the world asked for different layouts ({said}); every rank "
+                          "calls plait.init with the same tp/cp/pp/dp/ep/expert_tp")
 
 
 def tp_group_context(group: ProcessGroup, device: torch.device, timeout_s: float | None = None) -> ParallelContext:
