@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plait.distributed.at_exit import destroy_at_exit
 from plait.distributed.collectives import collective
 from plait.distributed.rendezvous import agent_store_shared, generation_store
 from plait.errors import CommTimeoutError, ConfigError, rank_list
@@ -249,7 +250,8 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
     """Initialise the default process group from the launcher's environment (or over ``store``) unless it
-    exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo."""
+    exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo.
+    A group made here is destroyed at the program's exit (plait.distributed.at_exit)."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
@@ -265,6 +267,7 @@ def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store
         raise CommTimeoutError(f"rank {rank} waited more than {timeout_s:g}s for {_awaited(exc, rank, world)} to "
                                f"join the default process group ({world} ranks) at start-up (stopped, hung or not "
                                f"started?): {exc}") from exc
+    destroy_at_exit()
 
 
 def _awaited(exc: Exception, rank: int, world: int) -> str:
@@ -288,8 +291,8 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
 
     ``config`` (a ParallelConfig) replaces the size keywords; its other fields (schedule, micro-batches, ...) then
     become the defaults of ``plait.parallelize(model, ctx)``. Reads torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with CUDA, otherwise Gloo).
-    The layout is validated before any collective; then every rank of the world
+    MASTER_ADDR, MASTER_PORT) and initialises the default process group if needed (NCCL with CUDA, otherwise Gloo;
+    destroyed at the program's exit). The layout is validated before any collective; then every rank of the world
     agrees on it (each calls plait.init with the same layout, or all are refused alike). Calling it again with
     another layout returns a new context with new groups; ``ctx.close()``, or leaving ``with plait.init(...) as
     ctx:``, destroys them once the program is done with that context. ``expert_tp=True`` splits every expert over
