@@ -109,24 +109,33 @@ def silent_decode_peer(stuck: int, after: int, done: str) -> dict:
     return {"role": "waiter", "raised": None, "message": ""}
 
 
+def _silent_until(done: str) -> dict:
+    """Stay alive and out of every collective until the file ``done`` exists (at most 60 s)."""
+    deadline = time.monotonic() + 60.0
+    while not Path(done).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"role": "silent"}
+
+
+def _init_waiting(done: str, **layout) -> dict:
+    """``plait.init(**layout)`` with a 3 s timeout while a peer stays out: what it raised and after how long; then
+    the file ``done`` lets the peer go."""
+    t0 = time.monotonic()
+    try:
+        plait.init(**layout, timeout_s=3.0)
+    except RuntimeError as exc:  # plait.CommError among them
+        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
+    finally:
+        Path(done).touch()
+    return {"role": "waiter", "raised": None, "message": "", "s": time.monotonic() - t0}
+
+
 def silent_at_start(done: str) -> dict:
     """Rank 1 stays out of ``plait.init`` (alive, silent) until rank 0 has created the file ``done`` (at most
     60 s); rank 0's ``plait.init`` must end within its timeout, naming the rank it waited for."""
     if int(os.environ["RANK"]) == 1:
-        deadline = time.monotonic() + 60.0
-        while not Path(done).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return {"role": "silent"}
-    t0 = time.monotonic()
-    try:
-        plait.init(dp=2, timeout_s=3.0)
-    except plait.CommError as exc:
-        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
-    except RuntimeError as exc:
-        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
-    finally:
-        Path(done).touch()
-    return {"role": "waiter", "raised": None, "message": ""}
+        return _silent_until(done)
+    return _init_waiting(done, dp=2)
 
 
 def dead_at_collective(where: str) -> dict:
@@ -204,18 +213,8 @@ def init_alone(done: str) -> dict:
     timeout, naming plait.init, not return and leave the wait to the model's first collective."""
     plait.init(dp=2, timeout_s=3.0)
     if int(os.environ["RANK"]) == 1:
-        deadline = time.monotonic() + 60.0
-        while not Path(done).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return {"role": "silent"}
-    t0 = time.monotonic()
-    try:
-        plait.init(tp=2, timeout_s=3.0)
-    except plait.CommError as exc:
-        return {"role": "waiter", "raised": type(exc).__name__, "message": str(exc), "s": time.monotonic() - t0}
-    finally:
-        Path(done).touch()
-    return {"role": "waiter", "raised": None, "message": "", "s": time.monotonic() - t0}
+        return _silent_until(done)
+    return _init_waiting(done, tp=2)
 
 
 def init_different_layouts() -> dict:
