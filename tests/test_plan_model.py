@@ -73,6 +73,23 @@ def test_from_hf_config(tmp_path):
         Model.from_hf_config(tmp_path / "missing.json")
 
 
+def test_config_json_sizes_may_be_numpy_integers_never_bools():
+    """A config dict built by code may hold numpy integers: plait.hf_config reads them as the same Python ints
+    (the integer check ParallelOptimizer's counts use); a bool, which Python counts as 1, is refused by its key."""
+    import numpy as np
+
+    from plait.hf_config import llama_fields
+
+    hf = {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "intermediate_size": 64, "max_position_embeddings": 128}
+    numpy_hf = {**hf, "vocab_size": np.int64(32), "num_hidden_layers": np.int32(2), "max_position_embeddings": 128.0}
+    fields = llama_fields(numpy_hf)
+    assert fields == llama_fields(hf)
+    assert all(type(fields[k]) is int for k in ("vocab_size", "n_layers", "max_seq_len"))
+    with pytest.raises(ConfigError, match=r"^num_hidden_layers = True: must be an integer$"):
+        llama_fields({**hf, "num_hidden_layers": True})
+
+
 def test_plan_imports_no_torch():
     code = "import sys, plait.plan, plait.plan.validation; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
+from typing import TypeGuard
 
 
 class ConfigError(ValueError):
@@ -139,6 +142,17 @@ def require_extra(extra: str, modules: tuple[str, ...], feature: str) -> None:
     if missing:
         raise MissingExtraError(f"{feature} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                                 f"not installed: pip install 'plait[{extra}]'")
+
+
+def is_integer(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an integer, Python's or numpy's, and not a bool (to Python True is 1; to a check of a
+    count or a size it is a mistake)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[float]:
+    """Whether ``value`` is a finite real number, Python's or numpy's, and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def divisors(n: int) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, is_integer
 
 #: LlamaConfig field -> the config.json key every Llama-like folder gives it under
 SHARED_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
@@ -30,11 +30,11 @@ def count(key: str, value: Any) -> int:
     key otherwise."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_integer(value):
         raise ConfigError(f"{key} = {value!r}: must be an integer")
     if value < 1:
         raise ConfigError(f"{key} = {value!r}: must be a positive integer")
-    return value
+    return int(value)
 
 
 def _window(hf: dict) -> int | None:

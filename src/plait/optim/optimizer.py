@@ -5,15 +5,14 @@ parameters sharded too, ZeRO-3)."""
 from __future__ import annotations
 
 import math
-import numbers
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from plait.distributed.collectives import collective
-from plait.errors import ConfigError
+from plait.errors import ConfigError, is_integer, is_number
 from plait.memory import storage_bytes
 from plait.optim.masters import Masters, gather_bucket
 from plait.optim.schedule import decays, lr_at
@@ -294,40 +293,30 @@ def chunk_square_sums(grad: torch.Tensor) -> list[torch.Tensor]:
     return [torch.dot(c, c) for c in (chunk.double() for chunk in grad.reshape(-1).split(NORM_CHUNK))]
 
 
-def _number(value: object) -> TypeGuard[float]:
-    """A finite real number (Python's or numpy's; not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _count(value: object) -> TypeGuard[int]:
-    """An integer (Python's or numpy's; not a bool)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def check_arguments(*, lr: object, weight_decay: object, zero: object, clip: object, warmup: object,
                     total_steps: object, min_lr_ratio: object, reduce_scatter: bool) -> None:
     """Raise ConfigError naming the first of ParallelOptimizer's arguments that is out of range, and the values
     it takes. Local and alike on every rank: a ParallelOptimizer refuses before it touches the model or runs
     a collective."""
-    if not _count(zero) or zero not in ZERO_LEVELS:
+    if not is_integer(zero) or zero not in ZERO_LEVELS:
         raise ConfigError(f"zero={zero!r}: plait.optim supports {', '.join(map(str, ZERO_LEVELS))} (0: replicated "
                           "state, 1: ZeRO-1, sharded masters and optimizer state, 2: ZeRO-2, gradients too, 3: "
                           "ZeRO-3, parameters too)")
     if zero >= 2 and not reduce_scatter:
         raise ConfigError(f"zero={zero} keeps only a shard of each gradient: it needs reduce_scatter=True")
-    if not _number(lr) or lr < 0:
+    if not is_number(lr) or lr < 0:
         raise ConfigError(f"lr={lr!r}: the learning rate must be a finite number >= 0 (e.g. lr=3e-4)")
-    if not _number(weight_decay) or weight_decay < 0:
+    if not is_number(weight_decay) or weight_decay < 0:
         raise ConfigError(f"weight_decay={weight_decay!r}: must be a finite number >= 0 (0: no decay, e.g. 0.1)")
-    if clip is not None and (not _number(clip) or clip <= 0):
+    if clip is not None and (not is_number(clip) or clip <= 0):
         raise ConfigError(f"clip={clip!r}: the max gradient norm must be a finite number > 0 (e.g. clip=1.0), or "
                           "None: no clipping")
-    if not _count(warmup) or warmup < 0:
+    if not is_integer(warmup) or warmup < 0:
         raise ConfigError(f"warmup={warmup!r}: the number of warm-up updates must be an int >= 0 (0: none)")
-    if total_steps is not None and (not _count(total_steps) or total_steps < 1):
+    if total_steps is not None and (not is_integer(total_steps) or total_steps < 1):
         raise ConfigError(f"total_steps={total_steps!r}: the update the cosine decay ends at must be an int >= 1, or "
                           "None: no decay after the warm-up")
-    if not _number(min_lr_ratio) or not 0 <= min_lr_ratio <= 1:
+    if not is_number(min_lr_ratio) or not 0 <= min_lr_ratio <= 1:
         raise ConfigError(f"min_lr_ratio={min_lr_ratio!r}: the fraction of lr the decay ends at must be a number "
                           "in [0, 1]")
 
