@@ -78,9 +78,9 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: chosen.append(int(i)))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: inited.append(backend))
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("RANK", "7")
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    torchrun = {"LOCAL_RANK": "3", "RANK": "7", "WORLD_SIZE": "8", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
     context.ensure_default_group(10.0)
     assert chosen == [3] and inited == ["nccl"]
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")

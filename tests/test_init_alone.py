@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROGRAM = """
 import json, os
 import plait
@@ -36,3 +38,38 @@ def test_a_layout_of_several_processes_without_a_launcher_says_to_use_torchrun()
     assert last == ("plait.errors.ConfigError: plait.init(tp=2, pp=2) needs a multiple of 4 processes, but this "
                     "process was not started by a launcher (WORLD_SIZE is not set) and is a world of 1: run the "
                     "script under torchrun, e.g. torchrun --nproc-per-node 4 script.py"), out.stderr
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "1"}, "RANK=1, WORLD_SIZE=2 are set but MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29500 are set but RANK is not"),
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}, "are set but MASTER_ADDR is not"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     r"RANK=2: must be from 0 to WORLD_SIZE - 1 = 1"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two': must be an integer")])
+def test_an_incomplete_launch_environment_is_named_before_any_group_is_made(monkeypatch, env, needle):
+    """A process whose environment has some of torchrun's variables but not all (WORLD_SIZE exported by hand, a
+    launcher that sets only some) is refused by plait.init with a ConfigError naming the ones missing and the
+    torchrun line, before torch.distributed is asked for a group (in this one process: no group is made)."""
+    import torch.distributed as dist
+
+    import plait
+
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    made: list[object] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: made.append(kw))
+    with pytest.raises(plait.ConfigError, match=needle) as info:
+        plait.init(dp=-1)
+    if "must be" not in needle:
+        assert "launch the script with torchrun" in str(info.value) and "torchrun --nproc-per-node 2" in str(info.value)
+    assert made == []

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.distributed.at_exit import destroy_at_exit
 from plait.distributed.collectives import collective
+from plait.distributed.environment import env_int, launched_world
 from plait.distributed.rendezvous import agent_store_shared, generation_store
 from plait.errors import CommTimeoutError, ConfigError, rank_list
 from plait.parallel_config import ParallelConfig
@@ -239,25 +240,22 @@ class ParallelContext:
                 f"pp {self.pp_rank}/{self.pp_size}, dp {self.dp_rank}/{self.dp_size}{ep})")
 
 
-def _env_int(name: str, default: int | None = None) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        if default is None:
-            raise ConfigError(f"environment variable {name} is not set; launch with torchrun or plait's launcher")
-        return default
-    return int(value)
-
-
 def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
     """Initialise the default process group from the launcher's environment (or over ``store``) unless it
     exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo.
-    A group made here is destroyed at the program's exit (plait.distributed.at_exit)."""
+    An incomplete launch environment is a ConfigError before anything is made (``launched_world``). One process
+    without a launcher gets an in-process store, so no port is opened and nothing is set in the environment that
+    processes started later would inherit. A group made here is destroyed at the program's exit
+    (plait.distributed.at_exit)."""
     if dist.is_initialized():
         return
+    launched = launched_world()
+    rank, world = launched or (0, 1)
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
+    if store is None and launched is None:
+        store = dist.HashStore()
     if store is None and agent_store_shared():  # torchrun's long-lived store: this generation's own (rendezvous)
         store = generation_store(rank, timeout_s)
     try:
@@ -305,7 +303,7 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
         raise ConfigError("plait.init: pass the layout either as config=ParallelConfig(...) or as tp/pp/dp/ep/cp/"
                           "expert_tp keywords, not both")
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+    world = dist.get_world_size() if dist.is_initialized() else env_int("WORLD_SIZE", 1)
     try:
         config = config.resolve(world)
     except ConfigError:
@@ -317,10 +315,7 @@ def init(tp: int = 1, pp: int = 1, dp: int = -1, ep: int = 1, *, cp: int = 1, ex
         raise ConfigError(f"plait.init({sizes}) needs {'a multiple of ' if config.dp == -1 else ''}{n} processes, "
                           "but this process was not started by a launcher (WORLD_SIZE is not set) and is a world of "
                           f"1: run the script under torchrun, e.g. torchrun --nproc-per-node {n} script.py") from None
-    # one process without a launcher: an in-process store, so no port is opened and nothing is set in the
-    # environment that processes started later would inherit
-    alone = world == 1 and not dist.is_initialized() and "MASTER_PORT" not in os.environ
-    ensure_default_group(timeout, dist.HashStore() if alone else None)
+    ensure_default_group(timeout)
     _agree_on_layout(config)
     device = default_device()
     mesh = init_device_mesh(device.type, (config.pp, config.dp, config.cp, config.tp),
