@@ -119,6 +119,11 @@ class ParallelContext:
         p = self.pp_rank if pp_rank is None else pp_rank
         return ((p * self.dp_size + d) * self.cp_size + c) * self.tp_size + t
 
+    def replica_ranks(self, dp_rank: int) -> list[int]:
+        """Global ranks of data-parallel replica ``dp_rank`` (its tp, cp and pipeline ranks), ascending."""
+        return sorted(self.global_rank(tp_rank=t, cp_rank=c, dp_rank=dp_rank, pp_rank=p) for p in range(self.pp_size)
+                      for c in range(self.cp_size) for t in range(self.tp_size))
+
     @property
     def tp_group(self) -> ProcessGroup | None:
         return self._group("tp")

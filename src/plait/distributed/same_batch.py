@@ -47,9 +47,8 @@ def check_same_batch(ctx: ParallelContext, inputs: torch.Tensor, targets: torch.
     every = torch.empty(ctx.world_size * mine.numel(), dtype=torch.float64, device=ctx.device)
     collective("all-gather of the ranks' batch fingerprints", None, lambda: all_gather_tensor(every, mine))
     rows = every.view(ctx.world_size, -1).tolist()  # one host read
-    inner = ctx.tp_size * ctx.cp_size
     for replica in range(ctx.dp_size):
-        ranks = [g for g in range(ctx.world_size) if (g // inner) % ctx.dp_size == replica]
+        ranks = ctx.replica_ranks(replica)
         differ = [g for g in ranks if rows[g] != rows[ranks[0]]]
         if differ:
             what, names, advice = words
