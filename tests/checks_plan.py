@@ -54,7 +54,7 @@ def run_layout(layout: Layout) -> dict:
     from plait.checkpoint.shards import init_local
     from plait.optim import ParallelOptimizer
 
-    cfg, training = small_moe(), Training(BATCH)
+    cfg, training = small_moe(), Training(BATCH, precision="fp32")
     parallel = layout.to_parallel_config(training, precision="fp32")
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=g)

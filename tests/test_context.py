@@ -182,7 +182,8 @@ def test_planner_recommends_and_writes_cp_where_the_sequence_demands_it(tmp_path
     from plait.plan import Cluster, Layout, Model, Training, search
     from plait.plan.memory import activation_bytes_per_layer
 
-    model, cluster, training = Model.preset("llama3-8b", 131072), Cluster("h100-sxm", 16), Training(16)
+    model, cluster = Model.preset("llama3-8b", 131072), Cluster("h100-sxm", 16)
+    training = Training(16, masters="plait")  # as plait plan plans a run of plait's
     best = search(model, cluster, training, top=3).best
     assert best[0].layout.cp > 1 and all(e.layout.runnable for e in best), [e.layout.short() for e in best]
     cfg = best[0].layout.to_parallel_config(training)

@@ -80,7 +80,7 @@ def test_unknown_or_foreign_accumulations_are_refused():
         Training(4, grad_accumulation="fused")
     with pytest.raises(ConfigError, match="grad_accumulation: 'fsdp2-fp32' is planned but plait's runtime"):
         Layout(dp=2).to_parallel_config(Training(4, grad_accumulation="fsdp2-fp32"))
-    assert Layout(dp=2).to_parallel_config(Training(4)).dp == 2
+    assert Layout(dp=2).to_parallel_config(Training(4, masters="plait")).dp == 2
 
 
 def test_a_calibrated_host_has_plaits_accumulation_in_its_timed_blocks():

@@ -234,7 +234,7 @@ def test_grad_dtype_is_validated_and_plait_plans_keep_fp32():
         Training(8, precision="fp32", grad_dtype="bf16")
     with pytest.raises(ConfigError, match="grad_dtype: 'bf16' is planned but plait's runtime keeps and reduces fp32"):
         Layout(dp=8).to_parallel_config(Training(8, grad_dtype="bf16"))
-    assert Layout(dp=8).to_parallel_config(Training(8)).dp == 8
+    assert Layout(dp=8).to_parallel_config(Training(8, masters="plait")).dp == 8
 
 
 def test_a_model_without_dropout_keeps_no_masks():

@@ -58,4 +58,4 @@ def test_unknown_or_foreign_optimizers_are_refused():
     with pytest.raises(ConfigError, match="optimizer: 'torch-foreach-adamw' is planned but plait's runtime runs "
                                           "torch-fused-adamw"):
         Layout(dp=2).to_parallel_config(Training(4, optimizer="torch-foreach-adamw"))
-    assert Layout(dp=2).to_parallel_config(Training(4)).dp == 2
+    assert Layout(dp=2).to_parallel_config(Training(4, masters="plait")).dp == 2

@@ -70,7 +70,8 @@ def test_planner_memory_budget_chooses_the_rounds():
     from plait.plan.estimate import pipeline
 
     layout = Layout(pp=8, virtual_stages=2, schedule="interleaved-1f1b", recompute="selective")
-    cluster, batch = Cluster("a100-40gb", 8), Training(global_batch=15)  # M = 15 (not a multiple of pp) is planned
+    cluster = Cluster("a100-40gb", 8)
+    batch = Training(global_batch=15, masters="plait")  # M = 15 (not a multiple of pp) is planned, as plait runs it
     roomy = estimate(Model.preset("llama3-8b", seq_len=1024), cluster, layout, batch)
     tight = estimate(Model.preset("llama3-8b", seq_len=2048), cluster, layout, batch)
     assert roomy.fits and roomy.rounds == "equal" and roomy.peak_in_flight == 15.0

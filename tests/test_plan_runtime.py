@@ -29,7 +29,7 @@ def _valid(model: Model, cluster: Cluster, training: Training, plan_only: bool =
 
 @pytest.mark.parametrize("name,gpus,seq", CASES)
 def test_search_emits_only_what_the_runtime_runs(name, gpus, seq):
-    model, cluster, training = Model.preset(name, seq), Cluster("h100-sxm", gpus), Training(64)
+    model, cluster, training = Model.preset(name, seq), Cluster("h100-sxm", gpus), Training(64, masters="plait")
     layouts = _valid(model, cluster, training)
     got = checks_plan.values(layouts)
     assert (got["cp"] == {1}) == (model.seq_len < 32768)  # context parallelism runs; searched for long sequences
@@ -47,7 +47,7 @@ def test_search_emits_only_what_the_runtime_runs(name, gpus, seq):
 def test_runtime_table_is_the_runtime_s_own():
     """The search's recompute and ZeRO values are exactly those ParallelConfig accepts (a value added there
     appears in the search); ZeRO-3 only without a pipeline, as the runtime runs it."""
-    model, cluster, training = Model.preset("llama3-8b"), Cluster("h100-sxm", 16), Training(64)
+    model, cluster, training = Model.preset("llama3-8b"), Cluster("h100-sxm", 16), Training(64, masters="plait")
     layouts = _valid(model, cluster, training)
     got = checks_plan.values(layouts)
     assert got["zero"] == set(RUNTIME["zero"]) == set(ZERO_LEVELS)  # 0 without DP, the sharded stages with it
@@ -107,7 +107,7 @@ def test_write_config_loads_in_plait_train_as_that_layout(tmp_path, launched):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     best = json.loads(res.output)["best"][0]
-    planned = Layout(**best["layout"]).to_parallel_config(Training(8))
+    planned = Layout(**best["layout"]).to_parallel_config(Training(8, masters="plait"))
     res = CliRunner().invoke(app, ["train", "--config", str(run), "--max-data-mb", "0.1"])
     assert res.exit_code == 0, res.output
     from plait.train import TrainConfig
@@ -188,3 +188,29 @@ def test_layout_auto_plans_on_the_calibrated_host(tmp_path, monkeypatch):
     assert f"on the profile {tmp_path / 'host.toml'}: {best.step_time_s:.3g} s/step" in line
     profile.save(cache_path())  # the cached calibration of this host is used when no --cluster is given
     assert "on this host's calibration" in auto_layout(want, 4)[1]
+
+
+def test_a_bf16_plan_with_masters_kept_apart_converts_only_where_plait_holds_the_same_bytes():
+    """A plan made with Megatron-LM's masters (``masters="apart"``, the library's default: bf16 weights beside
+    float32 masters and moments) holds, in bf16 without ZeRO, bytes plait's runtime does not (its float32
+    parameters are their own masters): to_parallel_config refuses it, naming masters and the value to plan
+    with. Where both ways hold the same bytes (fp32; ZeRO-1, 2, 3) it converts."""
+    from plait.plan.memory import state_bytes
+    from plait.plan.optimizers import masters_gap
+
+    model = Model.preset("llama3-8b")
+    for precision in ("bf16", "fp32"):
+        for zero in ZERO_LEVELS:
+            layout, training = Layout(dp=2, zero=zero), Training(8, precision=precision)
+            held = {m: state_bytes(model, layout, model.n_layers, True, True, precision, "fp32", m)
+                    for m in ("apart", "plait")}
+            same = held["apart"] == held["plait"]
+            assert same == (precision == "fp32" or zero > 0), (precision, zero, held)
+            assert (masters_gap("apart", precision, zero) is None) == same
+            if same:
+                assert layout.to_parallel_config(training, precision=precision).zero == zero
+                continue
+            with pytest.raises(ConfigError, match=r"^masters: 'apart' is planned \(bf16 weights beside float32 masters"
+                                                  r" .*: plan with masters='plait'$"):
+                layout.to_parallel_config(training, precision=precision)
+            assert layout.to_parallel_config(Training(8, masters="plait")).zero == zero

@@ -13,7 +13,7 @@ from plait.plan import experts
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
-from plait.plan.optimizers import MASTERS, OPTIMIZERS, RUNTIME_OPTIMIZER
+from plait.plan.optimizers import MASTERS, OPTIMIZERS, RUNTIME_OPTIMIZER, masters_gap
 from plait.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
@@ -126,12 +126,11 @@ class Layout:
         """The runtime's configuration of this layout (``plait.parallelize(..., config=...)``, ``plait train``).
 
         ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
-        rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run
-        (``runtime_gap``: ZeRO-3 under a pipeline; a ``training`` that leaves the head out of full recomputation,
-        or that sets a field of ``OTHER_STACKS`` to another stack's value).
+        rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run: ZeRO-3
+        under a pipeline (``runtime_gap``); a ``training`` whose masters plait keeps otherwise (``masters_gap``),
+        that leaves the head out of full recomputation, or sets an ``OTHER_STACKS`` field to another stack's value.
         """
-        gap = runtime_gap(self)
-        if gap:
+        if gap := runtime_gap(self):
             raise ConfigError(gap)
         if training is not None and self.recompute == "full" and not training.recompute_head:
             raise ConfigError("recompute_head: False is planned but plait's runtime recomputes the head under full "
@@ -141,6 +140,8 @@ class Layout:
             if value != runtime:
                 raise ConfigError(f"{name}: {value!r} is planned but plait's runtime {does} "
                                   f"(plan with {name}={runtime!r})")
+        if training is not None and (gap := masters_gap(training.masters, training.precision, self.zero)):
+            raise ConfigError(gap)
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, cp_comm=self.cp_comm, ep=self.ep,
                               expert_tp=self.expert_tp, schedule=self.schedule,
                               microbatches=microbatches(self, training) if training is not None else None,

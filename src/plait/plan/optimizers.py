@@ -103,3 +103,13 @@ RUNTIME_OPTIMIZER = "torch-fused-adamw"
 #: masters of the owned shard (2 + 12/d B). ``plan.runs.train_layout`` plans ``plait train`` with "plait".
 MASTERS = ("apart", "plait")
 RUNTIME_MASTERS = "plait"
+
+
+def masters_gap(masters: str, precision: str, zero: int) -> str | None:
+    """Why plait's runtime does not keep the float32 masters a plan of ``precision`` and ZeRO stage ``zero``
+    assumes (``Training.masters``), or None where both ways keep the same bytes: fp32, and ZeRO-1, 2 and 3."""
+    if masters == RUNTIME_MASTERS or precision != "bf16" or zero > 0:
+        return None
+    return (f"masters: {masters!r} is planned (bf16 weights beside float32 masters and moments: 2 + 12 B a parameter) "
+            "but plait's runtime keeps a bf16 run's float32 parameters as their own masters without ZeRO (4 + 8 B): "
+            f"plan with masters={RUNTIME_MASTERS!r}")
