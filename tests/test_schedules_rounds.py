@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from plait.schedules import build_schedule
-from plait.schedules.generators import depth_first_peaks, round_widths
+from plait.schedules.actions import Action
+from plait.schedules.generators import depth_first, depth_first_peaks, drop_surplus, round_widths
 from plait.sim import Costs, simulate
 
 COSTS = Costs(forward=1.0, backward=2.0)
@@ -15,6 +16,25 @@ def _sizes(max_p: int = 8):
     for p in range(2, max_p + 1):
         for m in range(p, 3 * p + 2):
             yield p, m
+
+
+def test_depth_first_hands_each_rank_its_warm_up_and_its_chunks_in_depth_first_order():
+    """The one scaffold of interleaved 1F1B and ZB1P: each rank's row builder gets its warm-up and the global
+    chunks it holds (c·P + r) in depth-first order, forwards chunk 0 first, backwards the last chunk first; padded
+    rounds with M % P != 0 are the rounded-up schedule without the surplus micro-batches."""
+    seen = {}
+
+    def forwards(r, warm, fwd, bwd):
+        seen[r] = (warm, fwd, bwd)
+        return [Action("F", *pair) for pair in fwd]
+
+    rows = depth_first(2, 3, 2, "equal", 2, forwards)  # one round of 3 micro-batches
+    assert seen[1] == (3, [(1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (3, 2)],
+                       [(3, 0), (3, 1), (3, 2), (1, 0), (1, 1), (1, 2)])
+    assert seen[0][0] == 5 and [a.stage for a in rows[0]] == [0, 0, 0, 2, 2, 2]
+    padded = depth_first(2, 3, 2, "padded", 2, forwards)  # rounds of 2: micro-batches 0-1, then 2 (3 dropped)
+    assert padded == drop_surplus(depth_first(2, 4, 2, "equal", 2, forwards), 3)
+    assert [(a.stage, a.microbatch) for a in padded[0]] == [(0, 0), (0, 1), (2, 0), (2, 1), (0, 2), (2, 2)]
 
 
 def test_round_widths():

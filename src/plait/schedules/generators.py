@@ -6,7 +6,12 @@ live there. Notation: ``P`` ranks, ``M`` micro-batches, ``V`` chunks per rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from plait.schedules.actions import Action
+
+#: (global chunk, micro-batch) pairs of one rank, in the order it runs them
+Order = list[tuple[int, int]]
 
 
 def gpipe(p: int, m: int) -> list[list[Action]]:
@@ -103,6 +108,21 @@ def depth_first_peaks(p: int, m: int, v: int, rounds: str, deferred_weights: boo
     return out
 
 
+def depth_first(p: int, m: int, v: int, rounds: str, hops: int,
+                row: Callable[[int, int, Order, Order], list[Action]]) -> list[list[Action]]:
+    """The rows of a depth-first schedule of ``V`` chunks per rank, chunk ``c`` on rank ``c % P``, micro-batches
+    in rounds (``round_widths``): rank ``r``'s row is ``row(r, warm, fwd, bwd)``, ``warm`` its warm-up
+    chunk-forwards (``warmup_forwards`` with ``hops``), ``fwd`` and ``bwd`` the (global chunk, micro-batch) pairs
+    of its forwards and backwards in depth-first order. ``rounds="padded"`` with ``M % P != 0``: the schedule of ``M``
+    rounded up to a multiple of ``P``, its surplus micro-batches dropped (``drop_surplus``)."""
+    if rounds == "padded" and m > p and m % p:
+        return drop_surplus(depth_first(p, -(-m // p) * p, v, rounds, hops, row), m)
+    widths = round_widths(p, m, rounds)
+    fwd, bwd = depth_first_order(widths, v, False), depth_first_order(widths, v, True)
+    return [row(r, warmup_forwards(p, r, m, v, widths[0], hops), [(c * p + r, mb) for c, mb in fwd],
+                [(c * p + r, mb) for c, mb in bwd]) for r in range(p)]
+
+
 def interleaved_1f1b(p: int, m: int, v: int, rounds: str = "equal") -> list[list[Action]]:
     """Interleaved 1F1B (Narayanan et al. 2021, §2.2): ``V`` chunks per rank, chunk ``c`` on rank ``c % P``.
 
@@ -112,27 +132,15 @@ def interleaved_1f1b(p: int, m: int, v: int, rounds: str = "equal") -> list[list
     rounds. ``rounds="padded"`` generates the schedule for ``M`` rounded up to a multiple of ``P`` and
     drops the surplus micro-batches (see ``drop_surplus``): Megatron's order, fewer micro-batches held.
     """
-    if rounds == "padded" and m > p and m % p:
-        return drop_surplus(interleaved_1f1b(p, -(-m // p) * p, v), m)
-    widths = round_widths(p, m, rounds)
-    fwd, bwd = depth_first_order(widths, v, False), depth_first_order(widths, v, True)
-    total = m * v
-    out = []
-    for r in range(p):
-        warm = warmup_forwards(p, r, m, v, widths[0], hops=2)
+    return depth_first(p, m, v, rounds, 2, _one_forward_one_backward)
 
-        def f(k: int, r: int = r) -> Action:
-            return Action("F", fwd[k][0] * p + r, fwd[k][1])
 
-        def b(k: int, r: int = r) -> Action:
-            return Action("B", bwd[k][0] * p + r, bwd[k][1])
-
-        row = [f(k) for k in range(warm)]
-        for k in range(total - warm):
-            row += [f(warm + k), b(k)]
-        row += [b(k) for k in range(total - warm, total)]
-        out.append(row)
-    return out
+def _one_forward_one_backward(r: int, warm: int, fwd: Order, bwd: Order) -> list[Action]:
+    """Rank ``r``'s row of interleaved 1F1B: ``warm`` forwards, then one forward and one backward alternate, then
+    the backwards left."""
+    f, b = [Action("F", *pair) for pair in fwd], [Action("B", *pair) for pair in bwd]
+    steady = [a for k in range(len(f) - warm) for a in (f[warm + k], b[k])]
+    return f[:warm] + steady + b[len(b) - warm:]
 
 
 def looped_bfs(p: int, m: int, v: int) -> list[list[Action]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from plait.schedules.actions import Action
-from plait.schedules.generators import depth_first_order, drop_surplus, round_widths, warmup_forwards
+from plait.schedules.generators import Order, depth_first
 
 
 def zb_h1(p: int, m: int, v: int = 1, rounds: str = "equal") -> list[list[Action]]:
@@ -24,28 +24,21 @@ def zb_h1(p: int, m: int, v: int = 1, rounds: str = "equal") -> list[list[Action
     run depth first in rounds (``generators.round_widths``) as in interleaved 1F1B, with a warm-up of
     ``(V-1)·w + P-r-1`` chunk-forwards (``w`` the first round's width, capped at ``V·M``).
     """
-    if rounds == "padded" and m > p and m % p:
-        return drop_surplus(zb_h1(p, -(-m // p) * p, v), m)
-    widths = round_widths(p, m, rounds)
-    fwd, bwd = depth_first_order(widths, v, False), depth_first_order(widths, v, True)
-    total = m * v
-    out = []
-    for r in range(p):
-        warm = warmup_forwards(p, r, m, v, widths[0], hops=1)
-        row = [Action("F", fwd[k][0] * p + r, fwd[k][1]) for k in range(warm)]
-        pending: deque[Action] = deque()
-        for k in range(total):
-            if warm + k < total:
-                chunk, mb = fwd[warm + k]
-                row.append(Action("F", chunk * p + r, mb))
-            chunk, mb = bwd[k]
-            row.append(Action("I", chunk * p + r, mb))
-            pending.append(Action("W", chunk * p + r, mb))
-            if k >= r:
-                row.append(pending.popleft())
-        row += pending
-        out.append(row)
-    return out
+    return depth_first(p, m, v, rounds, 1, _deferred_weights)
+
+
+def _deferred_weights(r: int, warm: int, fwd: Order, bwd: Order) -> list[Action]:
+    """Rank ``r``'s row of ZB-H1 / ZB1P: 1F1B's with each B split into I and W, its first ``r`` W deferred."""
+    row = [Action("F", *pair) for pair in fwd[:warm]]
+    pending: deque[Action] = deque()
+    for k, pair in enumerate(bwd):
+        if warm + k < len(fwd):
+            row.append(Action("F", *fwd[warm + k]))
+        row.append(Action("I", *pair))
+        pending.append(Action("W", *pair))
+        if k >= r:
+            row.append(pending.popleft())
+    return row + list(pending)
 
 
 class _Row:
