@@ -214,3 +214,17 @@ def test_a_bf16_plan_with_masters_kept_apart_converts_only_where_plait_holds_the
                                                   r" .*: plan with masters='plait'$"):
                 layout.to_parallel_config(training, precision=precision)
             assert layout.to_parallel_config(Training(8, masters="plait")).zero == zero
+
+
+def test_the_configuration_runs_the_plan_s_precision():
+    """The precision a plan was costed at (``Training.precision``) is the one its configuration runs: taken from
+    the training when none is asked for, refused with a ConfigError naming both when another is."""
+    layout = Layout(dp=2, zero=1)
+    assert layout.to_parallel_config(Training(8, precision="fp32")).precision == "fp32"
+    assert layout.to_parallel_config(Training(8)).precision == "bf16"
+    assert layout.to_parallel_config(Training(8, precision="fp32"), precision="fp32").precision == "fp32"
+    assert layout.to_parallel_config().precision == "bf16" and layout.to_parallel_config(precision="fp32").precision \
+        == "fp32"
+    with pytest.raises(ConfigError, match=r"^precision: 'bf16' is asked for but 'fp32' is planned \(Training\."
+                                          r"precision\): leave precision unset .* or plan with 'bf16'$"):
+        layout.to_parallel_config(Training(8, precision="fp32"), precision="bf16")

@@ -66,7 +66,7 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     result = search(model, cluster, training, top=20)
     reasons = []
     for est in result.best:
-        parallel = est.layout.to_parallel_config(training, precision=cfg.parallel.precision)
+        parallel = est.layout.to_parallel_config(training)  # at the training's precision: cfg.parallel.precision
         candidate = replace(cfg, parallel=parallel, layout="flags", nproc=world)
         try:
             validate(candidate, world)

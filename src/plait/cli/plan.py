@@ -204,7 +204,7 @@ def _write_config(path: Path, best, model_arg: str) -> None:
     folder = Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)
     trainable = model_arg in PRESETS or (folder / "config.json").is_file()
     values = {"model": (model_arg if model_arg in PRESETS else str(folder)) if trainable else None,
-              **best.layout.to_parallel_config(best.training, best.training.precision, best.rounds).to_dict(),
+              **best.layout.to_parallel_config(best.training, rounds=best.rounds).to_dict(),
               "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
     size, m, dp = best.layout.microbatch_size, values["microbatches"], values["dp"]  # the label's mbN: N sequences
     header = (f"plait plan's best layout for {best.model.name}: {best.layout.short()} ({best.step_time_s:.3g} s/step "

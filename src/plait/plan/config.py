@@ -82,14 +82,11 @@ class Layout:
         for name in ("tp", "pp", "dp", "cp", "ep", "virtual_stages", "microbatch_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ConfigError(f"recompute: {self.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-        if self.cp_comm not in CP_COMMS:
-            raise ConfigError(f"cp_comm: {self.cp_comm!r} is not one of {', '.join(CP_COMMS)}")
+        for name, choices in (("recompute", RECOMPUTE_MODES), ("cp_comm", CP_COMMS), ("schedule", SCHEDULE_NAMES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(choices)}")
         if self.zero not in ZERO_LEVELS:
             raise ConfigError(f"zero: must be one of {', '.join(map(str, ZERO_LEVELS))}, got {self.zero!r}")
-        if self.schedule not in SCHEDULE_NAMES:
-            raise ConfigError(f"schedule: {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
         if self.schedule in V_SCHEDULES and self.virtual_stages != 2:
             raise ConfigError(f"virtual_stages: schedule {self.schedule} needs virtual_stages=2, "
                               f"got {self.virtual_stages}")
@@ -121,23 +118,26 @@ class Layout:
     def world(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
 
-    def to_parallel_config(self, training: Training | None = None, precision: str = "bf16",
+    def to_parallel_config(self, training: Training | None = None, precision: str | None = None,
                            rounds: str | None = None) -> ParallelConfig:
         """The runtime's configuration of this layout (``plait.parallelize(..., config=...)``, ``plait train``).
 
-        ``training`` sets the micro-batches (``microbatches(layout, training)``); ``rounds`` the interleaved
-        rounds the estimate chose (``Estimate.rounds``). ConfigError for what the runtime does not run: ZeRO-3
-        under a pipeline (``runtime_gap``); a ``training`` whose masters plait keeps otherwise (``masters_gap``),
-        that leaves the head out of full recomputation, or sets an ``OTHER_STACKS`` field to another stack's value.
-        """
+        ``training`` sets the micro-batches (``microbatches(layout, training)``) and the precision (without it:
+        ``precision``, default bf16); ``rounds`` the interleaved rounds the estimate chose (``Estimate.rounds``).
+        ConfigError for what the runtime does not run: ZeRO-3 under a pipeline (``runtime_gap``); a ``training``
+        of another ``precision``, whose masters plait keeps otherwise (``masters_gap``), that leaves the head out
+        of full recomputation, or sets an ``OTHER_STACKS`` field to another stack's value."""
         if gap := runtime_gap(self):
             raise ConfigError(gap)
+        if training is not None and precision not in (None, training.precision):
+            raise ConfigError(f"precision: {precision!r} is asked for but {training.precision!r} is planned (Training."
+                              f"precision): leave precision unset to run what is planned, or plan with {precision!r}")
+        precision = precision or (training.precision if training is not None else "bf16")
         if training is not None and self.recompute == "full" and not training.recompute_head:
             raise ConfigError("recompute_head: False is planned but plait's runtime recomputes the head under full "
                               "recomputation too (plan with recompute_head=True)")
         for name, runtime, does in OTHER_STACKS if training is not None else ():
-            value = getattr(training, name)
-            if value != runtime:
+            if (value := getattr(training, name)) != runtime:
                 raise ConfigError(f"{name}: {value!r} is planned but plait's runtime {does} "
                                   f"(plan with {name}={runtime!r})")
         if training is not None and (gap := masters_gap(training.masters, training.precision, self.zero)):
