@@ -1,19 +1,31 @@
-"""The default process group plait makes is destroyed when the program ends, before the interpreter's teardown."""
+"""What plait has done at the program's exit, while the interpreter is still whole (``atexit``, before its
+finalization): the default process group plait made is destroyed, and torch's Gloo worker threads are given the
+moments they need to let go of the collectives they finished.
+
+Both guard against the same end: a C++ thread of torch that needs Python once the interpreter is finalizing is
+ended by Python in the middle of a destructor, and the process aborts ("terminate called without an active
+exception", SIGABRT) with a non-zero status although the program returned.
+"""
 
 from __future__ import annotations
 
 import atexit
+import time
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each worker thread of a ProcessGroupGloo
+SETTLE_LIMIT_S = 1.0  # the longest the program's end waits for Gloo's workers
+SETTLE_STEP_S = 0.005  # the GIL is free this long between two looks at the workers
+TASKS = Path("/proc/self/task")  # this process's threads (Linux)
+
 
 def destroy_at_exit() -> None:
     """Have the default process group, just made by plait, and every group made over it destroyed when the
-    program ends, while the interpreter is still whole (``atexit``: before its finalization). Left to the
-    finalization, a Gloo group can be destroyed after Python is torn down, and the process then aborts with
-    "terminate called without an active exception" and a non-zero status although the program returned. A
-    program that destroys the group itself first, or makes another default group since, is left as it is."""
+    program ends. Left to the finalization, a Gloo group can be destroyed after Python is torn down. A program
+    that destroys the group itself first, or makes another default group since, is left as it is."""
     atexit.register(_destroy, dist.group.WORLD)
 
 
@@ -21,3 +33,47 @@ def _destroy(world: ProcessGroup | None) -> None:
     """Destroy every process group if the default one is still ``world``; local, no collective runs."""
     if dist.is_initialized() and dist.group.WORLD is world:
         dist.destroy_process_group()
+
+
+def settle_at_exit() -> None:
+    """Have the program's end wait, at most ``SETTLE_LIMIT_S``, until no Gloo worker thread of this process is
+    running (``settle_gloo_workers``); registered once however often it is asked.
+
+    A Gloo worker thread wakes the caller of a collective as soon as the collective is done, and lets go of its
+    tensors after: where the caller's Python objects of those tensors are gone by then, letting go takes the GIL
+    to free them. Destroying a group does not stop its threads (they stop when no Python object refers to the
+    group any more), and a worker descheduled on a loaded machine can reach that point after the main thread
+    has begun the interpreter's finalization, which ends the worker in its destructor and aborts the process."""
+    atexit.unregister(settle_gloo_workers)
+    atexit.register(settle_gloo_workers)
+
+
+def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, tasks: Path = TASKS) -> bool:
+    """Wait, releasing the GIL in steps of ``SETTLE_STEP_S``, until two looks in a row find no Gloo worker thread
+    running or ready to run (a worker waiting for the GIL takes it while this one sleeps). True once settled,
+    False after ``limit_s`` (a collective still in flight at the exit) or where the threads cannot be read
+    (not Linux: one step's wait)."""
+    if not tasks.is_dir():
+        time.sleep(SETTLE_STEP_S)
+        return False
+    deadline = time.monotonic() + limit_s
+    calm = 0
+    while calm < 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(SETTLE_STEP_S)
+        calm = 0 if _gloo_worker_running(tasks) else calm + 1
+    return True
+
+
+def _gloo_worker_running(tasks: Path) -> bool:
+    """Whether a thread named ``GLOO_WORKER`` among ``tasks`` is running or runnable (state R in its stat)."""
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended while we looked
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(")")
+        if name == GLOO_WORKER and rest.split()[:1] == ["R"]:
+            return True
+    return False

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from plait.distributed.at_exit import destroy_at_exit
+from plait.distributed.at_exit import destroy_at_exit, settle_at_exit
 from plait.distributed.collectives import collective
 from plait.distributed.environment import env_int, launched_world
 from plait.distributed.rendezvous import agent_store_shared, generation_store
@@ -249,9 +249,9 @@ def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store
     """Initialise the default process group from the launcher's environment (or over ``store``) unless it
     exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo.
     An incomplete launch environment is a ConfigError before anything is made (``launched_world``). One process
-    without a launcher gets an in-process store, so no port is opened and nothing is set in the environment that
-    processes started later would inherit. A group made here is destroyed at the program's exit
-    (plait.distributed.at_exit)."""
+    without a launcher gets an in-process store (no port opened, nothing set for processes started later). At
+    exit a group made here is destroyed, and Gloo's workers waited for whoever made it (distributed.at_exit)."""
+    settle_at_exit()
     if dist.is_initialized():
         return
     launched = launched_world()
