@@ -86,3 +86,17 @@ def test_the_exit_waits_while_a_gloo_worker_runs_and_no_longer():
     finally:
         stop.set()
         other_stop.set()
+
+
+@pytest.mark.skipif(not at_exit.TASKS.is_dir(), reason="reads the threads' names from /proc (Linux)")
+def test_torch_names_its_gloo_workers_as_the_exit_expects():
+    """The wait looks for threads by the name torch gives them: a Gloo group that has run a collective has one."""
+    import torch
+    import torch.distributed as dist
+
+    def names() -> list[str]:
+        return [(task / "comm").read_text().strip() for task in at_exit.TASKS.iterdir()]
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+    group.allreduce([torch.ones(2)]).wait()
+    assert at_exit.GLOO_WORKER in names(), names()
