@@ -7,6 +7,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 import plait
@@ -48,20 +49,35 @@ def check_calibration(root: Path, box: dict) -> dict:
     """A quick calibration of 1, 2 and 4 processes in this launch (kept in ``box`` for the prediction check):
     its progress ticks, each section's thread count, the one process's figures (alone and shared the same),
     the matmul figures of 2 and 4 processes alone and shared, their optimizer figures and every section's
-    pipeline and its twin."""
+    pipeline and its twin; and, from every rank, the kernels it warmed up (every kernel a process measures,
+    alone or shared, starts with one) with the thread count torch ran them at, in order."""
     from plait.calibrate import host_facts
+    from plait.calibrate import kernels as k
     from plait.calibrate.run import measure_in_world, total_steps
 
     plait.init(1, 1, 4).close()  # the default process group (which stays), the one the calibration measures in
     ticks = root / "calibration-ticks"
-    box["profile"] = profile = measure_in_world([1, 2, 4], str(ticks), host_facts(), quick=True)
+    warm_up, warmed = k.warm_up, []
+
+    def watched(kernel, device, rounds=2):
+        warmed.append((kernel.label, torch.get_num_threads()))
+        return warm_up(kernel, device, rounds)
+
+    k.warm_up = watched  # type: ignore[assignment]
+    try:
+        box["profile"] = profile = measure_in_world([1, 2, 4], str(ticks), host_facts(), quick=True)
+    finally:
+        k.warm_up = warm_up
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, warmed)
     if dist.get_rank() != 0:
         return {}
     assert profile is not None
     one, two, four = profile.section(1), profile.section(2), profile.section(4)
     return {"ticks": len(ticks.read_text().splitlines()), "total_steps": total_steps([1, 2, 4], quick=True),
-            "threads": [one.threads, two.threads, four.threads],
+            "threads": [one.threads, two.threads, four.threads], "warmed": everyone,
             "one": {kind: [list(r.alone), list(r.shared)] for kind, r in one.rates.items()},
+            "matmul": [[list(s.rates["matmul"].alone), list(s.rates["matmul"].shared)] for s in (two, four)],
             "slowdown": [two.rates["matmul"].slowdown, four.rates["matmul"].slowdown],
             "optimizer": [[s.optimizer_s_per_param, s.optimizer_s_per_tensor] for s in (two, four)],
             "pipeline": [[s.pipeline_s, s.pipeline_twin_s] for s in (one, two, four)]}
@@ -108,8 +124,6 @@ def balanced_route(route):
     flattened [B, S] goes to experts (i·k + j) mod E, j < k (its router logits raised by 30 there), so every
     rank's slice of the tokens sends each expert the same number of rows. The router, top-k and gates run as
     ever, so the layer saves what it saves under any routing, at the sizes of balanced routing."""
-    import torch
-
     def balanced(logits, top_k, *args):
         b, s, e = logits.shape
         token = torch.arange(b * s, device=logits.device).view(b, s, 1)
@@ -184,8 +198,6 @@ def paired_sleeps() -> tuple[int, tuple, tuple]:
     """Rank side of the pairing test: one kernel timed by the calibration's alone-and-shared pairs over 2 ranks,
     its call a sleep of 4 ms on rank 0 and 12 ms on rank 1 that reports a part of 1 ms. Returns (calls
     made, the figure alone, the figure shared): the figure is (call seconds, part seconds)."""
-    import torch
-
     from plait.calibrate import kernels as k
     from plait.calibrate.run import paired
 
@@ -209,8 +221,6 @@ def tp_round_calls(calls: int) -> tuple[list[int], float, float]:
     """Rank side of the round-length test: ``tp_block.measure`` over a 2-rank group with ``calls`` calls of
     each part per round, its parts replaced by sleeps that count their calls (layer 4 ms, twin 2 ms).
     Returns (calls of the layer and of the twin, their mean seconds as measured)."""
-    import torch
-
     from plait.calibrate import tp_block
 
     dist.init_process_group("gloo")

@@ -102,30 +102,35 @@ def world4(tmp_path_factory):
 
 
 def test_calibration_measures_each_section_alone_and_shared(world4):
-    """Every section measures its kernels at the thread count ``plait train`` gives its processes; the
+    """Every section measures its kernels at the thread count ``plait train`` gives its processes, on its own
+    processes (the launch's others wait): a process warms each kernel it times, alone or shared, up first, so
+    the kernels warmed on each rank, in order, with torch's thread count then, are what it measured. The
     progress bar's count of steps is what the calibration ticks off. One process measures nothing shared: its
-    shared figures are those alone. With more processes than the cores have room for at their threads, the
-    matmul runs shared about processes·threads/cores times slower than alone (time-slicing; loose bounds for a
-    loaded host); with room for all, about as fast. Where they outnumber the cores, a pipeline and its twin
-    are timed."""
-    import os
-
+    shared figures are those alone; with more, each figure alone and shared are measured apart. How much
+    slower shared is than alone is the host's figure, not checked here: other jobs on these cores move it
+    (4 processes of one thread on 2 cores read 2.2-4.4x, 2 processes 1.2-3.5x, where an idle host gives about
+    2 and 1; tests/test_calibrate.py times the pairs with sleeps). Where the processes outnumber the cores, a
+    pipeline and its twin are timed."""
+    from plait.calibrate import usable_cores
+    from plait.calibrate.pipeline_block import oversubscribed
     from plait.distributed.launch import worker_threads
 
     out = result(world4, "calibrate/sections")[0]
     assert out["ticks"] == out["total_steps"]
     assert out["threads"] == [worker_threads(1), worker_threads(2), worker_threads(4)]
+    warmed = [[tuple(w) for w in rank] for rank in out["warmed"]]
+    kernels = [label for label, _threads in warmed[-1]]  # the last rank is only in the section of 4
+    assert len(set(kernels)) == len(kernels) > 5
+    for rank, seen in enumerate(warmed):  # the sections of 1, 2 and 4 processes in turn, each rank in its own
+        mine = [w for w in seen if w[0] in kernels]  # rank 0 also warms up the host-speed probe and optimizer step
+        assert mine == [(label, worker_threads(p)) for p in (1, 2, 4) if rank < p for label in kernels], rank
     for kind, (alone, shared) in out["one"].items():  # one process: nothing measured shared
         assert alone == shared, kind
-    cores = os.cpu_count() or 1
-    for p, slowdown in zip((2, 4), out["slowdown"], strict=True):
-        crowd = p * worker_threads(p) / cores
-        assert 0.7 * max(crowd, 1.0) < slowdown < 1.6 * max(crowd, 1.0), (p, slowdown)
+    for p, (alone, shared) in zip((2, 4), out["matmul"], strict=True):
+        assert alone != shared and min(alone + shared) > 0, p
+    assert min(out["slowdown"]) > 0
     assert min(min(x) for x in out["optimizer"]) > 0  # per parameter and per tensor
     # a pipeline is timed where the processes outnumber the cores (and pair up): its step and its twin's
-    from plait.calibrate import usable_cores
-    from plait.calibrate.pipeline_block import oversubscribed
-
     for p, (step, twin) in zip((1, 2, 4), out["pipeline"], strict=True):
         if oversubscribed(p, worker_threads(p), usable_cores()):
             assert step > 0 and twin > 0 and 0.5 < step / twin < 3, (p, step, twin)
