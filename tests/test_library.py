@@ -7,11 +7,14 @@ import re
 
 import pytest
 
-from checks_library import doc_scripts
+from checks_library import WAIT_S, doc_scripts
 from harness import result
 
 SCRIPTS = doc_scripts()
 NUMBER = re.compile(r"-?\d+\.\d+")
+#: a refusal "at once": a rank that waited on a peer instead fails after WAIT_S; well under it, as other jobs on the
+#: cores can hold a rank of the shared 4-rank launch off a core for a second or more
+AT_ONCE_S = WAIT_S / 2
 
 
 def test_the_page_shows_its_scripts():
@@ -41,7 +44,7 @@ def test_a_bad_evaluation_batch_is_refused_on_every_rank(world4, attempt, shown)
     for rank, r in enumerate(result(world4, "bad_eval_batch")):
         kind, message, seconds = r[attempt]
         assert kind == "ConfigError" and shown in message, (rank, r[attempt])
-        assert seconds < 2.0, (rank, r[attempt])
+        assert seconds < AT_ONCE_S, (rank, r[attempt])
         assert r["after"] == (4, 8, 64), (rank, r)
 
 
@@ -52,7 +55,7 @@ def test_a_model_whose_context_is_closed_is_refused_on_every_rank(world4, call):
     for rank, r in enumerate(result(world4, "closed_context")):
         kind, message, seconds = r[call]
         assert kind == "ConfigError" and "is closed" in message and "plait.init" in message, (rank, r[call])
-        assert seconds < 2.0, (rank, r[call])
+        assert seconds < AT_ONCE_S, (rank, r[call])
 
 
 def test_a_refused_parallelize_leaves_the_model_as_it_was(world4):
@@ -75,7 +78,7 @@ def test_ranks_of_a_replica_handed_different_rows_are_refused(world4, call):
         assert kind == "ConfigError", (rank, r[call])
         assert "replica 0 were handed different batches (global rank 0: inputs (4, 8)" in message, (rank, message)
         assert "split the global batch by ctx.dp_rank" in message, (rank, message)
-        assert seconds < 2.0, (rank, r[call])
+        assert seconds < AT_ONCE_S, (rank, r[call])
         assert abs(r["loss"] - r["one device"]) <= 1e-5 * r["one device"], (rank, r)
 
 
