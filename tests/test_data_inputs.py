@@ -323,3 +323,34 @@ def test_a_prepare_in_the_callers_process_keeps_no_tokenizer_after_it_returns(tm
     prepare([str(tmp_path / "a.txt")], "bytes", tmp_path / "out", workers=1, held_out=0.0)
     gc.collect()
     assert len(loaded) == 2 and [ref() for ref in loaded] == [None, None]  # the parent's and the encoder's
+
+
+def test_a_compressed_source_is_named_with_the_command_that_unpacks_it_never_skipped_as_binary(tmp_path):
+    import gzip
+
+    (tmp_path / "web").mkdir()
+    (tmp_path / "web" / "a.txt").write_text("some text")
+    (tmp_path / "web" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "hidden"}\n'))
+    for src, move in ((tmp_path / "web" / "b.jsonl.gz", ""), (tmp_path / "web", f", or move it out of {tmp_path}/web")):
+        res = _prepare(str(src), "--out", str(tmp_path / "out"))  # was read as a binary text file and skipped
+        assert res.exit_code == 2 and res.stderr.strip() == (
+            f"error: SRC {src}: {tmp_path}/web/b.jsonl.gz is gzip-compressed, which plait does not read; unpack it "
+            f"first (gunzip -k {tmp_path}/web/b.jsonl.gz) and name what it holds{move}"), res.output
+
+
+def test_a_prepare_with_nothing_to_train_on_says_why(tmp_path):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "bin.dat").write_bytes(b"\x7fELF\0\0")
+    (tmp_path / "one.jsonl").write_text('{"text": "only one"}\n')
+    why = {"empty.jsonl": "0 skipped): every SRC is empty (0 bytes): name files that hold text",
+           "blank.jsonl": "0 skipped): no record holds text",
+           "bin.dat": f"1 skipped): every record was skipped, the first at {tmp_path}/bin.dat:1: binary (a NUL byte "
+                      "in its first KB), not text"}
+    for name, end in why.items():  # each said only '(0 held out, N skipped)'
+        res = _prepare(str(tmp_path / name), "--out", str(tmp_path / "out"))
+        assert res.exit_code == 2 and res.stderr.strip() == (
+            f"error: SRC {tmp_path / name}: no documents for the training split (0 held out, {end}"), res.output
+    res = _prepare(str(tmp_path / "one.jsonl"), "--out", str(tmp_path / "out"), "--held-out", "0.9999")
+    assert res.exit_code == 2 and res.stderr.strip().endswith(
+        "(1 held out, 0 skipped): every document went to the held-out split: lower --held-out 0.9999"), res.output

@@ -336,9 +336,7 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
                          "tokens": sum(int(n.sum()) for n in lengths), "shards": shards,
                          "loss_tokens": sum(r.loss_tokens[split] for r in results)}
     if splits["train"]["tokens"] == 0:
-        skipped = sum(r.skipped for r in results)
-        raise ConfigError(f"SRC {' '.join(s.path for s in found)}: no documents for the training split "
-                          f"({splits['held_out']['documents']} held out, {skipped} skipped)")
+        raise _no_training_documents(found, results, sum(len(r.lengths["held_out"]) for r in results), job.held_out)
     src = []
     for i, s in enumerate(found):
         mine = [r for r in results if r.source == i]
@@ -357,6 +355,16 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
             "dtype": job.dtype, "held_out_fraction": job.held_out, "text_field": job.text_field,
             "splits": splits, "sources": src, "seconds": round(seconds, 3),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _no_training_documents(found: list[Source], results: list[TaskResult], held: int, share: float) -> ConfigError:
+    """Why a prepare found nothing to train on: empty files, all skipped (the first one), or all held out."""
+    first = next((b for r in results for b in r.bad), None)
+    why = ("every SRC is empty (0 bytes): name files that hold text" if all(s.bytes == 0 for s in found) else
+           f"every document went to the held-out split: lower --held-out {share:g}" if held else
+           f"every record was skipped, the first at {where(first)}: {first.why}" if first else "no record holds text")
+    return ConfigError(f"SRC {' '.join(s.path for s in found)}: no documents for the training split ({held} held out, "
+                       f"{sum(r.skipped for r in results)} skipped): {why}")
 
 
 def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: bool) -> None:

@@ -21,6 +21,13 @@ LINE_BLOCK = 1 << 20  # bytes read at a time while counting the lines before a b
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 #: why a record whose text is empty or blank is skipped (always, and counted): its EOS alone would be trained on
 BLANK = "blank text, no document"
+#: why a file with a NUL byte near its start is skipped (always, and counted): it is no text
+BINARY = "binary (a NUL byte in its first KB), not text"
+#: compressed or archived files by suffix, and the command that unpacks one (FILE: the file)
+PACKED = {".gz": ("gzip", "gunzip -k FILE"), ".tgz": ("a tar archive", "tar -xzf FILE"),
+          ".bz2": ("bzip2", "bunzip2 -k FILE"), ".xz": ("xz", "unxz -k FILE"), ".zst": ("zstd", "zstd -d FILE"),
+          ".zstd": ("zstd", "zstd -d FILE"), ".lz4": ("lz4", "lz4 -d FILE"), ".zip": ("a zip archive", "unzip FILE"),
+          ".tar": ("a tar archive", "tar -xf FILE"), ".7z": ("a 7z archive", "7z x FILE")}
 
 
 @dataclass
@@ -91,11 +98,24 @@ def discover(paths: list[str]) -> list[Source]:
         else:
             raise ConfigError(f"SRC {raw}: no such file or directory")
         for f in files:
+            _not_packed(raw, f, p.is_dir())
             first = named.setdefault(f.resolve(), i)
             if first != i:
                 raise ConfigError(f"SRC {raw}: {f} is read already as part of SRC {paths[first]}, and would be read "
                                   "twice; name each file once (plait train --data WEIGHT:DIR weighs datasets)")
     return out
+
+
+def _not_packed(raw: str, path: Path, in_folder: bool) -> None:
+    """ConfigError for a compressed or archived file, which would read as binary: the command that unpacks it."""
+    suffix = path.suffix.lower()
+    if suffix not in PACKED:
+        return
+    what, command = PACKED[suffix]
+    move = f", or move it out of {raw}" if in_folder else ""
+    compressed = what if what.startswith("a ") else f"{what}-compressed"
+    raise ConfigError(f"SRC {raw}: {path} is {compressed}, which plait does not read; unpack it first "
+                      f"({command.replace('FILE', str(path))}) and name what it holds{move}")
 
 
 def _hidden(relative: Path) -> bool:
@@ -258,7 +278,7 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
             raw = Path(name).read_bytes()
             raws.append(raw)
             if b"\0" in raw[:1024]:
-                out.skipped += 1  # binary
+                out.skip(BadRecord(name, 0, 0, BINARY))
                 continue
             try:
                 text = raw.decode("utf-8")
