@@ -293,3 +293,30 @@ def test_the_sample_prompt_of_a_template_ending_each_turn_with_the_eos_is_the_wh
     assert want.count(hf.convert_tokens_to_ids("<|im_end|>")) == 2  # the default system turn's and the user's
     data = open_data([str(tmp_path / "d")], folder, 512, 32, 2, 0, 1)
     assert data.prompt(256) == want
+
+
+def test_the_summary_of_a_run_stopped_by_a_signal_names_the_stop_not_a_missing_target():
+    """A run stopped by Ctrl-C after step 139 of 200 measures no held-out loss (it leaves promptly): its summary
+    says so and shows the steps it ran, not '1..200' and '(no held-out target in the loss)' of a text dataset."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from plait.parallel_config import ParallelConfig
+    from plait.train.loop import TrainResult
+    from plait.train.report import summary_table
+
+    def rows(res: TrainResult) -> str:
+        run = SimpleNamespace(ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=2, dp=1)), start=0, prediction=None,
+                              unpredicted=None, data=SimpleNamespace(eval_order=[0], position=lambda steps: {
+                                  "tokens_seen": steps * 512, "epoch": 0.5}))
+        console = Console(record=True, width=400, force_terminal=False)
+        console.print(summary_table(TrainConfig(steps=200), run, res))
+        return " ".join(console.export_text().replace("│", " ").split())
+
+    stopped = rows(TrainResult(losses={1: 5.5, 139: 0.5}, stopped_at=139, stop_signal="SIGINT"))
+    assert "steps 1..139 (stopped by SIGINT; --steps 200)" in stopped, stopped
+    assert "held-out loss - (not measured: stopped by SIGINT)" in stopped, stopped
+    assert "71,168 tokens seen" in stopped, stopped
+    done = rows(TrainResult(losses={1: 5.5, 200: 0.5}, held_out=0.7))
+    assert "steps 1..200 loss" in done and "held-out loss 0.700" in done, done

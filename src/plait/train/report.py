@@ -194,11 +194,14 @@ def summary_table(cfg: TrainConfig, run, res):
     first, last = (res.losses[steps[0]], res.losses[steps[-1]]) if steps else (float("nan"),) * 2
     rows = [
         ("layout", layout_text(run.ctx.config)),
-        ("steps", f"{steps[0] if steps else run.start}..{cfg.steps}" + (f" (skipped {res.skipped})"
-                                                                       if res.skipped else "")),
+        ("steps", f"{steps[0] if steps else run.start}..{res.stopped_at or cfg.steps}"
+         + (f" (stopped by {res.stop_signal}; --steps {cfg.steps})" if res.stopped_at is not None else "")
+         + (f" (skipped {res.skipped})" if res.skipped else "")),
         ("loss", f"{first:.3f} -> {last:.3f}" + _no_targets(res.no_targets)),
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else
-         "- (no held-out split)" if run.data.eval_order is None else "- (no held-out target in the loss)"),
+         "- (no held-out split)" if run.data.eval_order is None else
+         f"- (not measured: stopped by {res.stop_signal})" if res.stopped_at is not None else
+         "- (no held-out target in the loss)"),
         ("data", _data_line(run, cfg.steps if res.stopped_at is None else res.stopped_at)),
         ("throughput", _throughput(res)),
         ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms", run.unpredicted)
