@@ -57,7 +57,7 @@ def start_method(target: str, preload: tuple[str, ...] = ()) -> str:
 
 def _servers() -> set[int]:
     """This process's fork servers (Linux's /proc; elsewhere none)."""
-    from plait.distributed.launch import child_pids
+    from plait.distributed.job_signals import child_pids
 
     return set(child_pids(os.getpid(), b"multiprocessing.forkserver"))
 

@@ -1,7 +1,8 @@
 """The stop signals of a job that ``plait.distributed.launch.launch`` runs: passed on to its workers
 (``ForwardSignal``), held in the workers until their entry point while they start (``HeldInterrupts``), and taken
-by stopped workers once the job has failed (``ResumeStopped``); what the kernel says a process is doing
-(``process_state``)."""
+by stopped workers once the job has failed (``ResumeStopped``); in a worker, whether the launcher's SIGTERM ends a
+failed job (``ending_after_a_failure``) and the end of a worker that cannot take it (``end_after``); what the kernel
+says of processes (``process_state``, ``child_pids``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,9 @@ from types import FrameType
 from typing import Any
 
 STOP_TIMEOUT_S = 120.0  # after a SIGTERM, time the workers get to reach a step boundary, save and exit
+#: after the SIGTERM with which the launcher ends a failed job, how long a worker left gets to end by itself (rank 0
+#: of plait serve: to answer its clients' requests with the error) before ``end_after`` ends it
+FAILED_END_S = 3.0
 #: the environment variable naming, in a launched worker, its job's folder: each failed worker's ``rank{r}`` file and
 #: each stop signal ``ForwardSignal`` passed on (``signal-N``)
 JOB_DIR_ENV = "PLAIT_JOB_DIR"
@@ -140,15 +145,57 @@ def process_state(pid: int) -> str:
     return PROC_STATES.get(state, f"state {state}")
 
 
+def child_pids(pid: int, command: bytes | None = None) -> list[int]:
+    """The live (not zombie) child processes of ``pid``, sorted; with ``command``, only those whose command line
+    holds it (``b"spawn_main"``: processes ``multiprocessing`` spawned, not its resource tracker). Read from
+    Linux's /proc: elsewhere, none."""
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]  # after "pid (name)"
+            if int(ppid) == pid and state != "Z" and (command is None or command in (entry / "cmdline").read_bytes()):
+                out.append(int(entry.name))
+        except (OSError, ValueError):  # the process ended while we read it
+            continue
+    return sorted(out)
+
+
+def a_worker_ended() -> bool:
+    """True in a launched worker when a fellow worker of its job has ended: its parent, the fork server that forked
+    the job's workers, has fewer live children than the job has workers here (``LOCAL_WORLD_SIZE``). False where
+    that cannot be told: off Linux, and for workers spawned by the launcher (its other children count too)."""
+    children = child_pids(os.getppid())
+    return 0 < len(children) < int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+
+
 def ending_after_a_failure() -> bool:
     """True in a launched worker whose job is ending because a worker failed: a failure is written down in the
-    job's folder and no stop signal was passed on, so the SIGTERM the launcher sends the workers left is nobody's
-    request to stop (False outside a launched job)."""
+    job's folder or a worker has ended (one killed writes nothing), and no stop signal was passed on, so the SIGTERM
+    the launcher sends the workers left is nobody's request to stop (False outside a launched job)."""
     folder = os.environ.get(JOB_DIR_ENV)
     if not folder:
         return False
     job = Path(folder)
-    return any(job.glob("rank*")) and not taken_signals(job)
+    return not taken_signals(job) and (any(job.glob("rank*")) or a_worker_ended())
+
+
+def end_after(seconds: float, status: int) -> None:
+    """End this process ``seconds`` from now with exit status ``status`` (its standard streams flushed), whatever its
+    main thread is doing then: a daemon timer, for a signal thread to start. Python runs a signal's handler in the
+    main thread between two bytecodes, which a main thread blocked in C++ (a collective waiting on a live peer, a
+    process group's teardown) does not reach."""
+
+    def end() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # closed, or a pipe no one reads
+                stream.flush()
+        os._exit(status)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
 
 
 def taken_signals(note: Path) -> list[int]:

@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from plait.distributed import fork_server
-from plait.distributed.job_signals import JOB_DIR_ENV, ForwardSignal, HeldInterrupts, ResumeStopped, taken_signals
+from plait.distributed.job_signals import (
+    JOB_DIR_ENV,
+    ForwardSignal,
+    HeldInterrupts,
+    ResumeStopped,
+    child_pids,
+    taken_signals,
+)
 from plait.distributed.parent import end_with_parent
 
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
@@ -61,23 +68,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def child_pids(pid: int, command: bytes | None = None) -> list[int]:
-    """The live (not zombie) child processes of ``pid``, sorted; with ``command``, only those whose command line
-    holds it (``b"spawn_main"``: processes ``multiprocessing`` spawned, not its resource tracker). Read from
-    Linux's /proc: elsewhere, none."""
-    out = []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]  # after "pid (name)"
-            if int(ppid) == pid and state != "Z" and (command is None or command in (entry / "cmdline").read_bytes()):
-                out.append(int(entry.name))
-        except (OSError, ValueError):  # the process ended while we read it
-            continue
-    return sorted(out)
 
 
 def worker_pids(launcher: int) -> list[int]:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from plait.distributed.job_signals import ending_after_a_failure
+from plait.distributed.job_signals import FAILED_END_S, end_after, ending_after_a_failure
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 0.5  # a stop signal this soon after the first is the same one, delivered twice
@@ -39,29 +39,32 @@ class StopSignals:
     """SIGINT and SIGTERM while serving. On rank 0 the first one starts the drain (handed to the engine once
     there is one); a Ctrl-C in a terminal reaches every process of the job and the launcher forwards it too,
     so a repeat within ``REPEAT_S`` is the same one, and a later one ends the running requests at once. The
-    other ranks ignore both and stop with rank 0's stop step.
+    other ranks stop with rank 0's stop step. On every rank, the SIGTERM with which the launcher ends a failed job
+    (``ending_after_a_failure``) ends the rank ``FAILED_END_S`` later if it has not ended by then: it may be
+    waiting in a collective on a peer that is alive and waits too.
 
-    Rank 0 acts on a signal in a thread of its own, woken through ``signal.set_wakeup_fd``: Python runs a
+    Each rank acts on a signal in a thread of its own, woken through ``signal.set_wakeup_fd``: Python runs a
     signal handler only when the main thread next runs Python code, and the main thread may be inside a long
     step or a collective that waits on a dead peer; /health then still says "stopping" at once.
     """
 
     def __init__(self, leader: bool):
+        self.leader = leader
         self.reason = ""
         self.first = 0.0
         self.now = False  # a second Ctrl-C: no more grace
+        self.ending = False  # the launcher's end of a failed job: this process ends ``FAILED_END_S`` after it
         self.engine = None
         self.grace = 0.0
         self.wake: tuple[int, int] | None = None  # the wakeup pipe (read, write) and the fd it replaced
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in STOP_SIGNALS:
-            signal.signal(sig, _later if leader else signal.SIG_IGN)
-        if leader:
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            self.wake = (write, signal.set_wakeup_fd(write))
-            threading.Thread(target=self._watch, args=(read,), name="plait-signals", daemon=True).start()
+            signal.signal(sig, _later)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self.wake = (write, signal.set_wakeup_fd(write))
+        threading.Thread(target=self._watch, args=(read,), name="plait-signals", daemon=True).start()
 
     def _watch(self, read: int) -> None:
         """The signal thread: each stop signal's number arrives as one byte, until the pipe closes."""
@@ -72,10 +75,16 @@ class StopSignals:
                         self._note(signum)
 
     def _note(self, signum: int) -> None:
+        failed = ending_after_a_failure()
+        if failed and signum == signal.SIGTERM and not self.ending:
+            self.ending = True
+            end_after(FAILED_END_S, 128 + signum)
+        if not self.leader:
+            return
         name = signal.Signals(signum).name
         if not self.reason:
             self.reason, self.first = name, time.monotonic()
-            if self.engine is None and not ending_after_a_failure():  # not the launcher's end of a failed job
+            if self.engine is None and not failed:  # not the launcher's end of a failed job
                 print(f"plait serve: {name}: stopping once the model has loaded", file=sys.stderr, flush=True)
         elif not self.now and time.monotonic() - self.first > REPEAT_S:
             self.now = True
@@ -100,7 +109,7 @@ class StopSignals:
 
 
 def _later(signum, frame) -> None:
-    """Rank 0's Python-level handler: nothing to do, the signal thread has already acted on the signal."""
+    """The Python-level handler: nothing to do, the signal thread has already acted on the signal."""
 
 
 def access_logger(level: str, enabled: bool) -> logging.Logger | None:
@@ -149,14 +158,12 @@ def serve_job(payload: dict) -> None:
     model, tok, cfg = load_model(payload["model"], tp, pp)
     blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
     runner = Runner(model, blocks, block)
-    try:
-        if sock is None:
-            _step_limit(runner, payload["step_timeout"], 2 * STALL_SHOWN_S)
-            follow(runner)
-        else:
-            _lead(payload, sock, runner, tok, cfg, blocks, signals)
-    finally:
-        signals.close()
+    if sock is None:
+        _step_limit(runner, payload["step_timeout"], 2 * STALL_SHOWN_S)
+        follow(runner)
+    else:
+        _lead(payload, sock, runner, tok, cfg, blocks, signals)
+    signals.close()  # after an error it watches on: the launcher's SIGTERM still ends this rank if its end waits
     if runner.ctx is not None:
         runner.ctx.set_timeout(DEFAULT_TIMEOUT_S)  # rank 0 may still be sending its last responses
         # the last collective: it fails at once where a peer has died. A rank that has finished waits for its
