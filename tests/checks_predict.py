@@ -237,52 +237,56 @@ def rank_main(root: str) -> dict:
                        ("predict/moe_memory", lambda: check_moe_memory(root))])  # last: after the timed checks
 
 
-def paired_sleeps() -> tuple[int, tuple, tuple]:
+def paired_sleeps() -> tuple[int, tuple, tuple, list[float]]:
     """Rank side of the pairing test: one kernel timed by the calibration's alone-and-shared pairs over 2 ranks,
     its call a sleep of 4 ms on rank 0 and 12 ms on rank 1 that reports a part of 1 ms. Returns (calls
-    made, the figure alone, the figure shared): the figure is (call seconds, part seconds)."""
+    made, the figure alone, the figure shared, each call's seconds as it timed itself): the figure is (call
+    seconds, part seconds)."""
     from plait.calibrate import kernels as k
     from plait.calibrate.run import paired
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    calls = [0]
+    took: list[float] = []
 
     def call() -> dict[str, float]:
-        calls[0] += 1
+        t0 = time.perf_counter()
         time.sleep(0.004 if rank == 0 else 0.012)
+        took.append(time.perf_counter() - t0)
         return {"part": 0.001}
 
     kernel = k.Kernel("sleep", {"call": call}, lambda r, pick: (pick([x["call"] for x in r]),
                                                                pick([x["part"] for x in r])), budget=0.05)
     alone, shared = paired(torch.device("cpu"), dist.group.WORLD)(kernel)
     dist.destroy_process_group()
-    return calls[0], alone, shared
+    return len(took), alone, shared, took
 
 
-def tp_round_calls(calls: int) -> tuple[list[int], float, float]:
+def tp_round_calls(calls: int) -> tuple[list[int], float, float, list[float]]:
     """Rank side of the round-length test: ``tp_block.measure`` over a 2-rank group with ``calls`` calls of
-    each part per round, its parts replaced by sleeps that count their calls (layer 4 ms, twin 2 ms).
-    Returns (calls of the layer and of the twin, their mean seconds as measured)."""
+    each part per round, its parts replaced by sleeps that count their calls and time themselves (layer 8 ms,
+    twin 2 ms). Returns (calls of the layer and of the twin, their mean seconds as measured, each part's mean
+    seconds a call after the warm-up as it timed itself)."""
     from plait.calibrate import tp_block
 
     dist.init_process_group("gloo")
     counts = [0, 0]
+    took: list[list[float]] = [[], []]
+
+    def sleeper(i: int, seconds: float):
+        def part() -> None:
+            counts[i] += 1
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            took[i].append(time.perf_counter() - t0)
+        return part
 
     def parts(shape, group, sp, device, dtype):
-        def layer() -> None:
-            counts[0] += 1
-            time.sleep(0.004)
-
-        def twin() -> None:
-            counts[1] += 1
-            time.sleep(0.002)
-
-        return layer, twin
+        return sleeper(0, 0.008), sleeper(1, 0.002)
 
     tp_block._parts = parts  # the rank's process is thrown away after the check
     groups = [dist.new_group([0, 1])]
     layer_s, twin_s = tp_block.measure((1, 8, 32, 2, 2), 2, 2, False, groups, dist.group.WORLD,
                                        torch.device("cpu"), budget=0.1, calls=calls)
     dist.destroy_process_group()
-    return counts, layer_s, twin_s
+    return counts, layer_s, twin_s, [statistics.fmean(t[1:]) for t in took]
