@@ -1,6 +1,8 @@
 """Benchmark: layout search time (cold and warm simulator cache) and the GPU model's error on the published runs
 with each source held out, and how far apart the sources are for this model (the disagreement floor:
-``plan.validation.disagreement_floor``) (``--validate`` runs only that part).
+``plan.validation.disagreement_floor``) and, for runs of one layout at several DP degrees, whether the model misses
+what each micro-batch costs or what a step pays once (``plan.validation_split``) (``--validate`` runs only that
+part).
 
 Target (issue 6): ``search`` over every layout for 16,384 GPUs and a 405B model in under 2 s.
 Each search runs in a fresh process so the simulator cache starts cold; "warm" repeats it in the
@@ -71,12 +73,15 @@ def validation() -> dict:
         memory_checks,
         own_ceilings,
     )
+    from plait.plan.validation_split import format_splits, microbatch_splits
 
     t0 = time.perf_counter()
     rep = leave_one_source_out(runs())
     print(format_report(rep))
     floor = disagreement_floor([r.run for r in rep.rows])
     print(format_floor(floor, own_ceilings([r.run for r in rep.rows])))
+    splits = microbatch_splits([r.run for r in rep.rows])
+    print(format_splits(splits))
     mem = memory_checks()
     print(format_memory_checks(mem))
     figures = byte_figures()
@@ -87,6 +92,8 @@ def validation() -> dict:
     return {"runs": len(rep.rows), "in_fit_mean_pct": fm, "in_fit_max_pct": fx, "held_out_mean_pct": hm,
             "held_out_max_pct": hx, "in_fit_constants": rep.in_fit,
             "disagreement_floor_pct": 100 * floor.error,
+            "per_microbatch_and_step": {f"{s.source}: {s.label}": {"published": s.published, "predicted": s.predicted}
+                                        for s in splits},
             "memory_statements_agreeing": f"{sum(a for *_, a in mem)} of {len(mem)}",
             "memory_figures_agreeing": _agreeing([f for f in figures if f.kind != "reserved peak"]),
             "reserved_peaks_above_allocated": _agreeing([f for f in figures if f.kind == "reserved peak"]),
