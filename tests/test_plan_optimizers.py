@@ -59,3 +59,39 @@ def test_unknown_or_foreign_optimizers_are_refused():
                                           "torch-fused-adamw"):
         Layout(dp=2).to_parallel_config(Training(4, optimizer="torch-foreach-adamw"))
     assert Layout(dp=2).to_parallel_config(Training(4, masters="plait")).dp == 2
+
+
+def test_deepspeeds_zero1_all_reduces_the_gradients_before_gathering_the_weights(monkeypatch):
+    """DeepSpeed's fp16 ZeRO stage 1 (``step_end.ZERO1_ALL_REDUCE``: contiguous gradients forced off, so each
+    bucket is all-reduced) then all-gathers the updated partitions, where plait's ZeRO-1 reduce-scatters: the same
+    gather, twice the reduction's ring traffic. ZeRO-2 and no ZeRO are the same either way; BLOOM's search rows,
+    which ran it, pay it in their step."""
+    from dataclasses import replace
+
+    from plait.plan import step_end
+    from plait.plan.memory import max_rank_split
+    from plait.plan.published import runs
+
+    row = next(r for r in runs() if r.label == "BLOOM 181B search: dp24 tp8 pp2 mbs1")
+    assert row.training.optimizer == "deepspeed-zero-fp16" and row.layout.zero == 1
+    model, cluster, layout = row.model, row.cluster, row.layout
+    n, span, grads = layout.dp, layout.tp * layout.dp, 2 * PARAMS  # fp16 gradients
+    ours = step_end.dp_sync_parts(model, cluster, layout, PARAMS, "fp16")
+    deepspeed = step_end.dp_sync_parts(model, cluster, layout, PARAMS, "fp16", optimizer="deepspeed-zero-fp16")
+    assert ours[0] == pytest.approx(cluster.costs.collective("reduce_scatter", grads, n, span))
+    assert deepspeed[0] == pytest.approx(cluster.costs.collective("all_reduce", grads, n, span))
+    assert deepspeed[1] == ours[1] > 0 and deepspeed[0] > 1.9 * ours[0]
+    for zero in (0, 2):
+        other = replace(layout, zero=zero)
+        assert step_end.dp_sync_parts(model, cluster, other, PARAMS, "fp16", optimizer="deepspeed-zero-fp16") == \
+            step_end.dp_sync_parts(model, cluster, other, PARAMS, "fp16")
+
+    def reduction() -> float:
+        return estimate(model, cluster, layout, row.training).phases["grad_reduction"]
+
+    charged = reduction()
+    monkeypatch.setattr(step_end, "ZERO1_ALL_REDUCE", frozenset())
+    params = sum(max_rank_split(model, layout))
+    extra = (cluster.costs.collective("all_reduce", 2 * params, n, span)
+             - cluster.costs.collective("reduce_scatter", 2 * params, n, span))
+    assert charged - reduction() == pytest.approx(extra) and extra > 8.0  # seconds, of a 145 s step

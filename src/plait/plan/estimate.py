@@ -134,7 +134,8 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
     busy["cpu_sharing"] = max(0.0, span.busy - sum(busy.values()))
     dense, expert = mem.max_rank_split(model, layout)
     params = dense + expert
-    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert)
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert,
+                                                  training.optimizer)
     busiest = max(ranks, key=lambda c: c.forward + c.backward)
     gather_3, scatter_3 = step_end.zero3_collectives(cluster, layout, params, step_end.zero3_units(model, layout),
                                                      training.grad_dtype, expert)

@@ -56,7 +56,9 @@ OMNIPATH = Link("Omni-Path, 4 HFIs per node (NCCL's measured 40.5 Gb/s each)", 4
 # communication_data_type: fp16 when fp16 or a ZeRO stage is on). Its optimizer step: that ZeRO-1's fp16 step around
 # apex's FusedAdam (the slurm's --optimizer adam, --clip-grad 1.0, "gradient_clipping": 1.0), "deepspeed-zero-fp16"
 # (``plan.optimizers``). Its ds_config sets no overlap_comm (v0.5.10's default False): ZeRO-1 registers no gradient
-# hooks and autograd accumulates the fp16 gradients in param.grad ("autograd-16bit", ``plan.accumulation``).
+# hooks and autograd accumulates the fp16 gradients in param.grad ("autograd-16bit", ``plan.accumulation``). At the
+# step's end that ZeRO-1 all-reduces the gradients, then all-gathers the updated partitions
+# (``plan.step_end.ZERO1_ALL_REDUCE``: v0.5.10's engine turns contiguous_gradients off at stage 1).
 BLOOM_PREQUEL_GRADS = "fp16"
 BLOOM_PREQUEL_WHERE = ("BigScience tr11-176B-ml chronicles-prequel.md (commit 59a90eec), 'GBS Variations' "
                        "(NLAYERS=72, NHIDDEN=14336, NHEADS=64), bigscience-workshop/bigscience")

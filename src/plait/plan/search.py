@@ -139,7 +139,8 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     st = layout_stages(model, layout)
     dense, expert = mem.max_rank_split(model, layout)
     params = dense + expert
-    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert)
+    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert,
+                                                  training.optimizer)
     backward, forward = [0.0] * layout.pp, [0.0] * layout.pp  # a rank's passes over its chunks (``estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward

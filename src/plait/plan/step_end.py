@@ -13,6 +13,16 @@ from plait.plan.optimizers import RUNTIME_OPTIMIZER
 #: parameter tensors of a Llama layer: seven projections and two norms
 PARAM_TENSORS_PER_LAYER = 9
 
+#: The ``Training.optimizer`` stacks whose ZeRO-1 all-reduces the gradients (and then all-gathers the updated
+#: weights) where plait's reduce-scatters them. DeepSpeed's fp16 ZeRO stage 1 (microsoft/DeepSpeed v0.5.10 and
+#: master of 2022-02-18, 2151c787; the same from v0.4.4, #1246, to v0.12): deepspeed/runtime/engine.py
+#: _configure_zero_optimizer sets contiguous_gradients = False at stage 1 ("meaningless in stage 1"), so
+#: zero/stage_1_and_2.py reduce_ipg_grads takes buffered_reduce_fallback(None, ...), whose allreduce_bucket runs
+#: dist.all_reduce on each flattened 5e8-element bucket; step then all-gathers the updated fp16 partitions in
+#: shards (dist.all_gather). The bucket's flatten, div_ and copies back (12 B an element through HBM) are not
+#: charged.
+ZERO1_ALL_REDUCE = frozenset({"deepspeed-zero-fp16"})
+
 
 def groups(layout: Layout, params_on_gpu: float, expert: float = 0.0) -> tuple[tuple[float, int], ...]:
     """A rank's ``params_on_gpu`` parameters by the group their gradients are reduced over, and under ZeRO
@@ -26,14 +36,15 @@ def groups(layout: Layout, params_on_gpu: float, expert: float = 0.0) -> tuple[t
 
 
 def dp_sync_time(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
-                 grad_dtype: str = "fp32", expert: float = 0.0) -> float:
+                 grad_dtype: str = "fp32", expert: float = 0.0, optimizer: str = RUNTIME_OPTIMIZER) -> float:
     """Gradient synchronisation at the end of a step over dp·cp (Rajbhandari et al. 2020, §5): the sum of
     ``dp_sync_parts``."""
-    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu, grad_dtype, expert))
+    return sum(dp_sync_parts(model, cluster, layout, params_on_gpu, grad_dtype, expert, optimizer))
 
 
 def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu: float,
-                  grad_dtype: str = "fp32", expert: float = 0.0) -> tuple[float, float]:
+                  grad_dtype: str = "fp32", expert: float = 0.0,
+                  optimizer: str = RUNTIME_OPTIMIZER) -> tuple[float, float]:
     """(gradient reduction, updated weights' gather) over dp·cp, the gradients in ``grad_dtype``
     (``Training.grad_dtype``: fp32 as plait runs it, 2 B where the stack reduces 16-bit gradients): an
     all-reduce of the gradients and no gather (no ZeRO); a reduce-scatter of them and an all-gather of the
@@ -42,20 +53,21 @@ def dp_sync_parts(model: Model, cluster: Cluster, layout: Layout, params_on_gpu:
     next forwards: ``plan.overlap``); bf16 weights on catalogue GPUs, fp32 on a calibrated host, plait train's
     default); ZeRO-3 as plait runs it: the same reduce-scatter, of the last
     micro-batch's backward (each earlier one reduce-scatters its own: ``zero_per_microbatch``), and no gather
-    after the step (each forward and backward gathers its blocks). The ``expert`` parameters of an MoE model go
-    over their own group, a collective of their own (``groups``)."""
+    after the step (each forward and backward gathers its blocks). Under ZeRO-1 an ``optimizer`` in
+    ``ZERO1_ALL_REDUCE`` all-reduces the gradients before the same gather. The ``expert`` parameters of an MoE
+    model go over their own group, a collective of their own (``groups``)."""
     if layout.zero == 3:
         return zero3_collectives(cluster, layout, params_on_gpu, zero3_units(model, layout), grad_dtype,
                                  expert)[1], 0.0
     span = layout.tp * layout.dp * layout.cp
     collective = cluster.costs.collective
     grad_bytes, weight_bytes = GRAD_DTYPES[grad_dtype], cluster.costs.weight_gather_bytes
+    reduce = "all_reduce" if layout.zero == 0 or (layout.zero == 1 and optimizer in ZERO1_ALL_REDUCE) else \
+        "reduce_scatter"
     reduction = gather = 0.0
     for elements, n in groups(layout, params_on_gpu, expert):
-        if layout.zero == 0:
-            reduction += collective("all_reduce", grad_bytes * elements, n, span)
-        else:
-            reduction += collective("reduce_scatter", grad_bytes * elements, n, span)
+        reduction += collective(reduce, grad_bytes * elements, n, span)
+        if layout.zero:
             gather += collective("all_gather", weight_bytes * elements, n, span)
     return reduction, gather
 
