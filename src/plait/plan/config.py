@@ -266,9 +266,8 @@ class Training:
     gradient buffer), "apex-distributed-adam" (apex's DistributedFusedAdam), "deepspeed-bf16" and
     "deepspeed-zero-fp16" (DeepSpeed's BF16_Optimizer, its ZeRO-1/2 with fp16), "composer-decoupled-adamw"
     (Composer's per-tensor DecoupledAdamW, FSDP's clip) or "torch-foreach-adamw" (torch's foreach AdamW and
-    clip_grad_norm_). Another stack's step also replaces plait's ZeRO publish (``plan.step_end.publish_time``),
-    and DeepSpeed's ZeRO-1 all-reduces the gradients where plait's reduce-scatters (``step_end.ZERO1_ALL_REDUCE``).
-    ``Layout.to_parallel_config`` refuses any but plait's."""
+    clip_grad_norm_). Another stack's step also replaces plait's ZeRO publish (``step_end.publish_time``), DeepSpeed's
+    ZeRO-1 its reduce-scatter (``step_end.ZERO1_ALL_REDUCE``). ``Layout.to_parallel_config`` refuses any but plait's."""
     tp_overlap_sms: tuple[int, int] = TE_OVERLAP_SMS
     """Under ``tp_comm_overlap``, the SMs (1 to ``UB_MAX_SMS``) the pipelined reduce-scatter after the attention's
     output projection and the one after the MLP's last GEMM hold while their GEMMs run on the rest: Transformer
