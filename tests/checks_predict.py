@@ -199,33 +199,43 @@ def check_moe_memory(root: Path) -> list[dict]:
     return out
 
 
-LATE_S = 0.5  # how long the last DP replica starts its forward/backward late in the phases check
+LATE_S = 0.5  # the least the last DP replica starts its forward/backward late in the phases check
 
 
 def check_phases(root: Path) -> dict:
-    """Four DP replicas, the last starting its forward/backward ``LATE_S`` late: this rank's seconds per phase
-    of the step (``train_one(..., phases)``) beside the step's own time. The others should wait for it in the
-    gradient reduction, the late one in its forward/backward."""
+    """Four DP replicas, the last starting its forward/backward late: this rank's seconds per phase of the
+    step (``train_one(..., phases)``) beside the step's own time, and the delay. The others should wait for it
+    in the gradient reduction, the late one in its forward/backward. The delay is at least ``LATE_S`` and
+    twice the slowest rank's plain step timed just before: the other replicas compute while the late one
+    sleeps, and other jobs on the cores can stretch their forward/backward past the late one's own by a fixed
+    delay's half (0.58 s at load 8; with 0.5 s, 2 of 4 launches at load 10 left less than half of it to their
+    gradient reduction)."""
     cfg = _cfg(root / "phases", tp=1, pp=1, dp=4)
     with plait.init(1, 1, 4) as ctx:
         run = build(cfg, ctx)
         train_one(run, 0, False)  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_one(run, 1, False)
+        plain = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(plain, op=dist.ReduceOp.MAX)
+        delay = max(LATE_S, 2 * float(plain))
         if run.ctx.dp_rank == 3:
             run_schedule = run.pm.executor.run
 
             def late(*args, **kwargs):
-                time.sleep(LATE_S)
+                time.sleep(delay)
                 return run_schedule(*args, **kwargs)
 
             run.pm.executor.run = late  # this rank's model is thrown away after the check
         phases: dict[str, float] = {}
         dist.barrier()
         t0 = time.perf_counter()
-        train_one(run, 1, False, phases)
+        train_one(run, 2, False, phases)
         step_s = time.perf_counter() - t0
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, {"dp": run.ctx.dp_rank, "phases": phases, "step_s": step_s})
-        return {"ranks": everyone}
+        return {"ranks": everyone, "late_s": delay}
 
 
 def rank_main(root: str) -> dict:

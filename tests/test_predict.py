@@ -208,24 +208,26 @@ def test_each_rank_times_its_step_by_phase(world4):
     """``train_one(..., phases)`` splits a rank's step into its forward/backward part, its wait for the
     gradient reduction and its optimizer step (plait.plan.estimate.PHASES): they add up to the step, and
     when one DP replica starts its forward/backward late, that rank's delay is in its forward/backward part
-    and every other replica's is in its gradient reduction."""
-    ranks = result(world4, "predict/phases")[0]["ranks"]
-    late = checks_predict.LATE_S
+    and the other replicas wait for it in their gradient reduction (the delay: ``checks_predict.check_phases``).
+    The reduction ends on every replica when the late one's forward/backward has ended; how long the
+    others' own forward/backward took depends on the host's load (3 processes share its cores while the
+    late one sleeps, and other jobs can keep one of them off a core for a second: one read 1.34 s where the
+    other two read 0.26 at load 15), so the wait is bounded from that end, and checked on the other replica
+    that computed fastest."""
+    out = result(world4, "predict/phases")[0]
+    ranks, late = out["ranks"], out["late_s"]
+    assert late >= checks_predict.LATE_S
     (slow,) = [r["phases"] for r in ranks if r["dp"] == 3]
-    # The reduction ends on every replica when the late one's forward/backward has ended; how long the
-    # others' own forward/backward took depends on the host's load (3 processes share its cores while the
-    # late one sleeps), so the wait is bounded from that end, not as a fixed share of the delay.
     reduced_at = slow["forward_backward"] + slow["grad_reduction"]
     for r in ranks:
         ph = r["phases"]
         assert set(ph) == {"forward_backward", "grad_reduction", "optimizer"} and min(ph.values()) >= 0.0
         assert sum(ph.values()) == pytest.approx(r["step_s"], abs=1e-2)  # 1e-2: a preempted timer call
         assert ph["forward_backward"] + ph["grad_reduction"] == pytest.approx(reduced_at, abs=late / 4), r
-        if r["dp"] == 3:
-            assert ph["forward_backward"] >= late and ph["grad_reduction"] < late / 2, r
-        else:
-            assert ph["grad_reduction"] >= late / 2, r
-            assert ph["forward_backward"] <= slow["forward_backward"] - late / 2, r
+    assert slow["forward_backward"] >= late and slow["grad_reduction"] < late / 2, slow
+    first = min((r["phases"] for r in ranks if r["dp"] != 3), key=lambda ph: ph["forward_backward"])
+    assert first["grad_reduction"] >= late / 2, first
+    assert first["forward_backward"] <= slow["forward_backward"] - late / 2, first
 
 
 def test_the_suites_host_profile_leaves_plait_train_nothing_to_measure(plait_cache):
