@@ -26,11 +26,12 @@ import numpy as np
 
 from plait.data.chat import ChatSpec, Spans
 from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
-from plait.data.sources import BadRecord, Source, Task, discover, read_task, tasks, where
+from plait.data.sources import CHUNK, BadRecord, Source, Task, discover, read_task, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
 from plait.distributed.parent import end_with_parent
 from plait.errors import ConfigError, check_output_path
 from plait.files import fsync_path
+from plait.words import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -273,9 +274,11 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Cons
     from plait.data.report import prepare_progress
 
     results: list[TaskResult] = []
-    with prepare_progress(console, total) as bar:
+    workers = 1 if workers == 1 or len(todo) <= 1 else min(workers, len(todo))
+    doing = f"tokenizing: {counted(workers, 'worker')} (the bar moves as each {CHUNK >> 20} MB chunk is done)"
+    with prepare_progress(console, total, doing) as bar:
         try:
-            if workers == 1 or len(todo) <= 1:
+            if workers == 1:
                 saved = os.environ.get("TOKENIZERS_PARALLELISM")
                 try:
                     encode = Encoder(job)
@@ -288,7 +291,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Cons
                 import multiprocessing as mp
 
                 with _sigint_blocked():  # until each worker ignores it (a Ctrl-C while they start: no tracebacks)
-                    pool = mp.get_context("spawn").Pool(min(workers, len(todo)), _init_worker, (job,))
+                    pool = mp.get_context("spawn").Pool(workers, _init_worker, (job,))
                 with pool:
                     for r in pool.imap(_run_in_worker, todo):
                         results.append(r)

@@ -14,8 +14,10 @@ LINE_EVERY_S = 30.0
 
 
 class _Bar:
-    """Advances a rich progress bar by each finished task's input bytes and counts tokens for the rate; without
-    a bar, prints a line every LINE_EVERY_S seconds to ``console`` (when there is one)."""
+    """Advances a rich progress bar by each finished task's input bytes, with the speed, tokens and time left
+    counted from the start (a task's bytes arrive at once when it ends: a rate over the last moments would read
+    a chunk's megabytes over milliseconds); without a bar, prints a line every LINE_EVERY_S seconds to
+    ``console`` (when there is one)."""
 
     def __init__(self, progress, task, console=None, total: int = 0):
         self.progress, self.task, self.tokens, self.t0 = progress, task, 0, time.perf_counter()
@@ -25,16 +27,17 @@ class _Bar:
         self.tokens += int(sum(n.sum() for n in result.lengths.values()))
         self.done += result.nbytes
         now = time.perf_counter()
-        rate = self.tokens / max(1e-9, now - self.t0)
+        speed = self.done / max(1e-9, now - self.t0)
+        left = f"about {_duration((self.total - self.done) / max(speed, 1e-9))} left"
         if self.progress is not None:
-            self.progress.update(self.task, advance=result.nbytes, info=f"{self.tokens:,} tokens, {rate:,.0f} tokens/s")
+            self.progress.update(self.task, advance=result.nbytes, info=(
+                f"{speed / 1e6:,.1f} MB/s, {self.tokens:,} tokens, "
+                f"{self.tokens / max(1e-9, now - self.t0):,.0f} tokens/s, {left}"))
         elif self.console is not None and now - self.shown >= LINE_EVERY_S and self.done < self.total:
             self.shown = now
-            speed = self.done / max(1e-9, now - self.t0)
-            left = (self.total - self.done) / max(speed, 1e-9)
             self.console.print(f"prepare: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB "
                                f"({self.done / max(1, self.total):.0%}), {self.tokens:,} tokens, "
-                               f"{speed / 1e6:,.1f} MB/s, about {_duration(left)} left",
+                               f"{speed / 1e6:,.1f} MB/s, {left}",
                                soft_wrap=True)  # one line of the log each, whatever the console's width
 
 
@@ -44,18 +47,19 @@ def _duration(seconds: float) -> str:
 
 
 @contextmanager
-def prepare_progress(console, total_bytes: int):
-    """A bar over the sources' bytes on an interactive console; otherwise a line every LINE_EVERY_S seconds."""
+def prepare_progress(console, total_bytes: int, doing: str = "tokenizing"):
+    """A bar over the sources' bytes on an interactive console, saying ``doing`` until the first task ends;
+    otherwise a line every LINE_EVERY_S seconds."""
     if console is None or not console.is_terminal:
         yield _Bar(None, None, console, total_bytes)
         return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=console)
-    task = progress.add_task("prepare", total=total_bytes, info="starting workers")
+    progress = Progress(TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.fields[info]}"), console=console)
+    task = progress.add_task("prepare", total=total_bytes, info=doing)
     with progress:
-        yield _Bar(progress, task)
+        yield _Bar(progress, task, total=total_bytes)
 
 
 def prepare_summary(meta: dict, out: Path):
