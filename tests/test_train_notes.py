@@ -320,3 +320,31 @@ def test_the_summary_of_a_run_stopped_by_a_signal_names_the_stop_not_a_missing_t
     assert "71,168 tokens seen" in stopped, stopped
     done = rows(TrainResult(losses={1: 5.5, 200: 0.5}, held_out=0.7))
     assert "steps 1..200 loss" in done and "held-out loss 0.700" in done, done
+
+
+def test_what_follows_the_last_step_is_said_before_it_is_done(tmp_path):
+    """The last checkpoint's save, the held-out loss and the sample take a minute or more for a large model, after
+    the last step's line: the log says what the run does, before the summary (it was silent until then)."""
+    import io
+
+    from rich.console import Console
+
+    import plait.train.loop as loop
+    from data_util import write_jsonl
+    from plait.data import prepare
+    from plait.train.report import Reporter
+
+    src = write_jsonl(tmp_path / "c.jsonl", [f"document {i}: some words to train on. " * 4 for i in range(40)])
+    prepare([str(src)], "bytes", tmp_path / "d", workers=1, held_out=0.3)
+    cfg = TrainConfig.from_dict(dict(tp=1, pp=1, dp=1, microbatches=1, seq_len=16, batch_size=2, steps=2, warmup=1,
+                                     eval_every=0, sample_tokens=4, trace_every=0, data=[str(tmp_path / "d")],
+                                     async_checkpoint=False, checkpoint_dir=str(tmp_path / "ck")))
+    log = io.StringIO()
+    loop.train(cfg, reporter=Reporter(cfg, 0, Console(file=log, width=200)))
+    lines = log.getvalue().splitlines()
+    said = [f"saving the checkpoint of step 2 in {tmp_path / 'ck'} ...", "measuring the held-out loss ...",
+            "sampling up to 4 tokens ..."]
+    at = [lines.index(s) for s in said]
+    last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
+    summary = next(i for i, line in enumerate(lines) if "plait train: summary" in line)
+    assert last_step < at[0] < at[1] < at[2] < summary, lines

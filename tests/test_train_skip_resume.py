@@ -37,6 +37,9 @@ class _Rows:
     def step(self, row):
         self.rows.append(row)
 
+    def doing(self, text):
+        pass
+
     def end(self, run, res):
         pass
 

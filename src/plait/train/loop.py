@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -275,7 +276,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Pr
                 timed_save(run, res, step + 1)
             break
     res.memory = memory_rows(run.pm)
-    _finish(run, res, times)
+    _finish(run, res, times, reporter.doing if reporter is not None else lambda text: None)
     if reporter is not None:
         reporter.end(run, res)
     return res
@@ -352,7 +353,9 @@ def memory_rows(pm) -> list[dict]:
     return rows
 
 
-def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
+def _finish(run: Run, res: TrainResult, times: list[float], doing: Callable[[str], None]) -> None:
+    """The work after the last step: its checkpoint, the held-out loss, the sample, each said to ``doing``
+    (``Reporter.doing``: a minute or more for a large model, after the last step's line)."""
     cfg = run.cfg
     steady = sorted(times[1:] or times)
     if steady:
@@ -360,8 +363,15 @@ def _finish(run: Run, res: TrainResult, times: list[float]) -> None:
         res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
     if res.stopped_at is None:  # (stopped by a signal: the checkpoint is saved, leave promptly)
         if cfg.steps > run.start or run.resumed_from is None:
+            doing(f"saving the checkpoint of step {cfg.steps} in {cfg.checkpoint_dir} ...")
             res.checkpoint = save(run, cfg.steps)
+        if run.data.eval_order is not None:
+            doing("measuring the held-out loss ...")
         res.held_out = held_out_loss(run)  # while the last checkpoint is written
+        if cfg.sample_tokens > 0:
+            doing(f"sampling up to {cfg.sample_tokens} tokens ...")
         res.sample = sample_text(run)
     if run.saver is not None:
+        if run.saver.pending:
+            doing(f"writing the checkpoint {res.checkpoint} (in the background since its step) ...")
         run.saver.wait_all()  # the last checkpoint in place (on every rank) before the run reports it

@@ -112,6 +112,16 @@ class Reporter:
         progress.start()
         self.progress = progress
 
+    def doing(self, text: str) -> None:
+        """Say what the run does between its steps' lines (the last checkpoint's save, the sample): in the bar's
+        place on a terminal, else a line of the log."""
+        if not self.active or self.console is None:
+            return
+        if self.progress is not None and self.task is not None:
+            self.progress.update(self.task, info=text)
+        else:
+            self.console.print(text, soft_wrap=True, markup=False)
+
     def _info(self, row: dict) -> str:
         m, p = self.bubbles
         bub = f" | bubble {m:.0%}" + (f" (predicted {p:.0%})" if p is not None else "") if m is not None else ""
@@ -141,6 +151,8 @@ class Reporter:
         if not self.active:
             return
         if self.progress is not None:
+            if self.last and self.task is not None:  # the last step's figures in place of what followed it
+                self.progress.update(self.task, info=self._info(self.last))
             self.progress.stop()
         if self.metrics is not None:
             self.metrics.close()
