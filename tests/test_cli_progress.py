@@ -73,3 +73,48 @@ def test_help_imports_no_torch(args):
             "sys.stderr.write(repr(sorted(m for m in ('torch', 'numpy') if m in sys.modules)))")
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert "Usage:" in proc.stdout and proc.stderr == "[]", proc.stderr
+
+
+def test_generate_and_serve_say_which_weights_they_read_and_how_many_bytes(tmp_path, monkeypatch):
+    """Reading a large model's weights is the longest silence of a start (19 s for 406 MB here, after the starting
+    line): on a terminal, generate and serve say from where and how much, once their checks have passed. A
+    checkpoint's bytes are its model tensors' (the optimizer state is not read)."""
+    import io
+    import json
+
+    from typer.testing import CliRunner
+
+    import plait.cli.progress as progress
+    import plait.distributed.launch as launch
+    from plait.checkpoint.store import FORMAT, META
+    from plait.cli.main import app
+    from plait.generation.job import weights_size
+    from serve_util import listen_port, tiny_model
+
+    model = str(tiny_model(tmp_path / "m"))
+    size = (tmp_path / "m" / "model.safetensors").stat().st_size
+    assert weights_size(model) == (model, size)
+    step = tmp_path / "ck" / "step_00000001"
+    step.mkdir(parents=True)
+    tensor = {"w": {"shape": [4, 8], "dtype": "float32"}, "n": {"shape": [3], "dtype": "bfloat16"},
+              "optim/exp_avg/w": {"shape": [4, 8], "dtype": "float32"}}
+    (step / META).write_text(json.dumps({"format": FORMAT, "tensors": tensor}))
+    assert weights_size(str(tmp_path / "ck")) == (str(step), 4 * 8 * 4 + 3 * 2)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    said = Terminal()
+    monkeypatch.setattr(progress.sys, "stderr", said)
+    progress.loading("generate", "big", 405_868_544)
+    assert said.getvalue() == "plait generate: reading the weights of big (406 MB) ...\n"
+    calls = []
+    monkeypatch.setattr(progress, "loading", lambda *args: calls.append(args))
+    monkeypatch.setattr(launch, "run_or_launch", lambda *args, **kwargs: calls.append("launched"))
+    for args in (["generate", "--model", model, "--prompt", "hi"],
+                 ["serve", "--model", model, "--port", str(listen_port())]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        assert calls == [(args[0], model, size), "launched"], calls  # said before the launch, not after
+        calls.clear()

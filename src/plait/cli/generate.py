@@ -67,7 +67,7 @@ def generate_command(
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
-    from plait.cli.progress import starting
+    from plait.cli.progress import loading, starting
     from plait.distributed import fork_server
 
     tp, pp = (layout or {}).get("tp", 1), (layout or {}).get("pp", 1)
@@ -81,7 +81,7 @@ def generate_command(
         from plait.distributed.launch import JobError, run_or_launch
         from plait.errors import ConfigError, flag_message
         from plait.generation.decode import Sampling
-        from plait.generation.job import check_layout, check_weights, source_config
+        from plait.generation.job import check_layout, check_weights, source_config, weights_size
         from plait.parallel_config import ParallelConfig
         from plait.tokenizers import check_fits
 
@@ -106,6 +106,7 @@ def generate_command(
                                max_new_tokens, config.max_seq_len)
             if par.tp * par.pp > 1:  # before launching (last: it reads the weights); one process checks them as it
                 check_weights(model)  # loads them, before anything else, in the same words
+            loading("generate", *weights_size(model))
             payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
             with lost_peer_in_one_line():  # under torchrun this process is a rank

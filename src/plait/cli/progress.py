@@ -23,6 +23,17 @@ def starting(command: str, processes: int, layout: str) -> None:
         return
     typer.echo(f"plait {command}: starting {counted(processes, 'process')} ({layout}) ...", err=True)
 
+def loading(command: str, folder: str, size: int) -> None:
+    """Say on standard error, when a person is watching it (as ``starting``), that ``plait command`` reads
+    ``size`` bytes of weights from ``folder``: after the checks, before the launch, for a large model the
+    longest silence of its start."""
+    from plait.distributed.launch import under_torchrun
+
+    if under_torchrun() or not sys.stderr.isatty():
+        return
+    typer.echo(f"plait {command}: reading the weights of {folder} ({size / 1e6:,.0f} MB) ...", err=True)
+
+
 def layout_words(p: ParallelConfig) -> str:
     """A ParallelConfig's mesh in words: ``tp 2 x pp 2 x dp 1``, with ``x cp 2`` where there is context
     parallelism; a dp of -1 (inferred) as ``dp to fill --nproc``."""

@@ -59,7 +59,7 @@ def serve_command(
     settings: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options; ``settings``: ServeConfig's (plait.cli.options)."""
-    from plait.cli.progress import starting
+    from plait.cli.progress import loading, starting
     from plait.distributed import fork_server
 
     tp, pp = (layout or {}).get("tp", 1), (layout or {}).get("pp", 1)
@@ -70,7 +70,7 @@ def serve_command(
 
         from plait.distributed.launch import JobError, JobStopped, run_or_launch
         from plait.errors import ConfigError, flag_message
-        from plait.generation.job import check_layout, check_weights, source_config, tokenizer_folder
+        from plait.generation.job import check_layout, check_weights, source_config, tokenizer_folder, weights_size
         from plait.parallel_config import ParallelConfig
         from plait.serve.config import ServeConfig
         from plait.tokenizers import check_fits
@@ -91,6 +91,7 @@ def serve_command(
             if par.tp * par.pp > 1:  # before launching; one process checks them as it loads them, in the same words
                 check_weights(cfg.model)
             bind(cfg.host, cfg.port).close()  # a busy port fails here, before any worker starts
+            loading("serve", *weights_size(cfg.model))
             payload = {**cfg.payload(), "tp": par.tp, "pp": par.pp, "api_key": api_key}
             # SIGINT and SIGTERM go to the workers: rank 0 drains and stops every rank (one line, exit code 0)
             run_or_launch(TARGET, payload, par.tp * par.pp, (signal.SIGINT, signal.SIGTERM))
