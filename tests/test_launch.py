@@ -265,3 +265,50 @@ def test_launched_workers_keep_c10d_s_cpp_warnings_to_plait_debug(debug):
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "['timed out']", (proc.stdout, proc.stderr[-3000:])
     assert ("waitForInput" in proc.stderr) == debug, proc.stderr[-3000:]
+
+
+def job_waits_on_a_live_peer(payload: dict) -> None:
+    """A job's worker with the stop signals of plait serve (rank 0 the leader) or of plait train (``payload["job"]``):
+    once the three are connected, rank 2 notes the time and dies by SIGKILL (no failure written), and ranks 0 and 1
+    each wait in a receive from the other, a wait that no peer's death ends."""
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from plait.serve.job import StopSignals
+    from plait.train.preempt import StopRequest
+
+    rank = int(os.environ["RANK"])
+    if payload["job"] == "serve":
+        StopSignals(leader=rank == 0)
+    else:
+        StopRequest().install()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.barrier()
+    if rank == 2:
+        Path(payload["died"]).write_text(repr(time.monotonic()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.recv(torch.zeros(1), src=1 - rank)
+
+
+@pytest.mark.parametrize("job", ["serve", "train"])
+def test_the_launcher_s_end_of_a_failed_job_ends_workers_waiting_on_live_peers(tmp_path, job):
+    """After a worker's death the launcher sends SIGTERM to the workers left and kills them 30 s later (torch
+    elastic); plait serve's and plait train's workers catch SIGTERM (a drain, a checkpoint), and one blocked in a
+    collective with a live peer runs no handler in its main thread: its signal thread ends it ``FAILED_END_S``
+    after that SIGTERM. The job names the dead rank."""
+    import re
+    import time
+
+    from plait.distributed.job_signals import FAILED_END_S
+    from plait.distributed.launch import JobError
+
+    with pytest.raises(JobError) as failed:
+        launch("test_launch:job_waits_on_a_live_peer", {"job": job, "died": str(tmp_path / "died")}, 3)
+    took = time.monotonic() - float((tmp_path / "died").read_text())
+    assert re.fullmatch(r"rank 2 \(pid \d+\) died \(signal SIGKILL\); stopped the other ranks( \[.*\])?",
+                        str(failed.value)), str(failed.value)
+    assert took < FAILED_END_S + 12, f"the job ended {took:.1f} s after the death"

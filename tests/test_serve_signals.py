@@ -1,16 +1,13 @@
-"""plait serve's stop signals: on rank 0 SIGINT and SIGTERM reach the engine at once, whatever the main thread is
-doing; the launcher's end of a failed job is no request to stop, and it ends every rank soon, whatever the rank
-waits on."""
+"""plait serve's stop signals on rank 0: SIGINT and SIGTERM reach the engine at once, whatever the main thread is
+doing; the launcher's end of a failed job is no request to stop (and sets the rank's end: test_launch.py's
+test_the_launcher_s_end_of_a_failed_job_ends_workers_waiting_on_live_peers)."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import threading
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
@@ -58,8 +55,8 @@ def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp
     says nothing of stopping (the failed rank's error is the job's one line) and sets its own end ``FAILED_END_S``
     later. A SIGTERM its launcher passed on (``signal-15`` beside the failure) is a request to stop: rank 0 says so
     and sets no end."""
+    from plait.distributed import job_signals
     from plait.distributed.job_signals import FAILED_END_S, JOB_DIR_ENV
-    from plait.serve import job
     from plait.serve.job import StopSignals
 
     (tmp_path / "rank1").write_text("ConfigError\nthe file was damaged")
@@ -67,7 +64,7 @@ def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp
         (tmp_path / f"signal-{int(signal.SIGTERM)}").touch()
     monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path))
     ends: list[tuple[float, int]] = []
-    monkeypatch.setattr(job, "end_after", lambda seconds, status: ends.append((seconds, status)))  # not this pytest
+    monkeypatch.setattr(job_signals, "end_after", lambda seconds, status: ends.append((seconds, status)))  # not pytest
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signals = StopSignals(leader=True)  # rank 0 before its engine exists: the model still loading
     try:
@@ -85,36 +82,3 @@ def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp
     assert said == ("plait serve: SIGTERM: stopping once the model has loaded\n" if forwarded else ""), said
     assert ends == ([] if forwarded else [(FAILED_END_S, 128 + signal.SIGTERM)])
 
-
-def job_waits_on_a_live_peer(payload: dict) -> None:
-    """A job's worker with plait serve's stop signals (rank 0 the leader): once the three are connected, rank 2
-    notes the time and dies by SIGKILL (no failure written), and ranks 0 and 1 each wait in a receive from the
-    other, a wait that no peer's death ends."""
-    import torch
-    import torch.distributed as dist
-
-    from plait.serve.job import StopSignals
-
-    rank = int(os.environ["RANK"])
-    StopSignals(leader=rank == 0)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    dist.barrier()
-    if rank == 2:
-        Path(payload["died"]).write_text(repr(time.monotonic()))
-        os.kill(os.getpid(), signal.SIGKILL)
-    dist.recv(torch.zeros(1), src=1 - rank)
-
-
-def test_the_launcher_s_end_of_a_failed_job_ends_ranks_waiting_on_live_peers(tmp_path):
-    """After a worker's death the launcher sends SIGTERM to the workers left and kills them 30 s later (torch
-    elastic); a serving rank blocked in a collective with a live peer takes no signal in its main thread, so its
-    signal thread ends it ``FAILED_END_S`` after that SIGTERM. The job names the dead rank."""
-    from plait.distributed.job_signals import FAILED_END_S
-    from plait.distributed.launch import JobError, launch
-
-    with pytest.raises(JobError) as failed:
-        launch("test_serve_signals:job_waits_on_a_live_peer", {"died": str(tmp_path / "died")}, 3)
-    took = time.monotonic() - float((tmp_path / "died").read_text())
-    assert re.fullmatch(r"rank 2 \(pid \d+\) died \(signal SIGKILL\); stopped the other ranks( \[.*\])?",
-                        str(failed.value)), str(failed.value)
-    assert took < FAILED_END_S + 12, f"the job ended {took:.1f} s after the death"

@@ -1,8 +1,9 @@
 """The stop signals of a job that ``plait.distributed.launch.launch`` runs: passed on to its workers
 (``ForwardSignal``), held in the workers until their entry point while they start (``HeldInterrupts``), and taken
 by stopped workers once the job has failed (``ResumeStopped``); in a worker, whether the launcher's SIGTERM ends a
-failed job (``ending_after_a_failure``) and the end of a worker that cannot take it (``end_after``); what the kernel
-says of processes (``process_state``, ``child_pids``)."""
+failed job (``ending_after_a_failure``), signals taken in a thread of their own whatever the main thread waits on
+(``SignalThread``) and the end of a worker that cannot take them (``end_after``); what the kernel says of processes
+(``process_state``, ``child_pids``)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,57 @@ def end_after(seconds: float, status: int) -> None:
     timer = threading.Timer(seconds, end)
     timer.daemon = True
     timer.start()
+
+
+class SignalThread:
+    """While open (made in the main thread), ``signals`` reach ``note(signum, failed)`` in a thread of its own at
+    once, whatever the main thread is doing: Python runs a signal's handler only when the main thread next runs
+    Python code, and it may be inside a long step or a collective that waits on a peer. The thread is woken
+    through ``signal.set_wakeup_fd``; the Python-level handler does nothing. ``failed``: the signal comes with the
+    launcher's end of a failed job (``ending_after_a_failure``), and at its SIGTERM this process ends
+    ``FAILED_END_S`` later unless it has ended by then (``end_after``): a worker blocked on a peer that is alive
+    and waits too would otherwise be ended by torch elastic's SIGKILL 30 s later. Made elsewhere than in the main
+    thread it does nothing (the signals keep their handlers)."""
+
+    def __init__(self, signals: tuple[int, ...], note: Callable[[int, bool], None]):
+        self.signals, self.note = signals, note
+        self.ending = False  # the launcher's end of a failed job: this process ends ``FAILED_END_S`` after it
+        self.wake: tuple[int, int] | None = None  # the wakeup pipe's write end and the fd it replaced
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in signals:
+            signal.signal(sig, _in_thread)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self.wake = (write, signal.set_wakeup_fd(write))
+        threading.Thread(target=self._watch, args=(read,), name="plait-signals", daemon=True).start()
+
+    def _watch(self, read: int) -> None:
+        """The thread: each signal's number arrives as one byte, until the pipe closes."""
+        with os.fdopen(read, "rb", buffering=0) as pipe:
+            while data := pipe.read(64):
+                for signum in data:
+                    if signum in self.signals:
+                        self._take(signum)
+
+    def _take(self, signum: int) -> None:
+        failed = ending_after_a_failure()
+        if failed and signum == signal.SIGTERM and not self.ending:
+            self.ending = True
+            end_after(FAILED_END_S, 128 + signum)
+        self.note(signum, failed)
+
+    def close(self) -> None:
+        """Stop the thread (the handlers stay: a late signal must not fail a process that has finished)."""
+        if self.wake is not None:
+            write, before = self.wake
+            signal.set_wakeup_fd(before)
+            os.close(write)  # the thread reads the end of the pipe and returns
+            self.wake = None
+
+
+def _in_thread(signum: int, frame: FrameType | None) -> None:
+    """``SignalThread``'s Python-level handler: nothing to do, its thread has already acted on the signal."""
 
 
 def taken_signals(note: Path) -> list[int]:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from plait.distributed.job_signals import FAILED_END_S, end_after, ending_after_a_failure
+from plait.distributed.job_signals import SignalThread
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 0.5  # a stop signal this soon after the first is the same one, delivered twice
@@ -36,16 +36,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM while serving. On rank 0 the first one starts the drain (handed to the engine once
-    there is one); a Ctrl-C in a terminal reaches every process of the job and the launcher forwards it too,
-    so a repeat within ``REPEAT_S`` is the same one, and a later one ends the running requests at once. The
-    other ranks stop with rank 0's stop step. On every rank, the SIGTERM with which the launcher ends a failed job
-    (``ending_after_a_failure``) ends the rank ``FAILED_END_S`` later if it has not ended by then: it may be
-    waiting in a collective on a peer that is alive and waits too.
-
-    Each rank acts on a signal in a thread of its own, woken through ``signal.set_wakeup_fd``: Python runs a
-    signal handler only when the main thread next runs Python code, and the main thread may be inside a long
-    step or a collective that waits on a dead peer; /health then still says "stopping" at once.
+    """SIGINT and SIGTERM while serving, taken in a ``SignalThread`` on every rank: the launcher's SIGTERM that ends
+    a failed job ends the rank soon whatever it waits on. On rank 0 the first one starts the drain (handed to the
+    engine once there is one); a Ctrl-C in a terminal reaches every process of the job and the launcher forwards
+    it too, so a repeat within ``REPEAT_S`` is the same one, and a later one ends the running requests at once.
+    The other ranks stop with rank 0's stop step. Taken in that thread, a signal reaches rank 0's engine at once,
+    even while the main thread is inside a long step or a collective that waits on a dead peer: /health then still
+    says "stopping".
     """
 
     def __init__(self, leader: bool):
@@ -53,32 +50,11 @@ class StopSignals:
         self.reason = ""
         self.first = 0.0
         self.now = False  # a second Ctrl-C: no more grace
-        self.ending = False  # the launcher's end of a failed job: this process ends ``FAILED_END_S`` after it
         self.engine = None
         self.grace = 0.0
-        self.wake: tuple[int, int] | None = None  # the wakeup pipe (read, write) and the fd it replaced
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _later)
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        self.wake = (write, signal.set_wakeup_fd(write))
-        threading.Thread(target=self._watch, args=(read,), name="plait-signals", daemon=True).start()
+        self.thread = SignalThread(STOP_SIGNALS, self._note)
 
-    def _watch(self, read: int) -> None:
-        """The signal thread: each stop signal's number arrives as one byte, until the pipe closes."""
-        with os.fdopen(read, "rb", buffering=0) as pipe:
-            while data := pipe.read(64):
-                for signum in data:
-                    if signum in STOP_SIGNALS:
-                        self._note(signum)
-
-    def _note(self, signum: int) -> None:
-        failed = ending_after_a_failure()
-        if failed and signum == signal.SIGTERM and not self.ending:
-            self.ending = True
-            end_after(FAILED_END_S, 128 + signum)
+    def _note(self, signum: int, failed: bool) -> None:
         if not self.leader:
             return
         name = signal.Signals(signum).name
@@ -101,15 +77,7 @@ class StopSignals:
 
     def close(self) -> None:
         """Stop the signal thread (the handlers stay: a late Ctrl-C must not fail a rank that has finished)."""
-        if self.wake is not None:
-            write, before = self.wake
-            signal.set_wakeup_fd(before)
-            os.close(write)  # the signal thread reads the end of the pipe and returns
-            self.wake = None
-
-
-def _later(signum, frame) -> None:
-    """The Python-level handler: nothing to do, the signal thread has already acted on the signal."""
+        self.thread.close()
 
 
 def access_logger(level: str, enabled: bool) -> logging.Logger | None:

@@ -5,30 +5,29 @@ per step, so no rank is left waiting in a collective that the others never join.
 from __future__ import annotations
 
 import signal
-import threading
 
 import torch
 import torch.distributed as dist
 
 from plait.distributed.collectives import collective
+from plait.distributed.job_signals import SignalThread
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequest:
-    """Records a stop signal (the handler only sets a flag); ``agreed`` tells every rank the same answer."""
+    """Records a stop signal (taken in a ``SignalThread``, which only sets a flag); ``agreed`` tells every rank the
+    same answer. The launcher's SIGTERM that ends a failed job also ends the rank soon, whatever it waits on."""
 
     def __init__(self):
         self.signum: int | None = None
 
     def install(self, signals: tuple[int, ...] = SIGNALS) -> StopRequest:
         """Catch ``signals`` in this process (main thread only; elsewhere they keep their default action)."""
-        if threading.current_thread() is threading.main_thread():
-            for s in signals:
-                signal.signal(s, self._handler)
+        SignalThread(signals, self._note)
         return self
 
-    def _handler(self, signum, frame) -> None:
+    def _note(self, signum: int, failed: bool) -> None:
         self.signum = signum
 
     @property
