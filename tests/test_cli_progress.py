@@ -118,3 +118,36 @@ def test_generate_and_serve_say_which_weights_they_read_and_how_many_bytes(tmp_p
         assert res.exit_code == 0, res.output
         assert calls == [(args[0], model, size), "launched"], calls  # said before the launch, not after
         calls.clear()
+
+
+def test_train_says_which_weights_or_checkpoint_it_reads(tmp_path, monkeypatch):
+    """plait train from a Hugging Face folder says its weights' bytes before the launch; a resumed run, the
+    checkpoint's (weights and optimizer state: 1,218 MB for a 101M-parameter model, read in silence)."""
+    from contextlib import nullcontext
+
+    from typer.testing import CliRunner
+
+    import plait.cli.progress as progress
+    import plait.distributed.fork_server as fork_server
+    import plait.distributed.launch as launch
+    from plait.cli.main import app
+    from plait.cli.train import _say_loading
+    from plait.train.config import TrainConfig
+    from serve_util import tiny_model
+
+    model = str(tiny_model(tmp_path / "m"))
+    calls = []
+    monkeypatch.setattr(progress, "loading", lambda *args: calls.append(args))
+    monkeypatch.setattr(fork_server, "ahead", lambda *args, **kwargs: nullcontext())
+    monkeypatch.setattr(launch, "launch", lambda *args, **kwargs: calls.append("launched"))
+    res = CliRunner().invoke(app, ["train", "--model", model, "--tp", "1", "--pp", "1", "--cluster", "none",
+                                   "--checkpoint-dir", str(tmp_path / "ck")])
+    assert res.exit_code == 0, res.output
+    assert calls == [("train", model, (tmp_path / "m" / "model.safetensors").stat().st_size), "launched"], calls
+    calls.clear()
+    step = tmp_path / "ck" / "step_00000004"
+    step.mkdir(parents=True)
+    for name, size in (("pp0-tp0-dp0.safetensors", 700), ("pp1-tp0-dp0.safetensors", 500), ("meta.json", 90)):
+        (step / name).write_bytes(b"x" * size)
+    _say_loading(TrainConfig(model=model), (step, 4))
+    assert calls == [("train", str(step), 1200, "the weights and optimizer state of")], calls

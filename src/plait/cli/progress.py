@@ -23,15 +23,15 @@ def starting(command: str, processes: int, layout: str) -> None:
         return
     typer.echo(f"plait {command}: starting {counted(processes, 'process')} ({layout}) ...", err=True)
 
-def loading(command: str, folder: str, size: int) -> None:
+def loading(command: str, folder: str, size: int, what: str = "the weights of") -> None:
     """Say on standard error, when a person is watching it (as ``starting``), that ``plait command`` reads
-    ``size`` bytes of weights from ``folder``: after the checks, before the launch, for a large model the
+    ``size`` bytes (``what``) from ``folder``: after the checks, before the launch, for a large model the
     longest silence of its start."""
     from plait.distributed.launch import under_torchrun
 
     if under_torchrun() or not sys.stderr.isatty():
         return
-    typer.echo(f"plait {command}: reading the weights of {folder} ({size / 1e6:,.0f} MB) ...", err=True)
+    typer.echo(f"plait {command}: reading {what} {folder} ({size / 1e6:,.0f} MB) ...", err=True)
 
 
 def layout_words(p: ParallelConfig) -> str:

@@ -138,6 +138,7 @@ def _run(cfg) -> None:
     if cfg.dry_run:
         _dry_run(cfg)
         return
+    _say_loading(cfg, resumed)
     from plait.train.preempt import SIGNALS as STOP_SIGNALS
 
     os.environ["PLAIT_LAUNCHED_AT"] = str(_STARTED)  # workers report start-up from here
@@ -153,6 +154,20 @@ def _run(cfg) -> None:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(exc.exit_code) from None
     sys.stdout.flush()
+
+
+def _say_loading(cfg, resumed: tuple[Path, int] | None) -> None:
+    """On a terminal: the checkpoint a resumed run reads (weights and optimizer state), or the Hugging Face
+    folder's weights a fresh one starts from (plait.cli.progress.loading)."""
+    from plait.cli.progress import loading
+
+    if resumed is not None:
+        size = sum(f.stat().st_size for f in resumed[0].glob("*.safetensors"))
+        loading("train", str(resumed[0]), size, "the weights and optimizer state of")
+    elif (Path(cfg.model) / "config.json").is_file():
+        from plait.generation.job import weights_size
+
+        loading("train", *weights_size(cfg.model))
 
 
 def _torchrun_worker(cfg) -> None:

@@ -373,5 +373,5 @@ def _finish(run: Run, res: TrainResult, times: list[float], doing: Callable[[str
         res.sample = sample_text(run)
     if run.saver is not None:
         if run.saver.pending:
-            doing(f"writing the checkpoint {res.checkpoint} (in the background since its step) ...")
+            doing(f"writing the checkpoint {res.checkpoint} ...")
         run.saver.wait_all()  # the last checkpoint in place (on every rank) before the run reports it
