@@ -6,12 +6,15 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 from typer.testing import CliRunner
 
 from plait.cli.main import app
 from plait.data import prepare
+from plait.data.raw import raw_inputs
 from plait.data.stream import open_data
 from plait.data.tokens import TokenizerSpec
+from plait.errors import ConfigError
 
 LATIN1 = "line one\nline two café\n".encode("latin-1")  # byte 0xe9 at column 13 of line 2
 
@@ -68,6 +71,13 @@ def test_hidden_folders_and_prepared_datasets_in_a_source_folder_are_never_text(
     assert again.exit_code == 2 and again.stderr.startswith(  # was its own meta.json as a bad JSON line
         f"error: SRC {tmp_path / 'corpus'} holds a prepared dataset, {tmp_path / 'corpus' / 'prepared'}, whose "
         "shards and meta.json are no text"), again.output
+    (tmp_path / "corpus" / "b.txt.gz").write_bytes(b"\x1f\x8b")
+    for named, why in ((tmp_path / "corpus", f"holds a prepared dataset, {tmp_path}/corpus/prepared, whose shards and "
+                        f"meta.json are no text to read: give --data {tmp_path}/corpus/prepared to train on it"),
+                       (tmp_path / "corpus" / "b.txt.gz", f": {tmp_path}/corpus/b.txt.gz is gzip-compressed")):
+        with pytest.raises(ConfigError) as exc:  # plait train --data of raw text: its flag, not prepare's SRC
+            raw_inputs(str(named), "tiny")
+        assert str(exc.value).startswith(f"--data {named}{' ' if why[0] != ':' else ''}{why}"), exc.value
 
 
 def test_prepare_without_a_terminal_prints_progress_lines(tmp_path, monkeypatch):

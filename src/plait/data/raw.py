@@ -42,7 +42,7 @@ def model_tokenizer(model: str) -> TokenizerSpec:
 def raw_inputs(path: str, model: str) -> list[Input]:
     """The plain text files under ``path``; ConfigError for JSON lines, Parquet or a ``datasets`` folder, with
     the command that prepares them."""
-    found = discover([path])
+    found = discover([path], "--data")
     structured = [s for s in found if s.kind != "text"]
     if structured:
         s = structured[0]

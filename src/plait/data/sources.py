@@ -73,10 +73,10 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def discover(paths: list[str]) -> list[Source]:
+def discover(paths: list[str], flag: str = "SRC") -> list[Source]:
     """The sources named on the command line: files by suffix, folders recursively (sorted; hidden files and
     folders left out), HF folders whole. ConfigError for a file two SRCs name, and for a prepared dataset inside
-    a folder (its shards and meta.json are no text)."""
+    a folder (its shards and meta.json are no text); each names ``flag`` (plait train's raw --data too)."""
     out: list[Source] = []
     named: dict[Path, int] = {}  # every file read -> the SRC that names it
     for i, raw in enumerate(paths):
@@ -87,7 +87,7 @@ def discover(paths: list[str]) -> list[Source]:
         elif p.is_dir():
             files = sorted((f for f in p.rglob("*") if f.is_file() and not _hidden(f.relative_to(p))),
                            key=lambda f: f.relative_to(p).as_posix())
-            _no_prepared(raw, files)
+            _no_prepared(raw, files, flag)
             for kind in ("jsonl", "parquet", "text"):
                 mine = [f for f in files if _kind(f) == kind]
                 if mine:
@@ -96,9 +96,9 @@ def discover(paths: list[str]) -> list[Source]:
             files = [p]
             out.append(Source(raw, _kind(p), files, p.stat().st_size))
         else:
-            raise ConfigError(f"SRC {raw}: no such file or directory")
+            raise ConfigError(f"{flag} {raw}: no such file or directory")
         for f in files:
-            _not_packed(raw, f, p.is_dir())
+            _not_packed(f"{flag} {raw}", f, p.is_dir())
             first = named.setdefault(f.resolve(), i)
             if first != i:
                 raise ConfigError(f"SRC {raw}: {f} is read already as part of SRC {paths[first]}, and would be read "
@@ -106,15 +106,16 @@ def discover(paths: list[str]) -> list[Source]:
     return out
 
 
-def _not_packed(raw: str, path: Path, in_folder: bool) -> None:
-    """ConfigError for a compressed or archived file, which would read as binary: the command that unpacks it."""
+def _not_packed(named: str, path: Path, in_folder: bool) -> None:
+    """ConfigError for a compressed or archived file, which would read as binary: the command that unpacks it.
+    ``named``: the flag and path that name it (``SRC web``)."""
     suffix = path.suffix.lower()
     if suffix not in PACKED:
         return
     what, command = PACKED[suffix]
-    move = f", or move it out of {raw}" if in_folder else ""
+    move = f", or move it out of {named.split(' ', 1)[1]}" if in_folder else ""
     compressed = what if what.startswith("a ") else f"{what}-compressed"
-    raise ConfigError(f"SRC {raw}: {path} is {compressed}, which plait does not read; unpack it first "
+    raise ConfigError(f"{named}: {path} is {compressed}, which plait does not read; unpack it first "
                       f"({command.replace('FILE', str(path))}) and name what it holds{move}")
 
 
@@ -123,12 +124,15 @@ def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)
 
 
-def _no_prepared(raw: str, files: list[Path]) -> None:
-    """ConfigError when the folder SRC ``raw`` holds a prepared dataset (a meta.json beside train/*.bin)."""
+def _no_prepared(raw: str, files: list[Path], flag: str) -> None:
+    """ConfigError when the folder ``raw`` (given as ``flag``) holds a prepared dataset (a meta.json beside
+    train/*.bin)."""
     for f in files:
         if f.name == "meta.json" and (f.parent / "train").is_dir():
-            raise ConfigError(f"SRC {raw} holds a prepared dataset, {f.parent}, whose shards and meta.json are no "
-                              f"text to read: move it out of {raw} (--out outside SRC), or name the files to read")
+            fix = (f"move it out of {raw} (--out outside SRC), or name the files to read" if flag == "SRC" else
+                   f"give {flag} {f.parent} to train on it, or move it out of {raw}")
+            raise ConfigError(f"{flag} {raw} holds a prepared dataset, {f.parent}, whose shards and meta.json are no "
+                              f"text to read: {fix}")
 
 
 def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
