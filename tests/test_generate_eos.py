@@ -16,7 +16,7 @@ from plait.models import Llama, LlamaConfig
 from plait.tokenizers import ByteTokenizer, eos_ids
 
 
-def test_plait_generate_stops_at_the_folders_end_of_sequence_token(tmp_path, monkeypatch):
+def test_plait_generate_stops_at_the_folders_end_of_sequence_token(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     torch.manual_seed(0)
     model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64)).eval()
@@ -33,6 +33,11 @@ def test_plait_generate_stops_at_the_folders_end_of_sequence_token(tmp_path, mon
     assert generate_job(payload) == [tok.decode(ids[:ids.index(ids[5])])]  # was: on past the EOS, 12 tokens
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[2]}))  # it wins over config
     assert generate_job(payload) == [tok.decode(ids[:ids.index(ids[2])])]
+    capsys.readouterr()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[0]}))  # its first token
+    assert generate_job(payload) == [""]
+    assert capsys.readouterr().err == ("plait generate: --prompt 'def ': nothing generated: the model's first token "
+                                       f"was its end-of-sequence token (id {ids[0]})\n")  # was a blank line alone
 
 
 def test_a_plait_checkpoint_ends_where_its_training_data_ended_each_document(tmp_path):

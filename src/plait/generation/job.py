@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -164,6 +165,11 @@ def generate_job(payload: dict) -> list[str]:
     out = [tok.decode(row) for row in ids]  # before its stop
     if int(os.environ.get("RANK", "0")) == 0:
         show([""] * len(out) if chat else payload["prompts"], out)
+        for label, row in zip(payload["prompts"], ids, strict=True):
+            if not row:  # a blank line alone would leave the reader guessing
+                which = label if chat else f"--prompt {label!r}"
+                print(f"plait generate: {which}: nothing generated: the model's first token was its end-of-sequence "
+                      f"token (id {' or '.join(map(str, stop))})", file=sys.stderr)
     return out
 
 
