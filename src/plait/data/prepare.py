@@ -275,7 +275,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Cons
 
     results: list[TaskResult] = []
     workers = 1 if workers == 1 or len(todo) <= 1 else min(workers, len(todo))
-    doing = f"tokenizing: {counted(workers, 'worker')} (the bar moves as each {CHUNK >> 20} MB chunk is done)"
+    doing = f"{counted(workers, 'worker')}, {CHUNK >> 20} MB chunks"  # the bar moves as each chunk is done
     with prepare_progress(console, total, doing) as bar:
         try:
             if workers == 1:

@@ -29,10 +29,11 @@ class _Bar:
         now = time.perf_counter()
         speed = self.done / max(1e-9, now - self.t0)
         left = f"about {_duration((self.total - self.done) / max(speed, 1e-9))} left"
-        if self.progress is not None:
-            self.progress.update(self.task, advance=result.nbytes, info=(
-                f"{speed / 1e6:,.1f} MB/s, {self.tokens:,} tokens, "
-                f"{self.tokens / max(1e-9, now - self.t0):,.0f} tokens/s, {left}"))
+        if self.progress is not None:  # short: the bar's other columns keep their width in 80 columns
+            rate = self.tokens / max(1e-9, now - self.t0)
+            per_s = f"{rate / 1e6:.1f}M" if rate >= 1e6 else f"{rate / 1e3:.0f}k"
+            self.progress.update(self.task, advance=result.nbytes,
+                                 info=f"{speed / 1e6:,.1f} MB/s, {per_s} tok/s, {left.removeprefix('about ')}")
         elif self.console is not None and now - self.shown >= LINE_EVERY_S and self.done < self.total:
             self.shown = now
             self.console.print(f"prepare: {self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB "
@@ -55,7 +56,7 @@ def prepare_progress(console, total_bytes: int, doing: str = "tokenizing"):
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn("[bold]prepare"), BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+    progress = Progress(TextColumn("[bold]prepare"), BarColumn(bar_width=20), DownloadColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[info]}"), console=console)
     task = progress.add_task("prepare", total=total_bytes, info=doing)
     with progress:
