@@ -102,16 +102,20 @@ def test_bytes_prepare_uses_uint16_and_nul_eos(tmp_path):
 def test_malformed_line_names_file_and_line_or_is_counted(tmp_path):
     src = tmp_path / "bad.jsonl"
     lines = [json.dumps({"text": f"doc {i}"}) for i in range(10)]
+    lines[3], lines[4], lines[5] = '{"text": null}', "[1, 2]", '{"text": 5}'  # named in JSON's words
     lines[6] = json.dumps({"body": "no text field"})
     lines[8] = "{not json"
     src.write_text("\n".join(lines) + "\n")
     res = CliRunner().invoke(app, ["data", "prepare", str(src), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
                                    "--workers", "1"])
-    assert res.exit_code == 2 and f"{src}:7: no 'text' field" in res.output, res.output
+    assert res.exit_code == 2 and f"{src}:4: 'text' is null, not text" in res.output, res.output  # was NoneType
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*"))
     meta = prepare([str(src)], "bytes", tmp_path / "o", workers=1, skip_bad=True, held_out=0.0)
-    assert meta["sources"][0]["skipped"] == 2 and meta["splits"]["train"]["documents"] == 8
-    assert any(e.startswith(f"{src}:9: not valid JSON") for e in meta["sources"][0]["skipped_examples"])
+    assert meta["sources"][0]["skipped"] == 5 and meta["splits"]["train"]["documents"] == 5
+    assert [e.removeprefix(f"{src}:") for e in meta["sources"][0]["skipped_examples"]] == [
+        "4: 'text' is null, not text", "5: an array, not an object with a 'text' field", "6: 'text' is a number, not "
+        "text", "7: no 'text' field (fields: body); choose --text-field", "9: not valid JSON (Expecting property name "
+        "enclosed in double quotes at column 2)"]
 
 
 def test_killed_prepare_leaves_nothing_loadable(tmp_path, bpe):

@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 
 from plait.chat_template import RESERVED
-from plait.errors import ConfigError
+from plait.errors import ConfigError, json_kind
 
 FLAG = "--chat-template-kwargs"
 #: request values that leave the server's value of their variable in place (vLLM's ``merge_kwargs``)
 UNSET = (None, "auto")
 EXAMPLE = '\'{"enable_thinking": false}\''
-_JSON_TYPES = {list: "an array", str: "a string", bool: "true or false", int: "a number", float: "a number",
-               type(None): "null"}
 
 
 def parse_template_kwargs(text: str | None, flag: str = FLAG) -> dict:
@@ -36,7 +34,7 @@ def check_template_kwargs(value: object, flag: str = FLAG) -> dict:
     object, or one of plait.chat_template.RESERVED (the messages, tools, documents and generation prompt come
     from each record or request)."""
     if not isinstance(value, dict):
-        found = _JSON_TYPES.get(type(value), type(value).__name__)
+        found = json_kind(value)
         raise ConfigError(f"{flag}: {found}, not a JSON object of template variables; pass one such as {EXAMPLE}")
     reserved = sorted(set(value) & RESERVED)
     if reserved:

@@ -155,6 +155,15 @@ def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_JSON_KINDS = {list: "an array", dict: "an object", str: "a string", bool: "true or false", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def json_kind(value: object) -> str:
+    """What a value read from JSON (or a Parquet column) is, in JSON's words: 'null', 'a number', 'an array', ..."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
 def divisors(n: int) -> list[int]:
     """Every divisor of ``n``, ascending: the sizes a message offers for splitting ``n`` things evenly."""
     return [d for d in range(1, n + 1) if n % d == 0]

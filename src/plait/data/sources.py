@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plait.data.chat import BadChat, ChatRenderer, Spans, no_messages_hint
-from plait.errors import ConfigError, require_extra
+from plait.errors import ConfigError, json_kind, require_extra
 
 CHUNK = 4 << 20  # bytes of input per task
 LINE_BLOCK = 1 << 20  # bytes read at a time while counting the lines before a bad record
@@ -308,7 +308,7 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
         elif isinstance(v, str):
             out.add(v)
         else:
-            _bad(out, BadRecord(task.path, -1, at, f"{field!r} is {type(v).__name__}, not text{row}"), skip_bad)
+            _bad(out, BadRecord(task.path, -1, at, f"{field!r} is {json_kind(v)}, not text{row}"), skip_bad)
     return out
 
 
@@ -344,7 +344,7 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None
     except UnicodeDecodeError as exc:
         return None, not_utf8(line, exc.start)
     if not isinstance(record, dict):
-        return None, f"a JSON {type(record).__name__}, not an object with a {field!r} field"
+        return None, f"{json_kind(record)}, not an object with a {field!r} field"
     if field not in record:
         hint = "" if chat is not None else no_messages_hint(record, field)
         return None, (f"no {field!r} field (fields: {', '.join(list(record)[:8]) or 'none'}); choose "
@@ -356,7 +356,7 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None
         except BadChat as exc:
             return None, str(exc)
     if not isinstance(value, str):
-        return None, f"{field!r} is {type(value).__name__}, not text"
+        return None, f"{field!r} is {json_kind(value)}, not text"
     return value, ""
 
 
