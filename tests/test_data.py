@@ -391,3 +391,9 @@ def test_held_out_batches_are_fixed_and_from_the_held_out_split(tmp_path):
     assert np.array_equal(x, data.held_out_batch(1)[0])
     rows = [bytes(row.tolist()) for row in x]
     assert all(r in held for r in rows) and not any(r in train for r in rows)
+
+
+def test_a_tokenizer_path_that_is_not_there_is_told_apart_from_a_folder_without_tokenizer_json(tmp_path):
+    for path, why in ((tmp_path / "nope", "no such file or folder"), (tmp_path, "no tokenizer.json there")):
+        with pytest.raises(ConfigError, match=f"^--tokenizer {path}: {why}; give a folder holding tokenizer.json"):
+            prepare([str(tmp_path)], str(path), tmp_path / "o", workers=1)

@@ -43,8 +43,9 @@ class Tokens:
             self.vocab_size, self.fingerprint, self.name = 256, BYTES, "UTF-8 bytes"
             return
         if not path.is_file():
-            raise ConfigError(f"--tokenizer {spec.source}: no tokenizer.json there; give a folder holding one, the "
-                              "file itself, or 'bytes'")
+            where = "no tokenizer.json there" if Path(spec.source).exists() else "no such file or folder"
+            raise ConfigError(f"--tokenizer {spec.source}: {where}; give a folder holding tokenizer.json, the file "
+                              "itself, or 'bytes'")
         from plait.tokenizers import FileTokenizer
 
         self.tok = FileTokenizer(path).tok  # the tokenizers library's Tokenizer: batched encoding below
