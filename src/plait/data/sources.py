@@ -295,9 +295,10 @@ def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None 
                 out.skip(BadRecord(name, 0, 0, BLANK))
         out.raw = b"".join(raws)
         return out
-    for i, v in enumerate(_column(task, field, chat is not None)):
+    values, first = _column(task, field, chat is not None)
+    for i, v in enumerate(values):
         row = f" (row {i} of row group {task.start})" if task.kind == "parquet" else ""
-        at = task.start + i if task.kind == "hf" else i
+        at = first + i  # the row in the whole file or dataset
         if chat is not None:
             try:
                 out.add(chat.documents(v))
@@ -318,15 +319,17 @@ def _bad(out: Read, rec: BadRecord, skip_bad: bool) -> None:
     out.skip(rec)
 
 
-def _column(task: Task, field: str, chat: bool) -> list:
+def _column(task: Task, field: str, chat: bool) -> tuple[list, int]:
+    """A task's values of ``field`` and the row of the first in its file (Parquet) or dataset."""
     if task.kind == "parquet":
-        table = _pyarrow_parquet().ParquetFile(task.path).read_row_group(task.start, columns=[field])
-        return table.column(field).to_pylist()
+        parquet = _pyarrow_parquet().ParquetFile(task.path)
+        first = sum(parquet.metadata.row_group(g).num_rows for g in range(task.start))
+        return parquet.read_row_group(task.start, columns=[field]).column(field).to_pylist(), first
     ds = _hf_dataset(Path(task.path))
     if field not in ds.column_names:
         raise ConfigError(f"{task.path}: no column {field!r} (columns: {', '.join(ds.column_names)}); "
                           f"choose {field_flag(chat)}")
-    return ds[task.start:task.stop][field]
+    return ds[task.start:task.stop][field], task.start
 
 
 def field_flag(chat: bool) -> str:
