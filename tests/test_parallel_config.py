@@ -103,7 +103,10 @@ def test_field_errors_read_as_flags_on_the_command_line():
 
 
 def test_every_field_is_documented_and_is_an_option_with_that_help():
-    docs = field_docs()
+    from plait.cli.options import option_help
+    from plait.train.config import TRAIN_PARALLEL
+
+    docs = {name: option_help(doc, getattr(TRAIN_PARALLEL, name)) for name, doc in field_docs().items()}
     assert set(docs) == set(field_names()) and all(len(d) > 20 for d in docs.values())
     shown = " ".join(CliRunner().invoke(app, ["train", "--help"], terminal_width=400).output.split())
     for name in field_names():
@@ -113,14 +116,21 @@ def test_every_field_is_documented_and_is_an_option_with_that_help():
 
 def test_microbatches_help_says_what_the_number_counts():
     """--microbatches counts one pipeline's micro-batches per optimizer step: its help says so, how it splits the
-    global batch over dp, and the default each command uses (train: 4, verify: 8; from Python: pp)."""
+    global batch over dp, and the default each command uses (train: 4, verify: 8), not the library's default for
+    the field left None (pp), which the help said beside [default: 4] ('Left unset (None, from Python): pp')."""
     for command, default in (("train", 4), ("verify", 8)):
         shown = " ".join(CliRunner().invoke(app, [command, "--help"], terminal_width=400).output.split())
         text = shown[shown.index("--microbatches INT"):].split(" --virtual-stages")[0]
         for needle in ("each pipeline (one per data-parallel replica) runs per optimizer step",
-                       "multiple of dp x M", "batch / (dp x M) sequences", "Left unset (None, from Python): pp",
-                       f"[default: {default}]"):
+                       "multiple of dp x M", "batch / (dp x M) sequences",
+                       f"smaller. [default: {default}]"):
             assert needle in text, (command, needle, text)
+        assert "None" not in text and "Python" not in text and "pp, one per" not in text, (command, text)
+    from plait.cli.options import option_help
+
+    doc = field_docs()["microbatches"]  # the library's default, and a command that would leave it None
+    assert doc.endswith("Unset (None): pp, one per pipeline stage.")
+    assert option_help(doc, None).endswith("smaller. Left out: pp, one per pipeline stage."), option_help(doc, None)
 
 
 def test_init_takes_a_config_or_keywords_not_both():

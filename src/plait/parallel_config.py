@@ -62,7 +62,7 @@ class ParallelConfig:
     """Micro-batches M that each pipeline (one per data-parallel replica) runs per optimizer step: a step's
     batch is dp x M micro-batches, so the global batch size must be a multiple of dp x M and a micro-batch
     holds batch / (dp x M) sequences. More micro-batches shrink the pipeline bubble (1F1B's is
-    (pp-1)/(M+pp-1)) and make each micro-batch smaller. Left unset (None, from Python): pp."""
+    (pp-1)/(M+pp-1)) and make each micro-batch smaller. Unset (None): pp, one per pipeline stage."""
     virtual_stages: int | None = None
     """Model chunks per pipeline rank (unset: 2 for interleaved-1f1b, looped-bfs, zbv and dualpipev, else 1)."""
     rounds: str | None = None

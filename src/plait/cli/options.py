@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, fields
@@ -51,9 +52,19 @@ def dataclass_options(cls: type, defaults: Any = None, *, only: Iterable[str] | 
         names = (flags or {}).get(f.name, "--" + f.name.replace("_", "-"))
         if annotation is bool and isinstance(names, str) and "/" not in names:  # on and off: --x / --no-x
             names = f"{names}/--no-{names[2:]}"
-        option = typer.Option(default, *((names,) if isinstance(names, str) else names), help=docs.get(f.name, ""))
+        option = typer.Option(default, *((names,) if isinstance(names, str) else names),
+                              help=option_help(docs.get(f.name, ""), default))
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
     return params
+
+
+def option_help(doc: str, default: Any) -> str:
+    """A field's docstring as its option's help: the sentence ``Unset (None): ...`` (what the library does with the
+    field left None) reads ``Left out: ...`` where the option's default is None, and is dropped where the command
+    gives its own default, which the help shows as ``[default: ...]``."""
+    if default is None:
+        return doc.replace("Unset (None):", "Left out:")
+    return re.sub(r"\s*Unset \(None\):[^.]*\.", "", doc)
 
 
 def set_away(options: Any, names: Iterable[str]) -> str:
