@@ -88,7 +88,7 @@ def test_a_byte_level_export_refuses_a_folder_holding_another_tokenizer(trained,
     meta_file.write_text(json.dumps(meta))
     shutil.copytree(trained / "bpe-model", tmp_path / "other")
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["export", "ckpt", "other"])
+    res = CliRunner().invoke(app, ["export", "ckpt", "other", "--force"])  # a folder no plait export wrote
     assert res.exit_code == 2 and "OUT other holds a tokenizer.json, but the model reads UTF-8 bytes" in res.stderr
 
 
@@ -98,7 +98,10 @@ def test_export_refuses_a_folder_holding_other_weights(trained, tmp_path, monkey
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old shard")  # a sharded checkpoint exported over
     (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
     monkeypatch.chdir(trained)
-    res = CliRunner().invoke(app, ["export", "ckpt", str(out)])
+    res = CliRunner().invoke(app, ["export", "ckpt", str(out)])  # no plait export wrote them
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: OUT {out}: holds model-00001-of-00002.safetensors, "
+                                                        "model.safetensors.index.json, and is not a folder"), res.output
+    res = CliRunner().invoke(app, ["export", "ckpt", str(out), "--force"])
     assert res.exit_code == 2 and res.stderr.startswith(f"error: {out}: holds other weights (model-00001-of-00002"
                                                         ".safetensors, model.safetensors.index.json)"), res.output
     assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors",

@@ -165,3 +165,57 @@ def test_export_names_the_dtypes_it_writes():
     res = CliRunner().invoke(app, ["export", "ckpt", "hf", "--dtype", "bf16"])
     assert res.exit_code == 2 and res.stderr == ("error: --dtype 'bf16': valid float32, bfloat16, float16 (or leave it "
                                                  "out: the dtype the run trained in)\n"), res.output
+
+
+def test_export_replaces_its_earlier_export_and_refuses_other_folders_without_force(tmp_path, monkeypatch):
+    """plait export wrote into any folder (., a downloaded model), and over an earlier export it left that one's
+    tokenizer.json and generation_config.json beside the new weights, to be read with them: it replaces an earlier
+    export (removing what the new one does not write, keeping the user's files) and refuses another non-empty
+    folder, naming it, what it holds and --force, before writing anything."""
+    from typer.testing import CliRunner
+
+    from data_util import bpe_folder
+    from plait.cli.main import app
+    from plait.tokenizers import fingerprint_file
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=400, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)
+    bpe_folder(tmp_path / "bpe", 400)
+    (tmp_path / "bpe" / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 2}))
+    save_as_checkpoint(Llama(cfg), tmp_path / "with-tokenizer", {"model": str(tmp_path / "bpe")})
+    meta_file = tmp_path / "with-tokenizer" / "step_00000001" / "meta.json"
+    meta = json.loads(meta_file.read_text())  # its documents ended with token 5: config.json's eos_token_id
+    meta_file.write_text(json.dumps({**meta, "tokenizer": {"folder": str(tmp_path / "bpe"), "eos": 5,
+                                                           "fingerprint": fingerprint_file(tmp_path / "bpe" /
+                                                                                           "tokenizer.json")}}))
+    save_as_checkpoint(Llama(LlamaConfig(**{**cfg.to_dict(), "vocab_size": 256})), tmp_path / "bytes",
+                       {"model": "tiny"})
+    monkeypatch.chdir(tmp_path)
+    export = CliRunner().invoke
+    assert export(app, ["export", "bytes", "fresh"]).exit_code == 0  # the byte-level model's own export
+    first = export(app, ["export", "with-tokenizer", "hf"])
+    assert first.exit_code == 0, first.output
+    assert {"tokenizer.json", "generation_config.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 5
+    (tmp_path / "hf" / "README.md").write_text("my notes")
+    again = export(app, ["export", "bytes", "hf"])  # was: refused, 'OUT hf holds a tokenizer.json'
+    assert again.exit_code == 0, again.output
+    assert again.stdout.endswith("removed tokenizer.json, tokenizer_config.json, generation_config.json: the previous "
+                                 "export's, which this model does not have\n"), again.stdout
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (tmp_path / "hf" / "config.json").read_text() == (tmp_path / "fresh" / "config.json").read_text()
+    assert "removed" not in export(app, ["export", "bytes", "hf"]).stdout  # nothing stale the second time
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    for out in ("mine", "."):
+        res = export(app, ["export", "bytes", out])
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: OUT {out}: holds "), res.output
+        assert "is not a folder plait export wrote" in res.stderr and "--force" in res.stderr, res.stderr
+    assert "config.json, notes.txt, and is not" in export(app, ["export", "bytes", "mine"]).stderr
+    assert (tmp_path / "mine" / "config.json").read_text() == "{}" and not (tmp_path / "model.safetensors").exists()
+    forced = export(app, ["export", "bytes", "mine", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mine").config.vocab_size == 256

@@ -215,9 +215,13 @@ def model_config(meta: dict) -> LlamaConfig:
     return family_for_type(meta.get("family", "llama")).config_class(**meta["model"])
 
 
-def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None = None, force: bool = False) -> Path:
     """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process), its weights
-    and config.json's torch_dtype in ``dtype`` (a name of EXPORT_DTYPES; None: the dtype the run trained in)."""
+    and config.json's torch_dtype in ``dtype`` (a name of EXPORT_DTYPES; None: the dtype the run trained in).
+
+    ``out`` is new, empty, or a folder an earlier export wrote, whose export files (``previous_export``) are removed
+    first; any other folder is a ConfigError unless ``force``, which writes into it and leaves its other files."""
+    from plait.checkpoint.export_out import EXPORT_MARK, check_export_out
     from plait.models.hf import save_state_dict_pretrained
     from plait.models.registry import folder_family_of_config
     from plait.tokenizers import check_tokenizer_out, copy_tokenizer_files, trained_tokenizer
@@ -235,10 +239,15 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None
     reader = CheckpointReader(path)
     cfg = model_config(reader.meta)
     folder, _ = trained_tokenizer(reader.meta, path)  # the tokenizer goes with the weights
-    check_tokenizer_out(folder, Path(out))
+    previous = check_export_out(Path(out), force)  # an earlier export's files: replaced, none left beside these
+    if "tokenizer.json" not in previous:
+        check_tokenizer_out(folder, Path(out))
     family, cfg = folder_family_of_config(cfg)  # a preset trained with --experts: a Mixtral folder
     weights = EXPORT_DTYPES[dtype or trained_dtype(reader.meta)]
-    save_state_dict_pretrained(family, cfg, reader.full_state_dict(weights), out)  # config.json's torch_dtype: theirs
+    state = reader.full_state_dict(weights)  # read (and its checksums checked) before anything in out is removed
+    for name in previous:
+        (Path(out) / name).unlink()
+    save_state_dict_pretrained(family, cfg, state, out, EXPORT_MARK)  # config.json's torch_dtype: theirs
     copy_tokenizer_files(folder, Path(out))
     eos = (reader.meta.get("tokenizer") or {}).get("eos")  # the end-of-document token it was trained with
     hf = json.loads((Path(out) / "config.json").read_text())

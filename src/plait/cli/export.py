@@ -15,11 +15,17 @@ The weights are written in --dtype, and config.json's torch_dtype says so: by de
 in (bfloat16 for plait train --precision bf16, float32 for fp32), half the size of float32 for a bf16 run. A
 checkpoint holds float32 weights either way, so --dtype float32 exports them exactly.
 
+OUT is a new or empty folder, or one plait export wrote before: that export is replaced, its files that this one
+does not write (a tokenizer.json of another model) removed, and files of yours (a README.md) left. Any other
+folder (., a model you downloaded, one holding other files) is refused unless --force, which writes into it.
+
 \b
 Examples:
   plait train --steps 20 && plait export plait-checkpoints hf-tiny   # the latest checkpoint of the folder
   plait export plait-checkpoints/step_00000020 hf-tiny-20             # one checkpoint
   plait export plait-checkpoints hf-tiny-fp32 --dtype float32         # exact float32 weights of a bf16 run
+  plait export plait-checkpoints hf-tiny                             # again, a later step: replaces hf-tiny
+  plait export plait-checkpoints my-hub-repo --force                 # into a git clone with a README.md
   plait generate --model hf-tiny --prompt "def "                     # the exported folder, as any HF folder
 """
 
@@ -34,15 +40,22 @@ def export_command(
     dtype: Annotated[str | None, typer.Option(help="The weights' dtype: float32, bfloat16 or float16 [default: the "
                                                    "dtype the run trained in: bfloat16 for --precision bf16, else "
                                                    "float32].", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Write into OUT even though it holds files that no plait "
+                                        "export wrote: its config.json, model.safetensors and tokenizer files are "
+                                        "overwritten, its other files stay.")] = False,
 ) -> None:
+    from pathlib import Path
+
     from plait.checkpoint import export_pretrained, find_checkpoint
+    from plait.checkpoint.export_out import previous_export
     from plait.errors import ConfigError
 
     source = find_checkpoint(checkpoint)  # which checkpoint of a --checkpoint-dir: its latest complete one
     if source is not None:  # the read and write take a while for a large model
         typer.echo(f"exporting {source} ...")
     try:
-        path = export_pretrained(checkpoint, out, dtype)
+        previous = previous_export(Path(out))
+        path = export_pretrained(checkpoint, out, dtype, force)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -54,3 +67,6 @@ def export_command(
     files = ["config.json", "model.safetensors"] + [f for f in TOKENIZER_FILES if (path / f).is_file()]
     written = json.loads((path / "config.json").read_text())["torch_dtype"]
     typer.echo(f"wrote {path}/: {', '.join(files)} ({written} weights)")
+    stale = [name for name in previous if not (path / name).is_file()]
+    if stale:
+        typer.echo(f"removed {', '.join(stale)}: the previous export's, which this model does not have")

@@ -191,8 +191,9 @@ def load_pretrained(path: str | Path, family: DecoderFamily | None = None, dtype
 
 
 def save_state_dict_pretrained(family: DecoderFamily, cfg: LlamaConfig, state: dict[str, torch.Tensor],
-                               path: str | Path) -> None:
-    """Write plain-key full tensors as a Hugging Face folder (config.json + model.safetensors)."""
+                               path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write plain-key full tensors as a Hugging Face folder (config.json + model.safetensors, whose metadata
+    also holds ``metadata``)."""
     from safetensors.torch import save_file
 
     meta = config_to_hf(cfg, family)  # fails (ConfigError) before anything is written
@@ -214,5 +215,5 @@ def save_state_dict_pretrained(family: DecoderFamily, cfg: LlamaConfig, state: d
         before = None
     if isinstance(before, dict):
         meta.update({k: before[k] for k in TOKEN_IDS if before.get(k) is not None})
-    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={**(metadata or {}), "format": "pt"})
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
