@@ -16,9 +16,13 @@ from plait.distributed.launch import LaunchError, child_pids, launch, run_world,
 
 
 def _rank_facts(name: str) -> dict:
+    """A rank's environment variable ``name``, world, rank and parent. It leaves the world only once every rank has
+    joined it (the barrier): Gloo's start-up returns on one rank before its peer has finished connecting, and a rank
+    that exits at once closes the connection its peer is still setting up ("Connection closed by peer")."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    dist.barrier()
     return {"mark": os.environ.get(name), "world": dist.get_world_size(), "rank": dist.get_rank(),
             "parent": os.getppid()}
 
