@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from plait.distributed.job_signals import ForwardSignal
+from plait.distributed.job_signals import ForwardSignal, ResumeStopped
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -122,3 +123,19 @@ def test_ctrl_c_to_generate_is_one_line(tmp_path, monkeypatch):
         monkeypatch.setattr(launch, "run_or_launch", interrupted)
         res = CliRunner().invoke(app, ["generate", "--model", model, "--prompt", "hi", "--pp", "2"])
         assert res.exit_code == 130 and res.output == "plait generate: stopped (SIGINT)\n", res.output
+
+
+def test_the_watch_for_stopped_workers_has_ended_when_its_job_folder_goes(tmp_path):
+    """The launcher removes the job's folder right after leaving ResumeStopped: its watch, which reads that folder,
+    has ended by then (else, in the middle of a look, it raised FileNotFoundError into the job's output)."""
+    (tmp_path / "rank1").write_text("failed")
+    asked, release = threading.Event(), threading.Event()
+
+    def workers() -> list[int]:  # the watch is in here when the job ends
+        asked.set()
+        release.wait(0.5)
+        return []
+
+    with ResumeStopped(tmp_path, workers, after_s=0.0) as watch:
+        assert asked.wait(10)
+    assert not watch.thread.is_alive()

@@ -110,13 +110,16 @@ class ResumeStopped:
     def __init__(self, failures: Path, workers: Callable[[], list[int]], after_s: float):
         self.failures, self.workers, self.after_s = failures, workers, after_s
         self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="plait-resume-stopped", daemon=True)
 
     def __enter__(self):
-        threading.Thread(target=self._watch, name="plait-resume-stopped", daemon=True).start()
+        self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        """Stop the watch and wait for it: the caller removes ``failures`` next, which the watch may be reading."""
         self.done.set()
+        self.thread.join()
 
     def _watch(self) -> None:
         while not any(self.failures.glob("rank*")):
