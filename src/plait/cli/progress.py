@@ -23,6 +23,7 @@ def starting(command: str, processes: int, layout: str) -> None:
         return
     typer.echo(f"plait {command}: starting {counted(processes, 'process')} ({layout}) ...", err=True)
 
+
 def loading(command: str, folder: str, size: int, what: str = "the weights of") -> None:
     """Say on standard error, when a person is watching it (as ``starting``), that ``plait command`` reads
     ``size`` bytes (``what``) from ``folder``: after the checks, before the launch, for a large model the
