@@ -16,6 +16,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from plait.distributed.job_signals import process_state
+
 GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives each worker thread of a ProcessGroupGloo
 SETTLE_LIMIT_S = 1.0  # the longest the program's end waits for Gloo's workers
 SETTLE_STEP_S = 0.005  # the GIL is free this long between two looks at the workers
@@ -67,13 +69,13 @@ def settle_gloo_workers(limit_s: float = SETTLE_LIMIT_S, tasks: Path = TASKS) ->
 
 
 def _gloo_worker_running(tasks: Path) -> bool:
-    """Whether a thread named ``GLOO_WORKER`` among ``tasks`` is running or runnable (state R in its stat)."""
+    """Whether a thread named ``GLOO_WORKER`` among ``tasks`` is running or runnable (``process_state``: a thread's
+    id names it in /proc as a process's does)."""
     for task in tasks.iterdir():
         try:
-            stat = (task / "stat").read_text()
+            name = (task / "comm").read_text().strip()
         except OSError:  # the thread ended while we looked
             continue
-        name, _, rest = stat.partition(" (")[2].rpartition(")")
-        if name == GLOO_WORKER and rest.split()[:1] == ["R"]:
+        if name == GLOO_WORKER and process_state(int(task.name)) == "running":
             return True
     return False
