@@ -155,6 +155,31 @@ def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def plain_number(value: object) -> object:
+    """``value`` as Python's int or float when it is another kind of integer or real number (numpy's, from a config
+    dict or a user's arithmetic), else unchanged: a bool stays a bool, for its check to refuse. A config holding
+    Python's numbers writes them as JSON and TOML and prints them as the user typed them."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def plain_numbers(config: object) -> None:
+    """Make every field of dataclass ``config`` that holds an integer or a real number hold Python's (``plain_number``;
+    a frozen dataclass too): called by a config's ``__post_init__`` before its checks."""
+    from dataclasses import fields
+
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        plain = plain_number(value)
+        if plain is not value:
+            object.__setattr__(config, f.name, plain)
+
+
 _JSON_KINDS = {list: "an array", dict: "an object", str: "a string", bool: "true or false", int: "a number",
                float: "a number", type(None): "null"}
 

@@ -19,7 +19,7 @@ import textwrap
 from dataclasses import dataclass, fields, replace
 from functools import cache
 
-from plait.errors import ConfigError, FieldError, divisors
+from plait.errors import ConfigError, FieldError, divisors, is_integer, plain_numbers
 from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 
 #: activation recomputation modes the runtime runs
@@ -81,6 +81,7 @@ class ParallelConfig:
     """fp32, or bf16 (bf16 weights and activations over fp32 master weights and gradients)."""
 
     def __post_init__(self) -> None:
+        plain_numbers(self)
         _check(self)
 
     # ------------------------------------------------------------------------------------------ derived
@@ -164,7 +165,7 @@ class ParallelConfig:
 def _positive(name: str, value, *, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         raise FieldError(name, value, "must be a positive integer" + (" (or left unset: the default)" * optional))
 
 
@@ -177,7 +178,7 @@ def _check(c: ParallelConfig) -> None:
     """Every rule that needs no world size; ConfigError names the field."""
     for name in ("tp", "pp", "cp", "ep"):
         _positive(name, getattr(c, name))
-    if c.dp != -1 and (isinstance(c.dp, bool) or not isinstance(c.dp, int) or c.dp < 1):
+    if c.dp != -1 and (not is_integer(c.dp) or c.dp < 1):
         raise FieldError("dp", c.dp, "must be a positive integer or -1 (inferred from the world size)")
     _positive("microbatches", c.microbatches, optional=True)
     _positive("virtual_stages", c.virtual_stages, optional=True)

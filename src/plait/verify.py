@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from plait.errors import ConfigError, FieldError
+from plait.errors import ConfigError, FieldError, is_integer, plain_numbers
 from plait.parallel_config import ParallelConfig, batch_split
 from plait.words import either
 
@@ -38,6 +38,9 @@ class VerifyConfig:
     seed: int = 0
     n_experts: int = 1  # > 1: mixture-of-experts feed-forward layers (plait.models.moe)
     top_k: int = 1
+
+    def __post_init__(self) -> None:
+        plain_numbers(self)
 
     @property
     def world(self) -> int:
@@ -167,8 +170,9 @@ def check(cfg: VerifyConfig) -> None:
         raise FieldError("zero", par.zero, "shards only the optimizer's state (and gradients), and plait verify "
                                            "runs no optimizer step; use 0, or 3 (parameters sharded: checked here)")
     for name in ("batch_size", "n_layers", "seq_len", "n_experts"):
-        if getattr(cfg, name) < 1:
-            raise FieldError(name, getattr(cfg, name), "must be >= 1")
+        value = getattr(cfg, name)
+        if not is_integer(value) or value < 1:
+            raise FieldError(name, value, "must be >= 1" if is_integer(value) else "must be an integer >= 1")
     if not 1 <= cfg.top_k <= cfg.n_experts:
         raise FieldError("top_k", cfg.top_k, "must be between 1 and the experts ({n_experts})",
                          {"n_experts": cfg.n_experts})

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from plait.errors import is_integer
 from plait.generation.decode import Decoder, Sampling, generate_ids, sample
 
 __all__ = ["Decoder", "Sampling", "generate", "generate_ids", "sample"]
@@ -30,7 +31,7 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
 
     if isinstance(prompts, torch.Tensor):  # token ids [S] or [B, S]: as their lists
         prompts = prompts.tolist()
-    single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+    single = isinstance(prompts, str) or bool(prompts and is_integer(prompts[0]))
     batch: list[Any] = [prompts] if single else list(prompts)
     texts = bool(batch) and isinstance(batch[0], str)
     tok = tokenizer or ByteTokenizer()

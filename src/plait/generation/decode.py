@@ -13,7 +13,7 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.distributed.same_batch import check_same_batch
-from plait.errors import ConfigError, FieldError
+from plait.errors import ConfigError, FieldError, is_integer, plain_numbers
 from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
 
@@ -34,9 +34,12 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
 
+    def __post_init__(self) -> None:
+        plain_numbers(self)
+
     def check(self) -> None:
         for name in ("max_new_tokens", "top_k"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+            if not is_integer(getattr(self, name)):
                 raise FieldError(name, getattr(self, name), "must be an integer >= 0")
         for name in ("max_new_tokens", "temperature", "top_k"):
             if getattr(self, name) < 0:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, is_integer, is_number, plain_numbers
 from plait.models.decoder import DecoderFamily
 from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
@@ -53,17 +53,18 @@ class LlamaConfig:
     aux_loss_coef: float = 0.01  # load-balancing loss weight (Fedus et al. 2021 use 0.01)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "head_dim"):
+        plain_numbers(self)
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len", "head_dim",
+                     "sliding_window", "n_experts", "top_k", "moe_every"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (not is_integer(value) or value < 1):
                 raise ConfigError(f"LlamaConfig.{name}={value!r} must be a positive integer")
         for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"LlamaConfig.{name}={getattr(self, name)!r} must be True or False")
         for name, strict in (("rope_theta", True), ("norm_eps", False), ("init_std", False)):
             value = getattr(self, name)
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (number and (value > 0 if strict else value >= 0)):  # NaN fails either comparison
+            if not (is_number(value) and (value > 0 if strict else value >= 0)):
                 raise ConfigError(f"LlamaConfig.{name}={value!r} must be a number {'> 0' if strict else '>= 0'}")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
@@ -75,8 +76,6 @@ class LlamaConfig:
             self.head_dim = self.dim // self.n_heads
         if self.head_dim % 2:
             raise ConfigError(f"LlamaConfig.head_dim={self.head_dim} must be even (rotary embeddings)")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"LlamaConfig.sliding_window={self.sliding_window} must be positive (or None)")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"LlamaConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_moe_config(self)

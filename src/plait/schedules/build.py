@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.errors import FieldError
+from plait.errors import FieldError, is_integer
 from plait.schedules import generators as gen
 from plait.schedules import zero_bubble as zb
 from plait.schedules.schedule import Schedule, loop_placement, v_placement
@@ -39,9 +39,9 @@ def _resolve_rounds(name: str, rounds: str | None) -> str:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         raise FieldError(name, value, "must be an integer >= 1")
-    return value
+    return int(value)
 
 
 def _resolve_virtual(name: str, virtual: int | None) -> int:

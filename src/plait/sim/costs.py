@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from plait.errors import FieldError
+from plait.errors import FieldError, is_number, plain_number, plain_numbers
 
 if TYPE_CHECKING:
     from plait.schedules import Schedule
@@ -35,6 +35,9 @@ class Costs:
     weight: Cost | None = None
     p2p: float = 0.0
 
+    def __post_init__(self) -> None:
+        plain_numbers(self)
+
     @classmethod
     def measure(cls, schedule: Schedule, timeline: Sequence[tuple[int, Any, float, float]],
                 p2p: float = 0.0) -> Costs:
@@ -42,7 +45,7 @@ class Costs:
         return measure_costs(schedule, timeline, p2p)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, Sequence) else v) for k, v in asdict(self).items()}
+        return {k: ([plain_number(x) for x in v] if isinstance(v, Sequence) else v) for k, v in asdict(self).items()}
 
     def durations(self, schedule: Schedule) -> dict[str, list[float]]:
         """Per-kind, per-chunk durations for ``schedule``: ``{"F": [...], "B": ..., "I": ..., "W": ...}``."""
@@ -59,12 +62,12 @@ class Costs:
 
 
 def _ok(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    return is_number(x) and x >= 0
 
 
 def _per_chunk(name: str, value: Cost, schedule: Schedule) -> list[float]:
     p, v, n = schedule.num_ranks, schedule.virtual, schedule.num_stages
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, int, float)):
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, numbers.Real)):
         raise FieldError(name, value, "must be a number or a list of numbers")
     values = list(value) if isinstance(value, Sequence) else [value]
     if not all(_ok(x) for x in values):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args, get_origin, get_type_hints
 
-from plait.errors import ConfigError, FieldError, check_output_path, divisors
+from plait.errors import ConfigError, FieldError, check_output_path, divisors, is_integer, plain_numbers
 from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig, batch_split
 from plait.parallel_config import field_names as parallel_field_names
@@ -103,6 +103,9 @@ class TrainConfig:
     dry_run: bool = False
     """Check the settings and print what the run would cost on --cluster (the planner's step time, bubble
     and bytes per rank; a --metrics line too), then exit without launching."""
+
+    def __post_init__(self) -> None:
+        plain_numbers(self)
 
     def to_dict(self) -> dict:
         """The flat form: ParallelConfig's fields, then the run's."""
@@ -248,7 +251,7 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     """
     par = cfg.parallel
     for name in ("seq_len", "batch_size", "steps"):
-        if not isinstance(getattr(cfg, name), int) or getattr(cfg, name) < 1:
+        if not is_integer(getattr(cfg, name)) or getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)!r}: must be a positive integer")
     check_nproc(cfg)
     if cfg.experts < 1 or cfg.top_k < 1 or cfg.top_k > cfg.experts:
@@ -318,7 +321,7 @@ def check_raw_lengths(cfg: TrainConfig) -> None:
 
 def check_nproc(cfg: TrainConfig) -> None:
     """--nproc, when given, is a positive process count (never read as 'not given')."""
-    if cfg.nproc is not None and (not isinstance(cfg.nproc, int) or cfg.nproc < 1):
+    if cfg.nproc is not None and (not is_integer(cfg.nproc) or cfg.nproc < 1):
         raise ConfigError(f"--nproc {cfg.nproc!r}: must be a positive integer (or left out: tp x cp x pp x dp)")
 
 
