@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
+
+from plait.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "plait"
 #: packages that import no torch (they describe devices, they never place tensors)
@@ -77,6 +80,7 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: chosen.append(int(i)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: inited.append(backend))
     torchrun = {"LOCAL_RANK": "3", "RANK": "7", "WORLD_SIZE": "8", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
     for name, value in torchrun.items():
@@ -88,6 +92,41 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     assert context.default_device() == torch.device("cuda", 3)
     monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
     assert context.default_device() == torch.device("cpu")
+
+
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # a launch that leaves the device to a guess: refused
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="LOCAL_RANK is not set, while RANK=7 and WORLD_SIZE=8 are"):
+        context.ensure_default_group(10.0)
+    assert chosen == [3] and inited == ["nccl"]
+
+
+@pytest.mark.parametrize("env,launched,devices,expect", [
+    ({"LOCAL_RANK": "3"}, (7, 8), 4, 3),  # the launcher's word
+    ({}, None, 1, 0),  # a process alone
+    ({}, (0, 1), 1, 0),  # a world of one
+    ({"LOCAL_WORLD_SIZE": "4"}, (6, 8), 4, 2),  # torchrun numbers ranks host by host
+    ({"LOCAL_WORLD_SIZE": "8"}, (6, 8), None, 6),
+    ({}, (6, 8), 8, "LOCAL_RANK is not set, while RANK=6 and WORLD_SIZE=8 are: .* torchrun --nproc-per-node 8"),
+    ({"LOCAL_WORLD_SIZE": "3"}, (6, 8), 8, "LOCAL_WORLD_SIZE=3: must be a positive divisor of WORLD_SIZE=8"),
+    ({"LOCAL_RANK": "4"}, (4, 8), 4, r"LOCAL_RANK=4: this process sees 4 devices \(0 to 3\); run at most 4"),
+    ({"LOCAL_RANK": "-1"}, (4, 8), 4, "LOCAL_RANK=-1: must be >= 0"),
+    ({"LOCAL_RANK": "one"}, (4, 8), 4, "LOCAL_RANK='one': must be an integer"),
+])
+def test_local_rank_is_the_launchers_or_derived_never_guessed(monkeypatch, env, launched, devices, expect):
+    """The device a launched process takes: LOCAL_RANK, else derived only where that is unambiguous (one process,
+    or LOCAL_WORLD_SIZE given); else a ConfigError naming LOCAL_RANK and torchrun (not device 0 for every rank)."""
+    from plait.distributed.environment import local_rank
+
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if isinstance(expect, int):
+        assert local_rank(launched, devices) == expect
+    else:
+        with pytest.raises(ConfigError, match=expect):
+            local_rank(launched, devices)
 
 
 def _local_rank() -> str:

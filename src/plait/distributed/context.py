@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plait.distributed.at_exit import destroy_at_exit, settle_at_exit
 from plait.distributed.collectives import collective
-from plait.distributed.environment import env_int, launched_world
+from plait.distributed.environment import env_int, launched_world, local_rank
 from plait.distributed.rendezvous import agent_store_shared, generation_store
 from plait.errors import CommTimeoutError, ConfigError, rank_list
 from plait.parallel_config import ParallelConfig
@@ -248,7 +248,8 @@ class ParallelContext:
 def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
     """Initialise the default process group from the launcher's environment (or over ``store``) unless it
     exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo.
-    An incomplete launch environment is a ConfigError before anything is made (``launched_world``). One process
+    An incomplete launch environment is a ConfigError before anything is made (``launched_world``; under NCCL
+    ``local_rank`` too: a launched process without LOCAL_RANK, or one past the GPUs it sees). One process
     without a launcher gets an in-process store (no port opened, nothing set for processes started later). At
     exit a group made here is destroyed, and Gloo's workers waited for whoever made it (distributed.at_exit)."""
     settle_at_exit()
@@ -258,7 +259,7 @@ def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store
     rank, world = launched or (0, 1)
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank(launched, torch.cuda.device_count()))
     if store is None and launched is None:
         store = dist.HashStore()
     if store is None and agent_store_shared():  # torchrun's long-lived store: this generation's own (rendezvous)

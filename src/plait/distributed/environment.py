@@ -50,3 +50,38 @@ def launched_world() -> tuple[int, int] | None:
     if not 0 <= rank < world:
         raise ConfigError(f"environment variable RANK={rank}: must be from 0 to WORLD_SIZE - 1 = {world - 1}")
     return rank, world
+
+
+def local_rank(launched: tuple[int, int] | None, devices: int | None = None) -> int:
+    """The index among this host's processes, and so of the accelerator, that this process takes: LOCAL_RANK as its
+    launcher set it; 0 for a process alone (``launched`` None, or a world of one); RANK modulo LOCAL_WORLD_SIZE
+    where LOCAL_RANK is not set but LOCAL_WORLD_SIZE is (torchrun numbers ranks host by host). Any other launched
+    process is a ConfigError naming LOCAL_RANK and how to launch, before any collective: taken as 0, every process
+    of a host would share its first device. ``devices``, when given (the accelerators this process sees), bounds
+    it: a LOCAL_RANK past them is a ConfigError too."""
+    if "LOCAL_RANK" in os.environ:
+        local = env_int("LOCAL_RANK")
+    elif launched is None or launched[1] == 1:
+        local = 0
+    elif "LOCAL_WORLD_SIZE" in os.environ:
+        per_host = env_int("LOCAL_WORLD_SIZE")
+        if per_host < 1 or launched[1] % per_host:
+            raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={per_host}: must be a positive divisor of "
+                              f"WORLD_SIZE={launched[1]} to give LOCAL_RANK (which is not set)")
+        local = launched[0] % per_host
+    else:
+        rank, world = launched
+        raise ConfigError(
+            f"environment variable LOCAL_RANK is not set, while RANK={rank} and WORLD_SIZE={world} are: it names "
+            f"the device this process takes on its host, and taken as 0 every process of a host would share the "
+            f"first one. Launch with torchrun, which sets it in each process, e.g. torchrun --nproc-per-node "
+            f"{min(world, 8)} script.py; or set LOCAL_RANK (under Slurm: LOCAL_RANK=$SLURM_LOCALID), or "
+            f"LOCAL_WORLD_SIZE (the processes per host) in each process")
+    if local < 0:
+        raise ConfigError(f"environment variable LOCAL_RANK={local}: must be >= 0")
+    if devices is not None and local >= devices:
+        raise ConfigError(f"environment variable LOCAL_RANK={local}: this process sees {devices} device"
+                          f"{'s' * (devices != 1)} (0 to {devices - 1}); run at most {devices} processes a host "
+                          f"(torchrun --nproc-per-node {devices}), or make more visible (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    return local
