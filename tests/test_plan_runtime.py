@@ -117,6 +117,47 @@ def test_write_config_loads_in_plait_train_as_that_layout(tmp_path, launched):
     assert (cfg.model, cfg.batch_size, cfg.seq_len) == (str(folder), 8, 32)
 
 
+@pytest.mark.parametrize("where", ["folder on cpu gpus", "preset on a host profile"])
+def test_the_flags_plait_plan_prints_run_in_plait_train_as_they_are(tmp_path, launched, where):
+    """``plait plan`` ends with the best layout as ``plait train`` flags (the JSON's ``train_flags``); pasted as
+    they are, plait train runs that layout, batch and sequence length on the plan's process count (with
+    ``--cluster``: the same profile, so the run's prediction is the plan's)."""
+    import shlex
+    from dataclasses import replace
+
+    from profile_util import synthetic_profile
+
+    if where == "folder on cpu gpus":
+        model = str(tmp_path / "model")
+        Llama(LlamaConfig(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)
+              ).save_pretrained(model)
+        hardware = ["--gpu", "cpu", "--gpus-per-node", "4", "--precision", "bf16"]
+    else:
+        model = "tiny"
+        synthetic_profile().save(tmp_path / "host.toml")
+        hardware = ["--cluster", str(tmp_path / "host.toml")]
+    args = ["plan", "--model", model, "--gpus", "4", "--seq-len", "32", "--global-batch", "8", *hardware]
+    text, as_json = (CliRunner().invoke(app, args + extra) for extra in ([], ["--json"]))
+    assert text.exit_code == 0 and as_json.exit_code == 0, text.output + as_json.output
+    line = next(x for x in text.output.splitlines() if x.startswith("• as plait train flags: "))
+    words = shlex.split(line.removeprefix("• as plait train flags: "))
+    out = json.loads(as_json.output)
+    assert words == out["train_flags"] and words[:2] == ["--model", model], line
+    best = out["best"][0]
+    precision = "bf16" if "--precision" in words else "fp32"
+    planned = Layout(**best["layout"]).to_parallel_config(Training(8, precision=precision, masters="plait"),
+                                                          rounds=best["rounds"])
+    res = CliRunner().invoke(app, ["train", *words, "--max-data-mb", "0.1"])
+    assert res.exit_code == 0, res.output
+    from plait.train import TrainConfig
+
+    cfg = TrainConfig.from_dict(launched["payload"])
+    ran = cfg.parallel
+    assert replace(ran, virtual_stages=ran.pipeline_schedule().virtual) == planned and launched["n"] == 4
+    assert (cfg.model, cfg.batch_size, cfg.seq_len) == (model, 8, 32)
+    assert cfg.cluster == (None if model != "tiny" else str(tmp_path / "host.toml"))
+
+
 def test_plan_on_gpus_predicts_the_step_plait_train_dry_run_predicts(tmp_path):
     """On catalogue GPUs ``plait plan`` costs plait's own eager element-wise kernels, as ``plait train --dry-run``
     does for the layout it writes (the same step); ``--elementwise fused`` costs the fitted fused term instead."""

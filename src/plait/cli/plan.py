@@ -194,28 +194,6 @@ def _past_context(res) -> list[str]:
             f"longer than {model.name}'s context of {model.context:,} tokens: the model itself takes no more"]
 
 
-def _write_config(path: Path, best, model_arg: str) -> None:
-    """Write ``best``'s layout (and batch, sequence length, model when plait train can build it) as TOML."""
-    from plait.errors import ConfigError, check_output_path
-    from plait.train.config import PRESETS, toml_text
-    check_output_path("--write-config", str(path), folder=False)
-    if not best.layout.runnable:
-        raise ConfigError(f"--write-config: the best layout {best.layout.short()} is plan-only; drop --plan-only")
-    folder = Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)
-    trainable = model_arg in PRESETS or (folder / "config.json").is_file()
-    values = {"model": (model_arg if model_arg in PRESETS else str(folder)) if trainable else None,
-              **best.layout.to_parallel_config(best.training, rounds=best.rounds).to_dict(),
-              "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
-    size, m, dp = best.layout.microbatch_size, values["microbatches"], values["dp"]  # the label's mbN: N sequences
-    header = (f"plait plan's best layout for {best.model.name}: {best.layout.short()} ({best.step_time_s:.3g} s/step "
-              f"predicted on {best.cluster.n_gpus} x {best.cluster.gpu.name})\nmb{size}: micro-batches of {size} "
-              f"sequence{'s' * (size != 1)}: batch-size {values['batch_size']} = dp {dp} x microbatches {m} x {size}")
-    if not trainable:
-        header += f"\n{model_arg} is a planner preset: give plait train --model a Hugging Face folder of it"
-    path.parent.mkdir(parents=True, exist_ok=True)  # as every command's output files: their folders made
-    path.write_text(toml_text(values, header))
-
-
 @dataclass(frozen=True)
 class PlanOptions:
     """The options of ``plait plan`` (one per field, its help the field's docstring)."""
@@ -301,6 +279,7 @@ def _check_mode(o: PlanOptions) -> None:
 def plan(options: dict[str, Any]) -> None:
     from rich.console import Console
 
+    from plait.cli.plan_config import flags_line, plan_flags, write_config
     from plait.errors import ConfigError, flag_message
     from plait.plan import Cluster, Training, explain, search
     from plait.plan.attention import KERNELS, UNFUSED
@@ -344,7 +323,7 @@ def plan(options: dict[str, Any]) -> None:
             result = choice.result
             batch_note = f"global batch (not given, searched): {choice.reason}"
         if result.best and o.write_config is not None:
-            _write_config(o.write_config, result.best[0], o.model)
+            write_config(o.write_config, result.best[0], o.model)
     except ConfigError as exc:
         fail(flag_message(exc))
     if not result.best:
@@ -356,7 +335,8 @@ def plan(options: dict[str, Any]) -> None:
                                "twin_settings": dict(result.twin_settings), "considered": result.considered,
                                "why": explain(result), "max_memory_fraction": o.max_memory_fraction,
                                "expert_capacity": m.expert_capacity if m.is_moe else None,
-                               "dropless_bound": dropless_bound(m, result.best[0].layout) if m.is_moe else None}
+                               "dropless_bound": dropless_bound(m, result.best[0].layout) if m.is_moe else None,
+                               "train_flags": plan_flags(result.best[0], o.model, o.cluster)}
         typer.echo(json.dumps(out, indent=1))
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
@@ -369,6 +349,8 @@ def plan(options: dict[str, Any]) -> None:
     console.print(_breakdown_table(result.best[0]))
     for line in explain(result):
         console.print("• " + line)
+    # a line to copy whole: the terminal wraps it, no line break is put in it
+    console.print("• " + flags_line(result.best[0], o.model, o.cluster), markup=False, highlight=False, soft_wrap=True)
     if m.is_moe:
         console.print("• " + routing_note(m, result.best[0].layout))
     if o.show_schedule:
