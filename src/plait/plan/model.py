@@ -287,11 +287,47 @@ class _Config:
         return value
 
 
+#: keys of configs outside plait's families that describe what ``Model`` does not model: key -> (the values that
+#: leave the model as ``Model`` describes it, what the key describes)
+UNMODELLED = {
+    "n_shared_experts": ((None, 0), "shared experts beside the routed ones"),
+    "num_shared_experts": ((None, 0), "shared experts beside the routed ones"),
+    "shared_expert_intermediate_size": ((None, 0), "shared experts beside the routed ones"),
+    "first_k_dense_replace": ((None, 0), "dense feed-forward layers among the experts' layers"),
+    "moe_layer_freq": ((None, 1), "dense feed-forward layers among the experts' layers"),
+    "decoder_sparse_step": ((None, 1), "dense feed-forward layers among the experts' layers"),
+    "mlp_only_layers": ((None, []), "dense feed-forward layers among the experts' layers"),
+    "kv_lora_rank": ((None,), "multi-head latent attention (low-rank keys and values)"),
+    "q_lora_rank": ((None,), "multi-head latent attention (low-rank queries)"),
+    "sliding_window": ((None,), "a sliding attention window (on which layers this config's family says)"),
+    "layer_types": ((None,), "layers of several kinds"),
+}
+
+
+def _check_modelled(cfg: dict[str, Any], source: str) -> None:
+    """ConfigError naming the first key of ``UNMODELLED`` whose value makes the config's model one ``Model`` does not
+    describe (planning it without would plan another model, silently)."""
+    for key, (neutral, what) in UNMODELLED.items():
+        value = cfg.get(key)
+        if value in neutral or (key == "sliding_window" and cfg.get("use_sliding_window") is False) or (
+                key == "layer_types" and isinstance(value, list) and set(value) <= {"full_attention"}):
+            continue
+        raise ConfigError(f"{source}: {key} = {value!r}: {what}, which the planner does not model (it reads the "
+                          f"configs of model_type {', '.join(sorted(FAMILY_FIELDS))} as plait builds them, others by "
+                          "their shapes); remove the key from a copy of the file to plan the model without it")
+
+
 def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: str = "config.json") -> Model:
+    """The model of a config of a family plait does not run, from the shapes its keys give; a key of ``UNMODELLED``
+    is refused. An MoE config's experts are ``moe_intermediate_size`` wide where it gives that width apart (Qwen2-MoE,
+    Qwen3-MoE, DeepSeek: ``intermediate_size`` is then a dense layer's)."""
     _check_seq_len(seq_len)
+    _check_modelled(cfg, source)
     kind = str(cfg.get("model_type", "")).lower()
     gpt_style = kind in {"gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode"}
     c = _Config(cfg, source)
+    n_experts = c.number("n_experts", "num_local_experts", "num_experts", "n_routed_experts", default=1)
+    ffn = ("moe_intermediate_size",) if n_experts > 1 and cfg.get("moe_intermediate_size") is not None else ()
     hidden = c.number("hidden", "hidden_size", "n_embd", "d_model")
     n_heads = c.number("n_heads", "num_attention_heads", "n_head")
     n_layers, vocab = c.number("n_layers", "num_hidden_layers", "n_layer"), c.number("vocab", "vocab_size")
@@ -303,12 +339,13 @@ def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: s
         return Model(
             n_layers=n_layers, hidden=hidden, n_heads=n_heads, vocab=vocab,
             seq_len=int(seq_len),
-            ffn_hidden=c.optional("ffn_hidden", "intermediate_size", "n_inner", "ffn_dim"),
+            ffn_hidden=c.optional("ffn_hidden", *ffn, "intermediate_size", "n_inner", "ffn_dim"),
             n_kv_heads=c.number("n_kv_heads", "num_key_value_heads", default=n_heads),
             glu=not gpt_style,
             tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
-            n_experts=c.number("n_experts", "num_local_experts", "num_experts", "n_routed_experts", default=1),
-            top_k=c.number("top_k", "num_experts_per_tok", "moe_top_k", default=1),
+            n_experts=n_experts, top_k=c.number("top_k", "num_experts_per_tok", "moe_top_k", default=1),
+            head_size=c.optional("head_size", "head_dim"),
+            head_norms=HEAD_NORMS if kind == "qwen3_moe" else (),  # Qwen3's per-head q/k norms in its MoE layers too
             bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
             dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name, context=context,
         )
