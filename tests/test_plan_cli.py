@@ -276,3 +276,34 @@ def test_a_hf_config_s_context_is_its_max_position_embeddings_uncapped(tmp_path)
         "vocab_size": 256, "intermediate_size": 128, "max_position_embeddings": 131072}))
     model = Model.from_hf_config(tmp_path)
     assert model.context == 131072 and model.seq_len == 8192  # the planned training length stays capped
+
+
+def test_the_reasons_name_an_overhead_only_where_there_is_one_and_count_in_one_unit(tmp_path):
+    """'its largest overhead is optimizer step: 0.00 s (0% of the step)' was said of a step that is all compute;
+    the rejected layouts were counted without separators ('rejected 10476 of 18,354 layouts (memory: 6759, ...)');
+    a small run's memory was MB (10^6 bytes) in the table, GB in the best line ('0.1 of 5.7 GB') and MiB in plait
+    train's prediction. Now: no overhead named under 1% of the step, every count with separators, and small runs
+    in MiB, as plait train says a rank's memory."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from plait.plan import Cluster, Model, Training, explain, search
+    from plait.plan.search import SearchResult
+    from profile_util import synthetic_profile
+
+    best = search(Model.preset("llama3-8b"), Cluster("h100-sxm", 16), Training(64), top=1).best[0]
+    step = best.step_time_s
+    alone = replace(best, time={k: (0.995 * step if k == "compute" else 0.005 * step if k == "optimizer" else 0.0)
+                                for k in best.time})
+    lines = explain(SearchResult([alone], Counter({"memory": 6759, "tp>node": 2448}), pruned=7872, considered=18354))
+    assert lines[1].startswith("no overhead reaches 1% of the step: compute is 100% of it; bubble"), lines
+    assert lines[2] == ("rejected 9,207 of 18,354 layouts (memory: 6,759, tp>node: 2,448); 7,872 valid ones pruned "
+                        "as slower"), lines
+    some = replace(alone, time={**alone.time, "optimizer": 0.02 * step, "compute": 0.98 * step})
+    assert explain(SearchResult([some]))[1].startswith("its largest overhead is optimizer step: "), explain
+    synthetic_profile().save(tmp_path / "host.toml")
+    args = ["plan", "--model", "tiny", "--gpus", "2", "--cluster", str(tmp_path / "host.toml"), "--global-batch", "8"]
+    text, as_json = (runner.invoke(app, args + extra) for extra in ([], ["--json"]))
+    memory = json.loads(as_json.output)["best"][0]["memory"]
+    assert "memory MiB: weights + grads + optim + activ" in text.output, text.output
+    assert f"{memory['total'] / 2**20:,.1f} of {memory['usable'] / 2**20:,.1f} MiB" in text.output, text.output

@@ -40,7 +40,7 @@ def test_without_a_prediction_the_table_says_it_is_measured_alone():
     rows = [{"rank": 0, "pp": 0, "dp": 0, "tp": 0, "params": MB, "grads": MB, "optimizer": 2 * MB,
              "activations_peak": MB}]
     lines = _render(rows, None)
-    assert lines[0] == "memory per rank, MB (measured)"
+    assert lines[0] == "memory per rank, MiB (measured)"
     assert "predicted" not in "\n".join(lines) and lines[-1].split() == ["0", "0/0/0", "1.00", "1.00", "2.00", "1.00",
                                                                          "5.00"]
 

@@ -52,9 +52,10 @@ def planner_model(name: str, seq_len: int | None):
 def _training_table(result, title: str):
     from rich.table import Table
 
+    from plait.plan.explain import memory_unit
+
     t = Table(title=title, header_style="bold")
-    small = max(e.memory.total for e in result.best) < GB  # plait's own small runs: MB
-    unit, scale = ("MB", 1e6) if small else ("GB", GB)
+    unit, scale = memory_unit(result.best)
     # in a narrow terminal the layout and the memory sum wrap at their spaces; the figures keep their width
     memory = f"memory {unit}: weights + grads + optim + activ"
     for col in ("#", "layout", "step s", "MFU", "TF/s/GPU", "bubble", memory):

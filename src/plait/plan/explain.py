@@ -10,6 +10,12 @@ from plait.words import counted
 GB = 1e9
 
 
+def memory_unit(estimates: list[Estimate]) -> tuple[str, float]:
+    """The unit the memory of ``estimates`` is said in: GB, or MiB where the most loaded device needs under a GB
+    (plait's own small runs, in the unit plait train says its ranks' memory in)."""
+    return ("MiB", 2.0**20) if max(e.memory.total for e in estimates) < GB else ("GB", GB)
+
+
 def _shape(e: Estimate) -> tuple[int, int, int, int]:
     return e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp
 
@@ -29,8 +35,9 @@ def explain(result: SearchResult) -> list[str]:
     if not result.best:
         return [nothing_fits(result)]
     best = result.best[0]
+    unit, scale = memory_unit(result.best)
     lines = [f"best: {best.layout.short()} — {best.step_time_s:.2f} s/step, MFU {best.mfu:.1%}, "
-             f"{best.memory.total / GB:.1f} of {best.memory.usable / GB:.1f} GB"]
+             f"{best.memory.total / scale:,.1f} of {best.memory.usable / scale:,.1f} {unit}"]
     if len(result.best) > 1:
         lines.append("vs runner-up: " + _versus(best, result.best[1]))
     other = next((e for e in result.best[1:] if _shape(e) != _shape(best)), None)
@@ -38,12 +45,16 @@ def explain(result: SearchResult) -> list[str]:
         lines.append("vs another shape: " + _versus(best, other))
     t = best.time
     worst = max((k for k in t if k != "compute"), key=lambda k: t[k])
-    lines.append(f"its largest overhead is {PARTS[worst]}: {t[worst]:.2f} s "
-                 f"({t[worst] / best.step_time_s:.0%} of the step); bubble {best.bubble_fraction:.1%} "
-                 f"with {counted(best.microbatches, 'micro-batch')}")
+    bubble = f"bubble {best.bubble_fraction:.1%} with {counted(best.microbatches, 'micro-batch')}"
+    if t[worst] >= 0.01 * best.step_time_s:
+        lines.append(f"its largest overhead is {PARTS[worst]}: {t[worst]:.2f} s "
+                     f"({t[worst] / best.step_time_s:.0%} of the step); {bubble}")
+    else:  # nothing to name: every part but the compute under 1% of the step
+        lines.append(f"no overhead reaches 1% of the step: compute is {t['compute'] / best.step_time_s:.0%} of it; "
+                     f"{bubble}")
     if result.rejected:
-        top = ", ".join(f"{k}: {v}" for k, v in result.rejected.most_common(4))
-        lines.append(f"rejected {sum(result.rejected.values())} of {counted(result.considered, 'layout')} ({top}); "
+        top = ", ".join(f"{k}: {v:,}" for k, v in result.rejected.most_common(4))
+        lines.append(f"rejected {sum(result.rejected.values()):,} of {counted(result.considered, 'layout')} ({top}); "
                      f"{counted(result.pruned, 'valid one')} pruned as slower")
     if result.twins:
         lines.append(_twins(result))

@@ -319,8 +319,9 @@ def _bubbles(res, pred: Prediction | None) -> str:
 
 
 def memory_table(rows: list[dict], predicted: list[dict] | None = None, notes: Sequence[str] = ()) -> Group:
-    """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MB; with a
-    prediction, each rank's row is followed by the planner's figures for its pipeline rank, a row of their own
+    """Per rank, measured bytes of a real step (``ParallelModel.memory_report``) as a rich table in MiB (the unit
+    ``plait plan`` says small runs' memory in); with a prediction, each rank's row is followed by the planner's
+    figures for its pipeline rank, a row of their own
     (one number a cell, so the table stays readable in 80 columns), and ``notes`` (what the prediction assumes,
     ``Prediction.notes``) under the table."""
     from rich import box
@@ -328,8 +329,8 @@ def memory_table(rows: list[dict], predicted: list[dict] | None = None, notes: S
     from rich.table import Table
 
     pred = {p["pp_rank"]: p for p in predicted or []}
-    title = ("memory per rank, MB (each rank measured, then the planner's prediction)" if pred
-             else "memory per rank, MB (measured)")
+    title = ("memory per rank, MiB (each rank measured, then the planner's prediction)" if pred
+             else "memory per rank, MiB (measured)")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0, 0, 1))
     kinds = ["params", "grads", "optimizer", "activations_peak"]
     if any(r.get("params_gathered_peak") is not None for r in rows):  # ZeRO-3: the working set of gathered weights
