@@ -160,3 +160,28 @@ def test_verify_trace_into_a_pipe_folds_no_line():
     assert any(line.startswith("makespan: measured") and "predicted" in line for line in lines), res.stdout
     rows = [line for line in lines if line.startswith("rank ")]
     assert len(rows) == 4 and len({len(r) for r in rows[:2]}) == 1, res.stdout
+
+
+def test_the_verdict_says_what_was_compared_how_close_and_what_differs(monkeypatch):
+    """The last line said 'PASS: parallel equals single device', or 'FAIL' alone, even when every gradient read ok
+    and only a peak of activations differed. It now names each comparison with the single-device run against its
+    tolerance (the worst gradient by name), and a FAIL names what differs, first."""
+    import plait.verify
+    from plait.verify import TensorError, VerifyConfig, VerifyResult
+
+    grads = [TensorError("tok_embeddings.weight", (256, 64), 1e-9, 3e-7),
+             TensorError("layers.1.mlp.up_proj.weight", (176, 64), 2e-9, 9e-7)]
+    good = VerifyResult(VerifyConfig(), 5.5, 5.5 * (1 + 5e-9), grads, 4e-7, [2.0, 1.0], [2.0, 1.0])
+    assert good.ok and good.verdict() == (
+        "PASS: parallel equals single device: loss rel 5.0e-09 <= 1e-05; 2 gradients within rel 1e-04 (worst "
+        "layers.1.mlp.up_proj.weight rel 9.0e-07); eval logits rel 4.0e-07 <= 1e-05; peak stored activations per "
+        "pipeline rank equal the simulator's")
+    bad = VerifyResult(VerifyConfig(), 5.5, 5.5, [grads[0], TensorError("norm.weight", (64,), 1e-3, 2e-2)], 4e-7,
+                       [3.0, 1.0], [2.0, 1.0])
+    assert not bad.ok and bad.verdict() == (
+        "FAIL: parallel differs from single device: 1 of 2 gradients beyond rel 1e-04 (worst norm.weight rel "
+        "2.0e-02); peak stored activations per pipeline rank [3.0, 1.0], the simulator's [2.0, 1.0]")
+    assert json.loads(json.dumps(bad.to_dict()))["verdict"] == bad.verdict()
+    monkeypatch.setattr(plait.verify, "verify", lambda cfg: bad)  # the command's own rendering, nothing launched
+    res = _in_process("--tp", "1", "--pp", "2", "--layers", "2")
+    assert res.exit_code == 1 and res.stdout.splitlines()[-1] == bad.verdict(), res.stdout

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError, FieldError, is_integer, plain_numbers
 from plait.parallel_config import ParallelConfig, batch_split
-from plait.words import either
+from plait.words import counted, either
 
 if TYPE_CHECKING:
     from plait.distributed.context import ParallelContext
@@ -81,16 +81,46 @@ class VerifyResult:
         return abs(self.loss_parallel - self.loss_single) / max(abs(self.loss_single), 1e-30)
 
     @property
+    def peaks_ok(self) -> bool:
+        """Whether every pipeline rank's peak of stored activations is the simulator's."""
+        return all(abs(a - b) < 1e-9 for a, b in zip(self.peak_measured, self.peak_simulated, strict=True))
+
+    @property
     def ok(self) -> bool:
-        peaks_ok = all(abs(a - b) < 1e-9 for a, b in zip(self.peak_measured, self.peak_simulated, strict=True))
         return (self.loss_rel <= LOSS_TOL and all(g.ok for g in self.grads) and self.logits_rel <= LOSS_TOL
-                and peaks_ok)
+                and self.peaks_ok)
+
+    def verdict(self) -> str:
+        """What was compared with the single-device run and how close it came, each against its tolerance: the
+        checks that failed first, named (the worst tensor, how many differ)."""
+        worst = max(self.grads, key=lambda g: g.rel)
+        bad = [g for g in self.grads if not g.ok]
+        grads = (f"{len(bad)} of {counted(len(self.grads), 'gradient')} beyond rel {GRAD_TOL:.0e} (worst "
+                 f"{worst.name} rel {worst.rel:.1e})" if bad else
+                 f"{counted(len(self.grads), 'gradient')} within rel {GRAD_TOL:.0e} (worst {worst.name} rel "
+                 f"{worst.rel:.1e})")
+        checks = [(self.loss_rel <= LOSS_TOL, f"loss rel {self.loss_rel:.1e} {_within(self.loss_rel, LOSS_TOL)}"),
+                  (not bad, grads),
+                  (self.logits_rel <= LOSS_TOL, f"eval logits rel {self.logits_rel:.1e} "
+                                                f"{_within(self.logits_rel, LOSS_TOL)}"),
+                  (self.peaks_ok, "peak stored activations per pipeline rank " + (
+                      "equal the simulator's" if self.peaks_ok else
+                      f"{self.peak_measured}, the simulator's {self.peak_simulated}"))]
+        failed = [text for ok, text in checks if not ok]
+        if failed:
+            return "FAIL: parallel differs from single device: " + "; ".join(failed)
+        return "PASS: parallel equals single device: " + "; ".join(text for _, text in checks)
 
     def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "ok": self.ok, "loss_parallel": self.loss_parallel,
+        return {"config": self.config.to_dict(), "ok": self.ok, "verdict": self.verdict(),
+                "loss_parallel": self.loss_parallel,
                 "loss_single": self.loss_single, "loss_rel": self.loss_rel, "logits_rel": self.logits_rel,
                 "peak_measured": self.peak_measured, "peak_simulated": self.peak_simulated,
                 "grads": [{**asdict(g), "ok": g.ok} for g in self.grads]}
+
+
+def _within(rel: float, tol: float) -> str:
+    return f"{'<=' if rel <= tol else '>'} {tol:.0e}"
 
 
 def _rel(a, b) -> tuple[float, float]:

@@ -17,7 +17,7 @@ Examples:
 
 
 def demo_command() -> None:
-    from plait.cli.verify import result_table
+    from plait.cli.verify import result_table, verdict_text
     from plait.parallel_config import ParallelConfig
     from plait.schedules import build_schedule
     from plait.sim import Costs, simulate
@@ -39,7 +39,7 @@ def demo_command() -> None:
         console.print(f"loss parallel {result.loss_parallel:.7f} vs single {result.loss_single:.7f} "
                       f"(rel {result.loss_rel:.1e}); peak activations measured {result.peak_measured}, "
                       f"simulated {result.peak_simulated}")
-        console.print("[bold green]PASS[/]" if result.ok else "[bold red]FAIL[/]")
+        console.print(verdict_text(result))
         if not result.ok:
             raise typer.Exit(1)
 

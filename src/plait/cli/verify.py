@@ -7,6 +7,7 @@ import json
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 HELP = """Run a small Llama under a layout on local CPU processes and on one device, then compare.
 
@@ -34,6 +35,12 @@ def result_table(result) -> Table:
         mark = "[green]ok[/]" if g.ok else "[red]MISMATCH[/]"
         table.add_row(g.name, "x".join(map(str, g.shape)), f"{g.max_abs:.2e}", f"{g.rel:.2e}", mark)
     return table
+
+
+def verdict_text(result) -> Text:
+    """``result.verdict()``, its PASS green or its FAIL red."""
+    verdict = result.verdict()
+    return Text.assemble((verdict[:4], "bold green" if result.ok else "bold red"), verdict[4:])
 
 
 def verify_command(
@@ -92,8 +99,7 @@ def verify_command(
     if show_trace:
         # a chart's rows and headers are as wide as the chart: never folded (a terminal wraps them if it must)
         console.print(result.trace_text, markup=False, highlight=False, soft_wrap=True)
-    verdict = "[bold green]PASS[/]: parallel equals single device" if result.ok else "[bold red]FAIL[/]"
-    console.print(verdict)
+    console.print(verdict_text(result))
     raise typer.Exit(0 if result.ok else 1)
 
 
