@@ -324,7 +324,8 @@ def test_the_summary_of_a_run_stopped_by_a_signal_names_the_stop_not_a_missing_t
 
 def test_what_follows_the_last_step_is_said_before_it_is_done(tmp_path):
     """The last checkpoint's save, the held-out loss and the sample take a minute or more for a large model, after
-    the last step's line: the log says what the run does, before the summary (it was silent until then)."""
+    the last step's line: the log says what the run does, before the summary (it was silent until then). Each save
+    written in the loop (--no-async-checkpoint), during the run too, then says what it saved where, how big."""
     import io
 
     from rich.console import Console
@@ -338,13 +339,49 @@ def test_what_follows_the_last_step_is_said_before_it_is_done(tmp_path):
     prepare([str(src)], "bytes", tmp_path / "d", workers=1, held_out=0.3)
     cfg = TrainConfig.from_dict(dict(tp=1, pp=1, dp=1, microbatches=1, seq_len=16, batch_size=2, steps=2, warmup=1,
                                      eval_every=0, sample_tokens=4, trace_every=0, data=[str(tmp_path / "d")],
-                                     async_checkpoint=False, checkpoint_dir=str(tmp_path / "ck")))
+                                     checkpoint_every=1, async_checkpoint=False, checkpoint_dir=str(tmp_path / "ck")))
     log = io.StringIO()
     loop.train(cfg, reporter=Reporter(cfg, 0, Console(file=log, width=200)))
     lines = log.getvalue().splitlines()
+    _check_saves(lines, tmp_path / "ck", (1, 2), background=False)  # during the run (said nothing) and the last
     said = [f"saving the checkpoint of step 2 in {tmp_path / 'ck'} ...", "measuring the held-out loss ...",
             "sampling up to 4 tokens ..."]
     at = [lines.index(s) for s in said]
     last_step = max(i for i, line in enumerate(lines) if line.startswith("step "))
     summary = next(i for i, line in enumerate(lines) if "plait train: summary" in line)
     assert last_step < at[0] < at[1] < at[2] < summary, lines
+
+
+
+def _check_saves(lines: list[str], ck, steps: tuple[int, ...], background: bool) -> None:
+    """Each save of ``steps`` is said before it starts and once saved (or being written), naming its folder and its
+    size (the size of its shard files, in MB)."""
+    for step in steps:
+        folder = ck / f"step_{step:08d}"
+        size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+        i = lines.index(f"saving the checkpoint of step {step} in {ck} ...")
+        said = f"writing {folder} in the background" if background else f"saved {folder}"
+        assert lines[i + 1] == f"{said} ({size:,.0f} MB of weights and optimizer state)", lines
+
+
+def test_each_save_in_the_background_says_what_it_saves_where_and_how_big(tmp_path):
+    """As each save written in the loop (test_what_follows_the_last_step_is_said_before_it_is_done), a save during
+    the run and the last one, written in the background (--async-checkpoint), each say what they save where (the
+    saves during the run said nothing)."""
+    import io
+
+    from rich.console import Console
+
+    import plait.train.loop as loop
+    from data_util import write_jsonl
+    from plait.data import prepare
+    from plait.train.report import Reporter
+
+    src = write_jsonl(tmp_path / "c.jsonl", [f"document {i}: some words to train on. " * 4 for i in range(40)])
+    prepare([str(src)], "bytes", tmp_path / "d", workers=1)
+    cfg = TrainConfig.from_dict(dict(tp=1, pp=1, dp=1, microbatches=1, seq_len=16, batch_size=2, steps=2, warmup=1,
+                                     eval_every=0, sample_tokens=0, trace_every=0, data=[str(tmp_path / "d")],
+                                     checkpoint_every=1, async_checkpoint=True, checkpoint_dir=str(tmp_path / "ck")))
+    log = io.StringIO()
+    loop.train(cfg, reporter=Reporter(cfg, 0, Console(file=log, width=200)))
+    _check_saves(log.getvalue().splitlines(), tmp_path / "ck", (1, 2), background=True)

@@ -40,6 +40,9 @@ class _Rows:
     def doing(self, text):
         pass
 
+    def saved(self, folder, nbytes):
+        pass
+
     def end(self, run, res):
         pass
 

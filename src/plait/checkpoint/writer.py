@@ -18,6 +18,7 @@ wait for the previous write, so at most one snapshot is held. Both give the same
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import threading
@@ -210,6 +211,7 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
+        self.nbytes: int | None = None  # rank 0: the bytes of the last save's tensors (``tensor_bytes``)
 
     def save(self, pm, optimizer, directory: str | Path, step: int, extra: dict | None = None,
              keep: int = 3) -> Path:
@@ -217,6 +219,7 @@ class AsyncCheckpointer:
         self.wait()
         snap = take_snapshot(pm, optimizer, directory, step, extra, keep)
         self._step = step
+        self.nbytes = tensor_bytes(snap.meta["tensors"]) if snap.meta is not None else None
         self._thread = threading.Thread(target=self._write, args=(snap,), name=f"plait-checkpoint-{step}",
                                         daemon=True)  # a failing job is not held up by its last write
         self._thread.start()
@@ -246,6 +249,13 @@ class AsyncCheckpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"the background save of the step-{self._step} checkpoint failed: {error}") from error
+
+
+def tensor_bytes(tensors: dict, optimizer: bool = True) -> int:
+    """The bytes of the tensors a checkpoint's meta.json records (its ``tensors``), as its shard files hold them:
+    the weights and the optimizer state, or (not ``optimizer``) the weights alone."""
+    return sum(math.prod(t["shape"]) * torch.empty(0, dtype=getattr(torch, t["dtype"])).element_size()
+               for key, t in tensors.items() if optimizer or not key.startswith(OPTIM))
 
 
 def _meta(pm, optimizer, step: int, parts: list, extra: dict, rng) -> dict:

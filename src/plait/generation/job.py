@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -63,15 +62,13 @@ def weights_size(source: str) -> tuple[str, int]:
     """The folder whose weights ``--model source`` loads and their bytes: a Hugging Face folder's *.safetensors,
     a plait checkpoint's model tensors (its optimizer state is not read)."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
-    from plait.checkpoint.writer import OPTIM
+    from plait.checkpoint.writer import tensor_bytes
 
     path = Path(source)
     ckpt = None if (path / "config.json").is_file() else find_checkpoint(path)
     if ckpt is None:
         return source, sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    tensors = CheckpointReader(ckpt).meta["tensors"]
-    return str(ckpt), sum(math.prod(t["shape"]) * torch.empty(0, dtype=getattr(torch, t["dtype"])).element_size()
-                          for key, t in tensors.items() if not key.startswith(OPTIM))
+    return str(ckpt), tensor_bytes(CheckpointReader(ckpt).meta["tensors"], optimizer=False)
 
 
 def check_layout(source: str, config: LlamaConfig, tp: int, pp: int) -> None:

@@ -114,9 +114,11 @@ def make_optimizer(pm: ParallelModel, cfg: TrainConfig) -> ParallelOptimizer:
                            clip=cfg.clip if cfg.clip > 0 else None, warmup=cfg.warmup, total_steps=cfg.steps)
 
 
-def save(run: Run, step: int) -> str:
-    """Save a checkpoint of step ``step`` (collective); returns its folder, in place once the write is done."""
-    from plait.checkpoint import AsyncCheckpointer, save_checkpoint
+def save(run: Run, step: int) -> tuple[str, int | None]:
+    """Save a checkpoint of step ``step`` (collective); returns its folder, in place once the write is done, and
+    on rank 0 its bytes (``tensor_bytes``; None on the others)."""
+    from plait.checkpoint import AsyncCheckpointer, CheckpointReader, save_checkpoint
+    from plait.checkpoint.writer import tensor_bytes
     from plait.tokenizers import tokenizer_record
 
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
@@ -125,17 +127,25 @@ def save(run: Run, step: int) -> str:
                       **run.data.saved_counts(step)}}
     run.last_save = time.monotonic()
     if not run.cfg.async_checkpoint:
-        return str(save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
+        folder = save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep)
+        return str(folder), tensor_bytes(CheckpointReader(folder).meta["tensors"]) if run.ctx.rank == 0 else None
     run.saver = run.saver or AsyncCheckpointer()
-    return str(run.saver.save(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep))
+    return str(run.saver.save(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep)), \
+        run.saver.nbytes
 
 
-def timed_save(run: Run, res: TrainResult, step: int, row: dict | None = None) -> None:
-    """A save inside the step loop, with the time the loop was blocked by it (in ``res`` and the metrics row)."""
+def timed_save(run: Run, res: TrainResult, step: int, reporter, row: dict | None = None, loop: bool = True) -> None:
+    """A save, said to ``reporter`` before it starts (``doing``) and once it is saved or being written (``saved``);
+    one inside the step ``loop`` records the time the loop was blocked by it (in ``res`` and the metrics row)."""
+    if reporter is not None:
+        reporter.doing(f"saving the checkpoint of step {step} in {run.cfg.checkpoint_dir} ...")
     t0 = time.perf_counter()
-    res.checkpoint = save(run, step)
+    res.checkpoint, nbytes = save(run, step)
     blocked = time.perf_counter() - t0
-    res.checkpoint_blocked_s.append(blocked)
+    if reporter is not None:
+        reporter.saved(res.checkpoint, nbytes)
+    if loop:
+        res.checkpoint_blocked_s.append(blocked)
     if row is not None:
         row["checkpoint_blocked_s"] = blocked
 
@@ -267,22 +277,22 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Pr
         reporter.begin(run)
     times: list[float] = []
     for step in range(run.start, cfg.steps):
-        row = _step(run, res, step, times, t_start)
+        row = _step(run, res, step, times, t_start, reporter)
         if reporter is not None:
             reporter.step(row)
         if stop is not None and stop.agreed(run.ctx):
             res.stopped_at, res.stop_signal = step + 1, stop.name
             if res.checkpoint is None or not res.checkpoint.endswith(f"step_{step + 1:08d}"):
-                timed_save(run, res, step + 1)
+                timed_save(run, res, step + 1, reporter)
             break
     res.memory = memory_rows(run.pm)
-    _finish(run, res, times, reporter.doing if reporter is not None else lambda text: None)
+    _finish(run, res, times, reporter)
     if reporter is not None:
         reporter.end(run, res)
     return res
 
 
-def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: float) -> dict:
+def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: float, reporter) -> dict:
     """Train global batch ``step``, with its trace, held-out loss and checkpoint when due; the metrics row."""
     cfg = run.cfg
     trace = cfg.trace_every > 0 and run.ctx.pp_size > 1 and step % cfg.trace_every == cfg.trace_every - 1
@@ -320,7 +330,7 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
         row["held_out_loss"] = held_out_loss(run)
     if step + 1 < cfg.steps and (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                                  or _minutes_due(run)):
-        timed_save(run, res, step + 1, row)
+        timed_save(run, res, step + 1, reporter, row)
     return row
 
 
@@ -353,18 +363,18 @@ def memory_rows(pm) -> list[dict]:
     return rows
 
 
-def _finish(run: Run, res: TrainResult, times: list[float], doing: Callable[[str], None]) -> None:
-    """The work after the last step: its checkpoint, the held-out loss, the sample, each said to ``doing``
+def _finish(run: Run, res: TrainResult, times: list[float], reporter) -> None:
+    """The work after the last step: its checkpoint, the held-out loss, the sample, each said to ``reporter``
     (``Reporter.doing``: a minute or more for a large model, after the last step's line)."""
     cfg = run.cfg
+    doing: Callable[[str], None] = reporter.doing if reporter is not None else lambda text: None
     steady = sorted(times[1:] or times)
     if steady:
         res.step_time_s = steady[len(steady) // 2]
         res.tokens_per_s = cfg.batch_size * cfg.seq_len / res.step_time_s
     if res.stopped_at is None:  # (stopped by a signal: the checkpoint is saved, leave promptly)
         if cfg.steps > run.start or run.resumed_from is None:
-            doing(f"saving the checkpoint of step {cfg.steps} in {cfg.checkpoint_dir} ...")
-            res.checkpoint = save(run, cfg.steps)
+            timed_save(run, res, cfg.steps, reporter, loop=False)
         if run.data.eval_order is not None:
             doing("measuring the held-out loss ...")
         res.held_out = held_out_loss(run)  # while the last checkpoint is written

@@ -122,6 +122,15 @@ class Reporter:
         else:
             self.console.print(text, soft_wrap=True, markup=False)
 
+    def saved(self, folder: str, nbytes: int | None) -> None:
+        """Say on a line of its own (above the bar on a terminal) that checkpoint ``folder`` of ``nbytes`` is saved,
+        or, with --async-checkpoint, being written in the background."""
+        if not self.active or self.console is None:
+            return
+        size = f" ({nbytes / 1e6:,.0f} MB of weights and optimizer state)" if nbytes is not None else ""
+        how = f"writing {folder} in the background" if self.cfg.async_checkpoint else f"saved {folder}"
+        self.console.print(how + size, soft_wrap=True, markup=False)
+
     def _info(self, row: dict) -> str:
         m, p = self.bubbles
         bub = f" | bubble {m:.0%}" + (f" (predicted {p:.0%})" if p is not None else "") if m is not None else ""
