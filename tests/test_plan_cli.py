@@ -307,3 +307,18 @@ def test_the_reasons_name_an_overhead_only_where_there_is_one_and_count_in_one_u
     memory = json.loads(as_json.output)["best"][0]["memory"]
     assert "memory MiB: weights + grads + optim + activ" in text.output, text.output
     assert f"{memory['total'] / 2**20:,.1f} of {memory['usable'] / 2**20:,.1f} MiB" in text.output, text.output
+
+
+def test_a_long_sequence_planned_without_context_parallelism_says_so():
+    """Context parallelism is searched from CP_MIN_SEQ_LEN tokens; a plan of a long sequence below that (16k) said
+    nothing of it, as if it had been weighed. It now says it was not searched; 8k plans and CP-searched ones do not."""
+    from plait.plan import Cluster, Model, Training, explain, search
+    from plait.plan.search import CP_MIN_SEQ_LEN
+
+    said = {}
+    for seq in (8192, 16384, CP_MIN_SEQ_LEN):
+        result = search(Model.preset("llama3-8b", seq), Cluster("h100-sxm", 8), Training(8), top=1)
+        said[seq] = [line for line in explain(result) if "context parallelism" in line]
+    assert said[16384] == ["context parallelism was not searched: the search splits sequences of 32,768 tokens or "
+                           "more, these are 16,384 (plait.plan.estimate costs a layout with cp > 1)"], said
+    assert said[8192] == said[CP_MIN_SEQ_LEN] == [], said
