@@ -17,11 +17,11 @@ none is free the sequence admitted last is preempted and recomputed later. A ste
 --step-tokens tokens: every decoding sequence its next one, then prompts in chunks (chunked prefill).
 With --tp/--pp > 1 the model is split over that many local processes; rank 0 also runs the HTTP server.
 Greedy by default (temperature 0): the tokens equal `plait generate`'s. One log line per request on
-stderr (--no-access-log: none). Ctrl-C or SIGTERM: new requests get 503, running ones get --shutdown-timeout
-seconds to finish (a second Ctrl-C: none), then "plait serve: stopped (SIGINT)" and exit code 0, under every
-layout. A worker that is alive but does not answer (stopped, hung): once a step has waited --step-timeout
-seconds /health answers 503 "stalled" naming the ranks, 5 s later the job ends naming the rank that did not
-answer.
+stderr (its id, tokens, how it ended, an error's message; --no-access-log: none). Ctrl-C or SIGTERM: new
+requests get 503, running ones get --shutdown-timeout seconds to finish (a second Ctrl-C: none), then
+"plait serve: stopped (SIGINT)" and exit code 0, under every layout. A worker that is alive but does not
+answer (stopped, hung): once a step has waited --step-timeout seconds /health answers 503 "stalled" naming the
+ranks, 5 s later the job ends naming the rank that did not answer.
 
 \b
 Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's

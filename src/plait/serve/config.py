@@ -59,8 +59,9 @@ class ServeConfig:
     log_level: str = "info"
     """Level of plait serve's log lines on stderr: debug, info, warning, error."""
     access_log: bool = True
-    """Log one line per request at INFO: client, method, path, status, prompt and completion tokens, time to
-    first token, total time."""
+    """Log one line per request: client, method, path, status; a completion's id, prompt and completion tokens,
+    finish (or disconnected), time to first token; total time; an error's message. /health and /metrics at
+    debug."""
     shutdown_timeout: float = 10.0
     """On Ctrl-C or SIGTERM, seconds the running requests get to finish; those left end with 503 / an error
     event."""

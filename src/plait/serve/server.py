@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from plait.serve.access_log import AccessLog, Generation
 from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
 from plait.serve.handoff import Inbox, Mailbox
@@ -47,48 +48,11 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-class AccessLog:
-    """ASGI middleware: one INFO line per request once its response is sent (a stream: once it ends): client,
-    method, path, status; for generation also its prompt and completion tokens and the time to first token."""
-
-    def __init__(self, app, logger: logging.Logger):
-        self.app, self.log = app, logger
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start, status = time.monotonic(), [500]  # 500 unless a response starts
-
-        async def sent(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sent)
-        finally:
-            self.log.info(self.line(scope, status[0], start, time.monotonic()))
-
-    @staticmethod
-    def line(scope, status: int, start: float, end: float) -> str:
-        client = scope.get("client")
-        who = f"{client[0]}:{client[1]}" if client else "-"
-        out = f'{who} "{scope["method"]} {scope["path"]}" {status}'
-        tokens = scope.get("state", {}).get("tokens")
-        if tokens is not None:
-            first = tokens["first"]
-            ttft = "-" if first is None else f"{(first - start) * 1e3:.0f}"
-            out += f" prompt_tokens={tokens['prompt']} completion_tokens={tokens['completion']} ttft_ms={ttft}"
-        return out + f" total_ms={(end - start) * 1e3:.0f}"
-
-
-def _count(request: Request, ev: dict, box: Mailbox) -> None:
+def _count(log: Generation, ev: dict, box: Mailbox) -> None:
     """The access log's count of a request's generated tokens and the time its first arrived."""
     if ev["type"] == "token":
-        tokens = request.state.tokens
-        tokens["completion"] += 1
-        tokens["first"] = box.first
+        log.completion += 1
+        log.first = box.first
 
 
 class Api:
@@ -231,7 +195,8 @@ class Api:
         except ApiError as exc:
             self.metrics.request("rejected")
             return JSONResponse(exc.body(), exc.status)
-        request.state.tokens = {"prompt": sum(len(ids) for ids in p.prompts), "completion": 0, "first": None}
+        rid = new_id(chat)
+        request.state.generation = Generation(rid, sum(len(ids) for ids in p.prompts))
         loop = asyncio.get_running_loop()
         q, inbox = Mailbox(loop, eager=p.stream), self._inbox(loop)
         rids = [self.engine.submit(GenRequest(ids, params, partial(inbox.post, q, i), wake=inbox.wake, stop=p.stop,
@@ -239,7 +204,7 @@ class Api:
                 for i, (ids, params) in enumerate(choices)]
         state = [Choice(p, i, ids, self.tok) for i, (ids, _) in enumerate(choices)]
         deadline = time.monotonic() + self.timeout if self.timeout > 0 else float("inf")
-        args = (request, p, new_id(chat), rids, state, q, deadline)
+        args = (request, p, rid, rids, state, q, deadline)
         if p.stream:
             return StreamingResponse(self._stream(*args), media_type="text/event-stream")
         return await self._complete(*args)
@@ -269,34 +234,42 @@ class Api:
             if not await q.wait(min(POLL_S, left)):
                 watch[0] = 0.0  # nothing came: look at the connection right away
 
-    def _cancel(self, rids: list[int], state: list[Choice]) -> None:
+    def _cancel(self, request: Request, rids: list[int], state: list[Choice]) -> None:
+        """Cancel the choices still running; the access log learns how each ended (a client that left a stream
+        is seen here first when the server, not the handler, noticed it)."""
+        log: Generation = request.state.generation
+        log.finish = [c.finish for c in state]
+        if log.end is None and any(c.finish is None for c in state):
+            log.end = "disconnected"
         for r, c in zip(rids, state, strict=True):
             if c.finish is None:
                 self.engine.cancel(r)
 
-    def _timed_out(self) -> dict:
+    def _timed_out(self, log: Generation) -> dict:
         self.metrics.request("timeout")
+        log.end = "timeout"
         return error_body(f"the request took longer than {self.timeout:g} s (--request-timeout)", "server_error",
                           code="request_timeout")
 
     async def _complete(self, request, p: Parsed, rid: str, rids, state: list[Choice], q: Mailbox,
                         deadline) -> Response:
-        watch = [0.0]
+        watch, log = [0.0], request.state.generation
         try:
             while any(c.finish is None for c in state):
                 item = await self._next(request, q, deadline, watch)
                 if item is None:
                     return Response(status_code=499)  # nobody is listening; the finally cancels
                 if item == "timeout":
-                    return JSONResponse(self._timed_out(), 504)
+                    return JSONResponse(self._timed_out(log), 504)
                 i, ev = item
                 if ev["type"] == "error":
+                    log.end = "error"
                     return JSONResponse(error_body(ev["message"], "server_error", code=ev.get("code")),
                                         ev.get("status", 500))
-                _count(request, ev, q)
+                _count(log, ev, q)
                 state[i].feed(ev)
         finally:
-            self._cancel(rids, state)
+            self._cancel(request, rids, state)
         body = envelope(p, rid, self.limits.model, [c.final() for c in state], chunk=False)
         return JSONResponse({**body, "usage": usage(p, sum(len(c.ids) for c in state))})
 
@@ -313,17 +286,19 @@ class Api:
                     first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}
                     yield _sse({**envelope(p, rid, model, [first], chunk=True), **so_far()})
-            watch = [0.0]
+            watch, log = [0.0], request.state.generation
             while any(c.finish is None for c in state):
                 item = await self._next(request, q, deadline, watch)
                 if item is None:
                     return
                 if item == "timeout" or item[1]["type"] == "error":
-                    yield _sse(self._timed_out() if item == "timeout" else
-                               error_body(item[1]["message"], "server_error", code=item[1].get("code")))
+                    error = (self._timed_out(log) if item == "timeout" else
+                             error_body(item[1]["message"], "server_error", code=item[1].get("code")))
+                    log.end, log.error = log.end or "error", error["error"]["message"]
+                    yield _sse(error)
                     return
                 i, ev = item
-                _count(request, ev, q)
+                _count(log, ev, q)
                 part = state[i].feed(ev)
                 if part is not None:
                     yield _sse({**envelope(p, rid, model, [part], chunk=True), **so_far()})
@@ -332,4 +307,4 @@ class Api:
                 yield _sse({**envelope(p, rid, model, [], chunk=True), "usage": total})
             yield "data: [DONE]\n\n"
         finally:
-            self._cancel(rids, state)
+            self._cancel(request, rids, state)
