@@ -322,3 +322,20 @@ def test_a_long_sequence_planned_without_context_parallelism_says_so():
     assert said[16384] == ["context parallelism was not searched: the search splits sequences of 32,768 tokens or "
                            "more, these are 16,384 (plait.plan.estimate costs a layout with cp > 1)"], said
     assert said[8192] == said[CP_MIN_SEQ_LEN] == [], said
+
+
+def test_the_docs_legend_of_a_layout_label_is_a_real_label_and_names_each_part():
+    """docs/planner.md explains a layout label by an example: that example is what Layout.short() writes, and each of
+    its parts is explained there (cp's 'r', ring, and 'etp' were not)."""
+    from pathlib import Path
+
+    from plait.plan import Layout
+
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "planner.md").read_text().split())
+    legend = docs[docs.index("A layout label reads"):][:1200]
+    label = Layout(tp=2, pp=4, dp=8, cp=2, cp_comm="ring", ep=4, expert_tp=True, virtual_stages=2,
+                   sequence_parallel=True, recompute="selective", zero=1, schedule="interleaved-1f1b").short()
+    assert f"e.g. `{label}`" in legend, legend
+    for part in label.split()[3:-1]:
+        assert f"`{part}`" in legend, part
+    assert all(f"`{w}`" in legend for w in ("cp2", "full", "norc", "cut uniform", "padded-rounds", "(plan-only)"))
