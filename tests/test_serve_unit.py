@@ -352,3 +352,27 @@ def test_a_field_of_the_other_endpoint_is_refused_naming_the_endpoint_that_takes
     with pytest.raises(ApiError) as info:
         parse(body, chat, TokenizerInfo(TOK, "/nonexistent", 64), Limits("m", 64, 256, 16, 64))
     assert (info.value.status, info.value.code) == (400, "unsupported") and needle in info.value.message
+
+
+def test_tokenize_shows_each_ids_vocabulary_string_and_detokenize_gives_the_prompt_back(tmp_path):
+    """/tokenize's token_strs are the vocabulary's strings (transformers' convert_ids_to_tokens, as vLLM), a
+    special token's own text among them (decoding one id alone showed it as ""), and /detokenize gives back the
+    text /tokenize took, special tokens included (a chat prompt's markers were dropped)."""
+    from fastapi.testclient import TestClient
+    from tokenizers import Tokenizer
+
+    from data_util import EOS, bpe_folder
+    from plait.serve.protocol import Limits
+    from plait.serve.server import Api
+    from plait.serve.tokens import TokenizerInfo
+    from plait.tokenizers import FileTokenizer
+
+    folder = bpe_folder(tmp_path / "bpe")
+    tokens = TokenizerInfo(FileTokenizer(folder / "tokenizer.json"), str(folder), 64)
+    client = TestClient(Api(_StuckEngine(), Limits("m", 64, 512, 16, 64), tokens, Metrics(), max_queue=4).app())
+    text = f"the pipeline stage{EOS} café"
+    out = client.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert out["tokens"] == ref.encode(text).ids and EOS in out["token_strs"]
+    assert out["token_strs"] == [ref.id_to_token(i) for i in out["tokens"]] and "Ġpipeline" in out["token_strs"]
+    assert client.post("/detokenize", json={"tokens": out["tokens"]}).json() == {"prompt": text}

@@ -12,13 +12,16 @@ from plait.errors import ConfigError
 
 
 class Tokenizer(Protocol):
-    """What plait needs of a tokenizer: text to ids and back, and the vocabulary size."""
+    """What plait needs of a tokenizer: text to ids and back (``skip_special_tokens``: without the special tokens'
+    text, as generated text is shown), one id's vocabulary string, and the vocabulary size."""
 
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token(self, i: int) -> str: ...
 
 
 class ByteTokenizer:
@@ -29,8 +32,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8", errors="replace"))
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")  # bytes: none is special
+
+    def token(self, i: int) -> str:
+        return self.decode([i])
 
 
 class FileTokenizer:
@@ -52,8 +58,13 @@ class FileTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode([int(i) for i in ids])
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token(self, i: int) -> str:
+        """Id ``i``'s string in the vocabulary (byte-level BPE's "Ġthe", a special token's own text); "" for an id
+        past it (a model's padded rows)."""
+        return self.tok.id_to_token(int(i)) or ""
 
 
 def tokenizer_for(model: str) -> ByteTokenizer | FileTokenizer:

@@ -152,7 +152,8 @@ class Api:
         return JSONResponse(self._card())
 
     async def tokenize(self, request: Request) -> JSONResponse:
-        """vLLM's /tokenize: {"prompt"} or {"messages"}, add_special_tokens, return_token_strs."""
+        """vLLM's /tokenize: {"prompt"} or {"messages"}, add_special_tokens, return_token_strs (each id's string
+        in the vocabulary, as transformers' convert_ids_to_tokens)."""
         body = await self._json(request)
         if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str) or
                                               isinstance(body.get("messages"), list)):
@@ -165,7 +166,7 @@ class Api:
             ids = self.tokens.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
         out = {"count": len(ids), "max_model_len": self.limits.context, "tokens": ids, "token_strs": None}
         if body.get("return_token_strs"):
-            out["token_strs"] = [self.tok.decode([t]) for t in ids]
+            out["token_strs"] = [self.tok.token(t) for t in ids]  # vocabulary strings, special tokens too
         return JSONResponse(out)
 
     async def detokenize(self, request: Request) -> JSONResponse:
@@ -174,7 +175,7 @@ class Api:
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
                                                 0 <= t < self.limits.vocab for t in ids):
             raise ApiError(400, f"tokens must be a list of token ids in [0, {self.limits.vocab})", "tokens")
-        return JSONResponse({"prompt": self.tok.decode(ids)})
+        return JSONResponse({"prompt": self.tok.decode(ids, skip_special_tokens=False)})  # /tokenize's inverse
 
     async def tokenizer_info(self) -> JSONResponse:
         return JSONResponse(self.tokens.info())
