@@ -300,3 +300,25 @@ def test_a_peer_dead_during_calibration_is_named_with_the_collective_it_left(mon
                 call()
             assert str(info.value) == (f"calibration's {what} over global ranks 0,1 failed (did global rank 0 die?): "
                                        "Connection closed by peer [127.0.0.1]:26505")
+
+
+def test_the_profile_s_table_is_whole_in_80_columns(tmp_path):
+    """plait calibrate's table of what it measured was cut in an 80-column terminal or a log ('proce…', 'GFLOP…',
+    'all-r…' in its headers): every header and figure is whole now, in lines of at most 80 characters."""
+    import io
+
+    from rich.console import Console
+
+    from plait.cli.calibrate import _summary
+
+    profile = synthetic_profile(block=True)
+    console = Console(file=io.StringIO(), width=80)
+    _summary(console, profile, tmp_path / "host.toml")
+    text = console.file.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    head = " ".join(text.split("─")[0].split())
+    for word in ("procs", "threads", "GEMM", "GFLOP/s", "alone", "shared", "attention", "element-", "wise", "GB/s",
+                 "kernel", "µs", "all-", "reduce", "1 MB ms", "TP wait"):
+        assert word in head, (word, head)
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] in ("1", "2", "4", "8")]
+    assert [r[0] for r in rows] == ["1", "2", "4", "8"] and all(r[-1].startswith("(tp") for r in rows[1:]), text

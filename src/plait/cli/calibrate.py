@@ -98,17 +98,20 @@ def calibrate_command(
 
 
 def _summary(console, profile, path: Path) -> None:
+    from rich import box
     from rich.table import Table
 
     from plait.calibrate.kernels import REFERENCE_SHAPE
     from plait.plan.host.costs import HostCosts
     from plait.words import counted
 
+    # columns one space apart (the box's), each header's words on lines of their own: in 80 columns (a terminal, a
+    # log) every header and figure is whole
     t = Table(title=f"{profile.name}: {profile.host.get('cpu')}, {counted(profile.cores, 'core')} ({path})",
-              header_style="bold")
-    for col in ("processes", "threads", "GEMM GFLOP/s alone", "shared", "attention GFLOP/s", "element-wise GB/s",
-                "kernel µs", "all-reduce 1 MB ms", "TP wait 1 MB ms"):
-        t.add_column(col, justify="right")
+              header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
+    for col in ("procs", "threads", "GEMM\nGFLOP/s\nalone", "GEMM\nGFLOP/s\nshared", "attention\nGFLOP/s",
+                "element-\nwise\nGB/s", "kernel\nµs", "all-\nreduce\n1 MB ms", "TP wait\n1 MB ms"):
+        t.add_column(col, justify="right", min_width=max(map(len, col.split("\n"))))
     for p in sorted(profile.sections):
         s = profile.sections[p]
         mm, att, el = s.rates["matmul"], s.rates["attention"], s.rates["elementwise"]
