@@ -80,7 +80,9 @@ def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(train
             shutil.move(trained / "kept", kept)
 
 
-def test_a_byte_level_export_refuses_a_folder_holding_another_tokenizer(trained, tmp_path, monkeypatch):
+def test_a_byte_level_export_with_force_removes_the_folders_other_tokenizer(trained, tmp_path, monkeypatch):
+    """A folder holding another model's tokenizer was refused under --force too; --force now replaces that model,
+    its tokenizer files with it (a byte-level model has none to read in their place), and says so."""
     shutil.copytree(trained / "ckpt", tmp_path / "ckpt")
     meta_file = tmp_path / "ckpt" / "step_00000001" / "meta.json"
     meta = json.loads(meta_file.read_text())
@@ -88,8 +90,12 @@ def test_a_byte_level_export_refuses_a_folder_holding_another_tokenizer(trained,
     meta_file.write_text(json.dumps(meta))
     shutil.copytree(trained / "bpe-model", tmp_path / "other")
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(app, ["export", "ckpt", "other", "--force"])  # a folder no plait export wrote
-    assert res.exit_code == 2 and "OUT other holds a tokenizer.json, but the model reads UTF-8 bytes" in res.stderr
+    refused = CliRunner().invoke(app, ["export", "ckpt", "other"])  # a folder no plait export wrote
+    assert refused.exit_code == 2 and "is not a folder plait export wrote" in refused.stderr, refused.output
+    res = CliRunner().invoke(app, ["export", "ckpt", "other", "--force"])
+    assert res.exit_code == 0, res.output
+    assert "tokenizer.json, tokenizer_config.json before writing: the model other held (--force)" in res.stdout
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_export_refuses_a_folder_holding_other_weights(trained, tmp_path, monkeypatch):

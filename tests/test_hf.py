@@ -167,6 +167,26 @@ def test_export_names_the_dtypes_it_writes():
                                                  "out: the dtype the run trained in)\n"), res.output
 
 
+def _with_tokenizer_checkpoint(tmp_path: Path, extra: dict[str, dict]) -> LlamaConfig:
+    """A checkpoint (tmp_path/with-tokenizer) of a model trained with the byte-pair tokenizer of tmp_path/bpe (its
+    tokenizer.json, tokenizer_config.json and the ``extra`` JSON files), whose documents ended with token 5."""
+    from data_util import bpe_folder
+    from plait.tokenizers import fingerprint_file
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=400, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)
+    bpe_folder(tmp_path / "bpe", 400)
+    for name, values in extra.items():
+        (tmp_path / "bpe" / name).write_text(json.dumps(values))
+    save_as_checkpoint(Llama(cfg), tmp_path / "with-tokenizer", {"model": str(tmp_path / "bpe")})
+    meta_file = tmp_path / "with-tokenizer" / "step_00000001" / "meta.json"
+    meta = json.loads(meta_file.read_text())  # its documents ended with token 5: config.json's eos_token_id
+    meta_file.write_text(json.dumps({**meta, "tokenizer": {"folder": str(tmp_path / "bpe"), "eos": 5,
+                                                           "fingerprint": fingerprint_file(tmp_path / "bpe" /
+                                                                                           "tokenizer.json")}}))
+    return cfg
+
+
 def test_export_replaces_its_earlier_export_and_refuses_other_folders_without_force(tmp_path, monkeypatch):
     """plait export wrote into any folder (., a downloaded model), and over an earlier export it left that one's
     tokenizer.json and generation_config.json beside the new weights, to be read with them: it replaces an earlier
@@ -174,20 +194,9 @@ def test_export_replaces_its_earlier_export_and_refuses_other_folders_without_fo
     folder, naming it, what it holds and --force, before writing anything."""
     from typer.testing import CliRunner
 
-    from data_util import bpe_folder
     from plait.cli.main import app
-    from plait.tokenizers import fingerprint_file
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=400, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)
-    bpe_folder(tmp_path / "bpe", 400)
-    (tmp_path / "bpe" / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "bos_token_id": 2}))
-    save_as_checkpoint(Llama(cfg), tmp_path / "with-tokenizer", {"model": str(tmp_path / "bpe")})
-    meta_file = tmp_path / "with-tokenizer" / "step_00000001" / "meta.json"
-    meta = json.loads(meta_file.read_text())  # its documents ended with token 5: config.json's eos_token_id
-    meta_file.write_text(json.dumps({**meta, "tokenizer": {"folder": str(tmp_path / "bpe"), "eos": 5,
-                                                           "fingerprint": fingerprint_file(tmp_path / "bpe" /
-                                                                                           "tokenizer.json")}}))
+    cfg = _with_tokenizer_checkpoint(tmp_path, {"generation_config.json": {"eos_token_id": 3, "bos_token_id": 2}})
     save_as_checkpoint(Llama(LlamaConfig(**{**cfg.to_dict(), "vocab_size": 256})), tmp_path / "bytes",
                        {"model": "tiny"})
     monkeypatch.chdir(tmp_path)
@@ -219,3 +228,49 @@ def test_export_replaces_its_earlier_export_and_refuses_other_folders_without_fo
     assert forced.exit_code == 0, forced.output
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mine").config.vocab_size == 256
+
+
+def test_export_force_replaces_the_model_in_the_folder_instead_of_mixing_with_it(tmp_path, monkeypatch):
+    """plait export --force into another model's folder (a downloaded one) kept that model's token ids in the new
+    config.json (its eos_token_id 2, not the trained 5) and its generation_config.json, special_tokens_map.json and
+    tokenizer.model beside the new weights and tokenizer, to be read with them. It removes the files an export
+    writes, and other tokenizers' files, before writing, and says which; the folder's other files stay, and a
+    folder holding other weights is refused before anything is removed."""
+    from typer.testing import CliRunner
+
+    from data_util import bpe_folder
+    from plait.cli.main import app
+    from plait.tokenizers import fingerprint_file
+
+    _with_tokenizer_checkpoint(tmp_path, {})
+    other = tmp_path / "downloaded"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(other)
+    bpe_folder(other, 300)  # another tokenizer.json and tokenizer_config.json
+    (other / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (other / "tokenizer.model").write_bytes(b"a sentencepiece model")
+    (other / "README.md").write_text("the model card")
+    assert (other / "generation_config.json").is_file()  # transformers wrote the token ids there too
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["export", "with-tokenizer", "downloaded", "--force"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.endswith(
+        "removed config.json, model.safetensors, tokenizer.json, tokenizer_config.json, special_tokens_map.json, "
+        "generation_config.json, tokenizer.model before writing: the model downloaded held (--force); this one has "
+        "no special_tokens_map.json, generation_config.json, tokenizer.model\n"), res.stdout
+    assert sorted(p.name for p in other.iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                       "tokenizer.json", "tokenizer_config.json"]
+    hf = json.loads((other / "config.json").read_text())
+    assert (hf["eos_token_id"], hf.get("bos_token_id"), hf.get("pad_token_id")) == (5, None, None)  # none of 1, 2, 0
+    assert fingerprint_file(other / "tokenizer.json") == fingerprint_file(tmp_path / "bpe" / "tokenizer.json")
+    assert transformers.AutoModelForCausalLM.from_pretrained(other).generation_config.eos_token_id == 5
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for name, text in (("config.json", "{}"), ("model-00001-of-00002.safetensors", "shard"),
+                       ("model.safetensors.index.json", '{"weight_map": {}}')):
+        (sharded / name).write_text(text)
+    res = CliRunner().invoke(app, ["export", "with-tokenizer", "sharded", "--force"])
+    assert res.exit_code == 2 and "holds other weights (model-00001-of-00002.safetensors" in res.stderr, res.output
+    assert (sharded / "config.json").read_text() == "{}"  # nothing removed

@@ -3,6 +3,8 @@
 An export marks its ``model.safetensors`` (its metadata, ``EXPORT_MARK``) so that a later export into the same
 folder knows the folder's export files are its own to remove: without that, a file the new export does not write
 (a tokenizer.json, a generation_config.json of the earlier model) would stay and be read with the new weights.
+Into any other folder only with ``force``, which removes the same files (and other tokenizers' files) first: the
+folder's own model (a downloaded one) is replaced, not mixed with the export's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from pathlib import Path
 from plait.errors import ConfigError
 
 EXPORT_MARK = {"plait": "export"}  # model.safetensors' metadata in a folder plait export wrote
+#: the files of tokenizers that plait does not write (sentencepiece's model, byte-pair vocabularies), which a reader
+#: of a folder holding them would take as the tokenizer of the weights written beside them
+OTHER_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json")
 
 
 def export_names() -> tuple[str, ...]:
@@ -39,12 +44,15 @@ def previous_export(out: Path) -> list[str]:
 
 
 def check_export_out(out: Path, force: bool) -> list[str]:
-    """The files of an earlier export that an export into ``out`` replaces (``previous_export``). ConfigError when
-    ``out`` holds anything but such an export, unless ``force``: its config.json, weights and tokenizer files would
-    be overwritten and the rest left to be read with them."""
+    """The files in ``out`` that an export into it removes before it writes: an earlier export's
+    (``previous_export``), or with ``force`` those of any other model (the names of ``export_names`` and
+    ``OTHER_TOKENIZER_FILES`` there: its config.json's token ids, its tokenizer, its generation_config.json are not
+    the export's model's). ConfigError when ``out`` holds anything but such an export, unless ``force``."""
     previous = previous_export(out)
-    if force or previous or not out.is_dir():
+    if previous or not out.is_dir():
         return previous
+    if force:
+        return [name for name in (*export_names(), *OTHER_TOKENIZER_FILES) if (out / name).is_file()]
     held = sorted(p.name for p in out.iterdir())
     if held:
         shown = ", ".join(held[:5]) + (f", ... ({len(held)} entries)" if len(held) > 5 else "")

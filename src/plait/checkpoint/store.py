@@ -220,11 +220,12 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None
     and config.json's torch_dtype in ``dtype`` (a name of EXPORT_DTYPES; None: the dtype the run trained in).
 
     ``out`` is new, empty, or a folder an earlier export wrote, whose export files (``previous_export``) are removed
-    first; any other folder is a ConfigError unless ``force``, which writes into it and leaves its other files."""
+    first; any other folder is a ConfigError unless ``force``, which removes its model's files first (its config.json,
+    weights and tokenizer files: ``check_export_out``) and leaves its other files."""
     from plait.checkpoint.export_out import EXPORT_MARK, check_export_out
-    from plait.models.hf import save_state_dict_pretrained
+    from plait.models.hf import check_weights_out, config_to_hf, save_state_dict_pretrained
     from plait.models.registry import folder_family_of_config
-    from plait.tokenizers import check_tokenizer_out, copy_tokenizer_files, trained_tokenizer
+    from plait.tokenizers import copy_tokenizer_files, trained_tokenizer
 
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: valid {', '.join(EXPORT_DTYPES)} (or leave it out: the dtype the run "
@@ -239,10 +240,10 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None
     reader = CheckpointReader(path)
     cfg = model_config(reader.meta)
     folder, _ = trained_tokenizer(reader.meta, path)  # the tokenizer goes with the weights
-    previous = check_export_out(Path(out), force)  # an earlier export's files: replaced, none left beside these
-    if "tokenizer.json" not in previous:
-        check_tokenizer_out(folder, Path(out))
+    previous = check_export_out(Path(out), force)  # an earlier export's (or forced, a model's) files: replaced
+    check_weights_out(Path(out))
     family, cfg = folder_family_of_config(cfg)  # a preset trained with --experts: a Mixtral folder
+    config_to_hf(cfg, family)  # its ConfigError, as the two checks above, before anything in out is removed
     weights = EXPORT_DTYPES[dtype or trained_dtype(reader.meta)]
     state = reader.full_state_dict(weights)  # read (and its checksums checked) before anything in out is removed
     for name in previous:

@@ -17,7 +17,9 @@ checkpoint holds float32 weights either way, so --dtype float32 exports them exa
 
 OUT is a new or empty folder, or one plait export wrote before: that export is replaced, its files that this one
 does not write (a tokenizer.json of another model) removed, and files of yours (a README.md) left. Any other
-folder (., a model you downloaded, one holding other files) is refused unless --force, which writes into it.
+folder (., a model you downloaded, one holding other files) is refused unless --force, which replaces its model
+as an earlier export's: its config.json, weights and tokenizer files are removed first (so none of its token ids,
+tokenizer or generation settings is read with these weights), its other files left.
 
 \b
 Examples:
@@ -42,19 +44,20 @@ def export_command(
                                                    "float32].", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Write into OUT even though it holds files that no plait "
                                         "export wrote: its config.json, model.safetensors and tokenizer files are "
-                                        "overwritten, its other files stay.")] = False,
+                                        "removed first (and said), its other files stay.")] = False,
 ) -> None:
     from pathlib import Path
 
     from plait.checkpoint import export_pretrained, find_checkpoint
-    from plait.checkpoint.export_out import previous_export
+    from plait.checkpoint.export_out import check_export_out, previous_export
     from plait.errors import ConfigError
 
     source = find_checkpoint(checkpoint)  # which checkpoint of a --checkpoint-dir: its latest complete one
     if source is not None:  # the read and write take a while for a large model
         typer.echo(f"exporting {source} ...")
     try:
-        previous = previous_export(Path(out))
+        earlier = bool(previous_export(Path(out)))  # an earlier export's folder, or (forced) another model's
+        previous = check_export_out(Path(out), force)
         path = export_pretrained(checkpoint, out, dtype, force)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -68,5 +71,8 @@ def export_command(
     written = json.loads((path / "config.json").read_text())["torch_dtype"]
     typer.echo(f"wrote {path}/: {', '.join(files)} ({written} weights)")
     stale = [name for name in previous if not (path / name).is_file()]
-    if stale:
+    if earlier and stale:
         typer.echo(f"removed {', '.join(stale)}: the previous export's, which this model does not have")
+    elif previous and not earlier:  # forced into another model's folder: its files gone before these were written
+        typer.echo(f"removed {', '.join(previous)} before writing: the model {out} held (--force)"
+                   + (f"; this one has no {', '.join(stale)}" if stale else ""))

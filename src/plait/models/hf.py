@@ -190,6 +190,17 @@ def load_pretrained(path: str | Path, family: DecoderFamily | None = None, dtype
     return model.to(dtype) if dtype is not None else model
 
 
+def check_weights_out(out: Path) -> None:
+    """ConfigError when folder ``out`` holds weights other than a model.safetensors (shards and their index, .bin
+    files), which a reader would take instead of (or beside) the model.safetensors written there."""
+    others = sorted(f.name for f in out.glob("*") if f.name != WEIGHTS_NAME and (
+        f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")))
+    if others:  # an index would send readers to its shards: the old weights, not these
+        raise ConfigError(f"{out}: holds other weights ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}), "
+                          f"which a reader would take instead of (or beside) the {WEIGHTS_NAME} written here; write "
+                          "to a folder without them")
+
+
 def save_state_dict_pretrained(family: DecoderFamily, cfg: LlamaConfig, state: dict[str, torch.Tensor],
                                path: str | Path, metadata: dict[str, str] | None = None) -> None:
     """Write plain-key full tensors as a Hugging Face folder (config.json + model.safetensors, whose metadata
@@ -198,12 +209,7 @@ def save_state_dict_pretrained(family: DecoderFamily, cfg: LlamaConfig, state: d
 
     meta = config_to_hf(cfg, family)  # fails (ConfigError) before anything is written
     out = Path(path)
-    others = sorted(f.name for f in out.glob("*") if f.name != WEIGHTS_NAME and (
-        f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")))
-    if others:  # an index would send readers to its shards: the old weights, not these
-        raise ConfigError(f"{out}: holds other weights ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}), "
-                          f"which a reader would take instead of (or beside) the {WEIGHTS_NAME} written here; write "
-                          "to a folder without them")
+    check_weights_out(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {family.hf_name(k): v.detach().contiguous().cpu() for k, v in state.items()
                if not (cfg.tie_embeddings and k == "lm_head.weight")}
