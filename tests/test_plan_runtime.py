@@ -158,6 +158,32 @@ def test_the_flags_plait_plan_prints_run_in_plait_train_as_they_are(tmp_path, la
     assert cfg.cluster == (None if model != "tiny" else str(tmp_path / "host.toml"))
 
 
+def test_the_flags_leave_out_what_plait_train_does_when_they_are_left_out():
+    """The flags of an interleaved plan said '--virtual-stages 4 --rounds equal' and those of any 1F1B plan
+    '--virtual-stages 1': equal rounds and a schedule's own chunk count are what plait train runs without the flag,
+    so only a count other than the schedule's is written; the schedule plait train then builds is the planned one."""
+    import typer
+
+    from plait.cli.plan_config import plan_flags
+    from plait.parallel_config import field_names
+    from plait.plan import estimate
+
+    model, cluster, training = Model.preset("llama3-70b"), Cluster("h100-sxm", 64), Training(64, masters="plait")
+    for layout, virtual in ((Layout(tp=8, pp=8, virtual_stages=4, schedule="interleaved-1f1b", recompute="full"),
+                             ["--virtual-stages", "4"]),
+                            (Layout(tp=8, pp=8, virtual_stages=2, schedule="zbv", recompute="full"), []),
+                            (Layout(tp=8, pp=8, recompute="full"), [])):
+        est = estimate(model, cluster, layout, training)
+        words = plan_flags(est, "tiny", None) or []
+        assert "--rounds" not in words and [w for w in words if w == "--virtual-stages"] == virtual[:1], words
+        assert words[words.index("--virtual-stages") + 1] == "4" if virtual else True
+        train = typer.main.get_command(app).get_command(None, "train")
+        read = train.make_context("train", list(words)).params  # as plait train reads its flags
+        planned = layout.to_parallel_config(training, rounds=est.rounds).pipeline_schedule()
+        ran = ParallelConfig(**{k: read[k] for k in field_names()}).pipeline_schedule()
+        assert (ran.actions, ran.virtual) == (planned.actions, planned.virtual), layout.short()
+
+
 def test_plan_on_gpus_predicts_the_step_plait_train_dry_run_predicts(tmp_path):
     """On catalogue GPUs ``plait plan`` costs plait's own eager element-wise kernels, as ``plait train --dry-run``
     does for the layout it writes (the same step); ``--elementwise fused`` costs the fitted fused term instead."""

@@ -56,6 +56,8 @@ def plan_flags(best, model_arg: str, cluster: Path | None) -> list[str] | None:
     layout = {k: v for k, v in values.items() if k in field_names()}
     if ParallelConfig(**{**layout, "virtual_stages": None}).pipeline_schedule().virtual == values["virtual_stages"]:
         values["virtual_stages"] = None  # the schedule's own (1, or 2 for a V or interleaved schedule): no flag
+    if values["rounds"] == "equal":
+        values["rounds"] = None  # what --rounds left out runs
     return train_flags(values) + (["--cluster", str(cluster)] if cluster is not None else [])
 
 
