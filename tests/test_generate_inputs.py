@@ -37,7 +37,8 @@ def test_token_ids_outside_the_vocabulary_are_a_config_error(vocab, prompt, need
 
 
 @pytest.mark.parametrize("kw,needle", [({"max_new_tokens": 2.5}, "max_new_tokens=2.5: must be an integer >= 0"),
-                                       ({"top_k": 1.5}, "top_k=1.5: must be an integer >= 0")])
+                                       ({"top_k": 1.5}, "top_k=1.5: must be an integer >= 0"),
+                                       ({"temperature": float("nan")}, "temperature=nan: must be a number >= 0")])
 def test_sampling_settings_that_are_not_counts_are_named(kw, needle):
     with pytest.raises(plait.ConfigError) as info:
         plait.generate(model(256), "def ", **kw)

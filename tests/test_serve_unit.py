@@ -281,7 +281,10 @@ def test_chat_templates_render_off_the_event_loop(monkeypatch):
     assert where == [False, False]
 
 
-@pytest.mark.parametrize("body", [{"top_logprobs": 2}, {"logprobs": True}, {"stream_options": {"include_usage": 1}}])
+@pytest.mark.parametrize("body", [{"top_logprobs": 2}, {"logprobs": True}, {"stream_options": {"include_usage": 1}},
+                                  # JSON's NaN passed every range check, to fail in the sampler
+                                  {"temperature": float("nan")}, {"top_p": float("nan")},
+                                  {"frequency_penalty": float("nan")}, {"logit_bias": {"1": float("nan")}}])
 def test_protocol_refuses_malformed_fields(body):
     from plait.serve.protocol import ApiError, Limits, parse
     from plait.serve.tokens import TokenizerInfo

@@ -13,7 +13,7 @@ from torch import nn
 
 from plait.distributed.context import ParallelContext
 from plait.distributed.same_batch import check_same_batch
-from plait.errors import ConfigError, FieldError, is_integer, plain_numbers
+from plait.errors import ConfigError, FieldError, is_integer, is_number, plain_numbers
 from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
 
@@ -41,6 +41,8 @@ class Sampling:
         for name in ("max_new_tokens", "top_k"):
             if not is_integer(getattr(self, name)):
                 raise FieldError(name, getattr(self, name), "must be an integer >= 0")
+        if not is_number(self.temperature):  # NaN or an infinity: no distribution to sample from
+            raise FieldError("temperature", self.temperature, "must be a number >= 0")
         for name in ("max_new_tokens", "temperature", "top_k"):
             if getattr(self, name) < 0:
                 raise FieldError(name, getattr(self, name), "must be >= 0")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from plait.chat_template import message_problem
+from plait.errors import is_integer, is_number
 from plait.generation.decode import Sampling
 from plait.serve.sampling import Params
 
@@ -97,7 +98,7 @@ def _number(body: dict, name: str, default, kind, lo=None, hi=None):
     value = body.get(name, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+    if not (is_number(value) if kind is float else is_integer(value)):  # NaN and infinities, which JSON may hold, too
         raise ApiError(400, f"{name} must be {'a number' if kind is float else 'an integer'}, not {value!r}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ApiError(400, f"{name}={value} must be within [{lo}, {hi}]", name)
@@ -114,7 +115,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
 
 
 def _ids(value, name: str, vocab: int) -> list[int]:
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value):
+    if not all(is_integer(t) and 0 <= t < vocab for t in value):
         raise ApiError(400, f"{name}: token ids must be integers in [0, {vocab})", name)
     return list(value)
 
@@ -123,7 +124,7 @@ def _prompts(value, tokens: TokenizerInfo, vocab: int, special: bool) -> list[li
     """A string, a list of strings, a list of token ids, or a list of such lists."""
     if isinstance(value, str):
         return [tokens.encode(value, special)]
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and value and all(is_integer(t) for t in value):
         batch = [value]
     elif isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
         batch = value
@@ -170,8 +171,7 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
             tok = int(key)
         except (TypeError, ValueError):
             raise ApiError(400, f"logit_bias: {key!r} is not a token id", "logit_bias") from None
-        if not 0 <= tok < vocab or isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not -100 <= value <= 100:
+        if not 0 <= tok < vocab or not is_number(value) or not -100 <= value <= 100:
             raise ApiError(400, f"logit_bias: {key!r}: {value!r} must be a token id in [0, {vocab}) with a bias "
                                 f"in [-100, 100]", "logit_bias")
         out[tok] = float(value)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from plait.errors import is_integer
 from plait.serve.access_log import AccessLog, Generation
 from plait.serve.engine import Engine
 from plait.serve.engine import Request as GenRequest
@@ -172,8 +173,7 @@ class Api:
     async def detokenize(self, request: Request) -> JSONResponse:
         body = await self._json(request)
         ids = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and
-                                                0 <= t < self.limits.vocab for t in ids):
+        if not isinstance(ids, list) or not all(is_integer(t) and 0 <= t < self.limits.vocab for t in ids):
             raise ApiError(400, f"tokens must be a list of token ids in [0, {self.limits.vocab})", "tokens")
         return JSONResponse({"prompt": self.tok.decode(ids, skip_special_tokens=False)})  # /tokenize's inverse
 
