@@ -42,6 +42,8 @@ from plait.cli.main import app
     (["--sample-tokens", "-1", "--dry-run"], "--sample-tokens -1: must be >= 0"),
     (["--eval-every", "-5", "--dry-run"], "--eval-every -5: must be >= 0"),
     (["--max-data-mb", "0", "--dry-run"], "--max-data-mb 0.0: must be > 0"),
+    (["--weight-decay", "inf", "--dry-run"], "--weight-decay inf: must be a finite number >= 0"),  # was taken
+    (["--lr", "nan", "--dry-run"], "--lr nan: must be a finite number > 0"),
     (["--resume", "--checkpoint-dir", "/no/such/ckpts", "--dry-run"], "--resume: no checkpoint in --checkpoint-dir"),
     (["--resume", "--auto-resume", "--dry-run"], "error: --resume, --auto-resume: choose one"),  # --resume won
     (["--cp-comm", "ring", "--dry-run"], "error: --cp-comm ring: how context-parallel ranks exchange keys and "

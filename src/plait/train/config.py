@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args, get_origin, get_type_hints
 
-from plait.errors import ConfigError, FieldError, check_output_path, divisors, is_integer, plain_numbers
+from plait.errors import ConfigError, FieldError, check_output_path, divisors, is_integer, is_number, plain_numbers
 from plait.model_presets import PRESETS
 from plait.parallel_config import ParallelConfig, batch_split
 from plait.parallel_config import field_names as parallel_field_names
@@ -173,11 +174,11 @@ def _toml_value(path: Path, key: str, value, hint):
             return [str(v) for v in value] if isinstance(value, list) else [value]
         need = "a string or a list of strings"
     elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # nan and inf too: validate names them
             return float(value)
         need = "a number"
     elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_integer(value):
             return value
         need = "an integer"
     elif kind is bool:
@@ -258,10 +259,12 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
         raise ConfigError(f"--experts {cfg.experts} --top-k {cfg.top_k}: need experts >= 1 and 1 <= top-k <= experts")
     for name in ("warmup", "checkpoint_every", "checkpoint_every_minutes", "keep", "eval_every", "sample_tokens",
                  "trace_every", "clip", "weight_decay"):  # 0 turns each off; below 0 is no setting
-        if not getattr(cfg, name) >= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be >= 0")
-    if not cfg.max_data_mb > 0:
-        raise ConfigError(f"--max-data-mb {cfg.max_data_mb}: must be > 0 (million tokens of plain text to read)")
+        if not (is_number(getattr(cfg, name)) and getattr(cfg, name) >= 0):  # nor is nan or inf (from a flag)
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {_finite(getattr(cfg, name))}"
+                              ">= 0")
+    if not (is_number(cfg.max_data_mb) and cfg.max_data_mb > 0):
+        raise ConfigError(f"--max-data-mb {cfg.max_data_mb}: must be {_finite(cfg.max_data_mb)}> 0 (million tokens of "
+                          "plain text to read)")
     if cfg.layout not in ("flags", "auto"):
         raise ConfigError(f"--layout {cfg.layout!r}: choose 'flags' or 'auto'")
     if cfg.resume and cfg.auto_resume:
@@ -269,8 +272,8 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
                           "fresh when there is none)")
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
-    if not cfg.lr > 0:
-        raise ConfigError(f"--lr {cfg.lr}: must be > 0")
+    if not (is_number(cfg.lr) and cfg.lr > 0):
+        raise ConfigError(f"--lr {cfg.lr}: must be {_finite(cfg.lr)}> 0")
     if world is None and par.dp == -1 and not cfg.nproc:
         raise ConfigError("--dp -1 infers dp from the world size: give --nproc (or run under torchrun)")
     world = world if world is not None else (cfg.nproc or par.world)
@@ -304,6 +307,11 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
 #: raw text up to this size is tokenized once more before launch to check its length (well under a second);
 #: a larger input holds far more than one sequence (tokens are a few bytes each), and its workers check it
 RAW_CHECKED_BYTES = 1 << 20
+
+
+def _finite(value) -> str:
+    """'a finite number ' where ``value`` is a nan or an infinity, which a bound alone does not rule out."""
+    return "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
 
 
 def check_raw_lengths(cfg: TrainConfig) -> None:
