@@ -67,6 +67,26 @@ class FileTokenizer:
         return self.tok.id_to_token(int(i)) or ""
 
 
+#: prompt tokens a continuation is decoded after (``after_prompt``)
+CONTEXT_TOKENS = 5
+
+
+def after_prompt(tok: Tokenizer, prompt: list[int]) -> list[int]:
+    """The last CONTEXT_TOKENS ids of ``prompt``, which a continuation's text is decoded after: a tokenizer drops
+    the leading space of the text it decodes (SentencePiece's "▁The", a Metaspace or Strip decoder), so a
+    continuation decoded alone loses the space that parts it from its prompt ("The capital" + "of", not " of").
+    [] when they do not decode to whole characters (a prompt ending inside one): then it is decoded alone."""
+    tail = [int(i) for i in prompt[-CONTEXT_TOKENS:]]
+    return [] if "\ufffd" in tok.decode(tail) else tail
+
+
+def continuation(tok: Tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``prompt``: prompt + continuation reads as the two decoded together."""
+    tail = after_prompt(tok, prompt)
+    head, whole = tok.decode(tail), tok.decode(tail + [int(i) for i in ids])
+    return whole[len(head):] if whole.startswith(head) else tok.decode(list(ids))
+
+
 def tokenizer_for(model: str) -> ByteTokenizer | FileTokenizer:
     """A folder's own ``tokenizer.json`` when it has one, else UTF-8 bytes (the presets are byte-level).
 

@@ -24,10 +24,11 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
 
     ``model`` is a plain language model (``plait.models.Llama``, ``Mistral``, ``Qwen2``, ...) or a
     ``ParallelModel`` (then every rank calls this and gets the same result). Strings are encoded with
-    ``tokenizer`` (UTF-8 bytes by default) and the continuations are returned decoded; id lists (or a tensor of
-    ids, [S] or [B, S]) give id lists. Greedy when ``temperature == 0``.
+    ``tokenizer`` (UTF-8 bytes by default) and the continuations are returned decoded, each as the text it adds
+    to its prompt (``plait.tokenizers.continuation``: a leading space stays); id lists (or a tensor of ids, [S] or
+    [B, S]) give id lists. Greedy when ``temperature == 0``.
     """
-    from plait.tokenizers import ByteTokenizer
+    from plait.tokenizers import ByteTokenizer, continuation
 
     if isinstance(prompts, torch.Tensor):  # token ids [S] or [B, S]: as their lists
         prompts = prompts.tolist()
@@ -38,5 +39,5 @@ def generate(model: Any, prompts: Prompts, max_new_tokens: int = 64, temperature
     ids = [tok.encode(p) for p in batch] if texts else [list(map(int, p)) for p in batch]
     out = generate_ids(model, ids, Sampling(max_new_tokens, temperature, top_k, seed),  # checks the context
                        stop_ids=stop_ids)
-    result = [tok.decode(o) for o in out] if texts else out
+    result = [continuation(tok, p, o) for p, o in zip(ids, out, strict=True)] if texts else out
     return result[0] if single else result

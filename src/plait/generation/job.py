@@ -148,6 +148,7 @@ def generate_job(payload: dict) -> list[str]:
     """Worker entry of ``plait generate``: every rank decodes; rank 0 prints. ``prompt_ids`` (when not None):
     each prompt's ids as rendered from a conversation (``plait generate --chat``), whose reply alone is shown."""
     from plait.generation import generate
+    from plait.tokenizers import continuation
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if payload["tp"] * payload["pp"] != world:
@@ -159,7 +160,7 @@ def generate_job(payload: dict) -> list[str]:
     ids = cast(list[list[int]], generate(model, prompts, max_new_tokens=payload["max_new_tokens"],
                                          temperature=payload["temperature"], top_k=payload["top_k"],
                                          seed=payload["seed"], stop_ids=stop))  # id lists give id lists, each cut
-    out = [tok.decode(row) for row in ids]  # before its stop
+    out = [continuation(tok, p, row) for p, row in zip(prompts, ids, strict=True)]  # before its stop
     if int(os.environ.get("RANK", "0")) == 0:
         show([""] * len(out) if chat else payload["prompts"], out)
         for label, row in zip(payload["prompts"], ids, strict=True):

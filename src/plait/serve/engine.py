@@ -209,7 +209,7 @@ class Engine:
 
     def _admit(self, req: Request) -> None:
         seq = Seq(req.rid, req.prompt, req.params)
-        self.live[req.rid] = Live(req, seq, TextTracker(self.tok, req.stop, req.include_stop))
+        self.live[req.rid] = Live(req, seq, TextTracker(self.tok, req.stop, req.include_stop, req.prompt))
         if seq.max_tokens == 0 and req.params.prompt_logprobs is None:
             self._finish(req.rid, "length")
         else:

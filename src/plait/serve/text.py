@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from plait.tokenizers import after_prompt
+
 
 class TextTracker:
     """The text of the tokens pushed so far, released as deltas; a stop string ends it (cut before the stop).
@@ -10,16 +12,19 @@ class TextTracker:
     ``ids[prefix:read]``), so the cost per token does not grow with the output, and an incomplete UTF-8
     sequence (text ending in U+FFFD) is held back until the token that completes it. With stop strings,
     the last ``len(longest stop) - 1`` characters are held back too, since they may begin a stop string;
-    ``flush`` releases them when the sequence ends for another reason.
+    ``flush`` releases them when the sequence ends for another reason. The first tokens are decoded after the
+    last few of ``prompt`` (plait.tokenizers.after_prompt), so the text keeps the space a tokenizer drops at the
+    start of what it decodes.
     """
 
-    def __init__(self, tok, stops: list[str] | None = None, include_stop: bool = False):
+    def __init__(self, tok, stops: list[str] | None = None, include_stop: bool = False,
+                 prompt: list[int] | None = None):
         self.tok = tok
         self.stops = [s for s in (stops or []) if s]
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] were decoded already; ids[read:] not yet
+        self.ids: list[int] = after_prompt(tok, prompt or [])
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] were decoded already; ids[read:] not yet
         self.text = ""  # everything decoded so far
         self.sent = 0  # characters of ``text`` released
         self.stopped: str | None = None  # the stop string that ended the text
