@@ -295,7 +295,7 @@ def test_protocol_refuses_malformed_fields(body):
 
 
 def test_a_chat_without_max_tokens_gets_the_room_its_prompt_leaves_a_completion_16():
-    from plait.serve.protocol import Limits, parse
+    from plait.serve.protocol import ApiError, Limits, parse
     from plait.serve.tokens import TokenizerInfo
 
     tokens = TokenizerInfo(TOK, "/nonexistent", 64)
@@ -305,6 +305,15 @@ def test_a_chat_without_max_tokens_gets_the_room_its_prompt_leaves_a_completion_
         chat = parse({"messages": messages}, True, tokens, limits)
         assert chat.params.sampling.max_new_tokens == want
         assert parse({"prompt": "hi"}, False, tokens, limits).params.sampling.max_new_tokens == 16
+    # past the context: the message does not blame a max_tokens the request never set
+    limits, long = Limits("m", 64, 256, 63, 64), [{"role": "user", "content": "x" * 40}]
+    for body, chat, end in (({"messages": long}, True, "the prompt has 64 tokens, which leaves no room for a reply"),
+                            ({"prompt": "x" * 60}, False, "60 tokens and max_tokens is 16 (the default of a request "
+                                                          "that does not set it)"),
+                            ({"prompt": "x" * 60, "max_tokens": 5}, False, "60 tokens and max_tokens is 5")):
+        with pytest.raises(ApiError, match="maximum context length is 64 tokens") as info:
+            parse(body, chat, tokens, limits)
+        assert info.value.message.endswith(end), info.value.message
 
 
 @pytest.mark.parametrize("message, param, code", [

@@ -289,7 +289,7 @@ def parse(body, chat: bool, tokens: TokenizerInfo, limits: Limits) -> Parsed:
         raise ApiError(400, f"min_tokens={params.min_tokens} exceeds max_tokens={sampling.max_new_tokens}",
                        "min_tokens")
     for ids in prompts:
-        _check_length(ids, sampling.max_new_tokens, limits)
+        _check_length(ids, sampling.max_new_tokens, limits, _asked_max_tokens(body, chat), chat)
     stream = _flag(body, "stream")
     include_usage, continuous_usage = _stream_options(body, stream)
     return Parsed(prompts, params, stream, chat, n=n, echo=echo, stop=_stop(body), stop_ids=stop_ids | set(eos),
@@ -298,12 +298,21 @@ def parse(body, chat: bool, tokens: TokenizerInfo, limits: Limits) -> Parsed:
                   ids_as_tokens=_flag(body, "return_tokens_as_token_ids"))
 
 
-def _check_length(ids: list[int], max_tokens: int, limits: Limits) -> None:
+def _asked_max_tokens(body: dict, chat: bool) -> bool:
+    """Whether the request set its max_tokens (or, in a chat, max_completion_tokens)."""
+    return body.get("max_tokens") is not None or (chat and body.get("max_completion_tokens") is not None)
+
+
+def _check_length(ids: list[int], max_tokens: int, limits: Limits, asked: bool = True, chat: bool = False) -> None:
+    """The prompt and its ``max_tokens`` fit the context and the KV pool; ``asked``: the request set max_tokens
+    (else the message says it did not: a chat's default is the room its prompt leaves, a completion's 16)."""
     if not ids:
         raise ApiError(400, "the prompt is empty (at least one token is needed)", "prompt")
     if len(ids) + max_tokens > limits.context:
+        why = (f" and max_tokens is {max_tokens}" if asked else ", which leaves no room for a reply" if chat else
+               f" and max_tokens is {max_tokens} (the default of a request that does not set it)")
         raise ApiError(400, f"This model's maximum context length is {limits.context} tokens; the prompt has "
-                            f"{len(ids)} tokens and max_tokens is {max_tokens}", "prompt", "context_length_exceeded")
+                            f"{len(ids)} tokens{why}", "prompt", "context_length_exceeded")
     if len(ids) + max_tokens > limits.kv_budget:
         raise ApiError(400, f"the request needs {len(ids) + max_tokens} KV cache positions; the server holds "
                             f"{limits.kv_budget}", "max_tokens", "kv_budget_exceeded")
