@@ -99,3 +99,34 @@ def test_generate_returns_the_space_in_python_and_prints_it(metaspace, tmp_path,
                "temperature": 0.0, "top_k": 0, "seed": 0}
     assert generate_job(payload) == out[:1]
     assert "the parallel" + out[0] in capsys.readouterr().out
+
+
+def _logprobs(tok, body: dict, prompt: list[int], ids: list[int]) -> dict:
+    """The final choice of a request whose tokens were ``ids`` (each with log-probability -1 and itself as top)."""
+    from plait.serve.protocol import Limits, parse
+    from plait.serve.responses import Choice
+    from plait.serve.tokens import TokenizerInfo
+
+    p = parse({"max_tokens": 8, **body}, "messages" in body, TokenizerInfo(tok, "/nonexistent", 64),
+              Limits("m", 64, 512, 16, 64))
+    choice = Choice(p, 0, prompt, tok)
+    for t in ids:
+        choice.feed({"type": "token", "id": t, "text": "", "logprob": (-1.0, [(t, -1.0)])})
+    choice.feed({"type": "done", "finish_reason": "length", "text": ""})
+    return choice.final()
+
+
+def test_logprob_tokens_join_into_the_text_and_bytes_are_each_tokens_own(metaspace, tmp_path):
+    from data_util import bpe_folder
+
+    prompt, stage = metaspace.encode("the parallel"), _word(metaspace, "stage")
+    out = _logprobs(metaspace, {"prompt": "the parallel", "logprobs": 1}, prompt, [stage, stage])["logprobs"]
+    assert out["tokens"] == [" stage"] * 2 and out["text_offset"] == [0, 6]
+    assert out["top_logprobs"] == [{" stage": -1.0}] * 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
+    for tok in (ByteTokenizer(), FileTokenizer(bpe_folder(tmp_path / "bpe") / "tokenizer.json")):
+        ids = tok.encode("日本語")
+        assert any(tok.decode([t]) == "\ufffd" for t in ids)  # a character split over tokens
+        entries = _logprobs(tok, chat, tok.encode("x"), ids)["logprobs"]["content"]
+        assert b"".join(bytes(e["bytes"]) for e in entries).decode() == "日本語"
+        assert [e["bytes"] for e in entries] == [e["top_logprobs"][0]["bytes"] for e in entries]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +24,8 @@ class Tokenizer(Protocol):
 
     def token(self, i: int) -> str: ...
 
+    def token_bytes(self, i: int) -> bytes: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255."""
@@ -37,6 +40,9 @@ class ByteTokenizer:
 
     def token(self, i: int) -> str:
         return self.decode([i])
+
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([int(i) % 256])
 
 
 class FileTokenizer:
@@ -54,6 +60,7 @@ class FileTokenizer:
             raise ConfigError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from None
         self.path = Path(path)
         self.vocab_size = self.tok.get_vocab_size()
+        self.byte_level: bool | None = None  # read from the decoder when first needed
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -65,6 +72,35 @@ class FileTokenizer:
         """Id ``i``'s string in the vocabulary (byte-level BPE's "Ġthe", a special token's own text); "" for an id
         past it (a model's padded rows)."""
         return self.tok.id_to_token(int(i)) or ""
+
+    def token_bytes(self, i: int) -> bytes:
+        """Id ``i``'s own bytes, also where they are only part of a character: a byte-level BPE token's (its
+        vocabulary string through GPT-2's byte-to-character table), a byte-fallback token's ("<0xE6>"), else
+        the UTF-8 of its text."""
+        word = self.token(i)
+        if self._byte_level() and word and all(c in BYTE_OF_CHAR for c in word):
+            return bytes(BYTE_OF_CHAR[c] for c in word)
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", word)
+        return bytes([int(fallback.group(1), 16)]) if fallback else self.decode([i]).encode()
+
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer's decoder maps vocabulary characters to bytes (ByteLevel, alone or in a
+        Sequence)."""
+        if self.byte_level is None:
+            decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+            parts = (decoder.get("decoders") or [decoder]) if isinstance(decoder, dict) else []
+            self.byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
+        return self.byte_level
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte, inverted."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(moved)}}
+
+
+BYTE_OF_CHAR = _byte_of_char()
 
 
 #: prompt tokens a continuation is decoded after (``after_prompt``)

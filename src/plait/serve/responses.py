@@ -6,6 +6,7 @@ import time
 import uuid
 
 from plait.serve.protocol import Parsed
+from plait.tokenizers import CONTEXT_TOKENS, continuation
 
 
 def new_id(chat: bool) -> str:
@@ -59,24 +60,28 @@ class Choice:
             self.finish = ev["finish_reason"]
             self.text += ev["text"]
             text, ids, lps = ev["text"], [], []
-        return self._choice(head[0] + text, head[1] + ids, head[2] + lps, self.finish, delta=True)
+        before = [] if head[1] else self.prompt + self.ids[:len(self.ids) - len(ids)]
+        return self._choice(head[0] + text, head[1] + ids, head[2] + lps, self.finish, True, before)
 
     def _echo(self) -> tuple[str, list[int], list]:
         return self.tok.decode(self.prompt), list(self.prompt), [None, *self.prompt_lps]
 
     def final(self) -> dict:
         head = self._echo() if self.p.echo else ("", [], [])
-        choice = self._choice(head[0] + self.text, head[1] + self.ids, head[2] + self.lps, self.finish, delta=False)
+        choice = self._choice(head[0] + self.text, head[1] + self.ids, head[2] + self.lps, self.finish, False,
+                              [] if self.p.echo else self.prompt)
         if self.p.echo:
             choice["prompt_token_ids"] = list(self.prompt)
             choice["token_ids"] = list(self.ids)
         return choice
 
-    def _choice(self, text: str, ids: list[int], lps: list, finish: str | None, delta: bool) -> dict:
+    def _choice(self, text: str, ids: list[int], lps: list, finish: str | None, delta: bool,
+                before: list[int]) -> dict:
+        """``ids``: the tokens of this chunk (or of the whole choice), which ``before`` precede."""
         start = self.sent if delta else 0
-        logprobs = self._logprobs(ids, lps, start) if self.want and (ids or not delta) else None
-        if delta:
-            self.sent += sum(len(self._word(t)) for t in ids) if self.want else 0
+        logprobs = self._logprobs(ids, lps, start, before) if self.want and (ids or not delta) else None
+        if delta and self.want:
+            self.sent += sum(len(w) for w in self._words(ids, before)[0])
         if not self.p.chat:
             return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                     "token_ids": ids}
@@ -84,24 +89,34 @@ class Choice:
         msg = {"content": text} if delta else {"role": "assistant", "content": text}
         return {"index": self.index, key: msg, "logprobs": logprobs, "finish_reason": finish, "token_ids": ids}
 
-    def _word(self, t: int) -> str:
-        return f"token_id:{t}" if self.p.ids_as_tokens else self.tok.decode([t])
+    def _word(self, t: int, context: list[int]) -> str:
+        """Token ``t``'s text where it stands, after the ids ``context``: the text it adds there (a SentencePiece
+        word's leading space included), so a choice's token strings join into its text."""
+        return f"token_id:{t}" if self.p.ids_as_tokens else continuation(self.tok, context, [t])
 
-    def _logprobs(self, ids: list[int], lps: list, start: int) -> dict:
-        words = [self._word(t) for t in ids]
+    def _words(self, ids: list[int], before: list[int]) -> tuple[list[str], list[list[int]]]:
+        """The text of each of ``ids`` where it stands, and the ids before each (its last CONTEXT_TOKENS)."""
+        full, k = before + ids, len(before)
+        contexts = [full[max(0, k + j - CONTEXT_TOKENS): k + j] for j in range(len(ids))]
+        return [self._word(t, c) for t, c in zip(ids, contexts, strict=True)], contexts
+
+    def _logprobs(self, ids: list[int], lps: list, start: int, before: list[int]) -> dict:
+        words, contexts = self._words(ids, before)
         if self.p.chat:
-            return {"content": [{**self._entry(w, lp[0]), "top_logprobs": [self._entry(self._word(t), v)
-                                                                           for t, v in lp[1]]}
-                                for w, lp in zip(words, lps, strict=True)]}
+            return {"content": [{**self._entry(w, t, lp[0]),
+                                 "top_logprobs": [self._entry(self._word(a, c), a, v) for a, v in lp[1]]}
+                                for w, t, c, lp in zip(words, ids, contexts, lps, strict=True)]}
         offsets = []
         for w in words:
             offsets.append(start)
             start += len(w)
-        tops = [None if lp is None else {**{self._word(t): v for t, v in lp[1]}, w: lp[0]}
-                for w, lp in zip(words, lps, strict=True)]
+        tops = [None if lp is None else {**{self._word(a, c): v for a, v in lp[1]}, w: lp[0]}
+                for w, c, lp in zip(words, contexts, lps, strict=True)]
         return {"tokens": words, "token_logprobs": [None if lp is None else lp[0] for lp in lps],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    @staticmethod
-    def _entry(word: str, logprob: float) -> dict:
-        return {"token": word, "logprob": logprob, "bytes": list(word.encode())}
+    def _entry(self, word: str, t: int, logprob: float) -> dict:
+        """A chat log-probability entry; its ``bytes`` are the token's own (a piece of a character's UTF-8 that
+        only the tokens after it complete: not the replacement character its text shows)."""
+        raw = self.tok.token_bytes(t) if "\ufffd" in word and not self.p.ids_as_tokens else word.encode()
+        return {"token": word, "logprob": logprob, "bytes": list(raw)}
