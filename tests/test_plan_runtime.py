@@ -158,6 +158,33 @@ def test_the_flags_plait_plan_prints_run_in_plait_train_as_they_are(tmp_path, la
     assert cfg.cluster == (None if model != "tiny" else str(tmp_path / "host.toml"))
 
 
+def test_a_plan_plait_train_would_refuse_says_why_instead_of_flags(tmp_path):
+    """A plan of sequences longer than the model's context (plait train refuses a --seq-len beyond it), or of a
+    config whose family plait train does not build (Qwen3-MoE), printed flags that plait train then refused; it
+    now says why plait train does not run it, gives no train_flags and writes no --config file."""
+    qwen3_moe = tmp_path / "qwen3moe"
+    qwen3_moe.mkdir()
+    (qwen3_moe / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
+        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 4096}))
+    cpu = ["--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4", "--global-batch", "8"]
+    for model, seq, why in (("tiny", "1024", "--seq-len 1024 exceeds tiny's context of 512 tokens (the preset's "
+                                             "max_seq_len), which plait train keeps to"),
+                            (str(qwen3_moe), "512", f"--model {qwen3_moe}: model_type 'qwen3_moe' is not one plait "
+                                                    "train builds (llama, mistral, mixtral, qwen2, qwen3)")):
+        args = ["plan", "--model", model, "--seq-len", seq, *cpu]
+        text, as_json = (CliRunner().invoke(app, args + extra) for extra in ([], ["--json"]))
+        assert text.exit_code == 0 and f"\n• plait train does not run it: {why}\n" in text.output, text.output
+        assert json.loads(as_json.output)["train_flags"] is None
+        written = CliRunner().invoke(app, args + ["--write-config", str(tmp_path / "run.toml")])
+        assert written.exit_code == 2 and written.output == f"error: --write-config: {why}\n", written.output
+        assert not (tmp_path / "run.toml").exists()
+    refused = CliRunner().invoke(app, ["train", "--model", "tiny", "--seq-len", "1024", "--cluster", "none",
+                                       "--dry-run"])
+    assert refused.exit_code == 2 and "--seq-len 1024 exceeds the model's max_seq_len 512" in refused.output
+
+
 def test_the_flags_leave_out_what_plait_train_does_when_they_are_left_out():
     """The flags of an interleaved plan said '--virtual-stages 4 --rounds equal' and those of any 1F1B plan
     '--virtual-stages 1': equal rounds and a schedule's own chunk count are what plait train runs without the flag,

@@ -11,19 +11,51 @@ from typing import Any
 ALWAYS = ("model", "tp", "pp", "dp", "microbatches")
 
 
+def _folder(model_arg: str) -> Path:
+    """The folder of ``--model``: the folder given, or a config.json's."""
+    return Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)
+
+
+def train_gap(best, model_arg: str) -> str | None:
+    """Why ``plait train`` does not run ``best`` as planned, or None: a plan-only layout, a config of a family plait
+    does not train, or sequences longer than the model's context (plait train refuses a --seq-len beyond it)."""
+    import json
+
+    from plait.hf_config import FAMILY_FIELDS, model_type
+    from plait.plan.config import runtime_gap
+
+    if not best.layout.runnable:
+        return f"the best layout is plan-only ({runtime_gap(best.layout)}); drop --plan-only"
+    config = _folder(model_arg) / "config.json"
+    if config.is_file() and (kind := model_type(json.loads(config.read_text()))) not in FAMILY_FIELDS:
+        return f"--model {model_arg}: model_type {kind!r} is not one plait train builds ({', '.join(FAMILY_FIELDS)})"
+    context, seq = best.model.context, best.model.seq_len
+    if context is not None and seq > context and _trainable(model_arg):
+        where = "max_position_embeddings in its config.json" if config.is_file() else "the preset's max_seq_len"
+        return (f"--seq-len {seq} exceeds {best.model.name}'s context of {context:,} tokens ({where}), which plait "
+                "train keeps to")
+    return None
+
+
+def _trainable(model_arg: str) -> bool:
+    """Whether plait train builds ``--model`` itself: a preset of its own, a folder or its config.json."""
+    from plait.train.config import PRESETS
+
+    return model_arg in PRESETS or (_folder(model_arg) / "config.json").is_file()
+
+
 def train_values(best, model_arg: str) -> dict[str, Any]:
     """``best``'s settings as ``plait train`` reads them (flat ``TrainConfig`` names): the model where plait train
     builds it (a preset of its own, a Hugging Face folder or its config.json's folder; else None), the layout as the
-    runtime's ``ParallelConfig``, the global batch and the sequence length. ConfigError for a plan-only layout."""
+    runtime's ``ParallelConfig``, the global batch and the sequence length. ConfigError where plait train does not
+    run it (``train_gap``)."""
     from plait.errors import ConfigError
     from plait.train.config import PRESETS
 
-    if not best.layout.runnable:
-        raise ConfigError(f"the best layout {best.layout.short()} is plan-only; drop --plan-only")
-    folder = Path(model_arg).parent if model_arg.endswith(".json") else Path(model_arg)
-    trainable = model_arg in PRESETS or (folder / "config.json").is_file()
-    return {"model": (model_arg if model_arg in PRESETS else str(folder)) if trainable else None,
-            **best.layout.to_parallel_config(best.training, rounds=best.rounds).to_dict(),
+    if gap := train_gap(best, model_arg):
+        raise ConfigError(gap)
+    model = (model_arg if model_arg in PRESETS else str(_folder(model_arg))) if _trainable(model_arg) else None
+    return {"model": model, **best.layout.to_parallel_config(best.training, rounds=best.rounds).to_dict(),
             "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
 
 
@@ -47,10 +79,11 @@ def train_flags(values: dict[str, Any]) -> list[str]:
 
 def plan_flags(best, model_arg: str, cluster: Path | None) -> list[str] | None:
     """The words to paste into ``plait train`` for ``best`` (``train_flags``), with ``--cluster`` where the plan was
-    made on a host profile, so that the run predicts with it; None for a plan-only layout."""
+    made on a host profile, so that the run predicts with it; None where plait train does not run it
+    (``train_gap``)."""
     from plait.parallel_config import ParallelConfig, field_names
 
-    if not best.layout.runnable:
+    if train_gap(best, model_arg):
         return None
     values = train_values(best, model_arg)
     layout = {k: v for k, v in values.items() if k in field_names()}
@@ -65,11 +98,9 @@ def flags_line(best, model_arg: str, cluster: Path | None) -> str:
     """One line of ``plait plan``'s output: the best layout as ``plait train`` flags (``plan_flags``), what they
     leave to the user (a model folder for a planner preset; torchrun on each node across nodes), or why plait
     train does not run it."""
-    from plait.plan.config import runtime_gap
-
     words = plan_flags(best, model_arg, cluster)
     if words is None:
-        return f"plait train does not run it ({runtime_gap(best.layout)}); drop --plan-only for the best it runs"
+        return f"plait train does not run it: {train_gap(best, model_arg)}"
     line = "as plait train flags: " + shlex.join(words)
     if "--model" not in words:
         line += f" (and --model: a Hugging Face folder of {best.model.name})"
