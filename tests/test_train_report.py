@@ -111,3 +111,21 @@ def test_an_moe_run_s_memory_prediction_says_it_counts_the_mean_routing():
     console = Console(record=True, width=80, force_terminal=False)
     console.print(memory_table(rows, [{"pp_rank": 0, "params": MB}], [note]))
     assert "note: " + note in " ".join(console.export_text().split()), console.export_text()
+
+
+def test_a_pipeline_s_bubble_says_why_it_was_not_measured():
+    """A pipelined run shorter than --trace-every (plait plan's layout run for 6 steps) printed the predicted bubble
+    alone, with no word of why none was measured beside it; it now says which steps --trace-every traces."""
+    from types import SimpleNamespace
+
+    from plait.train.report import _bubbles
+
+    pred = SimpleNamespace(bubble=0.052)
+    untraced = SimpleNamespace(measured_bubble=None, simulated_bubble=None)
+    assert _bubbles(untraced, pred, 10) == ("predicted 5.2% (idle share of the step); not measured: --trace-every 10 "
+                                            "traces steps 10, 20, ...: this run reached none of them")
+    assert _bubbles(untraced, None, 0) == "- (not measured: --trace-every 0 traces no step)"
+    assert _bubbles(untraced, pred, None) == "predicted 5.2% (idle share of the step)"  # no pipeline: nothing to trace
+    traced = SimpleNamespace(measured_bubble=0.061, simulated_bubble=0.055)
+    assert _bubbles(traced, pred, 10) == ("measured 6.1%, simulated from its costs 5.5%, predicted 5.2% (idle share "
+                                          "of the step)")

@@ -228,7 +228,7 @@ def summary_table(cfg: TrainConfig, run, res):
         ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms", run.unpredicted)
          + _at_speed(res, pred)),
         ("step by phase", _phases(res, pred)),
-        ("bubble", _bubbles(res, pred)),
+        ("bubble", _bubbles(res, pred, cfg.trace_every if run.ctx.pp_size > 1 else None)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", (res.checkpoint or "-") + _blocked(cfg, res)),
     ]
@@ -316,15 +316,22 @@ def _vs(measured: float, predicted: float | None, scale: float, unit: str, unpre
     return f"measured {measured:,.0f} {unit}, predicted {pred:,.0f} {unit} (measured/predicted {measured / pred:.2f})"
 
 
-def _bubbles(res, pred: Prediction | None) -> str:
+def _bubbles(res, pred: Prediction | None, trace_every: int | None) -> str:
     """Idle share of the step: measured on the last traced step, the same step simulated with its measured
-    costs, and the planner's prediction."""
+    costs, and the planner's prediction; where a pipeline (``trace_every`` not None: the run's --trace-every) traced
+    no step, why it was not measured."""
     parts = []
     if res.measured_bubble is not None:
         parts.append(f"measured {res.measured_bubble:.1%}, simulated from its costs {res.simulated_bubble:.1%}")
     if pred is not None:
         parts.append(f"predicted {pred.bubble:.1%}")
-    return ", ".join(parts) + " (idle share of the step)" if parts else "- (no pipeline traced)"
+    n, why = trace_every, None
+    if res.measured_bubble is None and n is not None:
+        why = ("not measured: --trace-every 0 traces no step" if n == 0 else
+               f"not measured: --trace-every {n} traces steps {n}, {2 * n}, ...: this run reached none of them")
+    if not parts:
+        return f"- ({why or 'no pipeline traced'})"
+    return ", ".join(parts) + " (idle share of the step)" + (f"; {why}" if why else "")
 
 
 def memory_table(rows: list[dict], predicted: list[dict] | None = None, notes: Sequence[str] = ()) -> Group:
