@@ -59,6 +59,25 @@ def test_nothing_fits_reports_the_smallest_need():
     assert not r.best and r.smallest_memory > 80e9
 
 
+def test_nothing_fits_quotes_a_need_above_the_memory_and_says_which_part_outgrows_it():
+    """Llama 3 8B at 131,072 tokens on 2 H100s: 'no layout fits: the leanest needs 72.8 GB per GPU of 77.3 usable'
+    (a lower bound of a layout whose full count, 81.4 GB, did not fit) and 'model states alone need >= 2 such GPUs
+    (... or a smaller global batch)' with 2 there. The need quoted is now above the memory, and the line says that
+    the activations, not the model states, are what outgrow it; the states' case says how many GPUs hold them."""
+    from plait.plan.explain import nothing_fits
+
+    model, cluster = Model.preset("llama3-8b", 131072), Cluster("h100-sxm", 2)
+    r = search(model, cluster, Training(2, masters="plait"))  # as plait plan plans it
+    assert not r.best and r.smallest_memory > cluster.usable_memory
+    line = nothing_fits(r, model, cluster.usable_memory, cluster.n_gpus)
+    assert line.endswith("of 77.3 usable; the model states fit (2 such GPUs hold them), the activations of "
+                         "131,072-token sequences do not: a shorter sequence, more GPUs to split them over, or a "
+                         "larger GPU"), line
+    big, eight = Model.preset("llama3-405b"), Cluster("a100-80gb", 8)
+    line = nothing_fits(search(big, eight, Training(64)), big, eight.usable_memory, eight.n_gpus)
+    assert line.endswith("model states alone need ≥ 95 such GPUs (use at least 95, or a larger GPU)"), line
+
+
 def test_estimate_rejects_invalid_layouts_naming_the_parameter():
     m, c, t = Model.preset("llama3-70b"), Cluster("h100-sxm", 64), Training(512)
     with pytest.raises(ConfigError, match="tp"):

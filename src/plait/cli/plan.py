@@ -328,7 +328,8 @@ def plan(options: dict[str, Any]) -> None:
     except ConfigError as exc:
         fail(flag_message(exc))
     if not result.best:
-        fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory), 1)
+        fail(f"{m.name} on {o.gpus} × {cluster.gpu.name}: " + nothing_fits(result, m, cluster.usable_memory,
+                                                                            cluster.n_gpus), 1)
     if o.as_json:
         out: dict[str, Any] = {"best": [e.to_dict() for e in result.best], "global_batch": training.global_batch,
                                "elementwise": training.elementwise, "global_batch_note": batch_note,

@@ -86,14 +86,21 @@ def min_gpus_hint(model: Model, usable_per_gpu: float) -> int:
     return int(-(-18 * model.n_params() // usable_per_gpu))
 
 
-def nothing_fits(result: SearchResult, model: Model | None = None, usable_per_gpu: float = 0.0) -> str:
-    """One line: why no layout fits and what would."""
+def nothing_fits(result: SearchResult, model: Model | None = None, usable_per_gpu: float = 0.0,
+                 n_gpus: int | None = None) -> str:
+    """One line: why no layout fits and what would. The need quoted is the least any valid layout needs, each
+    counted in full or by a bound above the memory there is (so always above it); with the model and the GPUs,
+    whether the model states alone outgrow ``n_gpus`` GPUs or the activations are what does not fit."""
     if result.smallest_memory == float("inf") or not result.smallest_memory:
         keys = ", ".join(f"{k} ({v})" for k, v in result.rejected.most_common(3))
         return f"no valid layout: every one breaks a rule: {keys}"
     msg = f"no layout fits: the leanest needs {result.smallest_memory / GB:.1f} GB per GPU"
-    if model is not None and usable_per_gpu:
-        msg += (f" of {usable_per_gpu / GB:.1f} usable; model states alone need "
-                f"≥ {min_gpus_hint(model, usable_per_gpu)} such GPUs (or a larger GPU, a shorter "
-                f"sequence, or a smaller global batch)")
-    return msg
+    if model is None or not usable_per_gpu:
+        return msg
+    need = min_gpus_hint(model, usable_per_gpu)
+    if n_gpus is None or need > n_gpus:
+        return msg + (f" of {usable_per_gpu / GB:.1f} usable; model states alone need ≥ {need} such GPUs (use at "
+                      f"least {need}, or a larger GPU)")
+    return msg + (f" of {usable_per_gpu / GB:.1f} usable; the model states fit ({need} such GPUs hold them), the "
+                  f"activations of {model.seq_len:,}-token sequences do not: a shorter sequence, more GPUs to split "
+                  "them over, or a larger GPU")

@@ -46,7 +46,7 @@ class SearchResult:
     rejected: Counter = field(default_factory=Counter)
     pruned: int = 0
     considered: int = 0
-    smallest_memory: float = 0.0  # the least GB any valid layout needs, when nothing fits
+    smallest_memory: float = 0.0  # the least bytes any valid layout needs (at least), when nothing fits
     twins: int = 0
     twin_settings: Counter = field(default_factory=Counter)
 
@@ -180,8 +180,8 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
             result.rejected[bad[0]] += 1
             continue
         seconds, need = _lower_bounds(model, cluster, layout, training)
-        smallest = min(smallest, need)
-        if need > usable:
+        if need > usable:  # a bound: the layout needs at least this, more than there is
+            smallest = min(smallest, need)
             result.rejected["memory"] += 1
             continue
         queue.append((seconds, i, layout))
