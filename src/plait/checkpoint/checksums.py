@@ -1,16 +1,22 @@
 """Checksums of a checkpoint's tensors: damage to a shard file after it was written is an error, not wrong weights.
 
-A save takes the CRC-32 of every tensor it writes from the host copy it writes (no re-reading of the file) and
-keeps them in the file's safetensors header (``__metadata__[HEADER]``, a JSON object whose KEY maps each tensor's
-name to its checksum); rank 0 copies them into each shard record of ``meta.json`` (``"crc32"``) when it commits
-the checkpoint. A reader (plait.checkpoint.store.CheckpointReader, which resume, generate, serve and export all
-read through) checks a tensor of a file against its record the first time it reads it. A shard record without a
-checksum (a checkpoint an older plait saved) is read unchecked.
+A save takes CRC-32s of every tensor it writes from the host copy it writes (no re-reading of the file), one per
+block: the tensor cut into at most ``BLOCKS`` equal runs of indices along its *split dim* (the dim tensor
+parallelism cuts it along, whatever the layout of the save; dim 0 for a tensor no layout cuts), so that a reader
+of a slice along that dim checks the blocks it reads and no others. The save keeps them in the file's safetensors
+header (``__metadata__[HEADER]``, a JSON object whose ``BLOCK_KEY`` maps each tensor's name to its blocks); rank 0
+copies them into each shard record of ``meta.json`` (``"crc32_blocks"``: ``{"dim", "size", "crc32"}``, the last
+the blocks' checksums written one after the other, 8 hex digits each) when it commits the checkpoint. A reader
+(plait.checkpoint.store.CheckpointReader, which resume, generate, serve and export all read through) checks every
+block a read touches against its record before it hands back any of it. A shard record with one checksum of the
+whole tensor (``"crc32"``, as plait saved before the blocks) is checked whole on its first read; one without
+either (an older plait's) is read unchecked.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from pathlib import Path
 
@@ -18,7 +24,10 @@ import torch
 
 from plait.errors import ConfigError
 
-KEY = "crc32"  # a shard record's checksum in meta.json, and the checksums' key in a file's header entry
+KEY = "crc32"  # a shard record's checksum of its whole tensor in meta.json (the checkpoints saved before the blocks)
+BLOCK_KEY = "crc32_blocks"  # a shard record's block checksums in meta.json, and their key in a file's header entry
+#: the most blocks a tensor's part in one file is cut into: slices of a 2**k-way split (k <= 5) of it are whole blocks
+BLOCKS = 32
 #: a shard file's one entry of header metadata (JSON): one only, as safetensors writes the entries of its metadata
 #: in no fixed order and two saves of the same state must give the same bytes
 HEADER = "plait"
@@ -30,39 +39,71 @@ def tensor_crc(tensor: torch.Tensor) -> str:
     return f"{zlib.crc32(data.cpu().numpy().data):08x}"
 
 
-def file_header(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, str]:
-    """The header metadata of a shard file of checkpoint format ``fmt`` holding ``tensors``: each one's checksum."""
-    return {HEADER: json.dumps({"format": fmt, KEY: tensor_checksums(tensors)}, separators=(",", ":"))}
+def block_size(length: int) -> int:
+    """The indices along its split dim of each block of a tensor part ``length`` long there (the last may be short)."""
+    return max(1, math.ceil(length / BLOCKS))
 
 
-def tensor_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {name: tensor_crc(t) for name, t in tensors.items()}
+def block_checksums(tensor: torch.Tensor, dim: int) -> dict:
+    """The block record of ``tensor`` cut along ``dim``: ``{"dim", "size", "crc32"}`` (a 0-dim tensor: one block)."""
+    flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    length = flat.shape[dim]
+    size = block_size(length)
+    crcs = [tensor_crc(flat.narrow(dim, lo, min(size, length - lo))) for lo in range(0, length, size)]
+    return {"dim": dim, "size": size, KEY: "".join(crcs)}
+
+
+def tensor_checksums(tensors: dict[str, torch.Tensor], split: dict[str, int | None]) -> dict[str, dict]:
+    """Each tensor's block record, cut along its ``split`` dim (None: dim 0)."""
+    return {name: block_checksums(t, split.get(name) or 0) for name, t in tensors.items()}
+
+
+def file_header(tensors: dict[str, torch.Tensor], split: dict[str, int | None], fmt: str) -> dict[str, str]:
+    """The header metadata of a shard file of checkpoint format ``fmt`` holding ``tensors`` (``split``: the dim
+    each is cut along into checksum blocks): each one's block checksums."""
+    return {HEADER: json.dumps({"format": fmt, BLOCK_KEY: tensor_checksums(tensors, split)}, separators=(",", ":"))}
 
 
 def record_checksums(meta: dict, folder: Path) -> None:
-    """Rank 0, before writing ``meta.json``: every shard record of ``meta`` gets the checksum that its file's writer
-    kept in the file's header (a file without them leaves its records without)."""
+    """Rank 0, before writing ``meta.json``: every shard record of ``meta`` gets the block checksums that its file's
+    writer kept in the file's header (a file without them leaves its records without)."""
     from safetensors import safe_open
 
-    kept: dict[str, dict[str, str]] = {}
+    kept: dict[str, dict[str, dict]] = {}
     for name, entry in meta["tensors"].items():
         for shard in entry["shards"]:
             file = shard["file"]
             if file not in kept:
                 with safe_open(str(folder / file), framework="pt") as handle:
-                    kept[file] = json.loads((handle.metadata() or {}).get(HEADER, "{}")).get(KEY, {})
+                    kept[file] = json.loads((handle.metadata() or {}).get(HEADER, "{}")).get(BLOCK_KEY, {})
             if name in kept[file]:
-                shard[KEY] = kept[file][name]
+                shard[BLOCK_KEY] = kept[file][name]
 
 
 def check_tensor(checkpoint: Path, file: str, name: str, tensor: torch.Tensor, shard: dict) -> None:
     """ConfigError naming the file and the tensor when ``tensor``, all of ``name`` that ``file`` holds, does not
-    match the checksum of its shard record (none recorded: nothing to check)."""
+    match the whole-tensor checksum of its shard record (none recorded: nothing to check)."""
     want = shard.get(KEY)
-    if want is None:
-        return
-    got = tensor_crc(tensor)
+    if want is not None:
+        _compare(checkpoint, file, name, tensor_crc(tensor), want, "")
+
+
+def check_blocks(checkpoint: Path, file: str, name: str, span: torch.Tensor, first: int, blocks: dict) -> None:
+    """ConfigError naming the file, the tensor and the block when a block of ``span`` does not match its record in
+    ``blocks`` (the shard record's block checksums): ``span`` is the blocks from ``first`` on, whole, along
+    ``blocks["dim"]``, of the part of ``name`` that ``file`` holds."""
+    dim, size, crcs = blocks["dim"], blocks["size"], blocks[KEY]
+    flat = span.reshape(1) if span.dim() == 0 else span
+    for at in range(0, flat.shape[dim], size):
+        block = first + at // size
+        got, want = tensor_crc(flat.narrow(dim, at, min(size, flat.shape[dim] - at))), crcs[8 * block:8 * block + 8]
+        if got != want:
+            stop = min(at + size, flat.shape[dim]) + first * size
+            _compare(checkpoint, file, name, got, want, f"; indices {first * size + at}..{stop} along dim {dim}")
+
+
+def _compare(checkpoint: Path, file: str, name: str, got: str, want: str, where: str) -> None:
     if got != want:
         raise ConfigError(f"{checkpoint}: {file}: tensor {name!r} does not match its checksum in meta.json (crc32 "
-                          f"{got}, saved as {want}): the file was damaged after it was written; restore it from a "
-                          "copy, or use an older checkpoint")
+                          f"{got}, saved as {want}{where}): the file was damaged after it was written; restore it "
+                          "from a copy, or use an older checkpoint")

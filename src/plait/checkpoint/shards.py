@@ -34,6 +34,8 @@ class LocalTensor:
     start: int
     stop: int  # exclusive; stop - start may be smaller than the local size (vocabulary padding)
     full_shape: list[int]
+    #: the dim tensor parallelism cuts this tensor along under any tp (``dim`` is None under tp 1); None: never cut
+    split: int | None = None
 
     @property
     def valid(self) -> torch.Tensor:
@@ -53,13 +55,13 @@ def local_tensors(pm: ParallelModel) -> Iterator[LocalTensor]:
             dims = getattr(module, "shard_dims", {}) if isinstance(module, TPShardedModule) else {}
             dim, full = dims.get(attr, (None, 0))
             if dim is None or ctx.tp_size == 1:
-                yield LocalTensor(key, tensor, None, 0, shape[0] if shape else 0, shape)
+                yield LocalTensor(key, tensor, None, 0, shape[0] if shape else 0, shape, dim)
                 continue
             n = shape[dim]
             start = min(ctx.tp_rank * n, full)
             stop = min(start + n, full)
             full_shape = shape[:dim] + [full] + shape[dim + 1:]
-            yield LocalTensor(key, tensor, dim, start, stop, full_shape)
+            yield LocalTensor(key, tensor, dim, start, stop, full_shape, dim)
 
 
 @torch.no_grad()

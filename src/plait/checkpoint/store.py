@@ -2,12 +2,14 @@
 
 ``<dir>/step_00000100/`` holds ``pp{p}-tp{t}-dp{d}.safetensors`` (the valid part of each local tensor and of its
 optimizer state, under plain-model keys) and ``meta.json`` (for every tensor: global shape, dtype and the
-(file, dim, start, stop, crc32) of each shard; layout, step, optimizer hyper-parameters, scalars and updates made,
+(file, dim, start, stop, checksums) of each shard; layout, step, optimizer hyper-parameters, scalars and updates made,
 data position, RNG). Saving (``plait.checkpoint.writer``, in the step loop or in the background) writes into
 ``.step_*.tmp``, ``meta.json`` last, then renames it and rewrites ``latest`` atomically: a kill at any moment
 leaves the previous checkpoint loadable. Loading (here) reads only the slices the new layout needs, so
-tp2·pp2 loads as tp1·pp4 or as one plain model; the first read of a shard's tensor reads it whole and checks its
-checksum (plait.checkpoint.checksums). Needs a filesystem shared by all ranks.
+tp2·pp2 loads as tp1·pp4 or as one plain model, and the ranks of a tp4 load of a tp1 checkpoint read a quarter of
+it each; what a read hands back has been checked against its checksums (plait.checkpoint.checksums): the blocks it
+touches, or, for a checkpoint saved with one checksum per tensor, all of the tensor on its first read. Needs a
+filesystem shared by all ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.checkpoint.checksums import KEY, check_tensor
+from plait.checkpoint.checksums import BLOCK_KEY, KEY, check_blocks, check_tensor
 from plait.checkpoint.shards import copy_padded, load_local, local_tensors, param_keys
 from plait.checkpoint.writer import FORMAT, LATEST, META, OPTIM, save_checkpoint, torch_optimizer
 from plait.errors import ConfigError
@@ -76,17 +78,38 @@ class CheckpointReader:
                 raise ConfigError(f"{self.path}: {file} cannot be read ({exc}); the checkpoint is damaged") from None
         return self._handles[file]
 
-    def _piece(self, shard: dict, name: str, index: tuple | None = None) -> torch.Tensor:
-        """``index`` of the part of tensor ``name`` that ``shard``'s file holds (all of it when None). The first read
-        of a part that has a checksum reads it whole and checks it (plait.checkpoint.checksums)."""
+    def _piece(self, shard: dict, name: str, dim: int | None = None, start: int = 0,
+               stop: int | None = None) -> torch.Tensor:
+        """Indices ``start:stop`` along ``dim`` of the part of tensor ``name`` that ``shard``'s file holds (all of it
+        when ``dim`` is None), its checksums checked first (plait.checkpoint.checksums): of a part with block
+        checksums, the blocks the read touches (read whole: at most one more block each side); of a part with one
+        checksum of its whole, all of it, on its first read."""
         file = shard["file"]
+        handle = self._handle(file)
+        blocks = shard.get(BLOCK_KEY)
+        if blocks is not None:
+            part = handle.get_slice(name)
+            bdim, size = blocks["dim"], blocks["size"]
+            shape = part.get_shape()
+            if dim is None or not shape:  # all of it
+                whole = handle.get_tensor(name)
+                check_blocks(self.path, file, name, whole, 0, blocks)
+                return whole
+            stop = shape[dim] if stop is None else stop
+            first = start // size if dim == bdim else 0  # the blocks the read touches
+            lo, hi = first * size, (min(-(-stop // size) * size, shape[bdim]) if dim == bdim else shape[bdim])
+            span = part[tuple([slice(None)] * bdim + [slice(lo, hi)])]
+            check_blocks(self.path, file, name, span, first, blocks)
+            return span.narrow(dim, start - lo if dim == bdim else start, stop - start)
         if KEY in shard and (file, name) not in self._checked:
-            whole = self._handle(file).get_tensor(name)
+            whole = handle.get_tensor(name)
             check_tensor(self.path, file, name, whole, shard)
             self._checked.add((file, name))
-            return whole if index is None else whole[index]
-        part = self._handle(file).get_slice(name)
-        return part[:] if index is None else part[index]
+            return whole if dim is None else whole.narrow(dim, start, (stop or whole.shape[dim]) - start)
+        part = handle.get_slice(name)
+        if dim is None:
+            return part[:]
+        return part[tuple([slice(None)] * dim + [slice(start, stop)])]
 
     def check_files(self, optimizer: bool = True, data: bool = True) -> None:
         """ConfigError naming the first file that meta.json lists and that is missing or unreadable (its header),
@@ -108,9 +131,9 @@ class CheckpointReader:
         if entry is None:
             raise ConfigError(f"{self.path}: checkpoint has no tensor {key!r}")
         shards = sorted(entry["shards"], key=lambda s: s["start"])
-        if any(s["dim"] is None for s in shards):
-            full = self._piece(shards[0], key)
-            return full if dim is None else full.narrow(dim, start, (stop or full.shape[dim]) - start)
+        if any(s["dim"] is None for s in shards):  # one file holds all of it
+            return self._piece(shards[0], key, dim, start, entry["shape"][dim] if dim is not None and stop is None
+                               else stop)
         sdim = shards[0]["dim"]
         if dim is None or dim != sdim:
             full = torch.cat([self._piece(s, key) for s in shards], dim=sdim)
@@ -120,8 +143,7 @@ class CheckpointReader:
         for s in shards:
             lo, hi = max(start, s["start"]), min(stop, s["stop"])
             if lo < hi:
-                index = tuple([slice(None)] * dim + [slice(lo - s["start"], hi - s["start"])])
-                pieces.append(self._piece(s, key, index))
+                pieces.append(self._piece(s, key, dim, lo - s["start"], hi - s["start"]))
         return torch.cat(pieces, dim=dim)
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ its write (files, ``meta.json`` last, the rename into place), in the step loop o
 A save is two halves. ``take_snapshot`` is collective: rank 0 prepares ``.step_*.tmp``, ZeRO's optimizer state
 is gathered, every tensor this rank writes is copied to host memory, and the shard records are gathered for
 rank 0's ``meta.json``. ``write_snapshot`` needs no collective: each rank writes its safetensors file as
-``*.part`` (with the checksum of each tensor in its header: plait.checkpoint.checksums), fsyncs it and renames
+``*.part`` (with the block checksums of each tensor in its header: plait.checkpoint.checksums), fsyncs it and renames
 it into the temp folder; rank 0 waits until every rank's file is there, writes ``meta.json`` (the mark of a
 complete checkpoint; the checksums in its shard records), renames the folder to ``step_*`` and points
 ``latest`` at it; checkpoints beyond the ``keep`` newest are renamed out of sight and deleted on a thread. A
@@ -75,11 +75,14 @@ def _writes(ctx, lt) -> bool:
     return lt.stop > lt.start  # not an all-padding shard
 
 
-def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
-    """This rank's tensors to write, their shard records, and optimizer scalars per key. A parameter with an
-    fp32 master (ZeRO with bf16 parameters) is written as its master: checkpoints hold the exact weights."""
+def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Tensor], dict[str, int | None],
+                                                            list[dict], dict]:
+    """This rank's tensors to write, the dim each is split along (``LocalTensor.split``), their shard records, and
+    optimizer scalars per key. A parameter with an fp32 master (ZeRO with bf16 parameters) is written as its master:
+    checkpoints hold the exact weights."""
     ctx = pm.ctx
     tensors: dict[str, torch.Tensor] = {}
+    split: dict[str, int | None] = {}
     records: list[dict] = []
     scalars: dict[str, dict[str, float]] = {}
     keys = param_keys(pm)
@@ -99,9 +102,10 @@ def _local_tensors(pm, states: dict, masters: dict) -> tuple[dict[str, torch.Ten
                 scalars.setdefault(lt.key, {})[name] = float(value)
         for name, t in pairs:
             tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+            split[name] = lt.split
             records.append({"name": name, "dim": lt.dim, "start": lt.start, "stop": lt.stop,
                             "shape": lt.full_shape, "dtype": str(t.dtype).removeprefix("torch.")})
-    return tensors, records, scalars
+    return tensors, split, records, scalars
 
 
 @dataclass
@@ -115,6 +119,7 @@ class Snapshot:
     keep: int
     fname: str
     tensors: dict[str, torch.Tensor]  # copies: training may change the live tensors meanwhile
+    split: dict[str, int | None]  # the dim each tensor's checksum blocks are cut along
     files: list[str]  # every rank's file name (rank 0 waits for them)
     meta: dict | None  # rank 0's meta.json
     timeout_s: float
@@ -137,14 +142,14 @@ def take_snapshot(pm, optimizer, directory: str | Path, step: int, extra: dict |
     states = _optimizer_states(optimizer)  # collective under ZeRO: every rank takes part
     masters = optimizer.gathered_masters() if hasattr(optimizer, "gathered_masters") else {}  # collective
     with pm.full_parameters():  # ZeRO-3: every local parameter gathered for the duration (collective)
-        tensors, records, scalars = _local_tensors(pm, states, masters)  # host copies
+        tensors, split, records, scalars = _local_tensors(pm, states, masters)  # host copies
     parts: list = [None] * ctx.world_size
     rng = torch.get_rng_state().tolist() if ctx.rank == 0 else None
     collective(f"all-gather of checkpoint {step}'s file records", None,
                lambda: dist.all_gather_object(parts, (fname, records, scalars)))
     meta = _meta(pm, optimizer, step, parts, extra or {}, rng) if ctx.rank == 0 else None
     files = sorted({name for name, recs, _ in parts if recs})  # data-parallel replicas write nothing
-    return Snapshot(root, tmp, final, step, keep, fname, tensors, files, meta, ctx.timeout_s)
+    return Snapshot(root, tmp, final, step, keep, fname, tensors, split, files, meta, ctx.timeout_s)
 
 
 def write_snapshot(snap: Snapshot) -> None:
@@ -153,7 +158,7 @@ def write_snapshot(snap: Snapshot) -> None:
 
     if snap.tensors:
         part = snap.tmp / (snap.fname + ".part")
-        save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, FORMAT))
+        save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, snap.split, FORMAT))
         fsync_path(part)
         os.replace(part, snap.tmp / snap.fname)
     if snap.meta is None:
