@@ -80,7 +80,7 @@ def folder_config(path: str | Path, family: DecoderFamily | None = None) -> tupl
         raise ConfigError(f"--model {path}: config.json: {exc}") from None
 
 
-def config_to_hf(cfg, family: DecoderFamily, dtype: torch.dtype = torch.float32) -> dict:
+def config_to_hf(cfg: LlamaConfig, family: DecoderFamily, dtype: torch.dtype = torch.float32) -> dict:
     """A ``config.json`` dict that transformers 4.x and 5.x read as the same model."""
     family.check_features(cfg)
     return {
