@@ -37,7 +37,7 @@ def main() -> None:
     import torch
 
     import plait
-    from plait.checkpoint import CheckpointReader, checksums, load_checkpoint, save_checkpoint
+    from plait.checkpoint import CheckpointReader, checksums, load_checkpoint, local_tensors, save_checkpoint
     from plait.models import Llama, LlamaConfig
 
     crcs = checksums.tensor_checksums
@@ -45,6 +45,7 @@ def main() -> None:
     model = Llama(LlamaConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64,
                               max_seq_len=256))
     pm = plait.parallelize(model, plait.init(1, 1, 1), microbatches=1)
+    split = {lt.key: lt.split for lt in local_tensors(pm)}  # the dims a save cuts checksum blocks along
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     times: dict[str, dict[str, list[float]]] = {k: {n: [] for n in ("save", "load", "check", "crc32")}
                                                 for k in ("with", "without")}
@@ -61,7 +62,7 @@ def main() -> None:
                 t2 = time.perf_counter()
                 CheckpointReader(path).check_files()  # --dry-run's pass (nothing to check without checksums)
                 t3 = time.perf_counter()
-                crcs(model.state_dict())  # the checksums alone, on the memory a save writes
+                crcs(model.state_dict(), split)  # the checksums alone, on the memory a save writes
                 t4 = time.perf_counter()
                 for name, dt in (("save", t1 - t0), ("load", t2 - t1), ("check", t3 - t2), ("crc32", t4 - t3)):
                     times[kind][name].append(dt)
