@@ -47,10 +47,22 @@ def block_size(length: int) -> int:
 def block_checksums(tensor: torch.Tensor, dim: int) -> dict:
     """The block record of ``tensor`` cut along ``dim``: ``{"dim", "size", "crc32"}`` (a 0-dim tensor: one block)."""
     flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    length = flat.shape[dim]
-    size = block_size(length)
-    crcs = [tensor_crc(flat.narrow(dim, lo, min(size, length - lo))) for lo in range(0, length, size)]
-    return {"dim": dim, "size": size, KEY: "".join(crcs)}
+    size = block_size(flat.shape[dim])
+    return {"dim": dim, "size": size, KEY: "".join(tensor_crc(block) for block in _blocks(flat, dim, size))}
+
+
+def _blocks(tensor: torch.Tensor, dim: int, size: int) -> list[torch.Tensor]:
+    """``tensor`` cut along ``dim`` into runs of ``size`` indices (the last may be short), each contiguous: the whole
+    blocks through one copy (a block along a later dim is not contiguous in the tensor), not one a block."""
+    length, whole = tensor.shape[dim], tensor.shape[dim] // size * size
+    before, after = math.prod(tensor.shape[:dim]), math.prod(tensor.shape[dim + 1:])
+    out = []
+    if whole:
+        head = tensor.narrow(dim, 0, whole).reshape(before, whole // size, size, after)
+        out += list(head.transpose(0, 1).contiguous())  # block b: its indices' elements in row-major order
+    if whole < length:
+        out.append(tensor.narrow(dim, whole, length - whole))
+    return out
 
 
 def tensor_checksums(tensors: dict[str, torch.Tensor], split: dict[str, int | None]) -> dict[str, dict]:
@@ -94,12 +106,12 @@ def check_blocks(checkpoint: Path, file: str, name: str, span: torch.Tensor, fir
     ``blocks["dim"]``, of the part of ``name`` that ``file`` holds."""
     dim, size, crcs = blocks["dim"], blocks["size"], blocks[KEY]
     flat = span.reshape(1) if span.dim() == 0 else span
-    for at in range(0, flat.shape[dim], size):
-        block = first + at // size
-        got, want = tensor_crc(flat.narrow(dim, at, min(size, flat.shape[dim] - at))), crcs[8 * block:8 * block + 8]
+    end = first * size + flat.shape[dim]  # the index along ``dim`` where ``span`` ends
+    for at, block in enumerate(_blocks(flat, dim, size), start=first):
+        got, want = tensor_crc(block), crcs[8 * at:8 * at + 8]
         if got != want:
-            stop = min(at + size, flat.shape[dim]) + first * size
-            _compare(checkpoint, file, name, got, want, f"; indices {first * size + at}..{stop} along dim {dim}")
+            where = f"; indices {at * size}..{min(at * size + size, end)} along dim {dim}"
+            _compare(checkpoint, file, name, got, want, where)
 
 
 def _compare(checkpoint: Path, file: str, name: str, got: str, want: str, where: str) -> None:
