@@ -280,6 +280,8 @@ def test_layout_auto_plans_on_the_calibrated_host(tmp_path, monkeypatch):
     cfg, line = auto_layout(chosen, 4)
     assert cfg.parallel == best.layout.to_parallel_config(training, precision="fp32")
     assert f"on the profile {tmp_path / 'host.toml'}: {best.step_time_s:.3g} s/step" in line
+    mib = f"{best.memory.total / 2**20:,.1f} of {best.memory.usable / 2**20:,.1f} MiB per process predicted"
+    assert mib in line, line  # as plait plan and the run's memory table say it (was '0.07 of 5.69 GB')
     profile.save(cache_path())  # the cached calibration of this host is used when no --cluster is given
     assert "on this host's calibration" in auto_layout(want, 4)[1]
 

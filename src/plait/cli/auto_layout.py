@@ -57,6 +57,7 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     ``validate`` accepts, and one line saying what was chosen. ConfigError if none does."""
     from plait.plan import Training, search
     from plait.plan.eager import RUNTIME_ELEMENTWISE
+    from plait.plan.explain import memory_unit
     from plait.plan.optimizers import RUNTIME_MASTERS
 
     cluster, source = planning_cluster(cfg, world)
@@ -73,10 +74,11 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
         except ConfigError as exc:
             reasons.append(f"{est.layout.short()}: {exc}")
             continue
+        unit, scale = memory_unit([est])
         line = (f"--layout auto: {est.layout.short()} (the planner's fastest of "
                 f"{counted(result.considered, 'layout')} on {counted(world, 'process')} on {source}: "
-                f"{est.step_time_s:.3g} s/step, {est.memory.total / 1e9:.2f} of {est.memory.usable / 1e9:.2f} GB per "
-                "process predicted)")
+                f"{est.step_time_s:.3g} s/step, {est.memory.total / scale:,.1f} of {est.memory.usable / scale:,.1f} "
+                f"{unit} per process predicted)")
         return candidate, line
     why = "; ".join(reasons[:3]) or f"nothing fits ({dict(result.rejected)})"
     raise ConfigError(f"--layout auto: no planned layout for {counted(world, 'process')} runs here: {why}")

@@ -194,7 +194,7 @@ def _dry_run(cfg) -> None:
     console = Console()
     t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}",
               title_justify="left")
-    for name in ("pipeline rank", "params MB", "grads MB", "optimizer MB", "activations peak MB", "total MB"):
+    for name in ("pipeline rank", "params MiB", "grads MiB", "optimizer MiB", "activations peak MiB", "total MiB"):
         t.add_column(name, justify="right")
     kinds = ("params", "grads", "optimizer", "activations_peak")
     for m in row["memory"]["predicted"]:
