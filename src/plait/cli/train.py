@@ -102,6 +102,7 @@ def _prepared(entry: str) -> bool:
 def _run(cfg) -> None:
     from contextlib import nullcontext
 
+    from plait.checkpoint.lock import hold_folder
     from plait.cli.predict import check_cluster, check_dry_run
     from plait.cli.progress import layout_words, starting
     from plait.cli.train_worker import PRELOAD
@@ -131,6 +132,9 @@ def _run(cfg) -> None:
         validate(cfg)
         resumed = check_resume(cfg)
         check_outputs(cfg)
+        if not cfg.dry_run:  # another run saving into --checkpoint-dir: refused before any process starts
+            with hold_folder(cfg.checkpoint_dir):
+                pass
         check_cluster(cfg, cfg.nproc or cfg.world)
     if resumed is not None and resumed[1] >= cfg.steps:  # nothing to train: said, nothing launched
         typer.echo(complete_message(cfg, *resumed))

@@ -263,6 +263,18 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predi
 
 def _train(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Predictor | None,
            t_start: float) -> TrainResult:
+    """The run, with rank 0 holding --checkpoint-dir's lock throughout (plait.checkpoint.lock: one run saves into
+    a folder at a time)."""
+    from contextlib import nullcontext
+
+    from plait.checkpoint.lock import hold_folder
+
+    with hold_folder(cfg.checkpoint_dir) if ctx.rank == 0 else nullcontext():
+        return _train_held(cfg, ctx, reporter, stop, predictor, t_start)
+
+
+def _train_held(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Predictor | None,
+                t_start: float) -> TrainResult:
     run = build(cfg, ctx)
     if stop is not None:  # from here a stop signal saves a checkpoint; before, it ends the process at once
         stop.install()  # (a worker stopped while it waits for a dead peer in the rendezvous leaves promptly)

@@ -1,0 +1,46 @@
+"""A checkpoint folder as a user meets it: one run saving into it at a time."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+import plait.train.loop as loop
+from plait.checkpoint.lock import hold_folder
+from plait.cli.main import app
+from plait.errors import ConfigError
+from plait.train import TrainConfig
+
+
+def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
+    return TrainConfig.from_dict({**dict(
+        tp=1, pp=1, dp=1, microbatches=1, seq_len=16, batch_size=2, steps=2, warmup=1, max_data_mb=0.3,
+        eval_every=0, sample_tokens=0, trace_every=0, cluster="none", data=[str(tmp_path / "text")],
+        checkpoint_dir=str(tmp_path / name)), **kw})
+
+
+@pytest.fixture
+def text(tmp_path):
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("some training text, repeated with a few words more. " * 60)
+    return tmp_path
+
+
+def test_a_second_run_saving_into_the_same_folder_is_refused_naming_the_first(text):
+    """Two runs in one folder removed each other's saves in progress ('the background save of the step-7
+    checkpoint failed: ... No such file or directory') or pointed 'latest' at each other's checkpoints."""
+    ck = text / "ck"
+    with hold_folder(ck):  # as a run in progress holds it
+        with pytest.raises(ConfigError, match=rf"--checkpoint-dir {ck}: another run saves its checkpoints there "
+                                              rf"\(pid {os.getpid()} on .*\); give this run another --checkpoint-dir"):
+            loop.train(_cfg(text, "ck"))
+        res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--checkpoint-dir", str(ck),
+                                       "--cluster", "none"])  # refused before any process starts
+        assert res.exit_code == 2 and f"error: --checkpoint-dir {ck}: another run" in res.output, res.output
+        assert not list(ck.glob("step_*"))
+    loop.train(_cfg(text, "ck"))  # the folder is free again once that run ended
+    assert (ck / "step_00000002" / "meta.json").is_file()
+    with hold_folder(ck):  # and the run that ended left it free
+        pass
