@@ -1,4 +1,5 @@
-"""A checkpoint folder as a user meets it: one run saving into it at a time."""
+"""A checkpoint folder as a user meets it: one run saving into it at a time; what --resume says of the folders it
+passes over."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def test_a_second_run_saving_into_the_same_folder_is_refused_naming_the_first(te
     assert (ck / "step_00000002" / "meta.json").is_file()
     with hold_folder(ck):  # and the run that ended left it free
         pass
+
+
+def test_a_resume_says_which_newer_checkpoints_it_passed_over_and_why(text):
+    """A step_* folder without meta.json (a copy cut short), here the one 'latest' names: --resume took the newest
+    complete checkpoint before it without a word; with none complete it said only 'no checkpoint'."""
+    from rich.console import Console
+
+    from plait.train.report import Reporter
+
+    loop.train(_cfg(text, "ck", steps=4, checkpoint_every=2))
+    ck = text / "ck"
+    (ck / "step_00000004" / "meta.json").unlink()
+    console = Console(record=True, width=400, force_terminal=False)
+    cfg = _cfg(text, "ck", steps=3, resume=True)
+    loop.train(cfg, reporter=Reporter(cfg, 0, console))
+    out = console.export_text()
+    assert (f"note: {ck}/step_00000004 has no meta.json: not a complete checkpoint (a save or a copy that did not "
+            f"finish); passed over\nresuming from {ck}/step_00000002 (step 2)") in out, out
+    for step in (2, 3):
+        (ck / f"step_{step:08d}" / "meta.json").unlink()
+    with pytest.raises(ConfigError, match=rf"--resume: no complete checkpoint in --checkpoint-dir {ck} \({ck}/"
+                                          rf"step_00000002, {ck}/step_00000003, {ck}/step_00000004 have no meta.json"):
+        loop.train(cfg)

@@ -114,6 +114,7 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
                               start=4 if resumed_from else 0, resumed_from=resumed_from, resume_note=note,
+                              passed_over=[],
                               prediction=None, unpredicted=None)
         Reporter(TrainConfig(auto_resume=True, metrics=None), 0, console).begin(run)
         return console.export_text()
@@ -179,7 +180,7 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)),
                               data=SimpleNamespace(describe=lambda: "d"), start=0, resumed_from=None,
-                              resume_note=None, prediction=None, unpredicted=None)
+                              resume_note=None, passed_over=[], prediction=None, unpredicted=None)
         Reporter(TrainConfig(metrics=None, **kw), 0, console).begin(run)
         return console.export_text()
 

@@ -9,11 +9,13 @@ from plait.checkpoint.store import (
     CheckpointReader,
     export_pretrained,
     find_checkpoint,
+    incomplete_checkpoints,
     load_checkpoint,
     model_config,
     save_checkpoint,
 )
 from plait.checkpoint.writer import AsyncCheckpointer
 
-__all__ = ["AsyncCheckpointer", "CheckpointReader", "LocalTensor", "export_pretrained", "find_checkpoint", "init_local",
-           "load_checkpoint", "load_local", "local_tensors", "model_config", "save_checkpoint"]
+__all__ = ["AsyncCheckpointer", "CheckpointReader", "LocalTensor", "export_pretrained", "find_checkpoint",
+           "incomplete_checkpoints", "init_local", "load_checkpoint", "load_local", "local_tensors", "model_config",
+           "save_checkpoint"]

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from plait.optim import ParallelOptimizer
     from plait.parallel_model import ParallelModel
 
-__all__ = ["EXPORT_DTYPES", "CheckpointReader", "export_pretrained", "find_checkpoint", "load_checkpoint",
-           "model_config", "save_checkpoint", "trained_dtype"]
+__all__ = ["EXPORT_DTYPES", "CheckpointReader", "export_pretrained", "find_checkpoint", "incomplete_checkpoints",
+           "load_checkpoint", "model_config", "save_checkpoint", "trained_dtype"]
 
 
 def find_checkpoint(path: str | Path) -> Path | None:
@@ -46,6 +46,20 @@ def find_checkpoint(path: str | Path) -> Path | None:
             return named
     done = sorted(q for q in p.glob("step_*") if (q / META).is_file())
     return done[-1] if done else None
+
+
+def incomplete_checkpoints(path: str | Path, found: Path | None) -> list[Path]:
+    """The checkpoints of folder ``path`` that ``find_checkpoint`` passed over for ``found`` (None: it found none):
+    each ``step_*`` newer than ``found`` without a ``meta.json`` (a save or a copy that did not finish), and the
+    folder ``latest`` names when it is not complete (its ``meta.json`` or the folder itself missing)."""
+    p = Path(path)
+    if (p / META).is_file():
+        return []
+    passed = {q for q in p.glob("step_*") if q.is_dir() and not (q / META).is_file()}
+    named = (p / LATEST).read_text().strip() if (p / LATEST).is_file() else ""
+    if named and not (p / named / META).is_file():
+        passed.add(p / named)
+    return sorted(q for q in passed if found is None or q.name > found.name)
 
 
 class CheckpointReader:

@@ -64,6 +64,12 @@ class Reporter:
             f"{run.params / 1e6:.2f}M parameters | {layout_text(run.ctx.config)}\n"
             f"data: {run.data.describe()} | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
+        if run.passed_over:  # never a silent fall-back past the checkpoint a user expects
+            from rich.markup import escape
+
+            from plait.train.restart import passed_over
+
+            self.console.print(f"[yellow]note: {escape(passed_over(run.passed_over))}; passed over[/]")
         if run.resumed_from is not None:
             self.console.print(f"resuming from {run.resumed_from} (step {run.start})")
             if run.resume_note:

@@ -11,9 +11,22 @@ from plait.train.config import TrainConfig, model_config
 
 
 def no_checkpoint(cfg: TrainConfig) -> ConfigError:
-    """The error of --resume when --checkpoint-dir holds no complete checkpoint."""
-    return ConfigError(f"--resume: no checkpoint in --checkpoint-dir {cfg.checkpoint_dir} (--auto-resume starts "
-                       "fresh when there is none)")
+    """The error of --resume when --checkpoint-dir holds no complete checkpoint (naming the incomplete ones)."""
+    from plait.checkpoint import incomplete_checkpoints
+
+    passed = passed_over(incomplete_checkpoints(cfg.checkpoint_dir, None))
+    return ConfigError(f"--resume: no {'complete ' if passed else ''}checkpoint in --checkpoint-dir "
+                       f"{cfg.checkpoint_dir}{f' ({passed})' if passed else ''} (--auto-resume starts fresh when "
+                       "there is none)")
+
+
+def passed_over(folders: list[Path] | list[str]) -> str:
+    """What a resume says of the checkpoints it could not take (``incomplete_checkpoints``): '' for none."""
+    if not folders:
+        return ""
+    names = ", ".join(str(f) for f in folders)
+    return (f"{names} {'has' if len(folders) == 1 else 'have'} no meta.json: not a complete checkpoint (a save or a "
+            "copy that did not finish)")
 
 
 def complete_message(cfg: TrainConfig, found: str | Path, step: int) -> str:

@@ -18,18 +18,19 @@ def resume(run: Run) -> None:
     loaded: the run is complete, ``run.start`` its step."""
     import torch.distributed as dist
 
-    from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
+    from plait.checkpoint import CheckpointReader, find_checkpoint, incomplete_checkpoints, load_checkpoint
     from plait.distributed.collectives import collective
 
-    box: list = [None, 0]  # the checkpoint's folder and step
+    box: list = [None, 0, []]  # the checkpoint's folder and step, the newer folders passed over
     if run.ctx.rank == 0:
         found = find_checkpoint(run.cfg.checkpoint_dir)
+        box[2] = [str(f) for f in incomplete_checkpoints(run.cfg.checkpoint_dir, found)]
         if found is not None:
-            box = [str(found), int(CheckpointReader(found).meta["step"])]
+            box[:2] = [str(found), int(CheckpointReader(found).meta["step"])]
     if run.ctx.world_size > 1:
         collective("broadcast of rank 0's checkpoint to resume from", None,
                    lambda: dist.broadcast_object_list(box, src=0))
-    path, step = box
+    path, step, run.passed_over = box
     if path is None:
         if run.cfg.resume:
             raise no_checkpoint(run.cfg)
