@@ -68,3 +68,28 @@ def test_a_resume_says_which_newer_checkpoints_it_passed_over_and_why(text):
     with pytest.raises(ConfigError, match=rf"--resume: no complete checkpoint in --checkpoint-dir {ck} \({ck}/"
                                           rf"step_00000002, {ck}/step_00000003, {ck}/step_00000004 have no meta.json"):
         loop.train(cfg)
+
+
+def test_a_save_that_cannot_write_names_the_file_and_the_checkpoint_that_stays(text, monkeypatch):
+    """A full disk during a background save ended the run with 'the background save of the step-6 checkpoint
+    failed: Error while serializing: I/O error: No space left on device (os error 28)': no file, no folder, not
+    whether any checkpoint was left to resume from."""
+    import errno
+
+    import plait.checkpoint.writer as writer
+
+    real = writer.fsync_path
+
+    def full_disk(path):
+        if ".step_00000002.tmp" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path)
+
+    monkeypatch.setattr(writer, "fsync_path", full_disk)
+    ck = text / "ck"
+    with pytest.raises(RuntimeError, match=rf"the background save of the step-2 checkpoint failed: checkpoint of step "
+                                           rf"2: writing {ck}/.step_00000002.tmp/pp0-tp0-dp0.safetensors failed "
+                                           rf"\(\[Errno 28\] No space left on device\); {ck}/step_00000001 stays the "
+                                           "latest complete checkpoint"):
+        loop.train(_cfg(text, "ck", steps=3, checkpoint_every=1))
+    assert not list(ck.glob(".step_00000002.tmp/*")), list(ck.glob(".step_00000002.tmp/*"))  # space given back

@@ -152,25 +152,46 @@ def take_snapshot(pm, optimizer, directory: str | Path, step: int, extra: dict |
     return Snapshot(root, tmp, final, step, keep, fname, tensors, split, files, meta, ctx.timeout_s)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A file of a save could not be written (a full disk, a folder removed under it): the message names the file
+    and the checkpoint that stays the latest complete one."""
+
+
 def write_snapshot(snap: Snapshot) -> None:
     """Write this rank's file; on rank 0 then wait for every rank's, write meta.json and commit. No collective."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if snap.tensors:
         part = snap.tmp / (snap.fname + ".part")
-        save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, snap.split, FORMAT))
-        fsync_path(part)
-        os.replace(part, snap.tmp / snap.fname)
+        try:
+            save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, snap.split, FORMAT))
+            fsync_path(part)
+            os.replace(part, snap.tmp / snap.fname)
+        except (OSError, SafetensorError) as exc:
+            part.unlink(missing_ok=True)  # a full disk gets back what the partial file took
+            raise _write_error(snap, snap.tmp / snap.fname, exc) from exc
     if snap.meta is None:
         return
     _await_files(snap)
     record_checksums(snap.meta, snap.tmp)
-    _keep_tokenizer(snap.meta, snap.tmp)
     meta = snap.tmp / META
-    meta.write_text(json.dumps(snap.meta, indent=1))
-    fsync_path(meta)
-    fsync_path(snap.tmp)
+    try:
+        _keep_tokenizer(snap.meta, snap.tmp)
+        meta.write_text(json.dumps(snap.meta, indent=1))
+        fsync_path(meta)
+        fsync_path(snap.tmp)
+    except OSError as exc:
+        raise _write_error(snap, meta, exc) from exc
     _commit(snap.root, snap.tmp, snap.final, snap.keep)
+
+
+def _write_error(snap: Snapshot, file: Path, exc: BaseException) -> CheckpointWriteError:
+    from plait.checkpoint.store import find_checkpoint
+
+    latest = find_checkpoint(snap.root)
+    kept = f"{latest} stays the latest complete checkpoint" if latest else "no complete checkpoint is saved yet"
+    return CheckpointWriteError(f"checkpoint of step {snap.step}: writing {file} failed ({exc}); {kept}")
 
 
 def _keep_tokenizer(meta: dict, folder: Path) -> None:
