@@ -24,6 +24,21 @@ def test_changed_settings_name_the_flags_with_both_values():
         "--data a -> a b", "--seq-len 32 -> 64", "--seed 0 -> 3", "--lr 0.003 -> 0.01"]
     assert changed_settings({**saved, "data": []}, TrainConfig(seq_len=32, data=["a"])) == [
         "--data (the standard library) -> a"]
+    bf16 = TrainConfig.from_dict({**saved, "precision": "bf16"})  # other arithmetic: was resumed without a word
+    assert changed_settings(saved, bf16) == ["--precision fp32 -> bf16"]
+    assert changed_effects(saved, bf16, 3) == ["updates"]
+
+
+def test_a_resume_under_another_layout_names_the_layout_it_was_saved_under():
+    """A checkpoint loaded under another layout said only 'resuming from ...', as if nothing were resharded."""
+    from plait.parallel_config import ParallelConfig
+    from plait.train.resume import resharded_from
+
+    meta = {"layout": {"tp": 1, "pp": 1, "dp": 2, "cp": 1}, "train": {**TrainConfig().to_dict(), "dp": -1, "zero": 1}}
+    assert resharded_from(meta, ParallelConfig(tp=1, pp=1, dp=2, zero=1)) is None
+    assert resharded_from(meta, ParallelConfig(tp=2, pp=1, dp=1)) == "tp 1 x pp 1 x dp 2, ZeRO-1"
+    assert resharded_from(meta, ParallelConfig(tp=1, pp=1, dp=2, zero=3)) == "tp 1 x pp 1 x dp 2, ZeRO-1"
+    assert resharded_from({"layout": {"tp": 2, "pp": 2, "dp": 1}}, ParallelConfig(tp=2, pp=2, dp=1)) is None
 
 
 def test_changed_effects_name_only_what_differs_from_an_uninterrupted_run():
@@ -108,18 +123,17 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
     from plait.parallel_config import ParallelConfig
     from plait.train.report import Reporter
 
-    def header(resumed_from, saved=None, now=None):  # saved, now: the checkpoint's settings and the run's
+    def header(resumed_from, saved=None, now=None, resharded=None):  # the checkpoint's settings and the run's
         console = Console(record=True, width=400, force_terminal=False)
         note = None if saved is None else resume_note(TrainConfig(**saved).to_dict(), TrainConfig.from_dict(now), 4)
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
                               start=4 if resumed_from else 0, resumed_from=resumed_from, resume_note=note,
-                              passed_over=[],
-                              prediction=None, unpredicted=None)
+                              passed_over=[], resharded_from=resharded, prediction=None, unpredicted=None)
         Reporter(TrainConfig(auto_resume=True, metrics=None), 0, console).begin(run)
         return console.export_text()
 
-    fresh, same = header(None), header("ck/step_4", {"seed": 1}, {"seed": 1, "tp": 1, "pp": 4})
+    fresh, same = header(None), header("ck/step_4", {"seed": 1}, {"seed": 1, "tp": 1, "pp": 4}, "tp 2 x pp 2 x dp 1")
     changed = header("ck/step_4", {"seed": 0}, {"seed": 1})
     longer = header("ck/step_4", {"steps": 300}, {"steps": 400})  # no update of steps 1-4 got another rate
     assert "starting fresh" in fresh and "resuming from" not in fresh, fresh
@@ -127,6 +141,9 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
         assert "resuming from ck/step_4 (step 4)" in out and "starting fresh" not in out, out
     assert "note: --seed 0 -> 1 since that checkpoint was saved: this run's batches differ" in changed, changed
     assert "since that checkpoint" not in same, same  # a layout reshards: no setting of CONTINUED changed
+    assert "resuming from ck/step_4 (step 4), saved under tp 2 x pp 2 x dp 1: its weights and optimizer state " \
+           "resharded to this layout" in same, same
+    assert "saved under" not in changed, changed
     assert "note:" not in longer and "differ" not in longer, longer
     assert "--steps 300 -> 400 since that checkpoint was saved: the run goes on as an uninterrupted run of these " \
            "settings would" in " ".join(longer.split()), longer
@@ -180,7 +197,8 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)),
                               data=SimpleNamespace(describe=lambda: "d"), start=0, resumed_from=None,
-                              resume_note=None, passed_over=[], prediction=None, unpredicted=None)
+                              resume_note=None, passed_over=[], resharded_from=None, prediction=None,
+                              unpredicted=None)
         Reporter(TrainConfig(metrics=None, **kw), 0, console).begin(run)
         return console.export_text()
 

@@ -72,6 +72,7 @@ class Run:
     resumed_from: str | None = None  # the checkpoint the run continued from (--resume, --auto-resume)
     resume_note: str | None = None  # the header's line on the settings changed since that checkpoint (resume_note)
     passed_over: list[str] = field(default_factory=list)  # newer checkpoint folders a resume found incomplete
+    resharded_from: str | None = None  # the layout of the checkpoint it resumed, where it differs from the run's
     last_save: float = field(default_factory=time.monotonic)  # when the last save began (--checkpoint-every-minutes)
     saver: AsyncCheckpointer | None = None  # --async-checkpoint: writes in the background
     prediction: Prediction | None = None  # what the run's Predictor predicted (plait.train.observe)

@@ -71,7 +71,9 @@ class Reporter:
 
             self.console.print(f"[yellow]note: {escape(passed_over(run.passed_over))}; passed over[/]")
         if run.resumed_from is not None:
-            self.console.print(f"resuming from {run.resumed_from} (step {run.start})")
+            self.console.print(f"resuming from {run.resumed_from} (step {run.start})" + (
+                f", saved under {run.resharded_from}: its weights and optimizer state resharded to this layout"
+                if run.resharded_from else ""))
             if run.resume_note:
                 self.console.print(run.resume_note)
         elif cfg.auto_resume:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from plait.optim.schedule import lr_at
+from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
 from plait.train.restart import no_checkpoint
 
@@ -42,6 +43,22 @@ def resume(run: Run) -> None:
     run.start, run.resumed_from = int(meta["step"]), path
     run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
     run.resume_note = resume_note(meta.get("train", {}), run.cfg, getattr(run.opt, "steps", run.start))
+    run.resharded_from = resharded_from(meta, run.ctx.config)
+
+
+#: the layout options that place a checkpoint's tensors (and their optimizer state) on the ranks
+SHARDING = ("tp", "cp", "pp", "dp", "ep", "zero")
+
+
+def resharded_from(meta: dict, now: ParallelConfig) -> str | None:
+    """The layout a checkpoint (its ``meta.json``) was saved under, e.g. ``tp 1 x pp 1 x dp 2, ZeRO-1``, where it
+    places the tensors otherwise than ``now`` (a resolved layout) does; None where it is the same."""
+    saved = {**{k: 1 for k in SHARDING}, "zero": 0, **meta.get("train", {}), **meta.get("layout", {})}
+    if all(saved[k] == getattr(now, k) for k in SHARDING):
+        return None
+    tp, cp, pp, dp, ep, zero = (saved[k] for k in SHARDING)
+    return (f"tp {tp}{f' x cp {cp}' if cp > 1 else ''} x pp {pp} x dp {dp}{f', ep {ep}' if ep > 1 else ''}"
+            f"{f', ZeRO-{zero}' if zero else ''}")
 
 
 #: the settings a resumed run continues from its checkpoint, each with what of the run it sets: the batches
@@ -49,7 +66,7 @@ def resume(run: Run) -> None:
 #: (the schedule) or the updates
 CONTINUED = {"data": "batches", "seq_len": "batches", "batch_size": "batches", "seed": "batches",
              "lr": "learning rates", "warmup": "learning rates", "steps": "learning rates",
-             "weight_decay": "updates", "clip": "updates"}
+             "weight_decay": "updates", "clip": "updates", "precision": "updates"}
 
 
 def resume_note(saved: dict, cfg: TrainConfig, updates: int) -> str | None:
