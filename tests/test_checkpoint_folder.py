@@ -93,3 +93,32 @@ def test_a_save_that_cannot_write_names_the_file_and_the_checkpoint_that_stays(t
                                            "latest complete checkpoint"):
         loop.train(_cfg(text, "ck", steps=3, checkpoint_every=1))
     assert not list(ck.glob(".step_00000002.tmp/*")), list(ck.glob(".step_00000002.tmp/*"))  # space given back
+
+
+def test_resume_from_one_checkpoint_or_a_hugging_face_folder_says_what_to_give(text):
+    """--checkpoint-dir ck/step_00000002 --resume resumed it, then saved the run's checkpoints inside it
+    (ck/step_00000002/step_00000004); a Hugging Face folder as --checkpoint-dir said 'no checkpoint' to --resume,
+    and --auto-resume started fresh from random weights, saving among the model's files."""
+    import json
+
+    from plait.checkpoint.writer import FORMAT, META
+    from plait.train import validate
+
+    one = text / "ck" / "step_00000002"
+    one.mkdir(parents=True)
+    (one / META).write_text(json.dumps({"format": FORMAT, "step": 2}))  # what the check reads of a checkpoint
+    for flag in ("resume", "auto_resume"):
+        with pytest.raises(ConfigError, match=rf"--{flag.replace('_', '-')}: --checkpoint-dir {one} is one "
+                                              rf"checkpoint, not a folder of them \(this run would save its own inside "
+                                              rf"it\): give --checkpoint-dir {text / 'ck'} to continue its latest, or, "
+                                              rf"to go on from this one, copy it into a folder of its own: mkdir new "
+                                              rf"&& cp -r {one} new/ && plait train --"):
+            validate(_cfg(text, str(one.relative_to(text)), steps=4, **{flag: True}))
+    (text / "hf").mkdir()
+    (text / "hf" / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"--auto-resume: --checkpoint-dir {text / 'hf'} is a Hugging Face model "
+                                          rf"folder \(config.json\), not a folder of plait checkpoints: to train from "
+                                          rf"its weights give --model {text / 'hf'}"):
+        validate(_cfg(text, "hf", auto_resume=True))
+    validate(_cfg(text, "ck", steps=4, resume=True))  # the folder of checkpoints itself
+    validate(_cfg(text, "hf"))  # a fresh run may save anywhere

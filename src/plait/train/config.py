@@ -270,6 +270,9 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     if cfg.resume and cfg.auto_resume:
         raise ConfigError("--resume, --auto-resume: choose one (--resume needs a checkpoint; --auto-resume starts "
                           "fresh when there is none)")
+    from plait.train.restart import check_checkpoint_dir
+
+    check_checkpoint_dir(cfg)
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
         raise ConfigError(f"--on-nonfinite {cfg.on_nonfinite!r}: choose 'stop' or 'skip'")
     if not (is_number(cfg.lr) and cfg.lr > 0):

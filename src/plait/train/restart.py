@@ -38,6 +38,31 @@ def complete_message(cfg: TrainConfig, found: str | Path, step: int) -> str:
             f"on, give a larger --steps (above {step}) with {flag}.")
 
 
+def check_checkpoint_dir(cfg: TrainConfig) -> None:
+    """--resume and --auto-resume continue a folder of checkpoints. Refused, saying what to give instead, where
+    --checkpoint-dir is one checkpoint (the run would save its own inside it) or a Hugging Face model folder (no
+    checkpoint in it: --resume could only say 'no checkpoint', --auto-resume started fresh from random weights and
+    saved among the model's files)."""
+    from plait.checkpoint.writer import FORMAT, META
+
+    if not (cfg.resume or cfg.auto_resume):
+        return
+    flag, p = "--resume" if cfg.resume else "--auto-resume", Path(cfg.checkpoint_dir)
+    try:
+        one = (p / META).is_file() and json.loads((p / META).read_text()).get("format") == FORMAT
+    except ValueError:  # a damaged meta.json: the reader names it
+        one = True
+    if one:
+        raise ConfigError(f"{flag}: --checkpoint-dir {p} is one checkpoint, not a folder of them (this run would save "
+                          f"its own inside it): give --checkpoint-dir {p.parent} to continue its latest, or, to go on "
+                          f"from this one, copy it into a folder of its own: mkdir new && cp -r {p} new/ && "
+                          f"plait train {flag} --checkpoint-dir new")
+    if (p / "config.json").is_file() and not any(p.glob("step_*")):
+        raise ConfigError(f"{flag}: --checkpoint-dir {p} is a Hugging Face model folder (config.json), not a folder "
+                          f"of plait checkpoints: to train from its weights give --model {p}, and a --checkpoint-dir "
+                          "of the run's own")
+
+
 def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
     """The checkpoint --resume or --auto-resume would continue must hold this model; --resume needs one (checked
     before any process starts). Returns that checkpoint and its step (None: a fresh start)."""
