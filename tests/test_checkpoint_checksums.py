@@ -58,6 +58,18 @@ def test_every_shard_record_has_the_checksum_of_its_file_s_bytes(saved):
     CheckpointReader(saved / STEP).check_files()  # every tensor read whole and checked: none differs
 
 
+def test_a_resume_dry_run_says_what_the_checkpoint_holds(saved, tmp_path, monkeypatch):
+    """--resume --dry-run checked the checkpoint and printed the prediction, nothing of the checkpoint: not its step,
+    nor the layout it was saved under, nor how far its run had read."""
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["train", *TRAIN, "--steps", "2", "--checkpoint-dir", str(saved), "--resume",
+                                   "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert f"would resume {saved / STEP} (step 1): saved under tp 2 x pp 1 x dp 1, 32 tokens seen (epoch " in \
+        " ".join(res.output.split()), res.output
+    assert "every tensor read and matched to its checksum" in " ".join(res.output.split()), res.output
+
+
 def test_changed_bytes_in_a_shard_are_refused_by_every_reader_naming_the_file_and_tensor(saved, tmp_path,
                                                                                           monkeypatch):
     ckpt = copy_of(saved, tmp_path)

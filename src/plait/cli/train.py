@@ -140,7 +140,7 @@ def _run(cfg) -> None:
         typer.echo(complete_message(cfg, *resumed))
         return
     if cfg.dry_run:
-        _dry_run(cfg)
+        _dry_run(cfg, resumed)
         return
     _say_loading(cfg, resumed)
     from plait.train.preempt import SIGNALS as STOP_SIGNALS
@@ -183,8 +183,9 @@ def _torchrun_worker(cfg) -> None:
         train_worker(cfg.to_dict())
 
 
-def _dry_run(cfg) -> None:
-    """``--dry-run``: the prediction printed (and written as one --metrics line), nothing launched."""
+def _dry_run(cfg, resumed: tuple[Path, int] | None) -> None:
+    """``--dry-run``: the checkpoint a --resume would continue (read and checked by ``check_resume``) and what it
+    holds, the prediction printed (and written as one --metrics line), nothing launched."""
     import json
 
     from rich.console import Console
@@ -196,6 +197,8 @@ def _dry_run(cfg) -> None:
     world = cfg.nproc or cfg.world
     row = dry_run(cfg, world)
     console = Console()
+    if resumed is not None:
+        console.print(_holds(*resumed), markup=False)
     t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}",
               title_justify="left")
     for name in ("pipeline rank", "params MiB", "grads MiB", "optimizer MiB", "activations peak MiB", "total MiB"):
@@ -213,3 +216,18 @@ def _dry_run(cfg) -> None:
     if cfg.metrics:
         with open(cfg.metrics, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def _holds(path: Path, step: int) -> str:
+    """What the checkpoint at ``path`` (of step ``step``) holds, for a --dry-run that would resume it: the layout
+    it was saved under, the data its run had read, and whether its tensors were checked."""
+    from plait.checkpoint import CheckpointReader
+    from plait.checkpoint.checksums import BLOCK_KEY, KEY
+    from plait.train.resume import saved_layout
+
+    meta = CheckpointReader(path).meta
+    data = meta.get("data") or {}
+    seen = f", {data['tokens_seen']:,} tokens seen (epoch {data['epoch']:g})" if "tokens_seen" in data else ""
+    checked = any(KEY in s or BLOCK_KEY in s for entry in meta.get("tensors", {}).values() for s in entry["shards"])
+    return (f"would resume {path} (step {step}): saved under {saved_layout(meta)}{seen}; "
+            + ("every tensor read and matched to its checksum" if checked else "saved without checksums: unchecked"))

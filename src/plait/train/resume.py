@@ -51,14 +51,23 @@ SHARDING = ("tp", "cp", "pp", "dp", "ep", "zero")
 
 
 def resharded_from(meta: dict, now: ParallelConfig) -> str | None:
-    """The layout a checkpoint (its ``meta.json``) was saved under, e.g. ``tp 1 x pp 1 x dp 2, ZeRO-1``, where it
-    places the tensors otherwise than ``now`` (a resolved layout) does; None where it is the same."""
-    saved = {**{k: 1 for k in SHARDING}, "zero": 0, **meta.get("train", {}), **meta.get("layout", {})}
-    if all(saved[k] == getattr(now, k) for k in SHARDING):
-        return None
-    tp, cp, pp, dp, ep, zero = (saved[k] for k in SHARDING)
+    """``saved_layout`` of a checkpoint (its ``meta.json``) that places the tensors otherwise than ``now`` (a
+    resolved layout) does; None where it places them alike."""
+    saved = _sharding(meta)
+    return None if all(saved[k] == getattr(now, k) for k in SHARDING) else saved_layout(meta)
+
+
+def saved_layout(meta: dict) -> str:
+    """The layout a checkpoint (its ``meta.json``) was saved under, e.g. ``tp 1 x pp 1 x dp 2, ZeRO-1``."""
+    tp, cp, pp, dp, ep, zero = _sharding(meta).values()
     return (f"tp {tp}{f' x cp {cp}' if cp > 1 else ''} x pp {pp} x dp {dp}{f', ep {ep}' if ep > 1 else ''}"
             f"{f', ZeRO-{zero}' if zero else ''}")
+
+
+def _sharding(meta: dict) -> dict:
+    """The SHARDING options of a checkpoint's run, in SHARDING's order (the defaults where it kept none)."""
+    saved = {**{k: 1 for k in SHARDING}, "zero": 0, **meta.get("train", {}), **meta.get("layout", {})}
+    return {k: saved[k] for k in SHARDING}
 
 
 #: the settings a resumed run continues from its checkpoint, each with what of the run it sets: the batches
