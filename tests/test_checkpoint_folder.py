@@ -122,3 +122,30 @@ def test_resume_from_one_checkpoint_or_a_hugging_face_folder_says_what_to_give(t
         validate(_cfg(text, "hf", auto_resume=True))
     validate(_cfg(text, "ck", steps=4, resume=True))  # the folder of checkpoints itself
     validate(_cfg(text, "hf"))  # a fresh run may save anywhere
+
+
+def test_the_same_data_named_from_another_directory_resumes_as_the_same(text, monkeypatch):
+    """A checkpoint kept --data as given (data/c): resumed from another directory as /abs/data/c, the run noted
+    '--data data/c -> /abs/data/c ...: this run's batches differ' (they did not) and counted its epochs from 0."""
+    import io
+    import json
+    import shutil
+
+    from rich.console import Console
+
+    from plait.train.report import Reporter
+
+    monkeypatch.chdir(text)
+    first = _cfg(text, "full", steps=3, checkpoint_every=2, data=["text"], metrics=str(text / "full.jsonl"))
+    loop.train(first, reporter=Reporter(first, 0, Console(file=io.StringIO())))
+    (text / "cut").mkdir()
+    shutil.copytree(text / "full" / "step_00000002", text / "cut" / "step_00000002")
+    monkeypatch.chdir(text / "cut")  # elsewhere: the same folder by its absolute path
+    cfg = _cfg(text, "cut", steps=3, resume=True, metrics=str(text / "cut.jsonl"))
+    console = Console(record=True, width=400, force_terminal=False)
+    loop.train(cfg, reporter=Reporter(cfg, 0, console))
+    out = console.export_text()
+    assert "resuming from" in out and "--data" not in out, out
+    full, cut = ([json.loads(line) for line in (text / f"{n}.jsonl").read_text().splitlines()] for n in ("full", "cut"))
+    assert [(r["loss"], r["epoch"], r["tokens_seen"]) for r in cut] == [
+        (r["loss"], r["epoch"], r["tokens_seen"]) for r in full[2:]], (cut, full)

@@ -17,7 +17,7 @@ from plait.devices import synchronize
 from plait.distributed.collectives import collective
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
 from plait.train.observe import NO_PREDICTION
-from plait.train.resume import resume
+from plait.train.resume import data_paths, resume
 
 if TYPE_CHECKING:
     from plait.checkpoint import AsyncCheckpointer
@@ -126,7 +126,7 @@ def save(run: Run, step: int) -> tuple[str, int | None]:
     extra = {"model": model_config(run.cfg).to_dict(), "family": run.pm.family.name, "train": run.cfg.to_dict(),
              "tokenizer": {**tokenizer_record(run.cfg.model), "eos": run.data.eos},  # where its documents end
              "data": {"next_step": step, "seed": run.cfg.seed, "source": run.data.describe(),
-                      **run.data.saved_counts(step)}}
+                      "paths": data_paths(run.cfg.data), **run.data.saved_counts(step)}}
     run.last_save = time.monotonic()
     if not run.cfg.async_checkpoint:
         folder = save_checkpoint(run.pm, run.opt, run.cfg.checkpoint_dir, step, extra, keep=run.cfg.keep)
@@ -265,8 +265,7 @@ def train(cfg: TrainConfig, ctx=None, reporter=None, stop=None, predictor: Predi
 
 def _train(cfg: TrainConfig, ctx: ParallelContext, reporter, stop, predictor: Predictor | None,
            t_start: float) -> TrainResult:
-    """The run, with rank 0 holding --checkpoint-dir's lock throughout (plait.checkpoint.lock: one run saves into
-    a folder at a time)."""
+    """The run; rank 0 holds --checkpoint-dir's lock throughout (plait.checkpoint.lock: one run to a folder)."""
     from contextlib import nullcontext
 
     from plait.checkpoint.lock import hold_folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.optim.schedule import lr_at
@@ -41,9 +42,30 @@ def resume(run: Run) -> None:
         return
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
-    run.data.resume_at(run.start, meta, meta.get("train", {}).get("data", run.cfg.data) == run.cfg.data)
-    run.resume_note = resume_note(meta.get("train", {}), run.cfg, getattr(run.opt, "steps", run.start))
+    same = same_data(meta, run.cfg)
+    run.data.resume_at(run.start, meta, same)
+    saved = meta.get("train", {})  # its --data named from the directory it ran in: compared by same_data
+    run.resume_note = resume_note({**saved, "data": run.cfg.data} if same else saved, run.cfg,
+                                  getattr(run.opt, "steps", run.start))
     run.resharded_from = resharded_from(meta, run.ctx.config)
+
+
+def data_paths(entries: list[str]) -> list[str]:
+    """The --data entries with absolute paths (``WEIGHT:/abs/path``): what a checkpoint keeps of its datasets, the
+    same whichever directory a run starts in."""
+    from plait.data.stream import parse_entry
+
+    return [f"{weight:g}:{Path(path).resolve()}" for weight, path in map(parse_entry, entries)]
+
+
+def same_data(meta: dict, cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` reads the datasets the run of a checkpoint (its ``meta.json``) read: by their absolute paths
+    (``data_paths``), so one folder named from another directory is the same data and one relative path from
+    another directory is not; a checkpoint saved without them compares the entries as given."""
+    paths = (meta.get("data") or {}).get("paths")
+    if paths is None:
+        return meta.get("train", {}).get("data", cfg.data) == cfg.data
+    return paths == data_paths(cfg.data)
 
 
 #: the layout options that place a checkpoint's tensors (and their optimizer state) on the ranks
