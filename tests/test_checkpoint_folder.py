@@ -149,3 +149,17 @@ def test_the_same_data_named_from_another_directory_resumes_as_the_same(text, mo
     full, cut = ([json.loads(line) for line in (text / f"{n}.jsonl").read_text().splitlines()] for n in ("full", "cut"))
     assert [(r["loss"], r["epoch"], r["tokens_seen"]) for r in cut] == [
         (r["loss"], r["epoch"], r["tokens_seen"]) for r in full[2:]], (cut, full)
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_in_one_line(text, monkeypatch):
+    """A read-only --checkpoint-dir ended plait train in a traceback (OSError: [Errno 30] Read-only file system)."""
+    import errno
+
+    def read_only(path, *args):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError, match=rf"--checkpoint-dir {text / 'ck'}: checkpoints cannot be written there "
+                                          r"\(Read-only file system\)"):
+        with hold_folder(text / "ck"):
+            pass

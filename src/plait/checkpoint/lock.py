@@ -27,11 +27,14 @@ LOCK = ".lock"
 @contextmanager
 def hold_folder(folder: str | Path, flag: str = "--checkpoint-dir") -> Iterator[None]:
     """Hold ``folder``'s lock (the folder is made if need be) for the ``with`` block; a ConfigError naming ``flag``,
-    the folder and the process that holds it when another does. A filesystem without ``flock`` (some network
-    filesystems answer ENOLCK) runs unlocked."""
+    the folder and the process that holds it when another does, or why the folder cannot be written. A filesystem
+    without ``flock`` (some network filesystems answer ENOLCK) runs unlocked."""
     path = Path(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # a read-only filesystem, no permission: said before the run, not at its first save
+        raise ConfigError(f"{flag} {folder}: checkpoints cannot be written there ({exc.strerror})") from None
     try:
         if _lock(fd, f"{flag} {folder}", flag):
             os.ftruncate(fd, 0)
