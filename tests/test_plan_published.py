@@ -1,5 +1,6 @@
 """The published-run evaluation set is well-formed; leave-one-source-out reports what the code computes."""
 
+import math
 import re
 import subprocess
 import sys
@@ -8,9 +9,12 @@ from dataclasses import replace
 import pytest
 
 from plait.plan import estimate
+from plait.plan.pattern_search import directions
 from plait.plan.published import narayanan_flops, runs, sources
 from plait.plan.published_h100 import chowdhery_flops_per_token
 from plait.plan.validation import (
+    UNIT,
+    default_constants,
     disagreement_floor,
     fit,
     leave_one_source_out,
@@ -125,7 +129,7 @@ def _small():
 def test_leave_one_source_out_reports_what_it_computes():
     rs = _small()
     constants = [matmul_ceiling("a100-80gb"), matmul_ceiling("h100-sxm")]
-    rep = leave_one_source_out(rs, constants, rounds=1, steps=8)
+    rep = leave_one_source_out(rs, constants)
     assert set(rep.held_out) == set(sources(rs)) and len(rep.held_out) == 3
     for row in rep.rows:
         values = rep.held_out[row.run.source]
@@ -136,16 +140,34 @@ def test_leave_one_source_out_reports_what_it_computes():
     # the held-out constants never saw the held-out source: changing its figures leaves them as they were
     held = sources(rs)[0]
     moved = [replace(r, step_s=2 * r.step_s) if r.source == held else r for r in rs]
-    assert fit([r for r in moved if r.source != held], constants, 1, 8) == rep.held_out[held]
-    assert fit(moved, constants, 1, 8) != rep.in_fit
+    assert fit([r for r in moved if r.source != held], constants) == rep.held_out[held]
+    assert fit(moved, constants) != rep.in_fit
 
 
 def test_a_constant_no_run_uses_takes_its_fallbacks_fit():
     rs = [r for r in _small() if r.gpu == "a100-80gb"]
     a100, h100 = matmul_ceiling("a100-80gb"), matmul_ceiling("h100-sxm", fallback="a100-80gb")
-    values = fit(rs, [a100, h100], 1, 4)
+    values = fit(rs, [a100, h100])
     assert values[h100.name] == values[a100.name] != a100.default
-    assert fit(rs, [matmul_ceiling("h100-sxm")], 1, 4) == {h100.name: h100.default}
+    assert fit(rs, [matmul_ceiling("h100-sxm")]) == {h100.name: h100.default}
+
+
+def test_the_fit_stops_where_no_step_of_one_or_two_constants_improves():
+    # the real objective on a small set, all three constants: from the fitted values no step of one lattice unit
+    # in any constant, or in any two together, lowers the mean |log error| (one constant at a time stopped short)
+    rs, constants = _small(), default_constants()
+    values = fit(rs, constants)
+    at = {c.name: round(math.log(values[c.name] / c.default) / UNIT) for c in constants}
+
+    def loss(point):
+        moved = {c.name: c.default * math.exp(point[c.name] * UNIT) for c in constants}
+        return sum(abs(math.log(predict(with_values(r, constants, moved)) / r.step_s)) for r in rs) / len(rs)
+
+    here = loss(at)
+    for d in directions(len(constants)):
+        step = {c.name: at[c.name] + k for c, k in zip(constants, d, strict=True)}
+        assert loss(step) >= here, d
+    assert all(values[c.name] != c.default for c in constants)
 
 
 def test_a_higher_gemm_ceiling_never_slows_a_published_run():

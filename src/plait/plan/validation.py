@@ -2,8 +2,8 @@
 
 Every fitted constant is fitted with one source held out, and the held-out source's runs are predicted with
 those constants: that error is the yardstick. The in-fit error (every source in the fit) is reported beside
-it. Fitting minimises the mean absolute log error of the step time, one constant at a time (golden-section
-search inside its bounds, a few rounds), through the public ``estimate`` only.
+it. Fitting minimises the mean absolute log error of the step time over all the constants together (a pattern
+search, ``fit``), through the public ``estimate`` only.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any
 
 from plait.plan.cluster import Cluster
 from plait.plan.estimate import estimate
+from plait.plan.pattern_search import pattern_search
 from plait.plan.published import MemoryStatement, PublishedRun, memory_statements, sources
-
-GOLDEN = (math.sqrt(5) - 1) / 2
 
 
 @dataclass(frozen=True)
@@ -80,40 +79,49 @@ def with_values(run: PublishedRun, constants: Sequence[Constant], values: dict[s
     return run
 
 
-def _loss(rs: Sequence[PublishedRun]) -> float:
-    return sum(abs(math.log(predict(r) / r.step_s)) for r in rs) / len(rs) if rs else 0.0
+# The fit's lattice: a constant at ``k`` units is ``default · exp(k · UNIT)`` (steps of about 0.2%); the search
+# starts ``FIRST_STEP`` units (about 6%) a step and halves down to one unit.
+UNIT = 2.0 ** -9
+FIRST_STEP = 32
+
+Cache = dict[tuple[PublishedRun, tuple[tuple[str, int], ...]], float]
 
 
-def fit(rs: Sequence[PublishedRun], constants: Sequence[Constant], rounds: int = 2,
-        steps: int = 10) -> dict[str, float]:
-    """Constants minimising the mean |log(predicted/published)| over ``rs``: coordinate descent, each constant by
-    golden-section search (``steps`` narrowings) between its bounds; a constant no run in ``rs`` uses takes its
-    fallback's fitted value, else its default (``Constant``)."""
+def _units(c: Constant, value: float, rounding: Callable[[float], int]) -> int:
+    return rounding(math.log(value / c.default) / UNIT)
+
+
+def _value(c: Constant, k: int) -> float:
+    return c.default * math.exp(k * UNIT)
+
+
+def fit(rs: Sequence[PublishedRun], constants: Sequence[Constant], cache: Cache | None = None) -> dict[str, float]:
+    """Constants minimising the mean |log(predicted/published)| over ``rs``, all together: a pattern search
+    (``plan.pattern_search``) on the lattice of ``UNIT`` steps inside each constant's bounds, from the defaults, so
+    that from the values returned no step of one unit in any constant, or in any two together, lowers the mean.
+    A constant no run in ``rs`` uses takes its fallback's fitted value, else its default (``Constant``).
+    ``cache`` keeps each run's prediction by the lattice point of the constants it uses; fits that share it
+    (leave-one-source-out's) reuse one another's predictions."""
+    cache = {} if cache is None else cache
+    free = [c for c in constants if any(c.uses(r) for r in rs)]
+    used = [(r, [i for i, c in enumerate(free) if c.uses(r)]) for r in rs]
+
+    def prediction(r: PublishedRun, mine: list[int], point: tuple[int, ...]) -> float:
+        key = (r, tuple((free[i].name, point[i]) for i in mine))
+        if key not in cache:
+            cache[key] = predict(with_values(r, free, {free[i].name: _value(free[i], point[i]) for i in mine}))
+        return cache[key]
+
+    def loss(point: tuple[int, ...]) -> float:
+        return sum(abs(math.log(prediction(r, mine, point) / r.step_s)) for r, mine in used) / len(rs)
+
+    low = tuple(_units(c, c.low, math.ceil) for c in free)
+    high = tuple(_units(c, c.high, math.floor) for c in free)
+    best = pattern_search(loss, tuple(0 for _ in free), low, high, FIRST_STEP) if free else ()
     values = {c.name: c.default for c in constants}
-    for _ in range(rounds if len(constants) > 1 else 1):
-        for c in constants:
-            used = [with_values(r, [k for k in constants if k is not c], values) for r in rs if c.uses(r)]
-            if not used:
-                continue
-
-            def loss(x: float, used: list[PublishedRun] = used, c: Constant = c) -> float:
-                return _loss([c.apply(r, x) for r in used])
-
-            lo, hi = c.low, c.high
-            a, b = hi - GOLDEN * (hi - lo), lo + GOLDEN * (hi - lo)
-            fa, fb = loss(a), loss(b)
-            for _ in range(steps):
-                if fa <= fb:
-                    hi, b, fb = b, a, fa
-                    a = hi - GOLDEN * (hi - lo)
-                    fa = loss(a)
-                else:
-                    lo, a, fa = a, b, fb
-                    b = lo + GOLDEN * (hi - lo)
-                    fb = loss(b)
-            values[c.name] = (lo + hi) / 2
+    values.update({c.name: _value(c, k) for c, k in zip(free, best, strict=True)})
     for c in constants:
-        if c.fallback and c.fallback in values and not any(c.uses(r) for r in rs):
+        if c.fallback and c.fallback in values and c not in free:
             values[c.name] = values[c.fallback]
     return values
 
@@ -164,16 +172,17 @@ class Report:
         return {s: self._stats(e) for s, e in out.items()}
 
 
-def leave_one_source_out(rs: Sequence[PublishedRun], constants: Sequence[Constant] | None = None,
-                         rounds: int = 2, steps: int = 10) -> Report:
-    """Fit on all runs (in-fit), then once per source without it, predicting the held-out source's runs."""
+def leave_one_source_out(rs: Sequence[PublishedRun], constants: Sequence[Constant] | None = None) -> Report:
+    """Fit on all runs (in-fit), then once per source without it, predicting the held-out source's runs (the
+    fits share one cache of predictions: ``fit``)."""
     constants = list(constants if constants is not None else default_constants())
     rs = list(rs)
-    everything = fit(rs, constants, rounds, steps)
+    cache: Cache = {}
+    everything = fit(rs, constants, cache)
     held: dict[str, dict[str, float]] = {}
     held_s: dict[int, float] = {}
     for s in sources(rs):
-        values = fit([r for r in rs if r.source != s], constants, rounds, steps)
+        values = fit([r for r in rs if r.source != s], constants, cache)
         held[s] = values
         for i, r in enumerate(rs):
             if r.source == s:
