@@ -48,7 +48,7 @@ class GPU:
     matmul_efficiency: float
     description: str = ""
     fp8: bool = False  # fp8 tensor cores (twice the bf16 peak)
-    elementwise_traffic: float = 1.67
+    elementwise_traffic: float = 2.06
     flash_efficiency: float = 0.5
     attention_figures: str = ""
     sms: int = 0
@@ -82,7 +82,7 @@ INTERCONNECTS: dict[str, Link] = {
 }
 
 # matmul_efficiency and elementwise_traffic: fitted on the published runs of ``plan.published`` (A100: 63 runs
-# from 6 sources, 0.687; H100: 27 runs from 3 sources, 0.658; the traffic 1.67 on all 90; ``bench/plan.py
+# from 6 sources, 0.717; H100: 27 runs from 3 sources, 0.664; the traffic 2.06 on all 90; ``bench/plan.py
 # --validate`` refits them and reports each source's error with that source held out;
 # tests/test_plan_gpu.py checks these are the fit).
 # H100 PCIe and H200 share the H100 figure; B200, L40S and the CPU are guesses not calibrated on any
@@ -96,16 +96,16 @@ INTERCONNECTS: dict[str, Link] = {
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.687,
+        GPU("a100-40gb", 312e12, 40 * GiB, 1.555e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.717,
             "NVIDIA A100 SXM 40GB", attention_figures="a100", sms=108, tile_quantization=True),
-        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.687,
+        GPU("a100-80gb", 312e12, 80 * GiB, 2.039e12, NVLINK3, INTERCONNECTS["ib-hdr"], 0.717,
             "NVIDIA A100 SXM 80GB", attention_figures="a100", sms=108, tile_quantization=True),
-        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.658,
+        GPU("h100-sxm", 989e12, 80 * GiB, 3.35e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.664,
             "NVIDIA H100 SXM5 80GB", fp8=True, attention_figures="h100", sms=132),
-        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.658,
+        GPU("h100-pcie", 756e12, 80 * GiB, 2.0e12, PCIE5, INTERCONNECTS["ib-ndr"], 0.664,
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True,
             attention_figures="h100", sms=114),
-        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.658,
+        GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.664,
             "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100", sms=132),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),
