@@ -45,6 +45,9 @@ def test_a_second_run_saving_into_the_same_folder_is_refused_naming_the_first(te
     assert (ck / "step_00000002" / "meta.json").is_file()
     with hold_folder(ck):  # and the run that ended left it free
         pass
+    with hold_folder(text / "new"):  # a run that saved nothing (stopped as it started) leaves no folder behind
+        assert (text / "new" / ".lock").is_file()
+    assert not (text / "new").exists()
 
 
 def test_a_resume_says_which_newer_checkpoints_it_passed_over_and_why(text):

@@ -16,7 +16,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from plait.errors import ConfigError
@@ -26,10 +26,12 @@ LOCK = ".lock"
 
 @contextmanager
 def hold_folder(folder: str | Path, flag: str = "--checkpoint-dir") -> Iterator[None]:
-    """Hold ``folder``'s lock (the folder is made if need be) for the ``with`` block; a ConfigError naming ``flag``,
-    the folder and the process that holds it when another does, or why the folder cannot be written. A filesystem
-    without ``flock`` (some network filesystems answer ENOLCK) runs unlocked."""
+    """Hold ``folder``'s lock for the ``with`` block (the folder made if need be, and removed again if nothing else
+    was put in it); a ConfigError naming ``flag``, the folder and the process that holds it when another does, or
+    why the folder cannot be written. A filesystem without ``flock`` (some network filesystems answer ENOLCK) runs
+    unlocked."""
     path = Path(folder)
+    made = not path.is_dir()
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -42,6 +44,10 @@ def hold_folder(folder: str | Path, flag: str = "--checkpoint-dir") -> Iterator[
                           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
         yield
     finally:
+        if made and [p.name for p in path.iterdir()] == [LOCK]:  # a run that saved nothing leaves no folder
+            with suppress(OSError):
+                (path / LOCK).unlink()
+                path.rmdir()
         os.close(fd)  # releases the lock
 
 
