@@ -236,7 +236,7 @@ def summary_table(cfg: TrainConfig, run, res):
         ("step time", _vs(res.step_time_s * 1e3, pred.step_time_s if pred else None, 1e3, "ms", run.unpredicted)
          + _at_speed(res, pred)),
         ("step by phase", _phases(res, pred)),
-        ("bubble", _bubbles(res, pred, cfg.trace_every if run.ctx.pp_size > 1 else None)),
+        ("bubble", _bubbles(res, pred, cfg.trace_every if run.ctx.config.pp > 1 else None)),
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", (res.checkpoint or "-") + _blocked(cfg, res)),
     ]
