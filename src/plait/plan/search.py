@@ -164,28 +164,54 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     return seconds, states + min(layout.pp, m) * first
 
 
-def search(model: Model, cluster: Cluster, training: Training, top: int = 5, plan_only: bool = False) -> SearchResult:
-    """The ``top`` fastest layouts that fit (at most ``cluster.max_memory_fraction`` of each device), with the
-    counts of the rest by reason. Only layouts plait's runtime runs, unless ``plan_only`` (see ``candidates``)."""
-    if not isinstance(top, int) or top < 1:
-        raise FieldError("top", top, "how many layouts to keep, must be >= 1")
-    result = SearchResult(best=[])
+@dataclass
+class _Bounded:
+    """What a search finds before simulating anything, whatever its ``top``: the valid layouts that may fit with
+    their (seconds, order, layout) lower bounds, fastest bound first, and the counts of the rest."""
+
+    queue: list[tuple[float, int, Layout]]
+    rejected: Counter
+    considered: int
+    smallest: float  # the least bytes a layout rejected on its bound needs (at least)
+
+
+def _bounded(model: Model, cluster: Cluster, training: Training, plan_only: bool) -> _Bounded:
     usable = cluster.usable_memory
-    queue: list[tuple[float, int, Layout]] = []
-    smallest = float("inf")
+    found = _Bounded([], Counter(), 0, float("inf"))
     for i, layout in enumerate(candidates(model, cluster, training, plan_only)):
-        result.considered += 1
+        found.considered += 1
         bad = check(model, cluster, layout, training)
         if bad:
-            result.rejected[bad[0]] += 1
+            found.rejected[bad[0]] += 1
             continue
         seconds, need = _lower_bounds(model, cluster, layout, training)
         if need > usable:  # a bound: the layout needs at least this, more than there is
-            smallest = min(smallest, need)
-            result.rejected["memory"] += 1
+            found.smallest = min(found.smallest, need)
+            found.rejected["memory"] += 1
             continue
-        queue.append((seconds, i, layout))
-    queue.sort()
+        found.queue.append((seconds, i, layout))
+    found.queue.sort()
+    return found
+
+
+def search(model: Model, cluster: Cluster, training: Training, top: int = 5, plan_only: bool = False) -> SearchResult:
+    """The ``top`` fastest layouts that fit (at most ``cluster.max_memory_fraction`` of each device), with the
+    counts of the rest by reason. Only layouts plait's runtime runs, unless ``plan_only`` (see ``candidates``)."""
+    _check_top(top)
+    return _ranked(model, cluster, training, top, _bounded(model, cluster, training, plan_only))
+
+
+def _check_top(top: int) -> None:
+    if not isinstance(top, int) or top < 1:
+        raise FieldError("top", top, "how many layouts to keep, must be >= 1")
+
+
+def _ranked(model: Model, cluster: Cluster, training: Training, top: int, found: _Bounded) -> SearchResult:
+    """``search``'s result from its bounds ``found`` (left as they are, so the same bounds rank at any ``top``):
+    simulate the layouts in the order of their bounds until the ``top``-th best is faster than the next bound."""
+    result = SearchResult(best=[], rejected=Counter(found.rejected), considered=found.considered)
+    smallest = found.smallest
+    queue = found.queue
     kept: list[tuple[float, int, Estimate]] = []  # max-heap on (step time, candidate order) via negation
     twins: dict[tuple[Layout, float], Estimate] = {}  # (simplest twin, step time) -> the one ranked
     for j, (seconds, i, layout) in enumerate(queue):
@@ -259,13 +285,15 @@ def search_batch(model: Model, cluster: Cluster, top: int = 5, precision: str = 
     sequences) whose fastest layout keeps the pipeline bubble under ``max_bubble``; a larger batch only
     buys throughput at some cost in convergence. If none does, the largest that fits. ``precision``,
     ``elementwise`` and ``masters`` are the ``Training`` fields of every batch tried."""
+    _check_top(top)
     last: BatchChoice | None = None
     for tokens in DEFAULT_BATCH_TOKENS:
         batch = max(1, tokens // model.seq_len)
         training = Training(batch, precision=precision, elementwise=elementwise, masters=masters)
-        result = search(model, cluster, training, top=1, plan_only=plan_only)  # probe: the best only
+        found = _bounded(model, cluster, training, plan_only)  # the bounds do not depend on ``top``: found once
+        result = _ranked(model, cluster, training, 1, found)  # probe: the best only
         if result.best and result.best[0].bubble_fraction < max_bubble or tokens == DEFAULT_BATCH_TOKENS[-1]:
-            result = search(model, cluster, training, top=top, plan_only=plan_only)
+            result = _ranked(model, cluster, training, top, found)
         if not result.best:
             last = last or BatchChoice(batch, f"{batch} sequences ({tokens / 2**20:.0f}M tokens): nothing fits", result)
             continue
