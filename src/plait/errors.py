@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import fields
 from typing import TypeGuard
 
 
@@ -171,8 +172,6 @@ def plain_number(value: object) -> object:
 def plain_numbers(config: object) -> None:
     """Make every field of dataclass ``config`` that holds an integer or a real number hold Python's (``plain_number``;
     a frozen dataclass too): called by a config's ``__post_init__`` before its checks."""
-    from dataclasses import fields
-
     for f in fields(config):  # type: ignore[arg-type]
         value = getattr(config, f.name)
         plain = plain_number(value)
