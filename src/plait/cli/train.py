@@ -102,7 +102,6 @@ def _prepared(entry: str) -> bool:
 def _run(cfg) -> None:
     from contextlib import nullcontext
 
-    from plait.checkpoint.lock import hold_folder
     from plait.cli.predict import check_cluster, check_dry_run
     from plait.cli.progress import layout_words, starting
     from plait.cli.train_worker import PRELOAD
@@ -133,6 +132,8 @@ def _run(cfg) -> None:
         resumed = check_resume(cfg)
         check_outputs(cfg)
         if not cfg.dry_run:  # another run saving into --checkpoint-dir: refused before any process starts
+            from plait.checkpoint.lock import hold_folder  # plait.checkpoint imports torch: after the first line
+
             with hold_folder(cfg.checkpoint_dir):
                 pass
         check_cluster(cfg, cfg.nproc or cfg.world)
