@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from plait.errors import FieldError
 from plait.parallel_config import CP_COMMS, RECOMPUTE_MODES
@@ -13,6 +14,7 @@ from plait.plan import memory as mem
 from plait.plan import step_end, timing
 from plait.plan.cluster import Cluster
 from plait.plan.config import RUNTIME, Layout, Training, check, microbatches
+from plait.plan.costs import Blocks
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
@@ -22,6 +24,7 @@ from plait.plan.pipeline import makespan_floor
 from plait.plan.stages import layout_stages
 
 MICROBATCH_SIZES = (1, 2, 4)
+T = TypeVar("T")
 
 # Settings that can change nothing, each with its values simplest first: ZeRO-2 as plait runs it reduces the
 # gradients once per step, as ZeRO-1 does (only the memory can differ); with fused (flash) attention the
@@ -133,18 +136,63 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
                                          recompute=rc, zero=z, schedule=sched)
 
 
-def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
-                  training: Training) -> tuple[float, float]:
+# The Layout fields each part of a bound that ``_Shared`` keeps reads: a cost model's ``blocks`` (a layer, the
+# embedding and the head), ``memory.activations``, ``memory.max_rank_split`` and ``step_end.dp_sync_parts`` (with
+# the parameters it is given). Layouts of one search equal in them share that part.
+BLOCKS_FIELDS = ("tp", "cp", "cp_comm", "ep", "expert_tp", "microbatch_size", "sequence_parallel", "recompute")
+ACTIVATIONS_FIELDS = (*BLOCKS_FIELDS, "zero")
+PARAMS_FIELDS = ("tp", "pp", "ep", "expert_tp", "virtual_stages", "schedule", "partition")
+SYNC_FIELDS = ("tp", "pp", "dp", "cp", "ep", "expert_tp", "zero")
+
+
+@dataclass
+class _Shared:
+    """Parts of ``_lower_bounds`` that layouts of one search (one model, cluster and training) share: many differ
+    only in ZeRO stage, schedule, pipeline or data-parallel size, micro-batch size or K/V exchange, which some
+    parts do not read. Each part is found once per key (its ``*_FIELDS`` of the layout, and what else it is given).
+    """
+
+    model: Model
+    cluster: Cluster
+    training: Training
+    found: dict[tuple, Any] = field(default_factory=dict)
+
+    def _once(self, part: str, names: tuple[str, ...], layout: Layout, given: tuple, make: Callable[[], T]) -> T:
+        key = (part, *(getattr(layout, f) for f in names), *given)
+        if key not in self.found:
+            self.found[key] = make()
+        return self.found[key]
+
+    def layer_blocks(self, layout: Layout) -> Blocks:
+        return self._once("blocks", BLOCKS_FIELDS, layout, (), lambda: timing.layer_blocks(
+            self.cluster.costs, self.model, layout, self.training))
+
+    def activations(self, layout: Layout) -> mem.ActivationModel:
+        return self._once("activations", ACTIVATIONS_FIELDS, layout, (), lambda: mem.activations(
+            self.cluster, self.model, layout, self.training))
+
+    def max_rank_split(self, layout: Layout) -> tuple[float, float]:
+        return self._once("params", PARAMS_FIELDS, layout, (), lambda: mem.max_rank_split(self.model, layout))
+
+    def dp_sync_parts(self, layout: Layout, params: float, expert: float) -> tuple[float, float]:
+        t = self.training
+        return self._once("sync", SYNC_FIELDS, layout, (params, expert), lambda: step_end.dp_sync_parts(
+            self.model, self.cluster, layout, params, t.grad_dtype, expert, t.optimizer))
+
+
+def _lower_bounds(model: Model, cluster: Cluster, layout: Layout, training: Training,
+                  shared: _Shared | None = None) -> tuple[float, float]:
     """(seconds, bytes) no simulation can beat: the pipeline floor, exposed DP and the optimizer; the
     first chunk's rank holding its states plus min(pp, M) micro-batches of chunk 0 (every schedule here
-    runs that many forwards of its first chunk before a backward)."""
+    runs that many forwards of its first chunk before a backward). ``shared``: the search's parts shared between
+    layouts (None: all found here)."""
+    shared = shared if shared is not None else _Shared(model, cluster, training)
     m = microbatches(layout, training)
-    chunks = timing.chunk_costs(cluster.costs, model, layout, training, m)
+    chunks = timing.chunk_costs(cluster.costs, model, layout, training, m, shared.layer_blocks(layout))
     st = layout_stages(model, layout)
-    dense, expert = mem.max_rank_split(model, layout)
+    dense, expert = shared.max_rank_split(layout)
     params = dense + expert
-    reduction, gather = step_end.dp_sync_parts(model, cluster, layout, params, training.grad_dtype, expert,
-                                                  training.optimizer)
+    reduction, gather = shared.dp_sync_parts(layout, params, expert)
     backward, forward = [0.0] * layout.pp, [0.0] * layout.pp  # a rank's passes over its chunks (``estimate``)
     for c, cost in enumerate(chunks):
         backward[st.placement[c]] += cost.backward
@@ -159,7 +207,7 @@ def _lower_bounds(model: Model, cluster: Cluster, layout: Layout,
     r0 = st.first_rank
     states = sum(mem.state_bytes(model, layout, st.rank_layers[r0], True, r0 == st.last_rank, training.precision,
                                  training.grad_dtype, training.masters))
-    acts = mem.activations(cluster, model, layout, training)
+    acts = shared.activations(layout)
     first = acts.chunk(st.chunk_layers[0], True, len(st.chunk_layers) == 1)
     return seconds, states + min(layout.pp, m) * first
 
@@ -178,13 +226,14 @@ class _Bounded:
 def _bounded(model: Model, cluster: Cluster, training: Training, plan_only: bool) -> _Bounded:
     usable = cluster.usable_memory
     found = _Bounded([], Counter(), 0, float("inf"))
+    shared = _Shared(model, cluster, training)
     for i, layout in enumerate(candidates(model, cluster, training, plan_only)):
         found.considered += 1
         bad = check(model, cluster, layout, training)
         if bad:
             found.rejected[bad[0]] += 1
             continue
-        seconds, need = _lower_bounds(model, cluster, layout, training)
+        seconds, need = _lower_bounds(model, cluster, layout, training, shared)
         if need > usable:  # a bound: the layout needs at least this, more than there is
             found.smallest = min(found.smallest, need)
             found.rejected["memory"] += 1

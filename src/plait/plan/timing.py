@@ -8,7 +8,7 @@ from dataclasses import replace
 from plait.plan import experts
 from plait.plan.accumulation import AccumulationTraffic, traffic
 from plait.plan.config import Layout, Training
-from plait.plan.costs import CostModel, StageCosts
+from plait.plan.costs import Blocks, CostModel, StageCosts
 from plait.plan.memory import rank_params
 from plait.plan.model import Model
 from plait.plan.stages import layout_stages
@@ -51,8 +51,15 @@ def accumulation_bytes(model: Model, layout: Layout, layers: int, first: bool, l
     return held * (acc.every + acc.later * later) + shard * (acc.shard_every + acc.shard_later * later)
 
 
+def layer_blocks(costs: CostModel, model: Model, layout: Layout, training: Training) -> Blocks:
+    """``costs.blocks`` of ``layout`` as ``training``'s stack runs a layer (see ``chunk_costs``)."""
+    t = training
+    return costs.blocks(model, layout, t.precision, t.tp_comm_overlap, t.tp_overlap_sms, t.elementwise,
+                        t.sp_async_backward)
+
+
 def chunk_costs(costs: CostModel, model: Model, layout: Layout, training: Training | None = None,
-                microbatches: int = 1) -> list[StageCosts]:
+                microbatches: int = 1, blocks: Blocks | None = None) -> list[StageCosts]:
     """Per-micro-batch costs of every pipeline chunk (its layers, the embedding on chunk 0, the head on
     the last), in the runtime's cut, as ``training``'s stack runs a layer (None: plait's runtime, ``Training``'s
     defaults): its ``precision``; without ``recompute_head`` the head's recomputation is not charged;
@@ -60,11 +67,12 @@ def chunk_costs(costs: CostModel, model: Model, layout: Layout, training: Traini
     its element-wise kernels (``CostModel.blocks``). Each backward also accumulates the chunk's weight gradients
     as ``grad_accumulation`` runs it over ``microbatches``: its hooks and kernels run on the GPU as each gradient
     is produced, so they lengthen that backward (and the W pass of split-backward schedules) on the pipeline's
-    critical path, charged in ``b_compute`` and ``w_compute`` (``CostModel.accumulation_time``)."""
+    critical path, charged in ``b_compute`` and ``w_compute`` (``CostModel.accumulation_time``). ``blocks``: this
+    layout's ``layer_blocks`` when the caller has them (None: found here)."""
     t = training if training is not None else Training(1)
     precision = t.precision
-    blocks = costs.blocks(model, layout, precision, t.tp_comm_overlap, t.tp_overlap_sms, t.elementwise,
-                          t.sp_async_backward)
+    if blocks is None:
+        blocks = layer_blocks(costs, model, layout, t)
     if not t.recompute_head:
         blocks = replace(blocks, head=replace(blocks.head, recompute=0.0))
     st = layout_stages(model, layout)
