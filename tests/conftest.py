@@ -148,6 +148,7 @@ PLAIN_PROMPT = "def main(): pass"
 @pytest.fixture(scope="session")
 def served(tmp_path_factory):
     """The server, shared by every test that asks for it (starting one costs ~10 s)."""
+    import httpx
     import openai
 
     from plait.generation.job import load_model
@@ -167,7 +168,12 @@ def served(tmp_path_factory):
                     "--max-body-bytes", "65536")
     try:
         server.wait_healthy()
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        # max_retries=0: a failed request fails its test. uvicorn closes a connection idle for 5 s; a client
+        # that keeps idle connections as long (openai's default) may send a request on one just as the server
+        # closes it ("Server disconnected without sending a response"), so this one drops them after 2 s.
+        keepalive = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60,
+                               http_client=httpx.Client(limits=keepalive))
         yield Served(server, client, ref, cont[at], prompt, at)
     finally:
         server.kill()
