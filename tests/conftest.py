@@ -34,6 +34,20 @@ def device(request):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def one_intra_op_thread():
+    """The test process's own computations (one-device references, the tokens a server should give) run on one
+    intra-op thread, as plait's workers on a shared host do: the processes a test starts, and on a shared host
+    others', hold the cores, and a second OpenMP thread of tiny operations spends its time waiting for a core
+    its partner lost instead of computing. Workers and fork servers set their own count (plait.distributed)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def plait_cache(tmp_path_factory):
     """``PLAIT_CACHE_DIR`` for every test and the processes it starts, holding a synthetic profile of this
     host so that ``plait train`` does not calibrate in tests that do not test calibration."""
