@@ -166,27 +166,30 @@ def test_a_damaged_checkpoint_is_a_config_error_naming_the_file(tmp_path):
     from plait.checkpoint.store import FORMAT, META
     from plait.errors import ConfigError
 
+    ck = tmp_path / "ck"  # --checkpoint-dir: a folder of checkpoints, here one
+    step = ck / "step_00000001"
+    step.mkdir(parents=True)
     meta = {"format": FORMAT, "step": 1, "tensors": {"w": {"shape": [2], "dtype": "float32", "shards": [
         {"file": "pp0-tp0-dp0.safetensors", "dim": None, "start": 0, "stop": 2}]}}}
-    (tmp_path / META).write_text(json.dumps(meta))
-    shard = tmp_path / "pp0-tp0-dp0.safetensors"
+    (step / META).write_text(json.dumps(meta))
+    shard = step / "pp0-tp0-dp0.safetensors"
     save_file({"w": torch.ones(2)}, str(shard))
-    assert CheckpointReader(tmp_path).read("w").tolist() == [1.0, 1.0]
-    resume = ["train", "--resume", "--checkpoint-dir", str(tmp_path), "--dry-run"]
+    assert CheckpointReader(step).read("w").tolist() == [1.0, 1.0]
+    resume = ["train", "--resume", "--checkpoint-dir", str(ck), "--dry-run"]
     shard.unlink()
     with pytest.raises(ConfigError, match="pp0-tp0-dp0.safetensors is missing, though meta.json lists it"):
-        CheckpointReader(tmp_path).read("w")
+        CheckpointReader(step).read("w")
     res = CliRunner().invoke(app, resume)  # refused before launching, not by one rank after (its dry run passed)
-    assert res.exit_code == 2 and res.output.startswith(f"error: {tmp_path}: pp0-tp0-dp0.safetensors is missing"), \
+    assert res.exit_code == 2 and res.output.startswith(f"error: {step}: pp0-tp0-dp0.safetensors is missing"), \
         res.output
     shard.write_text("junk")
     with pytest.raises(ConfigError, match="pp0-tp0-dp0.safetensors cannot be read .*the checkpoint is damaged"):
-        CheckpointReader(tmp_path).read("w")
+        CheckpointReader(step).read("w")
     res = CliRunner().invoke(app, resume)
     assert res.exit_code == 2 and "pp0-tp0-dp0.safetensors cannot be read" in res.output, res.output
-    (tmp_path / META).write_text("{")
+    (step / META).write_text("{")
     with pytest.raises(ConfigError, match="meta.json is not valid JSON"):
-        CheckpointReader(tmp_path)
+        CheckpointReader(step)
 
 
 def test_output_paths_that_cannot_be_made_fail_before_launching(tmp_path, monkeypatch):
