@@ -33,6 +33,19 @@ def device(request):
     return dev
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_default_group_left():
+    """A module that ran plait in this process (plait.init, plait.train.loop.train) leaves the default process
+    group plait made, which stays for the process's life; it is destroyed after the module, so that a later module
+    that makes its own world (test_device_path's, on the device's backend) starts from none."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_intra_op_thread():
     """The test process's own computations (one-device references, the tokens a server should give) run on one

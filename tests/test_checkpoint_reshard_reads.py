@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import safetensors
 import torch
-import torch.distributed as dist
 
 import plait
 from plait.checkpoint import CheckpointReader, local_tensors, save_checkpoint
@@ -28,16 +27,11 @@ FILE = "pp0-tp0-dp0.safetensors"
 def tp1(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], dict[str, int | None]]:
     """A tp1 checkpoint of a seeded tiny Llama, its tensors, and the dim tensor parallelism splits each along."""
     torch.manual_seed(0)
-    made = not dist.is_initialized()
-    try:
-        with plait.init(1, 1, 1) as ctx:
-            pm = plait.parallelize(Llama(LlamaConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4)), ctx)
-            path = save_checkpoint(pm, None, tmp_path_factory.mktemp("reshard"), step=1)
-            state = {lt.key: lt.tensor.detach().clone() for lt in local_tensors(pm)}
-            split = {lt.key: lt.split for lt in local_tensors(pm)}
-    finally:
-        if made and dist.is_initialized():  # the default group plait.init made: later modules make their own
-            dist.destroy_process_group()
+    with plait.init(1, 1, 1) as ctx:
+        pm = plait.parallelize(Llama(LlamaConfig(vocab_size=100, dim=64, n_layers=2, n_heads=4)), ctx)
+        path = save_checkpoint(pm, None, tmp_path_factory.mktemp("reshard"), step=1)
+        state = {lt.key: lt.tensor.detach().clone() for lt in local_tensors(pm)}
+        split = {lt.key: lt.split for lt in local_tensors(pm)}
     assert set(split.values()) == {None, 0, 1}, split  # replicated, column- and row-parallel tensors
     return path, state, split
 
