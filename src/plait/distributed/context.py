@@ -246,12 +246,11 @@ class ParallelContext:
 
 
 def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
-    """Initialise the default process group from the launcher's environment (or over ``store``) unless it
-    exists: NCCL when CUDA and NCCL are there (the process first takes the GPU ``LOCAL_RANK`` names), else Gloo.
-    An incomplete launch environment is a ConfigError before anything is made (``launched_world``; under NCCL
-    ``local_rank`` too: a launched process without LOCAL_RANK, or one past the GPUs it sees). One process
-    without a launcher gets an in-process store (no port opened, nothing set for processes started later). At
-    exit a group made here is destroyed, and Gloo's workers waited for whoever made it (distributed.at_exit)."""
+    """Initialise the default process group from the launcher's environment (or over ``store``) unless it exists: NCCL
+    when CUDA and NCCL are there (on the GPU ``local_rank`` picks), else Gloo. An incomplete launch environment is a
+    ConfigError before anything is made (``launched_world``, ``local_rank``). One process without a launcher gets an
+    in-process store (no port opened, nothing set for processes started later). At exit a group made here is
+    destroyed, and Gloo's workers waited for whoever made it (distributed.at_exit)."""
     settle_at_exit()
     if dist.is_initialized():
         return
