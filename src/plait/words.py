@@ -1,5 +1,5 @@
-"""Counts and choices in what plait prints: each count with its noun in the number it takes (1 shard, 2
-shards), a list of choices as a person writes it (1, 2 or 4)."""
+"""Counts, choices and meshes in what plait prints: each count with its noun in the number it takes (1 shard, 2
+shards), a list of choices as a person writes it (1, 2 or 4), a layout's mesh as ``tp 2 x pp 2 x dp 1``."""
 
 from __future__ import annotations
 
@@ -22,3 +22,11 @@ def counted(n: float, noun: str, shown: str | None = None) -> str:
 def either(values: list[str]) -> str:
     """``values`` as a choice: ["1"] -> "1", ["1", "2"] -> "1 or 2", ["1", "2", "4"] -> "1, 2 or 4"."""
     return " or ".join(filter(None, (", ".join(values[:-1]), values[-1])))
+
+
+def mesh(tp: int, pp: int, dp: int | str, cp: int = 1, cp_comm: str | None = None) -> str:
+    """A layout's mesh in words: ``tp 2 x pp 2 x dp 1``, with ``x cp 2`` after the tp where there is context
+    parallelism (``x cp 2 (ring)`` given its K/V exchange ``cp_comm``). ``dp``: its size, or words that stand for
+    one not yet known (``to fill --nproc``)."""
+    cp_words = f" x cp {cp}{f' ({cp_comm})' if cp_comm else ''}" if cp > 1 else ""
+    return f"tp {tp}{cp_words} x pp {pp} x dp {dp}"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from plait.words import counted
+from plait.words import counted, mesh
 
 if TYPE_CHECKING:
     from plait.parallel_config import ParallelConfig
@@ -38,5 +38,4 @@ def loading(command: str, folder: str, size: int, what: str = "the weights of") 
 def layout_words(p: ParallelConfig) -> str:
     """A ParallelConfig's mesh in words: ``tp 2 x pp 2 x dp 1``, with ``x cp 2`` where there is context
     parallelism; a dp of -1 (inferred) as ``dp to fill --nproc``."""
-    dp = p.dp if p.dp > 0 else "to fill --nproc"
-    return f"tp {p.tp}{f' x cp {p.cp}' if p.cp > 1 else ''} x pp {p.pp} x dp {dp}"
+    return mesh(p.tp, p.pp, p.dp if p.dp > 0 else "to fill --nproc", p.cp)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TextIO
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
 from plait.train.observe import NO_CLUSTER, PHASES, Prediction
-from plait.words import counted
+from plait.words import counted, mesh
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -201,10 +201,9 @@ def layout_text(p: ParallelConfig) -> str:
     (no pipeline) without the schedule: ``tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch``; expert parallelism,
     a ZeRO stage and bf16 where they are chosen (``..., ep 2, ZeRO-3, bf16``)."""
     virtual = p.pipeline_schedule().virtual
-    cp = f" x cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
     schedule = f", {p.schedule}{f' V={virtual}' if virtual > 1 else ''}" if p.pp > 1 else ""
     m = p.num_microbatches
-    return (f"tp {p.tp}{cp} x pp {p.pp} x dp {p.dp} ({counted(p.world, 'process')}){schedule}"
+    return (f"{mesh(p.tp, p.pp, p.dp, p.cp, p.cp_comm)} ({counted(p.world, 'process')}){schedule}"
             f", {counted(m, 'micro-batch')}"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
             f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}"

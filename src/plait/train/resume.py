@@ -9,6 +9,7 @@ from plait.optim.schedule import lr_at
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
 from plait.train.restart import no_checkpoint
+from plait.words import mesh
 
 if TYPE_CHECKING:
     from plait.train.loop import Run
@@ -82,8 +83,7 @@ def resharded_from(meta: dict, now: ParallelConfig) -> str | None:
 def saved_layout(meta: dict) -> str:
     """The layout a checkpoint (its ``meta.json``) was saved under, e.g. ``tp 1 x pp 1 x dp 2, ZeRO-1``."""
     tp, cp, pp, dp, ep, zero = _sharding(meta).values()
-    return (f"tp {tp}{f' x cp {cp}' if cp > 1 else ''} x pp {pp} x dp {dp}{f', ep {ep}' if ep > 1 else ''}"
-            f"{f', ZeRO-{zero}' if zero else ''}")
+    return f"{mesh(tp, pp, dp, cp)}{f', ep {ep}' if ep > 1 else ''}{f', ZeRO-{zero}' if zero else ''}"
 
 
 def _sharding(meta: dict) -> dict:
