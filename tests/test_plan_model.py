@@ -91,6 +91,22 @@ def test_config_json_sizes_may_be_numpy_integers_never_bools():
         llama_fields({**hf, "num_hidden_layers": True})
 
 
+def test_a_config_of_another_family_may_hold_numpy_integers_never_bools():
+    """The shapes of a config outside plait's families (GPT-2 style) are read by plait.errors.is_integer as the
+    families' are: numpy integers and whole floats are the same counts; a bool (Python's 1) is refused by its key."""
+    import numpy as np
+
+    from plait.plan.model import _from_hf_dict
+
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "vocab_size": 100, "n_positions": 256}
+    numpy_gpt2 = {**gpt2, "n_layer": np.int64(2), "n_head": np.int32(4), "n_positions": np.float32(256.0)}
+    assert _from_hf_dict(numpy_gpt2, None, "gpt2") == _from_hf_dict(gpt2, None, "gpt2")
+    with pytest.raises(ConfigError, match=r"^config.json: n_layer = True: must be an integer$"):
+        _from_hf_dict({**gpt2, "n_layer": True}, None, "gpt2")
+    with pytest.raises(ConfigError, match=r"^config.json: n_layer = 2.5: must be an integer$"):
+        _from_hf_dict({**gpt2, "n_layer": 2.5}, None, "gpt2")
+
+
 def test_plan_imports_no_torch():
     code = "import sys, plait.plan, plait.plan.validation; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -135,6 +135,20 @@ def test_search_result_reads_as_the_ranked_list():
     assert [e.step_time_s for e in ranked] == sorted(e.step_time_s for e in ranked)
 
 
+def test_top_may_be_a_numpy_integer_never_a_bool():
+    """``top`` is checked by plait.errors.is_integer: numpy's integers are counts (a user's arithmetic makes them);
+    True, which Python counts as 1, is refused naming ``top`` rather than read as one layout."""
+    import numpy as np
+
+    from plait.plan.search import search_batch
+
+    model, cluster, training = Model.preset("llama3-8b"), Cluster("h100-sxm", 8), Training(64)
+    assert search(model, cluster, training, top=np.int64(2)).best == search(model, cluster, training, top=2).best
+    for call in (lambda: search(model, cluster, training, top=True), lambda: search_batch(model, cluster, top=True)):
+        with pytest.raises(ConfigError, match=r"top=True: how many layouts to keep, must be >= 1"):
+            call()
+
+
 def test_lower_bound_holds_with_megatron_overlaps():
     """The search skips a layout whose lower bound is slower than the top-k: with TP communication and the
     weights' gather overlapped (and every DP reduction chunk by chunk), no bound may exceed the estimate."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plait.errors import ConfigError, FieldError
+from plait.errors import ConfigError, FieldError, is_integer, is_number
 from plait.hf_config import FAMILY_FIELDS, llama_fields, model_type
 from plait.model_presets import PRESETS as TRAIN_PRESETS
 
@@ -272,7 +272,7 @@ class _Config:
         if key is None:
             return None
         value = self.cfg[key]
-        if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+        if not (is_integer(value) or is_number(value) and float(value).is_integer()):  # 4096.0 is 4096; true is not
             raise ConfigError(f"{self.source}: {key} = {value!r}: must be an integer")
         self.keys[field] = key
         return int(value)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from plait.errors import FieldError
+from plait.errors import FieldError, is_integer
 from plait.parallel_config import CP_COMMS, RECOMPUTE_MODES
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
@@ -251,7 +251,8 @@ def search(model: Model, cluster: Cluster, training: Training, top: int = 5, pla
 
 
 def _check_top(top: int) -> None:
-    if not isinstance(top, int) or top < 1:
+    """``top`` must be a count of layouts: an integer (numpy's too), not a bool."""
+    if not is_integer(top) or top < 1:
         raise FieldError("top", top, "how many layouts to keep, must be >= 1")
 
 
