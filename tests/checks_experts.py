@@ -44,8 +44,8 @@ def build(cfg: LlamaConfig, zero_router: bool) -> Llama:
     return model
 
 
-def expert_load(model: Llama, inputs: torch.Tensor) -> list[int]:
-    """Assignments per expert summed over the MoE layers of the single-device model."""
+def expert_load(model: Llama, inputs: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+    """Assignments per expert and dropped ones, per MoE layer of the single-device model."""
     seen: list[torch.Tensor] = []
     hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(args[0]))
              for m in model.modules() if isinstance(m, MoE)]
@@ -55,11 +55,12 @@ def expert_load(model: Llama, inputs: torch.Tensor) -> list[int]:
         h.remove()
     pop_aux_losses(model)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    load = torch.zeros(moes[0].n_experts, dtype=torch.long)
+    counts, dropped = [], []
     for m, x in zip(moes, seen, strict=True):
         r = route(m.gate(x), m.top_k, m.capacity_factor, 0.0)
-        load += torch.bincount(r.expert[r.keep], minlength=m.n_experts)
-    return load.tolist()
+        counts.append(torch.bincount(r.expert[r.keep], minlength=m.n_experts).tolist())
+        dropped.append(int((~r.keep).sum()))
+    return counts, dropped
 
 
 def single_device(cfg: LlamaConfig, inputs, targets, zero_router: bool):
@@ -112,6 +113,8 @@ def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1
     errs = {k: rel_err(grads[k], g) for k, g in ref_grads.items()}
     weights = pm.full_state_dict()
     more = norm_and_checkpoint(pm, ref_grads, ref_model) if extras else {}
+    counts, dropped = expert_load(ref_model, inputs)
+    seen = pm.last_expert_load
     return more | {
         "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
         "aux_rel": abs(pm.last_aux_loss - ref_aux) / abs(ref_aux),
@@ -121,7 +124,9 @@ def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1
         "keys_match": sorted(grads) == sorted(ref_grads),
         "weights_rel": max(rel_err(weights[k], v) for k, v in ref_model.state_dict().items()),
         "expert_grad_norm": float(sum(g.norm() for k, g in ref_grads.items() if ".experts." in k)),
-        "load": expert_load(ref_model, inputs),
+        "load": [sum(c) for c in zip(*counts, strict=True)],
+        "load_counts": (seen.counts, seen.dropped) if seen is not None else None,
+        "ref_counts": (counts, dropped),
         "local_experts": sorted({int(n.split(".experts.")[1].split(".")[0])
                                  for n, _ in pm.named_parameters() if ".experts." in n}),
         "n_experts": cfg.n_experts,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import shutil
 from contextlib import ExitStack
@@ -9,8 +11,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
 
 import plait
+from checks_experts import expert_load
 from harness import rel_err, run_checks
 from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
 from plait.checkpoint.shards import load_local
@@ -19,6 +23,7 @@ from plait.models import Llama, init_weights
 from plait.optim import lr_at
 from plait.train import TrainConfig
 from plait.train.loop import NonFiniteLoss, build, train, train_one
+from plait.train.report import Reporter
 
 STEPS = 4
 
@@ -78,20 +83,27 @@ def check_equals_single(root: Path) -> dict:
 
 
 def check_moe(root: Path) -> dict:
-    """MoE with expert parallelism (pp2 x dp2, ep2) trains like one device; its checkpoint holds every expert."""
-    cfg = small_cfg(root, "moe", tp=1, pp=2, dp=2, experts=4, top_k=2, ep=2)
-    res = train(cfg)
+    """MoE with expert parallelism (pp2 x dp2, ep2) trains like one device; its checkpoint holds every expert; its
+    metrics rows and progress lines carry the routing (step 1's as the initial model routes batch 0 on one device)."""
+    cfg = small_cfg(root, "moe", tp=1, pp=2, dp=2, experts=4, top_k=2, ep=2, metrics=str(root / "moe.jsonl"))
+    log = io.StringIO()
+    res = train(cfg, reporter=Reporter(cfg, dist.get_rank(), Console(file=log, width=200)))
     ref = reference_losses(cfg, STEPS)
     got = [res.losses[s] for s in range(1, STEPS + 1)]
     reader = CheckpointReader(find_checkpoint(root / "moe"))
     plain = Llama(plait.train.config.model_config(cfg))
     plain.load_state_dict(reader.full_state_dict())  # strict: all 4 experts of every layer present
     x, _ = open_data([], "tiny", 256, 32, 4, 0, 0.3).batch(0)
+    counts, _ = expert_load(init_weights(Llama(plait.train.config.model_config(cfg)), cfg.seed), x)
+    box = [log.getvalue()]
+    dist.broadcast_object_list(box, src=0)  # rank 0 reports
+    rows = [json.loads(line) for line in (root / "moe.jsonl").read_text().splitlines()]
     with plait.init(1, 2, 2, ep=2) as ctx:
         pm = build(cfg, ctx).pm
         load_checkpoint(pm, None, find_checkpoint(root / "moe"))
         return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)),
-                "logits_rel": rel_err(pm.eval_step(x), plain(x).detach())}
+                "logits_rel": rel_err(pm.eval_step(x), plain(x).detach()), "rows": rows, "log": box[0],
+                "ref_imbalance": {str(i): max(c) * len(c) / sum(c) for i, c in enumerate(counts)}}
 
 
 def check_family(root: Path) -> dict:

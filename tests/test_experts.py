@@ -32,6 +32,7 @@ def test_equals_single_device(world4, case):
         per = r["n_experts"] // r["ep"]
         assert len(r["local_experts"]) == per, f"rank {rank} {case}: holds experts {r['local_experts']}"
         assert r["local_experts"][0] == r["ep_rank"] * per
+        assert r["load_counts"] == r["ref_counts"], f"rank {rank} {case}: assignments (per layer, dropped) differ"
         assert r["expert_rows"] == ({24} if case.startswith("etp/") else {48}), r["expert_rows"]  # ffn_dim/tp
 
 
@@ -58,6 +59,7 @@ def test_capacity_really_drops(world4):
     dropless = sum(result(world4, "dp4ep4/1f1b")[0]["load"])
     capped = sum(result(world4, "dp4ep4/capacity")[0]["load"])
     assert capped < dropless, (capped, dropless)
+    assert sum(result(world4, "dp4ep4/capacity")[0]["ref_counts"][1]) == dropless - capped
 
 
 @pytest.mark.parametrize("case,needles", [

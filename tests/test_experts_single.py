@@ -92,3 +92,22 @@ def test_moe_layer_routes_to_two_experts_by_default_with_mixtral_names():
     assert moe.top_k == 2
     assert {k.split(".")[0] for k in moe.state_dict()} == {"gate", "experts"}
     assert "experts.3.down_proj.weight" in moe.state_dict() and moe(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+
+
+def test_expert_load_figures_by_hand():
+    from plait.experts.load import ExpertLoad
+    from plait.train.report import experts_text
+
+    # layer 1: 6 assignments over 4 experts, the busiest has 3 (mean 1.5: 2x); layer 3: balanced, 2 dropped
+    load = ExpertLoad(layers=["1", "3"], counts=[[3, 1, 2, 0], [2, 2, 2, 2]], dropped=[0, 2], aux_loss=0.25,
+                      capped=True)
+    assert load.imbalance() == [2.0, 1.0]
+    assert load.dropped_fraction() == 2 / 16
+    row = load.row()
+    assert row == {"aux_loss": 0.25, "expert_imbalance": 2.0, "expert_imbalance_by_layer": {"1": 2.0, "3": 1.0},
+                   "dropped_fraction": 0.125}
+    assert experts_text(row) == " (aux 0.2500) | experts max/mean 2.00 (layer 1), dropped 12.5%"
+    dropless = ExpertLoad(layers=["0"], counts=[[4, 0]], dropped=[0], aux_loss=0.5, capped=False).row()
+    assert dropless["dropped_fraction"] is None  # no capacity: nothing can be dropped, none said
+    assert experts_text(dropless) == " (aux 0.5000) | experts max/mean 2.00"
+    assert experts_text({"loss": 1.0}) == ""  # a dense model's line is unchanged

@@ -88,6 +88,15 @@ def test_moe_expert_parallel_training_and_checkpoint(world4):
     for rank, r in enumerate(result(world4, "train/moe_ep2")):
         assert r["rel"] < 1e-5, f"rank {rank}: MoE losses differ from one device by {r['rel']:.2e}"
         assert r["logits_rel"] < 1e-5, f"rank {rank}: reloaded experts give different logits"
+        rows = r["rows"]
+        assert [row["step"] for row in rows] == list(range(1, checks_train.STEPS + 1))
+        for row in rows:  # the load-balancing loss is part of the loss; the busiest expert, per MoE layer
+            assert 0 < row["aux_loss"] < row["loss"] and row["dropped_fraction"] is None, row
+            assert row["expert_imbalance"] == max(row["expert_imbalance_by_layer"].values()) >= 1.0
+        assert rows[0]["expert_imbalance_by_layer"] == pytest.approx(r["ref_imbalance"], rel=1e-12)
+        lines = [line for line in r["log"].splitlines() if line.startswith("step ")]
+        assert len(lines) == checks_train.STEPS, r["log"]
+        assert all("(aux 0.0" in line and "experts max/mean" in line for line in lines), lines
 
 
 def test_training_from_a_qwen2_folder_equals_one_device_and_exports_qwen2(world4):

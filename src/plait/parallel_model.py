@@ -25,8 +25,9 @@ from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
 from plait.distributed.same_batch import check_same_batch
 from plait.experts.layer import plain_state_keys
+from plait.experts.load import ExpertLoad, RoutingTally
 from plait.models.family import Family
-from plait.models.moe import has_aux_losses, pop_aux_losses
+from plait.models.moe import has_aux_losses
 from plait.optim.precision import StepCast
 from plait.parallel_config import ParallelConfig
 from plait.pipeline.executor import Executor, StepIO, StepStats, final_backward_index
@@ -66,8 +67,9 @@ class ParallelModel:
         self.vocab_size = vocab_size  # set: outputs are vocabulary-sharded logits (gathered by eval_step)
         self.schedule: Schedule = config.pipeline_schedule()
         self.plain_keys = plain_state_keys(model)  # as before sharding (all experts included)
-        self.has_aux = has_aux_losses(model)  # MoE layers: load-balancing losses produced inside chunks
-        self.last_aux_loss = 0.0
+        self.has_aux, self.last_aux_loss = has_aux_losses(model), 0.0  # MoE layers' load-balancing losses
+        self.routing = RoutingTally(model)
+        self.last_expert_load: ExpertLoad | None = None  # the last step's assignments per expert (MoE layers)
         self.last_loss_targets: int | None = None  # targets in the last step's loss (None: a custom loss_fn)
         all_chunks = build_chunks(family.blocks(model), family.layer_costs(model), self.schedule.num_stages,
                                   partition, config.recompute)
@@ -262,7 +264,8 @@ class ParallelModel:
         mb_inputs, mb_targets = self._split(inputs), list(targets.to(self.ctx.device).chunk(self.microbatches))
         io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
         if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
-            io.aux_fn = lambda chunk: None if (aux := pop_aux_losses(chunk)) is None else aux * (1.0 / global_rows)
+            self.routing.start(self.ctx.device)
+            io.aux_fn = self.routing.aux_fn(1.0 / global_rows)
         if trace and self.ctx.pp_size > 1:  # a shared time origin for the measured timeline
             collective("pp barrier of a traced step", self.ctx.pp_group, partial(dist.barrier, group=self.ctx.pp_group))
         measure = self.activations_peak is None if measure_memory is None else measure_memory
@@ -315,21 +318,18 @@ class ParallelModel:
         return self.ctx.pp_size > 1 and self.ctx.dp_size == 1 and self.ctx.cp_size == 1 and not self.has_aux
 
     def _global_loss(self, local: torch.Tensor, aux: torch.Tensor) -> float:
-        """Loss (+ auxiliary loss, kept in ``last_aux_loss``) summed over the world's contributions."""
+        """Loss (+ auxiliary loss: ``last_aux_loss``; routing counts: ``last_expert_load``) summed over the world."""
         ctx = self.ctx
-        # one host read of the step's values (each read waits for the device to finish the step)
-        if ctx.pp_size == ctx.dp_size == ctx.cp_size == 1 and (not self.has_aux or ctx.world_size == 1):
-            loss, self.last_aux_loss = torch.stack([local, aux.to(local)]).tolist()
-            return loss + self.last_aux_loss
-        holds_loss = self._holds_loss()
         if self._loss_by_p2p():  # ``local`` is the loss the last stage sent
             self.last_aux_loss = 0.0
             return float(local)
-        total = torch.stack([local.clone() if holds_loss and ctx.tp_rank == 0 else torch.zeros_like(local),
-                             aux.to(local.dtype)]).to(ctx.device)
-        # loss: last-stage, tp-rank-0 (every CP rank's) parts; aux: every rank's parts
-        collective("all-reduce of the step's loss", None, lambda: dist.all_reduce(total))
-        loss, self.last_aux_loss = total.tolist()
+        alone = ctx.pp_size == ctx.dp_size == ctx.cp_size == 1 and (not self.has_aux or ctx.world_size == 1)
+        mine = local if alone or self._holds_loss() and ctx.tp_rank == 0 else torch.zeros_like(local)
+        total = torch.cat([torch.stack([mine, aux.to(local)]), self.routing.counts.to(local).flatten()])
+        if not alone:  # loss: last-stage, tp-rank-0 (every CP rank's) parts; aux and routing: every rank's parts
+            collective("all-reduce of the step's loss", None, lambda: dist.all_reduce(total))
+        loss, self.last_aux_loss, *counts = total.tolist()  # one host read (it waits for the device's step)
+        self.last_expert_load = self.routing.load(counts, self.last_aux_loss) if self.routing.n_layers else None
         return loss + self.last_aux_loss
 
     @torch.no_grad()

@@ -69,6 +69,12 @@ def run_local_experts(rows: torch.Tensor, recv_counts: torch.Tensor, experts: Se
     return out  # [R, H]
 
 
+def count_routing(expert: torch.Tensor, keep: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[E + 1] int64: kept assignments per expert of ``expert``/``keep`` [n, k], then the dropped ones."""
+    kept = torch.bincount(expert[keep], minlength=n_experts)
+    return torch.cat([kept, (~keep).sum().view(1)])
+
+
 def dispatch_combine(x: torch.Tensor, expert: torch.Tensor, gate: torch.Tensor, keep: torch.Tensor,
                      experts: Sequence[nn.Module], n_experts: int, ep: int, group) -> torch.Tensor:
     """Mixture-of-experts output for tokens x [n, H] routed by expert/gate/keep [n, k]; local experts only."""

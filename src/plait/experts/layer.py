@@ -35,7 +35,7 @@ from plait.data_parallel.reducer import set_grad_group
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError, FieldError, divisors
 from plait.experts.comms import gather_rows
-from plait.experts.dispatch import dispatch_combine
+from plait.experts.dispatch import count_routing, dispatch_combine
 from plait.models.moe import Expert, MoE, route
 from plait.tensor_parallel import comms
 from plait.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_tp_partial
@@ -63,6 +63,8 @@ class ExpertParallelMoE(nn.Module):
         for p in self.experts.parameters():
             set_grad_group(p, ctx.expert_dp_group, ctx.expert_dp_size)
         self.aux_loss: torch.Tensor | None = None
+        self.layer_index = 0  # among the whole model's MoE layers (plait.experts.load.RoutingTally numbers them)
+        self.routed: torch.Tensor | None = None  # [E + 1] the last forward's dispatched assignments, dropped last
         self.plain_keys = list(moe.state_dict().keys())  # every expert's, for full state dicts
 
     def _my_tokens(self, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
@@ -91,6 +93,7 @@ class ExpertParallelMoE(nn.Module):
         flat = x.reshape(b * s, h)
         expert, gate, keep = (t.reshape(b * s, -1) for t in (r.expert, r.gate, r.keep))
         if ctx.expert_tp:  # every TP rank dispatches every token; experts return TP partial sums
+            self.routed = count_routing(expert, keep, self.n_experts) * int(ctx.tp_rank == 0)  # counted once
             y = dispatch_combine(flat, expert, gate, keep, list(self.experts.values()), self.n_experts,
                                  ctx.ep_size, ctx.ep_group).view(b, s, h)
             return (comms.reduce_scatter_seq(y, ctx.tp_group) if self.sequence_parallel
@@ -98,6 +101,7 @@ class ExpertParallelMoE(nn.Module):
         if ctx.tp_size > 1:
             mine, sizes = self._my_tokens(b, s, x.device)
             flat, expert, gate, keep = flat[mine], expert[mine], gate[mine], keep[mine]
+        self.routed = count_routing(expert, keep, self.n_experts)
         y = dispatch_combine(flat, expert, gate, keep, list(self.experts.values()), self.n_experts,
                              ctx.ep_size, ctx.ep_group)  # [n, H]
         if ctx.tp_size == 1:

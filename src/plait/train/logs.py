@@ -4,13 +4,24 @@ PROJECT``), each an optional extra; rank 0 logs every step's numbers under the s
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plait.errors import require_extra
 
+if TYPE_CHECKING:
+    from plait.parallel_model import ParallelModel
+
 # the numbers of a metrics row logged each step (when present and not None)
 SCALARS = ("loss", "held_out_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "predicted_step_time_s",
-           "measured_bubble", "predicted_bubble", "epoch", "tokens_seen")
+           "measured_bubble", "predicted_bubble", "epoch", "tokens_seen", "aux_loss", "expert_imbalance",
+           "dropped_fraction")
+
+
+def experts_row(pm: ParallelModel) -> dict:
+    """A metrics row's routing numbers of the last step (``plait.experts.load.ExpertLoad.row``; a dense model:
+    none)."""
+    load = pm.last_expert_load
+    return load.row() if load is not None else {}
 
 
 def check_extras(tensorboard: str | None, wandb: str | None) -> None:

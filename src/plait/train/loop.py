@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from plait.checkpoint.shards import init_local, load_local
 from plait.data.stream import EVAL_BATCHES, IGNORE
 from plait.devices import synchronize
 from plait.distributed.collectives import collective
 from plait.train.config import PRESETS, TrainConfig, model_config, model_family
+from plait.train.logs import experts_row
 from plait.train.observe import NO_PREDICTION
 from plait.train.resume import data_paths, resume
 
@@ -195,8 +197,6 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
     """Mean next-token loss over the same held-out batches every time (None without a held-out split, or when
     no target of those batches is in the loss): each data-parallel replica its own rows (eval_step gives full
     logits on every rank), summed over replicas."""
-    import torch.distributed as dist
-
     ctx = run.ctx
     total = torch.zeros(2, dtype=torch.float64, device=ctx.device)  # [loss sum, tokens]
     for i in range(batches):
@@ -329,7 +329,7 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
     pred = run.prediction
     row = {"step": step + 1, "loss": shown, **run.data.position(step + 1),
            "tokens_per_s": cfg.batch_size * cfg.seq_len / dt, "step_time_s": dt, "lr": lr, "grad_norm": norm,
-           "phase_s": phases, **(pred.row() if pred is not None else NO_PREDICTION)}
+           "phase_s": phases, **(pred.row() if pred is not None else NO_PREDICTION), **experts_row(run.pm)}
     res.phases.append(phases)
     if trace:
         res.measured_bubble, res.simulated_bubble = bubble(run, dt)
@@ -350,8 +350,6 @@ def _step(run: Run, res: TrainResult, step: int, times: list[float], t_start: fl
 def _minutes_due(run: Run) -> bool:
     """Whether --checkpoint-every-minutes has passed since the last save, by rank 0's clock (collective over
     the world when the option is set: every rank takes the same answer)."""
-    import torch.distributed as dist
-
     if run.cfg.checkpoint_every_minutes <= 0:
         return False
     due = time.monotonic() - run.last_save >= 60 * run.cfg.checkpoint_every_minutes
@@ -364,8 +362,6 @@ def _minutes_due(run: Run) -> bool:
 
 def memory_rows(pm) -> list[dict]:
     """Every rank's ``pm.memory_report()`` with its coordinates, in rank order (collective over the world)."""
-    import torch.distributed as dist
-
     ctx = pm.ctx
     mine = {"rank": ctx.rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "cp": ctx.cp_rank, "tp": ctx.tp_rank,
             **pm.memory_report()}

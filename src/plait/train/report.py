@@ -145,7 +145,7 @@ class Reporter:
         pred = row.get("predicted_step_time_s")
         ms = f" | {row['step_time_s'] * 1e3:,.0f} ms" + (f" (predicted {pred * 1e3:,.0f})" if pred else "")
         loss = f"{row['loss']:.3f}" if row["loss"] is not None else "- (no target in the loss)"
-        return f"loss {loss} | {row['tokens_per_s']:,.0f} tok/s{ms}{bub}"
+        return f"loss {loss}{experts_text(row)} | {row['tokens_per_s']:,.0f} tok/s{ms}{bub}"
 
     def step(self, row: dict) -> None:
         if not self.active:
@@ -196,6 +196,19 @@ class Reporter:
                                f"cannot; plait generate --model {res.checkpoint} samples the model")
 
 
+def experts_text(row: dict) -> str:
+    """A mixture of experts' step in the progress line (nothing for a dense model): the load-balancing loss
+    (part of the loss shown), the busiest expert's assignments over the mean in the worst MoE layer, and the
+    share of assignments the capacity limit dropped (when there is one)."""
+    if row.get("aux_loss") is None:
+        return ""
+    by_layer: dict[str, float] = row["expert_imbalance_by_layer"]
+    worst = max(by_layer, key=by_layer.__getitem__)
+    where = f" (layer {worst})" if len(by_layer) > 1 else ""
+    dropped = f", dropped {row['dropped_fraction']:.1%}" if row.get("dropped_fraction") is not None else ""
+    return f" (aux {row['aux_loss']:.4f}) | experts max/mean {by_layer[worst]:.2f}{where}{dropped}"
+
+
 def layout_text(p: ParallelConfig) -> str:
     """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``; at pp 1
     (no pipeline) without the schedule: ``tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch``; expert parallelism,
@@ -239,9 +252,20 @@ def summary_table(cfg: TrainConfig, run, res):
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", (res.checkpoint or "-") + _blocked(cfg, res)),
     ]
+    if run.pm.last_expert_load is not None:
+        rows.insert(3, ("experts", _experts_summary(run.pm.last_expert_load.row())))
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _experts_summary(row: dict) -> str:
+    """The last step's routing (a mixture of experts): load-balancing loss, imbalance, dropped share."""
+    by_layer: dict[str, float] = row["expert_imbalance_by_layer"]
+    worst = max(by_layer, key=by_layer.__getitem__)
+    dropped = "" if row["dropped_fraction"] is None else f"; {row['dropped_fraction']:.1%} of assignments dropped"
+    return (f"last step: load-balancing loss {row['aux_loss']:.4f} (in the loss); busiest expert "
+            f"{by_layer[worst]:.2f}x the mean (layer {worst}){dropped}")
 
 
 def _throughput(res) -> str:
