@@ -322,3 +322,17 @@ def test_a_tokenizer_with_more_ids_than_the_vocabulary_is_refused_up_front_by_tr
     for command in (["train", "--dry-run"], ["generate", "--prompt", "hi"], ["serve"]):
         res = CliRunner().invoke(app, [*command, "--model", str(folder)])
         assert res.exit_code == 2 and res.output == needle, (command, res.output)
+
+
+@pytest.mark.parametrize("top_k", ["1", "2"])
+def test_top_k_with_a_mixtral_folder_is_refused_not_ignored(tmp_path, top_k):
+    """--top-k shapes a preset's experts; a folder routes as its config.json says (top-1 was silently top-2, and a
+    --top-k 2 equal to the folder's was refused for --experts 1, which was not typed)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 32, "vocab_size": 300, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    res = CliRunner().invoke(app, ["train", "--model", str(tmp_path), "--top-k", top_k, "--tp", "1", "--pp", "1",
+                                   "--dry-run"])
+    assert res.exit_code == 2 and res.output.startswith(
+        f"error: --top-k {top_k}: it routes the experts --experts gives a preset (tiny, small); --model {tmp_path} "
+        "routes as its config.json says (num_experts_per_tok); leave --top-k out"), res.output

@@ -72,7 +72,7 @@ def _resolve(ctx: typer.Context, config: Path | None, options: dict):
     from plait.cli.options import check_cp_comm, typed
     from plait.errors import ConfigError
     from plait.parallel_config import field_names
-    from plait.train.config import TrainConfig, read_toml
+    from plait.train.config import PRESETS, TrainConfig, read_toml
 
     values = read_toml(config) if config is not None else {}
     given = set(values) | {name for name in options if typed(ctx, name)}
@@ -86,6 +86,10 @@ def _resolve(ctx: typer.Context, config: Path | None, options: dict):
                           f"{'it' if len(chosen) == 1 else 'them'}, or keep {'it' if len(chosen) == 1 else 'them'} "
                           "with --layout flags")
     check_cp_comm(values.get("cp", 1), values.get("cp_comm", "allgather"))
+    if "top_k" in given and values.get("model", "tiny") not in PRESETS:  # else silently the folder's own
+        raise ConfigError(f"--top-k {values['top_k']}: it routes the experts --experts gives a preset "
+                          f"({', '.join(PRESETS)}); --model {values['model']} routes as its config.json says "
+                          "(num_experts_per_tok); leave --top-k out")
     if "max_data_mb" in given and values["data"] and all(_prepared(e) for e in values["data"]):
         raise ConfigError(f"--max-data-mb {values['max_data_mb']:g}: it limits the plain text tokenized at start-up, "
                           "but every --data is a prepared dataset (read whole, memory-mapped); leave it out")
