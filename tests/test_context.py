@@ -217,3 +217,28 @@ def test_planner_recomputes_nothing_for_selective_under_cp():
             assert (layer.recompute > 0) == (cp == 1), (cluster.gpu, cp, layer)
             none = cluster.costs.activations(model, replace(layout, recompute="none"), "fp32").layer
             assert (cluster.costs.activations(model, layout, "fp32").layer == none) == (cp > 1), (cluster.gpu, cp)
+
+
+def test_planner_counts_a_sliding_window_as_plait_attends_with_it():
+    """Mistral's window: at cp1 plait's layer hands SDPA an explicit mask, which its flash backend does not take
+    (the whole square is computed, twice the causal half); CP's blockwise attention skips the blocks outside the
+    window, so under cp the planner's attention core shrinks to the pairs the runtime's mask keeps."""
+    from dataclasses import replace
+
+    from plait.context_parallel import attention_pairs
+    from plait.plan import Cluster, Layout, Model
+    from plait.plan.attention import DEFAULT_KERNEL, efficiency, window_share
+
+    for seq, window in ((4096, 1000), (1024, 1024), (64, 5), (64, 100)):
+        pairs = sum(attention_pairs(seq, 1, window))
+        assert window_share(seq, window) == pytest.approx(pairs / (seq * (seq + 1) / 2), rel=1e-12), (seq, window)
+    seq, window = 32768, 4096
+    full = Model.preset("llama3-8b", seq)
+    windowed, cluster = replace(full, sliding_window=window), Cluster("h100-sxm", 8)
+    for cp in (1, 4):
+        layout = Layout(cp=cp, dp=8 // cp)
+        kernel = efficiency(cluster.gpu, DEFAULT_KERNEL, seq / cp, full.head_dim)
+        causal = 4 * seq / cp * seq * full.q_width / 2 / (cluster.gpu.peak_flops * kernel)  # the causal half
+        f_full, f_window = (cluster.costs.blocks(m, layout, "bf16").layer.f_compute for m in (full, windowed))
+        expected = causal if cp == 1 else -causal * (1 - window_share(seq, window))
+        assert f_window - f_full == pytest.approx(expected, rel=1e-6), (cp, f_window, f_full)

@@ -123,3 +123,12 @@ def efficiency(gpu: GPU, kernel: str, seq: float, head_dim: float) -> float:
     at = {d: _interpolate(logs, tflops, math.log2(max(seq, 1.0))) for d, tflops in dims.items()}
     ds = tuple(sorted(at))
     return _interpolate(ds, tuple(at[d] for d in ds), head_dim) * 1e12 / peak
+
+
+def window_share(seq_len: float, window: int | None) -> float:
+    """The share of a causal attention's query-key pairs over ``seq_len`` tokens that a sliding window of
+    ``window`` keys (itself included) keeps: the query at position p sees min(p + 1, W) keys, so W(W+1)/2 +
+    (s-W)·W of the causal s(s+1)/2 pairs; 1.0 without a window or with one that spans the sequence."""
+    if window is None or window >= seq_len:
+        return 1.0
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / (seq_len * (seq_len + 1) / 2)

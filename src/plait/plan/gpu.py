@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from plait.plan import eager, experts, tp_comm
 from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.attention import efficiency as attention_efficiency
+from plait.plan.attention import window_share
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
@@ -177,13 +178,22 @@ class GpuCosts:
         s×s square as ``layer_forward_flops`` counts them. A fused kernel (``Cluster(flash_attention=...)``) runs
         the causal half (``FLASH_CAUSAL``) at its published share of peak at this sequence length per CP rank and
         head dimension (``plan.attention.efficiency``), its backward ``FLASH_BACKWARD`` times that work; the
-        unfused softmax runs at the GEMM speed, its backward twice the forward."""
+        unfused softmax runs at the GEMM speed, its backward twice the forward.
+        A sliding window (``Model.sliding_window``): plait's layer hands it to SDPA as an explicit mask, which the
+        flash backend does not take, so at cp = 1 the fused kernel computes the whole square, masked blocks
+        included (at the same share of peak: no published figures); context parallelism's blockwise attention
+        skips the key blocks no query of a tile sees, so under cp > 1 the causal half shrinks to the pairs the
+        window keeps (``plan.attention.window_share``)."""
         gpu = self.gpu
         if not self.cluster.flash_attention:
             forward = flops / gemm_speed(gpu)
             return forward, 2 * forward
         kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
-        forward = flops * FLASH_CAUSAL / (gpu.peak_flops * kernel)
+        if model.sliding_window is not None and layout.cp == 1:
+            computed = 1.0
+        else:
+            computed = FLASH_CAUSAL * window_share(model.seq_len, model.sliding_window)
+        forward = flops * computed / (gpu.peak_flops * kernel)
         return forward, FLASH_BACKWARD * forward
 
     def _cp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> tuple[float, float]:
