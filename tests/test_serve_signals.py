@@ -63,8 +63,9 @@ def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp
     if forwarded:
         (tmp_path / f"signal-{int(signal.SIGTERM)}").touch()
     monkeypatch.setenv(JOB_DIR_ENV, str(tmp_path))
-    ends: list[tuple[float, int]] = []
-    monkeypatch.setattr(job_signals, "end_after", lambda seconds, status: ends.append((seconds, status)))  # not pytest
+    ends: list[tuple[float, int, str]] = []
+    monkeypatch.setattr(job_signals, "end_after",  # not pytest's end
+                        lambda seconds, status, said: ends.append((seconds, status, said)))
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     signals = StopSignals(leader=True)  # rank 0 before its engine exists: the model still loading
     try:
@@ -80,5 +81,5 @@ def test_the_launcher_s_end_of_a_failed_job_is_no_stop_request_while_loading(tmp
     said = capsys.readouterr().err
     assert signals.reason == "SIGTERM"
     assert said == ("plait serve: SIGTERM: stopping once the model has loaded\n" if forwarded else ""), said
-    assert ends == ([] if forwarded else [(FAILED_END_S, 128 + signal.SIGTERM)])
+    assert ends == ([] if forwarded else [(FAILED_END_S, 128 + signal.SIGTERM, "")])  # the launcher names the rank
 

@@ -1,9 +1,9 @@
 """The stop signals of a job that ``plait.distributed.launch.launch`` runs: passed on to its workers
 (``ForwardSignal``), held in the workers until their entry point while they start (``HeldInterrupts``), and taken
-by stopped workers once the job has failed (``ResumeStopped``); in a worker, whether the launcher's SIGTERM ends a
-failed job (``ending_after_a_failure``), signals taken in a thread of their own whatever the main thread waits on
-(``SignalThread``) and the end of a worker that cannot take them (``end_after``); what the kernel says of processes
-(``process_state``, ``child_pids``)."""
+by stopped workers once the job has failed (``ResumeStopped``); in a worker (of that launcher or of torchrun),
+whether the launcher's SIGTERM ends a failed job (``ending_after_a_failure``), signals taken in a thread of their
+own whatever the main thread waits on (``SignalThread``) and the end of a worker that cannot take them
+(``end_after``); what the kernel says of processes (``process_state``, ``child_pids``)."""
 
 from __future__ import annotations
 
@@ -168,30 +168,67 @@ def child_pids(pid: int, command: bytes | None = None) -> list[int]:
 
 def a_worker_ended() -> bool:
     """True in a launched worker when a fellow worker of its job has ended: its parent, the fork server that forked
-    the job's workers, has fewer live children than the job has workers here (``LOCAL_WORLD_SIZE``). False where
-    that cannot be told: off Linux, and for workers spawned by the launcher (its other children count too)."""
+    the job's workers or torchrun's agent that started them, has fewer live children than the job has workers here
+    (``LOCAL_WORLD_SIZE``). False where that cannot be told: off Linux, and for workers spawned by plait's launcher
+    (its other children count too)."""
     children = child_pids(os.getppid())
     return 0 < len(children) < int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
 
 
 def ending_after_a_failure() -> bool:
-    """True in a launched worker whose job is ending because a worker failed: a failure is written down in the
-    job's folder or a worker has ended (one killed writes nothing), and no stop signal was passed on, so the SIGTERM
-    the launcher sends the workers left is nobody's request to stop (False outside a launched job)."""
+    """True in a launched worker whose job is ending because a worker failed, so that the SIGTERM its launcher sends
+    the workers left is nobody's request to stop. Under plait's launcher: a failure is written down in the job's
+    folder or a worker has ended (one killed writes nothing), and no stop signal was passed on. Under torchrun, which
+    passes on no note of why: a worker of this host has ended (a SIGTERM to every worker alive, a preemption, is a
+    request to stop; the death of a worker of another host is not seen here). False outside a launched job."""
+    from plait.distributed.launch import under_torchrun
+
     folder = os.environ.get(JOB_DIR_ENV)
     if not folder:
-        return False
+        return under_torchrun() and a_worker_ended()
     job = Path(folder)
     return not taken_signals(job) and (any(job.glob("rank*")) or a_worker_ended())
 
 
-def end_after(seconds: float, status: int) -> None:
-    """End this process ``seconds`` from now with exit status ``status`` (its standard streams flushed), whatever its
-    main thread is doing then: a daemon timer, for a signal thread to start. Python runs a signal's handler in the
-    main thread between two bytecodes, which a main thread blocked in C++ (a collective waiting on a live peer, a
-    process group's teardown) does not reach."""
+def ended_ranks() -> list[int]:
+    """In a worker of torchrun, the global ranks of the workers of this host that have ended: the ``LOCAL_RANK``s
+    none of its agent's live children (``child_pids``) has, numbered as torchrun numbers ranks, host by host. None
+    are named where a live worker's environment cannot be read (Linux's /proc: elsewhere, none)."""
+    me = int(os.environ.get("LOCAL_RANK", "0"))
+    live = {me}
+    for pid in child_pids(os.getppid()):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended while we read, or not ours to read
+            return []
+        live.update(int(v) for k, _, v in (e.partition(b"=") for e in env)
+                    if k == b"LOCAL_RANK" and v.isdigit())
+    first = int(os.environ.get("RANK", "0")) - me
+    return [first + r for r in range(int(os.environ.get("LOCAL_WORLD_SIZE", "0"))) if r not in live]
+
+
+def torchrun_failure() -> str:
+    """The line a torchrun worker prints as ``SignalThread`` ends it after its agent's SIGTERM to a failed job (the
+    agent's own report follows, naming the first failure): which ranks ended. Under plait's launcher the launcher
+    names the failed rank: nothing."""
+    if os.environ.get(JOB_DIR_ENV):
+        return ""
+    ended = ended_ranks()
+    who = f"{'rank' if len(ended) == 1 else 'ranks'} {', '.join(map(str, ended))}" if ended else "a worker"
+    return (f"error: rank {os.environ.get('RANK', '0')}: {who} of this host ended, and torchrun ends the job: this "
+            f"rank ends {FAILED_END_S:g} s after its SIGTERM")
+
+
+def end_after(seconds: float, status: int, said: str = "") -> None:
+    """End this process ``seconds`` from now with exit status ``status`` (its standard streams flushed, after ``said``
+    as a line on standard error where given), whatever its main thread is doing then: a daemon timer, for a signal
+    thread to start. Python runs a signal's handler in the main thread between two bytecodes, which a main thread
+    blocked in C++ (a collective waiting on a live peer, a process group's teardown) does not reach."""
 
     def end() -> None:
+        if said:
+            with contextlib.suppress(Exception):
+                print(said, file=sys.stderr)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # closed, or a pipe no one reads
                 stream.flush()
@@ -237,7 +274,7 @@ class SignalThread:
         failed = ending_after_a_failure()
         if failed and signum == signal.SIGTERM and not self.ending:
             self.ending = True
-            end_after(FAILED_END_S, 128 + signum)
+            end_after(FAILED_END_S, 128 + signum, torchrun_failure())
         self.note(signum, failed)
 
     def close(self) -> None:
