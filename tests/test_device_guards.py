@@ -18,7 +18,7 @@ CPU_LITERAL = re.compile(r"""["']cpu["']|\.cpu\(\)|device\(\s*["']cpu""")
 #: file -> (how many CPU literals it may hold, why each is right on a GPU too)
 ALLOWED: dict[str, tuple[int, str]] = {
     "devices.py": (7, "the device-type tests themselves (host copies count only from a non-CPU device)"),
-    "distributed/context.py": (1, "Gloo's device is the CPU"),
+    "distributed/default_group.py": (1, "Gloo's device is the CPU"),
     "calibrate/__init__.py": (2, "host facts: the processor's name under the key 'cpu', and 'cpu' as the device "
                                  "name when there is no GPU"),
     "optim/optimizer.py": (1, "the device types with torch's fused AdamW kernel"),
@@ -61,7 +61,7 @@ def test_no_cpu_only_device_literal_beyond_the_listed_ones():
 def test_no_unconditional_cuda_calls_outside_the_device_module():
     """``torch.cuda.*`` only where the code asked first whether the device is a GPU (devices.py, the launcher,
     the calibration's host facts)."""
-    allowed = {"devices.py", "distributed/context.py", "calibrate/__init__.py"}
+    allowed = {"devices.py", "distributed/default_group.py", "calibrate/__init__.py"}
     calls = {path.relative_to(SRC).as_posix() for path in SRC.rglob("*.py")
              if "torch.cuda." in path.read_text()}
     assert calls <= allowed, calls - allowed
@@ -72,7 +72,7 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     context's device is that GPU; without CUDA it is the CPU under Gloo."""
     import torch.distributed as dist
 
-    from plait.distributed import context
+    from plait.distributed import default_group
 
     chosen: list[int] = []
     inited: list[str] = []
@@ -85,19 +85,19 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     torchrun = {"LOCAL_RANK": "3", "RANK": "7", "WORLD_SIZE": "8", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
     for name, value in torchrun.items():
         monkeypatch.setenv(name, value)
-    context.ensure_default_group(10.0)
+    default_group.ensure_default_group(10.0)
     assert chosen == [3] and inited == ["nccl"]
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: chosen[-1])
-    assert context.default_device() == torch.device("cuda", 3)
+    assert default_group.default_device() == torch.device("cuda", 3)
     monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
-    assert context.default_device() == torch.device("cpu")
+    assert default_group.default_device() == torch.device("cpu")
 
 
     for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # a launch that leaves the device to a guess: refused
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="LOCAL_RANK is not set, while RANK=7 and WORLD_SIZE=8 are"):
-        context.ensure_default_group(10.0)
+        default_group.ensure_default_group(10.0)
     assert chosen == [3] and inited == ["nccl"]
 
 

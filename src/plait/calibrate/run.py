@@ -18,7 +18,7 @@ from plait.calibrate import kernels as k
 from plait.calibrate import pipeline_block, tp_block, usable_cores
 from plait.devices import synchronize
 from plait.distributed.collectives import collective
-from plait.distributed.context import default_device, ensure_default_group
+from plait.distributed.default_group import default_device, ensure_default_group
 from plait.plan.host import shapes
 from plait.plan.host.figures import BLOCK, COLLECTIVES, LAYER, SELECTIVE, Curve, Rate, TPBlock
 from plait.plan.host.profile import HostProfile, Section

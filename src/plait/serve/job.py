@@ -110,7 +110,7 @@ def serve_job(payload: dict) -> None:
     import torch.distributed as dist
 
     from plait.distributed.collectives import collective
-    from plait.distributed.context import DEFAULT_TIMEOUT_S
+    from plait.distributed.default_group import DEFAULT_TIMEOUT_S
     from plait.generation.job import load_model
     from plait.serve.engine import STALL_SHOWN_S, follow
     from plait.serve.runner import Runner
