@@ -1,5 +1,5 @@
-"""Model families (Mistral, Qwen2, Qwen3, Mixtral) from Hugging Face folders: logits against transformers, training
-against one device under tp2·pp2 with SP, and generation under tp2·pp2 against one device.
+"""Model families (Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) from Hugging Face folders: logits against
+transformers, training against one device under tp2·pp2 with SP, and generation under tp2·pp2 against one device.
 
 The parent process builds each folder with ``transformers`` from a small random config (``make_folders``) and
 saves transformers' logits beside it; the ranks (inside the pipeline checks' world of 4) only use plait.
@@ -25,6 +25,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=12)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             sliding_window=5)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, head_dim=12,
+                                                                moe_intermediate_size=24, norm_topk_prob=True)),
 }
 
 
@@ -118,12 +120,13 @@ def family_checks(root: Path, contexts: ExitStack) -> list:
     tp2pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1))
     checks = []
     for family, schedule in (("mistral", "1f1b"), ("qwen2", "zbv"), ("qwen3", "interleaved-1f1b"),
-                             ("mixtral", "1f1b")):
+                             ("mixtral", "1f1b"), ("qwen3_moe", "zb-h1")):
         checks.append((f"family/{family}", lambda f=family, s=schedule: compare_family(root / f, tp2pp2, s,
                                                                                        root / f"{f}-export")))
         checks.append((f"family/{family}/generate", lambda f=family: generate_family(root / f, tp2pp2)))
     ep2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1, ep=2))
     checks.append(("family/mixtral/ep2", lambda: compare_family(root / "mixtral", ep2, "zbv")))
+    checks.append(("family/qwen3_moe/ep2", lambda: compare_family(root / "qwen3_moe", ep2, "1f1b")))
     etp = contexts.enter_context(plait.init(tp=2, pp=2, dp=1, expert_tp=True))
     checks.append(("family/mixtral/expert_tp", lambda: compare_family(root / "mixtral", etp, "1f1b")))
     return checks

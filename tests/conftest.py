@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def families(tmp_path_factory):
-    """Hugging Face folders of Mistral, Qwen2, Qwen3 and Mixtral (checks_families), or None without transformers."""
+    """Hugging Face folders of the model families (checks_families.FAMILIES), or None without transformers."""
     import checks_families
 
     if importlib.util.find_spec("transformers") is None:

@@ -11,11 +11,11 @@ import torch
 import plait
 from checks_families import FAMILIES, hf_model, tokens
 from plait.errors import ConfigError
-from plait.models import Mistral, MistralConfig, Mixtral, Qwen2, Qwen3
+from plait.models import Mistral, MistralConfig, Mixtral, Qwen2, Qwen3, Qwen3Moe
 from plait.models.registry import families, family_of
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[dev])")
-CLASSES = {"mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3, "mixtral": Mixtral}
+CLASSES = {"mistral": Mistral, "qwen2": Qwen2, "qwen3": Qwen3, "mixtral": Mixtral, "qwen3_moe": Qwen3Moe}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -111,11 +111,16 @@ def _folder(tmp_path, **hf):
 
 
 @pytest.mark.parametrize("hf,needle", [
-    ({"model_type": "gpt2"}, "supported model types: llama, mistral, mixtral, qwen2, qwen3"),
+    ({"model_type": "gpt2"}, "supported model types: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
     ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
     ({"model_type": "mixtral", "num_experts_per_tok": 1}, "top_k"),
+    ({"model_type": "qwen3_moe", "num_experts_per_tok": 2}, "norm_topk_prob=false with num_experts_per_tok=2: plait "
+                                                           "renormalises .* valid: norm_topk_prob=true"),
+    ({"model_type": "qwen3_moe", "num_experts_per_tok": 1, "norm_topk_prob": True}, "valid: norm_topk_prob=false"),
+    ({"model_type": "qwen3_moe", "norm_topk_prob": True, "mlp_only_layers": [0]}, "mlp_only_layers=.0.: plait runs"),
+    ({"model_type": "qwen3_moe", "norm_topk_prob": True, "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     ({"model_type": "mistral", "hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_unsupported_folder_is_config_error(tmp_path, hf, needle):
@@ -149,8 +154,8 @@ def test_cli_generate_and_serve_take_any_family_folder(tmp_path):
     bad = _folder(tmp_path / "gpt2", model_type="gpt2")
     for command in (["train", "--nproc", "4"], ["generate"], ["serve"]):
         out = CliRunner().invoke(app, [*command, "--model", str(bad)])
-        assert out.exit_code == 2 and "supported model types: llama, mistral, mixtral, qwen2, qwen3" in out.output, (
-            command, out.output)
+        supported = "supported model types: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
+        assert out.exit_code == 2 and supported in out.output, (command, out.output)
 
 
 def test_every_registered_family_s_folders_are_read_by_the_one_reader():

@@ -1,6 +1,6 @@
 """Every schedule over TP x PP x DP (world 4 and 8) equals a single device; peaks equal the simulator's.
 
-The world of 4 also runs the model families (Mistral, Qwen2, Qwen3, Mixtral) from Hugging Face folders under
+The world of 4 also runs the model families (Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) from Hugging Face folders under
 tp2·pp2: logits equal transformers', training equals one device, generation equals one device.
 """
 
@@ -137,7 +137,8 @@ def test_model_built_on_meta_device(world4, case):
         assert r["local_fraction"] < 0.5, f"rank {rank} holds {r['local_fraction']:.0%} of the model"
 
 
-FAMILY_CASES = ["mistral", "qwen2", "qwen3", "mixtral", "mixtral/ep2", "mixtral/expert_tp"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+FAMILY_CASES = [*FAMILIES, "mixtral/ep2", "mixtral/expert_tp", "qwen3_moe/ep2"]
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
@@ -153,7 +154,7 @@ def test_family_tp2_pp2_sp_equals_transformers_and_one_device(world4, case):
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_export_from_tp2_pp2_shards_loads_in_transformers(world4, families, family):
     import torch
     import transformers
@@ -166,7 +167,7 @@ def test_family_export_from_tp2_pp2_shards_loads_in_transformers(world4, familie
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_generate_tp2_pp2_equals_one_device(world4, family):
     for rank, r in enumerate(result(world4, f"family/{family}/generate")):
         assert r["parallel"] == r["single"], f"rank {rank} {family}: {r['parallel']} vs one device {r['single']}"

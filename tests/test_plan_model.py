@@ -153,28 +153,51 @@ def test_qkv_biases_are_counted_and_replicated_with_their_kv_heads():
     assert summed == 2 * 2 * 2 * 16
 
 
-def test_a_config_of_another_family_is_read_by_its_shapes_or_refused_where_they_do_not_say_it(tmp_path):
-    """A config of a model type plait does not run is read by the shapes its keys give: Qwen3-MoE's experts are
-    moe_intermediate_size wide (intermediate_size, 6144, is no expert's) and its heads head_dim wide; it was planned
-    at 233.0B parameters where Qwen3-30B-A3B has 30.5B (3.3B active: its model card). A key describing what Model
-    does not (shared experts, dense layers among the experts', latent attention, a sliding window) is a ConfigError
-    naming it, unless its value leaves the model as Model describes it."""
-    qwen3_moe = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
-                 "max_position_embeddings": 40960, "tie_word_embeddings": False, "decoder_sparse_step": 1,
-                 "mlp_only_layers": [], "sliding_window": None, "use_sliding_window": False}
-    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe))
+#: Qwen3-30B-A3B's config.json (its shapes)
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+             "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+             "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+             "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "sliding_window": None,
+             "use_sliding_window": False}
+
+
+def test_a_qwen3_moe_config_is_read_as_plait_builds_it(tmp_path):
+    """Qwen3-MoE is a family plait runs: its experts are moe_intermediate_size wide (intermediate_size, 6144, is no
+    expert's) and its heads head_dim wide, 30.5B parameters (3.3B active: Qwen3-30B-A3B's model card); dense layers
+    among the experts' and gates plait's router does not give are refused by the reader plait's models share."""
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "norm_topk_prob": True}))
     m = Model.from_hf_config(tmp_path)
     assert round(m.n_params() / 1e9, 1) == 30.5 and 3.3e9 <= m.n_params(active=True) < 3.4e9
     assert (m.ffn, m.head_dim, m.head_norms, m.n_experts, m.top_k) == (768, 128, ("q", "k"), 128, 8)
     neutral = {"use_sliding_window": False, "sliding_window": 4096, "layer_types": ["full_attention"] * 48}
-    (tmp_path / "config.json").write_text(json.dumps({**qwen3_moe, **neutral}))
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "norm_topk_prob": True, **neutral}))
+    assert Model.from_hf_config(tmp_path) == m
+    for key, value, needle in [("decoder_sparse_step", 2, "decoder_sparse_step=2"),
+                               ("mlp_only_layers", [0], "mlp_only_layers=[0]"),
+                               ("norm_topk_prob", False, "norm_topk_prob=false with num_experts_per_tok=8")]:
+        (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "norm_topk_prob": True, key: value}))
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            Model.from_hf_config(tmp_path)
+
+
+def test_a_config_of_another_family_is_read_by_its_shapes_or_refused_where_they_do_not_say_it(tmp_path):
+    """A config of a model type plait does not run (Qwen2-MoE's shapes) is read by the shapes its keys give: its
+    experts are moe_intermediate_size wide and its heads head_dim wide (Qwen3-30B-A3B's shapes: 30.5B parameters,
+    none of the q/k norms of Qwen3's family). A key describing what Model does not (shared experts, dense layers
+    among the experts', latent attention, a sliding window) is a ConfigError naming it, unless its value leaves the
+    model as Model describes it."""
+    other = {**QWEN3_MOE, "model_type": "qwen2_moe"}
+    (tmp_path / "config.json").write_text(json.dumps(other))
+    m = Model.from_hf_config(tmp_path)
+    assert round(m.n_params() / 1e9, 1) == 30.5
+    assert (m.ffn, m.head_dim, m.head_norms, m.n_experts, m.top_k) == (768, 128, (), 128, 8)
+    neutral = {"use_sliding_window": False, "sliding_window": 4096, "layer_types": ["full_attention"] * 48}
+    (tmp_path / "config.json").write_text(json.dumps({**other, **neutral}))
     assert Model.from_hf_config(tmp_path) == m
     for key, value in [("n_shared_experts", 1), ("shared_expert_intermediate_size", 5632), ("first_k_dense_replace", 3),
                        ("decoder_sparse_step", 2), ("mlp_only_layers", [0]), ("kv_lora_rank", 512),
                        ("layer_types", ["sliding_attention", "full_attention"]), ("use_sliding_window", True)]:
-        (tmp_path / "config.json").write_text(json.dumps({**qwen3_moe, **neutral, key: value}))
+        (tmp_path / "config.json").write_text(json.dumps({**other, **neutral, key: value}))
         named = "sliding_window = 4096" if key == "use_sliding_window" else f"{key} = {value!r}"
         with pytest.raises(ConfigError, match=rf"config.json: {re.escape(named)}: .* which the planner does not "
                                               r"model .*remove the key from a copy of the file"):

@@ -160,19 +160,19 @@ def test_the_flags_plait_plan_prints_run_in_plait_train_as_they_are(tmp_path, la
 
 def test_a_plan_plait_train_would_refuse_says_why_instead_of_flags(tmp_path):
     """A plan of sequences longer than the model's context (plait train refuses a --seq-len beyond it), or of a
-    config whose family plait train does not build (Qwen3-MoE), printed flags that plait train then refused; it
+    config whose family plait train does not build (Qwen2-MoE), printed flags that plait train then refused; it
     now says why plait train does not run it, gives no train_flags and writes no --config file."""
-    qwen3_moe = tmp_path / "qwen3moe"
-    qwen3_moe.mkdir()
-    (qwen3_moe / "config.json").write_text(json.dumps({
-        "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
+    other = tmp_path / "qwen2moe"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_moe", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
         "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "max_position_embeddings": 4096}))
     cpu = ["--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "4", "--global-batch", "8"]
     for model, seq, why in (("tiny", "1024", "--seq-len 1024 exceeds tiny's context of 512 tokens (the preset's "
                                              "max_seq_len), which plait train keeps to"),
-                            (str(qwen3_moe), "512", f"--model {qwen3_moe}: model_type 'qwen3_moe' is not one plait "
-                                                    "train builds (llama, mistral, mixtral, qwen2, qwen3)")):
+                            (str(other), "512", f"--model {other}: model_type 'qwen2_moe' is not one plait train "
+                                                "builds (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)")):
         args = ["plan", "--model", model, "--seq-len", seq, *cpu]
         text, as_json = (CliRunner().invoke(app, args + extra) for extra in ([], ["--json"]))
         assert text.exit_code == 0 and f"\n• plait train does not run it: {why}\n" in text.output, text.output

@@ -2,9 +2,9 @@
 
 ``llama_fields`` turns the dict into ``plait.models.LlamaConfig`` keyword arguments: the shapes every Llama-like
 folder gives (an explicit ``head_dim`` included) and what its family's folders add (``FAMILY_FIELDS``: Mistral's
-and Mixtral's window, Mixtral's experts, Qwen2's q/k/v biases, Qwen3's per-head q/k norms). plait's models build
-their config from it (``plait.models.hf.config_from_hf``, which also refuses what they do not run: another
-activation, scaled RoPE, a family's own refusals), and the planner its ``plait.plan.Model``
+and Mixtral's window, Mixtral's experts, Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Qwen3-MoE's both).
+plait's models build their config from it (``plait.models.hf.config_from_hf``, which also refuses what they do
+not run: another activation, scaled RoPE, a family's own refusals), and the planner its ``plait.plan.Model``
 (``Model.from_hf_config``, through ``Model.from_llama_config`` as ``plait train``'s prediction does), so a folder is
 planned as plait builds it.
 """
@@ -52,7 +52,26 @@ FAMILY_FIELDS: dict[str, Callable[[dict], dict[str, Any]]] = {
                            "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "sliding_window": _window(hf)},
     "qwen2": lambda hf: {"qkv_bias": True},
     "qwen3": lambda hf: {"qk_norm": True},
+    "qwen3_moe": lambda hf: _qwen3_moe(hf),
 }
+
+
+def _qwen3_moe(hf: dict) -> dict[str, Any]:
+    """Qwen3-MoE's fields: every layer's feed-forward is experts ``moe_intermediate_size`` wide (transformers 5 writes
+    ``num_experts`` as ``num_local_experts``); ConfigError for dense layers among them and for gates plait's router
+    does not give (it renormalises the chosen ones exactly when top-k > 1)."""
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"decoder_sparse_step={hf.get('decoder_sparse_step', 1)}, mlp_only_layers="
+                          f"{hf.get('mlp_only_layers') or []}: plait runs Qwen3-MoE with experts in every layer; "
+                          "valid: decoder_sparse_step=1, mlp_only_layers=[]")
+    top_k = count("num_experts_per_tok", hf.get("num_experts_per_tok", 8))
+    if bool(hf.get("norm_topk_prob", False)) != (top_k > 1):
+        raise ConfigError(f"norm_topk_prob={str(bool(hf.get('norm_topk_prob', False))).lower()} with "
+                          f"num_experts_per_tok={top_k}: plait renormalises the chosen gates when top-k > 1 and "
+                          f"gates by the probability at top-1; valid: norm_topk_prob={str(top_k > 1).lower()}")
+    return {"qk_norm": True, "top_k": top_k, "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+            "n_experts": count("num_experts", hf.get("num_experts", hf.get("num_local_experts", 128))),
+            "ffn_dim": count("moe_intermediate_size", hf.get("moe_intermediate_size", 768))}
 
 
 def model_type(hf: dict) -> str:

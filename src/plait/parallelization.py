@@ -86,7 +86,7 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     concern the optimizer). ``config``'s sizes must be ctx's.
 
     The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
-    parallel plan and its default loss. Language models (Llama, Mistral, Qwen2, Qwen3, Mixtral) train on
+    parallel plan and its default loss. Language models (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) train on
     next-token cross-entropy over vocabulary-sharded logits (mean over the non-ignored tokens of the global
     batch); any ``nn.Sequential`` works too, given ``loss_fn(output, target)`` returning the mean loss of one
     micro-batch (and ``tp_plan`` for tp > 1). ``partition``: "balanced", "uniform" or layer counts per chunk.

@@ -10,7 +10,8 @@ from typing import Annotated
 
 import typer
 
-HELP = """Train a language model (Llama, Mistral, Qwen2, Qwen3, Mixtral) with tensor, pipeline and data parallelism.
+HELP = """Train a language model (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) with tensor, pipeline, data and
+expert parallelism.
 
 {defaults}
 

@@ -22,6 +22,7 @@ MODEL_TYPES: dict[str, str] = {
     "mixtral": "plait.models.mixtral",
     "qwen2": "plait.models.qwen2",
     "qwen3": "plait.models.qwen3",
+    "qwen3_moe": "plait.models.qwen3_moe",
 }
 
 SEQUENTIAL = SequentialFamily()

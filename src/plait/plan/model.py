@@ -320,7 +320,7 @@ def _check_modelled(cfg: dict[str, Any], source: str) -> None:
 def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: str = "config.json") -> Model:
     """The model of a config of a family plait does not run, from the shapes its keys give; a key of ``UNMODELLED``
     is refused. An MoE config's experts are ``moe_intermediate_size`` wide where it gives that width apart (Qwen2-MoE,
-    Qwen3-MoE, DeepSeek: ``intermediate_size`` is then a dense layer's)."""
+    DeepSeek: ``intermediate_size`` is then a dense layer's)."""
     _check_seq_len(seq_len)
     _check_modelled(cfg, source)
     kind = str(cfg.get("model_type", "")).lower()
@@ -345,7 +345,6 @@ def _from_hf_dict(cfg: dict[str, Any], seq_len: int | None, name: str, source: s
             tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
             n_experts=n_experts, top_k=c.number("top_k", "num_experts_per_tok", "moe_top_k", default=1),
             head_size=c.optional("head_size", "head_dim"),
-            head_norms=HEAD_NORMS if kind == "qwen3_moe" else (),  # Qwen3's per-head q/k norms in its MoE layers too
             bias=gpt_style, layernorm=gpt_style, learned_positions=kind in {"gpt2", "opt", "gpt_bigcode"},
             dropout=any(float(cfg.get(k) or 0) > 0 for k in DROPOUT_KEYS), name=name, context=context,
         )

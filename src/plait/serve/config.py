@@ -16,7 +16,7 @@ class ServeConfig:
     """The server's settings; ``resolved`` fills the defaults that follow from the model's context length."""
 
     model: str = "plait-checkpoints"
-    """A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, mistral, qwen2, qwen3,
+    """A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, mistral, qwen2, qwen3, qwen3_moe,
     mixtral)."""
     host: str = "127.0.0.1"
     """Address to listen on (0.0.0.0 exposes the server to the network)."""

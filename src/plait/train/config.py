@@ -34,7 +34,8 @@ class TrainConfig:
 
     parallel: ParallelConfig = TRAIN_PARALLEL
     model: str = "tiny"
-    """tiny, small (fresh), or a Hugging Face folder with its *.safetensors (llama, mistral, qwen2, qwen3, mixtral)."""
+    """tiny, small (fresh), or a Hugging Face folder with its *.safetensors (llama, mistral, qwen2, qwen3, mixtral,
+    qwen3_moe)."""
     data: list[str] = field(default_factory=list)
     """A dataset made by `plait data prepare` (repeatable, each source once; WEIGHT:DIR mixes several, e.g.
     0.7:web 0.3:code), or plain text files or folders tokenized at start-up (up to --max-data-mb); default: the
@@ -367,7 +368,7 @@ def _validate_model(cfg: TrainConfig) -> None:
 
         if mcfg.n_experts < 2:
             raise ConfigError(f"--ep {par.ep}{' --expert-tp' if par.expert_tp else ''} needs a mixture-of-experts "
-                              "model: pass --experts E (E >= 2) or a Mixtral folder")
+                              "model: pass --experts E (E >= 2) or a Mixtral or Qwen3-MoE folder")
         try:
             check_experts(mcfg.n_experts, par.ep)
         except FieldError:
