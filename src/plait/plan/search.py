@@ -80,20 +80,27 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
 CP_MIN_SEQ_LEN = 32768
 
 
+def searches_cp(model: Model) -> bool:
+    """Whether the search splits ``model``'s sequences over context-parallel ranks: from ``CP_MIN_SEQ_LEN`` tokens,
+    where activations rather than weights decide what fits, and at any length for a model with a sliding window,
+    whose attention at cp = 1 computes the whole square behind an explicit mask and keeps that mask per layer,
+    while context parallelism's attention skips the blocks outside the window (``plan.gpu``)."""
+    return model.seq_len >= CP_MIN_SEQ_LEN or model.sliding_window is not None
+
+
 def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> Iterator[Layout]:
     """Every layout the search considers (see docs/planner.md, "How it models a step": Search).
 
     Only what plait's runtime runs (``config.RUNTIME``: its recompute modes, ZeRO stages and schedules),
     unless ``plan_only``: then also what only the planner models (ZeRO-3 with pp > 1), marked plan-only
-    (``Layout.runnable``). Context parallelism (both K/V exchanges) is searched for sequences of ``CP_MIN_SEQ_LEN``
-    tokens or more, where activations rather than weights decide what fits.
+    (``Layout.runnable``). Context parallelism (both K/V exchanges) is searched where ``searches_cp`` says.
     SP is always on with TP (same communication volume, less memory: Korthikanti et al. 2022); with DP,
     ZeRO-0 is left out (a sharded optimizer moves no more than an all-reduce of the gradients, with less
     memory); GPipe is left out (1F1B has its bubble with less memory). An MoE model's experts are placed both
     ways the runtime runs at tp > 1, whole or split over TP (``_placements``, ``plan.experts``).
     """
     n = cluster.n_gpus
-    cps = _pow2_divisors_upto(n, 16) if model.seq_len >= CP_MIN_SEQ_LEN else [1]
+    cps = _pow2_divisors_upto(n, 16) if searches_cp(model) else [1]
     for tp in _pow2_divisors_upto(n, cluster.gpus_per_node * 2):
         for cp in cps:
             rest = n // tp
