@@ -1,12 +1,13 @@
 """Recovery without a person: plait train under torchrun --max-restarts with workers killed by SIGKILL (mid-run,
 during a restart's start-up, right after a restart's first step) finishes with the losses of an uninterrupted
-run, each restart continuing from the latest complete checkpoint (--auto-resume); a kill while a checkpoint is
-written in the background leaves the previous one in place."""
+run, each restart continuing from the latest complete checkpoint (--auto-resume) and --metrics holding each step
+once; a kill while a checkpoint is written in the background leaves the previous one in place."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,50 +40,58 @@ def _wait(proc: subprocess.Popen, until, what: str, timeout: float = 120.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _latest(folder: Path) -> int:
+    """The step of the latest complete checkpoint in ``folder`` (0: none yet)."""
+    from plait.checkpoint import find_checkpoint
+
+    found = find_checkpoint(folder)
+    return int(found.name.removeprefix("step_")) if found is not None else 0
+
+
 def test_torchrun_restarts_resume_exactly_after_sigkills(tmp_path):
     from checks_train import reference_losses
     from plait.train import TrainConfig
 
-    metrics = tmp_path / "m.jsonl"
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "plait-checkpoints"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
            "3", "-m", "plait.cli.main", "train", *FLAGS, "--metrics", str(metrics)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    kills = []
+    kills = []  # (when, pid, the latest complete checkpoint's step, the last step in --metrics), at each kill
     try:
         # 1: a pipeline rank mid-run; 2: a worker of the restart before it trained (start-up, rendezvous);
         # 3: the other pipeline rank right after the next restart's first step
         gen0 = _wait(proc, lambda: len(child_pids(proc.pid)) == 2 and child_pids(proc.pid), "the first workers")
         _wait(proc, lambda: len(_rows(metrics)) >= 7, "step 7")
-        kills.append(("mid-run", gen0[1]))
         os.kill(gen0[1], signal.SIGKILL)
+        kills.append(("mid-run", gen0[1], _latest(ckpt), _rows(metrics)[-1]["step"]))
         gen1 = _wait(proc, lambda: (w := child_pids(proc.pid)) and len(w) == 2 and not set(w) & set(gen0) and w,
                      "the restarted workers")
         time.sleep(1.0)
-        kills.append(("start-up", gen1[0]))
         os.kill(gen1[0], signal.SIGKILL)
-        n = len(_rows(metrics))
+        before = _rows(metrics)
+        kills.append(("start-up", gen1[0], _latest(ckpt), before[-1]["step"]))
         gen2 = _wait(proc, lambda: (w := child_pids(proc.pid)) and len(w) == 2 and not set(w) & set(gen1) and w,
                      "the second restart's workers")
-        _wait(proc, lambda: len(_rows(metrics)) > n, "the second restart's first step")
-        kills.append(("first step", gen2[1]))
+        # a row of its own (each has its step's time): the rows past its checkpoint were dropped as it began
+        _wait(proc, lambda: any(r not in before for r in _rows(metrics)), "the second restart's first step")
         os.kill(gen2[1], signal.SIGKILL)
+        kills.append(("first step", gen2[1], _latest(ckpt), _rows(metrics)[-1]["step"]))
         out, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     rows = _rows(metrics)
-    starts = [i for i, r in enumerate(rows) if i == 0 or r["step"] != rows[i - 1]["step"] + 1]
-    runs = [rows[a:b] for a, b in zip(starts, starts[1:] + [len(rows)], strict=True)]
-    assert runs[0][0]["step"] == 1 and runs[-1][-1]["step"] == STEPS, [(r[0]["step"], r[-1]["step"]) for r in runs]
-    for before, after in zip(runs, runs[1:], strict=False):
-        resumed = after[0]["step"] - 1
-        assert resumed % EVERY == 0 and before[-1]["step"] - 2 * EVERY <= resumed <= before[-1]["step"], (
-            f"a restart continued at step {resumed + 1} after a run that reached step {before[-1]['step']}: "
-            f"more than the steps since the last complete checkpoint were replayed")
+    # each step once: a restart drops the rows of the steps it trains again (they were appended twice)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), [r["step"] for r in rows]
+    resumed = [int(s) for s in re.findall(r"resuming from \S+ \(step (\d+)\)", out)]
+    assert "starting fresh" in out and len(resumed) >= 2, out[-3000:]
+    for (when, _pid, latest, reached), at in zip([kills[0], kills[2]], [resumed[0], resumed[-1]], strict=True):
+        assert at % EVERY == 0 and latest <= at <= reached, (
+            f"the restart after the kill {when} continued at step {at + 1}, where the latest complete checkpoint "
+            f"was of step {latest} and the run had reached step {reached}")
     saving = [r for r in rows if r["step"] % EVERY == 0 and r["step"] < STEPS]
     assert saving and all(r["checkpoint_blocked_s"] >= 0 for r in saving), "a saving step's row lacks its stall"
-    assert "starting fresh" in out and out.count("resuming from") >= 2, out[-3000:]
     cfg = TrainConfig.from_dict(dict(tp=1, pp=2, steps=STEPS, seq_len=32, batch_size=4, microbatches=2,
                                      max_data_mb=0.3))
     ref = reference_losses(cfg, STEPS)

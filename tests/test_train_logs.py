@@ -43,3 +43,36 @@ def test_missing_extra_is_named(monkeypatch, flag, module):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
     with pytest.raises(MissingExtraError, match=rf"--{flag} needs {module}.*pip install 'plait\[{flag}\]'"):
         check_extras(**{"tensorboard": None, "wandb": None, flag: "x"})
+
+
+def test_a_restart_logs_each_step_once(tmp_path):
+    """A run resumed at step 2 after one that logged steps 1-4 (its checkpoint was of step 2): --metrics keeps rows
+    1-2 (and a --dry-run's row, and drops a line a kill cut short), TensorBoard shows steps 1-2 of the first run and
+    3-4 of the second; a fresh start (--auto-resume with no checkpoint) shows only its own steps."""
+    import json
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plait.train.logs import open_metrics
+
+    metrics = tmp_path / "m.jsonl"
+    first = [json.dumps({"step": s, "loss": float(s)}) for s in range(1, 5)]
+    metrics.write_text("\n".join([json.dumps({"predicted_step_time_s": 0.1}), *first, '{"step": 5, "lo']))
+    with open_metrics(metrics, 2) as f:
+        f.write(json.dumps({"step": 3, "loss": 30.0}) + "\n")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r.get("step") for r in rows] == [None, 1, 2, 3] and rows[-1]["loss"] == 30.0, rows
+
+    def logged(resumed_at: int, steps: range, base: float) -> list[tuple[int, float]]:
+        logs = ExperimentLogs(str(tmp_path / "tb"), None, {}, resumed_at)
+        for s in steps:
+            logs.log({"step": s, "loss": base + s})
+        logs.close()
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+    assert logged(0, range(1, 5), 0.0) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
+    assert logged(2, range(3, 5), 10.0) == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]  # was 1, 2, 3, 4, 3, 4
+    assert logged(0, range(1, 3), 20.0) == [(1, 21.0), (2, 22.0)]

@@ -1,10 +1,13 @@
-"""Experiment logs beside ``--metrics``: TensorBoard (``--tensorboard DIR``) and Weights & Biases (``--wandb
-PROJECT``), each an optional extra; rank 0 logs every step's numbers under the same names as the metrics rows."""
+"""Experiment logs: the ``--metrics`` file as a resumed run continues it, TensorBoard (``--tensorboard DIR``) and
+Weights & Biases (``--wandb PROJECT``), each an optional extra; rank 0 logs every step's numbers under the same names
+as the metrics rows."""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from plait.errors import require_extra
 
@@ -22,6 +25,35 @@ def experts_row(pm: ParallelModel) -> dict:
     none)."""
     load = pm.last_expert_load
     return load.row() if load is not None else {}
+
+
+def open_metrics(path: str | Path, resumed_at: int | None) -> TextIO:
+    """``--metrics`` opened for a run's rows: emptied for a fresh run (``resumed_at`` None), else for appending by a
+    run resumed at step ``resumed_at``. The rows of later steps (the run that stopped after that checkpoint wrote
+    them, and this run trains those steps again) and a line cut short (a kill while it was written) are dropped
+    first, so the file holds each step once; rows of other kinds (a ``--dry-run``'s prediction) stay. The file is
+    then replaced whole (written beside it, then renamed)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if resumed_at is None:
+        return open(p, "w")
+    lines = p.read_text().splitlines() if p.is_file() else []
+    kept = [line for line in lines if _kept(line, resumed_at)]
+    if kept != lines:
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, p)
+    return open(p, "a")
+
+
+def _kept(line: str, resumed_at: int) -> bool:
+    """Whether a resumed run keeps this line of its --metrics file (``open_metrics``)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    step = row.get("step") if isinstance(row, dict) else None
+    return not isinstance(step, int) or step <= resumed_at
 
 
 def check_extras(tensorboard: str | None, wandb: str | None) -> None:
@@ -52,7 +84,9 @@ class ExperimentLogs:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=tensorboard, purge_step=resumed_at + 1 if resumed_at else None)
+            # TensorBoard drops what the folder holds from step resumed_at + 1 on (all of it for a fresh start), so
+            # the steps a restart trains again, or an earlier run's in this folder, do not show twice
+            self.tb = SummaryWriter(log_dir=tensorboard, purge_step=resumed_at + 1)
         if wandb:
             import wandb as wb
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from plait.parallel_config import ParallelConfig
 from plait.train.config import TrainConfig
+from plait.train.logs import open_metrics
 from plait.train.observe import NO_CLUSTER, PHASES, Prediction
 from plait.words import counted, mesh
 
@@ -51,10 +51,8 @@ class Reporter:
 
         self.console = self.console or Console(highlight=False)
         cfg = self.cfg
-        if cfg.metrics:
-            Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
-            resumed = run.resumed_from is not None  # a resumed run appends to the rows of the steps before
-            self.metrics = open(cfg.metrics, "a" if resumed else "w")  # closed in end()
+        if cfg.metrics:  # closed in end(); a resumed run appends to the rows of the steps before its checkpoint
+            self.metrics = open_metrics(cfg.metrics, run.start if run.resumed_from is not None else None)
         if cfg.tensorboard or cfg.wandb:
             from plait.train.logs import ExperimentLogs
 
