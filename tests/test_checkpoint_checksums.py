@@ -68,6 +68,25 @@ def test_a_resume_dry_run_says_what_the_checkpoint_holds(saved, tmp_path, monkey
     assert f"would resume {saved / STEP} (step 1): saved under tp 2 x pp 1 x dp 1, 32 tokens seen (epoch " in \
         " ".join(res.output.split()), res.output
     assert "every tensor read and matched to its checksum" in " ".join(res.output.split()), res.output
+    assert "resharded" not in res.output and "note:" not in res.output, res.output  # nothing changed
+
+
+def test_a_resume_dry_run_says_what_the_run_would_say_as_it_resumed(saved, tmp_path, monkeypatch):
+    """--auto-resume --dry-run says the newer folder it passes over, the layout it would reshard to and the settings
+    changed since the checkpoint, as the run's first lines would; with no checkpoint, that it would start fresh."""
+    ckpt = copy_of(saved, tmp_path)
+    (ckpt / "step_00000002").mkdir()  # a save that did not finish
+    monkeypatch.chdir(tmp_path)
+    flags = [*TRAIN, "--tp", "1", "--seq-len", "32", "--steps", "3", "--auto-resume", "--dry-run"]
+    res = CliRunner().invoke(app, ["train", *flags, "--checkpoint-dir", str(ckpt)])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 0 and f"would resume {ckpt / STEP} (step 1)" in out, res.output
+    assert f"note: {ckpt / 'step_00000002'} has no meta.json: not a complete checkpoint" in out, res.output
+    assert "its weights and optimizer state would be resharded from tp 2 x pp 1 x dp 1 to tp 1 x pp 1 x dp 1" in out
+    assert "note: --seq-len 16 -> 32" in out and "this run's batches" in out, res.output
+    res = CliRunner().invoke(app, ["train", *flags, "--checkpoint-dir", str(tmp_path / "none")])
+    assert res.exit_code == 0 and "--auto-resume: no complete checkpoint in " in res.output, res.output
+    assert "would start fresh" in " ".join(res.output.split()), res.output
 
 
 def test_changed_bytes_in_a_shard_are_refused_by_every_reader_naming_the_file_and_tensor(saved, tmp_path,

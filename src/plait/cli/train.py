@@ -203,8 +203,7 @@ def _dry_run(cfg, resumed: tuple[Path, int] | None) -> None:
     world = cfg.nproc or cfg.world
     row = dry_run(cfg, world)
     console = Console()
-    if resumed is not None:
-        console.print(_holds(*resumed), markup=False)
+    _say_resume(console, cfg, resumed, cfg.parallel.resolve(world))
     t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}",
               title_justify="left")
     for name in ("pipeline rank", "params MiB", "grads MiB", "optimizer MiB", "activations peak MiB", "total MiB"):
@@ -222,6 +221,36 @@ def _dry_run(cfg, resumed: tuple[Path, int] | None) -> None:
     if cfg.metrics:
         with open(cfg.metrics, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def _say_resume(console, cfg, resumed: tuple[Path, int] | None, layout) -> None:
+    """What a --dry-run with --resume or --auto-resume would continue, as the run's first lines would say it: the
+    checkpoint and what it holds (``_holds``), the newer folders passed over, the layout it would be resharded to
+    (``layout``, resolved), the settings changed since it was saved; or, with --auto-resume, a fresh start."""
+    from functools import partial
+
+    from rich.markup import escape
+
+    from plait.checkpoint import CheckpointReader, incomplete_checkpoints
+    from plait.train.restart import passed_over
+    from plait.train.resume import SHARDING, continuing, saved_layout
+
+    if not (cfg.resume or cfg.auto_resume):
+        return
+    say = partial(console.print, soft_wrap=True)  # a path stays whole on one line
+    passed = passed_over(incomplete_checkpoints(cfg.checkpoint_dir, resumed[0] if resumed else None))
+    if passed:
+        say(f"[yellow]note: {escape(passed)}; passed over[/]")
+    if resumed is None:  # --resume without one was refused before
+        say(f"--auto-resume: no complete checkpoint in {cfg.checkpoint_dir}: would start fresh", markup=False)
+        return
+    say(_holds(*resumed), markup=False)
+    note, resharded = continuing(CheckpointReader(resumed[0]).meta, cfg, layout)
+    if resharded:
+        now = saved_layout({"layout": {k: getattr(layout, k) for k in SHARDING}})
+        say(f"its weights and optimizer state would be resharded from {resharded} to {now}", markup=False)
+    if note:
+        say(note)
 
 
 def _holds(path: Path, step: int) -> str:

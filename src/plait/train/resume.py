@@ -43,12 +43,19 @@ def resume(run: Run) -> None:
         return
     meta = load_checkpoint(run.pm, run.opt, path)
     run.start, run.resumed_from = int(meta["step"]), path
-    same = same_data(meta, run.cfg)
-    run.data.resume_at(run.start, meta, same)
+    run.data.resume_at(run.start, meta, same_data(meta, run.cfg))
+    run.resume_note, run.resharded_from = continuing(meta, run.cfg, run.ctx.config)
+
+
+def continuing(meta: dict, cfg: TrainConfig, layout: ParallelConfig) -> tuple[str | None, str | None]:
+    """What a run of ``cfg`` under ``layout`` (resolved) says of the checkpoint it resumes (its ``meta.json``): the
+    note on the settings changed since it was saved (``resume_note``; None: none changed) and the layout it was
+    saved under where that places the tensors otherwise (``resharded_from``; None: alike)."""
     saved = meta.get("train", {})  # its --data named from the directory it ran in: compared by same_data
-    run.resume_note = resume_note({**saved, "data": run.cfg.data} if same else saved, run.cfg,
-                                  getattr(run.opt, "steps", run.start))
-    run.resharded_from = resharded_from(meta, run.ctx.config)
+    updates = (meta.get("optimizer") or {}).get("steps")  # updates made (a skipped step makes none)
+    note = resume_note({**saved, "data": cfg.data} if same_data(meta, cfg) else saved, cfg,
+                       int(meta["step"] if updates is None else updates))
+    return note, resharded_from(meta, layout)
 
 
 def data_paths(entries: list[str]) -> list[str]:
