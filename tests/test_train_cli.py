@@ -60,10 +60,11 @@ def _wait_for_rows(metrics: Path, n: int, timeout: float) -> None:
 
 def test_killed_worker_ends_the_job_promptly(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.Popen(PLAIT + ["train", "--steps", "100000", *FAST, "--metrics", str(metrics)], cwd=tmp_path,
+    proc = subprocess.Popen(PLAIT + ["train", "--steps", "100000", *FAST, "--metrics", str(metrics),
+                                     "--checkpoint-every", "1"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_rows(metrics, 2, 120)
+        _wait_for_rows(metrics, 2, 120)  # step 2's save began once step 1's was complete
         workers = worker_pids(proc.pid)
         assert len(workers) == 4, f"expected 4 workers, found {workers}"
         victim = sorted(workers)[2]
@@ -77,6 +78,12 @@ def test_killed_worker_ends_the_job_promptly(tmp_path):
     assert proc.returncode != 0
     assert elapsed < 30, f"the job took {elapsed:.0f}s to end"
     assert f"(pid {victim}) died (signal SIGKILL)" in err and "Traceback" not in err, err
+    from plait.checkpoint import find_checkpoint
+
+    latest = find_checkpoint(tmp_path / "plait-checkpoints")  # what to do next: continue from it
+    assert latest is not None and err.endswith(f"plait train: the latest complete checkpoint is plait-checkpoints/"
+                                               f"{latest.name} (step {int(latest.name[5:])}); the same command with "
+                                               "--auto-resume continues from it\n"), err
     deadline = time.monotonic() + 1  # every worker gone within a second of the job's end
     while [p for p in workers if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.02)

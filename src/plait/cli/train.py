@@ -162,8 +162,25 @@ def _run(cfg) -> None:
         raise typer.Exit(exc.exit_code) from None
     except JobError as exc:
         typer.echo(f"error: {exc.message}", err=True)
+        if exc.exit_code == 1:  # not a refused setting (2) or a non-finite loss (3): a worker died or waited too long
+            typer.echo(_after_failure(cfg), err=True)
         raise typer.Exit(exc.exit_code) from None
     sys.stdout.flush()
+
+
+def _after_failure(cfg) -> str:
+    """What to do after a run that failed (a worker died, one waited too long on a peer): continue from the latest
+    complete checkpoint of --checkpoint-dir, or start again where there is none."""
+    from plait.checkpoint import CheckpointReader, find_checkpoint
+
+    found = find_checkpoint(cfg.checkpoint_dir)
+    if found is None:
+        when = "" if cfg.checkpoint_every or cfg.checkpoint_every_minutes else \
+            " (without --checkpoint-every it saves at its end only)"
+        return f"plait train: no complete checkpoint in {cfg.checkpoint_dir}{when}; the same command starts again"
+    again = "the same command" + ("" if cfg.resume or cfg.auto_resume else " with --auto-resume")
+    return (f"plait train: the latest complete checkpoint is {found} (step {CheckpointReader(found).meta['step']}); "
+            f"{again} continues from it")
 
 
 def _say_loading(cfg, resumed: tuple[Path, int] | None) -> None:
