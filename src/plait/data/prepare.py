@@ -132,7 +132,7 @@ def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dt
                 masks[split].append(mask)
     out = {}
     for split, arrays in parts.items():
-        ids = np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+        ids = np.concatenate(arrays, dtype=dtype, casting="same_kind") if arrays else np.zeros(0, dtype)
         mask = None if spans is None else np.concatenate(masks[split] or [np.zeros(0, np.uint8)])
         out[split] = Encoded(ids, np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64), mask)
     return out

@@ -34,7 +34,7 @@ class TokenizerSpec:
 
 
 class Tokens:
-    """A loaded tokenizer: ``encode_batch`` to flat uint32 ids, ``decode``, vocabulary size and fingerprint."""
+    """A loaded tokenizer: ``encode_batch`` to flat ids, ``decode``, vocabulary size and fingerprint."""
 
     def __init__(self, spec: TokenizerSpec):
         self.spec, self.tok = spec, None
@@ -54,10 +54,9 @@ class Tokens:
         self.name = str(path)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Token ids of each text (uint32 arrays)."""
+        """Token ids of each text: uint8 arrays over its UTF-8 bytes for ``bytes`` (no copy), else uint32."""
         if self.tok is None:
-            return [np.frombuffer(t.encode("utf-8", errors="replace"), dtype=np.uint8).astype(np.uint32)
-                    for t in texts]
+            return [np.frombuffer(t.encode("utf-8", errors="replace"), dtype=np.uint8) for t in texts]
         return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(texts,
                                                                                      add_special_tokens=False)]
 
