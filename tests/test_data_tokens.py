@@ -1,14 +1,53 @@
-"""Tokenizing for plait data prepare at the cost of the text: a document's ids without copies wider than the
-stored dtype."""
+"""Tokenizing for plait data prepare at the cost of the text: the bytes tokenizer's ids and chat loss masks
+without a step per character, and a document's ids without copies wider than the stored dtype."""
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
 
 import numpy as np
 
 from plait.data.prepare import encode_documents
 from plait.data.tokens import TokenizerSpec
+
+# ASCII, 2-, 3- and 4-byte characters, and a lone surrogate (a JSON "\ud800" escape), which UTF-8 writes as "?"
+TEXT = "ab naïve 東京 🚀 x\ud800y 日本語 é"
+
+
+def _reference_mask(text: str, spans: list[tuple[int, int]]) -> np.ndarray:
+    """One entry per UTF-8 byte of ``text`` (its character in a span) and one for the EOS (position len(text))."""
+    inside = [any(a <= c < b for a, b in spans) for c in range(len(text) + 1)]
+    sizes = [len(ch.encode("utf-8", errors="replace")) for ch in text] + [1]
+    return np.asarray([m for m, n in zip(inside, sizes, strict=True) for _ in range(n)], dtype=np.uint8)
+
+
+def test_bytes_ids_and_chat_mask_follow_each_characters_utf8_bytes():
+    tok = TokenizerSpec("bytes").load()
+    cases = [[], [(0, 2)], [(3, 9), (9, 12)], [(11, 14), (15, 18)], [(14, len(TEXT) + 1)], [(0, len(TEXT))]]
+    for spans in cases:
+        [(ids, mask)] = tok.encode_masked([TEXT], [spans])
+        assert bytes(ids.astype(np.uint8)) == TEXT.encode("utf-8", errors="replace")
+        assert mask.dtype == np.uint8 and mask.tolist() == _reference_mask(TEXT, spans).tolist(), spans
+
+
+def test_a_bytes_chat_mask_costs_no_call_per_character():
+    tok = TokenizerSpec("bytes").load()
+    text = TEXT * 5000  # 130,000 characters
+    spans = [(i, i + 40) for i in range(0, len(text), 100)]
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "c_call"
+
+    sys.setprofile(count)
+    try:
+        [(ids, mask)] = tok.encode_masked([text], [spans])
+    finally:
+        sys.setprofile(None)
+    assert len(mask) == len(ids) + 1
+    assert calls < 200, f"{calls} calls of built-in functions for {len(text):,} characters"
 
 
 def test_a_long_documents_ids_are_built_without_copies_wider_than_the_stored_dtype():

@@ -69,12 +69,9 @@ class Tokens:
         out = []
         if self.tok is None:
             for text, sp in zip(texts, spans, strict=True):
-                data = text.encode("utf-8", errors="replace")
-                ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint32)
-                # each character's first byte, and the EOS at the end
-                first = np.cumsum([0] + [len(c.encode("utf-8", errors="replace")) for c in text])
-                starts = np.repeat(np.arange(len(text) + 1), np.diff(np.append(first, first[-1] + 1)))
-                out.append((ids, _overlapping(starts, starts + 1, sp)))  # a byte's character
+                ids = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
+                # a byte is in the loss when its character is, the EOS when position len(text) is
+                out.append((ids, np.repeat(_inside(len(text) + 1, sp), np.append(_utf8_lengths(text), 1))))
             return out
         for text, sp, enc in zip(texts, spans, self.tok.encode_batch(texts, add_special_tokens=False), strict=True):
             offsets = np.asarray([*enc.offsets, (len(text), len(text) + 1)], dtype=np.int64).reshape(-1, 2)
@@ -127,6 +124,27 @@ class Tokens:
                 if token is not None:
                     names.append(token)
         return names + list(EOS_NAMES)
+
+
+def _utf8_lengths(text: str) -> np.ndarray:
+    """The bytes each character of ``text`` takes in ``text.encode("utf-8", errors="replace")``: 1 to 4 by its
+    code point, 1 for a lone surrogate (which a JSON ``\\ud800`` escape can give; replaced by ``?``)."""
+    points = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
+    n = np.ones(len(points), dtype=np.uint8)
+    for first in (0x80, 0x800, 0x10000):
+        n += points >= first
+    n[(points >= 0xD800) & (points < 0xE000)] = 1
+    return n
+
+
+def _inside(n: int, spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 [n]: 1 at the positions in [0, n) that lie in one of the disjoint ranges [a, b)."""
+    edges = np.zeros(n + 1, dtype=np.int8)  # +1 where a range starts, -1 where one ends
+    if spans:
+        lo, hi = np.minimum(np.asarray(spans, dtype=np.int64), n).T
+        np.add.at(edges, lo, 1)
+        np.add.at(edges, hi, -1)
+    return (np.cumsum(edges[:n], dtype=np.int8) > 0).view(np.uint8)
 
 
 def _overlapping(starts: np.ndarray, ends: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
