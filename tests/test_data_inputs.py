@@ -261,12 +261,10 @@ def test_a_chat_dataset_with_first_character_masks_is_refused_naming_the_command
 
 def test_bad_records_deep_in_a_large_file_are_located_once_each_in_bounded_memory(tmp_path, monkeypatch):
     import json
-    import sys
     import tracemalloc
 
+    import plait.data.skipped as skipped
     import plait.data.sources as sources
-
-    prep = sys.modules["plait.data.prepare"]  # the module (plait.data.prepare is the function)
 
     monkeypatch.setattr(sources, "CHUNK", 64 << 10)  # ~64 tasks, a bad record in a dozen of them
     monkeypatch.setattr(sources, "LINE_BLOCK", 256 << 10)
@@ -277,7 +275,7 @@ def test_bad_records_deep_in_a_large_file_are_located_once_each_in_bounded_memor
     src = tmp_path / "big.jsonl"
     src.write_text("\n".join(lines) + "\n")
     located = []
-    monkeypatch.setattr(prep, "where", lambda rec: located.append(rec) or sources.where(rec))
+    monkeypatch.setattr(skipped, "where", lambda rec: located.append(rec) or sources.where(rec))
     meta = prepare([str(src)], "bytes", tmp_path / "out", workers=1, skip_bad=True, held_out=0.0)
     assert meta["sources"][0]["skipped"] == len(bad)
     assert [e.split(": ")[0] for e in meta["sources"][0]["skipped_examples"]] == [f"{src}:{n + 1}" for n in bad[:5]]

@@ -29,8 +29,33 @@ def test_the_summary_heading_and_notes_use_the_whole_80_columns(tmp_path, monkey
     text = " ".join(line.strip() for line in below)
     assert " training shard" in below[0] and below[1].startswith("chat: 'messages' rendered with plait's <|role|>")
     assert len(below[1].rstrip()) > table  # the note runs past the table's width, to the console's
-    assert "the loss on assistant tokens" in text and "skipped, e.g.: " in text
-    assert any(line.startswith("skipped, e.g.: ") for line in below)
+    assert "the loss on assistant tokens" in text
+    assert below[-2].startswith("skipped (1 'messages' is ") and below[-2].endswith("messages), e.g.:")
+    assert below[-1].startswith("  c.jsonl:2: 'messages' is ")  # the example on a line of its own
+
+
+def test_skipped_records_are_counted_by_reason_with_an_example_of_each_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lines = [json.dumps({"text": f"document {i}"}) for i in range(20)]
+    for n in (2, 3, 4, 5):
+        lines[n] = '{"text": "cut off'  # an unterminated string: JSON says where it starts
+    lines[9], lines[12], lines[13], lines[15] = '{"text": "  "}', '{"text": 7}', '{"body": "x"}', '{"text": ""}'
+    Path("w.jsonl").write_text("\n".join(lines) + "\n")
+    out = io.StringIO()
+    meta = prepare(["w.jsonl"], "bytes", "p", workers=1, held_out=0.0, skip_bad=True,
+                   console=Console(file=out, width=200, highlight=False))
+    src = meta["sources"][0]
+    assert src["skipped"] == 8 and src["skipped_reasons"] == {
+        "not valid JSON": 4, "blank text, no document": 2, "'text' is a number, not text": 1, "no 'text' field": 1}
+    assert src["skipped_examples"] == [  # the first of each reason, then the earliest other
+        "w.jsonl:3: not valid JSON (Unterminated string starting at column 10)",
+        "w.jsonl:4: not valid JSON (Unterminated string starting at column 10)",
+        "w.jsonl:10: blank text, no document", "w.jsonl:13: 'text' is a number, not text",
+        "w.jsonl:14: no 'text' field (fields: body); choose --text-field"]
+    said = out.getvalue().splitlines()
+    start = said.index("skipped (4 not valid JSON; 2 blank text, no document; 1 'text' is a number, not text; 1 no "
+                       "'text' field), e.g.:")
+    assert said[start + 1:] == [f"  {e}" for e in src["skipped_examples"]]
 
 
 def test_a_held_out_split_the_hash_left_empty_is_named_with_the_way_to_one(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from plait.data.chat import ChatSpec, Spans
 from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
+from plait.data.skipped import Skipped, source_meta
 from plait.data.sources import CHUNK, BadRecord, Source, Task, discover, read_task, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
 from plait.distributed.parent import end_with_parent
@@ -59,10 +60,9 @@ class TaskResult:
     source: int
     lengths: dict[str, np.ndarray]  # split -> int64 document lengths (EOS included)
     loss_tokens: dict[str, int]  # split -> tokens in the loss (with --chat; else every token)
-    skipped: int
+    skipped: Skipped
     digest: bytes
     nbytes: int
-    bad: list[BadRecord] = field(default_factory=list)  # up to 5 skipped records (``where`` resolved by the parent)
 
 
 _POOL_WORKER: dict[str, Encoder] = {}  # a pool worker process's encoder (``_init_worker``); empty elsewhere
@@ -171,8 +171,8 @@ class Encoder:
                     _write(Path(job.folder) / split / f"{task.index:06d}.mask", enc.mask)
         digest = hashlib.blake2b(got.raw, digest_size=16).digest()
         loss = {k: int(v.mask.sum()) if v.mask is not None else len(v.ids) for k, v in encoded.items()}
-        return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss, got.skipped,
-                          digest, task.nbytes, got.bad[:5])
+        return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss,
+                          Skipped.of(got.bad), digest, task.nbytes)
 
 
 def _write(path: Path, array: np.ndarray) -> None:
@@ -349,10 +349,9 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
             for f in sorted(p for p in files if p.is_file()):
                 digest.update(_file_digest(f))
         src.append({"path": s.path, "kind": s.kind, "files": len(s.files), "bytes": s.bytes,
-                    "blake2b": digest.hexdigest(), "skipped": sum(r.skipped for r in mine),
+                    "blake2b": digest.hexdigest(), **source_meta([r.skipped for r in mine]),
                     "documents": int(sum(len(r.lengths[k]) for r in mine for k in SPLITS)),
-                    "tokens": int(sum(r.lengths[k].sum() for r in mine for k in SPLITS)),
-                    "skipped_examples": [f"{where(b)}: {b.why}" for b in [b for r in mine for b in r.bad][:5]]})
+                    "tokens": int(sum(r.lengths[k].sum() for r in mine for k in SPLITS))})
     return {"tokenizer": {"kind": "bytes" if tok.tok is None else "file", "name": tok.name,
                           "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size, "eos": job.eos},
             "dtype": job.dtype, "held_out_fraction": job.held_out, "text_field": job.text_field,
@@ -362,12 +361,12 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
 
 def _no_training_documents(found: list[Source], results: list[TaskResult], held: int, share: float) -> ConfigError:
     """Why a prepare found nothing to train on: empty files, all skipped (the first one), or all held out."""
-    first = next((b for r in results for b in r.bad), None)
+    first = next((b for r in results for b in r.skipped.examples), None)
     why = ("every SRC is empty (0 bytes): name files that hold text" if all(s.bytes == 0 for s in found) else
            f"every document went to the held-out split: lower --held-out {share:g}" if held else
            f"every record was skipped, the first at {where(first)}: {first.why}" if first else "no record holds text")
     return ConfigError(f"SRC {' '.join(s.path for s in found)}: no documents for the training split ({held} held out, "
-                       f"{sum(r.skipped for r in results)} skipped): {why}")
+                       f"{sum(r.skipped.count for r in results)} skipped): {why}")
 
 
 def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: bool) -> None:

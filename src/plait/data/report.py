@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from plait.data.skipped import EXAMPLES, tally
 from plait.words import counted
 
 #: without an interactive console (output to a file, a pipe, a batch job's log): a progress line this often
@@ -102,7 +103,9 @@ def prepare_summary(meta: dict, out: Path):
         notes.append(f"held_out: no document (the hash of each text chose none of {counted(documents, 'document')} at "
                      f"--held-out {share:g}, about {share * documents:.2g} expected): plait train --data shows no "
                      f"held-out loss; for one, prepare again with a larger --held-out (--force)")
+    reasons = tally(s.get("skipped_reasons", {}) for s in meta["sources"])
     examples = [e for s in meta["sources"] for e in s.get("skipped_examples", [])]
     if examples:
-        notes.append("skipped, e.g.: " + "; ".join(examples[:3]))
+        kinds = "; ".join(f"{n:,} {why}" for why, n in reasons.items())  # a why may hold a comma
+        notes += [f"skipped ({kinds}), e.g.:" if kinds else "skipped, e.g.:"] + [f"  {e}" for e in examples[:EXAMPLES]]
     return Group(heading, t, Text("\n".join(notes), style="table.caption"))

@@ -343,7 +343,7 @@ def _text_of(line: bytes, field: str, chat: ChatRenderer | None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+        return None, f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})"  # "starting at"
     except UnicodeDecodeError as exc:
         return None, not_utf8(line, exc.start)
     if not isinstance(record, dict):
