@@ -80,6 +80,7 @@ def test_a_layout_splitting_the_sequence_says_why_there_is_no_sample(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "no sample: --sequence-parallel splits each sequence, which decoding one token at a time cannot; plait " \
            "generate --model plait-checkpoints/step_00000001 samples the model" in " ".join(res.stdout.split())
+    assert "sampling up to" not in res.stdout, res.stdout  # no sample is taken, so none is announced
 
 
 def test_a_checkpoint_given_as_model_says_how_to_use_it(tmp_path):

@@ -220,12 +220,12 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
 CODE_PROMPT = "def "
 
 
-def sample_text(run: Run) -> str | None:
+def sample_text(run: Run, doing: Callable[[str], None]) -> str | None:
     """A sample of the trained model, prompted by the start of a document of --data (``TrainData.prompt``: a
     conversation up to the assistant's reply, found in the first half of the model's context, or a text's first
     tokens), ``CODE_PROMPT`` without --data. It ends where ``plait generate`` ends a continuation of the
     checkpoint: before the model folder's end-of-sequence ids or the data's end-of-document token
-    (plait.generation.job.stop_ids; decoding stops there)."""
+    (plait.generation.job.stop_ids; decoding stops there). ``doing`` is told before the decoding starts."""
     from plait.generation import Sampling, generate_ids
     from plait.generation.decode import context_length
     from plait.generation.job import stop_ids
@@ -234,6 +234,7 @@ def sample_text(run: Run) -> str | None:
     par = run.cfg.parallel
     if par.sequence_parallel or par.cp > 1 or run.cfg.sample_tokens <= 0:
         return None  # decoding one token at a time cannot shard the sequence; use plait generate
+    doing(f"sampling up to {run.cfg.sample_tokens} tokens ...")
     context = context_length(run.pm) or 2 * run.cfg.seq_len
     prompt = run.data.prompt(context // 2) if run.cfg.data else run.tokenizer.encode(CODE_PROMPT)
     room = context - len(prompt)  # at least half the context for the sample
@@ -387,9 +388,7 @@ def _finish(run: Run, res: TrainResult, times: list[float], reporter) -> None:
         if run.data.eval_order is not None:
             doing("measuring the held-out loss ...")
         res.held_out = held_out_loss(run)  # while the last checkpoint is written
-        if cfg.sample_tokens > 0:
-            doing(f"sampling up to {cfg.sample_tokens} tokens ...")
-        res.sample = sample_text(run)
+        res.sample = sample_text(run, doing)
     if run.saver is not None:
         if run.saver.pending:
             doing(f"writing the checkpoint {res.checkpoint} ...")
