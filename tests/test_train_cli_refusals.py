@@ -52,6 +52,14 @@ from plait.cli.main import app
      "error: --ep 4: must divide --experts 6: each EP rank holds an equal share of the experts; valid: [1, 2, 3, 6]"),
     (["--experts", "4", "--ep", "4", "--dp", "2", "--tp", "2", "--pp", "1", "--nproc", "4", "--expert-tp",
       "--dry-run"], "error: --ep 4: must divide --dp 2 with --expert-tp (every TP rank holds a shard"),
+    (["--experts", "4", "--top-k", "2", "--capacity-factor", "0", "--dry-run"], "error: --capacity-factor 0.0: must be "
+                                                                              "a finite number > 0"),
+    (["--experts", "4", "--aux-loss-coef", "-1", "--dry-run"], "error: --aux-loss-coef -1.0: must be a finite number "
+                                                               ">= 0 (0: no load-balancing loss)"),
+    (["--capacity-factor", "1.25", "--dry-run"], "error: --capacity-factor 1.25: --model tiny has no experts to route"),
+    (["--aux-loss-coef", "0.1", "--dry-run"], "error: --aux-loss-coef 0.1: --model tiny has no experts to route"),
+    (["--experts", "4", "--capacity-factor", "1.25", "--cp", "2", "--tp", "1", "--pp", "1", "--dry-run"],
+     "error: --capacity-factor 1.25 with --cp 2: expert capacity ranks a whole sequence's tokens"),
 ])
 def test_bad_flags_fail_with_one_line(args, needle):
     res = CliRunner().invoke(app, ["train", *args])
@@ -336,3 +344,24 @@ def test_top_k_with_a_mixtral_folder_is_refused_not_ignored(tmp_path, top_k):
     assert res.exit_code == 2 and res.output.startswith(
         f"error: --top-k {top_k}: it routes the experts --experts gives a preset (tiny, small); --model {tmp_path} "
         "routes as its config.json says (num_experts_per_tok); leave --top-k out"), res.output
+
+
+def test_router_flags_reach_the_model_and_a_folder_s_experts_stay_dropless(tmp_path):
+    """--capacity-factor and --aux-loss-coef set a preset's router (there were no such flags: capacity and the
+    load-balancing weight could not be set from plait train); a folder takes the weight, and refuses capacity."""
+    from plait.train.config import TrainConfig, model_config
+
+    moe = model_config(TrainConfig.from_dict({"experts": 4, "top_k": 2, "capacity_factor": 1.25, "aux_loss_coef": 0}))
+    assert (moe.n_experts, moe.top_k, moe.capacity_factor, moe.aux_loss_coef) == (4, 2, 1.25, 0.0)
+    plain = model_config(TrainConfig.from_dict({"experts": 4, "top_k": 2}))
+    assert (plain.capacity_factor, plain.aux_loss_coef) == (None, 0.01)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mixtral", "hidden_size": 32, "vocab_size": 300, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    assert model_config(TrainConfig.from_dict({"model": str(tmp_path)})).aux_loss_coef == 0.001  # its own
+    assert model_config(TrainConfig.from_dict({"model": str(tmp_path), "aux_loss_coef": 0.02})).aux_loss_coef == 0.02
+    res = CliRunner().invoke(app, ["train", "--model", str(tmp_path), "--capacity-factor", "1.5", "--tp", "1", "--pp",
+                                   "1", "--dry-run"])
+    assert res.exit_code == 2 and res.output.startswith(
+        f"error: --capacity-factor 1.5: --model {tmp_path}'s experts route dropless, as transformers runs them"), \
+        res.output

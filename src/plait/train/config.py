@@ -58,6 +58,11 @@ class TrainConfig:
     """Experts per feed-forward layer of a preset (1: dense; > 1: mixture of experts)."""
     top_k: int = 1
     """Experts each token is routed to (mixture of experts)."""
+    capacity_factor: float | None = None
+    """Expert capacity C: each of a preset's experts takes at most ceil(C·seq-len·top-k/experts) tokens of a sequence
+    and drops the rest to the residual (unset: dropless)."""
+    aux_loss_coef: float | None = None
+    """Weight of the load-balancing loss in the loss (unset: the preset's 0.01, a folder's router_aux_loss_coef)."""
     seed: int = 0
     """Seed of weights, data order and sampling."""
     checkpoint_dir: str = "plait-checkpoints"
@@ -211,14 +216,17 @@ def toml_text(values: dict, header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def model_config(cfg: TrainConfig) -> LlamaConfig:
-    """The plain-model config of ``cfg.model`` (a preset name: a LlamaConfig; a Hugging Face folder: its family's)."""
+def model_config(cfg: TrainConfig, routing: bool = True) -> LlamaConfig:
+    """The plain-model config of ``cfg.model`` (a preset name: a LlamaConfig; a Hugging Face folder: its family's),
+    with the router flags (``routing=False``: without them)."""
     from plait.models import LlamaConfig
+    from plait.train.routing import with_routing_flags
 
     if cfg.model in PRESETS:
         preset = PRESETS[cfg.model]
         if cfg.experts > 1:
-            return LlamaConfig(**preset, n_experts=cfg.experts, top_k=cfg.top_k)
+            moe = LlamaConfig(**preset, n_experts=cfg.experts, top_k=cfg.top_k)
+            return with_routing_flags(cfg, moe) if routing else moe
         return LlamaConfig(**preset)
     if cfg.experts > 1:
         raise ConfigError(f"--experts {cfg.experts}: mixture-of-experts layers are built for the presets "
@@ -227,7 +235,8 @@ def model_config(cfg: TrainConfig) -> LlamaConfig:
     if path.is_dir() and (path / "config.json").is_file():
         from plait.models.hf import folder_config
 
-        return folder_config(path)[1]
+        folder = folder_config(path)[1]
+        return with_routing_flags(cfg, folder) if routing else folder
     from plait.checkpoint import find_checkpoint
 
     if path.is_dir() and find_checkpoint(path) is not None:
@@ -348,7 +357,9 @@ def check_outputs(cfg: TrainConfig) -> None:
 def _validate_model(cfg: TrainConfig) -> None:
     """The model against the layout: context, layers per chunk, TP shapes, experts, vocabulary."""
     from plait.tokenizers import check_fits, tokenizer_for
+    from plait.train.routing import check_routing_flags
 
+    check_routing_flags(cfg, model_config(cfg, routing=False), cfg.model in PRESETS)  # before a config refuses them
     par, mcfg = cfg.parallel, model_config(cfg)
     if cfg.seq_len > mcfg.max_seq_len:
         contexts = ", ".join(f"{name} {p['max_seq_len']}" for name, p in PRESETS.items())
