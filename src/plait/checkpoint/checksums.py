@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,6 +32,10 @@ BLOCKS = 32
 #: a shard file's one entry of header metadata (JSON): one only, as safetensors writes the entries of its metadata
 #: in no fixed order and two saves of the same state must give the same bytes
 HEADER = "plait"
+#: the fewest bytes of blocks that get a thread of their own (``block_crcs``): zlib's CRC-32 lets go of the GIL, so
+#: the blocks of a large tensor are summed on several threads at once, each with milliseconds of work to pay for
+#: starting it
+THREAD_BYTES = 4 << 20
 
 
 def tensor_crc(tensor: torch.Tensor) -> str:
@@ -44,11 +49,23 @@ def block_size(length: int) -> int:
     return max(1, math.ceil(length / BLOCKS))
 
 
-def block_checksums(tensor: torch.Tensor, dim: int) -> dict:
-    """The block record of ``tensor`` cut along ``dim``: ``{"dim", "size", "crc32"}`` (a 0-dim tensor: one block)."""
+def block_crcs(blocks: list[torch.Tensor], threads: int | None = None) -> list[str]:
+    """``tensor_crc`` of each of ``blocks``, in order, on up to ``threads`` threads (None: torch's intra-op thread
+    count), one more for each ``THREAD_BYTES`` the blocks hold."""
+    nbytes = sum(block.numel() * block.element_size() for block in blocks)
+    workers = min(torch.get_num_threads() if threads is None else threads, len(blocks), nbytes // THREAD_BYTES)
+    if workers <= 1:
+        return [tensor_crc(block) for block in blocks]
+    with ThreadPoolExecutor(workers, thread_name_prefix="plait-crc32") as pool:
+        return list(pool.map(tensor_crc, blocks))
+
+
+def block_checksums(tensor: torch.Tensor, dim: int, threads: int | None = None) -> dict:
+    """The block record of ``tensor`` cut along ``dim``: ``{"dim", "size", "crc32"}`` (a 0-dim tensor: one block);
+    ``threads``: ``block_crcs``'."""
     flat = tensor.reshape(1) if tensor.dim() == 0 else tensor
     size = block_size(flat.shape[dim])
-    return {"dim": dim, "size": size, KEY: "".join(tensor_crc(block) for block in _blocks(flat, dim, size))}
+    return {"dim": dim, "size": size, KEY: "".join(block_crcs(_blocks(flat, dim, size), threads))}
 
 
 def _blocks(tensor: torch.Tensor, dim: int, size: int) -> list[torch.Tensor]:
@@ -65,15 +82,18 @@ def _blocks(tensor: torch.Tensor, dim: int, size: int) -> list[torch.Tensor]:
     return out
 
 
-def tensor_checksums(tensors: dict[str, torch.Tensor], split: dict[str, int | None]) -> dict[str, dict]:
-    """Each tensor's block record, cut along its ``split`` dim (None: dim 0)."""
-    return {name: block_checksums(t, split.get(name) or 0) for name, t in tensors.items()}
+def tensor_checksums(tensors: dict[str, torch.Tensor], split: dict[str, int | None],
+                     threads: int | None = None) -> dict[str, dict]:
+    """Each tensor's block record, cut along its ``split`` dim (None: dim 0); ``threads``: ``block_crcs``'."""
+    return {name: block_checksums(t, split.get(name) or 0, threads) for name, t in tensors.items()}
 
 
-def file_header(tensors: dict[str, torch.Tensor], split: dict[str, int | None], fmt: str) -> dict[str, str]:
+def file_header(tensors: dict[str, torch.Tensor], split: dict[str, int | None], fmt: str,
+                threads: int | None = None) -> dict[str, str]:
     """The header metadata of a shard file of checkpoint format ``fmt`` holding ``tensors`` (``split``: the dim
-    each is cut along into checksum blocks): each one's block checksums."""
-    return {HEADER: json.dumps({"format": fmt, BLOCK_KEY: tensor_checksums(tensors, split)}, separators=(",", ":"))}
+    each is cut along into checksum blocks): each one's block checksums (``threads``: ``block_crcs``')."""
+    blocks = tensor_checksums(tensors, split, threads)
+    return {HEADER: json.dumps({"format": fmt, BLOCK_KEY: blocks}, separators=(",", ":"))}
 
 
 def record_checksums(meta: dict, folder: Path) -> None:
@@ -107,8 +127,8 @@ def check_blocks(checkpoint: Path, file: str, name: str, span: torch.Tensor, fir
     dim, size, crcs = blocks["dim"], blocks["size"], blocks[KEY]
     flat = span.reshape(1) if span.dim() == 0 else span
     end = first * size + flat.shape[dim]  # the index along ``dim`` where ``span`` ends
-    for at, block in enumerate(_blocks(flat, dim, size), start=first):
-        got, want = tensor_crc(block), crcs[8 * at:8 * at + 8]
+    for at, got in enumerate(block_crcs(_blocks(flat, dim, size)), start=first):
+        want = crcs[8 * at:8 * at + 8]
         if got != want:
             where = f"; indices {at * size}..{min(at * size + size, end)} along dim {dim}"
             _compare(checkpoint, file, name, got, want, where)

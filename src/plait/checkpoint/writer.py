@@ -157,15 +157,16 @@ class CheckpointWriteError(RuntimeError):
     and the checkpoint that stays the latest complete one."""
 
 
-def write_snapshot(snap: Snapshot) -> None:
-    """Write this rank's file; on rank 0 then wait for every rank's, write meta.json and commit. No collective."""
+def write_snapshot(snap: Snapshot, threads: int | None = None) -> None:
+    """Write this rank's file; on rank 0 then wait for every rank's, write meta.json and commit. No collective.
+    ``threads``: how many threads sum the file's checksums (None: torch's intra-op thread count)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if snap.tensors:
         part = snap.tmp / (snap.fname + ".part")
         try:
-            save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, snap.split, FORMAT))
+            save_file(snap.tensors, str(part), metadata=file_header(snap.tensors, snap.split, FORMAT, threads))
             fsync_path(part)
             os.replace(part, snap.tmp / snap.fname)
         except (OSError, SafetensorError) as exc:
@@ -258,8 +259,8 @@ class AsyncCheckpointer:
         collective("barrier after the last checkpoint's write", None, dist.barrier)
 
     def _write(self, snap: Snapshot) -> None:
-        try:
-            write_snapshot(snap)
+        try:  # one thread: the training steps that run meanwhile keep the others
+            write_snapshot(snap, threads=1)
         except BaseException as exc:  # raised in the training thread by the next wait
             self._error = exc
 
