@@ -67,6 +67,9 @@ def test_a_stopped_worker_ends_generate_naming_it_soon_after_the_timeout(tmp_pat
     # which prompt's tokens rank 0 waits for depends on where in the wavefront the stop falls: either of the two
     assert re.search(r"error: rank 0: CommTimeoutError: generate: pipeline rank 0 waited more than 5s for the tokens "
                      r"of prompt [01] at new position \d+ from global rank 1: ", err), err
+    # and the one it waited on, which the launcher found stopped
+    assert err.endswith(f" (pid {pids[1]}) was stopped (SIGSTOP or Ctrl-Z) when the job failed\n"), err
+    assert re.search(rf"; rank 1 \(pid {pids[1]}\) was stopped", err), err
     # the timeout, the failed rank's pause before it exits (2 s), then the stopped worker continued to take the
     # launcher's SIGTERM: not torch elastic's 30 s shutdown timeout for a worker that cannot take it
     assert took < TIMEOUT_S + 2 + 15, took

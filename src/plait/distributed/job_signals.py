@@ -109,6 +109,7 @@ class ResumeStopped:
 
     def __init__(self, failures: Path, workers: Callable[[], list[int]], after_s: float):
         self.failures, self.workers, self.after_s = failures, workers, after_s
+        self.continued: list[int] = []  # the stopped workers it continued
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="plait-resume-stopped", daemon=True)
 
@@ -129,8 +130,24 @@ class ResumeStopped:
             return
         for pid in self.workers():
             if process_state(pid) == "stopped":
+                self.continued.append(pid)
                 with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                     os.kill(pid, signal.SIGCONT)
+
+    def said(self) -> str:
+        """What the failed job's message adds of the workers it found stopped: '; rank 1 (pid 4242) was stopped
+        (SIGSTOP or Ctrl-Z) when the job failed' ('' for none; each rank as the worker wrote it, ``note_pid``)."""
+        names = []
+        for pid in self.continued:
+            f = self.failures / f"pid{pid}"
+            names.append(f"rank {f.read_text()} (pid {pid})" if f.is_file() else f"pid {pid}")
+        return f"; {', '.join(names)} {'was' if len(names) == 1 else 'were'} stopped (SIGSTOP or Ctrl-Z) when the " \
+            "job failed" if names else ""
+
+
+def note_pid(job: Path, rank: int) -> None:
+    """In a launched worker: its rank, in its job's folder under its pid (``ResumeStopped.said`` names it)."""
+    (job / f"pid{os.getpid()}").write_text(str(rank))
 
 
 PROC_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)",

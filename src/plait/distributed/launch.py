@@ -46,6 +46,7 @@ from plait.distributed.job_signals import (
     HeldInterrupts,
     ResumeStopped,
     child_pids,
+    note_pid,
     taken_signals,
 )
 from plait.distributed.parent import end_with_parent
@@ -278,6 +279,7 @@ def worker(target: str, payload: dict, failure_dir: str, env: dict[str, str] | N
         os.environ.update(env, **agent)
     os.environ[JOB_DIR_ENV] = failure_dir  # job_signals.ending_after_a_failure
     rank = int(os.environ.get("RANK", "0"))
+    note_pid(Path(failure_dir), rank)
     torch.set_num_threads(worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     keep_freed_memory()
     module, _, name = target.partition(":")
@@ -335,7 +337,8 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
         config.signals_to_handle = agent_signals
     with tempfile.TemporaryDirectory(prefix="plait-job-") as failures, contextlib.ExitStack() as stack:
         forwarders = [stack.enter_context(ForwardSignal(sig, again_kills, Path(failures))) for sig in forward]
-        stack.enter_context(ResumeStopped(Path(failures), lambda: worker_pids(os.getpid()), FAILED_WAIT_S + 1.0))
+        watch = stack.enter_context(ResumeStopped(Path(failures), lambda: worker_pids(os.getpid()),
+                                                  FAILED_WAIT_S + 1.0))
         stack.enter_context(HeldInterrupts())
         try:
             results = elastic_launch(config, worker)(target, payload, failures, dict(os.environ))
@@ -344,7 +347,8 @@ def launch(target: str, payload: dict, nproc: int, forward: tuple[int, ...] = (s
             if stop is not None and _only_stopped(exc, Path(failures)):
                 name = signal.Signals(stop.received).name
                 raise JobStopped(f"stopped ({name})", 128 + stop.received, name, stop.killed) from None
-            raise JobError(*_explain(exc, Path(failures))) from None
+            message, code = _explain(exc, Path(failures))
+            raise JobError(message + watch.said(), code) from None
     return [results[r] for r in sorted(results)]
 
 
