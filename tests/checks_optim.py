@@ -241,8 +241,11 @@ def checks(contexts: ExitStack) -> list:
     pp2dp2 = contexts.enter_context(plait.init(tp=1, pp=2, dp=2))
     tp4 = contexts.enter_context(plait.init(tp=4, pp=1, dp=1))
     dp4 = contexts.enter_context(plait.init(tp=1, pp=1, dp=4))
-    tied = {"tie_embeddings": True}
+    # experts split over TP, each EP rank's shards sharded by ZeRO over their expert-data-parallel group
+    etp = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=2, expert_tp=True))
+    tied, moe = {"tie_embeddings": True}, {"n_experts": 4, "top_k": 2}
     return [
+        *[(f"etp/tp2dp2ep2/zero{z}", lambda z=z: compare(etp, zero=z, cfg=moe)) for z in (1, 2, 3)],
         ("tp2pp2/sp", lambda: compare(tp2pp2, microbatches=4, sp=True)),
         ("tp2dp2/zero1", lambda: compare(tp2dp2, zero=1)),
         ("tp2dp2/zero0", lambda: compare(tp2dp2, zero=0)),

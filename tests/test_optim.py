@@ -16,7 +16,8 @@ BF16_LOSS_TOL, BF16_NORM_TOL, BF16_PARAM_TOL = 1e-3, 2e-2, 0.1
 
 
 FP32_CASES = ["tp2pp2/sp", "tp2dp2/zero1", "tp2dp2/zero0", "tp2dp2/zero1/own-group", "pp2dp2/tied", "pp2dp2/tied/zero1",
-              "pp2dp2/tied/zero1-allreduce", "tp4/kv-replicated", "tp4/kv-replicated/sp"]
+              "pp2dp2/tied/zero1-allreduce", "tp4/kv-replicated", "tp4/kv-replicated/sp", "etp/tp2dp2ep2/zero1",
+              "etp/tp2dp2ep2/zero2", "etp/tp2dp2ep2/zero3"]
 
 
 @pytest.mark.parametrize("case", FP32_CASES)
