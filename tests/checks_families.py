@@ -36,13 +36,15 @@ def tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:, :-1].clone(), t[:, 1:].clone()
 
 
-def hf_model(family: str, seed: int = 0):
-    """A random transformers model of ``family``; biases and norms perturbed so that they matter."""
+def hf_model(family: str, seed: int = 0, **overrides):
+    """A random transformers model of ``family`` (``overrides``: config fields); biases and norms perturbed so that
+    they matter."""
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**{**COMMON, **extra})).eval()
+    config = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
