@@ -247,11 +247,17 @@ def test_planner_counts_a_sliding_window_as_plait_attends_with_it():
 def test_planner_searches_cp_for_a_sliding_window_below_the_long_sequence_threshold():
     """A windowed Llama-3 8B at 16k tokens on 2 H100s: cp1 attends behind a mask (the whole square, the mask kept
     per layer), CP skips what the window leaves out; the search weighs CP below CP_MIN_SEQ_LEN for such a model
-    and recommends it, and does not say it was not searched. Without the window it is still left out (and said)."""
+    and recommends it, and does not say it was not searched. Without the window it is still left out (and said),
+    and on a calibrated host, whose model times neither the window nor the K/V exchange, too."""
     from dataclasses import replace
 
     from plait.plan import Cluster, Model, Training, explain, search
     from plait.plan.search import CP_MIN_SEQ_LEN
+    from profile_util import synthetic_profile
+
+    host_model = Model.from_llama_config(model_config(max_seq_len=256, sliding_window=32).to_dict(), 256)
+    on_host = search(host_model, Cluster.from_profile(synthetic_profile(), 4), Training(8), top=3)
+    assert not on_host.cp_searched and all(e.layout.cp == 1 for e in on_host.best), on_host.best
 
     full = Model.preset("llama3-8b", 16384)
     assert full.seq_len < CP_MIN_SEQ_LEN

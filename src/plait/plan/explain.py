@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plait.plan.estimate import PARTS, Estimate
 from plait.plan.model import Model
-from plait.plan.search import CP_MIN_SEQ_LEN, SearchResult, searches_cp
+from plait.plan.search import CP_MIN_SEQ_LEN, SearchResult
 from plait.words import counted
 
 GB = 1e9
@@ -60,7 +60,7 @@ def explain(result: SearchResult) -> list[str]:
                      f"{counted(result.pruned, 'valid one')} pruned as slower")
     if result.twins:
         lines.append(_twins(result))
-    if LONG < best.model.seq_len and not searches_cp(best.model):
+    if LONG < best.model.seq_len and not result.cp_searched:
         lines.append(f"context parallelism was not searched: the search splits sequences of {CP_MIN_SEQ_LEN:,} tokens "
                      f"or more, these are {best.model.seq_len:,} (plait.plan.estimate costs a layout with cp > 1)")
     return lines

@@ -52,6 +52,7 @@ class SearchResult:
     smallest_memory: float = 0.0  # the least bytes any valid layout needs (at least), when nothing fits
     twins: int = 0
     twin_settings: Counter = field(default_factory=Counter)
+    cp_searched: bool = False  # layouts with cp > 1 were among those considered (``searches_cp``)
 
     @property
     def ok(self) -> bool:
@@ -80,12 +81,13 @@ def _divisors_upto(n: int, limit: int) -> list[int]:
 CP_MIN_SEQ_LEN = 32768
 
 
-def searches_cp(model: Model) -> bool:
+def searches_cp(model: Model, cluster: Cluster) -> bool:
     """Whether the search splits ``model``'s sequences over context-parallel ranks: from ``CP_MIN_SEQ_LEN`` tokens,
-    where activations rather than weights decide what fits, and at any length for a model with a sliding window,
-    whose attention at cp = 1 computes the whole square behind an explicit mask and keeps that mask per layer,
-    while context parallelism's attention skips the blocks outside the window (``plan.gpu``)."""
-    return model.seq_len >= CP_MIN_SEQ_LEN or model.sliding_window is not None
+    where activations rather than weights decide what fits, and on catalogue GPUs at any length for a model with a
+    sliding window, whose attention at cp = 1 computes the whole square behind an explicit mask and keeps that mask
+    per layer, while context parallelism's attention skips the blocks outside the window (``plan.gpu``). A
+    calibrated host's model times neither the window nor the K/V exchange, so there only from CP_MIN_SEQ_LEN."""
+    return model.seq_len >= CP_MIN_SEQ_LEN or (model.sliding_window is not None and cluster.profile is None)
 
 
 def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> Iterator[Layout]:
@@ -100,7 +102,7 @@ def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bo
     ways the runtime runs at tp > 1, whole or split over TP (``_placements``, ``plan.experts``).
     """
     n = cluster.n_gpus
-    cps = _pow2_divisors_upto(n, 16) if searches_cp(model) else [1]
+    cps = _pow2_divisors_upto(n, 16) if searches_cp(model, cluster) else [1]
     for tp in _pow2_divisors_upto(n, cluster.gpus_per_node * 2):
         for cp in cps:
             rest = n // tp
@@ -266,7 +268,8 @@ def _check_top(top: int) -> None:
 def _ranked(model: Model, cluster: Cluster, training: Training, top: int, found: _Bounded) -> SearchResult:
     """``search``'s result from its bounds ``found`` (left as they are, so the same bounds rank at any ``top``):
     simulate the layouts in the order of their bounds until the ``top``-th best is faster than the next bound."""
-    result = SearchResult(best=[], rejected=Counter(found.rejected), considered=found.considered)
+    result = SearchResult(best=[], rejected=Counter(found.rejected), considered=found.considered,
+                          cp_searched=searches_cp(model, cluster))
     smallest = found.smallest
     queue = found.queue
     kept: list[tuple[float, int, Estimate]] = []  # max-heap on (step time, candidate order) via negation
