@@ -1,5 +1,5 @@
-"""plait data prepare's summary at 80 columns: the heading and the notes under the table (speed, chat rendering,
-skipped records) wrap at the console's width, left-aligned, not at the narrow table's."""
+"""plait data prepare at 80 columns: its --help, and its summary, whose heading and notes under the table (speed,
+chat rendering, skipped records by reason) wrap at the console's width, left-aligned, not at the narrow table's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from typer.testing import CliRunner
 
+from plait.cli.main import app
 from plait.data import prepare
 from plait.data.chat import ChatSpec
 
@@ -71,3 +73,12 @@ def test_a_held_out_split_the_hash_left_empty_is_named_with_the_way_to_one(tmp_p
             "expected): plait train --data shows no held-out loss; for one, prepare again with a larger --held-out "
             "(--force)") in said[1e-9], said[1e-9]
     assert "held_out: no document" not in said[0.0], said[0.0]
+
+
+def test_the_help_fits_80_columns_and_says_what_a_stop_and_a_bad_record_do():
+    res = CliRunner().invoke(app, ["data", "prepare", "--help"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0 and max(len(line) for line in res.output.splitlines()) <= 80, res.output
+    said = " ".join(res.output.split())
+    assert "stops the prepare, named by file:line; --skip-bad skips such records and counts them by reason" in said
+    assert "a prepare stopped (Ctrl-C) or killed leaves nothing there, and the next prepare into --out starts " \
+           "from the beginning" in said

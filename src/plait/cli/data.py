@@ -12,34 +12,37 @@ PREPARE_HELP = """Tokenize text into a prepared dataset: token shards (uint16 wh
 uint32), a document index and meta.json, with an EOS after every document and a held-out split by document.
 
 \b
-Sources (files or folders, read recursively in sorted order, hidden ones left out; each file once):
-  .jsonl .json .ndjson   one JSON object per line; only its --text-field is read
-  .parquet               the --text-field column (needs pyarrow: the 'data' extra)
-  a `datasets` folder    written by Dataset.save_to_disk (needs datasets: the 'data' extra)
+Sources (files or folders, read recursively in sorted order, hidden ones left
+out; each file once):
+  .jsonl .json .ndjson   one JSON object a line, of which --text-field is read
+  .parquet               the --text-field column (pyarrow: the 'data' extra)
+  a `datasets` folder    made by Dataset.save_to_disk (the 'data' extra)
   anything else          a plain text file is one document
 
-
-Chat data (--chat): each record's --messages-field (default messages), a list of
-{"role", "content"}, is rendered with the --tokenizer folder's chat template exactly as
-transformers' apply_chat_template(messages, tokenize=False) renders it (--chat-template FILE
-replaces it; a folder without one, or bytes, gets plait's <|role|> format, as plait serve),
-then tokenized without added special tokens (a template's BOS stays single). The loss is on
-the assistant's messages (--loss-on all: every token): the text a template's {% generation %}
-blocks enclose, else what each assistant message adds to the conversation before it; the mask
-is stored beside the tokens and plait train ignores the other targets. --split-turns: each
-assistant message its own document (templates that drop past reasoning, as Qwen3's).
---chat-template-kwargs JSON: template variables every render gets, as apply_chat_template's
-keyword arguments (Qwen3 without reasoning: '{"enable_thinking": false}').
+A record that is not JSON, has no usable --text-field or is not UTF-8 stops the prepare, named by file:line;
+--skip-bad skips such records and counts them by reason. Blank records are always skipped and counted.
 
-The output appears at --out only when complete: a prepare that is killed leaves nothing there.
+Chat data (--chat): each record's --messages-field (default messages), a list of {"role", "content"}, is
+rendered with the --tokenizer folder's chat template exactly as transformers' apply_chat_template(messages,
+tokenize=False) renders it (--chat-template FILE replaces it; a folder without one, or bytes, gets plait's
+<|role|> format, as plait serve), then tokenized without added special tokens (a template's BOS stays single).
+The loss is on the assistant's messages (--loss-on all: every token): the text a template's {% generation %}
+blocks enclose, else what each assistant message adds to the conversation before it; the mask is stored beside
+the tokens and plait train ignores the other targets. --split-turns: each assistant message its own document
+(templates that drop past reasoning, as Qwen3's). --chat-template-kwargs JSON: template variables every render
+gets, as apply_chat_template's keyword arguments (Qwen3 without reasoning: '{"enable_thinking": false}').
+
+The output appears at --out only when complete: a prepare stopped (Ctrl-C) or killed leaves nothing there, and
+the next prepare into --out starts from the beginning.
 
 \b
 Examples:
   plait data prepare corpus.jsonl --tokenizer bytes --out data/corpus
-  plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 --held-out 0.01
-  plait data prepare chats.jsonl --tokenizer ./my-model --chat --out data/chats
+  plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 \\
+      --held-out 0.01 --skip-bad
+  plait data prepare chats.jsonl --tokenizer ./my-model --chat --out data/chat
   plait data prepare chats.jsonl --tokenizer ./qwen3 --chat --split-turns \\
-      --chat-template-kwargs '{"enable_thinking": false}' --out data/chats-nothink
+      --chat-template-kwargs '{"enable_thinking": false}' --out data/nothink
   plait train --data data/corpus --seq-len 256
 """
 
