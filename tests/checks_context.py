@@ -151,7 +151,10 @@ def bad_capacity() -> None:
 
 def checkpoints(root: Path) -> dict:
     """plait train under cp2·dp2 (ring, ZeRO-1) against one device; its checkpoint loaded under tp2·dp2; an
-    exact resume under cp2·dp2 (all-gather, ZeRO-1)."""
+    exact resume under cp2·dp2 (all-gather, ZeRO-1); that run's step-3 checkpoint resumed under cp4 (ring, the
+    ZeRO-1 shards now over cp4 instead of cp2·dp2)."""
+    import shutil
+
     import checks_train as ct
     from plait.checkpoint import CheckpointReader, find_checkpoint, load_checkpoint
     from plait.data.stream import open_data
@@ -174,7 +177,13 @@ def checkpoints(root: Path) -> dict:
         x, _ = open_data([], "tiny", 256, 32, 2, 0, 0.3).batch(0)
         tp2_logits_rel = rel_err(run.pm.eval_step(x), plain(x).detach())
     resume = ct.check_resume(root, "_cp", tp=1, pp=1, dp=2, cp=2, zero=1, microbatches=1)
-    return {"rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "full_cp" / "step_00000003", root / "cp4" / "step_00000003")
+    dist.barrier()
+    cp4 = ct.train(ct.small_cfg(root, "cp4", steps=6, resume=True, tp=1, pp=1, dp=1, cp=4, cp_comm="ring", zero=1,
+                                microbatches=1))
+    return {"cp4_resumed": [cp4.losses[s] for s in (4, 5, 6)],
+            "rel": max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)), "got": got, "ref": ref,
             "tp2_weights_rel": max(rel_err(full[k], v) for k, v in saved.items()),
             "tp2_logits_rel": tp2_logits_rel, **resume}
 
