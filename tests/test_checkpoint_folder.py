@@ -76,7 +76,8 @@ def test_a_resume_says_which_newer_checkpoints_it_passed_over_and_why(text):
 def test_a_save_that_cannot_write_names_the_file_and_the_checkpoint_that_stays(text, monkeypatch):
     """A full disk during a background save ended the run with 'the background save of the step-6 checkpoint
     failed: Error while serializing: I/O error: No space left on device (os error 28)': no file, no folder, not
-    whether any checkpoint was left to resume from."""
+    whether any checkpoint was left to resume from, nor what to free; and a run resumed with a lower --keep pruned
+    the checkpoints beyond it only once its save was complete, so it needed room for more than one beside them."""
     import errno
 
     import plait.checkpoint.writer as writer
@@ -90,12 +91,19 @@ def test_a_save_that_cannot_write_names_the_file_and_the_checkpoint_that_stays(t
 
     monkeypatch.setattr(writer, "fsync_path", full_disk)
     ck = text / "ck"
+    loop.train(_cfg(text, "ck", steps=1, keep=0))
+    (ck / "step_00000000").mkdir()  # an older checkpoint of the folder, beyond --keep 1
+    (ck / "step_00000000" / "meta.json").write_text("{}")
     with pytest.raises(RuntimeError, match=rf"the background save of the step-2 checkpoint failed: checkpoint of step "
                                            rf"2: writing {ck}/.step_00000002.tmp/pp0-tp0-dp0.safetensors failed "
                                            rf"\(\[Errno 28\] No space left on device\); {ck}/step_00000001 stays the "
-                                           "latest complete checkpoint"):
-        loop.train(_cfg(text, "ck", steps=3, checkpoint_every=1))
+                                           rf"latest complete checkpoint; free space on the disk of {ck} \(a "
+                                           r"checkpoint of this run takes \d+ MB, and a save needs room for one more "
+                                           r"beside the 1 kept: --keep\), then go on from it$"):
+        loop.train(_cfg(text, "ck", steps=3, checkpoint_every=1, keep=1, resume=True))
     assert not list(ck.glob(".step_00000002.tmp/*")), list(ck.glob(".step_00000002.tmp/*"))  # space given back
+    # --keep 1: the save made room for one checkpoint beside the one kept, pruning the older before it wrote
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000001"], list(ck.iterdir())
 
 
 def test_resume_from_one_checkpoint_or_a_hugging_face_folder_says_what_to_give(text):

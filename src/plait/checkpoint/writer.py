@@ -17,6 +17,7 @@ wait for the previous write, so at most one snapshot is held. Both give the same
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -135,6 +136,9 @@ def take_snapshot(pm, optimizer, directory: str | Path, step: int, extra: dict |
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(".step_*.tmp"):  # a save that never completed (killed, or its job died)
             shutil.rmtree(stale, ignore_errors=True)
+        # a save needs room for one checkpoint beside the kept ones, not beside more: those it would prune once it
+        # is complete (a run resumed with a lower --keep) go first
+        _prune(root, keep)
         tmp.mkdir()
     collective(f"barrier before checkpoint {step}'s snapshot", None, dist.barrier)
     cp = f"-cp{ctx.cp_rank}" if ctx.cp_size > 1 else ""  # experts may be written by any CP rank
@@ -192,6 +196,13 @@ def _write_error(snap: Snapshot, file: Path, exc: BaseException) -> CheckpointWr
 
     latest = find_checkpoint(snap.root)
     kept = f"{latest} stays the latest complete checkpoint" if latest else "no complete checkpoint is saved yet"
+    full = getattr(exc, "errno", None) == errno.ENOSPC or "(os error 28)" in str(exc)  # safetensors' own error
+    if full and latest is not None:
+        size = sum(f.stat().st_size for f in latest.iterdir() if f.is_file()) / 1e6
+        kept += (f"; free space on the disk of {snap.root} (a checkpoint of this run takes {size:,.0f} MB, and a save "
+                 f"needs room for one more beside the {snap.keep or 'all'} kept: --keep), then go on from it")
+    elif full:
+        kept += f"; free space on the disk of {snap.root}"
     return CheckpointWriteError(f"checkpoint of step {snap.step}: writing {file} failed ({exc}); {kept}")
 
 
@@ -323,8 +334,14 @@ def _commit(root: Path, tmp: Path, final: Path, keep: int) -> None:
     fsync_path(pointer)
     os.replace(pointer, root / LATEST)
     fsync_path(root)
+    _prune(root, keep, [old] if old is not None else [])
+
+
+def _prune(root: Path, keep: int, also: list[Path] | tuple = ()) -> None:
+    """Prune ``also`` and the complete checkpoints of ``root`` but the ``keep`` newest (0: none): renamed out of
+    sight here, deleted by ``_delete_pruned``."""
     done = sorted(p for p in root.glob("step_*") if (p / META).is_file() and p.suffix != ".old")
-    for stale in ([old] if old is not None else []) + (done[:-keep] if keep > 0 else []):
+    for stale in [*also, *(done[:-keep] if keep > 0 else [])]:
         stale.rename(root / f"{PRUNED}{stale.name}-{uuid.uuid4().hex[:8]}")
     _delete_pruned(root)
 
