@@ -4,14 +4,27 @@ and reduce-scatters of a small GPT counted by hand, the refusals, and plait's ow
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from plait.errors import ConfigError
+from plait.plan import timing
 from plait.plan.cluster import Cluster
 from plait.plan.config import Layout, Training
 from plait.plan.estimate import estimate
 from plait.plan.published import gpt, runs
-from plait.plan.zero3_deepspeed import Gather, Scatter, Use, scatter_cost, trace, walk
+from plait.plan.zero3_deepspeed import (
+    Gather,
+    Scatter,
+    Use,
+    exposed,
+    persistent,
+    persistent_gather,
+    scatter_cost,
+    trace,
+    walk,
+)
 
 
 def _walk(uses, gather=0.4, reduce=0.0, f=1.0):
@@ -155,7 +168,44 @@ def test_the_list_all_gathers_copies_per_rank(ranks, micro_s):
     c, lay = Cluster("a100-80gb", ranks, interconnect="ib-hdr"), Layout(dp=ranks, zero=3, recompute="full")
     assert walk(trace(m, lay), {}, lambda e: Gather(1.0), lambda e: 0.0).gathers == 10
     one = Training(ranks, recompute_head=False, grad_dtype="fp16", zero3_impl="deepspeed-0.3")  # one micro-batch
-    assert estimate(m, c, lay, one).time["zero_comm"] == pytest.approx(micro_s, rel=1e-4)
+    step = estimate(m, c, lay, one).time["zero_comm"]
+    assert step - persistent_gather(c.costs, m, lay) == pytest.approx(micro_s, rel=1e-4)
+
+
+def test_the_persistent_parameters_are_the_tensors_under_the_threshold():
+    # GPT, 2 layers, h = 512, vocab 1024: each layer's four biases (qkv 1,536, proj 512, fc1 2,048, fc2 512) and two
+    # LayerNorms' weights and biases (512 each), then the final norm's; the weights (2.6e5 to 1e6), the word
+    # embedding (524,288) and the positions (2048 x 512) are at or above 1e5
+    layer = (1536, 512, 2048, 512, 512, 512, 512, 512)
+    assert persistent(gpt(2, 512, 8, vocab=1024), Layout(dp=4, zero=3)) == (*layer, *layer, 512, 512)
+    # Narayanan et al.'s models: 8 a layer and the final norm's 2 (every bias under 1e5 at h = 12,288 and 20,480)
+    assert len(persistent(gpt(96, 12288, 96), Layout(dp=384, zero=3))) == 770
+    assert len(persistent(gpt(105, 20480, 128), Layout(dp=640, zero=3))) == 842
+
+
+@pytest.mark.parametrize(("ranks", "step_s"), [(4, 1231.007e-6), (8, 2280.204e-6), (1024, 162025.0e-6)])
+def test_the_step_gathers_the_persistent_parameters_and_copies_them_back_rank_by_rank(ranks, step_s):
+    # the same GPT: 18 persistent tensors, 14,336 elements. _allgather_params copies the rank's 18 partitions into
+    # the flat buffer (18 x 10.1 us), makes W views (2.0 us each), gathers (its W copies issued at 10.1 us, slower
+    # than the gather), then for each tensor issues a copy_ (10.1 us) after a loop turn (3.8 us) for every rank
+    # whose slice starts inside it:
+    #   4 ranks: every slice of every tensor (72 turns): 181.8 + 8 + 40.4 + 72 x 13.9 = 1,231.0 us (+ bytes)
+    #   8 ranks: 144 turns: 181.8 + 16 + 80.8 + 144 x 13.9 = 2,280.2 us
+    #   1,024 ranks: slices of 2, 1, 2, 1 and 1 elements (1,536, 512, 2,048, 512 and the norms' 512 over 1,024, padded
+    #   up), so 768, 512, 1,024, 512 and 4 x 512 turns a layer and 2 x 512 for the final norm: 10,752 turns; 181.8 +
+    #   2,048 + 10,342.4 + 10,752 x 13.9 = 162,025.0 us
+    m, c, lay = gpt(2, 512, 8, vocab=1024), Cluster("a100-80gb", ranks, interconnect="ib-hdr"), Layout(dp=ranks, zero=3)
+    assert persistent_gather(c.costs, m, lay) == pytest.approx(step_s, rel=1e-5)
+
+
+def test_estimate_charges_the_persistent_gather_once_a_step():
+    # two micro-batches: the walk twice, the persistent parameters' gather once
+    m, c = gpt(2, 512, 8, vocab=1024), Cluster("a100-80gb", 8, interconnect="ib-hdr")
+    lay, t = Layout(dp=8, zero=3, recompute="full"), _ds()
+    e = estimate(m, c, lay, replace(t, global_batch=16))
+    busiest = timing.rank_costs(c.costs, m, lay, t, 2)[0]
+    walked = exposed(m, c, lay, t, busiest)
+    assert e.time["zero_comm"] == pytest.approx(2 * walked + persistent_gather(c.costs, m, lay))
 
 
 def _ds(**kw):

@@ -141,8 +141,11 @@ def estimate(model: Model, cluster: Cluster, layout: Layout, training: Training,
                                                      training.grad_dtype, expert)
     if layout.zero == 3 and training.zero3_impl in zero3_deepspeed.IMPLS:
         # DeepSpeed v0.3.13's ZeRO-3 (plan.zero3_deepspeed): each micro-batch walks the same trace, its gradients'
-        # all-reduces included (none left for the end of the step)
-        zero3, reduction = m * zero3_deepspeed.exposed(model, cluster, layout, training, busiest), 0.0
+        # all-reduces included (none left for the end of the step); after the step the persistent parameters'
+        # gather
+        zero3 = (m * zero3_deepspeed.exposed(model, cluster, layout, training, busiest)
+                 + zero3_deepspeed.persistent_gather(costs, model, layout))
+        reduction = 0.0
     else:
         # plait's ZeRO-3 (zero3_collectives): the gathers and reduce-scatters share one network, each beside the
         # compute of its own pass: a forward hides its gather; a backward its gather and reduce-scatter, the last

@@ -42,6 +42,14 @@ What its code does, each step (microsoft/DeepSpeed at tag v0.3.13, ``deepspeed/r
 - A tied word embedding, which the logits use outside its module, is registered as the top module's external
   parameter (``docs/_tutorials/zero.md`` at v0.3.13, Megatron-LM's ``GPT2Model``): gathered at the top module's
   first hook and held through the forward and the backward (it counts against the live parameters throughout).
+- The persistent parameters are partitioned too after each backward (``backward`` calls
+  ``_partition_all_parameters``, whose ``release_and_reset_parameter`` partitions every parameter still whole), and
+  gathered again once a step, after the optimizer step (``_post_step``: ``all_gather`` of the whole list, whose
+  ``async_op=False`` path is ``_allgather_params``, ``partition_parameters.py``; the same code at v0.3.13 to v0.3.16):
+  one all-gather of their partitions concatenated, through torch's list API (W views of a flat buffer, the
+  collective and its W copies as ``Gather`` below), then, for each persistent parameter, a Python loop over the W
+  ranks making two views and one ``copy_`` of that rank's slice into the whole tensor (for each rank whose slice
+  holds any of it): ``persistent_gather``. Once a step, not hidden: nothing else is in flight then.
 
 ``exposed`` walks that trace: the collectives share the network (one process group), the compute runs beside
 whatever collective was launched with it, and each synchronize waits for the longer of the two.
@@ -92,6 +100,13 @@ COPY_HOST_S = 10.1e-6
 #: 2.0 µs measured on this project's 2-core CPU host (torch 2.13, loops of 1,536 turns, load 0.1; docs/planner.md);
 #: not fitted
 VIEW_HOST_S = 2.0e-6
+
+#: host seconds of one turn of ``_allgather_params``' copy-back loop without its ``copy_`` (the loop's arithmetic,
+#: ``partitions[i].narrow``, ``replicated_tensor.view(-1).narrow``): 1.9 times the view loop's turn (``VIEW_HOST_S``)
+#: in the same process on this project's 2-core CPU host (torch 2.13, CPU tensors, the two loops as the code has them
+#: over 1,536 ranks, interleaved in chunks of 64 turns, their fastest chunks; docs/planner-log.md entry 33); the
+#: copy's own issue is ``COPY_HOST_S``; not fitted
+COPY_BACK_HOST_S = 3.8e-6
 
 # what share of a pass a use's compute is: (pass, share) with pass one of "f", "r", "b" (a layer's forward,
 # recomputation, backward), "ef", "eb" (the embedding's), "hf", "hb" (the head's), or "" (none)
@@ -309,6 +324,35 @@ def scatter_cost(costs: CostModel, elements: int, n: int, span: int, grad: float
     nbytes = grad * elements
     device = costs.stream_time(2 * nbytes, 0) * (1 + 1 / n) + costs.collective("reduce_scatter", nbytes, n, span)
     return Scatter(device, n * (VIEW_HOST_S + COPY_HOST_S))
+
+
+def persistent(model: Model, layout: Layout) -> tuple[int, ...]:
+    """Elements of each parameter tensor on a rank with fewer than ``PERSISTENCE_THRESHOLD`` (``persistent_parameters``:
+    ``ds_persist``), in the order ``trace`` has them: each layer's biases and its two norms' tensors, the final norm's,
+    and an embedding or head that small."""
+    norm = (model.hidden,) * (2 if model.layernorm else 1)
+    layer = [x for _, w, b in _layer_modules(model, layout) for x in (w, b) if x] + [*norm, *norm]
+    word = model.vocab * model.hidden // layout.tp
+    pos = model.seq_len * model.hidden if model.learned_positions else 0
+    tensors = [*layer * model.n_layers, *norm, word, pos, 0 if model.tied_embeddings else word]
+    return tuple(x for x in tensors if 0 < x < PERSISTENCE_THRESHOLD)
+
+
+def persistent_gather(costs: CostModel, model: Model, layout: Layout) -> float:
+    """Seconds of ``_post_step``'s gather of the persistent parameters over W = dp·cp ranks, once a step:
+    ``_allgather_params`` copies the rank's own partition of each into the flat buffer (a ``copy_`` each), gathers
+    the concatenated partitions (each padded to a multiple of W, ``_aligned_size``) as ``gather_cost`` says, then
+    copies each parameter back rank by rank: for every rank whose slice starts inside the parameter, a turn of the
+    loop (``COPY_BACK_HOST_S``) and a ``copy_`` issued (``COPY_HOST_S``), the device running each tiny copy as it is
+    issued. Its buffer is ``torch.empty`` (no zeros' bytes)."""
+    sizes = persistent(model, layout)
+    if not sizes:
+        return 0.0
+    n = layout.dp * layout.cp
+    parts = [-(-s // n) for s in sizes]
+    one = gather_cost(costs, sum(parts) * n, n, layout.tp * n)
+    turns = sum(min(n, -(-s // p)) for s, p in zip(sizes, parts, strict=True))
+    return len(sizes) * COPY_HOST_S + one.views + one.done + turns * (COPY_BACK_HOST_S + COPY_HOST_S)
 
 
 def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, rank: StageCosts) -> float:
