@@ -103,8 +103,42 @@ def compare_family(folder: Path, ctx, schedule: str, export: Path | None = None)
             "worst": max(errs, key=errs.get), "n_grads": len(errs)}
 
 
+def _serve(pm, plain) -> dict:
+    """plait serve's paged KV cache under tp2·pp2 (the serving Runner on every rank, fed as the engine feeds it:
+    prompts in chunks of 3 beside other rows, then one token a row, blocks of 2) against the plain model's
+    generate on one device. Prompts and outputs run past the windows (3 and 5), across block boundaries."""
+    import torch.distributed as dist
+
+    from plait.generation import Sampling
+    from plait.serve.runner import Row, Runner, Step
+    from plait.serve.sampling import Params
+
+    prompts = [[5, 17, 3, 40, 22, 9, 31, 8], [9, 2, 44, 7], [1, 60, 33, 12, 25, 6, 50]]
+    n, block = 7, 2
+    runner = Runner(pm, num_blocks=8 * len(prompts), block_size=block)
+    tables = [list(range(8 * r, 8 * r + 8)) for r in range(len(prompts))]  # 16 positions each
+    known, done = [list(p) for p in prompts], [0] * len(prompts)
+    step = Step(new=[(r, Params(Sampling(n))) for r in range(len(prompts))])
+    while any(len(k) - len(p) < n for k, p in zip(known, prompts, strict=True)):
+        step.rows = []
+        for r, k in enumerate(known):
+            if len(k) - len(prompts[r]) < n:
+                feed = k[done[r]: min(done[r] + 3, len(k))]
+                step.rows.append(Row(r, feed, done[r], tables[r], done[r] + len(feed) == len(k)))
+        box = [runner.execute(step)]
+        dist.broadcast_object_list(box, src=0)  # rank 0 has the outputs: every rank makes the same next step
+        for row, out in zip(step.rows, box[0], strict=True):
+            done[row.rid] += len(row.tokens)
+            if row.sample:
+                known[row.rid].append(out[0])
+        step = Step()
+    return {"parallel": [k[len(p):] for k, p in zip(known, prompts, strict=True)],
+            "single": [plait.generate(plain, p, max_new_tokens=n) for p in prompts]}
+
+
 def generate_family(folder: Path, ctx) -> dict:
-    """plait.generate under tp2·pp2 (the `plait generate` loading path) against the plain model on one device."""
+    """plait.generate under tp2·pp2 (the `plait generate` loading path) against the plain model on one device;
+    ``serve``: the same for plait serve's paged KV cache (``_serve``)."""
     from plait.generation.job import load_model
 
     pm = load_model(str(folder), ctx=ctx)[0]
@@ -114,6 +148,7 @@ def generate_family(folder: Path, ctx) -> dict:
     for name, model in (("parallel", pm), ("single", plain)):
         out[name] = [plait.generate(model, prompts, max_new_tokens=7),
                      plait.generate(model, prompts, max_new_tokens=7, temperature=0.9, top_k=8, seed=3)]
+    out["serve"] = _serve(pm, plain)
     return out
 
 

@@ -172,3 +172,12 @@ def test_family_generate_tp2_pp2_equals_one_device(world4, family):
     for rank, r in enumerate(result(world4, f"family/{family}/generate")):
         assert r["parallel"] == r["single"], f"rank {rank} {family}: {r['parallel']} vs one device {r['single']}"
         assert len(r["single"][0][0]) == 7
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install -e .[dev])")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_serve_paged_kv_tp2_pp2_equals_one_device(world4, family):
+    for rank, r in enumerate(result(world4, f"family/{family}/generate")):
+        r = r["serve"]
+        assert r["parallel"] == r["single"], f"rank {rank} {family}: {r['parallel']} vs one device {r['single']}"
+        assert [len(t) for t in r["single"]] == [7, 7, 7]
