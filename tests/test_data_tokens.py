@@ -1,5 +1,6 @@
 """Tokenizing for plait data prepare at the cost of the text: the bytes tokenizer's ids and chat loss masks
-without a step per character, and a document's ids without copies wider than the stored dtype."""
+without a step per character, and a document's ids without copies wider than the stored dtype; the tokens a
+prepared source holds as plait train's data line counts them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import tracemalloc
 
 import numpy as np
 
+from plait.data import prepare
 from plait.data.prepare import encode_documents
+from plait.data.stream import open_data
 from plait.data.tokens import TokenizerSpec
 
 # ASCII, 2-, 3- and 4-byte characters, and a lone surrogate (a JSON "\ud800" escape), which UTF-8 writes as "?"
@@ -64,3 +67,13 @@ def test_a_long_documents_ids_are_built_without_copies_wider_than_the_stored_dty
     assert bytes(ids[:-1].astype(np.uint8)) == text.encode()
     # at the peak, its UTF-8 bytes and the uint16 ids: 1 + 2 bytes a character (no uint32 copy of them)
     assert peak < 3.5 * len(text), f"{peak / len(text):.1f} bytes a character at the peak"
+
+
+def test_the_data_line_counts_a_small_sources_tokens_in_full_and_a_large_ones_in_millions(tmp_path):
+    (tmp_path / "small.txt").write_text("tensor shards " * 350)  # 4,900 bytes and its EOS
+    (tmp_path / "large.txt").write_text("pipeline stage " * 20_000)
+    for name in ("small", "large"):
+        prepare([str(tmp_path / f"{name}.txt")], "bytes", tmp_path / name, workers=1, held_out=0.0)
+    line = open_data([f"0.5:{tmp_path / 'small'}", f"0.5:{tmp_path / 'large'}"], "tiny", 256, 16, 2, 0, 1).describe()
+    assert "(prepared: 4,901 training tokens, none held out)" in line, line  # was 0.00M training tokens, 0.00M
+    assert "(prepared: 0.30M training tokens, none held out)" in line, line

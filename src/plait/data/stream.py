@@ -205,9 +205,15 @@ class TrainData:
             weight = f"{s.weight / sum(x.weight for x in self.sources):.0%} " if len(self.sources) > 1 else ""
             kind = "prepared" if s.prepared else f"{counted(s.files, 'file')}, tokenized here"
             note = f"; {s.note}" if s.note else ""
-            parts.append(f"{weight}{s.name} ({kind}: {s.train.tokens / 1e6:.2f}M training tokens, "
-                         f"{s.held_out.tokens / 1e6:.2f}M held out{note})")
+            parts.append(f"{weight}{s.name} ({kind}: {_tokens(s.train.tokens)} training tokens, "
+                         f"{_tokens(s.held_out.tokens) if s.held_out.tokens else 'none'} held out{note})")
         return "; ".join(parts)
+
+
+def _tokens(n: int) -> str:
+    """A number of tokens as the data line shows it: in millions from 0.1M, else in full (a small source's
+    1,234 tokens would read 0.00M)."""
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
 
 
 def check_length(source: TrainSource, seq_len: int) -> None:
