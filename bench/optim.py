@@ -123,6 +123,12 @@ def rank_main() -> dict:
     return {"rows": rows, "meter": _meter_cost(plait.init(tp=2, pp=1, dp=2), cfg)}
 
 
+def _most_held(ranks: list[dict]) -> dict:
+    """The rank's row holding the most parameter, gradient and optimizer bytes (the report's other entries are
+    peaks, or None where they do not apply, as ``params_gathered_peak`` outside ZeRO-3)."""
+    return max(ranks, key=lambda r: sum(r["measured"][k] for k in ("params", "grads", "optimizer")))
+
+
 def _table(rows: list[dict]) -> None:
     head = (f"{'layout':<9}{'prec':<6}{'zero':>4}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}  "
             f"{'measured/formula':<18}{'planner optim':>14}{'step':>9}{'vs zero0':>9}")
@@ -149,7 +155,7 @@ def main() -> None:
     rows = []
     for i, r0 in enumerate(per_rank[0]["rows"]):
         ranks = [pr["rows"][i] for pr in per_rank]
-        worst = max(ranks, key=lambda r: sum(r["measured"].values()) - r["measured"]["activations_peak"])
+        worst = _most_held(ranks)
         row = {k: r0[k] for k in ("tp", "dp", "zero", "precision", "planner")}
         row.update(measured=worst["measured"], formula=worst["formula"], rank=worst["rank"],
                    step_ms=max(r["step_ms"] for r in ranks))  # the most loaded rank, the slowest rank
