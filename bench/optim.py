@@ -16,10 +16,15 @@ on the root) on the same Llama, dp2 and dp4, one and two micro-batches per step,
 step time and peak bytes per rank as ratios to FSDP2 (``zero3_main``). Peak bytes: the most of ``PEAK_STEPS``
 steps per peer (stepped in turn; the lowest beside it), each the bytes held between steps plus the most malloc'd
 bytes above them after any op of the step.
+
+Both print a progress line per phase (per step under ``--zero3``) as they go; ``--help`` says how long they
+take and how to run a short ``--zero3`` (``--steps``, ``--peak-steps``).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import statistics
 import sys
@@ -117,10 +122,13 @@ def rank_main() -> dict:
     for tp, dp in LAYOUTS:
         ctx = plait.init(tp=tp, pp=1, dp=dp)
         for precision in ("fp32", "bf16"):
+            _say(ctx.rank, f"tp{tp}·dp{dp} {precision}: ZeRO 0, 1 and 2, {STEPS} steps each")
             for r in _zero_stages(ctx, cfg, precision):
                 r.update(tp=tp, dp=dp, precision=precision, rank=ctx.rank, planner=_planner(cfg, tp, dp, r["zero"]))
                 rows.append(r)
-    return {"rows": rows, "meter": _meter_cost(plait.init(tp=2, pp=1, dp=2), cfg)}
+    ctx = plait.init(tp=2, pp=1, dp=2)
+    _say(ctx.rank, "the saved-tensor meter's cost")
+    return {"rows": rows, "meter": _meter_cost(ctx, cfg)}
 
 
 def _most_held(ranks: list[dict]) -> dict:
@@ -143,14 +151,39 @@ def _table(rows: list[dict]) -> None:
               f"{r['step_ms']:>6.0f} ms{r['vs_zero0']:>8.2f}x")
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench/optim.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="ZeRO 0/1/2 bytes per rank against the formula and step-time ratios (default), or plait "
+                    "ZeRO-1/2/3 beside torch FSDP2 (--zero3). Prints a progress line per phase as it goes, then "
+                    "a table and JSON.",
+        epilog="Duration, measured on 2 cores shared with other jobs: the default run takes ~9 min at load 40-75; "
+               "--zero3 runs four worlds (dp2, dp4; 1 and 2 micro-batches) and takes ~5-7 min a world at load "
+               "25-110, ~25 min in all (the step times scale with the load; the table's ratios hold).\n\n"
+               "Examples:\n"
+               "  python bench/optim.py                                  # ZeRO 0/1/2, one world of 4 ranks\n"
+               "  python bench/optim.py --zero3                          # ZeRO-1/2/3 beside FSDP2\n"
+               "  python bench/optim.py --zero3 --steps 3 --peak-steps 1 # a quick look: about a third of it")
+    p.add_argument("--zero3", action="store_true", help="plait ZeRO-1/2/3 beside torch FSDP2 (fully_shard per block)")
+    p.add_argument("--steps", type=int, default=ZERO3_STEPS,
+                   help=f"--zero3: timed steps per peer, the first {ZERO3_WARM} not counted (default %(default)s)")
+    p.add_argument("--peak-steps", type=int, default=PEAK_STEPS,
+                   help="--zero3: steps per peer whose peak bytes are sampled after every op (default %(default)s)")
+    return p
+
+
 def main() -> None:
     import os
 
     from plait.distributed.launch import run_world
 
-    if "--zero3" in sys.argv[1:]:
-        return zero3_main()
+    args = parser().parse_args()
+    if args.steps < 1 or args.peak_steps < 1:
+        parser().error(f"--steps and --peak-steps must be at least 1, got {args.steps} and {args.peak_steps}")
+    if args.zero3:
+        return zero3_main(args.steps, args.peak_steps)
     load = os.getloadavg()[0]
+    print(f"ZeRO 0/1/2: one world of 4 ranks, tp2·dp2 and dp4, fp32 and bf16; load {load:.1f}", flush=True)
     per_rank = run_world(rank_main, 4, timeout_s=1200)
     rows = []
     for i, r0 in enumerate(per_rank[0]["rows"]):
@@ -178,17 +211,24 @@ ZERO3_STEPS, ZERO3_WARM, PEAK_STEPS = 10, 2, 3
 ADAMW = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 
-def _in_use() -> int:
-    """Bytes glibc's malloc has handed out and not taken back (heap + mmapped chunks): every CPU tensor."""
+@functools.cache
+def _mallinfo2():
+    """glibc's ``mallinfo2``, looked up once: it is called after every op of a measured step, and loading libc
+    and building the result type each time cost ~40x the call itself."""
     import ctypes
 
     class Mallinfo2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Mallinfo2
-    info = libc.mallinfo2()
+    fn = ctypes.CDLL("libc.so.6").mallinfo2
+    fn.restype = Mallinfo2
+    return fn
+
+
+def _in_use() -> int:
+    """Bytes glibc's malloc has handed out and not taken back (heap + mmapped chunks): every CPU tensor."""
+    info = _mallinfo2()()
     return int(info.uordblks + info.hblkhd)
 
 
@@ -277,7 +317,13 @@ def _plait(ctx, cfg, zero: int, microbatches: int):
     return step, held
 
 
-def zero3_rank(dp: int, microbatches: int) -> dict:
+def _say(rank: int, msg: str) -> None:
+    """Progress on stdout from rank 0, flushed at once (a world prints nothing else until it ends)."""
+    if rank == 0:
+        print(f"  {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def zero3_rank(dp: int, microbatches: int, steps: int = ZERO3_STEPS, peak_steps: int = PEAK_STEPS) -> dict:
     """plait ZeRO-1/2/3 and FSDP2 on ``dp`` ranks, fp32, ``microbatches`` per step, stepped in turn (ABCD...)."""
     import plait
     from plait.models import LlamaConfig
@@ -289,30 +335,43 @@ def zero3_rank(dp: int, microbatches: int) -> dict:
     x, y = _batch(ctx, cfg)
     times: dict[str, list[float]] = {k: [] for k in peers}
     norms: dict[str, list[float]] = {k: [] for k in peers}
-    for _ in range(ZERO3_STEPS):
+    for i in range(steps):
         for name, (step, _) in peers.items():
             t0 = time.perf_counter()
             norms[name].append(step(x, y))
             times[name].append(time.perf_counter() - t0)
+        _say(ctx.rank, f"timed step {i + 1}/{steps}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
     peaks: dict[str, list[int]] = {k: [] for k in peers}
-    for _ in range(PEAK_STEPS):  # in turn too: a collective's buffers in flight differ a little from step to step
+    for i in range(peak_steps):  # in turn too: a collective's buffers in flight differ a little from step to step
+        t0 = time.perf_counter()
         for name, (step, held) in peers.items():
             peaks[name].append(held() + _step_peak(lambda step=step: step(x, y)))
-    return {name: {"step_ms": 1e3 * statistics.median(times[name][ZERO3_WARM:]), "held": held(),
+        _say(ctx.rank, f"peak step {i + 1}/{peak_steps} of the four peers: {time.perf_counter() - t0:.1f} s")
+    warm = min(ZERO3_WARM, steps - 1)
+    return {name: {"step_ms": 1e3 * statistics.median(times[name][warm:]), "held": held(),
                    "peak": max(peaks[name]), "peak_min": min(peaks[name]), "norms": norms[name][:3]}
             for name, (_, held) in peers.items()}
 
 
-def zero3_main() -> None:
+ZERO3_WORLDS = ((2, 1), (4, 1), (2, 2), (4, 2))  # (dp, micro-batches per step)
+
+
+def zero3_main(steps: int = ZERO3_STEPS, peak_steps: int = PEAK_STEPS) -> None:
     """``python bench/optim.py --zero3``: step time and peak bytes per rank, plait ZeRO-3 against FSDP2."""
     import os
 
     from plait.distributed.launch import run_world
 
     load = os.getloadavg()[0]
+    print(f"plait ZeRO-1/2/3 beside torch FSDP2: {len(ZERO3_WORLDS)} worlds, each 4 peers x ({steps} timed + "
+          f"{peak_steps} peak) steps; load {load:.1f} on {os.cpu_count()} cores", flush=True)
     rows = []
-    for dp, mb in ((2, 1), (4, 1), (2, 2), (4, 2)):
-        per_rank = run_world(zero3_rank, dp, dp, mb, timeout_s=1200)
+    for w, (dp, mb) in enumerate(ZERO3_WORLDS):
+        print(f"world {w + 1}/{len(ZERO3_WORLDS)}: dp{dp}, {mb} micro-batch(es) per step", flush=True)
+        t0 = time.perf_counter()
+        per_rank = run_world(zero3_rank, dp, dp, mb, steps, peak_steps, timeout_s=1200)
+        print(f"world {w + 1}/{len(ZERO3_WORLDS)} done in {time.perf_counter() - t0:.0f} s "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)
         for name in per_rank[0]:
             ranks = [r[name] for r in per_rank]
             rows.append({"dp": dp, "mb": mb, "peer": name, "step_ms": max(r["step_ms"] for r in ranks),
@@ -329,7 +388,8 @@ def zero3_main() -> None:
               f"{r['peak_min'] / 2**20:>8.2f}  "
               + " ".join(f"{n:.5f}" for n in r["norms"]))
     print(f"load average at start: {load:.1f}, at end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(json.dumps({"config": CFG, "batch": BATCH, "steps": ZERO3_STEPS, "rows": rows, "load": load}, indent=1))
+    print(json.dumps({"config": CFG, "batch": BATCH, "steps": steps, "peak_steps": peak_steps, "rows": rows,
+                      "load": load}, indent=1))
 
 
 if __name__ == "__main__":
