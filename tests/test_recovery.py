@@ -17,7 +17,9 @@ from pathlib import Path
 from plait.distributed.launch import child_pids
 from save_util import assert_first_checkpoint_whole, kill_inside_second_save
 
-STEPS, EVERY = 30, 2
+# the first kill lands once step 7 is logged, the third after a restart's first step (one past its checkpoint, step 6
+# or so): the last restart still trains to step 16 from there
+STEPS, EVERY = 16, 2
 FLAGS = ["--tp", "1", "--pp", "2", "--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--microbatches", "2",
          "--max-data-mb", "0.3", "--sample-tokens", "0", "--eval-every", "0", "--trace-every", "0", "--cluster", "none",
          "--checkpoint-every", str(EVERY), "--auto-resume"]
