@@ -61,6 +61,8 @@ def test_the_layout_line_names_the_zero_stage_expert_parallelism_and_bf16():
         "tp 1 x pp 1 x dp 2 (2 processes), 1 micro-batch, ZeRO-3"  # the run said nothing of its ZeRO stage
     assert layout_text(ParallelConfig(tp=1, pp=1, dp=2, microbatches=2, ep=2, zero=1, precision="bf16")) == \
         "tp 1 x pp 1 x dp 2 (2 processes), 2 micro-batches, ep 2, ZeRO-1, bf16"
+    assert layout_text(ParallelConfig(tp=2, pp=1, dp=2, microbatches=1, ep=2, expert_tp=True)) == \
+        "tp 2 x pp 1 x dp 2 (4 processes), 1 micro-batch, ep 2, expert TP"  # the experts' split was not said
     assert layout_text(ParallelConfig(tp=1, pp=1, dp=1, microbatches=1)) == \
         "tp 1 x pp 1 x dp 1 (1 process), 1 micro-batch"
 

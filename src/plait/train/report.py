@@ -210,7 +210,7 @@ def experts_text(row: dict) -> str:
 def layout_text(p: ParallelConfig) -> str:
     """E.g. ``tp 2 x pp 2 x dp 1 (4 processes), interleaved-1f1b V=2, 4 micro-batches, recompute full``; at pp 1
     (no pipeline) without the schedule: ``tp 2 x pp 1 x dp 1 (2 processes), 1 micro-batch``; expert parallelism,
-    a ZeRO stage and bf16 where they are chosen (``..., ep 2, ZeRO-3, bf16``)."""
+    experts split over TP, a ZeRO stage and bf16 where they are chosen (``..., ep 2, expert TP, ZeRO-3, bf16``)."""
     virtual = p.pipeline_schedule().virtual
     schedule = f", {p.schedule}{f' V={virtual}' if virtual > 1 else ''}" if p.pp > 1 else ""
     m = p.num_microbatches
@@ -218,7 +218,8 @@ def layout_text(p: ParallelConfig) -> str:
             f", {counted(m, 'micro-batch')}"
             f"{', sequence parallel' if p.sequence_parallel else ''}"
             f"{f', recompute {p.recompute}' if p.recompute != 'none' else ''}"
-            f"{f', ep {p.ep}' if p.ep > 1 else ''}{f', ZeRO-{p.zero}' if p.zero else ''}"
+            f"{f', ep {p.ep}' if p.ep > 1 else ''}{', expert TP' if p.expert_tp and p.tp > 1 else ''}"
+            f"{f', ZeRO-{p.zero}' if p.zero else ''}"
             f"{f', {p.precision}' if p.precision != 'fp32' else ''}")
 
 
@@ -250,8 +251,9 @@ def summary_table(cfg: TrainConfig, run, res):
         ("start-up", f"{res.startup_s:.1f} s to the end of the first step"),
         ("checkpoint", (res.checkpoint or "-") + _blocked(cfg, res)),
     ]
-    if run.pm.last_expert_load is not None:
-        rows.insert(3, ("experts", _experts_summary(run.pm.last_expert_load.row())))
+    load = getattr(getattr(run, "pm", None), "last_expert_load", None)  # a ParallelModel's (stand-ins have none)
+    if load is not None:
+        rows.insert(3, ("experts", _experts_summary(load.row())))
     for k, v in rows:
         t.add_row(k, v)
     return t
