@@ -157,9 +157,9 @@ def parser() -> argparse.ArgumentParser:
         description="ZeRO 0/1/2 bytes per rank against the formula and step-time ratios (default), or plait "
                     "ZeRO-1/2/3 beside torch FSDP2 (--zero3). Prints a progress line per phase as it goes, then "
                     "a table and JSON.",
-        epilog="Duration, measured on 2 cores shared with other jobs: the default run takes ~9 min at load 40-75; "
-               "--zero3 runs four worlds (dp2, dp4; 1 and 2 micro-batches) and takes ~5-7 min a world at load "
-               "25-110, ~25 min in all (the step times scale with the load; the table's ratios hold).\n\n"
+        epilog="Duration, measured on 2 cores shared with other jobs: the default run takes 4 min at load 23-55 "
+               "(9 at load 40-75); --zero3 runs four worlds (dp2, dp4; 1 and 2 micro-batches) and takes 2-7 min "
+               "a world, 18 min in all at load 20-110 (the step times scale with the load; the ratios hold).\n\n"
                "Examples:\n"
                "  python bench/optim.py                                  # ZeRO 0/1/2, one world of 4 ranks\n"
                "  python bench/optim.py --zero3                          # ZeRO-1/2/3 beside FSDP2\n"
