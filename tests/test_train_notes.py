@@ -234,12 +234,14 @@ def test_the_sample_ends_where_plait_generate_ends_the_checkpoints_continuations
     ids = generate_ids(model, [tok.encode("def ")], Sampling(12, temperature=0.8, top_k=20, seed=3))[0]
     run = SimpleNamespace(cfg=cfg, pm=model, tokenizer=tok, data=SimpleNamespace(eos=None))
     calls.clear()
-    assert sample_text(run) == "def " + tok.decode(ids) and len(calls) == 12  # no EOS known: every token
+    said: list[str] = []
+    assert sample_text(run, said.append) == "def " + tok.decode(ids) and len(calls) == 12  # no EOS: every token
+    assert said == ["sampling up to 12 tokens ..."]  # told once, before the decoding
     ended = "\n[the sample ends: end-of-sequence token]"
     run.data.eos = ids[6]
     cut = ids.index(ids[6])
     calls.clear()
-    assert sample_text(run) == "def " + tok.decode(ids[:cut]) + ended
+    assert sample_text(run, said.append) == "def " + tok.decode(ids[:cut]) + ended
     assert len(calls) == cut + 1 < 12, calls  # the prefill and a step per token up to the EOS: no more
     folder = tmp_path / "m"  # trained from a model folder that names an EOS (an HF model's generation_config)
     folder.mkdir()
@@ -247,7 +249,7 @@ def test_the_sample_ends_where_plait_generate_ends_the_checkpoints_continuations
     run.cfg = replace(cfg, model=str(folder))
     first = min(ids.index(ids[3]), cut)
     calls.clear()
-    assert sample_text(run) == "def " + tok.decode(ids[:first]) + ended
+    assert sample_text(run, said.append) == "def " + tok.decode(ids[:first]) + ended
     assert len(calls) == first + 1, calls
 
 
@@ -279,7 +281,7 @@ def test_the_sample_of_chat_data_is_the_reply_to_a_conversation_of_the_data(tmp_
         run = SimpleNamespace(cfg=cfg, pm=model, tokenizer=ByteTokenizer(),
                               data=open_data(data, "tiny", 256, 32, 2, 0, 1))  # a conversation over seq_len
         assert bytes(run.data.prompt(64)).decode() == want  # sample_text's: half the model's context
-        sample = sample_text(run)
+        sample = sample_text(run, lambda _: None)
         assert sample.startswith(want) and len(sample.encode()) > len(want), sample
 
 
