@@ -64,7 +64,8 @@ class RoutingTally:
             m.layer_index = i
         self.n_layers = len(layers)
         self.capped = any(m.capacity_factor is not None for m in layers)
-        self.counts = torch.zeros(self.n_layers, self.n_experts + 1, dtype=torch.float64)
+        # [n_layers, E + 1], made by ``start`` each step: a model's construction holds no more than its weights
+        self.counts = torch.zeros(0, dtype=torch.float64)
 
     def start(self, device: torch.device) -> None:
         self.counts = torch.zeros(self.n_layers, self.n_experts + 1, dtype=torch.float64, device=device)
