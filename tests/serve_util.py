@@ -7,12 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from plait.distributed.launch import free_port, worker_pids
+
+if TYPE_CHECKING:
+    from plait.serve.engine import Engine
 
 PLAIT = [sys.executable, "-m", "plait.cli.main"]
 
@@ -138,3 +143,33 @@ class Server:
 def workers(launcher_pid: int) -> list[int]:
     """The worker processes of the launcher, by pid."""
     return worker_pids(launcher_pid)
+
+
+def run_waves(engine: Engine, waves: list[list[tuple]]) -> list[list[dict]]:
+    """Run an in-process serving engine on a thread of its own and submit each wave of (prompt, max_tokens,
+    temperature, seed) jobs once the previous one finished; each job's events."""
+    from plait.generation.decode import Sampling
+    from plait.serve.engine import Request
+    from plait.serve.sampling import Params
+
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    outs: list[list[dict]] = []
+    try:
+        for jobs in waves:
+            done = threading.Semaphore(0)
+            for prompt, n, temperature, seed in jobs:
+                out: list[dict] = []
+                outs.append(out)
+
+                def sink(ev, out=out, done=done):
+                    out.append(ev)
+                    if ev["type"] in ("done", "error"):
+                        done.release()
+                engine.submit(Request(prompt, Params(Sampling(n, temperature, 0, seed)), sink))
+            for _ in jobs:
+                assert done.acquire(timeout=60)
+    finally:
+        engine.stopping.set()
+        thread.join(10)
+    return outs

@@ -20,7 +20,7 @@ from plait.serve.metrics import Metrics
 from plait.serve.runner import Runner
 from plait.serve.scheduler import Scheduler
 from plait.tokenizers import ByteTokenizer
-from test_serve_unit import _run, one_thread  # noqa: F401  (a fixture)
+from serve_util import run_waves
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[dev])")
 
@@ -45,7 +45,7 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
-def test_serving_engine_equals_transformers_greedy_generate(tmp_path, family, one_thread):  # noqa: F811
+def test_serving_engine_equals_transformers_greedy_generate(tmp_path, family):
     extra, block = CASES[family]
     hf = hf_model(family, max_position_embeddings=96, num_hidden_layers=2, **extra)
     hf.save_pretrained(tmp_path / family)
@@ -55,7 +55,7 @@ def test_serving_engine_equals_transformers_greedy_generate(tmp_path, family, on
     sched = Scheduler(BlockAllocator(blocks, block, prefix_cache=True), max_batch=8, step_tokens=24)
     engine = Engine(Runner(model, blocks, block), sched, ByteTokenizer(), Metrics(), distributed=False)
     first, rest = _prompts()
-    outs = _run(engine, [[(p, NEW, 0.0, 0) for p in first], [(p, NEW, 0.0, 0) for p in rest]])
+    outs = run_waves(engine, [[(p, NEW, 0.0, 0) for p in first], [(p, NEW, 0.0, 0) for p in rest]])
     hf.generation_config.eos_token_id = None  # plait serve's requests here ignore no end token: none is set
     for prompt, events in zip(first + rest, outs, strict=True):
         x = torch.tensor([prompt])  # a mask of ones: generate would take the prompt's token 0 (pad_token_id) as padding

@@ -17,6 +17,7 @@ from plait.serve.sampling import Params, logprobs
 from plait.serve.scheduler import Scheduler, Seq
 from plait.serve.text import TextTracker
 from plait.tokenizers import ByteTokenizer
+from serve_util import run_waves
 
 TOK = ByteTokenizer()
 
@@ -70,40 +71,6 @@ def test_scheduler_budget_decodes_first_and_preempts_the_latest():
     assert [s.rid for s, _ in reserve.schedule()] == [1] and reserve.alloc.used == 5  # 17 positions up front
 
 
-@pytest.fixture
-def one_thread():
-    """The engine thread and the test's own forwards share the cores: one intra-op thread each (as the workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _run(engine: Engine, waves: list[list[tuple]]) -> list[list[dict]]:
-    """Submit each wave of (prompt, max_tokens, temperature, seed) jobs once the previous one finished; events."""
-    thread = threading.Thread(target=engine.run, daemon=True)
-    thread.start()
-    outs: list[list[dict]] = []
-    try:
-        for jobs in waves:
-            done = threading.Semaphore(0)
-            for prompt, n, temperature, seed in jobs:
-                out: list[dict] = []
-                outs.append(out)
-
-                def sink(ev, out=out, done=done):
-                    out.append(ev)
-                    if ev["type"] in ("done", "error"):
-                        done.release()
-                engine.submit(Request(prompt, Params(Sampling(n, temperature, 0, seed)), sink))
-            for _ in jobs:
-                assert done.acquire(timeout=60)
-    finally:
-        engine.stopping.set()
-        thread.join(10)
-    return outs
-
-
 def _tiny_model() -> Llama:
     torch.manual_seed(0)
     return Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96)).eval()
@@ -115,17 +82,17 @@ def _assert_equals_generate(model: Llama, jobs: list[tuple], outs: list[list[dic
             model, [prompt], Sampling(n, temperature, 0, seed))[0]
 
 
-def test_engine_with_a_small_pool_and_budget_equals_generate(one_thread):
+def test_engine_with_a_small_pool_and_budget_equals_generate():
     model = _tiny_model()
     runner = Runner(model, num_blocks=40, block_size=4)
     sched = Scheduler(BlockAllocator(40, 4), max_batch=8, step_tokens=8)
     engine = Engine(runner, sched, TOK, Metrics(), distributed=False)
     jobs = [(list(range(3 + i, 10 + 5 * i)), 30 + 3 * i, 0.0 if i % 2 else 0.9, i) for i in range(6)]
-    _assert_equals_generate(model, jobs, _run(engine, [jobs]))
+    _assert_equals_generate(model, jobs, run_waves(engine, [jobs]))
     assert sched.preemptions > 0 and engine.metrics.prefill_chunks > len(jobs) and sched.alloc.used == 0
 
 
-def test_requests_ended_by_a_stop_are_counted_in_metrics(one_thread):
+def test_requests_ended_by_a_stop_are_counted_in_metrics():
     engine = Engine(Runner(_tiny_model(), num_blocks=40, block_size=4), Scheduler(BlockAllocator(40, 4), max_batch=4),
                     TOK, Metrics(), distributed=False)
     events: list[dict] = []
@@ -185,7 +152,7 @@ def test_scheduler_starts_a_shared_prefix_from_the_cache_but_feeds_the_last_toke
     assert sched.cached_tokens == 12 and sched.alloc.refs[a.table[0]] == 3
 
 
-def test_engine_with_prefix_caching_equals_generate_and_skips_the_shared_prefill(one_thread):
+def test_engine_with_prefix_caching_equals_generate_and_skips_the_shared_prefill():
     """A first request computes a 24-token prefix; the next ones (some preempted by the small pool) start
     from its blocks and still give generate's tokens."""
     model = _tiny_model()
@@ -195,7 +162,7 @@ def test_engine_with_prefix_caching_equals_generate_and_skips_the_shared_prefill
     prefix = list(range(40, 64))
     first = [(prefix + [1], 6, 0.0, 0)]
     rest = [(prefix + list(range(2, 2 + i)), 20 + 3 * i, 0.0 if i % 2 else 0.9, i) for i in range(1, 6)]
-    outs = _run(engine, [first, rest])
+    outs = run_waves(engine, [first, rest])
     _assert_equals_generate(model, first + rest, outs)
     assert sched.cached_tokens >= 24 * len(rest) and sched.alloc.used == 0
 
