@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 from contextlib import ExitStack
@@ -63,14 +64,16 @@ def expert_load(model: Llama, inputs: torch.Tensor) -> tuple[list[list[int]], li
     return counts, dropped
 
 
-def single_device(cfg: LlamaConfig, inputs, targets, zero_router: bool):
+def single_device(cfg: LlamaConfig, inputs, targets, zero_router: bool, precision: str = "fp32"):
+    """Loss, auxiliary loss and gradients of one device (bf16: of a bf16 copy, as fp32), and the fp32 model."""
     model = build(cfg, zero_router)
-    logits = model(inputs)
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-    aux = pop_aux_losses(model) / inputs.shape[0]
+    run = copy.deepcopy(model).to(torch.bfloat16) if precision == "bf16" else model
+    logits = run(inputs)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    aux = pop_aux_losses(run) / inputs.shape[0]
     loss = ce + aux
     loss.backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    grads = {k: p.grad.float() for k, p in run.named_parameters()}
     return loss.item(), aux.item(), grads, model
 
 
@@ -100,12 +103,14 @@ def norm_and_checkpoint(pm, ref_grads: dict, ref_model: Llama) -> dict:
 
 
 def compare(ctx, schedule: str = "1f1b", microbatches: int = 2, virtual: int = 1, sp: bool = False,
-            zero_router: bool = False, extras: bool = False, recompute: str = "none", **cfg_kw) -> dict:
+            zero_router: bool = False, extras: bool = False, recompute: str = "none", precision: str = "fp32",
+            **cfg_kw) -> dict:
     cfg = moe_cfg(**cfg_kw)
     inputs, targets = data(cfg.vocab_size)
-    ref_loss, ref_aux, ref_grads, ref_model = single_device(cfg, inputs, targets, zero_router)
+    ref_loss, ref_aux, ref_grads, ref_model = single_device(cfg, inputs, targets, zero_router, precision)
     pm = plait.parallelize(build(cfg, zero_router), ctx, schedule=schedule, microbatches=microbatches,
-                           virtual_stages=virtual, sequence_parallel=sp, activation_checkpointing=recompute)
+                           virtual_stages=virtual, sequence_parallel=sp, activation_checkpointing=recompute,
+                           precision=precision)
     per = BATCH // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     loss = pm.train_step(inputs[local], targets[local])
@@ -170,6 +175,13 @@ def equality_checks(contexts: ExitStack) -> list:
     checks.append(("pp2dp2ep2/zb-h1/selective", lambda: compare(pp2dp2ep2, "zb-h1", microbatches=4,
                                                                 recompute="selective")))
     checks.append(("pp2dp2ep2/all_to_one", lambda: compare(pp2dp2ep2, "1f1b", top_k=1, zero_router=True)))
+    # bf16 against one device's bf16. top_k = n_experts sends every token to every expert, so rounding cannot
+    # flip a routing choice: with top-2 of 4 a token whose 2nd and 3rd probabilities nearly tie may pick
+    # another expert under a layout's different bf16 rounding, which changes those experts' gradients by
+    # far more than rounding does.
+    checks.append(("bf16/dp4ep2/every_expert", lambda: compare(dp4ep2, precision="bf16", top_k=4)))
+    checks.append(("bf16/tp2dp2ep2/sp/every_expert", lambda: compare(tp2dp2ep2, sp=True, precision="bf16",
+                                                                     top_k=4)))
     return checks + expert_tp_checks(contexts)
 
 
@@ -180,6 +192,7 @@ def expert_tp_checks(contexts: ExitStack) -> list:
     ep2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=2, expert_tp=True))
     checks.append(("etp/tp2dp2ep2/1f1b", lambda: compare(ep2, extras=True)))
     checks.append(("etp/tp2dp2ep2/sp/top1", lambda: compare(ep2, sp=True, top_k=1)))
+    checks.append(("etp/bf16/tp2dp2ep2/every_expert", lambda: compare(ep2, precision="bf16", top_k=4)))
     # every expert on every rank, reduced over DP
     ep1 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=1, expert_tp=True))
     checks.append(("etp/tp2dp2ep1/sp", lambda: compare(ep1, sp=True, extras=True)))

@@ -15,6 +15,11 @@ CASES = [
     "etp/tp2pp2/zb-h1/capacity",
 ]
 EXTRAS = ["etp/tp2dp2ep2/1f1b", "etp/tp2dp2ep1/sp", "etp/tp2pp2/1f1b"]
+# bf16 (weights, activations and their gradients) against one device's bf16, one step, routing that rounding
+# cannot flip (checks_experts: every token to every expert): the tolerances of dense bf16 layouts
+# (tests/test_context.py)
+BF16_CASES = ["bf16/dp4ep2/every_expert", "bf16/tp2dp2ep2/sp/every_expert", "etp/bf16/tp2dp2ep2/every_expert"]
+BF16_LOSS_TOL, BF16_GRAD_TOL = 1e-4, 5e-2
 
 
 # world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_experts)
@@ -34,6 +39,20 @@ def test_equals_single_device(world4, case):
         assert r["local_experts"][0] == r["ep_rank"] * per
         assert r["load_counts"] == r["ref_counts"], f"rank {rank} {case}: assignments (per layer, dropped) differ"
         assert r["expert_rows"] == ({24} if case.startswith("etp/") else {48}), r["expert_rows"]  # ffn_dim/tp
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_equals_single_device_bf16(world4, case):
+    """Expert parallelism adds no error of its own to bf16: expert gradients reduced over their expert-data-
+    parallel group, gates and dispatch as one device computes them in bf16. (With every expert chosen the
+    auxiliary loss is constant, so its bf16 gradient is not exercised here.)"""
+    for rank, r in enumerate(result(world4, case)):
+        assert r["keys_match"] and r["weights_rel"] == 0.0, f"rank {rank} {case}"
+        assert r["load_counts"] == r["ref_counts"], f"rank {rank} {case}: routing differs from one device's"
+        assert r["loss_rel"] <= BF16_LOSS_TOL, f"rank {rank} {case}: loss rel err {r['loss_rel']:.2e}"
+        assert r["aux_rel"] <= BF16_LOSS_TOL, f"rank {rank} {case}: aux loss rel err {r['aux_rel']:.2e}"
+        assert r["grad_rel_max"] <= BF16_GRAD_TOL, f"rank {rank} {case}: grad err {r['grad_rel_max']:.2e} {r['worst']}"
+        assert r["expert_grad_norm"] > 0
 
 
 @pytest.mark.parametrize("case", EXTRAS)
