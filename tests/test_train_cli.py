@@ -161,3 +161,33 @@ def test_a_torchrun_worker_that_lost_its_peer_says_so_in_one_error_not_a_traceba
                           "gradient from global rank 1\n"), res.output
     monkeypatch.setenv("PLAIT_DEBUG", "1")  # the traceback, for whoever asks
     assert isinstance(CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "2"]).exception, CommError)
+
+
+# a rank that loses its peer, holding a reference cycle (freed only by the garbage collector) with a finalizer
+LOSES_ITS_PEER = """
+import os, sys
+import typer
+from plait.cli.torchrun import lost_peer_in_one_line
+from plait.errors import CommError
+
+class Held:
+    def __del__(self, write=os.write):
+        write(2, b"collected at the exit\\n")
+
+held = Held()
+held.me = held
+try:
+    with lost_peer_in_one_line():
+        raise CommError("gradient from global rank 1 failed (did that rank die?)")
+except typer.Exit as exc:
+    sys.exit(exc.exit_code)
+"""
+
+
+def test_a_torchrun_worker_that_lost_its_peer_skips_the_collection_at_its_exit():
+    """Such a worker spent seconds of a loaded machine after its one-line error in the interpreter's finalization,
+    collecting torch's and the run's objects, which torchrun waits for; what it holds is now left to the exit."""
+    env = {k: v for k, v in os.environ.items() if k != "PLAIT_DEBUG"} | {"RANK": "2"}
+    res = subprocess.run([sys.executable, "-c", LOSES_ITS_PEER], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr == "error: rank 2: CommError: gradient from global rank 1 failed (did that rank die?)\n"

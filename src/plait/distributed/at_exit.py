@@ -10,6 +10,7 @@ exception", SIGABRT) with a non-zero status although the program returned.
 from __future__ import annotations
 
 import atexit
+import gc
 import time
 from pathlib import Path
 
@@ -35,6 +36,17 @@ def _destroy(world: ProcessGroup | None) -> None:
     """Destroy every process group if the default one is still ``world``; local, no collective runs."""
     if dist.is_initialized() and dist.group.WORLD is world:
         dist.destroy_process_group()
+
+
+def skip_collection_at_exit() -> None:
+    """Have the program's end leave the objects that exist now to the process's exit instead of the interpreter's
+    garbage collection (``gc.freeze`` at the exit; objects made later are still collected): for a process that
+    ends on an error, where collecting torch's modules and the run's objects in the finalization only delays its
+    end. The ``__del__`` of an object in a reference cycle is not run; reference counting still frees every other
+    object let go of (the default process group's destruction at the exit among them), and Python still flushes
+    its standard streams. Registered once however often it is asked."""
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
 
 
 def settle_at_exit() -> None:
