@@ -191,3 +191,35 @@ def test_a_torchrun_worker_that_lost_its_peer_skips_the_collection_at_its_exit()
     res = subprocess.run([sys.executable, "-c", LOSES_ITS_PEER], capture_output=True, text=True, env=env, timeout=60)
     assert res.returncode == 1, res.stderr
     assert res.stderr == "error: rank 2: CommError: gradient from global rank 1 failed (did that rank die?)\n"
+
+
+# plait train's launcher, holding a reference cycle with a finalizer, told that its job failed
+JOB_FAILS = """
+import os
+import plait.distributed.launch as launch
+from plait.cli.main import app
+
+class Held:
+    def __del__(self, write=os.write):
+        write(2, b"collected at the exit\\n")
+
+held = Held()
+held.me = held
+
+def fails(*args, **kwargs):
+    raise launch.JobError("rank 3 (pid 4242) died (signal SIGKILL); stopped the other ranks")
+
+launch.launch = fails
+app(["train", "--tp", "1", "--pp", "2", "--steps", "2"])
+"""
+
+
+def test_a_failed_job_s_launcher_skips_the_collection_at_its_exit(tmp_path):
+    """The launcher of a failed job, its report printed, spent most of a second of a loaded machine in the
+    interpreter's finalization before the shell got its status; what it holds is now left to the exit."""
+    res = subprocess.run([sys.executable, "-c", JOB_FAILS], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert res.returncode == 1, res.stderr
+    first = "error: rank 3 (pid 4242) died (signal SIGKILL); stopped the other ranks\n"
+    assert res.stderr.startswith(first), res.stderr
+    assert "collected at the exit" not in res.stderr and res.stderr.endswith("the same command starts again\n"), \
+        res.stderr

@@ -166,6 +166,9 @@ def _run(cfg) -> None:
         typer.echo(f"error: {exc.message}", err=True)
         if exc.exit_code == 1:  # not a refused setting (2) or a non-finite loss (3): a worker died or waited too long
             typer.echo(_after_failure(cfg), err=True)
+        from plait.distributed.at_exit import skip_collection_at_exit
+
+        skip_collection_at_exit()  # the job has ended: nothing left to do but exit
         raise typer.Exit(exc.exit_code) from None
     sys.stdout.flush()
 
