@@ -3,18 +3,15 @@ bench/README.md's table names every one."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from file_module import load
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def _run_all():
-    spec = importlib.util.spec_from_file_location("bench_run_all", BENCH / "run_all.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench/run_all.py", "bench_run_all")
 
 
 def test_run_all_lists_existing_scripts_and_says_why_it_leaves_any_out():

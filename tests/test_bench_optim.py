@@ -3,22 +3,16 @@ and printed nothing until its end), its --help says how long it takes, and the p
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from file_module import load
 
 
 @pytest.fixture(scope="module")
 def optim():
-    spec = importlib.util.spec_from_file_location("bench_optim", BENCH / "optim.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench/optim.py", "bench_optim")
 
 
 def _result(dp: int, mb: int) -> dict:

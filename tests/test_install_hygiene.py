@@ -3,7 +3,6 @@ fallbacks, one option vocabulary across commands."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from file_module import load
 from plait.cli.main import app
 from plait.errors import ConfigError, MissingExtraError, require_extra
 
@@ -19,10 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _scanner():
     """The import checker CI also runs on the installed wheel (.ci/declared_imports.py): one implementation."""
-    spec = importlib.util.spec_from_file_location("declared_imports", ROOT / ".ci" / "declared_imports.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load(".ci/declared_imports.py", "declared_imports")
 
 
 def test_every_import_is_declared():
