@@ -163,12 +163,10 @@ def test_a_torchrun_worker_that_lost_its_peer_says_so_in_one_error_not_a_traceba
     assert isinstance(CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "2"]).exception, CommError)
 
 
-# a rank that loses its peer, holding a reference cycle (freed only by the garbage collector) with a finalizer
-LOSES_ITS_PEER = """
-import os, sys
-import typer
-from plait.cli.torchrun import lost_peer_in_one_line
-from plait.errors import CommError
+# the start of a script that holds a reference cycle (freed only by the garbage collector) with a finalizer, which
+# says so if it is collected at the exit
+HOLDS_A_CYCLE = """
+import os
 
 class Held:
     def __del__(self, write=os.write):
@@ -176,6 +174,15 @@ class Held:
 
 held = Held()
 held.me = held
+"""
+
+# a rank that loses its peer, holding such a cycle
+LOSES_ITS_PEER = HOLDS_A_CYCLE + """
+import sys
+import typer
+from plait.cli.torchrun import lost_peer_in_one_line
+from plait.errors import CommError
+
 try:
     with lost_peer_in_one_line():
         raise CommError("gradient from global rank 1 failed (did that rank die?)")
@@ -193,18 +200,10 @@ def test_a_torchrun_worker_that_lost_its_peer_skips_the_collection_at_its_exit()
     assert res.stderr == "error: rank 2: CommError: gradient from global rank 1 failed (did that rank die?)\n"
 
 
-# plait train's launcher, holding a reference cycle with a finalizer, told that its job failed
-JOB_FAILS = """
-import os
+# plait train's launcher, holding such a cycle, told that its job failed
+JOB_FAILS = HOLDS_A_CYCLE + """
 import plait.distributed.launch as launch
 from plait.cli.main import app
-
-class Held:
-    def __del__(self, write=os.write):
-        write(2, b"collected at the exit\\n")
-
-held = Held()
-held.me = held
 
 def fails(*args, **kwargs):
     raise launch.JobError("rank 3 (pid 4242) died (signal SIGKILL); stopped the other ranks")
