@@ -10,7 +10,7 @@ import tracemalloc
 import numpy as np
 
 from plait.data import prepare
-from plait.data.prepare import encode_documents
+from plait.data.encode import encode_documents
 from plait.data.stream import open_data
 from plait.data.tokens import TokenizerSpec
 

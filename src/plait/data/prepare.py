@@ -18,16 +18,19 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from plait.data.chat import ChatSpec, Spans
+from plait.data.chat import ChatSpec
+from plait.data.encode import encode_into
 from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
+from plait.data.records import read_task
+from plait.data.shards import ShardSink, Written
 from plait.data.skipped import Skipped, source_meta
-from plait.data.sources import CHUNK, BadRecord, Source, Task, discover, read_task, tasks, where
+from plait.data.sources import CHUNK, BadRecord, Source, Task, discover, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
 from plait.distributed.parent import end_with_parent
 from plait.errors import ConfigError, check_output_path
@@ -36,9 +39,6 @@ from plait.words import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-ENCODE_BATCH = 512  # documents per tokenizer call
-
 
 @dataclass
 class Job:
@@ -63,6 +63,7 @@ class TaskResult:
     skipped: Skipped
     digest: bytes
     nbytes: int
+    written: list[Written] = field(default_factory=list)  # its shard files
 
 
 _POOL_WORKER: dict[str, Encoder] = {}  # a pool worker process's encoder (``_init_worker``); empty elsewhere
@@ -108,49 +109,6 @@ def _run_in_worker(task: Task) -> TaskResult:
     return _POOL_WORKER["encoder"](task)
 
 
-def encode_documents(docs: list[str], tok: Tokens, eos: int, held_out: float, dtype: str,
-                     spans: list[Spans] | None = None, keys: list[int] | None = None) -> dict[str, Encoded]:
-    """Per split: token ids of its documents, each followed by ``eos``; int64 document lengths; with ``spans``
-    (the characters of each document in the loss) the uint8 loss mask beside the ids. A document is held out
-    when the hash of its text (of ``docs[keys[i]]``'s, given ``keys``) falls under ``held_out``."""
-    limit = int(held_out * 2**64)
-    held = [_hash(text) < limit for text in docs]
-    if keys is not None:
-        held = [held[k] for k in keys]
-    parts: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    masks: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
-    end = np.asarray([eos], dtype=np.uint32)
-    for i in range(0, len(docs), ENCODE_BATCH):
-        batch = docs[i:i + ENCODE_BATCH]
-        encoded: list[tuple[np.ndarray, np.ndarray | None]] = (
-            [(ids, None) for ids in tok.encode_batch(batch)] if spans is None
-            else list(tok.encode_masked(batch, spans[i:i + ENCODE_BATCH])))
-        for j, (ids, mask) in enumerate(encoded):
-            split = "held_out" if held[i + j] else "train"
-            parts[split] += [ids, end]
-            if mask is not None:
-                masks[split].append(mask)
-    out = {}
-    for split, arrays in parts.items():
-        ids = np.concatenate(arrays, dtype=dtype, casting="same_kind") if arrays else np.zeros(0, dtype)
-        mask = None if spans is None else np.concatenate(masks[split] or [np.zeros(0, np.uint8)])
-        out[split] = Encoded(ids, np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64), mask)
-    return out
-
-
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest(), "little")
-
-
-@dataclass
-class Encoded:
-    """One split's part of a task: ids [tokens], document lengths [documents], loss mask [tokens] or None."""
-
-    ids: np.ndarray
-    lengths: np.ndarray
-    mask: np.ndarray | None = None
-
-
 class Encoder:
     """Reads, encodes and writes the tasks of ``job``, with its tokenizer and chat renderer loaded once (in each
     pool worker; in the prepare's own process for one worker)."""
@@ -163,23 +121,18 @@ class Encoder:
     def __call__(self, task: Task) -> TaskResult:
         job = self.job
         got = read_task(task, job.text_field, job.skip_bad, self.chat)
-        encoded = encode_documents(got.docs, self.tok, job.eos, job.held_out, job.dtype, got.spans, got.keys)
-        for split, enc in encoded.items():
-            if len(enc.ids):
-                _write(Path(job.folder) / split / f"{task.index:06d}.bin", enc.ids)
-                if enc.mask is not None:
-                    _write(Path(job.folder) / split / f"{task.index:06d}.mask", enc.mask)
-        digest = hashlib.blake2b(got.raw, digest_size=16).digest()
-        loss = {k: int(v.mask.sum()) if v.mask is not None else len(v.ids) for k, v in encoded.items()}
-        return TaskResult(task.index, task.source, {k: v.lengths for k, v in encoded.items()}, loss,
-                          Skipped.of(got.bad), digest, task.nbytes)
-
-
-def _write(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        array.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
+        sinks = {s: ShardSink(Path(job.folder), s, task.index, job.dtype, job.eos, got.spans is not None)
+                 for s in SPLITS}
+        try:
+            encode_into(dict(sinks), got.docs, self.tok, job.held_out, got.spans, got.keys)
+        except BaseException:
+            for sink in sinks.values():
+                sink.abandon()
+            raise
+        written = [w for sink in sinks.values() for w in sink.close()]
+        return TaskResult(task.index, task.source, {k: np.asarray(v.lengths, dtype=np.int64) for k, v in sinks.items()},
+                          {k: v.loss for k, v in sinks.items()}, Skipped.of(got.bad), got.hash.digest(), task.nbytes,
+                          written)
 
 
 def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str = "text",

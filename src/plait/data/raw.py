@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from plait.data.chat import no_messages_hint
+from plait.data.encode import encode_documents
 from plait.data.format import SPLITS, dtype_for
-from plait.data.prepare import encode_documents
-from plait.data.sources import BadRecord, Task, discover, read_task, tasks, where
+from plait.data.records import read_task
+from plait.data.sources import BadRecord, Task, discover, tasks, where
 from plait.data.sources import Source as Input
 from plait.data.stream import RAW_HELD_OUT, MemorySplit, TrainSource
 from plait.data.tokens import BYTES, TokenizerSpec

@@ -8,13 +8,11 @@ the number of workers, and their outputs are concatenated in task order, so a da
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plait.data.chat import BadChat, ChatRenderer, Spans, no_messages_hint
-from plait.errors import ConfigError, json_kind, require_extra
+from plait.errors import ConfigError, require_extra
 
 CHUNK = 4 << 20  # bytes of input per task
 LINE_BLOCK = 1 << 20  # bytes read at a time while counting the lines before a bad record
@@ -151,7 +149,7 @@ def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
                 for g in range(groups):
                     out.append(Task(len(out), si, "parquet", str(f), g, nbytes=size // max(1, groups)))
         elif src.kind == "hf":
-            rows = len(_hf_dataset(src.files[0]))
+            rows = len(hf_dataset(src.files[0]))
             per = max(1, rows * CHUNK // max(1, src.bytes))
             for a in range(0, rows, per):
                 b = min(rows, a + per)
@@ -194,7 +192,7 @@ def _line_ranges(path: Path) -> Iterator[tuple[int, int]]:
 
 
 def _parquet_groups(path: Path, field: str, chat: bool) -> int:
-    pq = _pyarrow_parquet()
+    pq = pyarrow_parquet()
     try:
         meta = pq.ParquetFile(path)
     except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
@@ -205,14 +203,14 @@ def _parquet_groups(path: Path, field: str, chat: bool) -> int:
     return meta.num_row_groups
 
 
-def _pyarrow_parquet():
+def pyarrow_parquet():
     require_extra("data", ("pyarrow",), "reading .parquet files")
     import pyarrow.parquet as pq
 
     return pq
 
 
-def _hf_dataset(path: Path):
+def hf_dataset(path: Path):
     require_extra("data", ("datasets",), f"reading the Hugging Face datasets folder {path}")
     import datasets
 
@@ -225,149 +223,9 @@ def _hf_dataset(path: Path):
     return ds
 
 
-@dataclass
-class Read:
-    """What a task read: its documents, the character spans of each in the loss (``chat`` only, else None),
-    the raw bytes (text and JSON lines; for the source's hash) and the bad records skipped. ``keys``: for each
-    document, the document whose text decides whether it is held out (a chat record's last: its documents stay
-    together)."""
-
-    docs: list[str]
-    spans: list[Spans] | None
-    raw: bytes
-    bad: list[BadRecord]
-    skipped: int = 0  # records skipped: bad ones, blank ones, binary files
-    keys: list[int] = field(default_factory=list)
-
-    def add(self, value: list[tuple[str, Spans]] | str) -> None:
-        if isinstance(value, list):  # a chat record's documents
-            assert self.spans is not None
-            last = len(self.docs) + len(value) - 1
-            for text, spans in value:
-                self.keys.append(last)
-                self.docs.append(text)
-                self.spans.append(spans)
-        else:
-            self.keys.append(len(self.docs))
-            self.docs.append(value)
-
-    def skip(self, rec: BadRecord) -> None:
-        self.bad.append(rec)
-        self.skipped += 1
-
-
-def read_task(task: Task, field: str, skip_bad: bool, chat: ChatRenderer | None = None) -> Read:
-    """The documents of a task: each record's ``field`` as text, or with ``chat`` its messages rendered by the
-    chat template. A bad record raises BadRecord unless ``skip_bad``."""
-    out = Read([], [] if chat is not None else None, b"", [])
-    if task.kind == "jsonl":
-        with open(task.path, "rb") as f:
-            f.seek(task.start)
-            out.raw = f.read(task.stop - task.start)
-        for i, line in enumerate(out.raw.split(b"\n")):
-            if not line.strip():
-                continue
-            value, why = _text_of(line, field, chat)
-            if value is None:
-                _bad(out, BadRecord(task.path, task.start, i, why), skip_bad)
-                continue
-            if isinstance(value, str) and not value.strip():
-                out.skip(BadRecord(task.path, task.start, i, BLANK))
-                continue
-            out.add(value)
-        return out
-    if task.kind == "text":
-        raws = []
-        for name in task.files:
-            raw = Path(name).read_bytes()
-            raws.append(raw)
-            if b"\0" in raw[:1024]:
-                out.skip(BadRecord(name, 0, 0, BINARY))
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:  # Latin-1, say: never trained on as U+FFFD characters
-                _bad(out, BadRecord(name, exc.start, 0, not_utf8(raw, exc.start)), skip_bad)
-                continue
-            if text.strip():
-                out.add(text)
-            else:  # an empty file (an empty __init__.py, say), as a blank record
-                out.skip(BadRecord(name, 0, 0, BLANK))
-        out.raw = b"".join(raws)
-        return out
-    values, first = _column(task, field, chat is not None)
-    for i, v in enumerate(values):
-        row = f" (row {i} of row group {task.start})" if task.kind == "parquet" else ""
-        at = first + i  # the row in the whole file or dataset
-        if chat is not None:
-            try:
-                out.add(chat.documents(v))
-            except BadChat as exc:
-                _bad(out, BadRecord(task.path, -1, at, f"{exc}{row}"), skip_bad)
-        elif isinstance(v, str) and not v.strip():
-            out.skip(BadRecord(task.path, -1, at, f"{BLANK}{row}"))
-        elif isinstance(v, str):
-            out.add(v)
-        else:
-            _bad(out, BadRecord(task.path, -1, at, f"{field!r} is {json_kind(v)}, not text{row}"), skip_bad)
-    return out
-
-
-def _bad(out: Read, rec: BadRecord, skip_bad: bool) -> None:
-    if not skip_bad:
-        raise rec
-    out.skip(rec)
-
-
-def _column(task: Task, field: str, chat: bool) -> tuple[list, int]:
-    """A task's values of ``field`` and the row of the first in its file (Parquet) or dataset."""
-    if task.kind == "parquet":
-        parquet = _pyarrow_parquet().ParquetFile(task.path)
-        first = sum(parquet.metadata.row_group(g).num_rows for g in range(task.start))
-        return parquet.read_row_group(task.start, columns=[field]).column(field).to_pylist(), first
-    ds = _hf_dataset(Path(task.path))
-    if field not in ds.column_names:
-        raise ConfigError(f"{task.path}: no column {field!r} (columns: {', '.join(ds.column_names)}); "
-                          f"choose {field_flag(chat)}")
-    return ds[task.start:task.stop][field], task.start
-
-
 def field_flag(chat: bool) -> str:
     """The option naming the field a record is read by."""
     return "--messages-field" if chat else "--text-field"
-
-
-def _text_of(line: bytes, field: str, chat: ChatRenderer | None
-             ) -> tuple[str | list[tuple[str, Spans]] | None, str]:
-    """A JSON line's document (text, or with ``chat`` the rendered messages and their spans), else why not."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return None, f"not valid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})"  # "starting at"
-    except UnicodeDecodeError as exc:
-        return None, not_utf8(line, exc.start)
-    if not isinstance(record, dict):
-        return None, f"{json_kind(record)}, not an object with a {field!r} field"
-    if field not in record:
-        hint = "" if chat is not None else no_messages_hint(record, field)
-        return None, (f"no {field!r} field (fields: {', '.join(list(record)[:8]) or 'none'}); choose "
-                      f"{field_flag(chat is not None)}{hint}")
-    value = record[field]
-    if chat is not None:
-        try:
-            return chat.documents(value, record.get("tools")), ""
-        except BadChat as exc:
-            return None, str(exc)
-    if not isinstance(value, str):
-        return None, f"{field!r} is {json_kind(value)}, not text"
-    return value, ""
-
-
-def not_utf8(raw: bytes, at: int) -> str:
-    """Why a record or file whose byte ``at`` breaks UTF-8 is refused: that byte and its column in its line."""
-    column = at - (raw.rfind(b"\n", 0, at) + 1) + 1
-    return (f"not UTF-8 text (byte 0x{raw[at]:02x} at column {column}); convert the file to UTF-8 (iconv -f "
-            "ENCODING -t UTF-8)")
 
 
 def where(rec: BadRecord) -> str:
