@@ -1,8 +1,10 @@
-"""--tensorboard and --wandb: each step's numbers logged (wandb offline, no network), a missing extra named."""
+"""--tensorboard and --wandb: each step's numbers logged (wandb offline, no network), once after a restart (a resumed
+run continues its W&B run), a missing extra named."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +78,68 @@ def test_a_restart_logs_each_step_once(tmp_path):
     assert logged(0, range(1, 5), 0.0) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
     assert logged(2, range(3, 5), 10.0) == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]  # was 1, 2, 3, 4, 3, 4
     assert logged(0, range(1, 3), 20.0) == [(1, 21.0), (2, 22.0)]
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_logs_each_step_once(tmp_path, monkeypatch):
+    """The first run logs steps 1-4 to a new W&B run and dies; the restart (--auto-resume, from the checkpoint of
+    step 2) logs to the same run, from step 5 on (steps 3-4 of the first run stay); a fresh start (no --resume)
+    opens a new run, and so does a restart with another project."""
+    import json
+
+    wandb = pytest.importorskip("wandb")
+    from plait.train.logs import WANDB_RECORD
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sent: list[tuple[str, int]] = []
+    real_log = wandb.Run.log
+
+    def log(run, values, step=None, **kw):
+        sent.append((run.id, step))
+        return real_log(run, values, step=step, **kw)
+
+    monkeypatch.setattr(wandb.Run, "log", log)
+    folder = tmp_path / "ckpt"
+
+    folders: list[Path] = []  # each run's offline folder (wandb reads WANDB_DIR once a process)
+
+    def logged(steps: range, resumed_at: int, continued: bool, project: str = "plait-test") -> tuple[str, list, str]:
+        sent.clear()
+        logs = ExperimentLogs(None, project, {}, resumed_at, folder, continued)
+        for s in steps:
+            logs.log({"step": s, "loss": float(s)})
+        logs.close()
+        folders.append(Path(logs.run.dir).parent)
+        return logs.run.id, [step for _, step in sent], logs.note
+
+    first, steps, note = logged(range(1, 5), 0, False)
+    assert steps == [1, 2, 3, 4] and "continued" not in note
+    assert json.loads((folder / WANDB_RECORD).read_text()) == {"project": "plait-test", "id": first, "step": 4}
+    again, steps, note = logged(range(3, 7), 2, True)
+    assert again == first and steps == [5, 6], (first, again, steps)  # was a new run, steps 3-6
+    assert f"continued run {first} of project plait-test after its step 4" in note and "wandb sync" in note
+    assert json.loads((folder / WANDB_RECORD).read_text())["step"] == 6
+    assert [(f / f"run-{first}.wandb").is_file() for f in folders] == [True, True]  # one run, in two parts
+    fresh, steps, _ = logged(range(1, 3), 0, False)
+    assert fresh != first and steps == [1, 2]
+    other, steps, _ = logged(range(3, 5), 2, True, "another")
+    assert other not in (first, fresh) and steps == [3, 4]
+    # plait train's reporter keeps the record in --checkpoint-dir and continues it under --auto-resume
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from plait.parallel_config import ParallelConfig
+    from plait.train.config import TrainConfig
+    from plait.train.report import Reporter
+
+    run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
+                          ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
+                          start=4, resumed_from="ck/step_4", resume_note=None, passed_over=[], resharded_from=None,
+                          prediction=None, unpredicted=None)
+    reporter = Reporter(TrainConfig(auto_resume=True, metrics=None, wandb="another", checkpoint_dir=str(folder)), 0,
+                        Console(record=True, force_terminal=False))
+    reporter.begin(run)
+    assert reporter.logs is not None and reporter.logs.run.id == other
+    reporter.logs.close()

@@ -87,7 +87,7 @@ class TrainConfig:
     """Also log each step's numbers as TensorBoard events in this folder (the 'tensorboard' extra)."""
     wandb: str | None = None
     """Also log each step's numbers to this Weights & Biases project, offline unless WANDB_MODE=online (the
-    'wandb' extra)."""
+    'wandb' extra); --resume and --auto-resume continue the W&B run of the run they resume."""
     nproc: int | None = None
     """Processes to launch here (default tp x pp x dp)."""
     on_nonfinite: str = "stop"

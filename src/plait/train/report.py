@@ -56,7 +56,8 @@ class Reporter:
         if cfg.tensorboard or cfg.wandb:
             from plait.train.logs import ExperimentLogs
 
-            self.logs = ExperimentLogs(cfg.tensorboard, cfg.wandb, cfg.to_dict(), run.start)
+            self.logs = ExperimentLogs(cfg.tensorboard, cfg.wandb, cfg.to_dict(), run.start, cfg.checkpoint_dir,
+                                      cfg.resume or cfg.auto_resume)
         self.console.print(
             f"[bold]plait train[/]: {cfg.model} ({run.pm.family.name}), "
             f"{run.params / 1e6:.2f}M parameters | {layout_text(run.ctx.config)}\n"
