@@ -79,7 +79,8 @@ def compare(model_kw: dict | None = None, **layout) -> dict:
 
 ALLGATHER, RING = dict(cp_comm="allgather"), dict(cp_comm="ring")
 MOE = dict(n_experts=4, top_k=2, moe_every=2)
-FEATURES = dict(sliding_window=5, qkv_bias=True, qk_norm=True)  # Mistral's window, Qwen2's biases, Qwen3's norms
+FEATURES = dict(sliding_window=5, qkv_bias=True, qk_norm=True,  # a window, Qwen2's biases, Qwen3's norms
+                layer_types=("sliding_attention", "full_attention") * 2)  # the window on layers 0 and 2 (Qwen)
 #: name -> (ParallelConfig fields, model config fields): all on 4 ranks
 CASES: dict[str, tuple[dict, dict]] = {}
 for _mode, _comm in (("allgather", ALLGATHER), ("ring", RING)):

@@ -21,12 +21,17 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attenti
 #: family -> (transformers config class, model class, config overrides); small windows and GQA shapes on purpose
 FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=3)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, initializer_range=0.1)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=12)),
+    # Qwen's windows on some layers: the last two (max_window_layers), or those layer_types names
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, initializer_range=0.1,
+                                                      use_sliding_window=True, sliding_window=3, max_window_layers=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=1, head_dim=12, use_sliding_window=True,
+                                                      sliding_window=4, layer_types=["sliding_attention",
+                                                      "full_attention", "sliding_attention", "full_attention"])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
                                                             sliding_window=5)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2, head_dim=12,
-                                                                moe_intermediate_size=24, norm_topk_prob=True)),
+                                                                moe_intermediate_size=24, norm_topk_prob=True,
+                                                                use_sliding_window=True, sliding_window=5)),
 }
 
 

@@ -112,7 +112,9 @@ def _folder(tmp_path, **hf):
 
 @pytest.mark.parametrize("hf,needle", [
     ({"model_type": "gpt2"}, "supported model types: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+    ({"model_type": "qwen2", "layer_types": ["sliding_attention"]}, "sliding_attention.* use_sliding_window = false"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "layer_types": ["full_attention"] * 2},
+     "layer_types = .*num_hidden_layers = 1"),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
     ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
     ({"model_type": "mixtral", "num_experts_per_tok": 1}, "top_k"),

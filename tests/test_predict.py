@@ -94,6 +94,25 @@ def test_predicted_memory_of_a_mistral_folder_counts_its_window_mask(tmp_path, p
         assert measured[kind] == pytest.approx(predicted[kind], rel=0.01), (kind, measured[kind], predicted[kind])
 
 
+@pytest.mark.parametrize("window", [32, 128])
+def test_predicted_memory_of_a_qwen2_folder_counts_the_masks_of_its_sliding_layers(tmp_path, window):
+    """A Qwen2 folder whose second layer of two slides (``layer_types``): in bf16 that layer alone keeps its
+    window's [128, 128] mask, and the planner counts it on half the layers (``Model.window_layers``); a window of 128
+    hides none of the 128 tokens, so no layer builds a mask (plait attends causally) and none is predicted. Either
+    way the prediction equals ``pm.memory_report()`` within 1%."""
+    import torch
+
+    from plait.models import Qwen2, Qwen2Config
+
+    torch.manual_seed(0)
+    Qwen2(Qwen2Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128,
+                      sliding_window=window, layer_types=("full_attention", "sliding_attention"))
+          ).save_pretrained(tmp_path / "qwen2")
+    measured, predicted = first_step_memory(tmp_path, str(tmp_path / "qwen2"), precision="bf16", recompute="none")
+    for kind in MEMORY_KINDS:
+        assert measured[kind] == pytest.approx(predicted[kind], rel=0.01), (kind, measured[kind], predicted[kind])
+
+
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     root = tmp_path_factory.mktemp("predict")

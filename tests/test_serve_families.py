@@ -1,10 +1,10 @@
 """Every model family through plait serve's engine and paged KV cache equals transformers' greedy ``generate``.
 
-Each family's folder is made by ``transformers`` (checks_families.hf_model, with a sliding window of 16 where the
-family has one) and loaded as ``plait serve`` loads it. Prompts of 20 to 44 tokens and 30 new tokens reach well past
-the window, so it crosses block boundaries (blocks of 4 or 16); the requests run together (continuous batching,
-prompts split into chunks), share a prefix longer than the window from the prefix cache, and the pool is small
-enough that some are preempted and recomputed.
+Each family's folder is made by ``transformers`` (checks_families.hf_model, with a sliding window of 16: on every
+layer, or on the second of two for Qwen2 and Qwen3) and loaded as ``plait serve`` loads it. Prompts of 20 to 44
+tokens and 30 new tokens reach well past the window, so it crosses block boundaries (blocks of 4 or 16); the requests
+run together (continuous batching, prompts split into chunks), share a prefix longer than the window from the prefix
+cache, and the pool is small enough that some are preempted and recomputed.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ WINDOW, NEW = 16, 30
 CASES = {
     "mistral": (dict(sliding_window=WINDOW), 4),
     "mixtral": (dict(sliding_window=WINDOW), 16),
-    "qwen2": ({}, 4),
-    "qwen3": ({}, 16),
-    "qwen3_moe": ({}, 4),
+    # Qwen's window on the second layer only (max_window_layers, layer_types), Qwen3-MoE's on every layer
+    "qwen2": (dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), 4),
+    "qwen3": (dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"]),
+              16),
+    "qwen3_moe": (dict(use_sliding_window=True, sliding_window=WINDOW), 4),
 }
 
 

@@ -2,7 +2,8 @@
 
 ``llama_fields`` turns the dict into ``plait.models.LlamaConfig`` keyword arguments: the shapes every Llama-like
 folder gives (an explicit ``head_dim`` included) and what its family's folders add (``FAMILY_FIELDS``: Mistral's
-and Mixtral's window, Mixtral's experts, Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Qwen3-MoE's both).
+and Mixtral's window, Mixtral's experts, Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Qwen3-MoE's both, the
+Qwen families' windows on the layers their configs name).
 plait's models build their config from it (``plait.models.hf.config_from_hf``, which also refuses what they do
 not run: another activation, scaled RoPE, a family's own refusals), and the planner its ``plait.plan.Model``
 (``Model.from_hf_config``, through ``Model.from_llama_config`` as ``plait train``'s prediction does), so a folder is
@@ -43,6 +44,11 @@ def _window(hf: dict) -> int | None:
     return None if window is None else count("sliding_window", window)
 
 
+#: the kinds of layer a ``layer_types`` list names: one that takes the sliding window, one that sees every earlier key
+SLIDING, FULL = "sliding_attention", "full_attention"
+#: transformers' Qwen2Config / Qwen3Config defaults of ``max_window_layers`` and ``sliding_window``
+MAX_WINDOW_LAYERS, QWEN_WINDOW = 28, 4096
+
 #: model_type -> the LlamaConfig fields its folders add to the shared ones
 FAMILY_FIELDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "llama": lambda hf: {},
@@ -50,10 +56,37 @@ FAMILY_FIELDS: dict[str, Callable[[dict], dict[str, Any]]] = {
     "mixtral": lambda hf: {"n_experts": count("num_local_experts", hf.get("num_local_experts", 8)),
                            "top_k": count("num_experts_per_tok", hf.get("num_experts_per_tok", 2)),
                            "aux_loss_coef": hf.get("router_aux_loss_coef", 0.001), "sliding_window": _window(hf)},
-    "qwen2": lambda hf: {"qkv_bias": True},
-    "qwen3": lambda hf: {"qk_norm": True},
-    "qwen3_moe": lambda hf: _qwen3_moe(hf),
+    "qwen2": lambda hf: {"qkv_bias": True, **_qwen_windows(hf)},
+    "qwen3": lambda hf: {"qk_norm": True, **_qwen_windows(hf)},
+    "qwen3_moe": lambda hf: {**_qwen3_moe(hf), "sliding_window": _window({"sliding_window": QWEN_WINDOW, **hf})
+                             if hf.get("use_sliding_window") else None},
 }
+
+
+def _qwen_windows(hf: dict) -> dict[str, Any]:
+    """Qwen2's and Qwen3's windows, as transformers reads them: ``sliding_window`` only with ``use_sliding_window``;
+    the layers that take it are those ``layer_types`` calls ``"sliding_attention"``, or without ``layer_types`` those
+    from ``max_window_layers`` on. Read canonically: no window (every layer full) as ``sliding_window`` None, a window
+    on every layer without ``layer_types``. ConfigError for sliding layers without a window (transformers refuses
+    them too) or a ``layer_types`` of another length."""
+    window = _window({"sliding_window": QWEN_WINDOW, **hf}) if hf.get("use_sliding_window") else None
+    n_layers = count("num_hidden_layers", hf.get("num_hidden_layers"))
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", MAX_WINDOW_LAYERS)
+        first = 0 if first == 0 else count("max_window_layers", first)
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {SLIDING, FULL}:
+        raise ConfigError(f"layer_types = {types!r}: needs one of {SLIDING!r}, {FULL!r} per layer "
+                          f"(num_hidden_layers = {n_layers})")
+    if window is None and SLIDING in types:
+        raise ConfigError(f"layer_types names {SLIDING!r} layers but use_sliding_window = "
+                          f"{str(bool(hf.get('use_sliding_window'))).lower()}, sliding_window = "
+                          f"{hf.get('sliding_window')!r}: set use_sliding_window = true and a sliding_window, or make "
+                          f"every layer {FULL!r}")
+    if window is None or SLIDING not in types:
+        return {"sliding_window": None}
+    return {"sliding_window": window, "layer_types": None if FULL not in types else tuple(types)}
 
 
 def _qwen3_moe(hf: dict) -> dict[str, Any]:

@@ -105,8 +105,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
         recompute_attention(family.attention_modules(model), type(model).__name__)
     if ctx.cp_size > 1:  # replaces the (recomputed) core: CP attention keeps no probabilities
-        apply_context_parallel(family.attention_modules(model), ctx, cfg.cp_comm,
-                               family.sliding_window(getattr(model, "config", None)), type(model).__name__)
+        apply_context_parallel(family.attention_modules(model), ctx, cfg.cp_comm, family.attention_windows(model),
+                               type(model).__name__)
     # whole blocks recomputed keep only their input: their projections keep the gathered input, no re-gather
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan, regather=cfg.recompute != "full")
     if loss_fn is not None:

@@ -168,9 +168,10 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None
 
 
-def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, comm: str, window: int | None,
-                           model_name: str = "model") -> int:
-    """Make every attention module in ``modules`` (name -> module) attend across ``ctx``'s CP group; returns how
+def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, comm: str,
+                           windows: dict[str, int | None], model_name: str = "model") -> int:
+    """Make every attention module in ``modules`` (name -> module) attend across ``ctx``'s CP group, each with its
+    sliding window of ``windows`` (name -> keys a query sees at most; None or absent: every earlier key); returns how
     many. The shadowed core replaces any earlier one (selective recomputation's: its attention keeps no
     probabilities to recompute)."""
     if comm not in CP_COMMS:
@@ -188,6 +189,7 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, 
                                   "context parallelism; use cp=1")
             methods[method] = fn
         setattr(module, "rope", GlobalRope(methods["rope_at"], positions))  # noqa: B010
+        window = windows.get(name)
         core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window) if comm == "ring"
                 else GatheredCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window))
         setattr(module, "core", core)  # noqa: B010  (nn.Module.__setattr__ is typed for tensors and modules)

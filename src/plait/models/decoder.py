@@ -97,8 +97,9 @@ class DecoderFamily(Family):
         layers = _decoder(model).layers
         return {f"layers.{i}.self_attn": layer.get_submodule("self_attn") for i, layer in enumerate(layers)}
 
-    def sliding_window(self, config: Any) -> int | None:
-        return config.sliding_window
+    def attention_windows(self, model: nn.Module) -> dict[str, int | None]:
+        cfg = _decoder(model).config
+        return {f"layers.{i}.self_attn": cfg.window_of(i) for i in range(cfg.n_layers)}
 
     def tie_weights(self, model: nn.Module) -> None:
         model = _decoder(model)
@@ -124,7 +125,8 @@ class DecoderFamily(Family):
     def check_features(self, config: Any) -> None:
         """ConfigError if ``config`` uses a feature this family's config.json cannot express."""
         used = {"qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm,
-                "sliding_window": config.sliding_window is not None, "experts": config.n_experts > 1}
+                "sliding_window": config.sliding_window is not None, "experts": config.n_experts > 1,
+                "layer_windows": config.layer_types is not None}
         bad = sorted(k for k, on in used.items() if on and k not in self.FEATURES)
         if bad:
             from plait.models.registry import hf_families

@@ -10,7 +10,8 @@ A family adapter answers, for the models of one class, without the runtime ever 
   kv_layer, kv_cache which blocks keep a KV cache when decoding, and a fresh cache for one of them;
                      hidden_size: what flows between stages
   attention_modules  the attention module of every layer (whose core may be recomputed alone, and whose rope
-                     and core context parallelism shadows); sliding_window: how far back a query sees
+                     and core context parallelism shadows); attention_windows: how far back each one's
+                     queries see
   tie_weights        re-tie shared parameters after sharding replaced modules
   init_tensor        the seeded initial value of one full state tensor (plait.models.init), so any layout
                      can initialise its shards one tensor at a time
@@ -96,9 +97,10 @@ class Family:
     def attention_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         return {}
 
-    def sliding_window(self, config: Any) -> int | None:
-        """Keys each query sees at most, itself included (None: every earlier key)."""
-        return None
+    def attention_windows(self, model: nn.Module) -> dict[str, int | None]:
+        """For each of ``attention_modules``: the keys its queries see at most, themselves included (None: every
+        earlier key)."""
+        return dict.fromkeys(self.attention_modules(model))
 
     def tie_weights(self, model: nn.Module) -> None:
         """Re-tie shared parameters after their modules were replaced (sharded)."""

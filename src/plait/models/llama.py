@@ -23,6 +23,7 @@ from plait.models.decoder import DecoderFamily
 from plait.models.init import tensor_generator
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 from plait.models.rotary import RotaryTables, rotate
+from plait.models.window import check_layer_types, layer_window, window_mask
 
 
 @dataclass
@@ -45,6 +46,8 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # each query sees at most this many keys, itself included (Mistral)
+    # per layer "sliding_attention" (takes sliding_window) or "full_attention"; None: every layer (plait.models.window)
+    layer_types: tuple[str, ...] | None = None
     # mixture of experts (plait.models.moe): layer i is MoE when n_experts > 1 and i % moe_every == moe_every - 1
     n_experts: int = 1
     top_k: int = 1
@@ -79,6 +82,11 @@ class LlamaConfig:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"LlamaConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_moe_config(self)
+        self.layer_types = check_layer_types(self.layer_types, self.n_layers, self.sliding_window)
+
+    def window_of(self, index: int) -> int | None:
+        """The sliding window of layer ``index`` (None: it sees every earlier key)."""
+        return layer_window(self.sliding_window, self.layer_types, index)
 
     def is_moe_layer(self, index: int) -> bool:
         return self.n_experts > 1 and index % self.moe_every == self.moe_every - 1
@@ -154,14 +162,15 @@ class RowCache(Protocol):
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings (Su et al. 2021); optional q/k/v
-    biases, per-head q/k RMSNorm and a sliding window (query at position i sees keys j with i - W < j <= i)."""
+    biases, per-head q/k RMSNorm and a sliding window (query at position i sees keys j with i - W < j <= i), the one
+    of layer ``index``."""
 
     _rope_device: torch.Tensor  # a registered buffer
 
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryTables | None = None):
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryTables | None = None, index: int = 0):
         super().__init__()
         hd = cfg.head_dim
-        self.head_dim, self.sliding_window = hd, cfg.sliding_window
+        self.head_dim, self.sliding_window = hd, cfg.window_of(index)
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
@@ -210,7 +219,8 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
         elif cache is not None:
             k, v, mask = cache.append(k, v)  # [B, h_kv, L, hd], mask [B, 1, S, L] (None: causal from 0)
-        if self.sliding_window is not None:
+        # a window as long as the keys hides none of them: the causal mask (SDPA's own, no mask built)
+        if self.sliding_window is not None and self.sliding_window < k.shape[2]:
             pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]
             mask = window_mask(pos.to(q.device), k.shape[2], self.sliding_window)
         elif mask is None and offset > 0 and s > 1:  # query i sits at position offset + i, sees keys 0..offset + i
@@ -229,16 +239,6 @@ class Attention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def window_mask(pos: torch.Tensor, length: int, window: int) -> torch.Tensor:
-    """Causal sliding-window mask: query at position ``pos`` sees key j iff pos - window < j <= pos.
-
-    ``pos`` [S] -> [S, L]; per-row ``pos`` [B, S] -> [B, 1, S, L] (keys are positions 0..L-1).
-    """
-    keys = torch.arange(length, device=pos.device)
-    mask = (keys <= pos[..., None]) & (keys > pos[..., None] - window)
-    return mask if pos.dim() == 1 else mask[:, None]
 
 
 class MLP(nn.Module):
@@ -260,7 +260,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, index: int = 0, rotary: RotaryTables | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, index)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg) if not cfg.is_moe_layer(index) else MoE(
             cfg.dim, cfg.ffn_dim, cfg.n_experts, cfg.top_k, cfg.capacity_factor, cfg.aux_loss_coef)

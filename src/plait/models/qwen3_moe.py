@@ -6,7 +6,9 @@ probability for k = 1, so a folder must say ``norm_topk_prob`` exactly when k > 
 (``mlp.gate``, ``mlp.experts.i.gate_proj/up_proj/down_proj``); an expert's width is ``moe_intermediate_size``
 (plait's ``ffn_dim``), and every layer is MoE (``decoder_sparse_step`` 1: plait.hf_config refuses dense layers
 among them). Routing is dropless, and the training loss adds plait's per-sequence load-balancing loss
-(``aux_loss_coef`` = ``router_aux_loss_coef``).
+(``aux_loss_coef`` = ``router_aux_loss_coef``). With ``use_sliding_window`` every layer takes ``sliding_window``
+(its configs name no per-layer kinds: transformers' Qwen3-MoE reads neither ``layer_types`` nor
+``max_window_layers``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 from plait.errors import ConfigError
 from plait.models.decoder import DecoderFamily
 from plait.models.llama import Llama, LlamaConfig
-from plait.models.qwen2 import refuse_sliding_layers
 from plait.models.qwen3 import Qwen3Config
 
 
@@ -41,10 +42,9 @@ class Qwen3MoeFamily(DecoderFamily):
     name = model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     model_class, config_class = Qwen3Moe, Qwen3MoeConfig
-    FEATURES = frozenset({"qk_norm", "experts"})
+    FEATURES = frozenset({"qk_norm", "experts", "sliding_window"})
 
     def check_hf(self, hf: dict) -> None:
-        refuse_sliding_layers(hf)
         if hf.get("attention_bias"):
             raise ConfigError("attention_bias=true: plait runs Qwen3-MoE with bias-free attention projections only")
 
@@ -56,7 +56,8 @@ class Qwen3MoeFamily(DecoderFamily):
                 "intermediate_size": config.ffn_dim, "moe_intermediate_size": config.ffn_dim, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "norm_topk_prob": config.top_k > 1,
                 "router_aux_loss_coef": config.aux_loss_coef, "output_router_logits": False,
-                "attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+                "attention_bias": False, "use_sliding_window": config.sliding_window is not None,
+                "sliding_window": config.sliding_window}
 
 
 FAMILY = Qwen3MoeFamily()

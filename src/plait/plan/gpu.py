@@ -179,20 +179,22 @@ class GpuCosts:
         the causal half (``FLASH_CAUSAL``) at its published share of peak at this sequence length per CP rank and
         head dimension (``plan.attention.efficiency``), its backward ``FLASH_BACKWARD`` times that work; the
         unfused softmax runs at the GEMM speed, its backward twice the forward.
-        A sliding window (``Model.sliding_window``): plait's layer hands it to SDPA as an explicit mask, which the
-        flash backend does not take, so at cp = 1 the fused kernel computes the whole square, masked blocks
+        A sliding window (``Model.sliding_window``) on the layers that take one (``Model.window_layer_share``; none
+        where the window spans the sequence): plait's layer hands it to SDPA as an explicit mask, which the flash
+        backend does not take, so at cp = 1 the fused kernel computes those layers' whole square, masked blocks
         included (at the same share of peak: no published figures); context parallelism's blockwise attention
-        skips the key blocks no query of a tile sees, so under cp > 1 the causal half shrinks to the pairs the
+        skips the key blocks no query of a tile sees, so under cp > 1 their causal half shrinks to the pairs the
         window keeps (``plan.attention.window_share``)."""
         gpu = self.gpu
         if not self.cluster.flash_attention:
             forward = flops / gemm_speed(gpu)
             return forward, 2 * forward
         kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
-        if model.sliding_window is not None and layout.cp == 1:
-            computed = 1.0
+        windowed = model.window_layer_share
+        if layout.cp == 1:
+            computed = windowed + (1 - windowed) * FLASH_CAUSAL
         else:
-            computed = FLASH_CAUSAL * window_share(model.seq_len, model.sliding_window)
+            computed = FLASH_CAUSAL * (windowed * window_share(model.seq_len, model.sliding_window) + 1 - windowed)
         forward = flops * computed / (gpu.peak_flops * kernel)
         return forward, FLASH_BACKWARD * forward
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.errors import ConfigError, FieldError, is_integer, is_number
-from plait.hf_config import FAMILY_FIELDS, llama_fields, model_type
+from plait.hf_config import FAMILY_FIELDS, SLIDING, llama_fields, model_type
 from plait.model_presets import PRESETS as TRAIN_PRESETS
 
 #: the projections a per-head RMSNorm may follow (``Model.head_norms``): the queries and the keys
@@ -37,7 +37,9 @@ class Model:
     where its config says it; None where not known (the published presets: ``seq_len`` is what they trained at).
     ``sliding_window``: each query attends to at most this many keys, itself included (Mistral's window; None:
     plain causal attention). The attention then takes a mask of every query and key, which it saves for the
-    backward; the planner counts the mask.
+    backward; the planner counts the mask. ``window_layers``: how many of the layers take the window (Qwen2's and
+    Qwen3's configs name them; None: every layer). A window as long as ``seq_len`` hides no key: plait's layer
+    then attends causally without a mask, and the planner counts it so (``window_layer_share``).
     ``head_size``: each attention head's size where it is not ``hidden / n_heads`` (Qwen3's configs give
     ``head_dim`` apart); None: ``hidden / n_heads``. ``head_dim`` is the size either way, and the query heads'
     width ``q_width`` (``n_heads · head_dim``) sets the q and output projections, the attention scores' work and
@@ -66,6 +68,7 @@ class Model:
     context: int | None = None
     sliding_window: int | None = None
     head_size: int | None = None
+    window_layers: int | None = None
     qkv_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -86,6 +89,14 @@ class Model:
             raise ConfigError(f"head_norms: {self.head_norms!r}; valid: distinct names of {', '.join(HEAD_NORMS)}")
         if self.sliding_window is not None and not (type(self.sliding_window) is int and self.sliding_window >= 1):
             raise FieldError("sliding_window", self.sliding_window, "must be a positive integer (or None: causal)")
+        if self.window_layers is not None:
+            if not (type(self.window_layers) is int and 0 <= self.window_layers <= self.n_layers):
+                raise FieldError("window_layers", self.window_layers, "must be an integer from 0 to {n_layers}",
+                                 {"n_layers": self.n_layers})
+            if self.sliding_window is None and self.window_layers:
+                raise FieldError("window_layers", self.window_layers, "needs a sliding_window")
+            if self.window_layers == self.n_layers:
+                object.__setattr__(self, "window_layers", None)  # frozen: the one spelling of every layer
         if not self.expert_capacity > 0:
             raise ConfigError(f"expert_capacity: must be positive (1: balanced routing), got {self.expert_capacity!r}")
 
@@ -110,6 +121,14 @@ class Model:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 1
+
+    @property
+    def window_layer_share(self) -> float:
+        """The share of the layers whose sliding window hides keys at ``seq_len`` (their attention takes the
+        window's mask at cp = 1): 0 without a window, or with one at least as long as the sequence."""
+        if self.sliding_window is None or self.sliding_window >= self.seq_len:
+            return 0.0
+        return (self.n_layers if self.window_layers is None else self.window_layers) / self.n_layers
 
     # ---- parameter counts ---------------------------------------------------------------------
     def attention_params(self) -> int:
@@ -174,7 +193,8 @@ class Model:
         """The model a ``plait.models.LlamaConfig`` (or its ``to_dict()``, or ``plait.hf_config.llama_fields`` of a
         folder's config.json: the same keys) describes, trained at ``seq_len`` tokens (default its
         ``max_seq_len``): its shapes (``head_dim``, where given, the ``head_size``) and the features of its layer
-        the planner counts, ``qk_norm`` (Qwen3's per-head q/k norms: ``head_norms``), ``sliding_window`` and
+        the planner counts, ``qk_norm`` (Qwen3's per-head q/k norms: ``head_norms``), ``sliding_window`` (on the
+        layers ``layer_types`` calls "sliding_attention": ``window_layers``; every layer without it) and
         ``qkv_bias``.
         Missing keys take LlamaConfig's defaults (``ffn_dim``: 2/3 of 4·dim rounded up to a multiple of 8). Every
         layer is a mixture-of-experts layer when ``n_experts > 1`` (``moe_every`` is not modelled); its
@@ -185,13 +205,15 @@ class Model:
         dim, heads = int(get("dim", 64)), int(get("n_heads", 4))
         ffn = get("ffn_dim") or llama_ffn(dim)
         max_len = int(get("max_seq_len", 256))
+        types = get("layer_types")
         return cls(n_layers=int(get("n_layers", 4)), hidden=dim, n_heads=heads, vocab=int(get("vocab_size", 256)),
                    seq_len=int(seq_len or max_len), ffn_hidden=int(ffn), n_kv_heads=get("n_kv_heads") or heads,
                    glu=True, tied_embeddings=bool(get("tie_embeddings", False)),
                    n_experts=int(get("n_experts", 1)), top_k=int(get("top_k", 1)), name=name,
                    balance_seq_len=max_len, expert_capacity=float(get("capacity_factor") or 1.0), context=max_len,
                    head_norms=HEAD_NORMS if get("qk_norm", False) else (), sliding_window=get("sliding_window"),
-                   head_size=get("head_dim"), qkv_bias=bool(get("qkv_bias", False)))
+                   head_size=get("head_dim"), qkv_bias=bool(get("qkv_bias", False)),
+                   window_layers=None if types is None else sum(t == SLIDING for t in types))
 
     @classmethod
     def from_hf_config(cls, path: str | Path, seq_len: int | None = None) -> Model:

@@ -87,7 +87,7 @@ def searches_cp(model: Model, cluster: Cluster) -> bool:
     sliding window, whose attention at cp = 1 computes the whole square behind an explicit mask and keeps that mask
     per layer, while context parallelism's attention skips the blocks outside the window (``plan.gpu``). A
     calibrated host's model times neither the window nor the K/V exchange, so there only from CP_MIN_SEQ_LEN."""
-    return model.seq_len >= CP_MIN_SEQ_LEN or (model.sliding_window is not None and cluster.profile is None)
+    return model.seq_len >= CP_MIN_SEQ_LEN or (model.window_layer_share > 0 and cluster.profile is None)
 
 
 def candidates(model: Model, cluster: Cluster, training: Training, plan_only: bool = False) -> Iterator[Layout]:

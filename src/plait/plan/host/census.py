@@ -19,7 +19,8 @@ Saved for backward (what ``torch.autograd.graph.saved_tensors_hooks`` sees, each
   inside SDPA, never repeated), its output ``Q`` (which is also
   the output projection's input), its log-sum-exp ``T·heads`` (float32);
 * a sliding window (``Model.sliding_window``): its ``s·s`` mask, which SDPA keeps as an additive mask in the
-  compute dtype (under selective recomputation the core's checkpoint keeps the boolean one);
+  compute dtype (under selective recomputation the core's checkpoint keeps the boolean one), on the layers whose
+  window hides keys (``Model.window_layer_share``: a layer's figure is the layers' mean);
 * RoPE's cos and sin tables ``2·s·d``, once per rank: the model's layers share them (plait.models.rotary),
   so every layer and micro-batch of a step saves the same two tensors;
 * SwiGLU: gate and up outputs, silu(gate) and the product ``4 F``;
@@ -82,7 +83,7 @@ class Local:
     expert_split: bool = False  # each expert split over TP (plan.experts.split), else whole experts
     received: float = 1.0  # the rows its experts receive, times balanced routing's (plan.experts.received)
     head_norms: tuple[str, ...] = ()  # the projections ("q", "k") whose heads an RMSNorm normalises
-    window: bool = False  # the attention takes a sliding window's mask (``Model.sliding_window``)
+    window: float = 0.0  # the share of layers whose attention takes a sliding window's mask
 
     @property
     def n(self) -> float:
@@ -128,7 +129,7 @@ def local(model: Model, layout: Layout) -> Local:
                  max(model.kv_heads / t, 1.0), model.ffn * (model.top_k if model.is_moe else 1) / t, vocab, t,
                  layout.sequence_parallel and t > 1, layout.cp, layout.cp > 1 and layout.cp_comm == "allgather",
                  layout.recompute != "full", model.n_experts, model.top_k, layout.ep, plan_experts.split(layout),
-                 plan_experts.received(model, layout), model.head_norms, model.sliding_window is not None)
+                 plan_experts.received(model, layout), model.head_norms, model.window_layer_share)
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -155,7 +156,7 @@ def layer_saved(sh: Local, selective: bool = False, dtype_bytes: int = 4) -> flo
         attention = _cp_attention_saved(sh, dtype_bytes)
     else:
         lse = 0.0 if selective else sh.tokens * sh.heads * 4 / dtype_bytes  # float32
-        attention = sh.q + 2 * sh.k + sh.q + lse + (_window_mask_saved(sh, dtype_bytes, selective) if sh.window else 0)
+        attention = sh.q + 2 * sh.k + sh.q + lse + sh.window * _window_mask_saved(sh, dtype_bytes, selective)
     norms = _norm_saved(sh, dtype_bytes, sh.region_kept)  # the attention's input
     norms += _norm_saved(sh, dtype_bytes, sh.n if sh.moe else sh.region_kept)  # the MLP's
     # the MLP's 4 F (an MoE layer's experts on the rows they receive), an MoE layer's router and dispatch
