@@ -20,10 +20,16 @@ from plait.plan.published import PublishedRun, tokens_step
 # FSDP unit (Composer wraps the model in FSDP first, then checkpoint-wraps the matching modules that are not FSDP
 # units: mosaicml/composer composer/trainer/dist_strategy.py at b71375a3): the head is not recomputed and the
 # recompute finds the block's weights gathered.
-# Gradients: reduced in bf16. Every row prints its "MP Mode" (DEFAULT with amp_bf16, PURE with bf16); under the
-# Composer of that commit (setup.py: mosaicml>=0.16.3,<0.17) DEFAULT leaves FSDP's reduce_dtype unset and PURE sets
-# it to the precision (mosaicml/composer composer/trainer/mosaic_fsdp_utils.py at v0.16.3, get_mixed_precision), and
-# an unset reduce_dtype takes param_dtype, bf16 (torch.distributed.fsdp.MixedPrecision).
+# The table's A100 rows come from two campaigns. MPT-70B's (bf16, PURE) is the April 2023 figure of mosaicml/examples
+# 9fa3ceb9 (examples/llm/throughput: release/v0.0.4 on image mosaicml/pytorch:1.13.1_cu117), reprinted unchanged; the
+# other A100 rows are October's (4b482bd6 "updated a100 numbers": image mosaicml/pytorch:2.0.1_cu118, code
+# crinard/llm-foundry branch add_attns at 9859200, llm-foundry main of 2023-08-31 with benchmark scripts, whose
+# setup.py pins mosaicml>=0.15.0,<0.16 and torch<=2.0.1). The H100 rows ran torch 2.1.0.dev20230821 and Composer
+# 784f50be (below).
+# Gradients: reduced in bf16. Every row prints its "MP Mode" (DEFAULT with amp_bf16, PURE with bf16); in Composer
+# v0.15.1 (composer/trainer/mosaic_fsdp.py) and v0.16.3 (composer/trainer/mosaic_fsdp_utils.py) alike,
+# get_mixed_precision's DEFAULT leaves FSDP's reduce_dtype unset and PURE sets it to the precision, and an unset
+# reduce_dtype takes param_dtype, bf16 (torch.distributed.fsdp.MixedPrecision).
 MOSAIC_WHERE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), {table}"
 MPT = {"760m": (24, 1536, 12), "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32),
        "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
