@@ -109,7 +109,7 @@ def test_malformed_line_names_file_and_line_or_is_counted(tmp_path):
     res = CliRunner().invoke(app, ["data", "prepare", str(src), "--tokenizer", "bytes", "--out", str(tmp_path / "o"),
                                    "--workers", "1"])
     assert res.exit_code == 2 and f"{src}:4: 'text' is null, not text" in res.output, res.output  # was NoneType
-    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*"))
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))  # no task finished: nothing kept
     meta = prepare([str(src)], "bytes", tmp_path / "o", workers=1, skip_bad=True, held_out=0.0)
     assert meta["sources"][0]["skipped"] == 5 and meta["splits"]["train"]["documents"] == 5
     assert [e.removeprefix(f"{src}:") for e in meta["sources"][0]["skipped_examples"]] == [
@@ -125,23 +125,21 @@ def test_killed_prepare_leaves_nothing_loadable(tmp_path, bpe):
            "--out", str(out), "--workers", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".out.tmp-*/train/*.bin")):
+    while time.time() < deadline and not list(tmp_path.glob(".out.partial/train/*.bin")):
         time.sleep(0.02)
     assert proc.poll() is None, "prepare finished before it could be killed: make the input larger"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert list(tmp_path.glob(".out.tmp-*")), "the partial output sits aside"
-    assert not out.exists()
+    assert (tmp_path / ".out.partial").is_dir() and not out.exists(), "the partial output sits aside"
     with pytest.raises(ConfigError, match="not a prepared dataset"):
         open_prepared(out)
-    prepare([str(write_jsonl(tmp_path / "small.jsonl", documents(20)))], "bytes", out, workers=1)
-    assert open_prepared(out).train.tokens > 0 and not list(tmp_path.glob(".out.tmp-*")), "stale folder removed"
+    prepare([str(write_jsonl(tmp_path / "small.jsonl", documents(20)))], "bytes", out, workers=1, restart=True)
+    assert open_prepared(out).train.tokens > 0 and not list(tmp_path.glob(".out.*")), "partial folder removed"
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_stopped_prepare_removes_its_output_and_workers_and_says_so(tmp_path, bpe, sig):
-    """Ctrl-C (SIGINT to the process group) or SIGTERM to the prepare alone: one line, no worker tracebacks, no
-    partial folder left on disk, no worker left running."""
+def test_stopped_prepare_ends_its_workers_and_says_what_it_keeps(tmp_path, bpe, sig):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM to the prepare alone: one line, no tracebacks, no worker left."""
     src = write_jsonl(tmp_path / "big.jsonl", documents(30000, max_words=120))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "plait.cli.main", "data", "prepare", str(src), "--tokenizer", str(bpe),
@@ -160,8 +158,11 @@ def test_stopped_prepare_removes_its_output_and_workers_and_says_so(tmp_path, bp
     _, err = proc.communicate(timeout=60)
     number = getattr(signal, sig)
     assert proc.returncode == 128 + number, (proc.returncode, err)
-    assert err == f"plait data prepare: stopped ({sig}); --out {out} left as it was\n", err
-    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*")), "the partial output is removed"
+    kept = len(list(tmp_path.glob(".out.partial/done/*.npz")))  # the tasks finished before the stop, kept
+    note = f"; {kept} finished task{'s' * (kept != 1)} kept in {tmp_path}/.out.partial: the same command resumes"
+    assert err == f"plait data prepare: stopped ({sig}); --out {out} left as it was" + (
+        f"{note} (--restart starts over)\n" if kept else "\n"), err
+    assert not out.exists() and (tmp_path / ".out.partial").exists() == bool(kept), "kept only to resume"
     deadline = time.time() + 10
     while time.time() < deadline:  # the workers (the same process group) end with it
         try:
@@ -181,7 +182,7 @@ def test_killed_prepare_s_workers_end_quietly(tmp_path, bpe):
            "--out", str(tmp_path / "out"), "--workers", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".out.tmp-*/train/*.bin")):  # the workers are working
+    while time.time() < deadline and not list(tmp_path.glob(".out.partial/train/*.bin")):  # the workers are working
         time.sleep(0.02)
     workers = _workers(proc.pid)
     assert proc.poll() is None and len(workers) == 2, "prepare finished before it could be killed: a larger input"

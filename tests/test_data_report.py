@@ -80,5 +80,5 @@ def test_the_help_fits_80_columns_and_says_what_a_stop_and_a_bad_record_do():
     assert res.exit_code == 0 and max(len(line) for line in res.output.splitlines()) <= 80, res.output
     said = " ".join(res.output.split())
     assert "stops the prepare, named by file:line; --skip-bad skips such records and counts them by reason" in said
-    assert "a prepare stopped (Ctrl-C) or killed leaves nothing there, and the next prepare into --out starts " \
-           "from the beginning" in said
+    assert "A prepare stopped (Ctrl-C, a kill, a full disk) keeps its finished tasks in a hidden folder beside " \
+           "--out (.NAME.partial): the same command again resumes" in said and "--restart discards" in said

@@ -32,14 +32,17 @@ the tokens and plait train ignores the other targets. --split-turns: each assist
 (templates that drop past reasoning, as Qwen3's). --chat-template-kwargs JSON: template variables every render
 gets, as apply_chat_template's keyword arguments (Qwen3 without reasoning: '{"enable_thinking": false}').
 
-The output appears at --out only when complete: a prepare stopped (Ctrl-C) or killed leaves nothing there, and
-the next prepare into --out starts from the beginning.
+The output appears at --out only when complete. A prepare stopped (Ctrl-C, a kill, a full disk) keeps its
+finished tasks in a hidden folder beside --out (.NAME.partial): the same command again resumes, keeping the
+tasks whose shards are intact, and writes the same bytes an uninterrupted prepare would. Changed inputs or
+options are refused, naming what changed; --restart discards the kept tasks and starts over.
 
 \b
 Examples:
   plait data prepare corpus.jsonl --tokenizer bytes --out data/corpus
   plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 \\
       --held-out 0.01 --skip-bad
+  plait data prepare web/ --tokenizer ./my-model --out data/web --restart
   plait data prepare chats.jsonl --tokenizer ./my-model --chat --out data/chat
   plait data prepare chats.jsonl --tokenizer ./qwen3 --chat --split-turns \\
       --chat-template-kwargs '{"enable_thinking": false}' --out data/nothink
@@ -64,6 +67,9 @@ def prepare_command(
                                        "stopping at the first.")] = False,
     force: Annotated[bool, Opt(help="Replace --out if it is a prepared dataset (or an empty folder; any other "
                                     "folder is refused): the old one stays until the new one is complete.")] = False,
+    restart: Annotated[bool, Opt("--restart", help="Discard the finished tasks a stopped prepare into --out kept, "
+                                                   "and start over (without it, a prepare of the same inputs and "
+                                                   "options resumes from them).")] = False,
     chat: Annotated[bool, Opt("--chat", help="Records are conversations: render --messages-field with the chat "
                                              "template and train on the assistant's tokens.")] = False,
     messages_field: Annotated[str, Opt(help="With --chat: the field (column) holding the list of messages.")
@@ -85,6 +91,7 @@ def prepare_command(
     from plait.chat_kwargs import parse_template_kwargs
     from plait.data.chat import ChatSpec
     from plait.data.prepare import Stopped, prepare
+    from plait.data.resume import kept_note
     from plait.errors import ConfigError
 
     try:
@@ -95,13 +102,14 @@ def prepare_command(
         spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template, split_turns,
                         parse_template_kwargs(chat_template_kwargs)) if chat else None
         prepare(sources, tokenizer, out, text_field=text_field, workers=workers, held_out=held_out, eos=eos,
-                skip_bad=skip_bad, force=force, console=Console(highlight=False), chat=spec)
+                skip_bad=skip_bad, force=force, console=Console(highlight=False), chat=spec, restart=restart)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     except (KeyboardInterrupt, Stopped) as exc:  # the partial output is removed already
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
-        typer.echo(f"plait data prepare: stopped ({signal.Signals(signum).name}); --out {out} left as it was", err=True)
+        typer.echo(f"plait data prepare: stopped ({signal.Signals(signum).name}); --out {out} left as it was"
+                   f"{kept_note(out)}", err=True)
         raise typer.Exit(128 + signum) from None
 
 

@@ -1,24 +1,26 @@
 """``plait data prepare``: tokenize text sources in worker processes into a prepared dataset, atomically.
 
-Workers read their own tasks (plait.data.sources), append the EOS to every document, send each document to
-the held-out split when the hash of its text falls under ``held_out`` (so duplicates share a split), and write
-one shard per split per task into a folder beside the destination. The parent collects the document lengths
-in task order, writes the document indexes and ``meta.json`` last, and renames the folder into place: a
-prepare killed at any moment leaves no dataset at ``out`` (plait.data.format). Ctrl-C or SIGTERM removes the
-folder and ends the workers (``Stopped``); after a SIGKILL the next prepare into ``out`` removes it.
+Workers read their own tasks (plait.data.sources, plait.data.records), append the EOS to every document, send
+each document to the held-out split when the hash of its text falls under ``held_out`` (so duplicates share a
+split), and write one shard per split per task into a work folder beside the destination. The parent keeps a
+record of each finished task there (plait.data.resume), then writes the document indexes and ``meta.json`` last
+and renames the folder into place: a prepare stopped at any moment leaves no dataset at ``out``, and the next
+prepare of the same inputs and options into ``out`` resumes from the tasks it finished. Ctrl-C or SIGTERM ends
+the workers (``Stopped``); after a SIGKILL they end with their parent.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +30,8 @@ from plait.data.chat import ChatSpec
 from plait.data.encode import encode_into
 from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
 from plait.data.records import read_task
-from plait.data.shards import ShardSink, Written
+from plait.data.resume import TaskResult, Work, open_work, plan
+from plait.data.shards import ShardSink, file_digest
 from plait.data.skipped import Skipped, source_meta
 from plait.data.sources import CHUNK, BadRecord, Source, Task, discover, tasks, where
 from plait.data.tokens import TokenizerSpec, Tokens
@@ -54,24 +57,12 @@ class Job:
     chat: ChatSpec | None = None  # --chat: records' messages through the chat template, with loss masks
 
 
-@dataclass
-class TaskResult:
-    index: int
-    source: int
-    lengths: dict[str, np.ndarray]  # split -> int64 document lengths (EOS included)
-    loss_tokens: dict[str, int]  # split -> tokens in the loss (with --chat; else every token)
-    skipped: Skipped
-    digest: bytes
-    nbytes: int
-    written: list[Written] = field(default_factory=list)  # its shard files
-
-
 _POOL_WORKER: dict[str, Encoder] = {}  # a pool worker process's encoder (``_init_worker``); empty elsewhere
 
 
 class Stopped(BaseException):
     """SIGTERM (``kill``, a batch scheduler's stop) during a prepare, raised in its main thread as Ctrl-C raises
-    KeyboardInterrupt: the partial output is removed and the workers are ended on the way out."""
+    KeyboardInterrupt: the workers are ended on the way out, the finished tasks kept for a resume."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -137,11 +128,13 @@ class Encoder:
 
 def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str = "text",
             workers: int | None = None, held_out: float = 0.005, eos: str | None = None, skip_bad: bool = False,
-            force: bool = False, console: Console | None = None, chat: ChatSpec | None = None) -> dict:
+            force: bool = False, console: Console | None = None, chat: ChatSpec | None = None,
+            restart: bool = False) -> dict:
     """Tokenize ``sources`` with ``tokenizer`` ("bytes", a folder or a tokenizer.json) into the prepared
     dataset ``out``; returns its metadata. ``console`` (rich): progress bar and summary table. ``chat``: read
     each record's messages (``chat.field``) through the tokenizer folder's chat template instead of
-    ``text_field``, and store the loss mask (plait.data.chat)."""
+    ``text_field``, and store the loss mask (plait.data.chat). A prepare into ``out`` that was stopped is
+    resumed from the tasks it finished (plait.data.resume); ``restart`` discards them."""
     out = Path(out)
     if not 0 <= held_out < 1:
         raise ConfigError(f"--held-out {held_out}: a fraction of the documents in [0, 1)")
@@ -160,29 +153,47 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     job = Job(spec, tok.eos(eos), dtype_for(tok.vocab_size), held_out, field, skip_bad, "", chat)
     todo = tasks(found, field, chat is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    job.folder = str(tmp)
     with _sigterm_raises():
+        work, kept = open_work(out, plan(found, todo, _options(job, tok, text_field, renderer)), restart)
         try:
-            for split in SPLITS:
-                (tmp / split).mkdir(parents=True)
+            job.folder = str(work.folder)
+            left = [t for t in todo if t.index not in kept]
+            if kept and console is not None:
+                shards = sum(w.bytes for r in kept.values() for w in r.written)
+                console.print(f"prepare: resuming {work.folder}: {len(kept)} of {len(todo)} tasks kept "
+                              f"({shards / 1e6:,.1f} MB of shards intact), {len(left)} to do", soft_wrap=True)
             t0 = time.perf_counter()
-            results = _execute(todo, job, workers or os.cpu_count() or 1, sum(s.bytes for s in found), console)
+            done = _execute(left, job, workers or os.cpu_count() or 1, sum(t.nbytes for t in left), console,
+                            work.record)
+            left = []  # every task done: a failure from here on (nothing to train on) leaves nothing to resume
+            results = sorted([*kept.values(), *done], key=lambda r: r.index)
             meta = _meta(found, results, tok, job, time.perf_counter() - t0)
             if renderer is not None:
                 meta["chat"] = {"messages_field": renderer.spec.field, "loss_on": renderer.spec.loss_on,
                                 "template": renderer.source, "method": renderer.method,
                                 "template_kwargs": renderer.kwargs}
-            _finish(tmp, out, results, meta, force)
-        except BaseException:  # Ctrl-C and SIGTERM included
-            shutil.rmtree(tmp, ignore_errors=True)
+            _finish(work, out, results, meta, force)
+        except BaseException:  # Ctrl-C, SIGTERM, a full disk: the finished tasks stay for the next prepare
+            work.release(failed=True, resumable=bool(left))
             raise
+        work.release()
     if console is not None:
         from plait.data.report import prepare_summary
 
         console.print(prepare_summary(meta, out))
     return meta
+
+
+def _options(job: Job, tok: Tokens, text_field: str, renderer) -> dict:
+    """The options a prepared dataset's bytes depend on, by flag (what a resumed prepare must share)."""
+    options = {"--tokenizer": tok.fingerprint, "--eos": job.eos, "--held-out": job.held_out,
+               "--text-field": text_field, "--skip-bad": job.skip_bad, "--chat": renderer is not None}
+    if renderer is not None:
+        templates = json.dumps(renderer.chat.templates, sort_keys=True).encode()
+        options |= {"--messages-field": renderer.spec.field, "--loss-on": renderer.spec.loss_on,
+                    "--split-turns": renderer.spec.split_turns, "--chat-template-kwargs": renderer.kwargs,
+                    "--chat-template": hashlib.blake2b(templates, digest_size=16).hexdigest()}
+    return options
 
 
 def _check_chat(chat: ChatSpec | None, found: list[Source]):
@@ -210,20 +221,10 @@ def _check_text_field(text_field: str, chat: ChatSpec | None, found: list[Source
                           f"but every SRC is plain text (each file one document): leave --text-field out")
 
 
-def _remove_stale(out: Path) -> None:
-    """Folders of earlier prepares into ``out`` whose process is gone (killed mid-way)."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        try:
-            os.kill(int(pid), 0)
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, someone else's
-
-
-def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Console | None) -> list[TaskResult]:
-    """Run the tasks (in this process for one worker, else a pool of spawned processes), in task order."""
+def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Console | None,
+             record: Callable[[TaskResult], None]) -> list[TaskResult]:
+    """Run the tasks (in this process for one worker, else a pool of spawned processes), in task order;
+    ``record`` keeps each as it ends."""
     from plait.data.report import prepare_progress
 
     results: list[TaskResult] = []
@@ -237,6 +238,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Cons
                     encode = Encoder(job)
                     for t in todo:
                         results.append(encode(t))
+                        record(results[-1])
                         bar.advance(results[-1])
                 finally:
                     _restore("TOKENIZERS_PARALLELISM", saved)
@@ -248,6 +250,7 @@ def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Cons
                 with pool:
                     for r in pool.imap(_run_in_worker, todo):
                         results.append(r)
+                        record(r)
                         bar.advance(r)
         except BadRecord as rec:
             raise ConfigError(f"{where(rec)}: {rec.why} (pass --skip-bad to skip such records and count them)"
@@ -300,7 +303,7 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
         if s.kind in ("parquet", "hf"):  # the workers read decoded columns: hash the files here
             files = s.files if s.kind == "parquet" else list(s.files[0].rglob("*"))
             for f in sorted(p for p in files if p.is_file()):
-                digest.update(_file_digest(f))
+                digest.update(file_digest(f))
         src.append({"path": s.path, "kind": s.kind, "files": len(s.files), "bytes": s.bytes,
                     "blake2b": digest.hexdigest(), **source_meta([r.skipped for r in mine]),
                     "documents": int(sum(len(r.lengths[k]) for r in mine for k in SPLITS)),
@@ -322,12 +325,14 @@ def _no_training_documents(found: list[Source], results: list[TaskResult], held:
                        f"{sum(r.skipped.count for r in results)} skipped): {why}")
 
 
-def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: bool) -> None:
+def _finish(work: Work, out: Path, results: list[TaskResult], meta: dict, force: bool) -> None:
     """Document indexes, then meta.json, then the rename into place (replacing ``out`` when ``force``)."""
+    tmp = work.folder
     for split in SPLITS:
         lengths = np.concatenate([r.lengths[split] for r in results]) if results else np.zeros(0, np.int64)
         np.save(tmp / split / "docs.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
     write_meta(tmp, meta)
+    work.clear()
     old = None
     if out.exists() and force:
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -343,10 +348,3 @@ def _finish(tmp: Path, out: Path, results: list[TaskResult], meta: dict, force: 
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
-
-def _file_digest(path: Path) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.digest()

@@ -86,3 +86,12 @@ class ShardSink:
         self.ids.abandon()
         if self.mask is not None:
             self.mask.abandon()
+
+
+def file_digest(path: Path) -> bytes:
+    """The BLAKE2b (16-byte) digest of a file's bytes, read 1 MB at a time."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.digest()
