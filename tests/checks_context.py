@@ -62,10 +62,17 @@ def compare(model_kw: dict | None = None, **layout) -> dict:
     """One train_step and one eval_step under ``layout`` (ParallelConfig fields) against one device."""
     cfg = model_config(**(model_kw or {}))
     inputs, targets = batch(cfg)
-    ref_loss, ref_grads, ref_logits = reference(cfg, inputs, targets)
+    return against(reference(cfg, inputs, targets), cfg, inputs, targets, layout)
+
+
+def against(ref: tuple, cfg: LlamaConfig, inputs, targets, layout: dict, **parallelize_kw) -> dict:
+    """One train_step and one eval_step of ``Llama(cfg)`` (seeded 0, ``plait.parallelize(..., **parallelize_kw)``)
+    under ``layout`` on ``inputs``/``targets`` [BATCH, S] (each DP replica its rows), against ``ref``: the loss,
+    gradients and logits a single device should give."""
+    ref_loss, ref_grads, ref_logits = ref
     with plait.init(config=plait.ParallelConfig(**layout)) as ctx:
         torch.manual_seed(0)
-        pm = plait.parallelize(Llama(cfg), ctx)
+        pm = plait.parallelize(Llama(cfg), ctx, **parallelize_kw)
         per = BATCH // ctx.dp_size
         local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
         loss = pm.train_step(inputs[local], targets[local], measure_memory=True)
@@ -74,7 +81,8 @@ def compare(model_kw: dict | None = None, **layout) -> dict:
         logits = pm.eval_step(inputs[local])
     return {"loss_rel": abs(loss - ref_loss) / abs(ref_loss), "grad_rel_max": max(errs.values()),
             "worst_grad": max(errs, key=errs.get), "n_grads": len(errs),
-            "logits_rel": rel_err(logits, ref_logits[local]), "activations": pm.activations_peak}
+            "logits_rel": rel_err(logits, ref_logits[local]), "activations": pm.activations_peak,
+            "targets": pm.last_loss_targets}
 
 
 ALLGATHER, RING = dict(cp_comm="allgather"), dict(cp_comm="ring")

@@ -87,7 +87,7 @@ WORLD4_GROUPS = {"test_pipeline": ("checks_pipeline", 190), "test_train": ("chec
                  "test_context": ("checks_context", 75), "test_zero3": ("checks_zero3", 90),
                  "test_data_layouts": ("checks_data", 60), "test_context_close": ("checks_context_close", 60),
                  "test_regather": ("checks_regather", 60), "test_generate_eos": ("checks_generate", 60),
-                 "test_library": ("checks_library", 60)}
+                 "test_library": ("checks_library", 60), "test_documents": ("checks_documents", 60)}
 #: pytest-timeout's limit for the tests of those modules: the first of them to run sets the launch up (inside its
 #: own limit), which may take every group's bound, and a new start after each group that overran
 WORLD4_TIMEOUT_S = sum(bound for _m, bound in WORLD4_GROUPS.values()) + START_S + 30 * len(WORLD4_GROUPS)

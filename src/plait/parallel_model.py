@@ -46,6 +46,7 @@ from plait.tensor_parallel.layers import TPShardedModule, is_tp_partial, sum_ove
 from plait.tensor_parallel.loss import full_logits
 
 if TYPE_CHECKING:
+    from plait.documents import Documents
     from plait.pipeline.trace import TraceReport
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -59,8 +60,8 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, config: ParallelConfig, *, family: Family,
                  partition: Partition, loss: LossFn, normaliser: Normaliser, vocab_size: int | None,
-                 check_inputs: Callable[[torch.Tensor], None] | None = None):
-        self.ctx, self.config, self.family = ctx, config, family
+                 documents: Documents, check_inputs: Callable[[torch.Tensor], None] | None = None):
+        self.ctx, self.config, self.family, self.documents = ctx, config, family, documents  # plait.documents
         self.model_config = getattr(model, "config", None)  # the plain model's own config (e.g. LlamaConfig)
         self._loss, self._normaliser = loss, normaliser
         self._check_inputs = check_inputs  # eval_step's inputs: raises ConfigError (train_step's: the normaliser)
@@ -186,8 +187,7 @@ class ParallelModel:
         grads = [t for r in self.reducers.values() for t in r.grad_tensors()]
         z = self.zero3
         grads += [p.grad for p in [*self._params, *(z.held() if z else [])] if p.grad is not None]
-        out = memory.report([*self._params, *(z.held() if z else [])], grads, self._optimizer,
-                            self.activations_peak)
+        out = memory.report([*self._params, *(z.held() if z else [])], grads, self._optimizer, self.activations_peak)
         out["params_gathered_peak"] = z.gathered_peak if z else None
         if self.device_peak is not None:  # a GPU: the caching allocator's own peak over that step
             out["device_peak"] = self.device_peak
@@ -254,15 +254,16 @@ class ParallelModel:
         mean to take, and ``last_loss_targets`` (the global count of targets in the loss) is then 0.
         """
         self._check_batch(inputs, targets)
+        targets = self.documents.mask_targets(inputs, targets)  # masking: the target after an EOS is not in the loss
         norm, global_rows = self._normaliser(inputs, targets)  # over full rows: the same on every CP rank
         self.last_loss_targets = int(norm) if self.vocab_size is not None else None
-        norm = max(norm, 1.0)
+        norm, select = max(norm, 1.0), self.documents.start(inputs)  # select: each micro-batch's documents
         inputs, targets = self._my_tokens(inputs), self._my_tokens(targets)
         self.zero_grad()
         for reducer in self.reducers.values():
             reducer.point_grads()
         mb_inputs, mb_targets = self._split(inputs), list(targets.to(self.ctx.device).chunk(self.microbatches))
-        io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm)
+        io = StepIO(mb_inputs, mb_targets, lambda out, y: self._loss(out, y) / norm, select=select)
         if self.has_aux:  # the batch mean over sequences, as the plain model's loss (plait.models.moe)
             self.routing.start(self.ctx.device)
             io.aux_fn = self.routing.aux_fn(1.0 / global_rows)
@@ -299,8 +300,7 @@ class ParallelModel:
         devices.reset_peak_memory(self.ctx.device)
         with meter.hooks():
             stats = self.executor.run(io, trace=trace)
-        self.activations_peak = meter.peak
-        self.device_peak = devices.peak_allocated(self.ctx.device)
+        self.activations_peak, self.device_peak = meter.peak, devices.peak_allocated(self.ctx.device)
         return stats
 
     def trace_report(self, p2p_ms: float = 0.0) -> TraceReport:
@@ -336,7 +336,7 @@ class ParallelModel:
     def eval_step(self, inputs: torch.Tensor) -> torch.Tensor:
         """The full model output (e.g. logits [B, S, V]) on every rank (forward-only pipeline)."""
         self._check_batch(inputs, None)
-        io = StepIO(self._split(self._my_tokens(inputs)), None, None)
+        io = StepIO(self._split(self._my_tokens(inputs)), None, None, select=self.documents.start(inputs))
         with self._gathering():
             stats = self.cast.run(lambda: self.executor.run(io, forward_only=True))
         out = torch.cat(stats.outputs) if stats.outputs else None

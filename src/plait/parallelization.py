@@ -12,7 +12,8 @@ from torch import nn
 from plait.context_parallel import apply_context_parallel, check_context_parallel
 from plait.distributed.collectives import collective
 from plait.distributed.context import ParallelContext
-from plait.errors import ConfigError
+from plait.documents import Documents, apply_documents
+from plait.errors import ConfigError, is_integer
 from plait.experts.layer import apply_expert_parallel, check_model_experts
 from plait.models.family import Family
 from plait.models.registry import family_of
@@ -73,7 +74,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
                 virtual_stages: int | None = None, sequence_parallel: bool | None = None,
                 partition: Partition = "balanced", activation_checkpointing: bool | str | None = None,
                 loss_fn: LossFn | None = None, tp_plan: dict[str, str] | None = None, precision: str | None = None,
-                *, zero: int | None = None, config: ParallelConfig | None = None) -> ParallelModel:
+                *, zero: int | None = None, config: ParallelConfig | None = None,
+                document_eos: int | None = None) -> ParallelModel:
     """Shard ``model`` (in place) over ``ctx``'s layout and return a ParallelModel that trains it.
 
     The settings come from ``config`` (a ParallelConfig; default: the one ``plait.init`` made ``ctx`` from),
@@ -83,7 +85,10 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
     weights and gradients, plait.optim.precision) and ``zero`` (3: ZeRO-3, each data-parallel rank keeps 1/dp of
     the parameters, gathered per block; pp = 1; train it with ``ParallelOptimizer(pm, ..., zero=3)``; 0-2 only
-    concern the optimizer). ``config``'s sizes must be ctx's.
+    concern the optimizer). ``config``'s sizes must be ctx's. ``document_eos``: the end-of-document token of
+    packed samples; each token then attends only to the earlier tokens of its own document, positions restart
+    at each document and the target after each end-of-document token is left out of the loss (plait.documents;
+    None, the default: attention over the whole sample).
 
     The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
     parallel plan and its default loss. Language models (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) train on
@@ -102,20 +107,25 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     _check_args(model, family, ctx, loss_fn, tp_plan)
     _check_pipeline(model, family, cfg, partition)
     vocab = family.vocab_size(getattr(model, "config", None)) if loss_fn is None else None
+    _check_documents(document_eos, vocab)
+    documents = Documents(document_eos, cfg.num_microbatches, ctx.device, ctx.cp_size, ctx.cp_rank)
     if cfg.recompute == "selective":  # the attention modules themselves stay when their projections are sharded
         recompute_attention(family.attention_modules(model), type(model).__name__)
     if ctx.cp_size > 1:  # replaces the (recomputed) core: CP attention keeps no probabilities
         apply_context_parallel(family.attention_modules(model), ctx, cfg.cp_comm, family.attention_windows(model),
-                               type(model).__name__)
+                               type(model).__name__, documents if document_eos is not None else None)
+    if document_eos is not None:  # after CP and recomputation: the rope (and cp = 1 core) they left
+        apply_documents(family.attention_modules(model), documents, ctx.cp_size, type(model).__name__)
     # whole blocks recomputed keep only their input: their projections keep the gathered input, no re-gather
     _shard(model, family, ctx, cfg.sequence_parallel, tp_plan, regather=cfg.recompute != "full")
     if loss_fn is not None:
         return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=loss_fn, vocab_size=None,
-                             normaliser=partial(_rows_normaliser, cfg.num_microbatches, ctx))
+                             normaliser=partial(_rows_normaliser, cfg.num_microbatches, ctx), documents=documents)
     assert vocab is not None, f"{family.name}: a next-token loss needs a vocabulary size"
     token_loss = TokenLoss(ctx, vocab)
     return ParallelModel(model, ctx, cfg, family=family, partition=partition, loss=token_loss, vocab_size=vocab,
-                         normaliser=partial(_token_normaliser, token_loss, ctx), check_inputs=token_loss.check_inputs)
+                         normaliser=partial(_token_normaliser, token_loss, ctx), check_inputs=token_loss.check_inputs,
+                         documents=documents)
 
 
 def _recompute(activation_checkpointing: bool | str | None) -> str | None:
@@ -153,6 +163,18 @@ def _check_args(model: nn.Module, family: Family, ctx: ParallelContext, loss_fn:
     if ctx.tp_size > 1 and tp_plan is None and family.tp_plan(model) is None:
         raise ConfigError(f"tp={ctx.tp_size} needs a tensor-parallel plan for {type(model).__name__}: pass "
                           "tp_plan={'module.path.*': 'colwise'|'rowwise'|...} or use tp=1")
+
+
+def _check_documents(eos: int | None, vocab: int | None) -> None:
+    """ConfigError unless ``eos`` is None or a token id of the model's vocabulary with its next-token loss."""
+    if eos is None:
+        return
+    if vocab is None:
+        raise ConfigError(f"document_eos={eos!r}: document masking needs a language model's next-token loss "
+                          "(loss_fn=None); leave document_eos=None with a custom loss_fn")
+    if not is_integer(eos) or not 0 <= eos < vocab:
+        raise ConfigError(f"document_eos={eos!r}: give the end-of-document token id, an integer in [0, {vocab}), "
+                          "or None (no document masking)")
 
 
 def _check_pipeline(model: nn.Module, family: Family, cfg: ParallelConfig, partition: Partition) -> None:

@@ -15,7 +15,9 @@ ring       K/V blocks travel around the CP group point to point while each rank 
            blocks' K/V gradients around with them. Memory: one block of K/V at a time.
 Both attend with plait.context_parallel.blockwise: exact attention merged by log-sum-exp, no probabilities
 kept, so selective recomputation (which would recompute the module's core) has nothing left to save; a mask
-of the whole sequence (S/cp × S) is never built.
+of the whole sequence (S/cp × S) is never built. With document masking (plait.documents) the cores also keep
+each query to the keys of its own document: the document ids of any block of keys come from the full rows every
+CP rank holds (``Documents.pair``), so no id travels with a block, and tiles no query sees are not computed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from plait.parallel_config import CP_COMMS
 
 if TYPE_CHECKING:
     from plait.distributed.context import ParallelContext
+    from plait.documents import Documents
     from plait.parallel_model import LossFn
 
 
@@ -75,11 +78,24 @@ class GlobalRope:
         return self.rope_at(self.positions(seq_len), dtype)
 
 
-class GatheredCore:
+class CPCore:
+    """What both CP cores hold: the group's size and this rank's index in it, the sliding window, and the
+    documents of the micro-batch being run (None: no document masking)."""
+
+    def __init__(self, cp: int, rank: int, window: int | None, documents: Documents | None):
+        self.cp, self.rank, self.window, self.documents = cp, rank, window, documents
+
+    def docs(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Document ids of the queries and keys at these global positions (None: one document per row)."""
+        return None if self.documents is None else self.documents.pair(q_pos, k_pos)
+
+
+class GatheredCore(CPCore):
     """Shadows ``core``: all-gather K/V over the CP group, then exact blockwise attention with the global mask."""
 
-    def __init__(self, group, cp: int, rank: int, window: int | None):
-        self.group, self.cp, self.rank, self.window = group, cp, rank, window
+    def __init__(self, group, cp: int, rank: int, window: int | None, documents: Documents | None = None):
+        super().__init__(cp, rank, window, documents)
+        self.group = group
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool = True) -> torch.Tensor:
@@ -88,11 +104,12 @@ class GatheredCore:
         return _GatheredAttention.apply(q, k, v, self)  # [B, h, S/cp, hd]
 
 
-class RingCore:
+class RingCore(CPCore):
     """Shadows ``core``: ring attention over the CP group."""
 
-    def __init__(self, group, cp: int, rank: int, window: int | None):
-        self.ring, self.cp, self.rank, self.window = Ring(group), cp, rank, window
+    def __init__(self, group, cp: int, rank: int, window: int | None, documents: Documents | None = None):
+        super().__init__(cp, rank, window, documents)
+        self.ring = Ring(group)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool = True) -> torch.Tensor:
@@ -108,7 +125,8 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, core: GatheredCore):  # q [B, h, S/cp, hd], k, v [B, h_kv, S, hd]
         s = q.shape[2]
         q_pos, k_pos = local_positions(s, core.cp, core.rank, q.device), gathered_positions(s, core.cp, q.device)
-        out, lse = attend(q.float(), k, v, q_pos, k_pos, core.window, s // 2)
+        ctx.docs = core.docs(q_pos, k_pos)  # [b, S/cp], [b, S] (None: one document per row)
+        out, lse = attend(q.float(), k, v, q_pos, k_pos, core.window, s // 2, docs=ctx.docs)
         ctx.core = core
         ctx.save_for_backward(q, k, v, out, lse)
         return out.to(q.dtype)
@@ -120,7 +138,7 @@ class _GatheredAttention(torch.autograd.Function):
         q_pos, k_pos = local_positions(s, core.cp, core.rank, q.device), gathered_positions(s, core.cp, q.device)
         do = dout.float()
         delta = (do * out).sum(-1, keepdim=True)  # [B, h, S/cp, 1]
-        dq, dk, dv = attend_backward(q.float(), k, v, q_pos, k_pos, core.window, s // 2, lse, do, delta)
+        dq, dk, dv = attend_backward(q.float(), k, v, q_pos, k_pos, core.window, s // 2, lse, do, delta, ctx.docs)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -136,11 +154,11 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             source = (core.rank - step) % cp  # whose block this rank holds now
             transfer = ring.start([kb, vb], tag=1) if step < cp - 1 else None
-            out, lse = attend(qf, kb, vb, q_pos, local_positions(s, cp, source, q.device), core.window, s // 2,
-                              out, lse)
+            k_pos = local_positions(s, cp, source, q.device)
+            out, lse = attend(qf, kb, vb, q_pos, k_pos, core.window, s // 2, out, lse, core.docs(q_pos, k_pos))
             if transfer is not None:
                 kb, vb = transfer.wait()
-        ctx.core = core
+        ctx.core, ctx.docs = core, None if core.documents is None else core.documents.ids  # as they were
         ctx.save_for_backward(q, k, v, out, lse)
         assert out is not None
         return out.to(q.dtype)
@@ -158,8 +176,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             source = (core.rank - step) % cp
             transfer = ring.start([kb, vb], tag=1) if step < cp - 1 else None
-            g_q, g_k, g_v = attend_backward(qf, kb, vb, q_pos, local_positions(s, cp, source, q.device),
-                                            core.window, s // 2, lse, do, delta)
+            k_pos = local_positions(s, cp, source, q.device)
+            docs = None if ctx.docs is None else (ctx.docs[:, q_pos], ctx.docs[:, k_pos])
+            g_q, g_k, g_v = attend_backward(qf, kb, vb, q_pos, k_pos, core.window, s // 2, lse, do, delta, docs)
             dq += g_q
             # this block's gradient so far travels on with it; after cp hops it is back with its owner
             dkb, dvb = ring.start([dkb + g_k, dvb + g_v], tag=2).wait()
@@ -169,11 +188,12 @@ class _RingAttention(torch.autograd.Function):
 
 
 def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, comm: str,
-                           windows: dict[str, int | None], model_name: str = "model") -> int:
+                           windows: dict[str, int | None], model_name: str = "model",
+                           documents: Documents | None = None) -> int:
     """Make every attention module in ``modules`` (name -> module) attend across ``ctx``'s CP group, each with its
-    sliding window of ``windows`` (name -> keys a query sees at most; None or absent: every earlier key); returns how
-    many. The shadowed core replaces any earlier one (selective recomputation's: its attention keeps no
-    probabilities to recompute)."""
+    sliding window of ``windows`` (name -> keys a query sees at most; None or absent: every earlier key), within
+    the documents of ``documents`` if given; returns how many. The shadowed core replaces any earlier one
+    (selective recomputation's: its attention keeps no probabilities to recompute)."""
     if comm not in CP_COMMS:
         raise ConfigError(f"cp_comm={comm!r}: choose one of {', '.join(CP_COMMS)}")
     if not modules:
@@ -190,8 +210,8 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, 
             methods[method] = fn
         setattr(module, "rope", GlobalRope(methods["rope_at"], positions))  # noqa: B010
         window = windows.get(name)
-        core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window) if comm == "ring"
-                else GatheredCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window))
+        core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window, documents) if comm == "ring"
+                else GatheredCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window, documents))
         setattr(module, "core", core)  # noqa: B010  (nn.Module.__setattr__ is typed for tensors and modules)
     return len(modules)
 

@@ -58,6 +58,10 @@ class StepIO:
     # its last forward of the last chunk is done; a rank with ``loss_from`` set receives it from that rank
     loss_to: list[int] = field(default_factory=list)
     loss_from: int | None = None
+    # called with a micro-batch's index before each forward and backward of it, and with None at the step's end
+    # (plait.documents: the documents attention keeps to, on every stage and in a block recomputed during its
+    # backward; none after the step, for a decoding that runs the same modules)
+    select: Callable[[int | None], None] | None = None
 
 
 class Executor:
@@ -102,6 +106,8 @@ class Executor:
                 self._step(i, a, plan, io, stats, forward_only, trace, t0)
             except CommError as exc:
                 raise type(exc)(self._explain(a, i, plan.recv[i], exc)) from exc
+        if io.select is not None:
+            io.select(None)
         try:
             self.transport.wait_sends()
             if io.loss_from is not None and not forward_only:
@@ -125,6 +131,8 @@ class Executor:
         final = not forward_only and self.final_index.get(a.stage) == i
         if final and a.kind == "B":
             self.reducers[a.stage].arm()  # buckets start as their gradients complete
+        if io.select is not None and a.kind != "W":
+            io.select(a.microbatch)
         if a.kind == "F":
             assert data is not None, "a forward always has an input"
             self._forward(a, data, io, stats, forward_only, plan.send[i])

@@ -1,0 +1,158 @@
+"""Document masking of packed samples (plait.documents): each document's loss, gradients and logits equal that
+document run alone, on one device and under every layout (TP+SP, PP schedules, DP, EP, CP all-gather and ring,
+recomputation, ZeRO-3, bf16); documents and positions from the EOS; the unmasked fast path; bad settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import checks_documents as cd
+import plait
+from harness import result
+from plait.documents import DocumentCore, Documents, document_ids
+from plait.models import Llama
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # parallel equals single device within float32 rounding
+BF16_LOSS_TOL, BF16_GRAD_TOL, BF16_LOGITS_TOL = 1e-4, 5e-2, 2e-2  # as tests/test_context.py's bf16 checks
+
+
+def within(r: dict, what: str, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL,
+           logits_tol: float = LOSS_TOL) -> None:
+    assert r["loss_rel"] <= loss_tol, f"{what}: loss rel err {r['loss_rel']:.2e}"
+    assert r["grad_rel_max"] <= grad_tol, f"{what}: {r['worst_grad']} rel err {r['grad_rel_max']:.2e}"
+    assert r["logits_rel"] <= logits_tol, f"{what}: eval logits rel err {r['logits_rel']:.2e}"
+
+
+def test_document_ids_and_positions_restart_after_each_eos():
+    tokens = torch.tensor([[5, 0, 7, 8, 0, 0, 9], [0, 3, 4, 5, 6, 7, 0]])
+    ids, pos = document_ids(tokens, eos=0)
+    assert ids.tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]  # an EOS ends its own document
+    assert pos.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(microbatches=2), dict(microbatches=4, recompute="selective"),
+                                    dict(microbatches=2, recompute="full")], ids=["m1", "m2", "selective", "full"])
+def test_one_device_equals_each_document_alone(layout):
+    r = cd.compare(None, **layout)
+    within(r, str(layout))
+    assert r["targets"] == 64 - 1 - 5  # 4 rows of 16, less the ignored target and the 5 after an EOS
+
+
+def test_one_device_with_window_biases_and_qk_norm_equals_each_document_alone():
+    within(cd.compare(cd.FEATURES, microbatches=2), "features")
+
+
+def test_without_the_mask_documents_see_each_other():
+    """The reference tells masking from none: without it the packed rows differ from the documents alone."""
+    r = cd.compare(None, None, microbatches=2)
+    assert r["logits_rel"] > 0.1 and r["grad_rel_max"] > 0.1 and r["targets"] == 64 - 1
+
+
+def test_one_document_per_row_keeps_unmasked_attention():
+    """A micro-batch with no EOS before its rows' last token runs the module's own core with no mask (SDPA's
+    is_causal); one with several documents gets the additive mask, one tensor for all layers."""
+    calls = []
+
+    def core(q, k, v, mask, causal=True):
+        calls.append(mask)
+        return q
+
+    docs = Documents(eos=0, microbatches=2)
+    shadow = DocumentCore(core, docs)
+    inputs = torch.tensor([[4, 5, 6, 0], [7, 8, 0, 9], [1, 2, 3, 0], [4, 5, 6, 7]])
+    use = docs.start(inputs)
+    assert use is not None
+    q = torch.zeros(2, 1, 4, 2)
+    use(1)  # rows 2 and 3: an EOS only as a last token
+    shadow(q, q, q, None)
+    use(0)
+    shadow(q, q, q, None)
+    shadow(q, q, q, None)
+    assert calls[0] is None and docs.ids is not None
+    assert calls[1] is calls[2] and calls[1].shape == (2, 1, 4, 4)
+    seen = calls[1][1, 0] == 0  # row 1: documents [7, 8, 0] and [9]
+    assert seen.tolist() == [[True, False, False, False], [True, True, False, False], [True, True, True, False],
+                             [False, False, False, True]]
+    assert Documents(None).start(inputs) is None  # no masking: the executor is handed no hook
+
+
+def test_positions_restart_at_each_document():
+    """The rotary tables a masked module uses are those of each token's position within its document, per row."""
+    from plait.documents import apply_documents
+
+    model = Llama(cd.model_config())
+    docs = Documents(eos=0)
+    modules = {f"layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.layers)}
+    assert apply_documents(modules, docs, cp=1) == 4
+    attn = model.layers[1].self_attn
+    inputs = torch.tensor([[4, 5, 0, 9, 9], [0, 3, 0, 0, 1]])
+    use = docs.start(inputs)
+    assert use is not None
+    use(0)
+    cos, sin = attn.rope(5, 0, torch.float32)
+    want_cos, want_sin = attn.rotary.build_at(torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 0, 0]]), torch.float32,
+                                              torch.device("cpu"))
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    use(None)  # after a step: the module's own tables again
+    assert attn.rope(5, 0, torch.float32)[0].shape == (5, cd.model_config().head_dim)
+
+
+def test_the_mask_adds_the_bytes_docs_data_md_states():
+    """What autograd keeps with the mask beyond an unmasked step (the planner's and --dry-run's count): the additive
+    mask [b, 1, S, S] once for all layers, and RoPE tables per row [b, 1, S, hd] (cos and sin) where an unmasked
+    step keeps one [S, hd] pair. One micro-batch in flight, every row holding several documents."""
+    cfg = cd.model_config(max_seq_len=32)
+    tokens = torch.randint(1, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(3))
+    tokens[:, 10] = cd.EOS
+    peak = {}
+    with plait.init(1, 1, 1) as ctx:
+        for eos in (None, cd.EOS):
+            torch.manual_seed(0)
+            pm = plait.parallelize(Llama(cfg), ctx, microbatches=2, document_eos=eos)
+            pm.train_step(tokens[:, :-1], tokens[:, 1:], measure_memory=True)
+            peak[eos] = pm.activations_peak
+    b, s, hd = 2, 32, cfg.head_dim  # rows of a micro-batch
+    assert peak[cd.EOS] - peak[None] == (b * s * s + 2 * (b - 1) * s * hd) * 4
+
+
+def test_without_document_eos_the_attention_modules_are_untouched():
+    with plait.init(1, 1, 1) as ctx:
+        model = Llama(cd.model_config())
+        plait.parallelize(model, ctx)
+        attn = model.layers[0].self_attn
+        assert "core" not in vars(attn) and "rope" not in vars(attn)
+
+
+@pytest.mark.parametrize("eos,loss_fn,says", [(61, None, "[0, 61)"), (-1, None, "[0, 61)"), (True, None, "integer"),
+                                              (0, torch.nn.functional.mse_loss, "next-token loss")])
+def test_bad_document_eos_is_a_config_error(eos, loss_fn, says):
+    with plait.init(1, 1, 1) as ctx, pytest.raises(plait.ConfigError, match="document_eos") as err:
+        plait.parallelize(Llama(cd.model_config()), ctx, loss_fn=loss_fn, document_eos=eos)
+    assert says in str(err.value)
+
+
+# world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_documents)
+
+@pytest.mark.parametrize("case", sorted(cd.CASES))
+def test_every_layout_equals_each_document_alone(world4, case):
+    for rank, r in enumerate(result(world4, f"equal/{case}")):
+        assert r["n_grads"] >= 39
+        within(r, f"rank {rank} {case}")
+
+
+@pytest.mark.parametrize("comm", ["allgather", "ring"])
+def test_bf16_within_tolerance(world4, comm):
+    for rank, r in enumerate(result(world4, f"bf16/{comm}")):
+        within(r, f"rank {rank} bf16/{comm}", BF16_LOSS_TOL, BF16_GRAD_TOL, BF16_LOGITS_TOL)
+
+
+def test_context_parallel_without_the_mask_differs(world4):
+    """The first DP replica's rows hold several documents (the second's one each, the same either way)."""
+    assert max(r["logits_rel"] for r in result(world4, "unmasked/cp2dp2")) > 0.1
+
+
+@pytest.mark.parametrize("case", ["zero1/cp2dp2/ring", "zero2/tp2dp2"])
+def test_zero_optimizer_steps_equal_each_document_alone(world4, case):
+    for rank, r in enumerate(result(world4, case)):
+        assert r["param_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: params after 3 steps {r['param_rel_max']:.2e}"
