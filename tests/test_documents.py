@@ -132,6 +132,59 @@ def test_bad_document_eos_is_a_config_error(eos, loss_fn, says):
     assert says in str(err.value)
 
 
+def test_plait_train_document_mask_step_loss_is_each_document_alone(tmp_path):
+    """plait train --document-mask on prepared byte data (EOS 0 after each short document): the first step's loss
+    is that of batch 0's documents run alone through the preset's seeded weights; without the flag it is not."""
+    from data_util import documents, write_jsonl
+    from plait.data.prepare import prepare
+    from plait.data.stream import open_data
+    from plait.models import init_weights
+    from plait.train import TrainConfig
+    from plait.train.config import model_config
+    from plait.train.loop import train
+
+    prepare([str(write_jsonl(tmp_path / "d.jsonl", documents(60, max_words=6)))], "bytes", tmp_path / "data",
+            workers=1, held_out=0.2)
+    losses = {}
+    for mask in (True, False):
+        cfg = TrainConfig.from_dict(dict(model="tiny", data=[str(tmp_path / "data")], document_mask=mask, tp=1, pp=1,
+                                         dp=1, microbatches=2, seq_len=64, batch_size=4, steps=1, eval_every=0,
+                                         sample_tokens=0, trace_every=0, cluster="none",
+                                         checkpoint_dir=str(tmp_path / f"ck{mask}")))
+        res = train(cfg)
+        losses[mask] = res.losses[1]
+        assert res.held_out is not None
+    data = open_data(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed,
+                     cfg.max_data_mb)
+    x, y = data.batch(0)
+    assert data.eos == 0 and int((x[:, :-1] == 0).sum(1).min()) >= 2  # every row packs three documents or more
+    ref = cd.alone(model_config(cfg), x, y, eos=0, model=init_weights(Llama(model_config(cfg)), cfg.seed))[0]
+    assert abs(losses[True] - ref) / ref <= LOSS_TOL, (losses, ref)
+    assert abs(losses[False] - ref) / ref > 1e-3
+
+
+def test_document_mask_refuses_data_without_one_clean_end_of_document_token(tmp_path):
+    """Two sources ending documents with different tokens, and a source whose EOS also occurs inside its documents
+    (as a chat template ending each turn with it), are ConfigErrors naming --document-mask."""
+    from data_util import documents, write_jsonl
+    from plait.data.prepare import prepare
+    from plait.data.stream import open_data
+
+    src = str(write_jsonl(tmp_path / "d.jsonl", documents(40, max_words=6)))
+    for name, eos in (("nul", None), ("one", "1"), ("space", "32")):
+        prepare([src], "bytes", tmp_path / name, workers=1, held_out=0.0, eos=eos)
+
+    def data(*names: str):
+        return open_data([f"0.5:{tmp_path / n}" for n in names], "tiny", 256, 32, 4, 0, 1.0)
+
+    assert data("nul").document_eos(True) == 0 and data("nul").document_eos(False) is None
+    assert data("one").document_eos(True) == 1
+    with pytest.raises(plait.ConfigError, match="--document-mask: .*no one end-of-document token"):
+        data("nul", "one").document_eos(True)
+    with pytest.raises(plait.ConfigError, match="--document-mask: .*end-of-document token 32 inside them"):
+        data("space").document_eos(True)
+
+
 # world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_documents)
 
 @pytest.mark.parametrize("case", sorted(cd.CASES))

@@ -29,6 +29,7 @@ Examples:
   plait train --tp 1 --dp 4 --experts 8 --top-k 2 --ep 4 --capacity-factor 1.25   # mixture of experts
   plait train --model ./my-mixtral --data data/c --tp 1 --pp 2 --dp 2 --ep 2   # a folder's own experts
   plait train --tp 2 --pp 2 --dry-run --cluster host.toml   # what it would cost, nothing launched
+  plait train --data data/c --document-mask --tp 1 --pp 1 --cp 2 --dp 2   # attention within each packed document
   torchrun --nproc-per-node 4 -m plait.cli.main train --tp 2 --pp 2
   torchrun --nproc-per-node 4 --max-restarts 3 -m plait.cli.main train --auto-resume   # restarts continue
 """.format(

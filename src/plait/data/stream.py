@@ -198,6 +198,25 @@ class TrainData:
         ends = {s.eos for s in self.sources}
         return ends.pop() if len(ends) == 1 else None
 
+    def document_eos(self, wanted: bool) -> int | None:
+        """The end-of-document token that document masking (``--document-mask``) cuts documents at, if ``wanted``:
+        ConfigError when the sources have no one such token, or when a source's first document holds it before its
+        end (a chat template that ends each turn with it: masking would cut conversations apart)."""
+        if not wanted:
+            return None
+        eos = self.eos
+        if eos is None:
+            ends = ", ".join(f"{s.name}: {s.eos if s.eos is not None else 'none recorded'}" for s in self.sources)
+            raise ConfigError(f"--document-mask: the --data sources have no one end-of-document token ({ends}); "
+                              "prepare them with one --eos, or leave --document-mask off")
+        for s in self.sources:
+            end = s.train.first_document_end()
+            if end is not None and eos in s.train.read(0, end - 1).tolist():
+                raise ConfigError(f"--document-mask: {s.name}'s documents hold its end-of-document token {eos} "
+                                  "inside them (a chat template ending each turn with it), so masking at it would "
+                                  "cut them apart; leave --document-mask off for this data")
+        return eos
+
     def describe(self) -> str:
         """One line: the sources, their weights and sizes."""
         parts = []

@@ -42,6 +42,11 @@ class TrainConfig:
     Python standard library's sources."""
     seq_len: int = 128
     """Tokens per sequence."""
+    document_mask: bool = False
+    """Keep attention inside each document of a packed sequence: a token attends only to the earlier tokens of its
+    own document (documents end at the data's end-of-document token, recorded in its meta.json), positions restart
+    at each document, and the target after each end-of-document token is left out of the loss; off: attention
+    spans the whole sequence (docs/data.md, "Document masking")."""
     batch_size: int = 16
     """Global batch size in sequences."""
     steps: int = 300

@@ -93,7 +93,8 @@ def build(cfg: TrainConfig, ctx: ParallelContext) -> Run:
     with torch.device("meta"):  # each rank allocates only its own shards, filled below one tensor at a time
         model = model_family(cfg).model_class(mcfg)
     params = model.num_parameters()
-    pm = plait.parallelize(model, ctx, config=cfg.parallel)
+    data = open_data(cfg.data, cfg.model, mcfg.vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.max_data_mb)
+    pm = plait.parallelize(model, ctx, config=cfg.parallel, document_eos=data.document_eos(cfg.document_mask))
     if cfg.model in PRESETS:  # seeded per tensor: the same weights in every layout (plait.models.init)
         init_local(pm, cfg.seed)
     else:  # a Hugging Face folder: each rank reads its slices
@@ -102,7 +103,6 @@ def build(cfg: TrainConfig, ctx: ParallelContext) -> Run:
         load_local(pm, HFWeights(cfg.model).read)
     opt = make_optimizer(pm, cfg)
     tok = tokenizer_for(cfg.model)
-    data = open_data(cfg.data, cfg.model, mcfg.vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed, cfg.max_data_mb)
     run = Run(cfg, ctx, pm, opt, data, tok, params)
     if cfg.resume or cfg.auto_resume:
         resume(run)
@@ -205,7 +205,7 @@ def held_out_loss(run: Run, batches: int = EVAL_BATCHES) -> float | None:
             return None
         x, y = part
         logits = run.pm.eval_step(x)  # [B/dp, S, V]
-        y = y.to(logits.device)
+        y = run.pm.documents.mask_targets(x, y.to(logits.device))  # --document-mask: as train_step's
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum",
                                              ignore_index=IGNORE)  # targets outside a chat loss mask
         total[0] += ce.double()
