@@ -134,6 +134,17 @@ def test_every_commands_help_shows_examples_that_parse(words):
         _parse(shlex.split(example))
 
 
+@pytest.mark.parametrize("words", [("data",), *_commands()], ids=" ".join)
+def test_every_commands_help_fits_80_columns(words):
+    """At COLUMNS=80 no line of --help is wider (paragraphs re-flow; examples, tables and other kept blocks are
+    written to fit): a wider line folds mid-word in the terminal, or is cut in a narrow window."""
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "80"})
+    wide = [line for line in res.output.splitlines() if len(line) > 80]
+    assert res.exit_code == 0 and not wide, f"plait {' '.join(words)} --help: " + "\n".join(wide)
+
+
 # a `$ plait simulate ...` code block: the command, then (the start of) what it prints into a pipe
 SIMULATE = re.compile(r"```\n\$ plait (?P<args>simulate [^\n]*)\n(?P<out>.*?)```", re.S)
 SIMULATIONS = [(f"{doc.name}:{doc.read_text()[:m.start()].count(chr(10)) + 1}", m["args"], m["out"])

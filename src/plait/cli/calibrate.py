@@ -41,10 +41,11 @@ predicts with the planner's GPU model of that GPU, and `plait plan --gpu NAME` p
 \b
 Examples:
   plait calibrate --out host.toml
-  plait calibrate --out host.toml --add          # later: averaged with the first
-  plait calibrate --out host.toml --repeat 3     # three back to back, their mean
+  plait calibrate --out host.toml --add       # later: averaged with the first
+  plait calibrate --out host.toml --repeat 3  # three back to back: the mean
   plait calibrate --processes 1 --processes 2 --processes 4 --processes 8
-  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 --seq-len 128
+  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 \\
+      --seq-len 128
 """
 
 

@@ -12,7 +12,7 @@ against a single-device run. `plait train` is the real training command.
 \b
 Examples:
   plait demo
-  plait demo && plait train --steps 50      # then a first real (small) training run
+  plait demo && plait train --steps 50  # then a first small training run
 """
 
 

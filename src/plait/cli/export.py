@@ -23,12 +23,18 @@ tokenizer or generation settings is read with these weights), its other files le
 
 \b
 Examples:
-  plait train --steps 20 && plait export plait-checkpoints hf-tiny   # the latest checkpoint of the folder
-  plait export plait-checkpoints/step_00000020 hf-tiny-20             # one checkpoint
-  plait export plait-checkpoints hf-tiny-fp32 --dtype float32         # exact float32 weights of a bf16 run
-  plait export plait-checkpoints hf-tiny                             # again, a later step: replaces hf-tiny
-  plait export plait-checkpoints my-hub-repo --force                 # into a git clone with a README.md
-  plait generate --model hf-tiny --prompt "def "                     # the exported folder, as any HF folder
+  # the latest checkpoint of the folder:
+  plait train --steps 20 && plait export plait-checkpoints hf-tiny
+  # one checkpoint:
+  plait export plait-checkpoints/step_00000020 hf-tiny-20
+  # exact float32 weights of a bf16 run:
+  plait export plait-checkpoints hf-tiny-fp32 --dtype float32
+  # again, a later step: replaces hf-tiny:
+  plait export plait-checkpoints hf-tiny
+  # into a git clone with a README.md:
+  plait export plait-checkpoints my-hub-repo --force
+  # the exported folder, as any Hugging Face folder:
+  plait generate --model hf-tiny --prompt "def "
 """
 
 

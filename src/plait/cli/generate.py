@@ -27,9 +27,12 @@ is named on stderr. --chat-template FILE and --chat-template-kwargs JSON as for 
 \b
 Examples:
   plait generate --model plait-checkpoints --prompt "def " --prompt "class "
-  plait generate --model path/to/hf-qwen --chat "What is 2 + 2?" --system "Answer briefly."
-  plait generate --model path/to/hf-qwen3 --messages chat.json --chat-template-kwargs '{"enable_thinking": false}'
-  plait generate --model plait-checkpoints --tp 2 --pp 2 --temperature 0.8 --top-k 20 --seed 1
+  plait generate --model path/to/hf-qwen --chat "What is 2 + 2?" \\
+      --system "Answer briefly."
+  plait generate --model path/to/hf-qwen3 --messages chat.json \\
+      --chat-template-kwargs '{"enable_thinking": false}'
+  plait generate --model plait-checkpoints --tp 2 --pp 2 --temperature 0.8 \\
+      --top-k 20 --seed 1
   plait generate --model path/to/hf-llama --max-new-tokens 50
 """
 

@@ -24,12 +24,19 @@ as plait train flags to paste (or why plait train would not run it). Models: doc
 \b
 Examples:
   plait plan --model llama3-70b --gpus 64 --gpu h100-sxm --gpus-per-node 8
-  plait plan --model llama3-405b --gpus 16384 --gpu h100-sxm --global-batch 2048 --show-schedule
-  plait plan --model path/to/config.json --gpus 8 --gpu a100-80gb --seq-len 4096
+  plait plan --model llama3-405b --gpus 16384 --gpu h100-sxm \\
+      --global-batch 2048 --show-schedule
+  plait plan --model path/to/config.json --gpus 8 --gpu a100-80gb \\
+      --seq-len 4096
   plait plan --model mixtral-8x7b --gpus 64 --global-batch 256 --json
-  plait plan --model llama3-70b --gpus 4 --gpu a100-80gb --inference --batch 8 --prompt-len 2048
-  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 --seq-len 128
-  plait plan --model small --gpus 4 --cluster host.toml --write-config run.toml   # then plait train --config run.toml
+  plait plan --model llama3-70b --gpus 4 --gpu a100-80gb --inference \\
+      --batch 8 --prompt-len 2048
+  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 \\
+      --seq-len 128
+  # the layout found as a config file, then a run of it:
+  plait plan --model small --gpus 4 --cluster host.toml \\
+      --write-config run.toml
+  plait train --config run.toml
 
 The bubble is the idle share of the step (the average pipeline rank's idle time over the step time);
 the parts of the time breakdown add up to the step. Without --global-batch the batch is searched: the

@@ -23,10 +23,10 @@ requests get 503, running ones get --shutdown-timeout seconds to finish (a secon
 answer (stopped, hung): once a step has waited --step-timeout seconds /health answers 503 "stalled" naming the
 ranks, 5 s later the job ends naming the rank that did not answer.
 
-\b
 Chat messages become one prompt through the model folder's own chat template (tokenizer_config.json's
 chat_template or chat_template.jinja, rendered as transformers' apply_chat_template does), or through
 --chat-template; a folder without one gets "<|role|>\\ncontent\\n" per message, then "<|assistant|>\\n".
+
 --chat-template-kwargs '{"enable_thinking": false}': variables every chat's template gets (a request's
 own chat_template_kwargs override them key by key; a null or "auto" there keeps the server's value, as in vLLM).
 

@@ -21,18 +21,25 @@ free and its input has arrived (+P2P from another rank). Idle time is the "bubbl
 
 \b
 Schedules (--schedule):
-  gpipe             all forwards then all backwards; holds all M micro-batches (naive when M=1)
-  1f1b              warm-up, then one-forward-one-backward; holds at most P micro-batches
-  interleaved-1f1b  V chunks per rank (chunk c on rank c % P); bubble shrinks ~V times
-  looped-bfs        V chunks per rank, each chunk runs every micro-batch before the next
-  zb-h1             1F1B with split backward; W fills the bubble (~1/3 of 1F1B's when F=I=W);
-                    with V > 1 chunks per rank: ZB1P, interleaved like interleaved-1f1b
-  zbv               zero-bubble V: 2 chunks per rank (chunk c on rank c, or 2P-1-c)
-  dualpipev         DeepSeek's DualPipeV, V-shaped; forward/backward pairs (needs M >= 2P)
+  gpipe             all forwards then all backwards; holds all M micro-batches
+                    (naive when M=1)
+  1f1b              warm-up, then one-forward-one-backward; holds at most P
+                    micro-batches
+  interleaved-1f1b  V chunks per rank (chunk c on rank c % P); bubble shrinks
+                    ~V times
+  looped-bfs        V chunks per rank, each chunk runs every micro-batch
+                    before the next
+  zb-h1             1F1B with split backward; W fills the bubble (~1/3 of
+                    1F1B's when F=I=W); with V > 1 chunks per rank: ZB1P,
+                    interleaved like interleaved-1f1b
+  zbv               zero-bubble V: 2 chunks per rank (chunk c on rank c, or
+                    2P-1-c)
+  dualpipev         DeepSeek's DualPipeV, V-shaped; forward/backward pairs
+                    (needs M >= 2P)
 
-\b
 Costs are per micro-batch through one whole stage (a chunk costs 1/V of it); a split backward
 costs I = backward - weight and W = weight (default: backward/2).
+
 Peak activations: micro-batches held at once (a chunk counts 1/V), from the start of F until
 the end of B, or of W for a split backward.
 
@@ -40,10 +47,13 @@ the end of B, or of W for a split backward.
 Examples:
   plait simulate --schedule 1f1b --stages 4 --microbatches 8
   plait simulate -s interleaved-1f1b -p 4 -m 8 --virtual-stages 3 --p2p 0.1
-  plait simulate -s interleaved-1f1b -p 4 -m 10 --rounds padded   # M % P != 0: fewer held
-  plait simulate -p 8 -m 32 --compare gpipe,1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev
+  # M % P != 0: fewer held:
+  plait simulate -s interleaved-1f1b -p 4 -m 10 --rounds padded
+  plait simulate -p 8 -m 32 \\
+      --compare gpipe,1f1b,interleaved-1f1b,zb-h1,zbv,dualpipev
   plait simulate -s zbv -p 4 -m 8 --png zbv.png --trace zbv.json --csv zbv.csv
-  plait simulate --from-csv my_schedule.csv      # a torch.distributed.pipelining CSV
+  # a torch.distributed.pipelining CSV:
+  plait simulate --from-csv my_schedule.csv
 """
 
 

@@ -17,10 +17,12 @@ Exit code 1 when there is no topology to read (no nvidia-smi, or it fails), 2 on
 
 \b
 Examples:
-  plait topo                                      # on a host with NVIDIA GPUs: reads nvidia-smi itself
-  nvidia-smi topo -m > saved.txt                  # elsewhere: save a GPU host's topology, then
+  plait topo        # on a host with NVIDIA GPUs: reads nvidia-smi itself
+  # elsewhere: save a GPU host's topology there, then read it here
+  nvidia-smi topo -m > saved.txt
   plait topo --file saved.txt --model llama3-70b
-  plait topo --file saved.txt --model llama3-70b --gpu l40s --batch 8 --weights int4
+  plait topo --file saved.txt --model llama3-70b --gpu l40s --batch 8 \\
+      --weights int4
 """
 
 

@@ -22,16 +22,25 @@ Examples:
   plait train
   plait train --tp 1 --pp 4 --steps 100
   plait train --data my_texts/ --model small --metrics run.jsonl
-  plait data prepare corpus.jsonl --tokenizer bytes --out data/c && plait train --data data/c
-  plait train --data 0.7:data/web --data 0.3:data/code --tensorboard runs/a   # a weighted mixture
-  plait train --resume          # continue the latest checkpoint exactly
-  plait train --layout auto --nproc 4   # the planner's fastest layout for 4 processes
-  plait train --tp 1 --dp 4 --experts 8 --top-k 2 --ep 4 --capacity-factor 1.25   # mixture of experts
-  plait train --model ./my-mixtral --data data/c --tp 1 --pp 2 --dp 2 --ep 2   # a folder's own experts
-  plait train --tp 2 --pp 2 --dry-run --cluster host.toml   # what it would cost, nothing launched
-  plait train --data data/c --document-mask --tp 1 --pp 1 --cp 2 --dp 2   # attention within each packed document
+  plait data prepare corpus.jsonl --tokenizer bytes --out data/c && \\
+      plait train --data data/c
+  # a weighted mixture:
+  plait train --data 0.7:data/web --data 0.3:data/code --tensorboard runs/a
+  plait train --resume   # continue the latest checkpoint exactly
+  plait train --layout auto --nproc 4   # the fastest layout of 4 processes
+  # mixture of experts:
+  plait train --tp 1 --dp 4 --experts 8 --top-k 2 --ep 4 \\
+      --capacity-factor 1.25
+  # a model folder's own experts:
+  plait train --model ./my-mixtral --data data/c --tp 1 --pp 2 --dp 2 --ep 2
+  # what it would cost, nothing launched:
+  plait train --tp 2 --pp 2 --dry-run --cluster host.toml
+  # attention within each packed document:
+  plait train --data data/c --document-mask --tp 1 --pp 1 --cp 2 --dp 2
   torchrun --nproc-per-node 4 -m plait.cli.main train --tp 2 --pp 2
-  torchrun --nproc-per-node 4 --max-restarts 3 -m plait.cli.main train --auto-resume   # restarts continue
+  # each restart continues the latest checkpoint:
+  torchrun --nproc-per-node 4 --max-restarts 3 -m plait.cli.main train \\
+      --auto-resume
 """.format(
     defaults="With no arguments: a tiny byte-level Llama on the Python standard library's own source files, "
              "tp 2 x pp 2 (1F1B) on 4 CPU processes launched here with PyTorch's elastic launcher. Under torchrun "

@@ -19,10 +19,14 @@ within float32 rounding (loss rel <= 1e-5, gradients rel <= 1e-4), 1 means a mis
 \b
 Examples:
   plait verify --tp 2 --pp 2 --dp 1 --schedule zbv --microbatches 8
-  plait verify --tp 2 --pp 1 --dp 2 --zero 3 --sequence-parallel   # ZeRO-3: parameters sharded over dp
-  plait verify --tp 1 --pp 1 --dp 2 --cp 2                  # context parallelism: a sequence split over 2 ranks
-  plait verify --tp 1 --pp 2 --dp 2 --ep 2 --experts 4 --top-k 2   # mixture of experts, 2 expert ranks
-  plait verify --tp 1 --pp 2 --trace                       # also the measured vs simulated timeline
+  # ZeRO-3: parameters sharded over dp:
+  plait verify --tp 2 --pp 1 --dp 2 --zero 3 --sequence-parallel
+  # context parallelism: a sequence split over 2 ranks:
+  plait verify --tp 1 --pp 1 --dp 2 --cp 2
+  # mixture of experts, 2 expert ranks:
+  plait verify --tp 1 --pp 2 --dp 2 --ep 2 --experts 4 --top-k 2
+  # also the measured vs simulated timeline:
+  plait verify --tp 1 --pp 2 --trace
 """
 
 
