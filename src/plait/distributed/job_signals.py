@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -25,6 +26,7 @@ FAILED_END_S = 3.0
 #: the environment variable naming, in a launched worker, its job's folder: each failed worker's ``rank{r}`` file and
 #: each stop signal ``ForwardSignal`` passed on (``signal-N``)
 JOB_DIR_ENV = "PLAIT_JOB_DIR"
+WATCH_STEP_S = 0.02  # how often the waits below look again
 
 
 class HeldInterrupts:
@@ -126,13 +128,18 @@ class ResumeStopped:
         while not any(self.failures.glob("rank*")):
             if self.done.wait(0.2):
                 return
-        if self.done.wait(self.after_s):  # the failed worker's pause, then the launcher's SIGTERM to the others
-            return
-        for pid in self.workers():
-            if process_state(pid) == "stopped":
-                self.continued.append(pid)
-                with contextlib.suppress(ProcessLookupError):  # ended meanwhile
-                    os.kill(pid, signal.SIGCONT)
+        # each stopped worker continued once the launcher's SIGTERM waits in it (the job's end has begun), all of
+        # them after_s after the failure at the latest
+        deadline = time.monotonic() + self.after_s
+        while not self.done.wait(WATCH_STEP_S):
+            late = time.monotonic() >= deadline
+            for pid in self.workers():
+                if pid not in self.continued and process_state(pid) == "stopped" and (late or term_pending(pid)):
+                    self.continued.append(pid)
+                    with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                        os.kill(pid, signal.SIGCONT)
+            if late:
+                return
 
     def said(self) -> str:
         """What the failed job's message adds of the workers it found stopped: '; rank 1 (pid 4242) was stopped
@@ -148,6 +155,35 @@ class ResumeStopped:
 def note_pid(job: Path, rank: int) -> None:
     """In a launched worker: its rank, in its job's folder under its pid (``ResumeStopped.said`` names it)."""
     (job / f"pid{os.getpid()}").write_text(str(rank))
+
+
+def await_job_end(job: Path, bound_s: float) -> None:
+    """In a launched worker that failed, before it exits, while a peer of its job has ended (a killed peer, whose
+    loss is likely this worker's error): until the launcher begins ending the job (its SIGTERM, sent once it has
+    seen a worker end, which it names), at most ``bound_s``. The launcher names the first worker it sees end, and a
+    worker forked by the fork server is seen only once that server has reaped it: a peer killed first is then seen
+    first. At once when every peer (``note_pid``) still runs: the error is this worker's own. Main thread only."""
+    peers = [int(f.name[3:]) for f in job.glob("pid*") if f.name[3:].isdigit() and int(f.name[3:]) != os.getpid()]
+    if not any(process_state(pid) in ("exited", "gone") for pid in peers):
+        return
+    ending = threading.Event()
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: ending.set())
+    try:
+        deadline = time.monotonic() + bound_s
+        while not ending.is_set() and time.monotonic() < deadline:
+            time.sleep(WATCH_STEP_S)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def term_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits in process ``pid`` (a stopped process takes it once continued; Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (OSError, ValueError, IndexError):
+        return False
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
 
 
 PROC_STATES = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O or a driver)",

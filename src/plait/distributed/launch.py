@@ -45,6 +45,7 @@ from plait.distributed.job_signals import (
     ForwardSignal,
     HeldInterrupts,
     ResumeStopped,
+    await_job_end,
     child_pids,
     note_pid,
     taken_signals,
@@ -54,7 +55,7 @@ from plait.distributed.parent import end_with_parent
 EXIT_CODES = {"ConfigError": 2, "NonFiniteLoss": 3}
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # the elastic agent's own handling: stop the workers at once
 LOST_PEER = ("CommError", "CommTimeoutError")  # errors of a rank whose peer died or went silent
-FAILED_WAIT_S = 2.0  # how long a worker that raised waits before it exits: a peer killed first is seen first
+FAILED_WAIT_S = 2.0  # at most how long a worker that raised waits before it exits: a peer killed first is seen first
 #: the environment at this module's import: in a worker, what it inherited (the fork server's) before the agent's
 _INHERITED_ENV = dict(os.environ)
 # glibc's mallopt(3) parameters (malloc.h) and the values plait's processes set (``keep_freed_memory``)
@@ -293,11 +294,10 @@ def worker(target: str, payload: dict, failure_dir: str, env: dict[str, str] | N
         Path(failure_dir, f"rank{rank}").write_text(f"{type(exc).__name__}\n{exc}".strip())
         Path(failure_dir, f"rank{rank}.traceback").write_text(traceback.format_exc())
         if not isinstance(exc, KeyboardInterrupt) and type(exc).__name__ not in EXIT_CODES:
-            # the agent names the first worker it sees exit (the lowest rank of those it sees at once): a peer
-            # killed first (whose error here is its loss) must be seen first, yet a forked worker's death reaches
-            # the agent once the fork server has reaped it, and this one would exit at once (a forked process
-            # skips the interpreter's finalization); each waiting as long, they are seen in the order they failed
-            time.sleep(FAILED_WAIT_S)
+            # the agent names the first worker it sees exit: a peer killed first (whose error here is its loss)
+            # must be seen first, yet a forked worker's death reaches the agent once the fork server has reaped it,
+            # and this one would exit at once (a forked process skips the interpreter's finalization)
+            await_job_end(Path(failure_dir), FAILED_WAIT_S)
         if os.environ.get("PLAIT_DEBUG"):
             raise
         sys.exit(EXIT_CODES.get(type(exc).__name__, 1))
