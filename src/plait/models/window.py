@@ -45,15 +45,9 @@ def layer_window(window: int | None, layer_types: Sequence[str] | None, index: i
     return window if layer_types[index] == SLIDING else None
 
 
-def sliding_layers(window: int | None, layer_types: Sequence[str] | None, n_layers: int) -> int:
-    """How many of the ``n_layers`` layers take the window."""
-    return sum(layer_window(window, layer_types, i) is not None for i in range(n_layers))
-
-
-def narrows(window: int | None, length: int) -> bool:
-    """Whether ``window`` hides any of ``length`` keys at positions 0..length-1 from some query: the window is
-    shorter than them (else its mask is the plain causal one)."""
-    return window is not None and window < length
+def every_layer_window(window: int | None, layer_types: Sequence[str] | None) -> int | None:
+    """The window every layer takes (None: some layer sees every earlier key)."""
+    return None if layer_types is not None and FULL in layer_types else window
 
 
 def window_mask(pos: torch.Tensor, length: int, window: int) -> torch.Tensor:

@@ -277,7 +277,8 @@ class Engine:
             self._token(live, tok, lp)
         alloc = self.sched.alloc
         self.metrics.step(tokens, len(self.sched.running), len(self.sched.waiting), alloc.used * self.block,
-                          sum(n for seq, n in pairs if n > 1), chunks, self.sched.preemptions, self.sched.cached_tokens)
+                          sum(n for seq, n in pairs if n > 1), chunks, self.sched.preemptions, self.sched.cached_tokens,
+                          self.sched.window_freed)
 
     def _token(self, live: Live, tok: int, lp) -> None:
         """Hand one new token to its request; end the sequence on a stop token, a stop string or max_tokens."""

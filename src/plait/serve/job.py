@@ -158,22 +158,31 @@ def _step_limit(runner, seconds: float, more: float) -> dict[int, int]:
     return {r: pid for r, pid in enumerate(pids) if r != dist.get_rank()}
 
 
+def scheduler(payload: dict, cfg, blocks: int):
+    """Rank 0's scheduler over a pool of ``blocks`` blocks for the model of config ``cfg``: it frees the blocks
+    outside the window where every layer has one (``Scheduler``'s ``window``)."""
+    from plait.models.window import every_layer_window
+    from plait.serve.kv import BlockAllocator
+    from plait.serve.scheduler import Scheduler
+
+    alloc = BlockAllocator(blocks, payload["kv_block"], payload["prefix_cache"])
+    return Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"],
+                     every_layer_window(cfg.sliding_window, cfg.layer_types))
+
+
 def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, signals: StopSignals) -> None:
     """Rank 0: the engine in this (main) thread, uvicorn in another; after a stop, the last responses go out."""
     import uvicorn
 
     from plait.serve.engine import STALL_SHOWN_S, Engine
-    from plait.serve.kv import BlockAllocator
     from plait.serve.metrics import Metrics
     from plait.serve.protocol import Limits
-    from plait.serve.scheduler import Scheduler
     from plait.serve.server import Api
     from plait.serve.tokens import model_tokens
 
     tp, pp, block = payload["tp"], payload["pp"], payload["kv_block"]
     metrics = Metrics()
-    alloc = BlockAllocator(blocks, block, payload["prefix_cache"])
-    sched = Scheduler(alloc, payload["max_batch"], payload["step_tokens"], payload["kv_reserve"])
+    sched = scheduler(payload, cfg, blocks)
     engine = Engine(runner, sched, tok, metrics, distributed=tp * pp > 1)
     tokens = model_tokens(payload["model"], tok, cfg.max_seq_len, payload["chat_template"],
                           payload["chat_template_kwargs"], payload["trust_request_chat_template"])
@@ -194,10 +203,13 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     thread = threading.Thread(target=http, name="plait-http", daemon=True)
     thread.start()
     signals.attach(engine, payload["shutdown_timeout"])
+    windowed = (f", blocks behind the sliding window of {sched.window} freed as sequences move on (at most "
+                f"{sched.window_blocks} a sequence)") if sched.window else ""
     print(f"plait serve: {payload['name']} on http://{payload['host']}:{payload['port']}/v1 "
           f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
           f"{' reserved up front' if payload['kv_reserve'] else ''}"
-          f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}, "
+          f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}"
+          f"{windowed}, "
           f"{payload['step_tokens'] or 'unlimited'} tokens per step)\n"
           f"plait serve: chat template: {tokens.chat.source}"
           f"{f', variables {json.dumps(tokens.template_kwargs)}' if tokens.template_kwargs else ''}",

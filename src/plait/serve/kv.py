@@ -30,6 +30,10 @@ class BlockAllocator:
     (``evictable``, least recently used first) until a new block is needed and no free one is left. Keys
     and values at a position depend only on the tokens up to it (causal attention), so a shared block holds
     exactly what the sequence would have computed.
+
+    A table may let go of its leading blocks early (``drop``: no query of a sliding-window model will see them
+    again); their entries then hold ``hole``, the id of the runner's spare block past the pool, read (finite
+    values) and hidden by the window's mask.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False) -> None:
@@ -71,16 +75,32 @@ class BlockAllocator:
         del self.keys[self.key_of.pop(block)]
         return block
 
+    @property
+    def hole(self) -> int:
+        """The entry of a block a table let go of (``drop``)."""
+        return self.num_blocks
+
     def release(self, table: list[int]) -> None:
         for block in reversed(table):
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                del self.refs[block]
-                if block in self.key_of:
-                    self.evictable[block] = None
-                else:
-                    self.free.append(block)
+            self._let_go(block)
         table.clear()
+
+    def drop(self, table: list[int], start: int, stop: int) -> None:
+        """Let go of ``table[start:stop]`` (blocks no query will see again), each entry now ``hole``."""
+        for i in range(start, stop):
+            self._let_go(table[i])
+            table[i] = self.hole
+
+    def _let_go(self, block: int) -> None:
+        if block == self.hole:
+            return
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            del self.refs[block]
+            if block in self.key_of:
+                self.evictable[block] = None
+            else:
+                self.free.append(block)
 
     # ----------------------------------------------------------------------------------- prefix caching
     def chain(self, tokens: list[int], blocks: int, keys: list[bytes]) -> list[bytes]:

@@ -29,6 +29,7 @@ class Metrics:
         self.prefill_chunks = 0
         self.preemptions = 0
         self.cached_tokens = 0
+        self.window_freed = 0
         self.ttft = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -38,13 +39,14 @@ class Metrics:
             self.requests[status] = self.requests.get(status, 0) + n
 
     def step(self, tokens: int, batch: int, queue: int, kv_used: int, prompt_tokens: int, chunks: int = 0,
-             preemptions: int = 0, cached_tokens: int = 0) -> None:
+             preemptions: int = 0, cached_tokens: int = 0, window_freed: int = 0) -> None:
         now = time.monotonic()
         with self.lock:
             self.steps += 1
             self.prefill_chunks += chunks
             self.preemptions = preemptions
             self.cached_tokens = cached_tokens
+            self.window_freed = window_freed
             self.generated_tokens += tokens
             self.prompt_tokens += prompt_tokens
             self.batch_size, self.queue_depth, self.kv_used = batch, queue, kv_used
@@ -88,6 +90,10 @@ class Metrics:
                 "# HELP plait_prefix_cache_tokens_total Prompt tokens taken from cached KV blocks, not prefilled.",
                 "# TYPE plait_prefix_cache_tokens_total counter",
                 f"plait_prefix_cache_tokens_total {self.cached_tokens}",
+                "# HELP plait_kv_window_freed_blocks_total KV blocks freed while their sequence ran: no layer's "
+                "sliding window reaches them any more.",
+                "# TYPE plait_kv_window_freed_blocks_total counter",
+                f"plait_kv_window_freed_blocks_total {self.window_freed}",
                 "# HELP plait_time_to_first_token_seconds From arrival to the first generated token.",
                 "# TYPE plait_time_to_first_token_seconds histogram",
             ]
