@@ -125,7 +125,15 @@ def _help_examples(words: tuple[str, ...]) -> list[str]:
     return [m["args"].split(">")[0].strip() for part in parts if (m := COMMAND.match(part))]
 
 
-@pytest.mark.parametrize("words", _commands(), ids=" ".join)
+# plait's own --help, each group's and each command's
+HELPS = [(), ("data",), *_commands()]
+
+
+def _named(words: tuple[str, ...]) -> str:
+    return " ".join(("plait", *words))
+
+
+@pytest.mark.parametrize("words", HELPS, ids=_named)
 def test_every_commands_help_shows_examples_that_parse(words):
     examples = _help_examples(words)
     assert any(shlex.split(e)[:len(words)] == list(words) for e in examples), f"plait {' '.join(words)} --help: " \
@@ -134,15 +142,18 @@ def test_every_commands_help_shows_examples_that_parse(words):
         _parse(shlex.split(example))
 
 
-@pytest.mark.parametrize("words", [("data",), *_commands()], ids=" ".join)
+@pytest.mark.parametrize("words", HELPS, ids=_named)
 def test_every_commands_help_fits_80_columns(words):
     """At COLUMNS=80 no line of --help is wider (paragraphs re-flow; examples, tables and other kept blocks are
-    written to fit): a wider line folds mid-word in the terminal, or is cut in a narrow window."""
+    written to fit): a wider line folds mid-word in the terminal, or is cut in a narrow window. A group's list of
+    commands says each one whole, not cut short with '...'."""
     from typer.testing import CliRunner
 
     res = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "80"})
     wide = [line for line in res.output.splitlines() if len(line) > 80]
-    assert res.exit_code == 0 and not wide, f"plait {' '.join(words)} --help: " + "\n".join(wide)
+    assert res.exit_code == 0 and not wide, f"{_named(words)} --help: " + "\n".join(wide)
+    listed = res.output.split("Commands:\n", 1)[1].split("\n\n")[0] if "Commands:\n" in res.output else ""
+    assert "..." not in listed, f"{_named(words)} --help: {listed}"
 
 
 # a `$ plait simulate ...` code block: the command, then (the start of) what it prints into a pipe

@@ -142,4 +142,5 @@ def _summary(console, profile, path: Path) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("calibrate", help=HELP)(calibrate_command)
+    app.command("calibrate", help=HELP,
+                short_help="Measure this host: the profile plan and train read.")(calibrate_command)

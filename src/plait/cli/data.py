@@ -8,6 +8,14 @@ from typing import Annotated
 
 import typer
 
+DATA_HELP = """Prepare training data: tokenized, memory-mapped shards for `plait train --data`.
+
+\b
+Examples:
+  plait data prepare corpus.jsonl --tokenizer bytes --out data/corpus
+  plait train --data data/corpus
+"""
+
 PREPARE_HELP = """Tokenize text into a prepared dataset: token shards (uint16 when the vocabulary fits, else
 uint32), a document index and meta.json, with an EOS after every document and a held-out split by document.
 
@@ -124,7 +132,8 @@ def _chat_only(**given: bool) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    data = typer.Typer(help="Prepare training data: tokenized, memory-mapped shards for `plait train --data`.",
+    data = typer.Typer(help=DATA_HELP, short_help="Prepare training data: shards for train --data.",
                        no_args_is_help=True, rich_markup_mode=None)
-    data.command("prepare", help=PREPARE_HELP, no_args_is_help=True)(prepare_command)
+    data.command("prepare", help=PREPARE_HELP, short_help="Tokenize text or chats into a prepared dataset.",
+                 no_args_is_help=True)(prepare_command)
     app.add_typer(data, name="data")

@@ -45,4 +45,4 @@ def demo_command() -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo", help=HELP)(demo_command)
+    app.command("demo", help=HELP, short_help="A two-minute tour, no download: start here.")(demo_command)

@@ -39,7 +39,7 @@ Examples:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export", help=HELP)(export_command)
+    app.command("export", help=HELP, short_help="Write a checkpoint as a Hugging Face folder.")(export_command)
 
 
 def export_command(

@@ -45,7 +45,8 @@ def register(app: typer.Typer) -> None:
     from plait.parallel_config import ParallelConfig
 
     layout = with_options(dataclass_options(ParallelConfig, only=("tp", "pp")), into="layout")
-    app.command("generate", help=HELP)(layout(generate_command))
+    app.command("generate", help=HELP,
+                short_help="Generate text from a checkpoint or a model folder.")(layout(generate_command))
 
 
 def generate_command(

@@ -8,6 +8,16 @@ import typer
 
 from plait.cli.help import readable
 
+EPILOG = """Each command's --help says what it does, its defaults, and examples.
+
+\b
+Examples:
+  plait demo                   # a two-minute tour on this host's CPUs
+  plait train --steps 50       # a tiny model on this host: a first real run
+  plait plan --model llama3-70b --gpus 64 --gpu h100-sxm
+  plait simulate --schedule 1f1b --stages 4 --microbatches 8
+"""
+
 app = typer.Typer(
     name="plait",
     help="Plan, simulate, run and verify tensor, sequence, pipeline, data and expert parallelism.",
@@ -16,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"max_content_width": 110},
     rich_markup_mode=None,  # click formatting: paragraphs re-flow to the terminal, \b blocks stay as written
+    epilog=EPILOG,
 )
 
 

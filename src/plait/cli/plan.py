@@ -373,4 +373,6 @@ def register(app: typer.Typer) -> None:
     from plait.cli.options import dataclass_options, with_options
 
     json_flag = {"as_json": "--json"}
-    app.command("plan", help=PLAN_HELP)(with_options(dataclass_options(PlanOptions, flags=json_flag), "options")(plan))
+    command = app.command("plan", help=PLAN_HELP,
+                          short_help="Find the fastest layout that fits, to train or serve.")
+    command(with_options(dataclass_options(PlanOptions, flags=json_flag), "options")(plan))

@@ -48,7 +48,8 @@ def register(app: typer.Typer) -> None:
     layout = with_options(dataclass_options(ParallelConfig, only=("tp", "pp")), into="layout")
     both = ("--chat-template-kwargs", "--default-chat-template-kwargs")  # plait data prepare's name, and vLLM's
     settings = with_options(dataclass_options(ServeConfig, flags={"chat_template_kwargs": both}), into="settings")
-    app.command("serve", help=HELP)(layout(settings(serve_command)))
+    app.command("serve", help=HELP,
+                short_help="Serve a model over an OpenAI-compatible HTTP API.")(layout(settings(serve_command)))
 
 
 def serve_command(

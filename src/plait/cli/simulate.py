@@ -303,4 +303,5 @@ def register(app: typer.Typer) -> None:
     from plait.cli.options import dataclass_options, with_options
 
     command = with_options(dataclass_options(SimulateOptions, flags=FLAGS), "options")(simulate_command)
-    app.command("simulate", help=HELP, no_args_is_help=False)(command)
+    app.command("simulate", help=HELP, short_help="Draw and time a pipeline schedule.",
+                no_args_is_help=False)(command)

@@ -86,4 +86,6 @@ def topo(options: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     from plait.cli.options import dataclass_options, with_options
 
-    app.command("topo", help=TOPO_HELP)(with_options(dataclass_options(TopoOptions), "options")(topo))
+    command = app.command("topo", help=TOPO_HELP,
+                          short_help="Read a GPU host's links; rank serving layouts on it.")
+    command(with_options(dataclass_options(TopoOptions), "options")(topo))

@@ -59,7 +59,9 @@ def register(app: typer.Typer) -> None:
     from plait.train.config import TRAIN_PARALLEL, TrainConfig
 
     options = dataclass_options(ParallelConfig, TRAIN_PARALLEL) + dataclass_options(TrainConfig, TrainConfig())
-    app.command("train", help=HELP, no_args_is_help=False)(with_options(options, into="options")(train_command))
+    command = app.command("train", help=HELP, short_help="Train a model under a parallel layout.",
+                          no_args_is_help=False)
+    command(with_options(options, into="options")(train_command))
 
 
 def train_command(

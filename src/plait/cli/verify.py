@@ -113,4 +113,6 @@ def register(app: typer.Typer) -> None:
     from plait.verify import VERIFY_PARALLEL
 
     options = dataclass_options(ParallelConfig, VERIFY_PARALLEL, exclude=("precision",))  # no optimizer
-    app.command("verify", help=HELP)(with_options(options, into="parallel")(verify_command))
+    command = app.command("verify", help=HELP,
+                          short_help="Check a layout's loss and gradients against one device.")
+    command(with_options(options, into="parallel")(verify_command))
