@@ -1,9 +1,10 @@
-"""Rank-side checks in the shared world of 4: ZeRO-3 (parameters sharded over data parallelism, pp = 1).
+"""Rank-side checks in the shared world of 4: ZeRO-3 (parameters sharded over data parallelism).
 
 5 clipped AdamW steps against one device under dp4, tp2·dp2 + SP, dp4 with selective and full recomputation,
-tp2·dp2·ep2 MoE (experts sharded over their expert-data group) and bf16; the bytes held between steps and the
-gathered working set of a step; exact resume; a ZeRO-3 checkpoint loaded under tp2·pp2; ``plait verify``'s
-rank side under ZeRO-3; the ConfigErrors."""
+tp2·dp2·ep2 MoE (experts sharded over their expert-data group), bf16, and pp2·dp2 (each stage sharded over its
+DP pair: 1f1b, gpipe with full recomputation and tied embeddings, bf16 with selective recomputation); the bytes
+held between steps and the gathered working set of a step; exact resume; ZeRO-3 checkpoints loaded under other
+layouts (tp2·pp2, pp1 ZeRO-1 and back); ``plait verify``'s rank side under ZeRO-3; the ConfigErrors."""
 
 from __future__ import annotations
 
@@ -23,13 +24,16 @@ from plait.optim import ParallelOptimizer
 
 def held(ctx, **kw) -> dict:
     """Bytes of one ZeRO-3 run against the bucket geometry: parameters held between steps (float32 shards),
-    gradients after the step (reduced shards), the gathered working set (two neighbouring blocks at most)."""
+    gradients after the step (reduced shards), the gathered working set (two neighbouring blocks at most; under a
+    pipeline with forwards before the first backward, ``kept_max``: the stage's last block beside them)."""
     out, pm, _ = measure(ctx, zero=3, **kw)
     sh = pm.param_shards
     unit = [sum(s.nbytes for s in need) for need in sh.needs]
+    pairs = [a + b for a, b in zip(unit, unit[1:], strict=False)]
     return {**out, "shard_elements": sum(s.b.shard for s in sh.sharded.values()),
             "n_param_buckets": len(sh.sharded), "gathered_now": sh.gathered_bytes(),
-            "pair_max": max(a + b for a, b in zip(unit, unit[1:], strict=False)), "unit_max": max(unit),
+            "pair_max": max(pairs), "unit_max": max(unit),
+            "kept_max": max([pairs[-1], *(p + unit[-1] for p in pairs[:-1])]), "pp_rank": ctx.pp_rank,
             "model_params": sum(p.numel() for p in Llama(cfg_for(**kw.get("cfg", {}))).parameters())}
 
 
@@ -103,15 +107,16 @@ def resume_exact(ctx) -> dict:
             "param_rel_max": max(rel_err(state[k], v) for k, v in ref_state.items())}
 
 
-def checkpoint_to_tp2pp2(root: Path, a, b) -> dict:
-    """3 steps under ZeRO-3 (layout ``a``), save; load under tp2·pp2 (ZeRO-0) and run the last 2 steps: equal to
-    one device; the ZeRO-3 run's full state equals what the other layout loaded."""
+def across_layouts(root: Path, a, b, zero_a: int = 3, zero_b: int = 0, mb_a: int = 2, mb_b: int = 4,
+                   name: str = "zero3") -> dict:
+    """3 steps under layout ``a`` (``zero_a``), save; load under layout ``b`` (``zero_b``) and run the last 2 steps:
+    equal to one device; the first run's full state equals what the other layout loaded."""
     vocab = cfg_for().vocab_size
-    pm, opt = build(a, {}, zero=3)
+    pm, opt = build(a, {}, zero=zero_a, microbatches=mb_a)
     train(a, pm, opt, range(3), vocab)
-    saved = save_checkpoint(pm, opt, root / "zero3", 3)
+    saved = save_checkpoint(pm, opt, root / name, 3)
     before = pm.full_state_dict()
-    pm2, opt2 = build(b, {}, microbatches=4)
+    pm2, opt2 = build(b, {}, zero=zero_b, microbatches=mb_b)
     load_checkpoint(pm2, opt2, saved)
     opt2.steps = 3
     loaded = pm2.full_state_dict()
@@ -177,9 +182,12 @@ def plain_optimizers(ctx) -> dict:
 
 
 def refusals(pp2, dp4) -> dict:
-    """ConfigErrors, before any collective: ZeRO-3 under a pipeline; an optimizer's zero unlike the model's."""
+    """ConfigErrors, before any collective: ZeRO-3 under a schedule with several chunks per rank or a split
+    backward; an optimizer's zero unlike the model's."""
     out = {}
-    for name, fn in (("pp2", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3)),
+    for name, fn in (("interleaved-1f1b", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3, microbatches=4,
+                                                              schedule="interleaved-1f1b")),
+                     ("zb-h1", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3, schedule="zb-h1")),
                      ("opt3", lambda: ParallelOptimizer(plait.parallelize(Llama(cfg_for()), dp4), zero=3)),
                      ("opt1", lambda: ParallelOptimizer(plait.parallelize(Llama(cfg_for()), dp4, zero=3), zero=1))):
         try:
@@ -212,6 +220,7 @@ def checks(root: Path, contexts: ExitStack) -> list:
     tp2dp2 = contexts.enter_context(plait.init(tp=2, pp=1, dp=2))
     moe = contexts.enter_context(plait.init(tp=2, pp=1, dp=2, ep=2))
     tp2pp2 = contexts.enter_context(plait.init(tp=2, pp=2, dp=1))
+    pp2dp2 = contexts.enter_context(plait.init(tp=1, pp=2, dp=2))
     return [
         ("dp4", lambda: held(dp4)),
         ("tp2dp2/sp", lambda: held(tp2dp2, sp=True)),
@@ -223,7 +232,14 @@ def checks(root: Path, contexts: ExitStack) -> list:
         ("dp4/bf16", lambda: compare(dp4, zero=3, precision="bf16")),
         ("tp2dp2/sp/resume", lambda: resume_exact(tp2dp2)),
         ("dp4/checkpoint", lambda: round_trip(root, dp4)),
-        ("tp2dp2->tp2pp2", lambda: checkpoint_to_tp2pp2(root, tp2dp2, tp2pp2)),
+        ("tp2dp2->tp2pp2", lambda: across_layouts(root, tp2dp2, tp2pp2)),
+        ("pp2dp2", lambda: held(pp2dp2, microbatches=4)),
+        ("pp2dp2/gpipe/full/tied", lambda: held(pp2dp2, microbatches=4, schedule="gpipe", recompute="full",
+                                                cfg={"tie_embeddings": True})),
+        ("pp2dp2/bf16/selective", lambda: compare(pp2dp2, zero=3, microbatches=4, precision="bf16",
+                                                  recompute="selective")),
+        ("pp2dp2->dp4/zero1", lambda: across_layouts(root, pp2dp2, dp4, zero_b=1, mb_a=4, mb_b=2, name="pp2z3")),
+        ("dp4/zero1->pp2dp2", lambda: across_layouts(root, dp4, pp2dp2, zero_a=1, zero_b=3, name="dp4z1")),
         ("tp2dp2/plain-optimizers", lambda: plain_optimizers(tp2dp2)),
         ("refusals", lambda: refusals(tp2pp2, dp4)),
         ("verify", lambda: verify_rank(dp4)),

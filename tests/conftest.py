@@ -84,7 +84,7 @@ def plait_cache(tmp_path_factory):
 WORLD4_GROUPS = {"test_pipeline": ("checks_pipeline", 190), "test_train": ("checks_train", 135),
                  "test_experts": ("checks_experts", 90), "test_optim": ("checks_optim", 60),
                  "test_llama_parallel": ("checks_llama", 60), "test_tp_layers": ("checks_tp", 60),
-                 "test_context": ("checks_context", 75), "test_zero3": ("checks_zero3", 90),
+                 "test_context": ("checks_context", 75), "test_zero3": ("checks_zero3", 120),
                  "test_data_layouts": ("checks_data", 60), "test_context_close": ("checks_context_close", 60),
                  "test_regather": ("checks_regather", 60), "test_generate_eos": ("checks_generate", 60),
                  "test_library": ("checks_library", 60), "test_documents": ("checks_documents", 60)}

@@ -28,10 +28,11 @@ INVALID = [
     (dict(schedule="dualpipev", pp=2, microbatches=3), None, ["microbatches=3", "dualpipev"]),
     (dict(recompute="some"), None, ["recompute='some'", "none, selective, full"]),
     (dict(zero=4), None, ["zero=4", "0, 1, 2, 3"]),
-    (dict(pp=2, zero=3), None, ["zero=3", "pp=2", "without a pipeline", "ZeRO-1 or ZeRO-2"]),
     # refused by the ranks after the launch before: a split backward, or several chunks on the one rank
-    (dict(dp=2, zero=3, schedule="zb-h1"), None, ["schedule='zb-h1'", "zero=3", "split backward", "1f1b or gpipe"]),
+    (dict(dp=2, zero=3, schedule="zb-h1"), None, ["schedule='zb-h1'", "zero=3", "split backward",
+                                                  "valid schedules with zero=3: 1f1b, gpipe"]),
     (dict(dp=2, zero=3, schedule="interleaved-1f1b"), None, ["schedule='interleaved-1f1b'", "places 2", "1f1b"]),
+    (dict(pp=2, dp=2, zero=3, schedule="zbv"), None, ["schedule='zbv'", "zero=3", "1f1b, gpipe", "ZeRO-1 or ZeRO-2"]),
     (dict(precision="fp16"), None, ["precision='fp16'", "fp32, bf16"]),
     (dict(sequence_parallel="yes"), None, ["sequence_parallel"]),
     (dict(expert_tp=1), None, ["expert_tp"]),
@@ -88,13 +89,14 @@ def test_field_errors_read_as_flags_on_the_command_line():
     assert flag_message(info.value).startswith("--virtual-stages 0: ")
     res = CliRunner().invoke(app, ["verify", "--schedule", "1f1b", "--virtual-stages", "2"])
     assert res.exit_code == 2 and "--virtual-stages 2: 1f1b places exactly 1 chunk" in res.output
-    for command in ("train", "verify"):  # --zero reaches both; ZeRO-3 under a pipeline says what to use instead
-        res = CliRunner().invoke(app, [command, "--pp", "2", "--zero", "3"])
-        assert res.exit_code == 2 and res.output.startswith("error: --zero 3: not with a pipeline (--pp 2): "), \
+    for command in ("train", "verify"):  # --zero reaches both; ZeRO-3 under a zero-bubble schedule says what runs
+        res = CliRunner().invoke(app, [command, "--pp", "2", "--zero", "3", "--schedule", "zb-h1"])
+        assert res.exit_code == 2 and res.output.startswith("error: --schedule 'zb-h1': not with --zero 3: "), \
             res.output
-        assert "use ZeRO-3 without a pipeline" in res.output, res.output
-    with pytest.raises(ConfigError, match=r"^zero=3: not with a pipeline \(pp=2\): "):  # Python: the fields
-        ParallelConfig(pp=2, zero=3)
+        assert "valid schedules with --zero 3: 1f1b, gpipe" in res.output, res.output
+    with pytest.raises(ConfigError, match=r"^schedule='zb-h1': not with zero=3: "):  # Python: the fields
+        ParallelConfig(pp=2, zero=3, schedule="zb-h1")
+    assert ParallelConfig(pp=2, dp=2, zero=3, schedule="gpipe").zero == 3  # a pipeline with one chunk per rank runs
     res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--dp", "2", "--ep", "3"])
     assert res.exit_code == 2 and res.output.startswith("error: --ep 3: must divide dp*tp=2; valid: [1, 2]"), \
         res.output

@@ -25,7 +25,7 @@ from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 #: activation recomputation modes the runtime runs
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 #: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1, gradients
-#: from 2, parameters at 3; stage 3 runs without a pipeline only)
+#: from 2, parameters at 3; stage 3 with one chunk per pipeline rank and no split backward: 1f1b or gpipe)
 ZERO_LEVELS: tuple[int, ...] = (0, 1, 2, 3)
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
@@ -75,8 +75,8 @@ class ParallelConfig:
     recomputed during backward from its saved q, k, v); or full (every block recomputes its forward)."""
     zero: int = 0
     """ZeRO stage of plait.optim: 0 replicated optimizer state, 1 fp32 masters and optimizer state sharded over
-    data-parallel ranks, 2 gradients sharded too, 3 parameters sharded too (gathered per layer for its forward
-    and backward; pp=1 only)."""
+    data-parallel ranks, 2 gradients sharded too, 3 parameters sharded too (gathered per block for each
+    micro-batch's forward and backward; under a pipeline the 1f1b or gpipe schedule)."""
     precision: str = "fp32"
     """fp32, or bf16 (bf16 weights and activations over fp32 master weights and gradients)."""
 
@@ -190,13 +190,6 @@ def _check(c: ParallelConfig) -> None:
     _choice("recompute", c.recompute, RECOMPUTE_MODES)
     _choice("zero", c.zero, ZERO_LEVELS)
     _choice("precision", c.precision, PRECISIONS)
-    if c.zero == 3 and c.pp > 1:
-        raise FieldError("zero", 3, "not with a pipeline ({pp}): a pipeline stage runs its layers' forwards and "
-                                    "backwards interleaved over all micro-batches, so it would either keep them "
-                                    "gathered the whole step (no memory saved over ZeRO-2) or gather them again for "
-                                    "every micro-batch; use ZeRO-3 without a pipeline (tp and dp for the rest), or "
-                                    "keep the pipeline with ZeRO-1 or ZeRO-2 (optimizer state and gradients sharded)",
-                         {"pp": c.pp})
     _choice("cp_comm", c.cp_comm, CP_COMMS)
     try:  # virtual_stages and microbatches against the schedule (e.g. dualpipev: M >= 2·pp)
         schedule = c.pipeline_schedule()
@@ -206,9 +199,10 @@ def _check(c: ParallelConfig) -> None:
     split = any(a.kind == "I" for row in schedule.actions for a in row)
     if c.zero == 3 and (split or schedule.virtual > 1):
         raise FieldError("schedule", c.schedule, "not with {zero}: ZeRO-3 gathers a block's weights for its forward "
-                         "and backward and frees them after, so it runs one chunk per rank "
+                         "and backward and frees them after, so it runs one chunk per pipeline rank "
                          f"({c.schedule} places {schedule.virtual}) and no split backward (a zero-bubble schedule's "
-                         "weight gradients would outlive the gathered weights); use 1f1b or gpipe", {"zero": 3})
+                         "weight gradients would outlive the gathered weights); valid schedules with {zero}: "
+                         "1f1b, gpipe (or keep this schedule with ZeRO-1 or ZeRO-2)", {"zero": 3})
     if c.dp == -1:
         return
     data = c.dp * c.cp  # ranks of a stage that see different tokens with the same TP coordinate

@@ -84,11 +84,11 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     mode: "none"; "selective", only the attention cores, plait.recompute; "full", whole blocks) and
     ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
     weights and gradients, plait.optim.precision) and ``zero`` (3: ZeRO-3, each data-parallel rank keeps 1/dp of
-    the parameters, gathered per block; pp = 1; train it with ``ParallelOptimizer(pm, ..., zero=3)``; 0-2 only
-    concern the optimizer). ``config``'s sizes must be ctx's. ``document_eos``: the end-of-document token of
-    packed samples; each token then attends only to the earlier tokens of its own document, positions restart
-    at each document and the target after each end-of-document token is left out of the loss (plait.documents;
-    None, the default: attention over the whole sample).
+    the parameters of its pipeline stage, gathered per block and micro-batch; schedule 1f1b or gpipe; train it with
+    ``ParallelOptimizer(pm, ..., zero=3)``; 0-2 only concern the optimizer). ``config``'s sizes must be ctx's.
+    ``document_eos``: the end-of-document token of packed samples; each token then attends only to the earlier
+    tokens of its own document, positions restart at each document and the target after each end-of-document
+    token is left out of the loss (plait.documents; None, the default: attention over the whole sample).
 
     The model's family adapter (plait.models.family) says how to cut it into pipeline blocks, its tensor-
     parallel plan and its default loss. Language models (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) train on

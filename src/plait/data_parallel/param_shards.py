@@ -20,7 +20,11 @@ Per block i of the chunk, hooks on the block module:
   gradients of its own issues it at once). i's gradients are reduce-scattered by the reducer (``zero3_reducer``)
   as soon as they are complete, and a bucket's gathered parameters are freed just before its reduction starts
   (every gradient that reads them has been computed).
-The last block is kept after its forward (its backward comes first). A block called again inside the backward
+The last block is kept after its forward (its backward comes first). Under a pipeline (one chunk per rank: 1f1b,
+gpipe) a stage's forwards and backwards of different micro-batches interleave; each forward and each backward
+gathers and frees its blocks as above, so every block is gathered twice per micro-batch, and the last block stays
+gathered from a forward to the next backward (beside 1f1b's warm-up forwards and gpipe's forwards: three blocks
+at most). A block called again inside the backward
 (full recomputation's checkpoint) finds its parameters gathered. Blocks called outside the chunk's forward
 (decoding) gather and free around each call.
 """

@@ -1,5 +1,6 @@
-"""ZeRO-3 as a ``ParallelModel`` runs it (``pp = 1``): the per-block gradient reducer and the sharded parameters of
-its one pipeline chunk, and what the model asks of them around a step, for state dicts and in its memory report."""
+"""ZeRO-3 as a ``ParallelModel`` runs it: the per-block gradient reducer and the sharded parameters of the one
+pipeline chunk of this rank (the whole model at pp = 1, its stage under 1f1b or gpipe), and what the model asks of
+them around a step, for state dicts and in its memory report."""
 
 from __future__ import annotations
 
