@@ -20,6 +20,8 @@ from harness import rel_err, run_checks
 from plait.checkpoint import load_checkpoint, save_checkpoint
 from plait.models import Llama
 from plait.optim import ParallelOptimizer
+from plait.plan import Layout, Model
+from plait.plan.memory import zero3_working
 
 
 def held(ctx, **kw) -> dict:
@@ -27,6 +29,9 @@ def held(ctx, **kw) -> dict:
     gradients after the step (reduced shards), the gathered working set (two neighbouring blocks at most; under a
     pipeline with forwards before the first backward, ``kept_max``: the stage's last block beside them)."""
     out, pm, _ = measure(ctx, zero=3, **kw)
+    cfg = cfg_for(**kw.get("cfg", {}))
+    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, zero=3, schedule=kw.get("schedule", "1f1b"))
+    planned = zero3_working(Model.from_llama_config(cfg), layout, kw.get("precision", "fp32"), ctx.pp_rank)
     sh = pm.param_shards
     unit = [sum(s.nbytes for s in need) for need in sh.needs]
     pairs = [a + b for a, b in zip(unit, unit[1:], strict=False)]
@@ -34,6 +39,7 @@ def held(ctx, **kw) -> dict:
             "n_param_buckets": len(sh.sharded), "gathered_now": sh.gathered_bytes(),
             "pair_max": max(pairs), "unit_max": max(unit),
             "kept_max": max([pairs[-1], *(p + unit[-1] for p in pairs[:-1])]), "pp_rank": ctx.pp_rank,
+            "planned_gathered": planned,  # the planner's (plan.memory.zero3_working) for this rank
             "model_params": sum(p.numel() for p in Llama(cfg_for(**kw.get("cfg", {}))).parameters())}
 
 

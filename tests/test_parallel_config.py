@@ -150,9 +150,10 @@ def test_plan_layout_converts_or_refuses_what_the_runtime_cannot_run():
     assert Layout(recompute="selective").to_parallel_config().recompute == "selective"
     ring = Layout(cp=4, cp_comm="ring").to_parallel_config()
     assert (ring.cp, ring.cp_comm) == (4, "ring") and Layout.from_parallel_config(ring.resolve(4)).cp_comm == "ring"
-    assert Layout(zero=3, dp=4).to_parallel_config().zero == 3  # ZeRO-3 runs without a pipeline
-    with pytest.raises(ConfigError, match="zero"):
-        Layout(zero=3, pp=2, dp=2).to_parallel_config()
+    assert Layout(zero=3, dp=4).to_parallel_config().zero == 3
+    assert Layout(zero=3, pp=2, dp=2).to_parallel_config().zero == 3  # under a pipeline with one chunk per rank
+    with pytest.raises(ConfigError, match="zero: 3 with schedule 'interleaved-1f1b'.* 1f1b or gpipe only"):
+        Layout(zero=3, pp=2, dp=2, virtual_stages=2, schedule="interleaved-1f1b").to_parallel_config()
 
 
 def test_train_config_holds_one_and_keeps_the_flat_keys():

@@ -118,6 +118,32 @@ def test_zero2_keeps_the_full_gradient_buffer_at_the_peak():
         assert two.time["dp_comm"] == pytest.approx(one.time["dp_comm"]) and two.time["zero_comm"] == 0.0
 
 
+def test_zero3_working_set_per_pipeline_stage():
+    """ZeRO-3 under a pipeline (plait.data_parallel.param_shards): a stage keeps its last block gathered from a
+    forward to its backward, so where other forwards run in between (1F1B's warm-up: every stage but the last;
+    GPipe: every stage) it is held beside the pair each of them gathers; the last stage under 1F1B gathers pairs
+    only. The estimate's memory rows and each rank's working set follow the rank."""
+    from plait.cli.predict import memory_rows
+    from plait.plan.memory import rank_params, zero3_working
+
+    m, cluster = Model.preset("llama3-8b", seq_len=2048), Cluster("h100-sxm", 16)
+    lay = Layout(tp=2, pp=4, dp=2, zero=3)
+    layer = sum(rank_params(m, lay, 1, False, False))
+    embedding = sum(rank_params(m, lay, 0, True, False))
+    head = sum(rank_params(m, lay, 0, False, True))  # the final norm and the head
+    per_rank = [zero3_working(m, lay, "bf16", r) for r in range(4)]
+    assert per_rank == [2 * (embedding + 2 * layer), 2 * 3 * layer, 2 * 3 * layer, 2 * max(2 * layer, head)]
+    assert zero3_working(m, lay, "bf16") == max(per_rank) and zero3_working(m, replace(lay, zero=2)) == 0.0
+    gpipe = replace(lay, schedule="gpipe")
+    assert zero3_working(m, gpipe, "bf16", 3) == 2 * (2 * layer + head - m.norm_params())
+    assert zero3_working(m, replace(lay, pp=1, dp=8), "bf16") == 2 * max(embedding + layer, 2 * layer, head)
+    e = estimate(m, cluster, lay, Training(64))
+    rows = memory_rows(e)
+    assert [row["params_gathered_peak"] for row in rows] == per_rank
+    assert [r.working for r in e.rank_memory] == pytest.approx([e.rank_memory[0].working - per_rank[0] + w
+                                                                 for w in per_rank])
+
+
 def test_zero3_reduces_every_micro_batch_and_holds_shards_at_the_peak():
     """ZeRO-3 as the runtime runs it (plait.data_parallel.zero3_reducer): every backward reduce-scatters its blocks
     and accumulates sharded, so the shards are what is held at the activation peak for any M (ZeRO-2 holds the

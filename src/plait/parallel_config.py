@@ -27,6 +27,8 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 #: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1, gradients
 #: from 2, parameters at 3; stage 3 with one chunk per pipeline rank and no split backward: 1f1b or gpipe)
 ZERO_LEVELS: tuple[int, ...] = (0, 1, 2, 3)
+#: the schedules ZeRO-3 runs under (one chunk per pipeline rank, no split backward)
+ZERO3_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: how context-parallel ranks exchange keys and values (plait.context_parallel)
@@ -202,7 +204,7 @@ def _check(c: ParallelConfig) -> None:
                          "and backward and frees them after, so it runs one chunk per pipeline rank "
                          f"({c.schedule} places {schedule.virtual}) and no split backward (a zero-bubble schedule's "
                          "weight gradients would outlive the gathered weights); valid schedules with {zero}: "
-                         "1f1b, gpipe (or keep this schedule with ZeRO-1 or ZeRO-2)", {"zero": 3})
+                         f"{', '.join(ZERO3_SCHEDULES)} (or keep this schedule with ZeRO-1 or ZeRO-2)", {"zero": 3})
     if c.dp == -1:
         return
     data = c.dp * c.cp  # ranks of a stage that see different tokens with the same TP coordinate

@@ -228,10 +228,11 @@ def memory_rows(estimate: Estimate) -> list[dict]:
     ``params_gathered_peak`` is the gathered working set (as ``pm.memory_report()`` measures it)."""
     from plait.plan.memory import zero3_working
 
-    gathered = zero3_working(estimate.model, estimate.layout, estimate.training.precision)
+    model, layout, precision = estimate.model, estimate.layout, estimate.training.precision
+    gathered = {m.rank: zero3_working(model, layout, precision, m.rank) for m in estimate.rank_memory}
     return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads_held, "optimizer": m.optimizer,
-             "activations_peak": m.activations - m.working, "recompute_working": m.working - gathered,
-             "grads_at_peak": m.grads, **({"params_gathered_peak": gathered} if gathered else {})}
+             "activations_peak": m.activations - m.working, "recompute_working": m.working - gathered[m.rank],
+             "grads_at_peak": m.grads, **({"params_gathered_peak": gathered[m.rank]} if gathered[m.rank] else {})}
             for m in estimate.rank_memory]
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plait.errors import ConfigError, FieldError
-from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO3_SCHEDULES, ZERO_LEVELS, ParallelConfig
 from plait.pipeline.balance import PARTITIONS, partition_layers
 from plait.plan import experts
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
@@ -26,12 +26,12 @@ LOOPED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zb-h1")
 
 #: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
 #: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
-#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3 under a pipeline, which the
-#: runtime does not run (plan-only). The other fields (tp, pp, dp, cp and cp_comm, ep,
-#: virtual_stages, micro-batch size, sequence parallelism) run at every value ``check`` accepts.
+#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3 under schedules with several
+#: chunks per rank or a split backward, which the runtime does not run (plan-only). The other fields (tp, pp, dp,
+#: cp and cp_comm, ep, virtual_stages, micro-batch size, sequence parallelism) run at every value ``check`` accepts.
 RUNTIME: dict[str, tuple] = {
     "recompute": RECOMPUTE_MODES,
-    "zero": ZERO_LEVELS,  # ZeRO-3 with pp = 1 only (runtime_gap)
+    "zero": ZERO_LEVELS,  # ZeRO-3 under a pipeline with one chunk per rank only (runtime_gap)
     "schedule": SCHEDULE_NAMES,
     "partition": ("balanced",),  # plait train cuts balanced (plait.parallelize takes the others)
 }
@@ -174,8 +174,9 @@ def runtime_gap(layout: Layout) -> str | None:
         value = getattr(layout, name)
         if value not in allowed:
             return f"{name}: {value!r} is planned but the runtime runs {', '.join(map(str, allowed))}"
-    if layout.zero == 3 and layout.pp > 1:
-        return f"zero: 3 with pp={layout.pp} is planned but the runtime runs ZeRO-3 without a pipeline (pp = 1)"
+    if layout.zero == 3 and layout.schedule not in ZERO3_SCHEDULES:
+        return (f"zero: 3 with schedule {layout.schedule!r} is planned but the runtime runs ZeRO-3 under a pipeline "
+                f"with {' or '.join(ZERO3_SCHEDULES)} only")
     return None
 
 

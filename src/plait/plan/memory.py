@@ -163,17 +163,34 @@ def activations(cluster: Cluster, model: Model, layout: Layout, training: Traini
     return acts
 
 
-def zero3_working(model: Model, layout: Layout, precision: str = "bf16") -> float:
-    """ZeRO-3's gathered working set as plait runs it (``plait.data_parallel.param_shards``): a block gathered
-    for its forward or backward while the next one's gather is in flight, so the largest two neighbouring
-    blocks — the embedding and the first layer, two layers, or the final norm and the head (the embedding's
-    weights when tied) — in the compute dtype (bf16 weights are gathered as bf16)."""
+def zero3_working(model: Model, layout: Layout, precision: str = "bf16", rank: int | None = None) -> float:
+    """ZeRO-3's gathered working set as plait runs it (``plait.data_parallel.param_shards``) on pipeline rank
+    ``rank`` (None: the most over the ranks): a block gathered for its forward or backward while the next one's
+    gather is in flight, so the largest two neighbouring blocks — the embedding and the first layer, two layers,
+    or the final norm and the head (the embedding's weights when tied) — in the compute dtype (bf16 weights are
+    gathered as bf16). Under a pipeline a stage keeps its last block gathered from a forward to the backward
+    that starts with it, so where forwards of other micro-batches run in between (1F1B's warm-up on every stage
+    but the last, counted for any number of micro-batches; every stage under GPipe) that block is held beside
+    the pair of each of them: the first stage's embedding, first and last layer; three layers on a middle stage;
+    two layers and the head on GPipe's last stage."""
     if layout.zero != 3:
         return 0.0
     layer = sum(rank_params(model, layout, 1, False, False))
     embedding = sum(rank_params(model, layout, 0, True, False))
-    head = sum(rank_params(model, layout, 0, False, True)) + (embedding if model.tied_embeddings else 0.0)
-    return STATE_BYTES[precision][0] * max(embedding + layer, 2 * layer, head)
+    head = sum(rank_params(model, layout, 0, False, True))  # under a pipeline with the tied copy of its own
+    if layout.pp == 1:
+        head += embedding if model.tied_embeddings else 0.0
+        return STATE_BYTES[precision][0] * max(embedding + layer, 2 * layer, head)
+    st = layout_stages(model, layout)
+    working = []
+    for r in range(layout.pp) if rank is None else (rank,):
+        first, last = r == st.first_rank, r == st.last_rank
+        norm = model.norm_params()  # the final norm, a block of its own before the head
+        blocks = [embedding] * first + [layer] * st.rank_layers[r] + [norm, head - norm] * last
+        pairs = [a + b for a, b in zip(blocks, blocks[1:], strict=False)] or blocks
+        kept = layout.schedule == "gpipe" or not last
+        working.append(max([pairs[-1], *(p + blocks[-1] for p in pairs[:-1])]) if kept else max(pairs))
+    return STATE_BYTES[precision][0] * max(working)
 
 
 def fsdp2_working(model: Model, layout: Layout) -> float:
@@ -283,6 +300,9 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
             g = 0.0
         if full_at_peak:
             g = state_bytes(model, replace(layout, zero=1), layers, first, last, precision, grad_dtype, masters)[1]
-        act = peak[r] + acts.shared + acts.working
-        out.append(Memory(w, g, o, act, w + g + o + act, r, usable, acts.working, after))
+        working = acts.working
+        if layout.zero == 3 and zero3_impl == "plait" and layout.pp > 1:  # this rank's gathered blocks
+            working += zero3_working(model, layout, precision, r) - zero3_working(model, layout, precision)
+        act = peak[r] + acts.shared + working
+        out.append(Memory(w, g, o, act, w + g + o + act, r, usable, working, after))
     return out

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from plait.errors import FieldError, is_integer
-from plait.parallel_config import CP_COMMS, RECOMPUTE_MODES
+from plait.parallel_config import CP_COMMS, RECOMPUTE_MODES, ZERO3_SCHEDULES
 from plait.plan import memory as mem
 from plait.plan import step_end, timing
 from plait.plan.cluster import Cluster
@@ -128,7 +128,7 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
     if pp > 1:
         scheds += [("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 2)]
     recomputes = RECOMPUTE_MODES if plan_only else RUNTIME["recompute"]
-    sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0 and (z < 3 or pp == 1))
+    sharded = (1, 2, 3) if plan_only else tuple(z for z in RUNTIME["zero"] if z > 0)
     zeros = sharded if dp * cp > 1 and sharded else (0,)
     for ep, expert_tp in placements:
         for mbs in MICROBATCH_SIZES:
@@ -139,6 +139,8 @@ def _variants(model: Model, training: Training, tp: int, pp: int, dp: int, cp: i
                     continue
                 for rc in recomputes:
                     for z in zeros:
+                        if z == 3 and not plan_only and sched not in ZERO3_SCHEDULES:
+                            continue  # runtime_gap: ZeRO-3 runs one chunk per rank without a split backward
                         for comm in CP_COMMS if cp > 1 else CP_COMMS[:1]:
                             yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=comm, ep=ep, expert_tp=expert_tp,
                                          virtual_stages=v, microbatch_size=mbs, sequence_parallel=tp > 1,
