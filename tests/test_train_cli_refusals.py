@@ -33,7 +33,7 @@ from plait.cli.main import app
     (["--nproc", "0", "--layout", "auto", "--dry-run"], "error: --nproc 0: must be a positive integer"),
     (["--layout", "auto", "--nproc", "2", "--dry-run", "--cluster", "none"],  # was: the search, then this
      "error: --dry-run: it prints the prediction, and --cluster none turns that off"),
-    (["--pp", "2", "--zero", "3"], "error: --zero 3: not with a pipeline (--pp 2)"),
+    (["--pp", "2", "--zero", "3", "--schedule", "zbv"], "error: --schedule 'zbv': not with --zero 3: "),
     (["--layout", "auto", "--nproc", "2", "--tp", "2", "--schedule", "zbv", "--dry-run"],  # not silently replaced
      "error: --tp, --schedule: --layout auto chooses the whole layout (all but --precision); drop them"),
     (["--warmup", "-1", "--dry-run"], "--warmup -1: must be >= 0"),

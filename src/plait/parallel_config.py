@@ -200,10 +200,11 @@ def _check(c: ParallelConfig) -> None:
         raise FieldError(field, getattr(c, field), exc.detail) from None
     split = any(a.kind == "I" for row in schedule.actions for a in row)
     if c.zero == 3 and (split or schedule.virtual > 1):
-        raise FieldError("schedule", c.schedule, "not with {zero}: ZeRO-3 gathers a block's weights for its forward "
-                         "and backward and frees them after, so it runs one chunk per pipeline rank "
-                         f"({c.schedule} places {schedule.virtual}) and no split backward (a zero-bubble schedule's "
-                         "weight gradients would outlive the gathered weights); valid schedules with {zero}: "
+        why = ("it splits each backward (its deferred weight gradients would outlive the gathered weights)"
+               if split else f"it places {schedule.virtual} chunks per rank")
+        raise FieldError("schedule", c.schedule, "not with {zero}: ZeRO-3 gathers a block's weights for each "
+                         "micro-batch's forward and backward and frees them after, so it runs one chunk per pipeline "
+                         f"rank without a split backward, but {why}; valid schedules with {{zero}}: "
                          f"{', '.join(ZERO3_SCHEDULES)} (or keep this schedule with ZeRO-1 or ZeRO-2)", {"zero": 3})
     if c.dp == -1:
         return

@@ -33,6 +33,8 @@ Examples:
       --capacity-factor 1.25
   # a model folder's own experts:
   plait train --model ./my-mixtral --data data/c --tp 1 --pp 2 --dp 2 --ep 2
+  # ZeRO-3: each pipeline stage's parameters sharded over dp:
+  plait train --tp 1 --pp 2 --dp 2 --zero 3
   # what it would cost, nothing launched:
   plait train --tp 2 --pp 2 --dry-run --cluster host.toml
   # attention within each packed document:
