@@ -163,7 +163,7 @@ def test_bad_chat_records_name_the_file_and_line(tmp_path, folders):
     msg = _error(tmp_path, [{"messages": CHATS[0]}, {"messages": CHATS[1]}], mistral)
     assert "bad.jsonl:2: the chat template failed: TemplateError: Conversation roles must alternate" in msg
     msg = _error(tmp_path, [{"messages": CHATS[0]}], None)  # a chat file without --chat: the hint
-    assert "bad.jsonl:1: no 'text' field" in msg and "pass --chat to render them" in msg
+    assert "bad.jsonl: its records have no 'text' field" in msg and "pass --chat to render them" in msg
     (tmp_path / "plain.txt").write_text("just text")
     with pytest.raises(ConfigError, match=r"--chat reads records of messages .* holds plain text"):
         prepare([str(tmp_path / "plain.txt")], "bytes", tmp_path / "p", chat=ChatSpec("bytes"))

@@ -23,6 +23,7 @@ uint32), a document index and meta.json, with an EOS after every document and a 
 Sources (files or folders, read recursively in sorted order, hidden ones left
 out; each file once):
   .jsonl .json .ndjson   one JSON object a line, of which --text-field is read
+                         (--text-field wiki.jsonl=body: that SRC's own)
   .parquet               the --text-field column (pyarrow: the 'data' extra)
   a `datasets` folder    made by Dataset.save_to_disk (the 'data' extra)
   anything else          a plain text file is one document
@@ -51,6 +52,9 @@ Examples:
   plait data prepare web/ --tokenizer ./my-model --out data/web --workers 8 \\
       --held-out 0.01 --skip-bad
   plait data prepare web/ --tokenizer ./my-model --out data/web --restart
+  plait data prepare web/ wiki.jsonl books.parquet --tokenizer bytes \\
+      --text-field wiki.jsonl=body --text-field books.parquet=content \\
+      --out data/mix
   plait data prepare chats.jsonl --tokenizer ./my-model --chat --out data/chat
   plait data prepare chats.jsonl --tokenizer ./qwen3 --chat --split-turns \\
       --chat-template-kwargs '{"enable_thinking": false}' --out data/nothink
@@ -65,7 +69,9 @@ def prepare_command(
     tokenizer: Annotated[str, Opt(help="'bytes' (UTF-8 bytes, the presets' vocabulary), a model folder holding "
                                        "tokenizer.json, or a tokenizer.json file.")],
     out: Annotated[Path, Opt(help="Folder to create (it must not exist unless --force).")],
-    text_field: Annotated[str, Opt(help="Field (JSON) or column (Parquet, datasets) holding the text.")] = "text",
+    text_field: Annotated[list[str] | None, Opt(help="Field (JSON) or column (Parquet, datasets) holding the text: "
+                                                     "FIELD for every SRC, SRC=FIELD for one SRC as given (repeat "
+                                                     "it); default text.", show_default=False)] = None,
     workers: Annotated[int | None, Opt(help="Tokenizing processes (default: the cores).", min=1)] = None,
     held_out: Annotated[float, Opt(help="Share of documents, chosen by a hash of their text, held out for "
                                         "evaluation.")] = 0.005,
@@ -109,7 +115,7 @@ def prepare_command(
                        chat_template_kwargs=chat_template_kwargs is not None)
         spec = ChatSpec(tokenizer, messages_field, loss_on, chat_template, split_turns,
                         parse_template_kwargs(chat_template_kwargs)) if chat else None
-        prepare(sources, tokenizer, out, text_field=text_field, workers=workers, held_out=held_out, eos=eos,
+        prepare(sources, tokenizer, out, text_field=text_field or "text", workers=workers, held_out=held_out, eos=eos,
                 skip_bad=skip_bad, force=force, console=Console(highlight=False), chat=spec, restart=restart)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -28,6 +28,7 @@ import numpy as np
 
 from plait.data.chat import ChatSpec
 from plait.data.encode import encode_into
+from plait.data.fields import check_fields, parse_fields
 from plait.data.format import SPLITS, dtype_for, is_prepared, write_meta
 from plait.data.records import read_task
 from plait.data.resume import TaskResult, Work, open_work, plan
@@ -111,7 +112,7 @@ class Encoder:
 
     def __call__(self, task: Task) -> TaskResult:
         job = self.job
-        got = read_task(task, job.text_field, job.skip_bad, self.chat)
+        got = read_task(task, task.field, job.skip_bad, self.chat)
         sinks = {s: ShardSink(Path(job.folder), s, task.index, job.dtype, job.eos, got.spans is not None)
                  for s in SPLITS}
         try:
@@ -126,14 +127,15 @@ class Encoder:
                           written)
 
 
-def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str = "text",
+def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: str | list[str] = "text",
             workers: int | None = None, held_out: float = 0.005, eos: str | None = None, skip_bad: bool = False,
             force: bool = False, console: Console | None = None, chat: ChatSpec | None = None,
             restart: bool = False) -> dict:
     """Tokenize ``sources`` with ``tokenizer`` ("bytes", a folder or a tokenizer.json) into the prepared
     dataset ``out``; returns its metadata. ``console`` (rich): progress bar and summary table. ``chat``: read
     each record's messages (``chat.field``) through the tokenizer folder's chat template instead of
-    ``text_field``, and store the loss mask (plait.data.chat). A prepare into ``out`` that was stopped is
+    ``text_field`` (FIELD for every source, SRC=FIELD for one: plait.data.fields), and store the loss mask
+    (plait.data.chat). A prepare into ``out`` that was stopped is
     resumed from the tasks it finished (plait.data.resume); ``restart`` discards them."""
     out = Path(out)
     if not 0 <= held_out < 1:
@@ -147,14 +149,15 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     spec = TokenizerSpec(tokenizer)
     tok = spec.load()
     found = discover(sources)
-    _check_text_field(text_field, chat, found)
+    default, own = parse_fields([text_field] if isinstance(text_field, str) else text_field, sources)
+    check_fields(default, own, chat, found)
     renderer = _check_chat(chat, found)
-    field = chat.field if chat is not None else text_field
+    field = chat.field if chat is not None else default
     job = Job(spec, tok.eos(eos), dtype_for(tok.vocab_size), held_out, field, skip_bad, "", chat)
     todo = tasks(found, field, chat is not None)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _sigterm_raises():
-        work, kept = open_work(out, plan(found, todo, _options(job, tok, text_field, renderer)), restart)
+        work, kept = open_work(out, plan(found, todo, _options(job, tok, own, renderer)), restart)
         try:
             job.folder = str(work.folder)
             left = [t for t in todo if t.index not in kept]
@@ -184,10 +187,11 @@ def prepare(sources: list[str], tokenizer: str, out: str | Path, *, text_field: 
     return meta
 
 
-def _options(job: Job, tok: Tokens, text_field: str, renderer) -> dict:
+def _options(job: Job, tok: Tokens, own: dict[str, str], renderer) -> dict:
     """The options a prepared dataset's bytes depend on, by flag (what a resumed prepare must share)."""
+    fields = [job.text_field, *(f"{src}={field}" for src, field in sorted(own.items()))] if renderer is None else []
     options = {"--tokenizer": tok.fingerprint, "--eos": job.eos, "--held-out": job.held_out,
-               "--text-field": text_field, "--skip-bad": job.skip_bad, "--chat": renderer is not None}
+               "--text-field": " ".join(fields), "--skip-bad": job.skip_bad, "--chat": renderer is not None}
     if renderer is not None:
         templates = json.dumps(renderer.chat.templates, sort_keys=True).encode()
         options |= {"--messages-field": renderer.spec.field, "--loss-on": renderer.spec.loss_on,
@@ -206,19 +210,6 @@ def _check_chat(chat: ChatSpec | None, found: list[Source]):
         raise ConfigError(f"--chat reads records of messages (.jsonl/.json/.ndjson, .parquet or a datasets "
                           f"folder), but SRC {text[0].path} holds plain text ({text[0].files[0]})")
     return chat.load()
-
-
-def _check_text_field(text_field: str, chat: ChatSpec | None, found: list[Source]) -> None:
-    """ConfigError for a ``text_field`` other than the default that nothing would read: with ``chat`` (the
-    messages field is read instead), or when every source is plain text (a file is one document)."""
-    if text_field == "text":
-        return
-    if chat is not None:
-        raise ConfigError(f"--text-field {text_field}: --chat reads --messages-field ({chat.field}) instead; "
-                          "leave --text-field out")
-    if all(s.kind == "text" for s in found):
-        raise ConfigError(f"--text-field {text_field} names a field of JSON lines, Parquet or datasets records, "
-                          f"but every SRC is plain text (each file one document): leave --text-field out")
 
 
 def _execute(todo: list[Task], job: Job, workers: int, total: int, console: Console | None,
@@ -304,7 +295,8 @@ def _meta(found: list[Source], results: list[TaskResult], tok: Tokens, job: Job,
             files = s.files if s.kind == "parquet" else list(s.files[0].rglob("*"))
             for f in sorted(p for p in files if p.is_file()):
                 digest.update(file_digest(f))
-        src.append({"path": s.path, "kind": s.kind, "files": len(s.files), "bytes": s.bytes,
+        read = {} if s.kind == "text" or job.chat is not None else {"text_field": s.field or job.text_field}
+        src.append({"path": s.path, "kind": s.kind, "files": len(s.files), "bytes": s.bytes, **read,
                     "blake2b": digest.hexdigest(), **source_meta([r.skipped for r in mine]),
                     "documents": int(sum(len(r.lengths[k]) for r in mine for k in SPLITS)),
                     "tokens": int(sum(r.lengths[k].sum() for r in mine for k in SPLITS))})

@@ -36,6 +36,7 @@ class Source:
     kind: str  # "jsonl", "parquet", "hf", "text"
     files: list[Path]
     bytes: int = 0
+    field: str | None = None  # its own field (JSON lines) or column to read; None: the prepare's
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Task:
     stop: int = 0  # jsonl: byte end; hf: end row
     files: list[str] = field(default_factory=list)  # text: the files, one document each
     nbytes: int = 0  # input bytes it accounts for (progress)
+    field: str = "text"  # the field (column) its records' text or messages are read from
 
 
 class BadRecord(Exception):
@@ -134,26 +136,28 @@ def _no_prepared(raw: str, files: list[Path], flag: str) -> None:
 
 
 def tasks(sources: list[Source], field: str, chat: bool = False) -> list[Task]:
-    """Every source cut into tasks, in order."""
+    """Every source cut into tasks, in order; their records read by ``field`` (a source's own, if it has one)."""
     out: list[Task] = []
     for si, src in enumerate(sources):
+        own = src.field or field
         if src.kind == "jsonl":
             for f in src.files:
                 _not_an_array(f)
                 for a, b in _line_ranges(f):
-                    out.append(Task(len(out), si, "jsonl", str(f), a, b, nbytes=b - a))
+                    out.append(Task(len(out), si, "jsonl", str(f), a, b, nbytes=b - a, field=own))
         elif src.kind == "parquet":
             for f in src.files:
-                groups = _parquet_groups(f, field, chat)
+                groups = _parquet_groups(f, own, chat, src.path)
                 size = f.stat().st_size
                 for g in range(groups):
-                    out.append(Task(len(out), si, "parquet", str(f), g, nbytes=size // max(1, groups)))
+                    out.append(Task(len(out), si, "parquet", str(f), g, nbytes=size // max(1, groups), field=own))
         elif src.kind == "hf":
             rows = len(hf_dataset(src.files[0]))
             per = max(1, rows * CHUNK // max(1, src.bytes))
             for a in range(0, rows, per):
                 b = min(rows, a + per)
-                out.append(Task(len(out), si, "hf", str(src.files[0]), a, b, nbytes=src.bytes * (b - a) // rows))
+                out.append(Task(len(out), si, "hf", str(src.files[0]), a, b, nbytes=src.bytes * (b - a) // rows,
+                                field=own))
         else:
             group: list[str] = []
             size = 0
@@ -191,7 +195,7 @@ def _line_ranges(path: Path) -> Iterator[tuple[int, int]]:
             start = stop
 
 
-def _parquet_groups(path: Path, field: str, chat: bool) -> int:
+def _parquet_groups(path: Path, field: str, chat: bool, src: str) -> int:
     pq = pyarrow_parquet()
     try:
         meta = pq.ParquetFile(path)
@@ -199,7 +203,8 @@ def _parquet_groups(path: Path, field: str, chat: bool) -> int:
         raise ConfigError(f"SRC {path}: not a readable Parquet file ({exc})") from None
     names = meta.schema_arrow.names
     if field not in names:
-        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(names)}); choose {field_flag(chat)}")
+        how = field_flag(chat) + ("" if chat else f" COLUMN, or --text-field {src}=COLUMN for this SRC alone")
+        raise ConfigError(f"{path}: no column {field!r} (columns: {', '.join(names)}); choose {how}")
     return meta.num_row_groups
 
 
