@@ -4,8 +4,11 @@ recomputation, ZeRO-3, bf16); documents and positions from the EOS; the unmasked
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
+from rich.console import Console
 
 import checks_documents as cd
 import plait
@@ -142,6 +145,7 @@ def test_plait_train_document_mask_step_loss_is_each_document_alone(tmp_path):
     from plait.train import TrainConfig
     from plait.train.config import model_config
     from plait.train.loop import train
+    from plait.train.report import Reporter
 
     prepare([str(write_jsonl(tmp_path / "d.jsonl", documents(60, max_words=6)))], "bytes", tmp_path / "data",
             workers=1, held_out=0.2)
@@ -151,9 +155,11 @@ def test_plait_train_document_mask_step_loss_is_each_document_alone(tmp_path):
                                          dp=1, microbatches=2, seq_len=64, batch_size=4, steps=1, eval_every=0,
                                          sample_tokens=0, trace_every=0, cluster="none",
                                          checkpoint_dir=str(tmp_path / f"ck{mask}")))
-        res = train(cfg)
+        log = io.StringIO()
+        res = train(cfg, reporter=Reporter(cfg, 0, Console(file=log, width=300)))
         losses[mask] = res.losses[1]
         assert res.held_out is not None
+        assert ("held out); attention within documents (EOS 0) | batch 4 x 64" in log.getvalue()) is mask
     data = open_data(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed,
                      cfg.max_data_mb)
     x, y = data.batch(0)

@@ -217,8 +217,8 @@ class TrainData:
                                   "cut them apart; leave --document-mask off for this data")
         return eos
 
-    def describe(self) -> str:
-        """One line: the sources, their weights and sizes."""
+    def describe(self, document_mask: bool = False) -> str:
+        """One line: the sources, their weights and sizes (and, with ``document_mask``, where documents end)."""
         parts = []
         for s in self.sources:
             weight = f"{s.weight / sum(x.weight for x in self.sources):.0%} " if len(self.sources) > 1 else ""
@@ -226,7 +226,8 @@ class TrainData:
             note = f"; {s.note}" if s.note else ""
             parts.append(f"{weight}{s.name} ({kind}: {_tokens(s.train.tokens)} training tokens, "
                          f"{_tokens(s.held_out.tokens) if s.held_out.tokens else 'none'} held out{note})")
-        return "; ".join(parts)
+        masked = [f"attention within documents (EOS {self.eos})"] if document_mask else []
+        return "; ".join(parts + masked)
 
 
 def _tokens(n: int) -> str:

@@ -61,7 +61,7 @@ class Reporter:
         self.console.print(
             f"[bold]plait train[/]: {cfg.model} ({run.pm.family.name}), "
             f"{run.params / 1e6:.2f}M parameters | {layout_text(run.ctx.config)}\n"
-            f"data: {run.data.describe()} | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
+            f"data: {run.data.describe(cfg.document_mask)} | batch {cfg.batch_size} x {cfg.seq_len} tokens, "
             f"steps {run.start + 1}..{cfg.steps}" + (f" (resumed at {run.start})" if run.start else ""))
         if run.passed_over:  # never a silent fall-back past the checkpoint a user expects
             from rich.markup import escape
