@@ -390,7 +390,7 @@ def test_the_prepare_bar_counts_speed_and_time_left_from_the_start_not_from_the_
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", log.getvalue())
     assert "1 worker, 4 MB chunks" in shown, shown
     size, tokens = src.stat().st_size, meta["splits"]["train"]["tokens"]
-    last = re.search(r"prepare .* 31\.7/31\.7 kB 0:00:00 ([\d.]+) MB/s, ([\d.]+)([Mk]) tok/s, 0 s left", shown)
+    last = re.search(r"prepare .* 31\.7/31\.7 kB 0:00:\d\d ([\d.]+) MB/s, ([\d.]+)([Mk]) tok/s, 0 s left", shown)
     assert last, shown
     speed, rate = float(last[1]) * 1e6, float(last[2]) * (1e6 if last[3] == "M" else 1e3)
     assert n > 3 and 0.1e6 < speed <= size / (n * 0.001), last[0]  # the whole run's bytes over its clock's reads
