@@ -75,6 +75,13 @@ def test_a_prepare_stopped_after_some_tasks_resumes_to_the_bytes_of_an_uninterru
     assert second == list(range(6, total)) and total > 20, (first, second)  # the six finished tasks are kept
     assert _files(tmp_path / "out") == _files(tmp_path / "clean")
     assert meta["splits"]["held_out"]["documents"] > 0 and not (tmp_path / ".out.partial").exists()
+    _encoded(monkeypatch, stop_at=4)  # stopped with one worker, resumed with two: the same bytes again
+    with pytest.raises(KeyboardInterrupt):
+        prepare(srcs, "bytes", tmp_path / "two", workers=1, held_out=0.1)
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / ".two.partial" / "train").iterdir()}
+    prepare(srcs, "bytes", tmp_path / "two", workers=2, held_out=0.1)  # spawned workers: tasks as cut here
+    assert _files(tmp_path / "two") == _files(tmp_path / "clean")
+    assert len(kept) == 3 and all((tmp_path / "two" / "train" / n).stat().st_mtime_ns == t for n, t in kept.items())
 
 
 def test_a_killed_prepare_resumes_and_a_damaged_kept_shard_is_done_again(tmp_path, monkeypatch):
