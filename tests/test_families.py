@@ -4,6 +4,7 @@ and in both KV caches, the adapter seam, and what a folder plait cannot run says
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -167,3 +168,17 @@ def test_every_registered_family_s_folders_are_read_by_the_one_reader():
     from plait.models.registry import MODEL_TYPES
 
     assert sorted(FAMILY_FIELDS) == sorted(MODEL_TYPES)
+
+
+def test_the_help_of_every_command_that_reads_a_model_folder_names_every_family():
+    """`plait train`, `generate` and `serve --help` list the model types their --model takes: every registered
+    one (a family added to the registry is named in each command's help too)."""
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+    from plait.models.registry import MODEL_TYPES
+
+    for command in ("train", "generate", "serve"):
+        shown = " ".join(CliRunner().invoke(app, [command, "--help"]).output.split())
+        missing = [t for t in MODEL_TYPES if not re.search(rf"\b{t}\b", shown)]
+        assert not missing, (command, missing)

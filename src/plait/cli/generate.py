@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
 def generate_command(
     ctx: typer.Context,
     model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
-                                   "mistral, qwen2, qwen3, mixtral).")] = "plait-checkpoints",
+                                   "mistral, qwen2, qwen3, mixtral, qwen3_moe).")] = "plait-checkpoints",
     prompt: Annotated[list[str] | None, Opt(help="A prompt (repeatable: one batch).")] = None,
     chat: Annotated[list[str] | None, Opt(help="A user message to answer through the model's chat template "
                                               "(repeatable: one conversation each).", metavar="TEXT")] = None,
