@@ -137,6 +137,13 @@ def test_export_of_what_is_not_a_checkpoint_says_what_it_takes(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith(  # was "hf: no plait checkpoint there"
         f"error: CHECKPOINT {tmp_path / 'hf'}: a Hugging Face folder already (config.json), not a plait checkpoint: "
         "plait train, generate and serve take it as --model as it is"), res.output
+    (tmp_path / "gpt2").mkdir()  # a family plait does not read: nothing takes it as it is
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "gpt2"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr == (
+        f"error: CHECKPOINT {tmp_path / 'gpt2'}: a Hugging Face folder (config.json), not a plait checkpoint, and not "
+        "one plait reads either: model_type='gpt2' is not supported; supported model types: llama, mistral, "
+        "mixtral, qwen2, qwen3, qwen3_moe\n"), res.output
     res = CliRunner().invoke(app, ["export", str(tmp_path / "nope"), str(tmp_path / "out")])
     assert res.exit_code == 2 and res.stderr == (
         f"error: CHECKPOINT {tmp_path / 'nope'}: no plait checkpoint there (a step_* folder that plait train saved, or "

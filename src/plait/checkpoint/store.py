@@ -251,6 +251,20 @@ def model_config(meta: dict) -> LlamaConfig:
     return family_for_type(meta.get("family", "llama")).config_class(**meta["model"])
 
 
+def _refuse_hf_folder(checkpoint: str | Path) -> None:
+    """The ConfigError for a Hugging Face folder given as the checkpoint to export: plait reads a folder of a
+    supported family as --model as it is, and none of another."""
+    from plait.models.hf import folder_family, read_config
+
+    try:
+        folder_family(read_config(checkpoint))
+    except ConfigError as exc:  # a model_type no plait command reads (or a config.json that is no JSON object)
+        raise ConfigError(f"CHECKPOINT {checkpoint}: a Hugging Face folder (config.json), not a plait checkpoint, "
+                          f"and not one plait reads either: {exc}") from None
+    raise ConfigError(f"CHECKPOINT {checkpoint}: a Hugging Face folder already (config.json), not a plait "
+                      "checkpoint: plait train, generate and serve take it as --model as it is")
+
+
 def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None = None, force: bool = False) -> Path:
     """Write a Hugging Face folder of the model's family from a checkpoint of any layout (one process), its weights
     and config.json's torch_dtype in ``dtype`` (a name of EXPORT_DTYPES; None: the dtype the run trained in).
@@ -268,8 +282,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None
                           "trained in)")
     path = find_checkpoint(checkpoint)
     if path is None and (Path(checkpoint) / "config.json").is_file():
-        raise ConfigError(f"CHECKPOINT {checkpoint}: a Hugging Face folder already (config.json), not a plait "
-                          "checkpoint: plait train, generate and serve take it as --model as it is")
+        _refuse_hf_folder(checkpoint)
     if path is None:
         raise ConfigError(f"CHECKPOINT {checkpoint}: no plait checkpoint there (a step_* folder that plait train "
                           "saved, or the --checkpoint-dir holding them)")
