@@ -26,6 +26,42 @@ LAYOUTS = {"tp2pp2": dict(tp=2, pp=2, dp=1), "pp4": dict(tp=1, pp=4, dp=1), "pp2
 WAIT_S = 30.0
 
 
+class CharTokenizer:
+    """Token id i is the one character chr(BASE + i): a stop string of a continuation's text is a run of its
+    tokens, so where it ends decoding is known from the ids alone."""
+
+    BASE = 0x4E00
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - self.BASE for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(self.BASE + int(i)) for i in ids)
+
+
+def stop_texts_of(full: list[list[int]]) -> list[str]:
+    """Stop strings that end each row of ``full`` (one device's continuations of PROMPTS) well before NEW tokens:
+    the text of two consecutive tokens of each row (so a string completed by the second of them, where it ends)."""
+    return [CharTokenizer().decode(full[i][k: k + 2]) for i, k in enumerate((4, 3, 1, 8))]
+
+
+def cut_after_stop_text(full: list[list[int]], stops: list[str]) -> list[list[int]]:
+    """Each row of ``full`` up to the token whose text completes the first of ``stops`` it holds."""
+    tok, rows = CharTokenizer(), []
+    for row in full:
+        text = tok.decode(row)
+        found = [text.find(s) + len(s) for s in stops if s in text]
+        rows.append(row[: min(found)] if found else row)
+    return rows
+
+
+def trackers(stops: list[str]) -> list:
+    """One TextTracker per prompt of PROMPTS with the stop strings ``stops``."""
+    from plait.generation.text import TextTracker
+
+    return [TextTracker(CharTokenizer(), stops, prompt=p) for p in PROMPTS]
+
+
 def stops_of(full: list[list[int]]) -> set[int]:
     """Stop ids that end each row of PROMPTS' continuations ``full`` well before NEW tokens (at the latest at the
     token picked from it; rows 0, 1 and 2, 3 stop at different positions)."""
@@ -39,12 +75,14 @@ def reference(model_dir: Path) -> dict:
 
     ref = load_model(str(model_dir))[0]
     full = {case: generate_ids(ref, PROMPTS, Sampling(NEW, *args)) for case, args in CASES.items()}
-    return {"full": full, "stops": {case: sorted(stops_of(rows)) for case, rows in full.items()}}
+    return {"full": full, "stops": {case: sorted(stops_of(rows)) for case, rows in full.items()},
+            "stop_texts": {case: stop_texts_of(rows) for case, rows in full.items()}}
 
 
-def decode(model_dir: Path, fields: dict, stops: dict) -> dict:
+def decode(model_dir: Path, fields: dict, stops: dict, stop_texts: dict) -> dict:
     """Per case, under the layout ``fields``: this rank's tokens with the stop ids ``stops[case]``, the
-    (chunk, group, position) items it ran, its chunks and the pipeline size."""
+    (chunk, group, position) items it ran, its chunks and the pipeline size; and its tokens and items with the stop
+    strings ``stop_texts[case]`` instead."""
     from plait.generation.decode import Sampling, generate_ids
     from plait.generation.job import load_model
 
@@ -55,8 +93,12 @@ def decode(model_dir: Path, fields: dict, stops: dict) -> dict:
         for case, args in CASES.items():
             trace: list = []
             ids = generate_ids(model, PROMPTS, Sampling(NEW, *args), trace=trace, stop_ids=stops[case])
+            text_trace: list = []
+            text_ids = generate_ids(model, PROMPTS, Sampling(NEW, *args), trace=text_trace,
+                                    texts=trackers(stop_texts[case]))
             out[case] = {"ids": ids, "items": [(c, g, p) for c, g, p, _t0, _t1 in trace],
-                         "chunks": sorted(model.chunks), "pp": ctx.pp_size}
+                         "chunks": sorted(model.chunks), "pp": ctx.pp_size, "text_ids": text_ids,
+                         "text_items": [(c, g, p) for c, g, p, _t0, _t1 in text_trace]}
     return out
 
 
@@ -66,5 +108,5 @@ def rank_main(root: str) -> dict:
     model_dir = tiny_model(Path(root) / f"tiny-{os.environ['RANK']}")  # each rank its copy (the same weights)
     ref: dict = {}  # the reference check's result, read by the layouts' checks
     return run_checks([("generate/reference", lambda: ref.setdefault("ref", reference(model_dir)))] + [
-        (f"generate/{name}", lambda f=fields: decode(model_dir, f, ref["ref"]["stops"]))
+        (f"generate/{name}", lambda f=fields: decode(model_dir, f, ref["ref"]["stops"], ref["ref"]["stop_texts"]))
         for name, fields in LAYOUTS.items()])

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import checks_generate as cg
 from checks_generate import CASES, LAYOUTS, NEW, PROMPTS, stops_of
 from data_util import EOS, bpe_folder
 from harness import result
@@ -38,6 +39,32 @@ def test_plait_generate_stops_at_the_folders_end_of_sequence_token(tmp_path, mon
     assert generate_job(payload) == [""]
     assert capsys.readouterr().err == ("plait generate: --prompt 'def ': nothing generated: the model's first token "
                                        f"was its end-of-sequence token (id {ids[0]})\n")  # was a blank line alone
+
+
+def test_plait_generate_stop_cuts_each_continuation_before_its_first_stop_string(tmp_path, monkeypatch, capsys):
+    """plait generate had no --stop (plait serve's API takes stop strings): each continuation now ends at the first
+    --stop text it holds, cut before it; an empty --stop is refused before anything launches."""
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.manual_seed(0)
+    Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64)).save_pretrained(tmp_path / "m")
+    payload = {"model": str(tmp_path / "m"), "prompts": ["def ", "class "], "tp": 1, "pp": 1, "max_new_tokens": 24,
+               "temperature": 0.0, "top_k": 0, "seed": 0}
+    full = generate_job(payload)
+    stops = [next(c for c in text[3:] if c != "\ufffd") for text in full]  # a character each text holds
+    cut = generate_job({**payload, "stop": stops})
+    assert cut == [min((t[: t.index(s)] for s in stops if s in t), key=len) for t in full]  # was: no --stop at all
+    assert all(len(c) < len(t) for c, t in zip(cut, full, strict=True))
+    capsys.readouterr()
+    assert generate_job({**payload, "prompts": ["def "], "stop": [full[0][0]]}) == [""]
+    assert capsys.readouterr().err == ("plait generate: --prompt 'def ': nothing generated: the continuation began "
+                                       "with a --stop string\n")
+    res = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "m"), "--stop", ""])
+    assert res.exit_code == 2 and res.output.startswith("error: --stop '': an empty string would end every "), \
+        res.output
 
 
 def test_a_plait_checkpoint_ends_where_its_training_data_ended_each_document(tmp_path):
@@ -88,6 +115,31 @@ def test_decoding_stops_once_every_continuation_has_ended():
     assert generate_ids(model, PROMPTS, Sampling(NEW), stop_ids={999}) == generate_ids(model, PROMPTS, Sampling(NEW))
 
 
+def test_stop_strings_end_each_continuation_and_the_decoding():
+    """A continuation ends with the token whose text completes a stop string (an id list keeps that token, a text
+    is cut before the string), and the decode loop stops once every row has ended, as with stop ids."""
+    from plait.generation.decode import Sampling, generate_ids
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=2, max_seq_len=64)).eval()
+    calls: list[int] = []
+    model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    tok = cg.CharTokenizer()
+    for temperature, top_k, seed in ((0.0, 0, 0), (0.9, 8, 5)):
+        s = Sampling(NEW, temperature, top_k, seed)
+        full = generate_ids(model, PROMPTS, s)
+        stops = cg.stop_texts_of(full)
+        calls.clear()
+        out = generate_ids(model, PROMPTS, s, texts=cg.trackers(stops))
+        assert out == cg.cut_after_stop_text(full, stops) and all(len(r) < NEW for r in out)
+        assert len(calls) == _last_position([r[:-1] for r in out]) + 1 < NEW, (temperature, len(calls))  # each row
+        texts = [tok.decode(p) for p in PROMPTS]  # ends at its last token's column (a stop id's is past its end)
+        got = generate(model, texts, NEW, temperature, top_k, seed, tokenizer=tok, stop=stops)
+        assert got == [tok.decode(r[:-2]) for r in out]  # each text cut before the two-token string that ended it
+    unmatched = generate(model, texts, NEW, tokenizer=tok, stop=["not there"])
+    assert unmatched == [tok.decode(r) for r in generate_ids(model, PROMPTS, Sampling(NEW))]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_stops_together_under_each_layout(world4, layout):
     """Under every layout of a world of 4 (checks_generate.LAYOUTS: pp 2 and 4, interleaved and V-shaped chunk
@@ -111,6 +163,11 @@ def test_every_rank_stops_together_under_each_layout(world4, layout):
             items = [(c, g, p) for c in got["chunks"] for g in range(len(groups)) for p in range(last[g] + 1)]
             assert sorted(map(tuple, got["items"])) == sorted(items), (rank, case, last)
             assert max(last) + 1 < NEW
+            cut = cg.cut_after_stop_text(full[case], refs[0]["stop_texts"][case])  # stop strings instead of ids
+            assert got["text_ids"] == cut and all(len(r) < NEW for r in cut), (rank, case)
+            last = [_last_position([r[:-1] for r in cut], rows if case == "greedy" else None) for rows in groups]
+            items = [(c, g, p) for c in got["chunks"] for g in range(len(groups)) for p in range(last[g] + 1)]
+            assert sorted(map(tuple, got["text_items"])) == sorted(items), (rank, case, last)
 
 
 @pytest.mark.parametrize("text", [b"{", b'{"eos_token_id": "\xff"}', b"[0]"], ids=["not-json", "not-utf8", "a-list"])

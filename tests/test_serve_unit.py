@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from plait.generation.decode import Sampling, generate_ids
+from plait.generation.text import TextTracker
 from plait.models import Llama, LlamaConfig
 from plait.serve.engine import Engine, Request
 from plait.serve.kv import BlockAllocator
@@ -15,7 +16,6 @@ from plait.serve.metrics import Metrics
 from plait.serve.runner import Runner
 from plait.serve.sampling import Params, logprobs
 from plait.serve.scheduler import Scheduler, Seq
-from plait.serve.text import TextTracker
 from plait.tokenizers import ByteTokenizer
 from serve_util import run_waves
 

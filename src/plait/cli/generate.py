@@ -14,7 +14,9 @@ own slices of the weights and keeps the KV cache of its own layers; the tokens e
 stops answering (stopped, hung) ends the job once a peer has waited the environment's PLAIT_TIMEOUT seconds
 (default 300) for it, naming both ranks and what was awaited. A continuation ends at the model's
 end-of-sequence token (eos_token_id in its folder's generation_config.json or config.json, as transformers'
-generate stops; a checkpoint trained from a folder reads that folder's), or after --max-new-tokens.
+generate stops; a checkpoint trained from a folder reads that folder's), at the first --stop string its text
+holds (cut before it: --stop $'\\n\\n' ends at a blank line, as a stop string of plait serve's API), or after
+--max-new-tokens.
 
 Chat: --chat TEXT (repeatable: one conversation each, opened by --system's message when given) or
 --messages FILE (a JSON list of {"role", "content"} messages, as OpenAI's API takes them) renders each
@@ -34,6 +36,7 @@ Examples:
   plait generate --model plait-checkpoints --tp 2 --pp 2 --temperature 0.8 \\
       --top-k 20 --seed 1
   plait generate --model path/to/hf-llama --max-new-tokens 50
+  plait generate --model plait-checkpoints --prompt "def " --stop $'\\n\\n' --stop "return"
 """
 
 Opt = typer.Option
@@ -68,6 +71,8 @@ def generate_command(
     temperature: Annotated[float, Opt(help="0: greedy; otherwise sample from softmax(logits / T).")] = 0.0,
     top_k: Annotated[int, Opt(help="Sample only among the K most likely tokens (0: all).")] = 0,
     seed: Annotated[int, Opt(help="Seed of the sampler.")] = 0,
+    stop: Annotated[list[str] | None, Opt(help="End a continuation at this text, cut before it (repeatable: the "
+                                               "first found ends it).", metavar="TEXT")] = None,
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
@@ -94,6 +99,9 @@ def generate_command(
             Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
             _check_greedy(ctx, temperature, top_k)
             _check_mode(prompt, chat, messages, chat_template, chat_template_kwargs)
+            if any(not s for s in stop or []):
+                raise ConfigError("--stop '': an empty string would end every continuation before its first token; "
+                                  "give the text to stop at (e.g. --stop $'\\n\\n' for a blank line)")
             convs = conversations(chat or [], system, messages or [])
             config, _, tok = source_config(model)
             check_fits(tok, config.vocab_size, model)  # every id a prompt's text may give has an embedding row
@@ -112,7 +120,8 @@ def generate_command(
                 check_weights(model)  # loads them, before anything else, in the same words
             loading("generate", *weights_size(model))
             payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
-                       "temperature": temperature, "top_k": top_k, "seed": seed, "tp": par.tp, "pp": par.pp}
+                       "temperature": temperature, "top_k": top_k, "seed": seed, "stop": stop or [], "tp": par.tp,
+                       "pp": par.pp}
             with lost_peer_in_one_line():  # under torchrun this process is a rank
                 run_or_launch(TARGET, payload, par.tp * par.pp)
         except ConfigError as exc:

@@ -18,6 +18,7 @@ from plait.models.registry import family_of
 from plait.tensor_parallel.loss import full_logits
 
 if TYPE_CHECKING:
+    from plait.generation.text import TextTracker
     from plait.parallel_model import ParallelModel
 
 
@@ -144,11 +145,13 @@ PROMPTS = ("prompts", ("prompt ids", "lengths and sampling settings"), "every ra
 
 def generate_ids(model: nn.Module | ParallelModel, prompts: list[list[int]], s: Sampling,
                  max_seq_len: int | None = None, trace: list | None = None,
-                 stop_ids: Collection[int] = ()) -> list[list[int]]:
+                 stop_ids: Collection[int] = (), texts: list[TextTracker] | None = None) -> list[list[int]]:
     """New token ids for each prompt (the same on every rank). Prompts may differ in length.
 
-    A continuation ends before its first token in ``stop_ids`` (the stop token is not part of it), else after
-    ``s.max_new_tokens`` tokens; decoding ends once every continuation has ended. ``trace``, if given,
+    A continuation ends before its first token in ``stop_ids`` (the stop token is not part of it), or (``texts``:
+    one TextTracker per prompt, fed each new token) after the token whose text completes one of its tracker's stop
+    strings (that token is part of it; the tracker's ``text`` and ``stopped`` say where the string begins), else
+    after ``s.max_new_tokens`` tokens; decoding ends once every continuation has ended. ``trace``, if given,
     receives ``(chunk, group, position, start, end)`` for every work item this rank ran, in order:
     ``time.monotonic`` once its inputs have arrived and after its output was handed on.
     """
@@ -173,25 +176,39 @@ def generate_ids(model: nn.Module | ParallelModel, prompts: list[list[int]], s: 
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         is_prompt[i, : len(p)] = True
+    if texts is not None and len(texts) != len(prompts):
+        raise ConfigError(f"texts: {len(texts)} trackers for {len(prompts)} prompts; give one per prompt")
     stop = frozenset(int(t) for t in stop_ids)
+    stops = _Stops(stop, is_prompt, torch.tensor(lengths) + s.max_new_tokens - 1, texts)  # [B] last columns
     if total > min(lengths):
-        ends = torch.tensor(lengths) + s.max_new_tokens - 1  # [B] last column of each continuation
-        _Pipelined(dec, buf, is_prompt, s, min(lengths), trace, _Stops(stop, is_prompt, ends)).run()
-    rows = [buf[i, n: n + s.max_new_tokens].tolist() for i, n in enumerate(lengths)]
+        _Pipelined(dec, buf, is_prompt, s, min(lengths), trace, stops).run()
+    rows = [buf[i, n: int(stops.ends[i]) + 1].tolist() for i, n in enumerate(lengths)]
     return [row[: next((k for k, t in enumerate(row) if t in stop), len(row))] for row in rows]
 
 
 class _Stops:
-    """Which rows of the batch have ended: a stop token among their new tokens, or their last column reached."""
+    """Which rows of the batch have ended: a stop token among their new tokens, a stop string in their text (each
+    row's TextTracker of ``texts``), or their last column reached."""
 
-    def __init__(self, stop: frozenset[int], is_prompt: torch.Tensor, ends: torch.Tensor) -> None:
+    def __init__(self, stop: frozenset[int], is_prompt: torch.Tensor, ends: torch.Tensor,
+                 texts: list[TextTracker] | None = None) -> None:
         self.ids = torch.tensor(sorted(stop), dtype=torch.long)
-        self.is_prompt, self.ends = is_prompt, ends
+        self.is_prompt, self.ends, self.texts = is_prompt, ends, texts
         self.stopped = torch.zeros(len(ends), dtype=torch.bool)  # [B] a stop token among the new tokens
 
     def see(self, rows: torch.Tensor, col: int, tokens: torch.Tensor) -> None:
-        """Column ``col`` of ``rows`` holds ``tokens`` (prompt tokens never stop a row)."""
-        self.stopped[rows] |= torch.isin(tokens, self.ids) & ~self.is_prompt[rows, col]
+        """Column ``col`` of ``rows`` holds ``tokens`` (prompt tokens never stop a row). A row whose text now holds
+        a stop string ends at ``col``: its last column."""
+        new = ~self.is_prompt[rows, col]
+        self.stopped[rows] |= torch.isin(tokens, self.ids) & new
+        if self.texts is None:
+            return
+        for row, token, fresh in zip(rows.tolist(), tokens.tolist(), new.tolist(), strict=True):
+            tracker = self.texts[row]  # every rank feeds it the same tokens in the same order: the same decisions
+            if fresh and not self.stopped[row] and col <= self.ends[row] and tracker.stopped is None:
+                tracker.push(int(token))
+                if tracker.stopped is not None:
+                    self.ends[row] = col
 
     def ended(self, rows: torch.Tensor, col: int) -> bool:
         """Whether every row of ``rows`` needs no column after ``col`` (all columns up to ``col`` seen)."""

@@ -148,6 +148,7 @@ def generate_job(payload: dict) -> list[str]:
     """Worker entry of ``plait generate``: every rank decodes; rank 0 prints. ``prompt_ids`` (when not None):
     each prompt's ids as rendered from a conversation (``plait generate --chat``), whose reply alone is shown."""
     from plait.generation import generate
+    from plait.generation.text import before_stop
     from plait.tokenizers import continuation
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -157,17 +158,22 @@ def generate_job(payload: dict) -> list[str]:
     stop = end_ids(payload["model"])  # each continuation ends there, as transformers' generate's does
     chat = payload.get("prompt_ids") is not None
     prompts = payload["prompt_ids"] if chat else [tok.encode(p) for p in payload["prompts"]]
+    strings = payload.get("stop") or []
     ids = cast(list[list[int]], generate(model, prompts, max_new_tokens=payload["max_new_tokens"],
                                          temperature=payload["temperature"], top_k=payload["top_k"],
-                                         seed=payload["seed"], stop_ids=stop))  # id lists give id lists, each cut
-    out = [continuation(tok, p, row) for p, row in zip(prompts, ids, strict=True)]  # before its stop
+                                         seed=payload["seed"], tokenizer=tok, stop_ids=stop, stop=strings))
+    # id lists give id lists, each cut before its stop token (or after the token that completed a stop string)
+    out = [before_stop(continuation(tok, p, row), strings) for p, row in zip(prompts, ids, strict=True)]
     if int(os.environ.get("RANK", "0")) == 0:
         show([""] * len(out) if chat else payload["prompts"], out)
-        for label, row in zip(payload["prompts"], ids, strict=True):
+        for label, row, text in zip(payload["prompts"], ids, out, strict=True):
+            which = label if chat else f"--prompt {label!r}"
             if not row:  # a blank line alone would leave the reader guessing
-                which = label if chat else f"--prompt {label!r}"
                 print(f"plait generate: {which}: nothing generated: the model's first token was its end-of-sequence "
                       f"token (id {' or '.join(map(str, stop))})", file=sys.stderr)
+            elif not text and strings:
+                print(f"plait generate: {which}: nothing generated: the continuation began with a --stop string",
+                      file=sys.stderr)
     return out
 
 

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from plait.distributed.collectives import collective
 from plait.distributed.job_signals import process_state
 from plait.errors import CommTimeoutError, is_timeout
+from plait.generation.text import TextTracker
 from plait.serve.metrics import Metrics
 from plait.serve.runner import Row, Runner, Step
 from plait.serve.sampling import Params
 from plait.serve.scheduler import Scheduler, Seq
-from plait.serve.text import TextTracker
 
 HEARTBEAT_S = 1.0  # an idle engine still broadcasts (an empty step) this often: workers stay in step
 NEXT_STEP = "broadcast of the next step from rank 0"  # the collective that starts every step, in words

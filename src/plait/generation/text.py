@@ -65,3 +65,10 @@ class TextTracker:
         self.text += tail[len(self.tok.decode(self.ids[self.prefix: self.read])):]
         self.prefix = self.read = len(self.ids)
         return self._upto(len(self.text))
+
+
+def before_stop(text: str, stops: list[str]) -> str:
+    """``text`` up to the first of the ``stops`` strings it holds (all of it when it holds none): a whole
+    continuation cut as a TextTracker cuts it token by token."""
+    found = [i for s in stops if s and (i := text.find(s)) >= 0]
+    return text[:min(found)] if found else text
