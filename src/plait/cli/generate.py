@@ -36,7 +36,7 @@ Examples:
   plait generate --model plait-checkpoints --tp 2 --pp 2 --temperature 0.8 \\
       --top-k 20 --seed 1
   plait generate --model path/to/hf-llama --max-new-tokens 50
-  plait generate --model plait-checkpoints --prompt "def " --stop $'\\n\\n' --stop "return"
+  plait generate --prompt "def " --stop $'\\n\\n' --stop "return"
 """
 
 Opt = typer.Option
