@@ -135,7 +135,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_logs_each_step_once(tmp_path,
     from plait.train.report import Reporter
 
     run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
-                          ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
+                          ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda *_: "d"),
                           start=4, resumed_from="ck/step_4", resume_note=None, passed_over=[], resharded_from=None,
                           prediction=None, unpredicted=None)
     reporter = Reporter(TrainConfig(auto_resume=True, metrics=None, wandb="another", checkpoint_dir=str(folder)), 0,

@@ -27,6 +27,9 @@ def test_changed_settings_name_the_flags_with_both_values():
     bf16 = TrainConfig.from_dict({**saved, "precision": "bf16"})  # other arithmetic: was resumed without a word
     assert changed_settings(saved, bf16) == ["--precision fp32 -> bf16"]
     assert changed_effects(saved, bf16, 3) == ["updates"]
+    masked = TrainConfig.from_dict({**saved, "document_mask": True})  # other attention and loss from here on
+    assert changed_settings(saved, masked) == ["--document-mask False -> True"]
+    assert changed_effects(saved, masked, 3) == ["updates"]
 
 
 def test_a_resume_under_another_layout_names_the_layout_it_was_saved_under():
@@ -128,9 +131,10 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
         console = Console(record=True, width=400, force_terminal=False)
         note = None if saved is None else resume_note(TrainConfig(**saved).to_dict(), TrainConfig.from_dict(now), 4)
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
-                              ctx=SimpleNamespace(config=ParallelConfig()), data=SimpleNamespace(describe=lambda: "d"),
-                              start=4 if resumed_from else 0, resumed_from=resumed_from, resume_note=note,
-                              passed_over=[], resharded_from=resharded, prediction=None, unpredicted=None)
+                              ctx=SimpleNamespace(config=ParallelConfig()),
+                              data=SimpleNamespace(describe=lambda *_: "d"), start=4 if resumed_from else 0,
+                              resumed_from=resumed_from, resume_note=note, passed_over=[], resharded_from=resharded,
+                              prediction=None, unpredicted=None)
         Reporter(TrainConfig(auto_resume=True, metrics=None), 0, console).begin(run)
         return console.export_text()
 
@@ -197,7 +201,7 @@ def test_a_warmup_as_long_as_the_run_is_named_and_one_process_is_singular():
         console = Console(record=True, width=400, force_terminal=False)
         run = SimpleNamespace(pm=SimpleNamespace(family=SimpleNamespace(name="llama")), params=1e6,
                               ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)),
-                              data=SimpleNamespace(describe=lambda: "d"), start=0, resumed_from=None,
+                              data=SimpleNamespace(describe=lambda *_: "d"), start=0, resumed_from=None,
                               resume_note=None, passed_over=[], resharded_from=None, prediction=None,
                               unpredicted=None)
         Reporter(TrainConfig(metrics=None, **kw), 0, console).begin(run)

@@ -104,7 +104,7 @@ def _sharding(meta: dict) -> dict:
 #: (the schedule) or the updates
 CONTINUED = {"data": "batches", "seq_len": "batches", "batch_size": "batches", "seed": "batches",
              "lr": "learning rates", "warmup": "learning rates", "steps": "learning rates",
-             "weight_decay": "updates", "clip": "updates", "precision": "updates"}
+             "weight_decay": "updates", "clip": "updates", "precision": "updates", "document_mask": "updates"}
 
 
 def resume_note(saved: dict, cfg: TrainConfig, updates: int) -> str | None:
