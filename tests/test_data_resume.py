@@ -158,3 +158,33 @@ def test_a_prepare_into_an_out_another_one_is_writing_is_refused(tmp_path):
         os.close(fd)
     prepare(srcs, "bytes", tmp_path / "out", workers=1)
     assert (tmp_path / "out" / "meta.json").is_file() and not folder.exists()
+
+
+def test_a_full_disk_stops_the_prepare_with_one_line_and_the_same_command_resumes(tmp_path, monkeypatch):
+    import errno
+
+    from plait.data import shards
+
+    monkeypatch.setattr(data_sources, "CHUNK", CHUNK)
+    srcs = _corpus(tmp_path / "c")
+    prepare(srcs, "bytes", tmp_path / "clean", workers=1, held_out=0.1)
+    write, calls = shards.ShardFile.write, []
+
+    def full(self, array):
+        calls.append(self.name)
+        if len(calls) == 200:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.root / self.name))
+        write(self, array)
+
+    monkeypatch.setattr(shards.ShardFile, "write", full)
+    args = ["data", "prepare", *srcs, "--tokenizer", "bytes", "--out", str(tmp_path / "out"), "--workers", "1",
+            "--held-out", "0.1"]
+    res = CliRunner().invoke(app, args)
+    kept = len(list((tmp_path / ".out.partial" / "done").glob("*.npz")))
+    assert res.exit_code == 1 and res.stderr == (
+        f"error: No space left on device ({tmp_path / '.out.partial' / calls[-1]}); --out {tmp_path / 'out'} left as "
+        f"it was; {kept} finished tasks kept in {tmp_path / '.out.partial'}: the same command resumes (--restart "
+        "starts over)\n") and kept > 1, res.output  # was a traceback
+    monkeypatch.setattr(shards.ShardFile, "write", write)
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert _files(tmp_path / "out") == _files(tmp_path / "clean")

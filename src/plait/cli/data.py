@@ -120,7 +120,11 @@ def prepare_command(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    except (KeyboardInterrupt, Stopped) as exc:  # the partial output is removed already
+    except OSError as exc:  # a full disk, a source gone meanwhile: the finished tasks are kept
+        where = f" ({exc.filename})" if exc.filename else ""
+        typer.echo(f"error: {exc.strerror or exc}{where}; --out {out} left as it was{kept_note(out)}", err=True)
+        raise typer.Exit(1) from None
+    except (KeyboardInterrupt, Stopped) as exc:  # the finished tasks are kept
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         typer.echo(f"plait data prepare: stopped ({signal.Signals(signum).name}); --out {out} left as it was"
                    f"{kept_note(out)}", err=True)
