@@ -166,6 +166,21 @@ def test_resume_with_another_model_says_what_differs_before_launching(tmp_path):
                                                         "--model tiny (n_experts 1 -> 2"), res.output
 
 
+def test_a_checkpoint_saved_before_a_model_field_existed_still_resumes(tmp_path):
+    """A saved model config without a field the config class has since gained (here layer_types, at its default
+    None) holds the same model: check_resume takes it."""
+    from plait.checkpoint.store import FORMAT, META
+    from plait.train.config import TrainConfig, model_config
+    from plait.train.restart import check_resume
+
+    saved = json.loads(json.dumps(model_config(TrainConfig()).to_dict()))
+    assert saved.pop("layer_types") is None
+    done = tmp_path / "ckpt" / "step_00000005"
+    done.mkdir(parents=True)
+    (done / META).write_text(json.dumps({"format": FORMAT, "step": 5, "model": saved, "train": {"model": "tiny"}}))
+    assert check_resume(TrainConfig(resume=True, checkpoint_dir=str(tmp_path / "ckpt"), dry_run=True)) == (done, 5)
+
+
 def test_a_damaged_checkpoint_is_a_config_error_naming_the_file(tmp_path):
     import torch
     from safetensors.torch import save_file

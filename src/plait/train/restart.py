@@ -67,6 +67,7 @@ def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
     """The checkpoint --resume or --auto-resume would continue must hold this model; --resume needs one (checked
     before any process starts). Returns that checkpoint and its step (None: a fresh start)."""
     from plait.checkpoint import CheckpointReader, find_checkpoint
+    from plait.checkpoint.store import model_config as saved_model_config
 
     if not (cfg.resume or cfg.auto_resume):
         return None
@@ -79,7 +80,10 @@ def check_resume(cfg: TrainConfig) -> tuple[Path, int] | None:
     reader = CheckpointReader(found)
     reader.check_files(data=cfg.dry_run)
     meta = reader.meta
-    saved, now = meta.get("model"), json.loads(json.dumps(model_config(cfg).to_dict()))
+    # Both sides through the config class, so a field added since the save (absent there, at its default) is no
+    # difference.
+    saved = None if meta.get("model") is None else json.loads(json.dumps(saved_model_config(meta).to_dict()))
+    now = json.loads(json.dumps(model_config(cfg).to_dict()))
     if saved is not None and saved != now:
         differ = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
                            if saved.get(k) != now.get(k))
