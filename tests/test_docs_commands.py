@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from pathlib import Path
@@ -37,14 +38,16 @@ def _command_lines() -> list[tuple[str, str]]:
     return found
 
 
-def _parse(args: list[str]) -> None:
-    """Parse like the real command line but invoke nothing: unknown options or bad values raise."""
+def _parse(args: list[str]) -> dict:
+    """Parse like the real command line but invoke nothing: unknown options or bad values raise. Returns the
+    parameters' values, defaults included."""
     group = typer.main.get_command(app)
     name, *rest = args
     with group.make_context("plait", [], resilient_parsing=True) as parent:
         command = group.get_command(parent, name)
         assert command is not None, f"unknown command {name}"
-        command.make_context(name, rest, parent=parent).close()
+        with command.make_context(name, rest, parent=parent) as ctx:
+            return dict(ctx.params)
 
 
 LINES = _command_lines()
@@ -154,6 +157,20 @@ def test_every_commands_help_fits_80_columns(words):
     assert res.exit_code == 0 and not wide, f"{_named(words)} --help: " + "\n".join(wide)
     listed = res.output.split("Commands:\n", 1)[1].split("\n\n")[0] if "Commands:\n" in res.output else ""
     assert "..." not in listed, f"{_named(words)} --help: {listed}"
+
+
+@pytest.mark.parametrize("words", [("train",), ("verify",), ("generate",), ("serve",)], ids=_named)
+def test_the_examples_that_launch_take_four_processes_at_most(words):
+    """Each example of a command that launches processes runs as written on a small host, as its neighbours do:
+    its layout, the defaults of the flags it leaves out included, takes 4 processes at most (plait train's
+    --tp 1 --dp 4 --ep 4 took 8: --pp is 2 unless given)."""
+    for example in _help_examples(words):
+        params = _parse(shlex.split(example))
+        if params.get("layout") == "auto":
+            world = params["nproc"]
+        else:
+            world = math.prod(max(1, params.get(k) or 1) for k in ("tp", "pp", "dp", "cp"))
+        assert world <= 4, f"{_named(words)} --help: {example} takes {world} processes"
 
 
 # a `$ plait simulate ...` code block: the command, then (the start of) what it prints into a pipe

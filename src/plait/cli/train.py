@@ -29,7 +29,7 @@ Examples:
   plait train --resume   # continue the latest checkpoint exactly
   plait train --layout auto --nproc 4   # the fastest layout of 4 processes
   # mixture of experts:
-  plait train --tp 1 --dp 4 --experts 8 --top-k 2 --ep 4 \\
+  plait train --tp 1 --pp 1 --dp 4 --experts 8 --top-k 2 --ep 4 \\
       --capacity-factor 1.25
   # a model folder's own experts:
   plait train --model ./my-mixtral --data data/c --tp 1 --pp 2 --dp 2 --ep 2
