@@ -268,3 +268,21 @@ def test_planner_searches_cp_for_a_sliding_window_below_the_long_sequence_thresh
         result = search(model, Cluster("h100-sxm", 2), training, top=1)
         said = [line for line in explain(result) if "context parallelism was not searched" in line]
         assert (result.best[0].layout.cp > 1) == splits and bool(said) != splits, (result.best[0].layout.short(), said)
+
+
+def test_a_ring_rank_computes_exactly_the_blocks_its_queries_see():
+    """``layout.sees`` (which K/V blocks a rank's ring attention computes) against the mask of every position: a
+    block is skipped only when no query of the rank sees any of its keys, and a window shorter than a chunk leaves
+    each rank its own block and its neighbours' (cp 4: one block of four skipped per rank, two at the ends)."""
+    from plait.context_parallel.layout import causal_mask, local_positions, sees
+
+    for cp in (2, 3, 4):
+        for local in (2, 4, 8):
+            for window in (None, 1, 2, 3, 5, 9, 100):
+                for q_rank in range(cp):
+                    for k_rank in range(cp):
+                        mask = causal_mask(local_positions(local, cp, q_rank), local_positions(local, cp, k_rank),
+                                           window)
+                        assert sees(q_rank, k_rank, local, cp, window) == bool(mask.any()), (cp, local, window,
+                                                                                             q_rank, k_rank)
+    assert [sum(sees(r, k, 8, 4, 3) for k in range(4)) for r in range(4)] == [2, 3, 3, 2]

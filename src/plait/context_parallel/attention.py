@@ -12,7 +12,10 @@ allgather  all-gather K and V over the CP group; the backward reduce-scatters th
            whole sequence's K/V per layer (h_kv heads: small with grouped-query attention).
 ring       K/V blocks travel around the CP group point to point while each rank attends to the block it
            holds (Liu et al. 2023, "Ring Attention with Blockwise Transformers"); the backward sends the
-           blocks' K/V gradients around with them. Memory: one block of K/V at a time.
+           blocks' K/V gradients around with them. Memory: one block of K/V at a time. With a sliding window
+           a rank computes nothing for a block none of its queries sees (``layout.sees``: with a window
+           shorter than a chunk, every block but its neighbours'); the block still passes through it, the
+           ring relaying it to the ranks after.
 Both attend with plait.context_parallel.blockwise: exact attention merged by log-sum-exp, no probabilities
 kept, so selective recomputation (which would recompute the module's core) has nothing left to save; a mask
 of the whole sequence (S/cp × S) is never built. With document masking (plait.documents) the cores also keep
@@ -30,7 +33,7 @@ from torch import nn
 
 from plait.context_parallel.blockwise import attend, attend_backward
 from plait.context_parallel.comms import Ring, gather_kv
-from plait.context_parallel.layout import gathered_positions, local_positions
+from plait.context_parallel.layout import gathered_positions, local_positions, sees
 from plait.errors import ConfigError
 from plait.parallel_config import CP_COMMS
 
@@ -154,8 +157,9 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             source = (core.rank - step) % cp  # whose block this rank holds now
             transfer = ring.start([kb, vb], tag=1) if step < cp - 1 else None
-            k_pos = local_positions(s, cp, source, q.device)
-            out, lse = attend(qf, kb, vb, q_pos, k_pos, core.window, s // 2, out, lse, core.docs(q_pos, k_pos))
+            if sees(core.rank, source, s, cp, core.window):  # its own block always: the diagonal
+                k_pos = local_positions(s, cp, source, q.device)
+                out, lse = attend(qf, kb, vb, q_pos, k_pos, core.window, s // 2, out, lse, core.docs(q_pos, k_pos))
             if transfer is not None:
                 kb, vb = transfer.wait()
         ctx.core, ctx.docs = core, None if core.documents is None else core.documents.ids  # as they were
@@ -176,12 +180,14 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             source = (core.rank - step) % cp
             transfer = ring.start([kb, vb], tag=1) if step < cp - 1 else None
-            k_pos = local_positions(s, cp, source, q.device)
-            docs = None if ctx.docs is None else (ctx.docs[:, q_pos], ctx.docs[:, k_pos])
-            g_q, g_k, g_v = attend_backward(qf, kb, vb, q_pos, k_pos, core.window, s // 2, lse, do, delta, docs)
-            dq += g_q
+            if sees(core.rank, source, s, cp, core.window):
+                k_pos = local_positions(s, cp, source, q.device)
+                docs = None if ctx.docs is None else (ctx.docs[:, q_pos], ctx.docs[:, k_pos])
+                g_q, g_k, g_v = attend_backward(qf, kb, vb, q_pos, k_pos, core.window, s // 2, lse, do, delta, docs)
+                dq += g_q
+                dkb, dvb = dkb + g_k, dvb + g_v
             # this block's gradient so far travels on with it; after cp hops it is back with its owner
-            dkb, dvb = ring.start([dkb + g_k, dvb + g_v], tag=2).wait()
+            dkb, dvb = ring.start([dkb, dvb], tag=2).wait()
             if transfer is not None:
                 kb, vb = transfer.wait()
         return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None

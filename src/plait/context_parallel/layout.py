@@ -58,6 +58,20 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = N
     return seen
 
 
+def sees(q_rank: int, k_rank: int, local_len: int, cp: int, window: int | None) -> bool:
+    """Whether any query CP rank ``q_rank`` holds sees any key CP rank ``k_rank`` holds (``causal_mask``'s rule),
+    from the ranks' chunks alone: a chunk of queries [qa, qb] sees a chunk of keys [ka, kb] iff ka <= qb and, with a
+    window W, kb > qa - W. Without a window a rank sees every rank's block (its early chunk sees the later rank's
+    late chunk); with one shorter than a chunk, only its neighbours' and its own."""
+    c = local_len // 2
+
+    def chunks(rank: int) -> tuple[int, int]:
+        return rank, 2 * cp - 1 - rank
+
+    return any(ka * c <= (qa + 1) * c - 1 and (window is None or (ka + 1) * c - 1 > qa * c - window)
+               for qa in chunks(q_rank) for ka in chunks(k_rank))
+
+
 def attention_pairs(seq_len: int, cp: int, window: int | None = None) -> list[int]:
     """Query-key pairs each CP rank's attention computes (unmasked entries of its rows of the causal mask)."""
     local = seq_len // cp
