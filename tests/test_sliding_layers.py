@@ -114,3 +114,24 @@ def test_the_planner_counts_the_window_on_the_layers_that_take_it(tmp_path):
         assert f_every != f_none and f_part - f_none == pytest.approx((f_every - f_none) / 4, rel=1e-9), cp
         spanning = cluster.costs.blocks(replace(every, sliding_window=seq), layout, "bf16").layer.f_compute
         assert spanning == pytest.approx(f_none, rel=1e-12), cp
+
+
+def test_a_checkpoint_of_a_qwen2_folder_exports_its_windows(tmp_path):
+    """``plait train`` on a Qwen2 folder whose layers 0 and 2 slide, saved and exported (``plait export``'s
+    ``export_pretrained``): transformers reads the exported folder's windows on the same layers."""
+    from plait.checkpoint.store import export_pretrained
+    from plait.train import TrainConfig
+    from plait.train.loop import build, save
+
+    types = (S, F, S)
+    torch.manual_seed(0)
+    Qwen2(Qwen2Config(vocab_size=256, dim=32, n_layers=3, n_heads=4, max_seq_len=64, sliding_window=8,
+                      layer_types=types)).save_pretrained(tmp_path / "qwen2")
+    cfg = TrainConfig.from_dict(dict(model=str(tmp_path / "qwen2"), seq_len=64, batch_size=2, microbatches=1, steps=1,
+                                     eval_every=0, sample_tokens=0, trace_every=0, max_data_mb=0.1, tp=1, pp=1, dp=1,
+                                     checkpoint_dir=str(tmp_path / "ck"), cluster="none", async_checkpoint=False))
+    with plait.init(1, 1, 1) as ctx:
+        folder, _ = save(build(cfg, ctx), 1)
+    export_pretrained(folder, tmp_path / "out")
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert (tuple(theirs.layer_types), theirs.sliding_window) == (types, 8)
