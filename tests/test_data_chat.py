@@ -259,6 +259,7 @@ def test_a_plait_tokens_1_dataset_still_reads_and_a_newer_one_is_refused(tmp_pat
 def test_held_out_loss_is_the_mean_over_the_assistants_tokens(tmp_path):
     from types import SimpleNamespace
 
+    from plait.documents import Documents
     from plait.models import Llama
     from plait.train import TrainConfig
     from plait.train.config import model_config
@@ -272,7 +273,7 @@ def test_held_out_loss_is_the_mean_over_the_assistants_tokens(tmp_path):
     torch.manual_seed(0)
     model = Llama(model_config(TrainConfig.from_dict({"seq_len": 32, "batch_size": 4}))).eval()
     run = SimpleNamespace(ctx=SimpleNamespace(dp_rank=0, dp_size=1, device=torch.device("cpu")), data=data,
-                          pm=SimpleNamespace(eval_step=model))
+                          pm=SimpleNamespace(eval_step=model, documents=Documents(None)))  # no document masking
     total, count = 0.0, 0
     for i in range(2):
         x, y = data.held_out_batch(i)
