@@ -173,6 +173,15 @@ def test_the_examples_that_launch_take_four_processes_at_most(words):
         assert world <= 4, f"{_named(words)} --help: {example} takes {world} processes"
 
 
+def test_the_plan_examples_on_a_calibrated_host_give_the_batch():
+    """Without --global-batch plait plan searches the batch among 4-64M tokens, a GPU cluster's: on a CPU host's
+    profile (--cluster) the run it writes (--write-config) then takes over an hour a step (small, 4 processes: a
+    batch of 4096 x 1024 tokens, 4,775 s predicted). Each example on a profile gives a batch of its own."""
+    examples = [shlex.split(e) for e in _help_examples(("plan",))]
+    on_hosts = [e for e in examples if e[0] == "plan" and _parse(e)["cluster"]]
+    assert on_hosts and all(_parse(e)["global_batch"] for e in on_hosts), on_hosts
+
+
 # a `$ plait simulate ...` code block: the command, then (the start of) what it prints into a pipe
 SIMULATE = re.compile(r"```\n\$ plait (?P<args>simulate [^\n]*)\n(?P<out>.*?)```", re.S)
 SIMULATIONS = [(f"{doc.name}:{doc.read_text()[:m.start()].count(chr(10)) + 1}", m["args"], m["out"])

@@ -31,11 +31,12 @@ Examples:
   plait plan --model mixtral-8x7b --gpus 64 --global-batch 256 --json
   plait plan --model llama3-70b --gpus 4 --gpu a100-80gb --inference \\
       --batch 8 --prompt-len 2048
+  # plait's own processes on a host profiled by plait calibrate:
   plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 \\
       --seq-len 128
-  # the layout found as a config file, then a run of it:
-  plait plan --model small --gpus 4 --cluster host.toml \\
-      --write-config run.toml
+  # the same, written as a config file, then a run of it:
+  plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 \\
+      --seq-len 128 --write-config run.toml
   plait train --config run.toml
 
 The bubble is the idle share of the step (the average pipeline rank's idle time over the step time);
