@@ -14,6 +14,25 @@ from plait.train.resume import changed_effects, changed_settings, resume_note
 
 RUN = [sys.executable, "-m", "plait.cli.main", "train", "--tp", "1", "--pp", "1", "--microbatches", "1",
        "--eval-every", "0", "--sample-tokens", "0", "--cluster", "none", "--data", "text", "--batch-size", "2"]
+#: RUN's settings, for a run of one process made in this process (run_here)
+ONE = dict(tp=1, pp=1, dp=1, microbatches=1, eval_every=0, sample_tokens=0, data=["text"], batch_size=2)
+
+
+def run_here(folder, monkeypatch, **settings) -> str:
+    """``plait train`` of one process with RUN's flags and ``settings``, run in this process from ``folder`` (no
+    launcher, no worker to start: the same loop and reporter its worker runs); what it printed."""
+    import io
+
+    from rich.console import Console
+
+    import plait.train.loop as loop
+    from plait.train.report import Reporter
+
+    monkeypatch.chdir(folder)
+    cfg = TrainConfig.from_dict({**ONE, **settings})
+    log = io.StringIO()
+    loop.train(cfg, reporter=Reporter(cfg, 0, Console(file=log, width=200)))
+    return log.getvalue()
 
 
 def test_changed_settings_name_the_flags_with_both_values():
@@ -57,22 +76,18 @@ def test_changed_effects_name_only_what_differs_from_an_uninterrupted_run():
     assert changed_effects(saved, TrainConfig.from_dict({**saved, "tp": 1, "pp": 4}), 6) == []
 
 
-def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path):
+def test_resume_with_another_seq_len_says_it_does_not_continue_exactly(tmp_path, monkeypatch):
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("some training text, repeated. " * 40)
-    first = subprocess.run([*RUN, "--steps", "1", "--seq-len", "16"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=240)
-    assert first.returncode == 0, first.stderr
-    res = subprocess.run([*RUN, "--steps", "2", "--seq-len", "32", "--resume", "--metrics", "m.jsonl"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr
-    out = " ".join(res.stdout.split())  # the console wraps lines
+    run_here(tmp_path, monkeypatch, steps=1, seq_len=16)
+    printed = run_here(tmp_path, monkeypatch, steps=2, seq_len=32, resume=True, metrics="m.jsonl")
+    out = " ".join(printed.split())  # the console wraps lines
     assert "resuming from plait-checkpoints/step_00000001 (step 1) note: --seq-len 16 -> 32, --steps 1 -> 2 since " \
            "that checkpoint was saved: this run's batches differ from an uninterrupted run's of these settings " \
-           "(the checkpoint's settings continue it exactly)" in out, res.stdout  # step 1 was in the warm-up
+           "(the checkpoint's settings continue it exactly)" in out, printed  # step 1 was in the warm-up
     row = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 2 and row["tokens_seen"] == 2 * 16 + 2 * 32, row  # step 1 read 16-token windows
-    assert "96 tokens seen" in out, res.stdout
+    assert "96 tokens seen" in out, printed
 
 
 def test_a_layout_splitting_the_sequence_says_why_there_is_no_sample(tmp_path):
@@ -154,7 +169,7 @@ def test_the_header_says_starting_fresh_only_where_auto_resume_found_no_checkpoi
            "settings would" in " ".join(longer.split()), longer
 
 
-def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp_path):
+def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp_path, monkeypatch):
     """Chat data whose assistant replies are a few bytes in long conversations: most 16-token windows hold no
     assistant token. Such a step's loss is no mean (0 of 0 targets): its row says null, not 0.0, the summary names
     the steps, and held-out batches without a target in the loss give no held-out loss, not 0.000."""
@@ -169,21 +184,18 @@ def test_a_batch_with_no_target_in_the_chat_loss_mask_shows_no_loss_not_zero(tmp
                                              {"role": "assistant", "content": "ok"}]}) + "\n")
     prepare([str(tmp_path / "chats.jsonl")], "bytes", tmp_path / "d", workers=1, held_out=0.3,
             chat=ChatSpec("bytes"))
-    run = [*RUN[:-4], "--data", "d", "--batch-size", "2", "--seq-len", "16", "--steps", "6", "--eval-every", "3",
-           "--metrics", "m.jsonl"]
-    res = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr
+    printed = run_here(tmp_path, monkeypatch, data=["d"], seq_len=16, steps=6, eval_every=3, metrics="m.jsonl")
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     empty = [r["step"] for r in rows if r["loss"] is None]
     assert empty and all(r["grad_norm"] == 0.0 for r in rows if r["loss"] is None), rows  # was loss 0.0
     assert all(r["loss"] > 1.0 for r in rows if r["loss"] is not None), rows
-    out = " ".join(res.stdout.replace("│", " ").split())  # the summary table wraps its cells
-    assert "loss - (no target in the loss)" in out, res.stdout
+    out = " ".join(printed.replace("│", " ").split())  # the summary table wraps its cells
+    assert "loss - (no target in the loss)" in out, printed
     steps = f"{len(empty)} step{'s' if len(empty) != 1 else ''}"
     which = f"step{'s' if len(empty) != 1 else ''} {', '.join(map(str, empty))}"
-    assert f"{steps} had no target in the loss ({which}:" in out, res.stdout
+    assert f"{steps} had no target in the loss ({which}:" in out, printed
     assert [r["held_out_loss"] for r in rows if "held_out_loss" in r] == [None, None], rows  # was 0.0
-    assert "held-out loss - (no held-out target in the loss)" in out, res.stdout
+    assert "held-out loss - (no held-out target in the loss)" in out, printed
     meta = json.loads((tmp_path / "plait-checkpoints" / "step_00000006" / "meta.json").read_text())
     assert meta["tokenizer"]["eos"] == 0  # the data's end-of-document token: where generate and serve stop
 
