@@ -13,6 +13,7 @@ from rich.console import Console
 import checks_documents as cd
 import plait
 from harness import result
+from plait import documents as documents_module
 from plait.documents import DocumentCore, Documents, document_ids
 from plait.models import Llama
 
@@ -34,15 +35,23 @@ def test_document_ids_and_positions_restart_after_each_eos():
     assert pos.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5]]
 
 
+@pytest.fixture(params=["split", "mask"])
+def path(request, monkeypatch):
+    """Each document's attention alone (the default for few documents), or one mask for the micro-batch."""
+    if request.param == "mask":
+        monkeypatch.setattr(documents_module, "SPLIT_MAX", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", [dict(), dict(microbatches=2), dict(microbatches=4, recompute="selective"),
                                     dict(microbatches=2, recompute="full")], ids=["m1", "m2", "selective", "full"])
-def test_one_device_equals_each_document_alone(layout):
+def test_one_device_equals_each_document_alone(layout, path):
     r = cd.compare(None, **layout)
     within(r, str(layout))
     assert r["targets"] == 64 - 1 - 5  # 4 rows of 16, less the ignored target and the 5 after an EOS
 
 
-def test_one_device_with_window_biases_and_qk_norm_equals_each_document_alone():
+def test_one_device_with_window_biases_and_qk_norm_equals_each_document_alone(path):
     within(cd.compare(cd.FEATURES, microbatches=2), "features")
 
 
@@ -54,14 +63,15 @@ def test_without_the_mask_documents_see_each_other():
 
 def test_one_document_per_row_keeps_unmasked_attention():
     """A micro-batch with no EOS before its rows' last token runs the module's own core with no mask (SDPA's
-    is_causal); one with several documents gets the additive mask, one tensor for all layers."""
+    is_causal); one with several documents gets the additive mask, one tensor for all layers (past split_max
+    documents), or each document alone with no mask."""
     calls = []
 
     def core(q, k, v, mask, causal=True):
         calls.append(mask)
         return q
 
-    docs = Documents(eos=0, microbatches=2)
+    docs = Documents(eos=0, microbatches=2, split_max=2)
     shadow = DocumentCore(core, docs)
     inputs = torch.tensor([[4, 5, 6, 0], [7, 8, 0, 9], [1, 2, 3, 0], [4, 5, 6, 7]])
     use = docs.start(inputs)
@@ -78,6 +88,11 @@ def test_one_document_per_row_keeps_unmasked_attention():
     assert seen.tolist() == [[True, False, False, False], [True, True, False, False], [True, True, True, False],
                              [False, False, False, True]]
     assert Documents(None).start(inputs) is None  # no masking: the executor is handed no hook
+    calls.clear()
+    split = Documents(eos=0, microbatches=2)  # 3 documents: each alone
+    split.start(inputs)(0)
+    out = DocumentCore(lambda q, k, v, mask, causal=True: calls.append((q.shape, mask)) or q, split)(q, q, q, None)
+    assert calls == [((1, 1, 4, 2), None), ((1, 1, 3, 2), None), ((1, 1, 1, 2), None)] and out.shape == q.shape
 
 
 def test_positions_restart_at_each_document():
@@ -102,21 +117,26 @@ def test_positions_restart_at_each_document():
 
 
 def test_the_mask_adds_the_bytes_docs_data_md_states():
-    """What autograd keeps with the mask beyond an unmasked step (the planner's and --dry-run's count): the additive
-    mask [b, 1, S, S] once for all layers, and RoPE tables per row [b, 1, S, hd] (cos and sin) where an unmasked
-    step keeps one [S, hd] pair. One micro-batch in flight, every row holding several documents."""
+    """What autograd keeps with document masking beyond an unmasked step (the planner's and --dry-run's count):
+    RoPE tables per row [b, 1, S, hd] (cos and sin) where an unmasked step keeps one [S, hd] pair; and the
+    additive mask [b, 1, S, S] once for all layers (past split_max documents), or one q-sized tensor per layer
+    (each document alone). One micro-batch in flight, every row holding several documents."""
     cfg = cd.model_config(max_seq_len=32)
     tokens = torch.randint(1, cfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(3))
     tokens[:, 10] = cd.EOS
     peak = {}
     with plait.init(1, 1, 1) as ctx:
-        for eos in (None, cd.EOS):
+        for eos, split_max in ((None, 0), (cd.EOS, 0), (cd.EOS, 64)):
             torch.manual_seed(0)
             pm = plait.parallelize(Llama(cfg), ctx, microbatches=2, document_eos=eos)
+            pm.documents.split_max = split_max
             pm.train_step(tokens[:, :-1], tokens[:, 1:], measure_memory=True)
-            peak[eos] = pm.activations_peak
+            peak[eos, split_max] = pm.activations_peak
     b, s, hd = 2, 32, cfg.head_dim  # rows of a micro-batch
-    assert peak[cd.EOS] - peak[None] == (b * s * s + 2 * (b - 1) * s * hd) * 4
+    tables = 2 * (b - 1) * s * hd
+    assert peak[cd.EOS, 0] - peak[None, 0] == (b * s * s + tables) * 4  # the mask
+    # each document alone: no mask, one q-sized tensor [b, S, heads·hd] more per layer (linear in S)
+    assert peak[cd.EOS, 64] - peak[None, 0] == (tables + cfg.n_layers * b * s * cfg.n_heads * hd) * 4
 
 
 def test_without_document_eos_the_attention_modules_are_untouched():

@@ -15,10 +15,13 @@ attends only to the earlier tokens of its own document, as if each document were
   left out of the loss (Megatron-LM's ``--eod-mask-loss``): a document's loss is then exactly its loss run
   alone, and the mean is over the remaining targets.
 
-A micro-batch whose rows each hold one document runs attention unchanged (SDPA's ``is_causal``); otherwise
-each attention core gets the boolean mask [b, 1, S, S] (causal and same document, one tensor per micro-batch
-shared by the layers) ANDed with the mask the module built itself (a sliding window), and the module's
-``rope`` the per-row positions. Under context parallelism the CP cores read the document ids of any block of
+A micro-batch whose rows each hold one document runs attention unchanged (SDPA's ``is_causal``). One of at most
+``split_max`` documents (``SPLIT_MAX``) runs each document's attention alone: the module's core on that
+document's slice of q, k, v (causal, with the module's own mask, a sliding window, sliced to it), the scores
+of a document ``L`` tokens long ``L²/2`` where the whole row's causal square is ``S²/2``. One of more documents
+(where so many small calls would cost more than they save) gets one additive mask [b, 1, S, S] (causal and same
+document, one tensor per micro-batch shared by the layers) ANDed with the module's mask. The module's ``rope``
+gives the per-row positions either way. Under context parallelism the CP cores read the document ids of any block of
 keys from the full rows every CP rank holds (nothing more is sent) and skip score tiles no query sees.
 
 The executor (plait.pipeline.executor) calls ``Documents.use(mb)`` before every forward and backward of
@@ -37,6 +40,9 @@ from plait.context_parallel.layout import local_positions
 from plait.errors import ConfigError
 
 Tables = tuple[torch.Tensor, torch.Tensor]
+Spans = list[list[tuple[int, int]]]  # per row of a micro-batch, its documents' [start, end) token ranges
+#: documents in a micro-batch up to which each one's attention runs alone (more: one mask for the micro-batch)
+SPLIT_MAX = 64
 
 
 def document_ids(tokens: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +67,15 @@ class Documents:
     """
 
     def __init__(self, eos: int | None, microbatches: int = 1, device: torch.device | None = None, cp: int = 1,
-                 cp_rank: int = 0):
+                 cp_rank: int = 0, split_max: int | None = None):
         self.eos, self.microbatches, self.device = eos, microbatches, device
         self.cp, self.cp_rank = cp, cp_rank
+        self.split_max = SPLIT_MAX if split_max is None else split_max
         self.ids: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.spans: Spans | None = None  # the documents, when each one's attention runs alone (cp = 1)
         self._mask: torch.Tensor | None = None
-        self._batches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self._batches: list[tuple[torch.Tensor, torch.Tensor, Spans | None] | None] = []
 
     def mask_targets(self, inputs: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """``targets`` with the target after each EOS of ``inputs`` (the next document's first token) ignored."""
@@ -77,26 +85,34 @@ class Documents:
 
     def start(self, inputs: torch.Tensor) -> Callable[[int | None], None] | None:
         """Work out the documents of a step's full rows ``inputs`` [B, S], split into its micro-batches (one host
-        read: which micro-batches hold more than one document); returns ``use`` (None without masking)."""
+        read: where documents end); returns ``use`` (None without masking)."""
         if self.eos is None:
             return None
-        rows = inputs.to(self.device).chunk(self.microbatches)
-        several = torch.stack([(r[:, :-1] == self.eos).any() for r in rows]).tolist()
-        self._batches = [document_ids(r, self.eos) if many else None for r, many in zip(rows, several, strict=True)]
+        inputs = inputs.to(self.device)
+        b, s = inputs.shape
+        cuts: list[list[int]] = [[0] for _ in range(b)]
+        for row, at in (inputs[:, :-1] == self.eos).nonzero().tolist():
+            cuts[row].append(at + 1)
+        spans = [list(zip(c, [*c[1:], s], strict=True)) for c in cuts]
+        self._batches = []
+        for rows, part in zip(inputs.chunk(self.microbatches), _chunks(spans, self.microbatches), strict=True):
+            n = sum(len(row) for row in part)
+            split = part if self.cp == 1 and n <= self.split_max else None
+            self._batches.append((*document_ids(rows, self.eos), split) if n > len(part) else None)
         return self.use
 
     def use(self, microbatch: int | None) -> None:
         """Make micro-batch ``microbatch``'s documents the ones attention sees (None: none, as after a step)."""
         docs = None if microbatch is None else self._batches[microbatch]
         if docs is None:
-            self.ids = self.positions = self._mask = None
+            self.ids = self.positions = self._mask = self.spans = None
             return
-        ids, positions = docs
+        ids, positions, spans = docs
         if self.ids is ids:
             return
         if self.cp > 1:
             positions = positions[:, local_positions(ids.shape[1] // self.cp, self.cp, self.cp_rank, ids.device)]
-        self.ids, self.positions, self._mask = ids, positions, None
+        self.ids, self.positions, self.spans, self._mask = ids, positions, spans, None
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[b, 1, S, S] additive mask in ``dtype``: 0 where query i sees key j (j <= i in the same document), -inf
@@ -114,6 +130,12 @@ class Documents:
         """The document ids [b, Sq], [b, Sk] of queries and keys at global positions ``q_pos``, ``k_pos`` (None:
         one document per row)."""
         return None if self.ids is None else (self.ids[:, q_pos], self.ids[:, k_pos])
+
+
+def _chunks(rows: list, n: int) -> list[list]:
+    """``rows`` cut as ``torch.chunk`` cuts a batch into ``n`` micro-batches."""
+    size = -(-len(rows) // n)
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
 WHOLE_SEQUENCES = ("document masking runs training and evaluation over whole packed samples, not decoding with "
@@ -138,8 +160,9 @@ class DocumentRope:
 
 
 class DocumentCore:
-    """Shadows ``core(q, k, v, mask, causal)``: with several documents, the module's own core under the document
-    mask ANDed with the module's mask; else the module's core as it is."""
+    """Shadows ``core(q, k, v, mask, causal)``: with several documents, the module's own core on each document
+    alone (``Documents.spans``) or under the document mask ANDed with the module's mask; else the module's core
+    as it is."""
 
     def __init__(self, core: Callable[..., torch.Tensor], documents: Documents):
         self.core, self.documents = core, documents
@@ -150,8 +173,21 @@ class DocumentCore:
             return self.core(q, k, v, mask, causal)
         if not causal or k.shape[2] != q.shape[2]:
             raise ConfigError(WHOLE_SEQUENCES)
+        if self.documents.spans is not None:
+            return self._each(q, k, v, mask, self.documents.spans)
         same = self.documents.mask(q.dtype)  # [b, 1, S, S] additive
         return self.core(q, k, v, same if mask is None else same.masked_fill(~mask, -torch.inf), True)
+
+
+    def _each(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              spans: Spans) -> torch.Tensor:
+        """Each document's attention alone, in place of its tokens: [b, h, S, hd]."""
+        rows = []
+        for r, row in enumerate(spans):
+            parts = [self.core(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e],
+                               None if mask is None else mask[..., a:e, a:e], True) for a, e in row]
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, 2))
+        return rows[0] if len(rows) == 1 else torch.cat(rows, 0)
 
 
 def apply_documents(modules: dict[str, nn.Module], documents: Documents, cp: int, model_name: str = "model") -> int:
