@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +17,18 @@ from plait.cli.main import app
 from plait.models import Llama, LlamaConfig
 from plait.tokenizers import fingerprint_file
 
-TRAIN = [sys.executable, "-m", "plait.cli.main", "train", "--model", "bpe-model", "--tp", "1", "--pp", "1",
-         "--steps", "1", "--seq-len", "16", "--batch-size", "2", "--microbatches", "1", "--eval-every", "0",
-         "--sample-tokens", "0", "--cluster", "none", "--data", "text", "--checkpoint-dir", "ckpt"]
+#: plait train --model bpe-model --steps 1 --seq-len 16 ... --data text --checkpoint-dir ckpt, of one process
+TRAIN = dict(model="bpe-model", tp=1, pp=1, dp=1, steps=1, seq_len=16, batch_size=2, microbatches=1, eval_every=0,
+             sample_tokens=0, data=["text"], checkpoint_dir="ckpt")
 GENERATE = ["generate", "--prompt", "the parallel", "--max-new-tokens", "6"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A folder holding bpe-model/ (a Llama and a BPE tokenizer.json) and ckpt/, one step trained from it."""
+    """A folder holding bpe-model/ (a Llama and a BPE tokenizer.json) and ckpt/, one step trained from it (plait
+    train's loop, run in this process from that folder: the paths given relative to it, as on a command line)."""
+    from plait.train import TrainConfig, train
+
     tmp_path = tmp_path_factory.mktemp("trained")
     torch.manual_seed(0)
     Llama(LlamaConfig(vocab_size=400, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=32)
@@ -35,8 +36,9 @@ def trained(tmp_path_factory) -> Path:
     bpe_folder(tmp_path / "bpe-model", 400)
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("the parallel pipeline stage sends activations " * 40)
-    res = subprocess.run(TRAIN, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        train(TrainConfig.from_dict(TRAIN))
     return tmp_path
 
 
