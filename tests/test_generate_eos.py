@@ -140,6 +140,25 @@ def test_stop_strings_end_each_continuation_and_the_decoding():
     assert unmatched == [tok.decode(r) for r in generate_ids(model, PROMPTS, Sampling(NEW))]
 
 
+def test_every_rank_of_a_replica_must_decode_with_the_same_stop_strings(monkeypatch):
+    """A rank given other stop strings would end a row that its peers go on with, and wait for what they skip: the
+    stop strings are part of the settings every rank of a replica is checked to share before decoding."""
+    import plait
+    from plait.generation import decode
+    from plait.generation.text import TextTracker
+
+    seen: list[list[float]] = []
+    monkeypatch.setattr(decode, "check_same_batch", lambda ctx, ids, settings, words: seen.append(settings.tolist()))
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=256, dim=32, n_layers=1, n_heads=2, max_seq_len=64))
+    with plait.init(tp=1, pp=1, dp=1) as ctx:
+        pm = plait.parallelize(model, ctx, microbatches=1)
+        for stops in (["ab"], ["ac"], ["ab"], []):
+            decode.generate_ids(pm, PROMPTS, decode.Sampling(2), texts=[TextTracker(ByteTokenizer(), stops)
+                                                                         for _ in PROMPTS])
+    assert seen[0] == seen[2] and seen[0] != seen[1] and seen[0] != seen[3]
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_stops_together_under_each_layout(world4, layout):
     """Under every layout of a world of 4 (checks_generate.LAYOUTS: pp 2 and 4, interleaved and V-shaped chunk

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -169,7 +170,8 @@ def generate_ids(model: nn.Module | ParallelModel, prompts: list[list[int]], s: 
         raise ConfigError(f"prompt token ids must lie in the model's vocabulary [0, {dec.vocab}); got ids from "
                           f"{min(ids)} to {max(ids)} (a string prompt: the tokenizer's ids must fit the model)")
     if dec.ctx is not None:  # every rank of a replica decodes the same prompts, or each would answer another's
-        settings = [*lengths, s.max_new_tokens, s.temperature, s.top_k, s.seed, *sorted(stop_ids)]
+        settings = [*lengths, s.max_new_tokens, s.temperature, s.top_k, s.seed, *sorted(stop_ids),
+                    *(zlib.crc32("\0".join(t.stops).encode()) for t in texts or [])]  # each row's stop strings
         check_same_batch(dec.ctx, torch.tensor(ids), torch.tensor(settings, dtype=torch.float64), PROMPTS)
     buf = torch.zeros(len(prompts), total, dtype=torch.long)
     is_prompt = torch.zeros_like(buf, dtype=torch.bool)
