@@ -108,3 +108,26 @@ def test_plait_plan_of_a_folder_plans_what_plait_train_measures(tmp_path, folder
     assert planned["params"] == measured["params"]
     trained = plan_model(TrainConfig.from_dict(dict(model=str(path), seq_len=128, tp=1, pp=1, dp=1)))
     assert Model.from_hf_config(path, seq_len=128) == trained
+
+
+def test_a_calibrated_host_plans_plait_trains_default_batch(tmp_path):
+    """``plait plan --cluster`` without --global-batch searched a GPU cluster's batches (4-64M tokens: 4096 x 1024
+    for small on 4 processes, a step of over an hour on a CPU host); it now plans plait train's default run (its
+    batch, and its sequence unless --seq-len is given) and says so."""
+    from plait.train.config import TrainConfig
+
+    profile = synthetic_profile().save(tmp_path / "host.toml")
+    base = ["plan", "--model", "small", "--gpus", "4", "--cluster", str(profile), "--top", "1"]
+    for extra, seq, unset in (([], TrainConfig.seq_len, "; --global-batch / --seq-len to set)"),
+                              (["--seq-len", "64"], 64, "; --global-batch to set)")):
+        r = CliRunner().invoke(app, [*base, *extra, "--json"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.output)
+        assert out["global_batch"] == TrainConfig.batch_size, out["global_batch_note"]
+        assert out["global_batch_note"] == (f"global batch {TrainConfig.batch_size} of {seq}-token sequences (plait "
+                                            f"train's default, for a calibrated host{unset}"), out["global_batch_note"]
+        title = CliRunner().invoke(app, [*base, *extra], env={"COLUMNS": "200"}).output
+        assert f"small (5.9M, seq {seq}) on 4 × testhost:4p, 4/node; global batch 16, fp32" in title, title
+        assert out["global_batch_note"] in title, title
+    r = CliRunner().invoke(app, [*base, "--global-batch", "8", "--seq-len", "64", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["global_batch_note"] == "", r.output  # both given: no note

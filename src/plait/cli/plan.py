@@ -42,6 +42,8 @@ Examples:
 The bubble is the idle share of the step (the average pipeline rank's idle time over the step time);
 the parts of the time breakdown add up to the step. Without --global-batch the batch is searched: the
 smallest of 4, 8, 16, 32, 64M tokens whose best layout keeps the bubble under 10% (said in the output).
+With --cluster the batch and sequence default to plait train's own (16 sequences of 128 tokens, said in
+the output): a GPU cluster's millions of tokens would take a CPU host an hour a step.
 """
 
 
@@ -222,9 +224,9 @@ class PlanOptions:
     interconnect: str | None = None
     """inter-node fabric, e.g. ib-ndr (default: the GPU's usual)"""
     seq_len: int | None = None
-    """sequence length (default: the model's)"""
+    """sequence length (default: the model's; with --cluster, plait train's 128)"""
     global_batch: int | None = None
-    """sequences per step (default: searched, 4-64M tokens)"""
+    """sequences per step (default: searched, 4-64M tokens; with --cluster, plait train's 16)"""
     top: int = 5
     """how many layouts to show"""
     inference: bool = False
@@ -306,11 +308,13 @@ def plan(options: dict[str, Any]) -> None:
         _check_mode(o)
     except ConfigError as exc:
         fail(str(exc))
+    batch_note = ""
+    if o.cluster is not None and not o.inference:
+        o, batch_note = _host_run(o)
     if o.attention not in (*KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
         fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
     # a terminal's width (or COLUMNS, when set); else, into a file or a pipe, wide enough for one row a layout
     console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 140)
-    batch_note = ""
     try:
         m = planner_model(o.model, o.seq_len)
         if o.expert_capacity is not None:
@@ -369,6 +373,18 @@ def plan(options: dict[str, Any]) -> None:
         console.print("• " + routing_note(m, result.best[0].layout))
     if o.show_schedule:
         _show_schedule(console, result.best[0])
+
+
+def _host_run(o: PlanOptions) -> tuple[PlanOptions, str]:
+    """``o`` with plait train's default batch and sequence where they are not given (a calibrated host's run: the
+    batch search's sizes are a GPU cluster's), and the line saying which were defaulted ("" if neither)."""
+    from plait.train.config import TrainConfig
+
+    unset = [flag for flag, value in (("--global-batch", o.global_batch), ("--seq-len", o.seq_len)) if value is None]
+    o = replace(o, global_batch=o.global_batch or TrainConfig.batch_size, seq_len=o.seq_len or TrainConfig.seq_len)
+    note = (f"global batch {o.global_batch} of {o.seq_len}-token sequences (plait train's default, for a calibrated "
+            f"host; {' / '.join(unset)} to set)")
+    return o, note if unset else ""
 
 
 def register(app: typer.Typer) -> None:
