@@ -202,3 +202,22 @@ def test_simulate_prints_what_the_docs_show(where, args, out):
 
 def test_docs_show_simulations():
     assert len(SIMULATIONS) >= 10, SIMULATIONS  # schedules.md draws every schedule
+
+
+def test_the_options_whose_unset_value_stands_for_one_say_it():
+    """An option left unset (None) shows no default in --help; where the command then uses a value of its own, the
+    help says which: generate's --prompt is "def " (its help said only "A prompt"), serve without --api-key serves
+    every request."""
+    from typer.testing import CliRunner
+
+    from plait.cli.generate import DEFAULT_PROMPT
+
+    for words, option, said in ((("generate",), "--prompt", f"default, without --chat or --messages: "
+                                                            f"{DEFAULT_PROMPT!r}"),
+                                (("serve",), "--api-key", "unset: every request is served")):
+        res = CliRunner().invoke(app, [*words, "--help"], env={"COLUMNS": "300"})
+        lines = res.output.splitlines()
+        start = next(i for i, x in enumerate(lines) if x.strip().startswith(f"{option} "))
+        end = next(i for i in range(start + 1, len(lines) + 1) if i == len(lines) or re.match(r" {1,2}\S", lines[i]))
+        text = " ".join(" ".join(lines[start:end]).split())  # the option's help, however the terminal wraps it
+        assert said in text, f"{_named(words)} --help: {text}"

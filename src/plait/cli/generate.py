@@ -52,11 +52,15 @@ def register(app: typer.Typer) -> None:
                 short_help="Generate text from a checkpoint or a model folder.")(layout(generate_command))
 
 
+DEFAULT_PROMPT = "def "  # what a model trained on plait train's default data (Python sources) continues
+
+
 def generate_command(
     ctx: typer.Context,
     model: Annotated[str, Opt(help="A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, "
                                    "mistral, qwen2, qwen3, mixtral, qwen3_moe).")] = "plait-checkpoints",
-    prompt: Annotated[list[str] | None, Opt(help="A prompt (repeatable: one batch).")] = None,
+    prompt: Annotated[list[str] | None, Opt(help=f"A prompt (repeatable: one batch; default, without --chat or "
+                                                 f"--messages: {DEFAULT_PROMPT!r}).")] = None,
     chat: Annotated[list[str] | None, Opt(help="A user message to answer through the model's chat template "
                                               "(repeatable: one conversation each).", metavar="TEXT")] = None,
     system: Annotated[str | None, Opt(help="A system message opening each --chat conversation.",
@@ -113,7 +117,7 @@ def generate_command(
                 _check_prompts(prompts, [len(row) for row in ids], max_new_tokens, config.max_seq_len)
                 typer.echo(f"plait generate: chat template: {source}", err=True)
             else:
-                prompts, ids = prompt or ["def "], None
+                prompts, ids = prompt or [DEFAULT_PROMPT], None
                 _check_prompts([f"--prompt {short(p)}" for p in prompts], [len(tok.encode(p)) for p in prompts],
                                max_new_tokens, config.max_seq_len)
             if par.tp * par.pp > 1:  # before launching (last: it reads the weights); one process checks them as it

@@ -54,7 +54,8 @@ def register(app: typer.Typer) -> None:
 
 def serve_command(
     ctx: typer.Context,
-    api_key: Annotated[str | None, Opt(help="Require \"Authorization: Bearer KEY\" on /v1 routes (else 401).",
+    api_key: Annotated[str | None, Opt(help="Require \"Authorization: Bearer KEY\" on /v1 routes (else 401; "
+                                            "unset: every request is served).",
                                        envvar="PLAIT_API_KEY")] = None,
     layout: dict | None = None,
     settings: dict | None = None,
