@@ -44,6 +44,36 @@ def test_spawned_worlds_are_children_of_the_caller(monkeypatch):
     assert [(f["mark"], f["rank"], f["parent"]) for f in facts] == [("spawned", r, os.getpid()) for r in (0, 1)]
 
 
+def _rank_in_a_group() -> int:
+    """Joins the world's default group (rank 0 binds the rendezvous port) and leaves it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def test_a_world_whose_rendezvous_port_was_taken_is_launched_again_on_another(monkeypatch):
+    """free_port's port is free when picked; another process may bind it before rank 0 does (seen under load, with
+    other test runs on the host: plait verify failed with rank 0's EADDRINUSE). The world is launched again on a
+    fresh port."""
+    import socket
+
+    from plait.distributed import launch as launch_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = launch_module.free_port
+    monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert run_world(_rank_in_a_group, 2, timeout_s=120) == [0, 1]
+    finally:
+        taken.close()
+
+
 def _one_rank_ends_without_a_report(code: int, pause_s: float, noted: str) -> int:
     """Rank 1 waits ``pause_s``, notes the time (time.monotonic(), one clock for the host) in ``noted`` and exits
     with ``code`` without reporting; rank 0 reports at once."""

@@ -35,6 +35,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,8 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 MALLOC_SETTINGS = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20))
 MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
               "GLIBC_TUNABLES")
+#: run_world's launches of a world, and what a rank says when its rendezvous port was taken (then it is launched again)
+PORT_TRIES, PORT_TAKEN = 3, ("EADDRINUSE", "address already in use")
 
 
 def free_port() -> int:
@@ -154,7 +157,8 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
     Returns the per-rank return values (index = rank). If a rank raises, the world is torn down and a
     LaunchError carries that rank's traceback (or, with ``return_failures``, the RankFailure is returned
     in its slot). If ranks are silent past ``timeout_s``, all are killed and the error names them.
-    ``allow_dead`` puts None in the slot of a rank that exits without reporting instead of raising.
+    ``allow_dead`` puts None in the slot of a rank that exits without reporting instead of raising. A launch whose
+    rendezvous port another process took before rank 0 bound it is made again on a fresh port (PORT_TRIES in all).
 
     Each process is a fresh interpreter (``spawn``) that imports torch itself: about 2 s of CPU a process,
     5 s for a world of 4 on 2 cores. With ``preload`` (module names) the processes are forked instead from
@@ -164,6 +168,19 @@ def run_world(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, t
     starts as a spawned one does; each gets the caller's environment as at its launch, as a spawned one (but
     glibc's malloc has read its ``MALLOC_*`` variables once, at the server's start).
     """
+    launch = partial(_run_world_once, fn, nprocs, args, timeout_s, threads, return_failures, allow_dead, preload)
+    for _ in range(PORT_TRIES - 1):
+        try:
+            return launch()
+        except LaunchError as exc:  # the port was free when picked, another process bound it before rank 0 did
+            if not any(word in str(exc) for word in PORT_TAKEN):
+                raise
+    return launch()
+
+
+def _run_world_once(fn: Callable, nprocs: int, args: tuple, timeout_s: float, threads: int, return_failures: bool,
+                    allow_dead: bool, preload: tuple[str, ...]) -> list[Any]:
+    """One launch of ``run_world``'s world on one rendezvous port."""
     fork_server.quiet_backend_logs()
     if preload and "forkserver" in mp.get_all_start_methods():  # not on Windows: spawned there, as without
         ctx: Any = mp.get_context("forkserver")
