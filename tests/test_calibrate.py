@@ -322,3 +322,31 @@ def test_the_profile_s_table_is_whole_in_80_columns(tmp_path):
         assert word in head, (word, head)
     rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] in ("1", "2", "4", "8")]
     assert [r[0] for r in rows] == ["1", "2", "4", "8"] and all(r[-1].startswith("(tp") for r in rows[1:]), text
+
+
+def test_calibrate_off_a_terminal_prints_a_line_a_phase(tmp_path, monkeypatch):
+    """Piped (a CI log, `| tee`), the progress bar shows nothing and a calibration was minutes of silence; off a
+    terminal it now prints on standard error a line as each phase (its figures' names, numbers aside) begins:
+    the figures measured of the total, the seconds since the start, the latest figure."""
+    import plait.calibrate as cal
+    from plait.calibrate.run import total_steps
+
+    ticks = ["starting", "matmul 64x64x64", "matmul 128x128x128", "attention s=128 d=64", "attention s=256 d=64",
+             "all_reduce over 2 of 2 processes", "all_gather over 2 of 2 processes"]
+
+    def measured(counts, progress):
+        for done, what in enumerate(ticks):
+            progress(done, what)
+        return synthetic_profile(counts=(1, 2), block=True)
+
+    monkeypatch.setattr(cal, "_measure_once", measured)
+    r = CliRunner().invoke(app, ["calibrate", "--out", str(tmp_path / "host.toml"), "--processes", "1",
+                                 "--processes", "2"])
+    assert r.exit_code == 0, r.output
+    total = total_steps([1, 2])
+    lines = [x for x in r.stderr.splitlines() if x.startswith("plait calibrate: ")]
+    assert lines.pop(0) == "plait calibrate: measuring 1, 2 processes; starting them ...", lines
+    shown = [(int(x.split()[2]), x.split(": ", 2)[2]) for x in lines]
+    assert shown == [(0, "starting"), (1, "matmul 64x64x64"), (3, "attention s=128 d=64"),
+                     (5, "all_reduce over 2 of 2 processes"), (6, "all_gather over 2 of 2 processes")], lines
+    assert all(f" of {total} measured, " in x for x in lines), lines

@@ -30,7 +30,12 @@ two-stage pipeline of the larger layer beside its twin (how much the stages' han
 host). Between its phases it probes the host's speed (one
 linear layer on one thread) and scales each phase to the mean speed; it warns when the probes spread
 more than {STEADY:.0%} (beyond their own noise: a busy host, or a virtual machine's neighbours). Takes
-about a minute (52-56 s on a quiet 2-core VM). On such a host, `--repeat N` keeps
+about a minute: 52-56 s on a quiet 2-core VM for the default 1, 2 and 4 processes, longer for more
+process counts or larger ones, N times that with `--repeat N`, and longer on a busy host (other jobs
+slow its processes' start-up and the least rounds each figure takes). Progress goes to standard error:
+a bar on a terminal, else (a pipe, a CI log) a line a phase (matmul, attention, ..., each collective):
+the figures measured of the total, the seconds since the start, the latest figure. On a host whose
+speed moves, `--repeat N` keeps
 the mean of N calibrations, and `--add` averages a new one into the profile's earlier ones (take them at
 different moments): the profile then predicts the host's average, not one minute of it.
 `plait plan --cluster FILE` plans with it; `plait train` predicts its own step with it (by default from
@@ -79,13 +84,18 @@ def calibrate_command(
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    console = Console()
+    console, err = Console(), Console(stderr=True)
+    lines = None if err.is_terminal else PhaseLines()  # off a terminal the bar shows nothing: a line a phase
+    if lines is not None:  # the first figure comes after the processes import torch: seconds, more when busy
+        typer.echo(f"plait calibrate: measuring {', '.join(map(str, counts))} processes; starting them ...", err=True)
     with Progress(TextColumn("[bold]calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+                  TextColumn("{task.description}"), console=err, transient=True, disable=lines is not None) as bar:
         task = bar.add_task("launching processes", total=None)
 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
+            if lines is not None:
+                lines(done, total, what)
 
         try:
             profile, path = calibrate(counts, out, progress, repeat=repeat, add=add)
@@ -96,6 +106,26 @@ def calibrate_command(
             typer.echo(f"error: plait calibrate: {str(exc).splitlines()[0]}", err=True)
             raise typer.Exit(1) from None
     _summary(console, profile, path)
+
+
+class PhaseLines:
+    """Progress as lines on standard error, for a pipe or a log: one a phase, at its first figure measured (where
+    ``what``, its numbers aside, changes: "matmul 512x512x512" to "attention s=512 d=64"), with the figures
+    measured of the total and the seconds since the start."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.clock, self.start, self.phase = time.monotonic, time.monotonic(), ""
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        import re
+
+        phase = re.sub(r"\d+", "#", what)
+        if phase != self.phase:
+            self.phase = phase
+            seconds = self.clock() - self.start
+            typer.echo(f"plait calibrate: {done} of {total} measured, {seconds:.0f} s: {what}", err=True)
 
 
 def _summary(console, profile, path: Path) -> None:
