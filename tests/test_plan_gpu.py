@@ -145,11 +145,14 @@ def test_zero3_pays_a_collectives_latency_per_block():
 def test_full_recomputation_of_the_layers_only_leaves_the_head_out():
     """Megatron-LM, DeepSpeed's pipeline, llm-foundry and torchtitan checkpoint the transformer layers only:
     ``Training(recompute_head=False)`` drops the head's second forward, 2·s·h·V FLOPs a micro-batch, from the step
-    (plait's runtime checkpoints the head's block too: the default)."""
+    of a stack whose checkpoint re-runs what it wraps whole. plait's runtime checkpoints the head's block too (the
+    default), but its early-stopping checkpoint stops before the output layer's GEMM: nothing of it again."""
     m = Model(4, 1024, 8, 32000, 1024)
     cluster, layout = Cluster("a100-80gb", 1), Layout(recompute="full")
-    ours = estimate(m, cluster, layout, Training(4))
-    layers_only = estimate(m, cluster, layout, Training(4, recompute_head=False))
+    ours = estimate(m, cluster, layout, Training(4, recompute_early_stop=False))
+    layers_only = estimate(m, cluster, layout, Training(4, recompute_head=False, recompute_early_stop=False))
+    plaits = estimate(m, cluster, layout, Training(4))
+    assert plaits.time["recompute"] == estimate(m, cluster, layout, Training(4, recompute_head=False)).time["recompute"]
     g = cluster.gpu
     # [1024, 1024] x [1024, 32000]: 67.1 GFLOP at the ceiling, 1,000 tiles of 256x128 in 10 waves of 108 SMs;
     # its operands and result, 2·(1024·1024 + 2·1024·32000) = 133,169,152 bytes at 2.039 TB/s, 65.3 µs

@@ -211,6 +211,7 @@ OTHER_STACKS: tuple[tuple[str, object, str], ...] = (
     ("tp_overlap_sms", TE_OVERLAP_SMS, "runs no userbuffers"),
     ("tied_grad_sum", "shard", "sums a tied embedding's gradient over its reduced shard"),
     ("zero3_impl", "plait", "runs its own block-wise ZeRO-3"),
+    ("recompute_early_stop", True, "stops each block's recomputation once its saved tensors are back"),
 )
 
 #: where a stack sums a tied embedding's gradient over the pipeline stages holding a copy (``Training.tied_grad_sum``)
@@ -232,21 +233,19 @@ class Training:
     precision: str = "bf16"
     masters: str = "apart"  # where a bf16 run keeps its fp32 master weights: ``plan.optimizers.MASTERS``
     grad_dtype: str = RUNTIME_GRAD_DTYPE
-    """The dtype the costed stack keeps its gradients in and reduces them in over data parallelism: "fp32"
-    (plait's runtime, Megatron-LM with bf16, torchtitan's FSDP2), "bf16" or "fp16" (2 bytes alike: a
-    16-bit gradient buffer, as Megatron-Core's DDP with ``grad_reduce_in_fp32=False`` or DeepSpeed's fp16
-    ZeRO-1 keep; FSDP with a 16-bit ``reduce_dtype``). It sets the bytes of the gradients held below ZeRO-3
-    (``plan.memory.state_bytes``) and of every gradient collective: the DP all-reduce or reduce-scatter,
-    ZeRO-3's per-block reduce-scatters, the TP sum of partial gradients (``plan.step_end``). ZeRO-3's held
-    shards stay 4 B (the float32 master's gradient). A 16-bit value needs ``precision="bf16"``. plait's
-    runtime keeps fp32: a plan with another value describes another stack, and ``Layout.to_parallel_config``
-    refuses to turn it into a configuration plait would run."""
+    """The dtype the costed stack keeps its gradients in and reduces them in over data parallelism: "fp32" (plait's
+    runtime, Megatron-LM with bf16, torchtitan's FSDP2), "bf16" or "fp16" (2 bytes alike: a 16-bit gradient buffer,
+    as Megatron-Core's DDP with ``grad_reduce_in_fp32=False`` or DeepSpeed's fp16 ZeRO-1 keep; FSDP with a 16-bit
+    ``reduce_dtype``). It sets the bytes of the gradients held below ZeRO-3 (``plan.memory.state_bytes``) and of
+    every gradient collective: the DP all-reduce or reduce-scatter, ZeRO-3's per-block reduce-scatters, the TP sum
+    of partial gradients (``plan.step_end``). ZeRO-3's held shards stay 4 B (the float32 master's gradient). A
+    16-bit value needs ``precision="bf16"``. plait's runtime keeps fp32: ``Layout.to_parallel_config`` refuses
+    another."""
     recompute_head: bool = True
-    """Full recomputation recomputes the head (final norm and output layer) too, as plait's runtime does (it
-    checkpoints every block of a chunk, the head's included). False for stacks that checkpoint the transformer
-    layers only: Megatron-LM (``ParallelTransformer._checkpointed_forward``), DeepSpeed's pipeline
-    (``PipelineModule._is_checkpointable``: transformer layers), llm-foundry (each MPTBlock) and torchtitan (each
-    TransformerBlock)."""
+    """Full recomputation recomputes the head too, as plait's does; False: the layers only (Megatron-LM, torchtitan)."""
+    recompute_early_stop: bool = True
+    """Full recomputation stops once the block's saved tensors are saved again, as torch >= 2.1's non-reentrant
+    checkpoint (plait's runtime) does: ``timing.recomputed_gemms``. False: it re-runs the block whole (reentrant)."""
     tp_comm_overlap: bool = False
     """SP's gathers and scatters cut into per-rank pieces pipelined with the GEMMs that consume or produce them, as
     Megatron-Core's ``tp_comm_overlap`` runs them with Transformer Engine's userbuffers (Wang et al. 2023;
@@ -260,15 +259,15 @@ class Training:
     forward of the next one, as Megatron-Core's distributed optimizer runs it with ``overlap_param_gather``
     (``plan.overlap.exposed_tail``); otherwise it follows the optimizer step, exposed."""
     optimizer: str = RUNTIME_OPTIMIZER
-    """The implementation of the optimizer step and its gradient clipping, which sets the HBM bytes the step moves
-    per parameter element (``plan.optimizers.OPTIMIZERS``, each counted from its code): "torch-fused-adamw"
-    (plait's runtime: torch's fused AdamW, plait's float64 gradient norm), "megatron-fp16" (Megatron-LM's fp16
-    optimizer around apex's FusedAdam), "megatron-core-bf16" (Megatron-Core's distributed optimizer, a 16-bit
-    gradient buffer), "apex-distributed-adam" (apex's DistributedFusedAdam), "deepspeed-bf16" and
-    "deepspeed-zero-fp16" (DeepSpeed's BF16_Optimizer, its ZeRO-1/2 with fp16), "composer-decoupled-adamw"
-    (Composer's per-tensor DecoupledAdamW, FSDP's clip) or "torch-foreach-adamw" (torch's foreach AdamW and
-    clip_grad_norm_). Another stack's step also replaces plait's ZeRO publish (``step_end.publish_time``), DeepSpeed's
-    ZeRO-1 its reduce-scatter (``step_end.ZERO1_ALL_REDUCE``). ``Layout.to_parallel_config`` refuses any but plait's."""
+    """The implementation of the optimizer step and its gradient clipping, which sets the HBM bytes the step moves per
+    parameter element (``plan.optimizers.OPTIMIZERS``, each counted from its code): "torch-fused-adamw" (plait's
+    runtime: torch's fused AdamW, plait's float64 gradient norm), "megatron-fp16" (Megatron-LM's fp16 optimizer
+    around apex's FusedAdam), "megatron-core-bf16" (Megatron-Core's distributed optimizer, a 16-bit gradient buffer),
+    "apex-distributed-adam" (apex's DistributedFusedAdam), "deepspeed-bf16" and "deepspeed-zero-fp16" (DeepSpeed's
+    BF16_Optimizer, its ZeRO-1/2 with fp16), "composer-decoupled-adamw" (Composer's per-tensor DecoupledAdamW,
+    FSDP's clip) or "torch-foreach-adamw" (torch's foreach AdamW and clip_grad_norm_). Another stack's step also
+    replaces plait's ZeRO publish (``step_end.publish_time``), DeepSpeed's ZeRO-1 its reduce-scatter
+    (``step_end.ZERO1_ALL_REDUCE``). ``Layout.to_parallel_config`` refuses any but plait's."""
     tp_overlap_sms: tuple[int, int] = TE_OVERLAP_SMS
     """Under ``tp_comm_overlap``, the SMs (1 to ``UB_MAX_SMS``) the pipelined reduce-scatter after the attention's
     output projection and the one after the MLP's last GEMM hold while their GEMMs run on the rest: Transformer
@@ -301,7 +300,6 @@ class Training:
     by tensor), walked sub-module by sub-module in ``plan.zero3_deepspeed``; no pipeline) or "torchtitan-fsdp2"
     (torch's FSDP2 as torchtitan wraps it: timed as plait's, its memory as ``plan.memory.fsdp2_working`` and
     ``rank_memory`` count it). ``Layout.to_parallel_config`` refuses any but plait's."""
-
     elementwise: str = ELEMENTWISE[0]
     """How the costed stack runs a layer's element-wise kernels (norms, RoPE, activations, residual adds, casts) and
     its loss's on catalogue GPUs: "fused" (the GPU model's ``GPU.elementwise_traffic``, fitted on the published
@@ -325,7 +323,8 @@ class Training:
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise FieldError("global_batch", self.global_batch, "must be >= 1 sequence")
-        for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather", "sp_async_backward"):
+        for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather", "sp_async_backward",
+                     "recompute_early_stop"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         for name, choices in (("precision", PRECISIONS), ("grad_dtype", tuple(GRAD_DTYPES)),

@@ -90,12 +90,13 @@ class CostModel(Protocol):
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0],
-               sp_async: bool = False) -> Blocks:
+               sp_async: bool = False, early_stop: bool = True) -> Blocks:
         """One layer, the embedding and the head + loss, per micro-batch; ``tp_overlap``: the TP collectives
         pipelined with their GEMMs (``Training.tp_comm_overlap``), the pipelined scatters' kernels on
         ``overlap_sms`` SMs (``Training.tp_overlap_sms``); ``elementwise``: how the stack runs its element-wise
         kernels (``Training.elementwise``); ``sp_async``: SP's backward as Megatron-style layers run it
-        (``Training.sp_async_backward``)."""
+        (``Training.sp_async_backward``); ``early_stop``: full recomputation as torch's non-reentrant checkpoint
+        runs it (``Training.recompute_early_stop``)."""
         ...
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:

@@ -57,7 +57,8 @@ class Kernel:
     contiguous operands of one dtype (casts run the unrolled one)."""
 
 
-def _size(precision: str) -> int:
+def dtype_bytes(precision: str) -> int:
+    """Bytes of an activation element under ``precision``."""
     return 2 if precision == "bf16" else 4
 
 
@@ -113,7 +114,7 @@ def layer_kernels(model: Model, layout: Layout, precision: str) -> list[Kernel]:
     mlp(norm(h))``) forward and backward, for one micro-batch on one GPU. The projections, the attention core
     (SDPA) and the weight gradients' accumulation are costed elsewhere (``plan.gemm``, ``plan.attention``,
     ``plan.accumulation``)."""
-    a = _size(precision)
+    a = dtype_bytes(precision)
     n, nq, nk, nf, _ = widths(model, layout)
     out = rms_norm(n, a) + rms_norm(n, a) + rotate(nq, a) + rotate(nk, a)
     out += [Kernel("add", "forward", 2, 2 * 3 * a * n)]  # the two residual adds [T, h]
@@ -142,7 +143,7 @@ def head_kernels(model: Model, layout: Layout, precision: str) -> list[Kernel]:
     maxima (reads them), ``z - z_max``, ``exp``, its row sums (reads it), the softmax by ``div_`` in place; the
     backward clones the saved softmax, subtracts one at each target (one element a row), scales it by the
     incoming gradient (``grad * scale``) and casts it back to the logits' dtype."""
-    a = _size(precision)
+    a = dtype_bytes(precision)
     n, *_ = widths(model, layout)
     tokens = layout.microbatch_size * model.seq_len / layout.cp
     v = tokens * model.vocab / layout.tp

@@ -24,12 +24,12 @@ from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.eager import ELEMENTWISE
-from plait.plan.gemm import gemm_speed, operand_bytes, passes
+from plait.plan.gemm import gemm_seconds, gemm_speed, operand_bytes, passes
 from plait.plan.host import census
 from plait.plan.host.costs import eager_activations
 from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
-from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms
+from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms, recomputed_gemms
 
 if TYPE_CHECKING:
     from plait.plan.cluster import Cluster
@@ -232,7 +232,7 @@ class GpuCosts:
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0],
-               sp_async: bool = False) -> Blocks:
+               sp_async: bool = False, early_stop: bool = True) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus its GEMMs' and element-wise kernels' HBM traffic, its TP
         collectives (what of them ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs:
         ``tp_comm.userbuffers``; ``sp_async``: ``tp_comm.async_backward``) and what recomputation redoes, on the
@@ -244,7 +244,8 @@ class GpuCosts:
         twice it per backward; "plait-eager", plait's own kernels of the layer and of the head and loss counted
         by ``plan.eager`` (the unfused core's softmax over the scores keeps the fitted term), and the backward's
         all-gathers of the SP regions' inputs again (``census.Local.regathers``: two a dense layer, none under
-        full recomputation), exposed like its other TP collectives."""
+        full recomputation), exposed like its other TP collectives. ``early_stop`` (``Training.recompute_early_stop``):
+        full recomputation re-runs a layer's forward up to its last saved tensor only (``_not_recomputed``)."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
@@ -289,9 +290,27 @@ class GpuCosts:
             else:
                 recompute = 0.0
         head = head_forward_flops(model, tokens) / layout.tp / speed
+        head_r = head / hf + hg + head_f
+        if layout.recompute == "full" and early_stop:
+            recompute -= self._not_recomputed(model, layout, tokens, tp_overlap)
+            norm = eager.rms_norm(eager.widths(model, layout)[0], eager.dtype_bytes(precision))  # the final norm's
+            head_r = eager.seconds(norm, gpu.memory_bandwidth)[0] if own else 0.0
         return Blocks(StageCosts(f, b, w, tp, tp_b, recompute, 0.0, 1), StageCosts(),
                       StageCosts(head / hf + hg + head_f, head / hd + head / hw + 2 * hg + head_b, head / hw + hg,
-                                 recompute=head / hf + hg + head_f if layout.recompute == "full" else 0.0))
+                                 recompute=head_r if layout.recompute == "full" else 0.0))
+
+    def _not_recomputed(self, model: Model, layout: Layout, tokens: float, tp_overlap: bool) -> float:
+        """What an early-stopping recomputation of a layer skips (``timing.recomputed_gemms``): the GEMMs it does
+        not run again and, after a dense layer's last GEMM, its TP reduction (pipelined with that GEMM under
+        userbuffers: the GEMM alone)."""
+        gemms = layer_gemms(model, layout)
+        skipped = sum(count * gemm_seconds(self.gpu, m, n, k)
+                      for m, n, k, count in gemms[len(recomputed_gemms(model, layout, True)):])
+        t, act = layout.tp, tokens * model.hidden * 2
+        if skipped and t > 1 and not (tp_overlap and layout.sequence_parallel):
+            link = self.cluster.link(t)
+            skipped += ring_allgather(act, t, link) if layout.sequence_parallel else ring_allreduce(act, t, link)
+        return skipped
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
         """``[b, s, h]`` in bf16 scattered over the TP ranks (Narayanan et al. 2021, §4.1)."""

@@ -53,6 +53,10 @@ def tokens_step(batch: int, seq: int, tokens_per_s: float) -> float:
 # Gradients: fp16, kept and all-reduced in the parameters' dtype: CONFIG.sh passes --fp16 without
 # --accumulate-allreduce-grads-in-fp32, which Megatron-LM at that commit leaves off for fp16 (megatron/arguments.py:
 # only bf16 turns it on). Table 2's PTD runs are the same code; its ZeRO-3 runs DeepSpeed's fp16 (below).
+# Recomputation re-runs each layer whole: Megatron-LM's own checkpoint (megatron/mpu/random.py CheckpointFunction at
+# that commit, a torch.autograd.Function whose backward runs the layer's forward again under enable_grad) has no
+# early stop, nor DeepSpeed's (deepspeed/runtime/activation_checkpointing/checkpointing.py CheckpointFunction, the
+# same construction) for the ZeRO-3 rows, MT-NLG's and BLOOM's: Training(recompute_early_stop=False).
 NARAYANAN_GRADS = "fp16"
 # The optimizer step: Megatron-LM's Float16OptimizerWithFloat16Params around apex's FusedAdam at that commit (fp16,
 # --clip-grad 1.0 by default: megatron/optimizer/__init__.py, optimizer.py, arguments.py), ``plan.optimizers``.
@@ -133,7 +137,8 @@ def _narayanan() -> list[PublishedRun]:
             "Narayanan et al. 2021", NARAYANAN_WHERE, f"GPT {m.n_params() / 1e9:.1f}B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=torch_ddp, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
-                     optimizer=NARAYANAN_OPTIMIZER, grad_accumulation=NARAYANAN_ACCUMULATION, tied_grad_sum=TIED_FULL),
+                     recompute_early_stop=False, optimizer=NARAYANAN_OPTIMIZER,
+                     grad_accumulation=NARAYANAN_ACCUMULATION, tied_grad_sum=TIED_FULL),
             f"{tflops} teraFLOP/s per GPU", step, "eq. (3) FLOPs / (GPUs x TFLOP/s)",
             ("DDP=torch overlaps the gradient all-reduce, DDP=local does not",
              "fp16 costed as bf16", "Selene: HDR InfiniBand, 8 x 200 Gb/s per node")))
@@ -148,6 +153,7 @@ def _narayanan() -> list[PublishedRun]:
             "Narayanan et al. 2021", NARAYANAN_T2_WHERE, f"GPT {size}B on {n} A100, {scheme}", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False), layout,
             Training(batch, overlap_grad_reduce=not ptd, recompute_head=False, grad_dtype=NARAYANAN_GRADS,
+                     recompute_early_stop=False,
                      optimizer=NARAYANAN_OPTIMIZER if ptd else RUNTIME_OPTIMIZER,
                      grad_accumulation=NARAYANAN_ACCUMULATION if ptd else RUNTIME_ACCUMULATION,
                      tied_grad_sum=TIED_FULL if ptd else "shard",  # ZeRO-3 rows: no pipeline, nothing summed
@@ -191,7 +197,8 @@ def _smith() -> list[PublishedRun]:
             "Smith et al. 2022 (MT-NLG)", SMITH_WHERE, f"MT-NLG 530B on {n} A100", m,
             Cluster("a100-80gb", n, interconnect="ib-hdr", flash_attention=False),
             Layout(tp=8, pp=35, dp=n // 280, recompute="full", zero=1, partition=MEGATRON_CUT),
-            Training(1920, overlap_grad_reduce=False, recompute_head=False, tied_grad_sum=TIED_FULL),
+            Training(1920, overlap_grad_reduce=False, recompute_head=False, tied_grad_sum=TIED_FULL,
+                     recompute_early_stop=False),
             f"{step} s per iteration ({tflops} TFLOP/s per GPU)", step, "printed step time",
             ("micro-batch 1", "1F1B (DeepSpeed's pipeline), not interleaved", "full recomputation",
              "ZeRO-1 (DeepSpeed)", "vocab 50272 padded to 51200", "Selene: HDR InfiniBand",

@@ -97,6 +97,7 @@ def runs() -> list[PublishedRun]:
                         Layout(tp=4, pp=12, dp=8, microbatch_size=2, recompute="full", zero=1,
                                partition=BLOOM_CUT),
                         Training(2048, overlap_grad_reduce=False, recompute_head=False, optimizer="deepspeed-bf16",
+                                 recompute_early_stop=False,
                                  grad_accumulation="deepspeed-bf16", tied_grad_sum=TIED_FULL),
                         "elapsed time per iteration (s): 105.22 (TFLOPs: 149.02)", 105.22, "printed step time",
                         BLOOM_ASSUMED)]
@@ -108,6 +109,7 @@ def runs() -> list[PublishedRun]:
                 Cluster("a100-80gb", dp * tp * pp, interconnect=OMNIPATH, flash_attention=False),
                 bloom_prequel_layout(dp, tp, pp, mbs),
                 Training(gbs, overlap_grad_reduce=False, recompute_head=False, grad_dtype=BLOOM_PREQUEL_GRADS,
+                         recompute_early_stop=False,
                          optimizer="deepspeed-zero-fp16", grad_accumulation="autograd-16bit", tied_grad_sum=TIED_FULL),
                 f"Sec/it {sec} (TFLOPs {tflops})", float(sec), "printed step time",
                 BLOOM_ASSUMED + ("the 2nd iteration's time", "fp16 (the slurm of that day) costed as bf16; ZeRO-1")))

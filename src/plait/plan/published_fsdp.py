@@ -19,7 +19,11 @@ from plait.plan.published import PublishedRun, tokens_step
 # wraps each MPTBlock (llmfoundry/models/mpt/modeling_mpt.py activation_checkpointing_fn at that commit), inside its
 # FSDP unit (Composer wraps the model in FSDP first, then checkpoint-wraps the matching modules that are not FSDP
 # units: mosaicml/composer composer/trainer/dist_strategy.py at b71375a3): the head is not recomputed and the
-# recompute finds the block's weights gathered.
+# recompute finds the block's weights gathered. The yamls' activation_checkpointing_reentrant: false has Composer
+# wrap each block in checkpoint_wrapper(CheckpointImpl.NO_REENTRANT), torch's non-reentrant checkpoint, which stops
+# its recomputation early from torch 2.1 on (PyTorch #96866, March 2023, after the 2.0 branch;
+# ``Training.recompute_early_stop``): the H100 rows' torch 2.1.0.dev20230821 does, the A100 rows' 2.0.1 and
+# 1.13.1 do not.
 # The table's A100 rows come from two campaigns. MPT-70B's (bf16, PURE) is the April 2023 figure of mosaicml/examples
 # 9fa3ceb9 (examples/llm/throughput: release/v0.0.4 on image mosaicml/pytorch:1.13.1_cu117), reprinted unchanged; the
 # other A100 rows are October's (4b482bd6 "updated a100 numbers": image mosaicml/pytorch:2.0.1_cu118, code
@@ -95,7 +99,7 @@ def mosaic() -> list[PublishedRun]:
                     flash_attention=MOSAIC_KERNEL),
             Layout(dp=n, microbatch_size=mbs, recompute="full" if ckpt else "none", zero=3),
             Training(batch, recompute_head=False, grad_dtype="bf16", optimizer=MOSAIC_OPTIMIZER,
-                     grad_accumulation=MOSAIC_ACCUMULATION),
+                     grad_accumulation=MOSAIC_ACCUMULATION, recompute_early_stop=h100),
             f"Throughput (T/s) {tps}", tokens_step(batch, seq, tps), "global batch x seq / tokens per second",
             ("FSDP FULL_SHARD costed as ZeRO-3",
              MOSAIC_ATTENTION + ", costed as FlashAttention v1's CUDA kernel (no published figure of the port)",
@@ -108,8 +112,11 @@ def mosaic() -> list[PublishedRun]:
 # batch 1, full activation checkpointing: 331) and Llama 2 13B (local batch 2, none: 2162) and 70B (local batch
 # 2, full: 353) with FSDP2 on 64 A100 80GB; global batch = local batch x 64. Full AC wraps each TransformerBlock in a
 # checkpoint wrapper before fully_shard (torchtitan/parallelisms/parallelize_llama.py at that commit): the head is not
-# recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered. Gradients: reduced in fp32
-# (the same file: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)), plait's default.
+# recomputed, and the recompute runs inside the block's FSDP unit, its weights gathered. The wrapper is
+# ptd_checkpoint_wrapper(..., CheckpointImpl.NO_REENTRANT, use_reentrant=False) on torch >= 2.2 nightlies: torch's
+# non-reentrant checkpoint, which stops early (Training(recompute_early_stop=True), as plait's own runtime). Gradients:
+# reduced in fp32 (the same file: MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+# plait's default.
 TITAN_WHERE = "pytorch/torchtitan docs/performance.md (commit 04133643), Llama 3 and Llama 2 tables"
 # The optimizer step: train.py at that commit builds torch.optim.AdamW(..., weight_decay=0.1, foreach=True) and clips
 # with torch.nn.utils.clip_grad_norm_(..., foreach=True): "torch-foreach-adamw" (``plan.optimizers``).
@@ -132,7 +139,8 @@ def torchtitan() -> list[PublishedRun]:
             "torchtitan", TITAN_WHERE, f"{m.name} on 64 A100, {rc} AC", m,
             Cluster("a100-80gb", 64, flash_attention="flash2"),
             Layout(dp=64, microbatch_size=local, recompute=rc, zero=3),
-            Training(batch, recompute_head=False, optimizer=TITAN_OPTIMIZER, grad_accumulation=TITAN_ACCUMULATION),
+            Training(batch, recompute_head=False, optimizer=TITAN_OPTIMIZER, grad_accumulation=TITAN_ACCUMULATION,
+                     recompute_early_stop=True),
             f"WPS {wps}", tokens_step(batch, m.seq_len, wps * 64), "global batch x seq / (WPS x 64)",
             ("FSDP2 costed as ZeRO-3", "PyTorch SDPA: its flash backend, FlashAttention-2, on A100",
              "fabric not printed: HDR InfiniBand assumed")))

@@ -55,7 +55,7 @@ def layer_blocks(costs: CostModel, model: Model, layout: Layout, training: Train
     """``costs.blocks`` of ``layout`` as ``training``'s stack runs a layer (see ``chunk_costs``)."""
     t = training
     return costs.blocks(model, layout, t.precision, t.tp_comm_overlap, t.tp_overlap_sms, t.elementwise,
-                        t.sp_async_backward)
+                        t.sp_async_backward, t.recompute_early_stop)
 
 
 def chunk_costs(costs: CostModel, model: Model, layout: Layout, training: Training | None = None,
@@ -124,6 +124,17 @@ def layer_gemms(model: Model, layout: Layout) -> tuple[tuple[float, float, float
     if model.is_moe:
         return attention + experts.gemms(model, layout, tokens)
     return attention + ((tokens, model.ffn * (2 if model.glu else 1) / t, h, 1.0), (tokens, h, model.ffn / t, 1.0))
+
+
+def recomputed_gemms(model: Model, layout: Layout, early_stop: bool) -> tuple[tuple[float, float, float, float], ...]:
+    """The GEMMs of ``layer_gemms`` that a full recomputation runs again. An early-stopping one (torch's
+    non-reentrant checkpoint from torch 2.1: ``Training.recompute_early_stop``) ends as the forward's last saved
+    tensor is saved again, and an op saves its inputs before its kernel runs: a dense layer's last GEMM (the
+    MLP's second) is followed by nothing that saves a tensor (its TP reduction, the residual add), so it is not
+    run again; an MoE layer scales each expert's output by its router weight and adds it in by index, which save
+    them, so all of its GEMMs are."""
+    gemms = layer_gemms(model, layout)
+    return gemms[:-1] if early_stop and not model.is_moe else gemms
 
 
 def head_gemm(model: Model, layout: Layout) -> tuple[float, float, float, float]:

@@ -364,7 +364,7 @@ def exposed(model: Model, cluster: Cluster, layout: Layout, training: Training, 
     n = layout.dp * layout.cp
     span = layout.tp * n
     blocks = costs.blocks(model, layout, training.precision, training.tp_comm_overlap, training.tp_overlap_sms,
-                          sp_async=training.sp_async_backward)
+                          sp_async=training.sp_async_backward, early_stop=training.recompute_early_stop)
     emb, head = blocks.embedding, blocks.head
     layers = max(1, rank.layers)
     head_r = head.recompute if training.recompute_head else 0.0

@@ -188,7 +188,7 @@ class HostCosts:
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = "fused",
-               sp_async: bool = False) -> Blocks:
+               sp_async: bool = False, early_stop: bool = True) -> Blocks:
         """As plait runs a layer here: its TP collectives exposed (``tp_overlap``, ``overlap_sms`` and ``sp_async``
         model other stacks' overlaps on catalogue GPUs, which plait's runtime does not run); its element-wise
         kernels are in the measured layer times whatever ``elementwise`` says."""
