@@ -82,6 +82,21 @@ def test_checkpoint_keeps_its_tokenizer_from_anywhere_and_export_copies_it(train
             shutil.move(trained / "kept", kept)
 
 
+def test_export_takes_the_token_ids_of_the_generation_config_beside_the_tokenizer(trained, tmp_path):
+    """config.json of an export said bos_token_id null though the model's generation_config.json, copied with its
+    tokenizer, names its bos and pad ids; eos stays the end-of-document token the run trained with."""
+    from plait.checkpoint.store import export_pretrained
+
+    shutil.copytree(trained / "ckpt", tmp_path / "ckpt")  # its tokenizer files: the copy the checkpoint keeps
+    kept = tmp_path / "ckpt" / "step_00000001" / "tokenizer"
+    (kept / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 3],
+                                                             "pad_token_id": 0}))
+    export_pretrained(tmp_path / "ckpt", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    eos = Tokenizer.from_file(str(kept / "tokenizer.json")).token_to_id(EOS)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, eos, 0), config
+
+
 def test_a_byte_level_export_with_force_removes_the_folders_other_tokenizer(trained, tmp_path, monkeypatch):
     """A folder holding another model's tokenizer was refused under --force too; --force now replaces that model,
     its tokenizer files with it (a byte-level model has none to read in their place), and says so."""

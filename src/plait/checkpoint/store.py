@@ -273,7 +273,7 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None
     first; any other folder is a ConfigError unless ``force``, which removes its model's files first (its config.json,
     weights and tokenizer files: ``check_export_out``) and leaves its other files."""
     from plait.checkpoint.export_out import EXPORT_MARK, check_export_out
-    from plait.models.hf import check_weights_out, config_to_hf, save_state_dict_pretrained
+    from plait.models.hf import check_weights_out, config_to_hf, generation_token_ids, save_state_dict_pretrained
     from plait.models.registry import folder_family_of_config
     from plait.tokenizers import copy_tokenizer_files, trained_tokenizer
 
@@ -299,8 +299,13 @@ def export_pretrained(checkpoint: str | Path, out: str | Path, dtype: str | None
         (Path(out) / name).unlink()
     save_state_dict_pretrained(family, cfg, state, out, EXPORT_MARK)  # config.json's torch_dtype: theirs
     copy_tokenizer_files(folder, Path(out))
-    eos = (reader.meta.get("tokenizer") or {}).get("eos")  # the end-of-document token it was trained with
     hf = json.loads((Path(out) / "config.json").read_text())
-    if eos is not None and hf.get("eos_token_id") is None:  # where generation stops, as before the export
-        (Path(out) / "config.json").write_text(json.dumps({**hf, "eos_token_id": int(eos)}, indent=2) + "\n")
+    # Where generation stops, as before the export: the end-of-document token it was trained with; the other ids
+    # (and eos without one) from the generation_config.json that came with its tokenizer.
+    ids = {k: v for k, v in generation_token_ids(Path(out)).items() if hf.get(k) is None}
+    eos = (reader.meta.get("tokenizer") or {}).get("eos")
+    if eos is not None and hf.get("eos_token_id") is None:
+        ids["eos_token_id"] = int(eos)
+    if ids:
+        (Path(out) / "config.json").write_text(json.dumps({**hf, **ids}, indent=2) + "\n")
     return Path(out)

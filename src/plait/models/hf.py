@@ -28,6 +28,15 @@ INDEX_NAME = "model.safetensors.index.json"
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def generation_token_ids(folder: Path) -> dict:
+    """The TOKEN_IDS ``folder``'s generation_config.json sets (not null; {} without a readable one)."""
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in TOKEN_IDS if isinstance(config, dict) and config.get(k) is not None}
+
+
 def read_config(path: str | Path) -> dict:
     """The config.json dict of a Hugging Face folder (ConfigError if there is none)."""
     file = Path(path) / "config.json"
