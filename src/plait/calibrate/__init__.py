@@ -156,6 +156,8 @@ def _measure_once(counts: list[int], progress) -> HostProfile:
                 box["error"] = exc
 
         thread = threading.Thread(target=work, daemon=True)
+        if progress is not None:  # the first figure comes after the processes import torch: seconds, more when busy
+            progress(0, "starting the processes")
         thread.start()
         while thread.is_alive():
             thread.join(0.2)

@@ -86,8 +86,6 @@ def calibrate_command(
         raise typer.Exit(2) from None
     console, err = Console(), Console(stderr=True)
     lines = None if err.is_terminal else PhaseLines()  # off a terminal the bar shows nothing: a line a phase
-    if lines is not None:  # the first figure comes after the processes import torch: seconds, more when busy
-        typer.echo(f"plait calibrate: measuring {', '.join(map(str, counts))} processes; starting them ...", err=True)
     with Progress(TextColumn("[bold]calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=True, disable=lines is not None) as bar:
         task = bar.add_task("launching processes", total=None)
