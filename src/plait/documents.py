@@ -178,7 +178,6 @@ class DocumentCore:
         same = self.documents.mask(q.dtype)  # [b, 1, S, S] additive
         return self.core(q, k, v, same if mask is None else same.masked_fill(~mask, -torch.inf), True)
 
-
     def _each(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               spans: Spans) -> torch.Tensor:
         """Each document's attention alone, in place of its tokens: [b, h, S, hd]."""
