@@ -19,12 +19,13 @@ from plait.plan.catalogue import GPU, Link
 from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.host import census, sharing
-from plait.plan.host.compute import in_step_costs, selective_recompute
+from plait.plan.host.compute import in_step_costs, selective_recompute, work_costs
 from plait.plan.host.profile import HostProfile, Section
 from plait.plan.host.shapes import block_local
 from plait.plan.memory import ACTIVATION_BYTES, ActivationModel, zero3_working
 from plait.plan.model import Model
 from plait.plan.optimizers import RUNTIME_OPTIMIZER
+from plait.plan.timing import layer_gemms, recomputed_gemms
 
 # plait's optimizer step in fp32 (plait.optim.build_optimizer), bytes per parameter when a profile did not time
 # it (format 1): the global norm casts each gradient to float64 a chunk at a time (read 4, write 8, the dot
@@ -151,9 +152,27 @@ class HostCosts:
         rows = 2 * self.collective("all_to_all", experts.dispatch(model, layout, n_bytes)[0], ep)
         return self.collective("all_to_all", 8 * model.n_experts, ep) + rows, rows
 
-    def _block(self, kind: str, model: Model, layout: Layout, precision: str) -> StageCosts:
+    def _not_recomputed(self, model: Model, layout: Layout, sh: census.Local, work: census.Work, f_compute: float,
+                        n_bytes: float, wait: float) -> tuple[float, float]:
+        """(compute, TP seconds) of a layer's forward that an early-stopping full recomputation does not run again
+        (``timing.recomputed_gemms``): the GEMMs it skips, as their share of the layer's forward ``work`` by the
+        host's own figures (their seconds at the measured matmul rate for their shapes over what the kernel figures
+        give the whole forward) of ``f_compute``, the forward as a step runs it; after a dense layer's last GEMM,
+        its TP reduction (an all-reduce; SP's reduce-scatter) with its ``wait``."""
+        skipped = layer_gemms(model, layout)[len(recomputed_gemms(model, layout, True)):]
+        if not skipped:
+            return 0.0, 0.0
+        sec, mm = self.section, self.section.rates["matmul"]
+        gemm = sum(count * 2 * m * n * k / mm.at(2 * m * n * k, self.shared) for m, n, k, count in skipped)
+        forward = work_costs(work, sec, self.shared, layer=True).f_compute
+        tp = self.collective("reduce_scatter" if sh.sp else "all_reduce", n_bytes, layout.tp) + wait \
+            if layout.tp > 1 else 0.0
+        return f_compute * min(1.0, gemm / forward), tp
+
+    def _block(self, kind: str, model: Model, layout: Layout, precision: str, early_stop: bool = True) -> StageCosts:
         """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives (each with its
-        wait for the slowest rank, ``tp_wait``)."""
+        wait for the slowest rank, ``tp_wait``); under full recomputation a layer's forward again, up to its last
+        saved tensor with ``early_stop`` (``_not_recomputed``)."""
         sec, shared = self.section, self.shared
         sh = census.local(model, layout)
         d = ACTIVATION_BYTES[precision]
@@ -177,6 +196,9 @@ class HostCosts:
             f_a2a, b_a2a = self._expert_exchanges(model, layout, n_bytes)
             f_tp, b_tp = f_tp + f_a2a, b_tp + b_a2a
         recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
+        if kind == "layer" and layout.recompute == "full" and early_stop:
+            skipped, skipped_tp = self._not_recomputed(model, layout, sh, work, c.f_compute, n_bytes, wait)
+            recompute = c.f_compute - skipped + max(0.0, f_tp - skipped_tp)
         # the attention core again, under its checkpoint (context parallelism's core replaces it: nothing again)
         if kind == "layer" and layout.recompute == "selective" and layout.cp == 1:
             measured = selective_recompute(sec, shared, sh)
@@ -191,12 +213,13 @@ class HostCosts:
                sp_async: bool = False, early_stop: bool = True) -> Blocks:
         """As plait runs a layer here: its TP collectives exposed (``tp_overlap``, ``overlap_sms`` and ``sp_async``
         model other stacks' overlaps on catalogue GPUs, which plait's runtime does not run); its element-wise
-        kernels are in the measured layer times whatever ``elementwise`` says."""
+        kernels are in the measured layer times whatever ``elementwise`` says; ``early_stop``
+        (``Training.recompute_early_stop``): a layer's full recomputation less what torch does not run again."""
         for name, given in (("tp_comm_overlap", tp_overlap), ("sp_async_backward", sp_async)):
             if given:
                 raise ConfigError(f"{name}: models another stack's overlap on catalogue GPUs; a calibrated host runs "
                                   f"plait's own collectives (use {name}=False)")
-        return Blocks(*(self._block(k, model, layout, precision) for k in ("layer", "embedding", "head")))
+        return Blocks(*(self._block(k, model, layout, precision, early_stop) for k in ("layer", "embedding", "head")))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
         """As measured, the whole activation (plait sends it unscattered)."""
