@@ -153,7 +153,7 @@ def planner_inputs(cfg: TrainConfig, world: int) -> tuple[Model, Layout, Trainin
     from plait.cli.auto_layout import plan_model
     from plait.plan.runs import train_layout
 
-    return (plan_model(cfg), *train_layout(cfg.parallel.resolve(world), cfg.batch_size))
+    return (plan_model(cfg), *train_layout(cfg.parallel.resolve(world), cfg.batch_size, cfg.document_mask))
 
 
 def predict(cfg: TrainConfig, profile, world: int) -> Estimate:
@@ -212,11 +212,15 @@ def dry_run(cfg: TrainConfig, world: int) -> dict:
 
 def memory_notes(estimate: Estimate) -> list[str]:
     """What the predicted memory of ``estimate``'s run assumes where a step may differ from it: an MoE run's routing
-    under expert parallelism (``plan.experts.prediction_note``)."""
+    under expert parallelism (``plan.experts.prediction_note``), document masking's attention path
+    (``plan.documents.note``)."""
+    from plait.plan.documents import note as documents_note
     from plait.plan.experts import prediction_note
 
-    note = prediction_note(estimate.model, estimate.layout)
-    return [] if note is None else [note]
+    notes = [prediction_note(estimate.model, estimate.layout)]
+    if estimate.training.document_mask:
+        notes.append(documents_note(estimate.model, estimate.layout))
+    return [n for n in notes if n is not None]
 
 
 def memory_rows(estimate: Estimate) -> list[dict]:

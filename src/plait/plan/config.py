@@ -234,13 +234,12 @@ class Training:
     masters: str = "apart"  # where a bf16 run keeps its fp32 master weights: ``plan.optimizers.MASTERS``
     grad_dtype: str = RUNTIME_GRAD_DTYPE
     """The dtype the costed stack keeps its gradients in and reduces them in over data parallelism: "fp32" (plait's
-    runtime, Megatron-LM with bf16, torchtitan's FSDP2), "bf16" or "fp16" (2 bytes alike: a 16-bit gradient buffer,
-    as Megatron-Core's DDP with ``grad_reduce_in_fp32=False`` or DeepSpeed's fp16 ZeRO-1 keep; FSDP with a 16-bit
-    ``reduce_dtype``). It sets the bytes of the gradients held below ZeRO-3 (``plan.memory.state_bytes``) and of
-    every gradient collective: the DP all-reduce or reduce-scatter, ZeRO-3's per-block reduce-scatters, the TP sum
-    of partial gradients (``plan.step_end``). ZeRO-3's held shards stay 4 B (the float32 master's gradient). A
-    16-bit value needs ``precision="bf16"``. plait's runtime keeps fp32: ``Layout.to_parallel_config`` refuses
-    another."""
+    runtime, Megatron-LM with bf16, torchtitan's FSDP2), "bf16" or "fp16" (2 bytes alike: a 16-bit gradient buffer, as
+    Megatron-Core's DDP with ``grad_reduce_in_fp32=False`` or DeepSpeed's fp16 ZeRO-1 keep; FSDP with a 16-bit
+    ``reduce_dtype``). It sets the bytes of the gradients held below ZeRO-3 (``plan.memory.state_bytes``) and of every
+    gradient collective: the DP all-reduce or reduce-scatter, ZeRO-3's per-block reduce-scatters, the TP sum of partial
+    gradients (``plan.step_end``). ZeRO-3's held shards stay 4 B (the float32 master's gradient). A 16-bit value needs
+    ``precision="bf16"``. plait's runtime keeps fp32: ``Layout.to_parallel_config`` refuses another."""
     recompute_head: bool = True
     """Full recomputation recomputes the head too, as plait's does; False: the layers only (Megatron-LM, torchtitan)."""
     recompute_early_stop: bool = True
@@ -319,12 +318,13 @@ class Training:
     ``cross_entropy`` on a float32 copy of the logits, as torchtitan's ``loss_fn`` calls it: 12 B each at the
     log-softmax's backward) or "megatron-vocab-parallel" (Megatron-Core's vocab-parallel cross-entropy: the 16-bit
     logits beside their float32 copy, 6 B each)."""
+    document_mask: bool = False  # attention within packed documents (plait train --document-mask): plan.documents
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
             raise FieldError("global_batch", self.global_batch, "must be >= 1 sequence")
         for name in ("overlap_grad_reduce", "tp_comm_overlap", "overlap_param_gather", "sp_async_backward",
-                     "recompute_early_stop"):
+                     "recompute_early_stop", "document_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be True or False, got {getattr(self, name)!r}")
         for name, choices in (("precision", PRECISIONS), ("grad_dtype", tuple(GRAD_DTYPES)),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from plait.plan import experts
 from plait.plan.config import GRAD_DTYPES, Layout, Training
+from plait.plan.documents import DocumentBytes, document_bytes
 from plait.plan.model import Model
 from plait.plan.optimizers import RUNTIME_MASTERS
 from plait.plan.stages import layout_stages, stages
@@ -106,17 +107,20 @@ def activation_bytes_per_layer(model: Model, layout: Layout, micro: int | None =
 class ActivationModel:
     """Bytes per micro-batch of one layer, of the first chunk's embedding and of the last chunk's head,
     plus a working set held once (a recomputed layer, gathered ZeRO-3 weights) and ``shared``: what autograd
-    saves once per rank for all its layers and micro-batches (the RoPE tables the layers share)."""
+    saves once per rank for all its layers and micro-batches (the RoPE tables the layers share); ``documents``:
+    what document masking adds to a micro-batch (``plan.documents``)."""
 
     layer: float
     first: float
     last: float
     working: float
     shared: float = 0.0
+    documents: DocumentBytes | None = None
 
     def chunk(self, layers: int, first: bool, last: bool) -> float:
         """Bytes one micro-batch leaves on a chunk of ``layers`` layers until its backward."""
-        return layers * self.layer + (self.first if first else 0.0) + (self.last if last else 0.0)
+        docs = self.documents.chunk(layers) if self.documents is not None else 0.0
+        return layers * self.layer + (self.first if first else 0.0) + (self.last if last else 0.0) + docs
 
 
 # Bytes per logit the loss holds at its peak (``Training.loss``), beyond the head's 4sbh/t. "fp32-logits": the
@@ -149,8 +153,11 @@ def torchtitan_op_layer(model: Model, layout: Layout) -> float:
 def activations(cluster: Cluster, model: Model, layout: Layout, training: Training) -> ActivationModel:
     """The cluster's activation count (``CostModel.activations``) with ``training``'s stack: another selective
     policy's layer (``Training.selective_policy``; ``config.check`` keeps it to tp = cp = 1) and the loss's bytes
-    per logit (``Training.loss``)."""
+    per logit (``Training.loss``), and what document masking adds (``Training.document_mask``)."""
     acts = cluster.costs.activations(model, layout, training.precision, training.elementwise)
+    if training.document_mask:
+        docs = document_bytes(model, layout, ACTIVATION_BYTES[training.precision])
+        acts = replace(acts, documents=docs, shared=max(0.0, acts.shared - docs.pair))  # per row in its place
     if training.selective_policy == "torchtitan-op" and layout.recompute == "selective":
         acts = replace(acts, layer=torchtitan_op_layer(model, layout))
     if layout.zero == 3 and training.zero3_impl == "torchtitan-fsdp2":

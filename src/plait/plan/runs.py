@@ -12,15 +12,15 @@ from plait.plan.model import Model
 from plait.plan.optimizers import RUNTIME_MASTERS
 
 
-def train_layout(parallel: ParallelConfig, batch_size: int) -> tuple[Layout, Training]:
+def train_layout(parallel: ParallelConfig, batch_size: int, document_mask: bool = False) -> tuple[Layout, Training]:
     """The planner's Layout and Training of a ``plait train`` run (``parallel`` resolved: dp known;
     ``batch_size`` sequences over dp replicas, each cut into its micro-batches; ``Layout.from_parallel_config``),
     its element-wise kernels plait's own eager ones (``plan.eager``), its master weights where plait.optim keeps
-    them (``Training.masters``)."""
+    them (``Training.masters``), attending within documents with ``document_mask`` (``--document-mask``)."""
     m = parallel.num_microbatches
     layout = Layout.from_parallel_config(parallel, max(1, batch_size // (parallel.dp * m)))
     return layout, Training(batch_size, precision=parallel.precision, elementwise=RUNTIME_ELEMENTWISE,
-                            masters=RUNTIME_MASTERS)
+                            masters=RUNTIME_MASTERS, document_mask=document_mask)
 
 
 def predict_train(model: Model, profile: HostProfile | Cluster, layout: Layout, training: Training) -> Estimate:
