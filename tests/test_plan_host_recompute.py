@@ -1,12 +1,17 @@
 """Full recomputation on a calibrated host as plait's runtime runs it (torch's non-reentrant checkpoint stops before
-a dense layer's last GEMM and its TP reduction): the host model charges the layer's forward less that GEMM's share
-by the host's own figures, and less the collective after it (``HostCosts._not_recomputed``)."""
+a dense layer's last GEMM and its TP reduction, and runs the head's output layer and the embedding not at all): the
+host model charges the layer's forward less that GEMM's share by the host's own figures and less the collective
+after it (``HostCosts._not_recomputed``), the head its final norm (``HostCosts._head_recomputed``)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from calibrated_util import MATMUL, host_cluster, host_section, tp_cluster, with_layers
+from plait.models.llama import Llama, LlamaConfig
 from plait.plan import Layout, Model, Training
 from plait.plan.host import census
 from plait.plan.host.compute import work_costs
@@ -71,3 +76,60 @@ def test_an_moe_layer_and_other_recomputations_are_unchanged():
     for recompute in ("selective", "none"):
         layout = Layout(microbatch_size=2, recompute=recompute)
         assert charged(cluster, DENSE, layout, True) == charged(cluster, DENSE, layout, False)
+
+
+class Kernels(TorchDispatchMode):
+    """The ops torch runs while active, views and detaches left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in ("view", "_unsafe_view", "detach", "t"):
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def recomputed_ops(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """How many more kernels the backward of ``block`` runs under plait's checkpoint than without it."""
+    counts = []
+    for checkpointed in (True, False):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        y = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+        with Kernels() as k:
+            y.float().sum().backward()
+        counts.append(len(k.ops))
+    return counts[0] - counts[1]
+
+
+def test_plaits_head_recomputes_its_final_norm_only():
+    """The embedding, final norm and output layer are blocks of their own (``models.decoder``), each checkpointed:
+    the norm runs again, the output layer's GEMM and the lookup do not."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32, vocab_size=128, n_layers=1)
+    llama = Llama(cfg)
+    x = torch.randn(1, 32, 64, requires_grad=True)
+    assert recomputed_ops(llama.norm, x) == 5  # pow, mean, +eps, rsqrt, ·rsqrt: all but its last, ·weight
+    assert recomputed_ops(llama.lm_head, x) == 0
+    assert recomputed_ops(llama.embed_tokens, torch.randint(0, 128, (1, 32))) == 0
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
+def test_the_host_charges_the_head_its_final_norm_and_the_embedding_nothing(tp, sp):
+    """The head's recomputation is the final norm's share of its forward by the host's kernel figures (under SP also
+    the output layer's gather of its input, with its wait); the loss's collectives are outside the checkpoints."""
+    wait = 2e-4
+    cluster = tp_cluster({(2, sp): wait}, p=2) if tp > 1 else host_cluster(host_section(None))
+    layout = Layout(tp=tp, microbatch_size=2, recompute="full", sequence_parallel=sp)
+    early, whole = (layer_blocks(cluster.costs, DENSE, layout, Training(8, recompute_early_stop=e))
+                    for e in (True, False))
+    sh, sec = census.local(DENSE, layout), cluster.costs.section
+    norm = work_costs(census.final_norm_work(sh, 2), sec, False).f_compute
+    share = norm / work_costs(census.head_work(sh, 2), sec, False).f_compute
+    gather = cluster.costs.collective("all_gather", sh.n * 2, tp) + wait if sp else 0.0
+    assert 0 < share < 0.5
+    assert early.head.recompute == pytest.approx(early.head.f_compute * share + gather, rel=1e-12)
+    assert whole.head.recompute == pytest.approx(whole.head.f_compute + whole.head.f_tp)
+    assert early.embedding.recompute == 0.0 < whole.embedding.recompute

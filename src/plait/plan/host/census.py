@@ -262,6 +262,11 @@ def head_work(sh: Local, dtype_bytes: int) -> Work:
     return Work((gemm,), elem_bytes=traffic, ops=NORM_OPS + LINEAR_OPS + 12, nograd_ops=2)
 
 
+def final_norm_work(sh: Local, dtype_bytes: int) -> Work:
+    """The final norm of ``head_work`` alone (a block of its own in plait's runtime)."""
+    return Work(elem_bytes=NORM_TRAFFIC * sh.n_local * dtype_bytes, ops=NORM_OPS)
+
+
 def embedding_work(sh: Local, dtype_bytes: int) -> Work:
     """The lookup (and with TP the shard mask and the all-reduce's copy)."""
     extra = 3 if sh.tp > 1 else 0

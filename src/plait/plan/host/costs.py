@@ -169,10 +169,24 @@ class HostCosts:
             if layout.tp > 1 else 0.0
         return f_compute * min(1.0, gemm / forward), tp
 
+    def _head_recomputed(self, sh: census.Local, work: census.Work, dtype_bytes: int, f_compute: float,
+                         n_bytes: float, wait: float) -> float:
+        """What an early-stopping full recomputation runs again of the head: plait checkpoints the final norm and
+        the output layer as blocks of their own, and the output layer's GEMM saves its input (under SP gathered
+        inside it: the gather runs again, with its ``wait``), so only the norm (charged whole: its last multiply,
+        by the weight, is not run again) and that gather; the loss is outside both. The norm's share of the head's
+        forward ``work`` (at ``dtype_bytes``) by the host's kernel figures, of ``f_compute``."""
+        sec = self.section
+        norm = work_costs(census.final_norm_work(sh, dtype_bytes), sec, self.shared).f_compute
+        share = min(1.0, norm / work_costs(work, sec, self.shared).f_compute)
+        gather = max(0.0, self.collective("all_gather", n_bytes, sh.tp) + wait) if sh.sp else 0.0
+        return f_compute * share + gather
+
     def _block(self, kind: str, model: Model, layout: Layout, precision: str, early_stop: bool = True) -> StageCosts:
         """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives (each with its
-        wait for the slowest rank, ``tp_wait``); under full recomputation a layer's forward again, up to its last
-        saved tensor with ``early_stop`` (``_not_recomputed``)."""
+        wait for the slowest rank, ``tp_wait``); under full recomputation its forward again, up to its last saved
+        tensor with ``early_stop`` (a layer: ``_not_recomputed``; the head: ``_head_recomputed``; the embedding:
+        nothing)."""
         sec, shared = self.section, self.shared
         sh = census.local(model, layout)
         d = ACTIVATION_BYTES[precision]
@@ -196,9 +210,14 @@ class HostCosts:
             f_a2a, b_a2a = self._expert_exchanges(model, layout, n_bytes)
             f_tp, b_tp = f_tp + f_a2a, b_tp + b_a2a
         recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
-        if kind == "layer" and layout.recompute == "full" and early_stop:
-            skipped, skipped_tp = self._not_recomputed(model, layout, sh, work, c.f_compute, n_bytes, wait)
-            recompute = c.f_compute - skipped + max(0.0, f_tp - skipped_tp)
+        if layout.recompute == "full" and early_stop:
+            if kind == "layer":
+                skipped, skipped_tp = self._not_recomputed(model, layout, sh, work, c.f_compute, n_bytes, wait)
+                recompute = c.f_compute - skipped + max(0.0, f_tp - skipped_tp)
+            elif kind == "head":
+                recompute = self._head_recomputed(sh, work, d, c.f_compute, n_bytes, wait)
+            else:  # nothing in the embedding's checkpoint saves the rows it looks up
+                recompute = 0.0
         # the attention core again, under its checkpoint (context parallelism's core replaces it: nothing again)
         if kind == "layer" and layout.recompute == "selective" and layout.cp == 1:
             measured = selective_recompute(sec, shared, sh)
