@@ -17,41 +17,45 @@ from plait.plan.cluster import Cluster
 from plait.plan.documents import note
 
 
-def planned(cfg, rows: int, document_mask: bool) -> float:
-    """The planner's activation peak of one micro-batch of ``rows`` x ``cfg.max_seq_len`` on one process (plait's
-    eager runtime's count, fp32)."""
+def planned(cfg, rows: int, document_mask: bool, recompute: str) -> float:
+    """The planner's activation peak (what autograd saves, the recomputed layer's working set aside) of one
+    micro-batch of ``rows`` x ``cfg.max_seq_len`` on one process (plait's eager runtime's count, fp32)."""
     model = Model.from_llama_config(cfg.to_dict(), cfg.max_seq_len)
-    layout = Layout.from_parallel_config(ParallelConfig(microbatches=1).resolve(1), rows)
+    layout = Layout.from_parallel_config(ParallelConfig(microbatches=1, recompute=recompute).resolve(1), rows)
     training = Training(rows, precision="fp32", elementwise="plait-eager", document_mask=document_mask)
     acts = mem.activations(Cluster("h200", 1, gpus_per_node=1), model, layout, training)
     return acts.chunk(model.n_layers, True, True) + acts.shared
 
 
-def measured(cfg, tokens: torch.Tensor, eos: int | None) -> int:
+def measured(cfg, tokens: torch.Tensor, eos: int | None, recompute: str) -> int:
     with plait.init(1, 1, 1) as ctx:
         torch.manual_seed(0)
-        pm = plait.parallelize(Llama(cfg), ctx, microbatches=1, document_eos=eos)
+        par = ParallelConfig(microbatches=1, recompute=recompute)
+        pm = plait.parallelize(Llama(cfg), ctx, config=par, document_eos=eos)
         pm.train_step(tokens[:, :-1], tokens[:, 1:], measure_memory=True)
         return pm.activations_peak
 
 
 # "mask": one long row of 128 two-token documents (past SPLIT_MAX), one layer: the planner counts the [1, 1, S, S]
-# mask, the larger path. "each": two rows of a few documents, four layers: it counts each document alone, one
-# q-sized tensor a layer.
+# mask, the larger path. "each": two rows of a few documents, four layers, 64 tokens (too few to hold more than
+# SPLIT_MAX documents, so no mask can occur): it counts each document alone, one q-sized tensor a layer (none
+# under selective recomputation). Under full recomputation the checkpoints keep their inputs only: nothing more
+# is saved (the recomputed layer's working set holds it).
 CASES = {"mask": (dict(max_seq_len=256, n_layers=1), 1, range(1, 256, 2)),
-         "each": (dict(max_seq_len=64, n_layers=4), 2, (9, 30, 47))}
+         "each": (dict(max_seq_len=32, n_layers=4), 2, (9, 20))}
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("path", list(CASES))
-def test_predicted_activations_under_document_mask_are_measured(path):
+def test_predicted_activations_under_document_mask_are_measured(path, recompute):
     kw, rows, eos_at = CASES[path]
     cfg = cd.model_config(**kw)
     tokens = torch.randint(1, cfg.vocab_size, (rows, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(5))
     tokens[:, list(eos_at)] = cd.EOS
-    plain, masked = measured(cfg, tokens, None), measured(cfg, tokens, cd.EOS)
-    assert masked > plain  # the masked step keeps more: the prediction must count it
-    assert planned(cfg, rows, False) == pytest.approx(plain, rel=1e-3)
-    assert planned(cfg, rows, True) == pytest.approx(masked, rel=1e-3)
+    plain, masked = measured(cfg, tokens, None, recompute), measured(cfg, tokens, cd.EOS, recompute)
+    assert masked > plain or recompute == "full"  # the masked step keeps more: the prediction must count it
+    assert planned(cfg, rows, False, recompute) == pytest.approx(plain, rel=1e-3)
+    assert planned(cfg, rows, True, recompute) == pytest.approx(masked, rel=1e-3)
     model = Model.from_llama_config(cfg.to_dict(), cfg.max_seq_len)
     said = note(model, Layout.from_parallel_config(ParallelConfig(microbatches=1).resolve(1), rows))
     assert ("the mask [b, 1, S, S]" in said) == (path == "mask") and ("each document alone" in said) == (path == "each")

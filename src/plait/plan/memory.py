@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from plait.plan import experts
 from plait.plan.config import GRAD_DTYPES, Layout, Training
-from plait.plan.documents import DocumentBytes, document_bytes
+from plait.plan.documents import DocumentBytes, with_documents
 from plait.plan.model import Model
 from plait.plan.optimizers import RUNTIME_MASTERS
 from plait.plan.stages import layout_stages, stages
@@ -156,8 +156,7 @@ def activations(cluster: Cluster, model: Model, layout: Layout, training: Traini
     per logit (``Training.loss``), and what document masking adds (``Training.document_mask``)."""
     acts = cluster.costs.activations(model, layout, training.precision, training.elementwise)
     if training.document_mask:
-        docs = document_bytes(model, layout, ACTIVATION_BYTES[training.precision])
-        acts = replace(acts, documents=docs, shared=max(0.0, acts.shared - docs.pair))  # per row in its place
+        acts = with_documents(acts, model, layout, ACTIVATION_BYTES[training.precision])
     if training.selective_policy == "torchtitan-op" and layout.recompute == "selective":
         acts = replace(acts, layer=torchtitan_op_layer(model, layout))
     if layout.zero == 3 and training.zero3_impl == "torchtitan-fsdp2":
