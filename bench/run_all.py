@@ -13,7 +13,7 @@ from pathlib import Path
 # (script, arguments) in the order they run
 ORDER: list[tuple[str, list[str]]] = [
     ("sim.py", []), ("plan.py", []), ("tp.py", []), ("pipeline.py", []), ("optim.py", []), ("experts.py", []),
-    ("context.py", []), ("context_window.py", []), ("data.py", []), ("generate.py", []), ("serve.py", []),
+    ("context.py", []), ("data.py", []), ("generate.py", []), ("serve.py", []),
     ("recovery.py", ["stall"]), ("checksums.py", []),
 ]
 #: scripts of bench/ that run_all does not run, and why
