@@ -235,3 +235,23 @@ def test_context_parallel_without_the_mask_differs(world4):
 def test_zero_optimizer_steps_equal_each_document_alone(world4, case):
     for rank, r in enumerate(result(world4, case)):
         assert r["param_rel_max"] <= GRAD_TOL, f"rank {rank} {case}: params after 3 steps {r['param_rel_max']:.2e}"
+
+
+def test_an_attention_module_without_the_methods_to_shadow_is_refused_naming_it_and_the_method():
+    """Document masking and context parallelism shadow an attention module's core, rope and rope_at
+    (plait.models.family.attention_methods): one it lacks is a ConfigError naming the module and the method."""
+    from torch import nn
+
+    from plait.documents import Documents, apply_documents
+    from plait.errors import ConfigError
+    from plait.models.family import attention_methods
+
+    class NoRopeAt(nn.Module):
+        def core(self): ...
+
+        def rope(self): ...
+
+    with pytest.raises(ConfigError, match=r"^document_eos: attention module layers\.0\.attn has no rope_at\(\) "):
+        apply_documents({"layers.0.attn": NoRopeAt()}, Documents(0), 1)
+    with pytest.raises(ConfigError, match=r"^a lacks core$"):
+        attention_methods("a", nn.Module(), "{name} lacks {method}")

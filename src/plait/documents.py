@@ -38,6 +38,7 @@ from torch import nn
 
 from plait.context_parallel.layout import local_positions
 from plait.errors import ConfigError
+from plait.models.family import attention_methods
 
 Tables = tuple[torch.Tensor, torch.Tensor]
 Spans = list[list[tuple[int, int]]]  # per row of a micro-batch, its documents' [start, end) token ranges
@@ -197,13 +198,8 @@ def apply_documents(modules: dict[str, nn.Module], documents: Documents, cp: int
         raise ConfigError(f"document_eos: {model_name}'s family adapter names no attention modules to mask; leave "
                           "document masking off")
     for name, module in modules.items():
-        methods: dict[str, Callable] = {}
-        for method in ("core", "rope", "rope_at"):
-            fn = getattr(module, method, None)
-            if not callable(fn):
-                raise ConfigError(f"document_eos: attention module {name} has no {method}() to mask documents "
-                                  "with; leave document masking off")
-            methods[method] = fn
+        methods = attention_methods(name, module, "document_eos: attention module {name} has no {method}() to mask "
+                                                  "documents with; leave document masking off")
         setattr(module, "rope", DocumentRope(methods["rope"], methods["rope_at"], documents))  # noqa: B010
         if cp == 1:
             setattr(module, "core", DocumentCore(methods["core"], documents))  # noqa: B010

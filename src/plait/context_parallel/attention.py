@@ -35,6 +35,7 @@ from plait.context_parallel.blockwise import attend, attend_backward
 from plait.context_parallel.comms import Ring, gather_kv
 from plait.context_parallel.layout import gathered_positions, local_positions, sees
 from plait.errors import ConfigError
+from plait.models.family import attention_methods
 from plait.parallel_config import CP_COMMS
 
 if TYPE_CHECKING:
@@ -207,13 +208,8 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, 
                           "sequences cannot be split; use cp=1")
     positions = LocalPositions(ctx.cp_size, ctx.cp_rank)  # shared by the modules' GlobalRope
     for name, module in modules.items():
-        methods: dict[str, Callable] = {}
-        for method in ("core", "rope", "rope_at"):
-            fn = getattr(module, method, None)
-            if not callable(fn):
-                raise ConfigError(f"cp={ctx.cp_size}: attention module {name} has no {method}() to run under "
-                                  "context parallelism; use cp=1")
-            methods[method] = fn
+        methods = attention_methods(name, module, f"cp={ctx.cp_size}: attention module {{name}} has no {{method}}() "
+                                                  "to run under context parallelism; use cp=1")
         setattr(module, "rope", GlobalRope(methods["rope_at"], positions))  # noqa: B010
         window = windows.get(name)
         core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window, documents) if comm == "ring"

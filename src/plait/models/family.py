@@ -24,6 +24,7 @@ add fields, one in ``plait.hf_config.FAMILY_FIELDS``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,3 +124,16 @@ class SequentialFamily(Family):
 
     def layer_costs(self, model: nn.Module) -> LayerCosts:
         return LayerCosts([float(sum(p.numel() for p in child.parameters()) + 1) for child in model.children()])
+
+
+def attention_methods(name: str, module: nn.Module, refusal: str) -> dict[str, Callable]:
+    """The ``core``, ``rope`` and ``rope_at`` of attention module ``name`` (one of a family's
+    ``attention_modules``), which context parallelism and document masking shadow; a ConfigError ``refusal``
+    (formatted with ``name`` and ``method``) for one it lacks."""
+    methods: dict[str, Callable] = {}
+    for method in ("core", "rope", "rope_at"):
+        fn = getattr(module, method, None)
+        if not callable(fn):
+            raise ConfigError(refusal.format(name=name, method=method))
+        methods[method] = fn
+    return methods
