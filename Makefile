@@ -34,6 +34,8 @@ bench: install
 
 # On a machine with a GPU: the tree's sources on the path of a Python whose torch has CUDA (no install step: such
 # machines often reach no package registry). Writes gpu-check/gpu_check.json and gpu_check.md; ~4 min on one H200.
+# Its serve section needs plait's serving packages in that Python (fastapi, its opentelemetry-api, starlette, uvicorn,
+# pydantic): where the machine lacks them, bring wheels (pip download --no-deps ...) and pip install --no-index them.
 # On a CPU: make gpu-check PY=.venv/bin/python GPU_DEVICE=cpu GPU_FLAGS=--quick
 GPU_DEVICE ?= cuda
 GPU_FLAGS ?=
