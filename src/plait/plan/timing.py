@@ -28,9 +28,15 @@ def head_forward_flops(model: Model, tokens: float) -> float:
 
 def model_flops_per_step(model: Model, global_batch: int) -> float:
     """Model FLOPs of one step, forward + backward (3×forward), no recomputation: the MFU numerator
-    (Chowdhery et al. 2022, App. B)."""
+    (Chowdhery et al. 2022, App. B). A layer with a sliding window shorter than the sequence attends each query
+    to ``sliding_window`` keys, not ``seq_len``: counted over the sequence, its attention would be FLOPs the model
+    does not define (a 4k window at 128k tokens: 32 times its own), and the MFU could pass 100%."""
     tokens = global_batch * model.seq_len
-    fwd = model.n_layers * layer_forward_flops(model, tokens, model.seq_len)
+    windowed = round(model.window_layer_share * model.n_layers)
+    fwd = (model.n_layers - windowed) * layer_forward_flops(model, tokens, model.seq_len)
+    if windowed:
+        assert model.sliding_window is not None  # window_layer_share is 0 without one
+        fwd += windowed * layer_forward_flops(model, tokens, model.sliding_window)
     return 3 * (fwd + head_forward_flops(model, tokens))
 
 
