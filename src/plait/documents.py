@@ -181,11 +181,16 @@ class DocumentCore:
 
     def _each(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               spans: Spans) -> torch.Tensor:
-        """Each document's attention alone, in place of its tokens: [b, h, S, hd]."""
+        """Each document's attention alone, in place of its tokens: [b, h, S, hd]. q, k and v are cut with
+        ``split`` (rows, then each row's documents), whose backward concatenates the pieces' gradients once; a
+        slice per document (``q[r:r+1, :, a:e]``) would give each document a zero-filled gradient of the whole
+        tensor in the backward, summed with the others: traffic growing with the number of documents."""
         rows = []
-        for r, row in enumerate(spans):
-            parts = [self.core(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e],
-                               None if mask is None else mask[..., a:e, a:e], True) for a, e in row]
+        cuts = [[e - a for a, e in row] for row in spans]
+        for r, (qr, kr, vr) in enumerate(zip(*(x.split(1) for x in (q, k, v)), strict=True)):
+            pieces = zip(*(x.split(cuts[r], 2) for x in (qr, kr, vr)), spans[r], strict=True)
+            parts = [self.core(qd, kd, vd, None if mask is None else mask[..., a:e, a:e], True)
+                     for qd, kd, vd, (a, e) in pieces]
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, 2))
         return rows[0] if len(rows) == 1 else torch.cat(rows, 0)
 
