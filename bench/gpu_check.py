@@ -14,6 +14,9 @@ rewritten after each, so a run cut short keeps the sections it finished):
             each GEMM on this GPU (``gpu_check_gemm.py``; every timing in ``gemm.json``)
   elementwise  the kinds of element-wise kernel plait's eager step launches at the train section's shapes: GB/s
             of each, share of the catalogue's bandwidth (``gpu_check_elementwise.py``)
+  attention causal SDPA forward and forward + backward by sequence length (512 ... 16k) and head dimension (64,
+            128) under each fused backend (flash, cuDNN, efficient), the backend SDPA picks, and the planner's speed
+            of each shape beside (``gpu_check_attention.py``; every timing in ``attention.json``)
   train     one process: plait (``parallelize`` + ``ParallelOptimizer``, bf16 over fp32 masters on a GPU) and
             transformers' ``LlamaForCausalLM`` (fp32 weights under bf16 autocast), both with torch's fused AdamW, on
             the same config, batch and device, stepped in turn: tokens/s of each, their ratio, plait's MFU (6N +
@@ -45,6 +48,7 @@ import time
 import traceback
 from pathlib import Path
 
+from gpu_check_attention import attention_section
 from gpu_check_elementwise import elementwise_section
 from gpu_check_gemm import gemm_section
 from gpu_check_generate import generate_section
@@ -293,7 +297,8 @@ def markdown(results: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-SECTIONS = ("device", "tests", "gemm", "elementwise", "train", "generate", "predict", "serve", "serve_step")
+SECTIONS = ("device", "tests", "gemm", "elementwise", "attention", "train", "generate", "predict", "serve",
+            "serve_step")
 #: the keys repeated at the top of ``gpu_check.json`` from their sections
 MEMORY = ("activations_measured_over_predicted", "device_peak_over_predicted_total")
 SUMMARY = ("mfu", "train_tokens_per_s", "hf_train_tokens_per_s", "predicted_step_s", "measured_step_s",
@@ -339,6 +344,8 @@ def main() -> None:
         _run("gemm", results, out, gemm_section, device, args.quick, out)
     if "elementwise" in wanted:
         _run("elementwise", results, out, elementwise_section, device, sizes, args.quick)
+    if "attention" in wanted:
+        _run("attention", results, out, attention_section, device, sizes, args.quick, out)
     train: dict = {}
     if "train" in wanted:
         folder = Path(tempfile.mkdtemp(prefix="plait-gpu-check-"))

@@ -20,9 +20,12 @@ from pathlib import Path
 CPU_SHAPES = tuple((256, 256, k) for k in (16, 64, 256, 1024, 4096))
 
 
-def seconds_per_call(fn, device, work_s: float, max_calls: int) -> float:
+def seconds_per_call(fn, device, work_s: float, max_calls: int, events: bool = False) -> float:
     """Seconds per call of ``fn()`` on ``device``: two untimed calls, then enough calls for about ``work_s`` (3 to
-    ``max_calls``), timed on the host around a device synchronize."""
+    ``max_calls``), timed on the host around a device synchronize, or with ``events`` on a CUDA device between two
+    CUDA events (the device's own clock, no host time at either end)."""
+    import torch
+
     from plait.devices import synchronize
 
     for _ in range(2):
@@ -32,6 +35,14 @@ def seconds_per_call(fn, device, work_s: float, max_calls: int) -> float:
     fn()
     synchronize(device)
     calls = int(min(max_calls, max(3, work_s / max(time.perf_counter() - t0, 1e-7))))
+    if events and device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -56,6 +56,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     gemm = results["gemm"]  # a CPU: its speeds, and no catalogue GPU to hold the planner's costs against
     assert gemm["shapes"] == 5 and gemm["best_tflops"] > 0 and gemm["planner_gpu"] is None
     assert len(json.loads((out / "gemm.json").read_text())["shapes"]) == 5
+    assert results["attention"]["flash_shapes_run"] == 4 and (out / "attention.json").exists()
     rates = results["elementwise"]  # a CPU: the kernels' GB/s, no catalogue bandwidth to share
     assert rates["mul_contiguous_gb_s"] > 0 and rates["mul_rope_table_gb_s"] > 0 and rates["strided_share"] is None
     table = (out / "gpu_check.md").read_text()
@@ -102,3 +103,63 @@ def test_gemm_section_holds_the_planners_costs_against_the_h200_measurement(monk
     assert fit["planner_scaled_error"] < scaled_error([1.0] * len(shapes), measured)
     assert abs(fit["quantization_correlation"]) < 0.1
     assert planner_fit(get_gpu("b200"), shapes, measured)["quantization_correlation"] is None  # no SM count
+
+
+def test_attention_section_times_each_backend_that_runs_and_says_why_the_others_do_not(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """The attention section on a CPU (its tiny grid and the train section's attention): SDPA's flash backend runs
+    every shape in both passes and is the one SDPA picks; cuDNN's and the efficient kernel, CUDA only, are
+    recorded refused with SDPA's reason; every timing lands in attention.json; no catalogue GPU, no planner."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import torch
+    from gpu_check import CPU_MODEL
+    from gpu_check_attention import BACKENDS, MODES, attention_section
+
+    got = attention_section(torch.device("cpu"), {"model": CPU_MODEL, "batch": 2, "seq": 128}, True, tmp_path)
+    assert got["shapes"] == 5 and got["default_backends"] == "flash" and got["plait_backend"] == "flash"
+    assert got["flash_shapes_run"] == 4 and got["cudnn_shapes_run"] == got["efficient_shapes_run"] == 0
+    assert got["flash_median_fwd_bwd_tflops"] > 0 and got["plait_fwd_bwd_tflops"] > 0
+    assert got["planner_gpu"] is None and got["plait_planner_flash2_tflops"] is None
+    saved = json.loads((tmp_path / "attention.json").read_text())
+    plait = saved["shapes"][-1]  # the train section's attention, grouped-query as plait's Llama runs it
+    assert (plait["case"], plait["heads"], plait["kv_heads"], plait["seq"]) == ("plait", 4, 2, 128)
+    for shape in saved["shapes"]:
+        assert set(shape["tflops"]) == set(BACKENDS)
+        assert all(len(shape["tflops"]["flash"][m]) == 2 and min(shape["tflops"]["flash"][m]) > 0 for m in MODES)
+        assert "No viable backend" in shape["tflops"]["cudnn"]["refused"]
+    cut = attention_section(torch.device("cpu"), {"model": CPU_MODEL, "batch": 2, "seq": 128}, True, tmp_path,
+                            budget_s=0.0)  # out of time before the first shape: every pass cut, nothing timed
+    assert cut["shape_passes_cut"] == 10 and cut["flash_shapes_run"] == 0 and cut["plait_fwd_bwd_tflops"] is None
+    assert got["shape_passes_cut"] == 0 and cut["median_pass_scatter"] is None and cut["default_backends"] == ""
+
+
+def test_attention_planner_speeds_and_summary_on_the_h200(monkeypatch) -> None:
+    """Beside each shape the planner's speed of flash2 and cudnn on the catalogue GPU (the H200 takes the H100's
+    published figures: FlashAttention-2 at 2048 tokens, head dimension 128, 265 TFLOP/s forward + backward); an
+    A100, with no published cuDNN figure, only flash2; the summary holds each backend against its kernel."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from gpu_check_attention import causal_forward_flops, planner_tflops, summary
+
+    from plait.plan.attention import efficiency
+    from plait.plan.catalogue import get_gpu
+
+    h200 = get_gpu("h200")
+    speeds = planner_tflops(h200, 2048, 128)
+    assert speeds["flash2"] == 265.0
+    assert speeds["cudnn"] == round(efficiency(h200, "cudnn", 2048, 128) * 989, 1) > speeds["flash2"]
+    assert set(planner_tflops(get_gpu("a100"), 2048, 128)) == {"flash2"}
+    assert causal_forward_flops(2, 3, 8, 4) == 2 * 2 * 3 * 8 * 8 * 4
+
+    def row(case: str, backend: str, flash: float, cudnn: float) -> dict:  # each pass 10% off the speed
+        return {"case": case, "default_backend": backend, "planner_tflops": speeds,
+                "tflops": {"flash": {"forward": [0.9, 1.1], "fwd_bwd": [flash * 0.9, flash * 1.1]},
+                           "cudnn": {"forward": [0.9, 1.1], "fwd_bwd": [cudnn * 0.9, cudnn * 1.1]},
+                           "efficient": {"refused": "why"}}}
+
+    got = summary([row("h2048", "cudnn", 265.0, speeds["cudnn"]), row("h2048", "flash", 132.5, speeds["cudnn"] / 2),
+                   row("plait", "cudnn", 200.0, 500.0)], "h200")
+    assert got["default_backends"] == "cudnn,flash" and got["efficient_shapes_run"] == 0
+    assert got["flash_over_planner_flash2"] == 0.75 and got["cudnn_over_planner_cudnn"] == 0.75
+    assert got["median_pass_scatter"] == round(0.2 / 1.1, 4)
+    assert (got["plait_backend"], got["plait_fwd_bwd_tflops"], got["plait_planner_flash2_tflops"]) == \
+        ("cudnn", 500.0, 265.0)
