@@ -74,8 +74,9 @@ def test_the_count_beside_the_h200_profile_of_one_plait_step():
     4% short. Time: the kernels with a broadcast or strided operand (``Kernel.strided``: 242 bf16 products, 120
     copies, 80 sums, as many as the profile's three generic elementwise_kernel rows have calls) run at 28-35% of
     the bandwidth, the other products at about 83%, so the five classes take about twice their bytes' time at the
-    datasheet bandwidth. The planner charges the bytes at the bandwidth (no rate fitted on
-    this one profile): this test holds both the count and how far the measured time is from it."""
+    datasheet bandwidth. This test holds the count and how far the profile's time is from those bytes at the
+    datasheet bandwidth; the planner charges each kind at the speed gpu-check's elementwise section measured it
+    alone (``tests/test_plan_own_gpu.py`` sets that beside these rows)."""
     ks = step_kernels()
     ops = eager.by_op(ks)
     assert ops["mul"][0] == PROFILE_OPS["mul"][1] and ops["roll"][0] == PROFILE_OPS["roll"][1]
@@ -104,16 +105,18 @@ def test_the_count_beside_the_h200_profile_of_one_plait_step():
 
 
 def test_plait_eager_replaces_the_fitted_term_in_the_gpu_model():
-    """On the gpu-check run the step grows by the counted kernels' seconds less the fitted term's (3 passes of
-    1.63 x a layer's stored bytes, each layer), nothing else; full recomputation repeats the counted forward of
-    each layer and of the final norm (plait's checkpoint stops before the output layer: no loss kernel again)."""
+    """On the gpu-check run the step grows by the counted kernels' seconds (at the H200's measured rates) less the
+    fitted term's (3 passes of 1.63 x a layer's stored bytes, each layer), nothing else; full recomputation
+    repeats the counted forward of each layer and of the final norm (plait's checkpoint stops before the output
+    layer: no loss kernel again)."""
     m, lay, gpu = GPU_CHECK_MODEL, GPU_CHECK_LAYOUT, GPUS["h200"]
     cluster = Cluster("h200", 1, gpus_per_node=1)
     fused = estimate(m, cluster, lay, Training(4), exact=True)
     own = estimate(m, cluster, lay, Training(4, elementwise="plait-eager"), exact=True)
-    layer_f, layer_b = eager.seconds(eager.layer_kernels(m, lay, "bf16"), gpu.memory_bandwidth)
-    head_f, head_b = eager.seconds(eager.head_kernels(m, lay, "bf16"), gpu.memory_bandwidth)
-    norm_f = eager.seconds(eager.rms_norm(lay.microbatch_size * m.seq_len * m.hidden, 2), gpu.memory_bandwidth)[0]
+    bandwidth, rates = gpu.memory_bandwidth, gpu.elementwise_rates
+    layer_f, layer_b = eager.seconds(eager.layer_kernels(m, lay, "bf16"), bandwidth, rates)
+    head_f, head_b = eager.seconds(eager.head_kernels(m, lay, "bf16"), bandwidth, rates)
+    norm_f = eager.seconds(eager.rms_norm(lay.microbatch_size * m.seq_len * m.hidden, 2), bandwidth, rates)[0]
     fitted = 3 * gpu.elementwise_traffic * activation_bytes_per_layer(m, replace(lay, recompute="selective")) \
         / gpu.memory_bandwidth
     grown = m.n_layers * (layer_f + layer_b - fitted) + head_f + head_b

@@ -23,6 +23,29 @@ class Link:
 
 
 @dataclass(frozen=True)
+class KernelRates:
+    """How fast one GPU type runs the kinds of element-wise kernel plait's eager training step launches
+    (``plan.eager.KINDS``), each timed alone at a run's shapes, and where that was measured (``source``). A kernel of
+    a measured kind runs at its rate (bytes read and written, as ``plan.eager`` counts them, a second); any other
+    at the datasheet bandwidth times the share the measured kinds reached, their median: ``contiguous_share`` for
+    one whose operands are contiguous, ``strided_share`` for one that runs torch's generic strided loop
+    (``plan.eager.Kernel.strided``). Measured in bf16: a float32 run's kernels take the same rates."""
+
+    source: str
+    measured: tuple[tuple[str, float], ...]
+    """(kind, bytes/s) of each kind measured."""
+    contiguous_share: float
+    strided_share: float
+
+    def rate(self, kind: str, strided: bool, bandwidth: float) -> float:
+        """Bytes/s of a kernel of ``kind`` ("" for none), ``strided`` or not, on a GPU of datasheet ``bandwidth``."""
+        measured = dict(self.measured)
+        if kind in measured:
+            return measured[kind]
+        return bandwidth * (self.strided_share if strided else self.contiguous_share)
+
+
+@dataclass(frozen=True)
 class GPU:
     """One accelerator type.
 
@@ -36,7 +59,9 @@ class GPU:
     "a100", "h100"; "" for none). ``sms``: its streaming multiprocessors, as the vendor's architecture whitepaper
     prints them (0 where none is cited). ``tile_quantization``: its GEMMs are costed with cuBLAS's tile and wave
     quantization on those SMs (``plan.gemm``: the A100s, which the guide describes; not the Hopper GPUs, whose
-    measured GEMM speeds show none: ``plan.measured_gemm_h200``).
+    measured GEMM speeds show none: ``plan.measured_gemm_h200``). ``elementwise_rates``: plait's eager
+    element-wise kernels as measured on this GPU (``KernelRates``; None where they were not: they run at
+    ``memory_bandwidth``).
     """
 
     name: str
@@ -53,6 +78,7 @@ class GPU:
     attention_figures: str = ""
     sms: int = 0
     tile_quantization: bool = False
+    elementwise_rates: KernelRates | None = None
 
 
 # Link figures are vendor nominal per direction per GPU; NCCL reaches LINK_EFFICIENCY of them
@@ -93,6 +119,16 @@ INTERCONNECTS: dict[str, Link] = {
 # B200 (HGX): 2.25 PF, 180 GB, 8 TB/s; L40S: 362 TF, 48 GB, 864 GB/s). SMs: "NVIDIA A100 Tensor Core GPU
 # Architecture" (2020): 108; "NVIDIA H100 Tensor Core GPU Architecture" (2022): 132 on the SXM5, 114 on the PCIe
 # card; the H200 is the SXM5's GH100 with more memory.
+# The H200's: bf16 at the shapes of make gpu-check's train section (a 0.6B Llama: 4 x 2,048 tokens of width 1,536,
+# 12 heads of 128, MLP 4,096), each kind timed alone with CUDA synchronizes around enough calls for 20 ms, in two
+# passes (bench/gpu_check_elementwise.py); torch 2.11.0+cu130, CUDA 13.0. GB/s over the bytes plan.eager counts.
+H200_ELEMENTWISE = KernelRates(
+    "bench/gpu_check.py elementwise section, H200, torch 2.11, 2026-11-30",
+    (("mul_contiguous", 4101 * GB), ("add_contiguous", 3771 * GB), ("cast_to_fp32", 1854 * GB),
+     ("rms_norm_fp32", 3366 * GB), ("mul_norm_weight", 1502 * GB), ("mul_rope_table", 1192 * GB),
+     ("copy_transpose", 1354 * GB), ("roll", 861.7 * GB), ("add_mixed_layouts", 1720 * GB)),
+    contiguous_share=0.743, strided_share=0.297)
+
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
@@ -106,7 +142,8 @@ GPUS: dict[str, GPU] = {
             "NVIDIA H100 PCIe 80GB (no NVLink bridge)", fp8=True,
             attention_figures="h100", sms=114),
         GPU("h200", 989e12, 141 * GB, 4.8e12, NVLINK4, INTERCONNECTS["ib-ndr"], 0.664,
-            "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100", sms=132),
+            "NVIDIA H200 SXM 141GB", fp8=True, attention_figures="h100", sms=132,
+            elementwise_rates=H200_ELEMENTWISE),
         GPU("b200", 2.25e15, 180 * GB, 8.0e12, NVLINK5, INTERCONNECTS["ib-ndr"], 0.60,
             "NVIDIA B200 (HGX) 180GB", fp8=True),
         GPU("l40s", 362e12, 48 * GiB, 0.864e12, PCIE4, INTERCONNECTS["eth-100"], 0.60,

@@ -242,10 +242,11 @@ class GpuCosts:
         the scores (so selective recomputation redoes nothing more) and its s×s scores never reach HBM.
         ``elementwise`` (``Training.elementwise``): "fused", the fitted ``elementwise_traffic`` per forward and
         twice it per backward; "plait-eager", plait's own kernels of the layer and of the head and loss counted
-        by ``plan.eager`` (the unfused core's softmax over the scores keeps the fitted term), and the backward's
-        all-gathers of the SP regions' inputs again (``census.Local.regathers``: two a dense layer, none under
-        full recomputation), exposed like its other TP collectives. ``early_stop`` (``Training.recompute_early_stop``):
-        full recomputation re-runs a layer's forward up to its last saved tensor only (``_not_recomputed``)."""
+        by ``plan.eager``, at this GPU's measured rates where it has them (``_eager``; the unfused core's softmax
+        over the scores keeps the fitted term), and the backward's all-gathers of the SP regions' inputs again
+        (``census.Local.regathers``: two a dense layer, none under full recomputation), exposed like its other TP
+        collectives. ``early_stop`` (``Training.recompute_early_stop``): full recomputation re-runs a layer's
+        forward up to its last saved tensor only (``_not_recomputed``)."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
@@ -261,8 +262,8 @@ class GpuCosts:
         if own:  # plait's runtime gathers each SP region's input again in the backward (tensor_parallel.regather)
             tp_b += census.local(model, layout).regathers * ring_allgather(tokens * model.hidden * 2, t,
                                                                            self.cluster.link(t))
-            traffic, traffic_b = eager.seconds(eager.layer_kernels(model, layout, precision), gpu.memory_bandwidth)
-            head_f, head_b = eager.seconds(eager.head_kernels(model, layout, precision), gpu.memory_bandwidth)
+            traffic, traffic_b = self._eager(eager.layer_kernels(model, layout, precision))
+            head_f, head_b = self._eager(eager.head_kernels(model, layout, precision))
         else:
             traffic = gpu.elementwise_traffic * kept / gpu.memory_bandwidth
             traffic_b, head_f, head_b = 2 * traffic, 0.0, 0.0
@@ -294,10 +295,16 @@ class GpuCosts:
         if layout.recompute == "full" and early_stop:
             recompute -= self._not_recomputed(model, layout, tokens, tp_overlap)
             norm = eager.rms_norm(eager.widths(model, layout)[0], eager.dtype_bytes(precision))  # the final norm's
-            head_r = eager.seconds(norm, gpu.memory_bandwidth)[0] if own else 0.0
+            head_r = self._eager(norm)[0] if own else 0.0
         return Blocks(StageCosts(f, b, w, tp, tp_b, recompute, 0.0, 1), StageCosts(),
                       StageCosts(head / hf + hg + head_f, head / hd + head / hw + 2 * hg + head_b, head / hw + hg,
                                  recompute=head_r if layout.recompute == "full" else 0.0))
+
+    def _eager(self, kernels: list[eager.Kernel]) -> tuple[float, float]:
+        """(forward, backward) seconds of plait's eager ``kernels``: each kind at this GPU's measured rate, the
+        others at its measured shares of the bandwidth (``GPU.elementwise_rates``); all at the bandwidth where
+        nothing was measured."""
+        return eager.seconds(kernels, self.gpu.memory_bandwidth, self.gpu.elementwise_rates)
 
     def _not_recomputed(self, model: Model, layout: Layout, tokens: float, tp_overlap: bool) -> float:
         """What an early-stopping recomputation of a layer skips (``timing.recomputed_gemms``): the GEMMs it does
@@ -356,7 +363,12 @@ class GpuCosts:
         return nbytes / self.gpu.memory_bandwidth
 
     def accumulation_time(self, nbytes: float, grad_accumulation: str = RUNTIME_ACCUMULATION) -> float:
-        """The accumulation's element-wise kernels stream their bytes at the GPU's memory bandwidth."""
+        """The accumulation's element-wise kernels stream their bytes at the GPU's memory bandwidth; plait's own
+        (each bf16 gradient added into its float32 bucket: contiguous, of no measured kind) at the contiguous share
+        of it where plait's kernels were measured on this GPU (``GPU.elementwise_rates``)."""
+        rates = self.gpu.elementwise_rates
+        if grad_accumulation == RUNTIME_ACCUMULATION and rates is not None:
+            return nbytes / rates.rate("", False, self.gpu.memory_bandwidth)
         return nbytes / self.gpu.memory_bandwidth
 
     def step_syncs(self, model: Model, layout: Layout) -> tuple[float, float]:
