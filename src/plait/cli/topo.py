@@ -9,7 +9,8 @@ from typing import Any
 
 import typer
 
-from plait.cli.plan import fail, inference_verdict, planner_model
+from plait.cli.plan import fail, planner_model
+from plait.cli.plan_inference import inference_verdict
 
 TOPO_HELP = """Read `nvidia-smi topo -m` (or --file), say which GPUs are joined how, and which serving layout
 `plait plan --inference` recommends on these links (each TP size costed on the link its group uses).
