@@ -38,6 +38,10 @@ Examples:
   plait plan --model small --gpus 4 --cluster host.toml --global-batch 16 \\
       --seq-len 128 --write-config run.toml
   plait train --config run.toml
+  # attention within packed documents (plait train --document-mask) of
+  # about 600 tokens each:
+  plait plan --model llama3-8b --gpus 8 --seq-len 8192 --global-batch 512 \\
+      --document-mask --mean-document-length 600
 
 The bubble is the idle share of the step (the average pipeline rank's idle time over the step time);
 the parts of the time breakdown add up to the step. Without --global-batch the batch is searched: the
@@ -184,11 +188,18 @@ class PlanOptions:
     so uneven routing keeps and takes more (the output says how much at most: the JSON's dropless_bound)"""
     write_config: Path | None = None
     """write the best layout as a `plait train --config` TOML file"""
+    document_mask: bool = False
+    """plan runs of plait train --document-mask (attention within each packed document): its memory, and its
+    attention's time as documents of --mean-document-length tokens cut the rows"""
+    mean_document_length: float | None = None
+    """with --document-mask (required): the tokens a document of the data averages, its end-of-document token
+    included (plait train --dry-run --document-mask reads the lengths of its --data instead)"""
 
 
 #: options that only serving plans read (with --inference), and those only training plans read (without)
 INFERENCE_ONLY = ("batch", "prompt_len", "gen_len", "weights")
-TRAINING_ONLY = ("global_batch", "show_schedule", "write_config", "plan_only", "precision", "elementwise")
+TRAINING_ONLY = ("global_batch", "show_schedule", "write_config", "plan_only", "precision", "elementwise",
+                 "document_mask", "mean_document_length")
 
 
 def _check_mode(o: PlanOptions) -> None:
@@ -217,6 +228,7 @@ def plan(options: dict[str, Any]) -> None:
     from plait.errors import ConfigError, flag_message
     from plait.plan import Cluster, Training, explain, search
     from plait.plan.attention import KERNELS, UNFUSED
+    from plait.plan.documents import note as documents_note
     from plait.plan.experts import dropless_bound, routing_note
     from plait.plan.explain import nothing_fits
     from plait.plan.optimizers import RUNTIME_MASTERS
@@ -247,15 +259,16 @@ def plan(options: dict[str, Any]) -> None:
             inference(console, m, cluster, o.batch, o.prompt_len, o.gen_len, o.as_json, o.weights)
             return
         precision = o.precision or ("fp32" if o.cluster is not None else "bf16")
+        documents = plan_documents(o, m.seq_len)
         if o.global_batch is not None:
             training = Training(o.global_batch, precision=precision, elementwise=o.elementwise,
-                                masters=RUNTIME_MASTERS)
+                                masters=RUNTIME_MASTERS, document_mask=o.document_mask, documents=documents)
             result = search(m, cluster, training, top=o.top, plan_only=o.plan_only)
         else:
             choice = search_batch(m, cluster, top=o.top, precision=precision, plan_only=o.plan_only,
-                                  elementwise=o.elementwise, masters=RUNTIME_MASTERS)
+                                  elementwise=o.elementwise, masters=RUNTIME_MASTERS, documents=documents)
             training = Training(choice.global_batch, precision=precision, elementwise=o.elementwise,
-                                masters=RUNTIME_MASTERS)
+                                masters=RUNTIME_MASTERS, document_mask=o.document_mask, documents=documents)
             result = choice.result
             batch_note = f"global batch (not given, searched): {choice.reason}"
         if result.best and o.write_config is not None:
@@ -273,7 +286,9 @@ def plan(options: dict[str, Any]) -> None:
                                "why": explain(result), "max_memory_fraction": o.max_memory_fraction,
                                "expert_capacity": m.expert_capacity if m.is_moe else None,
                                "dropless_bound": dropless_bound(m, result.best[0].layout) if m.is_moe else None,
-                               "train_flags": plan_flags(result.best[0], o.model, o.cluster)}
+                               "train_flags": plan_flags(result.best[0], o.model, o.cluster),
+                               "document_mask": documents_note(m, result.best[0].layout, documents)
+                               if o.document_mask else None}
         typer.echo(json.dumps(out, indent=1))
         return
     size = f"{m.n_params() / 1e9:.1f}B" if m.n_params() >= 1e9 else f"{m.n_params() / 1e6:.1f}M"
@@ -290,8 +305,26 @@ def plan(options: dict[str, Any]) -> None:
     console.print("• " + flags_line(result.best[0], o.model, o.cluster), markup=False, highlight=False, soft_wrap=True)
     if m.is_moe:
         console.print("• " + routing_note(m, result.best[0].layout))
+    if o.document_mask:
+        console.print("• " + documents_note(m, result.best[0].layout, documents))
     if o.show_schedule:
         _show_schedule(console, result.best[0])
+
+
+def plan_documents(o: PlanOptions, seq_len: int):
+    """``Training.documents`` of --document-mask: documents of --mean-document-length tokens (None without the
+    mask). ConfigError for either option without the other."""
+    from plait.errors import ConfigError
+    from plait.plan.documents import DocumentLengths
+
+    if o.mean_document_length is not None and not o.document_mask:
+        raise ConfigError("--mean-document-length: only with --document-mask (the documents attention keeps to)")
+    if not o.document_mask:
+        return None
+    if o.mean_document_length is None:
+        raise ConfigError("--document-mask: give --mean-document-length N, the tokens a document of the data "
+                          "averages (its end-of-document token included): the attention's time depends on it")
+    return DocumentLengths.of_mean(o.mean_document_length, seq_len)
 
 
 def _host_run(o: PlanOptions) -> tuple[PlanOptions, str]:

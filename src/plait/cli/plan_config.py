@@ -47,8 +47,8 @@ def _trainable(model_arg: str) -> bool:
 def train_values(best, model_arg: str) -> dict[str, Any]:
     """``best``'s settings as ``plait train`` reads them (flat ``TrainConfig`` names): the model where plait train
     builds it (a preset of its own, a Hugging Face folder or its config.json's folder; else None), the layout as the
-    runtime's ``ParallelConfig``, the global batch and the sequence length. ConfigError where plait train does not
-    run it (``train_gap``)."""
+    runtime's ``ParallelConfig``, the global batch, the sequence length and --document-mask. ConfigError where
+    plait train does not run it (``train_gap``)."""
     from plait.errors import ConfigError
     from plait.train.config import PRESETS
 
@@ -56,7 +56,8 @@ def train_values(best, model_arg: str) -> dict[str, Any]:
         raise ConfigError(gap)
     model = (model_arg if model_arg in PRESETS else str(_folder(model_arg))) if _trainable(model_arg) else None
     return {"model": model, **best.layout.to_parallel_config(best.training, rounds=best.rounds).to_dict(),
-            "batch_size": best.training.global_batch, "seq_len": best.model.seq_len}
+            "batch_size": best.training.global_batch, "seq_len": best.model.seq_len,
+            **({"document_mask": True} if best.training.document_mask else {})}
 
 
 def train_flags(values: dict[str, Any]) -> list[str]:

@@ -20,8 +20,10 @@ from plait.train.observe import NO_CLUSTER, Prediction
 from plait.words import counted
 
 if TYPE_CHECKING:
+    from plait.data.stream import TrainData
     from plait.plan.cluster import Cluster
     from plait.plan.config import Layout, Training
+    from plait.plan.documents import DocumentLengths
     from plait.plan.estimate import Estimate
     from plait.plan.host.profile import HostProfile
     from plait.plan.model import Model
@@ -148,20 +150,37 @@ def cached_profile(path: Path):
         return None
 
 
-def planner_inputs(cfg: TrainConfig, world: int) -> tuple[Model, Layout, Training]:
-    """The planner's (Model, Layout, Training) of this run of ``world`` processes."""
+def planner_inputs(cfg: TrainConfig, world: int, data: TrainData | None = None) -> tuple[Model, Layout, Training]:
+    """The planner's (Model, Layout, Training) of this run of ``world`` processes; with --document-mask, as the
+    documents of its data cut the rows (``data``, the run's, or opened here: raw text is tokenized)."""
     from plait.cli.auto_layout import plan_model
     from plait.plan.runs import train_layout
 
-    return (plan_model(cfg), *train_layout(cfg.parallel.resolve(world), cfg.batch_size, cfg.document_mask))
+    documents = row_lengths(cfg, data) if cfg.document_mask else None
+    return (plan_model(cfg), *train_layout(cfg.parallel.resolve(world), cfg.batch_size, cfg.document_mask,
+                                           documents))
 
 
-def predict(cfg: TrainConfig, profile, world: int) -> Estimate:
+def row_lengths(cfg: TrainConfig, data: TrainData | None = None) -> DocumentLengths:
+    """How the documents of the run's data (``data``, or ``--data`` opened here) cut its rows of --seq-len tokens
+    (``plait.data.lengths``)."""
+    from plait.data.lengths import row_documents
+    from plait.data.stream import open_data
+    from plait.plan.documents import DocumentLengths
+    from plait.train.config import model_config
+
+    if data is None:
+        data = open_data(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len, cfg.batch_size, cfg.seed,
+                         cfg.max_data_mb)
+    return DocumentLengths(cfg.seq_len, *row_documents(data))
+
+
+def predict(cfg: TrainConfig, profile, world: int, data: TrainData | None = None) -> Estimate:
     """The planner's Estimate of this run of ``world`` processes on ``profile`` (a host profile or a
-    catalogue Cluster: step time, bubble, memory of every rank)."""
+    catalogue Cluster: step time, bubble, memory of every rank); ``data``: the run's (``planner_inputs``)."""
     from plait.plan.runs import predict_train
 
-    model, layout, training = planner_inputs(cfg, world)
+    model, layout, training = planner_inputs(cfg, world, data)
     return predict_train(model, profile, layout, training)
 
 
@@ -219,7 +238,7 @@ def memory_notes(estimate: Estimate) -> list[str]:
 
     notes = [prediction_note(estimate.model, estimate.layout)]
     if estimate.training.document_mask:
-        notes.append(documents_note(estimate.model, estimate.layout))
+        notes.append(documents_note(estimate.model, estimate.layout, estimate.training.documents))
     return [n for n in notes if n is not None]
 
 
@@ -262,7 +281,7 @@ class HostPredictor:
         box: list[Prediction | None] = [None]
         run.unpredicted = unpredicted(run.cfg, on_gpu)  # read only when nothing is predicted
         if run.ctx.rank == 0 and profile is not None:
-            est = predict(run.cfg, profile, world)
+            est = predict(run.cfg, profile, world, run.data)
             # the host's speed against its calibration's (the other ranks wait in the broadcast meanwhile)
             speed = None if on_gpu else host_speed(profile, run.ctx.device)
             box[0] = Prediction(est.step_time_s, est.bubble_fraction, dict(est.phases), memory_rows(est),

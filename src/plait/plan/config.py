@@ -11,6 +11,7 @@ from plait.parallel_config import CP_COMMS, PRECISIONS, RECOMPUTE_MODES, ZERO3_S
 from plait.pipeline.balance import PARTITIONS, partition_layers
 from plait.plan import experts
 from plait.plan.accumulation import ACCUMULATIONS, RUNTIME_ACCUMULATION
+from plait.plan.documents import DocumentLengths, check_documents
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.model import Model
 from plait.plan.optimizers import MASTERS, OPTIMIZERS, RUNTIME_OPTIMIZER, masters_gap
@@ -39,11 +40,10 @@ RUNTIME: dict[str, tuple] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout as the planner costs it: ``plait.ParallelConfig``'s layout fields, spelt as there, the
-    layers' cut over the pipeline chunks and the micro-batch size (``to_parallel_config`` and
-    ``from_parallel_config`` convert). world = tp·cp·dp·pp; ranks ordered tp (innermost), cp, dp, pp. Unlike
-    ParallelConfig, ``dp`` is always given and the planner models what the runtime does not run yet
-    (``runtime_gap``)."""
+    """A parallel layout as the planner costs it: ``plait.ParallelConfig``'s layout fields, spelt as there, the layers'
+    cut over the pipeline chunks and the micro-batch size (``to_parallel_config`` and ``from_parallel_config`` convert).
+    world = tp·cp·dp·pp; ranks ordered tp (innermost), cp, dp, pp. Unlike ParallelConfig, ``dp`` is always given, and
+    the planner models what the runtime does not run (``runtime_gap``)."""
 
     tp: int = 1
     """Tensor-parallel size."""
@@ -187,12 +187,10 @@ TE_OVERLAP_SMS = (16, 16)
 #: the most SMs a userbuffers kernel runs on: its completion counters assume at most NVTE_MAX_SMS blocks
 #: (NVIDIA/TransformerEngine transformer_engine/common/comm_gemm_overlap/userbuffers/userbuffers.h at 3b2a7b00)
 UB_MAX_SMS = 32
-
 #: the gradient dtypes a costed stack may keep and reduce (``Training.grad_dtype``), and their bytes
 GRAD_DTYPES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: the one plait's runtime keeps: float32 gradients (main_grad buffers, ZeRO shards), reduced in float32
 RUNTIME_GRAD_DTYPE = "fp32"
-
 #: which tensors a layer keeps under selective recomputation (``Training.selective_policy``, ``plan.memory``)
 SELECTIVE_POLICIES = ("korthikanti", "torchtitan-op")
 #: how the loss holds the logits at its peak (``Training.loss``, ``plan.memory.LOGIT_BYTES``)
@@ -319,6 +317,7 @@ class Training:
     log-softmax's backward) or "megatron-vocab-parallel" (Megatron-Core's vocab-parallel cross-entropy: the 16-bit
     logits beside their float32 copy, 6 B each)."""
     document_mask: bool = False  # attention within packed documents (plait train --document-mask): plan.documents
+    documents: DocumentLengths | None = None  # how the documents cut the rows, for its step time (None: as without)
 
     def __post_init__(self) -> None:
         if int(self.global_batch) < 1:
@@ -334,6 +333,7 @@ class Training:
                               ("elementwise", ELEMENTWISE), ("masters", MASTERS)):
             if getattr(self, name) not in choices:
                 raise FieldError(name, getattr(self, name), f"not one of {', '.join(choices)}")
+        check_documents(self.document_mask, self.documents)
         sms = tuple(self.tp_overlap_sms) if isinstance(self.tp_overlap_sms, (tuple, list)) else ()
         if len(sms) != 2 or not all(type(n) is int and 1 <= n <= UB_MAX_SMS for n in sms):
             raise ConfigError(f"tp_overlap_sms: must be two integers from 1 to {UB_MAX_SMS} (the SMs of proj_fprop's "

@@ -17,6 +17,7 @@ from plait.plan.optimizers import RUNTIME_OPTIMIZER
 
 if TYPE_CHECKING:
     from plait.plan.config import Layout
+    from plait.plan.documents import DocumentLengths
     from plait.plan.memory import ActivationModel
     from plait.plan.model import Model
 
@@ -90,13 +91,14 @@ class CostModel(Protocol):
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0],
-               sp_async: bool = False, early_stop: bool = True) -> Blocks:
+               sp_async: bool = False, early_stop: bool = True, documents: DocumentLengths | None = None) -> Blocks:
         """One layer, the embedding and the head + loss, per micro-batch; ``tp_overlap``: the TP collectives
         pipelined with their GEMMs (``Training.tp_comm_overlap``), the pipelined scatters' kernels on
         ``overlap_sms`` SMs (``Training.tp_overlap_sms``); ``elementwise``: how the stack runs its element-wise
         kernels (``Training.elementwise``); ``sp_async``: SP's backward as Megatron-style layers run it
         (``Training.sp_async_backward``); ``early_stop``: full recomputation as torch's non-reentrant checkpoint
-        runs it (``Training.recompute_early_stop``)."""
+        runs it (``Training.recompute_early_stop``); ``documents``: the attention of a run with document masking, as
+        its documents cut the rows (``Training.documents``; None: unmasked, ``plan.documents.masked_attention``)."""
         ...
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:

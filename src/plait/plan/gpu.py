@@ -23,11 +23,12 @@ from plait.plan.attention import window_share
 from plait.plan.catalogue import GPU, LINK_EFFICIENCY, Link
 from plait.plan.config import TE_OVERLAP_SMS
 from plait.plan.costs import Blocks, Span, StageCosts
+from plait.plan.documents import DocumentLengths, MaskedAttention, masked_attention
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.gemm import gemm_seconds, gemm_speed, operand_bytes, passes
 from plait.plan.host import census
 from plait.plan.host.costs import eager_activations
-from plait.plan.memory import ActivationModel, activation_bytes_per_layer, zero3_working
+from plait.plan.memory import ACTIVATION_BYTES, ActivationModel, activation_bytes_per_layer, zero3_working
 from plait.plan.optimizers import OPTIMIZERS, RUNTIME_OPTIMIZER
 from plait.plan.timing import head_forward_flops, head_gemm, layer_forward_flops, layer_gemms, recomputed_gemms
 
@@ -173,7 +174,8 @@ class GpuCosts:
             f, b = f + dispatch_combine, b + dispatch_combine
         return f, b
 
-    def _attention_core(self, model: Model, layout: Layout, flops: float) -> tuple[float, float]:
+    def _attention_core(self, model: Model, layout: Layout, flops: float,
+                        masked: MaskedAttention | None = None) -> tuple[float, float]:
         """Seconds of the attention core's (QK^T and AV) forward and backward over ``flops``, counted on the whole
         s×s square as ``layer_forward_flops`` counts them. A fused kernel (``Cluster(flash_attention=...)``) runs
         the causal half (``FLASH_CAUSAL``) at its published share of peak at this sequence length per CP rank and
@@ -184,19 +186,26 @@ class GpuCosts:
         backend does not take, so at cp = 1 the fused kernel computes those layers' whole square, masked blocks
         included (at the same share of peak: no published figures); context parallelism's blockwise attention
         skips the key blocks no query of a tile sees, so under cp > 1 their causal half shrinks to the pairs the
-        window keeps (``plan.attention.window_share``)."""
+        window keeps (``plan.attention.window_share``).
+        Document masking (``masked``, ``plan.documents.masked_attention``): each document alone, the documents'
+        share of the work at the kernel's speed for their length; the mask path, the whole square computed (as
+        with a window's mask), and its additive mask read through HBM in the forward and again in the backward."""
         gpu = self.gpu
+        masked = masked or MaskedAttention(None, 1.0, model.seq_len / layout.cp, 0.0)
+        flops, mask = flops * masked.share, masked.mask / gpu.memory_bandwidth
         if not self.cluster.flash_attention:
             forward = flops / gemm_speed(gpu)
-            return forward, 2 * forward
-        kernel = attention_efficiency(gpu, self.cluster.attention, model.seq_len / layout.cp, model.head_dim)
+            return forward + mask, 2 * forward + mask
+        kernel = attention_efficiency(gpu, self.cluster.attention, masked.seq, model.head_dim)
         windowed = model.window_layer_share
-        if layout.cp == 1:
+        if masked.path == "mask":
+            computed = 1.0
+        elif layout.cp == 1:
             computed = windowed + (1 - windowed) * FLASH_CAUSAL
         else:
             computed = FLASH_CAUSAL * (windowed * window_share(model.seq_len, model.sliding_window) + 1 - windowed)
         forward = flops * computed / (gpu.peak_flops * kernel)
-        return forward, FLASH_BACKWARD * forward
+        return forward + mask, FLASH_BACKWARD * forward + mask
 
     def _cp_comm_per_layer(self, model: Model, layout: Layout, tokens: float) -> tuple[float, float]:
         """What one layer's context-parallel K/V exchange leaves exposed, (forward, backward).
@@ -232,7 +241,7 @@ class GpuCosts:
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = ELEMENTWISE[0],
-               sp_async: bool = False, early_stop: bool = True) -> Blocks:
+               sp_async: bool = False, early_stop: bool = True, documents: DocumentLengths | None = None) -> Blocks:
         """A layer: FLOPs at the fitted efficiency plus its GEMMs' and element-wise kernels' HBM traffic, its TP
         collectives (what of them ``tp_overlap`` leaves exposed, its pipelined scatters on ``overlap_sms`` SMs:
         ``tp_comm.userbuffers``; ``sp_async``: ``tp_comm.async_backward``) and what recomputation redoes, on the
@@ -246,14 +255,17 @@ class GpuCosts:
         over the scores keeps the fitted term), and the backward's all-gathers of the SP regions' inputs again
         (``census.Local.regathers``: two a dense layer, none under full recomputation), exposed like its other TP
         collectives. ``early_stop`` (``Training.recompute_early_stop``): full recomputation re-runs a layer's
-        forward up to its last saved tensor only (``_not_recomputed``)."""
+        forward up to its last saved tensor only (``_not_recomputed``). ``documents`` (``Training.documents``): the
+        attention core under document masking (``_attention_core``; the unfused core's scores and their softmax at
+        the documents' share)."""
         gpu, t = self.gpu, layout.tp
         tokens = layout.microbatch_size * model.seq_len / layout.cp
         speed = gemm_speed(gpu)
         flops = layer_forward_flops(model, tokens, model.seq_len) / t + experts.excess_flops(model, layout, tokens)
         attention = 4 * tokens * model.seq_len * model.hidden / t  # QK^T and AV (Narayanan et al. 2021, eq. 2)
         tp, tp_b = self._tp_comm_per_layer(model, layout, tokens, overlap_sms if tp_overlap else None, sp_async)
-        core, core_b = self._attention_core(model, layout, attention)
+        masked = masked_attention(documents, model, layout, ACTIVATION_BYTES[precision])
+        core, core_b = self._attention_core(model, layout, attention, masked)
         (qf, qd, qw), (hf, hd, hw) = gemm_quantization(gpu, model, layout)
         g, hg = gemm_traffic(gpu, model, layout)
         dense = (flops - attention) / speed
@@ -275,7 +287,8 @@ class GpuCosts:
         else:
             stored = activation_bytes_per_layer(model, replace(layout, recompute="none"))
             softmax = stored - kept if own else stored  # the scores' element-wise traffic stays the fitted term
-            rest = attention / speed + gpu.elementwise_traffic * softmax / gpu.memory_bandwidth
+            rest = (attention / speed + gpu.elementwise_traffic * softmax / gpu.memory_bandwidth) * masked.share + \
+                masked.mask / gpu.memory_bandwidth
             own_f, own_b = (traffic, traffic_b) if own else (0.0, 0.0)
             f = dense / qf + g + rest + own_f
             b, w = dense / qd + dense / qw + 2 * g + 2 * rest + own_b, dense / qw + g + rest

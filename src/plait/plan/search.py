@@ -15,6 +15,7 @@ from plait.plan import step_end, timing
 from plait.plan.cluster import Cluster
 from plait.plan.config import RUNTIME, Layout, Training, check, microbatches
 from plait.plan.costs import Blocks
+from plait.plan.documents import DocumentLengths
 from plait.plan.eager import ELEMENTWISE
 from plait.plan.estimate import Estimate, estimate
 from plait.plan.model import Model
@@ -342,16 +343,19 @@ class BatchChoice:
 
 def search_batch(model: Model, cluster: Cluster, top: int = 5, precision: str = "bf16",
                  max_bubble: float = DEFAULT_BATCH_BUBBLE, plan_only: bool = False,
-                 elementwise: str = ELEMENTWISE[0], masters: str = MASTERS[0]) -> BatchChoice:
+                 elementwise: str = ELEMENTWISE[0], masters: str = MASTERS[0],
+                 documents: DocumentLengths | None = None) -> BatchChoice:
     """Search the global batch too: the smallest of ``DEFAULT_BATCH_TOKENS`` (rounded to whole
     sequences) whose fastest layout keeps the pipeline bubble under ``max_bubble``; a larger batch only
     buys throughput at some cost in convergence. If none does, the largest that fits. ``precision``,
-    ``elementwise`` and ``masters`` are the ``Training`` fields of every batch tried."""
+    ``elementwise`` and ``masters`` are the ``Training`` fields of every batch tried; ``documents``, its
+    ``documents`` with document masking (None: without)."""
     _check_top(top)
     last: BatchChoice | None = None
     for tokens in DEFAULT_BATCH_TOKENS:
         batch = max(1, tokens // model.seq_len)
-        training = Training(batch, precision=precision, elementwise=elementwise, masters=masters)
+        training = Training(batch, precision=precision, elementwise=elementwise, masters=masters,
+                            document_mask=documents is not None, documents=documents)
         found = _bounded(model, cluster, training, plan_only)  # the bounds do not depend on ``top``: found once
         result = _ranked(model, cluster, training, 1, found)  # probe: the best only
         if result.best and result.best[0].bubble_fraction < max_bubble or tokens == DEFAULT_BATCH_TOKENS[-1]:

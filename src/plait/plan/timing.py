@@ -58,10 +58,11 @@ def accumulation_bytes(model: Model, layout: Layout, layers: int, first: bool, l
 
 
 def layer_blocks(costs: CostModel, model: Model, layout: Layout, training: Training) -> Blocks:
-    """``costs.blocks`` of ``layout`` as ``training``'s stack runs a layer (see ``chunk_costs``)."""
+    """``costs.blocks`` of ``layout`` as ``training``'s stack runs a layer (see ``chunk_costs``), its attention as
+    document masking runs it where ``training`` says how the documents cut the rows (``Training.documents``)."""
     t = training
     return costs.blocks(model, layout, t.precision, t.tp_comm_overlap, t.tp_overlap_sms, t.elementwise,
-                        t.sp_async_backward, t.recompute_early_stop)
+                        t.sp_async_backward, t.recompute_early_stop, t.documents if t.document_mask else None)
 
 
 def chunk_costs(costs: CostModel, model: Model, layout: Layout, training: Training | None = None,

@@ -18,8 +18,10 @@ from plait.plan.accumulation import RUNTIME_ACCUMULATION
 from plait.plan.catalogue import GPU, Link
 from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import Blocks, Span, StageCosts
+from plait.plan.documents import DocumentLengths, masked_attention
 from plait.plan.host import census, sharing
 from plait.plan.host.compute import in_step_costs, selective_recompute, work_costs
+from plait.plan.host.documents import masked_work
 from plait.plan.host.profile import HostProfile, Section
 from plait.plan.host.shapes import block_local
 from plait.plan.memory import ACTIVATION_BYTES, ActivationModel, zero3_working
@@ -182,16 +184,21 @@ class HostCosts:
         gather = max(0.0, self.collective("all_gather", n_bytes, sh.tp) + wait) if sh.sp else 0.0
         return f_compute * share + gather
 
-    def _block(self, kind: str, model: Model, layout: Layout, precision: str, early_stop: bool = True) -> StageCosts:
+    def _block(self, kind: str, model: Model, layout: Layout, precision: str, early_stop: bool = True,
+               documents: DocumentLengths | None = None) -> StageCosts:
         """A layer, the head or the embedding of plait's eager Llama: kernels and TP collectives (each with its
         wait for the slowest rank, ``tp_wait``); under full recomputation its forward again, up to its last saved
         tensor with ``early_stop`` (a layer: ``_not_recomputed``; the head: ``_head_recomputed``; the embedding:
-        nothing)."""
+        nothing). A layer's attention core under document masking as ``documents`` cut the rows
+        (``plan.host.documents.masked_work``)."""
         sec, shared = self.section, self.shared
         sh = census.local(model, layout)
         d = ACTIVATION_BYTES[precision]
         t, n_bytes = layout.tp, sh.n * d
         work = {"layer": census.layer_work, "head": census.head_work, "embedding": census.embedding_work}[kind](sh, d)
+        if kind == "layer" and documents is not None:
+            work = masked_work(work, documents, masked_attention(documents, model, layout, d), layout, sh, d,
+                               str(self.profile.host.get("device", "cpu")))
         c = in_step_costs(work, sec, shared, layer=kind == "layer", tp=t)
         wait = self.tp_wait(t, sh.sp, n_bytes)
         if kind == "layer":
@@ -229,16 +236,18 @@ class HostCosts:
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = "fused",
-               sp_async: bool = False, early_stop: bool = True) -> Blocks:
+               sp_async: bool = False, early_stop: bool = True, documents: DocumentLengths | None = None) -> Blocks:
         """As plait runs a layer here: its TP collectives exposed (``tp_overlap``, ``overlap_sms`` and ``sp_async``
         model other stacks' overlaps on catalogue GPUs, which plait's runtime does not run); its element-wise
         kernels are in the measured layer times whatever ``elementwise`` says; ``early_stop``
-        (``Training.recompute_early_stop``): a layer's full recomputation less what torch does not run again."""
+        (``Training.recompute_early_stop``): a layer's full recomputation less what torch does not run again;
+        ``documents``: a layer's attention under document masking (``_block``)."""
         for name, given in (("tp_comm_overlap", tp_overlap), ("sp_async_backward", sp_async)):
             if given:
                 raise ConfigError(f"{name}: models another stack's overlap on catalogue GPUs; a calibrated host runs "
                                   f"plait's own collectives (use {name}=False)")
-        return Blocks(*(self._block(k, model, layout, precision, early_stop) for k in ("layer", "embedding", "head")))
+        return Blocks(*(self._block(k, model, layout, precision, early_stop, documents)
+                        for k in ("layer", "embedding", "head")))
 
     def p2p(self, model: Model, layout: Layout, precision: str) -> float:
         """As measured, the whole activation (plait sends it unscattered)."""
