@@ -2,9 +2,11 @@
 
 5 clipped AdamW steps against one device under dp4, tp2·dp2 + SP, dp4 with selective and full recomputation,
 tp2·dp2·ep2 MoE (experts sharded over their expert-data group), bf16, and pp2·dp2 (each stage sharded over its
-DP pair: 1f1b, gpipe with full recomputation and tied embeddings, bf16 with selective recomputation); the bytes
-held between steps and the gathered working set of a step; exact resume; ZeRO-3 checkpoints loaded under other
-layouts (tp2·pp2, pp1 ZeRO-1 and back); ``plait verify``'s rank side under ZeRO-3; the ConfigErrors."""
+DP pair: 1f1b, gpipe with full recomputation and tied embeddings, bf16 with selective recomputation; two chunks a
+rank under interleaved-1f1b, in bf16 with selective recomputation, and looped-bfs with full recomputation and
+tied embeddings); the bytes held between steps and the gathered working set of a step; exact resume; ZeRO-3
+checkpoints loaded under other layouts (tp2·pp2, pp1 ZeRO-1 and back, interleaved too); ``plait verify``'s rank
+side under ZeRO-3; the ConfigErrors."""
 
 from __future__ import annotations
 
@@ -26,19 +28,20 @@ from plait.plan.memory import zero3_working
 
 def held(ctx, **kw) -> dict:
     """Bytes of one ZeRO-3 run against the bucket geometry: parameters held between steps (float32 shards),
-    gradients after the step (reduced shards), the gathered working set (two neighbouring blocks at most; under a
-    pipeline with forwards before the first backward, ``kept_max``: the stage's last block beside them)."""
+    gradients after the step (reduced shards), the gathered working set (two neighbouring blocks of a chunk at
+    most: ``pair_max``)."""
     out, pm, _ = measure(ctx, zero=3, **kw)
     cfg = cfg_for(**kw.get("cfg", {}))
-    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, zero=3, schedule=kw.get("schedule", "1f1b"))
+    layout = Layout(tp=ctx.tp_size, pp=ctx.pp_size, dp=ctx.dp_size, zero=3, schedule=pm.schedule.name,
+                    virtual_stages=pm.schedule.virtual)
     planned = zero3_working(Model.from_llama_config(cfg), layout, kw.get("precision", "fp32"), ctx.pp_rank)
     sh = pm.param_shards
     unit = [sum(s.nbytes for s in need) for need in sh.needs]
-    pairs = [a + b for a, b in zip(unit, unit[1:], strict=False)]
+    pairs = [unit[i] + unit[i + 1] for i in range(len(unit)) if i + 1 < sh.end[i]] or unit  # inside a chunk
     return {**out, "shard_elements": sum(s.b.shard for s in sh.sharded.values()),
             "n_param_buckets": len(sh.sharded), "gathered_now": sh.gathered_bytes(),
             "pair_max": max(pairs), "unit_max": max(unit),
-            "kept_max": max([pairs[-1], *(p + unit[-1] for p in pairs[:-1])]), "pp_rank": ctx.pp_rank,
+            "pp_rank": ctx.pp_rank,
             "planned_gathered": planned,  # the planner's (plan.memory.zero3_working) for this rank
             "model_params": sum(p.numel() for p in Llama(cfg_for(**kw.get("cfg", {}))).parameters())}
 
@@ -114,15 +117,16 @@ def resume_exact(ctx) -> dict:
 
 
 def across_layouts(root: Path, a, b, zero_a: int = 3, zero_b: int = 0, mb_a: int = 2, mb_b: int = 4,
-                   name: str = "zero3") -> dict:
-    """3 steps under layout ``a`` (``zero_a``), save; load under layout ``b`` (``zero_b``) and run the last 2 steps:
-    equal to one device; the first run's full state equals what the other layout loaded."""
+                   name: str = "zero3", schedule_a: str = "1f1b", schedule_b: str = "1f1b") -> dict:
+    """3 steps under layout ``a`` (``zero_a``, ``schedule_a``), save; load under layout ``b`` (``zero_b``,
+    ``schedule_b``) and run the last 2 steps: equal to one device; the first run's full state equals what the
+    other layout loaded."""
     vocab = cfg_for().vocab_size
-    pm, opt = build(a, {}, zero=zero_a, microbatches=mb_a)
+    pm, opt = build(a, {}, zero=zero_a, microbatches=mb_a, schedule=schedule_a)
     train(a, pm, opt, range(3), vocab)
     saved = save_checkpoint(pm, opt, root / name, 3)
     before = pm.full_state_dict()
-    pm2, opt2 = build(b, {}, zero=zero_b, microbatches=mb_b)
+    pm2, opt2 = build(b, {}, zero=zero_b, microbatches=mb_b, schedule=schedule_b)
     load_checkpoint(pm2, opt2, saved)
     opt2.steps = 3
     loaded = pm2.full_state_dict()
@@ -188,11 +192,10 @@ def plain_optimizers(ctx) -> dict:
 
 
 def refusals(pp2, dp4) -> dict:
-    """ConfigErrors, before any collective: ZeRO-3 under a schedule with several chunks per rank or a split
-    backward; an optimizer's zero unlike the model's."""
+    """ConfigErrors, before any collective: ZeRO-3 under a schedule with a split backward (zero-bubble, one chunk
+    a rank or two); an optimizer's zero unlike the model's."""
     out = {}
-    for name, fn in (("interleaved-1f1b", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3, microbatches=4,
-                                                              schedule="interleaved-1f1b")),
+    for name, fn in (("zbv", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3, microbatches=4, schedule="zbv")),
                      ("zb-h1", lambda: plait.parallelize(Llama(cfg_for()), pp2, zero=3, schedule="zb-h1")),
                      ("opt3", lambda: ParallelOptimizer(plait.parallelize(Llama(cfg_for()), dp4), zero=3)),
                      ("opt1", lambda: ParallelOptimizer(plait.parallelize(Llama(cfg_for()), dp4, zero=3), zero=1))):
@@ -244,6 +247,15 @@ def checks(root: Path, contexts: ExitStack) -> list:
                                                 cfg={"tie_embeddings": True})),
         ("pp2dp2/bf16/selective", lambda: compare(pp2dp2, zero=3, microbatches=4, precision="bf16",
                                                   recompute="selective")),
+        ("pp2dp2/interleaved", lambda: held(pp2dp2, microbatches=4, schedule="interleaved-1f1b")),
+        ("pp2dp2/looped-bfs/full/tied", lambda: held(pp2dp2, microbatches=4, schedule="looped-bfs", recompute="full",
+                                                     cfg={"tie_embeddings": True})),
+        ("pp2dp2/interleaved/bf16/selective", lambda: compare(pp2dp2, zero=3, microbatches=4, precision="bf16",
+                                                              recompute="selective", schedule="interleaved-1f1b")),
+        ("pp2dp2/interleaved->dp4/zero1", lambda: across_layouts(root, pp2dp2, dp4, zero_b=1, mb_a=4, mb_b=2,
+                                                                 name="il-z3", schedule_a="interleaved-1f1b")),
+        ("dp4/zero1->pp2dp2/interleaved", lambda: across_layouts(root, dp4, pp2dp2, zero_a=1, zero_b=3, mb_b=4,
+                                                                 name="il-z1", schedule_b="interleaved-1f1b")),
         ("pp2dp2->dp4/zero1", lambda: across_layouts(root, pp2dp2, dp4, zero_b=1, mb_a=4, mb_b=2, name="pp2z3")),
         ("dp4/zero1->pp2dp2", lambda: across_layouts(root, dp4, pp2dp2, zero_a=1, zero_b=3, name="dp4z1")),
         ("tp2dp2/plain-optimizers", lambda: plain_optimizers(tp2dp2)),

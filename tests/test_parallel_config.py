@@ -28,11 +28,12 @@ INVALID = [
     (dict(schedule="dualpipev", pp=2, microbatches=3), None, ["microbatches=3", "dualpipev"]),
     (dict(recompute="some"), None, ["recompute='some'", "none, selective, full"]),
     (dict(zero=4), None, ["zero=4", "0, 1, 2, 3"]),
-    # refused by the ranks after the launch before: a split backward, or several chunks on the one rank
-    (dict(dp=2, zero=3, schedule="zb-h1"), None, ["schedule='zb-h1'", "zero=3", "split backward",
-                                                  "valid schedules with zero=3: 1f1b, gpipe"]),
-    (dict(dp=2, zero=3, schedule="interleaved-1f1b"), None, ["schedule='interleaved-1f1b'", "places 2", "1f1b"]),
-    (dict(pp=2, dp=2, zero=3, schedule="zbv"), None, ["schedule='zbv'", "zero=3", "1f1b, gpipe", "ZeRO-1 or ZeRO-2"]),
+    # refused by the ranks after the launch before: a split backward (zero-bubble), one chunk a rank or two
+    (dict(dp=2, zero=3, schedule="zb-h1"), None, ["schedule='zb-h1'", "zero=3", "splits backwards",
+                                                  "valid schedules with zero=3: 1f1b, gpipe, interleaved-1f1b, "
+                                                  "looped-bfs"]),
+    (dict(pp=2, dp=2, zero=3, schedule="zbv"), None, ["schedule='zbv'", "zero=3", "weight passes", "ZeRO-1 or ZeRO-2"]),
+    (dict(pp=2, dp=2, zero=3, schedule="dualpipev", microbatches=4), None, ["schedule='dualpipev'", "zero=3"]),
     (dict(precision="fp16"), None, ["precision='fp16'", "fp32, bf16"]),
     (dict(sequence_parallel="yes"), None, ["sequence_parallel"]),
     (dict(expert_tp=1), None, ["expert_tp"]),
@@ -93,10 +94,12 @@ def test_field_errors_read_as_flags_on_the_command_line():
         res = CliRunner().invoke(app, [command, "--pp", "2", "--zero", "3", "--schedule", "zb-h1"])
         assert res.exit_code == 2 and res.output.startswith("error: --schedule 'zb-h1': not with --zero 3: "), \
             res.output
-        assert "valid schedules with --zero 3: 1f1b, gpipe" in res.output, res.output
+        assert "valid schedules with --zero 3: 1f1b, gpipe, interleaved-1f1b, looped-bfs" in res.output, res.output
     with pytest.raises(ConfigError, match=r"^schedule='zb-h1': not with zero=3: "):  # Python: the fields
         ParallelConfig(pp=2, zero=3, schedule="zb-h1")
     assert ParallelConfig(pp=2, dp=2, zero=3, schedule="gpipe").zero == 3  # a pipeline with one chunk per rank runs
+    for name in ("interleaved-1f1b", "looped-bfs"):  # and with several, each backward whole
+        assert ParallelConfig(pp=2, dp=2, zero=3, schedule=name, microbatches=4).zero == 3
     res = CliRunner().invoke(app, ["train", "--tp", "1", "--pp", "1", "--dp", "2", "--ep", "3"])
     assert res.exit_code == 2 and res.output.startswith("error: --ep 3: must divide dp*tp=2; valid: [1, 2]"), \
         res.output
@@ -152,8 +155,11 @@ def test_plan_layout_converts_or_refuses_what_the_runtime_cannot_run():
     assert (ring.cp, ring.cp_comm) == (4, "ring") and Layout.from_parallel_config(ring.resolve(4)).cp_comm == "ring"
     assert Layout(zero=3, dp=4).to_parallel_config().zero == 3
     assert Layout(zero=3, pp=2, dp=2).to_parallel_config().zero == 3  # under a pipeline with one chunk per rank
-    with pytest.raises(ConfigError, match="zero: 3 with schedule 'interleaved-1f1b'.* 1f1b or gpipe only"):
-        Layout(zero=3, pp=2, dp=2, virtual_stages=2, schedule="interleaved-1f1b").to_parallel_config()
+    il = Layout(zero=3, pp=2, dp=2, virtual_stages=2, schedule="interleaved-1f1b")  # or two
+    assert il.to_parallel_config(Training(global_batch=8)).zero == 3
+    with pytest.raises(ConfigError, match="zero: 3 with schedule 'zb-h1'.* 1f1b, gpipe, interleaved-1f1b, looped-bfs "
+                                          r"only \(no split backward\)"):
+        Layout(zero=3, pp=2, dp=2, schedule="zb-h1").to_parallel_config()
 
 
 def test_train_config_holds_one_and_keeps_the_flat_keys():

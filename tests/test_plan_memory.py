@@ -119,29 +119,38 @@ def test_zero2_keeps_the_full_gradient_buffer_at_the_peak():
 
 
 def test_zero3_working_set_per_pipeline_stage():
-    """ZeRO-3 under a pipeline (plait.data_parallel.param_shards): a stage keeps its last block gathered from a
-    forward to its backward, so where other forwards run in between (1F1B's warm-up: every stage but the last;
-    GPipe: every stage) it is held beside the pair each of them gathers; the last stage under 1F1B gathers pairs
-    only. The estimate's memory rows and each rank's working set follow the rank."""
+    """ZeRO-3 under a pipeline (plait.data_parallel.param_shards): a chunk keeps its last block after a forward only
+    when its backward runs next, so under any schedule a rank holds the largest pair of neighbouring blocks of one
+    of its chunks: the embedding and a layer on the first stage, two layers on a middle one, the final norm and
+    the head (or two layers) on the last. With two chunks a rank (interleaved-1f1b, looped-bfs) the larger of its
+    chunks' pairs, whichever the schedule and the micro-batches. The estimate's memory rows and each rank's
+    working set follow the rank."""
     from plait.cli.predict import memory_rows
     from plait.plan.memory import rank_params, zero3_working
+    from plait.plan.stages import layout_stages
 
     m, cluster = Model.preset("llama3-8b", seq_len=2048), Cluster("h100-sxm", 16)
     lay = Layout(tp=2, pp=4, dp=2, zero=3)
     layer = sum(rank_params(m, lay, 1, False, False))
     embedding = sum(rank_params(m, lay, 0, True, False))
     head = sum(rank_params(m, lay, 0, False, True))  # the final norm and the head
+    assert embedding > layer and head > layer
     per_rank = [zero3_working(m, lay, "bf16", r) for r in range(4)]
-    assert per_rank == [2 * (embedding + 2 * layer), 2 * 3 * layer, 2 * 3 * layer, 2 * max(2 * layer, head)]
+    assert per_rank == [2 * (embedding + layer), 2 * 2 * layer, 2 * 2 * layer, 2 * max(2 * layer, head)]
     assert zero3_working(m, lay, "bf16") == max(per_rank) and zero3_working(m, replace(lay, zero=2)) == 0.0
-    gpipe = replace(lay, schedule="gpipe")
-    assert zero3_working(m, gpipe, "bf16", 3) == 2 * (2 * layer + head - m.norm_params())
+    assert [zero3_working(m, replace(lay, schedule="gpipe"), "bf16", r) for r in range(4)] == per_rank
     assert zero3_working(m, replace(lay, pp=1, dp=8), "bf16") == 2 * max(embedding + layer, 2 * layer, head)
-    e = estimate(m, cluster, lay, Training(64))
-    rows = memory_rows(e)
-    assert [row["params_gathered_peak"] for row in rows] == per_rank
-    assert [r.working for r in e.rank_memory] == pytest.approx([e.rank_memory[0].working - per_rank[0] + w
-                                                                 for w in per_rank])
+    for schedule in ("interleaved-1f1b", "looped-bfs"):  # pp2 v2: chunks 0 and 2 on rank 0, 1 and 3 on rank 1
+        two = Layout(tp=2, pp=2, dp=4, zero=3, schedule=schedule, virtual_stages=2)
+        assert min(layout_stages(m, two).chunk_layers) >= 2
+        assert [zero3_working(m, two, "bf16", r) for r in (0, 1)] == [2 * (embedding + layer),
+                                                                      2 * max(2 * layer, head)]
+    for planned in (lay, two):
+        e = estimate(m, cluster, planned, Training(64))
+        per_rank = [zero3_working(m, planned, "bf16", r) for r in range(planned.pp)]
+        assert [row["params_gathered_peak"] for row in memory_rows(e)] == per_rank
+        assert [r.working for r in e.rank_memory] == pytest.approx([e.rank_memory[0].working - per_rank[0] + w
+                                                                     for w in per_rank])
 
 
 def test_zero3_reduces_every_micro_batch_and_holds_shards_at_the_peak():

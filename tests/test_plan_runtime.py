@@ -13,7 +13,7 @@ import checks_plan
 from plait.cli.main import app
 from plait.errors import ConfigError
 from plait.models import Llama, LlamaConfig
-from plait.parallel_config import RECOMPUTE_MODES, ZERO_LEVELS, ParallelConfig
+from plait.parallel_config import RECOMPUTE_MODES, ZERO3_SCHEDULES, ZERO_LEVELS, ParallelConfig
 from plait.plan import Cluster, Layout, Model, Training, search
 from plait.plan.config import RUNTIME, check
 from plait.plan.search import candidates
@@ -46,13 +46,14 @@ def test_search_emits_only_what_the_runtime_runs(name, gpus, seq):
 
 def test_runtime_table_is_the_runtime_s_own():
     """The search's recompute and ZeRO values are exactly those ParallelConfig accepts (a value added there
-    appears in the search); ZeRO-3 with and without a pipeline, under 1f1b or gpipe only, as the runtime runs it."""
+    appears in the search); ZeRO-3 with and without a pipeline, under the schedules without a split backward only
+    (interleaved-1f1b among them), as the runtime runs it."""
     model, cluster, training = Model.preset("llama3-8b"), Cluster("h100-sxm", 16), Training(64, masters="plait")
     layouts = _valid(model, cluster, training)
     got = checks_plan.values(layouts)
     assert got["zero"] == set(RUNTIME["zero"]) == set(ZERO_LEVELS)  # 0 without DP, the sharded stages with it
     assert {lay.pp for lay in layouts if lay.zero == 3} > {1}  # the search picks ZeRO-3 with a pipeline too
-    assert {lay.schedule for lay in layouts if lay.zero == 3} <= {"1f1b", "gpipe"}
+    assert "interleaved-1f1b" in {lay.schedule for lay in layouts if lay.zero == 3} <= set(ZERO3_SCHEDULES)
     assert all(lay.to_parallel_config(training).zero == 3 for lay in layouts if lay.zero == 3)
 
 
@@ -61,7 +62,7 @@ def test_plan_only_layouts_are_marked_and_never_converted():
     layouts = _valid(model, cluster, training, plan_only=True)
     plan_only = [lay for lay in layouts if not lay.runnable]
     assert {lay.zero for lay in plan_only} == {3}  # context parallelism runs; ZeRO-3 is modelled plan-only
-    assert {lay.schedule for lay in plan_only}.isdisjoint({"1f1b", "gpipe"})  # under several chunks or split B
+    assert {lay.schedule for lay in plan_only}.isdisjoint(ZERO3_SCHEDULES)  # under a split backward
     for lay in plan_only[:20]:
         assert "(plan-only)" in lay.short()
         with pytest.raises(ConfigError, match="zero"):
@@ -71,7 +72,7 @@ def test_plan_only_layouts_are_marked_and_never_converted():
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output)["best"]
     assert any(not r["runnable"] and r["plan_only_reason"] for r in rows)
-    assert all(r["runnable"] == (r["layout"]["zero"] < 3 or r["layout"]["schedule"] in ("1f1b", "gpipe"))
+    assert all(r["runnable"] == (r["layout"]["zero"] < 3 or r["layout"]["schedule"] in ZERO3_SCHEDULES)
                for r in rows)
 
 

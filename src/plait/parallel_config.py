@@ -25,10 +25,11 @@ from plait.schedules import SCHEDULE_NAMES, Schedule, build_schedule
 #: activation recomputation modes the runtime runs
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 #: ZeRO stages plait.optim implements (optimizer state sharded over data-parallel ranks from stage 1, gradients
-#: from 2, parameters at 3; stage 3 with one chunk per pipeline rank and no split backward: 1f1b or gpipe)
+#: from 2, parameters at 3; stage 3 under the schedules without a split backward: ZERO3_SCHEDULES)
 ZERO_LEVELS: tuple[int, ...] = (0, 1, 2, 3)
-#: the schedules ZeRO-3 runs under (one chunk per pipeline rank, no split backward)
-ZERO3_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+#: the schedules ZeRO-3 runs under: those whose every backward is whole (no split into input- and weight-gradient
+#: passes), with one chunk per pipeline rank or several
+ZERO3_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs")
 #: compute precisions (bf16: bf16 weights and activations per step over fp32 master weights)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: how context-parallel ranks exchange keys and values (plait.context_parallel)
@@ -78,7 +79,8 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage of plait.optim: 0 replicated optimizer state, 1 fp32 masters and optimizer state sharded over
     data-parallel ranks, 2 gradients sharded too, 3 parameters sharded too (gathered per block for each
-    micro-batch's forward and backward; under a pipeline the 1f1b or gpipe schedule)."""
+    micro-batch's forward and backward; under a schedule without a split backward: 1f1b, gpipe, interleaved-1f1b,
+    looped-bfs)."""
     precision: str = "fp32"
     """fp32, or bf16 (bf16 weights and activations over fp32 master weights and gradients)."""
 
@@ -199,12 +201,13 @@ def _check(c: ParallelConfig) -> None:
         field = {"virtual": "virtual_stages", "stages": "pp"}.get(exc.name, exc.name)
         raise FieldError(field, getattr(c, field), exc.detail) from None
     split = any(a.kind == "I" for row in schedule.actions for a in row)
-    if c.zero == 3 and (split or schedule.virtual > 1):
-        why = ("it splits each backward (its deferred weight gradients would outlive the gathered weights)"
-               if split else f"it places {schedule.virtual} chunks per rank")
-        raise FieldError("schedule", c.schedule, "not with {zero}: ZeRO-3 gathers a block's weights for each "
-                         "micro-batch's forward and backward and frees them after, so it runs one chunk per pipeline "
-                         f"rank without a split backward, but {why}; valid schedules with {{zero}}: "
+    if c.zero == 3 and split:
+        raise FieldError("schedule", c.schedule, "not with {zero}: this schedule splits backwards and defers the "
+                         "weights' gradients to later weight passes (several micro-batches' at once on later stages), "
+                         "while ZeRO-3 reduce-scatters a block's gradients as soon as its backward has completed them; "
+                         "the weight passes read no gathered weight (a weight's gradient is its input times its output "
+                         "gradient), but their gradients come outside the backward, mixed over micro-batches, which "
+                         "ZeRO-3's reducer does not take; valid schedules with {zero}: "
                          f"{', '.join(ZERO3_SCHEDULES)} (or keep this schedule with ZeRO-1 or ZeRO-2)", {"zero": 3})
     if c.dp == -1:
         return

@@ -89,10 +89,10 @@ class ParallelModel:
             for chunk in self.chunks.values():
                 weight_grad.install(chunk, self.store)
         self.cast = StepCast(self.chunks, config.precision)  # bf16 copies of the fp32 masters per step
-        self.zero3 = Zero3(self.chunks, ctx, self.cast, config.schedule, self.store is not None) \
+        self.zero3 = Zero3(self.chunks, ctx, self.cast, self.schedule) \
             if config.zero == 3 else None  # parameters sharded too (plait.data_parallel.zero3)
         self.param_shards: ParamShards | None = self.zero3.shards if self.zero3 is not None else None
-        self.reducers = {self.zero3.index: self.zero3.reducer} if self.zero3 is not None else self._build_reducers()
+        self.reducers = {min(self.chunks): self.zero3.reducer} if self.zero3 is not None else self._build_reducers()
         if self.zero3 is None:  # a bucket's bf16 copies hand their gradients straight to its buffer
             buckets = [(r, b) for r in self.reducers.values() for b in r.buckets]
             # reduced over other ranks: hand over as soon as complete, so the reduction overlaps the backward
@@ -101,8 +101,8 @@ class ParallelModel:
             self.cast.route([(b.params, partial(r.take, b)) for r, b in buckets], early)
         self.transport = Transport(self.schedule.num_stages, self.microbatches, ctx.device, ctx.timeout_s,
                                    group=ctx.p2p_group)
-        self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport,
-                                 self.store, self.reducers)
+        self.executor = Executor(self.schedule, ctx.pp_rank, ctx.pp_peer, self.chunks, self.transport, self.store,
+                                 self.reducers if self.zero3 is None else self.zero3.reducers)  # ZeRO-3: one, shared
         self._input_shape: tuple | None = None
         self._checked_shapes: tuple | None = None  # the batch shapes check_same_batch last passed
         self.last_stats: StepStats | None = None

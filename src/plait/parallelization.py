@@ -84,7 +84,8 @@ def parallelize(model: nn.Module, ctx: ParallelContext, schedule: str | None = N
     mode: "none"; "selective", only the attention cores, plait.recompute; "full", whole blocks) and
     ``precision`` ("fp32", or "bf16" weights and activations over fp32 master
     weights and gradients, plait.optim.precision) and ``zero`` (3: ZeRO-3, each data-parallel rank keeps 1/dp of
-    the parameters of its pipeline stage, gathered per block and micro-batch; schedule 1f1b or gpipe; train it with
+    the parameters of its pipeline stage, gathered per block and micro-batch; any schedule without a split backward:
+    1f1b, gpipe, interleaved-1f1b, looped-bfs; train it with
     ``ParallelOptimizer(pm, ..., zero=3)``; 0-2 only concern the optimizer). ``config``'s sizes must be ctx's.
     ``document_eos``: the end-of-document token of packed samples; each token then attends only to the earlier
     tokens of its own document, positions restart at each document and the target after each end-of-document

@@ -20,18 +20,19 @@ Per block i of the chunk, hooks on the block module:
   gradients of its own issues it at once). i's gradients are reduce-scattered by the reducer (``zero3_reducer``)
   as soon as they are complete, and a bucket's gathered parameters are freed just before its reduction starts
   (every gradient that reads them has been computed).
-The last block is kept after its forward (its backward comes first). Under a pipeline (one chunk per rank: 1f1b,
-gpipe) a stage's forwards and backwards of different micro-batches interleave; each forward and each backward
-gathers and frees its blocks as above, so every block is gathered twice per micro-batch, and the last block stays
-gathered from a forward to the next backward (beside 1f1b's warm-up forwards and gpipe's forwards: three blocks
-at most). A block called again inside the backward
-(full recomputation's checkpoint) finds its parameters gathered. Blocks called outside the chunk's forward
-(decoding) gather and free around each call.
+A chunk's last block is kept after a forward where the rank's next action is that chunk's backward (1f1b's
+steady phase, a pipeline's last stage, no pipeline: the backward starts with it); after any other forward it is freed
+as the others are (1f1b's warm-up, gpipe's forwards, most of an interleaved schedule's), so nothing stays gathered
+while other forwards run: the working set is the largest pair of neighbouring blocks of one chunk, and every block is
+gathered twice per micro-batch but a kept last block once. A rank with several chunks (interleaved-1f1b, looped-bfs)
+runs them over one set of blocks, the chunks' in order, prefetching inside a chunk only. A block called again
+inside the backward (full recomputation's checkpoint) finds its parameters gathered. Blocks called outside the
+chunk's forward (decoding) gather and free around each call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -124,15 +125,26 @@ class ShardedBucket:
 
 
 class ParamShards:
-    """The ZeRO-3 parameters of one pipeline chunk (``chunk.blocks``), over the buckets of its reducer."""
+    """The ZeRO-3 parameters of one rank's pipeline chunks (their ``blocks`` in chunk order), over the buckets of
+    its reducer."""
 
-    def __init__(self, chunk: PipelineChunk, reducer: Zero3Reducer, dtype: torch.dtype):
-        frozen = [n for n, p in chunk.named_parameters() if not p.requires_grad]
+    def __init__(self, chunks: Sequence[PipelineChunk], reducer: Zero3Reducer, dtype: torch.dtype,
+                 keeps: Sequence[Sequence[bool]]):
+        """``keeps[j]``: for each forward of ``chunks[j]`` in a step, in order, whether the rank's next action is
+        that chunk's backward (its last block is then kept)."""
+        frozen = [n for chunk in chunks for n, p in chunk.named_parameters() if not p.requires_grad]
         if frozen:
             raise ConfigError(f"zero=3 shards trainable parameters; {frozen[0]} does not require a gradient: "
                               "make it a buffer, or use zero=2")
         self.sharded = {id(b): ShardedBucket(b, dtype) for b in reducer.buckets}
-        self.blocks: list[nn.Module] = list(chunk.blocks)
+        self.blocks: list[nn.Module] = [block for chunk in chunks for block in chunk.blocks]
+        # per block, the indices [start, end) of its chunk's blocks: prefetches and the kept block stay in a chunk
+        self.start: list[int] = []
+        self.end: list[int] = []
+        for chunk in chunks:
+            n, at = len(chunk.blocks), len(self.start)
+            self.start += [at] * n
+            self.end += [at + n] * n
         self.needs: list[list[ShardedBucket]] = []
         for block in self.blocks:
             seen: dict[int, ShardedBucket] = {}
@@ -144,12 +156,16 @@ class ParamShards:
         self.backward: set[int] = set()  # blocks whose backward has started and that still hold parameters
         self.live_bytes = self.peak_bytes = 0
         self.ptrs: set[int] = set()  # storage addresses of the gathered buffers (not activations: memory.py)
-        self.owner = {id(b): i for i, unit in enumerate(block_units(chunk)) for p in unit
+        self.owner = {id(b): i for i, unit in enumerate(block_units(chunks)) for p in unit
                       for b in [reducer.bucket_of(p)]}  # bucket -> the block whose gradients fill it
         self.reducer = reducer
         reducer.before_launch, reducer.on_first_grad, reducer.on_finish = self._drop, self._first_grad, self.point_grads
-        chunk.register_forward_pre_hook(self._chunk_pre)
-        chunk.register_forward_hook(self._chunk_post)
+        self.keeps = [list(k) for k in keeps]
+        self.forwards = [0] * len(chunks)  # of each chunk in this step
+        self.keep_last = False  # the running forward's chunk keeps its last block
+        for j, chunk in enumerate(chunks):
+            chunk.register_forward_pre_hook(lambda m, args, j=j: self._chunk_pre(j))
+            chunk.register_forward_hook(self._chunk_post)
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(lambda m, args, i=i: self._pre(i))
             block.register_forward_hook(lambda m, args, out, i=i: self._post(i, out))
@@ -196,6 +212,7 @@ class ParamShards:
     def step(self) -> Iterator[None]:
         """One step's forward and backward: its gathered peak is measured, what is still gathered is freed."""
         self.peak_bytes = self.live_bytes
+        self.forwards = [0] * len(self.forwards)
         try:
             yield
         finally:
@@ -208,8 +225,10 @@ class ParamShards:
             self._release(i)
 
     # ---------------------------------------------------------------------------------- hooks
-    def _chunk_pre(self, module, args) -> None:
-        self._release_backward()  # a new micro-batch: the previous one's backward is over
+    def _chunk_pre(self, j: int) -> None:
+        self._release_backward()  # a new micro-batch or chunk: the previous backward is over
+        k, self.forwards[j] = self.forwards[j], self.forwards[j] + 1
+        self.keep_last = k < len(self.keeps[j]) and self.keeps[j][k]
         self.reducer.settle_in_flight()  # its last reduction is not carried through this forward
         self.in_chunk = True
 
@@ -218,7 +237,7 @@ class ParamShards:
 
     def _pre(self, i: int) -> None:
         self._ensure(i)
-        if self.in_chunk and i + 1 < len(self.blocks):
+        if self.in_chunk and i + 1 < self.end[i]:
             self._acquire(i + 1)  # prefetch: its gather runs while block i computes
 
     def _post(self, i: int, out) -> None:
@@ -227,24 +246,24 @@ class ParamShards:
         grad_out = out if torch.is_tensor(out) else next((t for t in out if torch.is_tensor(t)), None)
         if self.in_chunk and grad_out is not None and grad_out.requires_grad:  # training: backward to come
             grad_out.register_hook(lambda g, i=i: self._on_grad(i))
-            if i == len(self.blocks) - 1:
-                return  # the last block's backward comes first
+            if i == self.end[i] - 1 and self.keep_last:
+                return  # the chunk's last block, and its backward (which starts with it) comes next
         self._release(i)
 
     def _on_grad(self, i: int) -> None:
         """Block i's backward is about to run (its output gradient is known); block i+1's is done."""
-        if i + 1 in self.backward:
+        if i + 1 < self.end[i] and i + 1 in self.backward:
             self.backward.discard(i + 1)
             self._release(i + 1)
         self.backward.add(i)
         self._ensure(i)
-        if i > 0 and not any(self.owner.get(id(s.b)) == i for s in self.needs[i]):
+        if i > self.start[i] and not any(self.owner.get(id(s.b)) == i for s in self.needs[i]):
             self._acquire(i - 1)  # no gradient of its own will come to issue the prefetch
 
     def _first_grad(self, b: Bucket) -> None:
         """The first gradient of bucket ``b`` in this backward: prefetch the block before its block."""
         i = self.owner[id(b)]
-        if i > 0 and i in self.backward:
+        if i > self.start[i] and i in self.backward:
             self._acquire(i - 1)
 
     # ---------------------------------------------------------------------------- whole model
@@ -300,11 +319,12 @@ class ParamShards:
         return sum(s.nbytes for s in self.sharded.values() if s.live)
 
 
-def block_units(chunk: PipelineChunk) -> list[list[nn.Parameter]]:
-    """The parameters of each of ``chunk.blocks``, a parameter with the first block that uses it (tied ones)."""
+def block_units(chunks: Sequence[PipelineChunk]) -> list[list[nn.Parameter]]:
+    """The parameters of each block of ``chunks`` (in order), a parameter with the first block that uses it (tied
+    ones)."""
     seen: set[int] = set()
     units = []
-    for block in chunk.blocks:
+    for block in (block for chunk in chunks for block in chunk.blocks):
         unit = [p for p in block.parameters() if id(p) not in seen]
         seen.update(id(p) for p in unit)
         units.append(unit)

@@ -1,6 +1,6 @@
-"""ZeRO-3 as a ``ParallelModel`` runs it: the per-block gradient reducer and the sharded parameters of the one
-pipeline chunk of this rank (the whole model at pp = 1, its stage under 1f1b or gpipe), and what the model asks of
-them around a step, for state dicts and in its memory report."""
+"""ZeRO-3 as a ``ParallelModel`` runs it: the per-block gradient reducer and the sharded parameters of this rank's
+pipeline chunks (the whole model at pp = 1; its stage, or its several chunks under interleaved-1f1b and
+looped-bfs), and what the model asks of them around a step, for state dicts and in its memory report."""
 
 from __future__ import annotations
 
@@ -15,25 +15,34 @@ from plait.data_parallel.zero3_reducer import Zero3Reducer
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
 from plait.optim.precision import PRECISIONS, StepCast
+from plait.parallel_config import ZERO3_SCHEDULES
 from plait.pipeline.partition import PipelineChunk
+from plait.schedules import Schedule
 
 
 class Zero3:
-    """One chunk's ZeRO-3: ``reducer`` (a bucket per block and reduction group, reduce-scattered as each block's
-    gradients complete: ``zero3_reducer``) and ``shards`` (1/d of every bucket's parameters, gathered around
-    each block's use: ``param_shards``). ``cast`` gathers in the compute dtype from now on (no per-step copy).
+    """The ZeRO-3 of a rank's chunks: ``reducer`` (a bucket per block and reduction group, reduce-scattered as each
+    block's gradients complete: ``zero3_reducer``) and ``shards`` (1/d of every bucket's parameters, gathered
+    around each block's use: ``param_shards``), one of each over the blocks of every chunk. ``cast`` gathers in the
+    compute dtype from now on (no per-step copy).
 
-    Refuses (ConfigError) more than one chunk on a rank or split backward passes (``split_backward``)."""
+    Refuses (ConfigError) a schedule that splits backward passes (zero-bubble: weight passes after the input's)."""
 
-    def __init__(self, chunks: Mapping[int, PipelineChunk], ctx: ParallelContext, cast: StepCast, schedule: str,
-                 split_backward: bool):
-        if split_backward or len(chunks) != 1:
-            raise ConfigError(f"zero=3 runs one chunk per rank without split backward passes; schedule {schedule!r} "
-                              f"has {len(chunks)} chunks here: use 1f1b or gpipe")
-        (self.index, chunk), = chunks.items()
-        self.reducer = Zero3Reducer(block_units(chunk), ctx)
+    def __init__(self, chunks: Mapping[int, PipelineChunk], ctx: ParallelContext, cast: StepCast,
+                 schedule: Schedule):
+        if any(a.kind == "I" for r in schedule.actions for a in r):
+            raise ConfigError(f"zero=3 runs without split backward passes; schedule {schedule.name!r} splits them: "
+                              f"use {', '.join(ZERO3_SCHEDULES)}")
+        order = sorted(chunks)
+        self.reducer = Zero3Reducer(block_units([chunks[c] for c in order]), ctx)
+        #: every chunk's reducer (the same one): the executor launches what is pending at each chunk's last backward
+        self.reducers = dict.fromkeys(order, self.reducer)
         cast.set_gathered(cast.precision)
-        self.shards = ParamShards(chunk, self.reducer, cast.dtype or torch.float32)
+        row = schedule.actions[ctx.pp_rank]
+        # per chunk, for each of its forwards: is the rank's next action this chunk's backward
+        keeps = [[a is not None and a.stage == c and a.kind == "B" for f, a in zip(row, [*row[1:], None], strict=True)
+                  if f.kind == "F" and f.stage == c] for c in order]
+        self.shards = ParamShards([chunks[c] for c in order], self.reducer, cast.dtype or torch.float32, keeps)
 
     def set_precision(self, precision: str, cast: StepCast) -> None:
         """Gather in ``precision``'s dtype from now on; the shards stay float32."""

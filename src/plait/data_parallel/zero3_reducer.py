@@ -31,6 +31,7 @@ from plait.data_parallel.reducer import Bucket, GradReducer
 from plait.distributed.collectives import reduce_scatter_tensor
 from plait.distributed.context import ParallelContext
 from plait.errors import ConfigError
+from plait.parallel_config import ZERO3_SCHEDULES
 
 
 class Zero3Reducer(GradReducer):
@@ -126,7 +127,8 @@ class Zero3Reducer(GradReducer):
         super().zero_grad()
 
     def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        raise ConfigError("zero=3 runs without split backward passes (weight-gradient passes): use 1f1b or gpipe")
+        raise ConfigError("zero=3 runs without split backward passes (weight-gradient passes): use one of "
+                          f"{', '.join(ZERO3_SCHEDULES)}")
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return [t for b in self.buckets for t in (b.buffer, b.reduced, b.out) if t is not None]

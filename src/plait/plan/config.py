@@ -27,12 +27,12 @@ LOOPED_SCHEDULES = ("interleaved-1f1b", "looped-bfs", "zb-h1")
 
 #: The values of the Layout fields that plait's runtime (plait.parallelize, plait train) runs — one table for
 #: both sides: ``search`` emits only these (unless asked for plan-only layouts) and
-#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3 under schedules with several
-#: chunks per rank or a split backward, which the runtime does not run (plan-only). The other fields (tp, pp, dp,
-#: cp and cp_comm, ep, virtual_stages, micro-batch size, sequence parallelism) run at every value ``check`` accepts.
+#: ``Layout.to_parallel_config`` refuses the others. The planner also models ZeRO-3 under schedules with a split
+#: backward (zero-bubble), which the runtime does not run (plan-only). The other fields (tp, pp, dp, cp and cp_comm,
+#: ep, virtual_stages, micro-batch size, sequence parallelism) run at every value ``check`` accepts.
 RUNTIME: dict[str, tuple] = {
     "recompute": RECOMPUTE_MODES,
-    "zero": ZERO_LEVELS,  # ZeRO-3 under a pipeline with one chunk per rank only (runtime_gap)
+    "zero": ZERO_LEVELS,  # ZeRO-3 under schedules without a split backward only (runtime_gap)
     "schedule": SCHEDULE_NAMES,
     "partition": ("balanced",),  # plait train cuts balanced (plait.parallelize takes the others)
 }
@@ -175,8 +175,8 @@ def runtime_gap(layout: Layout) -> str | None:
         if value not in allowed:
             return f"{name}: {value!r} is planned but the runtime runs {', '.join(map(str, allowed))}"
     if layout.zero == 3 and layout.schedule not in ZERO3_SCHEDULES:
-        return (f"zero: 3 with schedule {layout.schedule!r} is planned but the runtime runs ZeRO-3 under a pipeline "
-                f"with {' or '.join(ZERO3_SCHEDULES)} only")
+        return (f"zero: 3 with schedule {layout.schedule!r} is planned but the runtime runs ZeRO-3 under "
+                f"{', '.join(ZERO3_SCHEDULES)} only (no split backward)")
     return None
 
 

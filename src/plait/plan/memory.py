@@ -172,31 +172,26 @@ def activations(cluster: Cluster, model: Model, layout: Layout, training: Traini
 def zero3_working(model: Model, layout: Layout, precision: str = "bf16", rank: int | None = None) -> float:
     """ZeRO-3's gathered working set as plait runs it (``plait.data_parallel.param_shards``) on pipeline rank
     ``rank`` (None: the most over the ranks): a block gathered for its forward or backward while the next one's
-    gather is in flight, so the largest two neighbouring blocks — the embedding and the first layer, two layers,
-    or the final norm and the head (the embedding's weights when tied) — in the compute dtype (bf16 weights are
-    gathered as bf16). Under a pipeline a stage keeps its last block gathered from a forward to the backward
-    that starts with it, so where forwards of other micro-batches run in between (1F1B's warm-up on every stage
-    but the last, counted for any number of micro-batches; every stage under GPipe) that block is held beside
-    the pair of each of them: the first stage's embedding, first and last layer; three layers on a middle stage;
-    two layers and the head on GPipe's last stage."""
+    gather is in flight, so the largest two neighbouring blocks of one of the rank's chunks — the embedding and the
+    first layer, two layers, or the final norm and the head (the embedding's weights when tied, without a
+    pipeline) — in the compute dtype (bf16 weights are gathered as bf16). A chunk keeps its last block after a
+    forward only when its backward runs next, so no block stays gathered while other forwards run, whatever the
+    schedule; prefetches stay inside a chunk."""
     if layout.zero != 3:
         return 0.0
     layer = sum(rank_params(model, layout, 1, False, False))
     embedding = sum(rank_params(model, layout, 0, True, False))
     head = sum(rank_params(model, layout, 0, False, True))  # under a pipeline with the tied copy of its own
-    if layout.pp == 1:
-        head += embedding if model.tied_embeddings else 0.0
-        return STATE_BYTES[precision][0] * max(embedding + layer, 2 * layer, head)
+    if layout.pp == 1 and model.tied_embeddings:  # the head's block gathers the embedding's weights
+        head += embedding
     st = layout_stages(model, layout)
-    working = []
-    for r in range(layout.pp) if rank is None else (rank,):
-        first, last = r == st.first_rank, r == st.last_rank
-        norm = model.norm_params()  # the final norm, a block of its own before the head
-        blocks = [embedding] * first + [layer] * st.rank_layers[r] + [norm, head - norm] * last
-        pairs = [a + b for a, b in zip(blocks, blocks[1:], strict=False)] or blocks
-        kept = layout.schedule == "gpipe" or not last
-        working.append(max([pairs[-1], *(p + blocks[-1] for p in pairs[:-1])]) if kept else max(pairs))
-    return STATE_BYTES[precision][0] * max(working)
+    norm, last = model.norm_params(), len(st.chunk_layers) - 1  # the final norm, a block of its own before the head
+    pair = [0.0] * layout.pp
+    for c, n in enumerate(st.chunk_layers):
+        blocks = [embedding] * (c == 0) + [layer] * n + [norm, head - norm] * (c == last)
+        pairs = [x + y for x, y in zip(blocks, blocks[1:], strict=False)] or blocks
+        pair[st.placement[c]] = max(pair[st.placement[c]], *pairs)
+    return STATE_BYTES[precision][0] * (max(pair) if rank is None else pair[rank])
 
 
 def fsdp2_working(model: Model, layout: Layout) -> float:
