@@ -180,8 +180,8 @@ class PlanOptions:
     runtime, each its own kernel: the model plait train --dry-run predicts with) or fused (fused kernels, as the
     Megatron-style runs the GPU model is fitted on)"""
     plan_only: bool = False
-    """also consider what only the planner models (ZeRO-3 under a schedule with several chunks per rank or a split
-    backward), marked plan-only"""
+    """also consider what only the planner models (ZeRO-3 under a zero-bubble schedule, whose backward is split),
+    marked plan-only"""
     expert_capacity: float | None = None
     """MoE: the rows the busiest GPU's experts are counted to receive, in memory and step time, times balanced
     routing's (a capacity factor; default: the model's capacity_factor, else 1, balanced); plait routes dropless,

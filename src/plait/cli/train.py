@@ -35,6 +35,8 @@ Examples:
   plait train --model ./my-mixtral --data data/c --tp 1 --pp 2 --dp 2 --ep 2
   # ZeRO-3: each pipeline stage's parameters sharded over dp:
   plait train --tp 1 --pp 2 --dp 2 --zero 3
+  # the same with two chunks a rank (any schedule without a split backward):
+  plait train --tp 1 --pp 2 --dp 2 --zero 3 --schedule interleaved-1f1b
   # what it would cost, nothing launched:
   plait train --tp 2 --pp 2 --dry-run --cluster host.toml
   # attention within each packed document:

@@ -21,8 +21,8 @@ Examples:
   plait verify --tp 2 --pp 2 --dp 1 --schedule zbv --microbatches 8
   # ZeRO-3: parameters sharded over dp:
   plait verify --tp 2 --pp 1 --dp 2 --zero 3 --sequence-parallel
-  # ZeRO-3 under a pipeline: each stage sharded over dp:
-  plait verify --tp 1 --pp 2 --dp 2 --zero 3
+  # ZeRO-3 under a pipeline: each stage sharded over dp (two chunks a rank):
+  plait verify --tp 1 --pp 2 --dp 2 --zero 3 --schedule interleaved-1f1b
   # context parallelism: a sequence split over 2 ranks:
   plait verify --tp 1 --pp 1 --dp 2 --cp 2
   # mixture of experts, 2 expert ranks:
