@@ -30,8 +30,9 @@ rewritten after each, so a run cut short keeps the sections it finished):
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
             (``gpu_check_generate.py``)
   serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
-  serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, and
-            three of its steps profiled (``serve_profile.txt``)
+  serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, each
+            the first time its shapes come and again, the runner with its keys' length rounded and exact; three
+            of its steps profiled (``serve_profile.txt``)
 On a CPU ``mfu`` is null (no dense-peak figure to divide by); every other key is filled.
 """
 

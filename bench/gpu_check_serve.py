@@ -89,7 +89,12 @@ def serve_step_section(device, sizes: dict, folder: Path, out: Path, profile: Ca
                        rows: int = 32) -> dict:
     """The serving runner's decode step on its own (``serve.runner.Runner.execute``: no HTTP, no scheduler, no
     hand-over) at ``rows`` greedy rows of 68-token prompts, beside a decode step of batched ``plait.generate`` on
-    the same prompts: where the serve section's time per token goes that the model's step does not explain. A
+    the same prompts: where the serve section's time per token goes that the model's step does not explain.
+
+    Each decode runs twice: ``cold``, the first time this process meets its steps' shapes (a server's case; a GPU's
+    attention may prepare a plan per shape, cuDNN's does), and ``warm``, the same shapes again. The runner runs
+    with its keys' length rounded (``serve.kv.PagedBatch.round_keys``, a GPU's default) and then exact (one more
+    key every step), and ``plait.generate``'s step is taken from its first run (cold) and its best of 3 (warm). A
     prefill and three decode steps of the runner go through ``profile`` (``gpu_check``'s) to
     ``serve_profile.txt``."""
     import torch
@@ -109,9 +114,12 @@ def serve_step_section(device, sizes: dict, folder: Path, out: Path, profile: Ca
     prompts = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=g).tolist()
     tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
 
-    def decode(steps: int) -> list[float]:
-        """Prefill every row in one step, then ``steps`` decode steps: each one's seconds."""
+    def decode(steps: int, round_keys: bool | None = None) -> list[float]:
+        """Prefill every row in one step, then ``steps`` decode steps: each one's seconds (``round_keys``: the
+        runner's setting, None: its default on this device)."""
         runner = Runner(model, num_blocks=rows * per + 1, block_size=block)
+        if round_keys is not None:
+            runner.batch.round_keys = round_keys
         outs = runner.execute(Step(new=[(i, Params(Sampling(new, 0.0))) for i in range(rows)],
                                    rows=[Row(i, prompts[i], 0, tables[i], True) for i in range(rows)]))
         times = []
@@ -124,20 +132,38 @@ def serve_step_section(device, sizes: dict, folder: Path, out: Path, profile: Ca
             times.append(time.perf_counter() - t0)
         return times
 
-    decode(4)  # warm-up: kernels, allocator
-    times = sorted(decode(new - 1))
+    def ms(times: list[float]) -> dict:
+        times = sorted(times)
+        return {"median_ms": 1e3 * times[len(times) // 2], "min_ms": 1e3 * times[0], "max_ms": 1e3 * times[-1]}
+
+    decode(1)  # warm-up: kernels, allocator (the prefill's shapes and one decode step's)
+    rounded = {"cold": ms(decode(new - 1, True)), "warm": ms(decode(new - 1, True))}
+    exact = {"cold": ms(decode(new - 1, False)), "warm": ms(decode(new - 1, False))}
     profile({"serving runner, prefill and 3 decode steps": lambda: decode(3)}, out / "serve_profile.txt", device)
-    generated = {2: float("inf"), new: float("inf")}
-    plait.generate(model, prompts, max_new_tokens=2)  # warm-up
+
+    def generate(n: int) -> float:
+        synchronize(device)
+        t0 = time.perf_counter()
+        plait.generate(model, prompts, max_new_tokens=n)
+        synchronize(device)
+        return time.perf_counter() - t0
+
+    short = generate(2)  # warm-up: the prefill's shape and the first decode step's
+    cold = generate(new)  # its decode steps' shapes met for the first time
+    generated = {2: min(short, generate(2)), new: cold}
     for _ in range(3):  # batched decoding's step: the best of 3 runs of each length, their difference per token
         for n in generated:
-            synchronize(device)
-            t0 = time.perf_counter()
-            plait.generate(model, prompts, max_new_tokens=n)
-            synchronize(device)
-            generated[n] = min(generated[n], time.perf_counter() - t0)
-    step_ms = 1e3 * (generated[new] - generated[2]) / (new - 2)
-    return {"rows": rows, "runner_decode_step_ms": 1e3 * times[len(times) // 2],
-            "runner_decode_step_min_ms": 1e3 * times[0],
+            generated[n] = min(generated[n], generate(n))
+    warm_ms = 1e3 * (generated[new] - generated[2]) / (new - 2)
+    cold_ms = 1e3 * (cold - generated[2]) / (new - 2)
+    return {"rows": rows, "dtype": str(dtype).replace("torch.", ""),
+            "round_keys_default": Runner(model, num_blocks=1, block_size=block).batch.round_keys,
+            "runner_decode_step_ms": rounded["cold"]["median_ms"],
+            "runner_decode_step_min_ms": rounded["cold"]["min_ms"],
+            "runner_decode_step_warm_ms": rounded["warm"]["median_ms"],
+            "runner_exact_keys_decode_step_ms": exact["cold"]["median_ms"],
+            "runner_exact_keys_decode_step_warm_ms": exact["warm"]["median_ms"],
+            "runner_rounded_keys": rounded, "runner_exact_keys": exact,
             # None where the runs' scatter (a loaded host) exceeds the extra tokens' time
-            "generate_decode_step_ms": step_ms if step_ms > 0 else None}
+            "generate_decode_step_ms": warm_ms if warm_ms > 0 else None,
+            "generate_decode_step_cold_ms": cold_ms if cold_ms > 0 else None}

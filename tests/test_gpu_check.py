@@ -51,7 +51,11 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
     assert results["train"]["memory"]["device_peak"] is None and results["device_peak_over_predicted_total"] is None
     step = results["serve_step"]  # the serving runner's decode step alone, and batched decoding's beside it
     assert step["runner_decode_step_ms"] >= step["runner_decode_step_min_ms"] > 0
+    # its steps met for the first time and again, with the keys' length rounded and exact (a CPU: exact by default)
+    assert step["runner_decode_step_warm_ms"] > 0 and step["round_keys_default"] is False
+    assert step["runner_exact_keys_decode_step_ms"] > 0 and step["runner_exact_keys_decode_step_warm_ms"] > 0
     assert step["generate_decode_step_ms"] is None or step["generate_decode_step_ms"] > 0
+    assert step["generate_decode_step_cold_ms"] is None or step["generate_decode_step_cold_ms"] > 0
     assert "serving runner" in (out / "serve_profile.txt").read_text()
     gemm = results["gemm"]  # a CPU: its speeds, and no catalogue GPU to hold the planner's costs against
     assert gemm["shapes"] == 5 and gemm["best_tflops"] > 0 and gemm["planner_gpu"] is None

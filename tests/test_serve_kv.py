@@ -143,3 +143,44 @@ def test_a_forwards_mask_is_made_once_in_the_scores_dtype_not_converted_by_every
     assert ops.count["where"] == 0 and ops.count["masked_fill"] == 1, dict(ops.count)
     for p, f, o in zip(prompts, first, out, strict=True):  # the same greedy tokens as a full forward
         assert o[0] == int(model(torch.tensor([[*p, f[0]]]))[0, -1].argmax())
+
+
+def test_rounded_key_lengths_come_back_for_later_steps_and_give_the_same_tokens():
+    """With ``round_keys`` (a GPU's setting: its attention may prepare a plan per shape) a decoding step reads keys
+    up to a rounded length, so the next steps meet the same shape instead of one more key each; the extra keys are
+    masked: every greedy token is the full forward's. A CPU reads the exact length (its outputs' bits unchanged)."""
+    model, runner, seen = _runner()
+    assert not runner.batch.round_keys, "a CPU reads exactly the keys there are"
+    runner.batch.round_keys = True
+    params = Params(Sampling(32, 0.0))
+    prompts, tables = [[5, 9, 2, 7, 1, 3], [4, 4, 8]], [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    out = runner.execute(Step(new=[(0, params), (1, params)],
+                              rows=[Row(i, p, 0, tables[i], True) for i, p in enumerate(prompts)]))
+    tokens = [[*p, o[0]] for p, o in zip(prompts, out, strict=True)]
+    lengths = []
+    for _ in range(24):
+        seen.clear()
+        out = runner.execute(Step(rows=[Row(i, t[-1:], len(t) - 1, tables[i], True) for i, t in enumerate(tokens)]))
+        end = max(len(t) for t in tokens)
+        length = seen[0]["mask"].shape[-1]
+        assert length % 4 == 0 and end <= length < end + 4, (end, length)  # whole blocks of 4, none more
+        lengths.append(length)
+        for t, o in zip(tokens, out, strict=True):
+            t.append(o[0])
+    assert len(set(lengths)) <= 24 // 4 + 1, f"a new key length every step: {lengths}"
+    for t in tokens:  # each token is the full forward's greedy one
+        assert t[-1] == int(model(torch.tensor([t[:-1]]))[0, -1].argmax())
+        assert t[-12] == int(model(torch.tensor([t[:-12]]))[0, -1].argmax())
+
+
+def test_a_key_length_is_rounded_to_whole_blocks_and_an_eighth_of_its_power_of_two():
+    from plait.serve.kv import PagedBatch
+
+    batch = PagedBatch(16, torch.device("cpu"), 8)
+    assert [batch.key_length(n) for n in (1, 69, 4097)] == [1, 69, 4097]  # a CPU: exact
+    batch.round_keys = True
+    rounded = [batch.key_length(n) for n in range(1, 8193)]
+    for n, length in enumerate(rounded, start=1):
+        assert length % 16 == 0 and n <= length <= max(n + 15, n * 9 // 8), (n, length)
+    assert rounded == sorted(rounded) and rounded[68] == 80 and rounded[130] == 144
+    assert len(set(rounded)) <= 16 + 8 * 9, "a few lengths per doubling, not one per position"

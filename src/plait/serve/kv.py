@@ -148,7 +148,7 @@ class StepView(NamedTuple):
     pos: torch.Tensor  # [B, S] positions of the new tokens
     slots: torch.Tensor  # [B·S] the slot each new token is written to (row-major)
     keys: torch.Tensor | None  # [B·L] slots of positions 0..L-1, row by row; None when every row starts at 0
-    length: int  # L: the furthest row's end
+    length: int  # L: the furthest row's end, rounded up (``PagedBatch.key_length``) unless every row starts at 0
     mask: torch.Tensor | None  # [B, 1, S, L] causal per row (a short row's later keys are padding); None likewise
 
 
@@ -164,10 +164,15 @@ class PagedBatch:
     their padding positions the row's last real position (a valid position for RoPE and the mask) and write
     its keys and values to a spare block after the pool's ``num_blocks``, which no table holds: padding
     never touches a sequence's blocks.
+
+    ``round_keys`` (on for a CUDA device, off elsewhere): rows past their first chunk read keys up to
+    ``key_length`` of the furthest row's end, not the end itself, so that attention meets a few shapes, not a new
+    one every step.
     """
 
     def __init__(self, block_size: int, device: torch.device, num_blocks: int) -> None:
         self.block_size, self.device = block_size, device
+        self.round_keys = device.type == "cuda"
         self.spare = num_blocks * block_size  # the first slot of the spare block
         self.tables: list[list[int]] = [[0]]
         self.starts: list[int] = [0]
@@ -198,10 +203,27 @@ class PagedBatch:
                 ~view.mask, float("-inf"))
         return self._masks[dtype]
 
+    def key_length(self, end: int) -> int:
+        """How many positions a forward with rows reaching ``end`` reads keys of: with ``round_keys``, ``end``
+        rounded up to a whole block and to 1/8 of its power of two (past a block, at most an eighth more keys;
+        all of them masked); else ``end``.
+
+        The keys' length is part of the shape attention sees. A GPU attention kernel may be prepared per shape
+        (cuDNN's builds and caches an execution plan for each, which costs far more than running it): were the
+        length exact, every decoding step would bring a new one; rounded, a shape comes back for the next steps,
+        and a server meets a few per doubling of its sequences' length. A CPU's attention prepares nothing per
+        shape: there the extra keys would only cost time and move the outputs' last bits.
+        """
+        step = max(self.block_size, 1 << max(0, end.bit_length() - 4))
+        return -(-end // step) * step if self.round_keys else end
+
     def _build(self, s: int) -> StepView:
         self.builds += 1
-        bs, width = self.block_size, max(len(t) for t in self.tables)
-        lengths = self.lengths or [s] * len(self.starts)
+        bs, lengths = self.block_size, self.lengths or [s] * len(self.starts)
+        fresh = max(self.starts) == 0  # every row starts at 0 (from the host lists: no read of a device value)
+        end = max(start + n for start, n in zip(self.starts, lengths, strict=True))
+        length = end if fresh else self.key_length(end)  # the keys' length L
+        width = max(max(len(t) for t in self.tables), -(-length // bs))  # table columns: L's blocks at least
         host = torch.tensor([[start, n, *t] + [0] * (width - len(t))
                              for start, n, t in zip(self.starts, lengths, self.tables, strict=True)])
         both = to_device(host, self.device)  # [B, 2 + width]: start, length, then the block table (padded with 0)
@@ -213,12 +235,11 @@ class PagedBatch:
         if self.lengths is not None:
             slots = torch.where(real, slots, self.spare + step % bs)
         slots = slots.flatten()
-        if max(self.starts) == 0:  # from the host lists: no read of a device value
+        if fresh:
             return StepView(pos, slots, None, s, None)
-        end = max(start + n for start, n in zip(self.starts, lengths, strict=True))
-        every = torch.arange(end, device=self.device)  # [L]: the positions up to the furthest row's end
+        every = torch.arange(length, device=self.device)  # [L]: the positions up to the furthest row's end, and on
         keys = (tables[:, every // bs] * bs + every % bs).flatten()  # [B·L]
-        return StepView(pos, slots, keys, len(every), (every <= pos[:, :, None])[:, None])
+        return StepView(pos, slots, keys, length, (every <= pos[:, :, None])[:, None])
 
 
 class PagedKVCache:
