@@ -18,7 +18,7 @@ CPU_LITERAL = re.compile(r"""["']cpu["']|\.cpu\(\)|device\(\s*["']cpu""")
 #: file -> (how many CPU literals it may hold, why each is right on a GPU too)
 ALLOWED: dict[str, tuple[int, str]] = {
     "devices.py": (7, "the device-type tests themselves (host copies count only from a non-CPU device)"),
-    "distributed/default_group.py": (1, "Gloo's device is the CPU"),
+    "distributed/default_group.py": (2, "Gloo's device is the CPU, and a process's where there is no GPU"),
     "calibrate/__init__.py": (2, "host facts: the processor's name under the key 'cpu', and 'cpu' as the device "
                                  "name when there is no GPU"),
     "optim/optimizer.py": (1, "the device types with torch's fused AdamW kernel"),
@@ -99,6 +99,34 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     with pytest.raises(ConfigError, match="LOCAL_RANK is not set, while RANK=7 and WORLD_SIZE=8 are"):
         default_group.ensure_default_group(10.0)
     assert chosen == [3] and inited == ["nccl"]
+
+
+def test_a_model_served_or_generated_by_one_process_goes_to_its_gpu(monkeypatch, tmp_path):
+    """``plait serve`` and ``plait generate`` with one process (tp 1, pp 1: no process group) load the model onto
+    this process's device, its GPU (LOCAL_RANK's, else GPU 0) where CUDA is there: they left it on the CPU."""
+    from plait.distributed import default_group
+    from plait.generation.job import load_model
+    from plait.models import Llama, LlamaConfig
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert default_group.process_device() == torch.device("cpu") or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert default_group.process_device() == torch.device("cuda", 0)  # a process alone
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert default_group.process_device() == torch.device("cuda", 2)
+    Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)).save_pretrained(
+        tmp_path)
+    placed: list[torch.device] = []
+    chosen = default_group.process_device
+
+    def meta() -> torch.device:  # stands in for the GPU: where the weights are made tells where they went
+        placed.append(chosen())
+        return torch.device("meta")
+
+    monkeypatch.setattr(default_group, "process_device", meta)
+    model = load_model(str(tmp_path))[0]
+    assert placed == [torch.device("cuda", 2)] and {p.device.type for p in model.parameters()} == {"meta"}
 
 
 @pytest.mark.parametrize("env,launched,devices,expect", [

@@ -309,6 +309,21 @@ def test_serving_runner_decodes_on_the_device(ctx, device):
     assert reads == [0] * len(reads) and len(reads) == 3, reads  # the two prompts share one forward, then 2 decodes
 
 
+def test_a_model_plait_serve_loads_in_one_process_is_on_the_device(device, tmp_path):
+    """``plait serve`` / ``plait generate`` with one process (no process group): the model they load is on this
+    process's device (the GPU where there is one), and its greedy tokens are the plain model's there."""
+    from plait.generation.job import load_model
+
+    torch.manual_seed(0)
+    plain = Llama(LlamaConfig(**CFG)).eval()
+    plain.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))[0]
+    assert {p.device for p in loaded.parameters()} == {device}
+    prompt = _batch(2, 8)[:, :8].tolist()
+    assert plait.generate(loaded, prompt, max_new_tokens=4) == plait.generate(plain.to(device), prompt,
+                                                                              max_new_tokens=4)
+
+
 def test_memory_report_on_the_device(ctx, device):
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx)

@@ -32,7 +32,7 @@ def ensure_default_group(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store
     rank, world = launched or (0, 1)
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(local_rank(launched, torch.cuda.device_count()))
+        torch.cuda.set_device(process_device().index)
     if store is None and launched is None:
         store = dist.HashStore()
     if store is None and agent_store_shared():  # torchrun's long-lived store: this generation's own (rendezvous)
@@ -53,6 +53,14 @@ def _awaited(exc: Exception, rank: int, world: int) -> str:
     key = re.search(r"keys: \S*/(\d+)\s*$", str(exc))
     other = int(key.group(1)) if key else -1
     return f"global rank {other}" if 0 <= other < world and other != rank else "the other ranks"
+
+
+def process_device() -> torch.device:
+    """The device this process computes on, with or without a process group: its GPU where CUDA is there (the
+    ``local_rank``-th: GPU 0 for a process alone), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank(launched_world(), torch.cuda.device_count()))
 
 
 def default_device() -> torch.device:

@@ -101,16 +101,19 @@ def tokenizer_folder(source: str) -> str:
 
 def load_model(source: str, tp: int = 1, pp: int = 1, ctx: ParallelContext | None = None
                ) -> tuple[nn.Module | ParallelModel, ByteTokenizer | FileTokenizer, LlamaConfig]:
-    """A plain model (tp = pp = 1, no process group) or a ParallelModel whose ranks read only their slices."""
+    """A plain model (tp = pp = 1, no process group) on this process's device (its GPU where there is one) or a
+    ParallelModel whose ranks read only their slices."""
     import plait
     from plait.checkpoint.shards import load_local
+    from plait.distributed.default_group import process_device
     from plait.models.registry import family_of_config
 
     cfg, reader, tok = source_config(source)
     build = family_of_config(cfg).model_class
     torch.manual_seed(0)
     if tp * pp == 1 and ctx is None:
-        model = build(cfg)
+        with torch.device(process_device()):  # the weights read below are copied to it
+            model = build(cfg)
         r = reader()
         model.load_state_dict({k: r.read(k) for k in model.state_dict()})
         return model.eval(), tok, cfg
