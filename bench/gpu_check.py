@@ -29,7 +29,8 @@ rewritten after each, so a run cut short keeps the sections it finished):
             ``--quick``, from this host's cached profile, as ``plait train`` predicts by default)
   generate  ``plait.generate`` tokens/s at batch 1 and 32 (greedy, KV cache), beside transformers' ``generate``
             (``gpu_check_generate.py``)
-  serve     ``plait serve`` on the device, 32 concurrent completions: output tokens/s (``gpu_check_serve.py``)
+  serve     ``plait serve`` on the device (bfloat16 on a GPU), 32 concurrent completions: output tokens/s
+            (``gpu_check_serve.py``)
   serve_step  the serving runner's decode step alone at 32 rows beside batched ``plait.generate``'s step, each
             the first time its shapes come and again, the runner with its keys' length rounded and exact; three
             of its steps profiled (``serve_profile.txt``)
@@ -361,7 +362,8 @@ def main() -> None:
             _run("predict", results, out, predict_section, sizes, precision, folder, out, train,
                  device.type == "cuda", args.quick)
         if "serve" in wanted:
-            _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT)
+            dtype = "bfloat16" if device.type == "cuda" else "float32"  # the generate and serve_step sections'
+            _run("serve", results, out, serve_section, sizes, folder, out, _env(), ROOT, dtype)
         if "serve_step" in wanted:
             _run("serve_step", results, out, serve_step_section, ctx.device, sizes, folder, out, _profile)
     flat = {"mfu": train.get("mfu"), "train_tokens_per_s": train.get("train_tokens_per_s"),

@@ -36,12 +36,14 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def serve_section(sizes: dict, folder: Path, out: Path, env: dict, cwd: Path, concurrent: int = 32) -> dict:
-    """``plait serve`` on this device, ``concurrent`` completions at once: output tokens/s over the wall time."""
+def serve_section(sizes: dict, folder: Path, out: Path, env: dict, cwd: Path, dtype: str,
+                  concurrent: int = 32) -> dict:
+    """``plait serve --dtype dtype`` (on the GPU where there is one), ``concurrent`` completions at once: output
+    tokens/s over the wall time, and the server's first line (where it runs, in which dtype)."""
     port, new = _port(), sizes["new_tokens"]
     log = (out / "serve.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "plait.cli.main", "serve", "--model", str(folder), "--port",
-                               str(port), "--max-batch", str(concurrent), "--max-tokens", str(new)],
+                               str(port), "--max-batch", str(concurrent), "--max-tokens", str(new), "--dtype", dtype],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -81,8 +83,9 @@ def serve_section(sizes: dict, folder: Path, out: Path, env: dict, cwd: Path, co
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+    first = (out / "serve.log").read_text().partition("\n")[0]
     return {"concurrent": concurrent, "completed": len(done), "errors": errors[:3], "output_tokens": sum(done),
-            "wall_s": wall, "serve_tokens_per_s": sum(done) / wall}
+            "wall_s": wall, "serve_tokens_per_s": sum(done) / wall, "server": first}
 
 
 def serve_step_section(device, sizes: dict, folder: Path, out: Path, profile: Callable[[dict, Path, Any], None],

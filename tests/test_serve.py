@@ -188,6 +188,8 @@ def test_bad_flags_fail_before_launching(tmp_path):
     assert res.exit_code == 2 and res.output.startswith("error: --prefix-cache: not with --kv-reserve"), res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--log-level", "loud"])
     assert res.exit_code == 2 and "--log-level loud: choose debug, info, warning or error" in res.output
+    res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--dtype", "float64"])
+    assert res.exit_code == 2 and "--dtype float64: choose float32, bfloat16 or float16" in res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "{% for m in messages %}"])
     assert res.exit_code == 2 and "--chat-template" in res.output and "TemplateSyntaxError" in res.output, res.output
     res = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--chat-template", "tmpl/chat.jinja"])

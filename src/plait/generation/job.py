@@ -99,10 +99,11 @@ def tokenizer_folder(source: str) -> str:
     return str(folder) if folder is not None else source
 
 
-def load_model(source: str, tp: int = 1, pp: int = 1, ctx: ParallelContext | None = None
+def load_model(source: str, tp: int = 1, pp: int = 1, ctx: ParallelContext | None = None,
+               dtype: torch.dtype = torch.float32
                ) -> tuple[nn.Module | ParallelModel, ByteTokenizer | FileTokenizer, LlamaConfig]:
     """A plain model (tp = pp = 1, no process group) on this process's device (its GPU where there is one) or a
-    ParallelModel whose ranks read only their slices."""
+    ParallelModel whose ranks read only their slices; its weights in ``dtype`` whatever the files hold."""
     import plait
     from plait.checkpoint.shards import load_local
     from plait.distributed.default_group import process_device
@@ -113,12 +114,12 @@ def load_model(source: str, tp: int = 1, pp: int = 1, ctx: ParallelContext | Non
     torch.manual_seed(0)
     if tp * pp == 1 and ctx is None:
         with torch.device(process_device()):  # the weights read below are copied to it
-            model = build(cfg)
+            model = build(cfg).to(dtype)
         r = reader()
         model.load_state_dict({k: r.read(k) for k in model.state_dict()})
         return model.eval(), tok, cfg
     with torch.device("meta"):  # every weight is read below: each rank allocates only its own shards
-        model = build(cfg)
+        model = build(cfg).to(dtype)
     ctx = ctx or plait.init(tp, pp, 1)
     pm = plait.parallelize(model, ctx, microbatches=1)
     load_local(pm, reader().read)

@@ -9,6 +9,7 @@ from plait.chat_kwargs import parse_template_kwargs
 from plait.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class ServeConfig:
     model: str = "plait-checkpoints"
     """A plait checkpoint folder (or its parent) or a Hugging Face folder (llama, mistral, qwen2, qwen3, qwen3_moe,
     mixtral)."""
+    dtype: str = "float32"
+    """The weights' and activations' dtype: float32, bfloat16 or float16 (half the memory of float32, and on a GPU
+    its fast matrix and attention kernels; a token may then differ from float32's where two logits are close)."""
     host: str = "127.0.0.1"
     """Address to listen on (0.0.0.0 exposes the server to the network)."""
     port: int = 8000
@@ -95,6 +99,8 @@ class ServeConfig:
                               f"{max_tokens + 1}")
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be a TCP port within [1, 65535]")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: choose float32, bfloat16 or float16")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level}: choose debug, info, warning or error")
         if self.shutdown_timeout < 0:

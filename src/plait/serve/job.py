@@ -107,6 +107,7 @@ def leave_a_core() -> int:
 
 def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
+    import torch
     import torch.distributed as dist
 
     from plait.distributed.collectives import collective
@@ -123,7 +124,7 @@ def serve_job(payload: dict) -> None:
     # rank 0 holds its port before the process group starts: Gloo's and the store's listeners take ports
     # from the kernel's ephemeral range, and a --port in that range could otherwise go to one of them
     sock = bind(payload["host"], payload["port"]) if rank == 0 else None
-    model, tok, cfg = load_model(payload["model"], tp, pp)
+    model, tok, cfg = load_model(payload["model"], tp, pp, dtype=getattr(torch, payload["dtype"]))
     blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
     runner = Runner(model, blocks, block)
     if sock is None:
@@ -206,7 +207,8 @@ def _lead(payload: dict, sock: socket.socket, runner, tok, cfg, blocks: int, sig
     windowed = (f", blocks behind the sliding window of {sched.window} freed as sequences move on (at most "
                 f"{sched.window_blocks} a sequence)") if sched.window else ""
     print(f"plait serve: {payload['name']} on http://{payload['host']}:{payload['port']}/v1 "
-          f"(tp {tp}, pp {pp}, max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
+          f"(tp {tp}, pp {pp}, {str(runner.dec.dtype).removeprefix('torch.')} on {runner.dec.device}, "
+          f"max batch {payload['max_batch']}, KV {blocks} blocks x {block} positions"
           f"{' reserved up front' if payload['kv_reserve'] else ''}"
           f"{', prefix caching' if payload['prefix_cache'] and not payload['kv_reserve'] else ''}"
           f"{windowed}, "
