@@ -1,8 +1,7 @@
 """ZeRO-3 (parameters sharded over data parallelism, with or without a pipeline, one chunk a rank or two) in the
 shared world of 4 (checks_zero3): 5 clipped AdamW steps equal one device; the bytes held between steps are
 1/(tp·dp) of the model (of the stage under a pipeline) up to each bucket's padding; the gathered working set is two
-neighbouring blocks (and a chunk's last block across a pipeline's forwards); exact resume; checkpoints across
-layouts."""
+neighbouring blocks of one chunk under every schedule; exact resume; checkpoints across layouts."""
 
 import pytest
 
