@@ -4,6 +4,7 @@ docs/runtime.md, and the most bytes of tensors alive at once while some code run
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,23 +70,32 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the CPU storages created by the tensor operations run inside ``with LiveBytes() as m:`` that are
     still alive, and their peak (``m.peak``). Each storage is counted once, from the op that allocated it until
     it is freed (a finaliser on the storage object, which lives as long as the storage). Storages created
-    before entering are not counted."""
+    before entering are not counted, but for those of ``held`` (e.g. the parameters, gradient buffers and
+    optimizer state of a step measured whole), counted from the start.
 
-    def __init__(self) -> None:
+    A census of op outputs: the operations' own scratch space (inside one kernel) is not seen. It sees the
+    backward's operations too (on a CPU autograd runs them on the calling thread, under the same mode)."""
+
+    def __init__(self, held: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.live = self.peak = 0
         self.alive: dict[int, int] = {}  # id(storage) -> bytes
+        for t in held:
+            self._count(t)
+
+    def _count(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if id(st) not in self.alive and st.nbytes():
+            self.alive[id(st)] = st.nbytes()
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self._freed, id(st))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                st = t.untyped_storage()
-                if id(st) not in self.alive and st.nbytes():
-                    self.alive[id(st)] = st.nbytes()
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(st, self._freed, id(st))
+                self._count(t)
         return out
 
     def _freed(self, key: int) -> None:

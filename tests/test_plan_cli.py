@@ -305,7 +305,7 @@ def test_the_reasons_name_an_overhead_only_where_there_is_one_and_count_in_one_u
     args = ["plan", "--model", "tiny", "--gpus", "2", "--cluster", str(tmp_path / "host.toml"), "--global-batch", "8"]
     text, as_json = (runner.invoke(app, args + extra) for extra in ([], ["--json"]))
     memory = json.loads(as_json.output)["best"][0]["memory"]
-    assert "memory MiB: weights + grads + optim + activ" in text.output, text.output
+    assert "memory MiB: weights + grads + optim + activ + transient" in text.output, text.output
     assert f"{memory['total'] / 2**20:,.1f} of {memory['usable'] / 2**20:,.1f} MiB" in text.output, text.output
 
 

@@ -271,13 +271,15 @@ def test_layout_auto_plans_on_the_calibrated_host(tmp_path, monkeypatch):
     speeds, not the catalogue's generic cpu."""
     from plait.calibrate import cache_path
     from plait.cli.auto_layout import auto_layout, plan_model
+    from plait.plan.eager import RUNTIME_ELEMENTWISE
+    from plait.plan.optimizers import RUNTIME_MASTERS
     from plait.train import TrainConfig
     from profile_util import synthetic_profile
 
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "cache"))
     want = TrainConfig.from_dict({"seq_len": 32, "batch_size": 8, "max_data_mb": 0.1, "nproc": 4})
     profile = synthetic_profile()
-    training = Training(8, precision="fp32")
+    training = Training(8, precision="fp32", elementwise=RUNTIME_ELEMENTWISE, masters=RUNTIME_MASTERS)  # plait's own
     best = search(plan_model(want), Cluster.from_profile(profile, 4), training, top=20)[0]
     profile.save(tmp_path / "host.toml")
     chosen = TrainConfig.from_dict({**want.to_dict(), "cluster": str(tmp_path / "host.toml")})

@@ -377,8 +377,12 @@ def test_train_dry_run_prints_the_prediction_and_launches_nothing(tmp_path):
     assert f"predicted step time {est.step_time_s * 1e3:,.0f} ms" in r.output.replace("\n", " ")
     assert " ".join(r.output.split()).count("4 processes") == 1, r.output  # the title said it twice
     first = row["memory"]["predicted"][0]  # in MiB, as the table says (it said MB of MiB figures)
-    total = sum(first[k] for k in ("params", "grads", "optimizer", "activations_peak"))
-    assert "total MiB" in " ".join(r.output.split()) and f"{total / 2**20:.2f} │" in r.output, r.output
+    total = sum(first[k] for k in ("params", "grads_at_peak", "optimizer", "activations_peak", "recompute_working",
+                                   "weight_copies", "loss_backward"))
+    last = row["memory"]["predicted"][-1]
+    assert first["total"] == pytest.approx(total) and first["loss_backward"] == 0 < last["loss_backward"]  # the head
+    said = " ".join(r.output.split())
+    assert "memory of a GPU, MiB" in said and "step peak" in said and f"{total / 2**20:.2f} │" in r.output, r.output
     assert not (tmp_path / "ck").exists()  # nothing ran
     r = CliRunner().invoke(app, ["train", *flags, "--dry-run", "--cluster", "none"])
     assert r.exit_code == 2 and "--cluster none" in r.output

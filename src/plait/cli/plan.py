@@ -74,14 +74,16 @@ def _training_table(result, title: str):
     t = Table(title=title, header_style="bold")
     unit, scale = memory_unit(result.best)
     # in a narrow terminal the layout and the memory sum wrap at their spaces; the figures keep their width
-    memory = f"memory {unit}: weights + grads + optim + activ"
+    # transient: what the step holds beside the activations at their peak (plait.plan.memory.step_transients)
+    memory = f"memory {unit}: weights + grads + optim + activ + transient"
     for col in ("#", "layout", "step s", "MFU", "TF/s/GPU", "bubble", memory):
         words = col in ("layout", memory)
         t.add_column(col, justify="left" if col in ("layout", "#") else "right", no_wrap=not words,
                      min_width=None if words else len(col))
     for i, e in enumerate(result.best, 1):
         m = e.memory
-        parts = "+".join(f"{x / scale:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations))
+        parts = " + ".join(f"{x / scale:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations,
+                                                         m.weight_copies + m.loss_backward))
         label = e.layout.short() + (" padded-rounds" if e.rounds == "padded" else "")
         t.add_row(str(i), label, f"{e.step_time_s:.3g}", f"{e.mfu:.1%}", f"{e.tflops_per_gpu:.3g}",
                   f"{e.bubble_fraction:.1%}", f"{parts} = {m.total / scale:.1f} of {m.usable / scale:,.0f}")

@@ -248,14 +248,18 @@ def memory_rows(estimate: Estimate) -> list[dict]:
     recomputed under full recomputation briefly holds ``recompute_working`` more. ``grads`` is what is held
     after the step (as ``pm.memory_report()`` reports it), ``grads_at_peak`` what is held beside the
     activations at their peak (under ZeRO-2 the full buffer: see ``plan.memory.rank_memory``). Under ZeRO-3
-    ``params_gathered_peak`` is the gathered working set (as ``pm.memory_report()`` measures it)."""
+    ``params_gathered_peak`` is the gathered working set (as ``pm.memory_report()`` measures it).
+    ``weight_copies`` and ``loss_backward`` are held beside the activations at their peak without being saved
+    for the backward (``plan.memory.step_transients``), and ``total`` is the step's predicted peak, all of these
+    together (what the planner checks against the device's memory)."""
     from plait.plan.memory import zero3_working
 
     model, layout, precision = estimate.model, estimate.layout, estimate.training.precision
     gathered = {m.rank: zero3_working(model, layout, precision, m.rank) for m in estimate.rank_memory}
     return [{"pp_rank": m.rank, "params": m.weights, "grads": m.grads_held, "optimizer": m.optimizer,
              "activations_peak": m.activations - m.working, "recompute_working": m.working - gathered[m.rank],
-             "grads_at_peak": m.grads, **({"params_gathered_peak": gathered[m.rank]} if gathered[m.rank] else {})}
+             "grads_at_peak": m.grads, **({"params_gathered_peak": gathered[m.rank]} if gathered[m.rank] else {}),
+             "weight_copies": m.weight_copies, "loss_backward": m.loss_backward, "total": m.total}
             for m in estimate.rank_memory]
 
 

@@ -242,14 +242,17 @@ def _dry_run(cfg, resumed: tuple[Path, int] | None) -> None:
     row = dry_run(cfg, world)
     console = Console()
     _say_resume(console, cfg, resumed, cfg.parallel.resolve(world))
-    t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}",
+    t = Table(title=f"plait train --dry-run: {layout_text(cfg.parallel.resolve(world))}; memory of a GPU, MiB",
               title_justify="left")
-    for name in ("pipeline rank", "params MiB", "grads MiB", "optimizer MiB", "activations peak MiB", "total MiB"):
-        t.add_column(name, justify="right")
+    # "transient": what the step holds beside the activations at their peak without saving it for the backward
+    # (bf16 weight copies, the loss's backward: plait.plan.memory.step_transients); "step peak": the sum at that
+    # moment (with the gradients held then, and a recomputed layer's or ZeRO-3's working set)
+    for name in ("pp rank", "params", "grads", "optimizer", "activations peak", "transient", "step peak"):
+        t.add_column(name, justify="right", min_width=max(map(len, name.split())))  # wrapped at spaces, not cut
     kinds = ("params", "grads", "optimizer", "activations_peak")
     for m in row["memory"]["predicted"]:
-        parts = [m[k] for k in kinds]
-        t.add_row(str(m["pp_rank"]), *(f"{b / 2**20:.2f}" for b in (*parts, sum(parts))))
+        parts = [m[k] for k in kinds] + [m["weight_copies"] + m["loss_backward"], m["total"]]
+        t.add_row(str(m["pp_rank"]), *(f"{b / 2**20:.2f}" for b in parts))
     console.print(t)
     for note in row["memory"]["notes"]:
         console.print(f"note: {note}")

@@ -100,7 +100,7 @@ def _pipeline_and_memory(model: Model, cluster: Cluster, layout: Layout, trainin
         acts = mem.activations(cluster, model, layout, training)
         return chunks, pipe, mem.rank_memory(model, cluster, layout, list(pipe.peak_bytes), acts, training.precision,
                                              microbatches(layout, training), training.grad_dtype,
-                                             training.zero3_impl, training.masters)
+                                             training.zero3_impl, training.masters, training.loss)
 
     chunks, pipe, memory = run(None)
     if layout.schedule not in ROUND_SCHEDULES or layout.pp == 1 or layout.virtual_stages == 1:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from plait.plan import experts
-from plait.plan.config import GRAD_DTYPES, Layout, Training
+from plait.plan.config import GRAD_DTYPES, LOSSES, Layout, Training
 from plait.plan.documents import DocumentBytes, with_documents
 from plait.plan.model import Model
 from plait.plan.optimizers import RUNTIME_MASTERS
@@ -38,7 +38,8 @@ ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}
 @dataclass(frozen=True)
 class Memory:
     """Bytes on one GPU (pipeline rank ``rank``; the most loaded unless said), and what the planner lets it
-    use."""
+    use. ``total`` is the step's peak: the model states, the activations at their peak and what the step holds
+    beside them there that autograd does not save (``weight_copies``, ``loss_backward``)."""
 
     weights: float
     grads: float
@@ -49,6 +50,8 @@ class Memory:
     usable: float
     working: float = 0.0  # of ``activations``: held once (a recomputed layer, gathered ZeRO-3 weights)
     grads_after_step: float | None = None  # ZeRO-2: the shards left once the step's gradients are reduced
+    weight_copies: float = 0.0  # plait's per-step bf16 copies of the weights (``step_transients``)
+    loss_backward: float = 0.0  # the loss's backward beside the activations at their peak (``step_transients``)
 
     @property
     def grads_held(self) -> float:
@@ -268,9 +271,39 @@ def state_bytes(model: Model, layout: Layout, layers: int, first: bool, last: bo
     return w * shard(3), g * shard(2), o * shard(1)
 
 
+def step_transients(model: Model, layout: Layout, layers: int, first: bool, last: bool, precision: str = "bf16",
+                    masters: str = "apart", loss: str = LOSSES[0]) -> tuple[float, float]:
+    """(weight copies, loss backward): bytes plait's runtime (``masters="plait"``, ``Training.masters``) holds on one
+    GPU of a pipeline rank with ``layers`` layers beside the activations at their peak, which autograd's saved
+    tensors (the activations, as ``pm.memory_report()`` measures them) do not count; (0, 0) for other stacks.
+
+    Weight copies: under bf16 without ZeRO ``plait.optim.precision.StepCast`` casts every floating-point parameter
+    to one bf16 copy when the step starts and holds it until the step's backward has ended: 2 B a parameter the
+    rank holds. (ZeRO-1/2 store the parameters in bf16 and ZeRO-3 gathers them: no copy; fp32 computes on them.)
+
+    Loss backward, on the rank holding the head: plait's cross-entropy (``plait.tensor_parallel.loss``, the
+    runtime's ``Training.loss``) saves the float32 softmax, 4 B a logit of the micro-batch (counted in the
+    activations, ``LOGIT_BYTES``); its backward, the first of the micro-batch's backward, runs while every tensor
+    the micro-batch saved is still held and adds a float32 clone of the softmax (4 B), that gradient scaled by
+    the loss's (4 B) and, under bf16, its cast back to the logits' dtype (2 B), all three alive at once. The
+    forward's own transients (the logits beside their float32 shift) are no more. With one micro-batch in flight
+    at the loss (one stage; the last stage of 1F1B and GPipe) the activations peak there; elsewhere (interleaved
+    chunks, a recomputed layer's working set) the sum is an upper bound."""
+    if masters != RUNTIME_MASTERS:
+        return 0.0, 0.0
+    copies = 0.0
+    if precision == "bf16" and layout.zero == 0:
+        copies = WEIGHT_BYTES * sum(rank_params(model, layout, layers, first, last))
+    backward = 0.0
+    if last and loss == LOSSES[0]:
+        logits = model.seq_len / layout.cp * layout.microbatch_size * model.vocab / layout.tp  # [b·s/cp, V/t]
+        backward = (4 + 4 + (ACTIVATION_BYTES[precision] if precision != "fp32" else 0)) * logits
+    return copies, backward
+
+
 def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float], acts: ActivationModel,
                 precision: str = "bf16", microbatches: int = 2, grad_dtype: str = "fp32",
-                zero3_impl: str = "plait", masters: str = "apart") -> list[Memory]:
+                zero3_impl: str = "plait", masters: str = "apart", loss: str = LOSSES[0]) -> list[Memory]:
     """Memory of every pipeline rank at its activation peak; ``peak[r]`` is the most activation bytes rank r
     holds at once (from the simulated schedule, ``plan.pipeline``, of the chunks' bytes in ``acts``: ``activations``),
     its working set and shared tensors added once.
@@ -287,7 +320,8 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
     (pytorch/torchtitan train.py at 9dec370: ``optimizers.zero_grad()``, torch's ``set_to_none=True``) and FSDP2
     sets each block's sharded gradient only at that block's post-backward reduce-scatter (``foreach_reduce``),
     after the loss's backward, where the activations peak; the shards are ``grads_after_step``. ``masters``:
-    ``Training.masters``."""
+    ``Training.masters``; with ``loss`` (``Training.loss``) they set what plait's step holds beside the
+    activations (``step_transients``)."""
     st = layout_stages(model, layout)
     usable = cluster.usable_memory
     full_at_peak = layout.zero == 2 and microbatches > 1
@@ -305,5 +339,7 @@ def rank_memory(model: Model, cluster: Cluster, layout: Layout, peak: list[float
         if layout.zero == 3 and zero3_impl == "plait" and layout.pp > 1:  # this rank's gathered blocks
             working += zero3_working(model, layout, precision, r) - zero3_working(model, layout, precision)
         act = peak[r] + acts.shared + working
-        out.append(Memory(w, g, o, act, w + g + o + act, r, usable, working, after))
+        copies, backward = step_transients(model, layout, layers, first, last, precision, masters, loss)
+        out.append(Memory(w, g, o, act, w + g + o + act + copies + backward, r, usable, working, after, copies,
+                          backward))
     return out
