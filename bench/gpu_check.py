@@ -203,12 +203,15 @@ def train_section(ctx, sizes: dict, folder: Path, out: Path) -> dict:
     tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0)).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
-    def plait_step() -> None:
+    def forward_backward() -> None:
         pm.zero_grad()
         pm.train_step(x, y)
+
+    def plait_step() -> None:
+        forward_backward()
         opt.step()
 
-    memory = measure_memory(pm, plait_step, device)  # untimed, before transformers' model is on the device
+    memory = measure_memory(pm, forward_backward, opt.step, device)  # untimed, before transformers' model is here
     hf = LlamaForCausalLM.from_pretrained(folder, attn_implementation="sdpa", torch_dtype=torch.float32).to(device)
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
 

@@ -70,22 +70,26 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path: Path) -> None:
 
 def test_memory_beside_sets_each_kind_and_the_total_beside_the_measurement(monkeypatch) -> None:
     """The predict section's memory rows from a dry run's rank row and the train section's measurement: ratios
-    per kind, the predicted total at the activation peak (gradients as held then, the recomputed layer's and
-    ZeRO-3's gathered working sets included) beside the allocator's peak; no measurement: no ratios."""
+    per kind, the predicted peak of the step (the row's ``total``, the bytes held beside the activations
+    included) beside the allocator's peak, and the predicted model states beside what the allocator holds as the
+    step starts; no measurement: no ratios."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     from gpu_check_memory import memory_beside
 
     predicted = {"pp_rank": 0, "params": 100, "grads": 50, "optimizer": 200, "activations_peak": 400,
-                 "recompute_working": 30, "grads_at_peak": 100, "params_gathered_peak": 20}
-    measured = {"params": 100, "grads": 55, "optimizer": 200, "activations_peak": 300, "device_peak": 1700}
+                 "recompute_working": 30, "grads_at_peak": 100, "params_gathered_peak": 20, "weight_copies": 50,
+                 "loss_backward": 60, "total": 960}
+    measured = {"params": 100, "grads": 55, "optimizer": 200, "activations_peak": 300, "device_peak": 1700,
+                "device_at_rest": 385, "device_peak_forward_backward": 1700, "device_peak_optimizer": 400}
     got = memory_beside(predicted, measured)
     assert got["memory"]["grads"] == {"predicted": 50, "measured": 55, "measured_over_predicted": 1.1}
     assert got["activations_measured_over_predicted"] == 0.75 and got["params_measured_over_predicted"] == 1.0
-    assert got["predicted_total_bytes"] == 100 + 100 + 200 + 400 + 30 + 20
-    assert got["device_peak_bytes"] == 1700 and got["device_peak_over_predicted_total"] == 1700 / 850
+    assert got["predicted_total_bytes"] == 960 and got["predicted_loss_backward_bytes"] == 60
+    assert got["device_peak_bytes"] == 1700 and got["device_peak_over_predicted_total"] == 1700 / 960
+    assert got["device_at_rest_over_predicted_states"] == 385 / 350 and got["device_peak_optimizer_bytes"] == 400
     empty = memory_beside(predicted, None)  # the train section failed: the prediction stands alone
     assert empty["memory"]["params"]["measured"] is None and empty["activations_measured_over_predicted"] is None
-    assert empty["device_peak_over_predicted_total"] is None and empty["predicted_total_bytes"] == 850
+    assert empty["device_peak_over_predicted_total"] is None and empty["predicted_total_bytes"] == 960
 
 
 def test_gemm_section_holds_the_planners_costs_against_the_h200_measurement(monkeypatch) -> None:
