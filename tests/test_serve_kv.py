@@ -3,7 +3,10 @@ per layer, one read for a group's greedy tokens."""
 
 from __future__ import annotations
 
+import collections
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plait.devices import HostSyncCounter
 from plait.generation.decode import Sampling
@@ -12,6 +15,18 @@ from plait.serve.runner import Row, Runner, Step
 from plait.serve.sampling import Params
 
 LAYERS = 3
+
+
+class Ops(TorchDispatchMode):
+    """Counts the ATen operations run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.count: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _runner() -> tuple[Llama, Runner, list[dict]]:
@@ -116,19 +131,6 @@ def test_prompt_chunks_share_a_padded_forward_and_give_each_rows_own_tokens():
 def test_a_forwards_mask_is_made_once_in_the_scores_dtype_not_converted_by_every_layer():
     """The decode step's mask reaches attention as an additive float mask built once for the forward; a boolean
     one would be turned into -inf and 0 by SDPA in every layer (more operations a layer, each a kernel on a GPU)."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count: collections.Counter = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     model, runner, seen = _runner()
     params = Params(Sampling(8, 0.0))
     prompts = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 1]]
@@ -141,6 +143,9 @@ def test_a_forwards_mask_is_made_once_in_the_scores_dtype_not_converted_by_every
     masks = [e["mask"] for e in seen]
     assert masks[0].dtype == torch.float32 and all(m is masks[0] for m in masks)
     assert ops.count["where"] == 0 and ops.count["masked_fill"] == 1, dict(ops.count)
+    # every row samples at the forward's last position: its logits are a slice, not a gather by index tensors made
+    # on the host (each a copy to a GPU); the one indexing left is the view's slots of the keys
+    assert ops.count["index"] == 1, dict(ops.count)
     for p, f, o in zip(prompts, first, out, strict=True):  # the same greedy tokens as a full forward
         assert o[0] == int(model(torch.tensor([[*p, f[0]]]))[0, -1].argmax())
 

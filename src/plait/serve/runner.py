@@ -152,10 +152,13 @@ class Runner:
         pick = [i for i, r in enumerate(rows) if r.sample]
         if pick:
             ends = [len(rows[i].tokens) - 1 for i in pick]  # each row's last real position (padding follows)
-            last = full_logits(x[pick, ends], self.ctx, self.dec.vocab)  # [n, V]: the one gather sampling needs
+            # every row at the forward's last position (a decode step): a slice, no index tensors sent over
+            every = len(pick) == len(rows) and min(ends) == x.shape[1] - 1
+            last = full_logits(x[:, -1] if every else x[pick, ends], self.ctx, self.dec.vocab)  # [n, V]
             plain = [j for j, i in enumerate(pick) if states[i].argmax_as_is]
             if plain:  # one argmax and one read of the device for all of them, not one per row
-                for j, tok in zip(plain, last[plain].argmax(-1).tolist(), strict=True):
+                greedy = last if len(plain) == len(pick) else last[plain]
+                for j, tok in zip(plain, greedy.argmax(-1).tolist(), strict=True):
                     tokens[pick[j]] = states[pick[j]].took(tok)
             for j, i in enumerate(pick):
                 if tokens[i] is None:
