@@ -325,3 +325,33 @@ def test_each_save_in_the_background_says_what_it_saves_where_and_how_big(tmp_pa
     log = io.StringIO()
     loop.train(cfg, reporter=Reporter(cfg, 0, Console(file=log, width=200)))
     _check_saves(log.getvalue().splitlines(), tmp_path / "ck", (1, 2), background=True)
+
+
+def test_a_held_out_split_shorter_than_a_window_is_named_not_called_missing(tmp_path):
+    """Documents held out (here 3 of 40, 39 tokens) but fewer tokens than one --seq-len + 1 window: the run
+    measures no held-out loss, and the data line and the summary say why instead of 'no held-out split'."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from plait.data import prepare
+    from plait.data.stream import open_data
+    from plait.parallel_config import ParallelConfig
+    from plait.train.loop import TrainResult
+    from plait.train.report import summary_table
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i:03d}"}) + "\n" for i in range(40)))
+    prepare([str(tmp_path / "docs.jsonl")], "bytes", tmp_path / "d", workers=1, held_out=0.1)
+    data = open_data([str(tmp_path / "d")], "tiny", 256, 64, 2, 0, 1)
+    held = data.sources[0].held_out.tokens
+    assert 0 < held <= 64 and data.eval_order is None, held  # held-out tokens, but not 65 of them
+    assert f"{held} held out, fewer than one 65-token window: no held-out loss)" in data.describe(), data.describe()
+    run = SimpleNamespace(ctx=SimpleNamespace(config=ParallelConfig(tp=1, pp=1, dp=1)), start=0, prediction=None,
+                          unpredicted=None, data=data)
+    console = Console(record=True, width=400, force_terminal=False)
+    console.print(summary_table(TrainConfig(steps=2, seq_len=64), run, TrainResult(losses={1: 5.5, 2: 5.0})))
+    out = " ".join(console.export_text().replace("│", " ").split())
+    assert (f"held-out loss - (the held-out split's {held} tokens make no 65-token window: a shorter --seq-len, or "
+            "a larger --held-out in plait data prepare)") in out, out  # was "(no held-out split)"
+    assert "no held-out split" not in out and "no held-out loss" not in open_data(
+        [str(tmp_path / "d")], "tiny", 256, 8, 2, 0, 1).describe()

@@ -90,6 +90,8 @@ class TrainData:
                            tuple(s.weight for s in self.sources), self.seed)
         held = [s for s in self.sources if (s.held_out.tokens - 1) // S >= 1]
         self._held = held
+        #: sources with held-out tokens but not one window of them: no part of the held-out loss
+        self.short_held_out = [s for s in self.sources if s.held_out.tokens and s not in held]
         self.eval_order = Order(tuple((s.held_out.tokens - 1) // S for s in held), tuple(s.weight for s in held),
                                 self.seed, stream=1) if held else None
 
@@ -224,8 +226,10 @@ class TrainData:
             weight = f"{s.weight / sum(x.weight for x in self.sources):.0%} " if len(self.sources) > 1 else ""
             kind = "prepared" if s.prepared else f"{counted(s.files, 'file')}, tokenized here"
             note = f"; {s.note}" if s.note else ""
+            short = (f", fewer than one {self.seq_len + 1:,}-token window: no held-out loss"
+                     if s in self.short_held_out else "")
             parts.append(f"{weight}{s.name} ({kind}: {_tokens(s.train.tokens)} training tokens, "
-                         f"{_tokens(s.held_out.tokens) if s.held_out.tokens else 'none'} held out{note})")
+                         f"{_tokens(s.held_out.tokens) if s.held_out.tokens else 'none'} held out{short}{note})")
         masked = [f"attention within documents (EOS {self.eos})"] if document_mask else []
         return "; ".join(parts + masked)
 

@@ -224,6 +224,17 @@ def layout_text(p: ParallelConfig) -> str:
             f"{f', {p.precision}' if p.precision != 'fp32' else ''}")
 
 
+def _no_held_out(data, seq_len: int) -> str:
+    """Why a run whose data has no held-out window shows no held-out loss: no held-out split, or one shorter than
+    a window of ``seq_len + 1`` tokens."""
+    short = data.short_held_out
+    if not short:
+        return "- (no held-out split)"
+    tokens = " and ".join(f"{s.held_out.tokens:,}" for s in short)
+    return (f"- (the held-out split's {tokens} tokens make no {seq_len + 1:,}-token window: a shorter --seq-len, "
+            "or a larger --held-out in plait data prepare)")
+
+
 def summary_table(cfg: TrainConfig, run, res):
     from rich.table import Table
 
@@ -240,7 +251,7 @@ def summary_table(cfg: TrainConfig, run, res):
          + (f" (skipped {res.skipped})" if res.skipped else "")),
         ("loss", f"{first:.3f} -> {last:.3f}" + _no_targets(res.no_targets)),
         ("held-out loss", f"{res.held_out:.3f}" if res.held_out is not None else
-         "- (no held-out split)" if run.data.eval_order is None else
+         _no_held_out(run.data, cfg.seq_len) if run.data.eval_order is None else
          f"- (not measured: stopped by {res.stop_signal})" if res.stopped_at is not None else
          "- (no held-out target in the loss)"),
         ("data", _data_line(run, cfg.steps if res.stopped_at is None else res.stopped_at)),
