@@ -51,8 +51,8 @@ def test_attention_kernel_is_an_option_and_checked_against_the_gpu():
                                                                               "--gpus-per-node 4: not with --cluster"),
     (["--inference", "--global-batch", "64", "--show-schedule"], "error: --global-batch 64, --show-schedule: training "
                                                                 "options, which --inference ignores"),
-    (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: flash1, triton-ops, flash2, "
-                                "cudnn, flash3, unfused"),
+    (["--attention", "flash4"], "error: --attention 'flash4': unknown kernel; valid: sdpa, flash1, triton-ops, "
+                                "flash2, cudnn, flash3, unfused"),
 ])
 def test_bad_values_are_errors_naming_them_not_defaults(args, needle):
     r = runner.invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "4", *args])

@@ -216,8 +216,9 @@ def test_the_flags_leave_out_what_plait_train_does_when_they_are_left_out():
 
 
 def test_plan_on_gpus_predicts_the_step_plait_train_dry_run_predicts(tmp_path):
-    """On catalogue GPUs ``plait plan`` costs plait's own eager element-wise kernels, as ``plait train --dry-run``
-    does for the layout it writes (the same step); ``--elementwise fused`` costs the fitted fused term instead."""
+    """On catalogue GPUs ``plait plan`` costs plait's own eager element-wise kernels and the attention kernel
+    plait's SDPA runs there (cuDNN's on an H100), as ``plait train --dry-run`` does for the layout it writes (the
+    same step); ``--elementwise fused`` costs the fitted fused term instead."""
     from plait.cli.predict import planner_inputs
     from plait.plan.runs import predict_train
     from plait.train import TrainConfig
@@ -238,7 +239,7 @@ def test_plan_on_gpus_predicts_the_step_plait_train_dry_run_predicts(tmp_path):
         steps[flag] = out["best"][0]["step_time_s"]
     cfg = TrainConfig.from_dict(read_toml(tmp_path / "plait-eager.toml"))
     model, layout, training = planner_inputs(cfg, 8)
-    dry_run = predict_train(model, Cluster("h100-sxm", 8), layout, training).step_time_s
+    dry_run = predict_train(model, Cluster("h100-sxm", 8, flash_attention="sdpa"), layout, training).step_time_s
     assert dry_run == pytest.approx(steps["plait-eager"], rel=1e-9)
     assert steps["fused"] < 0.97 * steps["plait-eager"]  # plait's unfused kernels move more bytes
     bad = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--elementwise", "triton"])

@@ -174,9 +174,11 @@ class PlanOptions:
     ZeRO the float32 parameters are their own masters, with a bf16 copy for each step"""
     max_memory_fraction: float = MAX_MEMORY_FRACTION
     """share of each device's memory a layout may use"""
-    attention: str = "flash2"
-    """attention kernel, costed at its published speed: flash2 (PyTorch SDPA), flash1, triton-ops (OpenAI Triton's
-    triton.ops.flash_attention; A100), cudnn (Transformer Engine), flash3 (Hopper) or unfused"""
+    attention: str = "sdpa"
+    """attention kernel, costed at its published speed: sdpa (what plait runs, PyTorch SDPA's pick: cudnn on
+    Hopper GPUs and the B200, flash2 elsewhere), flash2 (FlashAttention-2, SDPA's flash backend), flash1,
+    triton-ops (OpenAI Triton's triton.ops.flash_attention; A100), cudnn (cuDNN's, as Transformer Engine and
+    SDPA run it), flash3 (Hopper) or unfused"""
     elementwise: str = "plait-eager"
     """element-wise kernels (norms, RoPE, activations, residual adds, casts, the loss): plait-eager (plait's
     runtime, each its own kernel: the model plait train --dry-run predicts with) or fused (fused kernels, as the
@@ -229,7 +231,7 @@ def plan(options: dict[str, Any]) -> None:
     from plait.cli.plan_inference import inference
     from plait.errors import ConfigError, flag_message
     from plait.plan import Cluster, Training, explain, search
-    from plait.plan.attention import KERNELS, UNFUSED
+    from plait.plan.attention import KERNELS, SDPA, UNFUSED
     from plait.plan.documents import note as documents_note
     from plait.plan.experts import dropless_bound, routing_note
     from plait.plan.explain import nothing_fits
@@ -244,8 +246,8 @@ def plan(options: dict[str, Any]) -> None:
     batch_note = ""
     if o.cluster is not None and not o.inference:
         o, batch_note = _host_run(o)
-    if o.attention not in (*KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
-        fail(f"--attention {o.attention!r}: unknown kernel; valid: {', '.join(KERNELS)}, {UNFUSED}")
+    if o.attention not in (SDPA, *KERNELS, UNFUSED):  # the library also takes True and False, which no flag spells
+        fail(f"--attention {o.attention!r}: unknown kernel; valid: {SDPA}, {', '.join(KERNELS)}, {UNFUSED}")
     # a terminal's width (or COLUMNS, when set); else, into a file or a pipe, wide enough for one row a layout
     console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 140)
     try:

@@ -43,9 +43,11 @@ def check_cluster(cfg: TrainConfig, world: int) -> None:
 
 def gpu_cluster(world: int) -> Cluster | None:
     """``world`` GPUs of this host's kind (``LOCAL_WORLD_SIZE`` of them to a node, else all on this one), costed
-    by the planner's GPU model, when this host has a GPU; None on a CPU host. ConfigError when its GPU is not
-    in the planner's catalogue (give --cluster none)."""
+    by the planner's GPU model with the attention kernel plait's SDPA calls run there (``plan.attention.
+    sdpa_kernel``), when this host has a GPU; None on a CPU host. ConfigError when its GPU is not in the planner's
+    catalogue (give --cluster none)."""
     from plait.devices import accelerator_name
+    from plait.plan.attention import SDPA
     from plait.plan.catalogue import GPUS, gpu_of_device
     from plait.plan.cluster import Cluster
 
@@ -56,7 +58,8 @@ def gpu_cluster(world: int) -> Cluster | None:
     if gpu is None:
         raise ConfigError(f"cluster: this host's GPU ({name}) is not in the planner's catalogue "
                           f"({', '.join(GPUS)}), so plait cannot predict its step; give --cluster none")
-    return Cluster(gpu, world, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return Cluster(gpu, world, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                   flash_attention=SDPA)
 
 
 def source_of(cluster: Cluster) -> str:

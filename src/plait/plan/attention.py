@@ -16,16 +16,23 @@ from plait.errors import ConfigError
 from plait.plan.catalogue import GPU
 
 UNFUSED = "unfused"
+#: ``Cluster(flash_attention="sdpa")``: the kernel PyTorch's SDPA runs on the cluster's GPU (``sdpa_kernel``)
+SDPA = "sdpa"
 #: The fused kernels the datasheet model knows; ``Cluster(flash_attention=...)`` names one of them.
 KERNELS = {
     "flash1": "FlashAttention (Dao et al. 2022)",
     "triton-ops": "OpenAI Triton's fused attention (triton.ops.flash_attention)",
     "flash2": "FlashAttention-2 (Dao 2023); PyTorch's SDPA flash backend",
-    "cudnn": "cuDNN's fused flash attention (Transformer Engine's FusedAttention on Hopper)",
+    "cudnn": "cuDNN's fused flash attention (Transformer Engine's FusedAttention; PyTorch SDPA's on Hopper)",
     "flash3": "FlashAttention-3 (Shah et al. 2024), Hopper only",
 }
-#: What ``Cluster(flash_attention=True)`` means: PyTorch's SDPA, which plait's runtime calls, runs FlashAttention-2
+#: What ``Cluster(flash_attention=True)`` means: FlashAttention-2, PyTorch's SDPA flash backend
 DEFAULT_KERNEL = "flash2"
+#: The catalogue GPUs of compute capability 9.0 and 10.0 (Hopper, B200), where PyTorch's SDPA tries cuDNN's fused
+#: attention before its flash backend (``check_prefer_cudnn_attention`` in torch's
+#: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, from cuDNN 9.15 on; ``TORCH_CUDNN_SDPA_DEPRIORITIZED``
+#: turns it off).
+SDPA_CUDNN_FIRST = frozenset({"h100-sxm", "h100-pcie", "h200", "b200"})
 SEQ = (512, 1024, 2048, 4096, 8192, 16384)  # the benchmarks' sequence lengths
 Series = dict[int, tuple[float, ...]]  # head dimension -> TFLOP/s at each of SEQ
 
@@ -83,20 +90,29 @@ FIGURES: dict[str, tuple[float, dict[str, Series]]] = {
 
 def kernel_of(flash_attention: bool | str, gpu: GPU) -> str:
     """The kernel ``Cluster(flash_attention=...)`` asks for on ``gpu``: False or "unfused", the unfused softmax;
-    True, ``DEFAULT_KERNEL``; else a name from ``KERNELS`` that has figures on ``gpu`` (any name on a GPU with no
-    published figures, which every fused kernel costs at ``GPU.flash_efficiency``)."""
+    True, ``DEFAULT_KERNEL``; "sdpa", the one PyTorch's SDPA runs there (``sdpa_kernel``); else a name from
+    ``KERNELS`` that has figures on ``gpu`` (any name on a GPU with no published figures, which every fused kernel
+    costs at ``GPU.flash_efficiency``)."""
     if flash_attention is False or flash_attention == UNFUSED:
         return UNFUSED
     if flash_attention is True:
         return DEFAULT_KERNEL
+    if flash_attention == SDPA:
+        return sdpa_kernel(gpu)
     if flash_attention not in KERNELS:
-        raise ConfigError(f"flash_attention: unknown kernel {flash_attention!r}; valid: True, False, "
+        raise ConfigError(f"flash_attention: unknown kernel {flash_attention!r}; valid: True, False, {SDPA}, "
                           f"{', '.join(KERNELS)}, {UNFUSED}")
     if gpu.attention_figures in FIGURES and flash_attention not in FIGURES[gpu.attention_figures][1]:
         have = ", ".join(FIGURES[gpu.attention_figures][1])
         why = "runs on Hopper GPUs only" if flash_attention == "flash3" else f"has no published speed on {gpu.name}"
         raise ConfigError(f"flash_attention: {flash_attention!r} {why}; valid on {gpu.name}: {have}, True, False")
     return str(flash_attention)
+
+
+def sdpa_kernel(gpu: GPU) -> str:
+    """The kernel PyTorch's SDPA, which plait's runtime calls for causal attention, runs on catalogue ``gpu``:
+    cuDNN's on the GPUs of ``SDPA_CUDNN_FIRST``, FlashAttention-2 (``DEFAULT_KERNEL``) elsewhere."""
+    return "cudnn" if gpu.name in SDPA_CUDNN_FIRST else DEFAULT_KERNEL
 
 
 def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:

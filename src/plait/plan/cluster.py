@@ -28,11 +28,11 @@ class Cluster:
     are those of plait's own eager runtime measured there (``plan.host``); else catalogue GPUs are costed as
     published Megatron-LM runs (``plan.gpu``). ``costs`` is that cost model, chosen here once.
     ``flash_attention``: the attention kernel; catalogue GPUs only. True (the default): a fused flash-attention
-    kernel, FlashAttention-2 (PyTorch's SDPA on CUDA, which plait's runtime calls); a name from
-    ``plan.attention.KERNELS`` picks the kernel ("flash1", "triton-ops", "flash2", "cudnn" for Transformer
-    Engine's fused attention, "flash3"), each costed at its published speed on that GPU by sequence length and
-    head dimension; False: the unfused softmax of Megatron-LM's early runs (the s×s scores go through HBM and
-    are stored).
+    kernel, FlashAttention-2 (PyTorch SDPA's flash backend); "sdpa": the kernel PyTorch's SDPA, which plait's
+    runtime calls, runs on that GPU (``plan.attention.sdpa_kernel``: cuDNN's on Hopper and the B200); a name from
+    ``plan.attention.KERNELS`` picks the kernel ("flash1", "triton-ops", "flash2", "cudnn" for cuDNN's fused
+    attention, "flash3"), each costed at its published speed on that GPU by sequence length and head dimension;
+    False: the unfused softmax of Megatron-LM's early runs (the s×s scores go through HBM and are stored).
     ``attention`` is the kernel resolved ("unfused" for False), ``flash_attention`` whether it is fused.
     """
 
