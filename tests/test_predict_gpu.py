@@ -58,7 +58,8 @@ def test_the_trainers_predictor_on_a_gpu_uses_the_gpu_model(monkeypatch):
 
     monkeypatch.setattr(plait.devices, "accelerator_name", lambda: "NVIDIA H100 80GB HBM3")
     cfg = TrainConfig.from_dict({"model": "small", "tp": 1, "pp": 1, "dp": 1, "seq_len": 64, "batch_size": 4})
-    run = SimpleNamespace(cfg=cfg, ctx=SimpleNamespace(device=torch.device("cuda", 0), world_size=1, rank=0))
+    run = SimpleNamespace(cfg=cfg, ctx=SimpleNamespace(device=torch.device("cuda", 0), world_size=1, rank=0),
+                          data=None)  # no --data: the synthetic batches
     got = HostPredictor().predict(run)  # type: ignore[arg-type]
     assert got is not None and got.source == "NVIDIA H100 SXM5 80GB (plait plan, GPU model)"
     cudnn = Cluster("h100", 1, gpus_per_node=1, flash_attention="cudnn")
