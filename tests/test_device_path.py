@@ -318,7 +318,7 @@ def test_a_model_plait_serve_loads_in_one_process_is_on_the_device(device, tmp_p
     plain = Llama(LlamaConfig(**CFG)).eval()
     plain.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))[0]
-    assert {p.device for p in loaded.parameters()} == {device}
+    assert {(p.device.type, p.device.index or 0) for p in loaded.parameters()} == {(device.type, device.index or 0)}
     prompt = _batch(2, 8)[:, :8].tolist()
     assert plait.generate(loaded, prompt, max_new_tokens=4) == plait.generate(plain.to(device), prompt,
                                                                               max_new_tokens=4)
