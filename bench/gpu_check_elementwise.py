@@ -80,7 +80,7 @@ def elementwise_section(device, sizes: dict, quick: bool) -> dict:
     for name in names:
         _, nbytes, strided = table[name]
         rate = nbytes / statistics.fmean(seconds[name])
-        result[f"{name}_gb_s"] = round(rate / 1e9, 1)
+        result[f"{name}_gb_s"] = float(f"{rate / 1e9:.4g}")  # four figures: a loaded CPU's small rates stay above 0
         if bandwidth and strided is not None:
             shares[strided].append(rate / bandwidth)
     result["contiguous_share"] = round(statistics.median(shares[False]), 3) if shares[False] else None
