@@ -1,6 +1,7 @@
 """The planner counts document masking's memory (plait.plan.documents): what it predicts for a run with
 --document-mask is what the run's meter measures, on the path the planner counts (the mask, or each document
-alone), and the prediction's memory line says which."""
+alone), and the prediction's memory line says which. Its step time costs the attention path the documents take,
+as the data (plait train --dry-run) or a mean length (plait plan --mean-document-length) says they cut the rows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 import checks_documents as cd
 import plait
+from plait.errors import ConfigError
 from plait.models import Llama
 from plait.parallel_config import ParallelConfig
 from plait.plan import Layout, Model, Training
@@ -185,6 +187,8 @@ def test_the_mask_path_costs_the_dense_square_and_the_mask(tmp_path):
     assert masked.attention == pytest.approx(plain.attention / 0.625)
     assert masked.elem_bytes - plain.elem_bytes == pytest.approx(2 * b * model.n_heads * model.seq_len ** 2 * 4)
     assert layer_seconds(found["host"], model, docs, b) > layer_seconds(found["host"], model, None, b)
+    with pytest.raises(ConfigError, match="documents: lengths of rows of 1024 tokens, for a model of seq_len 2048"):
+        layer_seconds(found["h100"], model, DocumentLengths.of_mean(32, 1024), b)
 
 
 def test_plan_document_mask_costs_the_assumed_documents(tmp_path):
@@ -222,3 +226,27 @@ def test_plan_document_mask_costs_the_assumed_documents(tmp_path):
                           (["--document-mask", "--mean-document-length", "0.5"], "mean_document_length: 0.5")):
         r = runner.invoke(app, [*flags, *words])
         assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
+
+
+def test_layout_auto_plans_with_the_document_mask(tmp_path, monkeypatch):
+    """`plait train --layout auto --document-mask` searches with the mask: its memory and its documents' lengths
+    read from --data, as the dry run predicts the run it picks."""
+    from data_util import documents, write_jsonl
+    from plait.cli import auto_layout as auto
+    from plait.cli.predict import row_lengths
+    from plait.data.prepare import prepare
+    from plait.train import TrainConfig
+
+    prepare([str(write_jsonl(tmp_path / "d.jsonl", documents(300, max_words=6)))], "bytes", tmp_path / "data",
+            workers=1, held_out=0.1)
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path / "empty-cache"))  # an uncalibrated host: the catalogue's cpu
+    from plait.plan.search import SearchResult
+
+    seen = []
+    monkeypatch.setattr("plait.plan.search", lambda model, cluster, training, top: seen.append(training) or
+                        SearchResult([]))
+    cfg = TrainConfig.from_dict({"seq_len": 64, "batch_size": 4, "data": [str(tmp_path / "data")],
+                                 "document_mask": True, "nproc": 2})
+    with pytest.raises(ConfigError):
+        auto.auto_layout(cfg, 2)
+    assert seen[0].document_mask and seen[0].documents == row_lengths(cfg)

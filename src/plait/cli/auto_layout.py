@@ -54,7 +54,9 @@ def planning_cluster(cfg: TrainConfig, processes: int):
 
 def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     """``cfg`` with the layout of the fastest planned layout for ``world`` processes that fits and that
-    ``validate`` accepts, and one line saying what was chosen. ConfigError if none does."""
+    ``validate`` accepts, and one line saying what was chosen (with --document-mask, planned with its memory and as
+    the documents of --data cut the rows: ``plait.cli.predict.row_lengths``). ConfigError if none does."""
+    from plait.cli.predict import row_lengths
     from plait.plan import Training, search
     from plait.plan.eager import RUNTIME_ELEMENTWISE
     from plait.plan.explain import memory_unit
@@ -63,7 +65,8 @@ def auto_layout(cfg: TrainConfig, world: int) -> tuple[TrainConfig, str]:
     cluster, source = planning_cluster(cfg, world)
     model = plan_model(cfg)
     training = Training(cfg.batch_size, precision=cfg.parallel.precision, elementwise=RUNTIME_ELEMENTWISE,
-                        masters=RUNTIME_MASTERS)
+                        masters=RUNTIME_MASTERS, document_mask=cfg.document_mask,
+                        documents=row_lengths(cfg) if cfg.document_mask else None)
     result = search(model, cluster, training, top=20)
     reasons = []
     for est in result.best:

@@ -213,6 +213,9 @@ def masked_attention(documents: DocumentLengths | None, model: Model, layout: La
     block of the S×S square is computed (``causal_share`` of it was), and the mask is read with each head's
     scores (``mask_bytes``). Context parallelism's blockwise cores skip only the score tiles no query sees: charged
     as without the mask."""
+    if documents is not None and documents.seq_len != model.seq_len:
+        raise ConfigError(f"documents: lengths of rows of {documents.seq_len} tokens, for a model of seq_len "
+                          f"{model.seq_len}; give the DocumentLengths of its rows")
     s = model.seq_len / layout.cp
     path = None if documents is None else attention_path(documents, layout)
     if path == "each" and documents is not None:
