@@ -31,7 +31,7 @@ DEFAULT_KERNEL = "flash2"
 #: The catalogue GPUs of compute capability 9.0 and 10.0 (Hopper, B200), where PyTorch's SDPA tries cuDNN's fused
 #: attention before its flash backend (``check_prefer_cudnn_attention`` in torch's
 #: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, from cuDNN 9.15 on; ``TORCH_CUDNN_SDPA_DEPRIORITIZED``
-#: turns it off).
+#: turns it off; ``plan.measured_attention_h200`` records SDPA picking it on an H200).
 SDPA_CUDNN_FIRST = frozenset({"h100-sxm", "h100-pcie", "h200", "b200"})
 SEQ = (512, 1024, 2048, 4096, 8192, 16384)  # the benchmarks' sequence lengths
 Series = dict[int, tuple[float, ...]]  # head dimension -> TFLOP/s at each of SEQ
