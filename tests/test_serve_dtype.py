@@ -1,4 +1,5 @@
-"""plait serve --dtype: the weights and activations in the dtype asked for, under one process and a tp 2 layout."""
+"""plait serve --dtype and plait generate --dtype: the weights and activations in the dtype asked for, under one
+process and a tp 2 layout; any other dtype refused before launch."""
 
 from __future__ import annotations
 
@@ -46,3 +47,31 @@ def test_each_rank_of_a_layout_holds_its_slices_in_the_dtype(tmp_path):
     model_dir = tiny_model(tmp_path / "tiny")
     ranks = run_world(_dtypes, 2, str(model_dir), timeout_s=200, preload=PRELOAD)
     assert ranks == [["torch.bfloat16"], ["torch.bfloat16"]]
+
+
+def test_plait_generate_decodes_in_the_dtype_asked_for(tmp_path, monkeypatch, capsys):
+    from typer.testing import CliRunner
+
+    from plait.cli.main import app
+    from plait.generation import job
+
+    model_dir = tiny_model(tmp_path / "tiny")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ref = load_model(str(model_dir), dtype=torch.bfloat16)[0]
+    want = TOK.decode(expected_ids(ref, TOK.encode("def "), 6))
+    decoded_in: list[set[torch.dtype]] = []
+
+    def loaded(*args, **kwargs):  # the model the job decodes with, as loaded
+        out = load_model(*args, **kwargs)
+        decoded_in.append({p.dtype for p in out[0].parameters()})
+        return out
+
+    monkeypatch.setattr(job, "load_model", loaded)
+    payload = {"model": str(model_dir), "prompts": ["def "], "tp": 1, "pp": 1, "max_new_tokens": 6,
+               "temperature": 0.0, "top_k": 0, "seed": 0, "dtype": "bfloat16"}
+    assert job.generate_job(payload) == [want] and decoded_in == [{torch.bfloat16}]
+    res = CliRunner().invoke(app, ["generate", "--model", str(model_dir), "--prompt", "def ", "--max-new-tokens", "6",
+                                   "--dtype", "bfloat16"])  # one process: the job runs here
+    assert res.exit_code == 0 and decoded_in == [{torch.bfloat16}] * 2, (res.output, decoded_in)
+    res = CliRunner().invoke(app, ["generate", "--model", str(model_dir), "--dtype", "float64"])
+    assert res.exit_code == 2 and "--dtype float64: choose float32, bfloat16 or float16" in res.output, res.output

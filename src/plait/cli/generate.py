@@ -10,7 +10,8 @@ HELP = """Generate text from a plait checkpoint or a Hugging Face model folder w
 
 Greedy by default (--temperature 0); --temperature T samples, --top-k K keeps the K best tokens. With
 --tp/--pp > 1 the model is split over that many local processes (elastic launcher): each rank reads only its
-own slices of the weights and keeps the KV cache of its own layers; the tokens equal one device's. A rank that
+own slices of the weights and keeps the KV cache of its own layers; the tokens equal one device's. The model runs
+on the GPU where there is one (one process: GPU 0), in float32 unless --dtype says otherwise. A rank that
 stops answering (stopped, hung) ends the job once a peer has waited the environment's PLAIT_TIMEOUT seconds
 (default 300) for it, naming both ranks and what was awaited. A continuation ends at the model's
 end-of-sequence token (eos_token_id in its folder's generation_config.json or config.json, as transformers'
@@ -35,7 +36,7 @@ Examples:
       --chat-template-kwargs '{"enable_thinking": false}'
   plait generate --model plait-checkpoints --tp 2 --pp 2 --temperature 0.8 \\
       --top-k 20 --seed 1
-  plait generate --model path/to/hf-llama --max-new-tokens 50
+  plait generate --model path/to/hf-llama --max-new-tokens 50 --dtype bfloat16
   plait generate --prompt "def " --stop $'\\n\\n' --stop "return"
 """
 
@@ -77,6 +78,9 @@ def generate_command(
     seed: Annotated[int, Opt(help="Seed of the sampler.")] = 0,
     stop: Annotated[list[str] | None, Opt(help="End a continuation at this text, cut before it (repeatable: the "
                                                "first found ends it).", metavar="TEXT")] = None,
+    dtype: Annotated[str, Opt(help="The weights' and activations' dtype: float32, bfloat16 or float16 (half the "
+                                   "memory, and a GPU's fast kernels; a token may then differ from float32's where "
+                                   "two logits are close).")] = "float32",
     layout: dict | None = None,
 ) -> None:
     """``layout``: the generated --tp and --pp options (plait.cli.options)."""
@@ -94,7 +98,7 @@ def generate_command(
         from plait.distributed.launch import JobError, run_or_launch
         from plait.errors import ConfigError, flag_message
         from plait.generation.decode import Sampling
-        from plait.generation.job import check_layout, check_weights, source_config, weights_size
+        from plait.generation.job import check_layout, check_weights, dtype_named, source_config, weights_size
         from plait.parallel_config import ParallelConfig
         from plait.tokenizers import check_fits
 
@@ -102,6 +106,7 @@ def generate_command(
             par = ParallelConfig(**(layout or {}))
             Sampling(max_new_tokens, temperature, top_k, seed).check()  # fail on these before launching anything
             _check_greedy(ctx, temperature, top_k)
+            dtype_named(dtype)
             _check_mode(prompt, chat, messages, chat_template, chat_template_kwargs)
             if any(not s for s in stop or []):
                 raise ConfigError("--stop '': an empty string would end every continuation before its first token; "
@@ -125,7 +130,7 @@ def generate_command(
             loading("generate", *weights_size(model))
             payload = {"model": model, "prompts": prompts, "prompt_ids": ids, "max_new_tokens": max_new_tokens,
                        "temperature": temperature, "top_k": top_k, "seed": seed, "stop": stop or [], "tp": par.tp,
-                       "pp": par.pp}
+                       "pp": par.pp, "dtype": dtype}
             with lost_peer_in_one_line():  # under torchrun this process is a rank
                 run_or_launch(TARGET, payload, par.tp * par.pp)
         except ConfigError as exc:

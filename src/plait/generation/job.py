@@ -99,6 +99,17 @@ def tokenizer_folder(source: str) -> str:
     return str(folder) if folder is not None else source
 
 
+def dtype_named(name: str) -> torch.dtype:
+    """The dtype ``--dtype name`` of plait generate or plait serve asks for (one plait export writes in); a
+    ConfigError naming --dtype and the choices for any other name."""
+    from plait.checkpoint.store import EXPORT_DTYPES
+
+    if name not in EXPORT_DTYPES:
+        *first, last = EXPORT_DTYPES
+        raise ConfigError(f"--dtype {name}: choose {', '.join(first)} or {last}")
+    return EXPORT_DTYPES[name]
+
+
 def load_model(source: str, tp: int = 1, pp: int = 1, ctx: ParallelContext | None = None,
                dtype: torch.dtype = torch.float32
                ) -> tuple[nn.Module | ParallelModel, ByteTokenizer | FileTokenizer, LlamaConfig]:
@@ -158,7 +169,8 @@ def generate_job(payload: dict) -> list[str]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if payload["tp"] * payload["pp"] != world:
         raise ConfigError(f"--tp {payload['tp']} x --pp {payload['pp']} must equal the world size {world}")
-    model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"])
+    dtype = dtype_named(payload.get("dtype", "float32"))
+    model, tok, cfg = load_model(payload["model"], payload["tp"], payload["pp"], dtype=dtype)
     stop = end_ids(payload["model"])  # each continuation ends there, as transformers' generate's does
     chat = payload.get("prompt_ids") is not None
     prompts = payload["prompt_ids"] if chat else [tok.encode(p) for p in payload["prompts"]]

@@ -9,7 +9,6 @@ from plait.chat_kwargs import parse_template_kwargs
 from plait.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,9 @@ class ServeConfig:
                               f"{max_tokens + 1}")
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--port {self.port}: must be a TCP port within [1, 65535]")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"--dtype {self.dtype}: choose float32, bfloat16 or float16")
+        from plait.generation.job import dtype_named
+
+        dtype_named(self.dtype)
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level}: choose debug, info, warning or error")
         if self.shutdown_timeout < 0:

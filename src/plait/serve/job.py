@@ -107,12 +107,11 @@ def leave_a_core() -> int:
 
 def serve_job(payload: dict) -> None:
     """Worker entry of ``plait serve``: every rank loads its part; rank 0 also runs the HTTP server."""
-    import torch
     import torch.distributed as dist
 
     from plait.distributed.collectives import collective
     from plait.distributed.default_group import DEFAULT_TIMEOUT_S
-    from plait.generation.job import load_model
+    from plait.generation.job import dtype_named, load_model
     from plait.serve.engine import STALL_SHOWN_S, follow
     from plait.serve.runner import Runner
 
@@ -124,7 +123,7 @@ def serve_job(payload: dict) -> None:
     # rank 0 holds its port before the process group starts: Gloo's and the store's listeners take ports
     # from the kernel's ephemeral range, and a --port in that range could otherwise go to one of them
     sock = bind(payload["host"], payload["port"]) if rank == 0 else None
-    model, tok, cfg = load_model(payload["model"], tp, pp, dtype=getattr(torch, payload["dtype"]))
+    model, tok, cfg = load_model(payload["model"], tp, pp, dtype=dtype_named(payload["dtype"]))
     blocks = -(-payload["kv_budget"] // block)  # the pool: whole blocks covering the budget
     runner = Runner(model, blocks, block)
     if sock is None:
