@@ -361,3 +361,15 @@ def test_zero_1_and_2_twins_are_ranked_once():
     shapes = [replace(e.layout, zero=0) for e in result.best if e.layout.zero < 3]  # ZeRO-3 steps differently
     assert result.twins > 0 and len(shapes) == len(set(shapes))
     assert any(e.layout.zero == 1 for e in result.best)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_context_parallel_rank_attends_its_queries_to_the_whole_rows_keys(cp):
+    """Under context parallelism a rank's S/cp queries attend to the row's S keys (the causal load balance gives
+    each rank 1/cp of the row's pairs): its attention is 1/cp of one rank's at cp = 1, its GEMMs too. Counted
+    against its own S/cp keys alone it was (1/cp)², and a cp2 step's attention predicted at a quarter of cp1's."""
+    model = Model.preset("tiny", seq_len=512)
+    whole = census.layer_work(census.local(model, Layout(microbatch_size=2)), 4)
+    split = census.layer_work(census.local(model, Layout(microbatch_size=2, cp=cp)), 4)
+    assert split.attention == pytest.approx(whole.attention / cp)
+    assert sum(f for f, _ in split.gemms) == pytest.approx(sum(f for f, _ in whole.gemms) / cp)

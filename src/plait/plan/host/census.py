@@ -250,7 +250,10 @@ def layer_work(sh: Local, dtype_bytes: int) -> Work:
         copies = SP_GATHER_COPIES + sh.regathers
         traffic += 2 * copies * sh.n
         ops += copies
-    attention = 4 * t * sh.seq * q
+    # each of the rank's queries against the row's keys, cp·s of them (without causal savings, as at cp = 1 and as
+    # the calibration counts SDPA's FLOPs): under context parallelism the causal load balance gives a rank 1/cp
+    # of the row's causal pairs, not (1/cp)² as its own s keys alone would
+    attention = 4 * t * sh.seq * sh.cp * q
     return Work(gemms, attention, sh.seq * sh.head_dim, traffic * dtype_bytes, ops)
 
 
