@@ -14,7 +14,8 @@ from plait.errors import ConfigError, divisors
 from plait.models.family import Blocks, Family, LayerCosts
 
 if TYPE_CHECKING:
-    from plait.models.llama import KVCache, Llama
+    from plait.models.kv_cache import KVCache
+    from plait.models.llama import Llama
 
 
 class DecoderFamily(Family):
@@ -89,7 +90,7 @@ class DecoderFamily(Family):
         return name.startswith("layers.")
 
     def kv_cache(self) -> KVCache:
-        from plait.models.llama import KVCache
+        from plait.models.kv_cache import KVCache
 
         return KVCache()
 

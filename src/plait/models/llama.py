@@ -21,6 +21,7 @@ from torch import nn
 from plait.errors import ConfigError, is_integer, is_number, plain_numbers
 from plait.models.decoder import DecoderFamily
 from plait.models.init import tensor_generator
+from plait.models.kv_cache import KVCache
 from plait.models.moe import MoE, check_moe_config, pop_aux_losses
 from plait.models.rotary import RotaryTables, rotate
 from plait.models.window import check_layer_types, layer_window, window_mask
@@ -111,49 +112,8 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-class KVCache:
-    """Keys and values one attention layer has seen so far ([B, h_kv, L, hd]); created by whoever holds the layer.
-
-    They live in buffers of room for ``capacity`` positions that grow by doubling, so appending a token
-    copies that token (and, at each doubling, what is there), where a concatenation would copy the whole cache
-    at every token: O(L) bytes moved over a sequence instead of O(L²).
-
-    Any other cache object passed to ``Attention`` is a per-row cache, whose rows may sit at different
-    positions (serving keeps such caches outside the model): ``positions(s)`` gives the positions [B, S] of
-    the next ``s`` tokens of each row; ``append(k, v)`` stores their keys and values [B, h_kv, S, hd] and
-    returns the keys and values of positions 0..L-1 to attend to [B, h_kv, L, hd] with the causal mask
-    [B, 1, S, L], or None for the mask when the keys are exactly the new ones, every row starting at 0.
-    """
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None  # [B, h_kv, capacity, hd]
-        self.values: torch.Tensor | None = None
-        self.length = 0  # positions stored
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``, ``v`` [B, h_kv, S, hd] after what is there; the keys and values of positions
-        0..length-1, views [B, h_kv, length, hd] of the buffers."""
-        end = self.length + k.shape[2]
-        if end > self.capacity:
-            room = max(end, 2 * self.capacity)
-            keys, values = (x.new_empty(*x.shape[:2], room, x.shape[3]) for x in (k, v))
-            if self.keys is not None and self.values is not None:
-                keys[:, :, : self.length] = self.keys[:, :, : self.length]
-                values[:, :, : self.length] = self.values[:, :, : self.length]
-            self.keys, self.values = keys, values
-        assert self.keys is not None and self.values is not None
-        self.keys[:, :, self.length: end] = k
-        self.values[:, :, self.length: end] = v
-        self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
-
-
 class RowCache(Protocol):
-    """A per-row cache (see ``KVCache``): rows of one batch may sit at different positions."""
+    """A per-row cache (see ``plait.models.kv_cache.KVCache``): rows of one batch may sit at different positions."""
 
     def positions(self, s: int) -> torch.Tensor: ...
 
@@ -215,10 +175,8 @@ class Attention(nn.Module):
             pos = cache.positions(s)  # [B, S]
             cos, sin = self.rope_at(pos, q.dtype)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        if isinstance(cache, KVCache):
-            k, v = cache.append(k, v)  # [B, h_kv, offset + S, hd]
-        elif cache is not None:
-            k, v, mask = cache.append(k, v)  # [B, h_kv, L, hd], mask [B, 1, S, L] (None: causal from 0)
+        if cache is not None:  # [B, h_kv, L, hd], mask [S, L] or per row [B, 1, S, L] (None: L keys, causal)
+            k, v, mask = cache.append(k, v)
         # a window as long as the keys hides none of them: the causal mask (SDPA's own, no mask built)
         if self.sliding_window is not None and self.sliding_window < k.shape[2]:
             pos = pos if pos is not None else torch.arange(offset, offset + s)  # [S]

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from plait.devices import to_device
+from plait.devices import rounded_key_length, rounds_key_lengths, to_device
 
 
 class BlockAllocator:
@@ -172,7 +172,7 @@ class PagedBatch:
 
     def __init__(self, block_size: int, device: torch.device, num_blocks: int) -> None:
         self.block_size, self.device = block_size, device
-        self.round_keys = device.type == "cuda"
+        self.round_keys = rounds_key_lengths(device)
         self.spare = num_blocks * block_size  # the first slot of the spare block
         self.tables: list[list[int]] = [[0]]
         self.starts: list[int] = [0]
@@ -204,18 +204,10 @@ class PagedBatch:
         return self._masks[dtype]
 
     def key_length(self, end: int) -> int:
-        """How many positions a forward with rows reaching ``end`` reads keys of: with ``round_keys``, ``end``
-        rounded up to a whole block and to 1/8 of its power of two (past a block, at most an eighth more keys;
-        all of them masked); else ``end``.
-
-        The keys' length is part of the shape attention sees. A GPU attention kernel may be prepared per shape
-        (cuDNN's builds and caches an execution plan for each, which costs far more than running it): were the
-        length exact, every decoding step would bring a new one; rounded, a shape comes back for the next steps,
-        and a server meets a few per doubling of its sequences' length. A CPU's attention prepares nothing per
-        shape: there the extra keys would only cost time and move the outputs' last bits.
-        """
-        step = max(self.block_size, 1 << max(0, end.bit_length() - 4))
-        return -(-end // step) * step if self.round_keys else end
+        """How many positions a forward with rows reaching ``end`` reads keys of: with ``round_keys``,
+        ``plait.devices.rounded_key_length`` of ``end`` in this pool's blocks (the extra keys all masked); else
+        ``end``."""
+        return rounded_key_length(end, self.block_size) if self.round_keys else end
 
     def _build(self, s: int) -> StepView:
         self.builds += 1
@@ -246,7 +238,7 @@ class PagedKVCache:
     """One attention layer's keys and values in blocks of slots ([blocks·block, h_kv, hd] each, block after block,
     then the spare block padding writes to), read through the rows' block tables.
 
-    A per-row cache for ``Attention`` (see ``plait.models.llama.KVCache``): row b's tokens go to positions
+    A per-row cache for ``Attention`` (see ``plait.models.kv_cache.KVCache``): row b's tokens go to positions
     ``starts[b]``, ``starts[b] + 1``, ...; position p lives in block ``tables[b, p // block]`` at offset
     ``p % block``. The pool is allocated at the first write, when this rank's head count and dtype are known.
     Which slots a step writes and reads, and the mask, come from the batch's ``StepView``: the same tensors for
