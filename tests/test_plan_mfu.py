@@ -1,5 +1,6 @@
-"""The MFU numerator (``timing.model_flops_per_step``) counts the attention a model defines: a layer with a sliding
-window attends each query to the window's keys, not the whole sequence's."""
+"""A sliding window in plait plan: the MFU numerator (``timing.model_flops_per_step``) counts the attention a model
+defines (a windowed layer's queries against the window's keys, not the whole sequence's), and a line of the plan says
+on which layers the window is and how the cost model counts it."""
 
 from dataclasses import replace
 
@@ -28,3 +29,24 @@ def test_a_long_windowed_plan_stays_under_the_peak():
     layout an MFU near 200%."""
     best = search(MISTRAL, Cluster("h100-sxm", 16, gpus_per_node=8), Training(16), top=3).best
     assert best and all(0.2 < e.mfu < 0.8 for e in best)
+
+
+def test_the_plan_says_on_which_layers_the_window_is_and_how_it_is_counted():
+    """plait plan of a windowed model said nothing of its window: now one line names the layers and, per cost model,
+    how their attention is counted (a calibrated host does not time what the window saves); none where the window
+    spans the sequence."""
+    from calibrated_util import host_cluster, host_section
+    from plait.plan import Layout, estimate, explain
+    from plait.plan.explain import window_line
+
+    qwen = replace(MISTRAL, window_layers=16)
+    gpu = explain(search(qwen, Cluster("h100-sxm", 16, gpus_per_node=8), Training(16), top=3))
+    said = [line for line in gpu if line.startswith("sliding window")]
+    assert said == [gpu_line := said[0]] and "of 4,096 keys on 16 of 32 layers at 131,072 tokens" in gpu_line, gpu
+    assert "6% of the causal ones" in gpu_line and "the MFU counts the window's keys" in gpu_line, gpu_line
+    small = Model(2, 64, 4, 256, 256, glu=True, n_kv_heads=2, sliding_window=64)
+    host = window_line(estimate(small, host_cluster(host_section(None)), Layout(), Training(2)))
+    assert host.startswith("sliding window of 64 keys on 2 of 2 layers at 256 tokens: the calibrated host's model "
+                           "times their attention as causal"), host
+    assert window_line(estimate(replace(small, seq_len=64), host_cluster(host_section(None)), Layout(),
+                                Training(2))) == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from plait.plan.attention import window_share
 from plait.plan.estimate import PARTS, Estimate
 from plait.plan.model import Model
 from plait.plan.search import CP_MIN_SEQ_LEN, SearchResult
@@ -60,10 +61,31 @@ def explain(result: SearchResult) -> list[str]:
                      f"{counted(result.pruned, 'valid one')} pruned as slower")
     if result.twins:
         lines.append(_twins(result))
+    window = window_line(best)
+    if window:
+        lines.append(window)
     if LONG < best.model.seq_len and not result.cp_searched:
         lines.append(f"context parallelism was not searched: the search splits sequences of {CP_MIN_SEQ_LEN:,} tokens "
                      f"or more, these are {best.model.seq_len:,} (plait.plan.estimate costs a layout with cp > 1)")
     return lines
+
+
+def window_line(best: Estimate) -> str:
+    """One line on the model's sliding window where it hides keys at this sequence length (else ""): on which
+    layers, and how the cluster's cost model counts their attention."""
+    m = best.model
+    if not m.window_layer_share:
+        return ""
+    assert m.sliding_window is not None  # window_layer_share is 0 without one
+    layers = m.n_layers if m.window_layers is None else m.window_layers
+    head = f"sliding window of {m.sliding_window:,} keys on {layers} of {m.n_layers} layers at {m.seq_len:,} tokens"
+    if best.cluster.profile is not None:
+        return (f"{head}: the calibrated host's model times their attention as causal over the whole sequence "
+                "(what the window saves under cp > 1 is not counted); their memory counts the window's mask")
+    return (f"{head}: at cp 1 SDPA computes their whole square behind the window's mask (twice a causal "
+            "layer's attention) and keeps the mask; under cp > 1 plait's blockwise attention computes only the pairs "
+            f"the window keeps ({window_share(m.seq_len, m.sliding_window):.0%} of the causal ones), so context "
+            "parallelism is searched at any length; the MFU counts the window's keys")
 
 
 # what each setting of ``search.TWIN_SETTINGS`` tells apart, and why that changes nothing
