@@ -257,11 +257,26 @@ def test_gradient_norm_on_the_device_is_the_float64_norm(ctx, device):
     assert opt.grad_norm() == pytest.approx(want, rel=1e-12)
 
 
-def test_greedy_generation_equals_argmax_of_full_forwards(ctx, device):
+def test_greedy_generation_equals_argmax_of_full_forwards(ctx, device, monkeypatch):
+    """plait.generate's greedy tokens are the full forwards' argmax; its decode steps read keys to a rounded
+    length on a CUDA device (one attention shape for these steps, the extra keys masked), the exact one elsewhere."""
+    import torch.nn.functional as F
+
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**CFG)).to(device).eval()
     prompt = _batch(1, 8, seed=1)[0, :8].tolist()
+    lengths: list[int] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recorded(q, k, v, *args, **kw):
+        lengths.append(k.shape[2])
+        return sdpa(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
     out = plait.generate(model, prompt, max_new_tokens=6)
+    monkeypatch.undo()
+    decode = lengths[CFG["n_layers"]:]  # one call per layer a forward; the prompt's forward first
+    assert set(decode) == ({16} if device.type == "cuda" else set(range(9, 14))), decode
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(6):
