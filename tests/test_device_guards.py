@@ -168,7 +168,7 @@ def test_the_launcher_gives_each_worker_its_local_rank():
     ``ensure_default_group`` then takes); torchrun and plait train's elastic launcher set it themselves."""
     from plait.distributed.launch import run_world
 
-    assert run_world(_local_rank, 2, timeout_s=120) == ["0", "1"]
+    assert run_world(_local_rank, 2, timeout_s=120, preload=("torch",)) == ["0", "1"]
 
 
 def test_gpu_pipeline_messages_are_staged_through_the_host_on_gloo(monkeypatch):

@@ -69,7 +69,7 @@ def test_a_world_whose_rendezvous_port_was_taken_is_launched_again_on_another(mo
     real = launch_module.free_port
     monkeypatch.setattr(launch_module, "free_port", lambda: next(ports, None) or real())
     try:
-        assert run_world(_rank_in_a_group, 2, timeout_s=120) == [0, 1]
+        assert run_world(_rank_in_a_group, 2, timeout_s=120, preload=("torch",)) == [0, 1]
     finally:
         taken.close()
 
