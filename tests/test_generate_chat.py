@@ -86,12 +86,14 @@ def test_a_folder_without_a_template_gets_plaits_format_and_says_so(tmp_path):
 
 
 def test_chat_under_two_pipeline_stages_equals_one_process(qwen):
-    args = [sys.executable, "-m", "plait.cli.main", "generate", "--model", str(qwen), "--chat", "hello world",
-            "--chat", "the weather?", "--max-new-tokens", str(NEW)]
+    """The two stages are launched as plait does (a process of ``plait generate``); the one process runs here."""
+    args = ["generate", "--model", str(qwen), "--chat", "hello world", "--chat", "the weather?",
+            "--max-new-tokens", str(NEW)]
     env = {**os.environ, "COLUMNS": "200"}
-    one = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
-    two = subprocess.run([*args, "--pp", "2"], capture_output=True, text=True, timeout=300, env=env)
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    one = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    two = subprocess.run([sys.executable, "-m", "plait.cli.main", *args, "--pp", "2"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert one.exit_code == 0 and two.returncode == 0, (one.output, two.stderr)
     assert one.stdout.count("\n\n") == 2 and two.stdout == one.stdout
 
 
