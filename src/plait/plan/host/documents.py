@@ -25,8 +25,10 @@ def masked_work(work: census.Work, documents: DocumentLengths, masked: MaskedAtt
       ``MICROBATCH_OPS``), which copy the output forward (twice: each row's documents, then the rows) and the
       gradients of q, k and v backward (``split``'s backward concatenates them, twice);
     - the mask: the whole square where the causal kernel computed ``causal_share`` of it (on a CPU host torch's
-      CPU kernel's blocks), and the additive mask read with each head's scores forward and backward. Building the
-      mask, once a micro-batch for every layer of a chunk, is not charged.
+      CPU kernel's blocks), and the additive mask read once forward and once backward: the kernel walks a row's
+      heads one after another over the same [S, S] mask, which stays in the caches between them while it fits
+      (S²·4 bytes a row in fp32: 4 MiB at 1,024 tokens; a longer row's mask read again for each head costs more
+      than this counts). Building the mask, once a micro-batch for every layer of a chunk, is not charged.
     """
     if masked.path == "each":
         rows = layout.microbatch_size
@@ -37,5 +39,5 @@ def masked_work(work: census.Work, documents: DocumentLengths, masked: MaskedAtt
                        ops=work.ops + pieces - 1 + ROW_OPS * rows + MICROBATCH_OPS)
     if masked.path == "mask":
         return replace(work, attention=work.attention / causal_share(sh.seq, device),
-                       elem_bytes=work.elem_bytes + 2 * masked.mask)
+                       elem_bytes=work.elem_bytes + 2 * masked.mask / sh.heads)
     return work
