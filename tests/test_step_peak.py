@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import plait
+from harness import PRELOAD
 from memory_util import LiveBytes
 from plait.cli.predict import memory_rows
+from plait.distributed.launch import run_world
 from plait.models import Llama, LlamaConfig
 from plait.optim import ParallelOptimizer
 from plait.parallel_config import ParallelConfig
@@ -24,10 +26,11 @@ CFG = LlamaConfig(vocab_size=4096, dim=128, n_layers=2, n_heads=4, n_kv_heads=2,
 ROWS = 4
 
 
-def measured(precision: str, microbatches: int) -> tuple[int, dict]:
+def measured(precision: str, microbatches: int, tp: int = 1, pp: int = 1) -> tuple[int, dict]:
     """The most bytes of storages alive at once over plait's second step (the first made the optimizer's state),
-    the parameters, gradient buffers and optimizer state it starts with counted, and ``pm.memory_report()``."""
-    with plait.init(1, 1, 1) as ctx:
+    the parameters, gradient buffers and optimizer state it starts with counted, and ``pm.memory_report()``
+    (with its pipeline rank, ``pp``)."""
+    with plait.init(tp, pp, 1) as ctx:
         torch.manual_seed(0)
         pm = plait.parallelize(Llama(CFG), ctx, microbatches=microbatches, precision=precision)
         opt = ParallelOptimizer(pm, torch.optim.AdamW, lr=1e-4, precision=precision, clip=1.0, fused=True)
@@ -46,15 +49,15 @@ def measured(precision: str, microbatches: int) -> tuple[int, dict]:
         held = [*params, *(p.grad for p in params if p.grad is not None), *state]
         with LiveBytes(held) as meter:
             step()
-        return meter.peak, pm.memory_report()
+        return meter.peak, {**pm.memory_report(), "pp": ctx.pp_rank}
 
 
-def predicted(precision: str, microbatches: int) -> dict:
-    """``plait train --dry-run``'s row of this run (``plait.cli.predict.memory_rows``)."""
+def predicted(precision: str, microbatches: int, tp: int = 1, pp: int = 1) -> list[dict]:
+    """``plait train --dry-run``'s rows of this run, one a pipeline rank (``plait.cli.predict.memory_rows``)."""
     model = Model.from_llama_config(CFG.to_dict(), CFG.max_seq_len)
-    layout, training = train_layout(ParallelConfig(microbatches=microbatches, precision=precision).resolve(1), ROWS)
-    (row,) = memory_rows(predict_train(model, synthetic_profile(counts=(1,)), layout, training))
-    return row
+    parallel = ParallelConfig(tp=tp, pp=pp, microbatches=microbatches, precision=precision).resolve(tp * pp)
+    layout, training = train_layout(parallel, ROWS)
+    return memory_rows(predict_train(model, synthetic_profile(counts=(tp * pp,)), layout, training))
 
 
 @pytest.mark.parametrize(("precision", "microbatches"), [("fp32", 1), ("bf16", 1), ("bf16", 2)])
@@ -63,7 +66,7 @@ def test_the_predicted_step_peak_is_the_most_bytes_a_step_holds_at_once(precisio
     micro-batch's forward), and beside them the bf16 weight copies (bf16) and the loss's backward (its float32
     gradient twice, and under bf16 its cast to bf16). Without these two the prediction is 28-39% short here."""
     peak, report = measured(precision, microbatches)
-    row = predicted(precision, microbatches)
+    (row,) = predicted(precision, microbatches)
     for kind in ("params", "grads", "optimizer", "activations_peak"):  # the kinds themselves, as measured
         assert row[kind] == pytest.approx(report[kind], rel=0.01), kind
     assert (row["weight_copies"] > 0) == (precision == "bf16") and row["loss_backward"] > 0
@@ -86,6 +89,30 @@ def test_only_plaits_own_step_holds_the_transients():
     tp2 = Layout(tp=2, pp=2, dp=1, microbatch_size=2)
     assert step_transients(model, tp2, 2, True, False, "bf16", RUNTIME_MASTERS)[1] == 0  # no head on this rank
     assert step_transients(model, tp2, 2, False, True, "bf16", RUNTIME_MASTERS)[1] == 10 * logits / 2
+
+
+def _two_ranks() -> list[tuple[int, dict]]:
+    """This rank's peak and report under tp 2, then under pp 2 (1F1B, 4 micro-batches), bf16."""
+    return [measured("bf16", 1, tp=2), measured("bf16", 2, pp=2)]
+
+
+def test_the_predicted_step_peak_holds_on_tensor_and_pipeline_ranks():
+    """Under tp 2 each rank's peak is predicted within 1% (its vocabulary half's loss backward, its shards'
+    copies). Under pp 2 (1F1B, 2 micro-batches) the last stage, where the loss's backward comes with its
+    micro-batch's activations, within 1%. The first stage, which holds no head, is measured 4.6% over the
+    prediction here: a layer's backward makes its own tensors (its MLP's [tokens, ffn] gradients among them)
+    while the other micro-batch's activations are held, which the count leaves out (a known gap, smaller where a
+    stage's activations are larger beside one layer's tensors)."""
+    peaks = run_world(_two_ranks, 2, timeout_s=300, preload=PRELOAD)
+    tp_rows, pp_rows = predicted("bf16", 1, tp=2), predicted("bf16", 2, pp=2)
+    for (tp_peak, _), (pp_peak, pp_report) in peaks:
+        assert tp_rows[0]["total"] == pytest.approx(tp_peak, rel=0.01), (tp_rows, tp_peak)
+        row = pp_rows[pp_report["pp"]]
+        assert row["activations_peak"] == pytest.approx(pp_report["activations_peak"], rel=0.01)
+        if row["loss_backward"]:  # the last stage
+            assert row["total"] == pytest.approx(pp_peak, rel=0.01), (row, pp_peak)
+        else:
+            assert row["total"] <= pp_peak <= 1.05 * row["total"], (row, pp_peak)
 
 
 # bench/gpu_check.py's train and predict sections on one H200 (torch 2.11, 2026-11-30; docs/runtime.md's GPU table):
