@@ -152,15 +152,18 @@ def dead_at_collective(where: str) -> dict:
     if where in ("verify", "measure", "predict"):
         return _dead_in_a_command(where)
     tp, pp = {"tp": (2, 1), "tp-pp": (2, 2), "trace": (1, 2), "full-state": (1, 2)}.get(where, (1, 1))
-    ctx = plait.init(tp=tp, pp=pp, dp=max(1, 2 // (tp * pp)), timeout_s=30.0)
+    cp = 2 if where.startswith("cp-") else 1
+    ctx = plait.init(config=plait.ParallelConfig(tp=tp, pp=pp, dp=max(1, 2 // (tp * pp * cp)), cp=cp,
+                                                 cp_comm=where[3:] if cp > 1 else "allgather"), timeout_s=30.0)
     cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8)
     torch.manual_seed(0)
     pm = plait.parallelize(Llama(cfg), ctx, microbatches=pp)
     opt = ParallelOptimizer(pm, torch.optim.SGD, lr=0.1, clip=1.0)
     tokens = torch.randint(0, 32, (2, 9))
-    if where in ("tp", "tp-pp", "trace"):  # a first step, whose first collective compares the ranks' batches
+    firsts = ("tp", "tp-pp", "trace", "cp-ring", "cp-allgather")
+    if where in firsts:  # a first step, whose first collective compares the ranks' batches
         pm.train_step(tokens[:, :-1], tokens[:, 1:])
-    if ctx.rank == 1 and where in ("tp", "tp-pp", "trace"):
+    if ctx.rank == 1 and where in firsts:
         os._exit(3)  # gone without a word, before its share of the (second) step
     if ctx.rank == 1 and where == "dp":  # gone in its forward, after the step's counts were agreed
         torch.nn.modules.module.register_module_forward_hook(lambda *args: os._exit(3))

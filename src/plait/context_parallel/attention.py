@@ -58,6 +58,7 @@ class LocalPositions:
         return self.kept[seq_len]
 
 
+KV = "keys and values"  # what the ring passes forward, each block with its gradients backward
 NO_DECODING = ("context parallelism runs training and evaluation over whole sequences, not decoding with a KV "
                "cache; decode with a model loaded under cp=1")
 
@@ -104,16 +105,17 @@ class GatheredCore(CPCore):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool = True) -> torch.Tensor:
         whole_sequences(causal)
-        k, v = gather_kv(k, self.group), gather_kv(v, self.group)  # [B, h_kv, S, hd], rank 0's tokens first
+        k, v = gather_kv(k, self.group, "keys"), gather_kv(v, self.group, "values")  # [B, h_kv, S, hd]
         return _GatheredAttention.apply(q, k, v, self)  # [B, h, S/cp, hd]
 
 
 class RingCore(CPCore):
     """Shadows ``core``: ring attention over the CP group."""
 
-    def __init__(self, group, cp: int, rank: int, window: int | None, documents: Documents | None = None):
+    def __init__(self, group, cp: int, rank: int, window: int | None, documents: Documents | None,
+                 timeout_s: float):
         super().__init__(cp, rank, window, documents)
-        self.ring = Ring(group)
+        self.ring = Ring(group, timeout_s)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool = True) -> torch.Tensor:
@@ -157,7 +159,7 @@ class _RingAttention(torch.autograd.Function):
         kb, vb = k, v
         for step in range(cp):
             source = (core.rank - step) % cp  # whose block this rank holds now
-            transfer = ring.start([kb, vb], tag=1) if step < cp - 1 else None
+            transfer = ring.start([kb, vb], 1, KV) if step < cp - 1 else None
             if sees(core.rank, source, s, cp, core.window):  # its own block always: the diagonal
                 k_pos = local_positions(s, cp, source, q.device)
                 out, lse = attend(qf, kb, vb, q_pos, k_pos, core.window, s // 2, out, lse, core.docs(q_pos, k_pos))
@@ -180,7 +182,7 @@ class _RingAttention(torch.autograd.Function):
         dkb, dvb = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
         for step in range(cp):
             source = (core.rank - step) % cp
-            transfer = ring.start([kb, vb], tag=1) if step < cp - 1 else None
+            transfer = ring.start([kb, vb], 1, KV) if step < cp - 1 else None
             if sees(core.rank, source, s, cp, core.window):
                 k_pos = local_positions(s, cp, source, q.device)
                 docs = None if ctx.docs is None else (ctx.docs[:, q_pos], ctx.docs[:, k_pos])
@@ -188,7 +190,7 @@ class _RingAttention(torch.autograd.Function):
                 dq += g_q
                 dkb, dvb = dkb + g_k, dvb + g_v
             # this block's gradient so far travels on with it; after cp hops it is back with its owner
-            dkb, dvb = ring.start([dkb, dvb], tag=2).wait()
+            dkb, dvb = ring.start([dkb, dvb], 2, "keys' and values' gradients").wait()
             if transfer is not None:
                 kb, vb = transfer.wait()
         return dq.to(q.dtype), dkb.to(k.dtype), dvb.to(v.dtype), None
@@ -212,7 +214,7 @@ def apply_context_parallel(modules: dict[str, nn.Module], ctx: ParallelContext, 
                                                   "to run under context parallelism; use cp=1")
         setattr(module, "rope", GlobalRope(methods["rope_at"], positions))  # noqa: B010
         window = windows.get(name)
-        core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window, documents) if comm == "ring"
+        core = (RingCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window, documents, ctx.timeout_s) if comm == "ring"
                 else GatheredCore(ctx.cp_group, ctx.cp_size, ctx.cp_rank, window, documents))
         setattr(module, "core", core)  # noqa: B010  (nn.Module.__setattr__ is typed for tensors and modules)
     return len(modules)

@@ -11,6 +11,8 @@ scatter_seq:            split forward, all-gather backward (replicated input -> 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -130,9 +132,13 @@ def scatter_last(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return _AlongDim.apply(x, x.dim() - 1, group, split, all_gather) if _size(group) > 1 else x
 
 
-def gather_seq(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
-    """SP's f: all-gather along the sequence forward, reduce-scatter backward: [B, S/t, H] -> [B, S, H]."""
-    return _AlongDim.apply(x, dim, group, all_gather, reduce_scatter) if _size(group) > 1 else x
+def gather_seq(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1,
+               names: tuple[str, str] = ("tp all-gather", "tp reduce-scatter")) -> torch.Tensor:
+    """SP's f: all-gather along the sequence forward, reduce-scatter backward: [B, S/t, H] -> [B, S, H]; ``names``:
+    the two collectives' in a failure's CommError."""
+    if _size(group) == 1:
+        return x
+    return _AlongDim.apply(x, dim, group, partial(all_gather, what=names[0]), partial(reduce_scatter, what=names[1]))
 
 
 def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
