@@ -189,3 +189,44 @@ def test_a_key_length_is_rounded_to_whole_blocks_and_an_eighth_of_its_power_of_t
         assert length % 16 == 0 and n <= length <= max(n + 15, n * 9 // 8), (n, length)
     assert rounded == sorted(rounded) and rounded[68] == 80 and rounded[130] == 144
     assert len(set(rounded)) <= 16 + 8 * 9, "a few lengths per doubling, not one per position"
+
+
+
+def _join_and_leave(round_keys: bool) -> tuple[Llama, Runner, list[list[int]], list[int], list[list[int]]]:
+    """Five sequences decoded in steps whose rows come and go: (model, runner, prompts, rows per step, tokens)."""
+    model, runner, seen = _runner()
+    runner.batch.round_keys = round_keys
+    params = Params(Sampling(32, 0.0))
+    prompts = [[5, 9, 2], [4, 4, 8, 1], [7, 3], [6, 1, 2, 9, 3], [2, 8, 5]]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(prompts))]
+    out = runner.execute(Step(new=[(i, params) for i in range(len(prompts))],
+                              rows=[Row(i, p, 0, tables[i], True) for i, p in enumerate(prompts)]))
+    tokens = [[*p, o[0]] for p, o in zip(prompts, out, strict=True)]
+    counts = []
+    for live in ([0, 1], [0, 1, 2], [0, 1, 2, 3, 4], [1, 2, 3, 4], [2, 4], [4], [2, 3, 4]):  # joining, leaving
+        seen.clear()
+        out = runner.execute(Step(rows=[Row(i, tokens[i][-1:], len(tokens[i]) - 1, tables[i], True) for i in live]))
+        assert len(out) == len(live)
+        counts.append(seen[0]["pos"].shape[0])
+        for i, o in zip(live, out, strict=True):
+            tokens[i].append(o[0])
+    return model, runner, prompts, counts, tokens
+
+
+def test_rounded_row_counts_come_back_as_sequences_join_and_leave_and_give_the_same_tokens():
+    """With ``round_keys`` a forward of one-token rows runs a rounded number of rows (padding rows that write only
+    to the spare block, their outputs dropped), so a batch whose sequences come and go meets the same row count
+    again instead of a new shape per count; every greedy token is still the full forward's, and the sequences'
+    blocks hold what the exact rows write. A CPU runs exactly the rows there are."""
+    _, exact, _, counts, exact_tokens = _join_and_leave(round_keys=False)
+    assert counts == [2, 3, 5, 4, 2, 1, 3]
+    model, runner, prompts, counts, tokens = _join_and_leave(round_keys=True)
+    assert counts == [8] * 7, f"a new row count as the batch changed: {counts}"
+    assert tokens == exact_tokens
+    for p, t in zip(prompts, tokens, strict=True):  # each generated token is the full forward's greedy one
+        for n in range(len(p), len(t)):
+            assert t[n] == int(model(torch.tensor([t[:n]]))[0, -1].argmax()), (t, n)
+    pool = 16 * 4  # the sequences' slots; the spare block follows
+    for name, cache in runner.caches.items():
+        torch.testing.assert_close(cache.k[:pool], exact.caches[name].k[:pool], msg=name)
+        torch.testing.assert_close(cache.v[:pool], exact.caches[name].v[:pool], msg=name)

@@ -166,14 +166,19 @@ class PagedBatch:
     never touches a sequence's blocks.
 
     ``round_keys`` (on for a CUDA device, off elsewhere): rows past their first chunk read keys up to
-    ``key_length`` of the furthest row's end, not the end itself, so that attention meets a few shapes, not a new
-    one every step.
+    ``key_length`` of the furthest row's end, not the end itself, and a forward of one-token rows runs
+    ``row_count`` rows (the runner adds ``padding_row``s, outputs dropped), so that attention and every other
+    layer meet a few shapes, not a new one every step or whenever a sequence joins or leaves the batch.
     """
+
+    #: The block a rounded row count is a whole number of (``row_count``).
+    ROW_BLOCK = 8
 
     def __init__(self, block_size: int, device: torch.device, num_blocks: int) -> None:
         self.block_size, self.device = block_size, device
         self.round_keys = rounds_key_lengths(device)
-        self.spare = num_blocks * block_size  # the first slot of the spare block
+        self.spare_block = num_blocks  # the block padding writes to, past the pool
+        self.spare = num_blocks * block_size  # its first slot
         self.tables: list[list[int]] = [[0]]
         self.starts: list[int] = [0]
         self.lengths: list[int] | None = None
@@ -208,6 +213,17 @@ class PagedBatch:
         ``plait.devices.rounded_key_length`` of ``end`` in this pool's blocks (the extra keys all masked); else
         ``end``."""
         return rounded_key_length(end, self.block_size) if self.round_keys else end
+
+    def row_count(self, n: int) -> int:
+        """How many rows a forward of ``n`` one-token rows runs: with ``round_keys``,
+        ``plait.devices.rounded_key_length`` of ``n`` in blocks of ``ROW_BLOCK``; else ``n``."""
+        return rounded_key_length(n, self.ROW_BLOCK) if self.round_keys else n
+
+    def padding_row(self) -> tuple[list[int], int, int]:
+        """(table, start, length) of a row that only pads a forward: no real token (length 0), so its one
+        position is 0 (start 1, minus one), its keys and values go to the spare block and it reads position 0 of
+        that block (finite values: the pool's zeros or earlier padding); no sequence's blocks are touched."""
+        return [self.spare_block], 1, 0
 
     def _build(self, s: int) -> StepView:
         self.builds += 1

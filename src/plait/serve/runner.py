@@ -128,15 +128,21 @@ class Runner:
             part = [rows[i] for i in groups[g]]
             lengths = [len(r.tokens) for r in part]
             s = max(lengths)  # the group's rows are padded (with token 0) to its longest
+            tables, starts = [r.table for r in part], [r.start for r in part]
+            n = len(part)
+            if s == 1:  # one-token rows: padding rows up to the batch's row count (a few shapes; see PagedBatch)
+                table, start, length = self.batch.padding_row()
+                pad = self.batch.row_count(n) - n
+                tables, starts, lengths = tables + [table] * pad, starts + [start] * pad, lengths + [length] * pad
             if c == 0:
-                x = to_device(torch.tensor([r.tokens + [0] * (s - len(r.tokens)) for r in part], dtype=torch.long),
-                              self.dec.device)
+                x = to_device(torch.tensor([r.tokens + [0] * (s - len(r.tokens)) for r in part]
+                                           + [[0] * s] * (len(lengths) - n), dtype=torch.long), self.dec.device)
             else:
-                x = links.take(c, (g,), len(part), s)
-            self.batch.set([r.table for r in part], [r.start for r in part], None if min(lengths) == s else lengths)
+                x = links.take(c, (g,), len(lengths), s)
+            self.batch.set(tables, starts, None if min(lengths) == s else lengths)
             x = self.dec.run(c, x, self.caches)
             if c == self.last:
-                for i, out in zip(groups[g], self._outputs(x, part), strict=True):
+                for i, out in zip(groups[g], self._outputs(x[:n], part), strict=True):
                     outputs[i] = out
             else:
                 links.give(c, (g,), x)
