@@ -241,6 +241,16 @@ def test_document_mask_refuses_data_without_one_clean_end_of_document_token(tmp_
         data("nul", "one").document_eos(True)
     with pytest.raises(plait.ConfigError, match="--document-mask: .*end-of-document token 32 inside them"):
         data("space").document_eos(True)
+    # before launch too, so that plait train --dry-run refuses what the run would (it printed a prediction)
+    from plait.train.config import TrainConfig, validate
+
+    for names, refused in ((["nul", "one"], "no one end-of-document token"), (["space"], "32 inside them")):
+        cfg = TrainConfig.from_dict(dict(tp=1, pp=1, dp=1, microbatches=1, seq_len=32, batch_size=4,
+                                         document_mask=True, data=[f"0.5:{tmp_path / n}" for n in names]))
+        with pytest.raises(plait.ConfigError, match=f"--document-mask: .*{refused}"):
+            validate(cfg, 1)
+    validate(TrainConfig.from_dict(dict(tp=1, pp=1, dp=1, microbatches=1, seq_len=32, batch_size=4,
+                                        document_mask=True, data=[str(tmp_path / "one")])), 1)
 
 
 # world4: tests/conftest.py (one launch of 4 ranks shared with the other world-4 modules runs checks_documents)

@@ -249,20 +249,25 @@ def check_length(source: TrainSource, seq_len: int) -> None:
                           f"but --seq-len {seq_len} needs at least {seq_len + 1} tokens for one window")
 
 
-def check_entries(entries: list[str], model: str, vocab_size: int, seq_len: int) -> None:
+def check_entries(entries: list[str], model: str, vocab_size: int, seq_len: int, document_mask: bool = False) -> None:
     """What can be checked before launch, cheaply: weights and paths; a prepared dataset's tokenizer, vocabulary
-    and length; raw inputs that must be prepared first."""
+    and length; raw inputs that must be prepared first; with ``document_mask``, prepared datasets' end-of-document
+    token (``TrainData.document_eos``: the workers check it again with raw text among them)."""
     from plait.data.raw import raw_inputs
 
     check_distinct(entries)
+    prepared = []
     for entry in entries:
         weight, path = parse_entry(entry)
         if not Path(path).exists():
             raise ConfigError(f"--data {entry}: no such file or directory")
         if is_prepared(path):
-            check_length(prepared_source(path, weight, model, vocab_size), seq_len)
+            prepared.append(prepared_source(path, weight, model, vocab_size))
+            check_length(prepared[-1], seq_len)
         elif not sum(s.bytes for s in raw_inputs(path, model)):
             raise ConfigError(f"--data {entry}: no text there (empty files, or a folder without files)")
+    if document_mask and prepared and len(prepared) == len(entries):
+        TrainData(prepared, seq_len, 1, 0).document_eos(True)
 
 
 def check_distinct(entries: list[str]) -> None:

@@ -318,7 +318,7 @@ def validate(cfg: TrainConfig, world: int | None = None) -> None:
     from plait.train.logs import check_extras
 
     check_extras(cfg.tensorboard, cfg.wandb)
-    check_entries(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len)
+    check_entries(cfg.data, cfg.model, model_config(cfg).vocab_size, cfg.seq_len, cfg.document_mask)
     check_raw_lengths(cfg)
 
 
