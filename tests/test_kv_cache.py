@@ -107,12 +107,12 @@ def test_a_rounding_cache_reads_whole_blocks_of_keys_the_ones_past_its_length_ze
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_generate_with_rounded_keys_repeats_attentions_shapes_and_gives_the_same_tokens(monkeypatch, window):
-    """plait.generate on a device that rounds key lengths (``plait.devices.rounds_key_lengths`` made to say yes,
+    """plait.generate on a device that rounds key lengths (``plait.key_lengths.rounds_key_lengths`` made to say yes,
     as it does for CUDA): its decode steps hand attention a few key lengths, not one more each token, and every
     greedy token is the exact-length decode's; with a sliding window too. Prompts of different lengths: the
     longer ones' tokens are fed one column at a time after the common prefix, reading rounded keys."""
     import plait
-    from plait import devices
+    from plait import key_lengths
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96,
@@ -128,7 +128,7 @@ def test_generate_with_rounded_keys_repeats_attentions_shapes_and_gives_the_same
         return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
-    monkeypatch.setattr(devices, "rounds_key_lengths", lambda device: True)
+    monkeypatch.setattr(key_lengths, "rounds_key_lengths", lambda device: True)
     rounded = plait.generate(model, prompts, max_new_tokens=40)
     assert rounded == exact
     steps = lengths[2::2]  # one call per layer: the decode steps after the prefill

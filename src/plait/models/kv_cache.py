@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from plait import devices
+from plait import key_lengths
 
-#: The block a rounded key length is a whole number of (``plait.devices.rounded_key_length``).
+#: The block a rounded key length is a whole number of (``plait.key_lengths.rounded_key_length``).
 KEY_BLOCK = 16
 
 
@@ -18,7 +18,7 @@ class KVCache:
     copies that token (and, at each doubling, what is there), where a concatenation would copy the whole cache
     at every token: O(L) bytes moved over a sequence instead of O(L²).
 
-    ``round_keys`` (None: ``plait.devices.rounds_key_lengths`` of the keys' device, on for CUDA): after the first
+    ``round_keys`` (None: ``plait.key_lengths.rounds_key_lengths`` of the keys' device, on for CUDA): after the first
     chunk, attention reads the keys of ``rounded_key_length(length, KEY_BLOCK)`` positions, the ones past
     ``length`` zeros and masked, so that decoding meets a few shapes rather than a new one every token. Off,
     it reads exactly ``length`` keys.
@@ -44,7 +44,7 @@ class KVCache:
         """Store ``k``, ``v`` [B, h_kv, S, hd] after what is there; the keys and values to attend to, views
         [B, h_kv, L, hd] of the buffers, and the mask [S, L] (None when L is the new length: no key to hide)."""
         start, end = self.length, self.length + k.shape[2]
-        rounds = devices.rounds_key_lengths(k.device) if self.round_keys is None else self.round_keys
+        rounds = key_lengths.rounds_key_lengths(k.device) if self.round_keys is None else self.round_keys
         length = rounded_key_length(end) if rounds and start > 0 else end  # L
         if length > self.capacity:
             room = max(length, 2 * self.capacity)  # zeros past the keys: a masked key's value is still read
@@ -66,4 +66,4 @@ class KVCache:
 
 def rounded_key_length(end: int) -> int:
     """The keys' length a rounding cache reads with ``end`` keys stored."""
-    return devices.rounded_key_length(end, KEY_BLOCK)
+    return key_lengths.rounded_key_length(end, KEY_BLOCK)

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from plait.devices import rounded_key_length, rounds_key_lengths, to_device
+from plait.devices import to_device
+from plait.key_lengths import rounded_key_length, rounds_key_lengths
 
 
 class BlockAllocator:
@@ -210,13 +211,13 @@ class PagedBatch:
 
     def key_length(self, end: int) -> int:
         """How many positions a forward with rows reaching ``end`` reads keys of: with ``round_keys``,
-        ``plait.devices.rounded_key_length`` of ``end`` in this pool's blocks (the extra keys all masked); else
+        ``plait.key_lengths.rounded_key_length`` of ``end`` in this pool's blocks (the extra keys all masked); else
         ``end``."""
         return rounded_key_length(end, self.block_size) if self.round_keys else end
 
     def row_count(self, n: int) -> int:
         """How many rows a forward of ``n`` one-token rows runs: with ``round_keys``,
-        ``plait.devices.rounded_key_length`` of ``n`` in blocks of ``ROW_BLOCK``; else ``n``."""
+        ``plait.key_lengths.rounded_key_length`` of ``n`` in blocks of ``ROW_BLOCK``; else ``n``."""
         return rounded_key_length(n, self.ROW_BLOCK) if self.round_keys else n
 
     def padding_row(self) -> tuple[list[int], int, int]:
