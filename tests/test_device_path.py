@@ -91,6 +91,20 @@ def test_a_training_step_reads_the_device_twice(ctx, device):
         assert counter.total == 2, dict(counter.counts)
 
 
+def test_a_training_step_makes_no_shape_from_its_values(ctx, device):
+    """No operation of a step sizes its output by a tensor's values (``aten::nonzero``, which boolean-mask
+    indexing calls): on a GPU it waits for every kernel queued before it, in the middle of the step. The
+    vocabulary-parallel loss's backward subtracted its one-hot through ``grad[rows[hit], t[hit]]``."""
+    torch.manual_seed(0)
+    pm = plait.parallelize(Llama(LlamaConfig(**CFG)), ctx)
+    tokens = _batch().to(device)
+    targets = tokens[:, 1:].clone()
+    targets[0, :5] = -100  # ignored targets: the rows the one-hot leaves out
+    pm.train_step(tokens[:, :-1], targets)
+    names = [name for name, _ in _top_ops(lambda: pm.train_step(tokens[:, :-1], targets), "aten::")]
+    assert "aten::mm" in names and "aten::nonzero" not in names, collections.Counter(names)["aten::nonzero"]
+
+
 def _top_ops(fn, prefix: str = "aten::") -> list[tuple[str, str]]:
     """(name, parent's name) of every profiler event ``fn()`` records whose name starts with ``prefix`` (aten ops
     by default), the parent "" for those called from Python."""

@@ -47,9 +47,10 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_t, outside, ignored = ctx.saved_tensors
         grad = softmax.clone()  # d loss / d z = softmax - onehot(target); saved copy kept for a re-run
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        hit = ~outside
-        grad[rows[hit], local_t[hit]] -= 1.0
+        # the one-hot by scatter: -1 at each row's target on this rank, 0 (no change) at column 0 of the others;
+        # a boolean-mask index would size its result by the mask's values, a host wait on a GPU
+        one_hot = outside.to(grad.dtype).sub_(1.0).unsqueeze(-1)  # [N, 1]: -1 where the target is here
+        grad.scatter_add_(-1, local_t.masked_fill(outside, 0).unsqueeze(-1), one_hot)
         scale = grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
         return (grad * scale).to(ctx.in_dtype), None, None, None, None, None
 
