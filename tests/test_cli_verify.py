@@ -6,6 +6,7 @@ torch import each. One passing run goes through ``python -m plait.cli.main`` as 
 passing runs go through the runner too (the command still launches its own world of fresh processes)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,10 @@ def test_verify_settings_are_named_as_flags():
                          (["--cp-comm", "ring"], "--cp-comm ring: how context-parallel ranks exchange keys and "
                                                  "values, but --cp is 1"),  # was silently ignored
                          (["--tp", "3"], "--tp 3: does not fit plait verify's model (tp=3 must divide n_heads=4"),
+                         (["--window", "0"], "--window 0: must be an integer >= 1"),
+                         (["--document-mask", "--experts", "2"], "--document-mask: compares each document run alone, "
+                                                                 "but a mixture of experts' load-balancing loss is the "
+                                                                 "packed row's: use --experts 1 (not --experts 2)"),
                          (["--cp", "2", "--seq-len", "6"], "--seq-len 6: must be a multiple of 4 under --cp 2 (2·cp "
                                                            "chunks of equal length); valid lengths: 4, 8, 12, ..., "
                                                            "the nearest 4 or 8")):
@@ -185,3 +190,49 @@ def test_the_verdict_says_what_was_compared_how_close_and_what_differs(monkeypat
     monkeypatch.setattr(plait.verify, "verify", lambda cfg: bad)  # the command's own rendering, nothing launched
     res = _in_process("--tp", "1", "--pp", "2", "--layers", "2")
     assert res.exit_code == 1 and res.stdout.splitlines()[-1] == bad.verdict(), res.stdout
+
+
+LONG_CONTEXT = ("--tp", "1", "--pp", "1", "--dp", "1", "--cp", "2", "--cp-comm", "ring", "--document-mask",
+                "--window", "4", "--seq-len", "32", "--layers", "2", "--batch-size", "4", "--microbatches", "2")
+
+
+def test_verify_long_context_cp2_ring_with_documents_and_a_window():
+    """A windowed, document-masked layout over cp=2 (ring) equals each document run alone through the plain model."""
+    res = _in_process(*LONG_CONTEXT, "--json")
+    assert res.exit_code == 0, res.output[-2000:]
+    out = json.loads(res.stdout)
+    assert out["ok"] is True and out["verdict"].startswith("PASS"), out["verdict"]
+    assert out["config"]["cp"] == 2 and out["config"]["document_mask"] is True and out["config"]["window"] == 4
+
+
+def test_the_long_context_batch_packs_documents_and_the_model_takes_the_window():
+    from plait.verify import EOS, VerifyConfig, _batch, _model_config
+
+    cfg = VerifyConfig(document_mask=True, window=4, seq_len=32, batch_size=4)
+    inputs, targets = _batch(cfg)
+    assert inputs.shape == targets.shape == (4, 32)
+    assert all(int((row[:-1] == EOS).sum()) >= 2 for row in inputs), inputs  # 3 or more documents a row
+    assert int((_batch(VerifyConfig(seq_len=32, batch_size=4))[0] == EOS).sum()) <= 4  # no planting without the flag
+    assert _model_config(cfg).sliding_window == 4 and _model_config(VerifyConfig()).sliding_window is None
+
+
+def _rank_without_the_document_mask(cfg):
+    """plait verify's rank with document masking broken: every micro-batch's attention spans its whole rows."""
+    from plait.documents import Documents
+    from plait.verify import _rank_main
+
+    Documents.start = lambda self, inputs: None  # type: ignore[method-assign]  # this throwaway process only
+    return _rank_main(cfg)
+
+
+def test_verify_fails_naming_the_tensor_when_the_document_mask_is_broken(monkeypatch):
+    from plait.distributed import launch
+
+    real = launch.run_world
+    monkeypatch.setattr(launch, "run_world", lambda fn, *a, **kw: real(_rank_without_the_document_mask, *a, **kw))
+    res = _in_process(*LONG_CONTEXT)
+    assert res.exit_code == 1, res.output[-2000:]
+    verdict = res.stdout.splitlines()[-1]
+    assert verdict.startswith("FAIL: parallel differs from single device: ") and "MISMATCH" in res.stdout, verdict
+    worst = re.search(r"gradients beyond rel 1e-04 \(worst (\S+) rel", verdict)
+    assert worst and re.search(rf"│ {re.escape(worst[1])} +│.*MISMATCH", res.stdout), verdict  # a tensor of the table

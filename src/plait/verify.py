@@ -20,6 +20,7 @@ PRELOAD = ("torch", "plait", "plait.models", "plait.sim", "plait.verify")
 #: the layout ``plait verify`` checks when no flag says otherwise (4 local processes, 1F1B)
 VERIFY_PARALLEL = ParallelConfig(tp=2, pp=2, dp=1, microbatches=8)
 DONE = "barrier at the end of plait verify's comparison"  # every rank waits there for rank 0's result
+EOS = 0  #: the end-of-document token of the batch of ``document_mask`` (no other token of it is 0)
 
 
 @dataclass
@@ -38,6 +39,9 @@ class VerifyConfig:
     seed: int = 0
     n_experts: int = 1  # > 1: mixture-of-experts feed-forward layers (plait.models.moe)
     top_k: int = 1
+    #: rows packed with several documents, each ending with ``EOS``, run with document masking (plait.documents)
+    document_mask: bool = False
+    window: int | None = None  # every layer's sliding window: a query sees at most this many keys (None: causal)
 
     def __post_init__(self) -> None:
         plain_numbers(self)
@@ -134,7 +138,44 @@ def _model_config(cfg: VerifyConfig):
 
     return LlamaConfig(vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                        n_kv_heads=cfg.n_kv_heads, max_seq_len=cfg.seq_len, tie_embeddings=cfg.tie_embeddings,
-                       n_experts=cfg.n_experts, top_k=cfg.top_k)
+                       n_experts=cfg.n_experts, top_k=cfg.top_k, sliding_window=cfg.window)
+
+
+def _batch(cfg: VerifyConfig):
+    """Inputs and targets [batch_size, seq_len] of random tokens; with ``document_mask`` the tokens are 1.. and each
+    row's inputs hold an EOS at about every eighth position (never the last), so a row packs several documents."""
+    import torch
+
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    low = 1 if cfg.document_mask else 0
+    tokens = torch.randint(low, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
+    if cfg.document_mask:
+        for row in tokens:
+            row[torch.randperm(cfg.seq_len - 1, generator=gen)[:max(1, cfg.seq_len // 8)]] = EOS
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _each_document(model, inputs, targets):
+    """The loss, with its backward run, and the logits of every document of ``inputs`` run alone through ``model``:
+    a document ends with an EOS (included) or at its row's end; the target after an EOS is left out of the loss,
+    which is the mean over the remaining targets."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count, logits = torch.zeros(()), 0, []
+    for x_row, y_row in zip(inputs, targets, strict=True):
+        cuts = [i + 1 for i, t in enumerate(x_row.tolist()[:-1]) if t == EOS]
+        row = []
+        for a, b in zip([0, *cuts], [*cuts, len(x_row)], strict=True):
+            x, y = x_row[a:b][None], y_row[a:b].masked_fill(x_row[a:b] == EOS, -100)
+            out = model(x)[0]
+            row.append(out.detach())
+            total = total + F.cross_entropy(out, y, ignore_index=-100, reduction="sum")
+            count += int((y != -100).sum())
+        logits.append(torch.cat(row))
+    loss = total / count
+    loss.backward()
+    return loss, torch.stack(logits)
 
 
 def _rank_main(cfg: VerifyConfig) -> VerifyResult | None:
@@ -156,15 +197,17 @@ def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
     from plait.sim import Costs, simulate
 
     mcfg = _model_config(cfg)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    tokens = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = _batch(cfg)
     torch.manual_seed(cfg.seed)
     reference = Llama(mcfg)
-    ref_loss = reference.loss(inputs, targets)
-    ref_loss.backward()
+    if cfg.document_mask:
+        ref_loss, ref_logits = _each_document(reference, inputs, targets)
+    else:
+        ref_loss, ref_logits = reference.loss(inputs, targets), None
+        ref_loss.backward()
     torch.manual_seed(cfg.seed)
-    pm = plait.parallelize(Llama(mcfg), ctx)  # the settings of cfg.parallel, which ctx was made from
+    # the settings of cfg.parallel, which ctx was made from
+    pm = plait.parallelize(Llama(mcfg), ctx, document_eos=EOS if cfg.document_mask else None)
     per = cfg.batch_size // ctx.dp_size
     local = slice(ctx.dp_rank * per, (ctx.dp_rank + 1) * per)
     pm.train_step(inputs[local], targets[local])  # warm-up: the first step pays one-time set-up costs
@@ -179,7 +222,7 @@ def _compare(cfg: VerifyConfig, ctx: ParallelContext) -> VerifyResult | None:
     for name, p in reference.named_parameters():
         max_abs, rel = _rel(grads[name], p.grad)
         errors.append(TensorError(name, tuple(p.shape), max_abs, rel))
-    _, logits_rel = _rel(logits, reference(inputs[local]).detach())
+    _, logits_rel = _rel(logits, ref_logits[local] if ref_logits is not None else reference(inputs[local]).detach())
     sim = simulate(pm.schedule, Costs())
     collective(DONE, None, dist.barrier)
     return VerifyResult(cfg, loss, ref_loss.item(), errors, logits_rel, report.measured.peak_activations,
@@ -221,6 +264,12 @@ def check(cfg: VerifyConfig) -> None:
     if (par.expert_tp or par.ep > 1) and cfg.n_experts < 2:
         name, value = ("ep", par.ep) if par.ep > 1 else ("expert_tp", True)
         raise FieldError(name, value, "needs a mixture-of-experts model, at least 2 experts (not {n_experts})",
+                         {"n_experts": cfg.n_experts})
+    if cfg.window is not None and not (is_integer(cfg.window) and cfg.window >= 1):
+        raise FieldError("window", cfg.window, "must be an integer >= 1 (the keys a query sees, itself included)")
+    if cfg.document_mask and cfg.n_experts > 1:
+        raise FieldError("document_mask", True, "compares each document run alone, but a mixture of experts' "
+                         "load-balancing loss is the packed row's: use --experts 1 (not {n_experts})",
                          {"n_experts": cfg.n_experts})
     mcfg = _model_config(cfg)
     try:

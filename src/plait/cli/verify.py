@@ -25,6 +25,8 @@ Examples:
   plait verify --tp 1 --pp 2 --dp 2 --zero 3 --schedule interleaved-1f1b
   # context parallelism: a sequence split over 2 ranks:
   plait verify --tp 1 --pp 1 --dp 2 --cp 2
+  # long context: documents packed in each row (masked) and a sliding window:
+  plait verify --tp 1 --pp 1 --cp 2 --cp-comm ring --document-mask --window 4
   # mixture of experts, 2 expert ranks:
   plait verify --tp 1 --pp 2 --dp 2 --ep 2 --experts 4 --top-k 2
   # also the measured vs simulated timeline:
@@ -56,6 +58,11 @@ def verify_command(
     seq_len: int = typer.Option(16, help="Sequence length."),
     experts: int = typer.Option(1, "--experts", help="Experts per MoE layer (1: dense feed-forward layers)."),
     top_k: int = typer.Option(1, "--top-k", help="Experts each token is routed to."),
+    document_mask: bool = typer.Option(False, "--document-mask", help="Pack each row with several documents (an "
+                                       "end-of-document token, id 0, about every eighth token) and train with document "
+                                       "masking; the single-device run is each document run alone."),
+    window: int | None = typer.Option(None, "--window", metavar="N", help="Sliding-window attention on every "
+                                      "layer: each query sees at most N keys, itself included (default: causal)."),
     show_trace: bool = typer.Option(False, "--trace", help="Also print the measured vs simulated timeline (with "
                                                          "--json: its 'trace' key)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -67,14 +74,15 @@ def verify_command(
     from plait.distributed.launch import LaunchError
     from plait.errors import ConfigError, flag_message
     from plait.parallel_config import ParallelConfig
-    from plait.verify import VerifyConfig, check, verify
+    from plait.verify import EOS, VerifyConfig, check, verify
     from plait.words import counted
 
     console = Console()
     console.soft_wrap = not console.is_terminal  # into a file or a pipe no line is folded at an assumed 80 columns
     try:
         cfg = VerifyConfig(parallel=ParallelConfig(**(parallel or {})), tie_embeddings=tied, n_layers=layers,
-                           batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k)
+                           batch_size=batch_size, seq_len=seq_len, n_experts=experts, top_k=top_k,
+                           document_mask=document_mask, window=window)
         par = cfg.parallel
         starting("verify", cfg.world, layout_words(par))
         check(cfg)
@@ -94,6 +102,10 @@ def verify_command(
         typer.echo(json.dumps({**result.to_dict(), **({"trace": result.trace_text} if show_trace else {})}, indent=2))
         raise typer.Exit(0 if result.ok else 1)
     console.print(result_table(result))
+    if document_mask or window is not None:
+        docs = f"documents masked (end-of-document token {EOS}), against each run alone" if document_mask else ""
+        slide = f"sliding window of {window} keys on every layer" if window is not None else ""
+        console.print("long context: " + "; ".join(part for part in (docs, slide) if part))
     if experts > 1:
         split = ", each split over tp" if par.expert_tp and par.tp > 1 else ""
         console.print(f"mixture of experts: {experts} experts, top-{top_k}, ep={par.ep}{split} (loss includes the "
