@@ -22,7 +22,8 @@ LEFT_OUT = {"run_all.py": "this runner", "pipeline_floor.py": "the workload pipe
             "gpu_check_gemm.py": "gpu_check.py's gemm section",
             "gpu_check_elementwise.py": "gpu_check.py's elementwise section",
             "gpu_check_memory.py": "gpu_check.py's memory check (train and predict sections)",
-            "gpu_check_generate.py": "gpu_check.py's generate section"}
+            "gpu_check_generate.py": "gpu_check.py's generate section",
+            "gpu_check_attention.py": "gpu_check.py's attention section"}
 
 
 def main() -> int:

@@ -75,6 +75,6 @@ def test_prepare_summary_says_one_training_shard(tmp_path):
 
 def test_plan_explanation_counts_of_one():
     """plait plan's notes on a search whose best runs one micro-batch and leaves one twin out."""
-    r = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--top", "1"])
+    r = CliRunner().invoke(app, ["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "4", "--top", "1"])
     assert r.exit_code == 0, r.output
     assert "bubble 0.0% with 1 micro-batch\n" in r.output and "1 layout as fast as a twin" in r.output, r.output
