@@ -101,6 +101,7 @@ def test_local_rank_picks_the_gpu(monkeypatch):
     assert chosen == [3] and inited == ["nccl"]
 
 
+@pytest.mark.filterwarnings("ignore:.*copying from a non-meta parameter:UserWarning")  # the meta stand-in below
 def test_a_model_served_or_generated_by_one_process_goes_to_its_gpu(monkeypatch, tmp_path):
     """``plait serve`` and ``plait generate`` with one process (tp 1, pp 1: no process group) load the model onto
     this process's device, its GPU (LOCAL_RANK's, else GPU 0) where CUDA is there: they left it on the CPU."""
