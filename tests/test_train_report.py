@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from plait.train.report import memory_table
+from plait.train.memory_table import memory_table
 
 MB = 2**20
 
