@@ -34,6 +34,8 @@ ZERO3_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved-1f1b", "looped
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 #: how context-parallel ranks exchange keys and values (plait.context_parallel)
 CP_COMMS: tuple[str, ...] = ("allgather", "ring")
+#: query rows per score tile of context parallelism's blockwise attention (plait.context_parallel.blockwise)
+CP_TILE = 512
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ import math
 import torch
 
 from plait.context_parallel.layout import causal_mask
-
-TILE = 512  # query rows per score tile: [B, h, TILE, segment] floats at a time
+from plait.parallel_config import CP_TILE as TILE  # query rows per score tile: [B, h, TILE, segment] floats at a time
 
 
 def _repeat(x: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from plait.plan.config import TE_OVERLAP_SMS, Layout
 from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.documents import DocumentLengths, masked_attention
 from plait.plan.host import census, sharing
+from plait.plan.host import context as cp_host
 from plait.plan.host.compute import in_step_costs, selective_recompute, work_costs
 from plait.plan.host.documents import masked_work
 from plait.plan.host.profile import HostProfile, Section
@@ -199,7 +200,13 @@ class HostCosts:
         if kind == "layer" and documents is not None:
             work = masked_work(work, documents, masked_attention(documents, model, layout, d), layout, sh, d,
                                str(self.profile.host.get("device", "cpu")))
+        cp_f = cp_b = cp_xf = cp_xb = 0.0
+        if kind == "layer" and layout.cp > 1:  # blockwise attention, not SDPA, and its K/V exchange (plan.host.context)
+            work = replace(work, attention=0.0)
+            cp_f, cp_b = self._cp_attention(model, sh)
+            cp_xf, cp_xb = cp_host.exchange(sh, sec, d)
         c = in_step_costs(work, sec, shared, layer=kind == "layer", tp=t)
+        c = replace(c, f_compute=c.f_compute + cp_f, b_compute=c.b_compute + cp_b)
         wait = self.tp_wait(t, sh.sp, n_bytes)
         if kind == "layer":
             f_tp, b_tp, nf, nb = self._layer_collectives(sh, n_bytes)
@@ -216,6 +223,7 @@ class HostCosts:
         if kind == "layer":
             f_a2a, b_a2a = self._expert_exchanges(model, layout, n_bytes)
             f_tp, b_tp = f_tp + f_a2a, b_tp + b_a2a
+        f_tp, b_tp = f_tp + cp_xf, b_tp + cp_xb
         recompute = c.f_compute + f_tp if layout.recompute == "full" else 0.0
         if layout.recompute == "full" and early_stop:
             if kind == "layer":
@@ -233,6 +241,16 @@ class HostCosts:
                 work.attention / attn.at(work.attention_size, shared) * attn.forward_share
         return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
                           1 if kind == "layer" else 0)
+
+    def _cp_attention(self, model: Model, sh: census.Local) -> tuple[float, float]:
+        """A layer's CP attention core (``plan.host.context.attention``), its windowed layers' and the others'
+        averaged by their share."""
+        share = model.window_layer_share
+        full = cp_host.attention(sh, self.section, self.shared, None)
+        if share == 0.0:
+            return full
+        windowed = cp_host.attention(sh, self.section, self.shared, model.sliding_window)
+        return (share * windowed[0] + (1 - share) * full[0], share * windowed[1] + (1 - share) * full[1])
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = "fused",
