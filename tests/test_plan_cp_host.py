@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from calibrated_util import MATMUL, MIX, OVERHEAD, host_blocks, host_cluster, host_section
+from calibrated_util import MATMUL, MIX, OVERHEAD, host_blocks, host_cluster, host_section, with_layers
 from plait.context_parallel.blockwise import TILE
 from plait.context_parallel.layout import causal_mask, local_positions
 from plait.plan import Layout, Model
@@ -125,3 +125,16 @@ def test_windowed_layers_cost_the_tiles_their_window_keeps_averaged_by_their_sha
     plain, _, _ = host_blocks(base, host_cluster(sec), layout, precision="fp32")
     assert layer.f_compute - plain.f_compute == pytest.approx(share * (windowed[0] - full[0]))
     assert layer.b_compute - plain.b_compute == pytest.approx(share * (windowed[1] - full[1]))
+
+
+def test_the_core_runs_at_the_level_real_layers_ran_their_kernels_in_a_step():
+    """Where the profile timed whole calibration layers at 2x (alone) and 3x (shared) what the kernel figures give
+    them, the CP core costs 2x / 3x its tiles' figures, as the rest of the layer does."""
+    sec = with_layers(_curves(host_section((1e-4, 1e-3))), (2.0, 2.0), (3.0, 3.0))
+    model, layout = Model.preset("tiny", seq_len=2048), Layout(microbatch_size=2, cp=2, cp_comm="ring")
+    sh = census.local(model, layout)
+    for shared, level in ((False, 2.0), (True, 3.0)):
+        layer, _, _ = host_blocks(model, host_cluster(sec), layout, precision="fp32", shared=shared)
+        base = in_step_costs(replace(census.layer_work(sh, 4), attention=0.0), sec, shared, layer=True)
+        f, b = cp_host.attention(sh, sec, shared, None)
+        assert layer.f_compute + layer.b_compute == pytest.approx(base.f_compute + base.b_compute + level * (f + b))

@@ -21,7 +21,7 @@ from plait.plan.costs import Blocks, Span, StageCosts
 from plait.plan.documents import DocumentLengths, masked_attention
 from plait.plan.host import census, sharing
 from plait.plan.host import context as cp_host
-from plait.plan.host.compute import in_step_costs, selective_recompute, work_costs
+from plait.plan.host.compute import in_step, in_step_costs, selective_recompute, work_costs
 from plait.plan.host.documents import masked_work
 from plait.plan.host.profile import HostProfile, Section
 from plait.plan.host.shapes import block_local
@@ -203,7 +203,7 @@ class HostCosts:
         cp_f = cp_b = cp_xf = cp_xb = 0.0
         if kind == "layer" and layout.cp > 1:  # blockwise attention, not SDPA, and its K/V exchange (plan.host.context)
             work = replace(work, attention=0.0)
-            cp_f, cp_b = self._cp_attention(model, sh)
+            cp_f, cp_b = self._cp_attention(model, sh, work)
             cp_xf, cp_xb = cp_host.exchange(sh, sec, d)
         c = in_step_costs(work, sec, shared, layer=kind == "layer", tp=t)
         c = replace(c, f_compute=c.f_compute + cp_f, b_compute=c.b_compute + cp_b)
@@ -242,15 +242,23 @@ class HostCosts:
         return StageCosts(c.f_compute, c.b_compute, c.w_compute, f_tp, b_tp, recompute, 0.0,
                           1 if kind == "layer" else 0)
 
-    def _cp_attention(self, model: Model, sh: census.Local) -> tuple[float, float]:
-        """A layer's CP attention core (``plan.host.context.attention``), its windowed layers' and the others'
-        averaged by their share."""
-        share = model.window_layer_share
-        full = cp_host.attention(sh, self.section, self.shared, None)
-        if share == 0.0:
-            return full
-        windowed = cp_host.attention(sh, self.section, self.shared, model.sliding_window)
-        return (share * windowed[0] + (1 - share) * full[0], share * windowed[1] + (1 - share) * full[1])
+    def _cp_attention(self, model: Model, sh: census.Local, work: census.Work) -> tuple[float, float]:
+        """A layer's CP attention core (``plan.host.context.attention``; its windowed layers' and the others'
+        averaged by their share), at the level real layers run kernels in a step (``in_step``, at the whole
+        layer's seconds by the kernel figures alone), as the rest of the layer is."""
+        sec, share = self.section, model.window_layer_share
+
+        def core(shared: bool) -> tuple[float, float]:
+            full = cp_host.attention(sh, sec, shared, None)
+            if share == 0.0:
+                return full
+            windowed = cp_host.attention(sh, sec, shared, model.sliding_window)
+            return (share * windowed[0] + (1 - share) * full[0], share * windowed[1] + (1 - share) * full[1])
+
+        alone, here = core(False), core(self.shared)
+        rest = work_costs(work, sec, False, layer=True)
+        x = in_step(sec, self.shared, rest.f_compute + rest.b_compute + sum(alone))
+        return here[0] * x, here[1] * x
 
     def blocks(self, model: Model, layout: Layout, precision: str, tp_overlap: bool = False,
                overlap_sms: tuple[int, int] = TE_OVERLAP_SMS, elementwise: str = "fused",
