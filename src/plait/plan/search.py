@@ -87,7 +87,8 @@ def searches_cp(model: Model, cluster: Cluster) -> bool:
     where activations rather than weights decide what fits, and on catalogue GPUs at any length for a model with a
     sliding window, whose attention at cp = 1 computes the whole square behind an explicit mask and keeps that mask
     per layer, while context parallelism's attention skips the blocks outside the window (``plan.gpu``). A
-    calibrated host's model times neither the window nor the K/V exchange, so there only from CP_MIN_SEQ_LEN."""
+    calibrated host's model does not time cp = 1's attention behind the window's mask (its SDPA figure is the
+    causal kernel's), so there only from CP_MIN_SEQ_LEN."""
     return model.seq_len >= CP_MIN_SEQ_LEN or (model.window_layer_share > 0 and cluster.profile is None)
 
 
