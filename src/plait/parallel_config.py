@@ -38,6 +38,14 @@ CP_COMMS: tuple[str, ...] = ("allgather", "ring")
 CP_TILE = 512
 
 
+def cp_chunks(local_len: int, cp: int, rank: int) -> tuple[range, range]:
+    """Global positions of the two chunks CP rank ``rank`` holds of a row cut into ``2·cp`` chunks of
+    ``local_len // 2`` tokens: chunks ``rank`` and ``2·cp - 1 - rank`` (an early and a late one: causal attention's
+    work balanced over the ranks). The runtime's layout and the planner's host model read it here."""
+    c = local_len // 2
+    return range(rank * c, (rank + 1) * c), range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How a model is spread over ranks and how one training step runs: world = tp·cp·pp·dp, TP innermost,

@@ -15,14 +15,12 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from plait.distributed.collectives import collective
+from plait.parallel_config import cp_chunks
 
 
 def local_positions(local_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
     """Global positions [S/cp] of the ``local_len`` tokens CP rank ``rank`` holds: chunks r and 2·cp-1-r."""
-    c = local_len // 2
-    first = torch.arange(rank * c, (rank + 1) * c, device=device)
-    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in cp_chunks(local_len, cp, rank)])
 
 
 def gathered_positions(local_len: int, cp: int, device: torch.device | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from plait.parallel_config import CP_TILE as TILE
+from plait.parallel_config import cp_chunks
 from plait.plan.host import census
 from plait.plan.host.profile import Section
 
@@ -43,17 +44,6 @@ class Tile:
     masked: bool
 
 
-def _positions(s: int, cp: int, rank: int) -> list[tuple[int, int]]:
-    """(first, last) global positions of the rank's two chunks (plait.context_parallel.layout.local_positions)."""
-    c = s // 2
-    return [(rank * c, (rank + 1) * c - 1), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c - 1)]
-
-
-def _global(i: int, s: int, cp: int, rank: int) -> int:
-    c = s // 2
-    return rank * c + i if i < c else (2 * cp - 1 - rank) * c + (i - c)
-
-
 @lru_cache(maxsize=256)
 def tiles(s: int, cp: int, rank: int, window: int | None) -> tuple[tuple[Tile, ...], int]:
     """The score tiles CP rank ``rank`` (``s`` tokens) computes in one forward over the whole row's keys, and the
@@ -62,12 +52,13 @@ def tiles(s: int, cp: int, rank: int, window: int | None) -> tuple[tuple[Tile, .
     c = s // 2
     out: list[Tile] = []
     segments = 0
+    mine = [q for chunk in cp_chunks(s, cp, rank) for q in chunk]  # global position of each local query
     for key_rank in range(cp):
-        for ka, kb in _positions(s, cp, key_rank):
+        for chunk in cp_chunks(s, cp, key_rank):
+            ka, kb = chunk.start, chunk.stop - 1
             segments += 1
             for a in range(0, s, TILE):
-                rows = range(a, min(a + TILE, s))
-                qs = [_global(i, s, cp, rank) for i in rows]
+                qs = mine[a:a + TILE]
                 seen = [max(0, min(q, kb) - max(ka, q - window + 1 if window else ka) + 1) for q in qs]
                 if any(seen):
                     out.append(Tile(len(qs), c, sum(seen) < len(qs) * c))
