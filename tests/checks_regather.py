@@ -28,8 +28,8 @@ def counted_gathers():
     calls: list[weakref.ref] = []
     original = comms.all_gather
 
-    def counting(x, dim, group):
-        out = original(x, dim, group)
+    def counting(x, dim, group, **kw):  # kw: the collective's name in errors (``what``)
+        out = original(x, dim, group, **kw)
         calls.append(weakref.ref(out))
         return out
 
