@@ -94,6 +94,8 @@ def _init_worker(job: Job) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     end_with_parent(os.getppid())  # a SIGKILLed prepare's workers end with it
+    if hasattr(signal, "SIGPIPE"):  # its result pipe closed (the parent dying, before the kernel's kill): end quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     _POOL_WORKER["encoder"] = Encoder(job)
 
 
